@@ -1,0 +1,302 @@
+"""AsyncClient and the blocking Client: start flows, call RPCs, publish, read state and streams."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ._codec import decode_value, encode_value
+from ._context import RpcContext
+from ._decision import RPCResult
+from ._errors import DexError, FlowNotFoundError, RpcContentionError
+from ._flow import Flow, Registry
+from ._ids import check_id
+from ._limits import MAX_RPC_TRIES, MAX_STREAM_WAIT_SECONDS
+from ._open import open_store
+from ._options import FlowConfig
+from ._records import FlowInfo, HistoryEntry, StartRequest
+from ._scheduling import movement_record, start_record
+from ._schema import AttributeMap, AttributeRef, ChannelRef, Stream
+from ._store import Store
+from ._tokens import make_token, read_token
+from ._transitions import RpcVersionChanged
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One stream event: its sequence, the Step execution and attempt that wrote it, its value."""
+
+    sequence: int
+    step_execution_id: str
+    attempt: int
+    value: Any
+
+
+@dataclass(frozen=True)
+class StreamRead:
+    events: list[StreamEvent]
+    resume_token: str  # pass it to the next read to get the events after these
+    trimmed: bool  # events between the token and the first returned were trimmed (capacity)
+
+
+class SearchQueryError(DexError, ValueError):
+    """A search_flows query that does not parse."""
+
+
+_TERM = re.compile(r'\s*(FlowType|FlowStatus|ActiveStepTypes)\s*=\s*"([^"]*)"\s*')
+
+
+def parse_search(query: str) -> dict[str, str]:
+    """`FlowType = "X" AND FlowStatus = "running" AND ActiveStepTypes = "Y"` (each optional)."""
+    terms: dict[str, str] = {}
+    if not query.strip():
+        return terms
+    for part in re.split(r"\bAND\b", query):
+        m = _TERM.fullmatch(part)
+        if m is None:
+            raise SearchQueryError(
+                f"cannot parse {part.strip()!r} in search query {query!r}; use "
+                'FlowType = "...", FlowStatus = "...", ActiveStepTypes = "..." joined with AND'
+            )
+        if m.group(1) in terms:
+            raise SearchQueryError(f"{m.group(1)} appears twice in search query {query!r}")
+        terms[m.group(1)] = m.group(2)
+    return terms
+
+
+class AsyncClient:
+    """Talks to one database on behalf of the Registry's Flows. RPC handlers run in this process."""
+
+    def __init__(self, registry: Registry, database_url: str | None = None, *, store: Store | None = None) -> None:
+        if (database_url is None) == (store is None):
+            raise ValueError("give exactly one of database_url and store")
+        self.registry = registry
+        self._store = store if store is not None else open_store(database_url or "")
+        self._owns_store = store is None
+        self._secret: bytes | None = None
+
+    @property
+    def store(self) -> Store:
+        return self._store
+
+    async def close(self) -> None:
+        if self._owns_store:
+            await self._store.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start_flow(
+        self, flow_type: str, flow_id: str, input: Any = None, *, config_override: FlowConfig | None = None
+    ) -> None:
+        """Start a flow; raises FlowAlreadyStartedError when the ID exists."""
+        flow = self.registry.flow(flow_type)
+        check_id("flow ID", flow_id)
+        await self._store.start_flow(StartRequest(
+            flow_id=flow_id, flow_type=flow_type, input=encode_value("flow input", Any, input),
+            config=config_override or FlowConfig(), start=start_record(flow, input),
+        ))
+
+    async def _flow_of(self, flow_id: str) -> Flow:
+        info = await self._store.describe_flow(flow_id)
+        return self.registry.flow(info.flow_type)
+
+    async def rpc(self, flow_id: str, name: str, request: Any = None) -> Any:
+        """Run RPC `name` on a flow in one transaction (E8); returns its output.
+
+        A handler that raises commits nothing; its error reaches the caller.
+        """
+        flow = await self._flow_of(flow_id)
+        handler = flow.rpc(name)
+        encode_value(f"request of RPC {name}", handler.request_type, request)
+        for _ in range(MAX_RPC_TRIES):
+            snap = await self._store.rpc_read(flow_id, handler.load, handler.locks)
+            ctx = RpcContext(flow, flow_id, snap.attributes, handler.load, snap.pending, name)
+            result = await handler.handler(ctx, request)
+            if isinstance(result, RPCResult):
+                output, next_steps, canceling = result.output, result.next_steps, result.canceling_steps
+            else:
+                output, next_steps, canceling = result, (), ()
+            for step_type in canceling:
+                flow.step(step_type)
+            records = [movement_record(flow, m) for m in next_steps]
+            if ctx.writes.empty() and not records and not canceling:
+                return output
+            try:
+                await self._store.rpc_commit(flow_id, snap.version, handler.locks, ctx.writes, records, canceling)
+            except RpcVersionChanged:
+                continue
+            return output
+        raise RpcContentionError(
+            f"RPC {name!r} on flow {flow_id!r} saw the flow change on each of {MAX_RPC_TRIES} tries; nothing committed"
+        )
+
+    async def publish(self, flow_id: str, channel: ChannelRef[T], value: T) -> int:
+        """Queue a message on a flow's channel; returns its message ID."""
+        flow = await self._flow_of(flow_id)
+        flow.check_channel(channel)
+        data = encode_value(channel.label, channel.value_type, value)
+        return await self._store.publish(flow_id, channel.name, channel.key, data)
+
+    async def get_attribute(self, flow_id: str, ref: AttributeRef[T]) -> T | None:
+        flow = await self._flow_of(flow_id)
+        flow.check_attribute(ref)
+        data = await self._store.read_attribute(flow_id, ref.name, ref.key)
+        return None if data is None else decode_value(ref.label, ref.value_type, data)
+
+    async def get_attribute_map(self, flow_id: str, amap: AttributeMap[T]) -> dict[str, T]:
+        flow = await self._flow_of(flow_id)
+        flow.check_attribute(amap["?"])
+        rows = await self._store.read_attribute_map(flow_id, amap.name)
+        return {k: decode_value(f"{amap.name}[{k}]", amap.value_type, v) for k, v in rows.items()}
+
+    async def read_stream(
+        self, flow_id: str, stream: Stream[T] | str, resume_token: str | None = None, *,
+        wait_seconds: float = 0.0, limit: int = 1000,
+    ) -> StreamRead:
+        """Events after `resume_token` (from the start when None), long-polling up to `wait_seconds`."""
+        flow = await self._flow_of(flow_id)
+        declared = flow.check_stream(stream)
+        if not 0 <= wait_seconds <= MAX_STREAM_WAIT_SECONDS:
+            raise ValueError(f"wait_seconds must be between 0 and {MAX_STREAM_WAIT_SECONDS}, got {wait_seconds!r}")
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit!r}")
+        if self._secret is None:
+            self._secret = await self._store.stream_secret()
+        after = 0 if resume_token is None else read_token(self._secret, resume_token, flow_id, declared.name)
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            page = await self._store.read_events(flow_id, declared.name, after, limit)
+            if page.events or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+        events = [
+            StreamEvent(e.sequence, e.step_execution_id, e.attempt,
+                        decode_value(declared.name, declared.value_type, e.value))
+            for e in page.events
+        ]
+        last = events[-1].sequence if events else max(after, page.next_sequence - 1)
+        trimmed = bool(events) and events[0].sequence > after + 1
+        return StreamRead(events, make_token(self._secret, flow_id, declared.name, last), trimmed)
+
+    async def stop_flow(self, flow_id: str, reason: str = "") -> None:
+        await self._store.stop_flow(flow_id, reason)
+
+    async def skip_timer(self, flow_id: str, step_execution_id: str) -> None:
+        """Fire the pending timers of a waiting Step execution now (E6)."""
+        await self._store.skip_timer(flow_id, step_execution_id)
+
+    async def update_flow_config(self, flow_id: str, config: FlowConfig) -> None:
+        await self._store.update_flow_config(flow_id, config)
+
+    async def describe_flow(self, flow_id: str) -> FlowInfo:
+        return await self._store.describe_flow(flow_id)
+
+    async def search_flows(self, query: str, *, limit: int = 1000) -> list[str]:
+        """Flow IDs matching e.g. 'ActiveStepTypes = "AwaitToolApproval" AND FlowType = "Agent"'."""
+        terms = parse_search(query)
+        return await self._store.search_flows(
+            flow_type=terms.get("FlowType"), status=terms.get("FlowStatus"),
+            active_step=terms.get("ActiveStepTypes"), limit=limit,
+        )
+
+    async def get_flow_history(self, flow_id: str) -> list[HistoryEntry]:
+        return await self._store.history(flow_id)
+
+    async def wait_for_flow(self, flow_id: str, timeout_seconds: float = 60.0) -> FlowInfo:
+        """Poll until the flow is closed; raises TimeoutError with its active Steps otherwise."""
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            info = await self._store.describe_flow(flow_id)
+            if info.status != "running":
+                return info
+            if time.monotonic() >= deadline:
+                steps = [s.step_execution_id for s in info.active_steps]
+                raise TimeoutError(f"flow {flow_id!r} still running after {timeout_seconds} s; active Steps {steps}")
+            await asyncio.sleep(0.01)
+
+    async def flow_output(self, flow_id: str) -> Any:
+        info = await self._store.describe_flow(flow_id)
+        return None if info.output is None else decode_value("flow output", Any, info.output)
+
+    async def exists(self, flow_id: str) -> bool:
+        try:
+            await self._store.describe_flow(flow_id)
+        except FlowNotFoundError:
+            return False
+        return True
+
+
+class Client:
+    """Blocking twin of AsyncClient; runs an event loop on a private thread."""
+
+    def __init__(self, registry: Registry, database_url: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="dex-client", daemon=True)
+        self._thread.start()
+        self._async = self._call(self._make(registry, database_url))
+
+    @staticmethod
+    async def _make(registry: Registry, url: str) -> AsyncClient:
+        return AsyncClient(registry, url)
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def start_flow(self, flow_type: str, flow_id: str, input: Any = None, *,
+                   config_override: FlowConfig | None = None) -> None:
+        self._call(self._async.start_flow(flow_type, flow_id, input, config_override=config_override))
+
+    def rpc(self, flow_id: str, name: str, request: Any = None) -> Any:
+        return self._call(self._async.rpc(flow_id, name, request))
+
+    def publish(self, flow_id: str, channel: ChannelRef[T], value: T) -> int:
+        return self._call(self._async.publish(flow_id, channel, value))
+
+    def get_attribute(self, flow_id: str, ref: AttributeRef[T]) -> T | None:
+        return self._call(self._async.get_attribute(flow_id, ref))
+
+    def read_stream(self, flow_id: str, stream: Stream[T] | str, resume_token: str | None = None, *,
+                    wait_seconds: float = 0.0, limit: int = 1000) -> StreamRead:
+        return self._call(self._async.read_stream(flow_id, stream, resume_token,
+                                                  wait_seconds=wait_seconds, limit=limit))
+
+    def stop_flow(self, flow_id: str, reason: str = "") -> None:
+        self._call(self._async.stop_flow(flow_id, reason))
+
+    def skip_timer(self, flow_id: str, step_execution_id: str) -> None:
+        self._call(self._async.skip_timer(flow_id, step_execution_id))
+
+    def describe_flow(self, flow_id: str) -> FlowInfo:
+        return self._call(self._async.describe_flow(flow_id))
+
+    def search_flows(self, query: str, *, limit: int = 1000) -> list[str]:
+        return self._call(self._async.search_flows(query, limit=limit))
+
+    def get_flow_history(self, flow_id: str) -> list[HistoryEntry]:
+        return self._call(self._async.get_flow_history(flow_id))
+
+    def wait_for_flow(self, flow_id: str, timeout_seconds: float = 60.0) -> FlowInfo:
+        return self._call(self._async.wait_for_flow(flow_id, timeout_seconds))
+
+    def close(self) -> None:
+        self._call(self._async.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

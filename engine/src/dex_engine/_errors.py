@@ -1,0 +1,192 @@
+"""The engine's named errors.
+
+DexError
+ +-- FlowDefinitionError       a Flow, Step, RPC or Registry is declared wrongly
+ +-- FlowAlreadyStartedError   start_flow with a flow ID that exists
+ +-- FlowNotFoundError         no flow with that ID
+ +-- FlowNotActiveError        the flow is closed (completed, failed or stopped)
+ +-- UnknownFlowTypeError      no Flow of that type in the Registry
+ +-- RpcNotFoundError          the Flow has no RPC of that name
+ +-- RpcLockConflictError      an RPC's lock is held; nothing changed
+ +-- RpcContentionError        an RPC lost its optimistic validation too often
+ +-- ChannelMessageNotFoundError  a pending message an RPC deletes is gone
+ +-- InvalidResumeTokenError   a stream token is forged, foreign or malformed
+ +-- InvalidValueError         a value is not of the declared type or not JSON
+ |    +-- ValueTooLargeError   a value is larger than MAX_VALUE_BYTES
+ +-- InvalidIdError            an ID or key is empty, too long or has reserved characters
+ +-- UndeclaredNameError       an attribute, channel or stream the Flow does not declare
+ +-- InvalidWaitError          a Wait that can never be valid
+ +-- NotLoadedError            a Step reads an attribute its load options left out
+ +-- StaleAttemptError         a write from an attempt that no longer owns its task (fencing)
+ +-- StepNotWaitingError       skip_timer on a Step execution that is not waiting
+ +-- WorkerInvocationError     a handler raised; carries the error type and detail
+ +-- NoRetryError              raised by a handler to skip remaining retries
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ChannelMessageNotFoundError",
+    "DexError",
+    "FlowAlreadyStartedError",
+    "FlowDefinitionError",
+    "FlowNotActiveError",
+    "FlowNotFoundError",
+    "InvalidIdError",
+    "InvalidResumeTokenError",
+    "InvalidValueError",
+    "InvalidWaitError",
+    "NoRetryError",
+    "NotLoadedError",
+    "RpcContentionError",
+    "RpcLockConflictError",
+    "RpcNotFoundError",
+    "StaleAttemptError",
+    "StepNotWaitingError",
+    "UndeclaredNameError",
+    "UnknownFlowTypeError",
+    "ValueTooLargeError",
+    "WorkerInvocationError",
+]
+
+
+class DexError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class FlowDefinitionError(DexError):
+    """A Flow, Step, RPC or Registry is declared wrongly; the message lists every problem."""
+
+
+class FlowAlreadyStartedError(DexError):
+    def __init__(self, flow_id: str) -> None:
+        super().__init__(f"flow {flow_id!r} already exists; choose another flow ID")
+        self.flow_id = flow_id
+
+
+class FlowNotFoundError(DexError):
+    def __init__(self, flow_id: str) -> None:
+        super().__init__(f"no flow with ID {flow_id!r}")
+        self.flow_id = flow_id
+
+
+class FlowNotActiveError(DexError):
+    def __init__(self, flow_id: str, status: str) -> None:
+        super().__init__(f"flow {flow_id!r} is {status}, not running; it accepts no more changes")
+        self.flow_id = flow_id
+        self.status = status
+
+
+class UnknownFlowTypeError(DexError):
+    def __init__(self, flow_type: str, known: list[str]) -> None:
+        super().__init__(
+            f"unknown flow type {flow_type!r}; the Registry has {sorted(known)!r}"
+        )
+        self.flow_type = flow_type
+
+
+class RpcNotFoundError(DexError):
+    def __init__(self, flow_type: str, name: str, known: list[str]) -> None:
+        super().__init__(f"flow type {flow_type!r} has no RPC {name!r}; it has {sorted(known)!r}")
+        self.name = name
+
+
+class RpcLockConflictError(DexError):
+    def __init__(self, flow_id: str, lock: str, holder: str) -> None:
+        super().__init__(
+            f"RPC on flow {flow_id!r} needs lock {lock!r}, held by {holder}; nothing changed, retry later"
+        )
+        self.flow_id = flow_id
+        self.lock = lock
+        self.holder = holder
+
+
+class RpcContentionError(DexError):
+    """The flow changed under the RPC on every try; nothing was committed."""
+
+
+class ChannelMessageNotFoundError(DexError):
+    def __init__(self, channel: str, message_id: int) -> None:
+        super().__init__(
+            f"message {message_id} is no longer pending on channel {channel!r}; nothing changed"
+        )
+        self.channel = channel
+        self.message_id = message_id
+
+
+class InvalidResumeTokenError(DexError):
+    """A stream resume token was forged, belongs to another flow or stream, or is malformed."""
+
+
+class InvalidValueError(DexError, ValueError):
+    """A value does not match its declared type, or cannot be encoded as JSON."""
+
+
+class ValueTooLargeError(InvalidValueError):
+    def __init__(self, name: str, size: int, limit: int) -> None:
+        super().__init__(
+            f"value for {name!r} is {size} bytes encoded, over MAX_VALUE_BYTES ({limit}); "
+            "store it in pieces or outside the flow"
+        )
+        self.name = name
+        self.size = size
+        self.limit = limit
+
+
+class InvalidIdError(DexError, ValueError):
+    """An ID or key is empty, too long, or contains reserved characters."""
+
+
+class UndeclaredNameError(DexError, KeyError):
+    def __init__(self, kind: str, name: str, flow_type: str, declared: list[str]) -> None:
+        msg = (
+            f"{kind} {name!r} is not declared by flow type {flow_type!r}; "
+            f"declared {kind}s: {sorted(declared)!r}"
+        )
+        super().__init__(msg)
+        self.msg = msg
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.msg
+
+
+class InvalidWaitError(DexError, ValueError):
+    """A Wait or condition that can never be valid (e.g. at_most < at_least, negative timer)."""
+
+
+class NotLoadedError(DexError, KeyError):
+    def __init__(self, name: str, step_type: str) -> None:
+        msg = (
+            f"attribute {name!r} was not loaded for Step {step_type!r}; "
+            "add it to the Step's load options"
+        )
+        super().__init__(msg)
+        self.msg = msg
+
+    def __str__(self) -> str:
+        return self.msg
+
+
+class StaleAttemptError(DexError):
+    """The attempt lost its task (lease expired, cancelled or superseded); its write was rejected."""
+
+
+class StepNotWaitingError(DexError):
+    def __init__(self, flow_id: str, step_execution_id: str) -> None:
+        super().__init__(
+            f"flow {flow_id!r} has no waiting Step execution {step_execution_id!r}; "
+            "see `dex-engine describe` for the active Steps"
+        )
+
+
+class WorkerInvocationError(DexError):
+    """A Step handler failed; `error_type` and `detail` describe what it raised."""
+
+    def __init__(self, error_type: str, detail: str) -> None:
+        super().__init__(f"{error_type}: {detail}")
+        self.error_type = error_type
+        self.detail = detail
+
+
+class NoRetryError(DexError):
+    """Raise from a handler to fail the method now, skipping its remaining retries."""

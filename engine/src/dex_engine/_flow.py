@@ -1,0 +1,246 @@
+"""Flow definitions: Steps, RPCs, the Flow itself, and the Registry that validates them."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from ._decision import RPCResult, StepDecision
+from ._errors import FlowDefinitionError, RpcNotFoundError, UndeclaredNameError, UnknownFlowTypeError
+from ._ids import check_id
+from ._options import LoadOptions, LoadSpec, LockItem, StepOptions, lock_name
+from ._schema import (
+    Attribute,
+    AttributeMap,
+    AttributeRef,
+    Channel,
+    ChannelMap,
+    ChannelRef,
+    SchemaItem,
+    Stream,
+)
+from ._wait import Wait
+
+if TYPE_CHECKING:
+    from ._context import Context, RpcContext
+
+I = TypeVar("I")
+
+ExecuteFn = Callable[["Context", Any], Awaitable[StepDecision]]
+WaitForFn = Callable[["Context", Any], Awaitable[Wait]]
+RpcFn = Callable[["RpcContext", Any], Awaitable[Any]]
+
+
+class Step(Generic[I]):
+    """A Step: an optional WaitFor, a required Execute, and options.
+
+    Both handlers are `async def handler(ctx, input)`. WaitFor returns a Wait; Execute returns a
+    StepDecision. `input_type` is the declared type of the Step's input (JSON via msgspec).
+    """
+
+    def __init__(
+        self,
+        step_type: str,
+        execute: ExecuteFn,
+        *,
+        input_type: Any = Any,
+        wait_for: WaitForFn | None = None,
+        options: StepOptions | None = None,
+    ) -> None:
+        self.step_type = check_id("step type", step_type)
+        self.execute = execute
+        self.wait_for = wait_for
+        self.input_type = input_type
+        self.options = options or StepOptions()
+
+    def __repr__(self) -> str:
+        return f"Step({self.step_type!r})"
+
+
+@dataclass(frozen=True)
+class Rpc:
+    """An RPC handler: runs inside one transaction, serialized with every change to its flow."""
+
+    name: str
+    handler: RpcFn
+    request_type: Any = Any
+    locks: tuple[str, ...] = ()
+    load: LoadSpec = field(default_factory=LoadOptions.all)
+
+
+def rpc(
+    name: str | None = None,
+    *,
+    request_type: Any = Any,
+    locks: Iterable[LockItem] = (),
+    load: LoadSpec | None = None,
+) -> Callable[[RpcFn], Rpc]:
+    """Decorate `async def handler(ctx: RpcContext, request) -> output | RPCResult` as an RPC.
+
+    With `locks`, the RPC fails at once with RpcLockConflictError while a Step holds any of them.
+    """
+
+    def wrap(fn: RpcFn) -> Rpc:
+        return Rpc(
+            name=check_id("RPC name", name or fn.__name__),
+            handler=fn,
+            request_type=request_type,
+            locks=tuple(lock_name(x) for x in locks),
+            load=load or LoadOptions.all(),
+        )
+
+    return wrap
+
+
+class Flow:
+    """A Flow definition: its type, Steps (at most one start Step), schema and RPCs."""
+
+    def __init__(
+        self,
+        flow_type: str,
+        steps: Sequence[Step[Any]],
+        *,
+        start_step: Step[Any] | str | None = None,
+        schema: Sequence[SchemaItem] = (),
+        rpcs: Sequence[Rpc] = (),
+    ) -> None:
+        self.flow_type = check_id("flow type", flow_type)
+        problems: list[str] = []
+        self.steps: dict[str, Step[Any]] = {}
+        for step in steps:
+            if step.step_type in self.steps:
+                problems.append(f"Step type {step.step_type!r} is declared twice")
+            self.steps[step.step_type] = step
+        start_name = start_step if isinstance(start_step, str) or start_step is None else start_step.step_type
+        if start_name is not None and start_name not in self.steps:
+            problems.append(f"start Step {start_name!r} is not one of the flow's Steps")
+        self.start_step_type = start_name
+        self.attributes: dict[str, Attribute[Any] | AttributeMap[Any]] = {}
+        self.channels: dict[str, Channel[Any] | ChannelMap[Any]] = {}
+        self.streams: dict[str, Stream[Any]] = {}
+        seen: set[str] = set()
+        for item in schema:
+            if item.name in seen:
+                problems.append(f"schema name {item.name!r} is declared twice")
+            seen.add(item.name)
+            if isinstance(item, Attribute | AttributeMap):
+                self.attributes[item.name] = item
+            elif isinstance(item, Channel | ChannelMap):
+                self.channels[item.name] = item
+            elif isinstance(item, Stream):
+                self.streams[item.name] = item
+            else:
+                problems.append(f"schema item {item!r} is not an Attribute, AttributeMap, Channel, ChannelMap or Stream")
+        self.rpcs: dict[str, Rpc] = {}
+        for r in rpcs:
+            if not isinstance(r, Rpc):
+                problems.append(f"RPC {r!r} is not decorated with @rpc")
+                continue
+            if r.name in self.rpcs:
+                problems.append(f"RPC {r.name!r} is declared twice")
+            self.rpcs[r.name] = r
+            problems.extend(self._lock_problems(f"RPC {r.name!r}", r.locks))
+        for step in self.steps.values():
+            problems.extend(self._step_problems(step))
+        if problems:
+            raise FlowDefinitionError(
+                f"flow type {flow_type!r} has {len(problems)} problem(s): " + "; ".join(problems)
+            )
+
+    def _step_problems(self, step: Step[Any]) -> list[str]:
+        out: list[str] = []
+        label = f"Step {step.step_type!r}"
+        if not inspect.iscoroutinefunction(step.execute):
+            out.append(f"{label} execute must be an async function")
+        if step.wait_for is not None and not inspect.iscoroutinefunction(step.wait_for):
+            out.append(f"{label} wait_for must be an async function")
+        route = step.options.failure_route
+        if route is not None and route not in self.steps:
+            out.append(f"{label} failure route {route!r} is not one of the flow's Steps")
+        out.extend(self._lock_problems(label, tuple(lock_name(x) for x in step.options.execute_locks)))
+        out.extend(self._lock_problems(label, tuple(lock_name(x) for x in step.options.wait_for_locks)))
+        return out
+
+    def _lock_problems(self, label: str, locks: tuple[str, ...]) -> list[str]:
+        return [
+            f"{label} locks {lock!r}, which is not a declared attribute"
+            for lock in locks
+            if lock.split("[", 1)[0] not in self.attributes
+        ]
+
+    # Lookups used by contexts and clients -----------------------------------------------
+
+    def step(self, step_type: str) -> Step[Any]:
+        try:
+            return self.steps[step_type]
+        except KeyError:
+            raise UndeclaredNameError("Step", step_type, self.flow_type, list(self.steps)) from None
+
+    def rpc(self, name: str) -> Rpc:
+        try:
+            return self.rpcs[name]
+        except KeyError:
+            raise RpcNotFoundError(self.flow_type, name, list(self.rpcs)) from None
+
+    def check_attribute(self, ref: AttributeRef[Any]) -> None:
+        declared = self.attributes.get(ref.name)
+        keyed = isinstance(declared, AttributeMap)
+        if declared is None or keyed != bool(ref.key):
+            raise UndeclaredNameError("attribute", ref.label, self.flow_type, list(self.attributes))
+
+    def check_channel(self, ref: ChannelRef[Any]) -> None:
+        declared = self.channels.get(ref.name)
+        keyed = isinstance(declared, ChannelMap)
+        if declared is None or keyed != bool(ref.key):
+            raise UndeclaredNameError("channel", ref.label, self.flow_type, list(self.channels))
+
+    def check_stream(self, stream: Stream[Any] | str) -> Stream[Any]:
+        name = stream if isinstance(stream, str) else stream.name
+        found = self.streams.get(name)
+        if found is None:
+            raise UndeclaredNameError("stream", name, self.flow_type, list(self.streams))
+        return found
+
+    def attribute_type(self, name: str) -> Any:
+        declared = self.attributes.get(name)
+        if declared is None:
+            raise UndeclaredNameError("attribute", name, self.flow_type, list(self.attributes))
+        return declared.value_type
+
+    def channel_type(self, name: str) -> Any:
+        declared = self.channels.get(name)
+        if declared is None:
+            raise UndeclaredNameError("channel", name, self.flow_type, list(self.channels))
+        return declared.value_type
+
+
+class Registry:
+    """The validated set of Flows a Client and a Worker share."""
+
+    def __init__(self, flows: Sequence[Flow], *, allow_async_handlers: bool = True) -> None:
+        # allow_async_handlers is accepted for the Dex SDK's signature; every handler is async here.
+        self.allow_async_handlers = allow_async_handlers
+        self.flows: dict[str, Flow] = {}
+        problems = []
+        for flow in flows:
+            if not isinstance(flow, Flow):
+                problems.append(f"{flow!r} is not a Flow")
+                continue
+            if flow.flow_type in self.flows:
+                problems.append(f"flow type {flow.flow_type!r} is registered twice")
+            self.flows[flow.flow_type] = flow
+        if not self.flows and not problems:
+            problems.append("a Registry needs at least one Flow")
+        if problems:
+            raise FlowDefinitionError("invalid Registry: " + "; ".join(problems))
+
+    def flow(self, flow_type: str) -> Flow:
+        try:
+            return self.flows[flow_type]
+        except KeyError:
+            raise UnknownFlowTypeError(flow_type, list(self.flows)) from None
+
+
+__all__ = ["RPCResult", "Flow", "Registry", "Rpc", "Step", "rpc"]

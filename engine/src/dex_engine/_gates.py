@@ -1,0 +1,45 @@
+"""Crash gates: named points where a test can make this process SIGKILL itself.
+
+DEX_ENGINE_CRASH_AT="<gate>:<k>" kills the process on the k-th crossing of <gate> (k defaults to 1).
+DEX_ENGINE_GATE_LOG=<path> appends "<pid> <gate>" per crossing, so a test can prove the gate it
+targets was reached. With neither set, a gate is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+CLAIMED = "worker.claimed"  # attempt handed to this worker, handler not yet called
+BEFORE_COMMIT = "worker.before_commit"  # handler returned, result not yet sent to the store
+INSIDE_COMMIT = "store.inside_commit"  # inside the commit transaction, before COMMIT
+AFTER_COMMIT = "worker.after_commit"  # commit acknowledged
+HOUSEKEEPING = "worker.housekeeping"  # inside housekeeping (recovery of earlier crashes)
+
+_crash_at: dict[str, int] = {}
+_counts: dict[str, int] = {}
+_log_path = os.environ.get("DEX_ENGINE_GATE_LOG")
+
+
+def _load() -> None:
+    spec = os.environ.get("DEX_ENGINE_CRASH_AT", "")
+    for item in filter(None, spec.split(",")):
+        name, _, k = item.partition(":")
+        _crash_at[name] = int(k or "1")
+
+
+_load()
+
+
+def gate(name: str) -> None:
+    if not _crash_at and _log_path is None:
+        return
+    count = _counts.get(name, 0) + 1
+    _counts[name] = count
+    if _log_path is not None:
+        with open(_log_path, "a") as f:
+            f.write(f"{os.getpid()} {name}\n")
+            f.flush()
+            os.fsync(f.fileno())
+    if _crash_at.get(name) == count:
+        os.kill(os.getpid(), signal.SIGKILL)

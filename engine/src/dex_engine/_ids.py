@@ -1,0 +1,42 @@
+"""Validation of IDs, names and keys."""
+
+from __future__ import annotations
+
+from ._errors import InvalidIdError
+from ._limits import MAX_ID_LENGTH, RESERVED_ID_CHARACTERS
+
+
+def check_id(kind: str, value: object, *, allow_slash: bool = False) -> str:
+    """Return `value` if it is a usable ID, else raise InvalidIdError naming the problem."""
+    if not isinstance(value, str):
+        raise InvalidIdError(f"{kind} must be a string, got {type(value).__name__}: {value!r}")
+    if not value:
+        raise InvalidIdError(f"{kind} is empty; give a non-empty {kind}")
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidIdError(
+            f"{kind} {value[:40]!r}... is {len(value)} characters, over {MAX_ID_LENGTH}"
+        )
+    for ch in value:
+        if ch.isspace() or not ch.isprintable():
+            raise InvalidIdError(
+                f"{kind} {value!r} contains whitespace or a control character ({ch!r}); "
+                "use letters, digits and punctuation"
+            )
+        if not allow_slash and ch in RESERVED_ID_CHARACTERS:
+            raise InvalidIdError(
+                f"{kind} {value!r} contains reserved character {ch!r}; it joins IDs into keys"
+            )
+    return value
+
+
+def check_key(kind: str, value: object) -> str:
+    """Map and channel keys: any non-empty printable text up to the ID length."""
+    if not isinstance(value, str):
+        raise InvalidIdError(f"{kind} must be a string, got {type(value).__name__}: {value!r}")
+    if not value:
+        raise InvalidIdError(f"{kind} is empty; give a non-empty key")
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidIdError(f"{kind} {value[:40]!r}... is {len(value)} characters, over {MAX_ID_LENGTH}")
+    if any(not ch.isprintable() for ch in value):
+        raise InvalidIdError(f"{kind} {value!r} contains a control character")
+    return value

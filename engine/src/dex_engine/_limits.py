@@ -1,0 +1,51 @@
+"""Every limit and default of the engine, each with the reason for its value."""
+
+from __future__ import annotations
+
+# Encoded JSON size of one attribute value, message, input or event; keeps a row well under
+# SQLite's and PostgreSQL's comfortable row sizes and a snapshot load bounded.
+MAX_VALUE_BYTES = 1024 * 1024
+
+# Flow IDs, step types, names: long enough for UUID-based compound IDs, short enough to index.
+MAX_ID_LENGTH = 255
+
+# Characters that IDs may not contain: '/' joins IDs into compound keys (idempotency keys),
+# control characters and whitespace make IDs unreadable in logs and the CLI.
+RESERVED_ID_CHARACTERS = "/"
+
+# A stream's default capacity per flow; the oldest events are trimmed beyond it.
+DEFAULT_STREAM_CAPACITY_BYTES = 10 * 1024 * 1024
+
+# Step history events kept per flow; older ones are trimmed so history stays bounded.
+MAX_HISTORY_EVENTS_PER_FLOW = 20_000
+
+# Lease of a worker: a worker that has not renewed for this long is declared dead and its
+# started attempts fail (unstarted ones are handed out again). 30 s matches Procrastinate.
+DEFAULT_LEASE_TTL_SECONDS = 30.0
+
+# Renewal interval; a third of the TTL so two missed renewals do not lose the lease.
+DEFAULT_LEASE_RENEW_SECONDS = 10.0
+
+# How often any worker scans for due timers, expired leases and timeouts when idle.
+DEFAULT_HOUSEKEEPING_SECONDS = 1.0
+
+# How often a worker checks the database for work another process made (SQLite data_version).
+DEFAULT_POLL_SECONDS = 0.02
+
+# Concurrent Step handlers per worker.
+DEFAULT_MAX_CONCURRENT_TASKS = 64
+
+# SQLite busy timeout: long enough for another process's group commit to finish.
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+# Most operations one group commit carries; bounds the latency one batch adds to its last op.
+MAX_GROUP_COMMIT_OPS = 256
+
+# RPC optimistic validation: tries before RpcContentionError.
+MAX_RPC_TRIES = 64
+
+# A stream long-poll waits at most this long for new events.
+MAX_STREAM_WAIT_SECONDS = 60.0
+
+# Longest timer and retry interval accepted: a year, far beyond any real wait.
+MAX_TIMER_SECONDS = 366 * 24 * 3600

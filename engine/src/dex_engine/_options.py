@@ -1,0 +1,176 @@
+"""Step options, load options, durability and flow configuration."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+import msgspec
+
+from ._errors import FlowDefinitionError
+from ._retry import RetryPolicy
+from ._schema import AttributeMap, AttributeRef
+
+
+class StepDurability(StrEnum):
+    """SYNC: a Step's commit is as durable as the database setting (FULL: survives power loss).
+    ASYNC: the commit skips the fsync (synchronous=NORMAL); it survives any process crash but the
+    last commits may be lost on power loss or an OS crash, and such a Step then runs again."""
+
+    SYNC = "SYNC"
+    ASYNC = "ASYNC"
+
+
+class LoadSpec(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Stored load options: which attributes a method's context holds."""
+
+    mode: Literal["all", "none", "only"] = "all"
+    names: tuple[str, ...] = ()  # whole attributes or whole maps
+    instances: tuple[tuple[str, str], ...] = ()  # (map name, key)
+
+
+class LoadOptions:
+    """Which attributes a Step method or RPC loads into its context."""
+
+    @staticmethod
+    def all() -> LoadSpec:
+        return LoadSpec("all")
+
+    @staticmethod
+    def none() -> LoadSpec:
+        return LoadSpec("none")
+
+    @staticmethod
+    def only(*items: AttributeRef[Any] | AttributeMap[Any]) -> LoadSpec:
+        names: list[str] = []
+        instances: list[tuple[str, str]] = []
+        for item in items:
+            if isinstance(item, AttributeMap):
+                names.append(item.name)
+            elif isinstance(item, AttributeRef):
+                if item.key:
+                    instances.append((item.name, item.key))
+                else:
+                    names.append(item.name)
+            else:
+                raise FlowDefinitionError(f"load option {item!r} is not an Attribute, AttributeMap or map instance")
+        return LoadSpec("only", tuple(names), tuple(instances))
+
+
+LockItem = AttributeRef[Any] | AttributeMap[Any]
+
+
+def lock_name(item: LockItem) -> str:
+    """Locks are named after attributes; a map instance locks only that key."""
+    if isinstance(item, AttributeMap):
+        return item.name
+    if isinstance(item, AttributeRef):
+        return item.label
+    raise FlowDefinitionError(f"lock {item!r} is not an Attribute, AttributeMap or map instance")
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """Per-Step options. Timeouts are seconds; None means no limit."""
+
+    execute_retry: RetryPolicy = field(default_factory=RetryPolicy)
+    wait_for_retry: RetryPolicy = field(default_factory=RetryPolicy)
+    execute_timeout_seconds: float | None = None
+    wait_for_timeout_seconds: float | None = None
+    heartbeat_timeout_seconds: float | None = None
+    failure_route: str | None = None
+    durability: StepDurability | None = None  # None: the flow config's default
+    execute_locks: tuple[LockItem, ...] = ()
+    wait_for_locks: tuple[LockItem, ...] = ()
+    load: LoadSpec = field(default_factory=LoadOptions.all)
+    execute_load: LoadSpec | None = None  # overrides `load` for Execute only
+    wait_for_load: LoadSpec | None = None  # overrides `load` for WaitFor only
+
+    def __post_init__(self) -> None:
+        for label, value in (
+            ("execute_timeout_seconds", self.execute_timeout_seconds),
+            ("wait_for_timeout_seconds", self.wait_for_timeout_seconds),
+            ("heartbeat_timeout_seconds", self.heartbeat_timeout_seconds),
+        ):
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise FlowDefinitionError(f"{label} must be a positive number of seconds, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MovementOptions:
+    """Overrides for one movement into a Step; unset fields keep the Step's options."""
+
+    load: LoadSpec | None = None
+    execute_load: LoadSpec | None = None
+    wait_for_load: LoadSpec | None = None
+    durability: StepDurability | None = None
+
+
+class FlowConfig(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Per-flow configuration: set at start_flow, changed with update_flow_config (later Steps only)."""
+
+    active_step_search: bool = True
+    default_step_durability: StepDurability = StepDurability.SYNC
+
+
+class MethodOptions(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Stored options of one method (WaitFor or Execute) of a scheduled Step."""
+
+    retry: RetryPolicy
+    timeout_ms: int | None = None
+    locks: tuple[str, ...] = ()
+    load: LoadSpec = LoadSpec("all")
+
+
+class TaskOptions(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A scheduled Step's resolved options, fixed by the worker that scheduled it."""
+
+    has_wait_for: bool
+    execute: MethodOptions
+    wait_for: MethodOptions | None = None
+    heartbeat_timeout_ms: int | None = None
+    failure_route: str | None = None
+    # The failure route's own options, resolved when this Step is scheduled so that any process
+    # (housekeeping included) can start the route without the Registry.
+    failure_route_options: TaskOptions | None = None
+    # None until the task is created: then the flow config's default at that moment (E16).
+    durability: StepDurability | None = None
+
+
+def _ms(seconds: float | None) -> int | None:
+    return None if seconds is None else max(1, int(seconds * 1000))
+
+
+def resolve_task_options(
+    options: StepOptions, has_wait_for: bool, movement: MovementOptions | None
+) -> TaskOptions:
+    load = options.load
+    execute_load = options.execute_load or load
+    wait_for_load = options.wait_for_load or load
+    durability = options.durability
+    if movement is not None:
+        if movement.load is not None:
+            execute_load = wait_for_load = movement.load
+        execute_load = movement.execute_load or execute_load
+        wait_for_load = movement.wait_for_load or wait_for_load
+        durability = movement.durability or durability
+    return TaskOptions(
+        has_wait_for=has_wait_for,
+        execute=MethodOptions(
+            retry=options.execute_retry,
+            timeout_ms=_ms(options.execute_timeout_seconds),
+            locks=tuple(lock_name(x) for x in options.execute_locks),
+            load=execute_load,
+        ),
+        wait_for=MethodOptions(
+            retry=options.wait_for_retry,
+            timeout_ms=_ms(options.wait_for_timeout_seconds),
+            locks=tuple(lock_name(x) for x in options.wait_for_locks),
+            load=wait_for_load,
+        ) if has_wait_for else None,
+        heartbeat_timeout_ms=_ms(options.heartbeat_timeout_seconds),
+        failure_route=options.failure_route,
+        durability=durability,
+    )

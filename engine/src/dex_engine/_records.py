@@ -1,0 +1,190 @@
+"""Records that cross the store interface: what a claim hands out and what a commit carries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
+
+import msgspec
+
+from ._options import FlowConfig, LoadSpec, TaskOptions
+from ._wait import WaitSpec
+
+
+class AttemptProgress(StrEnum):
+    """How far a Step method's attempts got: NOT_STARTED when none ever started (E3)."""
+
+    NOT_STARTED = "NOT_STARTED"
+    NOT_COMPLETED = "NOT_COMPLETED"
+
+
+class ErrorInfo(msgspec.Struct, frozen=True):
+    error_type: str
+    detail: str
+
+
+class RecoveryError(msgspec.Struct, frozen=True):
+    """What a failure-route Step receives about the Step that failed."""
+
+    step_type: str
+    step_execution_id: str
+    method: Literal["wait_for", "execute"]
+    attempts: int
+    attempt_progress: AttemptProgress
+    error_type: str
+    detail: str
+
+
+class ConsumedMessage(msgspec.Struct, frozen=True, array_like=True):
+    message_id: int
+    value: msgspec.Raw
+
+
+class WaitOutcome(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Which conditions of a wait were satisfied, and the messages each consumed."""
+
+    satisfied: tuple[int, ...] = ()
+    consumed: tuple[tuple[ConsumedMessage, ...], ...] = ()  # aligned with the conditions
+    fired_timers: tuple[int, ...] = ()
+    skipped: bool = False
+
+
+@dataclass
+class WriteSet:
+    """Buffered changes of one WaitFor, Execute or RPC, committed atomically (E1)."""
+
+    attributes: dict[tuple[str, str], bytes | None] = field(default_factory=dict)
+    publishes: list[tuple[str, str, bytes]] = field(default_factory=list)
+    appends: list[tuple[str, int, bytes]] = field(default_factory=list)  # stream, capacity, value
+    deleted_messages: list[tuple[str, str, int]] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.attributes or self.publishes or self.appends or self.deleted_messages)
+
+
+class MovementRecord(msgspec.Struct, frozen=True):
+    step_type: str
+    input: bytes
+    options: TaskOptions
+
+
+class DecisionRecord(msgspec.Struct, frozen=True):
+    kind: Literal["movements", "dead_end", "graceful_complete", "force_complete", "force_fail"]
+    movements: tuple[MovementRecord, ...] = ()
+    output: bytes | None = None
+    reason: str = ""
+    canceling_steps: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One claimed attempt of one Step method; every write under it is fenced by `lease_epoch`."""
+
+    task_id: int
+    lease_epoch: int
+    flow_id: str
+    flow_type: str
+    step_type: str
+    step_execution_id: str
+    method: Literal["wait_for", "execute"]
+    attempt: int
+    input: bytes
+    options: TaskOptions
+    load: LoadSpec
+    attributes: dict[tuple[str, str], bytes]
+    checkpoint: str | None
+    wait_spec: WaitSpec | None
+    wait_outcome: WaitOutcome | None
+    recovery_error: RecoveryError | None
+
+    @property
+    def durable(self) -> bool:
+        return self.options.durability != "ASYNC"
+
+
+@dataclass(frozen=True)
+class RpcSnapshot:
+    flow_type: str
+    version: int
+    attributes: dict[tuple[str, str], bytes]
+    pending: dict[tuple[str, str], list[tuple[int, bytes]]]
+
+
+@dataclass(frozen=True)
+class StartRequest:
+    flow_id: str
+    flow_type: str
+    input: bytes
+    config: FlowConfig
+    start: MovementRecord | None
+
+
+FlowStatus = Literal["running", "completed", "failed", "stopped"]
+
+
+@dataclass(frozen=True)
+class FlowInfo:
+    flow_id: str
+    flow_type: str
+    status: FlowStatus
+    created_at_ms: int
+    closed_at_ms: int | None
+    output: bytes | None
+    error: str | None
+    config: FlowConfig
+    active_steps: tuple[ActiveStep, ...]
+
+
+@dataclass(frozen=True)
+class ActiveStep:
+    step_type: str
+    step_execution_id: str
+    state: str  # ready, running, waiting
+    method: str
+    attempt: int
+    timer_due_at_ms: int | None
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One Step event of a flow's history (E13)."""
+
+    event_type: str
+    step_type: str
+    step_execution_id: str
+    attempt: int
+    at_ms: int
+    detail: str
+
+
+@dataclass(frozen=True)
+class StoredEvent:
+    sequence: int
+    step_execution_id: str
+    attempt: int
+    value: bytes
+
+
+@dataclass(frozen=True)
+class EventPage:
+    events: list[StoredEvent]
+    next_sequence: int  # the sequence a reader passes next
+    first_sequence: int  # oldest sequence still stored (trimming)
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    worker_id: str
+    host: str
+    pid: int
+    started_at_ms: int
+    expires_at_ms: int
+
+
+@dataclass(frozen=True)
+class HousekeepingReport:
+    timers_fired: int = 0
+    leases_expired: int = 0
+    timeouts: int = 0
+    workers_removed: int = 0

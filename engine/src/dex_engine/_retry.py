@@ -1,0 +1,67 @@
+"""Retry policies and the pure decision of what follows a failed attempt."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import msgspec
+
+from ._errors import FlowDefinitionError
+
+
+class RetryPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How often a Step method is tried: `max_attempts` within `total_duration_seconds`.
+
+    The wait before attempt n+1 is initial_interval * backoff_coefficient**(n-1), capped at
+    max_interval. A retry that would start after total_duration (counted from the first attempt's
+    start) is not made.
+    """
+
+    max_attempts: int = 3
+    initial_interval_seconds: float = 1.0
+    backoff_coefficient: float = 2.0
+    max_interval_seconds: float = 60.0
+    total_duration_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if isinstance(self.max_attempts, bool) or self.max_attempts < 1:
+            problems.append(f"max_attempts must be >= 1, got {self.max_attempts!r}")
+        if not (self.initial_interval_seconds >= 0 and math.isfinite(self.initial_interval_seconds)):
+            problems.append(f"initial_interval_seconds must be >= 0, got {self.initial_interval_seconds!r}")
+        if not (self.backoff_coefficient >= 1 and math.isfinite(self.backoff_coefficient)):
+            problems.append(f"backoff_coefficient must be >= 1, got {self.backoff_coefficient!r}")
+        if not (self.max_interval_seconds >= self.initial_interval_seconds):
+            problems.append(
+                f"max_interval_seconds ({self.max_interval_seconds!r}) must be >= "
+                f"initial_interval_seconds ({self.initial_interval_seconds!r})"
+            )
+        if self.total_duration_seconds is not None and not self.total_duration_seconds > 0:
+            problems.append(f"total_duration_seconds must be > 0, got {self.total_duration_seconds!r}")
+        if problems:
+            raise FlowDefinitionError("invalid retry policy: " + "; ".join(problems))
+
+    def interval_after(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt `attempt` (1-based) before the next one."""
+        raw = self.initial_interval_seconds * self.backoff_coefficient ** (attempt - 1)
+        return min(raw, self.max_interval_seconds)
+
+
+@dataclass(frozen=True)
+class RetryDecision:
+    retry: bool
+    run_at_ms: int = 0
+
+
+def decide_retry(
+    policy: RetryPolicy, *, attempt: int, first_started_ms: int, now_ms: int, no_retry: bool
+) -> RetryDecision:
+    """Retry with backoff, or give up (the caller then takes the failure route)."""
+    if no_retry or attempt >= policy.max_attempts:
+        return RetryDecision(False)
+    run_at = now_ms + int(policy.interval_after(attempt) * 1000)
+    if policy.total_duration_seconds is not None:
+        if run_at > first_started_ms + int(policy.total_duration_seconds * 1000):
+            return RetryDecision(False)
+    return RetryDecision(True, run_at)

@@ -1,0 +1,40 @@
+"""Turning authored movements into stored ones: target Step, encoded input, resolved options."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._codec import encode_value
+from ._decision import Movement
+from ._flow import Flow
+from ._options import MovementOptions, TaskOptions, resolve_task_options
+from ._records import MovementRecord
+
+
+def task_options(
+    flow: Flow, step_type: str, movement: MovementOptions | None, _seen: frozenset[str] = frozenset(),
+) -> TaskOptions:
+    step = flow.step(step_type)
+    options = resolve_task_options(step.options, step.wait_for is not None, movement)
+    route = step.options.failure_route
+    if route is not None and route not in _seen:
+        # A cycle of failure routes ends where it repeats: that route's own failure fails the flow.
+        nested = task_options(flow, route, None, _seen | {step_type})
+        options = TaskOptions(
+            has_wait_for=options.has_wait_for, execute=options.execute, wait_for=options.wait_for,
+            heartbeat_timeout_ms=options.heartbeat_timeout_ms, failure_route=route,
+            failure_route_options=nested, durability=options.durability,
+        )
+    return options
+
+
+def movement_record(flow: Flow, movement: Movement) -> MovementRecord:
+    step = flow.step(movement.step_type)
+    data = encode_value(f"input of Step {step.step_type}", step.input_type, movement.input)
+    return MovementRecord(step.step_type, data, task_options(flow, step.step_type, movement.options))
+
+
+def start_record(flow: Flow, input: Any) -> MovementRecord | None:
+    if flow.start_step_type is None:
+        return None
+    return movement_record(flow, Movement(flow.start_step_type, input))

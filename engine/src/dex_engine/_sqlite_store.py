@@ -1,0 +1,271 @@
+"""The SQLite store: one file, WAL, every transaction on one dedicated thread, group commit.
+
+Each process opens one connection on its own thread. Operations queue to that thread; it runs
+every queued operation in one `BEGIN IMMEDIATE` transaction, each inside its own savepoint, so one
+failing operation rolls back alone while the batch shares a single commit (and fsync).
+
+Durability (PRAGMA synchronous, WAL):
+- FULL (default): every commit is fsynced before it is acknowledged; survives power loss.
+- NORMAL: the WAL is fsynced only at checkpoints; survives any process crash, but the last
+  commits before a power loss or OS crash may be lost. ASYNC Steps commit this way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import secrets
+import sqlite3
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Literal, TypeVar
+from urllib.parse import parse_qs, urlparse
+
+from ._limits import MAX_GROUP_COMMIT_OPS, SQLITE_BUSY_TIMEOUT_MS
+from ._store import Store
+from ._transitions import Db, Row
+
+R = TypeVar("R")
+
+Synchronous = Literal["FULL", "NORMAL"]
+_SYNC_LEVEL = {"NORMAL": 1, "FULL": 2}
+
+
+@dataclass(frozen=True)
+class SqliteSettings:
+    path: str
+    synchronous: Synchronous = "FULL"
+
+
+def parse_sqlite_url(url: str) -> SqliteSettings:
+    """`sqlite:///relative.db`, `sqlite:////abs/path.db`, optional `?synchronous=NORMAL`."""
+    parsed = urlparse(url)
+    if parsed.scheme != "sqlite":
+        raise ValueError(f"not a sqlite URL: {url!r}; expected sqlite:///path/to/file.db")
+    path = parsed.path[1:] if parsed.path.startswith("/") else parsed.path
+    if not path:
+        raise ValueError(f"sqlite URL {url!r} names no file; expected sqlite:///path/to/file.db")
+    query = parse_qs(parsed.query)
+    sync = query.get("synchronous", ["FULL"])[0].upper()
+    if sync not in _SYNC_LEVEL:
+        raise ValueError(f"synchronous={sync!r} in {url!r} is not FULL or NORMAL")
+    return SqliteSettings(path=path, synchronous=sync)  # type: ignore[arg-type]
+
+
+class _SqliteDb:
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
+        row: Row | None = self.conn.execute(sql, params).fetchone()
+        return row
+
+    def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        return self.conn.execute(sql, params).fetchall()
+
+    def run(self, sql: str, params: Sequence[Any] = ()) -> int:
+        return self.conn.execute(sql, params).rowcount
+
+
+@dataclass
+class _Op:
+    fn: Callable[[Db], Any]
+    write: bool
+    durable: bool
+    future: Future[Any]
+
+
+_STOP = object()
+
+
+def _migrations() -> list[tuple[int, str]]:
+    folder = resources.files("dex_engine") / "_migrations" / "sqlite"
+    out = []
+    for entry in folder.iterdir():
+        if entry.name.endswith(".sql"):
+            out.append((int(entry.name.split("_", 1)[0]), entry.read_text()))
+    return sorted(out)
+
+
+def _statements(sql: str) -> list[str]:
+    """Split a migration file into statements; `--` comments end at the line's end."""
+    lines = [line.split("--", 1)[0] for line in sql.splitlines()]
+    return [part.strip() for part in "\n".join(lines).split(";") if part.strip()]
+
+
+def migrate(conn: sqlite3.Connection) -> int:
+    """Apply numbered migrations not yet applied; return the schema version."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        has_meta = conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
+        ).fetchone()
+        version = 0
+        if has_meta:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            version = int(row[0]) if row else 0
+        for number, sql in _migrations():
+            if number <= version:
+                continue
+            for statement in _statements(sql):
+                conn.execute(statement)
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES ('schema_version', ?) "
+                "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(number),),
+            )
+            version = number
+        conn.execute(
+            "INSERT INTO meta (key, value) VALUES ('stream_token_secret', ?) ON CONFLICT DO NOTHING",
+            (secrets.token_hex(32),),
+        )
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return version
+
+
+class SqliteStore(Store):
+    """A Store on one SQLite file; safe for several processes on one machine."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.settings = parse_sqlite_url(url)
+        self._queue: queue.SimpleQueue[_Op | object] = queue.SimpleQueue()
+        self._listeners: list[Callable[[], None]] = []
+        self._data_version = -1
+        self._ready: Future[None] = Future()
+        self._thread = threading.Thread(target=self._main, name=f"dex-sqlite:{self.settings.path}", daemon=True)
+        self._closed = False
+        self._thread.start()
+        self._ready.result()
+
+    def _connect(self) -> sqlite3.Connection:
+        directory = os.path.dirname(os.path.abspath(self.settings.path))
+        os.makedirs(directory, exist_ok=True)
+        conn = sqlite3.connect(self.settings.path, isolation_level=None, check_same_thread=True,
+                               timeout=SQLITE_BUSY_TIMEOUT_MS / 1000)
+        conn.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise RuntimeError(f"could not put {self.settings.path!r} in WAL mode (got {mode!r})")
+        conn.execute(f"PRAGMA synchronous = {self.settings.synchronous}")
+        conn.execute("PRAGMA foreign_keys = ON")
+        migrate(conn)
+        return conn
+
+    def _main(self) -> None:
+        try:
+            conn = self._connect()
+        except BaseException as exc:
+            self._ready.set_exception(exc)
+            return
+        self._ready.set_result(None)
+        db = _SqliteDb(conn)
+        level = self.settings.synchronous
+        try:
+            while True:
+                first = self._queue.get()
+                if first is _STOP:
+                    break
+                batch: list[_Op] = [first]  # type: ignore[list-item]
+                stop = False
+                while len(batch) < MAX_GROUP_COMMIT_OPS:
+                    try:
+                        nxt = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt is _STOP:
+                        stop = True
+                        break
+                    batch.append(nxt)  # type: ignore[arg-type]
+                level = self._run_batch(conn, db, batch, level)
+                if stop:
+                    break
+        finally:
+            conn.close()
+
+    def _run_batch(self, conn: sqlite3.Connection, db: _SqliteDb, batch: list[_Op], level: str) -> str:
+        writes = any(op.write for op in batch)
+        wanted = self.settings.synchronous
+        if writes and not any(op.durable for op in batch if op.write):
+            wanted = "NORMAL"
+        results: list[tuple[bool, Any]] = []
+        try:
+            if wanted != level:
+                conn.execute(f"PRAGMA synchronous = {wanted}")
+                level = wanted
+            conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
+            for op in batch:
+                if len(batch) == 1:
+                    try:
+                        results.append((True, op.fn(db)))
+                    except BaseException as exc:
+                        results.append((False, exc))
+                    continue
+                conn.execute("SAVEPOINT op")
+                try:
+                    results.append((True, op.fn(db)))
+                    conn.execute("RELEASE op")
+                except BaseException as exc:
+                    conn.execute("ROLLBACK TO op")
+                    conn.execute("RELEASE op")
+                    results.append((False, exc))
+            if len(batch) == 1 and not results[0][0]:
+                conn.execute("ROLLBACK")
+            else:
+                conn.execute("COMMIT")
+        except BaseException as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            for op in batch:
+                op.future.set_exception(exc)
+            return level
+        for op, (ok, value) in zip(batch, results, strict=True):
+            if ok:
+                op.future.set_result(value)
+            else:
+                op.future.set_exception(value)
+        if writes:
+            for listener in self._listeners:
+                listener()
+        return level
+
+    async def _run(self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None) -> R:
+        if self._closed:
+            raise RuntimeError(f"store {self.url!r} is closed")
+        future: Future[R] = Future()
+        self._queue.put(_Op(fn, write, True if durable is None else durable, future))
+        return await asyncio.wrap_future(future)
+
+    def run_sync(self, fn: Callable[[Db], R], *, write: bool) -> R:
+        """Blocking form of `_run` for code without an event loop (the CLI)."""
+        future: Future[R] = Future()
+        self._queue.put(_Op(fn, write, True, future))
+        return future.result()
+
+    async def changed(self) -> bool:
+        def probe(db: Db) -> int:
+            row = db.one("PRAGMA data_version")
+            return int(row[0]) if row else 0
+
+        version = await self._run(probe, write=False)
+        changed = version != self._data_version
+        self._data_version = version
+        return changed
+
+    def add_commit_listener(self, fn: Callable[[], None]) -> None:
+        self._listeners.append(fn)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        await asyncio.to_thread(self._thread.join)

@@ -1,0 +1,189 @@
+"""The store interface: every durable operation the worker, client and CLI need.
+
+A backend supplies `_run`, which runs one function inside one transaction on its connection and
+returns its result; everything else is shared, so SQLite and PostgreSQL behave the same.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from . import _transitions as tx
+from ._options import FlowConfig, LoadSpec
+from ._records import (
+    DecisionRecord,
+    ErrorInfo,
+    EventPage,
+    FlowInfo,
+    HistoryEntry,
+    HousekeepingReport,
+    Lease,
+    MovementRecord,
+    RpcSnapshot,
+    StartRequest,
+    WriteSet,
+)
+from ._transitions import Db
+from ._wait import WaitSpec
+
+R = TypeVar("R")
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Store(ABC):
+    """One database. Methods are coroutines; each is one transaction (E1)."""
+
+    url: str
+
+    @abstractmethod
+    async def _run(self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None) -> R:
+        """Run `fn` in one transaction. `durable` False allows skipping the fsync (ASYNC Steps)."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    @abstractmethod
+    async def changed(self) -> bool:
+        """True when another connection committed since the last call (cheap poll)."""
+
+    @abstractmethod
+    def add_commit_listener(self, fn: Callable[[], None]) -> None:
+        """Call `fn` (from any thread) after each local write commit."""
+
+    # Flows
+    async def start_flow(self, req: StartRequest) -> None:
+        await self._run(lambda db: tx.start_flow(db, req, now_ms()), write=True)
+
+    async def stop_flow(self, flow_id: str, reason: str) -> None:
+        await self._run(lambda db: tx.stop_flow(db, flow_id, reason, now_ms()), write=True)
+
+    async def update_flow_config(self, flow_id: str, config: FlowConfig) -> None:
+        await self._run(lambda db: tx.update_flow_config(db, flow_id, config), write=True)
+
+    async def flow_config(self, flow_id: str) -> FlowConfig:
+        return await self._run(lambda db: tx.flow_config(db, flow_id), write=False)
+
+    async def describe_flow(self, flow_id: str) -> FlowInfo:
+        return await self._run(lambda db: tx.describe_flow(db, flow_id), write=False)
+
+    async def search_flows(
+        self, *, flow_type: str | None = None, status: str | None = None,
+        active_step: str | None = None, limit: int = 1000,
+    ) -> list[str]:
+        return await self._run(lambda db: tx.search_flows(db, flow_type, status, active_step, limit), write=False)
+
+    async def history(self, flow_id: str, limit: int = 100_000) -> list[HistoryEntry]:
+        return await self._run(lambda db: tx.read_history(db, flow_id, limit), write=False)
+
+    async def skip_timer(self, flow_id: str, step_execution_id: str) -> None:
+        await self._run(lambda db: tx.skip_timer(db, flow_id, step_execution_id, now_ms()), write=True)
+
+    # Worker side
+    async def claim(self, worker_id: str, flow_types: Sequence[str], capacity: int) -> list[Lease]:
+        return await self._run(lambda db: tx.claim(db, worker_id, flow_types, capacity, now_ms()), write=True)
+
+    async def commit_wait_for(
+        self, lease: Lease, writes: WriteSet, spec: WaitSpec, claim: tuple[str, Sequence[str], int] | None = None,
+    ) -> list[Lease]:
+        def op(db: Db) -> list[Lease]:
+            now = now_ms()
+            tx.commit_wait_for(db, lease, writes, spec, now)
+            return [] if claim is None else tx.claim(db, claim[0], claim[1], claim[2], now)
+
+        return await self._run(op, write=True, durable=lease.durable)
+
+    async def commit_execute(
+        self, lease: Lease, writes: WriteSet, decision: DecisionRecord,
+        claim: tuple[str, Sequence[str], int] | None = None,
+    ) -> list[Lease]:
+        """Commit an Execute; with `claim`, hand out the next ready attempts in the same transaction."""
+
+        def op(db: Db) -> list[Lease]:
+            now = now_ms()
+            tx.commit_execute(db, lease, writes, decision, now)
+            return [] if claim is None else tx.claim(db, claim[0], claim[1], claim[2], now)
+
+        return await self._run(op, write=True, durable=lease.durable)
+
+    async def fail_attempt(self, lease: Lease, error: ErrorInfo, *, no_retry: bool = False) -> None:
+        await self._run(lambda db: tx.fail_attempt(db, lease, error, no_retry, now_ms()), write=True)
+
+    async def release_unstarted(self, lease: Lease) -> None:
+        await self._run(lambda db: tx.release_unstarted(db, lease, now_ms()), write=True)
+
+    async def heartbeat(self, lease: Lease, checkpoint: str | None) -> None:
+        await self._run(lambda db: tx.heartbeat(db, lease, checkpoint, now_ms()), write=True)
+
+    async def append_best_effort(self, lease: Lease, stream: str, capacity: int, values: Sequence[bytes]) -> None:
+        await self._run(lambda db: tx.append_best_effort(db, lease, stream, capacity, values), write=True,
+                        durable=False)
+
+    async def task_epochs(self, task_ids: Sequence[int]) -> dict[int, int]:
+        return await self._run(lambda db: tx.task_epochs(db, task_ids), write=False)
+
+    async def register_worker(self, worker_id: str, host: str, pid: int, ttl_ms: int) -> None:
+        await self._run(lambda db: tx.register_worker(db, worker_id, host, pid, ttl_ms, now_ms()), write=True)
+
+    async def renew_worker(self, worker_id: str, ttl_ms: int) -> bool:
+        return await self._run(lambda db: tx.renew_worker(db, worker_id, ttl_ms, now_ms()), write=True,
+                               durable=False)
+
+    async def unregister_worker(self, worker_id: str) -> None:
+        await self._run(lambda db: tx.unregister_worker(db, worker_id, now_ms()), write=True)
+
+    async def housekeeping(self) -> HousekeepingReport:
+        return await self._run(lambda db: tx.housekeeping(db, now_ms()), write=True)
+
+    async def next_due(self, flow_types: Sequence[str]) -> int | None:
+        return await self._run(lambda db: tx.next_due(db, flow_types), write=False)
+
+    async def list_workers(self) -> list[tuple[str, str, int, int, int]]:
+        return await self._run(tx.list_workers, write=False)
+
+    # RPCs and clients
+    async def rpc_read(self, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcSnapshot:
+        return await self._run(lambda db: tx.rpc_read(db, flow_id, load, locks), write=False)
+
+    async def rpc_commit(
+        self, flow_id: str, version: int, locks: Sequence[str], writes: WriteSet,
+        next_steps: Sequence[MovementRecord], canceling: Sequence[str],
+    ) -> None:
+        await self._run(
+            lambda db: tx.rpc_commit(db, flow_id, version, locks, writes, next_steps, canceling, now_ms()),
+            write=True,
+        )
+
+    async def publish(self, flow_id: str, channel: str, key: str, value: bytes) -> int:
+        return await self._run(lambda db: tx.publish(db, flow_id, channel, key, value, now_ms()), write=True)
+
+    async def read_attribute(self, flow_id: str, name: str, key: str) -> bytes | None:
+        return await self._run(lambda db: tx.read_attribute(db, flow_id, name, key), write=False)
+
+    async def read_attribute_map(self, flow_id: str, name: str) -> dict[str, bytes]:
+        return await self._run(lambda db: tx.read_attribute_map(db, flow_id, name), write=False)
+
+    async def read_all_attributes(self, flow_id: str) -> dict[tuple[str, str], bytes]:
+        return await self._run(lambda db: tx.read_all_attributes(db, flow_id), write=False)
+
+    async def read_events(self, flow_id: str, stream: str, after: int, limit: int) -> EventPage:
+        return await self._run(lambda db: tx.read_events(db, flow_id, stream, after, limit), write=False)
+
+    async def stream_secret(self) -> bytes:
+        """The database's key for signing stream resume tokens."""
+        return await self._run(_secret, write=False)
+
+    async def raw(self, fn: Callable[[Db], Any], *, write: bool = False) -> Any:
+        """Run `fn` in one transaction (tests and the CLI)."""
+        return await self._run(fn, write=write)
+
+
+def _secret(db: Db) -> bytes:
+    row = db.one("SELECT value FROM meta WHERE key = 'stream_token_secret'")
+    assert row is not None, "the database has no stream token secret; was it migrated?"
+    return bytes.fromhex(str(row[0]))

@@ -1,0 +1,867 @@
+"""Every durable state change of the engine, as functions over one open transaction.
+
+Backend-neutral: SQL here uses `?` placeholders and syntax both SQLite and PostgreSQL accept; a
+store runs each function inside one transaction (E1) and supplies `Db`. Functions raise the named
+errors to roll their transaction (or savepoint) back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import msgspec
+
+from ._codec import decode_json, encode_json
+from ._errors import (
+    ChannelMessageNotFoundError,
+    FlowAlreadyStartedError,
+    FlowNotActiveError,
+    FlowNotFoundError,
+    RpcLockConflictError,
+    StaleAttemptError,
+    StepNotWaitingError,
+)
+from ._limits import MAX_HISTORY_EVENTS_PER_FLOW
+from ._options import FlowConfig, LoadSpec, MethodOptions, TaskOptions
+from ._records import (
+    ActiveStep,
+    AttemptProgress,
+    ConsumedMessage,
+    DecisionRecord,
+    ErrorInfo,
+    EventPage,
+    FlowInfo,
+    HistoryEntry,
+    HousekeepingReport,
+    Lease,
+    MovementRecord,
+    RecoveryError,
+    RpcSnapshot,
+    StartRequest,
+    StoredEvent,
+    WaitOutcome,
+    WriteSet,
+)
+from ._retry import decide_retry
+from ._wait import WaitSpec
+from ._wait_selection import select_wait
+
+Row = tuple[Any, ...]
+
+
+class Db(Protocol):
+    """The few statements the transitions need from a backend, inside an open transaction."""
+
+    def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
+    def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
+    def run(self, sql: str, params: Sequence[Any] = ()) -> int: ...
+
+
+class RpcVersionChanged(Exception):
+    """The flow changed between an RPC's read and its commit; the RPC runs again."""
+
+
+# History events (E13)
+STEP_SCHEDULED = "step_scheduled"
+WAIT_REGISTERED = "wait_registered"
+WAIT_COMPLETED = "wait_completed"
+EXECUTE_COMPLETED = "execute_completed"
+ATTEMPT_FAILED = "attempt_failed"
+STEP_FAILED = "step_failed"
+STEP_CANCELLED = "step_cancelled"
+FLOW_CLOSED = "flow_closed"
+
+_SnapshotRows = list[tuple[str, str, msgspec.Raw]]
+
+# Columns a claim reads, in Lease order.
+_TASK_COLS = (
+    "task_id, lease_epoch, flow_id, flow_type, step_type, step_execution_id, method, attempt, "
+    "input, options, snapshot, checkpoint, wait_outcome, recovery_error, locks_held, "
+    "method_first_at, any_started, attempt_started, last_error, wait_spec"
+)
+
+
+def _in(values: Sequence[Any]) -> str:
+    return ",".join("?" for _ in values)
+
+
+# Flows -------------------------------------------------------------------------------------
+
+
+def flow_status(db: Db, flow_id: str) -> tuple[str, str]:
+    row = db.one("SELECT flow_type, status FROM flows WHERE flow_id = ?", (flow_id,))
+    if row is None:
+        raise FlowNotFoundError(flow_id)
+    return str(row[0]), str(row[1])
+
+
+def require_running(db: Db, flow_id: str) -> str:
+    flow_type, status = flow_status(db, flow_id)
+    if status != "running":
+        raise FlowNotActiveError(flow_id, status)
+    return flow_type
+
+
+def bump(db: Db, flow_id: str) -> None:
+    db.run("UPDATE flows SET version = version + 1 WHERE flow_id = ?", (flow_id,))
+
+
+def start_flow(db: Db, req: StartRequest, now: int) -> None:
+    if db.one("SELECT 1 FROM flows WHERE flow_id = ?", (req.flow_id,)) is not None:
+        raise FlowAlreadyStartedError(req.flow_id)
+    db.run(
+        "INSERT INTO flows (flow_id, flow_type, status, input, config, version, created_at) "
+        "VALUES (?, ?, 'running', ?, ?, 1, ?)",
+        (req.flow_id, req.flow_type, req.input, encode_json(req.config), now),
+    )
+    if req.start is not None:
+        create_task(db, req.flow_id, req.flow_type, req.start, now)
+
+
+def flow_config(db: Db, flow_id: str) -> FlowConfig:
+    row = db.one("SELECT config FROM flows WHERE flow_id = ?", (flow_id,))
+    if row is None:
+        raise FlowNotFoundError(flow_id)
+    return decode_json(row[0], FlowConfig)
+
+
+def update_flow_config(db: Db, flow_id: str, config: FlowConfig) -> None:
+    require_running(db, flow_id)
+    db.run("UPDATE flows SET config = ? WHERE flow_id = ?", (encode_json(config), flow_id))
+
+
+def close_flow(db: Db, flow_id: str, status: str, output: bytes | None, error: str | None, now: int) -> None:
+    for (task_id,) in db.all("SELECT task_id FROM tasks WHERE flow_id = ? ORDER BY task_id", (flow_id,)):
+        _cancel_task(db, int(task_id), now, "flow closed")
+    db.run(
+        "UPDATE flows SET status = ?, output = ?, error = ?, closed_at = ?, version = version + 1 "
+        "WHERE flow_id = ?",
+        (status, output, error, now, flow_id),
+    )
+    _history(db, flow_id, "", "", FLOW_CLOSED, 0, now, status if error is None else f"{status}: {error}")
+
+
+def stop_flow(db: Db, flow_id: str, reason: str, now: int) -> None:
+    require_running(db, flow_id)
+    close_flow(db, flow_id, "stopped", None, reason or "stopped", now)
+
+
+def _maybe_complete(db: Db, flow_id: str, now: int) -> None:
+    row = db.one("SELECT completing, completion_output FROM flows WHERE flow_id = ?", (flow_id,))
+    if row is None or not row[0]:
+        return
+    if db.one("SELECT 1 FROM tasks WHERE flow_id = ? LIMIT 1", (flow_id,)) is None:
+        close_flow(db, flow_id, "completed", row[1], None, now)
+
+
+# History -----------------------------------------------------------------------------------
+
+
+def _history(
+    db: Db, flow_id: str, step_type: str, seid: str, event: str, attempt: int, now: int, detail: str = ""
+) -> None:
+    db.run(
+        "INSERT INTO history (flow_id, step_type, step_execution_id, event_type, attempt, at, detail) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (flow_id, step_type, seid, event, attempt, now, detail[:4000]),
+    )
+    db.run("UPDATE flows SET history_count = history_count + 1 WHERE flow_id = ?", (flow_id,))
+    row = db.one("SELECT history_count FROM flows WHERE flow_id = ?", (flow_id,))
+    if row is not None and int(row[0]) > MAX_HISTORY_EVENTS_PER_FLOW + MAX_HISTORY_EVENTS_PER_FLOW // 10:
+        # Trim in chunks of a tenth so the cost is amortized.
+        cut = db.one(
+            "SELECT id FROM history WHERE flow_id = ? ORDER BY id DESC LIMIT 1 OFFSET ?",
+            (flow_id, MAX_HISTORY_EVENTS_PER_FLOW),
+        )
+        if cut is not None:
+            removed = db.run("DELETE FROM history WHERE flow_id = ? AND id <= ?", (flow_id, cut[0]))
+            db.run("UPDATE flows SET history_count = history_count - ? WHERE flow_id = ?", (removed, flow_id))
+
+
+def read_history(db: Db, flow_id: str, limit: int) -> list[HistoryEntry]:
+    flow_status(db, flow_id)
+    rows = db.all(
+        "SELECT event_type, step_type, step_execution_id, attempt, at, detail FROM "
+        "(SELECT * FROM history WHERE flow_id = ? ORDER BY id DESC LIMIT ?) h ORDER BY id",
+        (flow_id, limit),
+    )
+    return [HistoryEntry(str(r[0]), str(r[1]), str(r[2]), int(r[3]), int(r[4]), str(r[5])) for r in rows]
+
+
+# Tasks -------------------------------------------------------------------------------------
+
+
+def _next_execution_id(db: Db, flow_id: str, step_type: str) -> str:
+    row = db.one(
+        "INSERT INTO step_counters (flow_id, step_type, n) VALUES (?, ?, 1) "
+        "ON CONFLICT (flow_id, step_type) DO UPDATE SET n = step_counters.n + 1 RETURNING n",
+        (flow_id, step_type),
+    )
+    assert row is not None
+    return f"{step_type}-{row[0]}"
+
+
+def create_task(
+    db: Db, flow_id: str, flow_type: str, movement: MovementRecord, now: int,
+    recovery_error: RecoveryError | None = None,
+) -> int:
+    seid = _next_execution_id(db, flow_id, movement.step_type)
+    options = movement.options
+    if options.durability is None:
+        options = msgspec.structs.replace(options, durability=flow_config(db, flow_id).default_step_durability)
+    method = "wait_for" if options.has_wait_for else "execute"
+    row = db.one(
+        "INSERT INTO tasks (flow_id, flow_type, step_type, step_execution_id, input, options, method, "
+        "state, attempt, run_at, recovery_error, created_at) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, 'ready', 1, ?, ?, ?) RETURNING task_id",
+        (
+            flow_id, flow_type, movement.step_type, seid, movement.input,
+            encode_json(options), method, now,
+            None if recovery_error is None else encode_json(recovery_error), now,
+        ),
+    )
+    assert row is not None
+    _history(db, flow_id, movement.step_type, seid, STEP_SCHEDULED, 0, now)
+    return int(row[0])
+
+
+def _method_options(options: TaskOptions, method: str) -> MethodOptions:
+    if method == "wait_for" and options.wait_for is not None:
+        return options.wait_for
+    return options.execute
+
+
+def _release_locks(db: Db, task_id: int) -> None:
+    db.run("DELETE FROM locks WHERE task_id = ?", (task_id,))
+
+
+def _try_lock(db: Db, flow_id: str, task_id: int, names: tuple[str, ...]) -> bool:
+    if not names:
+        return True
+    held = db.all(
+        f"SELECT lock_name FROM locks WHERE flow_id = ? AND lock_name IN ({_in(names)}) AND task_id <> ?",
+        (flow_id, *names, task_id),
+    )
+    if held:
+        return False
+    for name in names:
+        db.run(
+            "INSERT INTO locks (flow_id, lock_name, task_id) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+            (flow_id, name, task_id),
+        )
+    return True
+
+
+def load_attributes(db: Db, flow_id: str, spec: LoadSpec) -> dict[tuple[str, str], bytes]:
+    if spec.mode == "none":
+        return {}
+    if spec.mode == "all":
+        rows = db.all("SELECT name, key, value FROM attributes WHERE flow_id = ?", (flow_id,))
+    else:
+        rows = []
+        if spec.names:
+            rows += db.all(
+                f"SELECT name, key, value FROM attributes WHERE flow_id = ? AND name IN ({_in(spec.names)})",
+                (flow_id, *spec.names),
+            )
+        for name, key in spec.instances:
+            rows += db.all(
+                "SELECT name, key, value FROM attributes WHERE flow_id = ? AND name = ? AND key = ?",
+                (flow_id, name, key),
+            )
+    return {(str(r[0]), str(r[1])): bytes(r[2]) for r in rows}
+
+
+def claim(db: Db, worker_id: str, flow_types: Sequence[str], capacity: int, now: int) -> list[Lease]:
+    """Hand up to `capacity` ready attempts to `worker_id`, taking method locks and snapshots."""
+    if capacity <= 0 or not flow_types:
+        return []
+    rows = db.all(
+        f"SELECT {_TASK_COLS} FROM tasks WHERE state = 'ready' AND run_at <= ? "
+        f"AND flow_type IN ({_in(flow_types)}) ORDER BY run_at, task_id LIMIT ?",
+        (now, *flow_types, capacity * 4),
+    )
+    leases: list[Lease] = []
+    for r in rows:
+        if len(leases) >= capacity:
+            break
+        lease = _claim_row(db, r, worker_id, now)
+        if lease is not None:
+            leases.append(lease)
+    return leases
+
+
+def _claim_row(db: Db, r: Row, worker_id: str, now: int) -> Lease | None:
+    task_id, epoch, flow_id, flow_type, step_type, seid, method, attempt = r[:8]
+    options = decode_json(r[9], TaskOptions)
+    mopts = _method_options(options, str(method))
+    if not r[14] and mopts.locks:
+        if not _try_lock(db, str(flow_id), int(task_id), mopts.locks):
+            return None
+        db.run("UPDATE tasks SET locks_held = 1 WHERE task_id = ?", (task_id,))
+    snapshot_blob = r[10]
+    if snapshot_blob is None:
+        # E15: the state loaded for the method's first attempt is what every retry sees.
+        attrs = load_attributes(db, str(flow_id), mopts.load)
+        snapshot_blob = encode_json([(n, k, msgspec.Raw(v)) for (n, k), v in attrs.items()])
+        db.run("UPDATE tasks SET snapshot = ? WHERE task_id = ?", (snapshot_blob, task_id))
+    else:
+        attrs = {(n, k): bytes(v) for n, k, v in decode_json(snapshot_blob, _SnapshotRows)}
+    method_deadline = None if mopts.timeout_ms is None else now + mopts.timeout_ms
+    hb_deadline = None if options.heartbeat_timeout_ms is None else now + options.heartbeat_timeout_ms
+    deadlines = [d for d in (method_deadline, hb_deadline) if d is not None]
+    new_epoch = int(epoch) + 1
+    db.run(
+        "UPDATE tasks SET state = 'running', lease_owner = ?, lease_epoch = ?, claimed_at = ?, "
+        "attempt_started = 0, method_first_at = COALESCE(method_first_at, ?), deadline_at = ?, "
+        "method_deadline_at = ? WHERE task_id = ?",
+        (worker_id, new_epoch, now, now, min(deadlines) if deadlines else None, method_deadline, task_id),
+    )
+    return Lease(
+        task_id=int(task_id), lease_epoch=new_epoch, flow_id=str(flow_id), flow_type=str(flow_type),
+        step_type=str(step_type), step_execution_id=str(seid),
+        method="wait_for" if method == "wait_for" else "execute", attempt=int(attempt),
+        input=bytes(r[8]), options=options, load=mopts.load, attributes=attrs,
+        checkpoint=None if r[11] is None else str(r[11]),
+        wait_spec=None if r[19] is None else decode_json(r[19], WaitSpec),
+        wait_outcome=None if r[12] is None else decode_json(r[12], WaitOutcome),
+        recovery_error=None if r[13] is None else decode_json(r[13], RecoveryError),
+    )
+
+
+def check_lease(db: Db, lease: Lease) -> None:
+    """E2: only the attempt that owns the task may write."""
+    row = db.one("SELECT state, lease_epoch FROM tasks WHERE task_id = ?", (lease.task_id,))
+    if row is None or row[0] != "running" or int(row[1]) != lease.lease_epoch:
+        raise StaleAttemptError(
+            f"attempt {lease.attempt} of {lease.step_execution_id} in flow {lease.flow_id!r} "
+            "no longer owns its task (cancelled, timed out, lease lost or superseded); its write was rejected"
+        )
+
+
+def _mark_started(db: Db, lease: Lease) -> None:
+    db.run(
+        "UPDATE tasks SET attempt_started = 1, any_started = 1 WHERE task_id = ? AND attempt_started = 0",
+        (lease.task_id,),
+    )
+
+
+# Writes ------------------------------------------------------------------------------------
+
+
+def apply_writes(db: Db, flow_id: str, writes: WriteSet, seid: str, attempt: int, now: int) -> None:
+    for (name, key), value in writes.attributes.items():
+        if value is None:
+            db.run("DELETE FROM attributes WHERE flow_id = ? AND name = ? AND key = ?", (flow_id, name, key))
+        else:
+            db.run(
+                "INSERT INTO attributes (flow_id, name, key, value) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (flow_id, name, key) DO UPDATE SET value = excluded.value",
+                (flow_id, name, key, value),
+            )
+    for channel, key, message_id in writes.deleted_messages:
+        if not db.run(
+            "DELETE FROM channel_messages WHERE message_id = ? AND flow_id = ? AND channel = ? AND key = ?",
+            (message_id, flow_id, channel, key),
+        ):
+            raise ChannelMessageNotFoundError(channel if not key else f"{channel}[{key}]", message_id)
+    for channel, key, value in writes.publishes:
+        db.run(
+            "INSERT INTO channel_messages (flow_id, channel, key, value, created_at) VALUES (?, ?, ?, ?, ?)",
+            (flow_id, channel, key, value, now),
+        )
+    for stream, capacity, value in writes.appends:
+        append_events(db, flow_id, stream, capacity, [(seid, attempt, value)])
+
+
+def append_events(
+    db: Db, flow_id: str, stream: str, capacity: int, events: Iterable[tuple[str, int, bytes]]
+) -> None:
+    row = db.one("SELECT next_seq, first_seq, total_bytes FROM streams WHERE flow_id = ? AND stream = ?",
+                 (flow_id, stream))
+    if row is None:
+        next_seq, first_seq, total = 1, 1, 0
+        db.run("INSERT INTO streams (flow_id, stream, next_seq, first_seq, total_bytes) VALUES (?, ?, 1, 1, 0)",
+               (flow_id, stream))
+    else:
+        next_seq, first_seq, total = int(row[0]), int(row[1]), int(row[2])
+    for seid, attempt, value in events:
+        db.run(
+            "INSERT INTO stream_events (flow_id, stream, seq, step_execution_id, attempt, value) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (flow_id, stream, next_seq, seid, attempt, value),
+        )
+        next_seq += 1
+        total += len(value)
+    while total > capacity and first_seq < next_seq - 1:
+        # E11: trim the oldest events first, keeping at least the newest one.
+        old = db.one("SELECT seq, LENGTH(value) FROM stream_events WHERE flow_id = ? AND stream = ? "
+                     "ORDER BY seq LIMIT 1", (flow_id, stream))
+        if old is None:
+            break
+        db.run("DELETE FROM stream_events WHERE flow_id = ? AND stream = ? AND seq = ?", (flow_id, stream, old[0]))
+        total -= int(old[1])
+        first_seq = int(old[0]) + 1
+    db.run("UPDATE streams SET next_seq = ?, first_seq = ?, total_bytes = ? WHERE flow_id = ? AND stream = ?",
+           (next_seq, first_seq, total, flow_id, stream))
+
+
+def read_events(db: Db, flow_id: str, stream: str, after: int, limit: int) -> EventPage:
+    flow_status(db, flow_id)
+    row = db.one("SELECT next_seq, first_seq FROM streams WHERE flow_id = ? AND stream = ?", (flow_id, stream))
+    if row is None:
+        return EventPage([], 1, 1)
+    rows = db.all(
+        "SELECT seq, step_execution_id, attempt, value FROM stream_events "
+        "WHERE flow_id = ? AND stream = ? AND seq > ? ORDER BY seq LIMIT ?",
+        (flow_id, stream, after, limit),
+    )
+    events = [StoredEvent(int(r[0]), str(r[1]), int(r[2]), bytes(r[3])) for r in rows]
+    next_seq = events[-1].sequence + 1 if events else max(after + 1, int(row[1]))
+    return EventPage(events, next_seq, int(row[1]))
+
+
+# Waits (E5, E6) ------------------------------------------------------------------------------
+
+
+def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
+    """Satisfy every waiting task of the flow that can be, oldest first; return how many."""
+    count = 0
+    rows = db.all(
+        "SELECT task_id, step_type, step_execution_id, wait_spec, wait_registered_at, timers_skipped "
+        "FROM tasks WHERE flow_id = ? AND state = 'waiting' ORDER BY wait_registered_at, task_id",
+        (flow_id,),
+    )
+    for task_id, step_type, seid, spec_blob, registered_at, skipped in rows:
+        spec = decode_json(spec_blob, WaitSpec)
+        queued: dict[tuple[str, str], list[int]] = {}
+        bodies: dict[int, bytes] = {}
+        for cond in spec.conditions:
+            ident = (cond.channel, cond.key)
+            if cond.kind != "channel" or ident in queued:
+                continue
+            msgs = db.all(
+                "SELECT message_id, value FROM channel_messages WHERE flow_id = ? AND channel = ? AND key = ? "
+                "ORDER BY message_id",
+                (flow_id, cond.channel, cond.key),
+            )
+            queued[ident] = [int(m[0]) for m in msgs]
+            bodies.update({int(m[0]): bytes(m[1]) for m in msgs})
+        fired = {
+            i for i, c in enumerate(spec.conditions)
+            if c.kind == "timer" and (skipped or int(registered_at) + c.seconds * 1000 <= now)
+        }
+        selection = select_wait(spec, queued, fired)
+        if selection is None:
+            continue
+        consumed: list[tuple[ConsumedMessage, ...]] = []
+        for i in range(len(spec.conditions)):
+            ids = selection.take.get(i, [])
+            consumed.append(tuple(ConsumedMessage(mid, msgspec.Raw(bodies[mid])) for mid in ids))
+            if ids:
+                db.run(f"DELETE FROM channel_messages WHERE message_id IN ({_in(ids)})", ids)
+        outcome = WaitOutcome(
+            satisfied=selection.satisfied, consumed=tuple(consumed),
+            fired_timers=selection.fired_timers, skipped=selection.skipped,
+        )
+        db.run(
+            "UPDATE tasks SET state = 'ready', method = 'execute', attempt = 1, attempt_started = 0, "
+            "any_started = 0, method_first_at = NULL, snapshot = NULL, checkpoint = NULL, run_at = ?, "
+            "wait_outcome = ?, timer_due_at = NULL, last_error = NULL WHERE task_id = ?",
+            (now, encode_json(outcome), task_id),
+        )
+        _history(db, flow_id, str(step_type), str(seid), WAIT_COMPLETED, 0, now,
+                 "skipped" if selection.skipped else f"satisfied {list(selection.satisfied)}")
+        count += 1
+    return count
+
+
+def skip_timer(db: Db, flow_id: str, step_execution_id: str, now: int) -> None:
+    require_running(db, flow_id)
+    n = db.run(
+        "UPDATE tasks SET timers_skipped = 1 WHERE flow_id = ? AND step_execution_id = ? AND state = 'waiting'",
+        (flow_id, step_execution_id),
+    )
+    if not n:
+        raise StepNotWaitingError(flow_id, step_execution_id)
+    evaluate_waits(db, flow_id, now)
+    bump(db, flow_id)
+
+
+# Commits of Step methods -------------------------------------------------------------------
+
+
+def commit_wait_for(db: Db, lease: Lease, writes: WriteSet, spec: WaitSpec, now: int) -> None:
+    check_lease(db, lease)
+    require_running(db, lease.flow_id)
+    apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now)
+    _release_locks(db, lease.task_id)
+    timers = [c.seconds for c in spec.conditions if c.kind == "timer"]
+    db.run(
+        "UPDATE tasks SET state = 'waiting', method = 'execute', lease_owner = NULL, locks_held = 0, "
+        "wait_spec = ?, wait_registered_at = ?, timer_due_at = ?, deadline_at = NULL, snapshot = NULL, "
+        "checkpoint = NULL WHERE task_id = ?",
+        (encode_json(spec), now, now + min(timers) * 1000 if timers else None, lease.task_id),
+    )
+    _history(db, lease.flow_id, lease.step_type, lease.step_execution_id, WAIT_REGISTERED, lease.attempt, now)
+    evaluate_waits(db, lease.flow_id, now)
+    bump(db, lease.flow_id)
+
+
+def commit_execute(db: Db, lease: Lease, writes: WriteSet, decision: DecisionRecord, now: int) -> None:
+    check_lease(db, lease)
+    require_running(db, lease.flow_id)
+    apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now)
+    _release_locks(db, lease.task_id)
+    db.run("DELETE FROM tasks WHERE task_id = ?", (lease.task_id,))
+    _history(db, lease.flow_id, lease.step_type, lease.step_execution_id, EXECUTE_COMPLETED, lease.attempt, now,
+             decision.kind)
+    apply_decision(db, lease.flow_id, lease.flow_type, decision, now)
+    if writes.publishes:
+        evaluate_waits(db, lease.flow_id, now)
+    _maybe_complete(db, lease.flow_id, now)
+    bump(db, lease.flow_id)
+
+
+def apply_decision(db: Db, flow_id: str, flow_type: str, decision: DecisionRecord, now: int) -> None:
+    if decision.kind == "force_complete":
+        close_flow(db, flow_id, "completed", decision.output, None, now)
+        return
+    if decision.kind == "force_fail":
+        close_flow(db, flow_id, "failed", None, decision.reason, now)
+        return
+    # E9: cancel first, so Steps this decision starts are not affected.
+    if decision.canceling_steps:
+        cancel_step_types(db, flow_id, decision.canceling_steps, now)
+    for movement in decision.movements:
+        create_task(db, flow_id, flow_type, movement, now)
+    if decision.kind == "graceful_complete":
+        db.run("UPDATE flows SET completing = 1, completion_output = ? WHERE flow_id = ?",
+               (decision.output, flow_id))
+
+
+def cancel_step_types(db: Db, flow_id: str, step_types: Sequence[str], now: int) -> int:
+    rows = db.all(
+        f"SELECT task_id FROM tasks WHERE flow_id = ? AND step_type IN ({_in(step_types)}) ORDER BY task_id",
+        (flow_id, *step_types),
+    )
+    for (task_id,) in rows:
+        _cancel_task(db, int(task_id), now, "cancelled")
+    return len(rows)
+
+
+def _cancel_task(db: Db, task_id: int, now: int, detail: str) -> None:
+    row = db.one("SELECT flow_id, step_type, step_execution_id, attempt FROM tasks WHERE task_id = ?", (task_id,))
+    if row is None:
+        return
+    _release_locks(db, task_id)
+    db.run("DELETE FROM tasks WHERE task_id = ?", (task_id,))
+    _history(db, str(row[0]), str(row[1]), str(row[2]), STEP_CANCELLED, int(row[3]), now, detail)
+
+
+# Failures, retries, failure routes (E3, E4) --------------------------------------------------
+
+
+def fail_attempt(db: Db, lease: Lease, error: ErrorInfo, no_retry: bool, now: int) -> None:
+    check_lease(db, lease)
+    _fail_task(db, lease.task_id, error, no_retry, now)
+
+
+def _fail_task(db: Db, task_id: int, error: ErrorInfo, no_retry: bool, now: int) -> None:
+    row = db.one(
+        "SELECT flow_id, flow_type, step_type, step_execution_id, method, attempt, options, input, "
+        "method_first_at, any_started, attempt_started FROM tasks WHERE task_id = ?",
+        (task_id,),
+    )
+    assert row is not None
+    flow_id, flow_type, step_type, seid, method, attempt = (str(row[0]), str(row[1]), str(row[2]),
+                                                            str(row[3]), str(row[4]), int(row[5]))
+    options = decode_json(row[6], TaskOptions)
+    started = bool(row[9]) or bool(row[10])
+    _history(db, flow_id, step_type, seid, ATTEMPT_FAILED, attempt, now,
+             f"{method}: {error.error_type}: {error.detail}")
+    policy = _method_options(options, method).retry
+    decision = decide_retry(policy, attempt=attempt, first_started_ms=int(row[8] or now), now_ms=now,
+                            no_retry=no_retry)
+    if decision.retry:
+        db.run(
+            "UPDATE tasks SET state = 'ready', attempt = attempt + 1, attempt_started = 0, run_at = ?, "
+            "lease_owner = NULL, deadline_at = NULL, last_error = ? WHERE task_id = ?",
+            (decision.run_at_ms, encode_json(error), task_id),
+        )
+        bump(db, flow_id)
+        return
+    _release_locks(db, task_id)
+    db.run("DELETE FROM tasks WHERE task_id = ?", (task_id,))
+    recovery = RecoveryError(
+        step_type=step_type, step_execution_id=seid,
+        method="wait_for" if method == "wait_for" else "execute", attempts=attempt,
+        attempt_progress=AttemptProgress.NOT_COMPLETED if started else AttemptProgress.NOT_STARTED,
+        error_type=error.error_type, detail=error.detail,
+    )
+    _history(db, flow_id, step_type, seid, STEP_FAILED, attempt, now,
+             f"{recovery.attempt_progress}: {error.error_type}: {error.detail}")
+    if options.failure_route is not None and options.failure_route_options is not None:
+        route = MovementRecord(options.failure_route, bytes(row[7]), options.failure_route_options)
+        create_task(db, flow_id, flow_type, route, now, recovery)
+        bump(db, flow_id)
+    else:
+        close_flow(db, flow_id, "failed", None,
+                   f"Step {seid} failed after {attempt} attempt(s): {error.error_type}: {error.detail}", now)
+
+
+def release_unstarted(db: Db, lease: Lease, now: int) -> None:
+    """Give back an attempt that never started (graceful shutdown): same attempt number, no retry used."""
+    check_lease(db, lease)
+    db.run(
+        "UPDATE tasks SET state = 'ready', lease_owner = NULL, deadline_at = NULL, run_at = ? "
+        "WHERE task_id = ? AND attempt_started = 0",
+        (now, lease.task_id),
+    )
+
+
+# Heartbeats and best-effort events (E10, E11) ------------------------------------------------
+
+
+def heartbeat(db: Db, lease: Lease, checkpoint: str | None, now: int) -> None:
+    check_lease(db, lease)
+    hb_ms = lease.options.heartbeat_timeout_ms
+    db.run(
+        "UPDATE tasks SET attempt_started = 1, any_started = 1, checkpoint = COALESCE(?, checkpoint), "
+        "deadline_at = CASE WHEN ? IS NULL THEN method_deadline_at "
+        "WHEN method_deadline_at IS NULL OR method_deadline_at > ? THEN ? ELSE method_deadline_at END "
+        "WHERE task_id = ?",
+        (checkpoint, hb_ms, None if hb_ms is None else now + hb_ms,
+         None if hb_ms is None else now + hb_ms, lease.task_id),
+    )
+
+
+def append_best_effort(db: Db, lease: Lease, stream: str, capacity: int, values: Sequence[bytes]) -> None:
+    check_lease(db, lease)
+    _mark_started(db, lease)
+    append_events(db, lease.flow_id, stream, capacity,
+                  [(lease.step_execution_id, lease.attempt, v) for v in values])
+
+
+def task_epochs(db: Db, task_ids: Sequence[int]) -> dict[int, int]:
+    if not task_ids:
+        return {}
+    rows = db.all(
+        f"SELECT task_id, lease_epoch FROM tasks WHERE state = 'running' AND task_id IN ({_in(task_ids)})",
+        tuple(task_ids),
+    )
+    return {int(r[0]): int(r[1]) for r in rows}
+
+
+# Workers and housekeeping ------------------------------------------------------------------
+
+
+def register_worker(db: Db, worker_id: str, host: str, pid: int, ttl_ms: int, now: int) -> None:
+    db.run(
+        "INSERT INTO workers (worker_id, host, pid, started_at, expires_at) VALUES (?, ?, ?, ?, ?) "
+        "ON CONFLICT (worker_id) DO UPDATE SET expires_at = excluded.expires_at",
+        (worker_id, host, pid, now, now + ttl_ms),
+    )
+
+
+def renew_worker(db: Db, worker_id: str, ttl_ms: int, now: int) -> bool:
+    """Extend the worker's lease; False when it was declared dead (its attempts are gone)."""
+    return bool(db.run("UPDATE workers SET expires_at = ? WHERE worker_id = ?", (now + ttl_ms, worker_id)))
+
+
+def unregister_worker(db: Db, worker_id: str, now: int) -> None:
+    db.run("DELETE FROM workers WHERE worker_id = ?", (worker_id,))
+    _expire_orphans(db, now)
+
+
+def housekeeping(db: Db, now: int) -> HousekeepingReport:
+    """Dead workers, expired leases, timeouts, due timers. Idempotent; any worker may run it."""
+    removed = db.run("DELETE FROM workers WHERE expires_at < ?", (now,))
+    expired = _expire_orphans(db, now)
+    timeouts = 0
+    for task_id, method_deadline in db.all(
+        "SELECT task_id, method_deadline_at FROM tasks WHERE state = 'running' AND deadline_at < ?", (now,)
+    ):
+        kind = "MethodTimeout" if method_deadline is not None and int(method_deadline) < now else "HeartbeatTimeout"
+        _fail_task(db, int(task_id), ErrorInfo(kind, "the attempt passed its deadline"), False, now)
+        timeouts += 1
+    fired = 0
+    flows = db.all(
+        "SELECT DISTINCT flow_id FROM tasks WHERE state = 'waiting' AND timer_due_at <= ?", (now,)
+    )
+    for (flow_id,) in flows:
+        n = evaluate_waits(db, str(flow_id), now)
+        if n:
+            bump(db, str(flow_id))
+        fired += n
+    return HousekeepingReport(timers_fired=fired, leases_expired=expired, timeouts=timeouts,
+                              workers_removed=removed)
+
+
+def _expire_orphans(db: Db, now: int) -> int:
+    rows = db.all(
+        "SELECT t.task_id, t.attempt_started, t.flow_id FROM tasks t LEFT JOIN workers w "
+        "ON w.worker_id = t.lease_owner WHERE t.state = 'running' AND w.worker_id IS NULL"
+    )
+    for task_id, started, flow_id in rows:
+        if started:
+            _fail_task(db, int(task_id), ErrorInfo("WorkerLost", "the worker running the attempt died"), False, now)
+        else:
+            # E3: never started: hand the same attempt out again, consuming no retry.
+            db.run(
+                "UPDATE tasks SET state = 'ready', lease_owner = NULL, deadline_at = NULL, run_at = ? "
+                "WHERE task_id = ?",
+                (now, task_id),
+            )
+            bump(db, str(flow_id))
+    return len(rows)
+
+
+def next_due(db: Db, flow_types: Sequence[str]) -> int | None:
+    """Earliest time something becomes due: a ready task's run_at, a timer, a deadline, a lease."""
+    candidates = [
+        db.one(f"SELECT MIN(run_at) FROM tasks WHERE state = 'ready' AND flow_type IN ({_in(flow_types)})",
+               tuple(flow_types)) if flow_types else None,
+        db.one("SELECT MIN(timer_due_at) FROM tasks WHERE state = 'waiting'"),
+        db.one("SELECT MIN(deadline_at) FROM tasks WHERE state = 'running'"),
+        db.one("SELECT MIN(expires_at) FROM workers"),
+    ]
+    values = [int(c[0]) for c in candidates if c is not None and c[0] is not None]
+    return min(values) if values else None
+
+
+# RPCs (E7, E8) ------------------------------------------------------------------------------
+
+
+def _check_rpc_locks(db: Db, flow_id: str, locks: Sequence[str]) -> None:
+    if not locks:
+        return
+    row = db.one(
+        f"SELECT l.lock_name, t.step_execution_id FROM locks l LEFT JOIN tasks t ON t.task_id = l.task_id "
+        f"WHERE l.flow_id = ? AND l.lock_name IN ({_in(locks)}) LIMIT 1",
+        (flow_id, *locks),
+    )
+    if row is not None:
+        raise RpcLockConflictError(flow_id, str(row[0]), f"Step {row[1]}")
+
+
+def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcSnapshot:
+    flow_type = require_running(db, flow_id)
+    _check_rpc_locks(db, flow_id, locks)
+    version_row = db.one("SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
+    assert version_row is not None
+    pending: dict[tuple[str, str], list[tuple[int, bytes]]] = {}
+    for channel, key, mid, value in db.all(
+        "SELECT channel, key, message_id, value FROM channel_messages WHERE flow_id = ? ORDER BY message_id",
+        (flow_id,),
+    ):
+        pending.setdefault((str(channel), str(key)), []).append((int(mid), bytes(value)))
+    return RpcSnapshot(flow_type, int(version_row[0]), load_attributes(db, flow_id, load), pending)
+
+
+def rpc_commit(
+    db: Db, flow_id: str, version: int, locks: Sequence[str], writes: WriteSet,
+    next_steps: Sequence[MovementRecord], canceling: Sequence[str], now: int,
+) -> None:
+    flow_type = require_running(db, flow_id)
+    row = db.one("SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
+    if row is None or int(row[0]) != version:
+        raise RpcVersionChanged()
+    _check_rpc_locks(db, flow_id, locks)
+    apply_writes(db, flow_id, writes, "", 0, now)
+    if canceling:
+        cancel_step_types(db, flow_id, canceling, now)
+    for movement in next_steps:
+        create_task(db, flow_id, flow_type, movement, now)
+    if writes.publishes:
+        evaluate_waits(db, flow_id, now)
+    _maybe_complete(db, flow_id, now)
+    bump(db, flow_id)
+
+
+def publish(db: Db, flow_id: str, channel: str, key: str, value: bytes, now: int) -> int:
+    require_running(db, flow_id)
+    row = db.one(
+        "INSERT INTO channel_messages (flow_id, channel, key, value, created_at) VALUES (?, ?, ?, ?, ?) "
+        "RETURNING message_id",
+        (flow_id, channel, key, value, now),
+    )
+    assert row is not None
+    evaluate_waits(db, flow_id, now)
+    bump(db, flow_id)
+    return int(row[0])
+
+
+# Reads for clients and the CLI ---------------------------------------------------------------
+
+
+def read_attribute(db: Db, flow_id: str, name: str, key: str) -> bytes | None:
+    flow_status(db, flow_id)
+    row = db.one("SELECT value FROM attributes WHERE flow_id = ? AND name = ? AND key = ?", (flow_id, name, key))
+    return None if row is None else bytes(row[0])
+
+
+def read_attribute_map(db: Db, flow_id: str, name: str) -> dict[str, bytes]:
+    flow_status(db, flow_id)
+    rows = db.all("SELECT key, value FROM attributes WHERE flow_id = ? AND name = ? ORDER BY key", (flow_id, name))
+    return {str(r[0]): bytes(r[1]) for r in rows}
+
+
+def read_all_attributes(db: Db, flow_id: str) -> dict[tuple[str, str], bytes]:
+    flow_status(db, flow_id)
+    return load_attributes(db, flow_id, LoadSpec("all"))
+
+
+def describe_flow(db: Db, flow_id: str) -> FlowInfo:
+    row = db.one(
+        "SELECT flow_id, flow_type, status, created_at, closed_at, output, error, config FROM flows "
+        "WHERE flow_id = ?", (flow_id,),
+    )
+    if row is None:
+        raise FlowNotFoundError(flow_id)
+    steps = db.all(
+        "SELECT step_type, step_execution_id, state, method, attempt, timer_due_at FROM tasks "
+        "WHERE flow_id = ? ORDER BY task_id", (flow_id,),
+    )
+    return FlowInfo(
+        flow_id=str(row[0]), flow_type=str(row[1]), status=row[2], created_at_ms=int(row[3]),
+        closed_at_ms=None if row[4] is None else int(row[4]),
+        output=None if row[5] is None else bytes(row[5]), error=row[6],
+        config=decode_json(row[7], FlowConfig),
+        active_steps=tuple(
+            ActiveStep(str(s[0]), str(s[1]), str(s[2]), str(s[3]), int(s[4]),
+                       None if s[5] is None else int(s[5])) for s in steps
+        ),
+    )
+
+
+def search_flows(
+    db: Db, flow_type: str | None, status: str | None, active_step: str | None, limit: int
+) -> list[str]:
+    clauses, params = [], []
+    if flow_type is not None:
+        clauses.append("f.flow_type = ?")
+        params.append(flow_type)
+    if status is not None:
+        clauses.append("f.status = ?")
+        params.append(status)
+    if active_step is not None:
+        # E13/E16: only flows whose config enables active Step search are found this way.
+        clauses.append("f.status = 'running' AND EXISTS (SELECT 1 FROM tasks t WHERE t.flow_id = f.flow_id "
+                       "AND t.step_type = ?)")
+        params.append(active_step)
+    where = " AND ".join(clauses) or "1 = 1"
+    rows = db.all(f"SELECT f.flow_id, f.config FROM flows f WHERE {where} ORDER BY f.created_at, f.flow_id LIMIT ?",
+                  (*params, limit))
+    out = []
+    for flow_id, config in rows:
+        if active_step is not None and not decode_json(config, FlowConfig).active_step_search:
+            continue
+        out.append(str(flow_id))
+    return out
+
+
+def list_workers(db: Db) -> list[tuple[str, str, int, int, int]]:
+    return [(str(r[0]), str(r[1]), int(r[2]), int(r[3]), int(r[4]))
+            for r in db.all("SELECT worker_id, host, pid, started_at, expires_at FROM workers ORDER BY started_at")]

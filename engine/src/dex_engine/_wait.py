@@ -1,0 +1,129 @@
+"""Wait conditions as authored in WaitFor, and their stored form."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+
+from ._errors import InvalidWaitError
+from ._limits import MAX_TIMER_SECONDS
+
+# Stored form ------------------------------------------------------------------------------
+
+
+class ConditionSpec(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One condition as stored: a channel instance with bounds, or a timer."""
+
+    kind: Literal["channel", "timer"]
+    channel: str = ""
+    key: str = ""
+    at_least: int = 0
+    at_most: int | None = None  # None: take everything queued
+    seconds: int = 0
+
+
+class WaitSpec(msgspec.Struct, frozen=True, omit_defaults=True):
+    mode: Literal["any", "all", "skip"]
+    conditions: tuple[ConditionSpec, ...] = ()
+
+
+# Authored form ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChannelCondition:
+    """Satisfied when `at_least` messages are queued on one channel instance; takes up to `at_most`."""
+
+    channel: str
+    key: str
+    at_least: int
+    at_most: int | None
+
+    def spec(self) -> ConditionSpec:
+        return ConditionSpec(
+            kind="channel", channel=self.channel, key=self.key,
+            at_least=self.at_least, at_most=self.at_most,
+        )
+
+
+@dataclass(frozen=True)
+class TimerCondition:
+    """Fires `seconds` whole seconds after the wait is registered (0 fires at once)."""
+
+    seconds: int
+
+    def spec(self) -> ConditionSpec:
+        return ConditionSpec(kind="timer", seconds=self.seconds)
+
+
+Condition = ChannelCondition | TimerCondition
+
+
+def channel_condition(channel: str, key: str, at_least: int, at_most: int | None) -> ChannelCondition:
+    for label, n in (("at_least", at_least), ("at_most", at_most)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise InvalidWaitError(f"{label} must be a whole number >= 0, got {n!r} for channel {channel!r}")
+    if at_most is not None and at_most < at_least:
+        raise InvalidWaitError(
+            f"at_most ({at_most}) < at_least ({at_least}) on channel {channel!r}; it could never be satisfied"
+        )
+    if at_most == 0:
+        raise InvalidWaitError(f"at_most must be >= 1 on channel {channel!r}; a condition that takes nothing")
+    return ChannelCondition(channel, key, at_least, at_most)
+
+
+class Timer:
+    """Durable timer conditions."""
+
+    @staticmethod
+    def by_duration(seconds: float) -> TimerCondition:
+        """A timer of whole seconds; fractions round up, 0 fires at once, negatives are refused."""
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or math.isnan(seconds):
+            raise InvalidWaitError(f"timer duration must be a number of seconds, got {seconds!r}")
+        if seconds < 0:
+            raise InvalidWaitError(f"timer duration is negative ({seconds!r} s); use 0 to fire at once")
+        if seconds > MAX_TIMER_SECONDS or math.isinf(seconds):
+            raise InvalidWaitError(f"timer duration {seconds!r} s is beyond the limit of {MAX_TIMER_SECONDS} s")
+        return TimerCondition(math.ceil(seconds))
+
+
+@dataclass(frozen=True)
+class Wait:
+    """What a WaitFor returns: the conditions Execute waits for."""
+
+    mode: Literal["any", "all", "skip"]
+    conditions: tuple[Condition, ...]
+
+    @staticmethod
+    def until(condition: Condition) -> Wait:
+        return Wait("any", (_check(condition),))
+
+    @staticmethod
+    def any_of(*conditions: Condition) -> Wait:
+        if not conditions:
+            raise InvalidWaitError("Wait.any_of needs at least one condition; use Wait.skip_immediately()")
+        return Wait("any", tuple(_check(c) for c in conditions))
+
+    @staticmethod
+    def all_of(*conditions: Condition) -> Wait:
+        if not conditions:
+            raise InvalidWaitError("Wait.all_of needs at least one condition; use Wait.skip_immediately()")
+        return Wait("all", tuple(_check(c) for c in conditions))
+
+    @staticmethod
+    def skip_immediately() -> Wait:
+        return Wait("skip", ())
+
+    def spec(self) -> WaitSpec:
+        return WaitSpec(mode=self.mode, conditions=tuple(c.spec() for c in self.conditions))
+
+
+def _check(condition: object) -> Condition:
+    if not isinstance(condition, ChannelCondition | TimerCondition):
+        raise InvalidWaitError(
+            f"{condition!r} is not a wait condition; use a channel's for_one()/for_n()/... or Timer.by_duration()"
+        )
+    return condition

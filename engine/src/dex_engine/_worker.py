@@ -1,0 +1,414 @@
+"""AsyncWorker: claims attempts, runs handlers, commits results, and keeps the engine healthy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from . import _gates
+from ._codec import decode_value, encode_value
+from ._context import Context, WaitResult
+from ._decision import StepDecision
+from ._errors import InvalidValueError, NoRetryError, StaleAttemptError
+from ._flow import Registry
+from ._limits import (
+    DEFAULT_HOUSEKEEPING_SECONDS,
+    DEFAULT_LEASE_RENEW_SECONDS,
+    DEFAULT_LEASE_TTL_SECONDS,
+    DEFAULT_MAX_CONCURRENT_TASKS,
+    DEFAULT_POLL_SECONDS,
+)
+from ._open import open_store
+from ._records import DecisionRecord, ErrorInfo, Lease
+from ._scheduling import movement_record
+from ._store import Store
+from ._wait import Wait, WaitSpec
+
+log = logging.getLogger("dex_engine.worker")
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How a worker connects and paces itself. Defaults suit production; tests shorten the timings.
+
+    A worker that stops renewing is declared dead after `lease_ttl_seconds`; its started attempts
+    fail and its unstarted ones are handed out again, so takeover takes at most about
+    lease_ttl + housekeeping seconds.
+    """
+
+    database_url: str = "sqlite:///dex.db"
+    max_concurrent_tasks: int = DEFAULT_MAX_CONCURRENT_TASKS
+    lease_ttl_seconds: float = DEFAULT_LEASE_TTL_SECONDS
+    lease_renew_seconds: float = DEFAULT_LEASE_RENEW_SECONDS
+    housekeeping_seconds: float = DEFAULT_HOUSEKEEPING_SECONDS
+    poll_seconds: float = DEFAULT_POLL_SECONDS
+    shutdown_grace_seconds: float = 10.0
+    worker_id: str | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_concurrent_tasks < 1:
+            problems.append(f"max_concurrent_tasks must be >= 1, got {self.max_concurrent_tasks}")
+        if not 0 < self.lease_renew_seconds < self.lease_ttl_seconds:
+            problems.append(
+                f"lease_renew_seconds ({self.lease_renew_seconds}) must be > 0 and below "
+                f"lease_ttl_seconds ({self.lease_ttl_seconds}), or leases expire between renewals"
+            )
+        for name in ("housekeeping_seconds", "poll_seconds", "shutdown_grace_seconds"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if problems:
+            raise ValueError("invalid WorkerOptions: " + "; ".join(problems))
+
+
+class _Running:
+    """One attempt in flight on this worker."""
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self.task: asyncio.Task[None] | None = None
+        self.revoked = False  # the engine took the task away; discard whatever the handler returns
+        self.events: list[tuple[str, int, bytes]] = []
+        self.events_lock = threading.Lock()
+        self.events_closed = False
+        self.flush_task: asyncio.Task[None] | None = None
+
+
+class AsyncWorker:
+    """Runs the Steps of the Registry's Flows from one database.
+
+    `await worker.run()` until `await worker.stop()`; or `async with worker:` to run it in the
+    background of the block.
+    """
+
+    def __init__(self, registry: Registry, options: WorkerOptions | None = None, *, store: Store | None = None) -> None:
+        self.registry = registry
+        self.options = options or WorkerOptions()
+        self._store = store
+        self._owns_store = store is None
+        self.worker_id = self.options.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._flow_types = sorted(registry.flows)
+        self._running: dict[int, _Running] = {}
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._background: asyncio.Task[None] | None = None
+        self._revoked_check = False
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            raise RuntimeError("the worker has not started")
+        return self._store
+
+    async def __aenter__(self) -> AsyncWorker:
+        self._background = asyncio.create_task(self.run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._background is not None:
+            await self._background
+        else:
+            await self._stopped.wait()
+
+    def _notify(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake.set)
+
+    async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self._store is None:
+            self._store = open_store(self.options.database_url)
+        store = self._store
+        store.add_commit_listener(self._notify)
+        ttl_ms = int(self.options.lease_ttl_seconds * 1000)
+        await store.register_worker(self.worker_id, socket.gethostname(), os.getpid(), ttl_ms)
+        renewer = asyncio.create_task(self._renew_loop(ttl_ms))
+        try:
+            await self._main_loop()
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+            await self._drain()
+            with contextlib.suppress(Exception):
+                await store.unregister_worker(self.worker_id)
+            if self._owns_store:
+                await store.close()
+            self._stopped.set()
+
+    async def _main_loop(self) -> None:
+        store = self.store
+        opts = self.options
+        next_housekeeping = 0.0
+        must_claim = True
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            if now >= next_housekeeping:
+                try:
+                    report = await store.housekeeping()
+                    _gates.gate(_gates.HOUSEKEEPING)
+                    if report.timers_fired or report.leases_expired or report.timeouts:
+                        must_claim = True
+                except Exception:
+                    log.exception("housekeeping failed; will retry")
+                next_housekeeping = now + opts.housekeeping_seconds * (0.75 + random.random() / 2)
+            changed = await store.changed()
+            if changed and self._running:
+                await self._check_revoked()
+            if must_claim or changed:
+                await self._claim()
+            must_claim = False
+            timeout = min(opts.poll_seconds, max(0.0, next_housekeeping - time.monotonic()))
+            due = await store.next_due(self._flow_types)
+            if due is not None:
+                until_due = due / 1000 - time.time()
+                if until_due <= 0:
+                    must_claim = True
+                    next_housekeeping = min(next_housekeeping, time.monotonic())
+                    timeout = 0.0 if until_due <= -0.001 else timeout
+            self._wake.clear()
+            if timeout > 0:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                    must_claim = True
+                    if self._running:
+                        self._revoked_check = True
+                except TimeoutError:
+                    pass
+            if self._revoked_check:
+                self._revoked_check = False
+                await self._check_revoked()
+
+    async def _claim(self) -> None:
+        free = self.options.max_concurrent_tasks - len(self._running)
+        if free <= 0:
+            return
+        try:
+            leases = await self.store.claim(self.worker_id, self._flow_types, free)
+        except Exception:
+            log.exception("claim failed; will retry")
+            return
+        for lease in leases:
+            self._spawn(lease)
+
+    def _spawn(self, lease: Lease) -> None:
+        running = _Running(lease)
+        self._running[lease.task_id] = running
+        running.task = asyncio.create_task(self._run_attempt(running), name=lease.step_execution_id)
+
+    async def _check_revoked(self) -> None:
+        """E9: cancel handlers whose task was cancelled, timed out or taken over."""
+        if not self._running:
+            return
+        ids = list(self._running)
+        try:
+            epochs = await self.store.task_epochs(ids)
+        except Exception:
+            log.exception("could not check running attempts")
+            return
+        for task_id in ids:
+            running = self._running.get(task_id)
+            if running is None or running.revoked:
+                continue
+            if epochs.get(task_id) != running.lease.lease_epoch:
+                self._revoke(running)
+
+    def _revoke(self, running: _Running) -> None:
+        running.revoked = True
+        with running.events_lock:
+            running.events_closed = True
+            running.events.clear()
+        if running.task is not None:
+            running.task.cancel()
+
+    async def _renew_loop(self, ttl_ms: int) -> None:
+        while True:
+            await asyncio.sleep(self.options.lease_renew_seconds)
+            try:
+                alive = await self.store.renew_worker(self.worker_id, ttl_ms)
+            except Exception:
+                log.exception("lease renewal failed; will retry")
+                continue
+            if not alive:
+                # Declared dead while we were paused or cut off: every attempt we hold is gone.
+                log.warning("worker %s was declared dead; abandoning %d attempts", self.worker_id, len(self._running))
+                for running in list(self._running.values()):
+                    self._revoke(running)
+                await self.store.register_worker(self.worker_id, socket.gethostname(), os.getpid(), ttl_ms)
+
+    async def _drain(self) -> None:
+        tasks = [r.task for r in self._running.values() if r.task is not None]
+        if tasks:
+            _done, pending = await asyncio.wait(tasks, timeout=self.options.shutdown_grace_seconds)
+            for running in list(self._running.values()):
+                if running.task in pending:
+                    self._revoke(running)
+            if pending:
+                await asyncio.wait(pending)
+
+    # One attempt -------------------------------------------------------------------------
+
+    async def _run_attempt(self, running: _Running) -> None:
+        lease = running.lease
+        try:
+            await self._attempt(running)
+        except asyncio.CancelledError:
+            if not running.revoked:
+                raise
+        except StaleAttemptError:
+            log.info("attempt %s#%d lost its task; result discarded", lease.step_execution_id, lease.attempt)
+        except Exception:
+            log.exception("worker error while running %s", lease.step_execution_id)
+        finally:
+            with running.events_lock:
+                running.events_closed = True
+            if running.flush_task is not None:
+                running.flush_task.cancel()
+            self._running.pop(lease.task_id, None)
+            self._wake.set()
+
+    async def _attempt(self, running: _Running) -> None:
+        lease = running.lease
+        _gates.gate(_gates.CLAIMED)
+        flow = self.registry.flow(lease.flow_type)
+        step = flow.step(lease.step_type)
+        try:
+            ctx = self._context(running)
+            input_value = decode_value(f"input of Step {step.step_type}", step.input_type, lease.input)
+            timeout_ms = (lease.options.wait_for if lease.method == "wait_for" and lease.options.wait_for
+                          else lease.options.execute).timeout_ms
+            async with asyncio.timeout(None if timeout_ms is None else timeout_ms / 1000):
+                if lease.method == "wait_for":
+                    assert step.wait_for is not None
+                    result: Any = await step.wait_for(ctx, input_value)
+                else:
+                    result = await step.execute(ctx, input_value)
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            await self._fail(running, ErrorInfo("MethodTimeout", f"{lease.method} passed its timeout"), False)
+            return
+        except NoRetryError as exc:
+            await self._fail(running, _error_info(exc), True)
+            return
+        except Exception as exc:
+            await self._fail(running, _error_info(exc), False)
+            return
+        await self._flush_events(running)
+        if running.revoked:
+            return
+        try:
+            if lease.method == "wait_for":
+                if not isinstance(result, Wait):
+                    raise InvalidValueError(
+                        f"wait_for of Step {lease.step_type!r} returned {result!r}, not a Wait"
+                    )
+                spec: WaitSpec = result.spec()
+                _gates.gate(_gates.BEFORE_COMMIT)
+                await self.store.commit_wait_for(lease, ctx.writes, spec)
+            else:
+                decision = self._decision_record(lease, result)
+                _gates.gate(_gates.BEFORE_COMMIT)
+                free = self.options.max_concurrent_tasks - len(self._running) + 1
+                claim = None if self._stopping.is_set() else (self.worker_id, self._flow_types, free)
+                leases = await self.store.commit_execute(lease, ctx.writes, decision, claim)
+                self._running.pop(lease.task_id, None)
+                for next_lease in leases:
+                    self._spawn(next_lease)
+        except (StaleAttemptError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            await self._fail(running, _error_info(exc), False)
+            return
+        _gates.gate(_gates.AFTER_COMMIT)
+
+    def _decision_record(self, lease: Lease, result: object) -> DecisionRecord:
+        if not isinstance(result, StepDecision):
+            raise InvalidValueError(f"execute of Step {lease.step_type!r} returned {result!r}, not a StepDecision")
+        flow = self.registry.flow(lease.flow_type)
+        movements = tuple(movement_record(flow, m) for m in result.movements)
+        for name in result.canceling_steps:
+            flow.step(name)
+        output = None
+        if result.kind in ("graceful_complete", "force_complete"):
+            output = encode_value("flow output", Any, result.output)
+        return DecisionRecord(kind=result.kind, movements=movements, output=output, reason=result.reason,
+                              canceling_steps=result.canceling_steps)
+
+    async def _fail(self, running: _Running, error: ErrorInfo, no_retry: bool) -> None:
+        if running.revoked:
+            return
+        await self.store.fail_attempt(running.lease, error, no_retry=no_retry)
+
+    def _context(self, running: _Running) -> Context:
+        lease = running.lease
+        flow = self.registry.flow(lease.flow_type)
+        store = self.store
+        loop = asyncio.get_running_loop()
+
+        async def heartbeat(checkpoint: str | None) -> None:
+            if running.revoked:
+                raise StaleAttemptError(f"attempt {lease.attempt} of {lease.step_execution_id} was revoked")
+            await store.heartbeat(lease, checkpoint)
+
+        def write_event(stream: str, data: bytes) -> None:
+            with running.events_lock:
+                if running.events_closed:
+                    return
+                capacity = flow.streams[stream].capacity_bytes
+                running.events.append((stream, capacity, data))
+            loop.call_soon_threadsafe(self._schedule_flush, running)
+
+        wait_result = None
+        if lease.method == "execute" and lease.options.has_wait_for:
+            wait_result = WaitResult(lease.wait_spec, lease.wait_outcome, flow)
+        return Context(
+            flow=flow, flow_id=lease.flow_id, step_type=lease.step_type,
+            step_execution_id=lease.step_execution_id, method=lease.method, attempt=lease.attempt,
+            loaded=lease.attributes, load=lease.load, checkpoint=lease.checkpoint,
+            recovery_error=lease.recovery_error, wait_result=wait_result,
+            heartbeat=heartbeat, write_event=write_event,
+        )
+
+    def _schedule_flush(self, running: _Running) -> None:
+        if running.flush_task is None or running.flush_task.done():
+            running.flush_task = asyncio.create_task(self._flush_events(running))
+
+    async def _flush_events(self, running: _Running) -> None:
+        while True:
+            with running.events_lock:
+                batch = running.events[:]
+                running.events.clear()
+            if not batch:
+                return
+            by_stream: dict[tuple[str, int], list[bytes]] = {}
+            for stream, capacity, data in batch:
+                by_stream.setdefault((stream, capacity), []).append(data)
+            try:
+                for (stream, capacity), values in by_stream.items():
+                    await self.store.append_best_effort(running.lease, stream, capacity, values)
+            except StaleAttemptError:
+                self._revoke(running)
+                return
+
+
+def _error_info(exc: BaseException) -> ErrorInfo:
+    return ErrorInfo(type(exc).__name__, str(exc) or repr(exc))
+
