@@ -264,7 +264,8 @@ class Client:
         return self._call(self._async.publish(flow_id, channel, value))
 
     def get_attribute(self, flow_id: str, ref: AttributeRef[T]) -> T | None:
-        return self._call(self._async.get_attribute(flow_id, ref))
+        coro = self._async.get_attribute(flow_id, ref)
+        return self._call(coro)
 
     def read_stream(self, flow_id: str, stream: Stream[T] | str, resume_token: str | None = None, *,
                     wait_seconds: float = 0.0, limit: int = 1000) -> StreamRead:

@@ -68,12 +68,9 @@ class _StateView:
             self.flow.check_attribute(AttributeRef(amap.name, "?", amap.value_type))
         keys = {k for (n, k) in self._loaded if n == amap.name}
         keys |= {k for (n, k) in self._writes.attributes if n == amap.name}
-        if self._load.mode == "none" or (
-            self._load.mode == "only" and amap.name not in self._load.names
-            and not any(n == amap.name for n, _ in self._load.instances)
-        ):
-            if not any(n == amap.name for (n, _k) in self._writes.attributes):
-                raise NotLoadedError(amap.name, self._owner)
+        whole = self._load.mode == "all" or amap.name in self._load.names
+        if not whole and not any(n == amap.name for n, _ in self._load.instances):
+            raise NotLoadedError(amap.name, self._owner)
         out: dict[str, T] = {}
         for key in sorted(keys):
             value = self.get(amap[key])

@@ -10,9 +10,8 @@ from ._options import MovementOptions
 if TYPE_CHECKING:
     from ._flow import Step
 
-O = TypeVar("O")
+OutputT = TypeVar("OutputT")
 
-StepTarget = "Step[Any] | str"
 
 
 @dataclass(frozen=True)
@@ -79,9 +78,9 @@ class StepDecision:
 
 
 @dataclass(frozen=True)
-class RPCResult(Generic[O]):
+class RPCResult(Generic[OutputT]):
     """An RPC's output plus Steps to start and Step types to cancel at its commit."""
 
-    output: O
+    output: OutputT
     next_steps: tuple[Movement, ...] = field(default=())
     canceling_steps: tuple[str, ...] = field(default=())

@@ -26,14 +26,14 @@ from ._wait import Wait
 if TYPE_CHECKING:
     from ._context import Context, RpcContext
 
-I = TypeVar("I")
+InputT = TypeVar("InputT")
 
 ExecuteFn = Callable[["Context", Any], Awaitable[StepDecision]]
 WaitForFn = Callable[["Context", Any], Awaitable[Wait]]
 RpcFn = Callable[["RpcContext", Any], Awaitable[Any]]
 
 
-class Step(Generic[I]):
+class Step(Generic[InputT]):
     """A Step: an optional WaitFor, a required Execute, and options.
 
     Both handlers are `async def handler(ctx, input)`. WaitFor returns a Wait; Execute returns a
@@ -121,7 +121,10 @@ class Flow:
         self.channels: dict[str, Channel[Any] | ChannelMap[Any]] = {}
         self.streams: dict[str, Stream[Any]] = {}
         seen: set[str] = set()
-        for item in schema:
+        for item in map(_as_object, schema):
+            if not isinstance(item, Attribute | AttributeMap | Channel | ChannelMap | Stream):
+                problems.append(f"schema item {item!r} is not an Attribute, AttributeMap, Channel, ChannelMap, Stream")
+                continue
             if item.name in seen:
                 problems.append(f"schema name {item.name!r} is declared twice")
             seen.add(item.name)
@@ -129,12 +132,10 @@ class Flow:
                 self.attributes[item.name] = item
             elif isinstance(item, Channel | ChannelMap):
                 self.channels[item.name] = item
-            elif isinstance(item, Stream):
-                self.streams[item.name] = item
             else:
-                problems.append(f"schema item {item!r} is not an Attribute, AttributeMap, Channel, ChannelMap or Stream")
+                self.streams[item.name] = item
         self.rpcs: dict[str, Rpc] = {}
-        for r in rpcs:
+        for r in map(_as_object, rpcs):
             if not isinstance(r, Rpc):
                 problems.append(f"RPC {r!r} is not decorated with @rpc")
                 continue
@@ -224,7 +225,7 @@ class Registry:
         self.allow_async_handlers = allow_async_handlers
         self.flows: dict[str, Flow] = {}
         problems = []
-        for flow in flows:
+        for flow in map(_as_object, flows):
             if not isinstance(flow, Flow):
                 problems.append(f"{flow!r} is not a Flow")
                 continue
@@ -243,4 +244,9 @@ class Registry:
             raise UnknownFlowTypeError(flow_type, list(self.flows)) from None
 
 
-__all__ = ["RPCResult", "Flow", "Registry", "Rpc", "Step", "rpc"]
+def _as_object(value: object) -> object:
+    """Widen a declared type so definition checks can report what callers really passed."""
+    return value
+
+
+__all__ = ["Flow", "RPCResult", "Registry", "Rpc", "Step", "rpc"]

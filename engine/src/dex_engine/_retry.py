@@ -61,7 +61,7 @@ def decide_retry(
     if no_retry or attempt >= policy.max_attempts:
         return RetryDecision(False)
     run_at = now_ms + int(policy.interval_after(attempt) * 1000)
-    if policy.total_duration_seconds is not None:
-        if run_at > first_started_ms + int(policy.total_duration_seconds * 1000):
-            return RetryDecision(False)
+    total = policy.total_duration_seconds
+    if total is not None and run_at > first_started_ms + int(total * 1000):
+        return RetryDecision(False)
     return RetryDecision(True, run_at)

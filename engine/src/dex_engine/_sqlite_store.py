@@ -168,7 +168,7 @@ class SqliteStore(Store):
             return
         self._ready.set_result(None)
         db = _SqliteDb(conn)
-        level = self.settings.synchronous
+        level: str = self.settings.synchronous
         try:
             while True:
                 first = self._queue.get()
@@ -193,7 +193,7 @@ class SqliteStore(Store):
 
     def _run_batch(self, conn: sqlite3.Connection, db: _SqliteDb, batch: list[_Op], level: str) -> str:
         writes = any(op.write for op in batch)
-        wanted = self.settings.synchronous
+        wanted: str = self.settings.synchronous
         if writes and not any(op.durable for op in batch if op.write):
             wanted = "NORMAL"
         results: list[tuple[bool, Any]] = []
