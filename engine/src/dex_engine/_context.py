@@ -143,6 +143,8 @@ class WaitResult:
         if self.outcome is None or self.spec is None or index >= len(self.outcome.consumed):
             return []
         cond = self.spec.conditions[index]
+        if cond.kind != "channel":
+            return []  # a timer condition consumes no messages
         tp = self.flow.channel_type(cond.channel)
         return [decode_value(cond.channel, tp, m.value) for m in self.outcome.consumed[index]]
 

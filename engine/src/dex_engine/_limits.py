@@ -49,3 +49,7 @@ MAX_STREAM_WAIT_SECONDS = 60.0
 
 # Longest timer and retry interval accepted: a year, far beyond any real wait.
 MAX_TIMER_SECONDS = 366 * 24 * 3600
+
+# History is trimmed every this many events of a flow, so a flow keeps between
+# MAX_HISTORY_EVENTS_PER_FLOW and that plus this many events.
+HISTORY_TRIM_CHECK_EVERY = 256

@@ -13,6 +13,7 @@ Durability (PRAGMA synchronous, WAL):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
 import secrets
@@ -26,7 +27,7 @@ from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qs, urlparse
 
 from ._limits import MAX_GROUP_COMMIT_OPS, SQLITE_BUSY_TIMEOUT_MS
-from ._store import Store
+from ._store import Store, commit_origin
 from ._transitions import Db, Row
 
 R = TypeVar("R")
@@ -78,7 +79,22 @@ class _Op:
     fn: Callable[[Db], Any]
     write: bool
     durable: bool
-    future: Future[Any]
+    loop: asyncio.AbstractEventLoop | None  # None: `future` is a concurrent Future (blocking callers)
+    future: asyncio.Future[Any] | Future[Any]
+    origin: Callable[[], None] | None = None
+
+
+def _deliver(items: list[tuple[asyncio.Future[Any], bool, Any]], listeners: list[Callable[[], None]]) -> None:
+    """Runs on the caller's event loop: one wake-up resolves every result of a batch."""
+    for future, ok, value in items:
+        if future.cancelled():
+            continue
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+    for listener in listeners:
+        listener()
 
 
 _STOP = object()
@@ -138,7 +154,7 @@ class SqliteStore(Store):
         self.url = url
         self.settings = parse_sqlite_url(url)
         self._queue: queue.SimpleQueue[_Op | object] = queue.SimpleQueue()
-        self._listeners: list[Callable[[], None]] = []
+        self._listeners: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
         self._data_version = -1
         self._ready: Future[None] = Future()
         self._thread = threading.Thread(target=self._main, name=f"dex-sqlite:{self.settings.path}", daemon=True)
@@ -224,44 +240,66 @@ class SqliteStore(Store):
         except BaseException as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
-            for op in batch:
-                op.future.set_exception(exc)
-            return level
-        for op, (ok, value) in zip(batch, results, strict=True):
-            if ok:
-                op.future.set_result(value)
-            else:
-                op.future.set_exception(value)
-        if writes:
-            for listener in self._listeners:
-                listener()
+            results = [(False, exc)] * len(batch)
+            writes = False
+        self._complete(batch, results, writes)
         return level
+
+    def _complete(self, batch: list[_Op], results: list[tuple[bool, Any]], notify: bool) -> None:
+        # GIL hand-offs between this thread and an event loop cost far more than the work, so each
+        # loop is woken once per batch, with its commit listeners folded into the same wake-up.
+        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], bool, Any]]] = {}
+        for op, (ok, value) in zip(batch, results, strict=True):
+            if op.loop is None:
+                assert isinstance(op.future, Future)
+                if ok:
+                    op.future.set_result(value)
+                else:
+                    op.future.set_exception(value)
+            else:
+                assert isinstance(op.future, asyncio.Future)
+                per_loop.setdefault(op.loop, []).append((op.future, ok, value))
+        listeners: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = {}
+        if notify:
+            origins = {op.origin for op in batch if op.write}
+            for loop, fn in list(self._listeners):
+                if origins != {fn}:
+                    listeners.setdefault(loop, []).append(fn)
+        for loop in per_loop.keys() | listeners.keys():
+            if not loop.is_closed():
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(_deliver, per_loop.get(loop, []), listeners.get(loop, []))
 
     async def _run(self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None) -> R:
         if self._closed:
             raise RuntimeError(f"store {self.url!r} is closed")
-        future: Future[R] = Future()
-        self._queue.put(_Op(fn, write, True if durable is None else durable, future))
-        return await asyncio.wrap_future(future)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[R] = loop.create_future()
+        self._queue.put(_Op(fn, write, True if durable is None else durable, loop, future, commit_origin.get()))
+        return await future
 
     def run_sync(self, fn: Callable[[Db], R], *, write: bool) -> R:
         """Blocking form of `_run` for code without an event loop (the CLI)."""
         future: Future[R] = Future()
-        self._queue.put(_Op(fn, write, True, future))
+        self._queue.put(_Op(fn, write, True, None, future))
         return future.result()
 
     async def changed(self) -> bool:
-        def probe(db: Db) -> int:
-            row = db.one("PRAGMA data_version")
-            return int(row[0]) if row else 0
+        return await self._run(self._changed_in, write=False)
 
-        version = await self._run(probe, write=False)
+    def _changed_in(self, db: Db) -> bool:
+        # data_version changes when another connection (process) commits to the file.
+        row = db.one("PRAGMA data_version")
+        version = int(row[0]) if row else 0
         changed = version != self._data_version
         self._data_version = version
         return changed
 
     def add_commit_listener(self, fn: Callable[[], None]) -> None:
-        self._listeners.append(fn)
+        self._listeners.append((asyncio.get_running_loop(), fn))
+
+    def remove_commit_listener(self, fn: Callable[[], None]) -> None:
+        self._listeners = [(loop, f) for loop, f in self._listeners if f is not fn]
 
     async def close(self) -> None:
         if self._closed:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
+from . import _gates
 from . import _transitions as tx
 from ._options import FlowConfig, LoadSpec
 from ._records import (
@@ -30,6 +32,10 @@ from ._transitions import Db
 from ._wait import WaitSpec
 
 R = TypeVar("R")
+
+# The commit listener of the worker whose task issued an operation: a worker is not woken by its
+# own commits (it already holds what they claimed), only by everyone else's.
+commit_origin: ContextVar[Callable[[], None] | None] = ContextVar("dex_commit_origin", default=None)
 
 
 def now_ms() -> int:
@@ -54,7 +60,10 @@ class Store(ABC):
 
     @abstractmethod
     def add_commit_listener(self, fn: Callable[[], None]) -> None:
-        """Call `fn` (from any thread) after each local write commit."""
+        """Call `fn` on the current event loop after each local write commit."""
+
+    @abstractmethod
+    def remove_commit_listener(self, fn: Callable[[], None]) -> None: ...
 
     # Flows
     async def start_flow(self, req: StartRequest) -> None:
@@ -78,6 +87,12 @@ class Store(ABC):
     ) -> list[str]:
         return await self._run(lambda db: tx.search_flows(db, flow_type, status, active_step, limit), write=False)
 
+    async def list_flows(
+        self, *, flow_type: str | None = None, status: str | None = None, limit: int = 100,
+    ) -> list[FlowInfo]:
+        """The newest `limit` flows (optionally of one type and status), newest first."""
+        return await self._run(lambda db: tx.list_flows(db, flow_type, status, limit), write=False)
+
     async def history(self, flow_id: str, limit: int = 100_000) -> list[HistoryEntry]:
         return await self._run(lambda db: tx.read_history(db, flow_id, limit), write=False)
 
@@ -94,6 +109,7 @@ class Store(ABC):
         def op(db: Db) -> list[Lease]:
             now = now_ms()
             tx.commit_wait_for(db, lease, writes, spec, now)
+            _gates.gate(_gates.INSIDE_COMMIT)  # the transaction is open: a crash here must roll it all back
             return [] if claim is None else tx.claim(db, claim[0], claim[1], claim[2], now)
 
         return await self._run(op, write=True, durable=lease.durable)
@@ -107,6 +123,7 @@ class Store(ABC):
         def op(db: Db) -> list[Lease]:
             now = now_ms()
             tx.commit_execute(db, lease, writes, decision, now)
+            _gates.gate(_gates.INSIDE_COMMIT)  # the transaction is open: a crash here must roll it all back
             return [] if claim is None else tx.claim(db, claim[0], claim[1], claim[2], now)
 
         return await self._run(op, write=True, durable=lease.durable)
@@ -139,6 +156,32 @@ class Store(ABC):
 
     async def housekeeping(self) -> HousekeepingReport:
         return await self._run(lambda db: tx.housekeeping(db, now_ms()), write=True)
+
+    async def poll(
+        self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],
+        *, must_claim: bool, housekeep: bool,
+    ) -> tuple[bool, tx.PollResult]:
+        """One worker loop iteration in one transaction; returns (changed elsewhere, result).
+
+        It claims when `must_claim`, when another connection committed since the last poll, or
+        when housekeeping made work ready.
+        """
+
+        def op(db: Db) -> tuple[bool, tx.PollResult]:
+            now = now_ms()
+            changed = self._changed_in(db)
+            report = tx.housekeeping(db, now) if housekeep else None
+            woke = report is not None and bool(report.timers_fired or report.leases_expired or report.timeouts)
+            claim_now = must_claim or changed or woke
+            leases = tx.claim(db, worker_id, flow_types, capacity, now) if claim_now else []
+            result = tx.PollResult(leases, tx.task_epochs(db, running), tx.next_due(db, flow_types), report)
+            return changed, result
+
+        return await self._run(op, write=True, durable=False)
+
+    def _changed_in(self, db: Db) -> bool:
+        """Inside a transaction: did another connection commit since the last call? Backends override."""
+        return True
 
     async def next_due(self, flow_types: Sequence[str]) -> int | None:
         return await self._run(lambda db: tx.next_due(db, flow_types), write=False)
@@ -173,6 +216,10 @@ class Store(ABC):
 
     async def read_events(self, flow_id: str, stream: str, after: int, limit: int) -> EventPage:
         return await self._run(lambda db: tx.read_events(db, flow_id, stream, after, limit), write=False)
+
+    async def stream_names(self, flow_id: str) -> list[str]:
+        """Names of the flow's streams that ever received an event."""
+        return await self._run(lambda db: tx.stream_names(db, flow_id), write=False)
 
     async def stream_secret(self) -> bytes:
         """The database's key for signing stream resume tokens."""

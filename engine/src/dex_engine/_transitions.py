@@ -8,6 +8,7 @@ errors to roll their transaction (or savepoint) back.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -22,7 +23,7 @@ from ._errors import (
     StaleAttemptError,
     StepNotWaitingError,
 )
-from ._limits import MAX_HISTORY_EVENTS_PER_FLOW
+from ._limits import HISTORY_TRIM_CHECK_EVERY, MAX_HISTORY_EVENTS_PER_FLOW
 from ._options import FlowConfig, LoadSpec, MethodOptions, TaskOptions
 from ._records import (
     ActiveStep,
@@ -56,6 +57,14 @@ class Db(Protocol):
     def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
     def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
     def run(self, sql: str, params: Sequence[Any] = ()) -> int: ...
+
+
+@dataclass(frozen=True)
+class PollResult:
+    leases: list[Lease]
+    epochs: dict[int, int]  # running task -> current lease epoch; missing: the task is gone
+    next_due_ms: int | None
+    housekeeping: HousekeepingReport | None
 
 
 class RpcVersionChanged(Exception):
@@ -161,29 +170,29 @@ def _maybe_complete(db: Db, flow_id: str, now: int) -> None:
 def _history(
     db: Db, flow_id: str, step_type: str, seid: str, event: str, attempt: int, now: int, detail: str = ""
 ) -> None:
-    db.run(
-        "INSERT INTO history (flow_id, step_type, step_execution_id, event_type, attempt, at, detail) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (flow_id, step_type, seid, event, attempt, now, detail[:4000]),
+    # Every history event marks a state change, so it also bumps the version RPCs validate against.
+    row = db.one(
+        "UPDATE flows SET history_seq = history_seq + 1, version = version + 1 WHERE flow_id = ? "
+        "RETURNING history_seq",
+        (flow_id,),
     )
-    db.run("UPDATE flows SET history_count = history_count + 1 WHERE flow_id = ?", (flow_id,))
-    row = db.one("SELECT history_count FROM flows WHERE flow_id = ?", (flow_id,))
-    if row is not None and int(row[0]) > MAX_HISTORY_EVENTS_PER_FLOW + MAX_HISTORY_EVENTS_PER_FLOW // 10:
-        # Trim in chunks of a tenth so the cost is amortized.
-        cut = db.one(
-            "SELECT id FROM history WHERE flow_id = ? ORDER BY id DESC LIMIT 1 OFFSET ?",
-            (flow_id, MAX_HISTORY_EVENTS_PER_FLOW),
-        )
-        if cut is not None:
-            removed = db.run("DELETE FROM history WHERE flow_id = ? AND id <= ?", (flow_id, cut[0]))
-            db.run("UPDATE flows SET history_count = history_count - ? WHERE flow_id = ?", (removed, flow_id))
+    assert row is not None
+    seq = int(row[0])
+    db.run(
+        "INSERT INTO history (flow_id, seq, step_type, step_execution_id, event_type, attempt, at, detail) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (flow_id, seq, step_type, seid, event, attempt, now, detail[:4000]),
+    )
+    if seq % HISTORY_TRIM_CHECK_EVERY == 0:
+        # Trimmed in chunks so a Step pays no extra statement on most inserts.
+        db.run("DELETE FROM history WHERE flow_id = ? AND seq <= ?", (flow_id, seq - MAX_HISTORY_EVENTS_PER_FLOW))
 
 
 def read_history(db: Db, flow_id: str, limit: int) -> list[HistoryEntry]:
     flow_status(db, flow_id)
     rows = db.all(
         "SELECT event_type, step_type, step_execution_id, attempt, at, detail FROM "
-        "(SELECT * FROM history WHERE flow_id = ? ORDER BY id DESC LIMIT ?) h ORDER BY id",
+        "(SELECT * FROM history WHERE flow_id = ? ORDER BY seq DESC LIMIT ?) h ORDER BY seq",
         (flow_id, limit),
     )
     return [HistoryEntry(str(r[0]), str(r[1]), str(r[2]), int(r[3]), int(r[4]), str(r[5])) for r in rows]
@@ -204,12 +213,13 @@ def _next_execution_id(db: Db, flow_id: str, step_type: str) -> str:
 
 def create_task(
     db: Db, flow_id: str, flow_type: str, movement: MovementRecord, now: int,
-    recovery_error: RecoveryError | None = None,
+    recovery_error: RecoveryError | None = None, config: FlowConfig | None = None,
 ) -> int:
     seid = _next_execution_id(db, flow_id, movement.step_type)
     options = movement.options
     if options.durability is None:
-        options = msgspec.structs.replace(options, durability=flow_config(db, flow_id).default_step_durability)
+        config = config or flow_config(db, flow_id)
+        options = msgspec.structs.replace(options, durability=config.default_step_durability)
     method = "wait_for" if options.has_wait_for else "execute"
     row = db.one(
         "INSERT INTO tasks (flow_id, flow_type, step_type, step_execution_id, input, options, method, "
@@ -301,11 +311,12 @@ def _claim_row(db: Db, r: Row, worker_id: str, now: int) -> Lease | None:
             return None
         db.run("UPDATE tasks SET locks_held = 1 WHERE task_id = ?", (task_id,))
     snapshot_blob = r[10]
-    if snapshot_blob is None:
+    if mopts.load.mode == "none":
+        attrs: dict[tuple[str, str], bytes] = {}
+    elif snapshot_blob is None:
         # E15: the state loaded for the method's first attempt is what every retry sees.
         attrs = load_attributes(db, str(flow_id), mopts.load)
         snapshot_blob = encode_json([(n, k, msgspec.Raw(v)) for (n, k), v in attrs.items()])
-        db.run("UPDATE tasks SET snapshot = ? WHERE task_id = ?", (snapshot_blob, task_id))
     else:
         attrs = {(n, k): bytes(v) for n, k, v in decode_json(snapshot_blob, _SnapshotRows)}
     method_deadline = None if mopts.timeout_ms is None else now + mopts.timeout_ms
@@ -315,8 +326,9 @@ def _claim_row(db: Db, r: Row, worker_id: str, now: int) -> Lease | None:
     db.run(
         "UPDATE tasks SET state = 'running', lease_owner = ?, lease_epoch = ?, claimed_at = ?, "
         "attempt_started = 0, method_first_at = COALESCE(method_first_at, ?), deadline_at = ?, "
-        "method_deadline_at = ? WHERE task_id = ?",
-        (worker_id, new_epoch, now, now, min(deadlines) if deadlines else None, method_deadline, task_id),
+        "method_deadline_at = ?, snapshot = ? WHERE task_id = ?",
+        (worker_id, new_epoch, now, now, min(deadlines) if deadlines else None, method_deadline,
+         snapshot_blob, task_id),
     )
     return Lease(
         task_id=int(task_id), lease_epoch=new_epoch, flow_id=str(flow_id), flow_type=str(flow_type),
@@ -330,14 +342,26 @@ def _claim_row(db: Db, r: Row, worker_id: str, now: int) -> Lease | None:
     )
 
 
-def check_lease(db: Db, lease: Lease) -> None:
-    """E2: only the attempt that owns the task may write."""
-    row = db.one("SELECT state, lease_epoch FROM tasks WHERE task_id = ?", (lease.task_id,))
+def check_lease(db: Db, lease: Lease) -> tuple[FlowConfig, bool]:
+    """E2: only the attempt that owns the task may write. Returns the flow's config and completing flag."""
+    row = db.one(
+        "SELECT t.state, t.lease_epoch, f.status, f.config, f.completing FROM tasks t "
+        "JOIN flows f ON f.flow_id = t.flow_id WHERE t.task_id = ?",
+        (lease.task_id,),
+    )
     if row is None or row[0] != "running" or int(row[1]) != lease.lease_epoch:
         raise StaleAttemptError(
             f"attempt {lease.attempt} of {lease.step_execution_id} in flow {lease.flow_id!r} "
             "no longer owns its task (cancelled, timed out, lease lost or superseded); its write was rejected"
         )
+    if row[2] != "running":
+        raise FlowNotActiveError(lease.flow_id, str(row[2]))
+    return decode_json(row[3], FlowConfig), bool(row[4])
+
+
+def _release_method_locks(db: Db, lease: Lease) -> None:
+    if _method_options(lease.options, lease.method).locks:
+        _release_locks(db, lease.task_id)
 
 
 def _mark_started(db: Db, lease: Lease) -> None:
@@ -494,9 +518,8 @@ def skip_timer(db: Db, flow_id: str, step_execution_id: str, now: int) -> None:
 
 def commit_wait_for(db: Db, lease: Lease, writes: WriteSet, spec: WaitSpec, now: int) -> None:
     check_lease(db, lease)
-    require_running(db, lease.flow_id)
     apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now)
-    _release_locks(db, lease.task_id)
+    _release_method_locks(db, lease)
     timers = [c.seconds for c in spec.conditions if c.kind == "timer"]
     db.run(
         "UPDATE tasks SET state = 'waiting', method = 'execute', lease_owner = NULL, locks_held = 0, "
@@ -506,25 +529,27 @@ def commit_wait_for(db: Db, lease: Lease, writes: WriteSet, spec: WaitSpec, now:
     )
     _history(db, lease.flow_id, lease.step_type, lease.step_execution_id, WAIT_REGISTERED, lease.attempt, now)
     evaluate_waits(db, lease.flow_id, now)
-    bump(db, lease.flow_id)
 
 
 def commit_execute(db: Db, lease: Lease, writes: WriteSet, decision: DecisionRecord, now: int) -> None:
-    check_lease(db, lease)
-    require_running(db, lease.flow_id)
+    config, completing = check_lease(db, lease)
     apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now)
-    _release_locks(db, lease.task_id)
+    _release_method_locks(db, lease)
     db.run("DELETE FROM tasks WHERE task_id = ?", (lease.task_id,))
     _history(db, lease.flow_id, lease.step_type, lease.step_execution_id, EXECUTE_COMPLETED, lease.attempt, now,
              decision.kind)
-    apply_decision(db, lease.flow_id, lease.flow_type, decision, now)
+    apply_decision(db, lease.flow_id, lease.flow_type, decision, now, config)
+    if decision.kind in ("force_complete", "force_fail"):
+        return
     if writes.publishes:
         evaluate_waits(db, lease.flow_id, now)
-    _maybe_complete(db, lease.flow_id, now)
-    bump(db, lease.flow_id)
+    if completing or decision.kind == "graceful_complete":
+        _maybe_complete(db, lease.flow_id, now)
 
 
-def apply_decision(db: Db, flow_id: str, flow_type: str, decision: DecisionRecord, now: int) -> None:
+def apply_decision(
+    db: Db, flow_id: str, flow_type: str, decision: DecisionRecord, now: int, config: FlowConfig | None = None
+) -> None:
     if decision.kind == "force_complete":
         close_flow(db, flow_id, "completed", decision.output, None, now)
         return
@@ -535,7 +560,7 @@ def apply_decision(db: Db, flow_id: str, flow_type: str, decision: DecisionRecor
     if decision.canceling_steps:
         cancel_step_types(db, flow_id, decision.canceling_steps, now)
     for movement in decision.movements:
-        create_task(db, flow_id, flow_type, movement, now)
+        create_task(db, flow_id, flow_type, movement, now, config=config)
     if decision.kind == "graceful_complete":
         db.run("UPDATE flows SET completing = 1, completion_output = ? WHERE flow_id = ?",
                (decision.output, flow_id))
@@ -860,6 +885,27 @@ def search_flows(
             continue
         out.append(str(flow_id))
     return out
+
+
+def list_flows(db: Db, flow_type: str | None, status: str | None, limit: int) -> list[FlowInfo]:
+    """The newest `limit` flows, optionally of one type and status, newest first (the CLI's `list`)."""
+    clauses, params = [], []
+    if flow_type is not None:
+        clauses.append("flow_type = ?")
+        params.append(flow_type)
+    if status is not None:
+        clauses.append("status = ?")
+        params.append(status)
+    where = " AND ".join(clauses) or "1 = 1"
+    rows = db.all(f"SELECT flow_id FROM flows WHERE {where} ORDER BY created_at DESC, flow_id DESC LIMIT ?",
+                  (*params, limit))
+    return [describe_flow(db, str(r[0])) for r in rows]
+
+
+def stream_names(db: Db, flow_id: str) -> list[str]:
+    """Names of the flow's streams that ever received an event, sorted."""
+    flow_status(db, flow_id)
+    return [str(r[0]) for r in db.all("SELECT stream FROM streams WHERE flow_id = ? ORDER BY stream", (flow_id,))]
 
 
 def list_workers(db: Db) -> list[tuple[str, str, int, int, int]]:

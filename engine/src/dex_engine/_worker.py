@@ -30,7 +30,7 @@ from ._limits import (
 from ._open import open_store
 from ._records import DecisionRecord, ErrorInfo, Lease
 from ._scheduling import movement_record
-from ._store import Store
+from ._store import Store, commit_origin
 from ._wait import Wait, WaitSpec
 
 log = logging.getLogger("dex_engine.worker")
@@ -77,6 +77,9 @@ class _Running:
         self.lease = lease
         self.task: asyncio.Task[None] | None = None
         self.revoked = False  # the engine took the task away; discard whatever the handler returns
+        # Set while the result is being committed: cancelling then could lose what the commit claimed.
+        self.committing = False
+        self.claimed_next = False  # the commit already claimed work for the freed slot
         self.events: list[tuple[str, int, bytes]] = []
         self.events_lock = threading.Lock()
         self.events_closed = False
@@ -103,7 +106,6 @@ class AsyncWorker:
         self._stopped = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background: asyncio.Task[None] | None = None
-        self._revoked_check = False
 
     @property
     def store(self) -> Store:
@@ -127,9 +129,7 @@ class AsyncWorker:
             await self._stopped.wait()
 
     def _notify(self) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._wake.set)
+        self._wake.set()
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -137,6 +137,7 @@ class AsyncWorker:
             self._store = open_store(self.options.database_url)
         store = self._store
         store.add_commit_listener(self._notify)
+        commit_origin.set(self._notify)  # inherited by every task this worker starts
         ttl_ms = int(self.options.lease_ttl_seconds * 1000)
         await store.register_worker(self.worker_id, socket.gethostname(), os.getpid(), ttl_ms)
         renewer = asyncio.create_task(self._renew_loop(ttl_ms))
@@ -147,6 +148,7 @@ class AsyncWorker:
             with contextlib.suppress(asyncio.CancelledError):
                 await renewer
             await self._drain()
+            store.remove_commit_listener(self._notify)
             with contextlib.suppress(Exception):
                 await store.unregister_worker(self.worker_id)
             if self._owns_store:
@@ -158,84 +160,60 @@ class AsyncWorker:
         opts = self.options
         next_housekeeping = 0.0
         must_claim = True
+        idle_due = False  # the last poll found something due but nothing to do: do not spin on it
         while not self._stopping.is_set():
-            now = time.monotonic()
-            if now >= next_housekeeping:
-                try:
-                    report = await store.housekeeping()
-                    _gates.gate(_gates.HOUSEKEEPING)
-                    if report.timers_fired or report.leases_expired or report.timeouts:
-                        must_claim = True
-                except Exception:
-                    log.exception("housekeeping failed; will retry")
-                next_housekeeping = now + opts.housekeeping_seconds * (0.75 + random.random() / 2)
-            changed = await store.changed()
-            if changed and self._running:
-                await self._check_revoked()
-            if must_claim or changed:
-                await self._claim()
-            must_claim = False
-            timeout = min(opts.poll_seconds, max(0.0, next_housekeeping - time.monotonic()))
-            due = await store.next_due(self._flow_types)
-            if due is not None:
-                until_due = due / 1000 - time.time()
-                if until_due <= 0:
-                    must_claim = True
-                    next_housekeeping = min(next_housekeeping, time.monotonic())
-                    timeout = 0.0 if until_due <= -0.001 else timeout
+            housekeep = time.monotonic() >= next_housekeeping
+            free = opts.max_concurrent_tasks - len(self._running)
+            watched = [tid for tid, r in self._running.items() if not r.committing]
             self._wake.clear()
-            if timeout > 0:
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout)
+            try:
+                _changed, result = await store.poll(
+                    self.worker_id, self._flow_types, free, watched,
+                    must_claim=must_claim and free > 0, housekeep=housekeep,
+                )
+            except Exception:
+                log.exception("worker poll failed; will retry")
+                await asyncio.sleep(opts.poll_seconds)
+                continue
+            if housekeep:
+                _gates.gate(_gates.HOUSEKEEPING)
+                next_housekeeping = time.monotonic() + opts.housekeeping_seconds * (0.75 + random.random() / 2)
+            must_claim = False
+            for lease in result.leases:
+                self._spawn(lease)
+            for task_id in watched:
+                running = self._running.get(task_id)
+                if running is not None and result.epochs.get(task_id) != running.lease.lease_epoch:
+                    self._revoke(running)  # E9: cancelled, timed out or taken over
+            timeout = opts.poll_seconds
+            if result.next_due_ms is not None:
+                until_due = result.next_due_ms / 1000 - time.time()
+                if until_due <= 0 and not (idle_due and not result.leases):
+                    # Something is due (a retry, a timer, a deadline, a lease): act on it now.
                     must_claim = True
-                    if self._running:
-                        self._revoked_check = True
-                except TimeoutError:
-                    pass
-            if self._revoked_check:
-                self._revoked_check = False
-                await self._check_revoked()
-
-    async def _claim(self) -> None:
-        free = self.options.max_concurrent_tasks - len(self._running)
-        if free <= 0:
-            return
-        try:
-            leases = await self.store.claim(self.worker_id, self._flow_types, free)
-        except Exception:
-            log.exception("claim failed; will retry")
-            return
-        for lease in leases:
-            self._spawn(lease)
+                    next_housekeeping = time.monotonic()
+                    idle_due = True
+                    continue
+                if until_due > 0:
+                    timeout = min(timeout, until_due)
+                    idle_due = False
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+                must_claim = True
+            except TimeoutError:
+                pass
 
     def _spawn(self, lease: Lease) -> None:
         running = _Running(lease)
         self._running[lease.task_id] = running
         running.task = asyncio.create_task(self._run_attempt(running), name=lease.step_execution_id)
 
-    async def _check_revoked(self) -> None:
-        """E9: cancel handlers whose task was cancelled, timed out or taken over."""
-        if not self._running:
-            return
-        ids = list(self._running)
-        try:
-            epochs = await self.store.task_epochs(ids)
-        except Exception:
-            log.exception("could not check running attempts")
-            return
-        for task_id in ids:
-            running = self._running.get(task_id)
-            if running is None or running.revoked:
-                continue
-            if epochs.get(task_id) != running.lease.lease_epoch:
-                self._revoke(running)
-
     def _revoke(self, running: _Running) -> None:
         running.revoked = True
         with running.events_lock:
             running.events_closed = True
             running.events.clear()
-        if running.task is not None:
+        if running.task is not None and not running.committing:
             running.task.cancel()
 
     async def _renew_loop(self, ttl_ms: int) -> None:
@@ -282,7 +260,8 @@ class AsyncWorker:
             if running.flush_task is not None:
                 running.flush_task.cancel()
             self._running.pop(lease.task_id, None)
-            self._wake.set()
+            if not running.claimed_next:
+                self._wake.set()  # a slot is free and nothing was claimed into it yet
 
     async def _attempt(self, running: _Running) -> None:
         lease = running.lease
@@ -314,6 +293,7 @@ class AsyncWorker:
         await self._flush_events(running)
         if running.revoked:
             return
+        running.committing = True
         try:
             if lease.method == "wait_for":
                 if not isinstance(result, Wait):
@@ -329,6 +309,7 @@ class AsyncWorker:
                 free = self.options.max_concurrent_tasks - len(self._running) + 1
                 claim = None if self._stopping.is_set() else (self.worker_id, self._flow_types, free)
                 leases = await self.store.commit_execute(lease, ctx.writes, decision, claim)
+                running.claimed_next = claim is not None
                 self._running.pop(lease.task_id, None)
                 for next_lease in leases:
                     self._spawn(next_lease)

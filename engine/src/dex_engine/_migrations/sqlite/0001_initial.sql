@@ -16,7 +16,7 @@ CREATE TABLE flows (
     version INTEGER NOT NULL,           -- bumped by every state change; RPC validation reads it
     completing INTEGER NOT NULL DEFAULT 0,  -- graceful_complete requested
     completion_output BLOB,
-    history_count INTEGER NOT NULL DEFAULT 0,
+    history_seq INTEGER NOT NULL DEFAULT 0,  -- last history sequence of this flow
     created_at INTEGER NOT NULL,
     closed_at INTEGER
 );
@@ -63,11 +63,11 @@ CREATE TABLE tasks (
     recovery_error BLOB,
     created_at INTEGER NOT NULL
 );
-CREATE INDEX tasks_ready ON tasks (state, run_at);
+-- Partial indexes: a task sits in only the index of its state, so a Step dirties few pages.
+CREATE INDEX tasks_ready ON tasks (run_at) WHERE state = 'ready';
 CREATE INDEX tasks_flow ON tasks (flow_id, step_type);
-CREATE INDEX tasks_timer ON tasks (state, timer_due_at);
-CREATE INDEX tasks_deadline ON tasks (state, deadline_at);
-CREATE INDEX tasks_owner ON tasks (lease_owner);
+CREATE INDEX tasks_timer ON tasks (timer_due_at) WHERE state = 'waiting';
+CREATE INDEX tasks_deadline ON tasks (deadline_at) WHERE state = 'running' AND deadline_at IS NOT NULL;
 
 CREATE TABLE locks (
     flow_id TEXT NOT NULL,
@@ -115,16 +115,16 @@ CREATE TABLE stream_events (
 );
 
 CREATE TABLE history (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
     flow_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,               -- per flow, from flows.history_seq
     step_type TEXT NOT NULL,
     step_execution_id TEXT NOT NULL,
     event_type TEXT NOT NULL,
     attempt INTEGER NOT NULL,
     at INTEGER NOT NULL,
-    detail TEXT NOT NULL
-);
-CREATE INDEX history_flow ON history (flow_id, id);
+    detail TEXT NOT NULL,
+    PRIMARY KEY (flow_id, seq)
+) WITHOUT ROWID;
 
 CREATE TABLE workers (
     worker_id TEXT PRIMARY KEY,
