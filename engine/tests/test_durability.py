@@ -1,0 +1,145 @@
+"""Durability modes (ENGINE.md section 3): which fsync level each commit gets, and crash survival."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dex_engine import (
+    Context,
+    Flow,
+    FlowConfig,
+    LoadOptions,
+    MovementOptions,
+    Step,
+    StepDecision,
+    StepDurability,
+    StepOptions,
+    open_store,
+)
+from dex_engine import _transitions as tx
+from dex_engine._decision import Movement
+from dex_engine._records import DecisionRecord, StartRequest, WriteSet
+from dex_engine._scheduling import movement_record
+
+
+async def _noop(ctx: Context, _: Any) -> StepDecision:
+    return StepDecision.dead_end()
+
+
+FLOW = Flow(
+    "Durability",
+    [
+        Step("Sync", _noop, options=StepOptions(durability=StepDurability.SYNC, load=LoadOptions.none())),
+        Step("Async", _noop, options=StepOptions(durability=StepDurability.ASYNC, load=LoadOptions.none())),
+        Step("Default", _noop, options=StepOptions(load=LoadOptions.none())),
+    ],
+    start_step="Default",
+)
+
+SYNC_LEVELS = {1: "NORMAL", 2: "FULL"}
+
+
+async def _commit_levels(url: str, config: FlowConfig, step_types: list[str],
+                         monkeypatch: pytest.MonkeyPatch, overrides: dict[str, MovementOptions] | None = None
+                         ) -> dict[str, str]:
+    """Commit one Execute per Step type by hand and record PRAGMA synchronous inside each commit."""
+    seen: dict[str, str] = {}
+    original = tx.commit_execute
+
+    def spying(db: tx.Db, lease: Any, writes: WriteSet, decision: DecisionRecord, now: int) -> None:
+        row = db.one("PRAGMA synchronous")
+        assert row is not None
+        seen[lease.step_type] = SYNC_LEVELS[int(row[0])]
+        original(db, lease, writes, decision, now)
+
+    monkeypatch.setattr(tx, "commit_execute", spying)
+    store = open_store(url)
+    try:
+        await store.register_worker("w", "h", 1, 60_000)
+        for i, step_type in enumerate(step_types):
+            flow_id = f"f{i}"
+            movement = movement_record(FLOW, Movement(step_type, None, (overrides or {}).get(step_type)))
+            await store.start_flow(StartRequest(flow_id, "Durability", b"null", config, movement))
+            (lease,) = await store.claim("w", ["Durability"], 1)
+            await store.commit_execute(lease, WriteSet(), DecisionRecord("dead_end"))
+    finally:
+        await store.close()
+    return seen
+
+
+async def test_sync_steps_commit_with_fsync_and_async_steps_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SYNC Step's commit runs at synchronous=FULL, an ASYNC one at NORMAL; explicit Step
+    durability beats the flow's default, and the default applies to Steps that set none."""
+    url = f"sqlite:///{tmp_path / 'd.db'}"
+    seen = await _commit_levels(url, FlowConfig(default_step_durability=StepDurability.ASYNC),
+                                ["Sync", "Async", "Default"], monkeypatch)
+    assert seen == {"Sync": "FULL", "Async": "NORMAL", "Default": "NORMAL"}
+
+
+async def test_flow_default_sync_and_movement_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a SYNC flow default a Step without durability commits at FULL; a movement's
+    override wins over the Step's own option."""
+    url = f"sqlite:///{tmp_path / 'd.db'}"
+    seen = await _commit_levels(
+        url, FlowConfig(default_step_durability=StepDurability.SYNC), ["Default", "Sync"], monkeypatch,
+        overrides={"Sync": MovementOptions(durability=StepDurability.ASYNC)},
+    )
+    assert seen == {"Default": "FULL", "Sync": "NORMAL"}
+
+
+async def test_normal_database_keeps_sync_steps_at_the_database_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a database opened with synchronous=NORMAL every commit is NORMAL (documented window)."""
+    url = f"sqlite:///{tmp_path / 'd.db'}?synchronous=NORMAL"
+    seen = await _commit_levels(url, FlowConfig(), ["Sync", "Async"], monkeypatch)
+    assert seen == {"Sync": "NORMAL", "Async": "NORMAL"}
+
+
+def test_async_commit_survives_sigkill_right_after_it_is_acknowledged(tmp_path: Path) -> None:
+    """ASYNC (synchronous=NORMAL) loses nothing to a process crash: a child commits an ASYNC
+    Step, prints the acknowledgement and SIGKILLs itself; the committed state is there after."""
+    db = tmp_path / "crash.db"
+    script = textwrap.dedent(f"""
+        import asyncio, os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_durability import FLOW
+        from dex_engine import open_store, FlowConfig, StepDurability
+        from dex_engine._decision import Movement
+        from dex_engine._records import DecisionRecord, StartRequest, WriteSet
+        from dex_engine._scheduling import movement_record
+
+        async def main():
+            store = open_store("sqlite:///{db}")
+            await store.register_worker("w", "h", 1, 60_000)
+            config = FlowConfig(default_step_durability=StepDurability.ASYNC)
+            m = movement_record(FLOW, Movement("Async", None))
+            await store.start_flow(StartRequest("crash-1", "Durability", b"null", config, m))
+            (lease,) = await store.claim("w", ["Durability"], 1)
+            writes = WriteSet()
+            await store.commit_execute(lease, writes, DecisionRecord("force_complete", output=b"42"))
+            print("acknowledged", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        asyncio.run(main())
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    assert proc.stdout.strip() == "acknowledged"
+    import sqlite3
+
+    conn = sqlite3.connect(db)
+    try:
+        assert conn.execute("SELECT status, output FROM flows WHERE flow_id = 'crash-1'").fetchone() == (
+            "completed", b"42")
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    finally:
+        conn.close()
