@@ -453,11 +453,11 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
     """Satisfy every waiting task of the flow that can be, oldest first; return how many."""
     count = 0
     rows = db.all(
-        "SELECT task_id, step_type, step_execution_id, wait_spec, wait_registered_at, timers_skipped "
+        "SELECT task_id, step_type, step_execution_id, wait_spec, wait_registered_at, timers_skipped, timer_due_at "
         "FROM tasks WHERE flow_id = ? AND state = 'waiting' ORDER BY wait_registered_at, task_id",
         (flow_id,),
     )
-    for task_id, step_type, seid, spec_blob, registered_at, skipped in rows:
+    for task_id, step_type, seid, spec_blob, registered_at, skipped, due_at in rows:
         spec = decode_json(spec_blob, WaitSpec)
         queued: dict[tuple[str, str], list[int]] = {}
         bodies: dict[int, bytes] = {}
@@ -478,6 +478,13 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
         }
         selection = select_wait(spec, queued, fired)
         if selection is None:
+            # An all_of wait whose first timers fired waits on the rest: point the timer index at
+            # the next one, so housekeeping does not re-evaluate this wait until then.
+            pending = [int(registered_at) + c.seconds * 1000 for i, c in enumerate(spec.conditions)
+                       if c.kind == "timer" and i not in fired]
+            next_due = min(pending) if pending else None
+            if next_due != due_at:
+                db.run("UPDATE tasks SET timer_due_at = ? WHERE task_id = ?", (next_due, task_id))
             continue
         consumed: list[tuple[ConsumedMessage, ...]] = []
         for i in range(len(spec.conditions)):
