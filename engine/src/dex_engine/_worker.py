@@ -204,9 +204,18 @@ class AsyncWorker:
                 pass
 
     def _spawn(self, lease: Lease) -> None:
+        previous = self._running.get(lease.task_id)
+        if previous is not None:
+            # The task was handed out again (e.g. a timed-out attempt's retry): the older attempt
+            # here has lost it and must not keep running.
+            self._revoke(previous)
         running = _Running(lease)
         self._running[lease.task_id] = running
         running.task = asyncio.create_task(self._run_attempt(running), name=lease.step_execution_id)
+
+    def _forget(self, running: _Running) -> None:
+        if self._running.get(running.lease.task_id) is running:
+            del self._running[running.lease.task_id]
 
     def _revoke(self, running: _Running) -> None:
         running.revoked = True
@@ -259,7 +268,7 @@ class AsyncWorker:
                 running.events_closed = True
             if running.flush_task is not None:
                 running.flush_task.cancel()
-            self._running.pop(lease.task_id, None)
+            self._forget(running)
             if not running.claimed_next:
                 self._wake.set()  # a slot is free and nothing was claimed into it yet
 
@@ -310,7 +319,7 @@ class AsyncWorker:
                 claim = None if self._stopping.is_set() else (self.worker_id, self._flow_types, free)
                 leases = await self.store.commit_execute(lease, ctx.writes, decision, claim)
                 running.claimed_next = claim is not None
-                self._running.pop(lease.task_id, None)
+                self._forget(running)
                 for next_lease in leases:
                     self._spawn(next_lease)
         except (StaleAttemptError, asyncio.CancelledError):
