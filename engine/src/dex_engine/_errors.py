@@ -172,9 +172,9 @@ class StaleAttemptError(DexError):
 
 
 class StepNotWaitingError(DexError):
-    def __init__(self, flow_id: str, step_execution_id: str) -> None:
+    def __init__(self, flow_id: str, step_execution_id: str, what: str = "waiting Step execution") -> None:
         super().__init__(
-            f"flow {flow_id!r} has no waiting Step execution {step_execution_id!r}; "
+            f"flow {flow_id!r} has no {what} {step_execution_id!r}; "
             "see `dex-engine describe` for the active Steps"
         )
 

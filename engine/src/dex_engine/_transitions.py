@@ -510,12 +510,15 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
 
 def skip_timer(db: Db, flow_id: str, step_execution_id: str, now: int) -> None:
     require_running(db, flow_id)
-    n = db.run(
-        "UPDATE tasks SET timers_skipped = 1 WHERE flow_id = ? AND step_execution_id = ? AND state = 'waiting'",
+    row = db.one(
+        "SELECT task_id, wait_spec FROM tasks WHERE flow_id = ? AND step_execution_id = ? AND state = 'waiting'",
         (flow_id, step_execution_id),
     )
-    if not n:
+    if row is None:
         raise StepNotWaitingError(flow_id, step_execution_id)
+    if not any(c.kind == "timer" for c in decode_json(row[1], WaitSpec).conditions):
+        raise StepNotWaitingError(flow_id, step_execution_id, "Step execution waiting on a timer")
+    db.run("UPDATE tasks SET timers_skipped = 1 WHERE task_id = ?", (row[0],))
     evaluate_waits(db, flow_id, now)
     bump(db, flow_id)
 

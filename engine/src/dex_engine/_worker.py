@@ -343,6 +343,8 @@ class AsyncWorker:
                               canceling_steps=result.canceling_steps)
 
     async def _fail(self, running: _Running, error: ErrorInfo, no_retry: bool) -> None:
+        # Events the attempt wrote before failing are kept: readers show a failed attempt's output.
+        await self._flush_events(running)
         if running.revoked:
             return
         await self.store.fail_attempt(running.lease, error, no_retry=no_retry)

@@ -1,0 +1,394 @@
+"""The `dex-engine` command line: look at and operate the flows stored in an engine database.
+
+It has no Registry, so it works on stored data only: flows, Step history, attributes (JSON),
+stream events, timers, workers. Every command takes `--db URL` (default: $DEX_ENGINE_DB, else
+sqlite:///dex.db). Bad input prints one `Error: ...` line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any, TypeVar
+
+import click
+import msgspec
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ._client import parse_search
+from ._errors import DexError, FlowNotFoundError
+from ._open import open_store
+from ._records import FlowInfo
+from ._sqlite_store import parse_sqlite_url
+from ._store import Store
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+DB_ENV = "DEX_ENGINE_DB"
+DEFAULT_DB = "sqlite:///dex.db"
+FLOW_STATUSES = ("running", "completed", "failed", "stopped")
+# How often `stream --follow` looks for new events.
+FOLLOW_POLL_SECONDS = 0.2
+# Events per read of `stream`; it reads page after page.
+STREAM_PAGE = 1000
+# Output width when stdout is not a terminal (pipes, tests): wide enough that tables never wrap IDs.
+PIPE_WIDTH = 200
+
+
+class CliError(click.ClickException):
+    """Bad input: printed as one `Error: ...` line, exit code 2 (like click's usage errors)."""
+
+    exit_code = 2
+
+
+def _console() -> Console:
+    """A console on the current stdout (CliRunner swaps it), wide when not a terminal."""
+    width = None if sys.stdout.isatty() else PIPE_WIDTH
+    return Console(file=sys.stdout, width=width, highlight=False)
+
+
+def _db_option(fn: F) -> F:
+    return click.option(
+        "--db", "db_url", envvar=DB_ENV, default=DEFAULT_DB, show_default=True, show_envvar=True,
+        metavar="URL", help="Engine database, e.g. sqlite:///path/to/file.db.",
+    )(fn)
+
+
+def _check_database(url: str, *, must_exist: bool) -> None:
+    """Refuse a malformed URL, a missing file (when `must_exist`) and a file that is not an engine database.
+
+    Opening a store creates and migrates the file, so a mistyped path must be caught before that.
+    """
+    if not url.startswith("sqlite:"):
+        return  # open_store judges other URLs
+    try:
+        path = parse_sqlite_url(url).path
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if not os.path.exists(path):
+        if must_exist:
+            raise CliError(f"no database file {path!r} (from --db {url}); pass --db or set {DB_ENV}")
+        return
+    try:
+        conn = sqlite3.connect(path)
+        try:
+            row = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'flows'").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise CliError(f"{path!r} is not a readable SQLite database ({exc})") from None
+    if row is None:
+        raise CliError(f"{path!r} is not a dex-engine database (it has no flows table)")
+
+
+def _run(url: str, fn: Callable[[Store], Awaitable[T]]) -> T:
+    """Open the database at `url`, run `fn` on it, close it; engine errors become one-line CLI errors."""
+    _check_database(url, must_exist=True)
+
+    async def go() -> T:
+        try:
+            store = open_store(url)
+        except (ValueError, sqlite3.Error) as exc:
+            raise CliError(f"cannot open database {url!r}: {exc}") from None
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(go())
+    except FlowNotFoundError as exc:
+        raise CliError(f"{exc} in {url}") from None
+    except DexError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _time(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    return datetime.fromtimestamp(ms / 1000).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def _relative(ms: int, now_ms: float) -> str:
+    seconds = (ms - now_ms) / 1000
+    return f"in {seconds:.1f} s" if seconds >= 0 else f"{-seconds:.1f} s ago"
+
+
+def _json(data: bytes | None) -> Any:
+    return None if data is None else json.loads(data)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False)
+
+
+def _table(*columns: str) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for name in columns:
+        # IDs and times never wrap; free text (detail, active steps) folds instead.
+        free = name in ("detail", "active steps")
+        table.add_column(name, no_wrap=not free, overflow="fold" if free else "ellipsis")
+    return table
+
+
+def _active_steps(info: FlowInfo) -> str:
+    return ", ".join(f"{s.step_execution_id} ({s.state})" for s in info.active_steps) or "-"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Inspect and operate dex-engine flows stored in a database.
+
+    Start with `dex-engine demo`, which runs a small flow and prints the commands to try next.
+    """
+
+
+@cli.command("list")
+@click.option("--type", "flow_type", metavar="T", help="Only flows of this flow type.")
+@click.option("--status", type=click.Choice(FLOW_STATUSES), help="Only flows with this status.")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="Newest N flows.")
+@_db_option
+def list_command(flow_type: str | None, status: str | None, limit: int, db_url: str) -> None:
+    """Table of flows, newest first."""
+    flows = _run(db_url, lambda store: store.list_flows(flow_type=flow_type, status=status, limit=limit))
+    console = _console()
+    if not flows:
+        console.print("No flows match.")
+        return
+    table = _table("flow id", "type", "status", "created", "closed", "active steps")
+    for info in flows:
+        table.add_row(Text(info.flow_id), Text(info.flow_type), Text(info.status), _time(info.created_at_ms),
+                      _time(info.closed_at_ms), Text(_active_steps(info)))
+    console.print(table)
+
+
+@cli.command()
+@click.argument("query")
+@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True)
+@_db_option
+def search(query: str, limit: int, db_url: str) -> None:
+    """Flow IDs matching QUERY, one per line.
+
+    QUERY joins terms with AND: FlowType = "X", FlowStatus = "running", ActiveStepTypes = "Y".
+    """
+
+    async def go(store: Store) -> list[str]:
+        terms = parse_search(query)
+        return await store.search_flows(flow_type=terms.get("FlowType"), status=terms.get("FlowStatus"),
+                                        active_step=terms.get("ActiveStepTypes"), limit=limit)
+
+    ids = _run(db_url, go)
+    for flow_id in ids:
+        click.echo(flow_id)
+    if not ids:
+        click.echo("no flows match", err=True)
+
+
+@cli.command()
+@click.argument("flow_id")
+@_db_option
+def describe(flow_id: str, db_url: str) -> None:
+    """Status, type, times, config, output or error, and active Steps of a flow."""
+    info = _run(db_url, lambda store: store.describe_flow(flow_id))
+    now_ms = time.time() * 1000
+    console = _console()
+    fields = Table.grid(padding=(0, 2))
+    fields.add_column(style="bold")
+    fields.add_column()
+    fields.add_row("flow", Text(info.flow_id))
+    fields.add_row("type", Text(info.flow_type))
+    fields.add_row("status", Text(info.status))
+    fields.add_row("created", _time(info.created_at_ms))
+    if info.closed_at_ms is not None:
+        took = (info.closed_at_ms - info.created_at_ms) / 1000
+        fields.add_row("closed", f"{_time(info.closed_at_ms)} (after {took:.3f} s)")
+    else:
+        fields.add_row("closed", f"- (running for {(now_ms - info.created_at_ms) / 1000:.1f} s)")
+    fields.add_row("config", Text(json.dumps(msgspec.structs.asdict(info.config))))
+    if info.output is not None:
+        fields.add_row("output", Text(_dumps(_json(info.output))))
+    if info.error is not None:
+        fields.add_row("error", Text(info.error))
+    console.print(fields)
+    if not info.active_steps:
+        console.print("\nNo active Steps.")
+        return
+    table = _table("step execution", "step type", "state", "method", "attempt", "timer due")
+    for s in info.active_steps:
+        due = "-"
+        if s.timer_due_at_ms is not None:
+            due = f"{_time(s.timer_due_at_ms)} ({_relative(s.timer_due_at_ms, now_ms)})"
+        table.add_row(Text(s.step_execution_id), Text(s.step_type), s.state, s.method, str(s.attempt), due)
+    console.print()
+    console.print(table)
+
+
+@cli.command()
+@click.argument("flow_id")
+@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True, help="Last N events.")
+@_db_option
+def history(flow_id: str, limit: int, db_url: str) -> None:
+    """Step history of a flow, oldest first."""
+    entries = _run(db_url, lambda store: store.history(flow_id, limit))
+    table = _table("event_type", "step_type", "step_execution_id", "attempt", "time", "detail")
+    for e in entries:
+        table.add_row(e.event_type, Text(e.step_type), Text(e.step_execution_id), str(e.attempt), _time(e.at_ms),
+                      Text(e.detail))
+    _console().print(table)
+
+
+@cli.command()
+@click.argument("flow_id")
+@click.option("--name", help="Only this attribute (or attribute map).")
+@_db_option
+def attributes(flow_id: str, name: str | None, db_url: str) -> None:
+    """Stored attributes as JSON; an attribute map is an object by key."""
+    stored = _run(db_url, lambda store: store.read_all_attributes(flow_id))
+    tree: dict[str, Any] = {}
+    for (attr, key), data in sorted(stored.items()):
+        value = json.loads(data)
+        if key:
+            tree.setdefault(attr, {})[key] = value
+        else:
+            tree[attr] = value
+    if name is None:
+        click.echo(_dumps(tree))
+        return
+    if name not in tree:
+        raise CliError(f"flow {flow_id!r} has no stored attribute {name!r}; stored: {sorted(tree)}")
+    click.echo(_dumps(tree[name]))
+
+
+@cli.command()
+@click.argument("flow_id")
+@click.argument("stream_name", metavar="STREAM")
+@click.option("--after", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Only events with a sequence above SEQ.", metavar="SEQ")
+@click.option("--follow", is_flag=True, help="Keep printing new events until the flow closes.")
+@_db_option
+def stream(flow_id: str, stream_name: str, after: int, follow: bool, db_url: str) -> None:
+    """Events of a stream as JSON lines (sequence, step_execution_id, attempt, value)."""
+
+    async def go(store: Store) -> None:
+        position = after
+        waiting = False
+        while True:
+            # Read the status before the events: once closed, no event can follow the read.
+            running = (await store.describe_flow(flow_id)).status == "running"
+            page = await store.read_events(flow_id, stream_name, position, STREAM_PAGE)
+            if not page.events and position == after and not waiting:
+                names = await store.stream_names(flow_id)
+                if stream_name not in names:
+                    if not (follow and running):
+                        raise CliError(f"flow {flow_id!r} has no events in stream {stream_name!r}; "
+                                       f"streams with events: {names}")
+                    # Without a Registry a typo looks like a stream not written yet: say so, then wait.
+                    click.echo(f"stream {stream_name!r} of flow {flow_id!r} has no events yet; waiting "
+                               f"(streams with events: {names})", err=True)
+                    waiting = True
+            if page.events and page.events[0].sequence > position + 1 and position == after:
+                click.echo(f"events {position + 1}..{page.events[0].sequence - 1} were trimmed (stream capacity)",
+                           err=True)
+            for e in page.events:
+                click.echo(json.dumps({"sequence": e.sequence, "step_execution_id": e.step_execution_id,
+                                       "attempt": e.attempt, "value": json.loads(e.value)}, ensure_ascii=False))
+                position = e.sequence
+            if len(page.events) == STREAM_PAGE:
+                continue
+            if not follow or not running:
+                return
+            await asyncio.sleep(FOLLOW_POLL_SECONDS)
+
+    _run(db_url, go)
+
+
+@cli.command("skip-timer")
+@click.argument("flow_id")
+@click.argument("step_execution_id")
+@_db_option
+def skip_timer(flow_id: str, step_execution_id: str, db_url: str) -> None:
+    """Fire the pending timers of a waiting Step execution now."""
+    _run(db_url, lambda store: store.skip_timer(flow_id, step_execution_id))
+    click.echo(f"Fired the timers of {step_execution_id} in flow {flow_id}.")
+
+
+@cli.command()
+@click.argument("flow_id")
+@click.option("--reason", default="stopped with dex-engine stop", show_default=True)
+@_db_option
+def stop(flow_id: str, reason: str, db_url: str) -> None:
+    """Stop a running flow now, cancelling its active Steps."""
+    _run(db_url, lambda store: store.stop_flow(flow_id, reason))
+    click.echo(f"Stopped flow {flow_id}: {reason}")
+
+
+@cli.command()
+@_db_option
+def workers(db_url: str) -> None:
+    """Registered workers and when their lease expires."""
+    rows = _run(db_url, lambda store: store.list_workers())
+    now_ms = time.time() * 1000
+    console = _console()
+    if not rows:
+        console.print("No workers registered.")
+        return
+    table = _table("worker id", "host", "pid", "started", "lease expires", "state")
+    for worker_id, host, pid, started, expires in rows:
+        state = "live" if expires >= now_ms else "expired (not yet removed)"
+        table.add_row(Text(worker_id), Text(host), str(pid), _time(started),
+                      f"{_time(expires)} ({_relative(expires, now_ms)})", state)
+    console.print(table)
+
+
+@cli.command()
+@click.option("--db", "db_url", metavar="URL",
+              help="Database for the demo (default: a fresh file in a new temporary directory; "
+                   f"${DB_ENV} is not used, so the demo never writes into your database).")
+def demo(db_url: str | None) -> None:
+    """Run a small order flow with an in-process worker and show what the engine does."""
+    from .demo import DemoError, DemoResult, print_summary, run_demo
+
+    if db_url is None:
+        path = os.path.join(tempfile.mkdtemp(prefix="dex-demo-"), "demo.db")
+        db_url = f"sqlite:///{path}"
+    _check_database(db_url, must_exist=False)
+    console = _console()
+    url = db_url
+
+    async def go() -> DemoResult:
+        try:
+            store = open_store(url)
+        except (ValueError, sqlite3.Error) as exc:
+            raise CliError(f"cannot open database {url!r}: {exc}") from None
+        try:
+            console.print(Text("dex-engine demo: an order flow, run by the engine in this process", style="bold"))
+            console.print(Text.assemble(("database ", "dim"), url), soft_wrap=True)
+            return await run_demo(store, console)
+        finally:
+            await store.close()
+
+    try:
+        result = asyncio.run(go())
+    except DemoError as exc:
+        raise click.ClickException(f"the demo failed: {exc}") from None
+    print_summary(console, db_url, result)
+
+
+def main() -> None:
+    """Entry point of the `dex-engine` script."""
+    cli(prog_name="dex-engine")
+
+
+if __name__ == "__main__":
+    main()

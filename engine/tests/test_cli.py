@@ -1,0 +1,463 @@
+"""The `dex-engine` CLI against a real SQLite file prepared by running real flows.
+
+A module fixture runs a few flows with an in-process worker and leaves them completed, failed or
+waiting; read-only commands use that file, commands that change state get a private copy of it.
+Bad input must exit with code 2 and print exactly one `Error: ...` line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from dex_engine import (
+    Attribute,
+    AttributeMap,
+    Channel,
+    Context,
+    Flow,
+    Registry,
+    RetryPolicy,
+    RpcContext,
+    Step,
+    StepDecision,
+    StepOptions,
+    Stream,
+    Timer,
+    Wait,
+    rpc,
+)
+from dex_engine.cli import cli
+
+from .conftest import engine_for, wait_until
+
+Count: Attribute[int] = Attribute("Count", int)
+Notes: AttributeMap[str] = AttributeMap("Notes", str)
+Inbox: Channel[str] = Channel("Inbox", str)
+Log: Stream[str] = Stream("Log", str)
+Later: Stream[str] = Stream("Later", str)  # first written when Wait ends
+
+# The installed console script (entry point dex_engine.cli:main), next to this interpreter.
+DEX_ENGINE = str(Path(sys.executable).with_name("dex-engine"))
+TIME = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}"
+
+
+async def start(ctx: Context, n: int) -> StepDecision:
+    if n < 0:
+        return StepDecision.force_fail("n must be >= 0")
+    if ctx.attempt == 1:
+        raise RuntimeError("flaky")  # every flow's Start fails once, so history shows a retry
+    ctx.set(Count, n)
+    ctx.set(Notes["a"], "first")
+    ctx.set(Notes["b"], "second")
+    ctx.write_event(Log, "started")
+    return StepDecision.go_to("Wait", None)
+
+
+async def wait_wait(ctx: Context, _: None) -> Wait:
+    # An hour-long timer: it fires only when skipped, so describe shows a due time.
+    return Wait.any_of(Inbox.for_one(), Timer.by_duration(3600))
+
+
+async def wait_execute(ctx: Context, _: None) -> StepDecision:
+    assert ctx.wait_result is not None
+    if ctx.wait_result.timer_fired:
+        return StepDecision.graceful_complete("timer")
+    (msg,) = ctx.wait_result.messages(Inbox)
+    ctx.write_event(Log, f"got {msg}")
+    ctx.write_event(Later, msg)
+    return StepDecision.graceful_complete(msg)
+
+
+@rpc(request_type=str)
+async def say(ctx: RpcContext, text: str) -> None:
+    ctx.publish(Inbox, text)
+
+
+QUICK = StepOptions(execute_retry=RetryPolicy(max_attempts=3, initial_interval_seconds=0.05))
+STEPS = [Step("Start", start, input_type=int, options=QUICK),
+         Step("Wait", wait_execute, wait_for=wait_wait, input_type=type(None))]
+CLI_FLOW = Flow("Cli", STEPS, start_step="Start", schema=[Count, Notes, Inbox, Log, Later], rpcs=[say])
+# Another flow type with the same Step types: searches must tell the two apart by FlowType.
+OTHER_FLOW = Flow("Other", STEPS, start_step="Start", schema=[Count, Notes, Inbox, Log, Later], rpcs=[say])
+REGISTRY = Registry([CLI_FLOW, OTHER_FLOW])
+
+# Started in this order (so `list`, newest first, shows them reversed).
+FLOWS = [("done-1", "Cli", 3), ("failed-1", "Cli", -1), ("other-1", "Other", 1),
+         ("waiting-1", "Cli", 1), ("waiting-2", "Cli", 2)]
+WAITING_CLI = {"waiting-1", "waiting-2"}
+
+
+async def _prepare(url: str) -> None:
+    async with engine_for(url, REGISTRY) as eng:
+        for flow_id, flow_type, n in FLOWS:
+            await eng.client.start_flow(flow_type, flow_id, n)
+
+            async def settled(flow_id: str = flow_id) -> bool:
+                info = await eng.client.describe_flow(flow_id)
+                return info.status != "running" or any(s.state == "waiting" for s in info.active_steps)
+
+            await wait_until(f"{flow_id} waiting or closed", settled)
+        await eng.client.rpc("done-1", "say", "hello")
+        assert (await eng.client.wait_for_flow("done-1", 10)).status == "completed"
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A database file holding FLOWS: done-1 completed, failed-1 failed, the others waiting in Wait-1."""
+    path = tmp_path_factory.mktemp("cli") / "prepared.db"
+    asyncio.run(_prepare(f"sqlite:///{path}"))
+    return path
+
+
+@pytest.fixture
+def db(prepared: Path) -> str:
+    """URL of the shared prepared database (read-only commands)."""
+    return f"sqlite:///{prepared}"
+
+
+@pytest.fixture
+def db_copy(prepared: Path, tmp_path: Path) -> str:
+    """URL of a private copy of the prepared database (commands that change state)."""
+    target = tmp_path / "copy.db"
+    shutil.copy(prepared, target)  # the store closed cleanly, so the WAL was checkpointed into the file
+    return f"sqlite:///{target}"
+
+
+def run(*args: str, env: dict[str, str | None] | None = None) -> Result:
+    return CliRunner().invoke(cli, list(args), env=env)
+
+
+def ok(*args: str) -> str:
+    result = run(*args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result.stdout
+
+
+def assert_one_line_error(result: Result, *needles: str) -> None:
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert isinstance(result.exception, SystemExit)
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def table_rows(output: str) -> list[list[str]]:
+    """Cells of a rich table's body rows (cells are separated by two or more spaces)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    body = lines[2:]  # header, rule
+    return [re.split(r"\s{2,}", line) for line in body]
+
+
+# list / search ------------------------------------------------------------------------------
+
+
+def test_list_shows_every_flow_newest_first_with_status_and_active_steps(db: str) -> None:
+    """`list` is one row per flow, newest first: id, type, status, created, closed, active steps."""
+    rows = table_rows(ok("list", "--db", db))
+    assert [r[0] for r in rows] == [f for f, _, _ in reversed(FLOWS)]
+    by_id = {r[0]: r for r in rows}
+    assert by_id["done-1"][1:3] == ["Cli", "completed"]
+    assert re.fullmatch(TIME, by_id["done-1"][3]) and re.fullmatch(TIME, by_id["done-1"][4])
+    assert by_id["done-1"][5] == "-"
+    assert by_id["failed-1"][2] == "failed"
+    assert by_id["waiting-1"][1:3] == ["Cli", "running"]
+    assert re.fullmatch(TIME, by_id["waiting-1"][3]) and by_id["waiting-1"][4] == "-"
+    assert by_id["waiting-1"][5] == "Wait-1 (waiting)"
+    assert by_id["other-1"][1] == "Other"
+
+
+def test_list_filters_by_type_status_and_limit(db: str) -> None:
+    """--type, --status and --limit narrow the table; no match says so."""
+    assert [r[0] for r in table_rows(ok("list", "--type", "Other", "--db", db))] == ["other-1"]
+    running = [r[0] for r in table_rows(ok("list", "--status", "running", "--db", db))]
+    assert running == ["waiting-2", "waiting-1", "other-1"]
+    assert [r[0] for r in table_rows(ok("list", "--status", "running", "--type", "Cli", "--limit", "1",
+                                        "--db", db))] == ["waiting-2"]
+    assert ok("list", "--type", "Nope", "--db", db).strip() == "No flows match."
+
+
+def test_search_finds_flows_by_active_step_and_type(db: str) -> None:
+    """`search` prints the IDs the query matches, one per line; AND narrows by flow type."""
+    found = ok("search", 'ActiveStepTypes = "Wait" AND FlowType = "Cli"', "--db", db).split()
+    assert set(found) == WAITING_CLI
+    both_types = ok("search", 'ActiveStepTypes = "Wait"', "--db", db).split()
+    assert set(both_types) == WAITING_CLI | {"other-1"}
+    assert ok("search", 'FlowStatus = "completed"', "--db", db).split() == ["done-1"]
+    result = run("search", 'FlowType = "Nope"', "--db", db)
+    assert result.exit_code == 0 and result.stdout == ""
+
+
+# describe -----------------------------------------------------------------------------------
+
+
+def test_describe_running_flow_shows_its_waiting_step_and_timer(db: str) -> None:
+    """A waiting flow: status, times, config and the active Step with state, method, attempt, timer due."""
+    out = ok("describe", "waiting-1", "--db", db)
+    assert re.search(r"^status\s+running\s*$", out, re.M)
+    assert re.search(rf"^created\s+{TIME}\s*$", out, re.M)
+    assert re.search(r"^closed\s+- \(running for [\d.]+ s\)", out, re.M)
+    config = re.search(r"^config\s+(\{.*\})\s*$", out, re.M)
+    assert config and json.loads(config.group(1)) == {"active_step_search": True, "default_step_durability": "SYNC"}
+    # The hour-long timer of the wait is due in the future.
+    assert re.search(rf"^Wait-1\s+Wait\s+waiting\s+execute\s+1\s+{TIME} \(in \d+\.\d s\)\s*$", out, re.M), out
+
+
+def test_describe_closed_flows_show_output_or_error(db: str) -> None:
+    """A completed flow shows its JSON output, a failed one its error; neither has active Steps."""
+    done = ok("describe", "done-1", "--db", db)
+    assert re.search(r"^status\s+completed", done, re.M)
+    assert re.search(rf"^closed\s+{TIME} \(after [\d.]+ s\)", done, re.M)
+    assert re.search(r'^output\s+"hello"', done, re.M)
+    assert "No active Steps." in done
+    failed = ok("describe", "failed-1", "--db", db)
+    assert re.search(r"^status\s+failed", failed, re.M)
+    assert re.search(r"^error\s+n must be >= 0", failed, re.M)
+
+
+# history ------------------------------------------------------------------------------------
+
+DONE_HISTORY = [
+    ("step_scheduled", "Start", "Start-1", 0, ""),
+    ("attempt_failed", "Start", "Start-1", 1, "execute: RuntimeError: flaky"),
+    ("execute_completed", "Start", "Start-1", 2, "movements"),
+    ("step_scheduled", "Wait", "Wait-1", 0, ""),
+    ("wait_registered", "Wait", "Wait-1", 1, ""),
+    ("wait_completed", "Wait", "Wait-1", 0, "satisfied [0]"),
+    ("execute_completed", "Wait", "Wait-1", 1, "graceful_complete"),
+    ("flow_closed", "", "", 0, "completed"),
+]
+
+
+def _history_pattern(event: str, step_type: str, seid: str, attempt: int, detail: str) -> str:
+    cells = [c for c in (event, step_type, seid, str(attempt)) if c]
+    return r"^" + r"\s+".join(map(re.escape, cells)) + rf"\s+{TIME}" + (rf"\s+{re.escape(detail)}" if detail else "")
+
+
+def test_history_lists_every_step_event_in_order(db: str) -> None:
+    """`history` shows each event's type, Step type, execution ID, attempt, time and detail, oldest first."""
+    lines = [line.strip() for line in ok("history", "done-1", "--db", db).splitlines() if line.strip()]
+    assert lines[0].split() == ["event_type", "step_type", "step_execution_id", "attempt", "time", "detail"]
+    body = lines[2:]
+    assert len(body) == len(DONE_HISTORY), body
+    for line, expected in zip(body, DONE_HISTORY, strict=True):
+        assert re.match(_history_pattern(*expected), line), (line, expected)
+
+
+def test_history_limit_keeps_the_newest_events(db: str) -> None:
+    """--limit N shows the last N events."""
+    body = [line.strip() for line in ok("history", "done-1", "--limit", "2", "--db", db).splitlines()
+            if line.strip()][2:]
+    assert len(body) == 2
+    assert re.match(_history_pattern(*DONE_HISTORY[-2]), body[0])
+    assert re.match(_history_pattern(*DONE_HISTORY[-1]), body[1])
+
+
+# attributes ---------------------------------------------------------------------------------
+
+
+def test_attributes_prints_values_as_json_with_maps_by_key(db: str) -> None:
+    """Plain attributes by name, attribute maps as an object by key; --name picks one."""
+    assert json.loads(ok("attributes", "done-1", "--db", db)) == {"Count": 3, "Notes": {"a": "first", "b": "second"}}
+    assert json.loads(ok("attributes", "done-1", "--name", "Notes", "--db", db)) == {"a": "first", "b": "second"}
+    assert json.loads(ok("attributes", "done-1", "--name", "Count", "--db", db)) == 3
+    assert json.loads(ok("attributes", "failed-1", "--db", db)) == {}
+
+
+# stream -------------------------------------------------------------------------------------
+
+
+def test_stream_prints_events_as_json_lines(db: str) -> None:
+    """Each event is one JSON line with its sequence, Step execution ID and attempt; --after skips."""
+    events = [json.loads(line) for line in ok("stream", "done-1", "Log", "--db", db).splitlines()]
+    assert events == [
+        {"sequence": 1, "step_execution_id": "Start-1", "attempt": 2, "value": "started"},
+        {"sequence": 2, "step_execution_id": "Wait-1", "attempt": 1, "value": "got hello"},
+    ]
+    after = [json.loads(line) for line in ok("stream", "done-1", "Log", "--after", "1", "--db", db).splitlines()]
+    assert [e["sequence"] for e in after] == [2]
+    assert ok("stream", "done-1", "Log", "--after", "2", "--db", db) == ""
+    # --follow on a closed flow prints what is there and returns.
+    assert len(ok("stream", "done-1", "Log", "--follow", "--db", db).splitlines()) == 2
+
+
+async def test_stream_follow_waits_for_new_events_until_the_flow_closes(db_copy: str) -> None:
+    """--follow (the installed `dex-engine` script) waits for a stream's first event and exits when the flow closes."""
+    async with engine_for(db_copy, REGISTRY) as eng:
+        proc = await asyncio.create_subprocess_exec(
+            DEX_ENGINE, "stream", "waiting-1", "Later", "--follow", "--db", db_copy,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            assert proc.stderr is not None
+            note = await asyncio.wait_for(proc.stderr.readline(), 30)
+            assert b"no events yet; waiting" in note
+            # The follower has looked and found nothing; only now does the flow write the event and close.
+            await eng.client.rpc("waiting-1", "say", "bye")
+            out, err = await asyncio.wait_for(proc.communicate(), 30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert proc.returncode == 0, err
+    assert [json.loads(line) for line in out.decode().splitlines()] == [
+        {"sequence": 1, "step_execution_id": "Wait-1", "attempt": 1, "value": "bye"},
+    ]
+
+
+# skip-timer / stop / workers ----------------------------------------------------------------
+
+
+async def test_skip_timer_fires_the_waiting_steps_timer(db_copy: str) -> None:
+    """skip-timer fires Wait-1's hour-long timer now; a worker then completes the flow through the timer branch."""
+    result = await asyncio.to_thread(run, "skip-timer", "waiting-1", "Wait-1", "--db", db_copy)
+    assert result.exit_code == 0, result.output
+    assert "Wait-1" in result.stdout and "waiting-1" in result.stdout
+    history = await asyncio.to_thread(ok, "history", "waiting-1", "--db", db_copy)
+    assert re.search(r"^\s*wait_completed\s+Wait\s+Wait-1\s+0\s+.*satisfied \[1\]", history, re.M), history
+    async with engine_for(db_copy, REGISTRY) as eng:
+        info = await eng.client.wait_for_flow("waiting-1", 10)
+        assert info.status == "completed"
+        assert await eng.client.flow_output("waiting-1") == "timer"
+    # The flow is closed now: skipping again is bad input.
+    assert_one_line_error(await asyncio.to_thread(run, "skip-timer", "waiting-1", "Wait-1", "--db", db_copy),
+                          "waiting-1", "completed")
+
+
+def test_stop_closes_a_running_flow(db_copy: str) -> None:
+    """stop closes the flow as stopped with the reason, cancelling its Step; stopping it again is refused."""
+    out = ok("stop", "waiting-2", "--reason", "testing the CLI", "--db", db_copy)
+    assert "waiting-2" in out
+    described = ok("describe", "waiting-2", "--db", db_copy)
+    assert re.search(r"^status\s+stopped", described, re.M)
+    assert re.search(r"^error\s+testing the CLI", described, re.M)
+    assert "No active Steps." in described
+    history = ok("history", "waiting-2", "--db", db_copy)
+    assert re.search(r"^\s*step_cancelled\s+Wait\s+Wait-1\s", history, re.M)
+    assert re.search(r"^\s*flow_closed\s+0\s+.*stopped: testing the CLI", history, re.M)
+    assert_one_line_error(run("stop", "waiting-2", "--db", db_copy), "waiting-2", "stopped")
+
+
+async def test_workers_lists_a_live_worker_and_its_lease(db_copy: str) -> None:
+    """`workers` shows a running worker as live with its lease expiry; none once it stopped."""
+    async with engine_for(db_copy, REGISTRY, worker=False) as eng:
+        # A long lease, so a slow machine cannot let it lapse between a renewal and the CLI's read.
+        worker = await eng.start_worker(lease_ttl_seconds=60.0, lease_renew_seconds=1.0)
+        out = await asyncio.to_thread(ok, "workers", "--db", db_copy)
+        row = next(line for line in out.splitlines() if worker.worker_id in line)
+        assert re.search(rf"{TIME} \(in [\d.]+ s\)\s+live", row), row
+    assert (await asyncio.to_thread(ok, "workers", "--db", db_copy)).strip() == "No workers registered."
+
+
+# --db and bad input -------------------------------------------------------------------------
+
+
+def test_db_comes_from_the_environment_then_the_default(
+    db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without --db the CLI uses $DEX_ENGINE_DB, else sqlite:///dex.db (and never creates that file)."""
+    result = run("search", 'FlowStatus = "completed"', env={"DEX_ENGINE_DB": db})
+    assert result.exit_code == 0 and result.stdout.split() == ["done-1"]
+    monkeypatch.chdir(tmp_path)
+    assert_one_line_error(run("list", env={"DEX_ENGINE_DB": None}), "dex.db", "DEX_ENGINE_DB")
+    assert not (tmp_path / "dex.db").exists()
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["describe", "nope"], ["no flow with ID 'nope'"]),
+    (["history", "nope"], ["no flow with ID 'nope'"]),
+    (["attributes", "nope"], ["no flow with ID 'nope'"]),
+    (["stream", "nope", "Log"], ["no flow with ID 'nope'"]),
+    (["skip-timer", "nope", "Wait-1"], ["no flow with ID 'nope'"]),
+    (["stop", "nope"], ["no flow with ID 'nope'"]),
+    (["attributes", "done-1", "--name", "Missing"], ["'Missing'", "Count", "Notes"]),
+    (["stream", "done-1", "Nope"], ["'Nope'", "Log"]),
+    (["stream", "waiting-1", "Later"], ["'Later'", "Log"]),  # running, but no events yet and no --follow
+    (["search", "FlowType = Cli"], ["cannot parse", "FlowType = Cli"]),
+    (["search", 'FlowType = "a" AND FlowType = "b"'], ["FlowType appears twice"]),
+    (["search", 'Owner = "me"'], ["Owner"]),
+    (["skip-timer", "waiting-1", "Start-1"], ["Start-1"]),
+    (["skip-timer", "done-1", "Wait-1"], ["done-1", "completed"]),
+])
+def test_bad_input_prints_one_error_line_and_exits_2(db: str, args: list[str], needles: list[str]) -> None:
+    """Unknown flows, attributes and streams, malformed queries, Steps not waiting: one clear line, exit 2."""
+    assert_one_line_error(run(*args, "--db", db), *needles)
+
+
+def test_bad_database_urls_print_one_error_line_and_exit_2(tmp_path: Path) -> None:
+    """Unsupported schemes, URLs without a file, missing files and non-database files are refused up front."""
+    not_a_db = tmp_path / "notes.txt"
+    not_a_db.write_text("hello")
+    plain = tmp_path / "plain.db"
+    plain.touch()
+    cases = [
+        ("mysql://host/db", ["unsupported database URL"]),
+        ("sqlite://", ["names no file"]),
+        (f"sqlite:///{tmp_path}/missing.db", ["missing.db"]),
+        (f"sqlite:///{not_a_db}", ["notes.txt", "not a readable SQLite database"]),
+        (f"sqlite:///{plain}", ["plain.db", "not a dex-engine database"]),
+    ]
+    for url, needles in cases:
+        assert_one_line_error(run("list", "--db", url), *needles)
+    assert not (tmp_path / "missing.db").exists()
+    assert_one_line_error(run("demo", "--db", "mysql://host/db"), "unsupported database URL")
+    assert_one_line_error(run("demo", "--db", f"sqlite:///{not_a_db}"), "notes.txt")
+
+
+# demo ---------------------------------------------------------------------------------------
+
+DEMO_STEPS = ["Validate-1", "Reserve-1", "AwaitPayment-1", "Pack-1", "Invoice-1", "Ship-1", "Deliver-1"]
+
+
+def test_demo_runs_the_order_flow_and_history_shows_its_steps(tmp_path: Path) -> None:
+    """`demo --db` runs the order flow to completion, prints the next commands, and its history is readable."""
+    url = f"sqlite:///{tmp_path}/demo.db"
+    result = run("demo", "--db", url)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "flow order-1 completed" in result.stdout
+    for command in ("describe", "history", "attributes"):
+        assert f"dex-engine {command} order-1 --db {url}" in result.stdout
+    assert f"dex-engine stream order-1 Progress --db {url}" in result.stdout
+
+    history = ok("history", "order-1", "--db", url)
+    seids = {cells[2] for cells in (line.split() for line in history.splitlines()) if len(cells) > 2}
+    assert set(DEMO_STEPS) <= seids
+    # The Step that fails once, the payment wait, the join and the timer wait, then completion.
+    assert re.search(r"^\s*attempt_failed\s+Reserve\s+Reserve-1\s+1\s.*InventoryUnavailable", history, re.M)
+    assert re.search(r"^\s*execute_completed\s+Reserve\s+Reserve-1\s+2\s", history, re.M)
+    for seid in ("AwaitPayment-1", "Ship-1", "Deliver-1"):
+        assert re.search(rf"^\s*wait_completed\s+\w+\s+{seid}\s", history, re.M), seid
+    assert re.search(r"^\s*flow_closed\s+0\s+.*completed", history, re.M)
+    events = [json.loads(line) for line in ok("stream", "order-1", "Progress", "--db", url).splitlines()]
+    assert {"Reserve-1"} <= {e["step_execution_id"] for e in events}
+    assert any(e["step_execution_id"] == "Reserve-1" and e["attempt"] == 2 for e in events)
+    assert json.loads(ok("attributes", "order-1", "--name", "Status", "--db", url)) == "delivered"
+
+    # A second run on the same database starts a new flow instead of colliding with order-1.
+    again = run("demo", "--db", url)
+    assert again.exit_code == 0, again.output
+    assert "flow order-2 completed" in again.stdout
+
+
+def test_demo_without_arguments_uses_a_fresh_temporary_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Plain `dex-engine demo` needs no setup and ignores $DEX_ENGINE_DB: it writes a new file under the temp dir."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = run("demo", env={"DEX_ENGINE_DB": f"sqlite:///{tmp_path}/mine.db"})
+    assert result.exit_code == 0, (result.output, result.exception)
+    url = re.search(r"--db (sqlite:///\S+)", result.stdout)
+    assert url is not None, result.stdout
+    created = list(tmp_path.glob("dex-demo-*/demo.db"))
+    assert len(created) == 1 and url.group(1) == f"sqlite:///{created[0]}"
+    assert "flow order-1 completed" in result.stdout
+    assert not (tmp_path / "mine.db").exists()

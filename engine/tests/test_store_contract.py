@@ -1,0 +1,778 @@
+"""The store contract: behaviour every Store backend must show, driven through the Store interface.
+
+No worker runs here: each test claims leases and commits them itself, so it pins down what the
+store does for one sequence of calls. The `store` fixture is built from `db_url`, so every test runs
+once per configured backend; nothing here may depend on one backend (no backend-specific SQL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import msgspec
+import pytest
+
+from dex_engine import (
+    Attribute,
+    Channel,
+    ChannelMessageNotFoundError,
+    Context,
+    Flow,
+    FlowAlreadyStartedError,
+    FlowConfig,
+    FlowNotActiveError,
+    FlowNotFoundError,
+    LoadOptions,
+    Movement,
+    RetryPolicy,
+    RpcLockConflictError,
+    StaleAttemptError,
+    Step,
+    StepDecision,
+    StepNotWaitingError,
+    StepOptions,
+    Store,
+    Stream,
+    Timer,
+    Wait,
+    open_store,
+)
+from dex_engine import _transitions as tx
+from dex_engine._records import (
+    AttemptProgress,
+    DecisionRecord,
+    ErrorInfo,
+    Lease,
+    MovementRecord,
+    StartRequest,
+    WriteSet,
+)
+from dex_engine._scheduling import movement_record, start_record
+from dex_engine._store import now_ms
+
+from .conftest import wait_until
+
+# Flow definitions ------------------------------------------------------------------------------
+# Handlers never run (no worker); the Flow only supplies Step options for movement records.
+
+Count: Attribute[int] = Attribute("Count", int)
+Inbox: Channel[str] = Channel("Inbox", str)
+Out: Stream[str] = Stream("Out", str)
+
+# Retries that are due at once, so a test can claim the next attempt without waiting.
+NOW_RETRY = RetryPolicy(max_attempts=3, initial_interval_seconds=0)
+
+
+async def _execute(ctx: Context, _: Any) -> StepDecision:
+    raise AssertionError("store contract tests run no handlers")
+
+
+async def _wait_for(ctx: Context, _: Any) -> Wait:
+    raise AssertionError("store contract tests run no handlers")
+
+
+FLOW = Flow(
+    "Contract",
+    [
+        Step("Start", _execute, options=StepOptions(execute_retry=NOW_RETRY)),
+        Step("Next", _execute),
+        Step("Quick", _execute, options=StepOptions(execute_retry=NOW_RETRY, failure_route="Recover")),
+        Step("Slow", _execute, options=StepOptions(
+            execute_retry=RetryPolicy(max_attempts=3, initial_interval_seconds=30))),
+        Step("Fragile", _execute, options=StepOptions(execute_retry=RetryPolicy(max_attempts=1))),
+        Step("Recover", _execute),
+        Step("Listen", _execute, wait_for=_wait_for),
+        Step("Locked", _execute, options=StepOptions(execute_locks=(Count,))),
+        Step("Timed", _execute, options=StepOptions(execute_timeout_seconds=20)),
+    ],
+    start_step="Start",
+    schema=[Count, Inbox, Out],
+)
+OTHER = Flow("Other", [Step("Start", _execute)], start_step="Start")
+
+W = "worker-1"
+HOUR_MS = 3_600_000
+ALL = LoadOptions.all()
+TYPES = ["Contract"]
+
+
+def enc(value: Any) -> bytes:
+    return msgspec.json.encode(value)
+
+
+def move(step: str, input: Any = None) -> MovementRecord:
+    return movement_record(FLOW, Movement(step, input))
+
+
+def goto(*steps: str) -> DecisionRecord:
+    return DecisionRecord("movements", tuple(move(s) for s in steps))
+
+
+def graceful(output: Any) -> DecisionRecord:
+    return DecisionRecord("graceful_complete", output=enc(output))
+
+
+DEAD_END = DecisionRecord("dead_end")
+
+
+async def start(
+    store: Store, flow_id: str, step: str | None = None, input: Any = None, *,
+    flow: Flow = FLOW, config: FlowConfig | None = None,
+) -> None:
+    """Start `flow_id` at its start Step, or at `step` when given."""
+    first = start_record(flow, input) if step is None else movement_record(flow, Movement(step, input))
+    await store.start_flow(StartRequest(flow_id, flow.flow_type, enc(input), config or FlowConfig(), first))
+
+
+async def claim_one(store: Store, worker: str = W, types: Sequence[str] = TYPES) -> Lease:
+    leases = await store.claim(worker, types, 10)
+    assert len(leases) == 1, f"expected one lease, got {[(x.flow_id, x.step_execution_id) for x in leases]}"
+    return leases[0]
+
+
+async def active(store: Store, flow_id: str) -> list[tuple[str, str, str, int]]:
+    """(step execution ID, state, method, attempt) of each active Step of the flow."""
+    info = await store.describe_flow(flow_id)
+    return [(s.step_execution_id, s.state, s.method, s.attempt) for s in info.active_steps]
+
+
+async def history_events(store: Store, flow_id: str) -> list[tuple[str, str]]:
+    return [(h.event_type, h.step_execution_id) for h in await store.history(flow_id)]
+
+
+async def expire_dead_workers(store: Store, leases: int) -> None:
+    """Run housekeeping until it has handled `leases` leases of workers whose TTL ran out."""
+    handled = 0
+
+    async def probe() -> bool:
+        nonlocal handled
+        handled += (await store.housekeeping()).leases_expired
+        return handled >= leases
+
+    await wait_until(f"housekeeping to handle {leases} lease(s) of dead workers", probe)
+
+
+@pytest.fixture
+async def store(db_url: str) -> AsyncIterator[Store]:
+    """An open store on the test's database, with worker W registered for an hour."""
+    s = open_store(db_url)
+    try:
+        await s.register_worker(W, "contract-host", 1, HOUR_MS)
+        yield s
+    finally:
+        await s.close()
+
+
+# Claims ----------------------------------------------------------------------------------------
+
+
+async def test_start_then_claim_hands_out_the_start_step_once(store: Store) -> None:
+    """start_flow schedules the start Step; one claim gets attempt 1 of Start-1, the next gets nothing."""
+    await start(store, "f1", input={"n": 7})
+    lease = await claim_one(store)
+    assert (lease.flow_id, lease.flow_type, lease.step_type) == ("f1", "Contract", "Start")
+    assert (lease.step_execution_id, lease.attempt, lease.method) == ("Start-1", 1, "execute")
+    assert msgspec.json.decode(lease.input) == {"n": 7}
+    assert lease.checkpoint is None and lease.recovery_error is None and lease.wait_outcome is None
+    assert await store.claim(W, TYPES, 10) == []
+    assert await active(store, "f1") == [("Start-1", "running", "execute", 1)]
+
+
+async def test_claim_only_returns_the_given_flow_types(store: Store) -> None:
+    """A worker gets tasks of the flow types it asks for, and of no other."""
+    await start(store, "c1")
+    await start(store, "o1", flow=OTHER)
+    assert await store.claim(W, ["Nobody"], 10) == []
+    assert await store.claim(W, [], 10) == []
+    lease = await claim_one(store, types=["Other"])
+    assert (lease.flow_id, lease.flow_type) == ("o1", "Other")
+    lease = await claim_one(store, types=["Other", "Contract"])
+    assert (lease.flow_id, lease.flow_type) == ("c1", "Contract")
+
+
+async def test_claim_honours_capacity(store: Store) -> None:
+    """With more ready tasks than capacity, a claim hands out exactly `capacity`, each task once."""
+    for i in range(7):
+        await start(store, f"f{i}")
+    assert await store.claim(W, TYPES, 0) == []
+    first = await store.claim(W, TYPES, 4)
+    second = await store.claim(W, TYPES, 4)
+    assert (len(first), len(second)) == (4, 3)
+    assert len({x.task_id for x in first + second}) == 7
+    assert {x.flow_id for x in first + second} == {f"f{i}" for i in range(7)}
+    assert await store.claim(W, TYPES, 4) == []
+
+
+async def test_step_execution_ids_count_per_step_type_per_flow(store: Store) -> None:
+    """IDs are <Type>-<n>, n counting from 1 per Step type within one flow."""
+    await start(store, "f1")
+    lease = await claim_one(store)
+    await store.commit_execute(lease, WriteSet(), goto("Next", "Next", "Start"))
+    leases = await store.claim(W, TYPES, 10)
+    assert sorted(x.step_execution_id for x in leases) == ["Next-1", "Next-2", "Start-2"]
+    start2 = next(x for x in leases if x.step_type == "Start")
+    await store.commit_execute(start2, WriteSet(), goto("Next"))
+    assert (await claim_one(store)).step_execution_id == "Next-3"
+    # Another flow counts on its own.
+    await start(store, "f2")
+    assert (await claim_one(store)).step_execution_id == "Start-1"
+
+
+# Commits and decisions ---------------------------------------------------------------------------
+
+
+async def test_commit_execute_writes_and_schedules_the_movement(store: Store) -> None:
+    """An Execute's writes and its movement commit together; the task it ran is gone."""
+    await start(store, "f1")
+    lease = await claim_one(store)
+    await store.commit_execute(lease, WriteSet(attributes={("Count", ""): enc(1)}), goto("Next"))
+    assert await store.read_attribute("f1", "Count", "") == enc(1)
+    assert await active(store, "f1") == [("Next-1", "ready", "execute", 1)]
+    assert (await store.describe_flow("f1")).status == "running"
+    assert (await claim_one(store)).step_execution_id == "Next-1"
+
+
+async def test_graceful_complete_closes_only_when_nothing_else_is_active(store: Store) -> None:
+    """graceful_complete with no other task closes the flow; with other tasks it waits for them."""
+    await start(store, "alone")
+    await store.commit_execute(await claim_one(store), WriteSet(), graceful("done"))
+    info = await store.describe_flow("alone")
+    assert (info.status, info.output, info.active_steps) == ("completed", enc("done"), ())
+    assert info.closed_at_ms is not None
+
+    await start(store, "pair")
+    await store.commit_execute(await claim_one(store), WriteSet(), goto("Next", "Next"))
+    a, b = await store.claim(W, TYPES, 10)
+    await store.commit_execute(a, WriteSet(), graceful("first"))
+    assert (await store.describe_flow("pair")).status == "running"
+    assert await active(store, "pair") == [(b.step_execution_id, "running", "execute", 1)]
+    await store.commit_execute(b, WriteSet(), DEAD_END)
+    info = await store.describe_flow("pair")
+    assert (info.status, info.output, info.active_steps) == ("completed", enc("first"), ())
+
+
+async def test_force_fail_closes_the_flow_with_its_reason(store: Store) -> None:
+    """force_fail fails the flow now, with the reason, cancelling the other active Steps."""
+    await start(store, "f1")
+    await store.commit_execute(await claim_one(store), WriteSet(), goto("Next", "Next"))
+    leases = await store.claim(W, TYPES, 1)
+    assert len(leases) == 1
+    await store.commit_execute(leases[0], WriteSet(), DecisionRecord("force_fail", reason="gave up"))
+    info = await store.describe_flow("f1")
+    assert (info.status, info.error, info.active_steps) == ("failed", "gave up", ())
+    assert (tx.STEP_CANCELLED, "Next-2") in await history_events(store, "f1")
+    assert await store.claim(W, TYPES, 10) == []
+
+
+async def test_commit_execute_with_claim_hands_out_the_next_attempt(store: Store) -> None:
+    """The `claim` argument returns the next ready attempt from the same commit."""
+    await start(store, "f1")
+    lease = await claim_one(store)
+    leases = await store.commit_execute(lease, WriteSet(), goto("Next"), claim=(W, TYPES, 4))
+    assert [(x.flow_id, x.step_execution_id, x.attempt) for x in leases] == [("f1", "Next-1", 1)]
+    assert await active(store, "f1") == [("Next-1", "running", "execute", 1)]
+    assert await store.claim(W, TYPES, 4) == []
+
+
+# Fencing and attempts ----------------------------------------------------------------------------
+
+
+async def test_superseded_lease_cannot_write(store: Store) -> None:
+    """E2: once housekeeping re-hands a dead worker's task, the old lease's writes are refused."""
+    await start(store, "f1")
+    await store.register_worker("zombie", "contract-host", 2, 1)  # its lease runs out at once
+    old = await claim_one(store, "zombie")
+    await expire_dead_workers(store, 1)
+    new = await claim_one(store)
+    assert (new.task_id, new.attempt) == (old.task_id, 1)
+    assert new.lease_epoch != old.lease_epoch
+
+    with pytest.raises(StaleAttemptError):
+        await store.commit_execute(old, WriteSet(attributes={("Count", ""): enc(1)}), goto("Next"))
+    with pytest.raises(StaleAttemptError):
+        await store.heartbeat(old, "zombie checkpoint")
+    with pytest.raises(StaleAttemptError):
+        await store.append_best_effort(old, "Out", 1000, [enc("zombie event")])
+    with pytest.raises(StaleAttemptError):
+        await store.fail_attempt(old, ErrorInfo("Zombie", "late"))
+
+    # Nothing the zombie tried is visible.
+    assert await store.read_attribute("f1", "Count", "") is None
+    assert (await store.read_events("f1", "Out", 0, 100)).events == []
+    assert await active(store, "f1") == [("Start-1", "running", "execute", 1)]
+    events = [e for e, _ in await history_events(store, "f1")]
+    assert tx.EXECUTE_COMPLETED not in events and tx.ATTEMPT_FAILED not in events
+    # The current owner still works, and its next attempt saw no zombie checkpoint.
+    await store.fail_attempt(new, ErrorInfo("ValueError", "retry me"))
+    retry = await claim_one(store)
+    assert (retry.attempt, retry.checkpoint) == (2, None)
+    await store.commit_execute(retry, WriteSet(), goto("Next"))
+    assert await active(store, "f1") == [("Next-1", "ready", "execute", 1)]
+
+
+async def test_fail_attempt_retries_with_the_next_attempt(store: Store) -> None:
+    """A failed attempt is retried as attempt+1 while the policy allows."""
+    await start(store, "f1")
+    first = await claim_one(store)
+    await store.fail_attempt(first, ErrorInfo("ValueError", "one"))
+    second = await claim_one(store)
+    assert (second.task_id, second.step_execution_id, second.attempt) == (first.task_id, "Start-1", 2)
+    assert second.lease_epoch > first.lease_epoch
+    with pytest.raises(StaleAttemptError):  # the failed attempt is no longer the owner
+        await store.heartbeat(first, None)
+
+
+async def test_retry_waits_for_the_policy_interval(store: Store) -> None:
+    """A retry is scheduled initial_interval after the failure, not claimable before."""
+    await start(store, "f1", "Slow")
+    lease = await claim_one(store)
+    before = now_ms()
+    await store.fail_attempt(lease, ErrorInfo("ValueError", "later"))
+    after = now_ms()
+    assert await active(store, "f1") == [("Slow-1", "ready", "execute", 2)]
+    assert await store.claim(W, TYPES, 10) == []
+    due = await store.next_due(TYPES)
+    assert due is not None and before + 30_000 <= due <= after + 30_000
+
+
+async def test_exhausted_retries_take_the_failure_route(store: Store) -> None:
+    """E3/E4: after the last attempt the route Step starts with the input and a recovery error."""
+    for flow_id, heartbeat in (("quiet", False), ("beating", True)):
+        await start(store, flow_id, "Quick", {"job": flow_id})
+        for attempt in (1, 2, 3):
+            lease = await claim_one(store)
+            assert (lease.step_execution_id, lease.attempt) == ("Quick-1", attempt)
+            if heartbeat and attempt == 1:
+                await store.heartbeat(lease, None)  # the method started once
+            await store.fail_attempt(lease, ErrorInfo("ValueError", f"bad {attempt}"))
+        route = await claim_one(store)
+        assert (route.flow_id, route.step_execution_id, route.attempt) == (flow_id, "Recover-1", 1)
+        assert msgspec.json.decode(route.input) == {"job": flow_id}
+        err = route.recovery_error
+        assert err is not None
+        assert (err.step_type, err.step_execution_id, err.method, err.attempts) == ("Quick", "Quick-1", "execute", 3)
+        assert (err.error_type, err.detail) == ("ValueError", "bad 3")
+        expected = AttemptProgress.NOT_COMPLETED if heartbeat else AttemptProgress.NOT_STARTED
+        assert err.attempt_progress == expected
+        assert (await store.describe_flow(flow_id)).status == "running"
+
+
+async def test_exhausted_retries_without_a_route_fail_the_flow(store: Store) -> None:
+    """Without a failure route, the last failed attempt fails the flow naming the Step and error."""
+    await start(store, "f1", "Fragile")
+    await store.fail_attempt(await claim_one(store), ErrorInfo("KeyError", "missing thing"))
+    info = await store.describe_flow("f1")
+    assert (info.status, info.active_steps) == ("failed", ())
+    assert info.error is not None and "Fragile-1" in info.error and "missing thing" in info.error
+    assert await store.claim(W, TYPES, 10) == []
+
+
+async def test_no_retry_skips_the_remaining_attempts(store: Store) -> None:
+    """no_retry=True goes straight to the failure route after attempt 1."""
+    await start(store, "f1", "Quick")
+    await store.fail_attempt(await claim_one(store), ErrorInfo("NoRetryError", "stop"), no_retry=True)
+    route = await claim_one(store)
+    assert route.step_execution_id == "Recover-1"
+    assert route.recovery_error is not None
+    assert (route.recovery_error.attempts, route.recovery_error.error_type) == (1, "NoRetryError")
+
+
+async def test_dead_worker_unstarted_lease_returns_and_started_one_fails(store: Store) -> None:
+    """E3: a dead worker's unstarted attempt comes back as the same attempt; a started one fails (WorkerLost)."""
+    await start(store, "unstarted")
+    await start(store, "started")
+    await store.register_worker("zombie", "contract-host", 2, 1)  # its lease runs out at once
+    leases = {x.flow_id: x for x in await store.claim("zombie", TYPES, 10)}
+    assert set(leases) == {"unstarted", "started"}
+    await store.heartbeat(leases["started"], "half way")
+    await expire_dead_workers(store, 2)
+
+    assert await active(store, "unstarted") == [("Start-1", "ready", "execute", 1)]
+    assert await active(store, "started") == [("Start-1", "ready", "execute", 2)]
+    assert all(e != tx.ATTEMPT_FAILED for e, _ in await history_events(store, "unstarted"))
+    failures = [h.detail for h in await store.history("started") if h.event_type == tx.ATTEMPT_FAILED]
+    assert len(failures) == 1 and "WorkerLost" in failures[0]
+    again = {x.flow_id: x for x in await store.claim(W, TYPES, 10)}
+    assert again["unstarted"].attempt == 1
+    assert (again["started"].attempt, again["started"].checkpoint) == (2, "half way")
+
+
+async def test_heartbeat_checkpoint_reaches_the_next_attempt(store: Store) -> None:
+    """E10: the last checkpoint persists (a bare heartbeat keeps it) and the next attempt reads it."""
+    await start(store, "f1")
+    lease = await claim_one(store)
+    await store.heartbeat(lease, "cp-1")
+    await store.heartbeat(lease, None)
+    await store.fail_attempt(lease, ErrorInfo("ValueError", "one"))
+    lease = await claim_one(store)
+    assert (lease.attempt, lease.checkpoint) == (2, "cp-1")
+    await store.heartbeat(lease, "cp-2")
+    await store.fail_attempt(lease, ErrorInfo("ValueError", "two"))
+    lease = await claim_one(store)
+    assert (lease.attempt, lease.checkpoint) == (3, "cp-2")
+
+
+async def test_retries_see_the_first_attempts_snapshot(store: Store) -> None:
+    """E15: every attempt of a method is handed the attributes loaded for its first attempt."""
+    await start(store, "f1")
+    snap = await store.rpc_read("f1", ALL, [])
+    await store.rpc_commit("f1", snap.version, [], WriteSet(attributes={("Count", ""): enc(1)}), [], [])
+    first = await claim_one(store)
+    assert first.attributes == {("Count", ""): enc(1)}
+    snap = await store.rpc_read("f1", ALL, [])
+    await store.rpc_commit("f1", snap.version, [], WriteSet(attributes={("Count", ""): enc(2)}), [], [])
+    await store.fail_attempt(first, ErrorInfo("ValueError", "again"))
+    second = await claim_one(store)
+    assert second.attempt == 2
+    assert second.attributes == {("Count", ""): enc(1)}
+
+
+# Locks and RPCs ------------------------------------------------------------------------------------
+
+
+async def test_locks_block_claims_and_rpcs(store: Store) -> None:
+    """E7: a task locking Count waits while another holds it; an RPC needing Count fails at once."""
+    await start(store, "f1")
+    await store.commit_execute(await claim_one(store), WriteSet(), goto("Locked", "Locked"))
+    holder = await claim_one(store)  # only one of the two can hold Count
+    assert holder.step_execution_id == "Locked-1"
+    assert await store.claim(W, TYPES, 10) == []
+    assert await active(store, "f1") == [("Locked-1", "running", "execute", 1), ("Locked-2", "ready", "execute", 1)]
+
+    with pytest.raises(RpcLockConflictError):
+        await store.rpc_read("f1", ALL, ["Count"])
+    snap = await store.rpc_read("f1", ALL, [])  # an RPC without the lock is not blocked
+    with pytest.raises(RpcLockConflictError):
+        await store.rpc_commit("f1", snap.version, ["Count"], WriteSet(attributes={("Count", ""): enc(5)}), [], [])
+    assert await store.read_attribute("f1", "Count", "") is None
+
+    await store.commit_execute(holder, WriteSet(), DEAD_END)  # releases the lock
+    second = await claim_one(store)
+    assert second.step_execution_id == "Locked-2"
+    with pytest.raises(RpcLockConflictError):
+        await store.rpc_read("f1", ALL, ["Count"])
+    await store.commit_execute(second, WriteSet(), DEAD_END)
+    snap = await store.rpc_read("f1", ALL, ["Count"])
+    await store.rpc_commit("f1", snap.version, ["Count"], WriteSet(attributes={("Count", ""): enc(5)}), [], [])
+    assert await store.read_attribute("f1", "Count", "") == enc(5)
+
+
+async def test_rpc_commit_with_a_stale_version_commits_nothing(store: Store) -> None:
+    """E8: a change between rpc_read and rpc_commit makes the commit raise RpcVersionChanged, unapplied."""
+    await start(store, "f1")
+    snap = await store.rpc_read("f1", ALL, [])
+    assert snap.flow_type == "Contract"
+    await store.publish("f1", "Inbox", "", enc("meanwhile"))
+    writes = WriteSet(attributes={("Count", ""): enc(1)}, publishes=[("Inbox", "", enc("from rpc"))])
+    with pytest.raises(tx.RpcVersionChanged):
+        await store.rpc_commit("f1", snap.version, [], writes, [move("Next")], [])
+    assert await store.read_attribute("f1", "Count", "") is None
+    assert await active(store, "f1") == [("Start-1", "ready", "execute", 1)]
+    assert [v for _, v in (await store.rpc_read("f1", ALL, [])).pending[("Inbox", "")]] == [enc("meanwhile")]
+
+    fresh = await store.rpc_read("f1", ALL, [])
+    await store.rpc_commit("f1", fresh.version, [], writes, [move("Next")], ["Start"])
+    assert await store.read_attribute("f1", "Count", "") == enc(1)
+    assert await active(store, "f1") == [("Next-1", "ready", "execute", 1)]
+    assert (await store.rpc_read("f1", ALL, [])).version > fresh.version
+
+
+# Channels and waits ------------------------------------------------------------------------------------
+
+
+async def test_publish_satisfies_a_wait_and_leaves_the_rest_queued(store: Store) -> None:
+    """E5/E8: a publish satisfies the waiting Step, consuming one message; the rest stay in FIFO order."""
+    await start(store, "f1", "Listen")
+    wait_lease = await claim_one(store)
+    assert (wait_lease.step_execution_id, wait_lease.method) == ("Listen-1", "wait_for")
+    spec = Wait.until(Inbox.for_one()).spec()
+    await store.commit_wait_for(wait_lease, WriteSet(), spec)
+    assert await active(store, "f1") == [("Listen-1", "waiting", "execute", 1)]
+    assert await store.claim(W, TYPES, 10) == []
+
+    ids = [await store.publish("f1", "Inbox", "", enc(text)) for text in ("one", "two", "three")]
+    assert ids == sorted(ids) and len(set(ids)) == 3
+    lease = await claim_one(store)
+    assert (lease.step_execution_id, lease.method, lease.attempt) == ("Listen-1", "execute", 1)
+    assert lease.wait_spec == spec
+    outcome = lease.wait_outcome
+    assert outcome is not None and outcome.satisfied == (0,)
+    assert [[(m.message_id, bytes(m.value)) for m in c] for c in outcome.consumed] == [[(ids[0], enc("one"))]]
+
+    snap = await store.rpc_read("f1", ALL, [])
+    assert snap.pending == {("Inbox", ""): [(ids[1], enc("two")), (ids[2], enc("three"))]}
+
+    # Deleting a message that is gone fails the whole commit.
+    gone = WriteSet(attributes={("Count", ""): enc(9)}, deleted_messages=[("Inbox", "", ids[0])])
+    with pytest.raises(ChannelMessageNotFoundError):
+        await store.rpc_commit("f1", snap.version, [], gone, [], [])
+    assert await store.read_attribute("f1", "Count", "") is None
+    assert (await store.rpc_read("f1", ALL, [])).pending == snap.pending
+
+    await store.rpc_commit("f1", snap.version, [], WriteSet(deleted_messages=[("Inbox", "", ids[1])]), [], [])
+    assert (await store.rpc_read("f1", ALL, [])).pending == {("Inbox", ""): [(ids[2], enc("three"))]}
+
+
+async def test_zero_second_timer_fires_at_once(store: Store) -> None:
+    """E6: a 0 s timer satisfies its wait in the commit that registers it."""
+    await start(store, "f1", "Listen")
+    lease = await claim_one(store)
+    leases = await store.commit_wait_for(lease, WriteSet(), Wait.until(Timer.by_duration(0)).spec(),
+                                         claim=(W, TYPES, 4))
+    assert [(x.step_execution_id, x.method) for x in leases] == [("Listen-1", "execute")]
+    assert leases[0].wait_outcome is not None and leases[0].wait_outcome.fired_timers == (0,)
+
+
+async def test_one_second_timer_fires_at_its_due_time(store: Store) -> None:
+    """E6: a 1 s timer is due 1 s after registration; housekeeping fires it then, not before."""
+    await start(store, "f1", "Listen")
+    lease = await claim_one(store)
+    before = now_ms()
+    await store.commit_wait_for(lease, WriteSet(), Wait.until(Timer.by_duration(1)).spec())
+    after = now_ms()
+    (step,) = (await store.describe_flow("f1")).active_steps
+    assert step.state == "waiting"
+    due = step.timer_due_at_ms
+    assert due is not None and before + 1000 <= due <= after + 1000
+
+    # Housekeeping and a publish on a channel the wait does not name both re-evaluate the wait.
+    report = await store.housekeeping()
+    await store.publish("f1", "Inbox", "", enc("unrelated"))
+    if now_ms() < due:  # both calls ran before the due time (always, unless the machine stalled 1 s)
+        assert report.timers_fired == 0
+        assert await active(store, "f1") == [("Listen-1", "waiting", "execute", 1)]
+
+    async def fired() -> bool:
+        await store.housekeeping()
+        return (await active(store, "f1"))[0][1] == "ready"
+
+    await wait_until("the 1 s timer to fire", fired)
+    # Housekeeping ran every few ms from registration on: the firing time shows it waited for the due time.
+    (completed,) = [h for h in await store.history("f1") if h.event_type == tx.WAIT_COMPLETED]
+    assert completed.at_ms >= due
+    lease = await claim_one(store)
+    assert lease.wait_outcome is not None and lease.wait_outcome.fired_timers == (0,)
+
+
+async def test_skip_timer_satisfies_the_wait_now(store: Store) -> None:
+    """E6: skip_timer fires a pending timer at once; a Step that is not waiting is refused."""
+    await start(store, "f1", "Listen")
+    await store.commit_wait_for(await claim_one(store), WriteSet(), Wait.until(Timer.by_duration(3600)).spec())
+    assert (await store.housekeeping()).timers_fired == 0
+    await store.skip_timer("f1", "Listen-1")
+    assert await active(store, "f1") == [("Listen-1", "ready", "execute", 1)]
+    lease = await claim_one(store)
+    assert lease.wait_outcome is not None and lease.wait_outcome.fired_timers == (0,)
+    with pytest.raises(StepNotWaitingError):
+        await store.skip_timer("f1", "Listen-1")
+
+
+# Streams ---------------------------------------------------------------------------------------------
+
+
+async def test_stream_appends_are_ordered_and_per_flow(store: Store) -> None:
+    """E11: best-effort and transactional appends get increasing sequences within one flow and stream."""
+    await start(store, "a")
+    await start(store, "b")
+    leases = {x.flow_id: x for x in await store.claim(W, TYPES, 10)}
+    await store.append_best_effort(leases["a"], "Out", 10_000, [enc("a1"), enc("a2")])
+    await store.append_best_effort(leases["b"], "Out", 10_000, [enc("b1")])
+    await store.commit_execute(leases["a"], WriteSet(appends=[("Out", 10_000, enc("a3"))]), DEAD_END)
+
+    page = await store.read_events("a", "Out", 0, 100)
+    assert [(e.sequence, e.step_execution_id, e.attempt, e.value) for e in page.events] == [
+        (1, "Start-1", 1, enc("a1")), (2, "Start-1", 1, enc("a2")), (3, "Start-1", 1, enc("a3")),
+    ]
+    assert (page.first_sequence, page.next_sequence) == (1, 4)
+    assert [e.sequence for e in (await store.read_events("a", "Out", 1, 100)).events] == [2, 3]
+    limited = await store.read_events("a", "Out", 0, 1)
+    assert ([e.sequence for e in limited.events], limited.next_sequence) == ([1], 2)
+    assert (await store.read_events("a", "Out", 3, 100)).events == []
+
+    # Another flow's stream of the same name, and another stream of the same flow, are separate.
+    assert [(e.sequence, e.value) for e in (await store.read_events("b", "Out", 0, 100)).events] == [
+        (1, enc("b1"))
+    ]
+    assert (await store.read_events("a", "Elsewhere", 0, 100)).events == []
+
+
+async def test_stream_capacity_trims_the_oldest_events(store: Store) -> None:
+    """E11: beyond the byte budget the oldest events go first and first_sequence advances."""
+    await start(store, "f1")
+    await start(store, "f2")
+    leases = {x.flow_id: x for x in await store.claim(W, TYPES, 10)}
+    values = [enc(f"event-{i}") for i in range(1, 6)]  # 9 bytes each
+    assert {len(v) for v in values} == {9}
+    await store.append_best_effort(leases["f1"], "Out", 20, values[:3])
+    await store.append_best_effort(leases["f1"], "Out", 20, values[3:])
+    await store.append_best_effort(leases["f2"], "Out", 20, values[:1])
+    page = await store.read_events("f1", "Out", 0, 100)
+    # 20 bytes hold two 9-byte events: the newest two stay.
+    assert [(e.sequence, e.value) for e in page.events] == [(4, values[3]), (5, values[4])]
+    assert page.first_sequence == 4
+    # Trimming one flow's stream does not touch another's.
+    other = await store.read_events("f2", "Out", 0, 100)
+    assert ([(e.sequence, e.value) for e in other.events], other.first_sequence) == ([(1, values[0])], 1)
+
+
+# Search and history --------------------------------------------------------------------------------------
+
+
+async def test_search_flows_by_type_status_and_active_step(store: Store) -> None:
+    """E13/E16: filters combine; active Step search finds running flows of flows that enable it."""
+    await start(store, "waiting", "Listen")
+    await store.commit_wait_for(await claim_one(store), WriteSet(), Wait.until(Inbox.for_one()).spec())
+    await start(store, "done")
+    await store.commit_execute(await claim_one(store), WriteSet(), graceful(None))
+    await start(store, "hidden", "Next", config=FlowConfig(active_step_search=False))
+    await start(store, "other", flow=OTHER)
+
+    async def found(
+        flow_type: str | None = None, status: str | None = None, active_step: str | None = None,
+    ) -> set[str]:
+        return set(await store.search_flows(flow_type=flow_type, status=status, active_step=active_step))
+
+    assert await found(flow_type="Contract") == {"waiting", "done", "hidden"}
+    assert await found(flow_type="Other") == {"other"}
+    assert await found(status="completed") == {"done"}
+    assert await found(flow_type="Contract", status="running") == {"waiting", "hidden"}
+    assert await found(active_step="Listen") == {"waiting"}
+    assert await found(active_step="Start") == {"other"}
+    assert await found(active_step="Start", flow_type="Contract") == set()
+    assert await found(active_step="Next") == set()  # "hidden" turned active Step search off
+    assert await found(status="stopped") == set()
+    assert len(await store.search_flows(limit=2)) == 2
+
+
+async def test_history_records_step_events_in_order(store: Store) -> None:
+    """E13: a flow's history lists its Step events in the order they happened."""
+    await start(store, "f1")
+    await store.fail_attempt(await claim_one(store), ErrorInfo("ValueError", "bad"))
+    await store.commit_execute(await claim_one(store), WriteSet(), goto("Listen"))
+    await store.commit_wait_for(await claim_one(store), WriteSet(), Wait.until(Inbox.for_one()).spec())
+    await store.publish("f1", "Inbox", "", enc("hi"))
+    await store.commit_execute(await claim_one(store), WriteSet(), graceful("out"))
+
+    entries = await store.history("f1")
+    assert [(h.event_type, h.step_execution_id, h.attempt) for h in entries] == [
+        (tx.STEP_SCHEDULED, "Start-1", 0),
+        (tx.ATTEMPT_FAILED, "Start-1", 1),
+        (tx.EXECUTE_COMPLETED, "Start-1", 2),
+        (tx.STEP_SCHEDULED, "Listen-1", 0),
+        (tx.WAIT_REGISTERED, "Listen-1", 1),
+        (tx.WAIT_COMPLETED, "Listen-1", 0),
+        (tx.EXECUTE_COMPLETED, "Listen-1", 1),
+        (tx.FLOW_CLOSED, "", 0),
+    ]
+    assert [h.step_type for h in entries[:3]] == ["Start"] * 3
+    assert "ValueError" in entries[1].detail and "bad" in entries[1].detail
+    assert "completed" in entries[-1].detail
+    times = [h.at_ms for h in entries]
+    assert times == sorted(times)
+    assert await store.history("f1", limit=2) == entries[-2:]
+
+
+# Closing, errors, change detection, due times ---------------------------------------------------------------
+
+
+async def test_stop_flow_closes_it_and_cancels_its_tasks(store: Store) -> None:
+    """E12: stop_flow stops a running flow, cancels its tasks and fences their running attempts."""
+    await start(store, "f1")
+    await store.commit_execute(await claim_one(store), WriteSet(), goto("Next", "Listen"))
+    running = (await store.claim(W, TYPES, 1))[0]
+    await store.stop_flow("f1", "operator said so")
+    info = await store.describe_flow("f1")
+    assert (info.status, info.error, info.active_steps) == ("stopped", "operator said so", ())
+    assert info.closed_at_ms is not None
+    cancelled = {s for e, s in await history_events(store, "f1") if e == tx.STEP_CANCELLED}
+    assert cancelled == {"Next-1", "Listen-1"}
+    assert await store.claim(W, TYPES, 10) == []
+    with pytest.raises(StaleAttemptError):
+        await store.commit_execute(running, WriteSet(), goto("Next"))
+    assert (await store.describe_flow("f1")).active_steps == ()
+
+
+async def test_closed_flows_refuse_changes(store: Store) -> None:
+    """Operations that change a closed flow raise FlowNotActiveError; its state stays readable."""
+    await start(store, "f1")
+    await store.commit_execute(await claim_one(store), WriteSet(attributes={("Count", ""): enc(3)}), graceful(1))
+    assert (await store.describe_flow("f1")).status == "completed"
+    with pytest.raises(FlowNotActiveError):
+        await store.stop_flow("f1", "again")
+    with pytest.raises(FlowNotActiveError):
+        await store.publish("f1", "Inbox", "", enc("late"))
+    with pytest.raises(FlowNotActiveError):
+        await store.rpc_read("f1", ALL, [])
+    with pytest.raises(FlowNotActiveError):
+        await store.rpc_commit("f1", 1, [], WriteSet(), [move("Next")], [])
+    with pytest.raises(FlowNotActiveError):
+        await store.skip_timer("f1", "Listen-1")
+    with pytest.raises(FlowNotActiveError):
+        await store.update_flow_config("f1", FlowConfig(active_step_search=False))
+    with pytest.raises(FlowAlreadyStartedError):
+        await start(store, "f1")
+    assert await store.read_attribute("f1", "Count", "") == enc(3)
+    assert (await store.describe_flow("f1")).status == "completed"
+
+
+async def test_unknown_flows_raise_flow_not_found(store: Store) -> None:
+    """Every per-flow operation on an ID that was never started raises FlowNotFoundError."""
+    calls: list[Callable[[], Awaitable[object]]] = [
+        lambda: store.describe_flow("nope"),
+        lambda: store.stop_flow("nope", "x"),
+        lambda: store.publish("nope", "Inbox", "", enc("x")),
+        lambda: store.history("nope"),
+        lambda: store.read_attribute("nope", "Count", ""),
+        lambda: store.read_events("nope", "Out", 0, 10),
+        lambda: store.rpc_read("nope", ALL, []),
+        lambda: store.skip_timer("nope", "Listen-1"),
+        lambda: store.flow_config("nope"),
+    ]
+    for call in calls:
+        with pytest.raises(FlowNotFoundError):
+            await call()
+
+
+async def test_changed_sees_another_stores_write_once(db_url: str, store: Store) -> None:
+    """changed() turns true once after another Store instance on the database commits."""
+    other = open_store(db_url)
+    try:
+        await store.changed()  # the first call only sets the baseline
+        assert await store.changed() is False
+        await start(other, "f1")
+        assert await wait_until("changed() to see the other store's write", store.changed)
+        assert await store.changed() is False
+        assert (await store.describe_flow("f1")).status == "running"
+    finally:
+        await other.close()
+
+
+async def test_next_due_reports_the_earliest_due_time(store: Store) -> None:
+    """next_due is the earliest of ready tasks (of the given types), timers, deadlines and worker leases."""
+    ((_, _, _, _, lease_expiry),) = await store.list_workers()
+    assert await store.next_due(TYPES) == lease_expiry  # only worker W's lease is pending
+    await start(store, "o1", flow=OTHER)
+    assert await store.next_due(TYPES) == lease_expiry  # a ready task of another type does not count
+    other_due = await store.next_due(["Other"])
+    assert other_due is not None and other_due <= now_ms()
+
+    before = now_ms()
+    await start(store, "timed", "Timed")
+    after = now_ms()
+    due = await store.next_due(TYPES)
+    assert due is not None and before <= due <= after  # ready now
+
+    before = now_ms()
+    await claim_one(store)
+    after = now_ms()
+    due = await store.next_due(TYPES)
+    assert due is not None and before + 20_000 <= due <= after + 20_000  # the 20 s execute deadline
+
+    await start(store, "waits", "Listen")
+    lease = await claim_one(store)
+    before = now_ms()
+    await store.commit_wait_for(lease, WriteSet(), Wait.until(Timer.by_duration(10)).spec())
+    after = now_ms()
+    due = await store.next_due(TYPES)
+    assert due is not None and before + 10_000 <= due <= after + 10_000  # the 10 s timer
