@@ -372,7 +372,7 @@ def print_summary(console: Console, url: str, result: DemoResult) -> None:
         f"dex-engine stream {fid} {PROGRESS_STREAM} --db {db}",
         f"dex-engine list --db {db}",
     ])
-    console.print(Text("\nLook at it with the CLI (in this repository, prefix each command with `uv run`):", style="bold"))
+    console.print(Text("\nLook at it with the CLI (in this repository, prefix each with `uv run`):", style="bold"))
     # soft_wrap: never break a command across lines, so it can be copied as is.
     console.print(Text(commands), soft_wrap=True)
     console.print(Text(f"(or export DEX_ENGINE_DB={db} and drop --db)", style="dim"), soft_wrap=True)
