@@ -30,9 +30,12 @@ def _load() -> None:
 
 _load()
 
+# False in production: callers test it before calling gate(), so a gate costs one attribute read.
+ACTIVE = bool(_crash_at) or _log_path is not None
+
 
 def gate(name: str) -> None:
-    if not _crash_at and _log_path is None:
+    if not ACTIVE:
         return
     count = _counts.get(name, 0) + 1
     _counts[name] = count

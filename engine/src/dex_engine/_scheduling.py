@@ -10,10 +10,24 @@ from ._flow import Flow
 from ._options import MovementOptions, TaskOptions, resolve_task_options
 from ._records import MovementRecord
 
+_cache: dict[tuple[int, str, MovementOptions | None], tuple[Flow, TaskOptions]] = {}
+
 
 def task_options(
     flow: Flow, step_type: str, movement: MovementOptions | None, _seen: frozenset[str] = frozenset(),
 ) -> TaskOptions:
+    """The stored options of a movement into `step_type` (cached: definitions are immutable)."""
+    key = (id(flow), step_type, movement)
+    hit = _cache.get(key) if not _seen else None
+    if hit is not None and hit[0] is flow:
+        return hit[1]
+    options = _resolve(flow, step_type, movement, _seen)
+    if not _seen:
+        _cache[key] = (flow, options)
+    return options
+
+
+def _resolve(flow: Flow, step_type: str, movement: MovementOptions | None, _seen: frozenset[str]) -> TaskOptions:
     step = flow.step(step_type)
     options = resolve_task_options(step.options, step.wait_for is not None, movement)
     route = step.options.failure_route

@@ -28,7 +28,7 @@ from urllib.parse import parse_qs, urlparse
 
 from ._limits import MAX_GROUP_COMMIT_OPS, SQLITE_BUSY_TIMEOUT_MS
 from ._store import Store, commit_origin
-from ._transitions import Db, Row
+from ._transitions import Db, HistoryRow, Row, run_op
 
 R = TypeVar("R")
 
@@ -58,10 +58,11 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
 
 
 class _SqliteDb:
-    __slots__ = ("conn",)
+    __slots__ = ("conn", "history")
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
+        self.history: list[HistoryRow] = []
 
     def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         row: Row | None = self.conn.execute(sql, params).fetchone()
@@ -218,25 +219,25 @@ class SqliteStore(Store):
                 conn.execute(f"PRAGMA synchronous = {wanted}")
                 level = wanted
             conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
-            for op in batch:
-                if len(batch) == 1:
-                    try:
-                        results.append((True, op.fn(db)))
-                    except BaseException as exc:
-                        results.append((False, exc))
-                    continue
-                conn.execute("SAVEPOINT op")
+            if len(batch) == 1:
                 try:
-                    results.append((True, op.fn(db)))
-                    conn.execute("RELEASE op")
+                    results.append((True, run_op(batch[0].fn, db)))
+                    conn.execute("COMMIT")
                 except BaseException as exc:
-                    conn.execute("ROLLBACK TO op")
-                    conn.execute("RELEASE op")
-                    results.append((False, exc))
-            if len(batch) == 1 and not results[0][0]:
-                conn.execute("ROLLBACK")
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    results = [(False, exc)]
             else:
-                conn.execute("COMMIT")
+                try:
+                    # Optimistic: no savepoints (each costs statements); they are only needed
+                    # when an operation fails, and then the batch runs again with them.
+                    for op in batch:
+                        results.append((True, run_op(op.fn, db)))
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    results = self._run_isolated(conn, db, batch)
         except BaseException as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -244,6 +245,23 @@ class SqliteStore(Store):
             writes = False
         self._complete(batch, results, writes)
         return level
+
+    @staticmethod
+    def _run_isolated(conn: sqlite3.Connection, db: _SqliteDb, batch: list[_Op]) -> list[tuple[bool, Any]]:
+        """Run the batch again, each operation in its own savepoint, so a failing one rolls back alone."""
+        results: list[tuple[bool, Any]] = []
+        conn.execute("BEGIN IMMEDIATE")
+        for op in batch:
+            conn.execute("SAVEPOINT op")
+            try:
+                results.append((True, run_op(op.fn, db)))
+                conn.execute("RELEASE op")
+            except BaseException as exc:
+                conn.execute("ROLLBACK TO op")
+                conn.execute("RELEASE op")
+                results.append((False, exc))
+        conn.execute("COMMIT")
+        return results
 
     def _complete(self, batch: list[_Op], results: list[tuple[bool, Any]], notify: bool) -> None:
         # GIL hand-offs between this thread and an event loop cost far more than the work, so each

@@ -109,7 +109,8 @@ class Store(ABC):
         def op(db: Db) -> list[Lease]:
             now = now_ms()
             tx.commit_wait_for(db, lease, writes, spec, now)
-            _gates.gate(_gates.INSIDE_COMMIT)  # the transaction is open: a crash here must roll it all back
+            if _gates.ACTIVE:  # the transaction is open: a crash here must roll it all back
+                _gates.gate(_gates.INSIDE_COMMIT)
             return [] if claim is None else tx.claim(db, claim[0], claim[1], claim[2], now)
 
         return await self._run(op, write=True, durable=lease.durable)
@@ -123,7 +124,8 @@ class Store(ABC):
         def op(db: Db) -> list[Lease]:
             now = now_ms()
             tx.commit_execute(db, lease, writes, decision, now)
-            _gates.gate(_gates.INSIDE_COMMIT)  # the transaction is open: a crash here must roll it all back
+            if _gates.ACTIVE:  # the transaction is open: a crash here must roll it all back
+                _gates.gate(_gates.INSIDE_COMMIT)
             return [] if claim is None else tx.claim(db, claim[0], claim[1], claim[2], now)
 
         return await self._run(op, write=True, durable=lease.durable)

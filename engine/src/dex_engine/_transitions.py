@@ -7,9 +7,9 @@ errors to roll their transaction (or savepoint) back.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -49,10 +49,19 @@ from ._wait import WaitSpec
 from ._wait_selection import select_wait
 
 Row = tuple[Any, ...]
+R = TypeVar("R")
+
+
+HistoryRow = tuple[str, str, str, str, int, int, str]  # flow, step type, execution ID, event, attempt, at, detail
 
 
 class Db(Protocol):
-    """The few statements the transitions need from a backend, inside an open transaction."""
+    """The few statements the transitions need from a backend, inside an open transaction.
+
+    `history` buffers the operation's history events; run_op writes them once at its end.
+    """
+
+    history: list[HistoryRow]
 
     def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
     def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
@@ -170,22 +179,49 @@ def _maybe_complete(db: Db, flow_id: str, now: int) -> None:
 def _history(
     db: Db, flow_id: str, step_type: str, seid: str, event: str, attempt: int, now: int, detail: str = ""
 ) -> None:
-    # Every history event marks a state change, so it also bumps the version RPCs validate against.
-    row = db.one(
-        "UPDATE flows SET history_seq = history_seq + 1, version = version + 1 WHERE flow_id = ? "
-        "RETURNING history_seq",
-        (flow_id,),
-    )
-    assert row is not None
-    seq = int(row[0])
-    db.run(
-        "INSERT INTO history (flow_id, seq, step_type, step_execution_id, event_type, attempt, at, detail) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        (flow_id, seq, step_type, seid, event, attempt, now, detail[:4000]),
-    )
-    if seq % HISTORY_TRIM_CHECK_EVERY == 0:
-        # Trimmed in chunks so a Step pays no extra statement on most inserts.
-        db.run("DELETE FROM history WHERE flow_id = ? AND seq <= ?", (flow_id, seq - MAX_HISTORY_EVENTS_PER_FLOW))
+    db.history.append((flow_id, step_type, seid, event, attempt, now, detail[:4000]))
+
+
+def flush_history(db: Db) -> None:
+    """Write the buffered history events: per flow one sequence update and one insert."""
+    pending, db.history = db.history, []
+    by_flow: dict[str, list[HistoryRow]] = {}
+    for row in pending:
+        by_flow.setdefault(row[0], []).append(row)
+    for flow_id, rows in by_flow.items():
+        # History marks state changes, so it also bumps the version RPCs validate against.
+        got = db.one(
+            "UPDATE flows SET history_seq = history_seq + ?, version = version + 1 WHERE flow_id = ? "
+            "RETURNING history_seq",
+            (len(rows), flow_id),
+        )
+        if got is None:
+            continue
+        last = int(got[0])
+        first = last - len(rows) + 1
+        values = ", ".join("(?, ?, ?, ?, ?, ?, ?, ?)" for _ in rows)
+        params: list[Any] = []
+        for seq, (_f, step_type, seid, event, attempt, at, detail) in enumerate(rows, start=first):
+            params += (flow_id, seq, step_type, seid, event, attempt, at, detail)
+        db.run(
+            "INSERT INTO history (flow_id, seq, step_type, step_execution_id, event_type, attempt, at, detail) "
+            f"VALUES {values}",
+            params,
+        )
+        if last // HISTORY_TRIM_CHECK_EVERY != (first - 1) // HISTORY_TRIM_CHECK_EVERY:
+            # Trimmed in chunks so a Step pays no extra statement on most writes.
+            db.run("DELETE FROM history WHERE flow_id = ? AND seq <= ?", (flow_id, last - MAX_HISTORY_EVENTS_PER_FLOW))
+
+
+def run_op(fn: Callable[[Db], R], db: Db) -> R:
+    """Run one operation inside the open transaction, then write its history; on error drop it."""
+    try:
+        result = fn(db)
+        flush_history(db)
+    except BaseException:
+        db.history.clear()
+        raise
+    return result
 
 
 def read_history(db: Db, flow_id: str, limit: int) -> list[HistoryEntry]:

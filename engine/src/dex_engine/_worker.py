@@ -176,7 +176,8 @@ class AsyncWorker:
                 await asyncio.sleep(opts.poll_seconds)
                 continue
             if housekeep:
-                _gates.gate(_gates.HOUSEKEEPING)
+                if _gates.ACTIVE:
+                    _gates.gate(_gates.HOUSEKEEPING)
                 next_housekeeping = time.monotonic() + opts.housekeeping_seconds * (0.75 + random.random() / 2)
             must_claim = False
             for lease in result.leases:
@@ -201,7 +202,8 @@ class AsyncWorker:
                 await asyncio.wait_for(self._wake.wait(), timeout)
                 must_claim = True
             except TimeoutError:
-                pass
+                # A wake that lands as the timeout fires is lost by wait_for but stays set: keep it.
+                must_claim = self._wake.is_set()
 
     def _spawn(self, lease: Lease) -> None:
         previous = self._running.get(lease.task_id)
@@ -274,7 +276,8 @@ class AsyncWorker:
 
     async def _attempt(self, running: _Running) -> None:
         lease = running.lease
-        _gates.gate(_gates.CLAIMED)
+        if _gates.ACTIVE:
+            _gates.gate(_gates.CLAIMED)
         flow = self.registry.flow(lease.flow_type)
         step = flow.step(lease.step_type)
         try:
@@ -282,12 +285,13 @@ class AsyncWorker:
             input_value = decode_value(f"input of Step {step.step_type}", step.input_type, lease.input)
             timeout_ms = (lease.options.wait_for if lease.method == "wait_for" and lease.options.wait_for
                           else lease.options.execute).timeout_ms
-            async with asyncio.timeout(None if timeout_ms is None else timeout_ms / 1000):
-                if lease.method == "wait_for":
-                    assert step.wait_for is not None
-                    result: Any = await step.wait_for(ctx, input_value)
-                else:
-                    result = await step.execute(ctx, input_value)
+            handler = step.execute if lease.method == "execute" else step.wait_for
+            assert handler is not None
+            if timeout_ms is None:
+                result: Any = await handler(ctx, input_value)
+            else:
+                async with asyncio.timeout(timeout_ms / 1000):
+                    result = await handler(ctx, input_value)
         except asyncio.CancelledError:
             raise
         except TimeoutError:
@@ -310,11 +314,13 @@ class AsyncWorker:
                         f"wait_for of Step {lease.step_type!r} returned {result!r}, not a Wait"
                     )
                 spec: WaitSpec = result.spec()
-                _gates.gate(_gates.BEFORE_COMMIT)
+                if _gates.ACTIVE:
+                    _gates.gate(_gates.BEFORE_COMMIT)
                 await self.store.commit_wait_for(lease, ctx.writes, spec)
             else:
                 decision = self._decision_record(lease, result)
-                _gates.gate(_gates.BEFORE_COMMIT)
+                if _gates.ACTIVE:
+                    _gates.gate(_gates.BEFORE_COMMIT)
                 free = self.options.max_concurrent_tasks - len(self._running) + 1
                 claim = None if self._stopping.is_set() else (self.worker_id, self._flow_types, free)
                 leases = await self.store.commit_execute(lease, ctx.writes, decision, claim)
@@ -327,7 +333,8 @@ class AsyncWorker:
         except Exception as exc:
             await self._fail(running, _error_info(exc), False)
             return
-        _gates.gate(_gates.AFTER_COMMIT)
+        if _gates.ACTIVE:
+            _gates.gate(_gates.AFTER_COMMIT)
 
     def _decision_record(self, lease: Lease, result: object) -> DecisionRecord:
         if not isinstance(result, StepDecision):
