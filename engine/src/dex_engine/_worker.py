@@ -56,8 +56,9 @@ class WorkerOptions:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.max_concurrent_tasks < 1:
-            problems.append(f"max_concurrent_tasks must be >= 1, got {self.max_concurrent_tasks}")
+        tasks = self.max_concurrent_tasks
+        if isinstance(tasks, bool) or not isinstance(tasks, int) or tasks < 1:
+            problems.append(f"max_concurrent_tasks must be a whole number >= 1, got {tasks!r}")
         if not 0 < self.lease_renew_seconds < self.lease_ttl_seconds:
             problems.append(
                 f"lease_renew_seconds ({self.lease_renew_seconds}) must be > 0 and below "
@@ -160,16 +161,15 @@ class AsyncWorker:
         opts = self.options
         next_housekeeping = 0.0
         must_claim = True
-        idle_due = False  # the last poll found something due but nothing to do: do not spin on it
         while not self._stopping.is_set():
             housekeep = time.monotonic() >= next_housekeeping
             free = opts.max_concurrent_tasks - len(self._running)
+            claim = must_claim and free > 0
             watched = [tid for tid, r in self._running.items() if not r.committing]
             self._wake.clear()
             try:
                 _changed, result = await store.poll(
-                    self.worker_id, self._flow_types, free, watched,
-                    must_claim=must_claim and free > 0, housekeep=housekeep,
+                    self.worker_id, self._flow_types, free, watched, must_claim=claim, housekeep=housekeep,
                 )
             except Exception:
                 log.exception("worker poll failed; will retry")
@@ -189,15 +189,15 @@ class AsyncWorker:
             timeout = opts.poll_seconds
             if result.next_due_ms is not None:
                 until_due = result.next_due_ms / 1000 - time.time()
-                if until_due <= 0 and not (idle_due and not result.leases):
-                    # Something is due (a retry, a timer, a deadline, a lease): act on it now.
-                    must_claim = True
-                    next_housekeeping = time.monotonic()
-                    idle_due = True
-                    continue
                 if until_due > 0:
                     timeout = min(timeout, until_due)
-                    idle_due = False
+                elif not (claim and housekeep):
+                    # Something is due (a retry, a timer, a deadline, a lease) and this poll did not
+                    # both claim and housekeep: do both now. When it did and the item is still due
+                    # (a lock-blocked Step, no free slot), wait a poll interval instead of spinning.
+                    must_claim = True
+                    next_housekeeping = time.monotonic()
+                    continue
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
                 must_claim = True
