@@ -83,8 +83,45 @@ async def test_skip_timer_refuses_a_wait_without_a_timer(db_url: str) -> None:
 
         await wait_until("Listen waiting", waiting)
         before = await eng.client.get_flow_history("f2")
-        with pytest.raises(StepNotWaitingError, match="waiting on a timer 'Listen-1'"):
+        with pytest.raises(StepNotWaitingError, match="'Listen-1' of flow 'f2' waits on no timer"):
             await eng.client.skip_timer("f2", "Listen-1")
         assert await eng.client.get_flow_history("f2") == before
         with pytest.raises(StepNotWaitingError, match="'Nope-1'"):
             await eng.client.skip_timer("f2", "Nope-1")
+
+
+calls: list[int] = []
+
+
+async def _fails_first(ctx: Context, _: Any) -> StepDecision:
+    calls.append(ctx.attempt)
+    if len(calls) == 1:
+        raise RuntimeError("first run fails")
+    return StepDecision.graceful_complete("done")
+
+
+HANDBACK = Flow("Handback", [Step("Work", _fails_first)], start_step="Work")
+
+
+async def test_a_worker_side_error_hands_the_attempt_back(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When recording an attempt's outcome fails inside the worker (a store error, a bug), the
+    attempt is handed back instead of staying `running` until the worker dies; housekeeping then
+    re-runs it. Breaks if the worker only logs the error (the flow would never finish)."""
+    calls.clear()
+    async with engine_for(db_url, Registry([HANDBACK]), worker=False) as eng:
+        real = eng.store.fail_attempt
+        broken = [True]
+
+        async def flaky_fail_attempt(*args: Any, **kwargs: Any) -> None:
+            if broken:
+                broken.clear()
+                raise OSError("disk went away while recording the failure")
+            await real(*args, **kwargs)
+
+        monkeypatch.setattr(eng.store, "fail_attempt", flaky_fail_attempt)
+        await eng.start_worker()
+        await eng.client.start_flow("Handback", "h1")
+        info = await eng.client.wait_for_flow("h1", 20)
+        assert info.status == "completed"
+        # The handed-back attempt had not started (no heartbeat), so it ran again as attempt 1.
+        assert calls == [1, 1]

@@ -244,7 +244,11 @@ class Client:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dex-client", daemon=True)
         self._thread.start()
-        self._async = self._call(self._make(registry, database_url))
+        try:
+            self._async = self._call(self._make(registry, database_url))
+        except BaseException:
+            self._stop_loop()  # e.g. a bad database URL: leave no thread behind
+            raise
 
     @staticmethod
     async def _make(registry: Registry, url: str) -> AsyncClient:
@@ -292,6 +296,9 @@ class Client:
 
     def close(self) -> None:
         self._call(self._async.close())
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()

@@ -172,10 +172,10 @@ class StaleAttemptError(DexError):
 
 
 class StepNotWaitingError(DexError):
-    def __init__(self, flow_id: str, step_execution_id: str, what: str = "waiting Step execution") -> None:
+    def __init__(self, flow_id: str, step_execution_id: str, problem: str = "is not waiting") -> None:
         super().__init__(
-            f"flow {flow_id!r} has no {what} {step_execution_id!r}; "
-            "see `dex-engine describe` for the active Steps"
+            f"Step execution {step_execution_id!r} of flow {flow_id!r} {problem}; "
+            f"see `dex-engine describe {flow_id}` for its active Steps"
         )
 
 

@@ -94,7 +94,10 @@ class StepOptions:
             ("wait_for_timeout_seconds", self.wait_for_timeout_seconds),
             ("heartbeat_timeout_seconds", self.heartbeat_timeout_seconds),
         ):
-            if value is not None and not (value > 0 and math.isfinite(value)):
+            if value is None:
+                continue
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not (number and value > 0 and math.isfinite(value)):
                 raise FlowDefinitionError(f"{label} must be a positive number of seconds, got {value!r}")
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import msgspec
 
 from ._errors import FlowDefinitionError
+from ._limits import MAX_TIMER_SECONDS
 
 
 class RetryPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -26,8 +27,20 @@ class RetryPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
 
     def __post_init__(self) -> None:
         problems = []
-        if isinstance(self.max_attempts, bool) or self.max_attempts < 1:
-            problems.append(f"max_attempts must be >= 1, got {self.max_attempts!r}")
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            problems.append(f"max_attempts must be a whole number >= 1, got {self.max_attempts!r}")
+        seconds = {
+            "initial_interval_seconds": self.initial_interval_seconds,
+            "backoff_coefficient": self.backoff_coefficient,
+            "max_interval_seconds": self.max_interval_seconds,
+            "total_duration_seconds": self.total_duration_seconds,
+        }
+        not_numbers = [
+            f"{name} must be a number, got {value!r}" for name, value in seconds.items()
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float))
+        ]
+        if not_numbers:  # the range checks below would raise TypeError on them
+            raise FlowDefinitionError("invalid retry policy: " + "; ".join(problems + not_numbers))
         if not (self.initial_interval_seconds >= 0 and math.isfinite(self.initial_interval_seconds)):
             problems.append(f"initial_interval_seconds must be >= 0, got {self.initial_interval_seconds!r}")
         if not (self.backoff_coefficient >= 1 and math.isfinite(self.backoff_coefficient)):
@@ -37,14 +50,22 @@ class RetryPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
                 f"max_interval_seconds ({self.max_interval_seconds!r}) must be >= "
                 f"initial_interval_seconds ({self.initial_interval_seconds!r})"
             )
-        if self.total_duration_seconds is not None and not self.total_duration_seconds > 0:
-            problems.append(f"total_duration_seconds must be > 0, got {self.total_duration_seconds!r}")
+        elif not self.max_interval_seconds <= MAX_TIMER_SECONDS:
+            problems.append(
+                f"max_interval_seconds must be at most {MAX_TIMER_SECONDS} s, got {self.max_interval_seconds!r}"
+            )
+        total = self.total_duration_seconds
+        if total is not None and not (total > 0 and math.isfinite(total)):
+            problems.append(f"total_duration_seconds must be > 0 and finite (or None), got {total!r}")
         if problems:
             raise FlowDefinitionError("invalid retry policy: " + "; ".join(problems))
 
     def interval_after(self, attempt: int) -> float:
         """Seconds to wait after failed attempt `attempt` (1-based) before the next one."""
-        raw = self.initial_interval_seconds * self.backoff_coefficient ** (attempt - 1)
+        try:
+            raw = self.initial_interval_seconds * float(self.backoff_coefficient) ** (attempt - 1)
+        except OverflowError:  # a long "retry forever" policy: the cap applies
+            return float(self.max_interval_seconds)
         return min(raw, self.max_interval_seconds)
 
 

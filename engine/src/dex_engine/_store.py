@@ -133,6 +133,9 @@ class Store(ABC):
     async def fail_attempt(self, lease: Lease, error: ErrorInfo, *, no_retry: bool = False) -> None:
         await self._run(lambda db: tx.fail_attempt(db, lease, error, no_retry, now_ms()), write=True)
 
+    async def abandon(self, lease: Lease) -> None:
+        await self._run(lambda db: tx.abandon(db, lease), write=True)
+
     async def release_unstarted(self, lease: Lease) -> None:
         await self._run(lambda db: tx.release_unstarted(db, lease, now_ms()), write=True)
 

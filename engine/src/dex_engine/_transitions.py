@@ -553,7 +553,7 @@ def skip_timer(db: Db, flow_id: str, step_execution_id: str, now: int) -> None:
     if row is None:
         raise StepNotWaitingError(flow_id, step_execution_id)
     if not any(c.kind == "timer" for c in decode_json(row[1], WaitSpec).conditions):
-        raise StepNotWaitingError(flow_id, step_execution_id, "Step execution waiting on a timer")
+        raise StepNotWaitingError(flow_id, step_execution_id, "waits on no timer")
     db.run("UPDATE tasks SET timers_skipped = 1 WHERE task_id = ?", (row[0],))
     evaluate_waits(db, flow_id, now)
     bump(db, flow_id)
@@ -680,6 +680,13 @@ def _fail_task(db: Db, task_id: int, error: ErrorInfo, no_retry: bool, now: int)
     else:
         close_flow(db, flow_id, "failed", None,
                    f"Step {seid} failed after {attempt} attempt(s): {error.error_type}: {error.detail}", now)
+
+
+def abandon(db: Db, lease: Lease) -> None:
+    """Drop this worker's claim on an attempt it cannot finish (a worker-side error): the next
+    housekeeping treats it as a dead worker's attempt, so retries and failure routes still apply."""
+    check_lease(db, lease)
+    db.run("UPDATE tasks SET lease_owner = NULL WHERE task_id = ?", (lease.task_id,))
 
 
 def release_unstarted(db: Db, lease: Lease, now: int) -> None:

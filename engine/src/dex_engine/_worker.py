@@ -264,7 +264,16 @@ class AsyncWorker:
         except StaleAttemptError:
             log.info("attempt %s#%d lost its task; result discarded", lease.step_execution_id, lease.attempt)
         except Exception:
-            log.exception("worker error while running %s", lease.step_execution_id)
+            log.exception("worker error while running %s; handing the attempt back", lease.step_execution_id)
+            # Left alone, the task would stay running until this worker dies. Abandoned, the next
+            # housekeeping fails or re-hands it as it would a dead worker's attempt.
+            try:
+                await self.store.abandon(lease)
+            except StaleAttemptError:
+                pass
+            except Exception:
+                log.exception("could not hand back %s; it is recovered when this worker stops",
+                              lease.step_execution_id)
         finally:
             with running.events_lock:
                 running.events_closed = True

@@ -1,0 +1,720 @@
+"""Every bad input gets its named error, a message naming the offending value, and no state change.
+
+Client-side misuse is checked against a dump of every table before and after (via store.raw), with
+no worker running so nothing else writes. Misuse inside a Step handler must fail that attempt, name
+the error and the offending name in history, and commit none of the attempt's writes (E1, E14).
+Definition errors (Flow, Step options, RetryPolicy, WorkerOptions, Wait) are raised at construction.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dex_engine import (
+    MAX_VALUE_BYTES,
+    AsyncClient,
+    AsyncWorker,
+    Attribute,
+    AttributeMap,
+    Channel,
+    ChannelMap,
+    Client,
+    Context,
+    Flow,
+    FlowAlreadyStartedError,
+    FlowDefinitionError,
+    FlowNotActiveError,
+    InvalidIdError,
+    InvalidResumeTokenError,
+    InvalidValueError,
+    InvalidWaitError,
+    Registry,
+    RetryPolicy,
+    RpcContext,
+    RpcNotFoundError,
+    SearchQueryError,
+    Step,
+    StepDecision,
+    StepNotWaitingError,
+    StepOptions,
+    Store,
+    Stream,
+    Timer,
+    UndeclaredNameError,
+    UnknownFlowTypeError,
+    ValueTooLargeError,
+    Wait,
+    WorkerOptions,
+    open_store,
+    rpc,
+)
+from dex_engine._retry import decide_retry
+
+from .conftest import Engine, engine_for, wait_until
+
+# The flow under test ---------------------------------------------------------------------------
+
+Note = Attribute("Note", str)
+Count = Attribute("Count", int)
+Tags = AttributeMap("Tags", str)
+Inbox = Channel("Inbox", int)
+Boxes = ChannelMap("Boxes", str)
+Events = Stream("Events", str)
+Other = Stream("Other", str)
+
+# Declared by no flow, or declared with another shape (a map where the flow has a plain value).
+Stray = Attribute("Stray", int)
+StrayChannel = Channel("StrayChannel", int)
+NoteAsMap = AttributeMap("Note", str)
+InboxAsMap = ChannelMap("Inbox", int)
+
+HUGE = "x" * MAX_VALUE_BYTES  # encodes to MAX_VALUE_BYTES + 2 bytes (the JSON quotes)
+ONCE = RetryPolicy(max_attempts=1)  # the first failure is final, so the flow fails at once
+
+
+def misuse(ctx: Context | RpcContext, what: str) -> None:
+    """Each bad call a handler can make; a valid write first, which must not be committed."""
+    ctx.set(Count, 41)
+    if what == "undeclared_set":
+        ctx.set(Stray, 1)
+    elif what == "undeclared_publish":
+        ctx.publish(StrayChannel, 1)
+    elif what == "too_large":
+        ctx.set(Note, HUGE)
+    elif what == "wrong_type":
+        ctx.set(Count, "three")  # type: ignore[arg-type]
+    else:
+        raise AssertionError(f"unknown misuse {what!r}")
+
+
+async def start(ctx: Context, what: str) -> StepDecision:
+    if what == "ok":
+        return StepDecision.graceful_complete("done")
+    if what == "listen":
+        return StepDecision.go_to("Listen", None)
+    if what == "bad_wait":
+        return StepDecision.go_to("BadWait", None)
+    misuse(ctx, what)
+    return StepDecision.graceful_complete("misuse was not refused")
+
+
+async def listen_wait(ctx: Context, _: None) -> Wait:
+    return Wait.until(Inbox.for_one())
+
+
+async def bad_wait(ctx: Context, _: None) -> Wait:
+    ctx.set(Count, 41)
+    return Wait.until(Inbox.for_range(2, 1))  # raises InvalidWaitError
+
+
+async def done(ctx: Context, _: None) -> StepDecision:
+    return StepDecision.graceful_complete(None)
+
+
+@rpc(request_type=str)
+async def note(ctx: RpcContext, text: str) -> None:
+    ctx.set(Note, text)
+
+
+@rpc(request_type=str)
+async def append(ctx: RpcContext, event: str) -> None:
+    ctx.append(Events, event)
+    ctx.append(Other, event)
+
+
+@rpc(name="misuse", request_type=str)
+async def misuse_rpc(ctx: RpcContext, what: str) -> None:
+    misuse(ctx, what)
+
+
+@rpc(request_type=int)
+async def takes_int(ctx: RpcContext, n: int) -> int:
+    ctx.set(Count, n)
+    return n
+
+
+FLOW = Flow(
+    "Bad",
+    [
+        Step("Start", start, input_type=str, options=StepOptions(execute_retry=ONCE)),
+        Step("Listen", done, wait_for=listen_wait, input_type=type(None)),
+        Step("BadWait", done, wait_for=bad_wait, input_type=type(None), options=StepOptions(wait_for_retry=ONCE)),
+    ],
+    start_step="Start",
+    schema=[Note, Count, Tags, Inbox, Boxes, Events, Other],
+    rpcs=[note, append, misuse_rpc, takes_int],
+)
+OTHER_FLOW = Flow("OtherType", [Step("Start", start, input_type=str)], start_step="Start")
+REGISTRY = Registry([FLOW, OTHER_FLOW])
+
+
+# Helpers ---------------------------------------------------------------------------------------
+
+Dump = dict[str, list[str]]
+
+
+async def dump(store: Store) -> Dump:
+    """Every row of every table, as sorted reprs (history has no rowid to order by)."""
+
+    def read(db: Any) -> Dump:
+        names = [str(r[0]) for r in db.all("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+        return {name: sorted(repr(row) for row in db.all(f'SELECT * FROM "{name}"')) for name in names}
+
+    result: Dump = await store.raw(read)
+    return result
+
+
+@asynccontextmanager
+async def unchanged(store: Store) -> AsyncIterator[None]:
+    """Assert the block leaves every table exactly as it found it."""
+    before = await dump(store)
+    yield
+    after = await dump(store)
+    changed = [t for t in before if before[t] != after.get(t)] + [t for t in after if t not in before]
+    assert not changed, f"tables changed by a refused input: {changed}"
+
+
+async def refused(
+    store: Store, call: Callable[[], Awaitable[Any]], error: type[BaseException], *names: str
+) -> BaseException:
+    """`call` raises exactly `error` (not a subclass of it), naming each of `names`, changing nothing."""
+    async with unchanged(store):
+        with pytest.raises(error) as caught:
+            await call()
+    assert type(caught.value) is error, f"expected {error.__name__}, got {type(caught.value).__name__}"
+    message = str(caught.value)
+    for name in names:
+        assert name in message, f"{error.__name__} message {message!r} does not name {name!r}"
+    return caught.value
+
+
+@asynccontextmanager
+async def idle_engine(db_url: str) -> AsyncIterator[Engine]:
+    """A store and client with no worker, so only the calls under test write; flow 'f' is running."""
+    async with engine_for(db_url, REGISTRY, worker=False) as eng:
+        await eng.client.start_flow("Bad", "f", "listen")
+        await eng.client.rpc("f", "note", "kept")
+        await eng.client.rpc("f", "append", "e1")
+        yield eng
+
+
+# Undeclared names ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case", "name"),
+    [
+        ("client.publish", "'StrayChannel'"),
+        ("client.publish map instance of plain channel", "'Inbox[k]'"),
+        ("client.get_attribute", "'Stray'"),
+        ("client.get_attribute map instance of plain attribute", "'Note[k]'"),
+        ("client.read_stream", "'Nope'"),
+        ("rpc ctx.set", "'Stray'"),
+        ("rpc ctx.publish", "'StrayChannel'"),
+    ],
+)
+async def test_undeclared_name_from_client_or_rpc(db_url: str, case: str, name: str) -> None:
+    """Naming an attribute, channel or stream the flow does not declare raises UndeclaredNameError
+    naming it; an RPC that does so commits none of its other writes."""
+    async with idle_engine(db_url) as eng:
+        c = eng.client
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "client.publish": lambda: c.publish("f", StrayChannel, 1),
+            "client.publish map instance of plain channel": lambda: c.publish("f", InboxAsMap["k"], 1),
+            "client.get_attribute": lambda: c.get_attribute("f", Stray),
+            "client.get_attribute map instance of plain attribute": lambda: c.get_attribute("f", NoteAsMap["k"]),
+            "client.read_stream": lambda: c.read_stream("f", "Nope"),
+            "rpc ctx.set": lambda: c.rpc("f", "misuse", "undeclared_set"),
+            "rpc ctx.publish": lambda: c.rpc("f", "misuse", "undeclared_publish"),
+        }
+        await refused(eng.store, calls[case], UndeclaredNameError, name, "'Bad'")
+
+
+@pytest.mark.parametrize(
+    ("what", "method", "error", "name"),
+    [
+        ("undeclared_set", "execute", UndeclaredNameError, "'Stray'"),
+        ("undeclared_publish", "execute", UndeclaredNameError, "'StrayChannel'"),
+        ("too_large", "execute", ValueTooLargeError, "'Note'"),
+        ("wrong_type", "execute", InvalidValueError, "'Count'"),
+        ("bad_wait", "wait_for", InvalidWaitError, "'Inbox'"),
+    ],
+)
+async def test_misuse_in_a_step_handler_fails_the_attempt_and_history_names_it(
+    db_url: str, what: str, method: str, error: type[Exception], name: str
+) -> None:
+    """A handler's bad call fails its attempt (E1: none of its writes commit); history's
+    attempt_failed entry and the flow's error name the error type and the offending name; the
+    worker keeps running other flows (E14)."""
+    async with engine_for(db_url, REGISTRY) as eng:
+        c = eng.client
+        await c.start_flow("Bad", "f", what)
+        info = await c.wait_for_flow("f", 10)
+        assert info.status == "failed"
+        assert info.error is not None and error.__name__ in info.error and name in info.error
+        failed = [h for h in await c.get_flow_history("f") if h.event_type == "attempt_failed"]
+        assert len(failed) == 1, failed
+        assert failed[0].detail.startswith(f"{method}: {error.__name__}: "), failed[0].detail
+        assert name in failed[0].detail
+        assert await c.get_attribute("f", Count) is None, "a failed attempt's write was committed"
+
+        await c.start_flow("Bad", "after", "ok")
+        assert (await c.wait_for_flow("after", 10)).status == "completed"
+
+
+# IDs and keys ----------------------------------------------------------------------------------
+
+BAD_IDS = [
+    pytest.param("a/b", "'a/b'", id="slash"),
+    pytest.param("a b", "'a b'", id="space"),
+    pytest.param("tab\there", "'tab\\there'", id="tab"),
+    pytest.param("new\nline", "'new\\nline'", id="newline"),
+    pytest.param("bell\x07", "'bell\\x07'", id="control"),
+    pytest.param("nbsp\u00a0x", "nbsp", id="unicode-space"),
+    pytest.param("", "empty", id="empty"),
+    pytest.param("x" * 256, "256 characters", id="too-long"),
+]
+
+
+@pytest.mark.parametrize(("flow_id", "named"), BAD_IDS)
+async def test_bad_flow_id_is_refused(db_url: str, flow_id: str, named: str) -> None:
+    """start_flow refuses an ID with '/', whitespace or control characters, an empty one, and one
+    over 255 characters, with InvalidIdError naming it; no flow is created."""
+    async with engine_for(db_url, REGISTRY, worker=False) as eng:
+        await refused(eng.store, lambda: eng.client.start_flow("Bad", flow_id, "ok"), InvalidIdError,
+                      "flow ID", named)
+
+
+async def test_longest_and_punctuated_flow_ids_are_accepted(db_url: str) -> None:
+    """The boundary: 255 characters and punctuation other than '/' are valid flow IDs."""
+    async with engine_for(db_url, REGISTRY, worker=False) as eng:
+        for flow_id in ("x" * 255, "user:42|session.7-b_c@host#1", "ünïcødé"):
+            await eng.client.start_flow("Bad", flow_id, "ok")
+            assert (await eng.client.describe_flow(flow_id)).flow_id == flow_id
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        pytest.param(lambda: Tags[""], "empty", id="attribute-map-empty"),
+        pytest.param(lambda: Tags["a\x00b"], "'a\\x00b'", id="attribute-map-nul"),
+        pytest.param(lambda: Boxes[""], "empty", id="channel-map-empty"),
+        pytest.param(lambda: Boxes["\x1b[31m"], "'\\x1b[31m'", id="channel-map-escape"),
+        pytest.param(lambda: Boxes["k" * 256], "256 characters", id="channel-map-too-long"),
+        pytest.param(lambda: Tags[7], "7", id="not-a-string"),
+    ],
+)
+def test_bad_map_key_is_refused(make: Callable[[], object], named: str) -> None:
+    """A map key that is empty, has control characters, is too long or is not text raises
+    InvalidIdError naming the map and the key, before anything is stored."""
+    with pytest.raises(InvalidIdError) as caught:
+        make()
+    assert named in str(caught.value)
+    assert "Tags" in str(caught.value) or "Boxes" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        pytest.param(lambda: Attribute("bad name", int), "'bad name'", id="attribute"),
+        pytest.param(lambda: Channel("a/b", int), "'a/b'", id="channel"),
+        pytest.param(lambda: Stream("", str), "stream name is empty", id="stream"),
+        pytest.param(lambda: Step("tab\t", done), "'tab\\t'", id="step-type"),
+        pytest.param(lambda: Flow("x" * 300, []), "300 characters", id="flow-type"),
+        pytest.param(lambda: rpc("no/slash")(note.handler), "'no/slash'", id="rpc-name"),
+    ],
+)
+def test_bad_names_in_definitions_are_refused(make: Callable[[], object], named: str) -> None:
+    """Names of attributes, channels, streams, Steps, flow types and RPCs follow the ID rules."""
+    with pytest.raises(InvalidIdError) as caught:
+        make()
+    assert named in str(caught.value)
+
+
+# Values ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["client.publish", "rpc ctx.set", "start_flow input"])
+async def test_value_over_max_value_bytes_is_refused(db_url: str, where: str) -> None:
+    """A value over MAX_VALUE_BYTES raises ValueTooLargeError naming the value's place and size,
+    and nothing is stored (the Step case is in the handler test above)."""
+    async with idle_engine(db_url) as eng:
+        c = eng.client
+        calls: dict[str, tuple[Callable[[], Awaitable[Any]], str]] = {
+            "client.publish": (lambda: c.publish("f", Boxes["k"], HUGE), "'Boxes[k]'"),
+            "rpc ctx.set": (lambda: c.rpc("f", "misuse", "too_large"), "'Note'"),
+            "start_flow input": (lambda: c.start_flow("Bad", "g", HUGE), "input"),
+        }
+        call, name = calls[where]
+        exc = await refused(eng.store, call, ValueTooLargeError, name, str(MAX_VALUE_BYTES + 2))
+        assert isinstance(exc, ValueTooLargeError)
+        assert (exc.size, exc.limit) == (MAX_VALUE_BYTES + 2, MAX_VALUE_BYTES)
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "start_flow input of the start Step",
+        "start_flow input that is not JSON",
+        "publish str to int channel",
+        "publish bool to int channel",
+        "publish float to int channel",
+        "rpc request",
+        "rpc ctx.set",
+    ],
+)
+async def test_value_of_wrong_type_is_refused(db_url: str, where: str) -> None:
+    """A value that is not of its declared type (or not JSON) raises InvalidValueError naming where
+    it was going; nothing is stored and an RPC's handler does not run."""
+    async with idle_engine(db_url) as eng:
+        c = eng.client
+        calls: dict[str, tuple[Callable[[], Awaitable[Any]], str]] = {
+            "start_flow input of the start Step": (lambda: c.start_flow("Bad", "g", 42), "input of Step Start"),
+            "start_flow input that is not JSON": (lambda: c.start_flow("Bad", "g", object()), "flow input"),
+            "publish str to int channel": (lambda: c.publish("f", Inbox, "seven"), "'Inbox'"),  # type: ignore[arg-type]
+            "publish bool to int channel": (lambda: c.publish("f", Inbox, True), "'Inbox'"),
+            "publish float to int channel": (lambda: c.publish("f", Inbox, 1.5), "'Inbox'"),  # type: ignore[arg-type]
+            "rpc request": (lambda: c.rpc("f", "takes_int", "seven"), "request of RPC takes_int"),
+            "rpc ctx.set": (lambda: c.rpc("f", "misuse", "wrong_type"), "'Count'"),
+        }
+        call, name = calls[where]
+        await refused(eng.store, call, InvalidValueError, name)
+
+
+# Flows, RPCs, streams --------------------------------------------------------------------------
+
+
+async def test_unknown_flow_type_is_refused(db_url: str) -> None:
+    """start_flow with a type the Registry lacks raises UnknownFlowTypeError naming it and the
+    known types."""
+    async with engine_for(db_url, REGISTRY, worker=False) as eng:
+        await refused(eng.store, lambda: eng.client.start_flow("NoSuchFlow", "f", "ok"), UnknownFlowTypeError,
+                      "'NoSuchFlow'", "'Bad'", "'OtherType'")
+
+
+@pytest.mark.parametrize("second_type", ["Bad", "OtherType"])
+async def test_duplicate_flow_id_leaves_the_first_flow_intact(db_url: str, second_type: str) -> None:
+    """Starting a flow ID that exists (of any type) raises FlowAlreadyStartedError naming the ID; the
+    first flow's input, attributes, messages, events and Steps are untouched."""
+    async with idle_engine(db_url) as eng:
+        await eng.client.publish("f", Inbox, 5)
+        await refused(eng.store, lambda: eng.client.start_flow(second_type, "f", "ok"), FlowAlreadyStartedError,
+                      "'f'")
+        assert await eng.client.get_attribute("f", Note) == "kept"
+        assert (await eng.client.describe_flow("f")).flow_type == "Bad"
+
+
+@pytest.mark.parametrize("operation", ["rpc", "publish", "skip_timer", "stop_flow"])
+async def test_operations_on_a_closed_flow_are_refused(db_url: str, operation: str) -> None:
+    """An RPC, publish, skip_timer or stop on a stopped flow raises FlowNotActiveError naming the flow
+    and its status, and changes nothing."""
+    async with idle_engine(db_url) as eng:
+        c = eng.client
+        await c.stop_flow("f", "test")
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "rpc": lambda: c.rpc("f", "note", "late"),
+            "publish": lambda: c.publish("f", Inbox, 1),
+            "skip_timer": lambda: c.skip_timer("f", "Start-1"),
+            "stop_flow": lambda: c.stop_flow("f", "again"),
+        }
+        await refused(eng.store, calls[operation], FlowNotActiveError, "'f'", "stopped")
+        assert await c.get_attribute("f", Note) == "kept", "a closed flow's attributes stay readable"
+
+
+async def test_unknown_rpc_is_refused(db_url: str) -> None:
+    """An RPC name the flow lacks raises RpcNotFoundError naming it and listing the flow's RPCs."""
+    async with idle_engine(db_url) as eng:
+        await refused(eng.store, lambda: eng.client.rpc("f", "nope", None), RpcNotFoundError,
+                      "'nope'", "'Bad'", "'note'", "'takes_int'")
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+async def test_forged_and_foreign_resume_tokens_are_refused(db_url: str, tmp_path: Path) -> None:
+    """E11: a token that was tampered with, belongs to another flow, stream or database, or is
+    malformed raises InvalidResumeTokenError before any event is returned; a good token still works."""
+    async with idle_engine(db_url) as eng:
+        c = eng.client
+        await c.start_flow("Bad", "g", "listen")
+        await c.rpc("g", "append", "g1")
+        own = (await c.read_stream("f", Events)).resume_token
+        other_flow = (await c.read_stream("g", Events)).resume_token
+        other_stream = (await c.read_stream("f", Other)).resume_token
+        body, _, mac = own.partition(".")
+        flipped_mac = body + "." + ("A" if mac[0] != "A" else "B") + mac[1:]
+        # A body claiming an earlier position (sequence 0) under the real signature.
+        rewound = _b64(b'["f","Events",0]') + "." + mac
+        # Another database issues tokens with its own secret, even for the same flow and stream.
+        async with engine_for(f"sqlite:///{tmp_path / 'other.db'}", REGISTRY, worker=False) as other:
+            await other.client.start_flow("Bad", "f", "listen")
+            await other.client.rpc("f", "append", "x")
+            foreign_db = (await other.client.read_stream("f", Events)).resume_token
+
+        cases: list[tuple[str, str]] = [
+            (flipped_mac, "signature"),
+            (rewound, "signature"),
+            (foreign_db, "signature"),
+            (other_flow, "'g'"),
+            (other_stream, "'Other'"),
+            ("garbage", "'garbage'"),
+            ("", "''"),
+            ("a.b.c", "'a.b.c'"),
+        ]
+        for token, named in cases:
+            await refused(eng.store, lambda t=token: c.read_stream("f", Events, t), InvalidResumeTokenError,
+                          "resume token", named)
+        await c.rpc("f", "append", "e2")
+        good = await c.read_stream("f", Events, own)
+        assert [e.value for e in good.events] == ["e2"]
+
+
+# Waits and timers ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        pytest.param(lambda: Inbox.for_range(3, 1), "at_most (1) < at_least (3) on channel 'Inbox'", id="range"),
+        pytest.param(lambda: Boxes["k"].at_most(0), "'Boxes'", id="at-most-zero"),
+        pytest.param(lambda: Inbox.for_n(-1), "-1", id="negative-count"),
+        pytest.param(lambda: Inbox.at_least(1.5), "1.5", id="fractional-count"),
+        pytest.param(lambda: Timer.by_duration(-1), "-1", id="negative-timer"),
+        pytest.param(lambda: Timer.by_duration(math.nan), "nan", id="nan-timer"),
+        pytest.param(lambda: Timer.by_duration(math.inf), "inf", id="infinite-timer"),
+        pytest.param(lambda: Timer.by_duration("5"), "'5'", id="string-timer"),
+        pytest.param(lambda: Timer.by_duration(True), "True", id="bool-timer"),
+        pytest.param(Wait.any_of, "any_of", id="empty-any-of"),
+        pytest.param(Wait.all_of, "all_of", id="empty-all-of"),
+        pytest.param(lambda: Wait.until("soon"), "'soon'", id="not-a-condition"),
+        pytest.param(lambda: Wait.any_of(Inbox.for_one(), 3), "3", id="not-a-condition-in-any-of"),
+    ],
+)
+def test_invalid_wait_is_refused(make: Callable[[], object], named: str) -> None:
+    """Waits that could never be valid raise InvalidWaitError naming the bad value."""
+    with pytest.raises(InvalidWaitError) as caught:
+        make()
+    assert named in str(caught.value)
+
+
+async def test_skip_timer_on_a_step_that_is_not_waiting(db_url: str) -> None:
+    """skip_timer on a ready Step, an unknown Step execution, or a Step waiting on no timer raises
+    StepNotWaitingError naming the Step execution, and changes nothing."""
+    async with engine_for(db_url, REGISTRY, worker=False) as eng:
+        c = eng.client
+        await c.start_flow("Bad", "f", "listen")  # Start-1 is ready: no worker runs it yet
+        await refused(eng.store, lambda: c.skip_timer("f", "Start-1"), StepNotWaitingError, "'Start-1'", "'f'")
+        await refused(eng.store, lambda: c.skip_timer("f", "Nope-9"), StepNotWaitingError, "'Nope-9'")
+
+        await eng.start_worker()
+
+        async def listening() -> bool:
+            info = await c.describe_flow("f")
+            return [(s.step_execution_id, s.state) for s in info.active_steps] == [("Listen-1", "waiting")]
+
+        await wait_until("Listen-1 waiting", listening)
+        assert eng.worker is not None
+        await eng.worker.stop()  # nothing else writes while the tables are compared
+        eng.worker = None
+        await refused(eng.store, lambda: c.skip_timer("f", "Listen-1"), StepNotWaitingError, "'Listen-1'")
+
+
+# Definitions and options -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"max_attempts": 0}, "max_attempts"),
+        ({"max_attempts": -3}, "-3"),
+        ({"max_attempts": 2.5}, "2.5"),
+        ({"max_attempts": True}, "True"),
+        ({"max_attempts": "3"}, "'3'"),
+        ({"initial_interval_seconds": -1.0}, "-1.0"),
+        ({"initial_interval_seconds": math.nan}, "nan"),
+        ({"initial_interval_seconds": "1"}, "'1'"),
+        ({"backoff_coefficient": 0.5}, "0.5"),
+        ({"backoff_coefficient": math.inf}, "inf"),
+        ({"initial_interval_seconds": 10.0, "max_interval_seconds": 5.0}, "5.0"),
+        ({"max_interval_seconds": math.inf}, "inf"),
+        ({"total_duration_seconds": 0}, "total_duration_seconds"),
+        ({"total_duration_seconds": -5.0}, "-5.0"),
+        ({"total_duration_seconds": math.inf}, "inf"),
+    ],
+)
+def test_invalid_retry_policy(kwargs: dict[str, Any], named: str) -> None:
+    """RetryPolicy refuses values it could not honour with FlowDefinitionError naming them."""
+    with pytest.raises(FlowDefinitionError) as caught:
+        RetryPolicy(**kwargs)
+    assert named in str(caught.value)
+    for field_name in kwargs:
+        assert field_name in str(caught.value)
+
+
+def test_retry_policy_lists_every_problem_at_once() -> None:
+    with pytest.raises(FlowDefinitionError) as caught:
+        RetryPolicy(max_attempts=0, backoff_coefficient=0.5, total_duration_seconds=-1)
+    for part in ("max_attempts", "backoff_coefficient", "total_duration_seconds"):
+        assert part in str(caught.value)
+
+
+def test_retry_forever_policy_keeps_a_finite_interval() -> None:
+    """A valid 'retry for a long time' policy (many attempts, capped interval) computes a finite
+    retry time at any attempt number; an overflow here would leave a failing Step stuck running."""
+    for policy in (
+        RetryPolicy(max_attempts=10**9, initial_interval_seconds=1.0, backoff_coefficient=2.0, max_interval_seconds=60),
+        RetryPolicy(max_attempts=10**9, initial_interval_seconds=1, backoff_coefficient=2, max_interval_seconds=60),
+    ):
+        for attempt in (10, 1_025, 1_100, 10**8):
+            decision = decide_retry(policy, attempt=attempt, first_started_ms=0, now_ms=1_000, no_retry=False)
+            assert decision.retry
+            assert decision.run_at_ms == 1_000 + 60_000
+
+
+@pytest.mark.parametrize("field_name", ["execute_timeout_seconds", "wait_for_timeout_seconds",
+                                        "heartbeat_timeout_seconds"])
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, "10"])
+def test_invalid_step_option_timeouts(field_name: str, value: Any) -> None:
+    """Step timeouts must be positive finite seconds; FlowDefinitionError names the option and value."""
+    with pytest.raises(FlowDefinitionError) as caught:
+        StepOptions(**{field_name: value})
+    assert field_name in str(caught.value)
+    assert repr(value) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"lease_ttl_seconds": 10.0, "lease_renew_seconds": 10.0}, "lease_renew_seconds (10.0)"),
+        ({"lease_ttl_seconds": 5.0, "lease_renew_seconds": 8.0}, "lease_ttl_seconds (5.0)"),
+        ({"lease_renew_seconds": 0.0}, "lease_renew_seconds (0.0)"),
+        ({"lease_ttl_seconds": math.nan}, "nan"),
+        ({"max_concurrent_tasks": 0}, "max_concurrent_tasks"),
+        ({"max_concurrent_tasks": 1.5}, "1.5"),
+        ({"poll_seconds": 0}, "poll_seconds"),
+        ({"housekeeping_seconds": -1}, "housekeeping_seconds"),
+        ({"shutdown_grace_seconds": 0}, "shutdown_grace_seconds"),
+    ],
+)
+def test_invalid_worker_options(kwargs: dict[str, Any], named: str) -> None:
+    """WorkerOptions whose timings or capacity cannot work raise ValueError naming the values."""
+    with pytest.raises(ValueError, match="invalid WorkerOptions") as caught:
+        WorkerOptions(**kwargs)
+    assert named in str(caught.value)
+
+
+def _sync_execute(ctx: Context, _: None) -> StepDecision:
+    return StepDecision.dead_end()
+
+
+def _sync_wait(ctx: Context, _: None) -> Wait:
+    return Wait.skip_immediately()
+
+
+def test_flow_definition_lists_every_problem_at_once() -> None:
+    """A Flow with several mistakes raises one FlowDefinitionError that lists each of them."""
+
+    @rpc(locks=[Stray])
+    async def locked(ctx: RpcContext, _: None) -> None:
+        return None
+
+    with pytest.raises(FlowDefinitionError) as caught:
+        Flow(
+            "Broken",
+            [
+                Step("A", done),
+                Step("A", done),
+                Step("Sync", _sync_execute, wait_for=_sync_wait),  # type: ignore[arg-type]
+                Step("Routed", done, options=StepOptions(failure_route="Nowhere", execute_locks=(Stray,),
+                                                          wait_for_locks=(Tags["k"],))),
+            ],
+            start_step="Missing",
+            schema=[Note, Attribute("Note", int), Inbox],
+            rpcs=[locked],
+        )
+    message = str(caught.value)
+    expected = [
+        "Step type 'A' is declared twice",
+        "start Step 'Missing' is not one of the flow's Steps",
+        "schema name 'Note' is declared twice",
+        "RPC 'locked' locks 'Stray', which is not a declared attribute",
+        "Step 'Sync' execute must be an async function",
+        "Step 'Sync' wait_for must be an async function",
+        "failure route 'Nowhere' is not one of the flow's Steps",
+        "Step 'Routed' locks 'Stray'",
+        "Step 'Routed' locks 'Tags[k]'",
+    ]
+    missing = [e for e in expected if e not in message]
+    assert not missing, f"{message!r} lacks {missing}"
+    assert f"has {len(expected)} problem(s)" in message
+
+
+@pytest.mark.parametrize(
+    ("flows", "named"),
+    [
+        pytest.param([], "at least one Flow", id="empty"),
+        pytest.param([FLOW, FLOW], "'Bad' is registered twice", id="duplicate"),
+        pytest.param([FLOW, "Bad"], "'Bad' is not a Flow", id="not-a-flow"),
+    ],
+)
+def test_invalid_registry(flows: list[Any], named: str) -> None:
+    with pytest.raises(FlowDefinitionError) as caught:
+        Registry(flows)
+    assert named in str(caught.value)
+
+
+# Search queries and database URLs ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [
+        ('FlowType = Bad', "'FlowType = Bad'"),
+        ('Colour = "red"', "'Colour = \"red\"'"),
+        ('FlowType = "Bad" OR FlowStatus = "running"', "OR"),
+        ('FlowType = "Bad" AND', "''"),
+        ('FlowType = "Bad" AND FlowType = "OtherType"', "FlowType appears twice"),
+        ('ActiveStepTypes == "Listen"', "'ActiveStepTypes == \"Listen\"'"),
+    ],
+)
+async def test_malformed_search_query(db_url: str, query: str, named: str) -> None:
+    """E13: a query that does not parse raises SearchQueryError naming the bad part."""
+    async with idle_engine(db_url) as eng:
+        await refused(eng.store, lambda: eng.client.search_flows(query), SearchQueryError, named)
+        assert await eng.client.search_flows('FlowType = "Bad"') == ["f"]
+
+
+@pytest.mark.parametrize(
+    ("url", "named"),
+    [
+        ("mysql://localhost/dex", "'mysql://localhost/dex'"),
+        ("", "''"),
+        ("sqlite://", "names no file"),
+        ("sqlite:///engine.db?synchronous=SOMETIMES", "'SOMETIMES'"),
+    ],
+)
+async def test_bad_database_url(url: str, named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """open_store, AsyncClient, AsyncWorker and Client refuse a URL they cannot open with ValueError
+    naming it; the blocking Client leaves no thread behind."""
+    monkeypatch.chdir(tmp_path)  # a relative sqlite path must not land in the repository
+    with pytest.raises(ValueError) as caught:
+        open_store(url)
+    assert named in str(caught.value)
+    with pytest.raises(ValueError, match=r"URL|synchronous"):
+        AsyncClient(REGISTRY, url)
+    with pytest.raises(ValueError, match=r"URL|synchronous"):
+        await AsyncWorker(REGISTRY, WorkerOptions(database_url=url)).run()
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match=r"URL|synchronous"):
+        Client(REGISTRY, url)
+    assert threading.active_count() == threads, "Client left its event-loop thread running"
+    assert not any(tmp_path.iterdir()), "a refused URL created files"  # noqa: ASYNC240
