@@ -52,11 +52,11 @@ async def _commit_levels(url: str, config: FlowConfig, step_types: list[str],
     seen: dict[str, str] = {}
     original = tx.commit_execute
 
-    def spying(db: tx.Db, lease: Any, writes: WriteSet, decision: DecisionRecord, now: int) -> None:
+    def spying(db: tx.Db, lease: Any, writes: WriteSet, decision: DecisionRecord, now: int, *rest: Any) -> None:
         row = db.one("PRAGMA synchronous")
         assert row is not None
         seen[lease.step_type] = SYNC_LEVELS[int(row[0])]
-        original(db, lease, writes, decision, now)
+        original(db, lease, writes, decision, now, *rest)
 
     monkeypatch.setattr(tx, "commit_execute", spying)
     store = open_store(url)

@@ -123,10 +123,14 @@ class Store(ABC):
 
         def op(db: Db) -> list[Lease]:
             now = now_ms()
-            tx.commit_execute(db, lease, writes, decision, now)
+            handoff = None if claim is None else tx.Handoff(claim[0], claim[2], [])
+            tx.commit_execute(db, lease, writes, decision, now, handoff)
             if _gates.ACTIVE:  # the transaction is open: a crash here must roll it all back
                 _gates.gate(_gates.INSIDE_COMMIT)
-            return [] if claim is None else tx.claim(db, claim[0], claim[1], claim[2], now)
+            if claim is None or handoff is None:
+                return []
+            # Steps this commit started went straight to this worker; otherwise claim ready work.
+            return handoff.leases or tx.claim(db, claim[0], claim[1], claim[2], now)
 
         return await self._run(op, write=True, durable=lease.durable)
 
