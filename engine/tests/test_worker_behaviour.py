@@ -21,7 +21,7 @@ from dex_engine import (
     Stream,
     Wait,
 )
-from dex_engine._records import StartRequest
+from dex_engine._records import DecisionRecord, StartRequest, WriteSet
 from dex_engine._scheduling import movement_record
 
 from .conftest import engine_for, wait_until
@@ -125,3 +125,32 @@ async def test_a_worker_side_error_hands_the_attempt_back(db_url: str, monkeypat
         assert info.status == "completed"
         # The handed-back attempt had not started (no heartbeat), so it ran again as attempt 1.
         assert calls == [1, 1]
+
+
+async def _first(ctx: Context, _: Any) -> StepDecision:
+    return StepDecision.go_to("Renamed", 7)
+
+
+OLD = Flow("Versioned", [Step("First", _first), Step("Renamed", _done, input_type=int)], start_step="First")
+NEW = Flow("Versioned", [Step("First", _first)], start_step="First")
+
+
+async def test_a_step_this_worker_cannot_invoke_fails_with_worker_invocation_error(db_url: str) -> None:
+    """A stored Step that the worker's Flow no longer defines (another deploy) is not retried forever
+    and not lost: its attempts fail with WorkerInvocationError naming the Step, and when the retry
+    policy is spent the flow fails with that error."""
+    async with engine_for(db_url, Registry([OLD]), worker=False) as eng:
+        # Schedule Renamed with the old definition, then serve the flow with the new one.
+        await eng.client.start_flow("Versioned", "v1")
+        await eng.store.register_worker("w-old", "h", 1, 60_000)
+        (lease,) = await eng.store.claim("w-old", ["Versioned"], 1)
+        await eng.store.commit_execute(lease, WriteSet(), DecisionRecord(
+            "movements", (movement_record(OLD, Movement("Renamed", 7)),)))
+        eng.registry = Registry([NEW])
+        worker = await eng.start_worker()
+        assert worker.registry.flow("Versioned") is NEW
+        info = await eng.client.wait_for_flow("v1", 30)
+        assert info.status == "failed"
+        assert info.error is not None and "WorkerInvocationError" in info.error and "'Renamed'" in info.error
+        failures = [h for h in await eng.client.get_flow_history("v1") if h.event_type == "attempt_failed"]
+        assert [h.attempt for h in failures] == [1, 2, 3]

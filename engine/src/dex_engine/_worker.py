@@ -18,7 +18,14 @@ from . import _gates
 from ._codec import decode_value, encode_value
 from ._context import Context, WaitResult
 from ._decision import StepDecision
-from ._errors import InvalidValueError, NoRetryError, StaleAttemptError
+from ._errors import (
+    DexError,
+    InvalidValueError,
+    NoRetryError,
+    StaleAttemptError,
+    UndeclaredNameError,
+    WorkerInvocationError,
+)
 from ._flow import Registry
 from ._limits import (
     DEFAULT_HOUSEKEEPING_SECONDS,
@@ -287,15 +294,21 @@ class AsyncWorker:
         lease = running.lease
         if _gates.ACTIVE:
             _gates.gate(_gates.CLAIMED)
-        flow = self.registry.flow(lease.flow_type)
-        step = flow.step(lease.step_type)
         try:
+            # A Step stored by another version of the Flow may be missing here or take another input.
+            step = self.registry.flow(lease.flow_type).step(lease.step_type)
+            handler = step.execute if lease.method == "execute" else step.wait_for
+            if handler is None:
+                raise UndeclaredNameError("WaitFor of Step", lease.step_type, lease.flow_type, [])
             ctx = self._context(running)
             input_value = decode_value(f"input of Step {step.step_type}", step.input_type, lease.input)
+        except DexError as exc:
+            invocation = WorkerInvocationError(type(exc).__name__, str(exc))
+            await self._fail(running, ErrorInfo("WorkerInvocationError", str(invocation)), False)
+            return
+        try:
             timeout_ms = (lease.options.wait_for if lease.method == "wait_for" and lease.options.wait_for
                           else lease.options.execute).timeout_ms
-            handler = step.execute if lease.method == "execute" else step.wait_for
-            assert handler is not None
             if timeout_ms is None:
                 result: Any = await handler(ctx, input_value)
             else:
