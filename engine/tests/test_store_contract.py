@@ -398,6 +398,27 @@ async def test_dead_worker_unstarted_lease_returns_and_started_one_fails(store: 
     assert (again["started"].attempt, again["started"].checkpoint) == (2, "half way")
 
 
+async def test_poll_hands_back_claims_its_worker_does_not_hold(store: Store) -> None:
+    """A claim whose reply never reached its worker (the connection dropped after the commit) is
+    handed back by that worker's next housekeeping poll once older than the bound: unstarted as the
+    same attempt, started as a WorkerLost failure. Claims the worker holds, or fresh ones, stay."""
+    await start(store, "lost-unstarted")
+    await start(store, "lost-started")
+    await start(store, "held")
+    leases = {x.flow_id: x for x in await store.claim(W, TYPES, 10)}
+    await store.heartbeat(leases["lost-started"], None)
+    held = [leases["held"].task_id]
+    _, result = await store.poll(W, TYPES, 0, held, must_claim=False, housekeep=True, known=held)
+    for flow_id in ("lost-unstarted", "lost-started", "held"):
+        assert [state for _, state, _, _ in await active(store, flow_id)] == ["running"], (
+            f"a fresh claim of {flow_id} must not be handed back")
+    _, result = await store.poll(W, TYPES, 0, held, must_claim=False, housekeep=True, known=held, lost_claim_ms=-1)
+    assert await active(store, "lost-unstarted") == [("Start-1", "ready", "execute", 1)]
+    assert await active(store, "lost-started") == [("Start-1", "ready", "execute", 2)]
+    assert await active(store, "held") == [("Start-1", "running", "execute", 1)]
+    assert result.epochs == {leases["held"].task_id: leases["held"].lease_epoch}
+
+
 async def test_heartbeat_checkpoint_reaches_the_next_attempt(store: Store) -> None:
     """E10: the last checkpoint persists (a bare heartbeat keeps it) and the next attempt reads it."""
     await start(store, "f1")

@@ -27,6 +27,7 @@ from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qs, urlparse
 
 from ._limits import MAX_GROUP_COMMIT_OPS, SQLITE_BUSY_TIMEOUT_MS
+from ._migrate import statements
 from ._store import Store, commit_origin
 from ._transitions import Db, HistoryRow, Row, run_op
 
@@ -60,9 +61,16 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
 class _SqliteDb:
     __slots__ = ("conn", "history")
 
+    # BEGIN IMMEDIATE serializes every writer of the file: no row locks needed.
+    for_update = ""
+    skip_locked = ""
+
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         self.history: list[HistoryRow] = []
+
+    def notify(self) -> None:
+        """Other processes see commits through PRAGMA data_version; nothing to send."""
 
     def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         row: Row | None = self.conn.execute(sql, params).fetchone()
@@ -110,12 +118,6 @@ def _migrations() -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def _statements(sql: str) -> list[str]:
-    """Split a migration file into statements; `--` comments end at the line's end."""
-    lines = [line.split("--", 1)[0] for line in sql.splitlines()]
-    return [part.strip() for part in "\n".join(lines).split(";") if part.strip()]
-
-
 def migrate(conn: sqlite3.Connection) -> int:
     """Apply numbered migrations not yet applied; return the schema version."""
     conn.execute("BEGIN IMMEDIATE")
@@ -130,7 +132,7 @@ def migrate(conn: sqlite3.Connection) -> int:
         for number, sql in _migrations():
             if number <= version:
                 continue
-            for statement in _statements(sql):
+            for statement in statements(sql):
                 conn.execute(statement)
             conn.execute(
                 "INSERT INTO meta (key, value) VALUES ('schema_version', ?) "

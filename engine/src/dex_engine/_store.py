@@ -33,6 +33,10 @@ from ._wait import WaitSpec
 
 R = TypeVar("R")
 
+# A claim older than this that its worker does not know of was lost in transit and is handed back;
+# far longer than any reply takes to arrive.
+LOST_CLAIM_MS = 10_000
+
 # The commit listener of the worker whose task issued an operation: a worker is not woken by its
 # own commits (it already holds what they claimed), only by everyone else's.
 commit_origin: ContextVar[Callable[[], None] | None] = ContextVar("dex_commit_origin", default=None)
@@ -168,7 +172,8 @@ class Store(ABC):
 
     async def poll(
         self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],
-        *, must_claim: bool, housekeep: bool,
+        *, must_claim: bool, housekeep: bool, known: Sequence[int] | None = None,
+        lost_claim_ms: int = LOST_CLAIM_MS,
     ) -> tuple[bool, tx.PollResult]:
         """One worker loop iteration in one transaction; returns (changed elsewhere, result).
 
@@ -179,6 +184,8 @@ class Store(ABC):
         def op(db: Db) -> tuple[bool, tx.PollResult]:
             now = now_ms()
             changed = self._changed_in(db)
+            if housekeep and known is not None:
+                tx.release_lost_claims(db, worker_id, known, now - lost_claim_ms, now)
             report = tx.housekeeping(db, now) if housekeep else None
             woke = report is not None and bool(report.timers_fired or report.leases_expired or report.timeouts)
             claim_now = must_claim or changed or woke

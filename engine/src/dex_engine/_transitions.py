@@ -59,9 +59,16 @@ class Db(Protocol):
     """The few statements the transitions need from a backend, inside an open transaction.
 
     `history` buffers the operation's history events; run_op writes them once at its end.
+    `for_update` and `skip_locked` are the row-lock clauses a backend with concurrent writers needs
+    ('' on SQLite, whose writers are serialized by BEGIN IMMEDIATE). `notify` tells other
+    processes' workers that work may be ready.
     """
 
     history: list[HistoryRow]
+    for_update: str
+    skip_locked: str
+
+    def notify(self) -> None: ...
 
     def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
     def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
@@ -114,11 +121,21 @@ def flow_status(db: Db, flow_id: str) -> tuple[str, str]:
     return str(row[0]), str(row[1])
 
 
-def require_running(db: Db, flow_id: str) -> str:
-    flow_type, status = flow_status(db, flow_id)
-    if status != "running":
-        raise FlowNotActiveError(flow_id, status)
-    return flow_type
+def require_running(db: Db, flow_id: str, *, lock: bool = True) -> str:
+    """The flow's type if it is running. With `lock`, this transaction now serializes the flow's
+    changes (the flow row lock on PostgreSQL)."""
+    row = db.one(f"SELECT flow_type, status FROM flows WHERE flow_id = ?{db.for_update if lock else ''}",
+                 (flow_id,))
+    if row is None:
+        raise FlowNotFoundError(flow_id)
+    if row[1] != "running":
+        raise FlowNotActiveError(flow_id, str(row[1]))
+    return str(row[0])
+
+
+def lock_flow(db: Db, flow_id: str) -> bool:
+    """Serialize this transaction with every other change to the flow; False if it is gone."""
+    return db.one(f"SELECT 1 FROM flows WHERE flow_id = ?{db.for_update}", (flow_id,)) is not None
 
 
 def bump(db: Db, flow_id: str) -> None:
@@ -126,13 +143,13 @@ def bump(db: Db, flow_id: str) -> None:
 
 
 def start_flow(db: Db, req: StartRequest, now: int) -> None:
-    if db.one("SELECT 1 FROM flows WHERE flow_id = ?", (req.flow_id,)) is not None:
-        raise FlowAlreadyStartedError(req.flow_id)
-    db.run(
+    inserted = db.one(
         "INSERT INTO flows (flow_id, flow_type, status, input, config, version, created_at) "
-        "VALUES (?, ?, 'running', ?, ?, 1, ?)",
+        "VALUES (?, ?, 'running', ?, ?, 1, ?) ON CONFLICT (flow_id) DO NOTHING RETURNING flow_id",
         (req.flow_id, req.flow_type, req.input, encode_json(req.config), now),
     )
+    if inserted is None:
+        raise FlowAlreadyStartedError(req.flow_id)
     if req.start is not None:
         create_task(db, req.flow_id, req.flow_type, req.start, now)
 
@@ -281,6 +298,7 @@ def create_task(
              recovery_blob, now),
         )
         assert row is not None
+        db.notify()
         return int(row[0])
     start = _attempt_start(db, flow_id, options, mopts, None, now)
     row = db.one(
@@ -397,7 +415,7 @@ def claim(db: Db, worker_id: str, flow_types: Sequence[str], capacity: int, now:
         return []
     rows = db.all(
         f"SELECT {_TASK_COLS} FROM tasks WHERE state = 'ready' AND run_at <= ? "
-        f"AND flow_type IN ({_in(flow_types)}) ORDER BY run_at, task_id LIMIT ?",
+        f"AND flow_type IN ({_in(flow_types)}) ORDER BY run_at, task_id LIMIT ?{db.skip_locked}",
         (now, *flow_types, capacity * 4),
     )
     leases: list[Lease] = []
@@ -412,6 +430,8 @@ def claim(db: Db, worker_id: str, flow_types: Sequence[str], capacity: int, now:
 
 def _claim_row(db: Db, r: Row, worker_id: str, now: int) -> Lease | None:
     task_id, epoch, flow_id, flow_type, step_type, seid, method, attempt = r[:8]
+    if db.skip_locked and db.one(f"SELECT 1 FROM flows WHERE flow_id = ?{db.skip_locked}", (flow_id,)) is None:
+        return None  # another transaction is changing this flow: claim the task on a later poll
     options = _decode_options(bytes(r[9]))
     mopts = _method_options(options, str(method))
     if not r[14] and mopts.locks:
@@ -441,6 +461,7 @@ def _claim_row(db: Db, r: Row, worker_id: str, now: int) -> Lease | None:
 
 def check_lease(db: Db, lease: Lease) -> tuple[FlowConfig, bool]:
     """E2: only the attempt that owns the task may write. Returns the flow's config and completing flag."""
+    lock_flow(db, lease.flow_id)
     row = db.one(
         "SELECT t.state, t.lease_epoch, f.status, f.config, f.completing FROM tasks t "
         "JOIN flows f ON f.flow_id = t.flow_id WHERE t.task_id = ?",
@@ -601,6 +622,7 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
         )
         _history(db, flow_id, str(step_type), str(seid), WAIT_COMPLETED, 0, now,
                  "skipped" if selection.skipped else f"satisfied {list(selection.satisfied)}")
+        db.notify()
         count += 1
     return count
 
@@ -769,14 +791,18 @@ def release_unstarted(db: Db, lease: Lease, now: int) -> None:
 def heartbeat(db: Db, lease: Lease, checkpoint: str | None, now: int) -> None:
     check_lease(db, lease)
     hb_ms = lease.options.heartbeat_timeout_ms
-    db.run(
-        "UPDATE tasks SET attempt_started = 1, any_started = 1, checkpoint = COALESCE(?, checkpoint), "
-        "deadline_at = CASE WHEN ? IS NULL THEN method_deadline_at "
-        "WHEN method_deadline_at IS NULL OR method_deadline_at > ? THEN ? ELSE method_deadline_at END "
-        "WHERE task_id = ?",
-        (checkpoint, hb_ms, None if hb_ms is None else now + hb_ms,
-         None if hb_ms is None else now + hb_ms, lease.task_id),
-    )
+    # Without a checkpoint the last one stays; a heartbeat timeout moves the deadline forward
+    # (never past the method's own deadline).
+    sets = ["attempt_started = 1", "any_started = 1"]
+    params: list[Any] = []
+    if checkpoint is not None:
+        sets.append("checkpoint = ?")
+        params.append(checkpoint)
+    if hb_ms is not None:
+        sets.append("deadline_at = CASE WHEN method_deadline_at IS NULL OR method_deadline_at > ? "
+                    "THEN ? ELSE method_deadline_at END")
+        params += (now + hb_ms, now + hb_ms)
+    db.run(f"UPDATE tasks SET {', '.join(sets)} WHERE task_id = ?", (*params, lease.task_id))
 
 
 def append_best_effort(db: Db, lease: Lease, stream: str, capacity: int, values: Sequence[bytes]) -> None:
@@ -822,17 +848,26 @@ def housekeeping(db: Db, now: int) -> HousekeepingReport:
     removed = db.run("DELETE FROM workers WHERE expires_at < ?", (now,))
     expired = _expire_orphans(db, now)
     timeouts = 0
-    for task_id, method_deadline in db.all(
-        "SELECT task_id, method_deadline_at FROM tasks WHERE state = 'running' AND deadline_at < ?", (now,)
+    # Candidates are found without locks, then each is re-checked under its flow's lock, flows
+    # taken in ID order so that concurrent housekeepers cannot deadlock.
+    for flow_id, task_id in db.all(
+        "SELECT flow_id, task_id FROM tasks WHERE state = 'running' AND deadline_at < ? ORDER BY flow_id, task_id",
+        (now,),
     ):
-        kind = "MethodTimeout" if method_deadline is not None and int(method_deadline) < now else "HeartbeatTimeout"
+        lock_flow(db, str(flow_id))
+        row = db.one("SELECT method_deadline_at FROM tasks WHERE task_id = ? AND state = 'running' "
+                     "AND deadline_at < ?", (task_id, now))
+        if row is None:
+            continue
+        kind = "MethodTimeout" if row[0] is not None and int(row[0]) < now else "HeartbeatTimeout"
         _fail_task(db, int(task_id), ErrorInfo(kind, "the attempt passed its deadline"), False, now)
         timeouts += 1
     fired = 0
     flows = db.all(
-        "SELECT DISTINCT flow_id FROM tasks WHERE state = 'waiting' AND timer_due_at <= ?", (now,)
+        "SELECT DISTINCT flow_id FROM tasks WHERE state = 'waiting' AND timer_due_at <= ? ORDER BY flow_id", (now,)
     )
     for (flow_id,) in flows:
+        lock_flow(db, str(flow_id))
         n = evaluate_waits(db, str(flow_id), now)
         if n:
             bump(db, str(flow_id))
@@ -842,11 +877,16 @@ def housekeeping(db: Db, now: int) -> HousekeepingReport:
 
 
 def _expire_orphans(db: Db, now: int) -> int:
-    rows = db.all(
-        "SELECT t.task_id, t.attempt_started, t.flow_id FROM tasks t LEFT JOIN workers w "
-        "ON w.worker_id = t.lease_owner WHERE t.state = 'running' AND w.worker_id IS NULL"
-    )
-    for task_id, started, flow_id in rows:
+    orphan = ("SELECT t.task_id, t.attempt_started, t.flow_id FROM tasks t LEFT JOIN workers w "
+              "ON w.worker_id = t.lease_owner WHERE t.state = 'running' AND w.worker_id IS NULL")
+    count = 0
+    for candidate, _started, candidate_flow in db.all(orphan + " ORDER BY t.flow_id, t.task_id"):
+        lock_flow(db, str(candidate_flow))
+        row = db.one(orphan + " AND t.task_id = ?", (candidate,))
+        if row is None:
+            continue  # renewed, committed or handled meanwhile
+        task_id, started, flow_id = row
+        count += 1
         if started:
             _fail_task(db, int(task_id), ErrorInfo("WorkerLost", "the worker running the attempt died"), False, now)
         else:
@@ -857,7 +897,35 @@ def _expire_orphans(db: Db, now: int) -> int:
                 (now, task_id),
             )
             bump(db, str(flow_id))
-    return len(rows)
+            db.notify()
+    return count
+
+
+def release_lost_claims(db: Db, worker_id: str, known: Sequence[int], claimed_before: int, now: int) -> int:
+    """Hand back attempts this worker holds in the database but not in memory.
+
+    That happens when a claim or a commit that claimed committed but its reply was lost (a dropped
+    connection): the worker never ran them, and as it is alive nothing else would recover them.
+    Only claims older than `claimed_before` count, so replies still in flight are left alone.
+    """
+    rows = db.all(
+        "SELECT flow_id, task_id FROM tasks WHERE state = 'running' AND lease_owner = ? AND claimed_at < ? "
+        "ORDER BY flow_id, task_id",
+        (worker_id, claimed_before),
+    )
+    held = set(known)
+    count = 0
+    for flow_id, task_id in rows:
+        if int(task_id) in held:
+            continue
+        lock_flow(db, str(flow_id))
+        # Orphaned, they take the dead-worker path: same attempt if unstarted, else WorkerLost.
+        if db.run("UPDATE tasks SET lease_owner = NULL WHERE task_id = ? AND state = 'running' AND lease_owner = ?",
+                  (task_id, worker_id)):
+            count += 1
+    if count:
+        _expire_orphans(db, now)
+    return count
 
 
 def next_due(db: Db, flow_types: Sequence[str]) -> int | None:
@@ -889,7 +957,7 @@ def _check_rpc_locks(db: Db, flow_id: str, locks: Sequence[str]) -> None:
 
 
 def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcSnapshot:
-    flow_type = require_running(db, flow_id)
+    flow_type = require_running(db, flow_id, lock=False)
     _check_rpc_locks(db, flow_id, locks)
     version_row = db.one("SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
     assert version_row is not None

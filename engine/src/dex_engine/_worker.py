@@ -177,6 +177,7 @@ class AsyncWorker:
             try:
                 _changed, result = await store.poll(
                     self.worker_id, self._flow_types, free, watched, must_claim=claim, housekeep=housekeep,
+                    known=list(self._running),
                 )
             except Exception:
                 log.exception("worker poll failed; will retry")
