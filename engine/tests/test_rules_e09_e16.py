@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
-import sqlite3
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -48,9 +46,9 @@ from dex_engine import (
     Timer,
     ValueTooLargeError,
     Wait,
+    open_store,
     rpc,
 )
-from dex_engine._sqlite_store import parse_sqlite_url
 
 from .conftest import Engine, engine_for, wait_until
 
@@ -236,7 +234,7 @@ async def test_e9_cancel_step_types(db_url: str, source: str) -> None:
 
 @dataclass
 class BeatProbe:
-    db_path: str = ""
+    db_url: str = ""
     rows: list[tuple[str | None, int]] = field(default_factory=list)  # (checkpoint, attempt_started)
     seen: list[tuple[int, str | None]] = field(default_factory=list)  # (attempt, ctx.checkpoint)
     beats: int = 0
@@ -244,27 +242,30 @@ class BeatProbe:
 
 
 def beat_flow(probe: BeatProbe, stall_retry_interval: float = 0.05) -> Flow:
-    def task_row(ctx: Context) -> tuple[str | None, int]:
-        # A separate connection on the file: it sees only what is committed, so a heartbeat that
+    async def task_row(ctx: Context) -> tuple[str | None, int]:
+        # A second store (its own connection) sees only what is committed, so a heartbeat that
         # returned before its commit would show here.
-        with contextlib.closing(sqlite3.connect(probe.db_path)) as conn:
-            row = conn.execute(
+        other = open_store(probe.db_url)
+        try:
+            row = await other.raw(lambda db: db.one(
                 "SELECT checkpoint, attempt_started FROM tasks WHERE flow_id = ? AND step_execution_id = ?",
                 (ctx.flow_id, ctx.step_execution_id),
-            ).fetchone()
+            ))
+        finally:
+            await other.close()
         return (row[0], int(row[1]))
 
     async def save(ctx: Context, _: None) -> StepDecision:
         probe.seen.append((ctx.attempt, ctx.checkpoint))
         if ctx.attempt == 1:
-            probe.rows.append(task_row(ctx))
+            probe.rows.append(await task_row(ctx))
             await ctx.heartbeat("cp1")
-            probe.rows.append(task_row(ctx))
+            probe.rows.append(await task_row(ctx))
             await ctx.heartbeat()
-            probe.rows.append(task_row(ctx))
+            probe.rows.append(await task_row(ctx))
             await ctx.heartbeat("cp2")
             await ctx.heartbeat()
-            probe.rows.append(task_row(ctx))
+            probe.rows.append(await task_row(ctx))
             raise RuntimeError("fails after checkpointing")
         return StepDecision.graceful_complete(ctx.checkpoint)
 
@@ -313,7 +314,7 @@ async def test_e10_heartbeat_checkpoints_durable_and_carried_to_next_attempt(db_
     it, and the attempt is marked started); a heartbeat without a checkpoint keeps the last one; the
     next attempt of the method reads the last checkpoint. Catches: fire-and-forget heartbeats, a bare
     heartbeat clearing the checkpoint, checkpoints lost between attempts."""
-    probe = BeatProbe(db_path=parse_sqlite_url(db_url).path)
+    probe = BeatProbe(db_url=db_url)
     async with engine_for(db_url, Registry([beat_flow(probe)])) as eng:
         await eng.client.start_flow("Beat", "b1")
         await eng.client.rpc("b1", "begin", "Save")
