@@ -7,6 +7,10 @@ Prints, for the chosen synchronous mode (FULL by default):
 - each latency as a ratio to the floor.
 
 Run: uv run python bench/engine_steps.py [--sync FULL|NORMAL] [--chain-steps N]
+     uv run python bench/engine_steps.py --backend postgres --pg-dsn postgresql://... [--workers 1,2,4]
+
+With --backend postgres the floor is one small INSERT committed on a pooled connection, and the
+chains run at concurrency 64 on 1, 2 and 4 worker processes (each its own AsyncWorker).
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sqlite3
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -150,12 +157,105 @@ async def run_fan(url: str, concurrency: int, rounds: int) -> tuple[list[float],
     return durations, wall, rounds * concurrency * 10
 
 
+def pg_floor(dsn: str, n: int) -> list[float]:
+    """Latency of a bare small commit on one PostgreSQL connection."""
+    import psycopg
+
+    out: list[float] = []
+    with psycopg.connect(dsn) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS bench_floor (id BIGSERIAL PRIMARY KEY, v BYTEA)")
+        conn.commit()
+        for _ in range(n):
+            t = time.perf_counter()
+            conn.execute("INSERT INTO bench_floor (v) VALUES (%s)", (b"x" * 100,))
+            conn.commit()
+            out.append(time.perf_counter() - t)
+        conn.execute("DROP TABLE bench_floor")
+        conn.commit()
+    return out
+
+
+def fresh_pg_database(dsn: str, name: str) -> str:
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    base, _, _ = dsn.rpartition("/")
+    return f"{base}/{name}"
+
+
+def worker_process_main(url: str) -> None:
+    """A benchmark worker process: serves BenchChain until SIGTERM."""
+
+    async def run() -> None:
+        worker = AsyncWorker(Registry([CHAIN]), WorkerOptions(database_url=url, max_concurrent_tasks=64))
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        async with worker:
+            await stop.wait()
+
+    asyncio.run(run())
+
+
+async def drive_chains(url: str, concurrency: int, steps: int) -> tuple[float, int]:
+    """Start `concurrency` chains and wait for them; worker processes do the work."""
+    store = open_store(url)
+    client = AsyncClient(Registry([CHAIN]), store=store)
+    try:
+        await asyncio.sleep(1.0)  # let the workers connect
+        ids = [f"chain-{i}" for i in range(concurrency)]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client.start_flow("BenchChain", fid, steps) for fid in ids))
+        for fid in ids:
+            await client.wait_for_flow(fid, 900)
+        return time.perf_counter() - t0, concurrency * steps
+    finally:
+        await store.close()
+
+
+def run_chain_processes(url: str, processes: int, concurrency: int, steps: int) -> tuple[float, int]:
+    children = [subprocess.Popen([sys.executable, __file__, "--serve", url]) for _ in range(processes)]
+    try:
+        return asyncio.run(drive_chains(url, concurrency, steps))
+    finally:
+        for child in children:
+            child.send_signal(signal.SIGTERM)
+        for child in children:
+            child.wait(30)
+
+
+def main_postgres(args: argparse.Namespace) -> None:
+    if not args.pg_dsn:
+        raise SystemExit("--backend postgres needs --pg-dsn postgresql://user@host:port/db (or TEST_PG_DSN)")
+    print(f"dex_engine Step benchmark, PostgreSQL {args.pg_dsn}, {os.cpu_count()} cores")
+    fl = pg_floor(args.pg_dsn, args.floor_commits)
+    f_med = statistics.median(fl)
+    print(f"\nfloor: bare commit on one connection: median {f_med * 1e3:.3f} ms  p95 {pct(fl, 0.95) * 1e3:.3f} ms")
+    print(f"\n{'workload':<44}{'Steps/s':>10}{'ms/Step':>10}")
+    for processes in args.workers:
+        url = fresh_pg_database(args.pg_dsn, f"dex_bench_{processes}")
+        wall, total = run_chain_processes(url, processes, 64, args.chain_steps or 40)
+        label = f"chain of no-op Steps, c=64, {processes} worker process(es)"
+        print(f"{label:<44}{total / wall:>10.0f}{wall / total * 1e3:>10.3f}")
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--serve":
+        worker_process_main(sys.argv[2])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sync", choices=["FULL", "NORMAL"], default="FULL")
     parser.add_argument("--chain-steps", type=int, default=0, help="Steps per chain (default: by concurrency)")
     parser.add_argument("--floor-commits", type=int, default=1000)
+    parser.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
+    parser.add_argument("--pg-dsn", default=os.environ.get("TEST_PG_DSN", ""))
+    parser.add_argument("--workers", default="1,2,4", type=lambda s: [int(x) for x in s.split(",")])
     args = parser.parse_args()
+    if args.backend == "postgres":
+        main_postgres(args)
+        return
     tmp = Path(tempfile.mkdtemp(prefix="dex-bench-"))
     print(f"dex_engine Step benchmark, SQLite WAL synchronous={args.sync}, {os.cpu_count()} cores, files in {tmp}")
     fl = floor(str(tmp / "floor.db"), args.sync, args.floor_commits)

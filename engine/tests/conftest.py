@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -28,14 +30,198 @@ def backend_urls(tmp_path: Path) -> list[str]:
     return [f"sqlite:///{tmp_path / 'engine.db'}"]
 
 
-@pytest.fixture(params=["sqlite"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'engine.db'}"
+# Why the postgres param of `db_url` skips when no server is configured; the terminal summary counts
+# skips with this reason and warns, so a run that never touched PostgreSQL cannot pass unnoticed.
+NO_PG_REASON = "TEST_PG_DSN is not set: PostgreSQL backend not tested"
+SQLITE_ONLY_REASON = "SQLite-specific"
+
+
+def pg_database_url(dsn: str, dbname: str) -> str:
+    """`dsn` (a postgresql:// URL) naming database `dbname` instead of its own."""
+    parts = urlsplit(dsn)
+    if parts.scheme not in ("postgresql", "postgres"):
+        raise ValueError(f"TEST_PG_DSN must be a postgresql:// URL, not {dsn!r}")
+    return urlunsplit(parts._replace(path=f"/{dbname}"))
+
+
+# Schemas every database has; anything else in a given-back database was made by a test.
+_SYSTEM_SCHEMAS = "('pg_catalog', 'information_schema', 'pg_toast')"
+_EMPTY_DATABASE_PROBES = [
+    f"SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+    f" WHERE n.nspname NOT IN {_SYSTEM_SCHEMAS} AND n.nspname NOT LIKE 'pg\\_%'",
+    f"SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+    f" WHERE n.nspname NOT IN {_SYSTEM_SCHEMAS} AND n.nspname NOT LIKE 'pg\\_%'",
+    f"SELECT count(*) FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace"
+    f" WHERE n.nspname NOT IN {_SYSTEM_SCHEMAS} AND n.nspname NOT LIKE 'pg\\_%'",
+    "SELECT count(*) FROM pg_extension WHERE extname <> 'plpgsql'",
+    "SELECT count(*) FROM pg_largeobject_metadata",
+    "SELECT count(*) FROM pg_namespace WHERE nspname NOT IN "
+    + _SYSTEM_SCHEMAS
+    + " AND nspname NOT LIKE 'pg\\_%' AND nspname <> 'public'",
+]
+_RESET_DATABASE = f"""
+DO $$
+DECLARE s text;
+BEGIN
+    FOR s IN SELECT nspname FROM pg_namespace
+             WHERE nspname NOT IN {_SYSTEM_SCHEMAS} AND nspname NOT LIKE 'pg\\_%'
+    LOOP
+        EXECUTE format('DROP SCHEMA %I CASCADE', s);
+    END LOOP;
+END $$;
+CREATE SCHEMA public AUTHORIZATION pg_database_owner;
+GRANT USAGE ON SCHEMA public TO PUBLIC;
+SELECT lo_unlink(oid) FROM pg_largeobject_metadata;
+"""
+
+
+class PgDatabases:
+    """Empty databases on one PostgreSQL server, one per test, each under a name no test used before.
+
+    CREATE DATABASE copies template1 with fsync on: 1 to 3 s on the CI machine, longer than most
+    tests. So a test's database is, after it, disconnected (every session terminated), renamed to a
+    new random name (a pool a test left open can no longer reach it: reconnecting by the old name
+    fails, as it would after a DROP), emptied (every schema dropped, `public` recreated, database
+    settings reset), checked empty, and handed to the next test. One that cannot be emptied is
+    dropped. With DEX_PG_FRESH_DB=1 every test gets a database made by CREATE DATABASE instead,
+    dropped after it. All of them are dropped (WITH (FORCE)) at the end of the session.
+    """
+
+    def __init__(self, dsn: str) -> None:
+        pg_database_url(dsn, "check")  # reject a DSN that is not a URL before any test runs
+        self.dsn = dsn
+        self.fresh = os.environ.get("DEX_PG_FRESH_DB", "") not in ("", "0")
+        self.free: list[str] = []  # emptied, renamed, unused since
+        self.owned: set[str] = set()  # every database of ours that exists
+
+    def _admin(self) -> Any:
+        import psycopg
+
+        # CREATE/DROP/ALTER DATABASE cannot run in a transaction block: autocommit.
+        return psycopg.connect(self.dsn, autocommit=True)
+
+    def take(self) -> str:
+        """The name of an empty database no test has seen."""
+        if self.free:
+            return self.free.pop()
+        from psycopg import sql
+
+        name = f"dex_t_{secrets.token_hex(6)}"
+        with self._admin() as admin:
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        self.owned.add(name)
+        return name
+
+    def give_back(self, name: str) -> None:
+        """End everything a test left on `name`; keep the database for another test, or drop it."""
+        if self.fresh:
+            self._drop(name)
+            return
+        import psycopg
+        from psycopg import errors, sql
+
+        new_name = f"dex_t_{secrets.token_hex(6)}"
+        with self._admin() as admin:
+            for _ in range(10):
+                # Wait (up to 5 s each) for each session to end: a pool reconnects, so loop until
+                # the rename finds no session left.
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
+                    " WHERE datname = %s AND pid <> pg_backend_pid()",
+                    (name,),
+                )
+                try:
+                    admin.execute(
+                        sql.SQL("ALTER DATABASE {} RENAME TO {}").format(sql.Identifier(name), sql.Identifier(new_name))
+                    )
+                    break
+                except errors.ObjectInUse:
+                    continue
+            else:
+                self._drop(name)
+                return
+        self.owned.discard(name)
+        self.owned.add(new_name)
+        with psycopg.connect(pg_database_url(self.dsn, new_name), autocommit=True) as conn:
+            conn.execute(_RESET_DATABASE)
+            conn.execute(sql.SQL("ALTER DATABASE {} RESET ALL").format(sql.Identifier(new_name)))
+            leftovers = [probe for probe in _EMPTY_DATABASE_PROBES if conn.execute(probe).fetchone() != (0,)]
+        if leftovers:
+            self._drop(new_name)
+            return
+        self.free.append(new_name)
+
+    def _drop(self, name: str) -> None:
+        from psycopg import sql
+
+        with self._admin() as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        self.owned.discard(name)
+
+    def close(self) -> None:
+        for name in sorted(self.owned):
+            self._drop(name)
+
+
+@pytest.fixture(scope="session")
+def pg_databases() -> Iterator[PgDatabases]:
     dsn = os.environ.get("TEST_PG_DSN")
     if not dsn:
-        pytest.skip("TEST_PG_DSN is not set: PostgreSQL backend not tested")
-    return dsn
+        pytest.skip(NO_PG_REASON)
+    databases = PgDatabases(dsn)
+    try:
+        yield databases
+    finally:
+        databases.close()
+
+
+@pytest.fixture
+def pg_database(pg_databases: PgDatabases) -> Iterator[str]:
+    """The URL of an empty PostgreSQL database on TEST_PG_DSN's server, for this test alone."""
+    name = pg_databases.take()
+    try:
+        yield pg_database_url(pg_databases.dsn, name)
+    finally:
+        pg_databases.give_back(name)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The URL of an empty database of each backend: a private SQLite file, or a fresh PostgreSQL
+    database (TEST_PG_DSN's server). Tests marked `sqlite_only` skip the postgres param."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'engine.db'}"
+    if request.node.get_closest_marker("sqlite_only") is not None:
+        pytest.skip(SQLITE_ONLY_REASON)
+    url: str = request.getfixturevalue("pg_database")
+    return url
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    dsn = os.environ.get("TEST_PG_DSN")
+    if not dsn:
+        return f"PostgreSQL backend: NOT TESTED ({NO_PG_REASON}; start one with .ci/pg-start)"
+    parts = urlsplit(dsn)
+    return f"PostgreSQL backend: {parts.hostname}:{parts.port or 5432} (TEST_PG_DSN), a fresh database per test"
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Warn loudly at the end of the run when PostgreSQL tests were skipped because TEST_PG_DSN is unset."""
+    skipped = [
+        report
+        for report in terminalreporter.stats.get("skipped", [])
+        if isinstance(report.longrepr, tuple) and NO_PG_REASON in str(report.longrepr[2])
+    ]
+    if not skipped:
+        return
+    terminalreporter.write_sep(
+        "!", f"WARNING: {len(skipped)} PostgreSQL test(s) skipped: {NO_PG_REASON}", yellow=True, bold=True
+    )
+    terminalreporter.write_line(
+        'Only SQLite was tested. To test PostgreSQL too: export TEST_PG_DSN="$(.ci/pg-start | tail -n 1)"',
+        yellow=True,
+        bold=True,
+    )
 
 
 class Engine:

@@ -161,12 +161,16 @@ REGISTRY = Registry([FLOW, OTHER_FLOW])
 Dump = dict[str, list[str]]
 
 
+# Every table of the engine's schema (both backends have the same ones).
+TABLES = ("meta", "flows", "step_counters", "tasks", "locks", "attributes", "channel_messages", "streams",
+          "stream_events", "history", "workers")
+
+
 async def dump(store: Store) -> Dump:
     """Every row of every table, as sorted reprs (history has no rowid to order by)."""
 
     def read(db: Any) -> Dump:
-        names = [str(r[0]) for r in db.all("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
-        return {name: sorted(repr(row) for row in db.all(f'SELECT * FROM "{name}"')) for name in names}
+        return {name: sorted(repr(row) for row in db.all(f'SELECT * FROM "{name}"')) for name in TABLES}
 
     result: Dump = await store.raw(read)
     return result

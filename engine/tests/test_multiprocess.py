@@ -13,7 +13,9 @@ from .conftest import engine_for
 from .proc_harness import ProcSet, eventually, integrity_check
 from .worker_child import COUNTER_STEPS, REGISTRY, Count
 
-pytestmark = pytest.mark.slow
+# The process harness freezes and inspects the SQLite file directly; the PostgreSQL variants of these
+# scenarios are the fault tests of the PostgreSQL issue.
+pytestmark = [pytest.mark.slow, pytest.mark.sqlite_only]
 
 FLOWS = 1000
 
@@ -72,8 +74,11 @@ async def test_two_worker_processes_complete_1000_flows_exactly_once(db_url: str
 
             entries = procs.invocations.read()
             runs = Counter((e.flow_id, e.step_execution_id) for e in entries)
-            assert len(runs) == FLOWS * COUNTER_STEPS and set(runs.values()) == {1}, (
-                f"handlers that ran other than once: {[(k, n) for k, n in runs.items() if n != 1][:10]}"
+            twice = [k for k, n in runs.items() if n != 1]
+            detail = [(e.flow_id, e.step_execution_id, e.attempt, e.pid) for e in entries
+                      if (e.flow_id, e.step_execution_id) in set(twice[:3])]
+            assert len(runs) == FLOWS * COUNTER_STEPS and not twice, (
+                f"handlers that ran other than once: {[(k, runs[k]) for k in twice][:10]}; runs: {detail}"
             )
             per_pid = Counter(e.pid for e in entries)
             assert set(per_pid) == {w.pid for w in workers}, per_pid

@@ -24,7 +24,9 @@ from .conftest import engine_for
 from .proc_harness import ProcSet, assert_no_attempt_ran_twice, eventually
 from .worker_child import REGISTRY, Owner, Progress
 
-pytestmark = pytest.mark.slow
+# The process harness freezes and inspects the SQLite file directly; the PostgreSQL variants of these
+# scenarios are the fault tests of the PostgreSQL issue.
+pytestmark = [pytest.mark.slow, pytest.mark.sqlite_only]
 
 
 @pytest.mark.parametrize("mode", ["commit", "writes"])

@@ -38,6 +38,10 @@ DEFAULT_MAX_CONCURRENT_TASKS = 64
 # SQLite busy timeout: long enough for another process's group commit to finish.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
+# Pause between back-to-back write batches of one process, so other processes waiting for the
+# file's write lock get it: a few percent of a busy batch's duration.
+SQLITE_WRITER_YIELD_SECONDS = 0.0005
+
 # Most operations one group commit carries; bounds the latency one batch adds to its last op.
 MAX_GROUP_COMMIT_OPS = 256
 

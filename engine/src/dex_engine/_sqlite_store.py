@@ -19,6 +19,7 @@ import queue
 import secrets
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from importlib import resources
 from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qs, urlparse
 
-from ._limits import MAX_GROUP_COMMIT_OPS, SQLITE_BUSY_TIMEOUT_MS
+from ._limits import MAX_GROUP_COMMIT_OPS, SQLITE_BUSY_TIMEOUT_MS, SQLITE_WRITER_YIELD_SECONDS
 from ._migrate import statements
 from ._store import Store, commit_origin
 from ._transitions import Db, HistoryRow, Row, run_op
@@ -207,6 +208,10 @@ class SqliteStore(Store):
                 level = self._run_batch(conn, db, batch, level)
                 if stop:
                     break
+                if any(op.write for op in batch) and not self._queue.empty():
+                    # Back-to-back write batches would hold the file's write lock all the time, and
+                    # another process's busy handler (which sleeps between tries) would starve.
+                    time.sleep(SQLITE_WRITER_YIELD_SECONDS)
         finally:
             conn.close()
 
