@@ -1,9 +1,43 @@
-"""Reading numbered migration files."""
+"""Numbered migration files and applying the pending ones; shared by the SQLite and PostgreSQL stores."""
 
 from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Sequence
+from importlib import resources
+from typing import Any
+
+Execute = Callable[[str, Sequence[Any]], Any]
 
 
 def statements(sql: str) -> list[str]:
     """Split a migration file into statements; `--` comments end at the line's end."""
     lines = [line.split("--", 1)[0] for line in sql.splitlines()]
     return [part.strip() for part in "\n".join(lines).split(";") if part.strip()]
+
+
+def migration_files(backend: str) -> list[tuple[int, str]]:
+    """(number, SQL) of `_migrations/<backend>/NNNN_*.sql`, in order."""
+    folder = resources.files("dex_engine") / "_migrations" / backend
+    return sorted((int(e.name.split("_", 1)[0]), e.read_text()) for e in folder.iterdir() if e.name.endswith(".sql"))
+
+
+def apply_pending(execute: Execute, backend: str, version: int, placeholder: str) -> int:
+    """Inside the caller's transaction: apply migrations after `version`, record the new version,
+    and create the stream token secret once. Returns the schema version."""
+    for number, sql in migration_files(backend):
+        if number <= version:
+            continue
+        for statement in statements(sql):
+            execute(statement, ())
+        execute(
+            f"INSERT INTO meta (key, value) VALUES ('schema_version', {placeholder}) "
+            "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            (str(number),),
+        )
+        version = number
+    execute(
+        f"INSERT INTO meta (key, value) VALUES ('stream_token_secret', {placeholder}) ON CONFLICT DO NOTHING",
+        (secrets.token_hex(32),),
+    )
+    return version

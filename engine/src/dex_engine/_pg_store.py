@@ -19,15 +19,13 @@ import asyncio
 import contextlib
 import logging
 import re
-import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from importlib import resources
 from typing import Any, TypeVar
 
-from ._migrate import statements
+from ._migrate import apply_pending
 from ._store import Store, commit_origin
 from ._transitions import Db, HistoryRow, Row, run_op
 
@@ -93,8 +91,6 @@ class _PgDb:
 
 def migrate(conn: psycopg.Connection[Any]) -> int:
     """Apply numbered migrations not yet applied; return the schema version."""
-    folder = resources.files("dex_engine") / "_migrations" / "postgres"
-    files = sorted((int(e.name.split("_", 1)[0]), e.read_text()) for e in folder.iterdir() if e.name.endswith(".sql"))
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
         has_meta = conn.execute("SELECT to_regclass('meta')").fetchone()
@@ -102,21 +98,7 @@ def migrate(conn: psycopg.Connection[Any]) -> int:
         if has_meta and has_meta[0] is not None:
             row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             version = int(row[0]) if row else 0
-        for number, sql in files:
-            if number <= version:
-                continue
-            for statement in statements(sql):
-                conn.execute(statement)
-            conn.execute(
-                "INSERT INTO meta (key, value) VALUES ('schema_version', %s) "
-                "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(number),),
-            )
-            version = number
-        conn.execute(
-            "INSERT INTO meta (key, value) VALUES ('stream_token_secret', %s) ON CONFLICT DO NOTHING",
-            (secrets.token_hex(32),),
-        )
-    return version
+        return apply_pending(conn.execute, "postgres", version, "%s")  # committed as the block exits
 
 
 class PostgresStore(Store):

@@ -16,19 +16,17 @@ import asyncio
 import contextlib
 import os
 import queue
-import secrets
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qs, urlparse
 
 from ._limits import MAX_GROUP_COMMIT_OPS, SQLITE_BUSY_TIMEOUT_MS, SQLITE_WRITER_YIELD_SECONDS
-from ._migrate import statements
+from ._migrate import apply_pending
 from ._store import Store, commit_origin
 from ._transitions import Db, HistoryRow, Row, run_op
 
@@ -110,15 +108,6 @@ def _deliver(items: list[tuple[asyncio.Future[Any], bool, Any]], listeners: list
 _STOP = object()
 
 
-def _migrations() -> list[tuple[int, str]]:
-    folder = resources.files("dex_engine") / "_migrations" / "sqlite"
-    out = []
-    for entry in folder.iterdir():
-        if entry.name.endswith(".sql"):
-            out.append((int(entry.name.split("_", 1)[0]), entry.read_text()))
-    return sorted(out)
-
-
 def migrate(conn: sqlite3.Connection) -> int:
     """Apply numbered migrations not yet applied; return the schema version."""
     conn.execute("BEGIN IMMEDIATE")
@@ -130,20 +119,7 @@ def migrate(conn: sqlite3.Connection) -> int:
         if has_meta:
             row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             version = int(row[0]) if row else 0
-        for number, sql in _migrations():
-            if number <= version:
-                continue
-            for statement in statements(sql):
-                conn.execute(statement)
-            conn.execute(
-                "INSERT INTO meta (key, value) VALUES ('schema_version', ?) "
-                "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(number),),
-            )
-            version = number
-        conn.execute(
-            "INSERT INTO meta (key, value) VALUES ('stream_token_secret', ?) ON CONFLICT DO NOTHING",
-            (secrets.token_hex(32),),
-        )
+        version = apply_pending(conn.execute, "sqlite", version, "?")
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
