@@ -25,7 +25,12 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qs, urlparse
 
-from ._limits import MAX_GROUP_COMMIT_OPS, SQLITE_BUSY_TIMEOUT_MS, SQLITE_WRITER_YIELD_SECONDS
+from ._limits import (
+    MAX_GROUP_COMMIT_OPS,
+    SQLITE_BUSY_TIMEOUT_MS,
+    SQLITE_WRITER_BUSY_SECONDS,
+    SQLITE_WRITER_YIELD_SECONDS,
+)
 from ._migrate import apply_pending
 from ._store import Store, commit_origin
 from ._transitions import Db, HistoryRow, Row, run_op
@@ -165,6 +170,7 @@ class SqliteStore(Store):
         self._ready.set_result(None)
         db = _SqliteDb(conn)
         level: str = self.settings.synchronous
+        busy_since: float | None = None  # when this thread started writing back to back
         try:
             while True:
                 first = self._queue.get()
@@ -184,10 +190,16 @@ class SqliteStore(Store):
                 level = self._run_batch(conn, db, batch, level)
                 if stop:
                     break
-                if any(op.write for op in batch) and not self._queue.empty():
+                if not any(op.write for op in batch) or self._queue.empty():
+                    busy_since = None  # the thread goes idle: the write lock is free
+                    continue
+                now = time.monotonic()
+                busy_since = busy_since or now
+                if now - busy_since >= SQLITE_WRITER_BUSY_SECONDS:
                     # Back-to-back write batches would hold the file's write lock all the time, and
                     # another process's busy handler (which sleeps between tries) would starve.
                     time.sleep(SQLITE_WRITER_YIELD_SECONDS)
+                    busy_since = None
         finally:
             conn.close()
 
