@@ -187,12 +187,6 @@ class PostgresStore(Store):
                 if self._stop_listening.wait(0.5):
                     return
 
-    def add_commit_listener(self, fn: Callable[[], None]) -> None:
-        self._listeners.append((asyncio.get_running_loop(), fn))
-
-    def remove_commit_listener(self, fn: Callable[[], None]) -> None:
-        self._listeners = [(loop, f) for loop, f in self._listeners if f is not fn]
-
     async def close(self) -> None:
         if self._closed:
             return

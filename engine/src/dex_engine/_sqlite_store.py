@@ -308,12 +308,6 @@ class SqliteStore(Store):
         self._data_version = version
         return changed
 
-    def add_commit_listener(self, fn: Callable[[], None]) -> None:
-        self._listeners.append((asyncio.get_running_loop(), fn))
-
-    def remove_commit_listener(self, fn: Callable[[], None]) -> None:
-        self._listeners = [(loop, f) for loop, f in self._listeners if f is not fn]
-
     async def close(self) -> None:
         if self._closed:
             return

@@ -6,6 +6,7 @@ returns its result; everything else is shared, so SQLite and PostgreSQL behave t
 
 from __future__ import annotations
 
+import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -50,6 +51,8 @@ class Store(ABC):
     """One database. Methods are coroutines; each is one transaction (E1)."""
 
     url: str
+    # (event loop, callback) of each commit listener; backends create it and call the callbacks.
+    _listeners: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]]
 
     @abstractmethod
     async def _run(self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None) -> R:
@@ -62,12 +65,12 @@ class Store(ABC):
     async def changed(self) -> bool:
         """True when another connection committed since the last call (cheap poll)."""
 
-    @abstractmethod
     def add_commit_listener(self, fn: Callable[[], None]) -> None:
         """Call `fn` on the current event loop after each local write commit."""
+        self._listeners.append((asyncio.get_running_loop(), fn))
 
-    @abstractmethod
-    def remove_commit_listener(self, fn: Callable[[], None]) -> None: ...
+    def remove_commit_listener(self, fn: Callable[[], None]) -> None:
+        self._listeners = [(loop, f) for loop, f in self._listeners if f is not fn]
 
     # Flows
     async def start_flow(self, req: StartRequest) -> None:

@@ -1046,16 +1046,21 @@ def describe_flow(db: Db, flow_id: str) -> FlowInfo:
     )
 
 
+def _flow_filter(prefix: str, flow_type: str | None, status: str | None) -> tuple[list[str], list[Any]]:
+    """WHERE clauses and parameters selecting flows of a type and status (each optional)."""
+    clauses: list[str] = []
+    params: list[Any] = []
+    for column, value in (("flow_type", flow_type), ("status", status)):
+        if value is not None:
+            clauses.append(f"{prefix}{column} = ?")
+            params.append(value)
+    return clauses, params
+
+
 def search_flows(
     db: Db, flow_type: str | None, status: str | None, active_step: str | None, limit: int
 ) -> list[str]:
-    clauses, params = [], []
-    if flow_type is not None:
-        clauses.append("f.flow_type = ?")
-        params.append(flow_type)
-    if status is not None:
-        clauses.append("f.status = ?")
-        params.append(status)
+    clauses, params = _flow_filter("f.", flow_type, status)
     if active_step is not None:
         # E13/E16: only flows whose config enables active Step search are found this way.
         clauses.append("f.status = 'running' AND EXISTS (SELECT 1 FROM tasks t WHERE t.flow_id = f.flow_id "
@@ -1074,13 +1079,7 @@ def search_flows(
 
 def list_flows(db: Db, flow_type: str | None, status: str | None, limit: int) -> list[FlowInfo]:
     """The newest `limit` flows, optionally of one type and status, newest first (the CLI's `list`)."""
-    clauses, params = [], []
-    if flow_type is not None:
-        clauses.append("flow_type = ?")
-        params.append(flow_type)
-    if status is not None:
-        clauses.append("status = ?")
-        params.append(status)
+    clauses, params = _flow_filter("", flow_type, status)
     where = " AND ".join(clauses) or "1 = 1"
     rows = db.all(f"SELECT flow_id FROM flows WHERE {where} ORDER BY created_at DESC, flow_id DESC LIMIT ?",
                   (*params, limit))
