@@ -1,0 +1,130 @@
+"""AgentSessionClient: start sessions and call the session RPCs through an engine AsyncClient."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from enum import StrEnum
+from typing import Any, TypeVar
+
+from dex_engine import AsyncClient, FlowConfig, RpcLockConflictError, StepDurability, StreamRead
+
+from ._constants import (
+    LIST_MESSAGES_DEFAULT_LIMIT,
+    MAX_SESSION_SETTINGS_BYTES,
+    RPC_LOCK_CONFLICT_RETRY,
+    RPC_LOCK_CONFLICT_RETRY_INTERVAL,
+)
+from ._session_flow import AgentSessionFlow
+from ._session_settings import session_settings_error
+from ._wire import (
+    AgentMessagesPage,
+    AgentSessionStartInput,
+    AgentSnapshot,
+    AgentUserMessage,
+    JsonObject,
+    ListAgentMessagesRequest,
+    ResolveInterruptRequest,
+)
+
+T = TypeVar("T")
+
+
+class ActiveStepSearchMode(StrEnum):
+    """Whether search_flows('ActiveStepTypes = "..."') finds a session by the Steps it waits in."""
+
+    ENABLED = "enabled"
+    DISABLED = "disabled"
+
+
+# The mode AgentSessionClient.start_session uses, so sessions waiting for a person can be found.
+AGENT_SESSION_ACTIVE_STEP_SEARCH_MODE = ActiveStepSearchMode.ENABLED
+
+
+def agent_session_flow_config(
+    mode: ActiveStepSearchMode = AGENT_SESSION_ACTIVE_STEP_SEARCH_MODE,
+    step_durability: StepDurability = StepDurability.SYNC,
+) -> FlowConfig:
+    """The FlowConfig to pass to AsyncClient.start_flow(config_override=...) for a session."""
+    if not isinstance(mode, ActiveStepSearchMode):
+        raise ValueError(f"active_step_search_mode must be an ActiveStepSearchMode, got {mode!r}")
+    return FlowConfig(active_step_search=mode is ActiveStepSearchMode.ENABLED, default_step_durability=step_durability)
+
+
+class AgentSessionClient:
+    """Typed calls to the sessions of one agent Flow type."""
+
+    def __init__(self, client: AsyncClient, flow: AgentSessionFlow) -> None:
+        if not isinstance(flow, AgentSessionFlow):
+            raise TypeError(f"flow must be an AgentSessionFlow, got {type(flow).__name__}")
+        self.client = client
+        self.flow = flow
+
+    async def start_session(
+        self,
+        session_id: str,
+        initial_message: str | None = None,
+        *,
+        session_settings: JsonObject | None = None,
+        active_step_search_mode: ActiveStepSearchMode = AGENT_SESSION_ACTIVE_STEP_SEARCH_MODE,
+        step_durability: StepDurability = StepDurability.SYNC,
+    ) -> None:
+        """Start a session; raises FlowAlreadyStartedError when the ID is taken.
+
+        Settings the session would refuse are refused here, before anything is stored.
+        """
+        if initial_message is not None and not isinstance(initial_message, str):
+            raise TypeError(f"initial_message must be text or None, got {type(initial_message).__name__}")
+        if session_settings is not None:
+            problem = session_settings_error(session_settings, limit=MAX_SESSION_SETTINGS_BYTES)
+            if problem is not None:
+                raise ValueError(problem)
+        await self.client.start_flow(
+            self.flow.flow_type, session_id,
+            AgentSessionStartInput(initial_message=initial_message, session_settings=session_settings),
+            config_override=agent_session_flow_config(active_step_search_mode, step_durability),
+        )
+
+    async def send_user_message(self, session_id: str, text: str, *, plan_mode: bool = False) -> bool:
+        result = await self.client.rpc(session_id, "send_user_message", AgentUserMessage(text, plan_mode))
+        return bool(result)
+
+    async def resolve_interrupt(
+        self, session_id: str, interrupt_id: str, approved: bool, rejection_message: str | None = None
+    ) -> bool:
+        """Approve or reject a pending interrupt; retries a lock held by a short Step for 5 s."""
+        request = ResolveInterruptRequest(interrupt_id, approved, rejection_message)
+        result = await self._retry_lock_conflicts(lambda: self.client.rpc(session_id, "resolve_interrupt", request))
+        return bool(result)
+
+    async def get_agent_snapshot(self, session_id: str) -> AgentSnapshot:
+        snapshot: AgentSnapshot = await self.client.rpc(session_id, "get_agent_snapshot", None)
+        return snapshot
+
+    async def list_agent_messages(
+        self, session_id: str, before_sequence: int | None = None, limit: int = LIST_MESSAGES_DEFAULT_LIMIT
+    ) -> AgentMessagesPage:
+        page: AgentMessagesPage = await self.client.rpc(
+            session_id, "list_agent_messages", ListAgentMessagesRequest(before_sequence, limit)
+        )
+        return page
+
+    async def read_agent_events(
+        self, session_id: str, resume_token: str | None = None, *, wait_seconds: float = 0.0, limit: int = 1000
+    ) -> StreamRead:
+        """AgentEvents after `resume_token`, long-polling up to `wait_seconds`."""
+        return await self.client.read_stream(
+            session_id, self.flow.events, resume_token, wait_seconds=wait_seconds, limit=limit
+        )
+
+    @staticmethod
+    async def _retry_lock_conflicts(call: Callable[[], Awaitable[Any]]) -> Any:
+        deadline = time.monotonic() + RPC_LOCK_CONFLICT_RETRY.total_seconds()
+        while True:
+            try:
+                return await call()
+            except RpcLockConflictError:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(RPC_LOCK_CONFLICT_RETRY_INTERVAL.total_seconds())

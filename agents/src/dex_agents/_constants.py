@@ -1,0 +1,85 @@
+"""Every limit, default and fixed text of the session, each with the reason for its value."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+# Upper bound of Channel ranges (TurnControlRequests, SteeredUserMessages): "everything queued".
+MAX = 2_147_483_647
+
+# RunModel: a model call may stream for minutes; 15 min bounds a stuck provider connection.
+RUN_MODEL_TIMEOUT = timedelta(minutes=15)
+# A RunModel attempt heartbeats every RUN_MODEL_HEARTBEAT_INTERVAL; missing several means a stuck Worker.
+RUN_MODEL_HEARTBEAT_TIMEOUT = timedelta(minutes=2)
+RUN_MODEL_HEARTBEAT_INTERVAL = timedelta(seconds=20)
+# Three attempts within 30 minutes ride out a provider blip without looping on a broken request.
+RUN_MODEL_MAX_ATTEMPTS = 3
+RUN_MODEL_RETRY_BUDGET = timedelta(minutes=30)
+
+# read and idempotent_write tool calls may run again, so CallTool retries them.
+CALL_TOOL_MAX_ATTEMPTS = 3
+# A write that is not idempotent runs at most once.
+CALL_SINGLE_ATTEMPT_TOOL_MAX_ATTEMPTS = 1
+# Tool Steps heartbeat in the background as RunModel does, so a long tool is not taken for dead.
+TOOL_HEARTBEAT_INTERVAL = RUN_MODEL_HEARTBEAT_INTERVAL
+
+# The AgentEvents Stream keeps the newest 10 MiB of events per session; clients rebuild from snapshots.
+DEFAULT_AGENT_EVENTS_CAPACITY_BYTES = 10 * 1024 * 1024
+
+# get_agent_snapshot returns the newest messages only; list_agent_messages pages through the rest.
+SNAPSHOT_MESSAGE_LIMIT = 200
+LIST_MESSAGES_DEFAULT_LIMIT = 50
+LIST_MESSAGES_MAX_LIMIT = 200
+
+# Message storage (seed 002 "Message storage"): window and chunk sizes keep each value small.
+DEFAULT_MESSAGE_WINDOW_SIZE = 64
+DEFAULT_MESSAGE_CHUNK_SIZE = 32
+DEFAULT_MESSAGE_CHUNK_MAX_BYTES = 1024 * 1024
+MAX_MESSAGE_CHUNK_MAX_BYTES = 8 * 1024 * 1024
+MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT = 4
+MESSAGE_ROLLOVER_MAX_BYTES_PER_COMMIT = 8 * 1024 * 1024
+DEFAULT_RETAINED_MESSAGE_LIMIT = 1000
+
+# Session settings are references the Worker resolves, never content; 16 KiB is plenty.
+MAX_SESSION_SETTINGS_BYTES = 16_384
+# Cores encode some floats and U+2028/U+2029 differently; the session accepts this much more.
+SESSION_SETTINGS_SIZE_TOLERANCE_BYTES = 1_024
+
+# A durable_wait may last up to a year by default; Timers hold no Worker.
+DEFAULT_MAX_DURABLE_WAIT = timedelta(days=365)
+
+# AgentSessionClient retries RpcLockConflictError this long: the locks are held only by short Steps.
+RPC_LOCK_CONFLICT_RETRY = timedelta(seconds=5)
+RPC_LOCK_CONFLICT_RETRY_INTERVAL = timedelta(milliseconds=20)
+
+# The built-in loop's limit on decide_turn_continuation continuations in a row.
+MAX_CONSECUTIVE_TURN_CONTINUATIONS = 8
+
+# Fixed texts the model and operators see.
+TOOL_CALL_NOT_RUN_ERROR_PREFIX = "the tool did not run, so it is safe to call again"
+MISSING_TOOL_TASK_POLLER = (
+    "the tool started a task, but the runner does not implement poll_tool_task, so nothing can poll it"
+)
+APPROVAL_DEADLINE_PASSED = "approval deadline passed"
+QUESTION_DEADLINE_PASSED = "question deadline passed"
+DEFAULT_REJECTION_MESSAGE = "The user rejected this tool call."
+DEFAULT_DECLINE_MESSAGE = "The user declined to answer."
+ARGUMENTS_NOT_OBJECT = "arguments must be a JSON object"
+NEW_MESSAGES_WITHOUT_BUILDER = (
+    "a runner that sets ToolCallsRequested.new_messages must implement build_unfinished_turn_messages"
+)
+INVALID_START_SESSION_SETTINGS_REASON = (
+    "dex-agents: the start input's session_settings are not valid session settings"
+)
+
+# Step types of the session Flow (wire contracts: history, search and UIs read them).
+START_AGENT_SESSION = "StartAgentSession"
+AWAIT_USER_MESSAGE = "AwaitUserMessage"
+RUN_MODEL = "RunModel"
+AWAIT_TOOL_APPROVAL = "AwaitToolApproval"
+CALL_TOOL = "CallTool"
+CALL_SINGLE_ATTEMPT_TOOL = "CallSingleAttemptTool"
+RECORD_TOOL_FAILURE = "RecordToolFailure"
+RECORD_TOOL_OUTCOME_UNKNOWN = "RecordToolOutcomeUnknown"
+RESUME_TURN = "ResumeTurn"
+RECORD_TURN_FAILURE = "RecordTurnFailure"

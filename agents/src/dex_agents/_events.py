@@ -1,0 +1,99 @@
+"""AgentEvents: event types, payload encoding, and the writer a runner gets."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Mapping
+from enum import StrEnum
+from typing import Any
+
+from ._wire import AgentEvent
+
+
+class AgentEventType(StrEnum):
+    TURN_STARTED = "turn_started"
+    TURN_COMPLETED = "turn_completed"
+    TURN_FAILED = "turn_failed"
+    TURN_STEERED = "turn_steered"
+    TURN_CANCELLED = "turn_cancelled"
+    TEXT_DELTA = "text_delta"
+    REASONING_DELTA = "reasoning_delta"
+    TOOL_CALL_STARTED = "tool_call_started"
+    TOOL_CALL_FINISHED = "tool_call_finished"
+    TOOL_CALL_DEFERRED = "tool_call_deferred"
+    INTERRUPT_RAISED = "interrupt_raised"
+    INTERRUPT_RESOLVED = "interrupt_resolved"
+    TIMER_STARTED = "timer_started"
+    PLAN_UPDATED = "plan_updated"
+    PLAN_EXECUTION_STARTED = "plan_execution_started"
+    TOOL_TASK_STARTED = "tool_task_started"
+    USAGE_RECORDED = "usage_recorded"
+    COMPACTION_STARTED = "compaction_started"
+    COMPACTION_FINISHED = "compaction_finished"
+
+
+def payload_text(payload: Mapping[str, Any]) -> str:
+    """Compact JSON object text, as every core writes event payloads."""
+    if not isinstance(payload, Mapping):
+        raise TypeError(f"an event payload must be a JSON object (a mapping), got {type(payload).__name__}")
+    return json.dumps(dict(payload), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def make_event(
+    event_type: str, turn_id: str | None, step_execution_id: str, attempt: int, payload: Mapping[str, Any]
+) -> AgentEvent:
+    if not isinstance(event_type, str) or not event_type:
+        raise ValueError(f"an event type must be a non-empty string, got {event_type!r}")
+    return AgentEvent(
+        type=str(event_type), turn_id=turn_id, attempt=attempt, payload=payload_text(payload),
+        step_execution_id=step_execution_id,
+    )
+
+
+class AgentEventWriter:
+    """Best-effort live events of one Step attempt, bound to its turn, Step execution and attempt.
+
+    Safe to call from any thread. Once the call that received it returns, the writer is closed and
+    later writes are dropped, so a stray thread cannot attribute output to a finished attempt.
+    """
+
+    def __init__(
+        self, emit: Callable[[AgentEvent], None], turn_id: str | None, step_execution_id: str, attempt: int
+    ) -> None:
+        self._emit = emit
+        self.turn_id = turn_id
+        self.step_execution_id = step_execution_id
+        self.attempt = attempt
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def write_event(self, event_type: str, payload: Mapping[str, Any]) -> None:
+        event = make_event(event_type, self.turn_id, self.step_execution_id, self.attempt, payload)
+        with self._lock:
+            if self._closed:
+                return
+            self._emit(event)
+
+    def write_text_delta(self, text: str) -> None:
+        self.write_event(AgentEventType.TEXT_DELTA, {"text": text})
+
+    def write_reasoning_delta(self, text: str) -> None:
+        self.write_event(AgentEventType.REASONING_DELTA, {"text": text})
+
+    def write_tool_call_started(self, tool_call_id: str, tool_name: str) -> None:
+        self.write_event(AgentEventType.TOOL_CALL_STARTED, {"tool_call_id": tool_call_id, "tool_name": tool_name})
+
+    def write_tool_call_finished(self, tool_call_id: str, tool_name: str, status: str) -> None:
+        self.write_event(
+            AgentEventType.TOOL_CALL_FINISHED,
+            {"tool_call_id": tool_call_id, "tool_name": tool_name, "status": str(status)},
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed

@@ -1,0 +1,81 @@
+"""AgentSessionOptions: per-Flow-type settings of the session, checked when the Flow is built."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import MappingProxyType
+
+from ._constants import (
+    DEFAULT_AGENT_EVENTS_CAPACITY_BYTES,
+    RUN_MODEL_MAX_ATTEMPTS,
+    RUN_MODEL_RETRY_BUDGET,
+    RUN_MODEL_TIMEOUT,
+)
+from ._policy import ToolPolicy
+from ._wire import ToolEffect
+
+
+@dataclass(frozen=True)
+class RunModelLimit:
+    """RunModel's method timeout, attempts, and the time budget of its retries."""
+
+    timeout: timedelta = RUN_MODEL_TIMEOUT
+    max_attempts: int = RUN_MODEL_MAX_ATTEMPTS
+    retry_budget: timedelta = RUN_MODEL_RETRY_BUDGET
+
+    def __post_init__(self) -> None:
+        problems = []
+        timeout: object = self.timeout
+        budget: object = self.retry_budget
+        if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+            problems.append(f"timeout must be a positive timedelta, got {self.timeout!r}")
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            problems.append(f"max_attempts must be a whole number >= 1, got {self.max_attempts!r}")
+        if not isinstance(budget, timedelta) or budget <= timedelta(0):
+            problems.append(f"retry_budget must be a positive timedelta, got {self.retry_budget!r}")
+        if problems:
+            raise ValueError("invalid RunModelLimit: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class AgentSessionOptions:
+    """Options of one agent Flow type.
+
+    `tool_policies` override per tool name; `default_tool_effect` applies to tools with no policy
+    and no framework metadata. `interrupt_deadline` bounds how long an approval waits.
+    """
+
+    tool_policies: Mapping[str, ToolPolicy] = field(default_factory=dict)
+    default_tool_effect: ToolEffect = ToolEffect.UNCLASSIFIED
+    agent_events_capacity_bytes: int = DEFAULT_AGENT_EVENTS_CAPACITY_BYTES
+    interrupt_deadline: timedelta | None = None
+    run_model_limit: RunModelLimit = field(default_factory=RunModelLimit)
+
+    def __post_init__(self) -> None:
+        problems = []
+        policies: object = self.tool_policies
+        effect: object = self.default_tool_effect
+        limit: object = self.run_model_limit
+        if not isinstance(policies, Mapping):
+            problems.append(f"tool_policies must map tool names to ToolPolicy, got {type(self.tool_policies).__name__}")
+        else:
+            for name, policy in policies.items():
+                if not isinstance(name, str) or not name:
+                    problems.append(f"tool_policies key {name!r} is not a tool name")
+                if not isinstance(policy, ToolPolicy):
+                    problems.append(f"tool_policies[{name!r}] is {policy!r}, not a ToolPolicy")
+            object.__setattr__(self, "tool_policies", MappingProxyType(dict(policies)))
+        if not isinstance(effect, ToolEffect):
+            problems.append(f"default_tool_effect must be a ToolEffect, got {self.default_tool_effect!r}")
+        capacity = self.agent_events_capacity_bytes
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            problems.append(f"agent_events_capacity_bytes must be a whole number >= 1, got {capacity!r}")
+        deadline: object = self.interrupt_deadline
+        if deadline is not None and (not isinstance(deadline, timedelta) or deadline <= timedelta(0)):
+            problems.append(f"interrupt_deadline must be a positive timedelta or None, got {deadline!r}")
+        if not isinstance(limit, RunModelLimit):
+            problems.append(f"run_model_limit must be a RunModelLimit, got {self.run_model_limit!r}")
+        if problems:
+            raise ValueError("invalid AgentSessionOptions: " + "; ".join(problems))

@@ -1,0 +1,91 @@
+"""Tool policies and the texts the model sees for tool call outcomes (pure functions)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from ._constants import DEFAULT_REJECTION_MESSAGE
+from ._wire import AgentToolCall, AgentToolCallStatus, ToolEffect
+
+# Effects whose calls may run again: CallTool retries them; the others run at most once.
+REPEATABLE_EFFECTS = frozenset({ToolEffect.READ, ToolEffect.IDEMPOTENT_WRITE})
+
+OUTCOME_UNKNOWN_TEXT = (
+    "The tool call's outcome is unknown: it stopped without returning a result, so it may or may not "
+    "have taken effect. It will not be retried automatically."
+)
+
+TURN_FAILURE_NOTE_HEADER = "[Dex] The previous turn failed after these tool calls ran:"
+STEERED_NOTE_HEADER = "[Dex] The user steered the conversation after these tool calls ran:"
+CANCELLED_NOTE_HEADER = "[Dex] The user stopped the previous turn after these tool calls ran:"
+TOOL_CALL_NOTE_FOOTER = "Do not repeat these tool calls unless the user asks again."
+
+
+@dataclass(frozen=True)
+class ToolPolicy:
+    """Per-tool override: its effect and, when set, whether it needs approval."""
+
+    effect: ToolEffect
+    requires_approval: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.effect, ToolEffect):
+            raise TypeError(f"ToolPolicy.effect must be a ToolEffect, got {self.effect!r}")
+        if self.requires_approval is not None and not isinstance(self.requires_approval, bool):
+            raise TypeError(f"ToolPolicy.requires_approval must be a bool or None, got {self.requires_approval!r}")
+
+
+def is_approval_required(policy: ToolPolicy) -> bool:
+    """The policy's explicit choice, else the effect's default: writes that may not repeat need approval."""
+    if policy.requires_approval is not None:
+        return policy.requires_approval
+    return policy.effect not in REPEATABLE_EFFECTS
+
+
+def resolve_tool_policy(
+    tool_name: str,
+    tool_policies: Mapping[str, ToolPolicy],
+    default_tool_effect: ToolEffect,
+    framework_effect: ToolEffect | None = None,
+) -> ToolPolicy:
+    """Explicit policy, else the framework's metadata, else the session's default effect."""
+    explicit = tool_policies.get(tool_name)
+    if explicit is not None:
+        return explicit
+    return ToolPolicy(framework_effect if framework_effect is not None else default_tool_effect)
+
+
+def describe_tool_call_outcome(record: AgentToolCall) -> str:
+    """The model-visible result of a final record (seed 002, "Model-visible results")."""
+    status = record.status
+    if status is AgentToolCallStatus.SUCCEEDED:
+        return record.output or ""
+    if status is AgentToolCallStatus.FAILED:
+        return f"The tool call failed: {record.error or ''}"
+    if status is AgentToolCallStatus.REJECTED:
+        return record.rejection_message or DEFAULT_REJECTION_MESSAGE
+    if status is AgentToolCallStatus.OUTCOME_UNKNOWN:
+        return OUTCOME_UNKNOWN_TEXT
+    raise ValueError(
+        f"tool call {record.tool_call_id!r} is {status.value}, not final; "
+        "only final records have a model-visible result"
+    )
+
+
+def build_tool_call_note(header: str, records: Iterable[AgentToolCall]) -> str | None:
+    """A note listing final records in deferral_order, or None when there are none."""
+    final = sorted((r for r in records if r.status.is_final), key=lambda r: r.deferral_order)
+    if not final:
+        return None
+    lines = [header]
+    lines.extend(
+        f"- {r.tool_name} {r.arguments} -> {r.status.value}: {describe_tool_call_outcome(r)}" for r in final
+    )
+    lines.append(TOOL_CALL_NOTE_FOOTER)
+    return "\n".join(lines)
+
+
+def build_turn_failure_note(records: Iterable[AgentToolCall]) -> str | None:
+    """The turn-failure note for a failed turn's final records, or None when no tool call ran."""
+    return build_tool_call_note(TURN_FAILURE_NOTE_HEADER, records)

@@ -1,0 +1,112 @@
+"""The session's RPCs: each runs in one transaction, serialized with the session's Steps."""
+
+from __future__ import annotations
+
+from dex_engine import LoadOptions, Rpc, RpcContext, rpc
+
+from ._constants import LIST_MESSAGES_DEFAULT_LIMIT, LIST_MESSAGES_MAX_LIMIT, SNAPSHOT_MESSAGE_LIMIT
+from ._persistence import (
+    AGENT_MESSAGE_INDEX,
+    AGENT_MESSAGES,
+    AGENT_PLAN,
+    AGENT_STATE,
+    AGENT_TOOL_CALLS,
+    AGENT_USAGE,
+    CONTEXT_SUMMARY,
+    INTERRUPT_RESOLUTIONS,
+    PENDING_INTERRUPTS,
+    QUEUED_USER_MESSAGES,
+    SESSION_SETTINGS,
+    STEERED_USER_MESSAGES,
+)
+from ._runtime import now_utc, pending_interrupts
+from ._timefmt import parse_time
+from ._turn_logic import without_interrupt
+from ._wire import (
+    AgentInterruptResolution,
+    AgentMessage,
+    AgentMessagesPage,
+    AgentSnapshot,
+    AgentUsage,
+    AgentUserMessage,
+    InterruptKind,
+    ListAgentMessagesRequest,
+    PendingUserMessage,
+    ResolveInterruptRequest,
+)
+
+
+def page_of_messages(
+    messages: list[AgentMessage], first_stored: int, before_sequence: int | None, limit: int
+) -> AgentMessagesPage:
+    """One page, oldest first, ending before `before_sequence` (after the newest when None)."""
+    limit = max(1, min(LIST_MESSAGES_MAX_LIMIT, limit))
+    eligible = [m for m in messages if before_sequence is None or m.sequence < before_sequence]
+    page = eligible[-limit:]
+    at_oldest = not page or page[0].sequence <= first_stored
+    return AgentMessagesPage(
+        messages=page,
+        next_before_sequence=None if at_oldest else page[0].sequence,
+        deleted_before_sequence=first_stored if first_stored > 1 else None,
+    )
+
+
+def session_rpcs() -> list[Rpc]:
+    """The RPCs of every agent session Flow."""
+
+    @rpc("send_user_message", request_type=AgentUserMessage, load=LoadOptions.none())
+    async def send_user_message(ctx: RpcContext, message: AgentUserMessage) -> bool:
+        # Queued, not applied: the session consumes it when the running turn (if any) ends.
+        if not message.text.strip() or message.plan_mode:
+            return False  # plan mode is not enabled on this Flow type
+        ctx.publish(QUEUED_USER_MESSAGES, message)
+        return True
+
+    @rpc("resolve_interrupt", request_type=ResolveInterruptRequest, locks=[PENDING_INTERRUPTS],
+         load=LoadOptions.only(PENDING_INTERRUPTS))
+    async def resolve_interrupt(ctx: RpcContext, request: ResolveInterruptRequest) -> bool:
+        pending = pending_interrupts(ctx)
+        kept, interrupt = without_interrupt(pending, request.interrupt_id)
+        if interrupt is None:
+            return False
+        if interrupt.deadline is not None and now_utc() >= parse_time(interrupt.deadline):
+            return False  # its Step records the deadline; an answer now would race it
+        if interrupt.kind is InterruptKind.QUESTION and request.approved:
+            return False  # questions are answered with answer_question; resolve_interrupt only declines
+        ctx.set(PENDING_INTERRUPTS, kept)
+        ctx.publish(INTERRUPT_RESOLUTIONS[interrupt.interrupt_id], AgentInterruptResolution(
+            approved=request.approved, rejection_message=None if request.approved else request.rejection_message,
+        ))
+        return True
+
+    @rpc("get_agent_snapshot", load=LoadOptions.only(
+        AGENT_STATE, AGENT_MESSAGES, AGENT_MESSAGE_INDEX, AGENT_TOOL_CALLS, PENDING_INTERRUPTS, AGENT_USAGE,
+        AGENT_PLAN, CONTEXT_SUMMARY, SESSION_SETTINGS,
+    ))
+    async def get_agent_snapshot(ctx: RpcContext, _: None = None) -> AgentSnapshot:
+        state = ctx.get(AGENT_STATE)
+        messages = list(ctx.items(AGENT_MESSAGES).values())
+        records = list(ctx.items(AGENT_TOOL_CALLS).values())
+        if state is not None and state.active_turn_id is not None:
+            records = [r for r in records if r.turn_id == state.active_turn_id]
+        records.sort(key=lambda r: (r.turn_id, r.deferral_order))
+        queued = [PendingUserMessage(str(m.message_id), m.value) for m in ctx.pending(QUEUED_USER_MESSAGES)]
+        steered = [PendingUserMessage(str(m.message_id), m.value) for m in ctx.pending(STEERED_USER_MESSAGES)]
+        return AgentSnapshot(
+            state=state, messages=messages[-SNAPSHOT_MESSAGE_LIMIT:],
+            pending_interrupts=pending_interrupts(ctx), tool_calls=records,
+            usage=ctx.get(AGENT_USAGE) or AgentUsage(), queued_message_count=len(queued), plan=ctx.get(AGENT_PLAN),
+            queued_messages=queued, steered_messages=steered, context_summary=ctx.get(CONTEXT_SUMMARY),
+            session_settings=ctx.get(SESSION_SETTINGS),
+        )
+
+    @rpc("list_agent_messages", request_type=ListAgentMessagesRequest | None,
+         load=LoadOptions.only(AGENT_MESSAGES, AGENT_MESSAGE_INDEX))
+    async def list_agent_messages(ctx: RpcContext, request: ListAgentMessagesRequest | None) -> AgentMessagesPage:
+        request = request or ListAgentMessagesRequest(limit=LIST_MESSAGES_DEFAULT_LIMIT)
+        index = ctx.get(AGENT_MESSAGE_INDEX)
+        first_stored = 1 if index is None else index.first_sequence
+        messages = list(ctx.items(AGENT_MESSAGES).values())
+        return page_of_messages(messages, first_stored, request.before_sequence, request.limit)
+
+    return [send_user_message, resolve_interrupt, get_agent_snapshot, list_agent_messages]

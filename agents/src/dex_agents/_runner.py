@@ -1,0 +1,205 @@
+"""The runner contract: what a framework adapter implements and what the session hands it."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
+
+from ._wire import (
+    AgentMessage,
+    AgentToolCall,
+    AgentUsage,
+    ContextSummary,
+    InteractionMode,
+    JsonObject,
+    MessageRole,
+    QuestionAnswer,
+    ToolEffect,
+)
+
+if TYPE_CHECKING:
+    from dex_engine import Context
+
+    from ._events import AgentEventWriter
+    from ._policy import ToolPolicy
+    from ._wire import AgentPlan
+
+
+@dataclass(frozen=True)
+class FrameworkMessage:
+    """A message as a runner produces it: the AgentMessage projection plus the framework's own item.
+
+    `framework_item` is framework-native JSON text, replayed to the framework unchanged.
+    """
+
+    role: MessageRole
+    framework_item: str
+    text: str | None = None
+    tool_call_id: str | None = None
+    tool_name: str | None = None
+    tool_arguments: str | None = None
+    tool_output: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelCallMetadata:
+    """Names and annotates the model call's span; the session never stores it."""
+
+    request_model: str | None = None
+    response_model: str | None = None
+    provider_name: str | None = None
+    response_id: str | None = None
+    finish_reasons: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class DeferredToolCall:
+    """One tool call a model response asked for; the session runs it in its own Step."""
+
+    tool_call_id: str
+    tool_name: str
+    arguments: str  # JSON object text
+    policy: ToolPolicy
+    tool_source_reference: str | None = None
+
+
+@dataclass(frozen=True)
+class TurnCompleted:
+    """The final answer: `new_messages` are the turn's items the session has not stored yet.
+
+    With `turn_error`, the turn ends as failed without a retry, after storing `new_messages`.
+    """
+
+    new_messages: Sequence[FrameworkMessage]
+    usage: AgentUsage = field(default_factory=AgentUsage)
+    model_call_metadata: ModelCallMetadata | None = None
+    turn_error: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolCallsRequested:
+    """The model asked for tools: run each call in its own Step, then resume from the run state."""
+
+    framework_run_state: str
+    tool_calls: Sequence[DeferredToolCall]
+    usage: AgentUsage = field(default_factory=AgentUsage)
+    new_messages: Sequence[FrameworkMessage] = ()
+    model_call_metadata: ModelCallMetadata | None = None
+
+
+@dataclass(frozen=True)
+class TurnContinued:
+    """Make another model call in the same turn, after storing `new_messages`."""
+
+    framework_run_state: str
+    new_messages: Sequence[FrameworkMessage]
+    usage: AgentUsage = field(default_factory=AgentUsage)
+    model_call_metadata: ModelCallMetadata | None = None
+
+
+AgentTurnOutcome = TurnCompleted | ToolCallsRequested | TurnContinued
+
+
+@dataclass(frozen=True)
+class ToolExecutionResult:
+    """A tool call's output, as the model sees it."""
+
+    output: str
+
+
+class ToolExecutionError(Exception):
+    """A tool failure the model should see: recorded `failed` with this message, never retried."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ToolOutcomeUnknownError(Exception):
+    """The tool sent a write and cannot tell whether it took effect: recorded `outcome_unknown`."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+HeartbeatFn = Callable[[], Awaitable[None]]
+CheckpointFn = Callable[[str], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class AgentTurnContext:
+    """Committed state a RunModel attempt hands the runner."""
+
+    flow_id: str
+    turn_id: str
+    attempt: int
+    messages: Sequence[AgentMessage]
+    framework_run_state: str | None
+    tool_calls: Mapping[str, AgentToolCall]
+    events: AgentEventWriter
+    heartbeat: HeartbeatFn
+    tool_policies: Mapping[str, ToolPolicy]
+    default_tool_effect: ToolEffect
+    enabled_built_in_tools: frozenset[str] = frozenset()
+    session_settings: JsonObject = field(default_factory=dict)
+    interaction_mode: InteractionMode = InteractionMode.CHAT
+    plan: AgentPlan | None = None
+    context_summary: ContextSummary | None = None
+
+    @property
+    def is_resuming(self) -> bool:
+        return self.framework_run_state is not None
+
+    def recorded_tool_call(self, tool_call_id: str) -> AgentToolCall:
+        try:
+            return self.tool_calls[tool_call_id]
+        except KeyError:
+            raise KeyError(
+                f"turn {self.turn_id!r} has no tool call record {tool_call_id!r}; "
+                f"recorded: {sorted(self.tool_calls)}"
+            ) from None
+
+    def resolve_tool_policy(self, tool_name: str, framework_effect: ToolEffect | None = None) -> ToolPolicy:
+        from ._policy import resolve_tool_policy
+
+        return resolve_tool_policy(tool_name, self.tool_policies, self.default_tool_effect, framework_effect)
+
+
+@dataclass(frozen=True)
+class DeferredToolExecution:
+    """One approved tool call, as a tool Step attempt hands it to the runner."""
+
+    flow_id: str
+    tool_call: AgentToolCall
+    idempotency_key: str  # <flow_id>/<turn_id>/<tool_call_id>, the same on every attempt
+    attempt: int
+    events: AgentEventWriter
+    heartbeat: HeartbeatFn
+    save_heartbeat_checkpoint: CheckpointFn
+    heartbeat_checkpoint: str | None
+    context: Context
+    input_answers: Sequence[QuestionAnswer] = ()
+    supports_tool_tasks: bool = False
+
+
+ToolOutcomeT_co = TypeVar("ToolOutcomeT_co", covariant=True)
+
+
+@runtime_checkable
+class AgentFrameworkRunner(Protocol[ToolOutcomeT_co]):
+    """What a framework adapter implements. Every method may run again after a crash or retry."""
+
+    def build_user_message(self, text: str) -> FrameworkMessage: ...
+
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome: ...
+
+    async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> ToolOutcomeT_co: ...
+
+
+@runtime_checkable
+class UnfinishedTurnMessageBuilder(Protocol):
+    """Optional: the unstored items of a turn that ends without a final answer."""
+
+    def build_unfinished_turn_messages(self, turn: AgentTurnContext) -> Sequence[FrameworkMessage]: ...

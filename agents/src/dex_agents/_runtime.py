@@ -1,0 +1,269 @@
+"""What every session Step shares: the runner, options, events, message storage and turn endings."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+
+from dex_engine import (
+    Context,
+    LoadOptions,
+    LoadSpec,
+    MovementOptions,
+    NoRetryError,
+    RpcContext,
+    Stream,
+    ValueTooLargeError,
+)
+
+from ._constants import TOOL_HEARTBEAT_INTERVAL
+from ._events import AgentEventType, AgentEventWriter, make_event
+from ._options import AgentSessionOptions
+from ._persistence import (
+    AGENT_MESSAGE_INDEX,
+    AGENT_MESSAGES,
+    AGENT_PLAN,
+    AGENT_STATE,
+    AGENT_TOOL_CALLS,
+    AGENT_TRACE_CONTEXT,
+    AGENT_USAGE,
+    CONTEXT_SUMMARY,
+    FRAMEWORK_RUN_STATE,
+    PENDING_INTERRUPTS,
+    SESSION_SETTINGS,
+    TOOL_CALL_RESULTS,
+    TURN_CANCELLATION_REQUEST,
+    TURN_REPLY_SEQUENCE,
+    TURN_SESSION_SETTINGS,
+    message_sequence_key,
+)
+from ._policy import build_turn_failure_note
+from ._runner import AgentFrameworkRunner, AgentTurnContext, FrameworkMessage, UnfinishedTurnMessageBuilder
+from ._timefmt import utc_now_text
+from ._turn_logic import TurnContractError, check_framework_messages, ended_turn, to_agent_message
+from ._wire import (
+    AgentEvent,
+    AgentInterrupt,
+    AgentMessage,
+    AgentState,
+    AgentToolCall,
+    AgentUsage,
+    JsonObject,
+    MessageRole,
+    ToolCallCompleted,
+)
+
+log = logging.getLogger("dex_agents.session")
+
+# Everything a turn-level Step reads: all of the session's state except the archived message chunks.
+TURN_LOAD: LoadSpec = LoadOptions.only(
+    AGENT_STATE, AGENT_MESSAGES, AGENT_MESSAGE_INDEX, TURN_REPLY_SEQUENCE, FRAMEWORK_RUN_STATE, AGENT_TOOL_CALLS,
+    PENDING_INTERRUPTS, AGENT_USAGE, SESSION_SETTINGS, TURN_SESSION_SETTINGS, CONTEXT_SUMMARY, AGENT_PLAN,
+    TURN_CANCELLATION_REQUEST, AGENT_TRACE_CONTEXT,
+)
+
+
+class ValueTooLarge(NoRetryError):
+    """A value the Step must store is over the engine's value limit; retrying cannot help."""
+
+
+# AwaitToolApproval also reads the pending interrupts (its deadline) besides its own record.
+AWAIT_TOOL_APPROVAL_LOAD_EXTRA = (PENDING_INTERRUPTS,)
+
+
+def pending_interrupts(ctx: Context | RpcContext) -> list[AgentInterrupt]:
+    stored = ctx.get(PENDING_INTERRUPTS)
+    return [] if stored is None else list(stored)
+
+
+def session_settings(ctx: Context | RpcContext) -> JsonObject:
+    stored = ctx.get(SESSION_SETTINGS)
+    return {} if stored is None else dict(stored)
+
+
+def now_utc() -> datetime:
+    return datetime.now(UTC)
+
+
+def tool_call_load(tool_call_id: str, *extra: Any) -> MovementOptions:
+    """Tool Steps load only their own AgentToolCalls instance (plus what `extra` names)."""
+    return MovementOptions(load=LoadOptions.only(AGENT_TOOL_CALLS[tool_call_id], *extra))
+
+
+@dataclass(frozen=True)
+class SessionRuntime:
+    """The runner and options of one agent Flow type, and the helpers its Steps share."""
+
+    runner: AgentFrameworkRunner[Any]
+    options: AgentSessionOptions
+    events: Stream[AgentEvent]
+
+    # Events ----------------------------------------------------------------------------------
+
+    def emit(self, ctx: Context, event_type: AgentEventType, turn_id: str | None, payload: Mapping[str, Any]) -> None:
+        """Append an event at this Step's commit (it appears only if the Step commits)."""
+        ctx.append(self.events, make_event(event_type, turn_id, ctx.step_execution_id, ctx.attempt, payload))
+
+    def live_writer(self, ctx: Context, turn_id: str | None) -> AgentEventWriter:
+        """A best-effort writer for the runner: events appear at once, before the attempt commits."""
+
+        def write(event: AgentEvent) -> None:
+            ctx.write_event(self.events, event)
+
+        return AgentEventWriter(write, turn_id, ctx.step_execution_id, ctx.attempt)
+
+    # Messages ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def stored_messages(ctx: Context) -> list[AgentMessage]:
+        """Every stored message of the window, in sequence order."""
+        return list(ctx.items(AGENT_MESSAGES).values())
+
+    def append_messages(
+        self, ctx: Context, state: AgentState, turn_id: str, items: Sequence[FrameworkMessage]
+    ) -> AgentState:
+        """Store messages under the next sequences; raises ValueTooLarge naming the message."""
+        sequence = state.next_message_sequence
+        created_at = utc_now_text()
+        for item in items:
+            message = to_agent_message(item, sequence, turn_id, created_at)
+            try:
+                ctx.set(AGENT_MESSAGES[message_sequence_key(sequence)], message)
+            except ValueTooLargeError as exc:
+                raise ValueTooLarge(
+                    f"message {sequence} ({item.role.value}) of turn {turn_id} is too large to store: {exc}"
+                ) from None
+            sequence += 1
+        return msgspec.structs.replace(state, next_message_sequence=sequence)
+
+    def user_message(self, text: str) -> FrameworkMessage:
+        """The runner's user message for `text`; any other role fails the Step."""
+        built = self.runner.build_user_message(text)
+        checked = check_framework_messages([built], "build_user_message(...)")[0]
+        if checked.role is not MessageRole.USER:
+            raise TurnContractError(f"build_user_message returned role {checked.role.value!r}; it must be 'user'")
+        return checked
+
+    # Turns -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def turn_records(ctx: Context, turn_id: str) -> dict[str, AgentToolCall]:
+        return {k: r for k, r in ctx.items(AGENT_TOOL_CALLS).items() if r.turn_id == turn_id}
+
+    @staticmethod
+    def reply_count(ctx: Context, state: AgentState, turn_id: str) -> int:
+        """Messages the turn appended after its user messages."""
+        reply = ctx.get(TURN_REPLY_SEQUENCE)
+        if reply is not None and reply.turn_id == turn_id:
+            return state.next_message_sequence - reply.sequence
+        count = 0
+        for message in reversed(SessionRuntime.stored_messages(ctx)):
+            if message.turn_id != turn_id or message.role is MessageRole.USER:
+                break
+            count += 1
+        return count
+
+    @staticmethod
+    def turn_settings(ctx: Context, turn_id: str) -> JsonObject:
+        """The settings the turn started with; a copy tagged with another turn reads as {}."""
+        stored = ctx.get(TURN_SESSION_SETTINGS)
+        return dict(stored.session_settings) if stored is not None and stored.turn_id == turn_id else {}
+
+    def record_usage(self, ctx: Context, turn_id: str, usage: AgentUsage) -> None:
+        if not isinstance(usage, AgentUsage):
+            raise TurnContractError(f"usage must be an AgentUsage, got {type(usage).__name__}")
+        total = (ctx.get(AGENT_USAGE) or AgentUsage()).plus(usage)
+        ctx.set(AGENT_USAGE, total)
+        self.emit(ctx, AgentEventType.USAGE_RECORDED, turn_id, {
+            "recorded": msgspec.to_builtins(usage), "session": msgspec.to_builtins(total),
+        })
+
+    def clear_turn(self, ctx: Context, turn_id: str) -> None:
+        """Delete the turn's tool call records and run state."""
+        for key in self.turn_records(ctx, turn_id):
+            ctx.delete(AGENT_TOOL_CALLS[key])
+        ctx.delete(FRAMEWORK_RUN_STATE)
+
+    def unfinished_turn_messages(self, turn: AgentTurnContext) -> list[FrameworkMessage]:
+        """The runner's unstored items of an unfinished turn; a runner defect logs and yields none."""
+        if not isinstance(self.runner, UnfinishedTurnMessageBuilder):
+            return []
+        try:
+            built = self.runner.build_unfinished_turn_messages(turn)
+            return check_framework_messages(built, "build_unfinished_turn_messages(...)")
+        except Exception:
+            log.warning("flow %s turn %s: build_unfinished_turn_messages failed; storing only the note",
+                        turn.flow_id, turn.turn_id, exc_info=True)
+            return []
+
+    def fail_turn(
+        self,
+        ctx: Context,
+        state: AgentState,
+        turn_id: str,
+        error: str,
+        *,
+        unfinished: Sequence[FrameworkMessage] = (),
+    ) -> AgentState:
+        """End the turn as failed in this commit: unfinished items, the note, cleared records.
+
+        A failure to store the unfinished items or the note (too large) leaves them out rather
+        than block the failure.
+        """
+        records = self.turn_records(ctx, turn_id)
+        items = list(unfinished)
+        note = build_turn_failure_note(records.values())
+        if note is not None:
+            items.append(self.user_message(note))
+        try:
+            state = self.append_messages(ctx, state, turn_id, items)
+        except ValueTooLarge:
+            log.warning("flow %s turn %s: the failed turn's messages are too large; storing none",
+                        ctx.flow_id, turn_id)
+            for offset in range(len(items)):
+                ctx.delete(AGENT_MESSAGES[message_sequence_key(state.next_message_sequence + offset)])
+        self.clear_turn(ctx, turn_id)
+        ctx.set(PENDING_INTERRUPTS, [])
+        state = ended_turn(state, error=error)
+        ctx.set(AGENT_STATE, state)
+        self.emit(ctx, AgentEventType.TURN_FAILED, turn_id, {"error": error})
+        return state
+
+    def finish_record(self, ctx: Context, record: AgentToolCall) -> None:
+        """Store a final record, publish its one ToolCallCompleted, and write tool_call_finished."""
+        ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], record)
+        ctx.publish(TOOL_CALL_RESULTS, ToolCallCompleted(record.tool_call_id))
+        self.emit(ctx, AgentEventType.TOOL_CALL_FINISHED, record.turn_id, {
+            "tool_call_id": record.tool_call_id, "tool_name": record.tool_name, "status": record.status.value,
+        })
+
+
+@contextlib.asynccontextmanager
+async def background_heartbeats(ctx: Context, interval_seconds: float = TOOL_HEARTBEAT_INTERVAL.total_seconds(),
+                                ) -> AsyncIterator[None]:
+    """Heartbeat every `interval_seconds` while the body runs (each repeats the saved checkpoint)."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(interval_seconds)
+            try:
+                await ctx.heartbeat()
+            except Exception:
+                # A lost task is revoked by the worker; a transient error is retried next interval.
+                log.debug("flow %s %s: background heartbeat failed", ctx.flow_id, ctx.step_execution_id,
+                          exc_info=True)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

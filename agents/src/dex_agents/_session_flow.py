@@ -1,0 +1,126 @@
+"""AgentSessionFlow: one durable agent session per Flow run, every model and tool call its own Step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dex_engine import Flow, LoadOptions, RetryPolicy, Step, StepDurability, StepOptions
+
+from ._constants import (
+    AWAIT_TOOL_APPROVAL,
+    AWAIT_USER_MESSAGE,
+    CALL_SINGLE_ATTEMPT_TOOL,
+    CALL_SINGLE_ATTEMPT_TOOL_MAX_ATTEMPTS,
+    CALL_TOOL,
+    CALL_TOOL_MAX_ATTEMPTS,
+    RECORD_TOOL_FAILURE,
+    RECORD_TOOL_OUTCOME_UNKNOWN,
+    RECORD_TURN_FAILURE,
+    RESUME_TURN,
+    RUN_MODEL,
+    RUN_MODEL_HEARTBEAT_TIMEOUT,
+    START_AGENT_SESSION,
+)
+from ._options import AgentSessionOptions
+from ._persistence import (
+    AGENT_STATE,
+    AGENT_TOOL_CALLS,
+    PENDING_INTERRUPTS,
+    TURN_CANCELLATION_REQUEST,
+    agent_events_stream,
+    session_schema,
+)
+from ._rpcs import session_rpcs
+from ._runner import AgentFrameworkRunner
+from ._runtime import TURN_LOAD, SessionRuntime
+from ._tool_steps import ToolSteps
+from ._turn_steps import TurnSteps
+from ._wire import AgentSessionStartInput, CompactContextInput
+
+DEFAULT_FLOW_TYPE = "AgentSession"
+
+# Failure routes and bookkeeping Steps must not give up on a passing database hiccup: a failed
+# recording Step would fail the whole session.
+RECOVERY_RETRY = RetryPolicy(max_attempts=20, initial_interval_seconds=0.5, max_interval_seconds=30.0)
+
+_SYNC = StepDurability.SYNC
+_RUNNER_METHODS = ("build_user_message", "run_model_step", "execute_deferred_tool_call")
+
+
+def _check_runner(runner: object) -> None:
+    missing = [name for name in _RUNNER_METHODS if not callable(getattr(runner, name, None))]
+    if missing:
+        raise TypeError(
+            f"{type(runner).__name__} is not an AgentFrameworkRunner: it lacks {', '.join(missing)}"
+        )
+
+
+class AgentSessionFlow(Flow):
+    """The shared session Flow with a framework runner. Register one per agent, each with its flow_type.
+
+    Every Step sets SYNC durability explicitly, so a Flow started with an ASYNC default never
+    replays a Step result, and a single-attempt write never runs twice.
+    """
+
+    def __init__(
+        self,
+        runner: AgentFrameworkRunner[Any],
+        flow_type: str = DEFAULT_FLOW_TYPE,
+        options: AgentSessionOptions | None = None,
+    ) -> None:
+        _check_runner(runner)
+        options = options or AgentSessionOptions()
+        if not isinstance(options, AgentSessionOptions):
+            raise TypeError(f"options must be AgentSessionOptions, got {type(options).__name__}")
+        self.runner = runner
+        self.options = options
+        self.events = agent_events_stream(options.agent_events_capacity_bytes)
+        runtime = SessionRuntime(runner, options, self.events)
+        turn = TurnSteps(runtime)
+        tools = ToolSteps(runtime)
+        limit = options.run_model_limit
+        turn_input = CompactContextInput | None
+        tool_records = LoadOptions.only(AGENT_TOOL_CALLS)
+        steps: list[Step[Any]] = [
+            Step(START_AGENT_SESSION, turn.start_agent_session, input_type=AgentSessionStartInput | None,
+                 options=StepOptions(durability=_SYNC, execute_retry=RECOVERY_RETRY, load=TURN_LOAD)),
+            Step(AWAIT_USER_MESSAGE, turn.await_user_message, input_type=None,
+                 wait_for=turn.await_user_message_wait,
+                 options=StepOptions(durability=_SYNC, execute_retry=RECOVERY_RETRY, wait_for_retry=RECOVERY_RETRY,
+                                     wait_for_load=LoadOptions.none(), execute_load=TURN_LOAD,
+                                     execute_locks=(TURN_CANCELLATION_REQUEST,))),
+            Step(RUN_MODEL, turn.run_model, input_type=turn_input,
+                 options=StepOptions(
+                     durability=_SYNC, load=TURN_LOAD, failure_route=RECORD_TURN_FAILURE,
+                     execute_timeout_seconds=limit.timeout.total_seconds(),
+                     heartbeat_timeout_seconds=RUN_MODEL_HEARTBEAT_TIMEOUT.total_seconds(),
+                     execute_retry=RetryPolicy(max_attempts=limit.max_attempts,
+                                               total_duration_seconds=limit.retry_budget.total_seconds()),
+                 )),
+            Step(RECORD_TURN_FAILURE, turn.record_turn_failure, input_type=turn_input,
+                 options=StepOptions(durability=_SYNC, load=TURN_LOAD, execute_retry=RECOVERY_RETRY)),
+            Step(AWAIT_TOOL_APPROVAL, tools.await_tool_approval, input_type=str,
+                 wait_for=tools.await_tool_approval_wait,
+                 options=StepOptions(durability=_SYNC, load=LoadOptions.none(), execute_retry=RECOVERY_RETRY,
+                                     wait_for_retry=RECOVERY_RETRY, execute_locks=(PENDING_INTERRUPTS,))),
+            Step(CALL_TOOL, tools.call_tool, input_type=str,
+                 options=StepOptions(durability=_SYNC, load=LoadOptions.none(), failure_route=RECORD_TOOL_FAILURE,
+                                     execute_retry=RetryPolicy(max_attempts=CALL_TOOL_MAX_ATTEMPTS))),
+            Step(CALL_SINGLE_ATTEMPT_TOOL, tools.call_single_attempt_tool, input_type=str,
+                 options=StepOptions(durability=_SYNC, load=LoadOptions.none(),
+                                     failure_route=RECORD_TOOL_OUTCOME_UNKNOWN,
+                                     execute_retry=RetryPolicy(max_attempts=CALL_SINGLE_ATTEMPT_TOOL_MAX_ATTEMPTS))),
+            Step(RECORD_TOOL_FAILURE, tools.record_tool_failure, input_type=str,
+                 options=StepOptions(durability=_SYNC, load=tool_records, execute_retry=RECOVERY_RETRY)),
+            Step(RECORD_TOOL_OUTCOME_UNKNOWN, tools.record_tool_outcome_unknown, input_type=str,
+                 options=StepOptions(durability=_SYNC, load=tool_records, execute_retry=RECOVERY_RETRY)),
+            Step(RESUME_TURN, tools.resume_turn, input_type=int, wait_for=tools.resume_turn_wait,
+                 options=StepOptions(durability=_SYNC, wait_for_load=LoadOptions.none(),
+                                     execute_load=LoadOptions.only(AGENT_STATE, AGENT_TOOL_CALLS),
+                                     execute_retry=RECOVERY_RETRY, wait_for_retry=RECOVERY_RETRY,
+                                     execute_locks=(PENDING_INTERRUPTS,))),
+        ]
+        super().__init__(
+            flow_type, steps, start_step=START_AGENT_SESSION, schema=session_schema(self.events),
+            rpcs=session_rpcs(),
+        )

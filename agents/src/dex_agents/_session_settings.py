@@ -1,0 +1,30 @@
+"""Session settings checks: one JSON object of references, bounded in size."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ._constants import MAX_SESSION_SETTINGS_BYTES, SESSION_SETTINGS_SIZE_TOLERANCE_BYTES
+
+
+def settings_json_bytes(settings: Any) -> int:
+    """Size of the settings' compact JSON text in UTF-8, as Clients measure it."""
+    return len(json.dumps(settings, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode())
+
+
+# The session's own checks accept the tolerance; Clients check MAX_SESSION_SETTINGS_BYTES itself.
+SESSION_SIDE_SETTINGS_LIMIT = MAX_SESSION_SETTINGS_BYTES + SESSION_SETTINGS_SIZE_TOLERANCE_BYTES
+
+
+def session_settings_error(settings: object, *, limit: int = SESSION_SIDE_SETTINGS_LIMIT) -> str | None:
+    """None for acceptable settings, else why not (the session's own check allows the tolerance)."""
+    if not isinstance(settings, dict):
+        return f"session_settings must be a JSON object, got {type(settings).__name__}"
+    try:
+        size = settings_json_bytes(settings)
+    except (TypeError, ValueError) as exc:
+        return f"session_settings are not JSON: {exc}"
+    if size > limit:
+        return f"session_settings are {size} bytes of compact JSON, over the limit of {limit}"
+    return None

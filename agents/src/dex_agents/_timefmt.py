@@ -1,0 +1,29 @@
+"""Wire times: UTC RFC 3339 with milliseconds and Z; readers also accept the +00:00 form."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+
+def format_time(moment: datetime) -> str:
+    """`2026-11-01T12:00:00.123Z` for an aware datetime (converted to UTC)."""
+    if moment.tzinfo is None:
+        raise ValueError(f"wire times must be timezone-aware, got naive {moment!r}")
+    utc = moment.astimezone(UTC)
+    return utc.strftime("%Y-%m-%dT%H:%M:%S.") + f"{utc.microsecond // 1000:03d}Z"
+
+
+def utc_now_text() -> str:
+    return format_time(datetime.now(UTC))
+
+
+def parse_time(text: str) -> datetime:
+    """Read a wire time: the Z form and the +00:00 offset form (written by older cores)."""
+    value = text[:-1] + "+00:00" if text.endswith(("Z", "z")) else text
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"not an RFC 3339 time: {text!r}") from None
+    if moment.tzinfo is None:
+        raise ValueError(f"RFC 3339 time {text!r} has no offset; wire times are UTC")
+    return moment.astimezone(UTC)

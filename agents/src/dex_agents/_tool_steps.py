@@ -1,0 +1,214 @@
+"""Tool call Steps: AwaitToolApproval, CallTool, CallSingleAttemptTool, their failure routes, ResumeTurn."""
+
+from __future__ import annotations
+
+import msgspec
+
+from dex_engine import ChannelCondition, Context, StepDecision, Timer, TimerCondition, ValueTooLargeError, Wait
+
+from ._constants import APPROVAL_DEADLINE_PASSED, AWAIT_TOOL_APPROVAL, RESUME_TURN, RUN_MODEL
+from ._events import AgentEventType
+from ._persistence import AGENT_STATE, AGENT_TOOL_CALLS, INTERRUPT_RESOLUTIONS, PENDING_INTERRUPTS, TOOL_CALL_RESULTS
+from ._runner import DeferredToolExecution, ToolExecutionError, ToolExecutionResult, ToolOutcomeUnknownError
+from ._runtime import (
+    AWAIT_TOOL_APPROVAL_LOAD_EXTRA,
+    SessionRuntime,
+    background_heartbeats,
+    now_utc,
+    pending_interrupts,
+    tool_call_load,
+)
+from ._timefmt import parse_time
+from ._turn_logic import (
+    deadline_timer_seconds,
+    finished,
+    not_run_error,
+    recovered_status,
+    tool_step_for,
+    without_interrupt,
+)
+from ._wire import AgentInterrupt, AgentStatus, AgentToolCall, AgentToolCallStatus, ToolEffect
+
+
+def idempotency_key(flow_id: str, turn_id: str, tool_call_id: str) -> str:
+    """The same on every attempt of a call; tool call IDs may repeat across turns, so the turn is in it."""
+    return f"{flow_id}/{turn_id}/{tool_call_id}"
+
+
+def oversized_output(record: AgentToolCall, error: ValueTooLargeError) -> AgentToolCall:
+    """A result too large to store: a read fails (safe to ask again); a write that ran keeps succeeded."""
+    note = (f"the tool's output is {error.size} bytes, over the session's value limit of {error.limit}; "
+            "it was not stored")
+    if record.effect is ToolEffect.READ:
+        return finished(record, AgentToolCallStatus.FAILED, error=note)
+    return finished(record, AgentToolCallStatus.SUCCEEDED, output=f"[Dex] The tool call succeeded, but {note}.")
+
+
+class ToolSteps:
+    """The Step handlers of one tool call each (their input is the tool call ID), and ResumeTurn."""
+
+    def __init__(self, runtime: SessionRuntime) -> None:
+        self.rt = runtime
+
+    @staticmethod
+    def _record(ctx: Context, tool_call_id: str) -> AgentToolCall | None:
+        return ctx.get(AGENT_TOOL_CALLS[tool_call_id])
+
+    # AwaitToolApproval -------------------------------------------------------------------------
+
+    async def await_tool_approval_wait(self, ctx: Context, tool_call_id: str) -> Wait:
+        record = self._record(ctx, tool_call_id)
+        if record is None or record.status is not AgentToolCallStatus.AWAITING_APPROVAL:
+            return Wait.skip_immediately()
+        conditions: list[ChannelCondition | TimerCondition] = [INTERRUPT_RESOLUTIONS[tool_call_id].for_one()]
+        interrupt = _pending(ctx, tool_call_id)
+        if interrupt is not None and interrupt.deadline is not None:
+            seconds = deadline_timer_seconds(parse_time(interrupt.deadline), now_utc())
+            conditions.append(Timer.by_duration(seconds))
+        return Wait.any_of(*conditions)
+
+    async def await_tool_approval(self, ctx: Context, tool_call_id: str) -> StepDecision:
+        rt = self.rt
+        record = self._record(ctx, tool_call_id)
+        if record is None or record.status is not AgentToolCallStatus.AWAITING_APPROVAL:
+            return StepDecision.dead_end()
+        assert ctx.wait_result is not None
+        resolutions = ctx.wait_result.messages(INTERRUPT_RESOLUTIONS[tool_call_id])
+        if resolutions:
+            resolution = resolutions[0]
+            rejection = None if resolution.approved else resolution.rejection_message
+            self._resolved_event(ctx, record, approved=resolution.approved, rejection_message=rejection)
+            if resolution.approved:
+                approved = msgspec.structs.replace(record, status=AgentToolCallStatus.APPROVED)
+                ctx.set(AGENT_TOOL_CALLS[tool_call_id], approved)
+                step = tool_step_for(record.effect)
+                return StepDecision.go_to(step, tool_call_id, tool_call_load(tool_call_id))
+            rt.finish_record(ctx, finished(record, AgentToolCallStatus.REJECTED, rejection_message=rejection))
+            return StepDecision.dead_end()
+        if ctx.wait_result.timer_fired:
+            pending = pending_interrupts(ctx)
+            kept, interrupt = without_interrupt(pending, tool_call_id)
+            due = interrupt is not None and interrupt.deadline is not None and now_utc() >= parse_time(
+                interrupt.deadline
+            )
+            if due:
+                ctx.set(PENDING_INTERRUPTS, kept)
+                self._resolved_event(ctx, record, approved=False, rejection_message=APPROVAL_DEADLINE_PASSED)
+                rt.finish_record(ctx, finished(
+                    record, AgentToolCallStatus.REJECTED, rejection_message=APPROVAL_DEADLINE_PASSED
+                ))
+                return StepDecision.dead_end()
+        # The Timer fired early (clock skew) or after resolve_interrupt took the interrupt: wait again.
+        return StepDecision.go_to(
+            AWAIT_TOOL_APPROVAL, tool_call_id, tool_call_load(tool_call_id, *AWAIT_TOOL_APPROVAL_LOAD_EXTRA)
+        )
+
+    def _resolved_event(
+        self, ctx: Context, record: AgentToolCall, *, approved: bool, rejection_message: str | None
+    ) -> None:
+        self.rt.emit(ctx, AgentEventType.INTERRUPT_RESOLVED, record.turn_id, {
+            "interrupt_id": record.tool_call_id, "approved": approved, "rejection_message": rejection_message,
+            "kind": "tool_approval", "answered": False, "cancellation_reason": None,
+        })
+
+    # CallTool and CallSingleAttemptTool ---------------------------------------------------------
+
+    async def call_tool(self, ctx: Context, tool_call_id: str) -> StepDecision:
+        return await self._run_tool(ctx, tool_call_id)
+
+    async def call_single_attempt_tool(self, ctx: Context, tool_call_id: str) -> StepDecision:
+        return await self._run_tool(ctx, tool_call_id)
+
+    async def _run_tool(self, ctx: Context, tool_call_id: str) -> StepDecision:
+        rt = self.rt
+        record = self._record(ctx, tool_call_id)
+        if record is None or record.status.is_final:
+            return StepDecision.dead_end()  # already recorded: never run or publish twice
+        if record.status is not AgentToolCallStatus.APPROVED:
+            raise RuntimeError(
+                f"tool call {tool_call_id!r} is {record.status.value}; a tool Step runs only approved calls"
+            )
+        writer = rt.live_writer(ctx, record.turn_id)
+        writer.write_tool_call_started(record.tool_call_id, record.tool_name)
+        # Durable before the tool runs: from here a lost Worker fails the attempt instead of handing
+        # the same attempt to another Worker, so a started tool is never reported as not run.
+        await ctx.heartbeat()
+
+        async def heartbeat() -> None:
+            await ctx.heartbeat()
+
+        async def save_checkpoint(text: str) -> None:
+            if not isinstance(text, str):
+                raise TypeError(f"a heartbeat checkpoint must be text, got {type(text).__name__}")
+            await ctx.heartbeat(text)
+
+        call = DeferredToolExecution(
+            flow_id=ctx.flow_id, tool_call=record,
+            idempotency_key=idempotency_key(ctx.flow_id, record.turn_id, record.tool_call_id),
+            attempt=ctx.attempt, events=writer, heartbeat=heartbeat, save_heartbeat_checkpoint=save_checkpoint,
+            heartbeat_checkpoint=ctx.checkpoint, context=ctx, input_answers=tuple(record.input_answers),
+        )
+        try:
+            async with background_heartbeats(ctx):
+                result = await rt.runner.execute_deferred_tool_call(call)
+        except ToolExecutionError as exc:
+            final = finished(record, AgentToolCallStatus.FAILED, error=exc.message)
+        except ToolOutcomeUnknownError as exc:
+            final = finished(record, AgentToolCallStatus.OUTCOME_UNKNOWN, error=exc.message)
+        else:
+            if not isinstance(result, ToolExecutionResult) or not isinstance(result.output, str):
+                raise TypeError(
+                    f"execute_deferred_tool_call returned {result!r}; return ToolExecutionResult(output: str) "
+                    "or raise ToolExecutionError"
+                )
+            final = finished(record, AgentToolCallStatus.SUCCEEDED, output=result.output)
+        finally:
+            writer.close()
+        try:
+            rt.finish_record(ctx, final)
+        except ValueTooLargeError as exc:
+            rt.finish_record(ctx, oversized_output(record, exc))
+        return StepDecision.dead_end()
+
+    # Failure routes ----------------------------------------------------------------------------
+
+    async def record_tool_failure(self, ctx: Context, tool_call_id: str) -> StepDecision:
+        return self._record_failure(ctx, tool_call_id, single_attempt=False)
+
+    async def record_tool_outcome_unknown(self, ctx: Context, tool_call_id: str) -> StepDecision:
+        return self._record_failure(ctx, tool_call_id, single_attempt=True)
+
+    def _record_failure(self, ctx: Context, tool_call_id: str, *, single_attempt: bool) -> StepDecision:
+        record = self._record(ctx, tool_call_id)
+        if record is None or record.status.is_final:
+            return StepDecision.dead_end()
+        recovery = ctx.recovery_error
+        detail = "the tool Step failed" if recovery is None else recovery.detail or recovery.error_type
+        progress = "NOT_COMPLETED" if recovery is None else recovery.attempt_progress.value
+        status, never_ran = recovered_status(record, attempt_progress=progress, single_attempt=single_attempt)
+        self.rt.finish_record(ctx, finished(record, status, error=not_run_error(detail) if never_ran else detail))
+        return StepDecision.dead_end()
+
+    # ResumeTurn --------------------------------------------------------------------------------
+
+    async def resume_turn_wait(self, ctx: Context, expected: int) -> Wait:
+        return Wait.until(TOOL_CALL_RESULTS.for_n(expected))
+
+    async def resume_turn(self, ctx: Context, expected: int) -> StepDecision:
+        state = ctx.get(AGENT_STATE)
+        if state is None or state.active_turn_id is None:
+            return StepDecision.dead_end()
+        records = self.rt.turn_records(ctx, state.active_turn_id)
+        unfinished = [r for r in records.values() if not r.status.is_final]
+        if unfinished:
+            # A consumed result belonged to an earlier turn: wait for the ones still missing.
+            return StepDecision.go_to(RESUME_TURN, len(unfinished))
+        ctx.set(AGENT_STATE, msgspec.structs.replace(state, status=AgentStatus.RUNNING_MODEL))
+        return StepDecision.go_to(RUN_MODEL, None)
+
+
+def _pending(ctx: Context, interrupt_id: str) -> AgentInterrupt | None:
+    for interrupt in pending_interrupts(ctx):
+        if interrupt.interrupt_id == interrupt_id:
+            return interrupt
+    return None

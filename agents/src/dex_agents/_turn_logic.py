@@ -1,0 +1,282 @@
+"""Pure decisions of a turn: validating runner output, planning tool calls, recording outcomes.
+
+Nothing here touches the engine: state goes in, records and decisions come out, so every rule
+can be tested exhaustively without a database.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import msgspec
+
+from ._constants import (
+    ARGUMENTS_NOT_OBJECT,
+    AWAIT_TOOL_APPROVAL,
+    CALL_SINGLE_ATTEMPT_TOOL,
+    CALL_TOOL,
+    TOOL_CALL_NOT_RUN_ERROR_PREFIX,
+)
+from ._policy import REPEATABLE_EFFECTS, ToolPolicy, is_approval_required
+from ._runner import DeferredToolCall, FrameworkMessage
+from ._timefmt import format_time
+from ._wire import (
+    AgentInterrupt,
+    AgentMessage,
+    AgentState,
+    AgentStatus,
+    AgentToolCall,
+    AgentToolCallStatus,
+    InteractionMode,
+    InterruptKind,
+    MessageRole,
+    ToolEffect,
+)
+
+# Longest tool call ID: it becomes part of map keys and the idempotency key.
+MAX_TOOL_CALL_ID_LENGTH = 255
+
+
+class TurnContractError(Exception):
+    """A runner's output breaks the contract in a way a retry cannot fix: the turn fails now."""
+
+
+def turn_id_for(turn_number: int) -> str:
+    return f"turn-{turn_number}"
+
+
+def next_turn_id(state: AgentState) -> str:
+    """Turn IDs never repeat: turn_count counts every ended turn."""
+    return turn_id_for(state.turn_count + 1)
+
+
+def initial_state() -> AgentState:
+    return AgentState(
+        status=AgentStatus.WAITING_FOR_USER_MESSAGE, turn_count=0, active_turn_id=None,
+        next_message_sequence=1, last_turn_error=None,
+    )
+
+
+def started_turn(state: AgentState, turn_id: str, mode: InteractionMode) -> AgentState:
+    return msgspec.structs.replace(
+        state, status=AgentStatus.RUNNING_MODEL, active_turn_id=turn_id, interaction_mode=mode,
+        accepts_turn_control=False,
+    )
+
+
+def ended_turn(state: AgentState, *, error: str | None) -> AgentState:
+    """The state after a turn ends: counted, cleared; a failure's error, or cleared on success."""
+    return msgspec.structs.replace(
+        state, status=AgentStatus.WAITING_FOR_USER_MESSAGE, turn_count=state.turn_count + 1,
+        active_turn_id=None, last_turn_error=error, accepts_turn_control=False,
+    )
+
+
+def check_framework_messages(items: object, source: str) -> list[FrameworkMessage]:
+    """The runner's messages, or TurnContractError naming the first bad one."""
+    if isinstance(items, str | bytes) or not isinstance(items, Sequence):
+        raise TurnContractError(f"{source} must be a sequence of FrameworkMessage, got {type(items).__name__}")
+    out: list[FrameworkMessage] = []
+    for index, item in enumerate(items):
+        if not isinstance(item, FrameworkMessage):
+            raise TurnContractError(f"{source}[{index}] is a {type(item).__name__}, not a FrameworkMessage")
+        if not isinstance(item.role, MessageRole):
+            raise TurnContractError(
+                f"{source}[{index}] has role {item.role!r}; use MessageRole.USER, ASSISTANT or TOOL"
+            )
+        if not isinstance(item.framework_item, str):
+            raise TurnContractError(
+                f"{source}[{index}].framework_item is a {type(item.framework_item).__name__}, not JSON text (str)"
+            )
+        out.append(item)
+    return out
+
+
+def to_agent_message(item: FrameworkMessage, sequence: int, turn_id: str, created_at: str) -> AgentMessage:
+    return AgentMessage(
+        sequence=sequence, turn_id=turn_id, role=item.role, text=item.text, tool_call_id=item.tool_call_id,
+        tool_name=item.tool_name, tool_arguments=item.tool_arguments, tool_output=item.tool_output,
+        framework_item=item.framework_item, created_at=created_at,
+    )
+
+
+def check_tool_call_id(tool_call_id: object, seen: set[str]) -> str:
+    """A tool call ID the session can key by, or TurnContractError saying why not."""
+    if not isinstance(tool_call_id, str) or not tool_call_id:
+        raise TurnContractError(f"tool call ID {tool_call_id!r} is empty; every tool call needs a non-empty ID")
+    if "/" in tool_call_id:
+        raise TurnContractError(
+            f"tool call ID {tool_call_id!r} contains '/'; IDs join the idempotency key <flow>/<turn>/<id>"
+        )
+    if len(tool_call_id) > MAX_TOOL_CALL_ID_LENGTH:
+        raise TurnContractError(
+            f"tool call ID {tool_call_id[:40]!r}... is {len(tool_call_id)} characters, over {MAX_TOOL_CALL_ID_LENGTH}"
+        )
+    if not tool_call_id.isprintable():
+        raise TurnContractError(f"tool call ID {tool_call_id!r} contains control characters")
+    if tool_call_id in seen:
+        raise TurnContractError(f"tool call ID {tool_call_id!r} repeats within this turn; IDs must be unique per turn")
+    seen.add(tool_call_id)
+    return tool_call_id
+
+
+def arguments_error(arguments: object) -> str | None:
+    """None when `arguments` is strict JSON object text; else why not (NaN and Infinity are not JSON)."""
+    if not isinstance(arguments, str):
+        return ARGUMENTS_NOT_OBJECT
+
+    def refuse(constant: str) -> float:
+        raise ValueError(constant)
+
+    try:
+        value = json.loads(arguments, parse_constant=refuse)
+    except ValueError:
+        return ARGUMENTS_NOT_OBJECT
+    if not isinstance(value, dict):
+        return ARGUMENTS_NOT_OBJECT
+    return None
+
+
+def tool_step_for(effect: ToolEffect) -> str:
+    """CallTool for calls that may run again, CallSingleAttemptTool for every other write."""
+    return CALL_TOOL if effect in REPEATABLE_EFFECTS else CALL_SINGLE_ATTEMPT_TOOL
+
+
+@dataclass(frozen=True)
+class PlannedCall:
+    record: AgentToolCall
+    next_step: str | None  # None: final in RunModel's commit, no Step runs it
+
+
+@dataclass(frozen=True)
+class ToolCallPlan:
+    calls: tuple[PlannedCall, ...]
+    interrupts: tuple[AgentInterrupt, ...]
+
+
+def plan_tool_calls(
+    tool_calls: object,
+    *,
+    turn_id: str,
+    existing: Mapping[str, AgentToolCall],
+    now: datetime,
+    interrupt_deadline: timedelta | None,
+    trace_context: str | None,
+) -> ToolCallPlan:
+    """Records, interrupts and next Steps for one response's tool calls (in model order).
+
+    Raises TurnContractError for what fails the turn: no calls, a bad ID, a call that is not a
+    DeferredToolCall. Arguments that are not a JSON object fail only that call, at once.
+    """
+    if isinstance(tool_calls, str | bytes) or not isinstance(tool_calls, Sequence) or not tool_calls:
+        raise TurnContractError("ToolCallsRequested.tool_calls must be a non-empty sequence of DeferredToolCall")
+    seen = {r.tool_call_id for r in existing.values() if r.turn_id == turn_id}
+    first_order = len(seen)
+    created_at = format_time(now)
+    deadline = None if interrupt_deadline is None else format_time(now + interrupt_deadline)
+    calls: list[PlannedCall] = []
+    interrupts: list[AgentInterrupt] = []
+    for index, call in enumerate(tool_calls):
+        if not isinstance(call, DeferredToolCall):
+            raise TurnContractError(f"tool_calls[{index}] is a {type(call).__name__}, not a DeferredToolCall")
+        call_id = check_tool_call_id(call.tool_call_id, seen)
+        if not isinstance(call.tool_name, str) or not call.tool_name:
+            raise TurnContractError(f"tool call {call_id!r} has no tool name")
+        if not isinstance(call.policy, ToolPolicy):
+            raise TurnContractError(
+                f"tool call {call_id!r} has policy {call.policy!r}; use turn.resolve_tool_policy(name)"
+            )
+        reference = call.tool_source_reference
+        if reference is not None and not isinstance(reference, str):
+            raise TurnContractError(f"tool call {call_id!r} has a tool_source_reference that is not text")
+        bad_arguments = arguments_error(call.arguments)
+        arguments = call.arguments if isinstance(call.arguments, str) else repr(call.arguments)
+        approval = is_approval_required(call.policy) and bad_arguments is None
+        if bad_arguments is not None:
+            status = AgentToolCallStatus.FAILED
+        elif approval:
+            status = AgentToolCallStatus.AWAITING_APPROVAL
+        else:
+            status = AgentToolCallStatus.APPROVED
+        record = AgentToolCall(
+            tool_call_id=call_id, turn_id=turn_id, tool_name=call.tool_name, arguments=arguments,
+            effect=call.policy.effect, requires_approval=is_approval_required(call.policy), status=status,
+            output=None, error=bad_arguments, rejection_message=None, deferral_order=first_order + index,
+            tool_source_reference=reference, trace_context=trace_context,
+        )
+        if bad_arguments is not None:
+            calls.append(PlannedCall(record, None))
+            continue
+        if approval:
+            interrupts.append(AgentInterrupt(
+                interrupt_id=call_id, kind=InterruptKind.TOOL_APPROVAL, tool_call_id=call_id,
+                tool_name=call.tool_name, arguments=arguments, created_at=created_at, deadline=deadline,
+            ))
+            calls.append(PlannedCall(record, AWAIT_TOOL_APPROVAL))
+        else:
+            calls.append(PlannedCall(record, tool_step_for(call.policy.effect)))
+    return ToolCallPlan(tuple(calls), tuple(interrupts))
+
+
+def finished(
+    record: AgentToolCall,
+    status: AgentToolCallStatus,
+    *,
+    output: str | None = None,
+    error: str | None = None,
+    rejection_message: str | None = None,
+) -> AgentToolCall:
+    """The record made final with `status`."""
+    if not status.is_final:
+        raise ValueError(f"{status.value} is not a final status")
+    return msgspec.structs.replace(
+        record, status=status, output=output, error=error, rejection_message=rejection_message,
+    )
+
+
+def recovered_status(
+    record: AgentToolCall, *, attempt_progress: str, single_attempt: bool
+) -> tuple[AgentToolCallStatus, bool]:
+    """The status a failure route records, and whether the tool certainly never ran.
+
+    NOT_STARTED on a record that is still approved, with no answers, means no attempt reached a
+    Worker: `failed`, safe to call again. Otherwise reads fail and writes become outcome_unknown.
+    """
+    never_ran = (
+        attempt_progress == "NOT_STARTED"
+        and record.status is AgentToolCallStatus.APPROVED
+        and not record.input_answers
+    )
+    if never_ran:
+        return AgentToolCallStatus.FAILED, True
+    if not single_attempt and record.effect is ToolEffect.READ:
+        return AgentToolCallStatus.FAILED, False
+    return AgentToolCallStatus.OUTCOME_UNKNOWN, False
+
+
+def not_run_error(detail: str) -> str:
+    return f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}: {detail}"
+
+
+def deadline_timer_seconds(deadline: datetime, now: datetime) -> int:
+    """Whole seconds until `deadline`, rounded up (engine Timers take whole seconds); 0 when past."""
+    remaining = (deadline - now).total_seconds()
+    return max(0, math.ceil(remaining))
+
+
+def without_interrupt(
+    interrupts: Iterable[AgentInterrupt], interrupt_id: str
+) -> tuple[list[AgentInterrupt], AgentInterrupt | None]:
+    """The interrupts without `interrupt_id`, and the removed one (None when it was not pending)."""
+    kept: list[AgentInterrupt] = []
+    removed: AgentInterrupt | None = None
+    for interrupt in interrupts:
+        if removed is None and interrupt.interrupt_id == interrupt_id:
+            removed = interrupt
+        else:
+            kept.append(interrupt)
+    return kept, removed

@@ -1,0 +1,279 @@
+"""Turn-level Steps: StartAgentSession, AwaitUserMessage, RunModel and RecordTurnFailure."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from dex_engine import Context, Movement, StepDecision, ValueTooLargeError, Wait
+
+from ._constants import (
+    AWAIT_TOOL_APPROVAL,
+    AWAIT_USER_MESSAGE,
+    INVALID_START_SESSION_SETTINGS_REASON,
+    NEW_MESSAGES_WITHOUT_BUILDER,
+    RESUME_TURN,
+    RUN_MODEL,
+    RUN_MODEL_HEARTBEAT_INTERVAL,
+)
+from ._events import AgentEventType
+from ._persistence import (
+    AGENT_STATE,
+    AGENT_TOOL_CALLS,
+    AGENT_TRACE_CONTEXT,
+    AGENT_USAGE,
+    FRAMEWORK_RUN_STATE,
+    PENDING_INTERRUPTS,
+    QUEUED_USER_MESSAGES,
+    SESSION_SETTINGS,
+    TURN_REPLY_SEQUENCE,
+    TURN_SESSION_SETTINGS,
+)
+from ._runner import AgentTurnContext, ToolCallsRequested, TurnCompleted, TurnContinued, UnfinishedTurnMessageBuilder
+from ._runtime import (
+    AWAIT_TOOL_APPROVAL_LOAD_EXTRA,
+    SessionRuntime,
+    ValueTooLarge,
+    background_heartbeats,
+    now_utc,
+    pending_interrupts,
+        session_settings,
+    tool_call_load,
+)
+from ._session_settings import session_settings_error
+from ._turn_logic import (
+    TurnContractError,
+    check_framework_messages,
+    ended_turn,
+    initial_state,
+    next_turn_id,
+    plan_tool_calls,
+    started_turn,
+)
+from ._wire import (
+    AgentSessionStartInput,
+    AgentState,
+    AgentStatus,
+    AgentUsage,
+    AgentUserMessage,
+    CompactContextInput,
+    InteractionMode,
+    TurnReplySequence,
+    TurnSessionSettings,
+)
+
+
+class TurnSteps:
+    """The Step handlers that start, run and end turns."""
+
+    def __init__(self, runtime: SessionRuntime) -> None:
+        self.rt = runtime
+
+    # Starting turns ----------------------------------------------------------------------------
+
+    def begin_turn(
+        self, ctx: Context, state: AgentState, messages: Sequence[AgentUserMessage], mode: InteractionMode
+    ) -> StepDecision:
+        """Store the turn's user messages, copy the settings, write turn_started, go to RunModel.
+
+        A user message too large to store fails the new turn in this commit instead.
+        """
+        rt = self.rt
+        turn_id = next_turn_id(state)
+        first_sequence = state.next_message_sequence
+        try:
+            items = [rt.user_message(m.text) for m in messages]
+            state = rt.append_messages(ctx, state, turn_id, items)
+        except (ValueTooLarge, TurnContractError) as exc:
+            state = started_turn(state, turn_id, mode)
+            rt.emit(ctx, AgentEventType.TURN_STARTED, turn_id, {"sequence": first_sequence})
+            rt.fail_turn(ctx, state, turn_id, str(exc))
+            return StepDecision.go_to(AWAIT_USER_MESSAGE)
+        ctx.set(TURN_REPLY_SEQUENCE, TurnReplySequence(turn_id=turn_id, sequence=state.next_message_sequence))
+        ctx.set(TURN_SESSION_SETTINGS, TurnSessionSettings(turn_id=turn_id, session_settings=session_settings(ctx)))
+        ctx.set(AGENT_STATE, started_turn(state, turn_id, mode))
+        rt.emit(ctx, AgentEventType.TURN_STARTED, turn_id, {"sequence": first_sequence})
+        return StepDecision.go_to(RUN_MODEL, None)
+
+    async def start_agent_session(self, ctx: Context, start: AgentSessionStartInput | None) -> StepDecision:
+        start = start or AgentSessionStartInput()
+        settings = start.session_settings
+        if settings is not None and settings != {}:
+            problem = session_settings_error(settings)
+            if problem is not None:
+                return StepDecision.force_fail(f"{INVALID_START_SESSION_SETTINGS_REASON}: {problem}")
+            ctx.set(SESSION_SETTINGS, settings)
+        state = initial_state()
+        ctx.set(AGENT_STATE, state)
+        ctx.set(AGENT_USAGE, AgentUsage())
+        ctx.set(PENDING_INTERRUPTS, [])
+        text = start.initial_message
+        if text is not None and text.strip():
+            return self.begin_turn(ctx, state, [AgentUserMessage(text)], InteractionMode.CHAT)
+        return StepDecision.go_to(AWAIT_USER_MESSAGE)
+
+    async def await_user_message_wait(self, ctx: Context, _: None) -> Wait:
+        return Wait.any_of(QUEUED_USER_MESSAGES.for_one())
+
+    async def await_user_message(self, ctx: Context, _: None) -> StepDecision:
+        state = ctx.get(AGENT_STATE)
+        if state is None:
+            raise RuntimeError("AwaitUserMessage ran before StartAgentSession stored AgentState")
+        assert ctx.wait_result is not None
+        messages = [m for m in ctx.wait_result.messages(QUEUED_USER_MESSAGES) if m.text.strip()]
+        if not messages:
+            return StepDecision.go_to(AWAIT_USER_MESSAGE)  # a blank message published around the RPC
+        return self.begin_turn(ctx, state, messages, InteractionMode.CHAT)
+
+    # RunModel ----------------------------------------------------------------------------------
+
+    def turn_context(self, ctx: Context, state: AgentState, turn_id: str, *, live: bool) -> AgentTurnContext:
+        rt = self.rt
+        writer = rt.live_writer(ctx, turn_id)
+        if not live:
+            writer.close()
+
+        async def heartbeat() -> None:
+            await ctx.heartbeat()
+
+        return AgentTurnContext(
+            flow_id=ctx.flow_id, turn_id=turn_id, attempt=ctx.attempt, messages=rt.stored_messages(ctx),
+            framework_run_state=ctx.get(FRAMEWORK_RUN_STATE), tool_calls=rt.turn_records(ctx, turn_id),
+            events=writer, heartbeat=heartbeat, tool_policies=rt.options.tool_policies,
+            default_tool_effect=rt.options.default_tool_effect, session_settings=rt.turn_settings(ctx, turn_id),
+            interaction_mode=state.interaction_mode,
+        )
+
+    async def run_model(self, ctx: Context, _: CompactContextInput | None) -> StepDecision:
+        rt = self.rt
+        state = ctx.get(AGENT_STATE)
+        if state is None or state.active_turn_id is None:
+            return StepDecision.dead_end()  # the turn already ended; nothing to run
+        turn_id = state.active_turn_id
+        turn = self.turn_context(ctx, state, turn_id, live=True)
+        try:
+            async with background_heartbeats(ctx, RUN_MODEL_HEARTBEAT_INTERVAL.total_seconds()):
+                outcome = await rt.runner.run_model_step(turn)
+        finally:
+            turn.events.close()
+        try:
+            return self._apply_outcome(ctx, state, turn_id, outcome)
+        except TurnContractError as exc:
+            return self._fail_in_commit(ctx, state, turn_id, str(exc))
+
+    def _fail_in_commit(self, ctx: Context, state: AgentState, turn_id: str, error: str) -> StepDecision:
+        """A contract breach a retry cannot fix ends the turn in this commit; the session goes on."""
+        fresh = ctx.get(AGENT_STATE) or state
+        self.rt.fail_turn(ctx, fresh, turn_id, error)
+        return StepDecision.go_to(AWAIT_USER_MESSAGE)
+
+    def _apply_outcome(self, ctx: Context, state: AgentState, turn_id: str, outcome: object) -> StepDecision:
+        rt = self.rt
+        if not isinstance(outcome, TurnCompleted | ToolCallsRequested | TurnContinued):
+            raise TurnContractError(
+                f"run_model_step returned a {type(outcome).__name__}; return TurnCompleted, ToolCallsRequested "
+                "or TurnContinued"
+            )
+        rt.record_usage(ctx, turn_id, outcome.usage)
+        has_builder = isinstance(rt.runner, UnfinishedTurnMessageBuilder)
+        if isinstance(outcome, TurnCompleted):
+            items = check_framework_messages(outcome.new_messages, "TurnCompleted.new_messages")
+            state = self._store(ctx, state, turn_id, items)
+            if outcome.turn_error is not None:
+                rt.fail_turn(ctx, state, turn_id, str(outcome.turn_error))
+                return StepDecision.go_to(AWAIT_USER_MESSAGE)
+            count = rt.reply_count(ctx, state, turn_id)
+            rt.clear_turn(ctx, turn_id)
+            ctx.set(AGENT_STATE, ended_turn(state, error=None))
+            rt.emit(ctx, AgentEventType.TURN_COMPLETED, turn_id, {"message_count": count})
+            return StepDecision.go_to(AWAIT_USER_MESSAGE)
+        items = check_framework_messages(outcome.new_messages, f"{type(outcome).__name__}.new_messages")
+        if items and not has_builder:
+            raise TurnContractError(NEW_MESSAGES_WITHOUT_BUILDER)
+        run_state = outcome.framework_run_state
+        if not isinstance(run_state, str) or not run_state:
+            raise TurnContractError(
+                f"{type(outcome).__name__}.framework_run_state must be non-empty text that continues the turn"
+            )
+        if isinstance(outcome, TurnContinued):
+            state = self._store(ctx, state, turn_id, items)
+            self._store_run_state(ctx, turn_id, run_state)
+            ctx.set(AGENT_STATE, state)
+            return StepDecision.go_to(RUN_MODEL, None)
+        plan = plan_tool_calls(
+            outcome.tool_calls, turn_id=turn_id, existing=rt.turn_records(ctx, turn_id), now=now_utc(),
+            interrupt_deadline=rt.options.interrupt_deadline, trace_context=ctx.get(AGENT_TRACE_CONTEXT),
+        )
+        state = self._store(ctx, state, turn_id, items)
+        self._store_run_state(ctx, turn_id, run_state)
+        movements: list[Movement] = []
+        for planned in plan.calls:
+            record = planned.record
+            rt.emit(ctx, AgentEventType.TOOL_CALL_DEFERRED, turn_id, {
+                "tool_call_id": record.tool_call_id, "tool_name": record.tool_name,
+                "effect": record.effect.value, "requires_approval": record.requires_approval,
+            })
+            if planned.next_step is None:
+                rt.finish_record(ctx, record)
+                continue
+            ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], record)
+            extra = AWAIT_TOOL_APPROVAL_LOAD_EXTRA if planned.next_step == AWAIT_TOOL_APPROVAL else ()
+            movements.append(Movement(planned.next_step, record.tool_call_id,
+                                      tool_call_load(record.tool_call_id, *extra)))
+        if plan.interrupts:
+            pending = pending_interrupts(ctx)
+            pending.extend(plan.interrupts)
+            ctx.set(PENDING_INTERRUPTS, pending)
+            for interrupt in plan.interrupts:
+                rt.emit(ctx, AgentEventType.INTERRUPT_RAISED, turn_id, {
+                    "interrupt_id": interrupt.interrupt_id, "tool_call_id": interrupt.tool_call_id,
+                    "tool_name": interrupt.tool_name, "deadline": interrupt.deadline, "kind": interrupt.kind.value,
+                    "question": interrupt.question, "choices": list(interrupt.choices),
+                    "allows_free_text": interrupt.allows_free_text,
+                })
+        ctx.set(AGENT_STATE, _with_status(state, AgentStatus.RUNNING_TOOLS))
+        movements.append(Movement(RESUME_TURN, len(plan.calls)))
+        return StepDecision.go_to_many(*movements)
+
+    def _store(self, ctx: Context, state: AgentState, turn_id: str, items: Sequence[Any]) -> AgentState:
+        stored = self.rt.append_messages(ctx, state, turn_id, items)
+        ctx.set(AGENT_STATE, stored)
+        return stored
+
+    @staticmethod
+    def _store_run_state(ctx: Context, turn_id: str, run_state: str) -> None:
+        try:
+            ctx.set(FRAMEWORK_RUN_STATE, run_state)
+        except ValueTooLargeError as exc:
+            raise ValueTooLarge(f"the framework run state of turn {turn_id} is too large to store: {exc}") from None
+
+    # RecordTurnFailure -------------------------------------------------------------------------
+
+    async def record_turn_failure(self, ctx: Context, _: CompactContextInput | None) -> StepDecision:
+        rt = self.rt
+        state = ctx.get(AGENT_STATE)
+        if state is None or state.active_turn_id is None:
+            return StepDecision.dead_end()  # the turn already ended (e.g. cancelled)
+        turn_id = state.active_turn_id
+        recovery = ctx.recovery_error
+        error = "the model call failed" if recovery is None else recovery.detail or recovery.error_type
+        if recovery is not None and recovery.error_type == ValueTooLarge.__name__ and "run state of" in error:
+            return self._end_session(ctx, state, turn_id, error)
+        turn = self.turn_context(ctx, state, turn_id, live=False)
+        rt.fail_turn(ctx, state, turn_id, error, unfinished=rt.unfinished_turn_messages(turn))
+        return StepDecision.go_to(AWAIT_USER_MESSAGE)
+
+    def _end_session(self, ctx: Context, state: AgentState, turn_id: str, error: str) -> StepDecision:
+        """A run state too large to store would fail every later turn too: the session ends failed."""
+        ctx.delete(FRAMEWORK_RUN_STATE)
+        ctx.set(PENDING_INTERRUPTS, [])
+        ended = ended_turn(state, error=error)
+        ctx.set(AGENT_STATE, _with_status(ended, AgentStatus.FAILED))
+        self.rt.emit(ctx, AgentEventType.TURN_FAILED, turn_id, {"error": error})
+        return StepDecision.force_fail(error)
+
+
+def _with_status(state: AgentState, status: AgentStatus) -> AgentState:
+    return msgspec.structs.replace(state, status=status)
