@@ -1,0 +1,30 @@
+"""dex_agents.testing: a private engine, Worker child processes, gates, and Step history for tests."""
+
+from ._gates import FileGate, InvocationLog
+from ._history import EXECUTE_COMPLETED_EVENT, StepHistoryEntry, executed_steps, read_step_history
+from ._stack import (
+    DEFAULT_TEST_LEASE_TTL_SECONDS,
+    ENV_DATABASE_URL,
+    ENV_STATE_DIR,
+    AgentTestStack,
+    WorkerProcess,
+    run_agent_worker,
+)
+from ._waiting import wait_for_agent_snapshot, wait_until
+
+__all__ = [
+    "DEFAULT_TEST_LEASE_TTL_SECONDS",
+    "ENV_DATABASE_URL",
+    "ENV_STATE_DIR",
+    "EXECUTE_COMPLETED_EVENT",
+    "AgentTestStack",
+    "FileGate",
+    "InvocationLog",
+    "StepHistoryEntry",
+    "WorkerProcess",
+    "executed_steps",
+    "read_step_history",
+    "run_agent_worker",
+    "wait_for_agent_snapshot",
+    "wait_until",
+]

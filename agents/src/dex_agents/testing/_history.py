@@ -1,0 +1,42 @@
+"""Step history of a session, to assert the Step shape of a turn."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dex_engine import HistoryEntry, open_store
+
+# The history event of a Step whose Execute committed.
+EXECUTE_COMPLETED_EVENT = "execute_completed"
+
+
+@dataclass(frozen=True)
+class StepHistoryEntry:
+    """One Step event: what happened, to which Step execution, at which attempt."""
+
+    event_type: str
+    step_type: str
+    step_execution_id: str
+    final_attempt: int
+
+
+def to_step_history(entries: list[HistoryEntry]) -> list[StepHistoryEntry]:
+    return [
+        StepHistoryEntry(e.event_type, e.step_type, e.step_execution_id, e.attempt)
+        for e in entries
+        if e.step_type  # flow-level events (flow_closed) name no Step
+    ]
+
+
+async def read_step_history(database_url: str, flow_id: str) -> list[StepHistoryEntry]:
+    """Every Step event of a flow, oldest first, read straight from the engine database."""
+    store = open_store(database_url)
+    try:
+        return to_step_history(await store.history(flow_id))
+    finally:
+        await store.close()
+
+
+def executed_steps(history: list[StepHistoryEntry]) -> list[str]:
+    """Step types whose Execute committed, in commit order: the Step shape of a session."""
+    return [e.step_type for e in history if e.event_type == EXECUTE_COMPLETED_EVENT]

@@ -1,0 +1,65 @@
+"""Waiting with deadlines instead of sleeping."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from .._client import AgentSessionClient
+    from .._wire import AgentSnapshot
+
+T = TypeVar("T")
+
+# Long enough for a Worker restart plus a lease takeover on a loaded CI machine.
+DEFAULT_WAIT_SECONDS = 30.0
+POLL_SECONDS = 0.02
+
+
+async def wait_until(
+    description: str,
+    probe: Callable[[], Any],
+    *,
+    timeout: float = DEFAULT_WAIT_SECONDS,
+    interval: float = POLL_SECONDS,
+) -> Any:
+    """Poll `probe` (sync or async) until it returns a truthy value, and return it.
+
+    Raises AssertionError naming `description` and the last value when `timeout` seconds pass.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {description}; last value: {value!r}")
+        await asyncio.sleep(interval)
+
+
+async def wait_for_agent_snapshot(
+    sessions: AgentSessionClient,
+    session_id: str,
+    probe: Callable[[AgentSnapshot], T | None],
+    *,
+    description: str,
+    timeout: float = DEFAULT_WAIT_SECONDS,
+) -> T:
+    """Poll get_agent_snapshot until `probe(snapshot)` is truthy; return what it returned."""
+    last: list[AgentSnapshot] = []
+
+    async def check() -> T | None:
+        snapshot = await sessions.get_agent_snapshot(session_id)
+        last[:] = [snapshot]
+        return probe(snapshot)
+
+    try:
+        found: T = await wait_until(description, check, timeout=timeout)
+        return found
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last snapshot of {session_id!r}: {last[0] if last else None!r}") from None

@@ -1,0 +1,213 @@
+"""A scripted runner for the session tests: the user message is the script of the turn's model calls.
+
+A plain-text message gets the answer `echo: <text>`. A JSON message `{"steps": [...]}` scripts one
+model call per step, in order:
+
+- `{"tools": [{"id": "c1", "name": "read_orders", "args": {...}}, ...]}` asks for tool calls
+  (`"args_text"` instead of `"args"` sends raw argument text);
+- `{"answer": "text"}` is the final answer; `{results}` in it becomes each final record's
+  model-visible result (`id=<text>; ...`) and `{seen}` the number of stored messages the call saw;
+- `{"turn_error": "text"}` ends the turn as failed without a retry;
+- `{"raise": "text"}` fails every attempt of the model call; with `"attempts": n`, only the first n;
+- `"gate": "name"` in any step waits at that FileGate before the model call returns.
+
+Tools (in the tool Step): args `{"gate": name}` wait at a FileGate first; `{"fail": text}` raises
+ToolExecutionError; `{"unknown": text}` raises ToolOutcomeUnknownError; `{"crash": text}` raises
+RuntimeError; `{"output_bytes": n}` returns n bytes. Policies by name prefix: read_ READ, idem_
+IDEMPOTENT_WRITE, write_ NON_IDEMPOTENT_WRITE; anything else gets the session default (unclassified).
+
+Every model call and tool run is recorded in the InvocationLog `invocations.log` of the state
+directory (ENV_STATE_DIR), the ground truth across Worker kills. Set SCRIPTED_INCREMENTAL=1 for a
+runner that stores items as they appear and builds unfinished-turn messages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from dex_agents import (
+    AgentSessionFlow,
+    AgentSessionOptions,
+    AgentTurnContext,
+    AgentTurnOutcome,
+    AgentUsage,
+    DeferredToolCall,
+    DeferredToolExecution,
+    FrameworkMessage,
+    MessageRole,
+    ToolCallsRequested,
+    ToolEffect,
+    ToolExecutionError,
+    ToolExecutionResult,
+    ToolOutcomeUnknownError,
+    ToolPolicy,
+    TurnCompleted,
+    describe_tool_call_outcome,
+)
+from dex_agents.testing import ENV_STATE_DIR, FileGate, InvocationLog
+
+FLOW_TYPE = "ScriptedAgent"
+ENV_INCREMENTAL = "SCRIPTED_INCREMENTAL"
+ENV_DEADLINE_SECONDS = "SCRIPTED_INTERRUPT_DEADLINE_SECONDS"
+INVOCATIONS = "invocations.log"
+
+POLICIES = {"read_": ToolEffect.READ, "idem_": ToolEffect.IDEMPOTENT_WRITE, "write_": ToolEffect.NON_IDEMPOTENT_WRITE}
+
+# Usage each scripted model call reports, so tests can check the session totals.
+CALL_USAGE = AgentUsage(model_calls=1, input_tokens=10, output_tokens=5)
+
+
+def script_of(text: str) -> list[dict[str, Any]]:
+    """The turn's script: JSON {"steps": [...]}, or one echo answer for plain text."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return [{"answer": f"echo: {text}"}]
+    if isinstance(value, dict) and isinstance(value.get("steps"), list):
+        return list(value["steps"])
+    return [{"answer": f"echo: {text}"}]
+
+
+def item(role: MessageRole, **fields: Any) -> FrameworkMessage:
+    return FrameworkMessage(role=role, framework_item=json.dumps({"role": role.value, **fields}, sort_keys=True),
+                            text=fields.get("text"), tool_call_id=fields.get("tool_call_id"),
+                            tool_name=fields.get("tool_name"), tool_arguments=fields.get("arguments"),
+                            tool_output=fields.get("output"))
+
+
+class ScriptedRunner:
+    """Plays the turn's script; keeps the script position and unstored items in the run state."""
+
+    incremental = False
+
+    def __init__(self, state_dir: Path | None = None) -> None:
+        self.state_dir = state_dir
+        self.log = InvocationLog(state_dir / INVOCATIONS) if state_dir is not None else None
+
+    def build_user_message(self, text: str) -> FrameworkMessage:
+        return item(MessageRole.USER, text=text)
+
+    def _gate(self, name: str) -> FileGate:
+        if self.state_dir is None:
+            raise RuntimeError(f"gate {name!r} needs {ENV_STATE_DIR}")
+        return FileGate(self.state_dir, name)
+
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome:
+        user = next(m for m in reversed(turn.messages) if m.role is MessageRole.USER and m.turn_id == turn.turn_id)
+        script = script_of(user.text or "")
+        run = json.loads(turn.framework_run_state) if turn.framework_run_state else {"step": 0, "items": []}
+        index: int = run["step"]
+        step = script[min(index, len(script) - 1)]
+        if self.log is not None:
+            self.log.record("model", flow_id=turn.flow_id, turn_id=turn.turn_id, attempt=turn.attempt, step=index,
+                            seen=[m.sequence for m in turn.messages])
+        turn.events.write_text_delta(f"step {index}")
+        if "gate" in step:
+            await self._gate(step["gate"]).wait_for_release()
+        if "raise" in step and turn.attempt <= step.get("attempts", 1_000_000):
+            raise RuntimeError(step["raise"])
+        pending = [_restored(m) for m in run["items"]]
+        # Results of the previous response's tool calls, now final.
+        results = sorted(turn.tool_calls.values(), key=lambda r: r.deferral_order)
+        new_results = [r for r in results if r.tool_call_id in run.get("asked", [])]
+        for record in new_results:
+            pending.append(item(MessageRole.TOOL, tool_call_id=record.tool_call_id, tool_name=record.tool_name,
+                                output=describe_tool_call_outcome(record)))
+        if "tools" in step:
+            calls = [self._deferred(turn, spec) for spec in step["tools"]]
+            ask = item(MessageRole.ASSISTANT, text=None,
+                       calls=[{"id": c.tool_call_id, "name": c.tool_name, "arguments": c.arguments} for c in calls])
+            stored_now: Sequence[FrameworkMessage] = ()
+            if self.incremental:
+                stored_now, pending = [*pending, ask], []
+            else:
+                pending.append(ask)
+            state = {"step": index + 1, "items": [_plain(m) for m in pending],
+                     "asked": [c.tool_call_id for c in calls]}
+            return ToolCallsRequested(json.dumps(state), calls, CALL_USAGE, new_messages=stored_now)
+        if "turn_error" in step:
+            return TurnCompleted(pending, CALL_USAGE, turn_error=step["turn_error"])
+        text = str(step.get("answer", "done"))
+        text = text.replace("{results}", "; ".join(f"{r.tool_call_id}={describe_tool_call_outcome(r)}"
+                                                     for r in results))
+        text = text.replace("{seen}", str(len(turn.messages)))
+        pending.append(item(MessageRole.ASSISTANT, text=text))
+        return TurnCompleted(pending, CALL_USAGE)
+
+    @staticmethod
+    def _deferred(turn: AgentTurnContext, spec: dict[str, Any]) -> DeferredToolCall:
+        name = str(spec["name"])
+        arguments = spec["args_text"] if "args_text" in spec else json.dumps(spec.get("args", {}))
+        # The name prefix plays the framework's tool metadata; an explicit ToolPolicy still wins.
+        effect = next((e for prefix, e in POLICIES.items() if name.startswith(prefix)), None)
+        return DeferredToolCall(spec["id"], name, arguments, turn.resolve_tool_policy(name, effect))
+
+    async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> ToolExecutionResult:
+        record = call.tool_call
+        args = json.loads(record.arguments)
+        if self.log is not None:
+            self.log.record("tool_start", flow_id=call.flow_id, turn_id=record.turn_id,
+                            tool_call_id=record.tool_call_id, tool_name=record.tool_name, attempt=call.attempt,
+                            idempotency_key=call.idempotency_key)
+        if "gate" in args:
+            await self._gate(args["gate"]).wait_for_release()
+        if "fail" in args:
+            raise ToolExecutionError(args["fail"])
+        if "unknown" in args:
+            raise ToolOutcomeUnknownError(args["unknown"])
+        if "crash" in args:
+            raise RuntimeError(args["crash"])
+        output = "x" * int(args["output_bytes"]) if "output_bytes" in args else f"{record.tool_name} done"
+        if self.log is not None:
+            self.log.record("tool_end", flow_id=call.flow_id, turn_id=record.turn_id,
+                            tool_call_id=record.tool_call_id, attempt=call.attempt)
+        return ToolExecutionResult(output)
+
+
+class IncrementalScriptedRunner(ScriptedRunner):
+    """Stores each response's items as they appear, and rebuilds the unstored ones on failure."""
+
+    incremental = True
+
+    def build_unfinished_turn_messages(self, turn: AgentTurnContext) -> Sequence[FrameworkMessage]:
+        run = json.loads(turn.framework_run_state) if turn.framework_run_state else {"items": [], "asked": []}
+        items = [_restored(m) for m in run["items"]]
+        for record in sorted(turn.tool_calls.values(), key=lambda r: r.deferral_order):
+            if record.status.is_final:
+                items.append(item(MessageRole.TOOL, tool_call_id=record.tool_call_id, tool_name=record.tool_name,
+                                  output=describe_tool_call_outcome(record)))
+        return items
+
+
+def _plain(message: FrameworkMessage) -> dict[str, Any]:
+    return {"role": message.role, "framework_item": message.framework_item, "text": message.text,
+            "tool_call_id": message.tool_call_id, "tool_name": message.tool_name,
+            "tool_arguments": message.tool_arguments, "tool_output": message.tool_output}
+
+
+def _restored(fields: dict[str, Any]) -> FrameworkMessage:
+    return FrameworkMessage(**{**fields, "role": MessageRole(fields["role"])})
+
+
+def state_dir_from_env() -> Path | None:
+    value = os.environ.get(ENV_STATE_DIR)
+    return Path(value) if value else None
+
+
+def build_flow(state_dir: Path | None = None, *, incremental: bool | None = None,
+               interrupt_deadline: timedelta | None = None,
+               tool_policies: dict[str, ToolPolicy] | None = None) -> AgentSessionFlow:
+    """The Flow both the test process and the Worker child build (options from the environment too)."""
+    if incremental is None:
+        incremental = os.environ.get(ENV_INCREMENTAL) == "1"
+    if interrupt_deadline is None and os.environ.get(ENV_DEADLINE_SECONDS):
+        interrupt_deadline = timedelta(seconds=float(os.environ[ENV_DEADLINE_SECONDS]))
+    runner = (IncrementalScriptedRunner if incremental else ScriptedRunner)(state_dir or state_dir_from_env())
+    return AgentSessionFlow(runner, FLOW_TYPE, AgentSessionOptions(
+        tool_policies=tool_policies or {}, interrupt_deadline=interrupt_deadline,
+    ))

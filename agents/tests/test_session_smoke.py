@@ -1,0 +1,36 @@
+"""The shortest path through a session: a read tool, an approved write, and the Step shape."""
+
+from __future__ import annotations
+
+import json
+
+from dex_agents import AgentStatus, AgentToolCallStatus
+from dex_agents.testing import AgentTestStack, executed_steps, wait_for_agent_snapshot
+
+from agents.tests.scripted_agent import FLOW_TYPE
+
+
+async def test_turn_with_read_and_approved_write(stack: AgentTestStack) -> None:
+    """RunModel -> CallTool + AwaitToolApproval -> CallSingleAttemptTool -> ResumeTurn -> RunModel."""
+    flow = stack.flows[0]
+    sessions = stack.sessions(flow)  # type: ignore[arg-type]
+    await stack.start_worker()
+    script = {"steps": [
+        {"tools": [{"id": "c1", "name": "read_orders", "args": {}}, {"id": "c2", "name": "write_refund", "args": {}}]},
+        {"answer": "done {results}"},
+    ]}
+    await sessions.start_session("s1", json.dumps(script))
+    interrupt = await wait_for_agent_snapshot(
+        sessions, "s1", lambda s: next(iter(s.pending_interrupts), None), description="the approval")
+    assert interrupt.interrupt_id == "c2"
+    assert await sessions.resolve_interrupt("s1", "c2", approved=True)
+    snapshot = await wait_for_agent_snapshot(
+        sessions, "s1", lambda s: s if s.state and s.state.turn_count == 1 else None, description="turn end")
+    assert snapshot.state is not None and snapshot.state.status is AgentStatus.WAITING_FOR_USER_MESSAGE
+    assert snapshot.messages[-1].text == "done c1=read_orders done; c2=write_refund done"
+    steps = executed_steps(await stack.read_step_history("s1"))
+    assert steps[:2] == ["StartAgentSession", "RunModel"]
+    assert sorted(steps[2:5]) == ["AwaitToolApproval", "CallSingleAttemptTool", "CallTool"]
+    assert steps[5:] == ["ResumeTurn", "RunModel"]
+    assert FLOW_TYPE == flow.flow_type
+    assert AgentToolCallStatus.SUCCEEDED  # records are deleted at turn end; the answer carries their results
