@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from dex_agents.testing import AgentTestStack
-
 from agents.tests.scripted_agent import build_flow
+
+from dex_agents.testing import AgentTestStack
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER_MODULE = "agents.tests.scripted_worker"
