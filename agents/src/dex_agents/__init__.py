@@ -85,7 +85,7 @@ from ._runner import (
     UnfinishedTurnMessageBuilder,
 )
 from ._session_flow import AgentSessionFlow
-from ._session_settings import session_settings_error
+from ._session_settings import session_settings_error, session_settings_size, validate_session_settings
 from ._tool_steps import idempotency_key
 from ._wire import (
     AgentEvent,
@@ -260,4 +260,6 @@ __all__ = [
     "plan_execution_key",
     "resolve_tool_policy",
     "session_settings_error",
+    "session_settings_size",
+    "validate_session_settings",
 ]

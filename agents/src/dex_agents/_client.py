@@ -12,12 +12,11 @@ from dex_engine import AsyncClient, FlowConfig, RpcLockConflictError, StepDurabi
 
 from ._constants import (
     LIST_MESSAGES_DEFAULT_LIMIT,
-    MAX_SESSION_SETTINGS_BYTES,
     RPC_LOCK_CONFLICT_RETRY,
     RPC_LOCK_CONFLICT_RETRY_INTERVAL,
 )
 from ._session_flow import AgentSessionFlow
-from ._session_settings import session_settings_error
+from ._session_settings import validate_session_settings
 from ._wire import (
     AgentMessagesPage,
     AgentSessionStartInput,
@@ -26,6 +25,7 @@ from ._wire import (
     JsonObject,
     ListAgentMessagesRequest,
     ResolveInterruptRequest,
+    UpdateSessionSettingsRequest,
 )
 
 T = TypeVar("T")
@@ -77,9 +77,7 @@ class AgentSessionClient:
         if initial_message is not None and not isinstance(initial_message, str):
             raise TypeError(f"initial_message must be text or None, got {type(initial_message).__name__}")
         if session_settings is not None:
-            problem = session_settings_error(session_settings, limit=MAX_SESSION_SETTINGS_BYTES)
-            if problem is not None:
-                raise ValueError(problem)
+            validate_session_settings(session_settings)
         await self.client.start_flow(
             self.flow.flow_type, session_id,
             AgentSessionStartInput(initial_message=initial_message, session_settings=session_settings),
@@ -88,6 +86,14 @@ class AgentSessionClient:
 
     async def send_user_message(self, session_id: str, text: str, *, plan_mode: bool = False) -> bool:
         result = await self.client.rpc(session_id, "send_user_message", AgentUserMessage(text, plan_mode))
+        return bool(result)
+
+    async def update_session_settings(self, session_id: str, session_settings: JsonObject) -> bool:
+        """Replace the settings the next turn starts with ({} clears); checked here before sending."""
+        validate_session_settings(session_settings)
+        result = await self.client.rpc(
+            session_id, "update_session_settings", UpdateSessionSettingsRequest(session_settings)
+        )
         return bool(result)
 
     async def resolve_interrupt(

@@ -20,6 +20,7 @@ from ._persistence import (
     STEERED_USER_MESSAGES,
 )
 from ._runtime import now_utc, pending_interrupts
+from ._session_settings import session_settings_error
 from ._timefmt import parse_time
 from ._turn_logic import without_interrupt
 from ._wire import (
@@ -33,6 +34,7 @@ from ._wire import (
     ListAgentMessagesRequest,
     PendingUserMessage,
     ResolveInterruptRequest,
+    UpdateSessionSettingsRequest,
 )
 
 
@@ -109,4 +111,18 @@ def session_rpcs() -> list[Rpc]:
         messages = list(ctx.items(AGENT_MESSAGES).values())
         return page_of_messages(messages, first_stored, request.before_sequence, request.limit)
 
-    return [send_user_message, resolve_interrupt, get_agent_snapshot, list_agent_messages]
+    @rpc("update_session_settings", request_type=UpdateSessionSettingsRequest, load=LoadOptions.only(AGENT_STATE))
+    async def update_session_settings(ctx: RpcContext, request: UpdateSessionSettingsRequest) -> bool:
+        # Replaces, never merges; {} clears. The next turn copies it; the running turn keeps its copy.
+        if ctx.get(AGENT_STATE) is None:
+            return False  # StartAgentSession has not committed
+        settings = request.session_settings
+        if settings is None or session_settings_error(settings) is not None:
+            return False
+        if settings:
+            ctx.set(SESSION_SETTINGS, settings)
+        else:
+            ctx.delete(SESSION_SETTINGS)
+        return True
+
+    return [send_user_message, resolve_interrupt, get_agent_snapshot, list_agent_messages, update_session_settings]

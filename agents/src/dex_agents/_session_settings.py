@@ -17,6 +17,18 @@ def settings_json_bytes(settings: Any) -> int:
 SESSION_SIDE_SETTINGS_LIMIT = MAX_SESSION_SETTINGS_BYTES + SESSION_SETTINGS_SIZE_TOLERANCE_BYTES
 
 
+def session_settings_size(settings: Any) -> int:
+    """The compact JSON size Clients check against MAX_SESSION_SETTINGS_BYTES."""
+    return settings_json_bytes(settings)
+
+
+def validate_session_settings(settings: object) -> None:
+    """Raise ValueError naming the problem when a Client must not send these settings."""
+    problem = session_settings_error(settings, limit=MAX_SESSION_SETTINGS_BYTES)
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def session_settings_error(settings: object, *, limit: int = SESSION_SIDE_SETTINGS_LIMIT) -> str | None:
     """None for acceptable settings, else why not (the session's own check allows the tolerance)."""
     if not isinstance(settings, dict):

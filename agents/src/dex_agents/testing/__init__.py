@@ -1,7 +1,7 @@
 """dex_agents.testing: a private engine, Worker child processes, gates, and Step history for tests."""
 
 from ._gates import FileGate, InvocationLog
-from ._history import EXECUTE_COMPLETED_EVENT, StepHistoryEntry, executed_steps, read_step_history
+from ._history import EXECUTE_COMPLETED_EVENT, StepHistoryEntry, executed_steps, read_step_history, to_step_history
 from ._stack import (
     DEFAULT_TEST_LEASE_TTL_SECONDS,
     ENV_DATABASE_URL,
@@ -25,6 +25,7 @@ __all__ = [
     "executed_steps",
     "read_step_history",
     "run_agent_worker",
+    "to_step_history",
     "wait_for_agent_snapshot",
     "wait_until",
 ]
