@@ -1,0 +1,145 @@
+"""AgentDefinition: an agent in Dex terms (instructions, model, tools), and the hooks it takes."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import MappingProxyType
+from typing import Any, Literal
+
+from .._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES
+from .._policy import ToolPolicy
+from .._wire import InteractionMode, JsonObject, ToolEffect
+from ._function_tools import FunctionTool
+from ._model import ModelClient, ModelOutputItem, ToolResultInput
+from ._tool_sources import DEFAULT_TOOL_SOURCE_LISTING_TIMEOUT_SECONDS, ToolSource, declared_names
+
+# After this many model calls in one turn, the next call offers no tools and the turn ends.
+DEFAULT_MAX_MODEL_CALLS_PER_TURN = 100
+
+
+@dataclass(frozen=True)
+class InstructionContext:
+    """What an instructions function sees, evaluated in every RunModel."""
+
+    flow_id: str
+    turn_id: str
+    session_settings: JsonObject
+    interaction_mode: InteractionMode
+
+
+@dataclass(frozen=True)
+class ContinueTurn:
+    """Continue the turn: `message` is stored as user text and the model is called again."""
+
+    message: str
+
+
+TurnContinuation = Literal["end", "default"] | ContinueTurn
+
+
+@dataclass(frozen=True)
+class TurnContinuationContext:
+    """One loop iteration: a model call's output and the results of the tools it called (if any)."""
+
+    flow_id: str
+    turn_id: str
+    session_settings: JsonObject
+    model_output: Sequence[ModelOutputItem]
+    tool_results: Sequence[ToolResultInput]
+
+
+Instructions = str | Callable[[InstructionContext], str | Awaitable[str]]
+DecideTurnContinuation = Callable[[TurnContinuationContext], TurnContinuation | Awaitable[TurnContinuation]]
+ResolveModel = Callable[[JsonObject], ModelClient]
+
+
+@dataclass(frozen=True)
+class AgentDefinition:
+    """An agent for the built-in loop. Checked when built: names, limits and tool name collisions."""
+
+    name: str
+    instructions: Instructions
+    model: ModelClient
+    model_settings: Mapping[str, Any] = field(default_factory=dict)
+    tools: Sequence[FunctionTool] = ()
+    tool_sources: Sequence[ToolSource] = ()
+    tool_policies: Mapping[str, ToolPolicy] = field(default_factory=dict)
+    default_tool_effect: ToolEffect = ToolEffect.UNCLASSIFIED
+    max_model_calls_per_turn: int = DEFAULT_MAX_MODEL_CALLS_PER_TURN
+    interrupt_deadline: timedelta | None = None
+    event_stream_capacity_bytes: int = DEFAULT_AGENT_EVENTS_CAPACITY_BYTES
+    decide_turn_continuation: DecideTurnContinuation | None = None
+    resolve_model: ResolveModel | None = None
+    tool_source_listing_timeout: timedelta = timedelta(seconds=DEFAULT_TOOL_SOURCE_LISTING_TIMEOUT_SECONDS)
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        name: object = self.name
+        if not isinstance(name, str) or not name.strip():
+            problems.append(f"name must be non-empty text, got {name!r}")
+        instructions: object = self.instructions
+        if not isinstance(instructions, str) and not callable(instructions):
+            problems.append(f"instructions must be text or a function of InstructionContext, got {instructions!r}")
+        model: object = self.model
+        if not callable(getattr(model, "call_model", None)):
+            problems.append(f"model must be a ModelClient (with call_model), got {type(model).__name__}")
+        limit: object = self.max_model_calls_per_turn
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            problems.append(f"max_model_calls_per_turn must be a whole number >= 1, got {limit!r}")
+        timeout: object = self.tool_source_listing_timeout
+        if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+            problems.append(f"tool_source_listing_timeout must be a positive timedelta, got {timeout!r}")
+        problems.extend(_tool_problems(self.tools, self.tool_sources))
+        if problems:
+            raise ValueError("invalid AgentDefinition: " + "; ".join(problems))
+        object.__setattr__(self, "tools", tuple(self.tools))
+        object.__setattr__(self, "tool_sources", tuple(self.tool_sources))
+        object.__setattr__(self, "model_settings", MappingProxyType(dict(self.model_settings)))
+
+    def function_tool(self, name: str) -> FunctionTool | None:
+        return next((t for t in self.tools if t.name == name), None)
+
+    def tool_source(self, source_name: str) -> ToolSource:
+        for source in self.tool_sources:
+            if source.source_name == source_name:
+                return source
+        raise LookupError(
+            f"this Worker's agent {self.name!r} has no tool source named {source_name!r}; "
+            f"it has {[s.source_name for s in self.tool_sources]}"
+        )
+
+    def merged_tool_policies(self) -> dict[str, ToolPolicy]:
+        """Each function tool's own policy, overridden by the definition's tool_policies."""
+        merged = {t.name: t.policy for t in self.tools}
+        merged.update(self.tool_policies)
+        return merged
+
+
+def _tool_problems(tools: Sequence[object], sources: Sequence[object]) -> list[str]:
+    problems: list[str] = []
+    seen: set[str] = set()
+    for tool in tools:
+        if not isinstance(tool, FunctionTool):
+            problems.append(f"tools must be FunctionTool (use @function_tool), got {tool!r}")
+            continue
+        if tool.name in seen:
+            problems.append(f"two function tools are named {tool.name!r}")
+        seen.add(tool.name)
+    source_names: set[str] = set()
+    listed: set[str] = set()
+    for source in sources:
+        if not isinstance(source, ToolSource):
+            problems.append(f"tool_sources must be ToolSource objects, got {source!r}")
+            continue
+        if source.source_name in source_names:
+            problems.append(f"two tool sources are named {source.source_name!r}; give each a unique source_name")
+        source_names.add(source.source_name)
+        for name in declared_names(source):
+            if name in seen:
+                problems.append(f"tool {name} of a tool source uses the name of a function tool")
+            if name in listed:
+                problems.append(f"two tool sources list a tool named {name}")
+            listed.add(name)
+    return problems

@@ -1,0 +1,25 @@
+"""builtin_agent_session_flow: an AgentDefinition as a session Flow."""
+
+from __future__ import annotations
+
+from .._options import AgentSessionOptions
+from .._session_flow import AgentSessionFlow
+from ._definition import AgentDefinition
+from ._loop_runner import BuiltinLoopAgentRunner
+
+
+def builtin_agent_session_options(definition: AgentDefinition) -> AgentSessionOptions:
+    """The session options an AgentDefinition implies: its tools' policies, effects, deadlines, capacity."""
+    return AgentSessionOptions(
+        tool_policies=definition.merged_tool_policies(),
+        default_tool_effect=definition.default_tool_effect,
+        agent_events_capacity_bytes=definition.event_stream_capacity_bytes,
+        interrupt_deadline=definition.interrupt_deadline,
+    )
+
+
+def builtin_agent_session_flow(definition: AgentDefinition, flow_type: str | None = None) -> AgentSessionFlow:
+    """The session Flow of a built-in loop agent; `flow_type` defaults to the definition's name."""
+    return AgentSessionFlow(
+        BuiltinLoopAgentRunner(definition), flow_type or definition.name, builtin_agent_session_options(definition)
+    )

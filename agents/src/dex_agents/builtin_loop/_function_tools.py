@@ -1,0 +1,786 @@
+"""Function tools: plain sync or async Python functions offered to the model as tools.
+
+`@function_tool` derives a tool's name, description and JSON Schema from the function, and
+`FunctionTool.invoke` decodes, checks and converts the model's argument text before calling it.
+
+Decisions this module makes (seed 003, "Built-in agent loop"):
+
+- The description defaults to the function's docstring cleaned with `inspect.cleandoc`; a function
+  without one gets an empty description (providers accept it, and the name often says enough).
+- Supported annotations: `str`, `int`, `float`, `bool`, `None`, `list` / `list[T]`, `dict` /
+  `dict[str, T]`, `Literal[...]` of str/int/bool/None values, `Enum` subclasses with str or int
+  values (offered by value), unions including `Optional` (`anyOf`), dataclasses and `TypedDict`
+  (nested object schemas with `additionalProperties: false`), and `Annotated[T, "description"]`
+  (the first string extra becomes `description`; other extras are ignored). Anything else (no
+  annotation, `Any`, `tuple`, `set`, arbitrary classes, recursive types, `*args`, `**kwargs`,
+  positional-only parameters) raises `TypeError` when the tool is defined.
+- Checking mirrors the JSON Schema offered: `bool` is never an `int` or a `float`; an `int` is a
+  fine `float` (converted); an integral float such as `3.0` is a fine `int` (JSON Schema's
+  `integer` accepts it); non-finite numbers are refused. Unknown names are violations at every level.
+- `null` for a member that has a default (a parameter with a default, a dataclass field with a
+  default, a `TypedDict` key that is not required) whose type does not admit `None` means the
+  member is absent, as for built-in tools: providers in strict-schema mode send it.
+- An explicit `parameters_schema` replaces the derived schema in the definition only; arguments are
+  still checked and converted against the function's type hints, which stay the contract.
+- A result that cannot be encoded as JSON is an error of the call and follows the effect rule.
+- `ToolOutcomeUnknownError` raised by the function passes through for every effect: the tool itself
+  says a write may have happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import enum
+import inspect
+import json
+import math
+import re
+import types
+import typing
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+import msgspec
+
+from .._events import AgentEventWriter
+from .._policy import ToolPolicy
+from .._runner import ToolExecutionError, ToolOutcomeUnknownError
+from .._wire import QuestionAnswer, ToolEffect
+from ._model import ModelToolDefinition
+
+__all__ = ["FunctionTool", "ToolCallContext", "function_tool"]
+
+# What providers accept as a function name (OpenAI, Anthropic and Gemini share this subset).
+_TOOL_NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# Effects whose calls may run again: an error there is shown to the model instead of failing the Step.
+_MODEL_VISIBLE_ERROR_EFFECTS = frozenset({ToolEffect.READ, ToolEffect.IDEMPOTENT_WRITE})
+_MAX_SHOWN_VALUE_CHARS = 60
+
+
+@dataclass(frozen=True)
+class ToolCallContext:
+    """What a function tool learns about its call; a parameter typed `ToolCallContext` receives it."""
+
+    idempotency_key: str
+    attempt: int
+    flow_id: str
+    turn_id: str
+    tool_call_id: str
+    events: AgentEventWriter | None = None
+    heartbeat: Callable[[], Awaitable[None]] | None = None
+    input_answers: Sequence[QuestionAnswer] = ()
+    # The call's effect after the tool policies (it chose the tool Step); decides error wrapping.
+    effect: ToolEffect = ToolEffect.UNCLASSIFIED
+    heartbeat_checkpoint: str | None = None
+    save_heartbeat_checkpoint: Callable[[str], Awaitable[None]] | None = None
+
+
+# --------------------------------------------------------------------------- argument shapes
+
+
+class _ArgumentError(Exception):
+    """A schema violation at `path` (a parameter name, maybe with a nested suffix)."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _show(value: object) -> str:
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    if len(text) > _MAX_SHOWN_VALUE_CHARS:
+        text = text[: _MAX_SHOWN_VALUE_CHARS - 3] + "..."
+    return text
+
+
+class _Shape:
+    """One supported annotation: its JSON Schema and its checked conversion from decoded JSON."""
+
+    # JSON types (as _json_type names them) a value may have for this shape to consider it.
+    json_types: frozenset[str] = frozenset()
+    accepts_none = False
+
+    def schema(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def convert(self, value: object, path: str) -> object:
+        raise NotImplementedError
+
+    def mismatch(self, value: object, path: str) -> _ArgumentError:
+        return _ArgumentError(path, f"expected {self.describe()}, got {_json_type(value)}")
+
+
+class _String(_Shape):
+    json_types = frozenset({"string"})
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "string"}
+
+    def describe(self) -> str:
+        return "string"
+
+    def convert(self, value: object, path: str) -> object:
+        if isinstance(value, str):
+            return value
+        raise self.mismatch(value, path)
+
+
+class _Integer(_Shape):
+    json_types = frozenset({"integer", "number"})
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "integer"}
+
+    def describe(self) -> str:
+        return "integer"
+
+    def convert(self, value: object, path: str) -> object:
+        if isinstance(value, bool):
+            raise self.mismatch(value, path)
+        if isinstance(value, int):
+            return value
+        # JSON Schema's "integer" is any number with a zero fractional part, 3.0 included.
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise self.mismatch(value, path)
+
+
+class _Number(_Shape):
+    json_types = frozenset({"integer", "number"})
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "number"}
+
+    def describe(self) -> str:
+        return "number"
+
+    def convert(self, value: object, path: str) -> object:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.mismatch(value, path)
+        try:
+            number = float(value)
+        except OverflowError:
+            raise _ArgumentError(path, "number out of range") from None
+        if not math.isfinite(number):
+            raise _ArgumentError(path, "number out of range")
+        return number
+
+
+class _Boolean(_Shape):
+    json_types = frozenset({"boolean"})
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "boolean"}
+
+    def describe(self) -> str:
+        return "boolean"
+
+    def convert(self, value: object, path: str) -> object:
+        if isinstance(value, bool):
+            return value
+        raise self.mismatch(value, path)
+
+
+class _Null(_Shape):
+    json_types = frozenset({"null"})
+    accepts_none = True
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "null"}
+
+    def describe(self) -> str:
+        return "null"
+
+    def convert(self, value: object, path: str) -> object:
+        if value is None:
+            return None
+        raise self.mismatch(value, path)
+
+
+class _Array(_Shape):
+    json_types = frozenset({"array"})
+
+    def __init__(self, items: _Shape | None) -> None:
+        self.items = items
+
+    def schema(self) -> dict[str, Any]:
+        if self.items is None:
+            return {"type": "array"}
+        return {"type": "array", "items": self.items.schema()}
+
+    def describe(self) -> str:
+        return "array"
+
+    def convert(self, value: object, path: str) -> object:
+        if not isinstance(value, list):
+            raise self.mismatch(value, path)
+        if self.items is None:
+            return value
+        items = self.items
+        return [items.convert(item, f"{path}[{index}]") for index, item in enumerate(value)]
+
+
+class _Map(_Shape):
+    json_types = frozenset({"object"})
+
+    def __init__(self, values: _Shape | None) -> None:
+        self.values = values
+
+    def schema(self) -> dict[str, Any]:
+        if self.values is None:
+            return {"type": "object"}
+        return {"type": "object", "additionalProperties": self.values.schema()}
+
+    def describe(self) -> str:
+        return "object"
+
+    def convert(self, value: object, path: str) -> object:
+        if not isinstance(value, dict):
+            raise self.mismatch(value, path)
+        if self.values is None:
+            return value
+        values = self.values
+        return {
+            key: values.convert(item, f"{path}[{json.dumps(key, ensure_ascii=False)}]") for key, item in value.items()
+        }
+
+
+class _Choice(_Shape):
+    """A `Literal` or an `Enum`: one of fixed JSON values, matched by JSON type and value."""
+
+    def __init__(self, options: Sequence[tuple[object, object]]) -> None:
+        # (JSON value, Python value) pairs, in declaration order.
+        self.options = tuple(options)
+        self._lookup = {(_json_type(raw), raw): result for raw, result in self.options}
+        self.json_types = frozenset(_json_type(raw) for raw, _ in self.options)
+        self.accepts_none = "null" in self.json_types
+
+    def schema(self) -> dict[str, Any]:
+        values = [raw for raw, _ in self.options]
+        kinds = {_json_type(raw) for raw in values}
+        if len(kinds) == 1:
+            return {"type": kinds.pop(), "enum": values}
+        return {"enum": values}
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(_show(raw) for raw, _ in self.options)
+
+    def convert(self, value: object, path: str) -> object:
+        try:
+            key = (_json_type(value), value)
+            if key in self._lookup:
+                return self._lookup[key]
+        except TypeError:  # unhashable (array or object): never a choice
+            pass
+        raise _ArgumentError(path, f"expected {self.describe()}, got {_show(value)}")
+
+
+class _Union(_Shape):
+    def __init__(self, options: Sequence[_Shape]) -> None:
+        self.options = tuple(options)
+        self.json_types = frozenset().union(*(option.json_types for option in self.options))
+        self.accepts_none = any(option.accepts_none for option in self.options)
+
+    def schema(self) -> dict[str, Any]:
+        return {"anyOf": [option.schema() for option in self.options]}
+
+    def describe(self) -> str:
+        return " or ".join(option.describe() for option in self.options)
+
+    def convert(self, value: object, path: str) -> object:
+        kind = _json_type(value)
+        candidates = [option for option in self.options if kind in option.json_types]
+        if not candidates:
+            raise self.mismatch(value, path)
+        if len(candidates) == 1:
+            # The only alternative of this JSON type: its own error names the exact problem.
+            return candidates[0].convert(value, path)
+        errors: list[_ArgumentError] = []
+        for option in candidates:  # declaration order decides, e.g. `int | float` keeps 3 an int
+            try:
+                return option.convert(value, path)
+            except _ArgumentError as exc:
+                errors.append(exc)
+        reasons = "; ".join(f"{error.path}: {error.problem}" for error in errors)
+        raise _ArgumentError(path, f"matches none of {self.describe()} ({reasons})")
+
+
+class _Described(_Shape):
+    """`Annotated[T, "description"]`: T's schema with a description."""
+
+    def __init__(self, inner: _Shape, description: str) -> None:
+        self.inner = inner
+        self.description = description
+        self.json_types = inner.json_types
+        self.accepts_none = inner.accepts_none
+
+    def schema(self) -> dict[str, Any]:
+        return {**self.inner.schema(), "description": self.description}
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    def convert(self, value: object, path: str) -> object:
+        return self.inner.convert(value, path)
+
+
+@dataclass(frozen=True)
+class _Member:
+    """A parameter, dataclass field or TypedDict key."""
+
+    name: str
+    shape: _Shape
+    required: bool
+
+
+def _members_schema(members: Sequence[_Member]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {member.name: member.shape.schema() for member in members},
+        "required": [member.name for member in members if member.required],
+        "additionalProperties": False,
+    }
+
+
+def _convert_members(
+    members: Sequence[_Member], value: Mapping[str, object], path: str | None, noun: str
+) -> dict[str, object]:
+    """Checks an object against its members; `path` None means the top level (the parameters)."""
+
+    def where(name: str) -> str:
+        return name if path is None else f"{path}.{name}"
+
+    known = {member.name: member for member in members}
+    unknown = [key for key in value if key not in known]
+    if unknown:
+        names = ", ".join(repr(key) for key in unknown)
+        problem = f"unknown {noun}{'s' if len(unknown) > 1 else ''} {names}"
+        if path is None:
+            raise _ArgumentError("", problem)
+        raise _ArgumentError(path, problem)
+    converted: dict[str, object] = {}
+    for member in members:
+        if member.name not in value:
+            if member.required:
+                problem = f"missing required {noun} {member.name!r}"
+                if path is None:
+                    raise _ArgumentError("", problem)
+                raise _ArgumentError(path, problem)
+            continue
+        item = value[member.name]
+        if item is None and not member.required and not member.shape.accepts_none:
+            continue  # null for an optional member means absent (strict-schema providers send it)
+        converted[member.name] = member.shape.convert(item, where(member.name))
+    return converted
+
+
+class _Object(_Shape):
+    """A dataclass (built from its converted fields) or a TypedDict (a plain dict)."""
+
+    json_types = frozenset({"object"})
+
+    def __init__(self, cls: type, members: Sequence[_Member], is_dataclass: bool) -> None:
+        self.cls = cls
+        self.members = tuple(members)
+        self.is_dataclass = is_dataclass
+
+    def schema(self) -> dict[str, Any]:
+        return _members_schema(self.members)
+
+    def describe(self) -> str:
+        return f"object ({self.cls.__name__})"
+
+    def convert(self, value: object, path: str) -> object:
+        if not isinstance(value, dict):
+            raise self.mismatch(value, path)
+        converted = _convert_members(self.members, value, path, "field")
+        if not self.is_dataclass:
+            return converted
+        try:
+            return self.cls(**converted)
+        except Exception as exc:  # __post_init__ validation rejects the value like a schema would
+            raise _ArgumentError(path, f"{type(exc).__name__}: {exc}") from None
+
+
+class _UnsupportedType(TypeError):
+    pass
+
+
+def _type_name(annotation: object) -> str:
+    if isinstance(annotation, type) and not typing.get_args(annotation):
+        return annotation.__qualname__
+    return repr(annotation).replace("typing.", "")
+
+
+def _resolved_hints(owner: object, label: str) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(owner, include_extras=True)
+    except Exception as exc:  # NameError for an unresolvable forward reference, among others
+        raise TypeError(f"cannot resolve the type hints of {label}: {exc}") from exc
+
+
+class _ShapeBuilder:
+    def __init__(self) -> None:
+        self._building: list[type] = []  # classes being built, to refuse recursive types
+
+    def build(self, annotation: object) -> _Shape:
+        origin = typing.get_origin(annotation)
+        args = typing.get_args(annotation)
+        if annotation is str:
+            return _String()
+        if annotation is bool:
+            return _Boolean()
+        if annotation is int:
+            return _Integer()
+        if annotation is float:
+            return _Number()
+        if annotation is None or annotation is types.NoneType:
+            return _Null()
+        if origin is typing.Annotated:
+            inner = self.build(args[0])
+            description = next((extra for extra in annotation.__metadata__ if isinstance(extra, str)), None)  # type: ignore[attr-defined]
+            return inner if description is None else _Described(inner, description)
+        if annotation is list or origin is list:
+            return _Array(self.build(args[0]) if args else None)
+        if annotation is dict or origin is dict:
+            if not args:
+                return _Map(None)
+            if args[0] is not str:
+                raise _UnsupportedType(f"dict keys must be str, not {_type_name(args[0])}")
+            return _Map(self.build(args[1]))
+        if origin is typing.Literal:
+            return self._literal(args)
+        if origin is typing.Union or origin is types.UnionType:
+            return _Union([self.build(arg) for arg in args])
+        if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+            return self._enum(annotation)
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+            return self._guarded(annotation, self._dataclass)
+        if typing.is_typeddict(annotation):
+            assert isinstance(annotation, type)
+            return self._guarded(annotation, self._typed_dict)
+        raise _UnsupportedType(f"{_type_name(annotation)} is not a supported argument type")
+
+    def _literal(self, values: tuple[object, ...]) -> _Shape:
+        for value in values:
+            if value is not None and not isinstance(value, str | int | bool):
+                raise _UnsupportedType(f"Literal value {value!r} is not a str, int, bool or None")
+            if isinstance(value, enum.Enum):
+                raise _UnsupportedType(f"Literal value {value!r} is an Enum member; use the Enum type")
+        return _Choice([(value, value) for value in values])
+
+    def _enum(self, cls: type[enum.Enum]) -> _Shape:
+        options: list[tuple[object, object]] = []
+        for member in cls:
+            value = member.value
+            if isinstance(value, bool) or not isinstance(value, str | int):
+                raise _UnsupportedType(
+                    f"{cls.__qualname__}.{member.name} has value {value!r}; Enum values must be str or int"
+                )
+            # The JSON value is the plain str/int, not the member (a StrEnum member is also a str).
+            options.append((str(value) if isinstance(value, str) else int(value), member))
+        if not options:
+            raise _UnsupportedType(f"{cls.__qualname__} has no members")
+        return _Choice(options)
+
+    def _guarded(self, cls: type, build: Callable[[type], _Shape]) -> _Shape:
+        if cls in self._building:
+            raise _UnsupportedType(f"{cls.__qualname__} is recursive; recursive types are not supported")
+        self._building.append(cls)
+        try:
+            return build(cls)
+        finally:
+            self._building.pop()
+
+    def _dataclass(self, cls: type) -> _Shape:
+        hints = _resolved_hints(cls, cls.__qualname__)
+        members = []
+        for field in dataclasses.fields(cls):
+            if not field.init:
+                continue  # set by the class itself, never by the caller
+            required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+            members.append(_Member(field.name, self._member(cls, field.name, hints[field.name]), required))
+        return _Object(cls, members, is_dataclass=True)
+
+    def _typed_dict(self, cls: type) -> _Shape:
+        hints = _resolved_hints(cls, cls.__qualname__)
+        required_keys: frozenset[str] = getattr(cls, "__required_keys__", frozenset())
+        members = []
+        for key, declared in hints.items():
+            # get_type_hints(include_extras=True) keeps Required[...] / NotRequired[...]; the
+            # class's __required_keys__ already holds their meaning.
+            hint = declared
+            while typing.get_origin(hint) in (typing.Required, typing.NotRequired):
+                hint = typing.get_args(hint)[0]
+            members.append(_Member(key, self._member(cls, key, hint), key in required_keys))
+        return _Object(cls, members, is_dataclass=False)
+
+    def _member(self, owner: type, name: str, hint: object) -> _Shape:
+        try:
+            return self.build(hint)
+        except _UnsupportedType as exc:
+            raise _UnsupportedType(f"field {name!r} of {owner.__qualname__}: {exc}") from None
+
+
+# --------------------------------------------------------------------------- the tool
+
+
+def _decode_arguments(tool_name: str, arguments: str) -> dict[str, Any]:
+    def refuse_constant(constant: str) -> object:
+        raise ValueError(f"{constant} is not JSON")
+
+    try:
+        decoded = json.loads(arguments, parse_constant=refuse_constant)
+    except (ValueError, TypeError):
+        raise ToolExecutionError(f"invalid arguments for {tool_name}: arguments are not valid JSON") from None
+    if not isinstance(decoded, dict):
+        raise ToolExecutionError(f"invalid arguments for {tool_name}: arguments must be a JSON object")
+    return decoded
+
+
+def _encode_result(result: object) -> str:
+    if isinstance(result, str):
+        return result
+    # msgspec encodes dataclasses, Enums (by value), TypedDicts, datetimes and UUIDs as well.
+    return msgspec.json.encode(result).decode()
+
+
+class FunctionTool:
+    """A function offered to the model: its definition, policy and checked invocation."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        effect: ToolEffect = ToolEffect.UNCLASSIFIED,
+        requires_approval: bool | None = None,
+        name: str | None = None,
+        description: str | None = None,
+        parameters_schema: Mapping[str, Any] | None = None,
+        prepare_arguments: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"a function tool needs a callable, got {fn!r}")
+        self.fn = fn
+        self.policy = ToolPolicy(effect, requires_approval)
+        self.name = _tool_name(fn, name)
+        self.description = _tool_description(fn, description)
+        if prepare_arguments is not None:
+            if not callable(prepare_arguments):
+                raise TypeError(f"prepare_arguments of tool {self.name!r} must be callable")
+            if inspect.iscoroutinefunction(prepare_arguments):
+                raise TypeError(f"prepare_arguments of tool {self.name!r} must be synchronous, not async")
+        self._prepare_arguments = prepare_arguments
+        self._members, self._context_parameter = _parameters(fn, self.name)
+        self._schema = _members_schema(self._members)
+        if parameters_schema is not None:
+            self._schema = _explicit_schema(self.name, parameters_schema)
+        self._is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)  # noqa: B004 - an object whose __call__ is async
+        )
+
+    @property
+    def parameters_schema(self) -> dict[str, Any]:
+        """The JSON Schema of the arguments object (a copy)."""
+        return copy.deepcopy(self._schema)
+
+    def definition(self) -> ModelToolDefinition:
+        return ModelToolDefinition(self.name, self.description, copy.deepcopy(self._schema))
+
+    def __repr__(self) -> str:
+        return f"FunctionTool(name={self.name!r}, effect={self.policy.effect.value!r})"
+
+    async def invoke(self, arguments: str, context: ToolCallContext) -> str:
+        """Checks the argument text, calls the function once and returns its model-visible output."""
+        kwargs = self._convert_arguments(_decode_arguments(self.name, arguments))
+        if self._context_parameter is not None:
+            kwargs[self._context_parameter] = context
+        try:
+            if self._is_async:
+                result = await self.fn(**kwargs)
+            else:
+                result = await asyncio.to_thread(self.fn, **kwargs)
+                if inspect.isawaitable(result):  # a sync callable that hands back an awaitable
+                    result = await result
+            return _encode_result(result)
+        except (ToolExecutionError, ToolOutcomeUnknownError):
+            raise
+        except Exception as exc:
+            # A repeatable call's error is shown to the model; a write that may not repeat might
+            # have taken effect, so its error propagates and the session records outcome_unknown.
+            if context.effect in _MODEL_VISIBLE_ERROR_EFFECTS:
+                raise ToolExecutionError(f"{type(exc).__name__}: {exc}") from exc
+            raise
+
+    def _convert_arguments(self, decoded: dict[str, Any]) -> dict[str, Any]:
+        prefix = f"invalid arguments for {self.name}"
+        if self._prepare_arguments is not None:
+            decoded = self._prepare(decoded)
+        try:
+            return dict(_convert_members(self._members, decoded, None, "parameter"))
+        except _ArgumentError as exc:
+            if not exc.path:
+                raise ToolExecutionError(f"{prefix}: {exc.problem}") from None
+            raise ToolExecutionError(f"{prefix}: parameter {exc.path!r}: {exc.problem}") from None
+
+    def _prepare(self, decoded: dict[str, Any]) -> dict[str, Any]:
+        prefix = f"invalid arguments for {self.name}"
+        assert self._prepare_arguments is not None
+        try:
+            prepared: object = self._prepare_arguments(decoded)
+        except ToolExecutionError as exc:
+            raise ToolExecutionError(f"{prefix}: {exc.message}") from exc
+        except Exception as exc:  # CancelledError is a BaseException and passes through
+            raise ToolExecutionError(f"{prefix}: prepare_arguments failed: {type(exc).__name__}: {exc}") from exc
+        if inspect.isawaitable(prepared):
+            if inspect.iscoroutine(prepared):
+                prepared.close()  # never awaited on purpose; closing avoids a "never awaited" warning
+            raise ToolExecutionError(
+                f"{prefix}: prepare_arguments returned an awaitable; it must be synchronous"
+            )
+        if not isinstance(prepared, Mapping):
+            raise ToolExecutionError(
+                f"{prefix}: prepare_arguments returned {type(prepared).__name__}, not a JSON object"
+            )
+        return dict(prepared)
+
+
+def _tool_name(fn: Callable[..., Any], name: str | None) -> str:
+    if name is None:
+        name = getattr(fn, "__name__", None)
+        if not isinstance(name, str):
+            raise ValueError(f"{fn!r} has no __name__; pass name= to function_tool")
+    if not isinstance(name, str) or not _TOOL_NAME_PATTERN.fullmatch(name):
+        raise ValueError(
+            f"invalid tool name {name!r}: a tool name is 1 to 64 characters of letters, digits, '_' and '-'"
+        )
+    return name
+
+
+def _tool_description(fn: Callable[..., Any], description: str | None) -> str:
+    if description is not None:
+        if not isinstance(description, str):
+            raise TypeError(f"description must be a str, got {type(description).__name__}")
+        return description
+    # Only a function's own docstring: a callable object's would describe its class, and a
+    # functools.partial's describes partial itself.
+    if inspect.isfunction(fn) or inspect.ismethod(fn) or inspect.isbuiltin(fn):
+        return inspect.cleandoc(fn.__doc__) if fn.__doc__ else ""
+    return ""
+
+
+def _parameters(fn: Callable[..., Any], tool_name: str) -> tuple[list[_Member], str | None]:
+    """The model-visible parameters, and the name of the one typed ToolCallContext, if any."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"cannot read the signature of tool {tool_name!r}: {exc}") from exc
+    hint_owner = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else getattr(fn, "__call__", fn)  # noqa: B004
+    hints = _resolved_hints(hint_owner, f"tool {tool_name!r}")
+    members: list[_Member] = []
+    context_parameter: str | None = None
+    builder = _ShapeBuilder()
+    for parameter in signature.parameters.values():
+        where = f"parameter {parameter.name!r} of tool {tool_name!r}"
+        if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            raise TypeError(f"{where}: *args and **kwargs are not supported")
+        if parameter.kind is inspect.Parameter.POSITIONAL_ONLY:
+            raise TypeError(f"{where}: positional-only parameters are not supported")
+        if parameter.name not in hints:
+            raise TypeError(f"{where} has no type annotation")
+        hint = hints[parameter.name]
+        if hint is ToolCallContext:
+            if context_parameter is not None:
+                raise TypeError(f"{where}: only one parameter may be typed ToolCallContext")
+            context_parameter = parameter.name
+            continue
+        try:
+            shape = builder.build(hint)
+        except _UnsupportedType as exc:
+            raise TypeError(f"{where} has unsupported type {_type_name(hint)}: {exc}") from None
+        members.append(_Member(parameter.name, shape, parameter.default is inspect.Parameter.empty))
+    return members, context_parameter
+
+
+def _explicit_schema(tool_name: str, schema: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(schema, Mapping) or schema.get("type") != "object":
+        raise ValueError(f"parameters_schema of tool {tool_name!r} must be a JSON object schema (type: object)")
+    try:
+        # A round trip through JSON proves it is JSON and leaves no shared mutable state.
+        copied: dict[str, Any] = json.loads(json.dumps(dict(schema), allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"parameters_schema of tool {tool_name!r} is not JSON: {exc}") from exc
+    return copied
+
+
+@overload
+def function_tool(fn: Callable[..., Any], /) -> FunctionTool: ...
+
+
+@overload
+def function_tool(
+    fn: None = None,
+    *,
+    effect: ToolEffect = ToolEffect.UNCLASSIFIED,
+    requires_approval: bool | None = None,
+    name: str | None = None,
+    description: str | None = None,
+    parameters_schema: Mapping[str, Any] | None = None,
+    prepare_arguments: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> Callable[[Callable[..., Any]], FunctionTool]: ...
+
+
+def function_tool(
+    fn: Callable[..., Any] | None = None,
+    *,
+    effect: ToolEffect = ToolEffect.UNCLASSIFIED,
+    requires_approval: bool | None = None,
+    name: str | None = None,
+    description: str | None = None,
+    parameters_schema: Mapping[str, Any] | None = None,
+    prepare_arguments: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> FunctionTool | Callable[[Callable[..., Any]], FunctionTool]:
+    """Turns a sync or async function into a `FunctionTool`; use bare or with options."""
+
+    def decorate(target: Callable[..., Any]) -> FunctionTool:
+        return FunctionTool(
+            target,
+            effect=effect,
+            requires_approval=requires_approval,
+            name=name,
+            description=description,
+            parameters_schema=parameters_schema,
+            prepare_arguments=prepare_arguments,
+        )
+
+    if fn is None:
+        return decorate
+    return decorate(fn)

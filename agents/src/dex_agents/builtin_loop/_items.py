@@ -1,0 +1,71 @@
+"""How the built-in loop stores items: provider-neutral user text and tool results, provider-exact output."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .._runner import FrameworkMessage
+from .._wire import AgentMessage, MessageRole
+from ._model import ModelInputItem, ModelOutputItem, ModelToolCall, OutputItemKind, ToolResultInput, UserTextInput
+
+USER_TEXT = "user_text"
+MODEL_OUTPUT = "model_output"
+TOOL_RESULT = "tool_result"
+
+
+def _dump(value: dict[str, Any]) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def user_message(text: str) -> FrameworkMessage:
+    return FrameworkMessage(MessageRole.USER, _dump({"type": USER_TEXT, "text": text}), text=text)
+
+
+def output_message(item: ModelOutputItem) -> FrameworkMessage:
+    call = item.tool_call
+    raw = {
+        "type": MODEL_OUTPUT, "api": item.api, "kind": item.kind.value, "item": item.item, "text": item.text,
+        "tool_call": None if call is None else {
+            "tool_call_id": call.tool_call_id, "tool_name": call.tool_name, "arguments": call.arguments,
+        },
+    }
+    return FrameworkMessage(
+        MessageRole.ASSISTANT, _dump(raw), text=item.text if item.kind is OutputItemKind.TEXT else None,
+        tool_call_id=None if call is None else call.tool_call_id, tool_name=None if call is None else call.tool_name,
+        tool_arguments=None if call is None else call.arguments,
+    )
+
+
+def tool_result_message(result: ToolResultInput) -> FrameworkMessage:
+    raw = {"type": TOOL_RESULT, "tool_call_id": result.tool_call_id, "tool_name": result.tool_name,
+           "output": result.output}
+    return FrameworkMessage(MessageRole.TOOL, _dump(raw), tool_call_id=result.tool_call_id,
+                            tool_name=result.tool_name, tool_output=result.output)
+
+
+def input_item(message: AgentMessage) -> ModelInputItem:
+    """The model input item of a stored message; items another runner stored fall back to their text."""
+    try:
+        raw = json.loads(message.framework_item)
+    except ValueError:
+        raw = None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind == MODEL_OUTPUT and isinstance(raw, dict):
+        call = raw.get("tool_call")
+        return ModelOutputItem(
+            api=str(raw["api"]), kind=OutputItemKind(raw["kind"]), item=str(raw["item"]), text=raw.get("text"),
+            tool_call=None if not isinstance(call, dict) else ModelToolCall(
+                str(call["tool_call_id"]), str(call["tool_name"]), str(call["arguments"])
+            ),
+        )
+    if kind == TOOL_RESULT and isinstance(raw, dict):
+        return ToolResultInput(str(raw["tool_call_id"]), str(raw["tool_name"]), str(raw["output"]))
+    if kind == USER_TEXT and isinstance(raw, dict):
+        return UserTextInput(str(raw["text"]))
+    if message.role is MessageRole.TOOL:
+        return ToolResultInput(message.tool_call_id or "", message.tool_name or "", message.tool_output or "")
+    if message.role is MessageRole.ASSISTANT:
+        text = message.text or ""
+        return ModelOutputItem("foreign", OutputItemKind.TEXT, _dump({"type": "text", "text": text}), text)
+    return UserTextInput(message.text or "")

@@ -1,0 +1,321 @@
+"""BuiltinLoopAgentRunner: one model call per RunModel, built from committed state only."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from .._constants import MAX_CONSECUTIVE_TURN_CONTINUATIONS
+from .._policy import OUTCOME_UNKNOWN_TEXT, ToolPolicy, describe_tool_call_outcome
+from .._runner import (
+    AgentTurnContext,
+    AgentTurnOutcome,
+    DeferredToolCall,
+    DeferredToolExecution,
+    FrameworkMessage,
+    ToolCallsRequested,
+    ToolExecutionError,
+    ToolExecutionResult,
+    TurnCompleted,
+    TurnContinued,
+)
+from .._wire import AgentUsage, MessageRole, ToolEffect
+from ._definition import AgentDefinition, ContinueTurn, InstructionContext, TurnContinuationContext
+from ._function_tools import ToolCallContext
+from ._items import input_item, output_message, tool_result_message, user_message
+from ._model import (
+    ModelClient,
+    ModelInputItem,
+    ModelOutputItem,
+    ModelOutputWriter,
+    ModelRequest,
+    ModelResponse,
+    ModelToolCall,
+    ModelToolDefinition,
+    OutputItemKind,
+    ToolChoice,
+    ToolResultInput,
+    UserTextInput,
+)
+from ._tool_sources import ToolSource, unwrap_source_reference, wrap_source_reference
+
+log = logging.getLogger("dex_agents.builtin_loop")
+
+TURN_CONTINUATION_LIMIT_ERROR = (
+    f"the turn was continued more than {MAX_CONSECUTIVE_TURN_CONTINUATIONS} times in a row without a tool call"
+)
+
+
+def model_call_limit_result(limit: int) -> str:
+    return f"The tool call was not run: this turn reached its limit of {limit} model calls."
+
+
+def unknown_tool_error(name: str) -> str:
+    return f"unknown tool {name}"
+
+
+class _RunState(msgspec.Struct, frozen=True):
+    """What the loop keeps between the Steps of a turn: everything else is in stored items."""
+
+    model_calls: int = 0
+    consecutive_continuations: int = 0
+
+
+def _run_state(turn: AgentTurnContext) -> _RunState:
+    if turn.framework_run_state is None:
+        return _RunState()
+    return msgspec.json.decode(turn.framework_run_state, type=_RunState)
+
+
+def _encode(state: _RunState) -> str:
+    return msgspec.json.encode(state).decode()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Offered:
+    """The tools one model call offers, and where each call of them goes."""
+
+    definitions: tuple[ModelToolDefinition, ...]
+    sources: dict[str, tuple[ToolSource, ModelToolDefinition]]
+
+
+class BuiltinLoopAgentRunner:
+    """The runner of the built-in loop: stores items as they appear, every tool call its own Step."""
+
+    def __init__(self, definition: AgentDefinition) -> None:
+        if not isinstance(definition, AgentDefinition):
+            raise TypeError(f"definition must be an AgentDefinition, got {type(definition).__name__}")
+        self.definition = definition
+
+    # The runner contract ------------------------------------------------------------------------
+
+    def build_user_message(self, text: str) -> FrameworkMessage:
+        return user_message(text)
+
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome:
+        definition = self.definition
+        run = _run_state(turn)
+        stored = [input_item(m) for m in turn.messages]
+        pending = self._pending_results(turn)
+        unstored: list[FrameworkMessage] = [tool_result_message(r) for r in pending]
+        if pending:
+            decision = await self._decide(turn, self._last_output(stored), pending)
+            if decision == "end":
+                return TurnCompleted(unstored, AgentUsage())
+            if isinstance(decision, ContinueTurn):
+                unstored.append(user_message(decision.message))
+        model_input = _paired([*stored, *(input_item_of(m) for m in unstored)])
+        limit_reached = run.model_calls >= definition.max_model_calls_per_turn
+        offered = _Offered((), {}) if limit_reached else await self._offered_tools()
+        request = ModelRequest(
+            instructions=await self._instructions(turn), input=tuple(model_input), tools=offered.definitions,
+            tool_choice=ToolChoice.NONE if limit_reached else ToolChoice.AUTO,
+            model_settings=definition.model_settings, session_settings=turn.session_settings,
+        )
+        response = await self._model(turn).call_model(request, ModelOutputWriter(turn.events))
+        if not isinstance(response, ModelResponse):
+            raise TypeError(f"call_model returned {type(response).__name__}; return a ModelResponse")
+        outputs = list(response.output)
+        unstored.extend(output_message(item) for item in outputs)
+        calls = [item.tool_call for item in outputs if item.kind is OutputItemKind.TOOL_CALL and item.tool_call]
+        model_calls = run.model_calls + 1
+        if calls and limit_reached:
+            refused = model_call_limit_result(definition.max_model_calls_per_turn)
+            unstored.extend(tool_result_message(ToolResultInput(c.tool_call_id, c.tool_name, refused)) for c in calls)
+            return TurnCompleted(unstored, response.usage, response.metadata)
+        if calls:
+            deferred = [self._deferred(turn, call, offered) for call in calls]
+            state = _encode(_RunState(model_calls=model_calls))
+            return ToolCallsRequested(state, deferred, response.usage, unstored, response.metadata)
+        decision = await self._decide(turn, outputs, [])
+        if isinstance(decision, ContinueTurn):
+            if run.consecutive_continuations >= MAX_CONSECUTIVE_TURN_CONTINUATIONS:
+                return TurnCompleted(unstored, response.usage, response.metadata,
+                                     turn_error=TURN_CONTINUATION_LIMIT_ERROR)
+            unstored.append(user_message(decision.message))
+            state = _encode(_RunState(model_calls, run.consecutive_continuations + 1))
+            return TurnContinued(state, unstored, response.usage, response.metadata)
+        return TurnCompleted(unstored, response.usage, response.metadata)
+
+    def build_unfinished_turn_messages(self, turn: AgentTurnContext) -> Sequence[FrameworkMessage]:
+        """A result for every stored tool call of the turn that has none yet (records, or unknown)."""
+        answered = {m.tool_call_id for m in turn.messages if m.role is MessageRole.TOOL and m.turn_id == turn.turn_id}
+        out: list[FrameworkMessage] = []
+        for message in turn.messages:
+            if message.turn_id != turn.turn_id or message.role is not MessageRole.ASSISTANT:
+                continue
+            call_id = message.tool_call_id
+            if call_id is None or call_id in answered:
+                continue
+            record = turn.tool_calls.get(call_id)
+            output = describe_tool_call_outcome(record) if record and record.status.is_final else OUTCOME_UNKNOWN_TEXT
+            out.append(tool_result_message(ToolResultInput(call_id, message.tool_name or "", output)))
+            answered.add(call_id)
+        return out
+
+    async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> Any:
+        record = call.tool_call
+        source_ref = unwrap_source_reference(record.tool_source_reference)
+        if source_ref is not None:
+            source_name, reference = source_ref
+            source = self.definition.tool_source(source_name)  # LookupError: the effect decides
+            own = dataclasses.replace(call, tool_call=msgspec.structs.replace(record, tool_source_reference=reference))
+            return await source.execute_deferred_tool_call(own)
+        tool = self.definition.function_tool(record.tool_name)
+        if tool is None:
+            raise ToolExecutionError(unknown_tool_error(record.tool_name))
+        context = ToolCallContext(
+            idempotency_key=call.idempotency_key, attempt=call.attempt, flow_id=call.flow_id,
+            turn_id=record.turn_id, tool_call_id=record.tool_call_id, events=call.events, heartbeat=call.heartbeat,
+            input_answers=tuple(call.input_answers), effect=record.effect,
+            heartbeat_checkpoint=call.heartbeat_checkpoint, save_heartbeat_checkpoint=call.save_heartbeat_checkpoint,
+        )
+        return ToolExecutionResult(await tool.invoke(record.arguments, context))
+
+    # Helpers -----------------------------------------------------------------------------------
+
+    def _model(self, turn: AgentTurnContext) -> ModelClient:
+        resolve = self.definition.resolve_model
+        if resolve is None:
+            return self.definition.model
+        model = resolve(dict(turn.session_settings))
+        if not callable(getattr(model, "call_model", None)):
+            raise TypeError(f"resolve_model returned {type(model).__name__}, not a ModelClient")
+        return model
+
+    async def _instructions(self, turn: AgentTurnContext) -> str | None:
+        instructions = self.definition.instructions
+        if isinstance(instructions, str):
+            return instructions or None
+        value = instructions(InstructionContext(turn.flow_id, turn.turn_id, dict(turn.session_settings),
+                                                turn.interaction_mode))
+        if inspect.isawaitable(value):
+            value = await value
+        if not isinstance(value, str):
+            raise TypeError(f"the instructions function returned {type(value).__name__}, not text")
+        return value or None
+
+    @staticmethod
+    def _pending_results(turn: AgentTurnContext) -> list[ToolResultInput]:
+        """Results of the previous response's calls: final records whose results are not stored yet."""
+        stored = {m.tool_call_id for m in turn.messages if m.role is MessageRole.TOOL and m.turn_id == turn.turn_id}
+        records = sorted(turn.tool_calls.values(), key=lambda r: r.deferral_order)
+        return [
+            ToolResultInput(r.tool_call_id, r.tool_name, describe_tool_call_outcome(r))
+            for r in records
+            if r.tool_call_id not in stored and r.status.is_final
+        ]
+
+    @staticmethod
+    def _last_output(stored: list[ModelInputItem]) -> list[ModelOutputItem]:
+        """The items of the last model response in the stored input."""
+        out: list[ModelOutputItem] = []
+        for entry in reversed(stored):
+            if isinstance(entry, ModelOutputItem):
+                out.append(entry)
+            elif out:
+                break
+        return out[::-1]
+
+    async def _decide(
+        self, turn: AgentTurnContext, outputs: Sequence[ModelOutputItem], results: Sequence[ToolResultInput]
+    ) -> str | ContinueTurn:
+        hook = self.definition.decide_turn_continuation
+        if hook is None:
+            return "default"
+        value: Any = hook(TurnContinuationContext(turn.flow_id, turn.turn_id, dict(turn.session_settings),
+                                                  tuple(outputs), tuple(results)))
+        if inspect.isawaitable(value):
+            value = await value
+        if isinstance(value, ContinueTurn):
+            if not isinstance(value.message, str) or not value.message.strip():
+                raise ValueError("decide_turn_continuation returned ContinueTurn with a blank message")
+            return value
+        if value in ("end", "default"):
+            return str(value)
+        raise ValueError(f"decide_turn_continuation returned {value!r}; return 'end', 'default' or ContinueTurn")
+
+    async def _offered_tools(self) -> _Offered:
+        definition = self.definition
+        definitions = [t.definition() for t in definition.tools]
+        function_names = {d.name for d in definitions}
+        sources: dict[str, tuple[ToolSource, ModelToolDefinition]] = {}
+        timeout = definition.tool_source_listing_timeout.total_seconds()
+        for source in definition.tool_sources:
+            try:
+                listed = list(await asyncio.wait_for(source.list_tools(), timeout))
+            except Exception:
+                log.warning("tool source %r could not be listed; it offers no tools in this model call",
+                            source.source_name, exc_info=True)
+                continue
+            for tool in listed:
+                if tool.name in function_names:
+                    raise ValueError(f"tool {tool.name} of a tool source uses the name of a function tool")
+                if tool.name in sources:
+                    raise ValueError(f"two tool sources list a tool named {tool.name}")
+                sources[tool.name] = (source, tool)
+                definitions.append(tool)
+        return _Offered(tuple(definitions), sources)
+
+    def _deferred(self, turn: AgentTurnContext, call: ModelToolCall, offered: _Offered) -> DeferredToolCall:
+        listed = offered.sources.get(call.tool_name)
+        if listed is not None:
+            source, tool = listed
+            built = source.deferred_tool_call(call, tool, turn)
+            return dataclasses.replace(
+                built, tool_source_reference=wrap_source_reference(source.source_name, built.tool_source_reference)
+            )
+        if self.definition.function_tool(call.tool_name) is not None:
+            policy = turn.resolve_tool_policy(call.tool_name)
+        else:
+            # A name no listing offered never reaches a source: it fails as unknown, without approval.
+            policy = ToolPolicy(ToolEffect.UNCLASSIFIED, requires_approval=False)
+        return DeferredToolCall(call.tool_call_id, call.tool_name, call.arguments, policy)
+
+
+def input_item_of(message: FrameworkMessage) -> ModelInputItem:
+    """The model input item of a message not stored yet."""
+    raw = json.loads(message.framework_item)
+    if raw["type"] == "tool_result":
+        return ToolResultInput(raw["tool_call_id"], raw["tool_name"], raw["output"])
+    if raw["type"] == "user_text":
+        return UserTextInput(raw["text"])
+    call = raw.get("tool_call")
+    return ModelOutputItem(raw["api"], OutputItemKind(raw["kind"]), raw["item"], raw.get("text"),
+                           None if call is None else ModelToolCall(**call))
+
+
+def _paired(items: list[ModelInputItem]) -> list[ModelInputItem]:
+    """Every tool call followed by a result: a missing one becomes the outcome-unknown text."""
+    out: list[ModelInputItem] = []
+    open_calls: dict[str, str] = {}
+
+    def close() -> None:
+        for call_id, name in open_calls.items():
+            out.append(ToolResultInput(call_id, name, OUTCOME_UNKNOWN_TEXT))
+        open_calls.clear()
+
+    for index, entry in enumerate(items):
+        if isinstance(entry, ModelOutputItem):
+            previous = items[index - 1] if index else None
+            if not isinstance(previous, ModelOutputItem):
+                close()
+            if entry.tool_call is not None:
+                open_calls[entry.tool_call.tool_call_id] = entry.tool_call.tool_name
+        elif isinstance(entry, ToolResultInput):
+            if entry.tool_call_id not in open_calls:
+                continue  # a result without its call would be refused by providers
+            del open_calls[entry.tool_call_id]
+        else:
+            close()
+        out.append(entry)
+    close()
+    return out
+

@@ -1,0 +1,151 @@
+"""The model-client contract of the built-in loop: requests, provider-exact output items, clients."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
+
+from .._events import AgentEventWriter
+from .._runner import ModelCallMetadata
+from .._wire import AgentUsage
+
+
+class OutputItemKind(StrEnum):
+    TEXT = "text"
+    REASONING = "reasoning"
+    TOOL_CALL = "tool_call"
+
+
+class ToolChoice(StrEnum):
+    AUTO = "auto"
+    REQUIRED = "required"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class ModelToolCall:
+    """A tool call in a model's output: the provider's call ID, tool name and JSON argument text."""
+
+    tool_call_id: str
+    tool_name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ModelOutputItem:
+    """One output item, provider-exact.
+
+    `item` is the provider's own JSON text for the item, replayed byte for byte to the same `api`
+    (encrypted reasoning and thinking signatures included). Another provider or API sees only
+    `text` and `tool_call`; reasoning is dropped there.
+    """
+
+    api: str
+    kind: OutputItemKind
+    item: str
+    text: str | None = None
+    tool_call: ModelToolCall | None = None
+
+
+@dataclass(frozen=True)
+class UserTextInput:
+    """User text in provider-neutral form (a user message, a note, a continuation message)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolResultInput:
+    """A tool call's model-visible result in provider-neutral form."""
+
+    tool_call_id: str
+    tool_name: str
+    output: str
+
+
+ModelInputItem = UserTextInput | ToolResultInput | ModelOutputItem
+
+
+@dataclass(frozen=True)
+class ModelToolDefinition:
+    """A tool as offered to the model: name, description, JSON Schema of its arguments object."""
+
+    name: str
+    description: str
+    parameters_schema: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    """One model call's whole input; clients keep no provider-side conversation state."""
+
+    instructions: str | None
+    input: tuple[ModelInputItem, ...]
+    tools: tuple[ModelToolDefinition, ...] = ()
+    tool_choice: ToolChoice = ToolChoice.AUTO
+    model_settings: Mapping[str, Any] = field(default_factory=dict)
+    session_settings: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelResponse:
+    output: tuple[ModelOutputItem, ...]
+    usage: AgentUsage = field(default_factory=AgentUsage)
+    metadata: ModelCallMetadata | None = None
+
+
+class ModelOutputWriter:
+    """Where a client streams live output; writes go to the turn's AgentEvents (best effort)."""
+
+    def __init__(self, events: AgentEventWriter) -> None:
+        self._events = events
+
+    def write_text_delta(self, text: str) -> None:
+        if text:
+            self._events.write_text_delta(text)
+
+    def write_reasoning_delta(self, text: str) -> None:
+        if text:
+            self._events.write_reasoning_delta(text)
+
+
+@runtime_checkable
+class ModelClient(Protocol):
+    """One request per call, no retries of its own (RunModel retries), the whole input every time."""
+
+    async def call_model(self, request: ModelRequest, output: ModelOutputWriter) -> ModelResponse: ...
+
+    def estimate_input_tokens(self, request: ModelRequest) -> int: ...
+
+
+@runtime_checkable
+class ForcedToolChoiceSupport(Protocol):
+    """Optional: whether the client can force a tool call with these model settings."""
+
+    def supports_forced_tool_choice(self, settings: Mapping[str, Any]) -> bool: ...
+
+
+# Rough but safe-side token estimate: three UTF-8 bytes per token errs high for English text.
+BYTES_PER_TOKEN = 3
+
+
+def estimate_text_tokens(text: str) -> int:
+    return (len(text.encode()) + BYTES_PER_TOKEN - 1) // BYTES_PER_TOKEN
+
+
+def estimate_request_tokens(request: ModelRequest) -> int:
+    """A provider-independent estimate of a request's input size in tokens."""
+    total = estimate_text_tokens(request.instructions or "")
+    for entry in request.input:
+        if isinstance(entry, UserTextInput):
+            total += estimate_text_tokens(entry.text)
+        elif isinstance(entry, ToolResultInput):
+            total += estimate_text_tokens(entry.output) + estimate_text_tokens(entry.tool_name)
+        else:
+            total += estimate_text_tokens(entry.item)
+    for tool in request.tools:
+        total += estimate_text_tokens(tool.name + tool.description + json.dumps(dict(tool.parameters_schema)))
+    return total

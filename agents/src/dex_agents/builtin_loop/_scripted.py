@@ -1,0 +1,117 @@
+"""ScriptedModelClient: answers each model call from a function of the request, with no model key."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from .._wire import AgentUsage
+from ._model import (
+    ModelOutputItem,
+    ModelOutputWriter,
+    ModelRequest,
+    ModelResponse,
+    ModelToolCall,
+    OutputItemKind,
+    ToolResultInput,
+    UserTextInput,
+    estimate_request_tokens,
+    estimate_text_tokens,
+)
+
+SCRIPTED_API = "scripted"
+
+# Requests a ScriptedModelClient keeps for inspection by default.
+DEFAULT_MAX_RECORDED_REQUESTS = 100
+
+
+@dataclass(frozen=True)
+class ScriptedToolCall:
+    """A tool call of a scripted reply; without an ID, a deterministic one is derived from the request."""
+
+    name: str
+    arguments: str | dict[str, object] = field(default_factory=dict)
+    tool_call_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ScriptedModelReply:
+    text: str | None = None
+    tool_calls: Sequence[ScriptedToolCall] = ()
+    reasoning: str | None = None
+
+
+Respond = Callable[[ModelRequest], ScriptedModelReply | Awaitable[ScriptedModelReply]]
+
+
+class ScriptedModelClient:
+    """A ModelClient whose replies come from `respond(request)`, sync or async.
+
+    Keep `respond` deterministic: a crashed RunModel calls it again with the same request.
+    """
+
+    def __init__(self, respond: Respond, *, max_recorded_requests: int = DEFAULT_MAX_RECORDED_REQUESTS) -> None:
+        if not callable(respond):
+            raise TypeError(f"respond must be a function of the ModelRequest, got {respond!r}")
+        if isinstance(max_recorded_requests, bool) or not isinstance(max_recorded_requests, int) or (
+            max_recorded_requests < 0
+        ):
+            raise ValueError(f"max_recorded_requests must be a whole number >= 0, got {max_recorded_requests!r}")
+        self._respond = respond
+        self.requests: deque[ModelRequest] = deque(maxlen=max_recorded_requests)
+
+    @staticmethod
+    def user_texts(request: ModelRequest) -> list[str]:
+        """Every user text of the request, oldest first."""
+        return [entry.text for entry in request.input if isinstance(entry, UserTextInput)]
+
+    @staticmethod
+    def tool_results(request: ModelRequest) -> list[ToolResultInput]:
+        """The tool results the request ends with: those of the previous model response."""
+        trailing: list[ToolResultInput] = []
+        for entry in reversed(request.input):
+            if not isinstance(entry, ToolResultInput):
+                break
+            trailing.append(entry)
+        return trailing[::-1]
+
+    def estimate_input_tokens(self, request: ModelRequest) -> int:
+        return estimate_request_tokens(request)
+
+    def supports_forced_tool_choice(self, settings: object) -> bool:
+        return True
+
+    async def call_model(self, request: ModelRequest, output: ModelOutputWriter) -> ModelResponse:
+        self.requests.append(request)
+        reply = self._respond(request)
+        if inspect.isawaitable(reply):
+            reply = await reply
+        if not isinstance(reply, ScriptedModelReply):
+            raise TypeError(f"the script returned {reply!r}; return a ScriptedModelReply")
+        items: list[ModelOutputItem] = []
+        if reply.reasoning:
+            output.write_reasoning_delta(reply.reasoning)
+            items.append(_item(OutputItemKind.REASONING, {"type": "reasoning", "text": reply.reasoning},
+                               text=reply.reasoning))
+        if reply.text:
+            output.write_text_delta(reply.text)
+            items.append(_item(OutputItemKind.TEXT, {"type": "text", "text": reply.text}, text=reply.text))
+        for index, call in enumerate(reply.tool_calls):
+            arguments = call.arguments if isinstance(call.arguments, str) else json.dumps(call.arguments)
+            call_id = call.tool_call_id or f"call_{len(request.input)}_{index}"
+            items.append(_item(
+                OutputItemKind.TOOL_CALL,
+                {"type": "tool_call", "id": call_id, "name": call.name, "arguments": arguments},
+                tool_call=ModelToolCall(call_id, call.name, arguments),
+            ))
+        produced = sum(estimate_text_tokens(i.item) for i in items)
+        usage = AgentUsage(model_calls=1, input_tokens=estimate_request_tokens(request), output_tokens=produced)
+        return ModelResponse(tuple(items), usage)
+
+
+def _item(kind: OutputItemKind, raw: dict[str, object], *, text: str | None = None,
+          tool_call: ModelToolCall | None = None) -> ModelOutputItem:
+    return ModelOutputItem(SCRIPTED_API, kind, json.dumps(raw, separators=(",", ":")), text, tool_call)

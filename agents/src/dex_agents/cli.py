@@ -1,0 +1,44 @@
+"""The `dex-agents` command: `demo` (what durability means, in one run) and `chat` (a terminal chat)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+# Where `dex-agents chat` keeps its session by default, relative to the working directory.
+DEFAULT_CHAT_DIR = Path(".dex")
+DEFAULT_CHAT_SESSION = "chat"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Durable agent sessions on dex-engine. Start with `dex-agents demo`."""
+
+
+@main.command()
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep the demo's database here (default: a temporary directory, removed afterwards).")
+def demo(data_dir: Path | None) -> None:
+    """Start a session, kill its Worker while it waits for an approval, approve, show the record."""
+    from .demo._run import run_demo
+
+    raise SystemExit(asyncio.run(run_demo(Console(), data_dir)))
+
+
+@main.command()
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_CHAT_DIR,
+              show_default=True, help="Directory of the chat's SQLite database.")
+@click.option("--session", "session_id", default=DEFAULT_CHAT_SESSION, show_default=True,
+              help="Session ID; the same ID resumes the same conversation.")
+def chat(data_dir: Path, session_id: str) -> None:
+    """Chat with the demo agent in the terminal; approvals are asked inline."""
+    from .demo._chat import run_chat
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        raise SystemExit(asyncio.run(run_chat(Console(), data_dir, session_id)))
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None

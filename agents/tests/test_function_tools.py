@@ -1,0 +1,931 @@
+"""Function tools: schema derivation, argument checking and conversion, invocation, error wrapping.
+
+No engine: `FunctionTool.invoke` is called directly with a hand-built `ToolCallContext`.
+This file deliberately has no `from __future__ import annotations`: some tools are defined inside
+tests, and their annotations must be real objects for `typing.get_type_hints` to resolve them.
+"""
+
+import asyncio
+import dataclasses
+import enum
+import inspect
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, NotRequired, Optional, TypedDict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dex_agents import ToolEffect, ToolExecutionError, ToolOutcomeUnknownError, ToolPolicy
+from dex_agents.builtin_loop import ModelToolDefinition
+from dex_agents.builtin_loop._function_tools import FunctionTool, ToolCallContext, function_tool
+
+# --------------------------------------------------------------------------- fixtures and helpers
+
+
+def make_context(effect: ToolEffect = ToolEffect.UNCLASSIFIED) -> ToolCallContext:
+    return ToolCallContext(
+        idempotency_key="flow-1/turn-1/call-1", attempt=1, flow_id="flow-1", turn_id="turn-1",
+        tool_call_id="call-1", effect=effect,
+    )
+
+
+def run(tool: FunctionTool, arguments: str | dict[str, Any], effect: ToolEffect = ToolEffect.UNCLASSIFIED) -> str:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return asyncio.run(tool.invoke(text, make_context(effect)))
+
+
+async def invoke(tool: FunctionTool, arguments: dict[str, Any], effect: ToolEffect = ToolEffect.UNCLASSIFIED) -> str:
+    return await tool.invoke(json.dumps(arguments), make_context(effect))
+
+
+def capturing_tool(annotation: Any, *, default: Any = inspect.Parameter.empty) -> tuple[FunctionTool, list[Any]]:
+    """A one-parameter tool `probe(value: <annotation>)` that records what it received."""
+    received: list[Any] = []
+
+    def probe(value: Any) -> str:
+        received.append(value)
+        return "ok"
+
+    probe.__annotations__ = {"value": annotation}
+    if default is not inspect.Parameter.empty:
+        probe.__defaults__ = (default,)
+    return function_tool(probe), received
+
+
+def property_schema(tool: FunctionTool) -> Any:
+    schema = tool.parameters_schema
+    assert schema["type"] == "object"
+    assert schema["additionalProperties"] is False
+    return schema["properties"]["value"]
+
+
+class Color(enum.Enum):
+    RED = "red"
+    GREEN = "green"
+
+
+class Priority(enum.IntEnum):
+    LOW = 1
+    HIGH = 2
+
+
+class Mixed(enum.Enum):
+    NAMED = "named"
+    NUMBERED = 7
+
+
+@dataclass
+class Address:
+    street: str
+    city: Annotated[str, "The city name"]
+    zip_code: int | None = None
+    tags: list[str] = field(default_factory=list)
+    normalized: bool = field(default=False, init=False)
+
+
+@dataclass
+class Customer:
+    name: str
+    address: Address
+
+
+@dataclass
+class Positive:
+    amount: int
+
+    def __post_init__(self) -> None:
+        if self.amount <= 0:
+            raise ValueError("amount must be positive")
+
+
+class Filters(TypedDict):
+    status: Literal["open", "closed"]
+    owner: NotRequired[str]
+
+
+class Paging(TypedDict, total=False):
+    page: int
+    size: int
+
+
+@dataclass
+class Node:
+    label: str
+    children: list["Node"]
+
+
+ADDRESS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "street": {"type": "string"},
+        "city": {"type": "string", "description": "The city name"},
+        "zip_code": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["street", "city"],
+    "additionalProperties": False,
+}
+
+
+# --------------------------------------------------------------------------- schema and conversion per type
+
+
+@pytest.mark.parametrize(
+    ("annotation", "schema", "argument", "expected"),
+    [
+        (str, {"type": "string"}, "héllo", "héllo"),
+        (int, {"type": "integer"}, 42, 42),
+        (float, {"type": "number"}, 2.5, 2.5),
+        (bool, {"type": "boolean"}, True, True),
+        (None, {"type": "null"}, None, None),
+        (list[int], {"type": "array", "items": {"type": "integer"}}, [1, 2], [1, 2]),
+        (list, {"type": "array"}, [1, "a", None, {"k": [True]}], [1, "a", None, {"k": [True]}]),
+        (dict[str, float], {"type": "object", "additionalProperties": {"type": "number"}}, {"a": 1.5}, {"a": 1.5}),
+        (dict, {"type": "object"}, {"any": ["json", 1]}, {"any": ["json", 1]}),
+        (Literal["fast", "slow"], {"type": "string", "enum": ["fast", "slow"]}, "slow", "slow"),
+        (Literal[1, "one", True, None], {"enum": [1, "one", True, None]}, True, True),
+        (Color, {"type": "string", "enum": ["red", "green"]}, "green", Color.GREEN),
+        (Priority, {"type": "integer", "enum": [1, 2]}, 2, Priority.HIGH),
+        (Mixed, {"enum": ["named", 7]}, 7, Mixed.NUMBERED),
+        (int | str, {"anyOf": [{"type": "integer"}, {"type": "string"}]}, "x", "x"),
+        (Optional[int], {"anyOf": [{"type": "integer"}, {"type": "null"}]}, None, None),  # noqa: UP045 - typing.Optional is what the test is about
+        (int | None, {"anyOf": [{"type": "integer"}, {"type": "null"}]}, 5, 5),
+        (Annotated[str, "The order ID"], {"type": "string", "description": "The order ID"}, "o-1", "o-1"),
+        (
+            Annotated[int | None, "A count", "a second string is ignored", object()],
+            {"anyOf": [{"type": "integer"}, {"type": "null"}], "description": "A count"},
+            3,
+            3,
+        ),
+        (Annotated[int, object()], {"type": "integer"}, 3, 3),
+        (list[Annotated[str, "a tag"]], {"type": "array", "items": {"type": "string", "description": "a tag"}}, ["t"],
+         ["t"]),
+    ],
+)
+def test_each_supported_type_has_its_schema_and_arrives_converted(
+    annotation: Any, schema: dict[str, Any], argument: Any, expected: Any
+) -> None:
+    """The derived property schema is exact, and a valid argument arrives with the declared Python type."""
+    tool, received = capturing_tool(annotation)
+    assert property_schema(tool) == schema
+    assert tool.parameters_schema["required"] == ["value"]
+    assert run(tool, {"value": argument}) == "ok"
+    assert received == [expected]
+    assert type(received[0]) is type(expected)
+
+
+def test_dataclass_parameter_has_nested_object_schema_and_arrives_as_instance() -> None:
+    """Dataclasses nest as closed object schemas (init=False fields left out) and arrive built."""
+    tool, received = capturing_tool(Customer)
+    assert property_schema(tool) == {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "address": ADDRESS_SCHEMA},
+        "required": ["name", "address"],
+        "additionalProperties": False,
+    }
+    run(tool, {"value": {"name": "Ann", "address": {"street": "Main 1", "city": "Oslo", "zip_code": 150}}})
+    assert received == [Customer("Ann", Address("Main 1", "Oslo", 150, []))]
+    assert type(received[0].address) is Address
+
+
+def test_typed_dict_parameter_has_object_schema_and_arrives_as_dict() -> None:
+    """TypedDict keys are required unless NotRequired or total=False; the value arrives as a plain dict."""
+    tool, received = capturing_tool(Filters)
+    assert property_schema(tool) == {
+        "type": "object",
+        "properties": {"status": {"type": "string", "enum": ["open", "closed"]}, "owner": {"type": "string"}},
+        "required": ["status"],
+        "additionalProperties": False,
+    }
+    run(tool, {"value": {"status": "open"}})
+    assert received == [{"status": "open"}]
+
+    paging, paging_received = capturing_tool(Paging)
+    assert property_schema(paging)["required"] == []
+    run(paging, {"value": {"size": 10}})
+    assert paging_received == [{"size": 10}]
+
+
+def test_int_argument_for_float_parameter_arrives_as_float() -> None:
+    """An integer is a valid JSON Schema number; the function gets a float, not an int."""
+    tool, received = capturing_tool(float)
+    run(tool, {"value": 3})
+    assert received == [3.0]
+    assert type(received[0]) is float
+
+
+def test_integral_float_for_int_parameter_arrives_as_int() -> None:
+    """JSON Schema's integer accepts 3.0; the function gets the int 3."""
+    tool, received = capturing_tool(int)
+    run(tool, '{"value": 3.0}')
+    assert received == [3]
+    assert type(received[0]) is int
+
+
+def test_union_tries_alternatives_in_declaration_order() -> None:
+    """`int | float` keeps 3 an int and 3.5 a float; a union of objects picks the one that fits."""
+    tool, received = capturing_tool(int | float)
+    run(tool, {"value": 3})
+    run(tool, {"value": 3.5})
+    assert [(v, type(v)) for v in received] == [(3, int), (3.5, float)]
+
+    objects, objects_received = capturing_tool(Positive | Address)
+    run(objects, {"value": {"street": "s", "city": "c"}})
+    assert objects_received == [Address("s", "c")]
+
+
+def test_full_tool_schema_lists_parameters_in_order_with_required_ones() -> None:
+    """The arguments object: properties in signature order, required only for parameters without defaults."""
+
+    @function_tool(effect=ToolEffect.READ)
+    async def search(
+        query: Annotated[str, "Words to look for"], limit: int = 10, filters: Filters | None = None
+    ) -> list[str]:
+        """Search tickets.
+
+        Returns matching ticket IDs.
+        """
+        return []
+
+    assert search.definition() == ModelToolDefinition(
+        name="search",
+        description="Search tickets.\n\nReturns matching ticket IDs.",
+        parameters_schema={
+            "type": "object",
+            "properties": {
+                "query": {"type": "string", "description": "Words to look for"},
+                "limit": {"type": "integer"},
+                "filters": {"anyOf": [property_schema(capturing_tool(Filters)[0]), {"type": "null"}]},
+            },
+            "required": ["query"],
+            "additionalProperties": False,
+        },
+    )
+
+
+def test_tool_without_parameters_has_empty_closed_object_schema() -> None:
+    """A parameterless tool offers an empty object with required [] and accepts `{}`."""
+
+    @function_tool
+    def ping() -> str:
+        return "pong"
+
+    assert ping.parameters_schema == {"type": "object", "properties": {}, "required": [], "additionalProperties": False}
+    assert run(ping, "{}") == "pong"
+
+
+def test_defaults_apply_when_absent_and_null_means_absent_for_non_nullable_optional() -> None:
+    """A missing optional argument takes the default; `null` for one whose type has no None does too."""
+    received: list[tuple[int, int | None]] = []
+
+    @function_tool
+    def page(size: int = 20, cursor: int | None = 5) -> str:
+        received.append((size, cursor))
+        return "ok"
+
+    run(page, {})
+    run(page, {"size": None})
+    run(page, {"cursor": None})  # the type admits None, so null is a real value
+    assert received == [(20, 5), (20, 5), (20, None)]
+
+
+def test_null_for_dataclass_field_with_default_means_absent() -> None:
+    """The null-means-absent rule applies to nested members with defaults too."""
+
+    @dataclass
+    class Limits:
+        size: int = 7
+
+    tool, received = capturing_tool(Limits)
+    run(tool, {"value": {"size": None}})
+    assert received == [Limits(7)]
+
+
+@given(text=st.text(), number=st.integers(min_value=-(2**70), max_value=2**70))
+@settings(max_examples=50, deadline=None)
+def test_any_string_and_integer_round_trips_exactly(text: str, number: int) -> None:
+    """Whatever JSON string or integer the model sends reaches the function unchanged."""
+    received: list[tuple[str, int]] = []
+
+    @function_tool
+    def echo(text: str, number: int) -> str:
+        received.append((text, number))
+        return text
+
+    assert run(echo, {"text": text, "number": number}) == text
+    assert received == [(text, number)]
+
+
+# --------------------------------------------------------------------------- schema violations
+
+
+BASE = {"order_id": "o", "amount": 1}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "reason"),
+    [
+        ({"order_id": 5, "amount": 1}, "parameter 'order_id': expected string, got integer"),
+        ({"amount": 1}, "missing required parameter 'order_id'"),
+        ({**BASE, "note": "x"}, "unknown parameter 'note'"),
+        ({**BASE, "b": 1, "a": 2}, "unknown parameters 'b', 'a'"),
+        ({"order_id": "o", "amount": True}, "parameter 'amount': expected integer, got boolean"),
+        ({"order_id": "o", "amount": 1.5}, "parameter 'amount': expected integer, got number"),
+        ({**BASE, "ratio": False}, "parameter 'ratio': expected number, got boolean"),
+        ({**BASE, "ratio": 10**400}, "parameter 'ratio': number out of range"),
+        ({**BASE, "color": "blue"}, 'parameter \'color\': expected one of "red", "green", got "blue"'),
+        ({**BASE, "color": ["red"]}, 'parameter \'color\': expected one of "red", "green", got ["red"]'),
+        ({**BASE, "mode": 1}, 'parameter \'mode\': expected one of "a", true, got 1'),
+        ({**BASE, "ids": [1, "2"]}, "parameter 'ids[1]': expected integer, got string"),
+        ({**BASE, "weights": {"a b": "x"}}, 'parameter \'weights["a b"]\': expected number, got string'),
+        ({**BASE, "either": [1]}, "parameter 'either': expected integer or string, got array"),
+        ({**BASE, "address": {"street": "s"}}, "parameter 'address': missing required field 'city'"),
+        ({**BASE, "address": {"street": "s", "city": "c", "zip": 1}}, "parameter 'address': unknown field 'zip'"),
+        ({**BASE, "address": {"street": "s", "city": 1}}, "parameter 'address.city': expected string, got integer"),
+        ({**BASE, "address": "Main 1"}, "parameter 'address': expected object (Address) or null, got string"),
+        ({**BASE, "positive": {"amount": 0}}, "parameter 'positive': ValueError: amount must be positive"),
+        ({**BASE, "filters": {"status": "pending"}},
+         'parameter \'filters.status\': expected one of "open", "closed", got "pending"'),
+    ],
+)
+def test_schema_violations_are_model_visible_errors_naming_the_parameter(
+    arguments: dict[str, Any], reason: str
+) -> None:
+    """Each violation raises ToolExecutionError with the exact reason, and the function never runs."""
+    calls: list[object] = []
+
+    @function_tool(effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+    def refund(
+        order_id: str,
+        amount: int,
+        ratio: float = 1.0,
+        color: Color = Color.RED,
+        mode: Literal["a", True] = "a",
+        ids: list[int] | None = None,
+        weights: dict[str, float] | None = None,
+        either: int | str = 0,
+        address: Address | None = None,
+        positive: Positive | None = None,
+        filters: Filters | None = None,
+    ) -> str:
+        calls.append(order_id)
+        return "refunded"
+
+    with pytest.raises(ToolExecutionError) as caught:
+        run(refund, arguments)
+    assert caught.value.message == f"invalid arguments for refund: {reason}"
+    assert calls == []
+
+
+@pytest.mark.parametrize("text", ["not json", "", "{", "{'a': 1}", "NaN", '{"a": Infinity}', "{} {}"])
+def test_text_that_is_not_json_is_refused(text: str) -> None:
+    """Invalid JSON (non-standard constants included) gives the contract's exact error."""
+    tool, received = capturing_tool(int, default=0)
+    with pytest.raises(ToolExecutionError) as caught:
+        run(tool, text)
+    assert caught.value.message == "invalid arguments for probe: arguments are not valid JSON"
+    assert received == []
+
+
+@pytest.mark.parametrize("text", ["[]", "[{}]", "1", '"{}"', "null", "true"])
+def test_json_that_is_not_an_object_is_refused(text: str) -> None:
+    """Arguments must be a JSON object."""
+    tool, received = capturing_tool(int, default=0)
+    with pytest.raises(ToolExecutionError) as caught:
+        run(tool, text)
+    assert caught.value.message == "invalid arguments for probe: arguments must be a JSON object"
+    assert received == []
+
+
+# --------------------------------------------------------------------------- prepare_arguments
+
+
+def upgrade_old_shape(arguments: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 of the tool took {"id": ..., "cents": "<digits>"}."""
+    if "id" in arguments:
+        return {"order_id": arguments["id"], "amount_cents": int(arguments["cents"])}
+    return arguments
+
+
+def test_prepare_arguments_converts_an_old_argument_shape_before_the_check() -> None:
+    """Old and new shapes both reach the function in the new shape; the schema describes the new one."""
+    received: list[tuple[str, int]] = []
+
+    @function_tool(prepare_arguments=upgrade_old_shape)
+    def refund(order_id: str, amount_cents: int) -> str:
+        received.append((order_id, amount_cents))
+        return "ok"
+
+    assert set(refund.parameters_schema["properties"]) == {"order_id", "amount_cents"}
+    run(refund, {"id": "o-1", "cents": "250"})
+    run(refund, {"order_id": "o-2", "amount_cents": 99})
+    assert received == [("o-1", 250), ("o-2", 99)]
+
+
+def test_prepare_arguments_output_is_still_checked_against_the_schema() -> None:
+    """What prepare_arguments returns goes through the same check as the model's arguments."""
+
+    @function_tool(prepare_arguments=lambda arguments: {**arguments, "extra": 1})
+    def tool(order_id: str) -> str:
+        return order_id
+
+    with pytest.raises(ToolExecutionError) as caught:
+        run(tool, {"order_id": "o"})
+    assert caught.value.message == "invalid arguments for tool: unknown parameter 'extra'"
+
+
+def test_prepare_arguments_exception_fails_like_a_schema_violation() -> None:
+    """An exception from prepare_arguments becomes `invalid arguments for <tool>: ...`; the tool never runs."""
+    calls: list[str] = []
+
+    @function_tool(effect=ToolEffect.NON_IDEMPOTENT_WRITE, prepare_arguments=upgrade_old_shape)
+    def refund(order_id: str, amount_cents: int) -> str:
+        calls.append(order_id)
+        return "ok"
+
+    with pytest.raises(ToolExecutionError) as caught:
+        run(refund, {"id": "o-1", "cents": "lots"})
+    assert caught.value.message == (
+        "invalid arguments for refund: prepare_arguments failed: "
+        "ValueError: invalid literal for int() with base 10: 'lots'"
+    )
+    with pytest.raises(ToolExecutionError) as missing:
+        run(refund, {"id": "o-1"})
+    assert missing.value.message == "invalid arguments for refund: prepare_arguments failed: KeyError: 'cents'"
+    assert calls == []
+
+
+def test_prepare_arguments_returning_a_coroutine_is_refused() -> None:
+    """An awaitable result is refused, never awaited, and closed (no 'never awaited' warning)."""
+    started: list[str] = []
+    coroutines: list[Any] = []
+
+    async def later(arguments: dict[str, Any]) -> dict[str, Any]:
+        started.append("ran")
+        return arguments
+
+    def sneaky(arguments: dict[str, Any]) -> dict[str, Any]:
+        coroutine = later(arguments)
+        coroutines.append(coroutine)
+        return coroutine  # type: ignore[return-value]
+
+    @function_tool(prepare_arguments=sneaky)
+    def tool(order_id: str) -> str:
+        return order_id
+
+    with pytest.raises(ToolExecutionError) as caught:
+        run(tool, {"order_id": "o"})
+    assert caught.value.message == (
+        "invalid arguments for tool: prepare_arguments returned an awaitable; it must be synchronous"
+    )
+    assert started == []
+    assert inspect.getcoroutinestate(coroutines[0]) == inspect.CORO_CLOSED
+
+
+def test_async_prepare_arguments_is_refused_at_definition() -> None:
+    """An async prepare_arguments can never be right, so defining the tool fails."""
+
+    async def prepare(arguments: dict[str, Any]) -> dict[str, Any]:
+        return arguments
+
+    with pytest.raises(TypeError, match="prepare_arguments of tool 'tool' must be synchronous"):
+
+        @function_tool(prepare_arguments=prepare)  # type: ignore[arg-type]
+        def tool(order_id: str) -> str:
+            return order_id
+
+
+def test_prepare_arguments_returning_a_non_object_is_refused() -> None:
+    """prepare_arguments must hand back a mapping of arguments."""
+
+    @function_tool(prepare_arguments=lambda arguments: [arguments])  # type: ignore[arg-type,return-value]
+    def tool(order_id: str) -> str:
+        return order_id
+
+    with pytest.raises(ToolExecutionError) as caught:
+        run(tool, {"order_id": "o"})
+    assert caught.value.message == "invalid arguments for tool: prepare_arguments returned list, not a JSON object"
+
+
+async def test_cancelled_error_from_prepare_arguments_passes_through() -> None:
+    """CancelledError is not turned into an arguments error."""
+
+    def cancel(arguments: dict[str, Any]) -> dict[str, Any]:
+        raise asyncio.CancelledError
+
+    @function_tool(effect=ToolEffect.READ, prepare_arguments=cancel)
+    def tool(order_id: str) -> str:
+        return order_id
+
+    with pytest.raises(asyncio.CancelledError):
+        await invoke(tool, {"order_id": "o"}, ToolEffect.READ)
+
+
+# --------------------------------------------------------------------------- running the function
+
+
+async def test_sync_function_runs_in_a_worker_thread_and_async_in_the_loop() -> None:
+    """A sync tool runs off the event loop's thread; an async one runs on it."""
+    loop_thread = threading.get_ident()
+    threads: dict[str, int] = {}
+
+    @function_tool
+    def blocking() -> str:
+        threads["sync"] = threading.get_ident()
+        return "sync"
+
+    @function_tool
+    async def non_blocking() -> str:
+        threads["async"] = threading.get_ident()
+        return "async"
+
+    assert await invoke(blocking, {}) == "sync"
+    assert await invoke(non_blocking, {}) == "async"
+    assert threads["sync"] != loop_thread
+    assert threads["async"] == loop_thread
+
+
+async def test_async_callable_object_is_awaited() -> None:
+    """An object whose __call__ is async counts as an async tool."""
+
+    class Lookup:
+        async def __call__(self, order_id: str) -> str:
+            return f"order {order_id}"
+
+    tool = FunctionTool(Lookup(), name="lookup", effect=ToolEffect.READ)
+    assert tool.parameters_schema["properties"] == {"order_id": {"type": "string"}}
+    assert await invoke(tool, {"order_id": "7"}) == "order 7"
+
+
+@pytest.mark.parametrize(
+    ("result", "output"),
+    [
+        ("plain text, not JSON", "plain text, not JSON"),
+        ("", ""),
+        ({"status": "ok", "count": 2}, '{"status":"ok","count":2}'),
+        ([1, 2.5, None, True], "[1,2.5,null,true]"),
+        (None, "null"),
+        (7, "7"),
+        ({"name": "Ünïcode"}, '{"name":"Ünïcode"}'),
+        # msgspec encodes the instance's attributes; an init=False field's class-level default is none.
+        (Address("Main 1", "Oslo"), '{"street":"Main 1","city":"Oslo","zip_code":null,"tags":[]}'),
+        (Color.GREEN, '"green"'),
+        ({"priority": Priority.HIGH}, '{"priority":2}'),
+    ],
+)
+async def test_result_is_the_string_or_its_json(result: object, output: str) -> None:
+    """A str is the output as is; anything else is compact JSON (dataclasses and Enums included)."""
+
+    @function_tool
+    async def produce() -> Any:
+        return result
+
+    assert await invoke(produce, {}) == output
+
+
+async def test_unencodable_result_follows_the_effect_rule() -> None:
+    """A result JSON cannot hold fails like any other error of the call: shown for reads, raised for writes."""
+
+    @function_tool
+    async def produce() -> object:
+        return object()
+
+    with pytest.raises(ToolExecutionError, match=r"^TypeError: "):
+        await invoke(produce, {}, ToolEffect.READ)
+    with pytest.raises(TypeError):
+        await invoke(produce, {}, ToolEffect.NON_IDEMPOTENT_WRITE)
+
+
+@pytest.mark.parametrize("effect", [ToolEffect.READ, ToolEffect.IDEMPOTENT_WRITE])
+@pytest.mark.parametrize("sync", [True, False])
+async def test_errors_of_repeatable_calls_become_model_visible(effect: ToolEffect, sync: bool) -> None:
+    """For read and idempotent_write calls, any exception becomes ToolExecutionError('<Type>: <message>')."""
+    tool = failing_tool(sync, ValueError("order o-1 not found"))
+    with pytest.raises(ToolExecutionError) as caught:
+        await invoke(tool, {}, effect)
+    assert caught.value.message == "ValueError: order o-1 not found"
+    assert isinstance(caught.value.__cause__, ValueError)
+
+
+@pytest.mark.parametrize("effect", [ToolEffect.NON_IDEMPOTENT_WRITE, ToolEffect.UNCLASSIFIED])
+@pytest.mark.parametrize("sync", [True, False])
+async def test_errors_of_writes_that_may_not_repeat_propagate(effect: ToolEffect, sync: bool) -> None:
+    """For non_idempotent_write and unclassified calls the exception propagates unchanged (outcome unknown)."""
+    error = ConnectionError("payment gateway closed the connection")
+    tool = failing_tool(sync, error)
+    with pytest.raises(ConnectionError) as caught:
+        await invoke(tool, {}, effect)
+    assert caught.value is error
+
+
+async def test_wrapping_follows_the_context_effect_not_the_declared_one() -> None:
+    """The call's effect after the policies decides; a hand-built context defaults to unclassified."""
+    tool = failing_tool(False, ValueError("boom"), effect=ToolEffect.READ)
+    with pytest.raises(ValueError, match="boom"):
+        await tool.invoke("{}", ToolCallContext("k", 1, "f", "t", "c"))
+    write = failing_tool(False, ValueError("boom"), effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+    with pytest.raises(ToolExecutionError, match=r"^ValueError: boom$"):
+        await invoke(write, {}, ToolEffect.READ)
+
+
+@pytest.mark.parametrize("effect", list(ToolEffect))
+async def test_tool_execution_error_passes_through_for_every_effect(effect: ToolEffect) -> None:
+    """The tool's own model-visible error is not re-wrapped."""
+    error = ToolExecutionError("no such order")
+    with pytest.raises(ToolExecutionError) as caught:
+        await invoke(failing_tool(False, error), {}, effect)
+    assert caught.value is error
+
+
+@pytest.mark.parametrize("effect", list(ToolEffect))
+async def test_outcome_unknown_error_passes_through_for_every_effect(effect: ToolEffect) -> None:
+    """A tool that says its write may have happened is never shown as a plain failure."""
+    error = ToolOutcomeUnknownError("sent, no reply")
+    with pytest.raises(ToolOutcomeUnknownError) as caught:
+        await invoke(failing_tool(True, error), {}, effect)
+    assert caught.value is error
+
+
+@pytest.mark.parametrize("sync", [True, False])
+async def test_cancelled_error_always_propagates(sync: bool) -> None:
+    """CancelledError is never turned into a model-visible error, even for reads."""
+    with pytest.raises(asyncio.CancelledError):
+        await invoke(failing_tool(sync, asyncio.CancelledError()), {}, ToolEffect.READ)
+
+
+def failing_tool(sync: bool, error: BaseException, effect: ToolEffect = ToolEffect.READ) -> FunctionTool:
+    if sync:
+
+        def fail_sync() -> str:
+            raise error
+
+        return FunctionTool(fail_sync, name="fail", effect=effect)
+
+    async def fail_async() -> str:
+        raise error
+
+    return FunctionTool(fail_async, name="fail", effect=effect)
+
+
+# --------------------------------------------------------------------------- ToolCallContext
+
+
+async def test_context_parameter_is_injected_and_not_in_the_schema() -> None:
+    """A parameter typed ToolCallContext gets the call's context and is invisible to the model."""
+    seen: list[ToolCallContext] = []
+
+    @function_tool(effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+    async def refund_order(order_id: str, call: ToolCallContext, amount_cents: int) -> str:
+        seen.append(call)
+        return f"{order_id}:{amount_cents}:{call.idempotency_key}"
+
+    assert refund_order.parameters_schema == {
+        "type": "object",
+        "properties": {"order_id": {"type": "string"}, "amount_cents": {"type": "integer"}},
+        "required": ["order_id", "amount_cents"],
+        "additionalProperties": False,
+    }
+    context = make_context(ToolEffect.NON_IDEMPOTENT_WRITE)
+    output = await refund_order.invoke('{"order_id": "o-1", "amount_cents": 5}', context)
+    assert output == "o-1:5:flow-1/turn-1/call-1"
+    assert seen == [context]
+    assert seen[0] is context
+
+    # The model cannot supply it: the name is not a parameter it knows.
+    with pytest.raises(ToolExecutionError, match="unknown parameter 'call'"):
+        await invoke(refund_order, {"order_id": "o", "amount_cents": 1, "call": {}})
+
+
+def test_sync_tool_receives_context_in_its_thread() -> None:
+    """Injection works for sync tools too."""
+
+    @function_tool
+    def whoami(context: ToolCallContext) -> str:
+        return context.tool_call_id
+
+    assert run(whoami, {}) == "call-1"
+
+
+def test_two_context_parameters_are_refused() -> None:
+    with pytest.raises(TypeError, match="only one parameter may be typed ToolCallContext"):
+
+        @function_tool
+        def tool(a: ToolCallContext, b: ToolCallContext) -> str:
+            return ""
+
+
+def test_context_defaults() -> None:
+    """A hand-built context is unclassified, with no writer, heartbeat, answers or checkpoint."""
+    context = ToolCallContext("k", 2, "f", "t", "c")
+    assert context.effect is ToolEffect.UNCLASSIFIED
+    assert (context.events, context.heartbeat, context.heartbeat_checkpoint, context.save_heartbeat_checkpoint) == (
+        None, None, None, None)
+    assert context.input_answers == ()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        context.attempt = 3  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------- definition-time checks
+
+
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("annotation", "type_text"),
+    [
+        (set[int], "set[int]"),
+        (tuple[int, int], "tuple[int, int]"),
+        (Opaque, "Opaque"),
+        (Any, "Any"),
+        (bytes, "bytes"),
+        (dict[int, str], "dict[int, str]"),
+        (list[set[str]], "list[set[str]]"),
+        (int | Opaque, "Opaque"),
+        (Literal[1.5], "Literal[1.5]"),
+        (Node, "Node"),
+    ],
+)
+def test_unsupported_annotations_are_refused_at_definition(annotation: Any, type_text: str) -> None:
+    """TypeError names the parameter and the type, before any model sees the tool."""
+    with pytest.raises(TypeError) as caught:
+        capturing_tool(annotation)
+    message = str(caught.value)
+    assert "parameter 'value' of tool 'probe'" in message
+    assert type_text in message
+
+
+def test_unsupported_field_of_a_dataclass_names_the_field() -> None:
+    @dataclass
+    class Shipment:
+        items: frozenset[str]
+
+    with pytest.raises(TypeError, match=r"parameter 'value' of tool 'probe'.*field 'items' of .*Shipment"):
+        capturing_tool(Shipment)
+
+
+def test_recursive_dataclass_is_refused() -> None:
+    with pytest.raises(TypeError, match="recursive"):
+        capturing_tool(Node)
+
+
+def test_enum_with_unsupported_values_is_refused() -> None:
+    class Ratio(enum.Enum):
+        HALF = 0.5
+
+    with pytest.raises(TypeError, match=r"Ratio.HALF has value 0.5; Enum values must be str or int"):
+        capturing_tool(Ratio)
+
+
+def test_missing_annotation_is_refused() -> None:
+    with pytest.raises(TypeError, match="parameter 'order_id' of tool 'lookup' has no type annotation"):
+
+        @function_tool
+        def lookup(order_id) -> str:  # type: ignore[no-untyped-def]
+            return str(order_id)
+
+
+def test_variadic_parameters_are_refused() -> None:
+    def many(*args: int) -> str:
+        return ""
+
+    def named(**kwargs: int) -> str:
+        return ""
+
+    for fn in (many, named):
+        with pytest.raises(TypeError, match=r"\*args and \*\*kwargs are not supported"):
+            function_tool(fn)
+
+
+def test_positional_only_parameters_are_refused() -> None:
+    with pytest.raises(TypeError, match="positional-only"):
+
+        @function_tool
+        def tool(a: int, /) -> str:
+            return ""
+
+
+def test_unresolvable_forward_reference_is_refused() -> None:
+    with pytest.raises(TypeError, match="cannot resolve the type hints of tool 'tool': name 'Missing' is not defined"):
+
+        @function_tool
+        def tool(a: "Missing") -> str:  # type: ignore[name-defined] # noqa: F821
+            return ""
+
+
+def test_string_annotations_resolve_from_the_function_module() -> None:
+    """Postponed annotations (as with `from __future__ import annotations`) are resolved."""
+
+    @function_tool
+    def tool(a: "Address", b: "int") -> str:
+        return ""
+
+    assert tool.parameters_schema["properties"] == {"a": ADDRESS_SCHEMA, "b": {"type": "integer"}}
+
+
+@pytest.mark.parametrize("name", ["", "has space", "x" * 65, "naïve", "dot.ted", "trailing\n", "<lambda>"])
+def test_bad_names_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="invalid tool name"):
+        function_tool(name=name)(lambda: "")
+
+
+def test_lambda_without_explicit_name_is_refused() -> None:
+    """`<lambda>` is no provider-valid name."""
+    with pytest.raises(ValueError, match="invalid tool name '<lambda>'"):
+        function_tool(lambda: "")
+
+
+@pytest.mark.parametrize("name", ["a", "A-b_9", "x" * 64])
+def test_good_names_are_kept(name: str) -> None:
+    assert function_tool(name=name)(lambda: "").name == name
+
+
+# --------------------------------------------------------------------------- decorator forms and metadata
+
+
+def test_bare_decorator_defaults() -> None:
+    """Bare `@function_tool`: function name, cleaned docstring, unclassified effect, approval by effect."""
+
+    @function_tool
+    def lookup_order(order_id: str) -> str:
+        """
+            Look up an order.
+
+            Indented details stay relative.
+        """
+        return order_id
+
+    assert isinstance(lookup_order, FunctionTool)
+    assert lookup_order.name == "lookup_order"
+    assert lookup_order.description == "Look up an order.\n\nIndented details stay relative."
+    assert lookup_order.policy == ToolPolicy(ToolEffect.UNCLASSIFIED, None)
+
+
+def test_function_without_docstring_gets_empty_description() -> None:
+    """Our choice: no docstring is allowed and gives an empty description."""
+
+    @function_tool(effect=ToolEffect.READ)
+    def lookup(order_id: str) -> str:
+        return order_id
+
+    assert lookup.description == ""
+    assert lookup.definition().description == ""
+
+
+def test_options_override_name_description_and_policy() -> None:
+    @function_tool(effect=ToolEffect.IDEMPOTENT_WRITE, requires_approval=True, name="set-status",
+                   description="Set the status.")
+    def set_status(status: Literal["open", "closed"]) -> str:
+        """Ignored docstring."""
+        return status
+
+    definition = set_status.definition()
+    assert (definition.name, definition.description) == ("set-status", "Set the status.")
+    assert set_status.policy == ToolPolicy(ToolEffect.IDEMPOTENT_WRITE, True)
+    assert run(set_status, {"status": "open"}) == "open"
+
+
+def test_effect_must_be_a_tool_effect() -> None:
+    with pytest.raises(TypeError, match=r"ToolPolicy\.effect must be a ToolEffect"):
+        function_tool(effect="read")(lambda: "")  # type: ignore[arg-type]
+
+
+def test_explicit_schema_is_offered_but_arguments_still_follow_the_type_hints() -> None:
+    """parameters_schema replaces the definition's schema only; conversion stays with the hints."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}, "required": ["n"]}
+
+    @function_tool(parameters_schema=schema)
+    def count(n: int) -> str:
+        return str(n * 2)
+
+    assert count.definition().parameters_schema == schema
+    assert run(count, {"n": 4}) == "8"
+    with pytest.raises(ToolExecutionError, match="parameter 'n': expected integer, got string"):
+        run(count, {"n": "4"})
+
+
+@pytest.mark.parametrize("schema", [{"type": "array"}, {"properties": {}}, {"type": "object", "x": object()}])
+def test_explicit_schema_must_be_a_json_object_schema(schema: dict[str, Any]) -> None:
+    def count(n: int) -> str:
+        return str(n)
+
+    with pytest.raises(ValueError, match="parameters_schema of tool 'count'"):
+        function_tool(parameters_schema=schema)(count)
+
+
+def test_definition_schema_is_a_copy() -> None:
+    """Mutating a handed-out schema cannot change what later model calls are offered."""
+
+    @function_tool
+    def tool(a: int) -> str:
+        return ""
+
+    tool.definition().parameters_schema["properties"]["a"]["type"] = "string"  # type: ignore[index]
+    tool.parameters_schema["required"].append("b")
+    assert tool.parameters_schema == {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False,
+    }
