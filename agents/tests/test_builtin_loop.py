@@ -1,0 +1,386 @@
+"""The built-in loop end to end: tools, stored items, limits, continuation, settings, sources, kills."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from agents.tests.builtin_agent import InProcessEngine, gated_flow, lookup_order, scripted_flow, tool_then_answer
+from agents.tests.conftest import REPO_ROOT
+
+from dex_agents import (
+    OUTCOME_UNKNOWN_TEXT,
+    AgentSessionClient,
+    AgentSnapshot,
+    AgentTurnContext,
+    DeferredToolCall,
+    DeferredToolExecution,
+    MessageRole,
+    ToolEffect,
+    ToolExecutionResult,
+    ToolPolicy,
+)
+from dex_agents.builtin_loop import (
+    TURN_CONTINUATION_LIMIT_ERROR,
+    AgentDefinition,
+    ContinueTurn,
+    InstructionContext,
+    ModelOutputItem,
+    ModelRequest,
+    ModelToolCall,
+    ModelToolDefinition,
+    OutputItemKind,
+    ScriptedModelClient,
+    ScriptedModelReply,
+    ScriptedToolCall,
+    ToolChoice,
+    ToolResultInput,
+    TurnContinuationContext,
+    UserTextInput,
+    builtin_agent_session_flow,
+    model_call_limit_result,
+)
+from dex_agents.testing import (
+    AgentTestStack,
+    FileGate,
+    InvocationLog,
+    executed_steps,
+    to_step_history,
+    wait_for_agent_snapshot,
+)
+
+
+async def _turns_done(sessions: AgentSessionClient, sid: str, count: int) -> AgentSnapshot:
+    snapshot: AgentSnapshot = await wait_for_agent_snapshot(
+        sessions, sid, lambda s: s if s.state is not None and s.state.turn_count >= count else None,
+        description=f"{count} turn(s) of {sid} to end",
+    )
+    return snapshot
+
+
+async def test_function_tool_turn_stores_items_as_they_appear(tmp_path: Path) -> None:
+    """A write waits for approval with its call already stored; the answer sees the tool's result."""
+    flow, model = scripted_flow(tool_then_answer)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", '/tool refund_order {"order_id": "A-1", "amount_cents": 250}')
+        waiting = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: s if s.pending_interrupts else None, description="the approval")
+        # Stored incrementally: the user message, the model's text, and its tool call, before the tool runs.
+        assert [m.role for m in waiting.messages] == [MessageRole.USER, MessageRole.ASSISTANT, MessageRole.ASSISTANT]
+        assert waiting.messages[2].tool_name == "refund_order"
+        assert await sessions.resolve_interrupt("s", waiting.pending_interrupts[0].interrupt_id, approved=True)
+        done = await _turns_done(sessions, "s", 1)
+        assert done.messages[-1].text == "results: refund_order=refunded 250 on A-1"
+        assert done.messages[-2].role is MessageRole.TOOL
+        assert done.state is not None and done.state.last_turn_error is None
+        steps = executed_steps(to_step_history(await engine.client.get_flow_history("s")))
+        assert steps == ["StartAgentSession", "RunModel", "AwaitToolApproval", "CallSingleAttemptTool",
+                         "ResumeTurn", "RunModel"]
+        # The second request replays the stored call followed by its result.
+        last = model.requests[-1].input
+        assert isinstance(last[-1], ToolResultInput) and last[-1].output == "refunded 250 on A-1"
+        assert isinstance(last[-2], ModelOutputItem) and last[-2].tool_call is not None
+
+
+async def test_schema_violation_and_unknown_tool_reach_the_model(tmp_path: Path) -> None:
+    """Bad arguments and an unknown name become tool failures the model sees; neither asks for approval."""
+
+    def respond(request: ModelRequest) -> ScriptedModelReply:
+        results = ScriptedModelClient.tool_results(request)
+        if results:
+            return ScriptedModelReply(text=" | ".join(r.output for r in results))
+        return ScriptedModelReply(tool_calls=[
+            ScriptedToolCall("lookup_order", {"order_id": 7}),
+            ScriptedToolCall("no_such_tool", {}),
+        ])
+
+    flow, _ = scripted_flow(respond)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "go")
+        done = await _turns_done(sessions, "s", 1)
+        answer = done.messages[-1].text or ""
+        assert "The tool call failed: invalid arguments for lookup_order" in answer
+        assert "The tool call failed: unknown tool no_such_tool" in answer
+        assert done.pending_interrupts == []
+
+
+async def test_model_call_limit_offers_no_tools_and_ends_the_turn(tmp_path: Path) -> None:
+    """After max_model_calls_per_turn calls, the next call offers no tools; a call anyway is not run."""
+
+    def always_tools(request: ModelRequest) -> ScriptedModelReply:
+        return ScriptedModelReply(tool_calls=[ScriptedToolCall("lookup_order", {"order_id": "A"})])
+
+    flow, model = scripted_flow(always_tools, max_model_calls_per_turn=2)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "loop forever")
+        done = await _turns_done(sessions, "s", 1)
+        assert len(model.requests) == 3
+        assert model.requests[0].tools and model.requests[1].tools
+        assert model.requests[2].tools == () and model.requests[2].tool_choice is ToolChoice.NONE
+        assert done.messages[-1].role is MessageRole.TOOL
+        assert done.messages[-1].tool_output == model_call_limit_result(2)
+        assert done.state is not None and done.state.last_turn_error is None
+
+
+async def test_instructions_function_and_resolve_model_follow_turn_settings(tmp_path: Path) -> None:
+    """Settings reach instructions and resolve_model; an update applies from the next turn only."""
+    seen: list[tuple[str, str]] = []
+
+    def named(name: str) -> ScriptedModelClient:
+        return ScriptedModelClient(lambda request: ScriptedModelReply(text=f"{name}: {request.instructions}"))
+
+    models = {"small": named("small"), "large": named("large")}
+
+    def instructions(context: InstructionContext) -> str:
+        seen.append((context.turn_id, str(context.session_settings.get("model"))))
+        return f"model={context.session_settings.get('model')}"
+
+    agent = AgentDefinition(
+        name="settings-agent", instructions=instructions, model=models["small"],
+        resolve_model=lambda settings: models.get(str(settings.get("model")), models["small"]),
+    )
+    flow = builtin_agent_session_flow(agent, "SettingsAgent")
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "hi", session_settings={"model": "large"})
+        first = await _turns_done(sessions, "s", 1)
+        assert first.messages[-1].text == "large: model=large"
+        assert await sessions.update_session_settings("s", {"model": "small"})
+        assert await sessions.send_user_message("s", "again")
+        second = await _turns_done(sessions, "s", 2)
+        assert second.messages[-1].text == "small: model=small"
+        assert second.session_settings == {"model": "small"}
+        assert await sessions.update_session_settings("s", {})
+        assert (await sessions.get_agent_snapshot("s")).session_settings is None
+    assert seen == [("turn-1", "large"), ("turn-2", "small")]
+
+
+async def test_continuation_after_an_answer_and_its_limit(tmp_path: Path) -> None:
+    """ContinueTurn stores the answer and the message in the same turn; past 8 in a row the turn fails."""
+    calls: list[int] = []
+
+    def respond(request: ModelRequest) -> ScriptedModelReply:
+        calls.append(len(request.input))
+        return ScriptedModelReply(text=f"answer {len(calls)}")
+
+    def decide(context: TurnContinuationContext) -> ContinueTurn | str:
+        answer = "".join(item.text or "" for item in context.model_output)
+        return "default" if answer == "answer 2" else ContinueTurn("Keep going.")
+
+    flow, _ = scripted_flow(respond, decide_turn_continuation=decide)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "start")
+        done = await _turns_done(sessions, "s", 1)
+        texts = [(m.role.value, m.text, m.turn_id) for m in done.messages]
+        assert texts == [("user", "start", "turn-1"), ("assistant", "answer 1", "turn-1"),
+                         ("user", "Keep going.", "turn-1"), ("assistant", "answer 2", "turn-1")]
+        assert done.usage.model_calls == 2
+
+    flow2, _ = scripted_flow(lambda r: ScriptedModelReply(text="never done"),
+                             decide_turn_continuation=lambda c: ContinueTurn("more"), flow_type="Forever")
+    (tmp_path / "second").mkdir()
+    engine2 = InProcessEngine(tmp_path / "second", [flow2])
+    async with engine2.running():
+        sessions = engine2.sessions()
+        await sessions.start_session("s", "start")
+        failed = await _turns_done(sessions, "s", 1)
+        assert failed.state is not None and failed.state.last_turn_error == TURN_CONTINUATION_LIMIT_ERROR
+        assert failed.usage.model_calls == 9  # the first answer plus 8 continuations
+        assert failed.messages[-1].text == "never done"
+
+
+async def test_end_after_tools_completes_with_the_tool_result(tmp_path: Path) -> None:
+    """'end' after tool calls completes the turn without another model call; the last message is the result."""
+
+    def respond(request: ModelRequest) -> ScriptedModelReply:
+        return ScriptedModelReply(tool_calls=[ScriptedToolCall("lookup_order", {"order_id": "A-9"})])
+
+    def decide(context: TurnContinuationContext) -> str:
+        return "end" if context.tool_results else "default"
+
+    flow, model = scripted_flow(respond, decide_turn_continuation=decide)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "look it up")
+        done = await _turns_done(sessions, "s", 1)
+        assert len(model.requests) == 1
+        assert done.usage.model_calls == 1
+        assert done.messages[-1].role is MessageRole.TOOL
+        assert json.loads(done.messages[-1].tool_output or "{}") == {"order_id": "A-9", "status": "shipped"}
+
+
+class _Source:
+    """A tool source listing one tool; records the references its calls come back with."""
+
+    def __init__(self, name: str, tools: Sequence[str], *, fail: bool = False, delay: float = 0.0) -> None:
+        self.source_name = name
+        self.tools = tools
+        self.fail = fail
+        self.delay = delay
+        self.executed: list[str | None] = []
+
+    async def list_tools(self) -> Sequence[ModelToolDefinition]:
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.fail:
+            raise ConnectionError("server down")
+        return [ModelToolDefinition(t, f"{t} from {self.source_name}", {"type": "object", "properties": {}})
+                for t in self.tools]
+
+    def deferred_tool_call(self, call: ModelToolCall, listed_tool: ModelToolDefinition,
+                           turn: AgentTurnContext) -> DeferredToolCall:
+        return DeferredToolCall(call.tool_call_id, call.tool_name, call.arguments, ToolPolicy(ToolEffect.READ),
+                                tool_source_reference=f"ref:{listed_tool.name}")
+
+    async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> ToolExecutionResult:
+        self.executed.append(call.tool_call.tool_source_reference)
+        return ToolExecutionResult(f"{self.source_name} ran {call.tool_call.tool_name}")
+
+
+def _call_first_offered(request: ModelRequest) -> ScriptedModelReply:
+    results = ScriptedModelClient.tool_results(request)
+    if results:
+        return ScriptedModelReply(text=results[0].output)
+    names = [t.name for t in request.tools]
+    return ScriptedModelReply(text=",".join(names), tool_calls=[ScriptedToolCall("remote_search", {})]
+                              if "remote_search" in names else ())
+
+
+async def test_tool_source_call_reaches_its_source_with_its_own_reference(tmp_path: Path) -> None:
+    """Source tools are offered after function tools; the tool Step finds the source by its stored name."""
+    source = _Source("search", ["remote_search"])
+    down = _Source("down", ["never"], fail=True)
+    flow, model = scripted_flow(_call_first_offered, tool_sources=[down, source])
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "search")
+        done = await _turns_done(sessions, "s", 1)
+        assert done.messages[-1].text == "search ran remote_search"
+        assert [t.name for t in model.requests[0].tools] == ["lookup_order", "refund_order", "remote_search"]
+        assert source.executed == ["ref:remote_search"]
+
+
+async def test_tool_source_name_collision_fails_the_model_call(tmp_path: Path) -> None:
+    """A listed name that repeats a function tool fails RunModel before any model request."""
+    source = _Source("dupe", ["lookup_order"])
+    flow, model = scripted_flow(_call_first_offered, tool_sources=[source])
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "hi")
+        done = await _turns_done(sessions, "s", 1)
+        assert done.state is not None
+        assert done.state.last_turn_error == "tool lookup_order of a tool source uses the name of a function tool"
+        assert len(model.requests) == 0
+
+
+async def test_slow_tool_source_offers_nothing_in_that_call(tmp_path: Path) -> None:
+    """A listing slower than tool_source_listing_timeout leaves its tools out; the turn goes on."""
+    slow = _Source("slow", ["remote_search"], delay=5.0)
+    flow, _ = scripted_flow(_call_first_offered, tool_sources=[slow],
+                                tool_source_listing_timeout=timedelta(milliseconds=50))
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "hi")
+        done = await _turns_done(sessions, "s", 1)
+        assert done.messages[-1].text == "lookup_order,refund_order"
+
+
+def test_agent_definition_refuses_bad_tools() -> None:
+    """Duplicate function tools, duplicate source names and a bad limit are refused when built."""
+    model = ScriptedModelClient(lambda r: ScriptedModelReply(text="x"))
+
+    with pytest.raises(ValueError, match="two function tools are named 'lookup_order'"):
+        AgentDefinition(name="a", instructions="", model=model, tools=[lookup_order, lookup_order])
+    with pytest.raises(ValueError, match="two tool sources are named 'x'"):
+        AgentDefinition(name="a", instructions="", model=model, tool_sources=[_Source("x", []), _Source("x", [])])
+    with pytest.raises(ValueError, match="max_model_calls_per_turn must be a whole number >= 1, got 0"):
+        AgentDefinition(name="a", instructions="", model=model, max_model_calls_per_turn=0)
+    with pytest.raises(ValueError, match="model must be a ModelClient"):
+        AgentDefinition(name="a", instructions="", model="gpt")  # type: ignore[arg-type]
+
+
+async def test_failed_turn_pairs_every_stored_call_with_a_result(tmp_path: Path) -> None:
+    """RecordTurnFailure stores the loop's results for the stored calls, then the note; the next request is paired."""
+    failing = {"on": True}
+
+    def respond(request: ModelRequest) -> ScriptedModelReply:
+        text = ScriptedModelClient.user_texts(request)[-1]
+        if ScriptedModelClient.tool_results(request) and failing["on"]:
+            raise RuntimeError("provider down")
+        if text == "use the tool":
+            return ScriptedModelReply(tool_calls=[ScriptedToolCall("lookup_order", {"order_id": "B-2"})])
+        return ScriptedModelReply(text=f"echo: {text}")
+
+    flow, model = scripted_flow(respond)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "use the tool")
+        failed = await _turns_done(sessions, "s", 1)
+        assert failed.state is not None and failed.state.last_turn_error == "provider down"
+        roles = [m.role for m in failed.messages]
+        assert roles == [MessageRole.USER, MessageRole.ASSISTANT, MessageRole.TOOL, MessageRole.USER]
+        assert (failed.messages[-1].text or "").startswith("[Dex] The previous turn failed after these tool calls ran:")
+        failing["on"] = False
+        await sessions.send_user_message("s", "next")
+        await _turns_done(sessions, "s", 2)
+        request = model.requests[-1].input
+        calls = [i for i in request if isinstance(i, ModelOutputItem) and i.tool_call is not None]
+        results = [i for i in request if isinstance(i, ToolResultInput)]
+        assert [c.tool_call.tool_call_id for c in calls if c.tool_call] == [r.tool_call_id for r in results]
+        assert isinstance(request[-1], UserTextInput) and request[-1].text == "next"
+
+
+def test_orphaned_call_gets_the_outcome_unknown_text() -> None:
+    """A stored call without a stored result reaches the model paired with the outcome-unknown text."""
+    from dex_agents.builtin_loop._loop_runner import _paired
+
+    call = ModelOutputItem("scripted", OutputItemKind.TOOL_CALL, "{}", None, ModelToolCall("c1", "t", "{}"))
+    items = _paired([UserTextInput("hi"), call, UserTextInput("later")])
+    assert items[2] == ToolResultInput("c1", "t", OUTCOME_UNKNOWN_TEXT)
+    assert items[3] == UserTextInput("later")
+
+
+@pytest.mark.slow
+async def test_worker_killed_during_run_model_reruns_only_that_model_call(tmp_path: Path) -> None:
+    """SIGKILL during the second turn's model call: that call runs twice, every other call once."""
+    flow = gated_flow(tmp_path)
+    async with AgentTestStack(tmp_path, [flow], "agents.tests.builtin_worker", worker_cwd=REPO_ROOT) as stack:
+        sessions = stack.sessions(flow)
+        worker = await stack.start_worker()
+        await sessions.start_session("s", "/tool")
+        await _turns_done(sessions, "s", 1)
+        await sessions.send_user_message("s", "/gate model")
+        gate = FileGate(tmp_path, "model")
+        await gate.wait_until_reached()
+        worker.kill()
+        gate.release()
+        await stack.start_worker()
+        done = await _turns_done(sessions, "s", 2)
+        assert done.messages[-1].text == "released"
+        log = InvocationLog(tmp_path / "invocations.log")
+        counts = {text: log.count("model_call", text=text) for text in ("/tool", "/gate model")}
+        assert counts == {"/tool": 2, "/gate model": 2}  # /tool: two model calls of turn 1, once each
+        assert [e["inputs"] for e in log.entries("model_call", text="/tool")] == [1, 3]
+        history = await stack.read_step_history("s")
+        assert executed_steps(history).count("RunModel") == 3
+        # The killed model call had written nothing durable: the same attempt is handed out again.
+        killed = [e for e in history if e.step_execution_id == "RunModel-3" and e.event_type == "execute_completed"]
+        assert len(killed) == 1
