@@ -1,0 +1,85 @@
+"""`dex-agents demo` and `dex-agents chat` as a user runs them: real processes, real terminal I/O."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dex_agents.builtin_loop import ModelRequest, ToolResultInput, UserTextInput
+from dex_agents.demo import demo_reply, read_ledger
+
+pytestmark = pytest.mark.slow
+
+CLI = [sys.executable, "-c", "from dex_agents.cli import main; main()"]
+# Generous: Worker processes start on a loaded CI machine.
+CLI_TIMEOUT_SECONDS = 240
+
+
+def _run(args: list[str], stdin: str = "") -> subprocess.CompletedProcess[str]:
+    # A wide terminal, so rich does not wrap the lines the assertions read.
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([*CLI, *args], check=False, input=stdin, capture_output=True, text=True,
+                          timeout=CLI_TIMEOUT_SECONDS, env=env)
+
+
+def test_demo_shows_the_write_ran_once_across_a_worker_kill(tmp_path: Path) -> None:
+    """The demo kills a Worker during the approval wait; the refund runs once and the record shows it."""
+    result = _run(["demo", "--data-dir", str(tmp_path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "Worker 1 killed with SIGKILL" in out
+    assert "resolve_interrupt -> True" in out and "resolve_interrupt -> False" in out
+    assert "refunds in the payment ledger: 1" in out
+    shape = "StartAgentSession -> RunModel -> AwaitToolApproval -> CallSingleAttemptTool -> ResumeTurn -> RunModel"
+    assert shape in out
+    assert "the write ran exactly once across a Worker kill" in out
+    ledger = read_ledger(tmp_path / "ledger.jsonl")
+    assert ledger == [{"order_id": "A-1001", "amount_cents": 1500,
+                       "idempotency_key": "demo-session/turn-1/call_1_0"}]
+
+
+def test_chat_answers_asks_for_approval_and_resumes_after_restart(tmp_path: Path) -> None:
+    """A chat turn, an approval answered inline, then a new process resumes the same conversation."""
+    refund = '/tool refund_order {"order_id": "A-1002", "amount_cents": 100}'
+    first = _run(["chat", "--data-dir", str(tmp_path)], stdin=f"hello\n{refund}\ny\n")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "agent> Demo reply: hello" in first.stdout
+    assert "approve refund_order" in first.stdout
+    assert "refund_order: succeeded" in first.stdout
+    assert len(read_ledger(tmp_path / "demo-ledger.jsonl")) == 1
+    second = _run(["chat", "--data-dir", str(tmp_path)], stdin="/echo still here\n")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resuming session 'chat'" in second.stdout
+    assert "user> hello" in second.stdout  # the earlier conversation, from the stored session
+    assert "agent> still here" in second.stdout
+
+
+def test_chat_rejection_never_runs_the_write(tmp_path: Path) -> None:
+    """Answering n rejects the call: the ledger stays empty and the model sees the rejection."""
+    refund = '/tool refund_order {"order_id": "A-1001", "amount_cents": 5}'
+    result = _run(["chat", "--data-dir", str(tmp_path), "--session", "other"], stdin=f"{refund}\nn\n")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "refund_order: rejected" in result.stdout
+    assert "The user rejected this tool call." in result.stdout
+    assert read_ledger(tmp_path / "demo-ledger.jsonl") == []
+
+
+def test_demo_model_commands() -> None:
+    """The demo model: /echo, /tool with JSON, bad JSON, /help, plain text, and results after tools."""
+
+    def ask(*items: object) -> str | None:
+        return demo_reply(ModelRequest(instructions=None, input=tuple(items))).text  # type: ignore[arg-type]
+
+    assert ask(UserTextInput("/echo hi there")) == "hi there"
+    assert ask(UserTextInput("hello")) == "Demo reply: hello"
+    assert "/tool NAME" in (ask(UserTextInput("/help")) or "")
+    assert ask(UserTextInput("/tool lookup_order {bad")) == "The arguments for lookup_order are not JSON: {bad"
+    reply = demo_reply(ModelRequest(None, (UserTextInput('/tool lookup_order {"order_id": "A-1001"}'),)))
+    assert [c.name for c in reply.tool_calls] == ["lookup_order"]
+    assert json.loads(str(reply.tool_calls[0].arguments)) == {"order_id": "A-1001"}
+    assert ask(UserTextInput("x"), ToolResultInput("c", "lookup_order", "ok")) == "lookup_order returned: ok"
