@@ -1,0 +1,218 @@
+"""Validation of AgentSessionOptions, RunModelLimit and ToolPolicy, and AgentSessionFlow's runner check.
+
+A bad option is caught when the Flow is built, with a message that names the field and the value, so
+an operator sees the mistake at Worker start rather than in a failed session.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from dex_agents import (
+    AgentSessionFlow,
+    AgentSessionOptions,
+    AgentTurnContext,
+    AgentTurnOutcome,
+    DeferredToolExecution,
+    FrameworkMessage,
+    MessageRole,
+    RunModelLimit,
+    ToolEffect,
+    ToolExecutionResult,
+    ToolPolicy,
+    TurnCompleted,
+)
+from dex_agents._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES
+
+# Values typed Any on purpose: the point is what a caller without a type checker can pass.
+BAD_DURATIONS: list[Any] = [timedelta(0), timedelta(seconds=-1), 30, 30.0, "30s", None]
+
+
+# ToolPolicy ---------------------------------------------------------------------------------
+
+
+def test_tool_policy_accepts_every_effect_and_approval() -> None:
+    """Each effect with None, True or False builds; None is the default."""
+    for effect in ToolEffect:
+        assert ToolPolicy(effect).requires_approval is None
+        assert ToolPolicy(effect, True).requires_approval is True
+        assert ToolPolicy(effect, False).requires_approval is False
+
+
+@pytest.mark.parametrize("effect", ["read", None, 1, "READ"])
+def test_tool_policy_refuses_a_non_effect(effect: Any) -> None:
+    """The effect must be a ToolEffect member; the TypeError names the field and the value."""
+    with pytest.raises(TypeError, match=r"ToolPolicy\.effect") as info:
+        ToolPolicy(effect)
+    assert repr(effect) in str(info.value)
+
+
+@pytest.mark.parametrize("requires_approval", [1, 0, "yes", "false"])
+def test_tool_policy_refuses_a_non_bool_approval(requires_approval: Any) -> None:
+    """requires_approval is a bool or None; truthy stand-ins are refused, naming the value."""
+    with pytest.raises(TypeError, match=r"ToolPolicy\.requires_approval") as info:
+        ToolPolicy(ToolEffect.READ, requires_approval)
+    assert repr(requires_approval) in str(info.value)
+
+
+# RunModelLimit ------------------------------------------------------------------------------
+
+
+def test_run_model_limit_defaults_are_the_seed_options() -> None:
+    """RunModel: method timeout 15 min, 3 attempts within 30 min (seed 002 Step table)."""
+    limit = RunModelLimit()
+    assert (limit.timeout, limit.max_attempts, limit.retry_budget) == (
+        timedelta(minutes=15), 3, timedelta(minutes=30))
+    RunModelLimit(timeout=timedelta(microseconds=1), max_attempts=1, retry_budget=timedelta(seconds=1))
+
+
+@pytest.mark.parametrize("field", ["timeout", "retry_budget"])
+@pytest.mark.parametrize("value", BAD_DURATIONS)
+def test_run_model_limit_refuses_bad_durations(field: str, value: Any) -> None:
+    """timeout and retry_budget must be positive timedeltas; the error names the field and the value."""
+    with pytest.raises(ValueError, match=f"{field} must be a positive timedelta") as info:
+        RunModelLimit(**{field: value})
+    assert repr(value) in str(info.value)
+
+
+@pytest.mark.parametrize("value", [0, -1, True, False, 2.0, "3", None])
+def test_run_model_limit_refuses_bad_attempts(value: Any) -> None:
+    """max_attempts is a whole number from 1; bools, floats and text are refused, naming the value."""
+    with pytest.raises(ValueError, match="max_attempts must be a whole number >= 1") as info:
+        RunModelLimit(max_attempts=value)
+    assert repr(value) in str(info.value)
+
+
+def test_run_model_limit_reports_every_problem() -> None:
+    """All bad fields are reported in one error, so one fix round is enough."""
+    with pytest.raises(ValueError, match="invalid RunModelLimit") as info:
+        RunModelLimit(timeout=timedelta(0), max_attempts=0, retry_budget=-5)  # type: ignore[arg-type]
+    text = str(info.value)
+    assert "timeout" in text and "max_attempts" in text and "retry_budget" in text and "-5" in text
+
+
+# AgentSessionOptions ------------------------------------------------------------------------
+
+
+def test_session_options_defaults() -> None:
+    """Defaults: no policies, unclassified default effect, 10 MiB of events, no approval deadline."""
+    options = AgentSessionOptions()
+    assert dict(options.tool_policies) == {}
+    assert options.default_tool_effect is ToolEffect.UNCLASSIFIED
+    assert options.agent_events_capacity_bytes == DEFAULT_AGENT_EVENTS_CAPACITY_BYTES == 10 * 1024 * 1024
+    assert options.interrupt_deadline is None
+    assert options.run_model_limit == RunModelLimit()
+
+
+def test_session_options_freeze_tool_policies() -> None:
+    """The options keep a read-only copy: changing the caller's dict later changes nothing."""
+    policies = {"refund": ToolPolicy(ToolEffect.NON_IDEMPOTENT_WRITE)}
+    options = AgentSessionOptions(tool_policies=policies)
+    policies["lookup"] = ToolPolicy(ToolEffect.READ)
+    assert list(options.tool_policies) == ["refund"]
+    with pytest.raises(TypeError):
+        options.tool_policies["x"] = ToolPolicy(ToolEffect.READ)  # type: ignore[index]
+
+
+@pytest.mark.parametrize(("kwargs", "field", "shown"), [
+    ({"tool_policies": [("refund", ToolPolicy(ToolEffect.READ))]}, "tool_policies must map tool names", "list"),
+    ({"tool_policies": None}, "tool_policies must map tool names", "NoneType"),
+    ({"tool_policies": {"": ToolPolicy(ToolEffect.READ)}}, "tool_policies key", "''"),
+    ({"tool_policies": {3: ToolPolicy(ToolEffect.READ)}}, "tool_policies key", "3"),
+    ({"tool_policies": {"refund": "read"}}, "tool_policies['refund']", "'read'"),
+    ({"tool_policies": {"refund": ToolEffect.READ}}, "tool_policies['refund']", repr(ToolEffect.READ)),
+    ({"default_tool_effect": "read"}, "default_tool_effect must be a ToolEffect", "'read'"),
+    ({"default_tool_effect": None}, "default_tool_effect must be a ToolEffect", "None"),
+    ({"agent_events_capacity_bytes": 0}, "agent_events_capacity_bytes must be a whole number", "0"),
+    ({"agent_events_capacity_bytes": -1}, "agent_events_capacity_bytes must be a whole number", "-1"),
+    ({"agent_events_capacity_bytes": True}, "agent_events_capacity_bytes must be a whole number", "True"),
+    ({"agent_events_capacity_bytes": 1.5}, "agent_events_capacity_bytes must be a whole number", "1.5"),
+    ({"agent_events_capacity_bytes": "1MiB"}, "agent_events_capacity_bytes must be a whole number", "'1MiB'"),
+    ({"interrupt_deadline": timedelta(0)}, "interrupt_deadline must be a positive timedelta", "timedelta(0)"),
+    ({"interrupt_deadline": timedelta(seconds=-1)}, "interrupt_deadline must be a positive timedelta",
+     repr(timedelta(seconds=-1))),
+    ({"interrupt_deadline": 300}, "interrupt_deadline must be a positive timedelta", "300"),
+    ({"run_model_limit": None}, "run_model_limit must be a RunModelLimit", "None"),
+    ({"run_model_limit": {"max_attempts": 3}}, "run_model_limit must be a RunModelLimit", "{'max_attempts': 3}"),
+])
+def test_session_options_refuse_bad_values(kwargs: dict[str, Any], field: str, shown: str) -> None:
+    """Each bad value is a ValueError naming the field and showing the offending value."""
+    with pytest.raises(ValueError, match="invalid AgentSessionOptions") as info:
+        AgentSessionOptions(**kwargs)
+    assert field in str(info.value)
+    assert shown in str(info.value)
+
+
+def test_session_options_report_every_problem() -> None:
+    """Several bad fields are reported together."""
+    with pytest.raises(ValueError) as info:
+        AgentSessionOptions(default_tool_effect="x", agent_events_capacity_bytes=0)  # type: ignore[arg-type]
+    assert "default_tool_effect" in str(info.value) and "agent_events_capacity_bytes" in str(info.value)
+
+
+def test_session_options_accept_good_values() -> None:
+    """A fully set, valid options object builds and keeps its values."""
+    limit = RunModelLimit(timeout=timedelta(minutes=1), max_attempts=5, retry_budget=timedelta(hours=1))
+    options = AgentSessionOptions(
+        tool_policies={"refund": ToolPolicy(ToolEffect.NON_IDEMPOTENT_WRITE, False)},
+        default_tool_effect=ToolEffect.READ, agent_events_capacity_bytes=1, interrupt_deadline=timedelta(seconds=1),
+        run_model_limit=limit,
+    )
+    assert options.run_model_limit is limit and options.interrupt_deadline == timedelta(seconds=1)
+
+
+# AgentSessionFlow's runner check ------------------------------------------------------------
+
+
+class _BuildOnly:
+    def build_user_message(self, text: str) -> FrameworkMessage:
+        return FrameworkMessage(MessageRole.USER, "{}", text=text)
+
+
+class _NoTools(_BuildOnly):
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome:
+        return TurnCompleted(new_messages=[])
+
+
+class _Complete(_NoTools):
+    async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> ToolExecutionResult:
+        return ToolExecutionResult("ok")
+
+
+class _NotCallable(_NoTools):
+    execute_deferred_tool_call = "not a method"
+
+
+def test_flow_accepts_a_complete_runner() -> None:
+    """A runner with the three contract methods builds a Flow with the given type and options."""
+    options = AgentSessionOptions(agent_events_capacity_bytes=4096)
+    flow = AgentSessionFlow(_Complete(), flow_type="TriageAgent", options=options)
+    assert flow.flow_type == "TriageAgent"
+    assert flow.options is options
+
+
+@pytest.mark.parametrize(("runner", "missing", "present"), [
+    (object(), ["build_user_message", "run_model_step", "execute_deferred_tool_call"], []),
+    (_BuildOnly(), ["run_model_step", "execute_deferred_tool_call"], ["build_user_message"]),
+    (_NoTools(), ["execute_deferred_tool_call"], ["build_user_message", "run_model_step"]),
+    (_NotCallable(), ["execute_deferred_tool_call"], ["build_user_message", "run_model_step"]),
+])
+def test_flow_refuses_a_runner_missing_methods(runner: Any, missing: list[str], present: list[str]) -> None:
+    """A runner without a contract method is a TypeError naming the runner's type and each missing method only."""
+    with pytest.raises(TypeError, match="is not an AgentFrameworkRunner") as info:
+        AgentSessionFlow(runner)
+    text = str(info.value)
+    assert text.startswith(type(runner).__name__)
+    assert text.endswith("lacks " + ", ".join(missing))
+    for name in present:
+        assert name not in text
+
+
+def test_flow_refuses_options_of_the_wrong_type() -> None:
+    """Options must be AgentSessionOptions; a dict is a TypeError naming what it got."""
+    bad: Any = {"default_tool_effect": ToolEffect.READ}
+    with pytest.raises(TypeError, match="options must be AgentSessionOptions, got dict"):
+        AgentSessionFlow(_Complete(), options=bad)

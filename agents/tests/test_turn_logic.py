@@ -1,0 +1,621 @@
+"""The pure turn decisions (_turn_logic.py) and policies (_policy.py), checked against seeds 002 and 003.
+
+No engine here: each rule is a function of its inputs, so the tests enumerate the inputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dex_agents._constants import (
+    ARGUMENTS_NOT_OBJECT,
+    AWAIT_TOOL_APPROVAL,
+    CALL_SINGLE_ATTEMPT_TOOL,
+    CALL_TOOL,
+    TOOL_CALL_NOT_RUN_ERROR_PREFIX,
+)
+from dex_agents._policy import (
+    OUTCOME_UNKNOWN_TEXT,
+    ToolPolicy,
+    build_turn_failure_note,
+    describe_tool_call_outcome,
+    is_approval_required,
+    resolve_tool_policy,
+)
+from dex_agents._runner import DeferredToolCall, FrameworkMessage
+from dex_agents._turn_logic import (
+    MAX_TOOL_CALL_ID_LENGTH,
+    TurnContractError,
+    arguments_error,
+    check_framework_messages,
+    deadline_timer_seconds,
+    ended_turn,
+    finished,
+    initial_state,
+    next_turn_id,
+    not_run_error,
+    plan_tool_calls,
+    recovered_status,
+    started_turn,
+    to_agent_message,
+    tool_step_for,
+    turn_id_for,
+    without_interrupt,
+)
+from dex_agents._wire import (
+    AgentInterrupt,
+    AgentMessage,
+    AgentStatus,
+    AgentToolCall,
+    AgentToolCallStatus,
+    InteractionMode,
+    InterruptKind,
+    MessageRole,
+    QuestionAnswer,
+    ToolEffect,
+)
+
+NOW = datetime(2026, 11, 1, 12, 0, 0, 123000, tzinfo=UTC)
+TURN = "turn-3"
+TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+FINAL = [s for s in AgentToolCallStatus if s.is_final]
+NON_FINAL = [s for s in AgentToolCallStatus if not s.is_final]
+
+
+def call(
+    tool_call_id: str = "c1",
+    tool_name: str = "read_orders",
+    arguments: Any = "{}",
+    effect: ToolEffect = ToolEffect.READ,
+    requires_approval: bool | None = None,
+    reference: str | None = None,
+) -> DeferredToolCall:
+    return DeferredToolCall(tool_call_id, tool_name, arguments, ToolPolicy(effect, requires_approval), reference)
+
+
+def record(
+    tool_call_id: str = "c1",
+    *,
+    turn_id: str = TURN,
+    tool_name: str = "read_orders",
+    arguments: str = "{}",
+    effect: ToolEffect = ToolEffect.READ,
+    status: AgentToolCallStatus = AgentToolCallStatus.APPROVED,
+    output: str | None = None,
+    error: str | None = None,
+    rejection_message: str | None = None,
+    deferral_order: int = 0,
+    input_answers: list[QuestionAnswer] | None = None,
+) -> AgentToolCall:
+    return AgentToolCall(
+        tool_call_id=tool_call_id, turn_id=turn_id, tool_name=tool_name, arguments=arguments, effect=effect,
+        requires_approval=False, status=status, output=output, error=error, rejection_message=rejection_message,
+        deferral_order=deferral_order, tool_source_reference=None, trace_context=None,
+        input_answers=input_answers or [],
+    )
+
+
+def plan(
+    calls: Any,
+    existing: dict[str, AgentToolCall] | None = None,
+    deadline: timedelta | None = None,
+) -> Any:
+    return plan_tool_calls(
+        calls, turn_id=TURN, existing=existing or {}, now=NOW, interrupt_deadline=deadline, trace_context=TRACE,
+    )
+
+
+# plan_tool_calls: Steps and approval ----------------------------------------------------------
+
+# Seed 003 "Effects and policies": the Step of each effect, and its default approval.
+EFFECT_TABLE = {
+    ToolEffect.READ: (CALL_TOOL, False),
+    ToolEffect.IDEMPOTENT_WRITE: (CALL_TOOL, False),
+    ToolEffect.NON_IDEMPOTENT_WRITE: (CALL_SINGLE_ATTEMPT_TOOL, True),
+    ToolEffect.UNCLASSIFIED: (CALL_SINGLE_ATTEMPT_TOOL, True),
+}
+
+
+@pytest.mark.parametrize("effect", list(ToolEffect))
+@pytest.mark.parametrize("requires_approval", [None, True, False])
+def test_plan_routes_each_effect_and_approval(effect: ToolEffect, requires_approval: bool | None) -> None:
+    """Approval goes to AwaitToolApproval with an interrupt; else READ/IDEMPOTENT_WRITE -> CallTool, others single."""
+    step, default_approval = EFFECT_TABLE[effect]
+    approval = default_approval if requires_approval is None else requires_approval
+    result = plan([call("c1", "tool", '{"a":1}', effect, requires_approval, reference="src/ref")])
+    (planned,) = result.calls
+    assert planned.next_step == (AWAIT_TOOL_APPROVAL if approval else step)
+    assert planned.record == AgentToolCall(
+        tool_call_id="c1", turn_id=TURN, tool_name="tool", arguments='{"a":1}', effect=effect,
+        requires_approval=approval,
+        status=AgentToolCallStatus.AWAITING_APPROVAL if approval else AgentToolCallStatus.APPROVED,
+        output=None, error=None, rejection_message=None, deferral_order=0, tool_source_reference="src/ref",
+        trace_context=TRACE,
+    )
+    if approval:
+        assert result.interrupts == (AgentInterrupt(
+            interrupt_id="c1", kind=InterruptKind.TOOL_APPROVAL, tool_call_id="c1", tool_name="tool",
+            arguments='{"a":1}', created_at="2026-11-01T12:00:00.123Z", deadline=None,
+        ),)
+    else:
+        assert result.interrupts == ()
+
+
+def test_approval_interrupt_carries_created_at_and_deadline() -> None:
+    """The interrupt's created_at is now and its deadline now + interrupt_deadline, both wire times."""
+    result = plan([call("w1", "refund", "{}", ToolEffect.UNCLASSIFIED)], deadline=timedelta(minutes=5, seconds=1))
+    (interrupt,) = result.interrupts
+    assert interrupt.created_at == "2026-11-01T12:00:00.123Z"
+    assert interrupt.deadline == "2026-11-01T12:05:01.123Z"
+    assert (interrupt.question, interrupt.choices, interrupt.allows_free_text) == (None, [], True)
+
+
+def test_mixed_response_keeps_model_order() -> None:
+    """Each call gets its own Step and deferral_order in model order; only approval calls raise interrupts."""
+    result = plan([
+        call("r", "read_orders", "{}", ToolEffect.READ),
+        call("w", "refund", "{}", ToolEffect.NON_IDEMPOTENT_WRITE),
+        call("i", "tag", "{}", ToolEffect.IDEMPOTENT_WRITE),
+        call("u", "mystery", "{}", ToolEffect.UNCLASSIFIED, requires_approval=False),
+    ])
+    assert [(p.record.tool_call_id, p.record.deferral_order, p.next_step) for p in result.calls] == [
+        ("r", 0, CALL_TOOL), ("w", 1, AWAIT_TOOL_APPROVAL), ("i", 2, CALL_TOOL), ("u", 3, CALL_SINGLE_ATTEMPT_TOOL),
+    ]
+    assert [i.interrupt_id for i in result.interrupts] == ["w"]
+
+
+# plan_tool_calls: IDs ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad_id", ["", "a/b", "/", "turn/3", None, 7])
+def test_bad_tool_call_id_fails_the_turn(bad_id: Any) -> None:
+    """IDs must be non-empty text without '/': a bad one is a TurnContractError naming it."""
+    with pytest.raises(TurnContractError) as info:
+        plan([call("ok"), call(bad_id)])
+    assert repr(bad_id) in str(info.value)
+
+
+def test_id_repeated_within_the_response_fails_the_turn() -> None:
+    """Two calls of one response with the same ID: TurnContractError naming the ID."""
+    with pytest.raises(TurnContractError, match=r"'c1' repeats"):
+        plan([call("c1"), call("c2"), call("c1")])
+
+
+def test_id_repeating_an_existing_record_of_the_turn_fails_the_turn() -> None:
+    """An ID used by an earlier model call of the same turn is a repeat too."""
+    with pytest.raises(TurnContractError, match=r"'c1' repeats"):
+        plan([call("c9"), call("c1")], existing={"c1": record("c1")})
+
+
+def test_ids_may_repeat_across_turns() -> None:
+    """A record of another turn with the same ID is no conflict, and does not count toward deferral_order."""
+    result = plan([call("c1")], existing={"c1": record("c1", turn_id="turn-2")})
+    assert [(p.record.tool_call_id, p.record.deferral_order) for p in result.calls] == [("c1", 0)]
+
+
+def test_deferral_order_continues_across_model_calls_of_a_turn() -> None:
+    """The second model call's calls follow the first's in deferral_order."""
+    existing = {
+        "a": record("a", deferral_order=0, status=AgentToolCallStatus.SUCCEEDED),
+        "b": record("b", deferral_order=1, status=AgentToolCallStatus.FAILED),
+        "x": record("x", turn_id="turn-2", deferral_order=0),
+    }
+    result = plan([call("c"), call("d")], existing=existing)
+    assert [(p.record.tool_call_id, p.record.deferral_order) for p in result.calls] == [("c", 2), ("d", 3)]
+
+
+def test_id_length_and_control_characters_are_checked() -> None:
+    """IDs become map and idempotency keys: longer than the limit, or with control characters, fail the turn."""
+    plan([call("x" * MAX_TOOL_CALL_ID_LENGTH)])
+    with pytest.raises(TurnContractError, match=str(MAX_TOOL_CALL_ID_LENGTH + 1)):
+        plan([call("x" * (MAX_TOOL_CALL_ID_LENGTH + 1))])
+    with pytest.raises(TurnContractError, match="control characters"):
+        plan([call("a\nb")])
+
+
+# Hypothesis: any list of IDs from a small alphabet (so repeats are common), against existing records.
+ids = st.text(alphabet="abc", min_size=1, max_size=2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    new_ids=st.lists(ids, min_size=1, max_size=8),
+    same_turn=st.lists(ids, max_size=4, unique=True),
+    other_turn=st.lists(ids, max_size=4, unique=True),
+)
+def test_ids_unique_per_turn_and_deferral_order_property(
+    new_ids: list[str], same_turn: list[str], other_turn: list[str]
+) -> None:
+    """Planning succeeds iff no ID repeats within the turn; then deferral_order counts on from the turn's records."""
+    existing = {i: record(i, turn_id="turn-2") for i in other_turn}
+    # Same-turn records win over other-turn ones under the same key, as the map holds one record per ID.
+    existing.update({i: record(i, deferral_order=n) for n, i in enumerate(same_turn)})
+    seen = set(same_turn)
+    first_repeat = None
+    for i in new_ids:
+        if i in seen:
+            first_repeat = i
+            break
+        seen.add(i)
+    if first_repeat is not None:
+        with pytest.raises(TurnContractError, match=f"'{first_repeat}' repeats"):
+            plan([call(i) for i in new_ids], existing=existing)
+        return
+    result = plan([call(i) for i in new_ids], existing=existing)
+    assert [p.record.tool_call_id for p in result.calls] == new_ids
+    assert [p.record.deferral_order for p in result.calls] == list(range(len(same_turn), len(same_turn) + len(new_ids)))
+
+
+# plan_tool_calls: arguments ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arguments", [
+    "[1]", "nan", "NaN", '{"a": NaN}', '{"a": Infinity}', '{"a": -Infinity}', "not json", "", "null", "1", '"{}"',
+    '{"a": 1} trailing', "{'a': 1}", "{",
+])
+@pytest.mark.parametrize("effect", [ToolEffect.READ, ToolEffect.UNCLASSIFIED])
+def test_arguments_not_a_strict_json_object_fail_only_that_call(arguments: str, effect: ToolEffect) -> None:
+    """The call is recorded failed with the seed text, runs no Step and raises no interrupt; others proceed."""
+    result = plan([call("bad", "tool", arguments, effect), call("good", "tool", "{}", ToolEffect.READ)])
+    bad, good = result.calls
+    assert bad.next_step is None
+    assert bad.record.status is AgentToolCallStatus.FAILED
+    assert bad.record.error == ARGUMENTS_NOT_OBJECT == "arguments must be a JSON object"
+    assert bad.record.arguments == arguments
+    assert describe_tool_call_outcome(bad.record) == "The tool call failed: arguments must be a JSON object"
+    assert result.interrupts == ()
+    assert (good.next_step, good.record.status, good.record.deferral_order) == (
+        CALL_TOOL, AgentToolCallStatus.APPROVED, 1)
+
+
+def test_non_text_arguments_fail_the_call() -> None:
+    """Arguments that are not text at all fail the call; the record keeps their repr as text."""
+    (planned,) = plan([call("c1", arguments={"a": 1})]).calls
+    assert planned.record.status is AgentToolCallStatus.FAILED
+    assert planned.record.error == ARGUMENTS_NOT_OBJECT
+    assert planned.record.arguments == "{'a': 1}"
+
+
+@pytest.mark.parametrize("arguments", ["{}", ' {"a": 1} ', '{"a":[1,2.5,null],"b":{"c":"\\u00e9"}}', '{"a":1e400}'])
+def test_json_object_arguments_are_accepted(arguments: str) -> None:
+    """Object text, whitespace and nesting included, passes unchanged."""
+    assert arguments_error(arguments) is None
+    (planned,) = plan([call("c1", arguments=arguments)]).calls
+    assert planned.record.arguments == arguments and planned.next_step == CALL_TOOL
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=json_values)
+def test_arguments_error_accepts_exactly_json_objects(value: Any) -> None:
+    """Any strict JSON text is accepted iff it is an object."""
+    expected = None if isinstance(value, dict) else ARGUMENTS_NOT_OBJECT
+    assert arguments_error(json.dumps(value)) == expected
+
+
+# plan_tool_calls: other contract errors --------------------------------------------------------
+
+
+@pytest.mark.parametrize("tool_calls", [[], (), "c1", b"c1", None, {"c1": 1}])
+def test_no_tool_calls_fails_the_turn(tool_calls: Any) -> None:
+    """ToolCallsRequested needs a non-empty sequence of calls."""
+    with pytest.raises(TurnContractError, match="non-empty sequence"):
+        plan(tool_calls)
+
+
+def test_malformed_calls_fail_the_turn() -> None:
+    """A non-DeferredToolCall, an empty tool name, a bad policy or a non-text source reference fail the turn."""
+    with pytest.raises(TurnContractError, match=r"tool_calls\[1\] is a dict"):
+        plan([call("a"), {"tool_call_id": "b"}])
+    with pytest.raises(TurnContractError, match="'c1' has no tool name"):
+        plan([call("c1", tool_name="")])
+    bad_policy: Any = "read"
+    with pytest.raises(TurnContractError, match="'c1' has policy 'read'"):
+        plan([DeferredToolCall("c1", "t", "{}", bad_policy)])
+    bad_reference: Any = 5
+    with pytest.raises(TurnContractError, match="tool_source_reference"):
+        plan([DeferredToolCall("c1", "t", "{}", ToolPolicy(ToolEffect.READ), bad_reference)])
+
+
+# recovered_status: exhaustive against the seed's failure-route rows --------------------------
+
+# RecordToolFailure (the route of CallTool and of PollToolTask for repeatable effects): failed for a read,
+# outcome_unknown for a write, which may have taken effect.
+RECORD_TOOL_FAILURE_STATUS = {
+    ToolEffect.READ: AgentToolCallStatus.FAILED,
+    ToolEffect.IDEMPOTENT_WRITE: AgentToolCallStatus.OUTCOME_UNKNOWN,
+    ToolEffect.NON_IDEMPOTENT_WRITE: AgentToolCallStatus.OUTCOME_UNKNOWN,
+    ToolEffect.UNCLASSIFIED: AgentToolCallStatus.OUTCOME_UNKNOWN,
+}
+# RecordToolOutcomeUnknown (CallSingleAttemptTool's route, and CancelToolTask's for any effect): outcome_unknown.
+RECORD_TOOL_OUTCOME_UNKNOWN_STATUS = dict.fromkeys(ToolEffect, AgentToolCallStatus.OUTCOME_UNKNOWN)
+ANSWERS = [QuestionAnswer(interrupt_id="c1-input-1", question="Q?", answer="A")]
+
+
+def expected_recovery(
+    progress: str, status: AgentToolCallStatus, answered: bool, effect: ToolEffect, single_attempt: bool
+) -> tuple[AgentToolCallStatus, bool]:
+    # Known limits: NOT_STARTED on a record still approved with no input_answers never ran -> failed, not run.
+    if progress == "NOT_STARTED" and status is AgentToolCallStatus.APPROVED and not answered:
+        return AgentToolCallStatus.FAILED, True
+    # NOT_COMPLETED, UNSPECIFIED, a started task, an asked question: the status of the call's effect.
+    table = RECORD_TOOL_OUTCOME_UNKNOWN_STATUS if single_attempt else RECORD_TOOL_FAILURE_STATUS
+    return table[effect], False
+
+
+def test_recovered_status_table() -> None:
+    """Every attempt_progress x record status x input_answers x effect x route gives the seed's status."""
+    mismatches = []
+    cases = itertools.product(
+        ["NOT_STARTED", "NOT_COMPLETED", "UNSPECIFIED"], list(AgentToolCallStatus), [False, True], list(ToolEffect),
+        [False, True],
+    )
+    count = 0
+    for progress, status, answered, effect, single_attempt in cases:
+        count += 1
+        rec = record(effect=effect, status=status, input_answers=ANSWERS if answered else None)
+        got = recovered_status(rec, attempt_progress=progress, single_attempt=single_attempt)
+        want = expected_recovery(progress, status, answered, effect, single_attempt)
+        if got != want:
+            mismatches.append((progress, status.value, answered, effect.value, single_attempt, got, want))
+    assert count == 3 * 9 * 2 * 4 * 2
+    assert mismatches == []
+
+
+def test_recovered_status_named_cases() -> None:
+    """The seed's own examples, spelled out: a task or an asked question already ran the tool."""
+    single_write = record(effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+    assert recovered_status(single_write, attempt_progress="NOT_STARTED", single_attempt=True) == (
+        AgentToolCallStatus.FAILED, True)
+    assert recovered_status(single_write, attempt_progress="NOT_COMPLETED", single_attempt=True) == (
+        AgentToolCallStatus.OUTCOME_UNKNOWN, False)
+    polling_read = record(effect=ToolEffect.READ, status=AgentToolCallStatus.WAITING_FOR_TASK)
+    assert recovered_status(polling_read, attempt_progress="NOT_STARTED", single_attempt=False) == (
+        AgentToolCallStatus.FAILED, False)
+    polling_write = record(effect=ToolEffect.IDEMPOTENT_WRITE, status=AgentToolCallStatus.WAITING_FOR_TASK)
+    assert recovered_status(polling_write, attempt_progress="NOT_STARTED", single_attempt=False) == (
+        AgentToolCallStatus.OUTCOME_UNKNOWN, False)
+    answered_write = record(effect=ToolEffect.UNCLASSIFIED, input_answers=ANSWERS)
+    assert recovered_status(answered_write, attempt_progress="NOT_STARTED", single_attempt=True) == (
+        AgentToolCallStatus.OUTCOME_UNKNOWN, False)
+
+
+def test_not_run_error_uses_the_seed_prefix() -> None:
+    """The never-ran error is TOOL_CALL_NOT_RUN_ERROR_PREFIX, ': ', then the recovery detail."""
+    assert TOOL_CALL_NOT_RUN_ERROR_PREFIX == "the tool did not run, so it is safe to call again"
+    assert not_run_error("no Worker took it") == (
+        "the tool did not run, so it is safe to call again: no Worker took it")
+
+
+# deadline_timer_seconds ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("delta", "seconds"), [
+    (timedelta(seconds=5), 5), (timedelta(seconds=5, microseconds=1), 6), (timedelta(microseconds=1), 1),
+    (timedelta(milliseconds=999), 1), (timedelta(0), 0), (timedelta(microseconds=-1), 0), (timedelta(seconds=-90), 0),
+    (timedelta(days=1, milliseconds=500), 86_401), (timedelta(days=400), 400 * 86_400),
+])
+def test_deadline_timer_seconds(delta: timedelta, seconds: int) -> None:
+    """Whole seconds until the deadline, rounded up so the Timer never fires early; 0 once past."""
+    assert deadline_timer_seconds(NOW + delta, NOW) == seconds
+
+
+@settings(max_examples=100, deadline=None)
+@given(micros=st.integers(min_value=-(10**12), max_value=10**12))
+def test_deadline_timer_seconds_is_the_ceiling(micros: int) -> None:
+    """For any gap, the Timer is the smallest whole second count that is not before the deadline."""
+    gap = timedelta(microseconds=micros)
+    result = deadline_timer_seconds(NOW + gap, NOW)
+    if gap <= timedelta(0):
+        assert result == 0
+    else:
+        assert timedelta(seconds=result) >= gap > timedelta(seconds=result - 1)
+
+
+# without_interrupt ------------------------------------------------------------------------------
+
+
+def _interrupt(interrupt_id: str) -> AgentInterrupt:
+    return AgentInterrupt(interrupt_id=interrupt_id, kind=InterruptKind.TOOL_APPROVAL, tool_call_id=interrupt_id,
+                          tool_name="t", arguments="{}", created_at="2026-11-01T12:00:00.123Z", deadline=None)
+
+
+def test_without_interrupt_removes_the_first_match_and_keeps_order() -> None:
+    """The named interrupt is removed and returned; the rest keep their order; the input is untouched."""
+    pending = [_interrupt("a"), _interrupt("b"), _interrupt("c"), _interrupt("b")]
+    kept, removed = without_interrupt(pending, "b")
+    assert removed == _interrupt("b")
+    assert [i.interrupt_id for i in kept] == ["a", "c", "b"]
+    assert len(pending) == 4
+
+
+def test_without_interrupt_reports_a_missing_interrupt() -> None:
+    """An interrupt that is not pending comes back as None, with every interrupt kept."""
+    kept, removed = without_interrupt(iter([_interrupt("a")]), "z")
+    assert removed is None and [i.interrupt_id for i in kept] == ["a"]
+    assert without_interrupt([], "a") == ([], None)
+
+
+# check_framework_messages -------------------------------------------------------------------
+
+
+def test_check_framework_messages_accepts_messages() -> None:
+    """A list or tuple of FrameworkMessage with MessageRole roles and text items comes back as a list."""
+    items = (FrameworkMessage(MessageRole.USER, "{}", text="hi"), FrameworkMessage(MessageRole.TOOL, '{"x":1}'))
+    assert check_framework_messages(items, "new_messages") == list(items)
+    assert check_framework_messages([], "new_messages") == []
+
+
+@pytest.mark.parametrize(("items", "message"), [
+    ("text", "new_messages must be a sequence of FrameworkMessage, got str"),
+    (b"x", "got bytes"),
+    (None, "got NoneType"),
+    ({"role": "user"}, "got dict"),
+    ([FrameworkMessage(MessageRole.USER, "{}"), "hi"], r"new_messages\[1\] is a str, not a FrameworkMessage"),
+    ([FrameworkMessage("user", "{}")], r"new_messages\[0\] has role 'user'"),  # type: ignore[arg-type]
+    ([FrameworkMessage(MessageRole.ASSISTANT, {"x": 1})],  # type: ignore[arg-type]
+     r"new_messages\[0\]\.framework_item is a dict, not JSON text"),
+])
+def test_check_framework_messages_names_the_bad_item(items: Any, message: str) -> None:
+    """Anything else is a TurnContractError naming the source and the first bad item."""
+    with pytest.raises(TurnContractError, match=message):
+        check_framework_messages(items, "new_messages")
+
+
+# Turn state and records ---------------------------------------------------------------------
+
+
+def test_turn_ids_and_state_transitions() -> None:
+    """Turn IDs are turn-<n> from turn_count; a session starts at sequence 1; an ended turn is counted and cleared."""
+    state = initial_state()
+    assert (state.status, state.turn_count, state.active_turn_id, state.next_message_sequence,
+            state.last_turn_error) == (AgentStatus.WAITING_FOR_USER_MESSAGE, 0, None, 1, None)
+    assert turn_id_for(4) == "turn-4" and next_turn_id(state) == "turn-1"
+    running = started_turn(state, "turn-1", InteractionMode.PLANNING)
+    assert (running.status, running.active_turn_id, running.interaction_mode) == (
+        AgentStatus.RUNNING_MODEL, "turn-1", InteractionMode.PLANNING)
+    failed = ended_turn(msgspec.structs.replace(running, accepts_turn_control=True), error="boom")
+    assert (failed.status, failed.turn_count, failed.active_turn_id, failed.last_turn_error,
+            failed.accepts_turn_control) == (AgentStatus.WAITING_FOR_USER_MESSAGE, 1, None, "boom", False)
+    assert failed.interaction_mode is InteractionMode.PLANNING  # "of the active or last turn"
+    assert next_turn_id(failed) == "turn-2"
+    assert ended_turn(failed, error=None).last_turn_error is None  # a completed turn clears the error
+
+
+def test_to_agent_message_copies_the_projection() -> None:
+    """A FrameworkMessage becomes an AgentMessage with its sequence, turn and time, every field copied."""
+    item = FrameworkMessage(MessageRole.TOOL, '{"k":1}', text="t", tool_call_id="c1", tool_name="n",
+                            tool_arguments="{}", tool_output="o")
+    assert to_agent_message(item, 7, TURN, "2026-11-01T12:00:00.123Z") == AgentMessage(
+        sequence=7, turn_id=TURN, role=MessageRole.TOOL, text="t", tool_call_id="c1", tool_name="n",
+        tool_arguments="{}", tool_output="o", framework_item='{"k":1}', created_at="2026-11-01T12:00:00.123Z")
+
+
+@pytest.mark.parametrize("status", FINAL)
+def test_finished_sets_the_final_fields(status: AgentToolCallStatus) -> None:
+    """finished() sets status, output, error and rejection_message and keeps everything else."""
+    base = record("c1", status=AgentToolCallStatus.APPROVED, deferral_order=3, output="stale")
+    done = finished(base, status, error="e", rejection_message="r")
+    assert done == msgspec.structs.replace(base, status=status, output=None, error="e", rejection_message="r")
+
+
+@pytest.mark.parametrize("status", NON_FINAL)
+def test_finished_refuses_non_final_statuses(status: AgentToolCallStatus) -> None:
+    """A non-final status cannot finish a record."""
+    with pytest.raises(ValueError, match=f"{status.value} is not a final status"):
+        finished(record(), status)
+
+
+# _policy.py ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("effect", list(ToolEffect))
+def test_effect_table_default_approval_and_step(effect: ToolEffect) -> None:
+    """Seed 003 "Effects and policies": default approval and Step per effect; an explicit choice wins."""
+    step, default_approval = EFFECT_TABLE[effect]
+    assert tool_step_for(effect) == step
+    assert is_approval_required(ToolPolicy(effect)) is default_approval
+    assert is_approval_required(ToolPolicy(effect, requires_approval=True)) is True
+    assert is_approval_required(ToolPolicy(effect, requires_approval=False)) is False
+
+
+def test_resolve_tool_policy_precedence() -> None:
+    """An explicit ToolPolicy wins over framework metadata, which wins over the session's default effect."""
+    explicit = ToolPolicy(ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=False)
+    policies = {"refund": explicit}
+    assert resolve_tool_policy("refund", policies, ToolEffect.UNCLASSIFIED, ToolEffect.READ) is explicit
+    assert resolve_tool_policy("lookup", policies, ToolEffect.UNCLASSIFIED, ToolEffect.READ) == ToolPolicy(
+        ToolEffect.READ, None)
+    assert resolve_tool_policy("lookup", policies, ToolEffect.IDEMPOTENT_WRITE) == ToolPolicy(
+        ToolEffect.IDEMPOTENT_WRITE, None)
+    assert resolve_tool_policy("lookup", {}, ToolEffect.UNCLASSIFIED, None) == ToolPolicy(ToolEffect.UNCLASSIFIED)
+
+
+def test_outcome_unknown_text_is_the_seed_text() -> None:
+    """The outcome_unknown text, copied from seed 002 "Model-visible results"."""
+    assert OUTCOME_UNKNOWN_TEXT == (
+        "The tool call's outcome is unknown: it stopped without returning a result, so it may or may not have "
+        "taken effect. It will not be retried automatically."
+    )
+
+
+CANCELLED_BY_USER = '{"status":"cancelled","reason":"turn_cancelled_by_user"}'
+
+
+@pytest.mark.parametrize(("rec", "text"), [
+    (record(status=AgentToolCallStatus.SUCCEEDED, output='{"orders":3}'), '{"orders":3}'),
+    (record(status=AgentToolCallStatus.SUCCEEDED, output=""), ""),
+    (record(status=AgentToolCallStatus.FAILED, error="db down"), "The tool call failed: db down"),
+    (record(status=AgentToolCallStatus.REJECTED, rejection_message="not today"), "not today"),
+    (record(status=AgentToolCallStatus.REJECTED), "The user rejected this tool call."),
+    (record(status=AgentToolCallStatus.REJECTED, rejection_message=CANCELLED_BY_USER), CANCELLED_BY_USER),
+    (record(status=AgentToolCallStatus.OUTCOME_UNKNOWN, error="worker died"),
+     "The tool call's outcome is unknown: it stopped without returning a result, so it may or may not have taken "
+     "effect. It will not be retried automatically."),
+])
+def test_describe_tool_call_outcome(rec: AgentToolCall, text: str) -> None:
+    """Each final status's model-visible result is the seed's exact text."""
+    assert describe_tool_call_outcome(rec) == text
+
+
+@pytest.mark.parametrize("status", NON_FINAL)
+def test_describe_refuses_non_final_records(status: AgentToolCallStatus) -> None:
+    """Only final records have a model-visible result; the error names the call and its status."""
+    with pytest.raises(ValueError, match=f"'c7' is {status.value}, not final"):
+        describe_tool_call_outcome(record("c7", status=status))
+
+
+NOTE_RECORDS = [
+    record("w", tool_name="refund", arguments='{"order":7}', effect=ToolEffect.UNCLASSIFIED,
+           status=AgentToolCallStatus.OUTCOME_UNKNOWN, deferral_order=2),
+    record("p", tool_name="tag", status=AgentToolCallStatus.AWAITING_APPROVAL, deferral_order=1),
+    record("r", tool_name="read_orders", arguments='{"id":1}', status=AgentToolCallStatus.SUCCEEDED,
+           output="3 orders", deferral_order=0),
+    record("x", tool_name="delete", status=AgentToolCallStatus.REJECTED, deferral_order=4),
+    record("f", tool_name="lookup", status=AgentToolCallStatus.FAILED, error="timeout", deferral_order=3),
+    record("t", tool_name="poll", status=AgentToolCallStatus.WAITING_FOR_TASK, deferral_order=5),
+]
+EXPECTED_NOTE = (
+    "[Dex] The previous turn failed after these tool calls ran:\n"
+    '- read_orders {"id":1} -> succeeded: 3 orders\n'
+    '- refund {"order":7} -> outcome_unknown: The tool call\'s outcome is unknown: it stopped without returning a '
+    "result, so it may or may not have taken effect. It will not be retried automatically.\n"
+    "- lookup {} -> failed: The tool call failed: timeout\n"
+    "- delete {} -> rejected: The user rejected this tool call.\n"
+    "Do not repeat these tool calls unless the user asks again."
+)
+
+
+def test_turn_failure_note_exact_format() -> None:
+    """One line per final record in deferral_order, between the seed's header and footer; non-final ones left out."""
+    assert build_turn_failure_note(NOTE_RECORDS) == EXPECTED_NOTE
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(min_value=0, max_value=10**6))
+def test_turn_failure_note_ignores_input_order(seed: int) -> None:
+    """The note depends on deferral_order only, never on the order the records come in (map order)."""
+    shuffled = list(NOTE_RECORDS)
+    random.Random(seed).shuffle(shuffled)
+    assert build_turn_failure_note(iter(shuffled)) == EXPECTED_NOTE
+
+
+def test_turn_failure_note_is_none_without_final_records() -> None:
+    """No final record means no tool call ran to an end: no note."""
+    assert build_turn_failure_note([]) is None
+    assert build_turn_failure_note([r for r in NOTE_RECORDS if not r.status.is_final]) is None
