@@ -467,7 +467,7 @@ def test_check_framework_messages_accepts_messages() -> None:
     (None, "got NoneType"),
     ({"role": "user"}, "got dict"),
     ([FrameworkMessage(MessageRole.USER, "{}"), "hi"], r"new_messages\[1\] is a str, not a FrameworkMessage"),
-    ([FrameworkMessage("user", "{}")], r"new_messages\[0\] has role 'user'"),  # type: ignore[arg-type]
+    ([FrameworkMessage("system", "{}")], r"new_messages\[0\] has role 'system'"),  # type: ignore[arg-type]
     ([FrameworkMessage(MessageRole.ASSISTANT, {"x": 1})],  # type: ignore[arg-type]
      r"new_messages\[0\]\.framework_item is a dict, not JSON text"),
 ])
@@ -619,3 +619,9 @@ def test_turn_failure_note_is_none_without_final_records() -> None:
     """No final record means no tool call ran to an end: no note."""
     assert build_turn_failure_note([]) is None
     assert build_turn_failure_note([r for r in NOTE_RECORDS if not r.status.is_final]) is None
+
+
+def test_check_framework_messages_accepts_a_plain_role_string() -> None:
+    """A role given as the plain text "assistant" is read as MessageRole.ASSISTANT."""
+    (item,) = check_framework_messages([FrameworkMessage("assistant", "{}")], "new_messages")  # type: ignore[arg-type]
+    assert item.role is MessageRole.ASSISTANT

@@ -74,8 +74,8 @@ class ValueTooLarge(NoRetryError):
     """A value the Step must store is over the engine's value limit; retrying cannot help."""
 
 
-# AwaitToolApproval also reads the pending interrupts (its deadline) besides its own record.
-AWAIT_TOOL_APPROVAL_LOAD_EXTRA = (PENDING_INTERRUPTS,)
+# Steps that wait on an interrupt (approval, question) also read the pending interrupts (deadlines).
+INTERRUPT_STEP_LOAD_EXTRA = (PENDING_INTERRUPTS,)
 
 
 def pending_interrupts(ctx: Context | RpcContext) -> list[AgentInterrupt]:
@@ -144,8 +144,11 @@ class SessionRuntime:
         return msgspec.structs.replace(state, next_message_sequence=sequence)
 
     def user_message(self, text: str) -> FrameworkMessage:
-        """The runner's user message for `text`; any other role fails the Step."""
-        built = self.runner.build_user_message(text)
+        """The runner's user message for `text`; a runner that raises or returns another role breaks the contract."""
+        try:
+            built = self.runner.build_user_message(text)
+        except Exception as exc:
+            raise TurnContractError(f"build_user_message raised {type(exc).__name__}: {exc}") from exc
         checked = check_framework_messages([built], "build_user_message(...)")[0]
         if checked.role is not MessageRole.USER:
             raise TurnContractError(f"build_user_message returned role {checked.role.value!r}; it must be 'user'")
@@ -221,7 +224,12 @@ class SessionRuntime:
         items = list(unfinished)
         note = build_turn_failure_note(records.values())
         if note is not None:
-            items.append(self.user_message(note))
+            try:
+                items.append(self.user_message(note))
+            except TurnContractError:
+                # A runner defect never blocks the failure route: the turn ends without its note.
+                log.warning("flow %s turn %s: could not build the turn-failure note", ctx.flow_id, turn_id,
+                            exc_info=True)
         try:
             state = self.append_messages(ctx, state, turn_id, items)
         except ValueTooLarge:

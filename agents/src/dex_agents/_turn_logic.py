@@ -6,6 +6,7 @@ can be tested exhaustively without a database.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -14,11 +15,15 @@ from datetime import datetime, timedelta
 
 import msgspec
 
+from ._builtin_tools import BuiltInArgumentsError, BuiltInTool, parse_ask_user, parse_durable_wait
 from ._constants import (
     ARGUMENTS_NOT_OBJECT,
+    AWAIT_QUESTION_ANSWER,
+    AWAIT_TIMER,
     AWAIT_TOOL_APPROVAL,
     CALL_SINGLE_ATTEMPT_TOOL,
     CALL_TOOL,
+    DEFAULT_MAX_DURABLE_WAIT,
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
 )
 from ._policy import REPEATABLE_EFFECTS, ToolPolicy, is_approval_required
@@ -76,14 +81,20 @@ def ended_turn(state: AgentState, *, error: str | None) -> AgentState:
     )
 
 
+_ROLES = frozenset(r.value for r in MessageRole)
+
+
 def check_framework_messages(items: object, source: str) -> list[FrameworkMessage]:
     """The runner's messages, or TurnContractError naming the first bad one."""
     if isinstance(items, str | bytes) or not isinstance(items, Sequence):
         raise TurnContractError(f"{source} must be a sequence of FrameworkMessage, got {type(items).__name__}")
     out: list[FrameworkMessage] = []
-    for index, item in enumerate(items):
-        if not isinstance(item, FrameworkMessage):
-            raise TurnContractError(f"{source}[{index}] is a {type(item).__name__}, not a FrameworkMessage")
+    for index, given in enumerate(items):
+        if not isinstance(given, FrameworkMessage):
+            raise TurnContractError(f"{source}[{index}] is a {type(given).__name__}, not a FrameworkMessage")
+        role: object = given.role
+        # A plain "assistant" is as good as the enum member.
+        item = dataclasses.replace(given, role=MessageRole(role)) if role in _ROLES else given
         if not isinstance(item.role, MessageRole):
             raise TurnContractError(
                 f"{source}[{index}] has role {item.role!r}; use MessageRole.USER, ASSISTANT or TOOL"
@@ -150,6 +161,7 @@ def tool_step_for(effect: ToolEffect) -> str:
 class PlannedCall:
     record: AgentToolCall
     next_step: str | None  # None: final in RunModel's commit, no Step runs it
+    timer_reason: str | None = None  # durable_wait: the reason its timer_started event shows
 
 
 @dataclass(frozen=True)
@@ -166,6 +178,8 @@ def plan_tool_calls(
     now: datetime,
     interrupt_deadline: timedelta | None,
     trace_context: str | None,
+    built_in_tools: frozenset[str] = frozenset(),
+    max_durable_wait: timedelta = DEFAULT_MAX_DURABLE_WAIT,
 ) -> ToolCallPlan:
     """Records, interrupts and next Steps for one response's tool calls (in model order).
 
@@ -193,6 +207,14 @@ def plan_tool_calls(
         reference = call.tool_source_reference
         if reference is not None and not isinstance(reference, str):
             raise TurnContractError(f"tool call {call_id!r} has a tool_source_reference that is not text")
+        if call.tool_name in built_in_tools and isinstance(call.arguments, str):
+            planned, interrupt = _built_in_call(
+                call, call_id, turn_id, first_order + index, trace_context, now, deadline, max_durable_wait
+            )
+            calls.append(planned)
+            if interrupt is not None:
+                interrupts.append(interrupt)
+            continue
         bad_arguments = arguments_error(call.arguments)
         arguments = call.arguments if isinstance(call.arguments, str) else repr(call.arguments)
         approval = is_approval_required(call.policy) and bad_arguments is None
@@ -220,6 +242,43 @@ def plan_tool_calls(
         else:
             calls.append(PlannedCall(record, tool_step_for(call.policy.effect)))
     return ToolCallPlan(tuple(calls), tuple(interrupts))
+
+
+def _built_in_call(
+    call: DeferredToolCall,
+    call_id: str,
+    turn_id: str,
+    order: int,
+    trace_context: str | None,
+    now: datetime,
+    deadline: str | None,
+    max_durable_wait: timedelta,
+) -> tuple[PlannedCall, AgentInterrupt | None]:
+    """A built-in call: routed to its own Step with no approval and the read effect, or failed now."""
+    record = AgentToolCall(
+        tool_call_id=call_id, turn_id=turn_id, tool_name=call.tool_name, arguments=call.arguments,
+        effect=ToolEffect.READ, requires_approval=False, status=AgentToolCallStatus.APPROVED, output=None,
+        error=None, rejection_message=None, deferral_order=order, tool_source_reference=None,
+        trace_context=trace_context,
+    )
+    try:
+        if call.tool_name == BuiltInTool.ASK_USER:
+            asked = parse_ask_user(call.arguments)
+            interrupt = AgentInterrupt(
+                interrupt_id=call_id, kind=InterruptKind.QUESTION, tool_call_id=call_id, tool_name=call.tool_name,
+                arguments=call.arguments, created_at=format_time(now), deadline=deadline, question=asked.question,
+                choices=list(asked.choices), allows_free_text=asked.allows_free_text,
+            )
+            waiting = msgspec.structs.replace(record, status=AgentToolCallStatus.AWAITING_ANSWER)
+            return PlannedCall(waiting, AWAIT_QUESTION_ANSWER), interrupt
+        wait = parse_durable_wait(call.arguments, max_durable_wait)
+        waiting = msgspec.structs.replace(
+            record, status=AgentToolCallStatus.WAITING_FOR_TIMER,
+            wait_until=format_time(now + timedelta(seconds=wait.duration_seconds)),
+        )
+        return PlannedCall(waiting, AWAIT_TIMER, timer_reason=wait.reason), None
+    except BuiltInArgumentsError as exc:
+        return PlannedCall(finished(record, AgentToolCallStatus.FAILED, error=str(exc)), None), None
 
 
 def finished(

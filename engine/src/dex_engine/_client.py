@@ -118,7 +118,12 @@ class AsyncClient:
         """
         flow = await self._flow_of(flow_id)
         handler = flow.rpc(name)
-        encode_value(f"request of RPC {name}", handler.request_type, request)
+        label = f"request of RPC {name}"
+        data = encode_value(label, handler.request_type, request)
+        if handler.request_type is not Any:
+            # The handler sees the request as a worker would after a network hop: decoded into the
+            # declared type, so a dict shaped like the request arrives as the request, never as a dict.
+            request = decode_value(label, handler.request_type, data)
         for _ in range(MAX_RPC_TRIES):
             snap = await self._store.rpc_read(flow_id, handler.load, handler.locks)
             ctx = RpcContext(flow, flow_id, snap.attributes, handler.load, snap.pending, name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, TypeVar
 
 import msgspec
@@ -33,7 +34,7 @@ def encode_value(name: str, tp: Any, value: Any, *, limit: int = MAX_VALUE_BYTES
         ) from None
     if len(data) > limit:
         raise ValueTooLargeError(name, len(data), limit)
-    if tp is not Any and not (isinstance(tp, type) and type(value) is tp):
+    if tp is not Any and not _is_checked_instance(tp, value):
         # Round-trip through the declared type: catches a dict where a dataclass is declared,
         # a str where an int is declared, and nested mismatches.
         try:
@@ -43,6 +44,15 @@ def encode_value(name: str, tp: Any, value: Any, *, limit: int = MAX_VALUE_BYTES
                 f"value for {name!r} is not a {_type_name(tp)}: {exc}"
             ) from None
     return data
+
+
+def _is_checked_instance(tp: Any, value: Any) -> bool:
+    """`value` is exactly a `tp` and so needs no round-trip. Not so for Structs and dataclasses:
+    their constructors check no field types (a Struct with a str in a bool field builds)."""
+    return (
+        isinstance(tp, type) and type(value) is tp
+        and not issubclass(tp, msgspec.Struct) and not dataclasses.is_dataclass(tp)
+    )
 
 
 def decode_value(name: str, tp: Any, data: bytes | str) -> Any:

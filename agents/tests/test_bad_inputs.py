@@ -1,0 +1,903 @@
+"""Bad inputs to a session (issue 4): each gets the seed's result and leaves the session usable.
+
+Every case ends the same way: a normal turn ("hello" -> "echo: hello") completes on the same
+session, and the messages stored before the bad input are unchanged. Most tests run the Worker in
+this process (an AsyncWorker on the SQLite file in tmp_path), which keeps the file fast and lets a
+test stop the Worker to hold the session still; test_bad_inputs_with_a_real_worker_child runs the
+scripted cases against a Worker child process, as deployments do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from agents.tests.scripted_agent import FLOW_TYPE, INVOCATIONS, ScriptedRunner, build_flow, item
+
+from dex_agents import (
+    AGENT_STATE,
+    ARGUMENTS_NOT_OBJECT,
+    INVALID_START_SESSION_SETTINGS_REASON,
+    MAX_SESSION_SETTINGS_BYTES,
+    NEW_MESSAGES_WITHOUT_BUILDER,
+    OUTCOME_UNKNOWN_TEXT,
+    QUEUED_USER_MESSAGES,
+    SESSION_SETTINGS_SIZE_TOLERANCE_BYTES,
+    AgentMessage,
+    AgentSessionClient,
+    AgentSessionFlow,
+    AgentSessionOptions,
+    AgentSessionStartInput,
+    AgentSnapshot,
+    AgentStatus,
+    AgentTurnContext,
+    AgentTurnOutcome,
+    AgentUsage,
+    AgentUserMessage,
+    DeferredToolCall,
+    DeferredToolExecution,
+    FrameworkMessage,
+    ListAgentMessagesRequest,
+    MessageRole,
+    ResolveInterruptRequest,
+    ToolCallsRequested,
+    ToolEffect,
+    ToolExecutionResult,
+    ToolPolicy,
+    TurnCompleted,
+    TurnContinued,
+)
+from dex_agents.testing import (
+    EXECUTE_COMPLETED_EVENT,
+    AgentTestStack,
+    InvocationLog,
+    executed_steps,
+    wait_for_agent_snapshot,
+    wait_until,
+)
+from dex_engine import (
+    MAX_VALUE_BYTES,
+    AsyncClient,
+    AsyncWorker,
+    FlowNotFoundError,
+    InvalidValueError,
+    Registry,
+    ValueTooLargeError,
+    WorkerOptions,
+    open_store,
+)
+
+MISBEHAVE = "misbehave"  # the user text a misbehaving runner answers with its bad outcome
+HELLO = "hello"
+
+# Tables that hold a flow's state; a refused call must leave every row as it was.
+FLOW_TABLES = ("flows", "tasks", "locks", "attributes", "channel_messages", "stream_events", "history")
+
+
+# An engine in this process ------------------------------------------------------------------------
+
+
+@dataclass
+class InProcess:
+    """A private engine (a SQLite file in tmp_path) whose Worker runs in this process.
+
+    Client and Worker share one Store, so the Worker hears the Client's commits at once.
+    """
+
+    flow: AgentSessionFlow
+    client: AsyncClient
+    log: InvocationLog
+    options: WorkerOptions
+    worker: AsyncWorker | None = None
+
+    @property
+    def sessions(self) -> AgentSessionClient:
+        return AgentSessionClient(self.client, self.flow)
+
+    async def start_worker(self) -> None:
+        self.worker = AsyncWorker(Registry([self.flow]), self.options, store=self.client.store)
+        await self.worker.__aenter__()
+
+    async def stop_worker(self) -> None:
+        if self.worker is not None:
+            await self.worker.stop()
+            self.worker = None
+
+
+@asynccontextmanager
+async def in_process(tmp_path: Path, flow: AgentSessionFlow, *, worker: bool = True) -> AsyncIterator[InProcess]:
+    url = f"sqlite:///{tmp_path / 'dex.db'}"
+    options = WorkerOptions(database_url=url, lease_ttl_seconds=2.0, lease_renew_seconds=0.4,
+                            housekeeping_seconds=0.1, poll_seconds=0.01, shutdown_grace_seconds=5.0)
+    store = open_store(url)
+    engine = InProcess(flow, AsyncClient(Registry([flow]), store=store), InvocationLog(tmp_path / INVOCATIONS),
+                       options)
+    try:
+        if worker:
+            await engine.start_worker()
+        yield engine
+    finally:
+        await engine.stop_worker()
+        await store.close()
+
+
+async def table_rows(client: AsyncClient) -> dict[str, list[str]]:
+    """Every row of the flow-state tables; compare two reads to prove nothing committed."""
+
+    def read(db: Any) -> dict[str, list[str]]:
+        return {name: sorted(repr(row) for row in db.all(f'SELECT * FROM "{name}"')) for name in FLOW_TABLES}
+
+    rows: dict[str, list[str]] = await client.store.raw(read)
+    return rows
+
+
+# Runners ------------------------------------------------------------------------------------------
+
+
+def current_user_text(turn: AgentTurnContext) -> str:
+    user = next(m for m in reversed(turn.messages) if m.role is MessageRole.USER and m.turn_id == turn.turn_id)
+    return user.text or ""
+
+
+class MisbehavingRunner(ScriptedRunner):
+    """The scripted runner, except that the user text "misbehave <case>" gets `bad_outcomes[case]()`."""
+
+    def __init__(self, state_dir: Path, bad_outcomes: dict[str, Callable[[], object]]) -> None:
+        super().__init__(state_dir)
+        self.bad_outcomes = bad_outcomes
+
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome:
+        prefix, _, case = current_user_text(turn).partition(" ")
+        if prefix != MISBEHAVE:
+            return await super().run_model_step(turn)
+        assert self.log is not None
+        self.log.record("model", flow_id=turn.flow_id, turn_id=turn.turn_id, attempt=turn.attempt, step=0, seen=[])
+        outcome: Any = self.bad_outcomes[case]()
+        return outcome  # deliberately not an AgentTurnOutcome in most cases
+
+    def build_user_message(self, text: str) -> FrameworkMessage:
+        if text == USER_MESSAGE_AS_ASSISTANT:
+            return item(MessageRole.ASSISTANT, text=text)
+        return super().build_user_message(text)
+
+
+# The user text MisbehavingRunner.build_user_message turns into an assistant message.
+USER_MESSAGE_AS_ASSISTANT = "build me as an assistant message"
+
+
+MANY_ANSWERS = 250
+
+
+class ManyMessagesRunner(ScriptedRunner):
+    """Answers "many" with MANY_ANSWERS assistant messages in one TurnCompleted."""
+
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome:
+        if current_user_text(turn) != "many":
+            return await super().run_model_step(turn)
+        return TurnCompleted([item(MessageRole.ASSISTANT, text=f"m{n}") for n in range(1, MANY_ANSWERS + 1)])
+
+
+class WrongToolResultRunner(ScriptedRunner):
+    """Tools named bad_* return plain text instead of a ToolExecutionResult."""
+
+    async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> ToolExecutionResult:
+        record = call.tool_call
+        if not record.tool_name.startswith("bad_"):
+            return await super().execute_deferred_tool_call(call)
+        assert self.log is not None
+        self.log.record("tool_start", flow_id=call.flow_id, turn_id=record.turn_id, tool_call_id=record.tool_call_id,
+                        tool_name=record.tool_name, attempt=call.attempt, idempotency_key=call.idempotency_key)
+        result: Any = "plain text"
+        return result
+
+
+def flow_with(runner: ScriptedRunner, **options: Any) -> AgentSessionFlow:
+    return AgentSessionFlow(runner, FLOW_TYPE, AgentSessionOptions(**options))
+
+
+# Session helpers ----------------------------------------------------------------------------------
+
+
+async def turn_ended(sessions: AgentSessionClient, session_id: str, turn_count: int) -> AgentSnapshot:
+    """Wait until `turn_count` turns ended; return that snapshot."""
+    return await wait_for_agent_snapshot(
+        sessions, session_id, lambda s: s if s.state is not None and s.state.turn_count >= turn_count else None,
+        description=f"turn {turn_count} to end")
+
+
+async def run_turn(sessions: AgentSessionClient, session_id: str, text: str) -> AgentSnapshot:
+    """Send `text` while the session waits, and wait until that turn ended."""
+    before = await sessions.get_agent_snapshot(session_id)
+    assert before.state is not None and before.state.active_turn_id is None
+    assert await sessions.send_user_message(session_id, text)
+    return await turn_ended(sessions, session_id, before.state.turn_count + 1)
+
+
+async def all_messages(sessions: AgentSessionClient, session_id: str) -> list[AgentMessage]:
+    """Every stored message, oldest first, paging back with next_before_sequence."""
+    messages: list[AgentMessage] = []
+    cursor: int | None = None
+    while True:
+        page = await sessions.list_agent_messages(session_id, before_sequence=cursor, limit=200)
+        messages[:0] = page.messages
+        if page.next_before_sequence is None:
+            return messages
+        cursor = page.next_before_sequence
+
+
+async def started_session(sessions: AgentSessionClient, session_id: str) -> list[AgentMessage]:
+    """A session that completed one normal turn; returns its stored messages."""
+    await sessions.start_session(session_id, "first")
+    snapshot = await turn_ended(sessions, session_id, 1)
+    assert snapshot.state is not None and snapshot.state.last_turn_error is None
+    messages = await all_messages(sessions, session_id)
+    assert [m.text for m in messages] == ["first", "echo: first"]
+    return messages
+
+
+async def assert_usable(sessions: AgentSessionClient, session_id: str, before: Sequence[AgentMessage]) -> None:
+    """A normal turn completes after the bad input, and the messages stored before it are unchanged."""
+    snapshot = await run_turn(sessions, session_id, HELLO)
+    state = snapshot.state
+    assert state is not None
+    assert state.status is AgentStatus.WAITING_FOR_USER_MESSAGE
+    assert state.last_turn_error is None  # a completed turn clears the failure
+    assert snapshot.pending_interrupts == [] and snapshot.tool_calls == []
+    messages = await all_messages(sessions, session_id)
+    assert messages[:len(before)] == list(before)
+    assert [m.sequence for m in messages] == list(range(1, len(messages) + 1))
+    assert [(m.role, m.text, m.turn_id) for m in messages[-2:]] == [
+        (MessageRole.USER, HELLO, f"turn-{state.turn_count}"),
+        (MessageRole.ASSISTANT, f"echo: {HELLO}", f"turn-{state.turn_count}"),
+    ]
+
+
+async def steps_run(client: AsyncClient, session_id: str) -> list[str]:
+    """Step types whose Execute committed, in commit order (the session's Step shape)."""
+    history = await client.get_flow_history(session_id)
+    return [e.step_type for e in history if e.event_type == EXECUTE_COMPLETED_EVENT and e.step_type]
+
+
+async def turn_events(sessions: AgentSessionClient, session_id: str, turn_id: str) -> list[tuple[str, Any]]:
+    """The turn's AgentEvents as (type, payload) pairs, oldest first."""
+    read = await sessions.read_agent_events(session_id)
+    return [(e.value.type, json.loads(e.value.payload)) for e in read.events if e.value.turn_id == turn_id]
+
+
+async def assert_turn_failed(sessions: AgentSessionClient, session_id: str, turn_id: str, error: str) -> None:
+    """The turn wrote turn_failed with `error`, and no turn_completed."""
+    events = await turn_events(sessions, session_id, turn_id)
+    types = [t for t, _ in events]
+    assert types[0] == "turn_started"
+    assert "turn_completed" not in types
+    assert [p for t, p in events if t == "turn_failed"] == [{"error": error}]
+
+
+async def failed_turn(sessions: AgentSessionClient, session_id: str, text: str) -> tuple[str, str]:
+    """Run a turn that must fail; return its ID and last_turn_error, after checking how it ended."""
+    snapshot = await run_turn(sessions, session_id, text)
+    state = snapshot.state
+    assert state is not None and state.status is AgentStatus.WAITING_FOR_USER_MESSAGE
+    assert state.last_turn_error is not None, f"turn {text[:60]!r} did not fail"
+    assert snapshot.tool_calls == [] and snapshot.pending_interrupts == []  # the turn is cleared
+    turn_id = f"turn-{state.turn_count}"
+    await assert_turn_failed(sessions, session_id, turn_id, state.last_turn_error)
+    return turn_id, state.last_turn_error
+
+
+def script(*steps: dict[str, Any]) -> str:
+    return json.dumps({"steps": list(steps)})
+
+
+# Blank messages -----------------------------------------------------------------------------------
+
+
+async def test_blank_messages_and_plan_mode_start_no_turn(tmp_path: Path) -> None:
+    """send_user_message is False for blank text and for plan_mode (queuing nothing); a blank
+    initial_message starts no turn; a blank message published around the RPC is dropped."""
+    async with in_process(tmp_path, build_flow(tmp_path), worker=False) as engine:
+        sessions = engine.sessions
+        await sessions.start_session("s", "  \n\t ")
+        # No Worker yet: whatever these RPCs commit would still be queued.
+        rows = await table_rows(engine.client)
+        assert await sessions.send_user_message("s", "") is False
+        assert await sessions.send_user_message("s", " \n\t ") is False
+        assert await sessions.send_user_message("s", "a plan please", plan_mode=True) is False
+        assert await table_rows(engine.client) == rows
+        assert (await sessions.get_agent_snapshot("s")).queued_message_count == 0
+
+        await engine.start_worker()
+        snapshot = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: s if s.state is not None else None, description="StartAgentSession")
+        assert snapshot.state is not None
+        assert snapshot.state.turn_count == 0 and snapshot.state.active_turn_id is None
+        assert snapshot.state.status is AgentStatus.WAITING_FOR_USER_MESSAGE
+        assert snapshot.messages == []
+
+        # A client that skips the RPC's check: AwaitUserMessage drops the blank message.
+        await engine.client.publish("s", QUEUED_USER_MESSAGES, AgentUserMessage("   "))
+        await wait_until("AwaitUserMessage to consume the blank message",
+                         lambda: _awaited_one_message(engine.client, "s"))
+        snapshot = await sessions.get_agent_snapshot("s")
+        assert snapshot.state is not None and snapshot.state.turn_count == 0 and snapshot.messages == []
+        assert engine.log.count("model") == 0
+        await assert_usable(sessions, "s", [])
+        assert engine.log.count("model") == 1
+        assert await steps_run(engine.client, "s") == [
+            "StartAgentSession", "AwaitUserMessage", "AwaitUserMessage", "RunModel",
+        ]
+
+
+async def _awaited_one_message(client: AsyncClient, session_id: str) -> bool:
+    return (await steps_run(client, session_id)).count("AwaitUserMessage") == 1
+
+
+# Tool call IDs ------------------------------------------------------------------------------------
+
+
+BAD_TOOL_CALL_IDS: list[tuple[str, list[dict[str, Any]], str, str, int]] = [
+    # (case, the turn's tool responses, the bad ID, why it is bad, model calls of the turn)
+    ("empty", [{"tools": [{"id": "", "name": "read_x"}]}], "", "is empty", 1),
+    ("slash", [{"tools": [{"id": "a/b", "name": "read_x"}]}], "a/b", "contains '/'", 1),
+    ("repeat in one response", [{"tools": [{"id": "c1", "name": "read_x"}, {"id": "c1", "name": "read_y"}]}],
+     "c1", "repeats within this turn", 1),
+    ("repeat in a later response", [{"tools": [{"id": "c1", "name": "read_x"}]},
+                                    {"tools": [{"id": "c1", "name": "read_y"}]}],
+     "c1", "repeats within this turn", 2),
+]
+
+
+async def test_bad_tool_call_id_fails_the_turn(tmp_path: Path) -> None:
+    """A response with an empty, '/'-containing or repeated tool call ID fails the turn in RunModel's
+    commit (no retry, no RecordTurnFailure): last_turn_error names the ID, turn_failed is written, no
+    call of that response runs, and a repeat after a call that ran leaves the turn-failure note. The
+    same ID in a later turn runs normally."""
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        model_calls_total = 1
+        for case, steps, bad_id, reason, model_calls in BAD_TOOL_CALL_IDS:
+            text = script(*steps, {"answer": "never"})
+            turn_id, error = await failed_turn(sessions, "s", text)
+            assert f"tool call ID {bad_id!r}" in error and reason in error, case
+            assert engine.log.count("model", turn_id=turn_id) == model_calls, case
+            ran = [e["tool_name"] for e in engine.log.entries("tool_start", turn_id=turn_id)]
+            assert ran == (["read_x"] if model_calls == 2 else []), case
+            expected = [text]
+            if model_calls == 2:  # read_x ran before the bad response: the note keeps it from repeating
+                expected.append("[Dex] The previous turn failed after these tool calls ran:\n"
+                                "- read_x {} -> succeeded: read_x done\n"
+                                "Do not repeat these tool calls unless the user asks again.")
+            assert [m.text for m in (await all_messages(sessions, "s"))[len(before):]] == expected, case
+            await assert_usable(sessions, "s", before)
+            model_calls_total += model_calls + 1
+            before = await all_messages(sessions, "s")
+        # IDs are unique per turn only: c1, which ran in an earlier turn, runs again in a new one.
+        snapshot = await run_turn(sessions, "s", script({"tools": [{"id": "c1", "name": "read_x"}]},
+                                                        {"answer": "got {results}"}))
+        assert snapshot.state is not None and snapshot.state.last_turn_error is None
+        assert snapshot.messages[-1].text == "got c1=read_x done"
+        assert engine.log.count("tool_start", turn_id=f"turn-{snapshot.state.turn_count}", tool_call_id="c1") == 1
+        shape = await steps_run(engine.client, "s")
+        assert "RecordTurnFailure" not in shape
+        assert shape.count("RunModel") == model_calls_total + 2
+
+
+# Arguments that are not a JSON object -------------------------------------------------------------
+
+
+async def test_arguments_that_are_not_a_json_object_fail_only_that_call(tmp_path: Path) -> None:
+    """Each call whose arguments are not strict JSON object text is recorded failed with "arguments
+    must be a JSON object" in RunModel's commit, runs no Step and asks no approval (even a write);
+    the model sees "The tool call failed: arguments must be a JSON object" and the turn completes."""
+    bad = {"list": "[1, 2]", "text": '"text"', "null": "null", "not-json": "{oops", "nan": '{"x": NaN}'}
+    calls = [{"id": f"b-{name}", "name": "read_x", "args_text": text} for name, text in bad.items()]
+    calls += [{"id": "w-bad", "name": "write_x", "args_text": "[]"}, {"id": "ok", "name": "read_ok", "args": {}}]
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        snapshot = await run_turn(sessions, "s", script({"tools": calls}, {"answer": "got {results}"}))
+        assert snapshot.state is not None and snapshot.state.last_turn_error is None
+        failed = f"The tool call failed: {ARGUMENTS_NOT_OBJECT}"
+        results = [f"b-{name}={failed}" for name in bad] + [f"w-bad={failed}", "ok=read_ok done"]
+        assert snapshot.messages[-1].text == "got " + "; ".join(results)
+        assert [e["tool_call_id"] for e in engine.log.entries("tool_start")] == ["ok"]
+        events = await turn_events(sessions, "s", "turn-2")
+        assert not [t for t, _ in events if t == "interrupt_raised"]
+        finished = {p["tool_call_id"]: p["status"] for t, p in events if t == "tool_call_finished"}
+        assert finished == {**{f"b-{name}": "failed" for name in bad}, "w-bad": "failed", "ok": "succeeded"}
+        assert [t for t, _ in events][-1] == "turn_completed"
+        assert (await steps_run(engine.client, "s"))[3:] == [
+            "RunModel", "CallTool", "ResumeTurn", "RunModel",
+        ]
+        await assert_usable(sessions, "s", before)
+
+
+# resolve_interrupt --------------------------------------------------------------------------------
+
+
+async def test_resolve_interrupt_unknown_or_already_resolved_is_false(tmp_path: Path) -> None:
+    """resolve_interrupt is False for an unknown ID, a call that raised no interrupt, and an interrupt
+    already resolved (either way); the one approval runs the write once."""
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        assert await sessions.send_user_message("s", script(
+            {"tools": [{"id": "r1", "name": "read_x"}, {"id": "w1", "name": "write_x"}]}, {"answer": "{results}"}))
+        await wait_for_agent_snapshot(sessions, "s", lambda s: s.pending_interrupts, description="the approval")
+        assert await sessions.resolve_interrupt("s", "nope", approved=True) is False
+        assert await sessions.resolve_interrupt("s", "r1", approved=True) is False
+        assert await sessions.resolve_interrupt("s", "w1", approved=True) is True
+        assert await sessions.resolve_interrupt("s", "w1", approved=True) is False
+        assert await sessions.resolve_interrupt("s", "w1", approved=False, rejection_message="no") is False
+        snapshot = await turn_ended(sessions, "s", 2)
+        assert snapshot.messages[-1].text == "r1=read_x done; w1=write_x done"
+        assert engine.log.count("tool_start", tool_call_id="w1") == 1
+        assert await sessions.resolve_interrupt("s", "w1", approved=False) is False  # its turn ended
+        await assert_usable(sessions, "s", before)
+
+
+async def test_resolve_interrupt_past_its_deadline_is_false(tmp_path: Path) -> None:
+    """Past its deadline, a still-pending interrupt cannot be resolved (False, nothing committed);
+    AwaitToolApproval then records it rejected with "approval deadline passed" and the write never runs."""
+    flow = build_flow(tmp_path, interrupt_deadline=timedelta(seconds=3))
+    async with in_process(tmp_path, flow) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        assert await sessions.send_user_message("s", script({"tools": [{"id": "w1", "name": "write_x"}]},
+                                                            {"answer": "{results}"}))
+        interrupt = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: next(iter(s.pending_interrupts), None), description="the approval")
+        # Without a Worker the deadline Timer cannot fire, so the interrupt stays pending past it.
+        await engine.stop_worker()
+        assert interrupt.deadline is not None
+        deadline = datetime.fromisoformat(interrupt.deadline)
+        await wait_until("the approval deadline to pass", lambda: datetime.now(UTC) > deadline, timeout=10)
+        rows = await table_rows(engine.client)
+        assert (await sessions.get_agent_snapshot("s")).pending_interrupts == [interrupt]
+        assert await sessions.resolve_interrupt("s", "w1", approved=True) is False
+        assert await table_rows(engine.client) == rows
+
+        await engine.start_worker()
+        snapshot = await turn_ended(sessions, "s", 2)
+        assert snapshot.messages[-1].text == "w1=approval deadline passed"
+        assert engine.log.count("tool_start") == 0
+        resolved = [p for t, p in await turn_events(sessions, "s", "turn-2") if t == "interrupt_resolved"]
+        assert [(p["approved"], p["rejection_message"]) for p in resolved] == [(False, "approval deadline passed")]
+        await assert_usable(sessions, "s", before)
+
+
+# Runner failures ----------------------------------------------------------------------------------
+
+
+async def test_runner_that_raises_on_every_attempt_fails_the_turn(tmp_path: Path) -> None:
+    """run_model_step raising on all three attempts -> RecordTurnFailure: last_turn_error carries the
+    exception text and turn_failed is written."""
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        text = script({"raise": "the provider is down"})
+        turn_id, error = await failed_turn(sessions, "s", text)
+        assert "the provider is down" in error
+        assert sorted(e["attempt"] for e in engine.log.entries("model", turn_id=turn_id)) == [1, 2, 3]
+        # A failed RunModel commits no Execute; its failure route does.
+        assert await steps_run(engine.client, "s") == [
+            "StartAgentSession", "RunModel", "AwaitUserMessage", "RecordTurnFailure",
+        ]
+        assert [m.text for m in await all_messages(sessions, "s")][len(before):] == [text]
+        await assert_usable(sessions, "s", before)
+
+
+def _read_call(call_id: str = "c1") -> DeferredToolCall:
+    return DeferredToolCall(call_id, "read_x", "{}", ToolPolicy(ToolEffect.READ))
+
+
+_PARTIAL = item(MessageRole.ASSISTANT, text="partial")
+_USAGE = AgentUsage(model_calls=1, input_tokens=7, output_tokens=3)
+_OUTCOME_KINDS = "return TurnCompleted, ToolCallsRequested or TurnContinued"
+
+CONTRACT_BREACHES: list[tuple[str, Callable[[], object], str]] = [
+    # (case, what run_model_step returns, last_turn_error)
+    ("a-dict", lambda: {"answer": "hi"}, f"run_model_step returned a dict; {_OUTCOME_KINDS}"),
+    ("none", lambda: None, f"run_model_step returned a NoneType; {_OUTCOME_KINDS}"),
+    ("no-tool-calls", lambda: ToolCallsRequested("state", [], _USAGE),
+     "ToolCallsRequested.tool_calls must be a non-empty sequence of DeferredToolCall"),
+    ("empty-run-state", lambda: ToolCallsRequested("", [_read_call()], _USAGE),
+     "ToolCallsRequested.framework_run_state must be non-empty text that continues the turn"),
+    ("continued-empty-run-state", lambda: TurnContinued("", [], _USAGE),
+     "TurnContinued.framework_run_state must be non-empty text that continues the turn"),
+    ("new-messages-without-builder",
+     lambda: ToolCallsRequested("state", [_read_call()], _USAGE, new_messages=[_PARTIAL]),
+     NEW_MESSAGES_WITHOUT_BUILDER),
+    ("continued-without-builder", lambda: TurnContinued("state", [_PARTIAL], _USAGE), NEW_MESSAGES_WITHOUT_BUILDER),
+    ("bad-role", lambda: TurnCompleted([_PARTIAL, FrameworkMessage("system", "{}", text="x")], _USAGE),  # type: ignore[arg-type]
+     "TurnCompleted.new_messages[1] has role 'system'; use MessageRole.USER, ASSISTANT or TOOL"),
+    ("not-a-framework-message", lambda: TurnCompleted([{"role": "assistant", "text": "x"}], _USAGE),  # type: ignore[list-item]
+     "TurnCompleted.new_messages[0] is a dict, not a FrameworkMessage"),
+    ("framework-item-not-text",
+     lambda: TurnCompleted([FrameworkMessage(MessageRole.ASSISTANT, {"text": "x"})], _USAGE),  # type: ignore[arg-type]
+     "TurnCompleted.new_messages[0].framework_item is a dict, not JSON text (str)"),
+    ("messages-a-str", lambda: TurnCompleted("echo", _USAGE),  # type: ignore[arg-type]
+     "TurnCompleted.new_messages must be a sequence of FrameworkMessage, got str"),
+    ("usage-not-agent-usage", lambda: TurnCompleted([_PARTIAL], usage={"model_calls": 1}),  # type: ignore[arg-type]
+     "usage must be an AgentUsage, got dict"),
+    ("policy-not-tool-policy",
+     lambda: ToolCallsRequested("state", [DeferredToolCall("c1", "read_x", "{}", "read")], _USAGE),  # type: ignore[arg-type]
+     "tool call 'c1' has policy 'read'; use turn.resolve_tool_policy(name)"),
+    ("call-not-deferred-tool-call",
+     lambda: ToolCallsRequested("state", [("c1", "read_x", "{}")], _USAGE),  # type: ignore[list-item]
+     "tool_calls[0] is a tuple, not a DeferredToolCall"),
+]
+# Cases whose outcome carries no AgentUsage to record; every other one records _USAGE before failing.
+NO_USAGE_RECORDED = {"a-dict", "none", "usage-not-agent-usage"}
+
+
+async def test_runner_contract_breach_fails_the_turn_without_retry(tmp_path: Path) -> None:
+    """A run_model_step outcome that breaks the runner contract fails the turn in RunModel's commit:
+    exactly one model call, last_turn_error says what is wrong, turn_failed, the call's usage is
+    recorded, nothing else of the outcome is stored, no tool runs, no RecordTurnFailure."""
+    runner = MisbehavingRunner(tmp_path, {case: bad for case, bad, _ in CONTRACT_BREACHES})
+    async with in_process(tmp_path, flow_with(runner)) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        for case, _, expected_error in CONTRACT_BREACHES:
+            text = f"{MISBEHAVE} {case}"
+            turn_id, error = await failed_turn(sessions, "s", text)
+            assert error == expected_error, case
+            assert engine.log.count("model", turn_id=turn_id) == 1, case
+            assert [m.text for m in (await all_messages(sessions, "s"))[len(before):]] == [text], case
+            recorded = [p["recorded"] for t, p in await turn_events(sessions, "s", turn_id) if t == "usage_recorded"]
+            assert recorded == ([] if case in NO_USAGE_RECORDED else [msgspec.to_builtins(_USAGE)]), case
+            await assert_usable(sessions, "s", before)
+            before = await all_messages(sessions, "s")
+        assert engine.log.count("tool_start") == 0
+        assert await steps_run(engine.client, "s") == [
+            "StartAgentSession", "RunModel", *["AwaitUserMessage", "RunModel"] * 2 * len(CONTRACT_BREACHES),
+        ]
+
+
+async def test_user_message_built_with_another_role_fails_the_turn(tmp_path: Path) -> None:
+    """build_user_message returning a non-user message fails the new turn in AwaitUserMessage's
+    commit: no model call, nothing stored, turn_failed."""
+    async with in_process(tmp_path, flow_with(MisbehavingRunner(tmp_path, {}))) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        turn_id, error = await failed_turn(sessions, "s", USER_MESSAGE_AS_ASSISTANT)
+        assert error == "build_user_message returned role 'assistant'; it must be 'user'"
+        assert engine.log.count("model", turn_id=turn_id) == 0
+        assert await all_messages(sessions, "s") == before
+        await assert_usable(sessions, "s", before)
+
+
+# Values over the engine's limit -------------------------------------------------------------------
+
+
+async def test_model_answer_over_the_value_limit_fails_the_turn(tmp_path: Path) -> None:
+    """An answer larger than MAX_VALUE_BYTES fails the turn once (no retry): RecordTurnFailure sets a
+    last_turn_error saying which message is too large to store, and nothing of the answer is stored."""
+    runner = MisbehavingRunner(tmp_path, {
+        "big": lambda: TurnCompleted([item(MessageRole.ASSISTANT, text="x" * MAX_VALUE_BYTES)]),
+    })
+    async with in_process(tmp_path, flow_with(runner)) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        text = f"{MISBEHAVE} big"
+        turn_id, error = await failed_turn(sessions, "s", text)
+        assert error.startswith("message 4 (assistant) of turn turn-2 is too large to store: ")
+        assert f"over MAX_VALUE_BYTES ({MAX_VALUE_BYTES})" in error
+        assert engine.log.count("model", turn_id=turn_id) == 1
+        # A failed RunModel commits no Execute; its failure route does.
+        assert await steps_run(engine.client, "s") == [
+            "StartAgentSession", "RunModel", "AwaitUserMessage", "RecordTurnFailure",
+        ]
+        assert [m.text for m in await all_messages(sessions, "s")] == ["first", "echo: first", text]
+        await assert_usable(sessions, "s", before)
+
+
+def _text_filling(limit: int, wrap: Callable[[str], object]) -> str:
+    """The longest text whose wrapped value encodes to at most `limit` bytes (exactly `limit`)."""
+    text = "x" * (limit - len(msgspec.json.encode(wrap(""))))
+    assert len(msgspec.json.encode(wrap(text))) == limit
+    return text
+
+
+async def test_user_message_under_the_rpc_limit_but_too_large_to_store(tmp_path: Path) -> None:
+    """A user message one byte over the limit is refused by the RPC (nothing queued); one that fits
+    the RPC but not an AgentMessage starts a turn that fails at once, with no model call."""
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        text = _text_filling(MAX_VALUE_BYTES, AgentUserMessage)
+        await engine.stop_worker()  # nothing else writes while the refused call runs
+        rows = await table_rows(engine.client)
+        with pytest.raises(ValueTooLargeError, match="request of RPC send_user_message"):
+            await sessions.send_user_message("s", text + "x")
+        assert await table_rows(engine.client) == rows
+        await engine.start_worker()
+
+        turn_id, error = await failed_turn(sessions, "s", text)
+        assert error.startswith("message 3 (user) of turn turn-2 is too large to store: ")
+        assert f"over MAX_VALUE_BYTES ({MAX_VALUE_BYTES})" in error
+        assert engine.log.count("model", turn_id=turn_id) == 0
+        assert await all_messages(sessions, "s") == before
+        await assert_usable(sessions, "s", before)
+
+
+async def test_initial_message_too_large(tmp_path: Path) -> None:
+    """An initial_message over the input limit starts nothing; one that fits the input but not an
+    AgentMessage fails turn 1 in StartAgentSession, and the session goes on."""
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        sessions = engine.sessions
+        text = _text_filling(MAX_VALUE_BYTES, lambda t: AgentSessionStartInput(initial_message=t))
+        with pytest.raises(ValueTooLargeError):
+            await sessions.start_session("too-large", text + "x")
+        assert not await engine.client.exists("too-large")
+
+        await sessions.start_session("s", text)
+        snapshot = await turn_ended(sessions, "s", 1)
+        assert snapshot.state is not None
+        error = snapshot.state.last_turn_error
+        assert error is not None and error.startswith("message 1 (user) of turn turn-1 is too large to store: ")
+        await assert_turn_failed(sessions, "s", "turn-1", error)
+        assert engine.log.count("model") == 0
+        await assert_usable(sessions, "s", [])
+
+
+# Tools that misbehave -----------------------------------------------------------------------------
+
+
+async def test_tool_returning_a_non_tool_execution_result(tmp_path: Path) -> None:
+    """A tool Step whose tool returns something other than ToolExecutionResult fails its attempts:
+    the read retries (3 attempts) and records failed through RecordToolFailure, the write runs once
+    and records outcome_unknown; the model sees both and the turn completes."""
+    runner = WrongToolResultRunner(tmp_path)
+    flow = flow_with(runner, tool_policies={"bad_write": ToolPolicy(ToolEffect.NON_IDEMPOTENT_WRITE,
+                                                                    requires_approval=False),
+                                            "bad_read": ToolPolicy(ToolEffect.READ)})
+    async with in_process(tmp_path, flow) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        snapshot = await run_turn(sessions, "s", script(
+            {"tools": [{"id": "r", "name": "bad_read"}, {"id": "w", "name": "bad_write"}]}, {"answer": "{results}"}))
+        assert snapshot.state is not None and snapshot.state.last_turn_error is None
+        answer = snapshot.messages[-1].text
+        assert answer is not None
+        assert answer == (
+            "r=The tool call failed: execute_deferred_tool_call returned 'plain text'; return "
+            f"ToolExecutionResult(output: str) or raise ToolExecutionError; w={OUTCOME_UNKNOWN_TEXT}"
+        )
+        assert sorted(e["attempt"] for e in engine.log.entries("tool_start", tool_call_id="r")) == [1, 2, 3]
+        assert [e["attempt"] for e in engine.log.entries("tool_start", tool_call_id="w")] == [1]
+        steps = await steps_run(engine.client, "s")
+        assert {"RecordToolFailure", "RecordToolOutcomeUnknown"} <= set(steps)
+        await assert_usable(sessions, "s", before)
+
+
+async def test_tool_output_over_the_value_limit(tmp_path: Path) -> None:
+    """A tool output too large to store: a read records failed with a clear error (safe to call
+    again); a write that ran records succeeded with a note; each tool ran once."""
+    flow = build_flow(tmp_path, tool_policies={
+        "write_big": ToolPolicy(ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=False)})
+    big = {"output_bytes": MAX_VALUE_BYTES}
+    async with in_process(tmp_path, flow) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        snapshot = await run_turn(sessions, "s", script({"tools": [
+            {"id": "r", "name": "read_big", "args": big}, {"id": "i", "name": "idem_big", "args": big},
+            {"id": "w", "name": "write_big", "args": big},
+        ]}, {"answer": "{results}"}))
+        assert snapshot.state is not None and snapshot.state.last_turn_error is None
+        answer = snapshot.messages[-1].text
+        assert answer is not None
+        # The record holds the output plus its other fields, so its size is the output's and a bit more.
+        note = (rf"the tool's output is \d+ bytes, over the session's value limit of {MAX_VALUE_BYTES}; "
+                "it was not stored")
+        succeeded = rf"\[Dex\] The tool call succeeded, but {note}\."
+        assert re.fullmatch(rf"r=The tool call failed: {note}; i={succeeded}; w={succeeded}", answer), answer
+        for call_id in ("r", "i", "w"):
+            assert engine.log.count("tool_start", tool_call_id=call_id) == 1
+            assert engine.log.count("tool_end", tool_call_id=call_id) == 1
+        await assert_usable(sessions, "s", before)
+
+
+# Session settings ---------------------------------------------------------------------------------
+
+
+def _settings_of_size(size: int) -> dict[str, str]:
+    settings = {"k": "x" * (size - len('{"k":""}'))}
+    assert len(json.dumps(settings, separators=(",", ":")).encode()) == size
+    return settings
+
+
+INVALID_SETTINGS: list[tuple[str, object, str]] = [
+    # (case, session_settings, the start of the ValueError's message)
+    ("a-list", [1, 2], "session_settings must be a JSON object, got list"),
+    ("a-str", "model=x", "session_settings must be a JSON object, got str"),
+    ("nan", {"k": math.nan}, "session_settings are not JSON: "),
+    ("not-serializable", {"k": object()}, "session_settings are not JSON: "),
+    ("too-large", _settings_of_size(MAX_SESSION_SETTINGS_BYTES + 1),
+     f"session_settings are {MAX_SESSION_SETTINGS_BYTES + 1} bytes of compact JSON, over the limit of "
+     f"{MAX_SESSION_SETTINGS_BYTES}"),
+]
+
+
+async def test_start_session_refuses_invalid_settings(tmp_path: Path) -> None:
+    """start_session raises ValueError naming the problem before anything is stored; the same ID then
+    starts with valid settings (the limit itself is accepted)."""
+    async with in_process(tmp_path, build_flow(tmp_path), worker=False) as engine:
+        sessions = engine.sessions
+        rows = await table_rows(engine.client)
+        for case, settings, problem in INVALID_SETTINGS:
+            with pytest.raises(ValueError, match="^" + re.escape(problem)) as caught:
+                await sessions.start_session("s", "first", session_settings=settings)  # type: ignore[arg-type]
+            assert type(caught.value) is ValueError, case
+        assert await table_rows(engine.client) == rows
+        assert not await engine.client.exists("s")
+
+        valid = _settings_of_size(MAX_SESSION_SETTINGS_BYTES)
+        await engine.start_worker()
+        await sessions.start_session("s", "first", session_settings=valid)
+        snapshot = await turn_ended(sessions, "s", 1)
+        assert snapshot.session_settings == valid
+        await assert_usable(sessions, "s", await all_messages(sessions, "s"))
+
+
+async def test_start_flow_with_invalid_settings_force_fails_the_session(tmp_path: Path) -> None:
+    """A start input sent with AsyncClient.start_flow, past the client's check: settings over the
+    session's limit force-fail the flow with the seed's reason and store nothing; settings within the
+    tolerance are accepted; settings that are not an object are refused by the input type."""
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        client, flow_type = engine.client, engine.flow.flow_type
+        session_limit = MAX_SESSION_SETTINGS_BYTES + SESSION_SETTINGS_SIZE_TOLERANCE_BYTES
+        await client.start_flow(flow_type, "too-large", AgentSessionStartInput(
+            initial_message="first", session_settings=_settings_of_size(session_limit + 1)))
+        info = await client.wait_for_flow("too-large", 30)
+        assert info.status == "failed"
+        assert info.error == (f"{INVALID_START_SESSION_SETTINGS_REASON}: session_settings are {session_limit + 1} "
+                              f"bytes of compact JSON, over the limit of {session_limit}")
+        assert await client.get_attribute("too-large", AGENT_STATE) is None
+        assert engine.log.count("model") == 0
+
+        with pytest.raises(InvalidValueError, match="session_settings"):
+            await client.start_flow(flow_type, "a-list", AgentSessionStartInput(session_settings=[1]))  # type: ignore[arg-type]
+        assert not await client.exists("a-list")
+
+        tolerated = _settings_of_size(session_limit)
+        await client.start_flow(flow_type, "s", AgentSessionStartInput(initial_message="first",
+                                                                        session_settings=tolerated))
+        snapshot = await turn_ended(engine.sessions, "s", 1)
+        assert snapshot.session_settings == tolerated
+        await assert_usable(engine.sessions, "s", await all_messages(engine.sessions, "s"))
+
+
+# RPCs ---------------------------------------------------------------------------------------------
+
+
+async def test_rpc_request_of_the_wrong_type_commits_nothing(tmp_path: Path) -> None:
+    """A request that is not of the RPC's request type raises InvalidValueError naming the RPC and
+    the field, and commits nothing; the interrupt it aimed at is still pending and resolvable."""
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        assert await sessions.send_user_message("s", script({"tools": [{"id": "w1", "name": "write_x"}]},
+                                                            {"answer": "{results}"}))
+        interrupt = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: next(iter(s.pending_interrupts), None), description="the approval")
+        await engine.stop_worker()  # nothing else writes while the refused calls run
+        rows = await table_rows(engine.client)
+        wrong: list[tuple[str, object, str]] = [
+            ("resolve_interrupt", ResolveInterruptRequest("w1", "yes"), "$.approved"),  # type: ignore[arg-type]
+            ("resolve_interrupt", "w1", "ResolveInterruptRequest"),
+            ("send_user_message", AgentUserMessage(5), "$.text"),  # type: ignore[arg-type]
+            ("send_user_message", AgentUserMessage("hi", plan_mode="no"), "$.plan_mode"),  # type: ignore[arg-type]
+            ("list_agent_messages", ListAgentMessagesRequest(limit="5"), "$.limit"),  # type: ignore[arg-type]
+        ]
+        for name, request, where in wrong:
+            with pytest.raises(InvalidValueError) as caught:
+                await engine.client.rpc("s", name, request)
+            assert f"request of RPC {name}" in str(caught.value) and where in str(caught.value)
+        with pytest.raises(InvalidValueError, match=r"\$\.approved"):
+            await sessions.resolve_interrupt("s", "w1", approved="yes")  # type: ignore[arg-type]
+        assert await table_rows(engine.client) == rows
+        assert (await sessions.get_agent_snapshot("s")).pending_interrupts == [interrupt]
+
+        await engine.start_worker()
+        assert await sessions.resolve_interrupt("s", "w1", approved=True) is True
+        snapshot = await turn_ended(sessions, "s", 2)
+        assert snapshot.messages[-1].text == "w1=write_x done"
+        await assert_usable(sessions, "s", before)
+
+
+async def test_rpc_request_as_a_dict_is_refused_or_decoded(tmp_path: Path) -> None:
+    """A dict shaped like the request type is either refused with InvalidValueError or handled as
+    the request it encodes; the handler never sees the dict."""
+    async with in_process(tmp_path, build_flow(tmp_path), worker=False) as engine:
+        await engine.sessions.start_session("s")
+        try:
+            queued = await engine.client.rpc("s", "send_user_message", {"text": HELLO, "plan_mode": False})
+        except InvalidValueError:
+            return
+        assert queued is True
+        assert (await engine.sessions.get_agent_snapshot("s")).queued_message_count == 1
+
+
+async def test_list_agent_messages_clamps_limit_and_before_sequence(tmp_path: Path) -> None:
+    """list_agent_messages clamps the limit to 1..200 and treats before_sequence past the end as
+    "after the newest"; paging with next_before_sequence reaches the oldest message."""
+    async with in_process(tmp_path, flow_with(ManyMessagesRunner(tmp_path))) as engine:
+        sessions = engine.sessions
+        await sessions.start_session("s", "many")
+        await turn_ended(sessions, "s", 1)
+        total = MANY_ANSWERS + 1  # the user message, then the answers
+
+        for limit in (0, -5):
+            page = await sessions.list_agent_messages("s", limit=limit)
+            assert [m.sequence for m in page.messages] == [total]
+            assert page.next_before_sequence == total
+        page = await sessions.list_agent_messages("s", limit=10_000)
+        assert [m.sequence for m in page.messages] == list(range(total - 199, total + 1))
+        assert page.next_before_sequence == total - 199 and page.deleted_before_sequence is None
+        assert len((await sessions.get_agent_snapshot("s")).messages) == 200
+
+        for before_sequence in (total + 1, 10_000):
+            page = await sessions.list_agent_messages("s", before_sequence=before_sequence, limit=3)
+            assert [m.sequence for m in page.messages] == [total - 2, total - 1, total]
+        page = await sessions.list_agent_messages("s", before_sequence=1)
+        assert page.messages == [] and page.next_before_sequence is None
+        default = await engine.client.rpc("s", "list_agent_messages", None)
+        assert [m.sequence for m in default.messages] == list(range(total - 49, total + 1))
+
+        messages = await all_messages(sessions, "s")  # pages back with next_before_sequence
+        assert [m.sequence for m in messages] == list(range(1, total + 1))
+        await assert_usable(sessions, "s", messages)
+
+
+async def test_calls_on_an_unknown_session_raise_flow_not_found(tmp_path: Path) -> None:
+    """Every session call on an ID that was never started raises FlowNotFoundError and creates nothing."""
+    async with in_process(tmp_path, build_flow(tmp_path), worker=False) as engine:
+        sessions = engine.sessions
+        calls = [
+            sessions.get_agent_snapshot("missing"),
+            sessions.list_agent_messages("missing"),
+            sessions.send_user_message("missing", HELLO),
+            sessions.resolve_interrupt("missing", "w1", approved=True),
+            sessions.read_agent_events("missing"),
+        ]
+        for call in calls:
+            with pytest.raises(FlowNotFoundError, match="'missing'"):
+                await call
+        assert not await engine.client.exists("missing")
+
+
+# The same against a Worker child ------------------------------------------------------------------
+
+
+async def test_bad_inputs_with_a_real_worker_child(stack: AgentTestStack) -> None:
+    """Against a Worker child process: blank text is refused, a bad tool call ID fails its turn,
+    non-object arguments fail only their call, and the session answers "hello" afterwards."""
+    sessions = stack.sessions(stack.flows[0])  # type: ignore[arg-type]
+    await stack.start_worker()
+    before = await started_session(sessions, "s")
+    assert await sessions.send_user_message("s", "   ") is False
+
+    snapshot = await run_turn(sessions, "s", script({"tools": [{"id": "a/b", "name": "read_x"}]}))
+    assert snapshot.state is not None and snapshot.state.last_turn_error is not None
+    assert "tool call ID 'a/b' contains '/'" in snapshot.state.last_turn_error
+
+    snapshot = await run_turn(sessions, "s", script({"tools": [{"id": "c1", "name": "read_x", "args_text": "[]"}]},
+                                                    {"answer": "{results}"}))
+    assert snapshot.state is not None and snapshot.state.last_turn_error is None
+    assert snapshot.messages[-1].text == f"c1=The tool call failed: {ARGUMENTS_NOT_OBJECT}"
+    log = InvocationLog(stack.state_dir / INVOCATIONS)
+    assert log.count("tool_start") == 0
+    assert executed_steps(await stack.read_step_history("s")).count("RunModel") == 4
+    await assert_usable(sessions, "s", before)
