@@ -4,6 +4,7 @@ One Flow run is one agent session; every model call is a RunModel Step and every
 own Step, so a crash repeats at most the one call that was running.
 """
 
+from ._builtin_tools import BUILT_IN_TOOL_DEFINITIONS, BuiltInTool, BuiltInToolDefinition
 from ._client import (
     AGENT_SESSION_ACTIVE_STEP_SEARCH_MODE,
     ActiveStepSearchMode,
@@ -13,6 +14,8 @@ from ._client import (
 from ._constants import (
     APPROVAL_DEADLINE_PASSED,
     ARGUMENTS_NOT_OBJECT,
+    AWAIT_QUESTION_ANSWER,
+    AWAIT_TIMER,
     AWAIT_TOOL_APPROVAL,
     AWAIT_USER_MESSAGE,
     CALL_SINGLE_ATTEMPT_TOOL,
@@ -150,8 +153,11 @@ __all__ = [
     "AGENT_USAGE",
     "APPROVAL_DEADLINE_PASSED",
     "ARGUMENTS_NOT_OBJECT",
+    "AWAIT_QUESTION_ANSWER",
+    "AWAIT_TIMER",
     "AWAIT_TOOL_APPROVAL",
     "AWAIT_USER_MESSAGE",
+    "BUILT_IN_TOOL_DEFINITIONS",
     "CALL_SINGLE_ATTEMPT_TOOL",
     "CALL_TOOL",
     "CONTEXT_SUMMARY",
@@ -210,6 +216,8 @@ __all__ = [
     "AgentUsage",
     "AgentUserMessage",
     "AnswerQuestionRequest",
+    "BuiltInTool",
+    "BuiltInToolDefinition",
     "CancelTurnRequest",
     "CancellationReason",
     "CompactContextInput",

@@ -22,6 +22,7 @@ from ._wire import (
     AgentSessionStartInput,
     AgentSnapshot,
     AgentUserMessage,
+    AnswerQuestionRequest,
     JsonObject,
     ListAgentMessagesRequest,
     ResolveInterruptRequest,
@@ -102,6 +103,12 @@ class AgentSessionClient:
         """Approve or reject a pending interrupt; retries a lock held by a short Step for 5 s."""
         request = ResolveInterruptRequest(interrupt_id, approved, rejection_message)
         result = await self._retry_lock_conflicts(lambda: self.client.rpc(session_id, "resolve_interrupt", request))
+        return bool(result)
+
+    async def answer_question(self, session_id: str, interrupt_id: str, answer: str) -> bool:
+        """Answer a pending question; False when it is not pending, past its deadline, blank, or not a choice."""
+        request = AnswerQuestionRequest(interrupt_id, answer)
+        result = await self._retry_lock_conflicts(lambda: self.client.rpc(session_id, "answer_question", request))
         return bool(result)
 
     async def get_agent_snapshot(self, session_id: str) -> AgentSnapshot:

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
 
+from ._builtin_tools import BuiltInTool
 from ._constants import (
     DEFAULT_AGENT_EVENTS_CAPACITY_BYTES,
+    DEFAULT_MAX_DURABLE_WAIT,
     RUN_MODEL_MAX_ATTEMPTS,
     RUN_MODEL_RETRY_BUDGET,
     RUN_MODEL_TIMEOUT,
@@ -52,6 +54,8 @@ class AgentSessionOptions:
     agent_events_capacity_bytes: int = DEFAULT_AGENT_EVENTS_CAPACITY_BYTES
     interrupt_deadline: timedelta | None = None
     run_model_limit: RunModelLimit = field(default_factory=RunModelLimit)
+    built_in_tools: frozenset[BuiltInTool] = frozenset()
+    max_durable_wait: timedelta = DEFAULT_MAX_DURABLE_WAIT
 
     def __post_init__(self) -> None:
         problems = []
@@ -75,6 +79,14 @@ class AgentSessionOptions:
         deadline: object = self.interrupt_deadline
         if deadline is not None and (not isinstance(deadline, timedelta) or deadline <= timedelta(0)):
             problems.append(f"interrupt_deadline must be a positive timedelta or None, got {deadline!r}")
+        tools: object = self.built_in_tools
+        if not isinstance(tools, frozenset | set) or not all(isinstance(t, BuiltInTool) for t in tools):
+            problems.append(f"built_in_tools must be a frozenset of BuiltInTool, got {tools!r}")
+        else:
+            object.__setattr__(self, "built_in_tools", frozenset(tools))
+        wait: object = self.max_durable_wait
+        if not isinstance(wait, timedelta) or wait < timedelta(seconds=1):
+            problems.append(f"max_durable_wait must be a timedelta of at least 1 second, got {wait!r}")
         if not isinstance(limit, RunModelLimit):
             problems.append(f"run_model_limit must be a RunModelLimit, got {self.run_model_limit!r}")
         if problems:

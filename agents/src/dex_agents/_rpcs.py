@@ -30,6 +30,7 @@ from ._wire import (
     AgentSnapshot,
     AgentUsage,
     AgentUserMessage,
+    AnswerQuestionRequest,
     InterruptKind,
     ListAgentMessagesRequest,
     PendingUserMessage,
@@ -81,6 +82,25 @@ def session_rpcs() -> list[Rpc]:
         ))
         return True
 
+    @rpc("answer_question", request_type=AnswerQuestionRequest, locks=[PENDING_INTERRUPTS],
+         load=LoadOptions.only(PENDING_INTERRUPTS))
+    async def answer_question(ctx: RpcContext, request: AnswerQuestionRequest) -> bool:
+        kept, interrupt = without_interrupt(pending_interrupts(ctx), request.interrupt_id)
+        if interrupt is None or interrupt.kind is not InterruptKind.QUESTION:
+            return False
+        if interrupt.deadline is not None and now_utc() >= parse_time(interrupt.deadline):
+            return False
+        answer = request.answer
+        if not answer.strip():
+            return False
+        if not interrupt.allows_free_text and answer not in interrupt.choices:
+            return False
+        ctx.set(PENDING_INTERRUPTS, kept)
+        ctx.publish(INTERRUPT_RESOLUTIONS[interrupt.interrupt_id], AgentInterruptResolution(
+            approved=True, rejection_message=None, answer=answer,
+        ))
+        return True
+
     @rpc("get_agent_snapshot", load=LoadOptions.only(
         AGENT_STATE, AGENT_MESSAGES, AGENT_MESSAGE_INDEX, AGENT_TOOL_CALLS, PENDING_INTERRUPTS, AGENT_USAGE,
         AGENT_PLAN, CONTEXT_SUMMARY, SESSION_SETTINGS,
@@ -125,4 +145,5 @@ def session_rpcs() -> list[Rpc]:
             ctx.delete(SESSION_SETTINGS)
         return True
 
-    return [send_user_message, resolve_interrupt, get_agent_snapshot, list_agent_messages, update_session_settings]
+    return [send_user_message, resolve_interrupt, answer_question, get_agent_snapshot, list_agent_messages,
+            update_session_settings]

@@ -6,7 +6,10 @@ from typing import Any
 
 from dex_engine import Flow, LoadOptions, RetryPolicy, Step, StepDurability, StepOptions
 
+from ._builtin_steps import BuiltInSteps
 from ._constants import (
+    AWAIT_QUESTION_ANSWER,
+    AWAIT_TIMER,
     AWAIT_TOOL_APPROVAL,
     AWAIT_USER_MESSAGE,
     CALL_SINGLE_ATTEMPT_TOOL,
@@ -78,6 +81,7 @@ class AgentSessionFlow(Flow):
         runtime = SessionRuntime(runner, options, self.events)
         turn = TurnSteps(runtime)
         tools = ToolSteps(runtime)
+        built_ins = BuiltInSteps(runtime)
         limit = options.run_model_limit
         turn_input = CompactContextInput | None
         tool_records = LoadOptions.only(AGENT_TOOL_CALLS)
@@ -114,6 +118,13 @@ class AgentSessionFlow(Flow):
                  options=StepOptions(durability=_SYNC, load=tool_records, execute_retry=RECOVERY_RETRY)),
             Step(RECORD_TOOL_OUTCOME_UNKNOWN, tools.record_tool_outcome_unknown, input_type=str,
                  options=StepOptions(durability=_SYNC, load=tool_records, execute_retry=RECOVERY_RETRY)),
+            Step(AWAIT_QUESTION_ANSWER, built_ins.await_question_answer, input_type=str,
+                 wait_for=built_ins.await_question_answer_wait,
+                 options=StepOptions(durability=_SYNC, load=LoadOptions.none(), execute_retry=RECOVERY_RETRY,
+                                     wait_for_retry=RECOVERY_RETRY, execute_locks=(PENDING_INTERRUPTS,))),
+            Step(AWAIT_TIMER, built_ins.await_timer, input_type=str, wait_for=built_ins.await_timer_wait,
+                 options=StepOptions(durability=_SYNC, load=LoadOptions.none(), execute_retry=RECOVERY_RETRY,
+                                     wait_for_retry=RECOVERY_RETRY)),
             Step(RESUME_TURN, tools.resume_turn, input_type=int, wait_for=tools.resume_turn_wait,
                  options=StepOptions(durability=_SYNC, wait_for_load=LoadOptions.none(),
                                      execute_load=LoadOptions.only(AGENT_STATE, AGENT_TOOL_CALLS),

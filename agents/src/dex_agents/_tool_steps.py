@@ -11,7 +11,7 @@ from ._events import AgentEventType
 from ._persistence import AGENT_STATE, AGENT_TOOL_CALLS, INTERRUPT_RESOLUTIONS, PENDING_INTERRUPTS, TOOL_CALL_RESULTS
 from ._runner import DeferredToolExecution, ToolExecutionError, ToolExecutionResult, ToolOutcomeUnknownError
 from ._runtime import (
-    AWAIT_TOOL_APPROVAL_LOAD_EXTRA,
+    INTERRUPT_STEP_LOAD_EXTRA,
     SessionRuntime,
     background_heartbeats,
     now_utc,
@@ -100,7 +100,7 @@ class ToolSteps:
                 return StepDecision.dead_end()
         # The Timer fired early (clock skew) or after resolve_interrupt took the interrupt: wait again.
         return StepDecision.go_to(
-            AWAIT_TOOL_APPROVAL, tool_call_id, tool_call_load(tool_call_id, *AWAIT_TOOL_APPROVAL_LOAD_EXTRA)
+            AWAIT_TOOL_APPROVAL, tool_call_id, tool_call_load(tool_call_id, *INTERRUPT_STEP_LOAD_EXTRA)
         )
 
     def _resolved_event(

@@ -10,6 +10,7 @@ import msgspec
 from dex_engine import Context, Movement, StepDecision, ValueTooLargeError, Wait
 
 from ._constants import (
+    AWAIT_QUESTION_ANSWER,
     AWAIT_TOOL_APPROVAL,
     AWAIT_USER_MESSAGE,
     INVALID_START_SESSION_SETTINGS_REASON,
@@ -33,7 +34,7 @@ from ._persistence import (
 )
 from ._runner import AgentTurnContext, ToolCallsRequested, TurnCompleted, TurnContinued, UnfinishedTurnMessageBuilder
 from ._runtime import (
-    AWAIT_TOOL_APPROVAL_LOAD_EXTRA,
+    INTERRUPT_STEP_LOAD_EXTRA,
     SessionRuntime,
     ValueTooLarge,
     background_heartbeats,
@@ -143,6 +144,7 @@ class TurnSteps:
             framework_run_state=ctx.get(FRAMEWORK_RUN_STATE), tool_calls=rt.turn_records(ctx, turn_id),
             events=writer, heartbeat=heartbeat, tool_policies=rt.options.tool_policies,
             default_tool_effect=rt.options.default_tool_effect, session_settings=rt.turn_settings(ctx, turn_id),
+            enabled_built_in_tools=frozenset(t.value for t in rt.options.built_in_tools),
             interaction_mode=state.interaction_mode,
         )
 
@@ -205,6 +207,8 @@ class TurnSteps:
         plan = plan_tool_calls(
             outcome.tool_calls, turn_id=turn_id, existing=rt.turn_records(ctx, turn_id), now=now_utc(),
             interrupt_deadline=rt.options.interrupt_deadline, trace_context=ctx.get(AGENT_TRACE_CONTEXT),
+            built_in_tools=frozenset(t.value for t in rt.options.built_in_tools),
+            max_durable_wait=rt.options.max_durable_wait,
         )
         state = self._store(ctx, state, turn_id, items)
         self._store_run_state(ctx, turn_id, run_state)
@@ -219,7 +223,13 @@ class TurnSteps:
                 rt.finish_record(ctx, record)
                 continue
             ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], record)
-            extra = AWAIT_TOOL_APPROVAL_LOAD_EXTRA if planned.next_step == AWAIT_TOOL_APPROVAL else ()
+            if planned.timer_reason is not None:
+                rt.emit(ctx, AgentEventType.TIMER_STARTED, turn_id, {
+                    "tool_call_id": record.tool_call_id, "wait_until": record.wait_until,
+                    "reason": planned.timer_reason,
+                })
+            extra = (INTERRUPT_STEP_LOAD_EXTRA
+                     if planned.next_step in (AWAIT_TOOL_APPROVAL, AWAIT_QUESTION_ANSWER) else ())
             movements.append(Movement(planned.next_step, record.tool_call_id,
                                       tool_call_load(record.tool_call_id, *extra)))
         if plan.interrupts:

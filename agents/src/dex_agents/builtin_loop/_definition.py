@@ -8,7 +8,8 @@ from datetime import timedelta
 from types import MappingProxyType
 from typing import Any, Literal
 
-from .._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES
+from .._builtin_tools import BuiltInTool
+from .._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES, DEFAULT_MAX_DURABLE_WAIT
 from .._policy import ToolPolicy
 from .._wire import InteractionMode, JsonObject, ToolEffect
 from ._function_tools import FunctionTool
@@ -70,6 +71,8 @@ class AgentDefinition:
     max_model_calls_per_turn: int = DEFAULT_MAX_MODEL_CALLS_PER_TURN
     interrupt_deadline: timedelta | None = None
     event_stream_capacity_bytes: int = DEFAULT_AGENT_EVENTS_CAPACITY_BYTES
+    built_in_tools: frozenset[BuiltInTool] = frozenset()
+    max_durable_wait: timedelta = DEFAULT_MAX_DURABLE_WAIT
     decide_turn_continuation: DecideTurnContinuation | None = None
     resolve_model: ResolveModel | None = None
     tool_source_listing_timeout: timedelta = timedelta(seconds=DEFAULT_TOOL_SOURCE_LISTING_TIMEOUT_SECONDS)
@@ -92,6 +95,15 @@ class AgentDefinition:
         if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
             problems.append(f"tool_source_listing_timeout must be a positive timedelta, got {timeout!r}")
         problems.extend(_tool_problems(self.tools, self.tool_sources))
+        built_ins: object = self.built_in_tools
+        if not isinstance(built_ins, frozenset | set) or not all(isinstance(t, BuiltInTool) for t in built_ins):
+            problems.append(f"built_in_tools must be a frozenset of BuiltInTool, got {built_ins!r}")
+        else:
+            problems.extend(
+                f"tool {tool.name} uses the name of an enabled built-in tool"
+                for tool in self.tools
+                if isinstance(tool, FunctionTool) and tool.name in {b.value for b in built_ins}
+            )
         if problems:
             raise ValueError("invalid AgentDefinition: " + "; ".join(problems))
         object.__setattr__(self, "tools", tuple(self.tools))

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from .._builtin_tools import BUILT_IN_TOOL_DEFINITIONS, BuiltInTool
 from .._constants import MAX_CONSECUTIVE_TURN_CONTINUATIONS
 from .._policy import OUTCOME_UNKNOWN_TEXT, ToolPolicy, describe_tool_call_outcome
 from .._runner import (
@@ -113,7 +114,7 @@ class BuiltinLoopAgentRunner:
                 unstored.append(user_message(decision.message))
         model_input = _paired([*stored, *(input_item_of(m) for m in unstored)])
         limit_reached = run.model_calls >= definition.max_model_calls_per_turn
-        offered = _Offered((), {}) if limit_reached else await self._offered_tools()
+        offered = _Offered((), {}) if limit_reached else await self._offered_tools(turn.enabled_built_in_tools)
         request = ModelRequest(
             instructions=await self._instructions(turn), input=tuple(model_input), tools=offered.definitions,
             tool_choice=ToolChoice.NONE if limit_reached else ToolChoice.AUTO,
@@ -242,10 +243,14 @@ class BuiltinLoopAgentRunner:
             return str(value)
         raise ValueError(f"decide_turn_continuation returned {value!r}; return 'end', 'default' or ContinueTurn")
 
-    async def _offered_tools(self) -> _Offered:
+    async def _offered_tools(self, built_ins: frozenset[str]) -> _Offered:
+        """Function tools, then each source's listing, then the enabled built-in tools."""
         definition = self.definition
         definitions = [t.definition() for t in definition.tools]
         function_names = {d.name for d in definitions}
+        for name in sorted(function_names & built_ins):
+            # Only the session options enable it: the definition could not refuse the clash.
+            raise ValueError(f"tool {name} uses the name of an enabled built-in tool")
         sources: dict[str, tuple[ToolSource, ModelToolDefinition]] = {}
         timeout = definition.tool_source_listing_timeout.total_seconds()
         for source in definition.tool_sources:
@@ -260,8 +265,14 @@ class BuiltinLoopAgentRunner:
                     raise ValueError(f"tool {tool.name} of a tool source uses the name of a function tool")
                 if tool.name in sources:
                     raise ValueError(f"two tool sources list a tool named {tool.name}")
+                if tool.name in built_ins:
+                    raise ValueError(f"tool {tool.name} uses the name of an enabled built-in tool")
                 sources[tool.name] = (source, tool)
                 definitions.append(tool)
+        for built_in in BuiltInTool:
+            if built_in.value in built_ins:
+                built = BUILT_IN_TOOL_DEFINITIONS[built_in]
+                definitions.append(ModelToolDefinition(built.name, built.description, built.parameters_schema))
         return _Offered(tuple(definitions), sources)
 
     def _deferred(self, turn: AgentTurnContext, call: ModelToolCall, offered: _Offered) -> DeferredToolCall:
@@ -272,7 +283,9 @@ class BuiltinLoopAgentRunner:
             return dataclasses.replace(
                 built, tool_source_reference=wrap_source_reference(source.source_name, built.tool_source_reference)
             )
-        if self.definition.function_tool(call.tool_name) is not None:
+        if call.tool_name in turn.enabled_built_in_tools:
+            policy = ToolPolicy(ToolEffect.READ, requires_approval=False)  # the session routes it itself
+        elif self.definition.function_tool(call.tool_name) is not None:
             policy = turn.resolve_tool_policy(call.tool_name)
         else:
             # A name no listing offered never reaches a source: it fails as unknown, without approval.

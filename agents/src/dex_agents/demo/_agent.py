@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+from .._builtin_tools import BuiltInTool
 from .._runner import ToolExecutionError
 from .._session_flow import AgentSessionFlow
 from .._wire import ToolEffect
@@ -60,5 +61,6 @@ def build_demo_flow(ledger_path: Path | None = None) -> AgentSessionFlow:
         instructions="You are the Dex demo agent. You look up orders and refund them.",
         model=demo_model(),
         tools=[lookup_order, refund_order],
+        built_in_tools=frozenset({BuiltInTool.ASK_USER, BuiltInTool.DURABLE_WAIT}),
     )
     return builtin_agent_session_flow(definition, DEMO_FLOW_TYPE)

@@ -16,7 +16,7 @@ from rich.console import Console
 from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions
 
 from .._client import AgentSessionClient
-from .._wire import AgentInterrupt, AgentSnapshot
+from .._wire import AgentInterrupt, AgentSnapshot, InterruptKind
 from ._agent import build_demo_flow
 from ._model import HELP_TEXT
 
@@ -97,6 +97,9 @@ class Chat:
                 elif kind == "interrupt_raised":
                     snapshot = await self.sessions.get_agent_snapshot(self.session_id)
                     await self._answer_pending(snapshot.pending_interrupts)
+                elif kind == "timer_started":
+                    self.console.print(f"[dim]  waiting until {payload['wait_until']} ({payload['reason']}); "
+                                       "the Timer is durable: Ctrl-C and come back later[/dim]")
                 elif kind == "turn_failed":
                     self.console.print(f"[red]the turn failed: {payload['error']}[/red]")
                 if kind in TURN_END_EVENTS:
@@ -104,6 +107,9 @@ class Chat:
 
     async def _answer_pending(self, interrupts: list[AgentInterrupt]) -> None:
         for interrupt in interrupts:
+            if interrupt.kind is InterruptKind.QUESTION:
+                await self._answer_question(interrupt)
+                continue
             answer = await _ask(f"approve {interrupt.tool_name} {interrupt.arguments}? [y/n] ")
             if answer is None:
                 raise EOFError
@@ -111,6 +117,25 @@ class Chat:
             done = await self.sessions.resolve_interrupt(self.session_id, interrupt.interrupt_id, approved)
             if not done:
                 self.console.print("[dim]  that approval is no longer pending[/dim]")
+
+
+    async def _answer_question(self, interrupt: AgentInterrupt) -> None:
+        choices = f" [{' / '.join(interrupt.choices)}]" if interrupt.choices else ""
+        answer = await _ask(f"{interrupt.question}{choices} (empty line declines) ")
+        if answer is None:
+            raise EOFError
+        if not answer.strip():
+            await self.sessions.resolve_interrupt(self.session_id, interrupt.interrupt_id, approved=False)
+            return
+        if not await self.sessions.answer_question(self.session_id, interrupt.interrupt_id, answer.strip()):
+            self.console.print("[dim]  that answer was not taken (not a choice, or no longer pending)[/dim]")
+            if _still_pending_choice(interrupt, answer):
+                await self._answer_question(interrupt)
+
+
+def _still_pending_choice(interrupt: AgentInterrupt, answer: str) -> bool:
+    """Ask again only for an answer outside the choices; anything else is gone for good."""
+    return bool(interrupt.choices) and not interrupt.allows_free_text and answer.strip() not in interrupt.choices
 
 
 def _turn_running(snapshot: AgentSnapshot) -> bool:

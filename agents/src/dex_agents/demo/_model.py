@@ -1,9 +1,12 @@
 """The demo model: a ScriptedModelClient that answers plain text and reads slash commands.
 
 Commands (the last user text of the turn):
-    /echo TEXT            answers TEXT
-    /tool NAME {json}     calls tool NAME with the JSON arguments, then reports its result
-    /help                 lists the commands
+    /echo TEXT                 answers TEXT
+    /tool NAME {json}          calls tool NAME with the JSON arguments, then reports its result
+    /ask QUESTION              asks the user (the ask_user built-in), then reports the answer
+    /choose QUESTION | A | B   asks with choices only
+    /wait SECONDS REASON       waits on a durable Timer (the durable_wait built-in)
+    /help                      lists the commands
 Anything else gets `Demo reply: <text>`. No model key is needed, and every reply is a pure
 function of the request, so a RunModel that runs again answers the same.
 """
@@ -16,9 +19,12 @@ from ..builtin_loop import ModelRequest, ScriptedModelClient, ScriptedModelReply
 
 HELP_TEXT = (
     "Demo model commands:\n"
-    "  /echo TEXT          answer TEXT\n"
-    "  /tool NAME {json}   call tool NAME with JSON arguments\n"
-    "  /help               this list\n"
+    "  /echo TEXT                 answer TEXT\n"
+    "  /tool NAME {json}          call tool NAME with JSON arguments (lookup_order, refund_order)\n"
+    "  /ask QUESTION              ask you a question\n"
+    "  /choose QUESTION | A | B   ask you to choose\n"
+    "  /wait SECONDS REASON       wait on a durable timer\n"
+    "  /help                      this list\n"
     "Anything else gets a demo reply."
 )
 
@@ -38,7 +44,22 @@ def demo_reply(request: ModelRequest) -> ScriptedModelReply:
         return ScriptedModelReply(text=HELP_TEXT)
     if command == "/tool":
         return _tool_reply(rest.strip())
+    if command == "/ask":
+        return _built_in("ask_user", {"question": rest.strip() or "What should I do next?"})
+    if command == "/choose":
+        question, *choices = [part.strip() for part in rest.split("|")]
+        return _built_in("ask_user", {"question": question or "Which one?", "choices": choices or ["yes", "no"],
+                                      "allows_free_text": False})
+    if command == "/wait":
+        seconds, _, reason = rest.strip().partition(" ")
+        if not seconds.isdigit():
+            return ScriptedModelReply(text="Usage: /wait SECONDS REASON")
+        return _built_in("durable_wait", {"duration_seconds": int(seconds), "reason": reason or "demo wait"})
     return ScriptedModelReply(text=f"Demo reply: {text}")
+
+
+def _built_in(name: str, arguments: dict[str, object]) -> ScriptedModelReply:
+    return ScriptedModelReply(tool_calls=[ScriptedToolCall(name, json.dumps(arguments))])
 
 
 def _tool_reply(rest: str) -> ScriptedModelReply:
