@@ -9,7 +9,10 @@ model call per step, in order:
   model-visible result (`id=<text>; ...`) and `{seen}` the number of stored messages the call saw;
 - `{"turn_error": "text"}` ends the turn as failed without a retry;
 - `{"raise": "text"}` fails every attempt of the model call; with `"attempts": n`, only the first n;
-- `"gate": "name"` in any step waits at that FileGate before the model call returns.
+- `"gate": "name"` in any step waits at that FileGate before the model call returns;
+- `"heartbeat": true` in any step heartbeats first (before the gate), so the attempt counts as
+  started, as a model call that already streamed output does: a Worker killed after it fails the
+  attempt (the rerun is attempt 2) instead of handing the same attempt out again.
 
 Tools (in the tool Step): args `{"gate": name}` wait at a FileGate first; `{"fail": text}` raises
 ToolExecutionError; `{"unknown": text}` raises ToolOutcomeUnknownError; `{"crash": text}` raises
@@ -19,6 +22,10 @@ IDEMPOTENT_WRITE, write_ NON_IDEMPOTENT_WRITE; anything else gets the session de
 Every model call and tool run is recorded in the InvocationLog `invocations.log` of the state
 directory (ENV_STATE_DIR), the ground truth across Worker kills. Set SCRIPTED_INCREMENTAL=1 for a
 runner that stores items as they appear and builds unfinished-turn messages.
+
+A Worker child whose environment sets SCRIPTED_WORKER_START_GATE=<name> waits at that FileGate in
+build_flow, after its imports and before it registers with the engine: a test can start a standby
+child ahead of time and let it become a Worker only when released (after a kill, say).
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from dex_agents.testing import ENV_STATE_DIR, FileGate, InvocationLog
 FLOW_TYPE = "ScriptedAgent"
 ENV_INCREMENTAL = "SCRIPTED_INCREMENTAL"
 ENV_DEADLINE_SECONDS = "SCRIPTED_INTERRUPT_DEADLINE_SECONDS"
+ENV_START_GATE = "SCRIPTED_WORKER_START_GATE"
 INVOCATIONS = "invocations.log"
 
 POLICIES = {"read_": ToolEffect.READ, "idem_": ToolEffect.IDEMPOTENT_WRITE, "write_": ToolEffect.NON_IDEMPOTENT_WRITE}
@@ -107,6 +115,8 @@ class ScriptedRunner:
             self.log.record("model", flow_id=turn.flow_id, turn_id=turn.turn_id, attempt=turn.attempt, step=index,
                             seen=[m.sequence for m in turn.messages])
         turn.events.write_text_delta(f"step {index}")
+        if step.get("heartbeat"):
+            await turn.heartbeat()
         if "gate" in step:
             await self._gate(step["gate"]).wait_for_release()
         if "raise" in step and turn.attempt <= step.get("attempts", 1_000_000):
@@ -203,6 +213,13 @@ def build_flow(state_dir: Path | None = None, *, incremental: bool | None = None
                interrupt_deadline: timedelta | None = None,
                tool_policies: dict[str, ToolPolicy] | None = None) -> AgentSessionFlow:
     """The Flow both the test process and the Worker child build (options from the environment too)."""
+    start_gate = os.environ.get(ENV_START_GATE)
+    if start_gate:
+        # A standby Worker child: imported, and registers only once the test releases it.
+        gate_dir = state_dir or state_dir_from_env()
+        if gate_dir is None:
+            raise RuntimeError(f"{ENV_START_GATE} needs {ENV_STATE_DIR}")
+        FileGate(gate_dir, start_gate).wait_for_release_blocking(poll=0.05)
     if incremental is None:
         incremental = os.environ.get(ENV_INCREMENTAL) == "1"
     if interrupt_deadline is None and os.environ.get(ENV_DEADLINE_SECONDS):
