@@ -73,7 +73,8 @@ class _StateView:
             raise NotLoadedError(amap.name, self._owner)
         out: dict[str, T] = {}
         for key in sorted(keys):
-            value = self.get(amap[key])
+            # Keys come from storage or from this method's checked writes: no need to check them again.
+            value = self.get(AttributeRef(amap.name, key, amap.value_type))
             if value is not None:
                 out[key] = value
         return out
