@@ -1,0 +1,627 @@
+"""Benchmark: one agent turn (user message, tool-asking model call, READ tool, answering model call).
+
+Runs the same turn, with instant scripted model and tool calls, on three systems in one run on
+one disk, and prints them side by side with the raw commit floor:
+
+- dex: an AgentSessionFlow (in-process AsyncWorker and AsyncClient on one SQLite file);
+- LangGraph: a StateGraph compiled with SqliteSaver, invoked with durability="sync";
+- DBOS: a workflow of three steps on a SQLite system database.
+
+Each system runs N turns one after another (sequential, a new session every 25 turns), then the
+same number of turns spread over 16 sessions at once, after 3 untimed warm-up turns each. Reported:
+per-turn latency (median, p95), turns/s with 16 sessions, the median's ratio to the floor, the
+data-changing commits and fsyncs each turn took (counted on the SQLite connections), and the
+process CPU time per turn. The floor is engine_steps.py's bare `BEGIN IMMEDIATE; INSERT; COMMIT`
+with synchronous=FULL in WAL mode, in the same directory.
+
+Every database file is in WAL mode with synchronous=FULL (one fsync per commit), so the systems
+differ in what they commit, not in how SQLite is set up; DBOS alone would otherwise use SQLite's
+rollback journal (--dbos-journal default runs it that way).
+
+Run: uv run --group bench python bench/agent_turn.py [--turns N] [--sessions N]
+     [--skip-langgraph] [--skip-dbos] [--dbos-journal wal|default] [--json]
+(`uv sync` without the group removes LangGraph and DBOS again; where others share the .venv, set
+UV_PROJECT_ENVIRONMENT to a private one.)
+
+Goal (issue 4): a dex median turn at most 15x the floor, and at least 200 turns/s with 16 sessions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextvars
+import json
+import operator
+import os
+import sqlite3
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, TypedDict
+
+from dex_agents import (
+    AGENT_STATE,
+    AgentSessionClient,
+    AgentSessionFlow,
+    AgentTurnContext,
+    AgentTurnOutcome,
+    DeferredToolCall,
+    DeferredToolExecution,
+    FrameworkMessage,
+    MessageRole,
+    ToolCallsRequested,
+    ToolEffect,
+    ToolExecutionResult,
+    ToolPolicy,
+    TurnCompleted,
+    describe_tool_call_outcome,
+)
+from dex_agents.builtin_loop import (
+    AgentDefinition,
+    InstructionContext,
+    ModelRequest,
+    ScriptedModelClient,
+    ScriptedModelReply,
+    ScriptedToolCall,
+    builtin_agent_session_flow,
+    function_tool,
+)
+from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions
+from dex_engine._sqlite_store import SqliteStore
+
+# The floor is engine_steps.py's measurement, so both benchmarks compare against the same thing.
+from engine_steps import floor, pct
+
+USER_TEXT = "How many open orders do I have?"
+TOOL_NAME = "read_orders"
+TOOL_OUTPUT = "3 open orders"
+ANSWER = "You have 3 open orders."
+# Sequential turns go to a fresh session every this many turns, so no system's history (which dex
+# and LangGraph load on every model call) grows without bound over a long run.
+TURNS_PER_SEQUENTIAL_SESSION = 25
+WARMUP_TURNS = 3
+
+
+@dataclass
+class PhaseResult:
+    latencies: list[float]
+    wall: float
+    commits: int  # commits that changed data
+    fsyncs: int  # those of them at synchronous=FULL: one WAL fsync each
+    cpu: float  # CPU seconds of this process (every thread) over the phase
+
+    @property
+    def turns(self) -> int:
+        return len(self.latencies)
+
+
+@dataclass
+class SystemResult:
+    system: str
+    sequential: PhaseResult
+    concurrent: PhaseResult
+    sessions: int
+    notes: list[str] = field(default_factory=list)
+
+
+def session_plan(turns: int, sessions: int) -> list[int]:
+    """Turns per session: `turns` spread as evenly as possible over `sessions`."""
+    base, extra = divmod(turns, sessions)
+    return [base + (1 if i < extra else 0) for i in range(sessions)]
+
+
+def sequential_plan(turns: int) -> list[int]:
+    full, rest = divmod(turns, TURNS_PER_SEQUENTIAL_SESSION)
+    return [TURNS_PER_SEQUENTIAL_SESSION] * full + ([rest] if rest else [])
+
+
+def wal_file(path: Path) -> None:
+    """Put a new database file in WAL mode (persistent: every later connection uses it)."""
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.close()
+
+
+class CommitCounter:
+    """Counts the COMMITs that changed data on sqlite3 connections, through their trace callback.
+
+    A COMMIT of a transaction that changed nothing writes no WAL frame and syncs nothing, so only
+    commits after which the connection's total_changes moved count. `synced` counts those made
+    while the connection was at synchronous=FULL: one fsync of the WAL each (the engine drops to
+    NORMAL for commits that need no fsync). WAL checkpoints add a few fsyncs that are not counted.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.synced = 0
+        self._lock = threading.Lock()
+
+    def totals(self) -> tuple[int, int]:
+        with self._lock:
+            return self.count, self.synced
+
+    def attach(self, conn: sqlite3.Connection) -> None:
+        seen = conn.total_changes
+        level = int(conn.execute("PRAGMA synchronous").fetchone()[0])
+        full = level >= 2  # 2 is FULL, 3 EXTRA
+
+        def trace(statement: str) -> None:
+            nonlocal seen, full
+            # The callback runs on the connection's own thread, before the statement runs.
+            head = statement.lstrip()[:6].upper()
+            if head == "COMMIT" and conn.total_changes != seen:
+                seen = conn.total_changes
+                with self._lock:
+                    self.count += 1
+                    self.synced += full
+            elif head == "PRAGMA" and "SYNCHRONOUS" in statement.upper() and "=" in statement:
+                value = statement.split("=", 1)[1].strip().strip(";").upper()
+                full = value in ("FULL", "EXTRA", "2", "3")
+
+        conn.set_trace_callback(trace)
+
+
+# dex ------------------------------------------------------------------------------------------
+
+
+class TurnWatcher:
+    """Tells when a session's turn has ended, from commit notifications, with one read per check.
+
+    The runner marks a session once its answering model call has returned; from then on each
+    local commit wakes that session's waiter, which reads AgentState.turn_count once. So a turn
+    costs one or two small reads to observe, instead of a poll loop (read_agent_events and
+    get_agent_snapshot polling both sleep 20 ms between reads, far above a turn's cost here).
+    """
+
+    def __init__(self, client: AsyncClient | None) -> None:
+        self.client: AsyncClient | None = client
+        self.answered: set[str] = set()
+        self.wakes: dict[str, asyncio.Event] = {}
+
+    def on_commit(self) -> None:
+        for session_id in self.answered:
+            self.wakes[session_id].set()
+
+    def answer_returned(self, session_id: str) -> None:
+        self.answered.add(session_id)
+
+    async def wait_turn(self, session_id: str, turn_count: int) -> None:
+        """Until the session has ended `turn_count` turns; the first read waits for a wake-up."""
+        wake = self.wakes.setdefault(session_id, asyncio.Event())
+        while True:
+            await wake.wait()
+            wake.clear()
+            assert self.client is not None
+            state = await self.client.get_attribute(session_id, AGENT_STATE)
+            if state is not None and state.turn_count >= turn_count:
+                self.answered.discard(session_id)
+                return
+
+    async def wait_started(self, session_id: str) -> None:
+        """Until StartAgentSession has committed the session's AgentState."""
+        self.wakes.setdefault(session_id, asyncio.Event()).set()  # read once before waiting
+        self.answered.add(session_id)
+        await self.wait_turn(session_id, 0)
+
+
+class CountingSqliteStore(SqliteStore):
+    """The engine's SQLite store with the commit counter on its connection (a bench-only peek)."""
+
+    def __init__(self, url: str, counter: CommitCounter) -> None:
+        self.counter = counter
+        super().__init__(url)
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = super()._connect()
+        self.counter.attach(conn)
+        return conn
+
+
+class BenchRunner:
+    """The scripted turn: first call asks for one READ tool, the second answers."""
+
+    def __init__(self) -> None:
+        self.watcher: TurnWatcher | None = None
+
+    def build_user_message(self, text: str) -> FrameworkMessage:
+        return FrameworkMessage(MessageRole.USER, json.dumps({"role": "user", "text": text}), text=text)
+
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome:
+        if turn.framework_run_state is None:
+            call = DeferredToolCall("c1", TOOL_NAME, "{}", ToolPolicy(ToolEffect.READ))
+            return ToolCallsRequested(json.dumps({"asked": ["c1"]}), [call])
+        record = turn.recorded_tool_call("c1")
+        items = [
+            FrameworkMessage(MessageRole.ASSISTANT, json.dumps({"role": "assistant", "calls": ["c1"]})),
+            FrameworkMessage(MessageRole.TOOL, json.dumps({"role": "tool", "id": "c1"}), tool_call_id="c1",
+                             tool_name=TOOL_NAME, tool_output=describe_tool_call_outcome(record)),
+            FrameworkMessage(MessageRole.ASSISTANT, json.dumps({"role": "assistant", "text": ANSWER}), text=ANSWER),
+        ]
+        if self.watcher is not None:
+            self.watcher.answer_returned(turn.flow_id)
+        return TurnCompleted(items)
+
+    async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> ToolExecutionResult:
+        return ToolExecutionResult(TOOL_OUTPUT)
+
+
+def scripted_runner_flow(watcher: TurnWatcher) -> AgentSessionFlow:
+    runner = BenchRunner()
+    runner.watcher = watcher
+    return AgentSessionFlow(runner, flow_type="BenchTurn")
+
+
+# The session whose model call is running; set by the instructions function, read by the model.
+_CURRENT_SESSION: contextvars.ContextVar[str] = contextvars.ContextVar("bench_session")
+
+
+def builtin_loop_flow(watcher: TurnWatcher) -> AgentSessionFlow:
+    """The same turn through the built-in loop: a function tool and a ScriptedModelClient."""
+
+    @function_tool(effect=ToolEffect.READ, name=TOOL_NAME)
+    async def read_orders() -> str:
+        """Read the orders."""
+        return TOOL_OUTPUT
+
+    def respond(request: ModelRequest) -> ScriptedModelReply:
+        if ScriptedModelClient.tool_results(request):
+            watcher.answer_returned(_CURRENT_SESSION.get())
+            return ScriptedModelReply(text=ANSWER)
+        return ScriptedModelReply(tool_calls=[ScriptedToolCall(TOOL_NAME, {})])
+
+    def instructions(context: InstructionContext) -> str:
+        _CURRENT_SESSION.set(context.flow_id)  # the model call that follows runs in this task
+        return "You read orders."
+
+    definition = AgentDefinition(name="bench", instructions=instructions,
+                                 model=ScriptedModelClient(respond, max_recorded_requests=0), tools=[read_orders])
+    return builtin_agent_session_flow(definition, "BenchLoopTurn")
+
+
+async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool,
+                    make_flow: Callable[[TurnWatcher], AgentSessionFlow] = scripted_runner_flow) -> PhaseResult:
+    counter = CommitCounter()
+    store = CountingSqliteStore(url, counter)
+    watcher = TurnWatcher(None)
+    flow = make_flow(watcher)
+    registry = Registry([flow])
+    client = AsyncClient(registry, store=store)
+    watcher.client = client
+    agents = AgentSessionClient(client, flow)
+    store.add_commit_listener(watcher.on_commit)
+    # Each session has at most one Step running at a time; leave headroom as the tests do.
+    options = WorkerOptions(database_url=url, max_concurrent_tasks=max(64, 4 * len(plan)))
+    latencies: list[float] = []
+
+    async def start(session_id: str) -> None:
+        await agents.start_session(session_id)
+        await watcher.wait_started(session_id)
+
+    async def turns(session_id: str, count: int, record: bool) -> None:
+        for done in range(count):
+            t = time.perf_counter()
+            await agents.send_user_message(session_id, USER_TEXT)
+            await watcher.wait_turn(session_id, done + 1)
+            if record:
+                latencies.append(time.perf_counter() - t)
+
+    ids = [f"{prefix}-{i}" for i in range(len(plan))]
+    try:
+        async with AsyncWorker(registry, options, store=store):
+            await start(f"{prefix}-warmup")
+            await turns(f"{prefix}-warmup", WARMUP_TURNS, record=False)
+            # Sessions start before the clock: only turns are timed and their commits counted.
+            await asyncio.gather(*(start(session_id) for session_id in ids))
+            before = counter.totals()
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            if concurrent:
+                await asyncio.gather(*(turns(sid, count, True) for sid, count in zip(ids, plan, strict=True)))
+            else:
+                for session_id, count in zip(ids, plan, strict=True):
+                    await turns(session_id, count, record=True)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            after = counter.totals()
+    finally:
+        store.remove_commit_listener(watcher.on_commit)
+        await store.close()
+    return PhaseResult(latencies, wall, after[0] - before[0], after[1] - before[1], cpu)
+
+
+def run_dex(tmp: Path, turns: int, sessions: int, *, builtin: bool = False) -> SystemResult:
+    make = builtin_loop_flow if builtin else scripted_runner_flow
+    name = "dex-builtin" if builtin else "dex"
+    seq = asyncio.run(dex_phase(f"sqlite:///{tmp / f'{name}-seq.db'}", sequential_plan(turns), "seq", False, make))
+    conc = asyncio.run(dex_phase(f"sqlite:///{tmp / f'{name}-conc.db'}", session_plan(turns, sessions), "conc",
+                                 True, make))
+    return SystemResult(name, seq, conc, sessions, [
+        "turn end observed by one AgentState read after each commit once the answer is returned",
+    ])
+
+
+# Threaded competitors -------------------------------------------------------------------------
+
+
+def threaded_phase(turn: Callable[[str], float], plan: Sequence[int], prefix: str, concurrent: bool,
+                   counter: CommitCounter) -> PhaseResult:
+    """Warm up, then run `plan` turns per session, the sessions one after another or each on a thread."""
+
+    def session(session_id: str, count: int) -> list[float]:
+        return [turn(session_id) for _ in range(count)]
+
+    session(f"{prefix}-warmup", WARMUP_TURNS)
+    ids = [f"{prefix}-{i}" for i in range(len(plan))]
+    before = counter.totals()
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    if concurrent:
+        with ThreadPoolExecutor(len(plan)) as pool:
+            results = list(pool.map(session, ids, plan))
+    else:
+        results = [session(session_id, count) for session_id, count in zip(ids, plan, strict=True)]
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    after = counter.totals()
+    return PhaseResult([x for r in results for x in r], wall, after[0] - before[0], after[1] - before[1], cpu)
+
+
+# LangGraph ------------------------------------------------------------------------------------
+
+
+class TurnState(TypedDict, total=False):
+    """The LangGraph turn's state: the thread's messages (appended) and the tool the model asked for."""
+
+    messages: Annotated[list[dict[str, Any]], operator.add]
+    pending_tool: str | None
+
+
+def run_langgraph(tmp: Path, turns: int, sessions: int) -> SystemResult:
+    from langchain_core.runnables import RunnableConfig
+    from langgraph.checkpoint.sqlite import SqliteSaver
+    from langgraph.graph import END, START, StateGraph
+
+    def model(state: TurnState) -> TurnState:
+        last = state["messages"][-1]
+        if last["role"] == "user":
+            call = {"role": "assistant", "calls": [{"id": "c1", "name": TOOL_NAME, "args": {}}]}
+            return {"messages": [call], "pending_tool": TOOL_NAME}
+        return {"messages": [{"role": "assistant", "text": ANSWER}], "pending_tool": None}
+
+    def tool(state: TurnState) -> TurnState:
+        return {"messages": [{"role": "tool", "id": "c1", "output": TOOL_OUTPUT}], "pending_tool": None}
+
+    def route(state: TurnState) -> str:
+        return "tool" if state.get("pending_tool") else END
+
+    builder = StateGraph(TurnState)
+    builder.add_node("model", model)
+    builder.add_node("tool", tool)
+    builder.add_edge(START, "model")
+    builder.add_conditional_edges("model", route, ["tool", END])
+    builder.add_edge("tool", "model")
+
+    def phase(path: Path, plan: Sequence[int], prefix: str, concurrent: bool) -> PhaseResult:
+        # SqliteSaver shares one connection behind a lock, so its commits are serialized, one
+        # fsync each; 16 sessions run on 16 threads calling the sync API. AsyncSqliteSaver would
+        # not help: it also funnels every write through one aiosqlite connection (one thread) behind
+        # a lock, with the same one commit per write and no group commit, plus a thread hop per call.
+        wal_file(path)
+        conn = sqlite3.connect(path, check_same_thread=False)
+        conn.execute("PRAGMA synchronous = FULL")
+        counter = CommitCounter()
+        counter.attach(conn)
+        saver = SqliteSaver(conn)
+        saver.setup()
+        graph = builder.compile(checkpointer=saver)
+
+        def turn(session_id: str) -> float:
+            t = time.perf_counter()
+            config: RunnableConfig = {"configurable": {"thread_id": session_id}}
+            out = graph.invoke({"messages": [{"role": "user", "text": USER_TEXT}]}, config, durability="sync")
+            elapsed = time.perf_counter() - t
+            if out["messages"][-1].get("text") != ANSWER:
+                raise RuntimeError(f"LangGraph turn ended without the answer: {out['messages'][-1]!r}")
+            return elapsed
+
+        try:
+            return threaded_phase(turn, plan, prefix, concurrent, counter)
+        finally:
+            conn.close()
+
+    seq = phase(tmp / "langgraph-seq.db", sequential_plan(turns), "seq", False)
+    conc = phase(tmp / "langgraph-conc.db", session_plan(turns, sessions), "conc", True)
+    return SystemResult("langgraph", seq, conc, sessions, [
+        "SqliteSaver on one connection behind a lock, durability='sync', one thread per session",
+    ])
+
+
+# DBOS -----------------------------------------------------------------------------------------
+
+
+def run_dbos(tmp: Path, turns: int, sessions: int, journal: str) -> SystemResult:
+    import logging
+
+    import sqlalchemy as sa
+    from dbos import DBOS
+
+    counter = CommitCounter()
+
+    # Every connection the system database's engine opens gets the COMMIT counter.
+    def on_connect(dbapi_conn: Any, _record: Any) -> None:
+        if isinstance(dbapi_conn, sqlite3.Connection):
+            counter.attach(dbapi_conn)
+
+    sa.event.listen(sa.engine.Engine, "connect", on_connect)
+    path = tmp / "dbos.sqlite"
+    if journal == "wal":
+        wal_file(path)
+    DBOS(config={
+        "name": "agent-turn-bench",
+        "system_database_url": f"sqlite:///{path}",
+        "sys_db_pool_size": max(20, sessions + 4),
+        "log_level": "WARNING",
+    })
+
+    @DBOS.step()
+    def model_step(messages: list[dict[str, Any]]) -> dict[str, Any]:
+        if messages[-1]["role"] == "user":
+            return {"role": "assistant", "calls": [{"id": "c1", "name": TOOL_NAME, "args": {}}]}
+        return {"role": "assistant", "text": ANSWER}
+
+    @DBOS.step()
+    def tool_step(call_id: str) -> dict[str, Any]:
+        return {"role": "tool", "id": call_id, "output": TOOL_OUTPUT}
+
+    @DBOS.workflow()
+    def agent_turn(session_id: str, text: str) -> str:
+        messages: list[dict[str, Any]] = [{"role": "user", "text": text}]
+        ask = model_step(messages)
+        messages += [ask, tool_step(ask["calls"][0]["id"])]
+        answer = model_step(messages)
+        return str(answer["text"])
+
+    DBOS.launch()
+    logging.getLogger("dbos").setLevel(logging.WARNING)
+
+    def turn(session_id: str) -> float:
+        t = time.perf_counter()
+        # Called directly: the workflow runs in this thread and returns its result, with no
+        # queue or result polling in the way.
+        answer = agent_turn(session_id, USER_TEXT)
+        elapsed = time.perf_counter() - t
+        if answer != ANSWER:
+            raise RuntimeError(f"DBOS turn returned {answer!r}")
+        return elapsed
+
+    try:
+        # One system database for both phases: DBOS is a process-wide singleton.
+        seq = threaded_phase(turn, sequential_plan(turns), "seq", False, counter)
+        conc = threaded_phase(turn, session_plan(turns, sessions), "conc", True, counter)
+    finally:
+        DBOS.destroy(destroy_registry=True)
+        sa.event.remove(sa.engine.Engine, "connect", on_connect)
+    mode = "WAL" if journal == "wal" else "its default rollback journal (several fsyncs per commit, not one)"
+    return SystemResult("dbos", seq, conc, sessions, [
+        f"SQLite system database in {mode}, synchronous=FULL, one pooled connection per thread; "
+        "one workflow per turn, called directly, one thread per session",
+    ])
+
+
+# Report ---------------------------------------------------------------------------------------
+
+
+def summary(result: SystemResult, floor_median: float) -> dict[str, Any]:
+    seq, conc = result.sequential, result.concurrent
+    seq_median = statistics.median(seq.latencies)
+    return {
+        "system": result.system,
+        "sequential_turns": seq.turns,
+        "sequential_median_ms": seq_median * 1e3,
+        "sequential_p95_ms": pct(seq.latencies, 0.95) * 1e3,
+        "x_floor": seq_median / floor_median,
+        "sequential_turns_per_s": seq.turns / seq.wall,
+        "sequential_commits_per_turn": seq.commits / seq.turns,
+        "sequential_fsyncs_per_turn": seq.fsyncs / seq.turns,
+        "sequential_cpu_ms_per_turn": seq.cpu / seq.turns * 1e3,
+        "sessions": result.sessions,
+        "concurrent_turns": conc.turns,
+        "concurrent_turns_per_s": conc.turns / conc.wall,
+        "concurrent_median_ms": statistics.median(conc.latencies) * 1e3,
+        "concurrent_p95_ms": pct(conc.latencies, 0.95) * 1e3,
+        "concurrent_commits_per_turn": conc.commits / conc.turns,
+        "concurrent_fsyncs_per_turn": conc.fsyncs / conc.turns,
+        "concurrent_cpu_ms_per_turn": conc.cpu / conc.turns * 1e3,
+        "notes": result.notes,
+    }
+
+
+def print_table(rows: list[dict[str, Any]], floor_median: float, floor_p95: float, sessions: int,
+                skipped: dict[str, str]) -> None:
+    print(f"\nfloor: bare commit (WAL, synchronous=FULL) on a dedicated thread: median {floor_median * 1e3:.3f} ms"
+          f"  p95 {floor_p95 * 1e3:.3f} ms")
+    conc = f"{sessions} sessions"
+    print(f"\n{'':<10}|{'sequential':^57}|{conc:^57}")
+    head = (f"{'system':<10}|{'median ms':>10}{'p95 ms':>9}{'x floor':>9}{'commits':>9}{'fsyncs':>9}{'cpu ms':>9} |"
+            f"{'turns/s':>9}{'median ms':>11}{'p95 ms':>10}{'commits':>9}{'fsyncs':>9}{'cpu ms':>9}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['system']:<10}|{r['sequential_median_ms']:>10.2f}{r['sequential_p95_ms']:>9.2f}"
+              f"{r['x_floor']:>9.1f}{r['sequential_commits_per_turn']:>9.2f}{r['sequential_fsyncs_per_turn']:>9.2f}"
+              f"{r['sequential_cpu_ms_per_turn']:>9.2f} |"
+              f"{r['concurrent_turns_per_s']:>9.1f}{r['concurrent_median_ms']:>11.2f}{r['concurrent_p95_ms']:>10.2f}"
+              f"{r['concurrent_commits_per_turn']:>9.2f}{r['concurrent_fsyncs_per_turn']:>9.2f}"
+              f"{r['concurrent_cpu_ms_per_turn']:>9.2f}")
+    for system, reason in skipped.items():
+        print(f"{system:<10}| skipped: {reason}")
+    print("\ncommits: data-changing SQLite commits per turn; fsyncs: those at synchronous=FULL (one WAL fsync"
+          " each);\ncpu ms: this process's CPU time per turn, all threads (less sensitive to a loaded machine)")
+    for r in rows:
+        for note in r["notes"]:
+            print(f"{r['system']}: {note}")
+    dex = next((r for r in rows if r["system"] == "dex"), None)
+    if dex is not None:
+        ok_ratio = dex["x_floor"] <= 15
+        ok_rate = dex["concurrent_turns_per_s"] >= 200
+        print(f"\ngoal: dex median <= 15x floor: {'met' if ok_ratio else 'NOT met'} ({dex['x_floor']:.1f}x); "
+              f">= 200 turns/s with {sessions} sessions: {'met' if ok_rate else 'NOT met'} "
+              f"({dex['concurrent_turns_per_s']:.0f}/s)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--turns", type=int, default=200, help="turns per phase and system (default 200)")
+    parser.add_argument("--sessions", type=int, default=16, help="sessions at once in the concurrent phase")
+    parser.add_argument("--floor-commits", type=int, default=1000)
+    parser.add_argument("--skip-builtin", action="store_true", help="leave out the built-in loop's run of the turn")
+    parser.add_argument("--skip-langgraph", action="store_true")
+    parser.add_argument("--skip-dbos", action="store_true")
+    parser.add_argument("--dbos-journal", choices=["wal", "default"], default="wal",
+                        help="DBOS's SQLite journal: WAL like the others (default), or as DBOS leaves it")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = parser.parse_args()
+    if args.turns < args.sessions or args.sessions < 1:
+        parser.error("--turns must be at least --sessions, and --sessions at least 1")
+
+    tmp = Path(tempfile.mkdtemp(prefix="dex-agent-bench-"))
+    log: Callable[[str], None] = (lambda s: print(s, file=sys.stderr)) if args.json else print
+    log(f"agent turn benchmark: {args.turns} turns per phase, {args.sessions} sessions at once, "
+        f"{os.cpu_count()} cores, files in {tmp}")
+    fl = floor(str(tmp / "floor.db"), "FULL", args.floor_commits)
+    floor_median, floor_p95 = statistics.median(fl), pct(fl, 0.95)
+
+    results: list[SystemResult] = []
+    skipped: dict[str, str] = {}
+    log("running dex ...")
+    results.append(run_dex(tmp, args.turns, args.sessions))
+    if not args.skip_builtin:
+        results.append(run_dex(tmp, args.turns, args.sessions, builtin=True))
+    competitors: list[tuple[str, bool, Callable[[], SystemResult]]] = [
+        ("langgraph", args.skip_langgraph, lambda: run_langgraph(tmp, args.turns, args.sessions)),
+        ("dbos", args.skip_dbos, lambda: run_dbos(tmp, args.turns, args.sessions, args.dbos_journal)),
+    ]
+    for name, skip, run in competitors:
+        if skip:
+            skipped[name] = "--skip-" + name
+            continue
+        log(f"running {name} ...")
+        try:
+            results.append(run())
+        except ImportError as exc:
+            skipped[name] = f"not installed ({exc}); run with `uv run --group bench`"
+    rows = [summary(r, floor_median) for r in results]
+    if args.json:
+        print(json.dumps({
+            "floor_median_ms": floor_median * 1e3, "floor_p95_ms": floor_p95 * 1e3, "turns": args.turns,
+            "sessions": args.sessions, "cores": os.cpu_count(), "systems": rows, "skipped": skipped,
+        }, indent=2))
+        return
+    print_table(rows, floor_median, floor_p95, args.sessions, skipped)
+
+
+if __name__ == "__main__":
+    main()
