@@ -74,7 +74,8 @@ class _StateView:
         out: dict[str, T] = {}
         for key in sorted(keys):
             # Keys come from storage or from this method's checked writes: no need to check them again.
-            value = self.get(AttributeRef(amap.name, key, amap.value_type))
+            ref: AttributeRef[T] = AttributeRef(amap.name, key, amap.value_type)
+            value = self.get(ref)
             if value is not None:
                 out[key] = value
         return out
