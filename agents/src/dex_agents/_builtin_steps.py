@@ -1,19 +1,80 @@
-"""Steps of the built-in tools: AwaitQuestionAnswer (ask_user) and AwaitTimer (durable_wait)."""
+"""Steps of questions and the built-in tools: AwaitQuestionAnswer (ask_user and tool questions) and
+AwaitTimer (durable_wait).
+
+AwaitQuestionAnswer waits for two kinds of question. An ask_user call's question was raised by
+RunModel under the call's own ID. A tool's question (ToolInputRequested) is stored on the call's
+record by its tool Step, and this Step raises it as `<tool_call_id>-input-<n>` under the
+PendingInterrupts lock, so parallel tool Steps never write PendingInterrupts and cannot lose an update.
+"""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
-from dex_engine import ChannelCondition, Context, StepDecision, Timer, TimerCondition, Wait
+import msgspec
+
+from dex_engine import (
+    ChannelCondition,
+    Context,
+    MovementOptions,
+    StepDecision,
+    Timer,
+    TimerCondition,
+    ValueTooLargeError,
+    Wait,
+    WaitResult,
+)
 
 from ._builtin_tools import answered_output, waited_output
 from ._constants import AWAIT_QUESTION_ANSWER, DEFAULT_DECLINE_MESSAGE, QUESTION_DEADLINE_PASSED
 from ._events import AgentEventType
 from ._persistence import AGENT_TOOL_CALLS, INTERRUPT_RESOLUTIONS, PENDING_INTERRUPTS
 from ._runtime import INTERRUPT_STEP_LOAD_EXTRA, SessionRuntime, now_utc, pending_interrupts, tool_call_load
-from ._timefmt import parse_time
-from ._turn_logic import deadline_timer_seconds, finished, without_interrupt
-from ._wire import AgentInterrupt, AgentToolCall, AgentToolCallStatus
+from ._timefmt import format_time, parse_time
+from ._turn_logic import deadline_timer_seconds, finished, tool_step_for, without_interrupt
+from ._wire import (
+    AgentInterrupt,
+    AgentInterruptResolution,
+    AgentToolCall,
+    AgentToolCallStatus,
+    InterruptKind,
+    QuestionAnswer,
+)
+
+
+def tool_question_id_in_use(interrupt_id: str) -> str:
+    """The error of a tool question whose interrupt ID another call of the turn already uses (seed 002)."""
+    return f"the tool's question cannot use interrupt ID {interrupt_id}, which another tool call of this turn uses"
+
+
+def question_interrupt_id(record: AgentToolCall) -> str:
+    """An ask_user question uses the call's ID; a tool's n-th question `<tool_call_id>-input-<n>`."""
+    if record.input_question is None:
+        return record.tool_call_id
+    return f"{record.tool_call_id}-input-{len(record.input_answers) + 1}"
+
+
+def question_step_load(record: AgentToolCall) -> MovementOptions:
+    """What AwaitQuestionAnswer reads: the call's record and PendingInterrupts, and for a tool's
+    question also the record a call with the question's ID would have (the collision rule).
+
+    Every movement to AwaitQuestionAnswer for a tool question must use it.
+    """
+    extra: tuple[Any, ...] = INTERRUPT_STEP_LOAD_EXTRA
+    if record.input_question is not None:
+        extra = (*extra, AGENT_TOOL_CALLS[question_interrupt_id(record)])
+    return tool_call_load(record.tool_call_id, *extra)
+
+
+def without_question(record: AgentToolCall) -> AgentToolCall:
+    """The record with no pending tool question (its answers and continuation stay)."""
+    return msgspec.structs.replace(record, input_question=None, input_choices=[], input_allows_free_text=True)
+
+
+def _is_raise_wait(wait: WaitResult) -> bool:
+    # Only the WaitFor of a tool question that was neither pending nor answered waits with all_of.
+    return wait.spec is not None and wait.spec.mode == "all"
 
 
 class BuiltInSteps:
@@ -28,8 +89,16 @@ class BuiltInSteps:
         record = ctx.get(AGENT_TOOL_CALLS[tool_call_id])
         if record is None or record.status is not AgentToolCallStatus.AWAITING_ANSWER:
             return Wait.skip_immediately()
-        conditions: list[ChannelCondition | TimerCondition] = [INTERRUPT_RESOLUTIONS[tool_call_id].for_one()]
-        interrupt = _pending(ctx, tool_call_id)
+        interrupt_id = question_interrupt_id(record)
+        resolutions = INTERRUPT_RESOLUTIONS[interrupt_id]
+        interrupt = _pending(ctx, interrupt_id)
+        if record.input_question is not None and (interrupt is None or interrupt.tool_call_id != tool_call_id):
+            # A tool's question that is not pending: not raised yet, or raised and already resolved.
+            # The zero Timer wakes Execute at once to raise it; at_most(1) never blocks and takes a
+            # resolution that is already queued. all_of, because in any_of a fired Timer wins and
+            # consumes nothing, and a Step cannot read a Channel without waiting on it.
+            return Wait.all_of(Timer.by_duration(0), resolutions.at_most(1))
+        conditions: list[ChannelCondition | TimerCondition] = [resolutions.for_one()]
         if interrupt is not None and interrupt.deadline is not None:
             conditions.append(Timer.by_duration(deadline_timer_seconds(parse_time(interrupt.deadline), now_utc())))
         return Wait.any_of(*conditions)
@@ -40,39 +109,119 @@ class BuiltInSteps:
         if record is None or record.status is not AgentToolCallStatus.AWAITING_ANSWER:
             return StepDecision.dead_end()
         assert ctx.wait_result is not None
-        resolutions = ctx.wait_result.messages(INTERRUPT_RESOLUTIONS[tool_call_id])
+        interrupt_id = question_interrupt_id(record)
+        resolutions = ctx.wait_result.messages(INTERRUPT_RESOLUTIONS[interrupt_id])
         if resolutions:
-            resolution = resolutions[0]
-            if resolution.approved and resolution.answer is not None:
-                self._resolved(ctx, record, approved=True, rejection_message=None, answered=True)
+            return self._apply_resolution(ctx, record, interrupt_id, resolutions[0])
+        pending = pending_interrupts(ctx)
+        kept, interrupt = without_interrupt(pending, interrupt_id)
+        if record.input_question is not None and _is_raise_wait(ctx.wait_result):
+            # The WaitFor found the question neither pending nor answered, and only this Step raises
+            # it, so it was never raised. (A Timer of the other wait fires when the question was
+            # pending: one that races answer_question must wait again, never raise it twice.)
+            return self._raise_tool_question(ctx, record, interrupt_id, pending, interrupt)
+        if ctx.wait_result.timer_fired and interrupt is not None and interrupt.tool_call_id == tool_call_id and (
+            interrupt.deadline is not None and now_utc() >= parse_time(interrupt.deadline)
+        ):
+            ctx.set(PENDING_INTERRUPTS, kept)
+            self._resolved(ctx, record, interrupt_id, approved=False, rejection_message=QUESTION_DEADLINE_PASSED,
+                           answered=False)
+            rt.finish_record(ctx, finished(without_question(record), AgentToolCallStatus.REJECTED,
+                                           rejection_message=QUESTION_DEADLINE_PASSED))
+            return StepDecision.dead_end()
+        # An early Timer, or one that fired after answer_question took the interrupt: wait again.
+        return StepDecision.go_to(AWAIT_QUESTION_ANSWER, tool_call_id, question_step_load(record))
+
+    def _apply_resolution(
+        self, ctx: Context, record: AgentToolCall, interrupt_id: str, resolution: AgentInterruptResolution
+    ) -> StepDecision:
+        rt = self.rt
+        question = record.input_question
+        if not (resolution.approved and resolution.answer is not None):
+            message = resolution.rejection_message or DEFAULT_DECLINE_MESSAGE
+            self._resolved(ctx, record, interrupt_id, approved=False, rejection_message=message, answered=False)
+            rt.finish_record(ctx, finished(without_question(record), AgentToolCallStatus.REJECTED,
+                                           rejection_message=message))
+            return StepDecision.dead_end()
+        self._resolved(ctx, record, interrupt_id, approved=True, rejection_message=None, answered=True)
+        try:
+            if question is None:  # ask_user: the answer is the call's result
                 rt.finish_record(ctx, finished(record, AgentToolCallStatus.SUCCEEDED,
                                                output=answered_output(resolution.answer)))
-            else:
-                message = resolution.rejection_message or DEFAULT_DECLINE_MESSAGE
-                self._resolved(ctx, record, approved=False, rejection_message=message, answered=False)
-                rt.finish_record(ctx, finished(record, AgentToolCallStatus.REJECTED, rejection_message=message))
-            return StepDecision.dead_end()
-        if ctx.wait_result.timer_fired:
-            kept, interrupt = without_interrupt(pending_interrupts(ctx), tool_call_id)
-            if interrupt is not None and interrupt.deadline is not None and now_utc() >= parse_time(
-                interrupt.deadline
-            ):
-                ctx.set(PENDING_INTERRUPTS, kept)
-                self._resolved(ctx, record, approved=False, rejection_message=QUESTION_DEADLINE_PASSED,
-                               answered=False)
-                rt.finish_record(ctx, finished(record, AgentToolCallStatus.REJECTED,
-                                               rejection_message=QUESTION_DEADLINE_PASSED))
                 return StepDecision.dead_end()
-        # An early Timer, or one that fired after answer_question took the interrupt: wait again.
-        return StepDecision.go_to(
-            AWAIT_QUESTION_ANSWER, tool_call_id, tool_call_load(tool_call_id, *INTERRUPT_STEP_LOAD_EXTRA)
+            # A tool's question: the tool Step runs the call again with the answers so far.
+            answer = QuestionAnswer(interrupt_id=interrupt_id, question=question, answer=resolution.answer)
+            approved = msgspec.structs.replace(
+                without_question(record), status=AgentToolCallStatus.APPROVED,
+                input_answers=[*record.input_answers, answer],
+            )
+            ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], approved)
+        except ValueTooLargeError as exc:
+            # An answer too large to store would fail this Step on every retry, and with it the
+            # session: the call fails instead (a tool that asks has taken no effect).
+            rt.finish_record(ctx, finished(without_question(record), AgentToolCallStatus.FAILED, error=(
+                f"the user's answer makes the call {exc.size} bytes, over the session's value limit of "
+                f"{exc.limit}; it was not stored"
+            )))
+            return StepDecision.dead_end()
+        return StepDecision.go_to(tool_step_for(record.effect), record.tool_call_id,
+                                  tool_call_load(record.tool_call_id))
+
+    def _raise_tool_question(
+        self,
+        ctx: Context,
+        record: AgentToolCall,
+        interrupt_id: str,
+        pending: list[AgentInterrupt],
+        interrupt: AgentInterrupt | None,
+    ) -> StepDecision:
+        """Raise a tool's question under the PendingInterrupts lock, unless another call uses its ID."""
+        rt = self.rt
+        other = ctx.get(AGENT_TOOL_CALLS[interrupt_id])
+        taken = (interrupt is not None and interrupt.tool_call_id != record.tool_call_id) or (
+            other is not None and other.turn_id == record.turn_id
         )
+        if taken:
+            rt.finish_record(ctx, finished(without_question(record), AgentToolCallStatus.FAILED,
+                                           error=tool_question_id_in_use(interrupt_id)))
+            return StepDecision.dead_end()
+        if interrupt is None:
+            now = now_utc()
+            limit = rt.options.interrupt_deadline
+            raised = AgentInterrupt(
+                interrupt_id=interrupt_id, kind=InterruptKind.QUESTION, tool_call_id=record.tool_call_id,
+                tool_name=record.tool_name, arguments=record.arguments, created_at=format_time(now),
+                deadline=None if limit is None else format_time(now + limit), question=record.input_question,
+                choices=list(record.input_choices), allows_free_text=record.input_allows_free_text,
+            )
+            try:
+                ctx.set(PENDING_INTERRUPTS, [*pending, raised])
+            except ValueTooLargeError as exc:
+                rt.finish_record(ctx, finished(without_question(record), AgentToolCallStatus.FAILED, error=(
+                    f"the tool's question does not fit with the turn's other pending interrupts ({exc.size} bytes, "
+                    f"over the session's value limit of {exc.limit})"
+                )))
+                return StepDecision.dead_end()
+            rt.emit(ctx, AgentEventType.INTERRUPT_RAISED, record.turn_id, {
+                "interrupt_id": raised.interrupt_id, "tool_call_id": raised.tool_call_id,
+                "tool_name": raised.tool_name, "deadline": raised.deadline, "kind": raised.kind.value,
+                "question": raised.question, "choices": list(raised.choices),
+                "allows_free_text": raised.allows_free_text,
+            })
+        return StepDecision.go_to(AWAIT_QUESTION_ANSWER, record.tool_call_id, question_step_load(record))
 
     def _resolved(
-        self, ctx: Context, record: AgentToolCall, *, approved: bool, rejection_message: str | None, answered: bool
+        self,
+        ctx: Context,
+        record: AgentToolCall,
+        interrupt_id: str,
+        *,
+        approved: bool,
+        rejection_message: str | None,
+        answered: bool,
     ) -> None:
         self.rt.emit(ctx, AgentEventType.INTERRUPT_RESOLVED, record.turn_id, {
-            "interrupt_id": record.tool_call_id, "approved": approved, "rejection_message": rejection_message,
+            "interrupt_id": interrupt_id, "approved": approved, "rejection_message": rejection_message,
             "kind": "question", "answered": answered, "cancellation_reason": None,
         })
 
@@ -97,4 +246,3 @@ class BuiltInSteps:
 
 def _pending(ctx: Context, interrupt_id: str) -> AgentInterrupt | None:
     return next((i for i in pending_interrupts(ctx) if i.interrupt_id == interrupt_id), None)
-

@@ -108,6 +108,27 @@ class ToolExecutionResult:
     output: str
 
 
+@dataclass(frozen=True)
+class ToolInputRequested:
+    """The tool needs the user's answer before it takes any effect, so it asks instead of running.
+
+    The session records the question on the call, raises the question interrupt
+    `<tool_call_id>-input-<n>` in AwaitQuestionAnswer, and after an answer runs the same tool Step
+    type again with DeferredToolExecution.input_answers and tool_call.input_continuation set to
+    `continuation`. A decline or a passed deadline rejects the call. Return it only while the call
+    has taken no effect: a call that asked is never reported as not run.
+    """
+
+    question: str
+    choices: Sequence[str] = ()
+    allows_free_text: bool = True
+    continuation: str | None = None
+
+
+# What execute_deferred_tool_call returns for a runner whose tools ask the user.
+DeferredToolOutcome = ToolExecutionResult | ToolInputRequested
+
+
 class ToolExecutionError(Exception):
     """A tool failure the model should see: recorded `failed` with this message, never retried."""
 

@@ -1,15 +1,37 @@
-"""Tool call Steps: AwaitToolApproval, CallTool, CallSingleAttemptTool, their failure routes, ResumeTurn."""
+"""Tool call Steps: AwaitToolApproval, CallTool, CallSingleAttemptTool, their failure routes, ResumeTurn.
+
+A tool that returns ToolInputRequested has its question stored on its record here; AwaitQuestionAnswer
+(_builtin_steps.py) raises it, and after the answer the same tool Step type runs the call again.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
-from dex_engine import ChannelCondition, Context, StepDecision, Timer, TimerCondition, ValueTooLargeError, Wait
+from dex_engine import (
+    ChannelCondition,
+    Context,
+    InvalidIdError,
+    StepDecision,
+    Timer,
+    TimerCondition,
+    ValueTooLargeError,
+    Wait,
+)
 
-from ._constants import APPROVAL_DEADLINE_PASSED, AWAIT_TOOL_APPROVAL, RESUME_TURN, RUN_MODEL
+from ._builtin_steps import question_interrupt_id, question_step_load
+from ._constants import APPROVAL_DEADLINE_PASSED, AWAIT_QUESTION_ANSWER, AWAIT_TOOL_APPROVAL, RESUME_TURN, RUN_MODEL
 from ._events import AgentEventType
 from ._persistence import AGENT_STATE, AGENT_TOOL_CALLS, INTERRUPT_RESOLUTIONS, PENDING_INTERRUPTS, TOOL_CALL_RESULTS
-from ._runner import DeferredToolExecution, ToolExecutionError, ToolExecutionResult, ToolOutcomeUnknownError
+from ._runner import (
+    DeferredToolExecution,
+    ToolExecutionError,
+    ToolExecutionResult,
+    ToolInputRequested,
+    ToolOutcomeUnknownError,
+)
 from ._runtime import (
     INTERRUPT_STEP_LOAD_EXTRA,
     SessionRuntime,
@@ -42,6 +64,33 @@ def oversized_output(record: AgentToolCall, error: ValueTooLargeError) -> AgentT
     if record.effect is ToolEffect.READ:
         return finished(record, AgentToolCallStatus.FAILED, error=note)
     return finished(record, AgentToolCallStatus.SUCCEEDED, output=f"[Dex] The tool call succeeded, but {note}.")
+
+
+def input_request_problem(request: ToolInputRequested) -> str | None:
+    """None for a question the session can ask; else what is wrong with it."""
+    question: object = request.question
+    choices: object = request.choices
+    free_text: object = request.allows_free_text
+    continuation: object = request.continuation
+    if not isinstance(question, str) or not question.strip():
+        return "question must be non-empty text"
+    if isinstance(choices, str | bytes) or not isinstance(choices, Sequence):
+        return "choices must be a sequence of texts"
+    if not all(isinstance(c, str) and c.strip() for c in choices):
+        return "choices must be non-empty texts"
+    if len(set(choices)) != len(choices):
+        return "choices repeat"
+    if not isinstance(free_text, bool):
+        return "allows_free_text must be true or false"
+    if not choices and not free_text:
+        return "a question without choices must allow free text"
+    if continuation is not None and not isinstance(continuation, str):
+        return "continuation must be text or None"
+    return None
+
+
+def invalid_question_error(problem: str) -> str:
+    return f"the tool asked for input with an invalid ToolInputRequested: {problem}"
 
 
 class ToolSteps:
@@ -148,6 +197,7 @@ class ToolSteps:
             attempt=ctx.attempt, events=writer, heartbeat=heartbeat, save_heartbeat_checkpoint=save_checkpoint,
             heartbeat_checkpoint=ctx.checkpoint, context=ctx, input_answers=tuple(record.input_answers),
         )
+        result: object = None
         try:
             async with background_heartbeats(ctx):
                 result = await rt.runner.execute_deferred_tool_call(call)
@@ -156,6 +206,8 @@ class ToolSteps:
         except ToolOutcomeUnknownError as exc:
             final = finished(record, AgentToolCallStatus.OUTCOME_UNKNOWN, error=exc.message)
         else:
+            if isinstance(result, ToolInputRequested):
+                return self._ask(ctx, record, result)
             if not isinstance(result, ToolExecutionResult) or not isinstance(result.output, str):
                 raise TypeError(
                     f"execute_deferred_tool_call returned {result!r}; return ToolExecutionResult(output: str) "
@@ -169,6 +221,41 @@ class ToolSteps:
         except ValueTooLargeError as exc:
             rt.finish_record(ctx, oversized_output(record, exc))
         return StepDecision.dead_end()
+
+    def _ask(self, ctx: Context, record: AgentToolCall, request: ToolInputRequested) -> StepDecision:
+        """Store the tool's question on its record and move to AwaitQuestionAnswer, which raises it.
+
+        The tool Step never writes PendingInterrupts: parallel tool Steps take no lock, so only
+        AwaitQuestionAnswer, under the PendingInterrupts lock, adds the question to it.
+        """
+        problem = input_request_problem(request)
+        if problem is not None:
+            # A tool that asks has taken no effect (the runner contract), so the call failed, for
+            # writes too: the model sees why and may call the tool again.
+            self.rt.finish_record(ctx, finished(record, AgentToolCallStatus.FAILED,
+                                                error=invalid_question_error(problem)))
+            return StepDecision.dead_end()
+        waiting = msgspec.structs.replace(
+            record, status=AgentToolCallStatus.AWAITING_ANSWER, input_continuation=request.continuation,
+            input_question=request.question, input_choices=list(request.choices),
+            input_allows_free_text=request.allows_free_text,
+        )
+        try:
+            load = question_step_load(waiting)
+        except InvalidIdError as exc:
+            # A tool call ID near the key length limit leaves no room for "-input-<n>".
+            self.rt.finish_record(ctx, finished(record, AgentToolCallStatus.FAILED, error=(
+                f"the tool's question cannot use interrupt ID {question_interrupt_id(waiting)}: {exc}"
+            )))
+            return StepDecision.dead_end()
+        try:
+            ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], waiting)
+        except ValueTooLargeError as exc:
+            self.rt.finish_record(ctx, finished(record, AgentToolCallStatus.FAILED, error=invalid_question_error(
+                f"the question makes the call {exc.size} bytes, over the session's value limit of {exc.limit}"
+            )))
+            return StepDecision.dead_end()
+        return StepDecision.go_to(AWAIT_QUESTION_ANSWER, record.tool_call_id, load)
 
     # Failure routes ----------------------------------------------------------------------------
 
