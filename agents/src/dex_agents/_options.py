@@ -7,16 +7,25 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
 
+from dex_engine import MAX_VALUE_BYTES
+
 from ._builtin_tools import BuiltInTool
 from ._constants import (
     DEFAULT_AGENT_EVENTS_CAPACITY_BYTES,
     DEFAULT_MAX_DURABLE_WAIT,
+    DEFAULT_MESSAGE_CHUNK_MAX_BYTES,
+    DEFAULT_MESSAGE_CHUNK_SIZE,
+    DEFAULT_MESSAGE_WINDOW_SIZE,
+    MAX_MESSAGE_CHUNK_MAX_BYTES,
     RUN_MODEL_MAX_ATTEMPTS,
     RUN_MODEL_RETRY_BUDGET,
     RUN_MODEL_TIMEOUT,
 )
 from ._policy import ToolPolicy
 from ._wire import ToolEffect
+
+# A rollover chunk is one engine value: a cap above MAX_VALUE_BYTES would make a later rollover fail.
+MESSAGE_CHUNK_MAX_BYTES_LIMIT = min(MAX_MESSAGE_CHUNK_MAX_BYTES, MAX_VALUE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,11 @@ class AgentSessionOptions:
     run_model_limit: RunModelLimit = field(default_factory=RunModelLimit)
     built_in_tools: frozenset[BuiltInTool] = frozenset()
     max_durable_wait: timedelta = DEFAULT_MAX_DURABLE_WAIT
+    # Message storage (seed 002 "Message storage"): the window of AgentMessages instances, and the
+    # immutable AgentMessageChunks its oldest messages move into.
+    message_window_size: int = DEFAULT_MESSAGE_WINDOW_SIZE
+    message_chunk_size: int = DEFAULT_MESSAGE_CHUNK_SIZE
+    message_chunk_max_bytes: int = DEFAULT_MESSAGE_CHUNK_MAX_BYTES
 
     def __post_init__(self) -> None:
         problems = []
@@ -87,6 +101,18 @@ class AgentSessionOptions:
         wait: object = self.max_durable_wait
         if not isinstance(wait, timedelta) or wait < timedelta(seconds=1):
             problems.append(f"max_durable_wait must be a timedelta of at least 1 second, got {wait!r}")
+        for name in ("message_window_size", "message_chunk_size"):
+            value: object = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be a whole number >= 1, got {value!r}")
+        chunk_bytes: object = self.message_chunk_max_bytes
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not (
+            1 <= chunk_bytes <= MESSAGE_CHUNK_MAX_BYTES_LIMIT
+        ):
+            problems.append(
+                f"message_chunk_max_bytes must be a whole number from 1 to {MESSAGE_CHUNK_MAX_BYTES_LIMIT} "
+                f"(at most 8 MiB, and a chunk must fit the engine's MAX_VALUE_BYTES), got {chunk_bytes!r}"
+            )
         if not isinstance(limit, RunModelLimit):
             problems.append(f"run_model_limit must be a RunModelLimit, got {self.run_model_limit!r}")
         if problems:

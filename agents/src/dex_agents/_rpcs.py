@@ -5,7 +5,9 @@ from __future__ import annotations
 from dex_engine import LoadOptions, Rpc, RpcContext, rpc
 
 from ._constants import LIST_MESSAGES_DEFAULT_LIMIT, LIST_MESSAGES_MAX_LIMIT, SNAPSHOT_MESSAGE_LIMIT
+from ._message_store import ChunkReader, newest_messages
 from ._persistence import (
+    AGENT_MESSAGE_CHUNKS,
     AGENT_MESSAGE_INDEX,
     AGENT_MESSAGES,
     AGENT_PLAN,
@@ -19,13 +21,14 @@ from ._persistence import (
     SESSION_SETTINGS,
     STEERED_USER_MESSAGES,
 )
-from ._runtime import now_utc, pending_interrupts
+from ._runtime import chunk_reader, now_utc, pending_interrupts, window_messages
 from ._session_settings import session_settings_error
 from ._timefmt import parse_time
 from ._turn_logic import without_interrupt
 from ._wire import (
     AgentInterruptResolution,
     AgentMessage,
+    AgentMessageIndex,
     AgentMessagesPage,
     AgentSnapshot,
     AgentUsage,
@@ -40,12 +43,17 @@ from ._wire import (
 
 
 def page_of_messages(
-    messages: list[AgentMessage], first_stored: int, before_sequence: int | None, limit: int
+    index: AgentMessageIndex | None,
+    window: list[AgentMessage],
+    read_chunk: ChunkReader,
+    before_sequence: int | None,
+    limit: int,
 ) -> AgentMessagesPage:
-    """One page, oldest first, ending before `before_sequence` (after the newest when None)."""
+    """One page, oldest first, ending before `before_sequence` (after the newest when None), across
+    chunks and window; it reads only the chunks the page touches."""
     limit = max(1, min(LIST_MESSAGES_MAX_LIMIT, limit))
-    eligible = [m for m in messages if before_sequence is None or m.sequence < before_sequence]
-    page = eligible[-limit:]
+    first_stored = 1 if index is None else index.first_sequence
+    page = newest_messages(index, window, read_chunk, before=before_sequence, limit=limit)
     at_oldest = not page or page[0].sequence <= first_stored
     return AgentMessagesPage(
         messages=page,
@@ -102,12 +110,14 @@ def session_rpcs() -> list[Rpc]:
         return True
 
     @rpc("get_agent_snapshot", load=LoadOptions.only(
-        AGENT_STATE, AGENT_MESSAGES, AGENT_MESSAGE_INDEX, AGENT_TOOL_CALLS, PENDING_INTERRUPTS, AGENT_USAGE,
-        AGENT_PLAN, CONTEXT_SUMMARY, SESSION_SETTINGS,
+        AGENT_STATE, AGENT_MESSAGES, AGENT_MESSAGE_CHUNKS, AGENT_MESSAGE_INDEX, AGENT_TOOL_CALLS,
+        PENDING_INTERRUPTS, AGENT_USAGE, AGENT_PLAN, CONTEXT_SUMMARY, SESSION_SETTINGS,
     ))
     async def get_agent_snapshot(ctx: RpcContext, _: None = None) -> AgentSnapshot:
         state = ctx.get(AGENT_STATE)
-        messages = list(ctx.items(AGENT_MESSAGES).values())
+        # The newest messages, from the window and as many chunks as they reach back into.
+        messages = newest_messages(ctx.get(AGENT_MESSAGE_INDEX), window_messages(ctx), chunk_reader(ctx),
+                                   limit=SNAPSHOT_MESSAGE_LIMIT)
         records = list(ctx.items(AGENT_TOOL_CALLS).values())
         if state is not None and state.active_turn_id is not None:
             records = [r for r in records if r.turn_id == state.active_turn_id]
@@ -115,7 +125,7 @@ def session_rpcs() -> list[Rpc]:
         queued = [PendingUserMessage(str(m.message_id), m.value) for m in ctx.pending(QUEUED_USER_MESSAGES)]
         steered = [PendingUserMessage(str(m.message_id), m.value) for m in ctx.pending(STEERED_USER_MESSAGES)]
         return AgentSnapshot(
-            state=state, messages=messages[-SNAPSHOT_MESSAGE_LIMIT:],
+            state=state, messages=messages,
             pending_interrupts=pending_interrupts(ctx), tool_calls=records,
             usage=ctx.get(AGENT_USAGE) or AgentUsage(), queued_message_count=len(queued), plan=ctx.get(AGENT_PLAN),
             queued_messages=queued, steered_messages=steered, context_summary=ctx.get(CONTEXT_SUMMARY),
@@ -123,13 +133,11 @@ def session_rpcs() -> list[Rpc]:
         )
 
     @rpc("list_agent_messages", request_type=ListAgentMessagesRequest | None,
-         load=LoadOptions.only(AGENT_MESSAGES, AGENT_MESSAGE_INDEX))
+         load=LoadOptions.only(AGENT_MESSAGES, AGENT_MESSAGE_CHUNKS, AGENT_MESSAGE_INDEX))
     async def list_agent_messages(ctx: RpcContext, request: ListAgentMessagesRequest | None) -> AgentMessagesPage:
         request = request or ListAgentMessagesRequest(limit=LIST_MESSAGES_DEFAULT_LIMIT)
-        index = ctx.get(AGENT_MESSAGE_INDEX)
-        first_stored = 1 if index is None else index.first_sequence
-        messages = list(ctx.items(AGENT_MESSAGES).values())
-        return page_of_messages(messages, first_stored, request.before_sequence, request.limit)
+        return page_of_messages(ctx.get(AGENT_MESSAGE_INDEX), window_messages(ctx), chunk_reader(ctx),
+                                request.before_sequence, request.limit)
 
     @rpc("update_session_settings", request_type=UpdateSessionSettingsRequest, load=LoadOptions.only(AGENT_STATE))
     async def update_session_settings(ctx: RpcContext, request: UpdateSessionSettingsRequest) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from dex_engine import (
+    MAX_VALUE_BYTES,
     Context,
     LoadOptions,
     LoadSpec,
@@ -25,8 +26,19 @@ from dex_engine import (
 
 from ._constants import TOOL_HEARTBEAT_INTERVAL
 from ._events import AgentEventType, AgentEventWriter, make_event
+from ._message_store import (
+    MessageLayoutLimits,
+    chunk_bytes,
+    is_oversized,
+    iter_newest_first,
+    message_bytes,
+    newest_messages,
+    plan_append,
+    reply_start_by_scan,
+)
 from ._options import AgentSessionOptions
 from ._persistence import (
+    AGENT_MESSAGE_CHUNKS,
     AGENT_MESSAGE_INDEX,
     AGENT_MESSAGES,
     AGENT_PLAN,
@@ -52,21 +64,36 @@ from ._wire import (
     AgentEvent,
     AgentInterrupt,
     AgentMessage,
+    AgentMessageChunk,
+    AgentMessageChunkRange,
     AgentState,
     AgentToolCall,
     AgentUsage,
     JsonObject,
     MessageRole,
     ToolCallCompleted,
+    TurnReplySequence,
 )
 
 log = logging.getLogger("dex_agents.session")
 
-# Everything a turn-level Step reads: all of the session's state except the archived message chunks.
-TURN_LOAD: LoadSpec = LoadOptions.only(
+# What a turn-level Step that stores messages reads: the session's state with the whole message
+# window (AgentMessages) and AgentMessageIndex, but no AgentMessageChunks. Enough for StartAgentSession
+# and AwaitUserMessage, which store messages (and roll the window over) but never read old ones.
+WINDOW_LOAD: LoadSpec = LoadOptions.only(
     AGENT_STATE, AGENT_MESSAGES, AGENT_MESSAGE_INDEX, TURN_REPLY_SEQUENCE, FRAMEWORK_RUN_STATE, AGENT_TOOL_CALLS,
     PENDING_INTERRUPTS, AGENT_USAGE, SESSION_SETTINGS, TURN_SESSION_SETTINGS, CONTEXT_SUMMARY, AGENT_PLAN,
     TURN_CANCELLATION_REQUEST, AGENT_TRACE_CONTEXT,
+)
+# WINDOW_LOAD plus every AgentMessageChunks instance: RunModel and RecordTurnFailure give the runner
+# the whole conversation. Without compaction the model input is every message, so these Steps load
+# every chunk (seed 003 "Message storage and retention"); the whole map, not instances listed per
+# movement, because every movement into RunModel would list all of them anyway, and ResumeTurn and
+# the failure route could not list them (they do not load AgentMessageIndex).
+TURN_LOAD: LoadSpec = LoadOptions.only(
+    AGENT_STATE, AGENT_MESSAGES, AGENT_MESSAGE_CHUNKS, AGENT_MESSAGE_INDEX, TURN_REPLY_SEQUENCE,
+    FRAMEWORK_RUN_STATE, AGENT_TOOL_CALLS, PENDING_INTERRUPTS, AGENT_USAGE, SESSION_SETTINGS,
+    TURN_SESSION_SETTINGS, CONTEXT_SUMMARY, AGENT_PLAN, TURN_CANCELLATION_REQUEST, AGENT_TRACE_CONTEXT,
 )
 
 
@@ -121,27 +148,81 @@ class SessionRuntime:
 
     # Messages ----------------------------------------------------------------------------------
 
+    @property
+    def layout_limits(self) -> MessageLayoutLimits:
+        options = self.options
+        return MessageLayoutLimits(
+            window_size=options.message_window_size, chunk_size=options.message_chunk_size,
+            chunk_max_bytes=options.message_chunk_max_bytes,
+        )
+
     @staticmethod
-    def stored_messages(ctx: Context) -> list[AgentMessage]:
-        """Every stored message of the window, in sequence order."""
-        return list(ctx.items(AGENT_MESSAGES).values())
+    def stored_messages(ctx: Context | RpcContext) -> list[AgentMessage]:
+        """Every stored message, window and chunks, in sequence order (needs AgentMessageChunks loaded)."""
+        return newest_messages(ctx.get(AGENT_MESSAGE_INDEX), window_messages(ctx), chunk_reader(ctx))
 
     def append_messages(
-        self, ctx: Context, state: AgentState, turn_id: str, items: Sequence[FrameworkMessage]
+        self,
+        ctx: Context,
+        state: AgentState,
+        turn_id: str,
+        items: Sequence[FrameworkMessage],
+        *,
+        starts_turn: bool = False,
     ) -> AgentState:
-        """Store messages under the next sequences; raises ValueTooLarge naming the message."""
-        sequence = state.next_message_sequence
+        """Store messages under the next sequences, rolling the window over (seed 002 "Message storage").
+
+        With `starts_turn`, the items are the turn's user messages and TurnReplySequence is set to the
+        sequence after them; otherwise a turn without its own TurnReplySequence gets one, from a scan
+        back, before any rollover. Raises ValueTooLarge naming the message before anything is written,
+        so a caller that catches it commits none of these messages. No items and no turn start:
+        nothing is written.
+        """
+        if not items:
+            if starts_turn:
+                ctx.set(TURN_REPLY_SEQUENCE, TurnReplySequence(turn_id=turn_id, sequence=state.next_message_sequence))
+            return state
+        first = state.next_message_sequence
         created_at = utc_now_text()
-        for item in items:
-            message = to_agent_message(item, sequence, turn_id, created_at)
-            try:
-                ctx.set(AGENT_MESSAGES[message_sequence_key(sequence)], message)
-            except ValueTooLargeError as exc:
+        messages = [to_agent_message(item, first + i, turn_id, created_at) for i, item in enumerate(items)]
+        limits = self.layout_limits
+        sizes: dict[int, int] = {}
+        for message in messages:
+            size = sizes[message.sequence] = message_bytes(message)
+            oversized = is_oversized(size, limits)
+            stored_size = chunk_bytes([size]) if oversized else size
+            if stored_size > MAX_VALUE_BYTES:
+                amap = AGENT_MESSAGE_CHUNKS if oversized else AGENT_MESSAGES
+                exc = ValueTooLargeError(amap[message_sequence_key(message.sequence)].label, stored_size,
+                                         MAX_VALUE_BYTES)
                 raise ValueTooLarge(
-                    f"message {sequence} ({item.role.value}) of turn {turn_id} is too large to store: {exc}"
-                ) from None
-            sequence += 1
-        return msgspec.structs.replace(state, next_message_sequence=sequence)
+                    f"message {message.sequence} ({message.role.value}) of turn {turn_id} is too large to store: "
+                    f"{exc}"
+                )
+        window = window_messages(ctx)
+        index = ctx.get(AGENT_MESSAGE_INDEX)
+        after = first + len(messages)
+        marker = ctx.get(TURN_REPLY_SEQUENCE)
+        if starts_turn:
+            ctx.set(TURN_REPLY_SEQUENCE, TurnReplySequence(turn_id=turn_id, sequence=after))
+        elif marker is None or marker.turn_id != turn_id:
+            # A turn another Worker started: record where its replies start while they are readable.
+            start = reply_start_by_scan(iter_newest_first(index, window, chunk_reader(ctx)), turn_id, first)
+            ctx.set(TURN_REPLY_SEQUENCE, TurnReplySequence(turn_id=turn_id, sequence=start))
+        writes = plan_append(window, index, messages, limits, sizes=sizes)
+        try:
+            for message in writes.window_sets:
+                ctx.set(AGENT_MESSAGES[message_sequence_key(message.sequence)], message)
+            for chunk in writes.chunk_sets:
+                ctx.set(AGENT_MESSAGE_CHUNKS[message_sequence_key(chunk.messages[0].sequence)], chunk)
+        except ValueTooLargeError as exc:
+            # Not reached: every size was checked above and rollover chunks fit message_chunk_max_bytes.
+            raise ValueTooLarge(f"messages of turn {turn_id} are too large to store: {exc}") from None
+        for sequence in writes.window_deletes:
+            ctx.delete(AGENT_MESSAGES[message_sequence_key(sequence)])
+        if writes.index is not None:
+            ctx.set(AGENT_MESSAGE_INDEX, writes.index)
+        return msgspec.structs.replace(state, next_message_sequence=after)
 
     def user_message(self, text: str) -> FrameworkMessage:
         """The runner's user message for `text`; a runner that raises or returns another role breaks the contract."""
@@ -162,16 +243,15 @@ class SessionRuntime:
 
     @staticmethod
     def reply_count(ctx: Context, state: AgentState, turn_id: str) -> int:
-        """Messages the turn appended after its user messages."""
+        """Messages the turn appended after its user messages: next_message_sequence - TurnReplySequence.
+
+        Only a turn whose TurnReplySequence names another turn is scanned back from the newest message.
+        """
         reply = ctx.get(TURN_REPLY_SEQUENCE)
         if reply is not None and reply.turn_id == turn_id:
             return state.next_message_sequence - reply.sequence
-        count = 0
-        for message in reversed(SessionRuntime.stored_messages(ctx)):
-            if message.turn_id != turn_id or message.role is MessageRole.USER:
-                break
-            count += 1
-        return count
+        newest_first = iter_newest_first(ctx.get(AGENT_MESSAGE_INDEX), window_messages(ctx), chunk_reader(ctx))
+        return state.next_message_sequence - reply_start_by_scan(newest_first, turn_id, state.next_message_sequence)
 
     @staticmethod
     def turn_settings(ctx: Context, turn_id: str) -> JsonObject:
@@ -233,10 +313,9 @@ class SessionRuntime:
         try:
             state = self.append_messages(ctx, state, turn_id, items)
         except ValueTooLarge:
+            # append_messages checks every size before it writes anything, so nothing is left behind.
             log.warning("flow %s turn %s: the failed turn's messages are too large; storing none",
                         ctx.flow_id, turn_id)
-            for offset in range(len(items)):
-                ctx.delete(AGENT_MESSAGES[message_sequence_key(state.next_message_sequence + offset)])
         self.clear_turn(ctx, turn_id)
         ctx.set(PENDING_INTERRUPTS, [])
         state = ended_turn(state, error=error)
@@ -251,6 +330,20 @@ class SessionRuntime:
         self.emit(ctx, AgentEventType.TOOL_CALL_FINISHED, record.turn_id, {
             "tool_call_id": record.tool_call_id, "tool_name": record.tool_name, "status": record.status.value,
         })
+
+
+def window_messages(ctx: Context | RpcContext) -> list[AgentMessage]:
+    """Every AgentMessages instance (the window), in sequence order."""
+    return list(ctx.items(AGENT_MESSAGES).values())
+
+
+def chunk_reader(ctx: Context | RpcContext) -> Callable[[AgentMessageChunkRange], AgentMessageChunk | None]:
+    """Reads the AgentMessageChunks instance of a range AgentMessageIndex lists."""
+
+    def read(chunk_range: AgentMessageChunkRange) -> AgentMessageChunk | None:
+        return ctx.get(AGENT_MESSAGE_CHUNKS[message_sequence_key(chunk_range.first_sequence)])
+
+    return read
 
 
 @contextlib.asynccontextmanager

@@ -35,7 +35,7 @@ from ._persistence import (
 )
 from ._rpcs import session_rpcs
 from ._runner import AgentFrameworkRunner
-from ._runtime import TURN_LOAD, SessionRuntime
+from ._runtime import TURN_LOAD, WINDOW_LOAD, SessionRuntime
 from ._tool_steps import ToolSteps
 from ._turn_steps import TurnSteps
 from ._wire import AgentSessionStartInput, CompactContextInput
@@ -87,11 +87,11 @@ class AgentSessionFlow(Flow):
         tool_records = LoadOptions.only(AGENT_TOOL_CALLS)
         steps: list[Step[Any]] = [
             Step(START_AGENT_SESSION, turn.start_agent_session, input_type=AgentSessionStartInput | None,
-                 options=StepOptions(durability=_SYNC, execute_retry=RECOVERY_RETRY, load=TURN_LOAD)),
+                 options=StepOptions(durability=_SYNC, execute_retry=RECOVERY_RETRY, load=WINDOW_LOAD)),
             Step(AWAIT_USER_MESSAGE, turn.await_user_message, input_type=None,
                  wait_for=turn.await_user_message_wait,
                  options=StepOptions(durability=_SYNC, execute_retry=RECOVERY_RETRY, wait_for_retry=RECOVERY_RETRY,
-                                     wait_for_load=LoadOptions.none(), execute_load=TURN_LOAD,
+                                     wait_for_load=LoadOptions.none(), execute_load=WINDOW_LOAD,
                                      execute_locks=(TURN_CANCELLATION_REQUEST,))),
             Step(RUN_MODEL, turn.run_model, input_type=turn_input,
                  options=StepOptions(

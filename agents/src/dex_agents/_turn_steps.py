@@ -29,7 +29,6 @@ from ._persistence import (
     PENDING_INTERRUPTS,
     QUEUED_USER_MESSAGES,
     SESSION_SETTINGS,
-    TURN_REPLY_SEQUENCE,
     TURN_SESSION_SETTINGS,
 )
 from ._runner import AgentTurnContext, ToolCallsRequested, TurnCompleted, TurnContinued, UnfinishedTurnMessageBuilder
@@ -61,7 +60,6 @@ from ._wire import (
     AgentUserMessage,
     CompactContextInput,
     InteractionMode,
-    TurnReplySequence,
     TurnSessionSettings,
 )
 
@@ -86,13 +84,13 @@ class TurnSteps:
         first_sequence = state.next_message_sequence
         try:
             items = [rt.user_message(m.text) for m in messages]
-            state = rt.append_messages(ctx, state, turn_id, items)
+            # Also writes TurnReplySequence: the turn's replies start after these messages.
+            state = rt.append_messages(ctx, state, turn_id, items, starts_turn=True)
         except (ValueTooLarge, TurnContractError) as exc:
             state = started_turn(state, turn_id, mode)
             rt.emit(ctx, AgentEventType.TURN_STARTED, turn_id, {"sequence": first_sequence})
             rt.fail_turn(ctx, state, turn_id, str(exc))
             return StepDecision.go_to(AWAIT_USER_MESSAGE)
-        ctx.set(TURN_REPLY_SEQUENCE, TurnReplySequence(turn_id=turn_id, sequence=state.next_message_sequence))
         ctx.set(TURN_SESSION_SETTINGS, TurnSessionSettings(turn_id=turn_id, session_settings=session_settings(ctx)))
         ctx.set(AGENT_STATE, started_turn(state, turn_id, mode))
         rt.emit(ctx, AgentEventType.TURN_STARTED, turn_id, {"sequence": first_sequence})

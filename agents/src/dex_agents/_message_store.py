@@ -1,0 +1,291 @@
+"""Message storage layout (seed 002 "Message storage"): pure decisions, no engine calls.
+
+The conversation is a window of AgentMessages instances (one per message) plus immutable
+AgentMessageChunks instances listed in AgentMessageIndex. `plan_append` decides what a Step that
+stores messages writes and deletes; the readers (`iter_newest_first`, `newest_messages`) say where a
+sequence is stored. _runtime.py and _rpcs.py apply them to a Context or RpcContext.
+
+Retention (deleting old chunks after compaction) is not here: compaction is not implemented, so no
+chunk is ever deleted and AgentMessageIndex.first_sequence stays 1.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from ._constants import MESSAGE_ROLLOVER_MAX_BYTES_PER_COMMIT, MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT
+from ._wire import AgentMessage, AgentMessageChunk, AgentMessageChunkRange, AgentMessageIndex, MessageRole
+
+# len(b'{"messages":[]}'): the encoded AgentMessageChunk around its messages.
+CHUNK_ENVELOPE_BYTES = len(msgspec.json.encode(AgentMessageChunk(messages=[])))
+
+_encoder = msgspec.json.Encoder()
+
+
+class MessageStoreCorruptError(RuntimeError):
+    """The stored layout contradicts AgentMessageIndex (a listed chunk is missing or holds other sequences)."""
+
+
+@dataclass(frozen=True)
+class MessageLayoutLimits:
+    """The sizes the layout obeys: AgentSessionOptions' three message options and the per-commit caps."""
+
+    window_size: int
+    chunk_size: int
+    chunk_max_bytes: int
+    max_chunks_per_commit: int = MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT
+    max_bytes_per_commit: int = MESSAGE_ROLLOVER_MAX_BYTES_PER_COMMIT
+
+
+def message_bytes(message: AgentMessage) -> int:
+    """The UTF-8 length of the message's JSON, as the engine encodes it (inside a chunk or alone)."""
+    return len(_encoder.encode(message))
+
+
+def chunk_bytes(message_sizes: Sequence[int]) -> int:
+    """Encoded size of a chunk of messages of these sizes: the envelope, each message, a comma between."""
+    return CHUNK_ENVELOPE_BYTES + sum(message_sizes) + max(0, len(message_sizes) - 1)
+
+
+def is_oversized(size: int, limits: MessageLayoutLimits) -> bool:
+    """A message whose single-message chunk exceeds chunk_max_bytes skips the window."""
+    return chunk_bytes([size]) > limits.chunk_max_bytes
+
+
+def empty_index() -> AgentMessageIndex:
+    """What a session without AgentMessageIndex means: every message in AgentMessages from sequence 1."""
+    return AgentMessageIndex(chunks=[], first_sequence=1, window_first_sequence=1)
+
+
+@dataclass(frozen=True)
+class MessageWrites:
+    """What one Step writes: new window instances, window deletes, new chunks, and the index (None: unchanged)."""
+
+    window_sets: tuple[AgentMessage, ...] = ()
+    window_deletes: tuple[int, ...] = ()
+    chunk_sets: tuple[AgentMessageChunk, ...] = ()  # each keyed by its first message's sequence
+    index: AgentMessageIndex | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.window_sets or self.window_deletes or self.chunk_sets or self.index is not None)
+
+
+def plan_append(
+    window: Sequence[AgentMessage],
+    index: AgentMessageIndex | None,
+    new: Sequence[AgentMessage],
+    limits: MessageLayoutLimits,
+    *,
+    sizes: Mapping[int, int] | None = None,
+) -> MessageWrites:
+    """The writes of a Step that stores `new` after the stored messages.
+
+    `window` is every AgentMessages instance (the whole window, sequence order), `index` the stored
+    AgentMessageIndex or None, `sizes` optional known message_bytes by sequence. An oversized message
+    goes straight into its own chunk; then, when the window holds more than window_size messages, the
+    oldest move into chunks (rollover). An append with no messages writes nothing.
+    """
+    if not new:
+        return MessageWrites()
+    known = dict(sizes or {})
+
+    def size_of(message: AgentMessage) -> int:
+        size = known.get(message.sequence)
+        if size is None:
+            size = known[message.sequence] = message_bytes(message)
+        return size
+
+    stored = sorted(window, key=lambda m: m.sequence)
+    current = index or empty_index()
+    newest = max([m.sequence for m in stored] + [r.last_sequence for r in current.chunks] + [0])
+    for message in new:
+        if message.sequence <= newest:
+            raise ValueError(f"message {message.sequence} is not after the newest stored message {newest}")
+        newest = message.sequence
+
+    chunks = list(current.chunks)
+    written: list[AgentMessageChunk] = []
+    placed: list[AgentMessage] = []
+    for message in new:
+        if is_oversized(size_of(message), limits):
+            written.append(AgentMessageChunk(messages=[message]))
+            chunks.append(AgentMessageChunkRange(message.sequence, message.sequence))
+        else:
+            placed.append(message)
+
+    full = stored + placed
+    moved = _rollover(full, limits, size_of)
+    written.extend(moved)
+    chunks.extend(AgentMessageChunkRange(c.messages[0].sequence, c.messages[-1].sequence) for c in moved)
+    moved_sequences = {m.sequence for c in moved for m in c.messages}
+    old_sequences = {m.sequence for m in stored}
+
+    new_index: AgentMessageIndex | None = None
+    if written:
+        chunks.sort(key=lambda r: r.first_sequence)
+        window_first = current.window_first_sequence
+        if moved:
+            window_first = _step_over_chunks(moved[-1].messages[-1].sequence + 1, chunks)
+        new_index = AgentMessageIndex(
+            chunks=chunks, first_sequence=current.first_sequence, window_first_sequence=window_first,
+        )
+    return MessageWrites(
+        window_sets=tuple(m for m in placed if m.sequence not in moved_sequences),
+        window_deletes=tuple(s for s in sorted(moved_sequences) if s in old_sequences),
+        chunk_sets=tuple(written),
+        index=new_index,
+    )
+
+
+def _rollover(
+    window: list[AgentMessage], limits: MessageLayoutLimits, size_of: Callable[[AgentMessage], int]
+) -> list[AgentMessageChunk]:
+    """The oldest window messages moved into chunks this commit, oldest chunk first.
+
+    A chunk closes at chunk_size messages, before a message that would take it past chunk_max_bytes,
+    and at a gap in the sequences (an oversized message's chunk sits there: rollover steps over it).
+    One commit moves at most max_chunks_per_commit chunks and max_bytes_per_commit bytes, unless the
+    first chunk alone is larger.
+    """
+    moved: list[AgentMessageChunk] = []
+    moved_bytes = 0
+    position = 0
+    while len(window) - position > limits.window_size and len(moved) < limits.max_chunks_per_commit:
+        end = position + 1
+        size = chunk_bytes([size_of(window[position])])
+        while end < len(window) and end - position < limits.chunk_size:
+            following = window[end]
+            if following.sequence != window[end - 1].sequence + 1:
+                break
+            grown = size + 1 + size_of(following)
+            if grown > limits.chunk_max_bytes:
+                break
+            size = grown
+            end += 1
+        if moved and moved_bytes + size > limits.max_bytes_per_commit:
+            break
+        moved.append(AgentMessageChunk(messages=window[position:end]))
+        moved_bytes += size
+        position = end
+    return moved
+
+
+def _step_over_chunks(sequence: int, chunks: Sequence[AgentMessageChunkRange]) -> int:
+    """The first sequence from `sequence` on that no chunk holds (chunks sorted by first sequence)."""
+    for chunk in chunks:
+        if chunk.first_sequence == sequence:
+            sequence = chunk.last_sequence + 1
+    return sequence
+
+
+# Reads ---------------------------------------------------------------------------------------------
+
+
+def chunk_holding(index: AgentMessageIndex | None, sequence: int) -> AgentMessageChunkRange | None:
+    """The chunk range that holds `sequence`, or None when the sequence is not in a chunk."""
+    if index is None or not index.chunks:
+        return None
+    return _holding(index.chunks, [r.first_sequence for r in index.chunks], sequence)
+
+
+def _holding(
+    chunks: Sequence[AgentMessageChunkRange], firsts: Sequence[int], sequence: int
+) -> AgentMessageChunkRange | None:
+    at = bisect.bisect_right(firsts, sequence) - 1
+    if at >= 0 and chunks[at].first_sequence <= sequence <= chunks[at].last_sequence:
+        return chunks[at]
+    return None
+
+
+def checked_chunk(chunk_range: AgentMessageChunkRange, chunk: AgentMessageChunk | None) -> list[AgentMessage]:
+    """The chunk's messages, after checking it holds exactly the range AgentMessageIndex lists."""
+    label = f"AgentMessageChunks[{chunk_range.first_sequence:012d}]"
+    if chunk is None:
+        raise MessageStoreCorruptError(
+            f"{label} is missing, but AgentMessageIndex lists "
+            f"{chunk_range.first_sequence}..{chunk_range.last_sequence}"
+        )
+    held = [m.sequence for m in chunk.messages]
+    expected = list(range(chunk_range.first_sequence, chunk_range.last_sequence + 1))
+    if held != expected:
+        shown = f"{held[0]}..{held[-1]} ({len(held)} messages)" if held else "no messages"
+        raise MessageStoreCorruptError(
+            f"{label} holds {shown}, but AgentMessageIndex lists "
+            f"{chunk_range.first_sequence}..{chunk_range.last_sequence}"
+        )
+    return list(chunk.messages)
+
+
+ChunkReader = Callable[[AgentMessageChunkRange], AgentMessageChunk | None]
+
+
+def iter_newest_first(
+    index: AgentMessageIndex | None,
+    window: Sequence[AgentMessage],
+    read_chunk: ChunkReader,
+    *,
+    before: int | None = None,
+) -> Iterator[AgentMessage]:
+    """Every stored message before `before` (all when None), newest first; chunks are read only when reached.
+
+    A sequence in a chunk range is in that chunk; any other from window_first_sequence on is in
+    AgentMessages (window instances elsewhere are ignored).
+    """
+    current = index or empty_index()
+    firsts = [r.first_sequence for r in current.chunks]
+    segments: list[tuple[int, AgentMessageChunkRange | AgentMessage]] = [
+        (r.first_sequence, r) for r in current.chunks
+    ]
+    segments.extend(
+        (m.sequence, m) for m in window
+        if m.sequence >= current.window_first_sequence and _holding(current.chunks, firsts, m.sequence) is None
+    )
+    segments.sort(key=lambda s: s[0], reverse=True)
+    for first, segment in segments:
+        if before is not None and first >= before:
+            continue
+        if isinstance(segment, AgentMessage):
+            yield segment
+            continue
+        for message in reversed(checked_chunk(segment, read_chunk(segment))):
+            if before is None or message.sequence < before:
+                yield message
+
+
+def newest_messages(
+    index: AgentMessageIndex | None,
+    window: Sequence[AgentMessage],
+    read_chunk: ChunkReader,
+    *,
+    before: int | None = None,
+    limit: int | None = None,
+) -> list[AgentMessage]:
+    """The newest `limit` stored messages before `before` (every one when limit is None), oldest first."""
+    picked: list[AgentMessage] = []
+    if limit is not None and limit <= 0:
+        return picked
+    for message in iter_newest_first(index, window, read_chunk, before=before):
+        picked.append(message)
+        if limit is not None and len(picked) >= limit:
+            break
+    picked.reverse()
+    return picked
+
+
+def reply_start_by_scan(newest_first: Iterator[AgentMessage], turn_id: str, next_sequence: int) -> int:
+    """The first sequence after the turn's user messages, scanning back from the newest message.
+
+    For a turn without a TurnReplySequence of its own (one another Worker started): the replies are
+    the newest messages of the turn up to its last user message.
+    """
+    count = 0
+    for message in newest_first:
+        if message.turn_id != turn_id or message.role is MessageRole.USER:
+            break
+        count += 1
+    return next_sequence - count

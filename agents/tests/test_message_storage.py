@@ -1,0 +1,573 @@
+"""Message storage (seed 002 "Message storage"): the window, immutable chunks, AgentMessageIndex.
+
+The pure layout (`_message_store.plan_append` and its readers) is checked with Hypothesis against a
+reference model (the plain list of every appended message) over random appends, sizes and limits.
+Real sessions on the in-process engine, with a 4-message window and 2-message chunks, check that
+the RPCs, the model input and the stored index agree with what was said.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from agents.tests.builtin_agent import InProcessEngine, lookup_order
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dex_agents import (
+    AGENT_MESSAGE_CHUNKS,
+    AGENT_MESSAGE_INDEX,
+    AGENT_MESSAGES,
+    TURN_REPLY_SEQUENCE,
+    AgentMessage,
+    AgentMessageChunk,
+    AgentMessageChunkRange,
+    AgentMessageIndex,
+    AgentSessionClient,
+    AgentSessionFlow,
+    AgentSessionOptions,
+    AgentSnapshot,
+    MessageRole,
+    RunModelLimit,
+)
+from dex_agents._constants import (
+    MESSAGE_ROLLOVER_MAX_BYTES_PER_COMMIT,
+    MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT,
+)
+from dex_agents._message_store import (
+    CHUNK_ENVELOPE_BYTES,
+    MessageLayoutLimits,
+    MessageStoreCorruptError,
+    MessageWrites,
+    chunk_bytes,
+    chunk_holding,
+    is_oversized,
+    message_bytes,
+    newest_messages,
+    plan_append,
+)
+from dex_agents._persistence import message_sequence_key
+from dex_agents._runtime import SessionRuntime
+from dex_agents.builtin_loop import (
+    AgentDefinition,
+    BuiltinLoopAgentRunner,
+    ModelRequest,
+    ScriptedModelClient,
+    ScriptedModelReply,
+    ScriptedToolCall,
+    builtin_agent_session_options,
+)
+from dex_agents.builtin_loop._items import input_item
+from dex_agents.testing import wait_for_agent_snapshot
+from dex_engine import MAX_VALUE_BYTES
+
+# The pure layout ------------------------------------------------------------------------------------
+
+
+def message(sequence: int, text_length: int, turn_id: str = "turn-1", role: MessageRole = MessageRole.ASSISTANT,
+            ) -> AgentMessage:
+    return AgentMessage(
+        sequence=sequence, turn_id=turn_id, role=role, text="x" * text_length, tool_call_id=None, tool_name=None,
+        tool_arguments=None, tool_output=None, framework_item="{}", created_at="2025-01-01T00:00:00Z",
+    )
+
+
+@dataclass
+class ModelStore:
+    """The stored instances of one session, as a Step's writes leave them, and every appended message."""
+
+    window: dict[int, AgentMessage] = field(default_factory=dict)
+    chunks: dict[int, AgentMessageChunk] = field(default_factory=dict)
+    index: AgentMessageIndex | None = None
+    appended: list[AgentMessage] = field(default_factory=list)
+    checked: set[int] = field(default_factory=set)  # chunks already checked (they never change)
+
+    @property
+    def next_sequence(self) -> int:
+        return len(self.appended) + 1
+
+    def read_chunk(self, chunk_range: AgentMessageChunkRange) -> AgentMessageChunk | None:
+        return self.chunks.get(chunk_range.first_sequence)
+
+    def append(self, sizes: Sequence[int], limits: MessageLayoutLimits) -> MessageWrites:
+        """Plan the append of messages of these text sizes, check the writes are legal, apply them."""
+        new = [message(self.next_sequence + i, size) for i, size in enumerate(sizes)]
+        writes = plan_append(sorted(self.window.values(), key=lambda m: m.sequence), self.index, new, limits)
+        for chunk in writes.chunk_sets:
+            first = chunk.messages[0].sequence
+            # Chunks are immutable: no write ever targets an existing chunk.
+            assert first not in self.chunks, f"chunk {first} rewritten"
+            self.chunks[first] = chunk
+        for written in writes.window_sets:
+            assert written.sequence not in self.window, f"window message {written.sequence} rewritten"
+            self.window[written.sequence] = written
+        for sequence in writes.window_deletes:
+            assert sequence in self.window, f"deleting {sequence}, which is not in the window"
+            del self.window[sequence]
+        if writes.index is not None:
+            self.index = writes.index
+        self.appended.extend(new)
+        return writes
+
+
+def moved_chunks(writes: MessageWrites, limits: MessageLayoutLimits, new: Sequence[AgentMessage]
+                 ) -> list[AgentMessageChunk]:
+    """The chunks rollover wrote (every written chunk except the new oversized messages' own)."""
+    oversized = {m.sequence for m in new if is_oversized(message_bytes(m), limits)}
+    return [c for c in writes.chunk_sets if not (len(c.messages) == 1 and c.messages[0].sequence in oversized)]
+
+
+def encoded_chunk_bytes(chunk: AgentMessageChunk) -> int:
+    return len(msgspec.json.encode(chunk))
+
+
+def check_layout(store: ModelStore, limits: MessageLayoutLimits) -> None:
+    """Every appended message is readable exactly once, where the index says; chunks hold their ranges."""
+    assert newest_messages(store.index, list(store.window.values()), store.read_chunk) == store.appended
+    index = store.index or AgentMessageIndex(chunks=[], first_sequence=1, window_first_sequence=1)
+    assert index.first_sequence == 1  # no retention: nothing is ever deleted
+    ranges = index.chunks
+    assert [r.first_sequence for r in ranges] == sorted(store.chunks)
+    for before, after in itertools.pairwise(ranges):
+        assert before.last_sequence < after.first_sequence
+    for chunk_range in ranges:
+        chunk = store.chunks[chunk_range.first_sequence]
+        held = [m.sequence for m in chunk.messages]
+        assert held == list(range(chunk_range.first_sequence, chunk_range.last_sequence + 1))
+        if chunk_range.first_sequence in store.checked:
+            continue
+        store.checked.add(chunk_range.first_sequence)
+        sizes = [message_bytes(m) for m in chunk.messages]
+        assert encoded_chunk_bytes(chunk) == chunk_bytes(sizes)
+        if len(held) > 1:
+            assert len(held) <= limits.chunk_size
+            assert chunk_bytes(sizes) <= limits.chunk_max_bytes
+    # Archived chunks cover 1 .. window_first_sequence - 1 with consecutive ranges; after that, only
+    # single oversized messages sit among the window's sequences.
+    archived = [r for r in ranges if r.last_sequence < index.window_first_sequence]
+    expected_first = 1
+    for chunk_range in archived:
+        assert chunk_range.first_sequence == expected_first
+        expected_first = chunk_range.last_sequence + 1
+    if index.window_first_sequence > 1:
+        assert expected_first == index.window_first_sequence
+    for chunk_range in ranges[len(archived):]:
+        assert chunk_range.first_sequence == chunk_range.last_sequence >= index.window_first_sequence
+        assert is_oversized(message_bytes(store.chunks[chunk_range.first_sequence].messages[0]), limits)
+    # Every sequence is in exactly one place.
+    for stored in store.appended:
+        holder = chunk_holding(store.index, stored.sequence)
+        if holder is not None:
+            assert stored.sequence not in store.window
+            assert stored in store.chunks[holder.first_sequence].messages
+        else:
+            assert stored.sequence >= index.window_first_sequence
+            assert store.window[stored.sequence] == stored
+    assert len(store.window) + sum(len(c.messages) for c in store.chunks.values()) == len(store.appended)
+
+
+limits_strategy = st.builds(
+    MessageLayoutLimits,
+    window_size=st.integers(1, 6),
+    chunk_size=st.integers(1, 4),
+    # A bare message encodes to about 170 bytes: some limits make every message oversized.
+    chunk_max_bytes=st.integers(150, 1500),
+    max_chunks_per_commit=st.integers(1, 4),
+    max_bytes_per_commit=st.integers(150, 3000),
+)
+commits_strategy = st.lists(st.lists(st.integers(0, 700), max_size=6), max_size=20)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(limits=limits_strategy, legacy=st.lists(st.integers(0, 700), max_size=30), commits=commits_strategy)
+def test_layout_matches_the_reference_model(
+    limits: MessageLayoutLimits, legacy: list[int], commits: list[list[int]]
+) -> None:
+    """Any sequence of appends, starting from a 0.1.0 session (every message in AgentMessages, no index):
+    every message stays readable exactly once and in order, chunks are never rewritten and hold exactly
+    their consecutive ranges within chunk_size and chunk_max_bytes, new oversized messages go straight into
+    their own chunk, one commit moves at most the per-commit chunks and bytes (unless the first chunk alone
+    is larger), and the window is within its size unless a per-commit cap stopped the rollover."""
+    store = ModelStore()
+    for size in legacy:  # 0.1.0: every message in AgentMessages, no AgentMessageIndex
+        stored = message(store.next_sequence, size)
+        store.window[stored.sequence] = stored
+        store.appended.append(stored)
+    check_layout(store, limits)
+    for sizes in commits:
+        before_index = store.index
+        first = store.next_sequence
+        writes = store.append(sizes, limits)
+        new = store.appended[first - 1:]
+        if not sizes:
+            assert writes.is_empty  # an append with no messages writes nothing
+            continue
+        # AgentMessageIndex is written exactly when a chunk is written.
+        assert (writes.index is not None) == bool(writes.chunk_sets)
+        if writes.index is None:
+            assert store.index == before_index
+        for added in new:
+            if is_oversized(message_bytes(added), limits):
+                assert AgentMessageChunk([added]) in writes.chunk_sets
+                assert added not in writes.window_sets
+        moved = moved_chunks(writes, limits, new)
+        moved_bytes = [encoded_chunk_bytes(c) for c in moved]
+        assert len(moved) <= limits.max_chunks_per_commit
+        if len(moved) > 1:
+            assert sum(moved_bytes) <= limits.max_bytes_per_commit
+        check_layout(store, limits)
+        if len(store.window) > limits.window_size:
+            # Only a per-commit cap leaves the window over its size.
+            biggest = max([limits.chunk_max_bytes] + [chunk_bytes([message_bytes(m)]) for m in store.window.values()])
+            assert len(moved) == limits.max_chunks_per_commit or sum(moved_bytes) + biggest > (
+                limits.max_bytes_per_commit
+            )
+
+
+@settings(max_examples=60, deadline=None)
+@given(window_size=st.integers(1, 10), chunk_size=st.integers(1, 5), legacy=st.integers(0, 120))
+def test_an_old_window_drains_a_few_chunks_a_commit(window_size: int, chunk_size: int, legacy: int) -> None:
+    """A 0.1.0 session's large window leaves over several commits of one message each, at most
+    MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT chunks a commit, shrinking each time until within its size."""
+    limits = MessageLayoutLimits(window_size=window_size, chunk_size=chunk_size, chunk_max_bytes=1024 * 1024)
+    store = ModelStore()
+    for _ in range(legacy):
+        stored = message(store.next_sequence, 10)
+        store.window[stored.sequence] = stored
+        store.appended.append(stored)
+    commits = 0
+    while True:
+        before = len(store.window)
+        writes = store.append([10], limits)
+        commits += 1
+        check_layout(store, limits)
+        assert len(writes.chunk_sets) <= MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT
+        if len(store.window) <= window_size:
+            break
+        assert len(writes.chunk_sets) == MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT
+        assert len(store.window) < before + 1
+        assert commits <= legacy
+    # Once drained, the window stays within its size.
+    for _ in range(3 * chunk_size):
+        store.append([10], limits)
+        assert len(store.window) <= window_size
+
+
+def test_rollover_moves_whole_chunks_of_the_oldest_messages() -> None:
+    """Window 4, chunks of 2: the fifth message moves 1-2 into chunk 1 and the window starts at 3."""
+    limits = MessageLayoutLimits(window_size=4, chunk_size=2, chunk_max_bytes=1024 * 1024)
+    store = ModelStore()
+    for _ in range(4):
+        assert store.append([5], limits).index is None  # within the window: one blind write each
+    writes = store.append([5], limits)
+    assert writes.window_sets == (store.appended[4],)
+    assert writes.window_deletes == (1, 2)
+    assert writes.chunk_sets == (AgentMessageChunk(store.appended[:2]),)
+    assert writes.index == AgentMessageIndex(chunks=[AgentMessageChunkRange(1, 2)], first_sequence=1,
+                                             window_first_sequence=3)
+    assert sorted(store.window) == [3, 4, 5]
+
+
+def test_rollover_steps_over_an_oversized_message() -> None:
+    """An oversized message goes straight into its own chunk among the window's sequences; rollover
+    later closes the chunk before it and steps over it."""
+    limits = MessageLayoutLimits(window_size=2, chunk_size=3, chunk_max_bytes=600)
+    store = ModelStore()
+    store.append([5], limits)
+    writes = store.append([1000], limits)  # sequence 2: oversized
+    assert writes.window_sets == () and writes.chunk_sets == (AgentMessageChunk([store.appended[1]]),)
+    assert writes.index == AgentMessageIndex(chunks=[AgentMessageChunkRange(2, 2)], first_sequence=1,
+                                             window_first_sequence=1)
+    store.append([5, 5], limits)  # 3, 4: the window holds 1, 3, 4
+    assert store.index is not None
+    # Chunk 1 closed at the gap; the window starts after the oversized message.
+    assert store.index.chunks == [AgentMessageChunkRange(1, 1), AgentMessageChunkRange(2, 2)]
+    assert store.index.window_first_sequence == 3
+    check_layout(store, limits)
+
+
+def test_chunk_size_is_the_encoded_json() -> None:
+    """The size rule is the engine's JSON: 15 bytes of envelope, each message, a comma between."""
+    assert CHUNK_ENVELOPE_BYTES == len(b'{"messages":[]}') == 15
+    messages = [message(1, 3), message(2, 300), message(3, 0)]
+    assert chunk_bytes([message_bytes(m) for m in messages]) == len(msgspec.json.encode(AgentMessageChunk(messages)))
+
+
+def test_a_reader_checks_each_chunk_holds_its_range() -> None:
+    """A chunk that is missing or holds other sequences than its index range is an error, not a guess."""
+    index = AgentMessageIndex(chunks=[AgentMessageChunkRange(1, 2)], first_sequence=1, window_first_sequence=3)
+    window = [message(3, 1)]
+    with pytest.raises(MessageStoreCorruptError, match="missing"):
+        newest_messages(index, window, lambda r: None)
+    with pytest.raises(MessageStoreCorruptError, match=r"holds 1\.\.1 \(1 messages\).*lists 1\.\.2"):
+        newest_messages(index, window, lambda r: AgentMessageChunk([message(1, 1)]))
+    # Only the chunks a page reaches are read.
+    assert newest_messages(index, window, lambda r: None, limit=1) == window
+
+
+def test_reads_ignore_window_instances_outside_the_window() -> None:
+    """A sequence in a chunk range is in that chunk; any other from window_first_sequence on is in
+    AgentMessages; an instance before window_first_sequence is not read."""
+    chunk = AgentMessageChunk([message(2, 1), message(3, 1)])
+    index = AgentMessageIndex(chunks=[AgentMessageChunkRange(2, 3)], first_sequence=2, window_first_sequence=4)
+    stale = [message(1, 9), message(3, 9), message(4, 1), message(5, 1)]
+    read = newest_messages(index, stale, lambda r: chunk)
+    assert [(m.sequence, m.text) for m in read] == [(2, "x"), (3, "x"), (4, "x"), (5, "x")]
+    assert [m.sequence for m in newest_messages(index, stale, lambda r: chunk, before=4, limit=1)] == [3]
+
+
+# Options ------------------------------------------------------------------------------------------------
+
+
+def test_message_options_defaults() -> None:
+    """Defaults are the seed's: a window of 64, chunks of 32 messages and 1 MiB."""
+    options = AgentSessionOptions()
+    assert (options.message_window_size, options.message_chunk_size, options.message_chunk_max_bytes) == (
+        64, 32, 1024 * 1024)
+    AgentSessionOptions(message_window_size=1, message_chunk_size=1, message_chunk_max_bytes=1)
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("message_window_size", 0), ("message_window_size", -1), ("message_window_size", True),
+    ("message_window_size", 2.0), ("message_window_size", "64"), ("message_window_size", None),
+    ("message_chunk_size", 0), ("message_chunk_size", False), ("message_chunk_size", 1.5),
+    ("message_chunk_max_bytes", 0), ("message_chunk_max_bytes", True), ("message_chunk_max_bytes", "1MiB"),
+    ("message_chunk_max_bytes", 8 * 1024 * 1024 + 1),
+    # A chunk is one engine value: a cap over MAX_VALUE_BYTES would make a later rollover fail.
+    ("message_chunk_max_bytes", MAX_VALUE_BYTES + 1),
+])
+def test_message_options_refuse_bad_values(name: str, value: Any) -> None:
+    """Each bad value is a ValueError naming the field and showing the value."""
+    with pytest.raises(ValueError, match="invalid AgentSessionOptions") as info:
+        AgentSessionOptions(**{name: value})
+    assert f"{name} must be a whole number" in str(info.value)
+    assert repr(value) in str(info.value)
+
+
+# Real sessions ----------------------------------------------------------------------------------------
+
+LOOKUPS_PER_TURN = 1
+
+
+def three_lookups(request: ModelRequest) -> ScriptedModelReply:
+    """Each turn: reasoning, text and three lookups; then, after the results, reasoning and an answer."""
+    text = ScriptedModelClient.user_texts(request)[-1]
+    if text.startswith("/fail") and ScriptedModelClient.tool_results(request):
+        raise RuntimeError("the model is down")
+    if ScriptedModelClient.tool_results(request):
+        return ScriptedModelReply(reasoning="got them", text=f"answer to {text}")
+    if text.startswith("/echo"):
+        return ScriptedModelReply(text=f"echo: {text}")
+    calls = [ScriptedToolCall("lookup_order", {"order_id": f"{text}-{i}"}) for i in range(LOOKUPS_PER_TURN)]
+    return ScriptedModelReply(reasoning="thinking", text="looking up", tool_calls=calls)
+
+
+def storage_flow(flow_type: str, **options: Any) -> tuple[AgentSessionFlow, ScriptedModelClient]:
+    model = ScriptedModelClient(three_lookups)
+    definition = AgentDefinition(name="storage-agent", model=model, instructions="Test agent.", tools=[lookup_order])
+    session_options = replace(builtin_agent_session_options(definition), **options)
+    return AgentSessionFlow(BuiltinLoopAgentRunner(definition), flow_type, session_options), model
+
+
+async def turn_done(sessions: AgentSessionClient, sid: str, count: int) -> AgentSnapshot:
+    snapshot: AgentSnapshot = await wait_for_agent_snapshot(
+        sessions, sid, lambda s: s if s.state is not None and s.state.turn_count >= count else None,
+        description=f"turn {count} of {sid} to end",
+    )
+    return snapshot
+
+
+async def run_turn(sessions: AgentSessionClient, sid: str, number: int, text: str) -> AgentSnapshot:
+    assert await sessions.send_user_message(sid, text)
+    return await turn_done(sessions, sid, number)
+
+
+async def all_pages(sessions: AgentSessionClient, sid: str, limit: int) -> list[AgentMessage]:
+    """Every stored message, paging back from the newest with next_before_sequence."""
+    pages: list[list[AgentMessage]] = []
+    cursor: int | None = None
+    while True:
+        page = await sessions.list_agent_messages(sid, before_sequence=cursor, limit=limit)
+        assert page.deleted_before_sequence is None  # nothing is ever deleted without compaction
+        assert page.messages and len(page.messages) <= limit
+        pages.append(page.messages)
+        if page.next_before_sequence is None:
+            break
+        assert page.next_before_sequence == page.messages[0].sequence
+        cursor = page.next_before_sequence
+    return [m for page in reversed(pages) for m in page]
+
+
+@dataclass
+class StoredLayout:
+    index: AgentMessageIndex | None
+    window: dict[str, AgentMessage]
+    chunks: dict[str, AgentMessageChunk]
+
+
+async def stored_layout(engine: InProcessEngine, sid: str) -> StoredLayout:
+    return StoredLayout(
+        index=await engine.client.get_attribute(sid, AGENT_MESSAGE_INDEX),
+        window=await engine.client.get_attribute_map(sid, AGENT_MESSAGES),
+        chunks=await engine.client.get_attribute_map(sid, AGENT_MESSAGE_CHUNKS),
+    )
+
+
+def check_stored_layout(layout: StoredLayout, total: int, window_size: int) -> None:
+    """The index lists exactly the stored chunks, each holds exactly its range, archived ranges are
+    consecutive from 1, the window holds the rest and no more than its size, all sequences 1..total."""
+    index = layout.index
+    assert index is not None
+    assert index.first_sequence == 1
+    assert sorted(layout.chunks) == [message_sequence_key(r.first_sequence) for r in index.chunks]
+    located: list[int] = []
+    for chunk_range in index.chunks:
+        held = [m.sequence for m in layout.chunks[message_sequence_key(chunk_range.first_sequence)].messages]
+        assert held == list(range(chunk_range.first_sequence, chunk_range.last_sequence + 1))
+        located.extend(held)
+    archived = [r for r in index.chunks if r.last_sequence < index.window_first_sequence]
+    assert [r.first_sequence for r in archived] == [1] + [r.last_sequence + 1 for r in archived[:-1]]
+    assert archived[-1].last_sequence == index.window_first_sequence - 1
+    assert all(int(key) >= index.window_first_sequence for key in layout.window)
+    assert len(layout.window) <= window_size
+    located.extend(int(key) for key in layout.window)
+    assert sorted(located) == list(range(1, total + 1))
+
+
+async def agent_events(sessions: AgentSessionClient, sid: str) -> list[Any]:
+    events: list[Any] = []
+    token: str | None = None
+    while True:
+        read = await sessions.read_agent_events(sid, token)
+        assert not read.trimmed
+        if not read.events:
+            return events
+        events.extend(e.value for e in read.events)
+        token = read.resume_token
+
+
+async def test_thirty_turns_over_a_small_window(tmp_path: Path) -> None:
+    """Window 4, chunks of 2, 30 turns of 11 messages: the snapshot holds the newest 200 in order,
+    list_agent_messages pages back to sequence 1 exactly, the last model call saw every message in
+    order, AgentMessageIndex lists exactly the chunks, each holding its range, chunks written earlier
+    never change, and turn_completed counts each turn's replies from TurnReplySequence."""
+    flow, model = storage_flow("StorageAgent", message_window_size=4, message_chunk_size=2)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        earlier: dict[str, AgentMessageChunk] = {}
+        for number in range(1, 31):
+            await run_turn(sessions, "s", number, f"turn {number}")
+            if number == 15:
+                earlier = (await stored_layout(engine, "s")).chunks
+        snapshot = await sessions.get_agent_snapshot("s")
+        assert snapshot.state is not None and snapshot.state.last_turn_error is None
+        per_turn = 1 + 2 + 2 * LOOKUPS_PER_TURN + 2  # user; reasoning, text, calls; results, reasoning, answer
+        total = 30 * per_turn
+        assert snapshot.state.next_message_sequence == total + 1
+
+        assert [m.sequence for m in snapshot.messages] == list(range(total - 199, total + 1))
+        everything = await all_pages(sessions, "s", limit=37)
+        assert [m.sequence for m in everything] == list(range(1, total + 1))
+        assert snapshot.messages == everything[-200:]
+        assert [m.text for m in everything if m.role is MessageRole.USER] == [f"turn {n}" for n in range(1, 31)]
+        assert everything == await all_pages(sessions, "s", limit=200)
+
+        # The last model call (after turn 30's lookups) saw every message stored before its answer.
+        last = model.requests[-1]
+        assert list(last.input) == [input_item(m) for m in everything[:-2]]
+
+        layout = await stored_layout(engine, "s")
+        check_stored_layout(layout, total, window_size=4)
+        assert all(len(c.messages) == 2 for c in layout.chunks.values())
+        assert earlier and all(layout.chunks[key] == chunk for key, chunk in earlier.items())
+
+        reply = await engine.client.get_attribute("s", TURN_REPLY_SEQUENCE)
+        assert reply is not None and (reply.turn_id, reply.sequence) == ("turn-30", total - per_turn + 2)
+        completed = [json.loads(e.payload) for e in await agent_events(sessions, "s") if e.type == "turn_completed"]
+        assert [c["message_count"] for c in completed] == [per_turn - 1] * 30
+
+
+async def test_oversized_messages_sit_in_their_own_chunks(tmp_path: Path) -> None:
+    """With message_chunk_max_bytes 2 KB, a 3 KB user message and its 3 KB echo skip the window: the Step
+    that stores each writes it straight into its own chunk; later rollover steps over them, and every
+    read (snapshot, pages, the model input) still has every message in order."""
+    flow, model = storage_flow("OversizedAgent", message_window_size=4, message_chunk_size=2,
+                               message_chunk_max_bytes=2048)
+    engine = InProcessEngine(tmp_path, [flow])
+    big = "/echo " + "y" * 3000
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        await run_turn(sessions, "s", 1, "/echo one")
+        await run_turn(sessions, "s", 2, big)
+        layout = await stored_layout(engine, "s")
+        # Sequences 3 (the user's) and 4 (the echo) never entered the window.
+        assert layout.index == AgentMessageIndex(
+            chunks=[AgentMessageChunkRange(3, 3), AgentMessageChunkRange(4, 4)], first_sequence=1,
+            window_first_sequence=1)
+        assert sorted(layout.window) == [message_sequence_key(1), message_sequence_key(2)]
+        assert [m.text for m in layout.chunks[message_sequence_key(3)].messages] == [big]
+        assert [m.text for m in layout.chunks[message_sequence_key(4)].messages] == [f"echo: {big}"]
+
+        for number in range(3, 9):
+            await run_turn(sessions, "s", number, f"/echo {number}")
+        total = 16
+        layout = await stored_layout(engine, "s")
+        check_stored_layout(layout, total, window_size=4)
+        assert layout.index is not None
+        assert layout.index.window_first_sequence > 4  # rollover went past the oversized chunks
+        for key, chunk in layout.chunks.items():
+            size = encoded_chunk_bytes(chunk)
+            assert size <= 2048 or (len(chunk.messages) == 1 and key in (message_sequence_key(3),
+                                                                         message_sequence_key(4)))
+        everything = await all_pages(sessions, "s", limit=3)
+        assert [m.sequence for m in everything] == list(range(1, total + 1))
+        assert everything[2].text == big
+        snapshot = await sessions.get_agent_snapshot("s")
+        assert snapshot.messages == everything
+        assert list(model.requests[-1].input) == [input_item(m) for m in everything[:-1]]
+
+
+async def test_failed_turn_reads_and_stores_across_chunks(tmp_path: Path) -> None:
+    """RecordTurnFailure gives the runner the whole conversation (chunks included) and stores the
+    failed turn's unfinished messages; the next turn's model input has every message in order."""
+    flow, model = storage_flow("FailingAgent", message_window_size=4, message_chunk_size=2,
+                               run_model_limit=RunModelLimit(max_attempts=1))
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        for number in range(1, 4):
+            await run_turn(sessions, "s", number, f"turn {number}")
+        failed = await run_turn(sessions, "s", 4, "/fail now")
+        assert failed.state is not None and failed.state.last_turn_error is not None
+        stored = await all_pages(sessions, "s", limit=50)
+        turn_four = [m for m in stored if m.turn_id == "turn-4"]
+        # The user message, reasoning, text and calls, then the unfinished results the failure stored.
+        assert [m.role for m in turn_four].count(MessageRole.TOOL) == LOOKUPS_PER_TURN
+        assert [m.sequence for m in stored] == list(range(1, len(stored) + 1))
+        await run_turn(sessions, "s", 5, "/echo after")
+        everything = await all_pages(sessions, "s", limit=50)
+        assert list(model.requests[-1].input) == [input_item(m) for m in everything[:-1]]
+        check_stored_layout(await stored_layout(engine, "s"), len(everything), window_size=4)
+
+
+def test_store_limits_follow_the_options() -> None:
+    """The runtime's layout limits are the session options' message fields and the seed's per-commit caps."""
+    flow, _ = storage_flow("LimitsAgent", message_window_size=5, message_chunk_size=3, message_chunk_max_bytes=4096)
+    runtime = SessionRuntime(flow.runner, flow.options, flow.events)
+    assert dataclasses.asdict(runtime.layout_limits) == {
+        "window_size": 5, "chunk_size": 3, "chunk_max_bytes": 4096,
+        "max_chunks_per_commit": MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT,
+        "max_bytes_per_commit": MESSAGE_ROLLOVER_MAX_BYTES_PER_COMMIT,
+    }
