@@ -1,0 +1,448 @@
+"""LiteLLMModelClient: a ModelClient for the built-in loop over LiteLLM (install `dex-agents[litellm]`).
+
+OpenAI models use the Responses API (`litellm.aresponses`) with `store=False` and
+`include=["reasoning.encrypted_content"]`, so no conversation state lives at the provider and encrypted
+reasoning comes back to be replayed. Every other provider uses streaming Chat Completions
+(`litellm.acompletion(stream=True)`), keeping Anthropic `thinking_blocks` with their `signature`.
+
+Each output item's `api` is `litellm.responses:<provider>` or `litellm.chat:<provider>`. An item whose
+`api` is this client's replays as the provider's own JSON, unchanged; an item of another provider or API
+replays as its text and tool calls, and its reasoning is dropped.
+
+Credentials come from the Worker's environment, as LiteLLM reads it, or from `api_key_provider`; never
+from the request. LiteLLM fetches its model cost map over the network when imported, unless
+`LITELLM_LOCAL_MODEL_COST_MAP=True` (or `LITELLM_OFFLINE_MODE=true`) is set in the environment.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, cast
+
+try:
+    import litellm
+except ImportError as error:  # pragma: no cover - exercised by a subprocess test
+    raise ImportError(
+        "dex_agents.litellm needs the LiteLLM package: install dex-agents[litellm] (pip install 'dex-agents[litellm]')"
+    ) from error
+
+from ._runner import ModelCallMetadata
+from ._wire import AgentUsage
+from .builtin_loop._model import (
+    ModelInputItem,
+    ModelOutputItem,
+    ModelOutputWriter,
+    ModelRequest,
+    ModelResponse,
+    ModelToolCall,
+    ModelToolDefinition,
+    OutputItemKind,
+    ToolChoice,
+    ToolResultInput,
+    UserTextInput,
+    estimate_request_tokens,
+)
+
+__all__ = ["CHAT_API", "RESPONSES_API", "LiteLLMModelClient"]
+
+RESPONSES_API: Final = "responses"
+CHAT_API: Final = "chat"
+
+# Parameters the client owns: settings may not replace them, and credentials never come with a request.
+_RESERVED_OPTIONS: Final = frozenset({
+    "model", "input", "messages", "instructions", "tools", "tool_choice", "stream", "stream_options", "store",
+    "include", "previous_response_id", "conversation", "num_retries", "max_retries", "api_key", "api_base",
+    "base_url", "custom_llm_provider", "azure_ad_token", "aws_access_key_id", "aws_secret_access_key",
+    "aws_session_token", "vertex_credentials",
+})
+
+_RESPONSES_INCLUDE: Final = ("reasoning.encrypted_content",)
+_TOOL_CHOICES: Final = {ToolChoice.AUTO: "auto", ToolChoice.REQUIRED: "required", ToolChoice.NONE: "none"}
+
+
+def _dump(value: Mapping[str, Any]) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _get(value: object, name: str) -> Any:
+    """A field of a LiteLLM object or of a plain dict (LiteLLM returns either, depending on the path)."""
+    if isinstance(value, Mapping):
+        return value.get(name)
+    return getattr(value, name, None)
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _plain(value: object) -> Any:
+    """A provider object as the JSON it was parsed from: set fields only, so provider nulls survive."""
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        return dump(mode="json", exclude_unset=True)
+    return value
+
+
+def _event_type(event: object) -> str:
+    kind = _get(event, "type")
+    value = getattr(kind, "value", kind)  # LiteLLM's event types are str Enums
+    return value if isinstance(value, str) else ""
+
+
+class LiteLLMModelClient:
+    """A ModelClient over LiteLLM: one request per call, no retries of its own, the whole input every time."""
+
+    def __init__(
+        self,
+        model: str,
+        api: str | None = None,
+        api_base: str | None = None,
+        api_key_provider: Callable[[], str] | None = None,
+        request_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(model, str) or not model.strip():
+            raise ValueError(f"model must be a LiteLLM model name such as 'openai/gpt-5', got {model!r}")
+        if api not in (None, RESPONSES_API, CHAT_API):
+            raise ValueError(f"api must be {RESPONSES_API!r}, {CHAT_API!r} or None, got {api!r}")
+        if api_key_provider is not None and not callable(api_key_provider):
+            raise TypeError("api_key_provider must be a function returning the API key")
+        options = dict(request_options or {})
+        _check_options(options, "request_options")
+        try:
+            resolved = cast(
+                "tuple[str, str, str | None, str | None]", litellm.get_llm_provider(model=model, api_base=api_base)
+            )
+        except Exception as error:  # LiteLLM raises its BadRequestError for a model it cannot place
+            raise ValueError(f"LiteLLM cannot tell the provider of model {model!r}: {error}") from error
+        self.model: Final = model
+        self.provider: Final = resolved[1]
+        self.api: Final[str] = api or (RESPONSES_API if self.provider == "openai" else CHAT_API)
+        self.api_base: Final = api_base
+        self.request_options: Final[Mapping[str, Any]] = options
+        self._api_key_provider = api_key_provider
+        # A stable label: replay knows from it whether an item came from this provider and API.
+        self.api_label: Final = f"litellm.{self.api}:{self.provider}"
+
+    # The ModelClient contract ------------------------------------------------------------------
+
+    def estimate_input_tokens(self, request: ModelRequest) -> int:
+        return estimate_request_tokens(request)
+
+    def supports_forced_tool_choice(self, settings: Mapping[str, Any]) -> bool:
+        """False when Anthropic extended thinking is on: Anthropic refuses a forced tool choice with it."""
+        merged = {**self.request_options, **dict(settings or {})}
+        return not (self._is_anthropic() and _thinking_enabled(merged))
+
+    async def call_model(self, request: ModelRequest, output: ModelOutputWriter) -> ModelResponse:
+        settings = dict(request.model_settings)
+        _check_options(settings, "model_settings")
+        kwargs: dict[str, Any] = {**self.request_options, **settings}
+        kwargs.update(model=self.model, stream=True, num_retries=0, max_retries=0)
+        if self.api_base is not None:
+            kwargs["api_base"] = self.api_base
+        if self._api_key_provider is not None:
+            key = self._api_key_provider()
+            if not isinstance(key, str) or not key:
+                raise ValueError("api_key_provider returned no API key")
+            kwargs["api_key"] = key
+        if self.api == RESPONSES_API:
+            return await self._call_responses(request, output, kwargs)
+        return await self._call_chat(request, output, kwargs)
+
+    # The Responses API -------------------------------------------------------------------------
+
+    async def _call_responses(
+        self, request: ModelRequest, output: ModelOutputWriter, kwargs: dict[str, Any]
+    ) -> ModelResponse:
+        kwargs.update(input=self._responses_input(request.input), store=False, include=list(_RESPONSES_INCLUDE))
+        if request.instructions:
+            kwargs["instructions"] = request.instructions
+        if request.tools:
+            kwargs["tools"] = [_responses_tool(tool) for tool in request.tools]
+            kwargs["tool_choice"] = _TOOL_CHOICES[request.tool_choice]
+        stream: Any = await litellm.aresponses(**kwargs)
+        final: Any = None
+        done: dict[int, Any] = {}
+        if _get(stream, "output") is not None:  # a provider path that answered without streaming
+            final = stream
+        else:
+            async for event in stream:
+                kind = _event_type(event)
+                if kind in ("response.output_text.delta", "response.refusal.delta"):
+                    output.write_text_delta(str(_get(event, "delta") or ""))
+                elif kind in ("response.reasoning_summary_text.delta", "response.reasoning_text.delta"):
+                    output.write_reasoning_delta(str(_get(event, "delta") or ""))
+                elif kind == "response.output_item.done":
+                    index = _get(event, "output_index")
+                    done[index if isinstance(index, int) else len(done)] = _get(event, "item")
+                elif kind in ("response.completed", "response.incomplete"):
+                    final = _get(event, "response")
+                elif kind in ("response.failed", "error"):
+                    raise RuntimeError(f"the model call failed: {_failure_text(event)}")
+        if final is None:
+            raise RuntimeError("the Responses stream ended without response.completed")
+        # The completed response lists every item; output_item.done events are the fallback.
+        raw_items = list(_get(final, "output") or []) or [done[i] for i in sorted(done)]
+        items = tuple(self._responses_item(_plain(raw)) for raw in raw_items)
+        usage = _get(final, "usage")
+        details_in, details_out = _get(usage, "input_tokens_details"), _get(usage, "output_tokens_details")
+        status = _get(final, "status")
+        reason = _get(_get(final, "incomplete_details"), "reason")
+        finish = reason if status == "incomplete" and isinstance(reason, str) else status
+        return ModelResponse(
+            items,
+            AgentUsage(
+                model_calls=1,
+                input_tokens=_count(_get(usage, "input_tokens")),
+                output_tokens=_count(_get(usage, "output_tokens")),
+                cached_input_tokens=_count(_get(details_in, "cached_tokens")),
+                reasoning_tokens=_count(_get(details_out, "reasoning_tokens")),
+            ),
+            ModelCallMetadata(
+                request_model=self.model,
+                response_model=_str_or_none(_get(final, "model")),
+                provider_name=self.provider,
+                response_id=_provider_response_id(_str_or_none(_get(final, "id"))),
+                finish_reasons=(finish,) if isinstance(finish, str) else None,
+            ),
+        )
+
+    def _responses_input(self, entries: Sequence[ModelInputItem]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for entry in entries:
+            if isinstance(entry, UserTextInput):
+                out.append({"role": "user", "content": entry.text})
+            elif isinstance(entry, ToolResultInput):
+                out.append({"type": "function_call_output", "call_id": entry.tool_call_id, "output": entry.output})
+            elif entry.api == self.api_label:
+                out.append(cast("dict[str, Any]", json.loads(entry.item)))  # the provider's own item, unchanged
+            elif entry.kind is OutputItemKind.TOOL_CALL and entry.tool_call is not None:
+                call = entry.tool_call
+                out.append({"type": "function_call", "call_id": call.tool_call_id, "name": call.tool_name,
+                            "arguments": call.arguments})
+            elif entry.kind is OutputItemKind.TEXT and entry.text:
+                out.append({"role": "assistant", "content": entry.text})
+            # Reasoning of another provider or API is dropped: it cannot be verified here.
+        return out
+
+    def _responses_item(self, raw: Any) -> ModelOutputItem:
+        if not isinstance(raw, dict):
+            raise TypeError(f"the provider returned an output item that is not an object: {raw!r}")
+        kind = raw.get("type")
+        text_json = _dump(raw)
+        if kind == "function_call":
+            call = ModelToolCall(str(raw.get("call_id") or raw.get("id") or ""), str(raw.get("name") or ""),
+                                 str(raw.get("arguments") or "{}"))
+            return ModelOutputItem(self.api_label, OutputItemKind.TOOL_CALL, text_json, tool_call=call)
+        if kind == "message":
+            parts = [p for p in raw.get("content") or [] if isinstance(p, dict)]
+            text = "".join(str(p.get("text") or p.get("refusal") or "") for p in parts)
+            return ModelOutputItem(self.api_label, OutputItemKind.TEXT, text_json, text=text)
+        if kind == "reasoning":
+            summary = [s.get("text") for s in raw.get("summary") or [] if isinstance(s, dict)]
+            content = [c.get("text") for c in raw.get("content") or [] if isinstance(c, dict)]
+            reasoning = "\n\n".join(str(t) for t in (summary or content) if t) or None
+            return ModelOutputItem(self.api_label, OutputItemKind.REASONING, text_json, text=reasoning)
+        # Any other item (a provider-side tool's record) is provider state like reasoning: replayed to the same
+        # API, dropped for another.
+        return ModelOutputItem(self.api_label, OutputItemKind.REASONING, text_json)
+
+    # Chat Completions --------------------------------------------------------------------------
+
+    async def _call_chat(
+        self, request: ModelRequest, output: ModelOutputWriter, kwargs: dict[str, Any]
+    ) -> ModelResponse:
+        messages = self._chat_messages(request)
+        kwargs.update(messages=messages, stream_options={"include_usage": True})
+        if request.tools:
+            kwargs["tools"] = [_chat_tool(tool) for tool in request.tools]
+            kwargs["tool_choice"] = _TOOL_CHOICES[request.tool_choice]
+        stream: Any = await litellm.acompletion(**kwargs)
+        if _get(stream, "choices") is not None and not hasattr(stream, "__aiter__"):
+            built: Any = stream  # a provider path that answered without streaming
+        else:
+            chunks: list[Any] = []
+            async for chunk in stream:
+                chunks.append(chunk)
+                for choice in _get(chunk, "choices") or []:
+                    delta = _get(choice, "delta")
+                    reasoning = _get(delta, "reasoning_content")
+                    if isinstance(reasoning, str):
+                        output.write_reasoning_delta(reasoning)
+                    content = _get(delta, "content")
+                    if isinstance(content, str):
+                        output.write_text_delta(content)
+            built = litellm.stream_chunk_builder(chunks, messages=messages) if chunks else None
+        if built is None or not _get(built, "choices"):
+            raise RuntimeError("the Chat Completions stream ended without a response")
+        choices = list(_get(built, "choices"))
+        items = self._chat_items(_get(choices[0], "message"), _str_or_none(_get(built, "id")))
+        usage = _get(built, "usage")
+        details_in, details_out = _get(usage, "prompt_tokens_details"), _get(usage, "completion_tokens_details")
+        reasons = tuple(str(r) for r in (_get(c, "finish_reason") for c in choices) if r)
+        return ModelResponse(
+            items,
+            AgentUsage(
+                model_calls=1,
+                input_tokens=_count(_get(usage, "prompt_tokens")),
+                output_tokens=_count(_get(usage, "completion_tokens")),
+                cached_input_tokens=_count(_get(details_in, "cached_tokens")),
+                reasoning_tokens=_count(_get(details_out, "reasoning_tokens")),
+            ),
+            ModelCallMetadata(
+                request_model=self.model,
+                response_model=_str_or_none(_get(built, "model")),
+                provider_name=self.provider,
+                response_id=_str_or_none(_get(built, "id")),
+                finish_reasons=reasons or None,
+            ),
+        )
+
+    def _chat_items(self, message: Any, response_id: str | None) -> tuple[ModelOutputItem, ...]:
+        """The assistant message split into items: each item is the part of the message it stands for."""
+        items: list[ModelOutputItem] = []
+        reasoning: dict[str, Any] = {}
+        blocks = _get(message, "thinking_blocks")
+        if blocks:
+            # Thinking blocks stay as the provider sent them, signature included, for an unchanged replay.
+            reasoning["thinking_blocks"] = [_plain(block) for block in blocks]
+        reasoning_text = _get(message, "reasoning_content")
+        if isinstance(reasoning_text, str) and reasoning_text:
+            reasoning["reasoning_content"] = reasoning_text
+        if reasoning:
+            text = reasoning_text if isinstance(reasoning_text, str) and reasoning_text else "".join(
+                str(_get(b, "thinking") or "") for b in reasoning.get("thinking_blocks", [])
+            )
+            items.append(ModelOutputItem(self.api_label, OutputItemKind.REASONING,
+                                         _dump({"role": "assistant", **reasoning}), text=text or None))
+        content = _get(message, "content")
+        if isinstance(content, str) and content:
+            items.append(ModelOutputItem(self.api_label, OutputItemKind.TEXT,
+                                         _dump({"role": "assistant", "content": content}), text=content))
+        for index, raw_call in enumerate(_get(message, "tool_calls") or []):
+            call = cast("dict[str, Any]", _plain(raw_call))
+            call = {key: value for key, value in call.items() if value is not None}
+            if not call.get("id"):
+                call["id"] = f"call_{response_id or 'response'}_{index}"
+            raw_function = call.get("function")
+            function: dict[str, Any] = raw_function if isinstance(raw_function, dict) else {}
+            tool_call = ModelToolCall(str(call["id"]), str(function.get("name") or ""),
+                                      str(function.get("arguments") or "{}"))
+            items.append(ModelOutputItem(self.api_label, OutputItemKind.TOOL_CALL,
+                                         _dump({"role": "assistant", "tool_calls": [call]}), tool_call=tool_call))
+        return tuple(items)
+
+    def _chat_messages(self, request: ModelRequest) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = []
+        if request.instructions:
+            messages.append({"role": "system", "content": request.instructions})
+        group: list[ModelOutputItem] = []
+        for entry in request.input:
+            if isinstance(entry, ModelOutputItem):
+                group.append(entry)
+                continue
+            self._flush_assistant(group, messages)
+            if isinstance(entry, UserTextInput):
+                messages.append({"role": "user", "content": entry.text})
+            else:
+                messages.append({"role": "tool", "tool_call_id": entry.tool_call_id, "content": entry.output})
+        self._flush_assistant(group, messages)
+        return messages
+
+    def _flush_assistant(self, group: list[ModelOutputItem], messages: list[dict[str, Any]]) -> None:
+        """One assistant message from consecutive output items: this API's as stored, others' text and calls."""
+        if not group:
+            return
+        texts: list[str] = []
+        calls: list[Any] = []
+        blocks: list[Any] = []
+        reasoning: list[str] = []
+        extra: dict[str, Any] = {}
+        for item in group:
+            if item.api == self.api_label:
+                raw = cast("dict[str, Any]", json.loads(item.item))
+                for key, value in raw.items():
+                    if key == "content" and isinstance(value, str):
+                        texts.append(value)
+                    elif key == "tool_calls" and isinstance(value, list):
+                        calls.extend(value)
+                    elif key == "thinking_blocks" and isinstance(value, list):
+                        blocks.extend(value)
+                    elif key == "reasoning_content" and isinstance(value, str):
+                        reasoning.append(value)
+                    elif key != "role":
+                        extra.setdefault(key, value)
+            elif item.kind is OutputItemKind.TOOL_CALL and item.tool_call is not None:
+                call = item.tool_call
+                calls.append({"id": call.tool_call_id, "type": "function",
+                              "function": {"name": call.tool_name, "arguments": call.arguments}})
+            elif item.kind is OutputItemKind.TEXT and item.text:
+                texts.append(item.text)
+        group.clear()
+        if not texts and not calls and not blocks:
+            return  # only reasoning of another provider: nothing to replay
+        message: dict[str, Any] = {"role": "assistant", **extra, "content": "".join(texts) or None}
+        if blocks:
+            message["thinking_blocks"] = blocks
+        if reasoning:
+            message["reasoning_content"] = "".join(reasoning)
+        if calls:
+            message["tool_calls"] = calls
+        messages.append(message)
+
+    def _is_anthropic(self) -> bool:
+        return self.provider == "anthropic" or "claude" in self.model.lower()
+
+
+def _check_options(options: Mapping[str, Any], where: str) -> None:
+    reserved = sorted(key for key in options if key in _RESERVED_OPTIONS)
+    if reserved:
+        raise ValueError(
+            f"{where} may not set {', '.join(reserved)}: LiteLLMModelClient sets these itself, and credentials "
+            "come from the environment or api_key_provider"
+        )
+
+
+def _thinking_enabled(settings: Mapping[str, Any]) -> bool:
+    thinking = settings.get("thinking")
+    if isinstance(thinking, Mapping) and thinking.get("type") not in (None, "disabled"):
+        return True
+    effort = settings.get("reasoning_effort")
+    return isinstance(effort, str) and effort not in ("", "none", "disabled")
+
+
+def _responses_tool(tool: ModelToolDefinition) -> dict[str, Any]:
+    # strict=False: the Responses API would otherwise demand strict-mode schemas of every tool.
+    return {"type": "function", "name": tool.name, "description": tool.description,
+            "parameters": dict(tool.parameters_schema), "strict": False}
+
+
+def _chat_tool(tool: ModelToolDefinition) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description,
+                                             "parameters": dict(tool.parameters_schema)}}
+
+
+def _str_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _provider_response_id(response_id: str | None) -> str | None:
+    """The provider's own response ID: LiteLLM wraps it as resp_<base64 of "litellm:...;response_id:<id>">."""
+    if response_id is None or not response_id.startswith("resp_"):
+        return response_id
+    try:
+        decoded = base64.b64decode(response_id.removeprefix("resp_"), validate=True).decode()
+    except ValueError:  # binascii.Error and UnicodeDecodeError are ValueErrors: a provider's own ID
+        return response_id
+    marker = ";response_id:"
+    if decoded.startswith("litellm:") and marker in decoded:
+        return decoded.split(marker, 1)[1] or response_id
+    return response_id
+
+
+def _failure_text(event: object) -> str:
+    error = _get(_get(event, "response"), "error") or event
+    message = _get(error, "message")
+    return str(message) if message else str(_plain(error))

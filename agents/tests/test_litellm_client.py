@@ -1,0 +1,520 @@
+"""LiteLLMModelClient against a fake provider on 127.0.0.1: wire bodies, streaming, usage, replay, no retries.
+
+The fake provider is a real HTTP server (http.server in a thread) speaking the OpenAI Responses API, the
+Chat Completions streaming API and the Anthropic Messages streaming API as SSE. LiteLLM reaches it through
+`api_base`, so every assertion about a request is about the JSON body the server received.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+# LiteLLM would fetch its model cost map (and more) over the network when imported: stay offline.
+os.environ.setdefault("LITELLM_OFFLINE_MODE", "true")
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+import litellm
+import pytest
+from agents.tests.builtin_agent import InProcessEngine, lookup_order
+from agents.tests.conftest import REPO_ROOT
+
+from dex_agents import AgentEvent, AgentEventWriter, AgentUsage, MessageRole, ModelCallMetadata, ToolEffect
+from dex_agents.builtin_loop import (
+    AgentDefinition,
+    ModelOutputWriter,
+    ModelRequest,
+    ModelToolCall,
+    ModelToolDefinition,
+    OutputItemKind,
+    ToolChoice,
+    ToolResultInput,
+    UserTextInput,
+    builtin_agent_session_flow,
+    estimate_request_tokens,
+)
+from dex_agents.litellm import LiteLLMModelClient
+from dex_agents.testing import executed_steps, to_step_history, wait_for_agent_snapshot
+
+litellm.suppress_debug_info = True  # no "Provider List" banner on every expected error
+
+# LiteLLM's own pydantic models warn about themselves; the warnings say nothing about this client.
+pytestmark = [
+    pytest.mark.filterwarnings(r"ignore::UserWarning:pydantic\..*"),
+    pytest.mark.filterwarnings("ignore::pydantic.warnings.PydanticDeprecatedSince211"),
+]
+
+# The fake provider --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Received:
+    path: str
+    headers: Mapping[str, str]
+    body: bytes
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: bytes
+    content_type: str
+
+
+class FakeProvider:
+    """Records each POST and answers it with the next queued reply for its path (500 when none is queued)."""
+
+    def __init__(self) -> None:
+        self.received: list[Received] = []
+        self._replies: dict[str, list[Reply]] = {}
+        self._lock = threading.Lock()
+        provider = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                reply = provider._take(Received(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+                self.send_response(reply.status)
+                self.send_header("Content-Type", reply.content_type)
+                self.send_header("Content-Length", str(len(reply.body)))
+                self.end_headers()
+                self.wfile.write(reply.body)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        self.url = f"http://127.0.0.1:{self._server.server_port}"
+
+    def _take(self, received: Received) -> Reply:
+        with self._lock:
+            self.received.append(received)
+            queue = self._replies.get(received.path) or []
+            if queue:
+                return queue.pop(0)
+        error = {"error": {"message": f"no reply queued for {received.path}", "type": "server_error"}}
+        return Reply(500, json.dumps(error).encode(), "application/json")
+
+    def queue(self, path: str, reply: Reply) -> None:
+        with self._lock:
+            self._replies.setdefault(path, []).append(reply)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+
+
+def sse(events: list[dict[str, Any]], *, named: bool, done: bool = False) -> Reply:
+    """A complete SSE body: `event:` lines for the Responses and Anthropic APIs, `[DONE]` for Chat Completions."""
+    lines = [(f"event: {e['type']}\n" if named else "") + f"data: {json.dumps(e)}\n\n" for e in events]
+    if done:
+        lines.append("data: [DONE]\n\n")
+    return Reply(200, "".join(lines).encode(), "text/event-stream")
+
+
+def error_reply(status: int) -> Reply:
+    return Reply(status, json.dumps({"error": {"message": "overloaded", "type": "server_error"}}).encode(),
+                 "application/json")
+
+
+@pytest.fixture
+def provider() -> Iterator[FakeProvider]:
+    fake = FakeProvider()
+    try:
+        yield fake
+    finally:
+        fake.close()
+
+
+# Provider payloads --------------------------------------------------------------------------------
+
+RESPONSES_PATH = "/v1/responses"
+CHAT_PATH = "/v1/chat/completions"
+MESSAGES_PATH = "/v1/messages"
+
+ENCRYPTED = "gAAAAABpZ3Jhbnl0ZXN0LWVuY3J5cHRlZA+/=="
+REASONING_ITEM = {"id": "rs_1", "type": "reasoning", "summary": [{"type": "summary_text", "text": "Check A-1."}],
+                  "encrypted_content": ENCRYPTED}
+MESSAGE_ITEM = {"id": "msg_1", "type": "message", "status": "completed", "role": "assistant",
+                "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]}
+CALL_ITEM = {"id": "fc_1", "type": "function_call", "status": "completed", "call_id": "call_1",
+             "name": "lookup_order", "arguments": '{"order_id":"A-1"}'}
+RESPONSES_USAGE = {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 40}, "output_tokens": 20,
+                   "output_tokens_details": {"reasoning_tokens": 7}, "total_tokens": 120}
+
+
+def responses_stream(items: list[dict[str, Any]], *, response_id: str = "resp_1") -> Reply:
+    """A Responses API stream: each item added, its deltas, done; then response.completed with usage."""
+    response = {"id": response_id, "object": "response", "created_at": 1767225600, "status": "completed",
+                "model": "gpt-5-2026-01-01", "output": items, "usage": RESPONSES_USAGE, "error": None,
+                "incomplete_details": None, "instructions": None, "metadata": {}, "parallel_tool_calls": True,
+                "tool_choice": "auto", "tools": [], "temperature": 1.0, "top_p": 1.0}
+    events: list[dict[str, Any]] = [
+        {"type": "response.created", "response": {**response, "status": "in_progress", "output": [], "usage": None}},
+    ]
+    for index, item in enumerate(items):
+        events.append({"type": "response.output_item.added", "output_index": index, "item": item})
+        if item["type"] == "reasoning":
+            events.append({"type": "response.reasoning_summary_text.delta", "item_id": item["id"],
+                           "output_index": index, "summary_index": 0, "delta": item["summary"][0]["text"]})
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            for part in (text[:4], text[4:]):
+                events.append({"type": "response.output_text.delta", "item_id": item["id"], "output_index": index,
+                               "content_index": 0, "delta": part, "logprobs": []})
+        events.append({"type": "response.output_item.done", "output_index": index, "item": item})
+    events.append({"type": "response.completed", "response": response})
+    for number, event in enumerate(events):
+        event["sequence_number"] = number
+    return sse(events, named=True)
+
+
+CHAT_CALL = {"id": "call_7", "type": "function",
+             "function": {"name": "lookup_order", "arguments": '{"order_id":"A-1"}'}}
+
+
+def chat_stream(*, reasoning: str | None = None, text: str | None = None, call: dict[str, Any] | None = None,
+                usage: dict[str, Any] | None = None) -> Reply:
+    """A Chat Completions stream: reasoning_content, content in two pieces, a tool call in two pieces, usage."""
+
+    def chunk(delta: dict[str, Any] | None, finish: str | None = None) -> dict[str, Any]:
+        return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1767225600, "model": "test-model",
+                "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    if reasoning:
+        chunks += [chunk({"reasoning_content": reasoning[:5]}), chunk({"reasoning_content": reasoning[5:]})]
+    if text:
+        chunks += [chunk({"content": text[:3]}), chunk({"content": text[3:]})]
+    if call:
+        arguments = call["function"]["arguments"]
+        chunks.append(chunk({"tool_calls": [{"index": 0, "id": call["id"], "type": "function", "function": {
+            "name": call["function"]["name"], "arguments": arguments[:5]}}]}))
+        chunks.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": arguments[5:]}}]}))
+    chunks.append(chunk({}, "tool_calls" if call else "stop"))
+    last = chunk(None)
+    last["usage"] = usage or {"prompt_tokens": 50, "completion_tokens": 12, "total_tokens": 62,
+                              "prompt_tokens_details": {"cached_tokens": 10},
+                              "completion_tokens_details": {"reasoning_tokens": 3}}
+    chunks.append(last)
+    return sse(chunks, named=False, done=True)
+
+
+SIGNATURE = "EqQBCkYIBxgCKkDsignature+/=="
+
+
+def anthropic_stream(*, thinking: str, text: str) -> Reply:
+    """An Anthropic Messages stream: a signed thinking block, then text."""
+    events: list[dict[str, Any]] = [
+        {"type": "message_start", "message": {
+            "id": "msg_01", "type": "message", "role": "assistant", "model": "claude-sonnet-4-5-20250929",
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": 30, "output_tokens": 1, "cache_read_input_tokens": 5,
+                      "cache_creation_input_tokens": 0}}},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": "",
+                                                                     "signature": ""}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": thinking}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": SIGNATURE}},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": text}},
+        {"type": "content_block_stop", "index": 1},
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+         "usage": {"output_tokens": 25}},
+        {"type": "message_stop"},
+    ]
+    return sse(events, named=True)
+
+
+# Helpers ------------------------------------------------------------------------------------------
+
+LOOKUP_TOOL = ModelToolDefinition("lookup_order", "Look up an order.", {
+    "type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]})
+
+
+def collecting_writer() -> tuple[ModelOutputWriter, list[AgentEvent]]:
+    events: list[AgentEvent] = []
+    return ModelOutputWriter(AgentEventWriter(events.append, "turn-1", "exec-1", 1)), events
+
+
+def deltas(events: list[AgentEvent]) -> list[tuple[str, str]]:
+    return [(event.type, json.loads(event.payload)["text"]) for event in events]
+
+
+def openai_client(provider: FakeProvider) -> LiteLLMModelClient:
+    return LiteLLMModelClient("openai/gpt-5", api_base=provider.url + "/v1", api_key_provider=lambda: "sk-provided")
+
+
+def chat_client(provider: FakeProvider) -> LiteLLMModelClient:
+    return LiteLLMModelClient("hosted_vllm/test-model", api_base=provider.url + "/v1")
+
+
+# The Responses API --------------------------------------------------------------------------------
+
+
+async def test_responses_call_streams_items_usage_and_metadata(provider: FakeProvider) -> None:
+    """OpenAI goes to the Responses API with store=False and include; items, deltas, usage, metadata map."""
+    client = openai_client(provider)
+    assert client.api_label == "litellm.responses:openai"
+    provider.queue(RESPONSES_PATH, responses_stream([REASONING_ITEM, MESSAGE_ITEM, CALL_ITEM]))
+    writer, events = collecting_writer()
+    request = ModelRequest("Be brief.", (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,), ToolChoice.REQUIRED)
+
+    response = await client.call_model(request, writer)
+
+    assert [item.kind for item in response.output] == [
+        OutputItemKind.REASONING, OutputItemKind.TEXT, OutputItemKind.TOOL_CALL]
+    assert {item.api for item in response.output} == {"litellm.responses:openai"}
+    assert [json.loads(item.item) for item in response.output] == [REASONING_ITEM, MESSAGE_ITEM, CALL_ITEM]
+    assert response.output[0].text == "Check A-1."
+    assert response.output[1].text == "Let me look."
+    assert response.output[2].tool_call == ModelToolCall("call_1", "lookup_order", '{"order_id":"A-1"}')
+    assert deltas(events) == [("reasoning_delta", "Check A-1."), ("text_delta", "Let "), ("text_delta", "me look.")]
+    assert response.usage == AgentUsage(model_calls=1, input_tokens=100, output_tokens=20, cached_input_tokens=40,
+                                        reasoning_tokens=7)
+    assert response.metadata == ModelCallMetadata("openai/gpt-5", "gpt-5-2026-01-01", "openai", "resp_1",
+                                                  ("completed",))
+
+    [sent] = provider.received
+    assert sent.path == RESPONSES_PATH
+    assert sent.headers["authorization"] == "Bearer sk-provided"  # the key came from api_key_provider
+    body = sent.json
+    assert body["store"] is False
+    assert body["include"] == ["reasoning.encrypted_content"]
+    assert body["stream"] is True
+    assert body["instructions"] == "Be brief."
+    assert body["input"] == [{"role": "user", "content": "Where is A-1?"}]
+    assert body["tools"] == [{"type": "function", "name": "lookup_order", "description": "Look up an order.",
+                              "parameters": dict(LOOKUP_TOOL.parameters_schema), "strict": False}]
+    assert body["tool_choice"] == "required"
+    assert "previous_response_id" not in body
+
+
+async def test_responses_replay_is_exact_to_the_same_api_and_text_only_elsewhere(provider: FakeProvider) -> None:
+    """The second request carries the first response's items unchanged; Chat Completions gets text and calls."""
+    client = openai_client(provider)
+    provider.queue(RESPONSES_PATH, responses_stream([REASONING_ITEM, MESSAGE_ITEM, CALL_ITEM]))
+    first = await client.call_model(ModelRequest(None, (UserTextInput("Where is A-1?"),)), collecting_writer()[0])
+    history = (UserTextInput("Where is A-1?"), *first.output, ToolResultInput("call_1", "lookup_order", "shipped"))
+
+    provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM], response_id="resp_2"))
+    await client.call_model(ModelRequest(None, history, (LOOKUP_TOOL,)), collecting_writer()[0])
+    replayed = provider.received[-1]
+    assert replayed.json["input"] == [
+        {"role": "user", "content": "Where is A-1?"},
+        REASONING_ITEM, MESSAGE_ITEM, CALL_ITEM,
+        {"type": "function_call_output", "call_id": "call_1", "output": "shipped"},
+    ]
+    assert f'"encrypted_content": "{ENCRYPTED}"'.encode() in replayed.body or (
+        f'"encrypted_content":"{ENCRYPTED}"'.encode() in replayed.body)
+
+    # Another provider and API: the reasoning is dropped, the text and the call replay in its own shape.
+    provider.queue(CHAT_PATH, chat_stream(text="It shipped."))
+    await chat_client(provider).call_model(ModelRequest("Be brief.", history), collecting_writer()[0])
+    other = provider.received[-1]
+    assert other.path == CHAT_PATH
+    assert other.json["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Where is A-1?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "lookup_order", "arguments": '{"order_id":"A-1"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "shipped"},
+    ]
+    assert b"encrypted_content" not in other.body and b"Check A-1." not in other.body
+
+
+# Chat Completions ---------------------------------------------------------------------------------
+
+
+async def test_chat_stream_items_usage_metadata_and_replay(provider: FakeProvider) -> None:
+    """Other providers stream Chat Completions; the items replay as one assistant message, and elsewhere without
+    reasoning."""
+    client = chat_client(provider)
+    assert client.api_label == "litellm.chat:hosted_vllm"
+    provider.queue(CHAT_PATH, chat_stream(reasoning="Let me think.", text="Hello", call=CHAT_CALL))
+    writer, events = collecting_writer()
+    request = ModelRequest("Be brief.", (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,), ToolChoice.AUTO)
+
+    response = await client.call_model(request, writer)
+
+    assert [item.kind for item in response.output] == [
+        OutputItemKind.REASONING, OutputItemKind.TEXT, OutputItemKind.TOOL_CALL]
+    assert response.output[0].text == "Let me think."
+    assert response.output[1].text == "Hello"
+    assert response.output[2].tool_call == ModelToolCall("call_7", "lookup_order", '{"order_id":"A-1"}')
+    assert json.loads(response.output[2].item) == {"role": "assistant", "tool_calls": [CHAT_CALL]}
+    assert deltas(events) == [("reasoning_delta", "Let m"), ("reasoning_delta", "e think."),
+                              ("text_delta", "Hel"), ("text_delta", "lo")]
+    assert response.usage == AgentUsage(model_calls=1, input_tokens=50, output_tokens=12, cached_input_tokens=10,
+                                        reasoning_tokens=3)
+    assert response.metadata is not None
+    assert response.metadata.request_model == "hosted_vllm/test-model"
+    assert response.metadata.provider_name == "hosted_vllm"
+    assert response.metadata.finish_reasons == ("tool_calls",)
+    sent = provider.received[-1].json
+    assert sent["stream"] is True
+    assert sent["messages"] == [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "Where is A-1?"}]
+    assert sent["tools"] == [{"type": "function", "function": {
+        "name": "lookup_order", "description": "Look up an order.", "parameters": dict(LOOKUP_TOOL.parameters_schema)}}]
+    assert sent["tool_choice"] == "auto"
+
+    history = (UserTextInput("Where is A-1?"), *response.output, ToolResultInput("call_7", "lookup_order", "shipped"))
+    provider.queue(CHAT_PATH, chat_stream(text="It shipped."))
+    await client.call_model(ModelRequest(None, history), collecting_writer()[0])
+    assistant = provider.received[-1].json["messages"][1]
+    assert assistant["tool_calls"] == [CHAT_CALL]
+    assert assistant["content"] == "Hello"
+    assert provider.received[-1].json["messages"][2] == {"role": "tool", "tool_call_id": "call_7", "content": "shipped"}
+
+    # To the Responses API the same items are foreign: text and the call, no reasoning.
+    provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM]))
+    await openai_client(provider).call_model(ModelRequest(None, history), collecting_writer()[0])
+    assert provider.received[-1].json["input"] == [
+        {"role": "user", "content": "Where is A-1?"},
+        {"role": "assistant", "content": "Hello"},
+        {"type": "function_call", "call_id": "call_7", "name": "lookup_order", "arguments": '{"order_id":"A-1"}'},
+        {"type": "function_call_output", "call_id": "call_7", "output": "shipped"},
+    ]
+    assert b"Let me think." not in provider.received[-1].body
+
+
+async def test_anthropic_thinking_blocks_replay_with_their_signature(provider: FakeProvider) -> None:
+    """Anthropic's signed thinking block is kept in the item and comes back first in the assistant message."""
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    client = LiteLLMModelClient("anthropic/claude-sonnet-4-5", api_base=provider.url,
+                                api_key_provider=lambda: "sk-ant-provided", request_options={"max_tokens": 4096})
+    assert client.api_label == "litellm.chat:anthropic"
+    provider.queue(MESSAGES_PATH, anthropic_stream(thinking="Pondering deeply.", text="Answer"))
+    writer, events = collecting_writer()
+    response = await client.call_model(
+        ModelRequest(None, (UserTextInput("hi"),), model_settings={"thinking": thinking}), writer)
+
+    block = {"type": "thinking", "thinking": "Pondering deeply.", "signature": SIGNATURE}
+    assert [item.kind for item in response.output] == [OutputItemKind.REASONING, OutputItemKind.TEXT]
+    assert json.loads(response.output[0].item)["thinking_blocks"] == [block]
+    assert deltas(events) == [("reasoning_delta", "Pondering deeply."), ("text_delta", "Answer")]
+    assert response.usage.model_calls == 1 and response.usage.cached_input_tokens == 5
+    first = provider.received[-1]
+    assert first.headers["x-api-key"] == "sk-ant-provided"
+    assert first.json["thinking"] == thinking
+
+    provider.queue(MESSAGES_PATH, anthropic_stream(thinking="More.", text="Done"))
+    history = (UserTextInput("hi"), *response.output, UserTextInput("and now?"))
+    await client.call_model(ModelRequest(None, history, model_settings={"thinking": thinking}), collecting_writer()[0])
+    assistant = provider.received[-1].json["messages"][1]
+    assert assistant == {"role": "assistant", "content": [block, {"type": "text", "text": "Answer"}]}
+
+    # Forced tool choice is refused with extended thinking on, and only for Anthropic.
+    assert client.supports_forced_tool_choice({"thinking": thinking}) is False
+    assert client.supports_forced_tool_choice({"reasoning_effort": "high"}) is False
+    assert client.supports_forced_tool_choice({}) is True
+    assert client.supports_forced_tool_choice({"thinking": {"type": "disabled"}}) is True
+    assert chat_client(provider).supports_forced_tool_choice({"thinking": thinking}) is True
+
+
+# Failures, credentials, packaging -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+async def test_a_server_error_is_one_request_and_raises(
+    provider: FakeProvider, api: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No retries of the client's own: a 500 is one request and an error, though a success is queued next."""
+    # A Worker's global LiteLLM retry setting must not apply either: RunModel owns the retries.
+    monkeypatch.setattr(litellm, "num_retries", 2)
+    if api == "responses":
+        client, path, success = openai_client(provider), RESPONSES_PATH, responses_stream([MESSAGE_ITEM])
+    else:
+        client, path, success = chat_client(provider), CHAT_PATH, chat_stream(text="fine")
+    provider.queue(path, error_reply(500))
+    provider.queue(path, success)  # a retry would get this and succeed
+    with pytest.raises(Exception, match="overloaded"):
+        await client.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
+    assert [r.path for r in provider.received] == [path]
+
+
+async def test_credentials_and_owned_parameters_are_refused_in_settings(provider: FakeProvider) -> None:
+    """model_settings and request_options cannot carry credentials or replace what the client sets."""
+    client = chat_client(provider)
+    for settings in ({"api_key": "sk-smuggled"}, {"api_base": "http://elsewhere"}, {"num_retries": 3},
+                     {"stream": False}):
+        with pytest.raises(ValueError, match="may not set"):
+            await client.call_model(ModelRequest(None, (UserTextInput("hi"),), model_settings=settings),
+                                    collecting_writer()[0])
+    with pytest.raises(ValueError, match="may not set api_key"):
+        LiteLLMModelClient("openai/gpt-5", request_options={"api_key": "sk-inline"})
+    with pytest.raises(ValueError, match="api must be"):
+        LiteLLMModelClient("openai/gpt-5", api="completions")
+    with pytest.raises(ValueError, match="cannot tell the provider"):
+        LiteLLMModelClient("no-such-model-anywhere")
+    assert provider.received == []
+    request = ModelRequest("Be brief.", (UserTextInput("x" * 300),), (LOOKUP_TOOL,))
+    assert client.estimate_input_tokens(request) == estimate_request_tokens(request) >= 100
+    assert LiteLLMModelClient("openai/gpt-5", api="chat").api_label == "litellm.chat:openai"
+
+
+def test_without_litellm_the_import_names_the_extra() -> None:
+    """`import dex_agents` never imports LiteLLM; dex_agents.litellm without it names dex-agents[litellm]."""
+    script = (
+        "import sys\n"
+        "import dex_agents, dex_agents.builtin_loop, dex_agents.testing\n"
+        "assert 'litellm' not in sys.modules, 'dex_agents imported litellm'\n"
+        "sys.modules['litellm'] = None\n"
+        "try:\n"
+        "    import dex_agents.litellm\n"
+        "except ImportError as error:\n"
+        "    print('IMPORT ERROR:', error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "IMPORT ERROR:" in done.stdout and "dex-agents[litellm]" in done.stdout
+
+
+# End to end ---------------------------------------------------------------------------------------
+
+
+async def test_session_turn_with_a_tool_call_through_litellm(provider: FakeProvider, tmp_path: Path) -> None:
+    """A builtin_loop agent on LiteLLMModelClient runs a real session: a tool call, then the final answer."""
+    model = chat_client(provider)
+    agent = AgentDefinition(name="litellm-agent", model=model, instructions="You look up orders.",
+                            tools=[lookup_order])
+    flow = builtin_agent_session_flow(agent, "LiteLLMAgent")
+    provider.queue(CHAT_PATH, chat_stream(text="Checking.", call=CHAT_CALL))
+    provider.queue(CHAT_PATH, chat_stream(text="A-1 has shipped."))
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "Where is A-1?")
+        done = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: s if s.state is not None and s.state.turn_count >= 1 else None,
+            description="the turn to end")
+        assert done.state is not None and done.state.last_turn_error is None
+        assert done.messages[-1].role is MessageRole.ASSISTANT and done.messages[-1].text == "A-1 has shipped."
+        steps = executed_steps(to_step_history(await engine.client.get_flow_history("s")))
+    assert steps == ["StartAgentSession", "RunModel", "CallTool", "ResumeTurn", "RunModel"]
+    assert lookup_order.policy.effect is ToolEffect.READ  # a read runs in CallTool without an approval
+    assert len(provider.received) == 2
+    second = provider.received[1].json["messages"]
+    assert second[0] == {"role": "system", "content": "You look up orders."}
+    assert second[1] == {"role": "user", "content": "Where is A-1?"}
+    assert second[2] == {"role": "assistant", "content": "Checking.", "tool_calls": [CHAT_CALL]}
+    assert second[3]["role"] == "tool" and second[3]["tool_call_id"] == "call_7"
+    assert "shipped" in second[3]["content"]
