@@ -11,6 +11,9 @@ Two modes (the flow input): "commit" returns a decision right away (the late com
 store for certain: the zombie crosses the before-commit gate); "writes" first appends a best-effort
 stream event and heartbeats, then returns (the late heartbeat and event; the commit that follows may
 be dropped by the worker itself once it learned the attempt is gone).
+
+Each case runs on SQLite (one file, two processes) and on PostgreSQL (two processes, each with its
+own connection pool and LISTEN connection).
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from .conftest import engine_for
 from .proc_harness import ProcSet, assert_no_attempt_ran_twice, eventually
 from .worker_child import REGISTRY, Owner, Progress
 
-# The process harness freezes and inspects the SQLite file directly; the PostgreSQL variants of these
-# scenarios are the fault tests of the PostgreSQL issue.
-pytestmark = [pytest.mark.slow, pytest.mark.sqlite_only]
+# Both backends: the harness freezes the zombie outside any transaction (SQLite: the file's write
+# lock is free; PostgreSQL: its server sessions are idle), and the fencing checks are the same SQL.
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("mode", ["commit", "writes"])

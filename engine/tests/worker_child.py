@@ -4,7 +4,9 @@ It builds the test Flows below and runs an AsyncWorker on DEX_TEST_DB_URL until 
 drains and exits 0). Crash gates come from DEX_ENGINE_CRASH_AT / DEX_ENGINE_GATE_LOG, read by the
 engine itself. Every handler records what it does in the invocation log of DEX_TEST_STATE_DIR; a
 handler of a Step type listed in DEX_TEST_HOLD waits at a FileGate named
-`<flow_id>.<step_execution_id>.<attempt>` after its first heartbeat (only the Zombie flow's Step holds).
+`<flow_id>.<step_execution_id>.<attempt>` after its first heartbeat (only the Zombie flow's Step holds),
+blocking its event loop, or with DEX_TEST_HOLD_YIELDS=1 awaiting the gate while its worker runs on.
+The worker's own log (INFO for dex_engine.worker: results it discards) goes to stderr.
 
 The test process imports this module for REGISTRY (the client needs the same Flows); the
 handlers only ever run in a child.
@@ -13,6 +15,8 @@ handlers only ever run in a child.
 from __future__ import annotations
 
 import asyncio
+import importlib
+import logging
 import os
 import signal
 import sys
@@ -40,11 +44,13 @@ from dex_engine import (
 from .proc_harness import (
     ENV_DB_URL,
     ENV_HOLD,
+    ENV_HOLD_YIELDS,
     ENV_HOUSEKEEPING,
     ENV_LEASE_RENEW,
     ENV_LEASE_TTL,
     ENV_LOG_FSYNC,
     ENV_MAX_TASKS,
+    ENV_REGISTRY,
     ENV_START_GATE,
     ENV_STATE_DIR,
     INVOCATIONS_FILE,
@@ -64,6 +70,7 @@ class _Child:
     state_dir: Path
     log: InvocationLog
     hold: frozenset[str]
+    hold_yields: bool
 
 
 _CHILD: list[_Child] = []  # set by main(): handlers run only in a worker child
@@ -85,18 +92,22 @@ async def _start(ctx: Context) -> None:
     _record(ctx, "start")
 
 
-def _hold(ctx: Context) -> None:
+async def _hold(ctx: Context) -> None:
     """If this child holds the Step type, wait at the FileGate `<flow_id>.<step_execution_id>.<attempt>`.
 
-    The wait does not yield to the event loop: when the process resumes after its attempt was taken
-    over, its worker has had no chance to notice, so the handler's late writes go out as if nothing
-    happened and the store's fencing (E2) is what must refuse them.
+    By default the wait does not yield to the event loop: when the process resumes after its attempt
+    was taken over, its worker has had no chance to notice, so the handler's late writes go out as if
+    nothing happened and the store's fencing (E2) is what must refuse them. With hold_yields the
+    worker keeps renewing its lease meanwhile: only losing the database (a cut network) loses it.
     """
     child = _child()
     if ctx.step_type in child.hold:
         gate = FileGate(child.state_dir, f"{ctx.flow_id}.{ctx.step_execution_id}.{ctx.attempt}")
         gate.mark_reached()
-        gate.wait_released_blocking()
+        if child.hold_yields:
+            await gate.wait_released()
+        else:
+            gate.wait_released_blocking()
 
 
 # Chain: A -> B -> C, each Step appends "<step execution>#<attempt>" to Trail ---------------------
@@ -174,7 +185,7 @@ Progress: Stream[str] = Stream("Progress", str)
 async def slow(ctx: Context, mode: str) -> StepDecision:
     """mode "commit": return at once after the hold; mode "writes": first a stream event and a heartbeat."""
     await _start(ctx)
-    _hold(ctx)  # a held worker is frozen (SIGSTOP) in here and resumes as a zombie
+    await _hold(ctx)  # a held worker is frozen (SIGSTOP) or cut off in here and resumes as a zombie
     me = {"pid": os.getpid(), "attempt": ctx.attempt}
     if mode == "writes":
         ctx.write_event(Progress, f"{ctx.step_execution_id}#{ctx.attempt} pid {me['pid']}")
@@ -239,8 +250,18 @@ def _options() -> WorkerOptions:
     )
 
 
+def _registry() -> Registry:
+    """REGISTRY, or the Registry named by DEX_TEST_REGISTRY ("<module>:<name>", e.g. another test file's Flows)."""
+    spec = os.environ.get(ENV_REGISTRY)
+    if not spec:
+        return REGISTRY
+    module, _, name = spec.partition(":")
+    registry: Registry = getattr(importlib.import_module(module), name)
+    return registry
+
+
 async def _serve() -> None:
-    worker = AsyncWorker(REGISTRY, _options())
+    worker = AsyncWorker(_registry(), _options())
     stopping: list[asyncio.Task[None]] = []
     asyncio.get_running_loop().add_signal_handler(
         signal.SIGTERM, lambda: stopping.append(asyncio.create_task(worker.stop()))
@@ -254,7 +275,10 @@ def main() -> int:
         state_dir=state_dir,
         log=InvocationLog(state_dir / INVOCATIONS_FILE, fsync=os.environ.get(ENV_LOG_FSYNC, "1") != "0"),
         hold=frozenset(filter(None, os.environ.get(ENV_HOLD, "").split(","))),
+        hold_yields=os.environ.get(ENV_HOLD_YIELDS, "0") == "1",
     ))
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    logging.getLogger("dex_engine.worker").setLevel(logging.INFO)
     if os.environ.get(ENV_START_GATE):
         # Standby: imports are done (the slow part of starting); wait for the test's go.
         release = FileGate(state_dir, os.environ[ENV_START_GATE]).release_path

@@ -61,7 +61,9 @@ class Db(Protocol):
     `history` buffers the operation's history events; run_op writes them once at its end.
     `for_update` and `skip_locked` are the row-lock clauses a backend with concurrent writers needs
     ('' on SQLite, whose writers are serialized by BEGIN IMMEDIATE). `notify` tells other
-    processes' workers that work may be ready.
+    processes' workers that work may be ready. PostgreSQL's also has `dialect = "postgres"`, which
+    lets a few hot statements use its syntax (one statement where SQLite needs two), and
+    `send(sql, params)`: run a statement without waiting for its reply (see `_send`).
     """
 
     history: list[HistoryRow]
@@ -111,6 +113,17 @@ def _in(values: Sequence[Any]) -> str:
     return ",".join("?" for _ in values)
 
 
+def _send(db: Db, sql: str, params: Sequence[Any] = ()) -> None:
+    """Run a statement whose result nobody reads. A pipelining backend (PostgreSQL) sends it with
+    the next statement that needs a reply, saving a round trip; its errors surface there, still
+    inside the transaction. Backends without `send` run it at once."""
+    send = getattr(db, "send", None)
+    if send is None:
+        db.run(sql, params)
+    else:
+        send(sql, params)
+
+
 # Flows -------------------------------------------------------------------------------------
 
 
@@ -133,13 +146,15 @@ def require_running(db: Db, flow_id: str, *, lock: bool = True) -> str:
     return str(row[0])
 
 
-def lock_flow(db: Db, flow_id: str) -> bool:
-    """Serialize this transaction with every other change to the flow; False if it is gone."""
-    return db.one(f"SELECT 1 FROM flows WHERE flow_id = ?{db.for_update}", (flow_id,)) is not None
+def lock_flow(db: Db, flow_id: str) -> None:
+    """Serialize this transaction with every other change to the flow (its row lock). A no-op on
+    SQLite, whose BEGIN IMMEDIATE already serializes every writer."""
+    if db.for_update:
+        _send(db, f"SELECT 1 FROM flows WHERE flow_id = ?{db.for_update}", (flow_id,))
 
 
 def bump(db: Db, flow_id: str) -> None:
-    db.run("UPDATE flows SET version = version + 1 WHERE flow_id = ?", (flow_id,))
+    _send(db, "UPDATE flows SET version = version + 1 WHERE flow_id = ?", (flow_id,))
 
 
 def start_flow(db: Db, req: StartRequest, now: int) -> None:
@@ -163,14 +178,14 @@ def flow_config(db: Db, flow_id: str) -> FlowConfig:
 
 def update_flow_config(db: Db, flow_id: str, config: FlowConfig) -> None:
     require_running(db, flow_id)
-    db.run("UPDATE flows SET config = ? WHERE flow_id = ?", (encode_json(config), flow_id))
+    _send(db, "UPDATE flows SET config = ? WHERE flow_id = ?", (encode_json(config), flow_id))
 
 
 def close_flow(db: Db, flow_id: str, status: str, output: bytes | None, error: str | None, now: int) -> None:
     for (task_id,) in db.all("SELECT task_id FROM tasks WHERE flow_id = ? ORDER BY task_id", (flow_id,)):
         _cancel_task(db, int(task_id), now, "flow closed")
-    db.run(
-        "UPDATE flows SET status = ?, output = ?, error = ?, closed_at = ?, version = version + 1 "
+    _send(
+        db, "UPDATE flows SET status = ?, output = ?, error = ?, closed_at = ?, version = version + 1 "
         "WHERE flow_id = ?",
         (status, output, error, now, flow_id),
     )
@@ -205,7 +220,11 @@ def flush_history(db: Db) -> None:
     by_flow: dict[str, list[HistoryRow]] = {}
     for row in pending:
         by_flow.setdefault(row[0], []).append(row)
+    postgres = getattr(db, "dialect", None) == "postgres"
     for flow_id, rows in by_flow.items():
+        if postgres:
+            _send_history(db, flow_id, rows)
+            continue
         # History marks state changes, so it also bumps the version RPCs validate against.
         got = db.one(
             "UPDATE flows SET history_seq = history_seq + ?, version = version + 1 WHERE flow_id = ? "
@@ -228,6 +247,29 @@ def flush_history(db: Db) -> None:
         if last // HISTORY_TRIM_CHECK_EVERY != (first - 1) // HISTORY_TRIM_CHECK_EVERY:
             # Trimmed in chunks so a Step pays no extra statement on most writes.
             db.run("DELETE FROM history WHERE flow_id = ? AND seq <= ?", (flow_id, last - MAX_HISTORY_EVENTS_PER_FLOW))
+
+
+def _send_history(db: Db, flow_id: str, rows: list[HistoryRow]) -> None:
+    """`flush_history` on PostgreSQL: one statement (data-modifying CTEs), no reply awaited. The
+    server numbers the events from the updated sequence, and trims as above when the sequence
+    crosses a multiple of HISTORY_TRIM_CHECK_EVERY (n events cross one when the new sequence modulo
+    it is below n)."""
+    n = len(rows)
+    values = ", ".join("(?, ?, ?, ?, ?, ?, ?)" for _ in rows)
+    params: list[Any] = [n, flow_id, HISTORY_TRIM_CHECK_EVERY, n, MAX_HISTORY_EVENTS_PER_FLOW, n]
+    for i, (_f, step_type, seid, event, attempt, at, detail) in enumerate(rows, start=1):
+        params += (i, step_type, seid, event, attempt, at, detail)
+    _send(
+        db,
+        "WITH f AS (UPDATE flows SET history_seq = history_seq + ?, version = version + 1 WHERE flow_id = ? "
+        "RETURNING flow_id, history_seq), "
+        "trimmed AS (DELETE FROM history h USING f WHERE h.flow_id = f.flow_id "
+        "AND f.history_seq % ? < ? AND h.seq <= f.history_seq - ?) "
+        "INSERT INTO history (flow_id, seq, step_type, step_execution_id, event_type, attempt, at, detail) "
+        "SELECT f.flow_id, f.history_seq - ? + v.i, v.step_type, v.seid, v.event, v.attempt, v.at, v.detail "
+        f"FROM f, (VALUES {values}) AS v (i, step_type, seid, event, attempt, at, detail)",
+        params,
+    )
 
 
 def run_op(fn: Callable[[Db], R], db: Db) -> R:
@@ -254,14 +296,30 @@ def read_history(db: Db, flow_id: str, limit: int) -> list[HistoryEntry]:
 # Tasks -------------------------------------------------------------------------------------
 
 
-def _next_execution_id(db: Db, flow_id: str, step_type: str) -> str:
-    row = db.one(
-        "INSERT INTO step_counters (flow_id, step_type, n) VALUES (?, ?, 1) "
-        "ON CONFLICT (flow_id, step_type) DO UPDATE SET n = step_counters.n + 1 RETURNING n",
-        (flow_id, step_type),
-    )
+_COUNT_EXECUTION = ("INSERT INTO step_counters (flow_id, step_type, n) VALUES (?, ?, 1) "
+                    "ON CONFLICT (flow_id, step_type) DO UPDATE SET n = step_counters.n + 1")
+
+
+def _insert_task(db: Db, columns: str, values: str, params: Sequence[Any]) -> tuple[int, str]:
+    """Insert a task under the next execution ID of its Step type, `<StepType>-<n>` (n counted per
+    flow); returns its task ID and execution ID. `columns` start with flow_id, flow_type, step_type,
+    step_execution_id; `values` holds `{id}` in the execution ID's place and `?` for `params`."""
+    flow_id, step_type = params[0], params[2]
+    if getattr(db, "dialect", None) == "postgres":
+        # One statement: the counter's new value comes from a data-modifying CTE.
+        execution_id = "CAST(? AS TEXT) || '-' || CAST(c.n AS TEXT)"
+        sql = (f"WITH c AS ({_COUNT_EXECUTION} RETURNING n) INSERT INTO tasks ({columns}) "
+               f"SELECT {values.format(id=execution_id)} FROM c RETURNING task_id, step_execution_id")
+        row = db.one(sql, (flow_id, step_type, *params[:3], step_type, *params[3:]))
+    else:
+        _send(db, _COUNT_EXECUTION, (flow_id, step_type))
+        execution_id = ("CAST(? AS TEXT) || '-' || CAST((SELECT n FROM step_counters WHERE flow_id = ? "
+                        "AND step_type = ?) AS TEXT)")
+        sql = (f"INSERT INTO tasks ({columns}) VALUES ({values.format(id=execution_id)}) "
+               "RETURNING task_id, step_execution_id")
+        row = db.one(sql, (*params[:3], step_type, flow_id, step_type, *params[3:]))
     assert row is not None
-    return f"{step_type}-{row[0]}"
+    return int(row[0]), str(row[1])
 
 
 @dataclass
@@ -279,7 +337,7 @@ def create_task(
     recovery_error: RecoveryError | None = None, config: FlowConfig | None = None,
     handoff: Handoff | None = None,
 ) -> int:
-    seid = _next_execution_id(db, flow_id, movement.step_type)
+    step_type = movement.step_type
     options = movement.options
     if options.durability is None:
         config = config or flow_config(db, flow_id)
@@ -288,37 +346,37 @@ def create_task(
     mopts = _method_options(options, method)
     recovery_blob = None if recovery_error is None else encode_json(recovery_error)
     options_blob = encode_json(options)
-    _history(db, flow_id, movement.step_type, seid, STEP_SCHEDULED, 0, now)
     if handoff is None or handoff.capacity <= 0 or mopts.locks:
-        row = db.one(
-            "INSERT INTO tasks (flow_id, flow_type, step_type, step_execution_id, input, options, method, "
-            "state, attempt, run_at, recovery_error, created_at) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, 'ready', 1, ?, ?, ?) RETURNING task_id",
-            (flow_id, flow_type, movement.step_type, seid, movement.input, options_blob, method, now,
-             recovery_blob, now),
+        task_id, seid = _insert_task(
+            db,
+            "flow_id, flow_type, step_type, step_execution_id, input, options, method, state, attempt, run_at, "
+            "recovery_error, created_at",
+            "?, ?, ?, {id}, ?, ?, ?, 'ready', 1, ?, ?, ?",
+            (flow_id, flow_type, step_type, movement.input, options_blob, method, now, recovery_blob, now),
         )
-        assert row is not None
+        _history(db, flow_id, step_type, seid, STEP_SCHEDULED, 0, now)
         db.notify()
-        return int(row[0])
+        return task_id
     start = _attempt_start(db, flow_id, options, mopts, None, now)
-    row = db.one(
-        "INSERT INTO tasks (flow_id, flow_type, step_type, step_execution_id, input, options, method, "
-        "state, attempt, run_at, recovery_error, created_at, lease_owner, lease_epoch, claimed_at, "
-        "method_first_at, deadline_at, method_deadline_at, snapshot) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, 'running', 1, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?) RETURNING task_id",
-        (flow_id, flow_type, movement.step_type, seid, movement.input, options_blob, method, now,
-         recovery_blob, now, handoff.worker_id, now, now, start.deadline, start.method_deadline, start.snapshot),
+    task_id, seid = _insert_task(
+        db,
+        "flow_id, flow_type, step_type, step_execution_id, input, options, method, state, attempt, run_at, "
+        "recovery_error, created_at, lease_owner, lease_epoch, claimed_at, method_first_at, deadline_at, "
+        "method_deadline_at, snapshot",
+        "?, ?, ?, {id}, ?, ?, ?, 'running', 1, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?",
+        (flow_id, flow_type, step_type, movement.input, options_blob, method, now, recovery_blob, now,
+         handoff.worker_id, now, now, start.deadline, start.method_deadline, start.snapshot),
     )
-    assert row is not None
+    _history(db, flow_id, step_type, seid, STEP_SCHEDULED, 0, now)
     _options_cache[options_blob] = options
     handoff.capacity -= 1
     handoff.leases.append(Lease(
-        task_id=int(row[0]), lease_epoch=1, flow_id=flow_id, flow_type=flow_type, step_type=movement.step_type,
+        task_id=task_id, lease_epoch=1, flow_id=flow_id, flow_type=flow_type, step_type=movement.step_type,
         step_execution_id=seid, method=method, attempt=1, input=movement.input, options=options,
         load=mopts.load, attributes=start.attributes, checkpoint=None, wait_spec=None, wait_outcome=None,
         recovery_error=recovery_error,
     ))
-    return int(row[0])
+    return task_id
 
 
 @dataclass(frozen=True)
@@ -369,7 +427,7 @@ def _method_options(options: TaskOptions, method: str) -> MethodOptions:
 
 
 def _release_locks(db: Db, task_id: int) -> None:
-    db.run("DELETE FROM locks WHERE task_id = ?", (task_id,))
+    _send(db, "DELETE FROM locks WHERE task_id = ?", (task_id,))
 
 
 def _try_lock(db: Db, flow_id: str, task_id: int, names: tuple[str, ...]) -> bool:
@@ -382,8 +440,8 @@ def _try_lock(db: Db, flow_id: str, task_id: int, names: tuple[str, ...]) -> boo
     if held:
         return False
     for name in names:
-        db.run(
-            "INSERT INTO locks (flow_id, lock_name, task_id) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+        _send(
+            db, "INSERT INTO locks (flow_id, lock_name, task_id) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
             (flow_id, name, task_id),
         )
     return True
@@ -437,12 +495,12 @@ def _claim_row(db: Db, r: Row, worker_id: str, now: int) -> Lease | None:
     if not r[14] and mopts.locks:
         if not _try_lock(db, str(flow_id), int(task_id), mopts.locks):
             return None
-        db.run("UPDATE tasks SET locks_held = 1 WHERE task_id = ?", (task_id,))
+        _send(db, "UPDATE tasks SET locks_held = 1 WHERE task_id = ?", (task_id,))
     start = _attempt_start(db, str(flow_id), options, mopts, None if r[10] is None else bytes(r[10]), now)
     attrs = start.attributes
     new_epoch = int(epoch) + 1
-    db.run(
-        "UPDATE tasks SET state = 'running', lease_owner = ?, lease_epoch = ?, claimed_at = ?, "
+    _send(
+        db, "UPDATE tasks SET state = 'running', lease_owner = ?, lease_epoch = ?, claimed_at = ?, "
         "attempt_started = 0, method_first_at = COALESCE(method_first_at, ?), deadline_at = ?, "
         "method_deadline_at = ?, snapshot = ? WHERE task_id = ?",
         (worker_id, new_epoch, now, now, start.deadline, start.method_deadline, start.snapshot, task_id),
@@ -460,12 +518,14 @@ def _claim_row(db: Db, r: Row, worker_id: str, now: int) -> Lease | None:
 
 
 def check_lease(db: Db, lease: Lease) -> tuple[FlowConfig, bool]:
-    """E2: only the attempt that owns the task may write. Returns the flow's config and completing flag."""
-    lock_flow(db, lease.flow_id)
+    """E2: only the attempt that owns the task may write. Returns the flow's config and completing flag.
+
+    The read also takes the flow's lock (and the task row's) on PostgreSQL: a read that waited
+    for the lock re-reads both rows at their newest versions, so the epoch it checks is current."""
     row = db.one(
-        "SELECT t.state, t.lease_epoch, f.status, f.config, f.completing FROM tasks t "
-        "JOIN flows f ON f.flow_id = t.flow_id WHERE t.task_id = ?",
-        (lease.task_id,),
+        "SELECT t.state, t.lease_epoch, f.status, f.config, f.completing FROM flows f "
+        f"JOIN tasks t ON t.flow_id = f.flow_id WHERE f.flow_id = ? AND t.task_id = ?{db.for_update}",
+        (lease.flow_id, lease.task_id),
     )
     if row is None or row[0] != "running" or int(row[1]) != lease.lease_epoch:
         raise StaleAttemptError(
@@ -483,8 +543,8 @@ def _release_method_locks(db: Db, lease: Lease) -> None:
 
 
 def _mark_started(db: Db, lease: Lease) -> None:
-    db.run(
-        "UPDATE tasks SET attempt_started = 1, any_started = 1 WHERE task_id = ? AND attempt_started = 0",
+    _send(
+        db, "UPDATE tasks SET attempt_started = 1, any_started = 1 WHERE task_id = ? AND attempt_started = 0",
         (lease.task_id,),
     )
 
@@ -495,10 +555,10 @@ def _mark_started(db: Db, lease: Lease) -> None:
 def apply_writes(db: Db, flow_id: str, writes: WriteSet, seid: str, attempt: int, now: int) -> None:
     for (name, key), value in writes.attributes.items():
         if value is None:
-            db.run("DELETE FROM attributes WHERE flow_id = ? AND name = ? AND key = ?", (flow_id, name, key))
+            _send(db, "DELETE FROM attributes WHERE flow_id = ? AND name = ? AND key = ?", (flow_id, name, key))
         else:
-            db.run(
-                "INSERT INTO attributes (flow_id, name, key, value) VALUES (?, ?, ?, ?) "
+            _send(
+                db, "INSERT INTO attributes (flow_id, name, key, value) VALUES (?, ?, ?, ?) "
                 "ON CONFLICT (flow_id, name, key) DO UPDATE SET value = excluded.value",
                 (flow_id, name, key, value),
             )
@@ -509,8 +569,8 @@ def apply_writes(db: Db, flow_id: str, writes: WriteSet, seid: str, attempt: int
         ):
             raise ChannelMessageNotFoundError(channel if not key else f"{channel}[{key}]", message_id)
     for channel, key, value in writes.publishes:
-        db.run(
-            "INSERT INTO channel_messages (flow_id, channel, key, value, created_at) VALUES (?, ?, ?, ?, ?)",
+        _send(
+            db, "INSERT INTO channel_messages (flow_id, channel, key, value, created_at) VALUES (?, ?, ?, ?, ?)",
             (flow_id, channel, key, value, now),
         )
     for stream, capacity, value in writes.appends:
@@ -524,13 +584,13 @@ def append_events(
                  (flow_id, stream))
     if row is None:
         next_seq, first_seq, total = 1, 1, 0
-        db.run("INSERT INTO streams (flow_id, stream, next_seq, first_seq, total_bytes) VALUES (?, ?, 1, 1, 0)",
+        _send(db, "INSERT INTO streams (flow_id, stream, next_seq, first_seq, total_bytes) VALUES (?, ?, 1, 1, 0)",
                (flow_id, stream))
     else:
         next_seq, first_seq, total = int(row[0]), int(row[1]), int(row[2])
     for seid, attempt, value in events:
-        db.run(
-            "INSERT INTO stream_events (flow_id, stream, seq, step_execution_id, attempt, value) "
+        _send(
+            db, "INSERT INTO stream_events (flow_id, stream, seq, step_execution_id, attempt, value) "
             "VALUES (?, ?, ?, ?, ?, ?)",
             (flow_id, stream, next_seq, seid, attempt, value),
         )
@@ -542,10 +602,10 @@ def append_events(
                      "ORDER BY seq LIMIT 1", (flow_id, stream))
         if old is None:
             break
-        db.run("DELETE FROM stream_events WHERE flow_id = ? AND stream = ? AND seq = ?", (flow_id, stream, old[0]))
+        _send(db, "DELETE FROM stream_events WHERE flow_id = ? AND stream = ? AND seq = ?", (flow_id, stream, old[0]))
         total -= int(old[1])
         first_seq = int(old[0]) + 1
-    db.run("UPDATE streams SET next_seq = ?, first_seq = ?, total_bytes = ? WHERE flow_id = ? AND stream = ?",
+    _send(db, "UPDATE streams SET next_seq = ?, first_seq = ?, total_bytes = ? WHERE flow_id = ? AND stream = ?",
            (next_seq, first_seq, total, flow_id, stream))
 
 
@@ -602,20 +662,20 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
                        if c.kind == "timer" and i not in fired]
             next_due = min(pending) if pending else None
             if next_due != due_at:
-                db.run("UPDATE tasks SET timer_due_at = ? WHERE task_id = ?", (next_due, task_id))
+                _send(db, "UPDATE tasks SET timer_due_at = ? WHERE task_id = ?", (next_due, task_id))
             continue
         consumed: list[tuple[ConsumedMessage, ...]] = []
         for i in range(len(spec.conditions)):
             ids = selection.take.get(i, [])
             consumed.append(tuple(ConsumedMessage(mid, msgspec.Raw(bodies[mid])) for mid in ids))
             if ids:
-                db.run(f"DELETE FROM channel_messages WHERE message_id IN ({_in(ids)})", ids)
+                _send(db, f"DELETE FROM channel_messages WHERE message_id IN ({_in(ids)})", ids)
         outcome = WaitOutcome(
             satisfied=selection.satisfied, consumed=tuple(consumed),
             fired_timers=selection.fired_timers, skipped=selection.skipped,
         )
-        db.run(
-            "UPDATE tasks SET state = 'ready', method = 'execute', attempt = 1, attempt_started = 0, "
+        _send(
+            db, "UPDATE tasks SET state = 'ready', method = 'execute', attempt = 1, attempt_started = 0, "
             "any_started = 0, method_first_at = NULL, snapshot = NULL, checkpoint = NULL, run_at = ?, "
             "wait_outcome = ?, timer_due_at = NULL, last_error = NULL WHERE task_id = ?",
             (now, encode_json(outcome), task_id),
@@ -637,7 +697,7 @@ def skip_timer(db: Db, flow_id: str, step_execution_id: str, now: int) -> None:
         raise StepNotWaitingError(flow_id, step_execution_id)
     if not any(c.kind == "timer" for c in decode_json(row[1], WaitSpec).conditions):
         raise StepNotWaitingError(flow_id, step_execution_id, "waits on no timer")
-    db.run("UPDATE tasks SET timers_skipped = 1 WHERE task_id = ?", (row[0],))
+    _send(db, "UPDATE tasks SET timers_skipped = 1 WHERE task_id = ?", (row[0],))
     evaluate_waits(db, flow_id, now)
     bump(db, flow_id)
 
@@ -650,8 +710,8 @@ def commit_wait_for(db: Db, lease: Lease, writes: WriteSet, spec: WaitSpec, now:
     apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now)
     _release_method_locks(db, lease)
     timers = [c.seconds for c in spec.conditions if c.kind == "timer"]
-    db.run(
-        "UPDATE tasks SET state = 'waiting', method = 'execute', lease_owner = NULL, locks_held = 0, "
+    _send(
+        db, "UPDATE tasks SET state = 'waiting', method = 'execute', lease_owner = NULL, locks_held = 0, "
         "wait_spec = ?, wait_registered_at = ?, timer_due_at = ?, deadline_at = NULL, snapshot = NULL, "
         "checkpoint = NULL WHERE task_id = ?",
         (encode_json(spec), now, now + min(timers) * 1000 if timers else None, lease.task_id),
@@ -666,7 +726,7 @@ def commit_execute(
     config, completing = check_lease(db, lease)
     apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now)
     _release_method_locks(db, lease)
-    db.run("DELETE FROM tasks WHERE task_id = ?", (lease.task_id,))
+    _send(db, "DELETE FROM tasks WHERE task_id = ?", (lease.task_id,))
     _history(db, lease.flow_id, lease.step_type, lease.step_execution_id, EXECUTE_COMPLETED, lease.attempt, now,
              decision.kind)
     apply_decision(db, lease.flow_id, lease.flow_type, decision, now, config, handoff)
@@ -694,7 +754,7 @@ def apply_decision(
     for movement in decision.movements:
         create_task(db, flow_id, flow_type, movement, now, config=config, handoff=handoff)
     if decision.kind == "graceful_complete":
-        db.run("UPDATE flows SET completing = 1, completion_output = ? WHERE flow_id = ?",
+        _send(db, "UPDATE flows SET completing = 1, completion_output = ? WHERE flow_id = ?",
                (decision.output, flow_id))
 
 
@@ -713,7 +773,7 @@ def _cancel_task(db: Db, task_id: int, now: int, detail: str) -> None:
     if row is None:
         return
     _release_locks(db, task_id)
-    db.run("DELETE FROM tasks WHERE task_id = ?", (task_id,))
+    _send(db, "DELETE FROM tasks WHERE task_id = ?", (task_id,))
     _history(db, str(row[0]), str(row[1]), str(row[2]), STEP_CANCELLED, int(row[3]), now, detail)
 
 
@@ -742,15 +802,15 @@ def _fail_task(db: Db, task_id: int, error: ErrorInfo, no_retry: bool, now: int)
     decision = decide_retry(policy, attempt=attempt, first_started_ms=int(row[8] or now), now_ms=now,
                             no_retry=no_retry)
     if decision.retry:
-        db.run(
-            "UPDATE tasks SET state = 'ready', attempt = attempt + 1, attempt_started = 0, run_at = ?, "
+        _send(
+            db, "UPDATE tasks SET state = 'ready', attempt = attempt + 1, attempt_started = 0, run_at = ?, "
             "lease_owner = NULL, deadline_at = NULL, last_error = ? WHERE task_id = ?",
             (decision.run_at_ms, encode_json(error), task_id),
         )
         bump(db, flow_id)
         return
     _release_locks(db, task_id)
-    db.run("DELETE FROM tasks WHERE task_id = ?", (task_id,))
+    _send(db, "DELETE FROM tasks WHERE task_id = ?", (task_id,))
     recovery = RecoveryError(
         step_type=step_type, step_execution_id=seid,
         method="wait_for" if method == "wait_for" else "execute", attempts=attempt,
@@ -772,14 +832,14 @@ def abandon(db: Db, lease: Lease) -> None:
     """Drop this worker's claim on an attempt it cannot finish (a worker-side error): the next
     housekeeping treats it as a dead worker's attempt, so retries and failure routes still apply."""
     check_lease(db, lease)
-    db.run("UPDATE tasks SET lease_owner = NULL WHERE task_id = ?", (lease.task_id,))
+    _send(db, "UPDATE tasks SET lease_owner = NULL WHERE task_id = ?", (lease.task_id,))
 
 
 def release_unstarted(db: Db, lease: Lease, now: int) -> None:
     """Give back an attempt that never started (graceful shutdown): same attempt number, no retry used."""
     check_lease(db, lease)
-    db.run(
-        "UPDATE tasks SET state = 'ready', lease_owner = NULL, deadline_at = NULL, run_at = ? "
+    _send(
+        db, "UPDATE tasks SET state = 'ready', lease_owner = NULL, deadline_at = NULL, run_at = ? "
         "WHERE task_id = ? AND attempt_started = 0",
         (now, lease.task_id),
     )
@@ -802,7 +862,7 @@ def heartbeat(db: Db, lease: Lease, checkpoint: str | None, now: int) -> None:
         sets.append("deadline_at = CASE WHEN method_deadline_at IS NULL OR method_deadline_at > ? "
                     "THEN ? ELSE method_deadline_at END")
         params += (now + hb_ms, now + hb_ms)
-    db.run(f"UPDATE tasks SET {', '.join(sets)} WHERE task_id = ?", (*params, lease.task_id))
+    _send(db, f"UPDATE tasks SET {', '.join(sets)} WHERE task_id = ?", (*params, lease.task_id))
 
 
 def append_best_effort(db: Db, lease: Lease, stream: str, capacity: int, values: Sequence[bytes]) -> None:
@@ -826,8 +886,8 @@ def task_epochs(db: Db, task_ids: Sequence[int]) -> dict[int, int]:
 
 
 def register_worker(db: Db, worker_id: str, host: str, pid: int, ttl_ms: int, now: int) -> None:
-    db.run(
-        "INSERT INTO workers (worker_id, host, pid, started_at, expires_at) VALUES (?, ?, ?, ?, ?) "
+    _send(
+        db, "INSERT INTO workers (worker_id, host, pid, started_at, expires_at) VALUES (?, ?, ?, ?, ?) "
         "ON CONFLICT (worker_id) DO UPDATE SET expires_at = excluded.expires_at",
         (worker_id, host, pid, now, now + ttl_ms),
     )
@@ -839,7 +899,7 @@ def renew_worker(db: Db, worker_id: str, ttl_ms: int, now: int) -> bool:
 
 
 def unregister_worker(db: Db, worker_id: str, now: int) -> None:
-    db.run("DELETE FROM workers WHERE worker_id = ?", (worker_id,))
+    _send(db, "DELETE FROM workers WHERE worker_id = ?", (worker_id,))
     _expire_orphans(db, now)
 
 
@@ -891,8 +951,8 @@ def _expire_orphans(db: Db, now: int) -> int:
             _fail_task(db, int(task_id), ErrorInfo("WorkerLost", "the worker running the attempt died"), False, now)
         else:
             # E3: never started: hand the same attempt out again, consuming no retry.
-            db.run(
-                "UPDATE tasks SET state = 'ready', lease_owner = NULL, deadline_at = NULL, run_at = ? "
+            _send(
+                db, "UPDATE tasks SET state = 'ready', lease_owner = NULL, deadline_at = NULL, run_at = ? "
                 "WHERE task_id = ?",
                 (now, task_id),
             )
@@ -930,14 +990,14 @@ def release_lost_claims(db: Db, worker_id: str, known: Sequence[int], claimed_be
 
 def next_due(db: Db, flow_types: Sequence[str]) -> int | None:
     """Earliest time something becomes due: a ready task's run_at, a timer, a deadline, a lease."""
-    candidates = [
-        db.one(f"SELECT MIN(run_at) FROM tasks WHERE state = 'ready' AND flow_type IN ({_in(flow_types)})",
-               tuple(flow_types)) if flow_types else None,
-        db.one("SELECT MIN(timer_due_at) FROM tasks WHERE state = 'waiting'"),
-        db.one("SELECT MIN(deadline_at) FROM tasks WHERE state = 'running'"),
-        db.one("SELECT MIN(expires_at) FROM workers"),
-    ]
-    values = [int(c[0]) for c in candidates if c is not None and c[0] is not None]
+    ready = (f"(SELECT MIN(run_at) FROM tasks WHERE state = 'ready' AND flow_type IN ({_in(flow_types)}))"
+             if flow_types else "NULL")
+    row = db.one(
+        f"SELECT {ready}, (SELECT MIN(timer_due_at) FROM tasks WHERE state = 'waiting'), "
+        "(SELECT MIN(deadline_at) FROM tasks WHERE state = 'running'), (SELECT MIN(expires_at) FROM workers)",
+        tuple(flow_types),
+    )
+    values = [int(v) for v in row or () if v is not None]
     return min(values) if values else None
 
 

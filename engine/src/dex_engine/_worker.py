@@ -37,7 +37,7 @@ from ._limits import (
 from ._open import open_store
 from ._records import DecisionRecord, ErrorInfo, Lease
 from ._scheduling import movement_record
-from ._store import Store, commit_origin
+from ._store import LOST_CLAIM_MS, Store, commit_origin
 from ._wait import Wait, WaitSpec
 
 log = logging.getLogger("dex_engine.worker")
@@ -114,6 +114,9 @@ class AsyncWorker:
         self._stopped = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background: asyncio.Task[None] | None = None
+        # Starts (wall-clock ms) of commits in flight that may claim work: until a commit's reply is
+        # in, the attempts it claimed are in no poll's `known` and must not be taken for lost claims.
+        self._claiming: list[int] = []
 
     @property
     def store(self) -> Store:
@@ -177,7 +180,7 @@ class AsyncWorker:
             try:
                 _changed, result = await store.poll(
                     self.worker_id, self._flow_types, free, watched, must_claim=claim, housekeep=housekeep,
-                    known=list(self._running),
+                    known=list(self._running), lost_claim_ms=self._lost_claim_ms(),
                 )
             except Exception:
                 log.exception("worker poll failed; will retry")
@@ -212,6 +215,16 @@ class AsyncWorker:
             except TimeoutError:
                 # A wake that lands as the timeout fires is lost by wait_for but stays set: keep it.
                 must_claim = self._wake.is_set()
+
+    def _lost_claim_ms(self) -> int:
+        """Age after which a claim of ours that we do not hold counts as lost: older than any commit in flight.
+
+        A commit stamps its claims with its start time; one that waited long on locks returns claims
+        already older than LOST_CLAIM_MS, which the poll would otherwise hand back while they run.
+        """
+        if not self._claiming:
+            return LOST_CLAIM_MS
+        return LOST_CLAIM_MS + max(0, int(time.time() * 1000) - min(self._claiming))
 
     def _spawn(self, lease: Lease) -> None:
         previous = self._running.get(lease.task_id)
@@ -346,11 +359,16 @@ class AsyncWorker:
                     _gates.gate(_gates.BEFORE_COMMIT)
                 free = self.options.max_concurrent_tasks - len(self._running) + 1
                 claim = None if self._stopping.is_set() else (self.worker_id, self._flow_types, free)
-                leases = await self.store.commit_execute(lease, ctx.writes, decision, claim)
-                running.claimed_next = claim is not None
-                self._forget(running)
-                for next_lease in leases:
-                    self._spawn(next_lease)
+                started = int(time.time() * 1000)
+                self._claiming.append(started)
+                try:
+                    leases = await self.store.commit_execute(lease, ctx.writes, decision, claim)
+                    running.claimed_next = claim is not None
+                    self._forget(running)
+                    for next_lease in leases:
+                        self._spawn(next_lease)
+                finally:
+                    self._claiming.remove(started)
         except (StaleAttemptError, asyncio.CancelledError):
             raise
         except Exception as exc:
