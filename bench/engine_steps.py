@@ -9,14 +9,17 @@ Prints, for the chosen synchronous mode (FULL by default):
 Run: uv run python bench/engine_steps.py [--sync FULL|NORMAL] [--chain-steps N]
      uv run python bench/engine_steps.py --backend postgres --pg-dsn postgresql://... [--workers 1,2,4]
 
-With --backend postgres the floor is one small INSERT committed on a pooled connection, and the
-chains run at concurrency 64 on 1, 2 and 4 worker processes (each its own AsyncWorker).
+With --backend postgres the floor is one small INSERT committed on one connection, and the chains
+run at concurrency 1, 16 and 64 (--concurrency) on 1, 2 and 4 worker processes (--workers), each its
+own AsyncWorker and store; per-Step latencies come from marks the worker processes write at exit.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import json
 import os
 import signal
 import sqlite3
@@ -186,44 +189,65 @@ def fresh_pg_database(dsn: str, name: str) -> str:
     return f"{base}/{name}"
 
 
-def worker_process_main(url: str) -> None:
-    """A benchmark worker process: serves BenchChain until SIGTERM."""
+def worker_process_main(url: str, capacity: int = 64, marks_path: str = "") -> None:
+    """A benchmark worker process: serves BenchChain until SIGTERM, then writes its Step marks."""
 
     async def run() -> None:
-        worker = AsyncWorker(Registry([CHAIN]), WorkerOptions(database_url=url, max_concurrent_tasks=64))
+        worker = AsyncWorker(Registry([CHAIN]), WorkerOptions(database_url=url, max_concurrent_tasks=capacity))
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         async with worker:
             await stop.wait()
 
     asyncio.run(run())
+    if marks_path:
+        # perf_counter is CLOCK_MONOTONIC on Linux: one clock for every process of the machine.
+        Path(marks_path).write_text(json.dumps(marks))
 
 
-async def drive_chains(url: str, concurrency: int, steps: int) -> tuple[float, int]:
-    """Start `concurrency` chains and wait for them; worker processes do the work."""
+async def drive_chains(url: str, concurrency: int, steps: int, processes: int = 1) -> tuple[float, int]:
+    """Start `concurrency` chains and wait for them; `processes` worker processes do the work."""
     store = open_store(url)
     client = AsyncClient(Registry([CHAIN]), store=store)
     try:
-        await asyncio.sleep(1.0)  # let the workers connect
+        while True:  # the clock starts once every worker process is up
+            if len(await store.list_workers()) >= processes:
+                break
+            await asyncio.sleep(0.05)
         ids = [f"chain-{i}" for i in range(concurrency)]
         t0 = time.perf_counter()
         await asyncio.gather(*(client.start_flow("BenchChain", fid, steps) for fid in ids))
-        for fid in ids:
-            await client.wait_for_flow(fid, 900)
+        # One cheap query per poll, so the driver adds little load to the server it measures.
+        while True:
+            if not await store.search_flows(flow_type="BenchChain", status="running", limit=1):
+                break
+            await asyncio.sleep(0.01)
         return time.perf_counter() - t0, concurrency * steps
     finally:
         await store.close()
 
 
-def run_chain_processes(url: str, processes: int, concurrency: int, steps: int) -> tuple[float, int]:
-    children = [subprocess.Popen([sys.executable, __file__, "--serve", url]) for _ in range(processes)]
+def run_chain_processes(url: str, processes: int, concurrency: int, steps: int) -> tuple[list[float], float, int]:
+    """Chains on `processes` worker processes, each with an equal share of the concurrency (so that
+    the chains spread over them: a chain stays on the worker that first claimed it)."""
+    capacity = -(-concurrency // processes)
+    tmp = Path(tempfile.mkdtemp(prefix="dex-bench-marks-"))
+    paths = [tmp / f"marks-{i}.json" for i in range(processes)]
+    children = [subprocess.Popen([sys.executable, __file__, "--serve", url, str(capacity), str(path)])
+                for path in paths]
     try:
-        return asyncio.run(drive_chains(url, concurrency, steps))
+        wall, total = asyncio.run(drive_chains(url, concurrency, steps, processes))
     finally:
         for child in children:
             child.send_signal(signal.SIGTERM)
         for child in children:
             child.wait(30)
+    per_flow: dict[str, list[float]] = defaultdict(list)
+    for path in paths:
+        for flow_id, times in json.loads(path.read_text()).items():
+            per_flow[flow_id] += times
+    gaps = [b - a for times in per_flow.values() for a, b in itertools.pairwise(sorted(times))]
+    return gaps, wall, total
 
 
 def main_postgres(args: argparse.Namespace) -> None:
@@ -233,17 +257,23 @@ def main_postgres(args: argparse.Namespace) -> None:
     fl = pg_floor(args.pg_dsn, args.floor_commits)
     f_med = statistics.median(fl)
     print(f"\nfloor: bare commit on one connection: median {f_med * 1e3:.3f} ms  p95 {pct(fl, 0.95) * 1e3:.3f} ms")
-    print(f"\n{'workload':<44}{'Steps/s':>10}{'ms/Step':>10}")
+    print(f"\n{'workload':<48}{'median ms':>10}{'p95 ms':>9}{'x floor':>9}{'Steps/s':>10}")
     for processes in args.workers:
-        url = fresh_pg_database(args.pg_dsn, f"dex_bench_{processes}")
-        wall, total = run_chain_processes(url, processes, 64, args.chain_steps or 40)
-        label = f"chain of no-op Steps, c=64, {processes} worker process(es)"
-        print(f"{label:<44}{total / wall:>10.0f}{wall / total * 1e3:>10.3f}")
+        for concurrency in args.concurrency:
+            steps = args.chain_steps or {1: 200, 16: 50}.get(concurrency, 30)
+            url = fresh_pg_database(args.pg_dsn, f"dex_bench_{processes}_{concurrency}")
+            gaps, wall, total = run_chain_processes(url, processes, concurrency, steps)
+            med = statistics.median(gaps)
+            label = f"chain of no-op Steps, c={concurrency}, {processes} process(es)"
+            print(f"{label:<48}{med * 1e3:>10.3f}{pct(gaps, 0.95) * 1e3:>9.3f}{med / f_med:>9.1f}"
+                  f"{total / wall:>10.0f}", flush=True)
+    print("\nper-Step latency: time between consecutive Step starts in one flow. Each worker process runs"
+          "\nat most c/processes Steps at once, so the chains spread over the processes.")
 
 
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--serve":
-        worker_process_main(sys.argv[2])
+    if len(sys.argv) >= 3 and sys.argv[1] == "--serve":
+        worker_process_main(sys.argv[2], *([int(sys.argv[3]), sys.argv[4]] if len(sys.argv) == 5 else []))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sync", choices=["FULL", "NORMAL"], default="FULL")
@@ -251,7 +281,10 @@ def main() -> None:
     parser.add_argument("--floor-commits", type=int, default=1000)
     parser.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--pg-dsn", default=os.environ.get("TEST_PG_DSN", ""))
-    parser.add_argument("--workers", default="1,2,4", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--workers", default="1,2,4", type=lambda s: [int(x) for x in s.split(",")],
+                        help="PostgreSQL: worker process counts (default 1,2,4)")
+    parser.add_argument("--concurrency", default="1,16,64", type=lambda s: [int(x) for x in s.split(",")],
+                        help="PostgreSQL: chains run at once (default 1,16,64)")
     args = parser.parse_args()
     if args.backend == "postgres":
         main_postgres(args)

@@ -65,6 +65,8 @@ DEFAULT_POOL_SIZE = 4
 MAX_BATCH_OPS = 32
 # How long a batch of several operations waits for a row lock before it runs them one by one.
 BATCH_LOCK_TIMEOUT_MS = 100
+# Reruns of one batch without an operation that raised, before the rest run one by one.
+MAX_BATCH_ISOLATIONS = 3
 # Tries of one operation on a dropped connection, deadlock or serialization failure.
 MAX_OP_TRIES = 8
 # Without a notification, report a change at least this often so claims fall back to polling.
@@ -354,13 +356,14 @@ class PostgresStore(Store):
         finally:
             lane.release()
 
-    def _run_batch(self, lane: _Lane, ops: list[_Op]) -> list[tuple[bool, Any]]:
+    def _run_batch(self, lane: _Lane, ops: list[_Op], isolated: int = 0) -> list[tuple[bool, Any]]:
         """Run `ops` in one transaction, retrying lost connections; isolate failing operations.
 
         A transition that raises rolls the transaction back; the others then commit without it
-        and it runs again alone, after them. A database error in a pipeline cannot be pinned on
-        one operation, and a lock wait or deadlock between two batches is broken by the batch's
-        lock timeout: then each operation runs alone.
+        and it runs again alone, after them. After MAX_BATCH_ISOLATIONS such reruns (each repeats
+        the operations before the failing one), the rest run alone. A database error in a pipeline
+        cannot be pinned on one operation, and a lock wait or deadlock between two batches is
+        broken by the batch's lock timeout: then each operation runs alone.
         """
         delay = 0.01
         for attempt in range(1, MAX_OP_TRIES + 1):
@@ -370,7 +373,11 @@ class PostgresStore(Store):
                 if len(ops) == 1:
                     return [(False, failed.error)]
                 i = failed.index
-                rest = self._run_batch(lane, ops[:i] + ops[i + 1:])
+                others = ops[:i] + ops[i + 1:]
+                if isolated >= MAX_BATCH_ISOLATIONS:
+                    rest = self._each_alone(lane, others)
+                else:
+                    rest = self._run_batch(lane, others, isolated + 1)
                 return [*rest[:i], *self._run_batch(lane, [ops[i]]), *rest[i:]]
             except _OutcomeUnknown as unknown:
                 return [(False, unknown.error)] * len(ops)
