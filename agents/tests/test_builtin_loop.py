@@ -22,6 +22,7 @@ from dex_agents import (
     MessageRole,
     ToolEffect,
     ToolExecutionResult,
+    ToolInputRequested,
     ToolPolicy,
 )
 from dex_agents.builtin_loop import (
@@ -37,11 +38,13 @@ from dex_agents.builtin_loop import (
     ScriptedModelClient,
     ScriptedModelReply,
     ScriptedToolCall,
+    ToolCallContext,
     ToolChoice,
     ToolResultInput,
     TurnContinuationContext,
     UserTextInput,
     builtin_agent_session_flow,
+    function_tool,
     model_call_limit_result,
 )
 from dex_agents.testing import (
@@ -384,3 +387,38 @@ async def test_worker_killed_during_run_model_reruns_only_that_model_call(tmp_pa
         # The killed model call had written nothing durable: the same attempt is handed out again.
         killed = [e for e in history if e.step_execution_id == "RunModel-3" and e.event_type == "execute_completed"]
         assert len(killed) == 1
+
+
+async def test_function_tool_asks_a_question_and_runs_again_with_the_answer(tmp_path: Path) -> None:
+    """A function tool that returns ToolInputRequested asks the user; the answer and its continuation
+    reach the second call through ToolCallContext, and the model sees the second call's output."""
+    calls: list[tuple[tuple[str, ...], str | None]] = []
+
+    @function_tool(effect=ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=False)
+    async def ship_order(order_id: str, context: ToolCallContext) -> str | ToolInputRequested:
+        """Ship an order with the carrier the user picks."""
+        calls.append((tuple(a.answer for a in context.input_answers), context.input_continuation))
+        if not context.input_answers:
+            return ToolInputRequested(question=f"Which carrier for {order_id}?", choices=("ups", "dhl"),
+                                      allows_free_text=False, continuation="step-1")
+        return f"shipped {order_id} with {context.input_answers[-1].answer}"
+
+    flow, _ = scripted_flow(tool_then_answer, tools=[ship_order])
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", '/tool ship_order {"order_id": "A-7"}')
+        asking = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: s if s.pending_interrupts else None, description="the tool's question")
+        question = asking.pending_interrupts[0]
+        assert question.interrupt_id.endswith("-input-1")
+        assert question.question == "Which carrier for A-7?" and list(question.choices) == ["ups", "dhl"]
+        assert not await sessions.answer_question("s", question.interrupt_id, "fedex")  # not a choice
+        assert await sessions.answer_question("s", question.interrupt_id, "dhl")
+        done = await _turns_done(sessions, "s", 1)
+        assert done.messages[-1].text == "results: ship_order=shipped A-7 with dhl"
+        assert calls == [((), None), (("dhl",), "step-1")]
+        steps = executed_steps(to_step_history(await engine.client.get_flow_history("s")))
+        # AwaitQuestionAnswer runs twice: it raises the question, then applies the answer.
+        assert steps == ["StartAgentSession", "RunModel", "CallSingleAttemptTool", "AwaitQuestionAnswer",
+                         "AwaitQuestionAnswer", "CallSingleAttemptTool", "ResumeTurn", "RunModel"]

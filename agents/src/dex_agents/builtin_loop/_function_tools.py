@@ -47,7 +47,7 @@ import msgspec
 
 from .._events import AgentEventWriter
 from .._policy import ToolPolicy
-from .._runner import ToolExecutionError, ToolOutcomeUnknownError
+from .._runner import ToolExecutionError, ToolInputRequested, ToolOutcomeUnknownError
 from .._wire import QuestionAnswer, ToolEffect
 from ._model import ModelToolDefinition
 
@@ -72,6 +72,8 @@ class ToolCallContext:
     events: AgentEventWriter | None = None
     heartbeat: Callable[[], Awaitable[None]] | None = None
     input_answers: Sequence[QuestionAnswer] = ()
+    # What the function returned in ToolInputRequested.continuation when it asked its last question.
+    input_continuation: str | None = None
     # The call's effect after the tool policies (it chose the tool Step); decides error wrapping.
     effect: ToolEffect = ToolEffect.UNCLASSIFIED
     heartbeat_checkpoint: str | None = None
@@ -618,8 +620,9 @@ class FunctionTool:
     def __repr__(self) -> str:
         return f"FunctionTool(name={self.name!r}, effect={self.policy.effect.value!r})"
 
-    async def invoke(self, arguments: str, context: ToolCallContext) -> str:
-        """Checks the argument text, calls the function once and returns its model-visible output."""
+    async def invoke(self, arguments: str, context: ToolCallContext) -> str | ToolInputRequested:
+        """Checks the argument text, calls the function once and returns its model-visible output,
+        or the question it asks the user (the session asks, then calls it again with the answer)."""
         kwargs = self._convert_arguments(_decode_arguments(self.name, arguments))
         if self._context_parameter is not None:
             kwargs[self._context_parameter] = context
@@ -630,6 +633,8 @@ class FunctionTool:
                 result = await asyncio.to_thread(self.fn, **kwargs)
                 if inspect.isawaitable(result):  # a sync callable that hands back an awaitable
                     result = await result
+            if isinstance(result, ToolInputRequested):
+                return result
             return _encode_result(result)
         except (ToolExecutionError, ToolOutcomeUnknownError):
             raise

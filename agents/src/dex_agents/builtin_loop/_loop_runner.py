@@ -24,6 +24,7 @@ from .._runner import (
     ToolCallsRequested,
     ToolExecutionError,
     ToolExecutionResult,
+    ToolInputRequested,
     TurnCompleted,
     TurnContinued,
 )
@@ -175,10 +176,12 @@ class BuiltinLoopAgentRunner:
         context = ToolCallContext(
             idempotency_key=call.idempotency_key, attempt=call.attempt, flow_id=call.flow_id,
             turn_id=record.turn_id, tool_call_id=record.tool_call_id, events=call.events, heartbeat=call.heartbeat,
-            input_answers=tuple(call.input_answers), effect=record.effect,
+            input_answers=tuple(call.input_answers), input_continuation=record.input_continuation,
+            effect=record.effect,
             heartbeat_checkpoint=call.heartbeat_checkpoint, save_heartbeat_checkpoint=call.save_heartbeat_checkpoint,
         )
-        return ToolExecutionResult(await tool.invoke(record.arguments, context))
+        result = await tool.invoke(record.arguments, context)
+        return result if isinstance(result, ToolInputRequested) else ToolExecutionResult(result)
 
     # Helpers -----------------------------------------------------------------------------------
 
