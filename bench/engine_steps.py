@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -189,13 +190,78 @@ def fresh_pg_database(dsn: str, name: str) -> str:
     return f"{base}/{name}"
 
 
+def drop_pg_database(dsn: str, name: str) -> None:
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+# Statement and round-trip counters of a benchmark worker process (see `_count_statements`).
+counts: dict[str, int] = defaultdict(int)
+
+
+def _count_statements() -> None:
+    """Count, in this process, the statements psycopg sends (by first word), the round trips it
+    waits for (a pipeline sync, or a fetch that must wait for a reply) and, from the COMMITs, the
+    transactions. Stable under machine load, unlike times."""
+    import psycopg
+    from psycopg import _pipeline_base
+
+    execute = psycopg.Cursor.execute
+
+    def counted_execute(self: psycopg.Cursor[object], query: object, *args: object, **kwargs: object) -> object:
+        word = str(query).lstrip().split(None, 1)[0].upper() if str(query).strip() else ""
+        counts["statements"] += 1
+        if word in ("BEGIN", "COMMIT"):
+            counts[word.lower()] += 1
+        return execute(self, query, *args, **kwargs)  # type: ignore[call-overload]
+
+    sync = psycopg.Pipeline.sync
+
+    def counted_sync(self: psycopg.Pipeline) -> None:
+        counts["round_trips"] += 1
+        sync(self)
+
+    fetch_gen = _pipeline_base.BasePipeline._fetch_gen
+
+    def counted_fetch_gen(self: _pipeline_base.BasePipeline, *, flush: bool) -> object:
+        if flush and self.result_queue:
+            counts["round_trips"] += 1
+        return fetch_gen(self, flush=flush)
+
+    psycopg.Cursor.execute = counted_execute  # type: ignore[assignment,method-assign]
+    psycopg.Pipeline.sync = counted_sync  # type: ignore[method-assign]
+    _pipeline_base.BasePipeline._fetch_gen = counted_fetch_gen  # type: ignore[assignment,method-assign]
+
+
 def worker_process_main(url: str, capacity: int = 64, marks_path: str = "") -> None:
-    """A benchmark worker process: serves BenchChain until SIGTERM, then writes its Step marks."""
+    """A benchmark worker process: serves BenchChain until SIGTERM, then writes its Step marks.
+
+    On SIGUSR1 it writes a snapshot of its CPU time and statement counters to `<marks>.snap`,
+    so the driver can count only the measured interval."""
+    _count_statements()
+    if os.environ.get("DEX_BENCH_LANES"):
+        from dex_engine import _pg_store
+
+        _pg_store.DEFAULT_POOL_SIZE = int(os.environ["DEX_BENCH_LANES"])
+    if os.environ.get("DEX_BENCH_GENERIC_COMMITS"):
+        from dex_engine import _pg_store
+
+        _pg_store.BATCH_EXECUTE_COMMITS = False  # each commit through _transitions, as before migration 0002
+
+    def snapshot() -> None:
+        Path(marks_path + ".tmp").write_text(json.dumps({"cpu": time.process_time(), **counts}))
+        os.replace(marks_path + ".tmp", marks_path + ".snap")
 
     async def run() -> None:
         worker = AsyncWorker(Registry([CHAIN]), WorkerOptions(database_url=url, max_concurrent_tasks=capacity))
         stop = asyncio.Event()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        if marks_path:
+            loop.add_signal_handler(signal.SIGUSR1, snapshot)
         async with worker:
             await stop.wait()
 
@@ -205,9 +271,61 @@ def worker_process_main(url: str, capacity: int = 64, marks_path: str = "") -> N
         Path(marks_path).write_text(json.dumps(marks))
 
 
-async def drive_chains(url: str, concurrency: int, steps: int, processes: int = 1) -> tuple[float, int]:
-    """Start `concurrency` chains and wait for them; `processes` worker processes do the work."""
-    store = open_store(url)
+def _with_app_name(url: str, name: str) -> str:
+    return f"{url}{'&' if '?' in url else '?'}application_name={name}"
+
+
+def backend_cpu(url: str, app_name: str) -> float:
+    """CPU seconds (user + system) used so far by the server backends serving `app_name` in the
+    database of `url`, from /proc (the server runs on this machine)."""
+    import psycopg
+
+    tick = os.sysconf("SC_CLK_TCK")
+    with psycopg.connect(url, autocommit=True) as conn:
+        pids = [int(r[0]) for r in conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name = %s",
+            (app_name,),
+        )]
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+class Snapshots:
+    """CPU and statement counters of the worker processes and of their server backends."""
+
+    def __init__(self, url: str, paths: list[Path], children: list[subprocess.Popen[bytes]]) -> None:
+        self.url, self.paths, self.children = url, paths, children
+
+    def take(self) -> dict[str, float]:
+        for path in self.paths:
+            Path(f"{path}.snap").unlink(missing_ok=True)
+        for child in self.children:
+            child.send_signal(signal.SIGUSR1)
+        server = backend_cpu(self.url, WORKER_APP)
+        total: dict[str, float] = defaultdict(float)
+        for path in self.paths:
+            snap = Path(f"{path}.snap")
+            while not snap.exists():
+                time.sleep(0.005)
+            for key, value in json.loads(snap.read_text()).items():
+                total[key] += value
+        total["server_cpu"] = server
+        return total
+
+
+WORKER_APP = "dex_bench_worker"
+
+
+async def drive_chains(
+    url: str, concurrency: int, steps: int, processes: int = 1, snapshots: Snapshots | None = None,
+) -> tuple[float, int, dict[str, float]]:
+    """Start `concurrency` chains and wait for them; `processes` worker processes do the work.
+    Returns the wall time, the Steps run and, with `snapshots`, what the interval cost."""
+    store = open_store(_with_app_name(url, "dex_bench_driver"))
     client = AsyncClient(Registry([CHAIN]), store=store)
     try:
         while True:  # the clock starts once every worker process is up
@@ -215,6 +333,7 @@ async def drive_chains(url: str, concurrency: int, steps: int, processes: int = 
                 break
             await asyncio.sleep(0.05)
         ids = [f"chain-{i}" for i in range(concurrency)]
+        before = await asyncio.to_thread(snapshots.take) if snapshots else {}
         t0 = time.perf_counter()
         await asyncio.gather(*(client.start_flow("BenchChain", fid, steps) for fid in ids))
         # One cheap query per poll, so the driver adds little load to the server it measures.
@@ -222,21 +341,29 @@ async def drive_chains(url: str, concurrency: int, steps: int, processes: int = 
             if not await store.search_flows(flow_type="BenchChain", status="running", limit=1):
                 break
             await asyncio.sleep(0.01)
-        return time.perf_counter() - t0, concurrency * steps
+        wall = time.perf_counter() - t0
+        after = await asyncio.to_thread(snapshots.take) if snapshots else {}
+        return wall, concurrency * steps, {k: after[k] - before.get(k, 0) for k in after}
     finally:
         await store.close()
 
 
-def run_chain_processes(url: str, processes: int, concurrency: int, steps: int) -> tuple[list[float], float, int]:
+def run_chain_processes(
+    url: str, processes: int, concurrency: int, steps: int, generic: bool = False,
+) -> tuple[list[float], float, int, dict[str, float]]:
     """Chains on `processes` worker processes, each with an equal share of the concurrency (so that
-    the chains spread over them: a chain stays on the worker that first claimed it)."""
+    the chains spread over them: a chain stays on the worker that first claimed it). With
+    `generic`, the workers commit each Execute through _transitions instead of dex_commit_execute."""
     capacity = -(-concurrency // processes)
     tmp = Path(tempfile.mkdtemp(prefix="dex-bench-marks-"))
     paths = [tmp / f"marks-{i}.json" for i in range(processes)]
-    children = [subprocess.Popen([sys.executable, __file__, "--serve", url, str(capacity), str(path)])
+    worker_url = _with_app_name(url, WORKER_APP)
+    env = {**os.environ, **({"DEX_BENCH_GENERIC_COMMITS": "1"} if generic else {})}
+    children = [subprocess.Popen([sys.executable, __file__, "--serve", worker_url, str(capacity), str(path)], env=env)
                 for path in paths]
     try:
-        wall, total = asyncio.run(drive_chains(url, concurrency, steps, processes))
+        wall, total, cost = asyncio.run(drive_chains(url, concurrency, steps, processes,
+                                                     Snapshots(url, paths, children)))
     finally:
         for child in children:
             child.send_signal(signal.SIGTERM)
@@ -247,7 +374,7 @@ def run_chain_processes(url: str, processes: int, concurrency: int, steps: int) 
         for flow_id, times in json.loads(path.read_text()).items():
             per_flow[flow_id] += times
     gaps = [b - a for times in per_flow.values() for a, b in itertools.pairwise(sorted(times))]
-    return gaps, wall, total
+    return gaps, wall, total, cost
 
 
 def main_postgres(args: argparse.Namespace) -> None:
@@ -257,18 +384,30 @@ def main_postgres(args: argparse.Namespace) -> None:
     fl = pg_floor(args.pg_dsn, args.floor_commits)
     f_med = statistics.median(fl)
     print(f"\nfloor: bare commit on one connection: median {f_med * 1e3:.3f} ms  p95 {pct(fl, 0.95) * 1e3:.3f} ms")
-    print(f"\n{'workload':<48}{'median ms':>10}{'p95 ms':>9}{'x floor':>9}{'Steps/s':>10}")
-    for processes in args.workers:
-        for concurrency in args.concurrency:
-            steps = args.chain_steps or {1: 200, 16: 50}.get(concurrency, 30)
-            url = fresh_pg_database(args.pg_dsn, f"dex_bench_{processes}_{concurrency}")
-            gaps, wall, total = run_chain_processes(url, processes, concurrency, steps)
-            med = statistics.median(gaps)
-            label = f"chain of no-op Steps, c={concurrency}, {processes} process(es)"
-            print(f"{label:<48}{med * 1e3:>10.3f}{pct(gaps, 0.95) * 1e3:>9.3f}{med / f_med:>9.1f}"
-                  f"{total / wall:>10.0f}", flush=True)
+    print(f"\n{'workload':<46}{'median ms':>10}{'p95 ms':>8}{'x floor':>8}{'Steps/s':>8}"
+          f"{'CPU ms/Step: worker':>21}{'server':>7}{'stmts':>7}{'trips':>7}{'txns':>6}")
+    for processes, concurrency, path in itertools.product(args.workers, args.concurrency, args.commits):
+        steps = args.chain_steps or {1: 200, 16: 50}.get(concurrency, 30)
+        # Named per run, so that two runs at once do not drop each other's database.
+        name = f"dex_bench_{os.getpid()}_{processes}_{concurrency}"
+        url = fresh_pg_database(args.pg_dsn, name)
+        try:
+            gaps, wall, total, cost = run_chain_processes(url, processes, concurrency, steps, path == "generic")
+        finally:
+            drop_pg_database(args.pg_dsn, name)
+        med = statistics.median(gaps)
+        label = f"chain of no-op Steps, c={concurrency}, {processes} process(es)"
+        if len(args.commits) > 1:
+            label = f"c={concurrency}, {processes} proc, {path} commits"
+        print(f"{label:<46}{med * 1e3:>10.3f}{pct(gaps, 0.95) * 1e3:>8.3f}{med / f_med:>8.1f}"
+              f"{total / wall:>8.0f}{cost['cpu'] * 1e3 / total:>21.2f}{cost['server_cpu'] * 1e3 / total:>7.2f}"
+              f"{cost['statements'] / total:>7.1f}{cost['round_trips'] / total:>7.2f}"
+              f"{cost['commit'] / total:>6.2f}", flush=True)
     print("\nper-Step latency: time between consecutive Step starts in one flow. Each worker process runs"
-          "\nat most c/processes Steps at once, so the chains spread over the processes.")
+          "\nat most c/processes Steps at once, so the chains spread over the processes. Per Step, over the"
+          "\nmeasured interval: CPU of the worker processes and of the server backends serving them (from"
+          "\n/proc; the server's background writers are not counted), statements and round trips the"
+          "\nworkers' psycopg sent and waited for, and transactions they committed (polls included).")
 
 
 def main() -> None:
@@ -285,6 +424,9 @@ def main() -> None:
                         help="PostgreSQL: worker process counts (default 1,2,4)")
     parser.add_argument("--concurrency", default="1,16,64", type=lambda s: [int(x) for x in s.split(",")],
                         help="PostgreSQL: chains run at once (default 1,16,64)")
+    parser.add_argument("--commits", default="batched", type=lambda s: s.split(","),
+                        help="PostgreSQL: 'batched' (dex_commit_execute), 'generic' (_transitions) or both "
+                             "(batched,generic: each configuration runs with both, one after the other)")
     args = parser.parse_args()
     if args.backend == "postgres":
         main_postgres(args)

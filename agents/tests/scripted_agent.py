@@ -6,7 +6,9 @@ model call per step, in order:
 - `{"tools": [{"id": "c1", "name": "read_orders", "args": {...}}, ...]}` asks for tool calls
   (`"args_text"` instead of `"args"` sends raw argument text);
 - `{"answer": "text"}` is the final answer; `{results}` in it becomes each final record's
-  model-visible result (`id=<text>; ...`) and `{seen}` the number of stored messages the call saw;
+  model-visible result (`id=<text>; ...`), `{records}` a JSON object of each record's status,
+  output, error, cancellation_reason and task_id by call ID, and `{seen}` the number of stored
+  messages the call saw;
 - `{"turn_error": "text"}` ends the turn as failed without a retry;
 - `{"raise": "text"}` fails every attempt of the model call; with `"attempts": n`, only the first n;
 - `"gate": "name"` in any step waits at that FileGate before the model call returns;
@@ -18,6 +20,24 @@ Tools (in the tool Step): args `{"gate": name}` wait at a FileGate first; `{"fai
 ToolExecutionError; `{"unknown": text}` raises ToolOutcomeUnknownError; `{"crash": text}` raises
 RuntimeError; `{"output_bytes": n}` returns n bytes. Policies by name prefix: read_ READ, idem_
 IDEMPOTENT_WRITE, write_ NON_IDEMPOTENT_WRITE; anything else gets the session default (unclassified).
+
+Tool tasks: args `{"task": {"id": text, "interval": seconds, "polls": [...]}}` start a task (after
+any gate): the tool saves the task ID as its heartbeat checkpoint and returns
+ToolTaskStarted(id, interval) (defaults: `task-<tool call ID>`, 1 s); a retried attempt returns the
+saved one. `id` and `interval` are passed as given, so a test can send a blank ID or a non-number.
+poll_tool_task plays `polls` in order, keeping its position in the call's input_continuation
+(`p<n>`: the next poll plays polls[n]), so a crashed poll replays the same step:
+`{"pending": seconds}` returns ToolTaskPending (`"keep": text` returns that continuation instead);
+`{"ask": question, "choices": [...]}` returns ToolInputRequested; `{"result": text}` returns it, with
+`{answers}` replaced by the JSON list of [resolution, answer] the task received; `{"fail": text}`
+raises ToolExecutionError, `{"unknown": text}` ToolOutcomeUnknownError, `{"crash": text}` RuntimeError
+(`"attempts": n`: only on the first n attempts); `"gate": name` in any poll step waits there first.
+Every poll is logged (`poll`, with its position, attempt and pending_answer). cancel_tool_task logs
+`task_cancel`; `"cancel_crash": text` in the task makes it raise RuntimeError.
+
+Tool args `{"ask": question}` return ToolInputRequested(question) until the call has an answer
+(a tool's question, `<id>-input-1`), then run on. SCRIPTED_BUILT_IN_TOOLS=ask_user,durable_wait
+(or build_flow(built_in_tools=...)) enables those built-in tools, so a script can call them.
 
 Every model call and tool run is recorded in the InvocationLog `invocations.log` of the state
 directory (ENV_STATE_DIR), the ground truth across Worker kills. Set SCRIPTED_INCREMENTAL=1 for a
@@ -40,9 +60,11 @@ from typing import Any
 from dex_agents import (
     AgentSessionFlow,
     AgentSessionOptions,
+    AgentToolCall,
     AgentTurnContext,
     AgentTurnOutcome,
     AgentUsage,
+    BuiltInTool,
     DeferredToolCall,
     DeferredToolExecution,
     FrameworkMessage,
@@ -51,8 +73,14 @@ from dex_agents import (
     ToolEffect,
     ToolExecutionError,
     ToolExecutionResult,
+    ToolInputRequested,
     ToolOutcomeUnknownError,
     ToolPolicy,
+    ToolTaskCancellation,
+    ToolTaskPending,
+    ToolTaskPoll,
+    ToolTaskPollOutcome,
+    ToolTaskStarted,
     TurnCompleted,
     describe_tool_call_outcome,
 )
@@ -62,6 +90,7 @@ FLOW_TYPE = "ScriptedAgent"
 ENV_INCREMENTAL = "SCRIPTED_INCREMENTAL"
 ENV_DEADLINE_SECONDS = "SCRIPTED_INTERRUPT_DEADLINE_SECONDS"
 ENV_START_GATE = "SCRIPTED_WORKER_START_GATE"
+ENV_BUILT_IN_TOOLS = "SCRIPTED_BUILT_IN_TOOLS"
 INVOCATIONS = "invocations.log"
 
 POLICIES = {"read_": ToolEffect.READ, "idem_": ToolEffect.IDEMPOTENT_WRITE, "write_": ToolEffect.NON_IDEMPOTENT_WRITE}
@@ -146,6 +175,7 @@ class ScriptedRunner:
         text = text.replace("{results}", "; ".join(f"{r.tool_call_id}={describe_tool_call_outcome(r)}"
                                                      for r in results))
         text = text.replace("{seen}", str(len(turn.messages)))
+        text = text.replace("{records}", json.dumps({r.tool_call_id: _outcome(r) for r in results}))
         pending.append(item(MessageRole.ASSISTANT, text=text))
         return TurnCompleted(pending, CALL_USAGE)
 
@@ -157,7 +187,9 @@ class ScriptedRunner:
         effect = next((e for prefix, e in POLICIES.items() if name.startswith(prefix)), None)
         return DeferredToolCall(spec["id"], name, arguments, turn.resolve_tool_policy(name, effect))
 
-    async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> ToolExecutionResult:
+    async def execute_deferred_tool_call(
+        self, call: DeferredToolExecution
+    ) -> ToolExecutionResult | ToolInputRequested | ToolTaskStarted:
         record = call.tool_call
         args = json.loads(record.arguments)
         if self.log is not None:
@@ -172,11 +204,66 @@ class ScriptedRunner:
             raise ToolOutcomeUnknownError(args["unknown"])
         if "crash" in args:
             raise RuntimeError(args["crash"])
+        if "ask" in args and not call.input_answers:
+            return ToolInputRequested(question=str(args["ask"]))
+        if "task" in args:
+            return await self._start_task(call, args["task"])
         output = "x" * int(args["output_bytes"]) if "output_bytes" in args else f"{record.tool_name} done"
         if self.log is not None:
             self.log.record("tool_end", flow_id=call.flow_id, turn_id=record.turn_id,
                             tool_call_id=record.tool_call_id, attempt=call.attempt)
         return ToolExecutionResult(output)
+
+    async def _start_task(self, call: DeferredToolExecution, task: dict[str, Any]) -> ToolTaskStarted:
+        record = call.tool_call
+        task_id = call.heartbeat_checkpoint
+        if task_id is None:  # no earlier attempt started it
+            task_id = task.get("id", f"task-{record.tool_call_id}")
+            if self.log is not None:
+                self.log.record("task_start", flow_id=call.flow_id, tool_call_id=record.tool_call_id,
+                                attempt=call.attempt, task_id=task_id, supports_tool_tasks=call.supports_tool_tasks)
+            if isinstance(task_id, str):
+                await call.save_heartbeat_checkpoint(task_id)
+        return ToolTaskStarted(task_id=task_id, poll_interval_seconds=task.get("interval", 1))
+
+    async def poll_tool_task(self, poll: ToolTaskPoll) -> ToolTaskPollOutcome:
+        record = poll.tool_call
+        task = json.loads(record.arguments)["task"]
+        continuation = record.input_continuation or "p0"
+        position = int(continuation.removeprefix("p"))
+        step: dict[str, Any] = task["polls"][position]
+        answer = poll.pending_answer
+        if self.log is not None:
+            self.log.record("poll", flow_id=poll.flow_id, tool_call_id=record.tool_call_id, task_id=record.task_id,
+                            position=position, attempt=poll.attempt, idempotency_key=poll.idempotency_key,
+                            pending_answer=None if answer is None else [answer.resolution.value, answer.answer,
+                                                                        answer.interrupt_id])
+        if "gate" in step:
+            await self._gate(step["gate"]).wait_for_release()
+        following = f"p{position + 1}"
+        if "pending" in step:
+            return ToolTaskPending(poll_interval_seconds=step["pending"], continuation=step.get("keep", following))
+        if "ask" in step:
+            choices = list(step.get("choices", []))
+            return ToolInputRequested(question=step["ask"], choices=choices, allows_free_text=not choices,
+                                      continuation=following)
+        if "fail" in step:
+            raise ToolExecutionError(step["fail"])
+        if "unknown" in step:
+            raise ToolOutcomeUnknownError(step["unknown"])
+        if "crash" in step and poll.attempt <= step.get("attempts", 1_000_000):
+            raise RuntimeError(step["crash"])
+        received = [[a.resolution.value, a.answer] for a in poll.input_answers]
+        return ToolExecutionResult(str(step.get("result", "task done")).replace("{answers}", json.dumps(received)))
+
+    async def cancel_tool_task(self, cancellation: ToolTaskCancellation) -> None:
+        record = cancellation.tool_call
+        task = json.loads(record.arguments)["task"]
+        if self.log is not None:
+            self.log.record("task_cancel", flow_id=cancellation.flow_id, tool_call_id=record.tool_call_id,
+                            task_id=record.task_id, attempt=cancellation.attempt)
+        if "cancel_crash" in task:
+            raise RuntimeError(task["cancel_crash"])
 
 
 class IncrementalScriptedRunner(ScriptedRunner):
@@ -192,6 +279,12 @@ class IncrementalScriptedRunner(ScriptedRunner):
                 items.append(item(MessageRole.TOOL, tool_call_id=record.tool_call_id, tool_name=record.tool_name,
                                   output=describe_tool_call_outcome(record)))
         return items
+
+
+def _outcome(record: AgentToolCall) -> dict[str, Any]:
+    return {"status": record.status.value, "output": record.output, "error": record.error,
+            "rejection_message": record.rejection_message, "task_id": record.task_id,
+            "cancellation_reason": None if record.cancellation_reason is None else record.cancellation_reason.value}
 
 
 def _plain(message: FrameworkMessage) -> dict[str, Any]:
@@ -211,7 +304,8 @@ def state_dir_from_env() -> Path | None:
 
 def build_flow(state_dir: Path | None = None, *, incremental: bool | None = None,
                interrupt_deadline: timedelta | None = None,
-               tool_policies: dict[str, ToolPolicy] | None = None) -> AgentSessionFlow:
+               tool_policies: dict[str, ToolPolicy] | None = None,
+               built_in_tools: frozenset[BuiltInTool] | None = None) -> AgentSessionFlow:
     """The Flow both the test process and the Worker child build (options from the environment too)."""
     start_gate = os.environ.get(ENV_START_GATE)
     if start_gate:
@@ -224,7 +318,10 @@ def build_flow(state_dir: Path | None = None, *, incremental: bool | None = None
         incremental = os.environ.get(ENV_INCREMENTAL) == "1"
     if interrupt_deadline is None and os.environ.get(ENV_DEADLINE_SECONDS):
         interrupt_deadline = timedelta(seconds=float(os.environ[ENV_DEADLINE_SECONDS]))
+    if built_in_tools is None:
+        names = os.environ.get(ENV_BUILT_IN_TOOLS, "")
+        built_in_tools = frozenset(BuiltInTool(n) for n in names.split(",") if n)
     runner = (IncrementalScriptedRunner if incremental else ScriptedRunner)(state_dir or state_dir_from_env())
     return AgentSessionFlow(runner, FLOW_TYPE, AgentSessionOptions(
-        tool_policies=tool_policies or {}, interrupt_deadline=interrupt_deadline,
+        tool_policies=tool_policies or {}, interrupt_deadline=interrupt_deadline, built_in_tools=built_in_tools,
     ))

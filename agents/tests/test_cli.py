@@ -69,6 +69,47 @@ def test_chat_rejection_never_runs_the_write(tmp_path: Path) -> None:
     assert read_ledger(tmp_path / "demo-ledger.jsonl") == []
 
 
+def test_chat_shows_a_draft_plan_and_executes_it_on_yes(tmp_path: Path) -> None:
+    """/plan drafts a plan in a planning turn; the chat shows it, asks, and y runs the executing turn."""
+    result = _run(["chat", "--data-dir", str(tmp_path)], stdin="/plan look up A-1001; refund it\ny\n")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "plan revision 1 is draft (2 tasks)" in out
+    assert "plan revision 1 (draft):\n  [pending] look up A-1001\n  [pending] refund it" in out
+    assert "execute plan revision 1? [y/n]" in out
+    assert "plan revision 1 is active (2 tasks)" in out
+    assert "agent> Executing the plan: look up A-1001; refund it." in out
+    assert "plan revision 2 is completed (2 tasks)" in out
+
+
+def test_chat_steers_a_waiting_turn_with_a_steer_line(tmp_path: Path) -> None:
+    """/steer while a durable wait runs rejects the wait as steered and starts a turn with the new text."""
+    result = _run(["chat", "--data-dir", str(tmp_path)], stdin="/wait 600 coffee\n/steer /echo never mind\n")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "durable_wait: rejected" in out
+    assert "turn steered" in out
+    assert "agent> never mind" in out
+
+
+def test_chat_cancels_a_waiting_turn_and_goes_on(tmp_path: Path) -> None:
+    """/cancel while a durable wait runs stops the turn; the next line is an ordinary message."""
+    result = _run(["chat", "--data-dir", str(tmp_path)], stdin="/wait 600 coffee\n/cancel\n/echo after\n")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "durable_wait: rejected" in out
+    assert "turn cancelled" in out
+    assert out.index("turn cancelled") < out.index("agent> after")
+
+
+def test_chat_control_lines_without_a_turn_are_refused(tmp_path: Path) -> None:
+    """/steer and /cancel with no running turn say so and send nothing to the model."""
+    result = _run(["chat", "--data-dir", str(tmp_path)], stdin="/cancel\n/steer hi\n/echo ok\n")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("no turn is running") == 2
+    assert "agent> ok" in result.stdout and "Demo reply" not in result.stdout
+
+
 def test_demo_model_commands() -> None:
     """The demo model: /echo, /tool with JSON, bad JSON, /help, plain text, and results after tools."""
 

@@ -429,6 +429,27 @@ async def test_anthropic_thinking_blocks_replay_with_their_signature(provider: F
     assert chat_client(provider).supports_forced_tool_choice({"thinking": thinking}) is True
 
 
+def test_litellm_forced_tool_choice_follows_the_seed_rule() -> None:
+    """Claude Opus/Sonnet 5.5 refuse; Anthropic (also on Bedrock, Vertex) with thinking refuses; others accept."""
+    for model in ("anthropic/claude-opus-5-5", "anthropic/claude-sonnet-5-5-20261101",
+                  "bedrock/anthropic.claude-opus-5-5-v1:0", "vertex_ai/claude-sonnet-5-5"):
+        assert LiteLLMModelClient(model).supports_forced_tool_choice({}) is False, model
+    for model in ("anthropic/claude-sonnet-4-5", "bedrock/anthropic.claude-sonnet-4-5-v1:0",
+                  "vertex_ai/claude-opus-4-1"):
+        client = LiteLLMModelClient(model)
+        assert client.supports_forced_tool_choice({}) is True, model
+        assert client.supports_forced_tool_choice({"thinking": {"type": "enabled", "budget_tokens": 1024}}) is False
+        assert client.supports_forced_tool_choice({"reasoning_effort": "low"}) is False, model
+        assert client.supports_forced_tool_choice({"reasoning_effort": "none"}) is True, model
+        assert client.supports_forced_tool_choice({"thinking": {"type": "disabled"}}) is True, model
+    thinking = LiteLLMModelClient("anthropic/claude-sonnet-4-5", request_options={"reasoning_effort": "high"})
+    assert thinking.supports_forced_tool_choice({}) is False  # request_options count too
+    for model in ("gemini/gemini-2.5-pro", "openai/gpt-5"):
+        client = LiteLLMModelClient(model)
+        assert client.supports_forced_tool_choice({"reasoning_effort": "high"}) is True, model
+        assert client.supports_forced_tool_choice({"thinking": {"type": "enabled"}}) is True, model
+
+
 # Failures, credentials, packaging -----------------------------------------------------------------
 
 

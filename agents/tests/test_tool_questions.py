@@ -27,6 +27,7 @@ from dex_agents import (
     CALL_TOOL,
     INTERRUPT_RESOLUTIONS,
     PENDING_INTERRUPTS,
+    TOOL_CALL_CANCELLATIONS,
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
     AgentEvent,
     AgentInterrupt,
@@ -508,8 +509,10 @@ async def test_wait_of_a_tool_question_uses_its_own_interrupt_id() -> None:
     deadline = datetime.now(UTC) + timedelta(seconds=30)
     waiting = await steps.await_question_answer_wait(
         _context(flow, [_asking_record()], [_interrupt("c1-input-1", "c1", deadline)]), "c1")
-    assert waiting.mode == "any" and waiting.conditions[0] == resolutions.for_one()
-    assert len(waiting.conditions) == 2 and waiting.conditions[1].seconds >= 29  # type: ignore[union-attr]
+    # Pending: ToolCallCancellations[c1] first (a steer's wake, seed 002), then the question's resolution.
+    assert waiting.mode == "any" and waiting.conditions[:2] == (
+        TOOL_CALL_CANCELLATIONS["c1"].for_one(), resolutions.for_one())
+    assert len(waiting.conditions) == 3 and waiting.conditions[2].seconds >= 29  # type: ignore[union-attr]
 
 
 async def test_answer_taken_by_the_zero_timer_wait_is_applied() -> None:

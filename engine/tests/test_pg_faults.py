@@ -485,7 +485,7 @@ class PgProxy:
 # SQL fragments that identify a transaction (the store's statements, as the server receives them).
 CLAIM_SQL = ("SET state = 'running', lease_owner",)
 WAIT_COMMIT_SQL = ("SELECT t.state, t.lease_epoch", "SET state = 'waiting'")
-EXECUTE_COMMIT_SQL = ("SELECT t.state, t.lease_epoch", "DELETE FROM tasks WHERE task_id")
+EXECUTE_COMMIT_SQL = ("dex_commit_execute(",)  # the batched Execute commit (_pg_store._commit_executes)
 PUBLISH_SQL = ("INSERT INTO channel_messages",)
 START_SQL = ("INSERT INTO flows",)
 

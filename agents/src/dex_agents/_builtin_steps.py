@@ -27,10 +27,18 @@ from dex_engine import (
 )
 
 from ._builtin_tools import answered_output, waited_output
-from ._constants import AWAIT_QUESTION_ANSWER, DEFAULT_DECLINE_MESSAGE, QUESTION_DEADLINE_PASSED
+from ._constants import (
+    AWAIT_QUESTION_ANSWER,
+    AWAIT_TIMER,
+    DEFAULT_DECLINE_MESSAGE,
+    FINISH_TURN_CANCELLATION,
+    QUESTION_DEADLINE_PASSED,
+)
+from ._control_steps import abandon_call, answer_first_wait, read_turn_control, woken_waiting_call
 from ._events import AgentEventType
-from ._persistence import AGENT_TOOL_CALLS, INTERRUPT_RESOLUTIONS, PENDING_INTERRUPTS
+from ._persistence import AGENT_TOOL_CALLS, INTERRUPT_RESOLUTIONS, PENDING_INTERRUPTS, TOOL_CALL_CANCELLATIONS
 from ._runtime import INTERRUPT_STEP_LOAD_EXTRA, SessionRuntime, now_utc, pending_interrupts, tool_call_load
+from ._task_steps import question_failure_status, resolve_task_question
 from ._timefmt import format_time, parse_time
 from ._turn_logic import deadline_timer_seconds, finished, tool_step_for, without_interrupt
 from ._wire import (
@@ -40,6 +48,7 @@ from ._wire import (
     AgentToolCallStatus,
     InterruptKind,
     QuestionAnswer,
+    QuestionResolution,
 )
 
 
@@ -98,7 +107,11 @@ class BuiltInSteps:
             # resolution that is already queued. all_of, because in any_of a fired Timer wins and
             # consumes nothing, and a Step cannot read a Channel without waiting on it.
             return Wait.all_of(Timer.by_duration(0), resolutions.at_most(1))
-        conditions: list[ChannelCondition | TimerCondition] = [resolutions.for_one()]
+        if interrupt is None and read_turn_control(ctx, record.turn_id).reason is not None:
+            return answer_first_wait(tool_call_id, interrupt_id)  # steered or cancelled: an answer first wins
+        conditions: list[ChannelCondition | TimerCondition] = [
+            TOOL_CALL_CANCELLATIONS[tool_call_id].for_one(), resolutions.for_one(),
+        ]
         if interrupt is not None and interrupt.deadline is not None:
             conditions.append(Timer.by_duration(deadline_timer_seconds(parse_time(interrupt.deadline), now_utc())))
         return Wait.any_of(*conditions)
@@ -113,9 +126,22 @@ class BuiltInSteps:
         resolutions = ctx.wait_result.messages(INTERRUPT_RESOLUTIONS[interrupt_id])
         if resolutions:
             return self._apply_resolution(ctx, record, interrupt_id, resolutions[0])
+        raise_wait = _is_raise_wait(ctx.wait_result)
+        if raise_wait or ctx.wait_result.messages(TOOL_CALL_CANCELLATIONS[tool_call_id]):
+            # No answer is queued (raise wait), or steering or cancel_turn woke the wait: the flags
+            # decide (_control_steps.py). A steered or cancelled turn asks nothing new.
+            if raise_wait and record.task_id is not None and read_turn_control(ctx, record.turn_id).cancelled:
+                # cancel_turn abandons the started task instead: FinishTurnCancellation hands it to
+                # CancelToolTask. The record leaves awaiting_answer, so it is not sent back here.
+                ctx.set(AGENT_TOOL_CALLS[tool_call_id], msgspec.structs.replace(
+                    without_question(record), status=AgentToolCallStatus.WAITING_FOR_TASK))
+                return StepDecision.go_to(FINISH_TURN_CANCELLATION, record.turn_id)
+            abandoned = woken_waiting_call(rt, ctx, record, answer_first=raise_wait)
+            if abandoned is not None:
+                return abandoned
         pending = pending_interrupts(ctx)
         kept, interrupt = without_interrupt(pending, interrupt_id)
-        if record.input_question is not None and _is_raise_wait(ctx.wait_result):
+        if record.input_question is not None and raise_wait:
             # The WaitFor found the question neither pending nor answered, and only this Step raises
             # it, so it was never raised. (A Timer of the other wait fires when the question was
             # pending: one that races answer_question must wait again, never raise it twice.)
@@ -126,6 +152,9 @@ class BuiltInSteps:
             ctx.set(PENDING_INTERRUPTS, kept)
             self._resolved(ctx, record, interrupt_id, approved=False, rejection_message=QUESTION_DEADLINE_PASSED,
                            answered=False)
+            if record.task_id is not None:  # a started task's question never ends the call: the task decides
+                return resolve_task_question(rt, ctx, record, interrupt_id, QuestionResolution.DEADLINE_PASSED,
+                                             QUESTION_DEADLINE_PASSED)
             rt.finish_record(ctx, finished(without_question(record), AgentToolCallStatus.REJECTED,
                                            rejection_message=QUESTION_DEADLINE_PASSED))
             return StepDecision.dead_end()
@@ -140,10 +169,14 @@ class BuiltInSteps:
         if not (resolution.approved and resolution.answer is not None):
             message = resolution.rejection_message or DEFAULT_DECLINE_MESSAGE
             self._resolved(ctx, record, interrupt_id, approved=False, rejection_message=message, answered=False)
+            if record.task_id is not None:  # the task gets the decline through PollToolTask
+                return resolve_task_question(rt, ctx, record, interrupt_id, QuestionResolution.DECLINED, message)
             rt.finish_record(ctx, finished(without_question(record), AgentToolCallStatus.REJECTED,
                                            rejection_message=message))
             return StepDecision.dead_end()
         self._resolved(ctx, record, interrupt_id, approved=True, rejection_message=None, answered=True)
+        if record.task_id is not None:
+            return resolve_task_question(rt, ctx, record, interrupt_id, QuestionResolution.ANSWERED, resolution.answer)
         try:
             if question is None:  # ask_user: the answer is the call's result
                 rt.finish_record(ctx, finished(record, AgentToolCallStatus.SUCCEEDED,
@@ -182,7 +215,7 @@ class BuiltInSteps:
             other is not None and other.turn_id == record.turn_id
         )
         if taken:
-            rt.finish_record(ctx, finished(without_question(record), AgentToolCallStatus.FAILED,
+            rt.finish_record(ctx, finished(without_question(record), question_failure_status(record),
                                            error=tool_question_id_in_use(interrupt_id)))
             return StepDecision.dead_end()
         if interrupt is None:
@@ -197,7 +230,7 @@ class BuiltInSteps:
             try:
                 ctx.set(PENDING_INTERRUPTS, [*pending, raised])
             except ValueTooLargeError as exc:
-                rt.finish_record(ctx, finished(without_question(record), AgentToolCallStatus.FAILED, error=(
+                rt.finish_record(ctx, finished(without_question(record), question_failure_status(record), error=(
                     f"the tool's question does not fit with the turn's other pending interrupts ({exc.size} bytes, "
                     f"over the session's value limit of {exc.limit})"
                 )))
@@ -231,12 +264,21 @@ class BuiltInSteps:
         record = ctx.get(AGENT_TOOL_CALLS[tool_call_id])
         if record is None or record.status is not AgentToolCallStatus.WAITING_FOR_TIMER or record.wait_until is None:
             return Wait.skip_immediately()
-        return Wait.until(Timer.by_duration(deadline_timer_seconds(parse_time(record.wait_until), now_utc())))
+        # Timers win over Channels: a wait that ends as a steer arrives completes normally.
+        return Wait.any_of(Timer.by_duration(deadline_timer_seconds(parse_time(record.wait_until), now_utc())),
+                           TOOL_CALL_CANCELLATIONS[tool_call_id].for_one())
 
     async def await_timer(self, ctx: Context, tool_call_id: str) -> StepDecision:
         record = ctx.get(AGENT_TOOL_CALLS[tool_call_id])
         if record is None or record.status is not AgentToolCallStatus.WAITING_FOR_TIMER:
             return StepDecision.dead_end()
+        assert ctx.wait_result is not None
+        if not ctx.wait_result.timer_fired:
+            # Woken by ToolCallCancellations: the flags decide, and a stale wake waits again.
+            reason = read_turn_control(ctx, record.turn_id).reason
+            if reason is None:
+                return StepDecision.go_to(AWAIT_TIMER, tool_call_id, tool_call_load(tool_call_id))
+            return abandon_call(self.rt, ctx, record, reason, interrupts=False)
         # The Timer is the authority: a skipped Timer (SkipTimer) completes the wait early.
         arguments = json.loads(record.arguments)
         output = waited_output(int(arguments["duration_seconds"]), str(arguments["reason"]))

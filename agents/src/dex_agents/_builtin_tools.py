@@ -1,4 +1,4 @@
-"""Built-in tools the session routes itself: ask_user (a question) and durable_wait (a Timer).
+"""Built-in tools the session routes itself: ask_user, durable_wait (a Timer) and write_todos (the plan).
 
 Their definitions are offered by runners like any tool; their calls never reach a runner's
 execute_deferred_tool_call. Argument checks are pure: text in, parsed arguments or an error out.
@@ -19,6 +19,7 @@ from ._constants import ARGUMENTS_NOT_OBJECT
 class BuiltInTool(StrEnum):
     ASK_USER = "ask_user"
     DURABLE_WAIT = "durable_wait"
+    WRITE_TODOS = "write_todos"
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,32 @@ BUILT_IN_TOOL_DEFINITIONS: dict[BuiltInTool, BuiltInToolDefinition] = {
                 "reason": {"type": "string", "description": "Why the wait is needed, shown to the user."},
             },
             "required": ["duration_seconds", "reason"],
+            "additionalProperties": False,
+        },
+    ),
+    # Arguments are checked by dex_agents._plans.parse_write_todos; RunModel records the call itself.
+    BuiltInTool.WRITE_TODOS: BuiltInToolDefinition(
+        "write_todos",
+        "Write the plan as a list of tasks, replacing the whole previous plan. Keep each task's status current "
+        "(pending, in_progress, completed) as you work; an empty list clears the plan.",
+        {
+            "type": "object",
+            "properties": {
+                "todos": {
+                    "type": "array",
+                    "description": "Every task of the plan, in order.",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "content": {"type": "string", "description": "What the task does."},
+                            "status": {"type": "string", "enum": ["pending", "in_progress", "completed"]},
+                        },
+                        "required": ["content", "status"],
+                        "additionalProperties": False,
+                    },
+                },
+            },
+            "required": ["todos"],
             "additionalProperties": False,
         },
     ),

@@ -23,9 +23,13 @@ from ._wire import (
     AgentSnapshot,
     AgentUserMessage,
     AnswerQuestionRequest,
+    CancelTurnRequest,
+    DeleteQueuedMessageRequest,
+    ExecutePlanRequest,
     JsonObject,
     ListAgentMessagesRequest,
     ResolveInterruptRequest,
+    SteerUserMessageRequest,
     UpdateSessionSettingsRequest,
 )
 
@@ -86,7 +90,14 @@ class AgentSessionClient:
         )
 
     async def send_user_message(self, session_id: str, text: str, *, plan_mode: bool = False) -> bool:
+        """Queue a message; False when blank, or for a plan_mode message while plan mode is off."""
         result = await self.client.rpc(session_id, "send_user_message", AgentUserMessage(text, plan_mode))
+        return bool(result)
+
+    async def execute_plan(self, session_id: str, revision: int) -> bool:
+        """Approve plan `revision` for execution; retries a concurrent approval's lock for 5 s, then False."""
+        request = ExecutePlanRequest(revision)
+        result = await self._retry_lock_conflicts(lambda: self.client.rpc(session_id, "execute_plan", request))
         return bool(result)
 
     async def update_session_settings(self, session_id: str, session_settings: JsonObject) -> bool:
@@ -109,6 +120,41 @@ class AgentSessionClient:
         """Answer a pending question; False when it is not pending, past its deadline, blank, or not a choice."""
         request = AnswerQuestionRequest(interrupt_id, answer)
         result = await self._retry_lock_conflicts(lambda: self.client.rpc(session_id, "answer_question", request))
+        return bool(result)
+
+    async def steer_user_message(
+        self, session_id: str, *, text: str | None = None, message_id: str | None = None
+    ) -> bool:
+        """Steer the running turn with new `text` or a queued message (`message_id` from
+        AgentSnapshot.queued_messages); exactly one of the two.
+
+        With no turn running, text is queued and a queued message stays queued (True). False for
+        both or neither, blank text, a message no longer queued (also one the session consumed while
+        the RPC ran: the engine reruns an RPC whose reads changed), or a turn that cannot be steered.
+        """
+        request = SteerUserMessageRequest(message_id=message_id, text=text)
+        result = await self._retry_lock_conflicts(lambda: self.client.rpc(session_id, "steer_user_message", request))
+        return bool(result)
+
+    async def delete_queued_message(self, session_id: str, message_id: str) -> bool:
+        """Delete a queued message (`message_id` from AgentSnapshot.queued_messages); False when it is
+        no longer queued."""
+        request = DeleteQueuedMessageRequest(message_id)
+        result = await self._retry_lock_conflicts(
+            lambda: self.client.rpc(session_id, "delete_queued_message", request)
+        )
+        return bool(result)
+
+    async def cancel_turn(self, session_id: str, turn_id: str | None = None) -> bool:
+        """Stop the running turn (`turn_id` None: the active one) with no new turn.
+
+        True when the request is recorded (again for a turn already cancelled); False when no turn
+        is active, `turn_id` names another turn, or the turn cannot be cancelled. A model call that
+        committed its final answer first still completes the turn. Retries a lock held by a short
+        Step for 5 s.
+        """
+        request = CancelTurnRequest(turn_id)
+        result = await self._retry_lock_conflicts(lambda: self.client.rpc(session_id, "cancel_turn", request))
         return bool(result)
 
     async def get_agent_snapshot(self, session_id: str) -> AgentSnapshot:

@@ -23,6 +23,16 @@ CALL_SINGLE_ATTEMPT_TOOL_MAX_ATTEMPTS = 1
 # Tool Steps heartbeat in the background as RunModel does, so a long tool is not taken for dead.
 TOOL_HEARTBEAT_INTERVAL = RUN_MODEL_HEARTBEAT_INTERVAL
 
+# Tool tasks: a poll only reads the task, so PollToolTask retries as CallTool does. Dex Timers take
+# whole seconds; the interval is clamped to at least a second and at most a day between polls.
+POLL_TOOL_TASK_MAX_ATTEMPTS = 3
+MIN_TOOL_TASK_POLL_INTERVAL_SECONDS = 1
+MAX_TOOL_TASK_POLL_INTERVAL_SECONDS = 86_400
+# CancelToolTask is best-effort: a cancellation that keeps failing must still end the turn soon.
+CANCEL_TOOL_TASK_TIMEOUT = timedelta(seconds=30)
+CANCEL_TOOL_TASK_MAX_ATTEMPTS = 3
+CANCEL_TOOL_TASK_RETRY_BUDGET = timedelta(minutes=2)
+
 # The AgentEvents Stream keeps the newest 10 MiB of events per session; clients rebuild from snapshots.
 DEFAULT_AGENT_EVENTS_CAPACITY_BYTES = 10 * 1024 * 1024
 
@@ -60,10 +70,16 @@ TOOL_CALL_NOT_RUN_ERROR_PREFIX = "the tool did not run, so it is safe to call ag
 MISSING_TOOL_TASK_POLLER = (
     "the tool started a task, but the runner does not implement poll_tool_task, so nothing can poll it"
 )
+# CancelToolTask (and its failure route) records a task that cancel_turn abandoned with this error.
+TOOL_TASK_CANCELLED_ERROR = "the turn was cancelled while the tool's task was running; the task may have taken effect"
 APPROVAL_DEADLINE_PASSED = "approval deadline passed"
 QUESTION_DEADLINE_PASSED = "question deadline passed"
 DEFAULT_REJECTION_MESSAGE = "The user rejected this tool call."
 DEFAULT_DECLINE_MESSAGE = "The user declined to answer."
+# Steering and cancel_turn record a call they abandoned before it started rejected with one of these
+# (seed 002, "Turn-failure note and model-visible results"), compact JSON the model can read.
+STEERED_REJECTION_MESSAGE = '{"status":"cancelled","reason":"superseded_by_steered_user_message"}'
+TURN_CANCELLED_REJECTION_MESSAGE = '{"status":"cancelled","reason":"turn_cancelled_by_user"}'
 ARGUMENTS_NOT_OBJECT = "arguments must be a JSON object"
 NEW_MESSAGES_WITHOUT_BUILDER = (
     "a runner that sets ToolCallsRequested.new_messages must implement build_unfinished_turn_messages"
@@ -71,6 +87,27 @@ NEW_MESSAGES_WITHOUT_BUILDER = (
 INVALID_START_SESSION_SETTINGS_REASON = (
     "dex-agents: the start input's session_settings are not valid session settings"
 )
+# Plans (seed 002 "Rules" and "Turn-failure note and model-visible results").
+WRITE_TODOS_CALLED_MORE_THAN_ONCE = "write_todos was called more than once in one response"
+PLANNING_TURN_REJECTION_MESSAGE = "The tool call was not run: a planning turn can only call write_todos."
+# Compaction (seed 003 "Compaction"): the defaults of CompactionPolicy and the texts a model sees.
+DEFAULT_COMPACTION_TRIGGER_RATIO = 0.85  # compact when the next input reaches 85% of the window
+DEFAULT_COMPACTION_RETAINED_RATIO = 0.3  # keep the newest 30% of the window unsummarized
+CONTEXT_SUMMARY_NOTE_HEADER = "[Dex] Summary of the earlier conversation:"
+CONTEXT_SUMMARY_TRANSCRIPT_HEADER = (
+    "[Dex] Summarize the conversation transcript below. Your summary replaces these messages in the "
+    "conversation, so keep everything needed to continue it."
+)
+CONTEXT_SUMMARY_INSTRUCTIONS = (
+    "You write the summary that replaces the earlier part of a conversation between a user and an AI "
+    "assistant, including its tool calls and their results. The assistant continues the conversation from "
+    "your summary alone. Keep the user's goals, preferences and instructions; facts, decisions, names, "
+    "identifiers and numbers; the tool calls that ran and what they returned or changed, so none is "
+    "repeated by mistake; and any open question or unfinished work. When the conversation starts with an "
+    "earlier summary, fold it in. Write plain text with no preamble."
+)
+# The last input item of a built-in loop summary request, so the request ends with a user message.
+CONTEXT_SUMMARY_REQUEST_TEXT = "[Dex] Write the summary of the conversation above now."
 
 # Step types of the session Flow (wire contracts: history, search and UIs read them).
 START_AGENT_SESSION = "StartAgentSession"
@@ -85,3 +122,8 @@ RESUME_TURN = "ResumeTurn"
 RECORD_TURN_FAILURE = "RecordTurnFailure"
 AWAIT_QUESTION_ANSWER = "AwaitQuestionAnswer"
 AWAIT_TIMER = "AwaitTimer"
+POLL_TOOL_TASK = "PollToolTask"
+CANCEL_TOOL_TASK = "CancelToolTask"
+FINISH_TURN_CANCELLATION = "FinishTurnCancellation"
+APPLY_TURN_CONTROL = "ApplyTurnControl"
+COMPACT_CONTEXT = "CompactContext"

@@ -5,8 +5,9 @@ AgentMessageChunks instances listed in AgentMessageIndex. `plan_append` decides 
 stores messages writes and deletes; the readers (`iter_newest_first`, `newest_messages`) say where a
 sequence is stored. _runtime.py and _rpcs.py apply them to a Context or RpcContext.
 
-Retention (deleting old chunks after compaction) is not here: compaction is not implemented, so no
-chunk is ever deleted and AgentMessageIndex.first_sequence stays 1.
+Retention (deleting the oldest summarized chunks after compaction) is planned in _compaction.py
+(`plan_retention`); without compaction no chunk is ever deleted and AgentMessageIndex.first_sequence
+stays 1.
 """
 
 from __future__ import annotations

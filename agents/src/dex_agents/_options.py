@@ -10,12 +10,14 @@ from types import MappingProxyType
 from dex_engine import MAX_VALUE_BYTES
 
 from ._builtin_tools import BuiltInTool
+from ._compaction import CompactionPolicy
 from ._constants import (
     DEFAULT_AGENT_EVENTS_CAPACITY_BYTES,
     DEFAULT_MAX_DURABLE_WAIT,
     DEFAULT_MESSAGE_CHUNK_MAX_BYTES,
     DEFAULT_MESSAGE_CHUNK_SIZE,
     DEFAULT_MESSAGE_WINDOW_SIZE,
+    DEFAULT_RETAINED_MESSAGE_LIMIT,
     MAX_MESSAGE_CHUNK_MAX_BYTES,
     RUN_MODEL_MAX_ATTEMPTS,
     RUN_MODEL_RETRY_BUDGET,
@@ -65,11 +67,19 @@ class AgentSessionOptions:
     run_model_limit: RunModelLimit = field(default_factory=RunModelLimit)
     built_in_tools: frozenset[BuiltInTool] = frozenset()
     max_durable_wait: timedelta = DEFAULT_MAX_DURABLE_WAIT
+    # Plan mode (seed 003 "Plans and plan mode"): needs BuiltInTool.WRITE_TODOS and a PlanModeRunner,
+    # which the Flow constructor checks.
+    plan_mode_enabled: bool = False
     # Message storage (seed 002 "Message storage"): the window of AgentMessages instances, and the
     # immutable AgentMessageChunks its oldest messages move into.
     message_window_size: int = DEFAULT_MESSAGE_WINDOW_SIZE
     message_chunk_size: int = DEFAULT_MESSAGE_CHUNK_SIZE
     message_chunk_max_bytes: int = DEFAULT_MESSAGE_CHUNK_MAX_BYTES
+    # Compaction and retention (seed 003 "Compaction", "Message storage and retention"): needs a
+    # ContextCompactionRunner, which the Flow constructor checks. Retention applies only with
+    # compaction; None keeps every message.
+    compaction: CompactionPolicy | None = None
+    retained_message_limit: int | None = DEFAULT_RETAINED_MESSAGE_LIMIT
 
     def __post_init__(self) -> None:
         problems = []
@@ -101,6 +111,9 @@ class AgentSessionOptions:
         wait: object = self.max_durable_wait
         if not isinstance(wait, timedelta) or wait < timedelta(seconds=1):
             problems.append(f"max_durable_wait must be a timedelta of at least 1 second, got {wait!r}")
+        plan_mode: object = self.plan_mode_enabled
+        if not isinstance(plan_mode, bool):
+            problems.append(f"plan_mode_enabled must be True or False, got {plan_mode!r}")
         for name in ("message_window_size", "message_chunk_size"):
             value: object = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -113,6 +126,12 @@ class AgentSessionOptions:
                 f"message_chunk_max_bytes must be a whole number from 1 to {MESSAGE_CHUNK_MAX_BYTES_LIMIT} "
                 f"(at most 8 MiB, and a chunk must fit the engine's MAX_VALUE_BYTES), got {chunk_bytes!r}"
             )
+        compaction: object = self.compaction
+        if compaction is not None and not isinstance(compaction, CompactionPolicy):
+            problems.append(f"compaction must be a CompactionPolicy or None, got {compaction!r}")
+        retained: object = self.retained_message_limit
+        if retained is not None and (isinstance(retained, bool) or not isinstance(retained, int) or retained < 0):
+            problems.append(f"retained_message_limit must be a whole number >= 0 or None, got {retained!r}")
         if not isinstance(limit, RunModelLimit):
             problems.append(f"run_model_limit must be a RunModelLimit, got {self.run_model_limit!r}")
         if problems:

@@ -50,6 +50,14 @@ TURN_CANCELLATION_REQUEST: Attribute[TurnCancellationRequest] = Attribute(
     "TurnCancellationRequest", TurnCancellationRequest
 )
 TOOL_CALL_CANCELLATIONS: ChannelMap[ToolCallCancellation] = ChannelMap("ToolCallCancellations", ToolCallCancellation)
+# Whether a turn is steered ("SteeredUserMessages is not empty") as committed state a Step can read:
+# a Step sees a Channel only by waiting on it, which would consume it. steer_user_message adds one
+# to SteeredMessageCount per message it publishes to SteeredUserMessages, and ApplyTurnControl, the
+# only consumer, adds what it consumed to AppliedSteeredMessageCount. Each has one writer, so no
+# commit loses another's update; the turn is steered while the first is larger (docs/agents.md,
+# "Steering and cancellation").
+STEERED_MESSAGE_COUNT: Attribute[int] = Attribute("SteeredMessageCount", int)
+APPLIED_STEERED_MESSAGE_COUNT: Attribute[int] = Attribute("AppliedSteeredMessageCount", int)
 AGENT_TRACE_CONTEXT: Attribute[str] = Attribute("AgentTraceContext", str)
 AGENT_PLAN: Attribute[AgentPlan] = Attribute("AgentPlan", AgentPlan)
 PLAN_EXECUTIONS: ChannelMap[PlanExecutionRequest] = ChannelMap("PlanExecutions", PlanExecutionRequest)
@@ -86,6 +94,7 @@ def session_schema(events: Stream[AgentEvent]) -> list[Any]:
         AGENT_STATE, AGENT_MESSAGES, AGENT_MESSAGE_CHUNKS, AGENT_MESSAGE_INDEX, TURN_REPLY_SEQUENCE,
         FRAMEWORK_RUN_STATE, AGENT_TOOL_CALLS, PENDING_INTERRUPTS, AGENT_USAGE, QUEUED_USER_MESSAGES,
         INTERRUPT_RESOLUTIONS, TOOL_CALL_RESULTS, STEERED_USER_MESSAGES, TURN_CONTROL_REQUESTS,
-        TURN_CANCELLATION_REQUEST, TOOL_CALL_CANCELLATIONS, AGENT_TRACE_CONTEXT, AGENT_PLAN, PLAN_EXECUTIONS,
+        TURN_CANCELLATION_REQUEST, TOOL_CALL_CANCELLATIONS, STEERED_MESSAGE_COUNT, APPLIED_STEERED_MESSAGE_COUNT,
+        AGENT_TRACE_CONTEXT, AGENT_PLAN, PLAN_EXECUTIONS,
         PENDING_PLAN_EXECUTION, CONTEXT_SUMMARY, SESSION_SETTINGS, TURN_SESSION_SETTINGS, events,
     ]

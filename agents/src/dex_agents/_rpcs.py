@@ -62,14 +62,14 @@ def page_of_messages(
     )
 
 
-def session_rpcs() -> list[Rpc]:
-    """The RPCs of every agent session Flow."""
+def session_rpcs(*, plan_mode_enabled: bool = False) -> list[Rpc]:
+    """The RPCs of every agent session Flow (`plan_mode_enabled` from its AgentSessionOptions)."""
 
     @rpc("send_user_message", request_type=AgentUserMessage, load=LoadOptions.none())
     async def send_user_message(ctx: RpcContext, message: AgentUserMessage) -> bool:
         # Queued, not applied: the session consumes it when the running turn (if any) ends.
-        if not message.text.strip() or message.plan_mode:
-            return False  # plan mode is not enabled on this Flow type
+        if not message.text.strip() or (message.plan_mode and not plan_mode_enabled):
+            return False  # blank, or a plan_mode message while plan mode is off on this Flow type
         ctx.publish(QUEUED_USER_MESSAGES, message)
         return True
 

@@ -125,8 +125,23 @@ class ToolInputRequested:
     continuation: str | None = None
 
 
-# What execute_deferred_tool_call returns for a runner whose tools ask the user.
-DeferredToolOutcome = ToolExecutionResult | ToolInputRequested
+@dataclass(frozen=True)
+class ToolTaskStarted:
+    """The tool started remote work that the session polls (PollToolTask) instead of holding a Step.
+
+    The session records the call `waiting_for_task` with `task_id` and polls it with the runner's
+    ToolTaskPoller.poll_tool_task after `poll_interval_seconds`, rounded up to whole seconds from 1
+    to a day. Save the handle with save_heartbeat_checkpoint before returning it, and return the
+    saved one when DeferredToolExecution.heartbeat_checkpoint holds it, so a retried attempt does
+    not start the work again.
+    """
+
+    task_id: str
+    poll_interval_seconds: float
+
+
+# What execute_deferred_tool_call returns for a runner whose tools ask the user or start tasks.
+DeferredToolOutcome = ToolExecutionResult | ToolInputRequested | ToolTaskStarted
 
 
 class ToolExecutionError(Exception):
@@ -224,3 +239,79 @@ class UnfinishedTurnMessageBuilder(Protocol):
     """Optional: the unstored items of a turn that ends without a final answer."""
 
     def build_unfinished_turn_messages(self, turn: AgentTurnContext) -> Sequence[FrameworkMessage]: ...
+
+
+@runtime_checkable
+class PlanModeRunner(Protocol):
+    """A runner that supports plan mode: in a planning turn it offers only write_todos, and it shows
+    the model build_plan_note(turn.plan, turn.interaction_mode) before the turn's messages. Only
+    such a runner (supports_plan_mode is True) can run a Flow with plan_mode_enabled."""
+
+    supports_plan_mode: bool
+
+
+@dataclass(frozen=True)
+class ToolTaskPending:
+    """The task is still running: poll again after `poll_interval_seconds`.
+
+    `continuation` is stored as the call's input_continuation for the next poll to read; None
+    clears it (drop an answered question's continuation once the task took the answer).
+    """
+
+    poll_interval_seconds: float
+    continuation: str | None = None
+
+
+# What poll_tool_task returns; ToolExecutionError (raised) records `failed`.
+ToolTaskPollOutcome = ToolExecutionResult | ToolInputRequested | ToolTaskPending
+
+
+@dataclass(frozen=True)
+class ToolTaskPoll:
+    """One poll of a started task, as a PollToolTask attempt hands it to the runner.
+
+    `tool_call` is the `waiting_for_task` record (task_id, input_continuation). `pending_answer` is
+    the resolution of the task's last question (the last of `input_answers`) on the first poll
+    after it was answered, declined, or its deadline passed, and on that poll's retries; else None.
+    """
+
+    flow_id: str
+    tool_call: AgentToolCall
+    idempotency_key: str
+    attempt: int
+    input_answers: Sequence[QuestionAnswer]
+    events: AgentEventWriter
+    heartbeat: HeartbeatFn
+    pending_answer: QuestionAnswer | None = None
+
+
+@runtime_checkable
+class ToolTaskPoller(Protocol):
+    """Implemented by a runner whose tools return ToolTaskStarted. A poll only reads the task, or
+    delivers pending_answer idempotently: a crashed poll runs again."""
+
+    async def poll_tool_task(self, poll: ToolTaskPoll) -> ToolTaskPollOutcome: ...
+
+
+@dataclass(frozen=True)
+class ToolTaskCancellation:
+    """A started task that cancel_turn abandoned, as a CancelToolTask attempt hands it to the runner."""
+
+    flow_id: str
+    tool_call: AgentToolCall
+    idempotency_key: str
+    attempt: int
+    heartbeat: HeartbeatFn
+
+
+@runtime_checkable
+class ToolTaskCanceller(Protocol):
+    """Optional: stop an abandoned task best-effort. Make it idempotent by task_id: a crash or a
+    failed attempt calls it again."""
+
+    async def cancel_tool_task(self, cancellation: ToolTaskCancellation) -> None: ...
+
+
+def polls_tool_tasks(runner: object) -> bool:
+    """Whether the runner polls tasks (implements ToolTaskPoller.poll_tool_task)."""
+    return callable(getattr(runner, "poll_tool_task", None))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from dex_engine import (
     ValueTooLargeError,
 )
 
+from ._compaction import plan_retention
 from ._constants import TOOL_HEARTBEAT_INTERVAL
 from ._events import AgentEventType, AgentEventWriter, make_event
 from ._message_store import (
@@ -46,10 +48,12 @@ from ._persistence import (
     AGENT_TOOL_CALLS,
     AGENT_TRACE_CONTEXT,
     AGENT_USAGE,
+    APPLIED_STEERED_MESSAGE_COUNT,
     CONTEXT_SUMMARY,
     FRAMEWORK_RUN_STATE,
     PENDING_INTERRUPTS,
     SESSION_SETTINGS,
+    STEERED_MESSAGE_COUNT,
     TOOL_CALL_RESULTS,
     TURN_CANCELLATION_REQUEST,
     TURN_REPLY_SEQUENCE,
@@ -66,6 +70,7 @@ from ._wire import (
     AgentMessage,
     AgentMessageChunk,
     AgentMessageChunkRange,
+    AgentMessageIndex,
     AgentState,
     AgentToolCall,
     AgentUsage,
@@ -83,7 +88,7 @@ log = logging.getLogger("dex_agents.session")
 WINDOW_LOAD: LoadSpec = LoadOptions.only(
     AGENT_STATE, AGENT_MESSAGES, AGENT_MESSAGE_INDEX, TURN_REPLY_SEQUENCE, FRAMEWORK_RUN_STATE, AGENT_TOOL_CALLS,
     PENDING_INTERRUPTS, AGENT_USAGE, SESSION_SETTINGS, TURN_SESSION_SETTINGS, CONTEXT_SUMMARY, AGENT_PLAN,
-    TURN_CANCELLATION_REQUEST, AGENT_TRACE_CONTEXT,
+    TURN_CANCELLATION_REQUEST, AGENT_TRACE_CONTEXT, STEERED_MESSAGE_COUNT, APPLIED_STEERED_MESSAGE_COUNT,
 )
 # WINDOW_LOAD plus every AgentMessageChunks instance: RunModel and RecordTurnFailure give the runner
 # the whole conversation. Without compaction the model input is every message, so these Steps load
@@ -94,6 +99,7 @@ TURN_LOAD: LoadSpec = LoadOptions.only(
     AGENT_STATE, AGENT_MESSAGES, AGENT_MESSAGE_CHUNKS, AGENT_MESSAGE_INDEX, TURN_REPLY_SEQUENCE,
     FRAMEWORK_RUN_STATE, AGENT_TOOL_CALLS, PENDING_INTERRUPTS, AGENT_USAGE, SESSION_SETTINGS,
     TURN_SESSION_SETTINGS, CONTEXT_SUMMARY, AGENT_PLAN, TURN_CANCELLATION_REQUEST, AGENT_TRACE_CONTEXT,
+    STEERED_MESSAGE_COUNT, APPLIED_STEERED_MESSAGE_COUNT,
 )
 
 
@@ -119,9 +125,13 @@ def now_utc() -> datetime:
     return datetime.now(UTC)
 
 
+# What every tool call Step also reads: the two flags of steering and cancel_turn (_control_steps.py).
+TURN_CONTROL_LOAD_EXTRA = (AGENT_STATE, TURN_CANCELLATION_REQUEST, STEERED_MESSAGE_COUNT, APPLIED_STEERED_MESSAGE_COUNT)
+
+
 def tool_call_load(tool_call_id: str, *extra: Any) -> MovementOptions:
-    """Tool Steps load only their own AgentToolCalls instance (plus what `extra` names)."""
-    return MovementOptions(load=LoadOptions.only(AGENT_TOOL_CALLS[tool_call_id], *extra))
+    """Tool Steps load only their own AgentToolCalls instance, the turn-control flags, and `extra`."""
+    return MovementOptions(load=LoadOptions.only(AGENT_TOOL_CALLS[tool_call_id], *TURN_CONTROL_LOAD_EXTRA, *extra))
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,11 @@ class SessionRuntime:
     runner: AgentFrameworkRunner[Any]
     options: AgentSessionOptions
     events: Stream[AgentEvent]
+
+    @functools.cached_property
+    def builds_unfinished_messages(self) -> bool:
+        """Whether the runner is an UnfinishedTurnMessageBuilder; asked once (a Protocol isinstance is slow)."""
+        return isinstance(self.runner, UnfinishedTurnMessageBuilder)
 
     # Events ----------------------------------------------------------------------------------
 
@@ -220,9 +235,20 @@ class SessionRuntime:
             raise ValueTooLarge(f"messages of turn {turn_id} are too large to store: {exc}") from None
         for sequence in writes.window_deletes:
             ctx.delete(AGENT_MESSAGES[message_sequence_key(sequence)])
-        if writes.index is not None:
-            ctx.set(AGENT_MESSAGE_INDEX, writes.index)
+        new_index = self.retain(ctx, writes.index or index, after - 1) or writes.index
+        if new_index is not None:
+            ctx.set(AGENT_MESSAGE_INDEX, new_index)
         return msgspec.structs.replace(state, next_message_sequence=after)
+
+    def retain(self, ctx: Context, index: AgentMessageIndex | None, newest: int) -> AgentMessageIndex | None:
+        """Retention (seed 002 "Message storage"): with compaction, delete the oldest summarized chunks
+        that have retained_message_limit messages after them. Returns the new index, None: no change."""
+        if self.options.compaction is None:
+            return None
+        plan = plan_retention(index, ctx.get(CONTEXT_SUMMARY), self.options.retained_message_limit, newest)
+        for chunk in plan.deleted:
+            ctx.delete(AGENT_MESSAGE_CHUNKS[message_sequence_key(chunk.first_sequence)])
+        return plan.index
 
     def user_message(self, text: str) -> FrameworkMessage:
         """The runner's user message for `text`; a runner that raises or returns another role breaks the contract."""

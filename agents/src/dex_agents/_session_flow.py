@@ -7,7 +7,9 @@ from typing import Any
 from dex_engine import Flow, LoadOptions, RetryPolicy, Step, StepDurability, StepOptions
 
 from ._builtin_steps import BuiltInSteps
+from ._compaction_steps import RUN_MODEL_MOVEMENT_LOAD_EXTRA, CompactionSteps, check_compaction_runner
 from ._constants import (
+    APPLY_TURN_CONTROL,
     AWAIT_QUESTION_ANSWER,
     AWAIT_TIMER,
     AWAIT_TOOL_APPROVAL,
@@ -16,6 +18,14 @@ from ._constants import (
     CALL_SINGLE_ATTEMPT_TOOL_MAX_ATTEMPTS,
     CALL_TOOL,
     CALL_TOOL_MAX_ATTEMPTS,
+    CANCEL_TOOL_TASK,
+    CANCEL_TOOL_TASK_MAX_ATTEMPTS,
+    CANCEL_TOOL_TASK_RETRY_BUDGET,
+    CANCEL_TOOL_TASK_TIMEOUT,
+    COMPACT_CONTEXT,
+    FINISH_TURN_CANCELLATION,
+    POLL_TOOL_TASK,
+    POLL_TOOL_TASK_MAX_ATTEMPTS,
     RECORD_TOOL_FAILURE,
     RECORD_TOOL_OUTCOME_UNKNOWN,
     RECORD_TURN_FAILURE,
@@ -24,18 +34,21 @@ from ._constants import (
     RUN_MODEL_HEARTBEAT_TIMEOUT,
     START_AGENT_SESSION,
 )
+from ._control_steps import ControlSteps, turn_control_rpcs
 from ._options import AgentSessionOptions
 from ._persistence import (
-    AGENT_STATE,
+    AGENT_PLAN,
     AGENT_TOOL_CALLS,
     PENDING_INTERRUPTS,
     TURN_CANCELLATION_REQUEST,
     agent_events_stream,
     session_schema,
 )
+from ._plan_rpcs import check_plan_mode, plan_rpcs
 from ._rpcs import session_rpcs
 from ._runner import AgentFrameworkRunner
-from ._runtime import TURN_LOAD, WINDOW_LOAD, SessionRuntime
+from ._runtime import TURN_CONTROL_LOAD_EXTRA, TURN_LOAD, WINDOW_LOAD, SessionRuntime
+from ._task_steps import POLL_TOOL_TASK_STEP_LOAD, TaskSteps
 from ._tool_steps import ToolSteps
 from ._turn_steps import TurnSteps
 from ._wire import AgentSessionStartInput, CompactContextInput
@@ -75,6 +88,8 @@ class AgentSessionFlow(Flow):
         options = options or AgentSessionOptions()
         if not isinstance(options, AgentSessionOptions):
             raise TypeError(f"options must be AgentSessionOptions, got {type(options).__name__}")
+        check_plan_mode(runner, options.plan_mode_enabled, options.built_in_tools)
+        check_compaction_runner(runner, options.compaction)
         self.runner = runner
         self.options = options
         self.events = agent_events_stream(options.agent_events_capacity_bytes)
@@ -82,6 +97,8 @@ class AgentSessionFlow(Flow):
         turn = TurnSteps(runtime)
         tools = ToolSteps(runtime)
         built_ins = BuiltInSteps(runtime)
+        tasks = TaskSteps(runtime, tools)
+        control = ControlSteps(runtime, turn)
         limit = options.run_model_limit
         turn_input = CompactContextInput | None
         tool_records = LoadOptions.only(AGENT_TOOL_CALLS)
@@ -91,9 +108,18 @@ class AgentSessionFlow(Flow):
             Step(AWAIT_USER_MESSAGE, turn.await_user_message, input_type=None,
                  wait_for=turn.await_user_message_wait,
                  options=StepOptions(durability=_SYNC, execute_retry=RECOVERY_RETRY, wait_for_retry=RECOVERY_RETRY,
-                                     wait_for_load=LoadOptions.none(), execute_load=WINDOW_LOAD,
+                                     wait_for_load=LoadOptions.only(AGENT_PLAN), execute_load=WINDOW_LOAD,
                                      execute_locks=(TURN_CANCELLATION_REQUEST,))),
             Step(RUN_MODEL, turn.run_model, input_type=turn_input,
+                 options=StepOptions(
+                     durability=_SYNC, load=TURN_LOAD, failure_route=RECORD_TURN_FAILURE,
+                     execute_timeout_seconds=limit.timeout.total_seconds(),
+                     heartbeat_timeout_seconds=RUN_MODEL_HEARTBEAT_TIMEOUT.total_seconds(),
+                     execute_retry=RetryPolicy(max_attempts=limit.max_attempts,
+                                               total_duration_seconds=limit.retry_budget.total_seconds()),
+                 )),
+            # RunModel's options and failure route; its movements list only the chunks it summarizes.
+            Step(COMPACT_CONTEXT, CompactionSteps(runtime).compact_context, input_type=turn_input,
                  options=StepOptions(
                      durability=_SYNC, load=TURN_LOAD, failure_route=RECORD_TURN_FAILURE,
                      execute_timeout_seconds=limit.timeout.total_seconds(),
@@ -118,6 +144,18 @@ class AgentSessionFlow(Flow):
                  options=StepOptions(durability=_SYNC, load=tool_records, execute_retry=RECOVERY_RETRY)),
             Step(RECORD_TOOL_OUTCOME_UNKNOWN, tools.record_tool_outcome_unknown, input_type=str,
                  options=StepOptions(durability=_SYNC, load=tool_records, execute_retry=RECOVERY_RETRY)),
+            # PollToolTask's movements narrow the load to the call's record and set the failure route
+            # by effect (poll_tool_task_options); these are the fallbacks.
+            Step(POLL_TOOL_TASK, tasks.poll_tool_task, input_type=str, wait_for=tasks.poll_tool_task_wait,
+                 options=StepOptions(durability=_SYNC, load=POLL_TOOL_TASK_STEP_LOAD, failure_route=RECORD_TOOL_FAILURE,
+                                     execute_retry=RetryPolicy(max_attempts=POLL_TOOL_TASK_MAX_ATTEMPTS),
+                                     wait_for_retry=RECOVERY_RETRY)),
+            Step(CANCEL_TOOL_TASK, tasks.cancel_tool_task, input_type=str,
+                 options=StepOptions(durability=_SYNC, load=tool_records, failure_route=RECORD_TOOL_OUTCOME_UNKNOWN,
+                                     execute_timeout_seconds=CANCEL_TOOL_TASK_TIMEOUT.total_seconds(),
+                                     execute_retry=RetryPolicy(
+                                         max_attempts=CANCEL_TOOL_TASK_MAX_ATTEMPTS,
+                                         total_duration_seconds=CANCEL_TOOL_TASK_RETRY_BUDGET.total_seconds()))),
             Step(AWAIT_QUESTION_ANSWER, built_ins.await_question_answer, input_type=str,
                  wait_for=built_ins.await_question_answer_wait,
                  options=StepOptions(durability=_SYNC, load=LoadOptions.none(), execute_retry=RECOVERY_RETRY,
@@ -127,11 +165,25 @@ class AgentSessionFlow(Flow):
                                      wait_for_retry=RECOVERY_RETRY)),
             Step(RESUME_TURN, tools.resume_turn, input_type=int, wait_for=tools.resume_turn_wait,
                  options=StepOptions(durability=_SYNC, wait_for_load=LoadOptions.none(),
-                                     execute_load=LoadOptions.only(AGENT_STATE, AGENT_TOOL_CALLS),
+                                     execute_load=LoadOptions.only(AGENT_TOOL_CALLS, PENDING_INTERRUPTS,
+                                                                   *TURN_CONTROL_LOAD_EXTRA,
+                                                                   *RUN_MODEL_MOVEMENT_LOAD_EXTRA),
                                      execute_retry=RECOVERY_RETRY, wait_for_retry=RECOVERY_RETRY,
                                      execute_locks=(PENDING_INTERRUPTS,))),
+            # Steering and cancel_turn (_control_steps.py). Both lock TurnCancellationRequest, so no
+            # turn starts or ends while cancel_turn decides.
+            Step(APPLY_TURN_CONTROL, control.apply_turn_control, input_type=None,
+                 wait_for=control.apply_turn_control_wait,
+                 options=StepOptions(durability=_SYNC, wait_for_load=LoadOptions.none(), execute_load=TURN_LOAD,
+                                     execute_retry=RECOVERY_RETRY, wait_for_retry=RECOVERY_RETRY,
+                                     execute_locks=(TURN_CANCELLATION_REQUEST,))),
+            Step(FINISH_TURN_CANCELLATION, control.finish_turn_cancellation, input_type=str,
+                 options=StepOptions(durability=_SYNC, execute_retry=RECOVERY_RETRY,
+                                     load=LoadOptions.only(AGENT_TOOL_CALLS, PENDING_INTERRUPTS,
+                                                           *TURN_CONTROL_LOAD_EXTRA),
+                                     execute_locks=(TURN_CANCELLATION_REQUEST, PENDING_INTERRUPTS))),
         ]
         super().__init__(
             flow_type, steps, start_step=START_AGENT_SESSION, schema=session_schema(self.events),
-            rpcs=session_rpcs(),
+            rpcs=[*session_rpcs(plan_mode_enabled=options.plan_mode_enabled), *plan_rpcs(), *turn_control_rpcs()],
         )

@@ -22,15 +22,41 @@ from dex_engine import (
 )
 
 from ._builtin_steps import question_interrupt_id, question_step_load
-from ._constants import APPROVAL_DEADLINE_PASSED, AWAIT_QUESTION_ANSWER, AWAIT_TOOL_APPROVAL, RESUME_TURN, RUN_MODEL
+from ._compaction_steps import go_to_run_model
+from ._constants import (
+    APPLY_TURN_CONTROL,
+    APPROVAL_DEADLINE_PASSED,
+    AWAIT_QUESTION_ANSWER,
+    AWAIT_TOOL_APPROVAL,
+    MAX,
+    RESUME_TURN,
+)
+from ._control_steps import (
+    answer_first_wait,
+    is_answer_first_wait,
+    read_turn_control,
+    reject_before_start,
+    wake_abandoned_calls,
+    woken_waiting_call,
+)
 from ._events import AgentEventType
-from ._persistence import AGENT_STATE, AGENT_TOOL_CALLS, INTERRUPT_RESOLUTIONS, PENDING_INTERRUPTS, TOOL_CALL_RESULTS
+from ._persistence import (
+    AGENT_STATE,
+    AGENT_TOOL_CALLS,
+    INTERRUPT_RESOLUTIONS,
+    PENDING_INTERRUPTS,
+    TOOL_CALL_CANCELLATIONS,
+    TOOL_CALL_RESULTS,
+    TURN_CONTROL_REQUESTS,
+)
 from ._runner import (
     DeferredToolExecution,
     ToolExecutionError,
     ToolExecutionResult,
     ToolInputRequested,
     ToolOutcomeUnknownError,
+    ToolTaskStarted,
+    polls_tool_tasks,
 )
 from ._runtime import (
     INTERRUPT_STEP_LOAD_EXTRA,
@@ -40,6 +66,7 @@ from ._runtime import (
     pending_interrupts,
     tool_call_load,
 )
+from ._task_steps import cancelled_task_record, is_abandoned_task, question_failure_status, start_tool_task
 from ._timefmt import parse_time
 from ._turn_logic import (
     deadline_timer_seconds,
@@ -109,8 +136,12 @@ class ToolSteps:
         record = self._record(ctx, tool_call_id)
         if record is None or record.status is not AgentToolCallStatus.AWAITING_APPROVAL:
             return Wait.skip_immediately()
-        conditions: list[ChannelCondition | TimerCondition] = [INTERRUPT_RESOLUTIONS[tool_call_id].for_one()]
         interrupt = _pending(ctx, tool_call_id)
+        if interrupt is None and read_turn_control(ctx, record.turn_id).reason is not None:
+            return answer_first_wait(tool_call_id, tool_call_id)  # steered or cancelled: an answer first wins
+        conditions: list[ChannelCondition | TimerCondition] = [
+            TOOL_CALL_CANCELLATIONS[tool_call_id].for_one(), INTERRUPT_RESOLUTIONS[tool_call_id].for_one(),
+        ]
         if interrupt is not None and interrupt.deadline is not None:
             seconds = deadline_timer_seconds(parse_time(interrupt.deadline), now_utc())
             conditions.append(Timer.by_duration(seconds))
@@ -134,7 +165,13 @@ class ToolSteps:
                 return StepDecision.go_to(step, tool_call_id, tool_call_load(tool_call_id))
             rt.finish_record(ctx, finished(record, AgentToolCallStatus.REJECTED, rejection_message=rejection))
             return StepDecision.dead_end()
-        if ctx.wait_result.timer_fired:
+        answer_first = is_answer_first_wait(ctx.wait_result)
+        if answer_first or ctx.wait_result.messages(TOOL_CALL_CANCELLATIONS[tool_call_id]):
+            # Steering or cancel_turn woke the wait: the flags decide (_control_steps.py).
+            abandoned = woken_waiting_call(rt, ctx, record, answer_first=answer_first)
+            if abandoned is not None:
+                return abandoned
+        elif ctx.wait_result.timer_fired:
             pending = pending_interrupts(ctx)
             kept, interrupt = without_interrupt(pending, tool_call_id)
             due = interrupt is not None and interrupt.deadline is not None and now_utc() >= parse_time(
@@ -177,6 +214,11 @@ class ToolSteps:
             raise RuntimeError(
                 f"tool call {tool_call_id!r} is {record.status.value}; a tool Step runs only approved calls"
             )
+        # Before tool_call_started only: in a steered or cancelled turn the call never starts. Every
+        # attempt sees the first attempt's snapshot, so a tool that started runs to the end.
+        rejected = reject_before_start(rt, ctx, record)
+        if rejected is not None:
+            return rejected
         writer = rt.live_writer(ctx, record.turn_id)
         writer.write_tool_call_started(record.tool_call_id, record.tool_name)
         # Durable before the tool runs: from here a lost Worker fails the attempt instead of handing
@@ -196,6 +238,7 @@ class ToolSteps:
             idempotency_key=idempotency_key(ctx.flow_id, record.turn_id, record.tool_call_id),
             attempt=ctx.attempt, events=writer, heartbeat=heartbeat, save_heartbeat_checkpoint=save_checkpoint,
             heartbeat_checkpoint=ctx.checkpoint, context=ctx, input_answers=tuple(record.input_answers),
+            supports_tool_tasks=polls_tool_tasks(rt.runner),
         )
         result: object = None
         try:
@@ -208,6 +251,8 @@ class ToolSteps:
         else:
             if isinstance(result, ToolInputRequested):
                 return self._ask(ctx, record, result)
+            if isinstance(result, ToolTaskStarted):
+                return start_tool_task(rt, ctx, record, result)
             if not isinstance(result, ToolExecutionResult) or not isinstance(result.output, str):
                 raise TypeError(
                     f"execute_deferred_tool_call returned {result!r}; return ToolExecutionResult(output: str) "
@@ -231,8 +276,9 @@ class ToolSteps:
         problem = input_request_problem(request)
         if problem is not None:
             # A tool that asks has taken no effect (the runner contract), so the call failed, for
-            # writes too: the model sees why and may call the tool again.
-            self.rt.finish_record(ctx, finished(record, AgentToolCallStatus.FAILED,
+            # writes too: the model sees why and may call the tool again. A started task's question
+            # is recorded by effect instead (question_failure_status): the task may run.
+            self.rt.finish_record(ctx, finished(record, question_failure_status(record),
                                                 error=invalid_question_error(problem)))
             return StepDecision.dead_end()
         waiting = msgspec.structs.replace(
@@ -244,14 +290,14 @@ class ToolSteps:
             load = question_step_load(waiting)
         except InvalidIdError as exc:
             # A tool call ID near the key length limit leaves no room for "-input-<n>".
-            self.rt.finish_record(ctx, finished(record, AgentToolCallStatus.FAILED, error=(
+            self.rt.finish_record(ctx, finished(record, question_failure_status(record), error=(
                 f"the tool's question cannot use interrupt ID {question_interrupt_id(waiting)}: {exc}"
             )))
             return StepDecision.dead_end()
         try:
             ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], waiting)
         except ValueTooLargeError as exc:
-            self.rt.finish_record(ctx, finished(record, AgentToolCallStatus.FAILED, error=invalid_question_error(
+            self.rt.finish_record(ctx, finished(record, question_failure_status(record), error=invalid_question_error(
                 f"the question makes the call {exc.size} bytes, over the session's value limit of {exc.limit}"
             )))
             return StepDecision.dead_end()
@@ -269,6 +315,10 @@ class ToolSteps:
         record = self._record(ctx, tool_call_id)
         if record is None or record.status.is_final:
             return StepDecision.dead_end()
+        if is_abandoned_task(record):
+            # CancelToolTask kept failing: the abandoned task still ends the turn, with the same result.
+            self.rt.finish_record(ctx, cancelled_task_record(record))
+            return StepDecision.dead_end()
         recovery = ctx.recovery_error
         detail = "the tool Step failed" if recovery is None else recovery.detail or recovery.error_type
         progress = "NOT_COMPLETED" if recovery is None else recovery.attempt_progress.value
@@ -279,19 +329,31 @@ class ToolSteps:
     # ResumeTurn --------------------------------------------------------------------------------
 
     async def resume_turn_wait(self, ctx: Context, expected: int) -> Wait:
-        return Wait.until(TOOL_CALL_RESULTS.for_n(expected))
+        return Wait.any_of(TOOL_CALL_RESULTS.for_n(expected), TURN_CONTROL_REQUESTS.for_range(1, MAX))
 
     async def resume_turn(self, ctx: Context, expected: int) -> StepDecision:
         state = ctx.get(AGENT_STATE)
         if state is None or state.active_turn_id is None:
             return StepDecision.dead_end()
-        records = self.rt.turn_records(ctx, state.active_turn_id)
+        turn_id = state.active_turn_id
+        assert ctx.wait_result is not None
+        if ctx.wait_result.messages(TURN_CONTROL_REQUESTS):
+            control = read_turn_control(ctx, turn_id)
+            if control.steered and not control.cancelled:
+                # A steer: abandon the waits that took no effect; FinishTurnCancellation owns a cancel.
+                wake_abandoned_calls(self.rt, ctx, turn_id)
+            return StepDecision.go_to(RESUME_TURN, expected)
+        records = self.rt.turn_records(ctx, turn_id)
         unfinished = [r for r in records.values() if not r.status.is_final]
         if unfinished:
             # A consumed result belonged to an earlier turn: wait for the ones still missing.
             return StepDecision.go_to(RESUME_TURN, len(unfinished))
+        if read_turn_control(ctx, turn_id).reason is not None:
+            # Steered or cancelled: ApplyTurnControl ends the turn (the status stays running_tools,
+            # so a FinishTurnCancellation that comes later leaves the ending to it).
+            return StepDecision.go_to(APPLY_TURN_CONTROL)
         ctx.set(AGENT_STATE, msgspec.structs.replace(state, status=AgentStatus.RUNNING_MODEL))
-        return StepDecision.go_to(RUN_MODEL, None)
+        return go_to_run_model(ctx, self.rt.options)  # with compaction, only the chunks after the summary
 
 
 def _pending(ctx: Context, interrupt_id: str) -> AgentInterrupt | None:

@@ -26,12 +26,14 @@ from ._constants import (
     DEFAULT_MAX_DURABLE_WAIT,
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
 )
+from ._plans import WRITE_TODOS, count_write_todos_calls, rejected_in_planning_turn, settle_write_todos
 from ._policy import REPEATABLE_EFFECTS, ToolPolicy, is_approval_required
 from ._runner import DeferredToolCall, FrameworkMessage
 from ._timefmt import format_time
 from ._wire import (
     AgentInterrupt,
     AgentMessage,
+    AgentPlan,
     AgentState,
     AgentStatus,
     AgentToolCall,
@@ -67,9 +69,10 @@ def initial_state() -> AgentState:
 
 
 def started_turn(state: AgentState, turn_id: str, mode: InteractionMode) -> AgentState:
+    """The state of a started turn: this Worker can steer and cancel it (accepts_turn_control)."""
     return msgspec.structs.replace(
         state, status=AgentStatus.RUNNING_MODEL, active_turn_id=turn_id, interaction_mode=mode,
-        accepts_turn_control=False,
+        accepts_turn_control=True,
     )
 
 
@@ -162,12 +165,18 @@ class PlannedCall:
     record: AgentToolCall
     next_step: str | None  # None: final in RunModel's commit, no Step runs it
     timer_reason: str | None = None  # durable_wait: the reason its timer_started event shows
+    plan: AgentPlan | None = None  # write_todos that succeeded: the plan it writes
 
 
 @dataclass(frozen=True)
 class ToolCallPlan:
     calls: tuple[PlannedCall, ...]
     interrupts: tuple[AgentInterrupt, ...]
+
+    @property
+    def plan(self) -> AgentPlan | None:
+        """The plan a write_todos call of this response writes (at most one call can succeed)."""
+        return next((c.plan for c in self.calls if c.plan is not None), None)
 
 
 def plan_tool_calls(
@@ -180,11 +189,14 @@ def plan_tool_calls(
     trace_context: str | None,
     built_in_tools: frozenset[str] = frozenset(),
     max_durable_wait: timedelta = DEFAULT_MAX_DURABLE_WAIT,
+    interaction_mode: InteractionMode = InteractionMode.CHAT,
+    current_plan: AgentPlan | None = None,
 ) -> ToolCallPlan:
     """Records, interrupts and next Steps for one response's tool calls (in model order).
 
     Raises TurnContractError for what fails the turn: no calls, a bad ID, a call that is not a
-    DeferredToolCall. Arguments that are not a JSON object fail only that call, at once.
+    DeferredToolCall. Arguments that are not a JSON object fail only that call, at once. A planning
+    turn rejects every call but write_todos; write_todos settles here against `current_plan`.
     """
     if isinstance(tool_calls, str | bytes) or not isinstance(tool_calls, Sequence) or not tool_calls:
         raise TurnContractError("ToolCallsRequested.tool_calls must be a non-empty sequence of DeferredToolCall")
@@ -194,6 +206,7 @@ def plan_tool_calls(
     deadline = None if interrupt_deadline is None else format_time(now + interrupt_deadline)
     calls: list[PlannedCall] = []
     interrupts: list[AgentInterrupt] = []
+    write_todos_calls = count_write_todos_calls(tool_calls, WRITE_TODOS in built_in_tools)
     for index, call in enumerate(tool_calls):
         if not isinstance(call, DeferredToolCall):
             raise TurnContractError(f"tool_calls[{index}] is a {type(call).__name__}, not a DeferredToolCall")
@@ -207,9 +220,21 @@ def plan_tool_calls(
         reference = call.tool_source_reference
         if reference is not None and not isinstance(reference, str):
             raise TurnContractError(f"tool call {call_id!r} has a tool_source_reference that is not text")
+        if interaction_mode is InteractionMode.PLANNING and not (
+            call.tool_name == WRITE_TODOS and WRITE_TODOS in built_in_tools
+        ):
+            calls.append(PlannedCall(rejected_in_planning_turn(AgentToolCall(
+                tool_call_id=call_id, turn_id=turn_id, tool_name=call.tool_name,
+                arguments=call.arguments if isinstance(call.arguments, str) else repr(call.arguments),
+                effect=call.policy.effect, requires_approval=is_approval_required(call.policy),
+                status=AgentToolCallStatus.APPROVED, output=None, error=None, rejection_message=None,
+                deferral_order=first_order + index, tool_source_reference=reference, trace_context=trace_context,
+            )), None))
+            continue
         if call.tool_name in built_in_tools and isinstance(call.arguments, str):
             planned, interrupt = _built_in_call(
-                call, call_id, turn_id, first_order + index, trace_context, now, deadline, max_durable_wait
+                call, call_id, turn_id, first_order + index, trace_context, now, deadline, max_durable_wait,
+                plan_context=(current_plan, interaction_mode, write_todos_calls > 1),
             )
             calls.append(planned)
             if interrupt is not None:
@@ -253,6 +278,8 @@ def _built_in_call(
     now: datetime,
     deadline: str | None,
     max_durable_wait: timedelta,
+    *,
+    plan_context: tuple[AgentPlan | None, InteractionMode, bool] = (None, InteractionMode.CHAT, False),
 ) -> tuple[PlannedCall, AgentInterrupt | None]:
     """A built-in call: routed to its own Step with no approval and the read effect, or failed now."""
     record = AgentToolCall(
@@ -261,6 +288,12 @@ def _built_in_call(
         error=None, rejection_message=None, deferral_order=order, tool_source_reference=None,
         trace_context=trace_context,
     )
+    if call.tool_name == BuiltInTool.WRITE_TODOS:
+        # Settled in RunModel's own commit: no Step runs it (plan_context: current plan, mode, repeated).
+        current_plan, mode, repeated = plan_context
+        outcome = settle_write_todos(record, current_plan=current_plan, mode=mode, now=now,
+                                     called_more_than_once=repeated)
+        return PlannedCall(outcome.record, None, plan=outcome.plan), None
     try:
         if call.tool_name == BuiltInTool.ASK_USER:
             asked = parse_ask_user(call.arguments)

@@ -9,29 +9,43 @@ import msgspec
 
 from dex_engine import Context, Movement, StepDecision, ValueTooLargeError, Wait
 
+from ._compaction_steps import compaction_before_model_call, go_to_run_model, model_view
 from ._constants import (
+    APPLY_TURN_CONTROL,
     AWAIT_QUESTION_ANSWER,
     AWAIT_TOOL_APPROVAL,
     AWAIT_USER_MESSAGE,
     INVALID_START_SESSION_SETTINGS_REASON,
+    MAX,
     NEW_MESSAGES_WITHOUT_BUILDER,
     RESUME_TURN,
-    RUN_MODEL,
     RUN_MODEL_HEARTBEAT_INTERVAL,
 )
+from ._control_steps import end_turn_before_model_call, read_turn_control
 from ._events import AgentEventType
 from ._persistence import (
+    AGENT_PLAN,
     AGENT_STATE,
     AGENT_TOOL_CALLS,
     AGENT_TRACE_CONTEXT,
     AGENT_USAGE,
     FRAMEWORK_RUN_STATE,
     PENDING_INTERRUPTS,
+    PENDING_PLAN_EXECUTION,
     QUEUED_USER_MESSAGES,
     SESSION_SETTINGS,
+    TURN_CONTROL_REQUESTS,
     TURN_SESSION_SETTINGS,
 )
-from ._runner import AgentTurnContext, ToolCallsRequested, TurnCompleted, TurnContinued, UnfinishedTurnMessageBuilder
+from ._plan_rpcs import consumed_plan_executions, plan_execution_conditions
+from ._plans import (
+    approved_plan,
+    approved_plan_message,
+    plan_execution_started_payload,
+    plan_updated_payload,
+    turn_interaction_mode,
+)
+from ._runner import AgentTurnContext, ToolCallsRequested, TurnCompleted, TurnContinued
 from ._runtime import (
     INTERRUPT_STEP_LOAD_EXTRA,
     SessionRuntime,
@@ -39,7 +53,7 @@ from ._runtime import (
     background_heartbeats,
     now_utc,
     pending_interrupts,
-        session_settings,
+    session_settings,
     tool_call_load,
 )
 from ._session_settings import session_settings_error
@@ -60,6 +74,7 @@ from ._wire import (
     AgentUserMessage,
     CompactContextInput,
     InteractionMode,
+    PlanExecutionRequest,
     TurnSessionSettings,
 )
 
@@ -94,7 +109,7 @@ class TurnSteps:
         ctx.set(TURN_SESSION_SETTINGS, TurnSessionSettings(turn_id=turn_id, session_settings=session_settings(ctx)))
         ctx.set(AGENT_STATE, started_turn(state, turn_id, mode))
         rt.emit(ctx, AgentEventType.TURN_STARTED, turn_id, {"sequence": first_sequence})
-        return StepDecision.go_to(RUN_MODEL, None)
+        return go_to_run_model(ctx, rt.options)
 
     async def start_agent_session(self, ctx: Context, start: AgentSessionStartInput | None) -> StepDecision:
         start = start or AgentSessionStartInput()
@@ -110,21 +125,58 @@ class TurnSteps:
         ctx.set(PENDING_INTERRUPTS, [])
         text = start.initial_message
         if text is not None and text.strip():
-            return self.begin_turn(ctx, state, [AgentUserMessage(text)], InteractionMode.CHAT)
+            first = [AgentUserMessage(text)]
+            return self.begin_turn(ctx, state, first, self.turn_mode(ctx, first))
         return StepDecision.go_to(AWAIT_USER_MESSAGE)
 
+    def turn_mode(self, ctx: Context, messages: Sequence[AgentUserMessage]) -> InteractionMode:
+        """The mode of a turn these user messages start: the one rule every turn start applies."""
+        return turn_interaction_mode(self.rt.options.plan_mode_enabled, messages, ctx.get(AGENT_PLAN))
+
     async def await_user_message_wait(self, ctx: Context, _: None) -> Wait:
-        return Wait.any_of(QUEUED_USER_MESSAGES.for_one())
+        # In argument order: a steer beats a queued message; the plan execution condition comes
+        # last, so a queued message beats an approval.
+        return Wait.any_of(TURN_CONTROL_REQUESTS.for_range(1, MAX), QUEUED_USER_MESSAGES.for_one(),
+                           *plan_execution_conditions(ctx.get(AGENT_PLAN)))
 
     async def await_user_message(self, ctx: Context, _: None) -> StepDecision:
         state = ctx.get(AGENT_STATE)
         if state is None:
             raise RuntimeError("AwaitUserMessage ran before StartAgentSession stored AgentState")
         assert ctx.wait_result is not None
+        if ctx.wait_result.messages(TURN_CONTROL_REQUESTS):
+            return StepDecision.go_to(APPLY_TURN_CONTROL)  # a steer that outlived its turn starts the next one
+        approvals = consumed_plan_executions(ctx.wait_result)
+        if approvals:
+            return self.start_plan_execution(ctx, state, approvals[0])
         messages = [m for m in ctx.wait_result.messages(QUEUED_USER_MESSAGES) if m.text.strip()]
         if not messages:
             return StepDecision.go_to(AWAIT_USER_MESSAGE)  # a blank message published around the RPC
-        return self.begin_turn(ctx, state, messages, InteractionMode.CHAT)
+        return self.begin_turn(ctx, state, messages, self.turn_mode(ctx, messages))
+
+    def start_plan_execution(self, ctx: Context, state: AgentState, approval: PlanExecutionRequest) -> StepDecision:
+        """An approval execute_plan accepted: consume PendingPlanExecution, then run the plan.
+
+        A stale approval (the plan no longer has that revision, or is not draft or active) waits
+        again. Otherwise a draft becomes active (plan_updated), and an executing turn starts with
+        the approval message: turn_started, then plan_execution_started.
+        """
+        rt = self.rt
+        ctx.delete(PENDING_PLAN_EXECUTION)
+        approved = approved_plan(ctx.get(AGENT_PLAN), approval.revision, now_utc())
+        if approved is None:
+            return StepDecision.go_to(AWAIT_USER_MESSAGE)
+        plan, activated = approved
+        turn_id = next_turn_id(state)
+        if activated:
+            ctx.set(AGENT_PLAN, plan)
+            rt.emit(ctx, AgentEventType.PLAN_UPDATED, turn_id, plan_updated_payload(plan))
+        message = AgentUserMessage(approved_plan_message(plan.revision))
+        decision = self.begin_turn(ctx, state, [message], InteractionMode.EXECUTING)
+        started = ctx.get(AGENT_STATE)
+        if started is not None and started.active_turn_id == turn_id:
+            rt.emit(ctx, AgentEventType.PLAN_EXECUTION_STARTED, turn_id, plan_execution_started_payload(plan.revision))
+        return decision
 
     # RunModel ----------------------------------------------------------------------------------
 
@@ -137,13 +189,15 @@ class TurnSteps:
         async def heartbeat() -> None:
             await ctx.heartbeat()
 
+        # With compaction, only the messages after the summary, and the summary (_compaction_steps.py).
+        messages, summary = model_view(ctx, rt, warn=live)
         return AgentTurnContext(
-            flow_id=ctx.flow_id, turn_id=turn_id, attempt=ctx.attempt, messages=rt.stored_messages(ctx),
+            flow_id=ctx.flow_id, turn_id=turn_id, attempt=ctx.attempt, messages=messages, context_summary=summary,
             framework_run_state=ctx.get(FRAMEWORK_RUN_STATE), tool_calls=rt.turn_records(ctx, turn_id),
             events=writer, heartbeat=heartbeat, tool_policies=rt.options.tool_policies,
             default_tool_effect=rt.options.default_tool_effect, session_settings=rt.turn_settings(ctx, turn_id),
             enabled_built_in_tools=frozenset(t.value for t in rt.options.built_in_tools),
-            interaction_mode=state.interaction_mode,
+            interaction_mode=state.interaction_mode, plan=ctx.get(AGENT_PLAN),
         )
 
     async def run_model(self, ctx: Context, _: CompactContextInput | None) -> StepDecision:
@@ -152,7 +206,16 @@ class TurnSteps:
         if state is None or state.active_turn_id is None:
             return StepDecision.dead_end()  # the turn already ended; nothing to run
         turn_id = state.active_turn_id
+        control = read_turn_control(ctx, turn_id)
+        if control.reason is not None:
+            # Steered or cancelled before the model call: no call; the turn ends in this commit.
+            turn = self.turn_context(ctx, state, turn_id, live=False)
+            return end_turn_before_model_call(rt, ctx, state, turn_id, control, turn)
         turn = self.turn_context(ctx, state, turn_id, live=True)
+        compacting = await compaction_before_model_call(ctx, rt, state, turn)
+        if compacting is not None:
+            turn.events.close()
+            return compacting  # CompactContext, with no model call (or a contract breach ended the turn)
         try:
             async with background_heartbeats(ctx, RUN_MODEL_HEARTBEAT_INTERVAL.total_seconds()):
                 outcome = await rt.runner.run_model_step(turn)
@@ -177,7 +240,7 @@ class TurnSteps:
                 "or TurnContinued"
             )
         rt.record_usage(ctx, turn_id, outcome.usage)
-        has_builder = isinstance(rt.runner, UnfinishedTurnMessageBuilder)
+        has_builder = rt.builds_unfinished_messages
         if isinstance(outcome, TurnCompleted):
             items = check_framework_messages(outcome.new_messages, "TurnCompleted.new_messages")
             state = self._store(ctx, state, turn_id, items)
@@ -201,12 +264,13 @@ class TurnSteps:
             state = self._store(ctx, state, turn_id, items)
             self._store_run_state(ctx, turn_id, run_state)
             ctx.set(AGENT_STATE, state)
-            return StepDecision.go_to(RUN_MODEL, None)
+            return go_to_run_model(ctx, rt.options)
         plan = plan_tool_calls(
             outcome.tool_calls, turn_id=turn_id, existing=rt.turn_records(ctx, turn_id), now=now_utc(),
             interrupt_deadline=rt.options.interrupt_deadline, trace_context=ctx.get(AGENT_TRACE_CONTEXT),
             built_in_tools=frozenset(t.value for t in rt.options.built_in_tools),
             max_durable_wait=rt.options.max_durable_wait,
+            interaction_mode=state.interaction_mode, current_plan=ctx.get(AGENT_PLAN),
         )
         state = self._store(ctx, state, turn_id, items)
         self._store_run_state(ctx, turn_id, run_state)
@@ -230,6 +294,10 @@ class TurnSteps:
                      if planned.next_step in (AWAIT_TOOL_APPROVAL, AWAIT_QUESTION_ANSWER) else ())
             movements.append(Movement(planned.next_step, record.tool_call_id,
                                       tool_call_load(record.tool_call_id, *extra)))
+        if plan.plan is not None:
+            # write_todos settled in this commit: the plan is replaced whatever else the turn does.
+            ctx.set(AGENT_PLAN, plan.plan)
+            rt.emit(ctx, AgentEventType.PLAN_UPDATED, turn_id, plan_updated_payload(plan.plan))
         if plan.interrupts:
             pending = pending_interrupts(ctx)
             pending.extend(plan.interrupts)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, cast
 
@@ -131,9 +132,18 @@ class LiteLLMModelClient:
         return estimate_request_tokens(request)
 
     def supports_forced_tool_choice(self, settings: Mapping[str, Any]) -> bool:
-        """False when Anthropic extended thinking is on: Anthropic refuses a forced tool choice with it."""
+        """False for Claude Opus 5.5 and Sonnet 5.5, and when Anthropic extended thinking is on.
+
+        Both refuse a forced tool choice. For a model routed to Anthropic, or Claude on Bedrock or
+        Vertex AI, a `thinking` option that is not disabled, or a `reasoning_effort` other than
+        "none", counts as extended thinking. Gemini and OpenAI models accept a forced tool choice.
+        """
+        if not self._is_anthropic():
+            return True
+        if _REFUSES_FORCED_TOOL_CHOICE.search(self.model.lower()):
+            return False
         merged = {**self.request_options, **dict(settings or {})}
-        return not (self._is_anthropic() and _thinking_enabled(merged))
+        return not _thinking_enabled(merged)
 
     async def call_model(self, request: ModelRequest, output: ModelOutputWriter) -> ModelResponse:
         settings = dict(request.model_settings)
@@ -405,12 +415,21 @@ def _check_options(options: Mapping[str, Any], where: str) -> None:
         )
 
 
+# Claude models that refuse a forced tool choice whatever the settings: Opus 5.5 and Sonnet 5.5, as
+# Anthropic, Bedrock and Vertex AI name them (claude-opus-5-5..., anthropic.claude-sonnet-5-5..., 5.5).
+_REFUSES_FORCED_TOOL_CHOICE = re.compile(r"claude-(?:opus|sonnet)-5[-.]5(?!\d)")
+
+
 def _thinking_enabled(settings: Mapping[str, Any]) -> bool:
+    """A `thinking` option that is not disabled, or a `reasoning_effort` other than "none"."""
     thinking = settings.get("thinking")
-    if isinstance(thinking, Mapping) and thinking.get("type") not in (None, "disabled"):
+    disabled = thinking is None or thinking is False or (
+        isinstance(thinking, Mapping) and thinking.get("type") == "disabled"
+    )
+    if not disabled:
         return True
     effort = settings.get("reasoning_effort")
-    return isinstance(effort, str) and effort not in ("", "none", "disabled")
+    return effort is not None and effort != "none"
 
 
 def _responses_tool(tool: ModelToolDefinition) -> dict[str, Any]:

@@ -28,6 +28,8 @@ from ._transitions import RpcVersionChanged
 
 T = TypeVar("T")
 
+_FLOW_TYPE_CACHE_MAX = 100_000
+
 
 @dataclass(frozen=True)
 class StreamEvent:
@@ -81,6 +83,10 @@ class AsyncClient:
         self._store = store if store is not None else open_store(database_url or "")
         self._owns_store = store is None
         self._secret: bytes | None = None
+        # Flow type by flow ID: a flow's type never changes and flows are never deleted and started
+        # again under their ID, so one lookup per flow serves every later call (RPCs check it again
+        # against their snapshot). Bounded: cleared when full.
+        self._flow_types: dict[str, str] = {}
 
     @property
     def store(self) -> Store:
@@ -106,10 +112,16 @@ class AsyncClient:
             flow_id=flow_id, flow_type=flow_type, input=encode_value("flow input", Any, input),
             config=config_override or FlowConfig(), start=start_record(flow, input),
         ))
+        self._flow_types[flow_id] = flow_type
 
     async def _flow_of(self, flow_id: str) -> Flow:
-        info = await self._store.describe_flow(flow_id)
-        return self.registry.flow(info.flow_type)
+        flow_type = self._flow_types.get(flow_id)
+        if flow_type is None:
+            flow_type = (await self._store.describe_flow(flow_id)).flow_type
+            if len(self._flow_types) >= _FLOW_TYPE_CACHE_MAX:
+                self._flow_types.clear()
+            self._flow_types[flow_id] = flow_type
+        return self.registry.flow(flow_type)
 
     async def rpc(self, flow_id: str, name: str, request: Any = None) -> Any:
         """Run RPC `name` on a flow in one transaction (E8); returns its output.
@@ -126,6 +138,10 @@ class AsyncClient:
             request = decode_value(label, handler.request_type, data)
         for _ in range(MAX_RPC_TRIES):
             snap = await self._store.rpc_read(flow_id, handler.load, handler.locks)
+            if snap.flow_type != flow.flow_type:
+                # Not reached while flows keep their IDs for good; never run a handler of another type.
+                self._flow_types.pop(flow_id, None)
+                return await self.rpc(flow_id, name, request)
             ctx = RpcContext(flow, flow_id, snap.attributes, handler.load, snap.pending, name)
             result = await handler.handler(ctx, request)
             if isinstance(result, RPCResult):

@@ -36,49 +36,75 @@ class _StateView:
         self._load = load
         self._owner = owner
         self._writes = WriteSet()
+        # Decoded values (and values this method set) by (name, key). Only a checked, loaded or
+        # written attribute gets an entry, so a hit needs no check again.
         self._cache: dict[tuple[str, str], Any] = {}
+        self._map_keys: dict[str, list[str]] | None = None  # loaded keys by map name, sorted
+        self._items: dict[str, dict[str, Any]] = {}  # items() by map name, until a write to the map
 
     def _is_loaded(self, name: str, key: str) -> bool:
-        if self._load.mode == "all":
-            return True
-        if self._load.mode == "none":
-            return False
-        return name in self._load.names or (name, key) in self._load.instances
+        return self._load.loads(name, key)
 
     def get(self, ref: AttributeRef[T], default: T | None = None) -> T | None:
         """The attribute's value, or `default` when it is unset."""
-        self.flow.check_attribute(ref)
         ident = (ref.name, ref.key)
-        if ident in self._writes.attributes:
-            data = self._writes.attributes[ident]
+        cache = self._cache
+        if ident in cache:
+            cached: T = cache[ident]
+            return cached
+        self.flow.check_attribute(ref)
+        writes = self._writes.attributes
+        if ident in writes:
+            data = writes[ident]
         else:
-            if not self._is_loaded(ref.name, ref.key):
+            if not self._load.loads(ref.name, ref.key):
                 raise NotLoadedError(ref.label, self._owner)
             data = self._loaded.get(ident)
         if data is None:
             return default
-        if ident not in self._cache:
-            self._cache[ident] = decode_value(ref.label, ref.value_type, data)
-        value: T = self._cache[ident]
+        value: T = decode_value(ref.label, ref.value_type, data)
+        cache[ident] = value
         return value
 
     def items(self, amap: AttributeMap[T]) -> dict[str, T]:
         """Every loaded instance of a map, by key, in key order, with this method's writes applied."""
-        if not isinstance(self.flow.attributes.get(amap.name), AttributeMap):
-            self.flow.check_attribute(AttributeRef(amap.name, "?", amap.value_type))
-        keys = {k for (n, k) in self._loaded if n == amap.name}
-        keys |= {k for (n, k) in self._writes.attributes if n == amap.name}
-        whole = self._load.mode == "all" or amap.name in self._load.names
-        if not whole and not any(n == amap.name for n, _ in self._load.instances):
-            raise NotLoadedError(amap.name, self._owner)
+        name = amap.name
+        known = self._items.get(name)
+        if known is not None:
+            return dict(known)
+        if not isinstance(self.flow.attributes.get(name), AttributeMap):
+            self.flow.check_attribute(AttributeRef(name, "?", amap.value_type))
+        whole = self._load.mode == "all" or name in self._load.names
+        if not whole and not any(n == name for n, _ in self._load.instances):
+            raise NotLoadedError(name, self._owner)
+        if self._map_keys is None:
+            index: dict[str, list[str]] = {}
+            for n, k in self._loaded:
+                index.setdefault(n, []).append(k)
+            for listed in index.values():
+                listed.sort()
+            self._map_keys = index
+        keys = self._map_keys.get(name, [])
+        writes = self._writes.attributes
+        written = [k for (n, k) in writes if n == name]
+        if written:
+            keys = sorted({*keys, *written})
+        cache, loaded, value_type = self._cache, self._loaded, amap.value_type
         out: dict[str, T] = {}
-        for key in sorted(keys):
+        for key in keys:
             # Keys come from storage or from this method's checked writes: no need to check them again.
-            ref: AttributeRef[T] = AttributeRef(amap.name, key, amap.value_type)
-            value = self.get(ref)
+            ident = (name, key)
+            if ident in cache:
+                value = cache[ident]
+            else:
+                data = writes[ident] if ident in writes else loaded.get(ident)
+                if data is None:
+                    continue
+                value = cache[ident] = decode_value(f"{name}[{key}]", value_type, data)
             if value is not None:
                 out[key] = value
-        return out
+        self._items[name] = out
+        return dict(out)
 
     def keys(self, amap: AttributeMap[T]) -> list[str]:
         return list(self.items(amap))
@@ -90,12 +116,14 @@ class _StateView:
         ident = (ref.name, ref.key)
         self._writes.attributes[ident] = data
         self._cache[ident] = value
+        self._items.pop(ref.name, None)
 
     def delete(self, ref: AttributeRef[Any]) -> None:
         self.flow.check_attribute(ref)
         ident = (ref.name, ref.key)
         self._writes.attributes[ident] = None
         self._cache.pop(ident, None)
+        self._items.pop(ref.name, None)
 
     def publish(self, channel: ChannelRef[T], value: T) -> None:
         """Queue a message on a channel instance at this method's commit."""
@@ -219,6 +247,42 @@ class Context(_StateView):
         """
         declared = self.flow.check_stream(stream)
         self._write_event(declared.name, encode_value(declared.name, declared.value_type, event))
+
+
+class WaitNotFoldable(BaseException):
+    """A WaitFor evaluated ahead of its Step's first commit did what only a real attempt may do.
+
+    A BaseException, so that a handler's `except Exception` does not swallow it.
+    """
+
+
+class FoldContext(Context):
+    """The context of a WaitFor evaluated before the commit that starts its Step.
+
+    Such a WaitFor loads nothing and takes no locks, so its result depends only on its input: the
+    worker registers the wait in the same commit (MovementRecord.wait). The Step has no execution
+    ID, lease or attempt yet, so anything that needs one (the execution ID, heartbeats, events)
+    raises WaitNotFoldable and the WaitFor then runs as usual, after the commit, as attempt 1.
+    """
+
+    touched = False
+
+    @property
+    def step_execution_id(self) -> str:
+        self.touched = True
+        raise WaitNotFoldable("step_execution_id")
+
+    @step_execution_id.setter
+    def step_execution_id(self, _value: str) -> None:
+        pass  # set by Context.__init__; not known yet
+
+    async def heartbeat(self, checkpoint: str | None = None) -> None:
+        self.touched = True
+        raise WaitNotFoldable("heartbeat")
+
+    def write_event(self, stream: Stream[T], event: T) -> None:
+        self.touched = True
+        raise WaitNotFoldable("write_event")
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,10 @@ SQLITE_WRITER_YIELD_SECONDS = 0.0005
 # Most operations one group commit carries; bounds the latency one batch adds to its last op.
 MAX_GROUP_COMMIT_OPS = 256
 
+# Decoded immutable values kept per process (_codec.decode_value): enough for the message windows of
+# many sessions at once, a few MiB of memory.
+DECODED_VALUE_CACHE_ENTRIES = 8192
+
 # RPC optimistic validation: tries before RpcContentionError.
 MAX_RPC_TRIES = 64
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Callable, Sequence
 from importlib import resources
@@ -11,9 +12,15 @@ Execute = Callable[[str, Sequence[Any]], Any]
 
 
 def statements(sql: str) -> list[str]:
-    """Split a migration file into statements; `--` comments end at the line's end."""
+    """Split a migration file into statements; `--` comments end at the line's end, and a
+    `$$`-quoted body (a PostgreSQL function's) keeps its own semicolons."""
     lines = [line.split("--", 1)[0] for line in sql.splitlines()]
-    return [part.strip() for part in "\n".join(lines).split(";") if part.strip()]
+    out = [""]
+    for n, part in enumerate(re.split(r"(\$\$.*?\$\$)", "\n".join(lines), flags=re.DOTALL)):
+        pieces = [part] if n % 2 else part.split(";")
+        out[-1] += pieces[0]
+        out += pieces[1:]
+    return [part.strip() for part in out if part.strip()]
 
 
 def migration_files(backend: str) -> list[tuple[int, str]]:

@@ -30,6 +30,22 @@ class LoadSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     names: tuple[str, ...] = ()  # whole attributes or whole maps
     instances: tuple[tuple[str, str], ...] = ()  # (map name, key)
 
+    def loads(self, name: str, key: str) -> bool:
+        """Whether attribute `name` (map instance `key`; "" for a plain attribute) is loaded."""
+        if self.mode == "all":
+            return True
+        if self.mode == "none":
+            return False
+        return name in self.names or (name, key) in self.instances
+
+    def loads_within(self, other: LoadSpec) -> bool:
+        """Whether everything this spec loads is also loaded by `other`."""
+        if self.mode == "none" or other.mode == "all":
+            return True
+        if self.mode == "all" or other.mode == "none":
+            return False
+        return all(n in other.names for n in self.names) and all(other.loads(n, k) for n, k in self.instances)
+
 
 class LoadOptions:
     """Which attributes a Step method or RPC loads into its context."""
@@ -109,6 +125,8 @@ class MovementOptions:
     execute_load: LoadSpec | None = None
     wait_for_load: LoadSpec | None = None
     durability: StepDurability | None = None
+    # Another of the flow's Steps as this movement's failure route (e.g. chosen by the call's effect).
+    failure_route: str | None = None
 
 
 class FlowConfig(msgspec.Struct, frozen=True, omit_defaults=True):

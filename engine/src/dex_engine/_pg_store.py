@@ -29,9 +29,9 @@ stands; aborted, the operation runs again. It is never re-applied blindly.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
-import queue
 import re
 import threading
 import time
@@ -39,9 +39,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
+
+from . import _gates
+from . import _transitions as tx
+from ._codec import decode_json, encode_json
+from ._errors import FlowNotActiveError, StaleAttemptError
 from ._migrate import apply_pending
-from ._records import Lease
-from ._store import Store, commit_origin
+from ._options import LoadSpec, MethodOptions, StepDurability, TaskOptions
+from ._records import DecisionRecord, Lease, MovementRecord, WriteSet
+from ._store import LOST_CLAIM_MS, Store, commit_origin, now_ms
 from ._transitions import Db, HistoryRow, PollResult, Row, run_op
 
 try:
@@ -61,6 +68,11 @@ CHANNEL = "dex_engine"
 # Lanes (connections) per process. Each runs one transaction at a time, carrying every operation
 # queued meanwhile, so a few keep a worker's commits, heartbeats and polls flowing.
 DEFAULT_POOL_SIZE = 4
+# Execute commits of a batch go to the server as one dex_commit_execute call (migration 0002);
+# False sends each through _transitions.commit_execute (about four statements each), e.g. to compare.
+BATCH_EXECUTE_COMMITS = True
+# The other lanes take queued operations only when the first has been busy this long with one batch.
+OVERFLOW_AFTER_SECONDS = 0.1
 # Most operations one transaction carries: bounds how long a batch holds its flows' row locks.
 MAX_BATCH_OPS = 32
 # How long a batch of several operations waits for a row lock before it runs them one by one.
@@ -191,6 +203,178 @@ class _PgDb:
             self.notified = self.wrote = True
 
 
+# Batched Execute commits ---------------------------------------------------------------------
+
+_SnapshotRows = list[tuple[str, str, msgspec.Raw]]
+
+# One call of the migration's dex_commit_execute commits every Execute of a batch.
+_COMMIT_EXECUTE = (
+    "SELECT r_idx, r_kind, r_task, r_seid, r_async, r_snapshot "
+    "FROM dex_commit_execute(%s::jsonb, %s::jsonb, %s::jsonb, %s::bigint, %s::int, %s::int)"
+)
+_json = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True)
+class _Target:
+    """What a commit needs to know about one TaskOptions it schedules (cached per object)."""
+
+    options: TaskOptions
+    method: str
+    mopts: MethodOptions
+    sync: tuple[TaskOptions, str]  # the stored options (JSON); SYNC when the flow config decides
+    asynchronous: tuple[TaskOptions, str] | None  # the ASYNC variant when the flow config decides
+    load: msgspec.Raw | None  # the LoadSpec as JSON when the method loads attributes
+
+
+_targets: dict[int, _Target] = {}
+_TARGETS_MAX = 4096
+
+
+def _target(options: TaskOptions) -> _Target:
+    hit = _targets.get(id(options))
+    if hit is not None and hit.options is options:
+        return hit
+    method = "wait_for" if options.has_wait_for else "execute"
+    mopts = options.wait_for if method == "wait_for" and options.wait_for is not None else options.execute
+    variants: tuple[tuple[TaskOptions, bytes], tuple[TaskOptions, bytes] | None]
+    if options.durability is None:
+        sync = msgspec.structs.replace(options, durability=StepDurability.SYNC)
+        asynchronous = msgspec.structs.replace(options, durability=StepDurability.ASYNC)
+        variants = (sync, encode_json(sync)), (asynchronous, encode_json(asynchronous))
+    else:
+        variants = (options, encode_json(options)), None
+    load = None if mopts.load == LoadSpec("none") else msgspec.Raw(encode_json(mopts.load))
+    target = _Target(options, method, mopts, (variants[0][0], variants[0][1].decode()),
+                     None if variants[1] is None else (variants[1][0], variants[1][1].decode()), load)
+    if len(_targets) >= _TARGETS_MAX:
+        _targets.clear()
+    _targets[id(options)] = target  # keeps `options` alive, so its id is not reused meanwhile
+    return target
+
+
+def batchable(writes: WriteSet, decision: DecisionRecord) -> bool:
+    """Whether dex_commit_execute can commit this Execute: no channel or stream writes, no
+    cancellations, no forced close. Anything else takes _transitions.commit_execute."""
+    return (
+        not writes.publishes and not writes.appends and not writes.deleted_messages
+        and not decision.canceling_steps and decision.kind in ("movements", "dead_end", "graceful_complete")
+    )
+
+
+@dataclass(eq=False)
+class _ExecuteCommit:
+    """One Execute's commit, sent with the other Executes of its batch in one dex_commit_execute call."""
+
+    lease: Lease
+    writes: WriteSet
+    decision: DecisionRecord
+    claim: tuple[str, Sequence[str], int] | None
+
+    def generic(self, db: Db) -> list[Lease]:
+        """The same commit through _transitions (Store.commit_execute's operation), used when a
+        batch failed in the database and its operations run again one by one."""
+        now = now_ms()
+        claim = self.claim
+        handoff = None if claim is None else tx.Handoff(claim[0], claim[2], [])
+        tx.commit_execute(db, self.lease, self.writes, self.decision, now, handoff)
+        if _gates.ACTIVE:  # the transaction is open: a crash here must roll it all back
+            _gates.gate(_gates.INSIDE_COMMIT)
+        if claim is None or handoff is None:
+            return []
+        return handoff.leases or tx.claim(db, claim[0], claim[1], claim[2], now)
+
+
+class _Unbatchable(Exception):
+    """A batch's Execute commits cannot go to dex_commit_execute; they run through _transitions."""
+
+
+class _Rejected:
+    """The result of an operation that changed nothing and raises `error`; its batch still commits."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _stale(lease: Lease) -> StaleAttemptError:
+    return StaleAttemptError(
+        f"attempt {lease.attempt} of {lease.step_execution_id} in flow {lease.flow_id!r} "
+        "no longer owns its task (cancelled, timed out, lease lost or superseded); its write was rejected"
+    )
+
+
+def _commit_executes(db: _PgDb, commits: list[_ExecuteCommit]) -> list[Any]:
+    """Commit `commits` with one dex_commit_execute call; each one's result (its Leases) or _Rejected."""
+    now = now_ms()
+    # Flows are locked in one order (their IDs) by every batch, so two lanes' batches never deadlock.
+    order = sorted(range(len(commits)), key=lambda n: commits[n].lease.flow_id)
+    ops: list[tuple[Any, ...]] = []
+    attrs: list[tuple[str, str, str | None]] = []
+    moves: list[tuple[Any, ...]] = []
+    planned: list[tuple[int, MovementRecord, _Target, bool]] = []  # per movement: commit, movement, handoff
+    try:
+        for n in order:
+            c = commits[n]
+            lease, decision, claim = c.lease, c.decision, c.claim
+            attrs += [(name, key, None if value is None else value.decode())
+                      for (name, key), value in c.writes.attributes.items()]
+            capacity = 0 if claim is None else claim[2]
+            for movement in decision.movements:
+                target = _target(movement.options)
+                handoff = capacity > 0 and not target.mopts.locks
+                capacity -= handoff
+                planned.append((n, movement, target, handoff))
+                if handoff:
+                    hb_ms = target.options.heartbeat_timeout_ms
+                    method_deadline = None if target.mopts.timeout_ms is None else now + target.mopts.timeout_ms
+                    deadline = method_deadline if hb_ms is None else min(now + hb_ms, method_deadline or now + hb_ms)
+                    moves.append((movement.step_type, movement.input.decode(), target.sync[1],
+                                  None if target.asynchronous is None else target.asynchronous[1], target.method,
+                                  True, deadline, method_deadline, target.load))
+                else:
+                    moves.append((movement.step_type, movement.input.decode(), target.sync[1],
+                                  None if target.asynchronous is None else target.asynchronous[1], target.method,
+                                  False, None, None, None))
+            locks = (lease.options.wait_for if lease.method == "wait_for" and lease.options.wait_for is not None
+                     else lease.options.execute).locks
+            ops.append((lease.flow_id, lease.task_id, lease.lease_epoch, None if claim is None else claim[0],
+                        lease.step_type, lease.step_execution_id, lease.attempt, decision.kind, bool(locks),
+                        decision.kind == "graceful_complete",
+                        None if decision.output is None else decision.output.decode(), len(attrs), len(moves)))
+        # The history bounds as _transitions reads them (tests lower them there).
+        bounds = vars(tx)
+        params = (_json.encode(ops).decode(), _json.encode(attrs).decode(), _json.encode(moves).decode(), now,
+                  bounds["HISTORY_TRIM_CHECK_EVERY"], bounds["MAX_HISTORY_EVENTS_PER_FLOW"])
+    except Exception as exc:  # e.g. a value that is not UTF-8: these commits take _transitions
+        raise _Unbatchable() from exc
+    db.wrote = True
+    rows = db.reader.execute(_COMMIT_EXECUTE, params, prepare=True).fetchall()
+    results: list[Any] = [[] for _ in commits]
+    for idx, kind, task_id, seid, is_async, snapshot in rows:
+        if kind == "task":
+            n, movement, target, handoff = planned[idx - 1]
+            if not handoff:
+                continue
+            options = target.sync[0] if not is_async or target.asynchronous is None else target.asynchronous[0]
+            lease = commits[n].lease
+            attributes = ({} if snapshot is None else
+                          {(a, k): bytes(v) for a, k, v in decode_json(bytes(snapshot), _SnapshotRows)})
+            results[n].append(Lease(
+                task_id=int(task_id), lease_epoch=1, flow_id=lease.flow_id, flow_type=lease.flow_type,
+                step_type=movement.step_type, step_execution_id=str(seid),
+                method="wait_for" if target.method == "wait_for" else "execute", attempt=1,
+                input=movement.input, options=options, load=target.mopts.load, attributes=attributes,
+                checkpoint=None, wait_spec=None, wait_outcome=None, recovery_error=None,
+            ))
+        else:
+            n = order[idx - 1]
+            lease = commits[n].lease
+            results[n] = _Rejected(_stale(lease) if kind == "stale" else FlowNotActiveError(lease.flow_id, seid))
+    return results
+
+
 @dataclass(eq=False)
 class _Op:
     """One queued operation and where its result goes."""
@@ -201,6 +385,36 @@ class _Op:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Any]
     origin: Callable[[], None] | None
+    commit: _ExecuteCommit | None = None  # an Execute's commit that dex_commit_execute can batch
+
+
+# A worker's poll when it has nothing to claim or clean up: the lease epochs of its running
+# attempts (a changed or missing one revokes the attempt) and when something next falls due, as
+# _transitions.task_epochs and next_due compute them, in one statement.
+_LIGHT_POLL = (
+    "SELECT r.ids, r.epochs, "
+    "(SELECT MIN(run_at) FROM tasks WHERE state = 'ready' AND flow_type = ANY(%s::text[])), "
+    "(SELECT MIN(timer_due_at) FROM tasks WHERE state = 'waiting'), "
+    "(SELECT MIN(deadline_at) FROM tasks WHERE state = 'running'), (SELECT MIN(expires_at) FROM workers) "
+    "FROM (SELECT array_agg(task_id) AS ids, array_agg(lease_epoch) AS epochs FROM tasks "
+    "WHERE state = 'running' AND task_id = ANY(%s::bigint[])) r"
+)
+
+
+def _text_array(values: Sequence[str]) -> str:
+    """A PostgreSQL array literal (binding a Python list costs psycopg far more)."""
+    quoted = ('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
+    return "{" + ",".join(quoted) + "}"
+
+
+def _light_poll(db: Db, flow_types: str, running: Sequence[int]) -> PollResult:
+    assert isinstance(db, _PgDb)
+    ids = "{" + ",".join(map(str, running)) + "}"
+    row = db.reader.execute(_LIGHT_POLL, (flow_types, ids), prepare=True).fetchone()
+    assert row is not None
+    epochs = {} if row[0] is None else {int(t): int(e) for t, e in zip(row[0], row[1], strict=True)}
+    due = [int(v) for v in row[2:] if v is not None]
+    return PollResult([], epochs, min(due) if due else None, None)
 
 
 class _OpFailed(Exception):
@@ -248,6 +462,12 @@ class _Lane:
                 self._pipeline.sync()  # collects the error and ends the aborted pipeline segment
             self._conn.execute("ROLLBACK")
             self._pipeline.sync()
+            # Seeing ROLLBACK, psycopg forgets its prepared statements and deallocates them all
+            # (DEALLOCATE ALL) right after the next statement it sends. Were that one a statement it
+            # prepares (a read-only batch starts without BEGIN), the deallocation would drop it
+            # and its next use would fail: send the deallocation now, after one it does not prepare.
+            self._conn.execute("DEALLOCATE ALL", prepare=False)
+            self._pipeline.sync()
         except psycopg.Error:
             self.release()
 
@@ -264,7 +484,70 @@ class _Lane:
         self._pool.putconn(conn)
 
 
-_STOP = object()
+class _Dispatcher:
+    """Queued operations and the lanes that take them. The first lane takes everything queued
+    whenever it is free, so operations gather into large batches (one transaction and, for Execute
+    commits, one statement each); the other lanes take work only when it has been busy with one
+    batch for OVERFLOW_AFTER_SECONDS (a lock wait, a slow disk, a lost connection), so one stuck
+    transaction does not hold up the process's commits, heartbeats and polls."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.first = threading.Condition(self.lock)
+        self.others = threading.Condition(self.lock)
+        self.queue: collections.deque[_Op] = collections.deque()
+        self.busy_since: float | None = None  # when the first lane took its batch; None while it waits
+        self.first_waiting = False
+        self.watching = False  # another lane waits out the first one's current batch
+        self.closed = False
+
+    def put(self, op: _Op) -> None:
+        with self.lock:
+            self.queue.append(op)
+            # Wake a lane only when one must act: each wake-up is a thread switch.
+            if self.busy_since is None:
+                if self.first_waiting:
+                    self.first.notify()
+            elif not self.watching:
+                self.others.notify()  # it waits out the first lane's grace period, then takes over
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.first.notify_all()
+            self.others.notify_all()
+
+    def take(self, first: bool) -> list[_Op] | None:
+        """A lane's next batch (up to MAX_BATCH_OPS); None once the store closed and nothing is queued."""
+        with self.lock:
+            if first:
+                self.busy_since = None
+                while not self.queue and not self.closed:
+                    self.first_waiting = True
+                    self.first.wait()
+                    self.first_waiting = False
+                if self.queue:
+                    self.busy_since = time.monotonic()
+            else:
+                while not self.closed:
+                    if self.queue and self.busy_since is not None:
+                        waited = time.monotonic() - self.busy_since
+                        if waited >= OVERFLOW_AFTER_SECONDS:
+                            break
+                        self.watching = True
+                        self.others.wait(OVERFLOW_AFTER_SECONDS - waited)
+                        self.watching = False
+                    else:
+                        self.others.wait()
+            if not self.queue:
+                return None
+            return [self.queue.popleft() for _ in range(min(len(self.queue), MAX_BATCH_OPS))]
+
+    def drain(self) -> list[_Op]:
+        with self.lock:
+            ops = list(self.queue)
+            self.queue.clear()
+            return ops
 
 
 def _deliver(items: list[tuple[asyncio.Future[Any], bool, Any]], listeners: list[Callable[[], None]]) -> None:
@@ -295,95 +578,120 @@ def migrate(conn: psycopg.Connection[Any]) -> int:
 class PostgresStore(Store):
     """A Store on one PostgreSQL database; safe for many processes on many hosts."""
 
-    def __init__(self, url: str, *, pool_size: int = DEFAULT_POOL_SIZE) -> None:
+    def __init__(self, url: str, *, pool_size: int | None = None) -> None:
+        pool_size = pool_size or DEFAULT_POOL_SIZE
         self.url = url
         self._conninfo = _with_network_timeouts(url)
         self._configure_session = _session_setup(self._conninfo)
+        # Named in pg_stat_activity as the URL says, else as dex_engine.
+        self._app_name = psycopg.conninfo.conninfo_to_dict(self._conninfo).get("application_name") or "dex_engine"
         self._closed = False
         with psycopg.connect(self._conninfo, autocommit=True) as conn:
             migrate(conn)
         self._pool: psycopg_pool.ConnectionPool[Any] = psycopg_pool.ConnectionPool(
             self._conninfo, configure=self._configure_session,
             min_size=1, max_size=pool_size, open=True, name="dex-engine",
-            kwargs={"application_name": "dex_engine", "autocommit": True},
+            kwargs={"application_name": self._app_name, "autocommit": True},
             check=psycopg_pool.ConnectionPool.check_connection,
         )
         self._listeners: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
+        self._flow_type_arrays: dict[tuple[str, ...], str] = {}
         self._notified = threading.Event()
         self._last_change_report = 0.0
         self._stop_listening = threading.Event()
         self._listener = threading.Thread(target=self._listen, name="dex-pg-listen", daemon=True)
         self._listener.start()
-        self._queue: queue.SimpleQueue[_Op | object] = queue.SimpleQueue()
+        self._dispatcher = _Dispatcher()
         self._lanes = [
-            threading.Thread(target=self._lane_main, name=f"dex-pg-{i}", daemon=True) for i in range(pool_size)
+            threading.Thread(target=self._lane_main, args=(i == 0,), name=f"dex-pg-{i}", daemon=True)
+            for i in range(pool_size)
         ]
         for lane in self._lanes:
             lane.start()
 
     # Operations ---------------------------------------------------------------------------
 
-    async def _run(self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None) -> R:
+    async def _run(
+        self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None,
+        commit: _ExecuteCommit | None = None,
+    ) -> R:
         if self._closed:
             raise RuntimeError(f"store {self.url!r} is closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
-        self._queue.put(_Op(fn, write, durable is not False, loop, future, commit_origin.get()))
+        self._dispatcher.put(_Op(fn, write, durable is not False, loop, future, commit_origin.get(), commit))
         return await future
 
-    def _lane_main(self) -> None:
-        """Take every queued operation (up to MAX_BATCH_OPS) and run them as one transaction."""
+    async def poll(
+        self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],
+        *, must_claim: bool, housekeep: bool, known: Sequence[int] | None = None,
+        lost_claim_ms: int = LOST_CLAIM_MS,
+    ) -> tuple[bool, PollResult]:
+        """Store.poll; but when it would neither claim nor clean up (no claim asked for, no
+        notification, no fallback poll and no housekeeping due), one read-only statement outside
+        a transaction: most polls of a busy worker, which runs attempts and is not woken."""
+        if (must_claim or housekeep or self._notified.is_set()
+                or time.monotonic() - self._last_change_report >= FALLBACK_POLL_SECONDS):
+            return await super().poll(worker_id, flow_types, capacity, running, must_claim=must_claim,
+                                      housekeep=housekeep, known=known, lost_claim_ms=lost_claim_ms)
+        types = self._flow_type_arrays.get(tuple(flow_types))
+        if types is None:
+            types = self._flow_type_arrays[tuple(flow_types)] = _text_array(flow_types)
+        return False, await self._run(lambda db: _light_poll(db, types, running), write=False)
+
+    async def commit_execute(
+        self, lease: Lease, writes: WriteSet, decision: DecisionRecord,
+        claim: tuple[str, Sequence[str], int] | None = None,
+    ) -> list[Lease]:
+        if not (BATCH_EXECUTE_COMMITS and batchable(writes, decision)):
+            return await super().commit_execute(lease, writes, decision, claim)
+        commit = _ExecuteCommit(lease, writes, decision, claim)
+        return await self._run(commit.generic, write=True, durable=lease.durable, commit=commit)
+
+    def _lane_main(self, first: bool) -> None:
+        """Take the queued operations (up to MAX_BATCH_OPS) and run them as one transaction."""
         lane = _Lane(self._pool)
         try:
-            while True:
-                first = self._queue.get()
-                if first is _STOP:
-                    return
-                batch: list[_Op] = [first]  # type: ignore[list-item]
-                stop = False
-                while len(batch) < MAX_BATCH_OPS:
-                    try:
-                        nxt = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if nxt is _STOP:
-                        stop = True
-                        break
-                    batch.append(nxt)  # type: ignore[arg-type]
+            while (batch := self._dispatcher.take(first)) is not None:
                 self._complete(batch, self._run_batch(lane, batch))
-                if stop:
-                    return
         finally:
             lane.release()
 
-    def _run_batch(self, lane: _Lane, ops: list[_Op], isolated: int = 0) -> list[tuple[bool, Any]]:
+    def _run_batch(
+        self, lane: _Lane, ops: list[_Op], isolated: int = 0, batched: bool = True,
+    ) -> list[tuple[bool, Any]]:
         """Run `ops` in one transaction, retrying lost connections; isolate failing operations.
 
         A transition that raises rolls the transaction back; the others then commit without it
         and it runs again alone, after them. After MAX_BATCH_ISOLATIONS such reruns (each repeats
         the operations before the failing one), the rest run alone. A database error in a pipeline
         cannot be pinned on one operation, and a lock wait or deadlock between two batches is
-        broken by the batch's lock timeout: then each operation runs alone.
+        broken by the batch's lock timeout: then each operation runs alone. Without `batched`,
+        Execute commits take _transitions.commit_execute instead of dex_commit_execute: after a
+        database error in a batch that holds any, so that one bad commit cannot fail the others.
         """
         delay = 0.01
         for attempt in range(1, MAX_OP_TRIES + 1):
             try:
-                return [(True, value) for value in self._transact(lane, ops)]
+                return [(False, value.error) if isinstance(value, _Rejected) else (True, value)
+                        for value in self._transact(lane, ops, batched)]
             except _OpFailed as failed:
                 if len(ops) == 1:
                     return [(False, failed.error)]
                 i = failed.index
                 others = ops[:i] + ops[i + 1:]
                 if isolated >= MAX_BATCH_ISOLATIONS:
-                    rest = self._each_alone(lane, others)
+                    rest = self._each_alone(lane, others, batched)
                 else:
-                    rest = self._run_batch(lane, others, isolated + 1)
-                return [*rest[:i], *self._run_batch(lane, [ops[i]]), *rest[i:]]
+                    rest = self._run_batch(lane, others, isolated + 1, batched)
+                return [*rest[:i], *self._run_batch(lane, [ops[i]], 0, batched), *rest[i:]]
             except _OutcomeUnknown as unknown:
                 return [(False, unknown.error)] * len(ops)
+            except _Unbatchable:
+                return self._run_batch(lane, ops, isolated, batched=False)
             except (pg_errors.SerializationFailure, pg_errors.DeadlockDetected, pg_errors.LockNotAvailable) as exc:
                 if len(ops) > 1:
-                    return self._each_alone(lane, ops)
+                    return self._each_alone(lane, ops, batched)
                 if attempt == MAX_OP_TRIES:
                     return [(False, exc)]
             except psycopg.OperationalError as exc:
@@ -393,8 +701,10 @@ class PostgresStore(Store):
                     return [(False, exc)] * len(ops)
                 log.warning("database connection lost (try %d of %d); retrying", attempt, MAX_OP_TRIES)
             except psycopg.Error as exc:
+                if batched and any(op.commit is not None for op in ops):
+                    return self._run_batch(lane, ops, isolated, batched=False)
                 if len(ops) > 1:
-                    return self._each_alone(lane, ops)
+                    return self._each_alone(lane, ops, batched)
                 return [(False, exc)]
             except BaseException as exc:  # the lane must survive to serve the others
                 return [(False, exc)] * len(ops)
@@ -402,22 +712,51 @@ class PostgresStore(Store):
             delay = min(delay * 2, 1.0)
         raise AssertionError("unreachable")
 
-    def _each_alone(self, lane: _Lane, ops: list[_Op]) -> list[tuple[bool, Any]]:
-        return [result for op in ops for result in self._run_batch(lane, [op])]
+    def _each_alone(self, lane: _Lane, ops: list[_Op], batched: bool = True) -> list[tuple[bool, Any]]:
+        return [result for op in ops for result in self._run_batch(lane, [op], 0, batched)]
 
-    def _transact(self, lane: _Lane, ops: list[_Op]) -> list[Any]:
-        """One transaction running `ops` in order; their results, once committed."""
+    def _transact(self, lane: _Lane, ops: list[_Op], batched: bool = True) -> list[Any]:
+        """One transaction running `ops`, the batchable Execute commits first (one call), then the
+        others in order; their results (a _Rejected for a commit whose lease was stale), once committed."""
         conn, pipeline = lane.open()
         db = _PgDb(conn, pipeline)
         results: list[Any] = []
         commit_sent = False
         xid: str | None = None
+        # Reads only: no BEGIN and COMMIT (in a pipeline, the statements up to the sync run as one
+        # implicit transaction, and these take no locks and write nothing).
+        reads = not any(op.write for op in ops)
         try:
-            db.sender.execute("BEGIN")
+            if not reads:
+                db.sender.execute("BEGIN")
             early_xid = self._ask_xid_early(db, ops)
-            if len(ops) > 1:
+            if len(ops) > 1 and not reads:
                 db.sender.execute(f"SET LOCAL lock_timeout = {BATCH_LOCK_TIMEOUT_MS}")
+            batch = [i for i, op in enumerate(ops) if op.commit is not None] if batched else []
+            done: dict[int, Any] = {}
+            if batch:
+                commits = [ops[i].commit for i in batch]
+                for i, result in zip(batch, _commit_executes(db, commits), strict=True):  # type: ignore[arg-type]
+                    done[i] = result
+                for i in batch:
+                    commit = ops[i].commit
+                    assert commit is not None
+                    if isinstance(done[i], _Rejected):
+                        continue
+                    if _gates.ACTIVE:  # the transaction is open: a crash here must roll it all back
+                        _gates.gate(_gates.INSIDE_COMMIT)
+                    claim = commit.claim
+                    if claim is not None and not done[i]:  # nothing handed over: claim ready work
+                        try:
+                            done[i] = tx.claim(db, claim[0], claim[1], claim[2], now_ms())
+                        except psycopg.Error:
+                            raise
+                        except Exception as exc:
+                            raise _OpFailed(i, exc) from exc
             for index, op in enumerate(ops):
+                if index in done:
+                    results.append(done[index])
+                    continue
                 try:
                     results.append(run_op(op.fn, db))
                 except psycopg.Error:
@@ -425,7 +764,8 @@ class PostgresStore(Store):
                 except Exception as exc:
                     raise _OpFailed(index, exc) from exc
             # Operations marked as writes that wrote nothing (a poll without news) need neither.
-            writes = [(op, result) for op, result in zip(ops, results, strict=True) if op.write] if db.wrote else []
+            writes = [(op, result) for op, result in zip(ops, results, strict=True)
+                      if op.write and not isinstance(result, _Rejected)] if db.wrote else []
             if writes and all(not op.durable and not _hands_out_leases(result) for op, result in writes):
                 # Set at the end: the setting in force at COMMIT is the one that counts.
                 db.sender.execute("SET LOCAL synchronous_commit = off")
@@ -437,7 +777,8 @@ class PostgresStore(Store):
                 row = db.reader.execute("SELECT pg_current_xact_id_if_assigned()::text", prepare=True).fetchone()
                 xid = None if row is None else row[0]
             commit_sent = True
-            db.sender.execute("COMMIT")
+            if not reads:
+                db.sender.execute("COMMIT")
             pipeline.sync()
             return results
         except BaseException as exc:
@@ -525,7 +866,8 @@ class PostgresStore(Store):
         """Set the notified flag on every NOTIFY; reconnect after errors."""
         while not self._stop_listening.is_set():
             try:
-                with psycopg.connect(self._conninfo, autocommit=True, application_name="dex_engine_listen") as conn:
+                listen_name = f"{self._app_name}_listen"
+                with psycopg.connect(self._conninfo, autocommit=True, application_name=listen_name) as conn:
                     self._configure_session(conn)
                     conn.execute(f"LISTEN {CHANNEL}")
                     self._notified.set()  # anything may have happened while not listening
@@ -545,8 +887,7 @@ class PostgresStore(Store):
             return
         self._closed = True
         self._stop_listening.set()
-        for _ in self._lanes:
-            self._queue.put(_STOP)
+        self._dispatcher.close()  # the lanes run what is queued, then stop
         await asyncio.to_thread(self._join_threads)
         await asyncio.to_thread(self._pool.close)
 
@@ -555,12 +896,8 @@ class PostgresStore(Store):
         for lane in self._lanes:
             lane.join()
         # Operations queued as the store closed: nobody will run them.
-        while True:
-            try:
-                op = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(op, _Op) and not op.loop.is_closed():
+        for op in self._dispatcher.drain():
+            if not op.loop.is_closed():
                 error = RuntimeError(f"store {self.url!r} is closed")
                 with contextlib.suppress(RuntimeError):
                     op.loop.call_soon_threadsafe(_deliver, [(op.future, False, error)], [])

@@ -67,6 +67,12 @@ class MovementRecord(msgspec.Struct, frozen=True):
     step_type: str
     input: bytes
     options: TaskOptions
+    # The Step's wait, when the worker evaluated its WaitFor before the commit that starts it, on
+    # `wait_loaded`: the attributes the WaitFor loads as that commit leaves them, worked out from
+    # the committing method's snapshot and writes. The commit registers the wait only if the rows
+    # it reads for the WaitFor's load options are exactly those; else the WaitFor runs as usual.
+    wait: WaitSpec | None = None
+    wait_loaded: tuple[tuple[str, str, bytes], ...] = ()
 
 
 class DecisionRecord(msgspec.Struct, frozen=True):

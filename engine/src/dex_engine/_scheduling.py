@@ -31,6 +31,8 @@ def _resolve(flow: Flow, step_type: str, movement: MovementOptions | None, _seen
     step = flow.step(step_type)
     options = resolve_task_options(step.options, step.wait_for is not None, movement)
     route = step.options.failure_route
+    if movement is not None and movement.failure_route is not None:
+        route = flow.step(movement.failure_route).step_type  # UndeclaredNameError for an unknown Step
     if route is not None and route not in _seen:
         # A cycle of failure routes ends where it repeats: that route's own failure fails the flow.
         nested = task_options(flow, route, None, _seen | {step_type})

@@ -63,18 +63,23 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
 
 
 class _SqliteDb:
-    __slots__ = ("conn", "history")
+    __slots__ = ("conn", "history", "readied")
 
     # BEGIN IMMEDIATE serializes every writer of the file: no row locks needed.
     for_update = ""
     skip_locked = ""
+    # Every write of the file is serialized, so a method's snapshot can stay the live rows until
+    # something would change them (_transitions.LIVE_SNAPSHOT).
+    lazy_snapshots = True
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         self.history: list[HistoryRow] = []
+        self.readied = 0  # how often a transition made work ready (notify): commits claim it
 
     def notify(self) -> None:
         """Other processes see commits through PRAGMA data_version; nothing to send."""
+        self.readied += 1
 
     def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         row: Row | None = self.conn.execute(sql, params).fetchone()
@@ -134,6 +139,9 @@ def migrate(conn: sqlite3.Connection) -> int:
 
 class SqliteStore(Store):
     """A Store on one SQLite file; safe for several processes on one machine."""
+
+    folds_waits = True
+    light_polls = True
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -206,7 +214,9 @@ class SqliteStore(Store):
     def _run_batch(self, conn: sqlite3.Connection, db: _SqliteDb, batch: list[_Op], level: str) -> str:
         writes = any(op.write for op in batch)
         wanted: str = self.settings.synchronous
-        if writes and not any(op.durable for op in batch if op.write):
+        if not writes:
+            wanted = level  # a read commits nothing: leave the level as it is
+        elif not any(op.durable for op in batch if op.write):
             wanted = "NORMAL"
         results: list[tuple[bool, Any]] = []
         try:

@@ -53,6 +53,11 @@ class Store(ABC):
     url: str
     # (event loop, callback) of each commit listener; backends create it and call the callbacks.
     _listeners: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]]
+    # Whether commit_execute registers the waits of MovementRecord.wait (workers then evaluate a
+    # WaitFor that loads nothing and takes no locks before the commit that starts its Step).
+    folds_waits: bool = False
+    # Whether a poll that need not claim or housekeep may run as a read-only transaction.
+    light_polls: bool = False
 
     @abstractmethod
     async def _run(self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None) -> R:
@@ -131,13 +136,17 @@ class Store(ABC):
         def op(db: Db) -> list[Lease]:
             now = now_ms()
             handoff = None if claim is None else tx.Handoff(claim[0], claim[2], [])
+            readied = getattr(db, "readied", None)
             tx.commit_execute(db, lease, writes, decision, now, handoff)
             if _gates.ACTIVE:  # the transaction is open: a crash here must roll it all back
                 _gates.gate(_gates.INSIDE_COMMIT)
             if claim is None or handoff is None:
                 return []
-            # Steps this commit started went straight to this worker; otherwise claim ready work.
-            return handoff.leases or tx.claim(db, claim[0], claim[1], claim[2], now)
+            # Steps this commit started went straight to this worker; otherwise claim ready work,
+            # and also when the commit made work ready (a backend that counts it, in `readied`).
+            if handoff.leases and (readied is None or getattr(db, "readied", None) == readied):
+                return handoff.leases
+            return handoff.leases + tx.claim(db, claim[0], claim[1], handoff.capacity, now)
 
         return await self._run(op, write=True, durable=lease.durable)
 
@@ -150,8 +159,11 @@ class Store(ABC):
     async def release_unstarted(self, lease: Lease) -> None:
         await self._run(lambda db: tx.release_unstarted(db, lease, now_ms()), write=True)
 
-    async def heartbeat(self, lease: Lease, checkpoint: str | None) -> None:
-        await self._run(lambda db: tx.heartbeat(db, lease, checkpoint, now_ms()), write=True)
+    async def heartbeat(
+        self, lease: Lease, checkpoint: str | None, events: Sequence[tuple[str, int, bytes]] = (),
+    ) -> None:
+        """A durable heartbeat; `events` (stream, capacity, value) are appended with it, best effort."""
+        await self._run(lambda db: tx.heartbeat(db, lease, checkpoint, now_ms(), events), write=True)
 
     async def append_best_effort(self, lease: Lease, stream: str, capacity: int, values: Sequence[bytes]) -> None:
         await self._run(lambda db: tx.append_best_effort(db, lease, stream, capacity, values), write=True,
@@ -183,6 +195,18 @@ class Store(ABC):
         It claims when `must_claim`, when another connection committed since the last poll, or
         when housekeeping made work ready.
         """
+        if self.light_polls and not must_claim and not housekeep:
+            # Most polls find nothing new: read the epochs and due times without taking the write
+            # lock; only when another connection committed does a full poll follow, to claim.
+            def light(db: Db) -> tx.PollResult | None:
+                if self._changed_in(db):
+                    return None
+                return tx.PollResult([], tx.task_epochs(db, running), tx.next_due(db, flow_types), None)
+
+            quiet = await self._run(light, write=False)
+            if quiet is not None:
+                return False, quiet
+            must_claim = True
 
         def op(db: Db) -> tuple[bool, tx.PollResult]:
             now = now_ms()

@@ -63,7 +63,8 @@ class Db(Protocol):
     ('' on SQLite, whose writers are serialized by BEGIN IMMEDIATE). `notify` tells other
     processes' workers that work may be ready. PostgreSQL's also has `dialect = "postgres"`, which
     lets a few hot statements use its syntax (one statement where SQLite needs two), and
-    `send(sql, params)`: run a statement without waiting for its reply (see `_send`).
+    `send(sql, params)`: run a statement without waiting for its reply (see `_send`). A backend
+    whose writers are all serialized may set `lazy_snapshots = True` (see LIVE_SNAPSHOT).
     """
 
     history: list[HistoryRow]
@@ -107,6 +108,10 @@ _TASK_COLS = (
     "input, options, snapshot, checkpoint, wait_outcome, recovery_error, locks_held, "
     "method_first_at, any_started, attempt_started, last_error, wait_spec"
 )
+
+
+# Rows one multi-row statement writes: at most 4 parameters each, far below either backend's limit.
+_ROWS_PER_STATEMENT = 200
 
 
 def _in(values: Sequence[Any]) -> str:
@@ -346,6 +351,24 @@ def create_task(
     mopts = _method_options(options, method)
     recovery_blob = None if recovery_error is None else encode_json(recovery_error)
     options_blob = encode_json(options)
+    wait_options = options.wait_for
+    if movement.wait is not None and wait_options is not None and _wait_state_holds(
+        db, flow_id, wait_options, movement.wait_loaded
+    ):
+        # The WaitFor already ran (see MovementRecord.wait): register its wait as its commit would,
+        # in this transaction; the caller evaluates the flow's waits once its movements are in.
+        timers = [c.seconds for c in movement.wait.conditions if c.kind == "timer"]
+        task_id, seid = _insert_task(
+            db,
+            "flow_id, flow_type, step_type, step_execution_id, input, options, method, state, attempt, run_at, "
+            "recovery_error, created_at, wait_spec, wait_registered_at, timer_due_at",
+            "?, ?, ?, {id}, ?, ?, 'execute', 'waiting', 1, ?, ?, ?, ?, ?, ?",
+            (flow_id, flow_type, step_type, movement.input, options_blob, now, recovery_blob, now,
+             encode_json(movement.wait), now, now + min(timers) * 1000 if timers else None),
+        )
+        _history(db, flow_id, step_type, seid, STEP_SCHEDULED, 0, now)
+        _history(db, flow_id, step_type, seid, WAIT_REGISTERED, 1, now)
+        return task_id
     if handoff is None or handoff.capacity <= 0 or mopts.locks:
         task_id, seid = _insert_task(
             db,
@@ -379,6 +402,17 @@ def create_task(
     return task_id
 
 
+def _wait_state_holds(
+    db: Db, flow_id: str, options: MethodOptions, loaded: Sequence[tuple[str, str, bytes]]
+) -> bool:
+    """Whether a WaitFor evaluated ahead of this commit saw the attributes it loads as they are now."""
+    if options.locks:
+        return False
+    if options.load.mode == "none":
+        return True
+    return load_attributes(db, flow_id, options.load) == {(n, k): v for n, k, v in loaded}
+
+
 @dataclass(frozen=True)
 class _AttemptStart:
     attributes: dict[tuple[str, str], bytes]
@@ -387,16 +421,28 @@ class _AttemptStart:
     method_deadline: int | None
 
 
+# E15 on a backend with `lazy_snapshots` (SQLite): the snapshot column holds this marker while the
+# live attribute rows still are the method's snapshot; the first write that would change a row the
+# method loaded copies the rows into the column first (`_preserve_snapshots`). Most methods end
+# before anything else writes what they loaded, so their snapshot is never written at all.
+LIVE_SNAPSHOT = b"live"
+
+
+def _encode_snapshot(attrs: dict[tuple[str, str], bytes]) -> bytes:
+    return encode_json([(n, k, msgspec.Raw(v)) for (n, k), v in attrs.items()])
+
+
 def _attempt_start(
     db: Db, flow_id: str, options: TaskOptions, mopts: MethodOptions, snapshot: bytes | None, now: int
 ) -> _AttemptStart:
     """What an attempt is handed: its method's snapshot (E15) and its deadlines."""
     if mopts.load.mode == "none":
         attrs: dict[tuple[str, str], bytes] = {}
-    elif snapshot is None:
+    elif snapshot is None or snapshot == LIVE_SNAPSHOT:
         # E15: the state loaded for the method's first attempt is what every retry sees.
         attrs = load_attributes(db, flow_id, mopts.load)
-        snapshot = encode_json([(n, k, msgspec.Raw(v)) for (n, k), v in attrs.items()])
+        if snapshot is None:
+            snapshot = LIVE_SNAPSHOT if getattr(db, "lazy_snapshots", False) else _encode_snapshot(attrs)
     else:
         attrs = {(n, k): bytes(v) for n, k, v in decode_json(snapshot, _SnapshotRows)}
     method_deadline = None if mopts.timeout_ms is None else now + mopts.timeout_ms
@@ -552,16 +598,48 @@ def _mark_started(db: Db, lease: Lease) -> None:
 # Writes ------------------------------------------------------------------------------------
 
 
-def apply_writes(db: Db, flow_id: str, writes: WriteSet, seid: str, attempt: int, now: int) -> None:
-    for (name, key), value in writes.attributes.items():
-        if value is None:
-            _send(db, "DELETE FROM attributes WHERE flow_id = ? AND name = ? AND key = ?", (flow_id, name, key))
-        else:
-            _send(
-                db, "INSERT INTO attributes (flow_id, name, key, value) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT (flow_id, name, key) DO UPDATE SET value = excluded.value",
-                (flow_id, name, key, value),
-            )
+def _preserve_snapshots(db: Db, flow_id: str, written: Iterable[tuple[str, str]], own_task: int | None) -> None:
+    """Before attributes change: copy the rows into the snapshot of each method whose snapshot is
+    still the live rows (LIVE_SNAPSHOT) and that loaded one of them (E15). `own_task` is the task
+    whose method commits these writes: its method ends with them, so its snapshot is not needed."""
+    rows = db.all("SELECT task_id, method, options FROM tasks WHERE flow_id = ? AND snapshot = ?",
+                  (flow_id, LIVE_SNAPSHOT))
+    if not rows:
+        return
+    names = list(written)
+    for task_id, method, options_blob in rows:
+        if own_task is not None and int(task_id) == own_task:
+            continue
+        load = _method_options(_decode_options(bytes(options_blob)), str(method)).load
+        if any(load.loads(name, key) for name, key in names):
+            attrs = load_attributes(db, flow_id, load)
+            _send(db, "UPDATE tasks SET snapshot = ? WHERE task_id = ?", (_encode_snapshot(attrs), task_id))
+
+
+def apply_writes(
+    db: Db, flow_id: str, writes: WriteSet, seid: str, attempt: int, now: int, task_id: int | None = None
+) -> None:
+    """Apply a method's or RPC's buffered writes; `task_id` is the committing task, if any."""
+    if writes.attributes and getattr(db, "lazy_snapshots", False):
+        _preserve_snapshots(db, flow_id, writes.attributes, task_id)
+    # A few statements for all of them: sets in multi-row upserts, deletes in multi-row deletes.
+    sets = [(name, key, value) for (name, key), value in writes.attributes.items() if value is not None]
+    deletes = [(name, key) for (name, key), value in writes.attributes.items() if value is None]
+    for i in range(0, len(deletes), _ROWS_PER_STATEMENT):
+        gone = deletes[i:i + _ROWS_PER_STATEMENT]
+        _send(db, "DELETE FROM attributes WHERE flow_id = ? AND (name, key) IN (VALUES "
+              + ", ".join("(?, ?)" for _ in gone) + ")", [flow_id, *(x for row in gone for x in row)])
+    for i in range(0, len(sets), _ROWS_PER_STATEMENT):
+        part = sets[i:i + _ROWS_PER_STATEMENT]
+        params: list[Any] = []
+        for name, key, value in part:
+            params += (flow_id, name, key, value)
+        _send(
+            db, "INSERT INTO attributes (flow_id, name, key, value) VALUES "
+            + ", ".join("(?, ?, ?, ?)" for _ in part)
+            + " ON CONFLICT (flow_id, name, key) DO UPDATE SET value = excluded.value",
+            params,
+        )
     for channel, key, message_id in writes.deleted_messages:
         if not db.run(
             "DELETE FROM channel_messages WHERE message_id = ? AND flow_id = ? AND channel = ? AND key = ?",
@@ -573,29 +651,42 @@ def apply_writes(db: Db, flow_id: str, writes: WriteSet, seid: str, attempt: int
             db, "INSERT INTO channel_messages (flow_id, channel, key, value, created_at) VALUES (?, ?, ?, ?, ?)",
             (flow_id, channel, key, value, now),
         )
+    by_stream: dict[tuple[str, int], list[tuple[str, int, bytes]]] = {}
     for stream, capacity, value in writes.appends:
-        append_events(db, flow_id, stream, capacity, [(seid, attempt, value)])
+        by_stream.setdefault((stream, capacity), []).append((seid, attempt, value))
+    for (stream, capacity), events in by_stream.items():
+        append_events(db, flow_id, stream, capacity, events)
 
 
 def append_events(
     db: Db, flow_id: str, stream: str, capacity: int, events: Iterable[tuple[str, int, bytes]]
 ) -> None:
-    row = db.one("SELECT next_seq, first_seq, total_bytes FROM streams WHERE flow_id = ? AND stream = ?",
-                 (flow_id, stream))
+    rows = list(events)
+    if not rows:
+        return
+    size = sum(len(value) for _seid, _attempt, value in rows)
+    # One statement both reserves the sequences and reads where the stream stands.
+    row = db.one(
+        "UPDATE streams SET next_seq = next_seq + ?, total_bytes = total_bytes + ? WHERE flow_id = ? AND stream = ? "
+        "RETURNING next_seq, first_seq, total_bytes",
+        (len(rows), size, flow_id, stream),
+    )
     if row is None:
-        next_seq, first_seq, total = 1, 1, 0
-        _send(db, "INSERT INTO streams (flow_id, stream, next_seq, first_seq, total_bytes) VALUES (?, ?, 1, 1, 0)",
-               (flow_id, stream))
+        next_seq, first_seq, total = 1 + len(rows), 1, size
+        _send(db, "INSERT INTO streams (flow_id, stream, next_seq, first_seq, total_bytes) VALUES (?, ?, ?, 1, ?)",
+              (flow_id, stream, next_seq, total))
     else:
         next_seq, first_seq, total = int(row[0]), int(row[1]), int(row[2])
-    for seid, attempt, value in events:
-        _send(
-            db, "INSERT INTO stream_events (flow_id, stream, seq, step_execution_id, attempt, value) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (flow_id, stream, next_seq, seid, attempt, value),
-        )
-        next_seq += 1
-        total += len(value)
+    params: list[Any] = []
+    for seq, (seid, attempt, value) in enumerate(rows, start=next_seq - len(rows)):
+        params += (flow_id, stream, seq, seid, attempt, value)
+    _send(
+        db, "INSERT INTO stream_events (flow_id, stream, seq, step_execution_id, attempt, value) VALUES "
+        + ", ".join("(?, ?, ?, ?, ?, ?)" for _ in rows),
+        params,
+    )
+    if total <= capacity:
+        return
     while total > capacity and first_seq < next_seq - 1:
         # E11: trim the oldest events first, keeping at least the newest one.
         old = db.one("SELECT seq, LENGTH(value) FROM stream_events WHERE flow_id = ? AND stream = ? "
@@ -635,21 +726,24 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
         "FROM tasks WHERE flow_id = ? AND state = 'waiting' ORDER BY wait_registered_at, task_id",
         (flow_id,),
     )
-    for task_id, step_type, seid, spec_blob, registered_at, skipped, due_at in rows:
-        spec = decode_json(spec_blob, WaitSpec)
-        queued: dict[tuple[str, str], list[int]] = {}
-        bodies: dict[int, bytes] = {}
-        for cond in spec.conditions:
-            ident = (cond.channel, cond.key)
-            if cond.kind != "channel" or ident in queued:
-                continue
-            msgs = db.all(
-                "SELECT message_id, value FROM channel_messages WHERE flow_id = ? AND channel = ? AND key = ? "
-                "ORDER BY message_id",
-                (flow_id, cond.channel, cond.key),
-            )
-            queued[ident] = [int(m[0]) for m in msgs]
-            bodies.update({int(m[0]): bytes(m[1]) for m in msgs})
+    if not rows:
+        return 0
+    waits = [(row, _decode_wait_spec(bytes(row[3]))) for row in rows]
+    # Every channel instance any of the waits names, read in one statement (per 200 instances);
+    # each wait that consumes takes its messages out of these queues for the waits after it.
+    idents = sorted({(c.channel, c.key) for _row, spec in waits for c in spec.conditions if c.kind == "channel"})
+    queued: dict[tuple[str, str], list[int]] = {ident: [] for ident in idents}
+    bodies: dict[int, bytes] = {}
+    for i in range(0, len(idents), _ROWS_PER_STATEMENT):
+        part = idents[i:i + _ROWS_PER_STATEMENT]
+        for channel, key, mid, value in db.all(
+            "SELECT channel, key, message_id, value FROM channel_messages WHERE flow_id = ? AND (channel, key) IN "
+            "(VALUES " + ", ".join("(?, ?)" for _ in part) + ") ORDER BY message_id",
+            [flow_id, *(x for ident in part for x in ident)],
+        ):
+            queued[(str(channel), str(key))].append(int(mid))
+            bodies[int(mid)] = bytes(value)
+    for (task_id, step_type, seid, _blob, registered_at, skipped, due_at), spec in waits:
         fired = {
             i for i, c in enumerate(spec.conditions)
             if c.kind == "timer" and (skipped or int(registered_at) + c.seconds * 1000 <= now)
@@ -665,11 +759,14 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
                 _send(db, "UPDATE tasks SET timer_due_at = ? WHERE task_id = ?", (next_due, task_id))
             continue
         consumed: list[tuple[ConsumedMessage, ...]] = []
-        for i in range(len(spec.conditions)):
+        for i, cond in enumerate(spec.conditions):
             ids = selection.take.get(i, [])
             consumed.append(tuple(ConsumedMessage(mid, msgspec.Raw(bodies[mid])) for mid in ids))
             if ids:
                 _send(db, f"DELETE FROM channel_messages WHERE message_id IN ({_in(ids)})", ids)
+                taken = set(ids)
+                ident = (cond.channel, cond.key)
+                queued[ident] = [mid for mid in queued[ident] if mid not in taken]
         outcome = WaitOutcome(
             satisfied=selection.satisfied, consumed=tuple(consumed),
             fired_timers=selection.fired_timers, skipped=selection.skipped,
@@ -685,6 +782,19 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
         db.notify()
         count += 1
     return count
+
+
+_wait_specs: dict[bytes, WaitSpec] = {}
+
+
+def _decode_wait_spec(blob: bytes) -> WaitSpec:
+    """Decoded wait specs by their stored bytes: a flow's waits come in a few shapes."""
+    spec = _wait_specs.get(blob)
+    if spec is None:
+        if len(_wait_specs) >= _OPTIONS_CACHE_MAX:
+            _wait_specs.clear()
+        spec = _wait_specs[blob] = decode_json(blob, WaitSpec)
+    return spec
 
 
 def skip_timer(db: Db, flow_id: str, step_execution_id: str, now: int) -> None:
@@ -707,7 +817,7 @@ def skip_timer(db: Db, flow_id: str, step_execution_id: str, now: int) -> None:
 
 def commit_wait_for(db: Db, lease: Lease, writes: WriteSet, spec: WaitSpec, now: int) -> None:
     check_lease(db, lease)
-    apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now)
+    apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now, lease.task_id)
     _release_method_locks(db, lease)
     timers = [c.seconds for c in spec.conditions if c.kind == "timer"]
     _send(
@@ -724,7 +834,7 @@ def commit_execute(
     db: Db, lease: Lease, writes: WriteSet, decision: DecisionRecord, now: int, handoff: Handoff | None = None
 ) -> None:
     config, completing = check_lease(db, lease)
-    apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now)
+    apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now, lease.task_id)
     _release_method_locks(db, lease)
     _send(db, "DELETE FROM tasks WHERE task_id = ?", (lease.task_id,))
     _history(db, lease.flow_id, lease.step_type, lease.step_execution_id, EXECUTE_COMPLETED, lease.attempt, now,
@@ -732,7 +842,7 @@ def commit_execute(
     apply_decision(db, lease.flow_id, lease.flow_type, decision, now, config, handoff)
     if decision.kind in ("force_complete", "force_fail"):
         return
-    if writes.publishes:
+    if writes.publishes or any(m.wait is not None for m in decision.movements):
         evaluate_waits(db, lease.flow_id, now)
     if completing or decision.kind == "graceful_complete":
         _maybe_complete(db, lease.flow_id, now)
@@ -848,8 +958,18 @@ def release_unstarted(db: Db, lease: Lease, now: int) -> None:
 # Heartbeats and best-effort events (E10, E11) ------------------------------------------------
 
 
-def heartbeat(db: Db, lease: Lease, checkpoint: str | None, now: int) -> None:
+def heartbeat(
+    db: Db, lease: Lease, checkpoint: str | None, now: int,
+    events: Sequence[tuple[str, int, bytes]] = (),
+) -> None:
+    """Record a heartbeat (E10); `events` are best-effort events (stream, capacity, value) the
+    attempt wrote just before it, appended in the same transaction."""
     check_lease(db, lease)
+    by_stream: dict[tuple[str, int], list[tuple[str, int, bytes]]] = {}
+    for stream, capacity, value in events:
+        by_stream.setdefault((stream, capacity), []).append((lease.step_execution_id, lease.attempt, value))
+    for (stream, capacity), values in by_stream.items():
+        append_events(db, lease.flow_id, stream, capacity, values)
     hb_ms = lease.options.heartbeat_timeout_ms
     # Without a checkpoint the last one stays; a heartbeat timeout moves the deadline forward
     # (never past the method's own deadline).

@@ -3,6 +3,8 @@
 Each RunModel makes exactly one model call through a ModelClient, and every tool call is its own Step.
 """
 
+from .._compaction import build_context_summary_omission_note, estimate_text_tokens
+from .._constants import CONTEXT_SUMMARY_INSTRUCTIONS, CONTEXT_SUMMARY_NOTE_HEADER
 from ._definition import (
     DEFAULT_MAX_MODEL_CALLS_PER_TURN,
     AgentDefinition,
@@ -28,12 +30,13 @@ from ._model import (
     ToolResultInput,
     UserTextInput,
     estimate_request_tokens,
-    estimate_text_tokens,
 )
 from ._scripted import ScriptedModelClient, ScriptedModelReply, ScriptedToolCall
 from ._tool_sources import DEFAULT_TOOL_SOURCE_LISTING_TIMEOUT_SECONDS, ToolSource, wrap_source_reference
 
 __all__ = [
+    "CONTEXT_SUMMARY_INSTRUCTIONS",
+    "CONTEXT_SUMMARY_NOTE_HEADER",
     "DEFAULT_MAX_MODEL_CALLS_PER_TURN",
     "DEFAULT_TOOL_SOURCE_LISTING_TIMEOUT_SECONDS",
     "TURN_CONTINUATION_LIMIT_ERROR",
@@ -61,6 +64,7 @@ __all__ = [
     "TurnContinuation",
     "TurnContinuationContext",
     "UserTextInput",
+    "build_context_summary_omission_note",
     "builtin_agent_session_flow",
     "builtin_agent_session_options",
     "estimate_request_tokens",

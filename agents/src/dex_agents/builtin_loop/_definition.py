@@ -9,6 +9,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from .._builtin_tools import BuiltInTool
+from .._compaction import CompactionPolicy
 from .._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES, DEFAULT_MAX_DURABLE_WAIT
 from .._policy import ToolPolicy
 from .._wire import InteractionMode, JsonObject, ToolEffect
@@ -54,6 +55,7 @@ class TurnContinuationContext:
 Instructions = str | Callable[[InstructionContext], str | Awaitable[str]]
 DecideTurnContinuation = Callable[[TurnContinuationContext], TurnContinuation | Awaitable[TurnContinuation]]
 ResolveModel = Callable[[JsonObject], ModelClient]
+PlanningToolChoice = Literal["auto", "required"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,12 @@ class AgentDefinition:
     decide_turn_continuation: DecideTurnContinuation | None = None
     resolve_model: ResolveModel | None = None
     tool_source_listing_timeout: timedelta = timedelta(seconds=DEFAULT_TOOL_SOURCE_LISTING_TIMEOUT_SECONDS)
+    # Plans and plan mode (seed 003): plan_mode_enabled sets AgentSessionOptions.plan_mode_enabled and
+    # enables write_todos; "required" forces write_todos on a planning turn's first call with no draft.
+    plan_mode_enabled: bool = False
+    planning_tool_choice: PlanningToolChoice = "auto"
+    # Compaction (seed 003 "Compaction"): sets AgentSessionOptions.compaction; the runner implements it.
+    compaction: CompactionPolicy | None = None
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -95,7 +103,12 @@ class AgentDefinition:
         if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
             problems.append(f"tool_source_listing_timeout must be a positive timedelta, got {timeout!r}")
         problems.extend(_tool_problems(self.tools, self.tool_sources))
-        built_ins: object = self.built_in_tools
+        compaction: object = self.compaction
+        if compaction is not None and not isinstance(compaction, CompactionPolicy):
+            problems.append(f"compaction must be a CompactionPolicy or None, got {compaction!r}")
+        problems.extend(_plan_mode_problems(self.plan_mode_enabled, self.planning_tool_choice, model,
+                                            self.model_settings))
+        built_ins: object = self.enabled_built_in_tools
         if not isinstance(built_ins, frozenset | set) or not all(isinstance(t, BuiltInTool) for t in built_ins):
             problems.append(f"built_in_tools must be a frozenset of BuiltInTool, got {built_ins!r}")
         else:
@@ -109,6 +122,15 @@ class AgentDefinition:
         object.__setattr__(self, "tools", tuple(self.tools))
         object.__setattr__(self, "tool_sources", tuple(self.tool_sources))
         object.__setattr__(self, "model_settings", MappingProxyType(dict(self.model_settings)))
+
+    @property
+    def enabled_built_in_tools(self) -> frozenset[BuiltInTool]:
+        """built_in_tools, plus write_todos when plan mode is enabled (plan mode needs it)."""
+        tools: object = self.built_in_tools
+        if not isinstance(tools, frozenset | set):
+            return self.built_in_tools  # refused in __post_init__
+        plan: frozenset[BuiltInTool] = frozenset({BuiltInTool.WRITE_TODOS}) if self.plan_mode_enabled else frozenset()
+        return frozenset(tools) | plan
 
     def function_tool(self, name: str) -> FunctionTool | None:
         return next((t for t in self.tools if t.name == name), None)
@@ -127,6 +149,26 @@ class AgentDefinition:
         merged = {t.name: t.policy for t in self.tools}
         merged.update(self.tool_policies)
         return merged
+
+
+def _plan_mode_problems(
+    plan_mode_enabled: object, choice: object, model: object, settings: Mapping[str, Any]
+) -> list[str]:
+    """plan_mode_enabled and planning_tool_choice; "required" needs a client that can force a tool call."""
+    problems: list[str] = []
+    if not isinstance(plan_mode_enabled, bool):
+        problems.append(f"plan_mode_enabled must be True or False, got {plan_mode_enabled!r}")
+    if choice not in ("auto", "required"):
+        problems.append(f"planning_tool_choice must be 'auto' or 'required', got {choice!r}")
+    elif choice == "required":
+        supports = getattr(model, "supports_forced_tool_choice", None)
+        if callable(supports) and supports(dict(settings) if isinstance(settings, Mapping) else {}) is False:
+            problems.append(
+                "planning_tool_choice 'required' needs a model client that can force a tool call, but "
+                f"{type(model).__name__}.supports_forced_tool_choice(model_settings) is False (Claude Opus 5.5, "
+                "Claude Sonnet 5.5 and Anthropic extended thinking refuse a forced tool choice); use 'auto'"
+            )
+    return problems
 
 
 def _tool_problems(tools: Sequence[object], sources: Sequence[object]) -> list[str]:

@@ -15,8 +15,10 @@ def builtin_agent_session_options(definition: AgentDefinition) -> AgentSessionOp
         default_tool_effect=definition.default_tool_effect,
         agent_events_capacity_bytes=definition.event_stream_capacity_bytes,
         interrupt_deadline=definition.interrupt_deadline,
-        built_in_tools=frozenset(definition.built_in_tools),
+        built_in_tools=definition.enabled_built_in_tools,
         max_durable_wait=definition.max_durable_wait,
+        plan_mode_enabled=definition.plan_mode_enabled,
+        compaction=definition.compaction,
     )
 
 

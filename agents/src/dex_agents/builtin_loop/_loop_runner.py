@@ -7,13 +7,15 @@ import dataclasses
 import inspect
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
 
 from .._builtin_tools import BUILT_IN_TOOL_DEFINITIONS, BuiltInTool
+from .._compaction import ContextSummaryRequest, ContextSummaryResult
 from .._constants import MAX_CONSECUTIVE_TURN_CONTINUATIONS
+from .._plans import build_plan_note
 from .._policy import OUTCOME_UNKNOWN_TEXT, ToolPolicy, describe_tool_call_outcome
 from .._runner import (
     AgentTurnContext,
@@ -28,7 +30,8 @@ from .._runner import (
     TurnCompleted,
     TurnContinued,
 )
-from .._wire import AgentUsage, MessageRole, ToolEffect
+from .._wire import AgentUsage, InteractionMode, MessageRole, PlanStatus, ToolEffect
+from ._compaction import estimate_model_input, select_response_cutoff, summarize_with_model, with_summary_note
 from ._definition import AgentDefinition, ContinueTurn, InstructionContext, TurnContinuationContext
 from ._function_tools import ToolCallContext
 from ._items import input_item, output_message, tool_result_message, user_message
@@ -91,10 +94,17 @@ class _Offered:
 class BuiltinLoopAgentRunner:
     """The runner of the built-in loop: stores items as they appear, every tool call its own Step."""
 
+    # A PlanModeRunner: a planning turn offers only write_todos, and every model call shows the plan note.
+    supports_plan_mode = True
+
     def __init__(self, definition: AgentDefinition) -> None:
         if not isinstance(definition, AgentDefinition):
             raise TypeError(f"definition must be an AgentDefinition, got {type(definition).__name__}")
         self.definition = definition
+        # What the synchronous estimate_input_tokens counts without I/O: the last instructions text
+        # and each tool source's last listing.
+        self._last_instructions: str | None = None
+        self._listings: dict[str, tuple[ModelToolDefinition, ...]] = {}
 
     # The runner contract ------------------------------------------------------------------------
 
@@ -113,12 +123,19 @@ class BuiltinLoopAgentRunner:
                 return TurnCompleted(unstored, AgentUsage())
             if isinstance(decision, ContinueTurn):
                 unstored.append(user_message(decision.message))
-        model_input = _paired([*stored, *(input_item_of(m) for m in unstored)])
+        model_input = _paired(with_summary_note(
+            turn, _with_plan_note(turn, [*stored, *(input_item_of(m) for m in unstored)])))
         limit_reached = run.model_calls >= definition.max_model_calls_per_turn
-        offered = _Offered((), {}) if limit_reached else await self._offered_tools(turn.enabled_built_in_tools)
+        planning = turn.interaction_mode is InteractionMode.PLANNING
+        if limit_reached:
+            offered = _Offered((), {})
+        elif planning:
+            offered = _planning_tools(turn.enabled_built_in_tools)
+        else:
+            offered = await self._offered_tools(turn.enabled_built_in_tools)
         request = ModelRequest(
             instructions=await self._instructions(turn), input=tuple(model_input), tools=offered.definitions,
-            tool_choice=ToolChoice.NONE if limit_reached else ToolChoice.AUTO,
+            tool_choice=ToolChoice.NONE if limit_reached else self._tool_choice(turn, run, offered),
             model_settings=definition.model_settings, session_settings=turn.session_settings,
         )
         response = await self._model(turn).call_model(request, ModelOutputWriter(turn.events))
@@ -183,13 +200,63 @@ class BuiltinLoopAgentRunner:
         result = await tool.invoke(record.arguments, context)
         return result if isinstance(result, ToolInputRequested) else ToolExecutionResult(result)
 
+    # Compaction (ContextCompactionRunner; _compaction.py) ----------------------------------------
+
+    def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
+        """The next model request as run_model_step builds it, estimated by the model client. Synchronous:
+        an async instructions function counts its last text, a tool source its cached_tools() or last listing."""
+        stored = [input_item(m) for m in turn.messages]
+        pending = self._pending_results(turn)
+        model_input = _paired(with_summary_note(turn, _with_plan_note(turn, [*stored, *pending])))
+        request = ModelRequest(
+            instructions=self._instructions_now(turn), input=tuple(model_input),
+            tools=self._known_tools(turn.enabled_built_in_tools),
+            model_settings=self.definition.model_settings, session_settings=turn.session_settings,
+        )
+        return estimate_model_input(self._model(turn), request)
+
+    def select_compaction_cutoff(self, turn: AgentTurnContext, retained_token_budget: int) -> int | None:
+        """Cuts only between model responses whose tool calls all have stored results."""
+        return select_response_cutoff(turn, retained_token_budget)
+
+    async def summarize_context(self, request: ContextSummaryRequest) -> ContextSummaryResult:
+        """One model call with CONTEXT_SUMMARY_INSTRUCTIONS and no tools."""
+        model = self._model_for(request.session_settings)
+        return await summarize_with_model(request, self.definition.model_settings, model)
+
+    def _instructions_now(self, turn: AgentTurnContext) -> str | None:
+        instructions = self.definition.instructions
+        if isinstance(instructions, str):
+            return instructions or None
+        value = instructions(InstructionContext(turn.flow_id, turn.turn_id, dict(turn.session_settings),
+                                                turn.interaction_mode))
+        if inspect.iscoroutine(value):
+            value.close()  # cannot await here: count the last text it returned
+            return self._last_instructions
+        return value if isinstance(value, str) else self._last_instructions
+
+    def _known_tools(self, built_ins: frozenset[str]) -> tuple[ModelToolDefinition, ...]:
+        definitions = [t.definition() for t in self.definition.tools]
+        for source in self.definition.tool_sources:
+            cached = getattr(source, "cached_tools", None)
+            listed = cached() if callable(cached) else None
+            definitions.extend(self._listings.get(source.source_name, ()) if listed is None else listed)
+        for built_in in BuiltInTool:
+            if built_in.value in built_ins:
+                built = BUILT_IN_TOOL_DEFINITIONS[built_in]
+                definitions.append(ModelToolDefinition(built.name, built.description, built.parameters_schema))
+        return tuple(definitions)
+
     # Helpers -----------------------------------------------------------------------------------
 
     def _model(self, turn: AgentTurnContext) -> ModelClient:
+        return self._model_for(turn.session_settings)
+
+    def _model_for(self, session_settings: Mapping[str, Any]) -> ModelClient:
         resolve = self.definition.resolve_model
         if resolve is None:
             return self.definition.model
-        model = resolve(dict(turn.session_settings))
+        model = resolve(dict(session_settings))
         if not callable(getattr(model, "call_model", None)):
             raise TypeError(f"resolve_model returned {type(model).__name__}, not a ModelClient")
         return model
@@ -204,17 +271,33 @@ class BuiltinLoopAgentRunner:
             value = await value
         if not isinstance(value, str):
             raise TypeError(f"the instructions function returned {type(value).__name__}, not text")
+        self._last_instructions = value
         return value or None
+
+    def _tool_choice(self, turn: AgentTurnContext, run: _RunState, offered: _Offered) -> ToolChoice:
+        """auto, or required on a planning turn's first model call while no draft exists (planning_tool_choice)."""
+        forced = (
+            self.definition.planning_tool_choice == "required"
+            and turn.interaction_mode is InteractionMode.PLANNING
+            and run.model_calls == 0
+            and not (turn.plan is not None and turn.plan.status is PlanStatus.DRAFT)
+            and bool(offered.definitions)
+        )
+        return ToolChoice.REQUIRED if forced else ToolChoice.AUTO
 
     @staticmethod
     def _pending_results(turn: AgentTurnContext) -> list[ToolResultInput]:
         """Results of the previous response's calls: final records whose results are not stored yet."""
         stored = {m.tool_call_id for m in turn.messages if m.role is MessageRole.TOOL and m.turn_id == turn.turn_id}
         records = sorted(turn.tool_calls.values(), key=lambda r: r.deferral_order)
+        # After compaction, a call the summary holds has its result there too: only visible calls count.
+        visible = None if turn.context_summary is None else {
+            m.tool_call_id for m in turn.messages if m.role is MessageRole.ASSISTANT and m.turn_id == turn.turn_id
+        }
         return [
             ToolResultInput(r.tool_call_id, r.tool_name, describe_tool_call_outcome(r))
             for r in records
-            if r.tool_call_id not in stored and r.status.is_final
+            if r.tool_call_id not in stored and r.status.is_final and (visible is None or r.tool_call_id in visible)
         ]
 
     @staticmethod
@@ -259,6 +342,7 @@ class BuiltinLoopAgentRunner:
         for source in definition.tool_sources:
             try:
                 listed = list(await asyncio.wait_for(source.list_tools(), timeout))
+                self._listings[source.source_name] = tuple(listed)
             except Exception:
                 log.warning("tool source %r could not be listed; it offers no tools in this model call",
                             source.source_name, exc_info=True)
@@ -294,6 +378,24 @@ class BuiltinLoopAgentRunner:
             # A name no listing offered never reaches a source: it fails as unknown, without approval.
             policy = ToolPolicy(ToolEffect.UNCLASSIFIED, requires_approval=False)
         return DeferredToolCall(call.tool_call_id, call.tool_name, call.arguments, policy)
+
+
+def _planning_tools(built_ins: frozenset[str]) -> _Offered:
+    """A planning turn offers only write_todos (when enabled; plan mode needs it)."""
+    if BuiltInTool.WRITE_TODOS.value not in built_ins:
+        return _Offered((), {})
+    built = BUILT_IN_TOOL_DEFINITIONS[BuiltInTool.WRITE_TODOS]
+    return _Offered((ModelToolDefinition(built.name, built.description, built.parameters_schema),), {})
+
+
+def _with_plan_note(turn: AgentTurnContext, items: list[ModelInputItem]) -> list[ModelInputItem]:
+    """The input with build_plan_note as user text right before the turn's items (its first stored
+    message), so every model call of the turn sees the latest committed plan."""
+    note = build_plan_note(turn.plan, turn.interaction_mode)
+    if note is None:
+        return items
+    at = next((i for i, m in enumerate(turn.messages) if m.turn_id == turn.turn_id), len(turn.messages))
+    return [*items[:at], UserTextInput(note), *items[at:]]
 
 
 def input_item_of(message: FrameworkMessage) -> ModelInputItem:

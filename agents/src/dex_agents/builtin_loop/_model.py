@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
+from .._compaction import estimate_text_tokens
 from .._events import AgentEventWriter
 from .._runner import ModelCallMetadata
 from .._wire import AgentUsage
@@ -126,14 +127,6 @@ class ForcedToolChoiceSupport(Protocol):
     """Optional: whether the client can force a tool call with these model settings."""
 
     def supports_forced_tool_choice(self, settings: Mapping[str, Any]) -> bool: ...
-
-
-# Rough but safe-side token estimate: three UTF-8 bytes per token errs high for English text.
-BYTES_PER_TOKEN = 3
-
-
-def estimate_text_tokens(text: str) -> int:
-    return (len(text.encode()) + BYTES_PER_TOKEN - 1) // BYTES_PER_TOKEN
 
 
 def estimate_request_tokens(request: ModelRequest) -> int:

@@ -8,6 +8,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from .._compaction import estimate_text_tokens
+from .._constants import CONTEXT_SUMMARY_INSTRUCTIONS
 from .._wire import AgentUsage
 from ._model import (
     ModelOutputItem,
@@ -19,7 +21,6 @@ from ._model import (
     ToolResultInput,
     UserTextInput,
     estimate_request_tokens,
-    estimate_text_tokens,
 )
 
 SCRIPTED_API = "scripted"
@@ -45,17 +46,26 @@ class ScriptedModelReply:
 
 
 Respond = Callable[[ModelRequest], ScriptedModelReply | Awaitable[ScriptedModelReply]]
+# Answers a context summary request (see ScriptedModelClient.is_summary_request) with the summary text.
+Summarize = Callable[[ModelRequest], str | Awaitable[str]]
+# How much of the last user text the default summary quotes.
+DEFAULT_SUMMARY_QUOTE_CHARS = 200
 
 
 class ScriptedModelClient:
     """A ModelClient whose replies come from `respond(request)`, sync or async.
 
-    Keep `respond` deterministic: a crashed RunModel calls it again with the same request.
+    Keep `respond` deterministic: a crashed RunModel calls it again with the same request. A context
+    summary request (compaction) goes to `summarize` instead, or gets `default_summary`.
     """
 
-    def __init__(self, respond: Respond, *, max_recorded_requests: int = DEFAULT_MAX_RECORDED_REQUESTS) -> None:
+    def __init__(self, respond: Respond, *, summarize: Summarize | None = None,
+                 max_recorded_requests: int = DEFAULT_MAX_RECORDED_REQUESTS) -> None:
         if not callable(respond):
             raise TypeError(f"respond must be a function of the ModelRequest, got {respond!r}")
+        if summarize is not None and not callable(summarize):
+            raise TypeError(f"summarize must be a function of the ModelRequest, got {summarize!r}")
+        self._summarize = summarize
         if isinstance(max_recorded_requests, bool) or not isinstance(max_recorded_requests, int) or (
             max_recorded_requests < 0
         ):
@@ -67,6 +77,18 @@ class ScriptedModelClient:
     def user_texts(request: ModelRequest) -> list[str]:
         """Every user text of the request, oldest first."""
         return [entry.text for entry in request.input if isinstance(entry, UserTextInput)]
+
+    @staticmethod
+    def is_summary_request(request: ModelRequest) -> bool:
+        """A built-in loop context summary request: CONTEXT_SUMMARY_INSTRUCTIONS and no tools."""
+        return request.instructions == CONTEXT_SUMMARY_INSTRUCTIONS and not request.tools
+
+    @staticmethod
+    def default_summary(request: ModelRequest) -> str:
+        """A short deterministic summary: how many items it folds in and the last user text (not a note)."""
+        texts = [t for t in ScriptedModelClient.user_texts(request) if not t.startswith("[Dex]")]
+        last = texts[-1][:DEFAULT_SUMMARY_QUOTE_CHARS] if texts else ""
+        return f"Scripted summary of {len(request.input)} input items. The last user message was: {last}"
 
     @staticmethod
     def tool_results(request: ModelRequest) -> list[ToolResultInput]:
@@ -86,6 +108,8 @@ class ScriptedModelClient:
 
     async def call_model(self, request: ModelRequest, output: ModelOutputWriter) -> ModelResponse:
         self.requests.append(request)
+        if self.is_summary_request(request):
+            return await self._summary(request)
         reply = self._respond(request)
         if inspect.isawaitable(reply):
             reply = await reply
@@ -111,7 +135,19 @@ class ScriptedModelClient:
         usage = AgentUsage(model_calls=1, input_tokens=estimate_request_tokens(request), output_tokens=produced)
         return ModelResponse(tuple(items), usage)
 
+    async def _summary(self, request: ModelRequest) -> ModelResponse:
+        text = self.default_summary(request) if self._summarize is None else self._summarize(request)
+        if inspect.isawaitable(text):
+            text = await text
+        if not isinstance(text, str):
+            raise TypeError(f"summarize returned {text!r}; return the summary text")
+        item = _item(OutputItemKind.TEXT, {"type": "text", "text": text}, text=text)
+        usage = AgentUsage(model_calls=1, input_tokens=estimate_request_tokens(request),
+                           output_tokens=estimate_text_tokens(item.item))
+        return ModelResponse((item,), usage)
+
 
 def _item(kind: OutputItemKind, raw: dict[str, object], *, text: str | None = None,
           tool_call: ModelToolCall | None = None) -> ModelOutputItem:
     return ModelOutputItem(SCRIPTED_API, kind, json.dumps(raw, separators=(",", ":")), text, tool_call)
+

@@ -1,16 +1,33 @@
-"""The demo agent: the demo model, an order lookup (a read) and a refund (a write that needs approval)."""
+"""The demo agent: the demo model, an order lookup (a read), a refund (a write that needs approval), and
+a report built as a tool task that the session polls (build_report).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from .._builtin_tools import BuiltInTool
-from .._runner import ToolExecutionError
+from .._runner import (
+    DeferredToolExecution,
+    ToolExecutionError,
+    ToolExecutionResult,
+    ToolTaskPending,
+    ToolTaskPoll,
+    ToolTaskPollOutcome,
+    ToolTaskStarted,
+)
 from .._session_flow import AgentSessionFlow
 from .._wire import ToolEffect
-from ..builtin_loop import AgentDefinition, ToolCallContext, builtin_agent_session_flow, function_tool
+from ..builtin_loop import (
+    AgentDefinition,
+    BuiltinLoopAgentRunner,
+    ToolCallContext,
+    builtin_agent_session_options,
+    function_tool,
+)
 from ._model import demo_model
 
 DEMO_FLOW_TYPE = "DemoAgent"
@@ -21,6 +38,43 @@ ORDERS = {
     "A-1001": {"order_id": "A-1001", "item": "espresso grinder", "total_cents": 8900, "status": "delivered"},
     "A-1002": {"order_id": "A-1002", "item": "paper filters", "total_cents": 350, "status": "shipped"},
 }
+
+
+# build_report's task is ready on this poll; the polls count in the call's input_continuation.
+REPORT_READY_AFTER_POLLS = 2
+REPORT_POLL_INTERVAL_SECONDS = 1
+
+
+@function_tool(effect=ToolEffect.READ)
+def build_report(topic: str) -> str:
+    """Build a short report on a topic (orders, refunds, ...). It runs as a background task."""
+    return _report(topic)
+
+
+def _report(topic: str) -> str:
+    return f"report on {topic}: {len(ORDERS)} orders, {sum(int(str(o['total_cents'])) for o in ORDERS.values())} cents"
+
+
+class DemoAgentRunner(BuiltinLoopAgentRunner):
+    """The built-in loop plus the demo's task: build_report starts a task the session polls (a tool
+    task, PollToolTask), ready after REPORT_READY_AFTER_POLLS polls. Stateless: the task ID is the
+    call's idempotency key, and the polls so far are the call's input_continuation."""
+
+    async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> Any:
+        if call.tool_call.tool_name != build_report.name or not call.supports_tool_tasks:
+            return await super().execute_deferred_tool_call(call)
+        topic = json.loads(call.tool_call.arguments).get("topic")
+        if not isinstance(topic, str) or not topic.strip():
+            raise ToolExecutionError("invalid arguments for build_report: topic must be non-empty text")
+        return ToolTaskStarted(task_id=f"report:{call.idempotency_key}",
+                               poll_interval_seconds=REPORT_POLL_INTERVAL_SECONDS)
+
+    async def poll_tool_task(self, poll: ToolTaskPoll) -> ToolTaskPollOutcome:
+        polls = int(poll.tool_call.input_continuation or "0") + 1
+        if polls < REPORT_READY_AFTER_POLLS:
+            return ToolTaskPending(poll_interval_seconds=REPORT_POLL_INTERVAL_SECONDS, continuation=str(polls))
+        topic = json.loads(poll.tool_call.arguments)["topic"]
+        return ToolExecutionResult(f"{_report(topic)} (ready after {polls} polls)")
 
 
 def read_ledger(path: Path) -> list[dict[str, object]]:
@@ -60,7 +114,8 @@ def build_demo_flow(ledger_path: Path | None = None) -> AgentSessionFlow:
         name="demo",
         instructions="You are the Dex demo agent. You look up orders and refund them.",
         model=demo_model(),
-        tools=[lookup_order, refund_order],
+        tools=[lookup_order, refund_order, build_report],
         built_in_tools=frozenset({BuiltInTool.ASK_USER, BuiltInTool.DURABLE_WAIT}),
+        plan_mode_enabled=True,  # /plan writes a draft (write_todos) that the chat offers to execute
     )
-    return builtin_agent_session_flow(definition, DEMO_FLOW_TYPE)
+    return AgentSessionFlow(DemoAgentRunner(definition), DEMO_FLOW_TYPE, builtin_agent_session_options(definition))

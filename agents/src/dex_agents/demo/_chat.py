@@ -16,8 +16,9 @@ from rich.console import Console
 from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions
 
 from .._client import AgentSessionClient
-from .._wire import AgentInterrupt, AgentSnapshot, InterruptKind
+from .._wire import AgentInterrupt, AgentPlan, AgentSnapshot, InterruptKind, PlanStatus
 from ._agent import build_demo_flow
+from ._lines import CANCEL_COMMAND, STEER_COMMAND, TerminalLines, is_control
 from ._model import HELP_TEXT
 
 # The chat's Worker lives in this process; a short lease lets a restarted chat take over the
@@ -30,20 +31,28 @@ EVENT_WAIT_SECONDS = 1.0
 TURN_END_EVENTS = frozenset({"turn_completed", "turn_failed", "turn_steered", "turn_cancelled"})
 
 
-async def _ask(prompt: str) -> str | None:
-    """One line from the terminal, or None at end of input (Ctrl-D or a closed pipe)."""
-    try:
-        return await asyncio.to_thread(input, prompt)
-    except EOFError:
-        return None
+CHAT_HELP_TEXT = (
+    "While a turn runs:\n"
+    "  /steer TEXT                steer the running turn with TEXT (it ends at its next safe point)\n"
+    "  /cancel                    stop the running turn\n"
+    "  anything else              is sent when the turn has ended\n"
+    "/quit or Ctrl-D leaves; the session is saved."
+)
 
 
 class Chat:
-    def __init__(self, console: Console, sessions: AgentSessionClient, session_id: str) -> None:
+    def __init__(self, console: Console, sessions: AgentSessionClient, session_id: str,
+                 lines: TerminalLines) -> None:
         self.console = console
         self.sessions = sessions
         self.session_id = session_id
+        self.lines = lines
         self.token: str | None = None
+
+    async def _ask(self, prompt: str) -> str | None:
+        """One line from the terminal after `prompt`, or None at end of input."""
+        self.console.print(prompt, end="", markup=False, highlight=False)
+        return await self.lines.next()
 
     async def open(self) -> None:
         """Start the session, or resume it: show its latest messages and answer what waits."""
@@ -61,12 +70,13 @@ class Chat:
         if _turn_running(snapshot):
             self.console.print("[dim]a turn is still running; following it[/dim]")
             await self._answer_pending(snapshot.pending_interrupts)
-            await self.follow_turn()
+            await self.follow_turn(snapshot.state.active_turn_id if snapshot.state else None)
+        await self.offer_plan()  # a draft left from the last run still waits for its review
 
     async def run(self) -> None:
         await self.open()
         while True:
-            text = await _ask("you> ")
+            text = await self._ask("you> ")
             if text is None:
                 return
             text = text.strip()
@@ -76,19 +86,47 @@ class Chat:
                 return
             if text == "/help":
                 self.console.print(HELP_TEXT)
+                self.console.print(CHAT_HELP_TEXT)
+            if is_control(text):
+                self.console.print("[dim]  no turn is running; /steer and /cancel apply to a running turn[/dim]")
+                continue
             if self.token is None:
                 self.token = (await self.sessions.read_agent_events(self.session_id, limit=1_000_000)).resume_token
-            await self.sessions.send_user_message(self.session_id, text)
+            await self.sessions.send_user_message(self.session_id, text, plan_mode=wants_plan_mode(text))
             await self.follow_turn()
+            await self.offer_plan()
 
-    async def follow_turn(self) -> None:
-        """Print the turn's live events until it ends, asking for approvals inline."""
+    async def offer_plan(self) -> None:
+        """Show a draft plan and ask whether to execute it; yes runs it as an executing turn."""
+        plan = (await self.sessions.get_agent_snapshot(self.session_id)).plan
+        if plan is None or plan.status is not PlanStatus.DRAFT:
+            return
+        for line in plan_lines(plan):
+            self.console.print(line, markup=False)
+        answer = await self._ask(f"execute plan revision {plan.revision}? [y/n] ")
+        if answer is None:
+            raise EOFError
+        if answer.strip().lower() not in ("y", "yes"):
+            self.console.print("[dim]  not executed: send feedback to revise the plan[/dim]")
+            return
+        if not await self.sessions.execute_plan(self.session_id, plan.revision):
+            self.console.print("[dim]  that plan can no longer be executed (it changed, or a message is waiting)[/dim]")
+            return
+        await self.follow_turn()
+
+    async def follow_turn(self, turn_id: str | None = None) -> None:
+        """Print the turn's live events until it ends, asking for approvals inline and applying
+        /steer and /cancel lines typed meanwhile (to `turn_id`, or the turn that starts)."""
         while True:
+            if turn_id is not None:
+                await self._apply_control(turn_id)
             read = await self.sessions.read_agent_events(self.session_id, self.token, wait_seconds=EVENT_WAIT_SECONDS)
             self.token = read.resume_token
             for event in read.events:
                 kind, payload = event.value.type, json.loads(event.value.payload)
-                if kind == "text_delta":
+                if kind == "turn_started":
+                    turn_id = event.value.turn_id
+                elif kind == "text_delta":
                     self.console.print(f"[green]agent>[/green] {payload['text']}")
                 elif kind == "tool_call_started":
                     self.console.print(f"[dim]  running {payload['tool_name']}...[/dim]")
@@ -100,17 +138,41 @@ class Chat:
                 elif kind == "timer_started":
                     self.console.print(f"[dim]  waiting until {payload['wait_until']} ({payload['reason']}); "
                                        "the Timer is durable: Ctrl-C and come back later[/dim]")
+                elif kind == "plan_updated":
+                    self.console.print(f"[dim]  plan revision {payload['revision']} is {payload['status']} "
+                                       f"({payload['task_count']} tasks)[/dim]")
                 elif kind == "turn_failed":
                     self.console.print(f"[red]the turn failed: {payload['error']}[/red]")
+                elif kind == "turn_steered":
+                    self.console.print("[dim]  turn steered; the steered message starts the next turn[/dim]")
+                    if payload["steered_message_count"]:
+                        turn_id = None
+                        continue  # the steered turn starts at once: follow it too
+                elif kind == "turn_cancelled":
+                    self.console.print("[dim]  turn cancelled[/dim]")
                 if kind in TURN_END_EVENTS:
                     return
+
+    async def _apply_control(self, turn_id: str) -> None:
+        """Steer or cancel the running turn with a /steer or /cancel line typed meanwhile."""
+        line = self.lines.take_control()
+        if line is None:
+            return
+        text = line.strip()
+        if text == CANCEL_COMMAND:
+            done = await self.sessions.cancel_turn(self.session_id, turn_id)
+        else:
+            done = await self.sessions.steer_user_message(
+                self.session_id, text=text.removeprefix(STEER_COMMAND).strip())
+        if not done:
+            self.console.print("[dim]  the turn could not be steered or cancelled (it may have ended)[/dim]")
 
     async def _answer_pending(self, interrupts: list[AgentInterrupt]) -> None:
         for interrupt in interrupts:
             if interrupt.kind is InterruptKind.QUESTION:
                 await self._answer_question(interrupt)
                 continue
-            answer = await _ask(f"approve {interrupt.tool_name} {interrupt.arguments}? [y/n] ")
+            answer = await self._ask(f"approve {interrupt.tool_name} {interrupt.arguments}? [y/n] ")
             if answer is None:
                 raise EOFError
             approved = answer.strip().lower() in ("y", "yes")
@@ -121,7 +183,7 @@ class Chat:
 
     async def _answer_question(self, interrupt: AgentInterrupt) -> None:
         choices = f" [{' / '.join(interrupt.choices)}]" if interrupt.choices else ""
-        answer = await _ask(f"{interrupt.question}{choices} (empty line declines) ")
+        answer = await self._ask(f"{interrupt.question}{choices} (empty line declines) ")
         if answer is None:
             raise EOFError
         if not answer.strip():
@@ -136,6 +198,17 @@ class Chat:
 def _still_pending_choice(interrupt: AgentInterrupt, answer: str) -> bool:
     """Ask again only for an answer outside the choices; anything else is gone for good."""
     return bool(interrupt.choices) and not interrupt.allows_free_text and answer.strip() not in interrupt.choices
+
+
+def wants_plan_mode(text: str) -> bool:
+    """A /plan message asks for a planning turn (the demo agent has plan mode on)."""
+    return text == "/plan" or text.startswith("/plan ")
+
+
+def plan_lines(plan: AgentPlan) -> list[str]:
+    """A plan as the chat shows it: a header, then one line per task with its status."""
+    return [f"plan revision {plan.revision} ({plan.status.value}):",
+            *(f"  [{task.status.value}] {task.content}" for task in plan.tasks)]
 
 
 def _turn_running(snapshot: AgentSnapshot) -> bool:
@@ -153,7 +226,7 @@ async def run_chat(console: Console, data_dir: Path, session_id: str) -> int:
     ))
     worker_task = asyncio.create_task(worker.run())
     try:
-        await Chat(console, AgentSessionClient(client, flow), session_id).run()
+        await Chat(console, AgentSessionClient(client, flow), session_id, TerminalLines()).run()
     except EOFError:
         pass
     finally:

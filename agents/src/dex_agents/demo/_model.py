@@ -6,6 +6,8 @@ Commands (the last user text of the turn):
     /ask QUESTION              asks the user (the ask_user built-in), then reports the answer
     /choose QUESTION | A | B   asks with choices only
     /wait SECONDS REASON       waits on a durable Timer (the durable_wait built-in)
+    /plan TASK; TASK; ...      writes a plan (write_todos); approved, it marks every task completed
+    /task TOPIC                builds a report as a tool task the session polls (build_report)
     /help                      lists the commands
 Anything else gets `Demo reply: <text>`. No model key is needed, and every reply is a pure
 function of the request, so a RunModel that runs again answers the same.
@@ -17,6 +19,10 @@ import json
 
 from ..builtin_loop import ModelRequest, ScriptedModelClient, ScriptedModelReply, ScriptedToolCall
 
+# The executing turn's user message, and the plan note the built-in loop shows before the turn.
+PLAN_APPROVAL_PREFIX = "[Dex] The user approved plan revision"
+PLAN_NOTE_PREFIX = "[Dex] The current plan, revision"
+
 HELP_TEXT = (
     "Demo model commands:\n"
     "  /echo TEXT                 answer TEXT\n"
@@ -24,6 +30,8 @@ HELP_TEXT = (
     "  /ask QUESTION              ask you a question\n"
     "  /choose QUESTION | A | B   ask you to choose\n"
     "  /wait SECONDS REASON       wait on a durable timer\n"
+    "  /plan TASK; TASK; ...      write a plan for you to review and execute\n"
+    "  /task TOPIC                build a report as a background task the session polls\n"
     "  /help                      this list\n"
     "Anything else gets a demo reply."
 )
@@ -37,7 +45,11 @@ def demo_reply(request: ModelRequest) -> ScriptedModelReply:
         return ScriptedModelReply(text="\n".join(lines))
     texts = ScriptedModelClient.user_texts(request)
     text = texts[-1].strip() if texts else ""
+    if text.startswith(PLAN_APPROVAL_PREFIX):
+        return _execute_plan(texts)
     command, _, rest = text.partition(" ")
+    if command == "/plan":
+        return _write_plan(rest)
     if command == "/echo":
         return ScriptedModelReply(text=rest or "(nothing to echo)")
     if command == "/help":
@@ -55,7 +67,35 @@ def demo_reply(request: ModelRequest) -> ScriptedModelReply:
         if not seconds.isdigit():
             return ScriptedModelReply(text="Usage: /wait SECONDS REASON")
         return _built_in("durable_wait", {"duration_seconds": int(seconds), "reason": reason or "demo wait"})
+    if command == "/task":
+        topic = rest.strip() or "orders"
+        return ScriptedModelReply(text=f"Building a report on {topic}.",
+                                  tool_calls=[ScriptedToolCall("build_report", json.dumps({"topic": topic}))])
     return ScriptedModelReply(text=f"Demo reply: {text}")
+
+
+def _write_plan(rest: str) -> ScriptedModelReply:
+    tasks = [task.strip() for task in rest.split(";") if task.strip()]
+    if not tasks:
+        return ScriptedModelReply(text="Usage: /plan TASK; TASK; ...")
+    return ScriptedModelReply(
+        text=f"Here is a plan with {len(tasks)} tasks for you to review.",
+        tool_calls=[ScriptedToolCall("write_todos", json.dumps(
+            {"todos": [{"content": task, "status": "pending"} for task in tasks]}))],
+    )
+
+
+def _execute_plan(texts: list[str]) -> ScriptedModelReply:
+    """The executing turn: "do" every task of the plan the note shows and mark it completed."""
+    note = next((t for t in reversed(texts) if t.startswith(PLAN_NOTE_PREFIX)), "")
+    tasks = [line.split("] ", 1)[1] for line in note.splitlines()[1:] if line.startswith("- [") and "] " in line]
+    if not tasks:
+        return ScriptedModelReply(text="There is no plan to execute.")
+    return ScriptedModelReply(
+        text="Executing the plan: " + "; ".join(tasks) + ".",
+        tool_calls=[ScriptedToolCall("write_todos", json.dumps(
+            {"todos": [{"content": task, "status": "completed"} for task in tasks]}))],
+    )
 
 
 def _built_in(name: str, arguments: dict[str, object]) -> ScriptedModelReply:

@@ -2,6 +2,7 @@
 
 from ._gates import FileGate, InvocationLog
 from ._history import EXECUTE_COMPLETED_EVENT, StepHistoryEntry, executed_steps, read_step_history, to_step_history
+from ._scenario import ContextWindowSessionReport, ContextWindowSessionScenario, default_scenario_message
 from ._stack import (
     DEFAULT_TEST_LEASE_TTL_SECONDS,
     ENV_DATABASE_URL,
@@ -18,10 +19,13 @@ __all__ = [
     "ENV_STATE_DIR",
     "EXECUTE_COMPLETED_EVENT",
     "AgentTestStack",
+    "ContextWindowSessionReport",
+    "ContextWindowSessionScenario",
     "FileGate",
     "InvocationLog",
     "StepHistoryEntry",
     "WorkerProcess",
+    "default_scenario_message",
     "executed_steps",
     "read_step_history",
     "run_agent_worker",

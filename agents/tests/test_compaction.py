@@ -1,0 +1,1099 @@
+"""Compaction and retention (seed 002 "Steps" RunModel and CompactContext, "Rules", "Message storage";
+seed 003 "Compaction", "Message storage and retention", "Testing an adapter").
+
+The pure helpers are checked exhaustively, mostly with Hypothesis against plain reference models.
+Sessions run the built-in loop with a scripted model on the in-process engine; the Worker-kill test
+runs agents/tests/compaction_agent.py as the Worker child. Step shapes come
+from the engine's history, the loaded chunks from the running task's stored options.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agents.tests.builtin_agent import InProcessEngine
+from agents.tests.compaction_agent import answer, compaction_flow, kill_test_flow, say
+from agents.tests.conftest import REPO_ROOT
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dex_agents import (
+    AGENT_MESSAGE_CHUNKS,
+    AGENT_MESSAGE_INDEX,
+    CONTEXT_SUMMARY,
+    CONTEXT_SUMMARY_INSTRUCTIONS,
+    CONTEXT_SUMMARY_NOTE_HEADER,
+    CONTEXT_SUMMARY_TRANSCRIPT_HEADER,
+    OUTCOME_UNKNOWN_TEXT,
+    AgentEventWriter,
+    AgentMessage,
+    AgentMessageChunkRange,
+    AgentMessageIndex,
+    AgentSessionClient,
+    AgentSessionFlow,
+    AgentSessionOptions,
+    AgentSnapshot,
+    AgentStatus,
+    AgentTurnContext,
+    CompactionPolicy,
+    ContextCompactionRunner,
+    ContextSummary,
+    ContextSummaryRequest,
+    ContextSummaryResult,
+    MessageRole,
+    RunModelLimit,
+    ToolEffect,
+    build_context_summary_omission_note,
+    build_context_summary_prompt,
+    estimate_stored_input_tokens,
+    estimate_text_tokens,
+    select_turn_boundary_cutoff,
+)
+from dex_agents._compaction import (
+    RetentionPlan,
+    choose_cutoff,
+    chunks_between,
+    context_summary_note,
+    messages_between,
+    plan_retention,
+)
+from dex_agents._constants import COMPACT_CONTEXT, CONTEXT_SUMMARY_REQUEST_TEXT, RUN_MODEL
+from dex_agents._message_store import MessageLayoutLimits, plan_append
+from dex_agents._persistence import message_sequence_key
+from dex_agents.builtin_loop import (
+    AgentDefinition,
+    BuiltinLoopAgentRunner,
+    ModelOutputItem,
+    ModelRequest,
+    ModelToolCall,
+    OutputItemKind,
+    ScriptedModelClient,
+    ScriptedModelReply,
+    ToolResultInput,
+    UserTextInput,
+    builtin_agent_session_options,
+)
+from dex_agents.builtin_loop._compaction import response_cuts, summary_request
+from dex_agents.builtin_loop._items import input_item
+from dex_agents.testing import (
+    AgentTestStack,
+    ContextWindowSessionScenario,
+    FileGate,
+    InvocationLog,
+    executed_steps,
+    to_step_history,
+    wait_for_agent_snapshot,
+)
+
+# Messages and conversations --------------------------------------------------------------------------
+
+
+def message(sequence: int, role: MessageRole = MessageRole.USER, *, turn: int = 1, text: str | None = "hi",
+            call: str | None = None, item: str | None = None) -> AgentMessage:
+    return AgentMessage(
+        sequence=sequence, turn_id=f"turn-{turn}", role=role, text=text, tool_call_id=call,
+        tool_name=None if call is None else "lookup_order", tool_arguments="{}" if role is MessageRole.ASSISTANT
+        and call is not None else None, tool_output="out" if role is MessageRole.TOOL else None,
+        framework_item=item if item is not None else json.dumps({"role": role.value, "text": text}),
+        created_at="2026-01-01T00:00:00.000Z",
+    )
+
+
+def summary_of(last: int, generation: int = 1, text: str = "earlier") -> ContextSummary:
+    return ContextSummary(generation=generation, first_sequence=1, last_sequence=last, text=text,
+                          created_at="2026-01-01T00:00:00.000Z")
+
+
+def closed_writer() -> AgentEventWriter:
+    writer = AgentEventWriter(lambda event: None, "turn-1", "", 1)
+    writer.close()
+    return writer
+
+
+async def no_heartbeat() -> None:
+    return None
+
+
+def turn_context(messages: Sequence[AgentMessage], *, turn_id: str = "turn-9", run_state: str | None = None,
+                 summary: ContextSummary | None = None) -> AgentTurnContext:
+    return AgentTurnContext(
+        flow_id="s", turn_id=turn_id, attempt=1, messages=list(messages), framework_run_state=run_state,
+        tool_calls={}, events=closed_writer(), heartbeat=no_heartbeat, tool_policies={},
+        default_tool_effect=ToolEffect.UNCLASSIFIED, context_summary=summary,
+    )
+
+
+@st.composite
+def conversations(draw: st.DrawFn, max_turns: int = 6) -> list[AgentMessage]:
+    """Turns of a built-in loop conversation: a user message, then responses of text and tool calls,
+    each call's result after its response (the last response of the last turn may still wait)."""
+    out: list[AgentMessage] = []
+    turns = draw(st.integers(1, max_turns))
+    for turn in range(1, turns + 1):
+        out.append(message(len(out) + 1, MessageRole.USER, turn=turn, text=f"q{turn}"))
+        for response in range(draw(st.integers(1, 3))):
+            calls = [f"c{turn}-{response}-{i}" for i in range(draw(st.integers(0, 3)))]
+            if draw(st.booleans()):
+                out.append(message(len(out) + 1, MessageRole.ASSISTANT, turn=turn, text=None))  # reasoning
+            out.append(message(len(out) + 1, MessageRole.ASSISTANT, turn=turn, text="a"))
+            for call in calls:
+                out.append(message(len(out) + 1, MessageRole.ASSISTANT, turn=turn, text=None, call=call))
+            last_open = turn == turns and draw(st.booleans())
+            if calls and not last_open:
+                for call in draw(st.permutations(calls)):
+                    out.append(message(len(out) + 1, MessageRole.TOOL, turn=turn, text=None, call=call))
+            if not calls or last_open:
+                break
+    return out
+
+
+# CompactionPolicy and the options ---------------------------------------------------------------------
+
+
+def test_policy_defaults_and_thresholds() -> None:
+    """Defaults are the seed's (trigger 0.85, keep 0.3, nothing reserved); the trigger counts the
+    reserved tokens on top of the runner's estimate."""
+    policy = CompactionPolicy(context_window_tokens=1000)
+    assert (policy.trigger_ratio, policy.retained_ratio, policy.reserved_input_tokens) == (0.85, 0.3, 0)
+    assert (policy.trigger_tokens, policy.retained_token_budget) == (850, 300)
+    assert not policy.should_compact(849) and policy.should_compact(850)
+    reserved = CompactionPolicy(context_window_tokens=1000, reserved_input_tokens=100)
+    assert not reserved.should_compact(749) and reserved.should_compact(750)
+    assert AgentSessionOptions().compaction is None
+    assert AgentSessionOptions().retained_message_limit == 1000
+    AgentSessionOptions(compaction=policy, retained_message_limit=None)
+    AgentSessionOptions(retained_message_limit=0)
+
+
+@pytest.mark.parametrize(("fields", "problem"), [
+    ({"context_window_tokens": 0}, "context_window_tokens must be a whole number >= 1"),
+    ({"context_window_tokens": True}, "context_window_tokens must be a whole number >= 1"),
+    ({"context_window_tokens": 10.0}, "context_window_tokens must be a whole number >= 1"),
+    ({"context_window_tokens": 10, "trigger_ratio": 0}, "trigger_ratio must be a number above 0 and at most 1"),
+    ({"context_window_tokens": 10, "trigger_ratio": 1.5}, "trigger_ratio must be a number above 0 and at most 1"),
+    ({"context_window_tokens": 10, "trigger_ratio": float("nan")}, "trigger_ratio must be a number"),
+    ({"context_window_tokens": 10, "retained_ratio": -0.1}, "retained_ratio must be a number from 0 to below 1"),
+    ({"context_window_tokens": 10, "retained_ratio": "0.3"}, "retained_ratio must be a number from 0 to below 1"),
+    ({"context_window_tokens": 10, "trigger_ratio": 0.5, "retained_ratio": 0.5}, "must be below trigger_ratio"),
+    ({"context_window_tokens": 10, "reserved_input_tokens": -1}, "reserved_input_tokens must be a whole number"),
+])
+def test_policy_refuses_bad_values(fields: dict[str, Any], problem: str) -> None:
+    """Each bad value is a ValueError naming the field."""
+    with pytest.raises(ValueError, match="invalid CompactionPolicy") as info:
+        CompactionPolicy(**fields)
+    assert problem in str(info.value)
+
+
+@pytest.mark.parametrize(("fields", "problem"), [
+    ({"compaction": 1000}, "compaction must be a CompactionPolicy or None"),
+    ({"retained_message_limit": -1}, "retained_message_limit must be a whole number >= 0 or None"),
+    ({"retained_message_limit": True}, "retained_message_limit must be a whole number >= 0 or None"),
+    ({"retained_message_limit": 1.0}, "retained_message_limit must be a whole number >= 0 or None"),
+])
+def test_session_options_refuse_bad_compaction_values(fields: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ValueError, match="invalid AgentSessionOptions") as info:
+        AgentSessionOptions(**fields)
+    assert problem in str(info.value)
+
+
+class PlainRunner:
+    """A runner with only the three base methods: no ContextCompactionRunner."""
+
+    def __init__(self, inner: BuiltinLoopAgentRunner) -> None:
+        self.inner = inner
+
+    def build_user_message(self, text: str) -> Any:
+        return self.inner.build_user_message(text)
+
+    async def run_model_step(self, turn: AgentTurnContext) -> Any:
+        return await self.inner.run_model_step(turn)
+
+    async def execute_deferred_tool_call(self, call: Any) -> Any:
+        return await self.inner.execute_deferred_tool_call(call)
+
+
+def test_flow_refuses_a_policy_for_a_runner_without_compaction() -> None:
+    """AgentSessionFlow raises TypeError naming the missing methods; the built-in loop implements them,
+    and AgentDefinition.compaction sets the option."""
+    definition = AgentDefinition(name="a", instructions="x", model=ScriptedModelClient(lambda r: ScriptedModelReply()),
+                                 compaction=CompactionPolicy(context_window_tokens=500))
+    runner = BuiltinLoopAgentRunner(definition)
+    assert isinstance(runner, ContextCompactionRunner)
+    options = builtin_agent_session_options(definition)
+    assert options.compaction == CompactionPolicy(context_window_tokens=500)
+    AgentSessionFlow(runner, "Compacting", options)
+    with pytest.raises(TypeError, match="needs a ContextCompactionRunner") as info:
+        AgentSessionFlow(PlainRunner(runner), "Plain", options)
+    assert "estimate_input_tokens, select_compaction_cutoff, summarize_context" in str(info.value)
+    AgentSessionFlow(PlainRunner(runner), "PlainWithout", replace(options, compaction=None))
+    with pytest.raises(ValueError, match="compaction must be a CompactionPolicy"):
+        AgentDefinition(name="a", instructions="x", model=definition.model, compaction=500)  # type: ignore[arg-type]
+
+
+def test_compact_context_has_run_models_options() -> None:
+    """CompactContext: RunModel's input type, timeouts, retries, failure route and SYNC durability."""
+    flow, _ = compaction_flow("OptionsAgent", answer, window=500)
+    run_model, compact = flow.step(RUN_MODEL), flow.step(COMPACT_CONTEXT)
+    for name in ("failure_route", "execute_timeout_seconds", "heartbeat_timeout_seconds", "execute_retry",
+                 "durability", "load"):
+        assert getattr(compact.options, name) == getattr(run_model.options, name), name
+    assert compact.options.failure_route == "RecordTurnFailure"
+    assert compact.input_type == run_model.input_type
+
+
+# Token estimates and texts ----------------------------------------------------------------------------
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.text(max_size=200))
+def test_estimate_text_tokens_is_three_bytes_a_token_rounded_up(text: str) -> None:
+    size = len(text.encode())
+    assert estimate_text_tokens(text) == -(-size // 3)
+    assert 3 * estimate_text_tokens(text) >= size > 3 * (estimate_text_tokens(text) - 1)
+
+
+def test_fixed_texts() -> None:
+    """The model-visible texts are the seed's."""
+    assert CONTEXT_SUMMARY_NOTE_HEADER == "[Dex] Summary of the earlier conversation:"
+    assert context_summary_note(summary_of(5, text="S")) == "[Dex] Summary of the earlier conversation:\nS"
+    assert build_context_summary_omission_note(1) == (
+        "[Dex] 1 earlier message did not fit in this request and is left out.")
+    assert build_context_summary_omission_note(7) == (
+        "[Dex] 7 earlier messages did not fit in this request and are left out.")
+    assert CONTEXT_SUMMARY_TRANSCRIPT_HEADER.startswith("[Dex] ")
+
+
+def test_estimate_stored_input_tokens_counts_items_the_note_and_fixed_tokens() -> None:
+    messages = [message(1, item="x" * 30), message(2, MessageRole.ASSISTANT, item="y" * 31)]
+    assert estimate_stored_input_tokens(turn_context(messages)) == 10 + 11
+    assert estimate_stored_input_tokens(turn_context(messages), fixed_input_tokens=100) == 121
+    summary = summary_of(0, text="z" * 9)
+    with_note = estimate_stored_input_tokens(turn_context(messages, summary=summary))
+    assert with_note == 21 + estimate_text_tokens(context_summary_note(summary))
+
+
+# Cutoffs ------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=120, deadline=None)
+@given(tokens=st.lists(st.integers(0, 50), max_size=12), data=st.data(), budget=st.integers(0, 200))
+def test_choose_cutoff_keeps_as_much_as_fits(tokens: list[int], data: st.DataObject, budget: int) -> None:
+    """None when everything fits or no cut is valid; else the earliest valid cut whose remainder fits,
+    or, when none fits, the latest valid cut."""
+    messages = [message(i + 1) for i in range(len(tokens))]
+    valid = data.draw(st.lists(st.booleans(), min_size=max(0, len(tokens) - 1), max_size=max(0, len(tokens) - 1)))
+    chosen = choose_cutoff(messages, tokens, valid, budget)
+    cuts = [i for i, ok in enumerate(valid) if ok]
+    if sum(tokens) <= budget or not cuts:
+        assert chosen is None
+        return
+    assert chosen is not None
+    position = chosen - 1
+    assert position in cuts
+    fitting = [i for i in cuts if sum(tokens[i + 1:]) <= budget]
+    assert position == (fitting[0] if fitting else cuts[-1])
+
+
+@settings(max_examples=150, deadline=None)
+@given(conversation=conversations())
+def test_response_cuts_never_split_a_response_or_a_call_from_its_result(conversation: list[AgentMessage]) -> None:
+    """The built-in loop cuts only between model responses, never inside one, and never after a call
+    of the running turn whose result is not stored before the cut; every other place is a valid cut
+    (the rule is not stricter than it says). A valid cut never separates a call from its result."""
+    valid = response_cuts(conversation)
+    assert len(valid) == max(0, len(conversation) - 1)
+    for position, ok in enumerate(valid):
+        before, after = conversation[: position + 1], conversation[position + 1:]
+        inside = before[-1].role is MessageRole.ASSISTANT and after[0].role is MessageRole.ASSISTANT
+        turn = before[-1].turn_id
+        calls = {m.tool_call_id for m in before if m.turn_id == turn and m.role is MessageRole.ASSISTANT
+                 and m.tool_call_id}
+        answered = {m.tool_call_id for m in before if m.turn_id == turn and m.role is MessageRole.TOOL}
+        open_in_turn = bool(calls - answered) and after[0].turn_id == turn
+        assert ok == (not inside and not open_in_turn), (position, conversation)
+        if ok:
+            called = {(m.turn_id, m.tool_call_id) for m in before if m.role is MessageRole.ASSISTANT and m.tool_call_id}
+            results_after = {(m.turn_id, m.tool_call_id) for m in after if m.role is MessageRole.TOOL}
+            assert not called & results_after
+
+
+@settings(max_examples=100, deadline=None)
+@given(conversation=conversations(), budget=st.integers(0, 400), resuming=st.booleans())
+def test_turn_boundary_cutoff_cuts_only_between_earlier_turns(
+    conversation: list[AgentMessage], budget: int, resuming: bool
+) -> None:
+    """select_turn_boundary_cutoff: None while the turn resumes from run state; otherwise a cut only at
+    the end of a turn before the running one (the last turn here)."""
+    running = conversation[-1].turn_id
+    turn = turn_context(conversation, turn_id=running, run_state="{}" if resuming else None)
+    chosen = select_turn_boundary_cutoff(turn, budget)
+    if resuming:
+        assert chosen is None
+        return
+    if chosen is None:
+        return
+    cut = next(i for i, m in enumerate(conversation) if m.sequence == chosen)
+    assert conversation[cut].turn_id != running
+    assert conversation[cut + 1].turn_id != conversation[cut].turn_id
+
+
+def test_turn_boundary_cutoff_keeps_what_fits() -> None:
+    """Three earlier turns of 10 tokens a message and the running turn: the budget decides how many
+    whole turns stay."""
+    messages = []
+    for turn in (1, 2, 3, 4):
+        for role in (MessageRole.USER, MessageRole.ASSISTANT):
+            messages.append(message(len(messages) + 1, role, turn=turn, item="x" * 30))
+    turn = turn_context(messages, turn_id="turn-4")
+    assert select_turn_boundary_cutoff(turn, 80) is None  # everything fits
+    assert select_turn_boundary_cutoff(turn, 40) == 4  # turns 3 and 4 stay
+    assert select_turn_boundary_cutoff(turn, 30) == 6  # only the running turn fits
+    assert select_turn_boundary_cutoff(turn, 5) == 6  # nothing fits: the latest cut, never inside turn 4
+
+
+def test_builtin_cutoff_compacts_mid_turn_between_complete_responses() -> None:
+    """One long running turn of calls and results: the built-in loop cuts inside it, after a result,
+    never after a call whose result is not stored, and returns None once what is left fits."""
+    messages = [message(1, MessageRole.USER, item='{"type":"user_text","text":"' + "q" * 60 + '"}')]
+    for k in range(1, 6):
+        messages.append(message(len(messages) + 1, MessageRole.ASSISTANT, text=None, call=f"c{k}"))
+        messages.append(message(len(messages) + 1, MessageRole.TOOL, text=None, call=f"c{k}"))
+    messages.append(message(len(messages) + 1, MessageRole.ASSISTANT, text=None, call="c6"))  # result pending
+    runner = BuiltinLoopAgentRunner(AgentDefinition(name="a", instructions="x",
+                                                    model=ScriptedModelClient(lambda r: ScriptedModelReply())))
+    turn = turn_context(messages, turn_id="turn-1")
+    chosen = runner.select_compaction_cutoff(turn, 10)
+    assert chosen == 11  # after c5's result; c6 has no stored result
+    rest = [m for m in messages if m.sequence > chosen]
+    assert runner.select_compaction_cutoff(turn_context(rest, turn_id="turn-1"), 10) is None
+
+
+# Retention and reads --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Layout:
+    """A store built with plan_append, as a session's Steps would leave it."""
+
+    limits: MessageLayoutLimits
+    window: dict[int, AgentMessage] = field(default_factory=dict)
+    chunks: dict[int, list[AgentMessage]] = field(default_factory=dict)
+    index: AgentMessageIndex | None = None
+    appended: list[AgentMessage] = field(default_factory=list)
+
+    def append(self, sizes: Sequence[int]) -> None:
+        new = [message(len(self.appended) + i + 1, text="x" * size) for i, size in enumerate(sizes)]
+        writes = plan_append(sorted(self.window.values(), key=lambda m: m.sequence), self.index, new, self.limits)
+        for chunk in writes.chunk_sets:
+            self.chunks[chunk.messages[0].sequence] = list(chunk.messages)
+        self.window.update({m.sequence: m for m in writes.window_sets})
+        for sequence in writes.window_deletes:
+            del self.window[sequence]
+        if writes.index is not None:
+            self.index = writes.index
+        self.appended.extend(new)
+
+    def read_chunk(self, chunk_range: AgentMessageChunkRange) -> Any:
+        from dex_agents import AgentMessageChunk
+        return AgentMessageChunk(self.chunks[chunk_range.first_sequence])
+
+
+layout_strategy = st.builds(
+    lambda window, chunk, limit, commits: (MessageLayoutLimits(window, chunk, limit), commits),
+    st.integers(1, 5), st.integers(1, 4), st.integers(150, 900),
+    st.lists(st.lists(st.integers(0, 500), min_size=1, max_size=4), min_size=1, max_size=14),
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(built=layout_strategy, data=st.data())
+def test_plan_retention_matches_the_rule(built: tuple[MessageLayoutLimits, list[list[int]]], data: st.DataObject,
+                                         ) -> None:
+    """Retention deletes the oldest chunk while it starts at the oldest stored message, its last
+    sequence is at or before the summary's, and at least retained_message_limit messages are stored
+    after it; first_sequence then follows the deleted chunks. Nothing happens without an index, a
+    summary or a limit."""
+    limits, commits = built
+    layout = Layout(limits)
+    for sizes in commits:
+        layout.append(sizes)
+    newest = len(layout.appended)
+    summary = summary_of(data.draw(st.integers(0, newest)))
+    limit = data.draw(st.integers(0, newest + 2))
+    plan = plan_retention(layout.index, summary, limit, newest)
+    assert plan_retention(layout.index, None, limit, newest) == RetentionPlan()
+    assert plan_retention(layout.index, summary, None, newest) == RetentionPlan()
+    assert plan_retention(None, summary, limit, newest) == RetentionPlan()
+    if layout.index is None:
+        assert plan == RetentionPlan()
+        return
+    # Reference: walk the chunks oldest first.
+    expected: list[AgentMessageChunkRange] = []
+    first = layout.index.first_sequence
+    for chunk in layout.index.chunks:
+        if chunk.first_sequence != first or chunk.last_sequence > summary.last_sequence:
+            break
+        if newest - chunk.last_sequence < limit:
+            break
+        expected.append(chunk)
+        first = chunk.last_sequence + 1
+    assert list(plan.deleted) == expected
+    if not expected:
+        assert plan.index is None
+        return
+    assert plan.index is not None
+    assert plan.index.chunks == layout.index.chunks[len(expected):]
+    assert plan.index.first_sequence == expected[-1].last_sequence + 1
+    assert plan.index.window_first_sequence == max(layout.index.window_first_sequence, plan.index.first_sequence)
+    # Every message after the summary and the newest `limit` stay; readers see exactly what is left.
+    kept = {c.first_sequence for c in plan.index.chunks}
+    remaining = [m for m in layout.appended if m.sequence >= plan.index.first_sequence]
+    assert messages_between(plan.index, list(layout.window.values()),
+                            lambda r: layout.read_chunk(r) if r.first_sequence in kept else None,
+                            after=0) == remaining
+    assert plan.index.first_sequence <= summary.last_sequence + 1
+    assert newest - plan.index.first_sequence + 1 >= min(limit, newest)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(built=layout_strategy, data=st.data())
+def test_messages_between_reads_only_the_chunks_it_lists(built: tuple[MessageLayoutLimits, list[list[int]]],
+                                                         data: st.DataObject) -> None:
+    """messages_between returns exactly the messages in (after, through], in order, and reads only the
+    chunks chunks_between lists (what a movement loads): any other read fails."""
+    limits, commits = built
+    layout = Layout(limits)
+    for sizes in commits:
+        layout.append(sizes)
+    newest = len(layout.appended)
+    after = data.draw(st.integers(0, newest))
+    through = data.draw(st.none() | st.integers(after, newest))
+    listed = {r.first_sequence for r in chunks_between(layout.index, after=after, through=through)}
+    read: list[int] = []
+
+    def read_chunk(chunk_range: AgentMessageChunkRange) -> Any:
+        assert chunk_range.first_sequence in listed, f"read unlisted chunk {chunk_range}"
+        read.append(chunk_range.first_sequence)
+        return layout.read_chunk(chunk_range)
+
+    got = messages_between(layout.index, list(layout.window.values()), read_chunk, after=after, through=through)
+    top = newest if through is None else through
+    assert got == [m for m in layout.appended if after < m.sequence <= top]
+    # Every listed chunk holds a wanted message.
+    for first in listed:
+        assert any(after < m.sequence <= top for m in layout.chunks[first])
+
+
+# Summary prompts -----------------------------------------------------------------------------------------
+
+
+def summary_request_of(messages: Sequence[AgentMessage], budget: int, previous: ContextSummary | None = None,
+                       ) -> ContextSummaryRequest:
+    return ContextSummaryRequest(
+        flow_id="s", turn_id="turn-1", attempt=1, previous_summary=previous, messages=list(messages),
+        through_sequence=messages[-1].sequence if messages else 0, events=closed_writer(), heartbeat=no_heartbeat,
+        input_token_budget=budget,
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.integers(0, 120), min_size=1, max_size=12), budget=st.integers(1, 800),
+       previous=st.booleans())
+def test_summary_prompt_fits_its_budget(sizes: list[int], budget: int, previous: bool) -> None:
+    """build_context_summary_prompt starts with the transcript header and the instructions, carries
+    the previous summary, and leaves out the fewest oldest messages (saying how many) that make it fit
+    the budget; when even the header does not fit, every message is left out."""
+    roles = [MessageRole.USER, MessageRole.ASSISTANT, MessageRole.TOOL]
+    messages = [message(i + 1, roles[i % 3], text="w" * size, call="c" if i % 3 else None)
+                for i, size in enumerate(sizes)]
+    earlier = summary_of(0, text="the earlier summary") if previous else None
+    prompt = build_context_summary_prompt(summary_request_of(messages, budget, earlier))
+    assert prompt.startswith(CONTEXT_SUMMARY_TRANSCRIPT_HEADER + "\n" + CONTEXT_SUMMARY_INSTRUCTIONS)
+    assert ("the earlier summary" in prompt) == previous
+    omitted = 0
+    for count in range(len(messages), 0, -1):
+        if build_context_summary_omission_note(count) in prompt:
+            omitted = count
+            break
+    kept = messages[omitted:]
+    if kept:
+        assert prompt.split("\n")[-len(kept):] == [transcript(m) for m in kept]
+    if omitted == 0:
+        assert "did not fit" not in prompt
+    if omitted < len(messages):
+        assert estimate_text_tokens(prompt) <= budget
+    if omitted:
+        # Leaving nothing out would not have fitted.
+        whole = build_context_summary_prompt(summary_request_of(messages, 10**9, earlier))
+        assert estimate_text_tokens(whole) > budget
+
+
+def transcript(m: AgentMessage) -> str:
+    from dex_agents._compaction import transcript_line
+    return transcript_line(m)
+
+
+def builtin_messages(items: Sequence[Any], turn_ids: Sequence[int]) -> list[AgentMessage]:
+    """Stored messages from built-in loop items (FrameworkMessage), one turn number each."""
+    from dex_agents._turn_logic import to_agent_message
+    return [to_agent_message(item, i + 1, f"turn-{turn}", "2026-01-01T00:00:00.000Z")
+            for i, (item, turn) in enumerate(zip(items, turn_ids, strict=True))]
+
+
+def test_builtin_summary_request_leaves_out_the_oldest_whole_responses() -> None:
+    """With max_output_tokens set, a request over input_token_budget leaves out the oldest messages up
+    to a valid cut (never a result without its call) and says so after the previous summary; it uses
+    CONTEXT_SUMMARY_INSTRUCTIONS, no tools, and ends with the request text."""
+    from dex_agents.builtin_loop._items import output_message, tool_result_message, user_message
+    items: list[Any] = []
+    turns: list[int] = []
+    for turn in range(1, 5):
+        call = ModelToolCall(f"c{turn}", "lookup_order", '{"order_id": "' + "o" * 60 + '"}')
+        output = ModelOutputItem("scripted", OutputItemKind.TOOL_CALL, json.dumps({"id": call.tool_call_id}), None,
+                                 call)
+        items += [user_message("u" * 90), output_message(output),
+                  tool_result_message(ToolResultInput(call.tool_call_id, "lookup_order", "r" * 60))]
+        turns += [turn] * 3
+    messages = builtin_messages(items, turns)
+    model = ScriptedModelClient(lambda r: ScriptedModelReply())
+    full, omitted = summary_request(summary_request_of(messages, 10_000), {}, model)
+    assert omitted == 0 and full.instructions == CONTEXT_SUMMARY_INSTRUCTIONS and full.tools == ()
+    assert ScriptedModelClient.is_summary_request(full)
+    assert full.input[-1] == UserTextInput(CONTEXT_SUMMARY_REQUEST_TEXT)
+    assert list(full.input[:-1]) == [input_item(m) for m in messages]
+    size = model.estimate_input_tokens(full)
+    budget = size - 40
+    request = summary_request_of(messages, budget, summary_of(0, text="before"))
+    built, omitted = summary_request(request, {"max_output_tokens": 100}, model)
+    cuts = [i + 1 for i, ok in enumerate(response_cuts(messages)) if ok]
+    assert omitted in cuts and messages[omitted].role is not MessageRole.TOOL
+    assert built.input[0] == UserTextInput(context_summary_note(summary_of(0, text="before")))
+    assert built.input[1] == UserTextInput(build_context_summary_omission_note(omitted))
+    assert list(built.input[2:-1]) == [input_item(m) for m in messages[omitted:]]
+    # The fewest messages that fit: the previous cut would not have.
+    assert model.estimate_input_tokens(built) + 100 <= budget or omitted == cuts[-1]
+    smaller = [c for c in cuts if c < omitted]
+    if smaller:
+        shorter = summary_request_of(messages[smaller[-1]:], 10**9, summary_of(0, text="before"))
+        assert model.estimate_input_tokens(summary_request(shorter, {}, model)[0]) + 100 > budget - 20
+
+
+async def test_scripted_model_answers_summary_requests() -> None:
+    """ScriptedModelClient answers a summary request with `summarize`, or a short default summary, never
+    with the turn script; the summary text is what the runner returns."""
+    def script(request: ModelRequest) -> ScriptedModelReply:
+        raise AssertionError("the turn script must not see a summary request")
+
+    messages = [message(1, item=json.dumps({"type": "user_text", "text": "remember 42"}))]
+    request = summary_request_of(messages, 10_000)
+    definition = AgentDefinition(name="a", instructions="x", model=ScriptedModelClient(script))
+    result = await BuiltinLoopAgentRunner(definition).summarize_context(request)
+    assert isinstance(result, ContextSummaryResult)
+    assert result.text == "Scripted summary of 2 input items. The last user message was: remember 42"
+    assert result.usage.model_calls == 1
+
+    async def summarize(model_request: ModelRequest) -> str:
+        assert ScriptedModelClient.is_summary_request(model_request)
+        return "custom summary"
+
+    custom = AgentDefinition(name="a", instructions="x", model=ScriptedModelClient(script, summarize=summarize))
+    assert (await BuiltinLoopAgentRunner(custom).summarize_context(request)).text == "custom summary"
+
+
+# Sessions -----------------------------------------------------------------------------------------------
+
+async def run_turns(sessions: AgentSessionClient, sid: str, texts: Sequence[str], start: int = 0) -> AgentSnapshot:
+    snapshot: AgentSnapshot | None = None
+    for offset, text in enumerate(texts):
+        assert await sessions.send_user_message(sid, text)
+        count = start + offset + 1
+        snapshot = await wait_for_agent_snapshot(
+            sessions, sid, lambda s, c=count: s if s.state is not None and s.state.turn_count >= c else None,
+            description=f"turn {count} to end")
+    assert snapshot is not None
+    return snapshot
+
+
+async def events_of(sessions: AgentSessionClient, sid: str) -> list[Any]:
+    out: list[Any] = []
+    token: str | None = None
+    while True:
+        read = await sessions.read_agent_events(sid, token)
+        if not read.events:
+            return out
+        out.extend(e.value for e in read.events)
+        token = read.resume_token
+
+
+async def all_messages(sessions: AgentSessionClient, sid: str) -> list[AgentMessage]:
+    pages: list[list[AgentMessage]] = []
+    cursor: int | None = None
+    while True:
+        page = await sessions.list_agent_messages(sid, before_sequence=cursor, limit=200)
+        pages.append(page.messages)
+        if page.next_before_sequence is None:
+            return [m for page_messages in reversed(pages) for m in page_messages]
+        cursor = page.next_before_sequence
+
+
+def model_calls(model: ScriptedModelClient) -> list[ModelRequest]:
+    return [r for r in model.requests if not ScriptedModelClient.is_summary_request(r)]
+
+
+def summary_calls(model: ScriptedModelClient) -> list[ModelRequest]:
+    return [r for r in model.requests if ScriptedModelClient.is_summary_request(r)]
+
+
+def check_inputs_after_summaries(model: ScriptedModelClient, stored: list[AgentMessage],
+                                 throughs: list[int], texts: list[str]) -> int:
+    """Each model call right after a summary sees the summary note and then exactly the stored messages
+    after the cut, in order: nothing summarized, nothing orphaned, no outcome-unknown filler."""
+    checked = 0
+    requests = list(model.requests)
+    generation = 0
+    for position, request in enumerate(requests):
+        if ScriptedModelClient.is_summary_request(request):
+            generation += 1
+            following = requests[position + 1]
+            assert not ScriptedModelClient.is_summary_request(following)
+            note = UserTextInput(context_summary_note(summary_of(throughs[generation - 1], text=texts[generation - 1])))
+            assert following.input[0] == note
+            after = [input_item(m) for m in stored if m.sequence > throughs[generation - 1]]
+            assert list(following.input[1:]) == after[: len(following.input) - 1]
+            assert all(not (isinstance(i, ToolResultInput) and i.output == OUTCOME_UNKNOWN_TEXT)
+                       for i in following.input)
+            checked += 1
+    return checked
+
+
+async def test_compaction_summarizes_before_the_model_call(tmp_path: Path) -> None:
+    """Past the trigger, RunModel makes no model call and moves to CompactContext, which makes one
+    summary call and moves back to RunModel: RunModel -> CompactContext -> RunModel in the history.
+    ContextSummary counts generations from 1 with first_sequence 1 and last_sequence the cut; the summary
+    calls' usage is recorded; compaction_started and compaction_finished carry the cut; the next model
+    call sees the note and exactly the messages after the cut; the summary request folds in the
+    previous summary and the messages after it through the cut."""
+    texts: list[str] = []
+
+    def summarize(request: ModelRequest) -> str:
+        texts.append(f"summary {len(texts) + 1}: " + ScriptedModelClient.default_summary(request))
+        return texts[-1]
+
+    seen: list[tuple[list[int], ContextSummary | None]] = []
+
+    class Recording(BuiltinLoopAgentRunner):
+        async def run_model_step(self, turn: AgentTurnContext) -> Any:
+            seen.append(([m.sequence for m in turn.messages], turn.context_summary))
+            return await super().run_model_step(turn)
+
+    flow, model = compaction_flow("CompactingAgent", answer, window=450, summarize=summarize,
+                                  runner=Recording, retained_message_limit=None)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        final = await run_turns(sessions, "s", [say(n) for n in range(1, 15)])
+        assert final.state is not None and final.state.last_turn_error is None
+        summary = final.context_summary
+        assert summary is not None and summary.generation >= 2
+        events = await events_of(sessions, "s")
+        started = [e for e in events if e.type == "compaction_started"]
+        finished = [e for e in events if e.type == "compaction_finished"]
+        throughs = [json.loads(e.payload)["through_sequence"] for e in finished]
+        assert [json.loads(e.payload) for e in finished] == [
+            {"generation": g, "through_sequence": t} for g, t in enumerate(throughs, 1)]
+        assert [json.loads(e.payload) for e in started] == [{"through_sequence": t} for t in throughs]
+        assert all(e.turn_id is not None and e.step_execution_id.startswith("CompactContext") for e in started)
+        assert throughs == sorted(set(throughs))
+        assert (summary.generation, summary.first_sequence, summary.last_sequence, summary.text) == (
+            len(throughs), 1, throughs[-1], texts[-1])
+        assert summary.created_at.endswith("Z")
+
+        history = to_step_history(await engine.client.get_flow_history("s"))
+        steps = executed_steps(history)
+        at = [i for i, step in enumerate(steps) if step == COMPACT_CONTEXT]
+        assert len(at) == summary.generation
+        assert all(steps[i - 1] == RUN_MODEL and steps[i + 1] == RUN_MODEL for i in at)
+        # The RunModel that moved to CompactContext made no model call.
+        assert steps.count(RUN_MODEL) == 14 + summary.generation == len(model_calls(model)) + summary.generation
+        assert len(summary_calls(model)) == summary.generation
+        assert final.usage.model_calls == 14 + summary.generation
+
+        stored = await all_messages(sessions, "s")
+        assert [m.sequence for m in stored] == list(range(1, 29))  # retained_message_limit=None keeps all
+        # The runner gets only the messages after the summary, and the summary.
+        assert len(seen) == 14
+        for sequences, seen_summary in seen:
+            after = 0 if seen_summary is None else seen_summary.last_sequence
+            assert sequences == list(range(after + 1, sequences[-1] + 1))
+        assert seen[-1][1] == summary
+        assert check_inputs_after_summaries(model, stored, throughs, texts) == summary.generation
+        # The second summary request: the first summary's note, then the messages after it through the cut.
+        second = summary_calls(model)[1]
+        assert second.input[0] == UserTextInput(context_summary_note(summary_of(throughs[0], text=texts[0])))
+        assert list(second.input[1:-1]) == [input_item(m) for m in stored if throughs[0] < m.sequence <= throughs[1]]
+        assert second.input[-1] == UserTextInput(CONTEXT_SUMMARY_REQUEST_TEXT)
+
+
+async def read_running_task(engine: InProcessEngine, sid: str, step_type: str) -> tuple[dict[str, Any], Any]:
+    """The stored options and input of the flow's running task of `step_type`."""
+    def read(db: Any) -> list[Any]:
+        return list(db.all("SELECT options, input FROM tasks WHERE flow_id = ? AND step_type = ? "
+                           "AND state = 'running'", (sid, step_type)))
+
+    rows = await engine.client.store.raw(read)
+    assert len(rows) == 1, rows
+    return json.loads(bytes(rows[0][0])), json.loads(bytes(rows[0][1]))
+
+
+def loaded_chunks(options: dict[str, Any]) -> tuple[list[str], set[str]]:
+    load = options["execute"]["load"]
+    keys = {key for name, key in load.get("instances", []) if name == AGENT_MESSAGE_CHUNKS.name}
+    return list(load.get("names", [])), keys
+
+
+async def test_each_step_loads_only_the_chunks_it_reads(tmp_path: Path) -> None:
+    """With compaction, every movement into RunModel (a turn start, ResumeTurn after tool calls,
+    CompactContext) lists only the AgentMessageChunks instances after the summary, and CompactContext
+    only those it summarizes; both load the whole window. Read from the running task's stored options
+    while the model and summary calls run; turns with tool calls compact mid-turn."""
+    engine_box: list[InProcessEngine] = []
+    checks: list[tuple[str, set[str], set[str], bool]] = []
+
+    async def respond(request: ModelRequest) -> ScriptedModelReply:
+        engine = engine_box[0]
+        options, _ = await read_running_task(engine, "s", RUN_MODEL)
+        names, keys = loaded_chunks(options)
+        assert AGENT_MESSAGE_CHUNKS.name not in names and "AgentMessages" in names
+        index = await engine.client.get_attribute("s", AGENT_MESSAGE_INDEX)
+        summary = await engine.client.get_attribute("s", CONTEXT_SUMMARY)
+        after = 0 if summary is None else summary.last_sequence
+        expected = {message_sequence_key(r.first_sequence) for r in chunks_between(index, after=after)}
+        skipped = index is not None and any(r.last_sequence <= after for r in index.chunks)
+        checks.append((RUN_MODEL, keys, expected, skipped))
+        return answer(request)
+
+    async def summarize(request: ModelRequest) -> str:
+        engine = engine_box[0]
+        options, task_input = await read_running_task(engine, "s", COMPACT_CONTEXT)
+        names, keys = loaded_chunks(options)
+        assert AGENT_MESSAGE_CHUNKS.name not in names and "AgentMessages" in names
+        index = await engine.client.get_attribute("s", AGENT_MESSAGE_INDEX)
+        summary = await engine.client.get_attribute("s", CONTEXT_SUMMARY)
+        after = 0 if summary is None else summary.last_sequence
+        through = task_input["through_sequence"]
+        expected = {message_sequence_key(r.first_sequence) for r in chunks_between(index, after=after,
+                                                                                       through=through)}
+        checks.append((COMPACT_CONTEXT, keys, expected, False))
+        return ScriptedModelClient.default_summary(request)
+
+    flow, model = compaction_flow("LoadingAgent", respond, window=700, summarize=summarize,
+                                  message_window_size=4, message_chunk_size=2, retained_message_limit=None)
+    engine = InProcessEngine(tmp_path, [flow])
+    engine_box.append(engine)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        final = await run_turns(sessions, "s", [say(1), say(2), "/tools 14", say(3), say(4), "/tools 6"])
+        assert final.state is not None and final.state.last_turn_error is None
+        assert final.context_summary is not None and final.context_summary.generation >= 2
+        for step_type, keys, expected, _ in checks:
+            assert keys == expected, step_type
+        assert any(skipped for *_, skipped in checks), "no RunModel left out a chunk before the summary"
+        assert {step for step, *_ in checks} == {RUN_MODEL, COMPACT_CONTEXT}
+        steps = executed_steps(to_step_history(await engine.client.get_flow_history("s")))
+        # A compaction inside the /tools 14 turn: ResumeTurn -> RunModel -> CompactContext -> RunModel.
+        assert any(steps[i - 2: i + 2] == ["ResumeTurn", RUN_MODEL, COMPACT_CONTEXT, RUN_MODEL]
+                   for i in range(2, len(steps)) if steps[i] == COMPACT_CONTEXT)
+
+        # No cut separated a call from its result, and the calls after each cut were answered in the
+        # model input (the loop's pending results never repeat a summarized call's result).
+        stored = await all_messages(sessions, "s")
+        throughs = [json.loads(e.payload)["through_sequence"] for e in await events_of(sessions, "s")
+                    if e.type == "compaction_finished"]
+        for through in throughs:
+            calls = {(m.turn_id, m.tool_call_id) for m in stored
+                     if m.sequence <= through and m.role is MessageRole.ASSISTANT and m.tool_call_id}
+            results = {(m.turn_id, m.tool_call_id) for m in stored if m.role is MessageRole.TOOL}
+            before = {(m.turn_id, m.tool_call_id) for m in stored if m.sequence <= through
+                      and m.role is MessageRole.TOOL}
+            assert calls & results == calls & before, f"cut {through} separates a call from its result"
+        for request in model_calls(model):
+            items = list(request.input)
+            for position, item in enumerate(items):
+                if isinstance(item, ModelOutputItem) and item.tool_call is not None:
+                    result = items[position + 1]
+                    assert isinstance(result, ToolResultInput)
+                    assert result.tool_call_id == item.tool_call.tool_call_id
+                    assert result.output != OUTCOME_UNKNOWN_TEXT
+            results_seen = [i.tool_call_id for i in items if isinstance(i, ToolResultInput)]
+            assert len(results_seen) == len(set(results_seen)), "a result repeated in the model input"
+
+
+async def test_compacting_context_status_while_the_summary_call_runs(tmp_path: Path) -> None:
+    """While CompactContext's summary call runs the status is compacting_context; it commits running_model
+    and RunModel then answers the turn."""
+    release = asyncio.Event()
+    reached = asyncio.Event()
+
+    async def summarize(request: ModelRequest) -> str:
+        reached.set()
+        await release.wait()
+        return "held summary"
+
+    flow, _ = compaction_flow("StatusAgent", answer, window=400, summarize=summarize)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        number = 0
+        while not reached.is_set():
+            number += 1
+            assert number < 20, "never compacted"
+            assert await sessions.send_user_message("s", say(number))
+            await wait_for_agent_snapshot(
+                sessions, "s",
+                lambda s, n=number: reached.is_set() or (s.state is not None and s.state.turn_count >= n),
+                description=f"turn {number} or a compaction")
+        snapshot = await sessions.get_agent_snapshot("s")
+        assert snapshot.state is not None and snapshot.state.status is AgentStatus.COMPACTING_CONTEXT
+        assert snapshot.context_summary is None
+        release.set()
+        done = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: s if s.state is not None and s.state.turn_count >= number else None,
+            description="the compacted turn to end")
+        assert done.state is not None and done.state.status is AgentStatus.WAITING_FOR_USER_MESSAGE
+        assert done.context_summary is not None and done.context_summary.text == "held summary"
+
+
+async def test_retention_deletes_summarized_chunks(tmp_path: Path) -> None:
+    """With compaction and retained_message_limit=6 (window 4, chunks of 2): the oldest chunks go while
+    they end at or before the summary and 6 messages stay after them; AgentMessageIndex.first_sequence
+    follows, the index lists exactly the stored chunks, every message from first_sequence on is readable,
+    paging ends there with deleted_before_sequence on every page, and the snapshot starts there too.
+    retained_message_limit=None keeps everything."""
+    flow, _ = compaction_flow("RetainingAgent", answer, window=500, message_window_size=4, message_chunk_size=2,
+                              retained_message_limit=6)
+    keeping, _ = compaction_flow("KeepingAgent", answer, window=500, message_window_size=4, message_chunk_size=2,
+                                 retained_message_limit=None)
+    engine = InProcessEngine(tmp_path, [flow, keeping])
+    async with engine.running():
+        sessions = engine.sessions(flow)
+        await sessions.start_session("s")
+        final = await run_turns(sessions, "s", [say(n) for n in range(1, 15)])
+        assert final.state is not None
+        newest = final.state.next_message_sequence - 1
+        summary = final.context_summary
+        assert summary is not None
+        index = await engine.client.get_attribute("s", AGENT_MESSAGE_INDEX)
+        chunks = await engine.client.get_attribute_map("s", AGENT_MESSAGE_CHUNKS)
+        assert index is not None and index.first_sequence > 1
+        assert sorted(chunks) == [message_sequence_key(r.first_sequence) for r in index.chunks]
+        # Retention went as far as the rule allows: the oldest kept chunk may not go.
+        oldest = index.chunks[0]
+        assert oldest.last_sequence > summary.last_sequence or newest - oldest.last_sequence < 6
+        assert index.first_sequence <= summary.last_sequence + 1 and newest - index.first_sequence + 1 >= 6
+        first = index.first_sequence
+        cursor: int | None = None
+        pages: list[list[AgentMessage]] = []
+        while True:
+            page = await sessions.list_agent_messages("s", before_sequence=cursor, limit=3)
+            assert page.deleted_before_sequence == first
+            pages.append(page.messages)
+            if page.next_before_sequence is None:
+                break
+            cursor = page.next_before_sequence
+        stored = [m for p in reversed(pages) for m in p]
+        assert [m.sequence for m in stored] == list(range(first, newest + 1))
+        empty = await sessions.list_agent_messages("s", before_sequence=first, limit=10)
+        assert (empty.messages, empty.next_before_sequence, empty.deleted_before_sequence) == ([], None, first)
+        assert [m.sequence for m in final.messages] == list(range(first, newest + 1))
+
+        kept = engine.sessions(keeping)
+        await kept.start_session("k")
+        done = await run_turns(kept, "k", [say(n) for n in range(1, 15)])
+        assert done.context_summary is not None
+        kept_index = await engine.client.get_attribute("k", AGENT_MESSAGE_INDEX)
+        assert kept_index is not None and kept_index.first_sequence == 1
+        page = await kept.list_agent_messages("k", before_sequence=None, limit=200)
+        assert page.deleted_before_sequence is None and page.messages[0].sequence == 1
+
+
+async def test_a_runner_without_compaction_warns_on_a_session_with_deleted_messages(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A session whose retention deleted messages, later run by a Worker whose runner has no compaction
+    capability: each model call logs the warning, and the runner gets the stored messages from
+    first_sequence on with no summary."""
+    flow, _ = compaction_flow("UpgradedAgent", answer, window=500, message_window_size=4, message_chunk_size=2,
+                              retained_message_limit=4)
+    first_engine = InProcessEngine(tmp_path, [flow])
+    async with first_engine.running():
+        sessions = first_engine.sessions()
+        await sessions.start_session("s")
+        await run_turns(sessions, "s", [say(n) for n in range(1, 13)])
+    index = None
+    seen: list[AgentTurnContext] = []
+
+    class Recording(PlainRunner):
+        async def run_model_step(self, turn: AgentTurnContext) -> Any:
+            seen.append(turn)
+            return await super().run_model_step(turn)
+
+    plain = AgentSessionFlow(Recording(flow.runner), "UpgradedAgent", replace(flow.options, compaction=None))
+    second_engine = InProcessEngine(tmp_path, [plain])
+    with caplog.at_level(logging.WARNING, logger="dex_agents.session"):
+        async with second_engine.running():
+            sessions = second_engine.sessions()
+            index = await second_engine.client.get_attribute("s", AGENT_MESSAGE_INDEX)
+            await run_turns(sessions, "s", [say(13)], start=12)
+    assert index is not None and index.first_sequence > 1
+    warnings = [r for r in caplog.records if "does not implement ContextCompactionRunner" in r.getMessage()]
+    assert len(warnings) == 1 and f"before sequence {index.first_sequence}" in warnings[0].getMessage()
+    assert len(seen) == 1 and seen[0].context_summary is None
+    assert seen[0].messages[0].sequence == index.first_sequence
+
+
+class BrokenEstimate(BuiltinLoopAgentRunner):
+    def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
+        return "a lot"  # type: ignore[return-value]
+
+
+class CutoffPastTheEnd(BuiltinLoopAgentRunner):
+    def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
+        return 10**6
+
+    def select_compaction_cutoff(self, turn: AgentTurnContext, retained_token_budget: int) -> int | None:
+        return turn.messages[-1].sequence + 1
+
+
+@pytest.mark.parametrize(("runner", "error"), [
+    (BrokenEstimate, "estimate_input_tokens returned 'a lot'; return a whole number"),
+    (CutoffPastTheEnd, "select_compaction_cutoff returned 2, after the newest stored message 1"),
+])
+async def test_a_compaction_contract_breach_fails_the_turn(
+    tmp_path: Path, runner: type[BuiltinLoopAgentRunner], error: str
+) -> None:
+    """A runner that answers the compaction questions wrongly fails the turn in RunModel's commit, with
+    no model call and no retry; the session goes on."""
+    flow, model = compaction_flow("BrokenAgent", answer, window=500, runner=runner)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        done = await run_turns(sessions, "s", ["hello"])
+        assert done.state is not None and done.state.last_turn_error == error
+        assert model_calls(model) == []
+        history = to_step_history(await engine.client.get_flow_history("s"))
+        assert executed_steps(history) == ["StartAgentSession", "AwaitUserMessage", RUN_MODEL]
+        assert [e.final_attempt for e in history if e.step_type == RUN_MODEL and e.event_type == "execute_completed"
+                ] == [1]
+
+
+@pytest.mark.parametrize("blank_attempts", [1, 99])
+async def test_a_blank_summary_fails_the_attempt(tmp_path: Path, blank_attempts: int) -> None:
+    """A blank summary fails the CompactContext attempt: a retry that writes one carries on; blank on
+    every attempt ends in RecordTurnFailure with the error, after RunModel's attempts, and no summary."""
+    calls: list[int] = []
+
+    def summarize(request: ModelRequest) -> str:
+        calls.append(1)
+        return "  " if len(calls) <= blank_attempts else "the summary"
+
+    flow, _ = compaction_flow("BlankAgent", answer, window=400, summarize=summarize,
+                              run_model_limit=RunModelLimit(max_attempts=2))
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        number = 0
+        while not calls:
+            number += 1
+            assert number < 20, "never compacted"
+            await run_turns(sessions, "s", [say(number)], start=number - 1)
+        snapshot = await sessions.get_agent_snapshot("s")
+        history = to_step_history(await engine.client.get_flow_history("s"))
+        compact = [e for e in history if e.step_type == COMPACT_CONTEXT]
+        assert snapshot.state is not None
+        if blank_attempts == 1:
+            assert snapshot.state.last_turn_error is None
+            assert snapshot.context_summary is not None and snapshot.context_summary.text == "the summary"
+            assert [e.final_attempt for e in compact if e.event_type == "execute_completed"] == [2]
+        else:
+            assert len(calls) == 2
+            assert snapshot.state.last_turn_error is not None and "blank summary" in snapshot.state.last_turn_error
+            assert snapshot.context_summary is None
+            assert executed_steps(history)[-2:] == [RUN_MODEL, "RecordTurnFailure"]
+            assert not any(e.event_type == "execute_completed" for e in compact)
+
+
+async def test_context_window_scenario_on_the_builtin_loop(tmp_path: Path) -> None:
+    """dex_agents.testing.ContextWindowSessionScenario passes for the built-in loop: several compactions,
+    bounded retention, paging to the oldest stored message, and a next input under the window."""
+    flow, _ = compaction_flow("ScenarioAgent", answer, window=600, message_window_size=4, message_chunk_size=2,
+                              retained_message_limit=8)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        report = await ContextWindowSessionScenario(engine.sessions(), turns=18).run()
+    assert report.summary.generation >= 2 and report.deleted_before_sequence is not None
+    assert report.next_input_tokens < 600
+
+
+class NeverCompacts(BuiltinLoopAgentRunner):
+    def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
+        return 0
+
+
+async def test_context_window_scenario_catches_a_runner_that_never_compacts(tmp_path: Path) -> None:
+    """The scenario fails for a runner whose estimate never reaches the trigger."""
+    flow, _ = compaction_flow("NeverAgent", answer, window=600, runner=NeverCompacts)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        with pytest.raises(AssertionError, match="no compaction in 6 turns"):
+            await ContextWindowSessionScenario(engine.sessions(), turns=6).run()
+
+
+# A Worker killed during CompactContext ------------------------------------------------------------------
+
+async def test_worker_killed_during_compact_context_reruns_only_the_summary_call(tmp_path: Path) -> None:
+    """SIGKILL while CompactContext's summary call runs: a new Worker runs the summary call again, every
+    model call ran once, the RunModel that chose to compact is not repeated, and the Step shape is the
+    same as without the kill."""
+    flow = kill_test_flow(tmp_path)
+    async with AgentTestStack(tmp_path, [flow], "agents.tests.compaction_agent", worker_cwd=REPO_ROOT) as stack:
+        sessions = stack.sessions(flow)
+        worker = await stack.start_worker()
+        await sessions.start_session("s")
+        gate = FileGate(tmp_path, "summary")
+        number = 0
+        while not gate.reached:
+            number += 1
+            assert number < 20, "never compacted"
+            assert await sessions.send_user_message("s", say(number))
+            await wait_for_agent_snapshot(
+                sessions, "s", lambda s, n=number: gate.reached or (s.state is not None and s.state.turn_count >= n),
+                description=f"turn {number} or the summary gate")
+        await gate.wait_until_reached()
+        worker.kill()
+        await stack.start_worker()
+        done = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: s if s.state is not None and s.state.turn_count >= number else None,
+            description="the compacted turn to end")
+        assert done.state is not None and done.state.last_turn_error is None
+        assert done.context_summary is not None and done.context_summary.generation == 1
+        log = InvocationLog(tmp_path / "invocations.log")
+        assert log.count("summary") == 2
+        assert [e["text"] for e in log.entries("model")] == [say(n) for n in range(1, number + 1)]
+        history = await stack.read_step_history("s")
+        steps = executed_steps(history)
+        assert steps.count(COMPACT_CONTEXT) == 1
+        assert steps.count(RUN_MODEL) == number + 1
+        at = steps.index(COMPACT_CONTEXT)
+        assert steps[at - 1: at + 2] == [RUN_MODEL, COMPACT_CONTEXT, RUN_MODEL]

@@ -1,0 +1,267 @@
+"""PostgreSQL's batched Execute commit (dex_commit_execute) against the reference, _transitions.
+
+Each scenario runs twice on one database: once through `Store.commit_execute` (the generic
+transitions) on flows of type G, once through `PostgresStore.commit_execute` (one
+dex_commit_execute call per batch) on flows of type F. Both must leave the same rows (tasks,
+history, flows, counters, attributes, locks; IDs and clock times normalized) and hand out the same
+attempts, so any departure of the SQL function from the Python transitions fails here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import pytest
+
+from dex_engine import FlowConfig, LoadOptions, StepDurability, StepOptions, Store, open_store
+from dex_engine import _pg_store as pg
+from dex_engine._errors import FlowNotActiveError, StaleAttemptError
+from dex_engine._limits import HISTORY_TRIM_CHECK_EVERY, MAX_HISTORY_EVENTS_PER_FLOW
+from dex_engine._options import LoadSpec, TaskOptions, resolve_task_options
+from dex_engine._records import DecisionRecord, Lease, MovementRecord, StartRequest, WriteSet
+
+Commit = Callable[[Lease, WriteSet, DecisionRecord, "tuple[str, list[str], int] | None"], Awaitable[list[Lease]]]
+
+
+def _options(**kwargs: Any) -> TaskOptions:
+    return resolve_task_options(StepOptions(**kwargs), False, None)
+
+
+NOOP = _options(load=LoadOptions.none())
+LOAD_ALL = _options()
+LOAD_ONLY = msgspec.structs.replace(
+    LOAD_ALL, execute=msgspec.structs.replace(
+        LOAD_ALL.execute, load=LoadSpec("only", names=("x", "gone"), instances=(("m", "k1"), ("m", "absent")))),
+)
+LOCKED = msgspec.structs.replace(NOOP, execute=msgspec.structs.replace(NOOP.execute, locks=("L",)))
+TIMED = _options(load=LoadOptions.none(), execute_timeout_seconds=30, heartbeat_timeout_seconds=5)
+PINNED_SYNC = _options(load=LoadOptions.none(), durability=StepDurability.SYNC)
+
+
+def _go(*moves: tuple[str, TaskOptions]) -> DecisionRecord:
+    return DecisionRecord("movements", tuple(MovementRecord(step, b'"in"', opts) for step, opts in moves))
+
+
+DEAD_END = DecisionRecord("dead_end")
+
+
+class Run:
+    """One scenario's run on flows of one type, committing through one path."""
+
+    def __init__(self, store: Store, flow_type: str, commit: Commit) -> None:
+        self.store, self.flow_type, self.commit = store, flow_type, commit
+        self.outcomes: list[object] = []
+
+    def fid(self, name: str) -> str:
+        return f"{self.flow_type}-{name}"
+
+    async def start(self, name: str, options: TaskOptions = NOOP, config: FlowConfig | None = None) -> None:
+        start = MovementRecord("A", b"0", options)
+        request = StartRequest(self.fid(name), self.flow_type, b"null", config or FlowConfig(), start)
+        await self.store.start_flow(request)
+
+    async def claim(self, capacity: int = 1) -> list[Lease]:
+        return await self.store.claim("w", [self.flow_type], capacity)
+
+    async def run(self, lease: Lease, decision: DecisionRecord, writes: WriteSet | None = None,
+                  capacity: int | None = 1) -> list[Lease]:
+        claim = None if capacity is None else ("w", [self.flow_type], capacity)
+        try:
+            leases = await self.commit(lease, writes or WriteSet(), decision, claim)
+        except (StaleAttemptError, FlowNotActiveError) as exc:
+            self.outcomes.append(type(exc).__name__)
+            return []
+        self.outcomes.append([_lease_shape(x) for x in leases])
+        return leases
+
+
+def _lease_shape(lease: Lease) -> tuple[Any, ...]:
+    return (lease.step_type, lease.step_execution_id, lease.method, lease.attempt, lease.lease_epoch, lease.input,
+            lease.options, lease.load, sorted(lease.attributes.items()), lease.durable)
+
+
+async def _rows(store: Store, flow_type: str) -> dict[str, Any]:
+    """Every row of `flow_type`'s flows, with IDs and clock times made comparable."""
+    def read(db: Any) -> dict[str, Any]:
+        prefix = f"{flow_type}-"
+        tasks = db.all(
+            "SELECT t.task_id, t.flow_id, t.step_type, t.step_execution_id, t.input, t.options, t.method, t.state, "
+            "t.attempt, t.attempt_started, t.any_started, t.lease_owner, t.lease_epoch, t.claimed_at IS NULL, "
+            "t.method_first_at - t.claimed_at, t.deadline_at - t.claimed_at, t.method_deadline_at - t.claimed_at, "
+            "t.snapshot, "
+            "t.locks_held, t.recovery_error, t.created_at - t.run_at FROM tasks t WHERE t.flow_type = ? "
+            "ORDER BY t.flow_id, t.task_id", (flow_type,))
+        ids = {int(r[0]): n for n, r in enumerate(tasks)}
+        snap = msgspec.json.Decoder(list[tuple[str, str, msgspec.Raw]])
+        return {
+            "tasks": [(r[1].removeprefix(prefix), *r[2:17],
+                       None if r[17] is None else sorted((n, k, bytes(v)) for n, k, v in snap.decode(bytes(r[17]))),
+                       *r[18:]) for r in tasks],
+            "history": [(r[0].removeprefix(prefix), *r[1:]) for r in db.all(
+                "SELECT h.flow_id, h.seq, h.step_type, h.step_execution_id, h.event_type, h.attempt, h.detail "
+                "FROM history h JOIN flows f ON f.flow_id = h.flow_id WHERE f.flow_type = ? ORDER BY h.flow_id, h.seq",
+                (flow_type,))],
+            "flows": [(r[0].removeprefix(prefix), *r[1:]) for r in db.all(
+                "SELECT flow_id, status, version, completing, completion_output, history_seq, output, error, "
+                "closed_at IS NULL FROM flows WHERE flow_type = ? ORDER BY flow_id", (flow_type,))],
+            "counters": [(r[0].removeprefix(prefix), *r[1:]) for r in db.all(
+                "SELECT c.flow_id, c.step_type, c.n FROM step_counters c JOIN flows f ON f.flow_id = c.flow_id "
+                "WHERE f.flow_type = ? ORDER BY c.flow_id, c.step_type", (flow_type,))],
+            "attributes": [(r[0].removeprefix(prefix), *r[1:]) for r in db.all(
+                "SELECT a.flow_id, a.name, a.key, a.value FROM attributes a JOIN flows f ON f.flow_id = a.flow_id "
+                "WHERE f.flow_type = ? ORDER BY a.flow_id, a.name, a.key", (flow_type,))],
+            "locks": [(r[0].removeprefix(prefix), r[1], ids.get(int(r[2]))) for r in db.all(
+                "SELECT l.flow_id, l.lock_name, l.task_id FROM locks l JOIN flows f ON f.flow_id = l.flow_id "
+                "WHERE f.flow_type = ? ORDER BY l.flow_id, l.lock_name", (flow_type,))],
+        }
+
+    result: dict[str, Any] = await store.raw(read)
+    return result
+
+
+# Scenarios: each drives one Run through setup, commits and claims.
+
+async def chain_handoff(r: Run) -> None:
+    """go_to with a free slot: the next Step goes to the committing worker, already claimed."""
+    await r.start("c")
+    [lease] = await r.claim()
+    [nxt] = await r.run(lease, _go(("B", NOOP)))
+    [nxt] = await r.run(nxt, _go(("B", TIMED)))  # its deadlines come from its timeouts
+    await r.run(nxt, _go(("A", PINNED_SYNC)))
+
+
+async def writes_and_loads(r: Run) -> None:
+    """Attribute writes and deletes land before the next Step's snapshot is taken (all, only)."""
+    await r.start("w")
+    [lease] = await r.claim()
+    seed = WriteSet(attributes={("x", ""): b"1", ("y", ""): b'"gone"', ("m", "k1"): b'{"b":1,"a":2}',
+                                ("m", "k2"): b"[1]", ("quote\"d", "k\\ey"): b'"\\u00e9"'})
+    [nxt] = await r.run(lease, _go(("B", LOAD_ALL)), seed)
+    change = WriteSet(attributes={("x", ""): b"2", ("y", ""): None, ("absent", ""): None})
+    [nxt] = await r.run(nxt, _go(("C", LOAD_ONLY)), change)
+    await r.run(nxt, _go(("D", LOAD_ALL)), WriteSet(attributes={("x", ""): b"3"}), capacity=None)
+
+
+async def fan_out(r: Run) -> None:
+    """More movements than free slots, and one with a lock: the rest are inserted ready."""
+    await r.start("f")
+    [lease] = await r.claim()
+    leases = await r.run(lease, _go(("B", NOOP), ("B", NOOP), ("C", LOCKED), ("B", NOOP)), capacity=2)
+    for held in leases:
+        await r.run(held, DEAD_END)  # each claims one of the ready Steps into its freed slot
+    for held in await r.claim(10):
+        await r.run(held, DEAD_END, capacity=None)
+
+
+async def method_locks(r: Run) -> None:
+    """A Step holding a method lock releases it with its commit."""
+    await r.start("l", LOCKED)
+    [lease] = await r.claim()
+    await r.run(lease, _go(("B", NOOP)))
+
+
+async def graceful(r: Run) -> None:
+    """graceful_complete closes the flow once no Step is left, with its output."""
+    await r.start("g")
+    [lease] = await r.claim()
+    await r.run(lease, DecisionRecord("graceful_complete", output=b'"done"'))
+    await r.start("h")
+    [lease] = await r.claim()
+    [a, b] = await r.run(lease, _go(("B", NOOP), ("C", NOOP)), capacity=2)
+    await r.run(a, DecisionRecord("graceful_complete", output=b'"later"'), capacity=None)  # C is still running
+    await r.run(b, DEAD_END, capacity=None)  # the last Step leaves: the flow closes
+
+
+async def async_default(r: Run) -> None:
+    """A movement without durability takes the flow config's default at this moment (E16)."""
+    await r.start("a", config=FlowConfig(default_step_durability=StepDurability.ASYNC))
+    [lease] = await r.claim()
+    await r.run(lease, _go(("B", NOOP), ("C", PINNED_SYNC), ("D", NOOP)), capacity=2)
+
+
+async def rejected(r: Run) -> None:
+    """A stale attempt and one of a closed flow change nothing and raise."""
+    await r.start("s")
+    [lease] = await r.claim()
+    await r.run(_with_epoch(lease, lease.lease_epoch + 1), _go(("B", NOOP)), WriteSet(attributes={("x", ""): b"1"}))
+    await r.store.raw(lambda db: db.run("UPDATE flows SET status = 'failed' WHERE flow_id = ?", (r.fid("s"),)),
+                      write=True)
+    await r.run(lease, _go(("B", NOOP)), WriteSet(attributes={("x", ""): b"1"}))
+
+
+async def history_trim(r: Run) -> None:
+    """Crossing a multiple of HISTORY_TRIM_CHECK_EVERY trims events beyond the flow's bound."""
+    await r.start("t")
+    before = HISTORY_TRIM_CHECK_EVERY * (MAX_HISTORY_EVENTS_PER_FLOW // HISTORY_TRIM_CHECK_EVERY + 2) - 1
+
+    def seed(db: Any) -> None:
+        db.run("UPDATE flows SET history_seq = ? WHERE flow_id = ?", (before, r.fid("t")))
+        for seq in (3, before - MAX_HISTORY_EVENTS_PER_FLOW + 5):
+            db.run("INSERT INTO history (flow_id, seq, step_type, step_execution_id, event_type, attempt, at, detail) "
+                   "VALUES (?, ?, '', '', 'old', 0, 0, '')", (r.fid("t"), seq))
+
+    await r.store.raw(seed, write=True)
+    [lease] = await r.claim()
+    await r.run(lease, _go(("B", NOOP)))
+
+
+def _with_epoch(lease: Lease, epoch: int) -> Lease:
+    return dataclasses.replace(lease, lease_epoch=epoch)
+
+
+SCENARIOS = [chain_handoff, writes_and_loads, fan_out, method_locks, graceful, async_default, rejected, history_trim]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.__name__ for s in SCENARIOS])
+async def test_batched_commit_leaves_what_the_transitions_leave(
+    pg_database: str, scenario: Callable[[Run], Awaitable[None]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Same rows and same handed-out attempts through dex_commit_execute as through _transitions."""
+    store = open_store(pg_database)
+    calls: list[int] = []
+    real = pg._commit_executes
+
+    def counted(db: Any, commits: list[Any]) -> list[Any]:
+        calls.append(len(commits))
+        return real(db, commits)
+
+    monkeypatch.setattr(pg, "_commit_executes", counted)
+    try:
+        generic = Run(store, "G", lambda *a: Store.commit_execute(store, *a))
+        await scenario(generic)
+        assert not calls, "the reference run must not take the batched path"
+        batched = Run(store, "F", store.commit_execute)
+        await scenario(batched)
+        assert calls, "the batched run never called dex_commit_execute"
+        assert batched.outcomes == generic.outcomes
+        got, want = await _rows(store, "F"), await _rows(store, "G")
+        for table in want:
+            assert got[table] == want[table], table
+    finally:
+        await store.close()
+
+
+async def test_one_call_commits_a_batch_and_rejects_only_the_stale_commit(pg_database: str) -> None:
+    """Three Executes in one dex_commit_execute call: the stale one raises and writes nothing, the
+    two others commit and hand over their next Steps, in one transaction."""
+    store = open_store(pg_database)
+    try:
+        r = Run(store, "F", store.commit_execute)
+        for name in ("a", "b", "c"):
+            await r.start(name)
+        leases = sorted(await r.claim(3), key=lambda x: x.flow_id)
+        stale = _with_epoch(leases[1], leases[1].lease_epoch + 1)
+        commits = [pg._ExecuteCommit(lease, WriteSet(attributes={("x", ""): b"1"}), _go(("B", NOOP)),
+                                     ("w", ["F"], 1)) for lease in (leases[0], stale, leases[2])]
+        results = await store.raw(lambda db: pg._commit_executes(db, commits), write=True)
+        assert [len(x) for x in (results[0], results[2])] == [1, 1]
+        assert isinstance(results[1], pg._Rejected) and isinstance(results[1].error, StaleAttemptError)
+        for name, written in (("a", True), ("b", False), ("c", True)):
+            assert (await store.read_attribute(r.fid(name), "x", "")) == (b"1" if written else None)
+            events = [h.event_type for h in await store.history(r.fid(name))]
+            assert ("execute_completed" in events) is written, (name, events)
+    finally:
+        await store.close()

@@ -1,0 +1,345 @@
+"""What keeps a Step cheap, and that each shortcut keeps the rules it skips work for.
+
+- A WaitFor the worker can evaluate before the commit that starts its Step (it takes no locks and
+  loads only what that commit's Execute loaded) has its wait registered in that commit: no commit
+  of its own. It falls back to a normal attempt when the rows changed meanwhile (E15), when it needs
+  an attempt (execution ID, heartbeat), and a wait satisfied at once is claimed by the same commit.
+- On SQLite a method's snapshot (E15) stays the live rows until a write would change one it loaded;
+  that write copies them first, so retries still see the first attempt's state.
+- A heartbeat takes the events written just before it along (one transaction), in order (E11).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+import dex_engine._transitions as transitions
+from dex_engine import (
+    Attribute,
+    Channel,
+    Context,
+    Flow,
+    LoadOptions,
+    Registry,
+    RetryPolicy,
+    RpcContext,
+    Step,
+    StepDecision,
+    StepOptions,
+    Stream,
+    Wait,
+    rpc,
+)
+from dex_engine._decision import Movement
+
+from .conftest import engine_for, wait_until
+
+QUICK = RetryPolicy(max_attempts=3, initial_interval_seconds=0.05, max_interval_seconds=0.05)
+A = Attribute("A", int)
+B = Attribute("B", int)
+C = Channel("C", int)
+Events = Stream("Events", str)
+
+
+@dataclass
+class Probe:
+    wait_calls: list[Any] = field(default_factory=list)
+    executed: list[Any] = field(default_factory=list)
+    reached: asyncio.Event = field(default_factory=asyncio.Event)
+    proceed: asyncio.Event = field(default_factory=asyncio.Event)
+    attempts: list[tuple[int, int | None]] = field(default_factory=list)
+
+
+def count_wait_commits(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Step execution IDs of the WaitFor commits made through commit_wait_for (a commit of their own)."""
+    seen: list[str] = []
+    original = transitions.commit_wait_for
+
+    def spying(db: transitions.Db, lease: Any, *rest: Any) -> None:
+        seen.append(lease.step_execution_id)
+        original(db, lease, *rest)
+
+    monkeypatch.setattr(transitions, "commit_wait_for", spying)
+    return seen
+
+
+async def waiter_execute(probe: Probe, ctx: Context, _: None) -> StepDecision:
+    assert ctx.wait_result is not None
+    probe.executed.append((ctx.step_execution_id, ctx.wait_result.skipped, ctx.wait_result.messages(C)))
+    return StepDecision.dead_end()
+
+
+def fold_flow(probe: Probe) -> Flow:
+    """Start sets A=5 and moves to Plain (loads nothing), Reads (loads A) and Named (uses its ID)."""
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        ctx.set(A, 5)
+        return StepDecision.go_to_many(Movement("Plain", None), Movement("Reads", None), Movement("Named", None))
+
+    async def plain_wait(ctx: Context, _: None) -> Wait:
+        probe.wait_calls.append(("Plain", None))
+        return Wait.until(C.for_one())
+
+    async def reads_wait(ctx: Context, _: None) -> Wait:
+        probe.wait_calls.append(("Reads", ctx.get(A)))
+        return Wait.skip_immediately() if ctx.get(A) == 5 else Wait.until(C.for_one())
+
+    async def named_wait(ctx: Context, _: None) -> Wait:
+        probe.wait_calls.append(("Named", ctx.step_execution_id))
+        return Wait.skip_immediately()
+
+    async def execute(ctx: Context, _: None) -> StepDecision:
+        return await waiter_execute(probe, ctx, None)
+
+    return Flow("Fold", [
+        Step("Start", start, input_type=type(None), options=StepOptions(load=LoadOptions.only(A))),
+        Step("Plain", execute, input_type=type(None), wait_for=plain_wait,
+             options=StepOptions(wait_for_load=LoadOptions.none())),
+        Step("Reads", execute, input_type=type(None), wait_for=reads_wait,
+             options=StepOptions(wait_for_load=LoadOptions.only(A))),
+        Step("Named", execute, input_type=type(None), wait_for=named_wait,
+             options=StepOptions(wait_for_load=LoadOptions.none())),
+    ], start_step="Start", schema=[A, C])
+
+
+@pytest.mark.sqlite_only
+async def test_a_wait_known_before_the_commit_is_registered_in_it(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain (loads nothing) and Reads (loads A, which Start loaded and set to 5) get their waits in
+    Start's commit: their WaitFors run once, before it, and never commit on their own; Reads sees the
+    A Start wrote. Named reads its execution ID, which only a real attempt has: it runs as usual,
+    after the commit, as Named-1 attempt 1. History still shows each wait registered at attempt 1.
+    Catches: WaitFors committed separately again, the early WaitFor seeing the state before the
+    writes of the commit that starts it, a WaitFor given an execution ID it does not have."""
+    probe = Probe()
+    wait_commits = count_wait_commits(monkeypatch)
+    async with engine_for(db_url, Registry([fold_flow(probe)])) as eng:
+        await eng.client.start_flow("Fold", "f1")
+        await wait_until("Reads and Named executed", lambda: _count(probe.executed, 2))
+        await eng.client.publish("f1", C, 7)
+        await wait_until("Plain executed", lambda: _count(probe.executed, 3))
+        history = await eng.client.get_flow_history("f1")
+    assert sorted(probe.wait_calls, key=str) == [("Named", "Named-1"), ("Plain", None), ("Reads", 5)]
+    assert sorted(probe.executed) == [("Named-1", True, []), ("Plain-1", False, [7]), ("Reads-1", True, [])]
+    assert wait_commits == ["Named-1"]
+    for seid in ("Plain-1", "Reads-1", "Named-1"):
+        events = [(h.event_type, h.attempt) for h in history if h.step_execution_id == seid]
+        assert events[:2] == [("step_scheduled", 0), ("wait_registered", 1)], events
+        assert events[-1] == ("execute_completed", 1), events
+
+
+async def _count(items: list[Any], n: int) -> bool:
+    return len(items) >= n
+
+
+def changed_flow(probe: Probe) -> Flow:
+    """Decide loads A, holds until an RPC changed A, writes nothing and moves to Next, whose WaitFor
+    skips only when A is 2."""
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        ctx.set(A, 1)
+        return StepDecision.go_to("Decide", None)
+
+    async def decide(ctx: Context, _: None) -> StepDecision:
+        probe.reached.set()
+        await probe.proceed.wait()
+        return StepDecision.go_to("Next", None)
+
+    async def next_wait(ctx: Context, _: None) -> Wait:
+        probe.wait_calls.append(ctx.get(A))
+        return Wait.skip_immediately() if ctx.get(A) == 2 else Wait.until(C.for_one())
+
+    async def execute(ctx: Context, _: None) -> StepDecision:
+        return await waiter_execute(probe, ctx, None)
+
+    @rpc(request_type=int)
+    async def set_a(ctx: RpcContext, value: int) -> None:
+        ctx.set(A, value)
+
+    only_a = LoadOptions.only(A)
+    return Flow("Changed", [
+        Step("Start", start, input_type=type(None)),
+        Step("Decide", decide, input_type=type(None), options=StepOptions(load=only_a)),
+        Step("Next", execute, input_type=type(None), wait_for=next_wait, options=StepOptions(wait_for_load=only_a)),
+    ], start_step="Start", schema=[A, C], rpcs=[set_a])
+
+
+@pytest.mark.sqlite_only
+async def test_an_early_wait_on_rows_that_changed_runs_again_after_the_commit(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decide loaded A=1; an RPC set A=2 before Decide committed. Next's WaitFor, evaluated early on
+    A=1, would wait on the channel; the commit sees A is 2 now, drops the early wait, and the WaitFor
+    runs as usual on A=2 and skips. Catches: an early wait registered on a state that is not the one
+    its Step starts from (E15: the WaitFor's snapshot is the state after the commit)."""
+    probe = Probe()
+    wait_commits = count_wait_commits(monkeypatch)
+    async with engine_for(db_url, Registry([changed_flow(probe)])) as eng:
+        await eng.client.start_flow("Changed", "f1")
+        await wait_until("Decide loaded A", lambda: _is_set(probe.reached))
+        await eng.client.rpc("f1", "set_a", 2)
+        probe.proceed.set()
+        await wait_until("Next executed", lambda: _count(probe.executed, 1))
+    assert probe.wait_calls == [1, 2]
+    assert probe.executed == [("Next-1", True, [])]
+    assert wait_commits == ["Next-1"]
+
+
+async def _is_set(event: asyncio.Event) -> bool:
+    return event.is_set()
+
+
+def ready_flow(probe: Probe) -> Flow:
+    """Start publishes on C and moves to Waiter (waits on C, loads nothing) and Other (no WaitFor)."""
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        ctx.publish(C, 3)
+        return StepDecision.go_to_many(Movement("Waiter", None), Movement("Other", None))
+
+    async def waiter_wait(ctx: Context, _: None) -> Wait:
+        return Wait.until(C.for_one())
+
+    async def waiter(ctx: Context, _: None) -> StepDecision:
+        probe.reached.set()
+        return await waiter_execute(probe, ctx, None)
+
+    async def other(ctx: Context, _: None) -> StepDecision:
+        # Holds until Waiter ran, so that Other's own commit cannot be what claims Waiter.
+        await asyncio.wait_for(probe.reached.wait(), 10)
+        probe.executed.append(("Other", ctx.step_execution_id))
+        return StepDecision.dead_end()
+
+    return Flow("Ready", [
+        Step("Start", start, input_type=type(None)),
+        Step("Waiter", waiter, input_type=type(None), wait_for=waiter_wait,
+             options=StepOptions(wait_for_load=LoadOptions.none())),
+        Step("Other", other, input_type=type(None)),
+    ], start_step="Start", schema=[C])
+
+
+@pytest.mark.sqlite_only
+async def test_a_wait_satisfied_in_the_commit_that_registers_it_is_claimed_by_that_commit(db_url: str) -> None:
+    """Start's commit hands Other to its worker and registers Waiter's wait, which the message Start
+    published satisfies at once: the same commit claims Waiter too. The worker polls only every 30 s
+    here (no lease falls due either) and Other holds until Waiter ran, so Waiter runs only if that
+    commit claimed it. Catches: ready work left for a later poll."""
+    probe = Probe()
+    async with engine_for(db_url, Registry([ready_flow(probe)]), worker=False) as eng:
+        # Nothing else makes this worker poll or claim for 30 s: no due lease, housekeeping or poll.
+        await eng.start_worker(poll_seconds=30.0, housekeeping_seconds=30.0, lease_ttl_seconds=90.0,
+                               lease_renew_seconds=30.0)
+        await eng.client.start_flow("Ready", "f1")
+        await wait_until("both Steps executed", lambda: _count(probe.executed, 2))
+    assert sorted(probe.executed, key=str) == [("Other", "Other-1"), ("Waiter-1", False, [3])]
+
+
+def snapshot_flow(probe: Probe) -> Flow:
+    """Start sets A=1, B=1 and moves to Decide (loads only A; its first attempt holds, then fails)
+    and Writer (sets B, then A, each in its own Step) - writes by other Steps, not RPCs."""
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        ctx.set(A, 1)
+        ctx.set(B, 1)
+        return StepDecision.go_to("Decide", None)
+
+    async def decide(ctx: Context, _: None) -> StepDecision:
+        probe.attempts.append((ctx.attempt, ctx.get(A)))
+        if ctx.attempt == 1:
+            probe.reached.set()
+            await probe.proceed.wait()
+            raise RuntimeError("fails after its decision was taken")
+        return StepDecision.graceful_complete(ctx.get(A))
+
+    async def write(ctx: Context, name: str) -> StepDecision:
+        ctx.set(A if name == "A" else B, 2)
+        return StepDecision.dead_end()
+
+    @rpc(request_type=str)
+    async def start_writer(ctx: RpcContext, name: str) -> Any:
+        from dex_engine import RPCResult
+
+        return RPCResult(None, next_steps=[Movement("Writer", name)])
+
+    return Flow("Snapshots", [
+        Step("Start", start, input_type=type(None)),
+        Step("Decide", decide, input_type=type(None),
+             options=StepOptions(load=LoadOptions.only(A), execute_retry=QUICK)),
+        Step("Writer", write, input_type=str, options=StepOptions(load=LoadOptions.none())),
+    ], start_step="Start", schema=[A, B], rpcs=[start_writer])
+
+
+async def decide_snapshot(eng: Any) -> bytes | None:
+    rows = await eng.store.raw(lambda db: db.all(
+        "SELECT snapshot FROM tasks WHERE flow_id = 'f1' AND step_type = 'Decide'"))
+    assert len(rows) == 1
+    return None if rows[0][0] is None else bytes(rows[0][0])
+
+
+@pytest.mark.sqlite_only
+async def test_a_snapshot_is_copied_only_when_a_write_would_change_it(db_url: str) -> None:
+    """Decide (loads only A) runs with its snapshot left as the live rows; a Step writing B, which
+    Decide did not load, leaves it so; a Step writing A copies A=1 into it first. Decide's retry
+    then sees A=1, the state its first attempt loaded, though A is 2 (E15). Catches: snapshots
+    written eagerly on every claim, or not at all before another Step's write."""
+    probe = Probe()
+    async with engine_for(db_url, Registry([snapshot_flow(probe)])) as eng:
+        await eng.client.start_flow("Snapshots", "f1")
+        await wait_until("Decide attempt 1 loaded A", lambda: _is_set(probe.reached))
+        assert await decide_snapshot(eng) == transitions.LIVE_SNAPSHOT
+        await eng.client.rpc("f1", "start_writer", "B")
+        await wait_until("B written", lambda: _equals(eng.client.get_attribute("f1", B), 2))
+        assert await decide_snapshot(eng) == transitions.LIVE_SNAPSHOT
+        await eng.client.rpc("f1", "start_writer", "A")
+        await wait_until("A written", lambda: _equals(eng.client.get_attribute("f1", A), 2))
+        copied = await decide_snapshot(eng)
+        assert copied is not None and copied != transitions.LIVE_SNAPSHOT
+        probe.proceed.set()
+        assert (await eng.client.wait_for_flow("f1", 10)).status == "completed"
+        assert probe.attempts == [(1, 1), (2, 1)]
+        assert await eng.client.flow_output("f1") == 1
+
+
+async def _equals(value: Any, expected: Any) -> bool:
+    return bool(await value == expected)
+
+
+def events_flow(probe: Probe) -> Flow:
+    async def step(ctx: Context, _: None) -> StepDecision:
+        ctx.write_event(Events, "before heartbeat")
+        await ctx.heartbeat()
+        ctx.write_event(Events, "after heartbeat")
+        return StepDecision.graceful_complete()
+
+    return Flow("Events", [Step("Only", step, input_type=type(None), options=StepOptions(load=LoadOptions.none()))],
+                start_step="Only", schema=[Events])
+
+
+async def test_events_written_before_a_heartbeat_go_out_with_it_in_order(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The event written just before a heartbeat is appended by the heartbeat's own transaction (no
+    separate best-effort append for it), before the later event, both tagged with the attempt
+    (E11). Catches: events lost, reordered, or each costing a transaction of its own."""
+    from dex_engine import Store
+
+    appends: list[int] = []
+    original = Store.append_best_effort
+
+    async def counting(self: Store, lease: Any, stream: str, capacity: int, values: Any) -> None:
+        appends.append(len(values))
+        await original(self, lease, stream, capacity, values)
+
+    monkeypatch.setattr(Store, "append_best_effort", counting)
+    async with engine_for(db_url, Registry([events_flow(Probe())])) as eng:
+        await eng.client.start_flow("Events", "f1")
+        assert (await eng.client.wait_for_flow("f1", 10)).status == "completed"
+        read = await eng.client.read_stream("f1", Events)
+    assert [(e.value, e.step_execution_id, e.attempt) for e in read.events] == [
+        ("before heartbeat", "Only-1", 1), ("after heartbeat", "Only-1", 1),
+    ]
+    assert appends == [1]
