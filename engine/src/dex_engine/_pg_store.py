@@ -1,9 +1,12 @@
 """The PostgreSQL store: many worker processes on many hosts sharing one database.
 
 Operations queue to a few lanes, each a thread with one pooled connection in pipeline mode (the
-transitions are synchronous code). A free lane takes every queued operation (up to MAX_BATCH_OPS)
-and runs them in one transaction, so they share one COMMIT and its WAL flush (group commit), and
-statements whose replies nobody reads travel with the next one that needs a reply. Writers to one
+transitions are synchronous code). The first lane, whenever free, takes every queued operation (up
+to MAX_BATCH_OPS) and runs them in one transaction, so they share one COMMIT and its WAL flush
+(group commit); the others help only when it is stuck (_Dispatcher). The Execute commits of a batch
+are one call of the server-side function dex_commit_execute (migration 0002) instead of a few
+statements each; elsewhere statements whose replies nobody reads travel with the next one that
+needs a reply. A poll with nothing to claim or clean up is one read-only statement. Writers to one
 flow serialize on its row (`FOR UPDATE`); claims skip rows other transactions hold (`FOR UPDATE
 SKIP LOCKED`), so workers never wait on each other's claims. Commits that make work ready send
 `NOTIFY dex_engine`; every worker process LISTENs on a dedicated connection and also polls, so a
@@ -255,10 +258,12 @@ def _target(options: TaskOptions) -> _Target:
 
 def batchable(writes: WriteSet, decision: DecisionRecord) -> bool:
     """Whether dex_commit_execute can commit this Execute: no channel or stream writes, no
-    cancellations, no forced close. Anything else takes _transitions.commit_execute."""
+    cancellations, no forced close, no movement with a WaitFor already evaluated (MovementRecord.wait).
+    Anything else takes _transitions.commit_execute."""
     return (
         not writes.publishes and not writes.appends and not writes.deleted_messages
         and not decision.canceling_steps and decision.kind in ("movements", "dead_end", "graceful_complete")
+        and all(m.wait is None for m in decision.movements)
     )
 
 
