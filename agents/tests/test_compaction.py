@@ -1097,3 +1097,37 @@ async def test_worker_killed_during_compact_context_reruns_only_the_summary_call
         assert steps.count(RUN_MODEL) == number + 1
         at = steps.index(COMPACT_CONTEXT)
         assert steps[at - 1: at + 2] == [RUN_MODEL, COMPACT_CONTEXT, RUN_MODEL]
+
+
+class _LoadedAttributes:
+    """The two Attributes turn_load_options reads, as a Step's Context returns them."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+
+    def get(self, ref: Any) -> Any:
+        return self.values[ref.name]
+
+
+def test_apply_turn_control_movements_load_only_the_chunks_after_the_summary() -> None:
+    """Seed 002: every movement into ApplyTurnControl, like RunModel, lists only the AgentMessageChunks
+    instances after the summary; without compaction it keeps the Step's own load (every chunk)."""
+    from dex_agents._compaction_steps import go_to_apply_turn_control
+    from dex_agents._constants import APPLY_TURN_CONTROL
+    from dex_agents._persistence import AGENT_MESSAGE_CHUNKS, AGENT_MESSAGE_INDEX, CONTEXT_SUMMARY
+    from dex_agents._wire import AgentMessageChunkRange, AgentMessageIndex, ContextSummary
+
+    index = AgentMessageIndex(chunks=[AgentMessageChunkRange(1, 4), AgentMessageChunkRange(5, 8),
+                                      AgentMessageChunkRange(9, 12)], first_sequence=1, window_first_sequence=13)
+    summary = ContextSummary(generation=1, first_sequence=1, last_sequence=8, text="s",
+                             created_at="2026-11-29T00:00:00.000Z")
+    ctx: Any = _LoadedAttributes({AGENT_MESSAGE_INDEX.name: index, CONTEXT_SUMMARY.name: summary})
+    with_compaction = AgentSessionOptions(compaction=CompactionPolicy(context_window_tokens=1000))
+    [movement] = go_to_apply_turn_control(ctx, with_compaction).movements
+    assert movement.step_type == APPLY_TURN_CONTROL
+    assert movement.options is not None and movement.options.load is not None
+    chunks = {key for name, key in movement.options.load.instances if name == AGENT_MESSAGE_CHUNKS.name}
+    assert chunks == {message_sequence_key(9)}
+    assert AGENT_MESSAGE_CHUNKS.name not in movement.options.load.names
+    [plain] = go_to_apply_turn_control(ctx, AgentSessionOptions()).movements
+    assert plain.step_type == APPLY_TURN_CONTROL and plain.options is None

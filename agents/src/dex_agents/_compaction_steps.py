@@ -38,7 +38,7 @@ from ._compaction import (
     messages_between,
     summarized_through,
 )
-from ._constants import AWAIT_USER_MESSAGE, COMPACT_CONTEXT, RUN_MODEL, RUN_MODEL_HEARTBEAT_INTERVAL
+from ._constants import APPLY_TURN_CONTROL, AWAIT_USER_MESSAGE, COMPACT_CONTEXT, RUN_MODEL, RUN_MODEL_HEARTBEAT_INTERVAL
 from ._events import AgentEventType
 from ._options import AgentSessionOptions
 from ._persistence import (
@@ -127,6 +127,11 @@ def run_model_movement(ctx: Context, options: AgentSessionOptions) -> Movement:
 def go_to_run_model(ctx: Context, options: AgentSessionOptions) -> StepDecision:
     """Move to RunModel, loading only the chunks it reads."""
     return StepDecision.go_to(RUN_MODEL, None, turn_load_options(ctx, options))
+
+
+def go_to_apply_turn_control(ctx: Context, options: AgentSessionOptions) -> StepDecision:
+    """Move to ApplyTurnControl, which reads the turn as RunModel does: only the chunks after the summary."""
+    return StepDecision.go_to(APPLY_TURN_CONTROL, None, turn_load_options(ctx, options))
 
 
 def compact_context_load(ctx: Context, after: int, through: int) -> MovementOptions:

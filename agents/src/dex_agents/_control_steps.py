@@ -37,8 +37,8 @@ from dex_engine import (
     rpc,
 )
 
+from ._compaction_steps import go_to_apply_turn_control
 from ._constants import (
-    APPLY_TURN_CONTROL,
     AWAIT_QUESTION_ANSWER,
     AWAIT_TIMER,
     AWAIT_TOOL_APPROVAL,
@@ -423,7 +423,7 @@ def end_turn_before_model_call(
     turn.events.close()
     end_controlled_turn(rt, ctx, state, turn_id, reason, steered_message_count=control.steered_message_count,
                         unfinished=built_unfinished_messages(rt, turn))
-    return StepDecision.go_to(APPLY_TURN_CONTROL)
+    return go_to_apply_turn_control(ctx, rt.options)
 
 
 def wake_abandoned_calls(rt: SessionRuntime, ctx: Context, turn_id: str) -> None:
@@ -494,7 +494,7 @@ class ControlSteps:
             return StepDecision.dead_end()  # the turn ended first, or this is not its cancellation
         if state.status is not AgentStatus.RUNNING_TOOLS:
             # cancel_turn cancelled the model call, the compaction or the failure route: end the turn.
-            return StepDecision.go_to(APPLY_TURN_CONTROL)
+            return go_to_apply_turn_control(ctx, rt.options)
         # ResumeTurn still waits for the results: this Step owns every call whose waiting Step
         # cancel_turn cancelled, and never ends the turn itself.
         pending = pending_interrupts(ctx)

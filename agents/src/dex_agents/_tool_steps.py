@@ -22,9 +22,8 @@ from dex_engine import (
 )
 
 from ._builtin_steps import question_interrupt_id, question_step_load
-from ._compaction_steps import go_to_run_model
+from ._compaction_steps import go_to_apply_turn_control, go_to_run_model
 from ._constants import (
-    APPLY_TURN_CONTROL,
     APPROVAL_DEADLINE_PASSED,
     AWAIT_QUESTION_ANSWER,
     AWAIT_TOOL_APPROVAL,
@@ -351,7 +350,7 @@ class ToolSteps:
         if read_turn_control(ctx, turn_id).reason is not None:
             # Steered or cancelled: ApplyTurnControl ends the turn (the status stays running_tools,
             # so a FinishTurnCancellation that comes later leaves the ending to it).
-            return StepDecision.go_to(APPLY_TURN_CONTROL)
+            return go_to_apply_turn_control(ctx, self.rt.options)
         ctx.set(AGENT_STATE, msgspec.structs.replace(state, status=AgentStatus.RUNNING_MODEL))
         return go_to_run_model(ctx, self.rt.options)  # with compaction, only the chunks after the summary
 

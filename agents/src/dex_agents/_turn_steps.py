@@ -9,9 +9,8 @@ import msgspec
 
 from dex_engine import Context, Movement, StepDecision, ValueTooLargeError, Wait
 
-from ._compaction_steps import compaction_before_model_call, go_to_run_model, model_view
+from ._compaction_steps import compaction_before_model_call, go_to_apply_turn_control, go_to_run_model, model_view
 from ._constants import (
-    APPLY_TURN_CONTROL,
     AWAIT_QUESTION_ANSWER,
     AWAIT_TOOL_APPROVAL,
     AWAIT_USER_MESSAGE,
@@ -145,7 +144,8 @@ class TurnSteps:
             raise RuntimeError("AwaitUserMessage ran before StartAgentSession stored AgentState")
         assert ctx.wait_result is not None
         if ctx.wait_result.messages(TURN_CONTROL_REQUESTS):
-            return StepDecision.go_to(APPLY_TURN_CONTROL)  # a steer that outlived its turn starts the next one
+            # A steer that outlived its turn starts the next one.
+            return go_to_apply_turn_control(ctx, self.rt.options)
         approvals = consumed_plan_executions(ctx.wait_result)
         if approvals:
             return self.start_plan_execution(ctx, state, approvals[0])
