@@ -105,7 +105,9 @@ class DurableWaitArguments:
     reason: str
 
 
-def _object(tool: str, arguments: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+def decode_arguments_object(arguments: str) -> dict[str, Any]:
+    """A built-in's argument text as a JSON object; anything else (NaN included) is ARGUMENTS_NOT_OBJECT."""
+
     def refuse(constant: str) -> float:
         raise ValueError(constant)
 
@@ -115,6 +117,11 @@ def _object(tool: str, arguments: str, allowed: tuple[str, ...]) -> dict[str, An
         raise BuiltInArgumentsError(ARGUMENTS_NOT_OBJECT) from None
     if not isinstance(value, dict):
         raise BuiltInArgumentsError(ARGUMENTS_NOT_OBJECT)
+    return value
+
+
+def _object(tool: str, arguments: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+    value = decode_arguments_object(arguments)
     unknown = sorted(set(value) - set(allowed))  # the first unknown name is the lowest by code point
     if unknown:
         raise BuiltInArgumentsError(f"invalid {tool} arguments: unknown argument {unknown[0]!r}")

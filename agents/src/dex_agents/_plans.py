@@ -18,8 +18,8 @@ import msgspec
 
 from dex_engine import MAX_VALUE_BYTES
 
-from ._builtin_tools import BuiltInArgumentsError, BuiltInTool
-from ._constants import ARGUMENTS_NOT_OBJECT, PLANNING_TURN_REJECTION_MESSAGE, WRITE_TODOS_CALLED_MORE_THAN_ONCE
+from ._builtin_tools import BuiltInArgumentsError, BuiltInTool, decode_arguments_object
+from ._constants import PLANNING_TURN_REJECTION_MESSAGE, WRITE_TODOS_CALLED_MORE_THAN_ONCE
 from ._timefmt import format_time
 from ._wire import (
     AgentPlan,
@@ -62,15 +62,7 @@ def parse_write_todos(arguments: str) -> tuple[AgentPlanTask, ...]:
     lowest by code point, as for the other built-ins.
     """
 
-    def refuse(constant: str) -> float:
-        raise ValueError(constant)
-
-    try:
-        value = json.loads(arguments, parse_constant=refuse)
-    except (TypeError, ValueError):
-        raise BuiltInArgumentsError(ARGUMENTS_NOT_OBJECT) from None
-    if not isinstance(value, dict):
-        raise BuiltInArgumentsError(ARGUMENTS_NOT_OBJECT)
+    value = decode_arguments_object(arguments)
     unknown = sorted(set(value) - {"todos"})
     if unknown:
         raise _invalid(f"unknown argument {unknown[0]!r}")
