@@ -14,15 +14,16 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 import pytest
 import pytest_asyncio
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
-from agents.tests.scripted_agent import ENV_BUILT_IN_TOOLS, ENV_INCREMENTAL, INVOCATIONS, build_flow
+from agents.tests.scripted_agent import ENV_BUILT_IN_TOOLS, ENV_INCREMENTAL, build_flow
+from agents.tests.session_driver import Session
 
 from dex_agents import (
     AGENT_STATE,
@@ -77,10 +78,6 @@ from dex_agents._tool_steps import ToolSteps
 from dex_agents._turn_steps import TurnSteps
 from dex_agents.testing import (
     AgentTestStack,
-    FileGate,
-    InvocationLog,
-    executed_steps,
-    wait_for_agent_snapshot,
     wait_until,
 )
 from dex_engine import Context, LoadOptions, RpcContext, Wait, WaitResult
@@ -113,63 +110,6 @@ async def stacks(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[dict
             _stack(tmp_path_factory.mktemp("incremental"), incremental=True) as incremental:
         await asyncio.gather(plain.start_worker(), incremental.start_worker())
         yield {"plain": plain, "incremental": incremental}
-
-
-class Session:
-    """One test's session on a shared stack; its ID prefixes its FileGates."""
-
-    def __init__(self, stack: AgentTestStack, session_id: str) -> None:
-        self.stack = stack
-        self.id = session_id
-        self.sessions = stack.sessions(cast(AgentSessionFlow, stack.flows[0]))
-        self.log = InvocationLog(stack.state_dir / INVOCATIONS)
-
-    def gate_name(self, name: str) -> str:
-        return f"{self.id}.{name}"
-
-    def gate(self, name: str) -> FileGate:
-        return FileGate(self.stack.state_dir, self.gate_name(name))
-
-    async def start(self, text: str | None) -> None:
-        await self.sessions.start_session(self.id, text)
-
-    async def snapshot(self) -> AgentSnapshot:
-        return await self.sessions.get_agent_snapshot(self.id)
-
-    async def wait_for(self, probe: Callable[[AgentSnapshot], Any], description: str) -> Any:
-        return await wait_for_agent_snapshot(self.sessions, self.id, probe, description=description)
-
-    async def turns_ended(self, count: int) -> AgentSnapshot:
-        def probe(s: AgentSnapshot) -> AgentSnapshot | None:
-            ok = s.state is not None and s.state.turn_count == count and s.state.active_turn_id is None
-            return s if ok else None
-
-        found: AgentSnapshot = await self.wait_for(probe, f"{count} turn(s) to end")
-        return found
-
-    async def interrupts(self, *interrupt_ids: str) -> AgentSnapshot:
-        def probe(s: AgentSnapshot) -> AgentSnapshot | None:
-            pending = {i.interrupt_id for i in s.pending_interrupts}
-            return s if pending >= set(interrupt_ids) else None
-
-        found: AgentSnapshot = await self.wait_for(probe, f"interrupts {interrupt_ids}")
-        return found
-
-    async def events(self, event_type: str | None = None) -> list[tuple[AgentEvent, dict[str, Any]]]:
-        read = await self.sessions.read_agent_events(self.id)
-        out = []
-        for event in read.events:
-            value = cast(AgentEvent, event.value)
-            if event_type is None or value.type == event_type:
-                out.append((value, json.loads(value.payload)))
-        return out
-
-    async def steps(self) -> list[str]:
-        return executed_steps(await self.stack.read_step_history(self.id))
-
-    def tool_starts(self, tool_call_id: str | None = None) -> int:
-        match = {} if tool_call_id is None else {"tool_call_id": tool_call_id}
-        return self.log.count("tool_start", flow_id=self.id, **match)
 
 
 def session_of(request: pytest.FixtureRequest, stack: AgentTestStack) -> Session:

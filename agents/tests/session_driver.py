@@ -1,0 +1,83 @@
+"""One test's session on a stack shared by a test module (test_steering.py, test_cancellation.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, cast
+
+from agents.tests.scripted_agent import INVOCATIONS
+
+from dex_agents import AgentEvent, AgentSessionFlow, AgentSnapshot
+from dex_agents.testing import (
+    AgentTestStack,
+    FileGate,
+    InvocationLog,
+    StepHistoryEntry,
+    executed_steps,
+    wait_for_agent_snapshot,
+)
+
+
+class Session:
+    """One test's session on a shared stack; its ID prefixes its FileGates."""
+
+    def __init__(self, stack: AgentTestStack, session_id: str) -> None:
+        self.stack = stack
+        self.id = session_id
+        self.sessions = stack.sessions(cast(AgentSessionFlow, stack.flows[0]))
+        self.log = InvocationLog(stack.state_dir / INVOCATIONS)
+
+    def gate_name(self, name: str) -> str:
+        return f"{self.id}.{name}"
+
+    def gate(self, name: str) -> FileGate:
+        return FileGate(self.stack.state_dir, self.gate_name(name))
+
+    async def start(self, text: str | None) -> None:
+        await self.sessions.start_session(self.id, text)
+
+    async def cancel(self, turn_id: str | None = None) -> bool:
+        return await self.sessions.cancel_turn(self.id, turn_id)
+
+    async def snapshot(self) -> AgentSnapshot:
+        return await self.sessions.get_agent_snapshot(self.id)
+
+    async def wait_for(self, probe: Callable[[AgentSnapshot], Any], description: str) -> Any:
+        return await wait_for_agent_snapshot(self.sessions, self.id, probe, description=description)
+
+    async def turns_ended(self, count: int) -> AgentSnapshot:
+        def probe(s: AgentSnapshot) -> AgentSnapshot | None:
+            ok = s.state is not None and s.state.turn_count == count and s.state.active_turn_id is None
+            return s if ok else None
+
+        found: AgentSnapshot = await self.wait_for(probe, f"{count} turn(s) to end")
+        return found
+
+    async def interrupts(self, *interrupt_ids: str) -> AgentSnapshot:
+        def probe(s: AgentSnapshot) -> AgentSnapshot | None:
+            return s if {i.interrupt_id for i in s.pending_interrupts} >= set(interrupt_ids) else None
+
+        found: AgentSnapshot = await self.wait_for(probe, f"interrupts {interrupt_ids}")
+        return found
+
+    async def events(self, event_type: str | None = None) -> list[tuple[AgentEvent, dict[str, Any]]]:
+        """The session's events, of `event_type` only when given, with their decoded payloads."""
+        read = await self.sessions.read_agent_events(self.id)
+        values = [cast(AgentEvent, e.value) for e in read.events]
+        return [(v, json.loads(v.payload)) for v in values if event_type is None or v.type == event_type]
+
+    async def history(self) -> list[StepHistoryEntry]:
+        return await self.stack.read_step_history(self.id)
+
+    async def steps(self) -> list[str]:
+        return executed_steps(await self.history())
+
+    async def cancelled_steps(self) -> list[str]:
+        return [e.step_type for e in await self.history() if e.event_type == "step_cancelled"]
+
+    def count(self, kind: str, **match: Any) -> int:
+        return self.log.count(kind, flow_id=self.id, **match)
+
+    def tool_starts(self, tool_call_id: str | None = None) -> int:
+        return self.count("tool_start", **({} if tool_call_id is None else {"tool_call_id": tool_call_id}))
