@@ -412,7 +412,8 @@ async def test_poll_hands_back_claims_its_worker_does_not_hold(store: Store) -> 
     for flow_id in ("lost-unstarted", "lost-started", "held"):
         assert [state for _, state, _, _ in await active(store, flow_id)] == ["running"], (
             f"a fresh claim of {flow_id} must not be handed back")
-    _, result = await store.poll(W, TYPES, 0, held, must_claim=False, housekeep=True, known=held, lost_claim_ms=-1)
+    _, result = await store.poll(W, TYPES, 0, held, must_claim=False, housekeep=True, known=held,
+                                 claimed_before=now_ms() + 1)
     assert await active(store, "lost-unstarted") == [("Start-1", "ready", "execute", 1)]
     assert await active(store, "lost-started") == [("Start-1", "ready", "execute", 2)]
     assert await active(store, "held") == [("Start-1", "running", "execute", 1)]

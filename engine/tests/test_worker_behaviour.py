@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import random
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -18,8 +21,10 @@ from dex_engine import (
     StepDecision,
     StepNotWaitingError,
     StepOptions,
+    Store,
     Stream,
     Wait,
+    _worker,
 )
 from dex_engine._records import DecisionRecord, StartRequest, WriteSet
 from dex_engine._scheduling import movement_record
@@ -154,3 +159,56 @@ async def test_a_step_this_worker_cannot_invoke_fails_with_worker_invocation_err
         assert info.error is not None and "WorkerInvocationError" in info.error and "'Renamed'" in info.error
         failures = [h for h in await eng.client.get_flow_history("v1") if h.event_type == "attempt_failed"]
         assert [h.attempt for h in failures] == [1, 2, 3]
+
+
+CHAIN_STEPS = 8
+chain_runs: list[tuple[str, str, int]] = []
+
+
+async def _slow_link(ctx: Context, n: int) -> StepDecision:
+    chain_runs.append((ctx.flow_id, ctx.step_execution_id, ctx.attempt))
+    # Long enough that claims made while a poll waits are still running when it reaches the store.
+    await asyncio.sleep(random.uniform(0.05, 0.4))
+    return StepDecision.go_to("Link", n + 1) if n < CHAIN_STEPS else StepDecision.graceful_complete()
+
+
+CHAIN = Flow("SlowChain", [Step("Link", _slow_link, input_type=int)], start_step="Link")
+
+
+async def test_a_late_housekeeping_poll_hands_back_no_claim_made_while_it_waited(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A poll's transaction may run long after the worker sent it (a deep queue on a loaded
+    machine); meanwhile commits hand the worker claims that the poll's list of held tasks cannot
+    name. Here every housekeeping poll reaches the store 0.3 s late and a claim counts as lost
+    after 0.1 s: still every Step of 16 chains runs once, as attempt 1, and no attempt fails.
+    Catches: the lost-claim cutoff taken when the transaction runs instead of before the poll is
+    sent (seen as attempt 1 of a Step running twice in the two-process test under load)."""
+    chain_runs.clear()
+    monkeypatch.setattr(_worker, "LOST_CLAIM_MS", 100)
+    async with engine_for(db_url, Registry([CHAIN]), worker=False) as eng:
+        store_type = type(eng.store)
+        real_poll = store_type.poll
+        late = [0]
+
+        async def late_poll(self: Store, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("housekeep") and kwargs.get("known") is not None:
+                late[0] += 1
+                await asyncio.sleep(0.3)
+            return await real_poll(self, *args, **kwargs)
+
+        monkeypatch.setattr(store_type, "poll", late_poll)
+        await eng.start_worker(lease_ttl_seconds=5.0, lease_renew_seconds=0.5)
+        flow_ids = [f"chain-{i}" for i in range(16)]
+        for flow_id in flow_ids:
+            await eng.client.start_flow("SlowChain", flow_id, 1)
+        for flow_id in flow_ids:
+            assert (await eng.client.wait_for_flow(flow_id, 60)).status == "completed"
+        histories = {f: await eng.client.get_flow_history(f) for f in flow_ids}
+    assert late[0] >= 3, f"only {late[0]} late housekeeping polls: the test did not exercise the race"
+    runs = Counter((f, seid) for f, seid, _ in chain_runs)
+    assert sorted(runs.values()) == [1] * (16 * CHAIN_STEPS), [k for k, n in runs.items() if n != 1]
+    assert {attempt for _, _, attempt in chain_runs} == {1}
+    failed = [(f, h.step_execution_id) for f, hs in histories.items() for h in hs
+              if h.event_type in ("attempt_failed", "step_failed")]
+    assert failed == []

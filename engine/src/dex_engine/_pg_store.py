@@ -51,7 +51,7 @@ from ._errors import FlowNotActiveError, StaleAttemptError
 from ._migrate import apply_pending
 from ._options import LoadSpec, MethodOptions, StepDurability, TaskOptions
 from ._records import DecisionRecord, Lease, MovementRecord, WriteSet
-from ._store import LOST_CLAIM_MS, Store, commit_origin, now_ms
+from ._store import Store, commit_origin, now_ms
 from ._transitions import Db, HistoryRow, PollResult, Row, run_op
 
 try:
@@ -630,7 +630,7 @@ class PostgresStore(Store):
     async def poll(
         self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],
         *, must_claim: bool, housekeep: bool, known: Sequence[int] | None = None,
-        lost_claim_ms: int = LOST_CLAIM_MS,
+        claimed_before: int | None = None,
     ) -> tuple[bool, PollResult]:
         """Store.poll; but when it would neither claim nor clean up (no claim asked for, no
         notification, no fallback poll and no housekeeping due), one read-only statement outside
@@ -638,7 +638,7 @@ class PostgresStore(Store):
         if (must_claim or housekeep or self._notified.is_set()
                 or time.monotonic() - self._last_change_report >= FALLBACK_POLL_SECONDS):
             return await super().poll(worker_id, flow_types, capacity, running, must_claim=must_claim,
-                                      housekeep=housekeep, known=known, lost_claim_ms=lost_claim_ms)
+                                      housekeep=housekeep, known=known, claimed_before=claimed_before)
         types = self._flow_type_arrays.get(tuple(flow_types))
         if types is None:
             types = self._flow_type_arrays[tuple(flow_types)] = _text_array(flow_types)

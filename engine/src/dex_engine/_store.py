@@ -188,13 +188,18 @@ class Store(ABC):
     async def poll(
         self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],
         *, must_claim: bool, housekeep: bool, known: Sequence[int] | None = None,
-        lost_claim_ms: int = LOST_CLAIM_MS,
+        claimed_before: int | None = None,
     ) -> tuple[bool, tx.PollResult]:
         """One worker loop iteration in one transaction; returns (changed elsewhere, result).
 
         It claims when `must_claim`, when another connection committed since the last poll, or
-        when housekeeping made work ready.
+        when housekeeping made work ready. With `known`, housekeeping hands back this worker's
+        claims made before `claimed_before` (ms; default LOST_CLAIM_MS before this call) that are
+        not in `known`: the caller takes both before the call, since the transaction may run much
+        later, after commits handed the caller claims that `known` cannot list.
         """
+        if claimed_before is None:
+            claimed_before = now_ms() - LOST_CLAIM_MS
         if self.light_polls and not must_claim and not housekeep:
             # Most polls find nothing new: read the epochs and due times without taking the write
             # lock; only when another connection committed does a full poll follow, to claim.
@@ -212,7 +217,7 @@ class Store(ABC):
             now = now_ms()
             changed = self._changed_in(db)
             if housekeep and known is not None:
-                tx.release_lost_claims(db, worker_id, known, now - lost_claim_ms, now)
+                tx.release_lost_claims(db, worker_id, known, claimed_before, now)
             report = tx.housekeeping(db, now) if housekeep else None
             woke = report is not None and bool(report.timers_fired or report.leases_expired or report.timeouts)
             claim_now = must_claim or changed or woke

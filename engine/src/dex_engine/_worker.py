@@ -182,7 +182,7 @@ class AsyncWorker:
             try:
                 _changed, result = await store.poll(
                     self.worker_id, self._flow_types, free, watched, must_claim=claim, housekeep=housekeep,
-                    known=list(self._running), lost_claim_ms=self._lost_claim_ms(),
+                    known=list(self._running), claimed_before=self._claimed_before(),
                 )
             except Exception:
                 log.exception("worker poll failed; will retry")
@@ -218,15 +218,15 @@ class AsyncWorker:
                 # A wake that lands as the timeout fires is lost by wait_for but stays set: keep it.
                 must_claim = self._wake.is_set()
 
-    def _lost_claim_ms(self) -> int:
-        """Age after which a claim of ours that we do not hold counts as lost: older than any commit in flight.
+    def _claimed_before(self) -> int:
+        """Time (ms) before which a claim of ours that we do not hold counts as lost.
 
-        A commit stamps its claims with its start time; one that waited long on locks returns claims
-        already older than LOST_CLAIM_MS, which the poll would otherwise hand back while they run.
+        LOST_CLAIM_MS before now, or before the oldest commit in flight: a commit that waited long
+        on locks returns claims already that old, which the poll would otherwise hand back while
+        they run. Taken before the poll is sent, never inside it: the poll may run long after,
+        when commits made meanwhile have handed us claims its `known` list cannot name.
         """
-        if not self._claiming:
-            return LOST_CLAIM_MS
-        return LOST_CLAIM_MS + max(0, int(time.time() * 1000) - min(self._claiming))
+        return min([int(time.time() * 1000), *self._claiming]) - LOST_CLAIM_MS
 
     def _spawn(self, lease: Lease) -> None:
         previous = self._running.get(lease.task_id)
