@@ -343,3 +343,66 @@ async def test_events_written_before_a_heartbeat_go_out_with_it_in_order(
         ("before heartbeat", "Only-1", 1), ("after heartbeat", "Only-1", 1),
     ]
     assert appends == [1]
+
+
+def blind_flow(probe: Probe) -> Flow:
+    """RPCs: `post` publishes from its request alone; `echo` reads the pending messages first."""
+
+    async def waiter_wait(ctx: Context, _: None) -> Wait:
+        return Wait.until(C.for_n(2))
+
+    async def waiter(ctx: Context, _: None) -> StepDecision:
+        return await waiter_execute(probe, ctx, None)
+
+    @rpc(request_type=int, load=LoadOptions.none())
+    async def post(ctx: RpcContext, value: int) -> bool:
+        probe.wait_calls.append(("post", value))
+        ctx.publish(C, value)
+        return True
+
+    @rpc(request_type=int, load=LoadOptions.none())
+    async def echo(ctx: RpcContext, value: int) -> list[int]:
+        queued = [m.value for m in ctx.pending(C)]
+        probe.wait_calls.append(("echo", queued))
+        ctx.publish(C, value)
+        return queued
+
+    return Flow("Blind", [
+        Step("Waiter", waiter, input_type=type(None), wait_for=waiter_wait,
+             options=StepOptions(wait_for_load=LoadOptions.none())),
+    ], start_step="Waiter", schema=[C], rpcs=[post, echo])
+
+
+async def test_an_rpc_that_reads_nothing_commits_without_a_snapshot(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`post` loads nothing and reads no pending message: its publish commits with no snapshot read
+    before it (E8 holds: it read nothing that could change), its handler runs once. `echo` reads the
+    pending messages: it takes the snapshot path and sees the message `post` queued. On a stopped
+    flow `post` still fails with FlowNotActiveError and commits nothing. Catches: blind commits of
+    handlers that read state, an RPC on a closed flow that commits, a read per RPC that needs none."""
+    from dex_engine import FlowNotActiveError, Store
+
+    reads: list[str] = []
+    original = Store.rpc_read
+
+    async def counting(self: Store, flow_id: str, *rest: Any) -> Any:
+        reads.append(flow_id)
+        return await original(self, flow_id, *rest)
+
+    monkeypatch.setattr(Store, "rpc_read", counting)
+    probe = Probe()
+    async with engine_for(db_url, Registry([blind_flow(probe)])) as eng:
+        await eng.client.start_flow("Blind", "f1")
+        assert await eng.client.rpc("f1", "post", 1) is True
+        assert (reads, probe.wait_calls) == ([], [("post", 1)])
+        assert await eng.client.rpc("f1", "echo", 2) == [1]
+        # (more than one read when a Step of the flow committed meanwhile: the RPC ran again, E8)
+        assert reads and set(reads) == {"f1"} and probe.wait_calls[-1] == ("echo", [1])
+        await wait_until("Waiter executed", lambda: _count(probe.executed, 1))
+        assert probe.executed == [("Waiter-1", False, [1, 2])]
+        await eng.client.stop_flow("f1", "done")
+        with pytest.raises(FlowNotActiveError):
+            await eng.client.rpc("f1", "post", 3)
+        history = await eng.client.get_flow_history("f1")
+    assert not [h for h in history if h.event_type == "wait_registered" and h.step_execution_id != "Waiter-1"]

@@ -53,8 +53,8 @@ class Store(ABC):
     url: str
     # (event loop, callback) of each commit listener; backends create it and call the callbacks.
     _listeners: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]]
-    # Whether commit_execute registers the waits of MovementRecord.wait (workers then evaluate a
-    # WaitFor that loads nothing and takes no locks before the commit that starts its Step).
+    # Whether commit_execute registers the waits of MovementRecord.wait: workers then evaluate the
+    # WaitFor of a Step an Execute starts before that Execute's commit, when they can (see there).
     folds_waits: bool = False
     # Whether a poll that need not claim or housekeep may run as a read-only transaction.
     light_polls: bool = False
@@ -242,7 +242,7 @@ class Store(ABC):
         return await self._run(lambda db: tx.rpc_read(db, flow_id, load, locks), write=False)
 
     async def rpc_commit(
-        self, flow_id: str, version: int, locks: Sequence[str], writes: WriteSet,
+        self, flow_id: str, version: int | None, locks: Sequence[str], writes: WriteSet,
         next_steps: Sequence[MovementRecord], canceling: Sequence[str],
     ) -> None:
         await self._run(

@@ -1151,13 +1151,15 @@ def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcS
 
 
 def rpc_commit(
-    db: Db, flow_id: str, version: int, locks: Sequence[str], writes: WriteSet,
+    db: Db, flow_id: str, version: int | None, locks: Sequence[str], writes: WriteSet,
     next_steps: Sequence[MovementRecord], canceling: Sequence[str], now: int,
 ) -> None:
+    """Commit an RPC's result if the flow is still at `version`; None: the handler read no state."""
     flow_type = require_running(db, flow_id)
-    row = db.one("SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
-    if row is None or int(row[0]) != version:
-        raise RpcVersionChanged()
+    if version is not None:
+        row = db.one("SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
+        if row is None or int(row[0]) != version:
+            raise RpcVersionChanged()
     _check_rpc_locks(db, flow_id, locks)
     apply_writes(db, flow_id, writes, "", 0, now)
     if canceling:
