@@ -223,7 +223,8 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         print(f"WAL frames (pages written) {frames / n:.1f}/turn, {frames / max(1, commits1[0] - commits0[0]):.1f}"
               " per data-changing commit (autocheckpoint off)")
     if store.sql_times is not None:
-        print("\nSQL statements by thread CPU (ms per turn, count per turn):")
+        total = sum(times for _spent, times in store.sql_times.values())
+        print(f"\nSQL statements: {total / n:.1f}/turn; by thread CPU (ms per turn, count per turn):")
         for sql, (spent, times) in sorted(store.sql_times.items(), key=lambda kv: -kv[1][0])[:args.top]:
             print(f"  {spent / n * 1e3:7.3f} {times / n:6.2f}  {sql}")
     for label, prof in (("event loop thread", profiler), ("SQLite thread", store.profiler)):

@@ -52,6 +52,7 @@ class Probe:
     reached: asyncio.Event = field(default_factory=asyncio.Event)
     proceed: asyncio.Event = field(default_factory=asyncio.Event)
     attempts: list[tuple[int, int | None]] = field(default_factory=list)
+    origins: list[Any] = field(default_factory=list)  # commit origins the Execute ran with
 
 
 def count_wait_commits(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -281,11 +282,23 @@ async def decide_snapshot(eng: Any) -> bytes | None:
 
 
 @pytest.mark.sqlite_only
-async def test_a_snapshot_is_copied_only_when_a_write_would_change_it(db_url: str) -> None:
+async def test_a_snapshot_is_copied_only_when_a_write_would_change_it(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Decide (loads only A) runs with its snapshot left as the live rows; a Step writing B, which
     Decide did not load, leaves it so; a Step writing A copies A=1 into it first. Decide's retry
-    then sees A=1, the state its first attempt loaded, though A is 2 (E15). Catches: snapshots
-    written eagerly on every claim, or not at all before another Step's write."""
+    then sees A=1, the state its first attempt loaded, though A is 2 (E15). Start's writes, with no
+    other method on the live rows, look for no snapshot to preserve (the lease check told). Catches:
+    snapshots written eagerly on every claim, or not at all before another Step's write, and the
+    snapshot look-up back in every commit that writes."""
+    preserving: list[int | None] = []
+    original = transitions._preserve_snapshots
+
+    def spying(db: transitions.Db, flow_id: str, written: Any, own_task: int | None) -> None:
+        preserving.append(own_task)
+        original(db, flow_id, written, own_task)
+
+    monkeypatch.setattr(transitions, "_preserve_snapshots", spying)
     probe = Probe()
     async with engine_for(db_url, Registry([snapshot_flow(probe)])) as eng:
         await eng.client.start_flow("Snapshots", "f1")
@@ -302,6 +315,7 @@ async def test_a_snapshot_is_copied_only_when_a_write_would_change_it(db_url: st
         assert (await eng.client.wait_for_flow("f1", 10)).status == "completed"
         assert probe.attempts == [(1, 1), (2, 1)]
         assert await eng.client.flow_output("f1") == 1
+    assert len(preserving) == 2  # the two Writers' commits, while Decide had the live rows
 
 
 async def _equals(value: Any, expected: Any) -> bool:
@@ -352,6 +366,9 @@ def blind_flow(probe: Probe) -> Flow:
         return Wait.until(C.for_n(2))
 
     async def waiter(ctx: Context, _: None) -> StepDecision:
+        from dex_engine._store import commit_origin
+
+        probe.origins.append(commit_origin.get())
         return await waiter_execute(probe, ctx, None)
 
     @rpc(request_type=int, load=LoadOptions.none())
@@ -406,3 +423,43 @@ async def test_an_rpc_that_reads_nothing_commits_without_a_snapshot(
             await eng.client.rpc("f1", "post", 3)
         history = await eng.client.get_flow_history("f1")
     assert not [h for h in history if h.event_type == "wait_registered" and h.step_execution_id != "Waiter-1"]
+
+
+@pytest.mark.sqlite_only
+async def test_steps_a_client_commit_makes_ready_are_claimed_in_that_commit(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker shares the client's store and event loop: the RPC whose publish satisfies Waiter's
+    wait claims Waiter's Execute for that worker in its own transaction, so no poll claims anything
+    from the RPCs to Waiter's commit; and the attempt runs with the worker's commit origin, not the
+    client's (its commits do not wake the worker into a poll). Catches: the notify -> poll -> claim
+    round trip back, attempts claimed for the worker running in the client's context."""
+    from dex_engine import Store
+
+    claimed_by_polls: list[tuple[str, str]] = []
+    original = Store.poll
+
+    async def recording(self: Store, *args: Any, **kwargs: Any) -> Any:
+        changed, result = await original(self, *args, **kwargs)
+        claimed_by_polls.extend((lease.step_execution_id, lease.method) for lease in result.leases)
+        return changed, result
+
+    monkeypatch.setattr(Store, "poll", recording)
+    probe = Probe()
+    async with engine_for(db_url, Registry([blind_flow(probe)])) as eng:
+        await eng.client.start_flow("Blind", "f1")
+
+        async def has(event_type: str) -> bool:
+            return any(h.event_type == event_type for h in await eng.client.get_flow_history("f1"))
+
+        await wait_until("Waiter's wait registered", lambda: has("wait_registered"))
+        assert await eng.client.rpc("f1", "post", 1) is True
+        assert await eng.client.rpc("f1", "post", 2) is True
+        await wait_until("Waiter executed", lambda: _count(probe.executed, 1))
+        await wait_until("Waiter's commit", lambda: has("execute_completed"))
+        assert eng.worker is not None
+        assert probe.origins == [eng.worker._notify]
+    assert probe.executed == [("Waiter-1", False, [1, 2])]
+    # (Waiter's WaitFor may be claimed by a poll: the worker may not be running yet at start_flow.)
+    assert ("Waiter-1", "execute") not in claimed_by_polls
+
