@@ -463,3 +463,66 @@ async def test_steps_a_client_commit_makes_ready_are_claimed_in_that_commit(
     # (Waiter's WaitFor may be claimed by a poll: the worker may not be running yet at start_flow.)
     assert ("Waiter-1", "execute") not in claimed_by_polls
 
+
+def completing_flow() -> Flow:
+    """Start moves to Waiter and Other (both wait on C) and Finish, which completes gracefully;
+    `cancel` cancels a Step type, `note` sets A (a write that adds no history event)."""
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to_many(Movement("Waiter", None), Movement("Other", None), Movement("Finish", None))
+
+    async def finish(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.graceful_complete("done")
+
+    async def waiter_wait(ctx: Context, _: None) -> Wait:
+        return Wait.until(C.for_one())
+
+    async def waiter(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.dead_end()
+
+    @rpc(request_type=str, load=LoadOptions.none())
+    async def cancel(ctx: RpcContext, step_type: str) -> Any:
+        from dex_engine import RPCResult
+
+        return RPCResult(None, canceling_steps=[step_type])
+
+    @rpc(request_type=int, load=LoadOptions.none())
+    async def note(ctx: RpcContext, value: int) -> None:
+        ctx.set(A, value)
+
+    return Flow("Completing", [
+        Step("Start", start, input_type=type(None)),
+        Step("Finish", finish, input_type=type(None)),
+        Step("Waiter", waiter, input_type=type(None), wait_for=waiter_wait),
+        Step("Other", waiter, input_type=type(None), wait_for=waiter_wait),
+    ], start_step="Start", schema=[A, C], rpcs=[cancel, note])
+
+
+async def test_an_rpc_bumps_the_version_once_and_completes_a_flow_only_by_cancelling(db_url: str) -> None:
+    """An RPC whose commit writes no history event (`note` sets A) still moves the flow's version
+    (E8: other RPCs' snapshots must see the change); one that does (`cancel` Other: step_cancelled)
+    moves it once, by that alone. The RPC that cancels the last Step of a gracefully completing flow
+    closes it (E12). Catches: the version bump dropped with the completion check, or made twice."""
+    async with engine_for(db_url, Registry([completing_flow()])) as eng:
+        await eng.client.start_flow("Completing", "f1")
+
+        async def settled() -> bool:
+            info = await eng.client.describe_flow("f1")
+            return sorted((s.step_type, s.state) for s in info.active_steps) == [
+                ("Other", "waiting"), ("Waiter", "waiting")]
+
+        await wait_until("Waiter and Other waiting, Finish done", settled)
+
+        async def version() -> int:
+            row = await eng.store.raw(lambda db: db.one("SELECT version FROM flows WHERE flow_id = 'f1'"))
+            return int(row[0])
+
+        before = await version()
+        await eng.client.rpc("f1", "note", 7)
+        assert await version() == before + 1
+        await eng.client.rpc("f1", "cancel", "Other")
+        assert await version() == before + 2
+        assert (await eng.client.describe_flow("f1")).status == "running"
+        await eng.client.rpc("f1", "cancel", "Waiter")
+        info = await eng.client.wait_for_flow("f1", 10)
+    assert info.status == "completed"

@@ -1200,8 +1200,11 @@ def rpc_commit(
         create_task(db, flow_id, flow_type, movement, now)
     if writes.publishes:
         evaluate_waits(db, flow_id, now)
-    _maybe_complete(db, flow_id, now)
-    bump(db, flow_id)
+    if canceling:
+        # A completing flow closes when its last task ends; an RPC ends tasks only by cancelling.
+        _maybe_complete(db, flow_id, now)
+    if not any(h[0] == flow_id for h in db.history):
+        bump(db, flow_id)  # else writing the history bumps the version (flush_history)
 
 
 def publish(db: Db, flow_id: str, channel: str, key: str, value: bytes, now: int) -> int:
