@@ -24,6 +24,8 @@ Run: uv run --group bench python bench/agent_turn.py [--turns N] [--sessions N]
 UV_PROJECT_ENVIRONMENT to a private one.)
 
 Goal (issue 4): a dex median turn at most 15x the floor, and at least 200 turns/s with 16 sessions.
+bench/profile_turn.py breaks one dex turn down (CPU per thread, store operations, SQL statements,
+cProfile), in the quantities that stay meaningful on a loaded machine.
 """
 
 from __future__ import annotations
@@ -154,7 +156,10 @@ class CommitCounter:
 
         def trace(statement: str) -> None:
             nonlocal seen, full
-            # The callback runs on the connection's own thread, before the statement runs.
+            # The callback runs on the connection's own thread, before the statement runs, for
+            # every statement: most are neither COMMIT nor PRAGMA, so it looks at one letter first.
+            if statement[:1] not in "CcPp \t\n":
+                return
             head = statement.lstrip()[:6].upper()
             if head == "COMMIT" and conn.total_changes != seen:
                 seen = conn.total_changes

@@ -52,6 +52,7 @@ class Probe:
     reached: asyncio.Event = field(default_factory=asyncio.Event)
     proceed: asyncio.Event = field(default_factory=asyncio.Event)
     attempts: list[tuple[int, int | None]] = field(default_factory=list)
+    origins: list[Any] = field(default_factory=list)  # commit origins the Execute ran with
 
 
 def count_wait_commits(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -281,11 +282,23 @@ async def decide_snapshot(eng: Any) -> bytes | None:
 
 
 @pytest.mark.sqlite_only
-async def test_a_snapshot_is_copied_only_when_a_write_would_change_it(db_url: str) -> None:
+async def test_a_snapshot_is_copied_only_when_a_write_would_change_it(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Decide (loads only A) runs with its snapshot left as the live rows; a Step writing B, which
     Decide did not load, leaves it so; a Step writing A copies A=1 into it first. Decide's retry
-    then sees A=1, the state its first attempt loaded, though A is 2 (E15). Catches: snapshots
-    written eagerly on every claim, or not at all before another Step's write."""
+    then sees A=1, the state its first attempt loaded, though A is 2 (E15). Start's writes, with no
+    other method on the live rows, look for no snapshot to preserve (the lease check told). Catches:
+    snapshots written eagerly on every claim, or not at all before another Step's write, and the
+    snapshot look-up back in every commit that writes."""
+    preserving: list[int | None] = []
+    original = transitions._preserve_snapshots
+
+    def spying(db: transitions.Db, flow_id: str, written: Any, own_task: int | None) -> None:
+        preserving.append(own_task)
+        original(db, flow_id, written, own_task)
+
+    monkeypatch.setattr(transitions, "_preserve_snapshots", spying)
     probe = Probe()
     async with engine_for(db_url, Registry([snapshot_flow(probe)])) as eng:
         await eng.client.start_flow("Snapshots", "f1")
@@ -302,6 +315,7 @@ async def test_a_snapshot_is_copied_only_when_a_write_would_change_it(db_url: st
         assert (await eng.client.wait_for_flow("f1", 10)).status == "completed"
         assert probe.attempts == [(1, 1), (2, 1)]
         assert await eng.client.flow_output("f1") == 1
+    assert len(preserving) == 2  # the two Writers' commits, while Decide had the live rows
 
 
 async def _equals(value: Any, expected: Any) -> bool:
@@ -343,3 +357,172 @@ async def test_events_written_before_a_heartbeat_go_out_with_it_in_order(
         ("before heartbeat", "Only-1", 1), ("after heartbeat", "Only-1", 1),
     ]
     assert appends == [1]
+
+
+def blind_flow(probe: Probe) -> Flow:
+    """RPCs: `post` publishes from its request alone; `echo` reads the pending messages first."""
+
+    async def waiter_wait(ctx: Context, _: None) -> Wait:
+        return Wait.until(C.for_n(2))
+
+    async def waiter(ctx: Context, _: None) -> StepDecision:
+        from dex_engine._store import commit_origin
+
+        probe.origins.append(commit_origin.get())
+        return await waiter_execute(probe, ctx, None)
+
+    @rpc(request_type=int, load=LoadOptions.none())
+    async def post(ctx: RpcContext, value: int) -> bool:
+        probe.wait_calls.append(("post", value))
+        ctx.publish(C, value)
+        return True
+
+    @rpc(request_type=int, load=LoadOptions.none())
+    async def echo(ctx: RpcContext, value: int) -> list[int]:
+        queued = [m.value for m in ctx.pending(C)]
+        probe.wait_calls.append(("echo", queued))
+        ctx.publish(C, value)
+        return queued
+
+    return Flow("Blind", [
+        Step("Waiter", waiter, input_type=type(None), wait_for=waiter_wait,
+             options=StepOptions(wait_for_load=LoadOptions.none())),
+    ], start_step="Waiter", schema=[C], rpcs=[post, echo])
+
+
+async def test_an_rpc_that_reads_nothing_commits_without_a_snapshot(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`post` loads nothing and reads no pending message: its publish commits with no snapshot read
+    before it (E8 holds: it read nothing that could change), its handler runs once. `echo` reads the
+    pending messages: it takes the snapshot path and sees the message `post` queued. On a stopped
+    flow `post` still fails with FlowNotActiveError and commits nothing. Catches: blind commits of
+    handlers that read state, an RPC on a closed flow that commits, a read per RPC that needs none."""
+    from dex_engine import FlowNotActiveError, Store
+
+    reads: list[str] = []
+    original = Store.rpc_read
+
+    async def counting(self: Store, flow_id: str, *rest: Any) -> Any:
+        reads.append(flow_id)
+        return await original(self, flow_id, *rest)
+
+    monkeypatch.setattr(Store, "rpc_read", counting)
+    probe = Probe()
+    async with engine_for(db_url, Registry([blind_flow(probe)])) as eng:
+        await eng.client.start_flow("Blind", "f1")
+        assert await eng.client.rpc("f1", "post", 1) is True
+        assert (reads, probe.wait_calls) == ([], [("post", 1)])
+        assert await eng.client.rpc("f1", "echo", 2) == [1]
+        # (more than one read when a Step of the flow committed meanwhile: the RPC ran again, E8)
+        assert reads and set(reads) == {"f1"} and probe.wait_calls[-1] == ("echo", [1])
+        await wait_until("Waiter executed", lambda: _count(probe.executed, 1))
+        assert probe.executed == [("Waiter-1", False, [1, 2])]
+        await eng.client.stop_flow("f1", "done")
+        with pytest.raises(FlowNotActiveError):
+            await eng.client.rpc("f1", "post", 3)
+        history = await eng.client.get_flow_history("f1")
+    assert not [h for h in history if h.event_type == "wait_registered" and h.step_execution_id != "Waiter-1"]
+
+
+@pytest.mark.sqlite_only
+async def test_steps_a_client_commit_makes_ready_are_claimed_in_that_commit(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker shares the client's store and event loop: the RPC whose publish satisfies Waiter's
+    wait claims Waiter's Execute for that worker in its own transaction, so no poll claims anything
+    from the RPCs to Waiter's commit; and the attempt runs with the worker's commit origin, not the
+    client's (its commits do not wake the worker into a poll). Catches: the notify -> poll -> claim
+    round trip back, attempts claimed for the worker running in the client's context."""
+    from dex_engine import Store
+
+    claimed_by_polls: list[tuple[str, str]] = []
+    original = Store.poll
+
+    async def recording(self: Store, *args: Any, **kwargs: Any) -> Any:
+        changed, result = await original(self, *args, **kwargs)
+        claimed_by_polls.extend((lease.step_execution_id, lease.method) for lease in result.leases)
+        return changed, result
+
+    monkeypatch.setattr(Store, "poll", recording)
+    probe = Probe()
+    async with engine_for(db_url, Registry([blind_flow(probe)])) as eng:
+        await eng.client.start_flow("Blind", "f1")
+
+        async def has(event_type: str) -> bool:
+            return any(h.event_type == event_type for h in await eng.client.get_flow_history("f1"))
+
+        await wait_until("Waiter's wait registered", lambda: has("wait_registered"))
+        assert await eng.client.rpc("f1", "post", 1) is True
+        assert await eng.client.rpc("f1", "post", 2) is True
+        await wait_until("Waiter executed", lambda: _count(probe.executed, 1))
+        await wait_until("Waiter's commit", lambda: has("execute_completed"))
+        assert eng.worker is not None
+        assert probe.origins == [eng.worker._notify]
+    assert probe.executed == [("Waiter-1", False, [1, 2])]
+    # (Waiter's WaitFor may be claimed by a poll: the worker may not be running yet at start_flow.)
+    assert ("Waiter-1", "execute") not in claimed_by_polls
+
+
+def completing_flow() -> Flow:
+    """Start moves to Waiter and Other (both wait on C) and Finish, which completes gracefully;
+    `cancel` cancels a Step type, `note` sets A (a write that adds no history event)."""
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to_many(Movement("Waiter", None), Movement("Other", None), Movement("Finish", None))
+
+    async def finish(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.graceful_complete("done")
+
+    async def waiter_wait(ctx: Context, _: None) -> Wait:
+        return Wait.until(C.for_one())
+
+    async def waiter(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.dead_end()
+
+    @rpc(request_type=str, load=LoadOptions.none())
+    async def cancel(ctx: RpcContext, step_type: str) -> Any:
+        from dex_engine import RPCResult
+
+        return RPCResult(None, canceling_steps=[step_type])
+
+    @rpc(request_type=int, load=LoadOptions.none())
+    async def note(ctx: RpcContext, value: int) -> None:
+        ctx.set(A, value)
+
+    return Flow("Completing", [
+        Step("Start", start, input_type=type(None)),
+        Step("Finish", finish, input_type=type(None)),
+        Step("Waiter", waiter, input_type=type(None), wait_for=waiter_wait),
+        Step("Other", waiter, input_type=type(None), wait_for=waiter_wait),
+    ], start_step="Start", schema=[A, C], rpcs=[cancel, note])
+
+
+async def test_an_rpc_bumps_the_version_once_and_completes_a_flow_only_by_cancelling(db_url: str) -> None:
+    """An RPC whose commit writes no history event (`note` sets A) still moves the flow's version
+    (E8: other RPCs' snapshots must see the change); one that does (`cancel` Other: step_cancelled)
+    moves it once, by that alone. The RPC that cancels the last Step of a gracefully completing flow
+    closes it (E12). Catches: the version bump dropped with the completion check, or made twice."""
+    async with engine_for(db_url, Registry([completing_flow()])) as eng:
+        await eng.client.start_flow("Completing", "f1")
+
+        async def settled() -> bool:
+            info = await eng.client.describe_flow("f1")
+            return sorted((s.step_type, s.state) for s in info.active_steps) == [
+                ("Other", "waiting"), ("Waiter", "waiting")]
+
+        await wait_until("Waiter and Other waiting, Finish done", settled)
+
+        async def version() -> int:
+            row = await eng.store.raw(lambda db: db.one("SELECT version FROM flows WHERE flow_id = 'f1'"))
+            return int(row[0])
+
+        before = await version()
+        await eng.client.rpc("f1", "note", 7)
+        assert await version() == before + 1
+        await eng.client.rpc("f1", "cancel", "Other")
+        assert await version() == before + 2
+        assert (await eng.client.describe_flow("f1")).status == "running"
+        await eng.client.rpc("f1", "cancel", "Waiter")
+        info = await eng.client.wait_for_flow("f1", 10)
+    assert info.status == "completed"

@@ -19,7 +19,7 @@ from ._ids import check_id
 from ._limits import MAX_RPC_TRIES, MAX_STREAM_WAIT_SECONDS
 from ._open import open_store
 from ._options import FlowConfig
-from ._records import FlowInfo, HistoryEntry, StartRequest
+from ._records import FlowInfo, HistoryEntry, MovementRecord, StartRequest
 from ._scheduling import movement_record, start_record
 from ._schema import AttributeMap, AttributeRef, ChannelRef, Stream
 from ._store import Store
@@ -136,6 +136,19 @@ class AsyncClient:
             # The handler sees the request as a worker would after a network hop: decoded into the
             # declared type, so a dict shaped like the request arrives as the request, never as a dict.
             request = decode_value(label, handler.request_type, data)
+        if handler.load.mode == "none" and not handler.locks:
+            # A handler that loads nothing and reads no pending message decides from its request
+            # alone: its writes need no snapshot to be checked against, so they commit in one
+            # transaction with no read before. Anything else takes the snapshot path below.
+            ctx = RpcContext(flow, flow_id, {}, handler.load, {}, name)
+            try:
+                output, records, canceling = self._rpc_outcome(flow, await handler.handler(ctx, request))
+            except Exception:
+                pass  # run again on a snapshot, where its error (or a missing flow) is reported as usual
+            else:
+                if not ctx.pending_read and not (ctx.writes.empty() and not records and not canceling):
+                    await self._store.rpc_commit(flow_id, None, handler.locks, ctx.writes, records, canceling)
+                    return output
         for _ in range(MAX_RPC_TRIES):
             snap = await self._store.rpc_read(flow_id, handler.load, handler.locks)
             if snap.flow_type != flow.flow_type:
@@ -143,14 +156,7 @@ class AsyncClient:
                 self._flow_types.pop(flow_id, None)
                 return await self.rpc(flow_id, name, request)
             ctx = RpcContext(flow, flow_id, snap.attributes, handler.load, snap.pending, name)
-            result = await handler.handler(ctx, request)
-            if isinstance(result, RPCResult):
-                output, next_steps, canceling = result.output, result.next_steps, result.canceling_steps
-            else:
-                output, next_steps, canceling = result, (), ()
-            for step_type in canceling:
-                flow.step(step_type)
-            records = [movement_record(flow, m) for m in next_steps]
+            output, records, canceling = self._rpc_outcome(flow, await handler.handler(ctx, request))
             if ctx.writes.empty() and not records and not canceling:
                 return output
             try:
@@ -161,6 +167,17 @@ class AsyncClient:
         raise RpcContentionError(
             f"RPC {name!r} on flow {flow_id!r} saw the flow change on each of {MAX_RPC_TRIES} tries; nothing committed"
         )
+
+    @staticmethod
+    def _rpc_outcome(flow: Flow, result: Any) -> tuple[Any, list[MovementRecord], tuple[str, ...]]:
+        """An RPC handler's output, the Steps it starts (stored form) and the Step types it cancels."""
+        if isinstance(result, RPCResult):
+            output, next_steps, canceling = result.output, result.next_steps, tuple(result.canceling_steps)
+        else:
+            output, next_steps, canceling = result, (), ()
+        for step_type in canceling:
+            flow.step(step_type)
+        return output, [movement_record(flow, m) for m in next_steps], canceling
 
     async def publish(self, flow_id: str, channel: ChannelRef[T], value: T) -> int:
         """Queue a message on a flow's channel; returns its message ID."""

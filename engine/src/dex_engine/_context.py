@@ -307,9 +307,11 @@ class RpcContext(_StateView):
     ) -> None:
         super().__init__(flow, flow_id, loaded, load, f"RPC {rpc_name}")
         self._pending = pending
+        self.pending_read = False  # whether the handler asked for pending messages
 
     def pending(self, channel: ChannelRef[T]) -> list[PendingMessage]:
         """Messages queued on a channel instance, oldest first, minus those this RPC deleted."""
+        self.pending_read = True
         self.flow.check_channel(channel)
         deleted = {m for (n, k, m) in self._writes.deleted_messages if (n, k) == (channel.name, channel.key)}
         return [

@@ -38,6 +38,13 @@ class Step(Generic[InputT]):
 
     Both handlers are `async def handler(ctx, input)`. WaitFor returns a Wait; Execute returns a
     StepDecision. `input_type` is the declared type of the Step's input (JSON via msgspec).
+
+    A WaitFor decides a wait from its input and loaded attributes and has no side effects: on a
+    store that supports it (SQLite), the worker evaluates the WaitFor of a Step that an Execute
+    starts before that Execute commits, whenever that Execute loaded everything the WaitFor loads
+    and the WaitFor takes no locks, and the commit registers the wait (attempt 1) when those
+    attributes are unchanged by then; otherwise, or when the WaitFor needs its execution ID, a
+    heartbeat or an event, raises or writes, it runs as usual after the commit.
     """
 
     def __init__(

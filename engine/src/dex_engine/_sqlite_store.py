@@ -142,6 +142,7 @@ class SqliteStore(Store):
 
     folds_waits = True
     light_polls = True
+    hands_off_locally = True
 
     def __init__(self, url: str) -> None:
         self.url = url

@@ -11,7 +11,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from . import _gates
 from . import _transitions as tx
@@ -47,17 +47,36 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+class LocalClaimer(Protocol):
+    """A worker of this process that takes the Steps a client's commit makes ready, in that commit."""
+
+    def local_claim(self) -> tuple[str, Sequence[str], int, int] | None:
+        """On the caller's event loop, before the commit is sent: (worker ID, flow types, free slots,
+        a token for `local_claim_done`), or None when this worker cannot take work from this caller."""
+
+    def local_claim_done(self, token: int, leases: list[Lease] | None, capacity: int) -> None:
+        """After the commit (or its failure): run the attempts it claimed; None: it claimed nothing."""
+
+    def local_origin(self) -> Callable[[], None]:
+        """The worker's commit listener: commits that claimed for it need not wake it."""
+
+
 class Store(ABC):
     """One database. Methods are coroutines; each is one transaction (E1)."""
 
     url: str
     # (event loop, callback) of each commit listener; backends create it and call the callbacks.
     _listeners: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]]
-    # Whether commit_execute registers the waits of MovementRecord.wait (workers then evaluate a
-    # WaitFor that loads nothing and takes no locks before the commit that starts its Step).
+    # Whether commit_execute registers the waits of MovementRecord.wait: workers then evaluate the
+    # WaitFor of a Step an Execute starts before that Execute's commit, when they can (see there).
     folds_waits: bool = False
     # Whether a poll that need not claim or housekeep may run as a read-only transaction.
     light_polls: bool = False
+    # Whether a client's commit that makes Steps ready claims them for a worker of this process in
+    # the same transaction (the backend's Db counts what a transition made ready, in `readied`).
+    hands_off_locally: bool = False
+    # Workers of this process that take such Steps (add_local_claimer); replaced, never mutated.
+    _claimers: tuple[LocalClaimer, ...] = ()
 
     @abstractmethod
     async def _run(self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None) -> R:
@@ -75,11 +94,50 @@ class Store(ABC):
         self._listeners.append((asyncio.get_running_loop(), fn))
 
     def remove_commit_listener(self, fn: Callable[[], None]) -> None:
-        self._listeners = [(loop, f) for loop, f in self._listeners if f is not fn]
+        # `!=`, not `is not`: a worker passes its bound method, a new object at each access.
+        self._listeners = [(loop, f) for loop, f in self._listeners if f != fn]
+
+    def add_local_claimer(self, claimer: LocalClaimer) -> None:
+        """Let commits of clients on `claimer`'s event loop hand the Steps they make ready to it."""
+        if self.hands_off_locally:
+            self._claimers = (*self._claimers, claimer)
+
+    def remove_local_claimer(self, claimer: LocalClaimer) -> None:
+        self._claimers = tuple(c for c in self._claimers if c is not claimer)
+
+    async def _run_handing_off(self, fn: Callable[[Db], R]) -> R:
+        """Run a client's write. When it makes Steps ready and a worker of this process on this
+        event loop has free slots, that worker claims them in this same transaction, as a commit of
+        its own would: no wake-up, poll and claim transaction after it. A claim whose reply never
+        reaches the worker (the caller was cancelled) is handed back as a lost claim (E3)."""
+        for claimer in self._claimers:
+            request = claimer.local_claim()
+            if request is not None:
+                break
+        else:
+            return await self._run(fn, write=True)
+        worker_id, flow_types, capacity, token = request
+
+        def op(db: Db) -> tuple[R, list[Lease] | None]:
+            readied = getattr(db, "readied", 0)
+            result = fn(db)
+            if getattr(db, "readied", 0) == readied:
+                return result, None  # nothing became ready: the worker is woken as usual
+            return result, tx.claim(db, worker_id, flow_types, capacity, now_ms())
+
+        leases: list[Lease] | None = None
+        # Its commit does not wake the worker it claimed for (see local_claim_done).
+        origin = commit_origin.set(claimer.local_origin())
+        try:
+            result, leases = await self._run(op, write=True)
+        finally:
+            commit_origin.reset(origin)
+            claimer.local_claim_done(token, leases, capacity)
+        return result
 
     # Flows
     async def start_flow(self, req: StartRequest) -> None:
-        await self._run(lambda db: tx.start_flow(db, req, now_ms()), write=True)
+        await self._run_handing_off(lambda db: tx.start_flow(db, req, now_ms()))
 
     async def stop_flow(self, flow_id: str, reason: str) -> None:
         await self._run(lambda db: tx.stop_flow(db, flow_id, reason, now_ms()), write=True)
@@ -242,16 +300,20 @@ class Store(ABC):
         return await self._run(lambda db: tx.rpc_read(db, flow_id, load, locks), write=False)
 
     async def rpc_commit(
-        self, flow_id: str, version: int, locks: Sequence[str], writes: WriteSet,
+        self, flow_id: str, version: int | None, locks: Sequence[str], writes: WriteSet,
         next_steps: Sequence[MovementRecord], canceling: Sequence[str],
     ) -> None:
-        await self._run(
-            lambda db: tx.rpc_commit(db, flow_id, version, locks, writes, next_steps, canceling, now_ms()),
-            write=True,
-        )
+        def op(db: Db) -> None:
+            tx.rpc_commit(db, flow_id, version, locks, writes, next_steps, canceling, now_ms())
+
+        if canceling:
+            # It may revoke running attempts: the worker must be woken to see that (E9).
+            await self._run(op, write=True)
+        else:
+            await self._run_handing_off(op)
 
     async def publish(self, flow_id: str, channel: str, key: str, value: bytes) -> int:
-        return await self._run(lambda db: tx.publish(db, flow_id, channel, key, value, now_ms()), write=True)
+        return await self._run_handing_off(lambda db: tx.publish(db, flow_id, channel, key, value, now_ms()))
 
     async def read_attribute(self, flow_id: str, name: str, key: str) -> bytes | None:
         return await self._run(lambda db: tx.read_attribute(db, flow_id, name, key), write=False)

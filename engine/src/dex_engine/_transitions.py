@@ -568,10 +568,24 @@ def check_lease(db: Db, lease: Lease) -> tuple[FlowConfig, bool]:
 
     The read also takes the flow's lock (and the task row's) on PostgreSQL: a read that waited
     for the lock re-reads both rows at their newest versions, so the epoch it checks is current."""
+    config, completing, _live = _check_lease(db, lease, False)
+    return config, completing
+
+
+def check_lease_for_writes(db: Db, lease: Lease) -> tuple[FlowConfig, bool, bool]:
+    """check_lease, and whether another method of the flow may still have the live attribute rows
+    as its snapshot (LIVE_SNAPSHOT): when not, the method's writes need not preserve snapshots. The
+    same statement answers both (one statement fewer per commit that writes attributes)."""
+    return _check_lease(db, lease, getattr(db, "lazy_snapshots", False))
+
+
+def _check_lease(db: Db, lease: Lease, live: bool) -> tuple[FlowConfig, bool, bool]:
+    others_live = ("EXISTS (SELECT 1 FROM tasks s WHERE s.flow_id = f.flow_id AND s.snapshot = ? "
+                   "AND s.task_id <> t.task_id)" if live else "1")
     row = db.one(
-        "SELECT t.state, t.lease_epoch, f.status, f.config, f.completing FROM flows f "
+        f"SELECT t.state, t.lease_epoch, f.status, f.config, f.completing, {others_live} FROM flows f "
         f"JOIN tasks t ON t.flow_id = f.flow_id WHERE f.flow_id = ? AND t.task_id = ?{db.for_update}",
-        (lease.flow_id, lease.task_id),
+        (LIVE_SNAPSHOT, lease.flow_id, lease.task_id) if live else (lease.flow_id, lease.task_id),
     )
     if row is None or row[0] != "running" or int(row[1]) != lease.lease_epoch:
         raise StaleAttemptError(
@@ -580,7 +594,21 @@ def check_lease(db: Db, lease: Lease) -> tuple[FlowConfig, bool]:
         )
     if row[2] != "running":
         raise FlowNotActiveError(lease.flow_id, str(row[2]))
-    return decode_json(row[3], FlowConfig), bool(row[4])
+    return _decode_config(bytes(row[3])), bool(row[4]), bool(row[5])
+
+
+# Decoded FlowConfigs by their stored bytes (frozen Structs): flows share a few configurations, and
+# every commit under a lease reads its flow's.
+_configs: dict[bytes, FlowConfig] = {}
+
+
+def _decode_config(blob: bytes) -> FlowConfig:
+    config = _configs.get(blob)
+    if config is None:
+        if len(_configs) >= _OPTIONS_CACHE_MAX:
+            _configs.clear()
+        config = _configs[blob] = decode_json(blob, FlowConfig)
+    return config
 
 
 def _release_method_locks(db: Db, lease: Lease) -> None:
@@ -617,10 +645,12 @@ def _preserve_snapshots(db: Db, flow_id: str, written: Iterable[tuple[str, str]]
 
 
 def apply_writes(
-    db: Db, flow_id: str, writes: WriteSet, seid: str, attempt: int, now: int, task_id: int | None = None
+    db: Db, flow_id: str, writes: WriteSet, seid: str, attempt: int, now: int, task_id: int | None = None,
+    others_live: bool = True,
 ) -> None:
-    """Apply a method's or RPC's buffered writes; `task_id` is the committing task, if any."""
-    if writes.attributes and getattr(db, "lazy_snapshots", False):
+    """Apply a method's or RPC's buffered writes; `task_id` is the committing task, if any.
+    `others_live` False: no other method has the live rows as its snapshot (check_lease_for_writes)."""
+    if writes.attributes and others_live and getattr(db, "lazy_snapshots", False):
         _preserve_snapshots(db, flow_id, writes.attributes, task_id)
     # A few statements for all of them: sets in multi-row upserts, deletes in multi-row deletes.
     sets = [(name, key, value) for (name, key), value in writes.attributes.items() if value is not None]
@@ -816,8 +846,9 @@ def skip_timer(db: Db, flow_id: str, step_execution_id: str, now: int) -> None:
 
 
 def commit_wait_for(db: Db, lease: Lease, writes: WriteSet, spec: WaitSpec, now: int) -> None:
-    check_lease(db, lease)
-    apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now, lease.task_id)
+    _config, _completing, others_live = check_lease_for_writes(db, lease)
+    apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now, lease.task_id,
+                 others_live)
     _release_method_locks(db, lease)
     timers = [c.seconds for c in spec.conditions if c.kind == "timer"]
     _send(
@@ -833,8 +864,9 @@ def commit_wait_for(db: Db, lease: Lease, writes: WriteSet, spec: WaitSpec, now:
 def commit_execute(
     db: Db, lease: Lease, writes: WriteSet, decision: DecisionRecord, now: int, handoff: Handoff | None = None
 ) -> None:
-    config, completing = check_lease(db, lease)
-    apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now, lease.task_id)
+    config, completing, others_live = check_lease_for_writes(db, lease)
+    apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now, lease.task_id,
+                 others_live)
     _release_method_locks(db, lease)
     _send(db, "DELETE FROM tasks WHERE task_id = ?", (lease.task_id,))
     _history(db, lease.flow_id, lease.step_type, lease.step_execution_id, EXECUTE_COMPLETED, lease.attempt, now,
@@ -1151,13 +1183,15 @@ def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcS
 
 
 def rpc_commit(
-    db: Db, flow_id: str, version: int, locks: Sequence[str], writes: WriteSet,
+    db: Db, flow_id: str, version: int | None, locks: Sequence[str], writes: WriteSet,
     next_steps: Sequence[MovementRecord], canceling: Sequence[str], now: int,
 ) -> None:
+    """Commit an RPC's result if the flow is still at `version`; None: the handler read no state."""
     flow_type = require_running(db, flow_id)
-    row = db.one("SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
-    if row is None or int(row[0]) != version:
-        raise RpcVersionChanged()
+    if version is not None:
+        row = db.one("SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
+        if row is None or int(row[0]) != version:
+            raise RpcVersionChanged()
     _check_rpc_locks(db, flow_id, locks)
     apply_writes(db, flow_id, writes, "", 0, now)
     if canceling:
@@ -1166,8 +1200,11 @@ def rpc_commit(
         create_task(db, flow_id, flow_type, movement, now)
     if writes.publishes:
         evaluate_waits(db, flow_id, now)
-    _maybe_complete(db, flow_id, now)
-    bump(db, flow_id)
+    if canceling:
+        # A completing flow closes when its last task ends; an RPC ends tasks only by cancelling.
+        _maybe_complete(db, flow_id, now)
+    if not any(h[0] == flow_id for h in db.history):
+        bump(db, flow_id)  # else writing the history bumps the version (flush_history)
 
 
 def publish(db: Db, flow_id: str, channel: str, key: str, value: bytes, now: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import random
@@ -11,6 +12,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +121,9 @@ class AsyncWorker:
         # Starts (wall-clock ms) of commits in flight that may claim work: until a commit's reply is
         # in, the attempts it claimed are in no poll's `known` and must not be taken for lost claims.
         self._claiming: list[int] = []
+        # This worker's context (its commit origin): attempts that clients' commits claimed for it
+        # run in a copy, not in the client's context, so their commits do not wake it.
+        self._own_context: contextvars.Context | None = None
 
     @property
     def store(self) -> Store:
@@ -150,7 +155,9 @@ class AsyncWorker:
             self._store = open_store(self.options.database_url)
         store = self._store
         store.add_commit_listener(self._notify)
+        store.add_local_claimer(self)
         commit_origin.set(self._notify)  # inherited by every task this worker starts
+        self._own_context = contextvars.copy_context()
         ttl_ms = int(self.options.lease_ttl_seconds * 1000)
         await store.register_worker(self.worker_id, socket.gethostname(), os.getpid(), ttl_ms)
         renewer = asyncio.create_task(self._renew_loop(ttl_ms))
@@ -160,6 +167,7 @@ class AsyncWorker:
             renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await renewer
+            store.remove_local_claimer(self)
             await self._drain()
             store.remove_commit_listener(self._notify)
             with contextlib.suppress(Exception):
@@ -212,10 +220,12 @@ class AsyncWorker:
                     next_housekeeping = time.monotonic()
                     continue
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                # asyncio.timeout, not wait_for: no task per wait (one per poll interval and wake-up).
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
                 must_claim = True
             except TimeoutError:
-                # A wake that lands as the timeout fires is lost by wait_for but stays set: keep it.
+                # A wake that lands as the timeout fires is lost by the wait but stays set: keep it.
                 must_claim = self._wake.is_set()
 
     def _claimed_before(self) -> int:
@@ -228,7 +238,35 @@ class AsyncWorker:
         """
         return min([int(time.time() * 1000), *self._claiming]) - LOST_CLAIM_MS
 
-    def _spawn(self, lease: Lease) -> None:
+    # Steps made ready by clients' commits in this process (Store.LocalClaimer) -----------
+
+    def local_claim(self) -> tuple[str, list[str], int, int] | None:
+        if self._stopping.is_set() or asyncio.get_running_loop() is not self._loop:
+            return None  # a client on another event loop: its commit wakes us as usual
+        free = self.options.max_concurrent_tasks - len(self._running)
+        if free <= 0:
+            return None
+        # In flight like a commit's claims: no poll may take these for lost claims before they land.
+        started = int(time.time() * 1000)
+        self._claiming.append(started)
+        return self.worker_id, self._flow_types, free, started
+
+    def local_claim_done(self, token: int, leases: list[Lease] | None, capacity: int) -> None:
+        self._claiming.remove(token)
+        if self._stopping.is_set():
+            # Draining: unregistering at the end hands unstarted claims back (same attempt, E3).
+            self._wake.set()
+            return
+        for lease in leases or ():
+            assert self._own_context is not None
+            self._spawn(lease, self._own_context.copy())
+        if leases is None or len(leases) >= capacity:
+            self._wake.set()  # it claimed nothing (or failed), or more may be ready than it took
+
+    def local_origin(self) -> Callable[[], None]:
+        return self._notify
+
+    def _spawn(self, lease: Lease, context: contextvars.Context | None = None) -> None:
         previous = self._running.get(lease.task_id)
         if previous is not None:
             # The task was handed out again (e.g. a timed-out attempt's retry): the older attempt
@@ -236,7 +274,8 @@ class AsyncWorker:
             self._revoke(previous)
         running = _Running(lease)
         self._running[lease.task_id] = running
-        running.task = asyncio.create_task(self._run_attempt(running), name=lease.step_execution_id)
+        running.task = asyncio.create_task(self._run_attempt(running), name=lease.step_execution_id,
+                                           context=context)
 
     def _forget(self, running: _Running) -> None:
         if self._running.get(running.lease.task_id) is running:

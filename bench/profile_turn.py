@@ -1,0 +1,263 @@
+"""Profile one agent turn in-process: CPU per turn, store operations, commits and fsyncs per turn.
+
+Runs agent_turn.py's dex turn (scripted runner, or the built-in loop with --builtin) on one SQLite
+file, N turns one after another (or spread over --sessions sessions at once), after warm-up turns,
+and prints what a turn costs in the quantities that stay stable on a loaded machine:
+
+- CPU ms per turn: the whole process, the event loop thread and the SQLite thread separately;
+- store operations per turn, by kind (each one is a hand-off to the SQLite thread);
+- data-changing commits and fsyncs per turn, and SQLite batches (transactions) per turn;
+- with --profile, a cProfile of the event loop thread (and with --profile-db, of the SQLite
+  thread), sorted by --sort (tottime or cumulative), top --top rows.
+
+Run: uv run python bench/profile_turn.py [--turns N] [--sessions N] [--builtin] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import cProfile
+import io
+import os
+import pstats
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agent_turn import (
+    USER_TEXT,
+    CommitCounter,
+    TurnWatcher,
+    builtin_loop_flow,
+    scripted_runner_flow,
+    sequential_plan,
+    session_plan,
+)
+from dex_agents import AgentSessionClient, AgentSessionFlow
+from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions
+from dex_engine._sqlite_store import SqliteStore
+from dex_engine._transitions import Db
+
+
+def wal_size(wal: Path) -> int:
+    """Bytes in the WAL file (0 when there is none); a quick stat between measured turns."""
+    try:
+        return os.stat(wal).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def thread_cpu_ns(native_id: int | None) -> int:
+    """On-CPU nanoseconds of one thread of this process (Linux schedstat)."""
+    if native_id is None:
+        return 0
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat") as f:
+            return int(f.read().split()[0])
+    except OSError:
+        return 0
+
+
+# cProfile's clock: this thread's CPU time, so waits (fsync, the GIL, idle loops) do not count.
+_CLOCK: list[Callable[[], float]] = [time.thread_time]
+
+
+def _profiler() -> cProfile.Profile:
+    return cProfile.Profile(_CLOCK[0])
+
+
+class _TimedConnection:
+    """A sqlite3 connection whose execute() adds its thread CPU time to the store's per-SQL totals."""
+
+    def __init__(self, conn: Any, store: ProfilingStore) -> None:
+        self._conn = conn
+        self._store = store
+
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        t = time.thread_time()
+        cursor = self._conn.execute(sql, params)
+        rows = _Rows(cursor.fetchall(), cursor.rowcount)
+        if self._store.profiling and self._store.sql_times is not None:
+            entry = self._store.sql_times.setdefault(" ".join(sql.split())[:110], [0.0, 0])
+            entry[0] += time.thread_time() - t
+            entry[1] += 1
+        return rows
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+class _Rows:
+    def __init__(self, rows: list[Any], rowcount: int) -> None:
+        self._rows = rows
+        self.rowcount = rowcount
+
+    def fetchone(self) -> Any:
+        return self._rows[0] if self._rows else None
+
+    def fetchall(self) -> list[Any]:
+        return self._rows
+
+
+class ProfilingStore(SqliteStore):
+    """The engine's SQLite store, counting operations, batches and commits; optionally profiled."""
+
+    def __init__(self, url: str, counter: CommitCounter, profile_db: bool, sql: bool = False,
+                 no_checkpoints: bool = False) -> None:
+        self.no_checkpoints = no_checkpoints
+        self.counter = counter
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.batches = 0
+        self.profiler: cProfile.Profile | None = _profiler() if profile_db else None
+        self.profiling = False
+        self.native_id: int | None = None
+        # CPU seconds and count per SQL statement text, while profiling (with --sql).
+        self.sql_times: dict[str, list[float]] | None = {} if sql else None
+        super().__init__(url)
+
+    def _connect(self) -> Any:
+        self.native_id = threading.get_native_id()
+        conn = super()._connect()
+        if self.no_checkpoints:
+            conn.execute("PRAGMA wal_autocheckpoint = 0")  # the WAL only grows: its size counts frames
+        self.counter.attach(conn)
+        return _TimedConnection(conn, self) if self.sql_times is not None else conn
+
+    def _run_batch(self, conn: Any, db: Any, batch: list[Any], level: str) -> str:
+        self.batches += 1
+        if self.profiler is not None and self.profiling:
+            self.profiler.enable()
+            try:
+                return super()._run_batch(conn, db, batch, level)
+            finally:
+                self.profiler.disable()
+        return super()._run_batch(conn, db, batch, level)
+
+    async def _run(self, fn: Callable[[Db], Any], *, write: bool, durable: bool | None = None) -> Any:
+        name = getattr(fn, "__qualname__", repr(fn)).replace(".<locals>", "").replace(".<lambda>", "")
+        parts = name.split(".")
+        # Store methods that build a nested `op` are named after the method.
+        self.ops[parts[-2] if parts[-1] == "op" and len(parts) > 1 else parts[-1]] += 1
+        return await super()._run(fn, write=write, durable=durable)
+
+
+async def run(args: argparse.Namespace, path: Path) -> None:
+    url = f"sqlite:///{path}"
+    counter = CommitCounter()
+    store = ProfilingStore(url, counter, args.profile_db, args.sql, args.wal_frames)
+    wal = Path(f"{path}-wal")
+    watcher = TurnWatcher(None)
+    make: Callable[[TurnWatcher], AgentSessionFlow] = builtin_loop_flow if args.builtin else scripted_runner_flow
+    flow = make(watcher)
+    registry = Registry([flow])
+    client = AsyncClient(registry, store=store)
+    watcher.client = client
+    agents = AgentSessionClient(client, flow)
+    store.add_commit_listener(watcher.on_commit)
+    plan = sequential_plan(args.turns) if args.sessions == 1 else session_plan(args.turns, args.sessions)
+    options = WorkerOptions(database_url=url, max_concurrent_tasks=max(64, 4 * len(plan)), poll_seconds=args.poll)
+
+    async def start(session_id: str) -> None:
+        await agents.start_session(session_id)
+        await watcher.wait_started(session_id)
+
+    async def turns(session_id: str, count: int) -> None:
+        for done in range(count):
+            await agents.send_user_message(session_id, USER_TEXT)
+            await watcher.wait_turn(session_id, done + 1)
+
+    ids = [f"s-{i}" for i in range(len(plan))]
+    profiler = _profiler() if args.profile else None
+    main_id = threading.get_native_id()
+    async with AsyncWorker(registry, options, store=store):
+        await start("warmup")
+        await turns("warmup", args.warmup)
+        await asyncio.gather(*(start(s) for s in ids))
+        commits0, ops0, batches0 = counter.totals(), collections.Counter(store.ops), store.batches
+        wal0 = wal_size(wal)
+        cpu0, main0, db0 = time.process_time(), thread_cpu_ns(main_id), thread_cpu_ns(store.native_id)
+        t0 = time.perf_counter()
+        store.profiling = True
+        if profiler is not None:
+            profiler.enable()
+        if args.sessions == 1:
+            for sid, count in zip(ids, plan, strict=True):
+                await turns(sid, count)
+        else:
+            await asyncio.gather(*(turns(sid, count) for sid, count in zip(ids, plan, strict=True)))
+        if profiler is not None:
+            profiler.disable()
+        store.profiling = False
+        wall = time.perf_counter() - t0
+        cpu, main_cpu = time.process_time() - cpu0, thread_cpu_ns(main_id) - main0
+        db_cpu = thread_cpu_ns(store.native_id) - db0
+        commits1, batches = counter.totals(), store.batches - batches0
+        wal1 = wal_size(wal)
+        ops = store.ops - ops0
+        if args.history:
+            history = await client.get_flow_history(ids[-1])
+    store.remove_commit_listener(watcher.on_commit)
+    await store.close()
+    if args.history:
+        print(f"history of {ids[-1]}, last {args.history} events:")
+        for h in history[-args.history:]:
+            print(f"  {h.at_ms % 100000:>6} {h.event_type:<18} {h.step_execution_id:<28} #{h.attempt} {h.detail[:50]}")
+
+    n = args.turns
+    print(f"{n} turns, {args.sessions} session(s) at once, {'built-in loop' if args.builtin else 'scripted runner'}, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"wall {wall / n * 1e3:.2f} ms/turn ({n / wall:.1f} turns/s)")
+    print(f"CPU  {cpu / n * 1e3:.2f} ms/turn (event loop thread {main_cpu / n / 1e6:.2f}, "
+          f"SQLite thread {db_cpu / n / 1e6:.2f})")
+    print(f"commits {(commits1[0] - commits0[0]) / n:.2f}/turn, fsyncs {(commits1[1] - commits0[1]) / n:.2f}/turn, "
+          f"SQLite transactions {batches / n:.2f}/turn, store operations {sum(ops.values()) / n:.2f}/turn:")
+    for name, count in ops.most_common():
+        print(f"  {name:<24} {count / n:6.2f}")
+    if args.wal_frames:
+        frames = (wal1 - wal0) / (4096 + 24)  # a WAL frame: a 24-byte header and a page
+        print(f"WAL frames (pages written) {frames / n:.1f}/turn, {frames / max(1, commits1[0] - commits0[0]):.1f}"
+              " per data-changing commit (autocheckpoint off)")
+    if store.sql_times is not None:
+        total = sum(times for _spent, times in store.sql_times.values())
+        print(f"\nSQL statements: {total / n:.1f}/turn; by thread CPU (ms per turn, count per turn):")
+        for sql, (spent, times) in sorted(store.sql_times.items(), key=lambda kv: -kv[1][0])[:args.top]:
+            print(f"  {spent / n * 1e3:7.3f} {times / n:6.2f}  {sql}")
+    for label, prof in (("event loop thread", profiler), ("SQLite thread", store.profiler)):
+        if prof is None:
+            continue
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out)
+        stats.sort_stats(args.sort).print_stats(args.top)
+        print(f"\n--- cProfile, {label}, sorted by {args.sort} ---")
+        print(out.getvalue())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--turns", type=int, default=100)
+    parser.add_argument("--sessions", type=int, default=1, help="1: sequential turns; more: sessions at once")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--poll", type=float, default=0.02, help="WorkerOptions.poll_seconds")
+    parser.add_argument("--builtin", action="store_true", help="the built-in loop instead of the scripted runner")
+    parser.add_argument("--profile", action="store_true", help="cProfile the event loop thread")
+    parser.add_argument("--profile-db", action="store_true", help="cProfile the SQLite thread's batches")
+    parser.add_argument("--sort", default="tottime", choices=["tottime", "cumulative", "ncalls"])
+    parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--history", type=int, default=0, help="print the last N history events of a session")
+    parser.add_argument("--wal-frames", action="store_true", help="turn WAL checkpoints off and count pages written")
+    parser.add_argument("--sql", action="store_true", help="CPU time per SQL statement text")
+    parser.add_argument("--wall", action="store_true", help="profile wall time instead of thread CPU time")
+    args = parser.parse_args()
+    if args.wall:
+        _CLOCK[0] = time.perf_counter
+    with tempfile.TemporaryDirectory(prefix="dex-profile-turn-") as tmp:
+        asyncio.run(run(args, Path(tmp) / "turn.db"))
+
+
+if __name__ == "__main__":
+    main()
