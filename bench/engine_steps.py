@@ -251,6 +251,11 @@ def worker_process_main(url: str, capacity: int = 64, marks_path: str = "") -> N
 
         _pg_store.BATCH_EXECUTE_COMMITS = False  # each commit through _transitions, as before migration 0002
 
+    if os.environ.get("DEX_BENCH_EACH"):
+        from dex_engine import _pg_store
+
+        _pg_store._COMMIT_EXECUTE = _pg_store._COMMIT_EXECUTE.replace("dex_commit_execute(", "dex_commit_execute_each(")
+
     def snapshot() -> None:
         Path(marks_path + ".tmp").write_text(json.dumps({"cpu": time.process_time(), **counts}))
         os.replace(marks_path + ".tmp", marks_path + ".snap")
@@ -265,7 +270,14 @@ def worker_process_main(url: str, capacity: int = 64, marks_path: str = "") -> N
         async with worker:
             await stop.wait()
 
-    asyncio.run(run())
+    if os.environ.get("DEX_BENCH_PROFILE"):
+        import cProfile
+
+        profiler = cProfile.Profile(time.thread_time)  # this thread's CPU; the store's lanes are not in it
+        profiler.runcall(asyncio.run, run())
+        profiler.dump_stats(f"{os.environ['DEX_BENCH_PROFILE']}.{os.getpid()}")
+    else:
+        asyncio.run(run())
     if marks_path:
         # perf_counter is CLOCK_MONOTONIC on Linux: one clock for every process of the machine.
         Path(marks_path).write_text(json.dumps(marks))
