@@ -8,10 +8,11 @@ are one call of the server-side function dex_commit_execute (migrations 0002, 00
 statements per batch) instead of a few statements each; elsewhere statements whose replies nobody
 reads travel with the next one that needs a reply. A poll with nothing to claim or clean up is
 one read-only statement. Writers to one flow serialize on its row (`FOR UPDATE`); claims skip rows
-other transactions hold (`FOR UPDATE SKIP LOCKED`), so workers never wait on each other's claims. Commits that make work ready send
-`NOTIFY dex_engine`; every worker process LISTENs on a dedicated connection and also polls, so a
-missed notification costs one poll interval. A dropped connection is replaced and the operation
-retried; so are deadlocks and serialization failures, which PostgreSQL resolves by aborting one side.
+other transactions hold (`FOR UPDATE SKIP LOCKED`), so workers never wait on each other's claims.
+Commits that make work ready send `NOTIFY dex_engine`; every worker process LISTENs on a dedicated
+connection and also polls, so a missed notification costs one poll interval. A dropped connection
+is replaced and the operation retried; so are deadlocks and serialization failures, which
+PostgreSQL resolves by aborting one side.
 
 Failure isolation: an operation that raises rolls its batch back; the others commit without it and
 it runs again alone. A batch waits at most BATCH_LOCK_TIMEOUT_MS for a row lock (two batches could
