@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 CLAIMED = "worker.claimed"  # attempt handed to this worker, handler not yet called
 BEFORE_COMMIT = "worker.before_commit"  # handler returned, result not yet sent to the store
@@ -18,6 +19,7 @@ HOUSEKEEPING = "worker.housekeeping"  # inside housekeeping (recovery of earlier
 
 _crash_at: dict[str, int] = {}
 _counts: dict[str, int] = {}
+_lock = threading.Lock()
 _log_path = os.environ.get("DEX_ENGINE_GATE_LOG")
 
 
@@ -37,12 +39,15 @@ ACTIVE = bool(_crash_at) or _log_path is not None
 def gate(name: str) -> None:
     if not ACTIVE:
         return
-    count = _counts.get(name, 0) + 1
-    _counts[name] = count
-    if _log_path is not None:
-        with open(_log_path, "a") as f:
-            f.write(f"{os.getpid()} {name}\n")
-            f.flush()
-            os.fsync(f.fileno())
-    if _crash_at.get(name) == count:
-        os.kill(os.getpid(), signal.SIGKILL)
+    # One crossing at a time, the kill included: gates are crossed on the event loop and on store
+    # threads, and no other thread's crossing may be counted or logged after the one that kills.
+    with _lock:
+        count = _counts.get(name, 0) + 1
+        _counts[name] = count
+        if _log_path is not None:
+            with open(_log_path, "a") as f:
+                f.write(f"{os.getpid()} {name}\n")
+                f.flush()
+                os.fsync(f.fileno())
+        if _crash_at.get(name) == count:
+            os.kill(os.getpid(), signal.SIGKILL)
