@@ -12,6 +12,8 @@ Run: uv run python bench/engine_steps.py [--sync FULL|NORMAL] [--chain-steps N]
 With --backend postgres the floor is one small INSERT committed on one connection, and the chains
 run at concurrency 1, 16 and 64 (--concurrency) on 1, 2 and 4 worker processes (--workers), each its
 own AsyncWorker and store; per-Step latencies come from marks the worker processes write at exit.
+With DEX_BENCH_PROFILE=<path> set, each worker process writes a cProfile of its event loop thread
+(thread CPU time) to <path>.<pid>.
 """
 
 from __future__ import annotations
@@ -251,6 +253,12 @@ def worker_process_main(url: str, capacity: int = 64, marks_path: str = "") -> N
 
         _pg_store.BATCH_EXECUTE_COMMITS = False  # each commit through _transitions, as before migration 0002
 
+    if os.environ.get("DEX_BENCH_EACH_COMMITS"):
+        from dex_engine import _pg_store
+
+        # A batch through the per-operation function (migration 0002's), as before migration 0003.
+        _pg_store._COMMIT_EXECUTE = _pg_store._COMMIT_EXECUTE.replace("dex_commit_execute(", "dex_commit_execute_each(")
+
     def snapshot() -> None:
         Path(marks_path + ".tmp").write_text(json.dumps({"cpu": time.process_time(), **counts}))
         os.replace(marks_path + ".tmp", marks_path + ".snap")
@@ -265,7 +273,14 @@ def worker_process_main(url: str, capacity: int = 64, marks_path: str = "") -> N
         async with worker:
             await stop.wait()
 
-    asyncio.run(run())
+    if os.environ.get("DEX_BENCH_PROFILE"):
+        import cProfile
+
+        profiler = cProfile.Profile(time.thread_time)  # this thread's CPU; the store's lanes are not in it
+        profiler.runcall(asyncio.run, run())
+        profiler.dump_stats(f"{os.environ['DEX_BENCH_PROFILE']}.{os.getpid()}")
+    else:
+        asyncio.run(run())
     if marks_path:
         # perf_counter is CLOCK_MONOTONIC on Linux: one clock for every process of the machine.
         Path(marks_path).write_text(json.dumps(marks))
@@ -349,16 +364,18 @@ async def drive_chains(
 
 
 def run_chain_processes(
-    url: str, processes: int, concurrency: int, steps: int, generic: bool = False,
+    url: str, processes: int, concurrency: int, steps: int, commits: str = "batched",
 ) -> tuple[list[float], float, int, dict[str, float]]:
     """Chains on `processes` worker processes, each with an equal share of the concurrency (so that
     the chains spread over them: a chain stays on the worker that first claimed it). With
-    `generic`, the workers commit each Execute through _transitions instead of dex_commit_execute."""
+    `commits` 'generic', the workers commit each Execute through _transitions instead of dex_commit_execute;
+    with 'each', through dex_commit_execute_each (one operation after the other, in the server)."""
     capacity = -(-concurrency // processes)
     tmp = Path(tempfile.mkdtemp(prefix="dex-bench-marks-"))
     paths = [tmp / f"marks-{i}.json" for i in range(processes)]
     worker_url = _with_app_name(url, WORKER_APP)
-    env = {**os.environ, **({"DEX_BENCH_GENERIC_COMMITS": "1"} if generic else {})}
+    switch = {"generic": "DEX_BENCH_GENERIC_COMMITS", "each": "DEX_BENCH_EACH_COMMITS"}.get(commits)
+    env = {**os.environ, **({switch: "1"} if switch else {})}
     children = [subprocess.Popen([sys.executable, __file__, "--serve", worker_url, str(capacity), str(path)], env=env)
                 for path in paths]
     try:
@@ -387,12 +404,14 @@ def main_postgres(args: argparse.Namespace) -> None:
     print(f"\n{'workload':<46}{'median ms':>10}{'p95 ms':>8}{'x floor':>8}{'Steps/s':>8}"
           f"{'CPU ms/Step: worker':>21}{'server':>7}{'stmts':>7}{'trips':>7}{'txns':>6}")
     for processes, concurrency, path in itertools.product(args.workers, args.concurrency, args.commits):
-        steps = args.chain_steps or {1: 200, 16: 50}.get(concurrency, 30)
+        # Long enough that starting the chains (64 start_flow calls, their first claims by polls) and
+        # the tail (the last chains finishing alone) are a small part of the measured interval.
+        steps = args.chain_steps or {1: 200, 16: 100}.get(concurrency, 100)
         # Named per run, so that two runs at once do not drop each other's database.
         name = f"dex_bench_{os.getpid()}_{processes}_{concurrency}"
         url = fresh_pg_database(args.pg_dsn, name)
         try:
-            gaps, wall, total, cost = run_chain_processes(url, processes, concurrency, steps, path == "generic")
+            gaps, wall, total, cost = run_chain_processes(url, processes, concurrency, steps, path)
         finally:
             drop_pg_database(args.pg_dsn, name)
         med = statistics.median(gaps)
@@ -425,8 +444,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16,64", type=lambda s: [int(x) for x in s.split(",")],
                         help="PostgreSQL: chains run at once (default 1,16,64)")
     parser.add_argument("--commits", default="batched", type=lambda s: s.split(","),
-                        help="PostgreSQL: 'batched' (dex_commit_execute), 'generic' (_transitions) or both "
-                             "(batched,generic: each configuration runs with both, one after the other)")
+                        help="PostgreSQL: 'batched' (dex_commit_execute), 'each' (dex_commit_execute_each, "
+                             "one operation after the other), 'generic' (_transitions), or several, comma-"
+                             "separated: each configuration runs with each, one after the other")
     args = parser.parse_args()
     if args.backend == "postgres":
         main_postgres(args)

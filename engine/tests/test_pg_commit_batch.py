@@ -18,10 +18,12 @@ import pytest
 
 from dex_engine import FlowConfig, LoadOptions, StepDurability, StepOptions, Store, open_store
 from dex_engine import _pg_store as pg
+from dex_engine import _transitions as tx
 from dex_engine._errors import FlowNotActiveError, StaleAttemptError
 from dex_engine._limits import HISTORY_TRIM_CHECK_EVERY, MAX_HISTORY_EVENTS_PER_FLOW
 from dex_engine._options import LoadSpec, TaskOptions, resolve_task_options
 from dex_engine._records import DecisionRecord, Lease, MovementRecord, StartRequest, WriteSet
+from dex_engine._store import now_ms
 
 Commit = Callable[[Lease, WriteSet, DecisionRecord, "tuple[str, list[str], int] | None"], Awaitable[list[Lease]]]
 
@@ -263,5 +265,78 @@ async def test_one_call_commits_a_batch_and_rejects_only_the_stale_commit(pg_dat
             assert (await store.read_attribute(r.fid(name), "x", "")) == (b"1" if written else None)
             events = [h.event_type for h in await store.history(r.fid(name))]
             assert ("execute_completed" in events) is written, (name, events)
+    finally:
+        await store.close()
+
+
+async def _one_batch(r: Run) -> None:
+    """Several Executes of several shapes, one per flow, committed together; then two Executes of
+    one flow together (that batch takes dex_commit_execute_each: the second must not leak into the
+    first's next-Step snapshot)."""
+    await r.start("a")
+    await r.start("b")
+    await r.start("c")
+    await r.start("d", config=FlowConfig(default_step_durability=StepDurability.ASYNC))
+    await r.start("e")
+    await r.start("f", LOCKED)
+    await r.start("g")
+    leases = {x.flow_id: x for x in await r.claim(10)}
+    # g's Step leaves a second one running, so that its graceful completion does not close it yet.
+    [g2] = await r.run(leases[r.fid("g")], _go(("B", NOOP)))
+    batch = [
+        (leases[r.fid("a")], _go(("B", LOAD_ALL)), WriteSet(attributes={("x", ""): b"1", ("m", "k"): b"[2]"}), 1),
+        (leases[r.fid("b")], _go(("B", NOOP), ("B", NOOP), ("C", LOCKED), ("B", NOOP)), WriteSet(), 2),
+        (leases[r.fid("c")], DecisionRecord("graceful_complete", output=b'"out"'), WriteSet(), 1),
+        (leases[r.fid("d")], _go(("B", NOOP), ("C", PINNED_SYNC)), WriteSet(), None),
+        (_with_epoch(leases[r.fid("e")], 9), _go(("B", NOOP)), WriteSet(attributes={("x", ""): b"1"}), 1),
+        (leases[r.fid("f")], DEAD_END, WriteSet(attributes={("gone", ""): None}), 1),
+        (g2, DecisionRecord("graceful_complete", output=b'"g"'), WriteSet(), 1),
+    ]
+    await r.batch(batch)
+    await r.start("p")
+    [lease] = await r.claim()
+    first, second = await r.run(lease, _go(("B", NOOP), ("C", NOOP)), capacity=2)
+    await r.batch([(first, _go(("D", LOAD_ALL)), WriteSet(attributes={("x", ""): b"1"}), 1),
+                   (second, _go(("E", NOOP)), WriteSet(attributes={("y", ""): b"2"}), 1)])
+
+
+async def test_a_batch_of_many_shapes_leaves_what_one_commit_at_a_time_leaves(pg_database: str) -> None:
+    """Executes of many shapes (writes and a loaded handoff, fan-out past the free slots with a
+    locked Step, graceful completion that closes and one that does not, ASYNC by config, a stale
+    attempt, a dead end releasing its lock) in one dex_commit_execute call leave the rows, and
+    hand out the attempts, that committing them one at a time through _transitions does; so do
+    two Executes of one flow in one call. Catches set-based statements that mix up operations."""
+    store = open_store(pg_database)
+    try:
+        async def one_at_a_time(r: Run, batch: list[Any]) -> None:
+            for lease, decision, writes, capacity in sorted(batch, key=lambda b: b[0].flow_id):
+                await r.run(lease, decision, writes, capacity)
+
+        async def together(r: Run, batch: list[Any]) -> None:
+            ordered = sorted(batch, key=lambda b: b[0].flow_id)
+            commits = [pg._ExecuteCommit(lease, writes, decision, None if capacity is None else ("w", ["F"], capacity))
+                       for lease, decision, writes, capacity in ordered]
+
+            def commit(db: Any) -> list[Any]:
+                results = pg._commit_executes(db, commits)
+                # As the store's batch transaction does: a commit that handed nothing over claims ready work.
+                return [tx.claim(db, "w", ["F"], c.claim[2], now_ms()) if c.claim and result == [] else result
+                        for c, result in zip(commits, results, strict=True)]
+
+            for result in await store.raw(commit, write=True):
+                r.outcomes.append(type(result.error).__name__ if isinstance(result, pg._Rejected)
+                                  else [_lease_shape(x) for x in result])
+
+        generic = Run(store, "G", lambda *a: Store.commit_execute(store, *a))
+        generic.batch = lambda batch: one_at_a_time(generic, batch)  # type: ignore[attr-defined]
+        await _one_batch(generic)
+        batched = Run(store, "F", store.commit_execute)
+        batched.batch = lambda batch: together(batched, batch)  # type: ignore[attr-defined]
+        await _one_batch(batched)
+        assert batched.outcomes == generic.outcomes
+        assert "StaleAttemptError" in batched.outcomes
+        got, want = await _rows(store, "F"), await _rows(store, "G")
+        for table in want:
+            assert got[table] == want[table], table
     finally:
         await store.close()

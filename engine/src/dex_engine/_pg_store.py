@@ -4,14 +4,15 @@ Operations queue to a few lanes, each a thread with one pooled connection in pip
 transitions are synchronous code). The first lane, whenever free, takes every queued operation (up
 to MAX_BATCH_OPS) and runs them in one transaction, so they share one COMMIT and its WAL flush
 (group commit); the others help only when it is stuck (_Dispatcher). The Execute commits of a batch
-are one call of the server-side function dex_commit_execute (migration 0002) instead of a few
-statements each; elsewhere statements whose replies nobody reads travel with the next one that
-needs a reply. A poll with nothing to claim or clean up is one read-only statement. Writers to one
-flow serialize on its row (`FOR UPDATE`); claims skip rows other transactions hold (`FOR UPDATE
-SKIP LOCKED`), so workers never wait on each other's claims. Commits that make work ready send
-`NOTIFY dex_engine`; every worker process LISTENs on a dedicated connection and also polls, so a
-missed notification costs one poll interval. A dropped connection is replaced and the operation
-retried; so are deadlocks and serialization failures, which PostgreSQL resolves by aborting one side.
+are one call of the server-side function dex_commit_execute (migrations 0002, 0003: about ten
+statements per batch) instead of a few statements each; elsewhere statements whose replies nobody
+reads travel with the next one that needs a reply. A poll with nothing to claim or clean up is
+one read-only statement. Writers to one flow serialize on its row (`FOR UPDATE`); claims skip rows
+other transactions hold (`FOR UPDATE SKIP LOCKED`), so workers never wait on each other's claims.
+Commits that make work ready send `NOTIFY dex_engine`; every worker process LISTENs on a dedicated
+connection and also polls, so a missed notification costs one poll interval. A dropped connection
+is replaced and the operation retried; so are deadlocks and serialization failures, which
+PostgreSQL resolves by aborting one side.
 
 Failure isolation: an operation that raises rolls its batch back; the others commit without it and
 it runs again alone. A batch waits at most BATCH_LOCK_TIMEOUT_MS for a row lock (two batches could
@@ -71,7 +72,7 @@ CHANNEL = "dex_engine"
 # Lanes (connections) per process. Each runs one transaction at a time, carrying every operation
 # queued meanwhile, so a few keep a worker's commits, heartbeats and polls flowing.
 DEFAULT_POOL_SIZE = 4
-# Execute commits of a batch go to the server as one dex_commit_execute call (migration 0002);
+# Execute commits of a batch go to the server as one dex_commit_execute call (migrations 0002, 0003);
 # False sends each through _transitions.commit_execute (about four statements each), e.g. to compare.
 BATCH_EXECUTE_COMMITS = True
 # The other lanes take queued operations only when the first has been busy this long with one batch.
