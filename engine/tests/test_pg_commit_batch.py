@@ -217,11 +217,18 @@ def _with_epoch(lease: Lease, epoch: int) -> Lease:
 SCENARIOS = [chain_handoff, writes_and_loads, fan_out, method_locks, graceful, async_default, rejected, history_trim]
 
 
+# dex_commit_execute sends a lone commit to dex_commit_execute_each; the scenarios, which commit
+# one Execute per call, also run through dex_commit_execute_sets, which it uses for larger batches.
+FUNCTIONS = ["dex_commit_execute_each", "dex_commit_execute_sets"]
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.__name__ for s in SCENARIOS])
 async def test_batched_commit_leaves_what_the_transitions_leave(
-    pg_database: str, scenario: Callable[[Run], Awaitable[None]], monkeypatch: pytest.MonkeyPatch,
+    pg_database: str, scenario: Callable[[Run], Awaitable[None]], function: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Same rows and same handed-out attempts through dex_commit_execute as through _transitions."""
+    """Same rows and same handed-out attempts through either server function as through _transitions."""
+    monkeypatch.setattr(pg, "_COMMIT_EXECUTE", pg._COMMIT_EXECUTE.replace("dex_commit_execute(", f"{function}("))
     store = open_store(pg_database)
     calls: list[int] = []
     real = pg._commit_executes
@@ -305,7 +312,8 @@ async def test_a_batch_of_many_shapes_leaves_what_one_commit_at_a_time_leaves(pg
     locked Step, graceful completion that closes and one that does not, ASYNC by config, a stale
     attempt, a dead end releasing its lock) in one dex_commit_execute call leave the rows, and
     hand out the attempts, that committing them one at a time through _transitions does; so do
-    two Executes of one flow in one call. Catches set-based statements that mix up operations."""
+    two Executes of one flow in one call (which dex_commit_execute gives to dex_commit_execute_each).
+    Catches set-based statements that mix up operations."""
     store = open_store(pg_database)
     try:
         async def one_at_a_time(r: Run, batch: list[Any]) -> None:

@@ -2,13 +2,15 @@
 --
 -- Version 2's function ran four to six statements per operation, and the server's cost per
 -- statement (executor start and end, a plan chosen anew for some of them) was most of its CPU per
--- Step. This one takes the same arguments and returns the same rows (see 0002), but runs about ten
--- statements per batch: lock and check every lease, write every attribute, delete every finished
--- task, insert every next task with its counters, complete and close flows, and write the history.
+-- Step. dex_commit_execute_sets takes the same arguments and returns the same rows (see 0002), but
+-- runs about twelve statements per batch whatever its size: lock and check every lease, write every
+-- attribute, delete every finished task, insert every next task with its counters, complete and
+-- close flows, and write the history.
 --
--- Within one call each operation must see the ones before it. That only matters when two of them
--- belong to one flow (the next Step's snapshot after the first must not hold the second's writes):
--- such batches, rare, go to version 2's function, kept as dex_commit_execute_each.
+-- dex_commit_execute now picks one of the two. A lone operation takes version 2's function, kept
+-- as dex_commit_execute_each, which runs fewer statements for it. So does a batch in which two
+-- operations belong to one flow: there each must see the one before it (the next Step's snapshot
+-- after the first must not hold the second's writes), which only running them in turn gives.
 --
 -- Every statement here is a lookup or a write by key whose plan does not depend on the values: the
 -- functions always run generic plans, never planning again per call.
@@ -38,8 +40,8 @@ LANGUAGE sql STABLE AS $$
       ) s
 $$;
 
-CREATE FUNCTION dex_commit_execute(p_ops JSONB, p_attrs JSONB, p_moves JSONB, p_now BIGINT,
-                                   trim_every INTEGER, keep_events INTEGER)
+CREATE FUNCTION dex_commit_execute_sets(p_ops JSONB, p_attrs JSONB, p_moves JSONB, p_now BIGINT,
+                                        trim_every INTEGER, keep_events INTEGER)
 RETURNS TABLE (r_idx INTEGER, r_kind TEXT, r_task BIGINT, r_seid TEXT, r_async BOOLEAN, r_snapshot BYTEA)
 LANGUAGE plpgsql
 -- A batch is at most MAX_BATCH_OPS operations: every join below is a few lookups by key, which
@@ -94,11 +96,6 @@ DECLARE
     i INTEGER;
     j INTEGER;
 BEGIN
-    IF (SELECT count(DISTINCT e ->> 0) < count(*) FROM jsonb_array_elements(p_ops) e) THEN
-        RETURN QUERY SELECT * FROM dex_commit_execute_each(p_ops, p_attrs, p_moves, p_now, trim_every, keep_events);
-        RETURN;
-    END IF;
-
     SELECT array_agg(e ->> 0 ORDER BY n), array_agg((e ->> 1)::BIGINT ORDER BY n),
            array_agg((e ->> 2)::BIGINT ORDER BY n), array_agg(e ->> 3 ORDER BY n), array_agg(e ->> 4 ORDER BY n),
            array_agg(e ->> 5 ORDER BY n), array_agg((e ->> 6)::INTEGER ORDER BY n), array_agg(e ->> 7 ORDER BY n),
@@ -275,6 +272,19 @@ BEGIN
 
     IF v_notify THEN
         PERFORM pg_notify('dex_engine', '');
+    END IF;
+END
+$$;
+
+CREATE FUNCTION dex_commit_execute(p_ops JSONB, p_attrs JSONB, p_moves JSONB, p_now BIGINT,
+                                   trim_every INTEGER, keep_events INTEGER)
+RETURNS TABLE (r_idx INTEGER, r_kind TEXT, r_task BIGINT, r_seid TEXT, r_async BOOLEAN, r_snapshot BYTEA)
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF (SELECT count(*) > 1 AND count(DISTINCT e ->> 0) = count(*) FROM jsonb_array_elements(p_ops) e) THEN
+        RETURN QUERY SELECT * FROM dex_commit_execute_sets(p_ops, p_attrs, p_moves, p_now, trim_every, keep_events);
+    ELSE
+        RETURN QUERY SELECT * FROM dex_commit_execute_each(p_ops, p_attrs, p_moves, p_now, trim_every, keep_events);
     END IF;
 END
 $$;
