@@ -526,3 +526,37 @@ async def test_an_rpc_bumps_the_version_once_and_completes_a_flow_only_by_cancel
         await eng.client.rpc("f1", "cancel", "Waiter")
         info = await eng.client.wait_for_flow("f1", 10)
     assert info.status == "completed"
+
+
+@pytest.mark.sqlite_only
+async def test_steps_a_cancelled_client_commit_claimed_still_run(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The RPC whose publish satisfies Waiter's wait is cancelled while its commit waits behind
+    another transaction: the commit happens anyway and claims Waiter's Execute for the worker, which
+    must run it though the caller never saw the reply. Lost-claim recovery is off here (bound of
+    11 days), so nothing else could start it. Catches: a hand-off whose leases are only delivered
+    to the caller (the Step then sat claimed and idle until lost-claim recovery, 10 s or more)."""
+    import time
+
+    from dex_engine import _worker
+
+    monkeypatch.setattr(_worker, "LOST_CLAIM_MS", 10**9)
+    probe = Probe()
+    async with engine_for(db_url, Registry([blind_flow(probe)])) as eng:
+        await eng.client.start_flow("Blind", "f1")
+
+        async def has(event_type: str) -> bool:
+            return any(h.event_type == event_type for h in await eng.client.get_flow_history("f1"))
+
+        await wait_until("Waiter's wait registered", lambda: has("wait_registered"))
+        assert await eng.client.rpc("f1", "post", 1) is True
+        blocker = asyncio.create_task(eng.store.raw(lambda db: time.sleep(0.5)))
+        await asyncio.sleep(0.05)  # the store's thread is in the blocker
+        post = asyncio.create_task(eng.client.rpc("f1", "post", 2))
+        await asyncio.sleep(0.1)  # its commit is queued behind the blocker
+        post.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await post
+        await blocker
+        await wait_until("Waiter executed", lambda: _count(probe.executed, 1))
+        await wait_until("Waiter's commit", lambda: has("execute_completed"))
+    assert probe.executed == [("Waiter-1", False, [1, 2])]

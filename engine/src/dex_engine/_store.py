@@ -108,8 +108,8 @@ class Store(ABC):
     async def _run_handing_off(self, fn: Callable[[Db], R]) -> R:
         """Run a client's write. When it makes Steps ready and a worker of this process on this
         event loop has free slots, that worker claims them in this same transaction, as a commit of
-        its own would: no wake-up, poll and claim transaction after it. A claim whose reply never
-        reaches the worker (the caller was cancelled) is handed back as a lost claim (E3)."""
+        its own would: no wake-up, poll and claim transaction after it. The commit runs as a task of
+        its own, so the attempts it claimed start even when the caller is cancelled meanwhile."""
         for claimer in self._claimers:
             request = claimer.local_claim()
             if request is not None:
@@ -125,14 +125,19 @@ class Store(ABC):
                 return result, None  # nothing became ready: the worker is woken as usual
             return result, tx.claim(db, worker_id, flow_types, capacity, now_ms())
 
-        leases: list[Lease] | None = None
         # Its commit does not wake the worker it claimed for (see local_claim_done).
         origin = commit_origin.set(claimer.local_origin())
         try:
-            result, leases = await self._run(op, write=True)
+            commit = asyncio.ensure_future(self._run(op, write=True))  # the task copies the origin
         finally:
             commit_origin.reset(origin)
-            claimer.local_claim_done(token, leases, capacity)
+
+        def landed(done: asyncio.Future[tuple[R, list[Lease] | None]]) -> None:
+            failed = done.cancelled() or done.exception() is not None
+            claimer.local_claim_done(token, None if failed else done.result()[1], capacity)
+
+        commit.add_done_callback(landed)  # before shield's: the attempts start before the caller resumes
+        result, _ = await asyncio.shield(commit)
         return result
 
     # Flows
