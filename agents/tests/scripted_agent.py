@@ -29,7 +29,8 @@ poll_tool_task plays `polls` in order, keeping its position in the call's input_
 (`p<n>`: the next poll plays polls[n]), so a crashed poll replays the same step:
 `{"pending": seconds}` returns ToolTaskPending (`"keep": text` returns that continuation instead);
 `{"ask": question, "choices": [...]}` returns ToolInputRequested; `{"result": text}` returns it, with
-`{answers}` replaced by the JSON list of [resolution, answer] the task received; `{"fail": text}`
+`{answers}` replaced by the JSON list of [resolution, answer] the task received (`{"result_bytes": n}`
+returns n bytes); `{"fail": text}`
 raises ToolExecutionError, `{"unknown": text}` ToolOutcomeUnknownError, `{"crash": text}` RuntimeError
 (`"attempts": n`: only on the first n attempts); `"gate": name` in any poll step waits there first.
 Every poll is logged (`poll`, with its position, attempt and pending_answer). cancel_tool_task logs
@@ -253,6 +254,8 @@ class ScriptedRunner:
             raise ToolOutcomeUnknownError(step["unknown"])
         if "crash" in step and poll.attempt <= step.get("attempts", 1_000_000):
             raise RuntimeError(step["crash"])
+        if "result_bytes" in step:
+            return ToolExecutionResult("x" * int(step["result_bytes"]))
         received = [[a.resolution.value, a.answer] for a in poll.input_answers]
         return ToolExecutionResult(str(step.get("result", "task done")).replace("{answers}", json.dumps(received)))
 

@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -96,7 +97,7 @@ from dex_agents.testing import (
     wait_for_agent_snapshot,
     wait_until,
 )
-from dex_engine import AttemptProgress, Context, LoadOptions, RecoveryError, Timer, Wait
+from dex_engine import MAX_VALUE_BYTES, AttemptProgress, Context, LoadOptions, RecoveryError, Timer, Wait
 
 DAY = 86_400
 # Tools by name prefix (scripted_agent.POLICIES); write_now is a single-attempt write with no approval.
@@ -679,6 +680,23 @@ async def test_kill_during_a_poll_reruns_only_that_poll(workers: SharedWorkers) 
         "RunModel"]
     finals = [e.final_attempt for e in history if e.event_type == "execute_completed" and e.step_type == POLL_TOOL_TASK]
     assert finals == [1, 2, 1]
+
+
+async def test_task_result_over_the_value_limit(tmp_path: Path) -> None:
+    """A task's result too large to store ends its call as CallTool's would: a read fails with the
+    size note (safe to ask again), a write the task ran succeeds with the note as its output; each
+    final poll ran once."""
+    big = [{"result_bytes": MAX_VALUE_BYTES}]
+    async with _in_process(tmp_path, tool_policies=NO_APPROVAL_WRITE) as (_engine, sessions, log):
+        await sessions.start_session("s", _script(_task("r", "read_report", big), _task("w", "write_now", big)))
+        outcomes, _ = await _outcomes(sessions)
+        note = (rf"the tool's output is \d+ bytes, over the session's value limit of {MAX_VALUE_BYTES}; "
+                "it was not stored")
+        assert outcomes["r"]["status"] == "failed", outcomes["r"]
+        assert re.fullmatch(note, outcomes["r"]["error"]), outcomes["r"]["error"]
+        assert outcomes["w"]["status"] == "succeeded", outcomes["w"]
+        assert re.fullmatch(rf"\[Dex\] The tool call succeeded, but {note}\.", outcomes["w"]["output"])
+        assert _polls(log, "r") == [(0, 1)] and _polls(log, "w") == [(0, 1)]
 
 
 async def test_poll_failures_follow_the_calls_effect(tmp_path: Path) -> None:

@@ -288,7 +288,7 @@ class TaskSteps:
             # A Worker whose runner lost poll_tool_task since the task started.
             rt.finish_record(ctx, finished(polled, status_by_effect(record), error=MISSING_TOOL_TASK_POLLER))
             return StepDecision.dead_end()
-        from ._tool_steps import idempotency_key, oversized_output
+        from ._tool_steps import finish_tool_call, idempotency_key
 
         pending_answer = record.input_answers[-1] if record.task_answer_pending and record.input_answers else None
         writer = rt.live_writer(ctx, record.turn_id)
@@ -326,11 +326,7 @@ class TaskSteps:
             final = finished(polled, AgentToolCallStatus.SUCCEEDED, output=result.output)
         finally:
             writer.close()
-        try:
-            rt.finish_record(ctx, final)
-        except ValueTooLargeError as exc:
-            rt.finish_record(ctx, oversized_output(polled, exc))
-        return StepDecision.dead_end()
+        return finish_tool_call(rt, ctx, polled, final)
 
     def _pending(self, ctx: Context, record: AgentToolCall, pending: ToolTaskPending) -> StepDecision:
         problem = tool_task_pending_problem(pending)

@@ -92,6 +92,16 @@ def oversized_output(record: AgentToolCall, error: ValueTooLargeError) -> AgentT
     return finished(record, AgentToolCallStatus.SUCCEEDED, output=f"[Dex] The tool call succeeded, but {note}.")
 
 
+def finish_tool_call(rt: SessionRuntime, ctx: Context, record: AgentToolCall, final: AgentToolCall) -> StepDecision:
+    """End a tool Step with `final`, the outcome of `record`; when its output is too large to store,
+    with oversized_output's outcome instead."""
+    try:
+        rt.finish_record(ctx, final)
+    except ValueTooLargeError as exc:
+        rt.finish_record(ctx, oversized_output(record, exc))
+    return StepDecision.dead_end()
+
+
 def input_request_problem(request: ToolInputRequested) -> str | None:
     """None for a question the session can ask; else what is wrong with it."""
     question: object = request.question
@@ -260,11 +270,7 @@ class ToolSteps:
             final = finished(record, AgentToolCallStatus.SUCCEEDED, output=result.output)
         finally:
             writer.close()
-        try:
-            rt.finish_record(ctx, final)
-        except ValueTooLargeError as exc:
-            rt.finish_record(ctx, oversized_output(record, exc))
-        return StepDecision.dead_end()
+        return finish_tool_call(rt, ctx, record, final)
 
     def _ask(self, ctx: Context, record: AgentToolCall, request: ToolInputRequested) -> StepDecision:
         """Store the tool's question on its record and move to AwaitQuestionAnswer, which raises it.
