@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import msgspec
 
@@ -50,6 +50,7 @@ from ._wait_selection import select_wait
 
 Row = tuple[Any, ...]
 R = TypeVar("R")
+S = TypeVar("S")
 
 
 HistoryRow = tuple[str, str, str, str, int, int, str]  # flow, step type, execution ID, event, attempt, at, detail
@@ -391,7 +392,7 @@ def create_task(
          handoff.worker_id, now, now, start.deadline, start.method_deadline, start.snapshot),
     )
     _history(db, flow_id, step_type, seid, STEP_SCHEDULED, 0, now)
-    _options_cache[options_blob] = options
+    _decode_options.remember(options_blob, options)
     handoff.capacity -= 1
     handoff.leases.append(Lease(
         task_id=task_id, lease_epoch=1, flow_id=flow_id, flow_type=flow_type, step_type=movement.step_type,
@@ -451,19 +452,33 @@ def _attempt_start(
     return _AttemptStart(attrs, snapshot, min(deadlines) if deadlines else None, method_deadline)
 
 
-# Decoded TaskOptions by their stored bytes: a flow's Steps share a few option sets, and decoding
-# (with RetryPolicy validation) was a visible part of every claim.
-_options_cache: dict[bytes, TaskOptions] = {}
-_OPTIONS_CACHE_MAX = 4096
+class _DecodedBlobs(Generic[S]):
+    """Frozen values decoded from their stored JSON bytes, remembered by those bytes: a database
+    holds few distinct ones (a flow's Steps share a few option sets, flows a few configs, waits a
+    few shapes), and decoding them was a visible part of every claim and commit. At most
+    _DECODED_BLOBS_MAX are kept; a full cache starts over."""
+
+    def __init__(self, value_type: type[S]) -> None:
+        self._type = value_type
+        self._by_blob: dict[bytes, S] = {}
+
+    def __call__(self, blob: bytes) -> S:
+        value = self._by_blob.get(blob)
+        if value is None:
+            value = decode_json(blob, self._type)
+            self.remember(blob, value)
+        return value
+
+    def remember(self, blob: bytes, value: S) -> None:
+        if len(self._by_blob) >= _DECODED_BLOBS_MAX:
+            self._by_blob.clear()
+        self._by_blob[blob] = value
 
 
-def _decode_options(blob: bytes) -> TaskOptions:
-    options = _options_cache.get(blob)
-    if options is None:
-        if len(_options_cache) >= _OPTIONS_CACHE_MAX:
-            _options_cache.clear()
-        options = _options_cache[blob] = decode_json(blob, TaskOptions)
-    return options
+_DECODED_BLOBS_MAX = 4096
+_decode_options = _DecodedBlobs(TaskOptions)
+_decode_config = _DecodedBlobs(FlowConfig)
+_decode_wait_spec = _DecodedBlobs(WaitSpec)
 
 
 def _method_options(options: TaskOptions, method: str) -> MethodOptions:
@@ -595,20 +610,6 @@ def _check_lease(db: Db, lease: Lease, live: bool) -> tuple[FlowConfig, bool, bo
     if row[2] != "running":
         raise FlowNotActiveError(lease.flow_id, str(row[2]))
     return _decode_config(bytes(row[3])), bool(row[4]), bool(row[5])
-
-
-# Decoded FlowConfigs by their stored bytes (frozen Structs): flows share a few configurations, and
-# every commit under a lease reads its flow's.
-_configs: dict[bytes, FlowConfig] = {}
-
-
-def _decode_config(blob: bytes) -> FlowConfig:
-    config = _configs.get(blob)
-    if config is None:
-        if len(_configs) >= _OPTIONS_CACHE_MAX:
-            _configs.clear()
-        config = _configs[blob] = decode_json(blob, FlowConfig)
-    return config
 
 
 def _release_method_locks(db: Db, lease: Lease) -> None:
@@ -812,19 +813,6 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
         db.notify()
         count += 1
     return count
-
-
-_wait_specs: dict[bytes, WaitSpec] = {}
-
-
-def _decode_wait_spec(blob: bytes) -> WaitSpec:
-    """Decoded wait specs by their stored bytes: a flow's waits come in a few shapes."""
-    spec = _wait_specs.get(blob)
-    if spec is None:
-        if len(_wait_specs) >= _OPTIONS_CACHE_MAX:
-            _wait_specs.clear()
-        spec = _wait_specs[blob] = decode_json(blob, WaitSpec)
-    return spec
 
 
 def skip_timer(db: Db, flow_id: str, step_execution_id: str, now: int) -> None:
