@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import types
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -636,6 +637,39 @@ def _running_state(**fields: Any) -> AgentState:
     state = AgentState(status=AgentStatus.RUNNING_MODEL, turn_count=0, active_turn_id="turn-1",
                        next_message_sequence=2, last_turn_error=None, accepts_turn_control=True)
     return msgspec.structs.replace(state, **fields)
+
+
+class _Builds(_NoModel):
+    """A runner whose unfinished-turn builder returns `built`, or raises when it is an exception."""
+
+    def __init__(self, built: Any) -> None:
+        self.built = built
+
+    def build_unfinished_turn_messages(self, turn: Any) -> Any:
+        if isinstance(self.built, Exception):
+            raise self.built
+        return self.built
+
+
+def test_unfinished_turn_messages_are_none_without_a_builder_or_when_it_fails() -> None:
+    """The steered, cancelled and failed turn ends store the note instead of the runner's items when
+    it has none to give: no builder, a builder that raises, or one that breaks the item contract
+    (each logged); a working builder's items come back checked. Catches a runner defect that blocks
+    the end of a turn, or an empty list taken for "no builder"."""
+    from agents.tests.scripted_agent import item
+
+    turn: Any = types.SimpleNamespace(flow_id="f", turn_id="turn-1")  # the builders do not read it; the log does
+    answer = item(MessageRole.ASSISTANT, text="half an answer")
+
+    def built(runner: Any) -> Any:
+        flow = AgentSessionFlow(runner, "Builds")
+        return SessionRuntime(flow.runner, flow.options, flow.events).unfinished_turn_messages(turn)
+
+    assert built(_NoModel()) is None
+    assert built(_Builds(RuntimeError("builder bug"))) is None
+    assert built(_Builds(["not a framework message"])) is None
+    assert built(_Builds([])) == []
+    assert built(_Builds([answer])) == [answer]
 
 
 async def test_run_model_in_a_steered_turn_ends_it_without_a_model_call() -> None:

@@ -68,7 +68,7 @@ from ._persistence import (
     TURN_CONTROL_REQUESTS,
 )
 from ._policy import CANCELLED_NOTE_HEADER, STEERED_NOTE_HEADER, build_tool_call_note
-from ._runner import AgentTurnContext, FrameworkMessage, UnfinishedTurnMessageBuilder
+from ._runner import AgentTurnContext, FrameworkMessage
 from ._runtime import (
     INTERRUPT_STEP_LOAD_EXTRA,
     SessionRuntime,
@@ -77,7 +77,7 @@ from ._runtime import (
     tool_call_load,
 )
 from ._timefmt import utc_now_text
-from ._turn_logic import TurnContractError, check_framework_messages, ended_turn, finished
+from ._turn_logic import TurnContractError, ended_turn, finished
 from ._wire import (
     AgentInterrupt,
     AgentState,
@@ -353,20 +353,6 @@ def woken_waiting_call(
     return abandon_call(rt, ctx, record, reason, interrupts=True)
 
 
-def built_unfinished_messages(rt: SessionRuntime, turn: AgentTurnContext) -> list[FrameworkMessage] | None:
-    """The runner's unfinished-turn messages, or None when it has none to give (no builder, or the
-    builder failed, which is logged: a runner defect never blocks the end of a turn)."""
-    if not isinstance(rt.runner, UnfinishedTurnMessageBuilder):
-        return None
-    try:
-        built = rt.runner.build_unfinished_turn_messages(turn)
-        return check_framework_messages(built, "build_unfinished_turn_messages(...)")
-    except Exception:
-        log.warning("flow %s turn %s: build_unfinished_turn_messages failed; storing the note instead",
-                    turn.flow_id, turn.turn_id, exc_info=True)
-        return None
-
-
 def end_controlled_turn(
     rt: SessionRuntime,
     ctx: Context,
@@ -422,7 +408,7 @@ def end_turn_before_model_call(
     assert reason is not None
     turn.events.close()
     end_controlled_turn(rt, ctx, state, turn_id, reason, steered_message_count=control.steered_message_count,
-                        unfinished=built_unfinished_messages(rt, turn))
+                        unfinished=rt.unfinished_turn_messages(turn))
     return go_to_apply_turn_control(ctx, rt.options)
 
 
@@ -478,7 +464,7 @@ class ControlSteps:
             reason = CancellationReason.TURN_CANCELLED if control.cancelled else CancellationReason.STEERED
             turn = self.turn.turn_context(ctx, state, turn_id, live=False)
             state = end_controlled_turn(rt, ctx, state, turn_id, reason, steered_message_count=len(steered),
-                                        unfinished=built_unfinished_messages(rt, turn))
+                                        unfinished=rt.unfinished_turn_messages(turn))
         messages = [m for m in steered if m.text.strip()]
         if not messages:
             return StepDecision.go_to(AWAIT_USER_MESSAGE)

@@ -9,7 +9,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -300,17 +300,18 @@ class SessionRuntime:
             ctx.delete(AGENT_TOOL_CALLS[key])
         ctx.delete(FRAMEWORK_RUN_STATE)
 
-    def unfinished_turn_messages(self, turn: AgentTurnContext) -> list[FrameworkMessage]:
-        """The runner's unstored items of an unfinished turn; a runner defect logs and yields none."""
-        if not isinstance(self.runner, UnfinishedTurnMessageBuilder):
-            return []
+    def unfinished_turn_messages(self, turn: AgentTurnContext) -> list[FrameworkMessage] | None:
+        """The runner's unstored items of an unfinished turn, or None when it has none to give (no
+        builder, or the builder failed, which is logged: a runner defect never blocks a turn's end)."""
+        if not self.builds_unfinished_messages:
+            return None
         try:
-            built = self.runner.build_unfinished_turn_messages(turn)
+            built = cast(UnfinishedTurnMessageBuilder, self.runner).build_unfinished_turn_messages(turn)
             return check_framework_messages(built, "build_unfinished_turn_messages(...)")
         except Exception:
-            log.warning("flow %s turn %s: build_unfinished_turn_messages failed; storing only the note",
+            log.warning("flow %s turn %s: build_unfinished_turn_messages failed; the turn ends without its items",
                         turn.flow_id, turn.turn_id, exc_info=True)
-            return []
+            return None
 
     def fail_turn(
         self,

@@ -338,7 +338,7 @@ class TurnSteps:
         if recovery is not None and recovery.error_type == ValueTooLarge.__name__ and "run state of" in error:
             return self._end_session(ctx, state, turn_id, error)
         turn = self.turn_context(ctx, state, turn_id, live=False)
-        rt.fail_turn(ctx, state, turn_id, error, unfinished=rt.unfinished_turn_messages(turn))
+        rt.fail_turn(ctx, state, turn_id, error, unfinished=rt.unfinished_turn_messages(turn) or [])
         return StepDecision.go_to(AWAIT_USER_MESSAGE)
 
     def _end_session(self, ctx: Context, state: AgentState, turn_id: str, error: str) -> StepDecision:
