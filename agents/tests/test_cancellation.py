@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 import pytest_asyncio
+from agents.tests.built_context import step_context, tool_call
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import ENV_BUILT_IN_TOOLS, build_flow, item
 from agents.tests.session_driver import Session
@@ -72,7 +73,7 @@ from dex_agents._turn_steps import TurnSteps
 from dex_agents.testing import (
     AgentTestStack,
 )
-from dex_engine import Context, LoadOptions, RpcContext, RPCResult, Timer, Wait, WaitResult
+from dex_engine import Context, LoadOptions, RpcContext, RPCResult, Timer, Wait
 from dex_engine._records import WaitOutcome
 
 BUILT_INS = frozenset({BuiltInTool.ASK_USER, BuiltInTool.DURABLE_WAIT})
@@ -115,15 +116,6 @@ def note_of(snapshot: AgentSnapshot, turn_id: str) -> str | None:
 # The pure decision of FinishTurnCancellation ----------------------------------------------------
 
 
-def _record(status: AgentToolCallStatus, **fields: Any) -> AgentToolCall:
-    record = AgentToolCall(
-        tool_call_id="c1", turn_id="turn-1", tool_name="t", arguments="{}", effect=ToolEffect.READ,
-        requires_approval=False, status=status, output=None, error=None, rejection_message=None,
-        deferral_order=0, tool_source_reference=None, trace_context=None,
-    )
-    return msgspec.structs.replace(record, **fields)
-
-
 def _interrupt(interrupt_id: str, tool_call_id: str = "c1", kind: InterruptKind = InterruptKind.QUESTION,
                ) -> AgentInterrupt:
     return AgentInterrupt(interrupt_id=interrupt_id, kind=kind, tool_call_id=tool_call_id, tool_name="t",
@@ -156,16 +148,16 @@ def test_finish_turn_cancellation_decides_each_record_from_committed_state(
     answer committed first goes back to its waiting Step; a started task goes to CancelToolTask once;
     final and approved records belong to someone else."""
     interrupts = [_interrupt(i) for i in pending] + [_interrupt("c2", "c2")]
-    assert cancellation_action(_record(status, **fields), interrupts) is action
+    assert cancellation_action(tool_call(status, **fields), interrupts) is action
 
 
 def test_a_cancelled_record_is_rejected_with_its_reason_and_the_structured_message() -> None:
-    record = _record(S.AWAITING_ANSWER, input_question="Q?", input_choices=["a"], input_allows_free_text=False)
+    record = tool_call(S.AWAITING_ANSWER, input_question="Q?", input_choices=["a"], input_allows_free_text=False)
     cancelled = cancelled_record(record, CancellationReason.TURN_CANCELLED)
     assert (cancelled.status, cancelled.cancellation_reason, cancelled.rejection_message) == (
         S.REJECTED, CancellationReason.TURN_CANCELLED, TURN_CANCELLED_REJECTION_MESSAGE)
     assert (cancelled.input_question, cancelled.input_choices, cancelled.input_allows_free_text) == (None, [], True)
-    steered = cancelled_record(_record(S.AWAITING_APPROVAL), CancellationReason.STEERED)
+    steered = cancelled_record(tool_call(S.AWAITING_APPROVAL), CancellationReason.STEERED)
     assert (steered.cancellation_reason, steered.rejection_message) == (
         CancellationReason.STEERED, STEERED_REJECTION_MESSAGE)
 
@@ -374,21 +366,6 @@ def _state(**fields: Any) -> AgentState:
 CANCELLED = TurnCancellationRequest(turn_id="turn-1", requested_at="2026-01-01T00:00:00.000Z")
 
 
-def _context(flow: AgentSessionFlow, step_type: str, values: dict[tuple[str, str], Any],
-             wait: tuple[Wait, WaitOutcome] | None = None) -> Context:
-    loaded = {key: msgspec.json.encode(value) for key, value in values.items()}
-
-    async def heartbeat(_: str | None) -> None:
-        return None
-
-    return Context(
-        flow=flow, flow_id="s", step_type=step_type, step_execution_id=f"{step_type}-1", method="execute",
-        attempt=1, loaded=loaded, load=LoadOptions.all(), checkpoint=None, recovery_error=None,
-        wait_result=None if wait is None else WaitResult(wait[0].spec(), wait[1], flow),
-        heartbeat=heartbeat, write_event=lambda _name, _data: None,
-    )
-
-
 def _runtime(flow: AgentSessionFlow) -> SessionRuntime:
     return SessionRuntime(flow.runner, flow.options, flow.events)
 
@@ -411,8 +388,8 @@ async def test_a_tool_step_in_a_cancelled_or_steered_turn_never_starts_its_tool(
     the structured message, its one result is published, and the tool never runs (no event either)."""
     flow = _flow()
     tools = ToolSteps(_runtime(flow))
-    approved = _record(S.APPROVED, effect=ToolEffect.NON_IDEMPOTENT_WRITE)
-    ctx = _context(flow, step_type, {("AgentState", ""): _state(), ("AgentToolCalls", "c1"): approved, **values})
+    approved = tool_call(S.APPROVED, effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+    ctx = step_context(flow, step_type, {("AgentState", ""): _state(), ("AgentToolCalls", "c1"): approved, **values})
     handler = tools.call_tool if step_type == CALL_TOOL else tools.call_single_attempt_tool
     decision = await handler(ctx, "c1")
     assert decision.kind == "dead_end"
@@ -430,19 +407,19 @@ async def test_finish_turn_cancellation_records_hands_over_and_sends_back_in_one
     flow = _flow()
     control = ControlSteps(_runtime(flow), TurnSteps(_runtime(flow)))
     records = [
-        _record(S.AWAITING_APPROVAL, tool_call_id="a", deferral_order=0),
-        _record(S.AWAITING_APPROVAL, tool_call_id="answered", deferral_order=1),
-        _record(S.WAITING_FOR_TIMER, tool_call_id="w", deferral_order=2),
-        _record(S.WAITING_FOR_TASK, tool_call_id="t", deferral_order=3, task_id="task-1"),
-        _record(S.AWAITING_ANSWER, tool_call_id="q", deferral_order=4, task_id="task-2", input_question="Q?"),
-        _record(S.APPROVED, tool_call_id="run", deferral_order=5),
+        tool_call(S.AWAITING_APPROVAL, tool_call_id="a", deferral_order=0),
+        tool_call(S.AWAITING_APPROVAL, tool_call_id="answered", deferral_order=1),
+        tool_call(S.WAITING_FOR_TIMER, tool_call_id="w", deferral_order=2),
+        tool_call(S.WAITING_FOR_TASK, tool_call_id="t", deferral_order=3, task_id="task-1"),
+        tool_call(S.AWAITING_ANSWER, tool_call_id="q", deferral_order=4, task_id="task-2", input_question="Q?"),
+        tool_call(S.APPROVED, tool_call_id="run", deferral_order=5),
     ]
     pending = [_interrupt("a", "a", InterruptKind.TOOL_APPROVAL), _interrupt("q-input-1", "q"),
                _interrupt("other", "elsewhere")]
     values: dict[tuple[str, str], Any] = {("AgentToolCalls", r.tool_call_id): r for r in records}
     values |= {("AgentState", ""): _state(), ("TurnCancellationRequest", ""): CANCELLED,
                ("PendingInterrupts", ""): pending}
-    ctx = _context(flow, FINISH_TURN_CANCELLATION, values)
+    ctx = step_context(flow, FINISH_TURN_CANCELLATION, values)
     decision = await control.finish_turn_cancellation(ctx, "turn-1")
     assert [(m.step_type, m.input) for m in decision.movements] == [
         (AWAIT_TOOL_APPROVAL, "answered"), (CANCEL_TOOL_TASK, "t"), (CANCEL_TOOL_TASK, "q")]
@@ -461,7 +438,7 @@ async def test_finish_turn_cancellation_records_hands_over_and_sends_back_in_one
     state = ctx.get(AGENT_STATE)
     assert state is not None and state.active_turn_id == "turn-1"  # ResumeTurn ends the turn, not this Step
     # Run again on the committed result (e.g. PollToolTask moved here after the cancel): nothing twice.
-    again = _context(flow, FINISH_TURN_CANCELLATION, {
+    again = step_context(flow, FINISH_TURN_CANCELLATION, {
         **{("AgentToolCalls", k): r for k, r in after.items()}, ("AgentState", ""): _state(),
         ("TurnCancellationRequest", ""): CANCELLED, ("PendingInterrupts", ""): ctx.get(PENDING_INTERRUPTS),
     })
@@ -484,7 +461,7 @@ async def test_finish_turn_cancellation_ends_only_a_cancelled_model_phase(
     route: ApplyTurnControl ends the turn. A turn that already ended, or is not cancelled: it ends."""
     flow = _flow()
     control = ControlSteps(_runtime(flow), TurnSteps(_runtime(flow)))
-    ctx = _context(flow, FINISH_TURN_CANCELLATION, {("AgentState", ""): state,
+    ctx = step_context(flow, FINISH_TURN_CANCELLATION, {("AgentState", ""): state,
                                                    ("TurnCancellationRequest", ""): cancellation})
     decision = await control.finish_turn_cancellation(ctx, "turn-1")
     assert [m.step_type for m in decision.movements] == expected
@@ -500,17 +477,17 @@ async def test_a_task_question_not_raised_in_a_cancelled_turn_goes_to_finish_tur
     # The raise wait found no answer queued (the tool question was never raised).
     wait = Wait.all_of(Timer.by_duration(0), INTERRUPT_RESOLUTIONS["c1-input-1"].at_most(1))
     nothing = WaitOutcome(satisfied=(0, 1), consumed=((), ()), fired_timers=(0,))
-    task_question = _record(S.AWAITING_ANSWER, task_id="task-1", input_question="Q?")
+    task_question = tool_call(S.AWAITING_ANSWER, task_id="task-1", input_question="Q?")
     values = {("AgentState", ""): _state(), ("TurnCancellationRequest", ""): CANCELLED,
               ("AgentToolCalls", "c1"): task_question, ("PendingInterrupts", ""): []}
-    ctx = _context(flow, AWAIT_QUESTION_ANSWER, values, (wait, nothing))
+    ctx = step_context(flow, AWAIT_QUESTION_ANSWER, values, (wait, nothing))
     decision = await built_ins.await_question_answer(ctx, "c1")
     assert [(m.step_type, m.input) for m in decision.movements] == [(FINISH_TURN_CANCELLATION, "turn-1")]
     record = ctx.get(AGENT_TOOL_CALLS["c1"])
     assert record is not None and (record.status, record.input_question) == (S.WAITING_FOR_TASK, None)
     assert ctx.get(PENDING_INTERRUPTS) == [] and _event_payloads(ctx, "interrupt_raised") == []
-    plain = {**values, ("AgentToolCalls", "c1"): _record(S.AWAITING_ANSWER, input_question="Q?")}
-    ctx = _context(flow, AWAIT_QUESTION_ANSWER, plain, (wait, nothing))
+    plain = {**values, ("AgentToolCalls", "c1"): tool_call(S.AWAITING_ANSWER, input_question="Q?")}
+    ctx = step_context(flow, AWAIT_QUESTION_ANSWER, plain, (wait, nothing))
     decision = await built_ins.await_question_answer(ctx, "c1")
     assert decision.kind == "dead_end"
     record = ctx.get(AGENT_TOOL_CALLS["c1"])

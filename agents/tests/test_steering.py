@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import pytest
 import pytest_asyncio
+from agents.tests.built_context import step_context, tool_call
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import ENV_BUILT_IN_TOOLS, ENV_INCREMENTAL, build_flow
 from agents.tests.session_driver import Session
@@ -81,7 +82,7 @@ from dex_agents.testing import (
     AgentTestStack,
     wait_until,
 )
-from dex_engine import Context, LoadOptions, RpcContext, Wait, WaitResult
+from dex_engine import Context, LoadOptions, RpcContext, Wait
 from dex_engine._records import ConsumedMessage, WaitOutcome
 
 # The integration tests share the module's event loop with the shared stacks' Clients.
@@ -149,15 +150,6 @@ def user_texts(snapshot: AgentSnapshot, turn_id: str) -> list[str | None]:
 # The pure rules ----------------------------------------------------------------------------------
 
 
-def _record(status: AgentToolCallStatus, **fields: Any) -> AgentToolCall:
-    record = AgentToolCall(
-        tool_call_id="c1", turn_id="turn-1", tool_name="t", arguments="{}", effect=ToolEffect.READ,
-        requires_approval=False, status=status, output=None, error=None, rejection_message=None,
-        deferral_order=0, tool_source_reference=None, trace_context=None,
-    )
-    return msgspec.structs.replace(record, **fields)
-
-
 def _interrupt(
     interrupt_id: str, tool_call_id: str, kind: InterruptKind = InterruptKind.TOOL_APPROVAL
 ) -> AgentInterrupt:
@@ -174,7 +166,7 @@ def test_one_predicate_decides_what_steering_may_abandon(status: AgentToolCallSt
         AgentToolCallStatus.AWAITING_APPROVAL, AgentToolCallStatus.AWAITING_ANSWER,
         AgentToolCallStatus.WAITING_FOR_TIMER,
     }
-    assert is_abandonable(_record(status, task_id=task_id)) is expected
+    assert is_abandonable(tool_call(status, task_id=task_id)) is expected
 
 
 def test_the_two_flags_come_from_committed_state_of_the_active_turn() -> None:
@@ -208,13 +200,13 @@ def test_a_steer_removes_pending_interrupts_and_wakes_only_abandonable_calls() -
     woken; every durable wait is woken; an answered approval (interrupt gone), a started task's
     question, an approved call and a final record are left alone."""
     records = [
-        _record(AgentToolCallStatus.AWAITING_APPROVAL, tool_call_id="a", deferral_order=0),
-        _record(AgentToolCallStatus.AWAITING_ANSWER, tool_call_id="q", deferral_order=1, input_question="Q?"),
-        _record(AgentToolCallStatus.WAITING_FOR_TIMER, tool_call_id="w", deferral_order=2),
-        _record(AgentToolCallStatus.AWAITING_APPROVAL, tool_call_id="answered", deferral_order=3),
-        _record(AgentToolCallStatus.AWAITING_ANSWER, tool_call_id="task", deferral_order=4, task_id="t1"),
-        _record(AgentToolCallStatus.APPROVED, tool_call_id="run", deferral_order=5),
-        _record(AgentToolCallStatus.SUCCEEDED, tool_call_id="done", deferral_order=6),
+        tool_call(AgentToolCallStatus.AWAITING_APPROVAL, tool_call_id="a", deferral_order=0),
+        tool_call(AgentToolCallStatus.AWAITING_ANSWER, tool_call_id="q", deferral_order=1, input_question="Q?"),
+        tool_call(AgentToolCallStatus.WAITING_FOR_TIMER, tool_call_id="w", deferral_order=2),
+        tool_call(AgentToolCallStatus.AWAITING_APPROVAL, tool_call_id="answered", deferral_order=3),
+        tool_call(AgentToolCallStatus.AWAITING_ANSWER, tool_call_id="task", deferral_order=4, task_id="t1"),
+        tool_call(AgentToolCallStatus.APPROVED, tool_call_id="run", deferral_order=5),
+        tool_call(AgentToolCallStatus.SUCCEEDED, tool_call_id="done", deferral_order=6),
     ]
     pending = [_interrupt("a", "a"), _interrupt("q-input-1", "q", InterruptKind.QUESTION),
                _interrupt("task-input-1", "task", InterruptKind.QUESTION)]
@@ -240,9 +232,9 @@ def test_channel_message_ids_are_decimal_text() -> None:
 def test_steered_note_lists_final_calls_in_deferral_order() -> None:
     """The note has the turn-failure note's lines and footer under the steered header; None without records."""
     records = [
-        _record(AgentToolCallStatus.REJECTED, tool_call_id="b", deferral_order=1, tool_name="write",
+        tool_call(AgentToolCallStatus.REJECTED, tool_call_id="b", deferral_order=1, tool_name="write",
                 rejection_message=STEERED_REJECTION_MESSAGE),
-        _record(AgentToolCallStatus.SUCCEEDED, tool_call_id="a", deferral_order=0, tool_name="read", output="ok"),
+        tool_call(AgentToolCallStatus.SUCCEEDED, tool_call_id="a", deferral_order=0, tool_name="read", output="ok"),
     ]
     assert controlled_turn_note(records, CancellationReason.STEERED) == "\n".join([
         STEERED_NOTE_HEADER, "- read {} -> succeeded: ok", f"- write {{}} -> rejected: {STEERED_REJECTION_MESSAGE}",
@@ -597,21 +589,6 @@ async def test_steering_never_abandons_a_started_task_or_its_question(plain: Ses
 # Step handlers on built contexts -----------------------------------------------------------------
 
 
-def _context(flow: AgentSessionFlow, step_type: str, values: dict[tuple[str, str], Any],
-             wait: tuple[Wait, WaitOutcome] | None = None) -> Context:
-    loaded = {key: msgspec.json.encode(value) for key, value in values.items()}
-
-    async def heartbeat(_: str | None) -> None:
-        return None
-
-    return Context(
-        flow=flow, flow_id="s", step_type=step_type, step_execution_id=f"{step_type}-1", method="execute",
-        attempt=1, loaded=loaded, load=LoadOptions.all(), checkpoint=None, recovery_error=None,
-        wait_result=None if wait is None else WaitResult(wait[0].spec(), wait[1], flow),
-        heartbeat=heartbeat, write_event=lambda _name, _data: None,
-    )
-
-
 def _events_written(ctx: Context) -> list[AgentEvent]:
     return [msgspec.json.decode(data, type=AgentEvent) for _, _, data in ctx.writes.appends]
 
@@ -678,8 +655,8 @@ async def test_run_model_in_a_steered_turn_ends_it_without_a_model_call() -> Non
     writes turn_steered, and moves to ApplyTurnControl; the model is never called."""
     flow = AgentSessionFlow(_NoModel(), "NoModel")  # type: ignore[arg-type]
     steps = TurnSteps(SessionRuntime(flow.runner, flow.options, flow.events))
-    record = _record(AgentToolCallStatus.SUCCEEDED, output="ok", tool_name="read")
-    ctx = _context(flow, RUN_MODEL, {
+    record = tool_call(AgentToolCallStatus.SUCCEEDED, output="ok", tool_name="read")
+    ctx = step_context(flow, RUN_MODEL, {
         ("AgentState", ""): _running_state(), ("AgentToolCalls", "c1"): record,
         ("SteeredMessageCount", ""): 2, ("AppliedSteeredMessageCount", ""): 1,
     })
@@ -694,7 +671,7 @@ async def test_run_model_in_a_steered_turn_ends_it_without_a_model_call() -> Non
     assert [(e.type, json.loads(e.payload)) for e in events] == [
         ("turn_steered", {"steered_message_count": 1, "message_count": 1})]
     # No steered messages waiting: the flags are clear and the model would be called.
-    clear = _context(flow, RUN_MODEL, {("AgentState", ""): _running_state(), ("SteeredMessageCount", ""): 1,
+    clear = step_context(flow, RUN_MODEL, {("AgentState", ""): _running_state(), ("SteeredMessageCount", ""): 1,
                                        ("AppliedSteeredMessageCount", ""): 1})
     with pytest.raises(AssertionError, match="the model was called"):
         await steps.run_model(clear, None)
@@ -721,7 +698,7 @@ async def test_apply_turn_control_starts_the_steered_turn_in_the_mode_of_its_mes
     wait = Wait.all_of(STEERED_USER_MESSAGES.at_most(10), TURN_CONTROL_REQUESTS.at_most(10))
     messages = [AgentUserMessage("one", plan_mode=flags[0]), AgentUserMessage("two", plan_mode=flags[1])]
     consumed = tuple(ConsumedMessage(i + 1, msgspec.Raw(msgspec.json.encode(m))) for i, m in enumerate(messages))
-    ctx = _context(flow, APPLY_TURN_CONTROL, {("AgentState", ""): idle, ("AppliedSteeredMessageCount", ""): 3},
+    ctx = step_context(flow, APPLY_TURN_CONTROL, {("AgentState", ""): idle, ("AppliedSteeredMessageCount", ""): 3},
                    (wait, WaitOutcome(satisfied=(0, 1), consumed=(consumed, ()))))
     decision = await control.apply_turn_control(ctx, None)
     assert [m.step_type for m in decision.movements] == [RUN_MODEL]
@@ -731,7 +708,7 @@ async def test_apply_turn_control_starts_the_steered_turn_in_the_mode_of_its_mes
     assert ctx.get(APPLIED_STEERED_MESSAGE_COUNT) == 5
     stored = [msgspec.json.decode(v) for (name, _), v in ctx.writes.attributes.items() if name == "AgentMessages"]
     assert [m["text"] for m in stored] == ["one", "two"]
-    empty = _context(flow, APPLY_TURN_CONTROL, {("AgentState", ""): idle},
+    empty = step_context(flow, APPLY_TURN_CONTROL, {("AgentState", ""): idle},
                      (wait, WaitOutcome(satisfied=(0, 1), consumed=((), ()))))
     decision = await control.apply_turn_control(empty, None)
     assert [m.step_type for m in decision.movements] == [AWAIT_USER_MESSAGE]
@@ -821,15 +798,15 @@ async def test_approval_wait_takes_an_answer_first_once_its_interrupt_is_gone_in
     first and any stale wake."""
     flow = build_flow(None)
     steps = _approval_steps(flow)
-    approval = _record(AgentToolCallStatus.AWAITING_APPROVAL, effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+    approval = tool_call(AgentToolCallStatus.AWAITING_APPROVAL, effect=ToolEffect.NON_IDEMPOTENT_WRITE)
     waiting = await steps.await_tool_approval_wait(
-        _context(flow, "AwaitToolApproval", _waiting_values(True, True, approval)), "c1")
+        step_context(flow, "AwaitToolApproval", _waiting_values(True, True, approval)), "c1")
     assert waiting == Wait.any_of(TOOL_CALL_CANCELLATIONS["c1"].for_one(), INTERRUPT_RESOLUTIONS["c1"].for_one())
     gone = await steps.await_tool_approval_wait(
-        _context(flow, "AwaitToolApproval", _waiting_values(True, False, approval)), "c1")
+        step_context(flow, "AwaitToolApproval", _waiting_values(True, False, approval)), "c1")
     assert gone == answer_first_wait("c1", "c1") and gone.mode == "all"
     quiet = await steps.await_tool_approval_wait(
-        _context(flow, "AwaitToolApproval", _waiting_values(False, False, approval)), "c1")
+        step_context(flow, "AwaitToolApproval", _waiting_values(False, False, approval)), "c1")
     assert quiet.mode == "any"  # not steered: an answer is queued, and for_one takes it
 
 
@@ -843,10 +820,10 @@ async def test_a_woken_approval_abandons_only_in_a_steered_turn_with_its_interru
 ) -> None:
     flow = build_flow(None)
     steps = _approval_steps(flow)
-    approval = _record(AgentToolCallStatus.AWAITING_APPROVAL, effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+    approval = tool_call(AgentToolCallStatus.AWAITING_APPROVAL, effect=ToolEffect.NON_IDEMPOTENT_WRITE)
     wait = Wait.any_of(TOOL_CALL_CANCELLATIONS["c1"].for_one(), INTERRUPT_RESOLUTIONS["c1"].for_one())
     wake = msgspec.Raw(b'{"reason":"steered"}')
-    ctx = _context(flow, "AwaitToolApproval", _waiting_values(steered, pending, approval),
+    ctx = step_context(flow, "AwaitToolApproval", _waiting_values(steered, pending, approval),
                    (wait, WaitOutcome(satisfied=(0,), consumed=((ConsumedMessage(1, wake),), ()))))
     decision = await steps.await_tool_approval(ctx, "c1")
     if outcome == "waits":
@@ -871,11 +848,11 @@ async def test_the_answer_first_wait_applies_an_approval_that_won_or_abandons_th
     interrupt, so the call is recorded cancelled, with no second interrupt_resolved."""
     flow = build_flow(None)
     steps = _approval_steps(flow)
-    approval = _record(AgentToolCallStatus.AWAITING_APPROVAL, effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+    approval = tool_call(AgentToolCallStatus.AWAITING_APPROVAL, effect=ToolEffect.NON_IDEMPOTENT_WRITE)
     approve = msgspec.Raw(b'{"approved":true,"rejection_message":null,"answer":null}')
     consumed = ((), (ConsumedMessage(3, approve),) if answered else (), ())
     outcome = WaitOutcome(satisfied=(0, 1, 2), consumed=consumed, fired_timers=(0,))
-    ctx = _context(flow, "AwaitToolApproval", _waiting_values(True, False, approval),
+    ctx = step_context(flow, "AwaitToolApproval", _waiting_values(True, False, approval),
                    (answer_first_wait("c1", "c1"), outcome))
     decision = await steps.await_tool_approval(ctx, "c1")
     record = ctx.get(AGENT_TOOL_CALLS["c1"])
@@ -902,16 +879,16 @@ async def test_a_durable_wait_woken_by_a_steer_is_cancelled_unless_its_timer_fir
     wake in a turn that is not steered waits again."""
     flow = build_flow(None, built_in_tools=BUILT_INS)
     built_ins = BuiltInSteps(SessionRuntime(flow.runner, flow.options, flow.events))
-    timer = _record(AgentToolCallStatus.WAITING_FOR_TIMER, tool_name="durable_wait",
+    timer = tool_call(AgentToolCallStatus.WAITING_FOR_TIMER, tool_name="durable_wait",
                     arguments='{"duration_seconds": 60, "reason": "r"}',
                     wait_until=format_time(datetime.now(UTC) + timedelta(seconds=60)))
     values = _waiting_values(steered, False, timer)
-    waiting = await built_ins.await_timer_wait(_context(flow, "AwaitTimer", values), "c1")
+    waiting = await built_ins.await_timer_wait(step_context(flow, "AwaitTimer", values), "c1")
     assert waiting.mode == "any" and waiting.conditions[1] == TOOL_CALL_CANCELLATIONS["c1"].for_one()
     wake = msgspec.Raw(b'{"reason":"steered"}')
     outcome = (WaitOutcome(satisfied=(0,), consumed=((), ()), fired_timers=(0,)) if timer_fired
                else WaitOutcome(satisfied=(1,), consumed=((), (ConsumedMessage(1, wake),))))
-    ctx = _context(flow, "AwaitTimer", values, (waiting, outcome))
+    ctx = step_context(flow, "AwaitTimer", values, (waiting, outcome))
     decision = await built_ins.await_timer(ctx, "c1")
     record = ctx.get(AGENT_TOOL_CALLS["c1"])
     assert record is not None and record.status is status

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from agents.tests.built_context import step_context, tool_call
 from agents.tests.builtin_agent import InProcessEngine
 
 from dex_agents import (
@@ -59,7 +60,7 @@ from dex_agents._runtime import SessionRuntime
 from dex_agents._timefmt import format_time
 from dex_agents._tool_steps import invalid_question_error
 from dex_agents.testing import executed_steps, to_step_history, wait_for_agent_snapshot
-from dex_engine import Context, LoadOptions, StepDecision, Timer, Wait, WaitResult
+from dex_engine import Context, StepDecision, Timer, Wait
 from dex_engine._records import ConsumedMessage, WaitOutcome
 
 FLOW_TYPE = "ToolQuestions"
@@ -452,13 +453,9 @@ async def test_a_call_that_asked_keeps_its_effect_after_a_step_failure(
 
 
 def _asking_record(**fields: Any) -> AgentToolCall:
-    record = AgentToolCall(
-        tool_call_id="c1", turn_id="turn-1", tool_name="ask_read", arguments="{}", effect=ToolEffect.READ,
-        requires_approval=False, status=AgentToolCallStatus.AWAITING_ANSWER, output=None, error=None,
-        rejection_message=None, deferral_order=0, tool_source_reference=None, trace_context=None,
-        input_continuation="cont-1", input_question="Colour?", input_choices=["red", "blue"],
-    )
-    return msgspec.structs.replace(record, **fields)
+    fields = {"status": AgentToolCallStatus.AWAITING_ANSWER, "tool_name": "ask_read", "input_continuation": "cont-1",
+              "input_question": "Colour?", "input_choices": ["red", "blue"], **fields}
+    return tool_call(fields.pop("status"), **fields)
 
 
 def _interrupt(interrupt_id: str, tool_call_id: str, deadline: datetime | None = None) -> AgentInterrupt:
@@ -475,19 +472,10 @@ def _context(
     pending: list[AgentInterrupt],
     wait: tuple[Wait, WaitOutcome] | None = None,
 ) -> Context:
-    loaded = {("AgentToolCalls", r.tool_call_id): msgspec.json.encode(r) for r in records}
-    loaded[("PendingInterrupts", "")] = msgspec.json.encode(pending)
-
-    async def heartbeat(_: str | None) -> None:
-        return None
-
-    return Context(
-        flow=flow, flow_id="s", step_type=AWAIT_QUESTION_ANSWER, step_execution_id="AwaitQuestionAnswer-9",
-        method="wait_for" if wait is None else "execute", attempt=1, loaded=loaded, load=LoadOptions.all(),
-        checkpoint=None, recovery_error=None,
-        wait_result=None if wait is None else WaitResult(wait[0].spec(), wait[1], flow),
-        heartbeat=heartbeat, write_event=lambda _name, _data: None,
-    )
+    values: dict[tuple[str, str], Any] = {("AgentToolCalls", r.tool_call_id): r for r in records}
+    values[("PendingInterrupts", "")] = pending
+    return step_context(flow, AWAIT_QUESTION_ANSWER, values, wait=wait,
+                        method="wait_for" if wait is None else "execute", step_execution_id="AwaitQuestionAnswer-9")
 
 
 def _steps_of(flow: AgentSessionFlow) -> BuiltInSteps:

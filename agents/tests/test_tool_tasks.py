@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import pytest
 import pytest_asyncio
+from agents.tests.built_context import step_context, tool_call
 from agents.tests.builtin_agent import InProcessEngine
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import ENV_START_GATE, FLOW_TYPE, INVOCATIONS, ScriptedRunner, build_flow
@@ -97,7 +98,7 @@ from dex_agents.testing import (
     wait_for_agent_snapshot,
     wait_until,
 )
-from dex_engine import MAX_VALUE_BYTES, AttemptProgress, Context, LoadOptions, RecoveryError, Timer, Wait
+from dex_engine import MAX_VALUE_BYTES, AttemptProgress, Context, RecoveryError, Timer, Wait
 
 DAY = 86_400
 # Tools by name prefix (scripted_agent.POLICIES); write_now is a single-attempt write with no approval.
@@ -167,12 +168,8 @@ def test_tool_task_pending_problems(interval: Any, continuation: Any, problem: s
 
 
 def _record(effect: ToolEffect = ToolEffect.READ, **fields: Any) -> AgentToolCall:
-    record = AgentToolCall(
-        tool_call_id="c1", turn_id="turn-1", tool_name="read_report", arguments="{}", effect=effect,
-        requires_approval=False, status=AgentToolCallStatus.APPROVED, output=None, error=None,
-        rejection_message=None, deferral_order=0, tool_source_reference=None, trace_context=None,
-    )
-    return msgspec.structs.replace(record, **fields)
+    fields = {"status": AgentToolCallStatus.APPROVED, "tool_name": "read_report", "effect": effect, **fields}
+    return tool_call(fields.pop("status"), **fields)
 
 
 @pytest.mark.parametrize(("effect", "status", "route"), [
@@ -276,22 +273,13 @@ def _context(
     method: str = "execute",
     recovery: RecoveryError | None = None,
 ) -> Context:
-    loaded = {
-        ("AgentToolCalls", record.tool_call_id): msgspec.json.encode(record),
-        ("AgentState", ""): msgspec.json.encode(_state(record.turn_id)),
+    values: dict[tuple[str, str], Any] = {
+        ("AgentToolCalls", record.tool_call_id): record, ("AgentState", ""): _state(record.turn_id),
     }
     if cancelled:
-        loaded[("TurnCancellationRequest", "")] = msgspec.json.encode(
-            TurnCancellationRequest(turn_id=record.turn_id, requested_at="2026-01-01T00:00:00.000Z"))
-
-    async def heartbeat(_: str | None) -> None:
-        return None
-
-    return Context(
-        flow=flow, flow_id="s", step_type=step_type, step_execution_id=f"{step_type}-1", method=method, attempt=1,
-        loaded=loaded, load=LoadOptions.all(), checkpoint=None, recovery_error=recovery, wait_result=None,
-        heartbeat=heartbeat, write_event=lambda _name, _data: None,
-    )
+        values[("TurnCancellationRequest", "")] = TurnCancellationRequest(
+            turn_id=record.turn_id, requested_at="2026-01-01T00:00:00.000Z")
+    return step_context(flow, step_type, values, method=method, recovery_error=recovery)
 
 
 def _task_steps(runner: TaskRunner) -> tuple[AgentSessionFlow, TaskSteps, ToolSteps]:

@@ -1,0 +1,49 @@
+"""Step contexts and records built by hand, for calling a Step's handler directly on chosen state:
+the cases a live Worker cannot be made to hit on purpose (steering, cancellation, tool tasks and
+tool questions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from dex_agents import AgentSessionFlow, AgentToolCall, AgentToolCallStatus, ToolEffect
+from dex_engine import Context, LoadOptions, RecoveryError, Wait, WaitResult
+from dex_engine._records import WaitOutcome
+
+
+def tool_call(status: AgentToolCallStatus, **fields: Any) -> AgentToolCall:
+    """Call c1 of turn-1, tool "t", a read without approval, in `status`; `fields` override."""
+    record = AgentToolCall(
+        tool_call_id="c1", turn_id="turn-1", tool_name="t", arguments="{}", effect=ToolEffect.READ,
+        requires_approval=False, status=status, output=None, error=None, rejection_message=None,
+        deferral_order=0, tool_source_reference=None, trace_context=None,
+    )
+    return msgspec.structs.replace(record, **fields)
+
+
+def step_context(
+    flow: AgentSessionFlow,
+    step_type: str,
+    values: dict[tuple[str, str], Any],
+    wait: tuple[Wait, WaitOutcome] | None = None,
+    *,
+    method: str = "execute",
+    step_execution_id: str | None = None,
+    recovery_error: RecoveryError | None = None,
+) -> Context:
+    """Attempt 1 of a method of flow "s" that loaded `values` ((name, key) -> value), with the wait
+    result `wait` if given; its heartbeats and events go nowhere."""
+    loaded = {key: msgspec.json.encode(value) for key, value in values.items()}
+
+    async def heartbeat(_: str | None) -> None:
+        return None
+
+    return Context(
+        flow=flow, flow_id="s", step_type=step_type, step_execution_id=step_execution_id or f"{step_type}-1",
+        method=method, attempt=1, loaded=loaded, load=LoadOptions.all(), checkpoint=None,
+        recovery_error=recovery_error,
+        wait_result=None if wait is None else WaitResult(wait[0].spec(), wait[1], flow),
+        heartbeat=heartbeat, write_event=lambda _name, _data: None,
+    )
