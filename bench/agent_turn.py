@@ -10,8 +10,11 @@ one disk, and prints them side by side with the raw commit floor:
 Each system runs N turns one after another (sequential, a new session every 25 turns), then the
 same number of turns spread over 16 sessions at once, after 3 untimed warm-up turns each. Reported:
 per-turn latency (median, p95), turns/s with 16 sessions, the median's ratio to the floor, the
-data-changing commits and fsyncs each turn took (counted on the SQLite connections), and the
-process CPU time per turn. The floor is engine_steps.py's bare `BEGIN IMMEDIATE; INSERT; COMMIT`
+data-changing commits and fsyncs each turn took, and the process CPU time per turn. Commits are
+counted in a separate, untimed pass of --count-turns turns per phase on a new file, through the
+SQLite connections' trace callback: Python's sqlite3 hands that callback every statement with its
+parameters expanded (blobs as hex), which costs each system CPU in proportion to what it writes,
+so the timed passes run without it. The floor is engine_steps.py's bare `BEGIN IMMEDIATE; INSERT; COMMIT`
 with synchronous=FULL in WAL mode, in the same directory.
 
 Every database file is in WAL mode with synchronous=FULL (one fsync per commit), so the systems
@@ -95,13 +98,31 @@ WARMUP_TURNS = 3
 class PhaseResult:
     latencies: list[float]
     wall: float
-    commits: int  # commits that changed data
-    fsyncs: int  # those of them at synchronous=FULL: one WAL fsync each
     cpu: float  # CPU seconds of this process (every thread) over the phase
+    commits: int = 0  # commits that changed data, over counted_turns (a counting pass)
+    fsyncs: int = 0  # those of them at synchronous=FULL: one WAL fsync each
+    counted_turns: int = 0
 
     @property
     def turns(self) -> int:
         return len(self.latencies)
+
+
+# One phase of one system: (turns per session, session ID prefix, sessions at once, commit counter
+# or None for a timed pass without one).
+PhaseRun = Callable[[Sequence[int], str, bool, "CommitCounter | None"], PhaseResult]
+
+
+def measure(run: PhaseRun, turns: int, sessions: int, count_turns: int) -> tuple[PhaseResult, PhaseResult]:
+    """The sequential and the concurrent phase: each timed without a counter, then counted apart."""
+    phases: list[PhaseResult] = []
+    for prefix, concurrent, plan in (("seq", False, sequential_plan), ("conc", True, session_plan)):
+        timed = run(plan(turns, sessions), prefix, concurrent, None)
+        counter = CommitCounter()
+        counted = run(plan(count_turns, sessions), f"{prefix}-count", concurrent, counter)
+        timed.commits, timed.fsyncs, timed.counted_turns = counted.commits, counted.fsyncs, counted.turns
+        phases.append(timed)
+    return phases[0], phases[1]
 
 
 @dataclass
@@ -119,7 +140,7 @@ def session_plan(turns: int, sessions: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(sessions)]
 
 
-def sequential_plan(turns: int) -> list[int]:
+def sequential_plan(turns: int, _sessions: int = 1) -> list[int]:
     full, rest = divmod(turns, TURNS_PER_SEQUENTIAL_SESSION)
     return [TURNS_PER_SEQUENTIAL_SESSION] * full + ([rest] if rest else [])
 
@@ -291,9 +312,9 @@ def builtin_loop_flow(watcher: TurnWatcher) -> AgentSessionFlow:
 
 
 async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool,
-                    make_flow: Callable[[TurnWatcher], AgentSessionFlow] = scripted_runner_flow) -> PhaseResult:
-    counter = CommitCounter()
-    store = CountingSqliteStore(url, counter)
+                    make_flow: Callable[[TurnWatcher], AgentSessionFlow] = scripted_runner_flow,
+                    counter: CommitCounter | None = None) -> PhaseResult:
+    store = SqliteStore(url) if counter is None else CountingSqliteStore(url, counter)
     watcher = TurnWatcher(None)
     flow = make_flow(watcher)
     registry = Registry([flow])
@@ -324,7 +345,7 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
             await turns(f"{prefix}-warmup", WARMUP_TURNS, record=False)
             # Sessions start before the clock: only turns are timed and their commits counted.
             await asyncio.gather(*(start(session_id) for session_id in ids))
-            before = counter.totals()
+            before = (0, 0) if counter is None else counter.totals()
             cpu0, t0 = time.process_time(), time.perf_counter()
             if concurrent:
                 await asyncio.gather(*(turns(sid, count, True) for sid, count in zip(ids, plan, strict=True)))
@@ -332,19 +353,22 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
                 for session_id, count in zip(ids, plan, strict=True):
                     await turns(session_id, count, record=True)
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-            after = counter.totals()
+            after = (0, 0) if counter is None else counter.totals()
     finally:
         store.remove_commit_listener(watcher.on_commit)
         await store.close()
-    return PhaseResult(latencies, wall, after[0] - before[0], after[1] - before[1], cpu)
+    return PhaseResult(latencies, wall, cpu, after[0] - before[0], after[1] - before[1])
 
 
-def run_dex(tmp: Path, turns: int, sessions: int, *, builtin: bool = False) -> SystemResult:
+def run_dex(tmp: Path, turns: int, sessions: int, count_turns: int, *, builtin: bool = False) -> SystemResult:
     make = builtin_loop_flow if builtin else scripted_runner_flow
     name = "dex-builtin" if builtin else "dex"
-    seq = asyncio.run(dex_phase(f"sqlite:///{tmp / f'{name}-seq.db'}", sequential_plan(turns), "seq", False, make))
-    conc = asyncio.run(dex_phase(f"sqlite:///{tmp / f'{name}-conc.db'}", session_plan(turns, sessions), "conc",
-                                 True, make))
+
+    def run(plan: Sequence[int], prefix: str, concurrent: bool, counter: CommitCounter | None) -> PhaseResult:
+        url = f"sqlite:///{tmp / f'{name}-{prefix}.db'}"
+        return asyncio.run(dex_phase(url, plan, prefix, concurrent, make, counter))
+
+    seq, conc = measure(run, turns, sessions, count_turns)
     return SystemResult(name, seq, conc, sessions, [
         "turn end observed by one AgentState read after each commit once the answer is returned",
     ])
@@ -354,7 +378,7 @@ def run_dex(tmp: Path, turns: int, sessions: int, *, builtin: bool = False) -> S
 
 
 def threaded_phase(turn: Callable[[str], float], plan: Sequence[int], prefix: str, concurrent: bool,
-                   counter: CommitCounter) -> PhaseResult:
+                   counter: CommitCounter | None) -> PhaseResult:
     """Warm up, then run `plan` turns per session, the sessions one after another or each on a thread."""
 
     def session(session_id: str, count: int) -> list[float]:
@@ -362,7 +386,7 @@ def threaded_phase(turn: Callable[[str], float], plan: Sequence[int], prefix: st
 
     session(f"{prefix}-warmup", WARMUP_TURNS)
     ids = [f"{prefix}-{i}" for i in range(len(plan))]
-    before = counter.totals()
+    before = (0, 0) if counter is None else counter.totals()
     cpu0, t0 = time.process_time(), time.perf_counter()
     if concurrent:
         with ThreadPoolExecutor(len(plan)) as pool:
@@ -370,8 +394,8 @@ def threaded_phase(turn: Callable[[str], float], plan: Sequence[int], prefix: st
     else:
         results = [session(session_id, count) for session_id, count in zip(ids, plan, strict=True)]
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    after = counter.totals()
-    return PhaseResult([x for r in results for x in r], wall, after[0] - before[0], after[1] - before[1], cpu)
+    after = (0, 0) if counter is None else counter.totals()
+    return PhaseResult([x for r in results for x in r], wall, cpu, after[0] - before[0], after[1] - before[1])
 
 
 # LangGraph ------------------------------------------------------------------------------------
@@ -384,7 +408,7 @@ class TurnState(TypedDict, total=False):
     pending_tool: str | None
 
 
-def run_langgraph(tmp: Path, turns: int, sessions: int) -> SystemResult:
+def run_langgraph(tmp: Path, turns: int, sessions: int, count_turns: int) -> SystemResult:
     from langchain_core.runnables import RunnableConfig
     from langgraph.checkpoint.sqlite import SqliteSaver
     from langgraph.graph import END, START, StateGraph
@@ -409,16 +433,17 @@ def run_langgraph(tmp: Path, turns: int, sessions: int) -> SystemResult:
     builder.add_conditional_edges("model", route, ["tool", END])
     builder.add_edge("tool", "model")
 
-    def phase(path: Path, plan: Sequence[int], prefix: str, concurrent: bool) -> PhaseResult:
+    def phase(plan: Sequence[int], prefix: str, concurrent: bool, counter: CommitCounter | None) -> PhaseResult:
         # SqliteSaver shares one connection behind a lock, so its commits are serialized, one
         # fsync each; 16 sessions run on 16 threads calling the sync API. AsyncSqliteSaver would
         # not help: it also funnels every write through one aiosqlite connection (one thread) behind
         # a lock, with the same one commit per write and no group commit, plus a thread hop per call.
+        path = tmp / f"langgraph-{prefix}.db"
         wal_file(path)
         conn = sqlite3.connect(path, check_same_thread=False)
         conn.execute("PRAGMA synchronous = FULL")
-        counter = CommitCounter()
-        counter.attach(conn)
+        if counter is not None:
+            counter.attach(conn)
         saver = SqliteSaver(conn)
         saver.setup()
         graph = builder.compile(checkpointer=saver)
@@ -437,8 +462,7 @@ def run_langgraph(tmp: Path, turns: int, sessions: int) -> SystemResult:
         finally:
             conn.close()
 
-    seq = phase(tmp / "langgraph-seq.db", sequential_plan(turns), "seq", False)
-    conc = phase(tmp / "langgraph-conc.db", session_plan(turns, sessions), "conc", True)
+    seq, conc = measure(phase, turns, sessions, count_turns)
     return SystemResult("langgraph", seq, conc, sessions, [
         "SqliteSaver on one connection behind a lock, durability='sync', one thread per session",
     ])
@@ -447,68 +471,66 @@ def run_langgraph(tmp: Path, turns: int, sessions: int) -> SystemResult:
 # DBOS -----------------------------------------------------------------------------------------
 
 
-def run_dbos(tmp: Path, turns: int, sessions: int, journal: str) -> SystemResult:
+def run_dbos(tmp: Path, turns: int, sessions: int, count_turns: int, journal: str) -> SystemResult:
     import logging
 
     import sqlalchemy as sa
     from dbos import DBOS
 
-    counter = CommitCounter()
+    def phase(plan: Sequence[int], prefix: str, concurrent: bool, counter: CommitCounter | None) -> PhaseResult:
+        # DBOS is a process-wide singleton: each pass launches it on its own system database.
+        def on_connect(dbapi_conn: Any, _record: Any) -> None:
+            if counter is not None and isinstance(dbapi_conn, sqlite3.Connection):
+                counter.attach(dbapi_conn)  # every connection the system database's engine opens
 
-    # Every connection the system database's engine opens gets the COMMIT counter.
-    def on_connect(dbapi_conn: Any, _record: Any) -> None:
-        if isinstance(dbapi_conn, sqlite3.Connection):
-            counter.attach(dbapi_conn)
+        sa.event.listen(sa.engine.Engine, "connect", on_connect)
+        path = tmp / f"dbos-{prefix}.sqlite"
+        if journal == "wal":
+            wal_file(path)
+        DBOS(config={
+            "name": "agent-turn-bench",
+            "system_database_url": f"sqlite:///{path}",
+            "sys_db_pool_size": max(20, sessions + 4),
+            "log_level": "WARNING",
+        })
 
-    sa.event.listen(sa.engine.Engine, "connect", on_connect)
-    path = tmp / "dbos.sqlite"
-    if journal == "wal":
-        wal_file(path)
-    DBOS(config={
-        "name": "agent-turn-bench",
-        "system_database_url": f"sqlite:///{path}",
-        "sys_db_pool_size": max(20, sessions + 4),
-        "log_level": "WARNING",
-    })
+        @DBOS.step()
+        def model_step(messages: list[dict[str, Any]]) -> dict[str, Any]:
+            if messages[-1]["role"] == "user":
+                return {"role": "assistant", "calls": [{"id": "c1", "name": TOOL_NAME, "args": {}}]}
+            return {"role": "assistant", "text": ANSWER}
 
-    @DBOS.step()
-    def model_step(messages: list[dict[str, Any]]) -> dict[str, Any]:
-        if messages[-1]["role"] == "user":
-            return {"role": "assistant", "calls": [{"id": "c1", "name": TOOL_NAME, "args": {}}]}
-        return {"role": "assistant", "text": ANSWER}
+        @DBOS.step()
+        def tool_step(call_id: str) -> dict[str, Any]:
+            return {"role": "tool", "id": call_id, "output": TOOL_OUTPUT}
 
-    @DBOS.step()
-    def tool_step(call_id: str) -> dict[str, Any]:
-        return {"role": "tool", "id": call_id, "output": TOOL_OUTPUT}
+        @DBOS.workflow()
+        def agent_turn(session_id: str, text: str) -> str:
+            messages: list[dict[str, Any]] = [{"role": "user", "text": text}]
+            ask = model_step(messages)
+            messages += [ask, tool_step(ask["calls"][0]["id"])]
+            answer = model_step(messages)
+            return str(answer["text"])
 
-    @DBOS.workflow()
-    def agent_turn(session_id: str, text: str) -> str:
-        messages: list[dict[str, Any]] = [{"role": "user", "text": text}]
-        ask = model_step(messages)
-        messages += [ask, tool_step(ask["calls"][0]["id"])]
-        answer = model_step(messages)
-        return str(answer["text"])
+        def turn(session_id: str) -> float:
+            t = time.perf_counter()
+            # Called directly: the workflow runs in this thread and returns its result, with no
+            # queue or result polling in the way.
+            answer = agent_turn(session_id, USER_TEXT)
+            elapsed = time.perf_counter() - t
+            if answer != ANSWER:
+                raise RuntimeError(f"DBOS turn returned {answer!r}")
+            return elapsed
 
-    DBOS.launch()
-    logging.getLogger("dbos").setLevel(logging.WARNING)
+        try:
+            DBOS.launch()
+            logging.getLogger("dbos").setLevel(logging.WARNING)
+            return threaded_phase(turn, plan, prefix, concurrent, counter)
+        finally:
+            DBOS.destroy(destroy_registry=True)
+            sa.event.remove(sa.engine.Engine, "connect", on_connect)
 
-    def turn(session_id: str) -> float:
-        t = time.perf_counter()
-        # Called directly: the workflow runs in this thread and returns its result, with no
-        # queue or result polling in the way.
-        answer = agent_turn(session_id, USER_TEXT)
-        elapsed = time.perf_counter() - t
-        if answer != ANSWER:
-            raise RuntimeError(f"DBOS turn returned {answer!r}")
-        return elapsed
-
-    try:
-        # One system database for both phases: DBOS is a process-wide singleton.
-        seq = threaded_phase(turn, sequential_plan(turns), "seq", False, counter)
-        conc = threaded_phase(turn, session_plan(turns, sessions), "conc", True, counter)
-    finally:
-        DBOS.destroy(destroy_registry=True)
-        sa.event.remove(sa.engine.Engine, "connect", on_connect)
+    seq, conc = measure(phase, turns, sessions, count_turns)
     mode = "WAL" if journal == "wal" else "its default rollback journal (several fsyncs per commit, not one)"
     return SystemResult("dbos", seq, conc, sessions, [
         f"SQLite system database in {mode}, synchronous=FULL, one pooled connection per thread; "
@@ -529,16 +551,17 @@ def summary(result: SystemResult, floor_median: float) -> dict[str, Any]:
         "sequential_p95_ms": pct(seq.latencies, 0.95) * 1e3,
         "x_floor": seq_median / floor_median,
         "sequential_turns_per_s": seq.turns / seq.wall,
-        "sequential_commits_per_turn": seq.commits / seq.turns,
-        "sequential_fsyncs_per_turn": seq.fsyncs / seq.turns,
+        "sequential_commits_per_turn": seq.commits / seq.counted_turns,
+        "sequential_fsyncs_per_turn": seq.fsyncs / seq.counted_turns,
         "sequential_cpu_ms_per_turn": seq.cpu / seq.turns * 1e3,
         "sessions": result.sessions,
         "concurrent_turns": conc.turns,
         "concurrent_turns_per_s": conc.turns / conc.wall,
         "concurrent_median_ms": statistics.median(conc.latencies) * 1e3,
         "concurrent_p95_ms": pct(conc.latencies, 0.95) * 1e3,
-        "concurrent_commits_per_turn": conc.commits / conc.turns,
-        "concurrent_fsyncs_per_turn": conc.fsyncs / conc.turns,
+        "concurrent_commits_per_turn": conc.commits / conc.counted_turns,
+        "concurrent_fsyncs_per_turn": conc.fsyncs / conc.counted_turns,
+        "counted_turns": seq.counted_turns,
         "concurrent_cpu_ms_per_turn": conc.cpu / conc.turns * 1e3,
         "notes": result.notes,
     }
@@ -563,8 +586,11 @@ def print_table(rows: list[dict[str, Any]], floor_median: float, floor_p95: floa
               f"{r['concurrent_cpu_ms_per_turn']:>9.2f}")
     for system, reason in skipped.items():
         print(f"{system:<10}| skipped: {reason}")
-    print("\ncommits: data-changing SQLite commits per turn; fsyncs: those at synchronous=FULL (one WAL fsync"
-          " each);\ncpu ms: this process's CPU time per turn, all threads (less sensitive to a loaded machine)")
+    counted = rows[0]["counted_turns"] if rows else 0
+    print(f"\ncommits: data-changing SQLite commits per turn; fsyncs: those at synchronous=FULL (one WAL fsync"
+          f" each);\n  both counted in a separate untimed pass of {counted} turns per phase (the trace callback"
+          " that counts them costs CPU)\ncpu ms: this process's CPU time per turn, all threads (less sensitive to a"
+          " loaded machine)")
     for r in rows:
         for note in r["notes"]:
             print(f"{r['system']}: {note}")
@@ -581,6 +607,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--turns", type=int, default=200, help="turns per phase and system (default 200)")
     parser.add_argument("--sessions", type=int, default=16, help="sessions at once in the concurrent phase")
+    parser.add_argument("--count-turns", type=int, default=32,
+                        help="turns per phase of the untimed pass that counts commits (default 32)")
     parser.add_argument("--floor-commits", type=int, default=1000)
     parser.add_argument("--skip-builtin", action="store_true", help="leave out the built-in loop's run of the turn")
     parser.add_argument("--skip-langgraph", action="store_true")
@@ -589,8 +617,8 @@ def main() -> None:
                         help="DBOS's SQLite journal: WAL like the others (default), or as DBOS leaves it")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
-    if args.turns < args.sessions or args.sessions < 1:
-        parser.error("--turns must be at least --sessions, and --sessions at least 1")
+    if min(args.turns, args.count_turns) < args.sessions or args.sessions < 1:
+        parser.error("--turns and --count-turns must be at least --sessions, and --sessions at least 1")
 
     tmp = Path(tempfile.mkdtemp(prefix="dex-agent-bench-"))
     log: Callable[[str], None] = (lambda s: print(s, file=sys.stderr)) if args.json else print
@@ -602,12 +630,13 @@ def main() -> None:
     results: list[SystemResult] = []
     skipped: dict[str, str] = {}
     log("running dex ...")
-    results.append(run_dex(tmp, args.turns, args.sessions))
+    results.append(run_dex(tmp, args.turns, args.sessions, args.count_turns))
     if not args.skip_builtin:
-        results.append(run_dex(tmp, args.turns, args.sessions, builtin=True))
+        results.append(run_dex(tmp, args.turns, args.sessions, args.count_turns, builtin=True))
     competitors: list[tuple[str, bool, Callable[[], SystemResult]]] = [
-        ("langgraph", args.skip_langgraph, lambda: run_langgraph(tmp, args.turns, args.sessions)),
-        ("dbos", args.skip_dbos, lambda: run_dbos(tmp, args.turns, args.sessions, args.dbos_journal)),
+        ("langgraph", args.skip_langgraph, lambda: run_langgraph(tmp, args.turns, args.sessions, args.count_turns)),
+        ("dbos", args.skip_dbos,
+         lambda: run_dbos(tmp, args.turns, args.sessions, args.count_turns, args.dbos_journal)),
     ]
     for name, skip, run in competitors:
         if skip:

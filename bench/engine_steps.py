@@ -62,7 +62,7 @@ async def chain_step(ctx: Context, remaining: int) -> StepDecision:
     return StepDecision.go_to("Chain", remaining - 1)
 
 
-Done = Channel("Done", int)
+Done: Channel[int] = Channel("Done", int)
 
 
 async def fan_start(ctx: Context, _: None) -> StepDecision:
@@ -431,7 +431,10 @@ def main_postgres(args: argparse.Namespace) -> None:
 
 def main() -> None:
     if len(sys.argv) >= 3 and sys.argv[1] == "--serve":
-        worker_process_main(sys.argv[2], *([int(sys.argv[3]), sys.argv[4]] if len(sys.argv) == 5 else []))
+        if len(sys.argv) == 5:
+            worker_process_main(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        else:
+            worker_process_main(sys.argv[2])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sync", choices=["FULL", "NORMAL"], default="FULL")

@@ -107,7 +107,7 @@ class _Rows:
 class ProfilingStore(SqliteStore):
     """The engine's SQLite store, counting operations, batches and commits; optionally profiled."""
 
-    def __init__(self, url: str, counter: CommitCounter, profile_db: bool, sql: bool = False,
+    def __init__(self, url: str, counter: CommitCounter | None, profile_db: bool, sql: bool = False,
                  no_checkpoints: bool = False) -> None:
         self.no_checkpoints = no_checkpoints
         self.counter = counter
@@ -125,7 +125,8 @@ class ProfilingStore(SqliteStore):
         conn = super()._connect()
         if self.no_checkpoints:
             conn.execute("PRAGMA wal_autocheckpoint = 0")  # the WAL only grows: its size counts frames
-        self.counter.attach(conn)
+        if self.counter is not None:
+            self.counter.attach(conn)
         return _TimedConnection(conn, self) if self.sql_times is not None else conn
 
     def _run_batch(self, conn: Any, db: Any, batch: list[Any], level: str) -> str:
@@ -148,7 +149,7 @@ class ProfilingStore(SqliteStore):
 
 async def run(args: argparse.Namespace, path: Path) -> None:
     url = f"sqlite:///{path}"
-    counter = CommitCounter()
+    counter = None if args.no_count else CommitCounter()
     store = ProfilingStore(url, counter, args.profile_db, args.sql, args.wal_frames)
     wal = Path(f"{path}-wal")
     watcher = TurnWatcher(None)
@@ -178,7 +179,7 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         await start("warmup")
         await turns("warmup", args.warmup)
         await asyncio.gather(*(start(s) for s in ids))
-        commits0, ops0, batches0 = counter.totals(), collections.Counter(store.ops), store.batches
+        commits0, ops0, batches0 = _totals(counter), collections.Counter(store.ops), store.batches
         wal0 = wal_size(wal)
         cpu0, main0, db0 = time.process_time(), thread_cpu_ns(main_id), thread_cpu_ns(store.native_id)
         t0 = time.perf_counter()
@@ -196,7 +197,7 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         wall = time.perf_counter() - t0
         cpu, main_cpu = time.process_time() - cpu0, thread_cpu_ns(main_id) - main0
         db_cpu = thread_cpu_ns(store.native_id) - db0
-        commits1, batches = counter.totals(), store.batches - batches0
+        commits1, batches = _totals(counter), store.batches - batches0
         wal1 = wal_size(wal)
         ops = store.ops - ops0
         if args.history:
@@ -214,8 +215,10 @@ async def run(args: argparse.Namespace, path: Path) -> None:
     print(f"wall {wall / n * 1e3:.2f} ms/turn ({n / wall:.1f} turns/s)")
     print(f"CPU  {cpu / n * 1e3:.2f} ms/turn (event loop thread {main_cpu / n / 1e6:.2f}, "
           f"SQLite thread {db_cpu / n / 1e6:.2f})")
-    print(f"commits {(commits1[0] - commits0[0]) / n:.2f}/turn, fsyncs {(commits1[1] - commits0[1]) / n:.2f}/turn, "
-          f"SQLite transactions {batches / n:.2f}/turn, store operations {sum(ops.values()) / n:.2f}/turn:")
+    counted = ("commits not counted (--no-count), " if counter is None else
+               f"commits {(commits1[0] - commits0[0]) / n:.2f}/turn, fsyncs {(commits1[1] - commits0[1]) / n:.2f}/turn"
+               " (the counter's trace callback adds SQLite thread CPU; --no-count leaves it out), ")
+    print(f"{counted}SQLite transactions {batches / n:.2f}/turn, store operations {sum(ops.values()) / n:.2f}/turn:")
     for name, count in ops.most_common():
         print(f"  {name:<24} {count / n:6.2f}")
     if args.wal_frames:
@@ -237,6 +240,10 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         print(out.getvalue())
 
 
+def _totals(counter: CommitCounter | None) -> tuple[int, int]:
+    return (0, 0) if counter is None else counter.totals()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--turns", type=int, default=100)
@@ -251,6 +258,8 @@ def main() -> None:
     parser.add_argument("--history", type=int, default=0, help="print the last N history events of a session")
     parser.add_argument("--wal-frames", action="store_true", help="turn WAL checkpoints off and count pages written")
     parser.add_argument("--sql", action="store_true", help="CPU time per SQL statement text")
+    parser.add_argument("--no-count", action="store_true",
+                        help="leave the commit counter (an SQLite trace callback, which costs CPU) off")
     parser.add_argument("--wall", action="store_true", help="profile wall time instead of thread CPU time")
     args = parser.parse_args()
     if args.wall:
