@@ -4,6 +4,12 @@ Each process opens one connection on its own thread. Operations queue to that th
 every queued operation in one `BEGIN IMMEDIATE` transaction, each inside its own savepoint, so one
 failing operation rolls back alone while the batch shares a single commit (and fsync).
 
+A worker's quiet poll (nothing to claim, no housekeeping due) is the one exception: it reads
+PRAGMA data_version on a second, read-only connection on the caller's thread, and when no connection
+(this process's writer included) has committed since its last quiet poll, its answer stands without
+a trip to the store's thread. That trip (a hand-off to another thread and back) costs more CPU than
+the statements, and an idle worker polls every poll_seconds.
+
 Durability (PRAGMA synchronous, WAL):
 - FULL (default): every commit is fsynced before it is acknowledged; survives power loss.
 - NORMAL: the WAL is fsynced only at checkpoints; survives any process crash, but the last
@@ -33,7 +39,7 @@ from ._limits import (
 )
 from ._migrate import apply_pending
 from ._store import Store, commit_origin
-from ._transitions import Db, HistoryRow, Row, run_op
+from ._transitions import Db, HistoryRow, PollResult, Row, run_op
 
 R = TypeVar("R")
 
@@ -137,6 +143,62 @@ def migrate(conn: sqlite3.Connection) -> int:
     return version
 
 
+class _QuietPolls:
+    """Each worker's last quiet-poll answer, valid while the file's data_version stays the same.
+
+    The version is read on a connection of its own, so commits by this process's writer change it
+    as well as other processes' commits. Thread-safe (workers of one store may run on several event
+    loops); on any error it answers nothing and the poll takes the store's thread as before.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+        self._conn: sqlite3.Connection | None = None
+        self._closed = False
+        self._answers: dict[str, tuple[int, tuple[tuple[str, ...], tuple[int, ...]], PollResult]] = {}
+
+    def _version(self) -> int | None:
+        try:
+            if self._conn is None:
+                # busy_timeout 0: this runs on an event loop; when the file is busy, ask the store.
+                self._conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False,
+                                             timeout=0)
+            row = self._conn.execute("PRAGMA data_version").fetchone()
+            return int(row[0])
+        except sqlite3.Error:
+            return None
+
+    def answer(
+        self, worker_id: str, asked: tuple[tuple[str, ...], tuple[int, ...]]
+    ) -> tuple[int | None, PollResult | None]:
+        """(the file's data_version now, the kept answer when it is still valid for `asked`)."""
+        with self._lock:
+            if self._closed:
+                return None, None
+            version = self._version()
+            kept = self._answers.get(worker_id)
+            if version is not None and kept is not None and kept[0] == version and kept[1] == asked:
+                return version, kept[2]
+            return version, None
+
+    def keep(self, worker_id: str, version: int | None,
+             asked: tuple[tuple[str, ...], tuple[int, ...]], result: PollResult | None) -> None:
+        with self._lock:
+            if version is None or result is None:
+                self._answers.pop(worker_id, None)
+            else:
+                self._answers[worker_id] = (version, asked, result)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._answers.clear()
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
 class SqliteStore(Store):
     """A Store on one SQLite file; safe for several processes on one machine."""
 
@@ -150,6 +212,7 @@ class SqliteStore(Store):
         self._queue: queue.SimpleQueue[_Op | object] = queue.SimpleQueue()
         self._listeners: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
         self._data_version = -1
+        self._watch = _QuietPolls(self.settings.path)
         self._ready: Future[None] = Future()
         self._thread = threading.Thread(target=self._main, name=f"dex-sqlite:{self.settings.path}", daemon=True)
         self._closed = False
@@ -308,6 +371,27 @@ class SqliteStore(Store):
         self._queue.put(_Op(fn, write, True, None, future))
         return future.result()
 
+    async def poll(
+        self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],
+        *, must_claim: bool, housekeep: bool, known: Sequence[int] | None = None,
+        claimed_before: int | None = None,
+    ) -> tuple[bool, PollResult]:
+        """Store.poll; a quiet poll of a file nobody committed to since this worker's last quiet
+        poll (with the same running attempts) gets that poll's answer, read on this thread."""
+        if must_claim or housekeep:
+            return await super().poll(worker_id, flow_types, capacity, running, must_claim=must_claim,
+                                      housekeep=housekeep, known=known, claimed_before=claimed_before)
+        asked = (tuple(flow_types), tuple(running))
+        version, answer = self._watch.answer(worker_id, asked)
+        if answer is not None:
+            return False, answer
+        changed, result = await super().poll(worker_id, flow_types, capacity, running, must_claim=False,
+                                             housekeep=False, known=known, claimed_before=claimed_before)
+        # Only a light poll's answer is kept: nothing claimed, nothing changed elsewhere. `version`
+        # was read before it ran, so a commit made meanwhile makes the next poll ask again.
+        self._watch.keep(worker_id, version, asked, None if changed or result.leases else result)
+        return changed, result
+
     async def changed(self) -> bool:
         return await self._run(self._changed_in, write=False)
 
@@ -323,5 +407,6 @@ class SqliteStore(Store):
         if self._closed:
             return
         self._closed = True
+        self._watch.close()
         self._queue.put(_STOP)
         await asyncio.to_thread(self._thread.join)
