@@ -238,15 +238,19 @@ def iter_newest_first(
     AgentMessages (window instances elsewhere are ignored).
     """
     current = index or empty_index()
-    firsts = [r.first_sequence for r in current.chunks]
-    segments: list[tuple[int, AgentMessageChunkRange | AgentMessage]] = [
-        (r.first_sequence, r) for r in current.chunks
-    ]
-    segments.extend(
-        (m.sequence, m) for m in window
-        if m.sequence >= current.window_first_sequence and _holding(current.chunks, firsts, m.sequence) is None
-    )
-    segments.sort(key=lambda s: s[0], reverse=True)
+    chunks = current.chunks
+    firsts = [r.first_sequence for r in chunks]
+    # Window messages are mostly newer than every chunk: only older ones need the chunk look-up.
+    newest_in_chunks = max((r.last_sequence for r in chunks), default=0)
+    window_first = current.window_first_sequence
+    segments: list[tuple[int, AgentMessageChunkRange | AgentMessage]] = [(r.first_sequence, r) for r in chunks]
+    for m in window:
+        sequence = m.sequence
+        if sequence >= window_first and (
+            sequence > newest_in_chunks or _holding(chunks, firsts, sequence) is None
+        ):
+            segments.append((sequence, m))
+    segments.sort(key=_segment_start, reverse=True)
     for first, segment in segments:
         if before is not None and first >= before:
             continue
@@ -256,6 +260,10 @@ def iter_newest_first(
         for message in reversed(checked_chunk(segment, read_chunk(segment))):
             if before is None or message.sequence < before:
                 yield message
+
+
+def _segment_start(segment: tuple[int, AgentMessageChunkRange | AgentMessage]) -> int:
+    return segment[0]
 
 
 def newest_messages(
@@ -269,6 +277,10 @@ def newest_messages(
     """The newest `limit` stored messages before `before` (every one when limit is None), oldest first."""
     picked: list[AgentMessage] = []
     if limit is not None and limit <= 0:
+        return picked
+    if limit is None:
+        picked.extend(iter_newest_first(index, window, read_chunk, before=before))
+        picked.reverse()
         return picked
     for message in iter_newest_first(index, window, read_chunk, before=before):
         picked.append(message)

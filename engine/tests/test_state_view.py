@@ -1,0 +1,73 @@
+"""A method's view of its loaded map instances (Context.items): order, writes on top, bad stored values.
+
+Pure: the view is built from loaded bytes the way the worker builds it, with no store.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from dex_engine import AttributeMap, Flow, InvalidValueError, LoadOptions, Step, StepDecision
+from dex_engine._codec import decode_values, encode_value
+from dex_engine._context import _StateView
+
+
+class Point(msgspec.Struct, frozen=True):
+    x: int
+
+
+Points: AttributeMap[Point] = AttributeMap("Points", Point)
+Names: AttributeMap[str] = AttributeMap("Names", str)
+
+
+async def _noop(ctx: object, _: None) -> StepDecision:
+    return StepDecision.graceful_complete()
+
+
+FLOW = Flow("Viewed", [Step("S", _noop, input_type=type(None))], start_step="S", schema=[Points, Names])
+
+
+def view(loaded: dict[tuple[str, str], bytes]) -> _StateView:
+    return _StateView(FLOW, "f1", loaded, LoadOptions.all(), "Step S")
+
+
+def stored(amap: AttributeMap[object], key: str, value: object) -> tuple[tuple[str, str], bytes]:
+    return (amap.name, key), encode_value(amap.name, amap.value_type, value)
+
+
+def test_items_are_in_key_order_with_this_methods_writes_and_deletes_on_top() -> None:
+    v = view(dict([stored(Points, "b", Point(2)), stored(Points, "a", Point(1)), stored(Points, "d", Point(4)),
+                   stored(Names, "a", "other map")]))
+    assert v.items(Points) == {"a": Point(1), "b": Point(2), "d": Point(4)}
+    v.set(Points["c"], Point(3))
+    v.delete(Points["a"])
+    v.set(Points["b"], Point(20))
+    assert list(v.items(Points).items()) == [("b", Point(20)), ("c", Point(3)), ("d", Point(4))]
+    assert v.keys(Points) == ["b", "c", "d"]
+    assert v.items(Names) == {"a": "other map"}
+    returned = v.items(Points)
+    returned.clear()  # a caller's copy: the view's own answer is unchanged
+    assert v.keys(Points) == ["b", "c", "d"]
+
+
+def test_a_stored_value_of_another_type_names_the_instance() -> None:
+    """Only the bad instance is named, though the map's values are decoded together."""
+    v = view({("Points", "a"): b'{"x":1}', ("Points", "b"): b'{"x":"two"}', ("Points", "c"): b'{"x":3}'})
+    with pytest.raises(InvalidValueError, match=r"stored value for 'Points\[b\]' is not a Point"):
+        v.items(Points)
+    assert v.get(Points["a"]) == Point(1)
+
+
+def test_decode_values_labels_only_the_value_that_fails() -> None:
+    labels: list[int] = []
+
+    def label(i: int) -> str:
+        labels.append(i)
+        return f"value {i}"
+
+    assert decode_values(int, [b"1", b"2"], label) == [1, 2]
+    assert labels == []
+    with pytest.raises(InvalidValueError, match="stored value for 'value 1' is not a int"):
+        decode_values(int, [b"1", b'"x"', b"3"], label)
+    assert labels == [1]
