@@ -422,3 +422,28 @@ async def test_function_tool_asks_a_question_and_runs_again_with_the_answer(tmp_
         # AwaitQuestionAnswer runs twice: it raises the question, then applies the answer.
         assert steps == ["StartAgentSession", "RunModel", "CallSingleAttemptTool", "AwaitQuestionAnswer",
                          "AwaitQuestionAnswer", "CallSingleAttemptTool", "ResumeTurn", "RunModel"]
+
+
+def test_stored_items_are_parsed_once_per_process_and_the_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each model call reads the whole conversation: a stored message's input item is parsed once
+    and shared (items are frozen), equal messages share it, and the cache drops its oldest entry at
+    its bound. Catches an unbounded cache, or one that hands a message another message's item."""
+    from dex_agents import AgentMessage
+    from dex_agents.builtin_loop import _items
+
+    def stored(sequence: int, text: str) -> AgentMessage:
+        built = _items.user_message(text)
+        return AgentMessage(sequence, "t1", MessageRole.USER, text, None, None, None, None, built.framework_item,
+                            "2026-01-01T00:00:00.000Z")
+
+    monkeypatch.setattr(_items, "_parsed", {})
+    monkeypatch.setattr(_items, "INPUT_ITEM_CACHE_ENTRIES", 3)
+    first = _items.input_item(stored(1, "one"))
+    assert first == _items.UserTextInput("one")
+    assert _items.input_item(stored(1, "one")) is first, "an equal stored message was parsed again"
+    assert _items.input_item(stored(2, "two")) == _items.UserTextInput("two")
+    for n in range(3, 6):
+        _items.input_item(stored(n, f"m{n}"))
+    assert len(_items._parsed) == 3
+    assert [m.sequence for m in _items._parsed] == [3, 4, 5]
+    assert _items.input_item(stored(1, "one")) == first

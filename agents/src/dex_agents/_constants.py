@@ -36,6 +36,10 @@ CANCEL_TOOL_TASK_RETRY_BUDGET = timedelta(minutes=2)
 # The AgentEvents Stream keeps the newest 10 MiB of events per session; clients rebuild from snapshots.
 DEFAULT_AGENT_EVENTS_CAPACITY_BYTES = 10 * 1024 * 1024
 
+# The built-in loop's parsed input items, kept per process by stored message: each model call reads
+# the whole conversation again, and a stored message never changes. Room for many sessions' windows.
+INPUT_ITEM_CACHE_ENTRIES = 8192
+
 # get_agent_snapshot returns the newest messages only; list_agent_messages pages through the rest.
 SNAPSHOT_MESSAGE_LIMIT = 200
 LIST_MESSAGES_DEFAULT_LIMIT = 50

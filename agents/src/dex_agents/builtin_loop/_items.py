@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
+from .._constants import INPUT_ITEM_CACHE_ENTRIES
 from .._runner import FrameworkMessage
 from .._wire import AgentMessage, MessageRole
 from ._model import ModelInputItem, ModelOutputItem, ModelToolCall, OutputItemKind, ToolResultInput, UserTextInput
@@ -44,8 +46,25 @@ def tool_result_message(result: ToolResultInput) -> FrameworkMessage:
                             tool_name=result.tool_name, tool_output=result.output)
 
 
+# Items are frozen and a function of the (frozen) message alone, so every model call of every
+# session in this process can share them; the oldest entry goes first when the cache is full.
+_parsed: dict[AgentMessage, ModelInputItem] = {}
+_parsed_lock = threading.Lock()
+
+
 def input_item(message: AgentMessage) -> ModelInputItem:
     """The model input item of a stored message; items another runner stored fall back to their text."""
+    item = _parsed.get(message)
+    if item is None:
+        item = _parse(message)
+        with _parsed_lock:
+            if len(_parsed) >= INPUT_ITEM_CACHE_ENTRIES:
+                del _parsed[next(iter(_parsed))]
+            _parsed[message] = item
+    return item
+
+
+def _parse(message: AgentMessage) -> ModelInputItem:
     try:
         raw = json.loads(message.framework_item)
     except ValueError:
