@@ -13,7 +13,10 @@ With --backend postgres the floor is one small INSERT committed on one connectio
 run at concurrency 1, 16 and 64 (--concurrency) on 1, 2 and 4 worker processes (--workers), each its
 own AsyncWorker and store; per-Step latencies come from marks the worker processes write at exit.
 With DEX_BENCH_PROFILE=<path> set, each worker process writes a cProfile of its event loop thread
-(thread CPU time) to <path>.<pid>.
+(thread CPU time) to <path>.<pid>. DEX_BENCH_MAX_BATCH=<n> caps the operations per PostgreSQL
+transaction (MAX_BATCH_OPS, default 32), DEX_BENCH_LANES=<n> sets the connections per process: with
+one process and a cap of 8, a Step's CPU on both sides rises to what four processes cost (their
+batches hold about 9 commits), which shows the cost is per transaction, not per process.
 """
 
 from __future__ import annotations
@@ -248,6 +251,10 @@ def worker_process_main(url: str, capacity: int = 64, marks_path: str = "") -> N
         from dex_engine import _pg_store
 
         _pg_store.DEFAULT_POOL_SIZE = int(os.environ["DEX_BENCH_LANES"])
+    if os.environ.get("DEX_BENCH_MAX_BATCH"):
+        from dex_engine import _pg_store
+
+        _pg_store.MAX_BATCH_OPS = int(os.environ["DEX_BENCH_MAX_BATCH"])
     if os.environ.get("DEX_BENCH_GENERIC_COMMITS"):
         from dex_engine import _pg_store
 
