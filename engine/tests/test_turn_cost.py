@@ -623,3 +623,31 @@ async def test_a_quiet_poll_of_an_unchanged_sqlite_file_stays_off_the_store_thre
             assert probe.executed == ["Hold-1"]
         finally:
             await other.close()
+
+
+async def test_a_kept_quiet_answer_is_dropped_by_a_commit_of_this_process_too(db_url: str) -> None:
+    """The data_version a quiet poll compares is read on a connection of its own, so a commit by the
+    store's own writer (this process: a worker's commit that cancels a sibling attempt, a renewal)
+    invalidates a kept answer as another process's would. Catches reading it on the writer's
+    connection, where the writer's own commits never change it."""
+    if not db_url.startswith("sqlite"):
+        pytest.skip("quiet polls read SQLite's data_version")
+    from dex_engine import open_store
+    from dex_engine._sqlite_store import SqliteStore
+    from dex_engine._transitions import PollResult
+
+    store = open_store(db_url)
+    assert isinstance(store, SqliteStore)
+    try:
+        asked = (("T",), (1, 2))
+        version, kept = store._watch.answer("w1", asked)
+        assert version is not None and kept is None
+        result = PollResult([], {1: 1, 2: 1}, None, None)
+        store._watch.keep("w1", version, asked, result)
+        assert store._watch.answer("w1", asked) == (version, result)
+        assert store._watch.answer("w1", (("T",), (1,)))[1] is None, "an answer for other running attempts"
+        assert store._watch.answer("w2", asked)[1] is None, "another worker's answer"
+        await store.register_worker("w9", "host", 1, 60_000)  # a commit on the store's own connection
+        assert store._watch.answer("w1", asked)[1] is None, "a kept answer survived this process's commit"
+    finally:
+        await store.close()
