@@ -577,47 +577,59 @@ def holding_flow(probe: Probe) -> Flow:
     return Flow("Holding", [Step("Hold", hold, input_type=type(None))], start_step="Hold")
 
 
-async def test_a_quiet_poll_of_an_unchanged_sqlite_file_stays_off_the_store_thread(
+async def test_an_idle_sqlite_worker_sleeps_and_a_running_one_polls_off_the_store_thread(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An idle SQLite worker polls every poll_seconds; while no connection commits, each poll's
-    answer is its last one, read on the worker's thread (one PRAGMA), with no trip to the store's
-    thread. Another connection's commit (another process) is still seen at the next poll: a flow it
-    starts is claimed, and its stop revokes the running attempt (the epochs the kept answer held are
-    stale then). Catches: a kept answer that outlives a commit, or quiet polls that still queue a
-    transaction each."""
+    """With nothing running, a SQLite worker does not poll: the store's thread watches data_version
+    and wakes it when another process commits. While an attempt runs it polls every poll_seconds
+    (for revocations), and while no connection commits each poll's answer is its last one, read on
+    the worker's thread, with no trip to the store's thread. Another connection's commits are seen
+    either way: a flow it starts is claimed, and its stop revokes the running attempt (the epochs
+    the kept answer held are stale then). Catches an idle worker that still polls, polls that still
+    queue a transaction each, a kept answer that outlives a commit, and a watcher that misses one."""
     if not db_url.startswith("sqlite"):
-        pytest.skip("quiet polls read SQLite's data_version")
+        pytest.skip("the watcher and quiet polls read SQLite's data_version")
     from dex_engine import AsyncClient, open_store
     from dex_engine._sqlite_store import SqliteStore
 
     queued: list[bool] = []
-    real_run = SqliteStore._run
+    polls: list[bool] = []
+    real_run, real_poll = SqliteStore._run, SqliteStore.poll
 
     async def counting_run(self: SqliteStore, fn: Any, *, write: bool, durable: bool | None = None) -> Any:
         queued.append(write)
         return await real_run(self, fn, write=write, durable=durable)
 
+    async def counting_poll(self: SqliteStore, *args: Any, **kwargs: Any) -> Any:
+        polls.append(kwargs["must_claim"])
+        return await real_poll(self, *args, **kwargs)
+
     monkeypatch.setattr(SqliteStore, "_run", counting_run)
+    monkeypatch.setattr(SqliteStore, "poll", counting_poll)
     probe = Probe()
     registry = Registry([holding_flow(probe)])
     async with engine_for(db_url, registry) as eng:
         assert eng.worker is not None
-        housekeeping = eng.worker.options.housekeeping_seconds
-        await eng.worker.stop()  # restart with housekeeping and lease renewal rare: quiet polls remain
+        await eng.worker.stop()  # restart with housekeeping and lease renewal rare: nothing else runs
         await eng.start_worker(housekeeping_seconds=60.0, lease_ttl_seconds=60.0, lease_renew_seconds=30.0,
                                poll_seconds=0.01)
         await asyncio.sleep(0.2)
         queued.clear()
-        await asyncio.sleep(0.5)  # about 50 polls
+        polls.clear()
+        await asyncio.sleep(0.5)  # 50 poll intervals
+        assert len(polls) <= 1, f"an idle worker polled {len(polls)} times in 0.5 s"
         assert len(queued) <= 1, f"{len(queued)} operations reached the store's thread while idle: {queued}"
-        assert housekeeping < 60.0
 
         other = open_store(db_url)  # a second connection: what another process does
         try:
             await AsyncClient(registry, store=other).start_flow("Holding", "q1")
             await asyncio.wait_for(probe.reached.wait(), 5.0)
-            await asyncio.sleep(0.2)  # quiet again, with an attempt running
+            await asyncio.sleep(0.2)
+            queued.clear()
+            polls.clear()
+            await asyncio.sleep(0.5)  # quiet, with an attempt running
+            assert len(polls) >= 10, f"a worker running an attempt polled only {len(polls)} times in 0.5 s"
+            assert len(queued) <= 1, f"{len(queued)} of {len(polls)} polls reached the store's thread: {queued}"
             await AsyncClient(registry, store=other).stop_flow("q1", "from another connection")
             await wait_until("Hold-1 cancelled", lambda: _count(probe.executed, 1), timeout=5.0)
             assert probe.executed == ["Hold-1"]

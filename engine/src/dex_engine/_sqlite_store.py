@@ -10,6 +10,11 @@ PRAGMA data_version on a second, read-only connection on the caller's thread, an
 a trip to the store's thread. That trip (a hand-off to another thread and back) costs more CPU than
 the statements, and an idle worker polls every poll_seconds.
 
+Commits of other processes reach this process's commit listeners from the store's thread: while it
+has nothing queued, it reads PRAGMA data_version every watch interval (the shortest poll_seconds of
+the workers using it) and calls every listener when another connection has committed. A worker with
+nothing running therefore does not poll at all; it sleeps until its next due time or housekeeping.
+
 Durability (PRAGMA synchronous, WAL):
 - FULL (default): every commit is fsynced before it is acknowledged; survives power loss.
 - NORMAL: the WAL is fsynced only at checkpoints; survives any process crash, but the last
@@ -212,6 +217,7 @@ class SqliteStore(Store):
         self._queue: queue.SimpleQueue[_Op | object] = queue.SimpleQueue()
         self._listeners: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
         self._data_version = -1
+        self._watch_seconds: float | None = None  # set by watch_foreign_commits
         self._watch = _QuietPolls(self.settings.path)
         self._ready: Future[None] = Future()
         self._thread = threading.Thread(target=self._main, name=f"dex-sqlite:{self.settings.path}", daemon=True)
@@ -245,7 +251,12 @@ class SqliteStore(Store):
         busy_since: float | None = None  # when this thread started writing back to back
         try:
             while True:
-                first = self._queue.get()
+                watch = self._watch_seconds
+                try:
+                    first = self._queue.get() if watch is None else self._queue.get(timeout=watch)
+                except queue.Empty:
+                    self._tell_foreign_commits(db)
+                    continue
                 if first is _STOP:
                     break
                 batch: list[_Op] = [first]  # type: ignore[list-item]
@@ -370,6 +381,24 @@ class SqliteStore(Store):
         future: Future[R] = Future()
         self._queue.put(_Op(fn, write, True, None, future))
         return future.result()
+
+    def watch_foreign_commits(self, interval_seconds: float) -> bool:
+        current = self._watch_seconds
+        self._watch_seconds = interval_seconds if current is None else min(current, interval_seconds)
+        return True
+
+    def _tell_foreign_commits(self, db: _SqliteDb) -> None:
+        """On the store's thread, idle: call every commit listener if another connection committed."""
+        try:
+            changed = self._changed_in(db)
+        except sqlite3.Error:
+            changed = True  # cannot tell: a spurious wake-up costs one poll
+        if not changed:
+            return
+        for loop, fn in list(self._listeners):
+            if not loop.is_closed():
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(_deliver, [], [fn])
 
     async def poll(
         self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],

@@ -78,6 +78,14 @@ class Store(ABC):
     # Workers of this process that take such Steps (add_local_claimer); replaced, never mutated.
     _claimers: tuple[LocalClaimer, ...] = ()
 
+    def watch_foreign_commits(self, interval_seconds: float) -> bool:
+        """Call the commit listeners within about `interval_seconds` of another process's commit.
+
+        Returns whether this backend does: then a worker with nothing running need not poll for
+        such commits and sleeps until its next due time or housekeeping instead.
+        """
+        return False
+
     @abstractmethod
     async def _run(self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None) -> R:
         """Run `fn` in one transaction. `durable` False allows skipping the fsync (ASYNC Steps)."""

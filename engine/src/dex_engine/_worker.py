@@ -114,6 +114,7 @@ class AsyncWorker:
         self._flow_types = sorted(registry.flows)
         self._running: dict[int, _Running] = {}
         self._wake = asyncio.Event()
+        self._claim_asked = False  # a wake-up that asks the loop to claim (all but _spawn's)
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -121,6 +122,10 @@ class AsyncWorker:
         # Starts (wall-clock ms) of commits in flight that may claim work: until a commit's reply is
         # in, the attempts it claimed are in no poll's `known` and must not be taken for lost claims.
         self._claiming: list[int] = []
+        # The store calls our commit listener on other processes' commits (watch_foreign_commits):
+        # with nothing running, the loop then sleeps until something is due instead of polling.
+        self._watched = False
+        self._sleeping_idle = False  # the loop waits without a poll interval: a new attempt wakes it
         # This worker's context (its commit origin): attempts that clients' commits claimed for it
         # run in a copy, not in the client's context, so their commits do not wake it.
         self._own_context: contextvars.Context | None = None
@@ -140,13 +145,18 @@ class AsyncWorker:
 
     async def stop(self) -> None:
         self._stopping.set()
-        self._wake.set()
+        self._wake_up()
         if self._background is not None:
             await self._background
         else:
             await self._stopped.wait()
 
     def _notify(self) -> None:
+        self._wake_up()
+
+    def _wake_up(self) -> None:
+        """Wake the loop to claim (and poll)."""
+        self._claim_asked = True
         self._wake.set()
 
     async def run(self) -> None:
@@ -156,6 +166,7 @@ class AsyncWorker:
         store = self._store
         store.add_commit_listener(self._notify)
         store.add_local_claimer(self)
+        self._watched = store.watch_foreign_commits(self.options.poll_seconds)
         commit_origin.set(self._notify)  # inherited by every task this worker starts
         self._own_context = contextvars.copy_context()
         ttl_ms = int(self.options.lease_ttl_seconds * 1000)
@@ -187,6 +198,7 @@ class AsyncWorker:
             claim = must_claim and free > 0
             watched = [tid for tid, r in self._running.items() if not r.committing]
             self._wake.clear()
+            self._claim_asked = False
             try:
                 _changed, result = await store.poll(
                     self.worker_id, self._flow_types, free, watched, must_claim=claim, housekeep=housekeep,
@@ -207,7 +219,9 @@ class AsyncWorker:
                 running = self._running.get(task_id)
                 if running is not None and result.epochs.get(task_id) != running.lease.lease_epoch:
                     self._revoke(running)  # E9: cancelled, timed out or taken over
-            timeout = opts.poll_seconds
+            idle = self._watched and not self._running and not self._claiming
+            # Idle on a watched store, only due work and housekeeping need the loop: wake-ups cost.
+            timeout = max(0.0, next_housekeeping - time.monotonic()) if idle else opts.poll_seconds
             if result.next_due_ms is not None:
                 until_due = result.next_due_ms / 1000 - time.time()
                 if until_due > 0:
@@ -219,14 +233,17 @@ class AsyncWorker:
                     must_claim = True
                     next_housekeeping = time.monotonic()
                     continue
+            self._sleeping_idle = idle
             try:
                 # asyncio.timeout, not wait_for: no task per wait (one per poll interval and wake-up).
                 async with asyncio.timeout(timeout):
                     await self._wake.wait()
-                must_claim = True
+                must_claim = self._claim_asked
             except TimeoutError:
-                # A wake that lands as the timeout fires is lost by the wait but stays set: keep it.
-                must_claim = self._wake.is_set()
+                # A wake that lands as the timeout fires is lost by the wait but stays asked: keep it.
+                must_claim = self._claim_asked
+            finally:
+                self._sleeping_idle = False
 
     def _claimed_before(self) -> int:
         """Time (ms) before which a claim of ours that we do not hold counts as lost.
@@ -255,13 +272,13 @@ class AsyncWorker:
         self._claiming.remove(token)
         if self._stopping.is_set():
             # Draining: unregistering at the end hands unstarted claims back (same attempt, E3).
-            self._wake.set()
+            self._wake_up()
             return
         for lease in leases or ():
             assert self._own_context is not None
             self._spawn(lease, self._own_context.copy())
         if leases is None or len(leases) >= capacity:
-            self._wake.set()  # it claimed nothing (or failed), or more may be ready than it took
+            self._wake_up()  # it claimed nothing (or failed), or more may be ready than it took
 
     def local_origin(self) -> Callable[[], None]:
         return self._notify
@@ -274,6 +291,8 @@ class AsyncWorker:
             self._revoke(previous)
         running = _Running(lease)
         self._running[lease.task_id] = running
+        if self._sleeping_idle:
+            self._wake.set()  # back to polling: the attempt's revocation must be seen in time
         running.task = asyncio.create_task(self._run_attempt(running), name=lease.step_execution_id,
                                            context=context)
 
@@ -343,7 +362,7 @@ class AsyncWorker:
                 running.flush_task.cancel()
             self._forget(running)
             if not running.claimed_next:
-                self._wake.set()  # a slot is free and nothing was claimed into it yet
+                self._wake_up()  # a slot is free and nothing was claimed into it yet
 
     async def _attempt(self, running: _Running) -> None:
         lease = running.lease
