@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,7 @@ from dex_engine import (
 )
 from dex_engine._decision import Movement
 
-from .conftest import engine_for, wait_until
+from .conftest import Engine, engine_for, wait_until
 
 QUICK = RetryPolicy(max_attempts=3, initial_interval_seconds=0.05, max_interval_seconds=0.05)
 A = Attribute("A", int)
@@ -390,6 +391,18 @@ def blind_flow(probe: Probe) -> Flow:
     ], start_step="Waiter", schema=[C], rpcs=[post, echo])
 
 
+async def blind_flow_with_one_post(eng: Engine) -> Callable[[str], Awaitable[bool]]:
+    """Start Blind flow f1, wait until Waiter's wait is registered, post 1; returns a history check."""
+    await eng.client.start_flow("Blind", "f1")
+
+    async def has(event_type: str) -> bool:
+        return any(h.event_type == event_type for h in await eng.client.get_flow_history("f1"))
+
+    await wait_until("Waiter's wait registered", lambda: has("wait_registered"))
+    assert await eng.client.rpc("f1", "post", 1) is True
+    return has
+
+
 async def test_an_rpc_that_reads_nothing_commits_without_a_snapshot(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -447,13 +460,7 @@ async def test_steps_a_client_commit_makes_ready_are_claimed_in_that_commit(
     monkeypatch.setattr(Store, "poll", recording)
     probe = Probe()
     async with engine_for(db_url, Registry([blind_flow(probe)])) as eng:
-        await eng.client.start_flow("Blind", "f1")
-
-        async def has(event_type: str) -> bool:
-            return any(h.event_type == event_type for h in await eng.client.get_flow_history("f1"))
-
-        await wait_until("Waiter's wait registered", lambda: has("wait_registered"))
-        assert await eng.client.rpc("f1", "post", 1) is True
+        has = await blind_flow_with_one_post(eng)
         assert await eng.client.rpc("f1", "post", 2) is True
         await wait_until("Waiter executed", lambda: _count(probe.executed, 1))
         await wait_until("Waiter's commit", lambda: has("execute_completed"))
@@ -542,13 +549,7 @@ async def test_steps_a_cancelled_client_commit_claimed_still_run(db_url: str, mo
     monkeypatch.setattr(_worker, "LOST_CLAIM_MS", 10**9)
     probe = Probe()
     async with engine_for(db_url, Registry([blind_flow(probe)])) as eng:
-        await eng.client.start_flow("Blind", "f1")
-
-        async def has(event_type: str) -> bool:
-            return any(h.event_type == event_type for h in await eng.client.get_flow_history("f1"))
-
-        await wait_until("Waiter's wait registered", lambda: has("wait_registered"))
-        assert await eng.client.rpc("f1", "post", 1) is True
+        has = await blind_flow_with_one_post(eng)
         blocker = asyncio.create_task(eng.store.raw(lambda db: time.sleep(0.5)))
         await asyncio.sleep(0.05)  # the store's thread is in the blocker
         post = asyncio.create_task(eng.client.rpc("f1", "post", 2))
@@ -577,6 +578,7 @@ def holding_flow(probe: Probe) -> Flow:
     return Flow("Holding", [Step("Hold", hold, input_type=type(None))], start_step="Hold")
 
 
+@pytest.mark.sqlite_only
 async def test_an_idle_sqlite_worker_sleeps_and_a_running_one_polls_off_the_store_thread(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -587,8 +589,6 @@ async def test_an_idle_sqlite_worker_sleeps_and_a_running_one_polls_off_the_stor
     either way: a flow it starts is claimed, and its stop revokes the running attempt (the epochs
     the kept answer held are stale then). Catches an idle worker that still polls, polls that still
     queue a transaction each, a kept answer that outlives a commit, and a watcher that misses one."""
-    if not db_url.startswith("sqlite"):
-        pytest.skip("the watcher and quiet polls read SQLite's data_version")
     from dex_engine import AsyncClient, open_store
     from dex_engine._sqlite_store import SqliteStore
 
@@ -637,13 +637,12 @@ async def test_an_idle_sqlite_worker_sleeps_and_a_running_one_polls_off_the_stor
             await other.close()
 
 
+@pytest.mark.sqlite_only
 async def test_a_kept_quiet_answer_is_dropped_by_a_commit_of_this_process_too(db_url: str) -> None:
     """The data_version a quiet poll compares is read on a connection of its own, so a commit by the
     store's own writer (this process: a worker's commit that cancels a sibling attempt, a renewal)
     invalidates a kept answer as another process's would. Catches reading it on the writer's
     connection, where the writer's own commits never change it."""
-    if not db_url.startswith("sqlite"):
-        pytest.skip("quiet polls read SQLite's data_version")
     from dex_engine import open_store
     from dex_engine._sqlite_store import SqliteStore
     from dex_engine._transitions import PollResult
