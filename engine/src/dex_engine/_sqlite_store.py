@@ -393,12 +393,8 @@ class SqliteStore(Store):
             changed = self._changed_in(db)
         except sqlite3.Error:
             changed = True  # cannot tell: a spurious wake-up costs one poll
-        if not changed:
-            return
-        for loop, fn in list(self._listeners):
-            if not loop.is_closed():
-                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                    loop.call_soon_threadsafe(_deliver, [], [fn])
+        if changed:
+            self._complete([], [], True)  # no operation of this process: every listener, one wake per loop
 
     async def poll(
         self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],
