@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from dex_engine import AttributeMap, Flow, InvalidValueError, LoadOptions, Step, StepDecision
-from dex_engine._codec import decode_values, encode_value
+from dex_engine._codec import encode_value
 from dex_engine._context import _StateView
 
 
@@ -52,22 +52,8 @@ def test_items_are_in_key_order_with_this_methods_writes_and_deletes_on_top() ->
 
 
 def test_a_stored_value_of_another_type_names_the_instance() -> None:
-    """Only the bad instance is named, though the map's values are decoded together."""
+    """Only the bad instance is named; the good ones stay readable."""
     v = view({("Points", "a"): b'{"x":1}', ("Points", "b"): b'{"x":"two"}', ("Points", "c"): b'{"x":3}'})
     with pytest.raises(InvalidValueError, match=r"stored value for 'Points\[b\]' is not a Point"):
         v.items(Points)
     assert v.get(Points["a"]) == Point(1)
-
-
-def test_decode_values_labels_only_the_value_that_fails() -> None:
-    labels: list[int] = []
-
-    def label(i: int) -> str:
-        labels.append(i)
-        return f"value {i}"
-
-    assert decode_values(int, [b"1", b"2"], label) == [1, 2]
-    assert labels == []
-    with pytest.raises(InvalidValueError, match="stored value for 'value 1' is not a int"):
-        decode_values(int, [b"1", b'"x"', b"3"], label)
-    assert labels == [1]

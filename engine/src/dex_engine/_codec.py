@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -63,32 +62,21 @@ def _is_checked_instance(tp: Any, value: Any) -> bool:
 
 
 def decode_value(name: str, tp: Any, data: bytes | str) -> Any:
-    return decode_values(tp, [data], lambda _: name)[0]
-
-
-def decode_values(tp: Any, datas: Sequence[bytes | str], label: Callable[[int], str]) -> list[Any]:
-    """Decode stored values of one type; `label(i)` names value i in an error (built only then)."""
     immutable = _immutable_types.get(tp)
     if immutable is None:
         immutable = _deeply_immutable(tp)
-    decoder = _decoder(tp)
-    decoded = _decoded
-    out: list[Any] = []
-    for i, data in enumerate(datas):
-        key = (tp, data) if immutable and type(data) is bytes else None
-        if key is not None:
-            hit = decoded.get(key)
-            if hit is not None:
-                out.append(hit)
-                continue
-        try:
-            value = decoder.decode(data)
-        except msgspec.ValidationError as exc:
-            raise InvalidValueError(f"stored value for {label(i)!r} is not a {_type_name(tp)}: {exc}") from None
-        if key is not None:
-            _remember(key, value)
-        out.append(value)
-    return out
+    key = (tp, data) if immutable and type(data) is bytes else None
+    if key is not None:
+        hit = _decoded.get(key)
+        if hit is not None:
+            return hit
+    try:
+        value = _decoder(tp).decode(data)
+    except msgspec.ValidationError as exc:
+        raise InvalidValueError(f"stored value for {name!r} is not a {_type_name(tp)}: {exc}") from None
+    if key is not None:
+        _remember(key, value)
+    return value
 
 
 def _remember(key: tuple[Any, bytes | str], value: Any) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._codec import decode_value, decode_values, encode_value
+from ._codec import decode_value, encode_value
 from ._errors import NotLoadedError
 from ._options import LoadSpec
 from ._records import RecoveryError, WaitOutcome, WriteSet
@@ -89,29 +89,22 @@ class _StateView:
         written = [k for (n, k) in writes if n == name]
         if written:
             keys = sorted({*keys, *written})
-        cache, loaded = self._cache, self._loaded
-        # Keys come from storage or from this method's checked writes: no need to check them again.
-        # Values not decoded yet are decoded together after the walk, which keeps key order.
-        out: dict[str, Any] = {}
-        undecoded: list[str] = []
-        datas: list[bytes] = []
+        cache, loaded, value_type = self._cache, self._loaded, amap.value_type
+        out: dict[str, T] = {}
         for key in keys:
+            # Keys come from storage or from this method's checked writes: no need to check them again.
             ident = (name, key)
             if ident in cache:
-                out[key] = cache[ident]
-                continue
-            data = writes[ident] if ident in writes else loaded.get(ident)
-            if data is not None:
-                out[key] = None
-                undecoded.append(key)
-                datas.append(data)
-        if datas:
-            values = decode_values(amap.value_type, datas, lambda i: f"{name}[{undecoded[i]}]")
-            for key, value in zip(undecoded, values, strict=True):
-                out[key] = cache[(name, key)] = value
-        result: dict[str, T] = {k: v for k, v in out.items() if v is not None}
-        self._items[name] = result
-        return dict(result)
+                value = cache[ident]
+            else:
+                data = writes[ident] if ident in writes else loaded.get(ident)
+                if data is None:
+                    continue
+                value = cache[ident] = decode_value(f"{name}[{key}]", value_type, data)
+            if value is not None:
+                out[key] = value
+        self._items[name] = out
+        return dict(out)
 
     def keys(self, amap: AttributeMap[T]) -> list[str]:
         return list(self.items(amap))
