@@ -587,8 +587,10 @@ async def test_an_idle_sqlite_worker_sleeps_and_a_running_one_polls_off_the_stor
     (for revocations), and while no connection commits each poll's answer is its last one, read on
     the worker's thread, with no trip to the store's thread. Another connection's commits are seen
     either way: a flow it starts is claimed, and its stop revokes the running attempt (the epochs
-    the kept answer held are stale then). Catches an idle worker that still polls, polls that still
-    queue a transaction each, a kept answer that outlives a commit, and a watcher that misses one."""
+    the kept answer held are stale then). An attempt this process's client hands to the sleeping
+    worker brings it back to polling. Catches an idle worker that still polls, polls that still
+    queue a transaction each, a kept answer that outlives a commit, a watcher that misses one, and
+    a worker left asleep with an attempt running."""
     from dex_engine import AsyncClient, open_store
     from dex_engine._sqlite_store import SqliteStore
 
@@ -635,6 +637,18 @@ async def test_an_idle_sqlite_worker_sleeps_and_a_running_one_polls_off_the_stor
             assert probe.executed == ["Hold-1"]
         finally:
             await other.close()
+
+        # Idle again, a flow started by this process's client is handed to the sleeping worker in
+        # the client's commit: the attempt it starts must bring the loop back to polling.
+        await asyncio.sleep(0.2)
+        probe.reached.clear()
+        polls.clear()
+        await eng.client.start_flow("Holding", "q2")
+        await asyncio.wait_for(probe.reached.wait(), 5.0)
+        await asyncio.sleep(0.5)
+        assert len(polls) >= 10, f"an attempt handed to a sleeping worker left it polling {len(polls)} times in 0.5 s"
+        # Its wake-up asks for no claim: the client's commit already claimed what it made ready.
+        assert not any(polls), f"polls asked to claim after a hand-off: {polls}"
 
 
 @pytest.mark.sqlite_only

@@ -145,17 +145,14 @@ class AsyncWorker:
 
     async def stop(self) -> None:
         self._stopping.set()
-        self._wake_up()
+        self._notify()
         if self._background is not None:
             await self._background
         else:
             await self._stopped.wait()
 
     def _notify(self) -> None:
-        self._wake_up()
-
-    def _wake_up(self) -> None:
-        """Wake the loop to claim (and poll)."""
+        """Wake the loop to claim (and poll); also the commit listener and commit origin."""
         self._claim_asked = True
         self._wake.set()
 
@@ -272,13 +269,13 @@ class AsyncWorker:
         self._claiming.remove(token)
         if self._stopping.is_set():
             # Draining: unregistering at the end hands unstarted claims back (same attempt, E3).
-            self._wake_up()
+            self._notify()
             return
         for lease in leases or ():
             assert self._own_context is not None
             self._spawn(lease, self._own_context.copy())
         if leases is None or len(leases) >= capacity:
-            self._wake_up()  # it claimed nothing (or failed), or more may be ready than it took
+            self._notify()  # it claimed nothing (or failed), or more may be ready than it took
 
     def local_origin(self) -> Callable[[], None]:
         return self._notify
@@ -362,7 +359,7 @@ class AsyncWorker:
                 running.flush_task.cancel()
             self._forget(running)
             if not running.claimed_next:
-                self._wake_up()  # a slot is free and nothing was claimed into it yet
+                self._notify()  # a slot is free and nothing was claimed into it yet
 
     async def _attempt(self, running: _Running) -> None:
         lease = running.lease
