@@ -665,14 +665,14 @@ async def test_a_kept_quiet_answer_is_dropped_by_a_commit_of_this_process_too(db
     assert isinstance(store, SqliteStore)
     try:
         asked = (("T",), (1, 2))
-        version, kept = store._watch.answer("w1", asked)
+        version, kept = store._quiet.answer("w1", asked)
         assert version is not None and kept is None
         result = PollResult([], {1: 1, 2: 1}, None, None)
-        store._watch.keep("w1", version, asked, result)
-        assert store._watch.answer("w1", asked) == (version, result)
-        assert store._watch.answer("w1", (("T",), (1,)))[1] is None, "an answer for other running attempts"
-        assert store._watch.answer("w2", asked)[1] is None, "another worker's answer"
+        store._quiet.keep("w1", version, asked, result)
+        assert store._quiet.answer("w1", asked) == (version, result)
+        assert store._quiet.answer("w1", (("T",), (1,)))[1] is None, "an answer for other running attempts"
+        assert store._quiet.answer("w2", asked)[1] is None, "another worker's answer"
         await store.register_worker("w9", "host", 1, 60_000)  # a commit on the store's own connection
-        assert store._watch.answer("w1", asked)[1] is None, "a kept answer survived this process's commit"
+        assert store._quiet.answer("w1", asked)[1] is None, "a kept answer survived this process's commit"
     finally:
         await store.close()

@@ -8,7 +8,7 @@ A worker's quiet poll (nothing to claim, no housekeeping due) is the one excepti
 PRAGMA data_version on a second, read-only connection on the caller's thread, and when no connection
 (this process's writer included) has committed since its last quiet poll, its answer stands without
 a trip to the store's thread. That trip (a hand-off to another thread and back) costs more CPU than
-the statements, and an idle worker polls every poll_seconds.
+the statements, and a worker running attempts polls every poll_seconds.
 
 Commits of other processes reach this process's commit listeners from the store's thread: while it
 has nothing queued, it reads PRAGMA data_version every watch interval (the shortest poll_seconds of
@@ -148,6 +148,10 @@ def migrate(conn: sqlite3.Connection) -> int:
     return version
 
 
+# What a quiet poll asked: the worker's flow types and its running attempts' task IDs.
+_Asked = tuple[tuple[str, ...], tuple[int, ...]]
+
+
 class _QuietPolls:
     """Each worker's last quiet-poll answer, valid while the file's data_version stays the same.
 
@@ -161,7 +165,7 @@ class _QuietPolls:
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
         self._closed = False
-        self._answers: dict[str, tuple[int, tuple[tuple[str, ...], tuple[int, ...]], PollResult]] = {}
+        self._answers: dict[str, tuple[int, _Asked, PollResult]] = {}
 
     def _version(self) -> int | None:
         try:
@@ -174,9 +178,7 @@ class _QuietPolls:
         except sqlite3.Error:
             return None
 
-    def answer(
-        self, worker_id: str, asked: tuple[tuple[str, ...], tuple[int, ...]]
-    ) -> tuple[int | None, PollResult | None]:
+    def answer(self, worker_id: str, asked: _Asked) -> tuple[int | None, PollResult | None]:
         """(the file's data_version now, the kept answer when it is still valid for `asked`)."""
         with self._lock:
             if self._closed:
@@ -187,8 +189,7 @@ class _QuietPolls:
                 return version, kept[2]
             return version, None
 
-    def keep(self, worker_id: str, version: int | None,
-             asked: tuple[tuple[str, ...], tuple[int, ...]], result: PollResult | None) -> None:
+    def keep(self, worker_id: str, version: int | None, asked: _Asked, result: PollResult | None) -> None:
         with self._lock:
             if version is None or result is None:
                 self._answers.pop(worker_id, None)
@@ -218,7 +219,7 @@ class SqliteStore(Store):
         self._listeners: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
         self._data_version = -1
         self._watch_seconds: float | None = None  # set by watch_foreign_commits
-        self._watch = _QuietPolls(self.settings.path)
+        self._quiet = _QuietPolls(self.settings.path)
         self._ready: Future[None] = Future()
         self._thread = threading.Thread(target=self._main, name=f"dex-sqlite:{self.settings.path}", daemon=True)
         self._closed = False
@@ -406,15 +407,15 @@ class SqliteStore(Store):
         if must_claim or housekeep:
             return await super().poll(worker_id, flow_types, capacity, running, must_claim=must_claim,
                                       housekeep=housekeep, known=known, claimed_before=claimed_before)
-        asked = (tuple(flow_types), tuple(running))
-        version, answer = self._watch.answer(worker_id, asked)
+        asked: _Asked = (tuple(flow_types), tuple(running))
+        version, answer = self._quiet.answer(worker_id, asked)
         if answer is not None:
             return False, answer
         changed, result = await super().poll(worker_id, flow_types, capacity, running, must_claim=False,
                                              housekeep=False, known=known, claimed_before=claimed_before)
         # Only a light poll's answer is kept: nothing claimed, nothing changed elsewhere. `version`
         # was read before it ran, so a commit made meanwhile makes the next poll ask again.
-        self._watch.keep(worker_id, version, asked, None if changed or result.leases else result)
+        self._quiet.keep(worker_id, version, asked, None if changed or result.leases else result)
         return changed, result
 
     async def changed(self) -> bool:
@@ -432,6 +433,6 @@ class SqliteStore(Store):
         if self._closed:
             return
         self._closed = True
-        self._watch.close()
+        self._quiet.close()
         self._queue.put(_STOP)
         await asyncio.to_thread(self._thread.join)
