@@ -278,10 +278,6 @@ def newest_messages(
     picked: list[AgentMessage] = []
     if limit is not None and limit <= 0:
         return picked
-    if limit is None:
-        picked.extend(iter_newest_first(index, window, read_chunk, before=before))
-        picked.reverse()
-        return picked
     for message in iter_newest_first(index, window, read_chunk, before=before):
         picked.append(message)
         if limit is not None and len(picked) >= limit:
