@@ -842,6 +842,57 @@ async def test_claim_survives_server_crash(private_pg: PrivateServer, tmp_path: 
             await w1.stop()
 
 
+# A commit lost in a server crash, its transaction ID handed to another -----------------------
+
+
+def _backend_xid(url: str, pid: int | None) -> int:
+    """The transaction ID held by the server process `pid` (a fresh cluster: epoch 0)."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SELECT backend_xid::text::bigint FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+    assert row is not None and row[0] is not None, f"server process {pid} holds no transaction ID"
+    return int(row[0])
+
+
+def _commit_transactions_until(url: str, xid: int) -> list[int]:
+    """Commit transactions that each take an ID, until one has taken `xid`; their IDs."""
+    import psycopg
+
+    taken: list[int] = []
+    with psycopg.connect(url, autocommit=True) as conn:
+        while not taken or taken[-1] < xid:
+            with conn.transaction():
+                row = conn.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()
+                assert row is not None
+                taken.append(int(row[0]))
+    return taken
+
+
+async def test_a_commit_lost_in_a_server_crash_is_not_mistaken_for_a_later_one(
+    private_pg: PrivateServer,
+) -> None:
+    """E1/E8: the server crashes while a client's COMMIT is on its way, so the transaction is lost,
+    and with it its transaction ID, which the restarted server hands to the next transaction. That
+    one commits before the client asks about its own: the client must not report its publish done
+    (the message would be lost), but publish again, so that the message is there exactly once."""
+    url = await asyncio.to_thread(private_pg.create_database)
+    async with proxy_to(url) as proxy, client_for(url) as client, client_for(proxy.url(url)) as proxied:
+        await client.start_flow("PgfLocks", "f")
+        rule = proxy.arm("hold", *PUBLISH_SQL, param="f")
+        publish = asyncio.create_task(proxied.publish("f", Box, "t1"))
+        held = await asyncio.wait_for(rule.hit, 30)
+        xid = await asyncio.to_thread(_backend_xid, url, held.backend_pid)
+        proxy.admit.clear()  # the client asks about its commit only once the ID was taken again
+        await asyncio.to_thread(private_pg.crash_and_restart)
+        taken = await asyncio.to_thread(_commit_transactions_until, url, xid)
+        assert xid in taken, f"the restarted server did not hand out {xid} again: {taken}"
+        proxy.admit.set()
+        mid = await asyncio.wait_for(publish, 60)
+        assert isinstance(mid, int)
+        assert await client.rpc("f", "peek") == ["t1"]
+
+
 # Mixed workload under random pg_terminate_backend and under server crashes -------------------
 
 

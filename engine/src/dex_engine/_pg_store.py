@@ -25,9 +25,13 @@ attempts to a worker (a claim) always commits synchronously: a claim lost in a s
 let a second worker be handed the same attempt under the same lease epoch. A batch commits
 asynchronously only when every write in it may.
 
-A connection that drops after COMMIT was sent leaves the outcome unknown. The transaction's ID is
-read before COMMIT; after such a drop its status (`pg_xact_status`) decides: committed, the result
-stands; aborted, the operation runs again. It is never re-applied blindly.
+A connection that drops after COMMIT was sent leaves the outcome unknown. A writing transaction
+reads its ID before COMMIT and sets its lane's commit mark (migration 0004) to the lane's next
+sequence number. After such a drop the store waits until that ID is no longer in progress
+(`pg_xact_status`), then reads the mark: there, the transaction committed and its results stand;
+not there, the operations run again. The status alone cannot decide: a server crash that loses
+the transaction also loses its ID, which the restarted server hands to a later transaction. It is
+never re-applied blindly.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import logging
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -102,6 +107,9 @@ NETWORK_TIMEOUTS = {
 # does), and to apply the connection's keepalive and tcp_user_timeout on the server's side too: in
 # the middle of a pipeline the idle timeout does not run, and only TCP can tell the client is gone.
 IDLE_IN_TRANSACTION_TIMEOUT = "10s"
+# Commit marks of lanes idle this long are deleted when a store opens: a mark is read only within
+# seconds of its commit (_committed), and a lane that commits again writes its row anew.
+COMMIT_MARK_RETENTION = "1 day"
 
 _PLACEHOLDER = re.compile(r"\?")
 
@@ -210,6 +218,18 @@ class _PgDb:
 # Batched Execute commits ---------------------------------------------------------------------
 
 _SnapshotRows = list[tuple[str, str, msgspec.Raw]]
+
+# Set a lane's commit mark (migration 0004) and return the transaction's ID, for the lost-COMMIT
+# check: in a transaction known to write, at its start; else at its end, only if it wrote.
+_MARK_UPSERT = (
+    " ON CONFLICT (lane) DO UPDATE SET seq = EXCLUDED.seq, updated_at = EXCLUDED.updated_at"
+    " RETURNING pg_current_xact_id()::text"
+)
+_MARK = "INSERT INTO commit_marks (lane, seq, updated_at) VALUES (%s, %s, now())" + _MARK_UPSERT
+_MARK_IF_WRITTEN = (
+    "INSERT INTO commit_marks (lane, seq, updated_at) SELECT %s, %s, now()"
+    " WHERE pg_current_xact_id_if_assigned() IS NOT NULL" + _MARK_UPSERT
+)
 
 # One call of the migration's dex_commit_execute commits every Execute of a batch.
 _COMMIT_EXECUTE = (
@@ -445,6 +465,8 @@ class _Lane:
 
     def __init__(self, pool: psycopg_pool.ConnectionPool[Any]) -> None:
         self._pool = pool
+        self.mark_id = uuid.uuid4().hex  # its row in commit_marks
+        self.mark_seq = 0  # the mark its last writing transaction set
         self._conn: psycopg.Connection[Any] | None = None
         self._pipeline: psycopg.Pipeline | None = None
         self._stack = contextlib.ExitStack()
@@ -594,6 +616,8 @@ class PostgresStore(Store):
         self._closed = False
         with psycopg.connect(self._conninfo, autocommit=True) as conn:
             migrate(conn)
+            conn.execute("DELETE FROM commit_marks WHERE updated_at < now() - %s::interval",
+                         (COMMIT_MARK_RETENTION,))
         self._pool: psycopg_pool.ConnectionPool[Any] = psycopg_pool.ConnectionPool(
             self._conninfo, configure=self._configure_session,
             min_size=1, max_size=pool_size, open=True, name="dex-engine",
@@ -735,7 +759,7 @@ class PostgresStore(Store):
         try:
             if not reads:
                 db.sender.execute("BEGIN")
-            early_xid = self._ask_xid_early(db, ops)
+            early_xid = self._mark_early(db, ops, lane)
             if len(ops) > 1 and not reads:
                 db.sender.execute(f"SET LOCAL lock_timeout = {BATCH_LOCK_TIMEOUT_MS}")
             batch = [i for i, op in enumerate(ops) if op.commit is not None] if batched else []
@@ -780,7 +804,8 @@ class PostgresStore(Store):
                 xid = None if row is None else row[0]
             elif writes:
                 # Also collects the replies (and errors) of statements still in the pipeline.
-                row = db.reader.execute("SELECT pg_current_xact_id_if_assigned()::text", prepare=True).fetchone()
+                lane.mark_seq += 1
+                row = db.reader.execute(_MARK_IF_WRITTEN, (lane.mark_id, lane.mark_seq), prepare=True).fetchone()
                 xid = None if row is None else row[0]
             commit_sent = True
             if not reads:
@@ -797,7 +822,7 @@ class PostgresStore(Store):
             else:
                 lane.rollback()
             if ambiguous:
-                committed = True if xid is None else self._committed(xid)
+                committed = True if xid is None else self._committed(xid, lane.mark_id, lane.mark_seq)
                 if committed:
                     return results
                 if committed is None:
@@ -807,15 +832,17 @@ class PostgresStore(Store):
             raise
 
     @staticmethod
-    def _ask_xid_early(db: _PgDb, ops: list[_Op]) -> psycopg.Cursor[Any] | None:
+    def _mark_early(db: _PgDb, ops: list[_Op], lane: _Lane) -> psycopg.Cursor[Any] | None:
         """For a batch with a durable write (a Step's commit, a heartbeat, a client's change), which
-        will write: take its transaction ID at once. The reply travels with the first one a
-        statement waits for, instead of costing a round trip of its own before COMMIT."""
+        will write: set the lane's commit mark at once, returning the transaction's ID. The reply
+        travels with the first one a statement waits for, instead of costing a round trip of its
+        own before COMMIT."""
         if not any(op.write and op.durable for op in ops):
             return None
         db.wrote = True
+        lane.mark_seq += 1
         cursor = db.conn.cursor()
-        cursor.execute("SELECT pg_current_xact_id()::text", prepare=True)
+        cursor.execute(_MARK, (lane.mark_id, lane.mark_seq), prepare=True)
         return cursor
 
     def _complete(self, batch: list[_Op], results: list[tuple[bool, Any]]) -> None:
@@ -835,19 +862,24 @@ class PostgresStore(Store):
                 with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                     loop.call_soon_threadsafe(_deliver, per_loop.get(loop, []), listeners.get(loop, []))
 
-    def _committed(self, xid: str) -> bool | None:
-        """Did transaction `xid` commit? None when the server cannot be asked."""
+    def _committed(self, xid: str, lane: str, seq: int) -> bool | None:
+        """Did the transaction `xid`, which set `lane`'s mark to `seq`, commit? None when the server
+        cannot be asked, or the transaction is still in progress after every try."""
         delay = 0.01
         for _ in range(MAX_OP_TRIES * 2):
             try:
                 with self._pool.connection() as conn:
-                    row = conn.execute("SELECT pg_xact_status(%s::xid8)", (xid,)).fetchone()
-                status = None if row is None else row[0]
-                if status in ("committed", "aborted"):
-                    return str(status) == "committed"
+                    try:
+                        row = conn.execute("SELECT pg_xact_status(%s::xid8)", (xid,)).fetchone()
+                        over = row is not None and row[0] in ("committed", "aborted")
+                    except pg_errors.InvalidParameterValue:
+                        over = True  # "in the future": a server crash lost it before it reached the WAL
+                    if over:
+                        # Read after the status, in a snapshot of its own: a transaction reported over
+                        # has left the server's list of running ones, so this snapshot sees its writes.
+                        mark = conn.execute("SELECT seq FROM commit_marks WHERE lane = %s", (lane,)).fetchone()
+                        return mark is not None and int(mark[0]) == seq
                 # "in progress": its backend has not yet noticed the lost connection.
-            except pg_errors.InvalidParameterValue:
-                return False  # "in the future": a server crash lost it before it reached the WAL
             except psycopg.OperationalError:
                 pass
             time.sleep(delay)
