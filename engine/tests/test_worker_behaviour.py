@@ -212,3 +212,43 @@ async def test_a_late_housekeeping_poll_hands_back_no_claim_made_while_it_waited
     failed = [(f, h.step_execution_id) for f, hs in histories.items() for h in hs
               if h.event_type in ("attempt_failed", "step_failed")]
     assert failed == []
+
+
+async def test_claims_made_at_once_never_run_more_attempts_than_max_concurrent_tasks(db_url: str) -> None:
+    """A poll, a commit and a client's hand-off each claim up to the slots free when they start, so
+    together they may claim more: the worker runs at most max_concurrent_tasks attempts and hands
+    the rest back unstarted (same attempt), to be claimed as slots free. Catches: running every
+    lease a claim returns."""
+    limit, flows = 2, 16
+    running: list[str] = []
+    peak = 0
+    go = asyncio.Event()
+
+    async def hold(ctx: Context, _: None) -> StepDecision:
+        nonlocal peak
+        running.append(ctx.flow_id)
+        peak = max(peak, len(running))
+        try:
+            await go.wait()
+        finally:
+            running.remove(ctx.flow_id)
+        return StepDecision.graceful_complete(ctx.attempt)
+
+    held = Flow("Held", [Step("Hold", hold)], start_step="Hold")
+    async with engine_for(db_url, Registry([held]), worker=False) as eng:
+        await eng.start_worker(max_concurrent_tasks=limit)
+        for _round in range(3):  # client hand-offs and polls racing, started all at once
+            ids = [f"h{_round}-{i}" for i in range(flows)]
+            await asyncio.gather(*(eng.client.start_flow("Held", f) for f in ids))
+            async def filled() -> bool:
+                return len(running) >= limit
+
+            await wait_until("the slots filled", filled)
+            await asyncio.sleep(0.2)  # excess claims, had there been any, would be running by now
+            assert peak <= limit, f"{peak} attempts ran at once, max_concurrent_tasks is {limit}"
+            go.set()
+            for f in ids:
+                info = await eng.client.wait_for_flow(f, 30)
+                assert info.status == "completed", info
+                assert await eng.client.flow_output(f) == 1  # handed back unstarted: no attempt used
+            go.clear()

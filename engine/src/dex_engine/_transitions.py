@@ -966,13 +966,15 @@ def abandon(db: Db, lease: Lease) -> None:
 
 
 def release_unstarted(db: Db, lease: Lease, now: int) -> None:
-    """Give back an attempt that never started (graceful shutdown): same attempt number, no retry used."""
+    """Give back an attempt that never started (a claim beyond the worker's slots): same attempt
+    number, no retry used; other workers are told it is ready."""
     check_lease(db, lease)
     _send(
         db, "UPDATE tasks SET state = 'ready', lease_owner = NULL, deadline_at = NULL, run_at = ? "
         "WHERE task_id = ? AND attempt_started = 0",
         (now, lease.task_id),
     )
+    db.notify()
 
 
 # Heartbeats and best-effort events (E10, E11) ------------------------------------------------

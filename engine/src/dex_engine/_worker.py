@@ -129,6 +129,8 @@ class AsyncWorker:
         # This worker's context (its commit origin): attempts that clients' commits claimed for it
         # run in a copy, not in the client's context, so their commits do not wake it.
         self._own_context: contextvars.Context | None = None
+        # Hand-backs of claims beyond max_concurrent_tasks still being committed (_spawn).
+        self._handing_back: set[asyncio.Task[None]] = set()
 
     @property
     def store(self) -> Store:
@@ -286,12 +288,31 @@ class AsyncWorker:
             # The task was handed out again (e.g. a timed-out attempt's retry): the older attempt
             # here has lost it and must not keep running.
             self._revoke(previous)
+        elif len(self._running) >= self.options.max_concurrent_tasks:
+            # Claims in flight at once (a poll, commits, clients' hand-offs) each took up to the
+            # slots free when they started, so together they may hold more than there are.
+            task = asyncio.create_task(self._hand_back(lease), name=f"hand back {lease.step_execution_id}")
+            self._handing_back.add(task)
+            task.add_done_callback(self._handing_back.discard)
+            return
         running = _Running(lease)
         self._running[lease.task_id] = running
         if self._sleeping_idle:
             self._wake.set()  # back to polling: the attempt's revocation must be seen in time
         running.task = asyncio.create_task(self._run_attempt(running), name=lease.step_execution_id,
                                            context=context)
+
+    async def _hand_back(self, lease: Lease) -> None:
+        """Give back a claim this worker has no slot for: unstarted, same attempt (E3)."""
+        try:
+            await self.store.release_unstarted(lease)
+        except StaleAttemptError:
+            return  # taken over meanwhile
+        except Exception:
+            log.exception("could not hand back %s; housekeeping hands it back as a lost claim",
+                          lease.step_execution_id)
+            return
+        self._notify()  # a slot may have freed meanwhile: claim it again
 
     def _forget(self, running: _Running) -> None:
         if self._running.get(running.lease.task_id) is running:
@@ -321,6 +342,8 @@ class AsyncWorker:
                 await self.store.register_worker(self.worker_id, socket.gethostname(), os.getpid(), ttl_ms)
 
     async def _drain(self) -> None:
+        if self._handing_back:
+            await asyncio.wait(self._handing_back)
         tasks = [r.task for r in self._running.values() if r.task is not None]
         if tasks:
             _done, pending = await asyncio.wait(tasks, timeout=self.options.shutdown_grace_seconds)
