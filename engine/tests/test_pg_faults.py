@@ -418,6 +418,7 @@ class PgProxy:
         self.conns: set[ProxyConn] = set()
         self.admit = asyncio.Event()  # cleared: new connections wait (they are not refused)
         self.admit.set()
+        self.refusing = False  # set: new connections are closed at once, as by a server that is down
         self.port = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -467,6 +468,9 @@ class PgProxy:
         self._tasks.add(task)
         try:
             await self.admit.wait()
+            if self.refusing:
+                cw.transport.abort()
+                return
             try:
                 sr, sw = await asyncio.open_connection(*self.upstream)
             except OSError:
@@ -840,6 +844,37 @@ async def test_claim_survives_server_crash(private_pg: PrivateServer, tmp_path: 
             assert await client.flow_output("p") == w1.pid
             assert starts(procs.invocations.read(), "p") == [("Grab-1", "execute", 1)]
             await w1.stop()
+
+
+# A long outage ------------------------------------------------------------------------------
+
+OUTAGE_SECONDS = 40.0  # psycopg_pool's tries after a failed connection: 0, 1, 3, 7, 15, 31, 63 s
+RECONNECTED_WITHIN_SECONDS = 10.0  # the pool's next try would be about 23 s after this outage
+
+
+async def test_the_store_is_back_within_seconds_of_a_long_outage(pg_database: str) -> None:
+    """The server is unreachable for 40 s (every connection dropped, new ones refused), long enough
+    for psycopg_pool's backoff between tries to reach 32 s. A publish asked during the outage
+    waits it out, and completes within seconds of the server being reachable again, not at the
+    pool's next try. Catches: a pool left to back off alone (an operation waited 55 s after a 70 s
+    outage)."""
+    async with proxy_to(pg_database) as proxy, client_for(pg_database) as client, \
+            client_for(proxy.url(pg_database)) as proxied:
+        await client.start_flow("PgfLocks", "f")
+        assert await proxied.rpc("f", "peek") == []
+        proxy.refusing = True
+        for conn in list(proxy.conns):
+            conn.abort()
+        await asyncio.sleep(2)
+        publish = asyncio.create_task(proxied.publish("f", Box, "t1"))
+        await asyncio.sleep(OUTAGE_SECONDS - 2)
+        assert not publish.done(), publish
+        proxy.refusing = False
+        back = time.monotonic()
+        await asyncio.wait_for(publish, 120)
+        waited = time.monotonic() - back
+        assert waited < RECONNECTED_WITHIN_SECONDS, f"the publish completed {waited:.1f} s after the outage"
+        assert await client.rpc("f", "peek") == ["t1"]
 
 
 # A commit lost in a server crash, its transaction ID handed to another -----------------------

@@ -107,6 +107,16 @@ NETWORK_TIMEOUTS = {
 # does), and to apply the connection's keepalive and tcp_user_timeout on the server's side too: in
 # the middle of a pipeline the idle timeout does not run, and only TCP can tell the client is gone.
 IDLE_IN_TRANSACTION_TIMEOUT = "10s"
+# psycopg_pool tries a failed connection again after 1 s, then 2, 4, 8 ... s: after an outage of a
+# minute its next try may be a minute away (measured: an operation completed 55 s after the server
+# was back). It gives a chain of tries up after this long instead, so that the next wait for a
+# connection starts a fresh chain, whose first try is immediate.
+POOL_RECONNECT_GIVE_UP_SECONDS = 5.0
+# A lane waiting for a connection asks the pool again this often (so starting a fresh chain of
+# tries once one was given up) ...
+CONNECTION_ASK_SECONDS = 2.0
+# ... for at most this long before the wait counts as one failed try of its operation (MAX_OP_TRIES).
+CONNECTION_WAIT_SECONDS = 30.0
 # Commit marks of lanes idle this long are deleted when a store opens: a mark is read only within
 # seconds of its commit (_committed), and a lane that commits again writes its row anew.
 COMMIT_MARK_RETENTION = "1 day"
@@ -460,6 +470,20 @@ class _OutcomeUnknown(Exception):
         self.error = error
 
 
+def _getconn(pool: psycopg_pool.ConnectionPool[Any]) -> psycopg.Connection[Any]:
+    """A connection from `pool`, asking again every CONNECTION_ASK_SECONDS (see there); raises
+    psycopg_pool.PoolTimeout after CONNECTION_WAIT_SECONDS."""
+    deadline = time.monotonic() + CONNECTION_WAIT_SECONDS
+    while True:
+        try:
+            conn: psycopg.Connection[Any] = pool.getconn(
+                timeout=min(CONNECTION_ASK_SECONDS, max(0.01, deadline - time.monotonic())))
+            return conn
+        except psycopg_pool.PoolTimeout:
+            if time.monotonic() >= deadline:
+                raise
+
+
 class _Lane:
     """A pooled connection kept in pipeline mode, used by one lane thread only."""
 
@@ -473,7 +497,7 @@ class _Lane:
 
     def open(self) -> tuple[psycopg.Connection[Any], psycopg.Pipeline]:
         if self._conn is None or self._pipeline is None:
-            conn = self._pool.getconn()
+            conn = _getconn(self._pool)
             try:
                 self._pipeline = self._stack.enter_context(conn.pipeline())
             except BaseException:
@@ -621,6 +645,7 @@ class PostgresStore(Store):
         self._pool: psycopg_pool.ConnectionPool[Any] = psycopg_pool.ConnectionPool(
             self._conninfo, configure=self._configure_session,
             min_size=1, max_size=pool_size, open=True, name="dex-engine",
+            reconnect_timeout=POOL_RECONNECT_GIVE_UP_SECONDS,
             kwargs={"application_name": self._app_name, "autocommit": True},
             check=psycopg_pool.ConnectionPool.check_connection,
         )
@@ -868,7 +893,8 @@ class PostgresStore(Store):
         delay = 0.01
         for _ in range(MAX_OP_TRIES * 2):
             try:
-                with self._pool.connection() as conn:
+                conn = _getconn(self._pool)
+                try:
                     try:
                         row = conn.execute("SELECT pg_xact_status(%s::xid8)", (xid,)).fetchone()
                         over = row is not None and row[0] in ("committed", "aborted")
@@ -879,7 +905,9 @@ class PostgresStore(Store):
                         # has left the server's list of running ones, so this snapshot sees its writes.
                         mark = conn.execute("SELECT seq FROM commit_marks WHERE lane = %s", (lane,)).fetchone()
                         return mark is not None and int(mark[0]) == seq
-                # "in progress": its backend has not yet noticed the lost connection.
+                    # "in progress": its backend has not yet noticed the lost connection.
+                finally:
+                    self._pool.putconn(conn)
             except psycopg.OperationalError:
                 pass
             time.sleep(delay)
