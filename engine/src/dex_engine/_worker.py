@@ -291,7 +291,8 @@ class AsyncWorker:
         elif len(self._running) >= self.options.max_concurrent_tasks:
             # Claims in flight at once (a poll, commits, clients' hand-offs) each took up to the
             # slots free when they started, so together they may hold more than there are.
-            task = asyncio.create_task(self._hand_back(lease), name=f"hand back {lease.step_execution_id}")
+            task = asyncio.create_task(self._hand_back(lease), name=f"hand back {lease.step_execution_id}",
+                                       context=context)
             self._handing_back.add(task)
             task.add_done_callback(self._handing_back.discard)
             return
