@@ -237,8 +237,8 @@ async def test_claims_made_at_once_never_run_more_attempts_than_max_concurrent_t
     held = Flow("Held", [Step("Hold", hold)], start_step="Hold")
     async with engine_for(db_url, Registry([held]), worker=False) as eng:
         await eng.start_worker(max_concurrent_tasks=limit)
-        for _round in range(3):  # client hand-offs and polls racing, started all at once
-            ids = [f"h{_round}-{i}" for i in range(flows)]
+        for n in range(3):  # client hand-offs and polls racing, started all at once
+            ids = [f"h{n}-{i}" for i in range(flows)]
             await asyncio.gather(*(eng.client.start_flow("Held", f) for f in ids))
             async def filled() -> bool:
                 return len(running) >= limit

@@ -344,7 +344,9 @@ class AsyncWorker:
 
     async def _drain(self) -> None:
         if self._handing_back:
-            await asyncio.wait(self._handing_back)
+            _done, late = await asyncio.wait(self._handing_back, timeout=self.options.shutdown_grace_seconds)
+            for task in late:
+                task.cancel()  # unregistering at the end hands these claims back too
         tasks = [r.task for r in self._running.values() if r.task is not None]
         if tasks:
             _done, pending = await asyncio.wait(tasks, timeout=self.options.shutdown_grace_seconds)
