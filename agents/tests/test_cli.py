@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,37 @@ def _run(args: list[str], stdin: str = "") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "200"}
     return subprocess.run([*CLI, *args], check=False, input=stdin, capture_output=True, text=True,
                           timeout=CLI_TIMEOUT_SECONDS, env=env)
+
+
+def _run_with_pause(args: list[str], first: str, shown: str, then: str) -> tuple[int, str]:
+    """Type `first`, wait until the chat prints `shown`, then type `then` and end the input.
+
+    Lines piped all at once race the turn: a /cancel taken before the model asked for the wait
+    cancels a turn that never waited. A person types it after seeing the wait, and so does this."""
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([*CLI, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env)
+    watchdog = threading.Timer(CLI_TIMEOUT_SECONDS, process.kill)
+    watchdog.start()
+    try:
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write(first)
+        process.stdin.flush()
+        seen: list[str] = []
+        for line in process.stdout:
+            seen.append(line)
+            if shown in line:
+                break
+        else:
+            process.wait()
+            pytest.fail(f"the chat never printed {shown!r}:\n{''.join(seen)}")
+        process.stdin.write(then)
+        process.stdin.close()
+        rest = process.stdout.read()
+        return process.wait(), "".join(seen) + rest
+    finally:
+        watchdog.cancel()
+        process.kill()
 
 
 def test_demo_shows_the_write_ran_once_across_a_worker_kill(tmp_path: Path) -> None:
@@ -84,9 +116,9 @@ def test_chat_shows_a_draft_plan_and_executes_it_on_yes(tmp_path: Path) -> None:
 
 def test_chat_steers_a_waiting_turn_with_a_steer_line(tmp_path: Path) -> None:
     """/steer while a durable wait runs rejects the wait as steered and starts a turn with the new text."""
-    result = _run(["chat", "--data-dir", str(tmp_path)], stdin="/wait 600 coffee\n/steer /echo never mind\n")
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+    code, out = _run_with_pause(["chat", "--data-dir", str(tmp_path)], "/wait 600 coffee\n", "waiting until",
+                                "/steer /echo never mind\n")
+    assert code == 0, out
     assert "durable_wait: rejected" in out
     assert "turn steered" in out
     assert "agent> never mind" in out
@@ -94,9 +126,9 @@ def test_chat_steers_a_waiting_turn_with_a_steer_line(tmp_path: Path) -> None:
 
 def test_chat_cancels_a_waiting_turn_and_goes_on(tmp_path: Path) -> None:
     """/cancel while a durable wait runs stops the turn; the next line is an ordinary message."""
-    result = _run(["chat", "--data-dir", str(tmp_path)], stdin="/wait 600 coffee\n/cancel\n/echo after\n")
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+    code, out = _run_with_pause(["chat", "--data-dir", str(tmp_path)], "/wait 600 coffee\n", "waiting until",
+                                "/cancel\n/echo after\n")
+    assert code == 0, out
     assert "durable_wait: rejected" in out
     assert "turn cancelled" in out
     assert out.index("turn cancelled") < out.index("agent> after")
