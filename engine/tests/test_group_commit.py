@@ -4,12 +4,14 @@ that fails rolls back alone (E1 for each operation of a batch)."""
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 from pathlib import Path
 
 from dex_engine import FlowConfig, open_store
 from dex_engine import _transitions as tx
 from dex_engine._records import StartRequest
+
+from .conftest import wait_until
 
 
 async def test_a_failing_operation_in_a_batch_rolls_back_alone(tmp_path: Path) -> None:
@@ -28,8 +30,11 @@ async def test_a_failing_operation_in_a_batch_rolls_back_alone(tmp_path: Path) -
         for fid in ("a", "b", "c"):
             await store.start_flow(StartRequest(fid, "T", b"null", FlowConfig(), None))
 
+        entered, release = threading.Event(), threading.Event()
+
         def slow(db: tx.Db) -> None:
-            time.sleep(0.3)  # holds the store thread so the next three ops queue behind it
+            entered.set()
+            release.wait(30)  # holds the store thread so the next three ops queue behind it
 
         def write(flow_id: str) -> object:
             def op(db: tx.Db) -> None:
@@ -42,11 +47,18 @@ async def test_a_failing_operation_in_a_batch_rolls_back_alone(tmp_path: Path) -
             raise RuntimeError("op b fails after writing")
 
         slow_task = asyncio.ensure_future(store.raw(slow, write=True))
-        await asyncio.sleep(0.05)
-        results = await asyncio.gather(
+        await asyncio.to_thread(entered.wait, 30)
+        three = asyncio.gather(
             store.raw(write("a"), write=True), store.raw(failing, write=True), store.raw(write("c"), write=True),
             return_exceptions=True,
         )
+
+        async def queued() -> bool:
+            return int(store._queue.qsize()) >= 3  # type: ignore[attr-defined]
+
+        await wait_until("the three ops queued behind slow", queued)  # whatever the machine's speed
+        release.set()
+        results = await three
         await slow_task
         assert results[0] is None and results[2] is None
         assert isinstance(results[1], RuntimeError)

@@ -542,21 +542,39 @@ async def test_steps_a_cancelled_client_commit_claimed_still_run(db_url: str, mo
     must run it though the caller never saw the reply. Lost-claim recovery is off here (bound of
     11 days), so nothing else could start it. Catches: a hand-off whose leases are only delivered
     to the caller (the Step then sat claimed and idle until lost-claim recovery, 10 s or more)."""
-    import time
+    import threading
 
     from dex_engine import _worker
+    from dex_engine._sqlite_store import SqliteStore
 
     monkeypatch.setattr(_worker, "LOST_CLAIM_MS", 10**9)
+    queued_writes: list[bool] = []
+    real_run = SqliteStore._run
+
+    async def recording_run(self: SqliteStore, fn: Any, *, write: bool, durable: bool | None = None) -> Any:
+        if write:
+            queued_writes.append(True)
+        return await real_run(self, fn, write=write, durable=durable)
+
     probe = Probe()
     async with engine_for(db_url, Registry([blind_flow(probe)])) as eng:
         has = await blind_flow_with_one_post(eng)
-        blocker = asyncio.create_task(eng.store.raw(lambda db: time.sleep(0.5)))
-        await asyncio.sleep(0.05)  # the store's thread is in the blocker
+        entered, release = threading.Event(), threading.Event()
+
+        def block(_: object) -> None:
+            entered.set()
+            release.wait(30)
+
+        blocker = asyncio.create_task(eng.store.raw(block))
+        await asyncio.to_thread(entered.wait, 30)  # the store's thread is in the blocker
+        monkeypatch.setattr(SqliteStore, "_run", recording_run)
         post = asyncio.create_task(eng.client.rpc("f1", "post", 2))
-        await asyncio.sleep(0.1)  # its commit is queued behind the blocker
+        # Its commit is queued behind the blocker (waiting for it, not for a sleep, on a slow machine).
+        await wait_until("the RPC's commit queued", lambda: _count(queued_writes, 1))
         post.cancel()
         with pytest.raises(asyncio.CancelledError):
             await post
+        release.set()
         await blocker
         await wait_until("Waiter executed", lambda: _count(probe.executed, 1))
         await wait_until("Waiter's commit", lambda: has("execute_completed"))
