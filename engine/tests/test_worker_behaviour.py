@@ -252,3 +252,33 @@ async def test_claims_made_at_once_never_run_more_attempts_than_max_concurrent_t
                 assert info.status == "completed", info
                 assert await eng.client.flow_output(f) == 1  # handed back unstarted: no attempt used
             go.clear()
+
+
+async def _instant(ctx: Context, _: None) -> StepDecision:
+    return StepDecision.graceful_complete(ctx.attempt)
+
+
+async def test_claims_handed_back_are_claimed_again_without_waiting_for_a_poll(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Claims beyond max_concurrent_tasks go back to the store unstarted; the slots may be free
+    by the time they are back (the attempts that held them ended and their commits found nothing
+    ready), so the worker must claim again as soon as a hand-back is done. Polls, housekeeping,
+    lease renewal and PostgreSQL's fallback poll are a minute apart here, so only that wake-up can
+    finish the flows within the wait. Catches: a hand-back that leaves the Step for the next poll
+    (on SQLite, where clients' local hand-offs make the excess claims; seen as a 20 s time-out)."""
+    if db_url.startswith("postgresql"):
+        from dex_engine import _pg_store
+
+        monkeypatch.setattr(_pg_store, "FALLBACK_POLL_SECONDS", 60.0)
+    instant = Flow("Instant", [Step("Go", _instant)], start_step="Go")
+    async with engine_for(db_url, Registry([instant]), worker=False) as eng:
+        await eng.start_worker(max_concurrent_tasks=2, poll_seconds=60.0, housekeeping_seconds=60.0,
+                               lease_ttl_seconds=300.0, lease_renew_seconds=100.0)
+        for n in range(3):
+            ids = [f"i{n}-{i}" for i in range(16)]
+            await asyncio.gather(*(eng.client.start_flow("Instant", f) for f in ids))
+            for f in ids:
+                info = await eng.client.wait_for_flow(f, 20)
+                assert info.status == "completed", info
+                assert await eng.client.flow_output(f) == 1  # handed back unstarted: no attempt used
