@@ -928,25 +928,34 @@ class PostgresStore(Store):
     async def changed(self) -> bool:
         return await self._run(self._changed_in, write=False)
 
+    def watch_foreign_commits(self, interval_seconds: float) -> bool:
+        """Commits that make work ready NOTIFY, and the listener calls the commit listeners on each
+        notification and after every (re)connection: an idle worker need not poll. Work that only
+        comes due later (a timer another process registered) is seen at its next housekeeping."""
+        return True
+
     def _listen(self) -> None:
-        """Set the notified flag on every NOTIFY; reconnect after errors."""
+        """Set the notified flag and call the commit listeners on every NOTIFY; reconnect after errors."""
         while not self._stop_listening.is_set():
             try:
                 listen_name = f"{self._app_name}_listen"
                 with psycopg.connect(self._conninfo, autocommit=True, application_name=listen_name) as conn:
                     self._configure_session(conn)
                     conn.execute(f"LISTEN {CHANNEL}")
-                    self._notified.set()  # anything may have happened while not listening
+                    self._tell_listeners()  # anything may have happened while not listening
                     while not self._stop_listening.is_set():
                         for _ in conn.notifies(timeout=0.5, stop_after=1):
-                            self._notified.set()
-                            for loop, fn in list(self._listeners):
-                                if not loop.is_closed():
-                                    with contextlib.suppress(RuntimeError):
-                                        loop.call_soon_threadsafe(fn)
+                            self._tell_listeners()
             except psycopg.Error:
                 if self._stop_listening.wait(0.5):
                     return
+
+    def _tell_listeners(self) -> None:
+        self._notified.set()
+        for loop, fn in list(self._listeners):
+            if not loop.is_closed():
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(fn)
 
     async def close(self) -> None:
         if self._closed:

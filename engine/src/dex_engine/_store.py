@@ -79,7 +79,8 @@ class Store(ABC):
     _claimers: tuple[LocalClaimer, ...] = ()
 
     def watch_foreign_commits(self, interval_seconds: float) -> bool:
-        """Call the commit listeners within about `interval_seconds` of another process's commit.
+        """Call the commit listeners within about `interval_seconds` of another process's commit
+        that makes work ready (SQLite: of any commit; PostgreSQL: of its NOTIFY).
 
         Returns whether this backend does: then a worker with nothing running need not poll for
         such commits and sleeps until its next due time or housekeeping instead.
