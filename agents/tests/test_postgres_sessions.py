@@ -1,0 +1,115 @@
+"""Agent sessions on PostgreSQL: the same Flow, Worker children and SIGKILLs as on SQLite.
+
+The matrix (test_matrix.py) runs on a private SQLite file; these run its two kill cases that
+lean most on the store (a pending approval across a Worker's death, and a single-attempt write
+killed mid-call) against TEST_PG_DSN's server, skipped loudly without it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
+from agents.tests.scripted_agent import INVOCATIONS, build_flow
+from engine.tests.conftest import pg_database, pg_databases  # noqa: F401 - the fixtures these tests use
+
+from dex_agents import OUTCOME_UNKNOWN_TEXT, AgentSessionFlow, AgentSnapshot, AgentToolCallStatus, MessageRole
+from dex_agents.testing import (
+    EXECUTE_COMPLETED_EVENT,
+    AgentTestStack,
+    FileGate,
+    InvocationLog,
+    executed_steps,
+    wait_for_agent_snapshot,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+async def pg_stack(tmp_path: Path, pg_database: str) -> AsyncIterator[AgentTestStack]:  # noqa: F811
+    async with AgentTestStack(tmp_path, [build_flow(tmp_path)], WORKER_MODULE, worker_cwd=REPO_ROOT,
+                              database_url=pg_database) as stack:
+        yield stack
+
+
+def _script(*steps: dict[str, Any]) -> str:
+    return json.dumps({"steps": list(steps)})
+
+
+def _turns_ended(count: int) -> Any:
+    def probe(s: AgentSnapshot) -> AgentSnapshot | None:
+        return s if s.state is not None and s.state.turn_count >= count and not s.pending_interrupts else None
+    return probe
+
+
+def _pending(interrupt_id: str) -> Any:
+    def probe(s: AgentSnapshot) -> AgentSnapshot | None:
+        return s if any(i.interrupt_id == interrupt_id for i in s.pending_interrupts) else None
+    return probe
+
+
+async def test_an_approval_survives_a_worker_kill_and_the_write_runs_once(pg_stack: AgentTestStack) -> None:
+    """The write's approval waits while the Worker is SIGKILLed; a new Worker runs it once after
+    approval, beside the read that ran before the kill. Catches store behaviour the session needs
+    that only PostgreSQL would break: the takeover of a dead Worker's leases, interrupts and locks."""
+    sessions = pg_stack.sessions(cast(AgentSessionFlow, pg_stack.flows[0]))
+    log = InvocationLog(pg_stack.state_dir / INVOCATIONS)
+    worker = await pg_stack.start_worker()
+    await sessions.start_session("s1", _script(
+        {"tools": [{"id": "c1", "name": "read_orders", "args": {}},
+                   {"id": "c2", "name": "write_refund", "args": {"amount": 5}}]},
+        {"answer": "done {results}"},
+    ))
+
+    def read_done(s: AgentSnapshot) -> bool:
+        return any(c.tool_call_id == "c1" and c.status is AgentToolCallStatus.SUCCEEDED for c in s.tool_calls)
+
+    await wait_for_agent_snapshot(sessions, "s1", lambda s: _pending("c2")(s) if read_done(s) else None,
+                                  description="the read done and the approval pending")
+    worker.kill()
+    await pg_stack.start_worker()
+    assert await sessions.resolve_interrupt("s1", "c2", approved=True)
+    snapshot = await wait_for_agent_snapshot(sessions, "s1", _turns_ended(1), description="the turn's end")
+    assert snapshot.messages[-1].text == "done c1=read_orders done; c2=write_refund done"
+    assert log.count("tool_start", flow_id="s1", tool_call_id="c2") == 1
+    assert log.count("tool_start", flow_id="s1", tool_call_id="c1") == 1
+    steps = executed_steps(await pg_stack.read_step_history("s1"))
+    assert steps[:2] == ["StartAgentSession", "RunModel"]
+    assert sorted(steps[2:5]) == ["AwaitToolApproval", "CallSingleAttemptTool", "CallTool"]
+    assert steps[5:] == ["ResumeTurn", "RunModel"]
+
+
+async def test_a_write_killed_mid_call_is_outcome_unknown_and_never_rerun(pg_stack: AgentTestStack) -> None:
+    """SIGKILL inside CallSingleAttemptTool: the new Worker records outcome_unknown instead of
+    running the write again, and the model is told so. Catches: a started attempt handed out again
+    on PostgreSQL (its heartbeat's attempt_started lost or ignored)."""
+    sessions = pg_stack.sessions(cast(AgentSessionFlow, pg_stack.flows[0]))
+    log = InvocationLog(pg_stack.state_dir / INVOCATIONS)
+    gate = FileGate(pg_stack.state_dir, "s2.write")
+    worker = await pg_stack.start_worker()
+    await sessions.start_session("s2", _script(
+        {"tools": [{"id": "w1", "name": "write_refund", "args": {"gate": "s2.write"}}]},
+        {"answer": "{results}"},
+    ))
+    await wait_for_agent_snapshot(sessions, "s2", _pending("w1"), description="the approval")
+    assert await sessions.resolve_interrupt("s2", "w1", approved=True)
+    assert await gate.wait_until_reached() == worker.pid
+    worker.kill()
+    await pg_stack.start_worker()
+    gate.release()  # a rerun would now finish and log a second tool_start and a success
+    snapshot = await wait_for_agent_snapshot(sessions, "s2", _turns_ended(1), description="the turn's end")
+    assert snapshot.messages[-1].text == f"w1={OUTCOME_UNKNOWN_TEXT}"
+    tool_message = next(m for m in snapshot.messages if m.role is MessageRole.TOOL)
+    assert tool_message.tool_output == OUTCOME_UNKNOWN_TEXT
+    assert log.count("tool_start", flow_id="s2", tool_call_id="w1") == 1
+    assert log.count("tool_end", flow_id="s2") == 0
+    entries = await pg_stack.read_step_history("s2")
+    assert executed_steps(entries) == ["StartAgentSession", "RunModel", "AwaitToolApproval",
+                                       "RecordToolOutcomeUnknown", "ResumeTurn", "RunModel"]
+    assert [e.event_type for e in entries
+            if e.step_type == "CallSingleAttemptTool" and e.event_type == EXECUTE_COMPLETED_EVENT] == []
