@@ -6,11 +6,15 @@ to MAX_BATCH_OPS) and runs them in one transaction, so they share one COMMIT and
 (group commit); the others help only when it is stuck (_Dispatcher). The Execute commits of a batch
 are one call of the server-side function dex_commit_execute (migrations 0002, 0003: about ten
 statements per batch) instead of a few statements each; elsewhere statements whose replies nobody
-reads travel with the next one that needs a reply. A poll with nothing to claim or clean up is
-one read-only statement. Writers to one flow serialize on its row (`FOR UPDATE`); claims skip rows
-other transactions hold (`FOR UPDATE SKIP LOCKED`), so workers never wait on each other's claims.
-Commits that make work ready send `NOTIFY dex_engine`; every worker process LISTENs on a dedicated
-connection and also polls, so a missed notification costs one poll interval. A dropped connection
+reads travel with the next one that needs a reply. Writers to one flow serialize on its row (`FOR
+UPDATE`); claims skip rows other transactions hold (`FOR UPDATE SKIP LOCKED`), so workers never
+wait on each other's claims. Commits that make work ready send `NOTIFY dex_engine`, and commits
+that cancel, fail or take away a running attempt `NOTIFY dex_engine_revoked`; every worker process
+LISTENs on a dedicated connection. An idle worker sleeps until a notification (or its housekeeping);
+a worker running attempts polls for their revocation, and such a quiet poll (nothing to claim or
+clean up) is one read-only statement, or none while no notification and no commit of this process
+came since the last one. A full poll every FALLBACK_POLL_SECONDS bounds what a lost notification
+costs. A dropped connection
 is replaced and the operation retried; so are deadlocks and serialization failures, which
 PostgreSQL resolves by aborting one side.
 
@@ -74,6 +78,9 @@ log = logging.getLogger("dex_engine.postgres")
 R = TypeVar("R")
 
 CHANNEL = "dex_engine"
+# Commits that cancel, fail or take away a running attempt NOTIFY here: a worker's quiet polls
+# keep their last answer until this, one of its own process's commits, or the fallback poll.
+REVOKED_CHANNEL = "dex_engine_revoked"
 # Lanes (connections) per process. Each runs one transaction at a time, carrying every operation
 # queued meanwhile, so a few keep a worker's commits, heartbeats and polls flowing.
 DEFAULT_POOL_SIZE = 4
@@ -178,7 +185,7 @@ class _PgDb:
     """One transaction on a connection in pipeline mode: statements whose results nobody reads
     (`send`) travel with the next statement that needs its reply."""
 
-    __slots__ = ("conn", "history", "notified", "pipeline", "reader", "sender", "undo", "wrote")
+    __slots__ = ("conn", "history", "notified", "pipeline", "reader", "revoked_sent", "sender", "undo", "wrote")
 
     dialect = "postgres"
     for_update = " FOR UPDATE"
@@ -194,6 +201,7 @@ class _PgDb:
         self.sender: psycopg.Cursor[Any] = conn.cursor()
         self.history: list[HistoryRow] = []
         self.notified = False
+        self.revoked_sent = False
         # In-memory changes made by operations of this transaction, undone if it rolls back.
         self.undo: list[Callable[[], None]] = []
         self.wrote = False  # a statement may have written: the commit's outcome matters
@@ -223,6 +231,11 @@ class _PgDb:
         if not self.notified:  # one per transaction; PostgreSQL folds duplicates anyway
             self.sender.execute(f"NOTIFY {CHANNEL}")
             self.notified = self.wrote = True
+
+    def revoked(self) -> None:
+        if not self.revoked_sent:
+            self.sender.execute(f"NOTIFY {REVOKED_CHANNEL}")
+            self.revoked_sent = self.wrote = True
 
 
 # Batched Execute commits ---------------------------------------------------------------------
@@ -443,6 +456,15 @@ def _text_array(values: Sequence[str]) -> str:
     return "{" + ",".join(quoted) + "}"
 
 
+@dataclass(frozen=True)
+class _KeptPoll:
+    """A quiet poll's answer, the store's change count read before it ran, and the attempts it covered."""
+
+    changes: int
+    running: frozenset[int]
+    result: PollResult
+
+
 def _light_poll(db: Db, flow_types: str, running: Sequence[int]) -> PollResult:
     assert isinstance(db, _PgDb)
     ids = "{" + ",".join(map(str, running)) + "}"
@@ -653,6 +675,10 @@ class PostgresStore(Store):
         self._flow_type_arrays: dict[tuple[str, ...], str] = {}
         self._notified = threading.Event()
         self._last_change_report = 0.0
+        # Bumped by every notification, every (re)connection of the listener and every writing
+        # commit of this store: a quiet poll's answer (_kept) stands while it has not moved.
+        self._changes = 0
+        self._kept: _KeptPoll | None = None
         self._stop_listening = threading.Event()
         self._listener = threading.Thread(target=self._listen, name="dex-pg-listen", daemon=True)
         self._listener.start()
@@ -683,16 +709,24 @@ class PostgresStore(Store):
         claimed_before: int | None = None,
     ) -> tuple[bool, PollResult]:
         """Store.poll; but when it would neither claim nor clean up (no claim asked for, no
-        notification, no fallback poll and no housekeeping due), one read-only statement outside
-        a transaction: most polls of a busy worker, which runs attempts and is not woken."""
+        notification, no fallback poll and no housekeeping due), a quiet poll: most polls of a
+        busy worker, which runs attempts and is not woken. A quiet poll is one read-only statement
+        outside a transaction, or none: while no notification, reconnection or commit of this
+        store came since the last one, whose running attempts include these, its answer stands.
+        (A timer another process registers meanwhile is seen at the fallback poll.)"""
         if (must_claim or housekeep or self._notified.is_set()
                 or time.monotonic() - self._last_change_report >= FALLBACK_POLL_SECONDS):
             return await super().poll(worker_id, flow_types, capacity, running, must_claim=must_claim,
                                       housekeep=housekeep, known=known, claimed_before=claimed_before)
+        changes, kept = self._changes, self._kept
+        if kept is not None and kept.changes == changes and kept.running.issuperset(running):
+            return False, kept.result
         types = self._flow_type_arrays.get(tuple(flow_types))
         if types is None:
             types = self._flow_type_arrays[tuple(flow_types)] = _text_array(flow_types)
-        return False, await self._run(lambda db: _light_poll(db, types, running), write=False)
+        result = await self._run(lambda db: _light_poll(db, types, running), write=False)
+        self._kept = _KeptPoll(changes, frozenset(running), result)  # `changes` as read before it ran
+        return False, result
 
     async def commit_execute(
         self, lease: Lease, writes: WriteSet, decision: DecisionRecord,
@@ -836,6 +870,8 @@ class PostgresStore(Store):
             if not reads:
                 db.sender.execute("COMMIT")
             pipeline.sync()
+            if not reads:
+                self._changes += 1  # after the commit: a quiet poll that ran before it is stale now
             return results
         except BaseException as exc:
             # The connection dropped during COMMIT: ask the server, never apply it twice. Not only
@@ -849,6 +885,7 @@ class PostgresStore(Store):
             if ambiguous:
                 committed = True if xid is None else self._committed(xid, lane.mark_id, lane.mark_seq)
                 if committed:
+                    self._changes += 1
                     return results
                 if committed is None:
                     raise _OutcomeUnknown(exc) from exc
@@ -942,15 +979,20 @@ class PostgresStore(Store):
                 with psycopg.connect(self._conninfo, autocommit=True, application_name=listen_name) as conn:
                     self._configure_session(conn)
                     conn.execute(f"LISTEN {CHANNEL}")
+                    conn.execute(f"LISTEN {REVOKED_CHANNEL}")
+                    self._changes += 1
                     self._tell_listeners()  # anything may have happened while not listening
                     while not self._stop_listening.is_set():
-                        for _ in conn.notifies(timeout=0.5, stop_after=1):
-                            self._tell_listeners()
+                        for note in conn.notifies(timeout=0.5, stop_after=1):
+                            self._changes += 1
+                            if note.channel == CHANNEL:
+                                self._tell_listeners()
             except psycopg.Error:
                 if self._stop_listening.wait(0.5):
                     return
 
     def _tell_listeners(self) -> None:
+        """Work may be ready: set the notified flag (the next poll claims) and wake the workers."""
         self._notified.set()
         for loop, fn in list(self._listeners):
             if not loop.is_closed():

@@ -92,6 +92,9 @@ class _SqliteDb:
         """Other processes see commits through PRAGMA data_version; nothing to send."""
         self.readied += 1
 
+    def revoked(self) -> None:
+        """Workers' quiet polls see every commit through PRAGMA data_version; nothing to send."""
+
     def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         row: Row | None = self.conn.execute(sql, params).fetchone()
         return row

@@ -62,7 +62,8 @@ class Db(Protocol):
     `history` buffers the operation's history events; run_op writes them once at its end.
     `for_update` and `skip_locked` are the row-lock clauses a backend with concurrent writers needs
     ('' on SQLite, whose writers are serialized by BEGIN IMMEDIATE). `notify` tells other
-    processes' workers that work may be ready. PostgreSQL's also has `dialect = "postgres"`, which
+    processes' workers that work may be ready, and `revoked` that a running attempt was cancelled,
+failed or taken from its worker (which must then stop it, E9). PostgreSQL's also has `dialect = "postgres"`, which
     lets a few hot statements use its syntax (one statement where SQLite needs two), and
     `send(sql, params)`: run a statement without waiting for its reply (see `_send`). A backend
     whose writers are all serialized may set `lazy_snapshots = True` (see LIVE_SNAPSHOT).
@@ -73,6 +74,7 @@ class Db(Protocol):
     skip_locked: str
 
     def notify(self) -> None: ...
+    def revoked(self) -> None: ...
 
     def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
     def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
@@ -899,11 +901,14 @@ def cancel_step_types(db: Db, flow_id: str, step_types: Sequence[str], now: int)
 
 
 def _cancel_task(db: Db, task_id: int, now: int, detail: str) -> None:
-    row = db.one("SELECT flow_id, step_type, step_execution_id, attempt FROM tasks WHERE task_id = ?", (task_id,))
+    row = db.one("SELECT flow_id, step_type, step_execution_id, attempt, state FROM tasks WHERE task_id = ?",
+                 (task_id,))
     if row is None:
         return
     _release_locks(db, task_id)
     _send(db, "DELETE FROM tasks WHERE task_id = ?", (task_id,))
+    if row[4] == "running":
+        db.revoked()
     _history(db, str(row[0]), str(row[1]), str(row[2]), STEP_CANCELLED, int(row[3]), now, detail)
 
 
@@ -926,6 +931,7 @@ def _fail_task(db: Db, task_id: int, error: ErrorInfo, no_retry: bool, now: int)
                                                             str(row[3]), str(row[4]), int(row[5]))
     options = decode_json(row[6], TaskOptions)
     started = bool(row[9]) or bool(row[10])
+    db.revoked()  # a running attempt fails: its own worker's, or one timed out or orphaned
     _history(db, flow_id, step_type, seid, ATTEMPT_FAILED, attempt, now,
              f"{method}: {error.error_type}: {error.detail}")
     policy = _method_options(options, method).retry
@@ -1100,6 +1106,7 @@ def _expire_orphans(db: Db, now: int) -> int:
             )
             bump(db, str(flow_id))
             db.notify()
+            db.revoked()  # a worker that still runs it (not dead, only late to renew) must stop
     return count
 
 
