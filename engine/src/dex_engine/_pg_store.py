@@ -14,9 +14,8 @@ LISTENs on a dedicated connection. An idle worker sleeps until a notification (o
 a worker running attempts polls for their revocation, and such a quiet poll (nothing to claim or
 clean up) is one read-only statement, or none while no notification and no commit of this process
 came since the last one. A full poll every FALLBACK_POLL_SECONDS bounds what a lost notification
-costs. A dropped connection
-is replaced and the operation retried; so are deadlocks and serialization failures, which
-PostgreSQL resolves by aborting one side.
+costs. A dropped connection is replaced and the operation retried; so are deadlocks and
+serialization failures, which PostgreSQL resolves by aborting one side.
 
 Failure isolation: an operation that raises rolls its batch back; the others commit without it and
 it runs again alone. A batch waits at most BATCH_LOCK_TIMEOUT_MS for a row lock (two batches could

@@ -63,10 +63,11 @@ class Db(Protocol):
     `for_update` and `skip_locked` are the row-lock clauses a backend with concurrent writers needs
     ('' on SQLite, whose writers are serialized by BEGIN IMMEDIATE). `notify` tells other
     processes' workers that work may be ready, and `revoked` that a running attempt was cancelled,
-failed or taken from its worker (which must then stop it, E9). PostgreSQL's also has `dialect = "postgres"`, which
-    lets a few hot statements use its syntax (one statement where SQLite needs two), and
-    `send(sql, params)`: run a statement without waiting for its reply (see `_send`). A backend
-    whose writers are all serialized may set `lazy_snapshots = True` (see LIVE_SNAPSHOT).
+    failed or taken from its worker (which must then stop it, E9). PostgreSQL's also has
+    `dialect = "postgres"`, which lets a few hot statements use its syntax (one statement where
+    SQLite needs two), and `send(sql, params)`: run a statement without waiting for its reply (see
+    `_send`). A backend whose writers are all serialized may set `lazy_snapshots = True` (see
+    LIVE_SNAPSHOT).
     """
 
     history: list[HistoryRow]
