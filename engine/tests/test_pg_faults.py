@@ -284,13 +284,14 @@ async def _go(ctx: Context, _: None) -> StepDecision:
 
 QUICK = Flow("PgfQuick", [Step("Go", _go, input_type=type(None))], start_step="Go")
 
-# PgfLong's handler runs until it is cancelled; the test process records each cancellation here.
+# PgfLong's handler runs until it is cancelled; the test process records each start and each
+# cancellation here (lists, not an asyncio.Event: each test runs on an event loop of its own).
+long_started: list[str] = []
 long_cancelled: list[str] = []
-long_started = asyncio.Event()
 
 
 async def _run_long(ctx: Context, _: None) -> StepDecision:
-    long_started.set()
+    long_started.append(ctx.flow_id)
     try:
         await asyncio.Event().wait()
     except asyncio.CancelledError:
@@ -301,7 +302,15 @@ async def _run_long(ctx: Context, _: None) -> StepDecision:
 
 LONG = Flow("PgfLong", [Step("Run", _run_long, input_type=type(None))], start_step="Run")
 
-REGISTRY = Registry([CHAIN, LOCKS, PROBE, MIX, QUICK, LONG])
+
+async def _slow_timer_wait(ctx: Context, _: None) -> Wait:
+    await asyncio.sleep(0.3)  # quiet polls keep an answer taken before this Step's commit
+    return Wait.until(Timer.by_duration(1))
+
+
+TIMED = Flow("PgfTimed", [Step("Fire", _go, wait_for=_slow_timer_wait, input_type=type(None))], start_step="Fire")
+
+REGISTRY = Registry([CHAIN, LOCKS, PROBE, MIX, QUICK, LONG, TIMED])
 
 
 # A PostgreSQL wire-protocol proxy that can stop or cut a chosen COMMIT --------------------------
@@ -1188,9 +1197,10 @@ QUIET_WORKER = {"poll_seconds": 0.01, "housekeeping_seconds": 60.0, "lease_ttl_s
 
 
 @contextlib.asynccontextmanager
-async def quick_worker(url: str, flow: Flow = QUICK) -> AsyncIterator[AsyncWorker]:
+async def quick_worker(url: str, *flows: Flow) -> AsyncIterator[AsyncWorker]:
     store: Store = await asyncio.to_thread(open_store, url)
-    worker = AsyncWorker(Registry([flow]), WorkerOptions(database_url=url, **QUIET_WORKER), store=store)
+    worker = AsyncWorker(Registry(list(flows or (QUICK,))), WorkerOptions(database_url=url, **QUIET_WORKER),
+                         store=store)
     try:
         async with worker:
             yield worker
@@ -1268,7 +1278,7 @@ async def test_quiet_polls_of_a_running_attempt_keep_their_answer_until_a_revoca
     long_started.clear()
     async with quick_worker(pg_database, LONG), client_for(pg_database) as client:
         await client.start_flow("PgfLong", "long")
-        await asyncio.wait_for(long_started.wait(), 20)
+        await eventually("the long attempt started", lambda: long_started == ["long"])
         await asyncio.sleep(0.3)
         queries.clear()
         await asyncio.sleep(0.5)  # 50 poll intervals
@@ -1279,3 +1289,23 @@ async def test_quiet_polls_of_a_running_attempt_keep_their_answer_until_a_revoca
             return long_cancelled == ["long"]
 
         await eventually("the running attempt cancelled", cancelled)
+
+
+async def test_a_commit_of_the_worker_itself_ends_a_kept_quiet_answer(
+    pg_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a long attempt runs (quiet polls kept), the same worker registers a 1 s Timer for
+    another flow. Its own commit sends no notification, so only that commit can end the kept
+    answer, whose next due time predates the Timer; the fallback poll and housekeeping are a minute
+    away. Catches: a kept answer that outlives the worker's own commits (the Timer fired a minute late)."""
+    from dex_engine import _pg_store
+
+    monkeypatch.setattr(_pg_store, "FALLBACK_POLL_SECONDS", 60.0)
+    long_started.clear()
+    async with quick_worker(pg_database, LONG, TIMED), client_for(pg_database) as client:
+        await client.start_flow("PgfLong", "long")
+        await eventually("the long attempt started", lambda: long_started == ["long"])
+        await client.start_flow("PgfTimed", "timed")
+        info = await client.wait_for_flow("timed", 20)
+        assert info.status == "completed", info
+        await client.stop_flow("long", "done")
