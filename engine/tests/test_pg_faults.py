@@ -1254,35 +1254,36 @@ async def test_an_idle_worker_is_woken_when_its_listener_reconnects(pg_database:
         assert info.status == "completed", info
 
 
-async def test_quiet_polls_of_a_running_attempt_keep_their_answer_until_a_revocation(
+async def test_a_worker_running_an_attempt_sleeps_until_a_revocation_wakes_it(
     pg_database: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A worker running one long attempt polls every poll_seconds for its revocation; while
-    nothing changes, those polls send nothing (each one was a statement: about 17% of a core for
-    the worker and 6% for its server process on this project's VM). Another process's stop of
-    the flow NOTIFYs, and the attempt is cancelled at once; the fallback poll is a minute away
-    here, so only that notification can do it. Catches: quiet polls that always query, and a
-    revocation that leaves a kept answer standing."""
+    """A worker running one long attempt (a model call) does not poll for its revocation: each poll
+    every poll_seconds cost about 17% of a core for the worker and 6% for its server process on
+    this project's VM as a statement, and still 7% as a kept answer. Another process's stop of the
+    flow NOTIFYs dex_engine_revoked, which wakes it, and the attempt is cancelled at once; the
+    fallback poll and housekeeping are a minute away here, so only that notification can do it.
+    Catches a running worker that polls, and a revocation notification that wakes nobody."""
     from dex_engine import _pg_store
+    from dex_engine._pg_store import PostgresStore
 
     monkeypatch.setattr(_pg_store, "FALLBACK_POLL_SECONDS", 60.0)
-    queries: list[int] = []
-    real_light_poll = _pg_store._light_poll
+    polls: list[bool] = []
+    real_poll = PostgresStore.poll
 
-    def counting_light_poll(db: Any, flow_types: str, running: Any) -> Any:
-        queries.append(len(running))
-        return real_light_poll(db, flow_types, running)
+    async def counting_poll(self: PostgresStore, *args: Any, **kwargs: Any) -> Any:
+        polls.append(kwargs["must_claim"])
+        return await real_poll(self, *args, **kwargs)
 
-    monkeypatch.setattr(_pg_store, "_light_poll", counting_light_poll)
+    monkeypatch.setattr(PostgresStore, "poll", counting_poll)
     long_cancelled.clear()
     long_started.clear()
     async with quick_worker(pg_database, LONG), client_for(pg_database) as client:
         await client.start_flow("PgfLong", "long")
         await eventually("the long attempt started", lambda: long_started == ["long"])
         await asyncio.sleep(0.3)
-        queries.clear()
+        polls.clear()
         await asyncio.sleep(0.5)  # 50 poll intervals
-        assert len(queries) <= 1, f"{len(queries)} quiet polls queried the server in 0.5 s"
+        assert len(polls) <= 1, f"a worker running an attempt polled {len(polls)} times in 0.5 s"
         await client.stop_flow("long", "stopped by another process")
 
         async def cancelled() -> bool:
@@ -1291,21 +1292,46 @@ async def test_quiet_polls_of_a_running_attempt_keep_their_answer_until_a_revoca
         await eventually("the running attempt cancelled", cancelled)
 
 
-async def test_a_commit_of_the_worker_itself_ends_a_kept_quiet_answer(
+async def test_a_kept_quiet_answer_lasts_until_a_notification_or_a_commit_of_this_store(
     pg_database: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """While a long attempt runs (quiet polls kept), the same worker registers a 1 s Timer for
-    another flow. Its own commit sends no notification, so only that commit can end the kept
-    answer, whose next due time predates the Timer; the fallback poll and housekeeping are a minute
-    away. Catches: a kept answer that outlives the worker's own commits (the Timer fired a minute late)."""
+    """A quiet poll (a worker with a claim in flight polls every poll_seconds) keeps its last
+    answer, sending nothing, while nothing changed. A commit of the same store ends it (it sends no
+    notification to itself: a Timer it registered would otherwise be seen only at the fallback poll),
+    and so does another process's notification. Catches a kept answer that outlives either."""
     from dex_engine import _pg_store
+    from dex_engine._pg_store import PostgresStore
 
     monkeypatch.setattr(_pg_store, "FALLBACK_POLL_SECONDS", 60.0)
-    long_started.clear()
-    async with quick_worker(pg_database, LONG, TIMED), client_for(pg_database) as client:
-        await client.start_flow("PgfLong", "long")
-        await eventually("the long attempt started", lambda: long_started == ["long"])
-        await client.start_flow("PgfTimed", "timed")
-        info = await client.wait_for_flow("timed", 20)
-        assert info.status == "completed", info
-        await client.stop_flow("long", "done")
+    store = await asyncio.to_thread(PostgresStore, pg_database)
+    try:
+        async def quiet_poll() -> Any:
+            _changed, result = await store.poll("quiet-poller", ["PgfQuick"], 0, [], must_claim=False,
+                                                housekeep=False)
+            return result
+
+        async def fresh_answer(after: Any) -> Any:
+            """Poll until the answer is no longer `after`: the first poll once the notification is in."""
+            polled: list[Any] = []
+
+            async def changed() -> bool:
+                polled.append(await quiet_poll())
+                return polled[-1] is not after
+
+            await eventually("a poll not answered from the kept answer", changed)
+            return polled[-1]
+
+        await eventually("the listener connected", lambda: store._changes > 0)
+        await store.changed()  # clears the flag its connection set, and starts the fallback interval
+        first = await quiet_poll()
+        for _ in range(20):
+            assert await quiet_poll() is first, "a quiet poll did not keep its answer"
+        await store.register_worker("kept-answer-test", "host", 1, 60_000)  # a commit of this store
+        second = await quiet_poll()
+        assert second is not first, "the kept answer outlived a commit of this store"
+        assert await quiet_poll() is second
+        async with client_for(pg_database) as client:
+            await client.start_flow("PgfQuick", "notifies")  # NOTIFY dex_engine from another process
+        await fresh_answer(second)
+    finally:
+        await store.close()

@@ -597,18 +597,17 @@ def holding_flow(probe: Probe) -> Flow:
 
 
 @pytest.mark.sqlite_only
-async def test_an_idle_sqlite_worker_sleeps_and_a_running_one_polls_off_the_store_thread(
+async def test_a_sqlite_worker_sleeps_idle_or_running_and_every_commit_wakes_it(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With nothing running, a SQLite worker does not poll: the store's thread watches data_version
-    and wakes it when another process commits. While an attempt runs it polls every poll_seconds
-    (for revocations), and while no connection commits each poll's answer is its last one, read on
-    the worker's thread, with no trip to the store's thread. Another connection's commits are seen
-    either way: a flow it starts is claimed, and its stop revokes the running attempt (the epochs
-    the kept answer held are stale then). An attempt this process's client hands to the sleeping
-    worker brings it back to polling. Catches an idle worker that still polls, polls that still
-    queue a transaction each, a kept answer that outlives a commit, a watcher that misses one, and
-    a worker left asleep with an attempt running."""
+    """A SQLite worker does not poll, with nothing running or with an attempt running (a model call
+    can run for minutes, and a poll every poll_seconds cost 8% of a core on this project's VM): the
+    store's thread watches data_version and wakes it when another connection commits, and this
+    process's commits wake it through the commit listeners. Housekeeping, the only timeout left, is
+    a minute away here, yet another connection's start is claimed and its stop cancels the running
+    attempt at once, and so does a stop by this process's client of an attempt its commit handed to
+    the sleeping worker. Catches a worker that polls while idle or running, a watcher that misses a
+    commit, and a revocation left to housekeeping."""
     from dex_engine import AsyncClient, open_store
     from dex_engine._sqlite_store import SqliteStore
 
@@ -624,6 +623,14 @@ async def test_an_idle_sqlite_worker_sleeps_and_a_running_one_polls_off_the_stor
         polls.append(kwargs["must_claim"])
         return await real_poll(self, *args, **kwargs)
 
+    async def quiet_for_half_a_second(what: str) -> None:
+        await asyncio.sleep(0.2)
+        queued.clear()
+        polls.clear()
+        await asyncio.sleep(0.5)  # 50 poll intervals
+        assert len(polls) <= 1, f"a worker {what} polled {len(polls)} times in 0.5 s"
+        assert len(queued) <= 1, f"{len(queued)} operations reached the store's thread {what}: {queued}"
+
     monkeypatch.setattr(SqliteStore, "_run", counting_run)
     monkeypatch.setattr(SqliteStore, "poll", counting_poll)
     probe = Probe()
@@ -633,40 +640,78 @@ async def test_an_idle_sqlite_worker_sleeps_and_a_running_one_polls_off_the_stor
         await eng.worker.stop()  # restart with housekeeping and lease renewal rare: nothing else runs
         await eng.start_worker(housekeeping_seconds=60.0, lease_ttl_seconds=60.0, lease_renew_seconds=30.0,
                                poll_seconds=0.01)
-        await asyncio.sleep(0.2)
-        queued.clear()
-        polls.clear()
-        await asyncio.sleep(0.5)  # 50 poll intervals
-        assert len(polls) <= 1, f"an idle worker polled {len(polls)} times in 0.5 s"
-        assert len(queued) <= 1, f"{len(queued)} operations reached the store's thread while idle: {queued}"
+        await quiet_for_half_a_second("with nothing running")
 
         other = open_store(db_url)  # a second connection: what another process does
         try:
             await AsyncClient(registry, store=other).start_flow("Holding", "q1")
             await asyncio.wait_for(probe.reached.wait(), 5.0)
-            await asyncio.sleep(0.2)
-            queued.clear()
-            polls.clear()
-            await asyncio.sleep(0.5)  # quiet, with an attempt running
-            assert len(polls) >= 10, f"a worker running an attempt polled only {len(polls)} times in 0.5 s"
-            assert len(queued) <= 1, f"{len(queued)} of {len(polls)} polls reached the store's thread: {queued}"
+            await quiet_for_half_a_second("running an attempt another connection started")
             await AsyncClient(registry, store=other).stop_flow("q1", "from another connection")
             await wait_until("Hold-1 cancelled", lambda: _count(probe.executed, 1), timeout=5.0)
             assert probe.executed == ["Hold-1"]
         finally:
             await other.close()
 
-        # Idle again, a flow started by this process's client is handed to the sleeping worker in
-        # the client's commit: the attempt it starts must bring the loop back to polling.
-        await asyncio.sleep(0.2)
+        # A flow started by this process's client is handed to the sleeping worker in the client's
+        # commit: no poll claims it, and the client's stop must still reach the running attempt.
         probe.reached.clear()
-        polls.clear()
         await eng.client.start_flow("Holding", "q2")
         await asyncio.wait_for(probe.reached.wait(), 5.0)
-        await asyncio.sleep(0.5)
-        assert len(polls) >= 10, f"an attempt handed to a sleeping worker left it polling {len(polls)} times in 0.5 s"
-        # Its wake-up asks for no claim: the client's commit already claimed what it made ready.
-        assert not any(polls), f"polls asked to claim after a hand-off: {polls}"
+        await quiet_for_half_a_second("running an attempt handed to it")
+        await eng.client.stop_flow("q2", "from this process")
+        await wait_until("Hold-1 of q2 cancelled", lambda: _count(probe.executed, 2), timeout=5.0)
+
+
+@pytest.mark.sqlite_only
+async def test_quiet_sqlite_polls_keep_their_answer_off_the_store_thread(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quiet poll (a worker with a claim in flight polls every poll_seconds) reads data_version on
+    the caller's thread: while no connection commits, its answer is the last one and nothing reaches
+    the store's thread (a trip there costs more CPU than the statements). Another connection's stop
+    ends the kept answer, and the next poll shows the attempt revoked. Catches quiet polls that
+    queue a transaction each, and a kept answer that outlives another connection's commit."""
+    from dex_engine import AsyncClient, open_store
+    from dex_engine._sqlite_store import SqliteStore
+
+    queued: list[bool] = []
+    real_run = SqliteStore._run
+
+    async def counting_run(self: SqliteStore, fn: Any, *, write: bool, durable: bool | None = None) -> Any:
+        queued.append(write)
+        return await real_run(self, fn, write=write, durable=durable)
+
+    probe = Probe()
+    registry = Registry([holding_flow(probe)])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        # Housekeeping and lease renewal rare: no commit of the worker's ends a kept answer.
+        worker = await eng.start_worker(housekeeping_seconds=60.0, lease_ttl_seconds=60.0,
+                                        lease_renew_seconds=30.0)
+        await eng.client.start_flow("Holding", "q1")
+        await asyncio.wait_for(probe.reached.wait(), 5.0)
+        running = list(worker._running)
+        assert len(running) == 1
+        monkeypatch.setattr(SqliteStore, "_run", counting_run)
+
+        async def quiet_poll() -> Any:
+            _changed, result = await eng.store.poll("quiet-poller", ["Holding"], 0, running, must_claim=False,
+                                                    housekeep=False)
+            return result
+
+        first = await quiet_poll()
+        assert first.epochs.keys() == set(running)
+        queued.clear()
+        for _ in range(20):
+            assert await quiet_poll() is first, "a quiet poll did not keep its answer"
+        assert queued == [], f"quiet polls with nothing committed reached the store's thread: {queued}"
+        other = open_store(db_url)
+        try:
+            await AsyncClient(registry, store=other).stop_flow("q1", "from another connection")
+        finally:
+            await other.close()
+        after = await quiet_poll()
+        assert after is not first and after.epochs == {}, f"the kept answer outlived a stop: {after}"
 
 
 @pytest.mark.sqlite_only

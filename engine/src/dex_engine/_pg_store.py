@@ -10,12 +10,14 @@ reads travel with the next one that needs a reply. Writers to one flow serialize
 UPDATE`); claims skip rows other transactions hold (`FOR UPDATE SKIP LOCKED`), so workers never
 wait on each other's claims. Commits that make work ready send `NOTIFY dex_engine`, and commits
 that cancel, fail or take away a running attempt `NOTIFY dex_engine_revoked`; every worker process
-LISTENs on a dedicated connection. An idle worker sleeps until a notification (or its housekeeping);
-a worker running attempts polls for their revocation, and such a quiet poll (nothing to claim or
-clean up) is one read-only statement, or none while no notification and no commit of this process
-came since the last one. A full poll every FALLBACK_POLL_SECONDS bounds what a lost notification
-costs. A dropped connection is replaced and the operation retried; so are deadlocks and
-serialization failures, which PostgreSQL resolves by aborting one side.
+LISTENs on a dedicated connection, whose notifications wake the process's workers. A worker,
+idle or running attempts, sleeps until a notification, a commit of its own process, its next due
+time or its housekeeping, which bounds what a lost notification costs. Only while commits that may
+claim are in flight does it poll every poll_seconds; such a quiet poll (nothing to claim or clean
+up) is one read-only statement, or none while no notification and no commit of this process came
+since the last one (and a full poll every FALLBACK_POLL_SECONDS). A dropped connection is replaced
+and the operation retried; so are deadlocks and serialization failures, which PostgreSQL resolves
+by aborting one side.
 
 Failure isolation: an operation that raises rolls its batch back; the others commit without it and
 it runs again alone. A batch waits at most BATCH_LOCK_TIMEOUT_MS for a row lock (two batches could
@@ -965,9 +967,10 @@ class PostgresStore(Store):
         return await self._run(self._changed_in, write=False)
 
     def watch_foreign_commits(self, interval_seconds: float) -> bool:
-        """Commits that make work ready NOTIFY, and the listener calls the commit listeners on each
-        notification and after every (re)connection: an idle worker need not poll. Work that only
-        comes due later (a timer another process registered) is seen at its next housekeeping."""
+        """Commits that make work ready or revoke a running attempt NOTIFY, and the listener calls
+        the commit listeners on each notification and after every (re)connection: a worker need not
+        poll. Work that only comes due later (a timer another process registered) is seen at its
+        next housekeeping."""
         return True
 
     def _listen(self) -> None:
@@ -982,10 +985,10 @@ class PostgresStore(Store):
                     self._changes += 1
                     self._tell_listeners()  # anything may have happened while not listening
                     while not self._stop_listening.is_set():
-                        for note in conn.notifies(timeout=0.5, stop_after=1):
+                        for _note in conn.notifies(timeout=0.5, stop_after=1):
+                            # Work ready, or a running attempt revoked: a sleeping worker must look.
                             self._changes += 1
-                            if note.channel == CHANNEL:
-                                self._tell_listeners()
+                            self._tell_listeners()
             except psycopg.Error:
                 if self._stop_listening.wait(0.5):
                     return

@@ -8,12 +8,13 @@ A worker's quiet poll (nothing to claim, no housekeeping due) is the one excepti
 PRAGMA data_version on a second, read-only connection on the caller's thread, and when no connection
 (this process's writer included) has committed since its last quiet poll, its answer stands without
 a trip to the store's thread. That trip (a hand-off to another thread and back) costs more CPU than
-the statements, and a worker running attempts polls every poll_seconds.
+the statements, and a worker with claims in flight polls every poll_seconds.
 
 Commits of other processes reach this process's commit listeners from the store's thread: while it
 has nothing queued, it reads PRAGMA data_version every watch interval (the shortest poll_seconds of
-the workers using it) and calls every listener when another connection has committed. A worker with
-nothing running therefore does not poll at all; it sleeps until its next due time or housekeeping.
+the workers using it) and calls every listener when another connection has committed. A worker
+therefore does not poll, whether or not it runs attempts (a commit that revokes one wakes it like
+any other); it sleeps until a commit, its next due time or its housekeeping.
 
 Durability (PRAGMA synchronous, WAL):
 - FULL (default): every commit is fsynced before it is acknowledged; survives power loss.

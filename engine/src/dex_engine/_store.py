@@ -82,8 +82,9 @@ class Store(ABC):
         """Call the commit listeners within about `interval_seconds` of another process's commit
         that makes work ready (SQLite: of any commit; PostgreSQL: of its NOTIFY).
 
-        Returns whether this backend does: then a worker with nothing running need not poll for
-        such commits and sleeps until its next due time or housekeeping instead.
+        Returns whether this backend does: then a worker need not poll for such commits (nor for
+        revocations of its running attempts, which PostgreSQL also NOTIFYs) and sleeps until its
+        next due time or housekeeping instead.
         """
         return False
 

@@ -114,7 +114,7 @@ class AsyncWorker:
         self._flow_types = sorted(registry.flows)
         self._running: dict[int, _Running] = {}
         self._wake = asyncio.Event()
-        self._claim_asked = False  # a wake-up that asks the loop to claim (all but _spawn's)
+        self._claim_asked = False  # a wake-up came: the loop claims (a timeout alone does not)
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -123,9 +123,8 @@ class AsyncWorker:
         # in, the attempts it claimed are in no poll's `known` and must not be taken for lost claims.
         self._claiming: list[int] = []
         # The store calls our commit listener on other processes' commits (watch_foreign_commits):
-        # with nothing running, the loop then sleeps until something is due instead of polling.
+        # the loop then sleeps until something is due instead of polling.
         self._watched = False
-        self._sleeping_idle = False  # the loop waits without a poll interval: a new attempt wakes it
         # This worker's context (its commit origin): attempts that clients' commits claimed for it
         # run in a copy, not in the client's context, so their commits do not wake it.
         self._own_context: contextvars.Context | None = None
@@ -218,9 +217,13 @@ class AsyncWorker:
                 running = self._running.get(task_id)
                 if running is not None and result.epochs.get(task_id) != running.lease.lease_epoch:
                     self._revoke(running)  # E9: cancelled, timed out or taken over
-            idle = self._watched and not self._running and not self._claiming
-            # Idle on a watched store, only due work and housekeeping need the loop: wake-ups cost.
-            timeout = max(0.0, next_housekeeping - time.monotonic()) if idle else opts.poll_seconds
+            # On a watched store every commit that could concern this worker wakes it (its own and
+            # this process's clients' through the commit listeners, others' through the store's
+            # watch), including one that revokes a running attempt: only due work and housekeeping
+            # need a timeout, and a worker running long attempts (model calls) stays asleep. A
+            # claim still in flight may lose its reply, which only polls find (_claimed_before).
+            sleepy = self._watched and not self._claiming
+            timeout = max(0.0, next_housekeeping - time.monotonic()) if sleepy else opts.poll_seconds
             if result.next_due_ms is not None:
                 until_due = result.next_due_ms / 1000 - time.time()
                 if until_due > 0:
@@ -232,7 +235,6 @@ class AsyncWorker:
                     must_claim = True
                     next_housekeeping = time.monotonic()
                     continue
-            self._sleeping_idle = idle
             try:
                 # asyncio.timeout, not wait_for: no task per wait (one per poll interval and wake-up).
                 async with asyncio.timeout(timeout):
@@ -241,8 +243,6 @@ class AsyncWorker:
             except TimeoutError:
                 # A wake that lands as the timeout fires is lost by the wait but stays asked: keep it.
                 must_claim = self._claim_asked
-            finally:
-                self._sleeping_idle = False
 
     def _claimed_before(self) -> int:
         """Time (ms) before which a claim of ours that we do not hold counts as lost.
@@ -298,8 +298,6 @@ class AsyncWorker:
             return
         running = _Running(lease)
         self._running[lease.task_id] = running
-        if self._sleeping_idle:
-            self._wake.set()  # back to polling: the attempt's revocation must be seen in time
         running.task = asyncio.create_task(self._run_attempt(running), name=lease.step_execution_id,
                                            context=context)
 
