@@ -236,6 +236,8 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         out = io.StringIO()
         stats = pstats.Stats(prof, stream=out)
         stats.sort_stats(args.sort).print_stats(args.top)
+        if args.callers:
+            stats.print_callers(args.callers)
         print(f"\n--- cProfile, {label}, sorted by {args.sort} ---")
         print(out.getvalue())
 
@@ -255,6 +257,7 @@ def main() -> None:
     parser.add_argument("--profile-db", action="store_true", help="cProfile the SQLite thread's batches")
     parser.add_argument("--sort", default="tottime", choices=["tottime", "cumulative", "ncalls"])
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--callers", default="", help="also print the callers of functions matching this regex")
     parser.add_argument("--history", type=int, default=0, help="print the last N history events of a session")
     parser.add_argument("--wal-frames", action="store_true", help="turn WAL checkpoints off and count pages written")
     parser.add_argument("--sql", action="store_true", help="CPU time per SQL statement text")
