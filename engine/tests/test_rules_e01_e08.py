@@ -1083,6 +1083,27 @@ async def test_e6_one_second_timer_counts_from_wait_registration(db_url: str) ->
         assert completed - registered >= 1000
 
 
+async def test_e6_a_timer_the_worker_registers_fires_on_time_without_housekeeping(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """E6: a 1 s timer fires about 1 s after the worker registered it, with housekeeping (and
+    PostgreSQL's fallback poll) a minute away. The registering commit is the worker's own, which
+    does not wake it, and a worker no longer polls while an attempt runs, so its next due time must
+    still come from that commit. Catches a worker that sleeps through its own timer until housekeeping.
+    """
+    if db_url.startswith("postgresql"):
+        from dex_engine import _pg_store
+
+        monkeypatch.setattr(_pg_store, "FALLBACK_POLL_SECONDS", 60.0)
+    fired: list[bool] = []
+    async with engine_for(db_url, Registry([nap_flow(fired)]), worker=False) as eng:
+        await eng.start_worker(housekeeping_seconds=60.0, lease_ttl_seconds=120.0, lease_renew_seconds=50.0)
+        for n in range(3):
+            await eng.client.start_flow("Nap", f"f{n}", {"seconds": 1})
+            assert (await eng.client.wait_for_flow(f"f{n}", 15)).status == "completed"
+        assert fired == [True, True, True]
+
+
 async def test_e6_skip_timer_fires_it_now(db_url: str) -> None:
     """E6: skip_timer fires an hour-long timer now; skip_timer on a Step execution that is not waiting
     raises StepNotWaitingError. Catches: skip_timer not re-evaluating the wait, or accepting any ID.

@@ -229,6 +229,31 @@ async def test_e9_cancel_step_types(db_url: str, source: str) -> None:
         assert (await eng.client.describe_flow("c1")).status == "running"
 
 
+
+async def test_e9_a_decision_of_the_same_worker_cancels_its_running_attempt_at_once(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """E9 "promptly" when the cancelling commit is the worker's own: Trigger's decision cancels
+    Slow-1, which the same worker runs. A worker is not woken by its own commits (they hand it what
+    they claim), and it no longer polls while attempts run, so that commit must wake it itself;
+    housekeeping (and PostgreSQL's fallback poll) are a minute away here. Catches a revocation by
+    the worker's own commit that waits for housekeeping."""
+    if db_url.startswith("postgresql"):
+        from dex_engine import _pg_store
+
+        monkeypatch.setattr(_pg_store, "FALLBACK_POLL_SECONDS", 60.0)
+    probe = CancelProbe()
+    async with engine_for(db_url, Registry([cancel_flow(probe)]), worker=False) as eng:
+        await eng.start_worker(housekeeping_seconds=60.0, lease_ttl_seconds=120.0, lease_renew_seconds=50.0)
+        await eng.client.start_flow("Cancel", "c1")
+        await settle(eng, "c1", {"Slow-1": "running", "Waiter-1": "waiting", "Queued-1": "ready",
+                                 "Trigger-1": "waiting"})
+        await wait_until("Slow-1 handler blocked", is_set(probe.slow_started))
+        await eng.client.publish("c1", Fire, "go")
+        await wait_until("Slow-1 handler cancelled", non_empty(probe.cancelled), timeout=10.0)
+        await wait_until("Slow-2 completed", lambda: has_event(eng, "c1", "execute_completed", "Slow-2"))
+        assert probe.cancelled == ["Slow-1"]
+
 # E10 Heartbeats and checkpoints ------------------------------------------------------------------
 
 

@@ -75,7 +75,7 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
 
 
 class _SqliteDb:
-    __slots__ = ("conn", "history", "readied")
+    __slots__ = ("conn", "history", "readied", "revokes")
 
     # BEGIN IMMEDIATE serializes every writer of the file: no row locks needed.
     for_update = ""
@@ -88,13 +88,15 @@ class _SqliteDb:
         self.conn = conn
         self.history: list[HistoryRow] = []
         self.readied = 0  # how often a transition made work ready (notify): commits claim it
+        self.revokes = 0  # how often one revoked a running attempt: its own worker must be woken too
 
     def notify(self) -> None:
         """Other processes see commits through PRAGMA data_version; nothing to send."""
         self.readied += 1
 
     def revoked(self) -> None:
-        """Workers' quiet polls see every commit through PRAGMA data_version; nothing to send."""
+        """Other processes see commits through PRAGMA data_version; this one wakes every worker."""
+        self.revokes += 1
 
     def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         row: Row | None = self.conn.execute(sql, params).fetchone()
@@ -299,6 +301,7 @@ class SqliteStore(Store):
         elif not any(op.durable for op in batch if op.write):
             wanted = "NORMAL"
         results: list[tuple[bool, Any]] = []
+        revokes = db.revokes
         try:
             if wanted != level:
                 conn.execute(f"PRAGMA synchronous = {wanted}")
@@ -328,7 +331,9 @@ class SqliteStore(Store):
                 conn.execute("ROLLBACK")
             results = [(False, exc)] * len(batch)
             writes = False
-        self._complete(batch, results, writes)
+        # A rolled-back revocation still counts: one spurious wake-up costs a poll, a missed one a
+        # running attempt that goes on until housekeeping.
+        self._complete(batch, results, writes, wake_origins=writes and db.revokes != revokes)
         return level
 
     @staticmethod
@@ -348,9 +353,13 @@ class SqliteStore(Store):
         conn.execute("COMMIT")
         return results
 
-    def _complete(self, batch: list[_Op], results: list[tuple[bool, Any]], notify: bool) -> None:
+    def _complete(
+        self, batch: list[_Op], results: list[tuple[bool, Any]], notify: bool, *, wake_origins: bool = False
+    ) -> None:
         # GIL hand-offs between this thread and an event loop cost far more than the work, so each
-        # loop is woken once per batch, with its commit listeners folded into the same wake-up.
+        # loop is woken once per batch, with its commit listeners folded into the same wake-up. A
+        # worker is not woken by a batch of only its own commits (they hand it what they claimed),
+        # unless one revoked a running attempt (`wake_origins`): it may be that worker's own (E9).
         per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], bool, Any]]] = {}
         for op, (ok, value) in zip(batch, results, strict=True):
             if op.loop is None:
@@ -366,7 +375,7 @@ class SqliteStore(Store):
         if notify:
             origins = {op.origin for op in batch if op.write}
             for loop, fn in list(self._listeners):
-                if origins != {fn}:
+                if wake_origins or origins != {fn}:
                     listeners.setdefault(loop, []).append(fn)
         for loop in per_loop.keys() | listeners.keys():
             if not loop.is_closed():
