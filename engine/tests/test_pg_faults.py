@@ -1208,13 +1208,8 @@ async def quick_worker(url: str, *flows: Flow) -> AsyncIterator[AsyncWorker]:
         await store.close()
 
 
-async def test_an_idle_worker_does_not_poll_and_wakes_on_a_notification(
-    pg_database: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With nothing running, a worker on PostgreSQL sends no polls (every poll_seconds they cost
-    both sides CPU: about 16% of a core for the worker and 5% for its server process on this
-    project's VM); another process's start of a flow wakes it through NOTIFY and the flow runs.
-    Catches: an idle worker that still polls, and one that sleeps through the notification."""
+def count_polls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Every PostgresStore.poll from now on, as its must_claim flag."""
     from dex_engine._pg_store import PostgresStore
 
     polls: list[bool] = []
@@ -1225,6 +1220,17 @@ async def test_an_idle_worker_does_not_poll_and_wakes_on_a_notification(
         return await real_poll(self, *args, **kwargs)
 
     monkeypatch.setattr(PostgresStore, "poll", counting_poll)
+    return polls
+
+
+async def test_an_idle_worker_does_not_poll_and_wakes_on_a_notification(
+    pg_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With nothing running, a worker on PostgreSQL sends no polls (every poll_seconds they cost
+    both sides CPU: about 16% of a core for the worker and 5% for its server process on this
+    project's VM); another process's start of a flow wakes it through NOTIFY and the flow runs.
+    Catches: an idle worker that still polls, and one that sleeps through the notification."""
+    polls = count_polls(monkeypatch)
     async with quick_worker(pg_database), client_for(pg_database) as client:
         await asyncio.sleep(0.3)
         polls.clear()
@@ -1264,17 +1270,9 @@ async def test_a_worker_running_an_attempt_sleeps_until_a_revocation_wakes_it(
     fallback poll and housekeeping are a minute away here, so only that notification can do it.
     Catches a running worker that polls, and a revocation notification that wakes nobody."""
     from dex_engine import _pg_store
-    from dex_engine._pg_store import PostgresStore
 
     monkeypatch.setattr(_pg_store, "FALLBACK_POLL_SECONDS", 60.0)
-    polls: list[bool] = []
-    real_poll = PostgresStore.poll
-
-    async def counting_poll(self: PostgresStore, *args: Any, **kwargs: Any) -> Any:
-        polls.append(kwargs["must_claim"])
-        return await real_poll(self, *args, **kwargs)
-
-    monkeypatch.setattr(PostgresStore, "poll", counting_poll)
+    polls = count_polls(monkeypatch)
     long_cancelled.clear()
     long_started.clear()
     async with quick_worker(pg_database, LONG), client_for(pg_database) as client:
