@@ -79,8 +79,9 @@ log = logging.getLogger("dex_engine.postgres")
 R = TypeVar("R")
 
 CHANNEL = "dex_engine"
-# Commits that cancel, fail or take away a running attempt NOTIFY here: a worker's quiet polls
-# keep their last answer until this, one of its own process's commits, or the fallback poll.
+# Commits that cancel, fail or take away a running attempt NOTIFY here: the listener wakes the
+# process's workers, and a quiet poll's kept answer stands only until this, one of the process's own
+# commits, or the fallback poll.
 REVOKED_CHANNEL = "dex_engine_revoked"
 # Lanes (connections) per process. Each runs one transaction at a time, carrying every operation
 # queued meanwhile, so a few keep a worker's commits, heartbeats and polls flowing.
@@ -711,7 +712,7 @@ class PostgresStore(Store):
     ) -> tuple[bool, PollResult]:
         """Store.poll; but when it would neither claim nor clean up (no claim asked for, no
         notification, no fallback poll and no housekeeping due), a quiet poll: most polls of a
-        busy worker, which runs attempts and is not woken. A quiet poll is one read-only statement
+        busy worker, which polls while its claiming commits are in flight. A quiet poll is one read-only statement
         outside a transaction, or none: while no notification, reconnection or commit of this
         store came since the last one, whose running attempts include these, its answer stands.
         (A timer another process registers meanwhile is seen at the fallback poll.)"""
