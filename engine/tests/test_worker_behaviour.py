@@ -282,3 +282,55 @@ async def test_claims_handed_back_are_claimed_again_without_waiting_for_a_poll(
                 info = await eng.client.wait_for_flow(f, 20)
                 assert info.status == "completed", info
                 assert await eng.client.flow_output(f) == 1  # handed back unstarted: no attempt used
+
+
+async def test_a_full_worker_with_ready_work_waiting_sleeps_until_a_slot_frees(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose slots are all taken, with more of its Steps ready (an overloaded worker),
+    must not poll for work it cannot claim: the ready Step is due, and the loop, which claims and
+    housekeeps when something is due, used to go round again at once, about 1,500 housekeeping
+    transactions a second taking CPU and the write lock from the attempts. It sleeps instead, and
+    claims the waiting Step as soon as the running one ends. Catches the spin, and a full worker
+    that then misses the freed slot (housekeeping and PostgreSQL's fallback poll are a minute away)."""
+    if db_url.startswith("postgresql"):
+        from dex_engine import _pg_store
+
+        monkeypatch.setattr(_pg_store, "FALLBACK_POLL_SECONDS", 60.0)
+    release = asyncio.Event()
+    started: list[str] = []
+
+    async def hold(ctx: Context, _: None) -> StepDecision:
+        started.append(ctx.flow_id)
+        if ctx.flow_id == "first":
+            await release.wait()
+        return StepDecision.graceful_complete()
+
+    holding = Flow("Holding", [Step("Hold", hold, input_type=type(None))], start_step="Hold")
+    async with engine_for(db_url, Registry([holding]), worker=False) as eng:
+        worker = await eng.start_worker(max_concurrent_tasks=1, poll_seconds=0.01, housekeeping_seconds=60.0,
+                                        lease_ttl_seconds=300.0, lease_renew_seconds=100.0)
+        await eng.client.start_flow("Holding", "first")
+
+        async def first_runs() -> bool:
+            return started == ["first"]
+
+        await wait_until("the first attempt runs", first_runs)
+        await eng.client.start_flow("Holding", "second")
+        await asyncio.sleep(0.3)
+        polls: list[bool] = []
+        real_poll = type(eng.store).poll
+
+        async def counting_poll(self: Store, *args: Any, **kwargs: Any) -> Any:
+            polls.append(kwargs["housekeep"])
+            return await real_poll(self, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(type(eng.store), "poll", counting_poll)
+        await asyncio.sleep(0.5)  # 50 poll intervals
+        assert len(polls) <= 2, f"a full worker polled {len(polls)} times in 0.5 s ({sum(polls)} housekeeping)"
+        assert started == ["first"], "a worker with max_concurrent_tasks=1 ran two attempts at once"
+        assert len(worker._running) == 1
+        release.set()
+        info = await eng.client.wait_for_flow("second", 10)
+        assert info.status == "completed", info
+        assert started == ["first", "second"]

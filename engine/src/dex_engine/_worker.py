@@ -228,10 +228,12 @@ class AsyncWorker:
                 until_due = result.next_due_ms / 1000 - time.time()
                 if until_due > 0:
                     timeout = min(timeout, until_due)
-                elif not (claim and housekeep):
+                elif not ((claim or free <= 0) and housekeep):
                     # Something is due (a retry, a timer, a deadline, a lease) and this poll did not
-                    # both claim and housekeep: do both now. When it did and the item is still due
-                    # (a lock-blocked Step, no free slot), wait a poll interval instead of spinning.
+                    # both claim (when a slot was free) and housekeep: do both now. When it did and
+                    # the item is still due (a lock-blocked Step, ready work with every slot taken),
+                    # wait as usual instead of spinning: the commit that frees the lock or the slot
+                    # wakes the loop.
                     must_claim = True
                     next_housekeeping = time.monotonic()
                     continue
