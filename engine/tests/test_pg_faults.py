@@ -1260,6 +1260,44 @@ async def test_an_idle_worker_is_woken_when_its_listener_reconnects(pg_database:
         assert info.status == "completed", info
 
 
+async def test_a_timer_of_a_worker_that_stops_is_fired_by_another_without_housekeeping(
+    pg_database: str,
+) -> None:
+    """Process A registers a 1 s Timer and stops at once. Commits that register timers send no
+    notification (the registering worker learns its own due times), so B, asleep since before the
+    Timer existed, must hear of A's departure to learn it. B is full (max_concurrent_tasks=1, a long
+    attempt running), so A is the one that runs the Step's WaitFor; housekeeping is a minute away.
+    Catches a graceful stop that leaves another process's idle workers asleep past the Timer."""
+    long_started.clear()
+    a_store: Store = await asyncio.to_thread(open_store, pg_database)
+    b_store: Store = await asyncio.to_thread(open_store, pg_database)
+    b = AsyncWorker(REGISTRY, WorkerOptions(database_url=pg_database, max_concurrent_tasks=1, **QUIET_WORKER),
+                    store=b_store)
+    try:
+        async with b, client_for(pg_database) as client:
+            await client.start_flow("PgfLong", "long")
+            await eventually("B runs the long attempt", lambda: long_started == ["long"])
+            a = AsyncWorker(REGISTRY, WorkerOptions(database_url=pg_database, **QUIET_WORKER), store=a_store)
+            async with a:
+                await client.start_flow("PgfTimed", "timed")
+
+                async def registered() -> bool:
+                    return any(h.event_type == "wait_registered" for h in await client.get_flow_history("timed"))
+
+                await eventually("A registered the Timer", registered)
+            # A has stopped; only B is left, asleep with its long attempt.
+
+            async def fired() -> bool:
+                return any(h.event_type == "wait_completed" for h in await client.get_flow_history("timed"))
+
+            await eventually("B fired A's Timer", fired, timeout=10.0)
+            await client.stop_flow("long", "done")
+            await client.stop_flow("timed", "done")
+    finally:
+        await a_store.close()
+        await b_store.close()
+
+
 async def test_a_worker_running_an_attempt_sleeps_until_a_revocation_wakes_it(
     pg_database: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

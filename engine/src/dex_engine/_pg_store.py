@@ -970,8 +970,8 @@ class PostgresStore(Store):
     def watch_foreign_commits(self, interval_seconds: float) -> bool:
         """Commits that make work ready or revoke a running attempt NOTIFY, and the listener calls
         the commit listeners on each notification and after every (re)connection: a worker need not
-        poll. Work that only comes due later (a timer another process registered) is seen at its
-        next housekeeping."""
+        poll. Work that only comes due later (a timer another process registered) is seen when
+        that process's worker stops (it NOTIFYs as it unregisters) or at the next housekeeping."""
         return True
 
     def _listen(self) -> None:

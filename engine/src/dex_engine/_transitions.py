@@ -1050,6 +1050,9 @@ def renew_worker(db: Db, worker_id: str, ttl_ms: int, now: int) -> bool:
 def unregister_worker(db: Db, worker_id: str, now: int) -> None:
     _send(db, "DELETE FROM workers WHERE worker_id = ?", (worker_id,))
     _expire_orphans(db, now)
+    # The leaving worker may be the only one that knew a due time (a timer it registered, a retry
+    # it scheduled: such commits send no notification): wake the others to learn it.
+    db.notify()
 
 
 def housekeeping(db: Db, now: int) -> HousekeepingReport:
