@@ -1303,8 +1303,8 @@ async def test_a_worker_running_an_attempt_sleeps_until_a_revocation_wakes_it(
 ) -> None:
     """A worker running one long attempt (a model call) does not poll for its revocation: each poll
     every poll_seconds cost about 17% of a core for the worker and 6% for its server process on
-    this project's VM as a statement, and still 7% as a kept answer. Another process's stop of the
-    flow NOTIFYs dex_engine_revoked, which wakes it, and the attempt is cancelled at once; the
+    this project's VM as a statement, and still 7% answered without one. Another process's stop
+    of the flow NOTIFYs dex_engine_revoked, which wakes it, and the attempt is cancelled at once; the
     fallback poll and housekeeping are a minute away here, so only that notification can do it.
     Catches a running worker that polls, and a revocation notification that wakes nobody."""
     from dex_engine import _pg_store
@@ -1326,48 +1326,3 @@ async def test_a_worker_running_an_attempt_sleeps_until_a_revocation_wakes_it(
             return long_cancelled == ["long"]
 
         await eventually("the running attempt cancelled", cancelled)
-
-
-async def test_a_kept_quiet_answer_lasts_until_a_notification_or_a_commit_of_this_store(
-    pg_database: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A quiet poll (a worker with a claim in flight polls every poll_seconds) keeps its last
-    answer, sending nothing, while nothing changed. A commit of the same store ends it (it sends no
-    notification to itself: a Timer it registered would otherwise be seen only at the fallback poll),
-    and so does another process's notification. Catches a kept answer that outlives either."""
-    from dex_engine import _pg_store
-    from dex_engine._pg_store import PostgresStore
-
-    monkeypatch.setattr(_pg_store, "FALLBACK_POLL_SECONDS", 60.0)
-    store = await asyncio.to_thread(PostgresStore, pg_database)
-    try:
-        async def quiet_poll() -> Any:
-            _changed, result = await store.poll("quiet-poller", ["PgfQuick"], 0, [], must_claim=False,
-                                                housekeep=False)
-            return result
-
-        async def fresh_answer(after: Any) -> Any:
-            """Poll until the answer is no longer `after`: the first poll once the notification is in."""
-            polled: list[Any] = []
-
-            async def changed() -> bool:
-                polled.append(await quiet_poll())
-                return polled[-1] is not after
-
-            await eventually("a poll not answered from the kept answer", changed)
-            return polled[-1]
-
-        await eventually("the listener connected", lambda: store._changes > 0)
-        await store.changed()  # clears the flag its connection set, and starts the fallback interval
-        first = await quiet_poll()
-        for _ in range(20):
-            assert await quiet_poll() is first, "a quiet poll did not keep its answer"
-        await store.register_worker("kept-answer-test", "host", 1, 60_000)  # a commit of this store
-        second = await quiet_poll()
-        assert second is not first, "the kept answer outlived a commit of this store"
-        assert await quiet_poll() is second
-        async with client_for(pg_database) as client:
-            await client.start_flow("PgfQuick", "notifies")  # NOTIFY dex_engine from another process
-        await fresh_answer(second)
-    finally:
-        await store.close()

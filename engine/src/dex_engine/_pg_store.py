@@ -14,10 +14,9 @@ LISTENs on a dedicated connection, whose notifications wake the process's worker
 idle or running attempts, sleeps until a notification, a commit of its own process, its next due
 time or its housekeeping, which bounds what a lost notification costs. Only while commits that may
 claim are in flight does it poll every poll_seconds; such a quiet poll (nothing to claim or clean
-up) is one read-only statement, or none while no notification and no commit of this process came
-since the last one (and a full poll every FALLBACK_POLL_SECONDS). A dropped connection is replaced
-and the operation retried; so are deadlocks and serialization failures, which PostgreSQL resolves
-by aborting one side.
+up, no notification, and a full poll every FALLBACK_POLL_SECONDS) is one read-only statement. A
+dropped connection is replaced and the operation retried; so are deadlocks and serialization
+failures, which PostgreSQL resolves by aborting one side.
 
 Failure isolation: an operation that raises rolls its batch back; the others commit without it and
 it runs again alone. A batch waits at most BATCH_LOCK_TIMEOUT_MS for a row lock (two batches could
@@ -79,9 +78,8 @@ log = logging.getLogger("dex_engine.postgres")
 R = TypeVar("R")
 
 CHANNEL = "dex_engine"
-# Commits that cancel, fail or take away a running attempt NOTIFY here: the listener wakes the
-# process's workers, and a quiet poll's kept answer stands only until this, one of the process's own
-# commits, or the fallback poll.
+# Commits that cancel, fail or take away a running attempt NOTIFY here, and the listener wakes the
+# process's workers: a worker running attempts need not poll for their revocation.
 REVOKED_CHANNEL = "dex_engine_revoked"
 # Lanes (connections) per process. Each runs one transaction at a time, carrying every operation
 # queued meanwhile, so a few keep a worker's commits, heartbeats and polls flowing.
@@ -458,15 +456,6 @@ def _text_array(values: Sequence[str]) -> str:
     return "{" + ",".join(quoted) + "}"
 
 
-@dataclass(frozen=True)
-class _KeptPoll:
-    """A quiet poll's answer, the store's change count read before it ran, and the attempts it covered."""
-
-    changes: int
-    running: frozenset[int]
-    result: PollResult
-
-
 def _light_poll(db: Db, flow_types: str, running: Sequence[int]) -> PollResult:
     assert isinstance(db, _PgDb)
     ids = "{" + ",".join(map(str, running)) + "}"
@@ -677,10 +666,6 @@ class PostgresStore(Store):
         self._flow_type_arrays: dict[tuple[str, ...], str] = {}
         self._notified = threading.Event()
         self._last_change_report = 0.0
-        # Bumped by every notification, every (re)connection of the listener and every writing
-        # commit of this store: a quiet poll's answer (_kept) stands while it has not moved.
-        self._changes = 0
-        self._kept: _KeptPoll | None = None
         self._stop_listening = threading.Event()
         self._listener = threading.Thread(target=self._listen, name="dex-pg-listen", daemon=True)
         self._listener.start()
@@ -711,24 +696,17 @@ class PostgresStore(Store):
         claimed_before: int | None = None,
     ) -> tuple[bool, PollResult]:
         """Store.poll; but when it would neither claim nor clean up (no claim asked for, no
-        notification, no fallback poll and no housekeeping due), a quiet poll: most polls of a
-        busy worker, which polls while its claiming commits are in flight. A quiet poll is one read-only statement
-        outside a transaction, or none: while no notification, reconnection or commit of this
-        store came since the last one, whose running attempts include these, its answer stands.
-        (A timer another process registers meanwhile is seen at the fallback poll.)"""
+        notification, no fallback poll and no housekeeping due), one read-only statement outside a
+        transaction: most polls of a busy worker, which polls while its claiming commits are in
+        flight."""
         if (must_claim or housekeep or self._notified.is_set()
                 or time.monotonic() - self._last_change_report >= FALLBACK_POLL_SECONDS):
             return await super().poll(worker_id, flow_types, capacity, running, must_claim=must_claim,
                                       housekeep=housekeep, known=known, claimed_before=claimed_before)
-        changes, kept = self._changes, self._kept
-        if kept is not None and kept.changes == changes and kept.running.issuperset(running):
-            return False, kept.result
         types = self._flow_type_arrays.get(tuple(flow_types))
         if types is None:
             types = self._flow_type_arrays[tuple(flow_types)] = _text_array(flow_types)
-        result = await self._run(lambda db: _light_poll(db, types, running), write=False)
-        self._kept = _KeptPoll(changes, frozenset(running), result)  # `changes` as read before it ran
-        return False, result
+        return False, await self._run(lambda db: _light_poll(db, types, running), write=False)
 
     async def commit_execute(
         self, lease: Lease, writes: WriteSet, decision: DecisionRecord,
@@ -872,8 +850,6 @@ class PostgresStore(Store):
             if not reads:
                 db.sender.execute("COMMIT")
             pipeline.sync()
-            if not reads:
-                self._changes += 1  # after the commit: a quiet poll that ran before it is stale now
             return results
         except BaseException as exc:
             # The connection dropped during COMMIT: ask the server, never apply it twice. Not only
@@ -887,7 +863,6 @@ class PostgresStore(Store):
             if ambiguous:
                 committed = True if xid is None else self._committed(xid, lane.mark_id, lane.mark_seq)
                 if committed:
-                    self._changes += 1
                     return results
                 if committed is None:
                     raise _OutcomeUnknown(exc) from exc
@@ -983,19 +958,18 @@ class PostgresStore(Store):
                     self._configure_session(conn)
                     conn.execute(f"LISTEN {CHANNEL}")
                     conn.execute(f"LISTEN {REVOKED_CHANNEL}")
-                    self._changes += 1
                     self._tell_listeners()  # anything may have happened while not listening
                     while not self._stop_listening.is_set():
-                        for _note in conn.notifies(timeout=0.5, stop_after=1):
+                        for _ in conn.notifies(timeout=0.5, stop_after=1):
                             # Work ready, or a running attempt revoked: a sleeping worker must look.
-                            self._changes += 1
                             self._tell_listeners()
             except psycopg.Error:
                 if self._stop_listening.wait(0.5):
                     return
 
     def _tell_listeners(self) -> None:
-        """Work may be ready: set the notified flag (the next poll claims) and wake the workers."""
+        """Work may be ready or an attempt revoked: set the notified flag (the next poll claims) and wake
+        the workers."""
         self._notified.set()
         for loop, fn in list(self._listeners):
             if not loop.is_closed():
