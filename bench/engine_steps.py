@@ -340,13 +340,22 @@ class Snapshots:
 
 
 WORKER_APP = "dex_bench_worker"
+# Flow IDs of the warm-up chains, whose Step marks the latencies leave out.
+WARMUP_PREFIX = "warmup-"
+# Steps of each warm-up chain by default. A new server session compiles the commit functions and
+# plans their statements on first use (pg_stat_statements with track_planning: about 30 ms of
+# planning per session), and the pools open their connections as load grows: costs that
+# long-running workers pay once, not per Step.
+DEFAULT_WARMUP_STEPS = 20
 
 
 async def drive_chains(
     url: str, concurrency: int, steps: int, processes: int = 1, snapshots: Snapshots | None = None,
+    warmup_steps: int = 0,
 ) -> tuple[float, int, dict[str, float]]:
     """Start `concurrency` chains and wait for them; `processes` worker processes do the work.
-    Returns the wall time, the Steps run and, with `snapshots`, what the interval cost."""
+    With `warmup_steps`, as many unmeasured chains of that length run first. Returns the wall
+    time, the Steps run and, with `snapshots`, what the measured interval cost."""
     store = open_store(_with_app_name(url, "dex_bench_driver"))
     client = AsyncClient(Registry([CHAIN]), store=store)
     try:
@@ -354,15 +363,21 @@ async def drive_chains(
             if len(await store.list_workers()) >= processes:
                 break
             await asyncio.sleep(0.05)
-        ids = [f"chain-{i}" for i in range(concurrency)]
+
+        async def chains(prefix: str, length: int) -> None:
+            await asyncio.gather(*(client.start_flow("BenchChain", f"{prefix}{i}", length)
+                                   for i in range(concurrency)))
+            # One cheap query per poll, so the driver adds little load to the server it measures.
+            while True:
+                if not await store.search_flows(flow_type="BenchChain", status="running", limit=1):
+                    return
+                await asyncio.sleep(0.01)
+
+        if warmup_steps:
+            await chains(WARMUP_PREFIX, warmup_steps)
         before = await asyncio.to_thread(snapshots.take) if snapshots else {}
         t0 = time.perf_counter()
-        await asyncio.gather(*(client.start_flow("BenchChain", fid, steps) for fid in ids))
-        # One cheap query per poll, so the driver adds little load to the server it measures.
-        while True:
-            if not await store.search_flows(flow_type="BenchChain", status="running", limit=1):
-                break
-            await asyncio.sleep(0.01)
+        await chains("chain-", steps)
         wall = time.perf_counter() - t0
         after = await asyncio.to_thread(snapshots.take) if snapshots else {}
         return wall, concurrency * steps, {k: after[k] - before.get(k, 0) for k in after}
@@ -371,7 +386,7 @@ async def drive_chains(
 
 
 def run_chain_processes(
-    url: str, processes: int, concurrency: int, steps: int, commits: str = "batched",
+    url: str, processes: int, concurrency: int, steps: int, commits: str = "batched", warmup_steps: int = 0,
 ) -> tuple[list[float], float, int, dict[str, float]]:
     """Chains on `processes` worker processes, each with an equal share of the concurrency (so that
     the chains spread over them: a chain stays on the worker that first claimed it). With
@@ -387,7 +402,7 @@ def run_chain_processes(
                 for path in paths]
     try:
         wall, total, cost = asyncio.run(drive_chains(url, concurrency, steps, processes,
-                                                     Snapshots(url, paths, children)))
+                                                     Snapshots(url, paths, children), warmup_steps))
     finally:
         for child in children:
             child.send_signal(signal.SIGTERM)
@@ -396,7 +411,8 @@ def run_chain_processes(
     per_flow: dict[str, list[float]] = defaultdict(list)
     for path in paths:
         for flow_id, times in json.loads(path.read_text()).items():
-            per_flow[flow_id] += times
+            if not flow_id.startswith(WARMUP_PREFIX):
+                per_flow[flow_id] += times
     gaps = [b - a for times in per_flow.values() for a, b in itertools.pairwise(sorted(times))]
     return gaps, wall, total, cost
 
@@ -418,7 +434,8 @@ def main_postgres(args: argparse.Namespace) -> None:
         name = f"dex_bench_{os.getpid()}_{processes}_{concurrency}"
         url = fresh_pg_database(args.pg_dsn, name)
         try:
-            gaps, wall, total, cost = run_chain_processes(url, processes, concurrency, steps, path)
+            gaps, wall, total, cost = run_chain_processes(url, processes, concurrency, steps, path,
+                                                          args.warmup_steps)
         finally:
             drop_pg_database(args.pg_dsn, name)
         med = statistics.median(gaps)
@@ -429,7 +446,9 @@ def main_postgres(args: argparse.Namespace) -> None:
               f"{total / wall:>8.0f}{cost['cpu'] * 1e3 / total:>21.2f}{cost['server_cpu'] * 1e3 / total:>7.2f}"
               f"{cost['statements'] / total:>7.1f}{cost['round_trips'] / total:>7.2f}"
               f"{cost['commit'] / total:>6.2f}", flush=True)
-    print("\nper-Step latency: time between consecutive Step starts in one flow. Each worker process runs"
+    print(f"\nMeasured after {args.warmup_steps} unmeasured Steps per chain (--warmup-steps), which open the"
+          "\nconnections and let each server session compile the commit functions."
+          "\nper-Step latency: time between consecutive Step starts in one flow. Each worker process runs"
           "\nat most c/processes Steps at once, so the chains spread over the processes. Per Step, over the"
           "\nmeasured interval: CPU of the worker processes and of the server backends serving them (from"
           "\n/proc; the server's background writers are not counted), statements and round trips the"
@@ -447,6 +466,8 @@ def main() -> None:
     parser.add_argument("--sync", choices=["FULL", "NORMAL"], default="FULL")
     parser.add_argument("--chain-steps", type=int, default=0, help="Steps per chain (default: by concurrency)")
     parser.add_argument("--floor-commits", type=int, default=1000)
+    parser.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP_STEPS,
+                        help="PostgreSQL: unmeasured Steps per chain run first (0: none)")
     parser.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--pg-dsn", default=os.environ.get("TEST_PG_DSN", ""))
     parser.add_argument("--workers", default="1,2,4", type=lambda s: [int(x) for x in s.split(",")],
