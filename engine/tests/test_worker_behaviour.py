@@ -214,27 +214,38 @@ async def test_a_late_housekeeping_poll_hands_back_no_claim_made_while_it_waited
     assert failed == []
 
 
+class _HeldSteps:
+    """Flow "Held": its one Step runs until `release` is set, keeping count of the attempts
+    running at once (`running`, their flow IDs) and the most there were (`peak`); it completes with
+    its attempt number."""
+
+    def __init__(self) -> None:
+        self.running: list[str] = []
+        self.peak = 0
+        self.release = asyncio.Event()
+
+    def flow(self) -> Flow:
+        return Flow("Held", [Step("Hold", self._hold)], start_step="Hold")
+
+    async def _hold(self, ctx: Context, _: None) -> StepDecision:
+        self.running.append(ctx.flow_id)
+        self.peak = max(self.peak, len(self.running))
+        try:
+            await self.release.wait()
+        finally:
+            self.running.remove(ctx.flow_id)
+        return StepDecision.graceful_complete(ctx.attempt)
+
+
 async def test_claims_made_at_once_never_run_more_attempts_than_max_concurrent_tasks(db_url: str) -> None:
     """A poll, a commit and a client's hand-off each claim up to the slots free when they start, so
     together they may claim more: the worker runs at most max_concurrent_tasks attempts and hands
     the rest back unstarted (same attempt), to be claimed as slots free. Catches: running every
     lease a claim returns."""
     limit, flows = 2, 16
-    running: list[str] = []
-    peak = 0
-    go = asyncio.Event()
-
-    async def hold(ctx: Context, _: None) -> StepDecision:
-        nonlocal peak
-        running.append(ctx.flow_id)
-        peak = max(peak, len(running))
-        try:
-            await go.wait()
-        finally:
-            running.remove(ctx.flow_id)
-        return StepDecision.graceful_complete(ctx.attempt)
-
-    held = Flow("Held", [Step("Hold", hold)], start_step="Hold")
+    gauge = _HeldSteps()
+    running, go = gauge.running, gauge.release
+    held = gauge.flow()
     async with engine_for(db_url, Registry([held]), worker=False) as eng:
         await eng.start_worker(max_concurrent_tasks=limit)
         for n in range(3):  # client hand-offs and polls racing, started all at once
@@ -245,7 +256,7 @@ async def test_claims_made_at_once_never_run_more_attempts_than_max_concurrent_t
 
             await wait_until("the slots filled", filled)
             await asyncio.sleep(0.2)  # excess claims, had there been any, would be running by now
-            assert peak <= limit, f"{peak} attempts ran at once, max_concurrent_tasks is {limit}"
+            assert gauge.peak <= limit, f"{gauge.peak} attempts ran at once, max_concurrent_tasks is {limit}"
             go.set()
             for f in ids:
                 info = await eng.client.wait_for_flow(f, 30)
@@ -282,6 +293,69 @@ async def test_claims_handed_back_are_claimed_again_without_waiting_for_a_poll(
                 info = await eng.client.wait_for_flow(f, 20)
                 assert info.status == "completed", info
                 assert await eng.client.flow_output(f) == 1  # handed back unstarted: no attempt used
+
+
+async def test_a_poll_that_claims_while_a_commit_fills_its_slot_hands_the_excess_back(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A poll claims up to the slots free when it was sent; a commit that lands meanwhile claims
+    into the same slot (a committing attempt claims for its own slot and the free ones). Forced
+    here on both backends: the worker's claiming poll is held until the running attempt's commit
+    has claimed and started two Steps in a worker with two slots, so the poll's claim is one too
+    many. The worker must run at most two attempts, hand the third back unstarted (attempt 1 still)
+    and run it once a slot frees. The Steps are started through another store, so no client
+    hand-off claims them for the worker: only the poll and the commit do, which is all PostgreSQL
+    has. Catches: running every lease a claim returns (three at once), and a hand-back that uses
+    up the attempt (output 2)."""
+    slow_go, all_started = asyncio.Event(), asyncio.Event()
+    gauge = _HeldSteps()
+    running = gauge.running
+
+    async def slow(ctx: Context, _: None) -> StepDecision:
+        await slow_go.wait()
+        return StepDecision.graceful_complete(ctx.attempt)
+
+    registry = Registry([Flow("Slow", [Step("Wait", slow)], start_step="Wait"), gauge.flow()])
+    async with engine_for(db_url, registry, worker=False) as eng, engine_for(db_url, registry, worker=False) as other:
+        worker = await eng.start_worker(max_concurrent_tasks=2)
+        held_polls = 0
+        original = eng.store.poll
+
+        async def poll(worker_id: str, flow_types: Any, capacity: int, running_ids: Any, **kw: Any) -> Any:
+            nonlocal held_polls
+            if kw["must_claim"] and capacity == 1 and not slow_go.is_set():
+                await all_started.wait()  # the first start woke this poll: let the others land
+                slow_go.set()  # the slow attempt ends and its commit claims two Held Steps ...
+
+                async def two_running() -> bool:
+                    return len(running) == 2
+
+                await wait_until("the slow attempt's commit to start two Steps", two_running)
+                held_polls += 1  # ... before this poll, sent for one free slot, claims a third
+            return await original(worker_id, flow_types, capacity, running_ids, **kw)
+
+        monkeypatch.setattr(eng.store, "poll", poll)
+        await other.client.start_flow("Slow", "slow")
+
+        async def slow_running() -> bool:
+            return len(worker._running) == 1
+
+        await wait_until("the slow attempt to run", slow_running)
+        ids = [f"held-{i}" for i in range(4)]
+        await asyncio.gather(*(other.client.start_flow("Held", f) for f in ids))
+        all_started.set()
+
+        async def forced() -> bool:
+            return held_polls > 0
+
+        await wait_until("the worker's poll for the free slot", forced)
+        await asyncio.sleep(0.3)  # a third attempt, were the excess claim run, would be running by now
+        assert gauge.peak == 2, f"{gauge.peak} attempts ran at once, max_concurrent_tasks is 2"
+        gauge.release.set()
+        for f in ["slow", *ids]:
+            info = await other.client.wait_for_flow(f, 30)
+            assert info.status == "completed", info
+            assert await other.client.flow_output(f) == 1, f"{f} did not complete on its first attempt"
 
 
 async def test_a_full_worker_with_ready_work_waiting_sleeps_until_a_slot_frees(
