@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from collections import Counter
 from typing import Any
 
@@ -24,6 +25,8 @@ from dex_engine import (
     Store,
     Stream,
     Wait,
+    _pg_store,
+    _sqlite_store,
     _worker,
 )
 from dex_engine._records import DecisionRecord, StartRequest, WriteSet
@@ -408,3 +411,133 @@ async def test_a_full_worker_with_ready_work_waiting_sleeps_until_a_slot_frees(
         info = await eng.client.wait_for_flow("second", 10)
         assert info.status == "completed", info
         assert started == ["first", "second"]
+
+
+# Many sessions waiting ---------------------------------------------------------------------------
+
+# Waiting tasks in the scan test: enough that PostgreSQL's planner, given statistics, prefers an
+# index to a sequential scan wherever one serves.
+WAITING_TASKS = 20_000
+# Tables that grow with the flows stored, which no statement of a worker's polls may read whole.
+GROWING_TABLES = {"tasks", "flows"}
+_TASK_COLUMNS = (
+    "flow_id, flow_type, step_type, step_execution_id, input, options, method, state, attempt, attempt_started, "
+    "any_started, method_first_at, run_at, lease_owner, lease_epoch, claimed_at, deadline_at, method_deadline_at, "
+    "checkpoint, snapshot, locks_held, wait_spec, wait_registered_at, timer_due_at, timers_skipped, wait_outcome, "
+    "last_error, recovery_error, created_at"
+)
+_FLOW_COLUMNS = ("flow_type, status, input, output, error, config, version, completing, completion_output, "
+                 "history_seq, created_at, closed_at")
+
+
+async def _await_inbox(ctx: Context, _: None) -> Wait:
+    return Wait.until(Inbox.for_one())
+
+
+async def _dead_end(ctx: Context, _: None) -> StepDecision:
+    return StepDecision.dead_end()
+
+
+def _full_scans(backend: str, sql: str, plan: list[Any]) -> list[str]:
+    """The lines of `plan` (EXPLAIN QUERY PLAN rows on SQLite, EXPLAIN lines on PostgreSQL) that
+    read a growing table whole. On SQLite a SCAN through a partial index (tasks_running and the
+    like: rows in one state) reads only that state's rows and is allowed; a SEARCH with no index is
+    not."""
+    if backend == "postgres":
+        return [str(row[0]) for row in plan if any(f"Seq Scan on {t} " in str(row[0]) for t in GROWING_TABLES)]
+    aliases = {alias or table: table for table, alias in
+               re.findall(r"(?:FROM|JOIN)\s+(\w+)(?:\s+(?:AS\s+)?(?!WHERE|ON|JOIN|LEFT|ORDER|GROUP|USING)(\w+))?",
+                          sql, flags=re.IGNORECASE)}
+    bad = []
+    for row in plan:
+        # SEARCH without USING is a full scan too (MIN() of a column no usable index holds).
+        step = re.fullmatch(r"(SCAN|SEARCH) (\w+)(?: USING (?:COVERING )?INDEX (\w+).*| USING .*)?", str(row[3]))
+        if step is None or aliases.get(step[2], step[2]) not in GROWING_TABLES:
+            continue
+        using = str(row[3]).partition(" USING ")[2]
+        if (step[1] == "SCAN" and step[3] not in _PARTIAL_INDEXES) or (step[1] == "SEARCH" and not using):
+            bad.append(str(row[3]))
+    return bad
+
+
+_PARTIAL_INDEXES = {"tasks_ready", "tasks_timer", "tasks_deadline", "tasks_running"}
+
+
+async def test_a_workers_polls_and_housekeeping_never_read_every_task(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tasks grow with the sessions waiting for a message, an approval or a timer, which may be
+    many and wait for days; every worker polls and housekeeps every second, so none of those
+    statements may read every task. With 20,000 flows waiting on a channel, each statement a
+    worker's polls and housekeeping ran is EXPLAINed: no full scan of tasks or flows (on
+    PostgreSQL after ANALYZE, as autovacuum would run; on SQLite without statistics, as a new file
+    has them, and again with). Catches: the orphan and lost-claim queries without migration 2/5's
+    index on running tasks (about 260 ms a pass with 100,000 waiting on SQLite), and DISTINCT or
+    ORDER BY flow_id, for which SQLite walks all of tasks_flow instead of the few rows an index on
+    running tasks or due timers holds."""
+    backend = "postgres" if db_url.startswith("postgresql") else "sqlite"
+    db_class = _pg_store._PgDb if backend == "postgres" else _sqlite_store._SqliteDb
+    waiting = Flow("Waiting", [Step("Idle", _dead_end, wait_for=_await_inbox)], start_step="Idle")
+    async with engine_for(db_url, Registry([waiting])) as eng:
+        store = eng.store
+        await eng.client.start_flow("Waiting", "w-0")
+
+        async def registered() -> bool:
+            row = await store._run(lambda db: db.one("SELECT state FROM tasks WHERE flow_id = 'w-0'"), write=False)
+            return row is not None and row[0] == "waiting"
+
+        await wait_until("the first flow to wait on its channel", registered)
+
+        def clone(db: Any) -> None:  # 20,000 more flows exactly like it
+            numbers = "WITH RECURSIVE n (i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) "
+            db.run(f"{numbers}INSERT INTO flows (flow_id, {_FLOW_COLUMNS}) SELECT 'w-' || n.i, {_FLOW_COLUMNS} "
+                   "FROM flows, n WHERE flow_id = 'w-0'", (WAITING_TASKS,))
+            columns = _TASK_COLUMNS.replace("flow_id, ", "", 1)
+            db.run(f"{numbers}INSERT INTO tasks ({_TASK_COLUMNS}) SELECT 'w-' || n.i, {columns} "
+                   "FROM tasks, n WHERE flow_id = 'w-0'", (WAITING_TASKS,))
+            if backend == "postgres":
+                db.run("ANALYZE")
+
+        await store._run(clone, write=True)
+        for analyzed in ([False, True] if backend == "sqlite" else [True]):
+            if analyzed and backend == "sqlite":
+                await store._run(lambda db: db.run("ANALYZE"), write=True)
+            statements = await _statements_of_housekeeping(db_class, monkeypatch)
+            bad = {}
+            for sql, params in statements.items():
+                plan = await store._run(lambda db, s=sql, p=params: db.all(_EXPLAIN[backend] + s, p), write=False)
+                if scans := _full_scans(backend, sql, plan):
+                    bad[sql] = scans
+            assert bad == {}, f"full scans with {WAITING_TASKS} waiting tasks (statistics: {analyzed}): {bad}"
+            assert any("timer_due_at" in sql for sql in statements), sorted(statements)
+            assert any("lease_owner" in sql and "claimed_at" in sql for sql in statements), sorted(statements)
+
+
+_EXPLAIN = {"postgres": "EXPLAIN ", "sqlite": "EXPLAIN QUERY PLAN "}
+
+
+async def _statements_of_housekeeping(db_class: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[Any, ...]]:
+    """The distinct reading and writing statements (with the parameters of their first run) that
+    the store ran for its worker over two whole housekeeping passes."""
+    seen: dict[str, tuple[Any, ...]] = {}
+    passes = 0
+    for method in ("one", "all", "run"):
+        original = getattr(db_class, method)
+
+        def recording(self: Any, sql: str, params: Any = (), _original: Any = original) -> Any:
+            nonlocal passes
+            passes += sql.startswith("DELETE FROM workers")  # the first statement of a pass
+            seen.setdefault(sql, tuple(params))
+            return _original(self, sql, params)
+
+        monkeypatch.setattr(db_class, method, recording)
+
+    async def two_passes() -> bool:
+        return passes >= 3  # the first may have begun before recording: two more are whole
+
+    try:
+        await wait_until("three housekeeping passes", two_passes)
+    finally:
+        monkeypatch.undo()
+    return {sql: params for sql, params in seen.items()
+            if re.match(r"\s*(SELECT|UPDATE|DELETE|WITH)\b", sql, flags=re.IGNORECASE)}

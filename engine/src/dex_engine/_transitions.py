@@ -1062,10 +1062,9 @@ def housekeeping(db: Db, now: int) -> HousekeepingReport:
     timeouts = 0
     # Candidates are found without locks, then each is re-checked under its flow's lock, flows
     # taken in ID order so that concurrent housekeepers cannot deadlock.
-    for flow_id, task_id in db.all(
-        "SELECT flow_id, task_id FROM tasks WHERE state = 'running' AND deadline_at < ? ORDER BY flow_id, task_id",
-        (now,),
-    ):
+    for flow_id, task_id in _in_lock_order(db.all(
+        "SELECT flow_id, task_id FROM tasks WHERE state = 'running' AND deadline_at < ?", (now,)
+    ), 0, 1):
         lock_flow(db, str(flow_id))
         row = db.one("SELECT method_deadline_at FROM tasks WHERE task_id = ? AND state = 'running' "
                      "AND deadline_at < ?", (task_id, now))
@@ -1075,24 +1074,33 @@ def housekeeping(db: Db, now: int) -> HousekeepingReport:
         _fail_task(db, int(task_id), ErrorInfo(kind, "the attempt passed its deadline"), False, now)
         timeouts += 1
     fired = 0
-    flows = db.all(
-        "SELECT DISTINCT flow_id FROM tasks WHERE state = 'waiting' AND timer_due_at <= ? ORDER BY flow_id", (now,)
-    )
-    for (flow_id,) in flows:
-        lock_flow(db, str(flow_id))
-        n = evaluate_waits(db, str(flow_id), now)
+    # Deduplicated and sorted here (see _in_lock_order): for DISTINCT ... ORDER BY flow_id SQLite
+    # reads every task in flow order (tasks_flow) instead of the due timers (tasks_timer).
+    flows = sorted({str(flow_id) for (flow_id,) in db.all(
+        "SELECT flow_id FROM tasks WHERE state = 'waiting' AND timer_due_at <= ?", (now,))})
+    for flow_id in flows:
+        lock_flow(db, flow_id)
+        n = evaluate_waits(db, flow_id, now)
         if n:
-            bump(db, str(flow_id))
+            bump(db, flow_id)
         fired += n
     return HousekeepingReport(timers_fired=fired, leases_expired=expired, timeouts=timeouts,
                               workers_removed=removed)
+
+
+def _in_lock_order(rows: list[Row], flow: int, task: int) -> list[Row]:
+    """`rows` in the order every transaction locks flows: flow ID as Python orders strings, then
+    task ID. Not by ORDER BY: PostgreSQL would follow the database's collation, which need not agree
+    (a transaction locking in another order may deadlock with a batch of commits), and for
+    ORDER BY flow_id SQLite reads every task in tasks_flow's order rather than the few candidates."""
+    return sorted(rows, key=lambda r: (str(r[flow]), int(r[task])))
 
 
 def _expire_orphans(db: Db, now: int) -> int:
     orphan = ("SELECT t.task_id, t.attempt_started, t.flow_id FROM tasks t LEFT JOIN workers w "
               "ON w.worker_id = t.lease_owner WHERE t.state = 'running' AND w.worker_id IS NULL")
     count = 0
-    for candidate, _started, candidate_flow in db.all(orphan + " ORDER BY t.flow_id, t.task_id"):
+    for candidate, _started, candidate_flow in _in_lock_order(db.all(orphan), 2, 0):
         lock_flow(db, str(candidate_flow))
         row = db.one(orphan + " AND t.task_id = ?", (candidate,))
         if row is None:
@@ -1121,11 +1129,10 @@ def release_lost_claims(db: Db, worker_id: str, known: Sequence[int], claimed_be
     connection): the worker never ran them, and as it is alive nothing else would recover them.
     Only claims older than `claimed_before` count, so replies still in flight are left alone.
     """
-    rows = db.all(
-        "SELECT flow_id, task_id FROM tasks WHERE state = 'running' AND lease_owner = ? AND claimed_at < ? "
-        "ORDER BY flow_id, task_id",
+    rows = _in_lock_order(db.all(
+        "SELECT flow_id, task_id FROM tasks WHERE state = 'running' AND lease_owner = ? AND claimed_at < ?",
         (worker_id, claimed_before),
-    )
+    ), 0, 1)
     held = set(known)
     count = 0
     for flow_id, task_id in rows:
