@@ -6,6 +6,7 @@ import asyncio
 import random
 import re
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -434,8 +435,8 @@ async def _await_inbox(ctx: Context, _: None) -> Wait:
     return Wait.until(Inbox.for_one())
 
 
-async def _dead_end(ctx: Context, _: None) -> StepDecision:
-    return StepDecision.dead_end()
+async def _complete(ctx: Context, _: None) -> StepDecision:
+    return StepDecision.graceful_complete("done")
 
 
 def _full_scans(backend: str, sql: str, plan: list[Any]) -> list[str]:
@@ -468,8 +469,9 @@ async def test_a_workers_polls_and_housekeeping_never_read_every_task(
 ) -> None:
     """Tasks grow with the sessions waiting for a message, an approval or a timer, which may be
     many and wait for days; every worker polls and housekeeps every second, so none of those
-    statements may read every task. With 20,000 flows waiting on a channel, each statement a
-    worker's polls and housekeeping ran is EXPLAINed: no full scan of tasks or flows (on
+    statements may read every task. With 20,000 flows waiting on a channel, each statement that a
+    worker's polls and housekeeping ran, and a message waking one of the flows (the client's
+    commit, the wait's evaluation, the Step and its commit), is EXPLAINed: no full scan of tasks or flows (on
     PostgreSQL after ANALYZE, as autovacuum would run; on SQLite without statistics, as a new file
     has them, and again with). Catches: the orphan and lost-claim queries without migration 2/5's
     index on running tasks (about 260 ms a pass with 100,000 waiting on SQLite), and DISTINCT or
@@ -477,7 +479,7 @@ async def test_a_workers_polls_and_housekeeping_never_read_every_task(
     running tasks or due timers holds."""
     backend = "postgres" if db_url.startswith("postgresql") else "sqlite"
     db_class = _pg_store._PgDb if backend == "postgres" else _sqlite_store._SqliteDb
-    waiting = Flow("Waiting", [Step("Idle", _dead_end, wait_for=_await_inbox)], start_step="Idle")
+    waiting = Flow("Waiting", [Step("Idle", _complete, wait_for=_await_inbox)], start_step="Idle", schema=[Inbox])
     async with engine_for(db_url, Registry([waiting])) as eng:
         store = eng.store
         await eng.client.start_flow("Waiting", "w-0")
@@ -502,7 +504,12 @@ async def test_a_workers_polls_and_housekeeping_never_read_every_task(
         for analyzed in ([False, True] if backend == "sqlite" else [True]):
             if analyzed and backend == "sqlite":
                 await store._run(lambda db: db.run("ANALYZE"), write=True)
-            statements = await _statements_of_housekeeping(db_class, monkeypatch)
+            async def wake_one(woken: str = f"w-{1 + analyzed}") -> None:
+                # A message, the Step it wakes, that Step's commit, the flow's end.
+                await eng.client.publish(woken, Inbox, "hello")
+                assert (await eng.client.wait_for_flow(woken, 30)).status == "completed"
+
+            statements = await _statements_of_housekeeping(db_class, monkeypatch, wake_one)
             bad = {}
             for sql, params in statements.items():
                 plan = await store._run(lambda db, s=sql, p=params: db.all(_EXPLAIN[backend] + s, p), write=False)
@@ -516,9 +523,11 @@ async def test_a_workers_polls_and_housekeeping_never_read_every_task(
 _EXPLAIN = {"postgres": "EXPLAIN ", "sqlite": "EXPLAIN QUERY PLAN "}
 
 
-async def _statements_of_housekeeping(db_class: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[Any, ...]]:
+async def _statements_of_housekeeping(
+    db_class: Any, monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[], Awaitable[None]],
+) -> dict[str, tuple[Any, ...]]:
     """The distinct reading and writing statements (with the parameters of their first run) that
-    the store ran for its worker over two whole housekeeping passes."""
+    the store ran over two whole housekeeping passes of its worker and `meanwhile`."""
     seen: dict[str, tuple[Any, ...]] = {}
     passes = 0
     for method in ("one", "all", "run"):
@@ -536,6 +545,7 @@ async def _statements_of_housekeeping(db_class: Any, monkeypatch: pytest.MonkeyP
         return passes >= 3  # the first may have begun before recording: two more are whole
 
     try:
+        await meanwhile()
         await wait_until("three housekeeping passes", two_passes)
     finally:
         monkeypatch.undo()
