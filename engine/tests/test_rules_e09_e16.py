@@ -1206,6 +1206,25 @@ async def test_e16_active_step_search_off_hides_the_flow(db_url: str) -> None:
         assert sorted(await c.search_flows('FlowType = "Cfg" AND FlowStatus = "running"')) == ["off", "on"]
 
 
+async def test_e16_flows_hidden_from_active_step_search_do_not_use_up_its_limit(db_url: str) -> None:
+    """E16/E13: a search with a limit returns that many matching flows even when older flows with
+    the same active Step, hidden by their config, come first in its order. Catches: applying the
+    limit before the config is checked (the search then returned nothing)."""
+    async with engine_for(db_url, Registry([config_flow()])) as eng:
+        c = eng.client
+        hidden = FlowConfig(active_step_search=False)
+        for flow_id in ("hidden-1", "hidden-2", "hidden-3"):
+            await c.start_flow("Cfg", flow_id, "first", config_override=hidden)
+        for flow_id in ("shown-1", "shown-2", "shown-3"):
+            await c.start_flow("Cfg", flow_id, "first")
+        for flow_id in ("hidden-1", "hidden-2", "hidden-3", "shown-1", "shown-2", "shown-3"):
+            await settle(eng, flow_id, {"Park-1": "waiting"})
+        assert await c.search_flows('ActiveStepTypes = "Park"', limit=2) == ["shown-1", "shown-2"]
+        assert await c.search_flows('ActiveStepTypes = "Park"', limit=3) == ["shown-1", "shown-2", "shown-3"]
+        assert await c.search_flows('ActiveStepTypes = "Park"', limit=10) == ["shown-1", "shown-2", "shown-3"]
+        assert await c.search_flows('FlowType = "Cfg"', limit=2) == ["hidden-1", "hidden-2"]
+
+
 async def test_e16_update_flow_config_applies_to_later_steps_only(db_url: str) -> None:
     """E16: update_flow_config changes default_step_durability for Steps scheduled after the change;
     the already scheduled Step keeps the durability it was stored with, and a Step with its own

@@ -1292,14 +1292,20 @@ def search_flows(
                        "AND t.step_type = ?)")
         params.append(active_step)
     where = " AND ".join(clauses) or "1 = 1"
-    rows = db.all(f"SELECT f.flow_id, f.config FROM flows f WHERE {where} ORDER BY f.created_at, f.flow_id LIMIT ?",
-                  (*params, limit))
-    out = []
-    for flow_id, config in rows:
-        if active_step is not None and not decode_json(config, FlowConfig).active_step_search:
-            continue
-        out.append(str(flow_id))
-    return out
+    select = f"SELECT f.flow_id, f.config, f.created_at FROM flows f WHERE {where}"
+    order = " ORDER BY f.created_at, f.flow_id LIMIT ?"
+    out: list[str] = []
+    rows = db.all(select + order, (*params, limit))
+    while True:
+        for flow_id, config, _created_at in rows:
+            if active_step is None or decode_json(config, FlowConfig).active_step_search:
+                out.append(str(flow_id))
+        if len(out) >= limit or len(rows) < limit:
+            return out[:limit]
+        # Flows whose config hides them from this search took places in the page: read on after it.
+        last_id, _, last_at = rows[-1]
+        rows = db.all(select + " AND (f.created_at > ? OR (f.created_at = ? AND f.flow_id > ?))" + order,
+                      (*params, last_at, last_at, last_id, limit))
 
 
 def list_flows(db: Db, flow_type: str | None, status: str | None, limit: int) -> list[FlowInfo]:
