@@ -1206,10 +1206,18 @@ async def test_e16_active_step_search_off_hides_the_flow(db_url: str) -> None:
         assert sorted(await c.search_flows('FlowType = "Cfg" AND FlowStatus = "running"')) == ["off", "on"]
 
 
-async def test_e16_flows_hidden_from_active_step_search_do_not_use_up_its_limit(db_url: str) -> None:
+@pytest.mark.parametrize("few", [True, False], ids=["few-flows-with-the-step", "many-flows-with-the-step"])
+async def test_e16_flows_hidden_from_active_step_search_do_not_use_up_its_limit(
+    db_url: str, few: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """E16/E13: a search with a limit returns that many matching flows even when older flows with
-    the same active Step, hidden by their config, come first in its order. Catches: applying the
-    limit before the config is checked (the search then returned nothing)."""
+    the same active Step, hidden by their config, come first in its order; both when few flows
+    have the Step (read through the index on waiting tasks) and when more than
+    ACTIVE_STEP_SEARCH_CANDIDATES do (running flows read in order, page by page; the bound is
+    lowered to 1 here). Catches: applying the limit before the config is checked (the search then
+    returned nothing)."""
+    if not few:
+        monkeypatch.setattr(transitions, "ACTIVE_STEP_SEARCH_CANDIDATES", 1)
     async with engine_for(db_url, Registry([config_flow()])) as eng:
         c = eng.client
         hidden = FlowConfig(active_step_search=False)

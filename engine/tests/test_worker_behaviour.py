@@ -471,24 +471,29 @@ async def test_a_workers_polls_and_housekeeping_never_read_every_task(
     many and wait for days; every worker polls and housekeeps every second, so none of those
     statements may read every task. With 20,000 flows waiting on a channel, each statement that a
     worker's polls and housekeeping ran, and a message waking one of the flows (the client's
-    commit, the wait's evaluation, the Step and its commit), is EXPLAINed: no full scan of tasks or flows (on
+    commit, the wait's evaluation, the Step and its commit) and a search for the one flow waiting
+    in another Step, is EXPLAINed: no full scan of tasks or flows (on
     PostgreSQL after ANALYZE, as autovacuum would run; on SQLite without statistics, as a new file
     has them, and again with). Catches: the orphan and lost-claim queries without migration 2/5's
-    index on running tasks (about 260 ms a pass with 100,000 waiting on SQLite), and DISTINCT or
+    index on running tasks (about 260 ms a pass with 100,000 waiting on SQLite), DISTINCT or
     ORDER BY flow_id, for which SQLite walks all of tasks_flow instead of the few rows an index on
-    running tasks or due timers holds."""
+    running tasks or due timers holds, and the active Step search without the index on waiting
+    tasks."""
     backend = "postgres" if db_url.startswith("postgresql") else "sqlite"
     db_class = _pg_store._PgDb if backend == "postgres" else _sqlite_store._SqliteDb
     waiting = Flow("Waiting", [Step("Idle", _complete, wait_for=_await_inbox)], start_step="Idle", schema=[Inbox])
-    async with engine_for(db_url, Registry([waiting])) as eng:
+    asking = Flow("Asking", [Step("Ask", _complete, wait_for=_await_inbox)], start_step="Ask", schema=[Inbox])
+    async with engine_for(db_url, Registry([waiting, asking])) as eng:
         store = eng.store
         await eng.client.start_flow("Waiting", "w-0")
+        await eng.client.start_flow("Asking", "asking")  # the one flow a search for "Ask" must find
 
         async def registered() -> bool:
-            row = await store._run(lambda db: db.one("SELECT state FROM tasks WHERE flow_id = 'w-0'"), write=False)
-            return row is not None and row[0] == "waiting"
+            rows = await store._run(lambda db: db.all("SELECT state FROM tasks WHERE flow_id IN ('w-0', 'asking')"),
+                                    write=False)
+            return [row[0] for row in rows] == ["waiting", "waiting"]
 
-        await wait_until("the first flow to wait on its channel", registered)
+        await wait_until("the first flows to wait on their channel", registered)
 
         def clone(db: Any) -> None:  # 20,000 more flows exactly like it
             numbers = "WITH RECURSIVE n (i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) "
@@ -505,9 +510,12 @@ async def test_a_workers_polls_and_housekeeping_never_read_every_task(
             if analyzed and backend == "sqlite":
                 await store._run(lambda db: db.run("ANALYZE"), write=True)
             async def wake_one(woken: str = f"w-{1 + analyzed}") -> None:
-                # A message, the Step it wakes, that Step's commit, the flow's end.
+                # A message, the Step it wakes, that Step's commit, the flow's end; and a search
+                # for the flows waiting in a rare Step, as a page of sessions needing a person runs.
                 await eng.client.publish(woken, Inbox, "hello")
                 assert (await eng.client.wait_for_flow(woken, 30)).status == "completed"
+                assert await eng.client.search_flows('ActiveStepTypes = "Ask"') == ["asking"]
+                assert await eng.client.search_flows('ActiveStepTypes = "Ask" AND FlowType = "Asking"') == ["asking"]
 
             statements = await _statements_of_housekeeping(db_class, monkeypatch, wake_one)
             bad = {}

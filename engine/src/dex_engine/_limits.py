@@ -62,3 +62,8 @@ MAX_TIMER_SECONDS = 366 * 24 * 3600
 # History is trimmed every this many events of a flow, so a flow keeps between
 # MAX_HISTORY_EVENTS_PER_FLOW and that plus this many events.
 HISTORY_TRIM_CHECK_EVERY = 256
+
+# search_flows with ActiveStepTypes reads the flows that have the Step through its index when there
+# are at most this many; with more, it reads running flows in order and stops at its limit, which
+# is then cheaper than sorting every match (e.g. all sessions idle in AwaitUserMessage).
+ACTIVE_STEP_SEARCH_CANDIDATES = 2000

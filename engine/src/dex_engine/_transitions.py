@@ -23,7 +23,7 @@ from ._errors import (
     StaleAttemptError,
     StepNotWaitingError,
 )
-from ._limits import HISTORY_TRIM_CHECK_EVERY, MAX_HISTORY_EVENTS_PER_FLOW
+from ._limits import ACTIVE_STEP_SEARCH_CANDIDATES, HISTORY_TRIM_CHECK_EVERY, MAX_HISTORY_EVENTS_PER_FLOW
 from ._options import FlowConfig, LoadSpec, MethodOptions, TaskOptions
 from ._records import (
     ActiveStep,
@@ -1286,20 +1286,38 @@ def search_flows(
     db: Db, flow_type: str | None, status: str | None, active_step: str | None, limit: int
 ) -> list[str]:
     clauses, params = _flow_filter("f.", flow_type, status)
-    if active_step is not None:
-        # E13/E16: only flows whose config enables active Step search are found this way.
-        clauses.append("f.status = 'running' AND EXISTS (SELECT 1 FROM tasks t WHERE t.flow_id = f.flow_id "
-                       "AND t.step_type = ?)")
-        params.append(active_step)
-    where = " AND ".join(clauses) or "1 = 1"
-    select = f"SELECT f.flow_id, f.config, f.created_at FROM flows f WHERE {where}"
+    if active_step is None:
+        where = " AND ".join(clauses) or "1 = 1"
+        rows = db.all(f"SELECT f.flow_id FROM flows f WHERE {where} ORDER BY f.created_at, f.flow_id LIMIT ?",
+                      (*params, limit))
+        return [str(r[0]) for r in rows]
+    # E13/E16: running flows with an active Step of this type, whose config enables this search.
+    clauses.append("f.status = 'running'")
+    # The flows that have the Step, through the indexes of each active state, when they are few.
+    candidates = db.all(
+        "SELECT flow_id FROM tasks WHERE state = 'waiting' AND step_type = ? UNION "
+        "SELECT flow_id FROM tasks WHERE state = 'ready' AND step_type = ? UNION "
+        "SELECT flow_id FROM tasks WHERE state = 'running' AND step_type = ? LIMIT ?",
+        (active_step, active_step, active_step, ACTIVE_STEP_SEARCH_CANDIDATES + 1),
+    )
+    if len(candidates) <= ACTIVE_STEP_SEARCH_CANDIDATES:
+        # Each by its key, filtered and ordered here: given the type and status too, SQLite would
+        # read every running flow of the type through flows_type_status instead.
+        ids = [str(r[0]) for r in candidates]
+        rows = db.all(f"SELECT flow_id, flow_type, status, config, created_at FROM flows WHERE flow_id IN ({_in(ids)})",
+                      ids) if ids else []
+        found = sorted((int(created_at), str(flow_id)) for flow_id, ftype, fstatus, config, created_at in rows
+                       if fstatus == "running" and flow_type in (None, ftype) and status in (None, fstatus)
+                       and decode_json(config, FlowConfig).active_step_search)
+        return [flow_id for _, flow_id in found[:limit]]
+    clauses.append("EXISTS (SELECT 1 FROM tasks t WHERE t.flow_id = f.flow_id AND t.step_type = ?)")
+    params.append(active_step)
+    select = f"SELECT f.flow_id, f.config, f.created_at FROM flows f WHERE {' AND '.join(clauses)}"
     order = " ORDER BY f.created_at, f.flow_id LIMIT ?"
     out: list[str] = []
     rows = db.all(select + order, (*params, limit))
     while True:
-        for flow_id, config, _created_at in rows:
-            if active_step is None or decode_json(config, FlowConfig).active_step_search:
-                out.append(str(flow_id))
+        out += [str(flow_id) for flow_id, config, _ in rows if decode_json(config, FlowConfig).active_step_search]
         if len(out) >= limit or len(rows) < limit:
             return out[:limit]
         # Flows whose config hides them from this search took places in the page: read on after it.
