@@ -1294,16 +1294,17 @@ def search_flows(
     # E13/E16: running flows with an active Step of this type, whose config enables this search.
     clauses.append("f.status = 'running'")
     # The flows that have the Step, through the indexes of each active state, when they are few.
+    # UNION ALL, deduplicated here: SQLite would build all of a UNION before applying the LIMIT.
     candidates = db.all(
-        "SELECT flow_id FROM tasks WHERE state = 'waiting' AND step_type = ? UNION "
-        "SELECT flow_id FROM tasks WHERE state = 'ready' AND step_type = ? UNION "
+        "SELECT flow_id FROM tasks WHERE state = 'waiting' AND step_type = ? UNION ALL "
+        "SELECT flow_id FROM tasks WHERE state = 'ready' AND step_type = ? UNION ALL "
         "SELECT flow_id FROM tasks WHERE state = 'running' AND step_type = ? LIMIT ?",
         (active_step, active_step, active_step, ACTIVE_STEP_SEARCH_CANDIDATES + 1),
     )
     if len(candidates) <= ACTIVE_STEP_SEARCH_CANDIDATES:
         # Each by its key, filtered and ordered here: given the type and status too, SQLite would
         # read every running flow of the type through flows_type_status instead.
-        ids = [str(r[0]) for r in candidates]
+        ids = sorted({str(r[0]) for r in candidates})
         rows = db.all(f"SELECT flow_id, flow_type, status, config, created_at FROM flows WHERE flow_id IN ({_in(ids)})",
                       ids) if ids else []
         found = sorted((int(created_at), str(flow_id)) for flow_id, ftype, fstatus, config, created_at in rows
