@@ -697,6 +697,17 @@ async def test_malformed_search_query(db_url: str, query: str, named: str) -> No
         assert await eng.client.search_flows('FlowType = "Bad"') == ["f"]
 
 
+@pytest.mark.parametrize("limit", [0, -5])
+async def test_search_limit_below_one(db_url: str, limit: int) -> None:
+    """E13: a search limit below 1 raises ValueError naming it (before: 0 found nothing, and a
+    negative one meant no limit on SQLite and an error from PostgreSQL)."""
+    async with idle_engine(db_url) as eng:
+        for query in ('FlowType = "Bad"', 'ActiveStepTypes = "Listen"'):
+            await refused(eng.store, lambda q=query: eng.client.search_flows(q, limit=limit), ValueError,
+                          f"limit must be >= 1, got {limit}")
+        assert await eng.client.search_flows('FlowType = "Bad"', limit=1) == ["f"]
+
+
 @pytest.mark.parametrize(
     ("url", "named"),
     [

@@ -242,6 +242,8 @@ class AsyncClient:
 
     async def search_flows(self, query: str, *, limit: int = 1000) -> list[str]:
         """Flow IDs matching e.g. 'ActiveStepTypes = "AwaitToolApproval" AND FlowType = "Agent"'."""
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit!r}")
         terms = parse_search(query)
         return await self._store.search_flows(
             flow_type=terms.get("FlowType"), status=terms.get("FlowStatus"),
