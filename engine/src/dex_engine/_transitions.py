@@ -1304,7 +1304,7 @@ def search_flows(
     if len(candidates) <= ACTIVE_STEP_SEARCH_CANDIDATES:
         # Each by its key, filtered and ordered here: given the type and status too, SQLite would
         # read every running flow of the type through flows_type_status instead.
-        ids = sorted({str(r[0]) for r in candidates})
+        ids = list({str(r[0]) for r in candidates})
         rows = db.all(f"SELECT flow_id, flow_type, status, config, created_at FROM flows WHERE flow_id IN ({_in(ids)})",
                       ids) if ids else []
         found = sorted((int(created_at), str(flow_id)) for flow_id, ftype, fstatus, config, created_at in rows
