@@ -8,7 +8,11 @@ and prints what a turn costs in the quantities that stay stable on a loaded mach
 - store operations per turn, by kind (each one is a hand-off to the SQLite thread);
 - data-changing commits and fsyncs per turn, and SQLite batches (transactions) per turn;
 - with --profile, a cProfile of the event loop thread (and with --profile-db, of the SQLite
-  thread), sorted by --sort (tottime or cumulative), top --top rows.
+  thread), sorted by --sort (tottime or cumulative), top --top rows;
+- two floors measured in the same run, after the turns: a bare fsynced commit, and a hand-off
+  from the event loop to a thread and back (how the store reaches its SQLite thread), each in
+  wall and CPU time; with the commits counted, what a sequential turn's hand-offs and fsynced
+  commits cost at those floors.
 
 Run: uv run python bench/profile_turn.py [--turns N] [--sessions N] [--builtin] [--profile]
 """
@@ -22,6 +26,8 @@ import cProfile
 import io
 import os
 import pstats
+import queue
+import statistics
 import tempfile
 import threading
 import time
@@ -42,6 +48,7 @@ from dex_agents import AgentSessionClient, AgentSessionFlow
 from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions
 from dex_engine._sqlite_store import SqliteStore
 from dex_engine._transitions import Db
+from engine_steps import floor
 
 
 def wal_size(wal: Path) -> int:
@@ -62,6 +69,8 @@ def thread_cpu_ns(native_id: int | None) -> int:
     except OSError:
         return 0
 
+
+FLOOR_SAMPLES = 1000  # per floor: about a second at this machine's speeds, enough for a stable median
 
 # cProfile's clock: this thread's CPU time, so waits (fsync, the GIL, idle loops) do not count.
 _CLOCK: list[Callable[[], float]] = [time.thread_time]
@@ -204,6 +213,8 @@ async def run(args: argparse.Namespace, path: Path) -> None:
             history = await client.get_flow_history(ids[-1])
     store.remove_commit_listener(watcher.on_commit)
     await store.close()
+    commit_wall, commit_cpu = commit_floor(path.with_name("floor.db"), FLOOR_SAMPLES)
+    handoff_wall, handoff_cpu = await handoff_floor(FLOOR_SAMPLES)
     if args.history:
         print(f"history of {ids[-1]}, last {args.history} events:")
         for h in history[-args.history:]:
@@ -230,6 +241,14 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         print(f"\nSQL statements: {total / n:.1f}/turn; by thread CPU (ms per turn, count per turn):")
         for sql, (spent, times) in sorted(store.sql_times.items(), key=lambda kv: -kv[1][0])[:args.top]:
             print(f"  {spent / n * 1e3:7.3f} {times / n:6.2f}  {sql}")
+    print(f"floors: bare fsynced commit {commit_wall * 1e3:.3f} ms ({commit_cpu * 1e3:.3f} ms CPU), "
+          f"event loop -> thread -> event loop {handoff_wall * 1e3:.3f} ms ({handoff_cpu * 1e3:.3f} ms CPU)")
+    if counter is not None and args.sessions == 1:
+        handoffs, fsyncs = sum(ops.values()) / n, (commits1[1] - commits0[1]) / n
+        least = handoffs * handoff_wall + fsyncs * commit_wall
+        print(f"a sequential turn's {handoffs:.2f} hand-offs and {fsyncs:.2f} fsynced commits at these floors: "
+              f"{least * 1e3:.2f} ms of its {wall / n * 1e3:.2f} ms "
+              f"({(handoffs * handoff_cpu + fsyncs * commit_cpu) * 1e3:.2f} ms of its {cpu / n * 1e3:.2f} ms CPU)")
     for label, prof in (("event loop thread", profiler), ("SQLite thread", store.profiler)):
         if prof is None:
             continue
@@ -240,6 +259,42 @@ async def run(args: argparse.Namespace, path: Path) -> None:
             stats.print_callers(args.callers)
         print(f"\n--- cProfile, {label}, sorted by {args.sort} ---")
         print(out.getvalue())
+
+
+def commit_floor(path: Path, n: int) -> tuple[float, float]:
+    """Median wall and mean CPU seconds of a bare fsynced commit (engine_steps.floor), on its own thread."""
+    cpu0 = time.process_time()  # the calling thread only waits in join(): the CPU is the commit thread's
+    latencies = floor(str(path), "FULL", n)
+    return statistics.median(latencies), (time.process_time() - cpu0) / n
+
+
+async def handoff_floor(n: int) -> tuple[float, float]:
+    """Median wall and mean CPU seconds of one event loop -> thread -> event loop round trip.
+
+    The same mechanism as the store's: a SimpleQueue to the thread, call_soon_threadsafe back.
+    """
+    inbox: queue.SimpleQueue[asyncio.Future[None] | None] = queue.SimpleQueue()
+    loop = asyncio.get_running_loop()
+
+    def serve() -> None:
+        while (future := inbox.get()) is not None:
+            loop.call_soon_threadsafe(future.set_result, None)
+
+    thread = threading.Thread(target=serve, name="handoff-floor")
+    thread.start()
+    latencies: list[float] = []
+    cpu0 = time.process_time()
+    try:
+        for _ in range(n):
+            t = time.perf_counter()
+            future: asyncio.Future[None] = loop.create_future()
+            inbox.put(future)
+            await future
+            latencies.append(time.perf_counter() - t)
+    finally:
+        inbox.put(None)
+        thread.join()
+    return statistics.median(latencies), (time.process_time() - cpu0) / n
 
 
 def _totals(counter: CommitCounter | None) -> tuple[int, int]:
