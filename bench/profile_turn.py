@@ -27,6 +27,7 @@ import io
 import os
 import pstats
 import queue
+import sqlite3
 import statistics
 import tempfile
 import threading
@@ -57,6 +58,15 @@ def wal_size(wal: Path) -> int:
         return os.stat(wal).st_size
     except FileNotFoundError:
         return 0
+
+
+def page_size(db: Path) -> int:
+    """The database file's page size (a WAL frame holds one page)."""
+    conn = sqlite3.connect(db)
+    try:
+        return int(conn.execute("PRAGMA page_size").fetchone()[0])
+    finally:
+        conn.close()
 
 
 def thread_cpu_ns(native_id: int | None) -> int:
@@ -233,9 +243,10 @@ async def run(args: argparse.Namespace, path: Path) -> None:
     for name, count in ops.most_common():
         print(f"  {name:<24} {count / n:6.2f}")
     if args.wal_frames:
-        frames = (wal1 - wal0) / (4096 + 24)  # a WAL frame: a 24-byte header and a page
-        print(f"WAL frames (pages written) {frames / n:.1f}/turn, {frames / max(1, commits1[0] - commits0[0]):.1f}"
-              " per data-changing commit (autocheckpoint off)")
+        frames = (wal1 - wal0) / (page_size(path) + 24)  # a WAL frame: a 24-byte header and a page
+        per_commit = ("" if counter is None else
+                      f", {frames / max(1, commits1[0] - commits0[0]):.1f} per data-changing commit")
+        print(f"WAL frames (pages written) {frames / n:.1f}/turn{per_commit} (autocheckpoint off)")
     if store.sql_times is not None:
         total = sum(times for _spent, times in store.sql_times.values())
         print(f"\nSQL statements: {total / n:.1f}/turn; by thread CPU (ms per turn, count per turn):")
