@@ -21,8 +21,13 @@ Every database file is in WAL mode with synchronous=FULL (one fsync per commit),
 differ in what they commit, not in how SQLite is set up; DBOS alone would otherwise use SQLite's
 rollback journal (--dbos-journal default runs it that way).
 
+With --pg-dsn, dex's turn also runs on that PostgreSQL server (a fresh database per phase, the
+worker in this process), printed apart against a bare PostgreSQL commit on one connection, with
+the transactions, round trips and statements psycopg sent per turn (counted in the timed pass:
+the counters are cheap next to a round trip).
+
 Run: uv run --group bench python bench/agent_turn.py [--turns N] [--sessions N]
-     [--skip-langgraph] [--skip-dbos] [--dbos-journal wal|default] [--json]
+     [--skip-langgraph] [--skip-dbos] [--dbos-journal wal|default] [--pg-dsn DSN] [--json]
 (`uv sync` without the group removes LangGraph and DBOS again; where others share the .venv, set
 UV_PROJECT_ENVIRONMENT to a private one.)
 
@@ -78,11 +83,19 @@ from dex_agents.builtin_loop import (
     builtin_agent_session_flow,
     function_tool,
 )
-from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions
+from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions, open_store
 from dex_engine._sqlite_store import SqliteStore
+from engine_steps import (
+    _count_statements,
+    drop_pg_database,
+    floor,
+    fresh_pg_database,
+    pct,
+    pg_floor,
+)
 
 # The floor is engine_steps.py's measurement, so both benchmarks compare against the same thing.
-from engine_steps import floor, pct
+from engine_steps import counts as pg_counts
 
 USER_TEXT = "How many open orders do I have?"
 TOOL_NAME = "read_orders"
@@ -102,6 +115,10 @@ class PhaseResult:
     commits: int = 0  # commits that changed data, over counted_turns (a counting pass)
     fsyncs: int = 0  # those of them at synchronous=FULL: one WAL fsync each
     counted_turns: int = 0
+    # PostgreSQL only, over the timed turns: what psycopg sent (engine_steps' counters).
+    transactions: int = 0
+    round_trips: int = 0
+    statements: int = 0
 
     @property
     def turns(self) -> int:
@@ -314,7 +331,9 @@ def builtin_loop_flow(watcher: TurnWatcher) -> AgentSessionFlow:
 async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool,
                     make_flow: Callable[[TurnWatcher], AgentSessionFlow] = scripted_runner_flow,
                     counter: CommitCounter | None = None) -> PhaseResult:
-    store = SqliteStore(url) if counter is None else CountingSqliteStore(url, counter)
+    postgres = url.startswith("postgresql")
+    store = (open_store(url) if postgres else
+             SqliteStore(url) if counter is None else CountingSqliteStore(url, counter))
     watcher = TurnWatcher(None)
     flow = make_flow(watcher)
     registry = Registry([flow])
@@ -346,6 +365,7 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
             # Sessions start before the clock: only turns are timed and their commits counted.
             await asyncio.gather(*(start(session_id) for session_id in ids))
             before = (0, 0) if counter is None else counter.totals()
+            sent0 = dict(pg_counts)
             cpu0, t0 = time.process_time(), time.perf_counter()
             if concurrent:
                 await asyncio.gather(*(turns(sid, count, True) for sid, count in zip(ids, plan, strict=True)))
@@ -354,10 +374,13 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
                     await turns(session_id, count, record=True)
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             after = (0, 0) if counter is None else counter.totals()
+            sent = {k: v - sent0.get(k, 0) for k, v in pg_counts.items()}
     finally:
         store.remove_commit_listener(watcher.on_commit)
         await store.close()
-    return PhaseResult(latencies, wall, cpu, after[0] - before[0], after[1] - before[1])
+    return PhaseResult(latencies, wall, cpu, after[0] - before[0], after[1] - before[1],
+                       transactions=sent.get("commit", 0), round_trips=sent.get("round_trips", 0),
+                       statements=sent.get("statements", 0))
 
 
 def run_dex(tmp: Path, turns: int, sessions: int, count_turns: int, *, builtin: bool = False) -> SystemResult:
@@ -371,6 +394,25 @@ def run_dex(tmp: Path, turns: int, sessions: int, count_turns: int, *, builtin: 
     seq, conc = measure(run, turns, sessions, count_turns)
     return SystemResult(name, seq, conc, sessions, [
         "turn end observed by one AgentState read after each commit once the answer is returned",
+    ])
+
+
+def run_dex_postgres(dsn: str, turns: int, sessions: int) -> SystemResult:
+    """dex's turn on PostgreSQL: each phase in a database of its own, dropped afterwards."""
+    _count_statements()
+
+    def run(plan: Sequence[int], prefix: str, concurrent: bool) -> PhaseResult:
+        name = f"dex_agent_bench_{prefix}"
+        url = fresh_pg_database(dsn, name)
+        try:
+            return asyncio.run(dex_phase(url, plan, prefix, concurrent))
+        finally:
+            drop_pg_database(dsn, name)
+
+    seq = run(sequential_plan(turns), "seq", False)
+    conc = run(session_plan(turns, sessions), "conc", True)
+    return SystemResult("dex", seq, conc, sessions, [
+        "worker and client in this process; cpu ms leaves out the server's processes",
     ])
 
 
@@ -541,7 +583,8 @@ def run_dbos(tmp: Path, turns: int, sessions: int, count_turns: int, journal: st
 # Report ---------------------------------------------------------------------------------------
 
 
-def summary(result: SystemResult, floor_median: float) -> dict[str, Any]:
+def timings(result: SystemResult, floor_median: float) -> dict[str, Any]:
+    """A system's latencies, rates and CPU, both phases (the keys summary() and postgres_summary() share)."""
     seq, conc = result.sequential, result.concurrent
     seq_median = statistics.median(seq.latencies)
     return {
@@ -551,20 +594,40 @@ def summary(result: SystemResult, floor_median: float) -> dict[str, Any]:
         "sequential_p95_ms": pct(seq.latencies, 0.95) * 1e3,
         "x_floor": seq_median / floor_median,
         "sequential_turns_per_s": seq.turns / seq.wall,
-        "sequential_commits_per_turn": seq.commits / seq.counted_turns,
-        "sequential_fsyncs_per_turn": seq.fsyncs / seq.counted_turns,
         "sequential_cpu_ms_per_turn": seq.cpu / seq.turns * 1e3,
         "sessions": result.sessions,
         "concurrent_turns": conc.turns,
         "concurrent_turns_per_s": conc.turns / conc.wall,
         "concurrent_median_ms": statistics.median(conc.latencies) * 1e3,
         "concurrent_p95_ms": pct(conc.latencies, 0.95) * 1e3,
-        "concurrent_commits_per_turn": conc.commits / conc.counted_turns,
-        "concurrent_fsyncs_per_turn": conc.fsyncs / conc.counted_turns,
-        "counted_turns": seq.counted_turns,
         "concurrent_cpu_ms_per_turn": conc.cpu / conc.turns * 1e3,
         "notes": result.notes,
     }
+
+
+def summary(result: SystemResult, floor_median: float) -> dict[str, Any]:
+    """timings(), with the commits and fsyncs per turn of the counting passes."""
+    seq, conc = result.sequential, result.concurrent
+    return {
+        **timings(result, floor_median),
+        "sequential_commits_per_turn": seq.commits / seq.counted_turns,
+        "sequential_fsyncs_per_turn": seq.fsyncs / seq.counted_turns,
+        "concurrent_commits_per_turn": conc.commits / conc.counted_turns,
+        "concurrent_fsyncs_per_turn": conc.fsyncs / conc.counted_turns,
+        "counted_turns": seq.counted_turns,
+    }
+
+
+def postgres_summary(result: SystemResult, floor_latencies: list[float]) -> dict[str, Any]:
+    """The PostgreSQL run as JSON: timings() against its own floor, and what psycopg sent per turn."""
+    row = timings(result, statistics.median(floor_latencies))
+    for phase, part in (("sequential", result.sequential), ("concurrent", result.concurrent)):
+        row[f"{phase}_transactions_per_turn"] = part.transactions / part.turns
+        row[f"{phase}_round_trips_per_turn"] = part.round_trips / part.turns
+        row[f"{phase}_statements_per_turn"] = part.statements / part.turns
+    row["floor_median_ms"] = statistics.median(floor_latencies) * 1e3
+    row["floor_p95_ms"] = pct(floor_latencies, 0.95) * 1e3
+    return row
 
 
 def print_table(rows: list[dict[str, Any]], floor_median: float, floor_p95: float, sessions: int,
@@ -603,6 +666,29 @@ def print_table(rows: list[dict[str, Any]], floor_median: float, floor_p95: floa
               f"({dex['concurrent_turns_per_s']:.0f}/s)")
 
 
+def print_postgres(result: SystemResult, floor_median: float, floor_p95: float, sessions: int) -> None:
+    """dex's turn on PostgreSQL, apart from the SQLite table: its own floor, and what psycopg sent."""
+    print(f"\nPostgreSQL floor: bare commit on one connection: median {floor_median * 1e3:.3f} ms"
+          f"  p95 {floor_p95 * 1e3:.3f} ms")
+    conc = f"{sessions} sessions"
+    print(f"\n{'':<10}|{'sequential':^57}|{conc:^57}")
+    head = (f"{'system':<10}|{'median ms':>10}{'p95 ms':>9}{'x floor':>9}{'txns':>9}{'trips':>9}{'cpu ms':>9} |"
+            f"{'turns/s':>9}{'median ms':>11}{'p95 ms':>10}{'txns':>9}{'trips':>9}{'cpu ms':>9}")
+    print(head)
+    print("-" * len(head))
+    seq, con = result.sequential, result.concurrent
+    seq_median = statistics.median(seq.latencies)
+    print(f"{'dex (pg)':<10}|{seq_median * 1e3:>10.2f}{pct(seq.latencies, 0.95) * 1e3:>9.2f}"
+          f"{seq_median / floor_median:>9.1f}{seq.transactions / seq.turns:>9.2f}{seq.round_trips / seq.turns:>9.2f}"
+          f"{seq.cpu / seq.turns * 1e3:>9.2f} |{con.turns / con.wall:>9.1f}"
+          f"{statistics.median(con.latencies) * 1e3:>11.2f}{pct(con.latencies, 0.95) * 1e3:>10.2f}"
+          f"{con.transactions / con.turns:>9.2f}{con.round_trips / con.turns:>9.2f}{con.cpu / con.turns * 1e3:>9.2f}")
+    print(f"\ntxns, trips: transactions committed and round trips waited for per turn, as psycopg sent them "
+          f"(statements: {seq.statements / seq.turns:.1f} and {con.statements / con.turns:.1f} per turn)")
+    for note in result.notes:
+        print(f"dex (pg): {note}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--turns", type=int, default=200, help="turns per phase and system (default 200)")
@@ -615,6 +701,8 @@ def main() -> None:
     parser.add_argument("--skip-dbos", action="store_true")
     parser.add_argument("--dbos-journal", choices=["wal", "default"], default="wal",
                         help="DBOS's SQLite journal: WAL like the others (default), or as DBOS leaves it")
+    parser.add_argument("--pg-dsn", default="",
+                        help="also run dex's turn on this PostgreSQL server (creates and drops a database per phase)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
     if min(args.turns, args.count_turns) < args.sessions or args.sessions < 1:
@@ -647,14 +735,23 @@ def main() -> None:
             results.append(run())
         except ImportError as exc:
             skipped[name] = f"not installed ({exc}); run with `uv run --group bench`"
+    postgres: tuple[SystemResult, list[float]] | None = None
+    if args.pg_dsn:
+        log("running dex on PostgreSQL ...")
+        pg_latencies = pg_floor(args.pg_dsn, args.floor_commits)
+        postgres = run_dex_postgres(args.pg_dsn, args.turns, args.sessions), pg_latencies
     rows = [summary(r, floor_median) for r in results]
     if args.json:
         print(json.dumps({
             "floor_median_ms": floor_median * 1e3, "floor_p95_ms": floor_p95 * 1e3, "turns": args.turns,
             "sessions": args.sessions, "cores": os.cpu_count(), "systems": rows, "skipped": skipped,
+            "postgres": None if postgres is None else postgres_summary(*postgres),
         }, indent=2))
         return
     print_table(rows, floor_median, floor_p95, args.sessions, skipped)
+    if postgres is not None:
+        result, pg_latencies = postgres
+        print_postgres(result, statistics.median(pg_latencies), pct(pg_latencies, 0.95), args.sessions)
 
 
 if __name__ == "__main__":
