@@ -2,9 +2,10 @@
 
 Each scenario runs twice on one database: once through `Store.commit_execute` (the generic
 transitions) on flows of type G, once through `PostgresStore.commit_execute` (one
-dex_commit_execute call per batch) on flows of type F. Both must leave the same rows (tasks,
-history, flows, counters, attributes, locks; IDs and clock times normalized) and hand out the same
-attempts, so any departure of the SQL function from the Python transitions fails here.
+dex_commit_execute call per batch, then the stream appends of the commits it accepted) on flows of
+type F. Both must leave the same rows (tasks, history, flows, counters, attributes, locks, streams
+and their events; IDs and clock times normalized) and hand out the same attempts, so any departure
+of the batched path from the Python transitions fails here.
 """
 
 from __future__ import annotations
@@ -118,6 +119,14 @@ async def _rows(store: Store, flow_type: str) -> dict[str, Any]:
             "locks": [(r[0].removeprefix(prefix), r[1], ids.get(int(r[2]))) for r in db.all(
                 "SELECT l.flow_id, l.lock_name, l.task_id FROM locks l JOIN flows f ON f.flow_id = l.flow_id "
                 "WHERE f.flow_type = ? ORDER BY l.flow_id, l.lock_name", (flow_type,))],
+            "streams": [(r[0].removeprefix(prefix), *r[1:]) for r in db.all(
+                "SELECT s.flow_id, s.stream, s.next_seq, s.first_seq, s.total_bytes FROM streams s "
+                "JOIN flows f ON f.flow_id = s.flow_id WHERE f.flow_type = ? ORDER BY s.flow_id, s.stream",
+                (flow_type,))],
+            "stream_events": [(r[0].removeprefix(prefix), *r[1:]) for r in db.all(
+                "SELECT e.flow_id, e.stream, e.seq, e.step_execution_id, e.attempt, e.value FROM stream_events e "
+                "JOIN flows f ON f.flow_id = e.flow_id WHERE f.flow_type = ? ORDER BY e.flow_id, e.stream, e.seq",
+                (flow_type,))],
         }
 
     result: dict[str, Any] = await store.raw(read)
@@ -184,14 +193,35 @@ async def async_default(r: Run) -> None:
     await r.run(lease, _go(("B", NOOP), ("C", PINNED_SYNC), ("D", NOOP)), capacity=2)
 
 
+def _appends(*values: str, stream: str = "events", capacity: int = 1 << 20) -> list[tuple[str, int, bytes]]:
+    return [(stream, capacity, f'"{v}"'.encode()) for v in values]
+
+
+async def stream_appends(r: Run) -> None:
+    """Events appended by Executes: a new stream, two streams in one commit, a stream whose
+    capacity trims the oldest events (E11), and an append with nothing else to write."""
+    await r.start("e")
+    [lease] = await r.claim()
+    [nxt] = await r.run(lease, _go(("B", NOOP)), WriteSet(appends=_appends("one", "two")))
+    both = [*_appends("three"), *_appends("x", "y", stream="other"), *_appends("four")]
+    [nxt] = await r.run(nxt, _go(("B", NOOP)), WriteSet(attributes={("x", ""): b"1"}, appends=both))
+    small = 12  # bytes: a few short events at most, so each append trims the oldest
+    [nxt] = await r.run(nxt, _go(("B", NOOP)), WriteSet(appends=_appends("aaaa", "bbbb", stream="small",
+                                                                          capacity=small)))
+    [nxt] = await r.run(nxt, _go(("B", NOOP)), WriteSet(appends=_appends("cc", "dddddddddddddd", stream="small",
+                                                                          capacity=small)))
+    await r.run(nxt, DEAD_END, WriteSet(appends=_appends("last")))
+
+
 async def rejected(r: Run) -> None:
-    """A stale attempt and one of a closed flow change nothing and raise."""
+    """A stale attempt and one of a closed flow change nothing, append no event, and raise."""
     await r.start("s")
     [lease] = await r.claim()
-    await r.run(_with_epoch(lease, lease.lease_epoch + 1), _go(("B", NOOP)), WriteSet(attributes={("x", ""): b"1"}))
+    await r.run(_with_epoch(lease, lease.lease_epoch + 1), _go(("B", NOOP)),
+                WriteSet(attributes={("x", ""): b"1"}, appends=_appends("stale")))
     await r.store.raw(lambda db: db.run("UPDATE flows SET status = 'failed' WHERE flow_id = ?", (r.fid("s"),)),
                       write=True)
-    await r.run(lease, _go(("B", NOOP)), WriteSet(attributes={("x", ""): b"1"}))
+    await r.run(lease, _go(("B", NOOP)), WriteSet(attributes={("x", ""): b"1"}, appends=_appends("closed")))
 
 
 async def history_trim(r: Run) -> None:
@@ -214,7 +244,8 @@ def _with_epoch(lease: Lease, epoch: int) -> Lease:
     return dataclasses.replace(lease, lease_epoch=epoch)
 
 
-SCENARIOS = [chain_handoff, writes_and_loads, fan_out, method_locks, graceful, async_default, rejected, history_trim]
+SCENARIOS = [chain_handoff, writes_and_loads, fan_out, method_locks, graceful, async_default, stream_appends, rejected,
+             history_trim]
 
 
 # dex_commit_execute sends a lone commit to dex_commit_execute_each; the scenarios, which commit
@@ -291,20 +322,22 @@ async def _one_batch(r: Run) -> None:
     # g's Step leaves a second one running, so that its graceful completion does not close it yet.
     [g2] = await r.run(leases[r.fid("g")], _go(("B", NOOP)))
     batch = [
-        (leases[r.fid("a")], _go(("B", LOAD_ALL)), WriteSet(attributes={("x", ""): b"1", ("m", "k"): b"[2]"}), 1),
+        (leases[r.fid("a")], _go(("B", LOAD_ALL)),
+         WriteSet(attributes={("x", ""): b"1", ("m", "k"): b"[2]"}, appends=_appends("a1", "a2")), 1),
         (leases[r.fid("b")], _go(("B", NOOP), ("B", NOOP), ("C", LOCKED), ("B", NOOP)), WriteSet(), 2),
         (leases[r.fid("c")], DecisionRecord("graceful_complete", output=b'"out"'), WriteSet(), 1),
         (leases[r.fid("d")], _go(("B", NOOP), ("C", PINNED_SYNC)), WriteSet(), None),
-        (_with_epoch(leases[r.fid("e")], 9), _go(("B", NOOP)), WriteSet(attributes={("x", ""): b"1"}), 1),
+        (_with_epoch(leases[r.fid("e")], 9), _go(("B", NOOP)),
+         WriteSet(attributes={("x", ""): b"1"}, appends=_appends("stale")), 1),
         (leases[r.fid("f")], DEAD_END, WriteSet(attributes={("gone", ""): None}), 1),
-        (g2, DecisionRecord("graceful_complete", output=b'"g"'), WriteSet(), 1),
+        (g2, DecisionRecord("graceful_complete", output=b'"g"'), WriteSet(appends=_appends("g")), 1),
     ]
     await r.batch(batch)
     await r.start("p")
     [lease] = await r.claim()
     first, second = await r.run(lease, _go(("B", NOOP), ("C", NOOP)), capacity=2)
-    await r.batch([(first, _go(("D", LOAD_ALL)), WriteSet(attributes={("x", ""): b"1"}), 1),
-                   (second, _go(("E", NOOP)), WriteSet(attributes={("y", ""): b"2"}), 1)])
+    await r.batch([(first, _go(("D", LOAD_ALL)), WriteSet(attributes={("x", ""): b"1"}, appends=_appends("p1")), 1),
+                   (second, _go(("E", NOOP)), WriteSet(attributes={("y", ""): b"2"}, appends=_appends("p2")), 1)])
 
 
 async def test_a_batch_of_many_shapes_leaves_what_one_commit_at_a_time_leaves(pg_database: str) -> None:

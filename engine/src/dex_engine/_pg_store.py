@@ -301,11 +301,12 @@ def _target(options: TaskOptions) -> _Target:
 
 
 def batchable(writes: WriteSet, decision: DecisionRecord) -> bool:
-    """Whether dex_commit_execute can commit this Execute: no channel or stream writes, no
-    cancellations, no forced close, no movement with a WaitFor already evaluated (MovementRecord.wait).
+    """Whether dex_commit_execute can commit this Execute: no channel writes, no cancellations, no
+    forced close, no movement with a WaitFor already evaluated (MovementRecord.wait). Stream appends
+    are batchable: _commit_executes writes them after the call, for the commits it accepted.
     Anything else takes _transitions.commit_execute."""
     return (
-        not writes.publishes and not writes.appends and not writes.deleted_messages
+        not writes.publishes and not writes.deleted_messages
         and not decision.canceling_steps and decision.kind in ("movements", "dead_end", "graceful_complete")
         and all(m.wait is None for m in decision.movements)
     )
@@ -421,6 +422,12 @@ def _commit_executes(db: _PgDb, commits: list[_ExecuteCommit]) -> list[Any]:
             n = order[idx - 1]
             lease = commits[n].lease
             results[n] = _Rejected(_stale(lease) if kind == "stale" else FlowNotActiveError(lease.flow_id, seid))
+    # Events of the accepted commits, in flow order under the flow locks the call took (E2: a
+    # rejected attempt appends nothing); the function knows no streams (E11 trimming included).
+    for n in order:
+        c = commits[n]
+        if c.writes.appends and not isinstance(results[n], _Rejected):
+            tx.append_writes(db, c.lease.flow_id, c.writes.appends, c.lease.step_execution_id, c.lease.attempt)
     return results
 
 

@@ -685,8 +685,15 @@ def apply_writes(
             db, "INSERT INTO channel_messages (flow_id, channel, key, value, created_at) VALUES (?, ?, ?, ?, ?)",
             (flow_id, channel, key, value, now),
         )
+    append_writes(db, flow_id, writes.appends, seid, attempt)
+
+
+def append_writes(
+    db: Db, flow_id: str, appends: Sequence[tuple[str, int, bytes]], seid: str, attempt: int
+) -> None:
+    """Append a method's buffered events (stream, capacity, value), one append per stream."""
     by_stream: dict[tuple[str, int], list[tuple[str, int, bytes]]] = {}
-    for stream, capacity, value in writes.appends:
+    for stream, capacity, value in appends:
         by_stream.setdefault((stream, capacity), []).append((seid, attempt, value))
     for (stream, capacity), events in by_stream.items():
         append_events(db, flow_id, stream, capacity, events)
