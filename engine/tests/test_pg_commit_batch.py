@@ -2,10 +2,11 @@
 
 Each scenario runs twice on one database: once through `Store.commit_execute` (the generic
 transitions) on flows of type G, once through `PostgresStore.commit_execute` (one
-dex_commit_execute call per batch, then the stream appends of the commits it accepted) on flows of
-type F. Both must leave the same rows (tasks, history, flows, counters, attributes, locks, streams
-and their events; IDs and clock times normalized) and hand out the same attempts, so any departure
-of the batched path from the Python transitions fails here.
+dex_commit_execute call per batch, then the stream events of the commits it accepted) on flows
+of type F. Both must leave the same rows (tasks, history, flows, counters,
+attributes, locks, streams and their events, queued channel messages; IDs and clock times
+normalized) and hand out the same attempts, so any departure of the batched path from the Python
+transitions fails here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from dex_engine import FlowConfig, LoadOptions, StepDurability, StepOptions, Store, open_store
+from dex_engine import Channel, FlowConfig, LoadOptions, StepDurability, StepOptions, Store, Wait, open_store
 from dex_engine import _pg_store as pg
 from dex_engine import _transitions as tx
 from dex_engine._errors import FlowNotActiveError, StaleAttemptError
@@ -42,6 +43,8 @@ LOAD_ONLY = msgspec.structs.replace(
 LOCKED = msgspec.structs.replace(NOOP, execute=msgspec.structs.replace(NOOP.execute, locks=("L",)))
 TIMED = _options(load=LoadOptions.none(), execute_timeout_seconds=30, heartbeat_timeout_seconds=5)
 PINNED_SYNC = _options(load=LoadOptions.none(), durability=StepDurability.SYNC)
+WAITING = resolve_task_options(StepOptions(load=LoadOptions.none()), True, None)  # a WaitFor, then an Execute
+INBOX: Channel[str] = Channel("Inbox", str)
 
 
 def _go(*moves: tuple[str, TaskOptions]) -> DecisionRecord:
@@ -122,6 +125,10 @@ async def _rows(store: Store, flow_type: str) -> dict[str, Any]:
             "streams": [(r[0].removeprefix(prefix), *r[1:]) for r in db.all(
                 "SELECT s.flow_id, s.stream, s.next_seq, s.first_seq, s.total_bytes FROM streams s "
                 "JOIN flows f ON f.flow_id = s.flow_id WHERE f.flow_type = ? ORDER BY s.flow_id, s.stream",
+                (flow_type,))],
+            "messages": [(r[0].removeprefix(prefix), *r[1:]) for r in db.all(
+                "SELECT m.flow_id, m.channel, m.key, m.value FROM channel_messages m "
+                "JOIN flows f ON f.flow_id = m.flow_id WHERE f.flow_type = ? ORDER BY m.flow_id, m.message_id",
                 (flow_type,))],
             "stream_events": [(r[0].removeprefix(prefix), *r[1:]) for r in db.all(
                 "SELECT e.flow_id, e.stream, e.seq, e.step_execution_id, e.attempt, e.value FROM stream_events e "
@@ -213,6 +220,29 @@ async def stream_appends(r: Run) -> None:
     await r.run(nxt, DEAD_END, WriteSet(appends=_appends("last")))
 
 
+def _publishes(*values: str, channel: str = "Inbox", key: str = "") -> list[tuple[str, str, bytes]]:
+    return [(channel, key, f'"{v}"'.encode()) for v in values]
+
+
+async def publishes(r: Run) -> None:
+    """Messages published by Executes (which the store commits through the transitions, between
+    batched commits): one satisfies a waiting Step of the flow (the message is consumed, the Step
+    made ready), the second stays queued, a later one finds nothing waiting; a publish to a flow
+    with no waiting Step."""
+    await r.start("p")
+    [lease] = await r.claim()
+    movers = {x.step_type: x for x in await r.run(lease, _go(("W", WAITING), ("P", NOOP)), capacity=2)}
+    await r.store.commit_wait_for(movers["W"], WriteSet(), Wait.until(INBOX.for_one()).spec())
+    [nxt] = await r.run(movers["P"], _go(("B", NOOP)),
+                        WriteSet(publishes=_publishes("one", "two"), appends=_appends("sent")))
+    [woken] = await r.claim()  # W, made ready by the first message
+    await r.run(woken, DEAD_END, capacity=None)
+    await r.run(nxt, DEAD_END, WriteSet(publishes=_publishes("three")), capacity=None)
+    await r.start("q")
+    [lease] = await r.claim()
+    await r.run(lease, _go(("B", NOOP)), WriteSet(publishes=_publishes("x", channel="Other", key="k")))
+
+
 async def rejected(r: Run) -> None:
     """A stale attempt and one of a closed flow change nothing, append no event, and raise."""
     await r.start("s")
@@ -244,8 +274,8 @@ def _with_epoch(lease: Lease, epoch: int) -> Lease:
     return dataclasses.replace(lease, lease_epoch=epoch)
 
 
-SCENARIOS = [chain_handoff, writes_and_loads, fan_out, method_locks, graceful, async_default, stream_appends, rejected,
-             history_trim]
+SCENARIOS = [chain_handoff, writes_and_loads, fan_out, method_locks, graceful, async_default, stream_appends,
+             publishes, rejected, history_trim]
 
 
 # dex_commit_execute sends a lone commit to dex_commit_execute_each; the scenarios, which commit
@@ -376,6 +406,37 @@ async def test_a_batch_of_many_shapes_leaves_what_one_commit_at_a_time_leaves(pg
         await _one_batch(batched)
         assert batched.outcomes == generic.outcomes
         assert "StaleAttemptError" in batched.outcomes
+        got, want = await _rows(store, "F"), await _rows(store, "G")
+        for table in want:
+            assert got[table] == want[table], table
+    finally:
+        await store.close()
+
+
+async def test_an_error_after_the_call_reruns_the_batch_through_the_transitions(
+    pg_database: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Python error while writing the accepted commits' messages and events (after the
+    dex_commit_execute call, in its transaction) rolls the call back and runs the commits again
+    through _transitions: they commit once, leaving what the reference run leaves."""
+    store = open_store(pg_database)
+    real = tx.append_writes
+    failures: list[str] = []
+
+    def fails_once(db: Any, flow_id: str, *args: Any) -> None:
+        if flow_id.startswith("F-") and not failures:
+            failures.append(flow_id)
+            raise RuntimeError("an append that cannot be written in the batched path")
+        real(db, flow_id, *args)
+
+    monkeypatch.setattr(tx, "append_writes", fails_once)
+    try:
+        generic = Run(store, "G", lambda *a: Store.commit_execute(store, *a))
+        await stream_appends(generic)
+        batched = Run(store, "F", store.commit_execute)
+        await stream_appends(batched)
+        assert failures == ["F-e"]
+        assert batched.outcomes == generic.outcomes
         got, want = await _rows(store, "F"), await _rows(store, "G")
         for table in want:
             assert got[table] == want[table], table

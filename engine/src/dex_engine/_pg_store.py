@@ -303,8 +303,9 @@ def _target(options: TaskOptions) -> _Target:
 def batchable(writes: WriteSet, decision: DecisionRecord) -> bool:
     """Whether dex_commit_execute can commit this Execute: no channel writes, no cancellations, no
     forced close, no movement with a WaitFor already evaluated (MovementRecord.wait). Stream appends
-    are batchable: _commit_executes writes them after the call, for the commits it accepted.
-    Anything else takes _transitions.commit_execute."""
+    are batchable: _commit_executes writes them after the call, for the commits it accepted. (A
+    publish, which wakes waits, saves no round trip there: the waits' reads cost what the generic
+    path's do.) Anything else takes _transitions.commit_execute."""
     return (
         not writes.publishes and not writes.deleted_messages
         and not decision.canceling_steps and decision.kind in ("movements", "dead_end", "graceful_complete")
@@ -424,10 +425,16 @@ def _commit_executes(db: _PgDb, commits: list[_ExecuteCommit]) -> list[Any]:
             results[n] = _Rejected(_stale(lease) if kind == "stale" else FlowNotActiveError(lease.flow_id, seid))
     # Events of the accepted commits, in flow order under the flow locks the call took (E2: a
     # rejected attempt appends nothing); the function knows no streams (E11 trimming included).
-    for n in order:
-        c = commits[n]
-        if c.writes.appends and not isinstance(results[n], _Rejected):
-            tx.append_writes(db, c.lease.flow_id, c.writes.appends, c.lease.step_execution_id, c.lease.attempt)
+    try:
+        for n in order:
+            c = commits[n]
+            if c.writes.appends and not isinstance(results[n], _Rejected):
+                lease = c.lease
+                tx.append_writes(db, lease.flow_id, c.writes.appends, lease.step_execution_id, lease.attempt)
+    except psycopg.Error:
+        raise
+    except Exception as exc:  # the generic path runs the commits again, each failing on its own
+        raise _Unbatchable() from exc
     return results
 
 
