@@ -630,16 +630,22 @@ def postgres_summary(result: SystemResult, floor_latencies: list[float]) -> dict
     return row
 
 
+def print_head(sessions: int, counts: tuple[str, str]) -> None:
+    """The column heads of a table: each phase's latencies, `counts` (two columns) and CPU."""
+    conc = f"{sessions} sessions"
+    print(f"\n{'':<10}|{'sequential':^57}|{conc:^57}")
+    first, second = counts
+    head = (f"{'system':<10}|{'median ms':>10}{'p95 ms':>9}{'x floor':>9}{first:>9}{second:>9}{'cpu ms':>9} |"
+            f"{'turns/s':>9}{'median ms':>11}{'p95 ms':>10}{first:>9}{second:>9}{'cpu ms':>9}")
+    print(head)
+    print("-" * len(head))
+
+
 def print_table(rows: list[dict[str, Any]], floor_median: float, floor_p95: float, sessions: int,
                 skipped: dict[str, str]) -> None:
     print(f"\nfloor: bare commit (WAL, synchronous=FULL) on a dedicated thread: median {floor_median * 1e3:.3f} ms"
           f"  p95 {floor_p95 * 1e3:.3f} ms")
-    conc = f"{sessions} sessions"
-    print(f"\n{'':<10}|{'sequential':^57}|{conc:^57}")
-    head = (f"{'system':<10}|{'median ms':>10}{'p95 ms':>9}{'x floor':>9}{'commits':>9}{'fsyncs':>9}{'cpu ms':>9} |"
-            f"{'turns/s':>9}{'median ms':>11}{'p95 ms':>10}{'commits':>9}{'fsyncs':>9}{'cpu ms':>9}")
-    print(head)
-    print("-" * len(head))
+    print_head(sessions, ("commits", "fsyncs"))
     for r in rows:
         print(f"{r['system']:<10}|{r['sequential_median_ms']:>10.2f}{r['sequential_p95_ms']:>9.2f}"
               f"{r['x_floor']:>9.1f}{r['sequential_commits_per_turn']:>9.2f}{r['sequential_fsyncs_per_turn']:>9.2f}"
@@ -670,12 +676,7 @@ def print_postgres(result: SystemResult, floor_median: float, floor_p95: float, 
     """dex's turn on PostgreSQL, apart from the SQLite table: its own floor, and what psycopg sent."""
     print(f"\nPostgreSQL floor: bare commit on one connection: median {floor_median * 1e3:.3f} ms"
           f"  p95 {floor_p95 * 1e3:.3f} ms")
-    conc = f"{sessions} sessions"
-    print(f"\n{'':<10}|{'sequential':^57}|{conc:^57}")
-    head = (f"{'system':<10}|{'median ms':>10}{'p95 ms':>9}{'x floor':>9}{'txns':>9}{'trips':>9}{'cpu ms':>9} |"
-            f"{'turns/s':>9}{'median ms':>11}{'p95 ms':>10}{'txns':>9}{'trips':>9}{'cpu ms':>9}")
-    print(head)
-    print("-" * len(head))
+    print_head(sessions, ("txns", "trips"))
     seq, con = result.sequential, result.concurrent
     seq_median = statistics.median(seq.latencies)
     print(f"{'dex (pg)':<10}|{seq_median * 1e3:>10.2f}{pct(seq.latencies, 0.95) * 1e3:>9.2f}"

@@ -102,38 +102,29 @@ async def _rows(store: Store, flow_type: str) -> dict[str, Any]:
             "ORDER BY t.flow_id, t.task_id", (flow_type,))
         ids = {int(r[0]): n for n, r in enumerate(tasks)}
         snap = msgspec.json.Decoder(list[tuple[str, str, msgspec.Raw]])
+        def of_type(table: str, columns: str, order: str) -> list[tuple[Any, ...]]:
+            """`columns` (the flow ID first, unprefixed) of `table`'s rows for flows of this type."""
+            rows = db.all(f"SELECT x.flow_id, {columns} FROM {table} x JOIN flows f ON f.flow_id = x.flow_id "
+                          f"WHERE f.flow_type = ? ORDER BY x.flow_id, {order}", (flow_type,))
+            return [(r[0].removeprefix(prefix), *r[1:]) for r in rows]
+
         return {
             "tasks": [(r[1].removeprefix(prefix), *r[2:17],
                        None if r[17] is None else sorted((n, k, bytes(v)) for n, k, v in snap.decode(bytes(r[17]))),
                        *r[18:]) for r in tasks],
-            "history": [(r[0].removeprefix(prefix), *r[1:]) for r in db.all(
-                "SELECT h.flow_id, h.seq, h.step_type, h.step_execution_id, h.event_type, h.attempt, h.detail "
-                "FROM history h JOIN flows f ON f.flow_id = h.flow_id WHERE f.flow_type = ? ORDER BY h.flow_id, h.seq",
-                (flow_type,))],
+            "history": of_type("history", "x.seq, x.step_type, x.step_execution_id, x.event_type, x.attempt, x.detail",
+                               "x.seq"),
             "flows": [(r[0].removeprefix(prefix), *r[1:]) for r in db.all(
                 "SELECT flow_id, status, version, completing, completion_output, history_seq, output, error, "
                 "closed_at IS NULL FROM flows WHERE flow_type = ? ORDER BY flow_id", (flow_type,))],
-            "counters": [(r[0].removeprefix(prefix), *r[1:]) for r in db.all(
-                "SELECT c.flow_id, c.step_type, c.n FROM step_counters c JOIN flows f ON f.flow_id = c.flow_id "
-                "WHERE f.flow_type = ? ORDER BY c.flow_id, c.step_type", (flow_type,))],
-            "attributes": [(r[0].removeprefix(prefix), *r[1:]) for r in db.all(
-                "SELECT a.flow_id, a.name, a.key, a.value FROM attributes a JOIN flows f ON f.flow_id = a.flow_id "
-                "WHERE f.flow_type = ? ORDER BY a.flow_id, a.name, a.key", (flow_type,))],
-            "locks": [(r[0].removeprefix(prefix), r[1], ids.get(int(r[2]))) for r in db.all(
-                "SELECT l.flow_id, l.lock_name, l.task_id FROM locks l JOIN flows f ON f.flow_id = l.flow_id "
-                "WHERE f.flow_type = ? ORDER BY l.flow_id, l.lock_name", (flow_type,))],
-            "streams": [(r[0].removeprefix(prefix), *r[1:]) for r in db.all(
-                "SELECT s.flow_id, s.stream, s.next_seq, s.first_seq, s.total_bytes FROM streams s "
-                "JOIN flows f ON f.flow_id = s.flow_id WHERE f.flow_type = ? ORDER BY s.flow_id, s.stream",
-                (flow_type,))],
-            "messages": [(r[0].removeprefix(prefix), *r[1:]) for r in db.all(
-                "SELECT m.flow_id, m.channel, m.key, m.value FROM channel_messages m "
-                "JOIN flows f ON f.flow_id = m.flow_id WHERE f.flow_type = ? ORDER BY m.flow_id, m.message_id",
-                (flow_type,))],
-            "stream_events": [(r[0].removeprefix(prefix), *r[1:]) for r in db.all(
-                "SELECT e.flow_id, e.stream, e.seq, e.step_execution_id, e.attempt, e.value FROM stream_events e "
-                "JOIN flows f ON f.flow_id = e.flow_id WHERE f.flow_type = ? ORDER BY e.flow_id, e.stream, e.seq",
-                (flow_type,))],
+            "counters": of_type("step_counters", "x.step_type, x.n", "x.step_type"),
+            "attributes": of_type("attributes", "x.name, x.key, x.value", "x.name, x.key"),
+            "locks": [(flow, name, ids.get(int(task))) for flow, name, task in
+                      of_type("locks", "x.lock_name, x.task_id", "x.lock_name")],
+            "streams": of_type("streams", "x.stream, x.next_seq, x.first_seq, x.total_bytes", "x.stream"),
+            "messages": of_type("channel_messages", "x.channel, x.key, x.value", "x.message_id"),
+            "stream_events": of_type("stream_events", "x.stream, x.seq, x.step_execution_id, x.attempt, x.value",
+                                     "x.stream, x.seq"),
         }
 
     result: dict[str, Any] = await store.raw(read)
@@ -300,18 +291,28 @@ async def test_batched_commit_leaves_what_the_transitions_leave(
 
     monkeypatch.setattr(pg, "_commit_executes", counted)
     try:
-        generic = Run(store, "G", lambda *a: Store.commit_execute(store, *a))
-        await scenario(generic)
-        assert not calls, "the reference run must not take the batched path"
-        batched = Run(store, "F", store.commit_execute)
-        await scenario(batched)
-        assert calls, "the batched run never called dex_commit_execute"
-        assert batched.outcomes == generic.outcomes
-        got, want = await _rows(store, "F"), await _rows(store, "G")
-        for table in want:
-            assert got[table] == want[table], table
+        await _same_as_the_reference(store, scenario, lambda: not calls, lambda: bool(calls))
     finally:
         await store.close()
+
+
+async def _same_as_the_reference(
+    store: Store, scenario: Callable[[Run], Awaitable[None]],
+    reference_ran: Callable[[], bool] = lambda: True, batched_ran: Callable[[], bool] = lambda: True,
+) -> None:
+    """Run `scenario` through _transitions (type G) and then through the store (type F); both must
+    raise the same errors, hand out the same attempts and leave the same rows. `reference_ran` and
+    `batched_ran` check, after each run, that it took the path it was meant to."""
+    generic = Run(store, "G", lambda *a: Store.commit_execute(store, *a))
+    await scenario(generic)
+    assert reference_ran(), "the reference run must not take the batched path"
+    batched = Run(store, "F", store.commit_execute)
+    await scenario(batched)
+    assert batched_ran(), "the batched run did not take the path it was meant to"
+    assert batched.outcomes == generic.outcomes
+    got, want = await _rows(store, "F"), await _rows(store, "G")
+    for table in want:
+        assert got[table] == want[table], table
 
 
 async def test_one_call_commits_a_batch_and_rejects_only_the_stale_commit(pg_database: str) -> None:
@@ -431,14 +432,6 @@ async def test_an_error_after_the_call_reruns_the_batch_through_the_transitions(
 
     monkeypatch.setattr(tx, "append_writes", fails_once)
     try:
-        generic = Run(store, "G", lambda *a: Store.commit_execute(store, *a))
-        await stream_appends(generic)
-        batched = Run(store, "F", store.commit_execute)
-        await stream_appends(batched)
-        assert failures == ["F-e"]
-        assert batched.outcomes == generic.outcomes
-        got, want = await _rows(store, "F"), await _rows(store, "G")
-        for table in want:
-            assert got[table] == want[table], table
+        await _same_as_the_reference(store, stream_appends, batched_ran=lambda: failures == ["F-e"])
     finally:
         await store.close()
