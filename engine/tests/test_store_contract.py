@@ -16,6 +16,7 @@ import pytest
 from dex_engine import (
     Attribute,
     Channel,
+    ChannelMap,
     ChannelMessageNotFoundError,
     Context,
     Flow,
@@ -636,6 +637,27 @@ async def test_stream_capacity_trims_the_oldest_events(store: Store) -> None:
     # Trimming one flow's stream does not touch another's.
     other = await store.read_events("f2", "Out", 0, 100)
     assert ([(e.sequence, e.value) for e in other.events], other.first_sequence) == ([(1, values[0])], 1)
+
+
+async def test_a_wait_on_one_instance_of_a_channel_map_ignores_the_others(store: Store) -> None:
+    """E5: messages queued on other instances (keys) of the same channel neither satisfy a wait on
+    one instance nor are consumed by it; a message on that instance satisfies it."""
+    orders = ChannelMap("Orders", str)
+    await start(store, "f1", "Listen")
+    lease = await claim_one(store)
+    others = [await store.publish("f1", "Orders", "b", enc(text)) for text in ("b1", "b2")]
+    spec = Wait.until(orders["a"].for_one()).spec()
+    await store.commit_wait_for(lease, WriteSet(), spec)
+    assert await active(store, "f1") == [("Listen-1", "waiting", "execute", 1)]
+    assert await store.claim(W, TYPES, 10) == []
+
+    mine = await store.publish("f1", "Orders", "a", enc("a1"))
+    lease = await claim_one(store)
+    outcome = lease.wait_outcome
+    assert outcome is not None and outcome.satisfied == (0,)
+    assert [[(m.message_id, bytes(m.value)) for m in c] for c in outcome.consumed] == [[(mine, enc("a1"))]]
+    pending = (await store.rpc_read("f1", ALL, [])).pending
+    assert pending == {("Orders", "b"): [(others[0], enc("b1")), (others[1], enc("b2"))]}
 
 
 # Search and history --------------------------------------------------------------------------------------

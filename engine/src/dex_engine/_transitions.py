@@ -759,14 +759,41 @@ def read_events(db: Db, flow_id: str, stream: str, after: int, limit: int) -> Ev
 # Waits (E5, E6) ------------------------------------------------------------------------------
 
 
+# PostgreSQL reads a flow's waiting tasks and the queued messages their channel conditions name in
+# one round trip: the server takes the channel instances out of the stored wait specs (JSON, with
+# an empty key omitted). Waits come first, oldest first; then messages, oldest first.
+_PG_WAITS_AND_MESSAGES = (
+    "WITH w AS MATERIALIZED (SELECT task_id, step_type, step_execution_id, wait_spec, wait_registered_at, "
+    "timers_skipped, timer_due_at FROM tasks WHERE flow_id = ? AND state = 'waiting'), "
+    "c AS (SELECT DISTINCT e ->> 'channel' AS channel, coalesce(e ->> 'key', '') AS key "
+    "FROM w, jsonb_array_elements(convert_from(w.wait_spec, 'UTF8')::jsonb -> 'conditions') e "
+    "WHERE e ->> 'kind' = 'channel') "
+    "SELECT 0, task_id, step_type, step_execution_id, wait_spec, wait_registered_at, timers_skipped, timer_due_at "
+    "FROM w UNION ALL "
+    "SELECT 1, m.message_id, m.channel, m.key, m.value, NULL, NULL, NULL FROM channel_messages m "
+    "JOIN c ON m.channel = c.channel AND m.key = c.key WHERE m.flow_id = ? ORDER BY 1, 6, 2"
+)
+
+
+def _waits_and_messages(db: Db, flow_id: str) -> tuple[list[Row], list[Row] | None]:
+    """The flow's waiting tasks, oldest first, and on PostgreSQL also the queued messages their
+    channel conditions name, as (channel, key, message_id, value) in message order (None elsewhere:
+    evaluate_waits reads them once it knows the channel instances)."""
+    if getattr(db, "dialect", None) != "postgres":
+        return db.all(
+            "SELECT task_id, step_type, step_execution_id, wait_spec, wait_registered_at, timers_skipped, "
+            "timer_due_at FROM tasks WHERE flow_id = ? AND state = 'waiting' ORDER BY wait_registered_at, task_id",
+            (flow_id,),
+        ), None
+    rows = db.all(_PG_WAITS_AND_MESSAGES, (flow_id, flow_id))
+    return ([tuple(r[1:]) for r in rows if r[0] == 0],
+            [(r[2], r[3], r[1], r[4]) for r in rows if r[0] == 1])
+
+
 def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
     """Satisfy every waiting task of the flow that can be, oldest first; return how many."""
     count = 0
-    rows = db.all(
-        "SELECT task_id, step_type, step_execution_id, wait_spec, wait_registered_at, timers_skipped, timer_due_at "
-        "FROM tasks WHERE flow_id = ? AND state = 'waiting' ORDER BY wait_registered_at, task_id",
-        (flow_id,),
-    )
+    rows, messages = _waits_and_messages(db, flow_id)
     if not rows:
         return 0
     waits = [(row, _decode_wait_spec(bytes(row[3]))) for row in rows]
@@ -775,15 +802,18 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
     idents = sorted({(c.channel, c.key) for _row, spec in waits for c in spec.conditions if c.kind == "channel"})
     queued: dict[tuple[str, str], list[int]] = {ident: [] for ident in idents}
     bodies: dict[int, bytes] = {}
-    for i in range(0, len(idents), _ROWS_PER_STATEMENT):
-        part = idents[i:i + _ROWS_PER_STATEMENT]
-        for channel, key, mid, value in db.all(
-            "SELECT channel, key, message_id, value FROM channel_messages WHERE flow_id = ? AND (channel, key) IN "
-            "(VALUES " + ", ".join("(?, ?)" for _ in part) + ") ORDER BY message_id",
-            [flow_id, *(x for ident in part for x in ident)],
-        ):
-            queued[(str(channel), str(key))].append(int(mid))
-            bodies[int(mid)] = bytes(value)
+    if messages is None:
+        messages = []
+        for i in range(0, len(idents), _ROWS_PER_STATEMENT):
+            part = idents[i:i + _ROWS_PER_STATEMENT]
+            messages += db.all(
+                "SELECT channel, key, message_id, value FROM channel_messages WHERE flow_id = ? AND (channel, key) "
+                "IN (VALUES " + ", ".join("(?, ?)" for _ in part) + ") ORDER BY message_id",
+                [flow_id, *(x for ident in part for x in ident)],
+            )
+    for channel, key, mid, value in messages:
+        queued[(str(channel), str(key))].append(int(mid))
+        bodies[int(mid)] = bytes(value)
     for (task_id, step_type, seid, _blob, registered_at, skipped, due_at), spec in waits:
         fired = {
             i for i, c in enumerate(spec.conditions)
