@@ -797,8 +797,9 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
     if not rows:
         return 0
     waits = [(row, _decode_wait_spec(bytes(row[3]))) for row in rows]
-    # Every channel instance any of the waits names, read in one statement (per 200 instances);
-    # each wait that consumes takes its messages out of these queues for the waits after it.
+    # Every channel instance any of the waits names, read in one statement (per 200 instances; on
+    # PostgreSQL already read with the waits); each wait that consumes takes its messages out of
+    # these queues for the waits after it.
     idents = sorted({(c.channel, c.key) for _row, spec in waits for c in spec.conditions if c.kind == "channel"})
     queued: dict[tuple[str, str], list[int]] = {ident: [] for ident in idents}
     bodies: dict[int, bytes] = {}
