@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import msgspec
 import msgspec.inspect as mi
 
 from ._errors import InvalidValueError, ValueTooLargeError
-from ._limits import DECODED_VALUE_CACHE_ENTRIES, MAX_VALUE_BYTES
+from ._limits import DECODED_VALUE_CACHE_BYTES, DECODED_VALUE_CACHE_ENTRIES, MAX_VALUE_BYTES
 
 T = TypeVar("T")
 
@@ -37,10 +39,10 @@ def encode_value(name: str, tp: Any, value: Any, *, limit: int = MAX_VALUE_BYTES
         raise ValueTooLargeError(name, len(data), limit)
     if tp is not Any and not _is_checked_instance(tp, value):
         # Round-trip through the declared type: catches a dict where a dataclass is declared,
-        # a str where an int is declared, and nested mismatches. An immutable value decoded here
+        # a str where an int is declared, and nested mismatches. A shareable value decoded here
         # is kept (_decoded): the next Step that loads these bytes gets it without decoding.
-        key = (tp, data) if _deeply_immutable(tp) else None
-        if key is None or key not in _decoded:
+        key = (tp, data) if _handout(tp) is not None else None
+        if key is None or key not in _decoded.values:
             try:
                 decoded = _decoder(tp).decode(data)
             except msgspec.ValidationError as exc:
@@ -48,7 +50,7 @@ def encode_value(name: str, tp: Any, value: Any, *, limit: int = MAX_VALUE_BYTES
                     f"value for {name!r} is not a {_type_name(tp)}: {exc}"
                 ) from None
             if key is not None:
-                _remember(key, decoded)
+                _decoded.remember(key, decoded)
     return data
 
 
@@ -62,34 +64,56 @@ def _is_checked_instance(tp: Any, value: Any) -> bool:
 
 
 def decode_value(name: str, tp: Any, data: bytes | str) -> Any:
-    immutable = _immutable_types.get(tp)
-    if immutable is None:
-        immutable = _deeply_immutable(tp)
-    key = (tp, data) if immutable and type(data) is bytes else None
+    handout = _handouts.get(tp, _UNKNOWN)
+    if handout is _UNKNOWN:
+        handout = _handout(tp)
+    key = (tp, data) if handout is not None and type(data) is bytes else None
     if key is not None:
-        hit = _decoded.get(key)
+        hit = _decoded.values.get(key)
         if hit is not None:
-            return hit
+            return handout(hit)
     try:
         value = _decoder(tp).decode(data)
     except msgspec.ValidationError as exc:
         raise InvalidValueError(f"stored value for {name!r} is not a {_type_name(tp)}: {exc}") from None
-    if key is not None:
-        _remember(key, value)
+    if key is not None and handout is not None:
+        _decoded.remember(key, value)
+        return handout(value)
     return value
 
 
-def _remember(key: tuple[Any, bytes | str], value: Any) -> None:
-    if len(_decoded) >= DECODED_VALUE_CACHE_ENTRIES:
-        del _decoded[next(iter(_decoded))]  # the oldest entry
-    _decoded[key] = value
+class _DecodedCache:
+    """Decoded values by (type, stored bytes), for types whose values can be shared (see _handout).
+
+    A value is a function of its bytes, so every reader of the same bytes (the next Step reading the
+    same messages, another flow) gets it without decoding. Bounded by entries and by stored bytes;
+    the oldest entries go first. Safe across threads (RPC clients decode on their own).
+    """
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.values: dict[tuple[Any, bytes | str], Any] = {}
+        self.stored_bytes = 0  # the stored bytes of the keys in `values`
+        self._max_entries = max_entries
+        self._max_bytes = max_bytes
+        self._lock = threading.Lock()
+
+    def remember(self, key: tuple[Any, bytes | str], value: Any) -> None:
+        with self._lock:
+            if key in self.values:
+                return
+            self.values[key] = value
+            self.stored_bytes += len(key[1])
+            while len(self.values) > self._max_entries or self.stored_bytes > self._max_bytes:
+                oldest = next(iter(self.values))
+                del self.values[oldest]
+                self.stored_bytes -= len(oldest[1])
 
 
-# Decoded values by (type, stored bytes), for types whose values nothing can change (frozen Structs
-# of immutable fields): a value is a function of its bytes, so every reader of the same bytes (the
-# next Step reading the same messages, another flow) can share one decoded object.
-_decoded: dict[tuple[Any, bytes | str], Any] = {}
-_immutable_types: dict[Any, bool] = {}
+_decoded = _DecodedCache(DECODED_VALUE_CACHE_ENTRIES, DECODED_VALUE_CACHE_BYTES)
+
+Handout = Callable[[Any], Any]
+_UNKNOWN: Any = object()
+_handouts: dict[Any, Handout | None] = {}
 
 _IMMUTABLE_SCALARS = (
     mi.NoneType, mi.BoolType, mi.IntType, mi.FloatType, mi.StrType, mi.BytesType, mi.DateTimeType,
@@ -97,17 +121,63 @@ _IMMUTABLE_SCALARS = (
 )
 
 
-def _deeply_immutable(tp: Any) -> bool:
-    """Whether decoded values of `tp` are frozen Structs whose every field is immutable all the way down."""
-    known = _immutable_types.get(tp)
-    if known is None:
-        try:
-            info = mi.type_info(tp)
-            known = isinstance(info, mi.StructType) and _immutable_info(info, set())
-        except Exception:  # a type msgspec cannot describe is simply not cached
-            known = False
-        _immutable_types[tp] = known
-    return known
+def _handout(tp: Any) -> Handout | None:
+    """How a cached decoded `tp` is given to a reader, or None when `tp` is not cached.
+
+    A frozen Struct immutable all the way down is shared as is. A list of such values, or a frozen
+    Struct whose only mutable fields are such lists (a message chunk, a tool call record), is
+    shared with fresh copies of those lists: copying a list is far cheaper than decoding its items,
+    and no reader can change what another reads.
+    """
+    known = _handouts.get(tp, _UNKNOWN)
+    if known is not _UNKNOWN:
+        return cast("Handout | None", known)
+    try:
+        info = mi.type_info(tp)
+    except Exception:  # a type msgspec cannot describe is simply not cached
+        info = None
+    rule: Handout | None = None
+    if isinstance(info, mi.ListType) and _immutable_info(info.item_type, set()):
+        rule = list
+    elif isinstance(info, mi.StructType) and info.cls.__struct_config__.frozen:
+        lists: list[str] = []
+        shareable = True
+        for f in info.fields:
+            if _holds_immutable_list(f.type):
+                lists.append(f.name)
+            elif not _immutable_info(f.type, {info.cls}):
+                shareable = False
+                break
+        if shareable:
+            rule = _copying_lists(tuple(lists)) if lists else _shared
+    _handouts[tp] = rule
+    return rule
+
+
+def _shared(value: Any) -> Any:
+    return value
+
+
+def _copying_lists(names: tuple[str, ...]) -> Handout:
+    def handout(value: Any) -> Any:
+        copies = {}
+        for name in names:
+            items = getattr(value, name)
+            if items is not None:
+                copies[name] = list(items)
+        return msgspec.structs.replace(value, **copies)
+
+    return handout
+
+
+def _holds_immutable_list(info: mi.Type) -> bool:
+    """A list of immutable items, or such a list or None."""
+    if isinstance(info, mi.ListType):
+        return _immutable_info(info.item_type, set())
+    if isinstance(info, mi.UnionType):
+        others = [t for t in info.types if not isinstance(t, mi.NoneType)]
+        return len(others) == 1 and len(info.types) == 2 and _holds_immutable_list(others[0])
+    return False
 
 
 def _immutable_info(info: mi.Type, seen: set[type]) -> bool:

@@ -46,9 +46,11 @@ SQLITE_WRITER_YIELD_SECONDS = 0.0005
 # Most operations one group commit carries; bounds the latency one batch adds to its last op.
 MAX_GROUP_COMMIT_OPS = 256
 
-# Decoded immutable values kept per process (_codec.decode_value): enough for the message windows of
-# many sessions at once, a few MiB of memory.
+# Decoded shareable values kept per process (_codec.decode_value): enough for the message windows and
+# chunks of many sessions at once. The byte bound (of the stored JSON) keeps a few large values from
+# holding up to DECODED_VALUE_CACHE_ENTRIES MiB: decoded, 32 MiB of JSON is well under 100 MiB.
 DECODED_VALUE_CACHE_ENTRIES = 8192
+DECODED_VALUE_CACHE_BYTES = 32 * 1024 * 1024
 
 # RPC optimistic validation: tries before RpcContentionError.
 MAX_RPC_TRIES = 64
