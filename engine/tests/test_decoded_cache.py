@@ -74,7 +74,7 @@ def test_a_struct_of_immutable_lists_shares_its_items_and_copies_its_lists() -> 
 
 
 def test_an_optional_list_left_out_stays_none() -> None:
-    first, second = _decode_twice(Chunk, Chunk([], "c"))
+    _, second = _decode_twice(Chunk, Chunk([], "c"))
     assert isinstance(second, Chunk) and second.extra is None and second.items == []
 
 
