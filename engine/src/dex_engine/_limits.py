@@ -43,6 +43,10 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 SQLITE_WRITER_BUSY_SECONDS = 0.010
 SQLITE_WRITER_YIELD_SECONDS = 0.0005
 
+# The file beside an SQLite database whose flock its writers take turns through (_writer_turns):
+# next to SQLite's own -wal and -shm files, where the process can already create files.
+SQLITE_WRITER_TURN_SUFFIX = "-dexlock"
+
 # Most operations one group commit carries; bounds the latency one batch adds to its last op.
 MAX_GROUP_COMMIT_OPS = 256
 

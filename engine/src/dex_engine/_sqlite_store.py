@@ -10,6 +10,10 @@ PRAGMA data_version on a second, read-only connection on the caller's thread, an
 a trip to the store's thread. That trip (a hand-off to another thread and back) costs more CPU than
 the statements, and a worker with claims in flight polls every poll_seconds.
 
+Processes writing the file take turns through an flock on `<file>-dexlock` (_writer_turns) around
+each write batch, so a process waiting for another's is woken when that batch commits instead of
+sleeping in SQLite's busy handler.
+
 Commits of other processes reach this process's commit listeners from the store's thread: while it
 has nothing queued, it reads PRAGMA data_version every watch interval (the shortest poll_seconds of
 the workers using it) and calls every listener when another connection has committed. A worker
@@ -46,6 +50,7 @@ from ._limits import (
 from ._migrate import apply_pending
 from ._store import Store, commit_origin
 from ._transitions import Db, HistoryRow, PollResult, Row, run_op
+from ._writer_turns import WriterTurns
 
 R = TypeVar("R")
 
@@ -254,6 +259,7 @@ class SqliteStore(Store):
             return
         self._ready.set_result(None)
         db = _SqliteDb(conn)
+        turns = WriterTurns(self.settings.path)
         level: str = self.settings.synchronous
         busy_since: float | None = None  # when this thread started writing back to back
         try:
@@ -277,20 +283,24 @@ class SqliteStore(Store):
                         stop = True
                         break
                     batch.append(nxt)  # type: ignore[arg-type]
-                level = self._run_batch(conn, db, batch, level)
+                writes = any(op.write for op in batch)
+                with turns if writes else contextlib.nullcontext():
+                    level = self._run_batch(conn, db, batch, level)
                 if stop:
                     break
-                if not any(op.write for op in batch) or self._queue.empty():
+                if not writes or self._queue.empty():
                     busy_since = None  # the thread goes idle: the write lock is free
                     continue
                 now = time.monotonic()
                 busy_since = busy_since or now
                 if now - busy_since >= SQLITE_WRITER_BUSY_SECONDS:
-                    # Back-to-back write batches would hold the file's write lock all the time, and
-                    # another process's busy handler (which sleeps between tries) would starve.
+                    # Back-to-back write batches would hold the file's write lock all the time:
+                    # this thread takes its turn again before a woken waiter runs, and a writer
+                    # outside the turns (whose busy handler sleeps between tries) would starve.
                     time.sleep(SQLITE_WRITER_YIELD_SECONDS)
                     busy_since = None
         finally:
+            turns.close()
             conn.close()
 
     def _run_batch(self, conn: sqlite3.Connection, db: _SqliteDb, batch: list[_Op], level: str) -> str:

@@ -1,0 +1,115 @@
+"""Writers of one SQLite file take turns through an flock on `<file>-dexlock` (_writer_turns).
+
+A real second process holds the turn; /proc/locks shows when the store's thread is blocked on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from dex_engine import FlowConfig, open_store
+from dex_engine import _transitions as tx
+from dex_engine._records import StartRequest
+
+from .conftest import wait_until
+
+pytestmark = pytest.mark.skipif(not Path("/proc/locks").exists(), reason="needs Linux's /proc/locks")
+
+_HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def holder_of(tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def hold_turn(lock: Path, started: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(lock)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    started.append(proc)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def blocked_on(lock: Path) -> bool:
+    """Whether this process waits for an flock on `lock` (a '->' line in /proc/locks)."""
+    inode = os.stat(lock).st_ino
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if "->" in fields and "FLOCK" in fields and str(os.getpid()) in fields and any(
+                f.endswith(f":{inode}") for f in fields):
+            return True
+    return False
+
+
+def write_marker(flow_id: str) -> Callable[[tx.Db], None]:
+    def op(db: tx.Db) -> None:
+        db.run("INSERT INTO attributes (flow_id, name, key, value) VALUES (?, 'A', '', x'31')", (flow_id,))
+    return op
+
+
+async def test_a_write_waits_for_the_turn_another_process_holds_and_a_read_does_not(
+        tmp_path: Path, holder_of: list[subprocess.Popen[str]]) -> None:
+    db = tmp_path / "t.db"
+    store = open_store(f"sqlite:///{db}")
+    try:
+        await store.start_flow(StartRequest("f", "T", b"null", FlowConfig(), None))
+        lock = Path(f"{db}-dexlock")
+        assert await asyncio.to_thread(lock.exists), "a write did not create the turn's lock file"
+        holder = hold_turn(lock, holder_of)
+
+        # A read needs no turn (bounded: a read that waited for the turn would wait for ever).
+        assert (await asyncio.wait_for(store.read_attribute("f", "A", ""), 30)) is None
+
+        write = asyncio.ensure_future(store.raw(write_marker("f"), write=True))
+
+        async def waiting() -> bool:
+            return blocked_on(lock)
+
+        await wait_until("the store's thread waits for the turn", waiting)
+        assert not write.done()
+        assert holder.stdin is not None
+        holder.stdin.close()  # the holder exits, and the kernel releases its turn
+        await write
+        assert (await store.read_attribute("f", "A", "")) == b"1"
+    finally:
+        for proc in holder_of:
+            proc.kill()  # before closing: a store thread blocked on the turn would never stop
+        await store.close()
+
+
+async def test_writes_go_on_without_turns_when_the_lock_file_cannot_be_opened(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    db = tmp_path / "t.db"
+    await asyncio.to_thread(Path(f"{db}-dexlock").mkdir)  # a directory where the lock file would go
+    store = open_store(f"sqlite:///{db}")
+    try:
+        with caplog.at_level(logging.WARNING, logger="dex_engine"):
+            for fid in ("a", "b"):
+                await store.start_flow(StartRequest(fid, "T", b"null", FlowConfig(), None))
+                await store.raw(write_marker(fid), write=True)
+        for fid in ("a", "b"):
+            assert (await store.read_attribute(fid, "A", "")) == b"1"
+        warnings = [r.getMessage() for r in caplog.records if "-dexlock" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert "busy handler alone" in warnings[0]
+    finally:
+        await store.close()
