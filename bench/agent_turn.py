@@ -21,13 +21,18 @@ Every database file is in WAL mode with synchronous=FULL (one fsync per commit),
 differ in what they commit, not in how SQLite is set up; DBOS alone would otherwise use SQLite's
 rollback journal (--dbos-journal default runs it that way).
 
+dex's 16 sessions also run spread over --processes worker processes (default 2) on one SQLite
+file, each process with its own client, worker and flow type (so each observes its own sessions'
+turn ends locally); printed below the table as one figure: turns/s over all processes, between the
+first process starting its clock and the last one stopping it.
+
 With --pg-dsn, dex's turn also runs on that PostgreSQL server (a fresh database per phase, the
 worker in this process), printed apart against a bare PostgreSQL commit on one connection, with
 the transactions, round trips and statements psycopg sent per turn (counted in the timed pass:
 the counters are cheap next to a round trip).
 
 Run: uv run --group bench python bench/agent_turn.py [--turns N] [--sessions N]
-     [--skip-langgraph] [--skip-dbos] [--dbos-journal wal|default] [--pg-dsn DSN] [--json]
+     [--skip-langgraph] [--skip-dbos] [--dbos-journal wal|default] [--processes N] [--pg-dsn DSN] [--json]
 (`uv sync` without the group removes LangGraph and DBOS again; where others share the .venv, set
 UV_PROJECT_ENVIRONMENT to a private one.)
 
@@ -119,6 +124,7 @@ class PhaseResult:
     transactions: int = 0
     round_trips: int = 0
     statements: int = 0
+    started: float = 0.0  # time.perf_counter() when the clock started (CLOCK_MONOTONIC: any process)
 
     @property
     def turns(self) -> int:
@@ -295,10 +301,10 @@ class BenchRunner:
         return ToolExecutionResult(TOOL_OUTPUT)
 
 
-def scripted_runner_flow(watcher: TurnWatcher) -> AgentSessionFlow:
+def scripted_runner_flow(watcher: TurnWatcher, flow_type: str = "BenchTurn") -> AgentSessionFlow:
     runner = BenchRunner()
     runner.watcher = watcher
-    return AgentSessionFlow(runner, flow_type="BenchTurn")
+    return AgentSessionFlow(runner, flow_type=flow_type)
 
 
 # The session whose model call is running; set by the instructions function, read by the model.
@@ -330,7 +336,8 @@ def builtin_loop_flow(watcher: TurnWatcher) -> AgentSessionFlow:
 
 async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool,
                     make_flow: Callable[[TurnWatcher], AgentSessionFlow] = scripted_runner_flow,
-                    counter: CommitCounter | None = None) -> PhaseResult:
+                    counter: CommitCounter | None = None,
+                    before_clock: Callable[[], Any] | None = None) -> PhaseResult:
     postgres = url.startswith("postgresql")
     store = (open_store(url) if postgres else
              SqliteStore(url) if counter is None else CountingSqliteStore(url, counter))
@@ -364,6 +371,8 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
             await turns(f"{prefix}-warmup", WARMUP_TURNS, record=False)
             # Sessions start before the clock: only turns are timed and their commits counted.
             await asyncio.gather(*(start(session_id) for session_id in ids))
+            if before_clock is not None:
+                await asyncio.to_thread(before_clock)
             before = (0, 0) if counter is None else counter.totals()
             sent0 = dict(pg_counts)
             cpu0, t0 = time.process_time(), time.perf_counter()
@@ -380,7 +389,7 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
         await store.close()
     return PhaseResult(latencies, wall, cpu, after[0] - before[0], after[1] - before[1],
                        transactions=sent.get("commit", 0), round_trips=sent.get("round_trips", 0),
-                       statements=sent.get("statements", 0))
+                       statements=sent.get("statements", 0), started=t0)
 
 
 def run_dex(tmp: Path, turns: int, sessions: int, count_turns: int, *, builtin: bool = False) -> SystemResult:
@@ -395,6 +404,56 @@ def run_dex(tmp: Path, turns: int, sessions: int, count_turns: int, *, builtin: 
     return SystemResult(name, seq, conc, sessions, [
         "turn end observed by one AgentState read after each commit once the answer is returned",
     ])
+
+
+@dataclass
+class ProcessesResult:
+    """dex's concurrent phase spread over worker processes on one SQLite file."""
+
+    processes: int
+    sessions: int
+    phases: list[PhaseResult]
+
+    @property
+    def wall(self) -> float:
+        return max(p.started + p.wall for p in self.phases) - min(p.started for p in self.phases)
+
+    def summary(self) -> dict[str, Any]:
+        latencies = [x for p in self.phases for x in p.latencies]
+        turns = len(latencies)
+        return {
+            "processes": self.processes, "sessions": self.sessions, "turns": turns,
+            "turns_per_s": turns / self.wall, "median_ms": statistics.median(latencies) * 1e3,
+            "p95_ms": pct(latencies, 0.95) * 1e3,
+            "cpu_ms_per_turn": sum(p.cpu for p in self.phases) / turns * 1e3,
+        }
+
+
+def _process_phase(url: str, plan: list[int], index: int, barrier: Any, results: Any) -> None:
+    """One worker process of run_dex_processes: its own flow type and sessions, clock at the barrier."""
+    def make(watcher: TurnWatcher) -> AgentSessionFlow:
+        return scripted_runner_flow(watcher, f"BenchTurn{index}")
+
+    results.put((index, asyncio.run(dex_phase(url, plan, f"p{index}", True, make, before_clock=barrier.wait))))
+
+
+def run_dex_processes(tmp: Path, turns: int, sessions: int, processes: int) -> ProcessesResult:
+    """The 16 sessions' turns spread over `processes` processes (spawned: no state forked from here)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    url = f"sqlite:///{tmp / 'dex-processes.db'}"
+    wal_file(tmp / "dex-processes.db")
+    plan = session_plan(turns, sessions)
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_process_phase, args=(url, plan[i::processes], i, barrier, results))
+             for i in range(processes)]
+    for proc in procs:
+        proc.start()
+    phases = [results.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join()
+    return ProcessesResult(processes, sessions, [phase for _, phase in sorted(phases, key=lambda r: r[0])])
 
 
 def run_dex_postgres(dsn: str, turns: int, sessions: int) -> SystemResult:
@@ -642,7 +701,7 @@ def print_head(sessions: int, counts: tuple[str, str]) -> None:
 
 
 def print_table(rows: list[dict[str, Any]], floor_median: float, floor_p95: float, sessions: int,
-                skipped: dict[str, str]) -> None:
+                skipped: dict[str, str], spread: dict[str, Any] | None) -> None:
     print(f"\nfloor: bare commit (WAL, synchronous=FULL) on a dedicated thread: median {floor_median * 1e3:.3f} ms"
           f"  p95 {floor_p95 * 1e3:.3f} ms")
     print_head(sessions, ("commits", "fsyncs"))
@@ -663,13 +722,22 @@ def print_table(rows: list[dict[str, Any]], floor_median: float, floor_p95: floa
     for r in rows:
         for note in r["notes"]:
             print(f"{r['system']}: {note}")
+    if spread is not None:
+        print(f"\ndex, {spread['sessions']} sessions over {spread['processes']} worker processes on one file (each"
+              f" its own client, worker and flow type): {spread['turns_per_s']:.1f} turns/s,"
+              f" median {spread['median_ms']:.2f} ms, p95 {spread['p95_ms']:.2f} ms,"
+              f" cpu {spread['cpu_ms_per_turn']:.2f} ms per turn (all processes)")
     dex = next((r for r in rows if r["system"] == "dex"), None)
     if dex is not None:
         ok_ratio = dex["x_floor"] <= 15
         ok_rate = dex["concurrent_turns_per_s"] >= 200
-        print(f"\ngoal: dex median <= 15x floor: {'met' if ok_ratio else 'NOT met'} ({dex['x_floor']:.1f}x); "
-              f">= 200 turns/s with {sessions} sessions: {'met' if ok_rate else 'NOT met'} "
-              f"({dex['concurrent_turns_per_s']:.0f}/s)")
+        rate = (f">= 200 turns/s with {sessions} sessions: in one process {'met' if ok_rate else 'NOT met'} "
+                f"({dex['concurrent_turns_per_s']:.0f}/s)")
+        if spread is not None:
+            ok_spread = spread["turns_per_s"] >= 200
+            rate += (f", over {spread['processes']} processes {'met' if ok_spread else 'NOT met'}"
+                     f" ({spread['turns_per_s']:.0f}/s)")
+        print(f"\ngoal: dex median <= 15x floor: {'met' if ok_ratio else 'NOT met'} ({dex['x_floor']:.1f}x); {rate}")
 
 
 def print_postgres(result: SystemResult, floor_median: float, floor_p95: float, sessions: int) -> None:
@@ -702,12 +770,16 @@ def main() -> None:
     parser.add_argument("--skip-dbos", action="store_true")
     parser.add_argument("--dbos-journal", choices=["wal", "default"], default="wal",
                         help="DBOS's SQLite journal: WAL like the others (default), or as DBOS leaves it")
+    parser.add_argument("--processes", type=int, default=2,
+                        help="also run dex's sessions spread over this many worker processes (1: not)")
     parser.add_argument("--pg-dsn", default="",
                         help="also run dex's turn on this PostgreSQL server (creates and drops a database per phase)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
     if min(args.turns, args.count_turns) < args.sessions or args.sessions < 1:
         parser.error("--turns and --count-turns must be at least --sessions, and --sessions at least 1")
+    if not 1 <= args.processes <= args.sessions:
+        parser.error(f"--processes must be from 1 to --sessions ({args.sessions}), got {args.processes}")
 
     tmp = Path(tempfile.mkdtemp(prefix="dex-agent-bench-"))
     log: Callable[[str], None] = (lambda s: print(s, file=sys.stderr)) if args.json else print
@@ -720,6 +792,10 @@ def main() -> None:
     skipped: dict[str, str] = {}
     log("running dex ...")
     results.append(run_dex(tmp, args.turns, args.sessions, args.count_turns))
+    spread: dict[str, Any] | None = None
+    if args.processes > 1:
+        log(f"running dex on {args.processes} processes ...")
+        spread = run_dex_processes(tmp, args.turns, args.sessions, args.processes).summary()
     if not args.skip_builtin:
         results.append(run_dex(tmp, args.turns, args.sessions, args.count_turns, builtin=True))
     competitors: list[tuple[str, bool, Callable[[], SystemResult]]] = [
@@ -746,10 +822,10 @@ def main() -> None:
         print(json.dumps({
             "floor_median_ms": floor_median * 1e3, "floor_p95_ms": floor_p95 * 1e3, "turns": args.turns,
             "sessions": args.sessions, "cores": os.cpu_count(), "systems": rows, "skipped": skipped,
-            "postgres": None if postgres is None else postgres_summary(*postgres),
+            "postgres": None if postgres is None else postgres_summary(*postgres), "processes": spread,
         }, indent=2))
         return
-    print_table(rows, floor_median, floor_p95, args.sessions, skipped)
+    print_table(rows, floor_median, floor_p95, args.sessions, skipped, spread)
     if postgres is not None:
         result, pg_latencies = postgres
         print_postgres(result, statistics.median(pg_latencies), pct(pg_latencies, 0.95), args.sessions)
