@@ -6,18 +6,22 @@ A real second process holds the turn; /proc/locks shows when the store's thread 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import functools
 import logging
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from dex_engine import FlowConfig, open_store
+from dex_engine import FlowConfig, _sqlite_store, open_store
 from dex_engine import _transitions as tx
 from dex_engine._records import StartRequest
+from dex_engine._writer_turns import WriterTurns
 
 from .conftest import wait_until
 
@@ -112,4 +116,85 @@ async def test_writes_go_on_without_turns_when_the_lock_file_cannot_be_opened(
         assert len(warnings) == 1, warnings
         assert "busy handler alone" in warnings[0]
     finally:
+        await store.close()
+
+
+def turn_is_free(lock: Path) -> bool:
+    """Whether another open of the lock file can take the turn now (released by the others)."""
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+async def test_a_writer_waits_for_a_frozen_holder_only_so_long_and_releases_a_late_turn(
+        tmp_path: Path, holder_of: list[subprocess.Popen[str]], caplog: pytest.LogCaptureFixture) -> None:
+    """The holder never lets go within the wait: the writer goes on without the turn, and says so.
+    When the holder exits, the turn granted late is not kept, or no other process could take it."""
+    turns = WriterTurns(str(tmp_path / "t.db"), wait_seconds=0.2)
+    lock = Path(turns.path)
+    with turns:
+        pass  # creates the lock file
+    holder = hold_turn(lock, holder_of)
+    with caplog.at_level(logging.WARNING, logger="dex_engine"), turns:
+        assert not turns._held
+    assert any("writing without it" in r.getMessage() for r in caplog.records)
+    assert holder.stdin is not None
+    holder.stdin.close()
+    holder.wait()
+
+    async def free() -> bool:
+        return turn_is_free(lock)
+
+    await wait_until("the late turn released", free)
+    turns.close()
+
+
+async def test_a_late_turn_goes_to_the_next_waiting_write(
+        tmp_path: Path, holder_of: list[subprocess.Popen[str]]) -> None:
+    turns = WriterTurns(str(tmp_path / "t.db"), wait_seconds=0.2)
+    lock = Path(turns.path)
+    with turns:
+        pass
+    holder = hold_turn(lock, holder_of)
+    with turns:
+        assert not turns._held  # gave up: the request stays with the helper thread
+    turns.wait_seconds = 60
+    entered, leave = threading.Event(), threading.Event()
+
+    def write() -> None:
+        with turns:
+            assert turns._held
+            entered.set()
+            leave.wait(60)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert holder.stdin is not None
+    holder.stdin.close()  # the turn frees; the newer request gets it
+    assert await asyncio.to_thread(entered.wait, 60)
+    assert not turn_is_free(lock), "the writer holds the turn, yet another open could take it"
+    leave.set()
+    await asyncio.to_thread(writer.join, 60)
+    assert turn_is_free(lock)
+    turns.close()
+
+
+async def test_a_store_write_goes_on_when_the_turn_never_comes(
+        tmp_path: Path, holder_of: list[subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    db = tmp_path / "t.db"
+    monkeypatch.setattr(_sqlite_store, "WriterTurns", functools.partial(WriterTurns, wait_seconds=0.2))
+    store = open_store(f"sqlite:///{db}")
+    try:
+        await store.start_flow(StartRequest("f", "T", b"null", FlowConfig(), None))
+        hold_turn(Path(f"{db}-dexlock"), holder_of)
+        await asyncio.wait_for(store.raw(write_marker("f"), write=True), 30)
+        assert (await store.read_attribute("f", "A", "")) == b"1"
+    finally:
+        for proc in holder_of:
+            proc.kill()
         await store.close()
