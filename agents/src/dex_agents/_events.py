@@ -33,11 +33,15 @@ class AgentEventType(StrEnum):
     COMPACTION_FINISHED = "compaction_finished"
 
 
+# One encoder for every payload: json.dumps with these options builds a new JSONEncoder per call.
+_PAYLOAD_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def payload_text(payload: Mapping[str, Any]) -> str:
     """Compact JSON object text, as every core writes event payloads."""
-    if not isinstance(payload, Mapping):
+    if type(payload) is not dict and not isinstance(payload, Mapping):
         raise TypeError(f"an event payload must be a JSON object (a mapping), got {type(payload).__name__}")
-    return json.dumps(dict(payload), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return _PAYLOAD_ENCODER.encode(dict(payload))
 
 
 def make_event(
