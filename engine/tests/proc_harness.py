@@ -17,6 +17,7 @@ one branch per backend.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import signal
@@ -30,6 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from dex_engine._limits import SQLITE_WRITER_TURN_SUFFIX
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHILD_MODULE = "engine.tests.worker_child"
@@ -375,7 +378,16 @@ class ProcSet:
             await asyncio.sleep(0.005)
 
     def _sqlite_write_held(self, child: WorkerProcess) -> bool:
-        """Someone holds the file's write lock (the stopped child is the only other writer)."""
+        """Someone holds the file's write lock or its writers' turn (the stopped child is the only
+        other writer): frozen holding the turn, it would hold up the others' writes too."""
+        fd = os.open(sqlite_path(self.db_url) + SQLITE_WRITER_TURN_SUFFIX, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
         conn = sqlite3.connect(sqlite_path(self.db_url), timeout=0.5, isolation_level=None)
         try:
             conn.execute("BEGIN IMMEDIATE")
