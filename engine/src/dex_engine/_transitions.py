@@ -223,13 +223,18 @@ def _history(
     db.history.append((flow_id, step_type, seid, event, attempt, now, detail[:4000]))
 
 
+def _on_postgres(db: Db) -> bool:
+    """Whether `db` may take PostgreSQL's syntax for a hot statement (Db's `dialect`)."""
+    return getattr(db, "dialect", None) == "postgres"
+
+
 def flush_history(db: Db) -> None:
     """Write the buffered history events: per flow one sequence update and one insert."""
     pending, db.history = db.history, []
     by_flow: dict[str, list[HistoryRow]] = {}
     for row in pending:
         by_flow.setdefault(row[0], []).append(row)
-    postgres = getattr(db, "dialect", None) == "postgres"
+    postgres = _on_postgres(db)
     for flow_id, rows in by_flow.items():
         if postgres:
             _send_history(db, flow_id, rows)
@@ -314,7 +319,7 @@ def _insert_task(db: Db, columns: str, values: str, params: Sequence[Any]) -> tu
     flow); returns its task ID and execution ID. `columns` start with flow_id, flow_type, step_type,
     step_execution_id; `values` holds `{id}` in the execution ID's place and `?` for `params`."""
     flow_id, step_type = params[0], params[2]
-    if getattr(db, "dialect", None) == "postgres":
+    if _on_postgres(db):
         # One statement: the counter's new value comes from a data-modifying CTE.
         execution_id = "CAST(? AS TEXT) || '-' || CAST(c.n AS TEXT)"
         sql = (f"WITH c AS ({_COUNT_EXECUTION} RETURNING n) INSERT INTO tasks ({columns}) "
@@ -779,7 +784,7 @@ def _waits_and_messages(db: Db, flow_id: str) -> tuple[list[Row], list[Row] | No
     """The flow's waiting tasks, oldest first, and on PostgreSQL also the queued messages their
     channel conditions name, as (channel, key, message_id, value) in message order (None elsewhere:
     evaluate_waits reads them once it knows the channel instances)."""
-    if getattr(db, "dialect", None) != "postgres":
+    if not _on_postgres(db):
         return db.all(
             "SELECT task_id, step_type, step_execution_id, wait_spec, wait_registered_at, timers_skipped, "
             "timer_due_at FROM tasks WHERE flow_id = ? AND state = 'waiting' ORDER BY wait_registered_at, task_id",
