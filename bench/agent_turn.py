@@ -49,6 +49,7 @@ import contextvars
 import json
 import operator
 import os
+import queue
 import sqlite3
 import statistics
 import sys
@@ -90,6 +91,8 @@ from dex_agents.builtin_loop import (
 )
 from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions, open_store
 from dex_engine._sqlite_store import SqliteStore
+
+# The floors are engine_steps.py's measurements, so both benchmarks compare against the same thing.
 from engine_steps import (
     _count_statements,
     drop_pg_database,
@@ -98,8 +101,6 @@ from engine_steps import (
     pct,
     pg_floor,
 )
-
-# The floor is engine_steps.py's measurement, so both benchmarks compare against the same thing.
 from engine_steps import counts as pg_counts
 
 USER_TEXT = "How many open orders do I have?"
@@ -450,7 +451,18 @@ def run_dex_processes(tmp: Path, turns: int, sessions: int, processes: int) -> P
              for i in range(processes)]
     for proc in procs:
         proc.start()
-    phases = [results.get(timeout=600) for _ in procs]
+    phases: list[tuple[int, PhaseResult]] = []
+    while len(phases) < processes:
+        try:
+            phases.append(results.get(timeout=1))
+        except queue.Empty:
+            for proc in procs:
+                if proc.exitcode not in (None, 0):
+                    for other in procs:
+                        other.kill()
+                    raise RuntimeError(f"bench worker process {proc.name} exited with code {proc.exitcode} "
+                                       "before reporting its phase (a negative code is the signal that ended "
+                                       "it; a Python error printed its traceback above)") from None
     for proc in procs:
         proc.join()
     return ProcessesResult(processes, sessions, [phase for _, phase in sorted(phases, key=lambda r: r[0])])
@@ -740,21 +752,22 @@ def print_table(rows: list[dict[str, Any]], floor_median: float, floor_p95: floa
         print(f"\ngoal: dex median <= 15x floor: {'met' if ok_ratio else 'NOT met'} ({dex['x_floor']:.1f}x); {rate}")
 
 
-def print_postgres(result: SystemResult, floor_median: float, floor_p95: float, sessions: int) -> None:
-    """dex's turn on PostgreSQL, apart from the SQLite table: its own floor, and what psycopg sent."""
-    print(f"\nPostgreSQL floor: bare commit on one connection: median {floor_median * 1e3:.3f} ms"
-          f"  p95 {floor_p95 * 1e3:.3f} ms")
-    print_head(sessions, ("txns", "trips"))
-    seq, con = result.sequential, result.concurrent
-    seq_median = statistics.median(seq.latencies)
-    print(f"{'dex (pg)':<10}|{seq_median * 1e3:>10.2f}{pct(seq.latencies, 0.95) * 1e3:>9.2f}"
-          f"{seq_median / floor_median:>9.1f}{seq.transactions / seq.turns:>9.2f}{seq.round_trips / seq.turns:>9.2f}"
-          f"{seq.cpu / seq.turns * 1e3:>9.2f} |{con.turns / con.wall:>9.1f}"
-          f"{statistics.median(con.latencies) * 1e3:>11.2f}{pct(con.latencies, 0.95) * 1e3:>10.2f}"
-          f"{con.transactions / con.turns:>9.2f}{con.round_trips / con.turns:>9.2f}{con.cpu / con.turns * 1e3:>9.2f}")
+def print_postgres(row: dict[str, Any]) -> None:
+    """dex's turn on PostgreSQL (a postgres_summary() row), apart from the SQLite table: its own
+    floor, and what psycopg sent."""
+    print(f"\nPostgreSQL floor: bare commit on one connection: median {row['floor_median_ms']:.3f} ms"
+          f"  p95 {row['floor_p95_ms']:.3f} ms")
+    print_head(row["sessions"], ("txns", "trips"))
+    print(f"{'dex (pg)':<10}|{row['sequential_median_ms']:>10.2f}{row['sequential_p95_ms']:>9.2f}"
+          f"{row['x_floor']:>9.1f}{row['sequential_transactions_per_turn']:>9.2f}"
+          f"{row['sequential_round_trips_per_turn']:>9.2f}{row['sequential_cpu_ms_per_turn']:>9.2f} |"
+          f"{row['concurrent_turns_per_s']:>9.1f}{row['concurrent_median_ms']:>11.2f}{row['concurrent_p95_ms']:>10.2f}"
+          f"{row['concurrent_transactions_per_turn']:>9.2f}{row['concurrent_round_trips_per_turn']:>9.2f}"
+          f"{row['concurrent_cpu_ms_per_turn']:>9.2f}")
     print(f"\ntxns, trips: transactions committed and round trips waited for per turn, as psycopg sent them "
-          f"(statements: {seq.statements / seq.turns:.1f} and {con.statements / con.turns:.1f} per turn)")
-    for note in result.notes:
+          f"(statements: {row['sequential_statements_per_turn']:.1f} and {row['concurrent_statements_per_turn']:.1f}"
+          " per turn)")
+    for note in row["notes"]:
         print(f"dex (pg): {note}")
 
 
@@ -812,23 +825,22 @@ def main() -> None:
             results.append(run())
         except ImportError as exc:
             skipped[name] = f"not installed ({exc}); run with `uv run --group bench`"
-    postgres: tuple[SystemResult, list[float]] | None = None
+    postgres: dict[str, Any] | None = None
     if args.pg_dsn:
         log("running dex on PostgreSQL ...")
         pg_latencies = pg_floor(args.pg_dsn, args.floor_commits)
-        postgres = run_dex_postgres(args.pg_dsn, args.turns, args.sessions), pg_latencies
+        postgres = postgres_summary(run_dex_postgres(args.pg_dsn, args.turns, args.sessions), pg_latencies)
     rows = [summary(r, floor_median) for r in results]
     if args.json:
         print(json.dumps({
             "floor_median_ms": floor_median * 1e3, "floor_p95_ms": floor_p95 * 1e3, "turns": args.turns,
             "sessions": args.sessions, "cores": os.cpu_count(), "systems": rows, "skipped": skipped,
-            "postgres": None if postgres is None else postgres_summary(*postgres), "processes": spread,
+            "postgres": postgres, "processes": spread,
         }, indent=2))
         return
     print_table(rows, floor_median, floor_p95, args.sessions, skipped, spread)
     if postgres is not None:
-        result, pg_latencies = postgres
-        print_postgres(result, statistics.median(pg_latencies), pct(pg_latencies, 0.95), args.sessions)
+        print_postgres(postgres)
 
 
 if __name__ == "__main__":
