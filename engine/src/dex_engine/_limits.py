@@ -56,6 +56,11 @@ MAX_GROUP_COMMIT_OPS = 256
 DECODED_VALUE_CACHE_ENTRIES = 8192
 DECODED_VALUE_CACHE_BYTES = 32 * 1024 * 1024
 
+# Resolved options of movements kept per process (_scheduling.task_options). A movement's options
+# can be unique to it (an agent tool Step loads its own call's record), so the cache must be bounded;
+# a few thousand entries hold every Step type of many flow types with room to spare.
+SCHEDULING_OPTIONS_CACHE_ENTRIES = 4096
+
 # RPC optimistic validation: tries before RpcContentionError.
 MAX_RPC_TRIES = 64
 

@@ -105,21 +105,16 @@ class StepOptions:
     wait_for_load: LoadSpec | None = None  # overrides `load` for WaitFor only
 
     def __post_init__(self) -> None:
-        for label, value in (
-            ("execute_timeout_seconds", self.execute_timeout_seconds),
-            ("wait_for_timeout_seconds", self.wait_for_timeout_seconds),
-            ("heartbeat_timeout_seconds", self.heartbeat_timeout_seconds),
-        ):
-            if value is None:
-                continue
-            number = isinstance(value, int | float) and not isinstance(value, bool)
-            if not (number and value > 0 and math.isfinite(value)):
-                raise FlowDefinitionError(f"{label} must be a positive number of seconds, got {value!r}")
+        _check_timeouts(self)
 
 
 @dataclass(frozen=True)
 class MovementOptions:
-    """Overrides for one movement into a Step; unset fields keep the Step's options."""
+    """Overrides for one movement into a Step; unset (None) fields keep the Step's options.
+
+    The retry policies and timeouts are stored with the scheduled Step, so every attempt, on any
+    worker, runs with them. Overrides of a WaitFor are ignored for a Step without one.
+    """
 
     load: LoadSpec | None = None
     execute_load: LoadSpec | None = None
@@ -127,6 +122,30 @@ class MovementOptions:
     durability: StepDurability | None = None
     # Another of the flow's Steps as this movement's failure route (e.g. chosen by the call's effect).
     failure_route: str | None = None
+    execute_retry: RetryPolicy | None = None
+    wait_for_retry: RetryPolicy | None = None
+    execute_timeout_seconds: float | None = None
+    wait_for_timeout_seconds: float | None = None
+    heartbeat_timeout_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        for label, retry in (("execute_retry", self.execute_retry), ("wait_for_retry", self.wait_for_retry)):
+            if retry is not None and not isinstance(retry, RetryPolicy):
+                raise FlowDefinitionError(f"{label} must be a RetryPolicy or None, got {retry!r}")
+        _check_timeouts(self)
+
+
+def _check_timeouts(options: StepOptions | MovementOptions) -> None:
+    for label, value in (
+        ("execute_timeout_seconds", options.execute_timeout_seconds),
+        ("wait_for_timeout_seconds", options.wait_for_timeout_seconds),
+        ("heartbeat_timeout_seconds", options.heartbeat_timeout_seconds),
+    ):
+        if value is None:
+            continue
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (number and value > 0 and math.isfinite(value)):
+            raise FlowDefinitionError(f"{label} must be a positive number of seconds, got {value!r}")
 
 
 class FlowConfig(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -171,27 +190,35 @@ def resolve_task_options(
     execute_load = options.execute_load or load
     wait_for_load = options.wait_for_load or load
     durability = options.durability
+    execute_retry, wait_for_retry = options.execute_retry, options.wait_for_retry
+    execute_timeout, wait_for_timeout = options.execute_timeout_seconds, options.wait_for_timeout_seconds
+    heartbeat_timeout = options.heartbeat_timeout_seconds
     if movement is not None:
         if movement.load is not None:
             execute_load = wait_for_load = movement.load
         execute_load = movement.execute_load or execute_load
         wait_for_load = movement.wait_for_load or wait_for_load
         durability = movement.durability or durability
+        execute_retry = movement.execute_retry or execute_retry
+        wait_for_retry = movement.wait_for_retry or wait_for_retry
+        execute_timeout = movement.execute_timeout_seconds or execute_timeout
+        wait_for_timeout = movement.wait_for_timeout_seconds or wait_for_timeout
+        heartbeat_timeout = movement.heartbeat_timeout_seconds or heartbeat_timeout
     return TaskOptions(
         has_wait_for=has_wait_for,
         execute=MethodOptions(
-            retry=options.execute_retry,
-            timeout_ms=_ms(options.execute_timeout_seconds),
+            retry=execute_retry,
+            timeout_ms=_ms(execute_timeout),
             locks=tuple(lock_name(x) for x in options.execute_locks),
             load=execute_load,
         ),
         wait_for=MethodOptions(
-            retry=options.wait_for_retry,
-            timeout_ms=_ms(options.wait_for_timeout_seconds),
+            retry=wait_for_retry,
+            timeout_ms=_ms(wait_for_timeout),
             locks=tuple(lock_name(x) for x in options.wait_for_locks),
             load=wait_for_load,
         ) if has_wait_for else None,
-        heartbeat_timeout_ms=_ms(options.heartbeat_timeout_seconds),
+        heartbeat_timeout_ms=_ms(heartbeat_timeout),
         failure_route=options.failure_route,
         durability=durability,
     )

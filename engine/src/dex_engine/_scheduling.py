@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from ._codec import encode_value
 from ._decision import Movement
 from ._flow import Flow
+from ._limits import SCHEDULING_OPTIONS_CACHE_ENTRIES
 from ._options import MovementOptions, TaskOptions, resolve_task_options
 from ._records import MovementRecord
 
+# Oldest entries go first. Locked: RPC clients schedule movements on their own threads.
 _cache: dict[tuple[int, str, MovementOptions | None], tuple[Flow, TaskOptions]] = {}
+_cache_lock = threading.Lock()
 
 
 def task_options(
@@ -23,7 +27,10 @@ def task_options(
         return hit[1]
     options = _resolve(flow, step_type, movement, _seen)
     if not _seen:
-        _cache[key] = (flow, options)
+        with _cache_lock:
+            _cache[key] = (flow, options)
+            while len(_cache) > SCHEDULING_OPTIONS_CACHE_ENTRIES:
+                del _cache[next(iter(_cache))]
     return options
 
 

@@ -1,0 +1,131 @@
+"""Per-movement Step options (ENGINE.md: StepOptions overridable per movement) and their bounded cache."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from dex_engine import (
+    AttributeMap,
+    Context,
+    Flow,
+    FlowDefinitionError,
+    LoadOptions,
+    MovementOptions,
+    Registry,
+    RetryPolicy,
+    Step,
+    StepDecision,
+    StepOptions,
+    _scheduling,
+)
+from dex_engine._decision import Movement
+from dex_engine._limits import SCHEDULING_OPTIONS_CACHE_ENTRIES
+from dex_engine._scheduling import movement_record, task_options
+
+from .conftest import engine_for
+
+QUICK = RetryPolicy(max_attempts=3, initial_interval_seconds=0.01, max_interval_seconds=0.01)
+ONE_ATTEMPT = RetryPolicy(max_attempts=1)
+
+# What each movement into Work overrides, by the flow's input.
+OVERRIDES: dict[str, MovementOptions | None] = {
+    "none": None,
+    "one_attempt": MovementOptions(execute_retry=ONE_ATTEMPT),
+    "timeout": MovementOptions(execute_timeout_seconds=0.2, execute_retry=ONE_ATTEMPT),
+    "heartbeat": MovementOptions(heartbeat_timeout_seconds=0.3, execute_retry=ONE_ATTEMPT),
+}
+
+Calls = AttributeMap("Calls", str)
+attempts: dict[str, list[int]] = {}
+recovered: dict[str, Any] = {}
+
+
+async def _pick(ctx: Context, mode: str) -> StepDecision:
+    return StepDecision.go_to("Work", mode, OVERRIDES[mode])
+
+
+async def _work(ctx: Context, mode: str) -> StepDecision:
+    attempts.setdefault(ctx.flow_id, []).append(ctx.attempt)
+    if mode in ("timeout", "heartbeat"):
+        await asyncio.sleep(30)  # no heartbeat: only the movement's timeouts can end this attempt
+    raise RuntimeError(f"attempt {ctx.attempt} failed")
+
+
+async def _recover(ctx: Context, _: Any) -> StepDecision:
+    assert ctx.recovery_error is not None
+    recovered[ctx.flow_id] = ctx.recovery_error
+    return StepDecision.graceful_complete()
+
+
+FLOW = Flow(
+    "Moves",
+    [
+        Step("Pick", _pick, input_type=str, options=StepOptions(load=LoadOptions.none())),
+        # The Step's own options: three quick attempts, no timeout, then Recover.
+        Step("Work", _work, input_type=str,
+             options=StepOptions(load=LoadOptions.none(), execute_retry=QUICK, failure_route="Recover")),
+        Step("Recover", _recover, options=StepOptions(load=LoadOptions.none())),
+    ],
+    start_step="Pick",
+    schema=[Calls],
+)
+
+
+@pytest.mark.parametrize("mode, expected_attempts, error_type", [
+    ("none", [1, 2, 3], "RuntimeError"),
+    ("one_attempt", [1], "RuntimeError"),
+    ("timeout", [1], "MethodTimeout"),
+    ("heartbeat", [1], "HeartbeatTimeout"),
+])
+async def test_a_movement_overrides_retry_and_timeouts(
+    db_url: str, mode: str, expected_attempts: list[int], error_type: str,
+) -> None:
+    """The movement's retry policy and timeouts replace the Step's for that scheduled Step: one
+    attempt instead of three, and an attempt the Step would let run for ever ends at the movement's
+    method or heartbeat timeout. Breaks if resolve_task_options ignores any of these fields."""
+    flow_id = f"moves-{mode}"
+    attempts.pop(flow_id, None)
+    async with engine_for(db_url, Registry([FLOW])) as eng:
+        await eng.client.start_flow("Moves", flow_id, mode)
+        info = await eng.client.wait_for_flow(flow_id, 20)
+    assert info.status == "completed"
+    assert attempts[flow_id] == expected_attempts
+    error = recovered[flow_id]
+    assert (error.step_type, error.attempts, error.error_type) == ("Work", len(expected_attempts), error_type)
+
+
+def test_stored_options_take_the_overrides_and_keep_the_rest() -> None:
+    """Only the fields a movement sets change; the failure route and load stay the Step's."""
+    plain = movement_record(FLOW, Movement("Work", "none")).options
+    moved = movement_record(FLOW, Movement("Work", "timeout", OVERRIDES["timeout"])).options
+    assert plain.execute.retry == QUICK and plain.execute.timeout_ms is None
+    assert moved.execute.retry == ONE_ATTEMPT and moved.execute.timeout_ms == 200
+    assert moved.heartbeat_timeout_ms is None
+    assert (moved.failure_route, moved.execute.load) == (plain.failure_route, plain.execute.load)
+    assert moved.failure_route_options == plain.failure_route_options
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"execute_timeout_seconds": 0}, "execute_timeout_seconds must be a positive number of seconds, got 0"),
+    ({"wait_for_timeout_seconds": float("inf")}, "wait_for_timeout_seconds must be a positive number"),
+    ({"heartbeat_timeout_seconds": "30"}, "heartbeat_timeout_seconds must be a positive number of seconds, got '30'"),
+    ({"execute_retry": 3}, "execute_retry must be a RetryPolicy or None, got 3"),
+    ({"wait_for_retry": {"max_attempts": 2}}, "wait_for_retry must be a RetryPolicy or None"),
+])
+def test_bad_movement_options_are_refused_by_name(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(FlowDefinitionError, match=message.replace("(", r"\(")):
+        MovementOptions(**kwargs)
+
+
+def test_the_options_cache_stays_bounded_with_unique_movements() -> None:
+    """Movements unique to one Step (an agent's tool Step loads its own call's record) must not grow
+    the cache without bound; evicted entries resolve again to the same options."""
+    first = MovementOptions(load=LoadOptions.only(Calls["call-0"]))
+    kept = task_options(FLOW, "Work", first)
+    for n in range(1, SCHEDULING_OPTIONS_CACHE_ENTRIES * 2):
+        task_options(FLOW, "Work", MovementOptions(load=LoadOptions.only(Calls[f"call-{n}"])))
+    assert len(_scheduling._cache) <= SCHEDULING_OPTIONS_CACHE_ENTRIES
+    assert task_options(FLOW, "Work", first) == kept
