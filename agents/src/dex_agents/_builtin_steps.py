@@ -40,7 +40,7 @@ from ._persistence import AGENT_TOOL_CALLS, INTERRUPT_RESOLUTIONS, PENDING_INTER
 from ._runtime import INTERRUPT_STEP_LOAD_EXTRA, SessionRuntime, now_utc, pending_interrupts, tool_call_load
 from ._task_steps import question_failure_status, resolve_task_question
 from ._timefmt import format_time, parse_time
-from ._turn_logic import deadline_timer_seconds, finished, tool_step_for, without_interrupt
+from ._turn_logic import deadline_timer_seconds, finished, without_interrupt
 from ._wire import (
     AgentInterrupt,
     AgentInterruptResolution,
@@ -188,6 +188,10 @@ class BuiltInSteps:
                 without_question(record), status=AgentToolCallStatus.APPROVED,
                 input_answers=[*record.input_answers, answer],
             )
+            moved = rt.tool_step_movement(approved)
+            if isinstance(moved, AgentToolCall):
+                rt.finish_record(ctx, moved)
+                return StepDecision.dead_end()
             ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], approved)
         except ValueTooLargeError as exc:
             # An answer too large to store would fail this Step on every retry, and with it the
@@ -197,8 +201,7 @@ class BuiltInSteps:
                 f"{exc.limit}; it was not stored"
             )))
             return StepDecision.dead_end()
-        return StepDecision.go_to(tool_step_for(record.effect), record.tool_call_id,
-                                  tool_call_load(record.tool_call_id))
+        return StepDecision.go_to_many(moved)
 
     def _raise_tool_question(
         self,

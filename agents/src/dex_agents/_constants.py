@@ -120,6 +120,7 @@ RUN_MODEL = "RunModel"
 AWAIT_TOOL_APPROVAL = "AwaitToolApproval"
 CALL_TOOL = "CallTool"
 CALL_SINGLE_ATTEMPT_TOOL = "CallSingleAttemptTool"
+TOOL_STEPS = (CALL_TOOL, CALL_SINGLE_ATTEMPT_TOOL)  # the Steps that run a call's tool
 RECORD_TOOL_FAILURE = "RecordToolFailure"
 RECORD_TOOL_OUTCOME_UNKNOWN = "RecordToolOutcomeUnknown"
 RESUME_TURN = "ResumeTurn"

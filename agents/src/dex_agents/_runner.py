@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
+
+from dex_engine import RetryPolicy
 
 from ._wire import (
     AgentMessage,
@@ -232,6 +235,30 @@ class AgentFrameworkRunner(Protocol[ToolOutcomeT_co]):
     async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome: ...
 
     async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> ToolOutcomeT_co: ...
+
+
+@dataclass(frozen=True)
+class ToolCallStepOptions:
+    """One call's own tool Step options; a field left None keeps the Step's.
+
+    `timeout` bounds each attempt of the call's tool Step (CallTool or CallSingleAttemptTool).
+    `retry` replaces CallTool's three attempts; CallSingleAttemptTool always makes one attempt, so
+    there it is ignored.
+    """
+
+    timeout: timedelta | None = None
+    retry: RetryPolicy | None = None
+
+
+@runtime_checkable
+class ToolCallStepOptionsProvider(Protocol):
+    """Optional: a call's own tool Step timeout and, for CallTool, retry policy (for example an
+    operation's from a connector manifest). Called each time the session moves an approved call
+    into its tool Step: in RunModel's commit, after an approval, after a tool's question is
+    answered. Return the same options for the same call. A call whose options cannot be had (the
+    method raises or returns something else) is recorded failed without running."""
+
+    def tool_call_step_options(self, call: DeferredToolCall) -> ToolCallStepOptions | None: ...
 
 
 @runtime_checkable

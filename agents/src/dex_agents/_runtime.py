@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -18,6 +19,7 @@ from dex_engine import (
     Context,
     LoadOptions,
     LoadSpec,
+    Movement,
     MovementOptions,
     NoRetryError,
     RpcContext,
@@ -63,7 +65,17 @@ from ._persistence import (
 from ._policy import build_turn_failure_note
 from ._runner import AgentFrameworkRunner, AgentTurnContext, FrameworkMessage, UnfinishedTurnMessageBuilder
 from ._timefmt import utc_now_text
-from ._turn_logic import TurnContractError, check_framework_messages, ended_turn, to_agent_message
+from ._turn_logic import (
+    TurnContractError,
+    check_framework_messages,
+    deferred_call_of,
+    ended_turn,
+    finished,
+    not_run_error,
+    to_agent_message,
+    tool_step_for,
+    tool_step_overrides,
+)
 from ._wire import (
     AgentEvent,
     AgentInterrupt,
@@ -73,6 +85,7 @@ from ._wire import (
     AgentMessageIndex,
     AgentState,
     AgentToolCall,
+    AgentToolCallStatus,
     AgentUsage,
     JsonObject,
     MessageRole,
@@ -349,6 +362,29 @@ class SessionRuntime:
         ctx.set(AGENT_STATE, state)
         self.emit(ctx, AgentEventType.TURN_FAILED, turn_id, {"error": error})
         return state
+
+    def tool_step_movement(self, record: AgentToolCall) -> Movement | AgentToolCall:
+        """The movement into an approved call's tool Step, with the runner's own options for the call
+        (ToolCallStepOptionsProvider); or, when those cannot be had, the call's record made final
+        `failed` without running, for the caller to finish."""
+        step = tool_step_for(record.effect)
+        moved = tool_call_load(record.tool_call_id)
+        provide = getattr(self.runner, "tool_call_step_options", None)
+        if not callable(provide):
+            return Movement(step, record.tool_call_id, moved)
+        # A runner bug fails only this call, before it runs; the turn and the session go on.
+        try:
+            chosen = provide(deferred_call_of(record))
+        except Exception as exc:
+            log.warning("tool_call_step_options raised for tool call %r", record.tool_call_id, exc_info=True)
+            detail = f"the runner's tool_call_step_options raised {type(exc).__name__}: {exc}"
+            return finished(record, AgentToolCallStatus.FAILED, error=not_run_error(detail))
+        try:
+            retry, timeout = tool_step_overrides(step, chosen)
+        except ValueError as exc:
+            return finished(record, AgentToolCallStatus.FAILED, error=not_run_error(str(exc)))
+        return Movement(step, record.tool_call_id, dataclasses.replace(
+            moved, execute_retry=retry, execute_timeout_seconds=timeout))
 
     def finish_record(self, ctx: Context, record: AgentToolCall) -> None:
         """Store a final record, publish its one ToolCallCompleted, and write tool_call_finished."""

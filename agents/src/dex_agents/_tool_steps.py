@@ -72,7 +72,6 @@ from ._turn_logic import (
     finished,
     not_run_error,
     recovered_status,
-    tool_step_for,
     without_interrupt,
 )
 from ._wire import AgentInterrupt, AgentStatus, AgentToolCall, AgentToolCallStatus, ToolEffect
@@ -169,9 +168,12 @@ class ToolSteps:
             self._resolved_event(ctx, record, approved=resolution.approved, rejection_message=rejection)
             if resolution.approved:
                 approved = msgspec.structs.replace(record, status=AgentToolCallStatus.APPROVED)
+                moved = rt.tool_step_movement(approved)
+                if isinstance(moved, AgentToolCall):
+                    rt.finish_record(ctx, moved)
+                    return StepDecision.dead_end()
                 ctx.set(AGENT_TOOL_CALLS[tool_call_id], approved)
-                step = tool_step_for(record.effect)
-                return StepDecision.go_to(step, tool_call_id, tool_call_load(tool_call_id))
+                return StepDecision.go_to_many(moved)
             rt.finish_record(ctx, finished(record, AgentToolCallStatus.REJECTED, rejection_message=rejection))
             return StepDecision.dead_end()
         answer_first = is_answer_first_wait(ctx.wait_result)

@@ -15,6 +15,8 @@ from datetime import datetime, timedelta
 
 import msgspec
 
+from dex_engine import RetryPolicy
+
 from ._builtin_tools import BuiltInArgumentsError, BuiltInTool, parse_ask_user, parse_durable_wait
 from ._constants import (
     ARGUMENTS_NOT_OBJECT,
@@ -28,7 +30,7 @@ from ._constants import (
 )
 from ._plans import WRITE_TODOS, count_write_todos_calls, rejected_in_planning_turn, settle_write_todos
 from ._policy import REPEATABLE_EFFECTS, ToolPolicy, is_approval_required
-from ._runner import DeferredToolCall, FrameworkMessage
+from ._runner import DeferredToolCall, FrameworkMessage, ToolCallStepOptions
 from ._timefmt import format_time
 from ._wire import (
     AgentInterrupt,
@@ -158,6 +160,35 @@ def arguments_error(arguments: object) -> str | None:
 def tool_step_for(effect: ToolEffect) -> str:
     """CallTool for calls that may run again, CallSingleAttemptTool for every other write."""
     return CALL_TOOL if effect in REPEATABLE_EFFECTS else CALL_SINGLE_ATTEMPT_TOOL
+
+
+def deferred_call_of(record: AgentToolCall) -> DeferredToolCall:
+    """The DeferredToolCall a stored record stands for (its policy as resolved when it was planned)."""
+    return DeferredToolCall(
+        tool_call_id=record.tool_call_id, tool_name=record.tool_name, arguments=record.arguments,
+        policy=ToolPolicy(record.effect, record.requires_approval),
+        tool_source_reference=record.tool_source_reference,
+    )
+
+
+def tool_step_overrides(step: str, chosen: object) -> tuple[RetryPolicy | None, float | None]:
+    """The retry policy and the timeout in seconds that `chosen` (what a runner's
+    tool_call_step_options returned) gives a call's tool `step`: (None, None) keeps the Step's own.
+
+    Raises ValueError naming a value that is not usable. A retry policy applies to CallTool only.
+    """
+    if chosen is None:
+        return None, None
+    if not isinstance(chosen, ToolCallStepOptions):
+        raise ValueError(
+            f"tool_call_step_options returned {chosen!r}, which is not a ToolCallStepOptions or None"
+        )
+    timeout, retry = chosen.timeout, chosen.retry
+    if timeout is not None and not (isinstance(timeout, timedelta) and timeout > timedelta(0)):
+        raise ValueError(f"ToolCallStepOptions.timeout must be a positive timedelta or None, got {timeout!r}")
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise ValueError(f"ToolCallStepOptions.retry must be a dex_engine.RetryPolicy or None, got {retry!r}")
+    return (retry if step == CALL_TOOL else None), (None if timeout is None else timeout.total_seconds())
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from ._constants import (
     NEW_MESSAGES_WITHOUT_BUILDER,
     RESUME_TURN,
     RUN_MODEL_HEARTBEAT_INTERVAL,
+    TOOL_STEPS,
 )
 from ._control_steps import end_turn_before_model_call, read_turn_control
 from ._events import AgentEventType
@@ -69,6 +70,7 @@ from ._wire import (
     AgentSessionStartInput,
     AgentState,
     AgentStatus,
+    AgentToolCall,
     AgentUsage,
     AgentUserMessage,
     CompactContextInput,
@@ -283,6 +285,14 @@ class TurnSteps:
             })
             if planned.next_step is None:
                 rt.finish_record(ctx, record)
+                continue
+            if planned.next_step in TOOL_STEPS:
+                moved = rt.tool_step_movement(record)
+                if isinstance(moved, AgentToolCall):
+                    rt.finish_record(ctx, moved)
+                else:
+                    ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], record)
+                    movements.append(moved)
                 continue
             ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], record)
             if planned.timer_reason is not None:

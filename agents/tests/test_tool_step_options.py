@@ -1,0 +1,241 @@
+"""ToolCallStepOptionsProvider (seed 003, "The runner contract"): a runner gives a call's tool Step
+its own timeout and, for CallTool, retry policy; a provider that fails fails only that call.
+
+In-process sessions on a SQLite file, with AskingRunner's scripted model (test_tool_questions.py)
+and tools that sleep past a timeout or crash, so the Step history and the runs show which options
+each tool Step got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agents.tests.builtin_agent import InProcessEngine
+from agents.tests.test_tool_questions import AskingRunner, ToolRun, _call, _done, _pending, _script
+
+from dex_agents import (
+    TOOL_CALL_NOT_RUN_ERROR_PREFIX,
+    AgentSessionClient,
+    AgentSessionFlow,
+    AgentSessionOptions,
+    DeferredToolCall,
+    DeferredToolExecution,
+    DeferredToolOutcome,
+    ToolCallStepOptions,
+    ToolCallStepOptionsProvider,
+    ToolEffect,
+    ToolPolicy,
+)
+from dex_agents.testing import executed_steps, to_step_history
+from dex_engine import RetryPolicy
+
+FLOW_TYPE = "ToolStepOptions"
+QUICK_TWO = RetryPolicy(max_attempts=2, initial_interval_seconds=0.01, max_interval_seconds=0.01)
+SHORT = timedelta(milliseconds=500)
+
+POLICIES = {
+    "read": ToolPolicy(ToolEffect.READ),
+    "read_default": ToolPolicy(ToolEffect.READ),
+    "write": ToolPolicy(ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=False),
+    "guarded": ToolPolicy(ToolEffect.READ, requires_approval=True),
+    "ask": ToolPolicy(ToolEffect.READ),
+    "ok": ToolPolicy(ToolEffect.READ),
+    "bad_raise": ToolPolicy(ToolEffect.READ),
+    "bad_type": ToolPolicy(ToolEffect.READ),
+    "bad_timeout": ToolPolicy(ToolEffect.READ),
+    "bad_retry": ToolPolicy(ToolEffect.READ),
+    "guarded_raise": ToolPolicy(ToolEffect.IDEMPOTENT_WRITE, requires_approval=True),
+}
+
+# What tool_call_step_options returns, by tool name (a name not listed gets None).
+CHOSEN: dict[str, Any] = {
+    "read": ToolCallStepOptions(timeout=SHORT, retry=QUICK_TWO),
+    "write": ToolCallStepOptions(timeout=SHORT, retry=RetryPolicy(max_attempts=5)),
+    "guarded": ToolCallStepOptions(timeout=SHORT, retry=RetryPolicy(max_attempts=1)),
+    "ask": ToolCallStepOptions(timeout=SHORT, retry=RetryPolicy(max_attempts=1)),
+    "ok": ToolCallStepOptions(),
+    "bad_type": "30 seconds",
+    "bad_timeout": ToolCallStepOptions(timeout=timedelta(0)),
+    "bad_retry": ToolCallStepOptions(retry=3),  # type: ignore[arg-type]
+}
+
+
+class OptionsRunner(AskingRunner):
+    """AskingRunner whose tools also sleep (`sleep`: seconds, after any answers) or crash (`crash`),
+    and which gives tool Step options from CHOSEN, logging every call it was asked about."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[DeferredToolCall] = []
+
+    def tool_call_step_options(self, call: DeferredToolCall) -> ToolCallStepOptions | None:
+        self.asked.append(call)
+        if call.tool_name.endswith("_raise"):
+            raise RuntimeError("no manifest for this tool")
+        chosen: ToolCallStepOptions | None = CHOSEN.get(call.tool_name)
+        return chosen
+
+    async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> DeferredToolOutcome:
+        args = json.loads(call.tool_call.arguments)
+        if len(call.input_answers) >= len(args.get("ask", [])):
+            if "crash" in args:
+                self.runs.append(ToolRun(call.tool_call.tool_call_id, tuple(call.input_answers), None))
+                raise RuntimeError(args["crash"])
+            if "sleep" in args:
+                self.runs.append(ToolRun(call.tool_call.tool_call_id, tuple(call.input_answers), None))
+                await asyncio.sleep(args["sleep"])
+        return await super().execute_deferred_tool_call(call)
+
+
+def _engine(tmp_path: Path) -> tuple[InProcessEngine, OptionsRunner]:
+    runner = OptionsRunner()
+    flow = AgentSessionFlow(runner, FLOW_TYPE, AgentSessionOptions(tool_policies=POLICIES))
+    return InProcessEngine(tmp_path, [flow]), runner
+
+
+async def _steps(engine: InProcessEngine) -> list[str]:
+    return executed_steps(to_step_history(await engine.client.get_flow_history("s")))
+
+
+async def _history_of(engine: InProcessEngine, step_type: str) -> list[tuple[str, int]]:
+    """(event type, attempt) of every history event of `step_type`, in order."""
+    history = to_step_history(await engine.client.get_flow_history("s"))
+    return [(e.event_type, e.final_attempt) for e in history if e.step_type == step_type]
+
+
+def _timed_out(error: str) -> bool:
+    """The worker running the attempt ends it at its timeout, or housekeeping at its deadline."""
+    return "passed its timeout" in error or "passed its deadline" in error
+
+
+def test_the_scripted_runner_is_a_provider() -> None:
+    assert isinstance(OptionsRunner(), ToolCallStepOptionsProvider)
+    assert not isinstance(AskingRunner(), ToolCallStepOptionsProvider)
+
+
+async def test_call_tool_takes_the_calls_timeout_and_retry_policy(tmp_path: Path) -> None:
+    """A read that would sleep for 30 s ends at the call's 0.5 s timeout, twice (its own two
+    attempts, not CallTool's three), then RecordToolFailure records it failed. A call the provider
+    gives nothing keeps CallTool's three attempts. The provider sees the call as the model asked."""
+    engine, runner = _engine(tmp_path)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", _script([
+            _call("c1", "read", sleep=30), _call("c2", "read_default", crash="boom"),
+        ]))
+        outcomes, _ = await _done(sessions)
+        assert outcomes["c1"]["status"] == "failed"
+        assert _timed_out(outcomes["c1"]["error"])
+        assert outcomes["c2"]["status"] == "failed"
+        assert "boom" in outcomes["c2"]["error"]
+        assert len(runner.runs_of("c1")) == 2
+        assert len(runner.runs_of("c2")) == 3
+        assert [(c.tool_call_id, c.tool_name, json.loads(c.arguments), c.policy) for c in runner.asked] == [
+            ("c1", "read", {"sleep": 30}, ToolPolicy(ToolEffect.READ, requires_approval=False)),
+            ("c2", "read_default", {"crash": "boom"}, ToolPolicy(ToolEffect.READ, requires_approval=False)),
+        ]
+        steps = await _steps(engine)
+        assert steps.count("RecordToolFailure") == 2
+        assert steps[:2] == ["StartAgentSession", "RunModel"] and steps[-2:] == ["ResumeTurn", "RunModel"]
+
+
+async def test_a_single_attempt_call_takes_the_timeout_but_never_a_retry(tmp_path: Path) -> None:
+    """CallSingleAttemptTool gets the call's timeout; the provider's five attempts are ignored, so
+    the write that timed out runs once and is recorded outcome_unknown."""
+    engine, runner = _engine(tmp_path)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", _script([_call("c1", "write", sleep=30)]))
+        outcomes, _ = await _done(sessions)
+        assert outcomes["c1"]["status"] == "outcome_unknown"
+        assert len(runner.runs_of("c1")) == 1
+        assert await _history_of(engine, "CallSingleAttemptTool") == [
+            ("step_scheduled", 0), ("attempt_failed", 1), ("step_failed", 1)]
+        assert await _steps(engine) == [
+            "StartAgentSession", "RunModel", "RecordToolOutcomeUnknown", "ResumeTurn", "RunModel"]
+
+
+async def test_options_apply_after_an_approval_and_after_a_question(tmp_path: Path) -> None:
+    """The options are asked for when an approved call moves into its tool Step: after
+    resolve_interrupt approves it, and again when the tool's question is answered."""
+    engine, runner = _engine(tmp_path)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", _script([
+            _call("c1", "guarded", sleep=30), _call("c2", "ask", ask=["Which?"], sleep=30),
+        ]))
+        await _pending(sessions, "c1", "c2-input-1")
+        assert [c.tool_call_id for c in runner.asked] == ["c2"]  # c1 waits for its approval first
+        assert await sessions.resolve_interrupt("s", "c1", approved=True)
+        assert await sessions.answer_question("s", "c2-input-1", "this one")
+        outcomes, _ = await _done(sessions)
+        assert [c.tool_call_id for c in runner.asked] in (["c2", "c1", "c2"], ["c2", "c2", "c1"])
+        for call_id in ("c1", "c2"):
+            assert outcomes[call_id]["status"] == "failed"
+            assert _timed_out(outcomes[call_id]["error"])
+        # One attempt each after the approval or the answer: the calls' own retry policy.
+        assert len(runner.runs_of("c1")) == 1
+        assert [len(run.answers) for run in runner.runs_of("c2")] == [0, 1]  # it asked, then slept once
+
+
+async def test_a_provider_that_fails_fails_only_that_call(tmp_path: Path) -> None:
+    """A provider that raises or returns something unusable records the call failed without
+    running it, with an error that says so and names the problem; the other calls run, the turn
+    ends, and the session takes the next message."""
+    engine, runner = _engine(tmp_path)
+    async with engine.running():
+        sessions: AgentSessionClient = engine.sessions()
+        await sessions.start_session("s", _script([
+            _call("c1", "bad_raise"), _call("c2", "bad_type"), _call("c3", "bad_timeout"),
+            _call("c4", "bad_retry"), _call("c5", "ok"), _call("c6", "guarded_raise"),
+        ]))
+        [approval] = await _pending(sessions, "c6")
+        assert await sessions.resolve_interrupt("s", approval.interrupt_id, approved=True)
+        outcomes, _ = await _done(sessions)
+        errors = {call_id: outcomes[call_id]["error"] for call_id in ("c1", "c2", "c3", "c4", "c6")}
+        for call_id, error in errors.items():
+            assert outcomes[call_id]["status"] == "failed", call_id
+            assert error.startswith(TOOL_CALL_NOT_RUN_ERROR_PREFIX + ": "), error
+        raised = "the runner's tool_call_step_options raised RuntimeError: no manifest for this tool"
+        assert errors["c1"] == f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}: {raised}"
+        assert "returned '30 seconds', which is not a ToolCallStepOptions or None" in errors["c2"]
+        assert "ToolCallStepOptions.timeout must be a positive timedelta or None, got datetime.timedelta(0)" \
+            in errors["c3"]
+        assert "ToolCallStepOptions.retry must be a dex_engine.RetryPolicy or None, got 3" in errors["c4"]
+        assert errors["c6"] == errors["c1"]
+        assert outcomes["c5"]["status"] == "succeeded"
+        assert [r.tool_call_id for r in runner.runs] == ["c5"]
+        assert "CallTool" in await _steps(engine)
+        await sessions.send_user_message("s", "and now?")
+        snapshot = await sessions.get_agent_snapshot("s")
+        assert snapshot.state is not None and snapshot.state.last_turn_error is None
+
+
+@pytest.mark.parametrize("chosen, step, expected", [
+    (None, "CallTool", (None, None)),
+    (ToolCallStepOptions(), "CallTool", (None, None)),
+    (ToolCallStepOptions(timeout=timedelta(seconds=90), retry=QUICK_TWO), "CallTool", (QUICK_TWO, 90.0)),
+    (ToolCallStepOptions(timeout=timedelta(seconds=90), retry=QUICK_TWO), "CallSingleAttemptTool", (None, 90.0)),
+])
+def test_overrides_by_step(chosen: ToolCallStepOptions | None, step: str, expected: tuple[Any, Any]) -> None:
+    from dex_agents._turn_logic import tool_step_overrides
+
+    assert tool_step_overrides(step, chosen) == expected
+
+
+@pytest.mark.parametrize("chosen, message", [
+    ({"timeout": 30}, "returned {'timeout': 30}, which is not a ToolCallStepOptions or None"),
+    (ToolCallStepOptions(timeout=timedelta(seconds=-1)), "timeout must be a positive timedelta"),
+    (ToolCallStepOptions(timeout=30), "timeout must be a positive timedelta or None, got 30"),  # type: ignore[arg-type]
+    (ToolCallStepOptions(retry={"max_attempts": 2}), "retry must be a dex_engine.RetryPolicy"),  # type: ignore[arg-type]
+])
+def test_unusable_options_are_named(chosen: object, message: str) -> None:
+    from dex_agents._turn_logic import tool_step_overrides
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("{", r"\{")):
+        tool_step_overrides("CallTool", chosen)
