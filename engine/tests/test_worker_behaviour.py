@@ -26,6 +26,7 @@ from dex_engine import (
     Store,
     Stream,
     Wait,
+    _client,
     _pg_store,
     _sqlite_store,
     _worker,
@@ -559,3 +560,16 @@ async def _statements_of_housekeeping(
         await wait_until("three housekeeping passes", two_passes)
     return {sql: params for sql, params in seen.items()
             if re.match(r"\s*(SELECT|UPDATE|DELETE|WITH)\b", sql, flags=re.IGNORECASE)}
+
+
+async def test_a_client_that_starts_flows_for_days_remembers_only_so_many(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client keeps each started flow's type for its RPCs, within CLIENT_FLOW_TYPE_CACHE_ENTRIES;
+    without the bound a long-lived client leaks one entry per flow it ever started."""
+    monkeypatch.setattr(_client, "CLIENT_FLOW_TYPE_CACHE_ENTRIES", 3)
+    async with engine_for(db_url, Registry([FLOW]), worker=False) as eng:
+        for n in range(7):
+            await eng.client.start_flow("Behaviour", f"many-{n}")
+            assert 1 <= len(eng.client._flow_types) <= 3
+        assert eng.client._flow_types["many-6"] == "Behaviour"

@@ -16,7 +16,7 @@ from ._decision import RPCResult
 from ._errors import DexError, FlowNotFoundError, RpcContentionError
 from ._flow import Flow, Registry
 from ._ids import check_id
-from ._limits import MAX_RPC_TRIES, MAX_STREAM_WAIT_SECONDS
+from ._limits import CLIENT_FLOW_TYPE_CACHE_ENTRIES, MAX_RPC_TRIES, MAX_STREAM_WAIT_SECONDS
 from ._open import open_store
 from ._options import FlowConfig
 from ._records import FlowInfo, HistoryEntry, MovementRecord, StartRequest
@@ -27,8 +27,6 @@ from ._tokens import make_token, read_token
 from ._transitions import RpcVersionChanged
 
 T = TypeVar("T")
-
-_FLOW_TYPE_CACHE_MAX = 100_000
 
 
 @dataclass(frozen=True)
@@ -112,15 +110,19 @@ class AsyncClient:
             flow_id=flow_id, flow_type=flow_type, input=encode_value("flow input", Any, input),
             config=config_override or FlowConfig(), start=start_record(flow, input),
         ))
+        self._remember_flow_type(flow_id, flow_type)
+
+    def _remember_flow_type(self, flow_id: str, flow_type: str) -> None:
+        # A client that starts flows for days must not keep every ID: clearing is cheap, a miss is one read.
+        if len(self._flow_types) >= CLIENT_FLOW_TYPE_CACHE_ENTRIES:
+            self._flow_types.clear()
         self._flow_types[flow_id] = flow_type
 
     async def _flow_of(self, flow_id: str) -> Flow:
         flow_type = self._flow_types.get(flow_id)
         if flow_type is None:
             flow_type = (await self._store.describe_flow(flow_id)).flow_type
-            if len(self._flow_types) >= _FLOW_TYPE_CACHE_MAX:
-                self._flow_types.clear()
-            self._flow_types[flow_id] = flow_type
+            self._remember_flow_type(flow_id, flow_type)
         return self.registry.flow(flow_type)
 
     async def rpc(self, flow_id: str, name: str, request: Any = None) -> Any:

@@ -61,6 +61,10 @@ DECODED_VALUE_CACHE_BYTES = 32 * 1024 * 1024
 # a few thousand entries hold every Step type of many flow types with room to spare.
 SCHEDULING_OPTIONS_CACHE_ENTRIES = 4096
 
+# Flow types a client remembers by flow ID, so an RPC needs no read to find its handler: the
+# active flows of a busy application; a miss costs one read.
+CLIENT_FLOW_TYPE_CACHE_ENTRIES = 100_000
+
 # RPC optimistic validation: tries before RpcContentionError.
 MAX_RPC_TRIES = 64
 
