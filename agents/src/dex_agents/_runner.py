@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from dex_engine import RetryPolicy
+
+if sys.version_info >= (3, 13):
+    from typing import TypeVar
+else:  # TypeVar defaults (PEP 696) arrive in 3.13
+    from typing_extensions import TypeVar
 
 from ._wire import (
     AgentMessage,
@@ -223,7 +229,9 @@ class DeferredToolExecution:
     supports_tool_tasks: bool = False
 
 
-ToolOutcomeT_co = TypeVar("ToolOutcomeT_co", covariant=True)
+# A bare AgentFrameworkRunner returns ToolExecutionResult; a runner whose tools ask the user or start
+# tasks is an AgentFrameworkRunner[DeferredToolOutcome].
+ToolOutcomeT_co = TypeVar("ToolOutcomeT_co", covariant=True, default=ToolExecutionResult)
 
 
 @runtime_checkable
