@@ -16,7 +16,8 @@ model call per step, in order:
   started, as a model call that already streamed output does: a Worker killed after it fails the
   attempt (the rerun is attempt 2) instead of handing the same attempt out again.
 
-Tools (in the tool Step): args `{"gate": name}` wait at a FileGate first; `{"fail": text}` raises
+Tools (in the tool Step): args `{"gate": name}` wait at a FileGate first; `{"sleep": seconds}` then
+take that long, as a call to a slow API does; `{"fail": text}` raises
 ToolExecutionError; `{"unknown": text}` raises ToolOutcomeUnknownError; `{"crash": text}` raises
 RuntimeError; `{"output_bytes": n}` returns n bytes. Policies by name prefix: read_ READ, idem_
 IDEMPOTENT_WRITE, write_ NON_IDEMPOTENT_WRITE; anything else gets the session default (unclassified).
@@ -51,6 +52,7 @@ child ahead of time and let it become a Worker only when released (after a kill,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import Sequence
@@ -199,6 +201,8 @@ class ScriptedRunner:
                             idempotency_key=call.idempotency_key)
         if "gate" in args:
             await self._gate(args["gate"]).wait_for_release()
+        if "sleep" in args:
+            await asyncio.sleep(float(args["sleep"]))
         if "fail" in args:
             raise ToolExecutionError(args["fail"])
         if "unknown" in args:

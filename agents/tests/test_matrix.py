@@ -7,15 +7,10 @@ which survives SIGKILL. Kill tests SIGKILL the Worker while a handler waits at a
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import itertools
 import json
-import os
 import re
 import sqlite3
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -27,10 +22,10 @@ from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import (
     ENV_DEADLINE_SECONDS,
     ENV_INCREMENTAL,
-    ENV_START_GATE,
     INVOCATIONS,
     build_flow,
 )
+from agents.tests.standby_workers import SharedStack
 
 from dex_agents import (
     OUTCOME_UNKNOWN_TEXT,
@@ -42,14 +37,11 @@ from dex_agents import (
     MessageRole,
 )
 from dex_agents.testing import (
-    ENV_DATABASE_URL,
-    ENV_STATE_DIR,
     EXECUTE_COMPLETED_EVENT,
     AgentTestStack,
     FileGate,
     InvocationLog,
     StepHistoryEntry,
-    WorkerProcess,
     executed_steps,
     wait_for_agent_snapshot,
     wait_until,
@@ -59,8 +51,6 @@ from dex_engine import StepDurability
 # The approval deadline of test 7: long enough that the test sees the interrupt raised, short
 # enough not to slow the file down. Only the Worker's Timer and the RPC's check read it.
 DEADLINE_SECONDS = 2
-# A standby may still be importing when released; on a loaded machine that takes a while.
-STANDBY_REGISTER_SECONDS = 90.0
 
 # Every test and the module-scoped stacks share one event loop (the stacks' Clients live in it).
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -68,78 +58,10 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 # Shared stacks -------------------------------------------------------------------------------
 #
-# A Worker child needs seconds of CPU for its imports, which take many seconds of wall time on a
-# loaded machine. So the tests of one Flow configuration share an engine and its live Worker,
-# each test with its own session: the session ID names the test's FileGates and filters the
-# InvocationLog and the history. And the imports happen ahead of time, in a standby child that
-# waits at a FileGate before it registers (ENV_START_GATE): a kill test SIGKILLs the live Worker,
-# then releases a standby, which only then becomes a Worker (registers, claims Steps); later
-# tests use it, and a new standby imports meanwhile. The plain stack keeps two standbys, so a
-# kill test rarely waits for imports.
-
-
-class SharedStack:
-    """An AgentTestStack, its one live Worker child, and standby children for the next Workers."""
-
-    def __init__(self, stack: AgentTestStack, *, standbys: int) -> None:
-        self.stack = stack
-        self.pool_size = standbys
-        self.current: WorkerProcess | None = None
-        self.standbys: collections.deque[tuple[WorkerProcess, FileGate]] = collections.deque()
-        self.numbers = itertools.count(1)
-        # One more than the pool at first: that one becomes the first Worker.
-        for _ in range(standbys + 1):
-            self.spawn_standby()
-
-    def spawn_standby(self) -> None:
-        """Start a Worker child that imports and then waits at its start gate, unregistered.
-
-        The environment is AgentTestStack.start_worker's (its lease TTL is the child's default).
-        """
-        stack = self.stack
-        name = f"standby-{next(self.numbers)}"
-        env = {**os.environ, ENV_DATABASE_URL: stack.database_url, ENV_STATE_DIR: str(stack.state_dir),
-               "PYTHONUNBUFFERED": "1", **stack.worker_env, ENV_START_GATE: name}
-        log_path = stack.state_dir / f"{name}.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", stack.worker_module], cwd=stack.worker_cwd, env=env,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )
-        worker = WorkerProcess(process, log_path)
-        stack.workers.append(worker)  # the stack SIGKILLs it on exit, released or not
-        self.standbys.append((worker, FileGate(stack.state_dir, name)))
-
-    async def worker(self) -> WorkerProcess:
-        """The live Worker, started when there is none (first use, or a test killed it)."""
-        if self.current is None or not self.current.alive:
-            self.current = await self._next_worker()
-        return self.current
-
-    async def start_new_worker(self) -> WorkerProcess:
-        """After a kill: a new Worker, registered with the engine only now."""
-        assert self.current is not None and not self.current.alive, "kill the live Worker first"
-        self.current = await self._next_worker()
-        return self.current
-
-    async def _next_worker(self) -> WorkerProcess:
-        while self.standbys and not self.standbys[0][0].alive:
-            self.standbys.popleft()  # a standby that died is no use; start_worker's error names why
-        if not self.standbys:
-            return await self.stack.start_worker()
-        worker, start_gate = self.standbys.popleft()
-        start_gate.release()
-
-        async def registered() -> bool:
-            if not worker.alive:
-                raise AssertionError(f"standby worker {worker.pid} exited:\n{worker.log_tail()}")
-            return any(row[2] == worker.pid for row in await self.stack.client.store.list_workers())
-
-        # A standby released before its imports finished registers once they do.
-        await wait_until(f"standby worker {worker.pid} to register", registered, timeout=STANDBY_REGISTER_SECONDS)
-        while len(self.standbys) < self.pool_size:
-            self.spawn_standby()  # for the next kill, importing while the tests go on
-        return worker
+# The tests of one Flow configuration share an engine and its live Worker (SharedStack), each
+# test with its own session: the session ID names the test's FileGates and filters the
+# InvocationLog and the history. The plain stack keeps two standbys, so a kill test rarely waits
+# for a new Worker's imports.
 
 
 def custom_stack(tmp_path: Path, *, incremental: bool = False, deadline_seconds: int | None = None) -> AgentTestStack:
