@@ -10,6 +10,8 @@ with each call's recorded outcome:
   `outcome_unknown` that it may have run, `failed` that it certainly never started;
 - an idempotent write may run again, but every run carries the same idempotency key;
 - at least one kill landed while a tool was running, so the sweep tested something.
+
+On a private SQLite file and on a PostgreSQL database (TEST_PG_DSN).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import pytest
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import INVOCATIONS, build_flow
 from agents.tests.standby_workers import SharedStack
+from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 
 from dex_agents import TOOL_CALL_NOT_RUN_ERROR_PREFIX, AgentSessionClient, AgentSessionFlow, AgentSnapshot
 from dex_agents.testing import AgentTestStack, InvocationLog, wait_for_agent_snapshot
@@ -95,7 +99,10 @@ def _check_call(log: InvocationLog, session_id: str, call_id: str, record: dict[
     return len(starts) - len(ends)
 
 
-async def test_random_kills_never_repeat_a_write_and_every_turn_ends(tmp_path: Path) -> None:
+pytestmark = pytest.mark.slow
+
+
+async def test_random_kills_never_repeat_a_write_and_every_turn_ends(tmp_path: Path, db_url: str) -> None:  # noqa: F811
     # Every random choice is drawn up front, so the seed alone fixes the schedule.
     rng = random.Random(SEED)
     session_ids = [f"sweep-{n}" for n in range(SESSIONS)]
@@ -104,7 +111,7 @@ async def test_random_kills_never_repeat_a_write_and_every_turn_ends(tmp_path: P
     kill_gaps = [round(rng.uniform(*KILL_AFTER_SECONDS), 3) for _ in range(KILLS)]
     context = f"seed {SEED}: sessions started {start_gaps} s apart, kills {kill_gaps} s after each Worker began"
     flow: AgentSessionFlow = build_flow(tmp_path)
-    async with AgentTestStack(tmp_path, [flow], WORKER_MODULE, worker_cwd=REPO_ROOT) as stack:
+    async with AgentTestStack(tmp_path, [flow], WORKER_MODULE, worker_cwd=REPO_ROOT, database_url=db_url) as stack:
         shared = SharedStack(stack, standbys=2)
         sessions = stack.sessions(flow)
         worker = await shared.worker()
@@ -135,6 +142,6 @@ async def test_random_kills_never_repeat_a_write_and_every_turn_ends(tmp_path: P
             cut_short += _check_call(log, session_id, "i", records["i"], repeatable=True)
         assert cut_short >= 1, f"no kill landed while a tool ran ({context}): the sweep tested nothing"
 
-    database = stack.database_url.removeprefix("sqlite:///")
-    with contextlib.closing(sqlite3.connect(database)) as db:
-        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    if db_url.startswith("sqlite:///"):
+        with contextlib.closing(sqlite3.connect(db_url.removeprefix("sqlite:///"))) as db:
+            assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
