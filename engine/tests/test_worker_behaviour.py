@@ -19,6 +19,7 @@ from dex_engine import (
     Movement,
     Registry,
     RetryPolicy,
+    RpcContext,
     Step,
     StepDecision,
     StepNotWaitingError,
@@ -30,6 +31,7 @@ from dex_engine import (
     _pg_store,
     _sqlite_store,
     _worker,
+    rpc,
 )
 from dex_engine._records import DecisionRecord, StartRequest, WriteSet
 from dex_engine._scheduling import movement_record
@@ -573,3 +575,65 @@ async def test_a_client_that_starts_flows_for_days_remembers_only_so_many(
             await eng.client.start_flow("Behaviour", f"many-{n}")
             assert 1 <= len(eng.client._flow_types) <= 3
         assert eng.client._flow_types["many-6"] == "Behaviour"
+
+
+# In-flight messages: taken by a satisfied wait, not yet handled by its Step's Execute ------------
+
+Mail = Channel("Mail", str)
+handled: list[str] = []
+released: list[bool] = []  # attempt 2 of ReadMail waits until the test appends (no Event: one loop per test)
+
+
+async def _wait_mail(ctx: Context, _: Any) -> Wait:
+    return Wait.until(Mail.for_one())
+
+
+async def _read_mail(ctx: Context, _: Any) -> StepDecision:
+    assert ctx.wait_result is not None
+    if ctx.attempt == 1:
+        raise RuntimeError("the first attempt fails: the message stays in flight for the retry")
+    while not released:
+        await asyncio.sleep(0.01)
+    handled.extend(ctx.wait_result.messages(Mail))
+    return StepDecision.dead_end()
+
+
+@rpc(name="mail_view")
+async def _mail_view(ctx: RpcContext, _: None = None) -> dict[str, list[str]]:
+    return {"pending": [m.value for m in ctx.pending(Mail)], "in_flight": [m.value for m in ctx.in_flight(Mail)]}
+
+
+MAIL_FLOW = Flow(
+    "MailFlow",
+    [Step("ReadMail", _read_mail, wait_for=_wait_mail,
+          options=StepOptions(execute_retry=RetryPolicy(max_attempts=3, initial_interval_seconds=0.01)))],
+    start_step="ReadMail",
+    schema=[Mail],
+    rpcs=[_mail_view],
+)
+
+
+async def test_rpcs_see_messages_a_wait_took_until_its_execute_commits(db_url: str) -> None:
+    """A message published to a registered wait leaves the queue at once (E5) but is not handled
+    until the Step's Execute commits. An RPC sees it through in_flight() meanwhile: while no worker
+    runs, and across a failed attempt; pending() never shows it, and after the commit neither does.
+    Breaks if rpc_read drops wait outcomes or keeps a committed Step's."""
+    handled.clear()
+    released.clear()
+    async with engine_for(db_url, Registry([MAIL_FLOW]), worker=False) as eng:
+        await eng.client.start_flow("MailFlow", "m1")
+        assert await eng.client.rpc("m1", "mail_view") == {"pending": [], "in_flight": []}
+        await eng.client.publish("m1", Mail, "early")  # no wait registered yet: queued
+        assert await eng.client.rpc("m1", "mail_view") == {"pending": ["early"], "in_flight": []}
+        await eng.start_worker()
+
+        async def view_is(expected: dict[str, list[str]]) -> bool:
+            return bool(await eng.client.rpc("m1", "mail_view") == expected)
+
+        await wait_until("the wait took the queued message", lambda: view_is({"pending": [], "in_flight": ["early"]}))
+        await eng.client.publish("m1", Mail, "later")  # the wait is satisfied: this one stays queued
+        await asyncio.sleep(0.3)  # attempt 1 failed by now; attempt 2 waits to be released
+        assert await eng.client.rpc("m1", "mail_view") == {"pending": ["later"], "in_flight": ["early"]}
+        released.append(True)
+        await wait_until("the Execute committed", lambda: view_is({"pending": ["later"], "in_flight": []}))
+        assert handled == ["early"]

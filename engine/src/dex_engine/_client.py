@@ -157,7 +157,7 @@ class AsyncClient:
                 # Not reached while flows keep their IDs for good; never run a handler of another type.
                 self._flow_types.pop(flow_id, None)
                 return await self.rpc(flow_id, name, request)
-            ctx = RpcContext(flow, flow_id, snap.attributes, handler.load, snap.pending, name)
+            ctx = RpcContext(flow, flow_id, snap.attributes, handler.load, snap.pending, name, snap.in_flight)
             output, records, canceling = self._rpc_outcome(flow, await handler.handler(ctx, request))
             if ctx.writes.empty() and not records and not canceling:
                 return output

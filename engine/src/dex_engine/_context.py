@@ -304,10 +304,12 @@ class RpcContext(_StateView):
         load: LoadSpec,
         pending: dict[tuple[str, str], list[tuple[int, bytes]]],
         rpc_name: str,
+        in_flight: dict[tuple[str, str], list[tuple[int, bytes]]] | None = None,
     ) -> None:
         super().__init__(flow, flow_id, loaded, load, f"RPC {rpc_name}")
         self._pending = pending
-        self.pending_read = False  # whether the handler asked for pending messages
+        self._in_flight = in_flight or {}
+        self.pending_read = False  # whether the handler asked for pending or in-flight messages
 
     def pending(self, channel: ChannelRef[T]) -> list[PendingMessage]:
         """Messages queued on a channel instance, oldest first, minus those this RPC deleted."""
@@ -318,6 +320,17 @@ class RpcContext(_StateView):
             PendingMessage(mid, decode_value(channel.label, channel.value_type, data))
             for mid, data in self._pending.get((channel.name, channel.key), [])
             if mid not in deleted
+        ]
+
+    def in_flight(self, channel: ChannelRef[T]) -> list[PendingMessage]:
+        """Messages a satisfied wait took from a channel instance whose Step has not committed its
+        Execute yet, oldest first: no longer queued (delete_message cannot reach them), not yet
+        handled. A failed attempt keeps them for its retry; the Execute's commit ends them."""
+        self.pending_read = True
+        self.flow.check_channel(channel)
+        return [
+            PendingMessage(mid, decode_value(channel.label, channel.value_type, data))
+            for mid, data in self._in_flight.get((channel.name, channel.key), [])
         ]
 
     def delete_message(self, channel: ChannelRef[Any], message_id: int) -> None:

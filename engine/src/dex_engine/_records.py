@@ -115,6 +115,8 @@ class RpcSnapshot:
     version: int
     attributes: dict[tuple[str, str], bytes]
     pending: dict[tuple[str, str], list[tuple[int, bytes]]]
+    # Messages a satisfied wait took whose Step's Execute has not committed, by channel instance.
+    in_flight: dict[tuple[str, str], list[tuple[int, bytes]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

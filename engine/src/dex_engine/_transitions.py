@@ -1230,7 +1230,20 @@ def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcS
         (flow_id,),
     ):
         pending.setdefault((str(channel), str(key)), []).append((int(mid), bytes(value)))
-    return RpcSnapshot(flow_type, int(version_row[0]), load_attributes(db, flow_id, load), pending)
+    in_flight: dict[tuple[str, str], list[tuple[int, bytes]]] = {}
+    for spec_blob, outcome_blob in db.all(
+        "SELECT wait_spec, wait_outcome FROM tasks WHERE flow_id = ? AND wait_outcome IS NOT NULL ORDER BY task_id",
+        (flow_id,),
+    ):
+        spec = _decode_wait_spec(spec_blob)
+        outcome = decode_json(outcome_blob, WaitOutcome)
+        for condition, consumed in zip(spec.conditions, outcome.consumed, strict=False):
+            for message in consumed:
+                in_flight.setdefault((condition.channel, condition.key), []).append(
+                    (message.message_id, bytes(message.value)))
+    for messages in in_flight.values():
+        messages.sort()
+    return RpcSnapshot(flow_type, int(version_row[0]), load_attributes(db, flow_id, load), pending, in_flight)
 
 
 def rpc_commit(
