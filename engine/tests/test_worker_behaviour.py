@@ -581,7 +581,7 @@ async def test_a_client_that_starts_flows_for_days_remembers_only_so_many(
 
 Mail = Channel("Mail", str)
 handled: list[str] = []
-released: list[bool] = []  # attempt 2 of ReadMail waits until the test appends (no Event: one loop per test)
+release: list[asyncio.Event] = []  # attempt 2 of ReadMail waits for it; made in each test's own loop
 
 
 async def _wait_mail(ctx: Context, _: Any) -> Wait:
@@ -592,8 +592,7 @@ async def _read_mail(ctx: Context, _: Any) -> StepDecision:
     assert ctx.wait_result is not None
     if ctx.attempt == 1:
         raise RuntimeError("the first attempt fails: the message stays in flight for the retry")
-    while not released:
-        await asyncio.sleep(0.01)
+    await release[0].wait()
     handled.extend(ctx.wait_result.messages(Mail))
     return StepDecision.dead_end()
 
@@ -619,7 +618,7 @@ async def test_rpcs_see_messages_a_wait_took_until_its_execute_commits(db_url: s
     runs, and across a failed attempt; pending() never shows it, and after the commit neither does.
     Breaks if rpc_read drops wait outcomes or keeps a committed Step's."""
     handled.clear()
-    released.clear()
+    release[:] = [asyncio.Event()]
     async with engine_for(db_url, Registry([MAIL_FLOW]), worker=False) as eng:
         await eng.client.start_flow("MailFlow", "m1")
         assert await eng.client.rpc("m1", "mail_view") == {"pending": [], "in_flight": []}
@@ -634,6 +633,6 @@ async def test_rpcs_see_messages_a_wait_took_until_its_execute_commits(db_url: s
         await eng.client.publish("m1", Mail, "later")  # the wait is satisfied: this one stays queued
         await asyncio.sleep(0.3)  # attempt 1 failed by now; attempt 2 waits to be released
         assert await eng.client.rpc("m1", "mail_view") == {"pending": ["later"], "in_flight": ["early"]}
-        released.append(True)
+        release[0].set()
         await wait_until("the Execute committed", lambda: view_is({"pending": ["later"], "in_flight": []}))
         assert handled == ["early"]
