@@ -773,6 +773,41 @@ def test_await_user_message_waits_on_the_current_revision_last() -> None:
         assert channels(plan)[-1] == queued
 
 
+async def test_a_message_the_waiting_session_took_still_counts_as_queued(tmp_path: Path) -> None:
+    """With AwaitUserMessage waiting and no Worker, a sent message satisfies the wait in its own
+    commit: it leaves the queue before any turn stores it. Until the turn starts the snapshot still
+    lists it as queued (so a UI rebuilt from the snapshot does not lose it), delete_queued_message
+    can no longer remove it, and execute_plan refuses, as for any queued message."""
+    script: Script = {
+        "Plan it": [ScriptedModelReply(tool_calls=[write(("a", "pending"))]), ScriptedModelReply(text="drafted")],
+        "Change it": [ScriptedModelReply(text="noted")],
+    }
+    async with plan_engine(tmp_path, script) as engine:
+        sessions = engine.sessions
+        await sessions.start_session("s")
+        assert await sessions.send_user_message("s", "Plan it", plan_mode=True)
+        await engine.turns_done("s", 1)
+        await wait_until_waiting(engine, "s")
+        await engine.stop_worker()
+
+        assert await sessions.send_user_message("s", "Change it")
+        snapshot = await sessions.get_agent_snapshot("s")
+        assert snapshot.queued_message_count == 1
+        [taken] = snapshot.queued_messages
+        assert taken.message.text == "Change it"
+        assert "Change it" not in [m.text for m in snapshot.messages]
+        assert await sessions.delete_queued_message("s", taken.message_id) is False
+        assert await sessions.execute_plan("s", 1) is False
+        assert await sessions.send_user_message("s", "And this")
+        later = await sessions.get_agent_snapshot("s")
+        assert [p.message.text for p in later.queued_messages] == ["Change it", "And this"]
+
+        await engine.start_worker()
+        snapshot = await engine.turns_done("s", 3)
+        assert [m.text for m in snapshot.messages if m.role.value == "user"] == ["Plan it", "Change it", "And this"]
+        assert snapshot.queued_messages == [] and snapshot.queued_message_count == 0
+
+
 async def wait_until_waiting(engine: PlanEngine, sid: str) -> None:
     """Until AwaitUserMessage's WaitFor has registered its wait (not merely been scheduled)."""
 

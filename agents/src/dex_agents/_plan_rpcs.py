@@ -23,7 +23,7 @@ from ._persistence import (
     plan_execution_key,
 )
 from ._plans import execute_plan_accepted, is_executable, plan_mode_problems
-from ._runtime import pending_interrupts
+from ._runtime import pending_interrupts, waiting_user_messages
 from ._wire import AgentPlan, ExecutePlanRequest, PlanExecutionRequest
 
 
@@ -66,8 +66,8 @@ def plan_rpcs() -> list[Rpc]:
         accepted = execute_plan_accepted(
             request.revision, state=ctx.get(AGENT_STATE), plan=ctx.get(AGENT_PLAN),
             pending_execution_revision=None if pending is None else pending.revision,
-            queued_message_count=len(ctx.pending(QUEUED_USER_MESSAGES)),
-            steered_message_count=len(ctx.pending(STEERED_USER_MESSAGES)),
+            queued_message_count=len(waiting_user_messages(ctx, QUEUED_USER_MESSAGES)),
+            steered_message_count=len(waiting_user_messages(ctx, STEERED_USER_MESSAGES)),
             pending_interrupt_count=len(pending_interrupts(ctx)),
         )
         if not accepted:

@@ -21,7 +21,7 @@ from ._persistence import (
     SESSION_SETTINGS,
     STEERED_USER_MESSAGES,
 )
-from ._runtime import chunk_reader, now_utc, pending_interrupts, window_messages
+from ._runtime import chunk_reader, now_utc, pending_interrupts, waiting_user_messages, window_messages
 from ._session_settings import session_settings_error
 from ._timefmt import parse_time
 from ._turn_logic import without_interrupt
@@ -36,7 +36,6 @@ from ._wire import (
     AnswerQuestionRequest,
     InterruptKind,
     ListAgentMessagesRequest,
-    PendingUserMessage,
     ResolveInterruptRequest,
     UpdateSessionSettingsRequest,
 )
@@ -122,8 +121,8 @@ def session_rpcs(*, plan_mode_enabled: bool = False) -> list[Rpc]:
         if state is not None and state.active_turn_id is not None:
             records = [r for r in records if r.turn_id == state.active_turn_id]
         records.sort(key=lambda r: (r.turn_id, r.deferral_order))
-        queued = [PendingUserMessage(str(m.message_id), m.value) for m in ctx.pending(QUEUED_USER_MESSAGES)]
-        steered = [PendingUserMessage(str(m.message_id), m.value) for m in ctx.pending(STEERED_USER_MESSAGES)]
+        queued = waiting_user_messages(ctx, QUEUED_USER_MESSAGES)
+        steered = waiting_user_messages(ctx, STEERED_USER_MESSAGES)
         return AgentSnapshot(
             state=state, messages=messages,
             pending_interrupts=pending_interrupts(ctx), tool_calls=records,

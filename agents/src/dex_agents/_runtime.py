@@ -16,6 +16,7 @@ import msgspec
 
 from dex_engine import (
     MAX_VALUE_BYTES,
+    ChannelRef,
     Context,
     LoadOptions,
     LoadSpec,
@@ -87,8 +88,10 @@ from ._wire import (
     AgentToolCall,
     AgentToolCallStatus,
     AgentUsage,
+    AgentUserMessage,
     JsonObject,
     MessageRole,
+    PendingUserMessage,
     ToolCallCompleted,
     TurnReplySequence,
 )
@@ -127,6 +130,14 @@ INTERRUPT_STEP_LOAD_EXTRA = (PENDING_INTERRUPTS,)
 def pending_interrupts(ctx: Context | RpcContext) -> list[AgentInterrupt]:
     stored = ctx.get(PENDING_INTERRUPTS)
     return [] if stored is None else list(stored)
+
+
+def waiting_user_messages(ctx: RpcContext, channel: ChannelRef[AgentUserMessage]) -> list[PendingUserMessage]:
+    """The user messages of a channel that no turn has taken yet, oldest first: those a satisfied
+    AwaitUserMessage (or ApplyTurnControl) wait took but whose Execute has not committed, which no
+    RPC can delete any more, then those still queued."""
+    return [PendingUserMessage(str(m.message_id), m.value)
+            for m in (*ctx.in_flight(channel), *ctx.pending(channel))]
 
 
 def session_settings(ctx: Context | RpcContext) -> JsonObject:
