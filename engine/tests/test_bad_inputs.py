@@ -372,6 +372,8 @@ async def test_value_over_max_value_bytes_is_refused(db_url: str, where: str) ->
         "publish bool to int channel",
         "publish float to int channel",
         "rpc request",
+        "rpc request with a lone surrogate",
+        "start_flow input with a lone surrogate",
         "rpc ctx.set",
     ],
 )
@@ -387,6 +389,9 @@ async def test_value_of_wrong_type_is_refused(db_url: str, where: str) -> None:
             "publish bool to int channel": (lambda: c.publish("f", Inbox, True), "'Inbox'"),
             "publish float to int channel": (lambda: c.publish("f", Inbox, 1.5), "'Inbox'"),  # type: ignore[arg-type]
             "rpc request": (lambda: c.rpc("f", "takes_int", "seven"), "request of RPC takes_int"),
+            # Text UTF-8 cannot hold: the same error as any value JSON cannot hold, naming where it went.
+            "rpc request with a lone surrogate": (lambda: c.rpc("f", "note", "bad \ud800"), "request of RPC note"),
+            "start_flow input with a lone surrogate": (lambda: c.start_flow("Bad", "g", "bad \ud800"), "flow input"),
             "rpc ctx.set": (lambda: c.rpc("f", "misuse", "wrong_type"), "'Count'"),
         }
         call, name = calls[where]
