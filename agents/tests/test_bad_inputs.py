@@ -422,6 +422,26 @@ async def test_arguments_that_are_not_a_json_object_fail_only_that_call(tmp_path
         await assert_usable(sessions, "s", before)
 
 
+async def test_arguments_with_a_lone_surrogate_fail_only_that_call(tmp_path: Path) -> None:
+    """Arguments text holding a lone surrogate (JSON cannot carry it) fail only that call, at once:
+    recorded failed (with the arguments escaped, so the record can be stored: test_turn_logic.py),
+    no approval, no Step."""
+    bad_text = '{"q": "\ud800"}'
+    calls = [{"id": "b-read", "name": "read_x", "args_text": bad_text},
+             {"id": "b-write", "name": "write_x", "args_text": bad_text}, {"id": "ok", "name": "read_ok", "args": {}}]
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        snapshot = await run_turn(sessions, "s", script({"tools": calls}, {"answer": "{records}"}))
+        assert snapshot.state is not None and snapshot.state.last_turn_error is None
+        records = json.loads(snapshot.messages[-1].text or "")
+        error = "arguments are not valid UTF-8 text: '\\ud800' at position 7 is a lone surrogate"
+        assert {k: (v["status"], v["error"]) for k, v in records.items()} == {
+            "b-read": ("failed", error), "b-write": ("failed", error), "ok": ("succeeded", None)}
+        assert [e["tool_call_id"] for e in engine.log.entries("tool_start")] == ["ok"]
+        await assert_usable(sessions, "s", before)
+
+
 # resolve_interrupt --------------------------------------------------------------------------------
 
 
@@ -536,6 +556,19 @@ CONTRACT_BREACHES: list[tuple[str, Callable[[], object], str]] = [
     ("call-not-deferred-tool-call",
      lambda: ToolCallsRequested("state", [("c1", "read_x", "{}")], _USAGE),  # type: ignore[list-item]
      "tool_calls[0] is a tuple, not a DeferredToolCall"),
+    # Text UTF-8 cannot hold (a lone surrogate, which a JSON "\ud800" escape decodes to) cannot be stored.
+    ("answer-lone-surrogate", lambda: TurnCompleted([item(MessageRole.ASSISTANT, text="bad \ud800 answer")], _USAGE),
+     "TurnCompleted.new_messages[0].text is not valid UTF-8 text: '\\ud800' at position 4 is a lone surrogate"),
+    ("tool-output-lone-surrogate",
+     lambda: TurnCompleted([_PARTIAL, item(MessageRole.TOOL, tool_call_id="c1", output="x\udfff")], _USAGE),
+     "TurnCompleted.new_messages[1].tool_output is not valid UTF-8 text: '\\udfff' at position 1 is a lone surrogate"),
+    ("tool-name-lone-surrogate",
+     lambda: ToolCallsRequested("state", [DeferredToolCall("c1", "read_\ud800", "{}", ToolPolicy(ToolEffect.READ))],
+                                _USAGE),
+     "tool call 'c1' has a tool name that is not valid UTF-8 text: '\\ud800' at position 5 is a lone surrogate"),
+    ("tool-call-id-lone-surrogate",
+     lambda: ToolCallsRequested("state", [_read_call("c\ud800")], _USAGE),
+     "tool call ID 'c\\ud800' is not valid UTF-8 text: '\\ud800' at position 1 is a lone surrogate"),
 ]
 # Cases whose outcome carries no AgentUsage to record; every other one records _USAGE before failing.
 NO_USAGE_RECORDED = {"a-dict", "none", "usage-not-agent-usage"}

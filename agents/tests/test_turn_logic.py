@@ -46,6 +46,7 @@ from dex_agents._turn_logic import (
     plan_tool_calls,
     recovered_status,
     started_turn,
+    text_problem,
     to_agent_message,
     tool_step_for,
     turn_id_for,
@@ -625,3 +626,37 @@ def test_check_framework_messages_accepts_a_plain_role_string() -> None:
     """A role given as the plain text "assistant" is read as MessageRole.ASSISTANT."""
     (item,) = check_framework_messages([FrameworkMessage("assistant", "{}")], "new_messages")  # type: ignore[arg-type]
     assert item.role is MessageRole.ASSISTANT
+
+
+# Text that JSON (UTF-8) cannot hold -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("effect", [ToolEffect.READ, ToolEffect.NON_IDEMPOTENT_WRITE])
+def test_arguments_with_a_lone_surrogate_fail_the_call_and_are_stored_escaped(effect: ToolEffect) -> None:
+    """The call is final (failed, no Step, no approval), and its record holds the arguments with the
+    surrogate escaped: storing them as given would fail RunModel's commit on every retry."""
+    (planned,) = plan([call("c1", "tool", '{"q": "\ud800"}', effect)]).calls
+    assert planned.next_step is None
+    assert planned.record.status is AgentToolCallStatus.FAILED
+    assert planned.record.error == "arguments are not valid UTF-8 text: '\\ud800' at position 7 is a lone surrogate"
+    assert planned.record.arguments == '{"q": "\\ud800"}'
+    planned.record.arguments.encode("utf-8")
+
+
+def test_a_built_in_tool_with_a_lone_surrogate_fails_like_any_call() -> None:
+    """ask_user arguments with a lone surrogate never reach the question parser or an interrupt."""
+    result = plan_tool_calls(
+        [call("c1", "ask_user", '{"question": "\udfff?"}', ToolEffect.READ)], turn_id=TURN, existing={}, now=NOW,
+        interrupt_deadline=None, trace_context=TRACE, built_in_tools=frozenset({"ask_user"}),
+    )
+    (planned,) = result.calls
+    assert (planned.next_step, planned.record.status, result.interrupts) == (None, AgentToolCallStatus.FAILED, ())
+    assert "lone surrogate" in (planned.record.error or "")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("plain", None), ("emoji \U0001f600", None), ("", None),
+    ("a\ud800", "not valid UTF-8 text: '\\ud800' at position 1 is a lone surrogate"),
+])
+def test_text_problem(text: str, expected: str | None) -> None:
+    assert text_problem(text) == expected

@@ -89,6 +89,18 @@ def ended_turn(state: AgentState, *, error: str | None) -> AgentState:
 _ROLES = frozenset(r.value for r in MessageRole)
 
 
+def text_problem(value: str) -> str | None:
+    """Why text cannot be stored (stored values are JSON, which is UTF-8), or None when it can."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"not valid UTF-8 text: {value[exc.start]!r} at position {exc.start} is a lone surrogate"
+    return None
+
+
+_MESSAGE_TEXT_FIELDS = ("framework_item", "text", "tool_call_id", "tool_name", "tool_arguments", "tool_output")
+
+
 def check_framework_messages(items: object, source: str) -> list[FrameworkMessage]:
     """The runner's messages, or TurnContractError naming the first bad one."""
     if isinstance(items, str | bytes) or not isinstance(items, Sequence):
@@ -108,6 +120,11 @@ def check_framework_messages(items: object, source: str) -> list[FrameworkMessag
             raise TurnContractError(
                 f"{source}[{index}].framework_item is a {type(item.framework_item).__name__}, not JSON text (str)"
             )
+        for name in _MESSAGE_TEXT_FIELDS:
+            value = getattr(item, name)
+            problem = text_problem(value) if isinstance(value, str) else None
+            if problem is not None:
+                raise TurnContractError(f"{source}[{index}].{name} is {problem}")
         out.append(item)
     return out
 
@@ -124,6 +141,9 @@ def check_tool_call_id(tool_call_id: object, seen: set[str]) -> str:
     """A tool call ID the session can key by, or TurnContractError saying why not."""
     if not isinstance(tool_call_id, str) or not tool_call_id:
         raise TurnContractError(f"tool call ID {tool_call_id!r} is empty; every tool call needs a non-empty ID")
+    problem = text_problem(tool_call_id)
+    if problem is not None:
+        raise TurnContractError(f"tool call ID {tool_call_id!r} is {problem}")
     if "/" in tool_call_id:
         raise TurnContractError(
             f"tool call ID {tool_call_id!r} contains '/'; IDs join the idempotency key <flow>/<turn>/<id>"
@@ -144,6 +164,9 @@ def arguments_error(arguments: object) -> str | None:
     """None when `arguments` is strict JSON object text; else why not (NaN and Infinity are not JSON)."""
     if not isinstance(arguments, str):
         return ARGUMENTS_NOT_OBJECT
+    problem = text_problem(arguments)
+    if problem is not None:
+        return f"arguments are {problem}"
 
     def refuse(constant: str) -> float:
         raise ValueError(constant)
@@ -155,6 +178,14 @@ def arguments_error(arguments: object) -> str | None:
     if not isinstance(value, dict):
         return ARGUMENTS_NOT_OBJECT
     return None
+
+
+def storable_arguments(arguments: object) -> str:
+    """What a record stores as a call's arguments: the text, with any lone surrogate escaped (the
+    call then fails on arguments_error), or the repr of arguments that are not text."""
+    if not isinstance(arguments, str):
+        return repr(arguments)
+    return arguments if text_problem(arguments) is None else arguments.encode("utf-8", "backslashreplace").decode()
 
 
 def tool_step_for(effect: ToolEffect) -> str:
@@ -244,25 +275,29 @@ def plan_tool_calls(
         call_id = check_tool_call_id(call.tool_call_id, seen)
         if not isinstance(call.tool_name, str) or not call.tool_name:
             raise TurnContractError(f"tool call {call_id!r} has no tool name")
+        name_problem = text_problem(call.tool_name)
+        if name_problem is not None:
+            raise TurnContractError(f"tool call {call_id!r} has a tool name that is {name_problem}")
         if not isinstance(call.policy, ToolPolicy):
             raise TurnContractError(
                 f"tool call {call_id!r} has policy {call.policy!r}; use turn.resolve_tool_policy(name)"
             )
         reference = call.tool_source_reference
-        if reference is not None and not isinstance(reference, str):
-            raise TurnContractError(f"tool call {call_id!r} has a tool_source_reference that is not text")
+        if reference is not None and (not isinstance(reference, str) or text_problem(reference) is not None):
+            raise TurnContractError(f"tool call {call_id!r} has a tool_source_reference that is not UTF-8 text")
         if interaction_mode is InteractionMode.PLANNING and not (
             call.tool_name == WRITE_TODOS and WRITE_TODOS in built_in_tools
         ):
             calls.append(PlannedCall(rejected_in_planning_turn(AgentToolCall(
                 tool_call_id=call_id, turn_id=turn_id, tool_name=call.tool_name,
-                arguments=call.arguments if isinstance(call.arguments, str) else repr(call.arguments),
+                arguments=storable_arguments(call.arguments),
                 effect=call.policy.effect, requires_approval=is_approval_required(call.policy),
                 status=AgentToolCallStatus.APPROVED, output=None, error=None, rejection_message=None,
                 deferral_order=first_order + index, tool_source_reference=reference, trace_context=trace_context,
             )), None))
             continue
-        if call.tool_name in built_in_tools and isinstance(call.arguments, str):
+        usable_text = isinstance(call.arguments, str) and text_problem(call.arguments) is None
+        if call.tool_name in built_in_tools and usable_text:
             planned, interrupt = _built_in_call(
                 call, call_id, turn_id, first_order + index, trace_context, now, deadline, max_durable_wait,
                 plan_context=(current_plan, interaction_mode, write_todos_calls > 1),
@@ -272,7 +307,7 @@ def plan_tool_calls(
                 interrupts.append(interrupt)
             continue
         bad_arguments = arguments_error(call.arguments)
-        arguments = call.arguments if isinstance(call.arguments, str) else repr(call.arguments)
+        arguments = storable_arguments(call.arguments)
         approval = is_approval_required(call.policy) and bad_arguments is None
         if bad_arguments is not None:
             status = AgentToolCallStatus.FAILED
