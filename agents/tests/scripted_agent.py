@@ -17,10 +17,11 @@ model call per step, in order:
   attempt (the rerun is attempt 2) instead of handing the same attempt out again.
 
 Tools (in the tool Step): args `{"gate": name}` wait at a FileGate first; `{"sleep": seconds}` then
-take that long, as a call to a slow API does; `{"fail": text}` raises
-ToolExecutionError; `{"unknown": text}` raises ToolOutcomeUnknownError; `{"crash": text}` raises
-RuntimeError; `{"output_bytes": n}` returns n bytes. Policies by name prefix: read_ READ, idem_
-IDEMPOTENT_WRITE, write_ NON_IDEMPOTENT_WRITE; anything else gets the session default (unclassified).
+take that long, as a call to a slow API does; `{"fail": text}` raises ToolExecutionError;
+`{"unknown": text}` raises ToolOutcomeUnknownError; `{"crash": text}` raises RuntimeError;
+`{"output_bytes": n}` returns n bytes, `{"output": text}` that text. Policies by name prefix: read_
+READ, idem_ IDEMPOTENT_WRITE, write_ NON_IDEMPOTENT_WRITE; anything else gets the session default
+(unclassified).
 
 Tool tasks: args `{"task": {"id": text, "interval": seconds, "polls": [...]}}` start a task (after
 any gate): the tool saves the task ID as its heartbeat checkpoint and returns
@@ -214,6 +215,7 @@ class ScriptedRunner:
         if "task" in args:
             return await self._start_task(call, args["task"])
         output = "x" * int(args["output_bytes"]) if "output_bytes" in args else f"{record.tool_name} done"
+        output = str(args.get("output", output))
         if self.log is not None:
             self.log.record("tool_end", flow_id=call.flow_id, turn_id=record.turn_id,
                             tool_call_id=record.tool_call_id, attempt=call.attempt)

@@ -742,6 +742,31 @@ async def test_tool_output_over_the_value_limit(tmp_path: Path) -> None:
         await assert_usable(sessions, "s", before)
 
 
+async def test_tool_output_or_error_with_a_lone_surrogate_is_stored_escaped(tmp_path: Path) -> None:
+    """A tool's output or error text holding a lone surrogate (UTF-8 cannot hold it) is stored with
+    the surrogate escaped: the write that ran stays succeeded (not outcome_unknown), nothing runs
+    twice, and the model sees the text with the escape."""
+    flow = build_flow(tmp_path, tool_policies={
+        "write_odd": ToolPolicy(ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=False)})
+    odd = "half \ud83d of an emoji"
+    async with in_process(tmp_path, flow) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        snapshot = await run_turn(sessions, "s", script({"tools": [
+            {"id": "r", "name": "read_odd", "args": {"output": odd}},
+            {"id": "w", "name": "write_odd", "args": {"output": odd}},
+            {"id": "f", "name": "read_fails", "args": {"fail": odd}},
+        ]}, {"answer": "{records}"}))
+        assert snapshot.state is not None and snapshot.state.last_turn_error is None
+        records = json.loads(snapshot.messages[-1].text or "")
+        escaped = "half \\ud83d of an emoji"
+        assert {k: (v["status"], v["output"], v["error"]) for k, v in records.items()} == {
+            "r": ("succeeded", escaped, None), "w": ("succeeded", escaped, None), "f": ("failed", None, escaped)}
+        for call_id in ("r", "w", "f"):
+            assert engine.log.count("tool_start", tool_call_id=call_id) == 1
+        await assert_usable(sessions, "s", before)
+
+
 # Session settings ---------------------------------------------------------------------------------
 
 

@@ -358,6 +358,11 @@ async def test_tool_question_id_used_by_another_call_fails_the_call(tmp_path: Pa
     ({"question": "Pick", "choices": ["a", "a"]}, "choices repeat"),
     ({"question": "Pick", "choices": ["a", " "]}, "choices must be non-empty texts"),
     ({"question": "Pick", "allows_free_text": False}, "a question without choices must allow free text"),
+    ({"question": "Pick \ud800"}, "question is not valid UTF-8 text: '\\ud800' at position 5 is a lone surrogate"),
+    ({"question": "Pick", "choices": ["a", "b\udfff"]},
+     "a choice is not valid UTF-8 text: '\\udfff' at position 1 is a lone surrogate"),
+    ({"question": "Pick", "continuation": "\ud800"},
+     "continuation is not valid UTF-8 text: '\\ud800' at position 0 is a lone surrogate"),
 ])
 async def test_invalid_tool_question_fails_the_call(
     tmp_path: Path, request_fields: dict[str, Any], problem: str

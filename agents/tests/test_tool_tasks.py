@@ -150,6 +150,7 @@ def test_poll_interval_property(value: float) -> None:
     ("job-1", None, "poll_interval_seconds must be a number, got None"),
     ("job-1", True, "poll_interval_seconds must be a number, got True"),
     ("", "soon", "task_id must be non-empty text"),  # the ID is checked first
+    ("job-\ud800", 5, "task_id is not valid UTF-8 text: '\\ud800' at position 4 is a lone surrogate"),
 ])
 def test_tool_task_started_problems(task_id: Any, interval: Any, problem: str | None) -> None:
     """A ToolTaskStarted the session cannot poll: a blank or non-text task_id, or an interval that is
@@ -161,6 +162,7 @@ def test_tool_task_started_problems(task_id: Any, interval: Any, problem: str | 
     (3, None, None), (0.5, "k", None),
     ("later", None, "poll_interval_seconds must be a number, got 'later'"),
     (3, 5, "continuation must be text or None"),
+    (3, "k\udc00", "continuation is not valid UTF-8 text: '\\udc00' at position 1 is a lone surrogate"),
 ])
 def test_tool_task_pending_problems(interval: Any, continuation: Any, problem: str | None) -> None:
     assert tool_task_pending_problem(ToolTaskPending(poll_interval_seconds=interval, continuation=continuation)) == (

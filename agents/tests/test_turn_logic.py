@@ -46,6 +46,7 @@ from dex_agents._turn_logic import (
     plan_tool_calls,
     recovered_status,
     started_turn,
+    storable_outcome,
     text_problem,
     to_agent_message,
     tool_step_for,
@@ -660,3 +661,15 @@ def test_a_built_in_tool_with_a_lone_surrogate_fails_like_any_call() -> None:
 ])
 def test_text_problem(text: str, expected: str | None) -> None:
     assert text_problem(text) == expected
+
+
+def test_storable_outcome_escapes_only_what_cannot_be_stored() -> None:
+    """A final record's output, error and rejection message come from the tool or the user; a lone
+    surrogate in them is escaped, and a record without one is returned as it is."""
+    fine = record("c1", status=AgentToolCallStatus.SUCCEEDED, output="ok \U0001f600")
+    assert storable_outcome(fine) is fine
+    odd = record("c1", status=AgentToolCallStatus.REJECTED, output="a\ud800", error="b\udfff",
+                 rejection_message="c\ud83d")
+    stored = storable_outcome(odd)
+    assert (stored.output, stored.error, stored.rejection_message) == ("a\\ud800", "b\\udfff", "c\\ud83d")
+    assert msgspec.json.encode(stored)

@@ -73,6 +73,7 @@ from ._turn_logic import (
     ended_turn,
     finished,
     not_run_error,
+    storable_outcome,
     to_agent_message,
     tool_step_for,
     tool_step_overrides,
@@ -399,6 +400,7 @@ class SessionRuntime:
 
     def finish_record(self, ctx: Context, record: AgentToolCall) -> None:
         """Store a final record, publish its one ToolCallCompleted, and write tool_call_finished."""
+        record = storable_outcome(record)
         ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], record)
         ctx.publish(TOOL_CALL_RESULTS, ToolCallCompleted(record.tool_call_id))
         self.emit(ctx, AgentEventType.TOOL_CALL_FINISHED, record.turn_id, {

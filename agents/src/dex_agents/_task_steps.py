@@ -47,7 +47,7 @@ from ._runner import (
     polls_tool_tasks,
 )
 from ._runtime import SessionRuntime, background_heartbeats, tool_call_load
-from ._turn_logic import finished
+from ._turn_logic import finished, text_problem
 from ._wire import (
     AgentState,
     AgentToolCall,
@@ -92,6 +92,9 @@ def tool_task_started_problem(started: ToolTaskStarted) -> str | None:
     task_id: object = started.task_id
     if not isinstance(task_id, str) or not task_id.strip():
         return "task_id must be non-empty text"
+    problem = text_problem(task_id)
+    if problem is not None:
+        return f"task_id is {problem}"
     if task_poll_interval_seconds(started.poll_interval_seconds) is None:
         return f"poll_interval_seconds must be a number, got {started.poll_interval_seconds!r}"
     return None
@@ -108,6 +111,9 @@ def tool_task_pending_problem(pending: ToolTaskPending) -> str | None:
     continuation: object = pending.continuation
     if continuation is not None and not isinstance(continuation, str):
         return "continuation must be text or None"
+    problem = None if continuation is None else text_problem(continuation)
+    if problem is not None:
+        return f"continuation is {problem}"
     return None
 
 

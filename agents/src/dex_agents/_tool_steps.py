@@ -72,6 +72,7 @@ from ._turn_logic import (
     finished,
     not_run_error,
     recovered_status,
+    text_problem,
     without_interrupt,
 )
 from ._wire import AgentInterrupt, AgentStatus, AgentToolCall, AgentToolCallStatus, ToolEffect
@@ -121,6 +122,10 @@ def input_request_problem(request: ToolInputRequested) -> str | None:
         return "a question without choices must allow free text"
     if continuation is not None and not isinstance(continuation, str):
         return "continuation must be text or None"
+    for name, text in (("question", question), *(("a choice", c) for c in choices), ("continuation", continuation)):
+        problem = text_problem(text) if isinstance(text, str) else None
+        if problem is not None:
+            return f"{name} is {problem}"
     return None
 
 

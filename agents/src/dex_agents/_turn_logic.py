@@ -180,12 +180,24 @@ def arguments_error(arguments: object) -> str | None:
     return None
 
 
+def storable_text(text: str) -> str:
+    """`text` with any lone surrogate escaped (as `\\ud800`), so that it can be stored."""
+    return text if text_problem(text) is None else text.encode("utf-8", "backslashreplace").decode()
+
+
 def storable_arguments(arguments: object) -> str:
-    """What a record stores as a call's arguments: the text, with any lone surrogate escaped (the
-    call then fails on arguments_error), or the repr of arguments that are not text."""
-    if not isinstance(arguments, str):
-        return repr(arguments)
-    return arguments if text_problem(arguments) is None else arguments.encode("utf-8", "backslashreplace").decode()
+    """What a record stores as a call's arguments: the text, escaped by storable_text (the call
+    then fails on arguments_error), or the repr of arguments that are not text."""
+    return storable_text(arguments) if isinstance(arguments, str) else repr(arguments)
+
+
+def storable_outcome(record: AgentToolCall) -> AgentToolCall:
+    """A final record whose texts from the tool (output, error, rejection message) can be stored: a
+    lone surrogate in them is escaped rather than failing the commit on every retry (and a write
+    that ran must not become outcome_unknown for it)."""
+    texts = {name: getattr(record, name) for name in ("output", "error", "rejection_message")}
+    escaped = {name: storable_text(t) for name, t in texts.items() if isinstance(t, str) and text_problem(t)}
+    return msgspec.structs.replace(record, **escaped) if escaped else record
 
 
 def tool_step_for(effect: ToolEffect) -> str:
