@@ -26,6 +26,7 @@ from dex_agents import (
     TurnCompleted,
 )
 from dex_agents._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES
+from dex_engine import MAX_TIMER_SECONDS
 
 # Values typed Any on purpose: the point is what a caller without a type checker can pass.
 BAD_DURATIONS: list[Any] = [timedelta(0), timedelta(seconds=-1), 30, 30.0, "30s", None]
@@ -135,6 +136,11 @@ def test_session_options_freeze_tool_policies() -> None:
     ({"interrupt_deadline": timedelta(seconds=-1)}, "interrupt_deadline must be a positive timedelta",
      repr(timedelta(seconds=-1))),
     ({"interrupt_deadline": 300}, "interrupt_deadline must be a positive timedelta", "300"),
+    # Each becomes one engine Timer, which can wait at most MAX_TIMER_SECONDS (366 days).
+    ({"interrupt_deadline": timedelta(days=367)}, "interrupt_deadline must be at most 366 days",
+     repr(timedelta(days=367))),
+    ({"max_durable_wait": timedelta(days=400)}, "max_durable_wait must be a timedelta from 1 second to 366 days",
+     repr(timedelta(days=400))),
     ({"run_model_limit": None}, "run_model_limit must be a RunModelLimit", "None"),
     ({"run_model_limit": {"max_attempts": 3}}, "run_model_limit must be a RunModelLimit", "{'max_attempts': 3}"),
 ])
@@ -216,3 +222,9 @@ def test_flow_refuses_options_of_the_wrong_type() -> None:
     bad: Any = {"default_tool_effect": ToolEffect.READ}
     with pytest.raises(TypeError, match="options must be AgentSessionOptions, got dict"):
         AgentSessionFlow(_Complete(), options=bad)
+
+
+def test_the_longest_timer_is_accepted_for_deadlines_and_durable_waits() -> None:
+    """366 days, the engine's MAX_TIMER_SECONDS, is the bound itself: allowed for both."""
+    options = AgentSessionOptions(interrupt_deadline=timedelta(days=366), max_durable_wait=timedelta(days=366))
+    assert options.interrupt_deadline == options.max_durable_wait == timedelta(seconds=MAX_TIMER_SECONDS)

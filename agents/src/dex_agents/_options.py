@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
 
-from dex_engine import MAX_VALUE_BYTES
+from dex_engine import MAX_TIMER_SECONDS, MAX_VALUE_BYTES
 
 from ._builtin_tools import BuiltInTool
 from ._compaction import CompactionPolicy
@@ -28,6 +28,8 @@ from ._wire import ToolEffect
 
 # A rollover chunk is one engine value: a cap above MAX_VALUE_BYTES would make a later rollover fail.
 MESSAGE_CHUNK_MAX_BYTES_LIMIT = min(MAX_MESSAGE_CHUNK_MAX_BYTES, MAX_VALUE_BYTES)
+# An approval deadline or a durable wait becomes one engine Timer, which can be at most this long.
+LONGEST_TIMER = timedelta(seconds=MAX_TIMER_SECONDS)
 
 
 @dataclass(frozen=True)
@@ -103,14 +105,18 @@ class AgentSessionOptions:
         deadline: object = self.interrupt_deadline
         if deadline is not None and (not isinstance(deadline, timedelta) or deadline <= timedelta(0)):
             problems.append(f"interrupt_deadline must be a positive timedelta or None, got {deadline!r}")
+        elif isinstance(deadline, timedelta) and deadline > LONGEST_TIMER:
+            problems.append(f"interrupt_deadline must be at most {LONGEST_TIMER.days} days (the engine's longest "
+                            f"timer), got {deadline!r}")
         tools: object = self.built_in_tools
         if not isinstance(tools, frozenset | set) or not all(isinstance(t, BuiltInTool) for t in tools):
             problems.append(f"built_in_tools must be a frozenset of BuiltInTool, got {tools!r}")
         else:
             object.__setattr__(self, "built_in_tools", frozenset(tools))
         wait: object = self.max_durable_wait
-        if not isinstance(wait, timedelta) or wait < timedelta(seconds=1):
-            problems.append(f"max_durable_wait must be a timedelta of at least 1 second, got {wait!r}")
+        if not isinstance(wait, timedelta) or not timedelta(seconds=1) <= wait <= LONGEST_TIMER:
+            problems.append(f"max_durable_wait must be a timedelta from 1 second to {LONGEST_TIMER.days} days "
+                            f"(the engine's longest timer), got {wait!r}")
         plan_mode: object = self.plan_mode_enabled
         if not isinstance(plan_mode, bool):
             problems.append(f"plan_mode_enabled must be True or False, got {plan_mode!r}")
