@@ -8,7 +8,7 @@ from typing import Any, cast
 
 from agents.tests.scripted_agent import INVOCATIONS
 
-from dex_agents import AgentEvent, AgentSessionFlow, AgentSnapshot
+from dex_agents import AgentEvent, AgentSessionClient, AgentSessionFlow, AgentSnapshot
 from dex_agents.testing import (
     AgentTestStack,
     FileGate,
@@ -17,6 +17,7 @@ from dex_agents.testing import (
     executed_steps,
     wait_for_agent_snapshot,
 )
+from dex_agents.testing._waiting import DEFAULT_WAIT_SECONDS
 
 
 class Session:
@@ -81,3 +82,22 @@ class Session:
 
     def tool_starts(self, tool_call_id: str | None = None) -> int:
         return self.count("tool_start", **({} if tool_call_id is None else {"tool_call_id": tool_call_id}))
+
+
+async def first_turn_ended(
+    sessions: AgentSessionClient, session_id: str, *, timeout: float = DEFAULT_WAIT_SECONDS,
+) -> AgentSnapshot:
+    """The session's snapshot once its first turn has ended and no turn is active."""
+
+    def probe(s: AgentSnapshot) -> AgentSnapshot | None:
+        ended = s.state is not None and s.state.turn_count == 1 and s.state.active_turn_id is None
+        return s if ended else None
+
+    snapshot: AgentSnapshot = await wait_for_agent_snapshot(
+        sessions, session_id, probe, description=f"{session_id}'s first turn to end", timeout=timeout)
+    return snapshot
+
+
+async def first_turn_answer(sessions: AgentSessionClient, session_id: str) -> str:
+    """The text of the session's last message once its first turn has ended."""
+    return (await first_turn_ended(sessions, session_id)).messages[-1].text or ""

@@ -22,8 +22,9 @@ from typing import cast
 import pytest
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import INVOCATIONS, build_flow
+from agents.tests.session_driver import first_turn_answer
 
-from dex_agents import AgentSessionClient, AgentSessionFlow, AgentSnapshot
+from dex_agents import AgentSessionClient, AgentSessionFlow
 from dex_agents.testing import AgentTestStack, InvocationLog, wait_for_agent_snapshot
 
 pytestmark = pytest.mark.slow
@@ -42,15 +43,6 @@ def _stack(tmp_path: Path) -> AgentTestStack:
 
 def _sessions(stack: AgentTestStack) -> AgentSessionClient:
     return stack.sessions(cast(AgentSessionFlow, stack.flows[0]))
-
-
-async def _answered(sessions: AgentSessionClient, session_id: str) -> str:
-    def probe(s: AgentSnapshot) -> str | None:
-        ended = s.state is not None and s.state.turn_count == 1 and s.state.active_turn_id is None
-        return (s.messages[-1].text or "") if ended else None
-
-    answer: str = await wait_for_agent_snapshot(sessions, session_id, probe, description=f"{session_id}'s answer")
-    return answer
 
 
 async def test_approvals_survive_a_whole_stack_restart_and_resolve_once(tmp_path: Path) -> None:
@@ -82,7 +74,7 @@ async def test_approvals_survive_a_whole_stack_restart_and_resolve_once(tmp_path
                                              for _ in range(2)))
             assert sorted(results) == [False, True], (session_id, results)
         await second.start_worker()
-        answers = {session_id: await _answered(sessions, session_id) for session_id in everyone}
+        answers = {session_id: await first_turn_answer(sessions, session_id) for session_id in everyone}
 
     log = InvocationLog(tmp_path / INVOCATIONS)
     for session_id in APPROVE + RACE:

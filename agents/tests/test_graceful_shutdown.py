@@ -17,8 +17,9 @@ from typing import cast
 import pytest
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import INVOCATIONS, build_flow
+from agents.tests.session_driver import first_turn_answer
 
-from dex_agents import OUTCOME_UNKNOWN_TEXT, AgentSessionClient, AgentSessionFlow, AgentSnapshot
+from dex_agents import OUTCOME_UNKNOWN_TEXT, AgentSessionClient, AgentSessionFlow
 from dex_agents.testing import AgentTestStack, FileGate, InvocationLog, executed_steps, wait_for_agent_snapshot
 
 pytestmark = pytest.mark.slow
@@ -40,15 +41,6 @@ async def _approved_write_at_its_gate(stack: AgentTestStack, sessions: AgentSess
     return gate
 
 
-async def _answer(sessions: AgentSessionClient, session_id: str) -> str:
-    def probe(s: AgentSnapshot) -> str | None:
-        ended = s.state is not None and s.state.turn_count == 1 and s.state.active_turn_id is None
-        return (s.messages[-1].text or "") if ended else None
-
-    answer: str = await wait_for_agent_snapshot(sessions, session_id, probe, description=f"{session_id}'s answer")
-    return answer
-
-
 async def test_sigterm_lets_a_running_write_finish_or_records_it_unknown(tmp_path: Path) -> None:
     async with AgentTestStack(tmp_path, [build_flow(tmp_path)], WORKER_MODULE, worker_cwd=REPO_ROOT) as stack:
         sessions = stack.sessions(cast(AgentSessionFlow, stack.flows[0]))
@@ -63,7 +55,7 @@ async def test_sigterm_lets_a_running_write_finish_or_records_it_unknown(tmp_pat
         gate.release()
         assert await stopping == 0, worker.log_tail()
         await stack.start_worker()
-        assert await _answer(sessions, "in-time") == "w=write_refund done"
+        assert await first_turn_answer(sessions, "in-time") == "w=write_refund done"
         assert log.count("tool_start", flow_id="in-time") == 1 and log.count("tool_end", flow_id="in-time") == 1
         assert "CallSingleAttemptTool" in executed_steps(await stack.read_step_history("in-time"))
 
@@ -73,7 +65,7 @@ async def test_sigterm_lets_a_running_write_finish_or_records_it_unknown(tmp_pat
         assert await worker.stop() == 0, worker.log_tail()
         gate.release()  # a rerun would now finish and log a second start and an end
         await stack.start_worker()
-        assert await _answer(sessions, "too-long") == f"w={OUTCOME_UNKNOWN_TEXT}"
+        assert await first_turn_answer(sessions, "too-long") == f"w={OUTCOME_UNKNOWN_TEXT}"
         assert log.count("tool_start", flow_id="too-long") == 1 and log.count("tool_end", flow_id="too-long") == 0
         steps = executed_steps(await stack.read_step_history("too-long"))
         assert "RecordToolOutcomeUnknown" in steps and "CallSingleAttemptTool" not in steps

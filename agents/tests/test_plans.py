@@ -714,11 +714,7 @@ async def test_execute_plan_refusals_while_an_approval_is_pending(tmp_path: Path
     }
     async with plan_engine(tmp_path, script) as engine:
         sessions = engine.sessions
-        await sessions.start_session("s")
-        assert await sessions.send_user_message("s", "Plan it", plan_mode=True)
-        await engine.turns_done("s", 1)
-        await wait_until_waiting(engine, "s")
-        await engine.stop_worker()
+        await drafted_then_idle_without_a_worker(engine)
 
         results = await asyncio.gather(sessions.execute_plan("s", 1), sessions.execute_plan("s", 1))
         assert sorted(results) == [False, True]
@@ -784,11 +780,7 @@ async def test_a_message_the_waiting_session_took_still_counts_as_queued(tmp_pat
     }
     async with plan_engine(tmp_path, script) as engine:
         sessions = engine.sessions
-        await sessions.start_session("s")
-        assert await sessions.send_user_message("s", "Plan it", plan_mode=True)
-        await engine.turns_done("s", 1)
-        await wait_until_waiting(engine, "s")
-        await engine.stop_worker()
+        await drafted_then_idle_without_a_worker(engine)
 
         assert await sessions.send_user_message("s", "Change it")
         snapshot = await sessions.get_agent_snapshot("s")
@@ -806,6 +798,15 @@ async def test_a_message_the_waiting_session_took_still_counts_as_queued(tmp_pat
         snapshot = await engine.turns_done("s", 3)
         assert [m.text for m in snapshot.messages if m.role.value == "user"] == ["Plan it", "Change it", "And this"]
         assert snapshot.queued_messages == [] and snapshot.queued_message_count == 0
+
+
+async def drafted_then_idle_without_a_worker(engine: PlanEngine) -> None:
+    """Session "s" drafts a plan ("Plan it"), waits for the next message, and then no Worker runs."""
+    await engine.sessions.start_session("s")
+    assert await engine.sessions.send_user_message("s", "Plan it", plan_mode=True)
+    await engine.turns_done("s", 1)
+    await wait_until_waiting(engine, "s")
+    await engine.stop_worker()
 
 
 async def wait_until_waiting(engine: PlanEngine, sid: str) -> None:

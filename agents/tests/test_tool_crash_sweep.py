@@ -27,11 +27,12 @@ from typing import Any
 import pytest
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import INVOCATIONS, build_flow
+from agents.tests.session_driver import first_turn_ended
 from agents.tests.standby_workers import SharedStack
 from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 
-from dex_agents import TOOL_CALL_NOT_RUN_ERROR_PREFIX, AgentSessionClient, AgentSessionFlow, AgentSnapshot
-from dex_agents.testing import AgentTestStack, InvocationLog, wait_for_agent_snapshot
+from dex_agents import TOOL_CALL_NOT_RUN_ERROR_PREFIX, AgentSessionClient, AgentSessionFlow
+from dex_agents.testing import AgentTestStack, InvocationLog
 
 SEED = 20261130
 SESSIONS = 12
@@ -62,16 +63,6 @@ async def _approve_writes(sessions: AgentSessionClient, session_ids: list[str]) 
                 if await sessions.resolve_interrupt(session_id, "w", approved=True):
                     waiting.discard(session_id)
         await asyncio.sleep(0.05)
-
-
-async def _turn_ended(sessions: AgentSessionClient, session_id: str) -> AgentSnapshot:
-    def probe(s: AgentSnapshot) -> AgentSnapshot | None:
-        ok = s.state is not None and s.state.turn_count == 1 and s.state.active_turn_id is None
-        return s if ok else None
-
-    snapshot: AgentSnapshot = await wait_for_agent_snapshot(
-        sessions, session_id, probe, description=f"{session_id}'s turn to end", timeout=SETTLE_SECONDS)
-    return snapshot
 
 
 def _check_call(log: InvocationLog, session_id: str, call_id: str, record: dict[str, Any], *, repeatable: bool
@@ -128,7 +119,7 @@ async def test_random_kills_never_repeat_a_write_and_every_turn_ends(tmp_path: P
             worker.kill()
             worker = await shared.start_new_worker()
         await asyncio.wait_for(starting, SETTLE_SECONDS)
-        snapshots = [await _turn_ended(sessions, session_id) for session_id in session_ids]
+        snapshots = [await first_turn_ended(sessions, session_id, timeout=SETTLE_SECONDS) for session_id in session_ids]
         await asyncio.wait_for(approving, SETTLE_SECONDS)
 
         log = InvocationLog(stack.state_dir / INVOCATIONS)
