@@ -228,6 +228,20 @@ def test_overrides_by_step(chosen: ToolCallStepOptions | None, step: str, expect
     assert tool_step_overrides(step, chosen) == expected
 
 
+def test_an_async_provider_is_named_and_its_coroutine_closed() -> None:
+    """An `async def tool_call_step_options` returns a coroutine: refused with the likely cause,
+    and closed, so Python does not warn that it was never awaited."""
+    from dex_agents._turn_logic import tool_step_overrides
+
+    async def options() -> ToolCallStepOptions:
+        return ToolCallStepOptions()
+
+    pending = options()
+    with pytest.raises(ValueError, match=r"returned an awaitable; it must be a plain method \(not async def\)"):
+        tool_step_overrides("CallTool", pending)
+    assert pending.cr_frame is None  # closed
+
+
 @pytest.mark.parametrize("chosen, message", [
     ({"timeout": 30}, "returned {'timeout': 30}, which is not a ToolCallStepOptions or None"),
     (ToolCallStepOptions(timeout=timedelta(seconds=-1)), "timeout must be a positive timedelta"),

@@ -7,6 +7,7 @@ can be tested exhaustively without a database.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -222,6 +223,13 @@ def tool_step_overrides(step: str, chosen: object) -> tuple[RetryPolicy | None, 
     """
     if chosen is None:
         return None, None
+    if inspect.isawaitable(chosen):
+        if inspect.iscoroutine(chosen):
+            chosen.close()  # never awaited: closed so Python does not warn about it
+        raise ValueError(
+            "tool_call_step_options returned an awaitable; it must be a plain method (not async def) "
+            "that returns ToolCallStepOptions or None"
+        )
     if not isinstance(chosen, ToolCallStepOptions):
         raise ValueError(
             f"tool_call_step_options returned {chosen!r}, which is not a ToolCallStepOptions or None"
