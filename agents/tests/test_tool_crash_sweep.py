@@ -94,19 +94,31 @@ pytestmark = pytest.mark.slow
 
 
 async def test_random_kills_never_repeat_a_write_and_every_turn_ends(tmp_path: Path, db_url: str) -> None:  # noqa: F811
+    await _sweep(tmp_path, db_url, SEED, steady_workers=0)
+
+
+async def test_random_kills_with_a_second_worker_claiming_beside(tmp_path: Path, db_url: str) -> None:  # noqa: F811
+    """The same sweep while a second Worker child, never killed, claims the sessions' Steps too:
+    two processes race for every claim (the SQLite file's writer turns, PostgreSQL's SKIP LOCKED),
+    and the survivor takes over each dead Worker's attempts."""
+    await _sweep(tmp_path, db_url, SEED + 1, steady_workers=1)
+
+
+async def _sweep(tmp_path: Path, url: str, seed: int, *, steady_workers: int) -> None:
     # Every random choice is drawn up front, so the seed alone fixes the schedule.
-    rng = random.Random(SEED)
+    rng = random.Random(seed)
     session_ids = [f"sweep-{n}" for n in range(SESSIONS)]
     scripts = [_script(rng) for _ in session_ids]
     start_gaps = [round(rng.uniform(*START_GAP_SECONDS), 3) for _ in session_ids]
     kill_gaps = [round(rng.uniform(*KILL_AFTER_SECONDS), 3) for _ in range(KILLS)]
-    context = f"seed {SEED}: sessions started {start_gaps} s apart, kills {kill_gaps} s after each Worker began"
+    context = (f"seed {seed}, {steady_workers} Worker(s) never killed: sessions started {start_gaps} s apart, "
+               f"kills {kill_gaps} s after each Worker began")
     flow: AgentSessionFlow = build_flow(tmp_path)
-    async with AgentTestStack(tmp_path, [flow], WORKER_MODULE, worker_cwd=REPO_ROOT, database_url=db_url) as stack:
+    async with AgentTestStack(tmp_path, [flow], WORKER_MODULE, worker_cwd=REPO_ROOT, database_url=url) as stack:
         shared = SharedStack(stack, standbys=2)
         sessions = stack.sessions(flow)
+        steady = {(await stack.start_worker()).pid for _ in range(steady_workers)}
         worker = await shared.worker()
-
         async def start_sessions() -> None:
             for session_id, script, gap in zip(session_ids, scripts, start_gaps, strict=True):
                 await asyncio.sleep(gap)
@@ -132,7 +144,10 @@ async def test_random_kills_never_repeat_a_write_and_every_turn_ends(tmp_path: P
             cut_short += _check_call(log, session_id, "w", records["w"], repeatable=False)
             cut_short += _check_call(log, session_id, "i", records["i"], repeatable=True)
         assert cut_short >= 1, f"no kill landed while a tool ran ({context}): the sweep tested nothing"
+        if steady:
+            ran_in = {e["pid"] for e in log.entries("tool_start")}
+            assert ran_in & steady and ran_in - steady, (context, "both kinds of Worker should have run tools", ran_in)
 
-    if db_url.startswith("sqlite:///"):
-        with contextlib.closing(sqlite3.connect(db_url.removeprefix("sqlite:///"))) as db:
+    if url.startswith("sqlite:///"):
+        with contextlib.closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as db:
             assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
