@@ -263,8 +263,9 @@ class ToolCallStepOptionsProvider(Protocol):
     """Optional: a call's own tool Step timeout and, for CallTool, retry policy (for example an
     operation's from a connector manifest). Called each time the session moves an approved call
     into its tool Step: in RunModel's commit, after an approval, after a tool's question is
-    answered. Return the same options for the same call. A call whose options cannot be had (the
-    method raises or returns something else) is recorded failed without running."""
+    answered. It runs on the Worker's event loop inside that Step: keep it quick, with no I/O. Return
+    the same options for the same call. A call whose options cannot be had (the method raises or
+    returns something else) is recorded failed without running."""
 
     def tool_call_step_options(self, call: DeferredToolCall) -> ToolCallStepOptions | None: ...
 
