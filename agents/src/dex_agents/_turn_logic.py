@@ -92,6 +92,8 @@ _ROLES = frozenset(r.value for r in MessageRole)
 
 def text_problem(value: str) -> str | None:
     """Why text cannot be stored (stored values are JSON, which is UTF-8), or None when it can."""
+    if value.isascii():  # O(1) in CPython (a flag of the string): most text takes no encoding here
+        return None
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -183,7 +185,11 @@ def arguments_error(arguments: object) -> str | None:
 
 def storable_text(text: str) -> str:
     """`text` with any lone surrogate escaped (as `\\ud800`), so that it can be stored."""
-    return text if text_problem(text) is None else text.encode("utf-8", "backslashreplace").decode()
+    return text if text_problem(text) is None else _escaped(text)
+
+
+def _escaped(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode()
 
 
 def storable_arguments(arguments: object) -> str:
@@ -197,7 +203,7 @@ def storable_outcome(record: AgentToolCall) -> AgentToolCall:
     lone surrogate in them is escaped rather than failing the commit on every retry (and a write
     that ran must not become outcome_unknown for it)."""
     texts = {name: getattr(record, name) for name in ("output", "error", "rejection_message")}
-    escaped = {name: storable_text(t) for name, t in texts.items() if isinstance(t, str) and text_problem(t)}
+    escaped = {name: _escaped(t) for name, t in texts.items() if isinstance(t, str) and text_problem(t)}
     return msgspec.structs.replace(record, **escaped) if escaped else record
 
 

@@ -1232,7 +1232,7 @@ def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcS
         pending.setdefault((str(channel), str(key)), []).append((int(mid), bytes(value)))
     in_flight: dict[tuple[str, str], list[tuple[int, bytes]]] = {}
     for spec_blob, outcome_blob in db.all(
-        "SELECT wait_spec, wait_outcome FROM tasks WHERE flow_id = ? AND wait_outcome IS NOT NULL ORDER BY task_id",
+        "SELECT wait_spec, wait_outcome FROM tasks WHERE flow_id = ? AND wait_outcome IS NOT NULL",
         (flow_id,),
     ):
         spec = _decode_wait_spec(spec_blob)
