@@ -5,7 +5,8 @@ file, N turns one after another (or spread over --sessions sessions at once), af
 and prints what a turn costs in the quantities that stay stable on a loaded machine:
 
 - CPU ms per turn: the whole process, the event loop thread and the SQLite thread separately;
-- store operations per turn, by kind (each one is a hand-off to the SQLite thread);
+- store operations per turn, by kind, and how many ran on the event loop (SqliteStore._inline)
+  rather than through a hand-off to the SQLite thread;
 - data-changing commits and fsyncs per turn, and SQLite batches (transactions) per turn;
 - with --profile, a cProfile of the event loop thread (and with --profile-db, of the SQLite
   thread), sorted by --sort (tottime or cumulative), top --top rows;
@@ -132,6 +133,7 @@ class ProfilingStore(SqliteStore):
         self.counter = counter
         self.ops: collections.Counter[str] = collections.Counter()
         self.batches = 0
+        self.inlined = 0  # operations run on the event loop rather than handed to the SQLite thread
         self.profiler: cProfile.Profile | None = _profiler() if profile_db else None
         self.profiling = False
         self.native_id: int | None = None
@@ -148,15 +150,21 @@ class ProfilingStore(SqliteStore):
             self.counter.attach(conn)
         return _TimedConnection(conn, self) if self.sql_times is not None else conn
 
-    def _run_batch(self, conn: Any, db: Any, batch: list[Any], level: str) -> str:
+    def _execute(self, conn: Any, db: Any, batch: list[Any], level: str) -> Any:
         self.batches += 1
-        if self.profiler is not None and self.profiling:
+        # Only on the store's thread: an operation run inline is in the event loop's profile.
+        if self.profiler is not None and self.profiling and threading.get_native_id() == self.native_id:
             self.profiler.enable()
             try:
-                return super()._run_batch(conn, db, batch, level)
+                return super()._execute(conn, db, batch, level)
             finally:
                 self.profiler.disable()
-        return super()._run_batch(conn, db, batch, level)
+        return super()._execute(conn, db, batch, level)
+
+    def _inline(self, op: Any, loop: asyncio.AbstractEventLoop) -> bool:
+        ran = super()._inline(op, loop)
+        self.inlined += ran
+        return ran
 
     async def _run(self, fn: Callable[[Db], Any], *, write: bool, durable: bool | None = None) -> Any:
         name = getattr(fn, "__qualname__", repr(fn)).replace(".<locals>", "").replace(".<lambda>", "")
@@ -199,6 +207,7 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         await turns("warmup", args.warmup)
         await asyncio.gather(*(start(s) for s in ids))
         commits0, ops0, batches0 = _totals(counter), collections.Counter(store.ops), store.batches
+        inlined0 = store.inlined
         wal0 = wal_size(wal)
         cpu0, main0, db0 = time.process_time(), thread_cpu_ns(main_id), thread_cpu_ns(store.native_id)
         t0 = time.perf_counter()
@@ -219,6 +228,7 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         commits1, batches = _totals(counter), store.batches - batches0
         wal1 = wal_size(wal)
         ops = store.ops - ops0
+        inlined = store.inlined - inlined0
         if args.history:
             history = await client.get_flow_history(ids[-1])
     store.remove_commit_listener(watcher.on_commit)
@@ -239,7 +249,8 @@ async def run(args: argparse.Namespace, path: Path) -> None:
     counted = ("commits not counted (--no-count), " if counter is None else
                f"commits {(commits1[0] - commits0[0]) / n:.2f}/turn, fsyncs {(commits1[1] - commits0[1]) / n:.2f}/turn"
                " (the counter's trace callback adds SQLite thread CPU; --no-count leaves it out), ")
-    print(f"{counted}SQLite transactions {batches / n:.2f}/turn, store operations {sum(ops.values()) / n:.2f}/turn:")
+    print(f"{counted}SQLite transactions {batches / n:.2f}/turn, store operations {sum(ops.values()) / n:.2f}/turn, "
+          f"{inlined / n:.2f} of them run on the event loop, the others handed to the SQLite thread:")
     for name, count in ops.most_common():
         print(f"  {name:<24} {count / n:6.2f}")
     if args.wal_frames:
@@ -255,7 +266,7 @@ async def run(args: argparse.Namespace, path: Path) -> None:
     print(f"floors: bare fsynced commit {commit_wall * 1e3:.3f} ms ({commit_cpu * 1e3:.3f} ms CPU), "
           f"event loop -> thread -> event loop {handoff_wall * 1e3:.3f} ms ({handoff_cpu * 1e3:.3f} ms CPU)")
     if counter is not None and args.sessions == 1:
-        handoffs, fsyncs = sum(ops.values()) / n, (commits1[1] - commits0[1]) / n
+        handoffs, fsyncs = (sum(ops.values()) - inlined) / n, (commits1[1] - commits0[1]) / n
         least = handoffs * handoff_wall + fsyncs * commit_wall
         print(f"a sequential turn's {handoffs:.2f} hand-offs and {fsyncs:.2f} fsynced commits at these floors: "
               f"{least * 1e3:.2f} ms of its {wall / n * 1e3:.2f} ms "

@@ -46,7 +46,9 @@ async def test_a_failing_operation_in_a_batch_rolls_back_alone(tmp_path: Path) -
             write("b")(db)  # type: ignore[operator]
             raise RuntimeError("op b fails after writing")
 
-        slow_task = asyncio.ensure_future(store.raw(slow, write=True))
+        # From another thread, so it queues to the store's thread (run on this idle loop, it would
+        # block the loop instead).
+        slow_task = asyncio.ensure_future(asyncio.to_thread(store.run_sync, slow, write=True))
         await asyncio.to_thread(entered.wait, 30)
         three = asyncio.gather(
             store.raw(write("a"), write=True), store.raw(failing, write=True), store.raw(write("c"), write=True),

@@ -565,7 +565,7 @@ async def test_steps_a_cancelled_client_commit_claimed_still_run(db_url: str, mo
             entered.set()
             release.wait(30)
 
-        blocker = asyncio.create_task(eng.store.raw(block))
+        blocker = asyncio.create_task(asyncio.to_thread(eng.store.run_sync, block, write=False))
         await asyncio.to_thread(entered.wait, 30)  # the store's thread is in the blocker
         monkeypatch.setattr(SqliteStore, "_run", recording_run)
         post = asyncio.create_task(eng.client.rpc("f1", "post", 2))

@@ -37,6 +37,9 @@ DEFAULT_MAX_CONCURRENT_TASKS = 64
 
 # SQLite busy timeout: long enough for another process's group commit to finish.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# An operation run on its event loop (SqliteStore._inline) must not block the loop waiting for
+# SQLite's lock: it gives up at once and goes to the store's thread, which waits.
+INLINE_BUSY_TIMEOUT_MS = 0
 
 # After writing back to back for SQLITE_WRITER_BUSY_SECONDS, a process leaves the file's write lock
 # free for SQLITE_WRITER_YIELD_SECONDS, so other processes waiting for it get in: a 5% gap at most.

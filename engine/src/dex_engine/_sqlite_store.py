@@ -1,8 +1,14 @@
-"""The SQLite store: one file, WAL, every transaction on one dedicated thread, group commit.
+"""The SQLite store: one file, WAL, one connection per process, group commit on a dedicated thread.
 
-Each process opens one connection on its own thread. Operations queue to that thread; it runs
-every queued operation in one `BEGIN IMMEDIATE` transaction, each inside its own savepoint, so one
-failing operation rolls back alone while the batch shares a single commit (and fsync).
+Each process opens one connection, owned by its own thread. Operations queue to that thread; it
+runs every queued operation in one `BEGIN IMMEDIATE` transaction, each inside its own savepoint, so
+one failing operation rolls back alone while the batch shares a single commit (and fsync).
+
+An operation finds the thread idle and its event loop with nothing else to run (one session's turn,
+one Step after another) runs on the loop instead (`_inline`): the two thread hand-offs it saves cost
+more than its statements. It never waits there: when the connection, the write turn or SQLite's
+write lock is taken, it goes to the thread, as it does whenever other work is queued, so the group
+commit of busy processes is unchanged. The loop is blocked for one transaction, fsync included.
 
 A worker's quiet poll (nothing to claim, no housekeeping due) is the one exception: it reads
 PRAGMA data_version on a second, read-only connection on the caller's thread, and when no connection
@@ -42,6 +48,7 @@ from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qs, urlparse
 
 from ._limits import (
+    INLINE_BUSY_TIMEOUT_MS,
     MAX_GROUP_COMMIT_OPS,
     SQLITE_BUSY_TIMEOUT_MS,
     SQLITE_WRITER_BUSY_SECONDS,
@@ -122,6 +129,12 @@ class _Op:
     loop: asyncio.AbstractEventLoop | None  # None: `future` is a concurrent Future (blocking callers)
     future: asyncio.Future[Any] | Future[Any]
     origin: Callable[[], None] | None = None
+
+
+def _is_busy(exc: BaseException) -> bool:
+    """SQLite's lock was taken (SQLITE_BUSY or an extended form): the transaction was rolled back."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(exc, sqlite3.OperationalError) and code is not None and code & 0xFF == sqlite3.SQLITE_BUSY
 
 
 def _deliver(items: list[tuple[asyncio.Future[Any], bool, Any]], listeners: list[Callable[[], None]]) -> None:
@@ -232,6 +245,12 @@ class SqliteStore(Store):
         self._watch_seconds: float | None = None  # set by watch_foreign_commits
         self._quiet = _QuietPolls(self.settings.path)
         self._ready: Future[None] = Future()
+        # The connection and what goes with it (its _SqliteDb, write turn, synchronous level and
+        # busy timeout) are used by whoever holds _conn_lock: the store's thread for a batch, or an
+        # event loop for one operation (_inline).
+        self._conn_lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._outstanding = 0  # operations queued and not yet completed: _inline must not overtake them
         self._thread = threading.Thread(target=self._main, name=f"dex-sqlite:{self.settings.path}", daemon=True)
         self._closed = False
         self._thread.start()
@@ -240,7 +259,7 @@ class SqliteStore(Store):
     def _connect(self) -> sqlite3.Connection:
         directory = os.path.dirname(os.path.abspath(self.settings.path))
         os.makedirs(directory, exist_ok=True)
-        conn = sqlite3.connect(self.settings.path, isolation_level=None, check_same_thread=True,
+        conn = sqlite3.connect(self.settings.path, isolation_level=None, check_same_thread=False,
                                timeout=SQLITE_BUSY_TIMEOUT_MS / 1000)
         conn.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
@@ -257,10 +276,12 @@ class SqliteStore(Store):
         except BaseException as exc:
             self._ready.set_exception(exc)
             return
-        self._ready.set_result(None)
         db = _SqliteDb(conn)
         turns = WriterTurns(self.settings.path)
-        level: str = self.settings.synchronous
+        self._conn, self._db, self._turns = conn, db, turns
+        self._level: str = self.settings.synchronous
+        self._busy_timeout_ms = SQLITE_BUSY_TIMEOUT_MS
+        self._ready.set_result(None)
         busy_since: float | None = None  # when this thread started writing back to back
         try:
             while True:
@@ -268,7 +289,8 @@ class SqliteStore(Store):
                 try:
                     first = self._queue.get() if watch is None else self._queue.get(timeout=watch)
                 except queue.Empty:
-                    self._tell_foreign_commits(db)
+                    with self._conn_lock:
+                        self._tell_foreign_commits(db)
                     continue
                 if first is _STOP:
                     break
@@ -284,8 +306,11 @@ class SqliteStore(Store):
                         break
                     batch.append(nxt)  # type: ignore[arg-type]
                 writes = any(op.write for op in batch)
-                with turns if writes else contextlib.nullcontext():
-                    level = self._run_batch(conn, db, batch, level)
+                with self._conn_lock, turns if writes else contextlib.nullcontext():
+                    self._set_busy_timeout(SQLITE_BUSY_TIMEOUT_MS)
+                    self._level = self._run_batch(conn, db, batch, self._level)
+                with self._count_lock:
+                    self._outstanding -= len(batch)
                 if stop:
                     break
                 if not writes or self._queue.empty():
@@ -300,10 +325,20 @@ class SqliteStore(Store):
                     time.sleep(SQLITE_WRITER_YIELD_SECONDS)
                     busy_since = None
         finally:
-            turns.close()
-            conn.close()
+            with self._conn_lock:
+                turns.close()
+                conn.close()
 
     def _run_batch(self, conn: sqlite3.Connection, db: _SqliteDb, batch: list[_Op], level: str) -> str:
+        level, results, writes, revoked = self._execute(conn, db, batch, level)
+        self._complete(batch, results, writes, wake_origins=revoked)
+        return level
+
+    def _execute(
+        self, conn: sqlite3.Connection, db: _SqliteDb, batch: list[_Op], level: str
+    ) -> tuple[str, list[tuple[bool, Any]], bool, bool]:
+        """Run `batch` in one transaction: (synchronous level now, each result, committed writes,
+        whether an operation revoked a running attempt)."""
         writes = any(op.write for op in batch)
         wanted: str = self.settings.synchronous
         if not writes:
@@ -343,8 +378,12 @@ class SqliteStore(Store):
             writes = False
         # A rolled-back revocation still counts: one spurious wake-up costs a poll, a missed one a
         # running attempt that goes on until housekeeping.
-        self._complete(batch, results, writes, wake_origins=writes and db.revokes != revokes)
-        return level
+        return level, results, writes, writes and db.revokes != revokes
+
+    def _set_busy_timeout(self, ms: int) -> None:
+        if ms != self._busy_timeout_ms:
+            self._conn.execute(f"PRAGMA busy_timeout = {ms}")
+            self._busy_timeout_ms = ms
 
     @staticmethod
     def _run_isolated(conn: sqlite3.Connection, db: _SqliteDb, batch: list[_Op]) -> list[tuple[bool, Any]]:
@@ -364,7 +403,8 @@ class SqliteStore(Store):
         return results
 
     def _complete(
-        self, batch: list[_Op], results: list[tuple[bool, Any]], notify: bool, *, wake_origins: bool = False
+        self, batch: list[_Op], results: list[tuple[bool, Any]], notify: bool, *, wake_origins: bool = False,
+        on_loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         # GIL hand-offs between this thread and an event loop cost far more than the work, so each
         # loop is woken once per batch, with its commit listeners folded into the same wake-up. A
@@ -388,7 +428,9 @@ class SqliteStore(Store):
                 if wake_origins or origins != {fn}:
                     listeners.setdefault(loop, []).append(fn)
         for loop in per_loop.keys() | listeners.keys():
-            if not loop.is_closed():
+            if loop is on_loop:  # this is that loop's thread: no wake-up needed
+                loop.call_soon(_deliver, per_loop.get(loop, []), listeners.get(loop, []))
+            elif not loop.is_closed():
                 with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                     loop.call_soon_threadsafe(_deliver, per_loop.get(loop, []), listeners.get(loop, []))
 
@@ -397,13 +439,46 @@ class SqliteStore(Store):
             raise RuntimeError(f"store {self.url!r} is closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
-        self._queue.put(_Op(fn, write, True if durable is None else durable, loop, future, commit_origin.get()))
+        op = _Op(fn, write, True if durable is None else durable, loop, future, commit_origin.get())
+        if not self._inline(op, loop):
+            self._enqueue(op)
         return await future
+
+    def _enqueue(self, op: _Op) -> None:
+        with self._count_lock:
+            self._outstanding += 1
+        self._queue.put(op)
+
+    def _inline(self, op: _Op, loop: asyncio.AbstractEventLoop) -> bool:
+        """Run `op` on `loop`, its caller's, when that loop has nothing else to run and nothing waits
+        for the connection; False, having done nothing, when it must go to the store's thread."""
+        # asyncio's queue of ready callbacks; a loop without one (uvloop) always hands off.
+        ready = getattr(loop, "_ready", None)
+        if ready is None or len(ready) or not self._conn_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._outstanding or self._closed:
+                return False
+            if op.write and not self._turns.try_enter():
+                return False  # another process writes: wait for its turn on the thread
+            try:
+                self._set_busy_timeout(INLINE_BUSY_TIMEOUT_MS)
+                self._level, results, writes, revoked = self._execute(self._conn, self._db, [op], self._level)
+            finally:
+                if op.write:
+                    self._turns.leave()
+            ok, value = results[0]
+            if not ok and _is_busy(value):
+                return False  # rolled back: the thread waits for SQLite's lock instead
+            self._complete([op], results, writes, wake_origins=revoked, on_loop=loop)
+            return True
+        finally:
+            self._conn_lock.release()
 
     def run_sync(self, fn: Callable[[Db], R], *, write: bool) -> R:
         """Blocking form of `_run` for code without an event loop (the CLI)."""
         future: Future[R] = Future()
-        self._queue.put(_Op(fn, write, True, None, future))
+        self._enqueue(_Op(fn, write, True, None, future))
         return future.result()
 
     def watch_foreign_commits(self, interval_seconds: float) -> bool:

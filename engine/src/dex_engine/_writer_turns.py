@@ -26,7 +26,7 @@ log = logging.getLogger("dex_engine")
 
 
 class WriterTurns:
-    """The turn lock of one SQLite file; entered and left on the store's one thread.
+    """The turn lock of one SQLite file; entered and left by the holder of the store's connection.
 
     The lock file is opened on first use, so a forked child opens its own instead of sharing its
     parent's open file (flock locks belong to the open file, so parent and child would not
@@ -45,26 +45,37 @@ class WriterTurns:
         self._waiter: _TurnWaiter | None = None
 
     def __enter__(self) -> WriterTurns:
-        fd = self._open()
-        if fd is None:
+        if self.try_enter():
             return self
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self._held = True
-        except BlockingIOError:
-            if self._waiter is None:
-                self._waiter = _TurnWaiter(fd)
-            self._held = self._waiter.wait(self.wait_seconds)
-            if not self._held:
-                log.warning("waited %.0f s for the write turn of %s; writing without it (another process "
-                            "holds it: frozen, or stopped in a debugger?)", self.wait_seconds, self.path)
+        if self._waiter is None:
+            assert self._fd is not None  # try_enter opened it, or it would have said yes
+            self._waiter = _TurnWaiter(self._fd)
+        self._held = self._waiter.wait(self.wait_seconds)
+        if not self._held:
+            log.warning("waited %.0f s for the write turn of %s; writing without it (another process "
+                        "holds it: frozen, or stopped in a debugger?)", self.wait_seconds, self.path)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def try_enter(self) -> bool:
+        """Take the turn unless another process holds it (True: taken, or no lock file to take)."""
+        fd = self._open()
+        if fd is None:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        self._held = True
+        return True
+
+    def leave(self) -> None:
         if self._held and self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         self._held = False
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.leave()
 
     def _open(self) -> int | None:
         if self._fd is None and self._usable:

@@ -1,0 +1,141 @@
+"""SqliteStore runs an operation on its caller's event loop when that loop and the store's thread
+are both idle (one Step after another), and hands it to the thread otherwise. These tests pin when
+it may, and that it never waits on the loop: not for SQLite's lock, not for another process's
+write turn, and never ahead of an operation queued before it."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dex_engine import _transitions as tx
+from dex_engine._limits import SQLITE_WRITER_TURN_SUFFIX
+from dex_engine._sqlite_store import SqliteStore
+
+from .conftest import wait_until
+
+# How long the test holds a lock before letting the queued write through.
+HOLD_SECONDS = 0.5
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> Any:
+    s = SqliteStore(f"sqlite:///{tmp_path / 'inline.db'}")
+    await s.raw(lambda db: db.run("CREATE TABLE marks (mark TEXT)"), write=True)
+    yield s
+    await s.close()
+
+
+def mark(text: str, ran: list[tuple[str, int]]) -> Any:
+    """An operation that records where it ran and inserts one row."""
+    def op(db: tx.Db) -> int:
+        ran.append((text, threading.get_ident()))
+        db.run("INSERT INTO marks (mark) VALUES (?)", (text,))
+        return threading.get_ident()
+    return op
+
+
+async def marks(store: SqliteStore) -> list[str]:
+    rows = await store.raw(lambda db: db.all("SELECT mark FROM marks ORDER BY rowid"))
+    return [r[0] for r in rows]
+
+
+async def test_an_idle_loop_runs_the_operation_itself_and_a_busy_one_hands_it_off(store: SqliteStore) -> None:
+    ran: list[tuple[str, int]] = []
+    here = threading.get_ident()
+    assert await store.raw(mark("idle", ran), write=True) == here
+    assert await store.raw(lambda db: threading.get_ident()) == here  # reads too
+    asyncio.get_running_loop().call_soon(lambda: None)  # another callback waits for the loop
+    assert await store.raw(mark("busy", ran), write=True) != here
+    assert await marks(store) == ["idle", "busy"]
+
+
+async def test_an_operation_never_overtakes_one_queued_before_it(store: SqliteStore) -> None:
+    """The thread has taken `first` from its queue but not yet the connection: `second`, asked for
+    on an idle loop with the connection free, must still run after it."""
+    ran: list[tuple[str, int]] = []
+    conn_lock: threading.Lock = store._conn_lock  # type: ignore[attr-defined]
+    conn_lock.acquire()
+    try:
+        first = asyncio.ensure_future(asyncio.to_thread(store.run_sync, mark("first", ran), write=True))
+        await wait_until("the store's thread to take first", lambda: _true(
+            store._outstanding == 1 and store._queue.empty()))  # type: ignore[attr-defined]
+    finally:
+        conn_lock.release()
+    # No await between the release and this call: the store's thread cannot have run `first` yet.
+    second = await store.raw(mark("second", ran), write=True)
+    await first
+    assert [text for text, _ in ran] == ["first", "second"]
+    assert await marks(store) == ["first", "second"]
+    assert second != threading.get_ident()
+
+
+async def test_a_write_waits_for_sqlite_lock_on_the_thread_not_on_the_loop(store: SqliteStore) -> None:
+    """Another connection (the sqlite3 shell, say) holds the write lock: the write must neither fail
+    nor block the loop, and lands once when the lock is free."""
+    other = sqlite3.connect(store.settings.path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")
+    ran: list[tuple[str, int]] = []
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticking = asyncio.create_task(ticker())
+    try:
+        threading.Timer(HOLD_SECONDS, lambda: other.execute("COMMIT")).start()
+        await asyncio.sleep(0)  # the ticker's first step: then the loop is idle for the write
+        await store.raw(mark("blocked", ran), write=True)
+    finally:
+        ticking.cancel()
+        other.close()
+    assert ticks >= HOLD_SECONDS / 0.01 / 4, f"the loop stalled while the write waited: {ticks} ticks"
+    assert await marks(store) == ["blocked"]
+    assert all(thread != threading.get_ident() for _, thread in ran)
+
+
+async def test_a_write_waits_for_another_process_turn_on_the_thread(store: SqliteStore) -> None:
+    """Another process holds the file's write turn (its flock): the loop hands the write to the
+    store's thread, which waits for the turn, instead of blocking on it."""
+    fd = os.open(store.settings.path + SQLITE_WRITER_TURN_SUFFIX, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    ran: list[tuple[str, int]] = []
+    started = asyncio.get_running_loop().time()
+    try:
+        threading.Timer(HOLD_SECONDS, lambda: fcntl.flock(fd, fcntl.LOCK_UN)).start()
+        write = asyncio.ensure_future(store.raw(mark("turn", ran), write=True))
+        await asyncio.sleep(HOLD_SECONDS / 5)
+        assert not write.done(), "the write went ahead while another process held the turn"
+        assert asyncio.get_running_loop().time() - started < HOLD_SECONDS, "the loop waited for the turn"
+        await write
+    finally:
+        os.close(fd)
+    assert [text for text, _ in ran] == ["turn"] and ran[0][1] != threading.get_ident()
+    assert await marks(store) == ["turn"]
+
+
+async def test_a_read_runs_on_the_loop_while_another_connection_writes(store: SqliteStore) -> None:
+    """WAL readers never wait for the writer: a read keeps the fast path."""
+    other = sqlite3.connect(store.settings.path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        other.execute("INSERT INTO marks (mark) VALUES ('uncommitted')")
+        assert await marks(store) == []
+        assert await store.raw(lambda db: threading.get_ident()) == threading.get_ident()
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+
+
+async def _true(value: bool) -> bool:
+    return value
