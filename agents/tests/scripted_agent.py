@@ -44,7 +44,8 @@ Tool args `{"ask": question}` return ToolInputRequested(question) until the call
 
 Every model call and tool run is recorded in the InvocationLog `invocations.log` of the state
 directory (ENV_STATE_DIR), the ground truth across Worker kills. Set SCRIPTED_INCREMENTAL=1 for a
-runner that stores items as they appear and builds unfinished-turn messages.
+runner that stores items as they appear and builds unfinished-turn messages; `"unfinished_gate": name`
+beside a turn's `"steps"` makes it wait at that FileGate first (its Worker's event loop blocked).
 
 A Worker child whose environment sets SCRIPTED_WORKER_START_GATE=<name> waits at that FileGate in
 build_flow, after its imports and before it registers with the engine: a test can start a standby
@@ -105,13 +106,16 @@ CALL_USAGE = AgentUsage(model_calls=1, input_tokens=10, output_tokens=5)
 
 def script_of(text: str) -> list[dict[str, Any]]:
     """The turn's script: JSON {"steps": [...]}, or one echo answer for plain text."""
+    whole = _script_object(text)
+    return list(whole["steps"]) if whole is not None else [{"answer": f"echo: {text}"}]
+
+
+def _script_object(text: str) -> dict[str, Any] | None:
     try:
         value = json.loads(text)
     except ValueError:
-        return [{"answer": f"echo: {text}"}]
-    if isinstance(value, dict) and isinstance(value.get("steps"), list):
-        return list(value["steps"])
-    return [{"answer": f"echo: {text}"}]
+        return None
+    return value if isinstance(value, dict) and isinstance(value.get("steps"), list) else None
 
 
 def item(role: MessageRole, **fields: Any) -> FrameworkMessage:
@@ -281,6 +285,10 @@ class IncrementalScriptedRunner(ScriptedRunner):
     incremental = True
 
     def build_unfinished_turn_messages(self, turn: AgentTurnContext) -> Sequence[FrameworkMessage]:
+        user = next((m for m in turn.messages if m.role is MessageRole.USER and m.turn_id == turn.turn_id), None)
+        gate = (_script_object(user.text or "") or {}).get("unfinished_gate") if user is not None else None
+        if gate:
+            self._gate(gate).wait_for_release_blocking()  # a sync method: this Worker's loop stops here
         run = json.loads(turn.framework_run_state) if turn.framework_run_state else {"items": [], "asked": []}
         items = [_restored(m) for m in run["items"]]
         for record in sorted(turn.tool_calls.values(), key=lambda r: r.deferral_order):

@@ -898,3 +898,35 @@ async def test_a_durable_wait_woken_by_a_steer_is_cancelled_unless_its_timer_fir
     elif status is AgentToolCallStatus.REJECTED:
         assert (record.cancellation_reason, record.rejection_message) == (
             CancellationReason.STEERED, STEERED_REJECTION_MESSAGE)
+
+
+async def test_a_steered_message_the_turn_control_step_took_stays_in_the_snapshot(tmp_path: Any) -> None:
+    """ApplyTurnControl's wait takes every steered message when the Step is scheduled; the message
+    is stored only when its Execute commits. The Worker is killed inside that Execute (in the
+    runner's build_unfinished_turn_messages): with no Worker, the snapshot must still list the
+    message as steered, and a message ID taken this way can no longer be deleted. The next Worker
+    starts the steered turn with it. Breaks if the snapshot reads only the channel's pending messages."""
+    async with _stack(tmp_path, incremental=True) as stack:
+        session = Session(stack, "s")
+        worker = await stack.start_worker()
+        turn_1 = json.dumps({"steps": [{"tools": [{"id": "c1", "name": "write_refund", "args": {}}]},
+                                       {"answer": "unreachable"}],
+                             "unfinished_gate": session.gate_name("apply")})
+        await session.start(turn_1)
+        await session.interrupts("c1")
+        assert await session.sessions.steer_user_message(session.id, text="change of plan")
+        assert await session.gate("apply").wait_until_reached() == worker.pid
+        worker.kill()
+
+        snapshot = await session.snapshot()
+        assert [p.message.text for p in snapshot.steered_messages] == ["change of plan"]
+        assert snapshot.queued_messages == [] and "change of plan" not in [m.text for m in snapshot.messages]
+        [taken] = snapshot.steered_messages
+        assert await session.sessions.delete_queued_message(session.id, taken.message_id) is False
+        assert await session.sessions.steer_user_message(session.id, message_id=taken.message_id) is False
+
+        session.gate("apply").release()
+        await stack.start_worker()
+        done = await session.turns_ended(2)
+        assert user_texts(done, "turn-2") == ["change of plan"]
+        assert done.steered_messages == [] and done.queued_messages == []
