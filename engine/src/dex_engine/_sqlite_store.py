@@ -4,16 +4,16 @@ Each process opens one connection, owned by its own thread. Operations queue to 
 runs every queued operation in one `BEGIN IMMEDIATE` transaction, each inside its own savepoint, so
 one failing operation rolls back alone while the batch shares a single commit (and fsync).
 
-An operation finds the thread idle and its event loop with nothing else to run (one session's turn,
-one Step after another) runs on the loop instead (`_inline`): the two thread hand-offs it saves cost
-more than its statements. It never waits there: when the connection, the write turn or SQLite's
+An operation that finds the thread idle and its event loop with nothing else to run (one session's
+turn, one Step after another) runs on the loop instead (`_inline`): the two thread hand-offs it saves
+cost more than its statements. It never waits there: when the connection, the write turn or SQLite's
 write lock is taken, it goes to the thread, as it does whenever other work is queued, so the group
 commit of busy processes is unchanged. The loop is blocked for one transaction, fsync included.
 
-A worker's quiet poll (nothing to claim, no housekeeping due) is the one exception: it reads
-PRAGMA data_version on a second, read-only connection on the caller's thread, and when no connection
-(this process's writer included) has committed since its last quiet poll, its answer stands without
-a trip to the store's thread. That trip (a hand-off to another thread and back) costs more CPU than
+A worker's quiet poll (nothing to claim, no housekeeping due) may not need the connection at all:
+it reads PRAGMA data_version on a second, read-only connection on the caller's thread, and when no
+connection (this process's writer included) has committed since its last quiet poll, its answer
+stands without a trip to the store's thread. That trip (a hand-off to another thread and back) costs more CPU than
 the statements, and a worker with claims in flight polls every poll_seconds.
 
 Processes writing the file take turns through an flock on `<file>-dexlock` (_writer_turns) around
