@@ -720,6 +720,8 @@ async def test_search_limit_below_one(db_url: str, limit: int) -> None:
         ("", "''"),
         ("sqlite://", "names no file"),
         ("sqlite:///engine.db?synchronous=SOMETIMES", "'SOMETIMES'"),
+        ("sqlite:///engine.db?synchronus=NORMAL", "'synchronus'"),  # a misspelt parameter is not ignored
+        ("sqlite:///engine.db?inline=sometimes", "'sometimes'"),
     ],
 )
 async def test_bad_database_url(url: str, named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -729,12 +731,12 @@ async def test_bad_database_url(url: str, named: str, tmp_path: Path, monkeypatc
     with pytest.raises(ValueError) as caught:
         open_store(url)
     assert named in str(caught.value)
-    with pytest.raises(ValueError, match=r"URL|synchronous"):
+    with pytest.raises(ValueError, match=r"URL|synchronous|inline"):
         AsyncClient(REGISTRY, url)
-    with pytest.raises(ValueError, match=r"URL|synchronous"):
+    with pytest.raises(ValueError, match=r"URL|synchronous|inline"):
         await AsyncWorker(REGISTRY, WorkerOptions(database_url=url)).run()
     threads = threading.active_count()
-    with pytest.raises(ValueError, match=r"URL|synchronous"):
+    with pytest.raises(ValueError, match=r"URL|synchronous|inline"):
         Client(REGISTRY, url)
     assert threading.active_count() == threads, "Client left its event-loop thread running"
     assert not any(tmp_path.iterdir()), "a refused URL created files"  # noqa: ASYNC240

@@ -17,7 +17,7 @@ import pytest
 
 from dex_engine import _transitions as tx
 from dex_engine._limits import SQLITE_WRITER_TURN_SUFFIX
-from dex_engine._sqlite_store import SqliteStore
+from dex_engine._sqlite_store import SqliteStore, parse_sqlite_url
 
 from .conftest import wait_until
 
@@ -55,6 +55,17 @@ async def test_an_idle_loop_runs_the_operation_itself_and_a_busy_one_hands_it_of
     asyncio.get_running_loop().call_soon(lambda: None)  # another callback waits for the loop
     assert await store.raw(mark("busy", ran), write=True) != here
     assert await marks(store) == ["idle", "busy"]
+
+
+async def test_inline_off_in_the_url_keeps_every_operation_on_the_thread(tmp_path: Path) -> None:
+    s = SqliteStore(f"sqlite:///{tmp_path / 'off.db'}?inline=off&synchronous=FULL")
+    try:
+        assert s.settings.inline is False
+        assert await s.raw(lambda db: threading.get_ident()) != threading.get_ident()
+        assert await s.raw(lambda db: threading.get_ident(), write=True) != threading.get_ident()
+    finally:
+        await s.close()
+    assert parse_sqlite_url("sqlite:///x.db").inline and parse_sqlite_url("sqlite:///x.db?inline=ON").inline
 
 
 async def test_an_operation_never_overtakes_one_queued_before_it(store: SqliteStore) -> None:

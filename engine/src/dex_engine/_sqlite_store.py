@@ -8,7 +8,9 @@ An operation that finds the thread idle and its event loop with nothing else to 
 turn, one Step after another) runs on the loop instead (`_inline`): the two thread hand-offs it saves
 cost more than its statements. It never waits there: when the connection, the write turn or SQLite's
 write lock is taken, it goes to the thread, as it does whenever other work is queued, so the group
-commit of busy processes is unchanged. The loop is blocked for one transaction, fsync included.
+commit of busy processes is unchanged. The loop is blocked for one transaction, fsync included;
+`?inline=off` in the URL keeps every operation on the thread (a loop that must answer within less
+than a commit, on a slow disk).
 
 A worker's quiet poll (nothing to claim, no housekeeping due) may not need the connection at all:
 it reads PRAGMA data_version on a second, read-only connection on the caller's thread, and when no
@@ -69,21 +71,33 @@ _SYNC_LEVEL = {"NORMAL": 1, "FULL": 2}
 class SqliteSettings:
     path: str
     synchronous: Synchronous = "FULL"
+    inline: bool = True  # an idle event loop may run its operation itself (SqliteStore._inline)
+
+
+_URL_PARAMETERS = ("synchronous", "inline")
+_SWITCH = {"on": True, "off": False}
 
 
 def parse_sqlite_url(url: str) -> SqliteSettings:
-    """`sqlite:///relative.db`, `sqlite:////abs/path.db`, optional `?synchronous=NORMAL`."""
+    """`sqlite:///relative.db`, `sqlite:////abs/path.db`; optional `synchronous=NORMAL` and `inline=off`."""
     parsed = urlparse(url)
     if parsed.scheme != "sqlite":
         raise ValueError(f"not a sqlite URL: {url!r}; expected sqlite:///path/to/file.db")
     path = parsed.path[1:] if parsed.path.startswith("/") else parsed.path
     if not path:
         raise ValueError(f"sqlite URL {url!r} names no file; expected sqlite:///path/to/file.db")
-    query = parse_qs(parsed.query)
-    sync = query.get("synchronous", ["FULL"])[0].upper()
+    query = parse_qs(parsed.query, keep_blank_values=True)
+    unknown = sorted(set(query) - set(_URL_PARAMETERS))
+    if unknown:
+        raise ValueError(f"unknown parameter {unknown[0]!r} in {url!r}; a sqlite URL takes "
+                         f"{' and '.join(_URL_PARAMETERS)}")
+    sync = query.get("synchronous", ["FULL"])[-1].upper()
     if sync not in _SYNC_LEVEL:
         raise ValueError(f"synchronous={sync!r} in {url!r} is not FULL or NORMAL")
-    return SqliteSettings(path=path, synchronous=sync)  # type: ignore[arg-type]
+    inline = query.get("inline", ["on"])[-1].lower()
+    if inline not in _SWITCH:
+        raise ValueError(f"inline={inline!r} in {url!r} is not on or off")
+    return SqliteSettings(path=path, synchronous=sync, inline=_SWITCH[inline])  # type: ignore[arg-type]
 
 
 class _SqliteDb:
@@ -454,7 +468,7 @@ class SqliteStore(Store):
         for the connection; False, having done nothing, when it must go to the store's thread."""
         # asyncio's queue of ready callbacks; a loop without one (uvloop) always hands off.
         ready = getattr(loop, "_ready", None)
-        if ready is None or len(ready) or not self._conn_lock.acquire(blocking=False):
+        if ready is None or len(ready) or not self.settings.inline or not self._conn_lock.acquire(blocking=False):
             return False
         try:
             if self._outstanding or self._closed:
