@@ -150,3 +150,39 @@ async def test_a_read_runs_on_the_loop_while_another_connection_writes(store: Sq
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def test_two_event_loops_sharing_the_store_each_keep_their_order(tmp_path: Path) -> None:
+    """Two threads, each with its own idle event loop, write through one store at once: some writes
+    run on a loop, some on the store's thread. Every write lands once, each loop's in its order."""
+    store = SqliteStore(f"sqlite:///{tmp_path / 'two.db'}")
+    per_loop = 200
+    where: dict[str, set[int]] = {"a": set(), "b": set()}
+
+    async def writer(name: str) -> None:
+        for i in range(per_loop):
+            ran: list[tuple[str, int]] = []
+            await store.raw(mark(f"{name}{i:04d}", ran), write=True)
+            where[name].add(ran[0][1])
+
+    async def setup() -> None:
+        await store.raw(lambda db: db.run("CREATE TABLE marks (mark TEXT)"), write=True)
+
+    asyncio.run(setup())
+    threads = [threading.Thread(target=asyncio.run, args=(writer(name),)) for name in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+    async def check() -> None:
+        stored = await marks(store)
+        for name in ("a", "b"):
+            mine = [m for m in stored if m.startswith(name)]
+            assert mine == [f"{name}{i:04d}" for i in range(per_loop)], f"loop {name}'s writes out of order or lost"
+        await store.close()
+
+    asyncio.run(check())
+    loop_threads = {t.ident for t in threads}
+    assert (where["a"] | where["b"]) - loop_threads, "no write went to the store's thread"
+    assert (where["a"] | where["b"]) & loop_threads, "no write ran on its own loop"
