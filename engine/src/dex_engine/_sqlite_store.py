@@ -15,8 +15,8 @@ than a commit, on a slow disk).
 A worker's quiet poll (nothing to claim, no housekeeping due) may not need the connection at all:
 it reads PRAGMA data_version on a second, read-only connection on the caller's thread, and when no
 connection (this process's writer included) has committed since its last quiet poll, its answer
-stands without a trip to the store's thread. That trip (a hand-off to another thread and back) costs more CPU than
-the statements, and a worker with claims in flight polls every poll_seconds.
+stands without a trip to the store's thread. That trip (a hand-off to another thread and back)
+costs more CPU than the statements, and a worker with claims in flight polls every poll_seconds.
 
 Processes writing the file take turns through an flock on `<file>-dexlock` (_writer_turns) around
 each write batch, so a process waiting for another's is woken when that batch commits instead of

@@ -1235,7 +1235,7 @@ def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcS
         "SELECT wait_spec, wait_outcome FROM tasks WHERE flow_id = ? AND wait_outcome IS NOT NULL",
         (flow_id,),
     ):
-        spec = _decode_wait_spec(spec_blob)
+        spec = _decode_wait_spec(bytes(spec_blob))  # a hashable key, as in evaluate_waits
         outcome = decode_json(outcome_blob, WaitOutcome)
         for condition, consumed in zip(spec.conditions, outcome.consumed, strict=False):
             for message in consumed:
