@@ -119,6 +119,7 @@ async def _sweep(tmp_path: Path, url: str, seed: int, *, steady_workers: int) ->
         sessions = stack.sessions(flow)
         steady = {(await stack.start_worker()).pid for _ in range(steady_workers)}
         worker = await shared.worker()
+
         async def start_sessions() -> None:
             for session_id, script, gap in zip(session_ids, scripts, start_gaps, strict=True):
                 await asyncio.sleep(gap)

@@ -73,11 +73,14 @@ async def test_an_operation_never_overtakes_one_queued_before_it(store: SqliteSt
     on an idle loop with the connection free, must still run after it."""
     ran: list[tuple[str, int]] = []
     conn_lock: threading.Lock = store._conn_lock  # type: ignore[attr-defined]
+
+    async def taken() -> bool:
+        return store._outstanding == 1 and store._queue.empty()
+
     conn_lock.acquire()
     try:
         first = asyncio.ensure_future(asyncio.to_thread(store.run_sync, mark("first", ran), write=True))
-        await wait_until("the store's thread to take first", lambda: _true(
-            store._outstanding == 1 and store._queue.empty()))  # type: ignore[attr-defined]
+        await wait_until("the store's thread to take first", taken)
     finally:
         conn_lock.release()
     # No await between the release and this call: the store's thread cannot have run `first` yet.
@@ -146,10 +149,6 @@ async def test_a_read_runs_on_the_loop_while_another_connection_writes(store: Sq
     finally:
         other.execute("ROLLBACK")
         other.close()
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 def test_two_event_loops_sharing_the_store_each_keep_their_order(tmp_path: Path) -> None:
