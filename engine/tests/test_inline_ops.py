@@ -185,3 +185,24 @@ def test_two_event_loops_sharing_the_store_each_keep_their_order(tmp_path: Path)
     loop_threads = {t.ident for t in threads}
     assert (where["a"] | where["b"]) - loop_threads, "no write went to the store's thread"
     assert (where["a"] | where["b"]) & loop_threads, "no write ran on its own loop"
+
+
+async def test_a_watch_set_while_every_operation_ran_inline_still_sees_another_connections_commit(
+    store: SqliteStore,
+) -> None:
+    """The store's thread reads data_version only while it waits with an interval. Set after the
+    thread went to sleep without one, and with every operation of this process run inline (so none
+    wakes the thread), the interval must still take effect: another process's commit wakes the
+    listeners. Catches a thread that picks up a new interval only when some operation reaches it."""
+    assert await store.raw(lambda db: threading.get_ident()) == threading.get_ident()
+    woken = asyncio.Event()
+    store.add_commit_listener(woken.set)
+    assert store.watch_foreign_commits(0.01)
+    other = sqlite3.connect(store.settings.path, isolation_level=None)
+    try:
+        other.execute("INSERT INTO marks (mark) VALUES ('from another process')")
+    finally:
+        other.close()
+    async with asyncio.timeout(5):
+        await woken.wait()
+    assert await marks(store) == ["from another process"]

@@ -165,6 +165,7 @@ def _deliver(items: list[tuple[asyncio.Future[Any], bool, Any]], listeners: list
 
 
 _STOP = object()
+_WATCH = object()  # queued when the watch interval changes: the thread may be waiting without one
 
 
 def migrate(conn: sqlite3.Connection) -> int:
@@ -308,6 +309,8 @@ class SqliteStore(Store):
                     continue
                 if first is _STOP:
                     break
+                if first is _WATCH:
+                    continue  # wait again, with the new interval
                 batch: list[_Op] = [first]  # type: ignore[list-item]
                 stop = False
                 while len(batch) < MAX_GROUP_COMMIT_OPS:
@@ -318,6 +321,8 @@ class SqliteStore(Store):
                     if nxt is _STOP:
                         stop = True
                         break
+                    if nxt is _WATCH:
+                        continue
                     batch.append(nxt)  # type: ignore[arg-type]
                 writes = any(op.write for op in batch)
                 with self._conn_lock, turns if writes else contextlib.nullcontext():
@@ -498,6 +503,9 @@ class SqliteStore(Store):
     def watch_foreign_commits(self, interval_seconds: float) -> bool:
         current = self._watch_seconds
         self._watch_seconds = interval_seconds if current is None else min(current, interval_seconds)
+        if self._watch_seconds != current:
+            # With every operation run inline, nothing else might ever wake the thread to read it.
+            self._queue.put(_WATCH)
         return True
 
     def _tell_foreign_commits(self, db: _SqliteDb) -> None:
