@@ -52,9 +52,70 @@ async def test_an_idle_loop_runs_the_operation_itself_and_a_busy_one_hands_it_of
     here = threading.get_ident()
     assert await store.raw(mark("idle", ran), write=True) == here
     assert await store.raw(lambda db: threading.get_ident()) == here  # reads too
-    asyncio.get_running_loop().call_soon(lambda: None)  # another callback waits for the loop
+    loop = asyncio.get_running_loop()
+    keep_busy = 3  # a callback that schedules another, so the loop is still busy after one round
+
+    def busy() -> None:
+        nonlocal keep_busy
+        keep_busy -= 1
+        if keep_busy:
+            loop.call_soon(busy)
+
+    loop.call_soon(busy)
     assert await store.raw(mark("busy", ran), write=True) != here
     assert await marks(store) == ["idle", "busy"]
+
+
+async def test_callbacks_ready_before_an_operation_run_first_and_then_it_runs_inline(store: SqliteStore) -> None:
+    """What is ready (often the caller's own continuation) gets one round of the loop; an
+    operation that then finds the loop idle runs on it instead of paying a hand-off."""
+    ran: list[tuple[str, int]] = []
+    order: list[str] = []
+    asyncio.get_running_loop().call_soon(order.append, "ready callback")
+    assert await store.raw(mark("after", ran), write=True) == threading.get_ident()
+    order.append("operation")
+    assert order == ["ready callback", "operation"]
+    assert await marks(store) == ["after"]
+
+
+async def test_with_the_thread_busy_an_operation_joins_its_queue_without_waiting_for_the_loop(
+    store: SqliteStore,
+) -> None:
+    """The store's thread has work (so nothing could run inline): a new operation is queued at once
+    to share the thread's next group commit, before the loop's ready callbacks run."""
+    conn_lock: threading.Lock = store._conn_lock  # type: ignore[attr-defined]
+    ran: list[tuple[str, int]] = []
+    queued_when_callback_ran: list[int] = []
+    conn_lock.acquire()
+    try:
+        first = asyncio.ensure_future(asyncio.to_thread(store.run_sync, mark("first", ran), write=True))
+
+        async def taken() -> bool:
+            return store._outstanding == 1 and store._queue.empty()
+
+        await wait_until("the store's thread to take first", taken)
+        second = asyncio.ensure_future(store.raw(mark("second", ran), write=True))
+        asyncio.get_running_loop().call_soon(lambda: queued_when_callback_ran.append(store._outstanding))
+        await asyncio.sleep(0)  # `second` starts (the callback is ready by then), then the callback runs
+        await asyncio.sleep(0)
+    finally:
+        conn_lock.release()
+    await first
+    await second
+    assert queued_when_callback_ran == [2], "the operation waited for the loop instead of joining the queue"
+    assert [text for text, _ in ran] == ["first", "second"]
+
+
+async def test_a_store_closed_while_an_operation_lets_the_loop_run_refuses_it(tmp_path: Path) -> None:
+    """Closing while the operation yields to ready callbacks: a clear error, not an operation queued
+    behind the thread's stop that nobody would ever run."""
+    s = SqliteStore(f"sqlite:///{tmp_path / 'closing.db'}")
+    await s.raw(lambda db: db.run("CREATE TABLE marks (mark TEXT)"), write=True)
+    late = asyncio.ensure_future(s.raw(mark("late", []), write=True))
+    closing = asyncio.ensure_future(s.close())  # ready when `late` starts: it runs while `late` yields
+    with pytest.raises(RuntimeError, match="is closed"):
+        await asyncio.wait_for(late, 10)
+    await closing
 
 
 async def test_inline_off_in_the_url_keeps_every_operation_on_the_thread(tmp_path: Path) -> None:

@@ -460,8 +460,24 @@ class SqliteStore(Store):
         future: asyncio.Future[R] = loop.create_future()
         op = _Op(fn, write, True if durable is None else durable, loop, future, commit_origin.get())
         if not self._inline(op, loop):
+            if self._only_the_loop_is_busy(loop):
+                # What is ready is mostly short, often the caller's own continuation (an RPC's
+                # caller, an attempt's event flush). Run it first: an operation then run inline
+                # costs less CPU and time than a hand-off. A loop still busy after it hands off.
+                await asyncio.sleep(0)
+                if self._closed:
+                    raise RuntimeError(f"store {self.url!r} is closed")
+                if self._inline(op, loop):
+                    return await future
             self._enqueue(op)
         return await future
+
+    def _only_the_loop_is_busy(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Whether `loop` has callbacks ready while the store's thread is idle, so that an operation
+        refused by `_inline` may run inline once they ran. A busy thread gets the operation at once,
+        to share its next group commit."""
+        ready = getattr(loop, "_ready", None)
+        return bool(ready) and self.settings.inline and not self._outstanding and not self._closed
 
     def _enqueue(self, op: _Op) -> None:
         with self._count_lock:

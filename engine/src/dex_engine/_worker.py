@@ -549,6 +549,7 @@ class AsyncWorker:
         flow = self.registry.flow(lease.flow_type)
         store = self.store
         loop = asyncio.get_running_loop()
+        loop_thread = threading.get_ident()
 
         async def heartbeat(checkpoint: str | None) -> None:
             if running.revoked:
@@ -568,7 +569,10 @@ class AsyncWorker:
                     return
                 capacity = flow.streams[stream].capacity_bytes
                 running.events.append((stream, capacity, data))
-            loop.call_soon_threadsafe(self._schedule_flush, running)
+            if threading.get_ident() == loop_thread:
+                loop.call_soon(self._schedule_flush, running)  # no self-pipe wake-up from the loop's own thread
+            else:
+                loop.call_soon_threadsafe(self._schedule_flush, running)
 
         wait_result = None
         if lease.method == "execute" and lease.options.has_wait_for:
@@ -583,7 +587,11 @@ class AsyncWorker:
 
     def _schedule_flush(self, running: _Running) -> None:
         if running.flush_task is None or running.flush_task.done():
-            running.flush_task = asyncio.create_task(self._flush_events(running))
+            with running.events_lock:
+                # A heartbeat may have taken the events meanwhile; a later write schedules again.
+                pending = bool(running.events)
+            if pending:
+                running.flush_task = asyncio.create_task(self._flush_events(running))
 
     async def _flush_events(self, running: _Running) -> None:
         while True:
