@@ -667,6 +667,10 @@ def close_flow(probe: CloseProbe) -> Flow:
         ctx.set(Note, text)
         return "ok"
 
+    @rpc(request_type=type(None))
+    async def peek(ctx: RpcContext, _: None) -> str | None:
+        return ctx.get(Note)
+
     return Flow(
         "Close",
         [
@@ -678,13 +682,15 @@ def close_flow(probe: CloseProbe) -> Flow:
         ],
         start_step="Start",
         schema=[Note, Release, Kill],
-        rpcs=[touch],
+        rpcs=[touch, peek],
     )
 
 
 async def assert_closed_but_readable(eng: Engine, flow_id: str) -> None:
-    """E12: attributes stay readable; RPCs and publishes are refused with FlowNotActiveError."""
+    """E12: attributes stay readable, also to an RPC that changes nothing; an RPC that would change
+    them and publishes are refused with FlowNotActiveError."""
     assert await eng.client.get_attribute(flow_id, Note) == "kept"
+    assert await eng.client.rpc(flow_id, "peek", None) == "kept"
     with pytest.raises(FlowNotActiveError):
         await eng.client.rpc(flow_id, "touch", "changed")
     with pytest.raises(FlowNotActiveError):

@@ -738,7 +738,8 @@ async def test_stop_flow_closes_it_and_cancels_its_tasks(store: Store) -> None:
 
 
 async def test_closed_flows_refuse_changes(store: Store) -> None:
-    """Operations that change a closed flow raise FlowNotActiveError; its state stays readable."""
+    """Operations that change a closed flow raise FlowNotActiveError; its state stays readable,
+    also through an RPC's snapshot (an RPC that changes nothing answers from it)."""
     await start(store, "f1")
     await store.commit_execute(await claim_one(store), WriteSet(attributes={("Count", ""): enc(3)}), graceful(1))
     assert (await store.describe_flow("f1")).status == "completed"
@@ -746,10 +747,12 @@ async def test_closed_flows_refuse_changes(store: Store) -> None:
         await store.stop_flow("f1", "again")
     with pytest.raises(FlowNotActiveError):
         await store.publish("f1", "Inbox", "", enc("late"))
+    snap = await store.rpc_read("f1", ALL, [])
+    assert snap.attributes == {("Count", ""): enc(3)}
     with pytest.raises(FlowNotActiveError):
-        await store.rpc_read("f1", ALL, [])
+        await store.rpc_commit("f1", snap.version, [], WriteSet(), [move("Next")], [])
     with pytest.raises(FlowNotActiveError):
-        await store.rpc_commit("f1", 1, [], WriteSet(), [move("Next")], [])
+        await store.rpc_commit("f1", snap.version, [], WriteSet(attributes={("Count", ""): enc(4)}), [], [])
     with pytest.raises(FlowNotActiveError):
         await store.skip_timer("f1", "Listen-1")
     with pytest.raises(FlowNotActiveError):

@@ -1220,7 +1220,9 @@ def _check_rpc_locks(db: Db, flow_id: str, locks: Sequence[str]) -> None:
 
 
 def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcSnapshot:
-    flow_type = require_running(db, flow_id, lock=False)
+    """What an RPC handler sees. A closed flow is read too: its state stays readable (E12), so an
+    RPC that changes nothing answers from it; rpc_commit refuses one that would change it."""
+    flow_type, _status = flow_status(db, flow_id)
     _check_rpc_locks(db, flow_id, locks)
     version_row = db.one("SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
     assert version_row is not None
