@@ -68,6 +68,7 @@ from dex_engine import (
     MAX_VALUE_BYTES,
     AsyncClient,
     AsyncWorker,
+    FlowNotActiveError,
     FlowNotFoundError,
     InvalidValueError,
     Registry,
@@ -574,6 +575,29 @@ CONTRACT_BREACHES: list[tuple[str, Callable[[], object], str]] = [
 NO_USAGE_RECORDED = {"a-dict", "none", "usage-not-agent-usage"}
 
 
+async def test_a_turn_error_after_a_tool_call_stores_the_runners_transcript_and_no_note(tmp_path: Path) -> None:
+    """TurnCompleted with turn_error (seed 002, RunModel): the turn's new_messages are stored, it
+    fails with that text, turn_failed is written, its records are cleared, with no retry. The
+    turn-failure note is RecordTurnFailure's (matrix item 8): new_messages already carry the tool
+    results, and the note would repeat them."""
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        text = script({"tools": [{"id": "c1", "name": "read_x"}]}, {"turn_error": "limit hit"})
+        turn_id, error = await failed_turn(sessions, "s", text)
+        assert error == "limit hit"
+        assert engine.log.count("model", turn_id=turn_id) == 2  # no retry of the failing call
+        stored = (await all_messages(sessions, "s"))[len(before):]
+        assert [(m.role, m.tool_call_id) for m in stored] == [
+            (MessageRole.USER, None), (MessageRole.ASSISTANT, None), (MessageRole.TOOL, "c1"),
+        ]
+        assert not any((m.text or "").startswith("[Dex]") for m in stored)
+        assert await steps_run(engine.client, "s") == [
+            "StartAgentSession", "RunModel", "AwaitUserMessage", "RunModel", "CallTool", "ResumeTurn", "RunModel",
+        ]
+        await assert_usable(sessions, "s", await all_messages(sessions, "s"))
+
+
 async def test_runner_contract_breach_fails_the_turn_without_retry(tmp_path: Path) -> None:
     """A run_model_step outcome that breaks the runner contract fails the turn in RunModel's commit:
     exactly one model call, last_turn_error says what is wrong, turn_failed, the call's usage is
@@ -934,6 +958,41 @@ async def test_calls_on_an_unknown_session_raise_flow_not_found(tmp_path: Path) 
             with pytest.raises(FlowNotFoundError, match="'missing'"):
                 await call
         assert not await engine.client.exists("missing")
+
+
+async def test_a_closed_session_still_serves_its_snapshot_and_messages_and_refuses_changes(tmp_path: Path) -> None:
+    """Seed 003: get_agent_snapshot "Serves retained closed sessions", and list_agent_messages reads
+    them too: a session stopped while an approval waits, and one force-failed at its start, still
+    read as they were left. A change (a message, a resolution) raises FlowNotActiveError naming the
+    session and its status, and changes nothing."""
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        sessions = engine.sessions
+        await sessions.start_session("s", "first")
+        await turn_ended(sessions, "s", 1)
+        assert await sessions.send_user_message("s", script({"tools": [{"id": "w1", "name": "write_x"}]},
+                                                            {"answer": "{results}"}))
+        waiting = await wait_for_agent_snapshot(sessions, "s", lambda snap: snap if snap.pending_interrupts else None,
+                                                description="the write's approval")
+        await engine.client.stop_flow("s", "closed by the test")
+        assert (await engine.client.describe_flow("s")).status == "stopped"
+
+        closed = await sessions.get_agent_snapshot("s")
+        assert closed == waiting
+        page = await sessions.list_agent_messages("s")
+        assert page.messages == closed.messages and page.next_before_sequence is None
+        with pytest.raises(FlowNotActiveError, match="'s' is stopped"):
+            await sessions.send_user_message("s", HELLO)
+        with pytest.raises(FlowNotActiveError, match="'s' is stopped"):
+            await sessions.resolve_interrupt("s", closed.pending_interrupts[0].interrupt_id, approved=True)
+        assert await sessions.get_agent_snapshot("s") == closed
+
+        session_limit = MAX_SESSION_SETTINGS_BYTES + SESSION_SETTINGS_SIZE_TOLERANCE_BYTES
+        await engine.client.start_flow(engine.flow.flow_type, "failed", AgentSessionStartInput(
+            initial_message="first", session_settings=_settings_of_size(session_limit + 1)))
+        assert (await engine.client.wait_for_flow("failed", 30)).status == "failed"
+        empty = await sessions.get_agent_snapshot("failed")
+        assert empty.state is None and empty.messages == [] and empty.pending_interrupts == []
+        assert (await sessions.list_agent_messages("failed")).messages == []
 
 
 # The same against a Worker child ------------------------------------------------------------------

@@ -95,7 +95,8 @@ class AgentSessionClient:
         return bool(result)
 
     async def execute_plan(self, session_id: str, revision: int) -> bool:
-        """Approve plan `revision` for execution; retries a concurrent approval's lock for 5 s, then False."""
+        """Approve plan `revision` for execution. A concurrent approval's lock is retried for up to 5 s;
+        once it commits, this approval finds an execution pending and returns False."""
         request = ExecutePlanRequest(revision)
         result = await self._retry_lock_conflicts(lambda: self.client.rpc(session_id, "execute_plan", request))
         return bool(result)

@@ -346,18 +346,20 @@ class SessionRuntime:
         error: str,
         *,
         unfinished: Sequence[FrameworkMessage] = (),
+        note: bool = True,
     ) -> AgentState:
-        """End the turn as failed in this commit: unfinished items, the note, cleared records.
+        """End the turn as failed in this commit: unfinished items, the note (with `note` and final
+        records), cleared records.
 
         A failure to store the unfinished items or the note (too large) leaves them out rather
         than block the failure.
         """
         records = self.turn_records(ctx, turn_id)
         items = list(unfinished)
-        note = build_turn_failure_note(records.values())
-        if note is not None:
+        text = build_turn_failure_note(records.values()) if note else None
+        if text is not None:
             try:
-                items.append(self.user_message(note))
+                items.append(self.user_message(text))
             except TurnContractError:
                 # A runner defect never blocks the failure route: the turn ends without its note.
                 log.warning("flow %s turn %s: could not build the turn-failure note", ctx.flow_id, turn_id,

@@ -247,7 +247,9 @@ class TurnSteps:
             items = check_framework_messages(outcome.new_messages, "TurnCompleted.new_messages")
             state = self._store(ctx, state, turn_id, items)
             if outcome.turn_error is not None:
-                rt.fail_turn(ctx, state, turn_id, str(outcome.turn_error))
+                # The runner ended the turn with its own transcript (new_messages): no turn-failure
+                # note, which seed 002 gives RecordTurnFailure and this commit's contract breaches.
+                rt.fail_turn(ctx, state, turn_id, str(outcome.turn_error), note=False)
                 return StepDecision.go_to(AWAIT_USER_MESSAGE)
             count = rt.reply_count(ctx, state, turn_id)
             rt.clear_turn(ctx, turn_id)
