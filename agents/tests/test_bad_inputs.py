@@ -71,6 +71,7 @@ from dex_engine import (
     FlowNotActiveError,
     FlowNotFoundError,
     InvalidValueError,
+    NoRetryError,
     Registry,
     ValueTooLargeError,
     WorkerOptions,
@@ -516,6 +517,54 @@ async def test_runner_that_raises_on_every_attempt_fails_the_turn(tmp_path: Path
         ]
         assert [m.text for m in await all_messages(sessions, "s")][len(before):] == [text]
         await assert_usable(sessions, "s", before)
+
+
+class _FailingAfterAReadRunner:
+    """One read call, then a model call that fails for good; the turn's unfinished-turn message is
+    an assistant message of `size` characters."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def build_user_message(self, text: str) -> FrameworkMessage:
+        return item(MessageRole.USER, text=text)
+
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome:
+        if turn.framework_run_state is None:
+            return ToolCallsRequested("asked", [_read_call()], AgentUsage())
+        raise NoRetryError("the model broke for good")
+
+    async def execute_deferred_tool_call(self, execution: DeferredToolExecution) -> ToolExecutionResult:
+        return ToolExecutionResult("found")
+
+    def build_unfinished_turn_messages(self, turn: AgentTurnContext) -> list[FrameworkMessage]:
+        return [item(MessageRole.ASSISTANT, text="x" * self.size)]
+
+
+@pytest.mark.parametrize("fits", [True, False])
+async def test_a_failed_turn_keeps_its_note_when_the_unfinished_messages_are_too_large(
+    tmp_path: Path, fits: bool
+) -> None:
+    """RecordTurnFailure stores the runner's unfinished-turn messages, then the turn-failure note
+    (seed 002). Unfinished messages over the value limit are left out, and the note is still stored:
+    it is what keeps the next turn's model from repeating the calls that ran."""
+    size = 10 if fits else MAX_VALUE_BYTES + 1
+    async with in_process(tmp_path, AgentSessionFlow(_FailingAfterAReadRunner(size), FLOW_TYPE)) as engine:
+        sessions = engine.sessions
+        await sessions.start_session("s", HELLO)
+        snapshot = await turn_ended(sessions, "s", 1)
+        assert snapshot.state is not None and snapshot.state.last_turn_error is not None
+        assert "the model broke for good" in snapshot.state.last_turn_error
+        stored = await all_messages(sessions, "s")
+        roles = [m.role for m in stored]
+        assert roles == [MessageRole.USER, *([MessageRole.ASSISTANT] if fits else []), MessageRole.USER]
+        note = stored[-1].text or ""
+        assert note.startswith("[Dex] The previous turn failed after these tool calls ran:")
+        assert "read_x {} -> succeeded: found" in note
+        # The second RunModel failed without a retry: it commits no Execute; its failure route does.
+        assert await steps_run(engine.client, "s") == [
+            "StartAgentSession", "RunModel", "CallTool", "ResumeTurn", "RecordTurnFailure",
+        ]
 
 
 def _read_call(call_id: str = "c1") -> DeferredToolCall:

@@ -351,25 +351,33 @@ class SessionRuntime:
         """End the turn as failed in this commit: unfinished items, the note (with `note` and final
         records), cleared records.
 
-        A failure to store the unfinished items or the note (too large) leaves them out rather
-        than block the failure.
+        Unfinished items too large to store are left out, and the note is stored alone: it is what
+        keeps the next turn from repeating a write. A note too large to store is left out too; neither
+        blocks the failure.
         """
         records = self.turn_records(ctx, turn_id)
-        items = list(unfinished)
+        notes: list[FrameworkMessage] = []
         text = build_turn_failure_note(records.values()) if note else None
         if text is not None:
             try:
-                items.append(self.user_message(text))
+                notes.append(self.user_message(text))
             except TurnContractError:
                 # A runner defect never blocks the failure route: the turn ends without its note.
                 log.warning("flow %s turn %s: could not build the turn-failure note", ctx.flow_id, turn_id,
                             exc_info=True)
+        # append_messages checks every size before it writes anything, so a refused try leaves nothing.
         try:
-            state = self.append_messages(ctx, state, turn_id, items)
-        except ValueTooLarge:
-            # append_messages checks every size before it writes anything, so nothing is left behind.
-            log.warning("flow %s turn %s: the failed turn's messages are too large; storing none",
-                        ctx.flow_id, turn_id)
+            state = self.append_messages(ctx, state, turn_id, [*unfinished, *notes])
+        except ValueTooLarge as exc:
+            if not (unfinished and notes):
+                log.warning("flow %s: %s; the failed turn stores none of its messages", ctx.flow_id, exc)
+            else:
+                log.warning("flow %s: %s; the failed turn stores its note without the runner's unfinished "
+                            "messages", ctx.flow_id, exc)
+                try:
+                    state = self.append_messages(ctx, state, turn_id, notes)
+                except ValueTooLarge as again:
+                    log.warning("flow %s: %s; the failed turn stores no note", ctx.flow_id, again)
         self.clear_turn(ctx, turn_id)
         ctx.set(PENDING_INTERRUPTS, [])
         state = ended_turn(state, error=error)
