@@ -65,6 +65,14 @@ async def _turns_done(sessions: AgentSessionClient, sid: str, count: int) -> Age
     return snapshot
 
 
+def test_the_testing_kit_exports_the_built_in_loops_scripted_model_client() -> None:
+    """Seed 003: dex_agents.testing "exports the same class" as dex_agents.builtin_loop."""
+    import dex_agents.testing
+
+    assert dex_agents.testing.ScriptedModelClient is ScriptedModelClient
+    assert "ScriptedModelClient" in dex_agents.testing.__all__
+
+
 async def test_function_tool_turn_stores_items_as_they_appear(tmp_path: Path) -> None:
     """A write waits for approval with its call already stored; the answer sees the tool's result."""
     flow, model = scripted_flow(tool_then_answer)

@@ -1,4 +1,7 @@
-"""dex_agents.testing: a private engine, Worker child processes, gates, and Step history for tests."""
+"""dex_agents.testing: a private engine, Worker child processes, gates, Step history, and
+ScriptedModelClient (the built-in loop's) for tests."""
+
+from dex_agents.builtin_loop import ScriptedModelClient
 
 from ._gates import FileGate, InvocationLog
 from ._history import EXECUTE_COMPLETED_EVENT, StepHistoryEntry, executed_steps, read_step_history, to_step_history
@@ -23,6 +26,7 @@ __all__ = [
     "ContextWindowSessionScenario",
     "FileGate",
     "InvocationLog",
+    "ScriptedModelClient",
     "StepHistoryEntry",
     "WorkerProcess",
     "default_scenario_message",
