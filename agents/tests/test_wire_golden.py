@@ -546,11 +546,15 @@ def test_make_event_refuses_an_empty_type() -> None:
 
 
 def test_closed_writer_drops_events() -> None:
-    """After close() a stray write is dropped, so a finished attempt gets no late output."""
+    """After close() a stray write is dropped, so a finished attempt gets no late output; a late write
+    is dropped unchecked, so it cannot raise in a stray thread either (seed 003: "writes after the
+    call returns are dropped")."""
     writer, events = _writer()
     writer.write_text_delta("a")
     writer.close()
     writer.write_text_delta("b")
+    writer.write_event("", [1, 2])  # type: ignore[arg-type]  # refused while open; dropped once closed
+    writer.write_event("custom", {"x": math.nan})
     assert writer.closed
     assert [json.loads(e.payload)["text"] for e in events] == ["a"]
 

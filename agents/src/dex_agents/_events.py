@@ -73,6 +73,8 @@ class AgentEventWriter:
         self._closed = False
 
     def write_event(self, event_type: str, payload: Mapping[str, Any]) -> None:
+        if self.closed:
+            return  # dropped unchecked: a stray late write must not raise in its thread either
         event = make_event(event_type, self.turn_id, self.step_execution_id, self.attempt, payload)
         with self._lock:
             if self._closed:

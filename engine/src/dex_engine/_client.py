@@ -242,7 +242,7 @@ class AsyncClient:
     async def describe_flow(self, flow_id: str) -> FlowInfo:
         return await self._store.describe_flow(flow_id)
 
-    async def search_flows(self, query: str, *, limit: int = 1000) -> list[str]:
+    async def search_flows(self, query: str, limit: int = 1000) -> list[str]:
         """Flow IDs matching e.g. 'ActiveStepTypes = "AwaitToolApproval" AND FlowType = "Agent"'."""
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit!r}")
