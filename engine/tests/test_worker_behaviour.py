@@ -69,6 +69,37 @@ FLOW = Flow(
 )
 
 
+@pytest.mark.sqlite_only
+async def test_entering_a_worker_returns_once_it_is_registered(db_url: str) -> None:
+    """`async with AsyncWorker(...)` enters its block once the worker is listed as live, so another
+    process (`dex-engine workers`) sees it at once. Read here on a plain sqlite3 connection with no
+    await in between, which gives the worker's task no chance to catch up. Catches an __aenter__
+    that returns before the registration commits."""
+    import sqlite3
+
+    from dex_engine import AsyncWorker, WorkerOptions
+
+    async with AsyncWorker(Registry([FLOW]), WorkerOptions(database_url=db_url)) as worker:
+        conn = sqlite3.connect(db_url.removeprefix("sqlite:///"))
+        try:
+            listed = [r[0] for r in conn.execute("SELECT worker_id FROM workers")]
+        finally:
+            conn.close()
+        assert listed == [worker.worker_id]
+
+
+async def test_a_worker_that_cannot_start_raises_from_its_context(tmp_path: Any) -> None:
+    """A worker whose database cannot be opened raises its error on entering its block, instead of
+    entering it with nothing running."""
+    from dex_engine import AsyncWorker, WorkerOptions
+
+    entered = False
+    with pytest.raises(Exception, match=r"unable to open|is a directory"):  # the path is a directory
+        async with AsyncWorker(Registry([FLOW]), WorkerOptions(database_url=f"sqlite:///{tmp_path}")):
+            entered = True
+    assert not entered, "entered the block of a worker that never started"
+
+
 async def test_events_of_a_failed_attempt_are_kept(db_url: str) -> None:
     """Best-effort events written before a handler raised reach readers, tagged with their attempt
     (a UI shows a failed attempt's partial output, then replaces it by the next attempt's)."""

@@ -102,7 +102,7 @@ class AsyncWorker:
     """Runs the Steps of the Registry's Flows from one database.
 
     `await worker.run()` until `await worker.stop()`; or `async with worker:` to run it in the
-    background of the block.
+    background of the block, which it enters once the worker is registered (listed as live).
     """
 
     def __init__(self, registry: Registry, options: WorkerOptions | None = None, *, store: Store | None = None) -> None:
@@ -117,6 +117,7 @@ class AsyncWorker:
         self._claim_asked = False  # a wake-up came: the loop claims (a timeout alone does not)
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
+        self._registered = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background: asyncio.Task[None] | None = None
         # Starts (wall-clock ms) of commits in flight that may claim work: until a commit's reply is
@@ -138,7 +139,17 @@ class AsyncWorker:
         return self._store
 
     async def __aenter__(self) -> AsyncWorker:
-        self._background = asyncio.create_task(self.run())
+        background = self._background = asyncio.create_task(self.run())
+        registered = asyncio.create_task(self._registered.wait())
+        try:
+            await asyncio.wait({background, registered}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            background.cancel()  # no __aexit__ follows a failed __aenter__: leave nothing running
+            raise
+        finally:
+            registered.cancel()
+        if background.done():
+            background.result()  # the worker could not start: its error (a bad database URL, say)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -169,6 +180,7 @@ class AsyncWorker:
         self._own_context = contextvars.copy_context()
         ttl_ms = int(self.options.lease_ttl_seconds * 1000)
         await store.register_worker(self.worker_id, socket.gethostname(), os.getpid(), ttl_ms)
+        self._registered.set()
         renewer = asyncio.create_task(self._renew_loop(ttl_ms))
         try:
             await self._main_loop()
