@@ -10,6 +10,7 @@ import fcntl
 import os
 import sqlite3
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,15 @@ def mark(text: str, ran: list[tuple[str, int]]) -> Any:
         db.run("INSERT INTO marks (mark) VALUES (?)", (text,))
         return threading.get_ident()
     return op
+
+
+def taken_by_thread(store: SqliteStore) -> Callable[[], Awaitable[bool]]:
+    """A probe: the store's thread has taken the one queued operation but not yet run it."""
+
+    async def taken() -> bool:
+        return store._outstanding == 1 and store._queue.empty()
+
+    return taken
 
 
 async def marks(store: SqliteStore) -> list[str]:
@@ -90,10 +100,7 @@ async def test_with_the_thread_busy_an_operation_joins_its_queue_without_waiting
     try:
         first = asyncio.ensure_future(asyncio.to_thread(store.run_sync, mark("first", ran), write=True))
 
-        async def taken() -> bool:
-            return store._outstanding == 1 and store._queue.empty()
-
-        await wait_until("the store's thread to take first", taken)
+        await wait_until("the store's thread to take first", taken_by_thread(store))
         second = asyncio.ensure_future(store.raw(mark("second", ran), write=True))
         asyncio.get_running_loop().call_soon(lambda: queued_when_callback_ran.append(store._outstanding))
         await asyncio.sleep(0)  # `second` starts (the callback is ready by then), then the callback runs
@@ -135,13 +142,10 @@ async def test_an_operation_never_overtakes_one_queued_before_it(store: SqliteSt
     ran: list[tuple[str, int]] = []
     conn_lock: threading.Lock = store._conn_lock  # type: ignore[attr-defined]
 
-    async def taken() -> bool:
-        return store._outstanding == 1 and store._queue.empty()
-
     conn_lock.acquire()
     try:
         first = asyncio.ensure_future(asyncio.to_thread(store.run_sync, mark("first", ran), write=True))
-        await wait_until("the store's thread to take first", taken)
+        await wait_until("the store's thread to take first", taken_by_thread(store))
     finally:
         conn_lock.release()
     # No await between the release and this call: the store's thread cannot have run `first` yet.

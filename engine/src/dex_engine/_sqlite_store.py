@@ -453,9 +453,12 @@ class SqliteStore(Store):
                 with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                     loop.call_soon_threadsafe(_deliver, per_loop.get(loop, []), listeners.get(loop, []))
 
-    async def _run(self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None) -> R:
+    def _refuse_if_closed(self) -> None:
         if self._closed:
             raise RuntimeError(f"store {self.url!r} is closed")
+
+    async def _run(self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None) -> R:
+        self._refuse_if_closed()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
         op = _Op(fn, write, True if durable is None else durable, loop, future, commit_origin.get())
@@ -465,8 +468,7 @@ class SqliteStore(Store):
                 # caller, an attempt's event flush). Run it first: an operation then run inline
                 # costs less CPU and time than a hand-off. A loop still busy after it hands off.
                 await asyncio.sleep(0)
-                if self._closed:
-                    raise RuntimeError(f"store {self.url!r} is closed")
+                self._refuse_if_closed()  # closed meanwhile: the thread would never run it
                 if self._inline(op, loop):
                     return await future
             self._enqueue(op)
