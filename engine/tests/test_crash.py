@@ -157,6 +157,40 @@ async def test_crash_after_start_reruns_only_the_running_method(
             assert await eng.client.flow_output("f") == trail
 
 
+@pytest.mark.sqlite_only
+async def test_crash_inside_a_commit_with_a_folded_execute_rolls_back_both(db_url: str, tmp_path: Path) -> None:
+    """Step.pure_execute: Waiter's Execute runs inside Sender's commit; a kill inside that transaction
+    loses both. Sender (started) re-runs as attempt 2, Waiter folds into its commit again, and Waiter
+    commits once, as attempt 1, with no failure counted against it."""
+    async with engine_for(db_url, REGISTRY, worker=False) as eng:
+        with ProcSet(db_url, tmp_path / "state") as procs:
+            await eng.client.start_flow("Fold", "f")
+            w1 = procs.start("w1", crash_at=f"{INSIDE_COMMIT}:2")
+            w2 = procs.start("w2", standby=True)
+            await w1.wait_killed_by_gate()
+            procs.gates.assert_died_at(w1.pid, INSIDE_COMMIT, 2)
+            w2.go()
+            info = await eng.client.wait_for_flow("f", 30)
+            await w2.stop()
+
+            assert info.status == "completed"
+            entries = procs.invocations.read()
+            assert_no_attempt_ran_twice(entries)
+            # Waiter ran inside Sender's commit both times: in w1 (rolled back by the kill), then in w2.
+            waiter = [(e.attempt, e.pid, e.detail) for e in entries
+                      if e.step_execution_id == "Waiter-1" and e.phase == "end"]
+            assert waiter == [(1, w1.pid, "Sender-1"), (1, w2.pid, "Sender-1")], entries
+            assert starts(entries, ("Sender-1", "execute")) == [(1, w1.pid), (2, w2.pid)], entries
+            history = await eng.client.get_flow_history("f")
+            assert commits(history, ("Sender-1", "execute")) == [2], history
+            assert commits(history, ("Waiter-1", "execute")) == [1], history
+            assert not failures(history, ("Waiter-1", "execute")), history
+            assert [h.attempt for h in failures(history, ("Sender-1", "execute"))] == [1], history
+            trail = ["Arm-1#1", "Sender-1#2", "Waiter-1#1"]
+            assert await eng.client.get_attribute("f", Trail) == trail
+            assert await eng.client.flow_output("f") == trail
+
+
 async def _wait_lease_expired(store: Store, pid: int) -> None:
     """Wait until the worker row of process `pid` has passed its expiry (so housekeeping will recover it)."""
 

@@ -28,6 +28,7 @@ from typing import Any
 from dex_engine import (
     AsyncWorker,
     Attribute,
+    Channel,
     Context,
     Flow,
     Registry,
@@ -140,6 +141,51 @@ CHAIN = Flow("Chain", [_chain_step("A", "B"), _chain_step("B", "C", with_wait=Tr
              start_step="A", schema=[Trail])
 
 
+# Fold: Arm -> (Waiter, Sender); Waiter's pure Execute runs inside Sender's commit ---------------
+# Sender heartbeats, appends to Trail and publishes FoldGo; Waiter waits for it (no heartbeat, so
+# its WaitFor folds into Arm's commit) and logs "end" with the task it ran in. In one worker the
+# store.inside_commit gate is crossed by Arm's commit (1), then by Sender's with Waiter in it (2).
+
+FoldGo: Channel[str] = Channel("FoldGo", str)
+
+
+def _trail_step(step_type: str, decide: Any) -> Step[None]:
+    async def execute(ctx: Context, _: None) -> StepDecision:
+        await _start(ctx)
+        trail = [*(ctx.get(Trail) or []), f"{ctx.step_execution_id}#{ctx.attempt}"]
+        ctx.set(Trail, trail)
+        _record(ctx, "end")
+        decision: StepDecision = decide(ctx)
+        return decision
+
+    return Step(step_type, execute, input_type=type(None), options=StepOptions(execute_retry=FAST_RETRY))
+
+
+def _send_go(ctx: Context) -> StepDecision:
+    ctx.publish(FoldGo, "go")
+    return StepDecision.dead_end()
+
+
+async def _await_go(ctx: Context, _: None) -> Wait:
+    return Wait.until(FoldGo.for_one())
+
+
+async def _pure_waiter(ctx: Context, _: None) -> StepDecision:
+    task = asyncio.current_task()
+    _record(ctx, "end", "" if task is None else task.get_name())
+    trail = [*(ctx.get(Trail) or []), f"{ctx.step_execution_id}#{ctx.attempt}"]
+    ctx.set(Trail, trail)
+    return StepDecision.graceful_complete(trail)
+
+
+FOLD = Flow("Fold", [
+    _trail_step("Arm", lambda _ctx: StepDecision.go_to_many(("Waiter", None), ("Sender", None))),
+    _trail_step("Sender", _send_go),
+    Step("Waiter", _pure_waiter, input_type=type(None), wait_for=_await_go, pure_execute=True,
+         options=StepOptions(execute_retry=FAST_RETRY, wait_for_retry=FAST_RETRY)),
+], start_step="Arm", schema=[Trail, FoldGo])
+
+
 # Risky: a Step whose attempts all fail, and its failure route --------------------------------
 
 
@@ -228,7 +274,7 @@ async def inc(ctx: Context, n: int) -> StepDecision:
 COUNTER = Flow("Counter", [Step("Inc", inc, input_type=int)], start_step="Inc", schema=[Count])
 
 
-REGISTRY = Registry([CHAIN, RISKY, ZOMBIE, COUNTER])
+REGISTRY = Registry([CHAIN, RISKY, ZOMBIE, COUNTER, FOLD])
 
 
 # The child process ---------------------------------------------------------------------------

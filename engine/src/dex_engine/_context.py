@@ -249,8 +249,9 @@ class Context(_StateView):
         self._write_event(declared.name, encode_value(declared.name, declared.value_type, event))
 
 
-class WaitNotFoldable(BaseException):
-    """A WaitFor evaluated ahead of its Step's first commit did what only a real attempt may do.
+class NotFoldable(BaseException):
+    """A WaitFor evaluated ahead of its Step's first commit, or a pure Execute run inside the commit
+    that claimed it, did what only a separate attempt may do (heartbeat, best-effort event).
 
     A BaseException, so that a handler's `except Exception` does not swallow it.
     """
@@ -262,7 +263,7 @@ class FoldContext(Context):
     Such a WaitFor loads nothing and takes no locks, so its result depends only on its input: the
     worker registers the wait in the same commit (MovementRecord.wait). The Step has no execution
     ID, lease or attempt yet, so anything that needs one (the execution ID, heartbeats, events)
-    raises WaitNotFoldable and the WaitFor then runs as usual, after the commit, as attempt 1.
+    raises NotFoldable and the WaitFor then runs as usual, after the commit, as attempt 1.
     """
 
     touched = False
@@ -270,7 +271,7 @@ class FoldContext(Context):
     @property
     def step_execution_id(self) -> str:
         self.touched = True
-        raise WaitNotFoldable("step_execution_id")
+        raise NotFoldable("step_execution_id")
 
     @step_execution_id.setter
     def step_execution_id(self, _value: str) -> None:
@@ -278,11 +279,11 @@ class FoldContext(Context):
 
     async def heartbeat(self, checkpoint: str | None = None) -> None:
         self.touched = True
-        raise WaitNotFoldable("heartbeat")
+        raise NotFoldable("heartbeat")
 
     def write_event(self, stream: Stream[T], event: T) -> None:
         self.touched = True
-        raise WaitNotFoldable("write_event")
+        raise NotFoldable("write_event")
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,13 @@ class Step(Generic[InputT]):
     and the WaitFor takes no locks, and the commit registers the wait (attempt 1) when those
     attributes are unchanged by then; otherwise, or when the WaitFor needs its execution ID, a
     heartbeat or an event, raises or writes, it runs as usual after the commit.
+
+    With `pure_execute`, the Execute promises to only read its context and return a decision: no
+    I/O, no heartbeat or best-effort event, nothing awaited that suspends. On a store that supports
+    it (SQLite), a worker whose own commit makes such a Step ready on its event loop then runs the
+    Execute inside that commit's transaction, as attempt 1 with the same snapshot, writes, history
+    and locks as a separate attempt would have: one transaction and fsync fewer. An Execute that
+    suspends, raises, or cannot commit there runs as usual after the commit.
     """
 
     def __init__(
@@ -55,12 +62,14 @@ class Step(Generic[InputT]):
         input_type: Any = Any,
         wait_for: WaitForFn | None = None,
         options: StepOptions | None = None,
+        pure_execute: bool = False,
     ) -> None:
         self.step_type = check_id("step type", step_type)
         self.execute = execute
         self.wait_for = wait_for
         self.input_type = input_type
         self.options = options or StepOptions()
+        self.pure_execute = pure_execute
 
     def __repr__(self) -> str:
         return f"Step({self.step_type!r})"

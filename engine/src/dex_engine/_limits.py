@@ -85,3 +85,7 @@ HISTORY_TRIM_CHECK_EVERY = 256
 # are at most this many; with more, it reads running flows in order and stops at its limit, which
 # is then cheaper than sorting every match (e.g. all sessions idle in AwaitUserMessage).
 ACTIVE_STEP_SEARCH_CANDIDATES = 2000
+
+# Pure Executes (Step.pure_execute) one commit may run inside its own transaction: each runs on the
+# event loop while the store's write lock is held, so a chain of them must stay short.
+MAX_FOLDED_EXECUTES_PER_COMMIT = 4

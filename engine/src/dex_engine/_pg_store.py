@@ -61,7 +61,7 @@ from ._errors import FlowNotActiveError, StaleAttemptError
 from ._migrate import apply_pending
 from ._options import LoadSpec, MethodOptions, StepDurability, TaskOptions
 from ._records import DecisionRecord, Lease, MovementRecord, WriteSet
-from ._store import Store, commit_origin, now_ms
+from ._store import FoldExecute, Store, commit_origin, now_ms
 from ._transitions import Db, HistoryRow, PollResult, Row, run_op
 
 try:
@@ -724,8 +724,9 @@ class PostgresStore(Store):
 
     async def commit_execute(
         self, lease: Lease, writes: WriteSet, decision: DecisionRecord,
-        claim: tuple[str, Sequence[str], int] | None = None,
+        claim: tuple[str, Sequence[str], int] | None = None, fold: FoldExecute | None = None,
     ) -> list[Lease]:
+        # `fold` is unused: folds_executes is False here (the batched commit has no savepoints).
         if not (BATCH_EXECUTE_COMMITS and batchable(writes, decision)):
             return await super().commit_execute(lease, writes, decision, claim)
         commit = _ExecuteCommit(lease, writes, decision, claim)

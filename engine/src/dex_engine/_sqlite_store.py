@@ -248,6 +248,7 @@ class SqliteStore(Store):
     """A Store on one SQLite file; safe for several processes on one machine."""
 
     folds_waits = True
+    folds_executes = True
     light_polls = True
     hands_off_locally = True
 

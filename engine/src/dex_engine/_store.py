@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 from . import _gates
 from . import _transitions as tx
+from ._limits import MAX_FOLDED_EXECUTES_PER_COMMIT
 from ._options import FlowConfig, LoadSpec
 from ._records import (
     DecisionRecord,
@@ -34,6 +35,11 @@ from ._wait import WaitSpec
 
 R = TypeVar("R")
 
+# Runs a claimed attempt's Execute now, inside the transaction that claimed it, when its Step is
+# pure (Step.pure_execute) and this thread is its worker's event loop: its writes and decision, or
+# None when it must run as a usual attempt.
+FoldExecute = Callable[[Lease], tuple[WriteSet, DecisionRecord] | None]
+
 # A claim older than this that its worker does not know of was lost in transit and is handed back;
 # far longer than any reply takes to arrive.
 LOST_CLAIM_MS = 10_000
@@ -45,6 +51,17 @@ commit_origin: ContextVar[Callable[[], None] | None] = ContextVar("dex_commit_or
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _started_or_claimed(
+    db: Db, handoff: tx.Handoff, readied: int | None, flow_types: Sequence[str], now: int
+) -> list[Lease]:
+    """The attempts a commit hands its worker: the Steps it started went straight to it (`handoff`);
+    otherwise claim ready work, and also when the commit made work ready (a backend that counts it,
+    in `readied`)."""
+    if handoff.leases and (readied is None or getattr(db, "readied", None) == readied):
+        return handoff.leases
+    return handoff.leases + tx.claim(db, handoff.worker_id, flow_types, handoff.capacity, now)
 
 
 class LocalClaimer(Protocol):
@@ -59,6 +76,9 @@ class LocalClaimer(Protocol):
 
     def local_origin(self) -> Callable[[], None]:
         """The worker's commit listener: commits that claimed for it need not wake it."""
+
+    def fold_execute(self, lease: Lease) -> tuple[WriteSet, DecisionRecord] | None:
+        """Inside the commit that claimed `lease`: its pure Execute's result (see FoldExecute)."""
 
 
 class Store(ABC):
@@ -75,6 +95,9 @@ class Store(ABC):
     # Whether a client's commit that makes Steps ready claims them for a worker of this process in
     # the same transaction (the backend's Db counts what a transition made ready, in `readied`).
     hands_off_locally: bool = False
+    # Whether a commit that hands a worker Steps may run their pure Executes in its transaction
+    # (Step.pure_execute): savepoints, and writers serialized so that the claim's snapshot holds.
+    folds_executes: bool = False
     # Workers of this process that take such Steps (add_local_claimer); replaced, never mutated.
     _claimers: tuple[LocalClaimer, ...] = ()
 
@@ -133,7 +156,10 @@ class Store(ABC):
             result = fn(db)
             if getattr(db, "readied", 0) == readied:
                 return result, None  # nothing became ready: the worker is woken as usual
-            return result, tx.claim(db, worker_id, flow_types, capacity, now_ms())
+            now = now_ms()
+            leases = tx.claim(db, worker_id, flow_types, capacity, now)
+            return result, self._fold_executes(db, leases, claimer.fold_execute, worker_id, flow_types, capacity,
+                                               True, now)
 
         # Its commit does not wake the worker it claimed for (see local_claim_done).
         origin = commit_origin.set(claimer.local_origin())
@@ -202,26 +228,55 @@ class Store(ABC):
 
     async def commit_execute(
         self, lease: Lease, writes: WriteSet, decision: DecisionRecord,
-        claim: tuple[str, Sequence[str], int] | None = None,
+        claim: tuple[str, Sequence[str], int] | None = None, fold: FoldExecute | None = None,
     ) -> list[Lease]:
-        """Commit an Execute; with `claim`, hand out the next ready attempts in the same transaction."""
+        """Commit an Execute; with `claim`, hand out the next ready attempts in the same transaction,
+        and with `fold`, run the pure Executes among them there too (see _fold_executes)."""
 
         def op(db: Db) -> list[Lease]:
             now = now_ms()
             handoff = None if claim is None else tx.Handoff(claim[0], claim[2], [])
             readied = getattr(db, "readied", None)
             tx.commit_execute(db, lease, writes, decision, now, handoff)
-            if _gates.ACTIVE:  # the transaction is open: a crash here must roll it all back
-                _gates.gate(_gates.INSIDE_COMMIT)
             if claim is None or handoff is None:
+                if _gates.ACTIVE:  # the transaction is open: a crash here must roll it all back
+                    _gates.gate(_gates.INSIDE_COMMIT)
                 return []
-            # Steps this commit started went straight to this worker; otherwise claim ready work,
-            # and also when the commit made work ready (a backend that counts it, in `readied`).
-            if handoff.leases and (readied is None or getattr(db, "readied", None) == readied):
-                return handoff.leases
-            return handoff.leases + tx.claim(db, claim[0], claim[1], handoff.capacity, now)
+            leases = _started_or_claimed(db, handoff, readied, claim[1], now)
+            leases = self._fold_executes(db, leases, fold, claim[0], claim[1], claim[2], lease.durable, now)
+            if _gates.ACTIVE:  # after the folded Executes too: a crash here rolls them all back
+                _gates.gate(_gates.INSIDE_COMMIT)
+            return leases
 
         return await self._run(op, write=True, durable=lease.durable)
+
+    def _fold_executes(
+        self, db: Db, leases: list[Lease], fold: FoldExecute | None, worker_id: str, flow_types: Sequence[str],
+        capacity: int, durable: bool, now: int,
+    ) -> list[Lease]:
+        """Inside the transaction that claimed `leases`: run each pure Execute among them through
+        `fold` and commit it here, in a savepoint, handing on what it starts; the rest are returned
+        to run as usual. Not for a durable Step in a commit that skips the fsync (ASYNC)."""
+        if fold is None or not self.folds_executes:
+            return leases
+        pending, out, folded = list(leases), [], 0
+        while pending:
+            claimed = pending.pop(0)
+            result = None
+            if folded < MAX_FOLDED_EXECUTES_PER_COMMIT and (durable or not claimed.durable):
+                result = fold(claimed)
+            if result is None:
+                out.append(claimed)
+                continue
+            # Its slot is free again once it commits here.
+            handoff = tx.Handoff(worker_id, capacity - len(out) - len(pending), [])
+            readied = getattr(db, "readied", None)
+            if not tx.commit_folded(db, claimed, result[0], result[1], now, handoff):
+                out.append(claimed)
+                continue
+            folded += 1
+            pending += _started_or_claimed(db, handoff, readied, flow_types, now)
+        return out
 
     async def fail_attempt(self, lease: Lease, error: ErrorInfo, *, no_retry: bool = False) -> None:
         await self._run(lambda db: tx.fail_attempt(db, lease, error, no_retry, now_ms()), write=True)

@@ -914,6 +914,25 @@ def commit_execute(
         _maybe_complete(db, lease.flow_id, now)
 
 
+def commit_folded(
+    db: Db, lease: Lease, writes: WriteSet, decision: DecisionRecord, now: int, handoff: Handoff
+) -> bool:
+    """commit_execute for an Execute run inside the transaction that claimed it (Step.pure_execute),
+    in a savepoint: when it fails, nothing of it stays and False says the Step runs as usual."""
+    history = len(db.history)
+    db.run("SAVEPOINT fold_execute")
+    try:
+        commit_execute(db, lease, writes, decision, now, handoff)
+    except Exception:
+        db.run("ROLLBACK TO fold_execute")
+        db.run("RELEASE fold_execute")
+        del db.history[history:]
+        handoff.leases.clear()
+        return False
+    db.run("RELEASE fold_execute")
+    return True
+
+
 def apply_decision(
     db: Db, flow_id: str, flow_type: str, decision: DecisionRecord, now: int, config: FlowConfig | None = None,
     handoff: Handoff | None = None,

@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ import msgspec
 
 from . import _gates
 from ._codec import decode_value, encode_value
-from ._context import Context, FoldContext, WaitNotFoldable, WaitResult
+from ._context import Context, FoldContext, NotFoldable, WaitResult
 from ._decision import StepDecision
 from ._errors import (
     DexError,
@@ -129,6 +129,7 @@ class AsyncWorker:
         # This worker's context (its commit origin): attempts that clients' commits claimed for it
         # run in a copy, not in the client's context, so their commits do not wake it.
         self._own_context: contextvars.Context | None = None
+        self._loop_thread: int | None = None  # the event loop's thread, where pure Executes may fold
         # Hand-backs of claims beyond max_concurrent_tasks still being committed (_spawn).
         self._handing_back: set[asyncio.Task[None]] = set()
 
@@ -178,6 +179,7 @@ class AsyncWorker:
         self._watched = store.watch_foreign_commits(self.options.poll_seconds)
         commit_origin.set(self._notify)  # inherited by every task this worker starts
         self._own_context = contextvars.copy_context()
+        self._loop_thread = threading.get_ident()
         ttl_ms = int(self.options.lease_ttl_seconds * 1000)
         await store.register_worker(self.worker_id, socket.gethostname(), os.getpid(), ttl_ms)
         self._registered.set()
@@ -459,7 +461,7 @@ class AsyncWorker:
                 started = int(time.time() * 1000)
                 self._claiming.append(started)
                 try:
-                    leases = await self.store.commit_execute(lease, ctx.writes, decision, claim)
+                    leases = await self.store.commit_execute(lease, ctx.writes, decision, claim, self.fold_execute)
                     running.claimed_next = claim is not None
                     self._forget(running)
                     for next_lease in leases:
@@ -545,8 +547,43 @@ class AsyncWorker:
             if ctx.touched or not isinstance(result, Wait) or not ctx.writes.empty():
                 return None
             return result.spec(), loaded
-        except (Exception, WaitNotFoldable):
+        except (Exception, NotFoldable):
             # Whatever went wrong happens again in the real attempt, with retries and failure routes.
+            return None
+
+    def fold_execute(self, lease: Lease) -> tuple[WriteSet, DecisionRecord] | None:
+        """Run a pure Execute (Step.pure_execute) now, inside the commit that claimed `lease`: its
+        writes and decision, or None when it must run as a usual attempt after that commit. Only on
+        this worker's event loop thread (the handler is not thread-safe), and only when the handler
+        finishes without suspending, raising, a heartbeat or a best-effort event: it is not awaited,
+        it is stepped once, since the open transaction cannot wait for the loop."""
+        if lease.method != "execute" or threading.get_ident() != self._loop_thread or self._stopping.is_set():
+            return None
+        flow = self.registry.flows.get(lease.flow_type)
+        step = None if flow is None else flow.steps.get(lease.step_type)
+        if flow is None or step is None or not step.pure_execute:
+            return None
+        wait_result = WaitResult(lease.wait_spec, lease.wait_outcome, flow) if lease.options.has_wait_for else None
+        try:
+            input_value = decode_value(f"input of Step {step.step_type}", step.input_type, lease.input)
+            ctx = Context(
+                flow=flow, flow_id=lease.flow_id, step_type=lease.step_type,
+                step_execution_id=lease.step_execution_id, method=lease.method, attempt=lease.attempt,
+                loaded=lease.attributes, load=lease.load, checkpoint=lease.checkpoint,
+                recovery_error=lease.recovery_error, wait_result=wait_result,
+                heartbeat=_no_heartbeat, write_event=_no_event,
+            )
+            running = step.execute(ctx, input_value)
+            if not isinstance(running, Coroutine):
+                return None  # not an `async def` handler: nothing to step through
+            try:
+                running.send(None)
+            except StopIteration as done:
+                return ctx.writes, self._decision_record(lease, done.value)
+            running.close()  # it suspended: it awaits something only a usual attempt can wait for
+            return None
+        except (Exception, NotFoldable):
+            # Whatever went wrong happens again in the usual attempt, with retries and failure routes.
             return None
 
     async def _fail(self, running: _Running, error: ErrorInfo, no_retry: bool) -> None:
@@ -624,11 +661,11 @@ class AsyncWorker:
 
 
 async def _no_heartbeat(_checkpoint: str | None) -> None:
-    raise WaitNotFoldable("heartbeat")
+    raise NotFoldable("heartbeat")
 
 
 def _no_event(_stream: str, _data: bytes) -> None:
-    raise WaitNotFoldable("write_event")
+    raise NotFoldable("write_event")
 
 
 def _error_info(exc: BaseException) -> ErrorInfo:

@@ -1,0 +1,234 @@
+"""Step.pure_execute: a pure Execute runs inside the commit that makes its Step ready.
+
+The flows here are Arm -> (Waiter, Sender): Waiter waits for a message on Inbox, Sender publishes
+it. When Waiter's Execute is pure, the worker runs it inside Sender's commit (same transaction),
+on SQLite; everywhere else, and whenever it cannot (it suspends, raises, heartbeats, or its commit
+fails), it runs as a usual attempt after that commit. Either way the flow's history and state must
+be what a usual attempt leaves: same events, attempt 1, nothing counted as a failure.
+
+Where the Execute ran is told by the asyncio task that ran it: a usual attempt runs in a task named
+after its own execution ID ("Waiter-1"); a folded one inside the committing task (Sender's, or the
+client's commit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from dex_engine import (
+    Attribute,
+    Channel,
+    Context,
+    Flow,
+    HistoryEntry,
+    Registry,
+    RpcContext,
+    Step,
+    StepDecision,
+    Stream,
+    Wait,
+    rpc,
+)
+from dex_engine import _transitions as tx
+
+from .conftest import Engine, engine_for, wait_until
+
+Inbox = Channel("Inbox", str)
+Note = Attribute("Note", str)
+Log = Stream("Log", str)
+
+Handler = Callable[[Context, None], Awaitable[StepDecision]]
+
+
+@rpc(request_type=str)
+async def post(ctx: RpcContext, text: str) -> None:
+    ctx.publish(Inbox, text)
+
+
+def fold_flow(flow_type: str, waiter: Handler, *, pure: bool = True, sender_publishes: bool = True) -> Flow:
+    """Arm -> (Waiter, Sender); Waiter waits for Inbox, then goes to Done, which completes the flow."""
+
+    async def arm(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to_many(("Waiter", None), ("Sender", None))
+
+    async def sender(ctx: Context, _: None) -> StepDecision:
+        if sender_publishes:
+            ctx.publish(Inbox, "go")
+        return StepDecision.dead_end()
+
+    async def waiter_wait(ctx: Context, _: None) -> Wait:
+        return Wait.until(Inbox.for_one())
+
+    async def done(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.graceful_complete(ctx.get(Note))
+
+    return Flow(flow_type, [
+        Step("Arm", arm), Step("Sender", sender),
+        Step("Waiter", waiter, wait_for=waiter_wait, pure_execute=pure),
+        Step("Done", done),
+    ], start_step="Arm", schema=[Inbox, Note, Log], rpcs=[post])
+
+
+def recording_waiter(calls: list[str], before: Callable[[Context], Awaitable[None]] | None = None) -> Handler:
+    """A Waiter Execute that logs the task it runs in, then writes Note and Log and goes to Done."""
+
+    async def waiter(ctx: Context, _: None) -> StepDecision:
+        task = asyncio.current_task()
+        calls.append("" if task is None else task.get_name())
+        if before is not None:
+            await before(ctx)
+        assert ctx.wait_result is not None
+        ctx.set(Note, f"got {ctx.wait_result.messages(Inbox)}")
+        ctx.append(Log, "waiter")
+        return StepDecision.go_to("Done")
+
+    return waiter
+
+
+def shape(history: list[HistoryEntry]) -> list[tuple[str, str, int, str]]:
+    return [(h.event_type, h.step_execution_id, h.attempt, h.detail) for h in history]
+
+
+async def finished(eng: Engine, flow_id: str) -> Any:
+    info = await eng.client.wait_for_flow(flow_id, 10)
+    assert info.status == "completed", info
+    return await eng.client.flow_output(flow_id)
+
+
+# Folding is opportunistic: a commit the store hands to its thread (while that thread is busy,
+# e.g. with a worker's poll) runs no handler there. So these run a few flows and ask that at least
+# one folded, and that every one of them ended as a usual attempt would have.
+TRIES = 10
+
+
+async def test_pure_execute_runs_in_the_commit_that_readies_it_and_leaves_the_same_history(db_url: str) -> None:
+    folded_calls: list[str] = []
+    usual_calls: list[str] = []
+    registry = Registry([fold_flow("Folded", recording_waiter(folded_calls)),
+                         fold_flow("Usual", recording_waiter(usual_calls), pure=False)])
+    async with engine_for(db_url, registry) as eng:
+        await eng.client.start_flow("Usual", "u")
+        assert await finished(eng, "u") == "got ['go']"
+        assert usual_calls == ["Waiter-1"]
+        usual = shape(await eng.client.get_flow_history("u"))
+        for i in range(TRIES):
+            await eng.client.start_flow("Folded", f"f{i}")
+            assert await finished(eng, f"f{i}") == "got ['go']"
+            assert shape(await eng.client.get_flow_history(f"f{i}")) == usual
+            events = await eng.client.read_stream(f"f{i}", Log)
+            assert [(e.value, e.step_execution_id, e.attempt) for e in events.events] == [("waiter", "Waiter-1", 1)]
+        assert len(folded_calls) == TRIES
+        assert set(folded_calls) <= {"Sender-1", "Waiter-1"}
+        if eng.store.folds_executes:
+            assert "Sender-1" in folded_calls, folded_calls
+        else:
+            assert set(folded_calls) == {"Waiter-1"}
+
+
+@pytest.mark.sqlite_only
+async def test_pure_execute_folds_into_a_client_commit_on_the_workers_loop(db_url: str) -> None:
+    calls: list[str] = []
+    registry = Registry([fold_flow("Folded", recording_waiter(calls), sender_publishes=False)])
+    async with engine_for(db_url, registry) as eng:
+        for i in range(TRIES):
+            await eng.client.start_flow("Folded", f"f{i}")
+            await wait_until("Waiter waiting", lambda: eng.client.search_flows('ActiveStepTypes = "Waiter"'))
+            await eng.client.rpc(f"f{i}", "post", "hello")
+            assert await finished(eng, f"f{i}") == "got ['hello']"
+        assert len(calls) == TRIES
+        assert [c for c in calls if c != "Waiter-1"], "no Waiter ran inside the client's commit"
+
+
+async def _suspend(_ctx: Context) -> None:
+    await asyncio.sleep(0)
+
+
+async def _heartbeat(ctx: Context) -> None:
+    await ctx.heartbeat()
+
+
+def called_from(function_name: str) -> bool:
+    """Whether a frame of `function_name` is on the stack: the worker's fold_execute when a handler
+    runs inside a commit, _transitions.commit_folded when its commit does."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == function_name:
+            return True
+        frame = frame.f_back
+    return False
+
+
+async def run_tries(eng: Engine) -> None:
+    """TRIES flows one after the other; each ends as if Waiter had run as a usual attempt 1."""
+    for i in range(TRIES):
+        await eng.client.start_flow("Folded", f"f{i}")
+        assert await finished(eng, f"f{i}") == "got ['go']"
+        history = await eng.client.get_flow_history(f"f{i}")
+        waiter = [(h.event_type, h.attempt) for h in history if h.step_execution_id == "Waiter-1"]
+        assert waiter == [("step_scheduled", 0), ("wait_registered", 1), ("wait_completed", 0),
+                          ("execute_completed", 1)], history
+        assert not [h for h in history if h.event_type == "attempt_failed"], history
+        events = await eng.client.read_stream(f"f{i}", Log)
+        assert [e.value for e in events.events] == ["waiter"]
+
+
+@pytest.mark.sqlite_only
+@pytest.mark.parametrize("before", [_suspend, _heartbeat], ids=["suspends", "heartbeats"])
+async def test_pure_execute_that_suspends_or_heartbeats_runs_as_a_usual_attempt(
+    db_url: str, before: Callable[[Context], Awaitable[None]],
+) -> None:
+    calls: list[str] = []
+    async with engine_for(db_url, Registry([fold_flow("Folded", recording_waiter(calls, before))])) as eng:
+        await run_tries(eng)
+        # Each Waiter ran once as attempt 1; some were first stepped inside Sender's commit, up to
+        # where they suspended, and dropped.
+        assert calls.count("Waiter-1") == TRIES
+        assert set(calls) == {"Sender-1", "Waiter-1"}, calls
+
+
+@pytest.mark.sqlite_only
+async def test_pure_execute_that_raises_in_the_fold_costs_no_attempt(db_url: str) -> None:
+    calls: list[str] = []
+    inner = recording_waiter(calls)
+
+    async def raises_when_folded(ctx: Context, value: None) -> StepDecision:
+        if called_from("fold_execute"):
+            calls.append("raised")
+            raise RuntimeError("fails inside the fold only")
+        return await inner(ctx, value)
+
+    async with engine_for(db_url, Registry([fold_flow("Folded", raises_when_folded)])) as eng:
+        await run_tries(eng)
+        assert calls.count("Waiter-1") == TRIES
+        assert "raised" in calls, calls
+
+
+@pytest.mark.sqlite_only
+async def test_folded_commit_that_fails_rolls_back_alone(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The savepoint: a folded Execute whose commit fails leaves Sender's commit whole and runs again."""
+    calls: list[str] = []
+    failed: list[str] = []
+    real = tx.commit_execute
+
+    def failing_when_folded(db: tx.Db, lease: Any, *args: Any, **kwargs: Any) -> None:
+        real(db, lease, *args, **kwargs)
+        if lease.step_type == "Waiter" and called_from("commit_folded"):
+            failed.append(lease.step_execution_id)
+            raise RuntimeError("the folded commit fails after its statements ran")
+
+    monkeypatch.setattr(tx, "commit_execute", failing_when_folded)
+    async with engine_for(db_url, Registry([fold_flow("Folded", recording_waiter(calls))])) as eng:
+        await run_tries(eng)
+        assert failed, "no folded commit was tried"
+        assert calls.count("Waiter-1") == TRIES
+        assert calls.count("Sender-1") == len(failed)
+        for i in range(TRIES):
+            counted = [(h.event_type, h.step_execution_id) for h in await eng.client.get_flow_history(f"f{i}")]
+            for event in [("execute_completed", "Sender-1"), ("wait_completed", "Waiter-1"),
+                          ("execute_completed", "Waiter-1"), ("step_scheduled", "Done-1")]:
+                assert counted.count(event) == 1, (event, counted)
