@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -102,8 +103,17 @@ async def finished(eng: Engine, flow_id: str) -> Any:
 
 # Folding is opportunistic: a commit the store hands to its thread (while that thread is busy,
 # e.g. with a worker's poll) runs no handler there. So these run a few flows and ask that at least
-# one folded, and that every one of them ended as a usual attempt would have.
+# one folded, and that every one of them ended as a usual attempt would have; and their worker
+# polls and housekeeps seldom, so that its own work rarely keeps the store's thread busy.
 TRIES = 10
+
+
+@asynccontextmanager
+async def quiet_engine(db_url: str, registry: Registry) -> AsyncIterator[Engine]:
+    async with engine_for(db_url, registry, worker=False) as eng:
+        await eng.start_worker(poll_seconds=1.0, housekeeping_seconds=5.0, lease_renew_seconds=5.0,
+                               lease_ttl_seconds=30.0)
+        yield eng
 
 
 async def test_pure_execute_runs_in_the_commit_that_readies_it_and_leaves_the_same_history(db_url: str) -> None:
@@ -111,7 +121,7 @@ async def test_pure_execute_runs_in_the_commit_that_readies_it_and_leaves_the_sa
     usual_calls: list[str] = []
     registry = Registry([fold_flow("Folded", recording_waiter(folded_calls)),
                          fold_flow("Usual", recording_waiter(usual_calls), pure=False)])
-    async with engine_for(db_url, registry) as eng:
+    async with quiet_engine(db_url, registry) as eng:
         await eng.client.start_flow("Usual", "u")
         assert await finished(eng, "u") == "got ['go']"
         usual = shape(await eng.client.get_flow_history("u"))
@@ -138,7 +148,7 @@ async def test_pure_execute_runs_in_the_commit_that_readies_it_and_leaves_the_sa
 async def test_pure_execute_folds_into_a_client_commit_on_the_workers_loop(db_url: str) -> None:
     calls: list[str] = []
     registry = Registry([fold_flow("Folded", recording_waiter(calls), sender_publishes=False)])
-    async with engine_for(db_url, registry) as eng:
+    async with quiet_engine(db_url, registry) as eng:
         for i in range(TRIES):
             await eng.client.start_flow("Folded", f"f{i}")
             await wait_until("Waiter waiting", lambda: eng.client.search_flows('ActiveStepTypes = "Waiter"'))
@@ -187,7 +197,7 @@ async def test_pure_execute_that_suspends_or_heartbeats_runs_as_a_usual_attempt(
     db_url: str, before: Callable[[Context], Awaitable[None]],
 ) -> None:
     calls: list[str] = []
-    async with engine_for(db_url, Registry([fold_flow("Folded", recording_waiter(calls, before))])) as eng:
+    async with quiet_engine(db_url, Registry([fold_flow("Folded", recording_waiter(calls, before))])) as eng:
         await run_tries(eng)
         # Each Waiter ran once as attempt 1; some were first stepped inside Sender's commit, up to
         # where they suspended, and dropped.
@@ -206,7 +216,7 @@ async def test_pure_execute_that_raises_in_the_fold_costs_no_attempt(db_url: str
             raise RuntimeError("fails inside the fold only")
         return await inner(ctx, value)
 
-    async with engine_for(db_url, Registry([fold_flow("Folded", raises_when_folded)])) as eng:
+    async with quiet_engine(db_url, Registry([fold_flow("Folded", raises_when_folded)])) as eng:
         await run_tries(eng)
         assert calls.count("Waiter-1") == TRIES
         assert "raised" in calls, calls
@@ -226,7 +236,7 @@ async def test_folded_commit_that_fails_rolls_back_alone(db_url: str, monkeypatc
             raise RuntimeError("the folded commit fails after its statements ran")
 
     monkeypatch.setattr(tx, "commit_execute", failing_when_folded)
-    async with engine_for(db_url, Registry([fold_flow("Folded", recording_waiter(calls))])) as eng:
+    async with quiet_engine(db_url, Registry([fold_flow("Folded", recording_waiter(calls))])) as eng:
         await run_tries(eng)
         assert failed, "no folded commit was tried"
         assert calls.count("Waiter-1") == TRIES
