@@ -165,7 +165,9 @@ async def test_crash_inside_a_commit_with_a_folded_execute_rolls_back_both(db_ur
     async with engine_for(db_url, REGISTRY, worker=False) as eng:
         with ProcSet(db_url, tmp_path / "state") as procs:
             await eng.client.start_flow("Fold", "f")
-            w1 = procs.start("w1", crash_at=f"{INSIDE_COMMIT}:2")
+            # w1 housekeeps seldom, so that its store's thread is idle at Sender's commit and the
+            # commit runs on the loop, where Waiter can fold into it.
+            w1 = procs.start("w1", crash_at=f"{INSIDE_COMMIT}:2", housekeeping=5.0)
             w2 = procs.start("w2", standby=True)
             await w1.wait_killed_by_gate()
             procs.gates.assert_died_at(w1.pid, INSIDE_COMMIT, 2)
@@ -176,10 +178,12 @@ async def test_crash_inside_a_commit_with_a_folded_execute_rolls_back_both(db_ur
             assert info.status == "completed"
             entries = procs.invocations.read()
             assert_no_attempt_ran_twice(entries)
-            # Waiter ran inside Sender's commit both times: in w1 (rolled back by the kill), then in w2.
+            # Waiter ran inside Sender's commit in w1 (rolled back by the kill), then once more in w2:
+            # folded again, or, if w2's store thread happened to be busy then, as a usual attempt 1.
             waiter = [(e.attempt, e.pid, e.detail) for e in entries
                       if e.step_execution_id == "Waiter-1" and e.phase == "end"]
-            assert waiter == [(1, w1.pid, "Sender-1"), (1, w2.pid, "Sender-1")], entries
+            assert waiter[:1] == [(1, w1.pid, "Sender-1")], entries
+            assert waiter[1:] in ([(1, w2.pid, "Sender-1")], [(1, w2.pid, "Waiter-1")]), entries
             assert starts(entries, ("Sender-1", "execute")) == [(1, w1.pid), (2, w2.pid)], entries
             history = await eng.client.get_flow_history("f")
             assert commits(history, ("Sender-1", "execute")) == [2], history
