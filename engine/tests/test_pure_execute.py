@@ -246,3 +246,66 @@ async def test_folded_commit_that_fails_rolls_back_alone(db_url: str, monkeypatc
             for event in [("execute_completed", "Sender-1"), ("wait_completed", "Waiter-1"),
                           ("execute_completed", "Waiter-1"), ("step_scheduled", "Done-1")]:
                 assert counted.count(event) == 1, (event, counted)
+
+
+Inbox2 = Channel("Inbox2", str)
+
+
+@rpc(request_type=str)
+async def post_both(ctx: RpcContext, text: str) -> None:
+    ctx.publish(Inbox, text)
+    ctx.publish(Inbox2, text)
+
+
+@pytest.mark.sqlite_only
+async def test_a_folded_execute_that_cancels_a_step_claimed_in_the_same_commit_keeps_it_from_starting(
+    db_url: str,
+) -> None:
+    """One client commit makes Waiter (pure) and Other ready, and claims both; Waiter, folded into
+    that commit, cancels Other. Other's attempt must not be started: its task is gone, and the
+    worker, woken before it learns of the attempt, would not revoke it until its next housekeeping.
+    Catches the claimed attempts of a folded commit being handed out unfiltered (E9)."""
+    waiter_tasks: list[str] = []
+    other_runs: list[str] = []
+
+    async def arm(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to_many(("Waiter", None), ("Other", None))
+
+    async def wait_inbox(ctx: Context, _: None) -> Wait:
+        return Wait.until(Inbox.for_one())
+
+    async def wait_inbox2(ctx: Context, _: None) -> Wait:
+        return Wait.until(Inbox2.for_one())
+
+    async def waiter(ctx: Context, _: None) -> StepDecision:
+        task = asyncio.current_task()
+        waiter_tasks.append("" if task is None else task.get_name())
+        return StepDecision.go_to("Done").with_canceling_steps("Other")
+
+    async def other(ctx: Context, _: None) -> StepDecision:
+        other_runs.append(ctx.flow_id)
+        await asyncio.sleep(0.3)  # stands for a tool call: it must not have started at all
+        return StepDecision.dead_end()
+
+    async def done(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.graceful_complete("done")
+
+    flow = Flow("Cancelling", [
+        Step("Arm", arm), Step("Waiter", waiter, wait_for=wait_inbox, pure_execute=True),
+        Step("Other", other, wait_for=wait_inbox2), Step("Done", done),
+    ], start_step="Arm", schema=[Inbox, Inbox2], rpcs=[post_both])
+    async with quiet_engine(db_url, Registry([flow])) as eng:
+        folded: list[str] = []
+        for i in range(TRIES):
+            flow_id = f"c{i}"
+            await eng.client.start_flow("Cancelling", flow_id)
+            await wait_until("Other waiting", lambda: eng.client.search_flows('ActiveStepTypes = "Other"'))
+            await eng.client.rpc(flow_id, "post_both", "go")
+            assert await finished(eng, flow_id) == "done"
+            await asyncio.sleep(0.05)  # an attempt handed out by mistake would have started by now
+            if waiter_tasks[-1] != "Waiter-1":
+                folded.append(flow_id)
+                assert flow_id not in other_runs, f"Other ran in {flow_id} after the folded Waiter cancelled it"
+            history = await eng.client.get_flow_history(flow_id)
+            assert ("step_cancelled", "Other-1") in [(h.event_type, h.step_execution_id) for h in history]
+        assert folded, "no Waiter ran inside the client's commit"

@@ -271,10 +271,17 @@ class Store(ABC):
             # Its slot is free again once it commits here.
             handoff = tx.Handoff(worker_id, capacity - len(out) - len(pending), [])
             readied = getattr(db, "readied", None)
+            revokes = getattr(db, "revokes", None)
             if not tx.commit_folded(db, claimed, result[0], result[1], now, handoff):
                 out.append(claimed)
                 continue
             folded += 1
+            if getattr(db, "revokes", None) != revokes:
+                # It cancelled Steps or closed the flow: drop the attempts it took away, which the
+                # worker would otherwise start (no running attempt of its own to revoke yet, E9).
+                live = tx.task_epochs(db, [c.task_id for c in (*out, *pending)])
+                out = [c for c in out if live.get(c.task_id) == c.lease_epoch]
+                pending = [c for c in pending if live.get(c.task_id) == c.lease_epoch]
             pending += _started_or_claimed(db, handoff, readied, flow_types, now)
         return out
 
