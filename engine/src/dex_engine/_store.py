@@ -159,7 +159,7 @@ class Store(ABC):
             now = now_ms()
             leases = tx.claim(db, worker_id, flow_types, capacity, now)
             return result, self._fold_executes(db, leases, claimer.fold_execute, worker_id, flow_types, capacity,
-                                               True, now)
+                                               durable=True, now=now)
 
         # Its commit does not wake the worker it claimed for (see local_claim_done).
         origin = commit_origin.set(claimer.local_origin())
@@ -243,7 +243,8 @@ class Store(ABC):
                     _gates.gate(_gates.INSIDE_COMMIT)
                 return []
             leases = _started_or_claimed(db, handoff, readied, claim[1], now)
-            leases = self._fold_executes(db, leases, fold, claim[0], claim[1], claim[2], lease.durable, now)
+            leases = self._fold_executes(db, leases, fold, claim[0], claim[1], claim[2], durable=lease.durable,
+                                         now=now)
             if _gates.ACTIVE:  # after the folded Executes too: a crash here rolls them all back
                 _gates.gate(_gates.INSIDE_COMMIT)
             return leases
@@ -252,7 +253,7 @@ class Store(ABC):
 
     def _fold_executes(
         self, db: Db, leases: list[Lease], fold: FoldExecute | None, worker_id: str, flow_types: Sequence[str],
-        capacity: int, durable: bool, now: int,
+        capacity: int, *, durable: bool, now: int,
     ) -> list[Lease]:
         """Inside the transaction that claimed `leases`: run each pure Execute among them through
         `fold` and commit it here, in a savepoint, handing on what it starts; the rest are returned

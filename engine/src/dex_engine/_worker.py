@@ -20,7 +20,7 @@ import msgspec
 
 from . import _gates
 from ._codec import decode_value, encode_value
-from ._context import Context, FoldContext, NotFoldable, WaitResult
+from ._context import Context, EventFn, FoldContext, HeartbeatFn, NotFoldable, WaitResult
 from ._decision import StepDecision
 from ._errors import (
     DexError,
@@ -30,7 +30,7 @@ from ._errors import (
     UndeclaredNameError,
     WorkerInvocationError,
 )
-from ._flow import Registry
+from ._flow import Flow, Registry
 from ._limits import (
     DEFAULT_HOUSEKEEPING_SECONDS,
     DEFAULT_LEASE_RENEW_SECONDS,
@@ -563,16 +563,9 @@ class AsyncWorker:
         step = None if flow is None else flow.steps.get(lease.step_type)
         if flow is None or step is None or not step.pure_execute:
             return None
-        wait_result = WaitResult(lease.wait_spec, lease.wait_outcome, flow) if lease.options.has_wait_for else None
         try:
             input_value = decode_value(f"input of Step {step.step_type}", step.input_type, lease.input)
-            ctx = Context(
-                flow=flow, flow_id=lease.flow_id, step_type=lease.step_type,
-                step_execution_id=lease.step_execution_id, method=lease.method, attempt=lease.attempt,
-                loaded=lease.attributes, load=lease.load, checkpoint=lease.checkpoint,
-                recovery_error=lease.recovery_error, wait_result=wait_result,
-                heartbeat=_no_heartbeat, write_event=_no_event,
-            )
+            ctx = _lease_context(flow, lease, _no_heartbeat, _no_event)
             running = step.execute(ctx, input_value)
             if not isinstance(running, Coroutine):
                 return None  # not an `async def` handler: nothing to step through
@@ -623,16 +616,7 @@ class AsyncWorker:
             else:
                 loop.call_soon_threadsafe(self._schedule_flush, running)
 
-        wait_result = None
-        if lease.method == "execute" and lease.options.has_wait_for:
-            wait_result = WaitResult(lease.wait_spec, lease.wait_outcome, flow)
-        return Context(
-            flow=flow, flow_id=lease.flow_id, step_type=lease.step_type,
-            step_execution_id=lease.step_execution_id, method=lease.method, attempt=lease.attempt,
-            loaded=lease.attributes, load=lease.load, checkpoint=lease.checkpoint,
-            recovery_error=lease.recovery_error, wait_result=wait_result,
-            heartbeat=heartbeat, write_event=write_event,
-        )
+        return _lease_context(flow, lease, heartbeat, write_event)
 
     def _schedule_flush(self, running: _Running) -> None:
         if running.flush_task is None or running.flush_task.done():
@@ -658,6 +642,20 @@ class AsyncWorker:
             except StaleAttemptError:
                 self._revoke(running)
                 return
+
+
+def _lease_context(flow: Flow, lease: Lease, heartbeat: HeartbeatFn, write_event: EventFn) -> Context:
+    """The context of the attempt `lease` hands out, with its heartbeat and event functions."""
+    wait_result = None
+    if lease.method == "execute" and lease.options.has_wait_for:
+        wait_result = WaitResult(lease.wait_spec, lease.wait_outcome, flow)
+    return Context(
+        flow=flow, flow_id=lease.flow_id, step_type=lease.step_type,
+        step_execution_id=lease.step_execution_id, method=lease.method, attempt=lease.attempt,
+        loaded=lease.attributes, load=lease.load, checkpoint=lease.checkpoint,
+        recovery_error=lease.recovery_error, wait_result=wait_result,
+        heartbeat=heartbeat, write_event=write_event,
+    )
 
 
 async def _no_heartbeat(_checkpoint: str | None) -> None:
