@@ -36,6 +36,7 @@ from dex_engine import (
     rpc,
 )
 from dex_engine import _transitions as tx
+from dex_engine._limits import MAX_FOLDED_EXECUTES_PER_COMMIT
 
 from .conftest import Engine, engine_for, wait_until
 
@@ -309,3 +310,45 @@ async def test_a_folded_execute_that_cancels_a_step_claimed_in_the_same_commit_k
             history = await eng.client.get_flow_history(flow_id)
             assert ("step_cancelled", "Other-1") in [(h.event_type, h.step_execution_id) for h in history]
         assert folded, "no Waiter ran inside the client's commit"
+
+
+@pytest.mark.sqlite_only
+async def test_one_commit_runs_at_most_max_folded_executes_pure_steps(db_url: str) -> None:
+    """A chain of pure Steps, each started by the one before: a commit runs at most
+    MAX_FOLDED_EXECUTES_PER_COMMIT of them while it holds the write lock, and the Step after those
+    runs as a usual attempt of its own. Catches the bound not being applied (or applied per Step,
+    not per commit)."""
+    chain = MAX_FOLDED_EXECUTES_PER_COMMIT + 2
+    ran_in: dict[str, list[str]] = {}
+
+    def pure(n: int) -> Step[None]:
+        async def execute(ctx: Context, _: None) -> StepDecision:
+            task = asyncio.current_task()
+            ran_in.setdefault(ctx.flow_id, []).append("" if task is None else task.get_name())
+            if n == chain:
+                return StepDecision.graceful_complete("end")
+            return StepDecision.go_to(f"P{n + 1}")
+
+        return Step(f"P{n}", execute, pure_execute=True)
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to("P1")
+
+    flow = Flow("Chain", [Step("Start", start), *(pure(n) for n in range(1, chain + 1))], start_step="Start")
+    async with quiet_engine(db_url, Registry([flow])) as eng:
+        full_runs = 0
+        for i in range(TRIES):
+            await eng.client.start_flow("Chain", f"c{i}")
+            assert await finished(eng, f"c{i}") == "end"
+            tasks = ran_in[f"c{i}"]
+            assert len(tasks) == chain
+            # Runs of Steps folded into one commit: those that did not run in their own task.
+            folded_runs = [0]
+            for n, task in enumerate(tasks, start=1):
+                if task == f"P{n}-1":
+                    folded_runs.append(0)
+                else:
+                    folded_runs[-1] += 1
+            assert max(folded_runs) <= MAX_FOLDED_EXECUTES_PER_COMMIT, tasks
+            full_runs += folded_runs.count(MAX_FOLDED_EXECUTES_PER_COMMIT)
+        assert full_runs, f"no commit reached the bound: {ran_in}"
