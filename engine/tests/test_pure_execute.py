@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,6 +33,8 @@ from dex_engine import (
     RpcContext,
     Step,
     StepDecision,
+    StepDurability,
+    StepOptions,
     Stream,
     Wait,
     rpc,
@@ -352,3 +356,60 @@ async def test_one_commit_runs_at_most_max_folded_executes_pure_steps(db_url: st
             assert max(folded_runs) <= MAX_FOLDED_EXECUTES_PER_COMMIT, tasks
             full_runs += folded_runs.count(MAX_FOLDED_EXECUTES_PER_COMMIT)
         assert full_runs, f"no commit reached the bound: {ran_in}"
+
+
+def thread_recording_flow(flow_type: str, threads: list[int], sender_durability: StepDurability) -> Flow:
+    """Arm -> (Waiter, Sender) as fold_flow, with Sender's durability set and a Waiter that records
+    the thread it runs on before anything else (asyncio.current_task() needs the loop's thread)."""
+
+    async def arm(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to_many(("Waiter", None), ("Sender", None))
+
+    async def sender(ctx: Context, _: None) -> StepDecision:
+        ctx.publish(Inbox, "go")
+        return StepDecision.dead_end()
+
+    async def waiter_wait(ctx: Context, _: None) -> Wait:
+        return Wait.until(Inbox.for_one())
+
+    async def waiter(ctx: Context, _: None) -> StepDecision:
+        threads.append(threading.get_ident())
+        return StepDecision.graceful_complete(called_from("fold_execute"))
+
+    return Flow(flow_type, [
+        Step("Arm", arm), Step("Sender", sender, options=StepOptions(durability=sender_durability)),
+        Step("Waiter", waiter, wait_for=waiter_wait, pure_execute=True,
+             options=StepOptions(durability=StepDurability.SYNC)),
+    ], start_step="Arm", schema=[Inbox])
+
+
+@pytest.mark.sqlite_only
+async def test_a_commit_on_the_store_thread_runs_no_handler(tmp_path: Path) -> None:
+    """With every operation on the store's thread (?inline=off), no pure Execute is folded: its
+    handler would run off its event loop. Catches the fold's thread check being dropped."""
+    threads: list[int] = []
+    url = f"sqlite:///{tmp_path / 'off.db'}?inline=off"
+    async with quiet_engine(url, Registry([thread_recording_flow("Off", threads, StepDurability.SYNC)])) as eng:
+        for i in range(TRIES):
+            await eng.client.start_flow("Off", f"f{i}")
+            assert await finished(eng, f"f{i}") is False  # Waiter ran as a usual attempt
+    assert threads == [threading.get_ident()] * TRIES
+
+
+@pytest.mark.sqlite_only
+async def test_a_commit_that_skips_the_fsync_folds_no_durable_step(db_url: str) -> None:
+    """An ASYNC Step's commit skips the fsync; a SYNC pure Step it readies must not commit inside it,
+    or the SYNC result could be lost on power failure. The same flow with a SYNC Sender does fold,
+    so the test can tell. Catches the durability check being dropped."""
+    async_folds: list[bool] = []
+    sync_folds: list[bool] = []
+    threads: list[int] = []
+    registry = Registry([thread_recording_flow("AsyncSender", threads, StepDurability.ASYNC),
+                         thread_recording_flow("SyncSender", threads, StepDurability.SYNC)])
+    async with quiet_engine(db_url, registry) as eng:
+        for i in range(TRIES):
+            for flow_type, folds in (("AsyncSender", async_folds), ("SyncSender", sync_folds)):
+                await eng.client.start_flow(flow_type, f"{flow_type}-{i}")
+                folds.append(await finished(eng, f"{flow_type}-{i}"))
+    assert not any(async_folds), async_folds
+    assert any(sync_folds), sync_folds
