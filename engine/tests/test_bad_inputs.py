@@ -645,6 +645,7 @@ def test_flow_definition_lists_every_problem_at_once() -> None:
                 Step("Sync", _sync_execute, wait_for=_sync_wait),  # type: ignore[arg-type]
                 Step("Routed", done, options=StepOptions(failure_route="Nowhere", execute_locks=(Stray,),
                                                           wait_for_locks=(Tags["k"],))),
+                Step("Pure", done, pure_execute="yes"),  # type: ignore[arg-type]
             ],
             start_step="Missing",
             schema=[Note, Attribute("Note", int), Inbox],
@@ -661,6 +662,7 @@ def test_flow_definition_lists_every_problem_at_once() -> None:
         "failure route 'Nowhere' is not one of the flow's Steps",
         "Step 'Routed' locks 'Stray'",
         "Step 'Routed' locks 'Tags[k]'",
+        "Step 'Pure' pure_execute must be True or False, got 'yes'",
     ]
     missing = [e for e in expected if e not in message]
     assert not missing, f"{message!r} lacks {missing}"

@@ -173,6 +173,9 @@ class Flow:
             out.append(f"{label} execute must be an async function")
         if step.wait_for is not None and not inspect.iscoroutinefunction(step.wait_for):
             out.append(f"{label} wait_for must be an async function")
+        pure: object = step.pure_execute  # typed bool, but a caller without a type checker may pass anything
+        if not isinstance(pure, bool):
+            out.append(f"{label} pure_execute must be True or False, got {pure!r}")
         route = step.options.failure_route
         if route is not None and route not in self.steps:
             out.append(f"{label} failure route {route!r} is not one of the flow's Steps")

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -566,9 +566,8 @@ class AsyncWorker:
         try:
             input_value = decode_value(f"input of Step {step.step_type}", step.input_type, lease.input)
             ctx = _lease_context(flow, lease, _no_heartbeat, _no_event)
-            running = step.execute(ctx, input_value)
-            if not isinstance(running, Coroutine):
-                return None  # not an `async def` handler: nothing to step through
+            # A coroutine: a Flow accepts only `async def` handlers (Flow._step_problems).
+            running = cast("Coroutine[Any, Any, StepDecision]", step.execute(ctx, input_value))
             try:
                 running.send(None)
             except StopIteration as done:
