@@ -157,6 +157,24 @@ async def test_crash_after_start_reruns_only_the_running_method(
             assert await eng.client.flow_output("f") == trail
 
 
+async def kill_inside_a_folding_commit(
+    client: AsyncClient, procs: ProcSet, flow_type: str, flow_id: str, crossing: int,
+) -> tuple[WorkerProcess, WorkerProcess]:
+    """Start a flow, kill worker w1 at its `crossing`-th store.inside_commit gate, let w2 finish the
+    flow (which must complete), and return both. w1 housekeeps seldom, so that its store's thread is
+    idle at the commit meant and the commit runs on the loop, where a handler can be stepped inside it."""
+    await client.start_flow(flow_type, flow_id)
+    w1 = procs.start("w1", crash_at=f"{INSIDE_COMMIT}:{crossing}", housekeeping=5.0)
+    w2 = procs.start("w2", standby=True)
+    await w1.wait_killed_by_gate()
+    procs.gates.assert_died_at(w1.pid, INSIDE_COMMIT, crossing)
+    w2.go()
+    info = await client.wait_for_flow(flow_id, 30)
+    await w2.stop()
+    assert info.status == "completed"
+    return w1, w2
+
+
 @pytest.mark.sqlite_only
 async def test_crash_inside_a_commit_with_a_folded_execute_rolls_back_both(db_url: str, tmp_path: Path) -> None:
     """Step.pure_execute: Waiter's Execute runs inside Sender's commit; a kill inside that transaction
@@ -164,18 +182,7 @@ async def test_crash_inside_a_commit_with_a_folded_execute_rolls_back_both(db_ur
     commits once, as attempt 1, with no failure counted against it."""
     async with engine_for(db_url, REGISTRY, worker=False) as eng:
         with ProcSet(db_url, tmp_path / "state") as procs:
-            await eng.client.start_flow("Fold", "f")
-            # w1 housekeeps seldom, so that its store's thread is idle at Sender's commit and the
-            # commit runs on the loop, where Waiter can fold into it.
-            w1 = procs.start("w1", crash_at=f"{INSIDE_COMMIT}:2", housekeeping=5.0)
-            w2 = procs.start("w2", standby=True)
-            await w1.wait_killed_by_gate()
-            procs.gates.assert_died_at(w1.pid, INSIDE_COMMIT, 2)
-            w2.go()
-            info = await eng.client.wait_for_flow("f", 30)
-            await w2.stop()
-
-            assert info.status == "completed"
+            w1, w2 = await kill_inside_a_folding_commit(eng.client, procs, "Fold", "f", 2)
             entries = procs.invocations.read()
             assert_no_attempt_ran_twice(entries)
             # Waiter ran inside Sender's commit in w1 (rolled back by the kill), then once more in w2:
@@ -193,6 +200,67 @@ async def test_crash_inside_a_commit_with_a_folded_execute_rolls_back_both(db_ur
             trail = ["Arm-1#1", "Sender-1#2", "Waiter-1#1"]
             assert await eng.client.get_attribute("f", Trail) == trail
             assert await eng.client.flow_output("f") == trail
+
+
+def parked_tool_runs(entries: list[Invocation]) -> list[tuple[str, int, int, str]]:
+    """(phase, attempt, pid, detail) of the Park flow's Tool, in log order: "pre" (before its first
+    heartbeat; detail is the task it ran in, "Arm-1" when inside Arm's commit), "start", "end"."""
+    return [(e.phase, e.attempt, e.pid, e.detail) for e in entries if e.step_execution_id == "Tool-1"]
+
+
+@pytest.mark.sqlite_only
+async def test_crash_inside_a_commit_with_a_parked_heartbeat_runs_nothing_after_that_heartbeat(
+    db_url: str, tmp_path: Path,
+) -> None:
+    """Step.pure_until_heartbeat: Tool runs inside Arm's commit up to its first heartbeat, which that
+    commit records. A kill inside that transaction loses both, and the code after the heartbeat (a
+    tool call) must not have run: the heartbeat returns only once durable (E10). Arm (started)
+    re-runs as attempt 2, and Tool then runs once, as attempt 1, with no failure counted."""
+    async with engine_for(db_url, REGISTRY, worker=False) as eng:
+        with ProcSet(db_url, tmp_path / "state") as procs:
+            w1, w2 = await kill_inside_a_folding_commit(eng.client, procs, "Park", "p", 1)
+            entries = procs.invocations.read()
+            assert_no_attempt_ran_twice(entries)
+            runs = parked_tool_runs(entries)
+            assert runs[0] == ("pre", 1, w1.pid, "Arm-1"), entries  # parked in the commit that was killed
+            assert [r for r in runs if r[2] == w1.pid] == [runs[0]], "Tool went on past its heartbeat in w1"
+            assert [(phase, attempt, pid) for phase, attempt, pid, _ in runs[1:]] == [
+                ("pre", 1, w2.pid), ("start", 1, w2.pid), ("end", 1, w2.pid)], entries
+            history = await eng.client.get_flow_history("p")
+            assert commits(history, ("Arm-1", "execute")) == [2], history
+            assert commits(history, ("Tool-1", "execute")) == [1], history
+            assert not failures(history, ("Tool-1", "execute")), history
+            assert await eng.client.flow_output("p") == ["Arm-1#2", "Tool-1#1"]
+
+
+@pytest.mark.sqlite_only
+async def test_a_parked_heartbeat_that_committed_counts_its_attempt_as_started(db_url: str, tmp_path: Path) -> None:
+    """Tool's first heartbeat, recorded by Arm's commit, makes its attempt started: a worker killed
+    after it, while Tool runs, fails that attempt (E3), and Tool retries as attempt 2 elsewhere. Were
+    the heartbeat lost or not durable, attempt 1 would be handed out again as if it never ran (for a
+    tool call: run twice, reported as not run)."""
+    async with engine_for(db_url, REGISTRY, worker=False) as eng:
+        with ProcSet(db_url, tmp_path / "state") as procs:
+            w1 = procs.start("w1", hold=("Tool",), housekeeping=5.0)
+            w2 = procs.start("w2", standby=True)
+            await eng.client.start_flow("Park", "p")
+            assert await procs.gate("p.Tool-1.1").wait_reached() == w1.pid
+            w1.kill()
+            await w1.wait_exit()
+            w2.go()
+            info = await eng.client.wait_for_flow("p", 30)
+            await w2.stop()
+
+            assert info.status == "completed"
+            entries = procs.invocations.read()
+            assert_no_attempt_ran_twice(entries)
+            runs = parked_tool_runs(entries)
+            assert runs[:2] == [("pre", 1, w1.pid, "Arm-1"), ("start", 1, w1.pid, "")], entries
+            assert starts(entries, ("Tool-1", "execute")) == [(1, w1.pid), (2, w2.pid)], entries
+            history = await eng.client.get_flow_history("p")
+            assert commits(history, ("Tool-1", "execute")) == [2], history
+            assert [h.attempt for h in failures(history, ("Tool-1", "execute"))] == [1], history
+            assert await eng.client.flow_output("p") == ["Arm-1#1", "Tool-1#2"]
 
 
 async def _wait_lease_expired(store: Store, pid: int) -> None:

@@ -186,6 +186,30 @@ FOLD = Flow("Fold", [
 ], start_step="Arm", schema=[Trail, FoldGo])
 
 
+# Park: Arm -> Tool; Tool's code before its first heartbeat runs inside Arm's commit --------------
+# Tool (Step.pure_until_heartbeat) logs "pre" with the task it runs in, heartbeats (recorded by Arm's
+# commit when folded), logs "start", may hold, then appends to Trail. In one worker the
+# store.inside_commit gate is crossed first by Arm's commit, with Tool's heartbeat in it.
+
+
+async def _parked_tool(ctx: Context, _: None) -> StepDecision:
+    task = asyncio.current_task()
+    _record(ctx, "pre", "" if task is None else task.get_name())
+    await _start(ctx)
+    await _hold(ctx)
+    trail = [*(ctx.get(Trail) or []), f"{ctx.step_execution_id}#{ctx.attempt}"]
+    ctx.set(Trail, trail)
+    _record(ctx, "end")
+    return StepDecision.graceful_complete(trail)
+
+
+PARK = Flow("Park", [
+    _trail_step("Arm", lambda _ctx: StepDecision.go_to("Tool")),
+    Step("Tool", _parked_tool, input_type=type(None), pure_until_heartbeat=True,
+         options=StepOptions(execute_retry=FAST_RETRY)),
+], start_step="Arm", schema=[Trail])
+
+
 # Risky: a Step whose attempts all fail, and its failure route --------------------------------
 
 
@@ -274,7 +298,7 @@ async def inc(ctx: Context, n: int) -> StepDecision:
 COUNTER = Flow("Counter", [Step("Inc", inc, input_type=int)], start_step="Inc", schema=[Count])
 
 
-REGISTRY = Registry([CHAIN, RISKY, ZOMBIE, COUNTER, FOLD])
+REGISTRY = Registry([CHAIN, RISKY, ZOMBIE, COUNTER, FOLD, PARK])
 
 
 # The child process ---------------------------------------------------------------------------

@@ -52,6 +52,13 @@ class Step(Generic[InputT]):
     Execute inside that commit's transaction, as attempt 1 with the same snapshot, writes, history
     and locks as a separate attempt would have: one transaction and fsync fewer. An Execute that
     suspends, raises, or cannot commit there runs as usual after the commit.
+
+    With `pure_until_heartbeat`, the Execute promises the same of its code before its first
+    heartbeat, except that it may write best-effort events there. Such a handler is stepped in the
+    same way; when it stops at that heartbeat, the commit that claimed it records the heartbeat and
+    the events before it, and the handler goes on from the heartbeat once that commit is durable, as
+    the same attempt: one transaction and fsync fewer before, say, a tool call that must not run
+    until its attempt counts as started.
     """
 
     def __init__(
@@ -63,6 +70,7 @@ class Step(Generic[InputT]):
         wait_for: WaitForFn | None = None,
         options: StepOptions | None = None,
         pure_execute: bool = False,
+        pure_until_heartbeat: bool = False,
     ) -> None:
         self.step_type = check_id("step type", step_type)
         self.execute = execute
@@ -70,6 +78,7 @@ class Step(Generic[InputT]):
         self.input_type = input_type
         self.options = options or StepOptions()
         self.pure_execute = pure_execute
+        self.pure_until_heartbeat = pure_until_heartbeat
 
     def __repr__(self) -> str:
         return f"Step({self.step_type!r})"
@@ -173,9 +182,10 @@ class Flow:
             out.append(f"{label} execute must be an async function")
         if step.wait_for is not None and not inspect.iscoroutinefunction(step.wait_for):
             out.append(f"{label} wait_for must be an async function")
-        pure: object = step.pure_execute  # typed bool, but a caller without a type checker may pass anything
-        if not isinstance(pure, bool):
-            out.append(f"{label} pure_execute must be True or False, got {pure!r}")
+        for flag in ("pure_execute", "pure_until_heartbeat"):
+            pure: object = getattr(step, flag)  # typed bool, but a caller without a type checker may pass anything
+            if not isinstance(pure, bool):
+                out.append(f"{label} {flag} must be True or False, got {pure!r}")
         route = step.options.failure_route
         if route is not None and route not in self.steps:
             out.append(f"{label} failure route {route!r} is not one of the flow's Steps")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
@@ -103,10 +104,26 @@ class Lease:
     wait_spec: WaitSpec | None
     wait_outcome: WaitOutcome | None
     recovery_error: RecoveryError | None
+    # Set when the claiming commit already ran the handler up to its first heartbeat and recorded
+    # that heartbeat (Step.pure_until_heartbeat): the worker resumes the handler instead of calling it.
+    started: StartedFold | None = field(default=None, compare=False)
 
     @property
     def durable(self) -> bool:
         return self.options.durability != "ASYNC"
+
+
+@dataclass(eq=False)
+class StartedFold:
+    """A handler run inside the commit that claimed its attempt, up to its first heartbeat
+    (Step.pure_until_heartbeat). That commit records the heartbeat with `checkpoint` and, before it,
+    the best-effort `events` (stream, capacity, value) the handler wrote; the worker then resumes
+    the handler from `resume`. `close` drops the suspended handler when the commit does not record it."""
+
+    checkpoint: str | None
+    events: list[tuple[str, int, bytes]]
+    resume: object
+    close: Callable[[], None]
 
 
 @dataclass(frozen=True)

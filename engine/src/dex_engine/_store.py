@@ -7,6 +7,7 @@ returns its result; everything else is shared, so SQLite and PostgreSQL behave t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from ._records import (
     Lease,
     MovementRecord,
     RpcSnapshot,
+    StartedFold,
     StartRequest,
     WriteSet,
 )
@@ -36,9 +38,10 @@ from ._wait import WaitSpec
 R = TypeVar("R")
 
 # Runs a claimed attempt's Execute now, inside the transaction that claimed it, when its Step is
-# pure (Step.pure_execute) and this thread is its worker's event loop: its writes and decision, or
-# None when it must run as a usual attempt.
-FoldExecute = Callable[[Lease], tuple[WriteSet, DecisionRecord] | None]
+# pure (Step.pure_execute, Step.pure_until_heartbeat) and this thread is its worker's event loop:
+# its writes and decision; or, stopped at its first heartbeat, that heartbeat; or None when it must
+# run as a usual attempt.
+FoldExecute = Callable[[Lease], tuple[WriteSet, DecisionRecord] | StartedFold | None]
 
 # A claim older than this that its worker does not know of was lost in transit and is handed back;
 # far longer than any reply takes to arrive.
@@ -77,7 +80,7 @@ class LocalClaimer(Protocol):
     def local_origin(self) -> Callable[[], None]:
         """The worker's commit listener: commits that claimed for it need not wake it."""
 
-    def fold_execute(self, lease: Lease) -> tuple[WriteSet, DecisionRecord] | None:
+    def fold_execute(self, lease: Lease) -> tuple[WriteSet, DecisionRecord] | StartedFold | None:
         """Inside the commit that claimed `lease`: its pure Execute's result (see FoldExecute)."""
 
 
@@ -257,7 +260,8 @@ class Store(ABC):
     ) -> list[Lease]:
         """Inside the transaction that claimed `leases`: run each pure Execute among them through
         `fold` and commit it here, in a savepoint, handing on what it starts; the rest are returned
-        to run as usual. Not for a durable Step in a commit that skips the fsync (ASYNC)."""
+        to run as usual. One that stopped at its first heartbeat has that heartbeat recorded here and
+        is returned to be resumed. Not for a durable Step in a commit that skips the fsync (ASYNC)."""
         if fold is None or not self.folds_executes:
             return leases
         pending, out, folded = list(leases), [], 0
@@ -268,6 +272,14 @@ class Store(ABC):
                 result = fold(claimed)
             if result is None:
                 out.append(claimed)
+                continue
+            if isinstance(result, StartedFold):
+                if tx.heartbeat_folded(db, claimed, result, now):
+                    folded += 1
+                    out.append(dataclasses.replace(claimed, started=result))
+                else:
+                    result.close()
+                    out.append(claimed)
                 continue
             # Its slot is free again once it commits here.
             handoff = tx.Handoff(worker_id, capacity - len(out) - len(pending), [])

@@ -39,6 +39,7 @@ from ._records import (
     MovementRecord,
     RecoveryError,
     RpcSnapshot,
+    StartedFold,
     StartRequest,
     StoredEvent,
     WaitOutcome,
@@ -919,15 +920,29 @@ def commit_folded(
 ) -> bool:
     """commit_execute for an Execute run inside the transaction that claimed it (Step.pure_execute),
     in a savepoint: when it fails, nothing of it stays and False says the Step runs as usual."""
+    if _in_savepoint(db, lambda: commit_execute(db, lease, writes, decision, now, handoff)):
+        return True
+    handoff.leases.clear()
+    return False
+
+
+def heartbeat_folded(db: Db, lease: Lease, started: StartedFold, now: int) -> bool:
+    """The first heartbeat of a handler run inside the transaction that claimed it, up to that
+    heartbeat (Step.pure_until_heartbeat), in a savepoint: False when it fails, and nothing of it stays."""
+    return _in_savepoint(db, lambda: heartbeat(db, lease, started.checkpoint, now, started.events))
+
+
+def _in_savepoint(db: Db, fn: Callable[[], object]) -> bool:
+    """Run `fn` in a savepoint of the open transaction: False, with its statements and history
+    undone, when it raises."""
     history = len(db.history)
     db.run("SAVEPOINT fold_execute")
     try:
-        commit_execute(db, lease, writes, decision, now, handoff)
+        fn()
     except Exception:
         db.run("ROLLBACK TO fold_execute")
         db.run("RELEASE fold_execute")
         del db.history[history:]
-        handoff.leases.clear()
         return False
     db.run("RELEASE fold_execute")
     return True

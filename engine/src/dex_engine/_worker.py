@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -39,7 +39,8 @@ from ._limits import (
     DEFAULT_POLL_SECONDS,
 )
 from ._open import open_store
-from ._records import DecisionRecord, ErrorInfo, Lease, MovementRecord, WriteSet
+from ._parked import FoldFunctions, ParkedHandler
+from ._records import DecisionRecord, ErrorInfo, Lease, MovementRecord, StartedFold, WriteSet
 from ._scheduling import movement_record
 from ._store import LOST_CLAIM_MS, Store, commit_origin
 from ._wait import Wait, WaitSpec
@@ -304,9 +305,10 @@ class AsyncWorker:
             # The task was handed out again (e.g. a timed-out attempt's retry): the older attempt
             # here has lost it and must not keep running.
             self._revoke(previous)
-        elif len(self._running) >= self.options.max_concurrent_tasks:
+        elif len(self._running) >= self.options.max_concurrent_tasks and lease.started is None:
             # Claims in flight at once (a poll, commits, clients' hand-offs) each took up to the
-            # slots free when they started, so together they may hold more than there are.
+            # slots free when they started, so together they may hold more than there are. An
+            # attempt whose commit recorded its first heartbeat has started: it runs regardless.
             task = asyncio.create_task(self._hand_back(lease), name=f"hand back {lease.step_execution_id}",
                                        context=context)
             self._handing_back.add(task)
@@ -393,6 +395,8 @@ class AsyncWorker:
                 log.exception("could not hand back %s; it is recovered when this worker stops",
                               lease.step_execution_id)
         finally:
+            if lease.started is not None:
+                lease.started.close()  # not resumed (revoked before it ran): drop the parked handler
             with running.events_lock:
                 running.events_closed = True
             if running.flush_task is not None:
@@ -403,16 +407,10 @@ class AsyncWorker:
 
     async def _attempt(self, running: _Running) -> None:
         lease = running.lease
-        if _gates.ACTIVE:
+        if _gates.ACTIVE and lease.started is None:  # a resumed handler passed this point in the commit
             _gates.gate(_gates.CLAIMED)
         try:
-            # A Step stored by another version of the Flow may be missing here or take another input.
-            step = self.registry.flow(lease.flow_type).step(lease.step_type)
-            handler = step.execute if lease.method == "execute" else step.wait_for
-            if handler is None:
-                raise UndeclaredNameError("WaitFor of Step", lease.step_type, lease.flow_type, [])
-            ctx = self._context(running)
-            input_value = decode_value(f"input of Step {step.step_type}", step.input_type, lease.input)
+            ctx, call = self._handler_call(running)
         except DexError as exc:
             invocation = WorkerInvocationError(type(exc).__name__, str(exc))
             await self._fail(running, ErrorInfo("WorkerInvocationError", str(invocation)), False)
@@ -421,10 +419,10 @@ class AsyncWorker:
             timeout_ms = (lease.options.wait_for if lease.method == "wait_for" and lease.options.wait_for
                           else lease.options.execute).timeout_ms
             if timeout_ms is None:
-                result: Any = await handler(ctx, input_value)
+                result: Any = await call
             else:
                 async with asyncio.timeout(timeout_ms / 1000):
-                    result = await handler(ctx, input_value)
+                    result = await call
         except asyncio.CancelledError:
             raise
         except TimeoutError:
@@ -475,6 +473,22 @@ class AsyncWorker:
             return
         if _gates.ACTIVE:
             _gates.gate(_gates.AFTER_COMMIT)
+
+    def _handler_call(self, running: _Running) -> tuple[Context, Awaitable[Any]]:
+        """The attempt's context and what to await for its handler's result: the handler called
+        now, or resumed where the commit that claimed it parked it (Lease.started)."""
+        lease = running.lease
+        if lease.started is not None:
+            parked = cast(ParkedHandler, lease.started.resume)
+            return parked.context, parked.resume(*self._attempt_functions(running))
+        # A Step stored by another version of the Flow may be missing here or take another input.
+        step = self.registry.flow(lease.flow_type).step(lease.step_type)
+        handler = step.execute if lease.method == "execute" else step.wait_for
+        if handler is None:
+            raise UndeclaredNameError("WaitFor of Step", lease.step_type, lease.flow_type, [])
+        ctx = self._context(running)
+        input_value = decode_value(f"input of Step {step.step_type}", step.input_type, lease.input)
+        return ctx, handler(ctx, input_value)
 
     def _decision_record(self, lease: Lease, result: object) -> DecisionRecord:
         if not isinstance(result, StepDecision):
@@ -551,29 +565,37 @@ class AsyncWorker:
             # Whatever went wrong happens again in the real attempt, with retries and failure routes.
             return None
 
-    def fold_execute(self, lease: Lease) -> tuple[WriteSet, DecisionRecord] | None:
-        """Run a pure Execute (Step.pure_execute) now, inside the commit that claimed `lease`: its
-        writes and decision, or None when it must run as a usual attempt after that commit. Only on
-        this worker's event loop thread (the handler is not thread-safe), and only when the handler
-        finishes without suspending, raising, a heartbeat or a best-effort event: it is not awaited,
-        it is stepped once, since the open transaction cannot wait for the loop."""
+    def fold_execute(self, lease: Lease) -> tuple[WriteSet, DecisionRecord] | StartedFold | None:
+        """Run a pure Execute now, inside the commit that claimed `lease`: its writes and decision
+        when it finishes (Step.pure_execute, Step.pure_until_heartbeat); the heartbeat it stopped at,
+        its first (Step.pure_until_heartbeat only), with the events written before it; or None when
+        it must run as a usual attempt after that commit. Only on this worker's event loop thread
+        (the handler is not thread-safe), and only when the handler neither raises nor suspends on
+        anything else: it is not awaited, it is stepped once, since the open transaction cannot wait
+        for the loop."""
         if lease.method != "execute" or threading.get_ident() != self._loop_thread or self._stopping.is_set():
             return None
         flow = self.registry.flows.get(lease.flow_type)
         step = None if flow is None else flow.steps.get(lease.step_type)
-        if flow is None or step is None or not step.pure_execute:
+        if flow is None or step is None or not (step.pure_execute or step.pure_until_heartbeat):
             return None
         try:
             input_value = decode_value(f"input of Step {step.step_type}", step.input_type, lease.input)
-            ctx = _lease_context(flow, lease, _no_heartbeat, _no_event)
+            functions = FoldFunctions(flow, parks=step.pure_until_heartbeat)
+            ctx = _lease_context(flow, lease, functions.heartbeat, functions.write_event)
             # A coroutine: a Flow accepts only `async def` handlers (Flow._step_problems).
             running = cast("Coroutine[Any, Any, StepDecision]", step.execute(ctx, input_value))
             try:
-                running.send(None)
+                yielded = running.send(None)
             except StopIteration as done:
+                if functions.events:
+                    return None  # events but no heartbeat: they go out as a usual attempt's would
                 return ctx.writes, self._decision_record(lease, done.value)
-            running.close()  # it suspended: it awaits something only a usual attempt can wait for
-            return None
+            if functions.parked is None or yielded is not functions.parked:
+                running.close()  # it awaits something only a usual attempt can wait for
+                return None
+            return StartedFold(functions.checkpoint, functions.events, ParkedHandler(ctx, running, functions),
+                               running.close)
         except (Exception, NotFoldable):
             # Whatever went wrong happens again in the usual attempt, with retries and failure routes.
             return None
@@ -586,6 +608,11 @@ class AsyncWorker:
         await self.store.fail_attempt(running.lease, error, no_retry=no_retry)
 
     def _context(self, running: _Running) -> Context:
+        lease = running.lease
+        return _lease_context(self.registry.flow(lease.flow_type), lease, *self._attempt_functions(running))
+
+    def _attempt_functions(self, running: _Running) -> tuple[HeartbeatFn, EventFn]:
+        """The attempt's heartbeat and best-effort event functions."""
         lease = running.lease
         flow = self.registry.flow(lease.flow_type)
         store = self.store
@@ -615,7 +642,7 @@ class AsyncWorker:
             else:
                 loop.call_soon_threadsafe(self._schedule_flush, running)
 
-        return _lease_context(flow, lease, heartbeat, write_event)
+        return heartbeat, write_event
 
     def _schedule_flush(self, running: _Running) -> None:
         if running.flush_task is None or running.flush_task.done():

@@ -1,0 +1,219 @@
+"""Step.pure_until_heartbeat: a handler runs inside the commit that makes its Step ready, up to its
+first heartbeat, which that commit records; it goes on from there once the commit is durable.
+
+The flows here are Arm -> Tool. Tool writes an event, heartbeats with a checkpoint (on SQLite,
+inside Arm's commit when it folds), writes another event and heartbeats again (a usual heartbeat),
+fails its first attempt, and completes in its second. Whether Tool's first part ran inside Arm's
+commit or not, the flow must end exactly as with a usual attempt: same history, same events under
+the same attempts, and attempt 2 reads the checkpoint attempt 1 saved with its first heartbeat.
+Crashes are in test_crash.py (a kill inside the combined commit; a kill after it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from dex_engine import (
+    Attribute,
+    Context,
+    Flow,
+    FlowDefinitionError,
+    Registry,
+    RetryPolicy,
+    Step,
+    StepDecision,
+    StepOptions,
+    Stream,
+)
+from dex_engine import _transitions as tx
+
+from .test_pure_execute import TRIES, called_from, finished, quiet_engine, shape
+
+Log = Stream("Log", str)
+Note = Attribute("Note", str)
+QUICK_RETRY = RetryPolicy(max_attempts=2, initial_interval_seconds=0.01, max_interval_seconds=0.01)
+EVENTS = [("started#1", "Tool-1", 1), ("after#1", "Tool-1", 1),
+          ("started#2", "Tool-1", 2), ("after#2", "Tool-1", 2), ("done", "Tool-1", 2)]
+
+# Folding is opportunistic: Tool is stepped inside Arm's commit only when that commit runs on the
+# event loop, which needs the loop idle then. So Arm waits a moment before it commits, and the tests
+# let each flow run alone for a while (`settled`) before they read it.
+ARM_PAUSE = 0.02
+SETTLE_SECONDS = 0.2
+
+Call = tuple[str, str, bool]  # (where in the handler, task it ran in, inside fold_execute)
+
+
+def task_name() -> str:
+    task = asyncio.current_task()
+    return "" if task is None else task.get_name()
+
+
+async def tool(ctx: Context, calls: list[Call]) -> StepDecision:
+    """Tool's Execute: the part before its first heartbeat only reads and writes events."""
+    seen_checkpoint = ctx.checkpoint
+    calls.append(("pre", task_name(), called_from("fold_execute")))
+    ctx.write_event(Log, f"started#{ctx.attempt}")
+    try:
+        await ctx.heartbeat(f"cp#{ctx.attempt}")
+    except GeneratorExit:
+        calls.append(("closed", task_name(), False))
+        raise
+    calls.append(("after", task_name(), called_from("fold_execute")))
+    ctx.write_event(Log, f"after#{ctx.attempt}")
+    await ctx.heartbeat()
+    if ctx.attempt == 1:
+        raise RuntimeError("attempt 1 fails after its heartbeats")
+    ctx.set(Note, f"attempt 2 saw {seen_checkpoint}")
+    ctx.append(Log, "done")
+    return StepDecision.graceful_complete(seen_checkpoint)
+
+
+def park_flow(flow_type: str, calls: list[Call], *, parks: bool = True) -> Flow:
+    async def arm(ctx: Context, _: None) -> StepDecision:
+        await asyncio.sleep(ARM_PAUSE)
+        return StepDecision.go_to("Tool")
+
+    async def run_tool(ctx: Context, _: None) -> StepDecision:
+        return await tool(ctx, calls)
+
+    return Flow(flow_type, [
+        Step("Arm", arm),
+        Step("Tool", run_tool, pure_until_heartbeat=parks, options=StepOptions(execute_retry=QUICK_RETRY)),
+    ], start_step="Arm", schema=[Note, Log])
+
+
+async def settled(eng: Any, flow_id: str) -> Any:
+    """The completed flow's output, read once it has had the loop to itself for a while."""
+    await asyncio.sleep(SETTLE_SECONDS)
+    return await finished(eng, flow_id)
+
+
+async def events(eng: Any, flow_id: str) -> list[tuple[str, str, int]]:
+    page = await eng.client.read_stream(flow_id, Log)
+    return [(e.value, e.step_execution_id, e.attempt) for e in page.events]
+
+
+async def test_a_parked_heartbeat_leaves_what_a_usual_attempt_leaves(db_url: str) -> None:
+    parked: list[Call] = []
+    usual_calls: list[Call] = []
+    registry = Registry([park_flow("Parked", parked), park_flow("Usual", usual_calls, parks=False)])
+    async with quiet_engine(db_url, registry) as eng:
+        await eng.client.start_flow("Usual", "u")
+        assert await finished(eng, "u") == "cp#1"
+        usual = shape(await eng.client.get_flow_history("u"))
+        assert await events(eng, "u") == EVENTS
+        for i in range(TRIES):
+            await eng.client.start_flow("Parked", f"p{i}")
+            assert await settled(eng, f"p{i}") == "cp#1"  # attempt 2 read the checkpoint of the first heartbeat
+            assert shape(await eng.client.get_flow_history(f"p{i}")) == usual
+            assert await events(eng, f"p{i}") == EVENTS
+            assert await eng.client.get_attribute(f"p{i}", Note) == "attempt 2 saw cp#1"
+        assert not [c for c in usual_calls if c[2]], usual_calls
+        # After the heartbeat, the handler always runs in its attempt's own task, after the commit.
+        assert {c for c in parked if c[0] == "after"} == {("after", "Tool-1", False)}, parked
+        assert not [c for c in parked if c[0] == "closed"], parked
+        folded = [c for c in parked if c == ("pre", "Arm-1", True)]
+        if db_url.startswith("sqlite"):
+            assert folded, parked
+            # Each folded attempt 1 ran its first part once, inside Arm's commit, and went on from there.
+            assert len([c for c in parked if c[0] == "pre"]) == 2 * TRIES, parked
+        else:
+            assert not folded, parked
+
+
+@pytest.mark.sqlite_only
+async def test_a_parked_heartbeat_whose_savepoint_fails_runs_the_handler_again_as_usual(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The folded heartbeat's savepoint rolls back alone: Arm's commit stands, the parked handler is
+    closed (it never goes on), and Tool runs from the start as a usual attempt 1."""
+    calls: list[Call] = []
+    real = tx.heartbeat
+    failed: list[str] = []
+
+    def failing_when_folded(db: tx.Db, lease: Any, *args: Any, **kwargs: Any) -> None:
+        real(db, lease, *args, **kwargs)
+        if called_from("heartbeat_folded"):
+            failed.append(lease.step_execution_id)
+            raise RuntimeError("the folded heartbeat fails after its statements ran")
+
+    monkeypatch.setattr(tx, "heartbeat", failing_when_folded)
+    async with quiet_engine(db_url, Registry([park_flow("Parked", calls)])) as eng:
+        for i in range(TRIES):
+            await eng.client.start_flow("Parked", f"p{i}")
+            assert await settled(eng, f"p{i}") == "cp#1"
+            assert await events(eng, f"p{i}") == EVENTS
+            history = [(h.event_type, h.step_execution_id, h.attempt)
+                       for h in await eng.client.get_flow_history(f"p{i}")]
+            assert history.count(("execute_completed", "Arm-1", 1)) == 1, history
+    assert failed, "no folded heartbeat was tried"
+    assert calls.count(("closed", "Arm-1", False)) == len(failed), calls  # closed inside Arm's commit
+    assert {c for c in calls if c[0] == "after"} == {("after", "Tool-1", False)}, calls
+    assert len([c for c in calls if c[0] == "after"]) == 2 * TRIES, calls
+
+
+async def _suspends(ctx: Context) -> None:
+    await asyncio.sleep(0)
+
+
+@pytest.mark.sqlite_only
+async def test_a_handler_that_suspends_before_its_heartbeat_runs_as_a_usual_attempt(db_url: str) -> None:
+    calls: list[Call] = []
+
+    async def arm(ctx: Context, _: None) -> StepDecision:
+        await asyncio.sleep(ARM_PAUSE)
+        return StepDecision.go_to("Tool")
+
+    async def run_tool(ctx: Context, _: None) -> StepDecision:
+        await _suspends(ctx)  # awaits the loop: only a usual attempt can
+        return await tool(ctx, calls)
+
+    flow = Flow("Suspends", [
+        Step("Arm", arm),
+        Step("Tool", run_tool, pure_until_heartbeat=True, options=StepOptions(execute_retry=QUICK_RETRY)),
+    ], start_step="Arm", schema=[Note, Log])
+    async with quiet_engine(db_url, Registry([flow])) as eng:
+        for i in range(TRIES):
+            await eng.client.start_flow("Suspends", f"s{i}")
+            assert await settled(eng, f"s{i}") == "cp#1"
+            assert await events(eng, f"s{i}") == EVENTS
+    assert {c[1] for c in calls} == {"Tool-1"}, calls
+
+
+@pytest.mark.sqlite_only
+async def test_events_without_a_heartbeat_run_as_a_usual_attempt_and_are_written_once(db_url: str) -> None:
+    """A handler that writes a best-effort event and finishes without a heartbeat is not committed
+    inside the claiming commit (that commit records events only with a heartbeat): it runs again as
+    a usual attempt, and its event is written once, by that attempt."""
+    ran_in: list[tuple[str, bool]] = []
+
+    async def arm(ctx: Context, _: None) -> StepDecision:
+        await asyncio.sleep(ARM_PAUSE)
+        return StepDecision.go_to("Tool")
+
+    async def run_tool(ctx: Context, _: None) -> StepDecision:
+        ran_in.append((task_name(), called_from("fold_execute")))
+        ctx.write_event(Log, "only")
+        return StepDecision.graceful_complete("ok")
+
+    flow = Flow("EventOnly", [Step("Arm", arm), Step("Tool", run_tool, pure_until_heartbeat=True)],
+                start_step="Arm", schema=[Log])
+    async with quiet_engine(db_url, Registry([flow])) as eng:
+        for i in range(TRIES):
+            await eng.client.start_flow("EventOnly", f"e{i}")
+            assert await settled(eng, f"e{i}") == "ok"
+            assert await events(eng, f"e{i}") == [("only", "Tool-1", 1)]
+    assert ran_in.count(("Tool-1", False)) == TRIES, ran_in
+    assert ("Arm-1", True) in ran_in, ran_in
+
+
+def test_pure_until_heartbeat_must_be_a_bool() -> None:
+    async def execute(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.dead_end()
+
+    with pytest.raises(FlowDefinitionError, match="Step 'S' pure_until_heartbeat must be True or False, got 'yes'"):
+        Flow("Bad", [Step("S", execute, pure_until_heartbeat="yes")], start_step="S")  # type: ignore[arg-type]
