@@ -200,6 +200,18 @@ def test_flow_accepts_a_complete_runner() -> None:
     assert flow.options is options
 
 
+def test_the_flow_runs_its_pure_steps_inside_the_commits_that_ready_them() -> None:
+    """What keeps a tool turn at four commits (docs/agents.md, "What a turn costs"): AwaitUserMessage
+    and ResumeTurn are pure Executes, and the tool Steps are pure up to the heartbeat before the
+    tool; no other Step is either (the engine tests in test_pure_execute.py and
+    test_pure_until_heartbeat.py show what the flags do)."""
+    flow = AgentSessionFlow(_Complete())
+    pure = {name for name, step in flow.steps.items() if step.pure_execute}
+    until_heartbeat = {name for name, step in flow.steps.items() if step.pure_until_heartbeat}
+    assert pure == {"AwaitUserMessage", "ResumeTurn"}
+    assert until_heartbeat == {"CallTool", "CallSingleAttemptTool"}
+
+
 @pytest.mark.parametrize(("runner", "missing", "present"), [
     (object(), ["build_user_message", "run_model_step", "execute_deferred_tool_call"], []),
     (_BuildOnly(), ["run_model_step", "execute_deferred_tool_call"], ["build_user_message"]),

@@ -287,7 +287,12 @@ class AsyncWorker:
     def local_claim_done(self, token: int, leases: list[Lease] | None, capacity: int) -> None:
         self._claiming.remove(token)
         if self._stopping.is_set():
-            # Draining: unregistering at the end hands unstarted claims back (same attempt, E3).
+            # Draining: unregistering at the end hands unstarted claims back (same attempt, E3). One
+            # whose first heartbeat the commit recorded has started: it runs, like any running attempt.
+            for lease in leases or ():
+                if lease.started is not None:
+                    assert self._own_context is not None
+                    self._spawn(lease, self._own_context.copy())
             self._notify()
             return
         for lease in leases or ():
