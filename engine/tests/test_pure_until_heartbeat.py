@@ -43,6 +43,7 @@ EVENTS = [("started#1", "Tool-1", 1), ("after#1", "Tool-1", 1),
 # let each flow run alone for a while (`settled`) before they read it.
 ARM_PAUSE = 0.02
 SETTLE_SECONDS = 0.2
+STREAMED_EVENTS = 20
 
 Call = tuple[str, str, bool]  # (where in the handler, task it ran in, inside fold_execute)
 
@@ -217,3 +218,37 @@ def test_pure_until_heartbeat_must_be_a_bool() -> None:
 
     with pytest.raises(FlowDefinitionError, match="Step 'S' pure_until_heartbeat must be True or False, got 'yes'"):
         Flow("Bad", [Step("S", execute, pure_until_heartbeat="yes")], start_step="S")  # type: ignore[arg-type]
+
+
+@pytest.mark.sqlite_only
+async def test_a_step_that_streams_events_still_readies_a_tool_inside_its_commit(db_url: str) -> None:
+    """Arm streams best-effort events while it runs (a model call's deltas), so one of their flushes
+    may still be on the store's thread when Arm returns. Arm's commit must still run on the loop and
+    step Tool inside it (the built-in loop's first model call, then its tool); queued behind the
+    flush on the thread, it could not. Three things make it so, and this catches each one missing
+    (at most 4 of 10 folded then): the worker lets that flush finish before the commit; the store's
+    thread counts a batch done before it hands out its results; and an operation on the loop waits
+    a moment for the connection that thread is about to let go of (INLINE_LOCK_WAIT_SECONDS)."""
+    calls: list[Call] = []
+
+    async def arm(ctx: Context, _: None) -> StepDecision:
+        for i in range(STREAMED_EVENTS):
+            ctx.write_event(Log, f"delta {i}")
+            await asyncio.sleep(0)  # the loop runs the flush meanwhile: its op goes to the thread
+        return StepDecision.go_to("Tool")
+
+    async def run_tool(ctx: Context, _: None) -> StepDecision:
+        return await tool(ctx, calls)
+
+    flow = Flow("Streams", [
+        Step("Arm", arm),
+        Step("Tool", run_tool, pure_until_heartbeat=True, options=StepOptions(execute_retry=QUICK_RETRY)),
+    ], start_step="Arm", schema=[Note, Log])
+    async with quiet_engine(db_url, Registry([flow])) as eng:
+        for i in range(TRIES):
+            await eng.client.start_flow("Streams", f"s{i}")
+            assert await settled(eng, f"s{i}") == "cp#1"
+            streamed = [(f"delta {n}", "Arm-1", 1) for n in range(STREAMED_EVENTS)]
+            assert await events(eng, f"s{i}") == streamed + EVENTS
+    folded = [c for c in calls if c == ("pre", "Arm-1", True)]
+    assert len(folded) >= TRIES - 2, (len(folded), calls)  # 10 of 10 on an idle machine

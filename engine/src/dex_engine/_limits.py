@@ -40,6 +40,10 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 # An operation run on its event loop (SqliteStore._inline) must not block the loop waiting for
 # SQLite's lock: it gives up at once and goes to the store's thread, which waits.
 INLINE_BUSY_TIMEOUT_MS = 0
+# With nothing queued for it, the store's thread holds its connection only briefly (handing out a
+# finished batch's results, a check for other processes' commits): an operation about to run on its
+# loop waits this long for it rather than hand off, which costs more than the wait.
+INLINE_LOCK_WAIT_SECONDS = 0.002
 
 # After writing back to back for SQLITE_WRITER_BUSY_SECONDS, a process leaves the file's write lock
 # free for SQLITE_WRITER_YIELD_SECONDS, so other processes waiting for it get in: a 5% gap at most.

@@ -51,6 +51,7 @@ from urllib.parse import parse_qs, urlparse
 
 from ._limits import (
     INLINE_BUSY_TIMEOUT_MS,
+    INLINE_LOCK_WAIT_SECONDS,
     MAX_GROUP_COMMIT_OPS,
     SQLITE_BUSY_TIMEOUT_MS,
     SQLITE_WRITER_BUSY_SECONDS,
@@ -329,8 +330,6 @@ class SqliteStore(Store):
                 with self._conn_lock, turns if writes else contextlib.nullcontext():
                     self._set_busy_timeout(SQLITE_BUSY_TIMEOUT_MS)
                     self._level = self._run_batch(conn, db, batch, self._level)
-                with self._count_lock:
-                    self._outstanding -= len(batch)
                 if stop:
                     break
                 if not writes or self._queue.empty():
@@ -351,6 +350,10 @@ class SqliteStore(Store):
 
     def _run_batch(self, conn: sqlite3.Connection, db: _SqliteDb, batch: list[_Op], level: str) -> str:
         level, results, writes, revoked = self._execute(conn, db, batch, level)
+        # Done before the callers hear of it: a caller that goes on at once (its next operation)
+        # may then run that one on its loop, not queue it behind work that has already finished.
+        with self._count_lock:
+            self._outstanding -= len(batch)
         self._complete(batch, results, writes, wake_origins=revoked)
         return level
 
@@ -492,7 +495,7 @@ class SqliteStore(Store):
         for the connection; False, having done nothing, when it must go to the store's thread."""
         # asyncio's queue of ready callbacks; a loop without one (uvloop) always hands off.
         ready = getattr(loop, "_ready", None)
-        if ready is None or len(ready) or not self.settings.inline or not self._conn_lock.acquire(blocking=False):
+        if ready is None or len(ready) or not self.settings.inline or not self._take_connection():
             return False
         try:
             if self._outstanding or self._closed:
@@ -512,6 +515,13 @@ class SqliteStore(Store):
             return True
         finally:
             self._conn_lock.release()
+
+    def _take_connection(self) -> bool:
+        """Acquire the connection for an operation on its loop: at once, or, while the store's thread
+        has nothing queued (it is finishing up), within INLINE_LOCK_WAIT_SECONDS."""
+        if self._conn_lock.acquire(blocking=False):
+            return True
+        return not self._outstanding and self._conn_lock.acquire(timeout=INLINE_LOCK_WAIT_SECONDS)
 
     def run_sync(self, fn: Callable[[Db], R], *, write: bool) -> R:
         """Blocking form of `_run` for code without an event loop (the CLI)."""

@@ -439,7 +439,7 @@ class AsyncWorker:
         except Exception as exc:
             await self._fail(running, _error_info(exc), False)
             return
-        await self._flush_events(running)
+        await self._drain_events(running)
         if running.revoked:
             return
         running.committing = True
@@ -607,7 +607,7 @@ class AsyncWorker:
 
     async def _fail(self, running: _Running, error: ErrorInfo, no_retry: bool) -> None:
         # Events the attempt wrote before failing are kept: readers show a failed attempt's output.
-        await self._flush_events(running)
+        await self._drain_events(running)
         if running.revoked:
             return
         await self.store.fail_attempt(running.lease, error, no_retry=no_retry)
@@ -656,6 +656,15 @@ class AsyncWorker:
                 pending = bool(running.events)
             if pending:
                 running.flush_task = asyncio.create_task(self._flush_events(running))
+
+    async def _drain_events(self, running: _Running) -> None:
+        """Before an attempt's result commits: every best-effort event it wrote is appended, the
+        flush in flight first. Awaiting that flush also frees the store's thread, so the commit
+        can run on the loop, where the Steps it readies can fold into it, instead of queueing there."""
+        flushing = running.flush_task
+        if flushing is not None and not flushing.done():
+            await asyncio.wait([flushing])
+        await self._flush_events(running)
 
     async def _flush_events(self, running: _Running) -> None:
         while True:
