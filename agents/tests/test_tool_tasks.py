@@ -883,27 +883,30 @@ async def test_cancel_turn_abandons_a_task_whose_question_waits(tmp_path: Path) 
 
 
 async def test_poll_that_starts_after_cancel_turn_does_not_poll(tmp_path: Path) -> None:
-    """cancel_turn commits while CallTool runs (it runs to its end); the task it starts goes to a
-    PollToolTask that moves to FinishTurnCancellation without polling, then CancelToolTask."""
+    """cancel_turn commits while CallTool runs (it runs to its end), and its FinishTurnCancellation
+    ends meanwhile, finding no call to take; the task CallTool then starts goes to a PollToolTask
+    that moves to FinishTurnCancellation without polling, then CancelToolTask. (Had cancel_turn's
+    FinishTurnCancellation run only after CallTool's commit, it would take the task itself, and the
+    PollToolTask would end without a move: so the tool waits until it has ended.)"""
     async with _in_process(tmp_path) as (engine, sessions, log):
         tool = FileGate(tmp_path, "tool")
         await sessions.start_session("s", _script(
             {"id": "c1", "name": "read_report", "args": {"gate": "tool", "task": {"polls": [{"result": "x"}]}}}))
         await tool.wait_until_reached()
         assert await sessions.cancel_turn("s")
+
+        async def cancellation_ended() -> bool:
+            return FINISH_TURN_CANCELLATION in await _steps(engine)
+
+        await wait_until("cancel_turn's FinishTurnCancellation to end", cancellation_ended)
         tool.release()
         await wait_for_agent_snapshot(sessions, "s", lambda s: s.state is not None and s.state.turn_count >= 1,
                                       description="the cancelled turn to end")
         assert log.entries("poll") == []
         assert [e["task_id"] for e in log.entries("task_cancel")] == ["task-c1"]
         steps = await _steps(engine)
-        # cancel_turn's own FinishTurnCancellation runs while CallTool still runs, so it may finish
-        # before or after CallTool; the poll's move to FinishTurnCancellation, then CancelToolTask, is fixed.
         shape = [s for s in steps if s in (POLL_TOOL_TASK, FINISH_TURN_CANCELLATION, CANCEL_TOOL_TASK)]
-        assert shape.count(FINISH_TURN_CANCELLATION) == 2, steps
-        after_poll = shape[shape.index(POLL_TOOL_TASK):]
-        assert after_poll[-2:] == [FINISH_TURN_CANCELLATION, CANCEL_TOOL_TASK], steps
-        assert shape.count(POLL_TOOL_TASK) == 1 and shape.count(CANCEL_TOOL_TASK) == 1, steps
+        assert shape == [FINISH_TURN_CANCELLATION, POLL_TOOL_TASK, FINISH_TURN_CANCELLATION, CANCEL_TOOL_TASK], steps
         assert [p["status"] for _, p in await _events(sessions, "tool_call_finished")] == ["outcome_unknown"]
 
 
