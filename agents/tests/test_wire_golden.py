@@ -569,6 +569,7 @@ def test_format_time_writes_utc_millis_and_z() -> None:
     assert format_time(datetime(2026, 11, 1, 12, 0, 0, 123999, tzinfo=UTC)) == "2026-11-01T12:00:00.123Z"
     plus_two = timezone(timedelta(hours=2))
     assert format_time(datetime(2026, 11, 1, 14, 0, 0, 5000, tzinfo=plus_two)) == "2026-11-01T12:00:00.005Z"
+    assert format_time(datetime(999, 1, 2, 3, 4, 5, tzinfo=UTC)) == "0999-01-02T03:04:05.000Z"  # RFC 3339: 4 digits
 
 
 def test_format_time_refuses_naive_datetimes() -> None:

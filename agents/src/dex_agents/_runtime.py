@@ -188,8 +188,9 @@ class SessionRuntime:
 
     # Messages ----------------------------------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def layout_limits(self) -> MessageLayoutLimits:
+        """From the options, which a Flow keeps for its lifetime; built once."""
         options = self.options
         return MessageLayoutLimits(
             window_size=options.message_window_size, chunk_size=options.message_chunk_size,

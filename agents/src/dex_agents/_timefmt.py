@@ -9,8 +9,8 @@ def format_time(moment: datetime) -> str:
     """`2026-11-01T12:00:00.123Z` for an aware datetime (converted to UTC)."""
     if moment.tzinfo is None:
         raise ValueError(f"wire times must be timezone-aware, got naive {moment!r}")
-    utc = moment.astimezone(UTC)
-    return utc.strftime("%Y-%m-%dT%H:%M:%S.") + f"{utc.microsecond // 1000:03d}Z"
+    # isoformat writes "+00:00" for UTC: six characters that become "Z".
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds")[:-6] + "Z"
 
 
 def utc_now_text() -> str:
