@@ -12,6 +12,7 @@ Crashes are in test_crash.py (a kill inside the combined commit; a kill after it
 from __future__ import annotations
 
 import asyncio
+from contextvars import ContextVar
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from dex_engine import (
     RetryPolicy,
     Step,
     StepDecision,
+    StepDurability,
     StepOptions,
     Stream,
 )
@@ -46,6 +48,9 @@ SETTLE_SECONDS = 0.2
 STREAMED_EVENTS = 20
 
 Call = tuple[str, str, bool]  # (where in the handler, task it ran in, inside fold_execute)
+WHERE: ContextVar[str] = ContextVar("WHERE")
+# How long a commit's hand-off of a started attempt stays in flight after stop() (drain test).
+HANDOFF_LAG = 0.2
 
 
 def task_name() -> str:
@@ -252,3 +257,103 @@ async def test_a_step_that_streams_events_still_readies_a_tool_inside_its_commit
             assert await events(eng, f"s{i}") == streamed + EVENTS
     folded = [c for c in calls if c == ("pre", "Arm-1", True)]
     assert len(folded) >= TRIES - 2, (len(folded), calls)  # 10 of 10 on an idle machine
+
+
+@pytest.mark.sqlite_only
+async def test_a_parked_handler_keeps_its_context_variables_and_leaks_none(db_url: str) -> None:
+    """A ContextVar the handler sets before its first heartbeat it still sees after it (and can reset
+    there, which only works in the same Context); the task whose commit ran that first part (here
+    the test's own, through start_flow) never sees it."""
+    seen: list[tuple[str, str | None, bool]] = []
+
+    async def run_tool(ctx: Context, _: None) -> StepDecision:
+        folded = called_from("fold_execute")
+        token = WHERE.set(f"set before the heartbeat of {ctx.step_execution_id}")
+        await ctx.heartbeat("cp")
+        seen.append((task_name(), WHERE.get(None), folded))
+        WHERE.reset(token)
+        return StepDecision.graceful_complete("ok")
+
+    flow = Flow("Direct", [Step("Tool", run_tool, pure_until_heartbeat=True)], start_step="Tool")
+    async with quiet_engine(db_url, Registry([flow])) as eng:
+        for i in range(TRIES):
+            await eng.client.start_flow("Direct", f"d{i}")
+            assert WHERE.get(None) is None, seen
+            assert await settled(eng, f"d{i}") == "ok"
+    assert {(task, value) for task, value, _ in seen} == {("Tool-1", "set before the heartbeat of Tool-1")}, seen
+    assert len(seen) == TRIES, seen
+    assert any(folded for *_, folded in seen), seen  # start_flow's commit ran Tool up to its heartbeat
+
+
+@pytest.mark.sqlite_only
+async def test_a_commit_that_skips_its_fsync_runs_no_handler_up_to_its_heartbeat(db_url: str) -> None:
+    """A heartbeat is durable once recorded (E10). An ASYNC Step's commit skips the fsync, so it may
+    not record Tool's first heartbeat: Tool runs as a usual attempt, and is not even stepped inside it."""
+    calls: list[Call] = []
+
+    async def arm(ctx: Context, _: None) -> StepDecision:
+        await asyncio.sleep(ARM_PAUSE)
+        return StepDecision.go_to("Tool")
+
+    async def run_tool(ctx: Context, _: None) -> StepDecision:
+        return await tool(ctx, calls)
+
+    lazy = StepOptions(durability=StepDurability.ASYNC)
+    flow = Flow("Lazy", [
+        Step("Arm", arm, options=lazy),
+        Step("Tool", run_tool, pure_until_heartbeat=True,
+             options=StepOptions(durability=StepDurability.ASYNC, execute_retry=QUICK_RETRY)),
+    ], start_step="Arm", schema=[Note, Log])
+    async with quiet_engine(db_url, Registry([flow])) as eng:
+        for i in range(TRIES):
+            await eng.client.start_flow("Lazy", f"l{i}")
+            assert await settled(eng, f"l{i}") == "cp#1"
+            assert await events(eng, f"l{i}") == EVENTS
+    assert {c[1:] for c in calls} == {("Tool-1", False)}, calls
+
+
+@pytest.mark.sqlite_only
+async def test_a_stopping_worker_runs_a_started_attempt_a_commit_in_flight_hands_it(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """stop() may come while a commit that recorded Tool's first heartbeat is still handing Tool to
+    the worker. Tool has started then, so the draining worker must run it to the end before it
+    unregisters, which would otherwise fail it as lost while its handler went on."""
+    ran: list[str] = []
+
+    async def run_tool(ctx: Context, _: None) -> StepDecision:
+        await ctx.heartbeat("cp")
+        ran.append(ctx.step_execution_id)
+        return StepDecision.graceful_complete("done")
+
+    flow = Flow("Direct", [Step("Tool", run_tool, pure_until_heartbeat=True)], start_step="Tool")
+    async with quiet_engine(db_url, Registry([flow])) as eng:
+        worker = eng.worker
+        assert worker is not None
+        real = worker.local_claim_done
+        stopped: list[tuple[str, asyncio.Task[None]]] = []
+
+        def in_flight_at_stop(token: int, leases: list[Any] | None, capacity: int) -> None:
+            started = [lease for lease in leases or () if lease.started is not None]
+            if not started or stopped:
+                real(token, leases, capacity)
+                return
+            stopped.append((started[0].flow_id, asyncio.create_task(worker.stop())))
+            asyncio.get_running_loop().call_later(HANDOFF_LAG, real, token, leases, capacity)
+
+        monkeypatch.setattr(worker, "local_claim_done", in_flight_at_stop)
+        for i in range(TRIES):
+            await eng.client.start_flow("Direct", f"d{i}")
+            if stopped:
+                break
+            assert await finished(eng, f"d{i}") == "done"
+        assert stopped, "no start_flow ran Tool up to its heartbeat"
+        flow_id, stopping = stopped[0]
+        await stopping
+        history = [(h.event_type, h.step_execution_id, h.attempt)
+                   for h in await eng.client.get_flow_history(flow_id)]
+        assert history == [
+            ("step_scheduled", "Tool-1", 0), ("execute_completed", "Tool-1", 1), ("flow_closed", "", 0),
+        ], history
+        assert await finished(eng, flow_id) == "done"
+    assert len(ran) == int(flow_id[1:]) + 1, ran  # each Tool ran once past its heartbeat

@@ -58,7 +58,8 @@ class Step(Generic[InputT]):
     same way; when it stops at that heartbeat, the commit that claimed it records the heartbeat and
     the events before it, and the handler goes on from the heartbeat once that commit is durable, as
     the same attempt: one transaction and fsync fewer before, say, a tool call that must not run
-    until its attempt counts as started.
+    until its attempt counts as started. Context variables set before the heartbeat stay set after
+    it; nothing bound to the current task (asyncio.timeout, a TaskGroup) may span the heartbeat.
     """
 
     def __init__(

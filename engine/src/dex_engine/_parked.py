@@ -4,6 +4,7 @@ Step.pure_until_heartbeat), and, when it stopped at its first heartbeat, resumed
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from collections.abc import Coroutine, Generator
 from typing import Any
@@ -68,12 +69,20 @@ class FoldFunctions:
 
 
 class ParkedHandler:
-    """A handler parked at its first heartbeat, which the commit that claimed it recorded."""
+    """A handler parked at its first heartbeat, which the commit that claimed it recorded.
 
-    def __init__(self, context: Context, coroutine: Coroutine[Any, Any, Any], functions: FoldFunctions) -> None:
+    `variables` are the context variables it ran in until then; its attempt's task runs in them
+    too, so what it set before the heartbeat it still sees after, and the committing task never does.
+    """
+
+    def __init__(
+        self, context: Context, coroutine: Coroutine[Any, Any, Any], functions: FoldFunctions,
+        variables: contextvars.Context,
+    ) -> None:
         self.context = context
         self.coroutine = coroutine
         self.functions = functions
+        self.variables = variables
 
     def resume(self, heartbeat: HeartbeatFn, write_event: EventFn) -> Resumed:
         """What to await for the handler's result, serving it with the attempt's own functions."""

@@ -7,6 +7,7 @@ returns its result; everything else is shared, so SQLite and PostgreSQL behave t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from abc import ABC, abstractmethod
@@ -40,8 +41,9 @@ R = TypeVar("R")
 # Runs a claimed attempt's Execute now, inside the transaction that claimed it, when its Step is
 # pure (Step.pure_execute, Step.pure_until_heartbeat) and this thread is its worker's event loop:
 # its writes and decision; or, stopped at its first heartbeat, that heartbeat; or None when it must
-# run as a usual attempt.
-FoldExecute = Callable[[Lease], tuple[WriteSet, DecisionRecord] | StartedFold | None]
+# run as a usual attempt. The flag says whether that transaction is durable, so may record a
+# heartbeat (E10); when not, a Step.pure_until_heartbeat handler is not run.
+FoldExecute = Callable[[Lease, bool], tuple[WriteSet, DecisionRecord] | StartedFold | None]
 
 # A claim older than this that its worker does not know of was lost in transit and is handed back;
 # far longer than any reply takes to arrive.
@@ -80,7 +82,7 @@ class LocalClaimer(Protocol):
     def local_origin(self) -> Callable[[], None]:
         """The worker's commit listener: commits that claimed for it need not wake it."""
 
-    def fold_execute(self, lease: Lease) -> tuple[WriteSet, DecisionRecord] | StartedFold | None:
+    def fold_execute(self, lease: Lease, durable: bool) -> tuple[WriteSet, DecisionRecord] | StartedFold | None:
         """Inside the commit that claimed `lease`: its pure Execute's result (see FoldExecute)."""
 
 
@@ -261,7 +263,8 @@ class Store(ABC):
         """Inside the transaction that claimed `leases`: run each pure Execute among them through
         `fold` and commit it here, in a savepoint, handing on what it starts; the rest are returned
         to run as usual. One that stopped at its first heartbeat has that heartbeat recorded here and
-        is returned to be resumed. Not for a durable Step in a commit that skips the fsync (ASYNC)."""
+        is returned to be resumed. A commit that skips the fsync (ASYNC) folds no durable Step and
+        records no heartbeat."""
         if fold is None or not self.folds_executes:
             return leases
         pending, out, folded = list(leases), [], 0
@@ -269,16 +272,18 @@ class Store(ABC):
             claimed = pending.pop(0)
             result = None
             if folded < MAX_FOLDED_EXECUTES_PER_COMMIT and (durable or not claimed.durable):
-                result = fold(claimed)
+                result = fold(claimed, durable)
             if result is None:
                 out.append(claimed)
                 continue
             if isinstance(result, StartedFold):
-                if tx.heartbeat_folded(db, claimed, result, now):
+                # A heartbeat is durable once recorded (E10): not in a commit that skips the fsync.
+                if durable and tx.heartbeat_folded(db, claimed, result, now):
                     folded += 1
                     out.append(dataclasses.replace(claimed, started=result))
                 else:
-                    result.close()
+                    with contextlib.suppress(Exception):  # its usual attempt runs it again, and fails as it fails
+                        result.close()
                     out.append(claimed)
                 continue
             # Its slot is free again once it commits here.
@@ -293,6 +298,10 @@ class Store(ABC):
                 # It cancelled Steps or closed the flow: drop the attempts it took away, which the
                 # worker would otherwise start (no running attempt of its own to revoke yet, E9).
                 live = tx.task_epochs(db, [c.task_id for c in (*out, *pending)])
+                for gone in out:
+                    if gone.started is not None and live.get(gone.task_id) != gone.lease_epoch:
+                        with contextlib.suppress(Exception):
+                            gone.started.close()
                 out = [c for c in out if live.get(c.task_id) == c.lease_epoch]
                 pending = [c for c in pending if live.get(c.task_id) == c.lease_epoch]
             pending += _started_or_claimed(db, handoff, readied, flow_types, now)

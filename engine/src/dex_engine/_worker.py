@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
 import msgspec
@@ -130,6 +131,7 @@ class AsyncWorker:
         # This worker's context (its commit origin): attempts that clients' commits claimed for it
         # run in a copy, not in the client's context, so their commits do not wake it.
         self._own_context: contextvars.Context | None = None
+        self._drained = False  # set once stopping has waited out its grace: nothing more runs here
         self._loop_thread: int | None = None  # the event loop's thread, where pure Executes may fold
         # Hand-backs of claims beyond max_concurrent_tasks still being committed (_spawn).
         self._handing_back: set[asyncio.Task[None]] = set()
@@ -286,25 +288,26 @@ class AsyncWorker:
 
     def local_claim_done(self, token: int, leases: list[Lease] | None, capacity: int) -> None:
         self._claiming.remove(token)
-        if self._stopping.is_set():
-            # Draining: unregistering at the end hands unstarted claims back (same attempt, E3). One
-            # whose first heartbeat the commit recorded has started: it runs, like any running attempt.
-            for lease in leases or ():
-                if lease.started is not None:
-                    assert self._own_context is not None
-                    self._spawn(lease, self._own_context.copy())
-            self._notify()
-            return
         for lease in leases or ():
             assert self._own_context is not None
             self._spawn(lease, self._own_context.copy())
-        if leases is None or len(leases) >= capacity:
-            self._notify()  # it claimed nothing (or failed), or more may be ready than it took
+        if leases is None or len(leases) >= capacity or self._stopping.is_set():
+            # It claimed nothing (or failed), or more may be ready than it took; or, draining, it
+            # was the last claim in flight that _drain waits for.
+            self._notify()
 
     def local_origin(self) -> Callable[[], None]:
         return self._notify
 
     def _spawn(self, lease: Lease, context: contextvars.Context | None = None) -> None:
+        if lease.started is not None:
+            if self._drained:
+                # Too late to run: unregistering fails it as this worker's lost attempt (E3).
+                lease.started.close()
+                return
+            context = cast(ParkedHandler, lease.started.resume).variables
+        elif self._stopping.is_set():
+            return  # draining: unregistering at the end hands unstarted claims back (same attempt, E3)
         previous = self._running.get(lease.task_id)
         if previous is not None:
             # The task was handed out again (e.g. a timed-out attempt's retry): the older attempt
@@ -364,18 +367,32 @@ class AsyncWorker:
                 await self.store.register_worker(self.worker_id, socket.gethostname(), os.getpid(), ttl_ms)
 
     async def _drain(self) -> None:
-        if self._handing_back:
-            _done, late = await asyncio.wait(self._handing_back, timeout=self.options.shutdown_grace_seconds)
-            for task in late:
-                task.cancel()  # unregistering at the end hands these claims back too
-        tasks = [r.task for r in self._running.values() if r.task is not None]
-        if tasks:
-            _done, pending = await asyncio.wait(tasks, timeout=self.options.shutdown_grace_seconds)
-            for running in list(self._running.values()):
-                if running.task in pending:
-                    self._revoke(running)
-            if pending:
-                await asyncio.wait(pending)
+        """Let what runs finish, for up to shutdown_grace_seconds, then revoke the rest.
+
+        That includes attempts handed to this worker meanwhile: a commit in flight when stop()
+        came (a client's, or one of these attempts') may return an attempt that has started,
+        whose first heartbeat it recorded (Step.pure_until_heartbeat). It runs like the others; if
+        the worker unregistered first, that would fail it as lost while its handler still ran.
+        """
+        deadline = time.monotonic() + self.options.shutdown_grace_seconds
+        while True:
+            tasks = {r.task for r in self._running.values() if r.task is not None} | self._handing_back
+            remaining = deadline - time.monotonic()
+            if not (tasks or self._claiming) or remaining <= 0:
+                break
+            # A claim in flight ends in local_claim_done or in a task above, both of which wake us.
+            self._wake.clear()
+            woken = asyncio.ensure_future(self._wake.wait())
+            await asyncio.wait({*tasks, woken}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            woken.cancel()
+        self._drained = True
+        for task in self._handing_back:
+            task.cancel()  # unregistering at the end hands these claims back too
+        late = [r for r in self._running.values() if r.task is not None]
+        for running in late:
+            self._revoke(running)
+        if late or self._handing_back:
+            await asyncio.wait([*(r.task for r in late if r.task is not None), *self._handing_back])
 
     # One attempt -------------------------------------------------------------------------
 
@@ -401,7 +418,9 @@ class AsyncWorker:
                               lease.step_execution_id)
         finally:
             if lease.started is not None:
-                lease.started.close()  # not resumed (revoked before it ran): drop the parked handler
+                # Not resumed (revoked before it ran): drop the parked handler. This task runs in its
+                # variables already, which StartedFold.close would enter again.
+                cast(ParkedHandler, lease.started.resume).coroutine.close()
             with running.events_lock:
                 running.events_closed = True
             if running.flush_task is not None:
@@ -570,10 +589,10 @@ class AsyncWorker:
             # Whatever went wrong happens again in the real attempt, with retries and failure routes.
             return None
 
-    def fold_execute(self, lease: Lease) -> tuple[WriteSet, DecisionRecord] | StartedFold | None:
+    def fold_execute(self, lease: Lease, durable: bool) -> tuple[WriteSet, DecisionRecord] | StartedFold | None:
         """Run a pure Execute now, inside the commit that claimed `lease`: its writes and decision
         when it finishes (Step.pure_execute, Step.pure_until_heartbeat); the heartbeat it stopped at,
-        its first (Step.pure_until_heartbeat only), with the events written before it; or None when
+        its first (Step.pure_until_heartbeat, in a `durable` commit), with the events written before it; or None when
         it must run as a usual attempt after that commit. Only on this worker's event loop thread
         (the handler is not thread-safe), and only when the handler neither raises nor suspends on
         anything else: it is not awaited, it is stepped once, since the open transaction cannot wait
@@ -582,25 +601,31 @@ class AsyncWorker:
             return None
         flow = self.registry.flows.get(lease.flow_type)
         step = None if flow is None else flow.steps.get(lease.step_type)
-        if flow is None or step is None or not (step.pure_execute or step.pure_until_heartbeat):
+        # Parking records a heartbeat, which must be durable when recorded (E10).
+        parks = step is not None and step.pure_until_heartbeat and durable
+        if flow is None or step is None or not (step.pure_execute or parks):
             return None
+        assert self._own_context is not None
+        # The handler's own context variables, as its attempt's task would have them: none it sets
+        # leaks into the committing task, and a parked handler's task goes on in them (_spawn).
+        variables = self._own_context.copy()
         try:
             input_value = decode_value(f"input of Step {step.step_type}", step.input_type, lease.input)
-            functions = FoldFunctions(flow, parks=step.pure_until_heartbeat)
+            functions = FoldFunctions(flow, parks=parks)
             ctx = _lease_context(flow, lease, functions.heartbeat, functions.write_event)
             # A coroutine: a Flow accepts only `async def` handlers (Flow._step_problems).
             running = cast("Coroutine[Any, Any, StepDecision]", step.execute(ctx, input_value))
             try:
-                yielded = running.send(None)
+                yielded = variables.run(running.send, None)
             except StopIteration as done:
                 if functions.events:
                     return None  # events but no heartbeat: they go out as a usual attempt's would
                 return ctx.writes, self._decision_record(lease, done.value)
             if functions.parked is None or yielded is not functions.parked:
-                running.close()  # it awaits something only a usual attempt can wait for
+                variables.run(running.close)  # it awaits something only a usual attempt can wait for
                 return None
-            return StartedFold(functions.checkpoint, functions.events, ParkedHandler(ctx, running, functions),
-                               running.close)
+            parked = ParkedHandler(ctx, running, functions, variables)
+            return StartedFold(functions.checkpoint, functions.events, parked, partial(variables.run, running.close))
         except (Exception, NotFoldable):
             # Whatever went wrong happens again in the usual attempt, with retries and failure routes.
             return None
