@@ -28,9 +28,11 @@ class FakeContext:
         self.fail_first = fail_first
         self.beat_seconds = beat_seconds
         self.in_flight = 0
+        self.started = asyncio.Event()
 
     async def heartbeat(self) -> None:
         self.in_flight += 1
+        self.started.set()
         try:
             if self.beat_seconds:
                 await asyncio.sleep(self.beat_seconds)
@@ -75,8 +77,7 @@ async def test_a_failed_heartbeat_does_not_stop_the_next_ones() -> None:
 async def test_a_heartbeat_in_flight_at_exit_is_cancelled_and_awaited() -> None:
     fake = FakeContext(beat_seconds=INTERVAL * 10)
     async with background_heartbeats(as_context(fake), INTERVAL):
-        while fake.in_flight == 0:
-            await asyncio.sleep(INTERVAL / 4)
+        await fake.started.wait()
     assert fake.in_flight == 0  # cancelled before the body's exit returned
     assert fake.beats == []
 
