@@ -98,6 +98,7 @@ class _Running:
         self.events_lock = threading.Lock()
         self.events_closed = False
         self.flush_task: asyncio.Task[None] | None = None
+        self.entered = False  # its task began _run_attempt (a task cancelled before that never does)
 
 
 class AsyncWorker:
@@ -190,11 +191,15 @@ class AsyncWorker:
         try:
             await self._main_loop()
         finally:
-            renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewer
             store.remove_local_claimer(self)
-            await self._drain()
+            try:
+                await self._drain()
+            finally:
+                # Renewed until the drain ends: attempts still running outlast a lease left to lapse,
+                # and another worker's housekeeping would fail them as lost and run them again.
+                renewer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await renewer
             store.remove_commit_listener(self._notify)
             with contextlib.suppress(Exception):
                 await store.unregister_worker(self.worker_id)
@@ -211,12 +216,14 @@ class AsyncWorker:
             housekeep = time.monotonic() >= next_housekeeping
             free = opts.max_concurrent_tasks - len(self._running)
             claim = must_claim and free > 0
-            watched = [tid for tid, r in self._running.items() if not r.committing]
+            # By attempt, not task: a reply that comes back after a watched attempt ended must not
+            # revoke the task's next attempt, handed to this worker meanwhile (a retry, same task).
+            watched = {tid: r for tid, r in self._running.items() if not r.committing}
             self._wake.clear()
             self._claim_asked = False
             try:
                 _changed, result = await store.poll(
-                    self.worker_id, self._flow_types, free, watched, must_claim=claim, housekeep=housekeep,
+                    self.worker_id, self._flow_types, free, list(watched), must_claim=claim, housekeep=housekeep,
                     known=list(self._running), claimed_before=self._claimed_before(),
                 )
             except Exception:
@@ -230,9 +237,8 @@ class AsyncWorker:
             must_claim = False
             for lease in result.leases:
                 self._spawn(lease)
-            for task_id in watched:
-                running = self._running.get(task_id)
-                if running is not None and result.epochs.get(task_id) != running.lease.lease_epoch:
+            for task_id, running in watched.items():
+                if self._running.get(task_id) is running and result.epochs.get(task_id) != running.lease.lease_epoch:
                     self._revoke(running)  # E9: cancelled, timed out or taken over
             # On a watched store every commit that could concern this worker wakes it (its own and
             # this process's clients' through the commit listeners, others' through the store's
@@ -300,6 +306,11 @@ class AsyncWorker:
         return self._notify
 
     def _spawn(self, lease: Lease, context: contextvars.Context | None = None) -> None:
+        """Run `lease`'s attempt in a task of its own, in `context` or a fresh copy of the worker's
+        context variables: never the committing handler's, which a folded attempt never sees either."""
+        if context is None:
+            assert self._own_context is not None
+            context = self._own_context.copy()
         if lease.started is not None:
             if self._drained:
                 # Too late to run: unregistering fails it as this worker's lost attempt (E3).
@@ -326,6 +337,16 @@ class AsyncWorker:
         self._running[lease.task_id] = running
         running.task = asyncio.create_task(self._run_attempt(running), name=lease.step_execution_id,
                                            context=context)
+        running.task.add_done_callback(partial(self._never_ran, running))
+
+    def _never_ran(self, running: _Running, _task: asyncio.Task[None]) -> None:
+        """A task cancelled (revoked) before its first step never enters _run_attempt, whose end
+        would free its slot and drop its parked handler: end it here instead."""
+        if not running.entered:
+            if running.lease.started is not None:
+                with contextlib.suppress(Exception):
+                    running.lease.started.close()  # in its own variables, which this callback is not
+            self._end_attempt(running)
 
     async def _hand_back(self, lease: Lease) -> None:
         """Give back a claim this worker has no slot for: unstarted, same attempt (E3)."""
@@ -398,6 +419,7 @@ class AsyncWorker:
 
     async def _run_attempt(self, running: _Running) -> None:
         lease = running.lease
+        running.entered = True
         try:
             await self._attempt(running)
         except asyncio.CancelledError:
@@ -417,17 +439,20 @@ class AsyncWorker:
                 log.exception("could not hand back %s; it is recovered when this worker stops",
                               lease.step_execution_id)
         finally:
-            if lease.started is not None:
-                # Not resumed (revoked before it ran): drop the parked handler. This task runs in its
-                # variables already, which StartedFold.close would enter again.
-                cast(ParkedHandler, lease.started.resume).coroutine.close()
-            with running.events_lock:
-                running.events_closed = True
-            if running.flush_task is not None:
-                running.flush_task.cancel()
-            self._forget(running)
-            if not running.claimed_next:
-                self._notify()  # a slot is free and nothing was claimed into it yet
+            self._end_attempt(running)
+
+    def _end_attempt(self, running: _Running) -> None:
+        if running.lease.started is not None:
+            # Not resumed (revoked before it ran): drop the parked handler. This runs in its
+            # variables already (or never needs them), which StartedFold.close would enter again.
+            cast(ParkedHandler, running.lease.started.resume).coroutine.close()
+        with running.events_lock:
+            running.events_closed = True
+        if running.flush_task is not None:
+            running.flush_task.cancel()
+        self._forget(running)
+        if not running.claimed_next:
+            self._notify()  # a slot is free and nothing was claimed into it yet
 
     async def _attempt(self, running: _Running) -> None:
         lease = running.lease
@@ -447,8 +472,14 @@ class AsyncWorker:
             else:
                 async with asyncio.timeout(timeout_ms / 1000):
                     result = await call
-        except asyncio.CancelledError:
-            raise
+        except asyncio.CancelledError as exc:
+            if _cancel_requested():
+                raise  # revoked, or the worker is stopping
+            # The handler raised it without being cancelled (it awaited a future something else
+            # cancelled): a failure like any other, retried by its policy. Let through, the attempt
+            # would end with its task left running, handed back as a lost claim again and again.
+            await self._fail(running, _error_info(exc), False)
+            return
         except TimeoutError:
             await self._fail(running, ErrorInfo("MethodTimeout", f"{lease.method} passed its timeout"), False)
             return
@@ -585,6 +616,10 @@ class AsyncWorker:
             if ctx.touched or not isinstance(result, Wait) or not ctx.writes.empty():
                 return None
             return result.spec(), loaded
+        except asyncio.CancelledError:
+            if _cancel_requested():
+                raise  # this Execute's own attempt is being cancelled
+            return None  # the WaitFor raised it itself: its real attempt fails as it fails
         except (Exception, NotFoldable):
             # Whatever went wrong happens again in the real attempt, with retries and failure routes.
             return None
@@ -626,8 +661,12 @@ class AsyncWorker:
                 return None
             parked = ParkedHandler(ctx, running, functions, variables)
             return StartedFold(functions.checkpoint, functions.events, parked, partial(variables.run, running.close))
-        except (Exception, NotFoldable):
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:
             # Whatever went wrong happens again in the usual attempt, with retries and failure routes.
+            # That includes a CancelledError the handler raised itself (it was stepped, not awaited,
+            # so nothing cancelled it): let through, it would abort the commit that claimed it.
             return None
 
     async def _fail(self, running: _Running, error: ErrorInfo, no_retry: bool) -> None:
@@ -729,6 +768,13 @@ async def _no_heartbeat(_checkpoint: str | None) -> None:
 
 def _no_event(_stream: str, _data: bytes) -> None:
     raise NotFoldable("write_event")
+
+
+def _cancel_requested() -> bool:
+    """Whether the running task was asked to cancel, rather than handed a CancelledError raised
+    by something it awaited."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _error_info(exc: BaseException) -> ErrorInfo:

@@ -1,0 +1,220 @@
+"""A worker's hold on the attempts it runs: nothing it does on its own side may let a started
+attempt run twice, nor end one the engine did not take away.
+
+- a stopping worker keeps its lease through the drain (a lapsed lease lets another worker fail the
+  draining attempt as lost and run it again, while it still runs);
+- a poll reply that comes back late revokes only the attempt it watched, never the task's next one;
+- a handler's own CancelledError, inside a fold or in a usual attempt, is a failure of that
+  attempt, not a cancellation of the commit or the attempt;
+- every attempt starts in the worker's context variables, never in the committing handler's;
+- an attempt revoked before its task first ran still frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextvars import ContextVar
+from typing import Any
+
+import pytest
+
+from dex_engine import Context, Flow, Registry, RetryPolicy, Step, StepDecision, StepOptions
+from dex_engine._store import LOST_CLAIM_MS
+
+from .conftest import engine_for, wait_until
+from .test_pure_execute import TRIES, called_from, quiet_engine
+
+QUICK_RETRY = StepOptions(execute_retry=RetryPolicy(max_attempts=4, initial_interval_seconds=0.01,
+                                                    max_interval_seconds=0.01))
+TOOL_SECONDS = 2.0  # longer than the stopping worker's lease, shorter than its grace
+
+
+def failures(history: list[Any]) -> list[tuple[str, int, str]]:
+    return [(h.step_execution_id, h.attempt, h.detail) for h in history if h.event_type == "attempt_failed"]
+
+
+async def test_a_stopping_worker_keeps_its_lease_while_started_attempts_finish(db_url: str) -> None:
+    runs: list[tuple[int, str]] = []
+
+    async def tool(ctx: Context, _: None) -> StepDecision:
+        await ctx.heartbeat("started")  # from here on a retry would run the tool again
+        runs.append((ctx.attempt, "start"))
+        await asyncio.sleep(TOOL_SECONDS)
+        runs.append((ctx.attempt, "end"))
+        return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
+
+    registry = Registry([Flow("Drain", [Step("Tool", tool, options=QUICK_RETRY)], start_step="Tool")])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        # A lease of 1 s, renewed every 0.25 s; stop() lets started attempts run for up to 5 s.
+        stopping = await eng.start_worker(worker_id="stopping", shutdown_grace_seconds=5.0)
+        await eng.client.start_flow("Drain", "d")
+        await wait_until("the tool to start", lambda: asyncio.sleep(0, runs))
+        other = await eng.start_worker(worker_id="other")  # housekeeps every 0.1 s
+        try:
+            await stopping.stop()
+            info = await eng.client.wait_for_flow("d", 10)
+        finally:
+            await other.stop()
+        assert info.status == "completed"
+        assert await eng.client.flow_output("d") == "attempt 1"
+        assert runs == [(1, "start"), (1, "end")]
+        assert failures(await eng.client.get_flow_history("d")) == []
+
+
+@pytest.mark.sqlite_only  # the retry must reach the worker through a client's commit while the poll is out
+async def test_a_late_poll_reply_does_not_revoke_the_next_attempt_of_the_task(db_url: str) -> None:
+    log: list[str] = []
+
+    async def tool(ctx: Context, _: None) -> StepDecision:
+        await ctx.heartbeat()
+        if ctx.attempt == 1:
+            await asyncio.sleep(0.3)
+            raise RuntimeError("attempt 1 fails")
+        log.append(f"attempt {ctx.attempt} starts the tool")
+        try:
+            await asyncio.sleep(1.0)
+        except asyncio.CancelledError:
+            log.append(f"attempt {ctx.attempt} cancelled")
+            raise
+        return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
+
+    async def noop(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.graceful_complete()
+
+    registry = Registry([Flow("Retry", [Step("Tool", tool, options=QUICK_RETRY)], start_step="Tool"),
+                         Flow("Other", [Step("Noop", noop)], start_step="Noop")])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        worker = await eng.start_worker(housekeeping_seconds=0.1, poll_seconds=0.05)
+        real_poll = eng.store.poll
+        delayed: list[float] = []
+
+        async def slow_poll(worker_id: str, flow_types: Any, capacity: int, running: Any, **kw: Any) -> Any:
+            result = await real_poll(worker_id, flow_types, capacity, running, **kw)
+            watching_first = [t for t in running if (r := worker._running.get(t)) is not None
+                              and r.lease.step_type == "Tool" and r.lease.attempt == 1]
+            if watching_first and not delayed:
+                delayed.append(time.monotonic())
+                await asyncio.sleep(1.0)  # a poll queued behind other writes: its reply is old news
+            return result
+
+        eng.store.poll = slow_poll  # type: ignore[method-assign]
+        await eng.client.start_flow("Retry", "r")
+        await wait_until("the poll to watch attempt 1", lambda: asyncio.sleep(0, delayed))
+        await asyncio.sleep(0.5)  # attempt 1 has failed and its retry is due
+        await eng.client.start_flow("Other", "o")  # its commit hands this worker the ready retry
+        info = await eng.client.wait_for_flow("r", 20)
+        assert info.status == "completed"
+        assert await eng.client.flow_output("r") == "attempt 2"
+        assert log == ["attempt 2 starts the tool"]
+        history = await eng.client.get_flow_history("r")
+        assert failures(history) == [("Tool-1", 1, "execute: RuntimeError: attempt 1 fails")]
+
+
+async def _cancelled_future() -> None:
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    future.cancel()
+    await future  # raises CancelledError into the handler, which nothing cancelled
+
+
+@pytest.mark.sqlite_only  # folds
+async def test_a_handler_that_raises_cancelled_error_inside_a_fold_leaves_the_commit_whole(db_url: str) -> None:
+    calls: list[bool] = []
+
+    async def tool(ctx: Context, _: None) -> StepDecision:
+        folded = called_from("fold_execute")
+        calls.append(folded)
+        if folded:
+            await _cancelled_future()
+        await ctx.heartbeat()
+        return StepDecision.graceful_complete("done")
+
+    async def arm(ctx: Context, _: None) -> StepDecision:
+        await asyncio.sleep(0.02)  # the loop is idle when it commits, so Tool folds into that commit
+        return StepDecision.go_to("Tool")
+
+    arms: list[str] = []
+
+    async def counted_arm(ctx: Context, _: None) -> StepDecision:
+        arms.append(ctx.flow_id)
+        return await arm(ctx, None)
+
+    registry = Registry([
+        Flow("Direct", [Step("Tool", tool, pure_until_heartbeat=True)], start_step="Tool"),
+        Flow("Armed", [Step("Arm", counted_arm), Step("Tool", tool, pure_until_heartbeat=True)], start_step="Arm"),
+    ])
+    async with quiet_engine(db_url, registry) as eng:
+        for i in range(TRIES):
+            await eng.client.start_flow("Direct", f"d{i}")  # the client's commit claims and folds Tool
+            await eng.client.start_flow("Armed", f"a{i}")  # Arm's commit does
+            for flow_id in (f"d{i}", f"a{i}"):
+                info = await eng.client.wait_for_flow(flow_id, 10)
+                assert info.status == "completed", info
+                assert failures(await eng.client.get_flow_history(flow_id)) == []
+        assert True in calls, calls  # some folded, and each of those ran again as a usual attempt
+        assert sorted(arms) == sorted(f"a{i}" for i in range(TRIES))  # Arm committed once each
+
+
+async def test_a_cancelled_error_the_handler_raises_itself_fails_the_attempt(db_url: str) -> None:
+    async def flaky(ctx: Context, _: None) -> StepDecision:
+        if ctx.attempt == 1:
+            await _cancelled_future()
+        return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
+
+    registry = Registry([Flow("Flaky", [Step("Call", flaky, options=QUICK_RETRY)], start_step="Call")])
+    async with engine_for(db_url, registry) as eng:
+        await eng.client.start_flow("Flaky", "f")
+        info = await eng.client.wait_for_flow("f", 10)  # not handed back as a lost claim, again and again
+        assert info.status == "completed"
+        assert await eng.client.flow_output("f") == "attempt 2"
+        (failed,) = failures(await eng.client.get_flow_history("f"))
+        assert failed[:2] == ("Call-1", 1) and failed[2] == "execute: CancelledError: CancelledError()", failed
+
+
+CALLER: ContextVar[str] = ContextVar("CALLER", default="unset")
+
+
+async def test_an_attempt_never_sees_the_context_variables_of_the_handler_whose_commit_started_it(
+    db_url: str,
+) -> None:
+    seen: list[str] = []
+
+    async def first(ctx: Context, _: None) -> StepDecision:
+        CALLER.set(f"set by {ctx.step_execution_id}")  # a tracing span, say
+        await asyncio.sleep(0.01)
+        return StepDecision.go_to("Second")
+
+    async def second(ctx: Context, _: None) -> StepDecision:
+        seen.append(CALLER.get())
+        await asyncio.sleep(0)
+        return StepDecision.graceful_complete()
+
+    registry = Registry([Flow("Vars", [Step("First", first), Step("Second", second)], start_step="First")])
+    async with engine_for(db_url, registry) as eng:
+        for i in range(3):
+            await eng.client.start_flow("Vars", f"v{i}")
+            assert (await eng.client.wait_for_flow(f"v{i}", 10)).status == "completed"
+    assert seen == ["unset"] * 3
+
+
+async def test_an_attempt_revoked_before_its_task_ran_frees_its_slot(db_url: str) -> None:
+    async def quick(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.graceful_complete()
+
+    registry = Registry([Flow("Quick", [Step("Run", quick)], start_step="Run")])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        worker = await eng.start_worker()
+        spawn = worker._spawn
+
+        def spawn_then_revoke(lease: Any, context: Any = None) -> None:
+            spawn(lease, context)
+            running = worker._running.get(lease.task_id)
+            if running is not None and lease.attempt == 1:
+                worker._revoke(running)  # before the task's first step, as a declared-dead worker does
+
+        worker._spawn = spawn_then_revoke  # type: ignore[method-assign]
+        await eng.client.start_flow("Quick", "q")
+        # The revoked attempt ends without running; the slot must be free again, not held for ever.
+        # Sooner than LOST_CLAIM_MS, after which a poll's housekeeping would hand the claim back.
+        await wait_until("the revoked attempt to free its slot", lambda: asyncio.sleep(0, not worker._running),
+                         timeout=LOST_CLAIM_MS / 1000 / 4)
