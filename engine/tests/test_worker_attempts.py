@@ -218,3 +218,121 @@ async def test_an_attempt_revoked_before_its_task_ran_frees_its_slot(db_url: str
         # Sooner than LOST_CLAIM_MS, after which a poll's housekeeping would hand the claim back.
         await wait_until("the revoked attempt to free its slot", lambda: asyncio.sleep(0, not worker._running),
                          timeout=LOST_CLAIM_MS / 1000 / 4)
+
+
+async def _tool_heartbeating(ctx: Context, beats: int) -> StepDecision:
+    for _ in range(beats):
+        await ctx.heartbeat()
+        await asyncio.sleep(0.1)
+    return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
+
+
+def heartbeating_flow(flow_type: str, beats: int) -> Flow:
+    async def tool(ctx: Context, _: None) -> StepDecision:
+        return await _tool_heartbeating(ctx, beats)
+
+    return Flow(flow_type, [Step("Tool", tool, options=QUICK_RETRY)], start_step="Tool")
+
+
+async def test_a_wall_clock_step_forward_does_not_make_a_worker_fail_its_own_attempts(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    registry = Registry([heartbeating_flow("Clock", beats=10)])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        # Production-like leases, so no renewal comes to the rescue within the test; housekeeping often.
+        await eng.start_worker(lease_ttl_seconds=30.0, lease_renew_seconds=10.0)
+        await eng.client.start_flow("Clock", "c")
+        await asyncio.sleep(0.3)
+        real_time = time.time
+        monkeypatch.setattr(time, "time", lambda: real_time() + 60.0)  # an NTP step, a resumed VM
+        info = await eng.client.wait_for_flow("c", 10)
+        assert info.status == "completed", info
+        assert await eng.client.flow_output("c") == "attempt 1"
+        assert failures(await eng.client.get_flow_history("c")) == []
+
+
+async def test_a_worker_declared_dead_claims_nothing_until_it_registers_again(db_url: str) -> None:
+    registry = Registry([heartbeating_flow("Dead", beats=5)])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        worker = await eng.start_worker(lease_ttl_seconds=30.0, lease_renew_seconds=10.0)
+        await eng.client.start_flow("Dead", "d")
+        await asyncio.sleep(0.2)
+        # What another worker's housekeeping does to a worker that was paused longer than its lease.
+        await eng.store.raw(lambda db: db.run("DELETE FROM workers"), write=True)
+        info = await eng.client.wait_for_flow("d", 10)
+        assert info.status == "completed", info
+        # Attempt 1 was lost with the worker; its retry ran once the worker had registered again,
+        # rather than being claimed by a worker without a row and failed as lost too.
+        assert await eng.client.flow_output("d") == "attempt 2"
+        assert [f[:2] for f in failures(await eng.client.get_flow_history("d"))] == [("Tool-1", 1)]
+        assert [w[0] for w in await eng.store.list_workers()] == [worker.worker_id]
+
+
+async def test_a_failed_registration_after_being_declared_dead_is_tried_again(db_url: str) -> None:
+    registry = Registry([heartbeating_flow("Flaky", beats=2)])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        worker = await eng.start_worker()  # renews every 0.25 s
+        real_register = eng.store.register_worker
+        calls: list[int] = []
+
+        async def flaky_register(*args: Any, **kwargs: Any) -> None:
+            calls.append(1)
+            if len(calls) == 1:
+                raise OSError("connection reset")  # the outage that got it declared dead goes on
+            await real_register(*args, **kwargs)
+
+        eng.store.register_worker = flaky_register  # type: ignore[method-assign]
+        await eng.store.raw(lambda db: db.run("DELETE FROM workers"), write=True)
+        await wait_until("the worker to register again", eng.store.list_workers)
+        assert len(calls) >= 2
+        await eng.client.start_flow("Flaky", "f")
+        info = await eng.client.wait_for_flow("f", 10)
+        assert info.status == "completed", info
+        assert failures(await eng.client.get_flow_history("f")) == []
+        await worker.stop()  # unregisters cleanly
+        assert await eng.store.list_workers() == []
+
+
+async def test_a_late_claim_reply_never_displaces_the_newer_attempt_of_its_task(db_url: str) -> None:
+    log: list[str] = []
+
+    async def tool(ctx: Context, _: None) -> StepDecision:
+        log.append(f"attempt {ctx.attempt} runs")
+        await ctx.heartbeat()
+        await asyncio.sleep(0.3)
+        return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
+
+    registry = Registry([Flow("Late", [Step("Tool", tool, options=QUICK_RETRY)], start_step="Tool")])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        worker = await eng.start_worker()
+        spawn = worker._spawn
+        first: list[Any] = []
+
+        def spawn_keeping_the_first(lease: Any, context: Any = None) -> None:
+            if not first:
+                first.append(lease)  # its reply "arrives" only after the task was handed out again
+                return
+            spawn(lease, context)
+            if lease.task_id == first[0].task_id:
+                spawn(first[0], context)  # the late reply of the first claim
+
+        worker._spawn = spawn_keeping_the_first  # type: ignore[method-assign]
+        await eng.client.start_flow("Late", "l")
+        info = await eng.client.wait_for_flow("l", 20)  # attempt 1 is handed back as a lost claim first
+        assert info.status == "completed", info
+        assert await eng.client.flow_output("l") == "attempt 1"  # the unstarted attempt, handed out again
+        assert log == ["attempt 1 runs"]
+
+
+async def test_a_timeout_error_the_handler_lets_out_is_not_the_method_timeout(db_url: str) -> None:
+    async def waits(ctx: Context, _: None) -> StepDecision:
+        if ctx.attempt == 1:
+            await asyncio.wait_for(asyncio.Event().wait(), 0.01)  # its own deadline, on its own call
+        return StepDecision.graceful_complete()
+
+    registry = Registry([Flow("Own", [Step("Call", waits, options=QUICK_RETRY)], start_step="Call")])
+    async with engine_for(db_url, registry) as eng:
+        await eng.client.start_flow("Own", "o")
+        assert (await eng.client.wait_for_flow("o", 10)).status == "completed"
+        (failed,) = failures(await eng.client.get_flow_history("o"))
+        assert failed[2] == "execute: TimeoutError: TimeoutError()", failed

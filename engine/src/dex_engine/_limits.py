@@ -29,6 +29,10 @@ DEFAULT_LEASE_RENEW_SECONDS = 10.0
 # How often any worker scans for due timers, expired leases and timeouts when idle.
 DEFAULT_HOUSEKEEPING_SECONDS = 1.0
 
+# A failed lease renewal (or registration after being declared dead) is tried again this soon, at
+# most, rather than a whole renewal period later: the worker claims nothing until it succeeds.
+RENEW_RETRY_SECONDS = 1.0
+
 # How often a worker checks the database for work another process made (SQLite data_version).
 DEFAULT_POLL_SECONDS = 0.02
 

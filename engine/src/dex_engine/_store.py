@@ -375,11 +375,13 @@ class Store(ABC):
             changed = self._changed_in(db)
             if housekeep and known is not None:
                 tx.release_lost_claims(db, worker_id, known, claimed_before, now)
-            report = tx.housekeeping(db, now) if housekeep else None
+            report = tx.housekeeping(db, now, worker_id) if housekeep else None
             woke = report is not None and bool(report.timers_fired or report.leases_expired or report.timeouts)
             claim_now = must_claim or changed or woke
-            leases = tx.claim(db, worker_id, flow_types, capacity, now) if claim_now else []
-            result = tx.PollResult(leases, tx.task_epochs(db, running), tx.next_due(db, flow_types), report)
+            registered = not claim_now or tx.worker_registered(db, worker_id)
+            leases = tx.claim(db, worker_id, flow_types, capacity, now) if claim_now and registered else []
+            result = tx.PollResult(leases, tx.task_epochs(db, running), tx.next_due(db, flow_types), report,
+                                   registered)
             return changed, result
 
         return await self._run(op, write=True, durable=False)

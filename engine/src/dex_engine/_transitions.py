@@ -89,6 +89,8 @@ class PollResult:
     epochs: dict[int, int]  # running task -> current lease epoch; missing: the task is gone
     next_due_ms: int | None
     housekeeping: HousekeepingReport | None
+    # False when the polling worker has no row: declared dead, it claimed nothing (worker_registered).
+    registered: bool = True
 
 
 class RpcVersionChanged(Exception):
@@ -1112,6 +1114,11 @@ def task_epochs(db: Db, task_ids: Sequence[int]) -> dict[int, int]:
 
 
 def register_worker(db: Db, worker_id: str, host: str, pid: int, ttl_ms: int, now: int) -> None:
+    """Give the worker a live lease. One that had no row (declared dead, or an earlier process
+    under the same ID) first sees its attempts still held in the database failed or handed back as
+    a dead worker's: it no longer runs them, and its new row would hide them until lost-claim recovery."""
+    if db.one("SELECT 1 FROM workers WHERE worker_id = ?", (worker_id,)) is None:
+        _expire_orphans(db, now)
     _send(
         db, "INSERT INTO workers (worker_id, host, pid, started_at, expires_at) VALUES (?, ?, ?, ?, ?) "
         "ON CONFLICT (worker_id) DO UPDATE SET expires_at = excluded.expires_at",
@@ -1132,9 +1139,23 @@ def unregister_worker(db: Db, worker_id: str, now: int) -> None:
     db.notify()
 
 
-def housekeeping(db: Db, now: int) -> HousekeepingReport:
-    """Dead workers, expired leases, timeouts, due timers. Idempotent; any worker may run it."""
-    removed = db.run("DELETE FROM workers WHERE expires_at < ?", (now,))
+def worker_registered(db: Db, worker_id: str) -> bool:
+    """Whether the worker has a row. One without (declared dead) must claim nothing until it
+    registers again: housekeeping would fail what it started as a dead worker's attempts."""
+    return db.one("SELECT 1 FROM workers WHERE worker_id = ?", (worker_id,)) is not None
+
+
+def housekeeping(db: Db, now: int, worker_id: str | None = None) -> HousekeepingReport:
+    """Dead workers, expired leases, timeouts, due timers. Idempotent; any worker may run it.
+
+    Run by `worker_id`, it declares no worker dead while that worker's own lease has run out or
+    is gone: a live worker that finds its own lease expired has seen the wall clock step forward
+    (or was paused), so the others' expired leases prove nothing either until the renewals catch up.
+    """
+    removed = 0
+    own = None if worker_id is None else db.one("SELECT expires_at FROM workers WHERE worker_id = ?", (worker_id,))
+    if worker_id is None or (own is not None and int(own[0]) >= now):
+        removed = db.run("DELETE FROM workers WHERE expires_at < ?", (now,))
     expired = _expire_orphans(db, now)
     timeouts = 0
     # Candidates are found without locks, then each is re-checked under its flow's lock, flows
@@ -1217,8 +1238,10 @@ def release_lost_claims(db: Db, worker_id: str, known: Sequence[int], claimed_be
             continue
         lock_flow(db, str(flow_id))
         # Orphaned, they take the dead-worker path: same attempt if unstarted, else WorkerLost.
-        if db.run("UPDATE tasks SET lease_owner = NULL WHERE task_id = ? AND state = 'running' AND lease_owner = ?",
-                  (task_id, worker_id)):
+        # Re-checked under the lock, which may have been waited for: the claim found may have ended
+        # meanwhile and the task been claimed again, by this worker, as a claim still in flight.
+        if db.run("UPDATE tasks SET lease_owner = NULL WHERE task_id = ? AND state = 'running' AND lease_owner = ? "
+                  "AND claimed_at < ?", (task_id, worker_id, claimed_before)):
             count += 1
     if count:
         _expire_orphans(db, now)

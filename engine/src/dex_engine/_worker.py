@@ -38,6 +38,7 @@ from ._limits import (
     DEFAULT_LEASE_TTL_SECONDS,
     DEFAULT_MAX_CONCURRENT_TASKS,
     DEFAULT_POLL_SECONDS,
+    RENEW_RETRY_SECONDS,
 )
 from ._open import open_store
 from ._parked import FoldFunctions, ParkedHandler
@@ -121,6 +122,9 @@ class AsyncWorker:
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
         self._registered = asyncio.Event()
+        # Declared dead (a poll found no row of ours): claim nothing until the renewer registers again.
+        self._unregistered = False
+        self._renew_now = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background: asyncio.Task[None] | None = None
         # Starts (wall-clock ms) of commits in flight that may claim work: until a commit's reply is
@@ -235,6 +239,9 @@ class AsyncWorker:
                     _gates.gate(_gates.HOUSEKEEPING)
                 next_housekeeping = time.monotonic() + opts.housekeeping_seconds * (0.75 + random.random() / 2)
             must_claim = False
+            if not result.registered:
+                self._unregistered = True
+                self._renew_now.set()  # register again now, not at the next renewal
             for lease in result.leases:
                 self._spawn(lease)
             for task_id, running in watched.items():
@@ -282,7 +289,7 @@ class AsyncWorker:
     # Steps made ready by clients' commits in this process (Store.LocalClaimer) -----------
 
     def local_claim(self) -> tuple[str, list[str], int, int] | None:
-        if self._stopping.is_set() or asyncio.get_running_loop() is not self._loop:
+        if self._stopping.is_set() or self._unregistered or asyncio.get_running_loop() is not self._loop:
             return None  # a client on another event loop: its commit wakes us as usual
         free = self.options.max_concurrent_tasks - len(self._running)
         if free <= 0:
@@ -320,6 +327,13 @@ class AsyncWorker:
         elif self._stopping.is_set():
             return  # draining: unregistering at the end hands unstarted claims back (same attempt, E3)
         previous = self._running.get(lease.task_id)
+        if previous is not None and previous.lease.lease_epoch >= lease.lease_epoch:
+            # A reply that came late (a poll's, a commit's): this worker already runs the task's
+            # newer attempt, handed over meanwhile. The older claim was taken back; E2 fences it.
+            if lease.started is not None:
+                with contextlib.suppress(Exception):
+                    lease.started.close()
+            return
         if previous is not None:
             # The task was handed out again (e.g. a timed-out attempt's retry): the older attempt
             # here has lost it and must not keep running.
@@ -374,18 +388,27 @@ class AsyncWorker:
 
     async def _renew_loop(self, ttl_ms: int) -> None:
         while True:
-            await asyncio.sleep(self.options.lease_renew_seconds)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.options.lease_renew_seconds):
+                    await self._renew_now.wait()
+            self._renew_now.clear()
             try:
-                alive = await self.store.renew_worker(self.worker_id, ttl_ms)
+                if not await self.store.renew_worker(self.worker_id, ttl_ms):
+                    # Declared dead while we were paused or cut off: every attempt we hold is gone.
+                    self._unregistered = True
+                    log.warning("worker %s was declared dead; abandoning %d attempts", self.worker_id,
+                                len(self._running))
+                    for running in list(self._running.values()):
+                        self._revoke(running)
+                    await self.store.register_worker(self.worker_id, socket.gethostname(), os.getpid(), ttl_ms)
+                if self._unregistered:
+                    self._unregistered = False
+                    self._notify()  # claims were held back meanwhile
             except Exception:
+                # Renewing, or registering again, failed (the database is down?): try again soon.
+                # Until it succeeds this worker claims nothing, so nothing it starts is failed as lost.
                 log.exception("lease renewal failed; will retry")
-                continue
-            if not alive:
-                # Declared dead while we were paused or cut off: every attempt we hold is gone.
-                log.warning("worker %s was declared dead; abandoning %d attempts", self.worker_id, len(self._running))
-                for running in list(self._running.values()):
-                    self._revoke(running)
-                await self.store.register_worker(self.worker_id, socket.gethostname(), os.getpid(), ttl_ms)
+                await asyncio.sleep(min(RENEW_RETRY_SECONDS, self.options.lease_renew_seconds))
 
     async def _drain(self) -> None:
         """Let what runs finish, for up to shutdown_grace_seconds, then revoke the rest.
@@ -464,13 +487,14 @@ class AsyncWorker:
             invocation = WorkerInvocationError(type(exc).__name__, str(exc))
             await self._fail(running, ErrorInfo("WorkerInvocationError", str(invocation)), False)
             return
+        timeout: asyncio.Timeout | None = None
         try:
             timeout_ms = (lease.options.wait_for if lease.method == "wait_for" and lease.options.wait_for
                           else lease.options.execute).timeout_ms
             if timeout_ms is None:
                 result: Any = await call
             else:
-                async with asyncio.timeout(timeout_ms / 1000):
+                async with asyncio.timeout(timeout_ms / 1000) as timeout:
                     result = await call
         except asyncio.CancelledError as exc:
             if _cancel_requested():
@@ -480,8 +504,12 @@ class AsyncWorker:
             # would end with its task left running, handed back as a lost claim again and again.
             await self._fail(running, _error_info(exc), False)
             return
-        except TimeoutError:
-            await self._fail(running, ErrorInfo("MethodTimeout", f"{lease.method} passed its timeout"), False)
+        except TimeoutError as exc:
+            # Only the method's own timeout is MethodTimeout; a TimeoutError the handler let out (its
+            # own wait_for) is a failure like any other, and its recovery error says so (E3).
+            error = (ErrorInfo("MethodTimeout", f"{lease.method} passed its timeout")
+                     if timeout is not None and timeout.expired() else _error_info(exc))
+            await self._fail(running, error, False)
             return
         except NoRetryError as exc:
             await self._fail(running, _error_info(exc), True)
