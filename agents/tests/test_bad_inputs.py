@@ -56,6 +56,7 @@ from dex_agents import (
     TurnCompleted,
     TurnContinued,
 )
+from dex_agents._constants import MAX_REJECTION_MESSAGE_CHARS
 from dex_agents.testing import (
     EXECUTE_COMPLETED_EVENT,
     AgentTestStack,
@@ -495,6 +496,28 @@ async def test_resolve_interrupt_past_its_deadline_is_false(tmp_path: Path) -> N
         assert engine.log.count("tool_start") == 0
         resolved = [p for t, p in await turn_events(sessions, "s", "turn-2") if t == "interrupt_resolved"]
         assert [(p["approved"], p["rejection_message"]) for p in resolved] == [(False, "approval deadline passed")]
+        await assert_usable(sessions, "s", before)
+
+
+async def test_a_rejection_message_too_large_to_store_is_cut_and_the_session_goes_on(tmp_path: Path) -> None:
+    """A rejection message near the engine's value limit would not fit in the call's record: every
+    AwaitToolApproval attempt would fail, and the session with it. It is cut, with a note, and the
+    write is rejected as asked; nothing runs."""
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        assert await sessions.send_user_message("s", script({"tools": [{"id": "w1", "name": "write_x"}]},
+                                                            {"answer": "{results}"}))
+        await wait_for_agent_snapshot(sessions, "s", lambda s: s.pending_interrupts, description="the approval")
+        reason = "no, " * ((MAX_VALUE_BYTES - 4096) // 4)
+        assert await sessions.resolve_interrupt("s", "w1", approved=False, rejection_message=reason) is True
+        snapshot = await turn_ended(sessions, "s", 2)
+        kept = MAX_REJECTION_MESSAGE_CHARS
+        assert snapshot.messages[-1].text == f"w1={reason[:kept]} [Dex: cut from {len(reason)} characters]"
+        assert snapshot.state is not None and snapshot.state.last_turn_error is None
+        assert engine.log.count("tool_start") == 0
+        resolved = [p for t, p in await turn_events(sessions, "s", "turn-2") if t == "interrupt_resolved"]
+        assert [len(p["rejection_message"]) for p in resolved] == [len(snapshot.messages[-1].text) - 3]
         await assert_usable(sessions, "s", before)
 
 

@@ -171,8 +171,7 @@ class BuiltInSteps:
             self._resolved(ctx, record, interrupt_id, approved=False, rejection_message=message, answered=False)
             if record.task_id is not None:  # the task gets the decline through PollToolTask
                 return resolve_task_question(rt, ctx, record, interrupt_id, QuestionResolution.DECLINED, message)
-            rt.finish_record(ctx, finished(without_question(record), AgentToolCallStatus.REJECTED,
-                                           rejection_message=message))
+            rt.finish_rejected(ctx, without_question(record), message)
             return StepDecision.dead_end()
         self._resolved(ctx, record, interrupt_id, approved=True, rejection_message=None, answered=True)
         if record.task_id is not None:

@@ -80,6 +80,12 @@ APPROVAL_DEADLINE_PASSED = "approval deadline passed"
 QUESTION_DEADLINE_PASSED = "question deadline passed"
 DEFAULT_REJECTION_MESSAGE = "The user rejected this tool call."
 DEFAULT_DECLINE_MESSAGE = "The user declined to answer."
+# A person's reason for a rejection or decline is kept up to this many characters: it is stored
+# with the call's record (one engine value, 1 MiB) and shown to the model, and a longer one would
+# fail that Step on every retry, and the session with it.
+MAX_REJECTION_MESSAGE_CHARS = 16_384
+# The rejection message a call gets when even a cut one does not fit beside its arguments.
+REJECTION_MESSAGE_NOT_STORED = "The user rejected this tool call; the reason given was too large to store."
 # Steering and cancel_turn record a call they abandoned before it started rejected with one of these
 # (seed 002, "Turn-failure note and model-visible results"), compact JSON the model can read.
 STEERED_REJECTION_MESSAGE = '{"status":"cancelled","reason":"superseded_by_steered_user_message"}'

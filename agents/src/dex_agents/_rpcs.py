@@ -24,7 +24,7 @@ from ._persistence import (
 from ._runtime import chunk_reader, now_utc, pending_interrupts, waiting_user_messages, window_messages
 from ._session_settings import session_settings_error
 from ._timefmt import parse_time
-from ._turn_logic import without_interrupt
+from ._turn_logic import storable_rejection_message, without_interrupt
 from ._wire import (
     AgentInterruptResolution,
     AgentMessage,
@@ -85,7 +85,8 @@ def session_rpcs(*, plan_mode_enabled: bool = False) -> list[Rpc]:
             return False  # questions are answered with answer_question; resolve_interrupt only declines
         ctx.set(PENDING_INTERRUPTS, kept)
         ctx.publish(INTERRUPT_RESOLUTIONS[interrupt.interrupt_id], AgentInterruptResolution(
-            approved=request.approved, rejection_message=None if request.approved else request.rejection_message,
+            approved=request.approved,
+            rejection_message=None if request.approved else storable_rejection_message(request.rejection_message),
         ))
         return True
 

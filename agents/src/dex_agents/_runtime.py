@@ -29,7 +29,7 @@ from dex_engine import (
 )
 
 from ._compaction import plan_retention
-from ._constants import TOOL_HEARTBEAT_INTERVAL
+from ._constants import REJECTION_MESSAGE_NOT_STORED, TOOL_HEARTBEAT_INTERVAL
 from ._events import AgentEventType, AgentEventWriter, make_event
 from ._message_store import (
     MessageLayoutLimits,
@@ -408,6 +408,15 @@ class SessionRuntime:
             return finished(record, AgentToolCallStatus.FAILED, error=not_run_error(str(exc)))
         return Movement(step, record.tool_call_id, dataclasses.replace(
             moved, execute_retry=retry, execute_timeout_seconds=timeout))
+
+    def finish_rejected(self, ctx: Context, record: AgentToolCall, message: str | None) -> None:
+        """Finish `record` rejected with `message`; with a short note instead when the two together
+        are too large to store (arguments near the value limit), so the Step cannot fail for it."""
+        try:
+            self.finish_record(ctx, finished(record, AgentToolCallStatus.REJECTED, rejection_message=message))
+        except ValueTooLargeError:
+            self.finish_record(ctx, finished(record, AgentToolCallStatus.REJECTED,
+                                             rejection_message=REJECTION_MESSAGE_NOT_STORED))
 
     def finish_record(self, ctx: Context, record: AgentToolCall) -> None:
         """Store a final record, publish its one ToolCallCompleted, and write tool_call_finished."""

@@ -179,7 +179,7 @@ class ToolSteps:
                     return StepDecision.dead_end()
                 ctx.set(AGENT_TOOL_CALLS[tool_call_id], approved)
                 return StepDecision.go_to_many(moved)
-            rt.finish_record(ctx, finished(record, AgentToolCallStatus.REJECTED, rejection_message=rejection))
+            rt.finish_rejected(ctx, record, rejection)
             return StepDecision.dead_end()
         answer_first = is_answer_first_wait(ctx.wait_result)
         if answer_first or ctx.wait_result.messages(TOOL_CALL_CANCELLATIONS[tool_call_id]):

@@ -27,6 +27,7 @@ from ._constants import (
     CALL_SINGLE_ATTEMPT_TOOL,
     CALL_TOOL,
     DEFAULT_MAX_DURABLE_WAIT,
+    MAX_REJECTION_MESSAGE_CHARS,
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
 )
 from ._plans import WRITE_TODOS, count_write_todos_calls, rejected_in_planning_turn, settle_write_todos
@@ -404,6 +405,13 @@ def _built_in_call(
         return PlannedCall(waiting, AWAIT_TIMER, timer_reason=wait.reason), None
     except BuiltInArgumentsError as exc:
         return PlannedCall(finished(record, AgentToolCallStatus.FAILED, error=str(exc)), None), None
+
+
+def storable_rejection_message(message: str | None) -> str | None:
+    """`message`, cut to MAX_REJECTION_MESSAGE_CHARS with a note saying so when longer."""
+    if message is None or len(message) <= MAX_REJECTION_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_REJECTION_MESSAGE_CHARS]} [Dex: cut from {len(message)} characters]"
 
 
 def finished(
