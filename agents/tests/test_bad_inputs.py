@@ -9,6 +9,7 @@ scripted cases against a Worker child process, as deployments do.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -43,6 +44,7 @@ from dex_agents import (
     AgentTurnOutcome,
     AgentUsage,
     AgentUserMessage,
+    BuiltInTool,
     DeferredToolCall,
     DeferredToolExecution,
     FrameworkMessage,
@@ -1090,3 +1092,37 @@ async def test_bad_inputs_with_a_real_worker_child(stack: AgentTestStack) -> Non
     assert log.count("tool_start") == 0
     assert executed_steps(await stack.read_step_history("s")).count("RunModel") == 4
     await assert_usable(sessions, "s", before)
+
+
+# An answer that commits just before cancel_turn ----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["answer", "approval"])
+async def test_an_answer_committed_just_before_cancel_turn_is_applied_not_lost(tmp_path: Path, kind: str) -> None:
+    """Seed 002, FinishTurnCancellation: a record whose answer committed first goes back to its
+    waiting Step, which applies the answer. The answer's commit hands it to the waiting Step's wait;
+    cancel_turn then cancels that Step before its Execute ran, which drops what its wait took (E9),
+    so cancel_turn queues it again for the Step the call is sent back to."""
+    flow = build_flow(tmp_path, built_in_tools=frozenset({BuiltInTool.ASK_USER}))
+    async with in_process(tmp_path, flow) as engine:
+        sessions = engine.sessions
+        await started_session(sessions, "s")
+        call = ({"id": "q", "name": "ask_user", "args": {"question": "color?"}} if kind == "answer"
+                else {"id": "q", "name": "write_x"})
+        assert await sessions.send_user_message("s", script({"tools": [call]}, {"answer": "{results}"}))
+        await wait_for_agent_snapshot(sessions, "s", lambda s: s.pending_interrupts, description="the interrupt")
+        await asyncio.sleep(0.3)  # the waiting Step's wait is registered
+        await engine.stop_worker()  # so that nothing runs between the two commits
+        if kind == "answer":
+            assert await sessions.answer_question("s", "q", "blue") is True
+        else:
+            assert await sessions.resolve_interrupt("s", "q", approved=False, rejection_message="not now") is True
+        assert await sessions.cancel_turn("s") is True
+        await engine.start_worker()
+        await turn_ended(sessions, "s", 2)
+        events = await turn_events(sessions, "s", "turn-2")
+        resolved = [p for t, p in events if t == "interrupt_resolved"]
+        assert [(p["interrupt_id"], p["approved"]) for p in resolved] == [("q", kind == "answer")]
+        finished = [p["status"] for t, p in events if t == "tool_call_finished"]
+        assert finished == (["succeeded"] if kind == "answer" else ["rejected"])
+        assert engine.log.count("tool_start") == 0

@@ -518,6 +518,26 @@ def _back_to_wait(record: AgentToolCall) -> Movement:
     return Movement(AWAIT_QUESTION_ANSWER, record.tool_call_id, question_step_load(record))
 
 
+def requeue_taken_resolutions(ctx: RpcContext, turn_id: str) -> None:
+    """Queue again the answers and approvals of the turn that a waiting Step's satisfied wait took
+    but whose Execute has not committed. cancel_turn cancels that Step, and what its wait took goes
+    with it (E9), so an answer that committed first would be lost; queued again, the waiting Step
+    FinishTurnCancellation sends the call back to applies it (seed 002, FinishTurnCancellation)."""
+    from ._builtin_steps import question_interrupt_id
+
+    for record in ctx.items(AGENT_TOOL_CALLS).values():
+        if record.turn_id != turn_id:
+            continue
+        if record.status is AgentToolCallStatus.AWAITING_APPROVAL:
+            channel = INTERRUPT_RESOLUTIONS[record.tool_call_id]
+        elif record.status is AgentToolCallStatus.AWAITING_ANSWER:
+            channel = INTERRUPT_RESOLUTIONS[question_interrupt_id(record)]
+        else:
+            continue
+        for taken in ctx.in_flight(channel):
+            ctx.publish(channel, taken.value)
+
+
 # The RPCs -------------------------------------------------------------------------------------------
 
 
@@ -569,7 +589,7 @@ def turn_control_rpcs() -> list[Rpc]:
         return True
 
     @rpc("cancel_turn", request_type=CancelTurnRequest | None, locks=[TURN_CANCELLATION_REQUEST, PENDING_INTERRUPTS],
-         load=LoadOptions.only(AGENT_STATE, TURN_CANCELLATION_REQUEST))
+         load=LoadOptions.only(AGENT_STATE, TURN_CANCELLATION_REQUEST, AGENT_TOOL_CALLS))
     async def cancel_turn(ctx: RpcContext, request: CancelTurnRequest | None) -> bool | RPCResult[bool]:
         # Only short Steps hold these locks, so this never waits for a model call; a conflict fails
         # at once and AgentSessionClient.cancel_turn retries it.
@@ -584,6 +604,7 @@ def turn_control_rpcs() -> list[Rpc]:
         if existing is not None and existing.turn_id == turn_id:
             return True  # already cancelled: nothing changes
         ctx.set(TURN_CANCELLATION_REQUEST, TurnCancellationRequest(turn_id=turn_id, requested_at=utc_now_text()))
+        requeue_taken_resolutions(ctx, turn_id)
         canceling = tuple(s for s in CANCEL_TURN_CANCELING_STEPS if s in ctx.flow.steps)
         return RPCResult(True, next_steps=(Movement(FINISH_TURN_CANCELLATION, turn_id),), canceling_steps=canceling)
 
