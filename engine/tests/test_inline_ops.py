@@ -271,3 +271,81 @@ async def test_a_watch_set_while_every_operation_ran_inline_still_sees_another_c
     async with asyncio.timeout(5):
         await woken.wait()
     assert await marks(store) == ["from another process"]
+
+
+@pytest.mark.parametrize("traffic", ["reads", "own appends"])
+@pytest.mark.parametrize("inline", ["on", "off"])
+async def test_steady_traffic_that_wakes_nobody_does_not_hide_another_process_commit(
+    tmp_path: Path, traffic: str, inline: str,
+) -> None:
+    """The store's thread reads data_version on a deadline, not only after an idle interval: reads
+    or a worker's own event appends arriving more often than the interval must not keep another
+    process's commit (a cancel, new work) from waking the worker until its housekeeping."""
+    from dex_engine._store import commit_origin
+
+    s = SqliteStore(f"sqlite:///{tmp_path / 'watch.db'}?inline={inline}")
+    await s.raw(lambda db: db.run("CREATE TABLE marks (mark TEXT)"), write=True)
+    woken = asyncio.Event()
+    s.add_commit_listener(woken.set)
+    s.watch_foreign_commits(0.02)
+    commit_origin.set(woken.set)  # as in a worker's attempt: its own commits do not wake it
+    stop = False
+
+    async def steady() -> None:
+        loop = asyncio.get_running_loop()
+        while not stop:
+            left = [3]
+
+            def busy() -> None:  # other attempts keep the loop busy: the operation goes to the thread
+                left[0] -= 1
+                if left[0]:
+                    loop.call_soon(busy)
+
+            loop.call_soon(busy)
+            if traffic == "reads":
+                await s.raw(lambda db: db.one("SELECT count(*) FROM marks"))
+            else:
+                await s.raw(lambda db: db.run("INSERT INTO marks VALUES ('event')"), write=True)
+            await asyncio.sleep(0.005)
+
+    running = asyncio.create_task(steady())
+    try:
+        await asyncio.sleep(0.2)
+        woken.clear()
+        other = sqlite3.connect(s.settings.path, isolation_level=None)
+        other.execute("INSERT INTO marks VALUES ('another process')")
+        other.close()
+        async with asyncio.timeout(1.0):  # housekeeping would come after seconds, not this
+            await woken.wait()
+    finally:
+        stop = True
+        await running
+        await s.close()
+
+
+async def test_a_failing_read_in_a_batch_of_reads_takes_no_write_lock(tmp_path: Path) -> None:
+    """A batch runs again operation by operation after one fails; a batch of reads does so without
+    the write lock, so its good reads do not wait for another connection's write."""
+    s = SqliteStore(f"sqlite:///{tmp_path / 'reads.db'}?inline=off")
+    await s.raw(lambda db: db.run("CREATE TABLE marks (mark TEXT)"), write=True)
+    other = sqlite3.connect(s.settings.path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")  # another process writing for a while
+    other.execute("INSERT INTO marks VALUES ('x')")
+    try:
+        slow = asyncio.ensure_future(s.raw(lambda db: threading.Event().wait(0.05)))  # the next two share a batch
+        await asyncio.sleep(0.01)
+
+        def fails(db: tx.Db) -> None:
+            raise LookupError("no such flow")
+
+        good = asyncio.ensure_future(s.raw(lambda db: db.one("SELECT count(*) FROM marks")))
+        bad = asyncio.ensure_future(s.raw(fails))
+        async with asyncio.timeout(HOLD_SECONDS):  # the writer holds its lock far longer
+            results = await asyncio.gather(good, bad, return_exceptions=True)
+        await slow
+        assert results[0] == (0,)
+        assert isinstance(results[1], LookupError)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+        await s.close()

@@ -300,18 +300,31 @@ class SqliteStore(Store):
         self._busy_timeout_ms = SQLITE_BUSY_TIMEOUT_MS
         self._ready.set_result(None)
         busy_since: float | None = None  # when this thread started writing back to back
+        # When data_version is due to be read. A deadline, not an idle interval: operations that
+        # wake no listener (reads, a worker's own event appends) may keep arriving more often than
+        # the interval, and other processes' commits would then wake nobody until housekeeping.
+        next_watch: float | None = None
         try:
             while True:
                 watch = self._watch_seconds
+                timeout = None
+                if watch is not None:
+                    now = time.monotonic()
+                    if next_watch is None:
+                        next_watch = now + watch
+                    elif now >= next_watch:
+                        with self._conn_lock:
+                            self._tell_foreign_commits(db)
+                        next_watch = now + watch
+                    timeout = next_watch - now
                 try:
-                    first = self._queue.get() if watch is None else self._queue.get(timeout=watch)
+                    first = self._queue.get() if timeout is None else self._queue.get(timeout=timeout)
                 except queue.Empty:
-                    with self._conn_lock:
-                        self._tell_foreign_commits(db)
-                    continue
+                    continue  # the watch is due: read at the top of the loop
                 if first is _STOP:
                     break
                 if first is _WATCH:
+                    next_watch = None
                     continue  # wait again, with the new interval
                 batch: list[_Op] = [first]  # type: ignore[list-item]
                 stop = False
@@ -393,7 +406,7 @@ class SqliteStore(Store):
                 except BaseException:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
-                    results = self._run_isolated(conn, db, batch)
+                    results = self._run_isolated(conn, db, batch, writes)
         except BaseException as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -409,10 +422,13 @@ class SqliteStore(Store):
             self._busy_timeout_ms = ms
 
     @staticmethod
-    def _run_isolated(conn: sqlite3.Connection, db: _SqliteDb, batch: list[_Op]) -> list[tuple[bool, Any]]:
-        """Run the batch again, each operation in its own savepoint, so a failing one rolls back alone."""
+    def _run_isolated(
+        conn: sqlite3.Connection, db: _SqliteDb, batch: list[_Op], writes: bool,
+    ) -> list[tuple[bool, Any]]:
+        """Run the batch again, each operation in its own savepoint, so a failing one rolls back alone.
+        A batch of reads takes no write lock for it: it has no writer turn, and would wait for writers."""
         results: list[tuple[bool, Any]] = []
-        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
         for op in batch:
             conn.execute("SAVEPOINT op")
             try:
