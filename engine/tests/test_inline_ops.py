@@ -273,6 +273,18 @@ async def test_a_watch_set_while_every_operation_ran_inline_still_sees_another_c
     assert await marks(store) == ["from another process"]
 
 
+def keep_busy(loop: asyncio.AbstractEventLoop, times: int) -> None:
+    """Keep `loop` from going idle for `times` rounds of callbacks."""
+    left = [times]
+
+    def busy() -> None:
+        left[0] -= 1
+        if left[0]:
+            loop.call_soon(busy)
+
+    loop.call_soon(busy)
+
+
 @pytest.mark.parametrize("traffic", ["reads", "own appends"])
 @pytest.mark.parametrize("inline", ["on", "off"])
 async def test_steady_traffic_that_wakes_nobody_does_not_hide_another_process_commit(
@@ -292,16 +304,8 @@ async def test_steady_traffic_that_wakes_nobody_does_not_hide_another_process_co
     stop = False
 
     async def steady() -> None:
-        loop = asyncio.get_running_loop()
         while not stop:
-            left = [3]
-
-            def busy() -> None:  # other attempts keep the loop busy: the operation goes to the thread
-                left[0] -= 1
-                if left[0]:
-                    loop.call_soon(busy)
-
-            loop.call_soon(busy)
+            keep_busy(asyncio.get_running_loop(), 3)  # other attempts: the operation goes to the thread
             if traffic == "reads":
                 await s.raw(lambda db: db.one("SELECT count(*) FROM marks"))
             else:
@@ -349,3 +353,23 @@ async def test_a_failing_read_in_a_batch_of_reads_takes_no_write_lock(tmp_path: 
         other.execute("ROLLBACK")
         other.close()
         await s.close()
+
+
+async def test_an_operation_after_close_is_refused_not_left_waiting(tmp_path: Path) -> None:
+    """One queued after close() (from code without a loop, or a loop that passed the closed check
+    just before) would sit behind the thread's stop for ever; it is refused instead."""
+    s = SqliteStore(f"sqlite:///{tmp_path / 'closed.db'}")
+    await s.close()
+    outcome: list[str] = []
+
+    def call() -> None:
+        try:
+            s.run_sync(lambda db: db.one("SELECT 1"), write=False)
+            outcome.append("ran")
+        except RuntimeError as exc:
+            outcome.append(str(exc))
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(2.0)
+    assert len(outcome) == 1 and "is closed" in outcome[0], outcome

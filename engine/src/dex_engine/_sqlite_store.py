@@ -502,9 +502,11 @@ class SqliteStore(Store):
         return bool(ready) and self.settings.inline and not self._outstanding and not self._closed
 
     def _enqueue(self, op: _Op) -> None:
+        # Under the lock close() takes: an operation is queued before _STOP, and so runs, or refused.
         with self._count_lock:
+            self._refuse_if_closed()
             self._outstanding += 1
-        self._queue.put(op)
+            self._queue.put(op)
 
     def _inline(self, op: _Op, loop: asyncio.AbstractEventLoop) -> bool:
         """Run `op` on `loop`, its caller's, when that loop has nothing else to run and nothing waits
@@ -595,9 +597,10 @@ class SqliteStore(Store):
         return changed
 
     async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._count_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(_STOP)
         self._quiet.close()
-        self._queue.put(_STOP)
         await asyncio.to_thread(self._thread.join)
