@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from dex_engine import Context, Flow, Registry, RetryPolicy, Step, StepDecision, StepOptions
+from dex_engine import Attribute, Context, Flow, Registry, RetryPolicy, Step, StepDecision, StepOptions
 from dex_engine._store import LOST_CLAIM_MS
 
 from .conftest import engine_for, wait_until
@@ -336,3 +336,40 @@ async def test_a_timeout_error_the_handler_lets_out_is_not_the_method_timeout(db
         assert (await eng.client.wait_for_flow("o", 10)).status == "completed"
         (failed,) = failures(await eng.client.get_flow_history("o"))
         assert failed[2] == "execute: TimeoutError: TimeoutError()", failed
+
+
+@pytest.mark.sqlite_only  # on PostgreSQL the lock is released without a round trip; a poll claims the Step
+async def test_a_step_waiting_for_a_method_lock_runs_once_the_holder_commits(db_url: str) -> None:
+    """The holder's commit frees the lock and hands its worker the Step it starts; the ready Step
+    that waited for the lock is claimed in that commit too, not at the next housekeeping."""
+    marks: dict[str, float] = {}
+    count = Attribute("Count", int)
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to_many(("Holder", None), ("Other", None))
+
+    async def holder(ctx: Context, _: None) -> StepDecision:
+        await asyncio.sleep(0.2)
+        marks["holder returned"] = time.monotonic()
+        return StepDecision.go_to("Next")
+
+    async def other(ctx: Context, _: None) -> StepDecision:
+        marks.setdefault("other started", time.monotonic())
+        return StepDecision.dead_end()
+
+    async def next_step(ctx: Context, _: None) -> StepDecision:
+        await asyncio.sleep(2.0)  # its commit would claim Other too: only after this
+        return StepDecision.dead_end()
+
+    locked = StepOptions(execute_locks=(count,))
+    registry = Registry([Flow("Locks", [
+        Step("Start", start), Step("Holder", holder, options=locked), Step("Other", other, options=locked),
+        Step("Next", next_step),
+    ], start_step="Start", schema=[count])])
+    async with quiet_engine(db_url, registry) as eng:  # polls every second, housekeeps every 5 s
+        for i in range(3):
+            marks.clear()
+            await eng.client.start_flow("Locks", f"l{i}")
+            await wait_until("Other to start", lambda: asyncio.sleep(0, "other started" in marks))
+            if marks["other started"] > marks.get("holder returned", 0.0):  # it may have taken the lock first
+                assert marks["other started"] - marks["holder returned"] < 0.3, marks

@@ -499,7 +499,15 @@ def _method_options(options: TaskOptions, method: str) -> MethodOptions:
 
 
 def _release_locks(db: Db, task_id: int) -> None:
-    _send(db, "DELETE FROM locks WHERE task_id = ?", (task_id,))
+    if _on_postgres(db):
+        # Queued without a round trip; a Step that waited for these locks is claimed by a poll.
+        _send(db, "DELETE FROM locks WHERE task_id = ?", (task_id,))
+        return
+    released = db.all("DELETE FROM locks WHERE task_id = ? RETURNING flow_id", (task_id,))
+    if released and db.one("SELECT 1 FROM tasks WHERE flow_id = ? AND state = 'ready' LIMIT 1", (released[0][0],)):
+        # A ready Step of the flow may have waited for these locks: this commit claims it for its
+        # worker, as it would a Step it made ready, instead of leaving it to the next housekeeping.
+        db.notify()
 
 
 def _try_lock(db: Db, flow_id: str, task_id: int, names: tuple[str, ...]) -> bool:
