@@ -855,7 +855,7 @@ def main() -> None:
         except ImportError as exc:
             skipped[name] = f"not installed ({exc}); run with `uv run --group bench`"
     floors.measure()
-    floor_median, floor_p95 = statistics.median(floors.latencies), pct(floors.latencies, 0.95)
+    floor_median, floor_p95 = floors.median, pct(floors.latencies, 0.95)
     postgres: dict[str, Any] | None = None
     if args.pg_dsn:
         log("running dex on PostgreSQL ...")

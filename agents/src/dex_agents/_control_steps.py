@@ -525,9 +525,7 @@ def requeue_taken_resolutions(ctx: RpcContext, turn_id: str) -> None:
     FinishTurnCancellation sends the call back to applies it (seed 002, FinishTurnCancellation)."""
     from ._builtin_steps import question_interrupt_id
 
-    for record in ctx.items(AGENT_TOOL_CALLS).values():
-        if record.turn_id != turn_id:
-            continue
+    for record in SessionRuntime.turn_records(ctx, turn_id).values():
         if record.status is AgentToolCallStatus.AWAITING_APPROVAL:
             channel = INTERRUPT_RESOLUTIONS[record.tool_call_id]
         elif record.status is AgentToolCallStatus.AWAITING_ANSWER:

@@ -290,7 +290,7 @@ class SessionRuntime:
     # Turns -------------------------------------------------------------------------------------
 
     @staticmethod
-    def turn_records(ctx: Context, turn_id: str) -> dict[str, AgentToolCall]:
+    def turn_records(ctx: Context | RpcContext, turn_id: str) -> dict[str, AgentToolCall]:
         return {k: r for k, r in ctx.items(AGENT_TOOL_CALLS).items() if r.turn_id == turn_id}
 
     @staticmethod

@@ -1125,7 +1125,7 @@ def register_worker(db: Db, worker_id: str, host: str, pid: int, ttl_ms: int, no
     """Give the worker a live lease. One that had no row (declared dead, or an earlier process
     under the same ID) first sees its attempts still held in the database failed or handed back as
     a dead worker's: it no longer runs them, and its new row would hide them until lost-claim recovery."""
-    if db.one("SELECT 1 FROM workers WHERE worker_id = ?", (worker_id,)) is None:
+    if not worker_registered(db, worker_id):
         _expire_orphans(db, now)
     _send(
         db, "INSERT INTO workers (worker_id, host, pid, started_at, expires_at) VALUES (?, ?, ?, ?, ?) "

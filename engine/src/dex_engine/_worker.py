@@ -462,13 +462,14 @@ class AsyncWorker:
                 log.exception("could not hand back %s; it is recovered when this worker stops",
                               lease.step_execution_id)
         finally:
+            if lease.started is not None:
+                # Not resumed (revoked before it ran): drop the parked handler. This task runs in its
+                # variables already, which StartedFold.close would enter again.
+                cast(ParkedHandler, lease.started.resume).coroutine.close()
             self._end_attempt(running)
 
     def _end_attempt(self, running: _Running) -> None:
-        if running.lease.started is not None:
-            # Not resumed (revoked before it ran): drop the parked handler. This runs in its
-            # variables already (or never needs them), which StartedFold.close would enter again.
-            cast(ParkedHandler, running.lease.started.resume).coroutine.close()
+        """Free the attempt's slot and close its events; its parked handler, if any, is closed."""
         with running.events_lock:
             running.events_closed = True
         if running.flush_task is not None:
