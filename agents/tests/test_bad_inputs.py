@@ -22,17 +22,22 @@ from typing import Any
 
 import msgspec
 import pytest
+from agents.tests.built_context import step_context, tool_call
 from agents.tests.scripted_agent import FLOW_TYPE, INVOCATIONS, ScriptedRunner, build_flow, item
 
 from dex_agents import (
     AGENT_STATE,
+    AGENT_TOOL_CALLS,
     ARGUMENTS_NOT_OBJECT,
+    AWAIT_TOOL_APPROVAL,
+    INTERRUPT_RESOLUTIONS,
     INVALID_START_SESSION_SETTINGS_REASON,
     MAX_SESSION_SETTINGS_BYTES,
     NEW_MESSAGES_WITHOUT_BUILDER,
     OUTCOME_UNKNOWN_TEXT,
     QUEUED_USER_MESSAGES,
     SESSION_SETTINGS_SIZE_TOLERANCE_BYTES,
+    AgentInterruptResolution,
     AgentMessage,
     AgentSessionClient,
     AgentSessionFlow,
@@ -40,6 +45,7 @@ from dex_agents import (
     AgentSessionStartInput,
     AgentSnapshot,
     AgentStatus,
+    AgentToolCallStatus,
     AgentTurnContext,
     AgentTurnOutcome,
     AgentUsage,
@@ -58,7 +64,9 @@ from dex_agents import (
     TurnCompleted,
     TurnContinued,
 )
-from dex_agents._constants import MAX_REJECTION_MESSAGE_CHARS
+from dex_agents._constants import MAX_REJECTION_MESSAGE_CHARS, REJECTION_MESSAGE_NOT_STORED
+from dex_agents._runtime import SessionRuntime
+from dex_agents._tool_steps import ToolSteps
 from dex_agents.testing import (
     EXECUTE_COMPLETED_EVENT,
     AgentTestStack,
@@ -77,9 +85,11 @@ from dex_engine import (
     NoRetryError,
     Registry,
     ValueTooLargeError,
+    Wait,
     WorkerOptions,
     open_store,
 )
+from dex_engine._records import ConsumedMessage, WaitOutcome
 
 MISBEHAVE = "misbehave"  # the user text a misbehaving runner answers with its bad outcome
 HELLO = "hello"
@@ -521,6 +531,30 @@ async def test_a_rejection_message_too_large_to_store_is_cut_and_the_session_goe
         resolved = [p for t, p in await turn_events(sessions, "s", "turn-2") if t == "interrupt_resolved"]
         assert [len(p["rejection_message"]) for p in resolved] == [len(snapshot.messages[-1].text) - 3]
         await assert_usable(sessions, "s", before)
+
+
+async def test_a_rejection_that_does_not_fit_beside_the_calls_arguments_keeps_a_short_note() -> None:
+    """A call whose arguments nearly fill the value limit has no room for even a cut rejection
+    message: AwaitToolApproval records it rejected with REJECTION_MESSAGE_NOT_STORED instead of
+    failing on every retry. (A live session cannot get such arguments past its own message store,
+    which keeps each message's text and framework item; so the Step runs on a built context.)"""
+    flow = build_flow(None)
+    record = tool_call(AgentToolCallStatus.AWAITING_APPROVAL, tool_call_id="w1", tool_name="write_x",
+                       effect=ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=True,
+                       arguments=json.dumps({"padding": "x" * (MAX_VALUE_BYTES - 12_000)}))
+    reason = "no, " * (MAX_REJECTION_MESSAGE_CHARS // 4)
+    resolutions = INTERRUPT_RESOLUTIONS["w1"]
+    resolution = AgentInterruptResolution(approved=False, rejection_message=reason)
+    taken = ConsumedMessage(1, msgspec.Raw(msgspec.json.encode(resolution)))
+    outcome = WaitOutcome(satisfied=(0,), consumed=((taken,),))
+    ctx = step_context(flow, AWAIT_TOOL_APPROVAL, {("AgentToolCalls", "w1"): record},
+                       (Wait.any_of(resolutions.for_one()), outcome))
+    tools = ToolSteps(SessionRuntime(flow.runner, flow.options, flow.events))
+    await tools.await_tool_approval(ctx, "w1")
+    stored = ctx.get(AGENT_TOOL_CALLS["w1"])
+    assert stored is not None and stored.status is AgentToolCallStatus.REJECTED
+    assert stored.rejection_message == REJECTION_MESSAGE_NOT_STORED
+    assert stored.arguments == record.arguments
 
 
 # Runner failures ----------------------------------------------------------------------------------
