@@ -70,6 +70,27 @@ def page_size(db: Path) -> int:
         conn.close()
 
 
+def wal_pages_by_btree(db: Path, start: int, end: int) -> collections.Counter[str]:
+    """The pages of the WAL frames between byte offsets `start` and `end`, by the b-tree (table or
+    index) that holds each page now (dbstat); pages no b-tree holds count as "(free or overflow)"."""
+    size = page_size(db)
+    conn = sqlite3.connect(db)
+    try:
+        owner = {int(pageno): str(name) for name, pageno in conn.execute("SELECT name, pageno FROM dbstat")}
+    finally:
+        conn.close()
+    counts: collections.Counter[str] = collections.Counter()
+    with open(f"{db}-wal", "rb") as wal:
+        offset = max(start, 32)  # the WAL header
+        wal.seek(offset)
+        while offset + 24 + size <= end:
+            header = wal.read(24)
+            counts[owner.get(int.from_bytes(header[:4], "big"), "(free or overflow)")] += 1
+            wal.seek(size, os.SEEK_CUR)
+            offset += 24 + size
+    return counts
+
+
 def thread_cpu_ns(native_id: int | None) -> int:
     """On-CPU nanoseconds of one thread of this process (Linux schedstat)."""
     if native_id is None:
@@ -227,6 +248,7 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         db_cpu = thread_cpu_ns(store.native_id) - db0
         commits1, batches = _totals(counter), store.batches - batches0
         wal1 = wal_size(wal)
+        pages = wal_pages_by_btree(path, wal0, wal1) if args.wal_frames else collections.Counter()
         ops = store.ops - ops0
         inlined = store.inlined - inlined0
         if args.history:
@@ -258,6 +280,8 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         per_commit = ("" if counter is None else
                       f", {frames / max(1, commits1[0] - commits0[0]):.1f} per data-changing commit")
         print(f"WAL frames (pages written) {frames / n:.1f}/turn{per_commit} (autocheckpoint off)")
+        for name, count in pages.most_common():
+            print(f"  {name:<28} {count / n:6.2f} pages/turn")
     if store.sql_times is not None:
         total = sum(times for _spent, times in store.sql_times.values())
         print(f"\nSQL statements: {total / n:.1f}/turn; by thread CPU (ms per turn, count per turn):")
