@@ -161,16 +161,19 @@ REGISTRY = Registry([FLOW, OTHER_FLOW])
 Dump = dict[str, list[str]]
 
 
-# Every table of the engine's schema (both backends have the same ones).
-TABLES = ("meta", "flows", "step_counters", "tasks", "locks", "attributes", "channel_messages", "streams",
-          "stream_events", "history", "workers")
+# Every table of the engine's schema; PostgreSQL also keeps the Step counters in a table of their
+# own (SQLite keeps them in the flow row).
+TABLES = ("meta", "flows", "tasks", "locks", "attributes", "channel_messages", "streams", "stream_events",
+          "history", "workers")
+POSTGRES_TABLES = ("step_counters",)
 
 
 async def dump(store: Store) -> Dump:
     """Every row of every table, as sorted reprs (history has no rowid to order by)."""
 
     def read(db: Any) -> Dump:
-        return {name: sorted(repr(row) for row in db.all(f'SELECT * FROM "{name}"')) for name in TABLES}
+        names = TABLES + (POSTGRES_TABLES if getattr(db, "dialect", None) == "postgres" else ())
+        return {name: sorted(repr(row) for row in db.all(f'SELECT * FROM "{name}"')) for name in names}
 
     result: Dump = await store.raw(read)
     return result

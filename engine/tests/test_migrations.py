@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+from pathlib import Path
 
-from dex_engine import FlowConfig, open_store
+from dex_engine import Context, Flow, FlowConfig, Step, StepDecision, open_store
+from dex_engine import _transitions as transitions
+from dex_engine._codec import encode_json
+from dex_engine._decision import Movement
 from dex_engine._migrate import migration_files, statements
 from dex_engine._records import StartRequest
+from dex_engine._scheduling import movement_record
 
 
 def _version(db: object) -> int:
@@ -47,3 +53,46 @@ def test_migration_files_are_numbered_from_one_without_gaps() -> None:
 
 def test_statements_ignore_comments() -> None:
     assert statements("-- a; comment\nCREATE TABLE a (x INT); -- trailing; note\n\n") == ["CREATE TABLE a (x INT)"]
+
+
+def test_sqlite_counters_move_into_the_flow_rows_and_keep_counting(tmp_path: Path) -> None:
+    """Migration 0003 (SQLite): a database made by schema version 2 keeps each flow's Step counters
+    (in the flow row now): the next Step of a type gets the next number, not 1 again, and types
+    without one start at 1. Catches: counters lost by the move (execution IDs reused, which history
+    and tests tell apart by), or the old table left behind."""
+    path = tmp_path / "v2.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    for number, sql in migration_files("sqlite"):
+        if number > 2:
+            break
+        for statement in statements(sql):
+            conn.execute(statement)
+    conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', '2')")
+    conn.execute("INSERT INTO flows (flow_id, flow_type, status, input, config, version, created_at) "
+                 "VALUES ('old', 'T', 'running', x'6e756c6c', ?, 1, 0)", (encode_json(FlowConfig()),))
+    conn.executemany("INSERT INTO step_counters (flow_id, step_type, n) VALUES ('old', ?, ?)",
+                     [("Work", 3), ("Wait", 1)])
+    conn.close()
+
+    async def check() -> None:
+        flow = Flow("T", [Step("Work", _noop, input_type=type(None)), Step("Other", _noop, input_type=type(None))],
+                    start_step="Work")
+        store = open_store(f"sqlite:///{path}")
+        try:
+            assert await store.raw(_version) == migration_files("sqlite")[-1][0]
+            assert await store.raw(lambda db: transitions.step_counters(db, "old")) == {"Work": 3, "Wait": 1}
+            for step_type in ("Work", "Other"):
+                record = movement_record(flow, Movement(step_type, None))
+                await store.raw(lambda db, r=record: transitions.create_task(db, "old", "T", r, 0), write=True)
+            ids = await store.raw(lambda db: db.all("SELECT step_execution_id FROM tasks ORDER BY task_id"))
+            assert [r[0] for r in ids] == ["Work-4", "Other-1"]
+            tables = await store.raw(lambda db: db.all("SELECT name FROM sqlite_master WHERE name = 'step_counters'"))
+            assert tables == []
+        finally:
+            await store.close()
+
+    asyncio.run(check())
+
+
+async def _noop(ctx: Context, _: None) -> StepDecision:
+    return StepDecision.dead_end()

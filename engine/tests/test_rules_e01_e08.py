@@ -46,6 +46,7 @@ from dex_engine import (
     Wait,
     rpc,
 )
+from dex_engine import _transitions as transitions
 from dex_engine._records import DecisionRecord, ErrorInfo, Lease, WriteSet
 from dex_engine._scheduling import movement_record
 
@@ -364,8 +365,8 @@ async def test_e1_failure_late_in_execute_commit_rolls_back_its_writes(tmp_path:
         assert await stored_messages(eng, "f") == []
         assert await stream_values(eng, "f") == []
         assert await history(eng, "f", "execute_completed") == []
-        counters = await eng.store.raw(lambda db: db.all("SELECT step_type FROM step_counters WHERE flow_id = 'f'"))
-        assert [r[0] for r in counters] == ["First"], "the Doomed Step's ID was allocated by a rolled-back commit"
+        counters = await eng.store.raw(lambda db: transitions.step_counters(db, "f"))
+        assert counters == {"First": 1}, "the Doomed Step's ID was allocated by a rolled-back commit"
 
 
 async def test_e1_rpc_that_raises_commits_nothing_and_flow_keeps_running(db_url: str) -> None:
@@ -424,15 +425,17 @@ async def test_e1_value_too_large_leaves_the_execute_other_writes_unstored(db_ur
 # E2 Fencing -------------------------------------------------------------------------------------
 
 
-TABLES = ("flows", "tasks", "attributes", "channel_messages", "streams", "stream_events", "history", "locks",
-          "step_counters")
+# The flow rows hold the Step counters on SQLite; PostgreSQL keeps them in a table of their own.
+TABLES = ("flows", "tasks", "attributes", "channel_messages", "streams", "stream_events", "history", "locks")
+POSTGRES_TABLES = ("step_counters",)
 
 
 async def dump(eng: Engine) -> dict[str, list[tuple[Any, ...]]]:
     """Every row of every flow-state table: 'changed nothing' means this is unchanged."""
 
     def read(db: Any) -> dict[str, list[tuple[Any, ...]]]:
-        return {t: [tuple(r) for r in db.all(f"SELECT * FROM {t} ORDER BY 1, 2, 3")] for t in TABLES}
+        names = TABLES + (POSTGRES_TABLES if getattr(db, "dialect", None) == "postgres" else ())
+        return {t: [tuple(r) for r in db.all(f"SELECT * FROM {t} ORDER BY 1, 2, 3")] for t in names}
 
     result: dict[str, list[tuple[Any, ...]]] = await eng.store.raw(read)
     return result

@@ -62,7 +62,7 @@ from ._migrate import apply_pending
 from ._options import LoadSpec, MethodOptions, StepDurability, TaskOptions
 from ._records import DecisionRecord, Lease, MovementRecord, WriteSet
 from ._store import FoldExecute, Store, commit_origin, now_ms
-from ._transitions import Db, HistoryRow, PollResult, Row, run_op
+from ._transitions import AppendRow, Db, HistoryRow, PollResult, Row, run_op
 
 try:
     import psycopg
@@ -185,7 +185,10 @@ class _PgDb:
     """One transaction on a connection in pipeline mode: statements whose results nobody reads
     (`send`) travel with the next statement that needs its reply."""
 
-    __slots__ = ("conn", "history", "notified", "pipeline", "reader", "revoked_sent", "sender", "undo", "wrote")
+    __slots__ = (
+        "appends", "conn", "counted", "counters", "history", "notified", "pipeline", "reader", "revoked_sent",
+        "sender", "undo", "wrote",
+    )
 
     dialect = "postgres"
     for_update = " FOR UPDATE"
@@ -200,6 +203,9 @@ class _PgDb:
         self.reader: psycopg.Cursor[Any] = conn.cursor()
         self.sender: psycopg.Cursor[Any] = conn.cursor()
         self.history: list[HistoryRow] = []
+        self.appends: list[AppendRow] = []
+        self.counters: dict[str, dict[str, int]] = {}
+        self.counted: set[str] = set()
         self.notified = False
         self.revoked_sent = False
         # In-memory changes made by operations of this transaction, undone if it rolls back.
@@ -431,6 +437,7 @@ def _commit_executes(db: _PgDb, commits: list[_ExecuteCommit]) -> list[Any]:
             if c.writes.appends and not isinstance(results[n], _Rejected):
                 lease = c.lease
                 tx.append_writes(db, lease.flow_id, c.writes.appends, lease.step_execution_id, lease.attempt)
+        tx.flush_appends(db)
     except psycopg.Error:
         raise
     except Exception as exc:  # the generic path runs the commits again, each failing on its own

@@ -59,7 +59,7 @@ from ._limits import (
 )
 from ._migrate import apply_pending
 from ._store import Store, commit_origin
-from ._transitions import Db, HistoryRow, PollResult, Row, run_op
+from ._transitions import AppendRow, Db, HistoryRow, PollResult, Row, run_op
 from ._writer_turns import WriterTurns
 
 R = TypeVar("R")
@@ -102,7 +102,7 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
 
 
 class _SqliteDb:
-    __slots__ = ("conn", "history", "readied", "revokes")
+    __slots__ = ("appends", "conn", "counted", "counters", "history", "readied", "revokes")
 
     # BEGIN IMMEDIATE serializes every writer of the file: no row locks needed.
     for_update = ""
@@ -114,6 +114,9 @@ class _SqliteDb:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         self.history: list[HistoryRow] = []
+        self.appends: list[AppendRow] = []
+        self.counters: dict[str, dict[str, int]] = {}
+        self.counted: set[str] = set()
         self.readied = 0  # how often a transition made work ready (notify): commits claim it
         self.revokes = 0  # how often one revoked a running attempt: its own worker must be woken too
 

@@ -59,14 +59,18 @@ def now_ms() -> int:
 
 
 def _started_or_claimed(
-    db: Db, handoff: tx.Handoff, readied: int | None, flow_types: Sequence[str], now: int
-) -> list[Lease]:
+    db: Db, handoff: tx.Handoff, readied: int | None, flow_types: Sequence[str], now: int, *, defer: bool = False,
+) -> list[tx.Claimed]:
     """The attempts a commit hands its worker: the Steps it started went straight to it (`handoff`);
     otherwise claim ready work, and also when the commit made work ready (a backend that counts it,
-    in `readied`)."""
+    in `readied`). `defer`: the claims are not written yet (tx.claim_deferred), for the caller to
+    fold their Executes or write them."""
+    started = [tx.Claimed(lease, fresh=True) for lease in handoff.leases]
     if handoff.leases and (readied is None or getattr(db, "readied", None) == readied):
-        return handoff.leases
-    return handoff.leases + tx.claim(db, handoff.worker_id, flow_types, handoff.capacity, now)
+        return started
+    if defer:
+        return started + tx.claim_deferred(db, handoff.worker_id, flow_types, handoff.capacity, now)
+    return started + [tx.Claimed(lease) for lease in tx.claim(db, handoff.worker_id, flow_types, handoff.capacity, now)]
 
 
 class LocalClaimer(Protocol):
@@ -162,8 +166,11 @@ class Store(ABC):
             if getattr(db, "readied", 0) == readied:
                 return result, None  # nothing became ready: the worker is woken as usual
             now = now_ms()
-            leases = tx.claim(db, worker_id, flow_types, capacity, now)
-            return result, self._fold_executes(db, leases, claimer.fold_execute, worker_id, flow_types, capacity,
+            if self.folds_executes:
+                claimed = tx.claim_deferred(db, worker_id, flow_types, capacity, now)
+            else:
+                claimed = [tx.Claimed(lease) for lease in tx.claim(db, worker_id, flow_types, capacity, now)]
+            return result, self._fold_executes(db, claimed, claimer.fold_execute, worker_id, flow_types, capacity,
                                                durable=True, now=now)
 
         # Its commit does not wake the worker it claimed for (see local_claim_done).
@@ -247,8 +254,9 @@ class Store(ABC):
                 if _gates.ACTIVE:  # the transaction is open: a crash here must roll it all back
                     _gates.gate(_gates.INSIDE_COMMIT)
                 return []
-            leases = _started_or_claimed(db, handoff, readied, claim[1], now)
-            leases = self._fold_executes(db, leases, fold, claim[0], claim[1], claim[2], durable=lease.durable,
+            claimed = _started_or_claimed(db, handoff, readied, claim[1], now,
+                                          defer=fold is not None and self.folds_executes)
+            leases = self._fold_executes(db, claimed, fold, claim[0], claim[1], claim[2], durable=lease.durable,
                                          now=now)
             if _gates.ACTIVE:  # after the folded Executes too: a crash here rolls them all back
                 _gates.gate(_gates.INSIDE_COMMIT)
@@ -257,54 +265,61 @@ class Store(ABC):
         return await self._run(op, write=True, durable=lease.durable)
 
     def _fold_executes(
-        self, db: Db, leases: list[Lease], fold: FoldExecute | None, worker_id: str, flow_types: Sequence[str],
+        self, db: Db, claimed: list[tx.Claimed], fold: FoldExecute | None, worker_id: str, flow_types: Sequence[str],
         capacity: int, *, durable: bool, now: int,
     ) -> list[Lease]:
-        """Inside the transaction that claimed `leases`: run each pure Execute among them through
-        `fold` and commit it here, in a savepoint, handing on what it starts; the rest are returned
-        to run as usual. One that stopped at its first heartbeat has that heartbeat recorded here and
-        is returned to be resumed. A commit that skips the fsync (ASYNC) folds no durable Step and
-        records no heartbeat."""
+        """Inside the transaction that claimed these attempts: run each pure Execute among them
+        through `fold` and commit it here, in a savepoint, handing on what it starts; the rest are
+        returned to run as usual, their claims written (tx.write_claim). One that stopped at its
+        first heartbeat has that heartbeat recorded here and is returned to be resumed. A commit
+        that skips the fsync (ASYNC) folds no durable Step and records no heartbeat."""
         if fold is None or not self.folds_executes:
-            return leases
-        pending, out, folded = list(leases), [], 0
+            return [tx.write_claim(db, c) for c in claimed]
+        pending, out, folded = list(claimed), [], 0
         while pending:
-            claimed = pending.pop(0)
+            current = pending.pop(0)
+            claimed_lease = current.lease
             result = None
-            if folded < MAX_FOLDED_EXECUTES_PER_COMMIT and (durable or not claimed.durable):
-                result = fold(claimed, durable)
+            if folded < MAX_FOLDED_EXECUTES_PER_COMMIT and (durable or not claimed_lease.durable):
+                result = fold(claimed_lease, durable)
             if result is None:
-                out.append(claimed)
+                out.append(tx.write_claim(db, current))
                 continue
             if isinstance(result, StartedFold):
+                tx.write_claim(db, current)
                 # A heartbeat is durable once recorded (E10): not in a commit that skips the fsync.
-                if durable and tx.heartbeat_folded(db, claimed, result, now):
+                if durable and tx.heartbeat_folded(db, current, result, now):
                     folded += 1
-                    out.append(dataclasses.replace(claimed, started=result))
+                    out.append(dataclasses.replace(claimed_lease, started=result))
                 else:
                     with contextlib.suppress(Exception):  # its usual attempt runs it again, and fails as it fails
                         result.close()
-                    out.append(claimed)
+                    out.append(claimed_lease)
                 continue
+            # Its writes must preserve the snapshots of the other claims (E15): they are written
+            # first, and from here on their rows are checked rather than known (Claimed.fresh).
+            for other in pending:
+                tx.write_claim(db, other)
+                other.fresh = False
             # Its slot is free again once it commits here.
             handoff = tx.Handoff(worker_id, capacity - len(out) - len(pending), [])
             readied = getattr(db, "readied", None)
             revokes = getattr(db, "revokes", None)
-            if not tx.commit_folded(db, claimed, result[0], result[1], now, handoff):
-                out.append(claimed)
+            if not tx.commit_folded(db, current, result[0], result[1], now, handoff):
+                out.append(tx.write_claim(db, current))
                 continue
             folded += 1
             if getattr(db, "revokes", None) != revokes:
                 # It cancelled Steps or closed the flow: drop the attempts it took away, which the
                 # worker would otherwise start (no running attempt of its own to revoke yet, E9).
-                live = tx.task_epochs(db, [c.task_id for c in (*out, *pending)])
+                live = tx.task_epochs(db, [c.task_id for c in out] + [c.lease.task_id for c in pending])
                 for gone in out:
                     if gone.started is not None and live.get(gone.task_id) != gone.lease_epoch:
                         with contextlib.suppress(Exception):
                             gone.started.close()
                 out = [c for c in out if live.get(c.task_id) == c.lease_epoch]
-                pending = [c for c in pending if live.get(c.task_id) == c.lease_epoch]
-            pending += _started_or_claimed(db, handoff, readied, flow_types, now)
+                pending = [c for c in pending if live.get(c.lease.task_id) == c.lease.lease_epoch]
+            pending += _started_or_claimed(db, handoff, readied, flow_types, now, defer=True)
         return out
 
     async def fail_attempt(self, lease: Lease, error: ErrorInfo, *, no_retry: bool = False) -> None:

@@ -55,12 +55,14 @@ S = TypeVar("S")
 
 
 HistoryRow = tuple[str, str, str, str, int, int, str]  # flow, step type, execution ID, event, attempt, at, detail
+AppendRow = tuple[str, str, int, str, int, bytes]  # flow, stream, capacity, execution ID, attempt, value
 
 
 class Db(Protocol):
     """The few statements the transitions need from a backend, inside an open transaction.
 
-    `history` buffers the operation's history events; run_op writes them once at its end.
+    `history` buffers the operation's history events and `appends` its stream events; run_op
+    writes each once at its end (one sequence update and one insert per flow and stream).
     `for_update` and `skip_locked` are the row-lock clauses a backend with concurrent writers needs
     ('' on SQLite, whose writers are serialized by BEGIN IMMEDIATE). `notify` tells other
     processes' workers that work may be ready, and `revoked` that a running attempt was cancelled,
@@ -72,6 +74,12 @@ class Db(Protocol):
     """
 
     history: list[HistoryRow]
+    appends: list[AppendRow]
+    # On a backend whose flow rows hold their Step execution counters (SQLite; see _insert_task):
+    # each flow's counters as this operation leaves them, read once, and the flows whose counters it
+    # changed, which flush_history writes back. Emptied at the end of every operation (run_op).
+    counters: dict[str, dict[str, int]]
+    counted: set[str]
     for_update: str
     skip_locked: str
 
@@ -149,12 +157,15 @@ def flow_status(db: Db, flow_id: str) -> tuple[str, str]:
 def require_running(db: Db, flow_id: str, *, lock: bool = True) -> str:
     """The flow's type if it is running. With `lock`, this transaction now serializes the flow's
     changes (the flow row lock on PostgreSQL)."""
-    row = db.one(f"SELECT flow_type, status FROM flows WHERE flow_id = ?{db.for_update if lock else ''}",
+    counters = "NULL" if _on_postgres(db) else "step_counters"  # see Db.counters
+    row = db.one(f"SELECT flow_type, status, {counters} FROM flows WHERE flow_id = ?{db.for_update if lock else ''}",
                  (flow_id,))
     if row is None:
         raise FlowNotFoundError(flow_id)
     if row[1] != "running":
         raise FlowNotActiveError(flow_id, str(row[1]))
+    if not _on_postgres(db):
+        _know_counters(db, flow_id, row[2])
     return str(row[0])
 
 
@@ -232,23 +243,27 @@ def _on_postgres(db: Db) -> bool:
 
 
 def flush_history(db: Db) -> None:
-    """Write the buffered history events: per flow one sequence update and one insert."""
+    """Write the buffered history events: per flow one sequence update and one insert. On SQLite
+    that update also writes the flow's Step counters when the operation changed them."""
     pending, db.history = db.history, []
     by_flow: dict[str, list[HistoryRow]] = {}
     for row in pending:
         by_flow.setdefault(row[0], []).append(row)
     postgres = _on_postgres(db)
+    for flow_id in db.counted:
+        by_flow.setdefault(flow_id, [])  # a Step is always scheduled with history; this is belt and braces
     for flow_id, rows in by_flow.items():
         if postgres:
             _send_history(db, flow_id, rows)
             continue
+        counters = (encode_json(db.counters[flow_id]).decode(),) if flow_id in db.counted else ()
         # History marks state changes, so it also bumps the version RPCs validate against.
         got = db.one(
-            "UPDATE flows SET history_seq = history_seq + ?, version = version + 1 WHERE flow_id = ? "
-            "RETURNING history_seq",
-            (len(rows), flow_id),
+            "UPDATE flows SET history_seq = history_seq + ?, version = version + 1"
+            + (", step_counters = ?" if counters else "") + " WHERE flow_id = ? RETURNING history_seq",
+            (len(rows), *counters, flow_id),
         )
-        if got is None:
+        if got is None or not rows:
             continue
         last = int(got[0])
         first = last - len(rows) + 1
@@ -290,13 +305,18 @@ def _send_history(db: Db, flow_id: str, rows: list[HistoryRow]) -> None:
 
 
 def run_op(fn: Callable[[Db], R], db: Db) -> R:
-    """Run one operation inside the open transaction, then write its history; on error drop it."""
+    """Run one operation inside the open transaction, then write its events and history; on error drop them."""
     try:
         result = fn(db)
+        flush_appends(db)
         flush_history(db)
     except BaseException:
         db.history.clear()
+        db.appends.clear()
         raise
+    finally:
+        db.counters.clear()
+        db.counted.clear()
     return result
 
 
@@ -313,6 +333,7 @@ def read_history(db: Db, flow_id: str, limit: int) -> list[HistoryEntry]:
 # Tasks -------------------------------------------------------------------------------------
 
 
+# PostgreSQL keeps the counters in a table of their own (its batched commit function writes them).
 _COUNT_EXECUTION = ("INSERT INTO step_counters (flow_id, step_type, n) VALUES (?, ?, 1) "
                     "ON CONFLICT (flow_id, step_type) DO UPDATE SET n = step_counters.n + 1")
 
@@ -329,14 +350,40 @@ def _insert_task(db: Db, columns: str, values: str, params: Sequence[Any]) -> tu
                f"SELECT {values.format(id=execution_id)} FROM c RETURNING task_id, step_execution_id")
         row = db.one(sql, (flow_id, step_type, *params[:3], step_type, *params[3:]))
     else:
-        _send(db, _COUNT_EXECUTION, (flow_id, step_type))
-        execution_id = ("CAST(? AS TEXT) || '-' || CAST((SELECT n FROM step_counters WHERE flow_id = ? "
-                        "AND step_type = ?) AS TEXT)")
-        sql = (f"INSERT INTO tasks ({columns}) VALUES ({values.format(id=execution_id)}) "
-               "RETURNING task_id, step_execution_id")
-        row = db.one(sql, (*params[:3], step_type, flow_id, step_type, *params[3:]))
+        # The flow row holds the counters (see Db.counters): no statement of their own.
+        counters = step_counters(db, flow_id)
+        n = counters[step_type] = counters.get(step_type, 0) + 1
+        db.counted.add(flow_id)
+        execution = f"{step_type}-{n}"
+        row = db.one(f"INSERT INTO tasks ({columns}) VALUES ({values.format(id='?')}) RETURNING task_id",
+                     (*params[:3], execution, *params[3:]))
+        assert row is not None
+        return int(row[0]), execution
     assert row is not None
     return int(row[0]), str(row[1])
+
+
+def step_counters(db: Db, flow_id: str) -> dict[str, int]:
+    """The flow's Step execution counters, by Step type, as this operation leaves them."""
+    if _on_postgres(db):
+        return {str(t): int(n) for t, n in db.all("SELECT step_type, n FROM step_counters WHERE flow_id = ?",
+                                                  (flow_id,))}
+    known = db.counters.get(flow_id)
+    if known is None:
+        row = db.one("SELECT step_counters FROM flows WHERE flow_id = ?", (flow_id,))
+        known = db.counters[flow_id] = _decode_counters(None if row is None else row[0])
+    return known
+
+
+def _decode_counters(text: str | bytes | None) -> dict[str, int]:
+    return {} if text is None else dict(decode_json(text, dict[str, int]))
+
+
+def _know_counters(db: Db, flow_id: str, text: str | bytes | None) -> None:
+    """The counters a read of the flow row came with, unless this operation already knows (and may
+    have changed) them."""
+    if flow_id not in db.counters:
+        db.counters[flow_id] = _decode_counters(text)
 
 
 @dataclass
@@ -347,6 +394,64 @@ class Handoff:
     worker_id: str
     capacity: int
     leases: list[Lease]
+    # The attributes as the committing method leaves them, where known without reading (see
+    # StateView); commit_execute sets it.
+    view: StateView | None = None
+
+
+@dataclass(frozen=True)
+class StateView:
+    """Attribute rows as a commit leaves them, known without reading them: what the committing
+    method loaded (`load`, `loaded`) with its `writes` applied.
+
+    Valid only while those loaded rows are still the live rows (the method's snapshot is still
+    LIVE_SNAPSHOT, or it was claimed in this very transaction): then every row its load covers is
+    as it read it, plus its own writes. A Step the commit starts reads what the view covers from
+    here (`split`) and only the rest from the database: a turn's model call loads the whole
+    message window, which the Step before it had just loaded.
+    """
+
+    load: LoadSpec
+    loaded: dict[tuple[str, str], bytes]
+    writes: dict[tuple[str, str], bytes | None]
+
+    def split(self, spec: LoadSpec) -> tuple[dict[tuple[str, str], bytes], LoadSpec | None]:
+        """The rows of `spec` this view covers, and what is left to read (None: nothing)."""
+        mine = self.load
+        if spec.mode == "none":
+            return {}, None
+        if mine.mode != "all" and (spec.mode == "all" or mine.mode == "none"):
+            return {}, spec
+        if mine.mode == "all":
+            names, instances = frozenset(spec.names), frozenset(spec.instances)
+            every = spec.mode == "all"
+            rest: LoadSpec | None = None
+        else:
+            names = frozenset(n for n in spec.names if n in mine.names)
+            instances = frozenset(i for i in spec.instances if mine.loads(*i))
+            left_names = tuple(n for n in spec.names if n not in names)
+            left_instances = tuple(i for i in spec.instances if i not in instances)
+            every = False
+            rest = LoadSpec("only", left_names, left_instances) if left_names or left_instances else None
+        rows: dict[tuple[str, str], bytes] = {}
+        for source in (self.loaded, self.writes):
+            for ident, value in source.items():
+                if every or ident[0] in names or ident in instances:
+                    if value is None:
+                        rows.pop(ident, None)
+                    else:
+                        rows[ident] = value
+        return rows, rest
+
+
+def _load_through(db: Db, flow_id: str, spec: LoadSpec, view: StateView | None) -> dict[tuple[str, str], bytes]:
+    """load_attributes, taking from `view` the rows it covers."""
+    if view is None:
+        return load_attributes(db, flow_id, spec)
+    rows, rest = view.split(spec)
+    if rest is not None:
+        rows.update(load_attributes(db, flow_id, rest))
+    return rows
 
 
 def create_task(
@@ -364,8 +469,9 @@ def create_task(
     recovery_blob = None if recovery_error is None else encode_json(recovery_error)
     options_blob = encode_json(options)
     wait_options = options.wait_for
+    view = None if handoff is None else handoff.view
     if movement.wait is not None and wait_options is not None and _wait_state_holds(
-        db, flow_id, wait_options, movement.wait_loaded
+        db, flow_id, wait_options, movement.wait_loaded, view
     ):
         # The WaitFor already ran (see MovementRecord.wait): register its wait as its commit would,
         # in this transaction; the caller evaluates the flow's waits once its movements are in.
@@ -392,7 +498,7 @@ def create_task(
         _history(db, flow_id, step_type, seid, STEP_SCHEDULED, 0, now)
         db.notify()
         return task_id
-    start = _attempt_start(db, flow_id, options, mopts, None, now)
+    start = _attempt_start(db, flow_id, options, mopts, None, now, view)
     task_id, seid = _insert_task(
         db,
         "flow_id, flow_type, step_type, step_execution_id, input, options, method, state, attempt, run_at, "
@@ -415,14 +521,15 @@ def create_task(
 
 
 def _wait_state_holds(
-    db: Db, flow_id: str, options: MethodOptions, loaded: Sequence[tuple[str, str, bytes]]
+    db: Db, flow_id: str, options: MethodOptions, loaded: Sequence[tuple[str, str, bytes]],
+    view: StateView | None = None,
 ) -> bool:
     """Whether a WaitFor evaluated ahead of this commit saw the attributes it loads as they are now."""
     if options.locks:
         return False
     if options.load.mode == "none":
         return True
-    return load_attributes(db, flow_id, options.load) == {(n, k): v for n, k, v in loaded}
+    return _load_through(db, flow_id, options.load, view) == {(n, k): v for n, k, v in loaded}
 
 
 @dataclass(frozen=True)
@@ -445,14 +552,15 @@ def _encode_snapshot(attrs: dict[tuple[str, str], bytes]) -> bytes:
 
 
 def _attempt_start(
-    db: Db, flow_id: str, options: TaskOptions, mopts: MethodOptions, snapshot: bytes | None, now: int
+    db: Db, flow_id: str, options: TaskOptions, mopts: MethodOptions, snapshot: bytes | None, now: int,
+    view: StateView | None = None,
 ) -> _AttemptStart:
     """What an attempt is handed: its method's snapshot (E15) and its deadlines."""
     if mopts.load.mode == "none":
         attrs: dict[tuple[str, str], bytes] = {}
     elif snapshot is None or snapshot == LIVE_SNAPSHOT:
         # E15: the state loaded for the method's first attempt is what every retry sees.
-        attrs = load_attributes(db, flow_id, mopts.load)
+        attrs = _load_through(db, flow_id, mopts.load, view)
         if snapshot is None:
             snapshot = LIVE_SNAPSHOT if getattr(db, "lazy_snapshots", False) else _encode_snapshot(attrs)
     else:
@@ -510,21 +618,12 @@ def _release_locks(db: Db, task_id: int) -> None:
         db.notify()
 
 
-def _try_lock(db: Db, flow_id: str, task_id: int, names: tuple[str, ...]) -> bool:
-    if not names:
-        return True
-    held = db.all(
+def _locks_taken(db: Db, flow_id: str, task_id: int, names: tuple[str, ...]) -> bool:
+    """Whether another task holds one of these locks of the flow."""
+    return bool(db.all(
         f"SELECT lock_name FROM locks WHERE flow_id = ? AND lock_name IN ({_in(names)}) AND task_id <> ?",
         (flow_id, *names, task_id),
-    )
-    if held:
-        return False
-    for name in names:
-        _send(
-            db, "INSERT INTO locks (flow_id, lock_name, task_id) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
-            (flow_id, name, task_id),
-        )
-    return True
+    ))
 
 
 def load_attributes(db: Db, flow_id: str, spec: LoadSpec) -> dict[tuple[str, str], bytes]:
@@ -549,6 +648,41 @@ def load_attributes(db: Db, flow_id: str, spec: LoadSpec) -> dict[tuple[str, str
 
 def claim(db: Db, worker_id: str, flow_types: Sequence[str], capacity: int, now: int) -> list[Lease]:
     """Hand up to `capacity` ready attempts to `worker_id`, taking method locks and snapshots."""
+    return [write_claim(db, c) for c in claim_deferred(db, worker_id, flow_types, capacity, now)]
+
+
+@dataclass
+class Claimed:
+    """An attempt a transaction hands its worker (see claim_deferred and Handoff)."""
+
+    lease: Lease
+    # The claim is not written yet (claim_deferred): write_claim writes it, unless its Execute is
+    # folded into this transaction, which then deletes the task without ever marking it running.
+    deferred: _ClaimWrites | None = None
+    # Created or claimed by this transaction: nothing else has changed its task since (E2 holds
+    # without reading it back), and its loaded rows are the live rows (its snapshot is live).
+    fresh: bool = False
+
+
+@dataclass
+class _ClaimWrites:
+    """What marking a claimed task running writes: its lease, deadlines, snapshot and method locks."""
+
+    worker_id: str
+    now: int
+    start: _AttemptStart
+    locks: tuple[str, ...]  # locks to take now ('' when the task already holds its method's locks)
+    held_locks: bool  # the task already held its method's locks (a retry): commit_execute releases them
+    # A row this claim skipped because it wanted one of these locks: folding this Execute (which
+    # never writes them) must still let a later claim of the transaction take that row.
+    blocks_others: bool = False
+
+
+def claim_deferred(db: Db, worker_id: str, flow_types: Sequence[str], capacity: int, now: int) -> list[Claimed]:
+    """claim, with nothing written yet: each Claimed's `deferred` is written by write_claim, so an
+    Execute folded into the claiming transaction (Step.pure_execute) never marks its task running,
+    takes its locks or releases them. Locks are still checked, against the locks held and those
+    the earlier claims of this call will take."""
     if capacity <= 0 or not flow_types:
         return []
     rows = db.all(
@@ -556,45 +690,70 @@ def claim(db: Db, worker_id: str, flow_types: Sequence[str], capacity: int, now:
         f"AND flow_type IN ({_in(flow_types)}) ORDER BY run_at, task_id LIMIT ?{db.skip_locked}",
         (now, *flow_types, capacity * 4),
     )
-    leases: list[Lease] = []
+    claimed: list[Claimed] = []
+    taking: dict[tuple[str, str], _ClaimWrites] = {}  # locks the claims so far will take
     for r in rows:
-        if len(leases) >= capacity:
+        if len(claimed) >= capacity:
             break
-        lease = _claim_row(db, r, worker_id, now)
-        if lease is not None:
-            leases.append(lease)
-    return leases
+        got = _claim_row(db, r, worker_id, now, taking)
+        if got is not None:
+            claimed.append(got)
+    return claimed
 
 
-def _claim_row(db: Db, r: Row, worker_id: str, now: int) -> Lease | None:
+def _claim_row(
+    db: Db, r: Row, worker_id: str, now: int, taking: dict[tuple[str, str], _ClaimWrites]
+) -> Claimed | None:
     task_id, epoch, flow_id, flow_type, step_type, seid, method, attempt = r[:8]
     if db.skip_locked and db.one(f"SELECT 1 FROM flows WHERE flow_id = ?{db.skip_locked}", (flow_id,)) is None:
         return None  # another transaction is changing this flow: claim the task on a later poll
     options = _decode_options(bytes(r[9]))
     mopts = _method_options(options, str(method))
+    locks: tuple[str, ...] = ()
     if not r[14] and mopts.locks:
-        if not _try_lock(db, str(flow_id), int(task_id), mopts.locks):
+        blocker = next((taking[(str(flow_id), n)] for n in mopts.locks if (str(flow_id), n) in taking), None)
+        if blocker is not None:
+            blocker.blocks_others = True
             return None
-        _send(db, "UPDATE tasks SET locks_held = 1 WHERE task_id = ?", (task_id,))
+        if _locks_taken(db, str(flow_id), int(task_id), mopts.locks):
+            return None
+        locks = mopts.locks
     start = _attempt_start(db, str(flow_id), options, mopts, None if r[10] is None else bytes(r[10]), now)
-    attrs = start.attributes
-    new_epoch = int(epoch) + 1
-    _send(
-        db, "UPDATE tasks SET state = 'running', lease_owner = ?, lease_epoch = ?, claimed_at = ?, "
-        "attempt_started = 0, method_first_at = COALESCE(method_first_at, ?), deadline_at = ?, "
-        "method_deadline_at = ?, snapshot = ? WHERE task_id = ?",
-        (worker_id, new_epoch, now, now, start.deadline, start.method_deadline, start.snapshot, task_id),
-    )
-    return Lease(
-        task_id=int(task_id), lease_epoch=new_epoch, flow_id=str(flow_id), flow_type=str(flow_type),
+    writes = _ClaimWrites(worker_id, now, start, locks, bool(r[14]) and bool(mopts.locks))
+    for name in locks:
+        taking[(str(flow_id), name)] = writes
+    lease = Lease(
+        task_id=int(task_id), lease_epoch=int(epoch) + 1, flow_id=str(flow_id), flow_type=str(flow_type),
         step_type=str(step_type), step_execution_id=str(seid),
         method="wait_for" if method == "wait_for" else "execute", attempt=int(attempt),
-        input=bytes(r[8]), options=options, load=mopts.load, attributes=attrs,
+        input=bytes(r[8]), options=options, load=mopts.load, attributes=start.attributes,
         checkpoint=None if r[11] is None else str(r[11]),
-        wait_spec=None if r[19] is None else decode_json(r[19], WaitSpec),
+        wait_spec=None if r[19] is None else _decode_wait_spec(bytes(r[19])),
         wait_outcome=None if r[12] is None else decode_json(r[12], WaitOutcome),
         recovery_error=None if r[13] is None else decode_json(r[13], RecoveryError),
     )
+    return Claimed(lease, writes, fresh=start.snapshot == LIVE_SNAPSHOT)
+
+
+def write_claim(db: Db, claimed: Claimed) -> Lease:
+    """Write a deferred claim (claim_deferred): the task runs under the lease, with its locks."""
+    writes, lease = claimed.deferred, claimed.lease
+    if writes is None:
+        return lease
+    claimed.deferred = None
+    if writes.locks:
+        for name in writes.locks:
+            _send(db, "INSERT INTO locks (flow_id, lock_name, task_id) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                  (lease.flow_id, name, lease.task_id))
+    start = writes.start
+    _send(
+        db, "UPDATE tasks SET state = 'running', lease_owner = ?, lease_epoch = ?, claimed_at = ?, "
+        "attempt_started = 0, method_first_at = COALESCE(method_first_at, ?), deadline_at = ?, "
+        "method_deadline_at = ?, snapshot = ?" + (", locks_held = 1" if writes.locks else "") + " WHERE task_id = ?",
+        (writes.worker_id, lease.lease_epoch, writes.now, writes.now, start.deadline, start.method_deadline,
+         start.snapshot, lease.task_id),
+    )
+    return lease
 
 
 def check_lease(db: Db, lease: Lease) -> tuple[FlowConfig, bool]:
@@ -602,33 +761,49 @@ def check_lease(db: Db, lease: Lease) -> tuple[FlowConfig, bool]:
 
     The read also takes the flow's lock (and the task row's) on PostgreSQL: a read that waited
     for the lock re-reads both rows at their newest versions, so the epoch it checks is current."""
-    config, completing, _live = _check_lease(db, lease, False)
-    return config, completing
+    checked = _check_lease(db, lease, False)
+    return checked.config, checked.completing
 
 
-def check_lease_for_writes(db: Db, lease: Lease) -> tuple[FlowConfig, bool, bool]:
-    """check_lease, and whether another method of the flow may still have the live attribute rows
-    as its snapshot (LIVE_SNAPSHOT): when not, the method's writes need not preserve snapshots. The
-    same statement answers both (one statement fewer per commit that writes attributes)."""
-    return _check_lease(db, lease, getattr(db, "lazy_snapshots", False))
+@dataclass(frozen=True)
+class _LeaseChecked:
+    config: FlowConfig
+    completing: bool  # graceful_complete was asked: the flow closes when its last Step ends
+    # Another method of the flow may still have the live attribute rows as its snapshot
+    # (LIVE_SNAPSHOT): when not, this method's writes need not preserve snapshots.
+    others_live: bool
+    # This method's own snapshot is still the live rows: nothing has written what it loaded since
+    # it was claimed (see StateView).
+    own_live: bool
 
 
-def _check_lease(db: Db, lease: Lease, live: bool) -> tuple[FlowConfig, bool, bool]:
+def check_lease_for_writes(db: Db, lease: Lease, deferred: bool = False) -> _LeaseChecked:
+    """check_lease, and whether this and other methods of the flow still have the live attribute
+    rows as their snapshots (see _LeaseChecked); the same statement answers all of it. `deferred`:
+    the lease's claim is not written (claim_deferred), so its task is still ready, one epoch back."""
+    return _check_lease(db, lease, getattr(db, "lazy_snapshots", False), deferred)
+
+
+def _check_lease(db: Db, lease: Lease, live: bool, deferred: bool = False) -> _LeaseChecked:
     others_live = ("EXISTS (SELECT 1 FROM tasks s WHERE s.flow_id = f.flow_id AND s.snapshot = ? "
-                   "AND s.task_id <> t.task_id)" if live else "1")
+                   "AND s.task_id <> t.task_id), t.snapshot = ?" if live else "1, 0")
+    counters = "NULL" if _on_postgres(db) else "f.step_counters"  # see Db.counters
     row = db.one(
-        f"SELECT t.state, t.lease_epoch, f.status, f.config, f.completing, {others_live} FROM flows f "
+        f"SELECT t.state, t.lease_epoch, f.status, f.config, f.completing, {others_live}, {counters} FROM flows f "
         f"JOIN tasks t ON t.flow_id = f.flow_id WHERE f.flow_id = ? AND t.task_id = ?{db.for_update}",
-        (LIVE_SNAPSHOT, lease.flow_id, lease.task_id) if live else (lease.flow_id, lease.task_id),
+        (LIVE_SNAPSHOT, LIVE_SNAPSHOT, lease.flow_id, lease.task_id) if live else (lease.flow_id, lease.task_id),
     )
-    if row is None or row[0] != "running" or int(row[1]) != lease.lease_epoch:
+    state, epoch = ("ready", lease.lease_epoch - 1) if deferred else ("running", lease.lease_epoch)
+    if row is None or row[0] != state or int(row[1]) != epoch:
         raise StaleAttemptError(
             f"attempt {lease.attempt} of {lease.step_execution_id} in flow {lease.flow_id!r} "
             "no longer owns its task (cancelled, timed out, lease lost or superseded); its write was rejected"
         )
     if row[2] != "running":
         raise FlowNotActiveError(lease.flow_id, str(row[2]))
-    return _decode_config(bytes(row[3])), bool(row[4]), bool(row[5])
+    if not _on_postgres(db):
+        _know_counters(db, lease.flow_id, row[7])
+    return _LeaseChecked(_decode_config(bytes(row[3])), bool(row[4]), bool(row[5]), bool(row[6]))
 
 
 def _release_method_locks(db: Db, lease: Lease) -> None:
@@ -707,11 +882,24 @@ def apply_writes(
 def append_writes(
     db: Db, flow_id: str, appends: Sequence[tuple[str, int, bytes]], seid: str, attempt: int
 ) -> None:
-    """Append a method's buffered events (stream, capacity, value), one append per stream."""
-    by_stream: dict[tuple[str, int], list[tuple[str, int, bytes]]] = {}
-    for stream, capacity, value in appends:
-        by_stream.setdefault((stream, capacity), []).append((seid, attempt, value))
-    for (stream, capacity), events in by_stream.items():
+    """Queue a method's events (stream, capacity, value) for this operation's end (flush_appends)."""
+    db.appends.extend((flow_id, stream, capacity, seid, attempt, value) for stream, capacity, value in appends)
+
+
+def flush_appends(db: Db) -> None:
+    """Write the queued stream events: per flow and stream, in queue order, one sequence update
+    and one insert. A commit that folds several Steps (each appending) thus appends once."""
+    if not db.appends:
+        return
+    pending, db.appends = db.appends, []
+    by_stream: dict[tuple[str, str], tuple[int, list[tuple[str, int, bytes]]]] = {}
+    for flow_id, stream, capacity, seid, attempt, value in pending:
+        known = by_stream.get((flow_id, stream))
+        if known is None:
+            by_stream[(flow_id, stream)] = (capacity, [(seid, attempt, value)])
+        else:
+            known[1].append((seid, attempt, value))
+    for (flow_id, stream), (capacity, events) in by_stream.items():
         append_events(db, flow_id, stream, capacity, events)
 
 
@@ -891,9 +1079,9 @@ def skip_timer(db: Db, flow_id: str, step_execution_id: str, now: int) -> None:
 
 
 def commit_wait_for(db: Db, lease: Lease, writes: WriteSet, spec: WaitSpec, now: int) -> None:
-    _config, _completing, others_live = check_lease_for_writes(db, lease)
+    checked = check_lease_for_writes(db, lease)
     apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now, lease.task_id,
-                 others_live)
+                 checked.others_live)
     _release_method_locks(db, lease)
     timers = [c.seconds for c in spec.conditions if c.kind == "timer"]
     _send(
@@ -907,45 +1095,72 @@ def commit_wait_for(db: Db, lease: Lease, writes: WriteSet, spec: WaitSpec, now:
 
 
 def commit_execute(
-    db: Db, lease: Lease, writes: WriteSet, decision: DecisionRecord, now: int, handoff: Handoff | None = None
+    db: Db, lease: Lease, writes: WriteSet, decision: DecisionRecord, now: int, handoff: Handoff | None = None,
+    claimed: Claimed | None = None,
 ) -> None:
-    config, completing, others_live = check_lease_for_writes(db, lease)
+    """Commit an Execute's writes and decision. `claimed`: how this transaction claimed the lease,
+    when it did (an Execute folded into it, Step.pure_execute)."""
+    deferred = None if claimed is None else claimed.deferred
+    checked = check_lease_for_writes(db, lease, deferred is not None)
     apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now, lease.task_id,
-                 others_live)
-    _release_method_locks(db, lease)
+                 checked.others_live)
+    if deferred is None:
+        _release_method_locks(db, lease)
+    else:
+        if deferred.held_locks:
+            _release_locks(db, lease.task_id)
+        if deferred.blocks_others:
+            db.notify()  # a ready Step this claim kept from its locks can be claimed now
     _send(db, "DELETE FROM tasks WHERE task_id = ?", (lease.task_id,))
     _history(db, lease.flow_id, lease.step_type, lease.step_execution_id, EXECUTE_COMPLETED, lease.attempt, now,
              decision.kind)
-    apply_decision(db, lease.flow_id, lease.flow_type, decision, now, config, handoff)
+    if handoff is not None and (checked.own_live if claimed is None else claimed.fresh):
+        handoff.view = StateView(lease.load, lease.attributes, writes.attributes)
+    apply_decision(db, lease.flow_id, lease.flow_type, decision, now, checked.config, handoff)
     if decision.kind in ("force_complete", "force_fail"):
         return
     if writes.publishes or any(m.wait is not None for m in decision.movements):
         evaluate_waits(db, lease.flow_id, now)
-    if completing or decision.kind == "graceful_complete":
+    if checked.completing or decision.kind == "graceful_complete":
         _maybe_complete(db, lease.flow_id, now)
 
 
 def commit_folded(
-    db: Db, lease: Lease, writes: WriteSet, decision: DecisionRecord, now: int, handoff: Handoff
+    db: Db, claimed: Claimed, writes: WriteSet, decision: DecisionRecord, now: int, handoff: Handoff
 ) -> bool:
     """commit_execute for an Execute run inside the transaction that claimed it (Step.pure_execute),
     in a savepoint: when it fails, nothing of it stays and False says the Step runs as usual."""
-    if _in_savepoint(db, lambda: commit_execute(db, lease, writes, decision, now, handoff)):
+    if _in_savepoint(db, lambda: commit_execute(db, claimed.lease, writes, decision, now, handoff, claimed)):
         return True
     handoff.leases.clear()
+    handoff.view = None
     return False
 
 
-def heartbeat_folded(db: Db, lease: Lease, started: StartedFold, now: int) -> bool:
+def heartbeat_folded(db: Db, claimed: Claimed, started: StartedFold, now: int) -> bool:
     """The first heartbeat of a handler run inside the transaction that claimed it, up to that
-    heartbeat (Step.pure_until_heartbeat), in a savepoint: False when it fails, and nothing of it stays."""
-    return _in_savepoint(db, lambda: heartbeat(db, lease, started.checkpoint, now, started.events))
+    heartbeat (Step.pure_until_heartbeat): False when it fails, and nothing of it stays. Its claim
+    must be written (write_claim)."""
+    lease = claimed.lease
+    if not claimed.fresh:
+        return _in_savepoint(db, lambda: heartbeat(db, lease, started.checkpoint, now, started.events))
+    # Its task is as this transaction made it (E2 holds unread), its events are queued (undone
+    # below) and its one statement is atomic: no savepoint needed.
+    history, appends = len(db.history), len(db.appends)
+    try:
+        heartbeat(db, lease, started.checkpoint, now, started.events, checked=True)
+    except Exception:
+        del db.history[history:]
+        del db.appends[appends:]
+        return False
+    return True
 
 
 def _in_savepoint(db: Db, fn: Callable[[], object]) -> bool:
-    """Run `fn` in a savepoint of the open transaction: False, with its statements and history
-    undone, when it raises."""
-    history = len(db.history)
+    """Run `fn` in a savepoint of the open transaction: False, with its statements, events and
+    history undone, when it raises."""
+    history, appends = len(db.history), len(db.appends)
+    counters, counted = {f: dict(c) for f, c in db.counters.items()}, set(db.counted)
     db.run("SAVEPOINT fold_execute")
     try:
         fn()
@@ -953,6 +1168,8 @@ def _in_savepoint(db: Db, fn: Callable[[], object]) -> bool:
         db.run("ROLLBACK TO fold_execute")
         db.run("RELEASE fold_execute")
         del db.history[history:]
+        del db.appends[appends:]
+        db.counters, db.counted = counters, counted
         return False
     db.run("RELEASE fold_execute")
     return True
@@ -1076,16 +1293,14 @@ def release_unstarted(db: Db, lease: Lease, now: int) -> None:
 
 def heartbeat(
     db: Db, lease: Lease, checkpoint: str | None, now: int,
-    events: Sequence[tuple[str, int, bytes]] = (),
+    events: Sequence[tuple[str, int, bytes]] = (), *, checked: bool = False,
 ) -> None:
     """Record a heartbeat (E10); `events` are best-effort events (stream, capacity, value) the
-    attempt wrote just before it, appended in the same transaction."""
-    check_lease(db, lease)
-    by_stream: dict[tuple[str, int], list[tuple[str, int, bytes]]] = {}
-    for stream, capacity, value in events:
-        by_stream.setdefault((stream, capacity), []).append((lease.step_execution_id, lease.attempt, value))
-    for (stream, capacity), values in by_stream.items():
-        append_events(db, lease.flow_id, stream, capacity, values)
+    attempt wrote just before it, appended in the same transaction. `checked`: the caller knows
+    the lease owns its task (it was handed out by this transaction)."""
+    if not checked:
+        check_lease(db, lease)
+    append_writes(db, lease.flow_id, events, lease.step_execution_id, lease.attempt)
     hb_ms = lease.options.heartbeat_timeout_ms
     # Without a checkpoint the last one stays; a heartbeat timeout moves the deadline forward
     # (never past the method's own deadline).
@@ -1104,8 +1319,7 @@ def heartbeat(
 def append_best_effort(db: Db, lease: Lease, stream: str, capacity: int, values: Sequence[bytes]) -> None:
     check_lease(db, lease)
     _mark_started(db, lease)
-    append_events(db, lease.flow_id, stream, capacity,
-                  [(lease.step_execution_id, lease.attempt, v) for v in values])
+    append_writes(db, lease.flow_id, [(stream, capacity, v) for v in values], lease.step_execution_id, lease.attempt)
 
 
 def task_epochs(db: Db, task_ids: Sequence[int]) -> dict[int, int]:
