@@ -784,3 +784,124 @@ async def test_a_kept_quiet_answer_is_dropped_by_a_commit_of_this_process_too(db
         assert store._quiet.answer("w1", asked)[1] is None, "a kept answer survived this process's commit"
     finally:
         await store.close()
+
+
+def view_flow(probe: Probe) -> Flow:
+    """Start sets A=1, B=1; Decide (loads A and B) holds until released, deletes B and moves to Next,
+    which is handed to the same worker and records what it loads (A and B)."""
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        ctx.set(A, 1)
+        ctx.set(B, 1)
+        return StepDecision.go_to("Decide", None)
+
+    async def decide(ctx: Context, _: None) -> StepDecision:
+        probe.reached.set()
+        await probe.proceed.wait()
+        ctx.delete(B)
+        return StepDecision.go_to("Next", None)
+
+    async def next_step(ctx: Context, _: None) -> StepDecision:
+        probe.executed.append((ctx.get(A), ctx.get(B)))
+        return StepDecision.graceful_complete()
+
+    @rpc(request_type=int)
+    async def set_a(ctx: RpcContext, value: int) -> None:
+        ctx.set(A, value)
+
+    both = LoadOptions.only(A, B)
+    return Flow("View", [
+        Step("Start", start, input_type=type(None)),
+        Step("Decide", decide, input_type=type(None), options=StepOptions(load=both)),
+        Step("Next", next_step, input_type=type(None), options=StepOptions(load=both)),
+    ], start_step="Start", schema=[A, B], rpcs=[set_a])
+
+
+@pytest.mark.parametrize("rpc_writes", [False, True], ids=["rows-unchanged", "rpc-changed-A"])
+async def test_a_step_handed_on_loads_the_rows_the_commit_leaves(db_url: str, rpc_writes: bool) -> None:
+    """Next, handed to the worker by Decide's commit, loads what Decide loaded with Decide's own
+    writes applied (B deleted), without reading rows Decide read; but when an RPC changed A while
+    Decide ran, Next loads A as the RPC left it, not Decide's snapshot of it (E15: a method's
+    snapshot is the state when it is claimed). Catches: the commit's known rows used after they
+    went stale, or its own writes (a delete) not applied to them."""
+    probe = Probe()
+    async with engine_for(db_url, Registry([view_flow(probe)])) as eng:
+        await eng.client.start_flow("View", "f1")
+        await wait_until("Decide loaded A and B", lambda: _is_set(probe.reached))
+        if rpc_writes:
+            await eng.client.rpc("f1", "set_a", 7)
+        probe.proceed.set()
+        assert (await eng.client.wait_for_flow("f1", 10)).status == "completed"
+    assert probe.executed == [(7 if rpc_writes else 1, None)]
+
+
+@pytest.mark.sqlite_only
+async def test_a_folded_execute_leaves_its_lock_to_the_step_its_claim_held_back(db_url: str) -> None:
+    """One client commit makes First and Second ready; both are pure and lock the same attribute.
+    Its claim takes First and holds Second back for that lock; First, folded into the commit, never
+    writes its lock, yet the same commit must then claim Second (a worker that polls every 30 s
+    would otherwise leave it waiting). Both run, one after the other, never together. Catches a
+    folded claim that kept others from a lock without letting them have it after."""
+    ran: list[tuple[str, str]] = []
+    Second = Channel("Second", str)
+
+    async def arm(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to_many(Movement("First", None), Movement("Second", None))
+
+    def waiting_on(channel: Channel[str]) -> Callable[[Context, None], Awaitable[Wait]]:
+        async def wait(ctx: Context, _: None) -> Wait:
+            return Wait.until(channel.for_one())
+        return wait
+
+    def locked(name: str) -> Callable[[Context, None], Awaitable[StepDecision]]:
+        async def execute(ctx: Context, _: None) -> StepDecision:
+            task = asyncio.current_task()
+            ran.append((name, "" if task is None else task.get_name()))
+            ctx.set(A, (ctx.get(A) or 0) + 1)
+            # A Step handed on: a commit that hands its worker Steps claims nothing more unless told to.
+            return StepDecision.go_to("Then", None)
+        return execute
+
+    async def then(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.dead_end()
+
+    @rpc(request_type=str)
+    async def post_both(ctx: RpcContext, text: str) -> None:
+        ctx.publish(C, 1)
+        ctx.publish(Second, text)
+
+    lock = StepOptions(load=LoadOptions.only(A), execute_locks=(A,))
+    flow = Flow("Locked", [
+        Step("Arm", arm, input_type=type(None)),
+        Step("First", locked("First"), input_type=type(None), wait_for=waiting_on_int(C), pure_execute=True,
+             options=lock),
+        Step("Second", locked("Second"), input_type=type(None), wait_for=waiting_on(Second), pure_execute=True,
+             options=lock),
+        Step("Then", then, input_type=type(None), options=StepOptions(load=LoadOptions.none())),
+    ], start_step="Arm", schema=[A, C, Second], rpcs=[post_both])
+    async with engine_for(db_url, Registry([flow]), worker=False) as eng:
+        await eng.start_worker(poll_seconds=30.0, housekeeping_seconds=30.0, lease_ttl_seconds=90.0,
+                               lease_renew_seconds=30.0)
+        together = 0
+        for i in range(10):
+            flow_id = f"f{i}"
+            await eng.client.start_flow("Locked", flow_id)
+            await wait_until("both waiting", lambda fid=flow_id: _both_waiting(eng, fid))
+            ran.clear()
+            await eng.client.rpc(flow_id, "post_both", "go")
+            await wait_until("both ran", lambda: _count(ran, 2))
+            assert await eng.client.get_attribute(flow_id, A) == 2
+            tasks = {task for _name, task in ran}
+            together += len(tasks) == 1 and not tasks & {"First-1", "Second-1"}
+        assert together, "Second never ran in the commit that folded First"
+
+
+def waiting_on_int(channel: Channel[int]) -> Callable[[Context, None], Awaitable[Wait]]:
+    async def wait(ctx: Context, _: None) -> Wait:
+        return Wait.until(channel.for_one())
+    return wait
+
+
+async def _both_waiting(eng: Engine, flow_id: str) -> bool:
+    info = await eng.client.describe_flow(flow_id)
+    return sorted(s.state for s in info.active_steps) == ["waiting", "waiting"]
