@@ -55,11 +55,12 @@ def test_statements_ignore_comments() -> None:
     assert statements("-- a; comment\nCREATE TABLE a (x INT); -- trailing; note\n\n") == ["CREATE TABLE a (x INT)"]
 
 
-def test_sqlite_counters_move_into_the_flow_rows_and_keep_counting(tmp_path: Path) -> None:
-    """Migration 0003 (SQLite): a database made by schema version 2 keeps each flow's Step counters
-    (in the flow row now): the next Step of a type gets the next number, not 1 again, and types
-    without one start at 1. Catches: counters lost by the move (execution IDs reused, which history
-    and tests tell apart by), or the old table left behind."""
+def test_sqlite_tables_rebuilt_by_migrations_keep_their_rows(tmp_path: Path) -> None:
+    """Migrations 0003 and 0004 (SQLite) on a database made by schema version 2: each flow's Step
+    counters move into its row, and the next Step of a type gets the next number, not 1 again
+    (types without one start at 1); attributes and stream events, whose tables 0004 rebuilds, keep
+    every row. Catches: counters lost by the move (execution IDs reused, which history and tests
+    tell apart by), rows lost by a rebuild, or an old table left behind."""
     path = tmp_path / "v2.db"
     conn = sqlite3.connect(path, isolation_level=None)
     for number, sql in migration_files("sqlite"):
@@ -72,6 +73,12 @@ def test_sqlite_counters_move_into_the_flow_rows_and_keep_counting(tmp_path: Pat
                  "VALUES ('old', 'T', 'running', x'6e756c6c', ?, 1, 0)", (encode_json(FlowConfig()),))
     conn.executemany("INSERT INTO step_counters (flow_id, step_type, n) VALUES ('old', ?, ?)",
                      [("Work", 3), ("Wait", 1)])
+    conn.executemany("INSERT INTO attributes (flow_id, name, key, value) VALUES ('old', ?, ?, ?)",
+                     [("Note", "", b'"kept"'), ("Notes", "a", b'"one"'), ("Notes", "b", b'"two"')])
+    conn.execute("INSERT INTO streams (flow_id, stream, next_seq, first_seq, total_bytes) "
+                 "VALUES ('old', 'Log', 3, 1, 10)")
+    conn.executemany("INSERT INTO stream_events (flow_id, stream, seq, step_execution_id, attempt, value) "
+                     "VALUES ('old', 'Log', ?, 'Work-3', 1, ?)", [(1, b'"first"'), (2, b'"second"')])
     conn.close()
 
     async def check() -> None:
@@ -86,7 +93,12 @@ def test_sqlite_counters_move_into_the_flow_rows_and_keep_counting(tmp_path: Pat
                 await store.raw(lambda db, r=record: transitions.create_task(db, "old", "T", r, 0), write=True)
             ids = await store.raw(lambda db: db.all("SELECT step_execution_id FROM tasks ORDER BY task_id"))
             assert [r[0] for r in ids] == ["Work-4", "Other-1"]
-            tables = await store.raw(lambda db: db.all("SELECT name FROM sqlite_master WHERE name = 'step_counters'"))
+            assert await store.read_all_attributes("old") == {
+                ("Note", ""): b'"kept"', ("Notes", "a"): b'"one"', ("Notes", "b"): b'"two"'}
+            page = await store.read_events("old", "Log", 0, 10)
+            assert [(e.sequence, e.value) for e in page.events] == [(1, b'"first"'), (2, b'"second"')]
+            tables = await store.raw(lambda db: db.all(
+                "SELECT name FROM sqlite_master WHERE name IN ('step_counters', 'attributes_by_key')"))
             assert tables == []
         finally:
             await store.close()

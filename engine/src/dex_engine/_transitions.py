@@ -1475,7 +1475,7 @@ def next_due(db: Db, flow_types: Sequence[str]) -> int | None:
     ready = (f"(SELECT MIN(run_at) FROM tasks WHERE state = 'ready' AND flow_type IN ({_in(flow_types)}))"
              if flow_types else "NULL")
     row = db.one(
-        f"SELECT {ready}, (SELECT MIN(timer_due_at) FROM tasks WHERE state = 'waiting'), "
+        f"SELECT {ready}, (SELECT MIN(timer_due_at) FROM tasks WHERE state = 'waiting' AND timer_due_at IS NOT NULL), "
         "(SELECT MIN(deadline_at) FROM tasks WHERE state = 'running'), (SELECT MIN(expires_at) FROM workers)",
         tuple(flow_types),
     )
