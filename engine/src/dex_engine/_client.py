@@ -198,7 +198,7 @@ class AsyncClient:
         flow = await self._flow_of(flow_id)
         flow.check_attribute(amap["?"])
         rows = await self._store.read_attribute_map(flow_id, amap.name)
-        return {k: decode_value(f"{amap.name}[{k}]", amap.value_type, v) for k, v in rows.items()}
+        return {k: decode_value(amap.name, amap.value_type, v, k) for k, v in rows.items()}
 
     async def read_stream(
         self, flow_id: str, stream: Stream[T] | str, resume_token: str | None = None, *,

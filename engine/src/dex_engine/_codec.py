@@ -58,27 +58,38 @@ def encode_value(name: str, tp: Any, value: Any, *, limit: int = MAX_VALUE_BYTES
 def _is_checked_instance(tp: Any, value: Any) -> bool:
     """`value` is exactly a `tp` and so needs no round-trip. Not so for Structs and dataclasses:
     their constructors check no field types (a Struct with a str in a bool field builds)."""
-    return (
-        isinstance(tp, type) and type(value) is tp
-        and not issubclass(tp, msgspec.Struct) and not dataclasses.is_dataclass(tp)
-    )
+    if type(value) is not tp:
+        return False
+    known = _plain_types.get(tp)
+    if known is None:
+        known = _plain_types[tp] = (
+            isinstance(tp, type) and not issubclass(tp, msgspec.Struct) and not dataclasses.is_dataclass(tp)
+        )
+    return known
 
 
-def decode_value(name: str, tp: Any, data: bytes | str) -> Any:
+# Whether a type's instances are checked by being one (see _is_checked_instance), by type.
+_plain_types: dict[Any, bool] = {}
+
+
+def decode_value(name: str, tp: Any, data: bytes | str, key: str | None = None) -> Any:
+    """Decode a stored `tp`; `name` (with `key`, a map instance's) labels the value in errors."""
     handout = _handouts.get(tp, _UNKNOWN)
     if handout is _UNKNOWN:
         handout = _handout(tp)
-    key = (tp, data) if handout is not None and type(data) is bytes else None
-    if key is not None:
-        hit = _decoded.values.get(key)
+    cache_key = (tp, data) if handout is not None and type(data) is bytes else None
+    if cache_key is not None:
+        hit = _decoded.values.get(cache_key)
         if hit is not None:
             return handout(hit)
     try:
         value = _decoder(tp).decode(data)
     except msgspec.ValidationError as exc:
-        raise InvalidValueError(f"stored value for {name!r} is not a {_type_name(tp)}: {exc}") from None
-    if key is not None and handout is not None:
-        _decoded.remember(key, value)
+        # The label only when it is needed: a map's instances are decoded by the dozen per Step.
+        label = name if key is None else f"{name}[{key}]"
+        raise InvalidValueError(f"stored value for {label!r} is not a {_type_name(tp)}: {exc}") from None
+    if cache_key is not None and handout is not None:
+        _decoded.remember(cache_key, value)
         return handout(value)
     return value
 

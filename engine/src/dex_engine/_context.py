@@ -62,7 +62,7 @@ class _StateView:
             data = self._loaded.get(ident)
         if data is None:
             return default
-        value: T = decode_value(ref.label, ref.value_type, data)
+        value: T = decode_value(ref.name, ref.value_type, data, ref.key or None)
         cache[ident] = value
         return value
 
@@ -100,7 +100,7 @@ class _StateView:
                 data = writes[ident] if ident in writes else loaded.get(ident)
                 if data is None:
                     continue
-                value = cache[ident] = decode_value(f"{name}[{key}]", value_type, data)
+                value = cache[ident] = decode_value(name, value_type, data, key)
             if value is not None:
                 out[key] = value
         self._items[name] = out
