@@ -470,8 +470,13 @@ class SqliteStore(Store):
                 if wake_origins or origins != {fn}:
                     listeners.setdefault(loop, []).append(fn)
         for loop in per_loop.keys() | listeners.keys():
-            if loop is on_loop:  # this is that loop's thread: no wake-up needed
-                loop.call_soon(_deliver, per_loop.get(loop, []), listeners.get(loop, []))
+            if loop is on_loop:
+                # This is that loop's thread, inside the caller's own coroutine (_inline): its result
+                # is set now, so its await returns at once instead of a loop iteration and a task
+                # wake-up later; the listeners run soon, as for any commit.
+                _deliver(per_loop.get(loop, []), [])
+                if loop in listeners:
+                    loop.call_soon(_deliver, [], listeners[loop])
             elif not loop.is_closed():
                 with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                     loop.call_soon_threadsafe(_deliver, per_loop.get(loop, []), listeners.get(loop, []))
