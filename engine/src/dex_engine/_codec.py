@@ -94,6 +94,16 @@ def decode_value(name: str, tp: Any, data: bytes | str, key: str | None = None) 
     return value
 
 
+def decoded_cache(tp: Any) -> tuple[dict[tuple[Any, bytes | str], Any], Handout | None] | None:
+    """For a caller that decodes many `tp` values in one loop (a map read whole: the message
+    window): the decoded values by (tp, stored bytes), and how a hit is handed out (None: as is);
+    None when `tp` is not cached. A miss goes through decode_value."""
+    handout = _handout(tp)
+    if handout is None:
+        return None
+    return _decoded.values, (None if handout is _shared else handout)
+
+
 class _DecodedCache:
     """Decoded values by (type, stored bytes), for types whose values can be shared (see _handout).
 

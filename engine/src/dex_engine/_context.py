@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._codec import decode_value, encode_value
+from ._codec import decode_value, decoded_cache, encode_value
 from ._errors import NotLoadedError
 from ._options import LoadSpec
 from ._records import RecoveryError, WaitOutcome, WriteSet
@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from ._flow import Flow
 
 T = TypeVar("T")
+
+_MISSING: Any = object()
 
 
 class _StateView:
@@ -90,17 +92,24 @@ class _StateView:
         if written:
             keys = sorted({*keys, *written})
         cache, loaded, value_type = self._cache, self._loaded, amap.value_type
+        shared = decoded_cache(value_type)
+        decoded, handout = shared if shared is not None else ({}, None)
         out: dict[str, T] = {}
         for key in keys:
             # Keys come from storage or from this method's checked writes: no need to check them again.
             ident = (name, key)
-            if ident in cache:
-                value = cache[ident]
-            else:
+            value = cache.get(ident, _MISSING)
+            if value is _MISSING:
                 data = writes[ident] if ident in writes else loaded.get(ident)
                 if data is None:
                     continue
-                value = cache[ident] = decode_value(name, value_type, data, key)
+                # The decoded cache looked up here, not through a call per instance (see decoded_cache).
+                hit = decoded.get((value_type, data))
+                if hit is None:
+                    value = decode_value(name, value_type, data, key)
+                else:
+                    value = hit if handout is None else handout(hit)
+                cache[ident] = value
             if value is not None:
                 out[key] = value
         self._items[name] = out
