@@ -161,11 +161,11 @@ REGISTRY = Registry([FLOW, OTHER_FLOW])
 Dump = dict[str, list[str]]
 
 
-# Every table of the engine's schema; PostgreSQL also keeps the Step counters in a table of their
-# own (SQLite keeps them in the flow row).
-TABLES = ("meta", "flows", "tasks", "locks", "attributes", "channel_messages", "streams", "stream_events",
-          "history", "workers")
-POSTGRES_TABLES = ("step_counters",)
+# Every table of the engine's schema; PostgreSQL also keeps the Step counters and stream positions
+# in tables of their own (SQLite keeps them in the flow row).
+TABLES = ("meta", "flows", "tasks", "locks", "attributes", "channel_messages", "stream_events", "history",
+          "workers")
+POSTGRES_TABLES = ("step_counters", "streams")
 
 
 async def dump(store: Store) -> Dump:

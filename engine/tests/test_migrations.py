@@ -56,11 +56,12 @@ def test_statements_ignore_comments() -> None:
 
 
 def test_sqlite_tables_rebuilt_by_migrations_keep_their_rows(tmp_path: Path) -> None:
-    """Migrations 0003 and 0004 (SQLite) on a database made by schema version 2: each flow's Step
+    """Migrations 0003-0005 (SQLite) on a database made by schema version 2: each flow's Step
     counters move into its row, and the next Step of a type gets the next number, not 1 again
-    (types without one start at 1); attributes and stream events, whose tables 0004 rebuilds, keep
-    every row. Catches: counters lost by the move (execution IDs reused, which history and tests
-    tell apart by), rows lost by a rebuild, or an old table left behind."""
+    (types without one start at 1); attributes, whose table 0004 rebuilds, keep every row; stream
+    positions move into the flow row, and the next event follows the last one. Catches: counters
+    or positions lost by a move (execution IDs or event sequences reused), rows lost by a rebuild,
+    or an old table left behind."""
     path = tmp_path / "v2.db"
     conn = sqlite3.connect(path, isolation_level=None)
     for number, sql in migration_files("sqlite"):
@@ -95,10 +96,14 @@ def test_sqlite_tables_rebuilt_by_migrations_keep_their_rows(tmp_path: Path) -> 
             assert [r[0] for r in ids] == ["Work-4", "Other-1"]
             assert await store.read_all_attributes("old") == {
                 ("Note", ""): b'"kept"', ("Notes", "a"): b'"one"', ("Notes", "b"): b'"two"'}
+            assert await store.stream_names("old") == ["Log"]
+            await store.raw(lambda db: transitions.append_writes(db, "old", [("Log", 1000, b'"third"')],
+                                                                 "Work-4", 1), write=True)
             page = await store.read_events("old", "Log", 0, 10)
-            assert [(e.sequence, e.value) for e in page.events] == [(1, b'"first"'), (2, b'"second"')]
+            assert [(e.sequence, e.value) for e in page.events] == [
+                (1, b'"first"'), (2, b'"second"'), (3, b'"third"')]
             tables = await store.raw(lambda db: db.all(
-                "SELECT name FROM sqlite_master WHERE name IN ('step_counters', 'attributes_by_key')"))
+                "SELECT name FROM sqlite_master WHERE name IN ('step_counters', 'streams', 'attributes_by_key')"))
             assert tables == []
         finally:
             await store.close()

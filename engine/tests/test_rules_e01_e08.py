@@ -425,9 +425,10 @@ async def test_e1_value_too_large_leaves_the_execute_other_writes_unstored(db_ur
 # E2 Fencing -------------------------------------------------------------------------------------
 
 
-# The flow rows hold the Step counters on SQLite; PostgreSQL keeps them in a table of their own.
-TABLES = ("flows", "tasks", "attributes", "channel_messages", "streams", "stream_events", "history", "locks")
-POSTGRES_TABLES = ("step_counters",)
+# The flow rows hold the Step counters and stream positions on SQLite; PostgreSQL keeps them in
+# tables of their own.
+TABLES = ("flows", "tasks", "attributes", "channel_messages", "stream_events", "history", "locks")
+POSTGRES_TABLES = ("step_counters", "streams")
 
 
 async def dump(eng: Engine) -> dict[str, list[tuple[Any, ...]]]:

@@ -187,7 +187,7 @@ class _PgDb:
 
     __slots__ = (
         "appends", "conn", "counted", "counters", "history", "notified", "pipeline", "reader", "revoked_sent",
-        "sender", "undo", "wrote",
+        "sender", "streamed", "streams", "undo", "wrote",
     )
 
     dialect = "postgres"
@@ -206,6 +206,8 @@ class _PgDb:
         self.appends: list[AppendRow] = []
         self.counters: dict[str, dict[str, int]] = {}
         self.counted: set[str] = set()
+        self.streams: dict[str, dict[str, list[int]]] = {}
+        self.streamed: set[str] = set()
         self.notified = False
         self.revoked_sent = False
         # In-memory changes made by operations of this transaction, undone if it rolls back.

@@ -102,7 +102,9 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
 
 
 class _SqliteDb:
-    __slots__ = ("appends", "conn", "counted", "counters", "history", "readied", "revokes")
+    __slots__ = (
+        "appends", "conn", "counted", "counters", "history", "readied", "revokes", "streamed", "streams",
+    )
 
     # BEGIN IMMEDIATE serializes every writer of the file: no row locks needed.
     for_update = ""
@@ -117,6 +119,8 @@ class _SqliteDb:
         self.appends: list[AppendRow] = []
         self.counters: dict[str, dict[str, int]] = {}
         self.counted: set[str] = set()
+        self.streams: dict[str, dict[str, list[int]]] = {}
+        self.streamed: set[str] = set()
         self.readied = 0  # how often a transition made work ready (notify): commits claim it
         self.revokes = 0  # how often one revoked a running attempt: its own worker must be woken too
 

@@ -75,11 +75,14 @@ class Db(Protocol):
 
     history: list[HistoryRow]
     appends: list[AppendRow]
-    # On a backend whose flow rows hold their Step execution counters (SQLite; see _insert_task):
-    # each flow's counters as this operation leaves them, read once, and the flows whose counters it
-    # changed, which flush_history writes back. Emptied at the end of every operation (run_op).
+    # On a backend whose flow rows hold their Step execution counters and stream positions (SQLite;
+    # see _insert_task and append_events): each flow's as this operation leaves them, read once with
+    # the flow row, and the flows whose counters or streams it changed, which flush_history writes
+    # back. Emptied at the end of every operation (run_op).
     counters: dict[str, dict[str, int]]
     counted: set[str]
+    streams: dict[str, dict[str, list[int]]]  # flow -> stream -> [next sequence, first sequence, bytes]
+    streamed: set[str]
     for_update: str
     skip_locked: str
 
@@ -157,15 +160,15 @@ def flow_status(db: Db, flow_id: str) -> tuple[str, str]:
 def require_running(db: Db, flow_id: str, *, lock: bool = True) -> str:
     """The flow's type if it is running. With `lock`, this transaction now serializes the flow's
     changes (the flow row lock on PostgreSQL)."""
-    counters = "NULL" if _on_postgres(db) else "step_counters"  # see Db.counters
-    row = db.one(f"SELECT flow_type, status, {counters} FROM flows WHERE flow_id = ?{db.for_update if lock else ''}",
+    row_state = "NULL, NULL" if _on_postgres(db) else "step_counters, streams"  # see Db.counters
+    row = db.one(f"SELECT flow_type, status, {row_state} FROM flows WHERE flow_id = ?{db.for_update if lock else ''}",
                  (flow_id,))
     if row is None:
         raise FlowNotFoundError(flow_id)
     if row[1] != "running":
         raise FlowNotActiveError(flow_id, str(row[1]))
     if not _on_postgres(db):
-        _know_counters(db, flow_id, row[2])
+        _know_flow_row(db, flow_id, row[2], row[3])
     return str(row[0])
 
 
@@ -244,37 +247,47 @@ def _on_postgres(db: Db) -> bool:
 
 def flush_history(db: Db) -> None:
     """Write the buffered history events: per flow one sequence update and one insert. On SQLite
-    that update also writes the flow's Step counters when the operation changed them."""
+    that update also writes the flow's Step counters and stream positions when the operation changed
+    them (a flow whose only change is its streams, a best-effort append, keeps its version)."""
     pending, db.history = db.history, []
     by_flow: dict[str, list[HistoryRow]] = {}
     for row in pending:
         by_flow.setdefault(row[0], []).append(row)
-    postgres = _on_postgres(db)
-    for flow_id in db.counted:
-        by_flow.setdefault(flow_id, [])  # a Step is always scheduled with history; this is belt and braces
-    for flow_id, rows in by_flow.items():
-        if postgres:
+    if _on_postgres(db):
+        for flow_id, rows in by_flow.items():
             _send_history(db, flow_id, rows)
+        return
+    for flow_id in (*db.counted, *db.streamed):
+        by_flow.setdefault(flow_id, [])
+    for flow_id, rows in by_flow.items():
+        sets, params = [], []
+        if flow_id in db.counted:
+            sets.append("step_counters = ?")
+            params.append(encode_json(db.counters[flow_id]).decode())
+        if flow_id in db.streamed:
+            sets.append("streams = ?")
+            params.append(encode_json(db.streams[flow_id]).decode())
+        if not rows:
+            _send(db, f"UPDATE flows SET {', '.join(sets)} WHERE flow_id = ?", (*params, flow_id))
             continue
-        counters = (encode_json(db.counters[flow_id]).decode(),) if flow_id in db.counted else ()
         # History marks state changes, so it also bumps the version RPCs validate against.
         got = db.one(
             "UPDATE flows SET history_seq = history_seq + ?, version = version + 1"
-            + (", step_counters = ?" if counters else "") + " WHERE flow_id = ? RETURNING history_seq",
-            (len(rows), *counters, flow_id),
+            + "".join(f", {column}" for column in sets) + " WHERE flow_id = ? RETURNING history_seq",
+            (len(rows), *params, flow_id),
         )
-        if got is None or not rows:
+        if got is None:
             continue
         last = int(got[0])
         first = last - len(rows) + 1
         values = ", ".join("(?, ?, ?, ?, ?, ?, ?, ?)" for _ in rows)
-        params: list[Any] = []
+        history: list[Any] = []
         for seq, (_f, step_type, seid, event, attempt, at, detail) in enumerate(rows, start=first):
-            params += (flow_id, seq, step_type, seid, event, attempt, at, detail)
+            history += (flow_id, seq, step_type, seid, event, attempt, at, detail)
         db.run(
             "INSERT INTO history (flow_id, seq, step_type, step_execution_id, event_type, attempt, at, detail) "
             f"VALUES {values}",
-            params,
+            history,
         )
         if last // HISTORY_TRIM_CHECK_EVERY != (first - 1) // HISTORY_TRIM_CHECK_EVERY:
             # Trimmed in chunks so a Step pays no extra statement on most writes.
@@ -317,6 +330,8 @@ def run_op(fn: Callable[[Db], R], db: Db) -> R:
     finally:
         db.counters.clear()
         db.counted.clear()
+        db.streams.clear()
+        db.streamed.clear()
     return result
 
 
@@ -379,11 +394,27 @@ def _decode_counters(text: str | bytes | None) -> dict[str, int]:
     return {} if text is None else dict(decode_json(text, dict[str, int]))
 
 
-def _know_counters(db: Db, flow_id: str, text: str | bytes | None) -> None:
-    """The counters a read of the flow row came with, unless this operation already knows (and may
-    have changed) them."""
+def _know_flow_row(db: Db, flow_id: str, counters: str | bytes | None, streams: str | bytes | None) -> None:
+    """The counters and stream positions a read of the flow row came with, unless this operation
+    already knows (and may have changed) them (SQLite, see Db.counters)."""
     if flow_id not in db.counters:
-        db.counters[flow_id] = _decode_counters(text)
+        db.counters[flow_id] = _decode_counters(counters)
+    if flow_id not in db.streams:
+        db.streams[flow_id] = _decode_streams(streams)
+
+
+def _decode_streams(text: str | bytes | None) -> dict[str, list[int]]:
+    return {} if text is None else dict(decode_json(text, dict[str, list[int]]))
+
+
+def stream_positions(db: Db, flow_id: str) -> dict[str, list[int]]:
+    """The flow's streams as this operation leaves them: [next sequence, first sequence, bytes]
+    by name (SQLite: its row's; see Db.streams)."""
+    known = db.streams.get(flow_id)
+    if known is None:
+        row = db.one("SELECT streams FROM flows WHERE flow_id = ?", (flow_id,))
+        known = db.streams[flow_id] = _decode_streams(None if row is None else row[0])
+    return known
 
 
 @dataclass
@@ -787,9 +818,9 @@ def check_lease_for_writes(db: Db, lease: Lease, deferred: bool = False) -> _Lea
 def _check_lease(db: Db, lease: Lease, live: bool, deferred: bool = False) -> _LeaseChecked:
     others_live = ("EXISTS (SELECT 1 FROM tasks s WHERE s.flow_id = f.flow_id AND s.snapshot = ? "
                    "AND s.task_id <> t.task_id), t.snapshot = ?" if live else "1, 0")
-    counters = "NULL" if _on_postgres(db) else "f.step_counters"  # see Db.counters
+    row_state = "NULL, NULL" if _on_postgres(db) else "f.step_counters, f.streams"  # see Db.counters
     row = db.one(
-        f"SELECT t.state, t.lease_epoch, f.status, f.config, f.completing, {others_live}, {counters} FROM flows f "
+        f"SELECT t.state, t.lease_epoch, f.status, f.config, f.completing, {others_live}, {row_state} FROM flows f "
         f"JOIN tasks t ON t.flow_id = f.flow_id WHERE f.flow_id = ? AND t.task_id = ?{db.for_update}",
         (LIVE_SNAPSHOT, LIVE_SNAPSHOT, lease.flow_id, lease.task_id) if live else (lease.flow_id, lease.task_id),
     )
@@ -802,7 +833,7 @@ def _check_lease(db: Db, lease: Lease, live: bool, deferred: bool = False) -> _L
     if row[2] != "running":
         raise FlowNotActiveError(lease.flow_id, str(row[2]))
     if not _on_postgres(db):
-        _know_counters(db, lease.flow_id, row[7])
+        _know_flow_row(db, lease.flow_id, row[7], row[8])
     return _LeaseChecked(_decode_config(bytes(row[3])), bool(row[4]), bool(row[5]), bool(row[6]))
 
 
@@ -910,18 +941,24 @@ def append_events(
     if not rows:
         return
     size = sum(len(value) for _seid, _attempt, value in rows)
-    # One statement both reserves the sequences and reads where the stream stands.
-    row = db.one(
-        "UPDATE streams SET next_seq = next_seq + ?, total_bytes = total_bytes + ? WHERE flow_id = ? AND stream = ? "
-        "RETURNING next_seq, first_seq, total_bytes",
-        (len(rows), size, flow_id, stream),
-    )
-    if row is None:
-        next_seq, first_seq, total = 1 + len(rows), 1, size
-        _send(db, "INSERT INTO streams (flow_id, stream, next_seq, first_seq, total_bytes) VALUES (?, ?, ?, 1, ?)",
-              (flow_id, stream, next_seq, total))
+    if _on_postgres(db):
+        # One statement both reserves the sequences and reads where the stream stands.
+        row = db.one(
+            "UPDATE streams SET next_seq = next_seq + ?, total_bytes = total_bytes + ? "
+            "WHERE flow_id = ? AND stream = ? RETURNING next_seq, first_seq, total_bytes",
+            (len(rows), size, flow_id, stream),
+        )
+        if row is None:
+            next_seq, first_seq, total = 1 + len(rows), 1, size
+            _send(db, "INSERT INTO streams (flow_id, stream, next_seq, first_seq, total_bytes) VALUES (?, ?, ?, 1, ?)",
+                  (flow_id, stream, next_seq, total))
+        else:
+            next_seq, first_seq, total = int(row[0]), int(row[1]), int(row[2])
     else:
-        next_seq, first_seq, total = int(row[0]), int(row[1]), int(row[2])
+        # The flow row holds the positions (see Db.streams): no statement of their own.
+        positions = stream_positions(db, flow_id)
+        next_seq, first_seq, total = positions.get(stream, (1, 1, 0))
+        next_seq, total = next_seq + len(rows), total + size
     params: list[Any] = []
     for seq, (seid, attempt, value) in enumerate(rows, start=next_seq - len(rows)):
         params += (flow_id, stream, seq, seid, attempt, value)
@@ -930,8 +967,7 @@ def append_events(
         + ", ".join("(?, ?, ?, ?, ?, ?)" for _ in rows),
         params,
     )
-    if total <= capacity:
-        return
+    trimmed = total > capacity
     while total > capacity and first_seq < next_seq - 1:
         # E11: trim the oldest events first, keeping at least the newest one.
         old = db.one("SELECT seq, LENGTH(value) FROM stream_events WHERE flow_id = ? AND stream = ? "
@@ -941,13 +977,26 @@ def append_events(
         _send(db, "DELETE FROM stream_events WHERE flow_id = ? AND stream = ? AND seq = ?", (flow_id, stream, old[0]))
         total -= int(old[1])
         first_seq = int(old[0]) + 1
-    _send(db, "UPDATE streams SET next_seq = ?, first_seq = ?, total_bytes = ? WHERE flow_id = ? AND stream = ?",
-           (next_seq, first_seq, total, flow_id, stream))
+    if not _on_postgres(db):
+        db.streams[flow_id][stream] = [next_seq, first_seq, total]
+        db.streamed.add(flow_id)
+    elif trimmed:
+        _send(db, "UPDATE streams SET next_seq = ?, first_seq = ?, total_bytes = ? WHERE flow_id = ? AND stream = ?",
+              (next_seq, first_seq, total, flow_id, stream))
+
+
+def _stream_position(db: Db, flow_id: str, stream: str) -> tuple[int, int] | None:
+    """(next sequence, first sequence) of a flow's stream; None when it never had an event."""
+    if _on_postgres(db):
+        row = db.one("SELECT next_seq, first_seq FROM streams WHERE flow_id = ? AND stream = ?", (flow_id, stream))
+        return None if row is None else (int(row[0]), int(row[1]))
+    known = stream_positions(db, flow_id).get(stream)
+    return None if known is None else (known[0], known[1])
 
 
 def read_events(db: Db, flow_id: str, stream: str, after: int, limit: int) -> EventPage:
     flow_status(db, flow_id)
-    row = db.one("SELECT next_seq, first_seq FROM streams WHERE flow_id = ? AND stream = ?", (flow_id, stream))
+    row = _stream_position(db, flow_id, stream)
     if row is None:
         return EventPage([], 1, 1)
     rows = db.all(
@@ -1161,6 +1210,8 @@ def _in_savepoint(db: Db, fn: Callable[[], object]) -> bool:
     history undone, when it raises."""
     history, appends = len(db.history), len(db.appends)
     counters, counted = {f: dict(c) for f, c in db.counters.items()}, set(db.counted)
+    streams = {f: {name: list(at) for name, at in by_name.items()} for f, by_name in db.streams.items()}
+    streamed = set(db.streamed)
     db.run("SAVEPOINT fold_execute")
     try:
         fn()
@@ -1170,6 +1221,7 @@ def _in_savepoint(db: Db, fn: Callable[[], object]) -> bool:
         del db.history[history:]
         del db.appends[appends:]
         db.counters, db.counted = counters, counted
+        db.streams, db.streamed = streams, streamed
         return False
     db.run("RELEASE fold_execute")
     return True
@@ -1676,6 +1728,8 @@ def list_flows(db: Db, flow_type: str | None, status: str | None, limit: int) ->
 def stream_names(db: Db, flow_id: str) -> list[str]:
     """Names of the flow's streams that ever received an event, sorted."""
     flow_status(db, flow_id)
+    if not _on_postgres(db):
+        return sorted(stream_positions(db, flow_id))
     return [str(r[0]) for r in db.all("SELECT stream FROM streams WHERE flow_id = ? ORDER BY stream", (flow_id,))]
 
 
