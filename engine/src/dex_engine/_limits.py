@@ -67,6 +67,12 @@ MAX_GROUP_COMMIT_OPS = 256
 DECODED_VALUE_CACHE_ENTRIES = 8192
 DECODED_VALUE_CACHE_BYTES = 32 * 1024 * 1024
 
+# Attribute rows kept per store for the flows it used last (_attribute_cache): a turn's Steps read
+# their session's message window from here instead of loading it again. A few hundred busy sessions
+# per worker process, each a 64-message window of a few hundred bytes a message, fit many times over.
+ATTRIBUTE_CACHE_FLOWS = 1024
+ATTRIBUTE_CACHE_BYTES = 64 * 1024 * 1024
+
 # Resolved options of movements kept per process (_scheduling.task_options). A movement's options
 # can be unique to it (an agent tool Step loads its own call's record), so the cache must be bounded;
 # a few thousand entries hold every Step type of many flow types with room to spare.

@@ -56,6 +56,7 @@ import msgspec
 
 from . import _gates
 from . import _transitions as tx
+from ._attribute_cache import AttributeCache, KnownRows
 from ._codec import decode_json, encode_json
 from ._errors import FlowNotActiveError, StaleAttemptError
 from ._migrate import apply_pending
@@ -186,8 +187,8 @@ class _PgDb:
     (`send`) travel with the next statement that needs its reply."""
 
     __slots__ = (
-        "appends", "conn", "counted", "counters", "history", "notified", "pipeline", "reader", "revoked_sent",
-        "sender", "streamed", "streams", "undo", "wrote",
+        "appends", "cache", "cache_writes", "conn", "counted", "counters", "history", "known", "notified",
+        "pipeline", "reader", "revoked_sent", "sender", "streamed", "streams", "undo", "version_after", "wrote",
     )
 
     dialect = "postgres"
@@ -208,6 +209,10 @@ class _PgDb:
         self.counted: set[str] = set()
         self.streams: dict[str, dict[str, list[int]]] = {}
         self.streamed: set[str] = set()
+        self.cache: AttributeCache | None = None  # see Db.known: SQLite only
+        self.known: dict[str, KnownRows | None] = {}
+        self.version_after: dict[str, int] = {}
+        self.cache_writes: list[tuple[str, KnownRows]] = []
         self.notified = False
         self.revoked_sent = False
         # In-memory changes made by operations of this transaction, undone if it rolls back.

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qs, urlparse
 
+from ._attribute_cache import AttributeCache, KnownRows
 from ._limits import (
     INLINE_BUSY_TIMEOUT_MS,
     INLINE_LOCK_WAIT_SECONDS,
@@ -103,7 +104,8 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
 
 class _SqliteDb:
     __slots__ = (
-        "appends", "conn", "counted", "counters", "history", "readied", "revokes", "streamed", "streams",
+        "appends", "cache", "cache_writes", "conn", "counted", "counters", "history", "known", "readied", "revokes",
+        "streamed", "streams", "version_after",
     )
 
     # BEGIN IMMEDIATE serializes every writer of the file: no row locks needed.
@@ -115,6 +117,10 @@ class _SqliteDb:
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
+        self.cache: AttributeCache | None = AttributeCache()
+        self.known: dict[str, KnownRows | None] = {}
+        self.version_after: dict[str, int] = {}
+        self.cache_writes: list[tuple[str, KnownRows]] = []
         self.history: list[HistoryRow] = []
         self.appends: list[AppendRow] = []
         self.counters: dict[str, dict[str, int]] = {}
@@ -151,6 +157,14 @@ class _Op:
     loop: asyncio.AbstractEventLoop | None  # None: `future` is a concurrent Future (blocking callers)
     future: asyncio.Future[Any] | Future[Any]
     origin: Callable[[], None] | None = None
+
+
+def _remember(db: _SqliteDb) -> None:
+    """After a commit: the rows its operations left known go to the store's cache (_attribute_cache)."""
+    if db.cache is not None:
+        for flow_id, known in db.cache_writes:
+            db.cache.put(flow_id, known)
+    db.cache_writes.clear()
 
 
 def _is_busy(exc: BaseException) -> bool:
@@ -394,11 +408,13 @@ class SqliteStore(Store):
             if wanted != level:
                 conn.execute(f"PRAGMA synchronous = {wanted}")
                 level = wanted
+            db.cache_writes.clear()
             conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
             if len(batch) == 1:
                 try:
                     results.append((True, run_op(batch[0].fn, db)))
                     conn.execute("COMMIT")
+                    _remember(db)
                 except BaseException as exc:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
@@ -410,6 +426,7 @@ class SqliteStore(Store):
                     for op in batch:
                         results.append((True, run_op(op.fn, db)))
                     conn.execute("COMMIT")
+                    _remember(db)
                 except BaseException:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
@@ -419,6 +436,8 @@ class SqliteStore(Store):
                 conn.execute("ROLLBACK")
             results = [(False, exc)] * len(batch)
             writes = False
+        finally:
+            db.cache_writes.clear()  # a rolled-back transaction's rows are nobody's
         # A rolled-back revocation still counts: one spurious wake-up costs a poll, a missed one a
         # running attempt that goes on until housekeeping.
         return level, results, writes, writes and db.revokes != revokes
@@ -435,6 +454,7 @@ class SqliteStore(Store):
         """Run the batch again, each operation in its own savepoint, so a failing one rolls back alone.
         A batch of reads takes no write lock for it: it has no writer turn, and would wait for writers."""
         results: list[tuple[bool, Any]] = []
+        db.cache_writes.clear()
         conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
         for op in batch:
             conn.execute("SAVEPOINT op")
@@ -446,6 +466,7 @@ class SqliteStore(Store):
                 conn.execute("RELEASE op")
                 results.append((False, exc))
         conn.execute("COMMIT")
+        _remember(db)
         return results
 
     def _complete(

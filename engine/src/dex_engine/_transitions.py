@@ -13,6 +13,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import msgspec
 
+from ._attribute_cache import AttributeCache, KnownRows
 from ._codec import decode_json, encode_json
 from ._errors import (
     ChannelMessageNotFoundError,
@@ -83,6 +84,14 @@ class Db(Protocol):
     counted: set[str]
     streams: dict[str, dict[str, list[int]]]  # flow -> stream -> [next sequence, first sequence, bytes]
     streamed: set[str]
+    # Attribute rows known without reading them (SQLite; see _attribute_cache): the store's cache,
+    # and per operation the rows of each flow whose version it read (None: it wrote that flow's
+    # attributes before, so its rows are not known), and each flow's version after the operation's
+    # own bumps. run_op turns them into `cache_writes`, which the store applies once it committed.
+    cache: AttributeCache | None
+    known: dict[str, KnownRows | None]
+    version_after: dict[str, int]
+    cache_writes: list[tuple[str, KnownRows]]
     for_update: str
     skip_locked: str
 
@@ -120,6 +129,8 @@ FLOW_CLOSED = "flow_closed"
 
 _SnapshotRows = list[tuple[str, str, msgspec.Raw]]
 
+_UNSEEN: Any = object()
+
 # Columns a claim reads, in Lease order.
 _TASK_COLS = (
     "task_id, lease_epoch, flow_id, flow_type, step_type, step_execution_id, method, attempt, "
@@ -151,16 +162,25 @@ def _send(db: Db, sql: str, params: Sequence[Any] = ()) -> None:
 
 
 def flow_status(db: Db, flow_id: str) -> tuple[str, str]:
-    row = db.one("SELECT flow_type, status FROM flows WHERE flow_id = ?", (flow_id,))
+    if _on_postgres(db):
+        row = db.one("SELECT flow_type, status FROM flows WHERE flow_id = ?", (flow_id,))
+    else:
+        row = db.one(f"SELECT flow_type, status, {_FLOW_STATE} FROM flows WHERE flow_id = ?", (flow_id,))
     if row is None:
         raise FlowNotFoundError(flow_id)
+    if not _on_postgres(db):
+        _know_flow_row(db, flow_id, *row[2:])
     return str(row[0]), str(row[1])
+
+
+# The columns of a flow row an SQLite operation keeps for its duration (_know_flow_row), read with it.
+_FLOW_STATE = "step_counters, streams, version, created_at"
 
 
 def require_running(db: Db, flow_id: str, *, lock: bool = True) -> str:
     """The flow's type if it is running. With `lock`, this transaction now serializes the flow's
     changes (the flow row lock on PostgreSQL)."""
-    row_state = "NULL, NULL" if _on_postgres(db) else "step_counters, streams"  # see Db.counters
+    row_state = "NULL" if _on_postgres(db) else _FLOW_STATE
     row = db.one(f"SELECT flow_type, status, {row_state} FROM flows WHERE flow_id = ?{db.for_update if lock else ''}",
                  (flow_id,))
     if row is None:
@@ -168,7 +188,7 @@ def require_running(db: Db, flow_id: str, *, lock: bool = True) -> str:
     if row[1] != "running":
         raise FlowNotActiveError(flow_id, str(row[1]))
     if not _on_postgres(db):
-        _know_flow_row(db, flow_id, row[2], row[3])
+        _know_flow_row(db, flow_id, *row[2:])
     return str(row[0])
 
 
@@ -180,7 +200,12 @@ def lock_flow(db: Db, flow_id: str) -> None:
 
 
 def bump(db: Db, flow_id: str) -> None:
-    _send(db, "UPDATE flows SET version = version + 1 WHERE flow_id = ?", (flow_id,))
+    if _on_postgres(db):
+        _send(db, "UPDATE flows SET version = version + 1 WHERE flow_id = ?", (flow_id,))
+        return
+    row = db.one("UPDATE flows SET version = version + 1 WHERE flow_id = ? RETURNING version", (flow_id,))
+    if row is not None:
+        db.version_after[flow_id] = int(row[0])  # see Db.known
 
 
 def start_flow(db: Db, req: StartRequest, now: int) -> None:
@@ -210,6 +235,7 @@ def update_flow_config(db: Db, flow_id: str, config: FlowConfig) -> None:
 def close_flow(db: Db, flow_id: str, status: str, output: bytes | None, error: str | None, now: int) -> None:
     for (task_id,) in db.all("SELECT task_id FROM tasks WHERE flow_id = ? ORDER BY task_id", (flow_id,)):
         _cancel_task(db, int(task_id), now, "flow closed")
+    # Its history follows (flow_closed), whose update tells the version after both (Db.version_after).
     _send(
         db, "UPDATE flows SET status = ?, output = ?, error = ?, closed_at = ?, version = version + 1 "
         "WHERE flow_id = ?",
@@ -273,11 +299,12 @@ def flush_history(db: Db) -> None:
         # History marks state changes, so it also bumps the version RPCs validate against.
         got = db.one(
             "UPDATE flows SET history_seq = history_seq + ?, version = version + 1"
-            + "".join(f", {column}" for column in sets) + " WHERE flow_id = ? RETURNING history_seq",
+            + "".join(f", {column}" for column in sets) + " WHERE flow_id = ? RETURNING history_seq, version",
             (len(rows), *params, flow_id),
         )
         if got is None:
             continue
+        db.version_after[flow_id] = int(got[1])
         last = int(got[0])
         first = last - len(rows) + 1
         values = ", ".join("(?, ?, ?, ?, ?, ?, ?, ?)" for _ in rows)
@@ -323,6 +350,12 @@ def run_op(fn: Callable[[Db], R], db: Db) -> R:
         result = fn(db)
         flush_appends(db)
         flush_history(db)
+        for flow_id, known in db.known.items():
+            if known is not None:
+                # The rows as this operation leaves them, at the version it leaves: the cache's
+                # once the transaction commits (the store applies cache_writes then).
+                known.version = db.version_after.get(flow_id, known.version)
+                db.cache_writes.append((flow_id, known))
     except BaseException:
         db.history.clear()
         db.appends.clear()
@@ -332,6 +365,8 @@ def run_op(fn: Callable[[Db], R], db: Db) -> R:
         db.counted.clear()
         db.streams.clear()
         db.streamed.clear()
+        db.known.clear()
+        db.version_after.clear()
     return result
 
 
@@ -394,13 +429,19 @@ def _decode_counters(text: str | bytes | None) -> dict[str, int]:
     return {} if text is None else dict(decode_json(text, dict[str, int]))
 
 
-def _know_flow_row(db: Db, flow_id: str, counters: str | bytes | None, streams: str | bytes | None) -> None:
-    """The counters and stream positions a read of the flow row came with, unless this operation
-    already knows (and may have changed) them (SQLite, see Db.counters)."""
+def _know_flow_row(
+    db: Db, flow_id: str, counters: str | bytes | None, streams: str | bytes | None, version: int, created_at: int,
+) -> None:
+    """What a read of the flow row (_FLOW_STATE) tells an SQLite operation, unless it already knows
+    (and may have changed) it: the Step counters and stream positions (see Db.counters), and, from
+    its version, the attribute rows the store's cache holds for it (see Db.known)."""
     if flow_id not in db.counters:
         db.counters[flow_id] = _decode_counters(counters)
     if flow_id not in db.streams:
         db.streams[flow_id] = _decode_streams(streams)
+    if flow_id not in db.known and db.cache is not None:
+        cached = db.cache.get(flow_id, int(version), int(created_at))
+        db.known[flow_id] = KnownRows(int(version), int(created_at)) if cached is None else cached.copy()
 
 
 def _decode_streams(text: str | bytes | None) -> dict[str, list[int]]:
@@ -658,6 +699,22 @@ def _locks_taken(db: Db, flow_id: str, task_id: int, names: tuple[str, ...]) -> 
 
 
 def load_attributes(db: Db, flow_id: str, spec: LoadSpec) -> dict[tuple[str, str], bytes]:
+    """The rows `spec` names, as this transaction sees them: those this operation knows (Db.known)
+    from there, the rest read (and known from then on)."""
+    if spec.mode == "none":
+        return {}
+    known = db.known.get(flow_id)
+    if known is None:
+        return _read_attributes(db, flow_id, spec)
+    rows, rest = known.split(spec)
+    if rest is not None:
+        read = _read_attributes(db, flow_id, rest)
+        known.learn(rest, read)
+        rows.update(read)
+    return rows
+
+
+def _read_attributes(db: Db, flow_id: str, spec: LoadSpec) -> dict[tuple[str, str], bytes]:
     if spec.mode == "none":
         return {}
     if spec.mode == "all":
@@ -818,7 +875,7 @@ def check_lease_for_writes(db: Db, lease: Lease, deferred: bool = False) -> _Lea
 def _check_lease(db: Db, lease: Lease, live: bool, deferred: bool = False) -> _LeaseChecked:
     others_live = ("EXISTS (SELECT 1 FROM tasks s WHERE s.flow_id = f.flow_id AND s.snapshot = ? "
                    "AND s.task_id <> t.task_id), t.snapshot = ?" if live else "1, 0")
-    row_state = "NULL, NULL" if _on_postgres(db) else "f.step_counters, f.streams"  # see Db.counters
+    row_state = "NULL" if _on_postgres(db) else "f.step_counters, f.streams, f.version, f.created_at"
     row = db.one(
         f"SELECT t.state, t.lease_epoch, f.status, f.config, f.completing, {others_live}, {row_state} FROM flows f "
         f"JOIN tasks t ON t.flow_id = f.flow_id WHERE f.flow_id = ? AND t.task_id = ?{db.for_update}",
@@ -833,7 +890,7 @@ def _check_lease(db: Db, lease: Lease, live: bool, deferred: bool = False) -> _L
     if row[2] != "running":
         raise FlowNotActiveError(lease.flow_id, str(row[2]))
     if not _on_postgres(db):
-        _know_flow_row(db, lease.flow_id, row[7], row[8])
+        _know_flow_row(db, lease.flow_id, *row[7:])
     return _LeaseChecked(_decode_config(bytes(row[3])), bool(row[4]), bool(row[5]), bool(row[6]))
 
 
@@ -878,6 +935,12 @@ def apply_writes(
     `others_live` False: no other method has the live rows as its snapshot (check_lease_for_writes)."""
     if writes.attributes and others_live and getattr(db, "lazy_snapshots", False):
         _preserve_snapshots(db, flow_id, writes.attributes, task_id)
+    if writes.attributes:
+        known = db.known.get(flow_id, _UNSEEN)
+        if known is _UNSEEN:
+            db.known[flow_id] = None  # written before its version was read: its rows are not known
+        elif known is not None:
+            known.apply(writes.attributes)
     # A few statements for all of them: sets in multi-row upserts, deletes in multi-row deletes.
     sets = [(name, key, value) for (name, key), value in writes.attributes.items() if value is not None]
     deletes = [(name, key) for (name, key), value in writes.attributes.items() if value is None]
@@ -1222,6 +1285,9 @@ def _in_savepoint(db: Db, fn: Callable[[], object]) -> bool:
         del db.appends[appends:]
         db.counters, db.counted = counters, counted
         db.streams, db.streamed = streams, streamed
+        # Its writes were applied to the known rows: this operation no longer knows them (Db.known).
+        for flow_id in db.known:
+            db.known[flow_id] = None
         return False
     db.run("RELEASE fold_execute")
     return True
@@ -1555,7 +1621,10 @@ def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcS
     RPC that changes nothing answers from it; rpc_commit refuses one that would change it."""
     flow_type, _status = flow_status(db, flow_id)
     _check_rpc_locks(db, flow_id, locks)
-    version_row = db.one("SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
+    known = db.known.get(flow_id)
+    # Nothing of this transaction changed the flow since flow_status read it.
+    version_row = (known.version,) if known is not None else db.one(
+        "SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
     assert version_row is not None
     pending: dict[tuple[str, str], list[tuple[int, bytes]]] = {}
     for channel, key, mid, value in db.all(
@@ -1622,14 +1691,17 @@ def publish(db: Db, flow_id: str, channel: str, key: str, value: bytes, now: int
 
 def read_attribute(db: Db, flow_id: str, name: str, key: str) -> bytes | None:
     flow_status(db, flow_id)
+    known = db.known.get(flow_id)
+    if known is not None and known.covers(name):
+        return known.rows.get((name, key))
     row = db.one("SELECT value FROM attributes WHERE flow_id = ? AND name = ? AND key = ?", (flow_id, name, key))
     return None if row is None else bytes(row[0])
 
 
 def read_attribute_map(db: Db, flow_id: str, name: str) -> dict[str, bytes]:
     flow_status(db, flow_id)
-    rows = db.all("SELECT key, value FROM attributes WHERE flow_id = ? AND name = ? ORDER BY key", (flow_id, name))
-    return {str(r[0]): bytes(r[1]) for r in rows}
+    rows = load_attributes(db, flow_id, LoadSpec("only", (name,)))
+    return {key: rows[(n, key)] for n, key in sorted(rows)}
 
 
 def read_all_attributes(db: Db, flow_id: str) -> dict[tuple[str, str], bytes]:

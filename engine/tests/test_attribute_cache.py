@@ -1,0 +1,180 @@
+"""The attribute rows a store keeps between transactions (_attribute_cache): never served stale.
+
+A store reads a flow's attributes from its cache only while the flow's version is the one the rows
+were read or written at. These tests change rows behind a store's back in each way the version
+guards against: another connection's commit, a commit that failed, and a folded Execute whose
+writes were rolled back within its commit; then read through the store that had them cached.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dex_engine import (
+    AsyncClient,
+    Attribute,
+    Channel,
+    Context,
+    Flow,
+    LoadOptions,
+    Registry,
+    RpcContext,
+    Step,
+    StepDecision,
+    StepOptions,
+    Wait,
+    open_store,
+    rpc,
+)
+from dex_engine import _transitions as tx
+
+from .conftest import engine_for, wait_until
+
+A = Attribute("A", int)
+B = Attribute("B", str)
+Poison = Attribute("Poison", int)
+Inbox = Channel("Inbox", str)
+
+
+@rpc(request_type=int)
+async def set_a(ctx: RpcContext, value: int) -> None:
+    ctx.set(A, value)
+
+
+@rpc(request_type=int)
+async def set_poison(ctx: RpcContext, value: int) -> None:
+    ctx.set(Poison, value)
+
+
+@rpc(request_type=str)
+async def post(ctx: RpcContext, text: str) -> None:
+    ctx.publish(Inbox, text)
+
+
+async def _start(ctx: Context, _: None) -> StepDecision:
+    ctx.set(A, 1)
+    return StepDecision.go_to("Idle")
+
+
+async def _idle_wait(ctx: Context, _: None) -> Wait:
+    return Wait.until(Inbox.for_one())
+
+
+async def _idle(ctx: Context, _: None) -> StepDecision:
+    return StepDecision.go_to("Idle")
+
+
+FLOW = Flow("Cached", [
+    Step("Start", _start, options=StepOptions(load=LoadOptions.only(A))),
+    Step("Idle", _idle, wait_for=_idle_wait, options=StepOptions(load=LoadOptions.none())),
+], start_step="Start", schema=[A, B, Poison, Inbox], rpcs=[set_a, set_poison, post])
+
+
+async def _started(client: AsyncClient, flow_id: str) -> Any:
+    await client.start_flow("Cached", flow_id)
+    await wait_until("Start committed", lambda: client.get_attribute(flow_id, A))
+
+
+async def test_rows_another_connection_changed_are_read_again(db_url: str) -> None:
+    """A store that read A=1 (and so keeps it) reads A again after another connection's RPC set
+    it to 2. Catches rows served without checking the flow's version."""
+    async with engine_for(db_url, Registry([FLOW])) as eng:
+        await _started(eng.client, "f")
+        assert await eng.client.get_attribute("f", A) == 1
+        other = open_store(db_url)
+        try:
+            await AsyncClient(Registry([FLOW]), store=other).rpc("f", "set_a", 2)
+        finally:
+            await other.close()
+        assert await eng.client.get_attribute("f", A) == 2
+
+
+@pytest.mark.sqlite_only
+async def test_a_commit_that_fails_leaves_no_rows_behind(db_url: str) -> None:
+    """An RPC sets Poison; its transaction runs to the end but its COMMIT fails (a deferred foreign
+    key this test adds), so nothing of it stays. Another connection then moves the flow to the
+    version that commit would have left; the store that ran it must still read Poison as unset.
+    Catches the rows of a transaction kept although it rolled back."""
+    async with engine_for(db_url, Registry([FLOW])) as eng:
+        await _started(eng.client, "f")
+        await eng.store.raw(lambda db: db.run(
+            "CREATE TABLE doomed (flow_id TEXT REFERENCES flows (flow_id) DEFERRABLE INITIALLY DEFERRED)"),
+            write=True)
+        await eng.store.raw(lambda db: db.run(
+            "CREATE TRIGGER poison AFTER INSERT ON attributes WHEN NEW.name = 'Poison' "
+            "BEGIN INSERT INTO doomed VALUES ('no such flow'); END"), write=True)
+        assert await eng.client.get_attribute("f", Poison) is None
+        with pytest.raises(Exception, match="FOREIGN KEY"):
+            await eng.client.rpc("f", "set_poison", 1)
+        other = open_store(db_url)
+        try:
+            await AsyncClient(Registry([FLOW]), store=other).rpc("f", "set_a", 3)
+        finally:
+            await other.close()
+        assert await eng.client.get_attribute("f", A) == 3
+        assert await eng.client.get_attribute("f", Poison) is None
+
+
+@pytest.mark.sqlite_only
+async def test_writes_of_a_folded_execute_rolled_back_are_not_kept(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Taker's Execute, folded into the commit of the RPC that readies it, writes B; its commit
+    then fails within that transaction (its savepoint rolls back) and it runs again as a usual
+    attempt, which writes nothing. B must read as unset. Catches the rolled-back write kept in the
+    rows the committing operation leaves."""
+
+    async def taker(ctx: Context, _: None) -> StepDecision:
+        if tx_called_from("fold_execute"):
+            ctx.set(B, "written by the rolled-back fold")
+        return StepDecision.graceful_complete()
+
+    async def taker_wait(ctx: Context, _: None) -> Wait:
+        return Wait.until(Inbox.for_one())
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to("Taker")
+
+    real = tx.commit_execute
+    failed: list[str] = []
+
+    def failing_when_folded(db: tx.Db, lease: Any, *args: Any, **kwargs: Any) -> None:
+        real(db, lease, *args, **kwargs)
+        if lease.step_type == "Taker" and tx_called_from("commit_folded"):
+            failed.append(lease.step_execution_id)
+            raise RuntimeError("the folded commit fails after its statements ran")
+
+    monkeypatch.setattr(tx, "commit_execute", failing_when_folded)
+    flow = Flow("Folding", [
+        Step("Start", start),
+        Step("Taker", taker, wait_for=taker_wait, pure_execute=True, options=StepOptions(load=LoadOptions.only(B))),
+    ], start_step="Start", schema=[A, B, Poison, Inbox], rpcs=[post])
+    async with engine_for(db_url, Registry([flow])) as eng:
+        for i in range(10):
+            flow_id = f"f{i}"
+            await eng.client.start_flow("Folding", flow_id)
+            await wait_until("Taker waiting", lambda fid=flow_id: _waiting(eng.client, fid))
+            assert await eng.client.get_attribute(flow_id, B) is None  # the store now keeps B's rows
+            await eng.client.rpc(flow_id, "post", "go")
+            info = await eng.client.wait_for_flow(flow_id, 10)
+            assert info.status == "completed", info
+            assert await eng.client.get_attribute(flow_id, B) is None
+        assert failed, "no Taker was folded into the RPC's commit"
+
+
+def tx_called_from(function_name: str) -> bool:
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == function_name:
+            return True
+        frame = frame.f_back
+    return False
+
+
+async def _waiting(client: AsyncClient, flow_id: str) -> bool:
+    info = await client.describe_flow(flow_id)
+    return [s.state for s in info.active_steps] == ["waiting"]
