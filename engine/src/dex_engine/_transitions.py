@@ -138,6 +138,10 @@ _TASK_COLS = (
     "method_first_at, any_started, attempt_started, last_error, wait_spec"
 )
 
+_TASK_COL_COUNT = len(_TASK_COLS.split(","))
+# The same, of tasks aliased `t` (joined with their flows).
+_CLAIM_COLS = ", ".join("t." + column.strip() for column in _TASK_COLS.split(","))
+
 
 # Rows one multi-row statement writes: at most 4 parameters each, far below either backend's limit.
 _ROWS_PER_STATEMENT = 200
@@ -773,11 +777,15 @@ def claim_deferred(db: Db, worker_id: str, flow_types: Sequence[str], capacity: 
     the earlier claims of this call will take."""
     if capacity <= 0 or not flow_types:
         return []
-    rows = db.all(
-        f"SELECT {_TASK_COLS} FROM tasks WHERE state = 'ready' AND run_at <= ? "
-        f"AND flow_type IN ({_in(flow_types)}) ORDER BY run_at, task_id LIMIT ?{db.skip_locked}",
-        (now, *flow_types, capacity * 4),
-    )
+    if _on_postgres(db):
+        sql = (f"SELECT {_TASK_COLS} FROM tasks WHERE state = 'ready' AND run_at <= ? "
+               f"AND flow_type IN ({_in(flow_types)}) ORDER BY run_at, task_id LIMIT ?{db.skip_locked}")
+    else:
+        # With the flow row's state, as every SQLite operation keeps it (_know_flow_row).
+        sql = (f"SELECT {_CLAIM_COLS}, {', '.join('f.' + c for c in _FLOW_STATE.split(', '))} "
+               "FROM tasks t JOIN flows f ON f.flow_id = t.flow_id WHERE t.state = 'ready' AND t.run_at <= ? "
+               f"AND t.flow_type IN ({_in(flow_types)}) ORDER BY t.run_at, t.task_id LIMIT ?")
+    rows = db.all(sql, (now, *flow_types, capacity * 4))
     claimed: list[Claimed] = []
     taking: dict[tuple[str, str], _ClaimWrites] = {}  # locks the claims so far will take
     for r in rows:
@@ -795,6 +803,8 @@ def _claim_row(
     task_id, epoch, flow_id, flow_type, step_type, seid, method, attempt = r[:8]
     if db.skip_locked and db.one(f"SELECT 1 FROM flows WHERE flow_id = ?{db.skip_locked}", (flow_id,)) is None:
         return None  # another transaction is changing this flow: claim the task on a later poll
+    if len(r) > _TASK_COL_COUNT:
+        _know_flow_row(db, str(flow_id), *r[_TASK_COL_COUNT:])
     options = _decode_options(bytes(r[9]))
     mopts = _method_options(options, str(method))
     locks: tuple[str, ...] = ()
