@@ -819,11 +819,11 @@ def view_flow(probe: Probe) -> Flow:
 
 @pytest.mark.parametrize("rpc_writes", [False, True], ids=["rows-unchanged", "rpc-changed-A"])
 async def test_a_step_handed_on_loads_the_rows_the_commit_leaves(db_url: str, rpc_writes: bool) -> None:
-    """Next, handed to the worker by Decide's commit, loads what Decide loaded with Decide's own
-    writes applied (B deleted), without reading rows Decide read; but when an RPC changed A while
-    Decide ran, Next loads A as the RPC left it, not Decide's snapshot of it (E15: a method's
-    snapshot is the state when it is claimed). Catches: the commit's known rows used after they
-    went stale, or its own writes (a delete) not applied to them."""
+    """Next, handed to the worker by Decide's commit, loads the rows as that commit leaves them:
+    Decide's own writes applied (B deleted), and when an RPC changed A while Decide ran, A as the
+    RPC left it, not Decide's snapshot of it (E15: a method's snapshot is the state when it is
+    claimed). Catches rows known without reading (the store's cache, _attribute_cache) used after
+    they went stale, or a commit's own writes (a delete) not applied to them."""
     probe = Probe()
     async with engine_for(db_url, Registry([view_flow(probe)])) as eng:
         await eng.client.start_flow("View", "f1")

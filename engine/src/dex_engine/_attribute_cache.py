@@ -82,16 +82,17 @@ class KnownRows:
 
     def apply(self, writes: dict[Ident, bytes | None]) -> None:
         """This operation's writes (None deletes), to the names known whole."""
+        rows, whole, every = self.rows, self.whole, self.every
         for ident, value in writes.items():
-            if self.covers(ident[0]):
+            if every or ident[0] in whole:
                 if value is None:
-                    self.rows.pop(ident, None)
+                    rows.pop(ident, None)
                 else:
-                    self.rows[ident] = value
+                    rows[ident] = value
 
     @property
     def size(self) -> int:
-        return sum(len(v) for v in self.rows.values())
+        return sum(map(len, self.rows.values()))
 
 
 class AttributeCache:

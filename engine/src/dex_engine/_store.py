@@ -297,7 +297,7 @@ class Store(ABC):
                     out.append(claimed_lease)
                 continue
             # Its writes must preserve the snapshots of the other claims (E15): they are written
-            # first, and from here on their rows are checked rather than known (Claimed.fresh).
+            # first, and from here on their tasks are checked rather than known (Claimed.fresh).
             for other in pending:
                 tx.write_claim(db, other)
                 other.fresh = False

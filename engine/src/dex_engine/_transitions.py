@@ -470,64 +470,6 @@ class Handoff:
     worker_id: str
     capacity: int
     leases: list[Lease]
-    # The attributes as the committing method leaves them, where known without reading (see
-    # StateView); commit_execute sets it.
-    view: StateView | None = None
-
-
-@dataclass(frozen=True)
-class StateView:
-    """Attribute rows as a commit leaves them, known without reading them: what the committing
-    method loaded (`load`, `loaded`) with its `writes` applied.
-
-    Valid only while those loaded rows are still the live rows (the method's snapshot is still
-    LIVE_SNAPSHOT, or it was claimed in this very transaction): then every row its load covers is
-    as it read it, plus its own writes. A Step the commit starts reads what the view covers from
-    here (`split`) and only the rest from the database: a turn's model call loads the whole
-    message window, which the Step before it had just loaded.
-    """
-
-    load: LoadSpec
-    loaded: dict[tuple[str, str], bytes]
-    writes: dict[tuple[str, str], bytes | None]
-
-    def split(self, spec: LoadSpec) -> tuple[dict[tuple[str, str], bytes], LoadSpec | None]:
-        """The rows of `spec` this view covers, and what is left to read (None: nothing)."""
-        mine = self.load
-        if spec.mode == "none":
-            return {}, None
-        if mine.mode != "all" and (spec.mode == "all" or mine.mode == "none"):
-            return {}, spec
-        if mine.mode == "all":
-            names, instances = frozenset(spec.names), frozenset(spec.instances)
-            every = spec.mode == "all"
-            rest: LoadSpec | None = None
-        else:
-            names = frozenset(n for n in spec.names if n in mine.names)
-            instances = frozenset(i for i in spec.instances if mine.loads(*i))
-            left_names = tuple(n for n in spec.names if n not in names)
-            left_instances = tuple(i for i in spec.instances if i not in instances)
-            every = False
-            rest = LoadSpec("only", left_names, left_instances) if left_names or left_instances else None
-        rows: dict[tuple[str, str], bytes] = {}
-        for source in (self.loaded, self.writes):
-            for ident, value in source.items():
-                if every or ident[0] in names or ident in instances:
-                    if value is None:
-                        rows.pop(ident, None)
-                    else:
-                        rows[ident] = value
-        return rows, rest
-
-
-def _load_through(db: Db, flow_id: str, spec: LoadSpec, view: StateView | None) -> dict[tuple[str, str], bytes]:
-    """load_attributes, taking from `view` the rows it covers."""
-    if view is None:
-        return load_attributes(db, flow_id, spec)
-    rows, rest = view.split(spec)
-    if rest is not None:
-        rows.update(load_attributes(db, flow_id, rest))
-    return rows
 
 
 def create_task(
@@ -545,9 +487,8 @@ def create_task(
     recovery_blob = None if recovery_error is None else encode_json(recovery_error)
     options_blob = encode_json(options)
     wait_options = options.wait_for
-    view = None if handoff is None else handoff.view
     if movement.wait is not None and wait_options is not None and _wait_state_holds(
-        db, flow_id, wait_options, movement.wait_loaded, view
+        db, flow_id, wait_options, movement.wait_loaded
     ):
         # The WaitFor already ran (see MovementRecord.wait): register its wait as its commit would,
         # in this transaction; the caller evaluates the flow's waits once its movements are in.
@@ -574,7 +515,7 @@ def create_task(
         _history(db, flow_id, step_type, seid, STEP_SCHEDULED, 0, now)
         db.notify()
         return task_id
-    start = _attempt_start(db, flow_id, options, mopts, None, now, view)
+    start = _attempt_start(db, flow_id, options, mopts, None, now)
     task_id, seid = _insert_task(
         db,
         "flow_id, flow_type, step_type, step_execution_id, input, options, method, state, attempt, run_at, "
@@ -596,16 +537,13 @@ def create_task(
     return task_id
 
 
-def _wait_state_holds(
-    db: Db, flow_id: str, options: MethodOptions, loaded: Sequence[tuple[str, str, bytes]],
-    view: StateView | None = None,
-) -> bool:
+def _wait_state_holds(db: Db, flow_id: str, options: MethodOptions, loaded: Sequence[tuple[str, str, bytes]]) -> bool:
     """Whether a WaitFor evaluated ahead of this commit saw the attributes it loads as they are now."""
     if options.locks:
         return False
     if options.load.mode == "none":
         return True
-    return _load_through(db, flow_id, options.load, view) == {(n, k): v for n, k, v in loaded}
+    return load_attributes(db, flow_id, options.load) == {(n, k): v for n, k, v in loaded}
 
 
 @dataclass(frozen=True)
@@ -628,15 +566,14 @@ def _encode_snapshot(attrs: dict[tuple[str, str], bytes]) -> bytes:
 
 
 def _attempt_start(
-    db: Db, flow_id: str, options: TaskOptions, mopts: MethodOptions, snapshot: bytes | None, now: int,
-    view: StateView | None = None,
+    db: Db, flow_id: str, options: TaskOptions, mopts: MethodOptions, snapshot: bytes | None, now: int
 ) -> _AttemptStart:
     """What an attempt is handed: its method's snapshot (E15) and its deadlines."""
     if mopts.load.mode == "none":
         attrs: dict[tuple[str, str], bytes] = {}
     elif snapshot is None or snapshot == LIVE_SNAPSHOT:
         # E15: the state loaded for the method's first attempt is what every retry sees.
-        attrs = _load_through(db, flow_id, mopts.load, view)
+        attrs = load_attributes(db, flow_id, mopts.load)
         if snapshot is None:
             snapshot = LIVE_SNAPSHOT if getattr(db, "lazy_snapshots", False) else _encode_snapshot(attrs)
     else:
@@ -751,8 +688,8 @@ class Claimed:
     # The claim is not written yet (claim_deferred): write_claim writes it, unless its Execute is
     # folded into this transaction, which then deletes the task without ever marking it running.
     deferred: _ClaimWrites | None = None
-    # Created or claimed by this transaction: nothing else has changed its task since (E2 holds
-    # without reading it back), and its loaded rows are the live rows (its snapshot is live).
+    # Created or claimed by this transaction, and no Execute folded into it since: nothing else has
+    # changed its task (E2 holds without reading it back).
     fresh: bool = False
 
 
@@ -830,7 +767,7 @@ def _claim_row(
         wait_outcome=None if r[12] is None else decode_json(r[12], WaitOutcome),
         recovery_error=None if r[13] is None else decode_json(r[13], RecoveryError),
     )
-    return Claimed(lease, writes, fresh=start.snapshot == LIVE_SNAPSHOT)
+    return Claimed(lease, writes, fresh=True)
 
 
 def write_claim(db: Db, claimed: Claimed) -> Lease:
@@ -870,26 +807,24 @@ class _LeaseChecked:
     # Another method of the flow may still have the live attribute rows as its snapshot
     # (LIVE_SNAPSHOT): when not, this method's writes need not preserve snapshots.
     others_live: bool
-    # This method's own snapshot is still the live rows: nothing has written what it loaded since
-    # it was claimed (see StateView).
-    own_live: bool
 
 
 def check_lease_for_writes(db: Db, lease: Lease, deferred: bool = False) -> _LeaseChecked:
-    """check_lease, and whether this and other methods of the flow still have the live attribute
-    rows as their snapshots (see _LeaseChecked); the same statement answers all of it. `deferred`:
-    the lease's claim is not written (claim_deferred), so its task is still ready, one epoch back."""
+    """check_lease, and whether other methods of the flow still have the live attribute rows as
+    their snapshots (see _LeaseChecked); the same statement answers both. `deferred`: the lease's
+    claim is not written (claim_deferred), so its task is still ready, one epoch back."""
     return _check_lease(db, lease, getattr(db, "lazy_snapshots", False), deferred)
 
 
 def _check_lease(db: Db, lease: Lease, live: bool, deferred: bool = False) -> _LeaseChecked:
     others_live = ("EXISTS (SELECT 1 FROM tasks s WHERE s.flow_id = f.flow_id AND s.snapshot = ? "
-                   "AND s.task_id <> t.task_id), t.snapshot = ?" if live else "1, 0")
-    row_state = "NULL" if _on_postgres(db) else "f.step_counters, f.streams, f.version, f.created_at"
+                   "AND s.task_id <> t.task_id)" if live else "1")
+    postgres = _on_postgres(db)
+    row_state = "" if postgres else ", " + ", ".join("f." + c for c in _FLOW_STATE.split(", "))
     row = db.one(
-        f"SELECT t.state, t.lease_epoch, f.status, f.config, f.completing, {others_live}, {row_state} FROM flows f "
+        f"SELECT t.state, t.lease_epoch, f.status, f.config, f.completing, {others_live}{row_state} FROM flows f "
         f"JOIN tasks t ON t.flow_id = f.flow_id WHERE f.flow_id = ? AND t.task_id = ?{db.for_update}",
-        (LIVE_SNAPSHOT, LIVE_SNAPSHOT, lease.flow_id, lease.task_id) if live else (lease.flow_id, lease.task_id),
+        (LIVE_SNAPSHOT, lease.flow_id, lease.task_id) if live else (lease.flow_id, lease.task_id),
     )
     state, epoch = ("ready", lease.lease_epoch - 1) if deferred else ("running", lease.lease_epoch)
     if row is None or row[0] != state or int(row[1]) != epoch:
@@ -899,9 +834,9 @@ def _check_lease(db: Db, lease: Lease, live: bool, deferred: bool = False) -> _L
         )
     if row[2] != "running":
         raise FlowNotActiveError(lease.flow_id, str(row[2]))
-    if not _on_postgres(db):
-        _know_flow_row(db, lease.flow_id, *row[7:])
-    return _LeaseChecked(_decode_config(bytes(row[3])), bool(row[4]), bool(row[5]), bool(row[6]))
+    if not postgres:
+        _know_flow_row(db, lease.flow_id, *row[6:])
+    return _LeaseChecked(_decode_config(bytes(row[3])), bool(row[4]), bool(row[5]))
 
 
 def _release_method_locks(db: Db, lease: Lease) -> None:
@@ -1236,8 +1171,6 @@ def commit_execute(
     _send(db, "DELETE FROM tasks WHERE task_id = ?", (lease.task_id,))
     _history(db, lease.flow_id, lease.step_type, lease.step_execution_id, EXECUTE_COMPLETED, lease.attempt, now,
              decision.kind)
-    if handoff is not None and (checked.own_live if claimed is None else claimed.fresh):
-        handoff.view = StateView(lease.load, lease.attributes, writes.attributes)
     apply_decision(db, lease.flow_id, lease.flow_type, decision, now, checked.config, handoff)
     if decision.kind in ("force_complete", "force_fail"):
         return
@@ -1255,7 +1188,6 @@ def commit_folded(
     if _in_savepoint(db, lambda: commit_execute(db, claimed.lease, writes, decision, now, handoff, claimed)):
         return True
     handoff.leases.clear()
-    handoff.view = None
     return False
 
 
