@@ -104,8 +104,8 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
 
 class _SqliteDb:
     __slots__ = (
-        "appends", "cache", "cache_writes", "conn", "counted", "counters", "history", "known", "readied", "revokes",
-        "streamed", "streams", "version_after",
+        "appends", "cache", "cache_writes", "conn", "counted", "counters", "cursor", "history", "known", "readied",
+        "revokes", "streamed", "streams", "version_after",
     )
 
     # BEGIN IMMEDIATE serializes every writer of the file: no row locks needed.
@@ -117,6 +117,8 @@ class _SqliteDb:
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
+        # One cursor for every statement: a new one per statement costs more than many statements.
+        self.cursor = conn.cursor()
         self.cache: AttributeCache | None = AttributeCache()
         self.known: dict[str, KnownRows | None] = {}
         self.version_after: dict[str, int] = {}
@@ -139,14 +141,15 @@ class _SqliteDb:
         self.revokes += 1
 
     def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        row: Row | None = self.conn.execute(sql, params).fetchone()
-        return row
+        # Read to the end, so that no statement stays open on the shared cursor.
+        rows = self.cursor.execute(sql, params).fetchall()
+        return rows[0] if rows else None
 
     def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return self.conn.execute(sql, params).fetchall()
+        return self.cursor.execute(sql, params).fetchall()
 
     def run(self, sql: str, params: Sequence[Any] = ()) -> int:
-        return self.conn.execute(sql, params).rowcount
+        return self.cursor.execute(sql, params).rowcount
 
 
 @dataclass
