@@ -7,6 +7,7 @@ errors to roll their transaction (or savepoint) back.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
@@ -148,7 +149,19 @@ _ROWS_PER_STATEMENT = 200
 
 
 def _in(values: Sequence[Any]) -> str:
-    return ",".join("?" for _ in values)
+    return _placeholders(len(values))
+
+
+@functools.lru_cache(maxsize=256)
+def _placeholders(count: int) -> str:
+    return ",".join("?" * count)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rows_of(width: int, count: int) -> str:
+    """`count` rows of `width` placeholders for a VALUES list: `(?, ?), (?, ?)`; built once per shape."""
+    row = "(" + ", ".join("?" * width) + ")"
+    return ", ".join([row] * count)
 
 
 def _send(db: Db, sql: str, params: Sequence[Any] = ()) -> None:
@@ -311,7 +324,7 @@ def flush_history(db: Db) -> None:
         db.version_after[flow_id] = int(got[1])
         last = int(got[0])
         first = last - len(rows) + 1
-        values = ", ".join("(?, ?, ?, ?, ?, ?, ?, ?)" for _ in rows)
+        values = _rows_of(8, len(rows))
         history: list[Any] = []
         for seq, (_f, step_type, seid, event, attempt, at, detail) in enumerate(rows, start=first):
             history += (flow_id, seq, step_type, seid, event, attempt, at, detail)
@@ -331,7 +344,7 @@ def _send_history(db: Db, flow_id: str, rows: list[HistoryRow]) -> None:
     crosses a multiple of HISTORY_TRIM_CHECK_EVERY (n events cross one when the new sequence modulo
     it is below n)."""
     n = len(rows)
-    values = ", ".join("(?, ?, ?, ?, ?, ?, ?)" for _ in rows)
+    values = _rows_of(7, len(rows))
     params: list[Any] = [n, flow_id, HISTORY_TRIM_CHECK_EVERY, n, MAX_HISTORY_EVENTS_PER_FLOW, n]
     for i, (_f, step_type, seid, event, attempt, at, detail) in enumerate(rows, start=1):
         params += (i, step_type, seid, event, attempt, at, detail)
@@ -892,7 +905,7 @@ def apply_writes(
     for i in range(0, len(deletes), _ROWS_PER_STATEMENT):
         gone = deletes[i:i + _ROWS_PER_STATEMENT]
         _send(db, "DELETE FROM attributes WHERE flow_id = ? AND (name, key) IN (VALUES "
-              + ", ".join("(?, ?)" for _ in gone) + ")", [flow_id, *(x for row in gone for x in row)])
+              + _rows_of(2, len(gone)) + ")", [flow_id, *(x for row in gone for x in row)])
     for i in range(0, len(sets), _ROWS_PER_STATEMENT):
         part = sets[i:i + _ROWS_PER_STATEMENT]
         params: list[Any] = []
@@ -900,7 +913,7 @@ def apply_writes(
             params += (flow_id, name, key, value)
         _send(
             db, "INSERT INTO attributes (flow_id, name, key, value) VALUES "
-            + ", ".join("(?, ?, ?, ?)" for _ in part)
+            + _rows_of(4, len(part))
             + " ON CONFLICT (flow_id, name, key) DO UPDATE SET value = excluded.value",
             params,
         )
@@ -972,7 +985,7 @@ def append_events(
         params += (flow_id, stream, seq, seid, attempt, value)
     _send(
         db, "INSERT INTO stream_events (flow_id, stream, seq, step_execution_id, attempt, value) VALUES "
-        + ", ".join("(?, ?, ?, ?, ?, ?)" for _ in rows),
+        + _rows_of(6, len(rows)),
         params,
     )
     trimmed = total > capacity
@@ -1070,7 +1083,7 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
             part = idents[i:i + _ROWS_PER_STATEMENT]
             messages += db.all(
                 "SELECT channel, key, message_id, value FROM channel_messages WHERE flow_id = ? AND (channel, key) "
-                "IN (VALUES " + ", ".join("(?, ?)" for _ in part) + ") ORDER BY message_id",
+                "IN (VALUES " + _rows_of(2, len(part)) + ") ORDER BY message_id",
                 [flow_id, *(x for ident in part for x in ident)],
             )
     for channel, key, mid, value in messages:
