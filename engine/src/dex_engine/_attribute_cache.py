@@ -50,15 +50,22 @@ class KnownRows:
             return {}, None
         if spec.mode == "all":
             return (dict(self.rows), None) if self.every else ({}, spec)
-        names = [n for n in spec.names if self.covers(n)]
-        instances = [i for i in spec.instances if self.covers(i[0])]
-        rest_names = tuple(n for n in spec.names if not self.covers(n))
-        rest_instances = tuple(i for i in spec.instances if not self.covers(i[0]))
-        rest = LoadSpec("only", rest_names, rest_instances) if rest_names or rest_instances else None
+        every, whole = self.every, self.whole
+        names: set[str] = set()
+        rest_names: list[str] = []
+        for name in spec.names:
+            if every or name in whole:
+                names.add(name)
+            else:
+                rest_names.append(name)
+        instances: list[Ident] = []
+        rest_instances: list[Ident] = []
+        for ident in spec.instances:
+            (instances if every or ident[0] in whole else rest_instances).append(ident)
+        rest = LoadSpec("only", tuple(rest_names), tuple(rest_instances)) if rest_names or rest_instances else None
         if not names and not instances:
             return {}, rest
-        wanted = set(names)
-        found = {ident: value for ident, value in self.rows.items() if ident[0] in wanted}
+        found = {ident: value for ident, value in self.rows.items() if ident[0] in names}
         for ident in instances:
             value = self.rows.get(ident)
             if value is not None:

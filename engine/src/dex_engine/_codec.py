@@ -42,7 +42,10 @@ def encode_value(name: str, tp: Any, value: Any, *, limit: int = MAX_VALUE_BYTES
         # Round-trip through the declared type: catches a dict where a dataclass is declared,
         # a str where an int is declared, and nested mismatches. A shareable value decoded here
         # is kept (_decoded): the next Step that loads these bytes gets it without decoding.
-        key = (tp, data) if _handout(tp) is not None else None
+        handout = _handouts.get(tp, _UNKNOWN)
+        if handout is _UNKNOWN:
+            handout = _handout(tp)
+        key = (tp, data) if handout is not None else None
         if key is None or key not in _decoded.values:
             try:
                 decoded = _decoder(tp).decode(data)
