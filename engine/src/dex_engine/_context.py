@@ -100,7 +100,7 @@ class _StateView:
             ident = (name, key)
             value = cache.get(ident, _MISSING)
             if value is _MISSING:
-                data = writes[ident] if ident in writes else loaded.get(ident)
+                data = writes[ident] if written and ident in writes else loaded.get(ident)
                 if data is None:
                     continue
                 # The decoded cache looked up here, not through a call per instance (see decoded_cache).
