@@ -33,11 +33,11 @@ from ._constants import REJECTION_MESSAGE_NOT_STORED, TOOL_HEARTBEAT_INTERVAL
 from ._events import AgentEventType, AgentEventWriter, make_event
 from ._message_store import (
     MessageLayoutLimits,
+    all_messages,
     chunk_bytes,
     is_oversized,
     iter_newest_first,
     message_bytes,
-    newest_messages,
     plan_append,
     reply_start_by_scan,
 )
@@ -200,7 +200,7 @@ class SessionRuntime:
     @staticmethod
     def stored_messages(ctx: Context | RpcContext) -> list[AgentMessage]:
         """Every stored message, window and chunks, in sequence order (needs AgentMessageChunks loaded)."""
-        return newest_messages(ctx.get(AGENT_MESSAGE_INDEX), window_messages(ctx), chunk_reader(ctx))
+        return all_messages(ctx.get(AGENT_MESSAGE_INDEX), window_messages(ctx), chunk_reader(ctx))
 
     def append_messages(
         self,
