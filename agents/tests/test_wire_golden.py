@@ -19,7 +19,7 @@ import pytest
 from dex_agents import _wire
 from dex_agents._events import AgentEventType, AgentEventWriter, make_event, payload_text
 from dex_agents._persistence import message_sequence_key, plan_execution_key
-from dex_agents._timefmt import format_time, parse_time
+from dex_agents._timefmt import format_time, parse_time, posix_ns_text, utc_now_text
 from dex_agents._wire import (
     AgentEvent,
     AgentInterrupt,
@@ -570,6 +570,25 @@ def test_format_time_writes_utc_millis_and_z() -> None:
     plus_two = timezone(timedelta(hours=2))
     assert format_time(datetime(2026, 11, 1, 14, 0, 0, 5000, tzinfo=plus_two)) == "2026-11-01T12:00:00.005Z"
     assert format_time(datetime(999, 1, 2, 3, 4, 5, tzinfo=UTC)) == "0999-01-02T03:04:05.000Z"  # RFC 3339: 4 digits
+
+
+@pytest.mark.parametrize("ns", [
+    0, 999_999, 1_000_000, 1_999_999_999, 1_793_534_400_123_999_999, 1_793_534_400_000_000_000, -1, -1_000_001,
+    -62_135_596_800_000_000_000, 253_402_300_799_999_999_999,
+])
+def test_the_time_of_now_is_format_time_of_the_same_instant(ns: int) -> None:
+    """utc_now_text formats the clock's nanoseconds itself: as format_time would the datetime that
+    datetime.now(UTC) makes of them (microseconds rounded down), in every year."""
+    moment = datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=ns // 1000)
+    assert posix_ns_text(ns) == format_time(moment)
+    assert posix_ns_text(ns) == format_time(moment)  # the second's text now comes from the cache
+
+
+def test_utc_now_text_reads_the_clock_of_datetime_now() -> None:
+    before = format_time(datetime.now(UTC))
+    now = utc_now_text()
+    assert before <= now <= format_time(datetime.now(UTC))
+    assert parse_time(now).tzinfo is UTC
 
 
 def test_format_time_refuses_naive_datetimes() -> None:

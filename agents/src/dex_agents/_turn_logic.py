@@ -291,7 +291,6 @@ def plan_tool_calls(
         raise TurnContractError("ToolCallsRequested.tool_calls must be a non-empty sequence of DeferredToolCall")
     seen = {r.tool_call_id for r in existing.values() if r.turn_id == turn_id}
     first_order = len(seen)
-    created_at = format_time(now)
     deadline = None if interrupt_deadline is None else format_time(now + interrupt_deadline)
     calls: list[PlannedCall] = []
     interrupts: list[AgentInterrupt] = []
@@ -354,7 +353,7 @@ def plan_tool_calls(
         if approval:
             interrupts.append(AgentInterrupt(
                 interrupt_id=call_id, kind=InterruptKind.TOOL_APPROVAL, tool_call_id=call_id,
-                tool_name=call.tool_name, arguments=arguments, created_at=created_at, deadline=deadline,
+                tool_name=call.tool_name, arguments=arguments, created_at=format_time(now), deadline=deadline,
             ))
             calls.append(PlannedCall(record, AWAIT_TOOL_APPROVAL))
         else:
