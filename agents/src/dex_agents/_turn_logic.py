@@ -114,8 +114,10 @@ def check_framework_messages(items: object, source: str) -> list[FrameworkMessag
         if not isinstance(given, FrameworkMessage):
             raise TurnContractError(f"{source}[{index}] is a {type(given).__name__}, not a FrameworkMessage")
         role: object = given.role
-        # A plain "assistant" is as good as the enum member.
-        item = dataclasses.replace(given, role=MessageRole(role)) if role in _ROLES else given
+        item = given
+        if type(role) is not MessageRole and role in _ROLES:
+            # A plain "assistant" is as good as the enum member (which needs no copy).
+            item = dataclasses.replace(given, role=MessageRole(role))
         if not isinstance(item.role, MessageRole):
             raise TurnContractError(
                 f"{source}[{index}] has role {item.role!r}; use MessageRole.USER, ASSISTANT or TOOL"
