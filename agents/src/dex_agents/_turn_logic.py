@@ -166,6 +166,14 @@ def check_tool_call_id(tool_call_id: object, seen: set[str]) -> str:
     return tool_call_id
 
 
+def _refuse_constant(constant: str) -> float:
+    raise ValueError(constant)
+
+
+# NaN and Infinity are not JSON. One decoder for every call: json.loads with an option builds one each time.
+_STRICT_JSON = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
 def arguments_error(arguments: object) -> str | None:
     """None when `arguments` is strict JSON object text; else why not (NaN and Infinity are not JSON)."""
     if not isinstance(arguments, str):
@@ -173,12 +181,9 @@ def arguments_error(arguments: object) -> str | None:
     problem = text_problem(arguments)
     if problem is not None:
         return f"arguments are {problem}"
-
-    def refuse(constant: str) -> float:
-        raise ValueError(constant)
-
     try:
-        value = json.loads(arguments, parse_constant=refuse)
+        # A leading byte order mark, which json.loads refuses by name, fails here too (ValueError).
+        value = _STRICT_JSON.decode(arguments)
     except ValueError:
         return ARGUMENTS_NOT_OBJECT
     if not isinstance(value, dict):
