@@ -28,7 +28,7 @@ from dex_engine import (
     ValueTooLargeError,
 )
 
-from ._compaction import plan_retention
+from ._compaction import is_compaction_runner, plan_retention
 from ._constants import REJECTION_MESSAGE_NOT_STORED, TOOL_HEARTBEAT_INTERVAL
 from ._events import AgentEventType, AgentEventWriter, make_event
 from ._message_store import (
@@ -171,6 +171,16 @@ class SessionRuntime:
     def builds_unfinished_messages(self) -> bool:
         """Whether the runner is an UnfinishedTurnMessageBuilder; asked once (a Protocol isinstance is slow)."""
         return isinstance(self.runner, UnfinishedTurnMessageBuilder)
+
+    @functools.cached_property
+    def compacts(self) -> bool:
+        """Whether the runner is a ContextCompactionRunner; asked once, not on every model call."""
+        return is_compaction_runner(self.runner)
+
+    @functools.cached_property
+    def built_in_tool_names(self) -> frozenset[str]:
+        """The enabled built-in tools by name, from the options a Flow keeps for its lifetime."""
+        return frozenset(t.value for t in self.options.built_in_tools)
 
     # Events ----------------------------------------------------------------------------------
 

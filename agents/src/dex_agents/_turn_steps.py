@@ -198,7 +198,7 @@ class TurnSteps:
             framework_run_state=ctx.get(FRAMEWORK_RUN_STATE), tool_calls=rt.turn_records(ctx, turn_id),
             events=writer, heartbeat=heartbeat, tool_policies=rt.options.tool_policies,
             default_tool_effect=rt.options.default_tool_effect, session_settings=rt.turn_settings(ctx, turn_id),
-            enabled_built_in_tools=frozenset(t.value for t in rt.options.built_in_tools),
+            enabled_built_in_tools=rt.built_in_tool_names,
             interaction_mode=state.interaction_mode, plan=ctx.get(AGENT_PLAN),
         )
 
@@ -272,7 +272,7 @@ class TurnSteps:
         plan = plan_tool_calls(
             outcome.tool_calls, turn_id=turn_id, existing=rt.turn_records(ctx, turn_id), now=now_utc(),
             interrupt_deadline=rt.options.interrupt_deadline, trace_context=ctx.get(AGENT_TRACE_CONTEXT),
-            built_in_tools=frozenset(t.value for t in rt.options.built_in_tools),
+            built_in_tools=rt.built_in_tool_names,
             max_durable_wait=rt.options.max_durable_wait,
             interaction_mode=state.interaction_mode, current_plan=ctx.get(AGENT_PLAN),
         )
