@@ -245,7 +245,8 @@ class TurnSteps:
         has_builder = rt.builds_unfinished_messages
         if isinstance(outcome, TurnCompleted):
             items = check_framework_messages(outcome.new_messages, "TurnCompleted.new_messages")
-            state = self._store(ctx, state, turn_id, items)
+            # Nothing from here on breaks the contract, so AgentState is set once, as the turn ends.
+            state = rt.append_messages(ctx, state, turn_id, items)
             if outcome.turn_error is not None:
                 # The runner ended the turn with its own transcript (new_messages): no turn-failure
                 # note, which seed 002 gives RecordTurnFailure and this commit's contract breaches.
@@ -326,8 +327,12 @@ class TurnSteps:
         return StepDecision.go_to_many(*movements)
 
     def _store(self, ctx: Context, state: AgentState, turn_id: str, items: Sequence[Any]) -> AgentState:
+        """Store the items and set AgentState at once, so that a contract breach later in this commit
+        ends the turn after them (_fail_in_commit). With no items nothing changed: AgentState still
+        holds `state`, the value RunModel loaded."""
         stored = self.rt.append_messages(ctx, state, turn_id, items)
-        ctx.set(AGENT_STATE, stored)
+        if stored is not state:
+            ctx.set(AGENT_STATE, stored)
         return stored
 
     @staticmethod
