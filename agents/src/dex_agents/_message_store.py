@@ -58,7 +58,7 @@ def chunk_bytes(message_sizes: Sequence[int]) -> int:
 
 def is_oversized(size: int, limits: MessageLayoutLimits) -> bool:
     """A message whose single-message chunk exceeds chunk_max_bytes skips the window."""
-    return chunk_bytes([size]) > limits.chunk_max_bytes
+    return CHUNK_ENVELOPE_BYTES + size > limits.chunk_max_bytes  # chunk_bytes([size]), asked of every message
 
 
 def empty_index() -> AgentMessageIndex:
@@ -123,8 +123,9 @@ def plan_append(
         else:
             placed.append(message)
 
-    full = stored + placed
-    moved = _rollover(full, limits, size_of)
+    if len(stored) + len(placed) <= limits.window_size and not written:
+        return MessageWrites(window_sets=tuple(placed))  # most appends: within the window, no chunk
+    moved = _rollover(stored + placed, limits, size_of)
     written.extend(moved)
     chunks.extend(AgentMessageChunkRange(c.messages[0].sequence, c.messages[-1].sequence) for c in moved)
     moved_sequences = {m.sequence for c in moved for m in c.messages}
