@@ -10,11 +10,13 @@ import json
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dex_agents import _wire
 from dex_agents._events import AgentEventType, AgentEventWriter, make_event, payload_text
@@ -524,6 +526,55 @@ def test_payload_text_is_compact_json_object_text() -> None:
     """Payloads are compact (no spaces), keep non-ASCII text as is, and keep the caller's key order."""
     assert payload_text({"b": 1, "a": [1, 2], "c": None, "d": "é"}) == '{"b":1,"a":[1,2],"c":null,"d":"é"}'
     assert payload_text({}) == "{}"
+
+
+class _Colour(StrEnum):
+    RED = "red"
+
+
+class _Level(IntEnum):
+    HIGH = 3
+
+
+class _Text(str):
+    __slots__ = ()
+
+
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.integers(min_value=-(2**70), max_value=2**70), st.floats(),
+    st.text(),
+    st.sampled_from([_Colour.RED, _Level.HIGH, _Text("t"), "\ud800", "a\x00\x1f\x7f\u2028\u2029é\U0001f600"]),
+)
+_keys = st.one_of(st.text(), st.integers(), st.sampled_from([True, None, 1.5, _Colour.RED, _Text("k"), "\udfff"]))
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.tuples(inner), st.dictionaries(_keys, inner, max_size=3)),
+    max_leaves=10,
+)
+
+
+def _outcome(encode: Any) -> Any:
+    try:
+        return encode()
+    except Exception as exc:  # the same refusal, as the same error
+        return type(exc), str(exc)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(payload=st.dictionaries(_keys, _values, max_size=4))
+def test_payload_text_is_the_json_module_text(payload: dict[Any, Any]) -> None:
+    """payload_text writes what json.dumps does with its options (compact, non-ASCII as is, no NaN),
+    byte for byte, or refuses what it refuses with the same error, whichever encoder it uses inside:
+    floats, enums, str subclasses, non-text keys, lone surrogates, big integers and deep nesting."""
+    expected = _outcome(lambda: json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False))
+    assert _outcome(lambda: payload_text(payload)) == expected
+
+
+def test_payload_text_refuses_an_integer_too_long_to_write_as_json_does() -> None:
+    payload = {"count": 10**5000}  # over Python's limit on int to text conversion
+    expected = _outcome(lambda: json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False))
+    assert expected[0] is ValueError
+    assert _outcome(lambda: payload_text(payload)) == expected
 
 
 @pytest.mark.parametrize("payload", [[1], "text", None, 3])
