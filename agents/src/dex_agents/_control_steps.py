@@ -131,6 +131,10 @@ class TurnControl:
 
 NOT_CONTROLLED = TurnControl()
 
+# What wakes AwaitUserMessage and ResumeTurn for steering and cancel_turn: every control request queued.
+# Conditions are immutable values, so every wait shares one.
+TURN_CONTROL_WAKE = TURN_CONTROL_REQUESTS.for_range(1, MAX)
+
 
 def turn_control_of(
     turn_id: str | None,

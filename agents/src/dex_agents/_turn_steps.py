@@ -15,13 +15,12 @@ from ._constants import (
     AWAIT_TOOL_APPROVAL,
     AWAIT_USER_MESSAGE,
     INVALID_START_SESSION_SETTINGS_REASON,
-    MAX,
     NEW_MESSAGES_WITHOUT_BUILDER,
     RESUME_TURN,
     RUN_MODEL_HEARTBEAT_INTERVAL,
     TOOL_STEPS,
 )
-from ._control_steps import end_turn_before_model_call, read_turn_control
+from ._control_steps import TURN_CONTROL_WAKE, end_turn_before_model_call, read_turn_control
 from ._events import AgentEventType
 from ._persistence import (
     AGENT_PLAN,
@@ -78,6 +77,9 @@ from ._wire import (
     PlanExecutionRequest,
     TurnSessionSettings,
 )
+
+# AwaitUserMessage takes one queued message at a time (an immutable condition, built once).
+_QUEUED_MESSAGE = QUEUED_USER_MESSAGES.for_one()
 
 
 class TurnSteps:
@@ -137,8 +139,7 @@ class TurnSteps:
     async def await_user_message_wait(self, ctx: Context, _: None) -> Wait:
         # In argument order: a steer beats a queued message; the plan execution condition comes
         # last, so a queued message beats an approval.
-        return Wait.any_of(TURN_CONTROL_REQUESTS.for_range(1, MAX), QUEUED_USER_MESSAGES.for_one(),
-                           *plan_execution_conditions(ctx.get(AGENT_PLAN)))
+        return Wait.any_of(TURN_CONTROL_WAKE, _QUEUED_MESSAGE, *plan_execution_conditions(ctx.get(AGENT_PLAN)))
 
     async def await_user_message(self, ctx: Context, _: None) -> StepDecision:
         state = ctx.get(AGENT_STATE)
