@@ -70,10 +70,9 @@ def _is_plain(value: dict[Any, Any] | list[Any], depth: int) -> bool:
         items: Iterable[Any] = value.values()
     else:
         items = value
-    types = set(map(type, items))
-    if types <= _PLAIN_SCALARS:
+    if _PLAIN_SCALARS.issuperset(map(type, items)):
         return True
-    if depth == 0 or not types <= _PLAIN_VALUES:
+    if depth == 0 or not _PLAIN_VALUES.issuperset(map(type, items)):
         return False
     for item in items:
         kind = type(item)
