@@ -570,6 +570,13 @@ def test_payload_text_is_the_json_module_text(payload: dict[Any, Any]) -> None:
     assert _outcome(lambda: payload_text(payload)) == expected
 
 
+def test_payload_text_writes_every_character_as_json_does() -> None:
+    """Every code point but the surrogates, in a key and in a value: escaped (or not) alike."""
+    text = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF)
+    payload = {text: text, "list": [text]}
+    assert payload_text(payload) == json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def test_payload_text_refuses_an_integer_too_long_to_write_as_json_does() -> None:
     payload = {"count": 10**5000}  # over Python's limit on int to text conversion
     expected = _outcome(lambda: json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False))
