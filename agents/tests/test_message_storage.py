@@ -47,6 +47,7 @@ from dex_agents._message_store import (
     MessageLayoutLimits,
     MessageStoreCorruptError,
     MessageWrites,
+    all_messages,
     chunk_bytes,
     chunk_holding,
     is_oversized,
@@ -131,7 +132,9 @@ def encoded_chunk_bytes(chunk: AgentMessageChunk) -> int:
 
 def check_layout(store: ModelStore, limits: MessageLayoutLimits) -> None:
     """Every appended message is readable exactly once, where the index says; chunks hold their ranges."""
-    assert newest_messages(store.index, list(store.window.values()), store.read_chunk) == store.appended
+    window = [store.window[s] for s in sorted(store.window)]  # as window_messages lists them
+    assert newest_messages(store.index, window, store.read_chunk) == store.appended
+    assert all_messages(store.index, window, store.read_chunk) == store.appended
     index = store.index or AgentMessageIndex(chunks=[], first_sequence=1, window_first_sequence=1)
     assert index.first_sequence == 1  # no retention: nothing is ever deleted
     ranges = index.chunks
@@ -322,6 +325,53 @@ def test_reads_ignore_window_instances_outside_the_window() -> None:
     read = newest_messages(index, stale, lambda r: chunk)
     assert [(m.sequence, m.text) for m in read] == [(2, "x"), (3, "x"), (4, "x"), (5, "x")]
     assert [m.sequence for m in newest_messages(index, stale, lambda r: chunk, before=4, limit=1)] == [3]
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    window=st.lists(st.integers(1, 12), max_size=8),
+    ranges=st.lists(st.tuples(st.integers(1, 12), st.integers(-1, 3)), max_size=3),  # -1: a range backwards
+    window_first=st.integers(1, 12),
+    corrupt=st.sets(st.integers(0, 2), max_size=2),
+    shape=st.sampled_from(["any", "run", "tidy"]),
+)
+def test_reading_every_message_matches_newest_messages(
+    window: list[int], ranges: list[tuple[int, int]], window_first: int, corrupt: set[int], shape: str
+) -> None:
+    """all_messages (which skips sorting when the window follows every chunk in order) returns, or
+    raises, exactly what newest_messages does, for any layout: unsorted or repeated window sequences,
+    overlapping or unsorted chunk ranges, window instances inside chunks, missing or wrong chunks.
+    A "run" window holds consecutive sequences; a "tidy" layout (consecutive chunks from 1, then the
+    window) is the one Steps leave."""
+    if shape == "tidy":
+        lengths = [max(0, length) for _, length in ranges]
+        ends = list(itertools.accumulate(1 + length for length in lengths))
+        ranges = [(end - length, length) for end, length in zip(ends, lengths, strict=True)]
+        window_first = (ends[-1] if ends else 0) + 1
+        window = list(range(window_first, window_first + len(window)))
+    elif shape == "run" and window:
+        window = list(range(window[0], window[0] + len(window)))
+    chunk_ranges = [AgentMessageChunkRange(first, first + length) for first, length in ranges]
+    index = AgentMessageIndex(chunks=chunk_ranges, first_sequence=1, window_first_sequence=window_first)
+    stored = [message(sequence, i) for i, sequence in enumerate(window)]  # text length tells repeats apart
+    bad = {ranges[i][0] for i in corrupt if i < len(ranges)}  # these chunks are missing or hold too little
+
+    def read_chunk(chunk_range: AgentMessageChunkRange) -> AgentMessageChunk | None:
+        first = chunk_range.first_sequence
+        if first in bad:
+            return None if first % 2 else AgentMessageChunk([message(first, 0)] * 5)
+        return AgentMessageChunk([message(s, 0) for s in range(first, chunk_range.last_sequence + 1)])
+
+    for layout in (index, None):
+        try:
+            expected: list[AgentMessage] | str = newest_messages(layout, stored, read_chunk)
+        except MessageStoreCorruptError as exc:
+            expected = str(exc)
+        try:
+            got: list[AgentMessage] | str = all_messages(layout, stored, read_chunk)
+        except MessageStoreCorruptError as exc:
+            got = str(exc)
+        assert got == expected
 
 
 # Options ------------------------------------------------------------------------------------------------

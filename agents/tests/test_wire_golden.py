@@ -10,16 +10,18 @@ import json
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dex_agents import _wire
 from dex_agents._events import AgentEventType, AgentEventWriter, make_event, payload_text
 from dex_agents._persistence import message_sequence_key, plan_execution_key
-from dex_agents._timefmt import format_time, parse_time
+from dex_agents._timefmt import format_time, parse_time, posix_ns_text, utc_now_text
 from dex_agents._wire import (
     AgentEvent,
     AgentInterrupt,
@@ -526,6 +528,62 @@ def test_payload_text_is_compact_json_object_text() -> None:
     assert payload_text({}) == "{}"
 
 
+class _Colour(StrEnum):
+    RED = "red"
+
+
+class _Level(IntEnum):
+    HIGH = 3
+
+
+class _Text(str):
+    __slots__ = ()
+
+
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.integers(min_value=-(2**70), max_value=2**70), st.floats(),
+    st.text(),
+    st.sampled_from([_Colour.RED, _Level.HIGH, _Text("t"), "\ud800", "a\x00\x1f\x7f\u2028\u2029é\U0001f600"]),
+)
+_keys = st.one_of(st.text(), st.integers(), st.sampled_from([True, None, 1.5, _Colour.RED, _Text("k"), "\udfff"]))
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.tuples(inner), st.dictionaries(_keys, inner, max_size=3)),
+    max_leaves=10,
+)
+
+
+def _outcome(encode: Any) -> Any:
+    try:
+        return encode()
+    except Exception as exc:  # the same refusal, as the same error
+        return type(exc), str(exc)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(payload=st.dictionaries(_keys, _values, max_size=4))
+def test_payload_text_is_the_json_module_text(payload: dict[Any, Any]) -> None:
+    """payload_text writes what json.dumps does with its options (compact, non-ASCII as is, no NaN),
+    byte for byte, or refuses what it refuses with the same error, whichever encoder it uses inside:
+    floats, enums, str subclasses, non-text keys, lone surrogates, big integers and deep nesting."""
+    expected = _outcome(lambda: json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False))
+    assert _outcome(lambda: payload_text(payload)) == expected
+
+
+def test_payload_text_writes_every_character_as_json_does() -> None:
+    """Every code point but the surrogates, in a key and in a value: escaped (or not) alike."""
+    text = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF)
+    payload = {text: text, "list": [text]}
+    assert payload_text(payload) == json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def test_payload_text_refuses_an_integer_too_long_to_write_as_json_does() -> None:
+    payload = {"count": 10**5000}  # over Python's limit on int to text conversion
+    expected = _outcome(lambda: json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False))
+    assert expected[0] is ValueError
+    assert _outcome(lambda: payload_text(payload)) == expected
+
+
 @pytest.mark.parametrize("payload", [[1], "text", None, 3])
 def test_payload_text_refuses_non_objects(payload: Any) -> None:
     """A payload must be a JSON object: anything else is a TypeError naming what it got."""
@@ -570,6 +628,25 @@ def test_format_time_writes_utc_millis_and_z() -> None:
     plus_two = timezone(timedelta(hours=2))
     assert format_time(datetime(2026, 11, 1, 14, 0, 0, 5000, tzinfo=plus_two)) == "2026-11-01T12:00:00.005Z"
     assert format_time(datetime(999, 1, 2, 3, 4, 5, tzinfo=UTC)) == "0999-01-02T03:04:05.000Z"  # RFC 3339: 4 digits
+
+
+@pytest.mark.parametrize("ns", [
+    0, 999_999, 1_000_000, 1_999_999_999, 1_793_534_400_123_999_999, 1_793_534_400_000_000_000, -1, -1_000_001,
+    -62_135_596_800_000_000_000, 253_402_300_799_999_999_999,
+])
+def test_the_time_of_now_is_format_time_of_the_same_instant(ns: int) -> None:
+    """utc_now_text formats the clock's nanoseconds itself: as format_time would the datetime that
+    datetime.now(UTC) makes of them (microseconds rounded down), in every year."""
+    moment = datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=ns // 1000)
+    assert posix_ns_text(ns) == format_time(moment)
+    assert posix_ns_text(ns) == format_time(moment)  # the second's text now comes from the cache
+
+
+def test_utc_now_text_reads_the_clock_of_datetime_now() -> None:
+    before = format_time(datetime.now(UTC))
+    now = utc_now_text()
+    assert before <= now <= format_time(datetime.now(UTC))
+    assert parse_time(now).tzinfo is UTC
 
 
 def test_format_time_refuses_naive_datetimes() -> None:

@@ -34,7 +34,6 @@ from ._compaction import (
     ContextSummaryRequest,
     ContextSummaryResult,
     chunks_between,
-    is_compaction_runner,
     messages_between,
     summarized_through,
 )
@@ -151,7 +150,7 @@ def model_view(ctx: Context, rt: SessionRuntime, *, warn: bool) -> tuple[list[Ag
     summary, and `warn` logs that on each model call.
     """
     index = ctx.get(AGENT_MESSAGE_INDEX)
-    if is_compaction_runner(rt.runner):
+    if rt.compacts:
         summary = ctx.get(CONTEXT_SUMMARY)
         if summary is not None:
             after = summary.last_sequence
@@ -189,7 +188,7 @@ async def compaction_before_model_call(
     """
     policy = rt.options.compaction
     runner: Any = rt.runner
-    if policy is None or not is_compaction_runner(runner):
+    if policy is None or not rt.compacts:
         return None
     try:
         estimate = _whole_number(await _resolved(runner.estimate_input_tokens(turn)), "estimate_input_tokens")
@@ -234,7 +233,7 @@ class CompactionSteps:
         previous = ctx.get(CONTEXT_SUMMARY)
         after = summarized_through(previous)
         through = after if request is None else request.through_sequence
-        if policy is None or not is_compaction_runner(runner) or through <= after:
+        if policy is None or not rt.compacts or through <= after:
             # A Worker without compaction, or a summary that already covers the range: nothing to do.
             ctx.set(AGENT_STATE, msgspec.structs.replace(state, status=AgentStatus.RUNNING_MODEL))
             return go_to_run_model(ctx, rt.options)

@@ -131,6 +131,10 @@ class TurnControl:
 
 NOT_CONTROLLED = TurnControl()
 
+# What wakes AwaitUserMessage and ResumeTurn for steering and cancel_turn: every control request queued.
+# Conditions are immutable values, so every wait shares one.
+TURN_CONTROL_WAKE = TURN_CONTROL_REQUESTS.for_range(1, MAX)
+
 
 def turn_control_of(
     turn_id: str | None,
@@ -144,10 +148,10 @@ def turn_control_of(
     if turn_id is None or state is None or state.active_turn_id != turn_id:
         return NOT_CONTROLLED
     waiting = max(0, steered_count - applied_count)
-    return TurnControl(
-        steered=waiting > 0, cancelled=cancellation is not None and cancellation.turn_id == turn_id,
-        steered_message_count=waiting,
-    )
+    cancelled = cancellation is not None and cancellation.turn_id == turn_id
+    if not waiting and not cancelled:
+        return NOT_CONTROLLED  # what nearly every boundary sees: the shared value, not a new one
+    return TurnControl(steered=waiting > 0, cancelled=cancelled, steered_message_count=waiting)
 
 
 _ABANDONABLE_STATUSES = frozenset({

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 from typing import Any
+
+import msgspec
 
 from ._wire import AgentEvent
 
@@ -33,15 +35,50 @@ class AgentEventType(StrEnum):
     COMPACTION_FINISHED = "compaction_finished"
 
 
-# One encoder for every payload: json.dumps with these options builds a new JSONEncoder per call.
+# The payload text is JSONEncoder's with these options, byte for byte; json.dumps with them builds a
+# new JSONEncoder per call.
 _PAYLOAD_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+# msgspec writes the same text for the payloads the session itself writes, several times faster: for
+# str keys and str, int, bool and None values (every string is escaped alike), in dicts and lists
+# nested up to _PLAIN_DEPTH deep (deeper ones meet JSONEncoder's recursion limit, or not, as before).
+# Floats are JSONEncoder's alone (their text, NaN), and so is every other type.
+_PLAIN_ENCODER = msgspec.json.Encoder()
+_PLAIN_SCALARS = frozenset({str, int, bool, type(None)})
+_PLAIN_VALUES = _PLAIN_SCALARS | {dict, list}
+_STR = frozenset({str})
+_PLAIN_DEPTH = 2
 
 
 def payload_text(payload: Mapping[str, Any]) -> str:
     """Compact JSON object text, as every core writes event payloads."""
     if type(payload) is not dict and not isinstance(payload, Mapping):
         raise TypeError(f"an event payload must be a JSON object (a mapping), got {type(payload).__name__}")
-    return _PAYLOAD_ENCODER.encode(dict(payload))
+    plain = dict(payload)
+    if _is_plain(plain, _PLAIN_DEPTH):
+        try:
+            return _PLAIN_ENCODER.encode(plain).decode()
+        except UnicodeEncodeError:
+            pass  # a lone surrogate, which JSONEncoder writes as it is
+    return _PAYLOAD_ENCODER.encode(plain)
+
+
+def _is_plain(value: dict[Any, Any] | list[Any], depth: int) -> bool:
+    """Whether msgspec writes `value` as JSONEncoder does (exact types only: no subclass, no enum)."""
+    if type(value) is dict:
+        if not _STR.issuperset(map(type, value)):
+            return False
+        items: Iterable[Any] = value.values()
+    else:
+        items = value
+    if _PLAIN_SCALARS.issuperset(map(type, items)):
+        return True
+    if depth == 0 or not _PLAIN_VALUES.issuperset(map(type, items)):
+        return False
+    for item in items:
+        kind = type(item)
+        if (kind is dict or kind is list) and not _is_plain(item, depth - 1):
+            return False
+    return True
 
 
 def make_event(

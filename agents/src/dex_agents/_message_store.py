@@ -2,8 +2,9 @@
 
 The conversation is a window of AgentMessages instances (one per message) plus immutable
 AgentMessageChunks instances listed in AgentMessageIndex. `plan_append` decides what a Step that
-stores messages writes and deletes; the readers (`iter_newest_first`, `newest_messages`) say where a
-sequence is stored. _runtime.py and _rpcs.py apply them to a Context or RpcContext.
+stores messages writes and deletes; the readers (`iter_newest_first`, `newest_messages`,
+`all_messages`) say where a sequence is stored. _runtime.py and _rpcs.py apply them to a Context or
+RpcContext.
 
 Retention (deleting the oldest summarized chunks after compaction) is planned in _compaction.py
 (`plan_retention`); without compaction no chunk is ever deleted and AgentMessageIndex.first_sequence
@@ -13,6 +14,7 @@ stays 1.
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +27,8 @@ from ._wire import AgentMessage, AgentMessageChunk, AgentMessageChunkRange, Agen
 CHUNK_ENVELOPE_BYTES = len(msgspec.json.encode(AgentMessageChunk(messages=[])))
 
 _encoder = msgspec.json.Encoder()
+# A key function in C: every append sorts the whole window by it.
+_sequence_of = operator.attrgetter("sequence")
 
 
 class MessageStoreCorruptError(RuntimeError):
@@ -54,7 +58,7 @@ def chunk_bytes(message_sizes: Sequence[int]) -> int:
 
 def is_oversized(size: int, limits: MessageLayoutLimits) -> bool:
     """A message whose single-message chunk exceeds chunk_max_bytes skips the window."""
-    return chunk_bytes([size]) > limits.chunk_max_bytes
+    return CHUNK_ENVELOPE_BYTES + size > limits.chunk_max_bytes  # chunk_bytes([size]), asked of every message
 
 
 def empty_index() -> AgentMessageIndex:
@@ -101,9 +105,9 @@ def plan_append(
             size = known[message.sequence] = message_bytes(message)
         return size
 
-    stored = sorted(window, key=lambda m: m.sequence)
+    stored = sorted(window, key=_sequence_of)
     current = index or empty_index()
-    newest = max([m.sequence for m in stored] + [r.last_sequence for r in current.chunks] + [0])
+    newest = max(stored[-1].sequence if stored else 0, max((r.last_sequence for r in current.chunks), default=0))
     for message in new:
         if message.sequence <= newest:
             raise ValueError(f"message {message.sequence} is not after the newest stored message {newest}")
@@ -119,12 +123,14 @@ def plan_append(
         else:
             placed.append(message)
 
-    full = stored + placed
-    moved = _rollover(full, limits, size_of)
+    if len(stored) + len(placed) <= limits.window_size and not written:
+        return MessageWrites(window_sets=tuple(placed))  # most appends: within the window, no chunk
+    moved = _rollover(stored + placed, limits, size_of)
     written.extend(moved)
     chunks.extend(AgentMessageChunkRange(c.messages[0].sequence, c.messages[-1].sequence) for c in moved)
     moved_sequences = {m.sequence for c in moved for m in c.messages}
-    old_sequences = {m.sequence for m in stored}
+    # Only a rollover deletes window instances: most appends need no set of the stored sequences.
+    old_sequences = set(map(_sequence_of, stored)) if moved_sequences else set()
 
     new_index: AgentMessageIndex | None = None
     if written:
@@ -283,6 +289,35 @@ def newest_messages(
         if limit is not None and len(picked) >= limit:
             break
     picked.reverse()
+    return picked
+
+
+def all_messages(
+    index: AgentMessageIndex | None, window: Sequence[AgentMessage], read_chunk: ChunkReader
+) -> list[AgentMessage]:
+    """Every stored message, oldest first: what newest_messages returns with no `before` and no `limit`.
+
+    Each model call reads this. When the window holds consecutive sequences, in order, after every
+    chunk (as Steps leave it, unless an oversized message's chunk sits among them), it is the chunks
+    in order, then the window: no segments to sort. Chunks are read newest first either way, so a
+    bad chunk is reported as newest_messages reports it.
+    """
+    current = index or empty_index()
+    chunks = current.chunks
+    firsts = [r.first_sequence for r in chunks]
+    sequences = [m.sequence for m in window]
+    if sequences:
+        start = sequences[0]
+        floor = max(current.window_first_sequence - 1, max((r.last_sequence for r in chunks), default=0))
+        if start <= floor or sequences != list(range(start, start + len(sequences))):
+            return newest_messages(index, window, read_chunk)
+    if firsts != sorted(set(firsts)):
+        return newest_messages(index, window, read_chunk)
+    held = [checked_chunk(r, read_chunk(r)) for r in reversed(chunks)]
+    picked: list[AgentMessage] = []
+    for messages in reversed(held):
+        picked.extend(messages)
+    picked.extend(window)
     return picked
 
 

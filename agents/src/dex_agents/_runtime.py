@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, cast
@@ -28,16 +28,16 @@ from dex_engine import (
     ValueTooLargeError,
 )
 
-from ._compaction import plan_retention
+from ._compaction import is_compaction_runner, plan_retention
 from ._constants import REJECTION_MESSAGE_NOT_STORED, TOOL_HEARTBEAT_INTERVAL
 from ._events import AgentEventType, AgentEventWriter, make_event
 from ._message_store import (
     MessageLayoutLimits,
+    all_messages,
     chunk_bytes,
     is_oversized,
     iter_newest_first,
     message_bytes,
-    newest_messages,
     plan_append,
     reply_start_by_scan,
 )
@@ -172,6 +172,16 @@ class SessionRuntime:
         """Whether the runner is an UnfinishedTurnMessageBuilder; asked once (a Protocol isinstance is slow)."""
         return isinstance(self.runner, UnfinishedTurnMessageBuilder)
 
+    @functools.cached_property
+    def compacts(self) -> bool:
+        """Whether the runner is a ContextCompactionRunner; asked once, not on every model call."""
+        return is_compaction_runner(self.runner)
+
+    @functools.cached_property
+    def built_in_tool_names(self) -> frozenset[str]:
+        """The enabled built-in tools by name, from the options a Flow keeps for its lifetime."""
+        return frozenset(t.value for t in self.options.built_in_tools)
+
     # Events ----------------------------------------------------------------------------------
 
     def emit(self, ctx: Context, event_type: AgentEventType, turn_id: str | None, payload: Mapping[str, Any]) -> None:
@@ -200,7 +210,7 @@ class SessionRuntime:
     @staticmethod
     def stored_messages(ctx: Context | RpcContext) -> list[AgentMessage]:
         """Every stored message, window and chunks, in sequence order (needs AgentMessageChunks loaded)."""
-        return newest_messages(ctx.get(AGENT_MESSAGE_INDEX), window_messages(ctx), chunk_reader(ctx))
+        return all_messages(ctx.get(AGENT_MESSAGE_INDEX), window_messages(ctx), chunk_reader(ctx))
 
     def append_messages(
         self,
@@ -442,25 +452,49 @@ def chunk_reader(ctx: Context | RpcContext) -> Callable[[AgentMessageChunkRange]
     return read
 
 
-@contextlib.asynccontextmanager
-async def background_heartbeats(ctx: Context, interval_seconds: float = TOOL_HEARTBEAT_INTERVAL.total_seconds(),
-                                ) -> AsyncIterator[None]:
+def background_heartbeats(
+    ctx: Context, interval_seconds: float = TOOL_HEARTBEAT_INTERVAL.total_seconds()
+) -> contextlib.AbstractAsyncContextManager[None]:
     """Heartbeat every `interval_seconds` while the body runs (each repeats the saved checkpoint)."""
+    return _Heartbeats(ctx, interval_seconds)
 
-    async def beat() -> None:
-        while True:
-            await asyncio.sleep(interval_seconds)
-            try:
-                await ctx.heartbeat()
-            except Exception:
-                # A lost task is revoked by the worker; a transient error is retried next interval.
-                log.debug("flow %s %s: background heartbeat failed", ctx.flow_id, ctx.step_execution_id,
-                          exc_info=True)
 
-    task = asyncio.create_task(beat())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+class _Heartbeats:
+    """A timer while the body runs, and a task only for a heartbeat that is due.
+
+    Most model calls and tools end long before the first heartbeat, so entering and leaving costs a
+    timer, not a task that starts, sleeps and is cancelled. A heartbeat runs in the handler's context
+    (the timer's callback copies it), the next timer starts when it ends, and one in flight when the
+    body ends is cancelled and awaited.
+    """
+
+    def __init__(self, ctx: Context, interval_seconds: float) -> None:
+        self._ctx = ctx
+        self._interval = interval_seconds
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        self._beat: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> None:
+        self._timer = self._loop.call_later(self._interval, self._due)
+
+    async def __aexit__(self, *_: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        beat = self._beat
+        if beat is not None and not beat.done():
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+
+    def _due(self) -> None:
+        self._beat = self._loop.create_task(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        ctx = self._ctx
+        try:
+            await ctx.heartbeat()
+        except Exception:
+            # A lost task is revoked by the worker; a transient error is retried next interval.
+            log.debug("flow %s %s: background heartbeat failed", ctx.flow_id, ctx.step_execution_id, exc_info=True)
+        self._timer = self._loop.call_later(self._interval, self._due)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import time
 from datetime import UTC, datetime
 
 
@@ -14,7 +16,21 @@ def format_time(moment: datetime) -> str:
 
 
 def utc_now_text() -> str:
-    return format_time(datetime.now(UTC))
+    """format_time(datetime.now(UTC)): the same clock, read as nanoseconds (see posix_ns_text)."""
+    return posix_ns_text(time.time_ns())
+
+
+def posix_ns_text(ns: int) -> str:
+    """format_time of the instant `ns` nanoseconds after the POSIX epoch, milliseconds cut as datetime
+    cuts them. Every stored message takes a time: the text up to the second is made once a second,
+    which costs a fraction of a datetime's isoformat."""
+    seconds, millis = divmod(ns // 1_000_000, 1000)
+    return f"{_second_text(seconds)}.{millis:03d}Z"
+
+
+@functools.lru_cache(maxsize=1)
+def _second_text(seconds: int) -> str:
+    return format_time(datetime.fromtimestamp(seconds, UTC))[:-5]
 
 
 def parse_time(text: str) -> datetime:

@@ -27,10 +27,10 @@ from ._constants import (
     APPROVAL_DEADLINE_PASSED,
     AWAIT_QUESTION_ANSWER,
     AWAIT_TOOL_APPROVAL,
-    MAX,
     RESUME_TURN,
 )
 from ._control_steps import (
+    TURN_CONTROL_WAKE,
     answer_first_wait,
     is_answer_first_wait,
     read_turn_control,
@@ -341,7 +341,7 @@ class ToolSteps:
     # ResumeTurn --------------------------------------------------------------------------------
 
     async def resume_turn_wait(self, ctx: Context, expected: int) -> Wait:
-        return Wait.any_of(TOOL_CALL_RESULTS.for_n(expected), TURN_CONTROL_REQUESTS.for_range(1, MAX))
+        return Wait.any_of(TOOL_CALL_RESULTS.for_n(expected), TURN_CONTROL_WAKE)
 
     async def resume_turn(self, ctx: Context, expected: int) -> StepDecision:
         state = ctx.get(AGENT_STATE)

@@ -114,8 +114,10 @@ def check_framework_messages(items: object, source: str) -> list[FrameworkMessag
         if not isinstance(given, FrameworkMessage):
             raise TurnContractError(f"{source}[{index}] is a {type(given).__name__}, not a FrameworkMessage")
         role: object = given.role
-        # A plain "assistant" is as good as the enum member.
-        item = dataclasses.replace(given, role=MessageRole(role)) if role in _ROLES else given
+        item = given
+        if type(role) is not MessageRole and role in _ROLES:
+            # A plain "assistant" is as good as the enum member (which needs no copy).
+            item = dataclasses.replace(given, role=MessageRole(role))
         if not isinstance(item.role, MessageRole):
             raise TurnContractError(
                 f"{source}[{index}] has role {item.role!r}; use MessageRole.USER, ASSISTANT or TOOL"
@@ -164,6 +166,14 @@ def check_tool_call_id(tool_call_id: object, seen: set[str]) -> str:
     return tool_call_id
 
 
+def _refuse_constant(constant: str) -> float:
+    raise ValueError(constant)
+
+
+# NaN and Infinity are not JSON. One decoder for every call: json.loads with an option builds one each time.
+_STRICT_JSON = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
 def arguments_error(arguments: object) -> str | None:
     """None when `arguments` is strict JSON object text; else why not (NaN and Infinity are not JSON)."""
     if not isinstance(arguments, str):
@@ -171,12 +181,9 @@ def arguments_error(arguments: object) -> str | None:
     problem = text_problem(arguments)
     if problem is not None:
         return f"arguments are {problem}"
-
-    def refuse(constant: str) -> float:
-        raise ValueError(constant)
-
     try:
-        value = json.loads(arguments, parse_constant=refuse)
+        # A leading byte order mark, which json.loads refuses by name, fails here too (ValueError).
+        value = _STRICT_JSON.decode(arguments)
     except ValueError:
         return ARGUMENTS_NOT_OBJECT
     if not isinstance(value, dict):
@@ -291,7 +298,6 @@ def plan_tool_calls(
         raise TurnContractError("ToolCallsRequested.tool_calls must be a non-empty sequence of DeferredToolCall")
     seen = {r.tool_call_id for r in existing.values() if r.turn_id == turn_id}
     first_order = len(seen)
-    created_at = format_time(now)
     deadline = None if interrupt_deadline is None else format_time(now + interrupt_deadline)
     calls: list[PlannedCall] = []
     interrupts: list[AgentInterrupt] = []
@@ -354,7 +360,7 @@ def plan_tool_calls(
         if approval:
             interrupts.append(AgentInterrupt(
                 interrupt_id=call_id, kind=InterruptKind.TOOL_APPROVAL, tool_call_id=call_id,
-                tool_name=call.tool_name, arguments=arguments, created_at=created_at, deadline=deadline,
+                tool_name=call.tool_name, arguments=arguments, created_at=format_time(now), deadline=deadline,
             ))
             calls.append(PlannedCall(record, AWAIT_TOOL_APPROVAL))
         else:

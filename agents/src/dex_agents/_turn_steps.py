@@ -15,13 +15,12 @@ from ._constants import (
     AWAIT_TOOL_APPROVAL,
     AWAIT_USER_MESSAGE,
     INVALID_START_SESSION_SETTINGS_REASON,
-    MAX,
     NEW_MESSAGES_WITHOUT_BUILDER,
     RESUME_TURN,
     RUN_MODEL_HEARTBEAT_INTERVAL,
     TOOL_STEPS,
 )
-from ._control_steps import end_turn_before_model_call, read_turn_control
+from ._control_steps import TURN_CONTROL_WAKE, end_turn_before_model_call, read_turn_control
 from ._events import AgentEventType
 from ._persistence import (
     AGENT_PLAN,
@@ -78,6 +77,9 @@ from ._wire import (
     PlanExecutionRequest,
     TurnSessionSettings,
 )
+
+# AwaitUserMessage takes one queued message at a time (an immutable condition, built once).
+_QUEUED_MESSAGE = QUEUED_USER_MESSAGES.for_one()
 
 
 class TurnSteps:
@@ -137,8 +139,7 @@ class TurnSteps:
     async def await_user_message_wait(self, ctx: Context, _: None) -> Wait:
         # In argument order: a steer beats a queued message; the plan execution condition comes
         # last, so a queued message beats an approval.
-        return Wait.any_of(TURN_CONTROL_REQUESTS.for_range(1, MAX), QUEUED_USER_MESSAGES.for_one(),
-                           *plan_execution_conditions(ctx.get(AGENT_PLAN)))
+        return Wait.any_of(TURN_CONTROL_WAKE, _QUEUED_MESSAGE, *plan_execution_conditions(ctx.get(AGENT_PLAN)))
 
     async def await_user_message(self, ctx: Context, _: None) -> StepDecision:
         state = ctx.get(AGENT_STATE)
@@ -198,7 +199,7 @@ class TurnSteps:
             framework_run_state=ctx.get(FRAMEWORK_RUN_STATE), tool_calls=rt.turn_records(ctx, turn_id),
             events=writer, heartbeat=heartbeat, tool_policies=rt.options.tool_policies,
             default_tool_effect=rt.options.default_tool_effect, session_settings=rt.turn_settings(ctx, turn_id),
-            enabled_built_in_tools=frozenset(t.value for t in rt.options.built_in_tools),
+            enabled_built_in_tools=rt.built_in_tool_names,
             interaction_mode=state.interaction_mode, plan=ctx.get(AGENT_PLAN),
         )
 
@@ -245,7 +246,8 @@ class TurnSteps:
         has_builder = rt.builds_unfinished_messages
         if isinstance(outcome, TurnCompleted):
             items = check_framework_messages(outcome.new_messages, "TurnCompleted.new_messages")
-            state = self._store(ctx, state, turn_id, items)
+            # Nothing from here on breaks the contract, so AgentState is set once, as the turn ends.
+            state = rt.append_messages(ctx, state, turn_id, items)
             if outcome.turn_error is not None:
                 # The runner ended the turn with its own transcript (new_messages): no turn-failure
                 # note, which seed 002 gives RecordTurnFailure and this commit's contract breaches.
@@ -272,7 +274,7 @@ class TurnSteps:
         plan = plan_tool_calls(
             outcome.tool_calls, turn_id=turn_id, existing=rt.turn_records(ctx, turn_id), now=now_utc(),
             interrupt_deadline=rt.options.interrupt_deadline, trace_context=ctx.get(AGENT_TRACE_CONTEXT),
-            built_in_tools=frozenset(t.value for t in rt.options.built_in_tools),
+            built_in_tools=rt.built_in_tool_names,
             max_durable_wait=rt.options.max_durable_wait,
             interaction_mode=state.interaction_mode, current_plan=ctx.get(AGENT_PLAN),
         )
@@ -326,8 +328,12 @@ class TurnSteps:
         return StepDecision.go_to_many(*movements)
 
     def _store(self, ctx: Context, state: AgentState, turn_id: str, items: Sequence[Any]) -> AgentState:
+        """Store the items and set AgentState at once, so that a contract breach later in this commit
+        ends the turn after them (_fail_in_commit). With no items nothing changed: AgentState still
+        holds `state`, the value RunModel loaded."""
         stored = self.rt.append_messages(ctx, state, turn_id, items)
-        ctx.set(AGENT_STATE, stored)
+        if stored is not state:
+            ctx.set(AGENT_STATE, stored)
         return stored
 
     @staticmethod
