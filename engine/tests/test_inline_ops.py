@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from dex_engine import _transitions as tx
-from dex_engine._limits import SQLITE_WRITER_TURN_SUFFIX
+from dex_engine._limits import INLINE_YIELDS, SQLITE_WRITER_TURN_SUFFIX
 from dex_engine._sqlite_store import SqliteStore, parse_sqlite_url
 
 from .conftest import wait_until
@@ -63,7 +63,9 @@ async def test_an_idle_loop_runs_the_operation_itself_and_a_busy_one_hands_it_of
     assert await store.raw(mark("idle", ran), write=True) == here
     assert await store.raw(lambda db: threading.get_ident()) == here  # reads too
     loop = asyncio.get_running_loop()
-    keep_busy = 3  # a callback that schedules another, so the loop is still busy after one round
+    # A callback that schedules another, so the loop is still busy after the rounds an operation
+    # lets it have (INLINE_YIELDS).
+    keep_busy = INLINE_YIELDS + 2
 
     def busy() -> None:
         nonlocal keep_busy
@@ -74,6 +76,20 @@ async def test_an_idle_loop_runs_the_operation_itself_and_a_busy_one_hands_it_of
     loop.call_soon(busy)
     assert await store.raw(mark("busy", ran), write=True) != here
     assert await marks(store) == ["idle", "busy"]
+
+
+async def test_two_operations_ready_at_once_on_an_idle_loop_both_run_inline(store: SqliteStore) -> None:
+    """Two tasks start an operation in the same round of an otherwise idle loop (an attempt's
+    commit and a reader woken by the commit before it): each finds the other's wake-up ready. Each
+    lets the loop run, and the one that runs again first goes ahead on the loop; neither waits for
+    the other until both hand off. Catches two such operations each deferring to the other until
+    both went to the store's thread (an Execute's commit there folds nothing)."""
+    here = threading.get_ident()
+    ran: list[tuple[str, int]] = []
+    threads = await asyncio.gather(store.raw(mark("first", ran), write=True),
+                                   store.raw(mark("second", ran), write=True))
+    assert threads == [here, here]
+    assert sorted(await marks(store)) == ["first", "second"]
 
 
 async def test_callbacks_ready_before_an_operation_run_first_and_then_it_runs_inline(store: SqliteStore) -> None:

@@ -125,7 +125,8 @@ async def test_a_wait_known_before_the_commit_is_registered_in_it(
         await wait_until("Reads and Named executed", lambda: _count(probe.executed, 2))
         await eng.client.publish("f1", C, 7)
         await wait_until("Plain executed", lambda: _count(probe.executed, 3))
-        history = await eng.client.get_flow_history("f1")
+        # The handler ran; its commit may still be on its way.
+        history = await wait_until("the three Executes committed", lambda: _committed(eng, "f1", 3))
     assert sorted(probe.wait_calls, key=str) == [("Named", "Named-1"), ("Plain", None), ("Reads", 5)]
     assert sorted(probe.executed) == [("Named-1", True, []), ("Plain-1", False, [7]), ("Reads-1", True, [])]
     assert wait_commits == ["Named-1"]
@@ -137,6 +138,13 @@ async def test_a_wait_known_before_the_commit_is_registered_in_it(
 
 async def _count(items: list[Any], n: int) -> bool:
     return len(items) >= n
+
+
+async def _committed(eng: Engine, flow_id: str, executes: int) -> Any:
+    """The flow's history once it shows `executes` Executes of waiting Steps committed, else None."""
+    history = await eng.client.get_flow_history(flow_id)
+    done = [h for h in history if h.event_type == "execute_completed" and not h.step_execution_id.startswith("Start")]
+    return history if len(done) >= executes else None
 
 
 def changed_flow(probe: Probe) -> Flow:

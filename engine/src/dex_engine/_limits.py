@@ -48,6 +48,10 @@ INLINE_BUSY_TIMEOUT_MS = 0
 # finished batch's results, a check for other processes' commits): an operation about to run on its
 # loop waits this long for it rather than hand off, which costs more than the wait.
 INLINE_LOCK_WAIT_SECONDS = 0.002
+# An operation that finds its loop busy while the store's thread is idle lets the ready callbacks
+# run this many rounds before it hands off: they are mostly a few short wake-ups (an event flush
+# that just ended), and a hand-off costs far more, besides the folds only an inline commit makes.
+INLINE_YIELDS = 3
 
 # After writing back to back for SQLITE_WRITER_BUSY_SECONDS, a process leaves the file's write lock
 # free for SQLITE_WRITER_YIELD_SECONDS, so other processes waiting for it get in: a 5% gap at most.

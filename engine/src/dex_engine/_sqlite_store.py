@@ -53,6 +53,7 @@ from ._attribute_cache import AttributeCache, KnownRows
 from ._limits import (
     INLINE_BUSY_TIMEOUT_MS,
     INLINE_LOCK_WAIT_SECONDS,
+    INLINE_YIELDS,
     MAX_GROUP_COMMIT_OPS,
     SQLITE_BUSY_TIMEOUT_MS,
     SQLITE_WRITER_BUSY_SECONDS,
@@ -292,6 +293,8 @@ class SqliteStore(Store):
         self._conn_lock = threading.Lock()
         self._count_lock = threading.Lock()
         self._outstanding = 0  # operations queued and not yet completed: _inline must not overtake them
+        # Operations letting their loop's ready callbacks run before they run inline (_run), by loop.
+        self._yielding: dict[asyncio.AbstractEventLoop, int] = {}
         self._thread = threading.Thread(target=self._main, name=f"dex-sqlite:{self.settings.path}", daemon=True)
         self._closed = False
         self._thread.start()
@@ -519,11 +522,19 @@ class SqliteStore(Store):
         future: asyncio.Future[R] = loop.create_future()
         op = _Op(fn, write, True if durable is None else durable, loop, future, commit_origin.get())
         if not self._inline(op, loop):
-            if self._only_the_loop_is_busy(loop):
+            for _ in range(INLINE_YIELDS):
+                if not self._only_the_loop_is_busy(loop):
+                    break
                 # What is ready is mostly short, often the caller's own continuation (an RPC's
-                # caller, an attempt's event flush). Run it first: an operation then run inline
-                # costs less CPU and time than a hand-off. A loop still busy after it hands off.
-                await asyncio.sleep(0)
+                # caller, an attempt's event flush and the wake-ups it causes). Run it first: an
+                # operation then run inline costs less CPU and time than a hand-off, and only an
+                # Execute's commit run inline can fold the Steps it readies. A loop still busy after
+                # a few rounds hands off.
+                self._yielding[loop] = self._yielding.get(loop, 0) + 1
+                try:
+                    await asyncio.sleep(0)
+                finally:
+                    self._yielding[loop] -= 1
                 self._refuse_if_closed()  # closed meanwhile: the thread would never run it
                 if self._inline(op, loop):
                     return await future
@@ -535,7 +546,8 @@ class SqliteStore(Store):
         refused by `_inline` may run inline once they ran. A busy thread gets the operation at once,
         to share its next group commit."""
         ready = getattr(loop, "_ready", None)
-        return bool(ready) and self.settings.inline and not self._outstanding and not self._closed
+        return (ready is not None and len(ready) > self._yielding.get(loop, 0) and self.settings.inline
+                and not self._outstanding and not self._closed)
 
     def _enqueue(self, op: _Op) -> None:
         # Under the lock close() takes: an operation is queued before _STOP, and so runs, or refused.
@@ -547,9 +559,12 @@ class SqliteStore(Store):
     def _inline(self, op: _Op, loop: asyncio.AbstractEventLoop) -> bool:
         """Run `op` on `loop`, its caller's, when that loop has nothing else to run and nothing waits
         for the connection; False, having done nothing, when it must go to the store's thread."""
-        # asyncio's queue of ready callbacks; a loop without one (uvloop) always hands off.
+        # asyncio's queue of ready callbacks; a loop without one (uvloop) always hands off. Those of
+        # other operations letting the loop run before theirs (_run) do not count: two such would
+        # otherwise each wait for the other and both hand off.
         ready = getattr(loop, "_ready", None)
-        if ready is None or len(ready) or not self.settings.inline or not self._take_connection():
+        if (ready is None or len(ready) > self._yielding.get(loop, 0) or not self.settings.inline
+                or not self._take_connection()):
             return False
         try:
             if self._outstanding or self._closed:
