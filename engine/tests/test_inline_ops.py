@@ -245,7 +245,7 @@ def test_two_event_loops_sharing_the_store_each_keep_their_order(tmp_path: Path)
             if i % 4 == 0:
                 # A loop with other work ready hands its write to the store's thread: without this,
                 # an idle loop's write (done without yielding) seldom meets the other's.
-                keep_busy(asyncio.get_running_loop(), 3)
+                keep_busy(asyncio.get_running_loop(), INLINE_YIELDS + 2)
             await store.raw(mark(f"{name}{i:04d}", ran), write=True)
             where[name].add(ran[0][1])
 
@@ -325,7 +325,7 @@ async def test_steady_traffic_that_wakes_nobody_does_not_hide_another_process_co
 
     async def steady() -> None:
         while not stop:
-            keep_busy(asyncio.get_running_loop(), 3)  # other attempts: the operation goes to the thread
+            keep_busy(asyncio.get_running_loop(), INLINE_YIELDS + 2)  # other attempts: it goes to the thread
             if traffic == "reads":
                 await s.raw(lambda db: db.one("SELECT count(*) FROM marks"))
             else:

@@ -546,8 +546,14 @@ class SqliteStore(Store):
         refused by `_inline` may run inline once they ran. A busy thread gets the operation at once,
         to share its next group commit."""
         ready = getattr(loop, "_ready", None)
-        return (ready is not None and len(ready) > self._yielding.get(loop, 0) and self.settings.inline
+        return (ready is not None and len(ready) > self._yielders(loop) and self.settings.inline
                 and not self._outstanding and not self._closed)
+
+    def _yielders(self, loop: asyncio.AbstractEventLoop) -> int:
+        """Ready callbacks of `loop` that _inline may ignore: one of another operation letting the
+        loop run before its own (_run), whose wait for this one would only hand both off. More
+        operations waiting at once commit together on the store's thread (group commit)."""
+        return min(self._yielding.get(loop, 0), 1)
 
     def _enqueue(self, op: _Op) -> None:
         # Under the lock close() takes: an operation is queued before _STOP, and so runs, or refused.
@@ -559,11 +565,10 @@ class SqliteStore(Store):
     def _inline(self, op: _Op, loop: asyncio.AbstractEventLoop) -> bool:
         """Run `op` on `loop`, its caller's, when that loop has nothing else to run and nothing waits
         for the connection; False, having done nothing, when it must go to the store's thread."""
-        # asyncio's queue of ready callbacks; a loop without one (uvloop) always hands off. Those of
-        # other operations letting the loop run before theirs (_run) do not count: two such would
-        # otherwise each wait for the other and both hand off.
+        # asyncio's queue of ready callbacks; a loop without one (uvloop) always hands off. That of
+        # another operation letting the loop run before its own does not count (_yielders).
         ready = getattr(loop, "_ready", None)
-        if (ready is None or len(ready) > self._yielding.get(loop, 0) or not self.settings.inline
+        if (ready is None or len(ready) > self._yielders(loop) or not self.settings.inline
                 or not self._take_connection()):
             return False
         try:
