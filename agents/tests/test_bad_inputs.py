@@ -549,7 +549,7 @@ async def test_a_rejection_that_does_not_fit_beside_the_calls_arguments_keeps_a_
     outcome = WaitOutcome(satisfied=(0,), consumed=((taken,),))
     ctx = step_context(flow, AWAIT_TOOL_APPROVAL, {("AgentToolCalls", "w1"): record},
                        (Wait.any_of(resolutions.for_one()), outcome))
-    tools = ToolSteps(SessionRuntime(flow.runner, flow.options, flow.events))
+    tools = ToolSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
     await tools.await_tool_approval(ctx, "w1")
     stored = ctx.get(AGENT_TOOL_CALLS["w1"])
     assert stored is not None and stored.status is AgentToolCallStatus.REJECTED

@@ -367,7 +367,7 @@ CANCELLED = TurnCancellationRequest(turn_id="turn-1", requested_at="2026-01-01T0
 
 
 def _runtime(flow: AgentSessionFlow) -> SessionRuntime:
-    return SessionRuntime(flow.runner, flow.options, flow.events)
+    return SessionRuntime(flow.runner, flow.options, flow.agent_events)
 
 
 def _event_payloads(ctx: Context, event_type: str) -> list[dict[str, Any]]:

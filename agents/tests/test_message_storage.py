@@ -615,7 +615,7 @@ async def test_failed_turn_reads_and_stores_across_chunks(tmp_path: Path) -> Non
 def test_store_limits_follow_the_options() -> None:
     """The runtime's layout limits are the session options' message fields and the seed's per-commit caps."""
     flow, _ = storage_flow("LimitsAgent", message_window_size=5, message_chunk_size=3, message_chunk_max_bytes=4096)
-    runtime = SessionRuntime(flow.runner, flow.options, flow.events)
+    runtime = SessionRuntime(flow.runner, flow.options, flow.agent_events)
     assert dataclasses.asdict(runtime.layout_limits) == {
         "window_size": 5, "chunk_size": 3, "chunk_max_bytes": 4096,
         "max_chunks_per_commit": MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT,

@@ -1,6 +1,7 @@
 """The runner contract's typing (seed 002 "Adapter interface"): a bare AgentFrameworkRunner returns
 ToolExecutionResult, and AgentFrameworkRunner[DeferredToolOutcome] is a runner whose tools ask or
-start tasks. Checked by running mypy --strict (the project's settings) on code that uses both."""
+start tasks; the names seed 003 gives a turn's policy lookup and the flow's event Stream. Checked by
+running mypy --strict (the project's settings) on code that uses them."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 USES = '''
 from typing import assert_type
 
-from dex_agents import AgentFrameworkRunner, DeferredToolExecution, DeferredToolOutcome, ToolExecutionResult
+from dex_agents import (
+    AgentEvent, AgentFrameworkRunner, AgentSessionFlow, AgentTurnContext, DeferredToolExecution, DeferredToolOutcome,
+    ToolEffect, ToolExecutionResult, ToolPolicy,
+)
+from dex_engine import Stream
 
 
 async def bare(runner: AgentFrameworkRunner, call: DeferredToolExecution) -> None:
@@ -24,6 +29,11 @@ async def bare(runner: AgentFrameworkRunner, call: DeferredToolExecution) -> Non
 
 async def asking(runner: AgentFrameworkRunner[DeferredToolOutcome], call: DeferredToolExecution) -> None:
     assert_type(await runner.execute_deferred_tool_call(call), DeferredToolOutcome)
+
+
+def named(turn: AgentTurnContext, flow: AgentSessionFlow) -> None:
+    assert_type(turn.resolve_tool_policy(name="lookup", framework_effect=ToolEffect.READ), ToolPolicy)
+    assert_type(flow.agent_events, Stream[AgentEvent])
 '''
 
 

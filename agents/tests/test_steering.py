@@ -640,7 +640,7 @@ def test_unfinished_turn_messages_are_none_without_a_builder_or_when_it_fails() 
 
     def built(runner: Any) -> Any:
         flow = AgentSessionFlow(runner, "Builds")
-        return SessionRuntime(flow.runner, flow.options, flow.events).unfinished_turn_messages(turn)
+        return SessionRuntime(flow.runner, flow.options, flow.agent_events).unfinished_turn_messages(turn)
 
     assert built(_NoModel()) is None
     assert built(_Builds(RuntimeError("builder bug"))) is None
@@ -654,7 +654,7 @@ async def test_run_model_in_a_steered_turn_ends_it_without_a_model_call() -> Non
     the steered note, deletes the records, counts and clears the turn (accepts_turn_control cleared),
     writes turn_steered, and moves to ApplyTurnControl; the model is never called."""
     flow = AgentSessionFlow(_NoModel(), "NoModel")  # type: ignore[arg-type]
-    steps = TurnSteps(SessionRuntime(flow.runner, flow.options, flow.events))
+    steps = TurnSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
     record = tool_call(AgentToolCallStatus.SUCCEEDED, output="ok", tool_name="read")
     ctx = step_context(flow, RUN_MODEL, {
         ("AgentState", ""): _running_state(), ("AgentToolCalls", "c1"): record,
@@ -691,7 +691,7 @@ async def test_apply_turn_control_starts_the_steered_turn_in_the_mode_of_its_mes
     options = AgentSessionOptions(built_in_tools=frozenset({BuiltInTool.WRITE_TODOS}),
                                   plan_mode_enabled=plan_mode_enabled)
     flow = AgentSessionFlow(_NoModel(), "NoModel", options)  # type: ignore[arg-type]
-    runtime = SessionRuntime(flow.runner, flow.options, flow.events)
+    runtime = SessionRuntime(flow.runner, flow.options, flow.agent_events)
     control = ControlSteps(runtime, TurnSteps(runtime))
     idle = _running_state(status=AgentStatus.WAITING_FOR_USER_MESSAGE, active_turn_id=None, turn_count=1,
                           accepts_turn_control=False)
@@ -778,7 +778,7 @@ def test_pending_user_message_ids_are_text() -> None:
 
 
 def _approval_steps(flow: AgentSessionFlow) -> ToolSteps:
-    return ToolSteps(SessionRuntime(flow.runner, flow.options, flow.events))
+    return ToolSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
 
 
 def _waiting_values(steered: bool, pending: bool, record: AgentToolCall) -> dict[tuple[str, str], Any]:
@@ -878,7 +878,7 @@ async def test_a_durable_wait_woken_by_a_steer_is_cancelled_unless_its_timer_fir
     steer arrives records succeeded; a wake in a steered turn records rejected (steered); a stale
     wake in a turn that is not steered waits again."""
     flow = build_flow(None, built_in_tools=BUILT_INS)
-    built_ins = BuiltInSteps(SessionRuntime(flow.runner, flow.options, flow.events))
+    built_ins = BuiltInSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
     timer = tool_call(AgentToolCallStatus.WAITING_FOR_TIMER, tool_name="durable_wait",
                     arguments='{"duration_seconds": 60, "reason": "r"}',
                     wait_until=format_time(datetime.now(UTC) + timedelta(seconds=60)))

@@ -484,7 +484,7 @@ def _context(
 
 
 def _steps_of(flow: AgentSessionFlow) -> BuiltInSteps:
-    return BuiltInSteps(SessionRuntime(flow.runner, flow.options, flow.events))
+    return BuiltInSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
 
 
 async def test_wait_of_a_tool_question_uses_its_own_interrupt_id() -> None:

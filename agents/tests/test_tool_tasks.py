@@ -286,7 +286,7 @@ def _context(
 
 def _task_steps(runner: TaskRunner) -> tuple[AgentSessionFlow, TaskSteps, ToolSteps]:
     flow = AgentSessionFlow(runner, "Tasks", AgentSessionOptions())
-    runtime = SessionRuntime(flow.runner, flow.options, flow.events)
+    runtime = SessionRuntime(flow.runner, flow.options, flow.agent_events)
     tools = ToolSteps(runtime)
     return flow, TaskSteps(runtime, tools), tools
 

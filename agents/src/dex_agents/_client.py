@@ -175,7 +175,7 @@ class AgentSessionClient:
     ) -> StreamRead:
         """AgentEvents after `resume_token`, long-polling up to `wait_seconds`."""
         return await self.client.read_stream(
-            session_id, self.flow.events, resume_token, wait_seconds=wait_seconds, limit=limit
+            session_id, self.flow.agent_events, resume_token, wait_seconds=wait_seconds, limit=limit
         )
 
     @staticmethod

@@ -206,10 +206,10 @@ class AgentTurnContext:
                 f"recorded: {sorted(self.tool_calls)}"
             ) from None
 
-    def resolve_tool_policy(self, tool_name: str, framework_effect: ToolEffect | None = None) -> ToolPolicy:
+    def resolve_tool_policy(self, name: str, framework_effect: ToolEffect | None = None) -> ToolPolicy:
         from ._policy import resolve_tool_policy
 
-        return resolve_tool_policy(tool_name, self.tool_policies, self.default_tool_effect, framework_effect)
+        return resolve_tool_policy(name, self.tool_policies, self.default_tool_effect, framework_effect)
 
 
 @dataclass(frozen=True)

@@ -92,8 +92,8 @@ class AgentSessionFlow(Flow):
         check_compaction_runner(runner, options.compaction)
         self.runner = runner
         self.options = options
-        self.events = agent_events_stream(options.agent_events_capacity_bytes)
-        runtime = SessionRuntime(runner, options, self.events)
+        self.agent_events = agent_events_stream(options.agent_events_capacity_bytes)
+        runtime = SessionRuntime(runner, options, self.agent_events)
         turn = TurnSteps(runtime)
         tools = ToolSteps(runtime)
         built_ins = BuiltInSteps(runtime)
@@ -194,6 +194,6 @@ class AgentSessionFlow(Flow):
                                      execute_locks=(TURN_CANCELLATION_REQUEST, PENDING_INTERRUPTS))),
         ]
         super().__init__(
-            flow_type, steps, start_step=START_AGENT_SESSION, schema=session_schema(self.events),
+            flow_type, steps, start_step=START_AGENT_SESSION, schema=session_schema(self.agent_events),
             rpcs=[*session_rpcs(plan_mode_enabled=options.plan_mode_enabled), *plan_rpcs(), *turn_control_rpcs()],
         )
