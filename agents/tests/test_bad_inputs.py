@@ -30,11 +30,13 @@ from dex_agents import (
     AGENT_TOOL_CALLS,
     ARGUMENTS_NOT_OBJECT,
     AWAIT_TOOL_APPROVAL,
+    FRAMEWORK_RUN_STATE,
     INTERRUPT_RESOLUTIONS,
     INVALID_START_SESSION_SETTINGS_REASON,
     MAX_SESSION_SETTINGS_BYTES,
     NEW_MESSAGES_WITHOUT_BUILDER,
     OUTCOME_UNKNOWN_TEXT,
+    PENDING_INTERRUPTS,
     QUEUED_USER_MESSAGES,
     SESSION_SETTINGS_SIZE_TOLERANCE_BYTES,
     AgentInterruptResolution,
@@ -766,6 +768,71 @@ async def test_model_answer_over_the_value_limit_fails_the_turn(tmp_path: Path) 
         ]
         assert [m.text for m in await all_messages(sessions, "s")] == ["first", "echo: first", text]
         await assert_usable(sessions, "s", before)
+
+
+class _OversizedRunStateRunner:
+    """A read call with a run state that fits, then one whose run state is over the value limit.
+    Each response stores an assistant message, and the runner builds unfinished-turn messages, so a
+    failure route that stored anything of the turn would show it."""
+
+    def __init__(self) -> None:
+        self.model_calls = 0
+
+    def build_user_message(self, text: str) -> FrameworkMessage:
+        return item(MessageRole.USER, text=text)
+
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome:
+        self.model_calls += 1
+        if turn.framework_run_state is None:
+            return ToolCallsRequested("fits", [_read_call("c1")], AgentUsage(),
+                                      new_messages=[item(MessageRole.ASSISTANT, text="asked c1")])
+        return ToolCallsRequested("x" * MAX_VALUE_BYTES, [_read_call("c2")], AgentUsage(),
+                                  new_messages=[item(MessageRole.ASSISTANT, text="asked c2")])
+
+    async def execute_deferred_tool_call(self, execution: DeferredToolExecution) -> ToolExecutionResult:
+        return ToolExecutionResult("found")
+
+    def build_unfinished_turn_messages(self, turn: AgentTurnContext) -> list[FrameworkMessage]:
+        return [item(MessageRole.TOOL, tool_call_id="c2", output="never run")]
+
+
+async def test_a_run_state_too_large_to_store_ends_the_session(tmp_path: Path) -> None:
+    """Seed 002, RecordTurnFailure (the rule under RecordToolFailure): a RunModel whose run state is
+    over the value limit fails once (no retry), and its failure route ends the session instead of the
+    turn, since every later turn would meet the same limit. Status failed, last_turn_error the
+    detail, the turn, FrameworkRunState and PendingInterrupts cleared, the turn's records kept (but
+    not in the snapshot, which lists the active turn's only), turn_failed written, the Flow
+    force-failed with the detail, and no turn message stored: no unfinished-turn messages, no note."""
+    runner = _OversizedRunStateRunner()
+    async with in_process(tmp_path, AgentSessionFlow(runner, FLOW_TYPE)) as engine:
+        sessions, client = engine.sessions, engine.client
+        await sessions.start_session("s", HELLO)
+        info = await client.wait_for_flow("s", 30)
+        assert info.status == "failed"
+        error = info.error
+        assert error is not None
+        assert error.startswith("the framework run state of turn turn-1 is too large to store: ")
+        assert runner.model_calls == 2
+
+        snapshot = await sessions.get_agent_snapshot("s")
+        state = snapshot.state
+        assert state is not None
+        assert (state.status, state.last_turn_error, state.active_turn_id, state.turn_count) == (
+            AgentStatus.FAILED, error, None, 1)
+        assert snapshot.pending_interrupts == [] and snapshot.tool_calls == []
+        assert await client.get_attribute("s", FRAMEWORK_RUN_STATE) is None
+        assert await client.get_attribute("s", PENDING_INTERRUPTS) == []
+        kept = await client.get_attribute_map("s", AGENT_TOOL_CALLS)
+        assert {k: (r.turn_id, r.status) for k, r in kept.items()} == {
+            "c1": ("turn-1", AgentToolCallStatus.SUCCEEDED)}
+
+        stored = await all_messages(sessions, "s")
+        assert [(m.role, m.text) for m in stored] == [(MessageRole.USER, HELLO), (MessageRole.ASSISTANT, "asked c1")]
+        await assert_turn_failed(sessions, "s", "turn-1", error)
+        # The second RunModel failed without a retry: it commits no Execute; its failure route does.
+        assert await steps_run(client, "s") == [
+            "StartAgentSession", "RunModel", "CallTool", "ResumeTurn", "RecordTurnFailure",
+        ]
 
 
 def _text_filling(limit: int, wrap: Callable[[str], object]) -> str:

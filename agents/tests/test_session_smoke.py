@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 
 from agents.tests.scripted_agent import FLOW_TYPE
 
-from dex_agents import ActiveStepSearchMode, AgentStatus
-from dex_agents.testing import AgentTestStack, executed_steps, wait_for_agent_snapshot
+from dex_agents import ActiveStepSearchMode, AgentSnapshot, AgentStatus, MessageRole
+from dex_agents.testing import AgentTestStack, executed_steps, read_step_history, wait_for_agent_snapshot
+
+# Seed 002: writers emit times in UTC with milliseconds and Z.
+WIRE_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z$")
 
 
 async def test_turn_with_read_and_approved_write(stack: AgentTestStack) -> None:
@@ -62,3 +66,33 @@ async def test_sessions_waiting_for_a_person_are_found_by_the_step_they_wait_in(
                                       description=f"{session_id}'s turn end")
     assert await client.search_flows('ActiveStepTypes = "AwaitToolApproval"', 50) == []
     assert await client.search_flows('ActiveStepTypes = "AwaitUserMessage"', 50) == ["found"]
+
+
+def first_turn_ended(snapshot: AgentSnapshot) -> AgentSnapshot | None:
+    return snapshot if snapshot.state is not None and snapshot.state.turn_count == 1 else None
+
+
+async def test_stored_messages_carry_utc_millisecond_z_times(stack: AgentTestStack) -> None:
+    """Every message a real turn stores (the user's, the assistant's and the tool's) has created_at
+    in the seed's wire form, e.g. 2026-11-01T12:00:00.123Z: no offset, no microseconds."""
+    sessions = stack.sessions(stack.flows[0])  # type: ignore[arg-type]
+    await stack.start_worker()
+    script = {"steps": [{"tools": [{"id": "c1", "name": "read_orders", "args": {}}]}, {"answer": "done"}]}
+    await sessions.start_session("s1", json.dumps(script))
+    snapshot = await wait_for_agent_snapshot(sessions, "s1", first_turn_ended, description="turn end")
+    assert [m.role for m in snapshot.messages] == [
+        MessageRole.USER, MessageRole.ASSISTANT, MessageRole.TOOL, MessageRole.ASSISTANT]
+    assert [m.created_at for m in snapshot.messages if not WIRE_TIME.fullmatch(m.created_at)] == []
+
+
+async def test_module_read_step_history_reads_what_the_stack_reads(stack: AgentTestStack) -> None:
+    """dex_agents.testing.read_step_history(database_url, flow_id), which opens its own Store, returns
+    the same entries as AgentTestStack.read_step_history for a session that ran a turn."""
+    sessions = stack.sessions(stack.flows[0])  # type: ignore[arg-type]
+    worker = await stack.start_worker()
+    await sessions.start_session("s1", "hello")
+    await wait_for_agent_snapshot(sessions, "s1", first_turn_ended, description="turn end")
+    await worker.stop()  # AwaitUserMessage's wait may still be registering: nothing writes between the reads
+    history = await read_step_history(stack.database_url, "s1")
+    assert executed_steps(history) == ["StartAgentSession", "RunModel"]
+    assert history == await stack.read_step_history("s1")

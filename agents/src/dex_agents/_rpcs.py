@@ -118,10 +118,12 @@ def session_rpcs(*, plan_mode_enabled: bool = False) -> list[Rpc]:
         # The newest messages, from the window and as many chunks as they reach back into.
         messages = newest_messages(ctx.get(AGENT_MESSAGE_INDEX), window_messages(ctx), chunk_reader(ctx),
                                    limit=SNAPSHOT_MESSAGE_LIMIT)
-        records = list(ctx.items(AGENT_TOOL_CALLS).values())
-        if state is not None and state.active_turn_id is not None:
-            records = [r for r in records if r.turn_id == state.active_turn_id]
-        records.sort(key=lambda r: (r.turn_id, r.deferral_order))
+        # The active turn's records only: a session a too-large run state ended keeps its last
+        # turn's records stored, but that turn is over.
+        active_turn_id = None if state is None else state.active_turn_id
+        records = [] if active_turn_id is None else [
+            r for r in ctx.items(AGENT_TOOL_CALLS).values() if r.turn_id == active_turn_id]
+        records.sort(key=lambda r: r.deferral_order)
         queued = waiting_user_messages(ctx, QUEUED_USER_MESSAGES)
         steered = waiting_user_messages(ctx, STEERED_USER_MESSAGES)
         return AgentSnapshot(

@@ -1,0 +1,231 @@
+"""AgentSessionClient retries RpcLockConflictError (seed 003's RPC table) for resolve_interrupt,
+answer_question and cancel_turn: a conflict that clears is retried until the call commits, and one
+that persists raises once RPC_LOCK_CONFLICT_RETRY has passed.
+
+The locks these RPCs take are held only while a short Step's Execute runs, too briefly for a test
+to call an RPC inside it. So each test writes the row the engine writes when it hands that Step its
+Execute (a `locks` row naming the waiting Step's task) into the real SQLite file, and the engine's own
+lock check raises the conflict; deleting the row is that Step's commit releasing the lock. The
+Worker runs in this process, on the same Store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import types
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agents.tests.scripted_agent import INVOCATIONS, build_flow
+
+import dex_agents._client as client_module
+from dex_agents import PENDING_INTERRUPTS, AgentSessionClient, AgentSessionFlow, AgentSnapshot
+from dex_agents._constants import RPC_LOCK_CONFLICT_RETRY, RPC_LOCK_CONFLICT_RETRY_INTERVAL
+from dex_agents.testing import InvocationLog, wait_for_agent_snapshot
+from dex_engine import AsyncClient, AsyncWorker, Registry, RpcLockConflictError, Store, WorkerOptions, open_store
+
+SESSION = "s"
+
+
+@dataclass(frozen=True)
+class HeldLock:
+    """A `locks` row, as the engine writes it for a Step whose Execute is running."""
+
+    store: Store
+    flow_id: str
+    lock: str
+    task_id: int
+    step_execution_id: str
+
+    async def release(self) -> None:
+        def delete(db: Any) -> None:
+            db.run("DELETE FROM locks WHERE flow_id = ? AND lock_name = ? AND task_id = ?",
+                   (self.flow_id, self.lock, self.task_id))
+
+        await self.store.raw(delete, write=True)
+
+
+async def hold_lock(store: Store, flow_id: str, lock: str, step_type: str) -> HeldLock:
+    """Take `lock` of the flow for its one waiting `step_type` Step, as its Execute's claim would."""
+
+    def insert(db: Any) -> tuple[int, str]:
+        rows = db.all("SELECT task_id, step_execution_id FROM tasks WHERE flow_id = ? AND step_type = ?",
+                      (flow_id, step_type))
+        assert len(rows) == 1, f"expected one {step_type} task, found {rows!r}"
+        task_id, step_execution_id = int(rows[0][0]), str(rows[0][1])
+        db.run("INSERT INTO locks (flow_id, lock_name, task_id) VALUES (?, ?, ?)", (flow_id, lock, task_id))
+        return task_id, step_execution_id
+
+    task_id, step_execution_id = await store.raw(insert, write=True)
+    return HeldLock(store, flow_id, lock, task_id, step_execution_id)
+
+
+class CountingClient(AsyncClient):
+    """The engine's AsyncClient, counting the RPCs it sends; after `release_after` lock conflicts it
+    releases `held`, as the Step holding the lock would by committing."""
+
+    def __init__(self, registry: Registry, store: Store) -> None:
+        super().__init__(registry, store=store)
+        self.sent: list[str] = []
+        self.conflicts = 0
+        self.held: HeldLock | None = None
+        self.release_after: int | None = None
+
+    async def rpc(self, flow_id: str, name: str, request: Any = None) -> Any:
+        self.sent.append(name)
+        try:
+            return await super().rpc(flow_id, name, request)
+        except RpcLockConflictError:
+            self.conflicts += 1
+            if self.held is not None and self.conflicts == self.release_after:
+                await self.held.release()
+                self.held = None
+            raise
+
+
+@dataclass
+class Engine:
+    flow: AgentSessionFlow
+    client: CountingClient
+    log: InvocationLog
+
+    @property
+    def sessions(self) -> AgentSessionClient:
+        return AgentSessionClient(self.client, self.flow)
+
+
+@asynccontextmanager
+async def in_process(tmp_path: Path) -> AsyncIterator[Engine]:
+    """The scripted Flow on a SQLite file in tmp_path; the Worker shares the client's Store, so it
+    hears each commit at once."""
+    flow = build_flow(tmp_path)
+    url = f"sqlite:///{tmp_path / 'dex.db'}"
+    store = open_store(url)
+    options = WorkerOptions(database_url=url, lease_ttl_seconds=2.0, lease_renew_seconds=0.4,
+                            housekeeping_seconds=0.1, poll_seconds=0.01, shutdown_grace_seconds=5.0)
+    worker = AsyncWorker(Registry([flow]), options, store=store)
+    await worker.__aenter__()
+    try:
+        yield Engine(flow, CountingClient(Registry([flow]), store), InvocationLog(tmp_path / INVOCATIONS))
+    finally:
+        await worker.stop()
+        await store.close()
+
+
+@dataclass(frozen=True)
+class LockingRpc:
+    """One RPC that takes PendingInterrupts, called while the turn waits for a person."""
+
+    name: str
+    tools: list[dict[str, Any]]  # the turn's one tool call, which makes it wait
+    interrupt_id: str
+    holder: str  # the Step type whose Execute takes PendingInterrupts next
+    call: Callable[[AgentSessionClient], Awaitable[bool]]
+    ending_event: str
+    answer: str | None  # the turn's final answer, when it completes
+    tool_runs: int  # completed runs of the tool
+
+
+LOCKING_RPCS = [
+    LockingRpc("resolve_interrupt", [{"id": "w1", "name": "write_x"}], "w1", "AwaitToolApproval",
+               lambda sessions: sessions.resolve_interrupt(SESSION, "w1", approved=True),
+               "turn_completed", "w1=write_x done", 1),
+    LockingRpc("answer_question", [{"id": "c1", "name": "read_x", "args": {"ask": "Which order?"}}], "c1-input-1",
+               "AwaitQuestionAnswer", lambda sessions: sessions.answer_question(SESSION, "c1-input-1", "A-1"),
+               "turn_completed", "c1=read_x done", 1),
+    # cancel_turn locks TurnCancellationRequest too; PendingInterrupts alone is enough to conflict.
+    LockingRpc("cancel_turn", [{"id": "w1", "name": "write_x"}], "w1", "AwaitToolApproval",
+               lambda sessions: sessions.cancel_turn(SESSION),
+               "turn_cancelled", None, 0),
+]
+IDS = [rpc.name for rpc in LOCKING_RPCS]
+
+
+async def waiting_turn(engine: Engine, rpc: LockingRpc) -> AgentSnapshot:
+    """Start a session whose first turn waits on `rpc.interrupt_id`; return that snapshot."""
+    script = json.dumps({"steps": [{"tools": rpc.tools}, {"answer": "{results}"}]})
+    await engine.sessions.start_session(SESSION, script)
+    snapshot: AgentSnapshot = await wait_for_agent_snapshot(
+        engine.sessions, SESSION,
+        lambda s: s if [i.interrupt_id for i in s.pending_interrupts] == [rpc.interrupt_id] else None,
+        description=f"interrupt {rpc.interrupt_id}")
+    return snapshot
+
+
+async def assert_turn_ended(engine: Engine, rpc: LockingRpc) -> None:
+    """The call took effect: the turn ended as the RPC makes it end."""
+    snapshot = await wait_for_agent_snapshot(
+        engine.sessions, SESSION, lambda s: s if s.state is not None and s.state.turn_count == 1 else None,
+        description="turn-1 to end")
+    read = await engine.sessions.read_agent_events(SESSION)
+    endings = [e.value.type for e in read.events if e.value.type in ("turn_completed", "turn_cancelled", "turn_failed")]
+    assert endings == [rpc.ending_event]
+    if rpc.answer is not None:
+        assert snapshot.messages[-1].text == rpc.answer
+    assert engine.log.count("tool_end") == rpc.tool_runs
+
+
+@pytest.mark.parametrize("rpc", LOCKING_RPCS, ids=IDS)
+async def test_a_lock_conflict_that_clears_is_retried_and_the_call_commits(tmp_path: Path, rpc: LockingRpc) -> None:
+    """Two conflicts, then the lock is released: the third try commits, the call returns True, and
+    the turn goes on as that RPC makes it."""
+    async with in_process(tmp_path) as engine:
+        await waiting_turn(engine, rpc)
+        held = await hold_lock(engine.client.store, SESSION, PENDING_INTERRUPTS.label, rpc.holder)
+        engine.client.held, engine.client.release_after = held, 2
+        engine.client.sent.clear()
+        assert await rpc.call(engine.sessions) is True
+        assert engine.client.sent == [rpc.name] * 3
+        assert engine.client.conflicts == 2
+        await assert_turn_ended(engine, rpc)
+
+
+class SteppedClock:
+    """The clock and sleep of _retry_lock_conflicts, moved only by its sleeps, in whole milliseconds:
+    the retry window is then counted in sleeps, whatever the speed of this machine."""
+
+    def __init__(self) -> None:
+        self.now_ms = 0
+
+    def monotonic(self) -> float:
+        return self.now_ms / 1000
+
+    async def sleep(self, seconds: float) -> None:
+        self.now_ms += round(seconds * 1000)
+        await asyncio.sleep(0)  # still yield, as the real sleep does
+
+
+@pytest.mark.parametrize("rpc", LOCKING_RPCS, ids=IDS)
+async def test_a_lock_conflict_that_persists_raises_after_the_retry_window(
+    tmp_path: Path, rpc: LockingRpc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lock held for good: the client tries every RPC_LOCK_CONFLICT_RETRY_INTERVAL until
+    RPC_LOCK_CONFLICT_RETRY has passed, then raises the engine's RpcLockConflictError, naming the
+    lock and the Step holding it. Nothing changed (the snapshot is the one before the call), and the
+    call succeeds once the lock is released."""
+    clock = SteppedClock()
+    # Only _client's names: the event loop, the Worker and the Store keep the real clock.
+    monkeypatch.setattr(client_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(client_module, "asyncio", types.SimpleNamespace(sleep=clock.sleep))
+    async with in_process(tmp_path) as engine:
+        waiting = await waiting_turn(engine, rpc)
+        held = await hold_lock(engine.client.store, SESSION, PENDING_INTERRUPTS.label, rpc.holder)
+        engine.client.sent.clear()
+        with pytest.raises(RpcLockConflictError) as conflict:
+            await rpc.call(engine.sessions)
+        assert (conflict.value.lock, conflict.value.holder) == (held.lock, f"Step {held.step_execution_id}")
+        window_ms = RPC_LOCK_CONFLICT_RETRY // timedelta(milliseconds=1)
+        assert clock.now_ms == window_ms  # the last try was the first at the deadline
+        tries = RPC_LOCK_CONFLICT_RETRY // RPC_LOCK_CONFLICT_RETRY_INTERVAL + 1
+        assert engine.client.sent == [rpc.name] * tries
+
+        assert await engine.sessions.get_agent_snapshot(SESSION) == waiting
+        await held.release()
+        assert await rpc.call(engine.sessions) is True
+        await assert_turn_ended(engine, rpc)
