@@ -504,7 +504,7 @@ class ControlSteps:
                 emit_interrupt_cancelled(rt, ctx, interrupt, turn_id, reason)
             if action is CancellationAction.CANCEL_TASK:
                 ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], abandoned_task_record(record))
-                movements.append(Movement(CANCEL_TOOL_TASK, record.tool_call_id))
+                movements.append(Movement(CANCEL_TOOL_TASK, record.tool_call_id, tool_call_load(record.tool_call_id)))
             else:
                 rt.finish_record(ctx, cancelled_record(record, reason))
         if len(kept) != len(pending):
