@@ -48,12 +48,7 @@ class Session:
         return await wait_for_agent_snapshot(self.sessions, self.id, probe, description=description)
 
     async def turns_ended(self, count: int) -> AgentSnapshot:
-        def probe(s: AgentSnapshot) -> AgentSnapshot | None:
-            ok = s.state is not None and s.state.turn_count == count and s.state.active_turn_id is None
-            return s if ok else None
-
-        found: AgentSnapshot = await self.wait_for(probe, f"{count} turn(s) to end")
-        return found
+        return await turns_ended(self.sessions, self.id, count)
 
     async def interrupts(self, *interrupt_ids: str) -> AgentSnapshot:
         def probe(s: AgentSnapshot) -> AgentSnapshot | None:
@@ -84,18 +79,30 @@ class Session:
         return self.count("tool_start", **({} if tool_call_id is None else {"tool_call_id": tool_call_id}))
 
 
+def script(*steps: dict[str, Any]) -> str:
+    """A ScriptedRunner script: the user message that plays `steps`, one per model call."""
+    return json.dumps({"steps": list(steps)})
+
+
+async def turns_ended(
+    sessions: AgentSessionClient, session_id: str, count: int, *, timeout: float = DEFAULT_WAIT_SECONDS,
+) -> AgentSnapshot:
+    """The session's snapshot once `count` turns have ended and no turn is active."""
+
+    def probe(s: AgentSnapshot) -> AgentSnapshot | None:
+        ended = s.state is not None and s.state.turn_count == count and s.state.active_turn_id is None
+        return s if ended else None
+
+    snapshot: AgentSnapshot = await wait_for_agent_snapshot(
+        sessions, session_id, probe, description=f"{count} turn(s) of {session_id} to end", timeout=timeout)
+    return snapshot
+
+
 async def first_turn_ended(
     sessions: AgentSessionClient, session_id: str, *, timeout: float = DEFAULT_WAIT_SECONDS,
 ) -> AgentSnapshot:
     """The session's snapshot once its first turn has ended and no turn is active."""
-
-    def probe(s: AgentSnapshot) -> AgentSnapshot | None:
-        ended = s.state is not None and s.state.turn_count == 1 and s.state.active_turn_id is None
-        return s if ended else None
-
-    snapshot: AgentSnapshot = await wait_for_agent_snapshot(
-        sessions, session_id, probe, description=f"{session_id}'s first turn to end", timeout=timeout)
-    return snapshot
+    return await turns_ended(sessions, session_id, 1, timeout=timeout)
 
 
 async def first_turn_answer(sessions: AgentSessionClient, session_id: str) -> str:

@@ -30,6 +30,7 @@ import pytest
 from agents.tests.builtin_agent import InProcessEngine
 from agents.tests.conftest import REPO_ROOT
 from agents.tests.scripted_agent import ScriptedRunner, build_flow, script_of, state_dir_from_env
+from agents.tests.session_driver import script, turns_ended
 
 from dex_agents import (
     AgentEvent,
@@ -38,7 +39,6 @@ from dex_agents import (
     AgentSessionClient,
     AgentSessionFlow,
     AgentSessionOptions,
-    AgentSnapshot,
     AgentTurnContext,
     AgentTurnOutcome,
     BuiltInTool,
@@ -78,10 +78,6 @@ RACE_WARMUP_WRITES = 20
 RACE_WRITE_LIMIT = 50_000
 # Trials of the writer-level race; see test_nothing_is_emitted_once_close_returned.
 RACE_TRIALS = 100
-
-
-def script(*steps: dict[str, Any]) -> str:
-    return json.dumps({"steps": list(steps)})
 
 
 def current_step(turn: AgentTurnContext) -> dict[str, Any]:
@@ -287,15 +283,6 @@ def payloads(events: list[StreamEvent], event_type: str) -> list[dict[str, Any]]
     return [json.loads(e.value.payload) for e in events if e.value.type == event_type]
 
 
-async def turns_ended(sessions: AgentSessionClient, count: int) -> AgentSnapshot:
-    def probe(s: AgentSnapshot) -> AgentSnapshot | None:
-        ended = s.state is not None and s.state.turn_count == count and s.state.active_turn_id is None
-        return s if ended else None
-
-    found: AgentSnapshot = await wait_for_agent_snapshot(sessions, SESSION, probe, description=f"turn {count}")
-    return found
-
-
 async def pending(sessions: AgentSessionClient, *interrupt_ids: str) -> list[AgentInterrupt]:
     want = set(interrupt_ids)
     found: list[AgentInterrupt] = await wait_for_agent_snapshot(
@@ -353,7 +340,7 @@ async def test_writes_after_the_call_returned_are_dropped(tmp_path: Path) -> Non
         with sqlite_write_lock(tmp_path / "engine.db"):
             gate.release()
             assert await asyncio.to_thread(stray.written.wait, THREAD_WAIT_SECONDS)
-        await turns_ended(sessions, 1)
+        await turns_ended(sessions, SESSION, 1)
         events = await all_events(sessions)
         entries = await history(engine)
 
@@ -383,7 +370,7 @@ async def test_writes_from_many_threads_racing_the_close(tmp_path: Path) -> None
             {"race": {"writers": 8, "straddlers": 4}, "tools": [{"id": "c1", "name": "read_orders", "args": {}}]},
             {"answer": "done"},
         ))
-        await turns_ended(sessions, 1)
+        await turns_ended(sessions, SESSION, 1)
         events = await all_events(sessions)
         entries = await history(engine)
 
@@ -454,7 +441,7 @@ async def test_interrupt_resolved_payload_of_a_tool_approval(
         if resolution != "deadline":
             # An approval carries a rejection message too, which the session must not pass on.
             assert await sessions.resolve_interrupt(SESSION, "w1", resolution == "approve", "too risky")
-        await turns_ended(sessions, 1)
+        await turns_ended(sessions, SESSION, 1)
         events = await all_events(sessions)
         entries = await history(engine)
 
@@ -485,7 +472,7 @@ async def test_interrupt_raised_payloads_of_an_approval_and_an_ask_user_question
         raised_events = [e.value for e in await all_events(sessions) if e.value.type == "interrupt_raised"]
         assert await sessions.answer_question(SESSION, "q1", "blue")
         assert await sessions.resolve_interrupt(SESSION, "w1", approved=True)
-        await turns_ended(sessions, 1)
+        await turns_ended(sessions, SESSION, 1)
         events = await all_events(sessions)
         entries = await history(engine)
 
@@ -543,7 +530,7 @@ async def test_events_of_a_retried_attempt_carry_its_attempt(stack: AgentTestSta
     worker.kill()
     await stack.start_worker()
     model_gate.release()
-    snapshot = await turns_ended(sessions, 1)
+    snapshot = await turns_ended(sessions, SESSION, 1)
     assert snapshot.messages[-1].text == "orders: c1=read_orders done"
     events = await all_events(sessions)
     entries = await stack.read_step_history(SESSION)

@@ -15,17 +15,16 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from agents.tests.conftest import REPO_ROOT
 from agents.tests.scripted_agent import FLOW_TYPE, INVOCATIONS, ScriptedRunner, state_dir_from_env
+from agents.tests.session_driver import script, turns_ended
 
 from dex_agents import (
     AgentSessionClient,
     AgentSessionFlow,
     AgentSessionOptions,
-    AgentSnapshot,
     DeferredToolExecution,
     MessageRole,
     ToolExecutionResult,
@@ -87,19 +86,6 @@ def sessions_of(stack: AgentTestStack) -> AgentSessionClient:
     return stack.sessions(build_flow(stack.state_dir))
 
 
-def script(*steps: dict[str, Any]) -> str:
-    return json.dumps({"steps": list(steps)})
-
-
-async def turns_ended(sessions: AgentSessionClient, count: int) -> AgentSnapshot:
-    def probe(s: AgentSnapshot) -> AgentSnapshot | None:
-        ended = s.state is not None and s.state.turn_count == count and s.state.active_turn_id is None
-        return s if ended else None
-
-    found: AgentSnapshot = await wait_for_agent_snapshot(sessions, SESSION, probe, description=f"turn {count}")
-    return found
-
-
 @pytest.mark.parametrize(("tool_name", "tool_step"), [
     ("read_orders", "CallTool"), ("idem_update", "CallTool"), ("write_refund", "CallSingleAttemptTool"),
 ])
@@ -116,7 +102,7 @@ async def test_outcome_unknown_error_is_recorded_after_one_run(
     if tool_step == "CallSingleAttemptTool":  # writes need approval by default
         await wait_for_agent_snapshot(sessions, SESSION, lambda s: s.pending_interrupts, description="approval")
         assert await sessions.resolve_interrupt(SESSION, "c1", approved=True)
-    snapshot = await turns_ended(sessions, 1)
+    snapshot = await turns_ended(sessions, SESSION, 1)
 
     record = json.loads(snapshot.messages[-1].text or "")["c1"]
     assert (record["status"], record["error"]) == ("outcome_unknown", message)
@@ -132,7 +118,7 @@ async def test_outcome_unknown_error_is_recorded_after_one_run(
             and e.event_type in {EXECUTE_COMPLETED_EVENT, "attempt_failed"}] == [(EXECUTE_COMPLETED_EVENT, 1)]
 
     assert await sessions.send_user_message(SESSION, "hello")
-    after = await turns_ended(sessions, 2)
+    after = await turns_ended(sessions, SESSION, 2)
     assert after.state is not None and after.state.last_turn_error is None
     assert after.messages[-1].text == "echo: hello"
 
@@ -150,7 +136,7 @@ async def test_a_killed_call_tool_attempt_is_retried_with_its_checkpoint_and_key
     worker.kill()
     await stack.start_worker()
     gate.release()  # a retry that missed the checkpoint would start the job again and finish it
-    snapshot = await turns_ended(sessions, 1)
+    snapshot = await turns_ended(sessions, SESSION, 1)
 
     jobs = InvocationLog(stack.state_dir / INVOCATIONS).entries("job", flow_id=SESSION)
     assert [(j["attempt"], j["heartbeat_checkpoint"]) for j in jobs] == [(1, None), (2, "job-7")]
