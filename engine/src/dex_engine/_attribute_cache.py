@@ -37,9 +37,12 @@ class KnownRows:
     rows: dict[Ident, bytes] = field(default_factory=dict)
     whole: set[str] = field(default_factory=set)
     every: bool = False
+    # Every name that may have a row here (a name stays after its last row goes): a load naming all
+    # of them takes the rows in one copy, not a test per row (a turn's model call loads nearly all).
+    named: set[str] = field(default_factory=set)
 
     def copy(self) -> KnownRows:
-        return KnownRows(self.version, self.created_at, dict(self.rows), set(self.whole), self.every)
+        return KnownRows(self.version, self.created_at, dict(self.rows), set(self.whole), self.every, set(self.named))
 
     def covers(self, name: str) -> bool:
         return self.every or name in self.whole
@@ -53,11 +56,11 @@ class KnownRows:
         every, whole = self.every, self.whole
         names: set[str] = set()
         rest_names: list[str] = []
-        for name in spec.names:
-            if every or name in whole:
-                names.add(name)
-            else:
-                rest_names.append(name)
+        if every or whole.issuperset(spec.names):
+            names.update(spec.names)
+        else:
+            for name in spec.names:
+                (names.add if name in whole else rest_names.append)(name)
         instances: list[Ident] = []
         rest_instances: list[Ident] = []
         for ident in spec.instances:
@@ -65,7 +68,10 @@ class KnownRows:
         rest = LoadSpec("only", tuple(rest_names), tuple(rest_instances)) if rest_names or rest_instances else None
         if not names and not instances:
             return {}, rest
-        found = {ident: value for ident, value in self.rows.items() if ident[0] in names}
+        if self.named <= names:
+            found = dict(self.rows)
+        else:
+            found = {ident: value for ident, value in self.rows.items() if ident[0] in names}
         for ident in instances:
             value = self.rows.get(ident)
             if value is not None:
@@ -76,6 +82,7 @@ class KnownRows:
         """Record the rows a load of `spec` read from the database (whole names only)."""
         if spec.mode == "all":
             self.rows, self.every = dict(rows), True
+            self.named = {name for name, _key in rows}
             return
         if spec.mode == "none" or not spec.names:
             return
@@ -85,17 +92,19 @@ class KnownRows:
         for ident, value in rows.items():
             if ident[0] in names:
                 self.rows[ident] = value
+                self.named.add(ident[0])
         self.whole |= names
 
     def apply(self, writes: dict[Ident, bytes | None]) -> None:
         """This operation's writes (None deletes), to the names known whole."""
-        rows, whole, every = self.rows, self.whole, self.every
+        rows, whole, every, named = self.rows, self.whole, self.every, self.named
         for ident, value in writes.items():
             if every or ident[0] in whole:
                 if value is None:
                     rows.pop(ident, None)
                 else:
                     rows[ident] = value
+                    named.add(ident[0])
 
     @property
     def size(self) -> int:
