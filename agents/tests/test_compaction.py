@@ -91,6 +91,7 @@ from dex_agents.testing import (
     to_step_history,
     wait_for_agent_snapshot,
 )
+from dex_engine._transitions import stored_options_json
 
 # Messages and conversations --------------------------------------------------------------------------
 
@@ -745,12 +746,13 @@ async def test_compaction_summarizes_before_the_model_call(tmp_path: Path) -> No
 async def read_running_task(engine: InProcessEngine, sid: str, step_type: str) -> tuple[dict[str, Any], Any]:
     """The stored options and input of the flow's running task of `step_type`."""
     def read(db: Any) -> list[Any]:
-        return list(db.all("SELECT options, input FROM tasks WHERE flow_id = ? AND step_type = ? "
-                           "AND state = 'running'", (sid, step_type)))
+        rows = db.all("SELECT options, input FROM tasks WHERE flow_id = ? AND step_type = ? "
+                      "AND state = 'running'", (sid, step_type))
+        return [(stored_options_json(db, bytes(options)), data) for options, data in rows]
 
     rows = await engine.client.store.raw(read)
     assert len(rows) == 1, rows
-    return json.loads(bytes(rows[0][0])), json.loads(bytes(rows[0][1]))
+    return json.loads(rows[0][0]), json.loads(bytes(rows[0][1]))
 
 
 def loaded_chunks(options: dict[str, Any]) -> tuple[list[str], set[str]]:

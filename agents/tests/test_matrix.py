@@ -179,7 +179,12 @@ class Run:
         tasks table: the only place that shows whether the flow's default reached a Step."""
         path = self.stack.database_url.removeprefix("sqlite:///")
         with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-            rows = db.execute("SELECT step_type, options FROM tasks WHERE flow_id = ?", (self.session_id,)).fetchall()
+            # A task row names its options' row in task_options (or, written before schema 6, holds them).
+            rows = db.execute(
+                "SELECT t.step_type, coalesce(o.options, t.options) FROM tasks t LEFT JOIN task_options o "
+                "ON substr(t.options, 1, 1) = X'23' AND o.digest = substr(t.options, 2) WHERE t.flow_id = ?",
+                (self.session_id,),
+            ).fetchall()
         return {str(step_type): str(json.loads(options)["durability"]) for step_type, options in rows}
 
 

@@ -109,7 +109,8 @@ async def stored_options(eng: Engine, flow_id: str) -> dict[str, dict[str, Any]]
     rows = await eng.store.raw(
         lambda db: db.all("SELECT step_execution_id, options FROM tasks WHERE flow_id = ?", (flow_id,))
     )
-    return {str(seid): json.loads(bytes(opts)) for seid, opts in rows}
+    texts = await eng.store.raw(lambda db: [transitions.stored_options_json(db, bytes(opts)) for _seid, opts in rows])
+    return {str(seid): json.loads(text) for (seid, _opts), text in zip(rows, texts, strict=True)}
 
 
 async def never() -> None:

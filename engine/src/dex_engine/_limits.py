@@ -107,3 +107,15 @@ ACTIVE_STEP_SEARCH_CANDIDATES = 2000
 # Pure Executes (Step.pure_execute) one commit may run inside its own transaction: each runs on the
 # event loop while the store's write lock is held, so a chain of them must stay short.
 MAX_FOLDED_EXECUTES_PER_COMMIT = 4
+
+# Task options shared between task rows (SQLite, _task_options): a store uses a task_options row it
+# confirmed without writing it again for TASK_OPTIONS_REFRESH_MS, and housekeeping deletes a row
+# only once it is unused for TASK_OPTIONS_KEEP_MS and no task names it. The keep time is many
+# refresh periods, so a row a store may use unconfirmed is never deleted.
+TASK_OPTIONS_REFRESH_MS = 60 * 60 * 1000
+TASK_OPTIONS_KEEP_MS = 24 * 60 * 60 * 1000
+# How often a store's housekeeping looks for unused task_options rows (they are few, and each look
+# at one reads every task).
+TASK_OPTIONS_COLLECT_MS = 60 * 60 * 1000
+# Rows a store remembers as confirmed: every Step type of many flow types; a miss costs one upsert.
+TASK_OPTIONS_CONFIRMED_ENTRIES = 4096

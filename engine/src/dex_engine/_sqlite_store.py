@@ -61,6 +61,7 @@ from ._limits import (
 )
 from ._migrate import apply_pending
 from ._store import Store, commit_origin
+from ._task_options import SharedOptions
 from ._transitions import AppendRow, Db, HistoryRow, PollResult, Row, run_op
 from ._writer_turns import WriterTurns
 
@@ -106,7 +107,7 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
 class _SqliteDb:
     __slots__ = (
         "appends", "cache", "cache_writes", "conn", "counted", "counters", "cursor", "history", "known", "readied",
-        "revokes", "streamed", "streams", "version_after",
+        "revokes", "shared_options", "streamed", "streams", "version_after",
     )
 
     # BEGIN IMMEDIATE serializes every writer of the file: no row locks needed.
@@ -118,6 +119,8 @@ class _SqliteDb:
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
+        # Task options are stored once per distinct value (schema 6, _task_options).
+        self.shared_options = SharedOptions()
         # One cursor for every statement: a new one per statement costs more than many statements.
         self.cursor = conn.cursor()
         self.cache: AttributeCache | None = AttributeCache()
@@ -169,6 +172,7 @@ def _remember(db: _SqliteDb) -> None:
         for flow_id, known in db.cache_writes:
             db.cache.put(flow_id, known)
     db.cache_writes.clear()
+    db.shared_options.committed()
 
 
 def _is_busy(exc: BaseException) -> bool:
@@ -415,6 +419,7 @@ class SqliteStore(Store):
                 conn.execute(f"PRAGMA synchronous = {wanted}")
                 level = wanted
             db.cache_writes.clear()
+            db.shared_options.rolled_back()
             conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
             if len(batch) == 1:
                 try:
@@ -444,6 +449,7 @@ class SqliteStore(Store):
             writes = False
         finally:
             db.cache_writes.clear()  # a rolled-back transaction's rows are nobody's
+            db.shared_options.rolled_back()  # nor its task options (a committed one has none left)
         # A rolled-back revocation still counts: one spurious wake-up costs a poll, a missed one a
         # running attempt that goes on until housekeeping.
         return level, results, writes, writes and db.revokes != revokes
@@ -470,6 +476,7 @@ class SqliteStore(Store):
             except BaseException as exc:
                 conn.execute("ROLLBACK TO op")
                 conn.execute("RELEASE op")
+                db.shared_options.rolled_back()
                 results.append((False, exc))
         conn.execute("COMMIT")
         _remember(db)

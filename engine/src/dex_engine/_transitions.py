@@ -48,6 +48,7 @@ from ._records import (
     WriteSet,
 )
 from ._retry import decide_retry
+from ._task_options import SharedOptions, is_reference, options_json
 from ._wait import WaitSpec
 from ._wait_selection import select_wait
 
@@ -498,7 +499,7 @@ def create_task(
     method: Literal["wait_for", "execute"] = "wait_for" if options.has_wait_for else "execute"
     mopts = _method_options(options, method)
     recovery_blob = None if recovery_error is None else encode_json(recovery_error)
-    options_blob = encode_json(options)
+    options_blob = _stored_options(db, options, now)
     wait_options = options.wait_for
     if movement.wait is not None and wait_options is not None and _wait_state_holds(
         db, flow_id, wait_options, movement.wait_loaded
@@ -539,7 +540,6 @@ def create_task(
          handoff.worker_id, now, now, start.deadline, start.method_deadline, start.snapshot),
     )
     _history(db, flow_id, step_type, seid, STEP_SCHEDULED, 0, now)
-    _decode_options.remember(options_blob, options)
     handoff.capacity -= 1
     handoff.leases.append(Lease(
         task_id=task_id, lease_epoch=1, flow_id=flow_id, flow_type=flow_type, step_type=movement.step_type,
@@ -548,6 +548,41 @@ def create_task(
         recovery_error=recovery_error,
     ))
     return task_id
+
+
+def _stored_options(db: Db, options: TaskOptions, now: int) -> bytes:
+    """What a new task row holds for its options: their JSON, or on a store that shares them
+    (SQLite, see _task_options) a reference to their row, which this transaction writes if needed.
+    Options that name map instances stay in the row (see _names_instances)."""
+    data = encode_json(options)
+    shared: SharedOptions | None = getattr(db, "shared_options", None)
+    if shared is not None and not _names_instances(options):
+        data = shared.reference(db, data, now)
+    _decode_options.remember(data, options)
+    return data
+
+
+def _names_instances(options: TaskOptions) -> bool:
+    """Whether a method loads map instances by key: such options are one entity's (an agent's tool
+    Step loads its own call's record), never repeated, so they stay in their task's row."""
+    return bool(options.execute.load.instances or (options.wait_for and options.wait_for.load.instances))
+
+
+def stored_task_options(db: Db, stored: bytes) -> TaskOptions:
+    """A task's options from its `options` column: their JSON, or a reference to their row."""
+    known = _decode_options.known(stored)
+    if known is not None:
+        return known
+    if not is_reference(stored):
+        return _decode_options(stored)
+    options = _decode_options(options_json(db, stored))
+    _decode_options.remember(stored, options)  # a reference names one value for good
+    return options
+
+
+def stored_options_json(db: Db, stored: bytes) -> bytes:
+    """The JSON of a task's options from its `options` column (a reference read from its row)."""
+    return options_json(db, stored) if is_reference(stored) else stored
 
 
 def _wait_state_holds(db: Db, flow_id: str, options: MethodOptions, loaded: Sequence[tuple[str, str, bytes]]) -> bool:
@@ -606,6 +641,9 @@ class _DecodedBlobs(Generic[S]):
     def __init__(self, value_type: type[S]) -> None:
         self._type = value_type
         self._by_blob: dict[bytes, S] = {}
+
+    def known(self, blob: bytes) -> S | None:
+        return self._by_blob.get(blob)
 
     def __call__(self, blob: bytes) -> S:
         value = self._by_blob.get(blob)
@@ -755,7 +793,7 @@ def _claim_row(
         return None  # another transaction is changing this flow: claim the task on a later poll
     if len(r) > _TASK_COL_COUNT:
         _know_flow_row(db, str(flow_id), *r[_TASK_COL_COUNT:])
-    options = _decode_options(bytes(r[9]))
+    options = stored_task_options(db, bytes(r[9]))
     mopts = _method_options(options, str(method))
     locks: tuple[str, ...] = ()
     if not r[14] and mopts.locks:
@@ -879,7 +917,7 @@ def _preserve_snapshots(db: Db, flow_id: str, written: Iterable[tuple[str, str]]
     for task_id, method, options_blob in rows:
         if own_task is not None and int(task_id) == own_task:
             continue
-        load = _method_options(_decode_options(bytes(options_blob)), str(method)).load
+        load = _method_options(stored_task_options(db, bytes(options_blob)), str(method)).load
         if any(load.loads(name, key) for name, key in names):
             attrs = load_attributes(db, flow_id, load)
             _send(db, "UPDATE tasks SET snapshot = ? WHERE task_id = ?", (_encode_snapshot(attrs), task_id))
@@ -1236,6 +1274,9 @@ def _in_savepoint(db: Db, fn: Callable[[], object]) -> bool:
     except Exception:
         db.run("ROLLBACK TO fold_execute")
         db.run("RELEASE fold_execute")
+        shared: SharedOptions | None = getattr(db, "shared_options", None)
+        if shared is not None:
+            shared.rolled_back()  # the task_options rows it wrote are gone with it
         del db.history[history:]
         del db.appends[appends:]
         db.counters, db.counted = counters, counted
@@ -1307,7 +1348,7 @@ def _fail_task(db: Db, task_id: int, error: ErrorInfo, no_retry: bool, now: int)
     assert row is not None
     flow_id, flow_type, step_type, seid, method, attempt = (str(row[0]), str(row[1]), str(row[2]),
                                                             str(row[3]), str(row[4]), int(row[5]))
-    options = decode_json(row[6], TaskOptions)
+    options = stored_task_options(db, bytes(row[6]))
     started = bool(row[9]) or bool(row[10])
     db.revoked()  # a running attempt fails: its own worker's, or one timed out or orphaned
     _history(db, flow_id, step_type, seid, ATTEMPT_FAILED, attempt, now,
@@ -1477,6 +1518,9 @@ def housekeeping(db: Db, now: int, worker_id: str | None = None) -> Housekeeping
         if n:
             bump(db, flow_id)
         fired += n
+    shared: SharedOptions | None = getattr(db, "shared_options", None)
+    if shared is not None:
+        shared.collect(db, now)
     return HousekeepingReport(timers_fired=fired, leases_expired=expired, timeouts=timeouts,
                               workers_removed=removed)
 
