@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from dex_engine import (
     Channel,
     Context,
     Flow,
+    FlowConfig,
     LoadOptions,
     Registry,
     RetryPolicy,
@@ -33,9 +35,11 @@ from dex_engine import (
     StepOptions,
     Stream,
     Wait,
+    open_store,
     rpc,
 )
 from dex_engine._decision import Movement
+from dex_engine._records import StartRequest
 
 from .conftest import Engine, engine_for, wait_until
 
@@ -913,3 +917,36 @@ def waiting_on_int(channel: Channel[int]) -> Callable[[Context, None], Awaitable
 async def _both_waiting(eng: Engine, flow_id: str) -> bool:
     info = await eng.client.describe_flow(flow_id)
     return sorted(s.state for s in info.active_steps) == ["waiting", "waiting"]
+
+
+async def test_history_follows_the_flow_row_whoever_moved_it_within_the_operation(tmp_path: Path) -> None:
+    """SQLite writes an operation's history against the sequence and version it read with the flow
+    row, without reading them back; its update checks both. A change the operation did not follow
+    (here a raw update, as any path that moves them without telling Db.flow_rows) makes that update
+    miss, and the write falls back to reading them back: history stays gapless and the version right.
+    Catches: an unchecked update (events written over the wrong sequences, a version the attribute
+    cache would trust wrongly), and a fallback that never runs."""
+    store = open_store(f"sqlite:///{tmp_path / 'seq.db'}")
+    try:
+        await store.start_flow(StartRequest("f", "T", b"null", FlowConfig(), None))
+        row_of = "SELECT history_seq, version FROM flows WHERE flow_id = 'f'"
+        seq0, version0 = await store.raw(lambda db: db.one(row_of))
+
+        def followed(db: Any) -> None:
+            transitions.require_running(db, "f")
+            transitions._history(db, "f", "S", "S-1", "note", 1, 0, "followed")
+
+        def moved_behind_its_back(db: Any) -> None:
+            transitions.require_running(db, "f")
+            db.run("UPDATE flows SET history_seq = history_seq + 2, version = version + 5 WHERE flow_id = 'f'")
+            transitions._history(db, "f", "S", "S-1", "note", 1, 0, "after a move")
+
+        await store.raw(followed, write=True)
+        assert await store.raw(lambda db: db.one(row_of)) == (seq0 + 1, version0 + 1)
+        await store.raw(moved_behind_its_back, write=True)
+        assert await store.raw(lambda db: db.one(row_of)) == (seq0 + 4, version0 + 7)
+        history = await store.raw(lambda db: db.all(
+            "SELECT seq, detail FROM history WHERE flow_id = 'f' AND event_type = 'note' ORDER BY seq"))
+        assert history == [(seq0 + 1, "followed"), (seq0 + 4, "after a move")]
+    finally:
+        await store.close()

@@ -187,8 +187,9 @@ class _PgDb:
     (`send`) travel with the next statement that needs its reply."""
 
     __slots__ = (
-        "appends", "cache", "cache_writes", "conn", "counted", "counters", "history", "known", "notified",
-        "pipeline", "reader", "revoked_sent", "sender", "streamed", "streams", "undo", "version_after", "wrote",
+        "appends", "cache", "cache_writes", "conn", "counted", "counters", "flow_rows", "history", "known",
+        "notified", "pipeline", "reader", "revoked_sent", "sender", "streamed", "streams", "undo", "version_after",
+        "wrote",
     )
 
     dialect = "postgres"
@@ -212,6 +213,7 @@ class _PgDb:
         self.cache: AttributeCache | None = None  # see Db.known: SQLite only
         self.known: dict[str, KnownRows | None] = {}
         self.version_after: dict[str, int] = {}
+        self.flow_rows: dict[str, tuple[int, int]] = {}  # see Db.flow_rows: SQLite only
         self.cache_writes: list[tuple[str, KnownRows]] = []
         self.notified = False
         self.revoked_sent = False

@@ -106,8 +106,8 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
 
 class _SqliteDb:
     __slots__ = (
-        "appends", "cache", "cache_writes", "conn", "counted", "counters", "cursor", "history", "known", "readied",
-        "revokes", "shared_options", "streamed", "streams", "version_after",
+        "appends", "cache", "cache_writes", "conn", "counted", "counters", "cursor", "flow_rows", "history", "known",
+        "readied", "revokes", "shared_options", "streamed", "streams", "version_after",
     )
 
     # BEGIN IMMEDIATE serializes every writer of the file: no row locks needed.
@@ -126,6 +126,7 @@ class _SqliteDb:
         self.cache: AttributeCache | None = AttributeCache()
         self.known: dict[str, KnownRows | None] = {}
         self.version_after: dict[str, int] = {}
+        self.flow_rows: dict[str, tuple[int, int]] = {}
         self.cache_writes: list[tuple[str, KnownRows]] = []
         self.history: list[HistoryRow] = []
         self.appends: list[AppendRow] = []
@@ -154,6 +155,12 @@ class _SqliteDb:
 
     def run(self, sql: str, params: Sequence[Any] = ()) -> int:
         return self.cursor.execute(sql, params).rowcount
+
+    def insert(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """Run an INSERT of one row; its rowid (cheaper than RETURNING, which buffers the row)."""
+        cursor = self.cursor.execute(sql, params)
+        assert cursor.lastrowid is not None
+        return cursor.lastrowid
 
 
 @dataclass

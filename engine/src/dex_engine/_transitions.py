@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar, cast
 
 import msgspec
 
@@ -94,6 +94,10 @@ class Db(Protocol):
     known: dict[str, KnownRows | None]
     version_after: dict[str, int]
     cache_writes: list[tuple[str, KnownRows]]
+    # SQLite: each flow's (history_seq, version) as this operation expects them, from its first read
+    # of the flow row and its own updates since, so that flush_history need not read them back
+    # (RETURNING buffers its rows, a cost of its own); its update checks them. Emptied by run_op.
+    flow_rows: dict[str, tuple[int, int]]
     for_update: str
     skip_locked: str
 
@@ -192,7 +196,7 @@ def flow_status(db: Db, flow_id: str) -> tuple[str, str]:
 
 
 # The columns of a flow row an SQLite operation keeps for its duration (_know_flow_row), read with it.
-_FLOW_STATE = "step_counters, streams, version, created_at"
+_FLOW_STATE = "step_counters, streams, version, created_at, history_seq"
 
 
 def require_running(db: Db, flow_id: str, *, lock: bool = True) -> str:
@@ -224,6 +228,9 @@ def bump(db: Db, flow_id: str) -> None:
     row = db.one("UPDATE flows SET version = version + 1 WHERE flow_id = ? RETURNING version", (flow_id,))
     if row is not None:
         db.version_after[flow_id] = int(row[0])  # see Db.known
+        expected = db.flow_rows.get(flow_id)
+        if expected is not None:
+            db.flow_rows[flow_id] = (expected[0], int(row[0]))
 
 
 def start_flow(db: Db, req: StartRequest, now: int) -> None:
@@ -315,13 +322,20 @@ def flush_history(db: Db) -> None:
             _send(db, f"UPDATE flows SET {', '.join(sets)} WHERE flow_id = ?", (*params, flow_id))
             continue
         # History marks state changes, so it also bumps the version RPCs validate against.
-        got = db.one(
-            "UPDATE flows SET history_seq = history_seq + ?, version = version + 1"
-            + "".join(f", {column}" for column in sets) + " WHERE flow_id = ? RETURNING history_seq, version",
-            (len(rows), *params, flow_id),
-        )
-        if got is None:
-            continue
+        assignments = "".join(f", {column}" for column in sets)
+        got: Row | None = None
+        expected = db.flow_rows.get(flow_id)
+        if expected is not None:
+            after = (expected[0] + len(rows), expected[1] + 1)
+            if db.run(f"UPDATE flows SET history_seq = ?, version = ?{assignments} "
+                      "WHERE flow_id = ? AND history_seq = ? AND version = ?", (*after, *params, flow_id, *expected)):
+                got = after
+        if got is None:  # not read by this operation, or changed in a way it did not follow
+            got = db.one(f"UPDATE flows SET history_seq = history_seq + ?, version = version + 1{assignments} "
+                         "WHERE flow_id = ? RETURNING history_seq, version", (len(rows), *params, flow_id))
+            if got is None:
+                continue
+        db.flow_rows[flow_id] = (int(got[0]), int(got[1]))
         db.version_after[flow_id] = int(got[1])
         last = int(got[0])
         first = last - len(rows) + 1
@@ -385,6 +399,7 @@ def run_op(fn: Callable[[Db], R], db: Db) -> R:
         db.streamed.clear()
         db.known.clear()
         db.version_after.clear()
+        db.flow_rows.clear()
     return result
 
 
@@ -423,12 +438,17 @@ def _insert_task(db: Db, columns: str, values: str, params: Sequence[Any]) -> tu
         n = counters[step_type] = counters.get(step_type, 0) + 1
         db.counted.add(flow_id)
         execution = f"{step_type}-{n}"
-        row = db.one(f"INSERT INTO tasks ({columns}) VALUES ({values.format(id='?')}) RETURNING task_id",
-                     (*params[:3], execution, *params[3:]))
-        assert row is not None
-        return int(row[0]), execution
+        task_id = cast(_InsertsRows, db).insert(f"INSERT INTO tasks ({columns}) VALUES ({values.format(id='?')})",
+                                                 (*params[:3], execution, *params[3:]))
+        return task_id, execution
     assert row is not None
     return int(row[0]), str(row[1])
+
+
+class _InsertsRows(Protocol):
+    """SQLite's Db: an INSERT that hands back the new row's rowid."""
+
+    def insert(self, sql: str, params: Sequence[Any] = ()) -> int: ...
 
 
 def step_counters(db: Db, flow_id: str) -> dict[str, int]:
@@ -449,10 +469,14 @@ def _decode_counters(text: str | bytes | None) -> dict[str, int]:
 
 def _know_flow_row(
     db: Db, flow_id: str, counters: str | bytes | None, streams: str | bytes | None, version: int, created_at: int,
+    history_seq: int,
 ) -> None:
     """What a read of the flow row (_FLOW_STATE) tells an SQLite operation, unless it already knows
-    (and may have changed) it: the Step counters and stream positions (see Db.counters), and, from
-    its version, the attribute rows the store's cache holds for it (see Db.known)."""
+    (and may have changed) it: the Step counters and stream positions (see Db.counters), its
+    history sequence and version (Db.flow_rows), and, from its version, the attribute rows the
+    store's cache holds for it (see Db.known)."""
+    if flow_id not in db.flow_rows:
+        db.flow_rows[flow_id] = (int(history_seq), int(version))
     if flow_id not in db.counters:
         db.counters[flow_id] = _decode_counters(counters)
     if flow_id not in db.streams:
