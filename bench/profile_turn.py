@@ -122,7 +122,7 @@ class _TimedConnection:
     def execute(self, sql: str, params: Any = ()) -> Any:
         t = time.thread_time()
         cursor = self._conn.execute(sql, params)
-        rows = _Rows(cursor.fetchall(), cursor.rowcount)
+        rows = _Rows(cursor.fetchall(), cursor.rowcount, cursor.lastrowid)
         if self._store.profiling and self._store.sql_times is not None:
             entry = self._store.sql_times.setdefault(" ".join(sql.split())[:110], [0.0, 0])
             entry[0] += time.thread_time() - t
@@ -138,9 +138,10 @@ class _TimedConnection:
 
 
 class _Rows:
-    def __init__(self, rows: list[Any], rowcount: int) -> None:
+    def __init__(self, rows: list[Any], rowcount: int, lastrowid: int | None) -> None:
         self._rows = rows
         self.rowcount = rowcount
+        self.lastrowid = lastrowid
 
     def fetchone(self) -> Any:
         return self._rows[0] if self._rows else None
