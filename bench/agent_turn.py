@@ -8,7 +8,10 @@ one disk, and prints them side by side with the raw commit floor:
 - DBOS: a workflow of three steps on a SQLite system database.
 
 Each system runs N turns one after another (sequential, a new session every 25 turns), then the
-same number of turns spread over 16 sessions at once, after 3 untimed warm-up turns each. Reported:
+same number of turns spread over 16 sessions at once, after 3 untimed warm-up turns each. The
+sequential turns run in --rounds rounds (default 4), each running every system's share in turn
+after a floor slice, so that this VM's changing speed falls on every system and the floor alike
+(measure_systems). Reported:
 per-turn latency (median, p95), turns/s with 16 sessions, the median's ratio to the floor, the
 data-changing commits and fsyncs each turn took, and the process CPU time per turn. Commits are
 counted in a separate, untimed pass of --count-turns turns per phase on a new file, through the
@@ -16,7 +19,7 @@ SQLite connections' trace callback: Python's sqlite3 hands that callback every s
 parameters expanded (blobs as hex), which costs each system CPU in proportion to what it writes,
 so the timed passes run without it. The floor is engine_steps.py's bare `BEGIN IMMEDIATE; INSERT; COMMIT`
 with synchronous=FULL in WAL mode, in the same directory, measured in slices of --floor-commits commits
-before each system and after the last, pooled (FloorSlices).
+before each round and each concurrent phase and after the last, pooled (FloorSlices).
 
 Every database file is in WAL mode with synchronous=FULL (one fsync per commit), so the systems
 differ in what they commit, not in how SQLite is set up; DBOS alone would otherwise use SQLite's
@@ -32,7 +35,7 @@ worker in this process), printed apart against a bare PostgreSQL commit on one c
 the transactions, round trips and statements psycopg sent per turn (counted in the timed pass:
 the counters are cheap next to a round trip).
 
-Run: uv run --group bench python bench/agent_turn.py [--turns N] [--sessions N]
+Run: uv run --group bench python bench/agent_turn.py [--turns N] [--sessions N] [--rounds N]
      [--skip-langgraph] [--skip-dbos] [--dbos-journal wal|default] [--processes N] [--pg-dsn DSN] [--json]
 (`uv sync` without the group removes LangGraph and DBOS again; where others share the .venv, set
 UV_PROJECT_ENVIRONMENT to a private one.)
@@ -138,16 +141,52 @@ class PhaseResult:
 PhaseRun = Callable[[Sequence[int], str, bool, "CommitCounter | None"], PhaseResult]
 
 
-def measure(run: PhaseRun, turns: int, sessions: int, count_turns: int) -> tuple[PhaseResult, PhaseResult]:
-    """The sequential and the concurrent phase: each timed without a counter, then counted apart."""
-    phases: list[PhaseResult] = []
-    for prefix, concurrent, plan in (("seq", False, sequential_plan), ("conc", True, session_plan)):
-        timed = run(plan(turns, sessions), prefix, concurrent, None)
-        counter = CommitCounter()
-        counted = run(plan(count_turns, sessions), f"{prefix}-count", concurrent, counter)
-        timed.commits, timed.fsyncs, timed.counted_turns = counted.commits, counted.fsyncs, counted.turns
-        phases.append(timed)
-    return phases[0], phases[1]
+@dataclass
+class System:
+    """One system the benchmark runs: how it runs a phase, and what the report notes about it."""
+
+    name: str
+    run: PhaseRun
+    notes: list[str]
+
+
+def _counted(system: System, timed: PhaseResult, plan: Sequence[int], prefix: str, concurrent: bool) -> PhaseResult:
+    """`timed`, with the commits and fsyncs of an untimed pass of `plan` on a new file (a counter's
+    trace callback costs CPU, so timed passes run without one)."""
+    counter = CommitCounter()
+    counted = system.run(plan, f"{prefix}-count", concurrent, counter)
+    timed.commits, timed.fsyncs, timed.counted_turns = counted.commits, counted.fsyncs, counted.turns
+    return timed
+
+
+def _joined(parts: Sequence[PhaseResult]) -> PhaseResult:
+    """The rounds of one system's sequential phase as one phase: every latency, the walls and CPU summed."""
+    return PhaseResult([x for part in parts for x in part.latencies], sum(p.wall for p in parts),
+                       sum(p.cpu for p in parts), started=parts[0].started)
+
+
+def measure_systems(systems: Sequence[System], turns: int, sessions: int, count_turns: int, rounds: int,
+                    floors: FloorSlices) -> list[SystemResult]:
+    """Every system's sequential phase, in `rounds` rounds that each run every system's share of the
+    turns in turn after a floor slice; then each system's concurrent phase after a slice of its own;
+    then a last slice. This VM's speed changes by up to half within minutes: run one system after
+    another, one could take a slow minute alone, and its ratio to a floor measured in other minutes
+    would carry it. Interleaved, every system and the floor share the same minutes."""
+    shares = [turns // rounds + (1 if i < turns % rounds else 0) for i in range(rounds)]
+    parts: dict[str, list[PhaseResult]] = {system.name: [] for system in systems}
+    for index, share in enumerate(shares):
+        floors.measure()
+        for system in systems:
+            parts[system.name].append(system.run(sequential_plan(share), f"seq{index}", False, None))
+    results: list[SystemResult] = []
+    for system in systems:
+        seq = _counted(system, _joined(parts[system.name]), sequential_plan(count_turns), "seq", False)
+        floors.measure()
+        conc = system.run(session_plan(turns, sessions), "conc", True, None)
+        conc = _counted(system, conc, session_plan(count_turns, sessions), "conc", True)
+        results.append(SystemResult(system.name, seq, conc, sessions, system.notes))
+    floors.measure()
+    return results
 
 
 @dataclass
@@ -394,7 +433,7 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
                        statements=sent.get("statements", 0), started=t0)
 
 
-def run_dex(tmp: Path, turns: int, sessions: int, count_turns: int, *, builtin: bool = False) -> SystemResult:
+def dex_system(tmp: Path, *, builtin: bool = False) -> System:
     make = builtin_loop_flow if builtin else scripted_runner_flow
     name = "dex-builtin" if builtin else "dex"
 
@@ -402,10 +441,7 @@ def run_dex(tmp: Path, turns: int, sessions: int, count_turns: int, *, builtin: 
         url = f"sqlite:///{tmp / f'{name}-{prefix}.db'}"
         return asyncio.run(dex_phase(url, plan, prefix, concurrent, make, counter))
 
-    seq, conc = measure(run, turns, sessions, count_turns)
-    return SystemResult(name, seq, conc, sessions, [
-        "turn end observed by one AgentState read after each commit once the answer is returned",
-    ])
+    return System(name, run, ["turn end observed by one AgentState read after each commit once the answer is returned"])
 
 
 @dataclass
@@ -522,7 +558,7 @@ class TurnState(TypedDict, total=False):
     pending_tool: str | None
 
 
-def run_langgraph(tmp: Path, turns: int, sessions: int, count_turns: int) -> SystemResult:
+def langgraph_system(tmp: Path) -> System:
     from langchain_core.runnables import RunnableConfig
     from langgraph.checkpoint.sqlite import SqliteSaver
     from langgraph.graph import END, START, StateGraph
@@ -576,8 +612,7 @@ def run_langgraph(tmp: Path, turns: int, sessions: int, count_turns: int) -> Sys
         finally:
             conn.close()
 
-    seq, conc = measure(phase, turns, sessions, count_turns)
-    return SystemResult("langgraph", seq, conc, sessions, [
+    return System("langgraph", phase, [
         "SqliteSaver on one connection behind a lock, durability='sync', one thread per session",
     ])
 
@@ -585,7 +620,7 @@ def run_langgraph(tmp: Path, turns: int, sessions: int, count_turns: int) -> Sys
 # DBOS -----------------------------------------------------------------------------------------
 
 
-def run_dbos(tmp: Path, turns: int, sessions: int, count_turns: int, journal: str) -> SystemResult:
+def dbos_system(tmp: Path, sessions: int, journal: str) -> System:
     import logging
 
     import sqlalchemy as sa
@@ -644,9 +679,8 @@ def run_dbos(tmp: Path, turns: int, sessions: int, count_turns: int, journal: st
             DBOS.destroy(destroy_registry=True)
             sa.event.remove(sa.engine.Engine, "connect", on_connect)
 
-    seq, conc = measure(phase, turns, sessions, count_turns)
     mode = "WAL" if journal == "wal" else "its default rollback journal (several fsyncs per commit, not one)"
-    return SystemResult("dbos", seq, conc, sessions, [
+    return System("dbos", phase, [
         f"SQLite system database in {mode}, synchronous=FULL, one pooled connection per thread; "
         "one workflow per turn, called directly, one thread per session",
     ])
@@ -704,10 +738,11 @@ def postgres_summary(result: SystemResult, floor_latencies: list[float]) -> dict
 
 @dataclass
 class FloorSlices:
-    """The floor, measured in slices spread over the run: one slice of `commits` commits before each
-    system and one after the last, pooled. The bare commit's median moves by 10-20% from one second
-    to the next on this VM; a single slice at the start made every ratio carry that one moment's
-    error, and the slices' spread, printed, shows how far the moment matters."""
+    """The floor, measured in slices spread over the run (measure_systems): one slice of `commits`
+    commits before each round of the sequential phases and before each system's concurrent phase,
+    and one after the last, pooled. The bare commit's median moves by 10-20% from one second to the
+    next on this VM; a single slice at the start made every ratio carry that one moment's error, and
+    the slices' spread, printed, shows how far the moment matters."""
 
     path: Path
     commits: int
@@ -740,7 +775,8 @@ def print_table(rows: list[dict[str, Any]], floors: FloorSlices, sessions: int,
     slices = floors.slice_medians
     print(f"\nfloor: bare commit (WAL, synchronous=FULL) on a dedicated thread: median {floors.median * 1e3:.3f} ms"
           f"  p95 {pct(floors.latencies, 0.95) * 1e3:.3f} ms, over {len(slices)} slices of {floors.commits} commits"
-          f" (one before each system, one after the last; slice medians {min(slices) * 1e3:.3f}"
+          f" (one before each round of the sequential phases and each concurrent phase, one after the last;"
+          f" slice medians {min(slices) * 1e3:.3f}"
           f"-{max(slices) * 1e3:.3f} ms)")
     print_head(sessions, ("commits", "fsyncs"))
     for r in rows:
@@ -804,7 +840,11 @@ def main() -> None:
     parser.add_argument("--count-turns", type=int, default=32,
                         help="turns per phase of the untimed pass that counts commits (default 32)")
     parser.add_argument("--floor-commits", type=int, default=500,
-                        help="commits per floor slice; a slice runs before each system and one after the last")
+                        help="commits per floor slice; a slice runs before each round and each concurrent phase, "
+                             "and one after the last")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="rounds the sequential phases run in, each running every system's share in turn "
+                             "(default 4)")
     parser.add_argument("--skip-builtin", action="store_true", help="leave out the built-in loop's run of the turn")
     parser.add_argument("--skip-langgraph", action="store_true")
     parser.add_argument("--skip-dbos", action="store_true")
@@ -818,6 +858,8 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.turns, args.count_turns) < args.sessions or args.sessions < 1:
         parser.error("--turns and --count-turns must be at least --sessions, and --sessions at least 1")
+    if not 1 <= args.rounds <= args.turns:
+        parser.error(f"--rounds must be from 1 to --turns ({args.turns}), got {args.rounds}")
     if not 1 <= args.processes <= args.sessions:
         parser.error(f"--processes must be from 1 to --sessions ({args.sessions}), got {args.processes}")
 
@@ -827,34 +869,28 @@ def main() -> None:
         f"{os.cpu_count()} cores, files in {tmp}")
     floors = FloorSlices(tmp / "floor.db", args.floor_commits)
 
-    results: list[SystemResult] = []
+    systems = [dex_system(tmp)]
+    if not args.skip_builtin:
+        systems.append(dex_system(tmp, builtin=True))
     skipped: dict[str, str] = {}
-    log("running dex ...")
-    floors.measure()
-    results.append(run_dex(tmp, args.turns, args.sessions, args.count_turns))
+    competitors: list[tuple[str, bool, Callable[[], System]]] = [
+        ("langgraph", args.skip_langgraph, lambda: langgraph_system(tmp)),
+        ("dbos", args.skip_dbos, lambda: dbos_system(tmp, args.sessions, args.dbos_journal)),
+    ]
+    for name, skip, make in competitors:
+        if skip:
+            skipped[name] = "--skip-" + name
+            continue
+        try:
+            systems.append(make())
+        except ImportError as exc:
+            skipped[name] = f"not installed ({exc}); run with `uv run --group bench`"
+    log(f"running {', '.join(system.name for system in systems)} in {args.rounds} rounds, then 16 sessions each ...")
+    results = measure_systems(systems, args.turns, args.sessions, args.count_turns, args.rounds, floors)
     spread: dict[str, Any] | None = None
     if args.processes > 1:
         log(f"running dex on {args.processes} processes ...")
         spread = run_dex_processes(tmp, args.turns, args.sessions, args.processes).summary()
-    if not args.skip_builtin:
-        floors.measure()
-        results.append(run_dex(tmp, args.turns, args.sessions, args.count_turns, builtin=True))
-    competitors: list[tuple[str, bool, Callable[[], SystemResult]]] = [
-        ("langgraph", args.skip_langgraph, lambda: run_langgraph(tmp, args.turns, args.sessions, args.count_turns)),
-        ("dbos", args.skip_dbos,
-         lambda: run_dbos(tmp, args.turns, args.sessions, args.count_turns, args.dbos_journal)),
-    ]
-    for name, skip, run in competitors:
-        if skip:
-            skipped[name] = "--skip-" + name
-            continue
-        log(f"running {name} ...")
-        floors.measure()
-        try:
-            results.append(run())
-        except ImportError as exc:
-            skipped[name] = f"not installed ({exc}); run with `uv run --group bench`"
-    floors.measure()
     floor_median, floor_p95 = floors.median, pct(floors.latencies, 0.95)
     postgres: dict[str, Any] | None = None
     if args.pg_dsn:
