@@ -6,6 +6,9 @@ import asyncio
 import sqlite3
 from pathlib import Path
 
+import psycopg
+import pytest
+
 from dex_engine import Context, Flow, FlowConfig, Step, StepDecision, open_store
 from dex_engine import _transitions as transitions
 from dex_engine._codec import encode_json
@@ -41,6 +44,33 @@ async def test_opening_applies_every_migration_once_and_keeps_data(db_url: str) 
     finally:
         for store in stores:
             await store.close()
+
+
+async def test_a_database_a_newer_engine_migrated_is_refused_unchanged(db_url: str) -> None:
+    """Opening a database whose schema version is past this engine's migrations fails with an error
+    that names both versions and what to do, and leaves the database as it was. Catches: an older
+    engine reading rows in a newer form (task options by reference) as if it knew them."""
+    backend = "postgres" if db_url.startswith("postgres") else "sqlite"
+    latest = migration_files(backend)[-1][0]
+    store = open_store(db_url)
+    try:
+        await store.raw(lambda db: db.run("UPDATE meta SET value = ? WHERE key = 'schema_version'",
+                                          (str(latest + 1),)), write=True)
+    finally:
+        await store.close()
+    with pytest.raises(RuntimeError, match=rf"schema is version {latest + 1}, newer than the {latest} .*upgrade"):
+        open_store(db_url)
+    # Read with a connection of its own: the version is still the newer one, nothing was migrated.
+    if backend == "sqlite":
+        conn = sqlite3.connect(db_url.removeprefix("sqlite:///"))
+        try:
+            assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (str(latest + 1),)
+        finally:
+            conn.close()
+    else:
+        with psycopg.connect(db_url) as conn:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            assert row == (str(latest + 1),)
 
 
 def test_migration_files_are_numbered_from_one_without_gaps() -> None:

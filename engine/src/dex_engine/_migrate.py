@@ -31,8 +31,16 @@ def migration_files(backend: str) -> list[tuple[int, str]]:
 
 def apply_pending(execute: Execute, backend: str, version: int, placeholder: str) -> int:
     """Inside the caller's transaction: apply migrations after `version`, record the new version,
-    and create the stream token secret once. Returns the schema version."""
-    for number, sql in migration_files(backend):
+    and create the stream token secret once. Returns the schema version. A database a newer
+    dex_engine migrated is refused: its rows may be in forms this one misreads (schema 6 on SQLite
+    stores task options by reference)."""
+    files = migration_files(backend)
+    if version > files[-1][0]:
+        raise RuntimeError(
+            f"the database's schema is version {version}, newer than the {files[-1][0]} this dex_engine knows "
+            f"({backend}): a newer dex_engine wrote it; upgrade dex_engine to open it (nothing was changed)"
+        )
+    for number, sql in files:
         if number <= version:
             continue
         for statement in statements(sql):

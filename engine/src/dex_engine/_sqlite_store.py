@@ -322,7 +322,11 @@ class SqliteStore(Store):
             raise RuntimeError(f"could not put {self.settings.path!r} in WAL mode (got {mode!r})")
         conn.execute(f"PRAGMA synchronous = {self.settings.synchronous}")
         conn.execute("PRAGMA foreign_keys = ON")
-        migrate(conn)
+        try:
+            migrate(conn)
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def _main(self) -> None:
