@@ -46,7 +46,6 @@ from dex_engine._task_options import digest_of
 
 from .conftest import FAST, wait_until
 
-DAY = 24 * 60 * 60 * 1000
 T0 = 1_900_000_000_000  # a fixed clock, far from the real one, for the rows these tests write
 
 
@@ -72,8 +71,8 @@ def _stored(step_type: str) -> TaskOptions:
     return msgspec.structs.replace(_record(step_type).options, durability=FlowConfig().default_step_durability)
 
 
-async def _store_with_flow(tmp_path: Path, name: str = "opts.db") -> Store:
-    store = open_store(f"sqlite:///{tmp_path / name}")
+async def _store_with_flow(tmp_path: Path) -> Store:
+    store = open_store(f"sqlite:///{tmp_path / 'opts.db'}")
     await store.start_flow(StartRequest("f", "Opts", b"null", FlowConfig(), None))
     return store
 
@@ -182,9 +181,9 @@ async def test_a_store_confirms_a_row_again_after_the_refresh_time(tmp_path: Pat
 async def test_housekeeping_deletes_only_unused_rows_no_task_names(tmp_path: Path) -> None:
     """A row unused for TASK_OPTIONS_KEEP_MS goes once no task names it; one a task still names
     stays, counted as used now; a row another store confirmed within the refresh time stays even
-    with no task naming it. After its row
-    went, a new task writes it again. Catches: a collector that deletes named rows (tasks whose
-    options are gone) or rows another store may still name unconfirmed."""
+    with no task naming it. After its row went, a new task writes it again. Catches: a collector
+    that deletes named rows (tasks whose options are gone) or rows another store may still name
+    unconfirmed."""
     store = await _store_with_flow(tmp_path)
     other = open_store(f"sqlite:///{tmp_path / 'opts.db'}")
     try:
