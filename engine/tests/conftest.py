@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -266,3 +267,29 @@ async def wait_until(description: str, probe: Callable[[], Awaitable[Any]], time
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {description}; last value {value!r}")
         await asyncio.sleep(0.01)
+
+
+async def run_as_one_batch(store: Store, ops: Sequence[Callable[[Any], object]]) -> list[object]:
+    """Run write operations on an SQLite store's thread as one batch (one group commit): a slow
+    operation holds the thread until all of `ops` are queued behind it. Each op's result, or the
+    exception it raised."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(_db: object) -> None:
+        entered.set()
+        release.wait(30)
+
+    # From another thread, so it queues to the store's thread (run on this idle loop, it would
+    # block the loop instead).
+    slow_task = asyncio.ensure_future(asyncio.to_thread(store.run_sync, slow, write=True))  # type: ignore[attr-defined]
+    await asyncio.to_thread(entered.wait, 30)
+    queued_ops = asyncio.gather(*(store.raw(op, write=True) for op in ops), return_exceptions=True)
+
+    async def queued() -> bool:
+        return int(store._queue.qsize()) >= len(ops)  # type: ignore[attr-defined]
+
+    await wait_until(f"the {len(ops)} ops queued behind a slow one", queued)  # whatever the machine's speed
+    release.set()
+    results = list(await queued_ops)
+    await slow_task
+    return results

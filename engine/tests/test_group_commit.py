@@ -3,15 +3,14 @@ that fails rolls back alone (E1 for each operation of a batch)."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from dex_engine import FlowConfig, open_store
 from dex_engine import _transitions as tx
 from dex_engine._records import StartRequest
 
-from .conftest import wait_until
+from .conftest import run_as_one_batch
 
 
 async def test_a_failing_operation_in_a_batch_rolls_back_alone(tmp_path: Path) -> None:
@@ -30,38 +29,17 @@ async def test_a_failing_operation_in_a_batch_rolls_back_alone(tmp_path: Path) -
         for fid in ("a", "b", "c"):
             await store.start_flow(StartRequest(fid, "T", b"null", FlowConfig(), None))
 
-        entered, release = threading.Event(), threading.Event()
-
-        def slow(db: tx.Db) -> None:
-            entered.set()
-            release.wait(30)  # holds the store thread so the next three ops queue behind it
-
-        def write(flow_id: str) -> object:
+        def write(flow_id: str) -> Callable[[tx.Db], None]:
             def op(db: tx.Db) -> None:
                 db.run("INSERT INTO attributes (flow_id, name, key, value) VALUES (?, 'A', '', x'31')", (flow_id,))
                 tx._history(db, flow_id, "S", "S-1", "marker", 1, 0, "")
             return op
 
         def failing(db: tx.Db) -> None:
-            write("b")(db)  # type: ignore[operator]
+            write("b")(db)
             raise RuntimeError("op b fails after writing")
 
-        # From another thread, so it queues to the store's thread (run on this idle loop, it would
-        # block the loop instead).
-        slow_task = asyncio.ensure_future(asyncio.to_thread(store.run_sync, slow, write=True))
-        await asyncio.to_thread(entered.wait, 30)
-        three = asyncio.gather(
-            store.raw(write("a"), write=True), store.raw(failing, write=True), store.raw(write("c"), write=True),
-            return_exceptions=True,
-        )
-
-        async def queued() -> bool:
-            return int(store._queue.qsize()) >= 3  # type: ignore[attr-defined]
-
-        await wait_until("the three ops queued behind slow", queued)  # whatever the machine's speed
-        release.set()
-        results = await three
-        await slow_task
+        results = await run_as_one_batch(store, [write("a"), failing, write("c")])
         assert results[0] is None and results[2] is None
         assert isinstance(results[1], RuntimeError)
         assert 3 in batches, f"the three ops did not share a batch: {batches}"

@@ -44,7 +44,7 @@ from dex_engine._records import StartRequest
 from dex_engine._scheduling import movement_record
 from dex_engine._task_options import digest_of
 
-from .conftest import FAST, wait_until
+from .conftest import FAST, run_as_one_batch, wait_until
 
 T0 = 1_900_000_000_000  # a fixed clock, far from the real one, for the rows these tests write
 
@@ -141,6 +141,28 @@ async def test_a_rollback_leaves_the_store_writing_the_row_again(
         assert await _task_options_rows(store) == {}
         task_id = await _create(store, "Patient", T0 + 1)
         assert len(await _task_options_rows(store)) == 1
+        assert await _options_of(store, task_id) == _stored("Patient")
+    finally:
+        await store.close()
+
+
+async def test_a_batch_run_again_op_by_op_writes_the_row_again(tmp_path: Path) -> None:
+    """A group commit whose batch fails runs again op by op, each in a savepoint: the first run's
+    confirmations went with its rollback, so an op that names the options in the second run writes
+    their row again. Catches: confirmations carried from a batch's failed run into its rerun (a
+    committed task naming a row that was rolled back)."""
+    store = await _store_with_flow(tmp_path)
+    try:
+        def failing(_db: Any) -> None:
+            raise RuntimeError("fails the batch")
+
+        results = await run_as_one_batch(store, [
+            lambda db: tx.create_task(db, "f", "Opts", _record("Patient"), T0), failing])
+        assert isinstance(results[1], RuntimeError)
+        task_id = results[0]
+        assert isinstance(task_id, int)
+        assert len(await _task_options_rows(store)) == 1
+        tx._decode_options._by_blob.clear()  # read as another process would, from the row
         assert await _options_of(store, task_id) == _stored("Patient")
     finally:
         await store.close()

@@ -430,7 +430,7 @@ class SqliteStore(Store):
                 conn.execute(f"PRAGMA synchronous = {wanted}")
                 level = wanted
             db.cache_writes.clear()
-            db.shared_options.rolled_back()
+            db.shared_options.rolled_back()  # a transaction starts with no confirmations of its own
             conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
             if len(batch) == 1:
                 try:
@@ -460,7 +460,6 @@ class SqliteStore(Store):
             writes = False
         finally:
             db.cache_writes.clear()  # a rolled-back transaction's rows are nobody's
-            db.shared_options.rolled_back()  # nor its task options (a committed one has none left)
         # A rolled-back revocation still counts: one spurious wake-up costs a poll, a missed one a
         # running attempt that goes on until housekeeping.
         return level, results, writes, writes and db.revokes != revokes
@@ -478,6 +477,7 @@ class SqliteStore(Store):
         A batch of reads takes no write lock for it: it has no writer turn, and would wait for writers."""
         results: list[tuple[bool, Any]] = []
         db.cache_writes.clear()
+        db.shared_options.rolled_back()  # the batch's first run rolled back: its confirmations with it
         conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
         for op in batch:
             conn.execute("SAVEPOINT op")
