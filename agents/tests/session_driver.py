@@ -18,6 +18,7 @@ from dex_agents.testing import (
     wait_for_agent_snapshot,
 )
 from dex_agents.testing._waiting import DEFAULT_WAIT_SECONDS
+from dex_engine import StreamEvent
 
 
 class Session:
@@ -77,6 +78,19 @@ class Session:
 
     def tool_starts(self, tool_call_id: str | None = None) -> int:
         return self.count("tool_start", **({} if tool_call_id is None else {"tool_call_id": tool_call_id}))
+
+
+async def all_agent_events(sessions: AgentSessionClient, session_id: str) -> list[StreamEvent]:
+    """Every event of the session's AgentEvents, oldest first, read page by page (none trimmed)."""
+    events: list[StreamEvent] = []
+    token: str | None = None
+    while True:
+        read = await sessions.read_agent_events(session_id, token)
+        assert not read.trimmed
+        if not read.events:
+            return events
+        events.extend(read.events)
+        token = read.resume_token
 
 
 def script(*steps: dict[str, Any]) -> str:

@@ -21,6 +21,7 @@ import pytest
 from agents.tests.builtin_agent import InProcessEngine
 from agents.tests.compaction_agent import answer, compaction_flow, kill_test_flow, say
 from agents.tests.conftest import REPO_ROOT
+from agents.tests.session_driver import all_agent_events
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -622,17 +623,6 @@ async def run_turns(sessions: AgentSessionClient, sid: str, texts: Sequence[str]
     return snapshot
 
 
-async def events_of(sessions: AgentSessionClient, sid: str) -> list[Any]:
-    out: list[Any] = []
-    token: str | None = None
-    while True:
-        read = await sessions.read_agent_events(sid, token)
-        if not read.events:
-            return out
-        out.extend(e.value for e in read.events)
-        token = read.resume_token
-
-
 async def all_messages(sessions: AgentSessionClient, sid: str) -> list[AgentMessage]:
     pages: list[list[AgentMessage]] = []
     cursor: int | None = None
@@ -704,7 +694,7 @@ async def test_compaction_summarizes_before_the_model_call(tmp_path: Path) -> No
         assert final.state is not None and final.state.last_turn_error is None
         summary = final.context_summary
         assert summary is not None and summary.generation >= 2
-        events = await events_of(sessions, "s")
+        events = [e.value for e in await all_agent_events(sessions, "s")]
         started = [e for e in events if e.type == "compaction_started"]
         finished = [e for e in events if e.type == "compaction_finished"]
         throughs = [json.loads(e.payload)["through_sequence"] for e in finished]
@@ -818,8 +808,8 @@ async def test_each_step_loads_only_the_chunks_it_reads(tmp_path: Path) -> None:
         # No cut separated a call from its result, and the calls after each cut were answered in the
         # model input (the loop's pending results never repeat a summarized call's result).
         stored = await all_messages(sessions, "s")
-        throughs = [json.loads(e.payload)["through_sequence"] for e in await events_of(sessions, "s")
-                    if e.type == "compaction_finished"]
+        throughs = [json.loads(e.value.payload)["through_sequence"] for e in await all_agent_events(sessions, "s")
+                    if e.value.type == "compaction_finished"]
         for through in throughs:
             calls = {(m.turn_id, m.tool_call_id) for m in stored
                      if m.sequence <= through and m.role is MessageRole.ASSISTANT and m.tool_call_id}

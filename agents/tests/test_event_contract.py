@@ -30,7 +30,7 @@ import pytest
 from agents.tests.builtin_agent import InProcessEngine
 from agents.tests.conftest import REPO_ROOT
 from agents.tests.scripted_agent import ScriptedRunner, build_flow, script_of, state_dir_from_env
-from agents.tests.session_driver import script, turns_ended
+from agents.tests.session_driver import all_agent_events, script, turns_ended
 
 from dex_agents import (
     AgentEvent,
@@ -266,17 +266,8 @@ def build_probe_flow(state_dir: Path | None) -> AgentSessionFlow:
     return AgentSessionFlow(EventProbeRunner(state_dir), FLOW_TYPE, AgentSessionOptions())
 
 
-async def all_events(sessions: AgentSessionClient, session_id: str = SESSION) -> list[StreamEvent]:
-    """Every event of the session's AgentEvents, oldest first."""
-    events: list[StreamEvent] = []
-    token: str | None = None
-    while True:
-        read = await sessions.read_agent_events(session_id, token)
-        assert not read.trimmed
-        if not read.events:
-            return events
-        events.extend(read.events)
-        token = read.resume_token
+async def all_events(sessions: AgentSessionClient) -> list[StreamEvent]:
+    return await all_agent_events(sessions, SESSION)
 
 
 def payloads(events: list[StreamEvent], event_type: str) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 from agents.tests.builtin_agent import InProcessEngine, lookup_order
+from agents.tests.session_driver import all_agent_events
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -492,18 +493,6 @@ def check_stored_layout(layout: StoredLayout, total: int, window_size: int) -> N
     assert sorted(located) == list(range(1, total + 1))
 
 
-async def agent_events(sessions: AgentSessionClient, sid: str) -> list[Any]:
-    events: list[Any] = []
-    token: str | None = None
-    while True:
-        read = await sessions.read_agent_events(sid, token)
-        assert not read.trimmed
-        if not read.events:
-            return events
-        events.extend(e.value for e in read.events)
-        token = read.resume_token
-
-
 async def test_thirty_turns_over_a_small_window(tmp_path: Path) -> None:
     """Window 4, chunks of 2, 30 turns of 11 messages: the snapshot holds the newest 200 in order,
     list_agent_messages pages back to sequence 1 exactly, the last model call saw every message in
@@ -543,7 +532,8 @@ async def test_thirty_turns_over_a_small_window(tmp_path: Path) -> None:
 
         reply = await engine.client.get_attribute("s", TURN_REPLY_SEQUENCE)
         assert reply is not None and (reply.turn_id, reply.sequence) == ("turn-30", total - per_turn + 2)
-        completed = [json.loads(e.payload) for e in await agent_events(sessions, "s") if e.type == "turn_completed"]
+        completed = [json.loads(e.value.payload) for e in await all_agent_events(sessions, "s")
+                     if e.value.type == "turn_completed"]
         assert [c["message_count"] for c in completed] == [per_turn - 1] * 30
 
 
