@@ -60,7 +60,10 @@ class KnownRows:
             names.update(spec.names)
         else:
             for name in spec.names:
-                (names.add if name in whole else rest_names.append)(name)
+                if name in whole:
+                    names.add(name)
+                else:
+                    rest_names.append(name)
         instances: list[Ident] = []
         rest_instances: list[Ident] = []
         for ident in spec.instances:

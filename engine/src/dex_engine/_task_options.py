@@ -76,16 +76,16 @@ class SharedOptions:
         self.pending: dict[bytes, int] = {}
         self._collect_after = 0
 
-    def reference(self, db: _Statements, options_json: bytes, now: int) -> bytes:
-        """What a task row stores for these options; writes (or confirms) their row when this
-        connection has not confirmed it within TASK_OPTIONS_REFRESH_MS."""
-        digest = digest_of(options_json)
+    def reference(self, db: _Statements, data: bytes, now: int) -> bytes:
+        """What a task row stores for the options whose JSON is `data`; writes (or confirms) their
+        row when this connection has not confirmed it within TASK_OPTIONS_REFRESH_MS."""
+        digest = digest_of(data)
         at = self.confirmed.get(digest)
         if at is None or not 0 <= now - at < TASK_OPTIONS_REFRESH_MS:
             at = self.pending.get(digest)
             if at is None or not 0 <= now - at < TASK_OPTIONS_REFRESH_MS:
                 db.run("INSERT INTO task_options (digest, options, used_at) VALUES (?, ?, ?) "
-                       "ON CONFLICT (digest) DO UPDATE SET used_at = excluded.used_at", (digest, options_json, now))
+                       "ON CONFLICT (digest) DO UPDATE SET used_at = excluded.used_at", (digest, data, now))
                 self.pending[digest] = now
         return REF_PREFIX + digest
 

@@ -594,13 +594,12 @@ def _names_instances(options: TaskOptions) -> bool:
 
 def stored_task_options(db: Db, stored: bytes) -> TaskOptions:
     """A task's options from its `options` column: their JSON, or a reference to their row."""
-    known = _decode_options.known(stored)
-    if known is not None:
-        return known
     if not is_reference(stored):
         return _decode_options(stored)
-    options = _decode_options(options_json(db, stored))
-    _decode_options.remember(stored, options)  # a reference names one value for good
+    options = _decode_options.known(stored)
+    if options is None:
+        options = _decode_options(options_json(db, stored))
+        _decode_options.remember(stored, options)  # a reference names one value for good
     return options
 
 
