@@ -75,7 +75,7 @@ def _is_checked_instance(tp: Any, value: Any) -> bool:
 _plain_types: dict[Any, bool] = {}
 
 
-def decode_value(name: str, tp: Any, data: bytes | str, key: str | None = None) -> Any:
+def decode_value(name: str, tp: Any, data: bytes | str | msgspec.Raw, key: str | None = None) -> Any:
     """Decode a stored `tp`; `name` (with `key`, a map instance's) labels the value in errors."""
     handout = _handouts.get(tp, _UNKNOWN)
     if handout is _UNKNOWN:
