@@ -1,0 +1,77 @@
+"""The benchmarks measure commits into reused WALs: the floor (bench/engine_steps.floor) and the
+turns of bench/agent_turn.py, whose warm-up goes on until the phase's WAL stops growing.
+
+A commit that grows the WAL file costs about twice one that overwrites checkpointed frames: a floor
+that grew its WAL, or systems timed while theirs still grew, would skew every ratio printed.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+from pathlib import Path
+
+from bench.engine_steps import floor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # agent_turn imports its siblings
+from agent_turn import WARMUP_TURNS, WalWarmth, warm_turns
+
+COMMITS = 200
+FRAME = 24 + 4096  # a WAL frame: its header and one page
+
+
+def test_the_timed_commits_reuse_the_wal_the_untimed_ones_grew(tmp_path: Path) -> None:
+    path = tmp_path / "floor.db"
+    # An idle connection keeps the WAL file when the floor's own connection closes, so its size tells
+    # how far the commits wrote into it.
+    watcher = sqlite3.connect(path)
+    watcher.execute("PRAGMA journal_mode = WAL")
+    watcher.execute("SELECT count(*) FROM sqlite_schema").fetchall()  # opens, and keeps, the WAL index
+    try:
+        growing: list[float] = []
+        cpu: list[float] = []
+        timed = floor(str(path), "FULL", COMMITS, growing, cpu)
+        frames = Path(f"{path}-wal").stat().st_size // FRAME
+    finally:
+        watcher.close()
+    assert len(timed) == COMMITS and len(growing) == COMMITS and len(cpu) == 1
+    # The untimed commits wrote at least one frame each; the timed ones, had they appended rather
+    # than started the WAL over, would have doubled that.
+    assert COMMITS <= frames < 1.5 * COMMITS, frames
+
+
+def test_warm_up_goes_on_until_a_turn_leaves_the_wal_as_large_as_it_was(tmp_path: Path) -> None:
+    path = tmp_path / "phase.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA wal_autocheckpoint = 50")  # a WAL that wraps after a few turns
+    conn.execute("CREATE TABLE t (v BLOB)")
+
+    def turn() -> None:  # about 8 pages, like a Step commit or two
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("INSERT INTO t (v) VALUES (randomblob(30000))")
+        conn.execute("COMMIT")
+
+    try:
+        warmth, warmed = WalWarmth(path), 0
+        while warm_turns(warmed, warmth):
+            turn()
+            warmed += 1
+        assert WARMUP_TURNS < warmed < 20, warmed  # past the minimum: the WAL grew for 50 pages
+        growing = WalWarmth(path)
+        grown = 0
+        for _ in range(30):
+            turn()
+            grown += growing.grew()
+        # Only a commit that crosses the checkpoint threshold further than any before grows it again.
+        assert grown <= 2, grown
+    finally:
+        conn.close()
+
+
+def test_a_file_without_a_wal_gets_the_minimum_warm_up(tmp_path: Path) -> None:
+    warmth, warmed = WalWarmth(tmp_path / "rollback-journal.db"), 0
+    while warm_turns(warmed, warmth):
+        warmed += 1
+    assert warmed == WARMUP_TURNS
+    assert not WalWarmth(None).grew()
