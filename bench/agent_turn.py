@@ -150,10 +150,10 @@ class WalWarmth:
         return grew
 
 
-def warm_turns(done: int, warmth: WalWarmth) -> bool:
-    """Whether another warm-up turn is due after `done` of them (WARMUP_TURNS, then while the WAL grows)."""
+def warm_turns(done: int, warmth: WalWarmth, least: int = WARMUP_TURNS) -> bool:
+    """Whether another warm-up turn is due after `done` of them (`least`, then while the WAL grows)."""
     grew = warmth.grew()
-    return done < WARMUP_TURNS or (grew and done < WARMUP_TURNS_MAX)
+    return done < least or (grew and done < WARMUP_TURNS_MAX)
 
 
 @dataclass

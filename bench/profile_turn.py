@@ -41,10 +41,12 @@ from agent_turn import (
     USER_TEXT,
     CommitCounter,
     TurnWatcher,
+    WalWarmth,
     builtin_loop_flow,
     scripted_runner_flow,
     sequential_plan,
     session_plan,
+    warm_turns,
 )
 from dex_agents import AgentSessionClient, AgentSessionFlow
 from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions
@@ -220,8 +222,8 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         await agents.start_session(session_id)
         await watcher.wait_started(session_id)
 
-    async def turns(session_id: str, count: int) -> None:
-        for done in range(count):
+    async def turns(session_id: str, count: int, first: int = 0) -> None:
+        for done in range(first, first + count):
             await agents.send_user_message(session_id, USER_TEXT)
             await watcher.wait_turn(session_id, done + 1)
 
@@ -230,7 +232,11 @@ async def run(args: argparse.Namespace, path: Path) -> None:
     main_id = threading.get_native_id()
     async with AsyncWorker(registry, options, store=store):
         await start("warmup")
-        await turns("warmup", args.warmup)
+        # As agent_turn's phases: on until the WAL stops growing, unless checkpoints are off (--wal-frames).
+        warmth, warmed = WalWarmth(None if args.wal_frames else path), 0
+        while warm_turns(warmed, warmth, args.warmup):
+            await turns("warmup", 1, first=warmed)
+            warmed += 1
         await asyncio.gather(*(start(s) for s in ids))
         commits0, ops0, batches0 = _totals(counter), collections.Counter(store.ops), store.batches
         inlined0 = store.inlined
