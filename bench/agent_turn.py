@@ -9,7 +9,7 @@ one disk, and prints them side by side with the raw commit floor:
 
 Each system runs N turns one after another (sequential, a new session every 25 turns), then the
 same number of turns spread over 16 sessions at once, each phase on a new file after untimed warm-up
-turns: at least 3, and on until one leaves the file's WAL as large as it was (WalWarmth). The
+turns: at least 3, and on until one leaves the file's WAL as large as it was (engine_steps.WalWarmth). The
 sequential turns run in --rounds rounds (default 4), each running every system's share in turn
 after a floor slice, so that this VM's changing speed falls on every system and the floor alike
 (measure_systems). Reported:
@@ -101,10 +101,12 @@ from dex_engine._sqlite_store import SqliteStore
 
 # The floors are engine_steps.py's measurements, so both benchmarks compare against the same thing.
 from engine_steps import (
+    WalWarmth,
     _count_statements,
     drop_pg_database,
     floor,
     fresh_pg_database,
+    keep_warming,
     pct,
     pg_floor,
 )
@@ -118,43 +120,6 @@ ANSWER = "You have 3 open orders."
 # and LangGraph load on every model call) grows without bound over a long run.
 TURNS_PER_SEQUENTIAL_SESSION = 25
 WARMUP_TURNS = 3
-# Warm-up goes on while the phase's WAL file still grows (WalWarmth), up to this many turns: a WAL of
-# SQLite's default 1,000 pages before a checkpoint takes dex about 17 turns.
-WARMUP_TURNS_MAX = 200
-
-
-class WalWarmth:
-    """Whether a database file's WAL still grows. A commit that grows the WAL costs about twice one
-    that reuses it (engine_steps.floor), and the floor is measured into a reused WAL, so warm-up
-    turns go on until one leaves the WAL's size as it was: it has been checkpointed and started over,
-    and from then on only a commit that crosses the checkpoint threshold further than any before
-    grows it (by less than that commit's pages)."""
-
-    def __init__(self, db: Path | None) -> None:
-        self.wal = None if db is None else Path(f"{db}-wal")
-        self.size = self._size()
-
-    def _size(self) -> int | None:
-        if self.wal is None:
-            return None
-        try:
-            return self.wal.stat().st_size
-        except FileNotFoundError:
-            return None  # not in WAL mode (a rollback journal): nothing to warm
-
-    def grew(self) -> bool:
-        """Whether the WAL grew since the last look."""
-        size = self._size()
-        grew = size is not None and size != self.size
-        self.size = size
-        return grew
-
-
-def warm_turns(done: int, warmth: WalWarmth, least: int = WARMUP_TURNS) -> bool:
-    """Whether another warm-up turn is due after `done` of them (`least`, then while the WAL grows)."""
-    grew = warmth.grew()
-    return done < least or (grew and done < WARMUP_TURNS_MAX)
-
 
 @dataclass
 class PhaseResult:
@@ -448,9 +413,9 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
     try:
         async with AsyncWorker(registry, options, store=store):
             await start(f"{prefix}-warmup")
-            warmth = WalWarmth(Path(store.settings.path) if isinstance(store, SqliteStore) else None)
+            warmth = WalWarmth.of(url)
             warmed = 0
-            while warm_turns(warmed, warmth):
+            while keep_warming(warmed, warmth, WARMUP_TURNS):
                 await turns(f"{prefix}-warmup", 1, record=False, first=warmed)
                 warmed += 1
             # Sessions start before the clock: only turns are timed and their commits counted.
@@ -572,14 +537,14 @@ def run_dex_postgres(dsn: str, turns: int, sessions: int) -> SystemResult:
 
 def threaded_phase(turn: Callable[[str], float], plan: Sequence[int], prefix: str, concurrent: bool,
                    counter: CommitCounter | None, db: Path) -> PhaseResult:
-    """Warm up (warm_turns, with `db`'s WAL), then run `plan` turns per session, the sessions one
+    """Warm up (keep_warming, with `db`'s WAL), then run `plan` turns per session, the sessions one
     after another or each on a thread."""
 
     def session(session_id: str, count: int) -> list[float]:
         return [turn(session_id) for _ in range(count)]
 
     warmth, warmed = WalWarmth(db), 0
-    while warm_turns(warmed, warmth):
+    while keep_warming(warmed, warmth, WARMUP_TURNS):
         turn(f"{prefix}-warmup")
         warmed += 1
     ids = [f"{prefix}-{i}" for i in range(len(plan))]

@@ -54,9 +54,53 @@ from dex_engine import (
     WorkerOptions,
     open_store,
 )
+from dex_engine._sqlite_store import parse_sqlite_url
 
 NOOP = StepOptions(load=LoadOptions.none())
 marks: dict[str, list[float]] = defaultdict(list)
+
+# Warm-up goes on while a phase's WAL file still grows (WalWarmth), up to this many rounds: a WAL of
+# SQLite's default 1,000 pages before a checkpoint takes an agent turn of dex about 17.
+WARMUP_MAX = 200
+WARMUP_CHAIN_STEPS = 50  # Steps of one warm-up chain: a few WAL pages each
+
+
+class WalWarmth:
+    """Whether a database file's WAL still grows. A commit that grows the WAL costs about twice one
+    that reuses it (floor()), and the floor is measured into a reused WAL, so a phase warms up until
+    a round leaves the WAL's size as it was: it has been checkpointed and started over, and from then
+    on only a commit that crosses the checkpoint threshold further than any before grows it (by less
+    than that commit's pages)."""
+
+    def __init__(self, db: Path | None) -> None:
+        self.wal = None if db is None else Path(f"{db}-wal")
+        self.size = self._size()
+
+    @classmethod
+    def of(cls, url: str) -> WalWarmth:
+        """For a database URL: a SQLite file's WAL; none for PostgreSQL."""
+        return cls(Path(parse_sqlite_url(url).path) if url.startswith("sqlite:") else None)
+
+    def _size(self) -> int | None:
+        if self.wal is None:
+            return None
+        try:
+            return self.wal.stat().st_size
+        except FileNotFoundError:
+            return None  # not in WAL mode (a rollback journal): nothing to warm
+
+    def grew(self) -> bool:
+        """Whether the WAL grew since the last look."""
+        size = self._size()
+        grew = size is not None and size != self.size
+        self.size = size
+        return grew
+
+
+def keep_warming(done: int, warmth: WalWarmth, least: int) -> bool:
+    """Whether another warm-up round is due after `done` of them (`least`, then while the WAL grows)."""
+    grew = warmth.grew()
+    return done < least or (grew and done < WARMUP_MAX)
 
 
 async def chain_step(ctx: Context, remaining: int) -> StepDecision:
@@ -156,6 +200,11 @@ async def run_chain(url: str, concurrency: int, steps: int) -> tuple[list[float]
     client = AsyncClient(registry, store=store)
     opts = WorkerOptions(database_url=url, max_concurrent_tasks=max(64, concurrency))
     async with AsyncWorker(registry, opts, store=store):
+        warmth, warmed = WalWarmth.of(url), 0
+        while keep_warming(warmed, warmth, 1):
+            await client.start_flow("BenchChain", f"warmup-{warmed}", WARMUP_CHAIN_STEPS)
+            await client.wait_for_flow(f"warmup-{warmed}", 600)
+            warmed += 1
         ids = [f"chain-{concurrency}-{i}" for i in range(concurrency)]
         t0 = time.perf_counter()
         await asyncio.gather(*(client.start_flow("BenchChain", fid, steps) for fid in ids))
@@ -174,6 +223,11 @@ async def run_fan(url: str, concurrency: int, rounds: int) -> tuple[list[float],
     client = AsyncClient(registry, store=store)
     opts = WorkerOptions(database_url=url, max_concurrent_tasks=max(64, concurrency * 9))
     async with AsyncWorker(registry, opts, store=store):
+        warmth, warmed = WalWarmth.of(url), 0
+        while keep_warming(warmed, warmth, 1):
+            await client.start_flow("BenchFan", f"warmup-{warmed}", None)
+            await client.wait_for_flow(f"warmup-{warmed}", 600)
+            warmed += 1
         durations: list[float] = []
         t0 = time.perf_counter()
         for r in range(rounds):

@@ -41,18 +41,16 @@ from agent_turn import (
     USER_TEXT,
     CommitCounter,
     TurnWatcher,
-    WalWarmth,
     builtin_loop_flow,
     scripted_runner_flow,
     sequential_plan,
     session_plan,
-    warm_turns,
 )
 from dex_agents import AgentSessionClient, AgentSessionFlow
 from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions
 from dex_engine._sqlite_store import SqliteStore
 from dex_engine._transitions import Db
-from engine_steps import floor
+from engine_steps import WalWarmth, floor, keep_warming
 
 
 def wal_size(wal: Path) -> int:
@@ -234,7 +232,7 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         await start("warmup")
         # As agent_turn's phases: on until the WAL stops growing, unless checkpoints are off (--wal-frames).
         warmth, warmed = WalWarmth(None if args.wal_frames else path), 0
-        while warm_turns(warmed, warmth, args.warmup):
+        while keep_warming(warmed, warmth, args.warmup):
             await turns("warmup", 1, first=warmed)
             warmed += 1
         await asyncio.gather(*(start(s) for s in ids))

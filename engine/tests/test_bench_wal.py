@@ -1,5 +1,5 @@
 """The benchmarks measure commits into reused WALs: the floor (bench/engine_steps.floor) and the
-turns of bench/agent_turn.py, whose warm-up goes on until the phase's WAL stops growing.
+Steps and turns timed against it, whose warm-up goes on until the phase's WAL stops growing.
 
 A commit that grows the WAL file costs about twice one that overwrites checkpointed frames: a floor
 that grew its WAL, or systems timed while theirs still grew, would skew every ratio printed.
@@ -8,13 +8,11 @@ that grew its WAL, or systems timed while theirs still grew, would skew every ra
 from __future__ import annotations
 
 import sqlite3
-import sys
 from pathlib import Path
 
-from bench.engine_steps import floor
+from bench.engine_steps import WalWarmth, floor, keep_warming
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # agent_turn imports its siblings
-from agent_turn import WARMUP_TURNS, WalWarmth, warm_turns
+LEAST = 3  # agent_turn's warm-up turns at the least
 
 COMMITS = 200
 FRAME = 24 + 4096  # a WAL frame: its header and one page
@@ -54,10 +52,10 @@ def test_warm_up_goes_on_until_a_turn_leaves_the_wal_as_large_as_it_was(tmp_path
 
     try:
         warmth, warmed = WalWarmth(path), 0
-        while warm_turns(warmed, warmth):
+        while keep_warming(warmed, warmth, LEAST):
             turn()
             warmed += 1
-        assert WARMUP_TURNS < warmed < 20, warmed  # past the minimum: the WAL grew for 50 pages
+        assert LEAST < warmed < 20, warmed  # past the minimum: the WAL grew for 50 pages
         growing = WalWarmth(path)
         grown = 0
         for _ in range(30):
@@ -71,7 +69,9 @@ def test_warm_up_goes_on_until_a_turn_leaves_the_wal_as_large_as_it_was(tmp_path
 
 def test_a_file_without_a_wal_gets_the_minimum_warm_up(tmp_path: Path) -> None:
     warmth, warmed = WalWarmth(tmp_path / "rollback-journal.db"), 0
-    while warm_turns(warmed, warmth):
+    while keep_warming(warmed, warmth, LEAST):
         warmed += 1
-    assert warmed == WARMUP_TURNS
+    assert warmed == LEAST
     assert not WalWarmth(None).grew()
+    assert WalWarmth.of("postgresql://db/x").wal is None
+    assert WalWarmth.of(f"sqlite:///{tmp_path}/a.db?synchronous=NORMAL").wal == tmp_path / "a.db-wal"
