@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ._limits import (
+    ROWS_PER_STATEMENT,
     TASK_OPTIONS_COLLECT_MS,
     TASK_OPTIONS_CONFIRMED_ENTRIES,
     TASK_OPTIONS_KEEP_MS,
@@ -30,9 +31,6 @@ REF_PREFIX = b"#"  # JSON options begin with '{': a reference cannot be mistaken
 # encoded alike for every task, and hashing them is most of a reference's cost.
 _digests: dict[bytes, bytes] = {}
 _DIGESTS_MAX = 4096
-
-# Delete and confirm this many rows per statement.
-_ROWS_PER_STATEMENT = 200
 
 
 class _Statements(Protocol):
@@ -117,8 +115,8 @@ class SharedOptions:
         kept = [d for d in stale if d in named]
         for rows, sql in ((gone, "DELETE FROM task_options WHERE digest IN ({})"),
                           (kept, "UPDATE task_options SET used_at = ? WHERE digest IN ({})")):
-            for i in range(0, len(rows), _ROWS_PER_STATEMENT):
-                part = rows[i:i + _ROWS_PER_STATEMENT]
+            for i in range(0, len(rows), ROWS_PER_STATEMENT):
+                part = rows[i:i + ROWS_PER_STATEMENT]
                 params: list[Any] = [] if rows is gone else [now]
                 db.run(sql.format(", ".join("?" * len(part))), [*params, *part])
         return len(gone)

@@ -25,7 +25,12 @@ from ._errors import (
     StaleAttemptError,
     StepNotWaitingError,
 )
-from ._limits import ACTIVE_STEP_SEARCH_CANDIDATES, HISTORY_TRIM_CHECK_EVERY, MAX_HISTORY_EVENTS_PER_FLOW
+from ._limits import (
+    ACTIVE_STEP_SEARCH_CANDIDATES,
+    HISTORY_TRIM_CHECK_EVERY,
+    MAX_HISTORY_EVENTS_PER_FLOW,
+    ROWS_PER_STATEMENT,
+)
 from ._options import FlowConfig, LoadSpec, MethodOptions, TaskOptions
 from ._records import (
     ActiveStep,
@@ -147,10 +152,6 @@ _TASK_COLS = (
 _TASK_COL_COUNT = len(_TASK_COLS.split(","))
 # The same, of tasks aliased `t` (joined with their flows).
 _CLAIM_COLS = ", ".join("t." + column.strip() for column in _TASK_COLS.split(","))
-
-
-# Rows one multi-row statement writes: at most 4 parameters each, far below either backend's limit.
-_ROWS_PER_STATEMENT = 200
 
 
 def _in(values: Sequence[Any]) -> str:
@@ -963,12 +964,12 @@ def apply_writes(
     # A few statements for all of them: sets in multi-row upserts, deletes in multi-row deletes.
     sets = [(name, key, value) for (name, key), value in writes.attributes.items() if value is not None]
     deletes = [(name, key) for (name, key), value in writes.attributes.items() if value is None]
-    for i in range(0, len(deletes), _ROWS_PER_STATEMENT):
-        gone = deletes[i:i + _ROWS_PER_STATEMENT]
+    for i in range(0, len(deletes), ROWS_PER_STATEMENT):
+        gone = deletes[i:i + ROWS_PER_STATEMENT]
         _send(db, "DELETE FROM attributes WHERE flow_id = ? AND (name, key) IN (VALUES "
               + _rows_of(2, len(gone)) + ")", [flow_id, *(x for row in gone for x in row)])
-    for i in range(0, len(sets), _ROWS_PER_STATEMENT):
-        part = sets[i:i + _ROWS_PER_STATEMENT]
+    for i in range(0, len(sets), ROWS_PER_STATEMENT):
+        part = sets[i:i + ROWS_PER_STATEMENT]
         params: list[Any] = []
         for name, key, value in part:
             params += (flow_id, name, key, value)
@@ -1140,8 +1141,8 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
     bodies: dict[int, bytes] = {}
     if messages is None:
         messages = []
-        for i in range(0, len(idents), _ROWS_PER_STATEMENT):
-            part = idents[i:i + _ROWS_PER_STATEMENT]
+        for i in range(0, len(idents), ROWS_PER_STATEMENT):
+            part = idents[i:i + ROWS_PER_STATEMENT]
             messages += db.all(
                 "SELECT channel, key, message_id, value FROM channel_messages WHERE flow_id = ? AND (channel, key) "
                 "IN (VALUES " + _rows_of(2, len(part)) + ") ORDER BY message_id",
