@@ -106,7 +106,6 @@ from engine_steps import (
     drop_pg_database,
     floor,
     fresh_pg_database,
-    keep_warming,
     pct,
     pg_floor,
 )
@@ -413,11 +412,8 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
     try:
         async with AsyncWorker(registry, options, store=store):
             await start(f"{prefix}-warmup")
-            warmth = WalWarmth.of(url)
-            warmed = 0
-            while keep_warming(warmed, warmth, WARMUP_TURNS):
-                await turns(f"{prefix}-warmup", 1, record=False, first=warmed)
-                warmed += 1
+            for n in WalWarmth.of(url).rounds(WARMUP_TURNS):
+                await turns(f"{prefix}-warmup", 1, record=False, first=n)
             # Sessions start before the clock: only turns are timed and their commits counted.
             await asyncio.gather(*(start(session_id) for session_id in ids))
             if before_clock is not None:
@@ -537,16 +533,14 @@ def run_dex_postgres(dsn: str, turns: int, sessions: int) -> SystemResult:
 
 def threaded_phase(turn: Callable[[str], float], plan: Sequence[int], prefix: str, concurrent: bool,
                    counter: CommitCounter | None, db: Path) -> PhaseResult:
-    """Warm up (keep_warming, with `db`'s WAL), then run `plan` turns per session, the sessions one
+    """Warm up (WalWarmth.rounds, with `db`'s WAL), then run `plan` turns per session, the sessions one
     after another or each on a thread."""
 
     def session(session_id: str, count: int) -> list[float]:
         return [turn(session_id) for _ in range(count)]
 
-    warmth, warmed = WalWarmth(db), 0
-    while keep_warming(warmed, warmth, WARMUP_TURNS):
+    for _ in WalWarmth(db).rounds(WARMUP_TURNS):
         turn(f"{prefix}-warmup")
-        warmed += 1
     ids = [f"{prefix}-{i}" for i in range(len(plan))]
     before = (0, 0) if counter is None else counter.totals()
     cpu0, t0 = time.process_time(), time.perf_counter()

@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 from dex_engine import (
@@ -96,11 +97,13 @@ class WalWarmth:
         self.size = size
         return grew
 
-
-def keep_warming(done: int, warmth: WalWarmth, least: int) -> bool:
-    """Whether another warm-up round is due after `done` of them (`least`, then while the WAL grows)."""
-    grew = warmth.grew()
-    return done < least or (grew and done < WARMUP_MAX)
+    def rounds(self, least: int) -> Iterator[int]:
+        """Warm-up round numbers: `least` of them, then more while the last one grew the WAL, up to
+        WARMUP_MAX in all."""
+        done = 0
+        while (self.grew() and done < WARMUP_MAX) or done < least:  # grew() first: every round is looked at
+            yield done
+            done += 1
 
 
 async def chain_step(ctx: Context, remaining: int) -> StepDecision:
@@ -200,11 +203,9 @@ async def run_chain(url: str, concurrency: int, steps: int) -> tuple[list[float]
     client = AsyncClient(registry, store=store)
     opts = WorkerOptions(database_url=url, max_concurrent_tasks=max(64, concurrency))
     async with AsyncWorker(registry, opts, store=store):
-        warmth, warmed = WalWarmth.of(url), 0
-        while keep_warming(warmed, warmth, 1):
-            await client.start_flow("BenchChain", f"warmup-{warmed}", WARMUP_CHAIN_STEPS)
-            await client.wait_for_flow(f"warmup-{warmed}", 600)
-            warmed += 1
+        for n in WalWarmth.of(url).rounds(1):
+            await client.start_flow("BenchChain", f"warmup-{n}", WARMUP_CHAIN_STEPS)
+            await client.wait_for_flow(f"warmup-{n}", 600)
         ids = [f"chain-{concurrency}-{i}" for i in range(concurrency)]
         t0 = time.perf_counter()
         await asyncio.gather(*(client.start_flow("BenchChain", fid, steps) for fid in ids))
@@ -223,11 +224,9 @@ async def run_fan(url: str, concurrency: int, rounds: int) -> tuple[list[float],
     client = AsyncClient(registry, store=store)
     opts = WorkerOptions(database_url=url, max_concurrent_tasks=max(64, concurrency * 9))
     async with AsyncWorker(registry, opts, store=store):
-        warmth, warmed = WalWarmth.of(url), 0
-        while keep_warming(warmed, warmth, 1):
-            await client.start_flow("BenchFan", f"warmup-{warmed}", None)
-            await client.wait_for_flow(f"warmup-{warmed}", 600)
-            warmed += 1
+        for n in WalWarmth.of(url).rounds(1):
+            await client.start_flow("BenchFan", f"warmup-{n}", None)
+            await client.wait_for_flow(f"warmup-{n}", 600)
         durations: list[float] = []
         t0 = time.perf_counter()
         for r in range(rounds):

@@ -50,7 +50,7 @@ from dex_agents import AgentSessionClient, AgentSessionFlow
 from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions
 from dex_engine._sqlite_store import SqliteStore
 from dex_engine._transitions import Db
-from engine_steps import WalWarmth, floor, keep_warming
+from engine_steps import WalWarmth, floor
 
 
 def wal_size(wal: Path) -> int:
@@ -231,10 +231,8 @@ async def run(args: argparse.Namespace, path: Path) -> None:
     async with AsyncWorker(registry, options, store=store):
         await start("warmup")
         # As agent_turn's phases: on until the WAL stops growing, unless checkpoints are off (--wal-frames).
-        warmth, warmed = WalWarmth(None if args.wal_frames else path), 0
-        while keep_warming(warmed, warmth, args.warmup):
-            await turns("warmup", 1, first=warmed)
-            warmed += 1
+        for n in WalWarmth(None if args.wal_frames else path).rounds(args.warmup):
+            await turns("warmup", 1, first=n)
         await asyncio.gather(*(start(s) for s in ids))
         commits0, ops0, batches0 = _totals(counter), collections.Counter(store.ops), store.batches
         inlined0 = store.inlined

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from bench.engine_steps import WalWarmth, floor, keep_warming
+from bench.engine_steps import WalWarmth, floor
 
 LEAST = 3  # agent_turn's warm-up turns at the least
 
@@ -51,8 +51,8 @@ def test_warm_up_goes_on_until_a_turn_leaves_the_wal_as_large_as_it_was(tmp_path
         conn.execute("COMMIT")
 
     try:
-        warmth, warmed = WalWarmth(path), 0
-        while keep_warming(warmed, warmth, LEAST):
+        warmed = 0
+        for _ in WalWarmth(path).rounds(LEAST):
             turn()
             warmed += 1
         assert LEAST < warmed < 20, warmed  # past the minimum: the WAL grew for 50 pages
@@ -68,10 +68,7 @@ def test_warm_up_goes_on_until_a_turn_leaves_the_wal_as_large_as_it_was(tmp_path
 
 
 def test_a_file_without_a_wal_gets_the_minimum_warm_up(tmp_path: Path) -> None:
-    warmth, warmed = WalWarmth(tmp_path / "rollback-journal.db"), 0
-    while keep_warming(warmed, warmth, LEAST):
-        warmed += 1
-    assert warmed == LEAST
+    assert list(WalWarmth(tmp_path / "rollback-journal.db").rounds(LEAST)) == list(range(LEAST))
     assert not WalWarmth(None).grew()
     assert WalWarmth.of("postgresql://db/x").wal is None
     assert WalWarmth.of(f"sqlite:///{tmp_path}/a.db?synchronous=NORMAL").wal == tmp_path / "a.db-wal"
