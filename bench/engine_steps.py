@@ -149,7 +149,8 @@ FAN = Flow(
 
 
 def floor(
-    path: str, sync: str, n: int, growing: list[float] | None = None, cpu: list[float] | None = None
+    path: str, sync: str, n: int, growing: list[float] | None = None, cpu: list[float] | None = None,
+    rewrite_pages: int = 0,
 ) -> list[float]:
     """Latency of a bare small commit on one dedicated thread, as the engine's store does it, into a
     WAL the commits reuse.
@@ -159,15 +160,20 @@ def floor(
     to reach the disk too. A database that runs for a while reuses its WAL, and so do the systems
     measured against this floor after their first few hundred commits, so the timed commits run after
     `n` untimed ones and a checkpoint. Their latencies go to `growing` when given, and the timed
-    commits' thread CPU seconds to `cpu`.
+    commits' thread CPU seconds to `cpu`. With `rewrite_pages`, each commit also rewrites a row that
+    fills about that many pages, in place: as many more WAL pages, written by one statement.
     """
     out: list[float] = []
+    # Two contents, alternated: each rewrite changes every page of the row.
+    big = [bytes([b]) * max(0, rewrite_pages - 1) * 4096 for b in b"ab"]
 
     def commits(conn: sqlite3.Connection, into: list[float]) -> None:
-        for _ in range(n):
+        for i in range(n):
             t = time.perf_counter()
             conn.execute("BEGIN IMMEDIATE")
             conn.execute("INSERT INTO floor (v) VALUES (?)", (b"x" * 100,))
+            if rewrite_pages:
+                conn.execute("UPDATE floor SET v = ? WHERE id = 1", (big[i % 2],))
             conn.execute("COMMIT")
             into.append(time.perf_counter() - t)
 

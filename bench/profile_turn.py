@@ -4,13 +4,15 @@ Runs agent_turn.py's dex turn (scripted runner, or the built-in loop with --buil
 file, N turns one after another (or spread over --sessions sessions at once), after warm-up turns,
 and prints what a turn costs in the quantities that stay stable on a loaded machine:
 
-- CPU ms per turn: the whole process, the event loop thread and the SQLite thread separately;
+- CPU ms per turn: the whole process, the event loop thread (its user and system time) and the
+  SQLite thread separately;
 - store operations per turn, by kind, and how many ran on the event loop (SqliteStore._inline)
   rather than through a hand-off to the SQLite thread;
 - data-changing commits and fsyncs per turn, and SQLite batches (transactions) per turn;
 - with --profile, a cProfile of the event loop thread (and with --profile-db, of the SQLite
   thread), sorted by --sort (tottime or cumulative), top --top rows;
-- two floors measured in the same run, after the turns: a bare fsynced commit, and a hand-off
+- three floors measured in the same run, after the turns: a bare fsynced commit, the same commit
+  also rewriting a row of as many pages as one of a turn's commits writes, and a hand-off
   from the event loop to a thread and back (how the store reaches its SQLite thread), each in
   wall and CPU time; with the commits counted, what a sequential turn's hand-offs and fsynced
   commits cost at those floors.
@@ -28,6 +30,7 @@ import io
 import os
 import pstats
 import queue
+import resource
 import sqlite3
 import statistics
 import tempfile
@@ -103,6 +106,8 @@ def thread_cpu_ns(native_id: int | None) -> int:
 
 
 FLOOR_SAMPLES = 1000  # per floor: about a second at this machine's speeds, enough for a stable median
+# WAL pages of the heavy floor's commit: about what one of a turn's commits writes (--wal-frames: 14.9).
+HEAVY_FLOOR_PAGES = 15
 
 # cProfile's clock: this thread's CPU time, so waits (fsync, the GIL, idle loops) do not count.
 _CLOCK: list[Callable[[], float]] = [time.thread_time]
@@ -238,6 +243,7 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         inlined0 = store.inlined
         wal0 = wal_size(wal)
         cpu0, main0, db0 = time.process_time(), thread_cpu_ns(main_id), thread_cpu_ns(store.native_id)
+        usage0 = resource.getrusage(resource.RUSAGE_THREAD)  # this is the event loop thread
         t0 = time.perf_counter()
         store.profiling = True
         if profiler is not None:
@@ -252,6 +258,8 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         store.profiling = False
         wall = time.perf_counter() - t0
         cpu, main_cpu = time.process_time() - cpu0, thread_cpu_ns(main_id) - main0
+        usage1 = resource.getrusage(resource.RUSAGE_THREAD)
+        user, system = usage1.ru_utime - usage0.ru_utime, usage1.ru_stime - usage0.ru_stime
         db_cpu = thread_cpu_ns(store.native_id) - db0
         commits1, batches = _totals(counter), store.batches - batches0
         wal1 = wal_size(wal)
@@ -263,6 +271,10 @@ async def run(args: argparse.Namespace, path: Path) -> None:
     store.remove_commit_listener(watcher.on_commit)
     await store.close()
     commit_wall, commit_cpu = commit_floor(path.with_name("floor.db"), FLOOR_SAMPLES)
+    # As many WAL pages as one of a turn's commits writes, most of them pages that exist (as a turn's
+    # are), rewritten by one statement: what the volume alone costs.
+    heavy_pages = HEAVY_FLOOR_PAGES
+    heavy_wall, heavy_cpu = commit_floor(path.with_name("floor-heavy.db"), FLOOR_SAMPLES, heavy_pages)
     handoff_wall, handoff_cpu = await handoff_floor(FLOOR_SAMPLES)
     if args.history:
         print(f"history of {ids[-1]}, last {args.history} events:")
@@ -273,8 +285,8 @@ async def run(args: argparse.Namespace, path: Path) -> None:
     print(f"{n} turns, {args.sessions} session(s) at once, {'built-in loop' if args.builtin else 'scripted runner'}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"wall {wall / n * 1e3:.2f} ms/turn ({n / wall:.1f} turns/s)")
-    print(f"CPU  {cpu / n * 1e3:.2f} ms/turn (event loop thread {main_cpu / n / 1e6:.2f}, "
-          f"SQLite thread {db_cpu / n / 1e6:.2f})")
+    print(f"CPU  {cpu / n * 1e3:.2f} ms/turn (event loop thread {main_cpu / n / 1e6:.2f}: user {user / n * 1e3:.2f}, "
+          f"system {system / n * 1e3:.2f}; SQLite thread {db_cpu / n / 1e6:.2f})")
     counted = ("commits not counted (--no-count), " if counter is None else
                f"commits {(commits1[0] - commits0[0]) / n:.2f}/turn, fsyncs {(commits1[1] - commits0[1]) / n:.2f}/turn"
                " (the counter's trace callback adds SQLite thread CPU; --no-count leaves it out), ")
@@ -295,7 +307,9 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         for sql, (spent, times) in sorted(store.sql_times.items(), key=lambda kv: -kv[1][0])[:args.top]:
             print(f"  {spent / n * 1e3:7.3f} {times / n:6.2f}  {sql}")
     print(f"floors: bare fsynced commit {commit_wall * 1e3:.3f} ms ({commit_cpu * 1e3:.3f} ms CPU), "
-          f"event loop -> thread -> event loop {handoff_wall * 1e3:.3f} ms ({handoff_cpu * 1e3:.3f} ms CPU)")
+          f"event loop -> thread -> event loop {handoff_wall * 1e3:.3f} ms ({handoff_cpu * 1e3:.3f} ms CPU); "
+          f"the bare commit also rewriting a row of about {heavy_pages} pages {heavy_wall * 1e3:.3f} ms "
+          f"({heavy_cpu * 1e3:.3f} ms CPU)")
     if counter is not None and args.sessions == 1:
         handoffs, fsyncs = (sum(ops.values()) - inlined) / n, (commits1[1] - commits0[1]) / n
         least = handoffs * handoff_wall + fsyncs * commit_wall
@@ -314,10 +328,11 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         print(out.getvalue())
 
 
-def commit_floor(path: Path, n: int) -> tuple[float, float]:
-    """Median wall and mean CPU seconds of a bare fsynced commit into a reused WAL (engine_steps.floor)."""
+def commit_floor(path: Path, n: int, rewrite_pages: int = 0) -> tuple[float, float]:
+    """Median wall and mean CPU seconds of a bare fsynced commit into a reused WAL (engine_steps.floor),
+    also rewriting a row of about `rewrite_pages` pages."""
     cpu: list[float] = []
-    latencies = floor(str(path), "FULL", n, cpu=cpu)
+    latencies = floor(str(path), "FULL", n, cpu=cpu, rewrite_pages=rewrite_pages)
     return statistics.median(latencies), cpu[0] / n
 
 
