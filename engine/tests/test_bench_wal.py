@@ -16,6 +16,7 @@ LEAST = 3  # agent_turn's warm-up turns at the least
 
 COMMITS = 200
 FRAME = 24 + 4096  # a WAL frame: its header and one page
+HEAVY_COMMITS = 40  # 40 commits of about 16 pages stay below the automatic checkpoint's 1000
 
 
 def test_the_timed_commits_reuse_the_wal_the_untimed_ones_grew(tmp_path: Path) -> None:
@@ -36,6 +37,30 @@ def test_the_timed_commits_reuse_the_wal_the_untimed_ones_grew(tmp_path: Path) -
     # The untimed commits wrote at least one frame each; the timed ones, had they appended rather
     # than started the WAL over, would have doubled that.
     assert COMMITS <= frames < 1.5 * COMMITS, frames
+
+
+def _frames_per_commit(path: Path, rewrite_pages: int) -> float:
+    """WAL frames per commit of floor() with `rewrite_pages`, over commits too few to reach SQLite's
+    automatic checkpoint (1000 pages), which would start the WAL over."""
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("SELECT count(*) FROM sqlite_schema").fetchall()  # keeps the WAL when floor's connection closes
+    try:
+        floor(str(path), "OFF", HEAVY_COMMITS, rewrite_pages=rewrite_pages)
+        # The timed commits started the WAL over after the checkpoint: its frames are the untimed
+        # commits', as many as the timed ones wrote.
+        return Path(f"{path}-wal").stat().st_size // FRAME / HEAVY_COMMITS
+    finally:
+        conn.close()
+
+
+def test_the_heavy_floor_rewrites_about_as_many_pages_as_asked(tmp_path: Path) -> None:
+    bare = _frames_per_commit(tmp_path / "bare.db", 0)
+    heavy = _frames_per_commit(tmp_path / "heavy.db", 15)
+    assert bare < 3, bare
+    # Every page of the rewritten row changes at every commit (the contents alternate): a row
+    # rewritten with the same bytes would write only the pages that differ.
+    assert 14 <= heavy - bare <= 17, (bare, heavy)
 
 
 def test_warm_up_goes_on_until_a_turn_leaves_the_wal_as_large_as_it_was(tmp_path: Path) -> None:
