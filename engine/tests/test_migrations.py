@@ -143,3 +143,66 @@ def test_sqlite_tables_rebuilt_by_migrations_keep_their_rows(tmp_path: Path) -> 
 
 async def _noop(ctx: Context, _: None) -> StepDecision:
     return StepDecision.dead_end()
+
+
+def test_sqlite_history_moves_into_chained_batches_and_reads_as_before(tmp_path: Path) -> None:
+    """Migration 0007 (SQLite) on a database made by schema version 6: every flow's history events
+    become batches chained from its row, read back in order; the next events continue the numbering
+    in a batch of their own; a read with a limit returns the newest events; the `history` view shows
+    the rows as schema 6 stored them. A chain that leads into another flow's batch stops there.
+    Catches: events lost or reordered by the move, a chain in the wrong order (a limit returning the
+    oldest events), a head left unset (new events unreachable), a walk that crosses into another flow."""
+    path = tmp_path / "v6.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    for number, sql in migration_files("sqlite"):
+        if number > 6:
+            break
+        for statement in statements(sql):
+            conn.execute(statement)
+    conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', '6')")
+    for flow_id, events in (("a", 3), ("b", 2)):
+        conn.execute("INSERT INTO flows (flow_id, flow_type, status, input, config, version, created_at, history_seq) "
+                     "VALUES (?, 'T', 'running', x'6e756c6c', ?, 1, 0, ?)",
+                     (flow_id, encode_json(FlowConfig()), events))
+        conn.executemany(
+            "INSERT INTO history (flow_id, seq, step_type, step_execution_id, event_type, attempt, at, detail) "
+            "VALUES (?, ?, 'Work', ?, 'execute_completed', 1, ?, ?)",
+            [(flow_id, seq, f"Work-{seq}", 1000 + seq, f"{flow_id}{seq}") for seq in range(events, 0, -1)])
+    conn.close()
+
+    async def check() -> None:
+        store = open_store(f"sqlite:///{path}")
+        try:
+            assert await store.raw(_version) == migration_files("sqlite")[-1][0]
+            old = await store.history("a", 100)
+            assert [(h.step_execution_id, h.at_ms, h.detail, h.event_type) for h in old] == [
+                (f"Work-{seq}", 1000 + seq, f"a{seq}", "execute_completed") for seq in (1, 2, 3)]
+            assert [h.detail for h in await store.history("b", 100)] == ["b1", "b2"]
+
+            def two_more(db: transitions.Db) -> None:
+                transitions.require_running(db, "a")
+                transitions._history(db, "a", "Work", "Work-4", "step_scheduled", 0, 2000, "a4")
+                transitions._history(db, "a", "Work", "Work-4", "execute_completed", 1, 2001, "a5")
+
+            await store.raw(two_more, write=True)
+            assert [h.detail for h in await store.history("a", 100)] == ["a1", "a2", "a3", "a4", "a5"]
+            assert [h.detail for h in await store.history("a", 3)] == ["a3", "a4", "a5"]
+            rows = await store.raw(lambda db: db.all(
+                "SELECT seq, step_execution_id, event_type, attempt, at, detail FROM history "
+                "WHERE flow_id = 'a' ORDER BY seq"))
+            assert rows[-2:] == [(4, "Work-4", "step_scheduled", 0, 2000, "a4"),
+                                 (5, "Work-4", "execute_completed", 1, 2001, "a5")]
+            assert [r[0] for r in rows] == [1, 2, 3, 4, 5]
+            kinds = await store.raw(lambda db: db.all("SELECT type FROM sqlite_master WHERE name = 'history'"))
+            assert kinds == [("view",)]
+
+            def cross(db: transitions.Db) -> None:  # a's oldest batch now claims b's newest before it
+                b_head = db.one("SELECT history_head FROM flows WHERE flow_id = 'b'")
+                db.run("UPDATE history_batches SET prev = ? WHERE flow_id = 'a' AND first_seq = 1", (b_head[0],))
+
+            await store.raw(cross, write=True)
+            assert [h.detail for h in await store.history("a", 100)] == ["a1", "a2", "a3", "a4", "a5"]
+        finally:
+            await store.close()
+
+    asyncio.run(check())

@@ -98,6 +98,9 @@ MAX_TIMER_SECONDS = 366 * 24 * 3600
 # History is trimmed every this many events of a flow, so a flow keeps between
 # MAX_HISTORY_EVENTS_PER_FLOW and that plus this many events.
 HISTORY_TRIM_CHECK_EVERY = 256
+# The same on SQLite, whose trim walks a flow's whole chain of history batches (schema 7): a walk
+# of up to about 20,000 events every this many keeps its cost per event small.
+HISTORY_CHAIN_TRIM_EVERY = 4096
 
 # search_flows with ActiveStepTypes reads the flows that have the Step through its index when there
 # are at most this many; with more, it reads running flows in order and stops at its limit, which

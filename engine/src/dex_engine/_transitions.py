@@ -27,6 +27,7 @@ from ._errors import (
 )
 from ._limits import (
     ACTIVE_STEP_SEARCH_CANDIDATES,
+    HISTORY_CHAIN_TRIM_EVERY,
     HISTORY_TRIM_CHECK_EVERY,
     MAX_HISTORY_EVENTS_PER_FLOW,
     ROWS_PER_STATEMENT,
@@ -63,6 +64,8 @@ S = TypeVar("S")
 
 
 HistoryRow = tuple[str, str, str, str, int, int, str]  # flow, step type, execution ID, event, attempt, at, detail
+# The events of a history batch (SQLite, schema 7): a HistoryRow without its flow, each.
+_HistoryBatch = list[tuple[str, str, str, int, int, str]]
 AppendRow = tuple[str, str, int, str, int, bytes]  # flow, stream, capacity, execution ID, attempt, value
 
 
@@ -322,36 +325,56 @@ def flush_history(db: Db) -> None:
         if not rows:
             _send(db, f"UPDATE flows SET {', '.join(sets)} WHERE flow_id = ?", (*params, flow_id))
             continue
-        # History marks state changes, so it also bumps the version RPCs validate against.
+        # History marks state changes, so it also bumps the version RPCs validate against. The
+        # flow's events go into one new batch, which becomes the head of its chain (schema 7).
         assignments = "".join(f", {column}" for column in sets)
+        events = encode_json([row[1:] for row in rows])
         got: Row | None = None
         expected = db.flow_rows.get(flow_id)
         if expected is not None:
             after = (expected[0] + len(rows), expected[1] + 1)
-            if db.run(f"UPDATE flows SET history_seq = ?, version = ?{assignments} "
+            db.run(_INSERT_BATCH, (flow_id, expected[0] + 1, after[0], flow_id, events))
+            if db.run(f"UPDATE flows SET history_seq = ?, version = ?, history_head = last_insert_rowid(){assignments} "
                       "WHERE flow_id = ? AND history_seq = ? AND version = ?", (*after, *params, flow_id, *expected)):
                 got = after
+            else:  # numbered from a row this operation did not follow: numbered again below
+                db.run("DELETE FROM history_batches WHERE batch_id = last_insert_rowid()")
         if got is None:  # not read by this operation, or changed in a way it did not follow
             got = db.one(f"UPDATE flows SET history_seq = history_seq + ?, version = version + 1{assignments} "
                          "WHERE flow_id = ? RETURNING history_seq, version", (len(rows), *params, flow_id))
             if got is None:
                 continue
+            db.run(_INSERT_BATCH, (flow_id, int(got[0]) - len(rows) + 1, int(got[0]), flow_id, events))
+            db.run("UPDATE flows SET history_head = last_insert_rowid() WHERE flow_id = ?", (flow_id,))
         db.flow_rows[flow_id] = (int(got[0]), int(got[1]))
         db.version_after[flow_id] = int(got[1])
         last = int(got[0])
         first = last - len(rows) + 1
-        values = _rows_of(8, len(rows))
-        history: list[Any] = []
-        for seq, (_f, step_type, seid, event, attempt, at, detail) in enumerate(rows, start=first):
-            history += (flow_id, seq, step_type, seid, event, attempt, at, detail)
-        db.run(
-            "INSERT INTO history (flow_id, seq, step_type, step_execution_id, event_type, attempt, at, detail) "
-            f"VALUES {values}",
-            history,
-        )
-        if last // HISTORY_TRIM_CHECK_EVERY != (first - 1) // HISTORY_TRIM_CHECK_EVERY:
-            # Trimmed in chunks so a Step pays no extra statement on most writes.
-            db.run("DELETE FROM history WHERE flow_id = ? AND seq <= ?", (flow_id, last - MAX_HISTORY_EVENTS_PER_FLOW))
+        if last // HISTORY_CHAIN_TRIM_EVERY != (first - 1) // HISTORY_CHAIN_TRIM_EVERY:
+            # Trimmed in chunks so a Step pays no extra statement on most writes; whole batches,
+            # each older than the newest MAX_HISTORY_EVENTS_PER_FLOW events.
+            db.run(_TRIM_BATCHES, (flow_id, last - MAX_HISTORY_EVENTS_PER_FLOW))
+
+
+# A flow's new history batch, after the flow's current head (schema 7 on SQLite).
+_INSERT_BATCH = (
+    "INSERT INTO history_batches (flow_id, first_seq, last_seq, prev, events) "
+    "VALUES (?, ?, ?, (SELECT history_head FROM flows WHERE flow_id = ?), ?)"
+)
+# A flow's batches, newest first, walked back from its head (?1: the flow ID). A batch of another
+# flow ends the walk: a prev naming a deleted batch whose number came back.
+_CHAIN = (
+    "WITH RECURSIVE chain(batch_id, prev, first_seq, last_seq, events, n) AS ("
+    "SELECT batch_id, prev, first_seq, last_seq, events, last_seq - first_seq + 1 FROM history_batches "
+    "WHERE batch_id = (SELECT history_head FROM flows WHERE flow_id = ?1) AND flow_id = ?1 "
+    "UNION ALL SELECT b.batch_id, b.prev, b.first_seq, b.last_seq, b.events, c.n + b.last_seq - b.first_seq + 1 "
+    "FROM history_batches b JOIN chain c ON b.batch_id = c.prev WHERE b.flow_id = ?1{more}) "
+)
+# Parameters: the flow ID and the last sequence to delete.
+_TRIM_BATCHES = (_CHAIN.format(more="")
+                 + "DELETE FROM history_batches WHERE batch_id IN (SELECT batch_id FROM chain WHERE last_seq <= ?2)")
+# Parameters: the flow ID and how many of the newest events to cover.
+_READ_BATCHES = _CHAIN.format(more=" AND c.n < ?2") + "SELECT first_seq, events FROM chain"
 
 
 def _send_history(db: Db, flow_id: str, rows: list[HistoryRow]) -> None:
@@ -406,6 +429,11 @@ def run_op(fn: Callable[[Db], R], db: Db) -> R:
 
 def read_history(db: Db, flow_id: str, limit: int) -> list[HistoryEntry]:
     flow_status(db, flow_id)
+    if not _on_postgres(db):
+        batches = sorted(db.all(_READ_BATCHES, (flow_id, limit)))
+        events = [event for _first, blob in batches for event in decode_json(bytes(blob), _HistoryBatch)]
+        return [HistoryEntry(event, step_type, seid, attempt, at, detail)
+                for step_type, seid, event, attempt, at, detail in events[max(0, len(events) - limit):]]
     rows = db.all(
         "SELECT event_type, step_type, step_execution_id, attempt, at, detail FROM "
         "(SELECT * FROM history WHERE flow_id = ? ORDER BY seq DESC LIMIT ?) h ORDER BY seq",
