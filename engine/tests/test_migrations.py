@@ -85,6 +85,18 @@ def test_statements_ignore_comments() -> None:
     assert statements("-- a; comment\nCREATE TABLE a (x INT); -- trailing; note\n\n") == ["CREATE TABLE a (x INT)"]
 
 
+def _sqlite_at_version(path: Path, version: int) -> sqlite3.Connection:
+    """A new SQLite database as schema `version` left it (migrations 1 to `version`), open."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    for number, sql in migration_files("sqlite"):
+        if number > version:
+            break
+        for statement in statements(sql):
+            conn.execute(statement)
+    conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(version),))
+    return conn
+
+
 def test_sqlite_tables_rebuilt_by_migrations_keep_their_rows(tmp_path: Path) -> None:
     """Migrations 0003-0005 (SQLite) on a database made by schema version 2: each flow's Step
     counters move into its row, and the next Step of a type gets the next number, not 1 again
@@ -93,13 +105,7 @@ def test_sqlite_tables_rebuilt_by_migrations_keep_their_rows(tmp_path: Path) -> 
     or positions lost by a move (execution IDs or event sequences reused), rows lost by a rebuild,
     or an old table left behind."""
     path = tmp_path / "v2.db"
-    conn = sqlite3.connect(path, isolation_level=None)
-    for number, sql in migration_files("sqlite"):
-        if number > 2:
-            break
-        for statement in statements(sql):
-            conn.execute(statement)
-    conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', '2')")
+    conn = _sqlite_at_version(path, 2)
     conn.execute("INSERT INTO flows (flow_id, flow_type, status, input, config, version, created_at) "
                  "VALUES ('old', 'T', 'running', x'6e756c6c', ?, 1, 0)", (encode_json(FlowConfig()),))
     conn.executemany("INSERT INTO step_counters (flow_id, step_type, n) VALUES ('old', ?, ?)",
@@ -153,13 +159,7 @@ def test_sqlite_history_moves_into_chained_batches_and_reads_as_before(tmp_path:
     Catches: events lost or reordered by the move, a chain in the wrong order (a limit returning the
     oldest events), a head left unset (new events unreachable), a walk that crosses into another flow."""
     path = tmp_path / "v6.db"
-    conn = sqlite3.connect(path, isolation_level=None)
-    for number, sql in migration_files("sqlite"):
-        if number > 6:
-            break
-        for statement in statements(sql):
-            conn.execute(statement)
-    conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', '6')")
+    conn = _sqlite_at_version(path, 6)
     for flow_id, events in (("a", 3), ("b", 2)):
         conn.execute("INSERT INTO flows (flow_id, flow_type, status, input, config, version, created_at, history_seq) "
                      "VALUES (?, 'T', 'running', x'6e756c6c', ?, 1, 0, ?)",

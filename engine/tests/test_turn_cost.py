@@ -950,3 +950,99 @@ async def test_history_follows_the_flow_row_whoever_moved_it_within_the_operatio
         assert history == [(seq0 + 1, "followed"), (seq0 + 4, "after a move")]
     finally:
         await store.close()
+
+
+# Messages a wait of the same commit takes are never written (SQLite) ------------------------------
+
+
+def relay_flow(probe: Probe) -> Flow:
+    """First and Second each wait for one message on C and record what they got, with its ID; the
+    RPC `post` publishes one."""
+
+    async def one(ctx: Context, _: None) -> Wait:
+        return Wait.until(C.for_one())
+
+    async def first(ctx: Context, _: None) -> StepDecision:
+        assert ctx.wait_result is not None
+        probe.executed.append((ctx.step_execution_id, ctx.wait_result.messages(C), ctx.wait_result.message_ids(0)))
+        return StepDecision.go_to("Second", None)
+
+    async def second(ctx: Context, _: None) -> StepDecision:
+        assert ctx.wait_result is not None
+        probe.executed.append((ctx.step_execution_id, ctx.wait_result.messages(C), ctx.wait_result.message_ids(0)))
+        return StepDecision.dead_end()
+
+    @rpc(request_type=int)
+    async def post(ctx: RpcContext, value: int) -> None:
+        ctx.publish(C, value)
+
+    return Flow("Relay", [
+        Step("First", first, wait_for=one, input_type=type(None)),
+        Step("Second", second, wait_for=one, input_type=type(None)),
+    ], start_step="First", schema=[C], rpcs=[post])
+
+
+@pytest.mark.sqlite_only
+async def test_a_message_a_wait_of_the_same_commit_takes_is_never_written(db_url: str) -> None:
+    """An RPC publishes to a channel a registered wait is waiting on: the wait takes the message in
+    that commit, which writes no channel_messages row for it, and the message still gets an ID from
+    the channel_messages sequence, after the message stored before it, so no later message can
+    reuse it. Catches: a message lost because it was never written, an ID out of publish order or
+    taken again."""
+    probe = Probe()
+    async with engine_for(db_url, Registry([relay_flow(probe)])) as eng:
+        await eng.client.start_flow("Relay", "r1")
+        await eng.client.publish("r1", C, 1)  # the client's publish stores it, then First takes it
+        await wait_until("First ran", lambda: _count(probe.executed, 1))
+        await wait_until("Second waits", lambda: _history_has(eng, "r1", "wait_registered", "Second-1"))
+        statements: list[str] = []
+        await eng.store.raw(lambda db: db.conn.set_trace_callback(statements.append))
+        try:
+            await eng.client.rpc("r1", "post", 2)
+        finally:
+            await eng.store.raw(lambda db: db.conn.set_trace_callback(None))
+        await wait_until("Second ran", lambda: _count(probe.executed, 2))
+        sequence = await eng.store.raw(lambda db: db.one(
+            "SELECT seq FROM sqlite_sequence WHERE name = 'channel_messages'"))
+    (_first, first_values, [first_id]), (_second, second_values, [second_id]) = probe.executed
+    assert (first_values, second_values) == ([1], [2])
+    assert first_id < second_id == sequence[0]
+    written = [s for s in statements if s.lstrip().upper().startswith(("INSERT", "DELETE"))]
+    assert not [s for s in written if "channel_messages" in s], written
+
+
+async def _history_has(eng: Engine, flow_id: str, event: str, seid: str) -> bool:
+    return any(h.event_type == event and h.step_execution_id == seid
+               for h in await eng.client.get_flow_history(flow_id))
+
+
+@pytest.mark.sqlite_only
+async def test_a_rolled_back_fold_gives_back_the_messages_its_waits_took(tmp_path: Path) -> None:
+    """A folded Execute's savepoint that rolls back also undoes what its waits did to this
+    operation's unwritten messages: a message it took is unwritten again, without the ID whose
+    sequence the rollback undid, and the operation writes it at its end. Catches: a message lost
+    with the rolled-back fold, or written with an ID the sequence gives out again."""
+    store = open_store(f"sqlite:///{tmp_path / 'fold.db'}")
+    try:
+        def op(db: transitions.Db) -> tuple[list[int | None], list[int | None]]:
+            unstored: list[transitions.UnstoredMessage] = db.unstored  # type: ignore[attr-defined]
+            db.run("INSERT INTO flows (flow_id, flow_type, status, input, config, version, created_at) "
+                   "VALUES ('f', 'T', 'running', x'6e756c6c', x'7b7d', 1, 0)")
+            unstored.append(transitions.UnstoredMessage("f", "C", "", b"1", 0))
+
+            def fold() -> None:
+                transitions._number_unstored(db, unstored)
+                taken.append(unstored[0].message_id)
+                unstored.clear()
+                raise RuntimeError("the fold fails after its wait took the message")
+
+            taken: list[int | None] = []
+            assert not transitions._in_savepoint(db, fold)
+            return taken, [m.message_id for m in unstored]
+
+        taken, after = await store.raw(op, write=True)
+        rows = await store.raw(lambda db: db.all("SELECT message_id, value FROM channel_messages"))
+    finally:
+        await store.close()
+    assert taken == [1] and after == [None]
+    assert [(int(r[0]), bytes(r[1])) for r in rows] == [(1, b"1")]

@@ -62,7 +62,7 @@ from ._limits import (
 from ._migrate import apply_pending
 from ._store import Store, commit_origin
 from ._task_options import SharedOptions
-from ._transitions import AppendRow, Db, HistoryRow, PollResult, Row, run_op
+from ._transitions import AppendRow, Db, HistoryRow, PollResult, Row, UnstoredMessage, run_op
 from ._writer_turns import WriterTurns
 
 R = TypeVar("R")
@@ -107,7 +107,7 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
 class _SqliteDb:
     __slots__ = (
         "appends", "cache", "cache_writes", "conn", "counted", "counters", "cursor", "flow_rows", "history", "known",
-        "readied", "revokes", "shared_options", "streamed", "streams", "version_after",
+        "readied", "revokes", "shared_options", "streamed", "streams", "unstored", "version_after",
     )
 
     # BEGIN IMMEDIATE serializes every writer of the file: no row locks needed.
@@ -130,6 +130,7 @@ class _SqliteDb:
         self.cache_writes: list[tuple[str, KnownRows]] = []
         self.history: list[HistoryRow] = []
         self.appends: list[AppendRow] = []
+        self.unstored: list[UnstoredMessage] = []
         self.counters: dict[str, dict[str, int]] = {}
         self.counted: set[str] = set()
         self.streams: dict[str, dict[str, list[int]]] = {}

@@ -7,6 +7,7 @@ errors to roll their transaction (or savepoint) back.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -106,6 +107,9 @@ class Db(Protocol):
     # of the flow row and its own updates since, so that flush_history need not read them back
     # (RETURNING buffers its rows, a cost of its own); its update checks them. Emptied by run_op.
     flow_rows: dict[str, tuple[int, int]]
+    # A backend may also have `unstored`, a list of UnstoredMessage: the channel messages this
+    # operation published and has not written yet (SQLite). A wait of the same operation may take
+    # one at once, and then it is never written; run_op writes the rest (flush_messages).
     for_update: str
     skip_locked: str
 
@@ -404,6 +408,7 @@ def run_op(fn: Callable[[Db], R], db: Db) -> R:
     """Run one operation inside the open transaction, then write its events and history; on error drop them."""
     try:
         result = fn(db)
+        flush_messages(db)
         flush_appends(db)
         flush_history(db)
         for flow_id, known in db.known.items():
@@ -415,6 +420,9 @@ def run_op(fn: Callable[[Db], R], db: Db) -> R:
     except BaseException:
         db.history.clear()
         db.appends.clear()
+        unstored: list[UnstoredMessage] | None = getattr(db, "unstored", None)
+        if unstored is not None:
+            unstored.clear()
         raise
     finally:
         db.counters.clear()
@@ -1013,12 +1021,58 @@ def apply_writes(
             (message_id, flow_id, channel, key),
         ):
             raise ChannelMessageNotFoundError(channel if not key else f"{channel}[{key}]", message_id)
+    unstored: list[UnstoredMessage] | None = getattr(db, "unstored", None)
     for channel, key, value in writes.publishes:
+        if unstored is not None:
+            unstored.append(UnstoredMessage(flow_id, channel, key, value, now))
+            continue
         _send(
             db, "INSERT INTO channel_messages (flow_id, channel, key, value, created_at) VALUES (?, ?, ?, ?, ?)",
             (flow_id, channel, key, value, now),
         )
     append_writes(db, flow_id, writes.appends, seid, attempt)
+
+
+@dataclass
+class UnstoredMessage:
+    """A channel message an operation published and has not written yet (Db.unstored). Its ID is
+    taken from the channel_messages sequence when a wait of the operation first looks at it, so it
+    sorts after every message stored before it and before every one published after it."""
+
+    flow_id: str
+    channel: str
+    key: str
+    value: bytes
+    created_at: int
+    message_id: int | None = None
+
+
+def _number_unstored(db: Db, unstored: list[UnstoredMessage]) -> None:
+    """Give IDs, in publish order, to the unstored messages without one, from the sequence an
+    insert into channel_messages would take them from (AUTOINCREMENT: never one used before)."""
+    fresh = [m for m in unstored if m.message_id is None]
+    if not fresh:
+        return
+    row = db.one("UPDATE sqlite_sequence SET seq = seq + ? WHERE name = 'channel_messages' RETURNING seq",
+                 (len(fresh),))
+    if row is None:  # no message was ever stored: the table is empty and has no sequence yet
+        db.run("INSERT INTO sqlite_sequence (name, seq) VALUES ('channel_messages', ?)", (len(fresh),))
+        row = (len(fresh),)
+    for message_id, message in enumerate(fresh, start=int(row[0]) - len(fresh) + 1):
+        message.message_id = message_id
+
+
+def flush_messages(db: Db) -> None:
+    """Write the messages of this operation that no wait of it took (Db.unstored), in publish order,
+    each with the ID a wait saw, if one looked at it."""
+    unstored: list[UnstoredMessage] | None = getattr(db, "unstored", None)
+    if not unstored:
+        return
+    pending = list(unstored)
+    unstored.clear()
+    for m in pending:
+        db.run("INSERT INTO channel_messages (message_id, flow_id, channel, key, value, created_at) "
+               "VALUES (?, ?, ?, ?, ?, ?)", (m.message_id, m.flow_id, m.channel, m.key, m.value, m.created_at))
 
 
 def append_writes(
@@ -1179,6 +1233,17 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
     for channel, key, mid, value in messages:
         queued[(str(channel), str(key))].append(int(mid))
         bodies[int(mid)] = bytes(value)
+    # This operation's own messages come after the stored ones; one a wait takes is never written.
+    unstored: list[UnstoredMessage] | None = getattr(db, "unstored", None)
+    mine = [m for m in unstored if m.flow_id == flow_id and (m.channel, m.key) in queued] if unstored else []
+    if mine:
+        assert unstored is not None
+        _number_unstored(db, unstored)
+        for m in mine:
+            assert m.message_id is not None
+            queued[(m.channel, m.key)].append(m.message_id)
+            bodies[m.message_id] = m.value
+    unstored_ids = {m.message_id: m for m in mine}
     for (task_id, step_type, seid, _blob, registered_at, skipped, due_at), spec in waits:
         fired = {
             i for i, c in enumerate(spec.conditions)
@@ -1199,7 +1264,11 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
             ids = selection.take.get(i, [])
             consumed.append(tuple(ConsumedMessage(mid, msgspec.Raw(bodies[mid])) for mid in ids))
             if ids:
-                _send(db, f"DELETE FROM channel_messages WHERE message_id IN ({_in(ids)})", ids)
+                stored = [mid for mid in ids if mid not in unstored_ids]
+                if stored:
+                    _send(db, f"DELETE FROM channel_messages WHERE message_id IN ({_in(stored)})", stored)
+                if unstored is not None and len(stored) < len(ids):
+                    unstored[:] = [m for m in unstored if m.message_id not in ids]
                 taken = set(ids)
                 ident = (cond.channel, cond.key)
                 queued[ident] = [mid for mid in queued[ident] if mid not in taken]
@@ -1320,12 +1389,17 @@ def _in_savepoint(db: Db, fn: Callable[[], object]) -> bool:
     counters, counted = {f: dict(c) for f, c in db.counters.items()}, set(db.counted)
     streams = {f: {name: list(at) for name, at in by_name.items()} for f, by_name in db.streams.items()}
     streamed = set(db.streamed)
+    # The messages as they were, IDs too: the rollback also undoes the sequence the IDs came from.
+    unstored: list[UnstoredMessage] | None = getattr(db, "unstored", None)
+    kept = None if unstored is None else [dataclasses.replace(m) for m in unstored]
     db.run("SAVEPOINT fold_execute")
     try:
         fn()
     except Exception:
         db.run("ROLLBACK TO fold_execute")
         db.run("RELEASE fold_execute")
+        if unstored is not None and kept is not None:
+            unstored[:] = kept
         shared: SharedOptions | None = getattr(db, "shared_options", None)
         if shared is not None:
             shared.rolled_back()  # the task_options rows it wrote are gone with it
