@@ -952,6 +952,41 @@ async def test_history_follows_the_flow_row_whoever_moved_it_within_the_operatio
         await store.close()
 
 
+async def test_sqlite_trims_history_to_exactly_the_newest_events_inside_a_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite keeps a commit's history events in one batch (schema 7), and a trim that falls inside
+    a batch cuts it: the commit that crosses a multiple of HISTORY_CHAIN_TRIM_EVERY leaves exactly
+    the newest MAX_HISTORY_EVENTS_PER_FLOW events, gapless, as PostgreSQL's trim of rows does.
+    Catches: a trim by whole batches only (older events of the cut batch kept), or one that cuts the
+    wrong end of it."""
+    # 21 events kept, commits of 5: every trim falls inside a batch.
+    monkeypatch.setattr(transitions, "MAX_HISTORY_EVENTS_PER_FLOW", 21)
+    monkeypatch.setattr(transitions, "HISTORY_CHAIN_TRIM_EVERY", 12)
+    store = open_store(f"sqlite:///{tmp_path / 'trim.db'}")
+    try:
+        await store.start_flow(StartRequest("f", "T", b"null", FlowConfig(), None))
+        base = (await store.raw(lambda db: db.one("SELECT history_seq FROM flows WHERE flow_id = 'f'")))[0]
+        written = base
+
+        def five(db: Any) -> None:
+            nonlocal written
+            transitions.require_running(db, "f")
+            for _ in range(5):
+                written += 1
+                transitions._history(db, "f", "S", f"S-{written}", "note", 1, written, str(written))
+
+        # Commits of 5 events until one trims: crosses a multiple of 12 with over 21 events stored.
+        while not (written - base > 21 and written // 12 != (written - 5) // 12):
+            await store.raw(five, write=True)
+        seqs = await store.raw(lambda db: db.all("SELECT seq FROM history WHERE flow_id = 'f' ORDER BY seq"))
+        history = await store.history("f", 100)
+    finally:
+        await store.close()
+    assert [r[0] for r in seqs] == list(range(written - 20, written + 1))
+    assert [h.detail for h in history] == [str(n) for n in range(written - 20, written + 1)]
+
+
 # Messages a wait of the same commit takes are never written (SQLite) ------------------------------
 
 

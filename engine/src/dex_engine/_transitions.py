@@ -355,9 +355,20 @@ def flush_history(db: Db) -> None:
         last = int(got[0])
         first = last - len(rows) + 1
         if last // HISTORY_CHAIN_TRIM_EVERY != (first - 1) // HISTORY_CHAIN_TRIM_EVERY:
-            # Trimmed in chunks so a Step pays no extra statement on most writes; whole batches,
-            # each older than the newest MAX_HISTORY_EVENTS_PER_FLOW events.
-            db.run(_TRIM_BATCHES, (flow_id, last - MAX_HISTORY_EVENTS_PER_FLOW))
+            # Trimmed in chunks so a Step pays no extra statement on most writes.
+            _trim_batches(db, flow_id, last - MAX_HISTORY_EVENTS_PER_FLOW)
+
+
+def _trim_batches(db: Db, flow_id: str, cutoff: int) -> None:
+    """Delete a flow's history events up to sequence `cutoff`: the batches that hold only such
+    events, and those at the start of the one batch that also holds later ones."""
+    db.run(_TRIM_BATCHES, (flow_id, cutoff))
+    row = db.one(_OLDEST_KEPT_BATCH, (flow_id, cutoff))
+    if row is not None:
+        batch_id, first_seq, blob = row
+        kept = decode_json(bytes(blob), _HistoryBatch)[cutoff + 1 - int(first_seq):]
+        db.run("UPDATE history_batches SET first_seq = ?, events = ? WHERE batch_id = ?",
+               (cutoff + 1, encode_json(kept), batch_id))
 
 
 # A flow's new history batch, after the flow's current head (schema 7 on SQLite).
@@ -379,6 +390,9 @@ _TRIM_BATCHES = (_CHAIN.format(more="")
                  + "DELETE FROM history_batches WHERE batch_id IN (SELECT batch_id FROM chain WHERE last_seq <= ?2)")
 # Parameters: the flow ID and how many of the newest events to cover.
 _READ_BATCHES = _CHAIN.format(more=" AND c.n < ?2") + "SELECT first_seq, events FROM chain"
+# The batch that holds sequence ?2 and later ones too, once _TRIM_BATCHES ran (the walk stops there).
+_OLDEST_KEPT_BATCH = (_CHAIN.format(more=" AND c.first_seq > ?2")
+                      + "SELECT batch_id, first_seq, events FROM chain WHERE first_seq <= ?2")
 
 
 def _send_history(db: Db, flow_id: str, rows: list[HistoryRow]) -> None:
