@@ -120,6 +120,7 @@ ANSWER = "You have 3 open orders."
 TURNS_PER_SEQUENTIAL_SESSION = 25
 WARMUP_TURNS = 3
 
+
 @dataclass
 class PhaseResult:
     latencies: list[float]

@@ -1257,7 +1257,7 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
             assert m.message_id is not None
             queued[(m.channel, m.key)].append(m.message_id)
             bodies[m.message_id] = m.value
-    unstored_ids = {m.message_id: m for m in mine}
+    unstored_ids = {m.message_id for m in mine}
     for (task_id, step_type, seid, _blob, registered_at, skipped, due_at), spec in waits:
         fired = {
             i for i, c in enumerate(spec.conditions)
