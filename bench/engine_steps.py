@@ -39,6 +39,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from dex_engine import (
     AsyncClient,
@@ -195,6 +196,72 @@ def floor(
     thread.start()
     thread.join()
     return out
+
+
+def snapshot(path: Path, copy: Path) -> None:
+    """Copy the database as committed now into a new WAL-mode file. The online backup copies page
+    for page, so every row of the copy sits on the page it sat on."""
+    src, dst = sqlite3.connect(path), sqlite3.connect(copy)
+    try:
+        src.backup(dst)
+        dst.execute("PRAGMA journal_mode = WAL")
+    finally:
+        src.close()
+        dst.close()
+
+
+# A recorded statement: its text, its parameters, and what it did (rowcount, hash of the rows returned).
+Recorded = tuple[str, tuple[Any, ...], tuple[int, int]]
+
+
+class ReplayDiverged(AssertionError):
+    """A replayed statement did not do what it did when recorded: the copy was not the state it met."""
+
+
+def replay(copy: Path, recorded: list[Recorded], turn_ends: list[int]) -> tuple[float, float]:
+    """Run recorded statements again on `copy`, a snapshot taken just before them, by one connection
+    on a dedicated thread as the engine's store runs them: (median wall seconds of one turn's
+    statements, mean thread CPU seconds a turn). `turn_ends[i]` is how many statements had been
+    recorded when turn i ended.
+
+    Each statement meets the state it met the first time, so it does the same work and writes the
+    same pages; one whose rowcount or rows differ raises ReplayDiverged."""
+    latencies: list[float] = []
+    cpu: list[float] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        conn = sqlite3.connect(copy, isolation_level=None, check_same_thread=False)
+        try:
+            cursor = conn.cursor()
+            start = 0
+            cpu0 = time.thread_time()
+            for end in turn_ends:
+                t = time.perf_counter()
+                for i in range(start, end):
+                    sql, params, (rowcount, rows) = recorded[i]
+                    cursor.execute(sql, params)
+                    got = hash(tuple(cursor.fetchall()))
+                    if cursor.rowcount != rowcount or got != rows:
+                        raise ReplayDiverged(
+                            f"statement {i} ({sql[:60]!r}) gave rowcount {cursor.rowcount} and rows hashing to "
+                            f"{got} on replay, {rowcount} and {rows} when recorded: the copy is not the state it "
+                            "ran on"
+                        )
+                latencies.append(time.perf_counter() - t)
+                start = end
+            cpu.append((time.thread_time() - cpu0) / max(1, len(turn_ends)))
+        except BaseException as exc:
+            failed.append(exc)
+        finally:
+            conn.close()
+
+    thread = threading.Thread(target=run, name="replay")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return statistics.median(latencies), cpu[0]
 
 
 def pct(values: list[float], q: float) -> float:

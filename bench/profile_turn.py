@@ -11,6 +11,9 @@ and prints what a turn costs in the quantities that stay stable on a loaded mach
 - data-changing commits and fsyncs per turn, and SQLite batches (transactions) per turn;
 - with --profile, a cProfile of the event loop thread (and with --profile-db, of the SQLite
   thread), sorted by --sort (tottime or cumulative), top --top rows;
+- with --replay, the turns' own SQL statements, recorded with their parameters and run again on a
+  copy of the database taken before the turns, on one thread with no engine or agent code around
+  them: what the turn's SQLite work costs by itself (the part of a turn no Python change removes);
 - three floors measured in the same run, after the turns: a bare fsynced commit, the same commit
   also rewriting a row of as many pages as one of a turn's commits writes, and a hand-off
   from the event loop to a thread and back (how the store reaches its SQLite thread), each in
@@ -53,7 +56,7 @@ from dex_agents import AgentSessionClient, AgentSessionFlow
 from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions
 from dex_engine._sqlite_store import SqliteStore
 from dex_engine._transitions import Db
-from engine_steps import WalWarmth, floor
+from engine_steps import Recorded, WalWarmth, floor, replay, snapshot
 
 
 def wal_size(wal: Path) -> int:
@@ -128,6 +131,8 @@ class _TimedConnection:
         t = time.thread_time()
         cursor = self._conn.execute(sql, params)
         rows = _Rows(cursor.fetchall(), cursor.rowcount, cursor.lastrowid)
+        if self._store.profiling and self._store.recorded is not None:
+            self._store.recorded.append((sql, tuple(params), (rows.rowcount, hash(tuple(rows.fetchall())))))
         if self._store.profiling and self._store.sql_times is not None:
             entry = self._store.sql_times.setdefault(" ".join(sql.split())[:110], [0.0, 0])
             entry[0] += time.thread_time() - t
@@ -159,7 +164,7 @@ class ProfilingStore(SqliteStore):
     """The engine's SQLite store, counting operations, batches and commits; optionally profiled."""
 
     def __init__(self, url: str, counter: CommitCounter | None, profile_db: bool, sql: bool = False,
-                 no_checkpoints: bool = False) -> None:
+                 no_checkpoints: bool = False, record: bool = False) -> None:
         self.no_checkpoints = no_checkpoints
         self.counter = counter
         self.ops: collections.Counter[str] = collections.Counter()
@@ -170,6 +175,8 @@ class ProfilingStore(SqliteStore):
         self.native_id: int | None = None
         # CPU seconds and count per SQL statement text, while profiling (with --sql).
         self.sql_times: dict[str, list[float]] | None = {} if sql else None
+        # Statements and parameters of the store's connection, in order, while profiling (--replay).
+        self.recorded: list[Recorded] | None = [] if record else None
         super().__init__(url)
 
     def _connect(self) -> Any:
@@ -179,7 +186,8 @@ class ProfilingStore(SqliteStore):
             conn.execute("PRAGMA wal_autocheckpoint = 0")  # the WAL only grows: its size counts frames
         if self.counter is not None:
             self.counter.attach(conn)
-        return _TimedConnection(conn, self) if self.sql_times is not None else conn
+        timed = self.sql_times is not None or self.recorded is not None
+        return _TimedConnection(conn, self) if timed else conn
 
     def _execute(self, conn: Any, db: Any, batch: list[Any], level: str) -> Any:
         self.batches += 1
@@ -208,7 +216,7 @@ class ProfilingStore(SqliteStore):
 async def run(args: argparse.Namespace, path: Path) -> None:
     url = f"sqlite:///{path}"
     counter = None if args.no_count else CommitCounter()
-    store = ProfilingStore(url, counter, args.profile_db, args.sql, args.wal_frames)
+    store = ProfilingStore(url, counter, args.profile_db, args.sql, args.wal_frames, record=args.replay)
     wal = Path(f"{path}-wal")
     watcher = TurnWatcher(None)
     make: Callable[[TurnWatcher], AgentSessionFlow] = builtin_loop_flow if args.builtin else scripted_runner_flow
@@ -225,10 +233,14 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         await agents.start_session(session_id)
         await watcher.wait_started(session_id)
 
+    turn_ends: list[int] = []  # with --replay: how many statements were recorded when each turn ended
+
     async def turns(session_id: str, count: int, first: int = 0) -> None:
         for done in range(first, first + count):
             await agents.send_user_message(session_id, USER_TEXT)
             await watcher.wait_turn(session_id, done + 1)
+            if store.profiling and store.recorded is not None:
+                turn_ends.append(len(store.recorded))
 
     ids = [f"s-{i}" for i in range(len(plan))]
     profiler = _profiler() if args.profile else None
@@ -239,6 +251,8 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         for n in WalWarmth(None if args.wal_frames else path).rounds(args.warmup):
             await turns("warmup", 1, first=n)
         await asyncio.gather(*(start(s) for s in ids))
+        if args.replay:
+            snapshot(path, path.with_name("replay.db"))
         commits0, ops0, batches0 = _totals(counter), collections.Counter(store.ops), store.batches
         inlined0 = store.inlined
         wal0 = wal_size(wal)
@@ -276,6 +290,9 @@ async def run(args: argparse.Namespace, path: Path) -> None:
     heavy_pages = HEAVY_FLOOR_PAGES
     heavy_wall, heavy_cpu = commit_floor(path.with_name("floor-heavy.db"), FLOOR_SAMPLES, heavy_pages)
     handoff_wall, handoff_cpu = await handoff_floor(FLOOR_SAMPLES)
+    replayed = None
+    if store.recorded is not None and args.sessions == 1:
+        replayed = replay(path.with_name("replay.db"), store.recorded, turn_ends)
     if args.history:
         print(f"history of {ids[-1]}, last {args.history} events:")
         for h in history[-args.history:]:
@@ -310,6 +327,12 @@ async def run(args: argparse.Namespace, path: Path) -> None:
           f"event loop -> thread -> event loop {handoff_wall * 1e3:.3f} ms ({handoff_cpu * 1e3:.3f} ms CPU); "
           f"the bare commit also rewriting a row of about {heavy_pages} pages {heavy_wall * 1e3:.3f} ms "
           f"({heavy_cpu * 1e3:.3f} ms CPU)")
+    if replayed is not None:
+        replay_wall, replay_cpu = replayed
+        print(f"the turns' {len(store.recorded or ()) / n:.1f} statements a turn, replayed alone on a copy of the "
+              f"database: median {replay_wall * 1e3:.3f} ms a turn ({replay_wall / commit_wall:.1f}x the bare commit), "
+              f"{replay_cpu * 1e3:.3f} ms CPU; of the turn's {wall / n * 1e3:.2f} ms wall and "
+              f"{cpu / n * 1e3:.2f} ms CPU")
     if counter is not None and args.sessions == 1:
         handoffs, fsyncs = (sum(ops.values()) - inlined) / n, (commits1[1] - commits0[1]) / n
         least = handoffs * handoff_wall + fsyncs * commit_wall
@@ -384,6 +407,8 @@ def main() -> None:
     parser.add_argument("--history", type=int, default=0, help="print the last N history events of a session")
     parser.add_argument("--wal-frames", action="store_true", help="turn WAL checkpoints off and count pages written")
     parser.add_argument("--sql", action="store_true", help="CPU time per SQL statement text")
+    parser.add_argument("--replay", action="store_true",
+                        help="run the turns' SQL statements again on a copy of the database, alone (one session)")
     parser.add_argument("--no-count", action="store_true",
                         help="leave the commit counter (an SQLite trace callback, which costs CPU) off")
     parser.add_argument("--wall", action="store_true", help="profile wall time instead of thread CPU time")

@@ -1,0 +1,82 @@
+"""profile_turn --replay times a turn's own SQL statements alone, run again on a snapshot of the
+database taken before them (bench/engine_steps.snapshot and replay). The figure means something only
+if every replayed statement meets the state it met when recorded: these tests hold it to that.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from bench.engine_steps import Recorded, ReplayDiverged, replay, snapshot
+
+TURNS = 6
+
+
+def _record(conn: sqlite3.Connection, log: list[Recorded], sql: str, params: tuple[object, ...] = ()) -> None:
+    cursor = conn.execute(sql, params)
+    rows = cursor.fetchall()
+    log.append((sql, params, (cursor.rowcount, hash(tuple(rows)))))
+
+
+def _turns(path: Path) -> tuple[list[Recorded], list[int]]:
+    """Turns of statements whose effects depend on the state they meet: an AUTOINCREMENT key read
+    back through last_insert_rowid(), deletes by that key, and reads."""
+    log: list[Recorded] = []
+    ends: list[int] = []
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        for turn in range(TURNS):
+            _record(conn, log, "BEGIN IMMEDIATE")
+            _record(conn, log, "INSERT INTO t (v) VALUES (?)", (f"turn {turn}",))
+            _record(conn, log, "INSERT INTO u (t_id) VALUES (last_insert_rowid())")
+            _record(conn, log, "DELETE FROM t WHERE id = (SELECT min(id) FROM t)")
+            _record(conn, log, "SELECT id, v FROM t ORDER BY id")
+            _record(conn, log, "COMMIT")
+            ends.append(len(log))
+    finally:
+        conn.close()
+    return log, ends
+
+
+def _database(path: Path) -> None:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("CREATE TABLE t (id INTEGER PRIMARY KEY AUTOINCREMENT, v TEXT NOT NULL)")
+    conn.execute("CREATE TABLE u (t_id INTEGER NOT NULL)")
+    conn.executemany("INSERT INTO t (v) VALUES (?)", [("before",)] * 3)
+    conn.close()
+
+
+def _dump(path: Path) -> list[str]:
+    conn = sqlite3.connect(path)
+    try:
+        return list(conn.iterdump())
+    finally:
+        conn.close()
+
+
+def test_the_replay_runs_each_statement_on_the_state_it_was_recorded_on(tmp_path: Path) -> None:
+    original, copy = tmp_path / "original.db", tmp_path / "copy.db"
+    _database(original)
+    snapshot(original, copy)
+    recorded, ends = _turns(original)
+    wall, cpu = replay(copy, recorded, ends)
+    assert wall > 0 and cpu > 0
+    # The copy went where the original went, key for key (the AUTOINCREMENT counter included).
+    assert _dump(copy) == _dump(original)
+    conn = sqlite3.connect(copy)
+    try:
+        assert conn.execute("SELECT journal_mode FROM pragma_journal_mode").fetchone() == ("wal",)
+    finally:
+        conn.close()
+
+
+def test_a_replay_on_another_state_stops_at_the_first_statement_that_does_otherwise(tmp_path: Path) -> None:
+    original, late = tmp_path / "original.db", tmp_path / "late.db"
+    _database(original)
+    recorded, ends = _turns(original)
+    snapshot(original, late)  # after the statements ran: their deletes meet other rows
+    with pytest.raises(ReplayDiverged, match=r"statement 4 .*when recorded"):
+        replay(late, recorded, ends)
