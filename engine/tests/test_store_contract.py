@@ -639,6 +639,43 @@ async def test_stream_capacity_trims_the_oldest_events(store: Store) -> None:
     assert ([(e.sequence, e.value) for e in other.events], other.first_sequence) == ([(1, values[0])], 1)
 
 
+@pytest.mark.parametrize("last", [10, 11])
+async def test_one_append_trims_as_many_old_events_as_its_bytes_need(store: Store, last: int) -> None:
+    """E11 when an append must trim many events, of mixed sizes: exactly the oldest ones whose bytes
+    make room go, when their bytes add up to exactly the excess (last=10: 34 bytes) and when the cut
+    overshoots it (last=11: 35 bytes, 36 freed). Catches: a cut one event short or long."""
+    await start(store, "f1")
+    lease = await claim_one(store)
+    old = [enc("x" * (i % 5)) for i in range(40)]  # 2 to 6 bytes each
+    capacity = sum(len(v) for v in old)
+    await store.append_best_effort(lease, "Out", capacity, old)
+    assert len((await store.read_events("f1", "Out", 0, 100)).events) == 40  # at capacity, nothing trimmed
+    new = [enc("y" * 20), enc("z" * last)]
+    await store.append_best_effort(lease, "Out", capacity, new)
+    excess, freed, gone = sum(len(v) for v in new), 0, 0
+    while freed < excess:
+        freed, gone = freed + len(old[gone]), gone + 1
+    page = await store.read_events("f1", "Out", 0, 100)
+    assert [(e.sequence, e.value) for e in page.events] == [
+        *((i + 1, v) for i, v in enumerate(old) if i >= gone), (41, new[0]), (42, new[1])
+    ]
+    assert page.first_sequence == gone + 1
+
+
+async def test_an_event_larger_than_the_capacity_leaves_only_itself(store: Store) -> None:
+    """E11 keeps at least the newest event, even one the budget cannot hold."""
+    await start(store, "f1")
+    lease = await claim_one(store)
+    await store.append_best_effort(lease, "Out", 10, [enc("a"), enc("b")])
+    huge = enc("h" * 50)
+    await store.append_best_effort(lease, "Out", 10, [huge])
+    page = await store.read_events("f1", "Out", 0, 100)
+    assert ([(e.sequence, e.value) for e in page.events], page.first_sequence) == ([(3, huge)], 3)
+    await store.append_best_effort(lease, "Out", 10, [enc("c")])
+    page = await store.read_events("f1", "Out", 0, 100)
+    assert ([(e.sequence, e.value) for e in page.events], page.first_sequence) == ([(4, enc("c"))], 4)
+
+
 async def test_a_wait_on_one_instance_of_a_channel_map_ignores_the_others(store: Store) -> None:
     """E5: messages queued on other instances (keys) of the same channel neither satisfy a wait on
     one instance nor are consumed by it; a message on that instance satisfies it."""

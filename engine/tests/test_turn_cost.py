@@ -987,6 +987,36 @@ async def test_sqlite_trims_history_to_exactly_the_newest_events_inside_a_batch(
     assert [h.detail for h in history] == [str(n) for n in range(written - 20, written + 1)]
 
 
+async def test_a_full_stream_is_trimmed_by_one_read_and_one_delete(tmp_path: Path) -> None:
+    """A commit that trims a full stream (E11) finds its cut with one read and deletes the events
+    before it with one range delete however many go, not a read and a delete per event, which a
+    long session at its stream's capacity would pay on every commit. Catches: trimming one event
+    per statement pair."""
+    store = open_store(f"sqlite:///{tmp_path / 'stream.db'}")
+    events = [("S-1", 1, b'"' + b"x" * 8 + b'"')] * 200  # 10 bytes each
+    try:
+        await store.start_flow(StartRequest("f", "T", b"null", FlowConfig(), None))
+
+        def append(db: Any, rows: list[tuple[str, int, bytes]]) -> None:
+            transitions.require_running(db, "f")
+            transitions.append_events(db, "f", "Out", 2000, rows)
+
+        await store.raw(lambda db: append(db, events), write=True)  # at capacity: nothing trimmed
+        statements: list[str] = []
+        await store.raw(lambda db: db.conn.set_trace_callback(statements.append))
+        try:
+            await store.raw(lambda db: append(db, [("S-2", 1, b'"' + b"y" * 998 + b'"')]), write=True)
+        finally:
+            await store.raw(lambda db: db.conn.set_trace_callback(None))
+        kept = await store.raw(lambda db: db.one(
+            "SELECT MIN(seq), COUNT(*), SUM(LENGTH(value)) FROM stream_events WHERE flow_id = 'f'"))
+    finally:
+        await store.close()
+    assert tuple(kept) == (101, 101, 2000)  # 100 old events made room for the 1,000-byte one
+    on_events = [s.split()[0].upper() for s in statements if "stream_events" in s]
+    assert on_events == ["INSERT", "SELECT", "DELETE"], statements
+
+
 # Messages a wait of the same commit takes are never written (SQLite) ------------------------------
 
 

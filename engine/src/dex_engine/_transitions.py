@@ -1147,21 +1147,41 @@ def append_events(
         params,
     )
     trimmed = total > capacity
-    while total > capacity and first_seq < next_seq - 1:
-        # E11: trim the oldest events first, keeping at least the newest one.
-        old = db.one("SELECT seq, LENGTH(value) FROM stream_events WHERE flow_id = ? AND stream = ? "
-                     "ORDER BY seq LIMIT 1", (flow_id, stream))
-        if old is None:
-            break
-        _send(db, "DELETE FROM stream_events WHERE flow_id = ? AND stream = ? AND seq = ?", (flow_id, stream, old[0]))
-        total -= int(old[1])
-        first_seq = int(old[0]) + 1
+    if trimmed:
+        cut = _trim_stream(db, flow_id, stream, total - capacity, next_seq - 1)
+        if cut is not None:
+            first_seq, total = cut[0] + 1, total - cut[1]
     if not _on_postgres(db):
         db.streams[flow_id][stream] = [next_seq, first_seq, total]
         db.streamed.add(flow_id)
     elif trimmed:
         _send(db, "UPDATE streams SET next_seq = ?, first_seq = ?, total_bytes = ? WHERE flow_id = ? AND stream = ?",
               (next_seq, first_seq, total, flow_id, stream))
+
+
+def _trim_stream(db: Db, flow_id: str, stream: str, excess: int, newest: int) -> tuple[int, int] | None:
+    """E11: delete a stream's oldest events whose bytes add up to at least `excess`, never the newest
+    (sequence `newest`). Returns (the last sequence deleted, the bytes deleted); None: nothing to delete.
+
+    One statement finds the cut, one range delete makes it, however many events go."""
+    # The running total over the oldest events crosses `excess` at exactly one event (sizes are
+    # positive), so LIMIT 1 needs no ORDER BY, which would sort every event first: read oldest first
+    # through the key, the window stops at that event.
+    row = db.one(
+        "SELECT seq, freed FROM (SELECT seq, LENGTH(value) AS size, SUM(LENGTH(value)) OVER (ORDER BY seq ROWS "
+        "UNBOUNDED PRECEDING) AS freed FROM stream_events WHERE flow_id = ? AND stream = ? AND seq < ?) AS oldest "
+        "WHERE freed >= ? AND freed - size < ? LIMIT 1",
+        (flow_id, stream, newest, excess, excess),
+    )
+    if row is None:
+        # The events before the newest hold fewer bytes than that: all of them go.
+        row = db.one("SELECT MAX(seq), SUM(LENGTH(value)) FROM stream_events WHERE flow_id = ? AND stream = ? "
+                     "AND seq < ?", (flow_id, stream, newest))
+        if row is None or row[0] is None:
+            return None
+    cut, freed = int(row[0]), int(row[1])
+    _send(db, "DELETE FROM stream_events WHERE flow_id = ? AND stream = ? AND seq <= ?", (flow_id, stream, cut))
+    return cut, freed
 
 
 def _stream_position(db: Db, flow_id: str, stream: str) -> tuple[int, int] | None:
