@@ -404,7 +404,7 @@ class Layout:
 
     def read_chunk(self, chunk_range: AgentMessageChunkRange) -> Any:
         from dex_agents import AgentMessageChunk
-        return AgentMessageChunk(self.chunks[chunk_range.first_sequence])
+        return AgentMessageChunk(tuple(self.chunks[chunk_range.first_sequence]))
 
 
 layout_strategy = st.builds(

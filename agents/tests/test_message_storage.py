@@ -220,7 +220,7 @@ def test_layout_matches_the_reference_model(
             assert store.index == before_index
         for added in new:
             if is_oversized(message_bytes(added), limits):
-                assert AgentMessageChunk([added]) in writes.chunk_sets
+                assert AgentMessageChunk((added,)) in writes.chunk_sets
                 assert added not in writes.window_sets
         moved = moved_chunks(writes, limits, new)
         moved_bytes = [encoded_chunk_bytes(c) for c in moved]
@@ -274,7 +274,7 @@ def test_rollover_moves_whole_chunks_of_the_oldest_messages() -> None:
     writes = store.append([5], limits)
     assert writes.window_sets == (store.appended[4],)
     assert writes.window_deletes == (1, 2)
-    assert writes.chunk_sets == (AgentMessageChunk(store.appended[:2]),)
+    assert writes.chunk_sets == (AgentMessageChunk(tuple(store.appended[:2])),)
     assert writes.index == AgentMessageIndex(chunks=[AgentMessageChunkRange(1, 2)], first_sequence=1,
                                              window_first_sequence=3)
     assert sorted(store.window) == [3, 4, 5]
@@ -287,7 +287,7 @@ def test_rollover_steps_over_an_oversized_message() -> None:
     store = ModelStore()
     store.append([5], limits)
     writes = store.append([1000], limits)  # sequence 2: oversized
-    assert writes.window_sets == () and writes.chunk_sets == (AgentMessageChunk([store.appended[1]]),)
+    assert writes.window_sets == () and writes.chunk_sets == (AgentMessageChunk((store.appended[1],)),)
     assert writes.index == AgentMessageIndex(chunks=[AgentMessageChunkRange(2, 2)], first_sequence=1,
                                              window_first_sequence=1)
     store.append([5, 5], limits)  # 3, 4: the window holds 1, 3, 4
@@ -302,7 +302,8 @@ def test_chunk_size_is_the_encoded_json() -> None:
     """The size rule is the engine's JSON: 15 bytes of envelope, each message, a comma between."""
     assert CHUNK_ENVELOPE_BYTES == len(b'{"messages":[]}') == 15
     messages = [message(1, 3), message(2, 300), message(3, 0)]
-    assert chunk_bytes([message_bytes(m) for m in messages]) == len(msgspec.json.encode(AgentMessageChunk(messages)))
+    encoded = msgspec.json.encode(AgentMessageChunk(tuple(messages)))
+    assert chunk_bytes([message_bytes(m) for m in messages]) == len(encoded)
 
 
 def test_a_reader_checks_each_chunk_holds_its_range() -> None:
@@ -312,7 +313,7 @@ def test_a_reader_checks_each_chunk_holds_its_range() -> None:
     with pytest.raises(MessageStoreCorruptError, match="missing"):
         newest_messages(index, window, lambda r: None)
     with pytest.raises(MessageStoreCorruptError, match=r"holds 1\.\.1 \(1 messages\).*lists 1\.\.2"):
-        newest_messages(index, window, lambda r: AgentMessageChunk([message(1, 1)]))
+        newest_messages(index, window, lambda r: AgentMessageChunk((message(1, 1),)))
     # Only the chunks a page reaches are read.
     assert newest_messages(index, window, lambda r: None, limit=1) == window
 
@@ -320,7 +321,7 @@ def test_a_reader_checks_each_chunk_holds_its_range() -> None:
 def test_reads_ignore_window_instances_outside_the_window() -> None:
     """A sequence in a chunk range is in that chunk; any other from window_first_sequence on is in
     AgentMessages; an instance before window_first_sequence is not read."""
-    chunk = AgentMessageChunk([message(2, 1), message(3, 1)])
+    chunk = AgentMessageChunk((message(2, 1), message(3, 1)))
     index = AgentMessageIndex(chunks=[AgentMessageChunkRange(2, 3)], first_sequence=2, window_first_sequence=4)
     stale = [message(1, 9), message(3, 9), message(4, 1), message(5, 1)]
     read = newest_messages(index, stale, lambda r: chunk)
@@ -360,8 +361,8 @@ def test_reading_every_message_matches_newest_messages(
     def read_chunk(chunk_range: AgentMessageChunkRange) -> AgentMessageChunk | None:
         first = chunk_range.first_sequence
         if first in bad:
-            return None if first % 2 else AgentMessageChunk([message(first, 0)] * 5)
-        return AgentMessageChunk([message(s, 0) for s in range(first, chunk_range.last_sequence + 1)])
+            return None if first % 2 else AgentMessageChunk((message(first, 0),) * 5)
+        return AgentMessageChunk(tuple(message(s, 0) for s in range(first, chunk_range.last_sequence + 1)))
 
     for layout in (index, None):
         try:

@@ -244,7 +244,7 @@ GOLDEN = [
            r'{"interrupt_id":"c1","approved":false,"rejection_message":"no"}'),
     Golden("ContextSummary", SUMMARY, SUMMARY_JSON),
     Golden("CompactContextInput", CompactContextInput(through_sequence=40), r'{"through_sequence":40}'),
-    Golden("AgentMessageChunk", AgentMessageChunk(messages=[MESSAGE]), r'{"messages":[' + MESSAGE_JSON + "]}"),
+    Golden("AgentMessageChunk", AgentMessageChunk(messages=(MESSAGE,)), r'{"messages":[' + MESSAGE_JSON + "]}"),
     Golden("AgentMessageChunkRange", CHUNK_RANGE, CHUNK_RANGE_JSON),
     Golden("AgentMessageIndex",
            AgentMessageIndex(chunks=[CHUNK_RANGE], first_sequence=1, window_first_sequence=33),

@@ -40,6 +40,13 @@ DEFAULT_AGENT_EVENTS_CAPACITY_BYTES = 10 * 1024 * 1024
 # the whole conversation again, and a stored message never changes. Room for many sessions' windows.
 INPUT_ITEM_CACHE_ENTRIES = 8192
 
+# The messages of each session's chunks, as its last model call assembled them, kept per process
+# (_chunk_memo): for many more sessions than a worker runs at once, and at most so many messages in
+# all, since the memo holds chunks the engine's decoded cache may since have let go (about 20 MiB at a
+# few hundred bytes a message).
+CHUNK_MEMO_SESSIONS = 256
+CHUNK_MEMO_MESSAGES = 65_536
+
 # get_agent_snapshot returns the newest messages only; list_agent_messages pages through the rest.
 SNAPSHOT_MESSAGE_LIMIT = 200
 LIST_MESSAGES_DEFAULT_LIMIT = 50

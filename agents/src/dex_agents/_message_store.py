@@ -24,7 +24,7 @@ from ._constants import MESSAGE_ROLLOVER_MAX_BYTES_PER_COMMIT, MESSAGE_ROLLOVER_
 from ._wire import AgentMessage, AgentMessageChunk, AgentMessageChunkRange, AgentMessageIndex, MessageRole
 
 # len(b'{"messages":[]}'): the encoded AgentMessageChunk around its messages.
-CHUNK_ENVELOPE_BYTES = len(msgspec.json.encode(AgentMessageChunk(messages=[])))
+CHUNK_ENVELOPE_BYTES = len(msgspec.json.encode(AgentMessageChunk(messages=())))
 
 _encoder = msgspec.json.Encoder()
 # A key function in C: every append sorts the whole window by it.
@@ -118,7 +118,7 @@ def plan_append(
     placed: list[AgentMessage] = []
     for message in new:
         if is_oversized(size_of(message), limits):
-            written.append(AgentMessageChunk(messages=[message]))
+            written.append(AgentMessageChunk(messages=(message,)))
             chunks.append(AgentMessageChunkRange(message.sequence, message.sequence))
         else:
             placed.append(message)
@@ -176,7 +176,7 @@ def _rollover(
             end += 1
         if moved and moved_bytes + size > limits.max_bytes_per_commit:
             break
-        moved.append(AgentMessageChunk(messages=window[position:end]))
+        moved.append(AgentMessageChunk(messages=tuple(window[position:end])))
         moved_bytes += size
         position = end
     return moved
@@ -209,23 +209,23 @@ def _holding(
     return None
 
 
-def checked_chunk(chunk_range: AgentMessageChunkRange, chunk: AgentMessageChunk | None) -> list[AgentMessage]:
-    """The chunk's messages, after checking it holds exactly the range AgentMessageIndex lists."""
-    label = f"AgentMessageChunks[{chunk_range.first_sequence:012d}]"
+def checked_chunk(chunk_range: AgentMessageChunkRange, chunk: AgentMessageChunk | None) -> Sequence[AgentMessage]:
+    """The chunk's messages (read only: not a copy), after checking it holds exactly the range
+    AgentMessageIndex lists."""
+    first, last = chunk_range.first_sequence, chunk_range.last_sequence
     if chunk is None:
         raise MessageStoreCorruptError(
-            f"{label} is missing, but AgentMessageIndex lists "
-            f"{chunk_range.first_sequence}..{chunk_range.last_sequence}"
+            f"AgentMessageChunks[{first:012d}] is missing, but AgentMessageIndex lists {first}..{last}"
         )
-    held = [m.sequence for m in chunk.messages]
-    expected = list(range(chunk_range.first_sequence, chunk_range.last_sequence + 1))
-    if held != expected:
+    messages = chunk.messages
+    # Every model call checks every chunk: the sequences are compared in C, not in a Python loop.
+    if len(messages) != last - first + 1 or list(map(_sequence_of, messages)) != list(range(first, last + 1)):
+        held = [m.sequence for m in messages]
         shown = f"{held[0]}..{held[-1]} ({len(held)} messages)" if held else "no messages"
         raise MessageStoreCorruptError(
-            f"{label} holds {shown}, but AgentMessageIndex lists "
-            f"{chunk_range.first_sequence}..{chunk_range.last_sequence}"
+            f"AgentMessageChunks[{first:012d}] holds {shown}, but AgentMessageIndex lists {first}..{last}"
         )
-    return list(chunk.messages)
+    return messages
 
 
 ChunkReader = Callable[[AgentMessageChunkRange], AgentMessageChunk | None]
@@ -292,15 +292,30 @@ def newest_messages(
     return picked
 
 
+def chunk_messages(chunks: Sequence[AgentMessageChunkRange], read_chunk: ChunkReader) -> list[AgentMessage]:
+    """The messages of these chunks (in order, none overlapping), oldest first, in a new list. Chunks
+    are read and checked newest first, so a bad chunk is reported as newest_messages reports it."""
+    held = [checked_chunk(r, read_chunk(r)) for r in reversed(chunks)]
+    picked: list[AgentMessage] = []
+    for messages in reversed(held):
+        picked.extend(messages)
+    return picked
+
+
+# What all_messages gets the chunks' messages from: chunk_messages, or a memo that answers as it does.
+ChunkMessages = Callable[[Sequence[AgentMessageChunkRange], ChunkReader], list[AgentMessage]]
+
+
 def all_messages(
-    index: AgentMessageIndex | None, window: Sequence[AgentMessage], read_chunk: ChunkReader
+    index: AgentMessageIndex | None, window: Sequence[AgentMessage], read_chunk: ChunkReader,
+    read_chunks: ChunkMessages = chunk_messages,
 ) -> list[AgentMessage]:
     """Every stored message, oldest first: what newest_messages returns with no `before` and no `limit`.
 
     Each model call reads this. When the window holds consecutive sequences, in order, after every
     chunk (as Steps leave it, unless an oversized message's chunk sits among them), it is the chunks
-    in order, then the window: no segments to sort. Chunks are read newest first either way, so a
-    bad chunk is reported as newest_messages reports it.
+    in order (`read_chunks`), then the window: no segments to sort. Chunks are read newest first
+    either way, so a bad chunk is reported as newest_messages reports it.
     """
     current = index or empty_index()
     chunks = current.chunks
@@ -313,10 +328,7 @@ def all_messages(
             return newest_messages(index, window, read_chunk)
     if firsts != sorted(set(firsts)):
         return newest_messages(index, window, read_chunk)
-    held = [checked_chunk(r, read_chunk(r)) for r in reversed(chunks)]
-    picked: list[AgentMessage] = []
-    for messages in reversed(held):
-        picked.extend(messages)
+    picked = read_chunks(chunks, read_chunk)
     picked.extend(window)
     return picked
 

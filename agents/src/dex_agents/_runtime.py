@@ -23,11 +23,13 @@ from dex_engine import (
     Movement,
     MovementOptions,
     NoRetryError,
+    NotLoadedError,
     RpcContext,
     Stream,
     ValueTooLargeError,
 )
 
+from ._chunk_memo import ChunkMessagesMemo
 from ._compaction import is_compaction_runner, plan_retention
 from ._constants import REJECTION_MESSAGE_NOT_STORED, TOOL_HEARTBEAT_INTERVAL
 from ._events import AgentEventType, AgentEventWriter, make_event
@@ -207,10 +209,16 @@ class SessionRuntime:
             chunk_max_bytes=options.message_chunk_max_bytes,
         )
 
-    @staticmethod
-    def stored_messages(ctx: Context | RpcContext) -> list[AgentMessage]:
-        """Every stored message, window and chunks, in sequence order (needs AgentMessageChunks loaded)."""
-        return all_messages(ctx.get(AGENT_MESSAGE_INDEX), window_messages(ctx), chunk_reader(ctx))
+    @functools.cached_property
+    def chunk_memo(self) -> ChunkMessagesMemo:
+        """The chunks' messages each session's last model call assembled (one memo per Flow type)."""
+        return ChunkMessagesMemo()
+
+    def stored_messages(self, ctx: Context) -> list[AgentMessage]:
+        """Every stored message, window and chunks, in sequence order, for a model call (needs
+        AgentMessageChunks loaded)."""
+        return all_messages(ctx.get(AGENT_MESSAGE_INDEX), window_messages(ctx), every_chunk_reader(ctx),
+                            self.chunk_memo.reader(ctx.flow_id))
 
     def append_messages(
         self,
@@ -448,6 +456,22 @@ def chunk_reader(ctx: Context | RpcContext) -> Callable[[AgentMessageChunkRange]
 
     def read(chunk_range: AgentMessageChunkRange) -> AgentMessageChunk | None:
         return ctx.get(AGENT_MESSAGE_CHUNKS[message_sequence_key(chunk_range.first_sequence)])
+
+    return read
+
+
+def every_chunk_reader(ctx: Context | RpcContext) -> Callable[[AgentMessageChunkRange], AgentMessageChunk | None]:
+    """chunk_reader for a caller that reads every loaded chunk (a model call's view): they are read
+    in one call up front, each then looked up; a chunk not among them is read as chunk_reader reads it."""
+    try:
+        loaded = ctx.items(AGENT_MESSAGE_CHUNKS)
+    except NotLoadedError:
+        loaded = {}
+    one = chunk_reader(ctx)
+
+    def read(chunk_range: AgentMessageChunkRange) -> AgentMessageChunk | None:
+        chunk = loaded.get(message_sequence_key(chunk_range.first_sequence))
+        return chunk if chunk is not None else one(chunk_range)
 
     return read
 

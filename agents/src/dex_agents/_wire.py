@@ -301,7 +301,9 @@ class CompactContextInput(msgspec.Struct, frozen=True):
 
 
 class AgentMessageChunk(msgspec.Struct, frozen=True):
-    messages: list[AgentMessage]
+    # A tuple (a JSON array on the wire, as seed 002's list): a chunk never changes once written, and
+    # an immutable one is shared by every reader of the same stored chunk rather than copied for each.
+    messages: tuple[AgentMessage, ...]
 
 
 class AgentMessageChunkRange(msgspec.Struct, frozen=True):
