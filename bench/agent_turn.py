@@ -208,9 +208,10 @@ def session_plan(turns: int, sessions: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(sessions)]
 
 
-def sequential_plan(turns: int, _sessions: int = 1) -> list[int]:
-    full, rest = divmod(turns, TURNS_PER_SEQUENTIAL_SESSION)
-    return [TURNS_PER_SEQUENTIAL_SESSION] * full + ([rest] if rest else [])
+def sequential_plan(turns: int, per_session: int = TURNS_PER_SEQUENTIAL_SESSION) -> list[int]:
+    """Turns per session for `turns` one after another: a fresh session every `per_session` turns."""
+    full, rest = divmod(turns, per_session)
+    return [per_session] * full + ([rest] if rest else [])
 
 
 def wal_file(path: Path) -> None:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_turn import (
+    TURNS_PER_SEQUENTIAL_SESSION,
     USER_TEXT,
     CommitCounter,
     TurnWatcher,
@@ -226,7 +227,8 @@ async def run(args: argparse.Namespace, path: Path) -> None:
     watcher.client = client
     agents = AgentSessionClient(client, flow)
     store.add_commit_listener(watcher.on_commit)
-    plan = sequential_plan(args.turns) if args.sessions == 1 else session_plan(args.turns, args.sessions)
+    plan = (sequential_plan(args.turns, args.session_turns) if args.sessions == 1
+            else session_plan(args.turns, args.sessions))
     options = WorkerOptions(database_url=url, max_concurrent_tasks=max(64, 4 * len(plan)), poll_seconds=args.poll)
 
     async def start(session_id: str) -> None:
@@ -397,6 +399,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=100)
     parser.add_argument("--sessions", type=int, default=1, help="1: sequential turns; more: sessions at once")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--session-turns", type=int, default=TURNS_PER_SEQUENTIAL_SESSION,
+                        help="sequential turns per session before a fresh one (a long session's turns cost more)")
     parser.add_argument("--poll", type=float, default=0.02, help="WorkerOptions.poll_seconds")
     parser.add_argument("--builtin", action="store_true", help="the built-in loop instead of the scripted runner")
     parser.add_argument("--profile", action="store_true", help="cProfile the event loop thread")
