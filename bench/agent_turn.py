@@ -67,7 +67,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, TypedDict
+from typing import Annotated, Any, TypedDict, cast
 
 from dex_agents import (
     AGENT_STATE,
@@ -101,6 +101,9 @@ from dex_engine._sqlite_store import SqliteStore
 
 # The floors are engine_steps.py's measurements, so both benchmarks compare against the same thing.
 from engine_steps import (
+    Recorded,
+    RecordingConnection,
+    Replayed,
     WalWarmth,
     _count_statements,
     drop_pg_database,
@@ -108,6 +111,8 @@ from engine_steps import (
     fresh_pg_database,
     pct,
     pg_floor,
+    replay,
+    snapshot,
 )
 from engine_steps import counts as pg_counts
 
@@ -129,6 +134,9 @@ class PhaseResult:
     commits: int = 0  # commits that changed data, over counted_turns (a counting pass)
     fsyncs: int = 0  # those of them at synchronous=FULL: one WAL fsync each
     counted_turns: int = 0
+    # dex on SQLite, sequential counting pass: its statements replayed alone (engine_steps.replay).
+    replayed: Replayed | None = None
+    replay_statements: float = 0.0  # a turn
     # PostgreSQL only, over the timed turns: what psycopg sent (engine_steps' counters).
     transactions: int = 0
     round_trips: int = 0
@@ -160,6 +168,7 @@ def _counted(system: System, timed: PhaseResult, plan: Sequence[int], prefix: st
     counter = CommitCounter()
     counted = system.run(plan, f"{prefix}-count", concurrent, counter)
     timed.commits, timed.fsyncs, timed.counted_turns = counted.commits, counted.fsyncs, counted.turns
+    timed.replayed, timed.replay_statements = counted.replayed, counted.replay_statements
     return timed
 
 
@@ -311,12 +320,16 @@ class CountingSqliteStore(SqliteStore):
 
     def __init__(self, url: str, counter: CommitCounter) -> None:
         self.counter = counter
+        self.recorded: list[Recorded] = []
+        self.recording: RecordingConnection | None = None
         super().__init__(url)
 
     def _connect(self) -> sqlite3.Connection:
         conn = super()._connect()
         self.counter.attach(conn)
-        return conn
+        # Its statements, for replay (engine_steps.replay); recorded only while `recording.recording`.
+        self.recording = RecordingConnection(conn, self.recorded)
+        return cast(sqlite3.Connection, self.recording)
 
 
 class BenchRunner:
@@ -402,6 +415,11 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
         await agents.start_session(session_id)
         await watcher.wait_started(session_id)
 
+    # The sequential counting pass on SQLite also records its statements, to replay them alone.
+    recording = store.recording if isinstance(store, CountingSqliteStore) and not concurrent else None
+    replay_copy = Path(f"{store.settings.path}.replay") if isinstance(store, SqliteStore) else Path()
+    turn_ends: list[int] = []  # statements recorded when each turn ended
+
     async def turns(session_id: str, count: int, record: bool, first: int = 0) -> None:
         for done in range(first, first + count):
             t = time.perf_counter()
@@ -409,6 +427,8 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
             await watcher.wait_turn(session_id, done + 1)
             if record:
                 latencies.append(time.perf_counter() - t)
+                if recording is not None:
+                    turn_ends.append(len(recording.recorded))
 
     ids = [f"{prefix}-{i}" for i in range(len(plan))]
     try:
@@ -420,6 +440,9 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
             await asyncio.gather(*(start(session_id) for session_id in ids))
             if before_clock is not None:
                 await asyncio.to_thread(before_clock)
+            if recording is not None:
+                snapshot(Path(store.settings.path), replay_copy)
+                recording.recording = True
             before = (0, 0) if counter is None else counter.totals()
             sent0 = dict(pg_counts)
             cpu0, t0 = time.process_time(), time.perf_counter()
@@ -429,14 +452,20 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
                 for session_id, count in zip(ids, plan, strict=True):
                     await turns(session_id, count, record=True)
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            if recording is not None:
+                recording.recording = False
             after = (0, 0) if counter is None else counter.totals()
             sent = {k: v - sent0.get(k, 0) for k, v in pg_counts.items()}
     finally:
         store.remove_commit_listener(watcher.on_commit)
         await store.close()
-    return PhaseResult(latencies, wall, cpu, after[0] - before[0], after[1] - before[1],
-                       transactions=sent.get("commit", 0), round_trips=sent.get("round_trips", 0),
-                       statements=sent.get("statements", 0), started=t0)
+    result = PhaseResult(latencies, wall, cpu, after[0] - before[0], after[1] - before[1],
+                         transactions=sent.get("commit", 0), round_trips=sent.get("round_trips", 0),
+                         statements=sent.get("statements", 0), started=t0)
+    if recording is not None and turn_ends:
+        result.replayed = replay(replay_copy, recording.recorded, turn_ends)
+        result.replay_statements = turn_ends[-1] / len(turn_ends)
+    return result
 
 
 def dex_system(tmp: Path, *, builtin: bool = False) -> System:
@@ -729,6 +758,10 @@ def summary(result: SystemResult, floor_median: float) -> dict[str, Any]:
         "concurrent_commits_per_turn": conc.commits / conc.counted_turns,
         "concurrent_fsyncs_per_turn": conc.fsyncs / conc.counted_turns,
         "counted_turns": seq.counted_turns,
+        "replay_median_ms": None if seq.replayed is None else seq.replayed.median * 1e3,
+        "replay_x_floor": None if seq.replayed is None else seq.replayed.median / floor_median,
+        "replay_turns": None if seq.replayed is None else [seq.replayed.timed, seq.replayed.turns],
+        "replay_statements_per_turn": seq.replay_statements,
     }
 
 
@@ -811,6 +844,12 @@ def print_table(rows: list[dict[str, Any]], floors: FloorSlices, sessions: int,
               f" median {spread['median_ms']:.2f} ms, p95 {spread['p95_ms']:.2f} ms,"
               f" cpu {spread['cpu_ms_per_turn']:.2f} ms per turn (all processes)")
     dex = next((r for r in rows if r["system"] == "dex"), None)
+    if dex is not None and dex["replay_median_ms"] is not None:
+        print(f"\ndex's own SQL, replayed alone: the {dex['replay_statements_per_turn']:.1f} statements of a sequential"
+              " turn (the counting pass's, run again on a copy of its database taken before it, on one connection"
+              f" with no engine or agent code): median {dex['replay_median_ms']:.2f} ms a turn,"
+              f" {dex['replay_x_floor']:.1f}x floor, over the {dex['replay_turns'][0]} of {dex['replay_turns'][1]}"
+              " turns that reused the copy's WAL")
     if dex is not None:
         ok_ratio = dex["x_floor"] <= 15
         ok_rate = dex["concurrent_turns_per_s"] >= 200

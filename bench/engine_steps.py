@@ -38,6 +38,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -214,24 +215,76 @@ def snapshot(path: Path, copy: Path) -> None:
 Recorded = tuple[str, tuple[Any, ...], tuple[int, int]]
 
 
+class Rows:
+    """A statement's rows, read to the end, with the cursor's rowcount and lastrowid."""
+
+    def __init__(self, rows: list[Any], rowcount: int, lastrowid: int | None) -> None:
+        self.rows = rows
+        self.rowcount = rowcount
+        self.lastrowid = lastrowid
+
+    def fetchone(self) -> Any:
+        return self.rows[0] if self.rows else None
+
+    def fetchall(self) -> list[Any]:
+        return self.rows
+
+
+class RecordingConnection:
+    """A sqlite3 connection, and the one cursor the engine's store runs everything on, whose
+    statements go to `recorded` (for replay) while `recording` is set."""
+
+    def __init__(self, conn: sqlite3.Connection, recorded: list[Recorded]) -> None:
+        self._conn = conn
+        self.recorded = recorded
+        self.recording = False
+
+    def execute(self, sql: str, params: Any = ()) -> Rows:
+        cursor = self._conn.execute(sql, params)
+        rows = Rows(cursor.fetchall(), cursor.rowcount, cursor.lastrowid)
+        if self.recording:
+            self.recorded.append((sql, tuple(params), (rows.rowcount, hash(tuple(rows.rows)))))
+        return rows
+
+    def cursor(self) -> RecordingConnection:
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
 class ReplayDiverged(AssertionError):
     """A replayed statement did not do what it did when recorded: the copy was not the state it met."""
 
 
-def replay(copy: Path, recorded: list[Recorded], turn_ends: list[int]) -> tuple[float, float]:
+@dataclass(frozen=True)
+class Replayed:
+    """What replay() measured: the median wall seconds of one turn's statements over the turns that
+    reused the copy's WAL (`timed` of `turns`; all of them when none did), and the mean thread CPU
+    seconds a turn."""
+
+    median: float
+    cpu: float
+    timed: int
+    turns: int
+
+
+def replay(copy: Path, recorded: list[Recorded], turn_ends: list[int]) -> Replayed:
     """Run recorded statements again on `copy`, a snapshot taken just before them, by one connection
-    on a dedicated thread as the engine's store runs them: (median wall seconds of one turn's
-    statements, mean thread CPU seconds a turn). `turn_ends[i]` is how many statements had been
-    recorded when turn i ended.
+    on a dedicated thread as the engine's store runs them. `turn_ends[i]` is how many statements had
+    been recorded when turn i ended.
 
     Each statement meets the state it met the first time, so it does the same work and writes the
-    same pages; one whose rowcount or rows differ raises ReplayDiverged."""
-    latencies: list[float] = []
+    same pages; one whose rowcount or rows differ raises ReplayDiverged. The copy's WAL starts empty:
+    a turn that grew it (about twice the cost of one that reuses it, see floor()) is left out of the
+    median, as the timed turns and the floor reuse theirs."""
+    latencies: list[tuple[float, bool]] = []
     cpu: list[float] = []
     failed: list[BaseException] = []
 
     def run() -> None:
         conn = sqlite3.connect(copy, isolation_level=None, check_same_thread=False)
+        wal = WalWarmth(copy)
         try:
             cursor = conn.cursor()
             start = 0
@@ -248,7 +301,7 @@ def replay(copy: Path, recorded: list[Recorded], turn_ends: list[int]) -> tuple[
                             f"{got} on replay, {rowcount} and {rows} when recorded: the copy is not the state it "
                             "ran on"
                         )
-                latencies.append(time.perf_counter() - t)
+                latencies.append((time.perf_counter() - t, wal.grew()))
                 start = end
             cpu.append((time.thread_time() - cpu0) / max(1, len(turn_ends)))
         except BaseException as exc:
@@ -261,7 +314,8 @@ def replay(copy: Path, recorded: list[Recorded], turn_ends: list[int]) -> tuple[
     thread.join()
     if failed:
         raise failed[0]
-    return statistics.median(latencies), cpu[0]
+    reused = [t for t, grew in latencies if not grew]
+    return Replayed(statistics.median(reused or [t for t, _ in latencies]), cpu[0], len(reused), len(latencies))
 
 
 def pct(values: list[float], q: float) -> float:

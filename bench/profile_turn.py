@@ -57,7 +57,7 @@ from dex_agents import AgentSessionClient, AgentSessionFlow
 from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions
 from dex_engine._sqlite_store import SqliteStore
 from dex_engine._transitions import Db
-from engine_steps import Recorded, WalWarmth, floor, replay, snapshot
+from engine_steps import Recorded, RecordingConnection, Rows, WalWarmth, floor, replay, snapshot
 
 
 def wal_size(wal: Path) -> int:
@@ -121,44 +121,23 @@ def _profiler() -> cProfile.Profile:
     return cProfile.Profile(_CLOCK[0])
 
 
-class _TimedConnection:
-    """A sqlite3 connection whose execute() adds its thread CPU time to the store's per-SQL totals."""
+class _TimedConnection(RecordingConnection):
+    """A sqlite3 connection whose execute() adds its thread CPU time to the store's per-SQL totals,
+    and records the statements for --replay, while the store is profiling."""
 
     def __init__(self, conn: Any, store: ProfilingStore) -> None:
-        self._conn = conn
+        super().__init__(conn, store.recorded if store.recorded is not None else [])
         self._store = store
 
-    def execute(self, sql: str, params: Any = ()) -> Any:
+    def execute(self, sql: str, params: Any = ()) -> Rows:
         t = time.thread_time()
-        cursor = self._conn.execute(sql, params)
-        rows = _Rows(cursor.fetchall(), cursor.rowcount, cursor.lastrowid)
-        if self._store.profiling and self._store.recorded is not None:
-            self._store.recorded.append((sql, tuple(params), (rows.rowcount, hash(tuple(rows.fetchall())))))
+        self.recording = self._store.profiling and self._store.recorded is not None
+        rows = super().execute(sql, params)
         if self._store.profiling and self._store.sql_times is not None:
             entry = self._store.sql_times.setdefault(" ".join(sql.split())[:110], [0.0, 0])
             entry[0] += time.thread_time() - t
             entry[1] += 1
         return rows
-
-    def cursor(self) -> _TimedConnection:
-        """The store's statements go through a cursor of its connection: timed the same way."""
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
-
-
-class _Rows:
-    def __init__(self, rows: list[Any], rowcount: int, lastrowid: int | None) -> None:
-        self._rows = rows
-        self.rowcount = rowcount
-        self.lastrowid = lastrowid
-
-    def fetchone(self) -> Any:
-        return self._rows[0] if self._rows else None
-
-    def fetchall(self) -> list[Any]:
-        return self._rows
 
 
 class ProfilingStore(SqliteStore):
@@ -330,10 +309,10 @@ async def run(args: argparse.Namespace, path: Path) -> None:
           f"the bare commit also rewriting a row of about {heavy_pages} pages {heavy_wall * 1e3:.3f} ms "
           f"({heavy_cpu * 1e3:.3f} ms CPU)")
     if replayed is not None:
-        replay_wall, replay_cpu = replayed
         print(f"the turns' {len(store.recorded or ()) / n:.1f} statements a turn, replayed alone on a copy of the "
-              f"database: median {replay_wall * 1e3:.3f} ms a turn ({replay_wall / commit_wall:.1f}x the bare commit), "
-              f"{replay_cpu * 1e3:.3f} ms CPU; of the turn's {wall / n * 1e3:.2f} ms wall and "
+              f"database: median {replayed.median * 1e3:.3f} ms a turn ({replayed.median / commit_wall:.1f}x the bare "
+              f"commit; over the {replayed.timed} of {replayed.turns} turns that reused the copy's WAL), "
+              f"{replayed.cpu * 1e3:.3f} ms CPU; of the turn's {wall / n * 1e3:.2f} ms wall and "
               f"{cpu / n * 1e3:.2f} ms CPU")
     if counter is not None and args.sessions == 1:
         handoffs, fsyncs = (sum(ops.values()) - inlined) / n, (commits1[1] - commits0[1]) / n

@@ -20,13 +20,15 @@ def _record(conn: sqlite3.Connection, log: list[Recorded], sql: str, params: tup
     log.append((sql, params, (cursor.rowcount, hash(tuple(rows)))))
 
 
-def _turns(path: Path) -> tuple[list[Recorded], list[int]]:
+def _turns(path: Path, *setup: str) -> tuple[list[Recorded], list[int]]:
     """Turns of statements whose effects depend on the state they meet: an AUTOINCREMENT key read
-    back through last_insert_rowid(), deletes by that key, and reads."""
+    back through last_insert_rowid(), deletes by that key, and reads; `setup` statements first."""
     log: list[Recorded] = []
     ends: list[int] = []
     conn = sqlite3.connect(path, isolation_level=None)
     try:
+        for sql in setup:
+            _record(conn, log, sql)
         for turn in range(TURNS):
             _record(conn, log, "BEGIN IMMEDIATE")
             _record(conn, log, "INSERT INTO t (v) VALUES (?)", (f"turn {turn}",))
@@ -62,8 +64,8 @@ def test_the_replay_runs_each_statement_on_the_state_it_was_recorded_on(tmp_path
     _database(original)
     snapshot(original, copy)
     recorded, ends = _turns(original)
-    wall, cpu = replay(copy, recorded, ends)
-    assert wall > 0 and cpu > 0
+    replayed = replay(copy, recorded, ends)
+    assert replayed.median > 0 and replayed.cpu > 0 and replayed.turns == TURNS
     # The copy went where the original went, key for key (the AUTOINCREMENT counter included).
     assert _dump(copy) == _dump(original)
     conn = sqlite3.connect(copy)
@@ -80,3 +82,19 @@ def test_a_replay_on_another_state_stops_at_the_first_statement_that_does_otherw
     snapshot(original, late)  # after the statements ran: their deletes meet other rows
     with pytest.raises(ReplayDiverged, match=r"statement 4 .*when recorded"):
         replay(late, recorded, ends)
+
+
+def test_turns_that_grew_the_copys_wal_are_left_out_of_the_median(tmp_path: Path) -> None:
+    """A commit that grows the WAL file costs about twice one that reuses it: the copy's WAL starts
+    empty, so the turns that grew it are not timed. Catches: a median over the growing turns."""
+    original, copy = tmp_path / "original.db", tmp_path / "copy.db"
+    _database(original)
+    snapshot(original, copy)
+    # A checkpoint after every commit: the WAL starts over at once, and later turns reuse it.
+    recorded, ends = _turns(original, "PRAGMA wal_autocheckpoint = 1")
+    replayed = replay(copy, recorded, ends)
+    assert 0 < replayed.timed < replayed.turns == TURNS, replayed
+    # Without checkpoints every turn grows it: then the median is over them all.
+    snapshot(original, tmp_path / "again.db")
+    grown = replay(tmp_path / "again.db", *_turns(tmp_path / "original.db", "PRAGMA wal_autocheckpoint = 0"))
+    assert (grown.timed, grown.turns) == (0, TURNS), grown
