@@ -417,7 +417,7 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
 
     # The sequential counting pass on SQLite also records its statements, to replay them alone.
     recording = store.recording if isinstance(store, CountingSqliteStore) and not concurrent else None
-    replay_copy = Path(f"{store.settings.path}.replay") if isinstance(store, SqliteStore) else Path()
+    replay_copy: Path | None = None  # the database as the recorded turns found it
     turn_ends: list[int] = []  # statements recorded when each turn ended
 
     async def turns(session_id: str, count: int, record: bool, first: int = 0) -> None:
@@ -440,7 +440,8 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
             await asyncio.gather(*(start(session_id) for session_id in ids))
             if before_clock is not None:
                 await asyncio.to_thread(before_clock)
-            if recording is not None:
+            if isinstance(store, CountingSqliteStore) and recording is not None:
+                replay_copy = Path(f"{store.settings.path}.replay")
                 snapshot(Path(store.settings.path), replay_copy)
                 recording.recording = True
             before = (0, 0) if counter is None else counter.totals()
@@ -462,7 +463,7 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
     result = PhaseResult(latencies, wall, cpu, after[0] - before[0], after[1] - before[1],
                          transactions=sent.get("commit", 0), round_trips=sent.get("round_trips", 0),
                          statements=sent.get("statements", 0), started=t0)
-    if recording is not None and turn_ends:
+    if recording is not None and replay_copy is not None and turn_ends:
         result.replayed = replay(replay_copy, recording.recorded, turn_ends)
         result.replay_statements = turn_ends[-1] / len(turn_ends)
     return result

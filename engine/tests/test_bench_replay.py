@@ -9,36 +9,34 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from bench.engine_steps import Recorded, ReplayDiverged, replay, snapshot
+from bench.engine_steps import Recorded, RecordingConnection, ReplayDiverged, replay, snapshot
 
 TURNS = 6
 
 
-def _record(conn: sqlite3.Connection, log: list[Recorded], sql: str, params: tuple[object, ...] = ()) -> None:
-    cursor = conn.execute(sql, params)
-    rows = cursor.fetchall()
-    log.append((sql, params, (cursor.rowcount, hash(tuple(rows)))))
-
-
 def _turns(path: Path, *setup: str) -> tuple[list[Recorded], list[int]]:
     """Turns of statements whose effects depend on the state they meet: an AUTOINCREMENT key read
-    back through last_insert_rowid(), deletes by that key, and reads; `setup` statements first."""
+    back through last_insert_rowid(), deletes by that key, and reads; `setup` statements first.
+    Recorded by the benchmarks' own recorder, which skips what runs while it is off."""
     log: list[Recorded] = []
     ends: list[int] = []
-    conn = sqlite3.connect(path, isolation_level=None)
+    conn = RecordingConnection(sqlite3.connect(path, isolation_level=None), log)
     try:
+        conn.execute("SELECT count(*) FROM t")  # not recorded: recording is off
+        conn.recording = True
         for sql in setup:
-            _record(conn, log, sql)
+            conn.execute(sql)
         for turn in range(TURNS):
-            _record(conn, log, "BEGIN IMMEDIATE")
-            _record(conn, log, "INSERT INTO t (v) VALUES (?)", (f"turn {turn}",))
-            _record(conn, log, "INSERT INTO u (t_id) VALUES (last_insert_rowid())")
-            _record(conn, log, "DELETE FROM t WHERE id = (SELECT min(id) FROM t)")
-            _record(conn, log, "SELECT id, v FROM t ORDER BY id")
-            _record(conn, log, "COMMIT")
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("INSERT INTO t (v) VALUES (?)", (f"turn {turn}",))
+            conn.execute("INSERT INTO u (t_id) VALUES (last_insert_rowid())")
+            conn.execute("DELETE FROM t WHERE id = (SELECT min(id) FROM t)")
+            assert conn.cursor().execute("SELECT id, v FROM t ORDER BY id").fetchone() is not None
+            conn.execute("COMMIT")
             ends.append(len(log))
     finally:
         conn.close()
+    assert len(log) == len(setup) + 6 * TURNS
     return log, ends
 
 
