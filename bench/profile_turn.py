@@ -396,6 +396,8 @@ def main() -> None:
                         help="leave the commit counter (an SQLite trace callback, which costs CPU) off")
     parser.add_argument("--wall", action="store_true", help="profile wall time instead of thread CPU time")
     args = parser.parse_args()
+    if args.session_turns < 1:
+        parser.error(f"--session-turns must be at least 1 (turns per session), got {args.session_turns}")
     if args.wall:
         _CLOCK[0] = time.perf_counter
     with tempfile.TemporaryDirectory(prefix="dex-profile-turn-") as tmp:
