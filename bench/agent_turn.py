@@ -3,7 +3,11 @@
 Runs the same turn, with instant scripted model and tool calls, on three systems in one run on
 one disk, and prints them side by side with the raw commit floor:
 
-- dex: an AgentSessionFlow (in-process AsyncWorker and AsyncClient on one SQLite file);
+- dex: an AgentSessionFlow (in-process AsyncWorker and AsyncClient on one SQLite file), with a
+  scripted runner (dex) and through the built-in loop (dex-builtin);
+- dex-engine, not an agent: the turn's Steps, waits, commits and client calls on the bare engine,
+  with none of the agent layer's work (engine_shape_flow), to tell the engine's share of dex's turn
+  from the agent layer's;
 - LangGraph: a StateGraph compiled with SqliteSaver, invoked with durability="sync";
 - DBOS: a workflow of three steps on a SQLite system database.
 
@@ -39,7 +43,8 @@ the transactions, round trips and statements psycopg sent per turn (counted in t
 the counters are cheap next to a round trip).
 
 Run: uv run --group bench python bench/agent_turn.py [--turns N] [--sessions N] [--rounds N]
-     [--skip-langgraph] [--skip-dbos] [--dbos-journal wal|default] [--processes N] [--pg-dsn DSN] [--json]
+     [--skip-builtin] [--skip-engine] [--skip-langgraph] [--skip-dbos] [--dbos-journal wal|default]
+     [--processes N] [--pg-dsn DSN] [--json]
 (`uv sync` without the group removes LangGraph and DBOS again; where others share the .venv, set
 UV_PROJECT_ENVIRONMENT to a private one.)
 
@@ -63,7 +68,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,7 +101,26 @@ from dex_agents.builtin_loop import (
     builtin_agent_session_flow,
     function_tool,
 )
-from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions, open_store
+from dex_engine import (
+    AsyncClient,
+    AsyncWorker,
+    Attribute,
+    Channel,
+    Context,
+    Flow,
+    LoadOptions,
+    Registry,
+    RetryPolicy,
+    RpcContext,
+    Step,
+    StepDecision,
+    StepDurability,
+    StepOptions,
+    Wait,
+    WorkerOptions,
+    open_store,
+    rpc,
+)
 from dex_engine._sqlite_store import SqliteStore
 
 # The floors are engine_steps.py's measurements, so both benchmarks compare against the same thing.
@@ -112,6 +136,7 @@ from engine_steps import (
     pct,
     pg_floor,
     replay,
+    reused_wal,
     snapshot,
 )
 from engine_steps import counts as pg_counts
@@ -279,13 +304,14 @@ class TurnWatcher:
     """Tells when a session's turn has ended, from commit notifications, with one read per check.
 
     The runner marks a session once its answering model call has returned; from then on each
-    local commit wakes that session's waiter, which reads AgentState.turn_count once. So a turn
-    costs one or two small reads to observe, instead of a poll loop (read_agent_events and
-    get_agent_snapshot polling both sleep 20 ms between reads, far above a turn's cost here).
+    local commit wakes that session's waiter, which reads the session's ended turns once (`ended`,
+    set by the phase once its client exists). So a turn costs one or two small reads to observe,
+    instead of a poll loop (read_agent_events and get_agent_snapshot polling both sleep 20 ms
+    between reads, far above a turn's cost here).
     """
 
-    def __init__(self, client: AsyncClient | None) -> None:
-        self.client: AsyncClient | None = client
+    def __init__(self) -> None:
+        self.ended: Callable[[str], Awaitable[int]] | None = None
         self.answered: set[str] = set()
         self.wakes: dict[str, asyncio.Event] = {}
 
@@ -299,20 +325,58 @@ class TurnWatcher:
     async def wait_turn(self, session_id: str, turn_count: int) -> None:
         """Until the session has ended `turn_count` turns; the first read waits for a wake-up."""
         wake = self.wakes.setdefault(session_id, asyncio.Event())
+        assert self.ended is not None
         while True:
             await wake.wait()
             wake.clear()
-            assert self.client is not None
-            state = await self.client.get_attribute(session_id, AGENT_STATE)
-            if state is not None and state.turn_count >= turn_count:
+            if await self.ended(session_id) >= turn_count:
                 self.answered.discard(session_id)
                 return
 
     async def wait_started(self, session_id: str) -> None:
-        """Until StartAgentSession has committed the session's AgentState."""
+        """Until the session's start has committed what `ended` reads."""
         self.wakes.setdefault(session_id, asyncio.Event()).set()  # read once before waiting
         self.answered.add(session_id)
         await self.wait_turn(session_id, 0)
+
+
+@dataclass(frozen=True)
+class TurnCalls:
+    """A dex turn's three client calls, bound to one client: start a session, send a turn's user
+    message, read how many turns a session has ended (-1 before it has started)."""
+
+    start: Callable[[str], Awaitable[None]]
+    send: Callable[[str], Awaitable[None]]
+    ended: Callable[[str], Awaitable[int]]
+
+
+@dataclass(frozen=True)
+class DexTurn:
+    """What a dex phase runs: a Flow, and its calls once a client for it exists."""
+
+    flow: Flow
+    bind: Callable[[AsyncClient], TurnCalls]
+
+
+def agent_calls(flow: AgentSessionFlow) -> Callable[[AsyncClient], TurnCalls]:
+    """An agent session's calls: start_session, send_user_message, AgentState.turn_count."""
+
+    def bind(client: AsyncClient) -> TurnCalls:
+        sessions = AgentSessionClient(client, flow)
+
+        async def start(session_id: str) -> None:
+            await sessions.start_session(session_id)
+
+        async def send(session_id: str) -> None:
+            await sessions.send_user_message(session_id, USER_TEXT)
+
+        async def ended(session_id: str) -> int:
+            state = await client.get_attribute(session_id, AGENT_STATE)
+            return -1 if state is None else state.turn_count
+
+        return TurnCalls(start, send, ended)
+
+    return bind
 
 
 class CountingSqliteStore(SqliteStore):
@@ -360,17 +424,18 @@ class BenchRunner:
         return ToolExecutionResult(TOOL_OUTPUT)
 
 
-def scripted_runner_flow(watcher: TurnWatcher, flow_type: str = "BenchTurn") -> AgentSessionFlow:
+def scripted_runner_flow(watcher: TurnWatcher, flow_type: str = "BenchTurn") -> DexTurn:
     runner = BenchRunner()
     runner.watcher = watcher
-    return AgentSessionFlow(runner, flow_type=flow_type)
+    flow = AgentSessionFlow(runner, flow_type=flow_type)
+    return DexTurn(flow, agent_calls(flow))
 
 
 # The session whose model call is running; set by the instructions function, read by the model.
 _CURRENT_SESSION: contextvars.ContextVar[str] = contextvars.ContextVar("bench_session")
 
 
-def builtin_loop_flow(watcher: TurnWatcher) -> AgentSessionFlow:
+def builtin_loop_flow(watcher: TurnWatcher) -> DexTurn:
     """The same turn through the built-in loop: a function tool and a ScriptedModelClient."""
 
     @function_tool(effect=ToolEffect.READ, name=TOOL_NAME)
@@ -390,40 +455,127 @@ def builtin_loop_flow(watcher: TurnWatcher) -> AgentSessionFlow:
 
     definition = AgentDefinition(name="bench", instructions=instructions,
                                  model=ScriptedModelClient(respond, max_recorded_requests=0), tools=[read_orders])
-    return builtin_agent_session_flow(definition, "BenchLoopTurn")
+    flow = builtin_agent_session_flow(definition, "BenchLoopTurn")
+    return DexTurn(flow, agent_calls(flow))
+
+
+# The turn's Step shape on the bare engine: the Steps of an agent turn with the options that shape
+# its commits (pure Executes and folded waits, locks, durability, RunModel's deadlines, CallTool's
+# heartbeat), its waits, channels and client calls, and none of the agent layer's work (messages,
+# tool call records, events, usage, snapshots). What it costs is the engine's share of a turn.
+SHAPE_USER_MESSAGES: Channel[str] = Channel("ShapeUserMessages", str)
+SHAPE_TOOL_RESULTS: Channel[str] = Channel("ShapeToolResults", str)
+SHAPE_TURNS: Attribute[int] = Attribute("ShapeTurns", int)
+SHAPE_TURN_LOCK: Attribute[int] = Attribute("ShapeTurnLock", int)  # AwaitUserMessage's lock
+SHAPE_INTERRUPT_LOCK: Attribute[int] = Attribute("ShapeInterruptLock", int)  # ResumeTurn's lock
+_SHAPE_SYNC = StepDurability.SYNC
+_SHAPE_NOTHING = StepOptions(durability=_SHAPE_SYNC, load=LoadOptions.none())
+
+
+def engine_shape_flow(watcher: TurnWatcher, flow_type: str = "BenchShape") -> DexTurn:
+    """StartAgentSession, then per turn: an RPC queues the user message; AwaitUserMessage takes it;
+    RunModel starts CallTool and a ResumeTurn waiting for its result; CallTool heartbeats and
+    publishes it; ResumeTurn takes it; RunModel counts the turn and goes back to AwaitUserMessage."""
+
+    async def start_session(ctx: Context, _: None) -> StepDecision:
+        ctx.set(SHAPE_TURNS, 0)
+        return StepDecision.go_to("AwaitUserMessage")
+
+    async def await_user_message_wait(ctx: Context, _: None) -> Wait:
+        return Wait.until(SHAPE_USER_MESSAGES.for_one())
+
+    async def await_user_message(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to("RunModel", 1)
+
+    async def run_model(ctx: Context, call: int) -> StepDecision:
+        if call == 1:
+            return StepDecision.go_to_many(("CallTool", TOOL_NAME), ("ResumeTurn", None))
+        ctx.set(SHAPE_TURNS, (ctx.get(SHAPE_TURNS) or 0) + 1)
+        watcher.answer_returned(ctx.flow_id)
+        return StepDecision.go_to("AwaitUserMessage")
+
+    async def call_tool(ctx: Context, _: str) -> StepDecision:
+        await ctx.heartbeat()  # durable before the tool runs, as dex's CallTool
+        ctx.publish(SHAPE_TOOL_RESULTS, TOOL_OUTPUT)
+        return StepDecision.dead_end()
+
+    async def resume_turn_wait(ctx: Context, _: None) -> Wait:
+        return Wait.until(SHAPE_TOOL_RESULTS.for_one())
+
+    async def resume_turn(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to("RunModel", 2)
+
+    @rpc("send_user_message", request_type=str, load=LoadOptions.none())
+    async def send_user_message(ctx: RpcContext, text: str) -> None:
+        ctx.publish(SHAPE_USER_MESSAGES, text)
+
+    def waiting(lock: Attribute[int]) -> StepOptions:
+        return StepOptions(durability=_SHAPE_SYNC, wait_for_load=LoadOptions.none(),
+                           execute_load=LoadOptions.none(), execute_locks=(lock,))
+
+    run_model_options = StepOptions(
+        durability=_SHAPE_SYNC, load=LoadOptions.only(SHAPE_TURNS), execute_timeout_seconds=15 * 60,
+        heartbeat_timeout_seconds=2 * 60, execute_retry=RetryPolicy(max_attempts=3, total_duration_seconds=30 * 60))
+    flow = Flow(flow_type, [
+        Step("StartAgentSession", start_session, input_type=type(None), options=_SHAPE_NOTHING),
+        Step("AwaitUserMessage", await_user_message, wait_for=await_user_message_wait, input_type=type(None),
+             options=waiting(SHAPE_TURN_LOCK), pure_execute=True),
+        Step("RunModel", run_model, input_type=int, options=run_model_options),
+        Step("CallTool", call_tool, input_type=str, options=_SHAPE_NOTHING, pure_until_heartbeat=True),
+        Step("ResumeTurn", resume_turn, wait_for=resume_turn_wait, input_type=type(None),
+             options=waiting(SHAPE_INTERRUPT_LOCK), pure_execute=True),
+    ], start_step="StartAgentSession",
+        schema=[SHAPE_USER_MESSAGES, SHAPE_TOOL_RESULTS, SHAPE_TURNS, SHAPE_TURN_LOCK, SHAPE_INTERRUPT_LOCK],
+        rpcs=[send_user_message])
+
+    def bind(client: AsyncClient) -> TurnCalls:
+        async def start(session_id: str) -> None:
+            await client.start_flow(flow_type, session_id)
+
+        async def send(session_id: str) -> None:
+            await client.rpc(session_id, "send_user_message", USER_TEXT)
+
+        async def ended(session_id: str) -> int:
+            turns = await client.get_attribute(session_id, SHAPE_TURNS)
+            return -1 if turns is None else turns
+
+        return TurnCalls(start, send, ended)
+
+    return DexTurn(flow, bind)
 
 
 async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool,
-                    make_flow: Callable[[TurnWatcher], AgentSessionFlow] = scripted_runner_flow,
+                    make_turn: Callable[[TurnWatcher], DexTurn] = scripted_runner_flow,
                     counter: CommitCounter | None = None,
                     before_clock: Callable[[], Any] | None = None) -> PhaseResult:
     postgres = url.startswith("postgresql")
     store = (open_store(url) if postgres else
              SqliteStore(url) if counter is None else CountingSqliteStore(url, counter))
-    watcher = TurnWatcher(None)
-    flow = make_flow(watcher)
-    registry = Registry([flow])
+    watcher = TurnWatcher()
+    turn = make_turn(watcher)
+    registry = Registry([turn.flow])
     client = AsyncClient(registry, store=store)
-    watcher.client = client
-    agents = AgentSessionClient(client, flow)
+    calls = turn.bind(client)
+    watcher.ended = calls.ended
     store.add_commit_listener(watcher.on_commit)
     # Each session has at most one Step running at a time; leave headroom as the tests do.
     options = WorkerOptions(database_url=url, max_concurrent_tasks=max(64, 4 * len(plan)))
     latencies: list[float] = []
 
     async def start(session_id: str) -> None:
-        await agents.start_session(session_id)
+        await calls.start(session_id)
         await watcher.wait_started(session_id)
 
     # The sequential counting pass on SQLite also records its statements, to replay them alone.
     recording = store.recording if isinstance(store, CountingSqliteStore) and not concurrent else None
     replay_copy: Path | None = None  # the database as the recorded turns found it
+    replay_wal = 0  # frames in the original's WAL then (snapshot())
     turn_ends: list[int] = []  # statements recorded when each turn ended
 
     async def turns(session_id: str, count: int, record: bool, first: int = 0) -> None:
         for done in range(first, first + count):
             t = time.perf_counter()
-            await agents.send_user_message(session_id, USER_TEXT)
+            await calls.send(session_id)
             await watcher.wait_turn(session_id, done + 1)
             if record:
                 latencies.append(time.perf_counter() - t)
@@ -442,7 +594,7 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
                 await asyncio.to_thread(before_clock)
             if isinstance(store, CountingSqliteStore) and recording is not None:
                 replay_copy = Path(f"{store.settings.path}.replay")
-                snapshot(Path(store.settings.path), replay_copy)
+                replay_wal = snapshot(Path(store.settings.path), replay_copy)
                 recording.recording = True
             before = (0, 0) if counter is None else counter.totals()
             sent0 = dict(pg_counts)
@@ -464,20 +616,26 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
                          transactions=sent.get("commit", 0), round_trips=sent.get("round_trips", 0),
                          statements=sent.get("statements", 0), started=t0)
     if recording is not None and replay_copy is not None and turn_ends:
-        result.replayed = replay(replay_copy, recording.recorded, turn_ends)
+        result.replayed = replay(replay_copy, recording.recorded, turn_ends, replay_wal)
         result.replay_statements = turn_ends[-1] / len(turn_ends)
     return result
 
 
-def dex_system(tmp: Path, *, builtin: bool = False) -> System:
-    make = builtin_loop_flow if builtin else scripted_runner_flow
-    name = "dex-builtin" if builtin else "dex"
-
+def dex_system(tmp: Path, name: str, make: Callable[[TurnWatcher], DexTurn], note: str) -> System:
     def run(plan: Sequence[int], prefix: str, concurrent: bool, counter: CommitCounter | None) -> PhaseResult:
         url = f"sqlite:///{tmp / f'{name}-{prefix}.db'}"
         return asyncio.run(dex_phase(url, plan, prefix, concurrent, make, counter))
 
-    return System(name, run, ["turn end observed by one AgentState read after each commit once the answer is returned"])
+    return System(name, run, [note])
+
+
+DEX_SYSTEMS: dict[str, tuple[Callable[[TurnWatcher], DexTurn], str]] = {
+    "dex": (scripted_runner_flow,
+            "turn end observed by one AgentState read after each commit once the answer is returned"),
+    "dex-builtin": (builtin_loop_flow, "the same turn through the built-in loop (function tool, scripted model)"),
+    "dex-engine": (engine_shape_flow,
+                   "not an agent: the turn's Steps, waits and commits on the bare engine, no agent layer work"),
+}
 
 
 @dataclass
@@ -505,7 +663,7 @@ class ProcessesResult:
 
 def _process_phase(url: str, plan: list[int], index: int, barrier: Any, results: Any) -> None:
     """One worker process of run_dex_processes: its own flow type and sessions, clock at the barrier."""
-    def make(watcher: TurnWatcher) -> AgentSessionFlow:
+    def make(watcher: TurnWatcher) -> DexTurn:
         return scripted_runner_flow(watcher, f"BenchTurn{index}")
 
     results.put((index, asyncio.run(dex_phase(url, plan, f"p{index}", True, make, before_clock=barrier.wait))))
@@ -844,13 +1002,20 @@ def print_table(rows: list[dict[str, Any]], floors: FloorSlices, sessions: int,
               f" its own client, worker and flow type): {spread['turns_per_s']:.1f} turns/s,"
               f" median {spread['median_ms']:.2f} ms, p95 {spread['p95_ms']:.2f} ms,"
               f" cpu {spread['cpu_ms_per_turn']:.2f} ms per turn (all processes)")
-    dex = next((r for r in rows if r["system"] == "dex"), None)
-    if dex is not None and dex["replay_median_ms"] is not None:
-        print(f"\ndex's own SQL, replayed alone: the {dex['replay_statements_per_turn']:.1f} statements of a sequential"
+    by_name = {r["system"]: r for r in rows}
+    dex, engine = by_name.get("dex"), by_name.get("dex-engine")
+    for name, what in (("dex", "dex's own SQL"), ("dex-engine", "the bare engine's SQL for the turn's Steps")):
+        row = by_name.get(name)
+        if row is None or row["replay_median_ms"] is None:
+            continue
+        print(f"\n{what}, replayed alone: the {row['replay_statements_per_turn']:.1f} statements of a sequential"
               " turn (the counting pass's, run again on a copy of its database taken before it, on one connection"
-              f" with no engine or agent code): median {dex['replay_median_ms']:.2f} ms a turn,"
-              f" {dex['replay_x_floor']:.1f}x floor, over the {dex['replay_turns'][0]} of {dex['replay_turns'][1]}"
-              " turns that reused the copy's WAL")
+              f" with no engine or agent code): median {row['replay_median_ms']:.2f} ms a turn,"
+              f" {row['replay_x_floor']:.1f}x floor, {reused_wal(*row['replay_turns'])}")
+    if dex is not None and engine is not None:
+        agent_ms = dex["sequential_median_ms"] - engine["sequential_median_ms"]
+        print(f"\nof dex's sequential median, the bare engine's Steps (dex-engine) take {engine['x_floor']:.1f} floors"
+              f" and the agent layer the other {agent_ms / floors.median / 1e3:.1f} ({agent_ms:.2f} ms)")
     if dex is not None:
         ok_ratio = dex["x_floor"] <= 15
         ok_rate = dex["concurrent_turns_per_s"] >= 200
@@ -895,6 +1060,8 @@ def main() -> None:
                         help="rounds the sequential phases run in, each running every system's share in turn "
                              "(default 4)")
     parser.add_argument("--skip-builtin", action="store_true", help="leave out the built-in loop's run of the turn")
+    parser.add_argument("--skip-engine", action="store_true",
+                        help="leave out the turn's Step shape on the bare engine (dex-engine)")
     parser.add_argument("--skip-langgraph", action="store_true")
     parser.add_argument("--skip-dbos", action="store_true")
     parser.add_argument("--dbos-journal", choices=["wal", "default"], default="wal",
@@ -918,9 +1085,8 @@ def main() -> None:
         f"{os.cpu_count()} cores, files in {tmp}")
     floors = FloorSlices(tmp / "floor.db", args.floor_commits)
 
-    systems = [dex_system(tmp)]
-    if not args.skip_builtin:
-        systems.append(dex_system(tmp, builtin=True))
+    left_out = {"dex-builtin": args.skip_builtin, "dex-engine": args.skip_engine}
+    systems = [dex_system(tmp, name, *made) for name, made in DEX_SYSTEMS.items() if not left_out.get(name)]
     skipped: dict[str, str] = {}
     competitors: list[tuple[str, bool, Callable[[], System]]] = [
         ("langgraph", args.skip_langgraph, lambda: langgraph_system(tmp)),

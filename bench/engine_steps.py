@@ -199,16 +199,50 @@ def floor(
     return out
 
 
-def snapshot(path: Path, copy: Path) -> None:
-    """Copy the database as committed now into a new WAL-mode file. The online backup copies page
-    for page, so every row of the copy sits on the page it sat on."""
+def snapshot(path: Path, copy: Path) -> int:
+    """Copy the database as committed now into a new WAL-mode file, and return how many frames the
+    original's WAL file holds (0 without one): replay() grows the copy's WAL that far, so that its
+    commits reuse it as the original's did. The online backup copies page for page, so every row of
+    the copy sits on the page it sat on."""
     src, dst = sqlite3.connect(path), sqlite3.connect(copy)
     try:
         src.backup(dst)
         dst.execute("PRAGMA journal_mode = WAL")
+        page_size = int(src.execute("PRAGMA page_size").fetchone()[0])
     finally:
         src.close()
         dst.close()
+    try:
+        wal_bytes = Path(f"{path}-wal").stat().st_size
+    except FileNotFoundError:
+        return 0
+    return max(0, wal_bytes - WAL_HEADER_BYTES) // (WAL_FRAME_HEADER_BYTES + page_size)
+
+
+# SQLite's WAL file layout (https://www.sqlite.org/fileformat.html#the_write_ahead_log).
+WAL_HEADER_BYTES = 32
+WAL_FRAME_HEADER_BYTES = 24
+
+
+def warm_wal(conn: sqlite3.Connection, wal: Path, frames: int) -> None:
+    """Grow the WAL of `conn`'s database to at least `frames` frames and checkpoint it, so that the
+    next commits write over frames the file already has instead of growing it (see floor()), with
+    every row as it was: each commit rewrites page 1 only, setting user_version to its own value.
+    Without fsyncs and autocheckpoints meanwhile; the connection's settings are put back after."""
+    sync = conn.execute("PRAGMA synchronous").fetchone()[0]
+    limit = conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0]
+    version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    conn.execute("PRAGMA synchronous = OFF")
+    conn.execute("PRAGMA wal_autocheckpoint = 0")
+    try:
+        page = int(conn.execute("PRAGMA page_size").fetchone()[0])
+        want = WAL_HEADER_BYTES + frames * (WAL_FRAME_HEADER_BYTES + page)
+        while not wal.exists() or wal.stat().st_size < want:
+            conn.execute(f"PRAGMA user_version = {version}")
+        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+    finally:
+        conn.execute(f"PRAGMA wal_autocheckpoint = {int(limit)}")
+        conn.execute(f"PRAGMA synchronous = {int(sync)}")
 
 
 # A recorded statement: its text, its parameters, and what it did (rowcount, hash of the rows returned).
@@ -269,23 +303,33 @@ class Replayed:
     turns: int
 
 
-def replay(copy: Path, recorded: list[Recorded], turn_ends: list[int]) -> Replayed:
+def reused_wal(timed: int, turns: int) -> str:
+    """Which replayed turns a Replayed median is over, as the reports print it."""
+    if timed == 0:
+        return f"over all {turns} turns, every one of which grew the copy's WAL (about twice a commit's cost)"
+    return f"over the {timed} of {turns} turns that reused the copy's WAL"
+
+
+def replay(copy: Path, recorded: list[Recorded], turn_ends: list[int], wal_frames: int = 0) -> Replayed:
     """Run recorded statements again on `copy`, a snapshot taken just before them, by one connection
     on a dedicated thread as the engine's store runs them. `turn_ends[i]` is how many statements had
     been recorded when turn i ended.
 
     Each statement meets the state it met the first time, so it does the same work and writes the
-    same pages; one whose rowcount or rows differ raises ReplayDiverged. The copy's WAL starts empty:
-    a turn that grew it (about twice the cost of one that reuses it, see floor()) is left out of the
-    median, as the timed turns and the floor reuse theirs."""
+    same pages; one whose rowcount or rows differ raises ReplayDiverged. The copy's WAL is first
+    grown to `wal_frames` frames (what snapshot() returned: the original's) and checkpointed
+    (warm_wal). A turn that still grew it (about twice the cost of one that reuses it, see floor())
+    is left out of the median, as the timed turns and the floor reuse theirs."""
     latencies: list[tuple[float, bool]] = []
     cpu: list[float] = []
     failed: list[BaseException] = []
 
     def run() -> None:
         conn = sqlite3.connect(copy, isolation_level=None, check_same_thread=False)
-        wal = WalWarmth(copy)
         try:
+            if wal_frames:
+                warm_wal(conn, Path(f"{copy}-wal"), wal_frames)
+            wal = WalWarmth(copy)
             cursor = conn.cursor()
             start = 0
             cpu0 = time.thread_time()

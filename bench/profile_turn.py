@@ -1,8 +1,9 @@
 """Profile one agent turn in-process: CPU per turn, store operations, commits and fsyncs per turn.
 
-Runs agent_turn.py's dex turn (scripted runner, or the built-in loop with --builtin) on one SQLite
-file, N turns one after another (or spread over --sessions sessions at once), after warm-up turns,
-and prints what a turn costs in the quantities that stay stable on a loaded machine:
+Runs agent_turn.py's dex turn (scripted runner, the built-in loop with --builtin, or with
+--engine-shape the turn's Steps on the bare engine, no agent layer) on one SQLite file, N turns one
+after another (or spread over --sessions sessions at once), after warm-up turns, and prints what a
+turn costs in the quantities that stay stable on a loaded machine:
 
 - CPU ms per turn: the whole process, the event loop thread (its user and system time) and the
   SQLite thread separately;
@@ -45,19 +46,19 @@ from typing import Any
 
 from agent_turn import (
     TURNS_PER_SEQUENTIAL_SESSION,
-    USER_TEXT,
     CommitCounter,
+    DexTurn,
     TurnWatcher,
     builtin_loop_flow,
+    engine_shape_flow,
     scripted_runner_flow,
     sequential_plan,
     session_plan,
 )
-from dex_agents import AgentSessionClient, AgentSessionFlow
 from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions
 from dex_engine._sqlite_store import SqliteStore
 from dex_engine._transitions import Db
-from engine_steps import Recorded, RecordingConnection, Rows, WalWarmth, floor, replay, snapshot
+from engine_steps import Recorded, RecordingConnection, Rows, WalWarmth, floor, replay, reused_wal, snapshot
 
 
 def wal_size(wal: Path) -> int:
@@ -198,27 +199,28 @@ async def run(args: argparse.Namespace, path: Path) -> None:
     counter = None if args.no_count else CommitCounter()
     store = ProfilingStore(url, counter, args.profile_db, args.sql, args.wal_frames, record=args.replay)
     wal = Path(f"{path}-wal")
-    watcher = TurnWatcher(None)
-    make: Callable[[TurnWatcher], AgentSessionFlow] = builtin_loop_flow if args.builtin else scripted_runner_flow
-    flow = make(watcher)
-    registry = Registry([flow])
+    watcher = TurnWatcher()
+    make: Callable[[TurnWatcher], DexTurn] = (builtin_loop_flow if args.builtin else
+                                              engine_shape_flow if args.engine_shape else scripted_runner_flow)
+    turn = make(watcher)
+    registry = Registry([turn.flow])
     client = AsyncClient(registry, store=store)
-    watcher.client = client
-    agents = AgentSessionClient(client, flow)
+    calls = turn.bind(client)
+    watcher.ended = calls.ended
     store.add_commit_listener(watcher.on_commit)
     plan = (sequential_plan(args.turns, args.session_turns) if args.sessions == 1
             else session_plan(args.turns, args.sessions))
     options = WorkerOptions(database_url=url, max_concurrent_tasks=max(64, 4 * len(plan)), poll_seconds=args.poll)
 
     async def start(session_id: str) -> None:
-        await agents.start_session(session_id)
+        await calls.start(session_id)
         await watcher.wait_started(session_id)
 
     turn_ends: list[int] = []  # with --replay: how many statements were recorded when each turn ended
 
     async def turns(session_id: str, count: int, first: int = 0) -> None:
         for done in range(first, first + count):
-            await agents.send_user_message(session_id, USER_TEXT)
+            await calls.send(session_id)
             await watcher.wait_turn(session_id, done + 1)
             if store.profiling and store.recorded is not None:
                 turn_ends.append(len(store.recorded))
@@ -232,8 +234,7 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         for n in WalWarmth(None if args.wal_frames else path).rounds(args.warmup):
             await turns("warmup", 1, first=n)
         await asyncio.gather(*(start(s) for s in ids))
-        if args.replay:
-            snapshot(path, path.with_name("replay.db"))
+        replay_wal = snapshot(path, path.with_name("replay.db")) if args.replay else 0
         commits0, ops0, batches0 = _totals(counter), collections.Counter(store.ops), store.batches
         inlined0 = store.inlined
         wal0 = wal_size(wal)
@@ -273,14 +274,16 @@ async def run(args: argparse.Namespace, path: Path) -> None:
     handoff_wall, handoff_cpu = await handoff_floor(FLOOR_SAMPLES)
     replayed = None
     if store.recorded is not None and args.sessions == 1:
-        replayed = replay(path.with_name("replay.db"), store.recorded, turn_ends)
+        replayed = replay(path.with_name("replay.db"), store.recorded, turn_ends, replay_wal)
     if args.history:
         print(f"history of {ids[-1]}, last {args.history} events:")
         for h in history[-args.history:]:
             print(f"  {h.at_ms % 100000:>6} {h.event_type:<18} {h.step_execution_id:<28} #{h.attempt} {h.detail[:50]}")
 
     n = args.turns
-    print(f"{n} turns, {args.sessions} session(s) at once, {'built-in loop' if args.builtin else 'scripted runner'}, "
+    kind = "built-in loop" if args.builtin else "the turn's Steps on the bare engine" if args.engine_shape else (
+        "scripted runner")
+    print(f"{n} turns, {args.sessions} session(s) at once, {kind}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"wall {wall / n * 1e3:.2f} ms/turn ({n / wall:.1f} turns/s)")
     print(f"CPU  {cpu / n * 1e3:.2f} ms/turn (event loop thread {main_cpu / n / 1e6:.2f}: user {user / n * 1e3:.2f}, "
@@ -311,7 +314,7 @@ async def run(args: argparse.Namespace, path: Path) -> None:
     if replayed is not None:
         print(f"the turns' {len(store.recorded or ()) / n:.1f} statements a turn, replayed alone on a copy of the "
               f"database: median {replayed.median * 1e3:.3f} ms a turn ({replayed.median / commit_wall:.1f}x the bare "
-              f"commit; over the {replayed.timed} of {replayed.turns} turns that reused the copy's WAL), "
+              f"commit; {reused_wal(replayed.timed, replayed.turns)}), "
               f"{replayed.cpu * 1e3:.3f} ms CPU; of the turn's {wall / n * 1e3:.2f} ms wall and "
               f"{cpu / n * 1e3:.2f} ms CPU")
     if counter is not None and args.sessions == 1:
@@ -381,7 +384,10 @@ def main() -> None:
     parser.add_argument("--session-turns", type=int, default=TURNS_PER_SEQUENTIAL_SESSION,
                         help="sequential turns per session before a fresh one (a long session's turns cost more)")
     parser.add_argument("--poll", type=float, default=0.02, help="WorkerOptions.poll_seconds")
-    parser.add_argument("--builtin", action="store_true", help="the built-in loop instead of the scripted runner")
+    turn = parser.add_mutually_exclusive_group()
+    turn.add_argument("--builtin", action="store_true", help="the built-in loop instead of the scripted runner")
+    turn.add_argument("--engine-shape", action="store_true",
+                      help="the turn's Steps, waits and commits on the bare engine, with no agent layer")
     parser.add_argument("--profile", action="store_true", help="cProfile the event loop thread")
     parser.add_argument("--profile-db", action="store_true", help="cProfile the SQLite thread's batches")
     parser.add_argument("--sort", default="tottime", choices=["tottime", "cumulative", "ncalls"])

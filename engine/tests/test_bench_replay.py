@@ -96,3 +96,32 @@ def test_turns_that_grew_the_copys_wal_are_left_out_of_the_median(tmp_path: Path
     snapshot(original, tmp_path / "again.db")
     grown = replay(tmp_path / "again.db", *_turns(tmp_path / "original.db", "PRAGMA wal_autocheckpoint = 0"))
     assert (grown.timed, grown.turns) == (0, TURNS), grown
+
+
+def test_a_copy_whose_wal_is_grown_like_the_originals_reuses_it_in_every_turn(tmp_path: Path) -> None:
+    """snapshot() counts the frames of the original's WAL, and replay() grows the copy's to as many
+    and checkpoints it first, so no replayed turn pays for growing the file, and no row changes.
+    Catches: a frame count of 0 for a WAL that has frames, warming that leaves the WAL uncheckpointed
+    (the first turns would grow it), and warming that changes the database."""
+    original, copy = tmp_path / "original.db", tmp_path / "copy.db"
+    _database(original)
+    holder = sqlite3.connect(original, isolation_level=None)  # keeps the WAL file when others close
+    try:
+        holder.execute("PRAGMA wal_autocheckpoint = 0")
+        holder.execute("PRAGMA user_version = 7")
+        for n in range(40):
+            holder.execute("INSERT INTO u (t_id) VALUES (?)", (-n,))
+        frames = snapshot(original, copy)
+        assert frames >= 41, frames  # each commit wrote at least one frame
+        recorded, ends = _turns(original)
+    finally:
+        holder.close()
+    assert snapshot(tmp_path / "no-wal.db", tmp_path / "no-wal-copy.db") == 0
+    replayed = replay(copy, recorded, ends, frames)
+    assert (replayed.timed, replayed.turns) == (TURNS, TURNS), replayed
+    assert _dump(copy) == _dump(original)
+    conn = sqlite3.connect(copy)
+    try:
+        assert conn.execute("PRAGMA user_version").fetchone() == (7,)
+    finally:
+        conn.close()
