@@ -1,0 +1,70 @@
+"""bench/agent_turn.py's dex-engine row stands for the engine's share of dex's turn only while it
+runs the Steps, waits and commits dex's turn runs; these tests hold it to that, so that a change to
+AgentSessionFlow's Step shape shows up here instead of as a quietly wrong benchmark figure. They
+also run the sequential counting pass end to end: commits counted, statements recorded and replayed
+on a copy whose WAL was grown like the original's."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import agent_turn  # bench/ is not a package; LangGraph and DBOS are imported lazily
+from agent_turn import CommitCounter, DexTurn, TurnWatcher, dex_phase
+from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions, open_store
+
+TURNS = 3
+
+
+async def _history(url: str, make: Callable[[TurnWatcher], DexTurn]) -> list[tuple[str, str]]:
+    """Every history event of one session after TURNS turns, as (event type, Step execution ID)."""
+    store = open_store(url)
+    watcher = TurnWatcher()
+    turn = make(watcher)
+    registry = Registry([turn.flow])
+    client = AsyncClient(registry, store=store)
+    calls = turn.bind(client)
+    watcher.ended = calls.ended
+    store.add_commit_listener(watcher.on_commit)
+    try:
+        async with AsyncWorker(registry, WorkerOptions(database_url=url), store=store):
+            await calls.start("s")
+            await asyncio.wait_for(watcher.wait_started("s"), 30)
+            for done in range(TURNS):
+                await calls.send("s")
+                await asyncio.wait_for(watcher.wait_turn("s", done + 1), 30)
+            history = await client.get_flow_history("s")
+    finally:
+        store.remove_commit_listener(watcher.on_commit)
+        await store.close()
+    return [(h.event_type, h.step_execution_id) for h in history]
+
+
+async def test_the_engine_shape_runs_the_steps_and_waits_of_dexs_turn(tmp_path: Path) -> None:
+    """Catches: a Step, wait or fold of the agent turn that the engine shape lacks or adds (an
+    unfolded Execute, a wait registered in a commit of its own, a Step renamed)."""
+    agent = await _history(f"sqlite:///{tmp_path / 'agent.db'}", agent_turn.scripted_runner_flow)
+    shape = await _history(f"sqlite:///{tmp_path / 'shape.db'}", agent_turn.engine_shape_flow)
+    assert ("execute_completed", f"RunModel-{2 * TURNS}") in agent
+    assert shape == agent
+
+
+@pytest.mark.parametrize("name", ["dex", "dex-engine"])
+async def test_a_counted_sequential_pass_counts_dexs_four_commits_and_replays_its_statements(
+    tmp_path: Path, name: str,
+) -> None:
+    """Catches: a shape that commits other than four times a turn, and a replay whose copy's WAL
+    was not grown (its turns would all grow it, and none be timed)."""
+    make, _note = agent_turn.DEX_SYSTEMS[name]
+    counter = CommitCounter()
+    result = await dex_phase(f"sqlite:///{tmp_path / 'count.db'}", [8], "t", False, make, counter)
+    assert result.turns == 8
+    assert (result.commits, result.fsyncs) == (4 * 8, 4 * 8)
+    assert result.replayed is not None
+    assert result.replayed.turns == 8 and result.replayed.timed >= 7, result.replayed
+    assert result.replay_statements > 40
