@@ -84,6 +84,7 @@ from dex_agents import (
     DeferredToolExecution,
     FrameworkMessage,
     MessageRole,
+    RunModelLimit,
     ToolCallsRequested,
     ToolEffect,
     ToolExecutionResult,
@@ -91,6 +92,7 @@ from dex_agents import (
     TurnCompleted,
     describe_tool_call_outcome,
 )
+from dex_agents._constants import RUN_MODEL_HEARTBEAT_TIMEOUT
 from dex_agents.builtin_loop import (
     AgentDefinition,
     InstructionContext,
@@ -513,9 +515,13 @@ def engine_shape_flow(watcher: TurnWatcher, flow_type: str = "BenchShape") -> De
         return StepOptions(durability=_SHAPE_SYNC, wait_for_load=LoadOptions.none(),
                            execute_load=LoadOptions.none(), execute_locks=(lock,))
 
+    limit = RunModelLimit()  # dex's RunModel options by default (AgentSessionFlow)
     run_model_options = StepOptions(
-        durability=_SHAPE_SYNC, load=LoadOptions.only(SHAPE_TURNS), execute_timeout_seconds=15 * 60,
-        heartbeat_timeout_seconds=2 * 60, execute_retry=RetryPolicy(max_attempts=3, total_duration_seconds=30 * 60))
+        durability=_SHAPE_SYNC, load=LoadOptions.only(SHAPE_TURNS),
+        execute_timeout_seconds=limit.timeout.total_seconds(),
+        heartbeat_timeout_seconds=RUN_MODEL_HEARTBEAT_TIMEOUT.total_seconds(),
+        execute_retry=RetryPolicy(max_attempts=limit.max_attempts,
+                                  total_duration_seconds=limit.retry_budget.total_seconds()))
     flow = Flow(flow_type, [
         Step("StartAgentSession", start_session, input_type=type(None), options=_SHAPE_NOTHING),
         Step("AwaitUserMessage", await_user_message, wait_for=await_user_message_wait, input_type=type(None),
