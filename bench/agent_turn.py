@@ -124,6 +124,7 @@ from dex_engine import (
     rpc,
 )
 from dex_engine._sqlite_store import SqliteStore
+from dex_engine._store import Store
 
 # The floors are engine_steps.py's measurements, so both benchmarks compare against the same thing.
 from engine_steps import (
@@ -360,6 +361,33 @@ class DexTurn:
     bind: Callable[[AsyncClient], TurnCalls]
 
 
+@dataclass(frozen=True)
+class BoundTurn:
+    """A dex turn wired to a store: its registry and client, its calls, and the watcher that the
+    store's commits wake (until unbind())."""
+
+    store: Store
+    registry: Registry
+    client: AsyncClient
+    calls: TurnCalls
+    watcher: TurnWatcher
+
+    def unbind(self) -> None:
+        self.store.remove_commit_listener(self.watcher.on_commit)
+
+
+def bind_turn(store: Store, make: Callable[[TurnWatcher], DexTurn]) -> BoundTurn:
+    """The turn `make` builds, with a client on `store` and a watcher of its commits."""
+    watcher = TurnWatcher()
+    turn = make(watcher)
+    registry = Registry([turn.flow])
+    client = AsyncClient(registry, store=store)
+    calls = turn.bind(client)
+    watcher.ended = calls.ended
+    store.add_commit_listener(watcher.on_commit)
+    return BoundTurn(store, registry, client, calls, watcher)
+
+
 def agent_calls(flow: AgentSessionFlow) -> Callable[[AsyncClient], TurnCalls]:
     """An agent session's calls: start_session, send_user_message, AgentState.turn_count."""
 
@@ -557,13 +585,8 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
     postgres = url.startswith("postgresql")
     store = (open_store(url) if postgres else
              SqliteStore(url) if counter is None else CountingSqliteStore(url, counter))
-    watcher = TurnWatcher()
-    turn = make_turn(watcher)
-    registry = Registry([turn.flow])
-    client = AsyncClient(registry, store=store)
-    calls = turn.bind(client)
-    watcher.ended = calls.ended
-    store.add_commit_listener(watcher.on_commit)
+    bound = bind_turn(store, make_turn)
+    watcher, registry, calls = bound.watcher, bound.registry, bound.calls
     # Each session has at most one Step running at a time; leave headroom as the tests do.
     options = WorkerOptions(database_url=url, max_concurrent_tasks=max(64, 4 * len(plan)))
     latencies: list[float] = []
@@ -616,7 +639,7 @@ async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool
             after = (0, 0) if counter is None else counter.totals()
             sent = {k: v - sent0.get(k, 0) for k, v in pg_counts.items()}
     finally:
-        store.remove_commit_listener(watcher.on_commit)
+        bound.unbind()
         await store.close()
     result = PhaseResult(latencies, wall, cpu, after[0] - before[0], after[1] - before[1],
                          transactions=sent.get("commit", 0), round_trips=sent.get("round_trips", 0),

@@ -49,13 +49,14 @@ from agent_turn import (
     CommitCounter,
     DexTurn,
     TurnWatcher,
+    bind_turn,
     builtin_loop_flow,
     engine_shape_flow,
     scripted_runner_flow,
     sequential_plan,
     session_plan,
 )
-from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions
+from dex_engine import AsyncWorker, WorkerOptions
 from dex_engine._sqlite_store import SqliteStore
 from dex_engine._transitions import Db
 from engine_steps import Recorded, RecordingConnection, Rows, WalWarmth, floor, replay, reused_wal, snapshot
@@ -199,15 +200,10 @@ async def run(args: argparse.Namespace, path: Path) -> None:
     counter = None if args.no_count else CommitCounter()
     store = ProfilingStore(url, counter, args.profile_db, args.sql, args.wal_frames, record=args.replay)
     wal = Path(f"{path}-wal")
-    watcher = TurnWatcher()
     make: Callable[[TurnWatcher], DexTurn] = (builtin_loop_flow if args.builtin else
                                               engine_shape_flow if args.engine_shape else scripted_runner_flow)
-    turn = make(watcher)
-    registry = Registry([turn.flow])
-    client = AsyncClient(registry, store=store)
-    calls = turn.bind(client)
-    watcher.ended = calls.ended
-    store.add_commit_listener(watcher.on_commit)
+    bound = bind_turn(store, make)
+    watcher, registry, client, calls = bound.watcher, bound.registry, bound.client, bound.calls
     plan = (sequential_plan(args.turns, args.session_turns) if args.sessions == 1
             else session_plan(args.turns, args.sessions))
     options = WorkerOptions(database_url=url, max_concurrent_tasks=max(64, 4 * len(plan)), poll_seconds=args.poll)
@@ -264,7 +260,7 @@ async def run(args: argparse.Namespace, path: Path) -> None:
         inlined = store.inlined - inlined0
         if args.history:
             history = await client.get_flow_history(ids[-1])
-    store.remove_commit_listener(watcher.on_commit)
+    bound.unbind()
     await store.close()
     commit_wall, commit_cpu = commit_floor(path.with_name("floor.db"), FLOOR_SAMPLES)
     # As many WAL pages as one of a turn's commits writes, most of them pages that exist (as a turn's

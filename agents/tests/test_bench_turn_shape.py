@@ -15,8 +15,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import agent_turn  # bench/ is not a package; LangGraph and DBOS are imported lazily
-from agent_turn import CommitCounter, DexTurn, TurnWatcher, dex_phase
-from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions, open_store
+from agent_turn import CommitCounter, DexTurn, TurnWatcher, bind_turn, dex_phase
+from dex_engine import AsyncWorker, WorkerOptions, open_store
 
 TURNS = 3
 
@@ -24,23 +24,18 @@ TURNS = 3
 async def _history(url: str, make: Callable[[TurnWatcher], DexTurn]) -> list[tuple[str, str]]:
     """Every history event of one session after TURNS turns, as (event type, Step execution ID)."""
     store = open_store(url)
-    watcher = TurnWatcher()
-    turn = make(watcher)
-    registry = Registry([turn.flow])
-    client = AsyncClient(registry, store=store)
-    calls = turn.bind(client)
-    watcher.ended = calls.ended
-    store.add_commit_listener(watcher.on_commit)
+    bound = bind_turn(store, make)
+    watcher, calls = bound.watcher, bound.calls
     try:
-        async with AsyncWorker(registry, WorkerOptions(database_url=url), store=store):
+        async with AsyncWorker(bound.registry, WorkerOptions(database_url=url), store=store):
             await calls.start("s")
             await asyncio.wait_for(watcher.wait_started("s"), 30)
             for done in range(TURNS):
                 await calls.send("s")
                 await asyncio.wait_for(watcher.wait_turn("s", done + 1), 30)
-            history = await client.get_flow_history("s")
+            history = await bound.client.get_flow_history("s")
     finally:
-        store.remove_commit_listener(watcher.on_commit)
+        bound.unbind()
         await store.close()
     return [(h.event_type, h.step_execution_id) for h in history]
 
