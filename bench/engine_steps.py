@@ -229,6 +229,9 @@ def warm_wal(conn: sqlite3.Connection, wal: Path, frames: int) -> None:
     next commits write over frames the file already has instead of growing it (see floor()), with
     every row as it was: each commit rewrites page 1 only, setting user_version to its own value.
     Without fsyncs and autocheckpoints meanwhile; the connection's settings are put back after."""
+    mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+    if str(mode).lower() != "wal":
+        raise ValueError(f"warm_wal needs a database in WAL mode; {wal.name[:-4]} is in journal mode {mode!r}")
     sync = conn.execute("PRAGMA synchronous").fetchone()[0]
     limit = conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0]
     version = int(conn.execute("PRAGMA user_version").fetchone()[0])
@@ -237,7 +240,9 @@ def warm_wal(conn: sqlite3.Connection, wal: Path, frames: int) -> None:
     try:
         page = int(conn.execute("PRAGMA page_size").fetchone()[0])
         want = WAL_HEADER_BYTES + frames * (WAL_FRAME_HEADER_BYTES + page)
-        while not wal.exists() or wal.stat().st_size < want:
+        for _ in range(frames):  # each commit appends at least one frame
+            if wal.exists() and wal.stat().st_size >= want:
+                break
             conn.execute(f"PRAGMA user_version = {version}")
         conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
     finally:

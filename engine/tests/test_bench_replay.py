@@ -9,7 +9,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from bench.engine_steps import Recorded, RecordingConnection, ReplayDiverged, replay, snapshot
+from bench.engine_steps import Recorded, RecordingConnection, ReplayDiverged, replay, snapshot, warm_wal
 
 TURNS = 6
 
@@ -123,5 +123,17 @@ def test_a_copy_whose_wal_is_grown_like_the_originals_reuses_it_in_every_turn(tm
     conn = sqlite3.connect(copy)
     try:
         assert conn.execute("PRAGMA user_version").fetchone() == (7,)
+    finally:
+        conn.close()
+
+
+def test_warming_a_database_not_in_wal_mode_is_refused(tmp_path: Path) -> None:
+    """Its commits would never grow a WAL file: refused, rather than written to without end."""
+    path = tmp_path / "rollback.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("CREATE TABLE t (v TEXT)")
+        with pytest.raises(ValueError, match=r"WAL mode; rollback.db is in journal mode 'delete'"):
+            warm_wal(conn, Path(f"{path}-wal"), 10)
     finally:
         conn.close()
