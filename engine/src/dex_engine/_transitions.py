@@ -205,6 +205,7 @@ def flow_status(db: Db, flow_id: str) -> tuple[str, str]:
 
 # The columns of a flow row an SQLite operation keeps for its duration (_know_flow_row), read with it.
 _FLOW_STATE = "step_counters, streams, version, created_at, history_seq"
+_FLOW_STATE_OF_F = ", ".join("f." + c for c in _FLOW_STATE.split(", "))  # the same, of `flows f` in a join
 
 
 def require_running(db: Db, flow_id: str, *, lock: bool = True) -> str:
@@ -844,7 +845,7 @@ def claim_deferred(db: Db, worker_id: str, flow_types: Sequence[str], capacity: 
                f"AND flow_type IN ({_in(flow_types)}) ORDER BY run_at, task_id LIMIT ?{db.skip_locked}")
     else:
         # With the flow row's state, as every SQLite operation keeps it (_know_flow_row).
-        sql = (f"SELECT {_CLAIM_COLS}, {', '.join('f.' + c for c in _FLOW_STATE.split(', '))} "
+        sql = (f"SELECT {_CLAIM_COLS}, {_FLOW_STATE_OF_F} "
                "FROM tasks t JOIN flows f ON f.flow_id = t.flow_id WHERE t.state = 'ready' AND t.run_at <= ? "
                f"AND t.flow_type IN ({_in(flow_types)}) ORDER BY t.run_at, t.task_id LIMIT ?")
     rows = db.all(sql, (now, *flow_types, capacity * 4))
@@ -945,7 +946,7 @@ def _check_lease(db: Db, lease: Lease, live: bool, deferred: bool = False) -> _L
     others_live = ("EXISTS (SELECT 1 FROM tasks s WHERE s.flow_id = f.flow_id AND s.snapshot = ? "
                    "AND s.task_id <> t.task_id)" if live else "1")
     postgres = _on_postgres(db)
-    row_state = "" if postgres else ", " + ", ".join("f." + c for c in _FLOW_STATE.split(", "))
+    row_state = "" if postgres else ", " + _FLOW_STATE_OF_F
     row = db.one(
         f"SELECT t.state, t.lease_epoch, f.status, f.config, f.completing, {others_live}{row_state} FROM flows f "
         f"JOIN tasks t ON t.flow_id = f.flow_id WHERE f.flow_id = ? AND t.task_id = ?{db.for_update}",
