@@ -269,7 +269,7 @@ async def run(args: argparse.Namespace, path: Path) -> None:
     heavy_wall, heavy_cpu = commit_floor(path.with_name("floor-heavy.db"), FLOOR_SAMPLES, heavy_pages)
     handoff_wall, handoff_cpu = await handoff_floor(FLOOR_SAMPLES)
     replayed = None
-    if store.recorded is not None and args.sessions == 1:
+    if store.recorded is not None:
         replayed = replay(path.with_name("replay.db"), store.recorded, turn_ends, replay_wal)
     if args.history:
         print(f"history of {ids[-1]}, last {args.history} events:")
@@ -393,13 +393,15 @@ def main() -> None:
     parser.add_argument("--wal-frames", action="store_true", help="turn WAL checkpoints off and count pages written")
     parser.add_argument("--sql", action="store_true", help="CPU time per SQL statement text")
     parser.add_argument("--replay", action="store_true",
-                        help="run the turns' SQL statements again on a copy of the database, alone (one session)")
+                        help="run the turns' SQL statements again on a copy of the database, alone (--sessions 1)")
     parser.add_argument("--no-count", action="store_true",
                         help="leave the commit counter (an SQLite trace callback, which costs CPU) off")
     parser.add_argument("--wall", action="store_true", help="profile wall time instead of thread CPU time")
     args = parser.parse_args()
     if args.session_turns < 1:
         parser.error(f"--session-turns must be at least 1 (turns per session), got {args.session_turns}")
+    if args.replay and args.sessions != 1:
+        parser.error(f"--replay replays sequential turns: it needs --sessions 1, got --sessions {args.sessions}")
     if args.wall:
         _CLOCK[0] = time.perf_counter
     with tempfile.TemporaryDirectory(prefix="dex-profile-turn-") as tmp:
