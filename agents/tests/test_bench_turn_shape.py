@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import agent_turn  # bench/ is not a package; LangGraph and DBOS are imported lazily
 from agent_turn import CommitCounter, DexTurn, TurnWatcher, bind_turn, dex_phase
 from dex_engine import AsyncWorker, WorkerOptions, open_store
+from engine_steps import reused_wal
 
 TURNS = 3
 
@@ -63,3 +64,29 @@ async def test_a_counted_sequential_pass_counts_dexs_four_commits_and_replays_it
     assert result.replayed is not None
     assert result.replayed.turns == 8 and result.replayed.timed >= 7, result.replayed
     assert result.replay_statements > 40
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--session-turns", "0"], "--session-turns must be at least 1 (turns per session), got 0"),
+    (["--replay", "--sessions", "4"], "--replay replays sequential turns: it needs --sessions 1, got --sessions 4"),
+    (["--builtin", "--engine-shape"], "argument --engine-shape: not allowed with argument --builtin"),
+])
+def test_profile_turn_refuses_bad_arguments_before_running_anything(
+    argv: list[str], error: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Catches: a replay asked of concurrent sessions that records everything and prints nothing, a
+    division by zero turns per session, a turn that is both the built-in loop and the bare engine."""
+    import profile_turn
+
+    monkeypatch.setattr(sys, "argv", ["profile_turn.py", *argv])
+    with pytest.raises(SystemExit) as exited:
+        profile_turn.main()
+    assert exited.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+def test_a_replay_says_which_turns_its_median_is_over() -> None:
+    """Catches: a median over WAL-growing turns reported as over reused ones."""
+    assert reused_wal(31, 32) == "over the 31 of 32 turns that reused the copy's WAL"
+    assert reused_wal(0, 32) == (
+        "over all 32 turns, every one of which grew the copy's WAL (about twice a commit's cost)")
