@@ -133,6 +133,7 @@ from engine_steps import (
     Replayed,
     WalWarmth,
     _count_statements,
+    commit_split,
     drop_pg_database,
     floor,
     fresh_pg_database,
@@ -949,6 +950,8 @@ def summary(result: SystemResult, floor_median: float) -> dict[str, Any]:
         "replay_median_ms": None if seq.replayed is None else seq.replayed.median * 1e3,
         "replay_x_floor": None if seq.replayed is None else seq.replayed.median / floor_median,
         "replay_turns": None if seq.replayed is None else [seq.replayed.timed, seq.replayed.turns],
+        "replay_commit_ms": None if seq.replayed is None else seq.replayed.commit_median * 1e3,
+        "replay_commits_per_turn": None if seq.replayed is None else seq.replayed.commits,
         "replay_statements_per_turn": seq.replay_statements,
     }
 
@@ -1040,7 +1043,9 @@ def print_table(rows: list[dict[str, Any]], floors: FloorSlices, sessions: int,
         print(f"\n{what}, replayed alone: the {row['replay_statements_per_turn']:.1f} statements of a sequential"
               " turn (the counting pass's, run again on a copy of its database taken before it, on one connection"
               f" with no engine or agent code): median {row['replay_median_ms']:.2f} ms a turn,"
-              f" {row['replay_x_floor']:.1f}x floor, {reused_wal(*row['replay_turns'])}")
+              f" {row['replay_x_floor']:.1f}x floor, {reused_wal(*row['replay_turns'])}; "
+              + commit_split(row["replay_median_ms"] / 1e3, row["replay_commit_ms"] / 1e3,
+                             row["replay_commits_per_turn"], floors.median))
     if dex is not None and engine is not None:
         agent_ms = dex["sequential_median_ms"] - engine["sequential_median_ms"]
         print(f"\nof dex's sequential median, the bare engine's Steps (dex-engine) take {engine['x_floor']:.1f} floors"

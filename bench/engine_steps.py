@@ -300,12 +300,25 @@ class ReplayDiverged(AssertionError):
 class Replayed:
     """What replay() measured: the median wall seconds of one turn's statements over the turns that
     reused the copy's WAL (`timed` of `turns`; all of them when none did), and the mean thread CPU
-    seconds a turn."""
+    seconds a turn. `commit_median` is the median, over the same turns, of the seconds a turn spent
+    in the COMMITs of transactions that changed rows (`commits` of them a turn, on average): what
+    the turn's durable commits cost, apart from its other statements."""
 
     median: float
     cpu: float
     timed: int
     turns: int
+    commit_median: float
+    commits: float
+
+
+def commit_split(median: float, commit_median: float, commits: float, floor: float) -> str:
+    """How a replayed turn's median splits between its data-changing COMMITs and its other
+    statements, as the reports print it (seconds in, `floor` the bare commit's)."""
+    each = commit_median / commits if commits else 0.0
+    return (f"its {commits:.1f} data-changing COMMITs take {commit_median * 1e3:.2f} ms of it ({each * 1e3:.3f} ms"
+            f" each, {each / floor:.2f}x the floor's commit) and its other statements"
+            f" {(median - commit_median) * 1e3:.2f} ms ({(median - commit_median) / floor:.1f} floors)")
 
 
 def reused_wal(timed: int, turns: int) -> str:
@@ -326,6 +339,8 @@ def replay(copy: Path, recorded: list[Recorded], turn_ends: list[int], wal_frame
     (warm_wal). A turn that still grew it (about twice the cost of one that reuses it, see floor())
     is left out of the median, as the timed turns and the floor reuse theirs."""
     latencies: list[tuple[float, bool]] = []
+    commit_seconds: list[float] = []  # a turn's data-changing COMMITs, turn by turn
+    commit_counts: list[int] = []
     cpu: list[float] = []
     failed: list[BaseException] = []
 
@@ -338,11 +353,23 @@ def replay(copy: Path, recorded: list[Recorded], turn_ends: list[int], wal_frame
             cursor = conn.cursor()
             start = 0
             cpu0 = time.thread_time()
+            changes = conn.total_changes  # at the last BEGIN: a COMMIT after more wrote rows
             for end in turn_ends:
                 t = time.perf_counter()
+                in_commits, commits = 0.0, 0
                 for i in range(start, end):
                     sql, params, (rowcount, rows) = recorded[i]
-                    cursor.execute(sql, params)
+                    if sql.startswith("COMMIT"):
+                        wrote = conn.total_changes != changes
+                        c = time.perf_counter()
+                        cursor.execute(sql, params)
+                        if wrote:
+                            in_commits += time.perf_counter() - c
+                            commits += 1
+                    else:
+                        if sql.startswith("BEGIN"):
+                            changes = conn.total_changes
+                        cursor.execute(sql, params)
                     got = hash(tuple(cursor.fetchall()))
                     if cursor.rowcount != rowcount or got != rows:
                         raise ReplayDiverged(
@@ -351,6 +378,8 @@ def replay(copy: Path, recorded: list[Recorded], turn_ends: list[int], wal_frame
                             "ran on"
                         )
                 latencies.append((time.perf_counter() - t, wal.grew()))
+                commit_seconds.append(in_commits)
+                commit_counts.append(commits)
                 start = end
             cpu.append((time.thread_time() - cpu0) / max(1, len(turn_ends)))
         except BaseException as exc:
@@ -363,8 +392,13 @@ def replay(copy: Path, recorded: list[Recorded], turn_ends: list[int], wal_frame
     thread.join()
     if failed:
         raise failed[0]
-    reused = [t for t, grew in latencies if not grew]
-    return Replayed(statistics.median(reused or [t for t, _ in latencies]), cpu[0], len(reused), len(latencies))
+    timed = [i for i, (_, grew) in enumerate(latencies) if not grew] or list(range(len(latencies)))
+    reused = sum(1 for _, grew in latencies if not grew)
+    return Replayed(
+        median=statistics.median(latencies[i][0] for i in timed), cpu=cpu[0], timed=reused,
+        turns=len(latencies), commit_median=statistics.median(commit_seconds[i] for i in timed),
+        commits=sum(commit_counts) / max(1, len(commit_counts)),
+    )
 
 
 def pct(values: list[float], q: float) -> float:

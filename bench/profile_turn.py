@@ -59,7 +59,17 @@ from agent_turn import (
 from dex_engine import AsyncWorker, WorkerOptions
 from dex_engine._sqlite_store import SqliteStore
 from dex_engine._transitions import Db
-from engine_steps import Recorded, RecordingConnection, Rows, WalWarmth, floor, replay, reused_wal, snapshot
+from engine_steps import (
+    Recorded,
+    RecordingConnection,
+    Rows,
+    WalWarmth,
+    commit_split,
+    floor,
+    replay,
+    reused_wal,
+    snapshot,
+)
 
 
 def wal_size(wal: Path) -> int:
@@ -312,7 +322,8 @@ async def run(args: argparse.Namespace, path: Path) -> None:
               f"database: median {replayed.median * 1e3:.3f} ms a turn ({replayed.median / commit_wall:.1f}x the bare "
               f"commit; {reused_wal(replayed.timed, replayed.turns)}), "
               f"{replayed.cpu * 1e3:.3f} ms CPU; of the turn's {wall / n * 1e3:.2f} ms wall and "
-              f"{cpu / n * 1e3:.2f} ms CPU")
+              f"{cpu / n * 1e3:.2f} ms CPU; "
+              + commit_split(replayed.median, replayed.commit_median, replayed.commits, commit_wall))
     if counter is not None and args.sessions == 1:
         handoffs, fsyncs = (sum(ops.values()) - inlined) / n, (commits1[1] - commits0[1]) / n
         least = handoffs * handoff_wall + fsyncs * commit_wall

@@ -9,7 +9,15 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from bench.engine_steps import Recorded, RecordingConnection, ReplayDiverged, replay, snapshot, warm_wal
+from bench.engine_steps import (
+    Recorded,
+    RecordingConnection,
+    ReplayDiverged,
+    commit_split,
+    replay,
+    snapshot,
+    warm_wal,
+)
 
 TURNS = 6
 
@@ -137,3 +145,33 @@ def test_warming_a_database_not_in_wal_mode_is_refused(tmp_path: Path) -> None:
             warm_wal(conn, Path(f"{path}-wal"), 10)
     finally:
         conn.close()
+
+
+def test_a_replay_times_the_commits_of_transactions_that_wrote_apart_from_the_rest(tmp_path: Path) -> None:
+    """Each turn: a transaction that writes, then one that only reads. Catches: counting a read-only
+    transaction's COMMIT as a durable one, and a commit time that is the whole turn's."""
+    original, copy = tmp_path / "original.db", tmp_path / "copy.db"
+    _database(original)
+    snapshot(original, copy)
+    log: list[Recorded] = []
+    ends: list[int] = []
+    conn = RecordingConnection(sqlite3.connect(original, isolation_level=None), log)
+    conn.recording = True
+    try:
+        for turn in range(TURNS):
+            for sql, params in (("BEGIN IMMEDIATE", ()), ("INSERT INTO t (v) VALUES (?)", (f"turn {turn}",)),
+                                ("COMMIT", ()), ("BEGIN", ()), ("SELECT count(*) FROM t", ()), ("COMMIT", ())):
+                conn.execute(sql, params)
+            ends.append(len(log))
+    finally:
+        conn.close()
+    replayed = replay(copy, log, ends)
+    assert replayed.commits == 1.0, replayed
+    assert 0 < replayed.commit_median < replayed.median, replayed
+
+
+def test_the_commit_split_reads_as_the_reports_print_it() -> None:
+    """Catches: a split whose parts do not add up to the median, or a per-commit figure not divided."""
+    assert commit_split(0.0012, 0.0008, 4.0, 0.0001) == (
+        "its 4.0 data-changing COMMITs take 0.80 ms of it (0.200 ms each, 2.00x the floor's commit) and its other"
+        " statements 0.40 ms (4.0 floors)")
