@@ -1,13 +1,15 @@
 """Benchmark: one agent turn (user message, tool-asking model call, READ tool, answering model call).
 
-Runs the same turn, with instant scripted model and tool calls, on three systems in one run on
-one disk, and prints them side by side with the raw commit floor:
+Runs the same turn, with instant scripted model and tool calls, on three systems (and two
+reference rows) in one run on one disk, and prints them side by side with the raw commit floor:
 
 - dex: an AgentSessionFlow (in-process AsyncWorker and AsyncClient on one SQLite file), with a
   scripted runner (dex) and through the built-in loop (dex-builtin);
 - dex-engine, not an agent: the turn's Steps, waits, commits and client calls on the bare engine,
   with none of the agent layer's work (engine_shape_flow), to tell the engine's share of dex's turn
   from the agent layer's;
+- sqlite, not a durable-execution system: the turn's four commits and rows written straight with
+  sqlite3 (DirectTurns), what any Python system's turn costs at least;
 - LangGraph: a StateGraph compiled with SqliteSaver, invoked with durability="sync";
 - DBOS: a workflow of three steps on a SQLite system database.
 
@@ -43,7 +45,7 @@ the transactions, round trips and statements psycopg sent per turn (counted in t
 the counters are cheap next to a round trip).
 
 Run: uv run --group bench python bench/agent_turn.py [--turns N] [--sessions N] [--rounds N]
-     [--skip-builtin] [--skip-engine] [--skip-langgraph] [--skip-dbos] [--dbos-journal wal|default]
+     [--skip-builtin] [--skip-engine] [--skip-sqlite] [--skip-langgraph] [--skip-dbos] [--dbos-journal wal|default]
      [--processes N] [--pg-dsn DSN] [--json]
 (`uv sync` without the group removes LangGraph and DBOS again; where others share the .venv, set
 UV_PROJECT_ENVIRONMENT to a private one.)
@@ -73,6 +75,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, TypedDict, cast
+
+import msgspec
 
 from dex_agents import (
     AGENT_STATE,
@@ -774,6 +778,136 @@ def threaded_phase(turn: Callable[[str], float], plan: Sequence[int], prefix: st
     return PhaseResult([x for r in results for x in r], wall, cpu, after[0] - before[0], after[1] - before[1])
 
 
+# The turn's writes, straight on sqlite3 -------------------------------------------------------
+
+# A careful hand-written layout for one session's rows: each table clustered by session, so a
+# commit touches a leaf or two of each.
+_DIRECT_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, version INTEGER NOT NULL, state BLOB NOT NULL)
+    WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS items (session_id TEXT NOT NULL, name TEXT NOT NULL, key TEXT NOT NULL, value BLOB NOT NULL,
+    PRIMARY KEY (session_id, name, key)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS events (session_id TEXT NOT NULL, seq INTEGER NOT NULL, value BLOB NOT NULL,
+    PRIMARY KEY (session_id, seq)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS history (session_id TEXT NOT NULL, seq INTEGER NOT NULL, value BLOB NOT NULL,
+    PRIMARY KEY (session_id, seq)) WITHOUT ROWID;
+"""
+
+
+class DirectTurns:
+    """The turn's four durable commits and its rows, written with sqlite3 and nothing else: no
+    engine, no leases, waits, locks or recovery. What any Python system's turn costs at least.
+
+    One connection behind a lock (as SqliteSaver's), one transaction at a time. Each commit first
+    reads the session row (the version a real system would check), then writes what dex's commit
+    at that point writes: messages, the tool call record, usage, the run state, events, a history
+    entry and the session row; each model call reads every message of the session first.
+    """
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._encode = msgspec.json.Encoder().encode
+        self._decode = msgspec.json.Decoder(dict[str, Any]).decode
+
+    def _commit(self, session_id: str, messages: list[dict[str, Any]], items: list[tuple[str, str, Any]],
+                deleted: list[tuple[str, str]], events: list[dict[str, Any]], step: str) -> None:
+        """One durable commit: `messages` appended under the session's next sequences, `items` set,
+        `deleted` removed, `events` appended, a history entry and the session row written."""
+        encode, conn = self._encode, self._conn
+        with self._lock:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                row = conn.execute("SELECT version, state FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+                version, state = (0, {"next": 0, "seq": 0}) if row is None else (row[0], self._decode(row[1]))
+                first, seq = state["next"], state["seq"]
+                rows = [("messages", f"{first + i:012d}", {"sequence": first + i, **m}) for i, m in enumerate(messages)]
+                for name, key in deleted:
+                    conn.execute("DELETE FROM items WHERE session_id = ? AND name = ? AND key = ?",
+                                 (session_id, name, key))
+                conn.executemany(
+                    "INSERT INTO items VALUES (?, ?, ?, ?) ON CONFLICT (session_id, name, key) DO UPDATE SET"
+                    " value = excluded.value",
+                    [(session_id, name, key, encode(value)) for name, key, value in [*rows, *items]])
+                conn.executemany("INSERT INTO events VALUES (?, ?, ?)",
+                                 [(session_id, seq + i + 1, encode(e)) for i, e in enumerate(events)])
+                state["next"], state["seq"] = first + len(messages), seq + len(events)
+                conn.execute("INSERT INTO history VALUES (?, ?, ?)",
+                             (session_id, version + 1, encode({"step": step, "completed": True})))
+                conn.execute(
+                    "INSERT INTO sessions VALUES (?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET version ="
+                    " excluded.version, state = excluded.state", (session_id, version + 1, encode(state)))
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+    def read(self, session_id: str, name: str) -> list[dict[str, Any]]:
+        """Every stored item of `name` of the session, in key order."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT value FROM items WHERE session_id = ? AND name = ? ORDER BY key", (session_id, name)
+            ).fetchall()
+        return [self._decode(r[0]) for r in rows]
+
+    def turn(self, session_id: str) -> float:
+        t = time.perf_counter()
+        turn_id = f"turn-{time.perf_counter_ns()}"
+        self._commit(session_id, [{"role": "user", "text": USER_TEXT}],
+                     [("turn", "", {"turn_id": turn_id}), ("state", "", {"status": "running", "turn_id": turn_id})],
+                     [], [{"type": "turn_started", "turn_id": turn_id}], "AwaitUserMessage")
+        seen = self.read(session_id, "messages")  # the model call sees the whole conversation
+        call = {"id": "c1", "name": TOOL_NAME, "args": {}}
+        self._commit(session_id, [{"role": "assistant", "calls": [call]}],
+                     [("usage", "", {"input_tokens": 10 * len(seen), "output_tokens": 5}),
+                      ("run_state", "", {"turn_id": turn_id, "messages": len(seen)}),
+                      ("tool_calls", "c1", {"turn_id": turn_id, "status": "pending", **call})],
+                     [], [{"type": "usage_recorded"}, {"type": "tool_call_started", "tool_call_id": "c1"}],
+                     "RunModel")
+        self._commit(session_id, [],
+                     [("tool_calls", "c1", {"turn_id": turn_id, "status": "completed", "output": TOOL_OUTPUT, **call})],
+                     [], [{"type": "tool_call_finished", "tool_call_id": "c1"}], "CallTool")
+        seen = self.read(session_id, "messages")
+        self._commit(session_id, [{"role": "tool", "id": "c1", "output": TOOL_OUTPUT},
+                                  {"role": "assistant", "text": ANSWER}],
+                     [("usage", "", {"input_tokens": 10 * len(seen), "output_tokens": 9}),
+                      ("state", "", {"status": "idle", "last_turn_id": turn_id})],
+                     [("tool_calls", "c1"), ("run_state", "")],
+                     [{"type": "usage_recorded"}, {"type": "turn_completed", "turn_id": turn_id}], "RunModel")
+        state = self.read(session_id, "state")  # the caller learns the turn ended, as dex's client does: one read
+        elapsed = time.perf_counter() - t
+        if state != [{"status": "idle", "last_turn_id": turn_id}]:
+            raise RuntimeError(f"the direct turn of {session_id} did not end idle: {state!r}")
+        return elapsed
+
+
+def direct_connection(path: Path) -> sqlite3.Connection:
+    """A connection to a new file for DirectTurns: WAL, synchronous=FULL, the tables made."""
+    wal_file(path)
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA synchronous = FULL")
+    conn.executescript(_DIRECT_SCHEMA)
+    return conn
+
+
+def direct_system(tmp: Path) -> System:
+    def phase(plan: Sequence[int], prefix: str, concurrent: bool, counter: CommitCounter | None) -> PhaseResult:
+        path = tmp / f"sqlite-{prefix}.db"
+        conn = direct_connection(path)
+        try:
+            if counter is not None:
+                counter.attach(conn)
+            return threaded_phase(DirectTurns(conn).turn, plan, prefix, concurrent, counter, path)
+        finally:
+            conn.close()
+
+    return System("sqlite", phase, [
+        "not a durable-execution system: the turn's four commits and rows (messages, tool call record, usage,"
+        " state, events, history, the session row) written straight with sqlite3 on one connection behind a lock,"
+        " one thread per session; no engine, leases, waits or recovery: what a Python system's turn costs at least",
+    ])
+
+
 # LangGraph ------------------------------------------------------------------------------------
 
 
@@ -1050,6 +1184,11 @@ def print_table(rows: list[dict[str, Any]], floors: FloorSlices, sessions: int,
         agent_ms = dex["sequential_median_ms"] - engine["sequential_median_ms"]
         print(f"\nof dex's sequential median, the bare engine's Steps (dex-engine) take {engine['x_floor']:.1f} floors"
               f" and the agent layer the other {agent_ms / floors.median / 1e3:.1f} ({agent_ms:.2f} ms)")
+        direct = by_name.get("sqlite")
+        if direct is not None:
+            print(f"the turn's writes straight on sqlite3 (sqlite) take {direct['x_floor']:.1f} floors: the engine"
+                  f" adds {engine['x_floor'] - direct['x_floor']:.1f} to them, the agent layer the"
+                  f" {dex['x_floor'] - engine['x_floor']:.1f} above")
     if dex is not None:
         ok_ratio = dex["x_floor"] <= 15
         ok_rate = dex["concurrent_turns_per_s"] >= 200
@@ -1096,6 +1235,8 @@ def main() -> None:
     parser.add_argument("--skip-builtin", action="store_true", help="leave out the built-in loop's run of the turn")
     parser.add_argument("--skip-engine", action="store_true",
                         help="leave out the turn's Step shape on the bare engine (dex-engine)")
+    parser.add_argument("--skip-sqlite", action="store_true",
+                        help="leave out the turn's writes straight on sqlite3 (sqlite)")
     parser.add_argument("--skip-langgraph", action="store_true")
     parser.add_argument("--skip-dbos", action="store_true")
     parser.add_argument("--dbos-journal", choices=["wal", "default"], default="wal",
@@ -1123,6 +1264,7 @@ def main() -> None:
     systems = [dex_system(tmp, name, *made) for name, made in DEX_SYSTEMS.items() if not left_out.get(name)]
     skipped: dict[str, str] = {}
     competitors: list[tuple[str, bool, Callable[[], System]]] = [
+        ("sqlite", args.skip_sqlite, lambda: direct_system(tmp)),
         ("langgraph", args.skip_langgraph, lambda: langgraph_system(tmp)),
         ("dbos", args.skip_dbos, lambda: dbos_system(tmp, args.sessions, args.dbos_journal)),
     ]
