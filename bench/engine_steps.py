@@ -328,6 +328,9 @@ def reused_wal(timed: int, turns: int) -> str:
     return f"over the {timed} of {turns} turns that reused the copy's WAL"
 
 
+_BEGIN, _COMMIT = "begin", "commit"  # replay()'s marks of the statements that open and end a transaction
+
+
 def replay(copy: Path, recorded: list[Recorded], turn_ends: list[int], wal_frames: int = 0) -> Replayed:
     """Run recorded statements again on `copy`, a snapshot taken just before them, by one connection
     on a dedicated thread as the engine's store runs them. `turn_ends[i]` is how many statements had
@@ -351,6 +354,9 @@ def replay(copy: Path, recorded: list[Recorded], turn_ends: list[int], wal_frame
                 warm_wal(conn, Path(f"{copy}-wal"), wal_frames)
             wal = WalWarmth(copy)
             cursor = conn.cursor()
+            # Which statements begin and commit a transaction, known before the clock starts.
+            kinds = [_COMMIT if sql.startswith("COMMIT") else _BEGIN if sql.startswith("BEGIN") else None
+                     for sql, _, _ in recorded]
             start = 0
             cpu0 = time.thread_time()
             changes = conn.total_changes  # at the last BEGIN: a COMMIT after more wrote rows
@@ -359,15 +365,14 @@ def replay(copy: Path, recorded: list[Recorded], turn_ends: list[int], wal_frame
                 in_commits, commits = 0.0, 0
                 for i in range(start, end):
                     sql, params, (rowcount, rows) = recorded[i]
-                    if sql.startswith("COMMIT"):
-                        wrote = conn.total_changes != changes
+                    kind = kinds[i]
+                    if kind is _COMMIT and conn.total_changes != changes:
                         c = time.perf_counter()
                         cursor.execute(sql, params)
-                        if wrote:
-                            in_commits += time.perf_counter() - c
-                            commits += 1
+                        in_commits += time.perf_counter() - c
+                        commits += 1
                     else:
-                        if sql.startswith("BEGIN"):
+                        if kind is _BEGIN:
                             changes = conn.total_changes
                         cursor.execute(sql, params)
                     got = hash(tuple(cursor.fetchall()))
@@ -392,10 +397,10 @@ def replay(copy: Path, recorded: list[Recorded], turn_ends: list[int], wal_frame
     thread.join()
     if failed:
         raise failed[0]
-    timed = [i for i, (_, grew) in enumerate(latencies) if not grew] or list(range(len(latencies)))
-    reused = sum(1 for _, grew in latencies if not grew)
+    reused = [i for i, (_, grew) in enumerate(latencies) if not grew]
+    timed = reused or range(len(latencies))
     return Replayed(
-        median=statistics.median(latencies[i][0] for i in timed), cpu=cpu[0], timed=reused,
+        median=statistics.median(latencies[i][0] for i in timed), cpu=cpu[0], timed=len(reused),
         turns=len(latencies), commit_median=statistics.median(commit_seconds[i] for i in timed),
         commits=sum(commit_counts) / max(1, len(commit_counts)),
     )
