@@ -5,6 +5,8 @@
 - Many threads write through one writer while the call returns and the Step closes it: each write
   made before the close is stored once, in its thread's order; none made after it is; none raises.
 - interrupt_raised and interrupt_resolved carry exactly the seed's payload fields and values.
+- tool_call_deferred, tool_call_started, tool_call_finished and usage_recorded carry exactly the
+  seed's payload fields, each with its own call's values and the session's running usage total.
 - Events of a retried attempt (SIGKILL at a FileGate, Worker child processes) carry attempt 2 and
   their Step execution's ID; the killed attempt's stored live events keep attempt 1.
 
@@ -26,10 +28,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from agents.tests.builtin_agent import InProcessEngine
 from agents.tests.conftest import REPO_ROOT
-from agents.tests.scripted_agent import ScriptedRunner, build_flow, script_of, state_dir_from_env
+from agents.tests.scripted_agent import CALL_USAGE, ScriptedRunner, build_flow, script_of, state_dir_from_env
 from agents.tests.session_driver import all_agent_events, script, turns_ended
 
 from dex_agents import (
@@ -482,6 +485,56 @@ async def test_interrupt_raised_payloads_of_an_approval_and_an_ask_user_question
     resolved = {p["interrupt_id"]: p for p in payloads(events, "interrupt_resolved")}
     assert resolved["q1"] == {"interrupt_id": "q1", "approved": True, "rejection_message": None, "kind": "question",
                               "answered": True, "cancellation_reason": None}
+
+
+# Tool call and usage payloads ----------------------------------------------------------------------
+
+
+async def test_tool_call_and_usage_payloads_of_a_turn(tmp_path: Path) -> None:
+    """tool_call_deferred, tool_call_started, tool_call_finished and usage_recorded, whole, for a
+    turn that asks for a read, an idempotent write and two approval-gated writes (one approved, one
+    rejected) over two model calls: each payload names its own call, effect, approval and status,
+    and usage_recorded's session is the running total, not the call's own usage."""
+    engine = InProcessEngine(tmp_path, [build_flow(tmp_path)])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session(SESSION, script(
+            {"tools": [{"id": "c1", "name": "read_orders", "args": {}},
+                       {"id": "i1", "name": "idem_sync", "args": {}},
+                       {"id": "w1", "name": "write_refund", "args": {}},
+                       {"id": "w2", "name": "write_email", "args": {}}]},
+            {"answer": "{results}"},
+        ))
+        await pending(sessions, "w1", "w2")
+        assert await sessions.resolve_interrupt(SESSION, "w1", approved=True)
+        assert await sessions.resolve_interrupt(SESSION, "w2", approved=False, rejection_message="no")
+        await turns_ended(sessions, SESSION, 1)
+        events = await all_events(sessions)
+
+    names = {"c1": "read_orders", "i1": "idem_sync", "w1": "write_refund", "w2": "write_email"}
+    assert payloads(events, "tool_call_deferred") == [
+        {"tool_call_id": "c1", "tool_name": "read_orders", "effect": "read", "requires_approval": False},
+        {"tool_call_id": "i1", "tool_name": "idem_sync", "effect": "idempotent_write", "requires_approval": False},
+        {"tool_call_id": "w1", "tool_name": "write_refund", "effect": "non_idempotent_write",
+         "requires_approval": True},
+        {"tool_call_id": "w2", "tool_name": "write_email", "effect": "non_idempotent_write",
+         "requires_approval": True},
+    ]
+    # The rejected call never starts; the others start once each, in any order.
+    started = payloads(events, "tool_call_started")
+    assert sorted(started, key=lambda p: p["tool_call_id"]) == [
+        {"tool_call_id": i, "tool_name": names[i]} for i in ("c1", "i1", "w1")
+    ]
+    finished = {p["tool_call_id"]: p for p in payloads(events, "tool_call_finished")}
+    assert finished == {
+        i: {"tool_call_id": i, "tool_name": names[i], "status": "rejected" if i == "w2" else "succeeded"}
+        for i in names
+    }
+    call = msgspec.to_builtins(CALL_USAGE)
+    assert payloads(events, "usage_recorded") == [
+        {"recorded": call, "session": call},
+        {"recorded": call, "session": msgspec.to_builtins(CALL_USAGE.plus(CALL_USAGE))},
+    ]
 
 
 # The attempt of a retried Step -------------------------------------------------------------------
