@@ -39,6 +39,8 @@ from dex_agents import (
     PENDING_INTERRUPTS,
     QUEUED_USER_MESSAGES,
     SESSION_SETTINGS_SIZE_TOLERANCE_BYTES,
+    TOOL_CALL_CANCELLATIONS,
+    AgentInterrupt,
     AgentInterruptResolution,
     AgentMessage,
     AgentSessionClient,
@@ -56,6 +58,7 @@ from dex_agents import (
     DeferredToolCall,
     DeferredToolExecution,
     FrameworkMessage,
+    InterruptKind,
     ListAgentMessagesRequest,
     MessageRole,
     ResolveInterruptRequest,
@@ -68,6 +71,7 @@ from dex_agents import (
 )
 from dex_agents._constants import MAX_REJECTION_MESSAGE_CHARS, REJECTION_MESSAGE_NOT_STORED
 from dex_agents._runtime import SessionRuntime
+from dex_agents._timefmt import format_time
 from dex_agents._tool_steps import ToolSteps
 from dex_agents.testing import (
     EXECUTE_COMPLETED_EVENT,
@@ -84,8 +88,11 @@ from dex_engine import (
     FlowNotActiveError,
     FlowNotFoundError,
     InvalidValueError,
+    LoadOptions,
     NoRetryError,
     Registry,
+    RpcContext,
+    Timer,
     ValueTooLargeError,
     Wait,
     WorkerOptions,
@@ -483,6 +490,28 @@ async def test_resolve_interrupt_unknown_or_already_resolved_is_false(tmp_path: 
         await assert_usable(sessions, "s", before)
 
 
+
+@pytest.mark.parametrize("approved", [True, False])
+async def test_resolve_interrupt_publishes_a_rejection_message_only_with_a_rejection(approved: bool) -> None:
+    """What resolve_interrupt queues for AwaitToolApproval: the decision, and the rejection message
+    only when it rejects (seed 002 "RPCs": "dropping rejection_message on approval")."""
+    flow = build_flow(None)
+    interrupt = AgentInterrupt(interrupt_id="w1", kind=InterruptKind.TOOL_APPROVAL, tool_call_id="w1",
+                               tool_name="write_x", arguments="{}", created_at=format_time(datetime.now(UTC)),
+                               deadline=None)
+    loaded = {("PendingInterrupts", ""): msgspec.json.encode([interrupt])}
+    ctx = RpcContext(flow, "s", loaded, LoadOptions.all(), {}, "resolve_interrupt")
+    request = ResolveInterruptRequest("w1", approved=approved, rejection_message="too risky")
+    assert await flow.rpc("resolve_interrupt").handler(ctx, request) is True
+    channel = INTERRUPT_RESOLUTIONS["w1"]
+    assert [(name, key, msgspec.json.decode(data, type=AgentInterruptResolution))
+            for name, key, data in ctx.writes.publishes] == [
+        (channel.name, channel.key, AgentInterruptResolution(
+            approved=approved, rejection_message=None if approved else "too risky")),
+    ]
+    assert ctx.get(PENDING_INTERRUPTS) == []
+
+
 async def test_resolve_interrupt_past_its_deadline_is_false(tmp_path: Path) -> None:
     """Past its deadline, a still-pending interrupt cannot be resolved (False, nothing committed);
     AwaitToolApproval then records it rejected with "approval deadline passed" and the write never runs."""
@@ -510,6 +539,40 @@ async def test_resolve_interrupt_past_its_deadline_is_false(tmp_path: Path) -> N
         assert engine.log.count("tool_start") == 0
         resolved = [p for t, p in await turn_events(sessions, "s", "turn-2") if t == "interrupt_resolved"]
         assert [(p["approved"], p["rejection_message"]) for p in resolved] == [(False, "approval deadline passed")]
+        await assert_usable(sessions, "s", before)
+
+
+async def test_answer_question_blank_or_past_its_deadline_is_false(tmp_path: Path) -> None:
+    """answer_question on a free-text question is False for a blank answer, and for any answer once
+    the still-pending question is past its deadline (seed 002 "RPCs"); neither commits anything.
+    AwaitQuestionAnswer then rejects it with "question deadline passed"."""
+    flow = build_flow(tmp_path, interrupt_deadline=timedelta(seconds=3),
+                      built_in_tools=frozenset({BuiltInTool.ASK_USER}))
+    async with in_process(tmp_path, flow) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        assert await sessions.send_user_message("s", script(
+            {"tools": [{"id": "q1", "name": "ask_user", "args": {"question": "Name?"}}]}, {"answer": "{results}"}))
+        question = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: next(iter(s.pending_interrupts), None), description="the question")
+        assert question.allows_free_text
+        rows = await table_rows(engine.client)
+        for blank in ("", "   ", "\n\t"):
+            assert await sessions.answer_question("s", "q1", blank) is False
+        assert await table_rows(engine.client) == rows
+        # Without a Worker the deadline Timer cannot fire, so the question stays pending past it.
+        await engine.stop_worker()
+        assert question.deadline is not None
+        deadline = datetime.fromisoformat(question.deadline)
+        await wait_until("the question deadline to pass", lambda: datetime.now(UTC) > deadline, timeout=10)
+        rows = await table_rows(engine.client)
+        assert (await sessions.get_agent_snapshot("s")).pending_interrupts == [question]
+        assert await sessions.answer_question("s", "q1", "Ada") is False
+        assert await table_rows(engine.client) == rows
+
+        await engine.start_worker()
+        snapshot = await turn_ended(sessions, "s", 2)
+        assert snapshot.messages[-1].text == "q1=question deadline passed"
         await assert_usable(sessions, "s", before)
 
 
@@ -557,6 +620,33 @@ async def test_a_rejection_that_does_not_fit_beside_the_calls_arguments_keeps_a_
     assert stored is not None and stored.status is AgentToolCallStatus.REJECTED
     assert stored.rejection_message == REJECTION_MESSAGE_NOT_STORED
     assert stored.arguments == record.arguments
+
+
+
+@pytest.mark.parametrize("pending", ["taken by resolve_interrupt", "not due yet"])
+async def test_a_deadline_timer_that_finds_no_due_interrupt_waits_again(pending: str) -> None:
+    """AwaitToolApproval woken by its deadline Timer rejects the call only when the interrupt is
+    still pending and due. When resolve_interrupt took it just as the Timer fired (its resolution
+    not consumed by this wait), or the Timer fired before the deadline (clock skew), the Step waits
+    again, changing nothing, so the next wait applies the answer (seed 003 "Design decisions")."""
+    flow = build_flow(None)
+    record = tool_call(AgentToolCallStatus.AWAITING_APPROVAL, tool_call_id="w1", tool_name="write_x",
+                       effect=ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=True)
+    created = datetime.now(UTC)
+    deadline = created + (timedelta(hours=1) if pending == "not due yet" else -timedelta(seconds=1))
+    interrupt = AgentInterrupt(interrupt_id="w1", kind=InterruptKind.TOOL_APPROVAL, tool_call_id="w1",
+                               tool_name="write_x", arguments="{}", created_at=format_time(created),
+                               deadline=format_time(deadline))
+    interrupts = [interrupt] if pending == "not due yet" else []
+    wait = Wait.any_of(TOOL_CALL_CANCELLATIONS["w1"].for_one(), INTERRUPT_RESOLUTIONS["w1"].for_one(),
+                       Timer.by_duration(1))
+    fired = WaitOutcome(satisfied=(2,), consumed=((), (), ()), fired_timers=(2,))
+    ctx = step_context(flow, AWAIT_TOOL_APPROVAL, {("AgentToolCalls", "w1"): record,
+                                                   ("PendingInterrupts", ""): interrupts}, (wait, fired))
+    tools = ToolSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
+    decision = await tools.await_tool_approval(ctx, "w1")
+    assert [(m.step_type, m.input) for m in decision.movements] == [(AWAIT_TOOL_APPROVAL, "w1")]
+    assert ctx.writes.attributes == {} and ctx.writes.appends == []
 
 
 # Runner failures ----------------------------------------------------------------------------------
@@ -1110,8 +1200,11 @@ async def test_list_agent_messages_clamps_limit_and_before_sequence(tmp_path: Pa
             assert [m.sequence for m in page.messages] == [total - 2, total - 1, total]
         page = await sessions.list_agent_messages("s", before_sequence=1)
         assert page.messages == [] and page.next_before_sequence is None
+        # The limit defaults to 50 (seed 002 "RPCs"): for a request without one, and for the client's
+        # call without one, which sends its own default.
         default = await engine.client.rpc("s", "list_agent_messages", None)
         assert [m.sequence for m in default.messages] == list(range(total - 49, total + 1))
+        assert await sessions.list_agent_messages("s") == default
 
         messages = await all_messages(sessions, "s")  # pages back with next_before_sequence
         assert [m.sequence for m in messages] == list(range(1, total + 1))

@@ -221,6 +221,7 @@ async def test_a_lock_conflict_that_persists_raises_after_the_retry_window(
             await rpc.call(engine.sessions)
         assert (conflict.value.lock, conflict.value.holder) == (held.lock, f"Step {held.step_execution_id}")
         window_ms = RPC_LOCK_CONFLICT_RETRY // timedelta(milliseconds=1)
+        assert window_ms == 5_000  # seed 003: the client "retries it for 5 seconds"
         assert clock.now_ms == window_ms  # the last try was the first at the deadline
         tries = RPC_LOCK_CONFLICT_RETRY // RPC_LOCK_CONFLICT_RETRY_INTERVAL + 1
         assert engine.client.sent == [rpc.name] * tries

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
-from agents.tests.scripted_agent import FLOW_TYPE
+from agents.tests.builtin_agent import InProcessEngine
+from agents.tests.scripted_agent import FLOW_TYPE, build_flow
 
 from dex_agents import ActiveStepSearchMode, AgentSnapshot, AgentStatus, MessageRole
 from dex_agents.testing import AgentTestStack, executed_steps, read_step_history, wait_for_agent_snapshot
@@ -96,3 +98,24 @@ async def test_module_read_step_history_reads_what_the_stack_reads(stack: AgentT
     history = await read_step_history(stack.database_url, "s1")
     assert executed_steps(history) == ["StartAgentSession", "RunModel"]
     assert history == await stack.read_step_history("s1")
+
+
+async def test_snapshot_lists_the_active_turns_records_in_deferral_order(tmp_path: Path) -> None:
+    """get_agent_snapshot's tool_calls are the active turn's records in deferral_order (seed 002
+    "RPCs"), not in the order of their IDs: real models' IDs (toolu_...) do not sort as they were asked."""
+    engine = InProcessEngine(tmp_path, [build_flow(tmp_path)])
+    asked = [("zeta", "read_orders"), ("alpha", "write_refund"), ("mid", "write_email")]
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s1", json.dumps({"steps": [
+            {"tools": [{"id": i, "name": name, "args": {}} for i, name in asked]}, {"answer": "{results}"},
+        ]}))
+        waiting = await wait_for_agent_snapshot(
+            sessions, "s1", lambda s: s if len(s.pending_interrupts) == 2 else None, description="the approvals")
+        assert [(r.tool_call_id, r.deferral_order) for r in waiting.tool_calls] == [
+            ("zeta", 0), ("alpha", 1), ("mid", 2)]
+        assert [i.interrupt_id for i in waiting.pending_interrupts] == ["alpha", "mid"]
+        for interrupt_id in ("alpha", "mid"):
+            assert await sessions.resolve_interrupt("s1", interrupt_id, approved=True)
+        done = await wait_for_agent_snapshot(sessions, "s1", first_turn_ended, description="turn end")
+    assert done.messages[-1].text == "zeta=read_orders done; alpha=write_refund done; mid=write_email done"
