@@ -10,6 +10,7 @@ import msgspec
 
 from dex_agents import AgentSessionFlow, AgentToolCall, AgentToolCallStatus, ToolEffect
 from dex_engine import Context, LoadOptions, RecoveryError, Wait, WaitResult
+from dex_engine._context import EventFn, HeartbeatFn
 from dex_engine._records import WaitOutcome
 
 
@@ -32,12 +33,15 @@ def step_context(
     method: str = "execute",
     step_execution_id: str | None = None,
     recovery_error: RecoveryError | None = None,
+    heartbeat: HeartbeatFn | None = None,
+    write_event: EventFn | None = None,
 ) -> Context:
     """Attempt 1 of a method of flow "s" that loaded `values` ((name, key) -> value), with the wait
-    result `wait` if given; its heartbeats and events go nowhere."""
+    result `wait` if given; its heartbeats and best-effort events go to `heartbeat` and
+    `write_event`, or nowhere."""
     loaded = {key: msgspec.json.encode(value) for key, value in values.items()}
 
-    async def heartbeat(_: str | None) -> None:
+    async def no_heartbeat(_: str | None) -> None:
         return None
 
     return Context(
@@ -45,5 +49,5 @@ def step_context(
         method=method, attempt=1, loaded=loaded, load=LoadOptions.all(), checkpoint=None,
         recovery_error=recovery_error,
         wait_result=None if wait is None else WaitResult(wait[0].spec(), wait[1], flow),
-        heartbeat=heartbeat, write_event=lambda _name, _data: None,
+        heartbeat=heartbeat or no_heartbeat, write_event=write_event or (lambda _name, _data: None),
     )

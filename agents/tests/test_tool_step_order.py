@@ -1,0 +1,128 @@
+"""What a tool Step does before, during and instead of its tool (seed 002 "Rules" and the Step
+table), on a built context that records heartbeats and best-effort events in order:
+
+- CallTool and CallSingleAttemptTool write tool_call_started, then make a heartbeat durable, and
+  only then run the tool, which heartbeats in the background every TOOL_HEARTBEAT_INTERVAL while
+  it runs and not after;
+- a tool Step whose record is already final ends without running, publishing or writing anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from agents.tests.built_context import step_context, tool_call
+from agents.tests.scripted_agent import ScriptedRunner
+
+from dex_agents import (
+    AGENT_TOOL_CALLS,
+    CALL_SINGLE_ATTEMPT_TOOL,
+    CALL_TOOL,
+    AgentSessionFlow,
+    AgentSessionOptions,
+    AgentToolCallStatus,
+    DeferredToolExecution,
+    ToolEffect,
+    ToolExecutionResult,
+    ToolInputRequested,
+    ToolTaskStarted,
+)
+from dex_agents import _tool_steps as tool_steps_module
+from dex_agents._constants import TOOL_HEARTBEAT_INTERVAL
+from dex_agents._runtime import SessionRuntime, background_heartbeats
+from dex_agents._tool_steps import ToolSteps
+from dex_engine import Context
+
+# The background heartbeat interval the tests run the tool Step with, and how long their tool runs:
+# several intervals, so a Step without background heartbeats shows.
+SHORT_INTERVAL = 0.02
+TOOL_SECONDS = SHORT_INTERVAL * 8
+
+
+class LoggingRunner(ScriptedRunner):
+    """A tool that logs its start and end around a sleep of TOOL_SECONDS."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.order = log
+
+    async def execute_deferred_tool_call(
+        self, call: DeferredToolExecution
+    ) -> ToolExecutionResult | ToolInputRequested | ToolTaskStarted:
+        self.order.append("tool start")
+        await asyncio.sleep(TOOL_SECONDS)
+        self.order.append("tool end")
+        return ToolExecutionResult("ok")
+
+
+def recording_context(flow: AgentSessionFlow, step_type: str, status: AgentToolCallStatus,
+                      log: list[str]) -> Context:
+    record = tool_call(status, effect=ToolEffect.NON_IDEMPOTENT_WRITE if step_type == CALL_SINGLE_ATTEMPT_TOOL
+                       else ToolEffect.READ)
+
+    async def heartbeat(checkpoint: str | None) -> None:
+        log.append("heartbeat")
+
+    def write_event(_stream: str, data: bytes) -> None:
+        log.append(f"event {json.loads(data)['type']}")
+
+    return step_context(flow, step_type, {("AgentToolCalls", "c1"): record},
+                        heartbeat=heartbeat, write_event=write_event)
+
+
+def test_tool_steps_heartbeat_in_the_background_every_20_seconds() -> None:
+    # Seed 002: "a background heartbeat every 20 s"; background_heartbeats' default is what the tool
+    # Steps use.
+    assert timedelta(seconds=20) == TOOL_HEARTBEAT_INTERVAL
+    default = inspect.signature(background_heartbeats).parameters["interval_seconds"].default
+    assert default == TOOL_HEARTBEAT_INTERVAL.total_seconds()
+
+
+@pytest.mark.parametrize("step_type", [CALL_TOOL, CALL_SINGLE_ATTEMPT_TOOL])
+async def test_started_then_a_durable_heartbeat_then_the_tool_with_background_heartbeats(
+    step_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log: list[str] = []
+    flow = AgentSessionFlow(LoggingRunner(log), "ToolOrder", AgentSessionOptions())
+    intervals: list[Any] = []
+
+    def short_heartbeats(ctx: Context, *interval: float) -> Any:
+        intervals.append(interval)
+        return background_heartbeats(ctx, SHORT_INTERVAL)
+
+    monkeypatch.setattr(tool_steps_module, "background_heartbeats", short_heartbeats)
+    ctx = recording_context(flow, step_type, AgentToolCallStatus.APPROVED, log)
+    steps = ToolSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
+    handler = steps.call_tool if step_type == CALL_TOOL else steps.call_single_attempt_tool
+    await handler(ctx, "c1")
+
+    assert intervals == [()]  # the default interval (pinned above)
+    assert log[:3] == ["event tool_call_started", "heartbeat", "tool start"]
+    assert log[-1] == "tool end"
+    background = log[3:-1]
+    assert background and set(background) == {"heartbeat"}
+    await asyncio.sleep(SHORT_INTERVAL * 4)
+    assert log[-1] == "tool end"  # no heartbeat outlives the tool
+    record = ctx.get(AGENT_TOOL_CALLS["c1"])
+    assert record is not None and (record.status, record.output) == (AgentToolCallStatus.SUCCEEDED, "ok")
+
+
+@pytest.mark.parametrize("status", [s for s in AgentToolCallStatus if s.is_final])
+@pytest.mark.parametrize("step_type", [CALL_TOOL, CALL_SINGLE_ATTEMPT_TOOL])
+async def test_a_final_record_is_never_run_again(step_type: str, status: AgentToolCallStatus) -> None:
+    """Seed 002 "Rules": a tool Step whose record is already final ends without running or
+    publishing (a retried Step after its tool's result committed, say): a write never runs twice."""
+    log: list[str] = []
+    flow = AgentSessionFlow(LoggingRunner(log), "ToolOrder", AgentSessionOptions())
+    ctx = recording_context(flow, step_type, status, log)
+    steps = ToolSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
+    handler = steps.call_tool if step_type == CALL_TOOL else steps.call_single_attempt_tool
+    decision = await handler(ctx, "c1")
+    assert decision.kind == "dead_end"
+    assert log == []
+    assert ctx.writes.attributes == {} and ctx.writes.appends == [] and ctx.writes.publishes == []
