@@ -55,6 +55,7 @@ child ahead of time and let it become a Worker only when released (after a kill,
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -62,7 +63,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from dex_agents import (
+    AgentMessage,
     AgentSessionFlow,
     AgentSessionOptions,
     AgentToolCall,
@@ -102,6 +106,11 @@ POLICIES = {"read_": ToolEffect.READ, "idem_": ToolEffect.IDEMPOTENT_WRITE, "wri
 
 # Usage each scripted model call reports, so tests can check the session totals.
 CALL_USAGE = AgentUsage(model_calls=1, input_tokens=10, output_tokens=5)
+
+
+def messages_digest(messages: Sequence[AgentMessage]) -> str:
+    """A digest of messages, every field: a model call's input logged without logging it whole."""
+    return hashlib.sha256(msgspec.json.encode(list(messages))).hexdigest()
 
 
 def script_of(text: str) -> list[dict[str, Any]]:
@@ -150,7 +159,7 @@ class ScriptedRunner:
         step = script[min(index, len(script) - 1)]
         if self.log is not None:
             self.log.record("model", flow_id=turn.flow_id, turn_id=turn.turn_id, attempt=turn.attempt, step=index,
-                            seen=[m.sequence for m in turn.messages])
+                            seen=[m.sequence for m in turn.messages], seen_digest=messages_digest(turn.messages))
         turn.events.write_text_delta(f"step {index}")
         if step.get("heartbeat"):
             await turn.heartbeat()

@@ -191,11 +191,14 @@ class MisbehavingRunner(ScriptedRunner):
     def build_user_message(self, text: str) -> FrameworkMessage:
         if text == USER_MESSAGE_AS_ASSISTANT:
             return item(MessageRole.ASSISTANT, text=text)
+        if text == USER_MESSAGE_THAT_RAISES:
+            raise ValueError("cannot build")
         return super().build_user_message(text)
 
 
-# The user text MisbehavingRunner.build_user_message turns into an assistant message.
+# The user texts MisbehavingRunner.build_user_message turns into an assistant message, or raises on.
 USER_MESSAGE_AS_ASSISTANT = "build me as an assistant message"
+USER_MESSAGE_THAT_RAISES = "build me and raise"
 
 
 MANY_ANSWERS = 250
@@ -512,6 +515,17 @@ async def test_resolve_interrupt_publishes_a_rejection_message_only_with_a_rejec
     assert ctx.get(PENDING_INTERRUPTS) == []
 
 
+async def pending_past_its_deadline(engine: InProcess, interrupt: AgentInterrupt) -> dict[str, list[str]]:
+    """Stop the Worker and wait until session "s"'s only interrupt is past its deadline: without a
+    Worker its deadline Timer cannot fire, so it stays pending. Returns the flow's rows then."""
+    await engine.stop_worker()
+    assert interrupt.deadline is not None
+    deadline = datetime.fromisoformat(interrupt.deadline)
+    await wait_until(f"{interrupt.interrupt_id}'s deadline to pass", lambda: datetime.now(UTC) > deadline, timeout=10)
+    assert (await engine.sessions.get_agent_snapshot("s")).pending_interrupts == [interrupt]
+    return await table_rows(engine.client)
+
+
 async def test_resolve_interrupt_past_its_deadline_is_false(tmp_path: Path) -> None:
     """Past its deadline, a still-pending interrupt cannot be resolved (False, nothing committed);
     AwaitToolApproval then records it rejected with "approval deadline passed" and the write never runs."""
@@ -523,13 +537,7 @@ async def test_resolve_interrupt_past_its_deadline_is_false(tmp_path: Path) -> N
                                                             {"answer": "{results}"}))
         interrupt = await wait_for_agent_snapshot(
             sessions, "s", lambda s: next(iter(s.pending_interrupts), None), description="the approval")
-        # Without a Worker the deadline Timer cannot fire, so the interrupt stays pending past it.
-        await engine.stop_worker()
-        assert interrupt.deadline is not None
-        deadline = datetime.fromisoformat(interrupt.deadline)
-        await wait_until("the approval deadline to pass", lambda: datetime.now(UTC) > deadline, timeout=10)
-        rows = await table_rows(engine.client)
-        assert (await sessions.get_agent_snapshot("s")).pending_interrupts == [interrupt]
+        rows = await pending_past_its_deadline(engine, interrupt)
         assert await sessions.resolve_interrupt("s", "w1", approved=True) is False
         assert await table_rows(engine.client) == rows
 
@@ -560,13 +568,7 @@ async def test_answer_question_blank_or_past_its_deadline_is_false(tmp_path: Pat
         for blank in ("", "   ", "\n\t"):
             assert await sessions.answer_question("s", "q1", blank) is False
         assert await table_rows(engine.client) == rows
-        # Without a Worker the deadline Timer cannot fire, so the question stays pending past it.
-        await engine.stop_worker()
-        assert question.deadline is not None
-        deadline = datetime.fromisoformat(question.deadline)
-        await wait_until("the question deadline to pass", lambda: datetime.now(UTC) > deadline, timeout=10)
-        rows = await table_rows(engine.client)
-        assert (await sessions.get_agent_snapshot("s")).pending_interrupts == [question]
+        rows = await pending_past_its_deadline(engine, question)
         assert await sessions.answer_question("s", "q1", "Ada") is False
         assert await table_rows(engine.client) == rows
 
@@ -822,14 +824,20 @@ async def test_runner_contract_breach_fails_the_turn_without_retry(tmp_path: Pat
         ]
 
 
-async def test_user_message_built_with_another_role_fails_the_turn(tmp_path: Path) -> None:
-    """build_user_message returning a non-user message fails the new turn in AwaitUserMessage's
-    commit: no model call, nothing stored, turn_failed."""
+@pytest.mark.parametrize(("text", "expected_error"), [
+    (USER_MESSAGE_AS_ASSISTANT, "build_user_message returned role 'assistant'; it must be 'user'"),
+    (USER_MESSAGE_THAT_RAISES, "build_user_message raised ValueError: cannot build"),
+])
+async def test_a_user_message_the_runner_cannot_build_fails_the_turn(
+    tmp_path: Path, text: str, expected_error: str
+) -> None:
+    """build_user_message returning a non-user message, or raising, fails the new turn in
+    AwaitUserMessage's commit: no model call, nothing stored, turn_failed."""
     async with in_process(tmp_path, flow_with(MisbehavingRunner(tmp_path, {}))) as engine:
         sessions = engine.sessions
         before = await started_session(sessions, "s")
-        turn_id, error = await failed_turn(sessions, "s", USER_MESSAGE_AS_ASSISTANT)
-        assert error == "build_user_message returned role 'assistant'; it must be 'user'"
+        turn_id, error = await failed_turn(sessions, "s", text)
+        assert error == expected_error
         assert engine.log.count("model", turn_id=turn_id) == 0
         assert await all_messages(sessions, "s") == before
         await assert_usable(sessions, "s", before)

@@ -24,6 +24,7 @@ from agents.tests.scripted_agent import (
     ENV_INCREMENTAL,
     INVOCATIONS,
     build_flow,
+    messages_digest,
 )
 from agents.tests.standby_workers import SharedStack
 
@@ -137,6 +138,11 @@ class Run:
         """The stored message sequences each model call of (turn, script step) was given."""
         entries = self.log.entries("model", flow_id=self.session_id, turn_id=turn_id, step=step)
         return [e["seen"] for e in entries]
+
+    def seen_digests(self, turn_id: str, step: int) -> list[str]:
+        """The digest (messages_digest) of the messages each model call of (turn, script step) was given."""
+        entries = self.log.entries("model", flow_id=self.session_id, turn_id=turn_id, step=step)
+        return [e["seen_digest"] for e in entries]
 
     def tool_starts(self, tool_call_id: str | None = None) -> int:
         match = {} if tool_call_id is None else {"tool_call_id": tool_call_id}
@@ -290,6 +296,8 @@ async def test_1_and_11_read_tool_turn_snapshot_and_history_replay(runner_run: R
     assert r.seen_by("turn-1", 0) == [[1]]
     assert r.seen_by("turn-1", 1) == [[1, 2] if r.incremental else [1]]
     assert r.seen_by("turn-2", 0) == [[1, 2, 3, 4, 5]]
+    # ... as they are stored, every field: the replay is the history, not just its sequences.
+    assert r.seen_digests("turn-2", 0) == [messages_digest(second.messages[:5])]
     assert r.tool_starts("c1") == 1
 
 
