@@ -772,6 +772,17 @@ CONTRACT_BREACHES: list[tuple[str, Callable[[], object], str]] = [
     ("tool-call-id-lone-surrogate",
      lambda: ToolCallsRequested("state", [_read_call("c\ud800")], _USAGE),
      "tool call ID 'c\\ud800' is not valid UTF-8 text: '\\ud800' at position 1 is a lone surrogate"),
+    ("turn-error-lone-surrogate", lambda: TurnCompleted([_PARTIAL], _USAGE, turn_error="bad \ud800"),
+     "TurnCompleted.turn_error is not valid UTF-8 text: '\\ud800' at position 4 is a lone surrogate"),
+    ("run-state-lone-surrogate", lambda: ToolCallsRequested("s\ud800", [_read_call()], _USAGE),
+     "ToolCallsRequested.framework_run_state is not valid UTF-8 text: '\\ud800' at position 1 is a lone surrogate"),
+    ("continued-run-state-lone-surrogate", lambda: TurnContinued("s\udfff", [], _USAGE),
+     "TurnContinued.framework_run_state is not valid UTF-8 text: '\\udfff' at position 1 is a lone surrogate"),
+    ("text-not-text", lambda: TurnCompleted([FrameworkMessage(MessageRole.ASSISTANT, "{}", text=42)], _USAGE),  # type: ignore[arg-type]
+     "TurnCompleted.new_messages[0].text must be text (str) or None, not int"),
+    ("tool-output-not-text",
+     lambda: TurnCompleted([FrameworkMessage(MessageRole.TOOL, "{}", tool_call_id="c1", tool_output=b"x")], _USAGE),  # type: ignore[arg-type]
+     "TurnCompleted.new_messages[0].tool_output must be text (str) or None, not bytes"),
 ]
 # Cases whose outcome carries no AgentUsage to record; every other one records _USAGE before failing.
 NO_USAGE_RECORDED = {"a-dict", "none", "usage-not-agent-usage"}

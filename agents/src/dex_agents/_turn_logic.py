@@ -128,7 +128,13 @@ def check_framework_messages(items: object, source: str) -> list[FrameworkMessag
             )
         for name in _MESSAGE_TEXT_FIELDS:
             value = getattr(item, name)
-            problem = text_problem(value) if isinstance(value, str) else None
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise TurnContractError(
+                    f"{source}[{index}].{name} must be text (str) or None, not {type(value).__name__}"
+                )
+            problem = text_problem(value)
             if problem is not None:
                 raise TurnContractError(f"{source}[{index}].{name} is {problem}")
         out.append(item)

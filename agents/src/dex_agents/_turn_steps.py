@@ -64,6 +64,7 @@ from ._turn_logic import (
     next_turn_id,
     plan_tool_calls,
     started_turn,
+    text_problem,
 )
 from ._wire import (
     AgentSessionStartInput,
@@ -246,12 +247,16 @@ class TurnSteps:
         has_builder = rt.builds_unfinished_messages
         if isinstance(outcome, TurnCompleted):
             items = check_framework_messages(outcome.new_messages, "TurnCompleted.new_messages")
+            turn_error = None if outcome.turn_error is None else str(outcome.turn_error)
+            problem = None if turn_error is None else text_problem(turn_error)
+            if problem is not None:
+                raise TurnContractError(f"TurnCompleted.turn_error is {problem}")
             # Nothing from here on breaks the contract, so AgentState is set once, as the turn ends.
             state = rt.append_messages(ctx, state, turn_id, items)
-            if outcome.turn_error is not None:
+            if turn_error is not None:
                 # The runner ended the turn with its own transcript (new_messages): no turn-failure
                 # note, which seed 002 gives RecordTurnFailure and this commit's contract breaches.
-                rt.fail_turn(ctx, state, turn_id, str(outcome.turn_error), note=False)
+                rt.fail_turn(ctx, state, turn_id, turn_error, note=False)
                 return StepDecision.go_to(AWAIT_USER_MESSAGE)
             count = rt.reply_count(ctx, state, turn_id)
             rt.clear_turn(ctx, turn_id)
@@ -266,6 +271,9 @@ class TurnSteps:
             raise TurnContractError(
                 f"{type(outcome).__name__}.framework_run_state must be non-empty text that continues the turn"
             )
+        problem = text_problem(run_state)
+        if problem is not None:
+            raise TurnContractError(f"{type(outcome).__name__}.framework_run_state is {problem}")
         if isinstance(outcome, TurnContinued):
             state = self._store(ctx, state, turn_id, items)
             self._store_run_state(ctx, turn_id, run_state)
