@@ -26,6 +26,7 @@ from dex_agents import (
     ToolPolicy,
 )
 from dex_agents.builtin_loop import (
+    MAX_CONSECUTIVE_TURN_CONTINUATIONS,
     TURN_CONTINUATION_LIMIT_ERROR,
     AgentDefinition,
     ContinueTurn,
@@ -209,6 +210,7 @@ async def test_continuation_after_an_answer_and_its_limit(tmp_path: Path) -> Non
         await sessions.start_session("s", "start")
         failed = await _turns_done(sessions, "s", 1)
         assert failed.state is not None and failed.state.last_turn_error == TURN_CONTINUATION_LIMIT_ERROR
+        assert MAX_CONSECUTIVE_TURN_CONTINUATIONS == 8
         assert failed.usage.model_calls == 9  # the first answer plus 8 continuations
         assert failed.messages[-1].text == "never done"
 

@@ -27,6 +27,8 @@ from dex_agents import (
     AGENT_MESSAGE_CHUNKS,
     AGENT_MESSAGE_INDEX,
     AGENT_MESSAGES,
+    MESSAGE_ROLLOVER_MAX_BYTES_PER_COMMIT,
+    MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT,
     TURN_REPLY_SEQUENCE,
     AgentMessage,
     AgentMessageChunk,
@@ -38,10 +40,6 @@ from dex_agents import (
     AgentSnapshot,
     MessageRole,
     RunModelLimit,
-)
-from dex_agents._constants import (
-    MESSAGE_ROLLOVER_MAX_BYTES_PER_COMMIT,
-    MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT,
 )
 from dex_agents._message_store import (
     CHUNK_ENVELOPE_BYTES,
@@ -188,6 +186,11 @@ limits_strategy = st.builds(
     max_bytes_per_commit=st.integers(150, 3000),
 )
 commits_strategy = st.lists(st.lists(st.integers(0, 700), max_size=6), max_size=20)
+
+
+def test_rollover_caps_are_the_seeds() -> None:
+    """Seed 002 "Message storage": one commit moves at most 4 chunks and 8 MiB (public names)."""
+    assert (MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT, MESSAGE_ROLLOVER_MAX_BYTES_PER_COMMIT) == (4, 8 * 1024 * 1024)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -99,13 +99,15 @@ def test_run_model_limit_reports_every_problem() -> None:
 
 
 def test_session_options_defaults() -> None:
-    """Defaults: no policies, unclassified default effect, 10 MiB of events, no approval deadline."""
+    """Defaults: no policies, unclassified default effect, 10 MiB of events, no approval deadline,
+    durable waits of up to 365 days."""
     options = AgentSessionOptions()
     assert dict(options.tool_policies) == {}
     assert options.default_tool_effect is ToolEffect.UNCLASSIFIED
     assert options.agent_events_capacity_bytes == DEFAULT_AGENT_EVENTS_CAPACITY_BYTES == 10 * 1024 * 1024
     assert options.interrupt_deadline is None
     assert options.run_model_limit == RunModelLimit()
+    assert options.max_durable_wait == timedelta(days=365)  # seed 003 "Built-in tools"
 
 
 def test_session_options_freeze_tool_policies() -> None:

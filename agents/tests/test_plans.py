@@ -377,10 +377,11 @@ def test_flow_constructor_refuses_plan_mode_without_write_todos_or_a_plan_mode_r
         AgentSessionFlow(PlanRunner(), "P", AgentSessionOptions(plan_mode_enabled=True))
     with pytest.raises(ValueError, match="needs a runner that supports plan mode"):
         AgentSessionFlow(ScriptedRunner(), "P", with_todos)
-    off = PlanRunner()
-    off.supports_plan_mode = False
-    with pytest.raises(ValueError, match="needs a runner that supports plan mode"):
-        AgentSessionFlow(off, "P", with_todos)
+    for not_true in (False, 1, "yes"):  # seed 003: supports_plan_mode is True, not merely truthy
+        off = PlanRunner()
+        off.supports_plan_mode = not_true  # type: ignore[assignment]
+        with pytest.raises(ValueError, match="needs a runner that supports plan mode"):
+            AgentSessionFlow(off, "P", with_todos)
     assert isinstance(PlanRunner(), PlanModeRunner)
     assert AgentSessionFlow(PlanRunner(), "P", with_todos).options.plan_mode_enabled
     with pytest.raises(ValueError, match="plan_mode_enabled must be True or False"):

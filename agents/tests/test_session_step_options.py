@@ -41,6 +41,7 @@ from dex_agents import (
     DeferredToolExecution,
     FrameworkMessage,
     MessageRole,
+    RunModelLimit,
     ToolCallsRequested,
     ToolCallStepOptions,
     ToolEffect,
@@ -217,6 +218,21 @@ def test_run_model_options_are_the_seeds(features: str) -> None:
     assert resolved.execute.retry == options.execute_retry
     assert resolved.failure_route == RECORD_TURN_FAILURE
     assert resolved.failure_route_options == task_options(flow, RECORD_TURN_FAILURE, None)
+
+
+def test_run_model_limit_sets_the_timeout_attempts_and_retry_budget() -> None:
+    """Seed 003 (The runner contract): run_model_limit changes RunModel's method timeout, with the
+    attempts and the retry budget; the heartbeat timeout and the failure route stay."""
+    limit = RunModelLimit(timeout=timedelta(minutes=40), max_attempts=5, retry_budget=timedelta(hours=2))
+    flow = AgentSessionFlow(FullRunner(), "Limited", AgentSessionOptions(run_model_limit=limit))
+    options = flow.step(RUN_MODEL).options
+    assert options.execute_timeout_seconds == 40 * 60
+    assert options.heartbeat_timeout_seconds == 2 * 60
+    assert (options.execute_retry.max_attempts, options.execute_retry.total_duration_seconds) == (5, 2 * 3600)
+    assert options.failure_route == RECORD_TURN_FAILURE
+    resolved = task_options(flow, RUN_MODEL, None)
+    assert resolved.execute.timeout_ms == 40 * 60_000
+    assert resolved.execute.retry == options.execute_retry
 
 
 # RunModel's background heartbeat ----------------------------------------------------------------

@@ -21,8 +21,10 @@ from dex_agents._constants import (
     AWAIT_TOOL_APPROVAL,
     CALL_SINGLE_ATTEMPT_TOOL,
     CALL_TOOL,
+    NEW_MESSAGES_WITHOUT_BUILDER,
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
 )
+from dex_agents._events import AgentEventWriter
 from dex_agents._policy import (
     OUTCOME_UNKNOWN_TEXT,
     ToolPolicy,
@@ -31,7 +33,7 @@ from dex_agents._policy import (
     is_approval_required,
     resolve_tool_policy,
 )
-from dex_agents._runner import DeferredToolCall, FrameworkMessage
+from dex_agents._runner import AgentTurnContext, DeferredToolCall, FrameworkMessage
 from dex_agents._turn_logic import (
     MAX_TOOL_CALL_ID_LENGTH,
     TurnContractError,
@@ -546,6 +548,34 @@ def test_resolve_tool_policy_precedence() -> None:
     assert resolve_tool_policy("lookup", policies, ToolEffect.IDEMPOTENT_WRITE) == ToolPolicy(
         ToolEffect.IDEMPOTENT_WRITE, None)
     assert resolve_tool_policy("lookup", {}, ToolEffect.UNCLASSIFIED, None) == ToolPolicy(ToolEffect.UNCLASSIFIED)
+
+
+def test_new_messages_without_a_builder_text_is_the_seed_text() -> None:
+    """RunModel's last_turn_error for new_messages without build_unfinished_turn_messages, from seed 002."""
+    assert NEW_MESSAGES_WITHOUT_BUILDER == (
+        "a runner that sets ToolCallsRequested.new_messages must implement build_unfinished_turn_messages"
+    )
+
+
+async def _no_heartbeat() -> None:
+    return None
+
+
+@pytest.mark.parametrize("run_state", [None, "{}"])
+def test_a_turn_context_is_resuming_with_run_state_and_names_missing_records(run_state: str | None) -> None:
+    """AgentTurnContext.is_resuming: the turn has framework_run_state (seed 003); recorded_tool_call
+    returns a record, or raises KeyError naming the turn, the ID and the recorded IDs."""
+    stored = record("c1", status=AgentToolCallStatus.SUCCEEDED)
+    writer = AgentEventWriter(lambda _event: None, "turn-1", "RunModel-1", 1)
+    turn = AgentTurnContext(
+        flow_id="s", turn_id="turn-1", attempt=1, messages=[], framework_run_state=run_state,
+        tool_calls={"c1": stored}, events=writer, heartbeat=_no_heartbeat, tool_policies={},
+        default_tool_effect=ToolEffect.UNCLASSIFIED,
+    )
+    assert turn.is_resuming is (run_state is not None)
+    assert turn.recorded_tool_call("c1") is stored
+    with pytest.raises(KeyError, match=r"turn 'turn-1' has no tool call record 'c9'; recorded: \['c1'\]"):
+        turn.recorded_tool_call("c9")
 
 
 def test_outcome_unknown_text_is_the_seed_text() -> None:

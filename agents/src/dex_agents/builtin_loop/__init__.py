@@ -4,7 +4,7 @@ Each RunModel makes exactly one model call through a ModelClient, and every tool
 """
 
 from .._compaction import build_context_summary_omission_note, estimate_text_tokens
-from .._constants import CONTEXT_SUMMARY_INSTRUCTIONS, CONTEXT_SUMMARY_NOTE_HEADER
+from .._constants import CONTEXT_SUMMARY_INSTRUCTIONS, CONTEXT_SUMMARY_NOTE_HEADER, MAX_CONSECUTIVE_TURN_CONTINUATIONS
 from ._definition import (
     DEFAULT_MAX_MODEL_CALLS_PER_TURN,
     AgentDefinition,
@@ -39,6 +39,7 @@ __all__ = [
     "CONTEXT_SUMMARY_NOTE_HEADER",
     "DEFAULT_MAX_MODEL_CALLS_PER_TURN",
     "DEFAULT_TOOL_SOURCE_LISTING_TIMEOUT_SECONDS",
+    "MAX_CONSECUTIVE_TURN_CONTINUATIONS",
     "TURN_CONTINUATION_LIMIT_ERROR",
     "AgentDefinition",
     "BuiltinLoopAgentRunner",
