@@ -203,36 +203,34 @@ def test_every_step_sets_sync_durability_itself(features: str) -> None:
 # RunModel's limits and failure route ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("features", list(FLOWS))
+# A RunModelLimit other than the default: (minutes, attempts, budget minutes).
+LIMITED = (40, 5, 120)
+RUN_MODEL_FLOWS = {
+    **{features: (flow, (15, 3, 30)) for features, flow in FLOWS.items()},
+    "run_model_limit": (AgentSessionFlow(FullRunner(), "Limited", AgentSessionOptions(run_model_limit=RunModelLimit(
+        timeout=timedelta(minutes=LIMITED[0]), max_attempts=LIMITED[1], retry_budget=timedelta(minutes=LIMITED[2]),
+    ))), LIMITED),
+}
+
+
+@pytest.mark.parametrize("features", list(RUN_MODEL_FLOWS))
 def test_run_model_options_are_the_seeds(features: str) -> None:
     """RunModel (seed 002 Step table): method timeout 15 min, heartbeat timeout 2 min, 3 attempts within
-    30 min, failure route RecordTurnFailure; the same once resolved into a scheduled Step's options."""
-    flow = FLOWS[features]
+    30 min, failure route RecordTurnFailure; the same once resolved into a scheduled Step's options.
+    run_model_limit changes the timeout, the attempts and the retry budget (seed 003, The runner
+    contract); the heartbeat timeout and the failure route stay."""
+    flow, (minutes, attempts, budget_minutes) = RUN_MODEL_FLOWS[features]
     options = flow.step(RUN_MODEL).options
-    assert options.execute_timeout_seconds == 15 * 60
+    assert options.execute_timeout_seconds == minutes * 60
     assert options.heartbeat_timeout_seconds == 2 * 60
-    assert (options.execute_retry.max_attempts, options.execute_retry.total_duration_seconds) == (3, 30 * 60)
+    assert (options.execute_retry.max_attempts, options.execute_retry.total_duration_seconds) == (
+        attempts, budget_minutes * 60)
     assert options.failure_route == RECORD_TURN_FAILURE
     resolved = task_options(flow, RUN_MODEL, None)
-    assert (resolved.execute.timeout_ms, resolved.heartbeat_timeout_ms) == (15 * 60_000, 2 * 60_000)
+    assert (resolved.execute.timeout_ms, resolved.heartbeat_timeout_ms) == (minutes * 60_000, 2 * 60_000)
     assert resolved.execute.retry == options.execute_retry
     assert resolved.failure_route == RECORD_TURN_FAILURE
     assert resolved.failure_route_options == task_options(flow, RECORD_TURN_FAILURE, None)
-
-
-def test_run_model_limit_sets_the_timeout_attempts_and_retry_budget() -> None:
-    """Seed 003 (The runner contract): run_model_limit changes RunModel's method timeout, with the
-    attempts and the retry budget; the heartbeat timeout and the failure route stay."""
-    limit = RunModelLimit(timeout=timedelta(minutes=40), max_attempts=5, retry_budget=timedelta(hours=2))
-    flow = AgentSessionFlow(FullRunner(), "Limited", AgentSessionOptions(run_model_limit=limit))
-    options = flow.step(RUN_MODEL).options
-    assert options.execute_timeout_seconds == 40 * 60
-    assert options.heartbeat_timeout_seconds == 2 * 60
-    assert (options.execute_retry.max_attempts, options.execute_retry.total_duration_seconds) == (5, 2 * 3600)
-    assert options.failure_route == RECORD_TURN_FAILURE
-    resolved = task_options(flow, RUN_MODEL, None)
-    assert resolved.execute.timeout_ms == 40 * 60_000
-    assert resolved.execute.retry == options.execute_retry
 
 
 # RunModel's background heartbeat ----------------------------------------------------------------
