@@ -38,6 +38,7 @@ from dex_agents import (
     OUTCOME_UNKNOWN_TEXT,
     PENDING_INTERRUPTS,
     QUEUED_USER_MESSAGES,
+    SESSION_SETTINGS,
     SESSION_SETTINGS_SIZE_TOLERANCE_BYTES,
     TOOL_CALL_CANCELLATIONS,
     AgentInterrupt,
@@ -1143,6 +1144,20 @@ async def test_start_flow_with_invalid_settings_force_fails_the_session(tmp_path
         snapshot = await turn_ended(engine.sessions, "s", 1)
         assert snapshot.session_settings == tolerated
         await assert_usable(engine.sessions, "s", await all_messages(engine.sessions, "s"))
+
+
+
+async def test_empty_settings_at_start_store_none(tmp_path: Path) -> None:
+    """session_settings {} means none (seed 002 AgentSessionStartInput): StartAgentSession stores no
+    SessionSettings, so the snapshot shows None, as for a session started without settings."""
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        await engine.sessions.start_session("client", "first", session_settings={})
+        await engine.client.start_flow(engine.flow.flow_type, "direct",
+                                       AgentSessionStartInput(initial_message="first", session_settings={}))
+        for session_id in ("client", "direct"):
+            snapshot = await turn_ended(engine.sessions, session_id, 1)
+            assert snapshot.session_settings is None, session_id
+            assert await engine.client.get_attribute(session_id, SESSION_SETTINGS) is None, session_id
 
 
 # RPCs ---------------------------------------------------------------------------------------------

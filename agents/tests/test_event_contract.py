@@ -537,6 +537,30 @@ async def test_tool_call_and_usage_payloads_of_a_turn(tmp_path: Path) -> None:
     ]
 
 
+
+# A small capacity that one turn's events overrun (each event is roughly 150-250 bytes).
+SMALL_EVENTS_CAPACITY = 600
+
+
+async def test_the_sessions_event_stream_keeps_its_configured_capacity(tmp_path: Path) -> None:
+    """AgentSessionOptions.agent_events_capacity_bytes is the AgentEvents Stream's capacity: a turn
+    whose events overrun it keeps only the newest (the turn's last event among them), within the
+    capacity, and a read from the start says the oldest were trimmed."""
+    runner = ScriptedRunner(tmp_path)
+    flow = AgentSessionFlow(runner, FLOW_TYPE, AgentSessionOptions(agent_events_capacity_bytes=SMALL_EVENTS_CAPACITY))
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session(SESSION, script(
+            {"tools": [{"id": "c1", "name": "read_orders", "args": {}}]}, {"answer": "{results}"}))
+        await turns_ended(sessions, SESSION, 1)
+        read = await sessions.read_agent_events(SESSION)
+    assert read.trimmed
+    kept = [e.value.type for e in read.events]
+    assert kept and kept[-1] == "turn_completed" and "turn_started" not in kept
+    assert sum(len(msgspec.json.encode(e.value)) for e in read.events) <= SMALL_EVENTS_CAPACITY
+
+
 # The attempt of a retried Step -------------------------------------------------------------------
 
 
