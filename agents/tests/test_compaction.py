@@ -166,6 +166,10 @@ def test_policy_defaults_and_thresholds() -> None:
     assert (policy.trigger_ratio, policy.retained_ratio, policy.reserved_input_tokens) == (0.85, 0.3, 0)
     assert (policy.trigger_tokens, policy.retained_token_budget) == (850, 300)
     assert not policy.should_compact(849) and policy.should_compact(850)
+    # A fractional product rounds up: the trigger is reached, never undercut.
+    uneven = CompactionPolicy(context_window_tokens=1001)
+    assert uneven.trigger_tokens == 851  # 850.85
+    assert not uneven.should_compact(850) and uneven.should_compact(851)
     reserved = CompactionPolicy(context_window_tokens=1000, reserved_input_tokens=100)
     assert not reserved.should_compact(749) and reserved.should_compact(750)
     assert AgentSessionOptions().compaction is None
@@ -964,6 +968,38 @@ class CutoffPastTheEnd(BuiltinLoopAgentRunner):
 
     def select_compaction_cutoff(self, turn: AgentTurnContext, retained_token_budget: int) -> int | None:
         return turn.messages[-1].sequence + 1
+
+
+class CutoffAtTheSummary(BuiltinLoopAgentRunner):
+    """Always over the trigger; asks to summarize through the newest message once, then only through
+    what the summary already covers."""
+
+    def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
+        return 10**6
+
+    def select_compaction_cutoff(self, turn: AgentTurnContext, retained_token_budget: int) -> int | None:
+        summary = turn.context_summary
+        return turn.messages[-1].sequence if summary is None else summary.last_sequence
+
+
+async def test_a_cutoff_the_summary_already_covers_calls_the_model(tmp_path: Path) -> None:
+    """Seed 002: only a cutoff after the current ContextSummary moves RunModel to CompactContext, so
+    the pair cannot loop. A cutoff equal to the summary's last sequence makes the model call, though
+    the estimate stays over the trigger: one summary a turn at most, here one in all."""
+    # The first model call sees only the summary (it covers the one message): any answer will do.
+    flow, model = compaction_flow("SummaryCutoffAgent", lambda _request: ScriptedModelReply(text="ok"), window=500,
+                                  runner=CutoffAtTheSummary)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        done = await run_turns(sessions, "s", ["hello", "again"])
+        assert done.state is not None and done.state.last_turn_error is None
+        assert done.context_summary is not None and done.context_summary.last_sequence == 1
+        assert (len(summary_calls(model)), len(model_calls(model))) == (1, 2)
+        steps = executed_steps(to_step_history(await engine.client.get_flow_history("s")))
+        assert steps == ["StartAgentSession", "AwaitUserMessage", RUN_MODEL, COMPACT_CONTEXT, RUN_MODEL,
+                         "AwaitUserMessage", RUN_MODEL]
 
 
 @pytest.mark.parametrize(("runner", "error"), [

@@ -188,6 +188,25 @@ limits_strategy = st.builds(
 commits_strategy = st.lists(st.lists(st.integers(0, 700), max_size=6), max_size=20)
 
 
+def test_a_chunk_fills_to_exactly_its_byte_limit_and_not_one_byte_more() -> None:
+    """Seed 002 "Rollover": a chunk is the 15-byte envelope, each message, and a comma between; it
+    closes before a message would take it past message_chunk_max_bytes. Three messages that fill a
+    chunk exactly roll over together; one byte less of room splits them. A message whose own chunk
+    is exactly the limit is not oversized; one byte more is."""
+    sizes = [message_bytes(message(n, 100)) for n in (1, 2, 3)]
+    exact = CHUNK_ENVELOPE_BYTES + sum(sizes) + 2  # two commas
+    assert encoded_chunk_bytes(AgentMessageChunk(messages=tuple(message(n, 100) for n in (1, 2, 3)))) == exact
+    for room, expected in ((exact, [[1, 2, 3]]), (exact - 1, [[1, 2]])):
+        limits = MessageLayoutLimits(window_size=1, chunk_size=10, chunk_max_bytes=room)
+        window = [message(n, 100) for n in (1, 2, 3)]
+        writes = plan_append(window, None, [message(4, 100)], limits)
+        assert [[m.sequence for m in c.messages] for c in writes.chunk_sets][:1] == expected, room
+        assert all(encoded_chunk_bytes(c) <= room for c in writes.chunk_sets)
+    single = CHUNK_ENVELOPE_BYTES + sizes[0]
+    assert not is_oversized(sizes[0], MessageLayoutLimits(window_size=1, chunk_size=1, chunk_max_bytes=single))
+    assert is_oversized(sizes[0], MessageLayoutLimits(window_size=1, chunk_size=1, chunk_max_bytes=single - 1))
+
+
 def test_rollover_caps_are_the_seeds() -> None:
     """Seed 002 "Message storage": one commit moves at most 4 chunks and 8 MiB (public names)."""
     assert (MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT, MESSAGE_ROLLOVER_MAX_BYTES_PER_COMMIT) == (4, 8 * 1024 * 1024)
