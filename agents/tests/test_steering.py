@@ -276,6 +276,54 @@ async def test_steer_during_a_model_call_that_answers_completes_the_turn_then_st
 
 
 @shared_loop
+async def test_a_steer_beats_a_message_queued_before_it_when_the_turn_completes(plain: Session) -> None:
+    """Seed 002, AwaitUserMessage: Channel conditions are selected in argument order, so a steer beats
+    a queued message. Both sent during a model call that answers: the steer starts turn 2 (through
+    ApplyTurnControl), the queued message turn 3, though it was sent first."""
+    await plain.start(script({"gate": plain.gate_name("model"), "answer": "first answer"}))
+    await plain.gate("model").wait_until_reached()
+    assert await plain.sessions.send_user_message(plain.id, "queued A")
+    assert await plain.sessions.steer_user_message(plain.id, text="steer B")
+    plain.gate("model").release()
+    done = await plain.turns_ended(3)
+    assert user_texts(done, "turn-2") == ["steer B"]
+    assert user_texts(done, "turn-3") == ["queued A"]
+    assert await plain.events("turn_steered") == []  # turn 1 completed with its answer
+
+
+@shared_loop
+@pytest.mark.parametrize("control", ["steer", "cancel"])
+async def test_a_steered_or_cancelled_turn_clears_the_last_turns_error(plain: Session, control: str) -> None:
+    """Seed 002, ApplyTurnControl: it counts the turn and clears last_turn_error. A turn that failed,
+    then one that is steered or cancelled: the error is gone once the controlled turn ended."""
+    await plain.start(script({"turn_error": "the first turn failed"}))
+    failed = await plain.turns_ended(1)
+    assert failed.state is not None and failed.state.last_turn_error == "the first turn failed"
+    calls = [{"id": "c1", "name": "read_orders", "args": {}}]
+    assert await plain.sessions.send_user_message(
+        plain.id, script({"gate": plain.gate_name("model"), "tools": calls}, {"answer": "unreachable"}))
+    await plain.gate("model").wait_until_reached()
+    if control == "steer":
+        # The steered turn's model call waits at a gate of its own, so the state ApplyTurnControl
+        # left is what the snapshot shows (no later commit has cleared the error for it).
+        steered = script({"gate": plain.gate_name("steered"), "answer": "steered answer"})
+        assert await plain.sessions.steer_user_message(plain.id, text=steered)
+    else:
+        assert await plain.sessions.cancel_turn(plain.id)
+    plain.gate("model").release()
+    if control == "steer":
+        await plain.gate("steered").wait_until_reached()
+        ended = await plain.snapshot()
+        assert ended.state is not None and (ended.state.turn_count, ended.state.active_turn_id) == (2, "turn-3")
+        plain.gate("steered").release()
+    else:
+        ended = await plain.turns_ended(2)
+    assert ended.state is not None and ended.state.last_turn_error is None
+    event = "turn_steered" if control == "steer" else "turn_cancelled"
+    assert [e.turn_id for e, _ in await plain.events(event)] == ["turn-2"]
+
+
+@shared_loop
 async def test_tools_requested_by_a_model_call_that_was_steered_never_start(plain: Session) -> None:
     """A steer during the model call applies at the tool Steps it requested: CallTool records the
     read cancelled before tool_call_started, the approval is abandoned, and ApplyTurnControl ends
