@@ -38,7 +38,9 @@ from dex_agents import (
     INTERRUPT_RESOLUTIONS,
     PENDING_INTERRUPTS,
     POLL_TOOL_TASK,
+    RESUME_TURN,
     STEERED_REJECTION_MESSAGE,
+    TOOL_CALL_RESULTS,
     TOOL_TASK_CANCELLED_ERROR,
     TURN_CANCELLATION_REQUEST,
     TURN_CANCELLED_REJECTION_MESSAGE,
@@ -57,10 +59,13 @@ from dex_agents import (
     MessageRole,
     ToolEffect,
     TurnCancellationRequest,
+    TurnControlKind,
+    TurnControlRequest,
 )
 from dex_agents._builtin_steps import BuiltInSteps
 from dex_agents._control_steps import (
     CANCEL_TURN_CANCELING_STEPS,
+    TURN_CONTROL_WAKE,
     CancellationAction,
     ControlSteps,
     cancellation_action,
@@ -74,7 +79,7 @@ from dex_agents.testing import (
     AgentTestStack,
 )
 from dex_engine import Context, LoadOptions, RpcContext, RPCResult, Timer, Wait
-from dex_engine._records import WaitOutcome
+from dex_engine._records import ConsumedMessage, WaitOutcome
 
 BUILT_INS = frozenset({BuiltInTool.ASK_USER, BuiltInTool.DURABLE_WAIT})
 RACE_ROUNDS = 20
@@ -534,3 +539,36 @@ async def test_cancel_turn_rpc_refusals_and_a_repeat_write_nothing(
     ctx = _rpc(flow, values)
     assert await flow.rpc("cancel_turn").handler(ctx, CancelTurnRequest(request_turn)) is expected
     assert ctx.writes.empty()
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+async def test_resume_turn_woken_in_a_turn_both_steered_and_cancelled_leaves_the_waits_to_the_cancel(
+    cancelled: bool,
+) -> None:
+    """ResumeTurn woken by a turn control request abandons the waits that took no effect only in a
+    steered turn that is not cancelled (seed 002: "a turn that is both ends as cancelled", and
+    FinishTurnCancellation owns a cancel): with both, a pending approval keeps its interrupt and
+    record and no interrupt_resolved is written, so it is later resolved as turn_cancelled, not
+    steered. Either way ResumeTurn waits again."""
+    flow = _flow()
+    approval = tool_call(AgentToolCallStatus.AWAITING_APPROVAL, effect=ToolEffect.NON_IDEMPOTENT_WRITE,
+                         requires_approval=True)
+    interrupt = _interrupt("c1", kind=InterruptKind.TOOL_APPROVAL)
+    values: dict[tuple[str, str], Any] = {
+        ("AgentState", ""): _state(), ("AgentToolCalls", "c1"): approval, ("PendingInterrupts", ""): [interrupt],
+        ("SteeredMessageCount", ""): 1,
+    }
+    if cancelled:
+        values[("TurnCancellationRequest", "")] = CANCELLED
+    wake = ConsumedMessage(1, msgspec.Raw(msgspec.json.encode(TurnControlRequest(TurnControlKind.STEER))))
+    wait = Wait.any_of(TOOL_CALL_RESULTS.for_n(1), TURN_CONTROL_WAKE)
+    ctx = step_context(flow, RESUME_TURN, values, (wait, WaitOutcome(satisfied=(1,), consumed=((), (wake,)))))
+    decision = await ToolSteps(_runtime(flow)).resume_turn(ctx, 1)
+    assert [(m.step_type, m.input) for m in decision.movements] == [(RESUME_TURN, 1)]
+    resolved = _event_payloads(ctx, "interrupt_resolved")
+    if cancelled:
+        assert ctx.get(PENDING_INTERRUPTS) == [interrupt] and resolved == []
+        assert ctx.writes.publishes == []
+    else:
+        assert ctx.get(PENDING_INTERRUPTS) == []
+        assert [p["cancellation_reason"] for p in resolved] == ["steered"]
