@@ -247,10 +247,12 @@ class TurnSteps:
         has_builder = rt.builds_unfinished_messages
         if isinstance(outcome, TurnCompleted):
             items = check_framework_messages(outcome.new_messages, "TurnCompleted.new_messages")
-            turn_error = None if outcome.turn_error is None else str(outcome.turn_error)
-            problem = None if turn_error is None else text_problem(turn_error)
-            if problem is not None:
-                raise TurnContractError(f"TurnCompleted.turn_error is {problem}")
+            turn_error = outcome.turn_error
+            if turn_error is not None:
+                turn_error = str(turn_error)
+                problem = text_problem(turn_error)
+                if problem is not None:
+                    raise TurnContractError(f"TurnCompleted.turn_error is {problem}")
             # Nothing from here on breaks the contract, so AgentState is set once, as the turn ends.
             state = rt.append_messages(ctx, state, turn_id, items)
             if turn_error is not None:
