@@ -8,7 +8,15 @@ from typing import Any
 
 import msgspec
 
-from dex_agents import AgentSessionFlow, AgentToolCall, AgentToolCallStatus, ToolEffect
+from dex_agents import (
+    AgentInterrupt,
+    AgentSessionFlow,
+    AgentToolCall,
+    AgentToolCallStatus,
+    InterruptKind,
+    ToolEffect,
+)
+from dex_agents._runtime import SessionRuntime
 from dex_engine import Context, LoadOptions, RecoveryError, Wait, WaitResult
 from dex_engine._context import EventFn, HeartbeatFn
 from dex_engine._records import WaitOutcome
@@ -22,6 +30,19 @@ def tool_call(status: AgentToolCallStatus, **fields: Any) -> AgentToolCall:
         deferral_order=0, tool_source_reference=None, trace_context=None,
     )
     return msgspec.structs.replace(record, **fields)
+
+
+def interrupt(interrupt_id: str, *, kind: InterruptKind = InterruptKind.TOOL_APPROVAL, **fields: Any) -> AgentInterrupt:
+    """The pending interrupt `interrupt_id` of the tool call with the same ID (tool "t"), created
+    2026-01-01 with no deadline; `fields` override."""
+    made = AgentInterrupt(interrupt_id=interrupt_id, kind=kind, tool_call_id=interrupt_id, tool_name="t",
+                          arguments="{}", created_at="2026-01-01T00:00:00.000Z", deadline=None)
+    return msgspec.structs.replace(made, **fields)
+
+
+def runtime_of(flow: AgentSessionFlow) -> SessionRuntime:
+    """The SessionRuntime the Flow's Step handlers share, for calling a handler directly."""
+    return SessionRuntime(flow.runner, flow.options, flow.agent_events)
 
 
 def step_context(

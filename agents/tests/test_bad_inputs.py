@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from agents.tests.built_context import step_context, tool_call
+from agents.tests.built_context import interrupt, runtime_of, step_context, tool_call
 from agents.tests.scripted_agent import FLOW_TYPE, INVOCATIONS, ScriptedRunner, build_flow, item
 
 from dex_agents import (
@@ -59,7 +59,6 @@ from dex_agents import (
     DeferredToolCall,
     DeferredToolExecution,
     FrameworkMessage,
-    InterruptKind,
     ListAgentMessagesRequest,
     MessageRole,
     ResolveInterruptRequest,
@@ -71,7 +70,6 @@ from dex_agents import (
     TurnContinued,
 )
 from dex_agents._constants import MAX_REJECTION_MESSAGE_CHARS, REJECTION_MESSAGE_NOT_STORED
-from dex_agents._runtime import SessionRuntime
 from dex_agents._timefmt import format_time
 from dex_agents._tool_steps import ToolSteps
 from dex_agents.testing import (
@@ -494,16 +492,12 @@ async def test_resolve_interrupt_unknown_or_already_resolved_is_false(tmp_path: 
         await assert_usable(sessions, "s", before)
 
 
-
 @pytest.mark.parametrize("approved", [True, False])
 async def test_resolve_interrupt_publishes_a_rejection_message_only_with_a_rejection(approved: bool) -> None:
     """What resolve_interrupt queues for AwaitToolApproval: the decision, and the rejection message
     only when it rejects (seed 002 "RPCs": "dropping rejection_message on approval")."""
     flow = build_flow(None)
-    interrupt = AgentInterrupt(interrupt_id="w1", kind=InterruptKind.TOOL_APPROVAL, tool_call_id="w1",
-                               tool_name="write_x", arguments="{}", created_at=format_time(datetime.now(UTC)),
-                               deadline=None)
-    loaded = {("PendingInterrupts", ""): msgspec.json.encode([interrupt])}
+    loaded = {("PendingInterrupts", ""): msgspec.json.encode([interrupt("w1")])}
     ctx = RpcContext(flow, "s", loaded, LoadOptions.all(), {}, "resolve_interrupt")
     request = ResolveInterruptRequest("w1", approved=approved, rejection_message="too risky")
     assert await flow.rpc("resolve_interrupt").handler(ctx, request) is True
@@ -516,14 +510,14 @@ async def test_resolve_interrupt_publishes_a_rejection_message_only_with_a_rejec
     assert ctx.get(PENDING_INTERRUPTS) == []
 
 
-async def pending_past_its_deadline(engine: InProcess, interrupt: AgentInterrupt) -> dict[str, list[str]]:
+async def pending_past_its_deadline(engine: InProcess, waiting: AgentInterrupt) -> dict[str, list[str]]:
     """Stop the Worker and wait until session "s"'s only interrupt is past its deadline: without a
     Worker its deadline Timer cannot fire, so it stays pending. Returns the flow's rows then."""
     await engine.stop_worker()
-    assert interrupt.deadline is not None
-    deadline = datetime.fromisoformat(interrupt.deadline)
-    await wait_until(f"{interrupt.interrupt_id}'s deadline to pass", lambda: datetime.now(UTC) > deadline, timeout=10)
-    assert (await engine.sessions.get_agent_snapshot("s")).pending_interrupts == [interrupt]
+    assert waiting.deadline is not None
+    deadline = datetime.fromisoformat(waiting.deadline)
+    await wait_until(f"{waiting.interrupt_id}'s deadline to pass", lambda: datetime.now(UTC) > deadline, timeout=10)
+    assert (await engine.sessions.get_agent_snapshot("s")).pending_interrupts == [waiting]
     return await table_rows(engine.client)
 
 
@@ -617,13 +611,12 @@ async def test_a_rejection_that_does_not_fit_beside_the_calls_arguments_keeps_a_
     outcome = WaitOutcome(satisfied=(0,), consumed=((taken,),))
     ctx = step_context(flow, AWAIT_TOOL_APPROVAL, {("AgentToolCalls", "w1"): record},
                        (Wait.any_of(resolutions.for_one()), outcome))
-    tools = ToolSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
+    tools = ToolSteps(runtime_of(flow))
     await tools.await_tool_approval(ctx, "w1")
     stored = ctx.get(AGENT_TOOL_CALLS["w1"])
     assert stored is not None and stored.status is AgentToolCallStatus.REJECTED
     assert stored.rejection_message == REJECTION_MESSAGE_NOT_STORED
     assert stored.arguments == record.arguments
-
 
 
 @pytest.mark.parametrize("pending", ["taken by resolve_interrupt", "not due yet"])
@@ -637,16 +630,14 @@ async def test_a_deadline_timer_that_finds_no_due_interrupt_waits_again(pending:
                        effect=ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=True)
     created = datetime.now(UTC)
     deadline = created + (timedelta(hours=1) if pending == "not due yet" else -timedelta(seconds=1))
-    interrupt = AgentInterrupt(interrupt_id="w1", kind=InterruptKind.TOOL_APPROVAL, tool_call_id="w1",
-                               tool_name="write_x", arguments="{}", created_at=format_time(created),
-                               deadline=format_time(deadline))
-    interrupts = [interrupt] if pending == "not due yet" else []
+    pending_interrupt = interrupt("w1", created_at=format_time(created), deadline=format_time(deadline))
+    interrupts = [pending_interrupt] if pending == "not due yet" else []
     wait = Wait.any_of(TOOL_CALL_CANCELLATIONS["w1"].for_one(), INTERRUPT_RESOLUTIONS["w1"].for_one(),
                        Timer.by_duration(1))
     fired = WaitOutcome(satisfied=(2,), consumed=((), (), ()), fired_timers=(2,))
     ctx = step_context(flow, AWAIT_TOOL_APPROVAL, {("AgentToolCalls", "w1"): record,
                                                    ("PendingInterrupts", ""): interrupts}, (wait, fired))
-    tools = ToolSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
+    tools = ToolSteps(runtime_of(flow))
     decision = await tools.await_tool_approval(ctx, "w1")
     assert [(m.step_type, m.input) for m in decision.movements] == [(AWAIT_TOOL_APPROVAL, "w1")]
     assert ctx.writes.attributes == {} and ctx.writes.appends == []
@@ -1144,7 +1135,6 @@ async def test_start_flow_with_invalid_settings_force_fails_the_session(tmp_path
         snapshot = await turn_ended(engine.sessions, "s", 1)
         assert snapshot.session_settings == tolerated
         await assert_usable(engine.sessions, "s", await all_messages(engine.sessions, "s"))
-
 
 
 async def test_empty_settings_at_start_store_none(tmp_path: Path) -> None:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from agents.tests.built_context import step_context, tool_call
+from agents.tests.built_context import runtime_of, step_context, tool_call
 from agents.tests.scripted_agent import ScriptedRunner
 
 from dex_agents import (
@@ -34,14 +35,16 @@ from dex_agents import (
 )
 from dex_agents import _tool_steps as tool_steps_module
 from dex_agents._constants import TOOL_HEARTBEAT_INTERVAL
-from dex_agents._runtime import SessionRuntime, background_heartbeats
+from dex_agents._runtime import background_heartbeats
 from dex_agents._tool_steps import ToolSteps
-from dex_engine import Context
+from dex_engine import Context, StepDecision
 
 # The background heartbeat interval the tests run the tool Step with, and how long their tool runs:
 # several intervals, so a Step without background heartbeats shows.
 SHORT_INTERVAL = 0.02
 TOOL_SECONDS = SHORT_INTERVAL * 8
+
+ToolHandler = Callable[[Context, str], Awaitable[StepDecision]]
 
 
 class LoggingRunner(ScriptedRunner):
@@ -75,6 +78,13 @@ def recording_context(flow: AgentSessionFlow, step_type: str, status: AgentToolC
                         heartbeat=heartbeat, write_event=write_event)
 
 
+def tool_step(log: list[str], step_type: str) -> tuple[AgentSessionFlow, ToolHandler]:
+    """A Flow whose runner's tool logs to `log`, and the handler of its `step_type`."""
+    flow = AgentSessionFlow(LoggingRunner(log), "ToolOrder", AgentSessionOptions())
+    steps = ToolSteps(runtime_of(flow))
+    return flow, steps.call_tool if step_type == CALL_TOOL else steps.call_single_attempt_tool
+
+
 def test_tool_steps_heartbeat_in_the_background_every_20_seconds() -> None:
     # Seed 002: "a background heartbeat every 20 s"; background_heartbeats' default is what the tool
     # Steps use.
@@ -88,7 +98,7 @@ async def test_started_then_a_durable_heartbeat_then_the_tool_with_background_he
     step_type: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log: list[str] = []
-    flow = AgentSessionFlow(LoggingRunner(log), "ToolOrder", AgentSessionOptions())
+    flow, handler = tool_step(log, step_type)
     intervals: list[Any] = []
 
     def short_heartbeats(ctx: Context, *interval: float) -> Any:
@@ -97,8 +107,6 @@ async def test_started_then_a_durable_heartbeat_then_the_tool_with_background_he
 
     monkeypatch.setattr(tool_steps_module, "background_heartbeats", short_heartbeats)
     ctx = recording_context(flow, step_type, AgentToolCallStatus.APPROVED, log)
-    steps = ToolSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
-    handler = steps.call_tool if step_type == CALL_TOOL else steps.call_single_attempt_tool
     await handler(ctx, "c1")
 
     assert intervals == [()]  # the default interval (pinned above)
@@ -118,10 +126,8 @@ async def test_a_final_record_is_never_run_again(step_type: str, status: AgentTo
     """Seed 002 "Rules": a tool Step whose record is already final ends without running or
     publishing (a retried Step after its tool's result committed, say): a write never runs twice."""
     log: list[str] = []
-    flow = AgentSessionFlow(LoggingRunner(log), "ToolOrder", AgentSessionOptions())
+    flow, handler = tool_step(log, step_type)
     ctx = recording_context(flow, step_type, status, log)
-    steps = ToolSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
-    handler = steps.call_tool if step_type == CALL_TOOL else steps.call_single_attempt_tool
     decision = await handler(ctx, "c1")
     assert decision.kind == "dead_end"
     assert log == []
