@@ -17,7 +17,7 @@ from dex_agents import (
     ToolEffect,
 )
 from dex_agents._runtime import SessionRuntime
-from dex_engine import Context, LoadOptions, RecoveryError, Wait, WaitResult
+from dex_engine import Context, LoadOptions, LoadSpec, RecoveryError, Wait, WaitResult
 from dex_engine._context import EventFn, HeartbeatFn
 from dex_engine._records import WaitOutcome
 
@@ -56,10 +56,12 @@ def step_context(
     recovery_error: RecoveryError | None = None,
     heartbeat: HeartbeatFn | None = None,
     write_event: EventFn | None = None,
+    load: LoadSpec | None = None,
 ) -> Context:
     """Attempt 1 of a method of flow "s" that loaded `values` ((name, key) -> value), with the wait
     result `wait` if given; its heartbeats and best-effort events go to `heartbeat` and
-    `write_event`, or nowhere."""
+    `write_event`, or nowhere. `load`: what the method declares it loads (reading anything else raises
+    NotLoadedError, as in a Worker); every value by default."""
     loaded = {key: msgspec.json.encode(value) for key, value in values.items()}
 
     async def no_heartbeat(_: str | None) -> None:
@@ -67,7 +69,7 @@ def step_context(
 
     return Context(
         flow=flow, flow_id="s", step_type=step_type, step_execution_id=step_execution_id or f"{step_type}-1",
-        method=method, attempt=1, loaded=loaded, load=LoadOptions.all(), checkpoint=None,
+        method=method, attempt=1, loaded=loaded, load=load or LoadOptions.all(), checkpoint=None,
         recovery_error=recovery_error,
         wait_result=None if wait is None else WaitResult(wait[0].spec(), wait[1], flow),
         heartbeat=heartbeat or no_heartbeat, write_event=write_event or (lambda _name, _data: None),

@@ -1159,3 +1159,39 @@ def test_apply_turn_control_movements_load_only_the_chunks_after_the_summary() -
     assert AGENT_MESSAGE_CHUNKS.name not in movement.options.load.names
     [plain] = go_to_apply_turn_control(ctx, AgentSessionOptions()).movements
     assert plain.step_type == APPLY_TURN_CONTROL and plain.options is None
+
+
+async def test_a_cancelled_model_call_moves_to_apply_turn_control_with_only_the_chunks_after_the_summary() -> None:
+    """FinishTurnCancellation, after cancel_turn cancelled a model call, moves to ApplyTurnControl
+    like RunModel does: with what FinishTurnCancellation itself loads, the movement lists only the
+    AgentMessageChunks instances after the summary (seed 002's load rule), not every chunk."""
+    from agents.tests.built_context import step_context
+
+    from dex_agents import TurnCancellationRequest
+    from dex_agents._constants import APPLY_TURN_CONTROL, FINISH_TURN_CANCELLATION
+    from dex_agents._control_steps import ControlSteps
+    from dex_agents._persistence import AGENT_MESSAGE_INDEX, CONTEXT_SUMMARY
+    from dex_agents._runtime import SessionRuntime
+    from dex_agents._turn_steps import TurnSteps
+    from dex_agents._wire import AgentMessageChunkRange, AgentMessageIndex, AgentState, AgentStatus, ContextSummary
+
+    flow, _ = compaction_flow("CancelledAgent", answer, window=1000)
+    runtime = SessionRuntime(flow.runner, flow.options, flow.agent_events)
+    control = ControlSteps(runtime, TurnSteps(runtime))
+    index = AgentMessageIndex(chunks=[AgentMessageChunkRange(1, 4), AgentMessageChunkRange(5, 8)],
+                              first_sequence=1, window_first_sequence=9)
+    summary = ContextSummary(generation=1, first_sequence=1, last_sequence=4, text="s",
+                             created_at="2026-11-29T00:00:00.000Z")
+    state = AgentState(status=AgentStatus.RUNNING_MODEL, turn_count=0, active_turn_id="turn-1",
+                       next_message_sequence=11, last_turn_error=None, accepts_turn_control=True)
+    ctx = step_context(flow, FINISH_TURN_CANCELLATION, {
+        ("AgentState", ""): state, (AGENT_MESSAGE_INDEX.name, ""): index, (CONTEXT_SUMMARY.name, ""): summary,
+        ("TurnCancellationRequest", ""): TurnCancellationRequest(turn_id="turn-1",
+                                                                 requested_at="2026-11-29T00:00:00.000Z"),
+    }, load=flow.steps[FINISH_TURN_CANCELLATION].options.load)
+    [movement] = (await control.finish_turn_cancellation(ctx, "turn-1")).movements
+    assert movement.step_type == APPLY_TURN_CONTROL
+    assert movement.options is not None and movement.options.load is not None
+    assert AGENT_MESSAGE_CHUNKS.name not in movement.options.load.names
+    assert {key for name, key in movement.options.load.instances if name == AGENT_MESSAGE_CHUNKS.name} == {
+        message_sequence_key(5)}

@@ -187,10 +187,13 @@ class AgentSessionFlow(Flow):
                  options=StepOptions(durability=_SYNC, wait_for_load=LoadOptions.none(), execute_load=TURN_LOAD,
                                      execute_retry=RECOVERY_RETRY, wait_for_retry=RECOVERY_RETRY,
                                      execute_locks=(TURN_CANCELLATION_REQUEST,))),
+            # FinishTurnCancellation loads the index and summary so that, after a cancelled model call,
+            # its movement into ApplyTurnControl lists only the chunks after the summary.
             Step(FINISH_TURN_CANCELLATION, control.finish_turn_cancellation, input_type=str,
                  options=StepOptions(durability=_SYNC, execute_retry=RECOVERY_RETRY,
                                      load=LoadOptions.only(AGENT_TOOL_CALLS, PENDING_INTERRUPTS,
-                                                           *TURN_CONTROL_LOAD_EXTRA),
+                                                           *TURN_CONTROL_LOAD_EXTRA,
+                                                           *RUN_MODEL_MOVEMENT_LOAD_EXTRA),
                                      execute_locks=(TURN_CANCELLATION_REQUEST, PENDING_INTERRUPTS))),
         ]
         super().__init__(
