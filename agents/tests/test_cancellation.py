@@ -46,6 +46,7 @@ from dex_agents import (
     TURN_CANCELLED_REJECTION_MESSAGE,
     AgentEvent,
     AgentInterrupt,
+    AgentInterruptResolution,
     AgentSessionFlow,
     AgentSnapshot,
     AgentState,
@@ -500,9 +501,12 @@ async def test_a_task_question_not_raised_in_a_cancelled_turn_goes_to_finish_tur
         S.REJECTED, CancellationReason.TURN_CANCELLED)
 
 
-def _rpc(flow: AgentSessionFlow, values: dict[tuple[str, str], Any]) -> RpcContext:
+def _rpc(
+    flow: AgentSessionFlow, values: dict[tuple[str, str], Any],
+    in_flight: dict[tuple[str, str], list[tuple[int, bytes]]] | None = None,
+) -> RpcContext:
     loaded = {key: msgspec.json.encode(value) for key, value in values.items()}
-    return RpcContext(flow, "s", loaded, LoadOptions.all(), {}, "cancel_turn")
+    return RpcContext(flow, "s", loaded, LoadOptions.all(), {}, "cancel_turn", in_flight)
 
 
 async def test_cancel_turn_rpc_cancels_the_registered_steps_and_starts_finish_turn_cancellation() -> None:
@@ -523,6 +527,41 @@ async def test_cancel_turn_rpc_cancels_the_registered_steps_and_starts_finish_tu
     assert [(m.step_type, m.input) for m in result.next_steps] == [(FINISH_TURN_CANCELLATION, "turn-1")]
     written = ctx.get(TURN_CANCELLATION_REQUEST)
     assert written is not None and written.turn_id == "turn-1" and written.requested_at.endswith("Z")
+
+
+async def test_cancel_turn_queues_again_the_answers_a_cancelled_waiting_step_took() -> None:
+    """An approval or answer that committed first, taken by a waiting Step's satisfied wait whose
+    Execute has not committed, goes with that Step when cancel_turn cancels it (E9). cancel_turn
+    publishes each such message again, as it was, on the call's channel (the question's interrupt ID
+    for a tool question), so the Step FinishTurnCancellation sends the call back to applies it. Taken
+    messages of calls that wait for nothing are left alone."""
+    flow = build_flow(None)
+    records = [
+        tool_call(S.AWAITING_APPROVAL, tool_call_id="a"),
+        tool_call(S.AWAITING_ANSWER, tool_call_id="ask", tool_name="ask_user"),
+        tool_call(S.AWAITING_ANSWER, tool_call_id="q", input_question="Which?"),
+        tool_call(S.APPROVED, tool_call_id="ran"),
+        tool_call(S.AWAITING_APPROVAL, tool_call_id="other", turn_id="turn-0"),
+    ]
+    approval = msgspec.json.encode(AgentInterruptResolution(approved=True, rejection_message=None))
+    answer = msgspec.json.encode(AgentInterruptResolution(approved=True, rejection_message=None, answer="blue"))
+    taken = {
+        (INTERRUPT_RESOLUTIONS.name, "a"): [(7, approval)],
+        (INTERRUPT_RESOLUTIONS.name, "ask"): [(8, answer)],
+        (INTERRUPT_RESOLUTIONS.name, "q-input-1"): [(9, answer)],
+        (INTERRUPT_RESOLUTIONS.name, "q"): [(10, answer)],  # not the question's ID
+        (INTERRUPT_RESOLUTIONS.name, "ran"): [(11, approval)],
+        (INTERRUPT_RESOLUTIONS.name, "other"): [(12, approval)],
+    }
+    values: dict[tuple[str, str], Any] = {("AgentToolCalls", r.tool_call_id): r for r in records}
+    ctx = _rpc(flow, values | {("AgentState", ""): _state()}, taken)
+    result = await flow.rpc("cancel_turn").handler(ctx, CancelTurnRequest())
+    assert isinstance(result, RPCResult) and result.output is True
+    assert sorted(ctx.writes.publishes) == [
+        (INTERRUPT_RESOLUTIONS.name, "a", approval),
+        (INTERRUPT_RESOLUTIONS.name, "ask", answer),
+        (INTERRUPT_RESOLUTIONS.name, "q-input-1", answer),
+    ]
 
 
 @pytest.mark.parametrize(("values", "request_turn", "expected"), [
