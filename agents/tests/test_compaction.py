@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from dex_agents import (
     AGENT_MESSAGE_CHUNKS,
     AGENT_MESSAGE_INDEX,
+    AGENT_STATE,
     CONTEXT_SUMMARY,
     CONTEXT_SUMMARY_INSTRUCTIONS,
     CONTEXT_SUMMARY_NOTE_HEADER,
@@ -920,6 +921,39 @@ async def test_retention_deletes_summarized_chunks(tmp_path: Path) -> None:
         assert kept_index is not None and kept_index.first_sequence == 1
         page = await kept.list_agent_messages("k", before_sequence=None, limit=200)
         assert page.deleted_before_sequence is None and page.messages[0].sequence == 1
+
+
+async def test_compact_context_applies_retention_in_its_own_commit(tmp_path: Path) -> None:
+    """CompactContext deletes the chunks its new summary lets retention delete in the commit that
+    stores the summary, not at the next Step that stores a message: during every model call
+    (RunModel stores nothing before it), including each right after a compaction, retention has
+    nothing left to delete. Turns with tool calls compact mid-turn, between two model calls."""
+    engine_box: list[InProcessEngine] = []
+    seen: list[tuple[int, int, list[AgentMessageChunkRange]]] = []  # (summary through, newest, deletable)
+
+    async def respond(request: ModelRequest) -> ScriptedModelReply:
+        client = engine_box[0].client
+        index = await client.get_attribute("s", AGENT_MESSAGE_INDEX)
+        summary = await client.get_attribute("s", CONTEXT_SUMMARY)
+        state = await client.get_attribute("s", AGENT_STATE)
+        assert state is not None
+        newest = state.next_message_sequence - 1
+        deletable = list(plan_retention(index, summary, 2, newest).deleted)
+        seen.append((0 if summary is None else summary.last_sequence, newest, deletable))
+        return answer(request)
+
+    flow, _ = compaction_flow("RetainingAgent", respond, window=700, message_window_size=4, message_chunk_size=2,
+                              retained_message_limit=2)
+    engine = InProcessEngine(tmp_path, [flow])
+    engine_box.append(engine)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        await run_turns(sessions, "s", [say(1), say(2), "/tools 14", say(3), say(4), "/tools 6"])
+    assert all(deletable == [] for _, _, deletable in seen), seen
+    # The model calls right after a compaction (RunModel stores its messages before it moves to
+    # CompactContext, so only CompactContext's commit lies between): the summary moved.
+    assert sum(1 for i in range(1, len(seen)) if seen[i][0] > seen[i - 1][0]) >= 2, seen
 
 
 async def test_a_runner_without_compaction_warns_on_a_session_with_deleted_messages(
