@@ -16,6 +16,7 @@ from dex_agents import (
     AgentSessionOptions,
     AgentTurnContext,
     AgentTurnOutcome,
+    BuiltInTool,
     DeferredToolExecution,
     FrameworkMessage,
     MessageRole,
@@ -242,3 +243,27 @@ def test_the_longest_timer_is_accepted_for_deadlines_and_durable_waits() -> None
     """366 days, the engine's MAX_TIMER_SECONDS, is the bound itself: allowed for both."""
     options = AgentSessionOptions(interrupt_deadline=timedelta(days=366), max_durable_wait=timedelta(days=366))
     assert options.interrupt_deadline == options.max_durable_wait == timedelta(seconds=MAX_TIMER_SECONDS)
+
+
+def test_built_in_tools_take_a_set_of_built_in_tools_and_keep_a_frozenset() -> None:
+    """A set of BuiltInTool is kept as a frozenset (read-only and hashable, like the default); a list,
+    or names given as plain strings, is refused with the field and the value, not taken as they are."""
+    options = AgentSessionOptions(built_in_tools={BuiltInTool.ASK_USER})  # type: ignore[arg-type]
+    assert type(options.built_in_tools) is frozenset
+    assert options.built_in_tools == frozenset({BuiltInTool.ASK_USER})
+    bad_values: list[Any] = [[BuiltInTool.ASK_USER], frozenset({"ask_user"}), None]
+    for bad in bad_values:
+        with pytest.raises(ValueError, match="invalid AgentSessionOptions") as info:
+            AgentSessionOptions(built_in_tools=bad)
+        assert f"built_in_tools must be a frozenset of BuiltInTool, got {bad!r}" in str(info.value)
+
+
+def test_max_durable_wait_is_at_least_one_second() -> None:
+    """durable_wait takes whole seconds from 1 (seed 003 "Built-in tools"): a bound of one second is
+    accepted, and a shorter one, under which no wait could be allowed, is refused."""
+    assert AgentSessionOptions(max_durable_wait=timedelta(seconds=1)).max_durable_wait == timedelta(seconds=1)
+    for bad in (timedelta(milliseconds=999), timedelta(0)):
+        with pytest.raises(ValueError, match="max_durable_wait must be a timedelta from 1 second") as info:
+            AgentSessionOptions(max_durable_wait=bad)
+        assert repr(bad) in str(info.value)
+

@@ -26,8 +26,11 @@ from dex_agents._constants import (
 )
 from dex_agents._events import AgentEventWriter
 from dex_agents._policy import (
+    CANCELLED_NOTE_HEADER,
     OUTCOME_UNKNOWN_TEXT,
+    STEERED_NOTE_HEADER,
     ToolPolicy,
+    build_tool_call_note,
     build_turn_failure_note,
     describe_tool_call_outcome,
     is_approval_required,
@@ -224,6 +227,14 @@ def test_id_length_and_control_characters_are_checked() -> None:
         plan([call("x" * (MAX_TOOL_CALL_ID_LENGTH + 1))])
     with pytest.raises(TurnContractError, match="control characters"):
         plan([call("a\nb")])
+
+
+def test_the_tool_call_id_limit_is_the_engines_id_length() -> None:
+    """A tool call ID becomes part of engine keys, which are at most 255 characters: 255 passes and 256
+    fails the turn here. The test above reads MAX_TOOL_CALL_ID_LENGTH, so only this pins its value."""
+    plan([call("x" * 255)])
+    with pytest.raises(TurnContractError, match=r"is 256 characters, over 255$"):
+        plan([call("x" * 256)])
 
 
 # Hypothesis: any list of IDs from a small alphabet (so repeats are common), against existing records.
@@ -651,6 +662,18 @@ def test_turn_failure_note_is_none_without_final_records() -> None:
     """No final record means no tool call ran to an end: no note."""
     assert build_turn_failure_note([]) is None
     assert build_turn_failure_note([r for r in NOTE_RECORDS if not r.status.is_final]) is None
+
+
+@pytest.mark.parametrize(("header", "first_line"), [
+    (STEERED_NOTE_HEADER, "[Dex] The user steered the conversation after these tool calls ran:"),
+    (CANCELLED_NOTE_HEADER, "[Dex] The user stopped the previous turn after these tool calls ran:"),
+])
+def test_steered_and_cancelled_notes_start_with_the_seed_lines(header: str, first_line: str) -> None:
+    """Seed 002 gives the exact first lines of the steered and cancelled notes the model reads, in the
+    turn-failure note's format. The steering and cancellation tests compare with the constants, so only
+    this pins the texts."""
+    failed_header = "[Dex] The previous turn failed after these tool calls ran:"
+    assert build_tool_call_note(header, NOTE_RECORDS) == EXPECTED_NOTE.replace(failed_header, first_line)
 
 
 def test_check_framework_messages_accepts_a_plain_role_string() -> None:
