@@ -70,8 +70,10 @@ from dex_agents import (
     TurnContinued,
 )
 from dex_agents._constants import MAX_REJECTION_MESSAGE_CHARS, REJECTION_MESSAGE_NOT_STORED
+from dex_agents._session_settings import session_settings_size
 from dex_agents._timefmt import format_time
 from dex_agents._tool_steps import ToolSteps
+from dex_agents._turn_logic import storable_rejection_message
 from dex_agents.testing import (
     EXECUTE_COMPLETED_EVENT,
     AgentTestStack,
@@ -1075,6 +1077,22 @@ def _settings_of_size(size: int) -> dict[str, str]:
     assert len(json.dumps(settings, separators=(",", ":")).encode()) == size
     return settings
 
+
+
+def test_settings_size_is_the_compact_json_of_every_key() -> None:
+    """The size check measures compact JSON with "," and ":" (seed 002 "Session settings"), for settings
+    of several keys too: the cases below use one key, which no item separator enters."""
+    settings = {"model": "m", "tools": ["a", "b"], "n": 1}
+    assert session_settings_size(settings) == len('{"model":"m","tools":["a","b"],"n":1}')
+
+
+def test_a_rejection_message_of_exactly_the_limit_is_kept_whole() -> None:
+    """MAX_REJECTION_MESSAGE_CHARS is the longest message kept as given; one more character is cut."""
+    exact = "n" * MAX_REJECTION_MESSAGE_CHARS
+    assert storable_rejection_message(exact) == exact
+    longer = exact + "n"
+    assert storable_rejection_message(longer) == (
+        f"{exact} [Dex: cut from {MAX_REJECTION_MESSAGE_CHARS + 1} characters]")
 
 INVALID_SETTINGS: list[tuple[str, object, str]] = [
     # (case, session_settings, the start of the ValueError's message)
