@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from agents.tests.builtin_agent import FAST_WORKER, lookup_order, refund_order
 from agents.tests.scripted_agent import ScriptedRunner
@@ -53,6 +54,7 @@ from dex_agents._plans import (
     approved_plan_message,
     execute_plan_accepted,
     parse_write_todos,
+    plan_size_error,
     plan_status_after_write,
     written_plan,
 )
@@ -74,7 +76,8 @@ from dex_agents.builtin_loop import (
 from dex_agents.demo import demo_reply
 from dex_agents.demo._chat import plan_lines, wants_plan_mode
 from dex_agents.testing import executed_steps, to_step_history, wait_for_agent_snapshot, wait_until
-from dex_engine import AsyncClient, AsyncWorker, Registry, RpcLockConflictError, WorkerOptions
+from dex_engine import MAX_VALUE_BYTES, AsyncClient, AsyncWorker, Registry, RpcLockConflictError, WorkerOptions
+from dex_engine._codec import encode_value
 
 NOW = datetime(2026, 11, 1, 12, 0, 0, 123000, tzinfo=UTC)
 PLANNING_LINE = (
@@ -117,6 +120,9 @@ def test_write_todos_arguments_parse_to_tasks_in_order() -> None:
     ('{"todos": ["a"]}', "invalid todos: todos[0] must be an object with content and status"),
     ('{"todos": [{"content": "a", "status": "pending", "priority": 1}]}',
      "invalid todos: todos[0] has unknown field 'priority'"),
+    # Seed 002: the first unknown name is the lowest by code point, not the first written.
+    ('{"todos": [{"priority": 1, "content": "a", "status": "pending", "color": 2}]}',
+     "invalid todos: todos[0] has unknown field 'color'"),
     ('{"todos": [{"content": "a", "status": "pending"}, {"content": "  ", "status": "pending"}]}',
      "invalid todos: todos[1].content must be non-empty text"),
     ('{"todos": [{"content": 3, "status": "pending"}]}', "invalid todos: todos[0].content must be non-empty text"),
@@ -236,6 +242,9 @@ ACCEPTED: dict[str, Any] = {
     (3, {}, False),  # a revision not written yet
     (0, {}, False),
     (True, {}, False),  # a bool is not a revision
+    # True == 1 and 2.0 == 2 in Python: only valid_revision refuses them for a plan of that revision.
+    (True, {"plan": plan_of(1, PlanStatus.DRAFT, task("a"))}, False),
+    (2.0, {}, False),
     (2, {"state": None}, False),  # StartAgentSession has not committed
     (2, {"state": AgentState(status=AgentStatus.RUNNING_MODEL, turn_count=1, active_turn_id="turn-2",
                              next_message_sequence=5, last_turn_error=None)}, False),
@@ -363,6 +372,23 @@ def test_an_oversized_plan_fails_the_call_instead_of_the_commit() -> None:
     assert error.startswith("invalid todos: the plan is ") and "over the limit of 1048576 bytes" in error
 
 
+def test_a_plan_of_exactly_one_engine_value_is_stored() -> None:
+    """The limit is inclusive, as the engine's: a plan of exactly MAX_VALUE_BYTES stores, one byte more fails.
+
+    A stricter check would fail a write_todos call whose plan the engine would have stored.
+    """
+    base = plan_of(1, PlanStatus.ACTIVE, task(""))
+    content = "x" * (MAX_VALUE_BYTES - len(msgspec.json.encode(base)))
+    exact = plan_of(1, PlanStatus.ACTIVE, task(content))
+    assert len(msgspec.json.encode(exact)) == MAX_VALUE_BYTES
+    assert plan_size_error(exact) is None
+    encode_value("AgentPlan", AgentPlan, exact)  # the engine stores it
+    over = plan_of(1, PlanStatus.ACTIVE, task(content + "x"))
+    assert plan_size_error(over) == (
+        f"the plan is {MAX_VALUE_BYTES + 1} bytes as JSON, over the limit of {MAX_VALUE_BYTES} bytes"
+    )
+
+
 # Plan mode needs write_todos and a PlanModeRunner -----------------------------------------------
 
 
@@ -375,7 +401,7 @@ def test_flow_constructor_refuses_plan_mode_without_write_todos_or_a_plan_mode_r
     with_todos = AgentSessionOptions(plan_mode_enabled=True, built_in_tools=frozenset({BuiltInTool.WRITE_TODOS}))
     with pytest.raises(ValueError, match=r"needs BuiltInTool\.WRITE_TODOS in built_in_tools"):
         AgentSessionFlow(PlanRunner(), "P", AgentSessionOptions(plan_mode_enabled=True))
-    with pytest.raises(ValueError, match="needs a runner that supports plan mode"):
+    with pytest.raises(ValueError, match=r"needs a runner that supports plan mode .*; ScriptedRunner does not$"):
         AgentSessionFlow(ScriptedRunner(), "P", with_todos)
     for not_true in (False, 1, "yes"):  # seed 003: supports_plan_mode is True, not merely truthy
         off = PlanRunner()
