@@ -65,6 +65,7 @@ from dex_agents import (
 from dex_agents._builtin_steps import BuiltInSteps
 from dex_agents._control_steps import (
     ControlSteps,
+    TurnControl,
     answer_first_wait,
     channel_message_id,
     controlled_turn_note,
@@ -186,7 +187,12 @@ def test_the_two_flags_come_from_committed_state_of_the_active_turn() -> None:
     assert (steered.steered, steered.cancelled, steered.steered_message_count) == (True, False, 2)
     assert steered.reason is CancellationReason.STEERED
     assert of(steered_count=2, applied_count=2).reason is None  # every steered message applied
-    assert of(cancellation=cancel).reason is CancellationReason.TURN_CANCELLED
+    cancelled = of(cancellation=cancel)
+    # Only cancelled: ResumeTurn abandons waits only for a steer (steered and not cancelled).
+    assert (cancelled.steered, cancelled.cancelled, cancelled.steered_message_count) == (False, True, 0)
+    assert cancelled.reason is CancellationReason.TURN_CANCELLED
+    # More applied than published (never committed so, but a count is never negative): not steered.
+    assert of(steered_count=1, applied_count=2) == TurnControl()
     assert of(cancellation=other).reason is None  # an earlier turn's cancellation
     both = of(cancellation=cancel, steered_count=1)
     assert (both.steered, both.cancelled, both.reason) == (True, True, CancellationReason.TURN_CANCELLED)
