@@ -328,6 +328,24 @@ def test_chunk_size_is_the_encoded_json() -> None:
     assert chunk_bytes([message_bytes(m) for m in messages]) == len(encoded)
 
 
+def test_an_append_must_come_after_every_stored_message() -> None:
+    """plan_append refuses a message at or before the newest stored one (in the window or in a chunk
+    only) and a batch whose sequences do not increase: a Step never overwrites or reorders messages."""
+    limits = MessageLayoutLimits(window_size=4, chunk_size=2, chunk_max_bytes=1_000_000)
+    window = [message(1, 1), message(2, 1)]
+    with pytest.raises(ValueError, match=r"^message 2 is not after the newest stored message 2$"):
+        plan_append(window, None, [message(2, 1)], limits)
+    with pytest.raises(ValueError, match=r"^message 4 is not after the newest stored message 4$"):
+        plan_append(window, None, [message(3, 1), message(4, 1), message(4, 1)], limits)
+    # Messages 3..5 are only in chunks (oversized ones): still stored, so 5 is not new.
+    chunks = [AgentMessageChunkRange(3, 3), AgentMessageChunkRange(4, 5)]
+    index = AgentMessageIndex(chunks=chunks, first_sequence=1, window_first_sequence=1)
+    with pytest.raises(ValueError, match=r"^message 5 is not after the newest stored message 5$"):
+        plan_append(window, index, [message(5, 1)], limits)
+    assert plan_append(window, index, [message(6, 1)], limits).window_sets == (message(6, 1),)
+    assert chunk_bytes([]) == CHUNK_ENVELOPE_BYTES  # an empty chunk is the envelope alone
+
+
 def test_a_reader_checks_each_chunk_holds_its_range() -> None:
     """A chunk that is missing or holds other sequences than its index range is an error, not a guess."""
     index = AgentMessageIndex(chunks=[AgentMessageChunkRange(1, 2)], first_sequence=1, window_first_sequence=3)
