@@ -177,6 +177,10 @@ def test_policy_defaults_and_thresholds() -> None:
     assert AgentSessionOptions().retained_message_limit == 1000
     AgentSessionOptions(compaction=policy, retained_message_limit=None)
     AgentSessionOptions(retained_message_limit=0)
+    # Every bound the seed states is inclusive where it says so: a 1-token window, trigger_ratio 1
+    # (compact only at the full window) and retained_ratio 0 (summarize everything) are valid.
+    edge = CompactionPolicy(context_window_tokens=1, trigger_ratio=1, retained_ratio=0)
+    assert (edge.trigger_tokens, edge.retained_token_budget) == (1, 0)
 
 
 @pytest.mark.parametrize(("fields", "problem"), [
@@ -187,6 +191,9 @@ def test_policy_defaults_and_thresholds() -> None:
     ({"context_window_tokens": 10, "trigger_ratio": 1.5}, "trigger_ratio must be a number above 0 and at most 1"),
     ({"context_window_tokens": 10, "trigger_ratio": float("nan")}, "trigger_ratio must be a number"),
     ({"context_window_tokens": 10, "retained_ratio": -0.1}, "retained_ratio must be a number from 0 to below 1"),
+    # 1 is out of range on its own, not merely not below the default trigger_ratio.
+    ({"context_window_tokens": 10, "retained_ratio": 1.0},
+     "retained_ratio must be a number from 0 to below 1, got 1.0"),
     ({"context_window_tokens": 10, "retained_ratio": "0.3"}, "retained_ratio must be a number from 0 to below 1"),
     ({"context_window_tokens": 10, "trigger_ratio": 0.5, "retained_ratio": 0.5}, "must be below trigger_ratio"),
     ({"context_window_tokens": 10, "reserved_input_tokens": -1}, "reserved_input_tokens must be a whole number"),
@@ -196,6 +203,47 @@ def test_policy_refuses_bad_values(fields: dict[str, Any], problem: str) -> None
     with pytest.raises(ValueError, match="invalid CompactionPolicy") as info:
         CompactionPolicy(**fields)
     assert problem in str(info.value)
+
+
+def test_an_empty_range_lists_no_chunk_to_load() -> None:
+    """chunks_between with through <= after lists nothing, even a chunk that straddles `after`:
+    a movement that summarizes no message loads no chunk."""
+    index = AgentMessageIndex(chunks=[AgentMessageChunkRange(4, 6)], first_sequence=1, window_first_sequence=7)
+    assert chunks_between(index, after=5, through=6) == [AgentMessageChunkRange(4, 6)]
+    assert chunks_between(index, after=5, through=5) == []
+    assert chunks_between(index, after=5, through=4) == []
+
+
+def test_transcript_lines_exact_texts() -> None:
+    """The summary prompt's transcript lines, pinned as text: the prompt tests build their expected
+    prompt with transcript_line itself, so its wording had no test of its own."""
+    from dex_agents._compaction import transcript_line
+
+    def msg(role: MessageRole, text: str | None, call_id: str | None = None, name: str | None = None,
+            arguments: str | None = None, output: str | None = None) -> AgentMessage:
+        return AgentMessage(sequence=1, turn_id="t", role=role, text=text, tool_call_id=call_id, tool_name=name,
+                            tool_arguments=arguments, tool_output=output, framework_item="{}",
+                            created_at="2026-01-01T00:00:00.000Z")
+
+    assert transcript_line(msg(MessageRole.USER, "hi")) == "user: hi"
+    assert transcript_line(msg(MessageRole.USER, None)) == "user: {}"
+    assert transcript_line(msg(MessageRole.ASSISTANT, None, "c1", "lookup", '{"id":1}')) == (
+        'assistant called lookup (c1) with {"id":1}')
+    assert transcript_line(msg(MessageRole.ASSISTANT, None, "c1")) == "assistant called a tool (c1) with {}"
+    assert transcript_line(msg(MessageRole.ASSISTANT, "ok", "c1", "lookup")) == "assistant: ok"
+    assert transcript_line(msg(MessageRole.TOOL, None, "c1", "lookup", output="found")) == (
+        "tool result of lookup (c1): found")
+    assert transcript_line(msg(MessageRole.TOOL, None)) == "tool result of a tool (): {}"
+
+
+def test_policy_names_every_bad_value_in_one_error() -> None:
+    """All problems are reported at once, in field order, joined by '; ', so one fix does not reveal the next."""
+    with pytest.raises(ValueError) as info:
+        CompactionPolicy(context_window_tokens=0, reserved_input_tokens=-1)
+    assert str(info.value) == (
+        "invalid CompactionPolicy: context_window_tokens must be a whole number >= 1, got 0; "
+        "reserved_input_tokens must be a whole number >= 0, got -1"
+    )
 
 
 @pytest.mark.parametrize(("fields", "problem"), [
