@@ -1078,7 +1078,6 @@ def _settings_of_size(size: int) -> dict[str, str]:
     return settings
 
 
-
 def test_settings_size_is_the_compact_json_of_every_key() -> None:
     """The size check measures compact JSON with "," and ":" (seed 002 "Session settings"), for settings
     of several keys too: the cases below use one key, which no item separator enters."""
@@ -1093,6 +1092,7 @@ def test_a_rejection_message_of_exactly_the_limit_is_kept_whole() -> None:
     longer = exact + "n"
     assert storable_rejection_message(longer) == (
         f"{exact} [Dex: cut from {MAX_REJECTION_MESSAGE_CHARS + 1} characters]")
+
 
 INVALID_SETTINGS: list[tuple[str, object, str]] = [
     # (case, session_settings, the start of the ValueError's message)

@@ -266,4 +266,3 @@ def test_max_durable_wait_is_at_least_one_second() -> None:
         with pytest.raises(ValueError, match="max_durable_wait must be a timedelta from 1 second") as info:
             AgentSessionOptions(max_durable_wait=bad)
         assert repr(bad) in str(info.value)
-
