@@ -588,6 +588,41 @@ def test_summary_prompt_fits_its_budget(sizes: list[int], budget: int, previous:
         # Leaving nothing out would not have fitted.
         whole = build_context_summary_prompt(summary_request_of(messages, 10**9, earlier))
         assert estimate_text_tokens(whole) > budget
+    assert prompt == reference_summary_prompt(messages, earlier, budget)
+
+
+def reference_summary_prompt(messages: list[AgentMessage], earlier: ContextSummary | None, budget: int) -> str:
+    """The summary prompt built the slow way: each candidate leaving out the k oldest messages made
+    whole and measured, the smallest k that fits taken (every message when none fits)."""
+    head = [CONTEXT_SUMMARY_TRANSCRIPT_HEADER, CONTEXT_SUMMARY_INSTRUCTIONS, ""]
+    if earlier is not None:
+        head += [context_summary_note(earlier), ""]
+
+    def leaving_out(k: int) -> str:
+        note = [build_context_summary_omission_note(k), ""] if k else []
+        return "\n".join(head + note + [transcript(m) for m in messages[k:]])
+
+    fewest = next((k for k in range(len(messages) + 1) if estimate_text_tokens(leaving_out(k)) <= budget),
+                  len(messages))
+    return leaving_out(fewest)
+
+
+@pytest.mark.parametrize("previous", [False, True])
+def test_summary_prompt_trims_exactly_at_every_budget(previous: bool) -> None:
+    """At every budget from one token to the whole prompt, for message sizes that put each candidate on
+    each side of a token boundary, the prompt leaves out exactly the fewest oldest messages that make
+    it fit: the byte arithmetic (a newline per line, the note and its blank line) is exact, with no
+    slack either way."""
+    earlier = summary_of(0, text="the earlier summary") if previous else None
+    for pad in range(3):
+        messages = [message(1, MessageRole.USER, text="w" * (10 + pad)),
+                    message(2, MessageRole.ASSISTANT, text="é" * 7, call="c"),
+                    message(3, MessageRole.TOOL, text="w" * (20 + pad), call="c"),
+                    message(4, MessageRole.ASSISTANT, text="w" * (4 + pad))]
+        whole = estimate_text_tokens(reference_summary_prompt(messages, earlier, 10**9))
+        for budget in range(1, whole + 2):
+            got = build_context_summary_prompt(summary_request_of(messages, budget, earlier))
+            assert got == reference_summary_prompt(messages, earlier, budget), (pad, budget)
 
 
 def transcript(m: AgentMessage) -> str:
