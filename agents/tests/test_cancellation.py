@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 import pytest_asyncio
-from agents.tests.built_context import step_context, tool_call
+from agents.tests.built_context import runtime_of, step_context, tool_call
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import ENV_BUILT_IN_TOOLS, build_flow, item
 from agents.tests.session_driver import Session
@@ -73,7 +73,6 @@ from dex_agents._control_steps import (
     cancelled_record,
 )
 from dex_agents._policy import CANCELLED_NOTE_HEADER, TOOL_CALL_NOTE_FOOTER
-from dex_agents._runtime import SessionRuntime
 from dex_agents._tool_steps import ToolSteps
 from dex_agents._turn_steps import TurnSteps
 from dex_agents.testing import (
@@ -372,10 +371,6 @@ def _state(**fields: Any) -> AgentState:
 CANCELLED = TurnCancellationRequest(turn_id="turn-1", requested_at="2026-01-01T00:00:00.000Z")
 
 
-def _runtime(flow: AgentSessionFlow) -> SessionRuntime:
-    return SessionRuntime(flow.runner, flow.options, flow.agent_events)
-
-
 def _event_payloads(ctx: Context, event_type: str) -> list[dict[str, Any]]:
     events = [msgspec.json.decode(data, type=AgentEvent) for _, _, data in ctx.writes.appends]
     return [json.loads(e.payload) for e in events if e.type == event_type]
@@ -393,7 +388,7 @@ async def test_a_tool_step_in_a_cancelled_or_steered_turn_never_starts_its_tool(
     """Before tool_call_started: the approved call is recorded rejected with cancellation_reason and
     the structured message, its one result is published, and the tool never runs (no event either)."""
     flow = _flow()
-    tools = ToolSteps(_runtime(flow))
+    tools = ToolSteps(runtime_of(flow))
     approved = tool_call(S.APPROVED, effect=ToolEffect.NON_IDEMPOTENT_WRITE)
     ctx = step_context(flow, step_type, {("AgentState", ""): _state(), ("AgentToolCalls", "c1"): approved, **values})
     handler = tools.call_tool if step_type == CALL_TOOL else tools.call_single_attempt_tool
@@ -411,7 +406,7 @@ async def test_finish_turn_cancellation_records_hands_over_and_sends_back_in_one
     """Running tools: each call whose wait cancel_turn cancelled is settled from committed state in
     one commit under the PendingInterrupts lock, and FinishTurnCancellation never ends the turn."""
     flow = _flow()
-    control = ControlSteps(_runtime(flow), TurnSteps(_runtime(flow)))
+    control = ControlSteps(runtime_of(flow), TurnSteps(runtime_of(flow)))
     records = [
         tool_call(S.AWAITING_APPROVAL, tool_call_id="a", deferral_order=0),
         tool_call(S.AWAITING_APPROVAL, tool_call_id="answered", deferral_order=1),
@@ -466,7 +461,7 @@ async def test_finish_turn_cancellation_ends_only_a_cancelled_model_phase(
     """Outside running_tools the cancelled Step was the model call, the compaction or the failure
     route: ApplyTurnControl ends the turn. A turn that already ended, or is not cancelled: it ends."""
     flow = _flow()
-    control = ControlSteps(_runtime(flow), TurnSteps(_runtime(flow)))
+    control = ControlSteps(runtime_of(flow), TurnSteps(runtime_of(flow)))
     ctx = step_context(flow, FINISH_TURN_CANCELLATION, {("AgentState", ""): state,
                                                    ("TurnCancellationRequest", ""): cancellation})
     decision = await control.finish_turn_cancellation(ctx, "turn-1")
@@ -479,7 +474,7 @@ async def test_a_task_question_not_raised_in_a_cancelled_turn_goes_to_finish_tur
     the call waits for its task again and FinishTurnCancellation hands it to CancelToolTask. A
     question of a call without a task is recorded cancelled instead."""
     flow = _flow()
-    built_ins = BuiltInSteps(_runtime(flow))
+    built_ins = BuiltInSteps(runtime_of(flow))
     # The raise wait found no answer queued (the tool question was never raised).
     wait = Wait.all_of(Timer.by_duration(0), INTERRUPT_RESOLUTIONS["c1-input-1"].at_most(1))
     nothing = WaitOutcome(satisfied=(0, 1), consumed=((), ()), fired_timers=(0,))
@@ -602,7 +597,7 @@ async def test_resume_turn_woken_in_a_turn_both_steered_and_cancelled_leaves_the
     wake = ConsumedMessage(1, msgspec.Raw(msgspec.json.encode(TurnControlRequest(TurnControlKind.STEER))))
     wait = Wait.any_of(TOOL_CALL_RESULTS.for_n(1), TURN_CONTROL_WAKE)
     ctx = step_context(flow, RESUME_TURN, values, (wait, WaitOutcome(satisfied=(1,), consumed=((), (wake,)))))
-    decision = await ToolSteps(_runtime(flow)).resume_turn(ctx, 1)
+    decision = await ToolSteps(runtime_of(flow)).resume_turn(ctx, 1)
     assert [(m.step_type, m.input) for m in decision.movements] == [(RESUME_TURN, 1)]
     resolved = _event_payloads(ctx, "interrupt_resolved")
     if cancelled:

@@ -1282,18 +1282,15 @@ async def test_a_cancelled_model_call_moves_to_apply_turn_control_with_only_the_
     """FinishTurnCancellation, after cancel_turn cancelled a model call, moves to ApplyTurnControl
     like RunModel does: with what FinishTurnCancellation itself loads, the movement lists only the
     AgentMessageChunks instances after the summary (seed 002's load rule), not every chunk."""
-    from agents.tests.built_context import step_context
+    from agents.tests.built_context import runtime_of, step_context
 
-    from dex_agents import TurnCancellationRequest
+    from dex_agents import AgentState, TurnCancellationRequest
     from dex_agents._constants import APPLY_TURN_CONTROL, FINISH_TURN_CANCELLATION
     from dex_agents._control_steps import ControlSteps
-    from dex_agents._persistence import AGENT_MESSAGE_INDEX, CONTEXT_SUMMARY
-    from dex_agents._runtime import SessionRuntime
     from dex_agents._turn_steps import TurnSteps
-    from dex_agents._wire import AgentMessageChunkRange, AgentMessageIndex, AgentState, AgentStatus, ContextSummary
 
     flow, _ = compaction_flow("CancelledAgent", answer, window=1000)
-    runtime = SessionRuntime(flow.runner, flow.options, flow.agent_events)
+    runtime = runtime_of(flow)
     control = ControlSteps(runtime, TurnSteps(runtime))
     index = AgentMessageIndex(chunks=[AgentMessageChunkRange(1, 4), AgentMessageChunkRange(5, 8)],
                               first_sequence=1, window_first_sequence=9)

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from agents.tests.built_context import runtime_of
 from agents.tests.builtin_agent import InProcessEngine, lookup_order
 from agents.tests.session_driver import all_agent_events
 from hypothesis import HealthCheck, given, settings
@@ -55,7 +56,6 @@ from dex_agents._message_store import (
     plan_append,
 )
 from dex_agents._persistence import message_sequence_key
-from dex_agents._runtime import SessionRuntime
 from dex_agents.builtin_loop import (
     AgentDefinition,
     BuiltinLoopAgentRunner,
@@ -646,7 +646,7 @@ async def test_failed_turn_reads_and_stores_across_chunks(tmp_path: Path) -> Non
 def test_store_limits_follow_the_options() -> None:
     """The runtime's layout limits are the session options' message fields and the seed's per-commit caps."""
     flow, _ = storage_flow("LimitsAgent", message_window_size=5, message_chunk_size=3, message_chunk_max_bytes=4096)
-    runtime = SessionRuntime(flow.runner, flow.options, flow.agent_events)
+    runtime = runtime_of(flow)
     assert dataclasses.asdict(runtime.layout_limits) == {
         "window_size": 5, "chunk_size": 3, "chunk_max_bytes": 4096,
         "max_chunks_per_commit": MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT,

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from agents.tests.built_context import step_context, tool_call
+from agents.tests.built_context import runtime_of, step_context, tool_call
 
 from dex_agents import (
     AGENT_TOOL_CALLS,
@@ -77,7 +77,7 @@ from dex_agents._constants import (
     START_AGENT_SESSION,
 )
 from dex_agents._control_steps import ControlSteps, _back_to_wait
-from dex_agents._runtime import SessionRuntime, background_heartbeats
+from dex_agents._runtime import background_heartbeats
 from dex_agents._task_steps import go_to_poll
 from dex_agents._tool_steps import ToolSteps
 from dex_agents._turn_steps import TurnSteps
@@ -295,7 +295,7 @@ async def test_run_model_heartbeats_in_the_background_every_run_model_heartbeat_
     runner = PlainRunner()
     runner.hold = until_three_heartbeats
     flow = AgentSessionFlow(runner, "Heartbeats")
-    steps = TurnSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
+    steps = TurnSteps(runtime_of(flow))
     ctx = _counting_context(flow, beat)
     decision = await steps.run_model(ctx, None)
     assert [m.step_type for m in decision.movements] == [AWAIT_USER_MESSAGE]  # the call completed the turn
@@ -344,10 +344,6 @@ REQUESTED_CALLS = [
 ]
 
 
-def _runtime(flow: AgentSessionFlow) -> SessionRuntime:
-    return SessionRuntime(flow.runner, flow.options, flow.agent_events)
-
-
 @pytest.mark.parametrize("runner_type", [PlainRunner, FullRunner])
 async def test_run_model_moves_each_call_to_a_step_that_loads_only_its_record(runner_type: type[PlainRunner]) -> None:
     """ToolCallsRequested: go_to_many with one per-call Step for each call plus ResumeTurn; each
@@ -357,7 +353,7 @@ async def test_run_model_moves_each_call_to_a_step_that_loads_only_its_record(ru
     flow = AgentSessionFlow(runner_type(outcome), f"Calls{runner_type.__name__}",
                             AgentSessionOptions(built_in_tools=ALL_BUILT_INS))
     ctx = step_context(flow, RUN_MODEL, {("AgentState", ""): _running_state()})
-    decision = await TurnSteps(_runtime(flow)).run_model(ctx, None)
+    decision = await TurnSteps(runtime_of(flow)).run_model(ctx, None)
     moved = {m.input: m for m in decision.movements if m.step_type != RESUME_TURN}
     assert [(m.step_type, m.input) for m in decision.movements if m.step_type == RESUME_TURN] == [
         (RESUME_TURN, len(REQUESTED_CALLS))]
@@ -389,7 +385,7 @@ async def test_an_approval_moves_to_a_tool_step_that_loads_only_its_record(
     taken = ConsumedMessage(1, msgspec.Raw(msgspec.json.encode(approval)))
     ctx = step_context(flow, AWAIT_TOOL_APPROVAL, {("AgentToolCalls", "a1"): _approval_record(effect)},
                        (Wait.any_of(resolutions.for_one()), WaitOutcome(satisfied=(0,), consumed=((taken,),))))
-    decision = await ToolSteps(_runtime(flow)).await_tool_approval(ctx, "a1")
+    decision = await ToolSteps(runtime_of(flow)).await_tool_approval(ctx, "a1")
     [movement] = decision.movements
     assert (movement.step_type, movement.input) == (tool_step, "a1")
     _assert_own_record_only(flow, movement)
@@ -403,7 +399,7 @@ async def test_an_approval_that_waits_again_loads_only_its_record() -> None:
     ctx = step_context(flow, AWAIT_TOOL_APPROVAL, {("AgentToolCalls", "a1"): _approval_record(ToolEffect.READ)},
                        (wait, WaitOutcome(satisfied=(1,), consumed=((), ()), fired_timers=(1,))))
     assert isinstance(ctx.wait_result, WaitResult) and ctx.wait_result.timer_fired
-    decision = await ToolSteps(_runtime(flow)).await_tool_approval(ctx, "a1")
+    decision = await ToolSteps(runtime_of(flow)).await_tool_approval(ctx, "a1")
     [movement] = decision.movements
     assert (movement.step_type, movement.input) == (AWAIT_TOOL_APPROVAL, "a1")
     _assert_own_record_only(flow, movement)
@@ -432,7 +428,7 @@ async def test_a_cancelled_turn_moves_its_started_task_to_a_cancel_tool_task_tha
     """FinishTurnCancellation abandons a call whose tool task runs: its CancelToolTask loads that
     call's record only, like every other Step of one call."""
     flow = FLOWS["every feature"]
-    runtime = _runtime(flow)
+    runtime = runtime_of(flow)
     state = msgspec.structs.replace(_running_state(), status=AgentStatus.RUNNING_TOOLS)
     task = tool_call(AgentToolCallStatus.WAITING_FOR_TASK, task_id="job-1", task_poll_interval_seconds=5)
     ctx = step_context(flow, FINISH_TURN_CANCELLATION, {

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import pytest
 import pytest_asyncio
-from agents.tests.built_context import step_context, tool_call
+from agents.tests.built_context import runtime_of, step_context, tool_call
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import ENV_BUILT_IN_TOOLS, ENV_INCREMENTAL, build_flow
 from agents.tests.session_driver import Session
@@ -75,7 +75,6 @@ from dex_agents._control_steps import (
     turn_control_of,
 )
 from dex_agents._policy import STEERED_NOTE_HEADER, TOOL_CALL_NOTE_FOOTER
-from dex_agents._runtime import SessionRuntime
 from dex_agents._timefmt import format_time
 from dex_agents._tool_steps import ToolSteps
 from dex_agents._turn_steps import TurnSteps
@@ -694,7 +693,7 @@ def test_unfinished_turn_messages_are_none_without_a_builder_or_when_it_fails() 
 
     def built(runner: Any) -> Any:
         flow = AgentSessionFlow(runner, "Builds")
-        return SessionRuntime(flow.runner, flow.options, flow.agent_events).unfinished_turn_messages(turn)
+        return runtime_of(flow).unfinished_turn_messages(turn)
 
     assert built(_NoModel()) is None
     assert built(_Builds(RuntimeError("builder bug"))) is None
@@ -708,7 +707,7 @@ async def test_run_model_in_a_steered_turn_ends_it_without_a_model_call() -> Non
     the steered note, deletes the records, counts and clears the turn (accepts_turn_control cleared),
     writes turn_steered, and moves to ApplyTurnControl; the model is never called."""
     flow = AgentSessionFlow(_NoModel(), "NoModel")  # type: ignore[arg-type]
-    steps = TurnSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
+    steps = TurnSteps(runtime_of(flow))
     record = tool_call(AgentToolCallStatus.SUCCEEDED, output="ok", tool_name="read")
     ctx = step_context(flow, RUN_MODEL, {
         ("AgentState", ""): _running_state(), ("AgentToolCalls", "c1"): record,
@@ -745,7 +744,7 @@ async def test_apply_turn_control_starts_the_steered_turn_in_the_mode_of_its_mes
     options = AgentSessionOptions(built_in_tools=frozenset({BuiltInTool.WRITE_TODOS}),
                                   plan_mode_enabled=plan_mode_enabled)
     flow = AgentSessionFlow(_NoModel(), "NoModel", options)  # type: ignore[arg-type]
-    runtime = SessionRuntime(flow.runner, flow.options, flow.agent_events)
+    runtime = runtime_of(flow)
     control = ControlSteps(runtime, TurnSteps(runtime))
     idle = _running_state(status=AgentStatus.WAITING_FOR_USER_MESSAGE, active_turn_id=None, turn_count=1,
                           accepts_turn_control=False)
@@ -832,7 +831,7 @@ def test_pending_user_message_ids_are_text() -> None:
 
 
 def _approval_steps(flow: AgentSessionFlow) -> ToolSteps:
-    return ToolSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
+    return ToolSteps(runtime_of(flow))
 
 
 def _waiting_values(steered: bool, pending: bool, record: AgentToolCall) -> dict[tuple[str, str], Any]:
@@ -932,7 +931,7 @@ async def test_a_durable_wait_woken_by_a_steer_is_cancelled_unless_its_timer_fir
     steer arrives records succeeded; a wake in a steered turn records rejected (steered); a stale
     wake in a turn that is not steered waits again."""
     flow = build_flow(None, built_in_tools=BUILT_INS)
-    built_ins = BuiltInSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
+    built_ins = BuiltInSteps(runtime_of(flow))
     timer = tool_call(AgentToolCallStatus.WAITING_FOR_TIMER, tool_name="durable_wait",
                     arguments='{"duration_seconds": 60, "reason": "r"}',
                     wait_until=format_time(datetime.now(UTC) + timedelta(seconds=60)))

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from agents.tests.built_context import step_context, tool_call
+from agents.tests.built_context import runtime_of, step_context, tool_call
 from agents.tests.builtin_agent import InProcessEngine
 
 from dex_agents import (
@@ -56,7 +56,6 @@ from dex_agents import (
     TurnCompleted,
 )
 from dex_agents._builtin_steps import BuiltInSteps, tool_question_id_in_use
-from dex_agents._runtime import SessionRuntime
 from dex_agents._timefmt import format_time
 from dex_agents._tool_steps import invalid_question_error
 from dex_agents.testing import executed_steps, to_step_history, wait_for_agent_snapshot
@@ -484,7 +483,7 @@ def _context(
 
 
 def _steps_of(flow: AgentSessionFlow) -> BuiltInSteps:
-    return BuiltInSteps(SessionRuntime(flow.runner, flow.options, flow.agent_events))
+    return BuiltInSteps(runtime_of(flow))
 
 
 async def test_wait_of_a_tool_question_uses_its_own_interrupt_id() -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import pytest
 import pytest_asyncio
-from agents.tests.built_context import step_context, tool_call
+from agents.tests.built_context import runtime_of, step_context, tool_call
 from agents.tests.builtin_agent import InProcessEngine
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import ENV_START_GATE, FLOW_TYPE, INVOCATIONS, ScriptedRunner, build_flow
@@ -66,7 +66,6 @@ from dex_agents import (
 )
 from dex_agents._builtin_steps import tool_question_id_in_use
 from dex_agents._constants import FINISH_TURN_CANCELLATION
-from dex_agents._runtime import SessionRuntime
 from dex_agents._task_steps import (
     TaskSteps,
     answered_task_record,
@@ -286,7 +285,7 @@ def _context(
 
 def _task_steps(runner: TaskRunner) -> tuple[AgentSessionFlow, TaskSteps, ToolSteps]:
     flow = AgentSessionFlow(runner, "Tasks", AgentSessionOptions())
-    runtime = SessionRuntime(flow.runner, flow.options, flow.agent_events)
+    runtime = runtime_of(flow)
     tools = ToolSteps(runtime)
     return flow, TaskSteps(runtime, tools), tools
 
