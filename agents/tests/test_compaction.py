@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from agents.tests.builtin_agent import InProcessEngine
 from agents.tests.compaction_agent import answer, compaction_flow, kill_test_flow, say
@@ -221,9 +222,8 @@ def test_transcript_lines_exact_texts() -> None:
 
     def msg(role: MessageRole, text: str | None, call_id: str | None = None, name: str | None = None,
             arguments: str | None = None, output: str | None = None) -> AgentMessage:
-        return AgentMessage(sequence=1, turn_id="t", role=role, text=text, tool_call_id=call_id, tool_name=name,
-                            tool_arguments=arguments, tool_output=output, framework_item="{}",
-                            created_at="2026-01-01T00:00:00.000Z")
+        return msgspec.structs.replace(message(1, role, text=text, call=call_id, item="{}"), tool_name=name,
+                                       tool_arguments=arguments, tool_output=output)
 
     assert transcript_line(msg(MessageRole.USER, "hi")) == "user: hi"
     assert transcript_line(msg(MessageRole.USER, None)) == "user: {}"
