@@ -537,7 +537,6 @@ async def test_tool_call_and_usage_payloads_of_a_turn(tmp_path: Path) -> None:
     ]
 
 
-
 # A small capacity that one turn's events overrun (each event is roughly 150-250 bytes).
 SMALL_EVENTS_CAPACITY = 600
 
