@@ -356,6 +356,14 @@ def test_choose_cutoff_keeps_as_much_as_fits(tokens: list[int], data: st.DataObj
     assert position == (fitting[0] if fitting else cuts[-1])
 
 
+def test_choose_cutoff_keeps_nothing_over_the_budget() -> None:
+    """A remainder exactly at the budget fits and one token over does not: the kept tokens are counted
+    from zero, so a retained budget is never exceeded by one."""
+    messages = [message(1), message(2), message(3)]
+    assert choose_cutoff(messages, [5, 5, 5], [True, True], 10) == 1  # the last two stay: 10 tokens
+    assert choose_cutoff(messages, [5, 5, 5], [True, True], 9) == 2  # 10 > 9: only the last stays
+
+
 @settings(max_examples=150, deadline=None)
 @given(conversation=conversations())
 def test_response_cuts_never_split_a_response_or_a_call_from_its_result(conversation: list[AgentMessage]) -> None:
