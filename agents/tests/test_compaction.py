@@ -1127,6 +1127,32 @@ async def test_a_cutoff_the_summary_already_covers_calls_the_model(tmp_path: Pat
                          "AwaitUserMessage", RUN_MODEL]
 
 
+class CutoffZero(BuiltinLoopAgentRunner):
+    """Always over the trigger, with nothing to summarize: the cutoff is 0."""
+
+    def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
+        return 10**6
+
+    def select_compaction_cutoff(self, turn: AgentTurnContext, retained_token_budget: int) -> int | None:
+        return 0
+
+
+async def test_a_cutoff_of_zero_without_a_summary_calls_the_model(tmp_path: Path) -> None:
+    """Before any summary, nothing is summarized through sequence 0: a cutoff of 0 is not after the
+    current summary, so RunModel makes the model call, with no CompactContext and no summary call."""
+    flow, model = compaction_flow("ZeroCutoffAgent", answer, window=500, runner=CutoffZero)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        done = await run_turns(sessions, "s", ["hello"])
+        assert done.state is not None and done.state.last_turn_error is None
+        assert done.context_summary is None
+        assert (len(summary_calls(model)), len(model_calls(model))) == (0, 1)
+        steps = executed_steps(to_step_history(await engine.client.get_flow_history("s")))
+        assert steps == ["StartAgentSession", "AwaitUserMessage", RUN_MODEL]
+
+
 @pytest.mark.parametrize(("runner", "error"), [
     (BrokenEstimate, "estimate_input_tokens returned 'a lot'; return a whole number"),
     (CutoffPastTheEnd, "select_compaction_cutoff returned 2, after the newest stored message 1"),
