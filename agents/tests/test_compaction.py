@@ -419,6 +419,9 @@ def test_turn_boundary_cutoff_keeps_what_fits() -> None:
     assert select_turn_boundary_cutoff(turn, 40) == 4  # turns 3 and 4 stay
     assert select_turn_boundary_cutoff(turn, 30) == 6  # only the running turn fits
     assert select_turn_boundary_cutoff(turn, 5) == 6  # nothing fits: the latest cut, never inside turn 4
+    # A running turn with no stored message yet: the last stored message is an earlier turn's, and the
+    # cuts between earlier turns still count (the cut after the newest message is never one).
+    assert select_turn_boundary_cutoff(turn_context(messages[:6], turn_id="turn-4"), 5) == 4
 
 
 def test_builtin_cutoff_compacts_mid_turn_between_complete_responses() -> None:
