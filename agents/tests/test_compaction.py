@@ -191,6 +191,9 @@ def test_policy_defaults_and_thresholds() -> None:
     ({"context_window_tokens": 10, "trigger_ratio": 0}, "trigger_ratio must be a number above 0 and at most 1"),
     ({"context_window_tokens": 10, "trigger_ratio": 1.5}, "trigger_ratio must be a number above 0 and at most 1"),
     ({"context_window_tokens": 10, "trigger_ratio": float("nan")}, "trigger_ratio must be a number"),
+    # A bool is not a ratio, though True == 1; a string is refused with the same ValueError, not a TypeError.
+    ({"context_window_tokens": 10, "trigger_ratio": True}, "trigger_ratio must be a number above 0 and at most 1"),
+    ({"context_window_tokens": 10, "trigger_ratio": "0.85"}, "trigger_ratio must be a number above 0 and at most 1"),
     ({"context_window_tokens": 10, "retained_ratio": -0.1}, "retained_ratio must be a number from 0 to below 1"),
     # 1 is out of range on its own, not merely not below the default trigger_ratio.
     ({"context_window_tokens": 10, "retained_ratio": 1.0},
@@ -198,6 +201,8 @@ def test_policy_defaults_and_thresholds() -> None:
     ({"context_window_tokens": 10, "retained_ratio": "0.3"}, "retained_ratio must be a number from 0 to below 1"),
     ({"context_window_tokens": 10, "trigger_ratio": 0.5, "retained_ratio": 0.5}, "must be below trigger_ratio"),
     ({"context_window_tokens": 10, "reserved_input_tokens": -1}, "reserved_input_tokens must be a whole number"),
+    ({"context_window_tokens": 10, "reserved_input_tokens": True}, "reserved_input_tokens must be a whole number"),
+    ({"context_window_tokens": 10, "reserved_input_tokens": 1.5}, "reserved_input_tokens must be a whole number"),
 ])
 def test_policy_refuses_bad_values(fields: dict[str, Any], problem: str) -> None:
     """Each bad value is a ValueError naming the field."""
