@@ -249,6 +249,10 @@ def test_policy_names_every_bad_value_in_one_error() -> None:
         "invalid CompactionPolicy: context_window_tokens must be a whole number >= 1, got 0; "
         "reserved_input_tokens must be a whole number >= 0, got -1"
     )
+    # A bad trigger_ratio is its own problem: retained_ratio is not also reported as not below it.
+    with pytest.raises(ValueError) as info:
+        CompactionPolicy(context_window_tokens=10, trigger_ratio=0)
+    assert str(info.value) == "invalid CompactionPolicy: trigger_ratio must be a number above 0 and at most 1, got 0"
 
 
 @pytest.mark.parametrize(("fields", "problem"), [
