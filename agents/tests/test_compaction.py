@@ -236,6 +236,8 @@ def test_transcript_lines_exact_texts() -> None:
         'assistant called lookup (c1) with {"id":1}')
     assert transcript_line(msg(MessageRole.ASSISTANT, None, "c1")) == "assistant called a tool (c1) with {}"
     assert transcript_line(msg(MessageRole.ASSISTANT, "ok", "c1", "lookup")) == "assistant: ok"
+    # An assistant message with neither text nor a call (a reasoning item) shows its stored item.
+    assert transcript_line(msg(MessageRole.ASSISTANT, None)) == "assistant: {}"
     assert transcript_line(msg(MessageRole.TOOL, None, "c1", "lookup", output="found")) == (
         "tool result of lookup (c1): found")
     assert transcript_line(msg(MessageRole.TOOL, None)) == "tool result of a tool (): {}"
