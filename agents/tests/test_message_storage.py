@@ -207,6 +207,20 @@ def test_a_chunk_fills_to_exactly_its_byte_limit_and_not_one_byte_more() -> None
     assert is_oversized(sizes[0], MessageLayoutLimits(window_size=1, chunk_size=1, chunk_max_bytes=single - 1))
 
 
+def test_a_commit_moves_exactly_its_byte_cap_and_not_one_byte_more() -> None:
+    """Seed 002 "Rollover": one commit moves at most MESSAGE_ROLLOVER_MAX_BYTES_PER_COMMIT bytes of
+    chunks. Two one-message chunks that fill the cap exactly move together; one byte less of cap
+    moves only the first, and the window stays above its size until a later commit."""
+    window = [message(n, 100) for n in (1, 2, 3, 4)]
+    exact = 2 * chunk_bytes([message_bytes(window[0])])
+    for cap, expected in ((exact, [[1], [2]]), (exact - 1, [[1]])):
+        limits = MessageLayoutLimits(window_size=1, chunk_size=1, chunk_max_bytes=1024 * 1024,
+                                     max_bytes_per_commit=cap)
+        writes = plan_append(window, None, [message(5, 100)], limits)
+        assert [[m.sequence for m in c.messages] for c in writes.chunk_sets] == expected, cap
+        assert list(writes.window_deletes) == [s for chunk in expected for s in chunk]
+
+
 def test_rollover_caps_are_the_seeds() -> None:
     """Seed 002 "Message storage": one commit moves at most 4 chunks and 8 MiB (public names)."""
     assert (MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT, MESSAGE_ROLLOVER_MAX_BYTES_PER_COMMIT) == (4, 8 * 1024 * 1024)
