@@ -368,6 +368,9 @@ def test_a_reader_checks_each_chunk_holds_its_range() -> None:
         newest_messages(index, window, lambda r: None)
     with pytest.raises(MessageStoreCorruptError, match=r"holds 1\.\.1 \(1 messages\).*lists 1\.\.2"):
         newest_messages(index, window, lambda r: AgentMessageChunk((message(1, 1),)))
+    # The listed number of messages, but other sequences: still not the chunk the index lists.
+    with pytest.raises(MessageStoreCorruptError, match=r"holds 2\.\.3 \(2 messages\).*lists 1\.\.2"):
+        newest_messages(index, window, lambda r: AgentMessageChunk((message(2, 1), message(3, 1))))
     # Only the chunks a page reaches are read.
     assert newest_messages(index, window, lambda r: None, limit=1) == window
 
