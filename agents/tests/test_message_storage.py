@@ -384,6 +384,14 @@ def test_reads_ignore_window_instances_outside_the_window() -> None:
     read = newest_messages(index, stale, lambda r: chunk)
     assert [(m.sequence, m.text) for m in read] == [(2, "x"), (3, "x"), (4, "x"), (5, "x")]
     assert [m.sequence for m in newest_messages(index, stale, lambda r: chunk, before=4, limit=1)] == [3]
+    # An oversized message's chunk (4) sits among the window's sequences: a window instance of 4 is not read.
+    index = AgentMessageIndex(chunks=[AgentMessageChunkRange(1, 2), AgentMessageChunkRange(4, 4)], first_sequence=1,
+                              window_first_sequence=3)
+    chunks = {1: AgentMessageChunk((message(1, 1), message(2, 1))), 4: AgentMessageChunk((message(4, 1),))}
+    stale = [message(3, 1), message(4, 9), message(5, 1)]
+    for read_all in (newest_messages, all_messages):
+        read = read_all(index, stale, lambda r: chunks[r.first_sequence])
+        assert [(m.sequence, m.text) for m in read] == [(1, "x"), (2, "x"), (3, "x"), (4, "x"), (5, "x")]
 
 
 @settings(max_examples=500, deadline=None)
