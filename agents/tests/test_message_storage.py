@@ -51,9 +51,11 @@ from dex_agents._message_store import (
     chunk_bytes,
     chunk_holding,
     is_oversized,
+    iter_newest_first,
     message_bytes,
     newest_messages,
     plan_append,
+    reply_start_by_scan,
 )
 from dex_agents._persistence import message_sequence_key
 from dex_agents.builtin_loop import (
@@ -392,6 +394,21 @@ def test_reads_ignore_window_instances_outside_the_window() -> None:
     for read_all in (newest_messages, all_messages):
         read = read_all(index, stale, lambda r: chunks[r.first_sequence])
         assert [(m.sequence, m.text) for m in read] == [(1, "x"), (2, "x"), (3, "x"), (4, "x"), (5, "x")]
+
+
+def test_a_turn_without_its_reply_sequence_counts_back_to_its_last_user_message() -> None:
+    """Seed 002 "Counts": for a turn another Worker started, the replies are the newest messages of
+    the turn after its last user message, scanned back from the newest message across the window and
+    chunks; a turn with no stored messages after another turn's has no replies."""
+    user, assistant, tool = MessageRole.USER, MessageRole.ASSISTANT, MessageRole.TOOL
+    shapes = [("turn-1", user), ("turn-1", assistant), ("turn-2", user), ("turn-2", user),
+              ("turn-2", assistant), ("turn-2", tool), ("turn-2", assistant)]
+    stored = [message(n, 1, turn_id=turn_id, role=role) for n, (turn_id, role) in enumerate(shapes, start=1)]
+    chunk = AgentMessageChunk(tuple(stored[:4]))  # the last user message is in a chunk
+    index = AgentMessageIndex(chunks=[AgentMessageChunkRange(1, 4)], first_sequence=1, window_first_sequence=5)
+    for turn_id, start in (("turn-2", 5), ("turn-3", 8)):
+        newest_first = iter_newest_first(index, stored[4:], lambda r: chunk)
+        assert reply_start_by_scan(newest_first, turn_id, 8) == start, turn_id
 
 
 @settings(max_examples=500, deadline=None)
