@@ -308,7 +308,8 @@ def test_rollover_moves_whole_chunks_of_the_oldest_messages() -> None:
     limits = MessageLayoutLimits(window_size=4, chunk_size=2, chunk_max_bytes=1024 * 1024)
     store = ModelStore()
     for _ in range(4):
-        assert store.append([5], limits).index is None  # within the window: one blind write each
+        writes = store.append([5], limits)  # within the window: one blind write each, not "nothing"
+        assert writes == MessageWrites(window_sets=(store.appended[-1],)) and not writes.is_empty
     writes = store.append([5], limits)
     assert writes.window_sets == (store.appended[4],)
     assert writes.window_deletes == (1, 2)
