@@ -345,6 +345,15 @@ def test_final_statuses_are_the_seed_final_statuses() -> None:
     assert final == {"rejected", "succeeded", "failed", "outcome_unknown"}
 
 
+def test_usage_plus_adds_each_field_to_the_same_field() -> None:
+    """AgentUsage.plus, which makes usage_recorded's session total, sums field by field: every field, cached
+    input and reasoning tokens included, is its own sum."""
+    other = AgentUsage(model_calls=10, input_tokens=20, output_tokens=30, cached_input_tokens=40, reasoning_tokens=50)
+    assert USAGE.plus(other) == AgentUsage(
+        model_calls=11, input_tokens=22, output_tokens=33, cached_input_tokens=44, reasoning_tokens=55
+    )
+
+
 def test_decoding_refuses_unknown_enum_values() -> None:
     """A status outside the seed's set is a validation error, not a silently accepted string."""
     bad = STATE_JSON.replace('"running_tools"', '"sleeping"')
