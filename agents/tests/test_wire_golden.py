@@ -606,10 +606,11 @@ def test_payload_text_refuses_nan() -> None:
         payload_text({"x": math.nan})
 
 
-def test_make_event_refuses_an_empty_type() -> None:
-    """An event needs a non-empty type."""
+@pytest.mark.parametrize("event_type", ["", 7, b"text_delta"])
+def test_make_event_refuses_an_empty_or_non_string_type(event_type: Any) -> None:
+    """An event needs a non-empty type, and a string one: 7 or bytes are refused, not written as "7" or "b'...'"."""
     with pytest.raises(ValueError, match="event type"):
-        make_event("", "turn-1", "RunModel-1", 1, {})
+        make_event(event_type, "turn-1", "RunModel-1", 1, {})
 
 
 def test_closed_writer_drops_events() -> None:
