@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dex_agents import _wire
+from dex_agents import _events, _wire
 from dex_agents._events import AgentEventType, AgentEventWriter, make_event, payload_text
 from dex_agents._persistence import message_sequence_key, plan_execution_key
 from dex_agents._timefmt import format_time, parse_time, posix_ns_text, utc_now_text
@@ -591,6 +591,26 @@ def test_payload_text_refuses_an_integer_too_long_to_write_as_json_does() -> Non
     expected = _outcome(lambda: json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False))
     assert expected[0] is ValueError
     assert _outcome(lambda: payload_text(payload)) == expected
+
+
+@pytest.mark.parametrize(("payload", "text"), [
+    ({"text": 'he said "hi" é'}, r'{"text":"he said \"hi\" é"}'),
+    ({"recorded": {"model_calls": 1}, "choices": ["a", "b"], "deadline": None, "allows_free_text": True},
+     r'{"recorded":{"model_calls":1},"choices":["a","b"],"deadline":null,"allows_free_text":true}'),
+    ({"a": {"b": [1, "x", None]}, "c": [[2], {"d": False}]}, r'{"a":{"b":[1,"x",null]},"c":[[2],{"d":false}]}'),
+])
+def test_plain_payloads_two_deep_are_written_by_msgspec(
+    payload: dict[str, Any], text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Payloads of exact str keys and str, int, bool or None values, in dicts and lists at most two deep
+    (every payload the session writes), take msgspec's path, not JSONEncoder's slower one."""
+
+    class _Refuse:
+        def encode(self, value: Any) -> str:
+            raise AssertionError(f"JSONEncoder wrote {value!r}")
+
+    monkeypatch.setattr(_events, "_PAYLOAD_ENCODER", _Refuse())
+    assert payload_text(payload) == text
 
 
 @pytest.mark.parametrize("payload", [[1], "text", None, 3])
