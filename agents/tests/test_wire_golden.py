@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone
 from enum import IntEnum, StrEnum
@@ -611,6 +612,18 @@ def test_plain_payloads_two_deep_are_written_by_msgspec(
 
     monkeypatch.setattr(_events, "_PAYLOAD_ENCODER", _Refuse())
     assert payload_text(payload) == text
+
+
+def test_payload_text_refuses_nesting_past_the_recursion_limit_as_json_does() -> None:
+    """A payload of plain lists nested past the recursion limit gets json.dumps's RecursionError, message and
+    all: payload_text looks only _PLAIN_DEPTH deep before handing it to JSONEncoder, never to the bottom."""
+    nested: Any = 1
+    for _ in range(2 * sys.getrecursionlimit()):
+        nested = [nested]
+    payload = {"a": nested}
+    expected = _outcome(lambda: json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False))
+    assert expected[0] is RecursionError
+    assert _outcome(lambda: payload_text(payload)) == expected
 
 
 @pytest.mark.parametrize("payload", [[1], "text", None, 3])
