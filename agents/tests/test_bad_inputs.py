@@ -55,10 +55,12 @@ from dex_agents import (
     AgentTurnOutcome,
     AgentUsage,
     AgentUserMessage,
+    AnswerQuestionRequest,
     BuiltInTool,
     DeferredToolCall,
     DeferredToolExecution,
     FrameworkMessage,
+    InterruptKind,
     ListAgentMessagesRequest,
     MessageRole,
     ResolveInterruptRequest,
@@ -510,6 +512,27 @@ async def test_resolve_interrupt_publishes_a_rejection_message_only_with_a_rejec
             approved=approved, rejection_message=None if approved else "too risky")),
     ]
     assert ctx.get(PENDING_INTERRUPTS) == []
+
+
+@pytest.mark.parametrize("name", ["resolve_interrupt", "answer_question"])
+@pytest.mark.parametrize(("before_deadline", "accepted"), [(timedelta(milliseconds=1), True), (timedelta(0), False)])
+async def test_an_interrupt_is_past_its_deadline_from_the_deadline_itself(
+    monkeypatch: pytest.MonkeyPatch, name: str, before_deadline: timedelta, accepted: bool,
+) -> None:
+    """Both RPCs accept an interrupt until its deadline and refuse it (False, nothing written) at the
+    deadline itself: the approval Steps record "deadline passed" once now >= deadline, so an answer
+    committed at that instant would race their record."""
+    deadline = datetime(2026, 1, 1, 0, 5, tzinfo=UTC)
+    monkeypatch.setattr("dex_agents._rpcs.now_utc", lambda: deadline - before_deadline)
+    flow = build_flow(None)
+    kind = InterruptKind.QUESTION if name == "answer_question" else InterruptKind.TOOL_APPROVAL
+    waiting = interrupt("i1", kind=kind, deadline=format_time(deadline))
+    ctx = RpcContext(flow, "s", {("PendingInterrupts", ""): msgspec.json.encode([waiting])}, LoadOptions.all(),
+                     {}, name)
+    request = AnswerQuestionRequest("i1", "Ada") if name == "answer_question" else ResolveInterruptRequest("i1", False)
+    assert await flow.rpc(name).handler(ctx, request) is accepted
+    assert ctx.get(PENDING_INTERRUPTS) == ([] if accepted else [waiting])
+    assert len(ctx.writes.publishes) == (1 if accepted else 0)
 
 
 async def pending_past_its_deadline(engine: InProcess, waiting: AgentInterrupt) -> dict[str, list[str]]:
