@@ -49,6 +49,7 @@ from dex_agents import (
     AgentSessionOptions,
     AgentSessionStartInput,
     AgentSnapshot,
+    AgentState,
     AgentStatus,
     AgentToolCallStatus,
     AgentTurnContext,
@@ -59,6 +60,7 @@ from dex_agents import (
     BuiltInTool,
     DeferredToolCall,
     DeferredToolExecution,
+    ExecutePlanRequest,
     FrameworkMessage,
     InterruptKind,
     ListAgentMessagesRequest,
@@ -70,6 +72,7 @@ from dex_agents import (
     ToolPolicy,
     TurnCompleted,
     TurnContinued,
+    UpdateSessionSettingsRequest,
 )
 from dex_agents._constants import MAX_REJECTION_MESSAGE_CHARS, REJECTION_MESSAGE_NOT_STORED
 from dex_agents._session_settings import session_settings_size
@@ -1194,6 +1197,39 @@ async def test_empty_settings_at_start_store_none(tmp_path: Path) -> None:
 # RPCs ---------------------------------------------------------------------------------------------
 
 
+_WAITING = AgentState(status=AgentStatus.WAITING_FOR_USER_MESSAGE, turn_count=1, active_turn_id=None,
+                      next_message_sequence=3, last_turn_error=None)
+_CHOICE = interrupt("q1", kind=InterruptKind.QUESTION, choices=["yes", "no"], allows_free_text=False)
+REFUSED_RPCS: list[tuple[str, dict[tuple[str, str], Any], object]] = [
+    ("send_user_message", {}, AgentUserMessage(" \n\t ")),
+    ("send_user_message", {}, AgentUserMessage("a plan please", plan_mode=True)),
+    ("resolve_interrupt", {("PendingInterrupts", ""): [interrupt("w1")]}, ResolveInterruptRequest("nope", True)),
+    ("resolve_interrupt", {("PendingInterrupts", ""): [_CHOICE]}, ResolveInterruptRequest("q1", True)),
+    ("answer_question", {("PendingInterrupts", ""): [_CHOICE]}, AnswerQuestionRequest("nope", "yes")),
+    ("answer_question", {("PendingInterrupts", ""): [interrupt("w1")]}, AnswerQuestionRequest("w1", "yes")),
+    ("answer_question", {("PendingInterrupts", ""): [_CHOICE]}, AnswerQuestionRequest("q1", "  ")),
+    ("answer_question", {("PendingInterrupts", ""): [_CHOICE]}, AnswerQuestionRequest("q1", "maybe")),
+    ("update_session_settings", {}, UpdateSessionSettingsRequest({"model": "m"})),
+    ("update_session_settings", {("AgentState", ""): _WAITING}, UpdateSessionSettingsRequest(None)),
+    ("update_session_settings", {("AgentState", ""): _WAITING}, UpdateSessionSettingsRequest(
+        _settings_of_size(MAX_SESSION_SETTINGS_BYTES + SESSION_SETTINGS_SIZE_TOLERANCE_BYTES + 1))),
+    ("execute_plan", {("AgentState", ""): _WAITING}, ExecutePlanRequest(1)),
+]
+
+
+@pytest.mark.parametrize(("name", "values", "request_value"), REFUSED_RPCS)
+async def test_a_refused_rpc_returns_false_on_the_wire_and_writes_nothing(
+    name: str, values: dict[tuple[str, str], Any], request_value: object,
+) -> None:
+    """Each refusal in seed 002 "RPCs" returns the bool False itself, the RPC's declared result type
+    (AgentSessionClient's bool() would hide a None, a client on the wire would not), and writes nothing."""
+    flow = build_flow(None)
+    loaded = {key: msgspec.json.encode(value) for key, value in values.items()}
+    ctx = RpcContext(flow, "s", loaded, LoadOptions.all(), {}, name)
+    assert await flow.rpc(name).handler(ctx, request_value) is False
+    assert ctx.writes.empty()
+
+
 async def test_rpc_request_of_the_wrong_type_commits_nothing(tmp_path: Path) -> None:
     """A request that is not of the RPC's request type raises InvalidValueError naming the RPC and
     the field, and commits nothing; the interrupt it aimed at is still pending and resolvable."""
@@ -1325,6 +1361,7 @@ async def test_a_closed_session_still_serves_its_snapshot_and_messages_and_refus
         assert (await engine.client.wait_for_flow("failed", 30)).status == "failed"
         empty = await sessions.get_agent_snapshot("failed")
         assert empty.state is None and empty.messages == [] and empty.pending_interrupts == []
+        assert empty.usage == AgentUsage() and empty.tool_calls == [] and empty.queued_message_count == 0
         assert (await sessions.list_agent_messages("failed")).messages == []
 
 
