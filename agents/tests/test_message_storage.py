@@ -58,6 +58,7 @@ from dex_agents._message_store import (
     reply_start_by_scan,
 )
 from dex_agents._persistence import message_sequence_key
+from dex_agents._rpcs import page_of_messages
 from dex_agents.builtin_loop import (
     AgentDefinition,
     BuiltinLoopAgentRunner,
@@ -395,6 +396,18 @@ def test_reads_ignore_window_instances_outside_the_window() -> None:
     for read_all in (newest_messages, all_messages):
         read = read_all(index, stale, lambda r: chunks[r.first_sequence])
         assert [(m.sequence, m.text) for m in read] == [(1, "x"), (2, "x"), (3, "x"), (4, "x"), (5, "x")]
+
+
+def test_a_page_past_deleted_messages_names_the_first_stored_one() -> None:
+    """list_agent_messages' page: deleted_before_sequence is AgentMessageIndex.first_sequence once it is
+    past 1, already at 2 (only message 1 deleted), and the page starting there is the last; without
+    an index the oldest stored message is 1, so a page starting at 2 is not the last."""
+    index = AgentMessageIndex(chunks=[], first_sequence=2, window_first_sequence=2)
+    window = [message(2, 1), message(3, 1)]
+    pages = [page_of_messages(index, window, lambda r: None, None, limit) for limit in (1, 200)]
+    pages += [page_of_messages(None, [message(1, 1), message(2, 1)], lambda r: None, None, limit) for limit in (1, 200)]
+    assert [([m.sequence for m in p.messages], p.next_before_sequence, p.deleted_before_sequence) for p in pages] == [
+        ([3], 3, 2), ([2, 3], None, 2), ([2], 2, None), ([1, 2], None, None)]
 
 
 def test_a_turn_without_its_reply_sequence_counts_back_to_its_last_user_message() -> None:
