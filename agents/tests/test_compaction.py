@@ -90,10 +90,12 @@ from dex_agents.testing import (
     ContextWindowSessionScenario,
     FileGate,
     InvocationLog,
+    StepHistoryEntry,
     executed_steps,
     to_step_history,
     wait_for_agent_snapshot,
 )
+from dex_engine import Flow
 from dex_engine._transitions import stored_options_json
 
 # Messages and conversations --------------------------------------------------------------------------
@@ -733,6 +735,18 @@ async def run_turns(sessions: AgentSessionClient, sid: str, texts: Sequence[str]
     return snapshot
 
 
+async def run_one_session(
+    tmp_path: Path, flow: Flow, texts: Sequence[str]
+) -> tuple[AgentSnapshot, list[StepHistoryEntry]]:
+    """Session "s" of `flow` on a fresh engine, run through `texts`: its last snapshot and its Step history."""
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        done = await run_turns(sessions, "s", texts)
+        return done, to_step_history(await engine.client.get_flow_history("s"))
+
+
 async def all_messages(sessions: AgentSessionClient, sid: str) -> list[AgentMessage]:
     pages: list[list[AgentMessage]] = []
     cursor: int | None = None
@@ -1128,17 +1142,12 @@ async def test_a_cutoff_the_summary_already_covers_calls_the_model(tmp_path: Pat
     # The first model call sees only the summary (it covers the one message): any answer will do.
     flow, model = compaction_flow("SummaryCutoffAgent", lambda _request: ScriptedModelReply(text="ok"), window=500,
                                   runner=CutoffAtTheSummary)
-    engine = InProcessEngine(tmp_path, [flow])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s")
-        done = await run_turns(sessions, "s", ["hello", "again"])
-        assert done.state is not None and done.state.last_turn_error is None
-        assert done.context_summary is not None and done.context_summary.last_sequence == 1
-        assert (len(summary_calls(model)), len(model_calls(model))) == (1, 2)
-        steps = executed_steps(to_step_history(await engine.client.get_flow_history("s")))
-        assert steps == ["StartAgentSession", "AwaitUserMessage", RUN_MODEL, COMPACT_CONTEXT, RUN_MODEL,
-                         "AwaitUserMessage", RUN_MODEL]
+    done, history = await run_one_session(tmp_path, flow, ["hello", "again"])
+    assert done.state is not None and done.state.last_turn_error is None
+    assert done.context_summary is not None and done.context_summary.last_sequence == 1
+    assert (len(summary_calls(model)), len(model_calls(model))) == (1, 2)
+    assert executed_steps(history) == ["StartAgentSession", "AwaitUserMessage", RUN_MODEL, COMPACT_CONTEXT,
+                                       RUN_MODEL, "AwaitUserMessage", RUN_MODEL]
 
 
 class CutoffZero(BuiltinLoopAgentRunner):
@@ -1155,16 +1164,11 @@ async def test_a_cutoff_of_zero_without_a_summary_calls_the_model(tmp_path: Path
     """Before any summary, nothing is summarized through sequence 0: a cutoff of 0 is not after the
     current summary, so RunModel makes the model call, with no CompactContext and no summary call."""
     flow, model = compaction_flow("ZeroCutoffAgent", answer, window=500, runner=CutoffZero)
-    engine = InProcessEngine(tmp_path, [flow])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s")
-        done = await run_turns(sessions, "s", ["hello"])
-        assert done.state is not None and done.state.last_turn_error is None
-        assert done.context_summary is None
-        assert (len(summary_calls(model)), len(model_calls(model))) == (0, 1)
-        steps = executed_steps(to_step_history(await engine.client.get_flow_history("s")))
-        assert steps == ["StartAgentSession", "AwaitUserMessage", RUN_MODEL]
+    done, history = await run_one_session(tmp_path, flow, ["hello"])
+    assert done.state is not None and done.state.last_turn_error is None
+    assert done.context_summary is None
+    assert (len(summary_calls(model)), len(model_calls(model))) == (0, 1)
+    assert executed_steps(history) == ["StartAgentSession", "AwaitUserMessage", RUN_MODEL]
 
 
 @pytest.mark.parametrize(("runner", "error"), [
@@ -1177,17 +1181,12 @@ async def test_a_compaction_contract_breach_fails_the_turn(
     """A runner that answers the compaction questions wrongly fails the turn in RunModel's commit, with
     no model call and no retry; the session goes on."""
     flow, model = compaction_flow("BrokenAgent", answer, window=500, runner=runner)
-    engine = InProcessEngine(tmp_path, [flow])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s")
-        done = await run_turns(sessions, "s", ["hello"])
-        assert done.state is not None and done.state.last_turn_error == error
-        assert model_calls(model) == []
-        history = to_step_history(await engine.client.get_flow_history("s"))
-        assert executed_steps(history) == ["StartAgentSession", "AwaitUserMessage", RUN_MODEL]
-        assert [e.final_attempt for e in history if e.step_type == RUN_MODEL and e.event_type == "execute_completed"
-                ] == [1]
+    done, history = await run_one_session(tmp_path, flow, ["hello"])
+    assert done.state is not None and done.state.last_turn_error == error
+    assert model_calls(model) == []
+    assert executed_steps(history) == ["StartAgentSession", "AwaitUserMessage", RUN_MODEL]
+    assert [e.final_attempt for e in history if e.step_type == RUN_MODEL and e.event_type == "execute_completed"
+            ] == [1]
 
 
 @pytest.mark.parametrize("blank_attempts", [1, 99])
