@@ -57,7 +57,6 @@ from dex_agents import (
 )
 from dex_agents._builtin_steps import BuiltInSteps, tool_question_id_in_use
 from dex_agents._timefmt import format_time
-from dex_agents._tool_steps import invalid_question_error
 from dex_agents.testing import executed_steps, to_step_history, wait_for_agent_snapshot
 from dex_engine import Context, StepDecision, Timer, Wait
 from dex_engine._records import ConsumedMessage, WaitOutcome
@@ -374,7 +373,8 @@ async def test_invalid_tool_question_fails_the_call(
         sessions = engine.sessions()
         await sessions.start_session("s", _script([_call("c1", "ask_write", request=request_fields)]))
         outcomes, snapshot = await _done(sessions)
-        assert (outcomes["c1"]["status"], outcomes["c1"]["error"]) == ("failed", invalid_question_error(problem))
+        assert (outcomes["c1"]["status"], outcomes["c1"]["error"]) == (
+            "failed", f"the tool asked for input with an invalid ToolInputRequested: {problem}")
         assert snapshot.pending_interrupts == []
         assert len(runner.runs_of("c1")) == 1
         assert await _steps(engine) == [
