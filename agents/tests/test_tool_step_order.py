@@ -4,6 +4,8 @@ table), on a built context that records heartbeats and best-effort events in ord
 - CallTool and CallSingleAttemptTool write tool_call_started, then make a heartbeat durable, and
   only then run the tool, which heartbeats in the background every TOOL_HEARTBEAT_INTERVAL while
   it runs and not after;
+- the tool's own heartbeat and save_heartbeat_checkpoint reach the attempt's heartbeat, and a
+  checkpoint that is not text raises TypeError in the tool instead of being saved;
 - a tool Step whose record is already final ends without running, publishing or writing anything.
 """
 
@@ -132,3 +134,47 @@ async def test_a_final_record_is_never_run_again(step_type: str, status: AgentTo
     assert decision.kind == "dead_end"
     assert log == []
     assert ctx.writes.attributes == {} and ctx.writes.appends == [] and ctx.writes.publishes == []
+
+
+class HeartbeatingRunner(ScriptedRunner):
+    """A tool that heartbeats, saves a checkpoint, then tries to save one that is not text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: list[str] = []
+
+    async def execute_deferred_tool_call(
+        self, call: DeferredToolExecution
+    ) -> ToolExecutionResult | ToolInputRequested | ToolTaskStarted:
+        await call.heartbeat()
+        await call.save_heartbeat_checkpoint("cp-1")
+        bad: Any = 5
+        try:
+            await call.save_heartbeat_checkpoint(bad)
+        except TypeError as exc:
+            self.errors.append(str(exc))
+        return ToolExecutionResult("ok")
+
+
+@pytest.mark.parametrize("step_type", [CALL_TOOL, CALL_SINGLE_ATTEMPT_TOOL])
+async def test_the_tools_heartbeat_and_checkpoint_reach_the_attempt_and_a_checkpoint_must_be_text(
+    step_type: str
+) -> None:
+    runner = HeartbeatingRunner()
+    flow = AgentSessionFlow(runner, "ToolOrder", AgentSessionOptions())
+    steps = ToolSteps(runtime_of(flow))
+    handler = steps.call_tool if step_type == CALL_TOOL else steps.call_single_attempt_tool
+    heartbeats: list[str | None] = []
+
+    async def heartbeat(checkpoint: str | None) -> None:
+        heartbeats.append(checkpoint)
+
+    ctx = step_context(flow, step_type, {("AgentToolCalls", "c1"): tool_call(AgentToolCallStatus.APPROVED)},
+                       heartbeat=heartbeat)
+    await handler(ctx, "c1")
+
+    # The Step's own durable heartbeat, then the tool's heartbeat, then its checkpoint; never the 5.
+    assert heartbeats == [None, None, "cp-1"]
+    assert runner.errors == ["a heartbeat checkpoint must be text, got int"]
+    record = ctx.get(AGENT_TOOL_CALLS["c1"])
+    assert record is not None and (record.status, record.output) == (AgentToolCallStatus.SUCCEEDED, "ok")
