@@ -353,6 +353,13 @@ async def test_tool_question_id_used_by_another_call_fails_the_call(tmp_path: Pa
 
 @pytest.mark.parametrize(("request_fields", "problem"), [
     ({"question": "  "}, "question must be non-empty text"),
+    ({"question": 5}, "question must be non-empty text"),
+    ({"question": "Pick", "choices": "ab"}, "choices must be a sequence of texts"),
+    ({"question": "Pick", "choices": 3}, "choices must be a sequence of texts"),
+    ({"question": "Pick", "choices": {"a": 1}}, "choices must be a sequence of texts"),
+    ({"question": "Pick", "choices": ["a", 1]}, "choices must be non-empty texts"),
+    ({"question": "Pick", "choices": ["a"], "allows_free_text": "yes"}, "allows_free_text must be true or false"),
+    ({"question": "Pick", "continuation": 5}, "continuation must be text or None"),
     ({"question": "Pick", "choices": ["a", "a"]}, "choices repeat"),
     ({"question": "Pick", "choices": ["a", " "]}, "choices must be non-empty texts"),
     ({"question": "Pick", "allows_free_text": False}, "a question without choices must allow free text"),
