@@ -863,6 +863,27 @@ async def test_approval_wait_takes_an_answer_first_once_its_interrupt_is_gone_in
     assert quiet.mode == "any"  # not steered: an answer is queued, and for_one takes it
 
 
+@pytest.mark.parametrize("status", [None, AgentToolCallStatus.APPROVED, AgentToolCallStatus.REJECTED])
+async def test_an_approval_wait_of_a_call_no_longer_awaiting_approval_skips_and_its_execute_ends(
+    status: AgentToolCallStatus | None,
+) -> None:
+    """An AwaitToolApproval whose record is gone or no longer awaiting_approval (an approval or a
+    FinishTurnCancellation committed first) waits for nothing, and its execute ends writing nothing."""
+    flow = build_flow(None)
+    steps = _approval_steps(flow)
+    values = _waiting_values(True, True, tool_call(AgentToolCallStatus.AWAITING_APPROVAL))
+    if status is None:
+        del values[("AgentToolCalls", "c1")]
+    else:
+        values[("AgentToolCalls", "c1")] = tool_call(status)
+    waiting = await steps.await_tool_approval_wait(step_context(flow, "AwaitToolApproval", values), "c1")
+    assert waiting == Wait.skip_immediately()
+    ctx = step_context(flow, "AwaitToolApproval", values, (waiting, WaitOutcome(satisfied=(), consumed=())))
+    decision = await steps.await_tool_approval(ctx, "c1")
+    assert decision.kind == "dead_end" and not decision.movements
+    assert ctx.writes.empty()
+
+
 @pytest.mark.parametrize(("steered", "pending", "outcome"), [
     (True, True, "abandoned"),  # the Step removes its interrupt and records the call cancelled
     (True, False, "waits"),  # the interrupt is gone: an answer may have committed first
