@@ -6,7 +6,9 @@ table), on a built context that records heartbeats and best-effort events in ord
   it runs and not after;
 - the tool's own heartbeat and save_heartbeat_checkpoint reach the attempt's heartbeat, and a
   checkpoint that is not text raises TypeError in the tool instead of being saved;
-- a tool Step whose record is already final ends without running, publishing or writing anything.
+- a tool Step whose record is already final ends without running, publishing or writing anything,
+  and so does a failure route Step (RecordToolFailure, RecordToolOutcomeUnknown) whose record is
+  final or gone.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from dex_agents import (
     AGENT_TOOL_CALLS,
     CALL_SINGLE_ATTEMPT_TOOL,
     CALL_TOOL,
+    RECORD_TOOL_FAILURE,
+    RECORD_TOOL_OUTCOME_UNKNOWN,
     AgentSessionFlow,
     AgentSessionOptions,
     AgentToolCallStatus,
@@ -39,7 +43,7 @@ from dex_agents import _tool_steps as tool_steps_module
 from dex_agents._constants import TOOL_HEARTBEAT_INTERVAL
 from dex_agents._runtime import background_heartbeats
 from dex_agents._tool_steps import ToolSteps
-from dex_engine import Context, StepDecision
+from dex_engine import AttemptProgress, Context, RecoveryError, StepDecision
 
 # The background heartbeat interval the tests run the tool Step with, and how long their tool runs:
 # several intervals, so a Step without background heartbeats shows.
@@ -134,6 +138,26 @@ async def test_a_final_record_is_never_run_again(step_type: str, status: AgentTo
     assert decision.kind == "dead_end"
     assert log == []
     assert ctx.writes.attributes == {} and ctx.writes.appends == [] and ctx.writes.publishes == []
+
+
+
+@pytest.mark.parametrize("status", [None, *(s for s in AgentToolCallStatus if s.is_final)])
+@pytest.mark.parametrize("step_type", [RECORD_TOOL_FAILURE, RECORD_TOOL_OUTCOME_UNKNOWN])
+async def test_a_failure_route_for_a_final_or_missing_record_writes_nothing(
+    step_type: str, status: AgentToolCallStatus | None
+) -> None:
+    """A failure route Step whose call already has its result (or whose record is gone) ends
+    without recording or publishing a second result, which ResumeTurn would count."""
+    flow = AgentSessionFlow(ScriptedRunner(), "ToolOrder", AgentSessionOptions())
+    steps = ToolSteps(runtime_of(flow))
+    handler = steps.record_tool_failure if step_type == RECORD_TOOL_FAILURE else steps.record_tool_outcome_unknown
+    values: dict[tuple[str, str], Any] = {} if status is None else {("AgentToolCalls", "c1"): tool_call(status)}
+    recovery = RecoveryError(step_type=CALL_TOOL, step_execution_id="CallTool-1", method="execute", attempts=3,
+                             attempt_progress=AttemptProgress.NOT_COMPLETED, error_type="RuntimeError", detail="boom")
+    ctx = step_context(flow, step_type, values, recovery_error=recovery)
+    decision = await handler(ctx, "c1")
+    assert decision.kind == "dead_end"
+    assert ctx.writes.empty()
 
 
 class HeartbeatingRunner(ScriptedRunner):
