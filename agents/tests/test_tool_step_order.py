@@ -8,7 +8,8 @@ table), on a built context that records heartbeats and best-effort events in ord
   checkpoint that is not text raises TypeError in the tool instead of being saved;
 - a tool Step whose record is already final ends without running, publishing or writing anything,
   and so does a failure route Step (RecordToolFailure, RecordToolOutcomeUnknown) whose record is
-  final or gone.
+  final or gone;
+- ResumeTurn in a session with no active turn ends without writing anything.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
+import msgspec
 import pytest
 from agents.tests.built_context import runtime_of, step_context, tool_call
 from agents.tests.scripted_agent import ScriptedRunner
@@ -30,8 +32,12 @@ from dex_agents import (
     CALL_TOOL,
     RECORD_TOOL_FAILURE,
     RECORD_TOOL_OUTCOME_UNKNOWN,
+    RESUME_TURN,
+    TOOL_CALL_RESULTS,
     AgentSessionFlow,
     AgentSessionOptions,
+    AgentState,
+    AgentStatus,
     AgentToolCallStatus,
     DeferredToolExecution,
     ToolEffect,
@@ -41,9 +47,11 @@ from dex_agents import (
 )
 from dex_agents import _tool_steps as tool_steps_module
 from dex_agents._constants import TOOL_HEARTBEAT_INTERVAL
+from dex_agents._control_steps import TURN_CONTROL_WAKE
 from dex_agents._runtime import background_heartbeats
 from dex_agents._tool_steps import ToolSteps
-from dex_engine import AttemptProgress, Context, RecoveryError, StepDecision
+from dex_engine import AttemptProgress, Context, RecoveryError, StepDecision, Wait
+from dex_engine._records import ConsumedMessage, WaitOutcome
 
 # The background heartbeat interval the tests run the tool Step with, and how long their tool runs:
 # several intervals, so a Step without background heartbeats shows.
@@ -159,6 +167,23 @@ async def test_a_failure_route_for_a_final_or_missing_record_writes_nothing(
     assert decision.kind == "dead_end"
     assert ctx.writes.empty()
 
+
+@pytest.mark.parametrize("state", [None, "no active turn"])
+async def test_resume_turn_without_an_active_turn_ends_writing_nothing(state: str | None) -> None:
+    """A ResumeTurn woken after its session's turn ended (or before any state) neither starts a model
+    call nor writes AgentState."""
+    flow = AgentSessionFlow(ScriptedRunner(), "ToolOrder", AgentSessionOptions())
+    values: dict[tuple[str, str], Any] = {}
+    if state is not None:
+        values[("AgentState", "")] = AgentState(
+            status=AgentStatus.WAITING_FOR_USER_MESSAGE, turn_count=1, active_turn_id=None, next_message_sequence=3,
+            last_turn_error=None, accepts_turn_control=False)
+    wait = Wait.any_of(TOOL_CALL_RESULTS.for_n(1), TURN_CONTROL_WAKE)
+    result = ConsumedMessage(1, msgspec.Raw(b'"c1"'))
+    ctx = step_context(flow, RESUME_TURN, values, (wait, WaitOutcome(satisfied=(0,), consumed=((result,), ()))))
+    decision = await ToolSteps(runtime_of(flow)).resume_turn(ctx, 1)
+    assert decision.kind == "dead_end" and not decision.movements
+    assert ctx.writes.empty()
 
 class HeartbeatingRunner(ScriptedRunner):
     """A tool that heartbeats, saves a checkpoint, then tries to save one that is not text."""
