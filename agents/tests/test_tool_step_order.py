@@ -149,6 +149,23 @@ async def test_a_final_record_is_never_run_again(step_type: str, status: AgentTo
 
 
 
+@pytest.mark.parametrize("status", [s for s in AgentToolCallStatus
+                                    if not s.is_final and s is not AgentToolCallStatus.APPROVED])
+@pytest.mark.parametrize("step_type", [CALL_TOOL, CALL_SINGLE_ATTEMPT_TOOL])
+async def test_a_call_that_is_not_approved_fails_the_step_and_never_runs(
+    step_type: str, status: AgentToolCallStatus
+) -> None:
+    """A tool Step runs only an approved call: for a call still waiting (approval, answer, task or
+    timer) it raises, so the Step fails, and neither runs the tool nor writes anything."""
+    log: list[str] = []
+    flow, handler = tool_step(log, step_type)
+    ctx = recording_context(flow, step_type, status, log)
+    with pytest.raises(RuntimeError, match=f"^tool call 'c1' is {status.value}; a tool Step runs only approved calls$"):
+        await handler(ctx, "c1")
+    assert log == []
+    assert ctx.writes.empty()
+
+
 @pytest.mark.parametrize("status", [None, *(s for s in AgentToolCallStatus if s.is_final)])
 @pytest.mark.parametrize("step_type", [RECORD_TOOL_FAILURE, RECORD_TOOL_OUTCOME_UNKNOWN])
 async def test_a_failure_route_for_a_final_or_missing_record_writes_nothing(
