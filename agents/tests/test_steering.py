@@ -863,6 +863,23 @@ async def test_approval_wait_takes_an_answer_first_once_its_interrupt_is_gone_in
     assert quiet.mode == "any"  # not steered: an answer is queued, and for_one takes it
 
 
+async def test_an_approval_wait_reads_only_its_own_interrupt() -> None:
+    """Another call's pending interrupt (with a deadline) is not this call's: in a steered turn this
+    call's interrupt is gone, so it takes an answer first; in a quiet turn it sets no deadline Timer."""
+    flow = build_flow(None)
+    steps = _approval_steps(flow)
+    approval = tool_call(AgentToolCallStatus.AWAITING_APPROVAL, effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+    other = msgspec.structs.replace(_interrupt("c2", "c2"), deadline="2026-01-01T01:00:00.000Z")
+    for steered, expected in [
+        (True, answer_first_wait("c1", "c1")),
+        (False, Wait.any_of(TOOL_CALL_CANCELLATIONS["c1"].for_one(), INTERRUPT_RESOLUTIONS["c1"].for_one())),
+    ]:
+        values = _waiting_values(steered, False, approval)
+        values[("PendingInterrupts", "")] = [other]
+        waiting = await steps.await_tool_approval_wait(step_context(flow, "AwaitToolApproval", values), "c1")
+        assert waiting == expected
+
+
 @pytest.mark.parametrize("status", [None, AgentToolCallStatus.APPROVED, AgentToolCallStatus.REJECTED])
 async def test_an_approval_wait_of_a_call_no_longer_awaiting_approval_skips_and_its_execute_ends(
     status: AgentToolCallStatus | None,
