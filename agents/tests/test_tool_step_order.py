@@ -9,7 +9,8 @@ table), on a built context that records heartbeats and best-effort events in ord
 - a tool Step whose record is already final ends without running, publishing or writing anything,
   and so does a failure route Step (RecordToolFailure, RecordToolOutcomeUnknown) whose record is
   final or gone;
-- ResumeTurn in a session with no active turn ends without writing anything.
+- ResumeTurn in a session with no active turn ends without writing anything, and one whose turn
+  still has an unfinished call waits again for the unfinished count.
 """
 
 from __future__ import annotations
@@ -200,6 +201,25 @@ async def test_resume_turn_without_an_active_turn_ends_writing_nothing(state: st
     ctx = step_context(flow, RESUME_TURN, values, (wait, WaitOutcome(satisfied=(0,), consumed=((result,), ()))))
     decision = await ToolSteps(runtime_of(flow)).resume_turn(ctx, 1)
     assert decision.kind == "dead_end" and not decision.movements
+    assert ctx.writes.empty()
+
+
+async def test_resume_turn_with_a_call_of_its_turn_unfinished_waits_again_for_the_unfinished_count() -> None:
+    """Seed 002 ResumeTurn: if a consumed result belonged to an earlier turn, it waits again for the
+    unfinished count, writing nothing and starting no model call."""
+    flow = AgentSessionFlow(ScriptedRunner(), "ToolOrder", AgentSessionOptions())
+    state = AgentState(status=AgentStatus.RUNNING_TOOLS, turn_count=1, active_turn_id="turn-2",
+                       next_message_sequence=5, last_turn_error=None, accepts_turn_control=True)
+    values: dict[tuple[str, str], Any] = {
+        ("AgentState", ""): state,
+        ("AgentToolCalls", "c1"): tool_call(AgentToolCallStatus.SUCCEEDED, turn_id="turn-2", output="ok"),
+        ("AgentToolCalls", "c2"): tool_call(AgentToolCallStatus.APPROVED, tool_call_id="c2", turn_id="turn-2"),
+    }
+    wait = Wait.any_of(TOOL_CALL_RESULTS.for_n(2), TURN_CONTROL_WAKE)
+    results = (ConsumedMessage(1, msgspec.Raw(b'"c0"')), ConsumedMessage(2, msgspec.Raw(b'"c1"')))
+    ctx = step_context(flow, RESUME_TURN, values, (wait, WaitOutcome(satisfied=(0,), consumed=(results, ()))))
+    decision = await ToolSteps(runtime_of(flow)).resume_turn(ctx, 2)
+    assert [(m.step_type, m.input) for m in decision.movements] == [(RESUME_TURN, 1)]
     assert ctx.writes.empty()
 
 class HeartbeatingRunner(ScriptedRunner):
