@@ -10,6 +10,7 @@ live Worker cannot be made to hit on purpose.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -58,7 +59,7 @@ from dex_agents import (
 from dex_agents._builtin_steps import BuiltInSteps, tool_question_id_in_use
 from dex_agents._timefmt import format_time
 from dex_agents.testing import executed_steps, to_step_history, wait_for_agent_snapshot
-from dex_engine import Context, StepDecision, Timer, Wait
+from dex_engine import MAX_VALUE_BYTES, Context, StepDecision, Timer, Wait
 from dex_engine._records import ConsumedMessage, WaitOutcome
 
 FLOW_TYPE = "ToolQuestions"
@@ -88,8 +89,9 @@ class AskingRunner:
     (`{id: {status, output, error, rejection_message}}`), read from the turn's records.
 
     Tool arguments: `ask` (questions, asked one per run until each has an answer), `choices`, `free`
-    (allows_free_text), `request` (a raw ToolInputRequested to return), `crash_after` (raise a
-    Step failure once that many answers are in). The output lists the answers the tool saw.
+    (allows_free_text), `request` (a raw ToolInputRequested to return), `question_size` (ask one
+    question of that many characters), `crash_after` (raise a Step failure once that many answers
+    are in). The output lists the answers the tool saw.
     """
 
     def __init__(self) -> None:
@@ -125,6 +127,8 @@ class AskingRunner:
             raise RuntimeError("the tool crashed after the answer")
         if "request" in args and not answers:
             return ToolInputRequested(**args["request"])
+        if "question_size" in args and not answers:
+            return ToolInputRequested(question="Q" * args["question_size"])
         asks: list[str] = args.get("ask", [])
         if len(answers) < len(asks):
             return ToolInputRequested(
@@ -382,6 +386,26 @@ async def test_invalid_tool_question_fails_the_call(
         outcomes, snapshot = await _done(sessions)
         assert (outcomes["c1"]["status"], outcomes["c1"]["error"]) == (
             "failed", f"the tool asked for input with an invalid ToolInputRequested: {problem}")
+        assert snapshot.pending_interrupts == []
+        assert len(runner.runs_of("c1")) == 1
+        assert await _steps(engine) == [
+            "StartAgentSession", "RunModel", "CallSingleAttemptTool", "ResumeTurn", "RunModel"]
+
+
+async def test_a_question_too_large_to_store_fails_the_call(tmp_path: Path) -> None:
+    """A question that makes the call's record larger than the session's value limit records the
+    call, a write, failed with the sizes (a tool that asks has taken no effect) instead of failing
+    its Step into outcome_unknown."""
+    flow, runner = _flow()
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", _script([_call("c1", "ask_write", question_size=MAX_VALUE_BYTES)]))
+        outcomes, snapshot = await _done(sessions)
+        assert outcomes["c1"]["status"] == "failed"
+        assert re.fullmatch(
+            r"the tool asked for input with an invalid ToolInputRequested: the question makes the call "
+            rf"\d+ bytes, over the session's value limit of {MAX_VALUE_BYTES}", outcomes["c1"]["error"])
         assert snapshot.pending_interrupts == []
         assert len(runner.runs_of("c1")) == 1
         assert await _steps(engine) == [
