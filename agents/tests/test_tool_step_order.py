@@ -6,9 +6,9 @@ table), on a built context that records heartbeats and best-effort events in ord
   it runs and not after;
 - the tool's own heartbeat and save_heartbeat_checkpoint reach the attempt's heartbeat, and a
   checkpoint that is not text raises TypeError in the tool instead of being saved;
-- a tool Step whose record is already final ends without running, publishing or writing anything,
-  and so does a failure route Step (RecordToolFailure, RecordToolOutcomeUnknown) whose record is
-  final or gone;
+- a tool Step whose record is already final or gone ends without running, publishing or writing
+  anything, and so does a failure route Step (RecordToolFailure, RecordToolOutcomeUnknown) whose
+  record is final or gone; a tool Step for a call that is not approved raises without running it;
 - ResumeTurn in a session with no active turn ends without writing anything, and one whose turn
   still has an unfinished call waits again for the unfinished count.
 """
@@ -148,6 +148,19 @@ async def test_a_final_record_is_never_run_again(step_type: str, status: AgentTo
     assert log == []
     assert ctx.writes.attributes == {} and ctx.writes.appends == [] and ctx.writes.publishes == []
 
+
+
+@pytest.mark.parametrize("step_type", [CALL_TOOL, CALL_SINGLE_ATTEMPT_TOOL])
+async def test_a_tool_step_whose_record_is_gone_ends_without_running(step_type: str) -> None:
+    """A tool Step whose record was deleted (the turn failed while it was scheduled) ends without
+    running the tool or writing anything."""
+    log: list[str] = []
+    flow, handler = tool_step(log, step_type)
+    ctx = step_context(flow, step_type, {})
+    decision = await handler(ctx, "c1")
+    assert decision.kind == "dead_end"
+    assert log == []
+    assert ctx.writes.empty()
 
 
 @pytest.mark.parametrize("status", [s for s in AgentToolCallStatus
