@@ -199,6 +199,29 @@ async def test_a_failure_route_for_a_final_or_missing_record_writes_nothing(
     assert ctx.writes.empty()
 
 
+@pytest.mark.parametrize(("detail", "error"), [("boom", "boom"), ("", "TimeoutError")])
+@pytest.mark.parametrize(("step_type", "effect", "status"), [
+    (RECORD_TOOL_FAILURE, ToolEffect.READ, AgentToolCallStatus.FAILED),
+    (RECORD_TOOL_OUTCOME_UNKNOWN, ToolEffect.NON_IDEMPOTENT_WRITE, AgentToolCallStatus.OUTCOME_UNKNOWN),
+])
+async def test_a_failure_route_records_the_recovery_detail_or_else_the_error_type(
+    step_type: str, effect: ToolEffect, status: AgentToolCallStatus, detail: str, error: str
+) -> None:
+    """The failed call's error is the recovery error's detail; a failure without one (a bare
+    TimeoutError, say) records its error type, so the model never sees an empty error."""
+    flow = AgentSessionFlow(ScriptedRunner(), "ToolOrder", AgentSessionOptions())
+    steps = ToolSteps(runtime_of(flow))
+    handler = steps.record_tool_failure if step_type == RECORD_TOOL_FAILURE else steps.record_tool_outcome_unknown
+    recovery = RecoveryError(step_type=CALL_TOOL, step_execution_id="CallTool-1", method="execute", attempts=3,
+                             attempt_progress=AttemptProgress.NOT_COMPLETED, error_type="TimeoutError", detail=detail)
+    record = tool_call(AgentToolCallStatus.APPROVED, effect=effect)
+    ctx = step_context(flow, step_type, {("AgentToolCalls", "c1"): record}, recovery_error=recovery)
+    decision = await handler(ctx, "c1")
+    assert decision.kind == "dead_end"
+    final = ctx.get(AGENT_TOOL_CALLS["c1"])
+    assert final is not None and (final.status, final.error) == (status, error)
+
+
 @pytest.mark.parametrize("state", [None, "no active turn"])
 async def test_resume_turn_without_an_active_turn_ends_writing_nothing(state: str | None) -> None:
     """A ResumeTurn woken after its session's turn ended (or before any state) neither starts a model
