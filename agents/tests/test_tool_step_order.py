@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from agents.tests.built_context import runtime_of, step_context, tool_call
+from agents.tests.built_context import interrupt, runtime_of, step_context, tool_call
 from agents.tests.scripted_agent import ScriptedRunner
 
 from dex_agents import (
@@ -45,6 +45,9 @@ from dex_agents import (
     ToolExecutionResult,
     ToolInputRequested,
     ToolTaskStarted,
+    TurnCancellationRequest,
+    TurnControlKind,
+    TurnControlRequest,
 )
 from dex_agents import _tool_steps as tool_steps_module
 from dex_agents._constants import TOOL_HEARTBEAT_INTERVAL
@@ -220,6 +223,35 @@ async def test_a_failure_route_records_the_recovery_detail_or_else_the_error_typ
     assert decision.kind == "dead_end"
     final = ctx.get(AGENT_TOOL_CALLS["c1"])
     assert final is not None and (final.status, final.error) == (status, error)
+
+
+@pytest.mark.parametrize(("steered", "cancelled"), [(False, False), (True, True)])
+async def test_resume_turn_woken_by_turn_control_waits_again_for_the_same_count(steered: bool, cancelled: bool) -> None:
+    """Seed 002 ResumeTurn: on a control wake with nothing for it to apply (a stale wake, or a turn
+    both steered and cancelled, which FinishTurnCancellation owns) it abandons no waiting call and
+    waits again for the same count, even when a call whose result is still queued is already final."""
+    flow = AgentSessionFlow(ScriptedRunner(), "ToolOrder", AgentSessionOptions())
+    state = AgentState(status=AgentStatus.RUNNING_TOOLS, turn_count=1, active_turn_id="turn-2",
+                       next_message_sequence=5, last_turn_error=None, accepts_turn_control=True)
+    values: dict[tuple[str, str], Any] = {
+        ("AgentState", ""): state,
+        ("AgentToolCalls", "c1"): tool_call(AgentToolCallStatus.SUCCEEDED, turn_id="turn-2", output="ok"),
+        ("AgentToolCalls", "c2"): tool_call(AgentToolCallStatus.APPROVED, tool_call_id="c2", turn_id="turn-2"),
+        ("AgentToolCalls", "c3"): tool_call(AgentToolCallStatus.AWAITING_APPROVAL, tool_call_id="c3",
+                                            turn_id="turn-2", requires_approval=True),
+        ("PendingInterrupts", ""): [interrupt("c3")],
+    }
+    if steered:
+        values[("SteeredMessageCount", "")] = 1
+    if cancelled:
+        values[("TurnCancellationRequest", "")] = TurnCancellationRequest(
+            turn_id="turn-2", requested_at="2026-01-01T00:00:00.000Z")
+    wait = Wait.any_of(TOOL_CALL_RESULTS.for_n(3), TURN_CONTROL_WAKE)
+    wake = ConsumedMessage(1, msgspec.Raw(msgspec.json.encode(TurnControlRequest(TurnControlKind.STEER))))
+    ctx = step_context(flow, RESUME_TURN, values, (wait, WaitOutcome(satisfied=(1,), consumed=((), (wake,)))))
+    decision = await ToolSteps(runtime_of(flow)).resume_turn(ctx, 3)
+    assert [(m.step_type, m.input) for m in decision.movements] == [(RESUME_TURN, 3)]
+    assert ctx.writes.empty()
 
 
 @pytest.mark.parametrize("state", [None, "no active turn"])
