@@ -8,7 +8,8 @@ table), on a built context that records heartbeats and best-effort events in ord
   checkpoint that is not text raises TypeError in the tool instead of being saved;
 - a tool Step whose record is already final or gone ends without running, publishing or writing
   anything, and so does a failure route Step (RecordToolFailure, RecordToolOutcomeUnknown) whose
-  record is final or gone; a tool Step for a call that is not approved raises without running it;
+  record is final or gone; a tool Step for a call that is not approved raises without running it,
+  and one whose tool returns an output that is not text raises without recording it;
 - ResumeTurn in a session with no active turn ends without writing anything, and one whose turn
   still has an unfinished call waits again for the unfinished count.
 """
@@ -289,6 +290,30 @@ async def test_resume_turn_with_a_call_of_its_turn_unfinished_waits_again_for_th
     decision = await ToolSteps(runtime_of(flow)).resume_turn(ctx, 2)
     assert [(m.step_type, m.input) for m in decision.movements] == [(RESUME_TURN, 1)]
     assert ctx.writes.empty()
+
+class NumberOutputRunner(ScriptedRunner):
+    """A tool that returns a ToolExecutionResult whose output is a number, not text."""
+
+    async def execute_deferred_tool_call(
+        self, call: DeferredToolExecution
+    ) -> ToolExecutionResult | ToolInputRequested | ToolTaskStarted:
+        output: Any = 5
+        return ToolExecutionResult(output)
+
+
+@pytest.mark.parametrize("step_type", [CALL_TOOL, CALL_SINGLE_ATTEMPT_TOOL])
+async def test_a_tool_result_whose_output_is_not_text_fails_the_step_and_records_nothing(step_type: str) -> None:
+    """ToolExecutionResult.output must be text: a tool that returns another output fails its Step
+    (a runner contract breach, like returning something else), so nothing is recorded succeeded."""
+    flow = AgentSessionFlow(NumberOutputRunner(), "ToolOrder", AgentSessionOptions())
+    steps = ToolSteps(runtime_of(flow))
+    handler = steps.call_tool if step_type == CALL_TOOL else steps.call_single_attempt_tool
+    ctx = step_context(flow, step_type, {("AgentToolCalls", "c1"): tool_call(AgentToolCallStatus.APPROVED)})
+    with pytest.raises(TypeError, match=r"^execute_deferred_tool_call returned ToolExecutionResult\(.*\); return "
+                       r"ToolExecutionResult\(output: str\) or raise ToolExecutionError$"):
+        await handler(ctx, "c1")
+    assert ctx.writes.empty()
+
 
 class HeartbeatingRunner(ScriptedRunner):
     """A tool that heartbeats, saves a checkpoint, then tries to save one that is not text."""
