@@ -41,6 +41,7 @@ from dex_agents import (
     SESSION_SETTINGS,
     SESSION_SETTINGS_SIZE_TOLERANCE_BYTES,
     TOOL_CALL_CANCELLATIONS,
+    AgentEvent,
     AgentInterrupt,
     AgentInterruptResolution,
     AgentMessage,
@@ -669,6 +670,41 @@ async def test_a_deadline_timer_that_finds_no_due_interrupt_waits_again(pending:
     decision = await tools.await_tool_approval(ctx, "w1")
     assert [(m.step_type, m.input) for m in decision.movements] == [(AWAIT_TOOL_APPROVAL, "w1")]
     assert ctx.writes.attributes == {} and ctx.writes.appends == []
+
+
+@pytest.mark.parametrize(("before_deadline", "due"), [(timedelta(milliseconds=1), False), (timedelta(0), True)])
+async def test_an_approval_deadline_timer_rejects_the_call_from_the_deadline_itself(
+    monkeypatch: pytest.MonkeyPatch, before_deadline: timedelta, due: bool,
+) -> None:
+    """AwaitToolApproval woken by its deadline Timer records "approval deadline passed", removes the
+    interrupt and writes its interrupt_resolved once now >= deadline, the instant from which
+    resolve_interrupt refuses the interrupt; 1 ms before, it waits again."""
+    deadline = datetime(2026, 1, 1, 0, 5, tzinfo=UTC)
+    monkeypatch.setattr("dex_agents._tool_steps.now_utc", lambda: deadline - before_deadline)
+    flow = build_flow(None)
+    record = tool_call(AgentToolCallStatus.AWAITING_APPROVAL, tool_call_id="w1", tool_name="write_x",
+                       effect=ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=True)
+    pending_interrupt = interrupt("w1", deadline=format_time(deadline))
+    wait = Wait.any_of(TOOL_CALL_CANCELLATIONS["w1"].for_one(), INTERRUPT_RESOLUTIONS["w1"].for_one(),
+                       Timer.by_duration(1))
+    fired = WaitOutcome(satisfied=(2,), consumed=((), (), ()), fired_timers=(2,))
+    ctx = step_context(flow, AWAIT_TOOL_APPROVAL, {("AgentToolCalls", "w1"): record,
+                                                   ("PendingInterrupts", ""): [pending_interrupt]}, (wait, fired))
+    decision = await ToolSteps(runtime_of(flow)).await_tool_approval(ctx, "w1")
+    stored = ctx.get(AGENT_TOOL_CALLS["w1"])
+    assert stored is not None
+    events = [msgspec.json.decode(data, type=AgentEvent) for _, _, data in ctx.writes.appends]
+    resolved = [json.loads(e.payload) for e in events if e.type == "interrupt_resolved"]
+    if due:
+        assert decision.kind == "dead_end"
+        assert (stored.status, stored.rejection_message) == (AgentToolCallStatus.REJECTED, "approval deadline passed")
+        assert ctx.get(PENDING_INTERRUPTS) == []
+        assert resolved == [{
+            "interrupt_id": "w1", "approved": False, "rejection_message": "approval deadline passed",
+            "kind": "tool_approval", "answered": False, "cancellation_reason": None}]
+    else:
+        assert [(m.step_type, m.input) for m in decision.movements] == [(AWAIT_TOOL_APPROVAL, "w1")]
+        assert stored == record and ctx.writes.empty()
 
 
 # Runner failures ----------------------------------------------------------------------------------
