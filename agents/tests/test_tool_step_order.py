@@ -226,22 +226,26 @@ async def test_a_failure_route_records_the_recovery_detail_or_else_the_error_typ
     assert final is not None and (final.status, final.error) == (status, error)
 
 
+def turn_2_running_tools() -> dict[tuple[str, str], Any]:
+    """The loaded values of a session in turn-2 running tools: c1 succeeded, c2 approved and not run."""
+    return {
+        ("AgentState", ""): AgentState(status=AgentStatus.RUNNING_TOOLS, turn_count=1, active_turn_id="turn-2",
+                                       next_message_sequence=5, last_turn_error=None, accepts_turn_control=True),
+        ("AgentToolCalls", "c1"): tool_call(AgentToolCallStatus.SUCCEEDED, turn_id="turn-2", output="ok"),
+        ("AgentToolCalls", "c2"): tool_call(AgentToolCallStatus.APPROVED, tool_call_id="c2", turn_id="turn-2"),
+    }
+
+
 @pytest.mark.parametrize(("steered", "cancelled"), [(False, False), (True, True)])
 async def test_resume_turn_woken_by_turn_control_waits_again_for_the_same_count(steered: bool, cancelled: bool) -> None:
     """Seed 002 ResumeTurn: on a control wake with nothing for it to apply (a stale wake, or a turn
     both steered and cancelled, which FinishTurnCancellation owns) it abandons no waiting call and
     waits again for the same count, even when a call whose result is still queued is already final."""
     flow = AgentSessionFlow(ScriptedRunner(), "ToolOrder", AgentSessionOptions())
-    state = AgentState(status=AgentStatus.RUNNING_TOOLS, turn_count=1, active_turn_id="turn-2",
-                       next_message_sequence=5, last_turn_error=None, accepts_turn_control=True)
-    values: dict[tuple[str, str], Any] = {
-        ("AgentState", ""): state,
-        ("AgentToolCalls", "c1"): tool_call(AgentToolCallStatus.SUCCEEDED, turn_id="turn-2", output="ok"),
-        ("AgentToolCalls", "c2"): tool_call(AgentToolCallStatus.APPROVED, tool_call_id="c2", turn_id="turn-2"),
-        ("AgentToolCalls", "c3"): tool_call(AgentToolCallStatus.AWAITING_APPROVAL, tool_call_id="c3",
-                                            turn_id="turn-2", requires_approval=True),
-        ("PendingInterrupts", ""): [interrupt("c3")],
-    }
+    values = turn_2_running_tools()
+    values[("AgentToolCalls", "c3")] = tool_call(AgentToolCallStatus.AWAITING_APPROVAL, tool_call_id="c3",
+                                                 turn_id="turn-2", requires_approval=True)
+    values[("PendingInterrupts", "")] = [interrupt("c3")]
     if steered:
         values[("SteeredMessageCount", "")] = 1
     if cancelled:
@@ -277,13 +281,7 @@ async def test_resume_turn_with_a_call_of_its_turn_unfinished_waits_again_for_th
     """Seed 002 ResumeTurn: if a consumed result belonged to an earlier turn, it waits again for the
     unfinished count, writing nothing and starting no model call."""
     flow = AgentSessionFlow(ScriptedRunner(), "ToolOrder", AgentSessionOptions())
-    state = AgentState(status=AgentStatus.RUNNING_TOOLS, turn_count=1, active_turn_id="turn-2",
-                       next_message_sequence=5, last_turn_error=None, accepts_turn_control=True)
-    values: dict[tuple[str, str], Any] = {
-        ("AgentState", ""): state,
-        ("AgentToolCalls", "c1"): tool_call(AgentToolCallStatus.SUCCEEDED, turn_id="turn-2", output="ok"),
-        ("AgentToolCalls", "c2"): tool_call(AgentToolCallStatus.APPROVED, tool_call_id="c2", turn_id="turn-2"),
-    }
+    values = turn_2_running_tools()
     wait = Wait.any_of(TOOL_CALL_RESULTS.for_n(2), TURN_CONTROL_WAKE)
     results = (ConsumedMessage(1, msgspec.Raw(b'"c0"')), ConsumedMessage(2, msgspec.Raw(b'"c1"')))
     ctx = step_context(flow, RESUME_TURN, values, (wait, WaitOutcome(satisfied=(0,), consumed=(results, ()))))
