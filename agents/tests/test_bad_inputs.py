@@ -1230,6 +1230,23 @@ async def test_empty_settings_at_start_store_none(tmp_path: Path) -> None:
             assert await engine.client.get_attribute(session_id, SESSION_SETTINGS) is None, session_id
 
 
+async def test_start_flow_without_an_input_starts_an_idle_session(tmp_path: Path) -> None:
+    """StartAgentSession takes a null input (AsyncClient.start_flow without one) as an empty
+    AgentSessionStartInput: the session waits for a user message with no turn, no settings and no
+    message, and the first message sent then runs a turn."""
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        await engine.client.start_flow(engine.flow.flow_type, "bare")
+        idle = await wait_for_agent_snapshot(
+            engine.sessions, "bare",
+            lambda s: s if s.state is not None and s.state.status is AgentStatus.WAITING_FOR_USER_MESSAGE else None,
+            description="the session to wait for a user message")
+        assert idle.state is not None
+        assert (idle.state.turn_count, idle.state.active_turn_id, idle.state.next_message_sequence) == (0, None, 1)
+        assert idle.session_settings is None
+        assert await all_messages(engine.sessions, "bare") == []
+        await assert_usable(engine.sessions, "bare", [])
+
+
 # RPCs ---------------------------------------------------------------------------------------------
 
 
