@@ -34,6 +34,7 @@ from dex_agents import (
     APPLY_TURN_CONTROL,
     AWAIT_USER_MESSAGE,
     INTERRUPT_RESOLUTIONS,
+    RECORD_TURN_FAILURE,
     RUN_MODEL,
     STEERED_REJECTION_MESSAGE,
     STEERED_USER_MESSAGES,
@@ -728,6 +729,24 @@ async def test_run_model_in_a_steered_turn_ends_it_without_a_model_call() -> Non
                                        ("AppliedSteeredMessageCount", ""): 1})
     with pytest.raises(AssertionError, match="the model was called"):
         await steps.run_model(clear, None)
+
+
+@pytest.mark.parametrize("step_type", [RUN_MODEL, RECORD_TURN_FAILURE])
+@pytest.mark.parametrize("state", [None, _running_state(
+    status=AgentStatus.WAITING_FOR_USER_MESSAGE, active_turn_id=None, turn_count=1, accepts_turn_control=False)])
+async def test_run_model_and_record_turn_failure_after_the_turn_ended_are_dead_ends(
+    step_type: str, state: AgentState | None,
+) -> None:
+    """RunModel or RecordTurnFailure that runs when no turn is active (one ended it first, e.g.
+    cancelled, or no AgentState) ends there: a dead end that calls neither the model nor the
+    unfinished-turn builder and writes nothing."""
+    flow = AgentSessionFlow(_Builds(AssertionError("the builder was called")), "NoTurn")
+    steps = TurnSteps(runtime_of(flow))
+    ctx = step_context(flow, step_type, {} if state is None else {("AgentState", ""): state})
+    handler = steps.run_model if step_type == RUN_MODEL else steps.record_turn_failure
+    decision = await handler(ctx, None)
+    assert (decision.kind, decision.movements) == ("dead_end", ())
+    assert ctx.writes.empty()
 
 
 @pytest.mark.parametrize(("plan_mode_enabled", "flags", "mode"), [
