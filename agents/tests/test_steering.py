@@ -749,6 +749,41 @@ async def test_run_model_and_record_turn_failure_after_the_turn_ended_are_dead_e
     assert ctx.writes.empty()
 
 
+class _WritesWhileBuilding(_NoModel):
+    """A builder that keeps the turn it was given and writes a text delta with its event writer."""
+
+    def __init__(self) -> None:
+        self.turns: list[Any] = []
+
+    def build_unfinished_turn_messages(self, turn: Any) -> Any:
+        self.turns.append(turn)
+        turn.events.write_text_delta("from the builder")
+        return []
+
+
+@pytest.mark.parametrize("step_type", [RUN_MODEL, RECORD_TURN_FAILURE])
+async def test_a_turn_that_ends_without_a_model_call_gives_the_builder_a_closed_event_writer(step_type: str) -> None:
+    """A turn that ends before any model call (RunModel in a steered turn, RecordTurnFailure) hands
+    build_unfinished_turn_messages a turn whose event writer is already closed: what it writes is
+    dropped, never shown live as the attempt's output, and a later write cannot be either."""
+    runner = _WritesWhileBuilding()
+    flow = AgentSessionFlow(runner, "Closed")
+    live: list[str] = []
+    values: dict[tuple[str, str], Any] = {("AgentState", ""): _running_state()}
+    if step_type == RUN_MODEL:
+        values.update({("SteeredMessageCount", ""): 2, ("AppliedSteeredMessageCount", ""): 1})
+    ctx = step_context(flow, step_type, values, write_event=lambda name, _data: live.append(name))
+    steps = TurnSteps(runtime_of(flow))
+    handler = steps.run_model if step_type == RUN_MODEL else steps.record_turn_failure
+    decision = await handler(ctx, None)
+    assert [m.step_type for m in decision.movements] == [APPLY_TURN_CONTROL if step_type == RUN_MODEL
+                                                         else AWAIT_USER_MESSAGE]
+    assert len(runner.turns) == 1 and runner.turns[0].events.closed
+    assert live == []
+    state = ctx.get(AGENT_STATE)
+    assert state is not None and state.active_turn_id is None  # the turn ended in this commit
+
+
 @pytest.mark.parametrize(("plan_mode_enabled", "flags", "mode"), [
     (True, (True, False), InteractionMode.PLANNING),  # any steered message with plan_mode
     (True, (False, False), InteractionMode.CHAT),
