@@ -28,6 +28,7 @@ from agents.tests.scripted_agent import FLOW_TYPE, INVOCATIONS, ScriptedRunner, 
 from dex_agents import (
     AGENT_STATE,
     AGENT_TOOL_CALLS,
+    AGENT_USAGE,
     ARGUMENTS_NOT_OBJECT,
     AWAIT_TOOL_APPROVAL,
     FRAMEWORK_RUN_STATE,
@@ -1233,7 +1234,8 @@ async def test_empty_settings_at_start_store_none(tmp_path: Path) -> None:
 async def test_start_flow_without_an_input_starts_an_idle_session(tmp_path: Path) -> None:
     """StartAgentSession takes a null input (AsyncClient.start_flow without one) as an empty
     AgentSessionStartInput: the session waits for a user message with no turn, no settings and no
-    message, and the first message sent then runs a turn."""
+    message, having stored a zero AgentUsage and an empty PendingInterrupts, and the first message
+    sent then runs a turn."""
     async with in_process(tmp_path, build_flow(tmp_path)) as engine:
         await engine.client.start_flow(engine.flow.flow_type, "bare")
         idle = await wait_for_agent_snapshot(
@@ -1244,6 +1246,8 @@ async def test_start_flow_without_an_input_starts_an_idle_session(tmp_path: Path
         assert (idle.state.turn_count, idle.state.active_turn_id, idle.state.next_message_sequence) == (0, None, 1)
         assert idle.session_settings is None
         assert await all_messages(engine.sessions, "bare") == []
+        assert await engine.client.get_attribute("bare", AGENT_USAGE) == AgentUsage()
+        assert await engine.client.get_attribute("bare", PENDING_INTERRUPTS) == []
         await assert_usable(engine.sessions, "bare", [])
 
 
