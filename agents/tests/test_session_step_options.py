@@ -303,6 +303,30 @@ async def test_run_model_heartbeats_in_the_background_every_run_model_heartbeat_
     assert beats >= 3
 
 
+class _HeartbeatsTwice(PlainRunner):
+    """A model call that heartbeats twice itself, as one that streams output does, then returns."""
+
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome:
+        await turn.heartbeat()
+        await turn.heartbeat()
+        return await super().run_model_step(turn)
+
+
+async def test_the_runners_heartbeat_heartbeats_the_run_model_attempt() -> None:
+    """AgentTurnContext.heartbeat is the RunModel attempt's own heartbeat: each call the runner makes
+    is one heartbeat of the Step, at once (the background ones are RUN_MODEL_HEARTBEAT_INTERVAL away)."""
+    beats = 0
+
+    def beat() -> None:
+        nonlocal beats
+        beats += 1
+
+    flow = AgentSessionFlow(_HeartbeatsTwice(), "OwnHeartbeats")
+    decision = await TurnSteps(runtime_of(flow)).run_model(_counting_context(flow, beat), None)
+    assert [m.step_type for m in decision.movements] == [AWAIT_USER_MESSAGE]
+    assert beats == 2
+
+
 # Per-call Steps load only their own AgentToolCalls record ---------------------------------------
 
 
