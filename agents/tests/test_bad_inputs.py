@@ -81,6 +81,7 @@ from dex_agents._session_settings import session_settings_size
 from dex_agents._timefmt import format_time
 from dex_agents._tool_steps import ToolSteps
 from dex_agents._turn_logic import storable_rejection_message
+from dex_agents._turn_steps import TurnSteps
 from dex_agents.testing import (
     EXECUTE_COMPLETED_EVENT,
     AgentTestStack,
@@ -93,11 +94,13 @@ from dex_engine import (
     MAX_VALUE_BYTES,
     AsyncClient,
     AsyncWorker,
+    AttemptProgress,
     FlowNotActiveError,
     FlowNotFoundError,
     InvalidValueError,
     LoadOptions,
     NoRetryError,
+    RecoveryError,
     Registry,
     RpcContext,
     Timer,
@@ -999,6 +1002,36 @@ async def test_a_run_state_too_large_to_store_ends_the_session(tmp_path: Path) -
         assert await steps_run(client, "s") == [
             "StartAgentSession", "RunModel", "CallTool", "ResumeTurn", "RecordTurnFailure",
         ]
+
+
+@pytest.mark.parametrize(("error_type", "detail", "expected"), [
+    ("RuntimeError", "the provider is down", "the provider is down"),
+    ("RuntimeError", "", "RuntimeError"),  # an exception without text: last_turn_error names its type
+    # Only a ValueTooLarge about the run state ends the session; other errors end the turn.
+    ("RuntimeError", "the framework run state of turn turn-1 is bad", "the framework run state of turn turn-1 is bad"),
+    ("ValueTooLarge", "message 3 (assistant) of turn turn-1 is too large to store",
+     "message 3 (assistant) of turn turn-1 is too large to store"),
+])
+async def test_record_turn_failure_ends_the_turn_with_the_recovery_detail_or_its_type(
+    error_type: str, detail: str, expected: str,
+) -> None:
+    """RecordTurnFailure records last_turn_error from the recovery error: its detail, or its type when
+    the detail is empty (an exception raised without text), and writes turn_failed with it; the
+    session goes on to AwaitUserMessage unless the error is a ValueTooLarge about the run state."""
+    flow = AgentSessionFlow(ScriptedRunner(), "Fails")
+    running = AgentState(status=AgentStatus.RUNNING_MODEL, turn_count=0, active_turn_id="turn-1",
+                         next_message_sequence=2, last_turn_error=None, accepts_turn_control=True)
+    recovery = RecoveryError(step_type="RunModel", step_execution_id="RunModel-1", method="execute", attempts=3,
+                             attempt_progress=AttemptProgress.NOT_COMPLETED, error_type=error_type, detail=detail)
+    ctx = step_context(flow, "RecordTurnFailure", {("AgentState", ""): running}, recovery_error=recovery)
+    decision = await TurnSteps(runtime_of(flow)).record_turn_failure(ctx, None)
+    assert [m.step_type for m in decision.movements] == ["AwaitUserMessage"]
+    state = ctx.get(AGENT_STATE)
+    assert state is not None
+    assert (state.status, state.active_turn_id, state.last_turn_error) == (
+        AgentStatus.WAITING_FOR_USER_MESSAGE, None, expected)
+    events = [msgspec.json.decode(data) for _, _, data in ctx.writes.appends]
+    assert [(e["type"], json.loads(e["payload"])) for e in events] == [("turn_failed", {"error": expected})]
 
 
 def _text_filling(limit: int, wrap: Callable[[str], object]) -> str:
