@@ -327,6 +327,38 @@ async def test_the_runners_heartbeat_heartbeats_the_run_model_attempt() -> None:
     assert beats == 2
 
 
+class _CompactsAtOnce(FullRunner):
+    """Over the trigger with any estimate, summarizing through sequence 1; keeps the turns it gets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.turns: list[AgentTurnContext] = []
+
+    def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
+        self.turns.append(turn)
+        return 1_000_000
+
+    def select_compaction_cutoff(self, turn: AgentTurnContext, retained_token_budget: int) -> int | None:
+        return 1
+
+
+async def test_run_model_that_moves_to_compact_context_closes_the_turns_event_writer() -> None:
+    """RunModel that compacts instead of calling the model moves to CompactContext and closes the
+    event writer it gave the runner's compaction calls, as after a model call: a write made later
+    with it (a stray thread) is dropped, never shown as this attempt's output."""
+    runner = _CompactsAtOnce()
+    flow = AgentSessionFlow(runner, "Compacts", AgentSessionOptions(compaction=CompactionPolicy(500)))
+    live: list[str] = []
+    ctx = step_context(flow, RUN_MODEL, {("AgentState", ""): _running_state()},
+                       write_event=lambda name, _data: live.append(name))
+    decision = await TurnSteps(runtime_of(flow)).run_model(ctx, None)
+    assert [m.step_type for m in decision.movements] == [COMPACT_CONTEXT]
+    [turn] = runner.turns
+    assert turn.events.closed
+    turn.events.write_text_delta("late")
+    assert live == []
+
+
 # Per-call Steps load only their own AgentToolCalls record ---------------------------------------
 
 
