@@ -18,10 +18,14 @@ from typing import Any
 
 import msgspec
 import pytest
+from agents.tests.built_context import runtime_of, step_context
 from agents.tests.builtin_agent import FAST_WORKER, lookup_order, refund_order
 from agents.tests.scripted_agent import ScriptedRunner
 
 from dex_agents import (
+    AGENT_PLAN,
+    AGENT_STATE,
+    AWAIT_USER_MESSAGE,
     BUILT_IN_TOOL_DEFINITIONS,
     PENDING_PLAN_EXECUTION,
     PLANNING_TURN_REJECTION_MESSAGE,
@@ -40,6 +44,7 @@ from dex_agents import (
     BuiltInTool,
     DeferredToolCall,
     InteractionMode,
+    PlanExecutionRequest,
     PlanModeRunner,
     PlanStatus,
     PlanTaskStatus,
@@ -59,6 +64,7 @@ from dex_agents._plans import (
     written_plan,
 )
 from dex_agents._turn_logic import plan_tool_calls
+from dex_agents._turn_steps import TurnSteps
 from dex_agents.builtin_loop import (
     AgentDefinition,
     ModelRequest,
@@ -78,6 +84,7 @@ from dex_agents.demo._chat import plan_lines, wants_plan_mode
 from dex_agents.testing import executed_steps, to_step_history, wait_for_agent_snapshot, wait_until
 from dex_engine import MAX_VALUE_BYTES, AsyncClient, AsyncWorker, Registry, RpcLockConflictError, WorkerOptions
 from dex_engine._codec import encode_value
+from dex_engine._records import ConsumedMessage, WaitOutcome
 
 NOW = datetime(2026, 11, 1, 12, 0, 0, 123000, tzinfo=UTC)
 PLANNING_LINE = (
@@ -794,6 +801,41 @@ def test_await_user_message_waits_on_the_current_revision_last() -> None:
         assert conditions[:-2] in ([], [("TurnControlRequests", "")])  # steering's condition comes first
     for plan in (None, plan_of(3, PlanStatus.COMPLETED), plan_of(3, PlanStatus.CLEARED)):
         assert channels(plan)[-1] == queued
+
+
+class _CannotBuildUserMessages(PlanRunner):
+    """A plan mode runner whose build_user_message raises, for the approval message too."""
+
+    def build_user_message(self, text: str) -> Any:
+        raise ValueError("cannot build")
+
+
+async def test_an_approval_whose_message_cannot_be_built_writes_no_plan_execution_started() -> None:
+    """AwaitUserMessage taking an approval of a draft marks it active (plan_updated) and starts the
+    executing turn, which fails in the same commit when the runner cannot build the approval message:
+    turn_started then turn_failed, and no plan_execution_started, which only a turn that runs writes."""
+    flow = AgentSessionFlow(_CannotBuildUserMessages(), "P", AgentSessionOptions(
+        plan_mode_enabled=True, built_in_tools=frozenset({BuiltInTool.WRITE_TODOS})))
+    steps = TurnSteps(runtime_of(flow))
+    idle = AgentState(status=AgentStatus.WAITING_FOR_USER_MESSAGE, turn_count=1, active_turn_id=None,
+                      next_message_sequence=4, last_turn_error=None)
+    values: dict[tuple[str, str], Any] = {("AgentState", ""): idle, ("AgentPlan", ""): DRAFT}
+    wait = await steps.await_user_message_wait(step_context(flow, AWAIT_USER_MESSAGE, values), None)
+    conditions = len(wait.spec().conditions)
+    approval = ConsumedMessage(1, msgspec.Raw(msgspec.json.encode(PlanExecutionRequest(DRAFT.revision))))
+    outcome = WaitOutcome(satisfied=(conditions - 1,), consumed=(*[()] * (conditions - 1), (approval,)))
+    ctx = step_context(flow, AWAIT_USER_MESSAGE, values, (wait, outcome))
+    decision = await steps.await_user_message(ctx, None)
+    assert [m.step_type for m in decision.movements] == [AWAIT_USER_MESSAGE]
+    state = ctx.get(AGENT_STATE)
+    assert state is not None
+    assert (state.active_turn_id, state.turn_count, state.last_turn_error) == (
+        None, 2, "build_user_message raised ValueError: cannot build")
+    plan = ctx.get(AGENT_PLAN)
+    assert plan is not None and (plan.revision, plan.status) == (DRAFT.revision, PlanStatus.ACTIVE)
+    events = [msgspec.json.decode(data, type=AgentEvent) for _, _, data in ctx.writes.appends]
+    assert [(e.type, e.turn_id) for e in events] == [
+        ("plan_updated", "turn-2"), ("turn_started", "turn-2"), ("turn_failed", "turn-2")]
 
 
 async def test_a_message_the_waiting_session_took_still_counts_as_queued(tmp_path: Path) -> None:
