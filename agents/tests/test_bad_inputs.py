@@ -871,6 +871,39 @@ async def test_a_turn_error_after_a_tool_call_stores_the_runners_transcript_and_
         await assert_usable(sessions, "s", await all_messages(sessions, "s"))
 
 
+class _EndsWithTurnError:
+    """A runner whose model call ends the turn with `turn_error`, whatever it is."""
+
+    def __init__(self, turn_error: object) -> None:
+        self.turn_error = turn_error
+
+    def build_user_message(self, text: str) -> FrameworkMessage:
+        return item(MessageRole.USER, text=text)
+
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome:
+        return TurnCompleted([_PARTIAL], _USAGE, turn_error=self.turn_error)  # type: ignore[arg-type]
+
+    async def execute_deferred_tool_call(self, execution: DeferredToolExecution) -> ToolExecutionResult:
+        raise AssertionError("no tool runs")
+
+
+async def test_a_turn_error_that_is_not_a_str_is_recorded_as_its_text() -> None:
+    """TurnCompleted.turn_error given as an object, such as the exception the runner caught, fails
+    the turn in RunModel's commit with its text as last_turn_error and in turn_failed, as a str does:
+    the contract check reads text, so the object never fails the attempt itself (and so no retry)."""
+    flow = AgentSessionFlow(_EndsWithTurnError(RuntimeError("the quota is used up")), "TurnError")
+    running = AgentState(status=AgentStatus.RUNNING_MODEL, turn_count=0, active_turn_id="turn-1",
+                         next_message_sequence=2, last_turn_error=None, accepts_turn_control=True)
+    ctx = step_context(flow, "RunModel", {("AgentState", ""): running})
+    decision = await TurnSteps(runtime_of(flow)).run_model(ctx, None)
+    assert [m.step_type for m in decision.movements] == ["AwaitUserMessage"]
+    state = ctx.get(AGENT_STATE)
+    assert state is not None and (state.active_turn_id, state.last_turn_error) == (None, "the quota is used up")
+    events = [msgspec.json.decode(data) for _, _, data in ctx.writes.appends]
+    assert [(e["type"], json.loads(e["payload"])) for e in events][-1] == (
+        "turn_failed", {"error": "the quota is used up"})
+
+
 async def test_runner_contract_breach_fails_the_turn_without_retry(tmp_path: Path) -> None:
     """A run_model_step outcome that breaks the runner contract fails the turn in RunModel's commit:
     exactly one model call, last_turn_error says what is wrong, turn_failed, the call's usage is
