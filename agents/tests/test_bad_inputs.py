@@ -798,6 +798,8 @@ CONTRACT_BREACHES: list[tuple[str, Callable[[], object], str]] = [
      "ToolCallsRequested.framework_run_state must be non-empty text that continues the turn"),
     ("continued-empty-run-state", lambda: TurnContinued("", [], _USAGE),
      "TurnContinued.framework_run_state must be non-empty text that continues the turn"),
+    ("run-state-not-text", lambda: ToolCallsRequested({"step": 1}, [_read_call()], _USAGE),  # type: ignore[arg-type]
+     "ToolCallsRequested.framework_run_state must be non-empty text that continues the turn"),
     ("new-messages-without-builder",
      lambda: ToolCallsRequested("state", [_read_call()], _USAGE, new_messages=[_PARTIAL]),
      NEW_MESSAGES_WITHOUT_BUILDER),
