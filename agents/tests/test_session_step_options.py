@@ -420,6 +420,21 @@ async def test_run_model_moves_each_call_to_a_step_that_loads_only_its_record(ru
             assert resolved.execute.timeout_ms == 7_000
 
 
+async def test_run_model_writes_timer_started_for_the_durable_wait_call_only() -> None:
+    """Of the calls one response defers to a waiting Step, only the durable_wait call (AwaitTimer)
+    writes timer_started, with its wait_until and reason; the approval and the question wait with
+    no timer event."""
+    outcome = ToolCallsRequested(framework_run_state="state-1", tool_calls=[call for call, _ in REQUESTED_CALLS])
+    flow = AgentSessionFlow(PlainRunner(outcome), "Timers", AgentSessionOptions(built_in_tools=ALL_BUILT_INS))
+    ctx = step_context(flow, RUN_MODEL, {("AgentState", ""): _running_state()})
+    await TurnSteps(runtime_of(flow)).run_model(ctx, None)
+    events = [msgspec.json.decode(data) for _, _, data in ctx.writes.appends]
+    timers = [json.loads(e["payload"]) for e in events if e["type"] == "timer_started"]
+    record = ctx.get(AGENT_TOOL_CALLS["t1"])
+    assert record is not None and record.wait_until is not None
+    assert timers == [{"tool_call_id": "t1", "wait_until": record.wait_until, "reason": "later"}]
+
+
 def _approval_record(effect: ToolEffect) -> AgentToolCall:
     return tool_call(AgentToolCallStatus.AWAITING_APPROVAL, tool_call_id="a1", tool_name="refund", effect=effect,
                      requires_approval=True)
