@@ -11,6 +11,8 @@ import msgspec
 from dex_agents import (
     AgentInterrupt,
     AgentSessionFlow,
+    AgentState,
+    AgentStatus,
     AgentToolCall,
     AgentToolCallStatus,
     InterruptKind,
@@ -30,6 +32,14 @@ def tool_call(status: AgentToolCallStatus, **fields: Any) -> AgentToolCall:
         deferral_order=0, tool_source_reference=None, trace_context=None,
     )
     return msgspec.structs.replace(record, **fields)
+
+
+def running_turn(**fields: Any) -> AgentState:
+    """A session in its first turn, turn-1, running its model call after the user message (sequence 1),
+    with steering and cancel_turn accepted; `fields` override."""
+    state = AgentState(status=AgentStatus.RUNNING_MODEL, turn_count=0, active_turn_id="turn-1",
+                       next_message_sequence=2, last_turn_error=None, accepts_turn_control=True)
+    return msgspec.structs.replace(state, **fields)
 
 
 def interrupt(interrupt_id: str, *, kind: InterruptKind = InterruptKind.TOOL_APPROVAL, **fields: Any) -> AgentInterrupt:

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from agents.tests.built_context import interrupt, runtime_of, step_context, tool_call
+from agents.tests.built_context import interrupt, running_turn, runtime_of, step_context, tool_call
 from agents.tests.scripted_agent import FLOW_TYPE, INVOCATIONS, ScriptedRunner, build_flow, item
 
 from dex_agents import (
@@ -894,8 +894,7 @@ async def test_a_turn_error_that_is_not_a_str_is_recorded_as_its_text() -> None:
     the turn in RunModel's commit with its text as last_turn_error and in turn_failed, as a str does:
     the contract check reads text, so the object never fails the attempt itself (and so no retry)."""
     flow = AgentSessionFlow(_EndsWithTurnError(RuntimeError("the quota is used up")), "TurnError")
-    running = AgentState(status=AgentStatus.RUNNING_MODEL, turn_count=0, active_turn_id="turn-1",
-                         next_message_sequence=2, last_turn_error=None, accepts_turn_control=True)
+    running = running_turn()
     ctx = step_context(flow, "RunModel", {("AgentState", ""): running})
     decision = await TurnSteps(runtime_of(flow)).run_model(ctx, None)
     assert [m.step_type for m in decision.movements] == ["AwaitUserMessage"]
@@ -1054,8 +1053,7 @@ async def test_record_turn_failure_ends_the_turn_with_the_recovery_detail_or_its
     the detail is empty (an exception raised without text), and writes turn_failed with it; the
     session goes on to AwaitUserMessage unless the error is a ValueTooLarge about the run state."""
     flow = AgentSessionFlow(ScriptedRunner(), "Fails")
-    running = AgentState(status=AgentStatus.RUNNING_MODEL, turn_count=0, active_turn_id="turn-1",
-                         next_message_sequence=2, last_turn_error=None, accepts_turn_control=True)
+    running = running_turn()
     recovery = RecoveryError(step_type="RunModel", step_execution_id="RunModel-1", method="execute", attempts=3,
                              attempt_progress=AttemptProgress.NOT_COMPLETED, error_type=error_type, detail=detail)
     ctx = step_context(flow, "RecordTurnFailure", {("AgentState", ""): running}, recovery_error=recovery)

@@ -1329,9 +1329,9 @@ async def test_a_cancelled_model_call_moves_to_apply_turn_control_with_only_the_
     """FinishTurnCancellation, after cancel_turn cancelled a model call, moves to ApplyTurnControl
     like RunModel does: with what FinishTurnCancellation itself loads, the movement lists only the
     AgentMessageChunks instances after the summary (seed 002's load rule), not every chunk."""
-    from agents.tests.built_context import runtime_of, step_context
+    from agents.tests.built_context import running_turn, runtime_of, step_context
 
-    from dex_agents import AgentState, TurnCancellationRequest
+    from dex_agents import TurnCancellationRequest
     from dex_agents._constants import APPLY_TURN_CONTROL, FINISH_TURN_CANCELLATION
     from dex_agents._control_steps import ControlSteps
     from dex_agents._turn_steps import TurnSteps
@@ -1343,8 +1343,7 @@ async def test_a_cancelled_model_call_moves_to_apply_turn_control_with_only_the_
                               first_sequence=1, window_first_sequence=9)
     summary = ContextSummary(generation=1, first_sequence=1, last_sequence=4, text="s",
                              created_at="2026-11-29T00:00:00.000Z")
-    state = AgentState(status=AgentStatus.RUNNING_MODEL, turn_count=0, active_turn_id="turn-1",
-                       next_message_sequence=11, last_turn_error=None, accepts_turn_control=True)
+    state = running_turn(next_message_sequence=11)
     ctx = step_context(flow, FINISH_TURN_CANCELLATION, {
         ("AgentState", ""): state, (AGENT_MESSAGE_INDEX.name, ""): index, (CONTEXT_SUMMARY.name, ""): summary,
         ("TurnCancellationRequest", ""): TurnCancellationRequest(turn_id="turn-1",

@@ -93,6 +93,10 @@ PLANNING_LINE = (
 )
 
 
+# What a plan mode Flow needs: the option and the write_todos built-in that drafts its plans.
+PLAN_MODE_OPTIONS = AgentSessionOptions(plan_mode_enabled=True, built_in_tools=frozenset({BuiltInTool.WRITE_TODOS}))
+
+
 def task(content: str, status: PlanTaskStatus = PlanTaskStatus.PENDING) -> AgentPlanTask:
     return AgentPlanTask(content=content, status=status)
 
@@ -405,18 +409,17 @@ class PlanRunner(ScriptedRunner):
 
 def test_flow_constructor_refuses_plan_mode_without_write_todos_or_a_plan_mode_runner() -> None:
     """Either missing raises ValueError; both present builds the Flow."""
-    with_todos = AgentSessionOptions(plan_mode_enabled=True, built_in_tools=frozenset({BuiltInTool.WRITE_TODOS}))
     with pytest.raises(ValueError, match=r"needs BuiltInTool\.WRITE_TODOS in built_in_tools"):
         AgentSessionFlow(PlanRunner(), "P", AgentSessionOptions(plan_mode_enabled=True))
     with pytest.raises(ValueError, match=r"needs a runner that supports plan mode .*; ScriptedRunner does not$"):
-        AgentSessionFlow(ScriptedRunner(), "P", with_todos)
+        AgentSessionFlow(ScriptedRunner(), "P", PLAN_MODE_OPTIONS)
     for not_true in (False, 1, "yes"):  # seed 003: supports_plan_mode is True, not merely truthy
         off = PlanRunner()
         off.supports_plan_mode = not_true  # type: ignore[assignment]
         with pytest.raises(ValueError, match="needs a runner that supports plan mode"):
-            AgentSessionFlow(off, "P", with_todos)
+            AgentSessionFlow(off, "P", PLAN_MODE_OPTIONS)
     assert isinstance(PlanRunner(), PlanModeRunner)
-    assert AgentSessionFlow(PlanRunner(), "P", with_todos).options.plan_mode_enabled
+    assert AgentSessionFlow(PlanRunner(), "P", PLAN_MODE_OPTIONS).options.plan_mode_enabled
     with pytest.raises(ValueError, match="plan_mode_enabled must be True or False"):
         AgentSessionOptions(plan_mode_enabled="yes")  # type: ignore[arg-type]
 
@@ -776,8 +779,7 @@ async def test_execute_plan_refusals_while_an_approval_is_pending(tmp_path: Path
 def test_await_user_message_waits_on_the_current_revision_last() -> None:
     """The wait's conditions in argument order: steers, then queued messages, then the approval of
     the current revision, only while the plan is draft or active (so a queued message beats it)."""
-    flow = AgentSessionFlow(PlanRunner(), "P", AgentSessionOptions(
-        plan_mode_enabled=True, built_in_tools=frozenset({BuiltInTool.WRITE_TODOS})))
+    flow = AgentSessionFlow(PlanRunner(), "P", PLAN_MODE_OPTIONS)
     wait_for = flow.step("AwaitUserMessage").wait_for
     assert wait_for is not None
 
@@ -814,8 +816,7 @@ async def test_an_approval_whose_message_cannot_be_built_writes_no_plan_executio
     """AwaitUserMessage taking an approval of a draft marks it active (plan_updated) and starts the
     executing turn, which fails in the same commit when the runner cannot build the approval message:
     turn_started then turn_failed, and no plan_execution_started, which only a turn that runs writes."""
-    flow = AgentSessionFlow(_CannotBuildUserMessages(), "P", AgentSessionOptions(
-        plan_mode_enabled=True, built_in_tools=frozenset({BuiltInTool.WRITE_TODOS})))
+    flow = AgentSessionFlow(_CannotBuildUserMessages(), "P", PLAN_MODE_OPTIONS)
     steps = TurnSteps(runtime_of(flow))
     idle = AgentState(status=AgentStatus.WAITING_FOR_USER_MESSAGE, turn_count=1, active_turn_id=None,
                       next_message_sequence=4, last_turn_error=None)
@@ -933,8 +934,7 @@ async def test_any_plan_mode_runner_gets_the_mode_and_the_committed_plan(tmp_pat
     """AgentTurnContext.interaction_mode and .plan reach any PlanModeRunner: the planning turn's first
     call sees no plan, its second the draft its write_todos committed; the initial message is chat."""
     runner = RecordingPlanRunner()
-    flow = AgentSessionFlow(runner, "RecordingPlan", AgentSessionOptions(
-        plan_mode_enabled=True, built_in_tools=frozenset({BuiltInTool.WRITE_TODOS})))
+    flow = AgentSessionFlow(runner, "RecordingPlan", PLAN_MODE_OPTIONS)
     engine = PlanEngine(tmp_path, flow)
     await engine.start_worker()
     try:

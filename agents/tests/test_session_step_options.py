@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from agents.tests.built_context import runtime_of, step_context, tool_call
+from agents.tests.built_context import running_turn, runtime_of, step_context, tool_call
 
 from dex_agents import (
     AGENT_TOOL_CALLS,
@@ -27,7 +27,6 @@ from dex_agents import (
     AgentInterruptResolution,
     AgentSessionFlow,
     AgentSessionOptions,
-    AgentState,
     AgentStatus,
     AgentToolCall,
     AgentToolCallStatus,
@@ -242,18 +241,13 @@ def test_background_heartbeat_interval_is_20_seconds() -> None:
     assert timedelta(seconds=20) == RUN_MODEL_HEARTBEAT_INTERVAL
 
 
-def _running_state() -> AgentState:
-    return AgentState(status=AgentStatus.RUNNING_MODEL, turn_count=0, active_turn_id="turn-1",
-                      next_message_sequence=2, last_turn_error=None, accepts_turn_control=True)
-
-
 def _counting_context(flow: AgentSessionFlow, beat: Callable[[], None]) -> Context:
     """RunModel attempt 1 of turn-1 on a built context whose every heartbeat calls `beat`."""
 
     async def heartbeat(_: str | None) -> None:
         beat()
 
-    state = msgspec.json.encode(_running_state())
+    state = msgspec.json.encode(running_turn())
     return Context(
         flow=flow, flow_id="s", step_type=RUN_MODEL, step_execution_id="RunModel-1", method="execute", attempt=1,
         loaded={("AgentState", ""): state}, load=LoadOptions.all(), checkpoint=None, recovery_error=None,
@@ -349,7 +343,7 @@ async def test_run_model_that_moves_to_compact_context_closes_the_turns_event_wr
     runner = _CompactsAtOnce()
     flow = AgentSessionFlow(runner, "Compacts", AgentSessionOptions(compaction=CompactionPolicy(500)))
     live: list[str] = []
-    ctx = step_context(flow, RUN_MODEL, {("AgentState", ""): _running_state()},
+    ctx = step_context(flow, RUN_MODEL, {("AgentState", ""): running_turn()},
                        write_event=lambda name, _data: live.append(name))
     decision = await TurnSteps(runtime_of(flow)).run_model(ctx, None)
     assert [m.step_type for m in decision.movements] == [COMPACT_CONTEXT]
@@ -408,7 +402,7 @@ async def test_run_model_moves_each_call_to_a_step_that_loads_only_its_record(ru
     outcome = ToolCallsRequested(framework_run_state="state-1", tool_calls=[call for call, _ in REQUESTED_CALLS])
     flow = AgentSessionFlow(runner_type(outcome), f"Calls{runner_type.__name__}",
                             AgentSessionOptions(built_in_tools=ALL_BUILT_INS))
-    ctx = step_context(flow, RUN_MODEL, {("AgentState", ""): _running_state()})
+    ctx = step_context(flow, RUN_MODEL, {("AgentState", ""): running_turn()})
     decision = await TurnSteps(runtime_of(flow)).run_model(ctx, None)
     moved = {m.input: m for m in decision.movements if m.step_type != RESUME_TURN}
     assert [(m.step_type, m.input) for m in decision.movements if m.step_type == RESUME_TURN] == [
@@ -426,7 +420,7 @@ async def test_run_model_writes_timer_started_for_the_durable_wait_call_only() -
     no timer event."""
     outcome = ToolCallsRequested(framework_run_state="state-1", tool_calls=[call for call, _ in REQUESTED_CALLS])
     flow = AgentSessionFlow(PlainRunner(outcome), "Timers", AgentSessionOptions(built_in_tools=ALL_BUILT_INS))
-    ctx = step_context(flow, RUN_MODEL, {("AgentState", ""): _running_state()})
+    ctx = step_context(flow, RUN_MODEL, {("AgentState", ""): running_turn()})
     await TurnSteps(runtime_of(flow)).run_model(ctx, None)
     events = [msgspec.json.decode(data) for _, _, data in ctx.writes.appends]
     timers = [json.loads(e["payload"]) for e in events if e["type"] == "timer_started"]
@@ -500,7 +494,7 @@ async def test_a_cancelled_turn_moves_its_started_task_to_a_cancel_tool_task_tha
     call's record only, like every other Step of one call."""
     flow = FLOWS["every feature"]
     runtime = runtime_of(flow)
-    state = msgspec.structs.replace(_running_state(), status=AgentStatus.RUNNING_TOOLS)
+    state = msgspec.structs.replace(running_turn(), status=AgentStatus.RUNNING_TOOLS)
     task = tool_call(AgentToolCallStatus.WAITING_FOR_TASK, task_id="job-1", task_poll_interval_seconds=5)
     ctx = step_context(flow, FINISH_TURN_CANCELLATION, {
         ("AgentState", ""): state, ("AgentToolCalls", "c1"): task,

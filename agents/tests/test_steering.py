@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import pytest
 import pytest_asyncio
-from agents.tests.built_context import runtime_of, step_context, tool_call
+from agents.tests.built_context import running_turn, runtime_of, step_context, tool_call
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import ENV_BUILT_IN_TOOLS, ENV_INCREMENTAL, build_flow
 from agents.tests.session_driver import Session
@@ -664,12 +664,6 @@ class _NoModel:
         raise AssertionError("a tool ran")
 
 
-def _running_state(**fields: Any) -> AgentState:
-    state = AgentState(status=AgentStatus.RUNNING_MODEL, turn_count=0, active_turn_id="turn-1",
-                       next_message_sequence=2, last_turn_error=None, accepts_turn_control=True)
-    return msgspec.structs.replace(state, **fields)
-
-
 class _Builds(_NoModel):
     """A runner whose unfinished-turn builder returns `built`, or raises when it is an exception."""
 
@@ -711,7 +705,7 @@ async def test_run_model_in_a_steered_turn_ends_it_without_a_model_call() -> Non
     steps = TurnSteps(runtime_of(flow))
     record = tool_call(AgentToolCallStatus.SUCCEEDED, output="ok", tool_name="read")
     ctx = step_context(flow, RUN_MODEL, {
-        ("AgentState", ""): _running_state(), ("AgentToolCalls", "c1"): record,
+        ("AgentState", ""): running_turn(), ("AgentToolCalls", "c1"): record,
         ("SteeredMessageCount", ""): 2, ("AppliedSteeredMessageCount", ""): 1,
     })
     decision = await steps.run_model(ctx, None)
@@ -725,14 +719,14 @@ async def test_run_model_in_a_steered_turn_ends_it_without_a_model_call() -> Non
     assert [(e.type, json.loads(e.payload)) for e in events] == [
         ("turn_steered", {"steered_message_count": 1, "message_count": 1})]
     # No steered messages waiting: the flags are clear and the model would be called.
-    clear = step_context(flow, RUN_MODEL, {("AgentState", ""): _running_state(), ("SteeredMessageCount", ""): 1,
+    clear = step_context(flow, RUN_MODEL, {("AgentState", ""): running_turn(), ("SteeredMessageCount", ""): 1,
                                        ("AppliedSteeredMessageCount", ""): 1})
     with pytest.raises(AssertionError, match="the model was called"):
         await steps.run_model(clear, None)
 
 
 @pytest.mark.parametrize("step_type", [RUN_MODEL, RECORD_TURN_FAILURE])
-@pytest.mark.parametrize("state", [None, _running_state(
+@pytest.mark.parametrize("state", [None, running_turn(
     status=AgentStatus.WAITING_FOR_USER_MESSAGE, active_turn_id=None, turn_count=1, accepts_turn_control=False)])
 async def test_run_model_and_record_turn_failure_after_the_turn_ended_are_dead_ends(
     step_type: str, state: AgentState | None,
@@ -769,7 +763,7 @@ async def test_a_turn_that_ends_without_a_model_call_gives_the_builder_a_closed_
     runner = _WritesWhileBuilding()
     flow = AgentSessionFlow(runner, "Closed")
     live: list[str] = []
-    values: dict[tuple[str, str], Any] = {("AgentState", ""): _running_state()}
+    values: dict[tuple[str, str], Any] = {("AgentState", ""): running_turn()}
     if step_type == RUN_MODEL:
         values.update({("SteeredMessageCount", ""): 2, ("AppliedSteeredMessageCount", ""): 1})
     ctx = step_context(flow, step_type, values, write_event=lambda name, _data: live.append(name))
@@ -800,7 +794,7 @@ async def test_apply_turn_control_starts_the_steered_turn_in_the_mode_of_its_mes
     flow = AgentSessionFlow(_NoModel(), "NoModel", options)  # type: ignore[arg-type]
     runtime = runtime_of(flow)
     control = ControlSteps(runtime, TurnSteps(runtime))
-    idle = _running_state(status=AgentStatus.WAITING_FOR_USER_MESSAGE, active_turn_id=None, turn_count=1,
+    idle = running_turn(status=AgentStatus.WAITING_FOR_USER_MESSAGE, active_turn_id=None, turn_count=1,
                           accepts_turn_control=False)
     wait = Wait.all_of(STEERED_USER_MESSAGES.at_most(10), TURN_CONTROL_REQUESTS.at_most(10))
     messages = [AgentUserMessage("one", plan_mode=flags[0]), AgentUserMessage("two", plan_mode=flags[1])]
@@ -836,7 +830,7 @@ async def test_steer_and_cancel_are_refused_for_a_turn_without_accepts_turn_cont
     """A turn an earlier Worker started (accepts_turn_control false) is neither steered nor cancelled:
     both RPCs return False and write nothing; delete_queued_message still works."""
     flow = build_flow(None)
-    legacy = _running_state(accepts_turn_control=False)
+    legacy = running_turn(accepts_turn_control=False)
     values = {("AgentState", ""): legacy}
     for name, request in (("steer_user_message", SteerUserMessageRequest(text="x")),
                           ("steer_user_message", SteerUserMessageRequest(message_id="5")),
@@ -854,7 +848,7 @@ async def test_steer_rpc_writes_the_message_the_count_and_one_wake_in_one_commit
     is, plan_mode kept), adds one to SteeredMessageCount and publishes TurnControlRequest(steer);
     with no active turn a queued message ID stays queued (True, nothing written)."""
     flow = build_flow(None)
-    values = {("AgentState", ""): _running_state(), ("SteeredMessageCount", ""): 4}
+    values = {("AgentState", ""): running_turn(), ("SteeredMessageCount", ""): 4}
     moved = AgentUserMessage("plan this", plan_mode=True)
     ctx = _rpc_context(flow, "steer_user_message", values, ((5, moved),))
     assert await flow.rpc("steer_user_message").handler(ctx, SteerUserMessageRequest(message_id="5")) is True
@@ -864,7 +858,7 @@ async def test_steer_rpc_writes_the_message_the_count_and_one_wake_in_one_commit
         ("TurnControlRequests", {"kind": "steer"}),
     ]
     assert ctx.writes.attributes == {("SteeredMessageCount", ""): b"5"}
-    idle = {("AgentState", ""): _running_state(active_turn_id=None, status=AgentStatus.WAITING_FOR_USER_MESSAGE)}
+    idle = {("AgentState", ""): running_turn(active_turn_id=None, status=AgentStatus.WAITING_FOR_USER_MESSAGE)}
     ctx = _rpc_context(flow, "steer_user_message", idle, ((5, moved),))
     assert await flow.rpc("steer_user_message").handler(ctx, SteerUserMessageRequest(message_id="5")) is True
     assert ctx.writes.empty()
@@ -890,7 +884,7 @@ def _approval_steps(flow: AgentSessionFlow) -> ToolSteps:
 
 def _waiting_values(steered: bool, pending: bool, record: AgentToolCall) -> dict[tuple[str, str], Any]:
     values: dict[tuple[str, str], Any] = {
-        ("AgentState", ""): _running_state(status=AgentStatus.RUNNING_TOOLS),
+        ("AgentState", ""): running_turn(status=AgentStatus.RUNNING_TOOLS),
         ("AgentToolCalls", record.tool_call_id): record,
         ("PendingInterrupts", ""): [_interrupt("c1", "c1")] if pending else [],
     }
