@@ -1115,6 +1115,11 @@ class BrokenEstimate(BuiltinLoopAgentRunner):
         return "a lot"  # type: ignore[return-value]
 
 
+class TrueEstimate(BuiltinLoopAgentRunner):
+    def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
+        return True  # a bool is an int to Python, but no token count
+
+
 class CutoffPastTheEnd(BuiltinLoopAgentRunner):
     def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
         return 10**6
@@ -1150,6 +1155,37 @@ async def test_a_cutoff_the_summary_already_covers_calls_the_model(tmp_path: Pat
                                        RUN_MODEL, "AwaitUserMessage", RUN_MODEL]
 
 
+class AwaitedCompactionAnswers(PlainRunner):
+    """CutoffAtTheSummary's answers, from coroutines: RunModel awaits an awaitable answer, as the
+    TypeScript core awaits a Promise, instead of failing the turn on it."""
+
+    def __init__(self, inner: BuiltinLoopAgentRunner) -> None:
+        super().__init__(inner)
+        self.answers = CutoffAtTheSummary(inner.definition)
+
+    async def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
+        return self.answers.estimate_input_tokens(turn)
+
+    async def select_compaction_cutoff(self, turn: AgentTurnContext, retained_token_budget: int) -> int | None:
+        return self.answers.select_compaction_cutoff(turn, retained_token_budget)
+
+    async def summarize_context(self, request: ContextSummaryRequest) -> ContextSummaryResult:
+        return await self.inner.summarize_context(request)
+
+
+async def test_awaitable_compaction_answers_are_awaited(tmp_path: Path) -> None:
+    """estimate_input_tokens and select_compaction_cutoff may return awaitables: the same Steps and the
+    same one summary as with CutoffAtTheSummary's plain answers."""
+    flow, model = compaction_flow("AwaitedAnswersAgent", lambda _request: ScriptedModelReply(text="ok"), window=500)
+    awaited = AgentSessionFlow(AwaitedCompactionAnswers(flow.runner), "AwaitedAnswersAgent", flow.options)
+    done, history = await run_one_session(tmp_path, awaited, ["hello", "again"])
+    assert done.state is not None and done.state.last_turn_error is None
+    assert done.context_summary is not None and done.context_summary.last_sequence == 1
+    assert (len(summary_calls(model)), len(model_calls(model))) == (1, 2)
+    assert executed_steps(history) == ["StartAgentSession", "AwaitUserMessage", RUN_MODEL, COMPACT_CONTEXT,
+                                       RUN_MODEL, "AwaitUserMessage", RUN_MODEL]
+
+
 class CutoffZero(BuiltinLoopAgentRunner):
     """Always over the trigger, with nothing to summarize: the cutoff is 0."""
 
@@ -1173,6 +1209,7 @@ async def test_a_cutoff_of_zero_without_a_summary_calls_the_model(tmp_path: Path
 
 @pytest.mark.parametrize(("runner", "error"), [
     (BrokenEstimate, "estimate_input_tokens returned 'a lot'; return a whole number"),
+    (TrueEstimate, "estimate_input_tokens returned True; return a whole number"),
     (CutoffPastTheEnd, "select_compaction_cutoff returned 2, after the newest stored message 1"),
 ])
 async def test_a_compaction_contract_breach_fails_the_turn(
