@@ -20,7 +20,6 @@ import msgspec
 from dex_engine import (
     Context,
     LoadSpec,
-    Movement,
     MovementOptions,
     NoRetryError,
     NotLoadedError,
@@ -117,10 +116,6 @@ def turn_load_options(ctx: Context, options: AgentSessionOptions) -> MovementOpt
     except NotLoadedError:
         return None
     return MovementOptions(load=_load_with_chunks(chunks_between(index, after=summarized_through(summary))))
-
-
-def run_model_movement(ctx: Context, options: AgentSessionOptions) -> Movement:
-    return Movement(RUN_MODEL, None, turn_load_options(ctx, options))
 
 
 def go_to_run_model(ctx: Context, options: AgentSessionOptions) -> StepDecision:
