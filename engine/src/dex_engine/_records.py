@@ -199,15 +199,6 @@ class EventPage:
 
 
 @dataclass(frozen=True)
-class WorkerRecord:
-    worker_id: str
-    host: str
-    pid: int
-    started_at_ms: int
-    expires_at_ms: int
-
-
-@dataclass(frozen=True)
 class HousekeepingReport:
     timers_fired: int = 0
     leases_expired: int = 0

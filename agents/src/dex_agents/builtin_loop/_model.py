@@ -122,13 +122,6 @@ class ModelClient(Protocol):
     def estimate_input_tokens(self, request: ModelRequest) -> int: ...
 
 
-@runtime_checkable
-class ForcedToolChoiceSupport(Protocol):
-    """Optional: whether the client can force a tool call with these model settings."""
-
-    def supports_forced_tool_choice(self, settings: Mapping[str, Any]) -> bool: ...
-
-
 def estimate_request_tokens(request: ModelRequest) -> int:
     """A provider-independent estimate of a request's input size in tokens."""
     total = estimate_text_tokens(request.instructions or "")
