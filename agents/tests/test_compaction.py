@@ -1196,10 +1196,20 @@ class CutoffZero(BuiltinLoopAgentRunner):
         return 0
 
 
-async def test_a_cutoff_of_zero_without_a_summary_calls_the_model(tmp_path: Path) -> None:
-    """Before any summary, nothing is summarized through sequence 0: a cutoff of 0 is not after the
-    current summary, so RunModel makes the model call, with no CompactContext and no summary call."""
-    flow, model = compaction_flow("ZeroCutoffAgent", answer, window=500, runner=CutoffZero)
+class NoCutoff(CutoffZero):
+    """Always over the trigger, and declines to choose a cutoff."""
+
+    def select_compaction_cutoff(self, turn: AgentTurnContext, retained_token_budget: int) -> int | None:
+        return None
+
+
+@pytest.mark.parametrize("runner", [CutoffZero, NoCutoff])
+async def test_a_cutoff_of_zero_or_none_without_a_summary_calls_the_model(
+    tmp_path: Path, runner: type[BuiltinLoopAgentRunner]
+) -> None:
+    """Before any summary, nothing is summarized through sequence 0, and None declines to compact:
+    either way RunModel makes the model call, with no CompactContext, no summary call and no error."""
+    flow, model = compaction_flow("ZeroCutoffAgent", answer, window=500, runner=runner)
     done, history = await run_one_session(tmp_path, flow, ["hello"])
     assert done.state is not None and done.state.last_turn_error is None
     assert done.context_summary is None
