@@ -1110,6 +1110,34 @@ async def test_a_runner_without_compaction_warns_on_a_session_with_deleted_messa
     assert seen[0].messages[0].sequence == index.first_sequence
 
 
+@pytest.mark.parametrize(("first_sequence", "warn", "warned"), [(2, True, True), (1, True, False), (2, False, False)])
+def test_the_no_compaction_warning_needs_deleted_messages_and_a_model_call(
+    caplog: pytest.LogCaptureFixture, first_sequence: int, warn: bool, warned: bool
+) -> None:
+    """The warning is for a model call (warn) whose input lacks deleted messages: from sequence 2 on, one
+    message is gone; from 1 on, none is. The runner gets the stored messages either way."""
+    from agents.tests.built_context import runtime_of, step_context
+
+    from dex_agents._compaction_steps import model_view
+    from dex_agents._persistence import AGENT_MESSAGE_INDEX, AGENT_MESSAGES
+    from dex_agents._wire import AgentMessageIndex
+
+    flow, _ = compaction_flow("PlainAgent", answer, window=500)
+    plain = AgentSessionFlow(PlainRunner(flow.runner), "PlainAgent", replace(flow.options, compaction=None))
+    stored = [message(sequence) for sequence in (first_sequence, 3)]
+    index = AgentMessageIndex(chunks=[], first_sequence=first_sequence, window_first_sequence=first_sequence)
+    ctx = step_context(plain, RUN_MODEL, {
+        (AGENT_MESSAGE_INDEX.name, ""): index,
+        **{(AGENT_MESSAGES.name, message_sequence_key(m.sequence)): m for m in stored},
+    })
+    with caplog.at_level(logging.WARNING, logger="dex_agents.session"):
+        assert model_view(ctx, runtime_of(plain), warn=warn) == (stored, None)
+    warnings = [r.getMessage() for r in caplog.records if "ContextCompactionRunner" in r.getMessage()]
+    assert warnings == ([f"flow s: PlainRunner does not implement ContextCompactionRunner, but retention deleted the "
+                         f"messages before sequence {first_sequence}; the model input starts after them, with no "
+                         f"summary"] if warned else [])
+
+
 class BrokenEstimate(BuiltinLoopAgentRunner):
     def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
         return "a lot"  # type: ignore[return-value]
