@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from agents.tests.built_context import running_turn, runtime_of, step_context
 from agents.tests.builtin_agent import InProcessEngine
 from agents.tests.compaction_agent import answer, compaction_flow, kill_test_flow, say
 from agents.tests.conftest import REPO_ROOT
@@ -29,6 +30,7 @@ from hypothesis import strategies as st
 from dex_agents import (
     AGENT_MESSAGE_CHUNKS,
     AGENT_MESSAGE_INDEX,
+    AGENT_MESSAGES,
     AGENT_STATE,
     CONTEXT_SUMMARY,
     CONTEXT_SUMMARY_INSTRUCTIONS,
@@ -43,8 +45,10 @@ from dex_agents import (
     AgentSessionFlow,
     AgentSessionOptions,
     AgentSnapshot,
+    AgentState,
     AgentStatus,
     AgentTurnContext,
+    CompactContextInput,
     CompactionPolicy,
     ContextCompactionRunner,
     ContextSummary,
@@ -67,6 +71,7 @@ from dex_agents._compaction import (
     messages_between,
     plan_retention,
 )
+from dex_agents._compaction_steps import CompactionSteps, model_view
 from dex_agents._constants import COMPACT_CONTEXT, CONTEXT_SUMMARY_REQUEST_TEXT, RUN_MODEL
 from dex_agents._message_store import MessageLayoutLimits, plan_append
 from dex_agents._persistence import message_sequence_key
@@ -1116,12 +1121,6 @@ def test_the_no_compaction_warning_needs_deleted_messages_and_a_model_call(
 ) -> None:
     """The warning is for a model call (warn) whose input lacks deleted messages: from sequence 2 on, one
     message is gone; from 1 on, none is. The runner gets the stored messages either way."""
-    from agents.tests.built_context import runtime_of, step_context
-
-    from dex_agents._compaction_steps import model_view
-    from dex_agents._persistence import AGENT_MESSAGE_INDEX, AGENT_MESSAGES
-    from dex_agents._wire import AgentMessageIndex
-
     flow, _ = compaction_flow("PlainAgent", answer, window=500)
     plain = AgentSessionFlow(PlainRunner(flow.runner), "PlainAgent", replace(flow.options, compaction=None))
     stored = [message(sequence) for sequence in (first_sequence, 3)]
@@ -1264,6 +1263,59 @@ async def test_a_compaction_contract_breach_fails_the_turn(
             ] == [1]
 
 
+class SummaryOfText(CutoffAtTheSummary):
+    async def summarize_context(self, request: ContextSummaryRequest) -> ContextSummaryResult:
+        return "the summary"  # type: ignore[return-value]
+
+
+class SummaryWithDictUsage(CutoffAtTheSummary):
+    async def summarize_context(self, request: ContextSummaryRequest) -> ContextSummaryResult:
+        return ContextSummaryResult("the summary", usage={"input_tokens": 1})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("runner", "error"), [
+    (SummaryOfText, "summarize_context returned a str; return a ContextSummaryResult"),
+    (SummaryWithDictUsage, "ContextSummaryResult.usage must be an AgentUsage, got dict"),
+])
+async def test_a_summary_result_that_breaks_the_contract_fails_the_turn_without_retry(
+    tmp_path: Path, runner: type[BuiltinLoopAgentRunner], error: str
+) -> None:
+    """A retry would get the same wrong type: CompactContext's one attempt fails the turn with the error,
+    and no summary is stored."""
+    flow, model = compaction_flow("BadSummaryAgent", answer, window=500, runner=runner)
+    done, history = await run_one_session(tmp_path, flow, ["hello"])
+    assert done.state is not None and done.state.last_turn_error == error
+    assert done.context_summary is None and model_calls(model) == []
+    assert executed_steps(history) == ["StartAgentSession", "AwaitUserMessage", RUN_MODEL, "RecordTurnFailure"]
+    assert [(e.event_type, e.final_attempt) for e in history if e.step_type == COMPACT_CONTEXT] == [
+        ("step_scheduled", 0), ("attempt_failed", 1), ("step_failed", 1)]
+
+
+@pytest.mark.parametrize(("state", "through", "moves_to"), [
+    (None, 3, None),
+    (running_turn(active_turn_id=None, next_message_sequence=4), 3, None),
+    (running_turn(status=AgentStatus.COMPACTING_CONTEXT, next_message_sequence=4), 2, RUN_MODEL),
+])
+async def test_compact_context_with_nothing_to_do_makes_no_summary_call(
+    state: AgentState | None, through: int, moves_to: str | None
+) -> None:
+    """A turn that already ended (cancelled, say) ends the branch; a summary that already covers the
+    range goes back to RunModel with status running_model. Neither calls the model or writes a summary."""
+    flow, model = compaction_flow("IdleCompactionAgent", answer, window=500)
+    values: dict[tuple[str, str], Any] = {
+        (AGENT_MESSAGE_INDEX.name, ""): AgentMessageIndex(chunks=[], first_sequence=1, window_first_sequence=1),
+        (CONTEXT_SUMMARY.name, ""): summary_of(2),
+    }
+    if state is not None:
+        values[(AGENT_STATE.name, "")] = state
+    ctx = step_context(flow, COMPACT_CONTEXT, values)
+    decision = await CompactionSteps(runtime_of(flow)).compact_context(ctx, CompactContextInput(through))
+    assert [m.step_type for m in decision.movements] == ([] if moves_to is None else [moves_to])
+    assert list(model.requests) == [] and ctx.get(CONTEXT_SUMMARY) == summary_of(2)
+    written = ctx.get(AGENT_STATE)
+    assert written == (state if moves_to is None else msgspec.structs.replace(state, status=AgentStatus.RUNNING_MODEL))
+
+
 @pytest.mark.parametrize("blank_attempts", [1, 99])
 async def test_a_blank_summary_fails_the_attempt(tmp_path: Path, blank_attempts: int) -> None:
     """A blank summary fails the CompactContext attempt: a retry that writes one carries on; blank on
@@ -1404,8 +1456,6 @@ async def test_a_cancelled_model_call_moves_to_apply_turn_control_with_only_the_
     """FinishTurnCancellation, after cancel_turn cancelled a model call, moves to ApplyTurnControl
     like RunModel does: with what FinishTurnCancellation itself loads, the movement lists only the
     AgentMessageChunks instances after the summary (seed 002's load rule), not every chunk."""
-    from agents.tests.built_context import running_turn, runtime_of, step_context
-
     from dex_agents import TurnCancellationRequest
     from dex_agents._constants import APPLY_TURN_CONTROL, FINISH_TURN_CANCELLATION
     from dex_agents._control_steps import ControlSteps
