@@ -1316,19 +1316,32 @@ async def test_compact_context_with_nothing_to_do_makes_no_summary_call(
     assert written == (state if moves_to is None else msgspec.structs.replace(state, status=AgentStatus.RUNNING_MODEL))
 
 
+class HeartbeatingSummary(BuiltinLoopAgentRunner):
+    async def summarize_context(self, request: ContextSummaryRequest) -> ContextSummaryResult:
+        await request.heartbeat()
+        return await super().summarize_context(request)
+
+
 async def test_compact_context_sets_status_running_model_in_the_summary_commit() -> None:
     """The commit that stores the summary also ends compacting_context: a snapshot taken before RunModel
-    commits shows running_model, not a summary call still running."""
-    flow, model = compaction_flow("SummarizingAgent", answer, window=500)
+    commits shows running_model, not a summary call still running. The request's heartbeat is the
+    attempt's."""
+    flow, model = compaction_flow("SummarizingAgent", answer, window=500, runner=HeartbeatingSummary)
+    beats: list[str | None] = []
+
+    async def heartbeat(checkpoint: str | None) -> None:
+        beats.append(checkpoint)
+
     stored = [message(1), message(2, MessageRole.ASSISTANT), message(3, turn=2)]
     state = running_turn(status=AgentStatus.COMPACTING_CONTEXT, active_turn_id="turn-2", next_message_sequence=4)
     ctx = step_context(flow, COMPACT_CONTEXT, {
         (AGENT_STATE.name, ""): state,
         (AGENT_MESSAGE_INDEX.name, ""): AgentMessageIndex(chunks=[], first_sequence=1, window_first_sequence=1),
         **{(AGENT_MESSAGES.name, message_sequence_key(m.sequence)): m for m in stored},
-    })
+    }, heartbeat=heartbeat)
     decision = await CompactionSteps(runtime_of(flow)).compact_context(ctx, CompactContextInput(2))
     assert [m.step_type for m in decision.movements] == [RUN_MODEL] and len(summary_calls(model)) == 1
+    assert beats == [None]
     summary = ctx.get(CONTEXT_SUMMARY)
     assert summary is not None and (summary.generation, summary.last_sequence) == (1, 2)
     written = ctx.get(AGENT_STATE)
