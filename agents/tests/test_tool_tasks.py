@@ -355,6 +355,27 @@ async def test_poll_in_a_cancelled_turn_moves_to_finish_turn_cancellation_withou
     assert runner.polls == []
 
 
+async def test_task_steps_whose_record_is_gone_or_final_neither_poll_nor_cancel() -> None:
+    """A PollToolTask or CancelToolTask whose record was deleted (the turn failed while it was
+    scheduled) ends without calling the runner or writing, the poll skipping its wait; and a poll
+    whose call became final first ends the same way: one result per call, no poll after it."""
+    runner = TaskRunner()
+    flow, steps, _ = _task_steps(runner)
+    no_record = {("AgentState", ""): _state("turn-1")}
+    assert await steps.poll_tool_task_wait(step_context(flow, POLL_TOOL_TASK, no_record, method="wait_for"), "c1") == (
+        Wait.skip_immediately())
+    gone = step_context(flow, POLL_TOOL_TASK, no_record)
+    assert (await steps.poll_tool_task(gone, "c1")).kind == "dead_end"
+    assert gone.writes.empty()
+    done = _context(flow, POLL_TOOL_TASK, _waiting(status=AgentToolCallStatus.SUCCEEDED, output="ok"))
+    assert (await steps.poll_tool_task(done, "c1")).kind == "dead_end"
+    assert done.writes.empty()
+    assert runner.polls == []
+    gone = step_context(flow, CANCEL_TOOL_TASK, no_record)
+    assert (await steps.cancel_tool_task(gone, "c1")).kind == "dead_end"
+    assert gone.writes.empty() and runner.cancellations == []
+
+
 @pytest.mark.parametrize("canceller", [True, False])
 async def test_cancel_tool_task_records_outcome_unknown(canceller: bool) -> None:
     """CancelToolTask calls cancel_tool_task when the runner has it, then records outcome_unknown with
