@@ -308,6 +308,10 @@ async def test_poll_wait_is_the_interval_or_a_zero_timer() -> None:
         Wait.until(Timer.by_duration(0)))
     done = _waiting(status=AgentToolCallStatus.SUCCEEDED)
     assert await wait(_context(flow, POLL_TOOL_TASK, done, method="wait_for"), "c1") == Wait.skip_immediately()
+    # A record with no interval waits the minimum, never a Timer of no duration (a poll loop).
+    unset = _waiting(task_poll_interval_seconds=None)
+    assert await wait(_context(flow, POLL_TOOL_TASK, unset, method="wait_for"), "c1") == Wait.until(
+        Timer.by_duration(1))
 
 
 async def test_poll_hands_over_the_pending_answer_once_and_stores_the_next_interval() -> None:
