@@ -241,12 +241,14 @@ def test_task_records() -> None:
 class TaskRunner:
     """A runner whose polls and cancellations are recorded; a poll returns `next_poll`."""
 
-    def __init__(self, *, canceller: bool = True) -> None:
+    def __init__(self, *, canceller: bool = True, poller: bool = True) -> None:
         self.polls: list[ToolTaskPoll] = []
         self.cancellations: list[ToolTaskCancellation] = []
         self.next_poll: ToolTaskPollOutcome = ToolTaskPending(5)
         if not canceller:
             self.cancel_tool_task = None  # type: ignore[assignment]
+        if not poller:
+            self.poll_tool_task = None  # type: ignore[assignment]
 
     def build_user_message(self, text: str) -> FrameworkMessage:
         raise AssertionError("not used")
@@ -378,6 +380,26 @@ async def test_task_steps_whose_record_is_gone_or_final_neither_poll_nor_cancel(
     gone = step_context(flow, CANCEL_TOOL_TASK, no_record)
     assert (await steps.cancel_tool_task(gone, "c1")).kind == "dead_end"
     assert gone.writes.empty() and runner.cancellations == []
+
+
+@pytest.mark.parametrize(("effect", "status"), [
+    (ToolEffect.READ, AgentToolCallStatus.FAILED), (ToolEffect.IDEMPOTENT_WRITE, AgentToolCallStatus.OUTCOME_UNKNOWN),
+])
+async def test_poll_on_a_runner_that_lost_its_poller_records_the_call_by_effect(
+    effect: ToolEffect, status: AgentToolCallStatus
+) -> None:
+    """A task polled on a Worker whose runner has no poll_tool_task (it had one when the task started):
+    the call is recorded by effect with MISSING_TOOL_TASK_POLLER, as a start on such a runner is,
+    instead of failing the Step on the missing method; the answer is no longer pending."""
+    flow, steps, _ = _task_steps(TaskRunner(poller=False))
+    ctx = _context(flow, POLL_TOOL_TASK, _waiting(effect=effect, task_answer_pending=True,
+                                                  input_answers=[QuestionAnswer("c1-input-1", "A?", "a")]))
+    assert (await steps.poll_tool_task(ctx, "c1")).kind == "dead_end"
+    stored = ctx.get(AGENT_TOOL_CALLS["c1"])
+    assert stored is not None
+    assert (stored.status, stored.error, stored.task_id, stored.task_answer_pending) == (
+        status, MISSING_TOOL_TASK_POLLER, "job-1", False)
+    assert [p[0] for p in ctx.writes.publishes] == ["ToolCallResults"]
 
 
 @pytest.mark.parametrize("canceller", [True, False])
