@@ -56,6 +56,7 @@ from dex_agents import (
     QuestionAnswer,
     QuestionResolution,
     ToolEffect,
+    ToolExecutionResult,
     ToolPolicy,
     ToolTaskCancellation,
     ToolTaskPending,
@@ -400,6 +401,23 @@ async def test_poll_on_a_runner_that_lost_its_poller_records_the_call_by_effect(
     assert (stored.status, stored.error, stored.task_id, stored.task_answer_pending) == (
         status, MISSING_TOOL_TASK_POLLER, "job-1", False)
     assert [p[0] for p in ctx.writes.publishes] == ["ToolCallResults"]
+
+
+@pytest.mark.parametrize("outcome", [None, "done", ToolExecutionResult(5)],  # type: ignore[arg-type]
+                         ids=["none", "text", "number-output"])
+async def test_poll_outcome_that_is_not_a_text_result_fails_the_step_and_records_nothing(outcome: Any) -> None:
+    """poll_tool_task must return ToolExecutionResult(output: str), ToolTaskPending or
+    ToolInputRequested: anything else, or a result whose output is not text, is a runner contract
+    breach that fails the Step (its retries, then the failure route), never a succeeded record."""
+    runner = TaskRunner()
+    runner.next_poll = outcome
+    flow, steps, _ = _task_steps(runner)
+    ctx = _context(flow, POLL_TOOL_TASK, _waiting())
+    with pytest.raises(TypeError, match=rf"^poll_tool_task returned {re.escape(repr(outcome))}; return "
+                       r"ToolExecutionResult\(output: str\), ToolTaskPending or ToolInputRequested, or raise "
+                       r"ToolExecutionError$"):
+        await steps.poll_tool_task(ctx, "c1")
+    assert ctx.writes.empty()
 
 
 @pytest.mark.parametrize("canceller", [True, False])
