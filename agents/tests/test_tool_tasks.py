@@ -99,6 +99,7 @@ from dex_agents.testing import (
     wait_until,
 )
 from dex_engine import MAX_VALUE_BYTES, AttemptProgress, Context, RecoveryError, Timer, Wait
+from dex_engine._context import HeartbeatFn
 
 DAY = 86_400
 # Tools by name prefix (scripted_agent.POLICIES); write_now is a single-attempt write with no approval.
@@ -276,6 +277,7 @@ def _context(
     cancelled: bool = False,
     method: str = "execute",
     recovery: RecoveryError | None = None,
+    heartbeat: HeartbeatFn | None = None,
 ) -> Context:
     values: dict[tuple[str, str], Any] = {
         ("AgentToolCalls", record.tool_call_id): record, ("AgentState", ""): _state(record.turn_id),
@@ -283,7 +285,7 @@ def _context(
     if cancelled:
         values[("TurnCancellationRequest", "")] = TurnCancellationRequest(
             turn_id=record.turn_id, requested_at="2026-01-01T00:00:00.000Z")
-    return step_context(flow, step_type, values, method=method, recovery_error=recovery)
+    return step_context(flow, step_type, values, method=method, recovery_error=recovery, heartbeat=heartbeat)
 
 
 def _task_steps(runner: TaskRunner) -> tuple[AgentSessionFlow, TaskSteps, ToolSteps]:
@@ -418,6 +420,39 @@ async def test_poll_outcome_that_is_not_a_text_result_fails_the_step_and_records
                        r"ToolExecutionError$"):
         await steps.poll_tool_task(ctx, "c1")
     assert ctx.writes.empty()
+
+
+class HeartbeatingTaskRunner(TaskRunner):
+    """A poll and a cancellation that each heartbeat twice themselves, as long ones do."""
+
+    async def poll_tool_task(self, poll: ToolTaskPoll) -> ToolTaskPollOutcome:
+        await poll.heartbeat()
+        await poll.heartbeat()
+        return await super().poll_tool_task(poll)
+
+    async def cancel_tool_task(self, cancellation: ToolTaskCancellation) -> None:
+        await cancellation.heartbeat()
+        await cancellation.heartbeat()
+        await super().cancel_tool_task(cancellation)
+
+
+async def test_the_runners_heartbeats_in_a_poll_or_a_cancellation_heartbeat_the_attempt() -> None:
+    """ToolTaskPoll.heartbeat and ToolTaskCancellation.heartbeat are the attempt's own heartbeat: one
+    per call the runner makes, after PollToolTask's durable one before the poll (the background ones
+    are 20 s away)."""
+    heartbeats: list[str | None] = []
+
+    async def heartbeat(checkpoint: str | None) -> None:
+        heartbeats.append(checkpoint)
+
+    runner = HeartbeatingTaskRunner()
+    flow, steps, _ = _task_steps(runner)
+    await steps.poll_tool_task(_context(flow, POLL_TOOL_TASK, _waiting(), heartbeat=heartbeat), "c1")
+    assert len(runner.polls) == 1 and heartbeats == [None, None, None]
+    heartbeats.clear()
+    abandoned = _waiting(cancellation_reason=CancellationReason.TURN_CANCELLED)
+    await steps.cancel_tool_task(_context(flow, CANCEL_TOOL_TASK, abandoned, heartbeat=heartbeat), "c1")
+    assert len(runner.cancellations) == 1 and heartbeats == [None, None]
 
 
 @pytest.mark.parametrize("canceller", [True, False])
