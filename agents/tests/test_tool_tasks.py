@@ -455,6 +455,34 @@ async def test_the_runners_heartbeats_in_a_poll_or_a_cancellation_heartbeat_the_
     assert len(runner.cancellations) == 1 and heartbeats == [None, None]
 
 
+@pytest.mark.parametrize(("effect", "status"), [
+    (ToolEffect.READ, AgentToolCallStatus.FAILED),
+    (ToolEffect.NON_IDEMPOTENT_WRITE, AgentToolCallStatus.OUTCOME_UNKNOWN),
+])
+async def test_pending_the_session_cannot_store_records_the_call_by_effect(
+    effect: ToolEffect, status: AgentToolCallStatus
+) -> None:
+    """A ToolTaskPending whose interval is not a number, or whose continuation makes the record too
+    large to store, leaves the task running with nothing to poll it with: the call is recorded by
+    effect with the error that says which, and the Step ends."""
+    runner = TaskRunner()
+    flow, steps, _ = _task_steps(runner)
+    prefix = "poll_tool_task returned an invalid ToolTaskPending: "
+    cases = [
+        (ToolTaskPending("later"), re.escape(f"{prefix}poll_interval_seconds must be a number, got 'later'")),
+        (ToolTaskPending(5, continuation="k" * MAX_VALUE_BYTES), re.escape(f"{prefix}the continuation makes the call ")
+         + rf"\d+ bytes, over the session's value limit of {MAX_VALUE_BYTES}"),
+    ]
+    for pending, error in cases:
+        runner.next_poll = pending
+        ctx = _context(flow, POLL_TOOL_TASK, _waiting(effect=effect))
+        assert (await steps.poll_tool_task(ctx, "c1")).kind == "dead_end"
+        stored = ctx.get(AGENT_TOOL_CALLS["c1"])
+        assert stored is not None and stored.status is status
+        assert re.fullmatch(error, stored.error or ""), stored.error
+        assert (stored.task_id, stored.input_continuation) == ("job-1", None)
+
+
 @pytest.mark.parametrize("canceller", [True, False])
 async def test_cancel_tool_task_records_outcome_unknown(canceller: bool) -> None:
     """CancelToolTask calls cancel_tool_task when the runner has it, then records outcome_unknown with
