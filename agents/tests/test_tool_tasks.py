@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 from dex_agents import (
     AGENT_TOOL_CALLS,
+    AWAIT_QUESTION_ANSWER,
     CANCEL_TOOL_TASK,
     MISSING_TOOL_TASK_POLLER,
     POLL_TOOL_TASK,
@@ -77,6 +78,7 @@ from dex_agents._task_steps import (
     poll_failure_route,
     poll_tool_task_options,
     question_failure_status,
+    resolve_task_question,
     started_task_record,
     status_by_effect,
     task_poll_interval_seconds,
@@ -481,6 +483,38 @@ async def test_pending_the_session_cannot_store_records_the_call_by_effect(
         assert stored is not None and stored.status is status
         assert re.fullmatch(error, stored.error or ""), stored.error
         assert (stored.task_id, stored.input_continuation) == ("job-1", None)
+
+
+async def test_resolved_task_question_waits_for_the_next_poll_with_the_question_asked() -> None:
+    """AwaitQuestionAnswer's resolution of a started task's question: the QuestionAnswer keeps the
+    question the task asked (the task reads it back in input_answers), and the call waits for its
+    next poll, on the failure route of its effect. A resolution too large to store records the call
+    by effect with the sizes instead: the task may run."""
+    flow, steps, _ = _task_steps(TaskRunner())
+    asking = _waiting(effect=ToolEffect.IDEMPOTENT_WRITE, status=AgentToolCallStatus.AWAITING_ANSWER,
+                      input_question="Format?", input_choices=["pdf", "csv"], input_continuation="p1")
+    ctx = _context(flow, AWAIT_QUESTION_ANSWER, asking)
+    decision = resolve_task_question(steps.rt, ctx, asking, "c1-input-1", QuestionResolution.ANSWERED, "csv")
+    stored = ctx.get(AGENT_TOOL_CALLS["c1"])
+    assert stored is not None
+    assert stored.input_answers == [QuestionAnswer("c1-input-1", "Format?", "csv", QuestionResolution.ANSWERED)]
+    assert (stored.status, stored.task_answer_pending, stored.input_question, stored.input_continuation) == (
+        AgentToolCallStatus.WAITING_FOR_TASK, True, None, "p1")
+    [movement] = decision.movements
+    assert (movement.step_type, movement.input) == (POLL_TOOL_TASK, "c1")
+    assert movement.options is not None and movement.options.failure_route == RECORD_TOOL_FAILURE
+
+    ctx = _context(flow, AWAIT_QUESTION_ANSWER, asking)
+    decision = resolve_task_question(steps.rt, ctx, asking, "c1-input-1", QuestionResolution.ANSWERED,
+                                     "x" * MAX_VALUE_BYTES)
+    assert decision.kind == "dead_end"
+    stored = ctx.get(AGENT_TOOL_CALLS["c1"])
+    assert stored is not None
+    assert (stored.status, stored.input_question, stored.input_answers) == (
+        AgentToolCallStatus.OUTCOME_UNKNOWN, None, [])
+    assert re.fullmatch(rf"the resolution of the task question makes the call \d+ bytes, over the session's value "
+                        rf"limit of {MAX_VALUE_BYTES}; it was not stored", stored.error or ""), stored.error
+    assert [p[0] for p in ctx.writes.publishes] == ["ToolCallResults"]
 
 
 @pytest.mark.parametrize("canceller", [True, False])
