@@ -39,6 +39,7 @@ from dex_agents import (
     OUTCOME_UNKNOWN_TEXT,
     AgentEventWriter,
     AgentMessage,
+    AgentMessageChunk,
     AgentMessageChunkRange,
     AgentMessageIndex,
     AgentSessionClient,
@@ -1346,6 +1347,33 @@ async def test_compact_context_sets_status_running_model_in_the_summary_commit()
     assert summary is not None and (summary.generation, summary.last_sequence) == (1, 2)
     written = ctx.get(AGENT_STATE)
     assert written is not None and written.status is AgentStatus.RUNNING_MODEL
+
+
+@pytest.mark.parametrize(("retained_message_limit", "first_kept"), [(4, 3), (5, 1)])
+async def test_compact_context_retains_exactly_the_limit_after_the_newest_stored_message(
+    retained_message_limit: int, first_kept: int
+) -> None:
+    """Six messages stored (chunks 1-2 and 3-4, the window 5-6), summarized through 4: chunk 1-2 has four
+    messages after it, so it goes at a limit of 4 and stays at 5. The count runs to the newest stored
+    message, next_message_sequence - 1."""
+    flow, _ = compaction_flow("RetainingAgent", answer, window=500, message_window_size=4, message_chunk_size=2,
+                              retained_message_limit=retained_message_limit)
+    stored = [message(1), message(2, MessageRole.ASSISTANT), message(3, turn=2), message(4, MessageRole.ASSISTANT,
+              turn=2), message(5, turn=3), message(6, MessageRole.ASSISTANT, turn=3)]
+    index = AgentMessageIndex(chunks=[AgentMessageChunkRange(1, 2), AgentMessageChunkRange(3, 4)], first_sequence=1,
+                              window_first_sequence=5)
+    ctx = step_context(flow, COMPACT_CONTEXT, {
+        (AGENT_STATE.name, ""): running_turn(status=AgentStatus.COMPACTING_CONTEXT, active_turn_id="turn-3",
+                                             next_message_sequence=7),
+        (AGENT_MESSAGE_INDEX.name, ""): index,
+        (AGENT_MESSAGE_CHUNKS.name, message_sequence_key(1)): AgentMessageChunk(tuple(stored[:2])),
+        (AGENT_MESSAGE_CHUNKS.name, message_sequence_key(3)): AgentMessageChunk(tuple(stored[2:4])),
+        **{(AGENT_MESSAGES.name, message_sequence_key(m.sequence)): m for m in stored[4:]},
+    })
+    await CompactionSteps(runtime_of(flow)).compact_context(ctx, CompactContextInput(4))
+    kept = ctx.get(AGENT_MESSAGE_INDEX)
+    assert kept is not None and kept.first_sequence == first_kept
+    assert (ctx.get(AGENT_MESSAGE_CHUNKS[message_sequence_key(1)]) is None) == (first_kept == 3)
 
 
 @pytest.mark.parametrize("blank_attempts", [1, 99])
