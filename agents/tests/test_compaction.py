@@ -72,7 +72,7 @@ from dex_agents._compaction import (
     messages_between,
     plan_retention,
 )
-from dex_agents._compaction_steps import CompactionSteps, model_view
+from dex_agents._compaction_steps import BlankContextSummaryError, CompactionSteps, model_view
 from dex_agents._constants import COMPACT_CONTEXT, CONTEXT_SUMMARY_REQUEST_TEXT, RUN_MODEL
 from dex_agents._message_store import MessageLayoutLimits, plan_append
 from dex_agents._persistence import message_sequence_key
@@ -101,7 +101,8 @@ from dex_agents.testing import (
     to_step_history,
     wait_for_agent_snapshot,
 )
-from dex_engine import Flow
+from dex_engine import Context, Flow
+from dex_engine._context import HeartbeatFn
 from dex_engine._transitions import stored_options_json
 
 # Messages and conversations --------------------------------------------------------------------------
@@ -1323,6 +1324,17 @@ class HeartbeatingSummary(BuiltinLoopAgentRunner):
         return await super().summarize_context(request)
 
 
+def compacting_turn_2(flow: AgentSessionFlow, heartbeat: HeartbeatFn | None = None) -> Context:
+    """CompactContext's context in turn 2, with messages 1-3 in the window and no summary yet."""
+    stored = [message(1), message(2, MessageRole.ASSISTANT), message(3, turn=2)]
+    state = running_turn(status=AgentStatus.COMPACTING_CONTEXT, active_turn_id="turn-2", next_message_sequence=4)
+    return step_context(flow, COMPACT_CONTEXT, {
+        (AGENT_STATE.name, ""): state,
+        (AGENT_MESSAGE_INDEX.name, ""): AgentMessageIndex(chunks=[], first_sequence=1, window_first_sequence=1),
+        **{(AGENT_MESSAGES.name, message_sequence_key(m.sequence)): m for m in stored},
+    }, heartbeat=heartbeat)
+
+
 async def test_compact_context_sets_status_running_model_in_the_summary_commit() -> None:
     """The commit that stores the summary also ends compacting_context: a snapshot taken before RunModel
     commits shows running_model, not a summary call still running. The request's heartbeat is the
@@ -1333,13 +1345,7 @@ async def test_compact_context_sets_status_running_model_in_the_summary_commit()
     async def heartbeat(checkpoint: str | None) -> None:
         beats.append(checkpoint)
 
-    stored = [message(1), message(2, MessageRole.ASSISTANT), message(3, turn=2)]
-    state = running_turn(status=AgentStatus.COMPACTING_CONTEXT, active_turn_id="turn-2", next_message_sequence=4)
-    ctx = step_context(flow, COMPACT_CONTEXT, {
-        (AGENT_STATE.name, ""): state,
-        (AGENT_MESSAGE_INDEX.name, ""): AgentMessageIndex(chunks=[], first_sequence=1, window_first_sequence=1),
-        **{(AGENT_MESSAGES.name, message_sequence_key(m.sequence)): m for m in stored},
-    }, heartbeat=heartbeat)
+    ctx = compacting_turn_2(flow, heartbeat)
     decision = await CompactionSteps(runtime_of(flow)).compact_context(ctx, CompactContextInput(2))
     assert [m.step_type for m in decision.movements] == [RUN_MODEL] and len(summary_calls(model)) == 1
     assert beats == [None]
@@ -1347,6 +1353,22 @@ async def test_compact_context_sets_status_running_model_in_the_summary_commit()
     assert summary is not None and (summary.generation, summary.last_sequence) == (1, 2)
     written = ctx.get(AGENT_STATE)
     assert written is not None and written.status is AgentStatus.RUNNING_MODEL
+
+
+class SummaryWithoutText(BuiltinLoopAgentRunner):
+    async def summarize_context(self, request: ContextSummaryRequest) -> ContextSummaryResult:
+        return ContextSummaryResult(None)  # type: ignore[arg-type]
+
+
+async def test_a_summary_without_text_is_a_blank_summary() -> None:
+    """A summary text that is not a string fails the attempt as a blank one does (and is retried), with
+    the blank-summary error rather than an AttributeError, and writes nothing."""
+    flow, _ = compaction_flow("TextlessSummaryAgent", answer, window=500, runner=SummaryWithoutText)
+    ctx = compacting_turn_2(flow)
+    with pytest.raises(BlankContextSummaryError) as info:
+        await CompactionSteps(runtime_of(flow)).compact_context(ctx, CompactContextInput(2))
+    assert str(info.value) == "summarize_context returned a blank summary through 2"
+    assert ctx.get(CONTEXT_SUMMARY) is None
 
 
 @pytest.mark.parametrize(("retained_message_limit", "first_kept"), [(4, 3), (5, 1)])
