@@ -1293,17 +1293,24 @@ async def test_a_summary_result_that_breaks_the_contract_fails_the_turn_without_
         ("step_scheduled", 0), ("attempt_failed", 1), ("step_failed", 1)]
 
 
-@pytest.mark.parametrize(("state", "through", "moves_to"), [
-    (None, 3, None),
-    (running_turn(active_turn_id=None, next_message_sequence=4), 3, None),
-    (running_turn(status=AgentStatus.COMPACTING_CONTEXT, next_message_sequence=4), 2, RUN_MODEL),
+COMPACTING = running_turn(status=AgentStatus.COMPACTING_CONTEXT, next_message_sequence=4)
+
+
+@pytest.mark.parametrize(("state", "through", "compaction", "moves_to"), [
+    (None, 3, True, None),
+    (running_turn(active_turn_id=None, next_message_sequence=4), 3, True, None),
+    (COMPACTING, 2, True, RUN_MODEL),
+    (COMPACTING, 3, False, RUN_MODEL),
 ])
 async def test_compact_context_with_nothing_to_do_makes_no_summary_call(
-    state: AgentState | None, through: int, moves_to: str | None
+    state: AgentState | None, through: int, compaction: bool, moves_to: str | None
 ) -> None:
     """A turn that already ended (cancelled, say) ends the branch; a summary that already covers the
-    range goes back to RunModel with status running_model. Neither calls the model or writes a summary."""
+    range, or a Worker whose options have no compaction (the Step was scheduled by one that had),
+    goes back to RunModel with status running_model. None calls the model or writes a summary."""
     flow, model = compaction_flow("IdleCompactionAgent", answer, window=500)
+    if not compaction:
+        flow = AgentSessionFlow(flow.runner, "IdleCompactionAgent", replace(flow.options, compaction=None))
     values: dict[tuple[str, str], Any] = {
         (AGENT_MESSAGE_INDEX.name, ""): AgentMessageIndex(chunks=[], first_sequence=1, window_first_sequence=1),
         (CONTEXT_SUMMARY.name, ""): summary_of(2),
