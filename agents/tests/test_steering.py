@@ -816,6 +816,35 @@ async def test_apply_turn_control_starts_the_steered_turn_in_the_mode_of_its_mes
     assert empty.writes.attributes == {}
 
 
+def _applying(flow: AgentSessionFlow, values: dict[tuple[str, str], Any], *steered: AgentUserMessage) -> Context:
+    """ApplyTurnControl's Execute after its wait took `steered` (and no stale wake)."""
+    wait = Wait.all_of(STEERED_USER_MESSAGES.at_most(10), TURN_CONTROL_REQUESTS.at_most(10))
+    consumed = tuple(ConsumedMessage(i + 1, msgspec.Raw(msgspec.json.encode(m))) for i, m in enumerate(steered))
+    outcome = WaitOutcome(satisfied=(0, 1), consumed=(consumed, ()))
+    return step_context(flow, APPLY_TURN_CONTROL, values, (wait, outcome))
+
+
+async def test_apply_turn_control_ends_the_steered_turn_and_counts_the_first_steer_from_zero() -> None:
+    """The session's first steer: AppliedSteeredMessageCount is unset, so it becomes the one message
+    taken; counted one too high, a later steer would leave as many published as applied and the
+    flags would never see it. The active turn ends steered before the steered turn starts."""
+    flow = AgentSessionFlow(_NoModel(), "NoModel")  # type: ignore[arg-type]
+    runtime = runtime_of(flow)
+    control = ControlSteps(runtime, TurnSteps(runtime))
+    record = tool_call(AgentToolCallStatus.REJECTED, rejection_message=STEERED_REJECTION_MESSAGE,
+                       cancellation_reason=CancellationReason.STEERED)
+    ctx = _applying(flow, {("AgentState", ""): running_turn(status=AgentStatus.RUNNING_TOOLS),
+                           ("AgentToolCalls", "c1"): record, ("SteeredMessageCount", ""): 1},
+                    AgentUserMessage("change of plan"))
+    decision = await control.apply_turn_control(ctx, None)
+    assert [m.step_type for m in decision.movements] == [RUN_MODEL]
+    assert ctx.get(APPLIED_STEERED_MESSAGE_COUNT) == 1
+    state = ctx.get(AGENT_STATE)
+    assert state is not None and (state.active_turn_id, state.turn_count) == ("turn-2", 1)
+    assert ctx.get(AGENT_TOOL_CALLS["c1"]) is None
+    assert [(e.type, e.turn_id) for e in _events_written(ctx)][:1] == [("turn_steered", "turn-1")]
+
+
 # RPC handlers on built contexts ------------------------------------------------------------------
 
 
