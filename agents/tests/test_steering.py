@@ -845,6 +845,22 @@ async def test_apply_turn_control_ends_the_steered_turn_and_counts_the_first_ste
     assert [(e.type, e.turn_id) for e in _events_written(ctx)][:1] == [("turn_steered", "turn-1")]
 
 
+async def test_apply_turn_control_fails_rather_than_end_a_turn_with_an_unfinished_call() -> None:
+    """Every path to ApplyTurnControl comes from a turn whose records are final; ending one that
+    still has a waiting call would drop that call's result, so the Step fails and writes nothing."""
+    flow = AgentSessionFlow(_NoModel(), "NoModel")  # type: ignore[arg-type]
+    runtime = runtime_of(flow)
+    control = ControlSteps(runtime, TurnSteps(runtime))
+    values: dict[tuple[str, str], Any] = {
+        ("AgentState", ""): running_turn(status=AgentStatus.RUNNING_TOOLS), ("SteeredMessageCount", ""): 1,
+        ("AgentToolCalls", "c1"): tool_call(AgentToolCallStatus.SUCCEEDED, output="ok"),
+        ("AgentToolCalls", "c2"): tool_call(AgentToolCallStatus.AWAITING_APPROVAL, tool_call_id="c2"),
+    }
+    ctx = _applying(flow, values, AgentUserMessage("change of plan"))
+    with pytest.raises(RuntimeError, match=r"turn turn-1 with unfinished tool calls \['c2'\]"):
+        await control.apply_turn_control(ctx, None)
+
+
 # RPC handlers on built contexts ------------------------------------------------------------------
 
 
