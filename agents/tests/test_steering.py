@@ -861,6 +861,14 @@ async def test_apply_turn_control_fails_rather_than_end_a_turn_with_an_unfinishe
         await control.apply_turn_control(ctx, None)
 
 
+async def test_apply_turn_control_before_the_session_started_fails_naming_the_missing_state() -> None:
+    flow = AgentSessionFlow(_NoModel(), "NoModel")  # type: ignore[arg-type]
+    runtime = runtime_of(flow)
+    ctx = _applying(flow, {}, AgentUserMessage("early"))
+    with pytest.raises(RuntimeError, match="ApplyTurnControl ran before StartAgentSession stored AgentState"):
+        await ControlSteps(runtime, TurnSteps(runtime)).apply_turn_control(ctx, None)
+
+
 # RPC handlers on built contexts ------------------------------------------------------------------
 
 
