@@ -468,6 +468,36 @@ async def test_finish_turn_cancellation_ends_only_a_cancelled_model_phase(
     assert [m.step_type for m in decision.movements] == expected
     assert ctx.writes.empty()
 
+WAITING_TIMER = tool_call(S.WAITING_FOR_TIMER, tool_call_id="w")
+DONE = tool_call(S.SUCCEEDED, tool_call_id="done", output="ok")
+
+
+@pytest.mark.parametrize(("state", "cancellation", "record"), [
+    (None, CANCELLED, WAITING_TIMER),  # before StartAgentSession
+    (_state(), None, WAITING_TIMER),  # no cancel_turn
+    (_state(), TurnCancellationRequest(turn_id="turn-0", requested_at="x"), WAITING_TIMER),  # another turn's
+    (_state(), CANCELLED, DONE),  # running tools with nothing left to settle
+])
+async def test_finish_turn_cancellation_with_nothing_to_settle_ends_its_branch_writing_nothing(
+    state: AgentState | None, cancellation: TurnCancellationRequest | None, record: AgentToolCall,
+) -> None:
+    """A waiting call is settled only for the active turn that TurnCancellationRequest names; with no
+    state, no request or another turn's request, the Step touches no call. When every call of the
+    cancelled turn is already final, it ends its branch and leaves PendingInterrupts (another turn's
+    interrupt) unwritten."""
+    flow = _flow()
+    control = ControlSteps(runtime_of(flow), TurnSteps(runtime_of(flow)))
+    values: dict[tuple[str, str], Any] = {("AgentToolCalls", record.tool_call_id): record,
+                                          ("PendingInterrupts", ""): [_interrupt("other", "elsewhere")]}
+    if state is not None:
+        values[("AgentState", "")] = state
+    if cancellation is not None:
+        values[("TurnCancellationRequest", "")] = cancellation
+    ctx = step_context(flow, FINISH_TURN_CANCELLATION, values)
+    decision = await control.finish_turn_cancellation(ctx, "turn-1")
+    assert (decision.kind, decision.movements) == ("dead_end", ())
+    assert ctx.writes.empty()
+
 
 async def test_a_task_question_not_raised_in_a_cancelled_turn_goes_to_finish_turn_cancellation() -> None:
     """AwaitQuestionAnswer about to raise a started task's question in a cancelled turn asks nothing:
