@@ -553,6 +553,18 @@ async def test_cancel_turn_rpc_cancels_the_registered_steps_and_starts_finish_tu
     written = ctx.get(TURN_CANCELLATION_REQUEST)
     assert written is not None and written.turn_id == "turn-1" and written.requested_at.endswith("Z")
 
+async def test_cancel_turn_after_an_earlier_turn_was_cancelled_writes_its_own_request() -> None:
+    """TurnCancellationRequest still names the earlier turn it cancelled: only a request for this turn
+    means "already cancelled", so cancel_turn writes a new one and starts FinishTurnCancellation."""
+    flow = build_flow(None)
+    earlier = TurnCancellationRequest(turn_id="turn-0", requested_at="2026-01-01T00:00:00.000Z")
+    ctx = _rpc(flow, {("AgentState", ""): _state(), ("TurnCancellationRequest", ""): earlier})
+    result = await flow.rpc("cancel_turn").handler(ctx, CancelTurnRequest())
+    assert isinstance(result, RPCResult) and result.output is True
+    assert [(m.step_type, m.input) for m in result.next_steps] == [(FINISH_TURN_CANCELLATION, "turn-1")]
+    written = ctx.get(TURN_CANCELLATION_REQUEST)
+    assert written is not None and written.turn_id == "turn-1"
+
 
 async def test_cancel_turn_queues_again_the_answers_a_cancelled_waiting_step_took() -> None:
     """An approval or answer that committed first, taken by a waiting Step's satisfied wait whose
