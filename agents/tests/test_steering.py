@@ -895,6 +895,20 @@ async def test_steer_and_cancel_are_refused_for_a_turn_without_accepts_turn_cont
     assert await flow.rpc("delete_queued_message").handler(ctx, DeleteQueuedMessageRequest("5")) is True
     assert ctx.writes.deleted_messages == [("QueuedUserMessages", "", 5)]
 
+async def test_refused_steer_and_delete_requests_return_false_and_write_nothing() -> None:
+    """The RPCs are declared to return bool, so a refusal is false on the wire, never null (the
+    client's bool() would hide the difference from Python callers only)."""
+    flow = build_flow(None)
+    values = {("AgentState", ""): running_turn()}
+    for name, request in (("steer_user_message", SteerUserMessageRequest()),
+                          ("steer_user_message", SteerUserMessageRequest(text=" ")),
+                          ("steer_user_message", SteerUserMessageRequest(message_id="6")),
+                          ("delete_queued_message", DeleteQueuedMessageRequest("6")),
+                          ("delete_queued_message", DeleteQueuedMessageRequest("x"))):
+        ctx = _rpc_context(flow, name, values, ((5, AgentUserMessage("q")),))
+        assert await flow.rpc(name).handler(ctx, request) is False, request
+        assert ctx.writes.empty()
+
 
 async def test_steer_rpc_writes_the_message_the_count_and_one_wake_in_one_commit() -> None:
     """A steer of a running turn publishes the message to SteeredUserMessages (a queued one moved as it
