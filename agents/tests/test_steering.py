@@ -34,6 +34,7 @@ from dex_agents import (
     APPLY_TURN_CONTROL,
     AWAIT_USER_MESSAGE,
     INTERRUPT_RESOLUTIONS,
+    PENDING_INTERRUPTS,
     RECORD_TURN_FAILURE,
     RUN_MODEL,
     STEERED_REJECTION_MESSAGE,
@@ -1029,7 +1030,10 @@ async def test_a_woken_approval_abandons_only_in_a_steered_turn_with_its_interru
     approval = tool_call(AgentToolCallStatus.AWAITING_APPROVAL, effect=ToolEffect.NON_IDEMPOTENT_WRITE)
     wait = Wait.any_of(TOOL_CALL_CANCELLATIONS["c1"].for_one(), INTERRUPT_RESOLUTIONS["c1"].for_one())
     wake = msgspec.Raw(b'{"reason":"steered"}')
-    ctx = step_context(flow, "AwaitToolApproval", _waiting_values(steered, pending, approval),
+    values = _waiting_values(steered, pending, approval)
+    other = _interrupt("c2", "c2")  # another call's, which abandoning c1 must leave pending
+    values[("PendingInterrupts", "")] = [*values[("PendingInterrupts", "")], other]
+    ctx = step_context(flow, "AwaitToolApproval", values,
                    (wait, WaitOutcome(satisfied=(0,), consumed=((ConsumedMessage(1, wake),), ()))))
     decision = await steps.await_tool_approval(ctx, "c1")
     if outcome == "waits":
@@ -1045,6 +1049,7 @@ async def test_a_woken_approval_abandons_only_in_a_steered_turn_with_its_interru
         "interrupt_id": "c1", "approved": False, "rejection_message": STEERED_REJECTION_MESSAGE,
         "kind": "tool_approval", "answered": False, "cancellation_reason": "steered"})
     assert [n for n, _, _ in ctx.writes.publishes] == ["ToolCallResults"]
+    assert ctx.get(PENDING_INTERRUPTS) == [other]
 
 
 @pytest.mark.parametrize("answered", [True, False])
