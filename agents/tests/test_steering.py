@@ -65,6 +65,7 @@ from dex_agents import (
     TurnCancellationRequest,
 )
 from dex_agents._builtin_steps import BuiltInSteps
+from dex_agents._constants import MAX
 from dex_agents._control_steps import (
     ControlSteps,
     TurnControl,
@@ -72,6 +73,7 @@ from dex_agents._control_steps import (
     channel_message_id,
     controlled_turn_note,
     is_abandonable,
+    is_answer_first_wait,
     steer_abandonments,
     steer_request_ok,
     turn_control_of,
@@ -84,7 +86,7 @@ from dex_agents.testing import (
     AgentTestStack,
     wait_until,
 )
-from dex_engine import Context, LoadOptions, RpcContext, Wait
+from dex_engine import Context, LoadOptions, RpcContext, Timer, Wait, WaitResult
 from dex_engine._records import ConsumedMessage, WaitOutcome
 
 # The integration tests share the module's event loop with the shared stacks' Clients.
@@ -1050,6 +1052,20 @@ async def test_a_woken_approval_abandons_only_in_a_steered_turn_with_its_interru
         "kind": "tool_approval", "answered": False, "cancellation_reason": "steered"})
     assert [n for n, _, _ in ctx.writes.publishes] == ["ToolCallResults"]
     assert ctx.get(PENDING_INTERRUPTS) == [other]
+
+
+def test_the_answer_first_wait_never_blocks_and_takes_at_most_one_answer() -> None:
+    """A zero Timer, so Execute runs at once instead of blocking; the one resolution the Step applies,
+    if one committed first; every stale wake. Only an all_of wait (this one, or the tool question's
+    raise wait) counts as answer-first, and a wait result with no spec never does."""
+    flow = build_flow(None)
+    wait = answer_first_wait("c1", "c1-input-1")
+    assert wait == Wait.all_of(Timer.by_duration(0), INTERRUPT_RESOLUTIONS["c1-input-1"].at_most(1),
+                               TOOL_CALL_CANCELLATIONS["c1"].at_most(MAX))
+    assert is_answer_first_wait(WaitResult(wait.spec(), None, flow))
+    woken = Wait.any_of(TOOL_CALL_CANCELLATIONS["c1"].for_one(), INTERRUPT_RESOLUTIONS["c1"].for_one())
+    assert not is_answer_first_wait(WaitResult(woken.spec(), None, flow))
+    assert not is_answer_first_wait(WaitResult(None, None, flow))
 
 
 @pytest.mark.parametrize("answered", [True, False])
