@@ -32,6 +32,7 @@ from dex_agents import (
     AGENT_TOOL_CALLS,
     APPLIED_STEERED_MESSAGE_COUNT,
     APPLY_TURN_CONTROL,
+    AWAIT_QUESTION_ANSWER,
     AWAIT_USER_MESSAGE,
     INTERRUPT_RESOLUTIONS,
     PENDING_INTERRUPTS,
@@ -1066,6 +1067,29 @@ def test_the_answer_first_wait_never_blocks_and_takes_at_most_one_answer() -> No
     woken = Wait.any_of(TOOL_CALL_CANCELLATIONS["c1"].for_one(), INTERRUPT_RESOLUTIONS["c1"].for_one())
     assert not is_answer_first_wait(WaitResult(woken.spec(), None, flow))
     assert not is_answer_first_wait(WaitResult(None, None, flow))
+
+
+async def test_a_started_tasks_question_woken_in_a_steered_turn_waits_again() -> None:
+    """Steering never abandons a started task's question, even with its interrupt still pending when
+    a ToolCallCancellations wake arrives: the task owns the call, so the Step waits again and writes
+    nothing."""
+    flow = build_flow(None)
+    question = tool_call(AgentToolCallStatus.AWAITING_ANSWER, task_id="task-1", input_question="Which?")
+    pending = _interrupt("c1-input-1", "c1", InterruptKind.QUESTION)
+    values: dict[tuple[str, str], Any] = {
+        ("AgentState", ""): running_turn(status=AgentStatus.RUNNING_TOOLS), ("AgentToolCalls", "c1"): question,
+        ("PendingInterrupts", ""): [pending], ("SteeredMessageCount", ""): 1,
+    }
+    built_ins = BuiltInSteps(runtime_of(flow))
+    waiting = await built_ins.await_question_answer_wait(step_context(flow, AWAIT_QUESTION_ANSWER, values), "c1")
+    assert waiting == Wait.any_of(TOOL_CALL_CANCELLATIONS["c1"].for_one(),
+                                  INTERRUPT_RESOLUTIONS["c1-input-1"].for_one())
+    wake = ConsumedMessage(1, msgspec.Raw(b'{"reason":"steered"}'))
+    outcome = WaitOutcome(satisfied=(0,), consumed=((wake,), ()))
+    ctx = step_context(flow, AWAIT_QUESTION_ANSWER, values, (waiting, outcome))
+    decision = await built_ins.await_question_answer(ctx, "c1")
+    assert [(m.step_type, m.input) for m in decision.movements] == [(AWAIT_QUESTION_ANSWER, "c1")]
+    assert ctx.writes.empty()
 
 
 @pytest.mark.parametrize("answered", [True, False])
