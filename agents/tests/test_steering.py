@@ -848,6 +848,21 @@ async def test_apply_turn_control_ends_the_steered_turn_and_counts_the_first_ste
     assert ctx.get(AGENT_TOOL_CALLS["c1"]) is None
     assert [(e.type, e.turn_id) for e in _events_written(ctx)][:1] == [("turn_steered", "turn-1")]
 
+async def test_a_controlled_turn_that_ends_leaves_no_interrupt_answerable() -> None:
+    """Every record is final when a steered or cancelled turn ends, so an interrupt still listed (one
+    whose call was settled without removing it) must not outlive the turn and stay answerable."""
+    flow = AgentSessionFlow(_NoModel(), "NoModel")  # type: ignore[arg-type]
+    runtime = runtime_of(flow)
+    record = tool_call(AgentToolCallStatus.REJECTED, rejection_message=STEERED_REJECTION_MESSAGE,
+                       cancellation_reason=CancellationReason.STEERED)
+    values: dict[tuple[str, str], Any] = {
+        ("AgentState", ""): running_turn(status=AgentStatus.RUNNING_TOOLS), ("AgentToolCalls", "c1"): record,
+        ("SteeredMessageCount", ""): 1, ("PendingInterrupts", ""): [_interrupt("c1", "c1")],
+    }
+    ctx = _applying(flow, values, AgentUserMessage("change of plan"))
+    await ControlSteps(runtime, TurnSteps(runtime)).apply_turn_control(ctx, None)
+    assert ctx.get(PENDING_INTERRUPTS) == []
+
 
 async def test_apply_turn_control_fails_rather_than_end_a_turn_with_an_unfinished_call() -> None:
     """Every path to ApplyTurnControl comes from a turn whose records are final; ending one that
