@@ -850,7 +850,8 @@ async def test_apply_turn_control_ends_the_steered_turn_and_counts_the_first_ste
 
 async def test_a_controlled_turn_that_ends_leaves_no_interrupt_answerable() -> None:
     """Every record is final when a steered or cancelled turn ends, so an interrupt still listed (one
-    whose call was settled without removing it) must not outlive the turn and stay answerable."""
+    whose call was settled without removing it) must not outlive the turn and stay answerable. With
+    none listed, PendingInterrupts (which cancel_turn locks) is not written at all."""
     flow = AgentSessionFlow(_NoModel(), "NoModel")  # type: ignore[arg-type]
     runtime = runtime_of(flow)
     record = tool_call(AgentToolCallStatus.REJECTED, rejection_message=STEERED_REJECTION_MESSAGE,
@@ -860,8 +861,13 @@ async def test_a_controlled_turn_that_ends_leaves_no_interrupt_answerable() -> N
         ("SteeredMessageCount", ""): 1, ("PendingInterrupts", ""): [_interrupt("c1", "c1")],
     }
     ctx = _applying(flow, values, AgentUserMessage("change of plan"))
-    await ControlSteps(runtime, TurnSteps(runtime)).apply_turn_control(ctx, None)
+    control = ControlSteps(runtime, TurnSteps(runtime))
+    await control.apply_turn_control(ctx, None)
     assert ctx.get(PENDING_INTERRUPTS) == []
+    values[("PendingInterrupts", "")] = []
+    ctx = _applying(flow, values, AgentUserMessage("change of plan"))
+    await control.apply_turn_control(ctx, None)
+    assert ("PendingInterrupts", "") not in ctx.writes.attributes
 
 
 async def test_apply_turn_control_fails_rather_than_end_a_turn_with_an_unfinished_call() -> None:
