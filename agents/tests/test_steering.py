@@ -202,6 +202,9 @@ def test_the_two_flags_come_from_committed_state_of_the_active_turn() -> None:
     assert (both.steered, both.cancelled, both.reason) == (True, True, CancellationReason.TURN_CANCELLED)
     assert of("turn-2", cancellation=cancel, steered_count=1).reason is None  # not the active turn
     assert of(None, steered_count=1).reason is None
+    # No turn is active when none is named either: a waiting steer starts the next turn, it steers none.
+    idle = msgspec.structs.replace(state, active_turn_id=None, status=AgentStatus.WAITING_FOR_USER_MESSAGE)
+    assert of(None, state=idle, steered_count=1).reason is None
     assert turn_control_of("turn-1", state=None, cancellation=cancel, steered_count=1, applied_count=0).reason is None
 
 
