@@ -648,3 +648,23 @@ async def test_resume_turn_woken_in_a_turn_both_steered_and_cancelled_leaves_the
     else:
         assert ctx.get(PENDING_INTERRUPTS) == []
         assert [p["cancellation_reason"] for p in resolved] == ["steered"]
+
+
+async def test_resume_turn_woken_by_a_steer_wakes_a_durable_wait_and_leaves_other_interrupts_unwritten() -> None:
+    """A steer that removes no interrupt (the only abandonable call is a durable wait; the pending
+    question belongs to a started task) wakes the wait and leaves PendingInterrupts, which
+    cancel_turn locks, unwritten."""
+    flow = _flow()
+    records = [tool_call(S.WAITING_FOR_TIMER, tool_call_id="w", deferral_order=0),
+               tool_call(S.AWAITING_ANSWER, tool_call_id="q", deferral_order=1, task_id="task-1", input_question="Q?")]
+    values: dict[tuple[str, str], Any] = {("AgentToolCalls", r.tool_call_id): r for r in records}
+    values |= {("AgentState", ""): _state(), ("PendingInterrupts", ""): [_interrupt("q-input-1", "q")],
+               ("SteeredMessageCount", ""): 1}
+    wake = ConsumedMessage(1, msgspec.Raw(msgspec.json.encode(TurnControlRequest(TurnControlKind.STEER))))
+    wait = Wait.any_of(TOOL_CALL_RESULTS.for_n(2), TURN_CONTROL_WAKE)
+    ctx = step_context(flow, RESUME_TURN, values, (wait, WaitOutcome(satisfied=(1,), consumed=((), (wake,)))))
+    decision = await ToolSteps(runtime_of(flow)).resume_turn(ctx, 2)
+    assert [(m.step_type, m.input) for m in decision.movements] == [(RESUME_TURN, 2)]
+    assert [(n, k, msgspec.json.decode(v)) for n, k, v in ctx.writes.publishes] == [
+        ("ToolCallCancellations", "w", {"reason": "steered"})]
+    assert ctx.writes.attributes == {} and _event_payloads(ctx, "interrupt_resolved") == []
