@@ -468,6 +468,7 @@ async def test_finish_turn_cancellation_ends_only_a_cancelled_model_phase(
     assert [m.step_type for m in decision.movements] == expected
     assert ctx.writes.empty()
 
+
 WAITING_TIMER = tool_call(S.WAITING_FOR_TIMER, tool_call_id="w")
 DONE = tool_call(S.SUCCEEDED, tool_call_id="done", output="ok")
 
@@ -552,6 +553,7 @@ async def test_cancel_turn_rpc_cancels_the_registered_steps_and_starts_finish_tu
     assert [(m.step_type, m.input) for m in result.next_steps] == [(FINISH_TURN_CANCELLATION, "turn-1")]
     written = ctx.get(TURN_CANCELLATION_REQUEST)
     assert written is not None and written.turn_id == "turn-1" and written.requested_at.endswith("Z")
+
 
 async def test_cancel_turn_after_an_earlier_turn_was_cancelled_writes_its_own_request() -> None:
     """TurnCancellationRequest still names the earlier turn it cancelled: only a request for this turn

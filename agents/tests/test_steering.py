@@ -851,6 +851,7 @@ async def test_apply_turn_control_ends_the_steered_turn_and_counts_the_first_ste
     assert ctx.get(AGENT_TOOL_CALLS["c1"]) is None
     assert [(e.type, e.turn_id) for e in _events_written(ctx)][:1] == [("turn_steered", "turn-1")]
 
+
 async def test_a_controlled_turn_that_ends_leaves_no_interrupt_answerable() -> None:
     """Every record is final when a steered or cancelled turn ends, so an interrupt still listed (one
     whose call was settled without removing it) must not outlive the turn and stay answerable. With
@@ -875,7 +876,7 @@ async def test_a_controlled_turn_that_ends_leaves_no_interrupt_answerable() -> N
 
 async def test_apply_turn_control_fails_rather_than_end_a_turn_with_an_unfinished_call() -> None:
     """Every path to ApplyTurnControl comes from a turn whose records are final; ending one that
-    still has a waiting call would drop that call's result, so the Step fails and writes nothing."""
+    still has a waiting call would drop that call's result, so the Step fails instead."""
     flow = AgentSessionFlow(_NoModel(), "NoModel")  # type: ignore[arg-type]
     runtime = runtime_of(flow)
     control = ControlSteps(runtime, TurnSteps(runtime))
@@ -922,6 +923,7 @@ async def test_steer_and_cancel_are_refused_for_a_turn_without_accepts_turn_cont
     ctx = _rpc_context(flow, "delete_queued_message", values, ((5, AgentUserMessage("q")),))
     assert await flow.rpc("delete_queued_message").handler(ctx, DeleteQueuedMessageRequest("5")) is True
     assert ctx.writes.deleted_messages == [("QueuedUserMessages", "", 5)]
+
 
 async def test_refused_steer_and_delete_requests_return_false_and_write_nothing() -> None:
     """The RPCs are declared to return bool, so a refusal is false on the wire, never null (the
