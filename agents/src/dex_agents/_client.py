@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import Any, TypeVar
 
-from dex_engine import AsyncClient, FlowConfig, RpcLockConflictError, StepDurability, StreamRead
+from dex_engine import DEFAULT_READ_LIMIT, AsyncClient, FlowConfig, RpcLockConflictError, StepDurability, StreamRead
 
 from ._constants import (
     LIST_MESSAGES_DEFAULT_LIMIT,
@@ -171,7 +171,8 @@ class AgentSessionClient:
         return page
 
     async def read_agent_events(
-        self, session_id: str, resume_token: str | None = None, *, wait_seconds: float = 0.0, limit: int = 1000
+        self, session_id: str, resume_token: str | None = None, *, wait_seconds: float = 0.0,
+        limit: int = DEFAULT_READ_LIMIT,
     ) -> StreamRead:
         """AgentEvents after `resume_token`, long-polling up to `wait_seconds`."""
         return await self.client.read_stream(

@@ -16,7 +16,7 @@ from ._decision import RPCResult
 from ._errors import DexError, FlowNotFoundError, RpcContentionError
 from ._flow import Flow, Registry
 from ._ids import check_id
-from ._limits import CLIENT_FLOW_TYPE_CACHE_ENTRIES, MAX_RPC_TRIES, MAX_STREAM_WAIT_SECONDS
+from ._limits import CLIENT_FLOW_TYPE_CACHE_ENTRIES, DEFAULT_READ_LIMIT, MAX_RPC_TRIES, MAX_STREAM_WAIT_SECONDS
 from ._open import open_store
 from ._options import FlowConfig
 from ._records import FlowInfo, HistoryEntry, MovementRecord, StartRequest
@@ -202,7 +202,7 @@ class AsyncClient:
 
     async def read_stream(
         self, flow_id: str, stream: Stream[T] | str, resume_token: str | None = None, *,
-        wait_seconds: float = 0.0, limit: int = 1000,
+        wait_seconds: float = 0.0, limit: int = DEFAULT_READ_LIMIT,
     ) -> StreamRead:
         """Events after `resume_token` (from the start when None), long-polling up to `wait_seconds`."""
         flow = await self._flow_of(flow_id)
@@ -242,7 +242,7 @@ class AsyncClient:
     async def describe_flow(self, flow_id: str) -> FlowInfo:
         return await self._store.describe_flow(flow_id)
 
-    async def search_flows(self, query: str, limit: int = 1000) -> list[str]:
+    async def search_flows(self, query: str, limit: int = DEFAULT_READ_LIMIT) -> list[str]:
         """Flow IDs matching e.g. 'ActiveStepTypes = "AwaitToolApproval" AND FlowType = "Agent"'."""
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit!r}")
@@ -314,7 +314,7 @@ class Client:
         return self._call(coro)
 
     def read_stream(self, flow_id: str, stream: Stream[T] | str, resume_token: str | None = None, *,
-                    wait_seconds: float = 0.0, limit: int = 1000) -> StreamRead:
+                    wait_seconds: float = 0.0, limit: int = DEFAULT_READ_LIMIT) -> StreamRead:
         return self._call(self._async.read_stream(flow_id, stream, resume_token,
                                                   wait_seconds=wait_seconds, limit=limit))
 
@@ -327,7 +327,7 @@ class Client:
     def describe_flow(self, flow_id: str) -> FlowInfo:
         return self._call(self._async.describe_flow(flow_id))
 
-    def search_flows(self, query: str, *, limit: int = 1000) -> list[str]:
+    def search_flows(self, query: str, *, limit: int = DEFAULT_READ_LIMIT) -> list[str]:
         return self._call(self._async.search_flows(query, limit=limit))
 
     def get_flow_history(self, flow_id: str) -> list[HistoryEntry]:

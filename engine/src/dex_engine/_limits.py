@@ -89,6 +89,9 @@ CLIENT_FLOW_TYPE_CACHE_ENTRIES = 100_000
 # RPC optimistic validation: tries before RpcContentionError.
 MAX_RPC_TRIES = 64
 
+# Events a stream read, or flow IDs a search, returns when the caller names no limit: one page a UI can render.
+DEFAULT_READ_LIMIT = 1000
+
 # A stream long-poll waits at most this long for new events.
 MAX_STREAM_WAIT_SECONDS = 60.0
 

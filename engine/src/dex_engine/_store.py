@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 from . import _gates
 from . import _transitions as tx
-from ._limits import MAX_FOLDED_EXECUTES_PER_COMMIT
+from ._limits import DEFAULT_READ_LIMIT, MAX_FOLDED_EXECUTES_PER_COMMIT
 from ._options import FlowConfig, LoadSpec
 from ._records import (
     DecisionRecord,
@@ -206,7 +206,7 @@ class Store(ABC):
 
     async def search_flows(
         self, *, flow_type: str | None = None, status: str | None = None,
-        active_step: str | None = None, limit: int = 1000,
+        active_step: str | None = None, limit: int = DEFAULT_READ_LIMIT,
     ) -> list[str]:
         return await self._run(lambda db: tx.search_flows(db, flow_type, status, active_step, limit), write=False)
 
