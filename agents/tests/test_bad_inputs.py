@@ -42,6 +42,7 @@ from dex_agents import (
     SESSION_SETTINGS,
     SESSION_SETTINGS_SIZE_TOLERANCE_BYTES,
     TOOL_CALL_CANCELLATIONS,
+    ActiveStepSearchMode,
     AgentEvent,
     AgentInterrupt,
     AgentInterruptResolution,
@@ -95,6 +96,7 @@ from dex_engine import (
     AsyncClient,
     AsyncWorker,
     AttemptProgress,
+    Flow,
     FlowNotActiveError,
     FlowNotFoundError,
     InvalidValueError,
@@ -1254,6 +1256,29 @@ async def test_start_session_refuses_invalid_settings(tmp_path: Path) -> None:
         snapshot = await turn_ended(sessions, "s", 1)
         assert snapshot.session_settings == valid
         await assert_usable(sessions, "s", await all_messages(sessions, "s"))
+
+
+async def test_session_client_refuses_a_wrong_flow_message_or_search_mode(tmp_path: Path) -> None:
+    """AgentSessionClient refuses what is not an AgentSessionFlow, start_session an initial message that
+    is not text and a search mode that is not an ActiveStepSearchMode, each with an error naming the
+    value, before anything is stored; the same ID then starts."""
+    flow = build_flow(tmp_path)
+    async with in_process(tmp_path, flow, worker=False) as engine:
+        with pytest.raises(TypeError) as caught:
+            AgentSessionClient(engine.client, Flow("NotAnAgent", []))  # type: ignore[arg-type]
+        assert str(caught.value) == "flow must be an AgentSessionFlow, got Flow"
+        sessions = engine.sessions
+        rows = await table_rows(engine.client)
+        with pytest.raises(TypeError) as caught:
+            await sessions.start_session("s", 42)  # type: ignore[arg-type]
+        assert str(caught.value) == "initial_message must be text or None, got int"
+        with pytest.raises(ValueError) as caught_mode:
+            await sessions.start_session("s", "first", active_step_search_mode="enabled")  # type: ignore[arg-type]
+        assert str(caught_mode.value) == "active_step_search_mode must be an ActiveStepSearchMode, got 'enabled'"
+        assert await table_rows(engine.client) == rows
+        assert not await engine.client.exists("s")
+        await sessions.start_session("s", "first", active_step_search_mode=ActiveStepSearchMode.DISABLED)
+        assert await engine.client.exists("s")
 
 
 async def test_start_flow_with_invalid_settings_force_fails_the_session(tmp_path: Path) -> None:
