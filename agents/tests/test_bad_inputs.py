@@ -1237,9 +1237,10 @@ INVALID_SETTINGS: list[tuple[str, object, str]] = [
 ]
 
 
-async def test_start_session_refuses_invalid_settings(tmp_path: Path) -> None:
+async def test_start_session_and_update_refuse_invalid_settings(tmp_path: Path) -> None:
     """start_session raises ValueError naming the problem before anything is stored; the same ID then
-    starts with valid settings (the limit itself is accepted)."""
+    starts with valid settings (the limit itself is accepted). update_session_settings refuses the same
+    settings the same way, before sending, and the stored settings stay."""
     async with in_process(tmp_path, build_flow(tmp_path), worker=False) as engine:
         sessions = engine.sessions
         rows = await table_rows(engine.client)
@@ -1255,6 +1256,10 @@ async def test_start_session_refuses_invalid_settings(tmp_path: Path) -> None:
         await sessions.start_session("s", "first", session_settings=valid)
         snapshot = await turn_ended(sessions, "s", 1)
         assert snapshot.session_settings == valid
+        for _case, settings, problem in INVALID_SETTINGS:
+            with pytest.raises(ValueError, match="^" + re.escape(problem)):
+                await sessions.update_session_settings("s", settings)  # type: ignore[arg-type]
+        assert (await sessions.get_agent_snapshot("s")).session_settings == valid
         await assert_usable(sessions, "s", await all_messages(sessions, "s"))
 
 
