@@ -1169,45 +1169,32 @@ class CutoffAtTheSummary(BuiltinLoopAgentRunner):
         return turn.messages[-1].sequence if summary is None else summary.last_sequence
 
 
-async def test_a_cutoff_the_summary_already_covers_calls_the_model(tmp_path: Path) -> None:
-    """Seed 002: only a cutoff after the current ContextSummary moves RunModel to CompactContext, so
-    the pair cannot loop. A cutoff equal to the summary's last sequence makes the model call, though
-    the estimate stays over the trigger: one summary a turn at most, here one in all."""
-    # The first model call sees only the summary (it covers the one message): any answer will do.
-    flow, model = compaction_flow("SummaryCutoffAgent", lambda _request: ScriptedModelReply(text="ok"), window=500,
-                                  runner=CutoffAtTheSummary)
-    done, history = await run_one_session(tmp_path, flow, ["hello", "again"])
-    assert done.state is not None and done.state.last_turn_error is None
-    assert done.context_summary is not None and done.context_summary.last_sequence == 1
-    assert (len(summary_calls(model)), len(model_calls(model))) == (1, 2)
-    assert executed_steps(history) == ["StartAgentSession", "AwaitUserMessage", RUN_MODEL, COMPACT_CONTEXT,
-                                       RUN_MODEL, "AwaitUserMessage", RUN_MODEL]
-
-
 class AwaitedCompactionAnswers(PlainRunner):
-    """CutoffAtTheSummary's answers, from coroutines: RunModel awaits an awaitable answer, as the
-    TypeScript core awaits a Promise, instead of failing the turn on it."""
-
-    def __init__(self, inner: BuiltinLoopAgentRunner) -> None:
-        super().__init__(inner)
-        self.answers = CutoffAtTheSummary(inner.definition)
+    """The wrapped runner's compaction answers, from coroutines: RunModel awaits an awaitable answer,
+    as the TypeScript core awaits a Promise, instead of failing the turn on it."""
 
     async def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
-        return self.answers.estimate_input_tokens(turn)
+        return self.inner.estimate_input_tokens(turn)
 
     async def select_compaction_cutoff(self, turn: AgentTurnContext, retained_token_budget: int) -> int | None:
-        return self.answers.select_compaction_cutoff(turn, retained_token_budget)
+        return self.inner.select_compaction_cutoff(turn, retained_token_budget)
 
     async def summarize_context(self, request: ContextSummaryRequest) -> ContextSummaryResult:
         return await self.inner.summarize_context(request)
 
 
-async def test_awaitable_compaction_answers_are_awaited(tmp_path: Path) -> None:
-    """estimate_input_tokens and select_compaction_cutoff may return awaitables: the same Steps and the
-    same one summary as with CutoffAtTheSummary's plain answers."""
-    flow, model = compaction_flow("AwaitedAnswersAgent", lambda _request: ScriptedModelReply(text="ok"), window=500)
-    awaited = AgentSessionFlow(AwaitedCompactionAnswers(flow.runner), "AwaitedAnswersAgent", flow.options)
-    done, history = await run_one_session(tmp_path, awaited, ["hello", "again"])
+@pytest.mark.parametrize("awaited", [False, True])
+async def test_a_cutoff_the_summary_already_covers_calls_the_model(tmp_path: Path, awaited: bool) -> None:
+    """Seed 002: only a cutoff after the current ContextSummary moves RunModel to CompactContext, so
+    the pair cannot loop. A cutoff equal to the summary's last sequence makes the model call, though
+    the estimate stays over the trigger: one summary a turn at most, here one in all. The same when
+    estimate_input_tokens and select_compaction_cutoff answer with awaitables."""
+    # The first model call sees only the summary (it covers the one message): any answer will do.
+    flow, model = compaction_flow("SummaryCutoffAgent", lambda _request: ScriptedModelReply(text="ok"), window=500,
+                                  runner=CutoffAtTheSummary)
+    if awaited:
+        flow = AgentSessionFlow(AwaitedCompactionAnswers(flow.runner), "SummaryCutoffAgent", flow.options)
+    done, history = await run_one_session(tmp_path, flow, ["hello", "again"])
     assert done.state is not None and done.state.last_turn_error is None
     assert done.context_summary is not None and done.context_summary.last_sequence == 1
     assert (len(summary_calls(model)), len(model_calls(model))) == (1, 2)
