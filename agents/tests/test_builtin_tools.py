@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from agents.tests.built_context import runtime_of, step_context, tool_call
 from agents.tests.builtin_agent import InProcessEngine, lookup_order, scripted_flow
 
 from dex_agents import (
+    AWAIT_TIMER,
+    TOOL_CALL_CANCELLATIONS,
     AgentEventType,
     AgentSessionClient,
     AgentSnapshot,
+    AgentToolCallStatus,
     BuiltInTool,
     InterruptKind,
     MessageRole,
 )
+from dex_agents._builtin_steps import BuiltInSteps
 from dex_agents._builtin_tools import BuiltInArgumentsError, parse_ask_user, parse_durable_wait
+from dex_agents._timefmt import format_time
 from dex_agents.builtin_loop import (
     AgentDefinition,
     ModelRequest,
@@ -28,6 +34,8 @@ from dex_agents.builtin_loop import (
     ScriptedToolCall,
 )
 from dex_agents.testing import executed_steps, to_step_history, wait_for_agent_snapshot, wait_until
+from dex_engine import Timer, Wait
+from dex_engine._records import WaitOutcome
 
 BOTH = frozenset({BuiltInTool.ASK_USER, BuiltInTool.DURABLE_WAIT})
 
@@ -203,3 +211,31 @@ def test_enabled_built_in_name_is_reserved() -> None:
     with pytest.raises(ValueError, match="tool ask_user uses the name of an enabled built-in tool"):
         AgentDefinition(name="a", instructions="", model=model, tools=[ask_user], built_in_tools=BOTH)
     AgentDefinition(name="a", instructions="", model=model, tools=[ask_user, lookup_order])
+
+
+@pytest.mark.parametrize("case", ["record_gone", "record_final", "no_wait_until"])
+async def test_await_timer_of_a_call_no_longer_waiting_skips_and_writes_nothing(case: str) -> None:
+    """A durable_wait whose call is no longer waiting_for_timer (recorded final, e.g. cancelled, or
+    its record gone), or has no wait_until to time: the WaitFor skips rather than start a Timer, and
+    Execute of a call no longer waiting ends with nothing written, so it is never recorded twice."""
+    flow, _ = scripted_flow(calls_then_echo("durable_wait", {"duration_seconds": 60, "reason": "r"}),
+                            built_in_tools=BOTH)
+    built_ins = BuiltInSteps(runtime_of(flow))
+    wait_until = format_time(datetime.now(UTC) + timedelta(seconds=60))
+    records = {
+        "record_gone": None,
+        "record_final": tool_call(AgentToolCallStatus.REJECTED, tool_name="durable_wait", wait_until=wait_until),
+        "no_wait_until": tool_call(AgentToolCallStatus.WAITING_FOR_TIMER, tool_name="durable_wait"),
+    }
+    record = records[case]
+    values = {} if record is None else {("AgentToolCalls", "c1"): record}
+    waiting = await built_ins.await_timer_wait(step_context(flow, AWAIT_TIMER, values), "c1")
+    assert waiting == Wait.skip_immediately()
+    if case == "no_wait_until":
+        return
+    fired = Wait.any_of(Timer.by_duration(60), TOOL_CALL_CANCELLATIONS["c1"].for_one())
+    ctx = step_context(flow, AWAIT_TIMER, values, (fired, WaitOutcome(satisfied=(0,), consumed=((), ()),
+                                                                       fired_timers=(0,))))
+    decision = await built_ins.await_timer(ctx, "c1")
+    assert decision.kind == "dead_end"
+    assert ctx.writes.empty()

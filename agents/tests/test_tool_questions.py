@@ -605,3 +605,21 @@ async def test_pending_interrupt_of_another_call_with_the_question_id_fails_the_
     assert record.error == tool_question_id_in_use("c1-input-1")
     assert ctx.get(PENDING_INTERRUPTS) == others
     assert [p[0] for p in ctx.writes.publishes] == ["ToolCallResults"]
+
+
+@pytest.mark.parametrize("final", [False, True], ids=["record_gone", "record_final"])
+async def test_question_step_of_a_call_no_longer_awaiting_an_answer_skips_and_writes_nothing(final: bool) -> None:
+    """A call already recorded final (or whose record is gone) when its AwaitQuestionAnswer runs: the
+    WaitFor skips rather than wait for an answer nobody can give, and Execute ends without applying
+    an answer it took, so a final call is never recorded twice."""
+    flow, _ = _flow()
+    steps = _steps_of(flow)
+    records = [_asking_record(status=AgentToolCallStatus.REJECTED)] if final else []
+    assert await steps.await_question_answer_wait(_context(flow, records, []), "c1") == Wait.skip_immediately()
+    wait = Wait.any_of(TOOL_CALL_CANCELLATIONS["c1"].for_one(), INTERRUPT_RESOLUTIONS["c1-input-1"].for_one())
+    answer = msgspec.json.encode(AgentInterruptResolution(approved=True, rejection_message=None, answer="red"))
+    outcome = WaitOutcome(satisfied=(1,), consumed=((), (ConsumedMessage(7, msgspec.Raw(answer)),)))
+    ctx = _context(flow, records, [], (wait, outcome))
+    decision = await steps.await_question_answer(ctx, "c1")
+    assert decision.kind == "dead_end"
+    assert ctx.writes.empty()
