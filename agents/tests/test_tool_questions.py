@@ -623,3 +623,39 @@ async def test_question_step_of_a_call_no_longer_awaiting_an_answer_skips_and_wr
     decision = await steps.await_question_answer(ctx, "c1")
     assert decision.kind == "dead_end"
     assert ctx.writes.empty()
+
+
+async def test_wait_of_an_ask_user_question_whose_interrupt_an_answer_took() -> None:
+    """answer_question took an ask_user question's interrupt before the WaitFor ran (the turn neither
+    steered nor cancelled): it waits for that answer and a wake as while pending. Only a tool's
+    question is raised by this Step, so no zero Timer, and with the interrupt gone no deadline Timer."""
+    flow, _ = _flow()
+    ask = tool_call(AgentToolCallStatus.AWAITING_ANSWER, tool_name="ask_user")
+    wait = await _steps_of(flow).await_question_answer_wait(_context(flow, [ask], []), "c1")
+    assert wait == Wait.any_of(TOOL_CALL_CANCELLATIONS["c1"].for_one(), INTERRUPT_RESOLUTIONS["c1"].for_one())
+
+
+@pytest.mark.parametrize("deadline_passed", [True, False])
+async def test_deadline_timer_rejects_a_pending_question_only_once_its_deadline_passed(deadline_passed: bool) -> None:
+    """The deadline Timer of a pending question fires. Past the deadline, Execute removes the
+    interrupt (other calls' stay), rejects the call with `question deadline passed` and ends. A Timer
+    that fired early (SkipTimer) changes nothing and waits again (seed 002: "or itself after an early
+    Timer")."""
+    flow, _ = _flow()
+    deadline = datetime.now(UTC) + (timedelta(seconds=-1) if deadline_passed else timedelta(minutes=5))
+    pending = [_interrupt("c2", "c2"), _interrupt("c1-input-1", "c1", deadline)]
+    wait = Wait.any_of(TOOL_CALL_CANCELLATIONS["c1"].for_one(), INTERRUPT_RESOLUTIONS["c1-input-1"].for_one(),
+                       Timer.by_duration(1))
+    outcome = WaitOutcome(satisfied=(2,), consumed=((), (), ()), fired_timers=(2,))
+    ctx = _context(flow, [_asking_record()], pending, (wait, outcome))
+    decision = await _steps_of(flow).await_question_answer(ctx, "c1")
+    if not deadline_passed:
+        assert [(m.step_type, m.input) for m in decision.movements] == [(AWAIT_QUESTION_ANSWER, "c1")]
+        assert ctx.writes.empty()
+        return
+    assert decision.kind == "dead_end"
+    assert ctx.get(PENDING_INTERRUPTS) == pending[:1]
+    record = ctx.get(AGENT_TOOL_CALLS["c1"])
+    assert record is not None
+    assert (record.status, record.rejection_message, record.input_question) == (
+        AgentToolCallStatus.REJECTED, "question deadline passed", None)
