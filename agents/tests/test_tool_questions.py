@@ -50,6 +50,7 @@ from dex_agents import (
     MessageRole,
     QuestionAnswer,
     ToolCallsRequested,
+    ToolCallStepOptions,
     ToolEffect,
     ToolExecutionResult,
     ToolInputRequested,
@@ -659,3 +660,66 @@ async def test_deadline_timer_rejects_a_pending_question_only_once_its_deadline_
     assert record is not None
     assert (record.status, record.rejection_message, record.input_question) == (
         AgentToolCallStatus.REJECTED, "question deadline passed", None)
+
+
+class _NoOptionsRunner(AskingRunner):
+    """AskingRunner whose tool_call_step_options always raises."""
+
+    def tool_call_step_options(self, call: DeferredToolCall) -> ToolCallStepOptions | None:
+        raise RuntimeError("no manifest for this tool")
+
+
+def _answered(answer: str) -> tuple[Wait, WaitOutcome]:
+    """The not-pending wait of `c1-input-1`, having taken an answer that committed first."""
+    wait = Wait.all_of(Timer.by_duration(0), INTERRUPT_RESOLUTIONS["c1-input-1"].at_most(1))
+    resolution = msgspec.json.encode(AgentInterruptResolution(approved=True, rejection_message=None, answer=answer))
+    return wait, WaitOutcome(satisfied=(0, 1), consumed=((), (ConsumedMessage(7, msgspec.Raw(resolution)),)),
+                             fired_timers=(0,))
+
+
+async def test_answered_question_whose_tool_step_options_fail_records_the_call_failed_unrun() -> None:
+    """The answer would send the call back to its tool Step, but the runner's tool_call_step_options
+    raises: the call records failed as never run and publishes its result, and the branch ends
+    there instead of moving to a tool Step."""
+    flow = AgentSessionFlow(_NoOptionsRunner(), FLOW_TYPE, AgentSessionOptions(tool_policies=POLICIES))
+    ctx = _context(flow, [_asking_record()], [], _answered("red"))
+    decision = await _steps_of(flow).await_question_answer(ctx, "c1")
+    assert decision.kind == "dead_end"
+    record = ctx.get(AGENT_TOOL_CALLS["c1"])
+    assert record is not None and record.status is AgentToolCallStatus.FAILED
+    assert record.error == (
+        f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}: the runner's tool_call_step_options raised RuntimeError: "
+        "no manifest for this tool")
+    assert [p[0] for p in ctx.writes.publishes] == ["ToolCallResults"]
+
+
+async def test_an_answer_too_large_to_store_fails_the_call() -> None:
+    """An answer that makes the call's record larger than the session's value limit would fail the
+    Step on every retry: the call records failed with the sizes instead, and the branch ends."""
+    flow, _ = _flow()
+    ctx = _context(flow, [_asking_record()], [], _answered("a" * MAX_VALUE_BYTES))
+    decision = await _steps_of(flow).await_question_answer(ctx, "c1")
+    assert decision.kind == "dead_end"
+    record = ctx.get(AGENT_TOOL_CALLS["c1"])
+    assert record is not None and record.status is AgentToolCallStatus.FAILED
+    assert (record.input_question, record.input_answers) == (None, [])
+    assert re.fullmatch(rf"the user's answer makes the call \d+ bytes, over the session's value limit of "
+                        rf"{MAX_VALUE_BYTES}; it was not stored", record.error or "")
+
+
+async def test_a_resolution_without_an_answer_declines_the_question() -> None:
+    """A resolution approved but with no answer (the shape of a tool approval, never of
+    answer_question) taken by a question never answers it with nothing: the call is declined with
+    the default message and the tool does not run again."""
+    flow, _ = _flow()
+    wait = Wait.all_of(Timer.by_duration(0), INTERRUPT_RESOLUTIONS["c1-input-1"].at_most(1))
+    resolution = msgspec.json.encode(AgentInterruptResolution(approved=True, rejection_message=None))
+    outcome = WaitOutcome(satisfied=(0, 1), consumed=((), (ConsumedMessage(7, msgspec.Raw(resolution)),)),
+                          fired_timers=(0,))
+    ctx = _context(flow, [_asking_record()], [], (wait, outcome))
+    decision = await _steps_of(flow).await_question_answer(ctx, "c1")
+    assert decision.kind == "dead_end"
+    record = ctx.get(AGENT_TOOL_CALLS["c1"])
+    assert record is not None
+    assert (record.status, record.rejection_message, record.input_answers) == (
+        AgentToolCallStatus.REJECTED, "The user declined to answer.", [])
