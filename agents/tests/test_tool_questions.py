@@ -723,3 +723,36 @@ async def test_a_resolution_without_an_answer_declines_the_question() -> None:
     assert record is not None
     assert (record.status, record.rejection_message, record.input_answers) == (
         AgentToolCallStatus.REJECTED, "The user declined to answer.", [])
+
+
+async def test_a_question_that_does_not_fit_next_to_the_pending_interrupts_fails_the_call() -> None:
+    """Raising the question would make PendingInterrupts larger than the value limit: the call
+    records failed with the sizes, nothing is raised, and the other interrupts stay as they were."""
+    flow, _ = _flow()
+    wait = Wait.all_of(Timer.by_duration(0), INTERRUPT_RESOLUTIONS["c1-input-1"].at_most(1))
+    outcome = WaitOutcome(satisfied=(0, 1), consumed=((), ()), fired_timers=(0,))
+    big = msgspec.structs.replace(_interrupt("c2", "c2"), question="Q" * (MAX_VALUE_BYTES - 1000))
+    ctx = _context(flow, [_asking_record(input_question="Colour?" * 200)], [big], (wait, outcome))
+    decision = await _steps_of(flow).await_question_answer(ctx, "c1")
+    assert decision.kind == "dead_end"
+    record = ctx.get(AGENT_TOOL_CALLS["c1"])
+    assert record is not None and record.status is AgentToolCallStatus.FAILED
+    assert re.fullmatch(r"the tool's question does not fit with the turn's other pending interrupts "
+                        rf"\(\d+ bytes, over the session's value limit of {MAX_VALUE_BYTES}\)", record.error or "")
+    assert ctx.get(PENDING_INTERRUPTS) == [big]
+    assert ("PendingInterrupts", "") not in ctx.writes.attributes
+
+
+async def test_a_record_with_the_question_id_from_an_earlier_turn_does_not_collide() -> None:
+    """Tool call IDs may repeat across turns: a record `c1-input-1` of an earlier turn is not
+    "another tool call of this turn" (seed 002), so the question is raised as usual."""
+    flow, _ = _flow()
+    wait = Wait.all_of(Timer.by_duration(0), INTERRUPT_RESOLUTIONS["c1-input-1"].at_most(1))
+    outcome = WaitOutcome(satisfied=(0, 1), consumed=((), ()), fired_timers=(0,))
+    earlier = tool_call(AgentToolCallStatus.SUCCEEDED, tool_call_id="c1-input-1", turn_id="turn-0")
+    ctx = _context(flow, [_asking_record(), earlier], [], (wait, outcome))
+    decision = await _steps_of(flow).await_question_answer(ctx, "c1")
+    assert [(m.step_type, m.input) for m in decision.movements] == [(AWAIT_QUESTION_ANSWER, "c1")]
+    pending = ctx.get(PENDING_INTERRUPTS)
+    assert pending is not None and [(i.interrupt_id, i.tool_call_id) for i in pending] == [("c1-input-1", "c1")]
+    assert ctx.get(AGENT_TOOL_CALLS["c1"]) == _asking_record()
