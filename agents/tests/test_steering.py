@@ -1207,3 +1207,47 @@ async def test_a_steered_message_the_turn_control_step_took_stays_in_the_snapsho
         done = await session.turns_ended(2)
         assert user_texts(done, "turn-2") == ["change of plan"]
         assert done.steered_messages == [] and done.queued_messages == []
+
+
+async def test_a_question_whose_deadline_timer_fired_in_a_steered_turn_is_rejected_for_its_deadline() -> None:
+    """Timers win over the steer's wake, as for AwaitTimer: a pending question whose deadline Timer
+    fired is rejected with `question deadline passed`, though the turn is steered; only a wake by
+    ToolCallCancellations lets the steering flags decide."""
+    flow = build_flow(None, built_in_tools=BUILT_INS)
+    built_ins = BuiltInSteps(runtime_of(flow))
+    ask = tool_call(AgentToolCallStatus.AWAITING_ANSWER, tool_name="ask_user")
+    question = msgspec.structs.replace(_interrupt("c1", "c1", InterruptKind.QUESTION),
+                                       deadline=format_time(datetime.now(UTC) - timedelta(seconds=1)))
+    values = {**_waiting_values(True, False, ask), ("PendingInterrupts", ""): [question]}
+    waiting = await built_ins.await_question_answer_wait(step_context(flow, AWAIT_QUESTION_ANSWER, values), "c1")
+    fired = WaitOutcome(satisfied=(2,), consumed=((), (), ()), fired_timers=(2,))
+    ctx = step_context(flow, AWAIT_QUESTION_ANSWER, values, (waiting, fired))
+    decision = await built_ins.await_question_answer(ctx, "c1")
+    assert decision.kind == "dead_end"
+    record = ctx.get(AGENT_TOOL_CALLS["c1"])
+    assert record is not None
+    assert (record.status, record.rejection_message, record.cancellation_reason) == (
+        AgentToolCallStatus.REJECTED, "question deadline passed", None)
+    assert ctx.get(PENDING_INTERRUPTS) == []
+
+
+async def test_a_pending_question_woken_by_a_steer_is_cancelled_with_its_interrupt() -> None:
+    """The steer's wake on ToolCallCancellations reaches a question still pending in a steered turn:
+    the call records rejected (steered) at once, its interrupt is removed with interrupt_resolved,
+    and the branch ends, rather than waiting for ResumeTurn to take the interrupt."""
+    flow = build_flow(None, built_in_tools=BUILT_INS)
+    built_ins = BuiltInSteps(runtime_of(flow))
+    ask = tool_call(AgentToolCallStatus.AWAITING_ANSWER, tool_name="ask_user")
+    values = {**_waiting_values(True, False, ask),
+              ("PendingInterrupts", ""): [_interrupt("c1", "c1", InterruptKind.QUESTION)]}
+    waiting = await built_ins.await_question_answer_wait(step_context(flow, AWAIT_QUESTION_ANSWER, values), "c1")
+    wake = WaitOutcome(satisfied=(0,), consumed=((ConsumedMessage(1, msgspec.Raw(b'{"reason":"steered"}')),), ()))
+    ctx = step_context(flow, AWAIT_QUESTION_ANSWER, values, (waiting, wake))
+    decision = await built_ins.await_question_answer(ctx, "c1")
+    assert decision.kind == "dead_end"
+    record = ctx.get(AGENT_TOOL_CALLS["c1"])
+    assert record is not None
+    assert (record.status, record.cancellation_reason) == (AgentToolCallStatus.REJECTED, CancellationReason.STEERED)
+    assert ctx.get(PENDING_INTERRUPTS) == []
+    resolved = [json.loads(e.payload) for e in _events_written(ctx) if e.type == "interrupt_resolved"]
+    assert [(p["interrupt_id"], p["cancellation_reason"]) for p in resolved] == [("c1", "steered")]
