@@ -1251,3 +1251,17 @@ async def test_a_pending_question_woken_by_a_steer_is_cancelled_with_its_interru
     assert ctx.get(PENDING_INTERRUPTS) == []
     resolved = [json.loads(e.payload) for e in _events_written(ctx) if e.type == "interrupt_resolved"]
     assert [(p["interrupt_id"], p["cancellation_reason"]) for p in resolved] == [("c1", "steered")]
+
+
+async def test_a_pending_task_question_in_a_steered_turn_keeps_waiting_for_its_answer() -> None:
+    """Steering never abandons a started task's question: while its interrupt is pending in a steered
+    turn, the WaitFor blocks on the wake and the resolution as usual. The answer-first wait would
+    find no answer, and Execute, which keeps a task's question, would loop on zero Timers."""
+    flow = build_flow(None, built_in_tools=BUILT_INS)
+    built_ins = BuiltInSteps(runtime_of(flow))
+    question = tool_call(AgentToolCallStatus.AWAITING_ANSWER, task_id="task-1", input_question="Which?")
+    values = {**_waiting_values(True, False, question),
+              ("PendingInterrupts", ""): [_interrupt("c1-input-1", "c1", InterruptKind.QUESTION)]}
+    waiting = await built_ins.await_question_answer_wait(step_context(flow, AWAIT_QUESTION_ANSWER, values), "c1")
+    assert waiting == Wait.any_of(
+        TOOL_CALL_CANCELLATIONS["c1"].for_one(), INTERRUPT_RESOLUTIONS["c1-input-1"].for_one())
