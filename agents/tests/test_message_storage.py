@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from agents.tests.built_context import runtime_of
+from agents.tests.built_context import running_turn, runtime_of, step_context
 from agents.tests.builtin_agent import InProcessEngine, lookup_order
 from agents.tests.session_driver import all_agent_events
 from hypothesis import HealthCheck, given, settings
@@ -41,6 +41,7 @@ from dex_agents import (
     AgentSnapshot,
     MessageRole,
     RunModelLimit,
+    TurnReplySequence,
 )
 from dex_agents._message_store import (
     CHUNK_ENVELOPE_BYTES,
@@ -708,3 +709,17 @@ def test_store_limits_follow_the_options() -> None:
         "max_chunks_per_commit": MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT,
         "max_bytes_per_commit": MESSAGE_ROLLOVER_MAX_BYTES_PER_COMMIT,
     }
+
+
+@pytest.mark.parametrize("starts_turn", [True, False])
+async def test_appending_no_messages_writes_only_a_starting_turns_reply_sequence(starts_turn: bool) -> None:
+    """No items: a turn that starts here still records where its replies start (the next sequence), and
+    otherwise nothing is written, not even the reply sequence a scan back would find."""
+    flow, _ = storage_flow("EmptyAppendAgent")
+    state = running_turn(active_turn_id="turn-2", next_message_sequence=3)
+    ctx = step_context(flow, "RunModel", {})
+    assert runtime_of(flow).append_messages(ctx, state, "turn-2", [], starts_turn=starts_turn) == state
+    if starts_turn:
+        assert ctx.get(TURN_REPLY_SEQUENCE) == TurnReplySequence(turn_id="turn-2", sequence=3)
+    else:
+        assert ctx.writes.empty()
