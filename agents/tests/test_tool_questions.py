@@ -356,57 +356,43 @@ async def test_tool_question_id_used_by_another_call_fails_the_call(tmp_path: Pa
             ["tool_approval"] if case == "pending_approval" else [])
 
 
-@pytest.mark.parametrize(("request_fields", "problem"), [
-    ({"question": "  "}, "question must be non-empty text"),
-    ({"question": 5}, "question must be non-empty text"),
-    ({"question": "Pick", "choices": "ab"}, "choices must be a sequence of texts"),
-    ({"question": "Pick", "choices": 3}, "choices must be a sequence of texts"),
-    ({"question": "Pick", "choices": {"a": 1}}, "choices must be a sequence of texts"),
-    ({"question": "Pick", "choices": ["a", 1]}, "choices must be non-empty texts"),
-    ({"question": "Pick", "choices": ["a"], "allows_free_text": "yes"}, "allows_free_text must be true or false"),
-    ({"question": "Pick", "continuation": 5}, "continuation must be text or None"),
-    ({"question": "Pick", "choices": ["a", "a"]}, "choices repeat"),
-    ({"question": "Pick", "choices": ["a", " "]}, "choices must be non-empty texts"),
-    ({"question": "Pick", "allows_free_text": False}, "a question without choices must allow free text"),
-    ({"question": "Pick \ud800"}, "question is not valid UTF-8 text: '\\ud800' at position 5 is a lone surrogate"),
-    ({"question": "Pick", "choices": ["a", "b\udfff"]},
-     "a choice is not valid UTF-8 text: '\\udfff' at position 1 is a lone surrogate"),
-    ({"question": "Pick", "continuation": "\ud800"},
-     "continuation is not valid UTF-8 text: '\\ud800' at position 0 is a lone surrogate"),
+INVALID_QUESTION = "the tool asked for input with an invalid ToolInputRequested: "
+
+
+@pytest.mark.parametrize(("call_fields", "error"), [
+    *(({"request": fields}, re.escape(INVALID_QUESTION + problem)) for fields, problem in [
+        ({"question": "  "}, "question must be non-empty text"),
+        ({"question": 5}, "question must be non-empty text"),
+        ({"question": "Pick", "choices": "ab"}, "choices must be a sequence of texts"),
+        ({"question": "Pick", "choices": 3}, "choices must be a sequence of texts"),
+        ({"question": "Pick", "choices": {"a": 1}}, "choices must be a sequence of texts"),
+        ({"question": "Pick", "choices": ["a", 1]}, "choices must be non-empty texts"),
+        ({"question": "Pick", "choices": ["a"], "allows_free_text": "yes"}, "allows_free_text must be true or false"),
+        ({"question": "Pick", "continuation": 5}, "continuation must be text or None"),
+        ({"question": "Pick", "choices": ["a", "a"]}, "choices repeat"),
+        ({"question": "Pick", "choices": ["a", " "]}, "choices must be non-empty texts"),
+        ({"question": "Pick", "allows_free_text": False}, "a question without choices must allow free text"),
+        ({"question": "Pick \ud800"}, "question is not valid UTF-8 text: '\\ud800' at position 5 is a lone surrogate"),
+        ({"question": "Pick", "choices": ["a", "b\udfff"]},
+         "a choice is not valid UTF-8 text: '\\udfff' at position 1 is a lone surrogate"),
+        ({"question": "Pick", "continuation": "\ud800"},
+         "continuation is not valid UTF-8 text: '\\ud800' at position 0 is a lone surrogate"),
+    ]),
+    ({"question_size": MAX_VALUE_BYTES}, re.escape(INVALID_QUESTION) + r"the question makes the call \d+ bytes, over "
+     rf"the session's value limit of {MAX_VALUE_BYTES}"),
 ])
-async def test_invalid_tool_question_fails_the_call(
-    tmp_path: Path, request_fields: dict[str, Any], problem: str
-) -> None:
-    """A question the session cannot ask records failed (not outcome_unknown, even for a write:
-    a tool that asks has taken no effect), and no Step waits for it."""
+async def test_invalid_tool_question_fails_the_call(tmp_path: Path, call_fields: dict[str, Any], error: str) -> None:
+    """A question the session cannot ask, or one that makes the call's record larger than the session's
+    value limit, records failed with the problem (not outcome_unknown, even for a write: a tool that
+    asks has taken no effect), and no Step waits for it."""
     flow, runner = _flow()
     engine = InProcessEngine(tmp_path, [flow])
     async with engine.running():
         sessions = engine.sessions()
-        await sessions.start_session("s", _script([_call("c1", "ask_write", request=request_fields)]))
-        outcomes, snapshot = await _done(sessions)
-        assert (outcomes["c1"]["status"], outcomes["c1"]["error"]) == (
-            "failed", f"the tool asked for input with an invalid ToolInputRequested: {problem}")
-        assert snapshot.pending_interrupts == []
-        assert len(runner.runs_of("c1")) == 1
-        assert await _steps(engine) == [
-            "StartAgentSession", "RunModel", "CallSingleAttemptTool", "ResumeTurn", "RunModel"]
-
-
-async def test_a_question_too_large_to_store_fails_the_call(tmp_path: Path) -> None:
-    """A question that makes the call's record larger than the session's value limit records the
-    call, a write, failed with the sizes (a tool that asks has taken no effect) instead of failing
-    its Step into outcome_unknown."""
-    flow, runner = _flow()
-    engine = InProcessEngine(tmp_path, [flow])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s", _script([_call("c1", "ask_write", question_size=MAX_VALUE_BYTES)]))
+        await sessions.start_session("s", _script([_call("c1", "ask_write", **call_fields)]))
         outcomes, snapshot = await _done(sessions)
         assert outcomes["c1"]["status"] == "failed"
-        assert re.fullmatch(
-            r"the tool asked for input with an invalid ToolInputRequested: the question makes the call "
-            rf"\d+ bytes, over the session's value limit of {MAX_VALUE_BYTES}", outcomes["c1"]["error"])
+        assert re.fullmatch(error, outcomes["c1"]["error"]), outcomes["c1"]["error"]
         assert snapshot.pending_interrupts == []
         assert len(runner.runs_of("c1")) == 1
         assert await _steps(engine) == [
