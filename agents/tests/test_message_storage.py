@@ -39,6 +39,7 @@ from dex_agents import (
     AgentSessionFlow,
     AgentSessionOptions,
     AgentSnapshot,
+    FrameworkMessage,
     MessageRole,
     RunModelLimit,
     TurnReplySequence,
@@ -60,6 +61,9 @@ from dex_agents._message_store import (
 )
 from dex_agents._persistence import message_sequence_key
 from dex_agents._rpcs import page_of_messages
+from dex_agents._runtime import ValueTooLarge
+from dex_agents._timefmt import utc_now_text
+from dex_agents._turn_logic import to_agent_message
 from dex_agents.builtin_loop import (
     AgentDefinition,
     BuiltinLoopAgentRunner,
@@ -723,3 +727,48 @@ async def test_appending_no_messages_writes_only_a_starting_turns_reply_sequence
         assert ctx.get(TURN_REPLY_SEQUENCE) == TurnReplySequence(turn_id="turn-2", sequence=3)
     else:
         assert ctx.writes.empty()
+
+
+def test_a_starting_turn_records_where_its_replies_start_after_its_user_messages() -> None:
+    """The turn's user messages take sequences 3 and 4: its replies start at 5, recorded now, not
+    found later by a scan back."""
+    flow, _ = storage_flow("StartingAppendAgent")
+    state = running_turn(active_turn_id="turn-2", next_message_sequence=3)
+    ctx = step_context(flow, "AwaitUserMessage", {})
+    users = [FrameworkMessage(role=MessageRole.USER, framework_item="{}", text=t) for t in ("a", "b")]
+    after = runtime_of(flow).append_messages(ctx, state, "turn-2", users, starts_turn=True)
+    assert after.next_message_sequence == 5
+    assert ctx.get(TURN_REPLY_SEQUENCE) == TurnReplySequence(turn_id="turn-2", sequence=5)
+
+
+@pytest.mark.parametrize("over", [0, 1])
+def test_a_message_is_refused_one_byte_past_the_value_limit_in_its_own_chunk(over: int) -> None:
+    """A message whose own chunk is exactly MAX_VALUE_BYTES (the default message_chunk_max_bytes) is
+    stored, in the window; one byte more names the message, its role, its turn, the chunk it would
+    need and its size, and writes nothing."""
+    flow, _ = storage_flow("LimitAgent")
+    state = running_turn(active_turn_id="turn-2", next_message_sequence=3)
+
+    def answer(text: str) -> FrameworkMessage:
+        return FrameworkMessage(role=MessageRole.ASSISTANT, framework_item="{}", text=text)
+
+    def stored_size(text: str) -> int:
+        return chunk_bytes([message_bytes(to_agent_message(answer(text), 3, "turn-2", utc_now_text()))])
+
+    text = "x" * (MAX_VALUE_BYTES - stored_size("") + over)
+    assert stored_size(text) == MAX_VALUE_BYTES + over
+    ctx = step_context(flow, "RunModel", {})
+    runtime = runtime_of(flow)
+    if not over:
+        assert runtime.append_messages(ctx, state, "turn-2", [answer(text)]).next_message_sequence == 4
+        stored = ctx.get(AGENT_MESSAGES[message_sequence_key(3)])
+        assert stored is not None and stored.text == text
+        return
+    with pytest.raises(ValueTooLarge) as raised:
+        runtime.append_messages(ctx, state, "turn-2", [answer(text)])
+    assert str(raised.value) == (
+        "message 3 (assistant) of turn turn-2 is too large to store: value for "
+        f"'AgentMessageChunks[000000000003]' is {MAX_VALUE_BYTES + 1} bytes encoded, over MAX_VALUE_BYTES "
+        f"({MAX_VALUE_BYTES}); store it in pieces or outside the flow"
+    )
+    assert ctx.writes.empty()

@@ -37,7 +37,6 @@ from ._message_store import (
     MessageLayoutLimits,
     all_messages,
     chunk_bytes,
-    is_oversized,
     iter_newest_first,
     message_bytes,
     plan_append,
@@ -248,12 +247,12 @@ class SessionRuntime:
         sizes: dict[int, int] = {}
         for message in messages:
             size = sizes[message.sequence] = message_bytes(message)
-            oversized = is_oversized(size, limits)
-            stored_size = chunk_bytes([size]) if oversized else size
+            # Only a message stored alone in a chunk can be over the limit: a window message's own chunk
+            # fits message_chunk_max_bytes, which the options keep within MAX_VALUE_BYTES.
+            stored_size = chunk_bytes([size])
             if stored_size > MAX_VALUE_BYTES:
-                amap = AGENT_MESSAGE_CHUNKS if oversized else AGENT_MESSAGES
-                exc = ValueTooLargeError(amap[message_sequence_key(message.sequence)].label, stored_size,
-                                         MAX_VALUE_BYTES)
+                exc = ValueTooLargeError(AGENT_MESSAGE_CHUNKS[message_sequence_key(message.sequence)].label,
+                                         stored_size, MAX_VALUE_BYTES)
                 raise ValueTooLarge(
                     f"message {message.sequence} ({message.role.value}) of turn {turn_id} is too large to store: "
                     f"{exc}"
