@@ -77,7 +77,7 @@ from dex_agents import (
     TurnContinued,
     UpdateSessionSettingsRequest,
 )
-from dex_agents._constants import MAX_REJECTION_MESSAGE_CHARS, REJECTION_MESSAGE_NOT_STORED
+from dex_agents._constants import CUT_NOTE_FIELD_CHARS, MAX_REJECTION_MESSAGE_CHARS, REJECTION_MESSAGE_NOT_STORED
 from dex_agents._session_settings import session_settings_size
 from dex_agents._timefmt import format_time
 from dex_agents._tool_steps import ToolSteps
@@ -735,11 +735,12 @@ async def test_runner_that_raises_on_every_attempt_fails_the_turn(tmp_path: Path
 
 
 class _FailingAfterAReadRunner:
-    """One read call, then a model call that fails for good; the turn's unfinished-turn message is
-    an assistant message of `size` characters."""
+    """One read call, whose output is `output`, then a model call that fails for good; the turn's
+    unfinished-turn message is an assistant message of `size` characters."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, output: str = "found") -> None:
         self.size = size
+        self.output = output
 
     def build_user_message(self, text: str) -> FrameworkMessage:
         return item(MessageRole.USER, text=text)
@@ -750,7 +751,7 @@ class _FailingAfterAReadRunner:
         raise NoRetryError("the model broke for good")
 
     async def execute_deferred_tool_call(self, execution: DeferredToolExecution) -> ToolExecutionResult:
-        return ToolExecutionResult("found")
+        return ToolExecutionResult(self.output)
 
     def build_unfinished_turn_messages(self, turn: AgentTurnContext) -> list[FrameworkMessage]:
         return [item(MessageRole.ASSISTANT, text="x" * self.size)]
@@ -779,6 +780,27 @@ async def test_a_failed_turn_keeps_its_note_when_the_unfinished_messages_are_too
         # The second RunModel failed without a retry: it commits no Execute; its failure route does.
         assert await steps_run(engine.client, "s") == [
             "StartAgentSession", "RunModel", "CallTool", "ResumeTurn", "RecordTurnFailure",
+        ]
+
+
+async def test_a_failed_turn_whose_note_is_too_large_stores_it_cut(tmp_path: Path) -> None:
+    """A read's output that fits its record (700,000 characters) makes a note over the value limit
+    (its text is in the message twice, as text and in the framework item). The note is stored with
+    each call's result cut to CUT_NOTE_FIELD_CHARS, beside the unfinished message, so the next
+    turn's model still learns which calls ran."""
+    output = "f" * 700_000
+    async with in_process(tmp_path, AgentSessionFlow(_FailingAfterAReadRunner(10, output), FLOW_TYPE)) as engine:
+        sessions = engine.sessions
+        await sessions.start_session("s", HELLO)
+        await turn_ended(sessions, "s", 1)
+        stored = await all_messages(sessions, "s")
+        assert [(m.role, m.text) for m in stored] == [
+            (MessageRole.USER, HELLO), (MessageRole.ASSISTANT, "x" * 10), (MessageRole.USER, "\n".join([
+                "[Dex] The previous turn failed after these tool calls ran:",
+                f"- read_x {{}} -> succeeded: {output[:CUT_NOTE_FIELD_CHARS]}... "
+                f"[{len(output) - CUT_NOTE_FIELD_CHARS} more characters not shown]",
+                "Do not repeat these tool calls unless the user asks again.",
+            ])),
         ]
 
 

@@ -28,6 +28,7 @@ from agents.tests.scripted_agent import ENV_BUILT_IN_TOOLS, ENV_INCREMENTAL, bui
 from agents.tests.session_driver import Session
 
 from dex_agents import (
+    AGENT_MESSAGES,
     AGENT_STATE,
     AGENT_TOOL_CALLS,
     APPLIED_STEERED_MESSAGE_COUNT,
@@ -64,9 +65,10 @@ from dex_agents import (
     ToolCallCancellation,
     ToolEffect,
     TurnCancellationRequest,
+    message_sequence_key,
 )
 from dex_agents._builtin_steps import BuiltInSteps
-from dex_agents._constants import MAX
+from dex_agents._constants import CUT_NOTE_FIELD_CHARS, MAX
 from dex_agents._control_steps import (
     ControlSteps,
     TurnControl,
@@ -850,6 +852,30 @@ async def test_apply_turn_control_ends_the_steered_turn_and_counts_the_first_ste
     assert state is not None and (state.active_turn_id, state.turn_count) == ("turn-2", 1)
     assert ctx.get(AGENT_TOOL_CALLS["c1"]) is None
     assert [(e.type, e.turn_id) for e in _events_written(ctx)][:1] == [("turn_steered", "turn-1")]
+
+
+async def test_a_steered_turns_note_too_large_to_store_is_stored_cut() -> None:
+    """A read whose output fits its record (700,000 characters) makes a steered note over the value
+    limit; the note is stored with the result cut to CUT_NOTE_FIELD_CHARS, so the model still learns
+    the call ran, and the steered message follows it."""
+    flow = AgentSessionFlow(_NoModel(), "NoModel")  # type: ignore[arg-type]
+    runtime = runtime_of(flow)
+    output = "o" * 700_000
+    ctx = _applying(flow, {("AgentState", ""): running_turn(status=AgentStatus.RUNNING_TOOLS),
+                           ("AgentToolCalls", "c1"): tool_call(AgentToolCallStatus.SUCCEEDED, output=output),
+                           ("SteeredMessageCount", ""): 1},
+                    AgentUserMessage("change of plan"))
+    await ControlSteps(runtime, TurnSteps(runtime)).apply_turn_control(ctx, None)
+    stored = [ctx.get(AGENT_MESSAGES[message_sequence_key(n)]) for n in (2, 3)]
+    assert [(m.turn_id, m.text) for m in stored if m is not None] == [
+        ("turn-1", "\n".join([
+            STEERED_NOTE_HEADER,
+            f"- t {{}} -> succeeded: {output[:CUT_NOTE_FIELD_CHARS]}... "
+            f"[{len(output) - CUT_NOTE_FIELD_CHARS} more characters not shown]",
+            TOOL_CALL_NOTE_FOOTER,
+        ])),
+        ("turn-2", "change of plan"),
+    ]
 
 
 async def test_a_controlled_turn_that_ends_leaves_no_interrupt_answerable() -> None:

@@ -44,6 +44,7 @@ from dex_agents._turn_logic import (
     check_framework_messages,
     deadline_timer_seconds,
     ended_turn,
+    ending_tries,
     finished,
     initial_state,
     next_turn_id,
@@ -674,6 +675,60 @@ def test_steered_and_cancelled_notes_start_with_the_seed_lines(header: str, firs
     this pins the texts."""
     failed_header = "[Dex] The previous turn failed after these tool calls ran:"
     assert build_tool_call_note(header, NOTE_RECORDS) == EXPECTED_NOTE.replace(failed_header, first_line)
+
+
+def test_a_cut_note_keeps_each_field_up_to_its_limit_and_says_how_much_more_there_was() -> None:
+    """field_chars cuts the arguments and the model-visible result of every line, each on its own;
+    a field of exactly field_chars characters is kept whole. Header, statuses and footer stay."""
+    record = NOTE_RECORDS[0]
+    long_call = msgspec.structs.replace(record, arguments='{"q":"' + "a" * 20 + '"}', output="b" * 9,
+                                        status=AgentToolCallStatus.SUCCEEDED, deferral_order=0)
+    exact = msgspec.structs.replace(long_call, tool_call_id="other", arguments="{}", output="c" * 8, deferral_order=1)
+    note = build_tool_call_note(STEERED_NOTE_HEADER, [exact, long_call], field_chars=8)
+    assert note == "\n".join([
+        STEERED_NOTE_HEADER,
+        f"- {record.tool_name} {{\"q\":\"aa... [20 more characters not shown] -> succeeded: "
+        "bbbbbbbb... [1 more characters not shown]",
+        f"- {record.tool_name} {{}} -> succeeded: cccccccc",
+        "Do not repeat these tool calls unless the user asks again.",
+    ])
+    assert build_tool_call_note(STEERED_NOTE_HEADER, [exact, long_call], field_chars=None) == \
+        build_tool_call_note(STEERED_NOTE_HEADER, [exact, long_call])
+
+
+def _user(text: str) -> FrameworkMessage:
+    return FrameworkMessage(MessageRole.USER, "{}", text=text)
+
+
+@pytest.mark.parametrize(("unfinished", "note", "cut", "expected"), [
+    # The note comes first, whole, then cut; the unfinished messages alone only when no note fits.
+    (["u1", "u2"], "note", "cut", [["u1", "u2", "note"], ["note"], ["u1", "u2", "cut"], ["cut"], ["u1", "u2"], []]),
+    ([], "note", "cut", [["note"], ["cut"], []]),
+    # A note that needs no cut, or a runner that cannot build the cut one: no try repeats.
+    (["u1"], "note", "note", [["u1", "note"], ["note"], ["u1"], []]),
+    (["u1"], "note", None, [["u1", "note"], ["note"], ["u1"], []]),
+    (["u1"], None, None, [["u1"], []]),
+    ([], None, None, [[]]),
+])
+def test_a_turns_ending_tries_the_note_before_the_unfinished_messages(
+    unfinished: list[str], note: str | None, cut: str | None, expected: list[list[str]]
+) -> None:
+    tries = ending_tries([_user(t) for t in unfinished], None if note is None else _user(note),
+                         lambda: None if cut is None else _user(cut))
+    assert [[m.text for m in tried] for tried in tries] == expected
+
+
+def test_a_turns_ending_builds_the_cut_note_only_when_the_whole_one_does_not_fit() -> None:
+    asked: list[int] = []
+
+    def cut() -> FrameworkMessage:
+        asked.append(1)
+        return _user("cut")
+
+    tries = ending_tries([_user("u")], _user("note"), cut)
+    assert [m.text for m in next(tries)] == ["u", "note"] and [m.text for m in next(tries)] == ["note"]
+    assert asked == []
+    assert [m.text for m in next(tries)] == ["u", "cut"] and asked == [1]
 
 
 def test_check_framework_messages_accepts_a_plain_role_string() -> None:

@@ -93,6 +93,10 @@ DEFAULT_DECLINE_MESSAGE = "The user declined to answer."
 MAX_REJECTION_MESSAGE_CHARS = 16_384
 # The rejection message a call gets when even a cut one does not fit beside its arguments.
 REJECTION_MESSAGE_NOT_STORED = "The user rejected this tool call; the reason given was too large to store."
+# A note listing a turn's tool calls that is too large to store whole keeps this many characters of
+# each call's arguments and result: the calls and their statuses still reach the model, so a write
+# that ran is not repeated, while a few hundred calls still fit one engine value.
+CUT_NOTE_FIELD_CHARS = 2_000
 # Steering and cancel_turn record a call they abandoned before it started rejected with one of these
 # (seed 002, "Turn-failure note and model-visible results"), compact JSON the model can read.
 STEERED_REJECTION_MESSAGE = '{"status":"cancelled","reason":"superseded_by_steered_user_message"}'

@@ -72,12 +72,11 @@ from ._runner import AgentTurnContext, FrameworkMessage
 from ._runtime import (
     INTERRUPT_STEP_LOAD_EXTRA,
     SessionRuntime,
-    ValueTooLarge,
     pending_interrupts,
     tool_call_load,
 )
 from ._timefmt import utc_now_text
-from ._turn_logic import TurnContractError, ended_turn, finished
+from ._turn_logic import ended_turn, finished
 from ._wire import (
     AgentInterrupt,
     AgentState,
@@ -186,10 +185,13 @@ def cancelled_record(record: AgentToolCall, reason: CancellationReason) -> Agent
     return finished(unasked, AgentToolCallStatus.REJECTED, rejection_message=cancellation_rejection_message(reason))
 
 
-def controlled_turn_note(records: Iterable[AgentToolCall], reason: CancellationReason) -> str | None:
-    """The steered or cancelled note (the turn-failure note's lines and footer); None without final records."""
+def controlled_turn_note(
+    records: Iterable[AgentToolCall], reason: CancellationReason, *, field_chars: int | None = None
+) -> str | None:
+    """The steered or cancelled note (the turn-failure note's lines and footer); None without final
+    records; `field_chars` as in build_tool_call_note."""
     header = CANCELLED_NOTE_HEADER if reason is CancellationReason.TURN_CANCELLED else STEERED_NOTE_HEADER
-    return build_tool_call_note(header, records)
+    return build_tool_call_note(header, records, field_chars=field_chars)
 
 
 def owned_interrupt(pending: Iterable[AgentInterrupt], tool_call_id: str) -> AgentInterrupt | None:
@@ -370,24 +372,18 @@ def end_controlled_turn(
     """End a steered or cancelled turn in this commit, every record final.
 
     Stores the runner's unfinished-turn messages, else the steered or cancelled note when the turn
-    has records; deletes the records and run state; counts the turn, clears it and last_turn_error;
-    writes turn_steered or turn_cancelled.
+    has records (what does not fit the value limit is left out: append_turn_ending); deletes the
+    records and run state; counts the turn, clears it and last_turn_error; writes turn_steered or
+    turn_cancelled.
     """
     records = rt.turn_records(ctx, turn_id)
-    items = list(unfinished) if unfinished is not None else []
-    if unfinished is None:
-        note = controlled_turn_note(records.values(), reason)
-        if note is not None:
-            try:
-                items.append(rt.user_message(note))
-            except TurnContractError:
-                log.warning("flow %s turn %s: could not build the %s note", ctx.flow_id, turn_id, reason.value,
-                            exc_info=True)
-    try:
-        state = rt.append_messages(ctx, state, turn_id, items)
-    except ValueTooLarge:
-        # append_messages checks every size before it writes, so nothing is left half-stored.
-        log.warning("flow %s turn %s: the ended turn's messages are too large; storing none", ctx.flow_id, turn_id)
+
+    def note_text(field_chars: int | None) -> str | None:
+        return controlled_turn_note(records.values(), reason, field_chars=field_chars)
+
+    what = "cancelled turn" if reason is CancellationReason.TURN_CANCELLED else "steered turn"
+    state = rt.append_turn_ending(ctx, state, turn_id, unfinished or [], None if unfinished is not None else note_text,
+                                  what)
     count = rt.reply_count(ctx, state, turn_id)
     rt.clear_turn(ctx, turn_id)
     if pending_interrupts(ctx):

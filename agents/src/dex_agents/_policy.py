@@ -73,17 +73,29 @@ def describe_tool_call_outcome(record: AgentToolCall) -> str:
     )
 
 
-def build_tool_call_note(header: str, records: Iterable[AgentToolCall]) -> str | None:
-    """A note listing final records in deferral_order, or None when there are none."""
+def build_tool_call_note(
+    header: str, records: Iterable[AgentToolCall], *, field_chars: int | None = None
+) -> str | None:
+    """A note listing final records in deferral_order, or None when there are none; with
+    `field_chars`, each call's arguments and result cut to that many characters."""
     final = sorted((r for r in records if r.status.is_final), key=lambda r: r.deferral_order)
     if not final:
         return None
     lines = [header]
     lines.extend(
-        f"- {r.tool_name} {r.arguments} -> {r.status.value}: {describe_tool_call_outcome(r)}" for r in final
+        f"- {r.tool_name} {cut_text(r.arguments, field_chars)} -> {r.status.value}: "
+        f"{cut_text(describe_tool_call_outcome(r), field_chars)}"
+        for r in final
     )
     lines.append(TOOL_CALL_NOTE_FOOTER)
     return "\n".join(lines)
+
+
+def cut_text(text: str, chars: int | None) -> str:
+    """`text`, or its first `chars` characters and how many more there were; None: no cut."""
+    if chars is None or len(text) <= chars:
+        return text
+    return f"{text[:chars]}... [{len(text) - chars} more characters not shown]"
 
 
 def build_turn_failure_note(records: Iterable[AgentToolCall]) -> str | None:

@@ -31,7 +31,7 @@ from dex_engine import (
 
 from ._chunk_memo import ChunkMessagesMemo
 from ._compaction import is_compaction_runner, plan_retention
-from ._constants import REJECTION_MESSAGE_NOT_STORED, TOOL_HEARTBEAT_INTERVAL
+from ._constants import CUT_NOTE_FIELD_CHARS, REJECTION_MESSAGE_NOT_STORED, TOOL_HEARTBEAT_INTERVAL
 from ._events import AgentEventType, AgentEventWriter, make_event
 from ._message_store import (
     MessageLayoutLimits,
@@ -64,7 +64,7 @@ from ._persistence import (
     TURN_SESSION_SETTINGS,
     message_sequence_key,
 )
-from ._policy import build_turn_failure_note
+from ._policy import TURN_FAILURE_NOTE_HEADER, build_tool_call_note
 from ._runner import AgentFrameworkRunner, AgentTurnContext, FrameworkMessage, UnfinishedTurnMessageBuilder
 from ._timefmt import utc_now_text
 from ._turn_logic import (
@@ -72,6 +72,7 @@ from ._turn_logic import (
     check_framework_messages,
     deferred_call_of,
     ended_turn,
+    ending_tries,
     finished,
     not_run_error,
     storable_outcome,
@@ -367,40 +368,60 @@ class SessionRuntime:
         note: bool = True,
     ) -> AgentState:
         """End the turn as failed in this commit: unfinished items, the note (with `note` and final
-        records), cleared records.
-
-        Unfinished items too large to store are left out, and the note is stored alone: it is what
-        keeps the next turn from repeating a write. A note too large to store is left out too; neither
-        blocks the failure.
-        """
+        records), cleared records. What does not fit the value limit is left out (append_turn_ending);
+        nothing here blocks the failure."""
         records = self.turn_records(ctx, turn_id)
-        notes: list[FrameworkMessage] = []
-        text = build_turn_failure_note(records.values()) if note else None
-        if text is not None:
-            try:
-                notes.append(self.user_message(text))
-            except TurnContractError:
-                # A runner defect never blocks the failure route: the turn ends without its note.
-                log.warning("flow %s turn %s: could not build the turn-failure note", ctx.flow_id, turn_id,
-                            exc_info=True)
-        # append_messages checks every size before it writes anything, so a refused try leaves nothing.
-        try:
-            state = self.append_messages(ctx, state, turn_id, [*unfinished, *notes])
-        except ValueTooLarge as exc:
-            if not (unfinished and notes):
-                log.warning("flow %s: %s; the failed turn stores none of its messages", ctx.flow_id, exc)
-            else:
-                log.warning("flow %s: %s; the failed turn stores its note without the runner's unfinished "
-                            "messages", ctx.flow_id, exc)
-                try:
-                    state = self.append_messages(ctx, state, turn_id, notes)
-                except ValueTooLarge as again:
-                    log.warning("flow %s: %s; the failed turn stores no note", ctx.flow_id, again)
+
+        def note_text(field_chars: int | None) -> str | None:
+            return build_tool_call_note(TURN_FAILURE_NOTE_HEADER, records.values(), field_chars=field_chars)
+
+        state = self.append_turn_ending(ctx, state, turn_id, unfinished, note_text if note else None, "failed turn")
         self.clear_turn(ctx, turn_id)
         ctx.set(PENDING_INTERRUPTS, [])
         state = ended_turn(state, error=error)
         ctx.set(AGENT_STATE, state)
         self.emit(ctx, AgentEventType.TURN_FAILED, turn_id, {"error": error})
+        return state
+
+    def append_turn_ending(
+        self,
+        ctx: Context,
+        state: AgentState,
+        turn_id: str,
+        unfinished: Sequence[FrameworkMessage],
+        note_text: Callable[[int | None], str | None] | None,
+        what: str,
+    ) -> AgentState:
+        """Store an ending turn's last messages: `unfinished`, then the note `note_text(None)` gives,
+        if any. When they do not fit the value limit, the first of ending_tries that fits (the note
+        whole, then cut to CUT_NOTE_FIELD_CHARS a field, before the unfinished messages); a runner
+        that cannot build the note leaves it out. `what` names the turn in warnings."""
+
+        def note_message(field_chars: int | None) -> FrameworkMessage | None:
+            text = note_text(field_chars) if note_text is not None else None
+            if text is None:
+                return None
+            try:
+                return self.user_message(text)
+            except TurnContractError:
+                # A runner defect never blocks a turn's end: the turn ends without its note.
+                log.warning("flow %s turn %s: could not build the %s's note", ctx.flow_id, turn_id, what,
+                            exc_info=True)
+                return None
+
+        note = note_message(None)
+        first: ValueTooLarge | None = None
+        for items in ending_tries(unfinished, note, lambda: note_message(CUT_NOTE_FIELD_CHARS)):
+            # append_messages checks every size before it writes anything, so a refused try leaves nothing.
+            try:
+                state = self.append_messages(ctx, state, turn_id, items)
+            except ValueTooLarge as exc:
+                first = first or exc
+                continue
+            if first is not None:
+                log.warning("flow %s: %s; the %s stores %d of its messages instead: %s", ctx.flow_id, first, what,
+                            len(items), ", ".join(m.role.value for m in items) or "none")
+            break
         return state
 
     def tool_step_movement(self, record: AgentToolCall) -> Movement | AgentToolCall:

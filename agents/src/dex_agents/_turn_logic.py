@@ -10,7 +10,7 @@ import dataclasses
 import inspect
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -195,6 +195,30 @@ def arguments_error(arguments: object) -> str | None:
     if not isinstance(value, dict):
         return ARGUMENTS_NOT_OBJECT
     return None
+
+
+def ending_tries(
+    unfinished: Sequence[FrameworkMessage],
+    note: FrameworkMessage | None,
+    cut_note: Callable[[], FrameworkMessage | None],
+) -> Iterator[list[FrameworkMessage]]:
+    """What a turn's end tries to store, best first, until one fits the value limit: the unfinished
+    messages and the note, the note alone, both again with the note cut (`cut_note`, asked only
+    then), the unfinished messages alone, nothing. The note comes before the unfinished messages: it
+    is what keeps the next turn from repeating a write."""
+    yield [*unfinished, *([note] if note is not None else [])]
+    if note is not None:
+        if unfinished:
+            yield [note]
+        cut = cut_note()
+        if cut is not None and cut != note:
+            yield [*unfinished, cut]
+            if unfinished:
+                yield [cut]
+        if unfinished:
+            yield [*unfinished]
+    if unfinished or note is not None:
+        yield []
 
 
 def storable_text(text: str) -> str:
