@@ -772,3 +772,20 @@ def test_a_message_is_refused_one_byte_past_the_value_limit_in_its_own_chunk(ove
         f"({MAX_VALUE_BYTES}); store it in pieces or outside the flow"
     )
     assert ctx.writes.empty()
+
+
+def test_appending_to_a_turn_whose_reply_sequence_names_another_records_its_own_first() -> None:
+    """TurnReplySequence still names turn-1 (a Worker that did not record one started turn-2): the
+    first append of turn-2 records where its replies start, found by a scan back while the turn's
+    messages are all readable, not left for a later count that rollover may have made unreadable."""
+    flow, _ = storage_flow("ScanBackAgent")
+    window = [message(1, 1), message(2, 1), message(3, 1, turn_id="turn-2", role=MessageRole.USER)]
+    values: dict[tuple[str, str], Any] = {
+        (AGENT_MESSAGES.name, message_sequence_key(m.sequence)): m for m in window
+    }
+    values[(TURN_REPLY_SEQUENCE.name, "")] = TurnReplySequence(turn_id="turn-1", sequence=2)
+    ctx = step_context(flow, "RunModel", values)
+    state = running_turn(active_turn_id="turn-2", next_message_sequence=4)
+    answer = FrameworkMessage(role=MessageRole.ASSISTANT, framework_item="{}", text="a")
+    runtime_of(flow).append_messages(ctx, state, "turn-2", [answer])
+    assert ctx.get(TURN_REPLY_SEQUENCE) == TurnReplySequence(turn_id="turn-2", sequence=4)
