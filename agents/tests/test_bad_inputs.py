@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -26,6 +27,7 @@ from agents.tests.built_context import interrupt, running_turn, runtime_of, step
 from agents.tests.scripted_agent import FLOW_TYPE, INVOCATIONS, ScriptedRunner, build_flow, item
 
 from dex_agents import (
+    AGENT_MESSAGES,
     AGENT_STATE,
     AGENT_TOOL_CALLS,
     AGENT_USAGE,
@@ -76,6 +78,7 @@ from dex_agents import (
     TurnCompleted,
     TurnContinued,
     UpdateSessionSettingsRequest,
+    message_sequence_key,
 )
 from dex_agents._constants import CUT_NOTE_FIELD_CHARS, MAX_REJECTION_MESSAGE_CHARS, REJECTION_MESSAGE_NOT_STORED
 from dex_agents._session_settings import session_settings_size
@@ -781,6 +784,38 @@ async def test_a_failed_turn_keeps_its_note_when_the_unfinished_messages_are_too
         assert await steps_run(engine.client, "s") == [
             "StartAgentSession", "RunModel", "CallTool", "ResumeTurn", "RecordTurnFailure",
         ]
+
+
+class _NoNoteRunner:
+    """A runner whose build_user_message breaks the contract for Dex's notes only; no model call here."""
+
+    def build_user_message(self, text: str) -> FrameworkMessage:
+        if text.startswith("[Dex]"):
+            raise ValueError("no notes here")
+        return item(MessageRole.USER, text=text)
+
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome:
+        raise AssertionError("no model call")
+
+    async def execute_deferred_tool_call(self, execution: DeferredToolExecution) -> ToolExecutionResult:
+        raise AssertionError("no tool runs")
+
+
+def test_a_runner_that_cannot_build_the_note_ends_the_failed_turn_without_it(caplog: pytest.LogCaptureFixture) -> None:
+    """A runner defect never blocks the failure route: the unfinished message is stored, the note
+    left out with a warning naming the turn, and the turn fails as it would with the note."""
+    flow = AgentSessionFlow(_NoNoteRunner(), "NoNote")
+    ctx = step_context(flow, "RecordTurnFailure", {
+        ("AgentToolCalls", "c1"): tool_call(AgentToolCallStatus.SUCCEEDED, output="ran"),
+    })
+    with caplog.at_level(logging.WARNING, logger="dex_agents.session"):
+        unfinished = [item(MessageRole.ASSISTANT, text="partial")]
+        state = runtime_of(flow).fail_turn(ctx, running_turn(), "turn-1", "boom", unfinished=unfinished)
+    assert (state.active_turn_id, state.last_turn_error, state.next_message_sequence) == (None, "boom", 3)
+    stored = ctx.get(AGENT_MESSAGES[message_sequence_key(2)])
+    assert stored is not None and (stored.role, stored.text) == (MessageRole.ASSISTANT, "partial")
+    assert ctx.get(AGENT_TOOL_CALLS["c1"]) is None
+    assert "flow s turn turn-1: could not build the failed turn's note" in caplog.text
 
 
 async def test_a_failed_turn_whose_note_is_too_large_stores_it_cut(tmp_path: Path) -> None:
