@@ -55,6 +55,7 @@ from dex_agents import (
     ContextSummary,
     ContextSummaryRequest,
     ContextSummaryResult,
+    FrameworkMessage,
     MessageRole,
     RunModelLimit,
     ToolEffect,
@@ -1390,6 +1391,31 @@ async def test_compact_context_retains_exactly_the_limit_after_the_newest_stored
     kept = ctx.get(AGENT_MESSAGE_INDEX)
     assert kept is not None and kept.first_sequence == first_kept
     assert (ctx.get(AGENT_MESSAGE_CHUNKS[message_sequence_key(1)]) is None) == (first_kept == 3)
+
+
+def test_an_append_without_rollover_still_deletes_a_chunk_it_brings_past_the_retained_limit() -> None:
+    """Five messages stored (chunks 1-2 and 3-4, the window 5), summarized through 4, limit 4: chunk
+    1-2 has three messages after it and stays. Appending message 6 fits the window (no rollover, so
+    the append itself leaves the index alone), but brings the count to four: the chunk goes now,
+    not at some later rollover."""
+    flow, _ = compaction_flow("AppendRetainingAgent", answer, window=500, message_window_size=4,
+                              message_chunk_size=2, retained_message_limit=4)
+    stored = [message(1), message(2, MessageRole.ASSISTANT), message(3, turn=2),
+              message(4, MessageRole.ASSISTANT, turn=2), message(5, turn=3)]
+    index = AgentMessageIndex(chunks=[AgentMessageChunkRange(1, 2), AgentMessageChunkRange(3, 4)], first_sequence=1,
+                              window_first_sequence=5)
+    ctx = step_context(flow, "RunModel", {
+        (AGENT_MESSAGE_INDEX.name, ""): index, (CONTEXT_SUMMARY.name, ""): summary_of(4),
+        (AGENT_MESSAGE_CHUNKS.name, message_sequence_key(1)): AgentMessageChunk(tuple(stored[:2])),
+        (AGENT_MESSAGE_CHUNKS.name, message_sequence_key(3)): AgentMessageChunk(tuple(stored[2:4])),
+        (AGENT_MESSAGES.name, message_sequence_key(5)): stored[4],
+    })
+    state = running_turn(active_turn_id="turn-3", next_message_sequence=6)
+    reply = FrameworkMessage(MessageRole.ASSISTANT, "{}", text="hello")
+    assert runtime_of(flow).append_messages(ctx, state, "turn-3", [reply]).next_message_sequence == 7
+    assert ctx.get(AGENT_MESSAGE_INDEX) == AgentMessageIndex(
+        chunks=[AgentMessageChunkRange(3, 4)], first_sequence=3, window_first_sequence=5)
+    assert ctx.get(AGENT_MESSAGE_CHUNKS[message_sequence_key(1)]) is None
 
 
 @pytest.mark.parametrize("blank_attempts", [1, 99])
