@@ -1393,29 +1393,45 @@ async def test_compact_context_retains_exactly_the_limit_after_the_newest_stored
     assert (ctx.get(AGENT_MESSAGE_CHUNKS[message_sequence_key(1)]) is None) == (first_kept == 3)
 
 
-def test_an_append_without_rollover_still_deletes_a_chunk_it_brings_past_the_retained_limit() -> None:
-    """Five messages stored (chunks 1-2 and 3-4, the window 5), summarized through 4, limit 4: chunk
-    1-2 has three messages after it and stays. Appending message 6 fits the window (no rollover, so
-    the append itself leaves the index alone), but brings the count to four: the chunk goes now,
-    not at some later rollover."""
-    flow, _ = compaction_flow("AppendRetainingAgent", answer, window=500, message_window_size=4,
-                              message_chunk_size=2, retained_message_limit=4)
+@pytest.mark.parametrize(("window", "limit", "compacts", "kept"), [
+    # Five messages stored (chunks 1-2 and 3-4, the window 5), summarized through 4; message 6 fits the
+    # window, so the append leaves the index alone, but brings chunk 1-2 to four messages after it.
+    (4, 4, True, [AgentMessageChunkRange(3, 4)]),  # at the limit: deleted now, not at a later rollover
+    (4, 5, True, [AgentMessageChunkRange(1, 2), AgentMessageChunkRange(3, 4)]),  # one short: kept
+    # A summary left by an earlier deployment with compaction: without it, every chunk is model input.
+    (4, 4, False, [AgentMessageChunkRange(1, 2), AgentMessageChunkRange(3, 4)]),
+    # Window 3: message 6 rolls 3-4 over into a chunk, then retention runs on that new index.
+    (3, 4, True, [AgentMessageChunkRange(3, 4)]),
+])
+def test_an_append_deletes_the_summarized_chunks_it_brings_past_the_retained_limit(
+    window: int, limit: int, compacts: bool, kept: list[AgentMessageChunkRange]
+) -> None:
+    """Retention runs at every append, on the index the append leaves, counting to the newest message."""
+    options: dict[str, Any] = {} if compacts else {"compaction": None}
+    flow, _ = compaction_flow("AppendRetainingAgent", answer, window=500, message_window_size=window,
+                              message_chunk_size=2, retained_message_limit=limit, **options)
     stored = [message(1), message(2, MessageRole.ASSISTANT), message(3, turn=2),
               message(4, MessageRole.ASSISTANT, turn=2), message(5, turn=3)]
-    index = AgentMessageIndex(chunks=[AgentMessageChunkRange(1, 2), AgentMessageChunkRange(3, 4)], first_sequence=1,
-                              window_first_sequence=5)
-    ctx = step_context(flow, "RunModel", {
+    window_first = 5 if window == 4 else 3
+    index = AgentMessageIndex(chunks=[AgentMessageChunkRange(1, 2)] + (
+        [AgentMessageChunkRange(3, 4)] if window == 4 else []), first_sequence=1, window_first_sequence=window_first)
+    values: dict[tuple[str, str], Any] = {
         (AGENT_MESSAGE_INDEX.name, ""): index, (CONTEXT_SUMMARY.name, ""): summary_of(4),
         (AGENT_MESSAGE_CHUNKS.name, message_sequence_key(1)): AgentMessageChunk(tuple(stored[:2])),
-        (AGENT_MESSAGE_CHUNKS.name, message_sequence_key(3)): AgentMessageChunk(tuple(stored[2:4])),
-        (AGENT_MESSAGES.name, message_sequence_key(5)): stored[4],
-    })
+    }
+    if window == 4:
+        values[(AGENT_MESSAGE_CHUNKS.name, message_sequence_key(3))] = AgentMessageChunk(tuple(stored[2:4]))
+    for m in stored[window_first - 1:]:
+        values[(AGENT_MESSAGES.name, message_sequence_key(m.sequence))] = m
+    ctx = step_context(flow, "RunModel", values)
     state = running_turn(active_turn_id="turn-3", next_message_sequence=6)
     reply = FrameworkMessage(MessageRole.ASSISTANT, "{}", text="hello")
     assert runtime_of(flow).append_messages(ctx, state, "turn-3", [reply]).next_message_sequence == 7
-    assert ctx.get(AGENT_MESSAGE_INDEX) == AgentMessageIndex(
-        chunks=[AgentMessageChunkRange(3, 4)], first_sequence=3, window_first_sequence=5)
-    assert ctx.get(AGENT_MESSAGE_CHUNKS[message_sequence_key(1)]) is None
+    after = ctx.get(AGENT_MESSAGE_INDEX)
+    assert after is not None and (after.chunks, after.first_sequence) == (kept, kept[0].first_sequence)
+    assert after.window_first_sequence == 5
+    assert (ctx.get(AGENT_MESSAGE_CHUNKS[message_sequence_key(1)]) is None) == (len(kept) == 1)
+    assert ctx.get(AGENT_MESSAGE_CHUNKS[message_sequence_key(3)]) == AgentMessageChunk(tuple(stored[2:4]))
 
 
 @pytest.mark.parametrize("blank_attempts", [1, 99])
