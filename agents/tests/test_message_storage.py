@@ -789,3 +789,21 @@ def test_appending_to_a_turn_whose_reply_sequence_names_another_records_its_own_
     answer = FrameworkMessage(role=MessageRole.ASSISTANT, framework_item="{}", text="a")
     runtime_of(flow).append_messages(ctx, state, "turn-2", [answer])
     assert ctx.get(TURN_REPLY_SEQUENCE) == TurnReplySequence(turn_id="turn-2", sequence=4)
+
+
+def test_a_turn_whose_reply_sequence_names_another_counts_its_replies_by_a_scan_back() -> None:
+    """reply_count reads TurnReplySequence only when it names the turn; one left by turn-1 would count
+    turn-1's answer and turn-2's user message as replies. The scan back finds turn-2's replies start
+    after its last user message (sequence 4)."""
+    flow, _ = storage_flow("CountingAgent")
+    window = [message(1, 1, role=MessageRole.USER), message(2, 1),
+              message(3, 1, turn_id="turn-2", role=MessageRole.USER), message(4, 1, turn_id="turn-2"),
+              message(5, 1, turn_id="turn-2", role=MessageRole.TOOL)]
+    values: dict[tuple[str, str], Any] = {
+        (AGENT_MESSAGES.name, message_sequence_key(m.sequence)): m for m in window
+    }
+    values[(TURN_REPLY_SEQUENCE.name, "")] = TurnReplySequence(turn_id="turn-1", sequence=2)
+    ctx = step_context(flow, "RunModel", values)
+    state = running_turn(active_turn_id="turn-2", next_message_sequence=6)
+    assert runtime_of(flow).reply_count(ctx, state, "turn-2") == 2
+    assert runtime_of(flow).reply_count(ctx, state, "turn-1") == 4  # its own marker: read, not scanned

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import types
 from collections.abc import AsyncIterator
@@ -685,7 +686,9 @@ class _Builds(_NoModel):
         return self.built
 
 
-def test_unfinished_turn_messages_are_none_without_a_builder_or_when_it_fails() -> None:
+def test_unfinished_turn_messages_are_none_without_a_builder_or_when_it_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The steered, cancelled and failed turn ends store the note instead of the runner's items when
     it has none to give: no builder, a builder that raises, or one that breaks the item contract
     (each logged); a working builder's items come back checked. Catches a runner defect that blocks
@@ -699,9 +702,13 @@ def test_unfinished_turn_messages_are_none_without_a_builder_or_when_it_fails() 
         flow = AgentSessionFlow(runner, "Builds")
         return runtime_of(flow).unfinished_turn_messages(turn)
 
-    assert built(_NoModel()) is None
-    assert built(_Builds(RuntimeError("builder bug"))) is None
-    assert built(_Builds(["not a framework message"])) is None
+    with caplog.at_level(logging.WARNING, logger="dex_agents.session"):
+        assert built(_NoModel()) is None
+        assert caplog.records == []  # no builder is no defect: nothing to log
+        assert built(_Builds(RuntimeError("builder bug"))) is None
+        assert built(_Builds(["not a framework message"])) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "flow f turn turn-1: build_unfinished_turn_messages failed; the turn ends without its items"] * 2
     assert built(_Builds([])) == []
     assert built(_Builds([answer])) == [answer]
 
