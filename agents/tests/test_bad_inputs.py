@@ -810,7 +810,9 @@ def test_a_runner_that_cannot_build_the_note_ends_the_failed_turn_without_it(cap
     })
     with caplog.at_level(logging.WARNING, logger="dex_agents.session"):
         unfinished = [item(MessageRole.ASSISTANT, text="partial")]
-        state = runtime_of(flow).fail_turn(ctx, running_turn(), "turn-1", "boom", unfinished=unfinished)
+        runtime_of(flow).fail_turn(ctx, running_turn(), "turn-1", "boom", unfinished=unfinished)
+    state = ctx.get(AGENT_STATE)
+    assert state is not None
     assert (state.active_turn_id, state.last_turn_error, state.next_message_sequence) == (None, "boom", 3)
     stored = ctx.get(AGENT_MESSAGES[message_sequence_key(2)])
     assert stored is not None and (stored.role, stored.text) == (MessageRole.ASSISTANT, "partial")

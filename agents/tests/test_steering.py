@@ -861,7 +861,7 @@ async def test_apply_turn_control_ends_the_steered_turn_and_counts_the_first_ste
     assert [(e.type, e.turn_id) for e in _events_written(ctx)][:1] == [("turn_steered", "turn-1")]
 
 
-async def test_a_steered_turns_note_too_large_to_store_is_stored_cut() -> None:
+async def test_a_steered_turns_note_too_large_to_store_is_stored_cut(caplog: pytest.LogCaptureFixture) -> None:
     """A read whose output fits its record (700,000 characters) makes a steered note over the value
     limit; the note is stored with the result cut to CUT_NOTE_FIELD_CHARS, so the model still learns
     the call ran, and the steered message follows it."""
@@ -872,7 +872,11 @@ async def test_a_steered_turns_note_too_large_to_store_is_stored_cut() -> None:
                            ("AgentToolCalls", "c1"): tool_call(AgentToolCallStatus.SUCCEEDED, output=output),
                            ("SteeredMessageCount", ""): 1},
                     AgentUserMessage("change of plan"))
-    await ControlSteps(runtime, TurnSteps(runtime)).apply_turn_control(ctx, None)
+    with caplog.at_level(logging.WARNING, logger="dex_agents.session"):
+        await ControlSteps(runtime, TurnSteps(runtime)).apply_turn_control(ctx, None)
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("flow s: message 2 (user) of turn turn-1 is too large to store: ")
+    assert warning.endswith("; the steered turn stores 1 of its messages instead: user")
     stored = [ctx.get(AGENT_MESSAGES[message_sequence_key(n)]) for n in (2, 3)]
     assert [(m.turn_id, m.text) for m in stored if m is not None] == [
         ("turn-1", "\n".join([

@@ -366,7 +366,7 @@ class SessionRuntime:
         *,
         unfinished: Sequence[FrameworkMessage] = (),
         note: bool = True,
-    ) -> AgentState:
+    ) -> None:
         """End the turn as failed in this commit: unfinished items, the note (with `note` and final
         records), cleared records. What does not fit the value limit is left out (append_turn_ending);
         nothing here blocks the failure."""
@@ -381,7 +381,6 @@ class SessionRuntime:
         state = ended_turn(state, error=error)
         ctx.set(AGENT_STATE, state)
         self.emit(ctx, AgentEventType.TURN_FAILED, turn_id, {"error": error})
-        return state
 
     def append_turn_ending(
         self,
