@@ -820,6 +820,24 @@ def test_a_runner_that_cannot_build_the_note_ends_the_failed_turn_without_it(cap
     assert "flow s turn turn-1: could not build the failed turn's note" in caplog.text
 
 
+def test_a_failed_turn_whose_unfinished_message_is_too_large_stores_none_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No tool call ran, so no note; the one unfinished message is over the value limit: nothing is
+    stored, the turn still fails, and the warning says it stores none of its messages."""
+    flow = AgentSessionFlow(_NoNoteRunner(), "NoNote")
+    ctx = step_context(flow, "RecordTurnFailure", {})
+    huge = [item(MessageRole.ASSISTANT, text="x" * MAX_VALUE_BYTES)]
+    with caplog.at_level(logging.WARNING, logger="dex_agents.session"):
+        runtime_of(flow).fail_turn(ctx, running_turn(), "turn-1", "boom", unfinished=huge)
+    state = ctx.get(AGENT_STATE)
+    assert state is not None and (state.last_turn_error, state.next_message_sequence) == ("boom", 2)
+    assert ctx.get(AGENT_MESSAGES[message_sequence_key(2)]) is None
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("flow s: message 2 (assistant) of turn turn-1 is too large to store: ")
+    assert warning.endswith("; the failed turn stores 0 of its messages instead: none")
+
+
 async def test_a_failed_turn_whose_note_is_too_large_stores_it_cut(tmp_path: Path) -> None:
     """A read's output that fits its record (700,000 characters) makes a note over the value limit
     (its text is in the message twice, as text and in the framework item). The note is stored with
