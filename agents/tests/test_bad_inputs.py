@@ -803,10 +803,12 @@ class _NoNoteRunner:
 
 def test_a_runner_that_cannot_build_the_note_ends_the_failed_turn_without_it(caplog: pytest.LogCaptureFixture) -> None:
     """A runner defect never blocks the failure route: the unfinished message is stored, the note
-    left out with a warning naming the turn, and the turn fails as it would with the note."""
+    left out with a warning naming the turn (the only warning: the message fit at the first try),
+    and the turn fails as it would with the note, its interrupts emptied."""
     flow = AgentSessionFlow(_NoNoteRunner(), "NoNote")
     ctx = step_context(flow, "RecordTurnFailure", {
         ("AgentToolCalls", "c1"): tool_call(AgentToolCallStatus.SUCCEEDED, output="ran"),
+        ("PendingInterrupts", ""): [interrupt("c2")],
     })
     with caplog.at_level(logging.WARNING, logger="dex_agents.session"):
         unfinished = [item(MessageRole.ASSISTANT, text="partial")]
@@ -817,7 +819,8 @@ def test_a_runner_that_cannot_build_the_note_ends_the_failed_turn_without_it(cap
     stored = ctx.get(AGENT_MESSAGES[message_sequence_key(2)])
     assert stored is not None and (stored.role, stored.text) == (MessageRole.ASSISTANT, "partial")
     assert ctx.get(AGENT_TOOL_CALLS["c1"]) is None
-    assert "flow s turn turn-1: could not build the failed turn's note" in caplog.text
+    assert ctx.get(PENDING_INTERRUPTS) == []
+    assert [r.getMessage() for r in caplog.records] == ["flow s turn turn-1: could not build the failed turn's note"]
 
 
 def test_a_failed_turn_whose_unfinished_message_is_too_large_stores_none_and_says_so(
@@ -838,7 +841,9 @@ def test_a_failed_turn_whose_unfinished_message_is_too_large_stores_none_and_say
     assert warning.endswith("; the failed turn stores 0 of its messages instead: none")
 
 
-async def test_a_failed_turn_whose_note_is_too_large_stores_it_cut(tmp_path: Path) -> None:
+async def test_a_failed_turn_whose_note_is_too_large_stores_it_cut(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A read's output that fits its record (700,000 characters) makes a note over the value limit
     (its text is in the message twice, as text and in the framework item). The note is stored with
     each call's result cut to CUT_NOTE_FIELD_CHARS, beside the unfinished message, so the next
@@ -846,8 +851,13 @@ async def test_a_failed_turn_whose_note_is_too_large_stores_it_cut(tmp_path: Pat
     output = "f" * 700_000
     async with in_process(tmp_path, AgentSessionFlow(_FailingAfterAReadRunner(10, output), FLOW_TYPE)) as engine:
         sessions = engine.sessions
-        await sessions.start_session("s", HELLO)
-        await turn_ended(sessions, "s", 1)
+        with caplog.at_level(logging.WARNING, logger="dex_agents.session"):
+            await sessions.start_session("s", HELLO)
+            await turn_ended(sessions, "s", 1)
+        # The warning names the first refusal (the note after the unfinished message, sequence 3).
+        [warning] = [r.getMessage() for r in caplog.records if "stores" in r.getMessage()]
+        assert warning.startswith("flow s: message 3 (user) of turn turn-1 is too large to store: ")
+        assert warning.endswith("; the failed turn stores 2 of its messages instead: assistant, user")
         stored = await all_messages(sessions, "s")
         assert [(m.role, m.text) for m in stored] == [
             (MessageRole.USER, HELLO), (MessageRole.ASSISTANT, "x" * 10), (MessageRole.USER, "\n".join([

@@ -31,6 +31,7 @@ from dex_agents import (
     MESSAGE_ROLLOVER_MAX_BYTES_PER_COMMIT,
     MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT,
     TURN_REPLY_SEQUENCE,
+    TURN_SESSION_SETTINGS,
     AgentMessage,
     AgentMessageChunk,
     AgentMessageChunkRange,
@@ -43,6 +44,7 @@ from dex_agents import (
     MessageRole,
     RunModelLimit,
     TurnReplySequence,
+    TurnSessionSettings,
 )
 from dex_agents._message_store import (
     CHUNK_ENVELOPE_BYTES,
@@ -807,3 +809,13 @@ def test_a_turn_whose_reply_sequence_names_another_counts_its_replies_by_a_scan_
     state = running_turn(active_turn_id="turn-2", next_message_sequence=6)
     assert runtime_of(flow).reply_count(ctx, state, "turn-2") == 2
     assert runtime_of(flow).reply_count(ctx, state, "turn-1") == 4  # its own marker: read, not scanned
+
+
+def test_turn_settings_tagged_with_another_turn_read_as_none() -> None:
+    """TurnSessionSettings left by turn-1 are not turn-2's: they read as {}; turn-1 reads its own."""
+    flow, _ = storage_flow("SettingsAgent")
+    ctx = step_context(flow, "RunModel", {
+        (TURN_SESSION_SETTINGS.name, ""): TurnSessionSettings(turn_id="turn-1", session_settings={"tone": "dry"}),
+    })
+    assert runtime_of(flow).turn_settings(ctx, "turn-2") == {}
+    assert runtime_of(flow).turn_settings(ctx, "turn-1") == {"tone": "dry"}
