@@ -862,8 +862,8 @@ async def test_a_failed_turn_whose_note_is_too_large_stores_it_cut(
         assert [(m.role, m.text) for m in stored] == [
             (MessageRole.USER, HELLO), (MessageRole.ASSISTANT, "x" * 10), (MessageRole.USER, "\n".join([
                 "[Dex] The previous turn failed after these tool calls ran:",
-                f"- read_x {{}} -> succeeded: {output[:CUT_NOTE_FIELD_CHARS]}... "
-                f"[{len(output) - CUT_NOTE_FIELD_CHARS} more characters not shown]",
+                f"- read_x {{}} -> succeeded: {output[:CUT_NOTE_FIELD_CHARS]} "
+                f"[Dex: cut from {len(output)} characters]",
                 "Do not repeat these tool calls unless the user asks again.",
             ])),
         ]

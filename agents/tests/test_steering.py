@@ -881,8 +881,7 @@ async def test_a_steered_turns_note_too_large_to_store_is_stored_cut(caplog: pyt
     assert [(m.turn_id, m.text) for m in stored if m is not None] == [
         ("turn-1", "\n".join([
             STEERED_NOTE_HEADER,
-            f"- t {{}} -> succeeded: {output[:CUT_NOTE_FIELD_CHARS]}... "
-            f"[{len(output) - CUT_NOTE_FIELD_CHARS} more characters not shown]",
+            f"- t {{}} -> succeeded: {output[:CUT_NOTE_FIELD_CHARS]} [Dex: cut from {len(output)} characters]",
             TOOL_CALL_NOTE_FOOTER,
         ])),
         ("turn-2", "change of plan"),

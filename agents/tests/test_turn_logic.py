@@ -687,8 +687,8 @@ def test_a_cut_note_keeps_each_field_up_to_its_limit_and_says_how_much_more_ther
     note = build_tool_call_note(STEERED_NOTE_HEADER, [exact, long_call], field_chars=8)
     assert note == "\n".join([
         STEERED_NOTE_HEADER,
-        f"- {record.tool_name} {{\"q\":\"aa... [20 more characters not shown] -> succeeded: "
-        "bbbbbbbb... [1 more characters not shown]",
+        f"- {record.tool_name} {{\"q\":\"aa [Dex: cut from 28 characters] -> succeeded: "
+        "bbbbbbbb [Dex: cut from 9 characters]",
         f"- {record.tool_name} {{}} -> succeeded: cccccccc",
         "Do not repeat these tool calls unless the user asks again.",
     ])

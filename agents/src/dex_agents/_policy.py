@@ -92,12 +92,13 @@ def build_tool_call_note(
 
 
 def cut_text(text: str, chars: int | None) -> str:
-    """`text`, or its first `chars` characters and how many more there were; None: no cut."""
+    """`text`, or its first `chars` characters and a note of its full length; None: no cut."""
     if chars is None or len(text) <= chars:
         return text
-    return f"{text[:chars]}... [{len(text) - chars} more characters not shown]"
+    return f"{text[:chars]} [Dex: cut from {len(text)} characters]"
 
 
-def build_turn_failure_note(records: Iterable[AgentToolCall]) -> str | None:
-    """The turn-failure note for a failed turn's final records, or None when no tool call ran."""
-    return build_tool_call_note(TURN_FAILURE_NOTE_HEADER, records)
+def build_turn_failure_note(records: Iterable[AgentToolCall], *, field_chars: int | None = None) -> str | None:
+    """The turn-failure note for a failed turn's final records, or None when no tool call ran;
+    `field_chars` as in build_tool_call_note."""
+    return build_tool_call_note(TURN_FAILURE_NOTE_HEADER, records, field_chars=field_chars)

@@ -64,7 +64,7 @@ from ._persistence import (
     TURN_SESSION_SETTINGS,
     message_sequence_key,
 )
-from ._policy import TURN_FAILURE_NOTE_HEADER, build_tool_call_note
+from ._policy import build_turn_failure_note
 from ._runner import AgentFrameworkRunner, AgentTurnContext, FrameworkMessage, UnfinishedTurnMessageBuilder
 from ._timefmt import utc_now_text
 from ._turn_logic import (
@@ -373,7 +373,7 @@ class SessionRuntime:
         records = self.turn_records(ctx, turn_id)
 
         def note_text(field_chars: int | None) -> str | None:
-            return build_tool_call_note(TURN_FAILURE_NOTE_HEADER, records.values(), field_chars=field_chars)
+            return build_turn_failure_note(records.values(), field_chars=field_chars)
 
         state = self.append_turn_ending(ctx, state, turn_id, unfinished, note_text if note else None, "failed turn")
         self.clear_turn(ctx, turn_id)

@@ -31,7 +31,7 @@ from ._constants import (
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
 )
 from ._plans import WRITE_TODOS, count_write_todos_calls, rejected_in_planning_turn, settle_write_todos
-from ._policy import REPEATABLE_EFFECTS, ToolPolicy, is_approval_required
+from ._policy import REPEATABLE_EFFECTS, ToolPolicy, cut_text, is_approval_required
 from ._runner import DeferredToolCall, FrameworkMessage, ToolCallStepOptions
 from ._timefmt import format_time
 from ._wire import (
@@ -445,9 +445,7 @@ def _built_in_call(
 
 def storable_rejection_message(message: str | None) -> str | None:
     """`message`, cut to MAX_REJECTION_MESSAGE_CHARS with a note saying so when longer."""
-    if message is None or len(message) <= MAX_REJECTION_MESSAGE_CHARS:
-        return message
-    return f"{message[:MAX_REJECTION_MESSAGE_CHARS]} [Dex: cut from {len(message)} characters]"
+    return None if message is None else cut_text(message, MAX_REJECTION_MESSAGE_CHARS)
 
 
 def finished(
