@@ -77,7 +77,7 @@ from dex_agents.builtin_loop import (
 )
 from dex_agents.builtin_loop._items import input_item
 from dex_agents.testing import wait_for_agent_snapshot
-from dex_engine import MAX_VALUE_BYTES
+from dex_engine import MAX_VALUE_BYTES, Context
 
 # The pure layout ------------------------------------------------------------------------------------
 
@@ -731,13 +731,24 @@ async def test_appending_no_messages_writes_only_a_starting_turns_reply_sequence
         assert ctx.writes.empty()
 
 
+def _framework(role: MessageRole, text: str) -> FrameworkMessage:
+    return FrameworkMessage(role=role, framework_item="{}", text=text)
+
+
+def _with_turn_1_marker(flow: AgentSessionFlow, window: list[AgentMessage]) -> Context:
+    """A RunModel context with `window` as the window and TurnReplySequence left by turn-1 (at 2)."""
+    values: dict[tuple[str, str], Any] = {(AGENT_MESSAGES.name, message_sequence_key(m.sequence)): m for m in window}
+    values[(TURN_REPLY_SEQUENCE.name, "")] = TurnReplySequence(turn_id="turn-1", sequence=2)
+    return step_context(flow, "RunModel", values)
+
+
 def test_a_starting_turn_records_where_its_replies_start_after_its_user_messages() -> None:
     """The turn's user messages take sequences 3 and 4: its replies start at 5, recorded now, not
     found later by a scan back."""
     flow, _ = storage_flow("StartingAppendAgent")
     state = running_turn(active_turn_id="turn-2", next_message_sequence=3)
     ctx = step_context(flow, "AwaitUserMessage", {})
-    users = [FrameworkMessage(role=MessageRole.USER, framework_item="{}", text=t) for t in ("a", "b")]
+    users = [_framework(MessageRole.USER, t) for t in ("a", "b")]
     after = runtime_of(flow).append_messages(ctx, state, "turn-2", users, starts_turn=True)
     assert after.next_message_sequence == 5
     assert ctx.get(TURN_REPLY_SEQUENCE) == TurnReplySequence(turn_id="turn-2", sequence=5)
@@ -752,7 +763,7 @@ def test_a_message_is_refused_one_byte_past_the_value_limit_in_its_own_chunk(ove
     state = running_turn(active_turn_id="turn-2", next_message_sequence=3)
 
     def answer(text: str) -> FrameworkMessage:
-        return FrameworkMessage(role=MessageRole.ASSISTANT, framework_item="{}", text=text)
+        return _framework(MessageRole.ASSISTANT, text)
 
     def stored_size(text: str) -> int:
         return chunk_bytes([message_bytes(to_agent_message(answer(text), 3, "turn-2", utc_now_text()))])
@@ -781,15 +792,9 @@ def test_appending_to_a_turn_whose_reply_sequence_names_another_records_its_own_
     first append of turn-2 records where its replies start, found by a scan back while the turn's
     messages are all readable, not left for a later count that rollover may have made unreadable."""
     flow, _ = storage_flow("ScanBackAgent")
-    window = [message(1, 1), message(2, 1), message(3, 1, turn_id="turn-2", role=MessageRole.USER)]
-    values: dict[tuple[str, str], Any] = {
-        (AGENT_MESSAGES.name, message_sequence_key(m.sequence)): m for m in window
-    }
-    values[(TURN_REPLY_SEQUENCE.name, "")] = TurnReplySequence(turn_id="turn-1", sequence=2)
-    ctx = step_context(flow, "RunModel", values)
+    ctx = _with_turn_1_marker(flow, [message(1, 1), message(2, 1), message(3, 1, "turn-2", MessageRole.USER)])
     state = running_turn(active_turn_id="turn-2", next_message_sequence=4)
-    answer = FrameworkMessage(role=MessageRole.ASSISTANT, framework_item="{}", text="a")
-    runtime_of(flow).append_messages(ctx, state, "turn-2", [answer])
+    runtime_of(flow).append_messages(ctx, state, "turn-2", [_framework(MessageRole.ASSISTANT, "a")])
     assert ctx.get(TURN_REPLY_SEQUENCE) == TurnReplySequence(turn_id="turn-2", sequence=4)
 
 
@@ -798,20 +803,16 @@ def test_a_turn_whose_reply_sequence_names_another_counts_its_replies_by_a_scan_
     turn-1's answer and turn-2's user message as replies. The scan back finds turn-2's replies start
     after its last user message (sequence 4)."""
     flow, _ = storage_flow("CountingAgent")
-    window = [message(1, 1, role=MessageRole.USER), message(2, 1),
-              message(3, 1, turn_id="turn-2", role=MessageRole.USER), message(4, 1, turn_id="turn-2"),
-              message(5, 1, turn_id="turn-2", role=MessageRole.TOOL)]
-    values: dict[tuple[str, str], Any] = {
-        (AGENT_MESSAGES.name, message_sequence_key(m.sequence)): m for m in window
-    }
-    values[(TURN_REPLY_SEQUENCE.name, "")] = TurnReplySequence(turn_id="turn-1", sequence=2)
-    ctx = step_context(flow, "RunModel", values)
+    ctx = _with_turn_1_marker(flow, [
+        message(1, 1, role=MessageRole.USER), message(2, 1), message(3, 1, "turn-2", MessageRole.USER),
+        message(4, 1, "turn-2"), message(5, 1, "turn-2", MessageRole.TOOL),
+    ])
     state = running_turn(active_turn_id="turn-2", next_message_sequence=6)
     assert runtime_of(flow).reply_count(ctx, state, "turn-2") == 2
     assert runtime_of(flow).reply_count(ctx, state, "turn-1") == 4  # its own marker: read, not scanned
 
 
-def test_turn_settings_tagged_with_another_turn_read_as_none() -> None:
+def test_turn_settings_tagged_with_another_turn_read_as_empty() -> None:
     """TurnSessionSettings left by turn-1 are not turn-2's: they read as {}; turn-1 reads its own."""
     flow, _ = storage_flow("SettingsAgent")
     ctx = step_context(flow, "RunModel", {
