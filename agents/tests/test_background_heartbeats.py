@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 from typing import Any, cast
 
 import pytest
@@ -72,6 +73,23 @@ async def test_a_failed_heartbeat_does_not_stop_the_next_ones() -> None:
     async with background_heartbeats(as_context(fake), INTERVAL):
         await asyncio.sleep(INTERVAL * 10)
     assert len(fake.beats) >= 4
+
+
+async def test_a_failed_heartbeat_is_logged_at_debug_with_its_step_and_error(caplog: pytest.LogCaptureFixture) -> None:
+    """Debug, not a warning: the worker revokes a lost attempt itself, and a transient store error
+    is retried at the next interval; the record still names the Step and carries the error."""
+    fake = FakeContext(fail_first=1)
+    caplog.set_level(logging.DEBUG, logger="dex_agents")
+    async with background_heartbeats(as_context(fake), INTERVAL):
+        while len(fake.beats) < 2:
+            await fake.started.wait()
+            fake.started.clear()
+    failures = [r for r in caplog.records if "background heartbeat failed" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in failures] == [
+        (logging.DEBUG, "flow session-1 RunModel-1: background heartbeat failed")
+    ]
+    assert failures[0].exc_info is not None
+    assert isinstance(failures[0].exc_info[1], RuntimeError)
 
 
 async def test_a_heartbeat_in_flight_at_exit_is_cancelled_and_awaited() -> None:
