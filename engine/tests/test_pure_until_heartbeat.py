@@ -12,6 +12,7 @@ Crashes are in test_crash.py (a kill inside the combined commit; a kill after it
 from __future__ import annotations
 
 import asyncio
+import threading
 from contextvars import ContextVar
 from typing import Any
 
@@ -31,6 +32,8 @@ from dex_engine import (
     Stream,
 )
 from dex_engine import _transitions as tx
+from dex_engine._context import NotFoldable
+from dex_engine._parked import FoldFunctions
 
 from .test_pure_execute import TRIES, called_from, finished, quiet_engine, shape
 
@@ -357,3 +360,70 @@ async def test_a_stopping_worker_runs_a_started_attempt_a_commit_in_flight_hands
         ], history
         assert await finished(eng, flow_id) == "done"
     assert len(ran) == int(flow_id[1:]) + 1, ran  # each Tool ran once past its heartbeat
+
+
+@pytest.mark.sqlite_only
+async def test_a_resumed_handlers_later_heartbeats_are_its_attempts_own(db_url: str) -> None:
+    """Once the commit recorded the first heartbeat, the handler's next ones go to its attempt: the
+    checkpoint its second heartbeat saves is the one attempt 2 starts from."""
+    folded: list[bool] = []
+
+    async def run_tool(ctx: Context, _: None) -> StepDecision:
+        if ctx.attempt == 1:
+            folded.append(called_from("fold_execute"))
+            await ctx.heartbeat("first")
+            await ctx.heartbeat("second")
+            raise RuntimeError("attempt 1 fails after its heartbeats")
+        return StepDecision.graceful_complete(ctx.checkpoint)
+
+    flow = Flow("Late", [Step("Tool", run_tool, pure_until_heartbeat=True,
+                              options=StepOptions(execute_retry=QUICK_RETRY))], start_step="Tool")
+    async with quiet_engine(db_url, Registry([flow])) as eng:
+        for i in range(TRIES):
+            await eng.client.start_flow("Late", f"l{i}")
+            assert await settled(eng, f"l{i}") == "second"
+    assert any(folded), folded  # start_flow's commit ran attempt 1 up to its first heartbeat
+
+
+async def test_fold_functions_park_one_heartbeat_and_pass_late_events_on_once_live() -> None:
+    """Until the commit hands the handler its attempt's functions, one heartbeat parks it and a second
+    (a concurrent task of the handler's) cannot fold; an event another thread writes while it is
+    parked is passed on, in order, once the attempt's functions serve, after the events the commit kept."""
+    flow = park_flow("Unit", [])
+    functions = FoldFunctions(flow, parks=True)
+    functions.write_event(Log.name, b'"before"')
+    parked = asyncio.ensure_future(functions.heartbeat("cp"))
+    await asyncio.sleep(0)
+    assert functions.checkpoint == "cp" and not parked.done()
+    with pytest.raises(NotFoldable):
+        await asyncio.wait_for(functions.heartbeat("again"), 5)  # parked for good, were it let through
+    for data in (b'"late 1"', b'"late 2"'):
+        writer = threading.Thread(target=functions.write_event, args=(Log.name, data))
+        writer.start()
+        writer.join()
+    beats: list[str | None] = []
+    written: list[tuple[str, bytes]] = []
+
+    async def live_heartbeat(checkpoint: str | None) -> None:
+        beats.append(checkpoint)
+
+    functions.go_live(live_heartbeat, lambda stream, data: written.append((stream, data)))
+    await asyncio.wait_for(parked, 5)  # go_live let the parked heartbeat return
+    assert functions.events == [(Log.name, flow.streams[Log.name].capacity_bytes, b'"before"')]
+    assert written == [(Log.name, b'"late 1"'), (Log.name, b'"late 2"')]
+    functions.write_event(Log.name, b'"after"')
+    await functions.heartbeat("later")
+    assert written[2:] == [(Log.name, b'"after"')]
+    assert beats == ["later"]
+    assert functions.checkpoint == "cp"  # what the commit recorded stays as it was
+
+
+async def test_fold_functions_that_do_not_park_refuse_heartbeats_and_events() -> None:
+    """A pure_execute handler (no parking) that heartbeats or writes an event cannot run inside a
+    commit: both raise NotFoldable, and nothing is kept for the commit."""
+    functions = FoldFunctions(park_flow("Unit", []), parks=False)
+    with pytest.raises(NotFoldable):
+        await functions.heartbeat(None)
+    with pytest.raises(NotFoldable):
+        functions.write_event(Log.name, b'"x"')
+    assert functions.events == [] and functions.parked is None
