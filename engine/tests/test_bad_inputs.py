@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from dex_engine import (
+    MAX_TIMER_SECONDS,
     MAX_VALUE_BYTES,
     AsyncClient,
     AsyncWorker,
@@ -500,9 +501,15 @@ async def test_forged_and_foreign_resume_tokens_are_refused(db_url: str, tmp_pat
         pytest.param(lambda: Boxes["k"].at_most(0), "'Boxes'", id="at-most-zero"),
         pytest.param(lambda: Inbox.for_n(-1), "-1", id="negative-count"),
         pytest.param(lambda: Inbox.at_least(1.5), "1.5", id="fractional-count"),
+        pytest.param(lambda: Inbox.for_n(True), "at_least must be a whole number >= 0, got True", id="bool-count"),
+        pytest.param(lambda: Inbox.for_range(0, True), "at_most must be a whole number >= 0, got True",
+                     id="bool-at-most"),
         pytest.param(lambda: Timer.by_duration(-1), "-1", id="negative-timer"),
         pytest.param(lambda: Timer.by_duration(math.nan), "nan", id="nan-timer"),
         pytest.param(lambda: Timer.by_duration(math.inf), "inf", id="infinite-timer"),
+        pytest.param(lambda: Timer.by_duration(MAX_TIMER_SECONDS + 0.5),
+                     f"timer duration {MAX_TIMER_SECONDS + 0.5!r} s is beyond the limit of {MAX_TIMER_SECONDS} s",
+                     id="timer-past-the-limit"),
         pytest.param(lambda: Timer.by_duration("5"), "'5'", id="string-timer"),
         pytest.param(lambda: Timer.by_duration(True), "True", id="bool-timer"),
         pytest.param(Wait.any_of, "any_of", id="empty-any-of"),
@@ -516,6 +523,12 @@ def test_invalid_wait_is_refused(make: Callable[[], object], named: str) -> None
     with pytest.raises(InvalidWaitError) as caught:
         make()
     assert named in str(caught.value)
+
+
+def test_a_timer_of_exactly_the_limit_is_accepted() -> None:
+    """The limit is the longest timer accepted, a fraction below it rounding up to it."""
+    assert Timer.by_duration(MAX_TIMER_SECONDS).seconds == MAX_TIMER_SECONDS
+    assert Timer.by_duration(MAX_TIMER_SECONDS - 0.5).seconds == MAX_TIMER_SECONDS
 
 
 async def test_skip_timer_on_a_step_that_is_not_waiting(db_url: str) -> None:

@@ -85,7 +85,7 @@ class Timer:
             raise InvalidWaitError(f"timer duration must be a number of seconds, got {seconds!r}")
         if seconds < 0:
             raise InvalidWaitError(f"timer duration is negative ({seconds!r} s); use 0 to fire at once")
-        if seconds > MAX_TIMER_SECONDS or math.isinf(seconds):
+        if seconds > MAX_TIMER_SECONDS:  # infinity included
             raise InvalidWaitError(f"timer duration {seconds!r} s is beyond the limit of {MAX_TIMER_SECONDS} s")
         return TimerCondition(math.ceil(seconds))
 
