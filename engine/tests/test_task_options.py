@@ -33,6 +33,7 @@ from dex_engine import (
     StepDecision,
     StepOptions,
     Store,
+    _task_options,
     open_store,
 )
 from dex_engine import _transitions as tx
@@ -285,3 +286,16 @@ async def test_a_task_written_before_schema_6_still_runs(tmp_path: Path) -> None
         assert (await client.describe_flow("old")).status == "completed"
     finally:
         await store.close()
+
+
+def test_the_digest_memo_keeps_what_it_saw_up_to_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """digest_of remembers the digests of the options it saw (a Step type's options repeat on every
+    task), up to _DIGESTS_MAX of them, then starts over; a remembered digest is the one computed."""
+    memo: dict[bytes, bytes] = {}
+    monkeypatch.setattr(_task_options, "_digests", memo)
+    bound = _task_options._DIGESTS_MAX
+    first = [digest_of(b'{"n": %d}' % i) for i in range(bound)]
+    assert len(memo) == bound  # every one kept, none dropped before the bound
+    assert digest_of(b'{"n": 0}') == first[0] and len(memo) == bound  # a hit changes nothing
+    assert digest_of(b'{"n": %d}' % bound) not in first
+    assert list(memo) == [b'{"n": %d}' % bound]  # one past the bound: started over with it
