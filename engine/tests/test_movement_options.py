@@ -129,3 +129,43 @@ def test_the_options_cache_stays_bounded_with_unique_movements() -> None:
         task_options(FLOW, "Work", MovementOptions(load=LoadOptions.only(Calls[f"call-{n}"])))
     assert len(_scheduling._cache) <= SCHEDULING_OPTIONS_CACHE_ENTRIES
     assert task_options(FLOW, "Work", first) == kept
+
+
+def _cycle_flow() -> Flow:
+    """Ping fails over to Pong and Pong back to Ping: a cycle of failure routes."""
+    return Flow("Cycle", [
+        Step("Ping", _recover, options=StepOptions(load=LoadOptions.none(), failure_route="Pong")),
+        Step("Pong", _recover, options=StepOptions(load=LoadOptions.none(), failure_route="Ping")),
+    ], start_step="Ping")
+
+
+def test_a_cycle_of_failure_routes_resolves_alike_whatever_was_resolved_before() -> None:
+    """A route's options nested in another Step's end where the cycle repeats (Ping's route Pong
+    carries none of its own), even when Pong's options were resolved on their own first and cached
+    with Ping's nested in them: the nested resolution must not take those."""
+    fresh = task_options(_cycle_flow(), "Ping", None)
+    flow = _cycle_flow()
+    pong = task_options(flow, "Pong", None)
+    assert pong.failure_route_options is not None and pong.failure_route_options.failure_route == "Pong"
+    ping = task_options(flow, "Ping", None)
+    assert ping == fresh
+    assert ping.failure_route_options is not None
+    assert (ping.failure_route, ping.failure_route_options.failure_route) == ("Pong", "Ping")
+    assert ping.failure_route_options.failure_route_options is None
+
+
+def test_a_repeated_movement_reuses_its_resolved_options() -> None:
+    """Each Step's options are resolved once per Flow and movement options, not at every movement."""
+    assert task_options(FLOW, "Work", None) is task_options(FLOW, "Work", None)
+    overrides = OVERRIDES["timeout"]
+    assert task_options(FLOW, "Work", overrides) is task_options(FLOW, "Work", overrides)
+
+
+def test_a_cached_entry_of_another_flow_under_the_same_id_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache is keyed by id(flow); a Flow that was collected can leave its id to a new one, whose
+    Steps then must not get the old Flow's options."""
+    other = Flow("Other", [Step("Work", _recover, options=StepOptions(execute_retry=ONE_ATTEMPT))], start_step="Work")
+    stale = task_options(other, "Work", None)
+    monkeypatch.setattr(_scheduling, "_cache", {(id(FLOW), "Work", None): (other, stale)})
+    own = task_options(FLOW, "Work", None)
+    assert own.execute.retry == QUICK and own.failure_route == "Recover"
