@@ -185,6 +185,27 @@ async def test_options_naming_map_instances_stay_in_the_task_row(tmp_path: Path)
         await store.close()
 
 
+async def test_one_transaction_writes_a_row_once_for_all_its_tasks(tmp_path: Path) -> None:
+    """A transaction that creates several tasks with the same options (a turn's tool calls) writes
+    their row once, in the same millisecond or not; the row it has written is pending until it commits."""
+    store = await _store_with_flow(tmp_path)
+    statements: list[str] = []
+
+    def three_tasks(db: Any) -> None:
+        for now in (T0, T0, T0 + 1):
+            tx.create_task(db, "f", "Opts", _record("Plain"), now)
+
+    try:
+        await store.raw(lambda db: db.conn.set_trace_callback(statements.append))
+        try:
+            await store.raw(three_tasks, write=True)
+        finally:
+            await store.raw(lambda db: db.conn.set_trace_callback(None))
+        assert len([s for s in statements if "INSERT INTO task_options" in s]) == 1, statements
+    finally:
+        await store.close()
+
+
 async def test_a_store_confirms_a_row_again_after_the_refresh_time(tmp_path: Path) -> None:
     """Within TASK_OPTIONS_REFRESH_MS a store names a row it confirmed without writing it; after
     that it confirms it again (used_at moves), so housekeeping never takes it for unused. Catches: a
@@ -193,6 +214,13 @@ async def test_a_store_confirms_a_row_again_after_the_refresh_time(tmp_path: Pat
     try:
         await _create(store, "Plain", T0)
         digest = digest_of(encode_json(_stored("Plain")))
+        statements: list[str] = []
+        await store.raw(lambda db: db.conn.set_trace_callback(statements.append))
+        try:
+            await _create(store, "Plain", T0)  # the same millisecond: confirmed, not written again
+        finally:
+            await store.raw(lambda db: db.conn.set_trace_callback(None))
+        assert not [s for s in statements if "task_options" in s], statements
         await _create(store, "Plain", T0 + TASK_OPTIONS_REFRESH_MS - 1)
         assert await _task_options_rows(store) == {digest: T0}
         await _create(store, "Plain", T0 + TASK_OPTIONS_REFRESH_MS)
