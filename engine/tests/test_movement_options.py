@@ -127,7 +127,7 @@ def test_the_options_cache_stays_bounded_with_unique_movements() -> None:
     kept = task_options(FLOW, "Work", first)
     for n in range(1, SCHEDULING_OPTIONS_CACHE_ENTRIES * 2):
         task_options(FLOW, "Work", MovementOptions(load=LoadOptions.only(Calls[f"call-{n}"])))
-    assert len(_scheduling._cache) <= SCHEDULING_OPTIONS_CACHE_ENTRIES
+    assert len(_scheduling._cache) == SCHEDULING_OPTIONS_CACHE_ENTRIES  # full, and no fuller
     assert task_options(FLOW, "Work", first) == kept
 
 
