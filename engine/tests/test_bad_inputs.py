@@ -571,6 +571,11 @@ async def test_skip_timer_on_a_step_that_is_not_waiting(db_url: str) -> None:
         ({"backoff_coefficient": math.inf}, "inf"),
         ({"initial_interval_seconds": 10.0, "max_interval_seconds": 5.0}, "5.0"),
         ({"max_interval_seconds": math.inf}, "inf"),
+        ({"max_interval_seconds": MAX_TIMER_SECONDS + 1},
+         f"max_interval_seconds must be at most {MAX_TIMER_SECONDS} s"),
+        ({"initial_interval_seconds": math.inf, "max_interval_seconds": math.inf},
+         "initial_interval_seconds must be >= 0, got inf"),
+        ({"backoff_coefficient": True}, "backoff_coefficient must be a number, got True"),
         ({"total_duration_seconds": 0}, "total_duration_seconds"),
         ({"total_duration_seconds": -5.0}, "-5.0"),
         ({"total_duration_seconds": math.inf}, "inf"),
@@ -590,6 +595,20 @@ def test_retry_policy_lists_every_problem_at_once() -> None:
         RetryPolicy(max_attempts=0, backoff_coefficient=0.5, total_duration_seconds=-1)
     for part in ("max_attempts", "backoff_coefficient", "total_duration_seconds"):
         assert part in str(caught.value)
+
+
+def test_a_retry_policy_at_its_limits_is_accepted() -> None:
+    """The longest retry interval accepted is the timer limit itself."""
+    assert RetryPolicy(max_interval_seconds=MAX_TIMER_SECONDS).max_interval_seconds == MAX_TIMER_SECONDS
+
+
+@pytest.mark.parametrize(("now_ms", "retry"), [(9_000, True), (9_001, False)])
+def test_a_retry_due_exactly_at_the_total_duration_is_made(now_ms: int, retry: bool) -> None:
+    """E4 refuses a retry that would start after total_duration from the first attempt's start: one
+    that starts exactly then is made, one a millisecond later is not."""
+    policy = RetryPolicy(max_attempts=5, initial_interval_seconds=1.0, total_duration_seconds=10.0)
+    decision = decide_retry(policy, attempt=1, first_started_ms=0, now_ms=now_ms, no_retry=False)
+    assert (decision.retry, decision.run_at_ms) == ((True, 10_000) if retry else (False, 0))
 
 
 def test_retry_forever_policy_keeps_a_finite_interval() -> None:
