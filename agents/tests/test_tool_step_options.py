@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -183,10 +184,12 @@ async def test_options_apply_after_an_approval_and_after_a_question(tmp_path: Pa
         assert [len(run.answers) for run in runner.runs_of("c2")] == [0, 1]  # it asked, then slept once
 
 
-async def test_a_provider_that_fails_fails_only_that_call(tmp_path: Path) -> None:
+async def test_a_provider_that_fails_fails_only_that_call(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A provider that raises or returns something unusable records the call failed without
     running it, with an error that says so and names the problem; the other calls run, the turn
-    ends, and the session takes the next message."""
+    ends, and the session takes the next message. A provider that raised is a runner bug: logged as
+    a warning naming the call, with its traceback."""
+    caplog.set_level(logging.WARNING, logger="dex_agents")
     engine, runner = _engine(tmp_path)
     async with engine.running():
         sessions: AgentSessionClient = engine.sessions()
@@ -211,6 +214,11 @@ async def test_a_provider_that_fails_fails_only_that_call(tmp_path: Path) -> Non
         assert outcomes["c5"]["status"] == "succeeded"
         assert [r.tool_call_id for r in runner.runs] == ["c5"]
         assert "CallTool" in await _steps(engine)
+        raised_logs = [r for r in caplog.records if "tool_call_step_options raised" in r.getMessage()]
+        assert sorted(r.getMessage() for r in raised_logs) == [
+            "tool_call_step_options raised for tool call 'c1'", "tool_call_step_options raised for tool call 'c6'",
+        ]
+        assert all(r.levelno == logging.WARNING and r.exc_info is not None for r in raised_logs)
         await sessions.send_user_message("s", "and now?")
         snapshot = await sessions.get_agent_snapshot("s")
         assert snapshot.state is not None and snapshot.state.last_turn_error is None

@@ -762,6 +762,14 @@ async def test_e4_backoff_intervals_in_the_store(db_url: str) -> None:
         assert info.status == "failed" and info.error is not None and "after 4 attempt(s)" in info.error
 
 
+def test_e4_the_default_retry_policy() -> None:
+    """A Step with no policy of its own gets three attempts, 1 s after the first failure and 2 s
+    after the second (doubling, capped at 60 s), with no total duration: docs/engine.md states it."""
+    policy = RetryPolicy()
+    assert (policy.max_attempts, policy.total_duration_seconds) == (3, None)
+    assert [policy.interval_after(n) for n in (1, 2, 3, 7, 8)] == [1.0, 2.0, 4.0, 60.0, 60.0]
+
+
 async def test_e4_total_duration_budget_stops_retries(db_url: str) -> None:
     """E4: a retry that would start after total_duration_seconds from the first attempt's start is not
     made, although max_attempts would allow many more.
