@@ -218,7 +218,7 @@ async def test_a_provider_that_fails_fails_only_that_call(tmp_path: Path, caplog
         assert sorted(r.getMessage() for r in raised_logs) == [
             "tool_call_step_options raised for tool call 'c1'", "tool_call_step_options raised for tool call 'c6'",
         ]
-        assert all(r.levelno == logging.WARNING and r.exc_info is not None for r in raised_logs)
+        assert all(r.levelno == logging.WARNING and r.exc_info and r.exc_info[0] is RuntimeError for r in raised_logs)
         await sessions.send_user_message("s", "and now?")
         snapshot = await sessions.get_agent_snapshot("s")
         assert snapshot.state is not None and snapshot.state.last_turn_error is None
