@@ -63,7 +63,7 @@ from dex_agents._message_store import (
 )
 from dex_agents._persistence import message_sequence_key
 from dex_agents._rpcs import page_of_messages
-from dex_agents._runtime import ValueTooLarge
+from dex_agents._runtime import ValueTooLarge, every_chunk_reader
 from dex_agents._timefmt import utc_now_text
 from dex_agents._turn_logic import to_agent_message
 from dex_agents.builtin_loop import (
@@ -77,7 +77,7 @@ from dex_agents.builtin_loop import (
 )
 from dex_agents.builtin_loop._items import input_item
 from dex_agents.testing import wait_for_agent_snapshot
-from dex_engine import MAX_VALUE_BYTES, Context
+from dex_engine import MAX_VALUE_BYTES, Context, LoadSpec, NotLoadedError
 
 # The pure layout ------------------------------------------------------------------------------------
 
@@ -820,3 +820,23 @@ def test_turn_settings_tagged_with_another_turn_read_as_empty() -> None:
     })
     assert runtime_of(flow).turn_settings(ctx, "turn-2") == {}
     assert runtime_of(flow).turn_settings(ctx, "turn-1") == {"tone": "dry"}
+
+
+def test_every_chunk_reader_reads_what_it_did_not_load_as_chunk_reader_does() -> None:
+    """A model call's reader takes the chunks it loaded from one read up front; a chunk outside them
+    is read through the context, so a Step that did not load it gets NotLoadedError naming the
+    instance, not None (which a reader takes for a chunk that is gone)."""
+    flow, _ = storage_flow("ChunkReaders")
+    kept = AgentMessageChunk((message(1, 3), message(2, 3)))
+    values: dict[tuple[str, str], Any] = {(AGENT_MESSAGE_CHUNKS.name, message_sequence_key(1)): kept}
+    only_chunk_1 = LoadSpec("only", instances=((AGENT_MESSAGE_CHUNKS.name, message_sequence_key(1)),))
+    for load in (only_chunk_1, LoadSpec("all")):
+        read = every_chunk_reader(step_context(flow, "RunModel", values, load=load))
+        assert read(AgentMessageChunkRange(1, 2)) == kept
+    read = every_chunk_reader(step_context(flow, "RunModel", values, load=only_chunk_1))
+    with pytest.raises(NotLoadedError, match=f"AgentMessageChunks\\[{message_sequence_key(3)}\\]"):
+        read(AgentMessageChunkRange(3, 4))
+    read = every_chunk_reader(step_context(flow, "RunModel", values, load=LoadSpec("none")))
+    with pytest.raises(NotLoadedError, match=f"AgentMessageChunks\\[{message_sequence_key(1)}\\]"):
+        read(AgentMessageChunkRange(1, 2))
+    assert every_chunk_reader(step_context(flow, "RunModel", values))(AgentMessageChunkRange(3, 4)) is None
