@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from dex_engine._limits import TASK_OPTIONS_COLLECT_MS, TASK_OPTIONS_KEEP_MS, TA
 from dex_engine._options import TaskOptions
 from dex_engine._records import StartRequest
 from dex_engine._scheduling import movement_record
-from dex_engine._task_options import digest_of
+from dex_engine._task_options import SharedOptions, digest_of
 
 from .conftest import FAST, run_as_one_batch, wait_until
 
@@ -327,3 +327,87 @@ def test_the_digest_memo_keeps_what_it_saw_up_to_its_bound(monkeypatch: pytest.M
     assert digest_of(b'{"n": 0}') == first[0] and len(memo) == bound  # a hit changes nothing
     assert digest_of(b'{"n": %d}' % bound) not in first
     assert list(memo) == [b'{"n": %d}' % bound]  # one past the bound: started over with it
+
+
+class _Upserts:
+    """The statements SharedOptions.reference runs, recording which digests it wrote."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def all(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        raise AssertionError(f"reference() reads nothing, got {sql!r}")
+
+    def run(self, sql: str, params: Sequence[Any] = ()) -> int:
+        assert sql.startswith("INSERT INTO task_options"), sql
+        self.written.append(params[0])
+        return 1
+
+
+def test_a_store_remembers_committed_rows_up_to_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a committed transaction confirmed is named without a write until the confirmed rows would
+    pass TASK_OPTIONS_CONFIRMED_ENTRIES; then the store starts over with those of the new commit."""
+    monkeypatch.setattr(_task_options, "TASK_OPTIONS_CONFIRMED_ENTRIES", 3)
+    options = [b'{"n": %d}' % n for n in range(4)]
+    digests = [digest_of(o) for o in options]
+    db, shared = _Upserts(), SharedOptions()
+    for data in options[:2]:
+        assert shared.reference(db, data, T0) == b"#" + digest_of(data)
+    shared.committed()
+    shared.reference(db, options[2], T0 + 1)
+    shared.committed()  # three rows: at the bound, none forgotten
+    assert shared.confirmed == {digests[0]: T0, digests[1]: T0, digests[2]: T0 + 1}
+    for data in options[:3]:
+        shared.reference(db, data, T0 + 2)
+    assert db.written == digests[:3]  # named, not written again
+    shared.reference(db, options[3], T0 + 2)
+    shared.committed()  # a fourth would pass the bound: only the new commit's row is kept
+    assert shared.confirmed == {digests[3]: T0 + 2} and shared.pending == {}
+
+
+def test_a_rolled_back_transaction_confirms_nothing() -> None:
+    db, shared = _Upserts(), SharedOptions()
+    shared.reference(db, b'{"n": 0}', T0)
+    shared.rolled_back()
+    shared.committed()
+    assert shared.confirmed == {}
+    shared.reference(db, b'{"n": 0}', T0)
+    assert db.written == [digest_of(b'{"n": 0}')] * 2  # written again: the first write was undone
+
+
+class _OptionRows:
+    """task_options rows (digest -> used_at) and the digests tasks name, behind the statements
+    SharedOptions.collect runs."""
+
+    def __init__(self, used_at: dict[bytes, int], named: set[bytes]) -> None:
+        self.used_at = used_at
+        self.named = named
+
+    def all(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        if sql.startswith("SELECT digest FROM task_options WHERE used_at < ?"):
+            return [(d,) for d, at in self.used_at.items() if at < params[0]]
+        assert sql.startswith("SELECT DISTINCT options FROM tasks"), sql
+        return [(b"#" + d,) for d in self.named]
+
+    def run(self, sql: str, params: Sequence[Any] = ()) -> int:
+        if sql.startswith("DELETE FROM task_options WHERE digest IN"):
+            for digest in params:
+                del self.used_at[digest]
+        else:
+            assert sql.startswith("UPDATE task_options SET used_at = ? WHERE digest IN"), sql
+            for digest in params[1:]:
+                self.used_at[digest] = params[0]
+        return len(params)
+
+
+def test_a_store_collects_at_most_once_per_collect_interval() -> None:
+    """Housekeeping runs often; the rows' scan runs once per TASK_OPTIONS_COLLECT_MS per store."""
+    stale_at = T0 + TASK_OPTIONS_KEEP_MS + 1  # T0's rows are stale from here
+    rows, shared = _OptionRows({b"a": T0}, set()), SharedOptions()
+    shared.collect(rows, stale_at)
+    assert rows.used_at == {}
+    rows.used_at[b"b"] = T0
+    shared.collect(rows, stale_at + TASK_OPTIONS_COLLECT_MS - 1)
+    assert rows.used_at == {b"b": T0}  # not yet: the last scan was too recent
+    shared.collect(rows, stale_at + TASK_OPTIONS_COLLECT_MS)
+    assert rows.used_at == {}

@@ -99,16 +99,16 @@ class SharedOptions:
         """The open transaction, or a savepoint in it, rolled back: its confirmations may be undone."""
         self.pending.clear()
 
-    def collect(self, db: _Statements, now: int) -> int:
+    def collect(self, db: _Statements, now: int) -> None:
         """Delete rows unused for TASK_OPTIONS_KEEP_MS that no task names (at most once per
-        TASK_OPTIONS_COLLECT_MS per store); rows still named count as used now. Returns how many went."""
+        TASK_OPTIONS_COLLECT_MS per store); rows still named count as used now."""
         if now < self._collect_after:
-            return 0
+            return
         self._collect_after = now + TASK_OPTIONS_COLLECT_MS
         stale = [bytes(r[0]) for r in db.all("SELECT digest FROM task_options WHERE used_at < ?",
                                              (now - TASK_OPTIONS_KEEP_MS,))]
         if not stale:
-            return 0
+            return
         named = {bytes(r[0])[len(REF_PREFIX):] for r in db.all(
             "SELECT DISTINCT options FROM tasks WHERE substr(options, 1, 1) = ?", (REF_PREFIX,))}
         gone = [d for d in stale if d not in named]
@@ -119,4 +119,3 @@ class SharedOptions:
                 part = rows[i:i + ROWS_PER_STATEMENT]
                 params: list[Any] = [] if rows is gone else [now]
                 db.run(sql.format(", ".join("?" * len(part))), [*params, *part])
-        return len(gone)
