@@ -30,7 +30,7 @@ from dex_engine import (
     rpc,
 )
 from dex_engine import _transitions as tx
-from dex_engine._attribute_cache import KnownRows
+from dex_engine._attribute_cache import AttributeCache, Ident, KnownRows
 from dex_engine._options import LoadSpec
 
 from .conftest import engine_for, wait_until
@@ -214,3 +214,82 @@ def test_split_takes_exactly_the_rows_of_the_names_it_covers() -> None:
             # The copy a Step is handed is its own: changing it leaves the known rows as they were.
             found[("Z", "")] = b"x"
             assert ("Z", "") not in known.rows
+
+
+def _read(database: dict[Ident, bytes], spec: LoadSpec) -> dict[Ident, bytes]:
+    """What a load of `spec` reads from a database holding `database` (as _read_attributes does)."""
+    if spec.mode == "none":
+        return {}
+    if spec.mode == "all":
+        return dict(database)
+    return {ident: v for ident, v in database.items() if ident[0] in spec.names or ident in spec.instances}
+
+
+def _random_spec(rng: random.Random, names: list[str]) -> LoadSpec:
+    if rng.random() < 0.1:
+        return LoadSpec(rng.choice(["all", "none"]))
+    wanted = tuple(rng.sample(names, rng.randint(0, len(names))))
+    instances = tuple({(rng.choice(names), f"k{rng.randint(0, 2)}") for _ in range(rng.randint(0, 2))})
+    return LoadSpec("only", wanted, instances)
+
+
+def test_known_rows_and_what_they_leave_to_read_are_exactly_the_database() -> None:
+    """KnownRows against a model database, used as load_attributes uses it, over random loads, writes
+    and deletes: for every load, the rows split hands over plus those read for what it leaves are
+    exactly what the database holds for that load. The oracle is the database, not KnownRows' own
+    state: a learn that keeps rows of the wrong names, or a split that leaves an instance unread,
+    hands a Step missing or deleted rows."""
+    names = ["A", "B", "C", "D"]
+    rng = random.Random(11)
+    for _trial in range(400):
+        database = {(n, f"k{i}"): f"{n}{i}".encode() for n in names for i in range(rng.randint(0, 2))}
+        known = KnownRows(1, 1)
+        for _step in range(rng.randint(1, 14)):
+            if rng.random() < 0.6:
+                spec = _random_spec(rng, names)
+                if spec.mode == "none":
+                    continue  # load_attributes reads nothing for it, and asks KnownRows nothing
+                rows, rest = known.split(spec)
+                if rest is not None:
+                    read = _read(database, rest)
+                    known.learn(rest, read)
+                    rows.update(read)
+                assert rows == _read(database, spec), (spec, rest)
+            else:
+                writes: dict[Ident, bytes | None] = {
+                    (rng.choice(names), f"k{rng.randint(0, 2)}"): rng.choice([None, b"v", b"w"])
+                    for _ in range(rng.randint(1, 4))}
+                for ident, value in writes.items():
+                    if value is None:
+                        database.pop(ident, None)
+                    else:
+                        database[ident] = value
+                known.apply(writes)
+
+
+def test_a_load_known_whole_reads_nothing_more() -> None:
+    """Once a load of some names (or of everything) read them, the next load of them is served
+    whole from KnownRows, and a later load of other names keeps them known."""
+    known = KnownRows(1, 1)
+    known.learn(LoadSpec("only", ("A",), (("B", "k"),)), {("A", "1"): b"a", ("B", "k"): b"b"})
+    assert known.split(LoadSpec("only", ("A",))) == ({("A", "1"): b"a"}, None)
+    known.learn(LoadSpec("only", ("C",)), {("C", "1"): b"c"})
+    assert known.covers("A") and known.covers("C") and not known.covers("B")
+    assert known.split(LoadSpec("only", ("A", "C"))) == ({("A", "1"): b"a", ("C", "1"): b"c"}, None)
+    everything = KnownRows(1, 1)
+    everything.learn(LoadSpec("all"), {("A", "1"): b"a"})
+    assert everything.split(LoadSpec("all")) == ({("A", "1"): b"a"}, None)
+    assert everything.split(LoadSpec("only", ("Z",))) == ({}, None)
+    copied = known.copy()
+    assert copied == known and copied is not known and copied.rows is not known.rows
+    copied.apply({("A", "2"): b"x"})
+    assert ("A", "2") not in known.rows
+
+
+def test_the_cache_keeps_flows_up_to_exactly_its_byte_bound() -> None:
+    cache = AttributeCache(max_flows=10, max_bytes=4)
+    full = KnownRows(1, 1, {("A", "1"): b"abcd"})
+    cache.put("f", full)
+    assert cache.get("f", 1, 1) is full  # exactly at the bound: kept
+    cache.put("g", KnownRows(1, 1, {("A", "1"): b"e"}))
+    assert len(cache) == 1 and cache.get("f", 1, 1) is None  # one byte over: the oldest went
