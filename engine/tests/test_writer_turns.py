@@ -198,3 +198,22 @@ async def test_a_store_write_goes_on_when_the_turn_never_comes(
         for proc in holder_of:
             proc.kill()
         await store.close()
+
+
+def test_a_turn_taken_at_once_is_the_with_blocks_own_and_released_after_it(tmp_path: Path) -> None:
+    """`with WriterTurns(path) as turns` hands back the turns object; the flock is held inside the
+    block (another open file of the lock cannot take it) and released on the way out."""
+    turns = WriterTurns(str(tmp_path / "w.db"))
+    with turns as entered:
+        assert entered is turns
+        other = os.open(turns.path, os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
+    other = os.open(turns.path, os.O_RDWR)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again
+    finally:
+        os.close(other)
