@@ -293,3 +293,20 @@ def test_the_cache_keeps_flows_up_to_exactly_its_byte_bound() -> None:
     assert cache.get("f", 1, 1) is full  # exactly at the bound: kept
     cache.put("g", KnownRows(1, 1, {("A", "1"): b"e"}))
     assert len(cache) == 1 and cache.get("f", 1, 1) is None  # one byte over: the oldest went
+
+
+def test_the_cache_answers_only_for_the_same_version_and_incarnation_and_keeps_the_newest_used() -> None:
+    """A flow's rows are those of its version and of this incarnation of the flow: one deleted and
+    started again under the same ID can reach the same version number with other rows. A hit makes
+    the flow the newest used, so the flows that go first are those unused longest."""
+    cache = AttributeCache(max_flows=2, max_bytes=1_000)
+    f = KnownRows(3, 100, {("A", ""): b"f"})
+    cache.put("f", f)
+    assert cache.get("f", 3, 100) is f
+    assert cache.get("f", 4, 100) is None  # a later version
+    assert cache.get("f", 3, 200) is None  # the same version of a new flow under the same ID
+    cache.put("g", KnownRows(1, 1))
+    assert cache.get("f", 3, 100) is f  # f is now the newest used
+    cache.put("h", KnownRows(1, 1))  # one flow too many: g, unused longest, goes
+    assert cache.get("g", 1, 1) is None
+    assert cache.get("f", 3, 100) is f and cache.get("h", 1, 1) is not None
