@@ -10,6 +10,7 @@ import fcntl
 import functools
 import logging
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -217,3 +218,79 @@ def test_a_turn_taken_at_once_is_the_with_blocks_own_and_released_after_it(tmp_p
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again
     finally:
         os.close(other)
+
+
+def test_the_lock_file_is_made_readable_by_all_and_closing_closes_it(tmp_path: Path) -> None:
+    """The lock file is created rw-r--r-- less the umask, as SQLite creates the database file beside
+    it; close() closes the descriptor it opened."""
+    turns = WriterTurns(str(tmp_path / "w.db"))
+    assert turns.try_enter()
+    turns.leave()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(turns.path).st_mode) == 0o644 & ~umask
+    fd = turns._fd
+    assert fd is not None
+    turns.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def _closed(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
+async def test_a_turn_waited_for_is_held_once_granted_and_close_ends_the_waiter(
+        tmp_path: Path, holder_of: list[subprocess.Popen[str]]) -> None:
+    """A writer that waited for the holder gets the turn when the holder exits, and holds it through
+    its block: no other process can take it meanwhile. close() then stops the idle waiting thread,
+    which closes the lock file."""
+    turns = WriterTurns(str(tmp_path / "t.db"), wait_seconds=30)
+    lock = Path(turns.path)
+    with turns:
+        pass  # creates the lock file
+    holder = hold_turn(lock, holder_of)
+    assert holder.stdin is not None
+    threading.Timer(0.2, holder.stdin.close).start()  # the holder exits a moment after we start waiting
+    with turns:
+        assert turns._held and turns._waiter is not None
+        assert not turn_is_free(lock)
+    assert turn_is_free(lock)
+    fd = turns._fd
+    assert fd is not None
+    turns.close()
+
+    async def fd_closed() -> bool:
+        return _closed(fd)
+
+    await wait_until("the waiting thread closed the lock file", fd_closed)
+
+
+async def test_closing_while_a_flock_is_still_blocked_closes_the_file_once_it_returns(
+        tmp_path: Path, holder_of: list[subprocess.Popen[str]]) -> None:
+    """A writer gave up waiting, and is closed while its waiting thread is still blocked in flock:
+    the file stays open until the flock returns (closing it under a blocked flock is undefined), then
+    the turn is released and the file closed."""
+    turns = WriterTurns(str(tmp_path / "t.db"), wait_seconds=0.2)
+    lock = Path(turns.path)
+    with turns:
+        pass
+    holder = hold_turn(lock, holder_of)
+    with turns:
+        assert not turns._held
+    fd = turns._fd
+    assert fd is not None
+    turns.close()
+    assert not _closed(fd)  # still blocked in flock on it
+    assert holder.stdin is not None
+    holder.stdin.close()
+    holder.wait()
+
+    async def released_and_closed() -> bool:
+        return _closed(fd) and turn_is_free(lock)
+
+    await wait_until("the late turn released and the file closed", released_and_closed)
