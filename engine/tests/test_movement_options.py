@@ -18,11 +18,13 @@ from dex_engine import (
     RetryPolicy,
     Step,
     StepDecision,
+    StepDurability,
     StepOptions,
     _scheduling,
 )
 from dex_engine._decision import Movement
 from dex_engine._limits import SCHEDULING_OPTIONS_CACHE_ENTRIES
+from dex_engine._options import LoadSpec, resolve_task_options
 from dex_engine._scheduling import movement_record, task_options
 
 from .conftest import engine_for
@@ -169,3 +171,76 @@ def test_a_cached_entry_of_another_flow_under_the_same_id_is_not_used(monkeypatc
     monkeypatch.setattr(_scheduling, "_cache", {(id(FLOW), "Work", None): (other, stale)})
     own = task_options(FLOW, "Work", None)
     assert own.execute.retry == QUICK and own.failure_route == "Recover"
+
+
+def _resolved(step: StepOptions, movement: MovementOptions | None) -> dict[str, Any]:
+    """What resolve_task_options made of every field a movement may override."""
+    options = resolve_task_options(step, True, movement)
+    assert options.wait_for is not None
+    return {
+        "execute_load": options.execute.load, "wait_for_load": options.wait_for.load,
+        "durability": options.durability, "execute_retry": options.execute.retry,
+        "wait_for_retry": options.wait_for.retry, "execute_timeout_ms": options.execute.timeout_ms,
+        "wait_for_timeout_ms": options.wait_for.timeout_ms, "heartbeat_timeout_ms": options.heartbeat_timeout_ms,
+    }
+
+
+R1, R2, R3, R4 = (RetryPolicy(max_attempts=n) for n in (1, 2, 4, 5))
+OWN = StepOptions(
+    load=LoadOptions.none(), execute_load=LoadSpec("only", ("X",)), wait_for_load=LoadSpec("only", ("W",)),
+    durability=StepDurability.ASYNC, execute_retry=R1, wait_for_retry=R2, execute_timeout_seconds=1.0,
+    wait_for_timeout_seconds=2.0, heartbeat_timeout_seconds=3.0,
+)
+OWN_RESOLVED = {
+    "execute_load": LoadSpec("only", ("X",)), "wait_for_load": LoadSpec("only", ("W",)),
+    "durability": StepDurability.ASYNC, "execute_retry": R1, "wait_for_retry": R2,
+    "execute_timeout_ms": 1_000, "wait_for_timeout_ms": 2_000, "heartbeat_timeout_ms": 3_000,
+}
+MOVED = MovementOptions(
+    execute_load=LoadSpec("only", ("Y",)), wait_for_load=LoadSpec("only", ("V",)), durability=StepDurability.SYNC,
+    execute_retry=R3, wait_for_retry=R4, execute_timeout_seconds=4.0, wait_for_timeout_seconds=5.0,
+    heartbeat_timeout_seconds=6.0,
+)
+MOVED_RESOLVED = {
+    "execute_load": LoadSpec("only", ("Y",)), "wait_for_load": LoadSpec("only", ("V",)),
+    "durability": StepDurability.SYNC, "execute_retry": R3, "wait_for_retry": R4,
+    "execute_timeout_ms": 4_000, "wait_for_timeout_ms": 5_000, "heartbeat_timeout_ms": 6_000,
+}
+
+
+def test_each_option_a_movement_sets_overrides_the_steps_and_each_it_leaves_keeps_it() -> None:
+    """Field by field: the Step's own value, unless the movement sets one; the movement's `load`
+    sets both methods' loads, and its execute_load or wait_for_load then override that one method's."""
+    assert _resolved(OWN, None) == OWN_RESOLVED
+    assert _resolved(OWN, MovementOptions()) == OWN_RESOLVED
+    assert _resolved(OWN, MOVED) == MOVED_RESOLVED
+    assert _resolved(StepOptions(), MOVED) == MOVED_RESOLVED
+    both = _resolved(OWN, MovementOptions(load=LoadSpec("only", ("B",)), wait_for_load=LoadSpec("only", ("V",))))
+    assert (both["execute_load"], both["wait_for_load"]) == (LoadSpec("only", ("B",)), LoadSpec("only", ("V",)))
+    plain = _resolved(StepOptions(load=LoadSpec("only", ("L",))), None)
+    assert (plain["execute_load"], plain["wait_for_load"]) == (LoadSpec("only", ("L",)), LoadSpec("only", ("L",)))
+
+
+def test_a_timeout_under_a_millisecond_is_stored_as_one() -> None:
+    """Stored timeouts are whole milliseconds; a positive one never rounds down to 0 (no timeout)."""
+    options = resolve_task_options(StepOptions(execute_timeout_seconds=0.0004), False, None)
+    assert options.execute.timeout_ms == 1
+
+
+@pytest.mark.parametrize(("spec", "other", "within"), [
+    (LoadSpec("none"), LoadSpec("none"), True),
+    (LoadSpec("all"), LoadSpec("all"), True),
+    (LoadSpec("all"), LoadSpec("only", ("A",)), False),
+    (LoadSpec("only", ("A",)), LoadSpec("none"), False),
+    (LoadSpec("only", ("A",)), LoadSpec("only", ("A", "B")), True),
+    (LoadSpec("only", ("A", "C")), LoadSpec("only", ("A", "B")), False),
+    (LoadSpec("only", (), (("A", "k"),)), LoadSpec("only", ("A",)), True),
+    (LoadSpec("only", (), (("A", "k"),)), LoadSpec("only", (), (("A", "k"), ("B", "j"))), True),
+    (LoadSpec("only", (), (("A", "k"),)), LoadSpec("only", (), (("A", "j"),)), False),
+    (LoadSpec("only", ("A",), (("B", "k"),)), LoadSpec("only", ("A",)), False),
+    (LoadSpec("only", ("A",)), LoadSpec("only", (), (("A", "k"),)), False),
+])
+def test_loads_within(spec: LoadSpec, other: LoadSpec, within: bool) -> None:
+    """Whether a method loading `spec` sees nothing `other` does not load (a WaitFor evaluated
+    early, on its Step's rows, must not read more than they hold)."""
+    assert spec.loads_within(other) is within
