@@ -35,14 +35,16 @@ from dex_engine import (
     Flow,
     Movement,
     Step,
+    StepDecision,
     StepNotWaitingError,
     Timer,
     Wait,
     open_store,
 )
 from dex_engine import _transitions as tx
+from dex_engine._context import WaitResult
 from dex_engine._options import FlowConfig
-from dex_engine._records import StartRequest, WaitOutcome, WriteSet
+from dex_engine._records import ConsumedMessage, StartRequest, WaitOutcome, WriteSet
 from dex_engine._scheduling import movement_record, start_record
 from dex_engine._store import now_ms
 from dex_engine._wait import Condition
@@ -484,3 +486,35 @@ WaitStoreMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestWaitStore = WaitStoreMachine.TestCase
+
+
+def _raw(value: int) -> msgspec.Raw:
+    return msgspec.Raw(msgspec.json.encode(value))
+
+
+def test_a_wait_result_hands_each_channel_instance_only_its_own_messages() -> None:
+    """WaitResult's readers over a wait on Keyed["x"], Keyed["y"], a timer and Plain: each instance
+    gets the messages its conditions consumed and no other key's, a timer consumes none, and an index
+    past the conditions, or a result with no outcome, reads as nothing consumed."""
+    flow = Flow("Readers", [Step("S", _readers_step)], start_step="S", schema=[Plain, Keyed])
+    wait = Wait.all_of(Keyed["x"].at_least(1), Keyed["y"].at_least(1), Timer.by_duration(0), Plain.at_least(1))
+    outcome = WaitOutcome(satisfied=(0, 1, 2, 3), consumed=(
+        (ConsumedMessage(1, _raw(10)), ConsumedMessage(2, _raw(11))), (ConsumedMessage(3, _raw(20)),), (),
+        (ConsumedMessage(4, _raw(30)),)), fired_timers=(2,))
+    result = WaitResult(wait.spec(), outcome, flow)
+    assert result.messages(Keyed["x"]) == [10, 11]
+    assert result.messages(Keyed["y"]) == [20]
+    assert result.messages(Plain) == [30]
+    assert result.messages_at(2) == [] and result.message_ids(2) == []
+    assert result.message_ids(0) == [1, 2]
+    assert result.messages_at(4) == [] and result.message_ids(4) == [] and result.message_ids(9) == []
+    assert (result.timer_fired, result.fired_timers, result.skipped) == (True, (2,), False)
+    nothing = WaitResult(wait.spec(), None, flow)
+    assert nothing.messages(Keyed["x"]) == [] and nothing.messages_at(0) == [] and nothing.message_ids(0) == []
+    assert (nothing.timer_fired, nothing.fired_timers, nothing.skipped, nothing.satisfied) == (False, (), True, ())
+    no_spec = WaitResult(None, outcome, flow)
+    assert no_spec.messages(Keyed["x"]) == [] and no_spec.messages_at(0) == []
+
+
+async def _readers_step(ctx: Context, _: None) -> StepDecision:
+    return StepDecision.dead_end()
