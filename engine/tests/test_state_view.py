@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from dex_engine import AttributeMap, Flow, InvalidValueError, LoadOptions, Step, StepDecision
+from dex_engine import AttributeMap, Flow, InvalidValueError, LoadOptions, Step, StepDecision, UndeclaredNameError
 from dex_engine._codec import encode_value
 from dex_engine._context import _StateView
 
@@ -57,3 +57,20 @@ def test_a_stored_value_of_another_type_names_the_instance() -> None:
     with pytest.raises(InvalidValueError, match=r"stored value for 'Points\[b\]' is not a Point"):
         v.items(Points)
     assert v.get(Points["a"]) == Point(1)
+
+
+def test_a_write_alone_after_items_shows_in_the_next_items() -> None:
+    """items() remembers its answer until the map is written: a single set, or a single delete,
+    after it shows in the next answer."""
+    v = view(dict([stored(Points, "a", Point(1))]))
+    assert v.items(Points) == {"a": Point(1)}
+    v.set(Points["b"], Point(2))
+    assert v.items(Points) == {"a": Point(1), "b": Point(2)}
+    v.delete(Points["a"])
+    assert v.items(Points) == {"b": Point(2)}
+
+
+def test_deleting_an_undeclared_attribute_is_refused_by_name() -> None:
+    v = view({})
+    with pytest.raises(UndeclaredNameError, match="Nowhere"):
+        v.delete(AttributeMap("Nowhere", str)["k"])
