@@ -74,3 +74,20 @@ def test_deleting_an_undeclared_attribute_is_refused_by_name() -> None:
     v = view({})
     with pytest.raises(UndeclaredNameError, match="Nowhere"):
         v.delete(AttributeMap("Nowhere", str)["k"])
+
+
+def test_get_refuses_an_undeclared_attribute_and_returns_the_default_for_an_unset_one() -> None:
+    v = view(dict([stored(Points, "a", Point(1))]))
+    with pytest.raises(UndeclaredNameError, match="Nowhere"):
+        v.get(AttributeMap("Nowhere", str)["k"])
+    assert v.get(Points["zz"], Point(0)) == Point(0)
+    assert v.get(Points["zz"]) is None
+    assert v.get(Points["a"], Point(0)) == Point(1)
+
+
+def test_items_of_a_map_loaded_whole_by_name_are_in_key_order_without_writes() -> None:
+    """A method whose load names the map (not every attribute) reads all its instances, in key order
+    even when storage handed them over in another."""
+    loaded = dict([stored(Points, "c", Point(3)), stored(Points, "a", Point(1)), stored(Points, "b", Point(2))])
+    v = _StateView(FLOW, "f1", loaded, LoadOptions.only(Points), "Step S")
+    assert list(v.items(Points)) == ["a", "b", "c"]
