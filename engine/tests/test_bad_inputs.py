@@ -57,6 +57,7 @@ from dex_engine import (
     open_store,
     rpc,
 )
+from dex_engine._codec import encode_value
 from dex_engine._retry import decide_retry
 
 from .conftest import Engine, engine_for, wait_until
@@ -777,3 +778,18 @@ async def test_bad_database_url(url: str, named: str, tmp_path: Path, monkeypatc
         Client(REGISTRY, url)
     assert threading.active_count() == threads, "Client left its event-loop thread running"
     assert not any(tmp_path.iterdir()), "a refused URL created files"  # noqa: ASYNC240
+
+
+@pytest.mark.parametrize(("tp", "value"), [(int, "5"), (float, "1.5"), (bool, 1), (str, 5)])
+def test_a_value_is_checked_strictly_against_its_declared_type(tp: type, value: object) -> None:
+    """No lax conversions: a "5" for an int, a 1 for a bool are refused, naming the value's name and
+    the declared type, not stored as what they could be converted to."""
+    with pytest.raises(InvalidValueError, match=f"value for 'N' is not a {tp.__name__}"):
+        encode_value("N", tp, value)
+
+
+def test_a_value_of_exactly_the_limit_is_accepted_and_one_byte_more_refused() -> None:
+    assert encode_value("N", str, "x" * 8, limit=10) == b'"xxxxxxxx"'
+    with pytest.raises(ValueTooLargeError) as caught:
+        encode_value("N", str, "x" * 9, limit=10)
+    assert "11" in str(caught.value) and "10" in str(caught.value)
