@@ -684,8 +684,9 @@ def test_flow_definition_lists_every_problem_at_once() -> None:
                 Step("Pure", done, pure_execute="yes"),  # type: ignore[arg-type]
             ],
             start_step="Missing",
-            schema=[Note, Attribute("Note", int), Inbox],
-            rpcs=[locked],
+            # What follows an item that is not of its kind is still checked.
+            schema=[Note, "Colour", Attribute("Note", int), Inbox],
+            rpcs=[_sync_wait, locked, locked],
         )
     message = str(caught.value)
     expected = [
@@ -699,10 +700,15 @@ def test_flow_definition_lists_every_problem_at_once() -> None:
         "Step 'Routed' locks 'Stray'",
         "Step 'Routed' locks 'Tags[k]'",
         "Step 'Pure' pure_execute must be True or False, got 'yes'",
+        "schema item 'Colour' is not an Attribute, AttributeMap, Channel, ChannelMap, Stream",
+        "RPC 'locked' is declared twice",
+        "is not decorated with @rpc",
     ]
     missing = [e for e in expected if e not in message]
     assert not missing, f"{message!r} lacks {missing}"
-    assert f"has {len(expected)} problem(s)" in message
+    # The RPC declared twice has its lock problem listed once per declaration.
+    assert message.count("RPC 'locked' locks 'Stray'") == 2
+    assert f"has {len(expected) + 1} problem(s)" in message
 
 
 @pytest.mark.parametrize(
@@ -717,6 +723,29 @@ def test_invalid_registry(flows: list[Any], named: str) -> None:
     with pytest.raises(FlowDefinitionError) as caught:
         Registry(flows)
     assert named in str(caught.value)
+
+
+def test_a_registry_lists_every_problem_and_only_those() -> None:
+    """Items after one that is not a Flow are still checked; a Registry with no Flow but other
+    problems does not also say it needs one."""
+    with pytest.raises(FlowDefinitionError) as caught:
+        Registry(["Bad", FLOW, FLOW])  # type: ignore[list-item]
+    assert str(caught.value) == "invalid Registry: 'Bad' is not a Flow; flow type 'Bad' is registered twice"
+    with pytest.raises(FlowDefinitionError) as caught:
+        Registry([3])  # type: ignore[list-item]
+    assert str(caught.value) == "invalid Registry: 3 is not a Flow"
+
+
+def test_locks_on_declared_attributes_and_map_instances_are_accepted() -> None:
+    @rpc(locks=[Tags["k"], Note])
+    async def locked(ctx: RpcContext, _: None) -> None:
+        return None
+
+    flow = Flow("Locks", [Step("S", done, options=StepOptions(execute_locks=(Tags["k"], Note)))],
+                start_step="S", schema=[Note, Tags], rpcs=[locked])
+    assert flow.attribute_type("Tags") is Tags.value_type
+    with pytest.raises(UndeclaredNameError, match="Nowhere"):
+        flow.attribute_type("Nowhere")
 
 
 # Search queries and database URLs ----------------------------------------------------------------
