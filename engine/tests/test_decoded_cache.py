@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from dex_engine import _codec
+from dex_engine import InvalidValueError, _codec
 from dex_engine._codec import decode_value, encode_value
 
 
@@ -40,6 +40,47 @@ class WithDict(msgspec.Struct, frozen=True):
 
 class Holder(msgspec.Struct, frozen=True):
     inner: Chunk
+
+
+class HoldsLoose(msgspec.Struct, frozen=True):
+    inner: Loose
+
+
+class EitherIntOrDict(msgspec.Struct, frozen=True):
+    value: int | dict[str, int]
+
+
+class PairWithList(msgspec.Struct, frozen=True):
+    pair: tuple[int, list[int]]
+
+
+class OptionalDicts(msgspec.Struct, frozen=True):
+    rows: list[dict[str, int]] | None
+
+
+class Node(msgspec.Struct, frozen=True):
+    name: str
+    children: tuple[Node, ...] = ()
+
+
+class Leaf(msgspec.Struct, frozen=True):
+    back: Branch | None = None
+
+
+class Branch(msgspec.Struct, frozen=True):
+    leaf: Leaf
+
+
+class Tree(msgspec.Struct, frozen=True):
+    """Refers to a cycle of two other structs (Branch -> Leaf -> Branch), not to itself."""
+
+    root: Branch
+
+
+class Scalars(msgspec.Struct, frozen=True):
+    maybe: int | None
+    many: tuple[int, ...]
+    unique: frozenset[str]
 
 
 @pytest.fixture(autouse=True)
@@ -130,3 +171,34 @@ def test_bad_stored_bytes_name_the_value_and_are_not_cached() -> None:
     with pytest.raises(_codec.InvalidValueError, match=r"stored value for 'v' is not a Chunk"):
         decode_value("v", Chunk, b'{"items": [{"name": 1, "size": 1}], "label": "c"}')
     assert not _codec._decoded.values
+
+
+@pytest.mark.parametrize(("tp", "value"), [
+    (HoldsLoose, HoldsLoose(Loose("a"))),
+    (EitherIntOrDict, EitherIntOrDict({"a": 1})),
+    (PairWithList, PairWithList((1, [2]))),
+    (OptionalDicts, OptionalDicts([{"a": 1}])),
+])
+def test_a_mutable_part_anywhere_below_a_frozen_struct_keeps_it_out_of_the_cache(tp: object, value: object) -> None:
+    """A mutable struct, a union, a tuple or an optional list that can hold something mutable: each
+    reader decodes its own, and a change to one never reaches another."""
+    first, second = _decode_twice(tp, value)
+    assert first == second == value and first is not second
+    assert not _codec._decoded.values, f"{tp!r} was cached"
+
+
+@pytest.mark.parametrize(("tp", "value"), [
+    (Node, Node("root", (Node("leaf"),))),
+    (Tree, Tree(Branch(Leaf(Branch(Leaf()))))),
+    (Scalars, Scalars(None, (1, 2), frozenset({"a"}))),
+])
+def test_recursive_and_immutable_container_fields_are_shared(tp: object, value: object) -> None:
+    """A frozen struct that refers to itself or to a cycle of others, and one of optional scalars,
+    tuples and frozensets, are immutable all the way down: decoded once, shared."""
+    first, second = _decode_twice(tp, value)
+    assert first == value and second is first
+
+
+def test_a_value_of_a_union_type_is_refused_naming_the_union() -> None:
+    with pytest.raises(InvalidValueError, match=r"value for 'N' is not a int \| None"):
+        encode_value("N", int | None, "x")
