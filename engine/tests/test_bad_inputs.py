@@ -9,6 +9,7 @@ Definition errors (Flow, Step options, RetryPolicy, WorkerOptions, Wait) are rai
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from dex_engine import (
@@ -822,3 +824,23 @@ def test_a_value_of_exactly_the_limit_is_accepted_and_one_byte_more_refused() ->
     with pytest.raises(ValueTooLargeError) as caught:
         encode_value("N", str, "x" * 9, limit=10)
     assert "11" in str(caught.value) and "10" in str(caught.value)
+
+
+class _Sized(msgspec.Struct, frozen=True):
+    name: str
+    size: int
+
+
+@dataclasses.dataclass
+class _SizedRecord:
+    name: str
+    size: int
+
+
+@pytest.mark.parametrize("value", [_Sized(name="a", size="big"), _SizedRecord(name="a", size="big")],  # type: ignore[arg-type]
+                         ids=["struct", "dataclass"])
+def test_a_struct_or_dataclass_built_with_a_wrong_field_type_is_refused(value: object) -> None:
+    """Their constructors check no field types, so being an instance of the declared class is not
+    enough: the value is checked field by field."""
+    with pytest.raises(InvalidValueError, match=f"value for 'N' is not a {type(value).__name__}"):
+        encode_value("N", type(value), value)

@@ -202,3 +202,14 @@ def test_recursive_and_immutable_container_fields_are_shared(tp: object, value: 
 def test_a_value_of_a_union_type_is_refused_naming_the_union() -> None:
     with pytest.raises(InvalidValueError, match=r"value for 'N' is not a int \| None"):
         encode_value("N", int | None, "x")
+
+
+def test_stored_bytes_decoded_twice_are_decoded_once() -> None:
+    """A Step that reads bytes no writer of this process encoded (another process wrote them) still
+    shares what the first read decoded; bytes given as text are decoded each time, not cached."""
+    data = msgspec.json.encode(Item("a", 1))
+    first = decode_value("v", Item, data)
+    assert decode_value("v", Item, data) is first
+    assert list(_codec._decoded.values) == [(Item, data)]
+    text = data.decode()
+    assert decode_value("v", Item, text) == first and (Item, text) not in _codec._decoded.values
