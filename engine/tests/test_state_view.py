@@ -8,9 +8,18 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from dex_engine import AttributeMap, Flow, InvalidValueError, LoadOptions, Step, StepDecision, UndeclaredNameError
+from dex_engine import (
+    AttributeMap,
+    ChannelMap,
+    Flow,
+    InvalidValueError,
+    LoadOptions,
+    Step,
+    StepDecision,
+    UndeclaredNameError,
+)
 from dex_engine._codec import encode_value
-from dex_engine._context import _StateView
+from dex_engine._context import RpcContext, _StateView
 
 
 class Point(msgspec.Struct, frozen=True):
@@ -91,3 +100,37 @@ def test_items_of_a_map_loaded_whole_by_name_are_in_key_order_without_writes() -
     loaded = dict([stored(Points, "c", Point(3)), stored(Points, "a", Point(1)), stored(Points, "b", Point(2))])
     v = _StateView(FLOW, "f1", loaded, LoadOptions.only(Points), "Step S")
     assert list(v.items(Points)) == ["a", "b", "c"]
+
+
+Inbox: ChannelMap[int] = ChannelMap("Inbox", int)
+RPC_FLOW = Flow("Asked", [Step("S", _noop, input_type=type(None))], start_step="S", schema=[Points, Inbox])
+
+
+def _queued(*values: tuple[int, int]) -> list[tuple[int, bytes]]:
+    return [(mid, encode_value("Inbox", int, value)) for mid, value in values]
+
+
+def test_an_rpc_reads_each_channel_instance_minus_only_what_it_deleted_there() -> None:
+    """pending() and in_flight() read one channel instance and mark the RPC as having read them (its
+    commit then checks they did not change); a message this RPC deleted on another instance, under
+    the same ID, stays."""
+    ctx = RpcContext(RPC_FLOW, "f1", {}, LoadOptions.all(),
+                     {("Inbox", "a"): _queued((1, 10), (2, 20)), ("Inbox", "b"): _queued((1, 30))}, "ask",
+                     in_flight={("Inbox", "a"): _queued((7, 70))})
+    ctx.delete_message(Inbox["b"], 1)
+    assert not ctx.pending_read
+    assert [(m.message_id, m.value) for m in ctx.pending(Inbox["a"])] == [(1, 10), (2, 20)]
+    assert ctx.pending(Inbox["b"]) == []
+    assert ctx.pending_read
+    flight = RpcContext(RPC_FLOW, "f1", {}, LoadOptions.all(), {}, "ask", in_flight={("Inbox", "a"): _queued((7, 70))})
+    assert [(m.message_id, m.value) for m in flight.in_flight(Inbox["a"])] == [(7, 70)]
+    assert flight.pending_read
+    assert RpcContext(RPC_FLOW, "f1", {}, LoadOptions.all(), {}, "ask").in_flight(Inbox["a"]) == []
+
+
+def test_an_rpc_naming_an_undeclared_channel_is_refused_by_name() -> None:
+    ctx = RpcContext(RPC_FLOW, "f1", {}, LoadOptions.all(), {}, "ask")
+    stray = ChannelMap("Stray", int)["k"]
+    for read in (ctx.pending, ctx.in_flight, lambda ch: ctx.delete_message(ch, 1)):
+        with pytest.raises(UndeclaredNameError, match="Stray"):
+            read(stray)
