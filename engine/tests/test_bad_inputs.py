@@ -629,7 +629,7 @@ def test_retry_forever_policy_keeps_a_finite_interval() -> None:
 
 @pytest.mark.parametrize("field_name", ["execute_timeout_seconds", "wait_for_timeout_seconds",
                                         "heartbeat_timeout_seconds"])
-@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, "10"])
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, "10", True])
 def test_invalid_step_option_timeouts(field_name: str, value: Any) -> None:
     """Step timeouts must be positive finite seconds; FlowDefinitionError names the option and value."""
     with pytest.raises(FlowDefinitionError) as caught:
