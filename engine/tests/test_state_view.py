@@ -11,6 +11,7 @@ import pytest
 from dex_engine import (
     AttributeMap,
     ChannelMap,
+    Context,
     Flow,
     InvalidValueError,
     LoadOptions,
@@ -134,3 +135,21 @@ def test_an_rpc_naming_an_undeclared_channel_is_refused_by_name() -> None:
     for read in (ctx.pending, ctx.in_flight, lambda ch: ctx.delete_message(ch, 1)):
         with pytest.raises(UndeclaredNameError, match="Stray"):
             read(stray)
+
+
+async def test_a_heartbeats_checkpoint_is_the_attempts_checkpoint_from_then_on() -> None:
+    """ctx.checkpoint follows the attempt's heartbeats: one with a checkpoint replaces it, one
+    without leaves it, and each reaches the worker as given."""
+    beats: list[str | None] = []
+
+    async def heartbeat(checkpoint: str | None) -> None:
+        beats.append(checkpoint)
+
+    ctx = Context(flow=FLOW, flow_id="f1", step_type="S", step_execution_id="S-1", method="execute", attempt=2,
+                  loaded={}, load=LoadOptions.all(), checkpoint="saved", recovery_error=None, wait_result=None,
+                  heartbeat=heartbeat, write_event=lambda _name, _data: None)
+    await ctx.heartbeat()
+    assert ctx.checkpoint == "saved"
+    await ctx.heartbeat("newer")
+    assert ctx.checkpoint == "newer"
+    assert beats == [None, "newer"]
