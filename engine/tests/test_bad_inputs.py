@@ -476,8 +476,9 @@ async def test_forged_and_foreign_resume_tokens_are_refused(db_url: str, tmp_pat
             await other.client.rpc("f", "append", "x")
             foreign_db = (await other.client.read_stream("f", Events)).resume_token
 
-        cases: list[tuple[str, str]] = [
+        cases: list[tuple[Any, str]] = [
             (flipped_mac, "signature"),
+            (12345, "12345"),  # not text at all
             (rewound, "signature"),
             (foreign_db, "signature"),
             (other_flow, "'g'"),
@@ -844,3 +845,7 @@ def test_a_struct_or_dataclass_built_with_a_wrong_field_type_is_refused(value: o
     enough: the value is checked field by field."""
     with pytest.raises(InvalidValueError, match=f"value for 'N' is not a {type(value).__name__}"):
         encode_value("N", type(value), value)
+
+
+def test_a_map_key_of_exactly_the_id_length_is_accepted() -> None:
+    assert Tags["k" * 255].key == "k" * 255

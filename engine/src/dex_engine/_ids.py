@@ -6,7 +6,7 @@ from ._errors import InvalidIdError
 from ._limits import MAX_ID_LENGTH, RESERVED_ID_CHARACTERS
 
 
-def check_id(kind: str, value: object, *, allow_slash: bool = False) -> str:
+def check_id(kind: str, value: object) -> str:
     """Return `value` if it is a usable ID, else raise InvalidIdError naming the problem."""
     if not isinstance(value, str):
         raise InvalidIdError(f"{kind} must be a string, got {type(value).__name__}: {value!r}")
@@ -22,7 +22,7 @@ def check_id(kind: str, value: object, *, allow_slash: bool = False) -> str:
                 f"{kind} {value!r} contains whitespace or a control character ({ch!r}); "
                 "use letters, digits and punctuation"
             )
-        if not allow_slash and ch in RESERVED_ID_CHARACTERS:
+        if ch in RESERVED_ID_CHARACTERS:
             raise InvalidIdError(
                 f"{kind} {value!r} contains reserved character {ch!r}; it joins IDs into keys"
             )
