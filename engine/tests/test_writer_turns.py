@@ -132,6 +132,20 @@ def turn_is_free(lock: Path) -> bool:
         os.close(fd)
 
 
+def gave_up_waiting(
+        tmp_path: Path, started: list[subprocess.Popen[str]]) -> tuple[WriterTurns, Path, subprocess.Popen[str]]:
+    """A writer (waiting 0.2 s at most) that gave up waiting for the turn another process holds: its
+    request stays with its helper thread, still blocked in flock."""
+    turns = WriterTurns(str(tmp_path / "t.db"), wait_seconds=0.2)
+    lock = Path(turns.path)
+    with turns:
+        pass  # creates the lock file
+    holder = hold_turn(lock, started)
+    with turns:
+        assert not turns._held
+    return turns, lock, holder
+
+
 async def test_a_writer_waits_for_a_frozen_holder_only_so_long_and_releases_a_late_turn(
         tmp_path: Path, holder_of: list[subprocess.Popen[str]], caplog: pytest.LogCaptureFixture) -> None:
     """The holder never lets go within the wait: the writer goes on without the turn, and says so.
@@ -157,13 +171,7 @@ async def test_a_writer_waits_for_a_frozen_holder_only_so_long_and_releases_a_la
 
 async def test_a_late_turn_goes_to_the_next_waiting_write(
         tmp_path: Path, holder_of: list[subprocess.Popen[str]]) -> None:
-    turns = WriterTurns(str(tmp_path / "t.db"), wait_seconds=0.2)
-    lock = Path(turns.path)
-    with turns:
-        pass
-    holder = hold_turn(lock, holder_of)
-    with turns:
-        assert not turns._held  # gave up: the request stays with the helper thread
+    turns, lock, holder = gave_up_waiting(tmp_path, holder_of)
     turns.wait_seconds = 60
     entered, leave = threading.Event(), threading.Event()
 
@@ -275,13 +283,7 @@ async def test_closing_while_a_flock_is_still_blocked_closes_the_file_once_it_re
     """A writer gave up waiting, and is closed while its waiting thread is still blocked in flock:
     the file stays open until the flock returns (closing it under a blocked flock is undefined), then
     the turn is released and the file closed."""
-    turns = WriterTurns(str(tmp_path / "t.db"), wait_seconds=0.2)
-    lock = Path(turns.path)
-    with turns:
-        pass
-    holder = hold_turn(lock, holder_of)
-    with turns:
-        assert not turns._held
+    turns, lock, holder = gave_up_waiting(tmp_path, holder_of)
     fd = turns._fd
     assert fd is not None
     turns.close()
