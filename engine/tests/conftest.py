@@ -269,6 +269,17 @@ async def wait_until(description: str, probe: Callable[[], Awaitable[Any]], time
         await asyncio.sleep(0.01)
 
 
+async def statements_during(store: Store, action: Callable[[], Awaitable[object]]) -> list[str]:
+    """The SQL an SQLite store's connection ran while `action` ran (its trace callback, removed after)."""
+    statements: list[str] = []
+    await store.raw(lambda db: db.conn.set_trace_callback(statements.append))
+    try:
+        await action()
+    finally:
+        await store.raw(lambda db: db.conn.set_trace_callback(None))
+    return statements
+
+
 async def run_as_one_batch(store: Store, ops: Sequence[Callable[[Any], object]]) -> list[object]:
     """Run write operations on an SQLite store's thread as one batch (one group commit): a slow
     operation holds the thread until all of `ops` are queued behind it. Each op's result, or the

@@ -45,7 +45,7 @@ from dex_engine._records import StartRequest
 from dex_engine._scheduling import movement_record
 from dex_engine._task_options import SharedOptions, digest_of
 
-from .conftest import FAST, run_as_one_batch, wait_until
+from .conftest import FAST, run_as_one_batch, statements_during, wait_until
 
 T0 = 1_900_000_000_000  # a fixed clock, far from the real one, for the rows these tests write
 
@@ -189,18 +189,13 @@ async def test_one_transaction_writes_a_row_once_for_all_its_tasks(tmp_path: Pat
     """A transaction that creates several tasks with the same options (a turn's tool calls) writes
     their row once, in the same millisecond or not; the row it has written is pending until it commits."""
     store = await _store_with_flow(tmp_path)
-    statements: list[str] = []
 
     def three_tasks(db: Any) -> None:
         for now in (T0, T0, T0 + 1):
             tx.create_task(db, "f", "Opts", _record("Plain"), now)
 
     try:
-        await store.raw(lambda db: db.conn.set_trace_callback(statements.append))
-        try:
-            await store.raw(three_tasks, write=True)
-        finally:
-            await store.raw(lambda db: db.conn.set_trace_callback(None))
+        statements = await statements_during(store, lambda: store.raw(three_tasks, write=True))
         assert len([s for s in statements if "INSERT INTO task_options" in s]) == 1, statements
     finally:
         await store.close()
@@ -214,12 +209,8 @@ async def test_a_store_confirms_a_row_again_after_the_refresh_time(tmp_path: Pat
     try:
         await _create(store, "Plain", T0)
         digest = digest_of(encode_json(_stored("Plain")))
-        statements: list[str] = []
-        await store.raw(lambda db: db.conn.set_trace_callback(statements.append))
-        try:
-            await _create(store, "Plain", T0)  # the same millisecond: confirmed, not written again
-        finally:
-            await store.raw(lambda db: db.conn.set_trace_callback(None))
+        # The same millisecond: confirmed, not written again.
+        statements = await statements_during(store, lambda: _create(store, "Plain", T0))
         assert not [s for s in statements if "task_options" in s], statements
         await _create(store, "Plain", T0 + TASK_OPTIONS_REFRESH_MS - 1)
         assert await _task_options_rows(store) == {digest: T0}

@@ -41,7 +41,7 @@ from dex_engine import (
 from dex_engine._decision import Movement
 from dex_engine._records import StartRequest
 
-from .conftest import Engine, engine_for, wait_until
+from .conftest import Engine, engine_for, statements_during, wait_until
 
 QUICK = RetryPolicy(max_attempts=3, initial_interval_seconds=0.05, max_interval_seconds=0.05)
 A = Attribute("A", int)
@@ -1002,12 +1002,8 @@ async def test_a_full_stream_is_trimmed_by_one_read_and_one_delete(tmp_path: Pat
             transitions.append_events(db, "f", "Out", 2000, rows)
 
         await store.raw(lambda db: append(db, events), write=True)  # at capacity: nothing trimmed
-        statements: list[str] = []
-        await store.raw(lambda db: db.conn.set_trace_callback(statements.append))
-        try:
-            await store.raw(lambda db: append(db, [("S-2", 1, b'"' + b"y" * 998 + b'"')]), write=True)
-        finally:
-            await store.raw(lambda db: db.conn.set_trace_callback(None))
+        statements = await statements_during(
+            store, lambda: store.raw(lambda db: append(db, [("S-2", 1, b'"' + b"y" * 998 + b'"')]), write=True))
         kept = await store.raw(lambda db: db.one(
             "SELECT MIN(seq), COUNT(*), SUM(LENGTH(value)) FROM stream_events WHERE flow_id = 'f'"))
     finally:
@@ -1060,12 +1056,7 @@ async def test_a_message_a_wait_of_the_same_commit_takes_is_never_written(db_url
         await eng.client.publish("r1", C, 1)  # the client's publish stores it, then First takes it
         await wait_until("First ran", lambda: _count(probe.executed, 1))
         await wait_until("Second waits", lambda: _history_has(eng, "r1", "wait_registered", "Second-1"))
-        statements: list[str] = []
-        await eng.store.raw(lambda db: db.conn.set_trace_callback(statements.append))
-        try:
-            await eng.client.rpc("r1", "post", 2)
-        finally:
-            await eng.store.raw(lambda db: db.conn.set_trace_callback(None))
+        statements = await statements_during(eng.store, lambda: eng.client.rpc("r1", "post", 2))
         await wait_until("Second ran", lambda: _count(probe.executed, 2))
         sequence = await eng.store.raw(lambda db: db.one(
             "SELECT seq FROM sqlite_sequence WHERE name = 'channel_messages'"))
