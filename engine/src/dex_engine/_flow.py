@@ -167,6 +167,7 @@ class Flow:
                 continue
             if r.name in self.rpcs:
                 problems.append(f"RPC {r.name!r} is declared twice")
+                continue  # the first declaration's own problems are listed already
             self.rpcs[r.name] = r
             problems.extend(self._lock_problems(f"RPC {r.name!r}", r.locks))
         for step in self.steps.values():
