@@ -213,19 +213,11 @@ def test_a_turn_taken_at_once_is_the_with_blocks_own_and_released_after_it(tmp_p
     """`with WriterTurns(path) as turns` hands back the turns object; the flock is held inside the
     block (another open file of the lock cannot take it) and released on the way out."""
     turns = WriterTurns(str(tmp_path / "w.db"))
+    lock = Path(turns.path)
     with turns as entered:
         assert entered is turns
-        other = os.open(turns.path, os.O_RDWR)
-        try:
-            with pytest.raises(BlockingIOError):
-                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        finally:
-            os.close(other)
-    other = os.open(turns.path, os.O_RDWR)
-    try:
-        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again
-    finally:
-        os.close(other)
+        assert not turn_is_free(lock)
+    assert turn_is_free(lock)
 
 
 def test_the_lock_file_is_made_readable_by_all_and_closing_closes_it(tmp_path: Path) -> None:
