@@ -60,6 +60,7 @@ from dex_engine import (
     rpc,
 )
 from dex_engine._codec import encode_value
+from dex_engine._limits import MAX_HISTORY_DETAIL_CHARS
 from dex_engine._retry import decide_retry
 
 from .conftest import Engine, engine_for, wait_until
@@ -106,6 +107,8 @@ async def start(ctx: Context, what: str) -> StepDecision:
         return StepDecision.go_to("Listen", None)
     if what == "bad_wait":
         return StepDecision.go_to("BadWait", None)
+    if what == "long_error":
+        raise RuntimeError("e" * (2 * MAX_HISTORY_DETAIL_CHARS))
     misuse(ctx, what)
     return StepDecision.graceful_complete("misuse was not refused")
 
@@ -279,6 +282,19 @@ async def test_misuse_in_a_step_handler_fails_the_attempt_and_history_names_it(
 
         await c.start_flow("Bad", "after", "ok")
         assert (await c.wait_for_flow("after", 10)).status == "completed"
+
+
+async def test_a_long_error_is_kept_in_history_cut_to_the_detail_limit(db_url: str) -> None:
+    """A handler's error text longer than MAX_HISTORY_DETAIL_CHARS is kept to exactly that many
+    characters in its attempt_failed entry, from its start."""
+    async with engine_for(db_url, REGISTRY) as eng:
+        c = eng.client
+        await c.start_flow("Bad", "f", "long_error")
+        assert (await c.wait_for_flow("f", 10)).status == "failed"
+        failed = [h for h in await c.get_flow_history("f") if h.event_type == "attempt_failed"]
+        assert len(failed) == 1, failed
+        full = "execute: RuntimeError: " + "e" * (2 * MAX_HISTORY_DETAIL_CHARS)
+        assert failed[0].detail == full[:MAX_HISTORY_DETAIL_CHARS]
 
 
 # IDs and keys ----------------------------------------------------------------------------------

@@ -19,6 +19,10 @@ DEFAULT_STREAM_CAPACITY_BYTES = 10 * 1024 * 1024
 # Step history events kept per flow; older ones are trimmed so history stays bounded.
 MAX_HISTORY_EVENTS_PER_FLOW = 20_000
 
+# Characters of a history event's detail (an error's text) kept: enough for a message and the top of
+# a traceback, while a handler raising a huge error cannot grow history by megabytes a failure.
+MAX_HISTORY_DETAIL_CHARS = 4000
+
 # Lease of a worker: a worker that has not renewed for this long is declared dead and its
 # started attempts fail (unstarted ones are handed out again). 30 s matches Procrastinate.
 DEFAULT_LEASE_TTL_SECONDS = 30.0

@@ -30,6 +30,7 @@ from ._limits import (
     ACTIVE_STEP_SEARCH_CANDIDATES,
     HISTORY_CHAIN_TRIM_EVERY,
     HISTORY_TRIM_CHECK_EVERY,
+    MAX_HISTORY_DETAIL_CHARS,
     MAX_HISTORY_EVENTS_PER_FLOW,
     ROWS_PER_STATEMENT,
 )
@@ -297,7 +298,7 @@ def _maybe_complete(db: Db, flow_id: str, now: int) -> None:
 def _history(
     db: Db, flow_id: str, step_type: str, seid: str, event: str, attempt: int, now: int, detail: str = ""
 ) -> None:
-    db.history.append((flow_id, step_type, seid, event, attempt, now, detail[:4000]))
+    db.history.append((flow_id, step_type, seid, event, attempt, now, detail[:MAX_HISTORY_DETAIL_CHARS]))
 
 
 def _on_postgres(db: Db) -> bool:
