@@ -952,6 +952,38 @@ async def test_history_follows_the_flow_row_whoever_moved_it_within_the_operatio
         await store.close()
 
 
+@pytest.mark.parametrize("reader", ["require_running", "flow_status"])
+async def test_history_after_a_followed_row_read_and_bump_takes_the_one_checked_update(
+    tmp_path: Path, reader: str
+) -> None:
+    """An operation that read the flow row (require_running or flow_status) and then bumped its
+    version writes its history with the checked update alone: the read and the bump keep Db.flow_rows
+    exact, so nothing is numbered again (no batch deleted) or read back (no RETURNING update).
+    Catches: a read that does not note the row, a bump that leaves its noted version (or sequence)
+    wrong; each still writes the right history, through the fallback, at two or three more statements."""
+    store = open_store(f"sqlite:///{tmp_path / 'fast.db'}")
+    try:
+        await store.start_flow(StartRequest("f", "T", b"null", FlowConfig(), None))
+        row_of = "SELECT history_seq, version FROM flows WHERE flow_id = 'f'"
+        seq0, version0 = await store.raw(lambda db: db.one(row_of))
+
+        def read_bump_note(db: Any) -> None:
+            getattr(transitions, reader)(db, "f")
+            transitions.bump(db, "f")
+            transitions._history(db, "f", "S", "S-1", "note", 1, 0, "after a bump")
+
+        statements = await statements_during(store, lambda: store.raw(read_bump_note, write=True))
+        fallback = [s for s in statements if ("last_insert_rowid()" in s and s.startswith("DELETE"))
+                    or "RETURNING history_seq" in s]
+        assert fallback == [], statements
+        assert await store.raw(lambda db: db.one(row_of)) == (seq0 + 1, version0 + 2)
+        history = await store.raw(lambda db: db.all(
+            "SELECT seq, detail FROM history WHERE flow_id = 'f' AND event_type = 'note'"))
+        assert history == [(seq0 + 1, "after a bump")]
+    finally:
+        await store.close()
+
+
 async def test_sqlite_trims_history_to_exactly_the_newest_events_inside_a_batch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
