@@ -763,12 +763,26 @@ async def test_e12_stop_flow_from_client(db_url: str) -> None:
         await eng.client.stop_flow("s1", "operator stop")
         info = await eng.client.describe_flow("s1")
         assert info.status == "stopped"
+        assert info.error == "operator stop"
         assert info.closed_at_ms is not None
         await wait_until("Runner handler cancelled", non_empty(probe.cancelled))
         assert probe.cancelled == ["Runner-1"]
         with pytest.raises(FlowNotActiveError):
             await eng.client.stop_flow("s1")
         await assert_closed_but_readable(eng, "s1")
+
+
+async def test_e12_a_stop_without_a_reason_is_recorded_as_stopped(db_url: str) -> None:
+    """E12: a flow stopped with no reason still says why it closed: its error and its flow_closed
+    history entry read "stopped", never an empty text."""
+    async with engine_for(db_url, Registry([close_flow(CloseProbe())])) as eng:
+        await eng.client.start_flow("Close", "s2", "stop")
+        await settle(eng, "s2", {"Holder-1": "waiting", "Runner-1": "running"})
+        await eng.client.stop_flow("s2")
+        info = await eng.client.describe_flow("s2")
+        assert (info.status, info.error) == ("stopped", "stopped")
+        closed = [h.detail for h in await eng.client.get_flow_history("s2") if h.event_type == "flow_closed"]
+        assert closed == ["stopped: stopped"]
 
 
 # E13 Search and history --------------------------------------------------------------------------
