@@ -938,16 +938,22 @@ async def test_history_follows_the_flow_row_whoever_moved_it_within_the_operatio
 
         def moved_behind_its_back(db: Any) -> None:
             transitions.require_running(db, "f")
-            db.run("UPDATE flows SET history_seq = history_seq + 2, version = version + 5 WHERE flow_id = 'f'")
+            # Moved by different amounts, so that no mix-up of sequence and version can come out right.
+            db.run("UPDATE flows SET history_seq = history_seq + 2, version = version + 9 WHERE flow_id = 'f'")
             transitions._history(db, "f", "S", "S-1", "note", 1, 0, "after a move")
 
         await store.raw(followed, write=True)
         assert await store.raw(lambda db: db.one(row_of)) == (seq0 + 1, version0 + 1)
         await store.raw(moved_behind_its_back, write=True)
-        assert await store.raw(lambda db: db.one(row_of)) == (seq0 + 4, version0 + 7)
+        assert await store.raw(lambda db: db.one(row_of)) == (seq0 + 4, version0 + 11)
         history = await store.raw(lambda db: db.all(
             "SELECT seq, detail FROM history WHERE flow_id = 'f' AND event_type = 'note' ORDER BY seq"))
         assert history == [(seq0 + 1, "followed"), (seq0 + 4, "after a move")]
+        # Reading the newest N walks batches back by their sequence ranges: a range written wrong
+        # would end the walk early.
+        every = await store.history("f", 1000)
+        assert await store.history("f", len(every)) == every
+        assert [h.detail for h in await store.history("f", 2)] == ["followed", "after a move"]
     finally:
         await store.close()
 
@@ -984,38 +990,47 @@ async def test_history_after_a_followed_row_read_and_bump_takes_the_one_checked_
         await store.close()
 
 
+@pytest.mark.parametrize("per_commit", [1, 5, 12])
 async def test_sqlite_trims_history_to_exactly_the_newest_events_inside_a_batch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_commit: int
 ) -> None:
     """SQLite keeps a commit's history events in one batch (schema 7), and a trim that falls inside
-    a batch cuts it: the commit that crosses a multiple of HISTORY_CHAIN_TRIM_EVERY leaves exactly
-    the newest MAX_HISTORY_EVENTS_PER_FLOW events, gapless, as PostgreSQL's trim of rows does.
-    Catches: a trim by whole batches only (older events of the cut batch kept), or one that cuts the
-    wrong end of it."""
-    # 21 events kept, commits of 5: every trim falls inside a batch.
+    a batch cuts it: exactly the commits whose events cross a multiple of HISTORY_CHAIN_TRIM_EVERY
+    trim, each to exactly the newest MAX_HISTORY_EVENTS_PER_FLOW events, gapless, as PostgreSQL's
+    trim of rows does. Checked after every commit against that rule, with commits of one event (each
+    crossing falls on a commit's edge), of five and of exactly the trim period.
+    Catches: a trim by whole batches only (older events of the cut batch kept), one that cuts the
+    wrong end of it, or one a commit early or late."""
+    # 21 events kept, trims every 12.
     monkeypatch.setattr(transitions, "MAX_HISTORY_EVENTS_PER_FLOW", 21)
     monkeypatch.setattr(transitions, "HISTORY_CHAIN_TRIM_EVERY", 12)
     store = open_store(f"sqlite:///{tmp_path / 'trim.db'}")
+    all_seqs = "SELECT seq FROM history WHERE flow_id = 'f' ORDER BY seq"
     try:
         await store.start_flow(StartRequest("f", "T", b"null", FlowConfig(), None))
         base = (await store.raw(lambda db: db.one("SELECT history_seq FROM flows WHERE flow_id = 'f'")))[0]
+        oldest = min([base + 1, *(r[0] for r in await store.raw(lambda db: db.all(all_seqs)))])
         written = base
+        trims = 0
 
-        def five(db: Any) -> None:
+        def commit(db: Any) -> None:
             nonlocal written
             transitions.require_running(db, "f")
-            for _ in range(5):
+            for _ in range(per_commit):
                 written += 1
                 transitions._history(db, "f", "S", f"S-{written}", "note", 1, written, str(written))
 
-        # Commits of 5 events until one trims: crosses a multiple of 12 with over 21 events stored.
-        while not (written - base > 21 and written // 12 != (written - 5) // 12):
-            await store.raw(five, write=True)
-        seqs = await store.raw(lambda db: db.all("SELECT seq FROM history WHERE flow_id = 'f' ORDER BY seq"))
+        while trims < 3:
+            first = written + 1
+            await store.raw(commit, write=True)
+            if written // 12 != (first - 1) // 12:
+                oldest = max(oldest, written - 20)
+                trims += written - base > 21
+            seqs = [r[0] for r in await store.raw(lambda db: db.all(all_seqs))]
+            assert seqs == list(range(oldest, written + 1)), (first, written)
         history = await store.history("f", 100)
     finally:
         await store.close()
-    assert [r[0] for r in seqs] == list(range(written - 20, written + 1))
     assert [h.detail for h in history] == [str(n) for n in range(written - 20, written + 1)]
 
 

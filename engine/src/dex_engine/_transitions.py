@@ -352,7 +352,6 @@ def flush_history(db: Db) -> None:
                 continue
             db.run(_INSERT_BATCH, (flow_id, int(got[0]) - len(rows) + 1, int(got[0]), flow_id, events))
             db.run("UPDATE flows SET history_head = last_insert_rowid() WHERE flow_id = ?", (flow_id,))
-        db.flow_rows[flow_id] = (int(got[0]), int(got[1]))
         db.version_after[flow_id] = int(got[1])
         last = int(got[0])
         first = last - len(rows) + 1
