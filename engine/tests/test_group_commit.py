@@ -5,12 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from dex_engine import FlowConfig, open_store
+import pytest
+
+from dex_engine import Context, Flow, FlowConfig, Movement, Step, StepDecision, open_store
 from dex_engine import _transitions as tx
-from dex_engine._records import StartRequest
+from dex_engine._options import LoadOptions
+from dex_engine._records import StartRequest, WriteSet
+from dex_engine._scheduling import movement_record
 
-from .conftest import run_as_one_batch
+from .conftest import run_as_one_batch, statements_during
 
 
 async def test_a_failing_operation_in_a_batch_rolls_back_alone(tmp_path: Path) -> None:
@@ -72,3 +77,75 @@ async def test_batch_history_rows_get_consecutive_sequences(tmp_path: Path) -> N
         assert version_after[0] > version_before[0]
     finally:
         await store.close()
+
+
+async def _dead_end(ctx: Context, _: Any) -> StepDecision:
+    return StepDecision.dead_end()
+
+
+STEPPED = Flow("T", [Step("S", _dead_end)], start_step="S")
+
+
+@pytest.mark.parametrize("second", ["after_a_rollback", "from_another_store"])
+async def test_an_operations_notes_of_a_flow_row_end_with_it(tmp_path: Path, second: str) -> None:
+    """What an SQLite operation noted from a flow row (Step counters, stream positions, sequence and
+    version, known attribute rows) serves that operation only: the next one reads the row again, so
+    neither a rolled-back operation's numbers nor a row another store (process) has moved since
+    leak into it, and its history takes the one checked update, not the fallback; an operation on
+    another flow is not handed the notes either. Catches: a note kept past its operation (a Step
+    execution ID or stream sequence used twice or skipped, a stale attribute read, a flow written
+    with counters it no longer holds), or an operation's rows never handed to the store's cache."""
+    path = f"sqlite:///{tmp_path / 'notes.db'}"
+    store, other = open_store(path), open_store(path)
+    try:
+        await store.start_flow(StartRequest("f", "T", b"null", FlowConfig(), None))
+
+        def step_and_event(tag: str, fail: bool = False) -> Callable[[tx.Db], tuple[str, list[str]]]:
+            def op(db: tx.Db) -> tuple[str, list[str]]:
+                tx.require_running(db, "f")
+                seen = sorted(key for _name, key in tx.load_attributes(db, "f", LoadOptions.all()))
+                task_id = tx.create_task(db, "f", "T", movement_record(STEPPED, Movement("S")), 0)
+                writes = WriteSet(attributes={("A", tag): b"1"}, appends=[("Out", 1 << 20, f'"{tag}"'.encode())])
+                tx.apply_writes(db, "f", writes, tag, 1, 0)
+                tx._history(db, "f", "S", tag, "marker", 1, 0, tag)
+                if fail:
+                    raise RuntimeError(f"{tag} fails after its writes")
+                row = db.one("SELECT step_execution_id FROM tasks WHERE task_id = ?", (task_id,))
+                assert row is not None
+                return str(row[0]), seen
+
+            return op
+
+        assert await store.raw(step_and_event("one"), write=True) == ("S-1", [])
+        if second == "after_a_rollback":
+            with pytest.raises(RuntimeError):
+                await store.raw(step_and_event("lost", fail=True), write=True)
+            tags = ["one", "three"]
+        else:
+            assert await other.raw(step_and_event("two"), write=True) == ("S-2", ["one"])
+            tags = ["one", "two", "three"]
+        result: list[tuple[str, list[str]]] = []
+
+        async def last() -> None:
+            result.append(await store.raw(step_and_event("three"), write=True))
+
+        statements = await statements_during(store, last)
+        assert result == [(f"S-{len(tags)}", sorted(tags[:-1]))]
+        fallback = [s for s in statements if ("last_insert_rowid()" in s and s.startswith("DELETE"))
+                    or "RETURNING history_seq" in s]
+        assert fallback == [], statements
+        # The attribute rows come from the store's cache, which the first operation filled, unless
+        # another store has changed the flow since.
+        reads = [s for s in statements if "FROM attributes" in s]
+        assert bool(reads) is (second == "from_another_store"), statements
+        await store.start_flow(StartRequest("g", "T", b"null", FlowConfig(), None))
+
+        page = await store.read_events("f", "Out", 0, 10)
+        assert [(e.sequence, e.value) for e in page.events] == [
+            (n, f'"{tag}"'.encode()) for n, tag in enumerate(tags, start=1)]
+        assert await store.read_attribute_map("f", "A") == dict.fromkeys(tags, b"1")
+        markers = [h.detail for h in await store.history("f") if h.event_type == "marker"]
+        assert markers == tags
+    finally:
+        await store.close()
+        await other.close()
