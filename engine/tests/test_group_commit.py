@@ -58,7 +58,8 @@ async def test_a_failing_operation_in_a_batch_rolls_back_alone(tmp_path: Path) -
 
 async def test_batch_history_rows_get_consecutive_sequences(tmp_path: Path) -> None:
     """Several history events of one operation are written in order with consecutive sequences,
-    and the flow's version moves so RPC validation sees the change."""
+    and the flow's version moves so RPC validation sees the change; a read of fewer of the newest
+    events than the batch holds gets exactly those."""
     store = open_store(f"sqlite:///{tmp_path / 'h.db'}")
     try:
         await store.start_flow(StartRequest("f", "T", b"null", FlowConfig(), None))
@@ -73,6 +74,8 @@ async def test_batch_history_rows_get_consecutive_sequences(tmp_path: Path) -> N
             lambda db: db.all("SELECT seq, event_type FROM history WHERE flow_id = 'f' ORDER BY seq"))
         assert [e for _, e in seqs] == ["e0", "e1", "e2"]
         assert [s for s, _ in seqs] == [1, 2, 3]
+        # The newest two of them: part of the one batch they share.
+        assert [h.event_type for h in await store.history("f", 2)] == ["e1", "e2"]
         version_after = await store.raw(lambda db: db.one("SELECT version FROM flows WHERE flow_id = 'f'"))
         assert version_after[0] > version_before[0]
     finally:
