@@ -5,11 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dex_engine import Context, Flow, Step, StepDecision, Timer, Wait, open_store
+import msgspec
+import pytest
+
+from dex_engine import Channel, Context, Flow, Movement, Step, StepDecision, Timer, Wait, open_store
 from dex_engine import _transitions as tx
 from dex_engine._options import FlowConfig
-from dex_engine._records import StartRequest, WriteSet
-from dex_engine._scheduling import start_record
+from dex_engine._records import DecisionRecord, StartRequest, WriteSet
+from dex_engine._scheduling import movement_record, start_record
+
+from .conftest import statements_during
+
+Inbox = Channel("Inbox", str)
 
 
 async def _both_timers(ctx: Context, _: Any) -> Wait:
@@ -53,5 +60,47 @@ async def test_all_of_two_timers_moves_the_due_time_to_the_second(tmp_path: Path
         (lease,) = await store.raw(lambda db: tx.claim(db, "w", ["Timers"], 1, base + 3000), write=True)
         assert lease.method == "execute"
         assert lease.wait_outcome is not None and lease.wait_outcome.fired_timers == (0, 1)
+    finally:
+        await store.close()
+
+
+async def _first(ctx: Context, _: Any) -> StepDecision:
+    return StepDecision.go_to("Both")
+
+
+AHEAD = Flow("Ahead", [Step("First", _first), Step("Both", _done, wait_for=_both_timers)], start_step="First")
+
+
+@pytest.mark.parametrize(("wait", "due_after_ms"), [
+    (Wait.any_of(Timer.by_duration(3), Timer.by_duration(1)), 1000),
+    (Wait.all_of(Timer.by_duration(2)), 2000),
+    (Wait.until(Inbox.for_one()), None),
+])
+async def test_a_wait_registered_with_the_commit_that_moves_to_it_is_due_at_its_first_timer(
+    tmp_path: Path, wait: Wait, due_after_ms: int | None
+) -> None:
+    """A movement whose WaitFor already ran (MovementRecord.wait) is registered by the commit that
+    makes it, as its own commit would register it: waiting at attempt 1, due at its earliest timer
+    (in whole milliseconds), or with no due time when it has none, written once with its row.
+    Catches: the due time of such a wait taken from the wrong timer, scaled wrongly, or left out
+    (the flow's wait evaluation would put it right, at one more statement a commit)."""
+    store = open_store(f"sqlite:///{tmp_path / 'ahead.db'}")
+    try:
+        await store.register_worker("w", "h", 1, 3_600_000)
+        await store.start_flow(StartRequest("a", "Ahead", b"null", FlowConfig(), start_record(AHEAD, None)))
+        (lease,) = await store.claim("w", ["Ahead"], 1)
+        moved = msgspec.structs.replace(movement_record(AHEAD, Movement("Both")), wait=wait.spec())
+        statements = await statements_during(store, lambda: store.commit_execute(
+            lease, WriteSet(), DecisionRecord(kind="movements", movements=(moved,))))
+        # Its due time is written with the row: evaluating the flow's waits after finds it right.
+        assert not [s for s in statements if "SET timer_due_at" in s], statements
+        row = await store.raw(lambda db: db.one(
+            "SELECT state, attempt, wait_registered_at, timer_due_at FROM tasks WHERE flow_id = 'a'"))
+        assert row is not None
+        state, attempt, registered_at, due = row
+        assert (state, attempt) == ("waiting", 1)
+        assert due == (None if due_after_ms is None else registered_at + due_after_ms)
+        events = [(h.step_execution_id, h.event_type, h.attempt) for h in await store.history("a")]
+        assert events[-2:] == [("Both-1", "step_scheduled", 0), ("Both-1", "wait_registered", 1)]
     finally:
         await store.close()

@@ -566,7 +566,7 @@ def create_task(
     db: Db, flow_id: str, flow_type: str, movement: MovementRecord, now: int,
     recovery_error: RecoveryError | None = None, config: FlowConfig | None = None,
     handoff: Handoff | None = None,
-) -> int:
+) -> None:
     step_type = movement.step_type
     options = movement.options
     if options.durability is None:
@@ -582,20 +582,19 @@ def create_task(
     ):
         # The WaitFor already ran (see MovementRecord.wait): register its wait as its commit would,
         # in this transaction; the caller evaluates the flow's waits once its movements are in.
-        timers = [c.seconds for c in movement.wait.conditions if c.kind == "timer"]
-        task_id, seid = _insert_task(
+        _task_id, seid = _insert_task(
             db,
             "flow_id, flow_type, step_type, step_execution_id, input, options, method, state, attempt, run_at, "
             "recovery_error, created_at, wait_spec, wait_registered_at, timer_due_at",
             "?, ?, ?, {id}, ?, ?, 'execute', 'waiting', 1, ?, ?, ?, ?, ?, ?",
             (flow_id, flow_type, step_type, movement.input, options_blob, now, recovery_blob, now,
-             encode_json(movement.wait), now, now + min(timers) * 1000 if timers else None),
+             encode_json(movement.wait), now, _first_timer_due(movement.wait, now)),
         )
         _history(db, flow_id, step_type, seid, STEP_SCHEDULED, 0, now)
         _history(db, flow_id, step_type, seid, WAIT_REGISTERED, 1, now)
-        return task_id
+        return
     if handoff is None or handoff.capacity <= 0 or mopts.locks:
-        task_id, seid = _insert_task(
+        _task_id, seid = _insert_task(
             db,
             "flow_id, flow_type, step_type, step_execution_id, input, options, method, state, attempt, run_at, "
             "recovery_error, created_at",
@@ -604,7 +603,7 @@ def create_task(
         )
         _history(db, flow_id, step_type, seid, STEP_SCHEDULED, 0, now)
         db.notify()
-        return task_id
+        return
     start = _attempt_start(db, flow_id, options, mopts, None, now)
     task_id, seid = _insert_task(
         db,
@@ -623,7 +622,6 @@ def create_task(
         load=mopts.load, attributes=start.attributes, checkpoint=None, wait_spec=None, wait_outcome=None,
         recovery_error=recovery_error,
     ))
-    return task_id
 
 
 def _stored_options(db: Db, options: TaskOptions, now: int) -> bytes:
@@ -1342,17 +1340,22 @@ def skip_timer(db: Db, flow_id: str, step_execution_id: str, now: int) -> None:
 # Commits of Step methods -------------------------------------------------------------------
 
 
+def _first_timer_due(spec: WaitSpec, registered_at: int) -> int | None:
+    """When a wait registered at `registered_at` (ms) is first due: at its earliest timer; None without one."""
+    timers = [c.seconds for c in spec.conditions if c.kind == "timer"]
+    return registered_at + min(timers) * 1000 if timers else None
+
+
 def commit_wait_for(db: Db, lease: Lease, writes: WriteSet, spec: WaitSpec, now: int) -> None:
     checked = check_lease_for_writes(db, lease)
     apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now, lease.task_id,
                  checked.others_live)
     _release_method_locks(db, lease)
-    timers = [c.seconds for c in spec.conditions if c.kind == "timer"]
     _send(
         db, "UPDATE tasks SET state = 'waiting', method = 'execute', lease_owner = NULL, locks_held = 0, "
         "wait_spec = ?, wait_registered_at = ?, timer_due_at = ?, deadline_at = NULL, snapshot = NULL, "
         "checkpoint = NULL WHERE task_id = ?",
-        (encode_json(spec), now, now + min(timers) * 1000 if timers else None, lease.task_id),
+        (encode_json(spec), now, _first_timer_due(spec, now), lease.task_id),
     )
     _history(db, lease.flow_id, lease.step_type, lease.step_execution_id, WAIT_REGISTERED, lease.attempt, now)
     evaluate_waits(db, lease.flow_id, now)
