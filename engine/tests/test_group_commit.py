@@ -137,6 +137,8 @@ async def test_an_operations_notes_of_a_flow_row_end_with_it(tmp_path: Path, sec
         fallback = [s for s in statements if ("last_insert_rowid()" in s and s.startswith("DELETE"))
                     or "RETURNING history_seq" in s]
         assert fallback == [], statements
+        # The Step counters and stream positions come with the flow row the operation read first.
+        assert not [s for s in statements if s.startswith(("SELECT streams", "SELECT step_counters"))], statements
         # The attribute rows come from the store's cache, which the first operation filled, unless
         # another store has changed the flow since.
         reads = [s for s in statements if "FROM attributes" in s]
