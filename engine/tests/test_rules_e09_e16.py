@@ -1068,7 +1068,7 @@ class SnapProbe:
     reads: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-def snapshot_flow(probe: SnapProbe) -> Flow:
+def snapshot_flow(probe: SnapProbe, decide_locks: tuple[Attribute[int], ...] = ()) -> Flow:
     async def start(ctx: Context, _: None) -> StepDecision:
         ctx.set(A, 1)
         return StepDecision.go_to("Decide", None)
@@ -1089,20 +1089,25 @@ def snapshot_flow(probe: SnapProbe) -> Flow:
         "Snap",
         [
             Step("Start", start, input_type=type(None)),
-            Step("Decide", decide, input_type=type(None), options=StepOptions(execute_retry=QUICK)),
+            Step("Decide", decide, input_type=type(None),
+                 options=StepOptions(execute_retry=QUICK, execute_locks=decide_locks)),
         ],
         start_step="Start",
-        schema=[A],
+        schema=[A, B],
         rpcs=[set_a],
     )
 
 
-async def test_e15_retry_sees_the_first_attempts_snapshot(db_url: str) -> None:
+@pytest.mark.parametrize("decide_locks", [(), (B,)], ids=["handed_over", "claimed_ready"])
+async def test_e15_retry_sees_the_first_attempts_snapshot(
+    db_url: str, decide_locks: tuple[Attribute[int], ...]
+) -> None:
     """E15: a retry of a method sees the attributes its first attempt loaded (A=1), even though an RPC
-    committed A=2 in between. Catches: retries that reload state, so a decision taken before a side
-    effect could be taken differently on the retry."""
+    committed A=2 in between: whether the first attempt was handed to the worker by the commit that
+    made it, or (a Step with locks) made ready and claimed. Catches: retries that reload state, so a
+    decision taken before a side effect could be taken differently on the retry."""
     probe = SnapProbe()
-    async with engine_for(db_url, Registry([snapshot_flow(probe)])) as eng:
+    async with engine_for(db_url, Registry([snapshot_flow(probe, decide_locks)])) as eng:
         await eng.client.start_flow("Snap", "p1")
         await wait_until("Decide attempt 1 loaded A", is_set(probe.first_loaded))
         await eng.client.rpc("p1", "set_a", 2)
