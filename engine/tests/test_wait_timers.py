@@ -8,7 +8,19 @@ from typing import Any
 import msgspec
 import pytest
 
-from dex_engine import Channel, Context, Flow, Movement, Step, StepDecision, Timer, Wait, open_store
+from dex_engine import (
+    Channel,
+    Context,
+    Flow,
+    Movement,
+    RetryPolicy,
+    Step,
+    StepDecision,
+    StepOptions,
+    Timer,
+    Wait,
+    open_store,
+)
 from dex_engine import _transitions as tx
 from dex_engine._options import FlowConfig
 from dex_engine._records import DecisionRecord, StartRequest, WriteSet
@@ -102,5 +114,36 @@ async def test_a_wait_registered_with_the_commit_that_moves_to_it_is_due_at_its_
         assert due == (None if due_after_ms is None else registered_at + due_after_ms)
         events = [(h.step_execution_id, h.event_type, h.attempt) for h in await store.history("a")]
         assert events[-2:] == [("Both-1", "step_scheduled", 0), ("Both-1", "wait_registered", 1)]
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize(("execute_timeout", "heartbeat_timeout", "kind"), [
+    (60, 1, "HeartbeatTimeout"),
+    (1, 60, "MethodTimeout"),
+])
+async def test_an_attempt_is_timed_out_at_the_earlier_of_its_deadlines(
+    tmp_path: Path, execute_timeout: int, heartbeat_timeout: int, kind: str
+) -> None:
+    """An attempt with both a method timeout and a heartbeat timeout is failed at whichever comes
+    first, named for it; not a millisecond before. Catches: a deadline taken from the later of the
+    two (a silent handler would then run on until its method timeout)."""
+    options = StepOptions(execute_timeout_seconds=execute_timeout, heartbeat_timeout_seconds=heartbeat_timeout,
+                          execute_retry=RetryPolicy(max_attempts=1))
+    flow = Flow("Slow", [Step("Work", _done, options=options)], start_step="Work")
+    store = open_store(f"sqlite:///{tmp_path / 'slow.db'}")
+    try:
+        await store.register_worker("w", "h", 1, 3_600_000)
+        await store.start_flow(StartRequest("s", "Slow", b"null", FlowConfig(), start_record(flow, None)))
+        assert len(await store.claim("w", ["Slow"], 1)) == 1
+        row = await store.raw(lambda db: db.one("SELECT claimed_at FROM tasks WHERE flow_id = 's'"))
+        assert row is not None
+        first = int(row[0]) + 1000
+        report = await store.raw(lambda db: tx.housekeeping(db, first - 1), write=True)
+        assert report.timeouts == 0
+        report = await store.raw(lambda db: tx.housekeeping(db, first + 1), write=True)
+        assert report.timeouts == 1
+        failed = [h.detail for h in await store.history("s") if h.event_type in ("attempt_failed", "step_failed")]
+        assert failed and all(kind in detail for detail in failed), failed
     finally:
         await store.close()
