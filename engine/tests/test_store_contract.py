@@ -276,6 +276,36 @@ async def test_commit_execute_with_claim_hands_out_the_next_attempt(store: Store
     assert await store.claim(W, TYPES, 4) == []
 
 
+@pytest.mark.parametrize("capacity", [0, 2])
+async def test_commit_execute_hands_out_no_more_attempts_than_the_claim_asks(store: Store, capacity: int) -> None:
+    """A commit that starts three Steps with `claim` for `capacity` attempts hands exactly that many
+    to the committing worker, running; the others are ready for any worker to claim. Catches: a
+    worker handed more attempts than it has room for."""
+    await start(store, "f1")
+    lease = await claim_one(store)
+    leases = await store.commit_execute(lease, WriteSet(), goto("Next", "Next", "Next"), claim=(W, TYPES, capacity))
+    handed = sorted(x.step_execution_id for x in leases)
+    assert len(handed) == capacity
+    rest = sorted(x.step_execution_id for x in await store.claim(W, TYPES, 10))
+    assert sorted(handed + rest) == ["Next-1", "Next-2", "Next-3"]
+    assert len(rest) == 3 - capacity
+
+
+async def test_a_step_with_locks_handed_out_by_a_commit_holds_them(store: Store) -> None:
+    """A Step with locks that a commit hands straight to its worker (`claim`) runs holding them, as
+    a claimed one would: a second one of them waits, ready, until the first commits. Catches: a
+    hand-over that skips taking the Step's locks (E7: two writers of one attribute at once)."""
+    await start(store, "f1")
+    lease = await claim_one(store)
+    leases = await store.commit_execute(lease, WriteSet(), goto("Locked", "Locked"), claim=(W, TYPES, 4))
+    assert [x.step_execution_id for x in leases] == ["Locked-1"]
+    held = await store.raw(lambda db: db.all("SELECT lock_name, task_id FROM locks WHERE flow_id = 'f1'"))
+    assert held == [("Count", leases[0].task_id)]
+    assert await store.claim(W, TYPES, 4) == []
+    await store.commit_execute(leases[0], WriteSet(), DEAD_END)
+    assert [x.step_execution_id for x in await store.claim(W, TYPES, 4)] == ["Locked-2"]
+
+
 # Fencing and attempts ----------------------------------------------------------------------------
 
 
