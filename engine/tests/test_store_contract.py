@@ -40,6 +40,7 @@ from dex_engine import (
     open_store,
 )
 from dex_engine import _transitions as tx
+from dex_engine._limits import ROWS_PER_STATEMENT
 from dex_engine._records import (
     AttemptProgress,
     DecisionRecord,
@@ -304,6 +305,29 @@ async def test_a_step_with_locks_handed_out_by_a_commit_holds_them(store: Store)
     assert await store.claim(W, TYPES, 4) == []
     await store.commit_execute(leases[0], WriteSet(), DEAD_END)
     assert [x.step_execution_id for x in await store.claim(W, TYPES, 4)] == ["Locked-2"]
+
+
+async def test_committed_writes_are_read_back_by_a_store_opened_afresh(store: Store, db_url: str) -> None:
+    """Attribute sets and deletes reach the database, in statements of ROWS_PER_STATEMENT rows:
+    a store opened afresh (another process, or this one after a restart) reads exactly what the
+    committing store does, from two commits of more rows than one statement takes. Catches: writes
+    kept only in the writing store's cache (every read through that store still sees them), or a
+    statement's worth of rows dropped."""
+    await start(store, "f1")
+    many = ROWS_PER_STATEMENT * 2 + 50
+    sets: dict[tuple[str, str], bytes | None] = {("Count", f"k{i:04}"): enc(i) for i in range(many)}
+    await store.commit_execute(await claim_one(store), WriteSet(attributes=sets), goto("Next"))
+    gone = ROWS_PER_STATEMENT + 1
+    changes: dict[tuple[str, str], bytes | None] = {("Count", f"k{i:04}"): None for i in range(gone)}
+    changes[("Count", "")] = enc(7)
+    await store.commit_execute(await claim_one(store), WriteSet(attributes=changes), DEAD_END)
+    expected = {("Count", f"k{i:04}"): enc(i) for i in range(gone, many)} | {("Count", ""): enc(7)}
+    assert await store.read_all_attributes("f1") == expected
+    fresh = open_store(db_url)
+    try:
+        assert await fresh.read_all_attributes("f1") == expected
+    finally:
+        await fresh.close()
 
 
 # Fencing and attempts ----------------------------------------------------------------------------
