@@ -433,14 +433,20 @@ async def test_no_retry_skips_the_remaining_attempts(store: Store) -> None:
     assert (route.recovery_error.attempts, route.recovery_error.error_type) == (1, "NoRetryError")
 
 
-async def test_dead_worker_unstarted_lease_returns_and_started_one_fails(store: Store) -> None:
-    """E3: a dead worker's unstarted attempt comes back as the same attempt; a started one fails (WorkerLost)."""
+@pytest.mark.parametrize("started_by", ["heartbeat", "events"])
+async def test_dead_worker_unstarted_lease_returns_and_started_one_fails(store: Store, started_by: str) -> None:
+    """E3: a dead worker's unstarted attempt comes back as the same attempt; a started one fails
+    (WorkerLost). An attempt has started once it sent a heartbeat or best-effort events: either
+    shows its handler ran, so it may have had effects that a same-attempt rerun would repeat."""
     await start(store, "unstarted")
     await start(store, "started")
     await store.register_worker("zombie", "contract-host", 2, 1)  # its lease runs out at once
     leases = {x.flow_id: x for x in await store.claim("zombie", TYPES, 10)}
     assert set(leases) == {"unstarted", "started"}
-    await store.heartbeat(leases["started"], "half way")
+    if started_by == "heartbeat":
+        await store.heartbeat(leases["started"], "half way")
+    else:
+        await store.append_best_effort(leases["started"], "Out", 1000, [enc("half way")])
     await expire_dead_workers(store, 2)
 
     assert await active(store, "unstarted") == [("Start-1", "ready", "execute", 1)]
@@ -450,7 +456,8 @@ async def test_dead_worker_unstarted_lease_returns_and_started_one_fails(store: 
     assert len(failures) == 1 and "WorkerLost" in failures[0]
     again = {x.flow_id: x for x in await store.claim(W, TYPES, 10)}
     assert again["unstarted"].attempt == 1
-    assert (again["started"].attempt, again["started"].checkpoint) == (2, "half way")
+    checkpoint = "half way" if started_by == "heartbeat" else None
+    assert (again["started"].attempt, again["started"].checkpoint) == (2, checkpoint)
 
 
 async def test_poll_hands_back_claims_its_worker_does_not_hold(store: Store) -> None:
@@ -556,6 +563,28 @@ async def test_rpc_commit_with_a_stale_version_commits_nothing(store: Store) -> 
 
 
 # Channels and waits ------------------------------------------------------------------------------------
+
+
+async def test_a_wait_for_lease_writes_nothing_once_its_wait_is_registered(store: Store) -> None:
+    """E2: a WaitFor attempt's lease ends with the commit that registers its wait; the task, now
+    waiting under the same epoch, refuses that lease's heartbeat, events, commits and failure, and
+    is left as it was. Catches: fencing by epoch alone (a finished WaitFor attempt could still
+    commit an Execute decision or fail the Step)."""
+    await start(store, "f1", "Listen")
+    wait_lease = await claim_one(store)
+    await store.commit_wait_for(wait_lease, WriteSet(), Wait.until(Inbox.for_one()).spec())
+    calls = [
+        lambda: store.heartbeat(wait_lease, "late"),
+        lambda: store.append_best_effort(wait_lease, "Out", 1000, [enc("late")]),
+        lambda: store.commit_execute(wait_lease, WriteSet(attributes={("Count", ""): enc(1)}), goto("Next")),
+        lambda: store.commit_wait_for(wait_lease, WriteSet(), Wait.until(Inbox.for_one()).spec()),
+        lambda: store.fail_attempt(wait_lease, ErrorInfo("Late", "after the wait")),
+    ]
+    for call in calls:
+        with pytest.raises(StaleAttemptError):
+            await call()
+    assert await active(store, "f1") == [("Listen-1", "waiting", "execute", 1)]
+    assert await store.read_attribute("f1", "Count", "") is None
 
 
 async def test_publish_satisfies_a_wait_and_leaves_the_rest_queued(store: Store) -> None:
