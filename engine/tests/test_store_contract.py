@@ -86,6 +86,7 @@ FLOW = Flow(
         Step("Recover", _execute),
         Step("Listen", _execute, wait_for=_wait_for),
         Step("Locked", _execute, options=StepOptions(execute_locks=(Count,))),
+        Step("LockedListen", _execute, wait_for=_wait_for, options=StepOptions(wait_for_locks=(Count,))),
         Step("Timed", _execute, options=StepOptions(execute_timeout_seconds=20)),
     ],
     start_step="Start",
@@ -585,6 +586,36 @@ async def test_a_wait_for_lease_writes_nothing_once_its_wait_is_registered(store
             await call()
     assert await active(store, "f1") == [("Listen-1", "waiting", "execute", 1)]
     assert await store.read_attribute("f1", "Count", "") is None
+
+
+async def test_a_wait_for_commit_applies_its_writes_with_its_wait(store: Store, db_url: str) -> None:
+    """E1: the commit that registers a WaitFor's wait also commits that method's writes, its
+    attribute and its stream event; a store opened afresh reads both. Catches: a WaitFor's writes
+    dropped (the writing store's cache would still answer reads of the attribute it never wrote)."""
+    await start(store, "f1", "Listen")
+    lease = await claim_one(store)
+    writes = WriteSet(attributes={("Count", ""): enc(3)}, appends=[("Out", 1000, enc("waiting"))])
+    await store.commit_wait_for(lease, writes, Wait.until(Inbox.for_one()).spec())
+    fresh = open_store(db_url)
+    try:
+        assert await fresh.read_attribute("f1", "Count", "") == enc(3)
+        assert [e.value for e in (await fresh.read_events("f1", "Out", 0, 10)).events] == [enc("waiting")]
+    finally:
+        await fresh.close()
+
+
+async def test_a_wait_for_releases_its_locks_when_its_wait_is_registered(store: Store) -> None:
+    """E7: a WaitFor's locks are held while it runs and released by the commit that registers its
+    wait: the Step waits without them. Catches: a waiting Step keeping an RPC from the attribute
+    for as long as its wait lasts."""
+    await start(store, "f1", "LockedListen")
+    lease = await claim_one(store)
+    with pytest.raises(RpcLockConflictError):
+        await store.rpc_read("f1", ALL, ["Count"])
+    await store.commit_wait_for(lease, WriteSet(), Wait.until(Inbox.for_one()).spec())
+    snap = await store.rpc_read("f1", ALL, ["Count"])
+    await store.rpc_commit("f1", snap.version, ["Count"], WriteSet(attributes={("Count", ""): enc(5)}), [], [])
+    assert await store.read_attribute("f1", "Count", "") == enc(5)
 
 
 async def test_publish_satisfies_a_wait_and_leaves_the_rest_queued(store: Store) -> None:
