@@ -618,6 +618,39 @@ async def test_a_wait_for_releases_its_locks_when_its_wait_is_registered(store: 
     assert await store.read_attribute("f1", "Count", "") == enc(5)
 
 
+async def test_an_executes_publish_satisfies_a_wait_in_its_commit(store: Store) -> None:
+    """E5: a message an Execute publishes satisfies a waiting Step of its flow in the Execute's own
+    commit: the waiter is ready at once, holding that message. Catches: waits evaluated only for
+    client publishes (the waiter would sleep until some later publish)."""
+    await start(store, "f1", "Listen")
+    await store.commit_wait_for(await claim_one(store), WriteSet(), Wait.until(Inbox.for_one()).spec())
+    snap = await store.rpc_read("f1", ALL, [])
+    await store.rpc_commit("f1", snap.version, [], WriteSet(), [move("Next")], [])
+    publisher = await claim_one(store)
+    assert publisher.step_execution_id == "Next-1"
+    await store.commit_execute(publisher, WriteSet(publishes=[("Inbox", "", enc("hello"))]), DEAD_END)
+    assert await active(store, "f1") == [("Listen-1", "ready", "execute", 1)]
+    woken = await claim_one(store)
+    assert woken.wait_outcome is not None
+    assert [bytes(m.value) for m in woken.wait_outcome.consumed[0]] == [enc("hello")]
+
+
+@pytest.mark.parametrize("others", [(), ("Next",)])
+async def test_a_wait_registered_by_a_commit_takes_a_message_already_queued(
+    store: Store, others: tuple[str, ...]
+) -> None:
+    """E5: a wait registered by the commit that moves to its Step (its WaitFor already ran,
+    MovementRecord.wait) is evaluated in that commit, alone or beside other movements: a message
+    queued before satisfies it at once. Catches: such a wait left waiting for a later publish."""
+    await start(store, "f1")
+    await store.publish("f1", "Inbox", "", enc("early"))
+    listen = msgspec.structs.replace(move("Listen"), wait=Wait.until(Inbox.for_one()).spec())
+    decision = DecisionRecord("movements", (listen, *(move(o) for o in others)))
+    await store.commit_execute(await claim_one(store), WriteSet(), decision)
+    states = {seid: state for seid, state, _method, _attempt in await active(store, "f1")}
+    assert states["Listen-1"] == "ready", states
+
+
 async def test_publish_satisfies_a_wait_and_leaves_the_rest_queued(store: Store) -> None:
     """E5/E8: a publish satisfies the waiting Step, consuming one message; the rest stay in FIFO order."""
     await start(store, "f1", "Listen")
