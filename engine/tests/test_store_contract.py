@@ -87,6 +87,8 @@ FLOW = Flow(
         Step("Listen", _execute, wait_for=_wait_for),
         Step("Locked", _execute, options=StepOptions(execute_locks=(Count,))),
         Step("LockedListen", _execute, wait_for=_wait_for, options=StepOptions(wait_for_locks=(Count,))),
+        Step("LockedFragile", _execute, options=StepOptions(
+            execute_locks=(Count,), execute_retry=RetryPolicy(max_attempts=1), failure_route="Recover")),
         Step("Timed", _execute, options=StepOptions(execute_timeout_seconds=20)),
     ],
     start_step="Start",
@@ -329,6 +331,42 @@ async def test_committed_writes_are_read_back_by_a_store_opened_afresh(store: St
         assert await fresh.read_all_attributes("f1") == expected
     finally:
         await fresh.close()
+
+
+async def test_a_step_that_fails_for_good_releases_its_locks_before_its_failure_route(store: Store) -> None:
+    """E4/E7: a Step holding a lock whose last attempt fails goes to its failure route without the
+    lock: the route's Step and RPCs may take it at once. History says the Step failed, and how far
+    its attempt got. Catches: a failed Step's lock kept for good (every later writer of the
+    attribute refused), or its step_failed entry left out."""
+    await start(store, "f1", "LockedFragile")
+    holder = await claim_one(store)
+    await store.fail_attempt(holder, ErrorInfo("Boom", "it broke"))
+    assert await store.raw(lambda db: db.all("SELECT lock_name FROM locks WHERE flow_id = 'f1'")) == []
+    assert await active(store, "f1") == [("Recover-1", "ready", "execute", 1)]
+    await store.rpc_read("f1", ALL, ["Count"])
+    failed = [h.detail for h in await store.history("f1") if h.event_type == tx.STEP_FAILED]
+    assert failed == ["NOT_STARTED: Boom: it broke"]
+
+
+async def test_abandon_hands_a_started_attempt_to_recovery(store: Store) -> None:
+    """A worker that abandons an attempt it cannot finish (a worker-side error) gives it up at once:
+    the next housekeeping fails the started attempt (WorkerLost) and schedules its retry, though
+    the worker is alive. A stale lease cannot abandon. Catches: an abandon that changes nothing
+    (the attempt would stay with a live worker that no longer runs it)."""
+    await start(store, "f1")
+    lease = await claim_one(store)
+    await store.heartbeat(lease, None)
+    await store.abandon(lease)
+    await expire_dead_workers(store, 1)
+    failures = [h.detail for h in await store.history("f1") if h.event_type == tx.ATTEMPT_FAILED]
+    assert len(failures) == 1 and "WorkerLost" in failures[0]
+    again = await claim_one(store)
+    assert (again.step_execution_id, again.attempt) == ("Start-1", 2)
+    with pytest.raises(StaleAttemptError):
+        await store.abandon(lease)
+    with pytest.raises(StaleAttemptError):
+        await store.release_unstarted(lease)
+    assert await active(store, "f1") == [("Start-1", "running", "execute", 2)]
 
 
 # Fencing and attempts ----------------------------------------------------------------------------
