@@ -796,13 +796,15 @@ async def test_stream_appends_are_ordered_and_per_flow(store: Store) -> None:
     assert [e.sequence for e in (await store.read_events("a", "Out", 1, 100)).events] == [2, 3]
     limited = await store.read_events("a", "Out", 0, 1)
     assert ([e.sequence for e in limited.events], limited.next_sequence) == ([1], 2)
-    assert (await store.read_events("a", "Out", 3, 100)).events == []
+    caught_up = await store.read_events("a", "Out", 3, 100)
+    assert (caught_up.events, caught_up.first_sequence, caught_up.next_sequence) == ([], 1, 4)
 
     # Another flow's stream of the same name, and another stream of the same flow, are separate.
     assert [(e.sequence, e.value) for e in (await store.read_events("b", "Out", 0, 100)).events] == [
         (1, enc("b1"))
     ]
-    assert (await store.read_events("a", "Elsewhere", 0, 100)).events == []
+    never = await store.read_events("a", "Elsewhere", 0, 100)
+    assert (never.events, never.first_sequence, never.next_sequence) == ([], 1, 1)
 
 
 async def test_stream_capacity_trims_the_oldest_events(store: Store) -> None:
@@ -819,6 +821,11 @@ async def test_stream_capacity_trims_the_oldest_events(store: Store) -> None:
     # 20 bytes hold two 9-byte events: the newest two stay.
     assert [(e.sequence, e.value) for e in page.events] == [(4, values[3]), (5, values[4])]
     assert page.first_sequence == 4
+    # A reader that fell behind the trimmed events resumes at the oldest kept; one caught up, after it.
+    behind = await store.read_events("f1", "Out", 1, 100)
+    assert ([e.sequence for e in behind.events], behind.next_sequence) == ([4, 5], 6)
+    caught_up = await store.read_events("f1", "Out", 5, 100)
+    assert (caught_up.events, caught_up.first_sequence, caught_up.next_sequence) == ([], 4, 6)
     # Trimming one flow's stream does not touch another's.
     other = await store.read_events("f2", "Out", 0, 100)
     assert ([(e.sequence, e.value) for e in other.events], other.first_sequence) == ([(1, values[0])], 1)
