@@ -369,6 +369,35 @@ async def test_abandon_hands_a_started_attempt_to_recovery(store: Store) -> None
     assert await active(store, "f1") == [("Start-1", "running", "execute", 2)]
 
 
+async def test_housekeeping_declares_workers_dead_only_while_its_own_lease_holds(store: Store) -> None:
+    """A worker's housekeeping removes the workers whose leases ran out only while its own lease
+    holds (up to its last millisecond): a worker whose own lease ran out, or that is not registered
+    at all, has seen the clock jump or was paused, and removes no one. Housekeeping run by no
+    worker (the client, the CLI) always removes them. Catches: a paused worker declaring every
+    other worker dead on waking, or the check a millisecond off."""
+    await store.register_worker("dead", "contract-host", 2, 1)
+    await store.register_worker("paused", "contract-host", 3, 1)
+    expires = dict(await store.raw(lambda db: db.all("SELECT worker_id, expires_at FROM workers")))
+    now = int(expires[W])  # W's last valid millisecond; "dead" and "paused" ran out long before
+
+    async def housekeep(worker_id: str | None) -> int:
+        report = await store.raw(lambda db: tx.housekeeping(db, now, worker_id), write=True)
+        return int(report.workers_removed)
+
+    async def registered() -> list[str]:
+        return sorted(r[0] for r in await store.raw(lambda db: db.all("SELECT worker_id FROM workers")))
+
+    assert await housekeep("paused") == 0
+    assert await housekeep("unknown") == 0
+    assert await registered() == ["dead", "paused", W]
+    assert await housekeep(W) == 2
+    assert await registered() == [W]
+    await store.register_worker("dead", "contract-host", 2, 1)
+    now = int(expires[W]) + 1  # W's lease has run out too: run by no worker, housekeeping removes both
+    assert await housekeep(W) == 0
+    assert await housekeep(None) == 2
+
+
 # Fencing and attempts ----------------------------------------------------------------------------
 
 
