@@ -280,6 +280,13 @@ async def statements_during(store: Store, action: Callable[[], Awaitable[object]
     return statements
 
 
+def history_fallbacks(statements: list[str]) -> list[str]:
+    """Those of an SQLite operation's statements that number its history again or read the flow
+    row back (flush_history's fallback): none when the operation followed its flow row exactly."""
+    return [s for s in statements
+            if (s.startswith("DELETE") and "last_insert_rowid()" in s) or "RETURNING history_seq" in s]
+
+
 async def run_as_one_batch(store: Store, ops: Sequence[Callable[[Any], object]]) -> list[object]:
     """Run write operations on an SQLite store's thread as one batch (one group commit): a slow
     operation holds the thread until all of `ops` are queued behind it. Each op's result, or the

@@ -15,7 +15,7 @@ from dex_engine._options import LoadOptions
 from dex_engine._records import StartRequest, WriteSet
 from dex_engine._scheduling import movement_record
 
-from .conftest import run_as_one_batch, statements_during
+from .conftest import history_fallbacks, run_as_one_batch, statements_during
 
 
 async def test_a_failing_operation_in_a_batch_rolls_back_alone(tmp_path: Path) -> None:
@@ -134,9 +134,7 @@ async def test_an_operations_notes_of_a_flow_row_end_with_it(tmp_path: Path, sec
 
         statements = await statements_during(store, last)
         assert result == [(f"S-{len(tags)}", sorted(tags[:-1]))]
-        fallback = [s for s in statements if ("last_insert_rowid()" in s and s.startswith("DELETE"))
-                    or "RETURNING history_seq" in s]
-        assert fallback == [], statements
+        assert history_fallbacks(statements) == [], statements
         # The Step counters and stream positions come with the flow row the operation read first.
         assert not [s for s in statements if s.startswith(("SELECT streams", "SELECT step_counters"))], statements
         # The attribute rows come from the store's cache, which the first operation filled, unless

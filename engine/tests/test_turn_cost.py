@@ -33,6 +33,7 @@ from dex_engine import (
     Step,
     StepDecision,
     StepOptions,
+    Store,
     Stream,
     Wait,
     open_store,
@@ -41,7 +42,7 @@ from dex_engine import (
 from dex_engine._decision import Movement
 from dex_engine._records import StartRequest
 
-from .conftest import Engine, engine_for, statements_during, wait_until
+from .conftest import Engine, engine_for, history_fallbacks, statements_during, wait_until
 
 QUICK = RetryPolicy(max_attempts=3, initial_interval_seconds=0.05, max_interval_seconds=0.05)
 A = Attribute("A", int)
@@ -919,6 +920,16 @@ async def _both_waiting(eng: Engine, flow_id: str) -> bool:
     return sorted(s.state for s in info.active_steps) == ["waiting", "waiting"]
 
 
+FLOW_ROW = "SELECT history_seq, version FROM flows WHERE flow_id = 'f'"
+
+
+async def start_bare_flow(store: Store) -> tuple[int, int]:
+    """Start flow 'f', with no Step, and return its row's (history_seq, version)."""
+    await store.start_flow(StartRequest("f", "T", b"null", FlowConfig(), None))
+    row: tuple[int, int] = await store.raw(lambda db: db.one(FLOW_ROW))
+    return row
+
+
 async def test_history_follows_the_flow_row_whoever_moved_it_within_the_operation(tmp_path: Path) -> None:
     """SQLite writes an operation's history against the sequence and version it read with the flow
     row, without reading them back; its update checks both. A change the operation did not follow
@@ -928,9 +939,7 @@ async def test_history_follows_the_flow_row_whoever_moved_it_within_the_operatio
     cache would trust wrongly), and a fallback that never runs."""
     store = open_store(f"sqlite:///{tmp_path / 'seq.db'}")
     try:
-        await store.start_flow(StartRequest("f", "T", b"null", FlowConfig(), None))
-        row_of = "SELECT history_seq, version FROM flows WHERE flow_id = 'f'"
-        seq0, version0 = await store.raw(lambda db: db.one(row_of))
+        seq0, version0 = await start_bare_flow(store)
 
         def followed(db: Any) -> None:
             transitions.require_running(db, "f")
@@ -943,9 +952,9 @@ async def test_history_follows_the_flow_row_whoever_moved_it_within_the_operatio
             transitions._history(db, "f", "S", "S-1", "note", 1, 0, "after a move")
 
         await store.raw(followed, write=True)
-        assert await store.raw(lambda db: db.one(row_of)) == (seq0 + 1, version0 + 1)
+        assert await store.raw(lambda db: db.one(FLOW_ROW)) == (seq0 + 1, version0 + 1)
         await store.raw(moved_behind_its_back, write=True)
-        assert await store.raw(lambda db: db.one(row_of)) == (seq0 + 4, version0 + 11)
+        assert await store.raw(lambda db: db.one(FLOW_ROW)) == (seq0 + 4, version0 + 11)
         history = await store.raw(lambda db: db.all(
             "SELECT seq, detail FROM history WHERE flow_id = 'f' AND event_type = 'note' ORDER BY seq"))
         assert history == [(seq0 + 1, "followed"), (seq0 + 4, "after a move")]
@@ -969,9 +978,7 @@ async def test_history_after_a_followed_row_read_and_bump_takes_the_one_checked_
     wrong; each still writes the right history, through the fallback, at two or three more statements."""
     store = open_store(f"sqlite:///{tmp_path / 'fast.db'}")
     try:
-        await store.start_flow(StartRequest("f", "T", b"null", FlowConfig(), None))
-        row_of = "SELECT history_seq, version FROM flows WHERE flow_id = 'f'"
-        seq0, version0 = await store.raw(lambda db: db.one(row_of))
+        seq0, version0 = await start_bare_flow(store)
 
         def read_bump_note(db: Any) -> None:
             getattr(transitions, reader)(db, "f")
@@ -979,10 +986,8 @@ async def test_history_after_a_followed_row_read_and_bump_takes_the_one_checked_
             transitions._history(db, "f", "S", "S-1", "note", 1, 0, "after a bump")
 
         statements = await statements_during(store, lambda: store.raw(read_bump_note, write=True))
-        fallback = [s for s in statements if ("last_insert_rowid()" in s and s.startswith("DELETE"))
-                    or "RETURNING history_seq" in s]
-        assert fallback == [], statements
-        assert await store.raw(lambda db: db.one(row_of)) == (seq0 + 1, version0 + 2)
+        assert history_fallbacks(statements) == [], statements
+        assert await store.raw(lambda db: db.one(FLOW_ROW)) == (seq0 + 1, version0 + 2)
         history = await store.raw(lambda db: db.all(
             "SELECT seq, detail FROM history WHERE flow_id = 'f' AND event_type = 'note'"))
         assert history == [(seq0 + 1, "after a bump")]
