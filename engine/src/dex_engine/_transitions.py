@@ -566,7 +566,7 @@ def create_task(
     db: Db, flow_id: str, flow_type: str, movement: MovementRecord, now: int,
     recovery_error: RecoveryError | None = None, config: FlowConfig | None = None,
     handoff: Handoff | None = None,
-) -> None:
+) -> int:
     step_type = movement.step_type
     options = movement.options
     if options.durability is None:
@@ -582,7 +582,7 @@ def create_task(
     ):
         # The WaitFor already ran (see MovementRecord.wait): register its wait as its commit would,
         # in this transaction; the caller evaluates the flow's waits once its movements are in.
-        _task_id, seid = _insert_task(
+        task_id, seid = _insert_task(
             db,
             "flow_id, flow_type, step_type, step_execution_id, input, options, method, state, attempt, run_at, "
             "recovery_error, created_at, wait_spec, wait_registered_at, timer_due_at",
@@ -592,9 +592,9 @@ def create_task(
         )
         _history(db, flow_id, step_type, seid, STEP_SCHEDULED, 0, now)
         _history(db, flow_id, step_type, seid, WAIT_REGISTERED, 1, now)
-        return
+        return task_id
     if handoff is None or handoff.capacity <= 0 or mopts.locks:
-        _task_id, seid = _insert_task(
+        task_id, seid = _insert_task(
             db,
             "flow_id, flow_type, step_type, step_execution_id, input, options, method, state, attempt, run_at, "
             "recovery_error, created_at",
@@ -603,7 +603,7 @@ def create_task(
         )
         _history(db, flow_id, step_type, seid, STEP_SCHEDULED, 0, now)
         db.notify()
-        return
+        return task_id
     start = _attempt_start(db, flow_id, options, mopts, None, now)
     task_id, seid = _insert_task(
         db,
@@ -622,6 +622,7 @@ def create_task(
         load=mopts.load, attributes=start.attributes, checkpoint=None, wait_spec=None, wait_outcome=None,
         recovery_error=recovery_error,
     ))
+    return task_id
 
 
 def _stored_options(db: Db, options: TaskOptions, now: int) -> bytes:
