@@ -107,13 +107,13 @@ async def test_an_operations_notes_of_a_flow_row_end_with_it(tmp_path: Path, sec
             def op(db: tx.Db) -> tuple[str, list[str]]:
                 tx.require_running(db, "f")
                 seen = sorted(key for _name, key in tx.load_attributes(db, "f", LoadOptions.all()))
-                tx.create_task(db, "f", "T", movement_record(STEPPED, Movement("S")), 0)
+                task_id = tx.create_task(db, "f", "T", movement_record(STEPPED, Movement("S")), 0)
                 writes = WriteSet(attributes={("A", tag): b"1"}, appends=[("Out", 1 << 20, f'"{tag}"'.encode())])
                 tx.apply_writes(db, "f", writes, tag, 1, 0)
                 tx._history(db, "f", "S", tag, "marker", 1, 0, tag)
                 if fail:
                     raise RuntimeError(f"{tag} fails after its writes")
-                row = db.one("SELECT step_execution_id FROM tasks WHERE flow_id = 'f' ORDER BY task_id DESC LIMIT 1")
+                row = db.one("SELECT step_execution_id FROM tasks WHERE task_id = ?", (task_id,))
                 assert row is not None
                 return str(row[0]), seen
 
