@@ -664,6 +664,7 @@ def test_invalid_step_option_timeouts(field_name: str, value: Any) -> None:
         ({"lease_ttl_seconds": math.nan}, "nan"),
         ({"max_concurrent_tasks": 0}, "max_concurrent_tasks"),
         ({"max_concurrent_tasks": 1.5}, "1.5"),
+        ({"max_concurrent_tasks": True}, "True"),
         ({"poll_seconds": 0}, "poll_seconds"),
         ({"housekeeping_seconds": -1}, "housekeeping_seconds"),
         ({"shutdown_grace_seconds": 0}, "shutdown_grace_seconds"),
@@ -674,6 +675,13 @@ def test_invalid_worker_options(kwargs: dict[str, Any], named: str) -> None:
     with pytest.raises(ValueError, match="invalid WorkerOptions") as caught:
         WorkerOptions(**kwargs)
     assert named in str(caught.value)
+
+
+def test_worker_options_at_their_limits_are_accepted() -> None:
+    """The smallest capacity and the tightest renewal that can work are valid, not rejected."""
+    options = WorkerOptions(max_concurrent_tasks=1, lease_ttl_seconds=1.0, lease_renew_seconds=0.999,
+                            poll_seconds=0.001, housekeeping_seconds=0.001, shutdown_grace_seconds=0.001)
+    assert (options.max_concurrent_tasks, options.lease_renew_seconds) == (1, 0.999)
 
 
 def _sync_execute(ctx: Context, _: None) -> StepDecision:

@@ -74,18 +74,35 @@ async def test_entering_a_worker_returns_once_it_is_registered(db_url: str) -> N
     """`async with AsyncWorker(...)` enters its block once the worker is listed as live, so another
     process (`dex-engine workers`) sees it at once. Read here on a plain sqlite3 connection with no
     await in between, which gives the worker's task no chance to catch up. Catches an __aenter__
-    that returns before the registration commits."""
+    that returns before the registration commits, and an __aexit__ that leaves the worker running."""
     import sqlite3
 
     from dex_engine import AsyncWorker, WorkerOptions
 
-    async with AsyncWorker(Registry([FLOW]), WorkerOptions(database_url=db_url)) as worker:
+    def listed() -> list[str]:
         conn = sqlite3.connect(db_url.removeprefix("sqlite:///"))
         try:
-            listed = [r[0] for r in conn.execute("SELECT worker_id FROM workers")]
+            return [r[0] for r in conn.execute("SELECT worker_id FROM workers")]
         finally:
             conn.close()
-        assert listed == [worker.worker_id]
+
+    async with AsyncWorker(Registry([FLOW]), WorkerOptions(database_url=db_url, worker_id="listed")) as worker:
+        assert listed() == [worker.worker_id] == ["listed"], "not listed at once, or not under the ID it was given"
+    assert listed() == [], "the worker was left running (registered) after its block"
+
+
+def test_a_worker_without_options_takes_the_defaults_and_an_id_of_its_own() -> None:
+    """AsyncWorker(registry) runs with WorkerOptions' defaults, under an ID naming its host and
+    process that no other worker shares."""
+    import os
+    import socket
+
+    from dex_engine import AsyncWorker, WorkerOptions
+
+    first, second = AsyncWorker(Registry([FLOW])), AsyncWorker(Registry([FLOW]))
+    assert first.options == WorkerOptions()
+    assert first.worker_id.startswith(f"{socket.gethostname()}-{os.getpid()}-")
+    assert first.worker_id != second.worker_id
 
 
 async def test_a_worker_that_cannot_start_raises_from_its_context(tmp_path: Any) -> None:
@@ -98,6 +115,54 @@ async def test_a_worker_that_cannot_start_raises_from_its_context(tmp_path: Any)
         async with AsyncWorker(Registry([FLOW]), WorkerOptions(database_url=f"sqlite:///{tmp_path}")):
             entered = True
     assert not entered, "entered the block of a worker that never started"
+    await asyncio.sleep(0)  # a task cancelled above has ended by now
+    left = asyncio.all_tasks() - {asyncio.current_task()}
+    assert not left, f"a worker that never started left tasks pending: {left}"
+
+
+async def test_stop_ends_a_worker_run_directly_at_once(db_url: str) -> None:
+    """`await worker.run()` in a task of its own ends when `await worker.stop()` is called, at
+    once: not at the loop's next poll or housekeeping (a minute away here), and with no
+    background task of the worker's own to await (it was not entered with `async with`)."""
+    from dex_engine import AsyncWorker, WorkerOptions
+
+    async with engine_for(db_url, Registry([FLOW]), worker=False) as eng:
+        worker = AsyncWorker(Registry([FLOW]), WorkerOptions(database_url=db_url, poll_seconds=60.0,
+                                                             housekeeping_seconds=60.0), store=eng.store)
+        running = asyncio.create_task(worker.run())
+
+        async def registered() -> bool:
+            return worker.worker_id in [row[0] for row in await eng.store.list_workers()]
+
+        await wait_until("the worker registers", registered)
+        await asyncio.wait_for(worker.stop(), 10)
+        assert running.done() and running.exception() is None
+
+
+async def test_a_cancelled_entry_leaves_no_worker_running(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entering `async with worker:` cancelled before the worker registered (a timeout around the
+    block, say) must stop the worker it started: no __aexit__ follows to do it, and the worker
+    would go on to register and claim work nobody stops."""
+    from dex_engine import AsyncWorker, WorkerOptions
+
+    registering = asyncio.Event()
+
+    async def stuck_register(self: Store, *args: Any) -> None:
+        registering.set()
+        await asyncio.Event().wait()
+
+    async with engine_for(db_url, Registry([FLOW]), worker=False) as eng:
+        monkeypatch.setattr(type(eng.store), "register_worker", stuck_register)
+        worker = AsyncWorker(Registry([FLOW]), WorkerOptions(database_url=db_url), store=eng.store)
+        entering = asyncio.create_task(worker.__aenter__())
+        await asyncio.wait_for(registering.wait(), 10)
+        entering.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await entering
+        background = worker._background
+        assert background is not None
+        await asyncio.wait([background], timeout=10)
+        assert background.cancelled(), "the worker's task still runs after its entry was cancelled"
 
 
 async def test_events_of_a_failed_attempt_are_kept(db_url: str) -> None:
@@ -447,6 +512,44 @@ async def test_a_full_worker_with_ready_work_waiting_sleeps_until_a_slot_frees(
         assert info.status == "completed", info
         assert started == ["first", "second"]
 
+
+
+async def test_a_full_worker_claims_ready_work_once_a_running_attempt_is_revoked(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An attempt can end with no commit of its own to claim into its slot: its flow stopped, it is
+    revoked. The worker must claim the Step left waiting for that slot as soon as the attempt has
+    ended, not at the next housekeeping or fallback poll (a minute away here). Catches a revoked
+    attempt's end taken for one whose commit already claimed the next work."""
+    if db_url.startswith("postgresql"):
+        from dex_engine import _pg_store
+
+        monkeypatch.setattr(_pg_store, "FALLBACK_POLL_SECONDS", 60.0)
+    started: list[str] = []
+
+    async def hold(ctx: Context, _: None) -> StepDecision:
+        started.append(ctx.flow_id)
+        if ctx.flow_id == "first":
+            await asyncio.Event().wait()  # until revoked
+        return StepDecision.graceful_complete()
+
+    holding = Flow("Holding", [Step("Hold", hold, input_type=type(None))], start_step="Hold")
+    async with engine_for(db_url, Registry([holding]), worker=False) as eng:
+        await eng.start_worker(max_concurrent_tasks=1, poll_seconds=0.01, housekeeping_seconds=60.0,
+                               lease_ttl_seconds=300.0, lease_renew_seconds=100.0)
+        await eng.client.start_flow("Holding", "first")
+
+        async def first_runs() -> bool:
+            return started == ["first"]
+
+        await wait_until("the first attempt runs", first_runs)
+        await eng.client.start_flow("Holding", "second")
+        await asyncio.sleep(0.2)
+        assert started == ["first"], "a worker with max_concurrent_tasks=1 ran two attempts at once"
+        await eng.client.stop_flow("first", "no longer needed")
+        info = await eng.client.wait_for_flow("second", 10)
+        assert info.status == "completed", info
+        assert started == ["first", "second"]
 
 # Many sessions waiting ---------------------------------------------------------------------------
 
