@@ -139,6 +139,68 @@ async def test_stop_ends_a_worker_run_directly_at_once(db_url: str) -> None:
         assert running.done() and running.exception() is None
 
 
+async def test_a_worker_closes_the_store_it_opened(db_url: str) -> None:
+    """A worker given a database URL opens its own store and closes it when it stops: no thread or
+    connection of it outlives the worker (a process starting and stopping workers would leak them)."""
+    import threading
+
+    from dex_engine import AsyncWorker, WorkerOptions
+
+    async with engine_for(db_url, Registry([FLOW]), worker=False) as eng:
+        before = set(threading.enumerate())
+        async with AsyncWorker(Registry([FLOW]), WorkerOptions(database_url=db_url)) as worker:
+            await eng.client.start_flow("Behaviour", "f")
+            assert (await eng.client.wait_for_flow("f", 10)).status == "completed"
+            opened = {t.name for t in set(threading.enumerate()) - before if t.name.startswith("dex-")}
+        assert opened, f"the worker opened no store of its own: {worker.store!r}"
+
+
+        async def closed() -> bool:
+            # Some end just after close() returns (the writer-turn thread is told to stop, not joined).
+            return not {t for t in set(threading.enumerate()) - before if t.name.startswith("dex-")}
+
+        await wait_until("the threads of the worker's store to end", closed)
+
+
+async def _foreign_client_runs_a_flow(db_url: str, flow_id: str) -> None:
+    """Start `flow_id` from a client with a store of its own, as another process would: no commit
+    listener or hand-off reaches the worker, only its poll, woken by the store's watch."""
+    from dex_engine import AsyncClient
+
+    async with AsyncClient(Registry([FLOW]), db_url) as foreign:
+        await foreign.start_flow("Behaviour", flow_id)
+        info = await foreign.wait_for_flow(flow_id, 10)
+    assert info.status == "completed", info
+
+
+async def test_a_worker_with_one_slot_claims_work_another_process_made_ready(db_url: str) -> None:
+    """A worker with max_concurrent_tasks=1 and its slot free claims, by its poll, a Step another
+    process's commit made ready. Catches a claim that asks for a free slot more than it has."""
+    async with engine_for(db_url, Registry([FLOW]), worker=False) as eng:
+        await eng.start_worker(max_concurrent_tasks=1)
+        await _foreign_client_runs_a_flow(db_url, "one-slot")
+
+
+async def test_a_worker_goes_on_after_a_failed_poll(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A poll that fails (the database briefly unreachable) is logged and tried again: the worker
+    keeps running and claims what another process makes ready after it. Catches a worker that
+    quietly stops at its first failed poll."""
+    failures: list[str] = []
+    async with engine_for(db_url, Registry([FLOW]), worker=False) as eng:
+        real_poll = type(eng.store).poll
+
+        async def failing_once(self: Store, *args: Any, **kwargs: Any) -> Any:
+            if not failures:
+                failures.append("poll")
+                raise OSError("database unreachable")
+            return await real_poll(self, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(type(eng.store), "poll", failing_once)
+        await eng.start_worker()
+        await wait_until("a poll to fail", lambda: asyncio.sleep(0, failures))
+        await _foreign_client_runs_a_flow(db_url, "after-failure")
+
+
 async def test_a_cancelled_entry_leaves_no_worker_running(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Entering `async with worker:` cancelled before the worker registered (a timeout around the
     block, say) must stop the worker it started: no __aexit__ follows to do it, and the worker
