@@ -268,6 +268,39 @@ async def test_a_worker_declared_dead_claims_nothing_until_it_registers_again(db
         assert [w[0] for w in await eng.store.list_workers()] == [worker.worker_id]
 
 
+async def test_a_worker_declared_dead_stops_the_handlers_of_the_attempts_it_lost(db_url: str) -> None:
+    """A worker that learns it was declared dead (paused past its lease) cancels the handlers of
+    the attempts it held: those attempts were failed as lost and will run again, so a handler left
+    running (a tool call that does not heartbeat) would do its work a second time alongside the
+    retry, with nothing to fence it until its commit. The retry waits a minute here, so that it is
+    not its claim that stops the handler. Catches a worker that registers again and leaves them
+    running."""
+    log: list[str] = []
+
+    async def tool(ctx: Context, _: None) -> StepDecision:
+        await ctx.heartbeat("started")
+        log.append(f"attempt {ctx.attempt} runs")
+        try:
+            await asyncio.sleep(30)  # a long call that does not heartbeat
+        except asyncio.CancelledError:
+            log.append(f"attempt {ctx.attempt} cancelled")
+            raise
+        log.append(f"attempt {ctx.attempt} ran to its end")
+        return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
+
+    slow_retry = StepOptions(execute_retry=RetryPolicy(max_attempts=2, initial_interval_seconds=60.0))
+    registry = Registry([Flow("Lost", [Step("Tool", tool, options=slow_retry)], start_step="Tool")])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        await eng.start_worker(lease_ttl_seconds=30.0, lease_renew_seconds=10.0)
+        await eng.client.start_flow("Lost", "l")
+        await wait_until("attempt 1 to run", lambda: asyncio.sleep(0, log))
+        # What another worker's housekeeping does to a worker that was paused longer than its lease.
+        await eng.store.raw(lambda db: db.run("DELETE FROM workers"), write=True)
+        await wait_until("attempt 1's handler to be cancelled", lambda: asyncio.sleep(0, "attempt 1 cancelled" in log))
+        assert log == ["attempt 1 runs", "attempt 1 cancelled"], log
+        assert [f[:2] for f in failures(await eng.client.get_flow_history("l"))] == [("Tool-1", 1)]
+
+
 async def test_a_failed_registration_after_being_declared_dead_is_tried_again(db_url: str) -> None:
     registry = Registry([heartbeating_flow("Flaky", beats=2)])
     async with engine_for(db_url, registry, worker=False) as eng:
