@@ -201,6 +201,33 @@ async def test_a_worker_goes_on_after_a_failed_poll(db_url: str, monkeypatch: py
         await _foreign_client_runs_a_flow(db_url, "after-failure")
 
 
+async def test_a_client_on_another_event_loop_hands_its_work_to_the_worker_on_its_own(db_url: str) -> None:
+    """A client sharing the worker's store from another thread's event loop starts a flow: the
+    worker runs its Steps on its own loop (woken by the commit), never on the client's, which would
+    run the handler in the wrong thread and drop it when that loop ends. Catches a hand-off of the
+    client's ready Steps that does not check which loop it was asked from."""
+    import threading
+
+    from dex_engine import AsyncClient
+
+    ran_on: list[int] = []
+
+    async def record(ctx: Context, _: None) -> StepDecision:
+        ran_on.append(threading.get_ident())
+        return StepDecision.graceful_complete()
+
+    where = Flow("Where", [Step("Record", record, input_type=type(None))], start_step="Record")
+    async with engine_for(db_url, Registry([where])) as eng:
+
+        async def start_from_elsewhere() -> None:
+            await AsyncClient(Registry([where]), store=eng.store).start_flow("Where", "w")
+
+        await asyncio.to_thread(asyncio.run, start_from_elsewhere())
+        info = await eng.client.wait_for_flow("w", 10)
+        assert info.status == "completed", info
+        assert ran_on == [threading.get_ident()], "the Step ran outside the worker's event loop"
+
+
 async def test_a_cancelled_entry_leaves_no_worker_running(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Entering `async with worker:` cancelled before the worker registered (a timeout around the
     block, say) must stop the worker it started: no __aexit__ follows to do it, and the worker
