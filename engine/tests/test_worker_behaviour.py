@@ -15,6 +15,7 @@ from dex_engine import (
     Channel,
     Context,
     Flow,
+    FlowAlreadyStartedError,
     FlowConfig,
     Movement,
     Registry,
@@ -122,19 +123,23 @@ async def test_a_worker_that_cannot_start_raises_from_its_context(tmp_path: Any)
 
 async def test_stop_ends_a_worker_run_directly_at_once(db_url: str) -> None:
     """`await worker.run()` in a task of its own ends when `await worker.stop()` is called, at
-    once: not at the loop's next poll or housekeeping (a minute away here), and with no
-    background task of the worker's own to await (it was not entered with `async with`)."""
+    once: not at the loop's next poll or housekeeping, nor at the end of its shutdown grace (each a
+    minute away here), and with no background task of the worker's own to await (it was not
+    entered with `async with`). A client's commit handed it work before: that claim is settled."""
     from dex_engine import AsyncWorker, WorkerOptions
 
     async with engine_for(db_url, Registry([FLOW]), worker=False) as eng:
-        worker = AsyncWorker(Registry([FLOW]), WorkerOptions(database_url=db_url, poll_seconds=60.0,
-                                                             housekeeping_seconds=60.0), store=eng.store)
+        options = WorkerOptions(database_url=db_url, poll_seconds=60.0, housekeeping_seconds=60.0,
+                                shutdown_grace_seconds=60.0)
+        worker = AsyncWorker(Registry([FLOW]), options, store=eng.store)
         running = asyncio.create_task(worker.run())
 
         async def registered() -> bool:
             return worker.worker_id in [row[0] for row in await eng.store.list_workers()]
 
         await wait_until("the worker registers", registered)
+        await eng.client.start_flow("Behaviour", "handed-off")  # claimed for the worker by the client's commit
+        assert (await eng.client.wait_for_flow("handed-off", 10)).status == "completed"
         await asyncio.wait_for(worker.stop(), 10)
         assert running.done() and running.exception() is None
 
@@ -226,6 +231,36 @@ async def test_a_client_on_another_event_loop_hands_its_work_to_the_worker_on_it
         info = await eng.client.wait_for_flow("w", 10)
         assert info.status == "completed", info
         assert ran_on == [threading.get_ident()], "the Step ran outside the worker's event loop"
+
+
+async def test_client_writes_that_ready_nothing_or_fail_leave_the_worker_sound(db_url: str) -> None:
+    """A client's write offered to the worker's free slots may ready nothing (a message nobody
+    waits for) or fail (a flow ID taken): the worker gets its slots back, no error escapes into its
+    event loop, and the next flow runs. Catches a hand-off that takes 'nothing claimed' for a list."""
+    loop = asyncio.get_running_loop()
+    escaped: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: escaped.append(str(context.get("exception") or context)))
+    release = asyncio.Event()
+
+    async def hold(ctx: Context, _: None) -> StepDecision:
+        await release.wait()
+        return StepDecision.graceful_complete()
+
+    holding = Flow("Held", [Step("Hold", hold, input_type=type(None))], start_step="Hold", schema=[Inbox])
+    try:
+        async with engine_for(db_url, Registry([holding])) as eng:
+            await eng.client.start_flow("Held", "h")
+            await eng.client.publish("h", Inbox, "nobody waits for this")
+            with pytest.raises(FlowAlreadyStartedError, match="'h' already exists"):
+                await eng.client.start_flow("Held", "h")
+            release.set()
+            assert (await eng.client.wait_for_flow("h", 10)).status == "completed"
+            await eng.client.start_flow("Held", "next")
+            assert (await eng.client.wait_for_flow("next", 10)).status == "completed"
+    finally:
+        loop.set_exception_handler(previous)
+    assert escaped == [], escaped
 
 
 async def test_a_cancelled_entry_leaves_no_worker_running(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
