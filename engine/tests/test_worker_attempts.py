@@ -62,6 +62,38 @@ async def test_a_stopping_worker_keeps_its_lease_while_started_attempts_finish(d
         assert failures(await eng.client.get_flow_history("d")) == []
 
 
+async def test_a_stopping_worker_cancels_what_outlasts_its_grace_and_the_attempt_runs_again(db_url: str) -> None:
+    """stop() waits shutdown_grace_seconds for started attempts, then cancels their handlers and
+    returns: a handler that never ends must not keep the worker from stopping. Its attempt, started,
+    fails as this worker's lost attempt (E3) and runs again on the next worker."""
+    log: list[str] = []
+
+    async def tool(ctx: Context, _: None) -> StepDecision:
+        await ctx.heartbeat("started")
+        log.append(f"attempt {ctx.attempt} runs")
+        if ctx.attempt == 1:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                log.append("attempt 1 cancelled")
+                raise
+        return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
+
+    registry = Registry([Flow("Outlast", [Step("Tool", tool, options=QUICK_RETRY)], start_step="Tool")])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        stopping = await eng.start_worker(shutdown_grace_seconds=0.3)
+        await eng.client.start_flow("Outlast", "o")
+        await wait_until("attempt 1 to run", lambda: asyncio.sleep(0, log))
+        await asyncio.wait_for(stopping.stop(), 10)
+        assert log == ["attempt 1 runs", "attempt 1 cancelled"], log
+        assert (await eng.client.describe_flow("o")).status == "running"
+        await eng.start_worker()
+        info = await eng.client.wait_for_flow("o", 10)
+        assert info.status == "completed", info
+        assert await eng.client.flow_output("o") == "attempt 2"
+        assert [f[:2] for f in failures(await eng.client.get_flow_history("o"))] == [("Tool-1", 1)]
+
+
 @pytest.mark.sqlite_only  # the retry must reach the worker through a client's commit while the poll is out
 async def test_a_late_poll_reply_does_not_revoke_the_next_attempt_of_the_task(db_url: str) -> None:
     log: list[str] = []
