@@ -109,6 +109,9 @@ async def start(ctx: Context, what: str) -> StepDecision:
         return StepDecision.go_to("BadWait", None)
     if what == "long_error":
         raise RuntimeError("e" * (2 * MAX_HISTORY_DETAIL_CHARS))
+    if what == "undeclared_cancel":
+        ctx.set(Count, 41)
+        return StepDecision.graceful_complete("done").with_canceling_steps("Nowhere")
     misuse(ctx, what)
     return StepDecision.graceful_complete("misuse was not refused")
 
@@ -257,6 +260,7 @@ async def test_undeclared_name_from_client_or_rpc(db_url: str, case: str, name: 
     [
         ("undeclared_set", "execute", UndeclaredNameError, "'Stray'"),
         ("undeclared_publish", "execute", UndeclaredNameError, "'StrayChannel'"),
+        ("undeclared_cancel", "execute", UndeclaredNameError, "'Nowhere'"),
         ("too_large", "execute", ValueTooLargeError, "'Note'"),
         ("wrong_type", "execute", InvalidValueError, "'Count'"),
         ("bad_wait", "wait_for", InvalidWaitError, "'Inbox'"),
