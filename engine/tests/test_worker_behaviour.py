@@ -585,14 +585,16 @@ async def test_a_poll_that_claims_while_a_commit_fills_its_slot_hands_the_excess
             assert await other.client.flow_output(f) == 1, f"{f} did not complete on its first attempt"
 
 
+@pytest.mark.parametrize("ending", ["returns", "revoked"])
 async def test_a_full_worker_with_ready_work_waiting_sleeps_until_a_slot_frees(
-    db_url: str, monkeypatch: pytest.MonkeyPatch
+    db_url: str, monkeypatch: pytest.MonkeyPatch, ending: str
 ) -> None:
     """A worker whose slots are all taken, with more of its Steps ready (an overloaded worker),
     must not poll for work it cannot claim: the ready Step is due, and the loop, which claims and
     housekeeps when something is due, used to go round again at once, about 1,500 housekeeping
     transactions a second taking CPU and the write lock from the attempts. It sleeps instead, and
-    claims the waiting Step as soon as the running one ends. Catches the spin, and a full worker
+    claims the waiting Step as soon as the running one ends: by returning, or revoked when its flow
+    is stopped (no commit of its own then claims into its slot). Catches the spin, and a full worker
     that then misses the freed slot (housekeeping and PostgreSQL's fallback poll are a minute away)."""
     if db_url.startswith("postgresql"):
         from dex_engine import _pg_store
@@ -631,49 +633,14 @@ async def test_a_full_worker_with_ready_work_waiting_sleeps_until_a_slot_frees(
         assert len(polls) <= 2, f"a full worker polled {len(polls)} times in 0.5 s ({sum(polls)} housekeeping)"
         assert started == ["first"], "a worker with max_concurrent_tasks=1 ran two attempts at once"
         assert len(worker._running) == 1
-        release.set()
+        if ending == "returns":
+            release.set()
+        else:
+            await eng.client.stop_flow("first", "no longer needed")
         info = await eng.client.wait_for_flow("second", 10)
         assert info.status == "completed", info
         assert started == ["first", "second"]
 
-
-
-async def test_a_full_worker_claims_ready_work_once_a_running_attempt_is_revoked(
-    db_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An attempt can end with no commit of its own to claim into its slot: its flow stopped, it is
-    revoked. The worker must claim the Step left waiting for that slot as soon as the attempt has
-    ended, not at the next housekeeping or fallback poll (a minute away here). Catches a revoked
-    attempt's end taken for one whose commit already claimed the next work."""
-    if db_url.startswith("postgresql"):
-        from dex_engine import _pg_store
-
-        monkeypatch.setattr(_pg_store, "FALLBACK_POLL_SECONDS", 60.0)
-    started: list[str] = []
-
-    async def hold(ctx: Context, _: None) -> StepDecision:
-        started.append(ctx.flow_id)
-        if ctx.flow_id == "first":
-            await asyncio.Event().wait()  # until revoked
-        return StepDecision.graceful_complete()
-
-    holding = Flow("Holding", [Step("Hold", hold, input_type=type(None))], start_step="Hold")
-    async with engine_for(db_url, Registry([holding]), worker=False) as eng:
-        await eng.start_worker(max_concurrent_tasks=1, poll_seconds=0.01, housekeeping_seconds=60.0,
-                               lease_ttl_seconds=300.0, lease_renew_seconds=100.0)
-        await eng.client.start_flow("Holding", "first")
-
-        async def first_runs() -> bool:
-            return started == ["first"]
-
-        await wait_until("the first attempt runs", first_runs)
-        await eng.client.start_flow("Holding", "second")
-        await asyncio.sleep(0.2)
-        assert started == ["first"], "a worker with max_concurrent_tasks=1 ran two attempts at once"
-        await eng.client.stop_flow("first", "no longer needed")
-        info = await eng.client.wait_for_flow("second", 10)
-        assert info.status == "completed", info
-        assert started == ["first", "second"]
 
 # Many sessions waiting ---------------------------------------------------------------------------
 
