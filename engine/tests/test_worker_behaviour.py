@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from dex_engine import (
+    Attribute,
     Channel,
     Context,
     Flow,
@@ -261,6 +262,42 @@ async def test_client_writes_that_ready_nothing_or_fail_leave_the_worker_sound(d
     finally:
         loop.set_exception_handler(previous)
     assert escaped == [], escaped
+
+
+async def test_a_wait_for_that_writes_keeps_its_writes_when_a_commit_starts_its_step(db_url: str) -> None:
+    """A WaitFor that writes an attribute, in a Step started by an Execute's commit, keeps its
+    write: the commit may evaluate a WaitFor ahead and register its wait at once only when it
+    writes nothing, since that commit records the wait alone. Catches a WaitFor's writes dropped
+    because its wait was registered early."""
+    seen = Attribute("Seen", str)
+
+    async def begin(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to("Mark", None)
+
+    async def mark_wait(ctx: Context, _: None) -> Wait:
+        ctx.set(seen, "the WaitFor ran")
+        return Wait.until(Inbox.for_one())
+
+    async def mark(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.graceful_complete(ctx.get(seen))
+
+    marking = Flow(
+        "Marking",
+        [Step("Begin", begin, input_type=type(None)),
+         Step("Mark", mark, wait_for=mark_wait, input_type=type(None))],
+        start_step="Begin", schema=[seen, Inbox],
+    )
+    async with engine_for(db_url, Registry([marking])) as eng:
+        await eng.client.start_flow("Marking", "m")
+
+        async def waiting() -> bool:
+            return any(s.state == "waiting" for s in (await eng.client.describe_flow("m")).active_steps)
+
+        await wait_until("Mark waiting", waiting)
+        assert await eng.client.get_attribute("m", seen) == "the WaitFor ran"
+        await eng.client.publish("m", Inbox, "go")
+        assert (await eng.client.wait_for_flow("m", 10)).status == "completed"
+        assert await eng.client.flow_output("m") == "the WaitFor ran"
 
 
 async def test_a_cancelled_entry_leaves_no_worker_running(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
