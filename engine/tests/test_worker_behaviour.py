@@ -264,40 +264,46 @@ async def test_client_writes_that_ready_nothing_or_fail_leave_the_worker_sound(d
     assert escaped == [], escaped
 
 
-async def test_a_wait_for_that_writes_keeps_its_writes_when_a_commit_starts_its_step(db_url: str) -> None:
+@pytest.mark.parametrize("writes", [True, False])
+async def test_a_wait_for_that_writes_keeps_its_writes_when_a_commit_starts_its_step(db_url: str, writes: bool) -> None:
     """A WaitFor that writes an attribute, in a Step started by an Execute's commit, keeps its
     write: the commit may evaluate a WaitFor ahead and register its wait at once only when it
-    writes nothing, since that commit records the wait alone. Catches a WaitFor's writes dropped
-    because its wait was registered early."""
+    writes nothing, since that commit records the wait alone. Either way it sees itself as attempt
+    1. Catches a WaitFor's writes dropped because its wait was registered early."""
     seen = Attribute("Seen", str)
 
-    async def begin(ctx: Context, _: None) -> StepDecision:
-        return StepDecision.go_to("Mark", None)
+    async def begin(ctx: Context, writes: bool) -> StepDecision:
+        return StepDecision.go_to("Mark", writes)
 
-    async def mark_wait(ctx: Context, _: None) -> Wait:
-        ctx.set(seen, "the WaitFor ran")
+    async def mark_wait(ctx: Context, writes: bool) -> Wait:
+        attempts.append(ctx.attempt)
+        if writes:
+            ctx.set(seen, "the WaitFor ran")
         return Wait.until(Inbox.for_one())
 
-    async def mark(ctx: Context, _: None) -> StepDecision:
+    async def mark(ctx: Context, _: bool) -> StepDecision:
         return StepDecision.graceful_complete(ctx.get(seen))
 
     marking = Flow(
         "Marking",
-        [Step("Begin", begin, input_type=type(None)),
-         Step("Mark", mark, wait_for=mark_wait, input_type=type(None))],
+        [Step("Begin", begin, input_type=bool), Step("Mark", mark, wait_for=mark_wait, input_type=bool)],
         start_step="Begin", schema=[seen, Inbox],
     )
+    attempts: list[int] = []
     async with engine_for(db_url, Registry([marking])) as eng:
-        await eng.client.start_flow("Marking", "m")
+        await eng.client.start_flow("Marking", "m", writes)
 
         async def waiting() -> bool:
             return any(s.state == "waiting" for s in (await eng.client.describe_flow("m")).active_steps)
 
         await wait_until("Mark waiting", waiting)
-        assert await eng.client.get_attribute("m", seen) == "the WaitFor ran"
+        # Evaluated ahead, the WaitFor runs again as its attempt if it wrote: each run is attempt 1.
+        assert attempts and set(attempts) == {1}, attempts
+        expected = "the WaitFor ran" if writes else None
+        assert await eng.client.get_attribute("m", seen) == expected
         await eng.client.publish("m", Inbox, "go")
         assert (await eng.client.wait_for_flow("m", 10)).status == "completed"
-        assert await eng.client.flow_output("m") == "the WaitFor ran"
+        assert await eng.client.flow_output("m") == expected
 
 
 async def test_a_cancelled_entry_leaves_no_worker_running(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
