@@ -160,7 +160,6 @@ async def test_a_worker_closes_the_store_it_opened(db_url: str) -> None:
             opened = {t.name for t in set(threading.enumerate()) - before if t.name.startswith("dex-")}
         assert opened, f"the worker opened no store of its own: {worker.store!r}"
 
-
         async def closed() -> bool:
             # Some end just after close() returns (the writer-turn thread is told to stop, not joined).
             return not {t for t in set(threading.enumerate()) - before if t.name.startswith("dex-")}
