@@ -430,6 +430,38 @@ async def test_a_step_this_worker_cannot_invoke_fails_with_worker_invocation_err
         assert [h.attempt for h in failures] == [1, 2, 3]
 
 
+async def test_a_commit_that_claims_a_step_this_worker_cannot_invoke_still_lands(db_url: str) -> None:
+    """During a deploy, a worker's commit may claim as its next work a ready Step that its Flow no
+    longer defines. That commit lands as usual, and the claimed Step fails as its own attempt with
+    WorkerInvocationError: the commit that claimed it does not fail for it."""
+    release = asyncio.Event()
+
+    async def hold(ctx: Context, _: None) -> StepDecision:
+        await release.wait()
+        return StepDecision.graceful_complete()
+
+    holding = Flow("Holding", [Step("Hold", hold, input_type=type(None))], start_step="Hold")
+    async with engine_for(db_url, Registry([NEW, holding]), worker=False) as eng:
+        worker = await eng.start_worker(max_concurrent_tasks=1)
+        await eng.client.start_flow("Holding", "h")
+        await wait_until("Hold to fill the worker's only slot", lambda: asyncio.sleep(0, len(worker._running) == 1))
+        # Renamed made ready by a worker still running the old definition, while the slot is taken.
+        await eng.client.start_flow("Versioned", "v1")
+        await eng.store.register_worker("w-old", "h", 1, 60_000)
+        (lease,) = await eng.store.claim("w-old", ["Versioned"], 1)
+        await eng.store.commit_execute(lease, WriteSet(), DecisionRecord(
+            "movements", (movement_record(OLD, Movement("Renamed", 7)),)))
+        release.set()  # Hold's commit claims the ready Renamed into the slot it frees
+        assert (await eng.client.wait_for_flow("h", 10)).status == "completed"
+        assert [h for h in await eng.client.get_flow_history("h") if h.event_type == "attempt_failed"] == []
+
+        async def renamed_failed() -> list[str]:
+            return [h.detail for h in await eng.client.get_flow_history("v1") if h.event_type == "attempt_failed"]
+
+        details = await wait_until("Renamed's first attempt to fail", renamed_failed)
+        assert "WorkerInvocationError" in details[0] and "'Renamed'" in details[0], details
+
+
 CHAIN_STEPS = 8
 chain_runs: list[tuple[str, str, int]] = []
 
