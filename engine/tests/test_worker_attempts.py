@@ -13,6 +13,7 @@ attempt run twice, nor end one the engine did not take away.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from contextvars import ContextVar
 from typing import Any
@@ -389,18 +390,42 @@ async def test_a_late_claim_reply_never_displaces_the_newer_attempt_of_its_task(
         assert log == ["attempt 1 runs"]
 
 
-async def test_a_timeout_error_the_handler_lets_out_is_not_the_method_timeout(db_url: str) -> None:
+@pytest.mark.parametrize("method_timeout", [None, 60.0])
+async def test_a_timeout_error_the_handler_lets_out_is_not_the_method_timeout(
+    db_url: str, method_timeout: float | None,
+) -> None:
+    """A TimeoutError of the handler's own is recorded as such, whether or not the method has a
+    timeout of its own (one far off here): only the method's timeout is MethodTimeout."""
     async def waits(ctx: Context, _: None) -> StepDecision:
         if ctx.attempt == 1:
             await asyncio.wait_for(asyncio.Event().wait(), 0.01)  # its own deadline, on its own call
         return StepDecision.graceful_complete()
 
-    registry = Registry([Flow("Own", [Step("Call", waits, options=QUICK_RETRY)], start_step="Call")])
+    options = dataclasses.replace(QUICK_RETRY, execute_timeout_seconds=method_timeout)
+    registry = Registry([Flow("Own", [Step("Call", waits, options=options)], start_step="Call")])
     async with engine_for(db_url, registry) as eng:
         await eng.client.start_flow("Own", "o")
         assert (await eng.client.wait_for_flow("o", 10)).status == "completed"
         (failed,) = failures(await eng.client.get_flow_history("o"))
         assert failed[2] == "execute: TimeoutError: TimeoutError()", failed
+
+
+async def test_a_result_that_cannot_be_committed_fails_the_attempt_and_is_retried(db_url: str) -> None:
+    """A handler's result refused as its attempt commits (here not a StepDecision) fails that
+    attempt with the error named, and the Step's retry policy applies as to any other failure."""
+    async def returns(ctx: Context, _: None) -> StepDecision:
+        if ctx.attempt == 1:
+            return "not a decision"  # type: ignore[return-value]
+        return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
+
+    registry = Registry([Flow("Refused", [Step("Call", returns, options=QUICK_RETRY)], start_step="Call")])
+    async with engine_for(db_url, registry) as eng:
+        await eng.client.start_flow("Refused", "r")
+        assert (await eng.client.wait_for_flow("r", 10)).status == "completed"
+        assert await eng.client.flow_output("r") == "attempt 2"
+        (failed,) = failures(await eng.client.get_flow_history("r"))
+        assert failed[:2] == ("Call-1", 1) and failed[2].startswith("execute: InvalidValueError: "), failed
+        assert "'not a decision'" in failed[2]
 
 
 @pytest.mark.sqlite_only  # on PostgreSQL the lock is released without a round trip; a poll claims the Step
