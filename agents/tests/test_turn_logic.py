@@ -493,6 +493,19 @@ def test_check_framework_messages_names_the_bad_item(items: Any, message: str) -
         check_framework_messages(items, "new_messages")
 
 
+
+@pytest.mark.parametrize("field", ["text", "tool_call_id", "tool_name", "tool_arguments", "tool_output"])
+def test_check_framework_messages_checks_each_text_field_after_unset_ones(field: str) -> None:
+    """Every optional text field is checked, whichever of the others are unset (None): the last one
+    set, after several unset, is as likely to hold a value that cannot be stored as the first."""
+    bad = FrameworkMessage(MessageRole.TOOL, "{}", **{field: "x\ud800"})  # type: ignore[arg-type]
+    with pytest.raises(TurnContractError, match=rf"new_messages\[0\]\.{field} is not valid UTF-8 text"):
+        check_framework_messages([bad], "new_messages")
+    wrong_type = FrameworkMessage(MessageRole.TOOL, "{}", **{field: 7})  # type: ignore[arg-type]
+    with pytest.raises(TurnContractError, match=rf"new_messages\[0\]\.{field} must be text \(str\) or None, not int"):
+        check_framework_messages([wrong_type], "new_messages")
+
+
 # Turn state and records ---------------------------------------------------------------------
 
 
