@@ -335,7 +335,8 @@ def test_no_tool_calls_fails_the_turn(tool_calls: Any) -> None:
 
 
 def test_malformed_calls_fail_the_turn() -> None:
-    """A non-DeferredToolCall, an empty tool name, a bad policy or a non-text source reference fail the turn."""
+    """A non-DeferredToolCall, an empty tool name, a bad policy or a source reference that is not
+    text, or not storable text, fail the turn."""
     with pytest.raises(TurnContractError, match=r"tool_calls\[1\] is a dict"):
         plan([call("a"), {"tool_call_id": "b"}])
     with pytest.raises(TurnContractError, match="'c1' has no tool name"):
@@ -343,9 +344,9 @@ def test_malformed_calls_fail_the_turn() -> None:
     bad_policy: Any = "read"
     with pytest.raises(TurnContractError, match="'c1' has policy 'read'"):
         plan([DeferredToolCall("c1", "t", "{}", bad_policy)])
-    bad_reference: Any = 5
-    with pytest.raises(TurnContractError, match="tool_source_reference"):
-        plan([DeferredToolCall("c1", "t", "{}", ToolPolicy(ToolEffect.READ), bad_reference)])
+    for bad_reference in (5, "src/\ud800"):  # not text; text that cannot be stored
+        with pytest.raises(TurnContractError, match="'c1' has a tool_source_reference that is not UTF-8 text"):
+            plan([DeferredToolCall("c1", "t", "{}", ToolPolicy(ToolEffect.READ), bad_reference)])
 
 
 # recovered_status: exhaustive against the seed's failure-route rows --------------------------
