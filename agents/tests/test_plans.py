@@ -327,6 +327,17 @@ def test_planning_turn_rejects_every_call_but_write_todos() -> None:
                                     updated_at="2026-11-01T12:00:00.123Z")
 
 
+def test_planning_turn_rejects_a_tool_of_the_runner_named_write_todos() -> None:
+    """With the built-in write_todos not enabled, a runner's own tool of that name is a tool like
+    any other: a planning turn rejects it, and no plan is written."""
+    result = plan_calls([DeferredToolCall("c1", "write_todos", todos(("a", "pending")), WRITE)],
+                        InteractionMode.PLANNING, DRAFT, built_ins=frozenset())
+    (call,) = result.calls
+    assert (call.record.status, call.record.rejection_message, call.next_step) == (
+        AgentToolCallStatus.REJECTED, PLANNING_TURN_REJECTION_MESSAGE, None)
+    assert result.plan is None
+
+
 def test_write_todos_twice_in_one_response_fails_both_and_keeps_the_plan() -> None:
     """Each call fails with the more-than-once text, even a valid one; no plan is written."""
     result = plan_calls([

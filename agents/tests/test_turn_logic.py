@@ -339,8 +339,9 @@ def test_malformed_calls_fail_the_turn() -> None:
     text, or not storable text, fail the turn."""
     with pytest.raises(TurnContractError, match=r"tool_calls\[1\] is a dict"):
         plan([call("a"), {"tool_call_id": "b"}])
-    with pytest.raises(TurnContractError, match="'c1' has no tool name"):
-        plan([call("c1", tool_name="")])
+    for no_name in ("", None, 5):
+        with pytest.raises(TurnContractError, match="'c1' has no tool name"):
+            plan([call("c1", tool_name=no_name)])
     bad_policy: Any = "read"
     with pytest.raises(TurnContractError, match="'c1' has policy 'read'"):
         plan([DeferredToolCall("c1", "t", "{}", bad_policy)])

@@ -408,7 +408,7 @@ def _built_in_call(
     deadline: str | None,
     max_durable_wait: timedelta,
     *,
-    plan_context: tuple[AgentPlan | None, InteractionMode, bool] = (None, InteractionMode.CHAT, False),
+    plan_context: tuple[AgentPlan | None, InteractionMode, bool],
 ) -> tuple[PlannedCall, AgentInterrupt | None]:
     """A built-in call: routed to its own Step with no approval and the read effect, or failed now."""
     record = AgentToolCall(
