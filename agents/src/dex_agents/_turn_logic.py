@@ -371,7 +371,7 @@ def plan_tool_calls(
             continue
         bad_arguments = arguments_error(call.arguments)
         arguments = storable_arguments(call.arguments)
-        approval = is_approval_required(call.policy) and bad_arguments is None
+        approval = is_approval_required(call.policy)
         if bad_arguments is not None:
             status = AgentToolCallStatus.FAILED
         elif approval:
