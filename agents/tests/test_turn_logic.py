@@ -495,7 +495,6 @@ def test_check_framework_messages_names_the_bad_item(items: Any, message: str) -
         check_framework_messages(items, "new_messages")
 
 
-
 @pytest.mark.parametrize("field", ["text", "tool_call_id", "tool_name", "tool_arguments", "tool_output"])
 def test_check_framework_messages_checks_each_text_field_after_unset_ones(field: str) -> None:
     """Every optional text field is checked, whichever of the others are unset (None): the last one
