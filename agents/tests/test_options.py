@@ -144,6 +144,9 @@ def test_session_options_freeze_tool_policies() -> None:
      repr(timedelta(days=367))),
     ({"max_durable_wait": timedelta(days=400)}, "max_durable_wait must be a timedelta from 1 second to 366 days",
      repr(timedelta(days=400))),
+    ({"max_durable_wait": timedelta(milliseconds=999)}, "max_durable_wait must be a timedelta from 1 second",
+     repr(timedelta(milliseconds=999))),
+    ({"max_durable_wait": 3600}, "max_durable_wait must be a timedelta from 1 second", "3600"),
     ({"run_model_limit": None}, "run_model_limit must be a RunModelLimit", "None"),
     ({"run_model_limit": {"max_attempts": 3}}, "run_model_limit must be a RunModelLimit", "{'max_attempts': 3}"),
 ])

@@ -618,6 +618,8 @@ CANCELLED_BY_USER = '{"status":"cancelled","reason":"turn_cancelled_by_user"}'
 @pytest.mark.parametrize(("rec", "text"), [
     (record(status=AgentToolCallStatus.SUCCEEDED, output='{"orders":3}'), '{"orders":3}'),
     (record(status=AgentToolCallStatus.SUCCEEDED, output=""), ""),
+    (record(status=AgentToolCallStatus.SUCCEEDED), ""),
+    (record(status=AgentToolCallStatus.FAILED), "The tool call failed: "),
     (record(status=AgentToolCallStatus.FAILED, error="db down"), "The tool call failed: db down"),
     (record(status=AgentToolCallStatus.REJECTED, rejection_message="not today"), "not today"),
     (record(status=AgentToolCallStatus.REJECTED), "The user rejected this tool call."),
