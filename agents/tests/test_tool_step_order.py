@@ -29,12 +29,14 @@ from agents.tests.built_context import interrupt, runtime_of, step_context, tool
 from agents.tests.scripted_agent import ScriptedRunner
 
 from dex_agents import (
+    AGENT_STATE,
     AGENT_TOOL_CALLS,
     CALL_SINGLE_ATTEMPT_TOOL,
     CALL_TOOL,
     RECORD_TOOL_FAILURE,
     RECORD_TOOL_OUTCOME_UNKNOWN,
     RESUME_TURN,
+    RUN_MODEL,
     TOOL_CALL_RESULTS,
     AgentSessionFlow,
     AgentSessionOptions,
@@ -288,6 +290,22 @@ async def test_resume_turn_with_a_call_of_its_turn_unfinished_waits_again_for_th
     decision = await ToolSteps(runtime_of(flow)).resume_turn(ctx, 2)
     assert [(m.step_type, m.input) for m in decision.movements] == [(RESUME_TURN, 1)]
     assert ctx.writes.empty()
+
+async def test_resume_turn_with_every_call_final_goes_to_run_model_with_status_running_model() -> None:
+    """Seed 002 ResumeTurn: once every call of the turn is final it sets the status back to
+    running_model in its own commit (a snapshot during the next model call says so) and goes to RunModel."""
+    flow = AgentSessionFlow(ScriptedRunner(), "ToolOrder", AgentSessionOptions())
+    values = turn_2_running_tools()
+    values[("AgentToolCalls", "c2")] = tool_call(AgentToolCallStatus.FAILED, tool_call_id="c2", turn_id="turn-2",
+                                                 error="db down")
+    wait = Wait.any_of(TOOL_CALL_RESULTS.for_n(1), TURN_CONTROL_WAKE)
+    result = ConsumedMessage(1, msgspec.Raw(b'"c2"'))
+    ctx = step_context(flow, RESUME_TURN, values, (wait, WaitOutcome(satisfied=(0,), consumed=((result,), ()))))
+    decision = await ToolSteps(runtime_of(flow)).resume_turn(ctx, 1)
+    assert [m.step_type for m in decision.movements] == [RUN_MODEL]
+    running = values[("AgentState", "")]
+    assert ctx.get(AGENT_STATE) == msgspec.structs.replace(running, status=AgentStatus.RUNNING_MODEL)
+
 
 class NumberOutputRunner(ScriptedRunner):
     """A tool that returns a ToolExecutionResult whose output is a number, not text."""
