@@ -291,6 +291,7 @@ async def test_resume_turn_with_a_call_of_its_turn_unfinished_waits_again_for_th
     assert [(m.step_type, m.input) for m in decision.movements] == [(RESUME_TURN, 1)]
     assert ctx.writes.empty()
 
+
 async def test_resume_turn_with_every_call_final_goes_to_run_model_with_status_running_model() -> None:
     """Seed 002 ResumeTurn: once every call of the turn is final it sets the status back to
     running_model in its own commit (a snapshot during the next model call says so) and goes to RunModel."""
