@@ -61,7 +61,7 @@ def page_of_messages(
     )
 
 
-def session_rpcs(*, plan_mode_enabled: bool = False) -> list[Rpc]:
+def session_rpcs(*, plan_mode_enabled: bool) -> list[Rpc]:
     """The RPCs of every agent session Flow (`plan_mode_enabled` from its AgentSessionOptions)."""
 
     @rpc("send_user_message", request_type=AgentUserMessage, load=LoadOptions.none())
