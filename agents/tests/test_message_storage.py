@@ -258,7 +258,7 @@ def test_layout_matches_the_reference_model(
         writes = store.append(sizes, limits)
         new = store.appended[first - 1:]
         if not sizes:
-            assert writes.is_empty  # an append with no messages writes nothing
+            assert writes == MessageWrites()  # an append with no messages writes nothing
             continue
         # AgentMessageIndex is written exactly when a chunk is written.
         assert (writes.index is not None) == bool(writes.chunk_sets)
@@ -317,7 +317,7 @@ def test_rollover_moves_whole_chunks_of_the_oldest_messages() -> None:
     store = ModelStore()
     for _ in range(4):
         writes = store.append([5], limits)  # within the window: one blind write each, not "nothing"
-        assert writes == MessageWrites(window_sets=(store.appended[-1],)) and not writes.is_empty
+        assert writes == MessageWrites(window_sets=(store.appended[-1],))
     writes = store.append([5], limits)
     assert writes.window_sets == (store.appended[4],)
     assert writes.window_deletes == (1, 2)

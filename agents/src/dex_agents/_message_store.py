@@ -75,10 +75,6 @@ class MessageWrites:
     chunk_sets: tuple[AgentMessageChunk, ...] = ()  # each keyed by its first message's sequence
     index: AgentMessageIndex | None = None
 
-    @property
-    def is_empty(self) -> bool:
-        return not (self.window_sets or self.window_deletes or self.chunk_sets or self.index is not None)
-
 
 def plan_append(
     window: Sequence[AgentMessage],
