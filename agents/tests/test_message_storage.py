@@ -220,10 +220,11 @@ def test_a_chunk_fills_to_exactly_its_byte_limit_and_not_one_byte_more() -> None
 def test_a_commit_moves_exactly_its_byte_cap_and_not_one_byte_more() -> None:
     """Seed 002 "Rollover": one commit moves at most MESSAGE_ROLLOVER_MAX_BYTES_PER_COMMIT bytes of
     chunks. Two one-message chunks that fill the cap exactly move together; one byte less of cap
-    moves only the first, and the window stays above its size until a later commit."""
+    moves only the first, and the window stays above its size until a later commit. A cap smaller
+    than the first chunk still moves that chunk: every commit over the window's size makes progress."""
     window = [message(n, 100) for n in (1, 2, 3, 4)]
     exact = 2 * chunk_bytes([message_bytes(window[0])])
-    for cap, expected in ((exact, [[1], [2]]), (exact - 1, [[1]])):
+    for cap, expected in ((exact, [[1], [2]]), (exact - 1, [[1]]), (1, [[1]])):
         limits = MessageLayoutLimits(window_size=1, chunk_size=1, chunk_max_bytes=1024 * 1024,
                                      max_bytes_per_commit=cap)
         writes = plan_append(window, None, [message(5, 100)], limits)
@@ -275,7 +276,8 @@ def test_layout_matches_the_reference_model(
             assert sum(moved_bytes) <= limits.max_bytes_per_commit
         check_layout(store, limits)
         if len(store.window) > limits.window_size:
-            # Only a per-commit cap leaves the window over its size.
+            # Only a per-commit cap leaves the window over its size, and never with nothing moved.
+            assert moved
             biggest = max([limits.chunk_max_bytes] + [chunk_bytes([message_bytes(m)]) for m in store.window.values()])
             assert len(moved) == limits.max_chunks_per_commit or sum(moved_bytes) + biggest > (
                 limits.max_bytes_per_commit
