@@ -48,12 +48,14 @@ from dex_agents import (
 )
 from dex_agents._message_store import (
     CHUNK_ENVELOPE_BYTES,
+    ChunkReader,
     MessageLayoutLimits,
     MessageStoreCorruptError,
     MessageWrites,
     all_messages,
     chunk_bytes,
     chunk_holding,
+    chunk_messages,
     is_oversized,
     iter_newest_first,
     message_bytes,
@@ -384,8 +386,9 @@ def test_a_reader_checks_each_chunk_holds_its_range() -> None:
     # The listed number of messages, but other sequences: still not the chunk the index lists.
     with pytest.raises(MessageStoreCorruptError, match=r"holds 2\.\.3 \(2 messages\).*lists 1\.\.2"):
         newest_messages(index, window, lambda r: AgentMessageChunk((message(2, 1), message(3, 1))))
-    # Only the chunks a page reaches are read.
+    # Only the chunks a page reaches are read; an empty page reads nothing.
     assert newest_messages(index, window, lambda r: None, limit=1) == window
+    assert newest_messages(index, window, lambda r: None, limit=0) == []
 
 
 def test_reads_ignore_window_instances_outside_the_window() -> None:
@@ -449,7 +452,8 @@ def test_reading_every_message_matches_newest_messages(
     raises, exactly what newest_messages does, for any layout: unsorted or repeated window sequences,
     overlapping or unsorted chunk ranges, window instances inside chunks, missing or wrong chunks.
     A "run" window holds consecutive sequences; a "tidy" layout (consecutive chunks from 1, then the
-    window) is the one Steps leave."""
+    window) is the one Steps leave, and the only one read through `read_chunks` (the memo) in one
+    call, with no sort."""
     if shape == "tidy":
         lengths = [max(0, length) for _, length in ranges]
         ends = list(itertools.accumulate(1 + length for length in lengths))
@@ -469,16 +473,25 @@ def test_reading_every_message_matches_newest_messages(
             return None if first % 2 else AgentMessageChunk((message(first, 0),) * 5)
         return AgentMessageChunk(tuple(message(s, 0) for s in range(first, chunk_range.last_sequence + 1)))
 
+    read_in_one_call: list[int] = []
+
+    def read_chunks(chunks: Sequence[AgentMessageChunkRange], read: ChunkReader) -> list[AgentMessage]:
+        read_in_one_call.append(len(chunks))
+        return chunk_messages(chunks, read)
+
     for layout in (index, None):
         try:
             expected: list[AgentMessage] | str = newest_messages(layout, stored, read_chunk)
         except MessageStoreCorruptError as exc:
             expected = str(exc)
+        read_in_one_call.clear()
         try:
-            got: list[AgentMessage] | str = all_messages(layout, stored, read_chunk)
+            got: list[AgentMessage] | str = all_messages(layout, stored, read_chunk, read_chunks)
         except MessageStoreCorruptError as exc:
             got = str(exc)
         assert got == expected
+        if shape == "tidy":
+            assert read_in_one_call == [len(layout.chunks) if layout is not None else 0]
 
 
 # Options ------------------------------------------------------------------------------------------------
