@@ -850,6 +850,32 @@ async def test_an_approval_whose_message_cannot_be_built_writes_no_plan_executio
         ("plan_updated", "turn-2"), ("turn_started", "turn-2"), ("turn_failed", "turn-2")]
 
 
+async def test_a_stale_approval_only_consumes_its_pending_execution_and_waits_again() -> None:
+    """An approval AwaitUserMessage took for a revision the plan no longer has (or a plan no longer
+    draft or active) runs nothing: PendingPlanExecution is deleted, so execute_plan can be asked
+    again, and the Step waits for the next message with no plan, state or event written."""
+    flow = AgentSessionFlow(PlanRunner(), "P", PLAN_MODE_OPTIONS)
+    steps = TurnSteps(runtime_of(flow))
+    idle = AgentState(status=AgentStatus.WAITING_FOR_USER_MESSAGE, turn_count=1, active_turn_id=None,
+                      next_message_sequence=4, last_turn_error=None)
+    # The wait registered for the approved revision; the Execute reads a plan a later commit wrote.
+    for plan, revision in ((DRAFT, 2), (plan_of(3, PlanStatus.COMPLETED, task("a")), 3)):
+        when_waiting = {("AgentState", ""): idle, ("AgentPlan", ""): plan_of(revision, PlanStatus.DRAFT, task("a"))}
+        wait = await steps.await_user_message_wait(step_context(flow, AWAIT_USER_MESSAGE, when_waiting), None)
+        values: dict[tuple[str, str], Any] = {
+            ("AgentState", ""): idle, ("AgentPlan", ""): plan,
+            ("PendingPlanExecution", ""): PlanExecutionRequest(revision),
+        }
+        conditions = len(wait.spec().conditions)
+        approval = ConsumedMessage(1, msgspec.Raw(msgspec.json.encode(PlanExecutionRequest(revision))))
+        outcome = WaitOutcome(satisfied=(conditions - 1,), consumed=(*[()] * (conditions - 1), (approval,)))
+        ctx = step_context(flow, AWAIT_USER_MESSAGE, values, (wait, outcome))
+        decision = await steps.await_user_message(ctx, None)
+        assert [m.step_type for m in decision.movements] == [AWAIT_USER_MESSAGE], plan
+        assert ctx.writes.attributes == {("PendingPlanExecution", ""): None}, plan
+        assert (ctx.writes.appends, ctx.writes.publishes) == ([], []), plan
+
+
 async def test_a_message_the_waiting_session_took_still_counts_as_queued(tmp_path: Path) -> None:
     """With AwaitUserMessage waiting and no Worker, a sent message satisfies the wait in its own
     commit: it leaves the queue before any turn stores it. Until the turn starts the snapshot still
