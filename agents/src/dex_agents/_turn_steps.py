@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 
@@ -231,9 +230,10 @@ class TurnSteps:
             return self._fail_in_commit(ctx, state, turn_id, str(exc))
 
     def _fail_in_commit(self, ctx: Context, state: AgentState, turn_id: str, error: str) -> StepDecision:
-        """A contract breach a retry cannot fix ends the turn in this commit; the session goes on."""
-        fresh = ctx.get(AGENT_STATE) or state
-        self.rt.fail_turn(ctx, fresh, turn_id, error)
+        """A contract breach a retry cannot fix ends the turn in this commit; the session goes on.
+
+        Every breach is found before the outcome stores anything, so `state` is still the stored one."""
+        self.rt.fail_turn(ctx, state, turn_id, error)
         return StepDecision.go_to(AWAIT_USER_MESSAGE)
 
     def _apply_outcome(self, ctx: Context, state: AgentState, turn_id: str, outcome: object) -> StepDecision:
@@ -277,9 +277,10 @@ class TurnSteps:
         if problem is not None:
             raise TurnContractError(f"{type(outcome).__name__}.framework_run_state is {problem}")
         if isinstance(outcome, TurnContinued):
-            state = self._store(ctx, state, turn_id, items)
+            stored = rt.append_messages(ctx, state, turn_id, items)
             self._store_run_state(ctx, turn_id, run_state)
-            ctx.set(AGENT_STATE, state)
+            if stored is not state:
+                ctx.set(AGENT_STATE, stored)  # new messages moved next_message_sequence on
             return go_to_run_model(ctx, rt.options)
         plan = plan_tool_calls(
             outcome.tool_calls, turn_id=turn_id, existing=rt.turn_records(ctx, turn_id), now=now_utc(),
@@ -288,7 +289,7 @@ class TurnSteps:
             max_durable_wait=rt.options.max_durable_wait,
             interaction_mode=state.interaction_mode, current_plan=ctx.get(AGENT_PLAN),
         )
-        state = self._store(ctx, state, turn_id, items)
+        state = rt.append_messages(ctx, state, turn_id, items)
         self._store_run_state(ctx, turn_id, run_state)
         movements: list[Movement] = []
         for planned in plan.calls:
@@ -336,15 +337,6 @@ class TurnSteps:
         ctx.set(AGENT_STATE, _with_status(state, AgentStatus.RUNNING_TOOLS))
         movements.append(Movement(RESUME_TURN, len(plan.calls)))
         return StepDecision.go_to_many(*movements)
-
-    def _store(self, ctx: Context, state: AgentState, turn_id: str, items: Sequence[Any]) -> AgentState:
-        """Store the items and set AgentState at once, so that a contract breach later in this commit
-        ends the turn after them (_fail_in_commit). With no items nothing changed: AgentState still
-        holds `state`, the value RunModel loaded."""
-        stored = self.rt.append_messages(ctx, state, turn_id, items)
-        if stored is not state:
-            ctx.set(AGENT_STATE, stored)
-        return stored
 
     @staticmethod
     def _store_run_state(ctx: Context, turn_id: str, run_state: str) -> None:
