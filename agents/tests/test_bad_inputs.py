@@ -1127,6 +1127,25 @@ async def test_a_run_state_too_large_to_store_ends_the_session(tmp_path: Path) -
         ]
 
 
+async def test_a_run_state_failure_leaves_nothing_of_the_session_answerable() -> None:
+    """RecordTurnFailure ending the session for a run state too large to store clears PendingInterrupts
+    whatever it holds (a live session reaches it with none left): a failed session can take no answer."""
+    flow = AgentSessionFlow(ScriptedRunner(), "Fails")
+    detail = "the framework run state of turn turn-1 is too large to store: over the limit"
+    recovery = RecoveryError(step_type="RunModel", step_execution_id="RunModel-1", method="execute", attempts=1,
+                             attempt_progress=AttemptProgress.NOT_COMPLETED, error_type="ValueTooLarge", detail=detail)
+    ctx = step_context(flow, "RecordTurnFailure", {
+        ("AgentState", ""): running_turn(), ("PendingInterrupts", ""): [interrupt("c1")],
+        ("FrameworkRunState", ""): "run state",
+    }, recovery_error=recovery)
+    decision = await TurnSteps(runtime_of(flow)).record_turn_failure(ctx, None)
+    assert (decision.kind, decision.reason) == ("force_fail", detail)
+    assert (ctx.get(PENDING_INTERRUPTS), ctx.get(FRAMEWORK_RUN_STATE)) == ([], None)
+    state = ctx.get(AGENT_STATE)
+    assert state is not None and (state.status, state.active_turn_id, state.last_turn_error) == (
+        AgentStatus.FAILED, None, detail)
+
+
 @pytest.mark.parametrize(("error_type", "detail", "expected"), [
     ("RuntimeError", "the provider is down", "the provider is down"),
     ("RuntimeError", "", "RuntimeError"),  # an exception without text: last_turn_error names its type
