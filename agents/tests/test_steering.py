@@ -771,20 +771,26 @@ class _WritesWhileBuilding(_NoModel):
         return []
 
 
-@pytest.mark.parametrize("step_type", [RUN_MODEL, RECORD_TURN_FAILURE])
+@pytest.mark.parametrize("step_type", [RUN_MODEL, RECORD_TURN_FAILURE, APPLY_TURN_CONTROL])
 async def test_a_turn_that_ends_without_a_model_call_gives_the_builder_a_closed_event_writer(step_type: str) -> None:
-    """A turn that ends before any model call (RunModel in a steered turn, RecordTurnFailure) hands
-    build_unfinished_turn_messages a turn whose event writer is already closed: what it writes is
-    dropped, never shown live as the attempt's output, and a later write cannot be either."""
+    """A turn that ends outside a model call (RunModel in a steered turn, RecordTurnFailure,
+    ApplyTurnControl) hands build_unfinished_turn_messages a turn whose event writer is already
+    closed: what it writes is dropped, never shown live as the attempt's output, and a later write
+    cannot be either."""
     runner = _WritesWhileBuilding()
     flow = AgentSessionFlow(runner, "Closed")
     live: list[str] = []
     values: dict[tuple[str, str], Any] = {("AgentState", ""): running_turn()}
+    wait = None
     if step_type == RUN_MODEL:
         values.update({("SteeredMessageCount", ""): 2, ("AppliedSteeredMessageCount", ""): 1})
-    ctx = step_context(flow, step_type, values, write_event=lambda name, _data: live.append(name))
+    if step_type == APPLY_TURN_CONTROL:
+        wait = (Wait.all_of(STEERED_USER_MESSAGES.at_most(10), TURN_CONTROL_REQUESTS.at_most(10)),
+                WaitOutcome(satisfied=(0, 1), consumed=((), ())))
+    ctx = step_context(flow, step_type, values, wait, write_event=lambda name, _data: live.append(name))
     steps = TurnSteps(runtime_of(flow))
-    handler = steps.run_model if step_type == RUN_MODEL else steps.record_turn_failure
+    handler = {RUN_MODEL: steps.run_model, RECORD_TURN_FAILURE: steps.record_turn_failure,
+               APPLY_TURN_CONTROL: ControlSteps(steps.rt, steps).apply_turn_control}[step_type]
     decision = await handler(ctx, None)
     assert [m.step_type for m in decision.movements] == [APPLY_TURN_CONTROL if step_type == RUN_MODEL
                                                          else AWAIT_USER_MESSAGE]

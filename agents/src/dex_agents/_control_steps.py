@@ -403,10 +403,10 @@ def end_turn_before_model_call(
     rt: SessionRuntime, ctx: Context, state: AgentState, turn_id: str, control: TurnControl, turn: AgentTurnContext
 ) -> StepDecision:
     """RunModel in a steered or cancelled turn: end the turn here, as ApplyTurnControl would, with no
-    model call, and move to ApplyTurnControl, which starts the steered turn."""
+    model call, and move to ApplyTurnControl, which starts the steered turn. `turn`'s event writer is
+    closed (there is no model call to stream)."""
     reason = control.reason
     assert reason is not None
-    turn.events.close()
     end_controlled_turn(rt, ctx, state, turn_id, reason, steered_message_count=control.steered_message_count,
                         unfinished=rt.unfinished_turn_messages(turn))
     return go_to_apply_turn_control(ctx, rt.options)
