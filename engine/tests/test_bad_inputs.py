@@ -60,7 +60,7 @@ from dex_engine import (
     rpc,
 )
 from dex_engine._codec import encode_value
-from dex_engine._limits import MAX_HISTORY_DETAIL_CHARS
+from dex_engine._limits import MAX_HISTORY_DETAIL_CHARS, MAX_STREAM_WAIT_SECONDS
 from dex_engine._retry import decide_retry
 
 from .conftest import Engine, engine_for, wait_until
@@ -474,6 +474,28 @@ async def test_unknown_rpc_is_refused(db_url: str) -> None:
 
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+@pytest.mark.parametrize(
+    ("wait_seconds", "limit", "named"),
+    [
+        (-0.5, 10, f"wait_seconds must be between 0 and {MAX_STREAM_WAIT_SECONDS}, got -0.5"),
+        (MAX_STREAM_WAIT_SECONDS + 0.5, 10, f"got {MAX_STREAM_WAIT_SECONDS + 0.5}"),
+        (math.nan, 10, "got nan"),
+        (0.0, 0, "limit must be >= 1, got 0"),
+        (0.0, -3, "limit must be >= 1, got -3"),
+    ],
+)
+async def test_read_stream_wait_or_limit_out_of_range(db_url: str, wait_seconds: float, limit: int, named: str) -> None:
+    """A stream read with a long-poll outside 0..MAX_STREAM_WAIT_SECONDS or a limit below 1 raises
+    ValueError naming the value, reading nothing; both bounds themselves are accepted."""
+    async with idle_engine(db_url) as eng:
+        c = eng.client
+        await refused(eng.store, lambda: c.read_stream("f", Events, wait_seconds=wait_seconds, limit=limit),
+                      ValueError, named)
+        # Events are there, so even the longest poll returns at once.
+        read = await c.read_stream("f", Events, wait_seconds=MAX_STREAM_WAIT_SECONDS, limit=1)
+        assert [e.value for e in read.events] == ["e1"]
 
 
 async def test_forged_and_foreign_resume_tokens_are_refused(db_url: str, tmp_path: Path) -> None:
