@@ -825,8 +825,9 @@ def search_flows(probe: SearchProbe) -> list[Flow]:
 
 async def test_e13_search_by_active_step_type(db_url: str) -> None:
     """E13: ActiveStepTypes = "X", alone or joined by AND with FlowType and FlowStatus, finds exactly
-    the flows waiting in or running X right now. Catches: search that ignores a term, matches Steps a
-    flow has left, matches closed flows, or misses running (not waiting) Steps."""
+    the flows waiting in or running X right now; an empty query finds every flow. Catches: search that
+    ignores a term, matches Steps a flow has left, matches closed flows, or misses running (not
+    waiting) Steps."""
     probe = SearchProbe()
     async with engine_for(db_url, Registry(search_flows(probe))) as eng:
         c = eng.client
@@ -855,6 +856,9 @@ async def test_e13_search_by_active_step_type(db_url: str) -> None:
         assert await found('ActiveStepTypes = "Busy" AND FlowType = "SearchB"') == []
         assert await found('FlowType = "SearchA" AND FlowStatus = "completed"') == ["a-done"]
         assert await found('FlowStatus = "running"') == ["a-busy", "a-other", "a-park", "b-park"]
+        # Every term is optional: no term at all finds every flow, closed ones too.
+        for everything in ("", "  "):
+            assert await found(everything) == ["a-busy", "a-done", "a-other", "a-park", "b-park"]
 
         # Leaving the Step removes the flow from that search.
         await c.publish("a-park", Go, "go")
