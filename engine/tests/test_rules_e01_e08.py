@@ -28,6 +28,7 @@ from dex_engine import (
     Context,
     Flow,
     HistoryEntry,
+    LoadOptions,
     Movement,
     NoRetryError,
     RecoveryError,
@@ -1221,10 +1222,18 @@ async def cancel_flaky(ctx: RpcContext, _: None) -> RPCResult[None]:
     return RPCResult(None, canceling_steps=("Flaky",))
 
 
+@rpc(locks=[Count], load=LoadOptions.none())
+async def bump_blind(ctx: RpcContext, _: None) -> None:
+    """bump that loads nothing: its lock must still be checked, though it reads no snapshot."""
+    ctx.set(Count, 100)
+    ctx.publish(Inbox, "bumped")
+
+
 async def test_e7_step_lock_is_held_between_retries(db_url: str) -> None:
     """E7: a Step whose first attempt failed keeps its lock while its retry is pending: an RPC locking the
-    same attribute gets RpcLockConflictError between the attempts; cancelling the Step releases it.
-    Catches: locks released when an attempt fails (another writer could slip in between retries).
+    same attribute gets RpcLockConflictError between the attempts, also one that loads nothing;
+    cancelling the Step releases it. Catches: locks released when an attempt fails (another writer
+    could slip in between retries), and a locking RPC let through the no-read path.
     """
 
     async def flaky(ctx: Context, _: None) -> StepDecision:
@@ -1234,14 +1243,16 @@ async def test_e7_step_lock_is_held_between_retries(db_url: str) -> None:
     # A long retry interval keeps the Step deterministically between its attempts during the checks.
     opts = StepOptions(execute_locks=(Count,),
                        execute_retry=RetryPolicy(max_attempts=2, initial_interval_seconds=60.0))
-    flow = make_flow("E7Retry", [Step("Flaky", flaky, options=opts)], "Flaky", rpcs=[cancel_flaky])
+    flow = make_flow("E7Retry", [Step("Flaky", flaky, options=opts)], "Flaky", rpcs=[cancel_flaky, bump_blind])
     async with engine_for(db_url, Registry([flow])) as eng:
         await eng.client.start_flow("E7Retry", "f")
         await wait_until("attempt 1 failed", lambda: history(eng, "f", "attempt_failed", "Flaky-1"))
         assert await step_state(eng, "f", "Flaky-1") == ("ready", 2)
-        with pytest.raises(RpcLockConflictError):
-            await asyncio.wait_for(eng.client.rpc("f", "bump"), 10)
+        for locking in ("bump", "bump_blind"):
+            with pytest.raises(RpcLockConflictError):
+                await asyncio.wait_for(eng.client.rpc("f", locking), 10)
         assert await eng.client.get_attribute("f", Count) is None
+        assert await pending(eng, "f", "Inbox") == []
         await eng.client.rpc("f", "cancel_flaky")
         assert await step_state(eng, "f", "Flaky-1") is None
         await eng.client.rpc("f", "bump")
