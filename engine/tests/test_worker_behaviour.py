@@ -167,6 +167,26 @@ async def test_a_worker_closes_the_store_it_opened(db_url: str) -> None:
         await wait_until("the threads of the worker's store to end", closed)
 
 
+async def test_a_client_closes_only_the_store_it_opened(db_url: str) -> None:
+    """A client given a database URL opens its own store and closes it with itself (a process making
+    clients would otherwise leak their threads and connections). A client given a store (shared with
+    a worker) leaves that store open."""
+    from dex_engine import AsyncClient
+
+    async with engine_for(db_url, Registry([FLOW])) as eng:
+        async with AsyncClient(Registry([FLOW]), db_url) as own:
+            assert own.store is not eng.store
+            await own.start_flow("Behaviour", "own")
+            assert (await own.wait_for_flow("own", 10)).status == "completed"
+        with pytest.raises(RuntimeError, match="is closed"):
+            await own.store.describe_flow("own")
+        async with AsyncClient(Registry([FLOW]), store=eng.store) as shared:
+            await shared.start_flow("Behaviour", "shared")
+        # The shared store still serves its other client and the worker.
+        await eng.client.start_flow("Behaviour", "after")
+        assert (await eng.client.wait_for_flow("after", 10)).status == "completed"
+
+
 async def _foreign_client_runs_a_flow(db_url: str, flow_id: str) -> None:
     """Start `flow_id` from a client with a store of its own, as another process would: no commit
     listener or hand-off reaches the worker, only its poll, woken by the store's watch."""
