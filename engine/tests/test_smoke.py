@@ -1,8 +1,15 @@
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
+import pytest
+
 from dex_engine import (
     Attribute,
     Channel,
+    Client,
     Context,
     Flow,
     Registry,
@@ -65,3 +72,42 @@ async def test_chain_wait_and_rpc(db_url: str) -> None:
         info = await eng.client.wait_for_flow("f1", 10)
         assert info.status == "completed"
         assert await eng.client.flow_output("f1") == {"count": 5, "msg": "hello"}
+
+
+async def test_the_blocking_client_drives_a_flow(db_url: str) -> None:
+    """Client, the blocking twin of AsyncClient, from a plain thread: start a flow, find it waiting,
+    read its state, call an RPC, publish, read history, stop another flow, and close its loop thread."""
+    def until_listening(client: Client, flow_id: str) -> None:
+        deadline = time.monotonic() + 10
+        while not any(s.step_type == "Listen" and s.state == "waiting"
+                      for s in client.describe_flow(flow_id).active_steps):
+            assert time.monotonic() < deadline, f"{flow_id} never waited in Listen"
+            time.sleep(0.01)
+
+    def drive() -> None:
+        with Client(Registry([FLOW]), db_url) as client:
+            client.start_flow("Smoke", "b1", 3)
+            until_listening(client, "b1")
+            assert client.search_flows('ActiveStepTypes = "Listen"') == ["b1"]
+            assert client.get_attribute("b1", Count) == 3
+            assert client.rpc("b1", "say", "by rpc") == 3
+            assert client.wait_for_flow("b1", 10).status == "completed"
+            assert "execute_completed" in {e.event_type for e in client.get_flow_history("b1")}
+
+            client.start_flow("Smoke", "b2", 1)
+            until_listening(client, "b2")
+            client.publish("b2", Inbox, "published")
+            assert client.wait_for_flow("b2", 10).status == "completed"
+
+            client.start_flow("Smoke", "b3", 1)
+            until_listening(client, "b3")
+            client.stop_flow("b3", "not needed")
+            assert client.wait_for_flow("b3", 10).status != "running"
+        # Closing joins its event-loop thread and closes the store it opened.
+        assert "dex-client" not in {t.name for t in threading.enumerate()}
+        with pytest.raises(RuntimeError, match="is closed"):
+            asyncio.run(client._async.store.describe_flow("b1"))
+
+    async with engine_for(db_url, Registry([FLOW])) as eng:
+        await asyncio.to_thread(drive)
+        assert await eng.client.flow_output("b2") == {"count": 1, "msg": "published"}
