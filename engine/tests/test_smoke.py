@@ -102,7 +102,8 @@ async def test_the_blocking_client_drives_a_flow(db_url: str) -> None:
             client.start_flow("Smoke", "b3", 1)
             until_listening(client, "b3")
             client.stop_flow("b3", "not needed")
-            assert client.wait_for_flow("b3", 10).status != "running"
+            stopped = client.wait_for_flow("b3", 10)
+            assert (stopped.status, stopped.error) == ("stopped", "not needed")
         # Closing joins its event-loop thread and closes the store it opened.
         assert "dex-client" not in {t.name for t in threading.enumerate()}
         with pytest.raises(RuntimeError, match="is closed"):
