@@ -16,6 +16,8 @@ from dex_engine import (
     RpcContext,
     Step,
     StepDecision,
+    Stream,
+    Timer,
     Wait,
     rpc,
 )
@@ -55,6 +57,33 @@ FLOW = Flow(
     start_step="Count",
     schema=[Count, Inbox],
     rpcs=[say],
+)
+
+
+Log = Stream("Log", str)
+
+
+async def ticker_start(ctx: Context, _: None) -> StepDecision:
+    ctx.write_event(Log, "started")
+    return StepDecision.go_to("Sleep", None)
+
+
+async def ticker_sleep_wait(ctx: Context, _: None) -> Wait:
+    return Wait.until(Timer.by_duration(3600))  # fires only when skipped
+
+
+async def ticker_sleep(ctx: Context, _: None) -> StepDecision:
+    assert ctx.wait_result is not None and ctx.wait_result.timer_fired
+    ctx.write_event(Log, "woke")
+    return StepDecision.graceful_complete(None)
+
+
+TICKER = Flow(
+    "Ticker",
+    [Step("Start", ticker_start, input_type=type(None)),
+     Step("Sleep", ticker_sleep, wait_for=ticker_sleep_wait, input_type=type(None))],
+    start_step="Start",
+    schema=[Log],
 )
 
 
@@ -112,3 +141,25 @@ async def test_the_blocking_client_drives_a_flow(db_url: str) -> None:
     async with engine_for(db_url, Registry([FLOW])) as eng:
         await asyncio.to_thread(drive)
         assert await eng.client.flow_output("b2") == {"count": 1, "msg": "published"}
+
+
+async def test_the_blocking_client_reads_a_stream_and_skips_a_timer(db_url: str) -> None:
+    """Client.read_stream long-polls and resumes from its token; Client.skip_timer fires a waiting
+    Step's hour-long timer now."""
+    def drive() -> None:
+        with Client(Registry([TICKER]), db_url) as client:
+            client.start_flow("Ticker", "t1")
+            first = client.read_stream("t1", Log, wait_seconds=10)
+            assert [e.value for e in first.events] == ["started"]
+            deadline = time.monotonic() + 10
+            while not (waiting := [s for s in client.describe_flow("t1").active_steps if s.state == "waiting"]):
+                assert time.monotonic() < deadline, "Sleep never waited"
+                time.sleep(0.01)
+            client.skip_timer("t1", waiting[0].step_execution_id)
+            assert client.wait_for_flow("t1", 10).status == "completed"
+            rest = client.read_stream("t1", "Log", first.resume_token, limit=5)
+            assert [e.value for e in rest.events] == ["woke"]
+            assert rest.events[0].sequence > first.events[0].sequence
+
+    async with engine_for(db_url, Registry([TICKER])):
+        await asyncio.to_thread(drive)
