@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 from urllib.parse import parse_qs, urlparse
 
 from ._attribute_cache import AttributeCache, KnownRows
@@ -68,7 +68,7 @@ from ._writer_turns import WriterTurns
 R = TypeVar("R")
 
 Synchronous = Literal["FULL", "NORMAL"]
-_SYNC_LEVEL = {"NORMAL": 1, "FULL": 2}
+_SYNCHRONOUS_LEVELS: tuple[Synchronous, ...] = get_args(Synchronous)
 
 
 @dataclass(frozen=True)
@@ -96,12 +96,12 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
         raise ValueError(f"unknown parameter {unknown[0]!r} in {url!r}; a sqlite URL takes "
                          f"{' and '.join(_URL_PARAMETERS)}")
     sync = query.get("synchronous", ["FULL"])[-1].upper()
-    if sync not in _SYNC_LEVEL:
+    if sync not in _SYNCHRONOUS_LEVELS:
         raise ValueError(f"synchronous={sync!r} in {url!r} is not FULL or NORMAL")
     inline = query.get("inline", ["on"])[-1].lower()
     if inline not in _SWITCH:
         raise ValueError(f"inline={inline!r} in {url!r} is not on or off")
-    return SqliteSettings(path=path, synchronous=sync, inline=_SWITCH[inline])  # type: ignore[arg-type]
+    return SqliteSettings(path=path, synchronous=sync, inline=_SWITCH[inline])
 
 
 class _SqliteDb:
