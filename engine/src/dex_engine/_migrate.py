@@ -29,9 +29,9 @@ def migration_files(backend: str) -> list[tuple[int, str]]:
     return sorted((int(e.name.split("_", 1)[0]), e.read_text()) for e in folder.iterdir() if e.name.endswith(".sql"))
 
 
-def apply_pending(execute: Execute, backend: str, version: int, placeholder: str) -> int:
+def apply_pending(execute: Execute, backend: str, version: int, placeholder: str) -> None:
     """Inside the caller's transaction: apply migrations after `version`, record the new version,
-    and create the stream token secret once. Returns the schema version. A database a newer
+    and create the stream token secret once. A database a newer
     dex_engine migrated is refused: its rows may be in forms this one misreads (schema 6 on SQLite
     stores task options by reference)."""
     files = migration_files(backend)
@@ -50,9 +50,7 @@ def apply_pending(execute: Execute, backend: str, version: int, placeholder: str
             "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
             (str(number),),
         )
-        version = number
     execute(
         f"INSERT INTO meta (key, value) VALUES ('stream_token_secret', {placeholder}) ON CONFLICT DO NOTHING",
         (secrets.token_hex(32),),
     )
-    return version

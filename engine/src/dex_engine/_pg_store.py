@@ -658,8 +658,8 @@ def _deliver(items: list[tuple[asyncio.Future[Any], bool, Any]], listeners: list
         listener()
 
 
-def migrate(conn: psycopg.Connection[Any]) -> int:
-    """Apply numbered migrations not yet applied; return the schema version."""
+def migrate(conn: psycopg.Connection[Any]) -> None:
+    """Apply numbered migrations not yet applied."""
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
         has_meta = conn.execute("SELECT to_regclass('meta')").fetchone()
@@ -667,7 +667,7 @@ def migrate(conn: psycopg.Connection[Any]) -> int:
         if has_meta and has_meta[0] is not None:
             row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             version = int(row[0]) if row else 0
-        return apply_pending(conn.execute, "postgres", version, "%s")  # committed as the block exits
+        apply_pending(conn.execute, "postgres", version, "%s")  # committed as the block exits
 
 
 class PostgresStore(Store):

@@ -206,8 +206,8 @@ _STOP = object()
 _WATCH = object()  # queued when the watch interval changes: the thread may be waiting without one
 
 
-def migrate(conn: sqlite3.Connection) -> int:
-    """Apply numbered migrations not yet applied; return the schema version."""
+def migrate(conn: sqlite3.Connection) -> None:
+    """Apply numbered migrations not yet applied."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         has_meta = conn.execute(
@@ -217,12 +217,11 @@ def migrate(conn: sqlite3.Connection) -> int:
         if has_meta:
             row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             version = int(row[0]) if row else 0
-        version = apply_pending(conn.execute, "sqlite", version, "?")
+        apply_pending(conn.execute, "sqlite", version, "?")
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
         raise
-    return version
 
 
 # What a quiet poll asked: the worker's flow types and its running attempts' task IDs.
