@@ -179,7 +179,6 @@ def _remember(db: _SqliteDb) -> None:
     if db.cache is not None:
         for flow_id, known in db.cache_writes:
             db.cache.put(flow_id, known)
-    db.cache_writes.clear()
     db.shared_options.committed()
 
 
@@ -429,7 +428,6 @@ class SqliteStore(Store):
             if wanted != level:
                 conn.execute(f"PRAGMA synchronous = {wanted}")
                 level = wanted
-            db.cache_writes.clear()
             db.shared_options.rolled_back()  # a transaction starts with no confirmations of its own
             conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
             if len(batch) == 1:
@@ -459,7 +457,8 @@ class SqliteStore(Store):
             results = [(False, exc)] * len(batch)
             writes = False
         finally:
-            db.cache_writes.clear()  # a rolled-back transaction's rows are nobody's
+            # Applied by _remember if it committed; a rolled-back transaction's rows are nobody's.
+            db.cache_writes.clear()
         # A rolled-back revocation still counts: one spurious wake-up costs a poll, a missed one a
         # running attempt that goes on until housekeeping.
         return level, results, writes, writes and db.revokes != revokes
