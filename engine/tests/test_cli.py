@@ -411,6 +411,9 @@ def test_bad_database_urls_print_one_error_line_and_exit_2(tmp_path: Path) -> No
     assert not (tmp_path / "missing.db").exists()
     assert_one_line_error(run("demo", "--db", "mysql://host/db"), "unsupported database URL")
     assert_one_line_error(run("demo", "--db", f"sqlite:///{not_a_db}"), "notes.txt")
+    # A new file the store cannot create (its directory is a file): one line naming it, from the store.
+    assert_one_line_error(run("demo", "--db", f"sqlite:///{not_a_db}/demo.db"),
+                          "cannot open", "notes.txt/demo.db", "as a dex_engine database")
 
 
 # demo ---------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from dex_engine import Context, Flow, FlowConfig, Step, StepDecision, open_store
+from dex_engine import Context, Flow, FlowConfig, Step, StepDecision, StoreOpenError, open_store
 from dex_engine import _transitions as transitions
 from dex_engine._codec import encode_json
 from dex_engine._decision import Movement
@@ -58,7 +58,7 @@ async def test_a_database_a_newer_engine_migrated_is_refused_unchanged(db_url: s
                                           (str(latest + 1),)), write=True)
     finally:
         await store.close()
-    with pytest.raises(RuntimeError, match=rf"schema is version {latest + 1}, newer than the {latest} .*upgrade"):
+    with pytest.raises(StoreOpenError, match=rf"schema is version {latest + 1}, newer than the {latest} .*upgrade"):
         open_store(db_url)
     # Read with a connection of its own: the version is still the newer one, nothing was migrated.
     if backend == "sqlite":

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import threading
 from pathlib import Path
 
-from dex_engine import FlowConfig, open_store
+import pytest
+
+from dex_engine import FlowConfig, StoreOpenError, open_store
 from dex_engine._records import StartRequest
 
 
@@ -33,3 +36,18 @@ async def test_close_ends_the_stores_thread_before_it_returns(tmp_path: Path) ->
     assert name in {t.name for t in threading.enumerate()}
     await store.close()
     assert name not in {t.name for t in threading.enumerate() if t.is_alive()}
+
+
+@pytest.mark.parametrize("make", ["garbage", "directory", "under_a_file"])
+async def test_a_path_that_cannot_be_an_engine_database_is_refused_naming_it(tmp_path: Path, make: str) -> None:
+    """A file that is not a database, a directory, or a path under a file: StoreOpenError naming the
+    path and SQLite's or the system's reason, and a file that was there is left as it was."""
+    garbage = tmp_path / "notes.txt"
+    garbage.write_bytes(b"not a database, only text " * 8)
+    path = {"garbage": garbage, "directory": tmp_path, "under_a_file": garbage / "engine.db"}[make]
+    reason = {"garbage": "file is not a database", "directory": "unable to open database file",
+              "under_a_file": "Not a directory|File exists"}[make]
+    with pytest.raises(StoreOpenError, match=rf"cannot open '{re.escape(str(path))}' .*({reason})"):
+        open_store(f"sqlite:///{path}")
+    assert garbage.read_bytes() == b"not a database, only text " * 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -188,5 +188,9 @@ class WorkerInvocationError(DexError):
         self.detail = detail
 
 
+class StoreOpenError(DexError, RuntimeError):
+    """A database could not be opened or migrated; the message names the file and the reason."""
+
+
 class NoRetryError(DexError):
     """Raise from a handler to fail the method now, skipping its remaining retries."""

@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
 
+from ._errors import StoreOpenError
+
 Execute = Callable[[str, Sequence[Any]], Any]
 
 
@@ -36,7 +38,7 @@ def apply_pending(execute: Execute, backend: str, version: int, placeholder: str
     stores task options by reference)."""
     files = migration_files(backend)
     if version > files[-1][0]:
-        raise RuntimeError(
+        raise StoreOpenError(
             f"the database's schema is version {version}, newer than the {files[-1][0]} this dex_engine knows "
             f"({backend}): a newer dex_engine wrote it; upgrade dex_engine to open it (nothing was changed)"
         )

@@ -50,6 +50,7 @@ from typing import Any, Literal, TypeVar, get_args
 from urllib.parse import parse_qs, urlparse
 
 from ._attribute_cache import AttributeCache, KnownRows
+from ._errors import StoreOpenError
 from ._limits import (
     INLINE_BUSY_TIMEOUT_MS,
     INLINE_LOCK_WAIT_SECONDS,
@@ -311,22 +312,35 @@ class SqliteStore(Store):
         self._ready.result()
 
     def _connect(self) -> sqlite3.Connection:
-        directory = os.path.dirname(os.path.abspath(self.settings.path))
-        os.makedirs(directory, exist_ok=True)
-        conn = sqlite3.connect(self.settings.path, isolation_level=None, check_same_thread=False,
-                               timeout=SQLITE_BUSY_TIMEOUT_MS / 1000)
-        conn.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if str(mode).lower() != "wal":
-            raise RuntimeError(f"could not put {self.settings.path!r} in WAL mode (got {mode!r})")
-        conn.execute(f"PRAGMA synchronous = {self.settings.synchronous}")
-        conn.execute("PRAGMA foreign_keys = ON")
+        path = self.settings.path
         try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
+                                   timeout=SQLITE_BUSY_TIMEOUT_MS / 1000)
+        except (OSError, sqlite3.Error) as exc:
+            raise self._open_error(exc) from exc
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise StoreOpenError(f"could not put {path!r} in WAL mode (got {mode!r})")
+            conn.execute(f"PRAGMA synchronous = {self.settings.synchronous}")
+            conn.execute("PRAGMA foreign_keys = ON")
             migrate(conn)
-        except BaseException:
+        except BaseException as exc:
             conn.close()
+            if isinstance(exc, (OSError, sqlite3.Error)):
+                raise self._open_error(exc) from exc
             raise
         return conn
+
+    def _open_error(self, exc: BaseException) -> StoreOpenError:
+        # SQLite's own texts ("unable to open database file") name no file.
+        return StoreOpenError(
+            f"cannot open {self.settings.path!r} (from {self.url!r}) as a dex_engine database: "
+            f"{type(exc).__name__}: {exc}; the URL must name a new file, or one dex_engine created, "
+            "in a directory this process may write"
+        )
 
     def _main(self) -> None:
         try:

@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ._client import parse_search
-from ._errors import DexError, FlowNotFoundError
+from ._errors import DexError, FlowNotFoundError, StoreOpenError
 from ._open import open_store
 from ._records import FlowInfo
 from ._sqlite_store import parse_sqlite_url
@@ -99,8 +99,10 @@ def _run(url: str, fn: Callable[[Store], Awaitable[T]]) -> T:
     async def go() -> T:
         try:
             store = open_store(url)
-        except (ValueError, sqlite3.Error) as exc:
+        except ValueError as exc:
             raise CliError(f"cannot open database {url!r}: {exc}") from None
+        except StoreOpenError as exc:
+            raise CliError(str(exc)) from None
         try:
             return await fn(store)
         finally:
@@ -369,8 +371,10 @@ def demo(db_url: str | None) -> None:
     async def go() -> DemoResult:
         try:
             store = open_store(url)
-        except (ValueError, sqlite3.Error) as exc:
+        except ValueError as exc:
             raise CliError(f"cannot open database {url!r}: {exc}") from None
+        except StoreOpenError as exc:
+            raise CliError(str(exc)) from None
         try:
             console.print(Text("dex-engine demo: an order flow, run by the engine in this process", style="bold"))
             console.print(Text.assemble(("database ", "dim"), url), soft_wrap=True)
