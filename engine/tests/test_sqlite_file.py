@@ -39,7 +39,7 @@ async def test_close_ends_the_stores_thread_before_it_returns(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("make", ["garbage", "directory", "under_a_file"])
-async def test_a_path_that_cannot_be_an_engine_database_is_refused_naming_it(tmp_path: Path, make: str) -> None:
+def test_a_path_that_cannot_be_an_engine_database_is_refused_naming_it(tmp_path: Path, make: str) -> None:
     """A file that is not a database, a directory, or a path under a file: StoreOpenError naming the
     path and SQLite's or the system's reason, and a file that was there is left as it was."""
     garbage = tmp_path / "notes.txt"
