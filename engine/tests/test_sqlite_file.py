@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import sqlite3
 import threading
@@ -11,6 +12,8 @@ import pytest
 
 from dex_engine import FlowConfig, StoreOpenError, open_store
 from dex_engine._records import StartRequest
+from dex_engine._sqlite_store import SqliteStore
+from dex_engine._transitions import Db
 
 
 async def test_opening_a_url_in_missing_directories_creates_them_and_a_wal_file(tmp_path: Path) -> None:
@@ -51,3 +54,27 @@ def test_a_path_that_cannot_be_an_engine_database_is_refused_naming_it(tmp_path:
         open_store(f"sqlite:///{path}")
     assert garbage.read_bytes() == b"not a database, only text " * 8
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+async def test_run_sync_runs_on_the_stores_thread_durably_and_raises_what_its_operation_raised(
+    tmp_path: Path,
+) -> None:
+    """The tests' blocking hook: its operation runs on the store's thread, a write commits fsynced
+    (synchronous FULL, 2), and an operation's exception reaches the caller instead of hanging it."""
+    path = tmp_path / "engine.db"
+    store = SqliteStore(f"sqlite:///{path}")
+    try:
+        def fails(db: Db) -> None:
+            raise LookupError("the operation failed")
+
+        with pytest.raises(LookupError, match="the operation failed"):
+            await asyncio.wait_for(asyncio.to_thread(store.run_sync, fails, write=True), 10)
+
+        def where(db: Db) -> tuple[str, int]:
+            row = db.one("PRAGMA synchronous")
+            assert row is not None
+            return threading.current_thread().name, row[0]
+
+        assert await asyncio.to_thread(store.run_sync, where, write=True) == (f"dex-sqlite:{path}", 2)
+    finally:
+        await store.close()

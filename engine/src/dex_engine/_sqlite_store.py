@@ -170,7 +170,7 @@ class _Op:
     fn: Callable[[Db], Any]
     write: bool
     durable: bool
-    loop: asyncio.AbstractEventLoop | None  # None: `future` is a concurrent Future (blocking callers)
+    loop: asyncio.AbstractEventLoop | None  # None: `future` is a concurrent Future (run_sync)
     future: asyncio.Future[Any] | Future[Any]
     origin: Callable[[], None] | None = None
 
@@ -566,7 +566,6 @@ class SqliteStore(Store):
                     await asyncio.sleep(0)
                 finally:
                     self._yielding[loop] -= 1
-                self._refuse_if_closed()  # closed meanwhile: the thread would never run it
                 if self._inline(op, loop):
                     return await future
             self._enqueue(op)
@@ -629,7 +628,8 @@ class SqliteStore(Store):
         return not self._outstanding and self._conn_lock.acquire(timeout=INLINE_LOCK_WAIT_SECONDS)
 
     def run_sync(self, fn: Callable[[Db], R], *, write: bool) -> R:
-        """Blocking form of `_run` for code without an event loop (the CLI)."""
+        """Blocking form of `_run` that always queues `fn` for the store's thread, never inline: the
+        tests use it to hold that thread busy, or to queue operations behind one, from any thread."""
         future: Future[R] = Future()
         self._enqueue(_Op(fn, write, True, None, future))
         return future.result()
