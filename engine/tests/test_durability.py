@@ -11,17 +11,23 @@ from typing import Any
 import pytest
 
 from dex_engine import (
+    AsyncClient,
+    Channel,
     Context,
     Flow,
     FlowConfig,
     LoadOptions,
     MovementOptions,
+    Registry,
+    RpcContext,
     Step,
     StepDecision,
     StepDurability,
     StepOptions,
     open_store,
+    rpc,
 )
+from dex_engine import _sqlite_store as sqlite_store
 from dex_engine import _transitions as tx
 from dex_engine._decision import Movement
 from dex_engine._records import DecisionRecord, StartRequest, WriteSet
@@ -102,6 +108,43 @@ async def test_normal_database_keeps_sync_steps_at_the_database_setting(
     url = f"sqlite:///{tmp_path / 'd.db'}?synchronous=NORMAL"
     seen = await _commit_levels(url, FlowConfig(), ["Sync", "Async"], monkeypatch)
     assert seen == {"Sync": "NORMAL", "Async": "NORMAL"}
+
+
+@rpc(request_type=str)
+async def note(ctx: RpcContext, text: str) -> None:
+    ctx.publish(_INBOX, text)
+
+
+_INBOX: Channel[str] = Channel("Inbox", str)
+_CLIENT_FLOW = Flow("ClientWrites", [Step("Default", _noop, options=StepOptions(load=LoadOptions.none()))],
+                    start_step="Default", schema=[_INBOX], rpcs=[note])
+
+
+async def test_client_writes_commit_with_fsync_whatever_the_flows_step_durability(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Starting a flow, an RPC, a publish and a stop are acknowledged only once fsynced (FULL), even
+    for a flow whose Steps default to ASYNC: a caller told "started" or "sent" must not lose it."""
+    levels: list[str] = []
+    original = sqlite_store.run_op
+
+    def spying(fn: Any, db: tx.Db) -> Any:
+        row = db.one("PRAGMA synchronous")
+        assert row is not None
+        levels.append(SYNC_LEVELS[int(row[0])])
+        return original(fn, db)
+
+    monkeypatch.setattr(sqlite_store, "run_op", spying)
+    client = AsyncClient(Registry([_CLIENT_FLOW]), f"sqlite:///{tmp_path / 'd.db'}")
+    try:
+        await client.start_flow("ClientWrites", "c1",
+                                config_override=FlowConfig(default_step_durability=StepDurability.ASYNC))
+        await client.rpc("c1", "note", "by rpc")
+        await client.publish("c1", _INBOX, "published")
+        await client.stop_flow("c1", "done")
+    finally:
+        await client.close()
+    assert levels and set(levels) == {"FULL"}, levels
 
 
 def test_async_commit_survives_sigkill_right_after_it_is_acknowledged(tmp_path: Path) -> None:
