@@ -169,6 +169,27 @@ async def test_a_batch_run_again_op_by_op_writes_the_row_again(tmp_path: Path) -
         await store.close()
 
 
+async def test_an_op_rolled_back_alone_in_a_batch_leaves_its_row_to_be_written_again(tmp_path: Path) -> None:
+    """In a batch run again op by op, an op that names the options and then fails is rolled back to
+    its savepoint with their row; the next task naming them must write the row again. Catches: a
+    failed op's confirmations kept past its savepoint's rollback (a task naming a row never stored)."""
+    store = await _store_with_flow(tmp_path)
+    try:
+        def names_then_fails(db: Any) -> None:
+            tx.create_task(db, "f", "Opts", _record("Patient"), T0)
+            raise RuntimeError("fails after naming the options")
+
+        results = await run_as_one_batch(store, [names_then_fails, lambda _db: None])
+        assert isinstance(results[0], RuntimeError) and results[1] is None
+        assert await _task_options_rows(store) == {}
+        task_id = await _create(store, "Patient", T0 + 1)
+        assert len(await _task_options_rows(store)) == 1
+        tx._decode_options._by_blob.clear()  # read as another process would, from the row
+        assert await _options_of(store, task_id) == _stored("Patient")
+    finally:
+        await store.close()
+
+
 async def test_options_naming_map_instances_stay_in_the_task_row(tmp_path: Path) -> None:
     """Options that load map instances by key are one entity's (an agent tool Step loads its own
     call's record): shared, they would leave a row per entity behind. Catches: such options shared."""
