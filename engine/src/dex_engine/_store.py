@@ -341,9 +341,6 @@ class Store(ABC):
         await self._run(lambda db: tx.append_best_effort(db, lease, stream, capacity, values), write=True,
                         durable=False)
 
-    async def task_epochs(self, task_ids: Sequence[int]) -> dict[int, int]:
-        return await self._run(lambda db: tx.task_epochs(db, task_ids), write=False)
-
     async def register_worker(self, worker_id: str, host: str, pid: int, ttl_ms: int) -> None:
         await self._run(lambda db: tx.register_worker(db, worker_id, host, pid, ttl_ms, now_ms()), write=True)
 
