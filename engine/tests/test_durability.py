@@ -110,12 +110,14 @@ async def test_normal_database_keeps_sync_steps_at_the_database_setting(
     assert seen == {"Sync": "NORMAL", "Async": "NORMAL"}
 
 
+_INBOX: Channel[str] = Channel("Inbox", str)
+
+
 @rpc(request_type=str)
 async def note(ctx: RpcContext, text: str) -> None:
     ctx.publish(_INBOX, text)
 
 
-_INBOX: Channel[str] = Channel("Inbox", str)
 _CLIENT_FLOW = Flow("ClientWrites", [Step("Default", _noop, options=StepOptions(load=LoadOptions.none()))],
                     start_step="Default", schema=[_INBOX], rpcs=[note])
 

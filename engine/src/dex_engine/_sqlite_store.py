@@ -327,10 +327,11 @@ class SqliteStore(Store):
             conn.execute(f"PRAGMA synchronous = {self.settings.synchronous}")
             conn.execute("PRAGMA foreign_keys = ON")
             migrate(conn)
-        except BaseException as exc:
+        except (OSError, sqlite3.Error) as exc:
             conn.close()
-            if isinstance(exc, (OSError, sqlite3.Error)):
-                raise self._open_error(exc) from exc
+            raise self._open_error(exc) from exc
+        except BaseException:
+            conn.close()
             raise
         return conn
 

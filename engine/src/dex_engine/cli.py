@@ -92,17 +92,22 @@ def _check_database(url: str, *, must_exist: bool) -> None:
         raise CliError(f"{path!r} is not a dex-engine database (it has no flows table)")
 
 
+def _open(url: str) -> Store:
+    """open_store, its refusals (a bad URL, a file that cannot be an engine database) as one-line CLI errors."""
+    try:
+        return open_store(url)
+    except ValueError as exc:
+        raise CliError(f"cannot open database {url!r}: {exc}") from None
+    except StoreOpenError as exc:
+        raise CliError(str(exc)) from None
+
+
 def _run(url: str, fn: Callable[[Store], Awaitable[T]]) -> T:
     """Open the database at `url`, run `fn` on it, close it; engine errors become one-line CLI errors."""
     _check_database(url, must_exist=True)
 
     async def go() -> T:
-        try:
-            store = open_store(url)
-        except ValueError as exc:
-            raise CliError(f"cannot open database {url!r}: {exc}") from None
-        except StoreOpenError as exc:
-            raise CliError(str(exc)) from None
+        store = _open(url)
         try:
             return await fn(store)
         finally:
@@ -369,12 +374,7 @@ def demo(db_url: str | None) -> None:
     url = db_url
 
     async def go() -> DemoResult:
-        try:
-            store = open_store(url)
-        except ValueError as exc:
-            raise CliError(f"cannot open database {url!r}: {exc}") from None
-        except StoreOpenError as exc:
-            raise CliError(str(exc)) from None
+        store = _open(url)
         try:
             console.print(Text("dex-engine demo: an order flow, run by the engine in this process", style="bold"))
             console.print(Text.assemble(("database ", "dim"), url), soft_wrap=True)
