@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 
 from dex_engine import (
     AsyncClient,
+    AsyncWorker,
     Channel,
     Context,
     Flow,
@@ -24,6 +26,8 @@ from dex_engine import (
     StepDecision,
     StepDurability,
     StepOptions,
+    Wait,
+    WorkerOptions,
     open_store,
     rpc,
 )
@@ -32,6 +36,8 @@ from dex_engine import _transitions as tx
 from dex_engine._decision import Movement
 from dex_engine._records import DecisionRecord, StartRequest, WriteSet
 from dex_engine._scheduling import movement_record
+
+from .conftest import wait_until
 
 
 async def _noop(ctx: Context, _: Any) -> StepDecision:
@@ -118,35 +124,91 @@ async def note(ctx: RpcContext, text: str) -> None:
     ctx.publish(_INBOX, text)
 
 
-_CLIENT_FLOW = Flow("ClientWrites", [Step("Default", _noop, options=StepOptions(load=LoadOptions.none()))],
-                    start_step="Default", schema=[_INBOX], rpcs=[note])
+async def _listen_wait(ctx: Context, _: Any) -> Wait:
+    return Wait.until(_INBOX.for_one())
 
 
+async def _listen(ctx: Context, _: Any) -> StepDecision:
+    return StepDecision.go_to("Listen")
+
+
+_NO_LOAD = StepOptions(load=LoadOptions.none())
+_CLIENT_FLOW = Flow(
+    "ClientWrites",
+    [Step("Default", _listen, options=_NO_LOAD), Step("Listen", _listen, wait_for=_listen_wait, options=_NO_LOAD)],
+    start_step="Default", schema=[_INBOX], rpcs=[note],
+)
+
+
+# The operations through which a client's writes reach the store, by the qualified name of the
+# function the store runs: its own, or, when a worker of this process may take the Steps the write
+# readies, the hand-off's (Store._run_handing_off), which claims them in the same transaction.
+_HANDED_OFF = "Store._run_handing_off.<locals>.op"
+_CLIENT_OPS = ("Store.start_flow.", "Store.rpc_commit.", "Store.publish.", "Store.stop_flow.", _HANDED_OFF)
+
+
+@pytest.mark.parametrize("worker", [False, True], ids=["client alone", "worker of this process"])
 async def test_client_writes_commit_with_fsync_whatever_the_flows_step_durability(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, worker: bool
 ) -> None:
     """Starting a flow, an RPC, a publish and a stop are acknowledged only once fsynced (FULL), even
-    for a flow whose Steps default to ASYNC: a caller told "started" or "sent" must not lose it."""
-    levels: list[str] = []
+    for a flow whose Steps default to ASYNC: a caller told "started" or "sent" must not lose it.
+    With a worker of this process on the same store, a write that readies Steps also claims them
+    for it in the same transaction, right after the worker's ASYNC commits: still fsynced."""
+    ran: list[tuple[str, str]] = []  # (qualified name, synchronous level) of each transaction
     original = sqlite_store.run_op
 
     def spying(fn: Any, db: tx.Db) -> Any:
         row = db.one("PRAGMA synchronous")
         assert row is not None
-        levels.append(SYNC_LEVELS[int(row[0])])
+        ran.append((fn.__qualname__, SYNC_LEVELS[int(row[0])]))
         return original(fn, db)
 
+    registry = Registry([_CLIENT_FLOW])
+    store = open_store(f"sqlite:///{tmp_path / 'd.db'}")
+    client = AsyncClient(registry, store=store)
+    running = AsyncWorker(registry, WorkerOptions(database_url=store.url, poll_seconds=0.01), store=store)
+
+    async def settled(flow_ids: tuple[str, ...]) -> None:
+        """Wait for every flow to wait on its inbox: the worker's ASYNC commits are done."""
+
+        async def waiting() -> bool:
+            infos = [await store.describe_flow(f) for f in flow_ids]
+            return all([s.state for s in i.active_steps] == ["waiting"] for i in infos)
+
+        await wait_until("the worker to finish its Steps", waiting)
+
+    async def client_write(call: Callable[[], Awaitable[Any]], *settle: str) -> tuple[str, str]:
+        if worker:
+            await settled(settle)
+        ran.clear()
+        await call()
+        (op,) = [(name, level) for name, level in ran if name.startswith(_CLIENT_OPS)]
+        return op
+
     monkeypatch.setattr(sqlite_store, "run_op", spying)
-    client = AsyncClient(Registry([_CLIENT_FLOW]), f"sqlite:///{tmp_path / 'd.db'}")
+    if worker:
+        await running.__aenter__()
+    async_config = FlowConfig(default_step_durability=StepDurability.ASYNC)
+    seen: dict[str, tuple[str, str]] = {}
     try:
-        await client.start_flow("ClientWrites", "c1",
-                                config_override=FlowConfig(default_step_durability=StepDurability.ASYNC))
-        await client.rpc("c1", "note", "by rpc")
-        await client.publish("c1", _INBOX, "published")
-        await client.stop_flow("c1", "done")
+        seen["start"] = await client_write(
+            lambda: client.start_flow("ClientWrites", "c1", config_override=async_config))
+        seen["start another"] = await client_write(
+            lambda: client.start_flow("ClientWrites", "c2", config_override=async_config), "c1")
+        seen["rpc"] = await client_write(lambda: client.rpc("c1", "note", "by rpc"), "c1", "c2")
+        seen["publish"] = await client_write(lambda: client.publish("c1", _INBOX, "published"), "c1", "c2")
+        seen["stop"] = await client_write(lambda: client.stop_flow("c1", "done"), "c1", "c2")
+        if worker:
+            await settled(("c2",))
     finally:
-        await client.close()
-    assert levels and set(levels) == {"FULL"}, levels
+        if worker:
+            await running.stop()
+        await store.close()
+    assert {name: level for name, (_, level) in seen.items()} == dict.fromkeys(seen, "FULL"), seen
+    handed_off = {name for name, (op, _) in seen.items() if op == _HANDED_OFF}
+    # A stop may revoke running attempts, so it always commits by itself, waking the worker (E9).
+    assert handed_off == ({"start", "start another", "rpc", "publish"} if worker else set()), seen
 
 
 def test_async_commit_survives_sigkill_right_after_it_is_acknowledged(tmp_path: Path) -> None:
@@ -155,8 +217,8 @@ def test_async_commit_survives_sigkill_right_after_it_is_acknowledged(tmp_path: 
     db = tmp_path / "crash.db"
     script = textwrap.dedent(f"""
         import asyncio, os, signal, sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_durability import FLOW
+        sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+        from engine.tests.test_durability import FLOW
         from dex_engine import open_store, FlowConfig, StepDurability
         from dex_engine._decision import Movement
         from dex_engine._records import DecisionRecord, StartRequest, WriteSet
