@@ -283,6 +283,28 @@ async def test_client_writes_that_ready_nothing_or_fail_leave_the_worker_sound(d
     assert escaped == [], escaped
 
 
+async def test_a_write_handed_to_the_worker_leaves_the_callers_commit_origin_as_it_was(db_url: str) -> None:
+    """A client's write that hands the Steps it readies to a worker of this process marks its own
+    commit as the worker's (the worker need not be woken by it), and only that commit: the caller's
+    later writes, a stop that must revoke a running attempt say, must wake the worker. Catches the
+    marking left behind in the caller's context."""
+    from dex_engine._store import commit_origin
+
+    release = asyncio.Event()
+
+    async def hold(ctx: Context, _: None) -> StepDecision:
+        await release.wait()
+        return StepDecision.graceful_complete()
+
+    holding = Flow("Held", [Step("Hold", hold, input_type=type(None))], start_step="Hold")
+    async with engine_for(db_url, Registry([holding])) as eng:
+        before = commit_origin.get()
+        await eng.client.start_flow("Held", "h")
+        assert commit_origin.get() is before
+        release.set()
+        assert (await eng.client.wait_for_flow("h", 10)).status == "completed"
+
+
 @pytest.mark.parametrize("writes", [True, False])
 async def test_a_wait_for_that_writes_keeps_its_writes_when_a_commit_starts_its_step(db_url: str, writes: bool) -> None:
     """A WaitFor that writes an attribute, in a Step started by an Execute's commit, keeps its

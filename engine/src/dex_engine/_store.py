@@ -59,7 +59,7 @@ def now_ms() -> int:
 
 
 def _started_or_claimed(
-    db: Db, handoff: tx.Handoff, readied: int | None, flow_types: Sequence[str], now: int, *, defer: bool = False,
+    db: Db, handoff: tx.Handoff, readied: int | None, flow_types: Sequence[str], now: int, *, defer: bool,
 ) -> list[tx.Claimed]:
     """The attempts a commit hands its worker: the Steps it started went straight to it (`handoff`);
     otherwise claim ready work, and also when the commit made work ready (a backend that counts it,
