@@ -1081,3 +1081,60 @@ async def test_next_due_reports_the_earliest_due_time(store: Store) -> None:
     after = now_ms()
     due = await store.next_due(TYPES)
     assert due is not None and before + 10_000 <= due <= after + 10_000  # the 10 s timer
+
+
+# Commit listeners and local claimers (two workers of one process on one store) ----------------------
+
+
+async def test_removing_a_commit_listener_leaves_the_others_listening(store: Store) -> None:
+    """A worker that stops removes its listener, passing its bound method again (an equal, not the
+    same, object): that one goes, and another worker's stays, or it would no longer be woken by
+    this process's commits. Catches a removal that keeps the wrong listeners."""
+    calls: list[str] = []
+
+    class Listener:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def heard(self) -> None:
+            calls.append(self.name)
+
+    stopping, staying = Listener("stopping"), Listener("staying")
+    store.add_commit_listener(stopping.heard)
+    store.add_commit_listener(staying.heard)
+    store.remove_commit_listener(stopping.heard)
+    await start(store, "f1")
+
+    async def heard() -> bool:
+        return "staying" in calls
+
+    await wait_until("the remaining listener to hear the commit", heard)
+    assert calls == ["staying"]  # listeners are called in the order added: the removed one came first
+
+
+async def test_removing_a_local_claimer_leaves_the_others_asked(store: Store) -> None:
+    """A client's write offers the Steps it readies to this process's workers (on a backend that
+    hands them off locally); a worker that stops withdraws, and only it. Catches a removal that
+    keeps the wrong claimers."""
+
+    class Claimer:
+        asked = 0
+
+        def local_claim(self) -> None:
+            self.asked += 1  # and declines: the write commits as usual
+
+        def local_claim_done(self, token: int, leases: list[Lease] | None, capacity: int) -> None:
+            raise AssertionError("a declined offer has nothing to finish")
+
+        def local_origin(self) -> Callable[[], None]:
+            raise AssertionError("a declined offer has no origin")
+
+        def fold_execute(self, lease: Lease, durable: bool) -> None:
+            raise AssertionError("a declined offer folds nothing")
+
+    stopping, staying = Claimer(), Claimer()
+    store.add_local_claimer(stopping)
+    store.add_local_claimer(staying)
+    store.remove_local_claimer(stopping)
+    await start(store, "f1")
+    assert (stopping.asked, staying.asked) == (0, 1 if store.hands_off_locally else 0)
