@@ -41,6 +41,7 @@ from dex_engine import (
 )
 from dex_engine import _transitions as tx
 from dex_engine._limits import MAX_FOLDED_EXECUTES_PER_COMMIT
+from dex_engine._records import Lease
 
 from .conftest import Engine, engine_for, wait_until
 
@@ -356,6 +357,68 @@ async def test_one_commit_runs_at_most_max_folded_executes_pure_steps(db_url: st
             assert max(folded_runs) <= MAX_FOLDED_EXECUTES_PER_COMMIT, tasks
             full_runs += folded_runs.count(MAX_FOLDED_EXECUTES_PER_COMMIT)
         assert full_runs, f"no commit reached the bound: {ran_in}"
+
+
+@pytest.mark.sqlite_only
+@pytest.mark.parametrize("pure_first", [True, False], ids=["Hold a pending", "Hold a handed out"])
+async def test_steps_a_folded_execute_starts_fill_only_the_workers_free_slots(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, pure_first: bool
+) -> None:
+    """Start hands out Pure and Hold a in one commit; Pure, folded there while Hold a's claim is
+    still pending in it or already handed out, starts Holds b, c and d. The worker runs three
+    attempts at once, so the fold may claim only two of them for it: d stays ready until a slot is
+    free. Catches a fold that counts either kind of claim as a free slot: the worker would get four
+    and hand one back. SQLite only: PostgreSQL folds nothing, and there a worker's poll woken by
+    the commit's NOTIFY may claim d at the same time, which the worker rightly hands back."""
+    slots = 3
+    entered: list[str] = []
+    ran_in: list[str] = []
+    release = asyncio.Event()
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        movements = [("Pure", None), ("Hold", "a")]
+        return StepDecision.go_to_many(*(movements if pure_first else movements[::-1]))
+
+    async def pure(ctx: Context, _: None) -> StepDecision:
+        task = asyncio.current_task()
+        ran_in.append("" if task is None else task.get_name())
+        return StepDecision.go_to_many(("Hold", "b"), ("Hold", "c"), ("Hold", "d"))
+
+    async def hold(ctx: Context, name: str) -> StepDecision:
+        entered.append(f"{ctx.flow_id}/{name}")
+        await release.wait()
+        return StepDecision.graceful_complete()  # the last one closes the flow
+
+    flow = Flow("Fan", [Step("Start", start), Step("Pure", pure, pure_execute=True),
+                        Step("Hold", hold, input_type=str)], start_step="Start")
+    async with engine_for(db_url, Registry([flow]), worker=False) as eng:
+        await eng.start_worker(max_concurrent_tasks=slots, poll_seconds=1.0, housekeeping_seconds=5.0,
+                               lease_renew_seconds=5.0, lease_ttl_seconds=30.0)
+        handed_back: list[str] = []
+        release_unstarted = eng.store.release_unstarted
+
+        async def counting(lease: Lease) -> None:
+            handed_back.append(f"{lease.flow_id}/{lease.step_execution_id}")
+            await release_unstarted(lease)
+
+        monkeypatch.setattr(eng.store, "release_unstarted", counting)
+        for i in range(TRIES):
+            release.clear()
+            entered.clear()
+            await eng.client.start_flow("Fan", f"f{i}")
+
+            async def full() -> bool:
+                return len(entered) >= slots
+
+            await wait_until("the worker's slots to fill", full)
+            info = await eng.client.describe_flow(f"f{i}")
+            states = sorted(s.state for s in info.active_steps)
+            assert states == ["ready", "running", "running", "running"], (states, entered)
+            release.set()
+            assert (await eng.client.wait_for_flow(f"f{i}", 10)).status == "completed"
+            assert len(entered) == 4
+        assert handed_back == [], "claims beyond the worker's free slots were handed back"
+    assert "Start-1" in ran_in, f"Pure never folded into Start's commit: {ran_in}"
 
 
 def thread_recording_flow(flow_type: str, threads: list[int], sender_durability: StepDurability) -> Flow:
