@@ -1140,3 +1140,16 @@ async def test_removing_a_local_claimer_leaves_the_others_asked(store: Store) ->
     store.remove_local_claimer(stopping)
     await start(store, "f1")
     assert (stopping.asked, staying.asked) == (0, 1 if store.hands_off_locally else 0)
+
+
+async def test_a_poll_by_a_worker_declared_dead_claims_nothing_and_says_so(store: Store) -> None:
+    """A worker whose row is gone (declared dead, or unregistered) claims nothing in its poll, even
+    when it must claim, and learns that it has to register again (docs/engine.md "Workers, leases
+    and timings"): its old claims are being handed to others. Catches a poll that claims anyway."""
+    await start(store, "f1")
+    await store.register_worker("gone", "contract-host", 2, HOUR_MS)
+    await store.unregister_worker("gone")
+    _, result = await store.poll("gone", TYPES, 10, [], must_claim=True, housekeep=False)
+    assert (result.leases, result.registered) == ([], False)
+    _, result = await store.poll(W, TYPES, 10, [], must_claim=True, housekeep=False)
+    assert ([lease.flow_id for lease in result.leases], result.registered) == (["f1"], True)
