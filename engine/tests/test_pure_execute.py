@@ -109,15 +109,17 @@ async def finished(eng: Engine, flow_id: str) -> Any:
 
 # Folding is opportunistic: a commit the store hands to its thread (while that thread is busy,
 # e.g. with a worker's poll) runs no handler there. So these run a few flows and ask that at least
-# one folded, and that every one of them ended as a usual attempt would have; and their worker
-# polls and housekeeps seldom, so that its own work rarely keeps the store's thread busy.
+# one folded, and that every one of them ended as a usual attempt would have. Their worker polls
+# and housekeeps only every 30 s, longer than any wait here: its own work seldom keeps the store's
+# thread busy, and each attempt must be handed out by the commit that readies it (one a commit lost
+# would wait for a poll, and the test time out).
 TRIES = 10
 
 
 @asynccontextmanager
 async def quiet_engine(db_url: str, registry: Registry) -> AsyncIterator[Engine]:
     async with engine_for(db_url, registry, worker=False) as eng:
-        await eng.start_worker(poll_seconds=1.0, housekeeping_seconds=5.0, lease_renew_seconds=5.0,
+        await eng.start_worker(poll_seconds=30.0, housekeeping_seconds=30.0, lease_renew_seconds=5.0,
                                lease_ttl_seconds=30.0)
         yield eng
 
@@ -264,18 +266,22 @@ async def post_both(ctx: RpcContext, text: str) -> None:
 
 
 @pytest.mark.sqlite_only
+@pytest.mark.parametrize("other_first", [False, True], ids=["Other claim pending", "Other claim handed out"])
 async def test_a_folded_execute_that_cancels_a_step_claimed_in_the_same_commit_keeps_it_from_starting(
-    db_url: str,
+    db_url: str, other_first: bool
 ) -> None:
     """One client commit makes Waiter (pure) and Other ready, and claims both; Waiter, folded into
     that commit, cancels Other. Other's attempt must not be started: its task is gone, and the
     worker, woken before it learns of the attempt, would not revoke it until its next housekeeping.
-    Catches the claimed attempts of a folded commit being handed out unfiltered (E9)."""
+    Other's claim comes after Waiter's (still pending when Waiter runs) or before it (already
+    handed out, as Other is not pure). Catches the claimed attempts of a folded commit being handed
+    out unfiltered, or filtered the wrong way round (E9)."""
     waiter_tasks: list[str] = []
     other_runs: list[str] = []
 
     async def arm(ctx: Context, _: None) -> StepDecision:
-        return StepDecision.go_to_many(("Waiter", None), ("Other", None))
+        movements = [("Waiter", None), ("Other", None)]
+        return StepDecision.go_to_many(*(movements[::-1] if other_first else movements))
 
     async def wait_inbox(ctx: Context, _: None) -> Wait:
         return Wait.until(Inbox.for_one())
@@ -392,7 +398,7 @@ async def test_steps_a_folded_execute_starts_fill_only_the_workers_free_slots(
     flow = Flow("Fan", [Step("Start", start), Step("Pure", pure, pure_execute=True),
                         Step("Hold", hold, input_type=str)], start_step="Start")
     async with engine_for(db_url, Registry([flow]), worker=False) as eng:
-        await eng.start_worker(max_concurrent_tasks=slots, poll_seconds=1.0, housekeeping_seconds=5.0,
+        await eng.start_worker(max_concurrent_tasks=slots, poll_seconds=30.0, housekeeping_seconds=30.0,
                                lease_renew_seconds=5.0, lease_ttl_seconds=30.0)
         handed_back: list[str] = []
         release_unstarted = eng.store.release_unstarted
@@ -414,6 +420,7 @@ async def test_steps_a_folded_execute_starts_fill_only_the_workers_free_slots(
             info = await eng.client.describe_flow(f"f{i}")
             states = sorted(s.state for s in info.active_steps)
             assert states == ["ready", "running", "running", "running"], (states, entered)
+            assert sorted(entered) == [f"f{i}/a", f"f{i}/b", f"f{i}/c"], "a claim the fold handed out was lost"
             release.set()
             assert (await eng.client.wait_for_flow(f"f{i}", 10)).status == "completed"
             assert len(entered) == 4

@@ -1,4 +1,4 @@
-"""What kind of transaction each Store operation runs as, on SQLite (ENGINE.md section 3).
+"""What kind of transaction each Store operation runs as, on SQLite (docs/engine.md "Durability modes").
 
 A write must take the write lock up front and be fsynced before it is acknowledged, even right
 after a commit that skipped the fsync; only the writes documented as best effort (lease renewals,
