@@ -153,9 +153,12 @@ async def test_a_worker_closes_the_store_it_opened(db_url: str) -> None:
     from dex_engine import AsyncWorker, WorkerOptions
 
     async with engine_for(db_url, Registry([FLOW]), worker=False) as eng:
+        # Started first, so that the test's own store only reads once the worker runs: a write of
+        # it contending with the worker's could start a thread of its own (the SQLite writer-turn
+        # waiter), which would outlive the worker.
+        await eng.client.start_flow("Behaviour", "f")
         before = set(threading.enumerate())
         async with AsyncWorker(Registry([FLOW]), WorkerOptions(database_url=db_url)) as worker:
-            await eng.client.start_flow("Behaviour", "f")
             assert (await eng.client.wait_for_flow("f", 10)).status == "completed"
             opened = {t.name for t in set(threading.enumerate()) - before if t.name.startswith("dex-")}
         assert opened, f"the worker opened no store of its own: {worker.store!r}"
