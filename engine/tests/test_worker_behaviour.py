@@ -170,6 +170,25 @@ async def test_a_worker_closes_the_store_it_opened(db_url: str) -> None:
         await wait_until("the threads of the worker's store to end", closed)
 
 
+async def test_a_stopped_worker_leaves_nothing_of_it_on_a_shared_store(db_url: str) -> None:
+    """A worker given a store (shared with clients that outlive it) withdraws from it when it stops:
+    the store keeps no commit listener or local claimer of it, so a process that starts and stops
+    workers on one store neither keeps every one of them alive nor calls them all at each commit.
+    Catches a stop that leaves either."""
+    from dex_engine import AsyncWorker, WorkerOptions
+
+    async with engine_for(db_url, Registry([FLOW]), worker=False) as eng:
+        store = eng.store
+        listeners, claimers = list(store._listeners), store._claimers
+        worker = AsyncWorker(Registry([FLOW]), WorkerOptions(database_url=db_url), store=store)
+        async with worker:
+            await eng.client.start_flow("Behaviour", "f")
+            assert (await eng.client.wait_for_flow("f", 10)).status == "completed"
+            assert len(store._listeners) == len(listeners) + 1
+            assert store._claimers == ((*claimers, worker) if store.hands_off_locally else claimers)
+        assert (store._listeners, store._claimers) == (listeners, claimers)
+
+
 async def test_a_client_closes_only_the_store_it_opened(db_url: str) -> None:
     """A client given a database URL opens its own store and closes it with itself (a process making
     clients would otherwise leak their threads and connections). A client given a store (shared with
