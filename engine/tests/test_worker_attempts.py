@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
 
@@ -426,6 +427,47 @@ async def test_a_result_that_cannot_be_committed_fails_the_attempt_and_is_retrie
         (failed,) = failures(await eng.client.get_flow_history("r"))
         assert failed[:2] == ("Call-1", 1) and failed[2].startswith("execute: InvalidValueError: "), failed
         assert "'not a decision'" in failed[2]
+
+
+async def test_an_attempt_the_worker_itself_cannot_finish_is_handed_back_and_retried(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker, not the handler, fails: here the attempt's commit raises an unexpected error (a
+    database fault, a bug), and so does recording that failure. The worker hands the attempt back,
+    and the next housekeeping treats it as a dead worker's: its retry runs and the flow completes.
+    Catches an attempt left running under a worker that stays alive, renewing its lease, so that
+    nothing ever runs it again."""
+    calls: list[int] = []
+
+    async def call(ctx: Context, _: None) -> StepDecision:
+        calls.append(ctx.attempt)
+        await ctx.heartbeat()  # started: handed back, it is failed as lost and retried
+        return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
+
+    registry = Registry([Flow("Faulty", [Step("Call", call, options=QUICK_RETRY)], start_step="Call")])
+    async with engine_for(db_url, registry) as eng:
+        faults: list[str] = []
+
+        def faulty(name: str) -> Callable[..., Awaitable[Any]]:
+            real = getattr(eng.store, name)
+
+            async def once(lease: Any, *args: Any, **kwargs: Any) -> Any:
+                if lease.attempt == 1:
+                    faults.append(name)
+                    raise RuntimeError("the database went away")
+                return await real(lease, *args, **kwargs)
+
+            return once
+
+        for name in ("commit_execute", "fail_attempt"):
+            monkeypatch.setattr(eng.store, name, faulty(name))
+        await eng.client.start_flow("Faulty", "f")
+        assert (await eng.client.wait_for_flow("f", 10)).status == "completed"
+        assert faults == ["commit_execute", "fail_attempt"]
+        assert calls == [1, 2]
+        assert await eng.client.flow_output("f") == "attempt 2"
+        (failed,) = failures(await eng.client.get_flow_history("f"))
+        assert failed[:2] == ("Call-1", 1), failed
 
 
 @pytest.mark.sqlite_only  # on PostgreSQL the lock is released without a round trip; a poll claims the Step
