@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 
 from dex_engine import Attribute, Context, Flow, Registry, RetryPolicy, Step, StepDecision, StepOptions
+from dex_engine._limits import RENEW_RETRY_SECONDS
 from dex_engine._store import LOST_CLAIM_MS
 
 from .conftest import engine_for, wait_until
@@ -336,22 +338,29 @@ async def test_a_worker_declared_dead_stops_the_handlers_of_the_attempts_it_lost
 
 
 async def test_a_failed_registration_after_being_declared_dead_is_tried_again(db_url: str) -> None:
+    """A worker declared dead registers again at once (its polls, every 0.01 s here, ask for it,
+    long before its next renewal is due), and while the database refuses, tries every
+    RENEW_RETRY_SECONDS: not in a tight loop driven by those polls. Then it runs work again."""
     registry = Registry([heartbeating_flow("Flaky", beats=2)])
+    refusals = 2
     async with engine_for(db_url, registry, worker=False) as eng:
-        worker = await eng.start_worker()  # renews every 0.25 s
+        worker = await eng.start_worker(lease_renew_seconds=30.0, lease_ttl_seconds=60.0)
         real_register = eng.store.register_worker
-        calls: list[int] = []
+        calls: list[float] = []
 
         async def flaky_register(*args: Any, **kwargs: Any) -> None:
-            calls.append(1)
-            if len(calls) == 1:
+            calls.append(time.monotonic())
+            if len(calls) <= refusals:
                 raise OSError("connection reset")  # the outage that got it declared dead goes on
             await real_register(*args, **kwargs)
 
         eng.store.register_worker = flaky_register  # type: ignore[method-assign]
         await eng.store.raw(lambda db: db.run("DELETE FROM workers"), write=True)
         await wait_until("the worker to register again", eng.store.list_workers)
-        assert len(calls) >= 2
+        assert len(calls) == refusals + 1
+        gaps = [b - a for a, b in itertools.pairwise(calls)]
+        # asyncio may wake a timer up to its clock's resolution early: a tenth of the pause is ample.
+        assert all(RENEW_RETRY_SECONDS * 0.9 <= gap < 10 for gap in gaps), gaps
         await eng.client.start_flow("Flaky", "f")
         info = await eng.client.wait_for_flow("f", 10)
         assert info.status == "completed", info

@@ -1003,34 +1003,36 @@ async def test_rpcs_see_messages_a_wait_took_until_its_execute_commits(db_url: s
         assert handled == ["early"]
 
 
-async def test_a_worker_whose_poll_fails_waits_before_it_polls_again(
-    db_url: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("operation", ["poll", "renew_worker"])
+async def test_a_worker_whose_poll_or_renewal_fails_waits_before_it_tries_again(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, operation: str
 ) -> None:
-    """A database that refuses the worker's polls (down, overloaded) is tried again every
-    poll_seconds, not in a tight loop that spins the CPU and floods the log; once it answers, the
-    worker goes on. Catches a retry without its pause."""
-    poll_seconds = 0.2
+    """A database that refuses the worker's polls or lease renewals (down, overloaded) is tried
+    again after a pause (poll_seconds; for a renewal the shorter of RENEW_RETRY_SECONDS and
+    lease_renew_seconds), not in a tight loop that spins the CPU and floods the log; once it
+    answers, the worker goes on. Catches a retry without its pause."""
+    pause = 0.2
     failing = 3
     tried: list[float] = []
 
     async with engine_for(db_url, Registry([FLOW]), worker=False) as eng:
-        real_poll = eng.store.poll
+        real = getattr(eng.store, operation)
 
         async def refusing(*args: Any, **kwargs: Any) -> Any:
             tried.append(time.monotonic())
             if len(tried) <= failing:
                 raise RuntimeError("the database is down")
-            return await real_poll(*args, **kwargs)
+            return await real(*args, **kwargs)
 
-        monkeypatch.setattr(eng.store, "poll", refusing)
-        await eng.start_worker(poll_seconds=poll_seconds)
+        monkeypatch.setattr(eng.store, operation, refusing)
+        await eng.start_worker(poll_seconds=pause, lease_renew_seconds=pause, lease_ttl_seconds=10.0)
         await eng.client.start_flow("Behaviour", "f")
         assert (await eng.client.wait_for_flow("f", 10)).status == "completed"
 
         async def answered() -> bool:
             return len(tried) > failing
 
-        await wait_until("the worker to poll again after the failures", answered)
+        await wait_until(f"the worker to try {operation} again after the failures", answered)
     gaps = [b - a for a, b in itertools.pairwise(tried[: failing + 1])]
     # asyncio may wake a timer up to its clock's resolution early: a tenth of the pause is ample.
-    assert all(gap >= poll_seconds * 0.9 for gap in gaps), gaps
+    assert all(gap >= pause * 0.9 for gap in gaps), gaps
