@@ -387,14 +387,11 @@ class AsyncWorker:
             running.task.cancel()
 
     async def _renew_loop(self, ttl_ms: int) -> None:
-        retrying = False  # the last try failed: the next one comes after its pause, not a renewal's
         while True:
-            if not retrying:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.options.lease_renew_seconds):
-                        await self._renew_now.wait()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.options.lease_renew_seconds):
+                    await self._renew_now.wait()
             self._renew_now.clear()
-            retrying = False
             try:
                 if not await self.store.renew_worker(self.worker_id, ttl_ms):
                     # Declared dead while we were paused or cut off: every attempt we hold is gone.
@@ -408,13 +405,13 @@ class AsyncWorker:
                     self._unregistered = False
                     self._notify()  # claims were held back meanwhile
             except Exception:
-                # Renewing, or registering again, failed (the database is down?): try again soon,
-                # and keep trying at that pace, whether or not a poll asks for it meanwhile. A
-                # worker declared dead claims nothing until it succeeds, so nothing it starts is
-                # failed as lost.
+                # Renewing, or registering again, failed (the database is down?): try again after
+                # this pause, and at that pace until it succeeds, whether or not a poll asks for it
+                # meanwhile. A worker declared dead claims nothing until then, so nothing it starts
+                # is failed as lost.
                 log.exception("lease renewal failed; will retry")
-                retrying = True
                 await asyncio.sleep(min(RENEW_RETRY_SECONDS, self.options.lease_renew_seconds))
+                self._renew_now.set()
 
     async def _drain(self) -> None:
         """Let what runs finish, for up to shutdown_grace_seconds, then revoke the rest.
