@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import math
 import os
 import secrets
 import threading
@@ -254,6 +256,13 @@ async def engine_for(db_url: str, registry: Registry, *, worker: bool = True) ->
         if eng.worker is not None:
             await eng.worker.stop()
         await store.close()
+
+
+def assert_paced(times: Sequence[float], pause: float, most: float = math.inf) -> None:
+    """Consecutive `times` (time.monotonic()) lie at least `pause` apart, and less than `most`.
+    asyncio may wake a timer up to its clock's resolution early: a tenth of the pause is ample."""
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert all(pause * 0.9 <= gap < most for gap in gaps), gaps
 
 
 async def wait_until(description: str, probe: Callable[[], Awaitable[Any]], timeout: float = 10.0) -> Any:

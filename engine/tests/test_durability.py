@@ -57,6 +57,27 @@ FLOW = Flow(
 SYNC_LEVELS = {1: "NORMAL", 2: "FULL"}
 
 
+def sync_level(db: tx.Db) -> str:
+    """PRAGMA synchronous of the running transaction, by name."""
+    row = db.one("PRAGMA synchronous")
+    assert row is not None
+    return SYNC_LEVELS[int(row[0])]
+
+
+def record_operation_levels(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """From now on, for each operation the SQLite store runs: the qualified name of its function
+    and the synchronous level it runs at."""
+    ran: list[tuple[str, str]] = []
+    original = sqlite_store.run_op
+
+    def spying(fn: Any, db: tx.Db) -> Any:
+        ran.append((fn.__qualname__, sync_level(db)))
+        return original(fn, db)
+
+    monkeypatch.setattr(sqlite_store, "run_op", spying)
+    return ran
+
+
 async def _commit_levels(url: str, config: FlowConfig, step_types: list[str],
                          monkeypatch: pytest.MonkeyPatch, overrides: dict[str, MovementOptions] | None = None
                          ) -> dict[str, str]:
@@ -65,9 +86,7 @@ async def _commit_levels(url: str, config: FlowConfig, step_types: list[str],
     original = tx.commit_execute
 
     def spying(db: tx.Db, lease: Any, writes: WriteSet, decision: DecisionRecord, now: int, *rest: Any) -> None:
-        row = db.one("PRAGMA synchronous")
-        assert row is not None
-        seen[lease.step_type] = SYNC_LEVELS[int(row[0])]
+        seen[lease.step_type] = sync_level(db)
         original(db, lease, writes, decision, now, *rest)
 
     monkeypatch.setattr(tx, "commit_execute", spying)
@@ -155,15 +174,6 @@ async def test_client_writes_commit_with_fsync_whatever_the_flows_step_durabilit
     for a flow whose Steps default to ASYNC: a caller told "started" or "sent" must not lose it.
     With a worker of this process on the same store, a write that readies Steps also claims them
     for it in the same transaction, right after the worker's ASYNC commits: still fsynced."""
-    ran: list[tuple[str, str]] = []  # (qualified name, synchronous level) of each transaction
-    original = sqlite_store.run_op
-
-    def spying(fn: Any, db: tx.Db) -> Any:
-        row = db.one("PRAGMA synchronous")
-        assert row is not None
-        ran.append((fn.__qualname__, SYNC_LEVELS[int(row[0])]))
-        return original(fn, db)
-
     registry = Registry([_CLIENT_FLOW])
     store = open_store(f"sqlite:///{tmp_path / 'd.db'}")
     client = AsyncClient(registry, store=store)
@@ -186,7 +196,7 @@ async def test_client_writes_commit_with_fsync_whatever_the_flows_step_durabilit
         (op,) = [(name, level) for name, level in ran if name.startswith(_CLIENT_OPS)]
         return op
 
-    monkeypatch.setattr(sqlite_store, "run_op", spying)
+    ran = record_operation_levels(monkeypatch)
     if worker:
         await running.__aenter__()
     async_config = FlowConfig(default_step_durability=StepDurability.ASYNC)

@@ -16,14 +16,12 @@ import pytest
 
 from dex_engine import FlowConfig, Store, open_store
 from dex_engine import _sqlite_store as sqlite_store
-from dex_engine import _transitions as tx
 from dex_engine._options import LoadSpec
 from dex_engine._records import ErrorInfo, Lease, WriteSet
 from dex_engine._wait import ConditionSpec, WaitSpec
 
+from .test_durability import record_operation_levels
 from .test_store_contract import DEAD_END, HOUR_MS, TYPES, W, claim_one, enc, start
-
-SYNC_LEVELS = {1: "NORMAL", 2: "FULL"}
 
 
 @pytest.fixture
@@ -41,25 +39,16 @@ async def test_each_write_is_fsynced_unless_documented_best_effort(
 ) -> None:
     """Each operation runs after a lease renewal (a commit without fsync, which leaves the
     connection at NORMAL): the durable ones must switch back to FULL before they commit."""
-    levels: list[str] = []
-    original = sqlite_store.run_op
-
-    def spying(fn: Any, db: tx.Db) -> Any:
-        row = db.one("PRAGMA synchronous")
-        assert row is not None
-        levels.append(SYNC_LEVELS[int(row[0])])
-        return original(fn, db)
-
-    monkeypatch.setattr(sqlite_store, "run_op", spying)
+    ran = record_operation_levels(monkeypatch)
     seen: dict[str, str] = {}
 
     async def level(name: str, call: Callable[[], Awaitable[Any]]) -> Any:
         await store.renew_worker(W, HOUR_MS)
-        assert levels[-1] == "NORMAL"
-        levels.clear()
+        assert ran[-1][1] == "NORMAL"
+        ran.clear()
         result = await call()
-        assert len(levels) == 1, f"{name} ran {len(levels)} transactions"
-        seen[name] = levels[0]
+        assert len(ran) == 1, f"{name} ran {len(ran)} transactions: {ran}"
+        seen[name] = ran[0][1]
         return result
 
     await level("start_flow", lambda: start(store, "f1"))

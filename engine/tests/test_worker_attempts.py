@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
@@ -26,7 +25,7 @@ from dex_engine import Attribute, Context, Flow, Registry, RetryPolicy, Step, St
 from dex_engine._limits import RENEW_RETRY_SECONDS
 from dex_engine._store import LOST_CLAIM_MS
 
-from .conftest import engine_for, wait_until
+from .conftest import assert_paced, engine_for, wait_until
 from .test_pure_execute import TRIES, called_from, quiet_engine
 
 QUICK_RETRY = StepOptions(execute_retry=RetryPolicy(max_attempts=4, initial_interval_seconds=0.01,
@@ -358,9 +357,7 @@ async def test_a_failed_registration_after_being_declared_dead_is_tried_again(db
         await eng.store.raw(lambda db: db.run("DELETE FROM workers"), write=True)
         await wait_until("the worker to register again", eng.store.list_workers)
         assert len(calls) == refusals + 1
-        gaps = [b - a for a, b in itertools.pairwise(calls)]
-        # asyncio may wake a timer up to its clock's resolution early: a tenth of the pause is ample.
-        assert all(RENEW_RETRY_SECONDS * 0.9 <= gap < 10 for gap in gaps), gaps
+        assert_paced(calls, RENEW_RETRY_SECONDS, most=10)
         await eng.client.start_flow("Flaky", "f")
         info = await eng.client.wait_for_flow("f", 10)
         assert info.status == "completed", info

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import random
 import re
 import time
@@ -40,7 +39,7 @@ from dex_engine import (
 from dex_engine._records import DecisionRecord, StartRequest, WriteSet
 from dex_engine._scheduling import movement_record
 
-from .conftest import engine_for, wait_until
+from .conftest import assert_paced, engine_for, wait_until
 
 Log = Stream("Log", str)
 Inbox = Channel("Inbox", str)
@@ -1033,6 +1032,4 @@ async def test_a_worker_whose_poll_or_renewal_fails_waits_before_it_tries_again(
             return len(tried) > failing
 
         await wait_until(f"the worker to try {operation} again after the failures", answered)
-    gaps = [b - a for a, b in itertools.pairwise(tried[: failing + 1])]
-    # asyncio may wake a timer up to its clock's resolution early: a tenth of the pause is ample.
-    assert all(gap >= pause * 0.9 for gap in gaps), gaps
+    assert_paced(tried[: failing + 1], pause)
