@@ -229,6 +229,21 @@ async def test_a_worker_with_one_slot_claims_work_another_process_made_ready(db_
         await _foreign_client_runs_a_flow(db_url, "one-slot")
 
 
+@pytest.mark.sqlite_only  # PostgreSQL's listener connection wakes the worker whatever the store says
+async def test_a_worker_on_a_store_that_does_not_watch_polls_every_poll_seconds(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store that cannot watch other processes' commits (Store.watch_foreign_commits is False)
+    leaves the worker to find their work by polling every poll_seconds. Catches a worker that
+    sleeps until its next housekeeping (a minute here) on such a store too."""
+    async with engine_for(db_url, Registry([FLOW]), worker=False) as eng:
+        monkeypatch.setattr(eng.store, "watch_foreign_commits", lambda interval_seconds: False)
+        # Renewals rare too: the store tells its listeners of other connections' commits it notices.
+        await eng.start_worker(poll_seconds=0.05, housekeeping_seconds=60.0, lease_ttl_seconds=300.0,
+                               lease_renew_seconds=60.0)
+        await _foreign_client_runs_a_flow(db_url, "unwatched")
+
+
 async def test_a_worker_goes_on_after_a_failed_poll(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A poll that fails (the database briefly unreachable) is logged and tried again: the worker
     keeps running and claims what another process makes ready after it. Catches a worker that
