@@ -395,6 +395,46 @@ async def test_e10_execute_timeout_fails_a_slow_attempt(db_url: str) -> None:
         assert probe.cancelled == [1]
 
 
+async def test_e10_wait_for_timeout_times_the_wait_for_alone(db_url: str) -> None:
+    """E10/E4: wait_for_timeout_seconds fails a WaitFor that runs too long with MethodTimeout,
+    cancels it, and its retry runs; the Step's Execute keeps its own execute_timeout_seconds and may
+    run longer than the WaitFor's. Catches: WaitFor timeouts never enforced, or either method timed
+    by the other's timeout."""
+    cancelled: list[int] = []
+
+    async def slow_wait(ctx: Context, _: None) -> Wait:
+        if ctx.attempt == 1:
+            try:
+                await never()
+            except asyncio.CancelledError:
+                cancelled.append(ctx.attempt)
+                raise
+        return Wait.skip_immediately()
+
+    async def longer_than_the_wait_for_timeout(ctx: Context, _: None) -> StepDecision:
+        await asyncio.sleep(0.8)
+        return StepDecision.graceful_complete("executed")
+
+    once = RetryPolicy(max_attempts=1)
+    flow = Flow("WaitTimed", [
+        Step("Slow", longer_than_the_wait_for_timeout, wait_for=slow_wait, input_type=type(None),
+             options=StepOptions(
+                 wait_for_timeout_seconds=0.3, execute_timeout_seconds=30, execute_retry=once,
+                 wait_for_retry=RetryPolicy(max_attempts=2, initial_interval_seconds=0.05,
+                                            max_interval_seconds=0.05))),
+    ], start_step="Slow")
+    async with engine_for(db_url, Registry([flow])) as eng:
+        await eng.client.start_flow("WaitTimed", "wt")
+        info = await eng.client.wait_for_flow("wt", 10)
+        assert info.status == "completed", info
+        assert await eng.client.flow_output("wt") == "executed"
+        history = await eng.client.get_flow_history("wt")
+        failed = [h for h in history if h.event_type == "attempt_failed"]
+        assert len(failed) == 1 and "MethodTimeout" in failed[0].detail, failed
+        assert "wait_for" in failed[0].detail, failed[0].detail
+        assert cancelled == [1]
+
+
 # E11 Streams -------------------------------------------------------------------------------------
 
 Events = Stream("Events", str)
