@@ -209,6 +209,52 @@ async def _is_set(event: asyncio.Event) -> bool:
     return event.is_set()
 
 
+@pytest.mark.sqlite_only
+async def test_an_execute_commits_before_the_next_steps_wait_for_that_awaits_anything(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slow's WaitFor qualifies to run early (no locks, loads nothing) but awaits an event. Start's
+    result must not wait for it: until Start commits, a crash repeats Start (a model or tool call).
+    The early run stops at the first await and the WaitFor runs as usual after the commit, once
+    more from the top. Catches: an early WaitFor awaited, holding the commit for as long as it takes
+    (with no wait_for timeout, forever)."""
+    proceed = asyncio.Event()
+    wait_calls: list[str] = []
+    wait_commits = count_wait_commits(monkeypatch)
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to("Slow", None)
+
+    async def slow_wait(ctx: Context, _: None) -> Wait:
+        wait_calls.append(ctx.method)
+        await proceed.wait()
+        return Wait.skip_immediately()
+
+    async def slow(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.graceful_complete("done")
+
+    flow = Flow("SlowWait", [
+        Step("Start", start, input_type=type(None)),
+        Step("Slow", slow, input_type=type(None), wait_for=slow_wait,
+             options=StepOptions(wait_for_load=LoadOptions.none())),
+    ], start_step="Start")
+    async with engine_for(db_url, Registry([flow])) as eng:
+        await eng.client.start_flow("SlowWait", "f1")
+
+        async def start_committed() -> bool:
+            history = await eng.client.get_flow_history("f1")
+            return any(h.event_type == "execute_completed" and h.step_execution_id == "Start-1" for h in history)
+
+        try:
+            await wait_until("Start's commit", start_committed)
+            await wait_until("the WaitFor's usual attempt", lambda: _count(wait_calls, 2))
+        finally:
+            proceed.set()  # else a commit held by the WaitFor would hold the worker's stop too
+        assert (await eng.client.wait_for_flow("f1", 10)).status == "completed"
+    assert wait_calls == ["wait_for", "wait_for"]
+    assert wait_commits == ["Slow-1"]
+
+
 def ready_flow(probe: Probe) -> Flow:
     """Start publishes on C and moves to Waiter (waits on C, loads nothing) and Other (no WaitFor)."""
 

@@ -538,7 +538,7 @@ class AsyncWorker:
             else:
                 decision = self._decision_record(lease, result)
                 if self.store.folds_waits and decision.movements:
-                    decision = await self._fold_waits(lease, ctx.writes, decision)
+                    decision = self._fold_waits(lease, ctx.writes, decision)
                 if _gates.ACTIVE:
                     _gates.gate(_gates.BEFORE_COMMIT)
                 free = self.options.max_concurrent_tasks - len(self._running) + 1
@@ -590,14 +590,14 @@ class AsyncWorker:
         return DecisionRecord(kind=result.kind, movements=movements, output=output, reason=result.reason,
                               canceling_steps=result.canceling_steps)
 
-    async def _fold_waits(self, lease: Lease, writes: WriteSet, decision: DecisionRecord) -> DecisionRecord:
+    def _fold_waits(self, lease: Lease, writes: WriteSet, decision: DecisionRecord) -> DecisionRecord:
         """Evaluate now the WaitFor of each Step the decision starts, where this Execute's snapshot
         and writes tell what that WaitFor would load, so that its wait is registered in this commit
         rather than in a commit of its own (one transaction and fsync fewer per wait)."""
         movements = list(decision.movements)
         folded = False
         for i, movement in enumerate(movements):
-            early = await self._evaluate_wait_early(lease, writes, movement)
+            early = self._evaluate_wait_early(lease, writes, movement)
             if early is not None:
                 spec, loaded = early
                 movements[i] = msgspec.structs.replace(
@@ -606,12 +606,12 @@ class AsyncWorker:
                 folded = True
         return msgspec.structs.replace(decision, movements=tuple(movements)) if folded else decision
 
-    async def _evaluate_wait_early(
+    def _evaluate_wait_early(
         self, lease: Lease, writes: WriteSet, movement: MovementRecord,
     ) -> tuple[WaitSpec, dict[tuple[str, str], bytes]] | None:
         """The movement's wait and the attributes it was evaluated on, or None when its WaitFor must
         run as a normal attempt after the commit: it takes locks, loads what this Execute did not,
-        raises, times out, writes, or needs an attempt (execution ID, heartbeat, events)."""
+        raises, awaits anything, writes, or needs an attempt (execution ID, heartbeat, events)."""
         options = movement.options.wait_for
         if options is None or options.locks or not options.load.loads_within(lease.load):
             return None
@@ -640,20 +640,22 @@ class AsyncWorker:
                 method="wait_for", attempt=1, loaded=loaded, load=load, checkpoint=None,
                 recovery_error=None, wait_result=None, heartbeat=_no_heartbeat, write_event=_no_event,
             )
-            if options.timeout_ms is None:
-                result = await step.wait_for(ctx, input_value)
+            # Stepped once, not awaited: the Execute's result is not durable until its commit, which
+            # must not wait for a WaitFor that awaits anything (I/O, a sleep); that one runs as usual.
+            running = cast("Coroutine[Any, Any, Wait]", step.wait_for(ctx, input_value))
+            try:
+                running.send(None)
+            except StopIteration as done:
+                result = done.value
             else:
-                async with asyncio.timeout(options.timeout_ms / 1000):
-                    result = await step.wait_for(ctx, input_value)
+                running.close()
+                return None
             if ctx.touched or not isinstance(result, Wait) or not ctx.writes.empty():
                 return None
             return result.spec(), loaded
-        except asyncio.CancelledError:
-            if _cancel_requested():
-                raise  # this Execute's own attempt is being cancelled
-            return None  # the WaitFor raised it itself: its real attempt fails as it fails
-        except (Exception, NotFoldable):
+        except (Exception, NotFoldable, asyncio.CancelledError):
             # Whatever went wrong happens again in the real attempt, with retries and failure routes.
+            # That includes a CancelledError the WaitFor raised itself: stepped, nothing cancelled it.
             return None
 
     def fold_execute(self, lease: Lease, durable: bool) -> tuple[WriteSet, DecisionRecord] | StartedFold | None:
