@@ -22,11 +22,14 @@ import pytest
 import dex_engine._transitions as transitions
 from dex_engine import (
     Attribute,
+    AttributeMap,
+    AttributeRef,
     Channel,
     Context,
     Flow,
     FlowConfig,
     LoadOptions,
+    LoadSpec,
     Registry,
     RetryPolicy,
     RpcContext,
@@ -47,6 +50,7 @@ from .conftest import Engine, engine_for, history_fallbacks, statements_during, 
 QUICK = RetryPolicy(max_attempts=3, initial_interval_seconds=0.05, max_interval_seconds=0.05)
 A = Attribute("A", int)
 B = Attribute("B", int)
+M = AttributeMap("M", int)
 C = Channel("C", int)
 Events = Stream("Events", str)
 
@@ -207,6 +211,77 @@ async def test_an_early_wait_on_rows_that_changed_runs_again_after_the_commit(
 
 async def _is_set(event: asyncio.Event) -> bool:
     return event.is_set()
+
+
+def loaded_flow(probe: Probe) -> Flow:
+    """Init sets A=3, M["k"]=2 and B=1, then moves to Start (loads all) and Narrow (loads only A).
+    Start sets M["j"]=4 and moves to ByAll, ByName, ByInstance and Locking (its WaitFor locks A);
+    Narrow moves to Wider (its WaitFor loads B). Each WaitFor skips when it sees the values Init
+    and Start set, and otherwise waits on C, which nothing publishes."""
+    expected: dict[str, tuple[tuple[AttributeRef[int], ...], tuple[int, ...]]] = {
+        "ByAll": ((A, M["j"]), (3, 4)), "ByName": ((A,), (3,)), "ByInstance": ((M["k"], M["j"]), (2, 4)),
+        "Locking": ((A,), (3,)), "Wider": ((B,), (1,)),
+    }
+
+    async def init(ctx: Context, _: None) -> StepDecision:
+        ctx.set(A, 3)
+        ctx.set(M["k"], 2)
+        ctx.set(B, 1)
+        return StepDecision.go_to_many(Movement("Start", None), Movement("Narrow", None))
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        ctx.set(M["j"], 4)
+        return StepDecision.go_to_many(*(Movement(name, None) for name in ("ByAll", "ByName", "ByInstance", "Locking")))
+
+    async def narrow(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to("Wider", None)
+
+    async def wait(ctx: Context, _: None) -> Wait:
+        refs, values = expected[ctx.step_type]
+        seen = tuple(ctx.get(ref) for ref in refs)
+        probe.wait_calls.append((ctx.step_type, seen))
+        return Wait.skip_immediately() if seen == values else Wait.until(C.for_one())
+
+    async def execute(ctx: Context, _: None) -> StepDecision:
+        return await waiter_execute(probe, ctx, None)
+
+    def waiting(name: str, load: LoadSpec, locks: tuple[AttributeRef[int], ...] = ()) -> Step[None]:
+        return Step(name, execute, input_type=type(None), wait_for=wait,
+                    options=StepOptions(wait_for_load=load, wait_for_locks=locks))
+
+    return Flow("Loaded", [
+        Step("Init", init, input_type=type(None)),
+        Step("Start", start, input_type=type(None), options=StepOptions(load=LoadOptions.all())),
+        Step("Narrow", narrow, input_type=type(None), options=StepOptions(load=LoadOptions.only(A))),
+        waiting("ByAll", LoadOptions.all()),
+        waiting("ByName", LoadOptions.only(A)),
+        waiting("ByInstance", LoadOptions.only(M["k"], M["j"])),
+        waiting("Locking", LoadOptions.only(A), locks=(A,)),
+        waiting("Wider", LoadOptions.only(B)),
+    ], start_step="Init", schema=[A, B, M, C])
+
+
+@pytest.mark.sqlite_only
+async def test_an_early_wait_for_sees_what_the_execute_loaded_and_only_that(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The WaitFors of ByAll, ByName and ByInstance run early, in Start's commit, on what Start
+    loaded (every attribute) with what it wrote applied: each sees the values Init and Start set,
+    whether it loads everything, an attribute by name or map instances. Locking's WaitFor takes a
+    lock, which only a usual attempt does; Wider's loads B, which Narrow did not load: both run as
+    usual, after the commit, and see the same values. Catches: an early WaitFor that misses what
+    the Execute loaded or wrote, or runs early without its lock or without what it loads."""
+    probe = Probe()
+    wait_commits = count_wait_commits(monkeypatch)
+    async with engine_for(db_url, Registry([loaded_flow(probe)])) as eng:
+        await eng.client.start_flow("Loaded", "f1")
+        await wait_until("the five waiting Steps executed", lambda: _count(probe.executed, 5))
+    assert sorted(probe.wait_calls) == [
+        ("ByAll", (3, 4)), ("ByInstance", (2, 4)), ("ByName", (3,)), ("Locking", (3,)), ("Wider", (1,)),
+    ]
+    names = ("ByAll", "ByInstance", "ByName", "Locking", "Wider")
+    assert sorted(probe.executed) == [(f"{name}-1", True, []) for name in names]
+    assert sorted(wait_commits) == ["Locking-1", "Wider-1"]
 
 
 @pytest.mark.sqlite_only
