@@ -1015,6 +1015,38 @@ async def test_e5_channel_map_instances_are_independent(db_url: str) -> None:
         assert await pending(eng, "f", "Box[a]") == []
 
 
+async def test_e5_only_the_execute_after_a_wait_for_gets_a_wait_result(db_url: str) -> None:
+    """E5: `ctx.wait_result` is what the WaitFor's wait consumed, handed to the Execute after it;
+    the WaitFor itself and the Execute of a Step without a WaitFor see None. Catches: a wait result
+    made up for methods that waited for nothing."""
+    seen: list[tuple[str, str, bool | None]] = []
+
+    def record(ctx: Context) -> None:
+        # The execution ID keeps the WaitFor from running early, in Plain's commit, without an attempt.
+        seen.append((ctx.step_execution_id, ctx.method, None if ctx.wait_result is None else ctx.wait_result.skipped))
+
+    async def plain(ctx: Context, _: None) -> StepDecision:
+        record(ctx)
+        return StepDecision.go_to("Waiting", None)
+
+    async def waiting_wait(ctx: Context, _: None) -> Wait:
+        record(ctx)
+        return Wait.skip_immediately()
+
+    async def waiting(ctx: Context, _: None) -> StepDecision:
+        record(ctx)
+        return StepDecision.graceful_complete()
+
+    flow = Flow("Results", [
+        Step("Plain", plain, input_type=type(None)),
+        Step("Waiting", waiting, input_type=type(None), wait_for=waiting_wait),
+    ], start_step="Plain")
+    async with engine_for(db_url, Registry([flow])) as eng:
+        await eng.client.start_flow("Results", "f")
+        assert (await eng.client.wait_for_flow("f", 10)).status == "completed"
+    assert seen == [("Plain-1", "execute", None), ("Waiting-1", "wait_for", None), ("Waiting-1", "execute", True)]
+
+
 async def test_e5_waiting_steps_hold_no_worker(db_url: str) -> None:
     """E5: with max_concurrent_tasks=1, three flows waiting on a channel do not stop another flow from
     running. Catches: a wait implemented as a handler (or slot) parked on the worker.
