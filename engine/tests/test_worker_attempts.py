@@ -303,6 +303,45 @@ async def test_a_worker_declared_dead_claims_nothing_until_it_registers_again(db
         assert [w[0] for w in await eng.store.list_workers()] == [worker.worker_id]
 
 
+async def test_a_worker_declared_dead_takes_no_step_its_processs_clients_ready_until_it_registers_again(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client sharing the worker's store hands that worker the Steps its commits ready, in the
+    same transaction. A worker declared dead has no row until it registers again, and housekeeping
+    takes a running attempt without one for lost (the worker's own housekeeping too). So until its
+    registration lands (held here) it must take nothing: the Step waits, then runs once. Catches a
+    hand-off to a worker that does not know it is dead."""
+    ran: list[int] = []
+
+    async def work(ctx: Context, _: None) -> StepDecision:
+        ran.append(ctx.attempt)
+        return StepDecision.graceful_complete()
+
+    registry = Registry([Flow("Handed", [Step("Work", work)], start_step="Work")])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        await eng.start_worker(lease_ttl_seconds=30.0, lease_renew_seconds=10.0)
+        registering: list[str] = []
+        registered = asyncio.Event()
+        real_register = eng.store.register_worker
+
+        async def held_register(*args: Any, **kwargs: Any) -> Any:
+            registering.append("again")
+            await registered.wait()
+            return await real_register(*args, **kwargs)
+
+        monkeypatch.setattr(eng.store, "register_worker", held_register)
+        # What another worker's housekeeping does to a worker that was paused longer than its lease.
+        await eng.store.raw(lambda db: db.run("DELETE FROM workers"), write=True)
+        await wait_until("the worker to register again", lambda: asyncio.sleep(0, registering))
+        await eng.client.start_flow("Handed", "h")
+        await asyncio.sleep(0.3)  # polls every 0.01 s and housekeeping every 0.1 s meanwhile
+        assert ran == []
+        registered.set()
+        assert (await eng.client.wait_for_flow("h", 10)).status == "completed"
+        assert ran == [1]
+        assert failures(await eng.client.get_flow_history("h")) == []
+
+
 async def test_a_worker_declared_dead_stops_the_handlers_of_the_attempts_it_lost(db_url: str) -> None:
     """A worker that learns it was declared dead (paused past its lease) cancels the handlers of
     the attempts it held: those attempts were failed as lost and will run again, so a handler left

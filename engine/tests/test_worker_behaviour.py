@@ -146,6 +146,36 @@ async def test_stop_ends_a_worker_run_directly_at_once(db_url: str) -> None:
         assert running.done() and running.exception() is None
 
 
+async def test_a_stopping_worker_takes_no_new_work_from_its_processs_clients(db_url: str) -> None:
+    """While a worker stops (its one running attempt finishing within the grace), a client sharing
+    its store readies a Step: the stopping worker must not run it (it takes no claim, or hands an
+    unstarted one back as it unregisters), or each such commit would keep the stop waiting for yet
+    another attempt. The Step waits for the next worker. Catches a stopping worker that runs new work."""
+    entered: list[str] = []
+    release = asyncio.Event()
+
+    async def hold(ctx: Context, _: Any) -> StepDecision:
+        entered.append(ctx.flow_id)
+        await release.wait()
+        return StepDecision.graceful_complete()
+
+    registry = Registry([Flow("Draining", [Step("Hold", hold)], start_step="Hold")])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        worker = await eng.start_worker(shutdown_grace_seconds=30.0)
+        await eng.client.start_flow("Draining", "first")
+        await wait_until("the first attempt to run", lambda: asyncio.sleep(0, entered))
+        stopping = asyncio.create_task(worker.stop())
+        await asyncio.sleep(0.05)
+        await eng.client.start_flow("Draining", "second")
+        await asyncio.sleep(0.2)
+        release.set()
+        await asyncio.wait_for(stopping, 10)
+        assert entered == ["first"]
+        await eng.start_worker()
+        assert (await eng.client.wait_for_flow("second", 10)).status == "completed"
+        assert entered == ["first", "second"]
+
+
 async def test_a_worker_closes_the_store_it_opened(db_url: str) -> None:
     """A worker given a database URL opens its own store and closes it when it stops: no thread or
     connection of it outlives the worker (a process starting and stopping workers would leak them)."""
