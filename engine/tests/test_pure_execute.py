@@ -117,10 +117,10 @@ TRIES = 10
 
 
 @asynccontextmanager
-async def quiet_engine(db_url: str, registry: Registry) -> AsyncIterator[Engine]:
+async def quiet_engine(db_url: str, registry: Registry, **overrides: Any) -> AsyncIterator[Engine]:
     async with engine_for(db_url, registry, worker=False) as eng:
-        await eng.start_worker(poll_seconds=30.0, housekeeping_seconds=30.0, lease_renew_seconds=5.0,
-                               lease_ttl_seconds=30.0)
+        await eng.start_worker(**{"poll_seconds": 30.0, "housekeeping_seconds": 30.0, "lease_renew_seconds": 5.0,
+                                  "lease_ttl_seconds": 30.0, **overrides})
         yield eng
 
 

@@ -135,6 +135,24 @@ async def test_a_parked_heartbeat_leaves_what_a_usual_attempt_leaves(db_url: str
 
 
 @pytest.mark.sqlite_only
+async def test_a_parked_handler_goes_on_in_a_worker_with_no_slot_free(db_url: str) -> None:
+    """With max_concurrent_tasks=1, Arm holds the worker's one slot while it commits; its commit
+    counts that slot as free (Arm ends with it), claims Tool, runs Tool up to its heartbeat inside
+    the commit, and Tool goes on from there in the slot Arm left. Catches a commit that claims for
+    no more than the slots free besides its own (no fold at all with one slot)."""
+    parked: list[Call] = []
+    registry = Registry([park_flow("Parked", parked)])
+    async with quiet_engine(db_url, registry, max_concurrent_tasks=1) as eng:
+        for i in range(TRIES):
+            await eng.client.start_flow("Parked", f"p{i}")
+            assert await settled(eng, f"p{i}") == "cp#1"
+            assert await events(eng, f"p{i}") == EVENTS
+    assert [c for c in parked if c == ("pre", "Arm-1", True)], parked
+    assert {c for c in parked if c[0] == "after"} == {("after", "Tool-1", False)}, parked
+    assert not [c for c in parked if c[0] == "closed"], parked
+
+
+@pytest.mark.sqlite_only
 async def test_a_parked_heartbeat_whose_savepoint_fails_runs_the_handler_again_as_usual(
     db_url: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
