@@ -176,6 +176,34 @@ async def test_a_stopping_worker_takes_no_new_work_from_its_processs_clients(db_
         assert entered == ["first", "second"]
 
 
+@pytest.mark.sqlite_only
+async def test_a_stop_waits_for_a_claim_in_flight_and_not_for_its_grace(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """stop() comes while a client's commit is still handing the worker a Step it claimed for it;
+    nothing else runs. The stop waits for that claim to land (it takes no new work: the claim goes
+    back as the worker unregisters), then ends at once, not when its 60 s grace runs out. The next
+    worker runs the Step. Catches a landing claim that does not wake the draining worker."""
+    async with engine_for(db_url, Registry([FLOW]), worker=False) as eng:
+        worker = await eng.start_worker(shutdown_grace_seconds=60.0)
+        real = worker.local_claim_done
+        stopping: list[asyncio.Task[None]] = []
+
+        def in_flight_at_stop(token: int, leases: list[Any] | None, capacity: int) -> None:
+            if stopping or not leases:
+                real(token, leases, capacity)
+                return
+            stopping.append(asyncio.create_task(worker.stop()))
+            asyncio.get_running_loop().call_later(0.2, real, token, leases, capacity)
+
+        monkeypatch.setattr(worker, "local_claim_done", in_flight_at_stop)
+        await eng.client.start_flow("Behaviour", "landing")
+        assert stopping, "the client's commit claimed nothing for the worker"
+        await asyncio.wait_for(stopping[0], 10)
+        await eng.start_worker()
+        assert (await eng.client.wait_for_flow("landing", 10)).status == "completed"
+
+
 async def test_a_worker_closes_the_store_it_opened(db_url: str) -> None:
     """A worker given a database URL opens its own store and closes it when it stops: no thread or
     connection of it outlives the worker (a process starting and stopping workers would leak them)."""
