@@ -176,6 +176,31 @@ async def test_a_stopping_worker_takes_no_new_work_from_its_processs_clients(db_
         assert entered == ["first", "second"]
 
 
+async def test_a_stop_returns_after_the_handlers_it_cancels_have_ended(db_url: str) -> None:
+    """An attempt still running when the grace runs out is cancelled, and stop() returns only
+    once its handler has ended, cleanup included: after stop() no handler of the worker runs (its
+    caller may close what the handlers use). Catches a stop that cancels and does not wait."""
+    log: list[str] = []
+
+    async def hold(ctx: Context, _: Any) -> StepDecision:
+        log.append("running")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.2)  # a handler's cleanup that takes a while (closing a connection)
+            log.append("cleaned up")
+            raise
+        return StepDecision.graceful_complete()
+
+    registry = Registry([Flow("Held", [Step("Hold", hold)], start_step="Hold")])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        worker = await eng.start_worker(shutdown_grace_seconds=0.1)
+        await eng.client.start_flow("Held", "h")
+        await wait_until("the attempt to run", lambda: asyncio.sleep(0, log))
+        await asyncio.wait_for(worker.stop(), 10)
+        assert log == ["running", "cleaned up"]
+
+
 @pytest.mark.sqlite_only
 async def test_a_stop_waits_for_a_claim_in_flight_and_not_for_its_grace(
     db_url: str, monkeypatch: pytest.MonkeyPatch,
