@@ -109,6 +109,8 @@ async def start(ctx: Context, what: str) -> StepDecision:
         return StepDecision.go_to("BadWait", None)
     if what == "long_error":
         raise RuntimeError("e" * (2 * MAX_HISTORY_DETAIL_CHARS))
+    if what == "bare_error":
+        raise TimeoutError  # as a handler's own asyncio.wait_for raises it: no message
     if what == "undeclared_cancel":
         ctx.set(Count, 41)
         return StepDecision.graceful_complete("done").with_canceling_steps("Nowhere")
@@ -299,6 +301,18 @@ async def test_a_long_error_is_kept_in_history_cut_to_the_detail_limit(db_url: s
         assert len(failed) == 1, failed
         full = "execute: RuntimeError: " + "e" * (2 * MAX_HISTORY_DETAIL_CHARS)
         assert failed[0].detail == full[:MAX_HISTORY_DETAIL_CHARS]
+
+
+async def test_an_error_without_a_message_is_named_by_its_repr(db_url: str) -> None:
+    """An exception raised with no message (a handler's own asyncio.wait_for timing out) still
+    says what it was in history and in the flow's error, rather than leaving the detail empty."""
+    async with engine_for(db_url, REGISTRY) as eng:
+        c = eng.client
+        await c.start_flow("Bad", "f", "bare_error")
+        info = await c.wait_for_flow("f", 10)
+        assert info.status == "failed" and info.error is not None and "TimeoutError()" in info.error, info
+        failed = [h for h in await c.get_flow_history("f") if h.event_type == "attempt_failed"]
+        assert [h.detail for h in failed] == ["execute: TimeoutError: TimeoutError()"]
 
 
 # IDs and keys ----------------------------------------------------------------------------------
