@@ -213,6 +213,47 @@ async def _is_set(event: asyncio.Event) -> bool:
     return event.is_set()
 
 
+@pytest.mark.sqlite_only
+async def test_an_early_wait_for_that_swallows_what_it_cannot_do_early_runs_as_usual(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Logged's WaitFor writes an event and reads its execution ID, each inside a catch-all that
+    swallows the refusal an early run gets. Its result would look fine, but the event was never
+    written and the ID never seen: it runs again as usual after Start's commit, which writes the
+    event once and sees the ID. Catches: an early run trusted because it returned a Wait."""
+    probe = Probe()
+    wait_commits = count_wait_commits(monkeypatch)
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to("Logged", None)
+
+    async def logged_wait(ctx: Context, _: None) -> Wait:
+        seen = "unknown"
+        try:
+            ctx.write_event(Events, "waiting")
+            seen = ctx.step_execution_id
+        except BaseException:  # a catch-all, as some handlers have
+            pass
+        probe.wait_calls.append(seen)
+        return Wait.skip_immediately()
+
+    async def execute(ctx: Context, _: None) -> StepDecision:
+        return await waiter_execute(probe, ctx, None)
+
+    flow = Flow("Logged", [
+        Step("Start", start, input_type=type(None)),
+        Step("Logged", execute, input_type=type(None), wait_for=logged_wait,
+             options=StepOptions(wait_for_load=LoadOptions.none())),
+    ], start_step="Start", schema=[Events])
+    async with engine_for(db_url, Registry([flow])) as eng:
+        await eng.client.start_flow("Logged", "f1")
+        await wait_until("Logged executed", lambda: _count(probe.executed, 1))
+        page = await eng.client.read_stream("f1", Events)
+    assert [(e.value, e.step_execution_id) for e in page.events] == [("waiting", "Logged-1")]
+    assert probe.wait_calls == ["unknown", "Logged-1"]
+    assert wait_commits == ["Logged-1"]
+
+
 def loaded_flow(probe: Probe) -> Flow:
     """Init sets A=3, M["k"]=2 and B=1, then moves to Start (loads all) and Narrow (loads only A).
     Start sets M["j"]=4 and moves to ByAll, ByName, ByInstance and Locking (its WaitFor locks A);
