@@ -152,6 +152,36 @@ async def test_pure_execute_runs_in_the_commit_that_readies_it_and_leaves_the_sa
             assert set(folded_calls) == {"Waiter-1"}
 
 
+async def test_a_commit_that_claims_a_pure_steps_wait_for_runs_no_execute_in_it(db_url: str) -> None:
+    """Arm's commit readies Waiter, whose WaitFor cannot run early (it reads its execution ID), and
+    claims that WaitFor's attempt. Only an Execute folds into a commit: the WaitFor runs as usual
+    and waits for Inbox, and the pure Execute runs only after a message came. Catches a claimed
+    WaitFor folded as if it were the Step's Execute (run before its wait, with no wait result)."""
+    executed: list[tuple[str, list[str] | None]] = []
+
+    async def arm(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to("Waiter")
+
+    async def waiter_wait(ctx: Context, _: None) -> Wait:
+        assert ctx.step_execution_id == "Waiter-1"
+        return Wait.until(Inbox.for_one())
+
+    async def waiter(ctx: Context, _: None) -> StepDecision:
+        executed.append((ctx.step_execution_id, None if ctx.wait_result is None else ctx.wait_result.messages(Inbox)))
+        return StepDecision.graceful_complete()
+
+    flow = Flow("PureWaiter", [Step("Arm", arm), Step("Waiter", waiter, wait_for=waiter_wait, pure_execute=True)],
+                start_step="Arm", schema=[Inbox], rpcs=[post])
+    async with quiet_engine(db_url, Registry([flow])) as eng:
+        for i in range(TRIES):
+            await eng.client.start_flow("PureWaiter", f"w{i}")
+            await wait_until("Waiter waiting", lambda: eng.client.search_flows('ActiveStepTypes = "Waiter"'))
+            assert executed == [("Waiter-1", ["go"])] * i
+            await eng.client.rpc(f"w{i}", "post", "go")
+            assert (await eng.client.wait_for_flow(f"w{i}", 10)).status == "completed"
+    assert executed == [("Waiter-1", ["go"])] * TRIES
+
+
 @pytest.mark.sqlite_only
 async def test_pure_execute_folds_into_a_client_commit_on_the_workers_loop(db_url: str) -> None:
     calls: list[str] = []
