@@ -201,6 +201,41 @@ async def test_a_stop_returns_after_the_handlers_it_cancels_have_ended(db_url: s
         assert log == ["running", "cleaned up"]
 
 
+async def test_a_stop_lets_a_commit_in_flight_land_whatever_its_grace(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An attempt whose handler has returned, its result still committing when the grace runs
+    out, is not cancelled: stop() waits for that commit, so the result stands and the Step does
+    not run again (a model or tool call repeated). Catches a stop that cancels an attempt mid-commit."""
+    ran: list[int] = []
+
+    async def quick(ctx: Context, _: Any) -> StepDecision:
+        ran.append(ctx.attempt)
+        return StepDecision.graceful_complete("done")
+
+    registry = Registry([Flow("Committing", [Step("Quick", quick)], start_step="Quick")])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        real_commit = type(eng.store).commit_execute
+        committing = asyncio.Event()
+
+        async def slow_commit(self: Store, *args: Any, **kwargs: Any) -> Any:
+            committing.set()
+            await asyncio.sleep(0.5)  # a commit waiting on the database, longer than the grace
+            return await real_commit(self, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(type(eng.store), "commit_execute", slow_commit)
+        worker = await eng.start_worker(shutdown_grace_seconds=0.1)
+        await eng.client.start_flow("Committing", "c")
+        await asyncio.wait_for(committing.wait(), 10)
+        await asyncio.wait_for(worker.stop(), 10)
+        monkeypatch.undo()
+        assert ran == [1]
+        history = await eng.client.get_flow_history("c")
+        ends = [(h.event_type, h.attempt) for h in history if h.event_type in ("execute_completed", "attempt_failed")]
+        assert ends == [("execute_completed", 1)]
+        assert (await eng.client.describe_flow("c")).status == "completed"
+
+
 @pytest.mark.sqlite_only
 async def test_a_stop_waits_for_a_claim_in_flight_and_not_for_its_grace(
     db_url: str, monkeypatch: pytest.MonkeyPatch,
