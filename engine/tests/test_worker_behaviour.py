@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from dex_engine import (
+    AsyncWorker,
     Attribute,
     Channel,
     Context,
@@ -146,6 +147,18 @@ async def test_stop_ends_a_worker_run_directly_at_once(db_url: str) -> None:
         assert running.done() and running.exception() is None
 
 
+def _one_step(flow_type: str, handler: Callable[[Context, Any], Awaitable[StepDecision]]) -> Registry:
+    return Registry([Flow(flow_type, [Step("Hold", handler)], start_step="Hold")])
+
+
+async def _holding(eng: Any, flow_type: str, flow_id: str, log: list[str], **options: Any) -> AsyncWorker:
+    """A worker with `options`, once it runs `flow_id`'s first attempt (whose handler logs to `log`)."""
+    worker = await eng.start_worker(**options)
+    await eng.client.start_flow(flow_type, flow_id)
+    await wait_until(f"{flow_id}'s first attempt to run", lambda: asyncio.sleep(0, log))
+    return worker
+
+
 async def test_a_stopping_worker_takes_no_new_work_from_its_processs_clients(db_url: str) -> None:
     """While a worker stops (its one running attempt finishing within the grace), a client sharing
     its store readies a Step: the stopping worker must not run it (it takes no claim, or hands an
@@ -159,11 +172,8 @@ async def test_a_stopping_worker_takes_no_new_work_from_its_processs_clients(db_
         await release.wait()
         return StepDecision.graceful_complete()
 
-    registry = Registry([Flow("Draining", [Step("Hold", hold)], start_step="Hold")])
-    async with engine_for(db_url, registry, worker=False) as eng:
-        worker = await eng.start_worker(shutdown_grace_seconds=30.0)
-        await eng.client.start_flow("Draining", "first")
-        await wait_until("the first attempt to run", lambda: asyncio.sleep(0, entered))
+    async with engine_for(db_url, _one_step("Draining", hold), worker=False) as eng:
+        worker = await _holding(eng, "Draining", "first", entered, shutdown_grace_seconds=30.0)
         stopping = asyncio.create_task(worker.stop())
         await asyncio.sleep(0.05)
         await eng.client.start_flow("Draining", "second")
@@ -192,11 +202,8 @@ async def test_a_stop_returns_after_the_handlers_it_cancels_have_ended(db_url: s
             raise
         return StepDecision.graceful_complete()
 
-    registry = Registry([Flow("Held", [Step("Hold", hold)], start_step="Hold")])
-    async with engine_for(db_url, registry, worker=False) as eng:
-        worker = await eng.start_worker(shutdown_grace_seconds=0.1)
-        await eng.client.start_flow("Held", "h")
-        await wait_until("the attempt to run", lambda: asyncio.sleep(0, log))
+    async with engine_for(db_url, _one_step("Held", hold), worker=False) as eng:
+        worker = await _holding(eng, "Held", "h", log, shutdown_grace_seconds=0.1)
         await asyncio.wait_for(worker.stop(), 10)
         assert log == ["running", "cleaned up"]
 
