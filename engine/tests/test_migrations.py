@@ -46,6 +46,21 @@ async def test_opening_applies_every_migration_once_and_keeps_data(db_url: str) 
             await store.close()
 
 
+async def test_stores_opened_at_once_on_a_new_database_migrate_it_once(db_url: str) -> None:
+    """Several processes starting at once on an empty database (a deploy of many workers) each
+    open a store: one applies the migrations, the others wait for it and find the schema done, and
+    all share one stream token secret. Catches migrations that race (tables created twice)."""
+    backend = "postgres" if db_url.startswith("postgres") else "sqlite"
+    latest = migration_files(backend)[-1][0]
+    stores = await asyncio.gather(*(asyncio.to_thread(open_store, db_url) for _ in range(4)))
+    try:
+        assert [await store.raw(_version) for store in stores] == [latest] * 4
+        assert len({await store.stream_secret() for store in stores}) == 1
+    finally:
+        for store in stores:
+            await store.close()
+
+
 async def test_a_database_a_newer_engine_migrated_is_refused_unchanged(db_url: str) -> None:
     """Opening a database whose schema version is past this engine's migrations fails with an error
     that names both versions and what to do, and leaves the database as it was. Catches: an older
