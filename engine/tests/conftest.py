@@ -258,6 +258,26 @@ async def engine_for(db_url: str, registry: Registry, *, worker: bool = True) ->
         await store.close()
 
 
+def stop_while_a_claim_lands(
+    worker: AsyncWorker, monkeypatch: pytest.MonkeyPatch, lag: float, wanted: Callable[[list[Any]], bool],
+) -> list[tuple[list[Any], asyncio.Task[None]]]:
+    """From now on, the first claim a client's commit makes for `worker` whose leases are `wanted`
+    starts `worker.stop()` and lands (local_claim_done) only `lag` seconds later: a stop that comes
+    while the claim is in flight. Returns [(those leases, the stop's task)] once it happened."""
+    real = worker.local_claim_done
+    stopped: list[tuple[list[Any], asyncio.Task[None]]] = []
+
+    def in_flight_at_stop(token: int, leases: list[Any] | None, capacity: int) -> None:
+        if stopped or not leases or not wanted(leases):
+            real(token, leases, capacity)
+            return
+        stopped.append((leases, asyncio.create_task(worker.stop())))
+        asyncio.get_running_loop().call_later(lag, real, token, leases, capacity)
+
+    monkeypatch.setattr(worker, "local_claim_done", in_flight_at_stop)
+    return stopped
+
+
 def assert_paced(times: Sequence[float], pause: float, most: float = math.inf) -> None:
     """Consecutive `times` (time.monotonic()) lie at least `pause` apart, and less than `most`.
     asyncio may wake a timer up to its clock's resolution early: a tenth of the pause is ample."""

@@ -35,6 +35,7 @@ from dex_engine import _transitions as tx
 from dex_engine._context import NotFoldable
 from dex_engine._parked import FoldFunctions
 
+from .conftest import stop_while_a_claim_lands
 from .test_pure_execute import TRIES, called_from, finished, quiet_engine, shape
 
 Log = Stream("Log", str)
@@ -351,25 +352,16 @@ async def test_a_stopping_worker_runs_a_started_attempt_a_commit_in_flight_hands
     async with quiet_engine(db_url, Registry([flow])) as eng:
         worker = eng.worker
         assert worker is not None
-        real = worker.local_claim_done
-        stopped: list[tuple[str, asyncio.Task[None]]] = []
-
-        def in_flight_at_stop(token: int, leases: list[Any] | None, capacity: int) -> None:
-            started = [lease for lease in leases or () if lease.started is not None]
-            if not started or stopped:
-                real(token, leases, capacity)
-                return
-            stopped.append((started[0].flow_id, asyncio.create_task(worker.stop())))
-            asyncio.get_running_loop().call_later(HANDOFF_LAG, real, token, leases, capacity)
-
-        monkeypatch.setattr(worker, "local_claim_done", in_flight_at_stop)
+        stopped = stop_while_a_claim_lands(
+            worker, monkeypatch, HANDOFF_LAG, lambda leases: any(lease.started is not None for lease in leases))
         for i in range(TRIES):
             await eng.client.start_flow("Direct", f"d{i}")
             if stopped:
                 break
             assert await finished(eng, f"d{i}") == "done"
         assert stopped, "no start_flow ran Tool up to its heartbeat"
-        flow_id, stopping = stopped[0]
+        leases, stopping = stopped[0]
+        flow_id = next(lease.flow_id for lease in leases if lease.started is not None)
         await stopping
         history = [(h.event_type, h.step_execution_id, h.attempt)
                    for h in await eng.client.get_flow_history(flow_id)]

@@ -40,7 +40,7 @@ from dex_engine import (
 from dex_engine._records import DecisionRecord, StartRequest, WriteSet
 from dex_engine._scheduling import movement_record
 
-from .conftest import assert_paced, engine_for, wait_until
+from .conftest import assert_paced, engine_for, stop_while_a_claim_lands, wait_until
 
 Log = Stream("Log", str)
 Inbox = Channel("Inbox", str)
@@ -220,8 +220,7 @@ async def test_a_stop_lets_a_commit_in_flight_land_whatever_its_grace(
         ran.append(ctx.attempt)
         return StepDecision.graceful_complete("done")
 
-    registry = Registry([Flow("Committing", [Step("Quick", quick)], start_step="Quick")])
-    async with engine_for(db_url, registry, worker=False) as eng:
+    async with engine_for(db_url, _one_step("Committing", quick), worker=False) as eng:
         real_commit = type(eng.store).commit_execute
         committing = asyncio.Event()
 
@@ -235,7 +234,6 @@ async def test_a_stop_lets_a_commit_in_flight_land_whatever_its_grace(
         await eng.client.start_flow("Committing", "c")
         await asyncio.wait_for(committing.wait(), 10)
         await asyncio.wait_for(worker.stop(), 10)
-        monkeypatch.undo()
         assert ran == [1]
         history = await eng.client.get_flow_history("c")
         ends = [(h.event_type, h.attempt) for h in history if h.event_type in ("execute_completed", "attempt_failed")]
@@ -253,20 +251,10 @@ async def test_a_stop_waits_for_a_claim_in_flight_and_not_for_its_grace(
     worker runs the Step. Catches a landing claim that does not wake the draining worker."""
     async with engine_for(db_url, Registry([FLOW]), worker=False) as eng:
         worker = await eng.start_worker(shutdown_grace_seconds=60.0)
-        real = worker.local_claim_done
-        stopping: list[asyncio.Task[None]] = []
-
-        def in_flight_at_stop(token: int, leases: list[Any] | None, capacity: int) -> None:
-            if stopping or not leases:
-                real(token, leases, capacity)
-                return
-            stopping.append(asyncio.create_task(worker.stop()))
-            asyncio.get_running_loop().call_later(0.2, real, token, leases, capacity)
-
-        monkeypatch.setattr(worker, "local_claim_done", in_flight_at_stop)
+        stopped = stop_while_a_claim_lands(worker, monkeypatch, 0.2, lambda leases: True)
         await eng.client.start_flow("Behaviour", "landing")
-        assert stopping, "the client's commit claimed nothing for the worker"
-        await asyncio.wait_for(stopping[0], 10)
+        assert stopped, "the client's commit claimed nothing for the worker"
+        await asyncio.wait_for(stopped[0][1], 10)
         await eng.start_worker()
         assert (await eng.client.wait_for_flow("landing", 10)).status == "completed"
 
