@@ -42,7 +42,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import pytest
 
@@ -908,6 +908,47 @@ async def test_the_store_is_back_within_seconds_of_a_long_outage(pg_database: st
         await asyncio.wait_for(publish, 120)
         waited = time.monotonic() - back
         assert waited < RECONNECTED_WITHIN_SECONDS, f"the publish completed {waited:.1f} s after the outage"
+        assert await client.rpc("f", "peek") == ["t1"]
+
+
+# Lock waits cut short by the server's lock_timeout ---------------------------------------------
+
+LOCK_TIMEOUT_MS = 100  # set in the test's URL, as a DBA may set it for the database or its users
+
+
+def _with_lock_timeout(url: str) -> str:
+    return f"{url}?options={quote(f'-c lock_timeout={LOCK_TIMEOUT_MS}')}"
+
+
+@contextlib.contextmanager
+def flow_row_locked(url: str, flow_id: str) -> Iterator[None]:
+    """Another session holds the flow's row lock (a stuck transaction, a DBA's query) meanwhile."""
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        conn.execute("SELECT 1 FROM flows WHERE flow_id = %s FOR UPDATE", (flow_id,))
+        yield
+        conn.rollback()
+
+
+async def test_an_operation_whose_lock_wait_timed_out_is_tried_again(pg_database: str) -> None:
+    """An operation whose wait for a row lock the server's lock_timeout cut short runs again, after
+    a backoff, and completes once the lock is free; after MAX_OP_TRIES it fails with the server's
+    error and changed nothing. Catches: the first LockNotAvailable of a lone operation raised to
+    the caller, and a lone operation tried again without end."""
+    import psycopg
+
+    async with client_for(pg_database) as client, client_for(_with_lock_timeout(pg_database)) as limited:
+        await client.start_flow("PgfLocks", "f")
+        with flow_row_locked(pg_database, "f"):
+            publish = asyncio.create_task(limited.publish("f", Box, "t1"))
+            await asyncio.sleep(5 * LOCK_TIMEOUT_MS / 1000)
+            assert not publish.done(), publish
+        await asyncio.wait_for(publish, 60)
+        assert await client.rpc("f", "peek") == ["t1"]
+
+        with flow_row_locked(pg_database, "f"), pytest.raises(psycopg.errors.LockNotAvailable, match="lock timeout"):
+            await asyncio.wait_for(limited.publish("f", Box, "t2"), 60)
         assert await client.rpc("f", "peek") == ["t1"]
 
 
