@@ -935,20 +935,41 @@ async def test_an_operation_whose_lock_wait_timed_out_is_tried_again(pg_database
     """An operation whose wait for a row lock the server's lock_timeout cut short runs again, after
     a backoff, and completes once the lock is free; after MAX_OP_TRIES it fails with the server's
     error and changed nothing. Catches: the first LockNotAvailable of a lone operation raised to
-    the caller, and a lone operation tried again without end."""
+    the caller, tries without a pause between them, and a lone operation tried again without end."""
     import psycopg
+
+    from dex_engine._pg_store import MAX_OP_TRIES
 
     async with client_for(pg_database) as client, client_for(_with_lock_timeout(pg_database)) as limited:
         await client.start_flow("PgfLocks", "f")
         with flow_row_locked(pg_database, "f"):
             publish = asyncio.create_task(limited.publish("f", Box, "t1"))
-            await asyncio.sleep(5 * LOCK_TIMEOUT_MS / 1000)
+            # Longer than MAX_OP_TRIES lock waits back to back, shorter than them with the backoff.
+            await asyncio.sleep((MAX_OP_TRIES + 4) * LOCK_TIMEOUT_MS / 1000)
             assert not publish.done(), publish
         await asyncio.wait_for(publish, 60)
         assert await client.rpc("f", "peek") == ["t1"]
 
         with flow_row_locked(pg_database, "f"), pytest.raises(psycopg.errors.LockNotAvailable, match="lock timeout"):
             await asyncio.wait_for(limited.publish("f", Box, "t2"), 60)
+        assert await client.rpc("f", "peek") == ["t1"]
+
+
+async def test_an_operation_waiting_for_a_row_lock_does_not_hold_up_other_flows(pg_database: str) -> None:
+    """While one operation of a process waits for a flow's row lock, that process's operations on
+    other flows go on in another of its connections. Catches: a lane that stays asleep while the
+    first one is stuck, so that every commit, heartbeat and poll of the process waits for the lock."""
+    async with client_for(pg_database) as client:
+        for flow_id in ("f", "g"):
+            await client.start_flow("PgfLocks", flow_id)
+        with flow_row_locked(pg_database, "f"):
+            stuck = asyncio.create_task(client.publish("f", Box, "t1"))
+            await asyncio.sleep(0.5)
+            assert not stuck.done(), stuck
+            await asyncio.wait_for(client.publish("g", Box, "t2"), 30)
+            assert await asyncio.wait_for(client.rpc("g", "peek"), 30) == ["t2"]
+            assert not stuck.done(), stuck
+        await asyncio.wait_for(stuck, 30)
         assert await client.rpc("f", "peek") == ["t1"]
 
 
