@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
@@ -21,7 +22,18 @@ from typing import Any
 
 import pytest
 
-from dex_engine import Attribute, Context, Flow, Registry, RetryPolicy, Step, StepDecision, StepOptions
+from dex_engine import (
+    Attribute,
+    Context,
+    Flow,
+    Registry,
+    RetryPolicy,
+    Step,
+    StepDecision,
+    StepOptions,
+    _gates,
+    open_store,
+)
 from dex_engine._limits import RENEW_RETRY_SECONDS
 from dex_engine._store import LOST_CLAIM_MS
 
@@ -550,3 +562,54 @@ async def test_a_step_waiting_for_a_method_lock_runs_once_the_holder_commits(db_
             await wait_until("Other to start", lambda: asyncio.sleep(0, "other started" in marks))
             if marks["other started"] > marks.get("holder returned", 0.0):  # it may have taken the lock first
                 assert marks["other started"] - marks["holder returned"] < 0.3, marks
+
+
+async def test_housekeeping_waits_for_the_commit_of_an_attempt_it_would_time_out(
+    pg_database: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On PostgreSQL, an attempt past its heartbeat deadline is committing its result when another
+    process's housekeeping finds it overdue. Housekeeping waits for that commit, sees the Step
+    completed and leaves it alone. Catches: an overdue attempt re-checked without the flow's row
+    lock, which records a HeartbeatTimeout for an attempt that completed and may run it again.
+    (On SQLite the writers take turns with the whole file; a commit held there may hold the loop.)"""
+    db_url = pg_database
+    started, inside, go = asyncio.Event(), threading.Event(), threading.Event()
+
+    async def late(ctx: Context, _: None) -> StepDecision:
+        started.set()
+        await asyncio.sleep(0.6)  # no heartbeat: past its deadline when it returns
+        return StepDecision.force_complete("done")
+
+    options = StepOptions(heartbeat_timeout_seconds=0.2, execute_retry=QUICK_RETRY.execute_retry)
+    registry = Registry([Flow("Late", [Step("Call", late, options=options)], start_step="Call")])
+
+    def held_inside_commit(name: str) -> None:
+        if name == _gates.INSIDE_COMMIT and not inside.is_set():
+            inside.set()
+            go.wait(30)
+
+    async with engine_for(db_url, registry, worker=False) as eng:
+        real_poll = eng.store.poll
+
+        async def poll_without_housekeeping(*args: Any, **kwargs: Any) -> Any:
+            return await real_poll(*args, **{**kwargs, "housekeep": False})
+
+        monkeypatch.setattr(eng.store, "poll", poll_without_housekeeping)  # only the other process's runs
+        await eng.start_worker()
+        await eng.client.start_flow("Late", "l")
+        await asyncio.wait_for(started.wait(), 10)
+        other = open_store(db_url)  # before the commit holds the database (opening an SQLite file waits)
+        try:
+            monkeypatch.setattr(_gates, "ACTIVE", True)
+            monkeypatch.setattr(_gates, "gate", held_inside_commit)
+            assert await asyncio.to_thread(inside.wait, 10), "the attempt's commit never started"
+            housekeeping = asyncio.create_task(other.housekeeping())
+            await asyncio.sleep(0.5)  # it reads the overdue attempt, and waits if it must
+            go.set()
+            report = await asyncio.wait_for(housekeeping, 30)
+        finally:
+            go.set()
+            await other.close()
+        assert (await eng.client.wait_for_flow("l", 10)).status == "completed"
+        assert failures(await eng.client.get_flow_history("l")) == []
+        assert report.timeouts == 0, report
