@@ -30,6 +30,7 @@ from dex_engine import (
     Flow,
     HistoryEntry,
     Registry,
+    RetryPolicy,
     RpcContext,
     Step,
     StepDecision,
@@ -513,3 +514,70 @@ async def test_a_commit_that_skips_the_fsync_folds_no_durable_step(db_url: str) 
                 folds.append(await finished(eng, f"{flow_type}-{i}"))
     assert not any(async_folds), async_folds
     assert any(sync_folds), sync_folds
+
+
+RETRY_SECONDS = 2.0  # Locked's retry is due this long after its failure: time to hand Hog the slot
+
+
+def held_lock_flow(runs: list[tuple[int, str]], hog_release: asyncio.Event) -> Flow:
+    """Arm -> (Locked, Hog). Locked (pure, taking the lock Note) fails its first attempt and goes
+    to After (which takes Note too) on its retry; Hog waits for Inbox, then runs until released."""
+
+    async def arm(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to_many(("Locked", None), ("Hog", None))
+
+    async def locked(ctx: Context, _: None) -> StepDecision:
+        task = asyncio.current_task()
+        runs.append((ctx.attempt, "" if task is None else task.get_name()))
+        if ctx.attempt == 1:
+            raise RuntimeError("first attempt fails")
+        return StepDecision.go_to("After")
+
+    async def hog_wait(ctx: Context, _: None) -> Wait:
+        return Wait.until(Inbox.for_one())
+
+    async def hog(ctx: Context, _: None) -> StepDecision:
+        await hog_release.wait()
+        return StepDecision.dead_end()
+
+    async def after(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.graceful_complete("after")
+
+    retry = RetryPolicy(max_attempts=2, initial_interval_seconds=RETRY_SECONDS, max_interval_seconds=RETRY_SECONDS)
+    return Flow("HeldLock", [
+        Step("Arm", arm),
+        Step("Locked", locked, pure_execute=True, options=StepOptions(execute_locks=(Note,), execute_retry=retry)),
+        Step("Hog", hog, wait_for=hog_wait),
+        Step("After", after, options=StepOptions(execute_locks=(Note,))),
+    ], start_step="Arm", schema=[Inbox, Note], rpcs=[post])
+
+
+@pytest.mark.sqlite_only
+async def test_a_retry_folded_into_another_steps_commit_releases_the_locks_it_held(db_url: str) -> None:
+    """A pure Step's retry holds the locks its failed attempt took. With the worker's one slot busy
+    (Hog) when the retry comes due, Hog's commit claims it and runs its Execute inside that commit;
+    that commit must release those locks, or After, which takes the same lock, never runs. The
+    agent session's pure Steps take locks (AwaitUserMessage, ResumeTurn). Catches: a folded retry's
+    locks kept after its task is gone (seen only in a mutant)."""
+    runs: list[tuple[int, str]] = []
+    hog_release = asyncio.Event()
+    retry_tasks: list[str] = []  # the task each flow's retry ran in: "Hog-1" when folded into Hog's commit
+    async with quiet_engine(db_url, Registry([held_lock_flow(runs, hog_release)]), max_concurrent_tasks=1) as eng:
+        for i in range(3):
+            runs.clear()
+            hog_release.clear()
+            flow_id = f"h{i}"
+            await eng.client.start_flow("HeldLock", flow_id)
+
+            async def first_failed(flow_id: str = flow_id) -> bool:
+                history = await eng.client.get_flow_history(flow_id)
+                return any(h.event_type == "attempt_failed" for h in history)
+
+            await wait_until("Locked's first attempt failed", first_failed)
+            await eng.client.rpc(flow_id, "post", "go")  # Hog takes the slot
+            await asyncio.sleep(RETRY_SECONDS + 0.5)  # the retry is due, and waits for a slot
+            hog_release.set()
+            assert await finished(eng, flow_id) == "after"
+            assert runs[-1][0] == 2, runs
+            retry_tasks.append(runs[-1][1])
+    assert "Hog-1" in retry_tasks, f"no retry was folded into Hog's commit: {retry_tasks}"
