@@ -1029,10 +1029,14 @@ async def test_unknown_flows_raise_flow_not_found(store: Store) -> None:
         lambda: store.publish("nope", "Inbox", "", enc("x")),
         lambda: store.history("nope"),
         lambda: store.read_attribute("nope", "Count", ""),
+        lambda: store.read_attribute_map("nope", "Count"),
+        lambda: store.read_all_attributes("nope"),
         lambda: store.read_events("nope", "Out", 0, 10),
+        lambda: store.stream_names("nope"),
         lambda: store.rpc_read("nope", ALL, []),
         lambda: store.skip_timer("nope", "Listen-1"),
         lambda: store.flow_config("nope"),
+        lambda: store.update_flow_config("nope", FlowConfig()),
     ]
     for call in calls:
         with pytest.raises(FlowNotFoundError):
