@@ -1281,6 +1281,24 @@ async def test_a_message_a_wait_of_the_same_commit_takes_is_never_written(db_url
     assert not [s for s in written if "channel_messages" in s], written
 
 
+@pytest.mark.sqlite_only
+async def test_the_first_message_of_a_new_database_taken_unwritten_uses_up_its_id(db_url: str) -> None:
+    """On a new database the channel_messages sequence has no row yet; the first message ever
+    published is taken by a wait of its own commit and never written. Its ID must still be used up,
+    so the next message (taken the same way) gets another. Catches: the sequence's first row not
+    written with that ID, so that every such message is message 1."""
+    probe = Probe()
+    async with engine_for(db_url, Registry([relay_flow(probe)])) as eng:
+        await eng.client.start_flow("Relay", "r1")
+        for value, seid in ((1, "First-1"), (2, "Second-1")):
+            await wait_until(f"{seid} waits", lambda seid=seid: _history_has(eng, "r1", "wait_registered", seid))
+            await eng.client.rpc("r1", "post", value)
+            await wait_until(f"{seid} ran", lambda value=value: _count(probe.executed, value))
+        stored = await eng.store.raw(lambda db: db.one("SELECT COUNT(*) FROM channel_messages"))
+    assert [(values, ids) for _seid, values, ids in probe.executed] == [([1], [1]), ([2], [2])]
+    assert stored == (0,)
+
+
 async def _history_has(eng: Engine, flow_id: str, event: str, seid: str) -> bool:
     return any(h.event_type == event and h.step_execution_id == seid
                for h in await eng.client.get_flow_history(flow_id))
