@@ -916,13 +916,12 @@ def write_claim(db: Db, claimed: Claimed) -> Lease:
     return lease
 
 
-def check_lease(db: Db, lease: Lease) -> tuple[FlowConfig, bool]:
-    """E2: only the attempt that owns the task may write. Returns the flow's config and completing flag.
+def check_lease(db: Db, lease: Lease) -> None:
+    """E2: only the attempt that owns the task may write (StaleAttemptError, FlowNotActiveError).
 
     The read also takes the flow's lock (and the task row's) on PostgreSQL: a read that waited
     for the lock re-reads both rows at their newest versions, so the epoch it checks is current."""
-    checked = _check_lease(db, lease, False)
-    return checked.config, checked.completing
+    _check_lease(db, lease, False)
 
 
 @dataclass(frozen=True)
@@ -1474,14 +1473,13 @@ def apply_decision(
                (decision.output, flow_id))
 
 
-def cancel_step_types(db: Db, flow_id: str, step_types: Sequence[str], now: int) -> int:
+def cancel_step_types(db: Db, flow_id: str, step_types: Sequence[str], now: int) -> None:
     rows = db.all(
         f"SELECT task_id FROM tasks WHERE flow_id = ? AND step_type IN ({_in(step_types)}) ORDER BY task_id",
         (flow_id, *step_types),
     )
     for (task_id,) in rows:
         _cancel_task(db, int(task_id), now, "cancelled")
-    return len(rows)
 
 
 def _cancel_task(db: Db, task_id: int, now: int, detail: str) -> None:
@@ -1724,7 +1722,7 @@ def _expire_orphans(db: Db, now: int) -> int:
     return count
 
 
-def release_lost_claims(db: Db, worker_id: str, known: Sequence[int], claimed_before: int, now: int) -> int:
+def release_lost_claims(db: Db, worker_id: str, known: Sequence[int], claimed_before: int, now: int) -> None:
     """Hand back attempts this worker holds in the database but not in memory.
 
     That happens when a claim or a commit that claimed committed but its reply was lost (a dropped
@@ -1749,7 +1747,6 @@ def release_lost_claims(db: Db, worker_id: str, known: Sequence[int], claimed_be
             count += 1
     if count:
         _expire_orphans(db, now)
-    return count
 
 
 def next_due(db: Db, flow_types: Sequence[str]) -> int | None:
