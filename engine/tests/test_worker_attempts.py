@@ -24,6 +24,7 @@ import pytest
 
 from dex_engine import (
     Attribute,
+    Channel,
     Context,
     Flow,
     Registry,
@@ -31,13 +32,17 @@ from dex_engine import (
     Step,
     StepDecision,
     StepOptions,
+    Store,
+    Timer,
+    Wait,
     _gates,
     open_store,
 )
 from dex_engine._limits import RENEW_RETRY_SECONDS
+from dex_engine._records import HousekeepingReport
 from dex_engine._store import LOST_CLAIM_MS
 
-from .conftest import assert_paced, engine_for, wait_until
+from .conftest import Engine, assert_paced, engine_for, wait_until
 from .test_pure_execute import TRIES, called_from, quiet_engine
 
 QUICK_RETRY = StepOptions(execute_retry=RetryPolicy(max_attempts=4, initial_interval_seconds=0.01,
@@ -564,6 +569,39 @@ async def test_a_step_waiting_for_a_method_lock_runs_once_the_holder_commits(db_
                 assert marks["other started"] - marks["holder returned"] < 0.3, marks
 
 
+def without_own_housekeeping(eng: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker eng starts next never housekeeps: only the test's other store does."""
+    real_poll = eng.store.poll
+
+    async def poll_without_housekeeping(*args: Any, **kwargs: Any) -> Any:
+        return await real_poll(*args, **{**kwargs, "housekeep": False})
+
+    monkeypatch.setattr(eng.store, "poll", poll_without_housekeeping)
+
+
+async def housekeeping_during_the_held_commit(monkeypatch: pytest.MonkeyPatch, other: Store) -> HousekeepingReport:
+    """The next commit of a Step method stops inside its transaction, holding its locks; `other`'s
+    housekeeping runs meanwhile, and the commit goes on once housekeeping had time to read what
+    the commit changes. Returns housekeeping's report."""
+    inside, go = threading.Event(), threading.Event()
+
+    def held_inside_commit(name: str) -> None:
+        if name == _gates.INSIDE_COMMIT and not inside.is_set():
+            inside.set()
+            go.wait(30)
+
+    monkeypatch.setattr(_gates, "ACTIVE", True)
+    monkeypatch.setattr(_gates, "gate", held_inside_commit)
+    try:
+        assert await asyncio.to_thread(inside.wait, 10), "the commit never started"
+        housekeeping = asyncio.create_task(other.housekeeping())
+        await asyncio.sleep(0.5)  # it reads what the commit changes, and waits if it must
+        go.set()
+        return await asyncio.wait_for(housekeeping, 30)
+    finally:
+        go.set()
+
+
 async def test_housekeeping_waits_for_the_commit_of_an_attempt_it_would_time_out(
     pg_database: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -572,8 +610,7 @@ async def test_housekeeping_waits_for_the_commit_of_an_attempt_it_would_time_out
     completed and leaves it alone. Catches: an overdue attempt re-checked without the flow's row
     lock, which records a HeartbeatTimeout for an attempt that completed and may run it again.
     (On SQLite the writers take turns with the whole file; a commit held there may hold the loop.)"""
-    db_url = pg_database
-    started, inside, go = asyncio.Event(), threading.Event(), threading.Event()
+    started = asyncio.Event()
 
     async def late(ctx: Context, _: None) -> StepDecision:
         started.set()
@@ -582,34 +619,74 @@ async def test_housekeeping_waits_for_the_commit_of_an_attempt_it_would_time_out
 
     options = StepOptions(heartbeat_timeout_seconds=0.2, execute_retry=QUICK_RETRY.execute_retry)
     registry = Registry([Flow("Late", [Step("Call", late, options=options)], start_step="Call")])
-
-    def held_inside_commit(name: str) -> None:
-        if name == _gates.INSIDE_COMMIT and not inside.is_set():
-            inside.set()
-            go.wait(30)
-
-    async with engine_for(db_url, registry, worker=False) as eng:
-        real_poll = eng.store.poll
-
-        async def poll_without_housekeeping(*args: Any, **kwargs: Any) -> Any:
-            return await real_poll(*args, **{**kwargs, "housekeep": False})
-
-        monkeypatch.setattr(eng.store, "poll", poll_without_housekeeping)  # only the other process's runs
+    async with engine_for(pg_database, registry, worker=False) as eng:
+        without_own_housekeeping(eng, monkeypatch)
         await eng.start_worker()
         await eng.client.start_flow("Late", "l")
         await asyncio.wait_for(started.wait(), 10)
-        other = open_store(db_url)  # before the commit holds the database (opening an SQLite file waits)
+        other = open_store(pg_database)
         try:
-            monkeypatch.setattr(_gates, "ACTIVE", True)
-            monkeypatch.setattr(_gates, "gate", held_inside_commit)
-            assert await asyncio.to_thread(inside.wait, 10), "the attempt's commit never started"
-            housekeeping = asyncio.create_task(other.housekeeping())
-            await asyncio.sleep(0.5)  # it reads the overdue attempt, and waits if it must
-            go.set()
-            report = await asyncio.wait_for(housekeeping, 30)
+            report = await housekeeping_during_the_held_commit(monkeypatch, other)
         finally:
-            go.set()
             await other.close()
         assert (await eng.client.wait_for_flow("l", 10)).status == "completed"
         assert failures(await eng.client.get_flow_history("l")) == []
         assert report.timeouts == 0, report
+
+
+Inbox = Channel("Inbox", str)
+
+
+async def test_housekeeping_waits_for_a_commit_that_satisfies_the_wait_whose_timer_it_fires(
+    pg_database: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On PostgreSQL, Waiter waits for a message or a 1 s timer. Sender publishes the message after
+    the timer is due, and while Sender's commit (which completes Waiter's wait) is open, another
+    process's housekeeping finds the timer due. It waits for that commit and fires nothing: Waiter's
+    wait completes once and its Execute runs once. Catches: a due timer fired without the flow's
+    row lock, over the wait the commit had just completed (Waiter made ready again)."""
+    sender_started = asyncio.Event()
+    got: list[list[str]] = []
+
+    async def arm(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to_many(("Waiter", None), ("Sender", None))
+
+    async def waiter_wait(ctx: Context, _: None) -> Wait:
+        return Wait.any_of(Inbox.for_one(), Timer.by_duration(1))
+
+    async def waiter(ctx: Context, _: None) -> StepDecision:
+        assert ctx.wait_result is not None
+        got.append(ctx.wait_result.messages(Inbox))
+        return StepDecision.graceful_complete()
+
+    async def sender(ctx: Context, _: None) -> StepDecision:
+        sender_started.set()
+        await asyncio.sleep(1.5)  # Waiter's timer is due
+        ctx.publish(Inbox, "go")
+        return StepDecision.dead_end()
+
+    registry = Registry([Flow("Race", [
+        Step("Arm", arm), Step("Waiter", waiter, wait_for=waiter_wait), Step("Sender", sender),
+    ], start_step="Arm", schema=[Inbox])])
+    async with engine_for(pg_database, registry, worker=False) as eng:
+        without_own_housekeeping(eng, monkeypatch)
+        await eng.start_worker()
+        await eng.client.start_flow("Race", "r")
+        await asyncio.wait_for(sender_started.wait(), 10)
+
+        async def waiting() -> bool:
+            history = await eng.client.get_flow_history("r")
+            return any(h.event_type == "wait_registered" and h.step_execution_id == "Waiter-1" for h in history)
+
+        await wait_until("Waiter waits", waiting)
+        other = open_store(pg_database)
+        try:
+            report = await housekeeping_during_the_held_commit(monkeypatch, other)
+        finally:
+            await other.close()
+        assert (await eng.client.wait_for_flow("r", 10)).status == "completed"
+        history = await eng.client.get_flow_history("r")
+    completed = [h.detail for h in history if h.event_type == "wait_completed" and h.step_execution_id == "Waiter-1"]
+    assert len(completed) == 1, completed
+    assert len(got) == 1, got
+    assert report.timers_fired == 0, report
