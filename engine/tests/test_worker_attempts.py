@@ -579,10 +579,12 @@ def without_own_housekeeping(eng: Engine, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(eng.store, "poll", poll_without_housekeeping)
 
 
-async def housekeeping_during_the_held_commit(monkeypatch: pytest.MonkeyPatch, other: Store) -> HousekeepingReport:
-    """The next commit of a Step method stops inside its transaction, holding its locks; `other`'s
-    housekeeping runs meanwhile, and the commit goes on once housekeeping had time to read what
-    the commit changes. Returns housekeeping's report."""
+async def housekeeping_during_the_held_commit(
+    monkeypatch: pytest.MonkeyPatch, other: Store, before: Callable[[], Awaitable[Any]] | None = None,
+) -> HousekeepingReport:
+    """The next commit of a Step method stops inside its transaction, holding its locks; `before`
+    and then `other`'s housekeeping run meanwhile, and the commit goes on once housekeeping had time
+    to read what the commit changes. Returns housekeeping's report."""
     inside, go = threading.Event(), threading.Event()
 
     def held_inside_commit(name: str) -> None:
@@ -594,6 +596,8 @@ async def housekeeping_during_the_held_commit(monkeypatch: pytest.MonkeyPatch, o
     monkeypatch.setattr(_gates, "gate", held_inside_commit)
     try:
         assert await asyncio.to_thread(inside.wait, 10), "the commit never started"
+        if before is not None:
+            await before()
         housekeeping = asyncio.create_task(other.housekeeping())
         await asyncio.sleep(0.5)  # it reads what the commit changes, and waits if it must
         go.set()
@@ -632,6 +636,41 @@ async def test_housekeeping_waits_for_the_commit_of_an_attempt_it_would_time_out
         assert (await eng.client.wait_for_flow("l", 10)).status == "completed"
         assert failures(await eng.client.get_flow_history("l")) == []
         assert report.timeouts == 0, report
+
+
+async def test_housekeeping_waits_for_the_commit_of_an_attempt_whose_worker_it_finds_gone(
+    pg_database: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On PostgreSQL, a worker's registration is gone (another process declared it dead) while its
+    attempt's commit is open. Housekeeping finds the attempt orphaned, waits for that commit, sees
+    the Step completed and leaves it alone. Catches: an orphan re-checked without the flow's row
+    lock, which records WorkerLost for an attempt that completed."""
+    started = asyncio.Event()
+
+    async def call(ctx: Context, _: None) -> StepDecision:
+        started.set()
+        await asyncio.sleep(0.3)
+        return StepDecision.force_complete("done")
+
+    registry = Registry([Flow("Orphan", [Step("Call", call, options=QUICK_RETRY)], start_step="Call")])
+    async with engine_for(pg_database, registry, worker=False) as eng:
+        without_own_housekeeping(eng, monkeypatch)
+        worker = await eng.start_worker(lease_ttl_seconds=60.0, lease_renew_seconds=30.0)  # no renewal meanwhile
+        await eng.client.start_flow("Orphan", "o")
+        await asyncio.wait_for(started.wait(), 10)
+        other = open_store(pg_database)
+
+        async def declared_dead() -> None:
+            await other.raw(lambda db: db.run("DELETE FROM workers WHERE worker_id = ?", (worker.worker_id,)),
+                            write=True)
+
+        try:
+            report = await housekeeping_during_the_held_commit(monkeypatch, other, declared_dead)
+        finally:
+            await other.close()
+        assert (await eng.client.wait_for_flow("o", 10)).status == "completed"
+        assert failures(await eng.client.get_flow_history("o")) == []
+        assert report.leases_expired == 0, report
 
 
 Inbox = Channel("Inbox", str)
