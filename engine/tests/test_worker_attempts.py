@@ -580,11 +580,21 @@ def without_own_housekeeping(eng: Engine, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 async def housekeeping_during_the_held_commit(
-    monkeypatch: pytest.MonkeyPatch, other: Store, before: Callable[[], Awaitable[Any]] | None = None,
+    db_url: str, monkeypatch: pytest.MonkeyPatch, before: Callable[[Store], Awaitable[Any]] | None = None,
 ) -> HousekeepingReport:
-    """The next commit of a Step method stops inside its transaction, holding its locks; `before`
-    and then `other`'s housekeeping run meanwhile, and the commit goes on once housekeeping had time
-    to read what the commit changes. Returns housekeeping's report."""
+    """The next commit of a Step method stops inside its transaction, holding its locks; meanwhile
+    `before` and then the housekeeping of another store (another process's) run, and the commit
+    goes on once housekeeping had time to read what the commit changes. Returns its report."""
+    other = open_store(db_url)
+    try:
+        return await _housekeeping_while_held(monkeypatch, other, before)
+    finally:
+        await other.close()
+
+
+async def _housekeeping_while_held(
+    monkeypatch: pytest.MonkeyPatch, other: Store, before: Callable[[Store], Awaitable[Any]] | None,
+) -> HousekeepingReport:
     inside, go = threading.Event(), threading.Event()
 
     def held_inside_commit(name: str) -> None:
@@ -597,7 +607,7 @@ async def housekeeping_during_the_held_commit(
     try:
         assert await asyncio.to_thread(inside.wait, 10), "the commit never started"
         if before is not None:
-            await before()
+            await before(other)
         housekeeping = asyncio.create_task(other.housekeeping())
         await asyncio.sleep(0.5)  # it reads what the commit changes, and waits if it must
         go.set()
@@ -628,11 +638,7 @@ async def test_housekeeping_waits_for_the_commit_of_an_attempt_it_would_time_out
         await eng.start_worker()
         await eng.client.start_flow("Late", "l")
         await asyncio.wait_for(started.wait(), 10)
-        other = open_store(pg_database)
-        try:
-            report = await housekeeping_during_the_held_commit(monkeypatch, other)
-        finally:
-            await other.close()
+        report = await housekeeping_during_the_held_commit(pg_database, monkeypatch)
         assert (await eng.client.wait_for_flow("l", 10)).status == "completed"
         assert failures(await eng.client.get_flow_history("l")) == []
         assert report.timeouts == 0, report
@@ -658,16 +664,12 @@ async def test_housekeeping_waits_for_the_commit_of_an_attempt_whose_worker_it_f
         worker = await eng.start_worker(lease_ttl_seconds=60.0, lease_renew_seconds=30.0)  # no renewal meanwhile
         await eng.client.start_flow("Orphan", "o")
         await asyncio.wait_for(started.wait(), 10)
-        other = open_store(pg_database)
 
-        async def declared_dead() -> None:
+        async def declared_dead(other: Store) -> None:
             await other.raw(lambda db: db.run("DELETE FROM workers WHERE worker_id = ?", (worker.worker_id,)),
                             write=True)
 
-        try:
-            report = await housekeeping_during_the_held_commit(monkeypatch, other, declared_dead)
-        finally:
-            await other.close()
+        report = await housekeeping_during_the_held_commit(pg_database, monkeypatch, declared_dead)
         assert (await eng.client.wait_for_flow("o", 10)).status == "completed"
         assert failures(await eng.client.get_flow_history("o")) == []
         assert report.leases_expired == 0, report
@@ -718,11 +720,7 @@ async def test_housekeeping_waits_for_a_commit_that_satisfies_the_wait_whose_tim
             return any(h.event_type == "wait_registered" and h.step_execution_id == "Waiter-1" for h in history)
 
         await wait_until("Waiter waits", waiting)
-        other = open_store(pg_database)
-        try:
-            report = await housekeeping_during_the_held_commit(monkeypatch, other)
-        finally:
-            await other.close()
+        report = await housekeeping_during_the_held_commit(pg_database, monkeypatch)
         assert (await eng.client.wait_for_flow("r", 10)).status == "completed"
         history = await eng.client.get_flow_history("r")
     completed = [h.detail for h in history if h.event_type == "wait_completed" and h.step_execution_id == "Waiter-1"]
