@@ -340,3 +340,9 @@ async def run_as_one_batch(store: Store, ops: Sequence[Callable[[Any], object]])
     results = list(await queued_ops)
     await slow_task
     return results
+
+
+async def history_has(eng: Engine, flow_id: str, event: str, step_execution_id: str) -> bool:
+    """Whether the flow's history has `event` for that Step execution (a wait_until probe)."""
+    return any(h.event_type == event and h.step_execution_id == step_execution_id
+               for h in await eng.client.get_flow_history(flow_id))

@@ -29,9 +29,11 @@ from dex_engine import (
     Context,
     Flow,
     HistoryEntry,
+    Movement,
     Registry,
     RetryPolicy,
     RpcContext,
+    RPCResult,
     Step,
     StepDecision,
     StepDurability,
@@ -44,7 +46,7 @@ from dex_engine import _transitions as tx
 from dex_engine._limits import MAX_FOLDED_EXECUTES_PER_COMMIT
 from dex_engine._records import Lease
 
-from .conftest import Engine, engine_for, wait_until
+from .conftest import Engine, engine_for, history_has, wait_until
 
 Inbox = Channel("Inbox", str)
 Note = Attribute("Note", str)
@@ -581,3 +583,70 @@ async def test_a_retry_folded_into_another_steps_commit_releases_the_locks_it_he
             assert runs[-1][0] == 2, runs
             retry_tasks.append(runs[-1][1])
     assert "Hog-1" in retry_tasks, f"no retry was folded into Hog's commit: {retry_tasks}"
+
+
+def cross_flow(got: list[tuple[str, list[str]]], relay_tasks: list[str], release: dict[str, asyncio.Event]) -> Flow:
+    """A flow started with "hog" runs Hog, which waits for release[flow_id], publishes on its own
+    Inbox and ends. One started with "pair" has Waiter wait for its Inbox; its RPC `kick` readies
+    Relay (pure), which publishes on that Inbox."""
+
+    async def start(ctx: Context, role: str) -> StepDecision:
+        return StepDecision.go_to("Hog" if role == "hog" else "Waiter")
+
+    async def hog(ctx: Context, _: None) -> StepDecision:
+        await release[ctx.flow_id].wait()
+        ctx.publish(Inbox, f"from {ctx.flow_id}")
+        return StepDecision.dead_end()
+
+    async def relay(ctx: Context, _: None) -> StepDecision:
+        task = asyncio.current_task()
+        relay_tasks.append("" if task is None else task.get_name())
+        ctx.publish(Inbox, f"from {ctx.flow_id}")
+        return StepDecision.dead_end()
+
+    async def waiter_wait(ctx: Context, _: None) -> Wait:
+        return Wait.until(Inbox.for_one())
+
+    async def waiter(ctx: Context, _: None) -> StepDecision:
+        assert ctx.wait_result is not None
+        got.append((ctx.flow_id, ctx.wait_result.messages(Inbox)))
+        return StepDecision.graceful_complete()
+
+    @rpc(request_type=type(None))
+    async def kick(ctx: RpcContext, _: None) -> RPCResult[None]:
+        return RPCResult(None, next_steps=(Movement("Relay", None),))
+
+    return Flow("Cross", [
+        Step("Start", start, input_type=str), Step("Hog", hog), Step("Relay", relay, pure_execute=True),
+        Step("Waiter", waiter, wait_for=waiter_wait),
+    ], start_step="Start", schema=[Inbox], rpcs=[kick])
+
+
+@pytest.mark.sqlite_only
+async def test_a_fold_of_another_flows_execute_takes_only_that_flows_messages(db_url: str) -> None:
+    """Hog of flow A publishes on A's Inbox, and its commit claims Relay of flow B (ready, while
+    both worker slots were busy) and runs it inside: Relay publishes on B's Inbox, which B's Waiter
+    waits for. Both messages are unwritten in that one commit, and B's Waiter must take B's.
+    Catches: a wait taking an unwritten message of another flow with the same channel name (seen
+    only in a mutant, which gave B's Waiter A's message)."""
+    got: list[tuple[str, list[str]]] = []
+    relay_tasks: list[str] = []
+    release: dict[str, asyncio.Event] = {}
+    async with quiet_engine(db_url, Registry([cross_flow(got, relay_tasks, release)]), max_concurrent_tasks=2) as eng:
+        for i in range(3):
+            a, b, other = f"a{i}", f"b{i}", f"x{i}"
+            await eng.client.start_flow("Cross", b, "pair")
+            await wait_until("B's Waiter waits", lambda b=b: history_has(eng, b, "wait_registered", "Waiter-1"))
+            for hog_flow in (a, other):
+                release[hog_flow] = asyncio.Event()
+                await eng.client.start_flow("Cross", hog_flow, "hog")
+                await wait_until(f"{hog_flow}'s Hog runs",
+                                 lambda f=hog_flow: history_has(eng, f, "step_scheduled", "Hog-1"))
+            await asyncio.sleep(0.2)  # both Hogs hold the worker's two slots
+            await eng.client.rpc(b, "kick", None)  # Relay is ready, and no slot is free
+            release[a].set()
+            await asyncio.sleep(0.5)  # nothing else runs on the loop while Hog commits: it may fold
+            assert await finished(eng, b) is None
+            release[other].set()
+    assert got == [(f"b{i}", [f"from b{i}"]) for i in range(3)], got
+    assert "Hog-1" in relay_tasks, f"no Relay ran inside a Hog's commit: {relay_tasks}"

@@ -45,7 +45,7 @@ from dex_engine import (
 from dex_engine._decision import Movement
 from dex_engine._records import StartRequest
 
-from .conftest import Engine, engine_for, history_fallbacks, statements_during, wait_until
+from .conftest import Engine, engine_for, history_fallbacks, history_has, statements_during, wait_until
 
 QUICK = RetryPolicy(max_attempts=3, initial_interval_seconds=0.05, max_interval_seconds=0.05)
 A = Attribute("A", int)
@@ -1269,7 +1269,7 @@ async def test_a_message_a_wait_of_the_same_commit_takes_is_never_written(db_url
         await eng.client.start_flow("Relay", "r1")
         await eng.client.publish("r1", C, 1)  # the client's publish stores it, then First takes it
         await wait_until("First ran", lambda: _count(probe.executed, 1))
-        await wait_until("Second waits", lambda: _history_has(eng, "r1", "wait_registered", "Second-1"))
+        await wait_until("Second waits", lambda: history_has(eng, "r1", "wait_registered", "Second-1"))
         statements = await statements_during(eng.store, lambda: eng.client.rpc("r1", "post", 2))
         await wait_until("Second ran", lambda: _count(probe.executed, 2))
         sequence = await eng.store.raw(lambda db: db.one(
@@ -1291,17 +1291,12 @@ async def test_the_first_message_of_a_new_database_taken_unwritten_uses_up_its_i
     async with engine_for(db_url, Registry([relay_flow(probe)])) as eng:
         await eng.client.start_flow("Relay", "r1")
         for value, seid in ((1, "First-1"), (2, "Second-1")):
-            await wait_until(f"{seid} waits", lambda seid=seid: _history_has(eng, "r1", "wait_registered", seid))
+            await wait_until(f"{seid} waits", lambda seid=seid: history_has(eng, "r1", "wait_registered", seid))
             await eng.client.rpc("r1", "post", value)
             await wait_until(f"{seid} ran", lambda value=value: _count(probe.executed, value))
         stored = await eng.store.raw(lambda db: db.one("SELECT COUNT(*) FROM channel_messages"))
     assert [(values, ids) for _seid, values, ids in probe.executed] == [([1], [1]), ([2], [2])]
     assert stored == (0,)
-
-
-async def _history_has(eng: Engine, flow_id: str, event: str, seid: str) -> bool:
-    return any(h.event_type == event and h.step_execution_id == seid
-               for h in await eng.client.get_flow_history(flow_id))
 
 
 @pytest.mark.sqlite_only
