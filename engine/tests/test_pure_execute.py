@@ -570,12 +570,8 @@ async def test_a_retry_folded_into_another_steps_commit_releases_the_locks_it_he
             hog_release.clear()
             flow_id = f"h{i}"
             await eng.client.start_flow("HeldLock", flow_id)
-
-            async def first_failed(flow_id: str = flow_id) -> bool:
-                history = await eng.client.get_flow_history(flow_id)
-                return any(h.event_type == "attempt_failed" for h in history)
-
-            await wait_until("Locked's first attempt failed", first_failed)
+            await wait_until("Locked's first attempt failed",
+                             lambda f=flow_id: history_has(eng, f, "attempt_failed", "Locked-1"))
             await eng.client.rpc(flow_id, "post", "go")  # Hog takes the slot
             await asyncio.sleep(RETRY_SECONDS + 0.5)  # the retry is due, and waits for a slot
             hog_release.set()

@@ -42,7 +42,7 @@ from dex_engine._limits import RENEW_RETRY_SECONDS
 from dex_engine._records import HousekeepingReport
 from dex_engine._store import LOST_CLAIM_MS
 
-from .conftest import Engine, assert_paced, engine_for, wait_until
+from .conftest import Engine, assert_paced, engine_for, history_has, wait_until
 from .test_pure_execute import TRIES, called_from, quiet_engine
 
 QUICK_RETRY = StepOptions(execute_retry=RetryPolicy(max_attempts=4, initial_interval_seconds=0.01,
@@ -586,15 +586,6 @@ async def housekeeping_during_the_held_commit(
     `before` and then the housekeeping of another store (another process's) run, and the commit
     goes on once housekeeping had time to read what the commit changes. Returns its report."""
     other = open_store(db_url)
-    try:
-        return await _housekeeping_while_held(monkeypatch, other, before)
-    finally:
-        await other.close()
-
-
-async def _housekeeping_while_held(
-    monkeypatch: pytest.MonkeyPatch, other: Store, before: Callable[[Store], Awaitable[Any]] | None,
-) -> HousekeepingReport:
     inside, go = threading.Event(), threading.Event()
 
     def held_inside_commit(name: str) -> None:
@@ -614,6 +605,7 @@ async def _housekeeping_while_held(
         return await asyncio.wait_for(housekeeping, 30)
     finally:
         go.set()
+        await other.close()
 
 
 async def test_housekeeping_waits_for_the_commit_of_an_attempt_it_would_time_out(
@@ -714,12 +706,7 @@ async def test_housekeeping_waits_for_a_commit_that_satisfies_the_wait_whose_tim
         await eng.start_worker()
         await eng.client.start_flow("Race", "r")
         await asyncio.wait_for(sender_started.wait(), 10)
-
-        async def waiting() -> bool:
-            history = await eng.client.get_flow_history("r")
-            return any(h.event_type == "wait_registered" and h.step_execution_id == "Waiter-1" for h in history)
-
-        await wait_until("Waiter waits", waiting)
+        await wait_until("Waiter waits", lambda: history_has(eng, "r", "wait_registered", "Waiter-1"))
         report = await housekeeping_during_the_held_commit(pg_database, monkeypatch)
         assert (await eng.client.wait_for_flow("r", 10)).status == "completed"
         history = await eng.client.get_flow_history("r")

@@ -40,7 +40,7 @@ from dex_engine import (
 from dex_engine._records import DecisionRecord, StartRequest, WriteSet
 from dex_engine._scheduling import movement_record
 
-from .conftest import assert_paced, engine_for, stop_while_a_claim_lands, wait_until
+from .conftest import Engine, assert_paced, engine_for, stop_while_a_claim_lands, wait_until
 
 Log = Stream("Log", str)
 Inbox = Channel("Inbox", str)
@@ -151,7 +151,7 @@ def _one_step(flow_type: str, handler: Callable[[Context, Any], Awaitable[StepDe
     return Registry([Flow(flow_type, [Step("Hold", handler)], start_step="Hold")])
 
 
-async def _holding(eng: Any, flow_type: str, flow_id: str, log: list[str], **options: Any) -> AsyncWorker:
+async def _holding(eng: Engine, flow_type: str, flow_id: str, log: list[str], **options: Any) -> AsyncWorker:
     """A worker with `options`, once it runs `flow_id`'s first attempt (whose handler logs to `log`)."""
     worker = await eng.start_worker(**options)
     await eng.client.start_flow(flow_type, flow_id)
