@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -58,6 +58,7 @@ from dex_agents import (
     CancelTurnRequest,
     InterruptKind,
     MessageRole,
+    QuestionAnswer,
     ToolEffect,
     TurnCancellationRequest,
     TurnControlKind,
@@ -69,10 +70,12 @@ from dex_agents._control_steps import (
     TURN_CONTROL_WAKE,
     CancellationAction,
     ControlSteps,
+    abandoned_task_record,
     cancellation_action,
     cancelled_record,
 )
 from dex_agents._policy import CANCELLED_NOTE_HEADER, TOOL_CALL_NOTE_FOOTER
+from dex_agents._task_steps import answered_task_record, cancelled_task_record
 from dex_agents._tool_steps import ToolSteps
 from dex_agents._turn_steps import TurnSteps
 from dex_agents.testing import (
@@ -165,6 +168,26 @@ def test_a_cancelled_record_is_rejected_with_its_reason_and_the_structured_messa
     steered = cancelled_record(tool_call(S.AWAITING_APPROVAL), CancellationReason.STEERED)
     assert (steered.cancellation_reason, steered.rejection_message) == (
         CancellationReason.STEERED, STEERED_REJECTION_MESSAGE)
+
+
+@pytest.mark.parametrize("leave_the_question", [
+    lambda r: cancelled_record(r, CancellationReason.STEERED),
+    abandoned_task_record,
+    lambda r: answered_task_record(r, QuestionAnswer("c1-input-2", "Go?", "yes")),
+    cancelled_task_record,
+], ids=["cancelled", "abandoned_task", "answered_task", "cancelled_task"])
+def test_a_record_leaving_its_question_drops_all_of_it_and_keeps_the_answers(
+    leave_the_question: Callable[[AgentToolCall], AgentToolCall],
+) -> None:
+    """Each way a call stops waiting for its answer shows no question any more, in every field the
+    snapshot carries (a stale allows_free_text=false would tell a UI the call still limits the
+    answer to its choices), and keeps the continuation and the answers given before."""
+    earlier = QuestionAnswer("c1-input-1", "Sure?", "no")
+    asking = tool_call(S.AWAITING_ANSWER, task_id="job-1", input_question="Go?", input_choices=["yes", "no"],
+                       input_allows_free_text=False, input_continuation="k1", input_answers=[earlier])
+    left = leave_the_question(asking)
+    assert (left.input_question, left.input_choices, left.input_allows_free_text) == (None, [], True)
+    assert (left.input_continuation, left.input_answers[0]) == ("k1", earlier)
 
 
 # cancel_turn through a live Worker --------------------------------------------------------------

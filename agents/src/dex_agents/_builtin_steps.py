@@ -40,7 +40,7 @@ from ._persistence import AGENT_TOOL_CALLS, INTERRUPT_RESOLUTIONS, PENDING_INTER
 from ._runtime import INTERRUPT_STEP_LOAD_EXTRA, SessionRuntime, now_utc, pending_interrupts, tool_call_load
 from ._task_steps import question_failure_status, resolve_task_question
 from ._timefmt import format_time, parse_time
-from ._turn_logic import deadline_timer_seconds, finished, without_interrupt
+from ._turn_logic import deadline_timer_seconds, finished, without_interrupt, without_question
 from ._wire import (
     AgentInterrupt,
     AgentInterruptResolution,
@@ -74,11 +74,6 @@ def question_step_load(record: AgentToolCall) -> MovementOptions:
     if record.input_question is not None:
         extra = (*extra, AGENT_TOOL_CALLS[question_interrupt_id(record)])
     return tool_call_load(record.tool_call_id, *extra)
-
-
-def without_question(record: AgentToolCall) -> AgentToolCall:
-    """The record with no pending tool question (its answers and continuation stay)."""
-    return msgspec.structs.replace(record, input_question=None, input_choices=[], input_allows_free_text=True)
 
 
 def _is_raise_wait(wait: WaitResult) -> bool:

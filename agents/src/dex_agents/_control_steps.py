@@ -76,7 +76,7 @@ from ._runtime import (
     tool_call_load,
 )
 from ._timefmt import utc_now_text
-from ._turn_logic import ended_turn, finished
+from ._turn_logic import ended_turn, finished, without_question
 from ._wire import (
     AgentInterrupt,
     AgentState,
@@ -179,9 +179,7 @@ def cancellation_rejection_message(reason: CancellationReason) -> str:
 
 def cancelled_record(record: AgentToolCall, reason: CancellationReason) -> AgentToolCall:
     """The call abandoned before it started: rejected with cancellation_reason, no pending question."""
-    unasked = msgspec.structs.replace(
-        record, input_question=None, input_choices=[], input_allows_free_text=True, cancellation_reason=reason,
-    )
+    unasked = msgspec.structs.replace(without_question(record), cancellation_reason=reason)
     return finished(unasked, AgentToolCallStatus.REJECTED, rejection_message=cancellation_rejection_message(reason))
 
 
@@ -254,8 +252,8 @@ def cancellation_action(record: AgentToolCall, pending: Iterable[AgentInterrupt]
 def abandoned_task_record(record: AgentToolCall) -> AgentToolCall:
     """A started task cancel_turn abandons: it keeps waiting_for_task, marked for CancelToolTask."""
     return msgspec.structs.replace(
-        record, status=AgentToolCallStatus.WAITING_FOR_TASK, cancellation_reason=CancellationReason.TURN_CANCELLED,
-        input_question=None, input_choices=[], input_allows_free_text=True,
+        without_question(record), status=AgentToolCallStatus.WAITING_FOR_TASK,
+        cancellation_reason=CancellationReason.TURN_CANCELLED,
     )
 
 

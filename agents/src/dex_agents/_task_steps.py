@@ -47,7 +47,7 @@ from ._runner import (
     polls_tool_tasks,
 )
 from ._runtime import SessionRuntime, background_heartbeats, tool_call_load
-from ._turn_logic import finished, text_problem
+from ._turn_logic import finished, text_problem, without_question
 from ._wire import (
     AgentState,
     AgentToolCall,
@@ -155,16 +155,15 @@ def answered_task_record(record: AgentToolCall, answer: QuestionAnswer) -> Agent
     """A task's question resolved: the resolution waits in input_answers for the next poll, which
     reads the question's continuation (kept) and hands the task `answer` as pending_answer."""
     return msgspec.structs.replace(
-        record, status=AgentToolCallStatus.WAITING_FOR_TASK, input_question=None, input_choices=[],
-        input_allows_free_text=True, input_answers=[*record.input_answers, answer], task_answer_pending=True,
+        without_question(record), status=AgentToolCallStatus.WAITING_FOR_TASK,
+        input_answers=[*record.input_answers, answer], task_answer_pending=True,
     )
 
 
 def cancelled_task_record(record: AgentToolCall) -> AgentToolCall:
     """A task that cancel_turn abandoned: outcome_unknown, because the task may have run."""
     abandoned = msgspec.structs.replace(
-        record, cancellation_reason=CancellationReason.TURN_CANCELLED, task_answer_pending=False,
-        input_question=None, input_choices=[], input_allows_free_text=True,
+        without_question(record), cancellation_reason=CancellationReason.TURN_CANCELLED, task_answer_pending=False,
     )
     return finished(abandoned, AgentToolCallStatus.OUTCOME_UNKNOWN, error=TOOL_TASK_CANCELLED_ERROR)
 
@@ -246,8 +245,7 @@ def resolve_task_question(
     try:
         ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], waiting)
     except ValueTooLargeError as exc:
-        unasked = msgspec.structs.replace(record, input_question=None, input_choices=[], input_allows_free_text=True)
-        rt.finish_record(ctx, finished(unasked, status_by_effect(record), error=(
+        rt.finish_record(ctx, finished(without_question(record), status_by_effect(record), error=(
             f"{_too_large('the resolution of the task question', exc)}; it was not stored"
         )))
         return StepDecision.dead_end()

@@ -464,6 +464,11 @@ def finished(
     )
 
 
+def without_question(record: AgentToolCall) -> AgentToolCall:
+    """The record with no pending tool question (its answers and continuation stay)."""
+    return msgspec.structs.replace(record, input_question=None, input_choices=[], input_allows_free_text=True)
+
+
 def recovered_status(
     record: AgentToolCall, *, attempt_progress: str, single_attempt: bool
 ) -> tuple[AgentToolCallStatus, bool]:
