@@ -42,9 +42,9 @@ def plan_execution_conditions(plan: AgentPlan | None) -> list[ChannelCondition]:
     return [PLAN_EXECUTIONS[plan_execution_key(plan.revision)].for_one()]
 
 
-def consumed_plan_executions(wait_result: WaitResult | None) -> list[PlanExecutionRequest]:
+def consumed_plan_executions(wait_result: WaitResult) -> list[PlanExecutionRequest]:
     """The approvals the wait consumed (at most one: the condition takes one message)."""
-    if wait_result is None or wait_result.spec is None:
+    if wait_result.spec is None:  # a Step without a WaitFor: AwaitUserMessage always has one
         return []
     out: list[PlanExecutionRequest] = []
     for index, condition in enumerate(wait_result.spec.conditions):
