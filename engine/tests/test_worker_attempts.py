@@ -48,6 +48,7 @@ from .test_pure_execute import TRIES, called_from, quiet_engine
 QUICK_RETRY = StepOptions(execute_retry=RetryPolicy(max_attempts=4, initial_interval_seconds=0.01,
                                                     max_interval_seconds=0.01))
 TOOL_SECONDS = 2.0  # longer than the stopping worker's lease, shorter than its grace
+Inbox = Channel("Inbox", str)
 
 
 def failures(history: list[Any]) -> list[tuple[str, int, str]]:
@@ -665,9 +666,6 @@ async def test_housekeeping_waits_for_the_commit_of_an_attempt_whose_worker_it_f
         assert (await eng.client.wait_for_flow("o", 10)).status == "completed"
         assert failures(await eng.client.get_flow_history("o")) == []
         assert report.leases_expired == 0, report
-
-
-Inbox = Channel("Inbox", str)
 
 
 async def test_housekeeping_waits_for_a_commit_that_satisfies_the_wait_whose_timer_it_fires(
