@@ -342,6 +342,43 @@ async def test_a_worker_with_one_slot_claims_work_another_process_made_ready(db_
         await _foreign_client_runs_a_flow(db_url, "one-slot")
 
 
+@pytest.mark.sqlite_only  # only the SQLite store hands a client's readied Steps to its workers
+async def test_a_full_worker_leaves_a_clients_readied_step_to_the_next_worker_of_the_process(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two workers share a process's store; the first asked holds its only slot. A client's start
+    is claimed in its own commit by the second, not offered to the full one (which would claim
+    nothing and leave the Step to a poll). Catches a full worker accepting the hand-off."""
+    release = asyncio.Event()
+
+    async def hold(ctx: Context, flow_input: str) -> StepDecision:
+        if flow_input == "hold":
+            await release.wait()
+        return StepDecision.graceful_complete()
+
+    held = Flow("Held", [Step("Hold", hold, input_type=str)], start_step="Hold")
+    async with engine_for(db_url, Registry([held]), worker=False) as eng:
+        full = await eng.start_worker(max_concurrent_tasks=1)
+        try:
+            await eng.client.start_flow("Held", "holding", "hold")
+            await wait_until("the first worker's slot to fill", lambda: asyncio.sleep(0, full._running))
+            free = await eng.start_worker()
+            handed: list[str] = []
+            real = free.local_claim_done
+
+            def landed(token: int, leases: list[Any] | None, capacity: int) -> None:
+                handed.extend(lease.flow_id for lease in leases or ())
+                real(token, leases, capacity)
+
+            monkeypatch.setattr(free, "local_claim_done", landed)
+            await eng.client.start_flow("Held", "handed", "go")
+            assert (await eng.client.wait_for_flow("handed", 10)).status == "completed"
+            assert handed == ["handed"]
+        finally:
+            release.set()
+            await full.stop()
+
+
 @pytest.mark.sqlite_only  # PostgreSQL's listener connection wakes the worker whatever the store says
 async def test_a_worker_on_a_store_that_does_not_watch_polls_every_poll_seconds(
     db_url: str, monkeypatch: pytest.MonkeyPatch,
