@@ -57,7 +57,9 @@ from dex_agents import (
     QuestionAnswer,
     QuestionResolution,
     ToolEffect,
+    ToolExecutionError,
     ToolExecutionResult,
+    ToolInputRequested,
     ToolPolicy,
     ToolTaskCancellation,
     ToolTaskPending,
@@ -455,6 +457,29 @@ async def test_the_runners_heartbeats_in_a_poll_or_a_cancellation_heartbeat_the_
     abandoned = _waiting(cancellation_reason=CancellationReason.TURN_CANCELLED)
     await steps.cancel_tool_task(_context(flow, CANCEL_TOOL_TASK, abandoned, heartbeat=heartbeat), "c1")
     assert len(runner.cancellations) == 1 and heartbeats == [None, None]
+
+
+class FailingTaskRunner(TaskRunner):
+    async def poll_tool_task(self, poll: ToolTaskPoll) -> ToolTaskPollOutcome:
+        self.polls.append(poll)
+        raise ToolExecutionError("the task failed")
+
+
+@pytest.mark.parametrize("outcome", [
+    ToolTaskPending(5), ToolInputRequested(question="Which region?", continuation="p1"),
+    ToolExecutionResult("done"), "raises",
+], ids=["pending", "question", "result", "raises"])
+async def test_a_polls_event_writer_is_closed_when_the_poll_returns(outcome: ToolTaskPollOutcome | str) -> None:
+    """Whatever the poll returns or raises, its ToolTaskPoll.events is closed by the time
+    PollToolTask decides, so a runner's later writes through it are dropped (seed 003: "writes
+    after the call returns are dropped"). Catches a poll whose writer is left open."""
+    runner = FailingTaskRunner() if outcome == "raises" else TaskRunner()
+    if not isinstance(outcome, str):
+        runner.next_poll = outcome
+    flow, steps, _ = _task_steps(runner)
+    await steps.poll_tool_task(_context(flow, POLL_TOOL_TASK, _waiting()), "c1")
+    [poll] = runner.polls
+    assert poll.events.closed
 
 
 @pytest.mark.parametrize(("effect", "status"), [
