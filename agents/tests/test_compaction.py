@@ -1350,6 +1350,36 @@ async def test_compact_context_sets_status_running_model_in_the_summary_commit()
     assert written is not None and written.status is AgentStatus.RUNNING_MODEL
 
 
+class KeptSummaryRequest(BuiltinLoopAgentRunner):
+    """Keeps the summary request it is given, then answers (or raises, when `fails` is set)."""
+
+    fails = False
+
+    async def summarize_context(self, request: ContextSummaryRequest) -> ContextSummaryResult:
+        self.kept = request
+        if self.fails:
+            raise RuntimeError("the summary call failed")
+        return await super().summarize_context(request)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["answers", "raises"])
+async def test_a_summary_calls_event_writer_is_closed_when_the_call_returns(fails: bool) -> None:
+    """Whether summarize_context answers or raises, its request's writer is closed once the call is
+    over, so the runner's later writes through it are dropped (seed 003: "writes after the call
+    returns are dropped"). Catches a summary call whose writer is left open."""
+    flow, _ = compaction_flow("KeptSummaryAgent", answer, window=500, runner=KeptSummaryRequest)
+    runner = flow.runner
+    assert isinstance(runner, KeptSummaryRequest)
+    runner.fails = fails
+    call = CompactionSteps(runtime_of(flow)).compact_context(compacting_turn_2(flow), CompactContextInput(2))
+    if fails:
+        with pytest.raises(RuntimeError, match="the summary call failed"):
+            await call
+    else:
+        await call
+    assert runner.kept.events.closed
+
+
 class SummaryWithoutText(BuiltinLoopAgentRunner):
     async def summarize_context(self, request: ContextSummaryRequest) -> ContextSummaryResult:
         return ContextSummaryResult(None)  # type: ignore[arg-type]
