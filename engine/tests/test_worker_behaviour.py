@@ -109,6 +109,22 @@ def test_a_worker_without_options_takes_the_defaults_and_an_id_of_its_own() -> N
     assert first.worker_id != second.worker_id
 
 
+def test_the_documented_worker_timings_are_the_defaults() -> None:
+    """docs/engine.md's table "Workers, leases and timings" gives each WorkerOptions default that
+    the worker runs with. Catches a default changed in code (or in the docs) without the other."""
+    from pathlib import Path
+
+    from dex_engine import WorkerOptions
+
+    text = (Path(__file__).parents[2] / "docs" / "engine.md").read_text(encoding="utf-8")
+    table = text.split("| setting (`WorkerOptions`) | default | what it bounds |", 1)[1].split("\n\n", 1)[0]
+    documented = {m[1]: float(m[2]) for m in re.finditer(r"^\| `(\w+)` \| ([\d.]+) \|", table, re.MULTILINE)}
+    defaults = WorkerOptions()
+    assert documented == {name: float(getattr(defaults, name)) for name in documented}
+    assert set(documented) == {"lease_ttl_seconds", "lease_renew_seconds", "housekeeping_seconds", "poll_seconds",
+                               "max_concurrent_tasks", "shutdown_grace_seconds"}
+
+
 async def test_a_worker_that_cannot_start_raises_from_its_context(tmp_path: Any) -> None:
     """A worker whose database cannot be opened raises its error on entering its block, instead of
     entering it with nothing running."""

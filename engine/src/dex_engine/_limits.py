@@ -43,6 +43,10 @@ DEFAULT_POLL_SECONDS = 0.02
 # Concurrent Step handlers per worker.
 DEFAULT_MAX_CONCURRENT_TASKS = 64
 
+# How long stop() lets started attempts finish before revoking them: a model or tool call of a few
+# seconds completes, while a deploy's restart is not held up by one that runs for minutes.
+DEFAULT_SHUTDOWN_GRACE_SECONDS = 10.0
+
 # SQLite busy timeout: long enough for another process's group commit to finish.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 # An operation run on its event loop (SqliteStore._inline) must not block the loop waiting for

@@ -38,6 +38,7 @@ from ._limits import (
     DEFAULT_LEASE_TTL_SECONDS,
     DEFAULT_MAX_CONCURRENT_TASKS,
     DEFAULT_POLL_SECONDS,
+    DEFAULT_SHUTDOWN_GRACE_SECONDS,
     RENEW_RETRY_SECONDS,
 )
 from ._open import open_store
@@ -65,7 +66,7 @@ class WorkerOptions:
     lease_renew_seconds: float = DEFAULT_LEASE_RENEW_SECONDS
     housekeeping_seconds: float = DEFAULT_HOUSEKEEPING_SECONDS
     poll_seconds: float = DEFAULT_POLL_SECONDS
-    shutdown_grace_seconds: float = 10.0
+    shutdown_grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_SECONDS
     worker_id: str | None = None
 
     def __post_init__(self) -> None:
