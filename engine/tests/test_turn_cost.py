@@ -883,6 +883,40 @@ async def test_a_sqlite_worker_sleeps_idle_or_running_and_every_commit_wakes_it(
         await wait_until("Hold-1 of q2 cancelled", lambda: _count(probe.executed, 2), timeout=5.0)
 
 
+CHAIN_LINKS = 20
+
+
+@pytest.mark.sqlite_only
+async def test_a_chain_of_steps_each_claimed_by_the_commit_before_it_makes_the_worker_poll_no_more(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each Step's commit claims the next Step for its worker, so the slot it frees is already taken:
+    the worker is not woken to poll for work after each commit. Catches a poll after every Step (a
+    transaction each), which the chain would not notice otherwise."""
+    from dex_engine._sqlite_store import SqliteStore
+
+    polls: list[bool] = []
+    real_poll = SqliteStore.poll
+
+    async def counting_poll(self: SqliteStore, *args: Any, **kwargs: Any) -> Any:
+        polls.append(kwargs["must_claim"])
+        return await real_poll(self, *args, **kwargs)
+
+    async def link(ctx: Context, left: int) -> StepDecision:
+        return StepDecision.graceful_complete() if left == 0 else StepDecision.go_to("Link", left - 1)
+
+    chain = Flow("Chain", [Step("Link", link, input_type=int)], start_step="Link")
+    async with engine_for(db_url, Registry([chain]), worker=False) as eng:
+        # Nothing else makes this worker poll for a minute: no housekeeping, renewal or poll timer.
+        await eng.start_worker(poll_seconds=60.0, housekeeping_seconds=60.0, lease_ttl_seconds=120.0,
+                               lease_renew_seconds=60.0)
+        await asyncio.sleep(0.1)  # the worker's first poll and housekeeping are behind it
+        monkeypatch.setattr(SqliteStore, "poll", counting_poll)
+        await eng.client.start_flow("Chain", "c1", CHAIN_LINKS)
+        assert (await eng.client.wait_for_flow("c1", 10)).status == "completed"
+    assert len(polls) <= 1, f"the worker polled {len(polls)} times over a chain of {CHAIN_LINKS + 1} Steps"
+
+
 @pytest.mark.sqlite_only
 async def test_quiet_sqlite_polls_keep_their_answer_off_the_store_thread(
     db_url: str, monkeypatch: pytest.MonkeyPatch
