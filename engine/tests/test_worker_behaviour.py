@@ -362,9 +362,10 @@ async def test_a_worker_with_one_slot_claims_work_another_process_made_ready(db_
 async def test_a_full_worker_leaves_a_clients_readied_step_to_the_next_worker_of_the_process(
     db_url: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Two workers share a process's store; the first asked holds its only slot. A client's start
-    is claimed in its own commit by the second, not offered to the full one (which would claim
-    nothing and leave the Step to a poll). Catches a full worker accepting the hand-off."""
+    """Two workers share a process's store, each with one slot; the first asked holds its slot. A
+    client's start is claimed in its own commit by the second, not offered to the full one (which
+    would claim nothing and leave the Step to a poll). Catches a full worker accepting the hand-off,
+    and a worker declining it with one slot free."""
     release = asyncio.Event()
 
     async def hold(ctx: Context, flow_input: str) -> StepDecision:
@@ -378,7 +379,7 @@ async def test_a_full_worker_leaves_a_clients_readied_step_to_the_next_worker_of
         try:
             await eng.client.start_flow("Held", "holding", "hold")
             await wait_until("the first worker's slot to fill", lambda: asyncio.sleep(0, full._running))
-            free = await eng.start_worker()
+            free = await eng.start_worker(max_concurrent_tasks=1)  # its one free slot is enough
             handed: list[str] = []
             real = free.local_claim_done
 
