@@ -460,6 +460,8 @@ async def test_the_runners_heartbeats_in_a_poll_or_a_cancellation_heartbeat_the_
 
 
 class FailingTaskRunner(TaskRunner):
+    """A runner whose poll raises ToolExecutionError, after recording it."""
+
     async def poll_tool_task(self, poll: ToolTaskPoll) -> ToolTaskPollOutcome:
         self.polls.append(poll)
         raise ToolExecutionError("the task failed")
