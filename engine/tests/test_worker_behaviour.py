@@ -366,19 +366,12 @@ async def test_a_full_worker_leaves_a_clients_readied_step_to_the_next_worker_of
     client's start is claimed in its own commit by the second, not offered to the full one (which
     would claim nothing and leave the Step to a poll). Catches a full worker accepting the hand-off,
     and a worker declining it with one slot free."""
-    release = asyncio.Event()
-
-    async def hold(ctx: Context, flow_input: str) -> StepDecision:
-        if flow_input == "hold":
-            await release.wait()
-        return StepDecision.graceful_complete()
-
-    held = Flow("Held", [Step("Hold", hold, input_type=str)], start_step="Hold")
-    async with engine_for(db_url, Registry([held]), worker=False) as eng:
+    gauge = _HeldSteps()
+    async with engine_for(db_url, Registry([gauge.flow()]), worker=False) as eng:
         full = await eng.start_worker(max_concurrent_tasks=1)
         try:
-            await eng.client.start_flow("Held", "holding", "hold")
-            await wait_until("the first worker's slot to fill", lambda: asyncio.sleep(0, full._running))
+            await eng.client.start_flow("Held", "holding")
+            await wait_until("the first worker's slot to fill", lambda: asyncio.sleep(0, gauge.running))
             free = await eng.start_worker(max_concurrent_tasks=1)  # its one free slot is enough
             handed: list[str] = []
             real = free.local_claim_done
@@ -388,11 +381,12 @@ async def test_a_full_worker_leaves_a_clients_readied_step_to_the_next_worker_of
                 real(token, leases, capacity)
 
             monkeypatch.setattr(free, "local_claim_done", landed)
-            await eng.client.start_flow("Held", "handed", "go")
+            await eng.client.start_flow("Held", "handed")
+            assert handed == ["handed"]  # landed before start_flow returned: claimed in its commit
+            gauge.release.set()
             assert (await eng.client.wait_for_flow("handed", 10)).status == "completed"
-            assert handed == ["handed"]
         finally:
-            release.set()
+            gauge.release.set()
             await full.stop()
 
 
