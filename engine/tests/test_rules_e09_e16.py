@@ -496,8 +496,9 @@ def live_flow(probe: LiveProbe) -> Flow:
 
 async def test_e11_sequences_and_resume_tokens(db_url: str) -> None:
     """E11: appends get increasing sequence numbers per flow and stream, and a read with a resume
-    token returns exactly the events after it (an empty read's token still resumes correctly).
-    Catches: reused or per-flow-shared sequences, tokens that replay or skip events."""
+    token returns exactly the events after it (an empty read's token still resumes correctly); an
+    RPC's events name no Step execution ("" and attempt 0). Catches: reused or per-flow-shared
+    sequences, tokens that replay or skip events, RPC events passed off as a Step attempt's."""
     async with engine_for(db_url, Registry([STREAMS_FLOW])) as eng:
         c = eng.client
         await c.start_flow("Streams", "s1")
@@ -505,6 +506,7 @@ async def test_e11_sequences_and_resume_tokens(db_url: str) -> None:
         await c.rpc("s1", "append_other", ["x"])
         first = await c.read_stream("s1", Events)
         assert [(e.sequence, e.value) for e in first.events] == [(1, "a"), (2, "b"), (3, "c")]
+        assert {(e.step_execution_id, e.attempt) for e in first.events} == {("", 0)}
         assert not first.trimmed
         # Another stream of the same flow counts on its own.
         assert [e.sequence for e in (await c.read_stream("s1", Other)).events] == [1]

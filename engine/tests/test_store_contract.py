@@ -147,7 +147,8 @@ async def history_events(store: Store, flow_id: str) -> list[tuple[str, str]]:
 
 
 async def expire_dead_workers(store: Store, leases: int) -> None:
-    """Run housekeeping until it has handled `leases` leases of workers whose TTL ran out."""
+    """Run housekeeping until it has handled `leases` leases of workers whose TTL ran out; its
+    reports must count exactly those (the worker wakes on them)."""
     handled = 0
 
     async def probe() -> bool:
@@ -156,6 +157,7 @@ async def expire_dead_workers(store: Store, leases: int) -> None:
         return handled >= leases
 
     await wait_until(f"housekeeping to handle {leases} lease(s) of dead workers", probe)
+    assert handled == leases, f"housekeeping reported {handled} expired leases; {leases} expired"
 
 
 @pytest.fixture
