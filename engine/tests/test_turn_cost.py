@@ -1163,11 +1163,11 @@ async def test_history_follows_the_flow_row_whoever_moved_it_within_the_operatio
         await store.close()
 
 
-@pytest.mark.parametrize("reader", ["require_running", "flow_status"])
+@pytest.mark.parametrize("reader", ["require_running", "existing_flow_type"])
 async def test_history_after_a_followed_row_read_and_bump_takes_the_one_checked_update(
     tmp_path: Path, reader: str
 ) -> None:
-    """An operation that read the flow row (require_running or flow_status) and then bumped its
+    """An operation that read the flow row (require_running or existing_flow_type) and then bumped its
     version writes its history with the checked update alone: the read and the bump keep Db.flow_rows
     exact, so nothing is numbered again (no batch deleted) or read back (no RETURNING update).
     Catches: a read that does not note the row, a bump that leaves its noted version (or sequence)

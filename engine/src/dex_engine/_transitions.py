@@ -192,16 +192,17 @@ def _send(db: Db, sql: str, params: Sequence[Any] = ()) -> None:
 # Flows -------------------------------------------------------------------------------------
 
 
-def flow_status(db: Db, flow_id: str) -> tuple[str, str]:
+def existing_flow_type(db: Db, flow_id: str) -> str:
+    """The flow's type; FlowNotFoundError when there is no such flow."""
     if _on_postgres(db):
-        row = db.one("SELECT flow_type, status FROM flows WHERE flow_id = ?", (flow_id,))
+        row = db.one("SELECT flow_type FROM flows WHERE flow_id = ?", (flow_id,))
     else:
-        row = db.one(f"SELECT flow_type, status, {_FLOW_STATE} FROM flows WHERE flow_id = ?", (flow_id,))
+        row = db.one(f"SELECT flow_type, {_FLOW_STATE} FROM flows WHERE flow_id = ?", (flow_id,))
     if row is None:
         raise FlowNotFoundError(flow_id)
     if not _on_postgres(db):
-        _know_flow_row(db, flow_id, *row[2:])
-    return str(row[0]), str(row[1])
+        _know_flow_row(db, flow_id, *row[1:])
+    return str(row[0])
 
 
 # The columns of a flow row an SQLite operation keeps for its duration (_know_flow_row), read with it.
@@ -451,7 +452,7 @@ def run_op(fn: Callable[[Db], R], db: Db) -> R:
 
 
 def read_history(db: Db, flow_id: str, limit: int) -> list[HistoryEntry]:
-    flow_status(db, flow_id)
+    existing_flow_type(db, flow_id)
     if not _on_postgres(db):
         batches = sorted(db.all(_READ_BATCHES, (flow_id, limit)))
         events = [event for _first, blob in batches for event in decode_json(bytes(blob), _HistoryBatch)]
@@ -1193,7 +1194,7 @@ def _stream_position(db: Db, flow_id: str, stream: str) -> tuple[int, int] | Non
 
 
 def read_events(db: Db, flow_id: str, stream: str, after: int, limit: int) -> EventPage:
-    flow_status(db, flow_id)
+    existing_flow_type(db, flow_id)
     row = _stream_position(db, flow_id, stream)
     if row is None:
         return EventPage([], 1, 1)
@@ -1780,10 +1781,10 @@ def _check_rpc_locks(db: Db, flow_id: str, locks: Sequence[str]) -> None:
 def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcSnapshot:
     """What an RPC handler sees. A closed flow is read too: its state stays readable (E12), so an
     RPC that changes nothing answers from it; rpc_commit refuses one that would change it."""
-    flow_type, _status = flow_status(db, flow_id)
+    flow_type = existing_flow_type(db, flow_id)
     _check_rpc_locks(db, flow_id, locks)
     known = db.known.get(flow_id)
-    # Nothing of this transaction changed the flow since flow_status read it.
+    # Nothing of this transaction changed the flow since existing_flow_type read it.
     version_row = (known.version,) if known is not None else db.one(
         "SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
     assert version_row is not None
@@ -1851,7 +1852,7 @@ def publish(db: Db, flow_id: str, channel: str, key: str, value: bytes, now: int
 
 
 def read_attribute(db: Db, flow_id: str, name: str, key: str) -> bytes | None:
-    flow_status(db, flow_id)
+    existing_flow_type(db, flow_id)
     known = db.known.get(flow_id)
     if known is not None and known.covers(name):
         return known.rows.get((name, key))
@@ -1860,13 +1861,13 @@ def read_attribute(db: Db, flow_id: str, name: str, key: str) -> bytes | None:
 
 
 def read_attribute_map(db: Db, flow_id: str, name: str) -> dict[str, bytes]:
-    flow_status(db, flow_id)
+    existing_flow_type(db, flow_id)
     rows = load_attributes(db, flow_id, LoadSpec("only", (name,)))
     return {key: rows[(n, key)] for n, key in sorted(rows)}
 
 
 def read_all_attributes(db: Db, flow_id: str) -> dict[tuple[str, str], bytes]:
-    flow_status(db, flow_id)
+    existing_flow_type(db, flow_id)
     return load_attributes(db, flow_id, LoadSpec("all"))
 
 
@@ -1960,7 +1961,7 @@ def list_flows(db: Db, flow_type: str | None, status: str | None, limit: int) ->
 
 def stream_names(db: Db, flow_id: str) -> list[str]:
     """Names of the flow's streams that ever received an event, sorted."""
-    flow_status(db, flow_id)
+    existing_flow_type(db, flow_id)
     if not _on_postgres(db):
         return sorted(stream_positions(db, flow_id))
     return [str(r[0]) for r in db.all("SELECT stream FROM streams WHERE flow_id = ? ORDER BY stream", (flow_id,))]
