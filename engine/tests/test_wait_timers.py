@@ -118,16 +118,19 @@ async def test_a_wait_registered_with_the_commit_that_moves_to_it_is_due_at_its_
         await store.close()
 
 
+@pytest.mark.parametrize("beat", [False, True], ids=["claimed", "heartbeat"])
 @pytest.mark.parametrize(("execute_timeout", "heartbeat_timeout", "kind"), [
     (60, 1, "HeartbeatTimeout"),
     (1, 60, "MethodTimeout"),
 ])
 async def test_an_attempt_is_timed_out_at_the_earlier_of_its_deadlines(
-    tmp_path: Path, execute_timeout: int, heartbeat_timeout: int, kind: str
+    tmp_path: Path, execute_timeout: int, heartbeat_timeout: int, kind: str, beat: bool
 ) -> None:
     """An attempt with both a method timeout and a heartbeat timeout is failed at whichever comes
-    first, named for it; not a millisecond before. Catches: a deadline taken from the later of the
-    two (a silent handler would then run on until its method timeout)."""
+    first, named for it; not a millisecond before; also after a heartbeat (half a second in), which
+    moves the heartbeat deadline but never past the method's. Catches: a deadline taken from the
+    later of the two (a silent handler would then run on until its method timeout), at the claim or
+    at a heartbeat."""
     options = StepOptions(execute_timeout_seconds=execute_timeout, heartbeat_timeout_seconds=heartbeat_timeout,
                           execute_retry=RetryPolicy(max_attempts=1))
     flow = Flow("Slow", [Step("Work", _done, options=options)], start_step="Work")
@@ -135,10 +138,14 @@ async def test_an_attempt_is_timed_out_at_the_earlier_of_its_deadlines(
     try:
         await store.register_worker("w", "h", 1, 3_600_000)
         await store.start_flow(StartRequest("s", "Slow", b"null", FlowConfig(), start_record(flow, None)))
-        assert len(await store.claim("w", ["Slow"], 1)) == 1
+        (lease,) = await store.claim("w", ["Slow"], 1)
         row = await store.raw(lambda db: db.one("SELECT claimed_at FROM tasks WHERE flow_id = 's'"))
         assert row is not None
         first = int(row[0]) + 1000
+        if beat:
+            beat_at = int(row[0]) + 500
+            await store.raw(lambda db: tx.heartbeat(db, lease, None, beat_at), write=True)
+            first = beat_at + 1000 if kind == "HeartbeatTimeout" else first
         report = await store.raw(lambda db: tx.housekeeping(db, first - 1), write=True)
         assert report.timeouts == 0
         report = await store.raw(lambda db: tx.housekeeping(db, first + 1), write=True)
