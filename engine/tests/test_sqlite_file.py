@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import sqlite3
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from dex_engine import FlowConfig, StoreOpenError, open_store
 from dex_engine._records import StartRequest
 from dex_engine._sqlite_store import SqliteStore
+from dex_engine._store import Store
 from dex_engine._transitions import Db
 
 
@@ -28,6 +31,99 @@ async def test_opening_a_url_in_missing_directories_creates_them_and_a_wal_file(
         await store.close()
     with sqlite3.connect(path) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_stores_opening_a_new_file_at_once_all_open_it(tmp_path: Path) -> None:
+    """A deploy starts many workers at once on a file nobody created yet: every one opens it, in
+    WAL mode. Rounds of six at once: a store losing the race to convert the file gets SQLITE_BUSY
+    at once from SQLite (its busy handler not called), in about one round in sixty. Catches a store
+    that gives up on that instead of trying the switch again."""
+    for round_ in range(ROUNDS_OF_OPENERS):
+        path = tmp_path / f"engine{round_}.db"
+        opened, failed = open_at_once(f"sqlite:///{path}", OPENERS_AT_ONCE)
+        for store in opened:
+            asyncio.run(store.close())
+        assert not failed, f"round {round_}: {failed}"
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def open_at_once(url: str, count: int) -> tuple[list[Store], list[BaseException]]:
+    """`count` threads open a store on `url` at the same moment: the stores, and what was raised."""
+    barrier = threading.Barrier(count)
+    opened: list[Store] = []
+    failed: list[BaseException] = []
+
+    def open_one() -> None:
+        barrier.wait()
+        try:
+            opened.append(open_store(url))
+        except BaseException as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=open_one) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return opened, failed
+
+
+ROUNDS_OF_OPENERS = 25
+OPENERS_AT_ONCE = 6
+
+
+def busy_wal_switches(monkeypatch: pytest.MonkeyPatch, fails: int, code: int = sqlite3.SQLITE_BUSY) -> list[str]:
+    """Make the next `fails` WAL switches of the stores' connections fail as a losing racer's does
+    (OperationalError with `code`, at once); returns the list each try is noted in."""
+    tries: list[str] = []
+    left = [fails]
+
+    class RacedConnection(sqlite3.Connection):
+        def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+            if sql.startswith("PRAGMA journal_mode"):
+                tries.append(sql)
+                if left[0] > 0:
+                    left[0] -= 1
+                    exc = sqlite3.OperationalError("database is locked")
+                    exc.sqlite_errorcode = code
+                    raise exc
+            return super().execute(sql, *args)
+
+    real = sqlite3.connect
+    monkeypatch.setattr(sqlite3, "connect", lambda *a, **k: real(*a, factory=RacedConnection, **k))
+    return tries
+
+
+async def test_a_wal_switch_refused_as_busy_is_tried_again_until_it_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store whose switch to WAL mode meets SQLITE_BUSY tries again, and opens once it takes."""
+    tries = busy_wal_switches(monkeypatch, fails=3)
+    store = open_store(f"sqlite:///{tmp_path / 'engine.db'}")
+    try:
+        await store.start_flow(StartRequest("f1", "T", b"null", FlowConfig(), None))
+    finally:
+        await store.close()
+    assert len(tries) == 4
+    monkeypatch.undo()
+    with contextlib.closing(sqlite3.connect(tmp_path / "engine.db")) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+@pytest.mark.parametrize("code", [sqlite3.SQLITE_BUSY, sqlite3.SQLITE_IOERR])
+def test_a_wal_switch_that_keeps_failing_is_refused_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """SQLITE_BUSY past the busy timeout (a tenth of a second here), or any other error at once:
+    StoreOpenError naming the file and SQLite's reason. Catches a store that waits forever on a
+    file another process keeps locked, or that tries again on errors waiting cannot cure."""
+    monkeypatch.setattr("dex_engine._sqlite_store.SQLITE_BUSY_TIMEOUT_MS", 100)
+    tries = busy_wal_switches(monkeypatch, fails=10**9, code=code)
+    path = tmp_path / "engine.db"
+    with pytest.raises(StoreOpenError, match=rf"cannot open '{re.escape(str(path))}' .*database is locked"):
+        open_store(f"sqlite:///{path}")
+    assert len(tries) > 1 if code == sqlite3.SQLITE_BUSY else len(tries) == 1
 
 
 async def test_close_ends_the_stores_thread_before_it_returns(tmp_path: Path) -> None:

@@ -49,6 +49,9 @@ DEFAULT_SHUTDOWN_GRACE_SECONDS = 10.0
 
 # SQLite busy timeout: long enough for another process's group commit to finish.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# Between tries at putting a new file in WAL mode: stores opening it at once can get SQLITE_BUSY
+# there without SQLite's busy handler waiting, and the one converting it is done within a few ms.
+WAL_SWITCH_RETRY_SECONDS = 0.002
 # An operation run on its event loop (SqliteStore._inline) must not block the loop waiting for
 # SQLite's lock: it gives up at once and goes to the store's thread, which waits.
 INLINE_BUSY_TIMEOUT_MS = 0

@@ -59,6 +59,7 @@ from ._limits import (
     SQLITE_BUSY_TIMEOUT_MS,
     SQLITE_WRITER_BUSY_SECONDS,
     SQLITE_WRITER_YIELD_SECONDS,
+    WAL_SWITCH_RETRY_SECONDS,
 )
 from ._migrate import apply_pending
 from ._store import Store, commit_origin
@@ -281,6 +282,22 @@ class _QuietPolls:
                 self._conn = None
 
 
+def _enter_wal(conn: sqlite3.Connection) -> str:
+    """Put the file in WAL mode, or find it there; the journal mode it is in after.
+
+    Stores opening a new file at once (a deploy of many workers) race to convert it, and a loser
+    can get SQLITE_BUSY at once, its busy handler not called (waiting could deadlock). The winner
+    is done within milliseconds: the switch is tried again, for up to the busy timeout."""
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            return str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode != sqlite3.SQLITE_BUSY or time.monotonic() >= deadline:
+                raise
+        time.sleep(WAL_SWITCH_RETRY_SECONDS)
+
+
 class SqliteStore(Store):
     """A Store on one SQLite file; safe for several processes on one machine."""
 
@@ -321,7 +338,7 @@ class SqliteStore(Store):
             raise self._open_error(exc) from exc
         try:
             conn.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            mode = _enter_wal(conn)
             if str(mode).lower() != "wal":
                 raise StoreOpenError(f"could not put {path!r} in WAL mode (got {mode!r})")
             conn.execute(f"PRAGMA synchronous = {self.settings.synchronous}")
