@@ -1023,6 +1023,19 @@ async def test_closed_flows_refuse_changes(store: Store) -> None:
     assert (await store.describe_flow("f1")).status == "completed"
 
 
+async def test_a_lease_on_a_flow_closed_outside_the_engine_cannot_write(store: Store) -> None:
+    """A flow closed behind the engine's back (its row edited, its task left running) refuses the
+    running attempt's commit with FlowNotActiveError naming the flow and its status, and keeps
+    nothing of it. The engine itself never leaves such a task: closing a flow cancels its tasks."""
+    await start(store, "f1")
+    lease = await claim_one(store)
+    await store.raw(lambda db: db.run("UPDATE flows SET status = 'stopped' WHERE flow_id = 'f1'"), write=True)
+    with pytest.raises(FlowNotActiveError, match="flow 'f1' is stopped, not running"):
+        await store.commit_execute(lease, WriteSet(attributes={("Count", ""): enc(1)}), goto("Next"))
+    assert await store.read_attribute("f1", "Count", "") is None
+    assert await active(store, "f1") == [("Start-1", "running", "execute", 1)]
+
+
 async def test_unknown_flows_raise_flow_not_found(store: Store) -> None:
     """Every per-flow operation on an ID that was never started raises FlowNotFoundError."""
     calls: list[Callable[[], Awaitable[object]]] = [
