@@ -836,6 +836,8 @@ async def test_stream_appends_are_ordered_and_per_flow(store: Store) -> None:
     ]
     never = await store.read_events("a", "Elsewhere", 0, 100)
     assert (never.events, never.first_sequence, never.next_sequence) == ([], 1, 1)
+    await store.append_best_effort(leases["b"], "Alpha", 10_000, [enc("b2")])
+    assert (await store.stream_names("a"), await store.stream_names("b")) == (["Out"], ["Alpha", "Out"])
 
 
 async def test_stream_capacity_trims_the_oldest_events(store: Store) -> None:
@@ -885,18 +887,21 @@ async def test_one_append_trims_as_many_old_events_as_its_bytes_need(store: Stor
     assert page.first_sequence == gone + 1
 
 
-async def test_an_event_larger_than_the_capacity_leaves_only_itself(store: Store) -> None:
-    """E11 keeps at least the newest event, even one the budget cannot hold."""
+@pytest.mark.parametrize("before", [2, 0])
+async def test_an_event_larger_than_the_capacity_leaves_only_itself(store: Store, before: int) -> None:
+    """E11 keeps at least the newest event, even one the budget cannot hold: after `before` small
+    events, and as the stream's very first event (nothing before it to trim)."""
     await start(store, "f1")
     lease = await claim_one(store)
-    await store.append_best_effort(lease, "Out", 10, [enc("a"), enc("b")])
+    if before:
+        await store.append_best_effort(lease, "Out", 10, [enc(c) for c in "ab"[:before]])
     huge = enc("h" * 50)
     await store.append_best_effort(lease, "Out", 10, [huge])
     page = await store.read_events("f1", "Out", 0, 100)
-    assert ([(e.sequence, e.value) for e in page.events], page.first_sequence) == ([(3, huge)], 3)
+    assert ([(e.sequence, e.value) for e in page.events], page.first_sequence) == ([(before + 1, huge)], before + 1)
     await store.append_best_effort(lease, "Out", 10, [enc("c")])
     page = await store.read_events("f1", "Out", 0, 100)
-    assert ([(e.sequence, e.value) for e in page.events], page.first_sequence) == ([(4, enc("c"))], 4)
+    assert ([(e.sequence, e.value) for e in page.events], page.first_sequence) == ([(before + 2, enc("c"))], before + 2)
 
 
 async def test_a_wait_on_one_instance_of_a_channel_map_ignores_the_others(store: Store) -> None:

@@ -1184,19 +1184,19 @@ def _trim_stream(db: Db, flow_id: str, stream: str, excess: int, newest: int) ->
     return cut, freed
 
 
-def _stream_position(db: Db, flow_id: str, stream: str) -> tuple[int, int] | None:
-    """(next sequence, first sequence) of a flow's stream; None when it never had an event."""
+def _first_sequence(db: Db, flow_id: str, stream: str) -> int | None:
+    """The oldest kept sequence of a flow's stream; None when it never had an event."""
     if _on_postgres(db):
-        row = db.one("SELECT next_seq, first_seq FROM streams WHERE flow_id = ? AND stream = ?", (flow_id, stream))
-        return None if row is None else (int(row[0]), int(row[1]))
+        row = db.one("SELECT first_seq FROM streams WHERE flow_id = ? AND stream = ?", (flow_id, stream))
+        return None if row is None else int(row[0])
     known = stream_positions(db, flow_id).get(stream)
-    return None if known is None else (known[0], known[1])
+    return None if known is None else known[1]
 
 
 def read_events(db: Db, flow_id: str, stream: str, after: int, limit: int) -> EventPage:
     existing_flow_type(db, flow_id)
-    row = _stream_position(db, flow_id, stream)
-    if row is None:
+    first = _first_sequence(db, flow_id, stream)
+    if first is None:
         return EventPage([], 1, 1)
     rows = db.all(
         "SELECT seq, step_execution_id, attempt, value FROM stream_events "
@@ -1204,8 +1204,8 @@ def read_events(db: Db, flow_id: str, stream: str, after: int, limit: int) -> Ev
         (flow_id, stream, after, limit),
     )
     events = [StoredEvent(int(r[0]), str(r[1]), int(r[2]), bytes(r[3])) for r in rows]
-    next_seq = events[-1].sequence + 1 if events else max(after + 1, int(row[1]))
-    return EventPage(events, next_seq, int(row[1]))
+    next_seq = events[-1].sequence + 1 if events else max(after + 1, first)
+    return EventPage(events, next_seq, first)
 
 
 # Waits (E5, E6) ------------------------------------------------------------------------------
