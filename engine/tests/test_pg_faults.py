@@ -64,6 +64,7 @@ from dex_engine import (
     RPCResult,
     Step,
     StepDecision,
+    StepDurability,
     StepOptions,
     Store,
     Timer,
@@ -212,6 +213,19 @@ PROBE = Flow("PgfProbe", [Step("Grab", _grab_blocking, input_type=type(None), op
              start_step="Grab")
 
 
+# The probe after an ASYNC Step, whose commit (synchronous_commit off) claims Grab-1 for its worker
+# in the same transaction: handing out a claim must make that transaction durable all the same.
+async def _hand_on(ctx: Context, _: None) -> StepDecision:
+    return StepDecision.go_to("Grab", None)
+
+
+PROBE_AFTER_ASYNC = Flow("PgfProbeAfterAsync", [
+    Step("Quick", _hand_on, input_type=type(None),
+         options=StepOptions(execute_retry=FAULT_RETRY, durability=StepDurability.ASYNC)),
+    Step("Grab", _grab_blocking, input_type=type(None), options=FAULT_OPTIONS),
+], start_step="Quick")
+
+
 # Mix: Begin publishes two messages and starts two branches. Take consumes Box (at_least(1)) until it
 # sees the end token, then completes with every token it consumed, in order. Tick-1..Tick-n each wait
 # for a 1 s timer and record that it fired; their Execute holds lock Notes. RPC `note` (lock set
@@ -310,7 +324,7 @@ async def _slow_timer_wait(ctx: Context, _: None) -> Wait:
 
 TIMED = Flow("PgfTimed", [Step("Fire", _go, wait_for=_slow_timer_wait, input_type=type(None))], start_step="Fire")
 
-REGISTRY = Registry([CHAIN, LOCKS, PROBE, MIX, QUICK, LONG, TIMED])
+REGISTRY = Registry([CHAIN, LOCKS, PROBE, PROBE_AFTER_ASYNC, MIX, QUICK, LONG, TIMED])
 
 
 # A PostgreSQL wire-protocol proxy that can stop or cut a chosen COMMIT --------------------------
@@ -852,19 +866,21 @@ async def test_client_commit_reply_lost_is_neither_repeated_nor_failed(
 # A claim lost in a server crash -------------------------------------------------------------
 
 
-async def test_claim_survives_server_crash(private_pg: PrivateServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("flow_type", ["PgfProbe", "PgfProbeAfterAsync"])
+async def test_claim_survives_server_crash(private_pg: PrivateServer, tmp_path: Path, flow_type: str) -> None:
     """A claim handed to a worker must be durable before the worker acts on it.
 
-    The worker claims Grab-1 and stops before its first heartbeat, so nothing after its claim
-    reaches the server; the server then crashes (pg_ctl stop -m immediate) and restarts. The claim
-    must still be there (Grab-1 running, not ready): a claim lost in the crash would let a second
-    worker be handed Grab-1 attempt 1 under the same lease epoch while the first still runs it,
-    and both would pass fencing (E2) and run the same attempt (E3).
+    The worker claims Grab-1 (by a poll, or in the commit of an ASYNC Step before it) and stops
+    before its first heartbeat, so nothing after its claim reaches the server; the server then
+    crashes (pg_ctl stop -m immediate) and restarts. The claim must still be there (Grab-1 running,
+    not ready): a claim lost in the crash would let a second worker be handed Grab-1 attempt 1
+    under the same lease epoch while the first still runs it, and both would pass fencing (E2) and
+    run the same attempt (E3).
     """
     url = await asyncio.to_thread(private_pg.create_database)
     with ProcSet(url, tmp_path / "state") as procs:
         async with client_for(url) as client:
-            await client.start_flow("PgfProbe", "p")
+            await client.start_flow(flow_type, "p")
             w1 = start_worker(procs, "w1", lease_ttl=30.0, lease_renew=1.0)
             gate = procs.gate("probe.p")
             await gate.wait_reached(60)
