@@ -152,9 +152,7 @@ def _session_setup(conninfo: str) -> Callable[[psycopg.Connection[Any]], None]:
     args = [item for pair in settings.items() for item in pair]
 
     def configure(conn: psycopg.Connection[Any]) -> None:
-        conn.execute(query, args)
-        if not conn.autocommit:
-            conn.commit()  # the pool wants its new connections idle
+        conn.execute(query, args)  # its connections (the pool's, the listener's) autocommit: left idle
 
     return configure
 
