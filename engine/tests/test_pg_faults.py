@@ -132,12 +132,14 @@ Trail: Attribute[list[str]] = Attribute("Trail", list[str])
 
 
 async def _skip_wait(ctx: Context, _: None) -> Wait:
+    _record(ctx, "enter")
     await _started(ctx)
     return Wait.skip_immediately()
 
 
 def _chain_step(step_type: str, next_step: str | None, *, with_wait: bool = False) -> Step[None]:
     async def execute(ctx: Context, _: None) -> StepDecision:
+        _record(ctx, "enter")  # before its first heartbeat: an attempt handed out by a claim that did not commit
         await _started(ctx)
         trail = [*(ctx.get(Trail) or []), ctx.step_execution_id]
         ctx.set(Trail, trail)
@@ -768,6 +770,11 @@ async def test_worker_connection_lost_at_claim_and_commit(pg_database: str, tmp_
                             ("C-1", "execute", 1),
                         ], (flow_id, entries)
                         assert_committed_attempts_started_once(entries, flow_id, history)
+                        # A claim that rolled back was not taken for made: no attempt ran without it,
+                        # which would have met the fencing only at its first heartbeat.
+                        entered = [(e.step_execution_id, e.method, e.attempt) for e in entries
+                                   if e.flow_id == flow_id and e.phase == "enter"]
+                        assert sorted(entered) == sorted(starts(entries, flow_id)), (flow_id, entries)
                 await worker.stop()
 
 
