@@ -15,7 +15,6 @@ import pytest
 from dex_engine import FlowConfig, StoreOpenError, open_store
 from dex_engine._records import StartRequest
 from dex_engine._sqlite_store import SqliteStore
-from dex_engine._store import Store
 from dex_engine._transitions import Db
 
 
@@ -33,40 +32,23 @@ async def test_opening_a_url_in_missing_directories_creates_them_and_a_wal_file(
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
-def test_stores_opening_a_new_file_at_once_all_open_it(tmp_path: Path) -> None:
+async def test_stores_opening_a_new_file_at_once_all_open_it(tmp_path: Path) -> None:
     """A deploy starts many workers at once on a file nobody created yet: every one opens it, in
     WAL mode. Rounds of six at once: a store losing the race to convert the file gets SQLITE_BUSY
     at once from SQLite (its busy handler not called), in about one round in sixty. Catches a store
     that gives up on that instead of trying the switch again."""
     for round_ in range(ROUNDS_OF_OPENERS):
         path = tmp_path / f"engine{round_}.db"
-        opened, failed = open_at_once(f"sqlite:///{path}", OPENERS_AT_ONCE)
-        for store in opened:
-            asyncio.run(store.close())
-        assert not failed, f"round {round_}: {failed}"
+        results = await asyncio.gather(
+            *(asyncio.to_thread(open_store, f"sqlite:///{path}") for _ in range(OPENERS_AT_ONCE)),
+            return_exceptions=True,
+        )
+        for store in results:
+            if not isinstance(store, BaseException):
+                await store.close()
+        assert not [r for r in results if isinstance(r, BaseException)], f"round {round_}: {results}"
         with contextlib.closing(sqlite3.connect(path)) as conn:
             assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-
-
-def open_at_once(url: str, count: int) -> tuple[list[Store], list[BaseException]]:
-    """`count` threads open a store on `url` at the same moment: the stores, and what was raised."""
-    barrier = threading.Barrier(count)
-    opened: list[Store] = []
-    failed: list[BaseException] = []
-
-    def open_one() -> None:
-        barrier.wait()
-        try:
-            opened.append(open_store(url))
-        except BaseException as exc:
-            failed.append(exc)
-
-    threads = [threading.Thread(target=open_one) for _ in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return opened, failed
 
 
 ROUNDS_OF_OPENERS = 25
