@@ -1,0 +1,63 @@
+"""How a PostgreSQL store's connections show in pg_stat_activity, where operators look for them
+(docs/deployment.md, "Pool sizes"): the lanes under the URL's application_name, else dex_engine, and
+the listener under the same name with _listen appended. These tests need TEST_PG_DSN."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import psycopg
+import pytest
+
+from dex_engine import Context, Flow, Registry, Step, StepDecision
+
+from .conftest import engine_for, wait_until
+
+
+async def _done(ctx: Context, _: None) -> StepDecision:
+    return StepDecision.force_complete("done")
+
+
+REGISTRY = Registry([Flow("Once", [Step("Run", _done)], start_step="Run")])
+
+
+async def _names_seen(admin_url: str, url: str) -> Counter[str]:
+    """Run one flow on an engine whose store is opened on `url`; the application names of the
+    database's sessions once its listener is connected."""
+
+    def names() -> Counter[str]:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT application_name FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchall()
+        return Counter(row[0] for row in rows)
+
+    async def listening() -> Counter[str] | None:
+        seen = await asyncio.to_thread(names)
+        return seen if any(name.endswith("_listen") for name in seen) else None
+
+    async with engine_for(url, REGISTRY) as eng:
+        await eng.client.start_flow("Once", "o")
+        assert (await eng.client.wait_for_flow("o", 10)).status == "completed"
+        seen: Counter[str] = await wait_until("the store's listener to connect", listening)
+        return seen
+
+
+async def test_a_store_names_its_connections_dex_engine(pg_database: str) -> None:
+    """Catches: connections left unnamed (or named "None") when the URL names none."""
+    seen = await _names_seen(pg_database, pg_database)
+    assert set(seen) == {"dex_engine", "dex_engine_listen"}, seen
+    assert seen["dex_engine_listen"] == 1, seen
+
+
+async def test_a_store_names_its_connections_as_its_url_says(pg_database: str) -> None:
+    """Catches: the URL's application_name overridden by the default."""
+    seen = await _names_seen(pg_database, f"{pg_database}?application_name=billing")
+    assert set(seen) == {"billing", "billing_listen"}, seen
+    assert seen["billing_listen"] == 1, seen
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(pytest.main([__file__]))
