@@ -211,6 +211,16 @@ async def stream_appends(r: Run) -> None:
     await r.run(nxt, DEAD_END, WriteSet(appends=_appends("last")))
 
 
+async def appends_without_a_claim(r: Run) -> None:
+    """An Execute appending events whose commit claims nothing (its worker is stopping), then one
+    that claims."""
+    await r.start("e")
+    [lease] = await r.claim()
+    await r.run(lease, _go(("B", NOOP)), WriteSet(appends=_appends("one")), capacity=None)
+    [nxt] = await r.claim()
+    await r.run(nxt, DEAD_END, WriteSet(appends=_appends("two")))
+
+
 def _publishes(*values: str, channel: str = "Inbox", key: str = "") -> list[tuple[str, str, bytes]]:
     return [(channel, key, f'"{v}"'.encode()) for v in values]
 
@@ -414,12 +424,14 @@ async def test_a_batch_of_many_shapes_leaves_what_one_commit_at_a_time_leaves(pg
         await store.close()
 
 
+@pytest.mark.parametrize("scenario", [stream_appends, appends_without_a_claim], ids=lambda s: s.__name__)
 async def test_an_error_after_the_call_reruns_the_batch_through_the_transitions(
-    pg_database: str, monkeypatch: pytest.MonkeyPatch,
+    pg_database: str, scenario: Callable[[Run], Awaitable[None]], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A Python error while writing the accepted commits' messages and events (after the
     dex_commit_execute call, in its transaction) rolls the call back and runs the commits again
-    through _transitions: they commit once, leaving what the reference run leaves."""
+    through _transitions: they commit once, leaving what the reference run leaves, and a rerun
+    commit that claims nothing returns no attempts (not None)."""
     store = open_store(pg_database)
     real = tx.append_writes
     failures: list[str] = []
@@ -432,6 +444,6 @@ async def test_an_error_after_the_call_reruns_the_batch_through_the_transitions(
 
     monkeypatch.setattr(tx, "append_writes", fails_once)
     try:
-        await _same_as_the_reference(store, stream_appends, batched_ran=lambda: failures == ["F-e"])
+        await _same_as_the_reference(store, scenario, batched_ran=lambda: failures == ["F-e"])
     finally:
         await store.close()
