@@ -996,6 +996,25 @@ async def test_an_operation_waiting_for_a_row_lock_does_not_hold_up_other_flows(
         assert await client.rpc("f", "peek") == ["t1"]
 
 
+async def test_a_lone_operation_waits_for_a_row_lock_as_long_as_it_is_held(pg_database: str) -> None:
+    """A lone operation waits for a flow's row lock without a lock timeout of its own, however long
+    another session holds it: here longer than MAX_OP_TRIES waits of the batch lock timeout and
+    the backoff between them (about 2.1 s). Catches: the batch lock timeout (meant to break waits
+    between batches) set for a lone operation too, which then fails with LockNotAvailable."""
+    from dex_engine._pg_store import BATCH_LOCK_TIMEOUT_MS, MAX_OP_TRIES
+
+    backoff = 1.3  # seconds slept between MAX_OP_TRIES tries: 0.01, 0.02, ... 0.64
+    held = MAX_OP_TRIES * BATCH_LOCK_TIMEOUT_MS / 1000 + backoff + 1.0
+    async with client_for(pg_database) as client:
+        await client.start_flow("PgfLocks", "f")
+        with flow_row_locked(pg_database, "f"):
+            publish = asyncio.create_task(client.publish("f", Box, "t1"))
+            await asyncio.sleep(held)
+            assert not publish.done(), publish
+        await asyncio.wait_for(publish, 30)
+        assert await client.rpc("f", "peek") == ["t1"]
+
+
 # A commit lost in a server crash, its transaction ID handed to another -----------------------
 
 
