@@ -1066,6 +1066,32 @@ async def test_a_commit_lost_in_a_server_crash_is_not_mistaken_for_a_later_one(
         assert await client.rpc("f", "peek") == ["t1"]
 
 
+async def test_a_commit_still_in_progress_when_asked_about_is_waited_for(pg_database: str) -> None:
+    """E1: a client's connection drops while its COMMIT is still on its way (held in the proxy), so
+    the server, asked about the transaction, reports it in progress. The client waits until it is
+    over: here the COMMIT then arrives and commits, the publish returns, and its message is there
+    once. Catches: an in-progress transaction taken for over, its commit mark not yet visible, so
+    the client publishes again and the message is there twice."""
+    import psycopg
+
+    async with proxy_to(pg_database) as proxy, client_for(pg_database) as client, \
+            client_for(proxy.url(pg_database)) as proxied:
+        await client.start_flow("PgfLocks", "f")
+        rule = proxy.arm("hold", *PUBLISH_SQL, param="f")
+        publish = asyncio.create_task(proxied.publish("f", Box, "t1"))
+        held = await asyncio.wait_for(rule.hit, 30)
+        xid = await asyncio.to_thread(_backend_xid, pg_database, held.backend_pid)
+        held.cw.transport.abort()  # the client's side only: the server's session stays in its transaction
+        await asyncio.sleep(1.0)  # meanwhile the client asks about its transaction: in progress
+        assert not publish.done(), publish
+        rule.release()  # the COMMIT, and the rest of the pipeline the proxy had read, reach the server
+        await asyncio.wait_for(publish, 60)
+        with psycopg.connect(pg_database, autocommit=True) as conn:  # a test server's epoch is 0
+            row = conn.execute("SELECT pg_xact_status(%s::text::xid8)", (str(xid),)).fetchone()
+        assert row == ("committed",), f"the held transaction did not commit: {row}"
+        assert await client.rpc("f", "peek") == ["t1"]
+
+
 # Mixed workload under random pg_terminate_backend and under server crashes -------------------
 
 
