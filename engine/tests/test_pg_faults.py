@@ -980,8 +980,12 @@ async def test_an_operation_whose_lock_wait_timed_out_is_tried_again(pg_database
 
 async def test_an_operation_waiting_for_a_row_lock_does_not_hold_up_other_flows(pg_database: str) -> None:
     """While one operation of a process waits for a flow's row lock, that process's operations on
-    other flows go on in another of its connections. Catches: a lane that stays asleep while the
-    first one is stuck, so that every commit, heartbeat and poll of the process waits for the lock."""
+    other flows go on in another of its connections, one after another, more of them than it has
+    connections. Catches: a lane that stays asleep while the first one is stuck, so that every
+    commit, heartbeat and poll of the process waits for the lock; and lanes that stop after one
+    batch taken over, which leaves the operations after the first few waiting for the lock too."""
+    from dex_engine._pg_store import DEFAULT_POOL_SIZE
+
     async with client_for(pg_database) as client:
         for flow_id in ("f", "g"):
             await client.start_flow("PgfLocks", flow_id)
@@ -989,8 +993,10 @@ async def test_an_operation_waiting_for_a_row_lock_does_not_hold_up_other_flows(
             stuck = asyncio.create_task(client.publish("f", Box, "t1"))
             await asyncio.sleep(0.5)
             assert not stuck.done(), stuck
-            await asyncio.wait_for(client.publish("g", Box, "t2"), 30)
-            assert await asyncio.wait_for(client.rpc("g", "peek"), 30) == ["t2"]
+            sent = [f"g{n}" for n in range(DEFAULT_POOL_SIZE + 1)]
+            for token in sent:
+                await asyncio.wait_for(client.publish("g", Box, token), 30)
+            assert await asyncio.wait_for(client.rpc("g", "peek"), 30) == sent
             assert not stuck.done(), stuck
         await asyncio.wait_for(stuck, 30)
         assert await client.rpc("f", "peek") == ["t1"]
