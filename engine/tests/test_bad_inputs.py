@@ -111,6 +111,15 @@ async def start(ctx: Context, what: str) -> StepDecision:
         raise RuntimeError("e" * (2 * MAX_HISTORY_DETAIL_CHARS))
     if what == "bare_error":
         raise TimeoutError  # as a handler's own asyncio.wait_for raises it: no message
+    if what == "nul_error":
+        raise RuntimeError("bad\x00value")
+    if what == "nul_reason":
+        return StepDecision.force_fail("reason\x00here")
+    if what == "nul_value":
+        ctx.set(Note, "a\x00b")
+        return StepDecision.graceful_complete("c\x00d")
+    if what == "nul_checkpoint":
+        await ctx.heartbeat("a\x00b")
     if what == "undeclared_cancel":
         ctx.set(Count, 41)
         return StepDecision.graceful_complete("done").with_canceling_steps("Nowhere")
@@ -313,6 +322,52 @@ async def test_an_error_without_a_message_is_named_by_its_repr(db_url: str) -> N
         assert info.status == "failed" and info.error is not None and "TimeoutError()" in info.error, info
         failed = [h for h in await c.get_flow_history("f") if h.event_type == "attempt_failed"]
         assert [h.detail for h in failed] == ["execute: TimeoutError: TimeoutError()"]
+
+
+async def test_texts_with_a_nul_character_are_kept_with_it_escaped(db_url: str) -> None:
+    """An error message, a force_fail reason and a stop reason with a NUL character (which
+    PostgreSQL's text cannot hold) are kept with it written as \\x00, on both backends alike, while
+    values keep it as it is, and the worker goes on. Catches: the NUL sent to PostgreSQL as is,
+    where the failure could never be recorded and the worker handed the attempt back and ran it
+    again without end."""
+    async with engine_for(db_url, REGISTRY) as eng:
+        c = eng.client
+        await c.start_flow("Bad", "error", "nul_error")
+        info = await c.wait_for_flow("error", 10)
+        assert info.status == "failed" and info.error is not None and "RuntimeError: bad\\x00value" in info.error
+        failed = [h.detail for h in await c.get_flow_history("error") if h.event_type == "attempt_failed"]
+        assert failed == ["execute: RuntimeError: bad\\x00value"]
+
+        await c.start_flow("Bad", "reason", "nul_reason")
+        info = await c.wait_for_flow("reason", 10)
+        assert (info.status, info.error) == ("failed", "reason\\x00here")
+        closed = [h.detail for h in await c.get_flow_history("reason") if h.event_type == "flow_closed"]
+        assert closed == ["failed: reason\\x00here"]
+
+        await c.start_flow("Bad", "stop", "listen")
+        await c.stop_flow("stop", "why\x00not")
+        info = await c.describe_flow("stop")
+        assert (info.status, info.error) == ("stopped", "why\\x00not")
+
+        await c.start_flow("Bad", "value", "nul_value")  # values are JSON: they keep it as it is
+        assert (await c.wait_for_flow("value", 10)).status == "completed"
+        assert await c.get_attribute("value", Note) == "a\x00b"
+        assert await c.flow_output("value") == "c\x00d"
+
+        await c.start_flow("Bad", "after", "ok")
+        assert (await c.wait_for_flow("after", 10)).status == "completed"
+
+
+async def test_a_heartbeat_checkpoint_with_a_nul_character_is_refused(db_url: str) -> None:
+    """A heartbeat checkpoint with a NUL character (stored as text, which PostgreSQL cannot hold
+    with one) is refused on both backends with InvalidValueError naming the character's place:
+    the attempt fails with that error, and nothing else changes."""
+    async with engine_for(db_url, REGISTRY) as eng:
+        c = eng.client
+        await c.start_flow("Bad", "f", "nul_checkpoint")
+        info = await c.wait_for_flow("f", 10)
+        assert info.status == "failed" and info.error is not None
+        assert "InvalidValueError: heartbeat checkpoint 'a\\x00b' contains a NUL character at index 1" in info.error
 
 
 # IDs and keys ----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._codec import decode_value, decoded_cache, encode_value
-from ._errors import NotLoadedError
+from ._errors import InvalidValueError, NotLoadedError
 from ._options import LoadSpec
 from ._records import RecoveryError, WaitOutcome, WriteSet
 from ._schema import AttributeMap, AttributeRef, ChannelRef, Stream
@@ -243,8 +243,14 @@ class Context(_StateView):
         """Record that this attempt is alive; returns once durable (E10).
 
         From then on the attempt counts as started (E3). `checkpoint` replaces the saved one; a
-        heartbeat without one repeats the last. Raises StaleAttemptError if the attempt lost its task.
+        heartbeat without one repeats the last. Raises StaleAttemptError if the attempt lost its task,
+        and InvalidValueError for a checkpoint with a NUL character (PostgreSQL's text cannot hold it).
         """
+        if checkpoint is not None and "\x00" in checkpoint:
+            raise InvalidValueError(
+                f"heartbeat checkpoint {checkpoint[:40]!r} contains a NUL character at index "
+                f"{checkpoint.index(chr(0))}; a checkpoint is stored as text: encode it (JSON, base64) first"
+            )
         await self._heartbeat(checkpoint)
         if checkpoint is not None:
             self.checkpoint = checkpoint

@@ -269,6 +269,7 @@ def update_flow_config(db: Db, flow_id: str, config: FlowConfig) -> None:
 
 
 def close_flow(db: Db, flow_id: str, status: str, output: bytes | None, error: str | None, now: int) -> None:
+    error = None if error is None else _storable_text(error)
     for (task_id,) in db.all("SELECT task_id FROM tasks WHERE flow_id = ? ORDER BY task_id", (flow_id,)):
         _cancel_task(db, int(task_id), now, "flow closed")
     # Its history follows (flow_closed), whose update tells the version after both (Db.version_after).
@@ -299,7 +300,15 @@ def _maybe_complete(db: Db, flow_id: str, now: int) -> None:
 def _history(
     db: Db, flow_id: str, step_type: str, seid: str, event: str, attempt: int, now: int, detail: str = ""
 ) -> None:
-    db.history.append((flow_id, step_type, seid, event, attempt, now, detail[:MAX_HISTORY_DETAIL_CHARS]))
+    # Cut before and after: a huge error is not copied whole, and its escapes do not pass the limit.
+    detail = _storable_text(detail[:MAX_HISTORY_DETAIL_CHARS])[:MAX_HISTORY_DETAIL_CHARS]
+    db.history.append((flow_id, step_type, seid, event, attempt, now, detail))
+
+
+def _storable_text(text: str) -> str:
+    """`text` (an error's message, a reason) as both backends' text columns hold it: PostgreSQL's
+    text cannot hold NUL, so each NUL is written as the four characters \\x00, on SQLite too."""
+    return text.replace("\x00", "\\x00")
 
 
 def _on_postgres(db: Db) -> bool:
