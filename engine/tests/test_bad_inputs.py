@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import math
+import re
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -33,8 +34,10 @@ from dex_engine import (
     Context,
     Flow,
     FlowAlreadyStartedError,
+    FlowConfig,
     FlowDefinitionError,
     FlowNotActiveError,
+    FlowNotFoundError,
     InvalidIdError,
     InvalidResumeTokenError,
     InvalidValueError,
@@ -391,6 +394,38 @@ async def test_bad_flow_id_is_refused(db_url: str, flow_id: str, named: str) -> 
     async with engine_for(db_url, REGISTRY, worker=False) as eng:
         await refused(eng.store, lambda: eng.client.start_flow("Bad", flow_id, "ok"), InvalidIdError,
                       "flow ID", named)
+
+
+async def test_lookups_of_an_id_with_a_nul_character_find_no_flow(db_url: str) -> None:
+    """No flow has an ID with a NUL character (start_flow refuses it), so every client call on one
+    raises FlowNotFoundError naming it, on both backends alike, and a Step execution ID with one
+    is not waiting. Catches: the ID sent to PostgreSQL, whose text cannot hold NUL (a DataError
+    there, where SQLite finds no flow)."""
+    bad = "a\x00b"
+    async with engine_for(db_url, REGISTRY, worker=False) as eng:
+        c = eng.client
+        await c.start_flow("Bad", "f", "listen")
+        calls: dict[str, Callable[[], Awaitable[object]]] = {
+            "describe_flow": lambda: c.describe_flow(bad),
+            "get_flow_history": lambda: c.get_flow_history(bad),
+            "wait_for_flow": lambda: c.wait_for_flow(bad, 1),
+            "flow_output": lambda: c.flow_output(bad),
+            "stop_flow": lambda: c.stop_flow(bad, "why"),
+            "skip_timer": lambda: c.skip_timer(bad, "Listen-1"),
+            "update_flow_config": lambda: c.update_flow_config(bad, FlowConfig()),
+            "rpc": lambda: c.rpc(bad, "note", "x"),
+            "publish": lambda: c.publish(bad, Inbox, 1),
+            "get_attribute": lambda: c.get_attribute(bad, Note),
+            "get_attribute_map": lambda: c.get_attribute_map(bad, Tags),
+            "read_stream": lambda: c.read_stream(bad, Events),
+        }
+        for name, call in calls.items():
+            with pytest.raises(FlowNotFoundError, match=re.escape(repr(bad))):
+                await call()
+            assert (await c.describe_flow("f")).status == "running", name
+        assert await c.exists(bad) is False
+        with pytest.raises(StepNotWaitingError, match=re.escape(repr(bad))):
+            await c.skip_timer("f", bad)
 
 
 async def test_longest_and_punctuated_flow_ids_are_accepted(db_url: str) -> None:

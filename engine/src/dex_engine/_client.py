@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from ._codec import decode_value, encode_value
 from ._context import RpcContext
 from ._decision import RPCResult
-from ._errors import DexError, FlowNotFoundError, RpcContentionError
+from ._errors import DexError, FlowNotFoundError, RpcContentionError, StepNotWaitingError
 from ._flow import Flow, Registry
 from ._ids import check_id
 from ._limits import CLIENT_FLOW_TYPE_CACHE_ENTRIES, DEFAULT_READ_LIMIT, MAX_RPC_TRIES, MAX_STREAM_WAIT_SECONDS
@@ -71,6 +71,14 @@ def parse_search(query: str) -> dict[str, str]:
     return terms
 
 
+def _known(flow_id: str) -> str:
+    """`flow_id`, to look up; FlowNotFoundError for one with a NUL character, which no flow has
+    (start_flow refuses it) and PostgreSQL's text cannot even be asked about."""
+    if "\x00" in flow_id:
+        raise FlowNotFoundError(flow_id)
+    return flow_id
+
+
 class AsyncClient:
     """Talks to one database on behalf of the Registry's Flows. RPC handlers run in this process."""
 
@@ -121,7 +129,7 @@ class AsyncClient:
     async def _flow_of(self, flow_id: str) -> Flow:
         flow_type = self._flow_types.get(flow_id)
         if flow_type is None:
-            flow_type = (await self._store.describe_flow(flow_id)).flow_type
+            flow_type = (await self._store.describe_flow(_known(flow_id))).flow_type
             self._remember_flow_type(flow_id, flow_type)
         return self.registry.flow(flow_type)
 
@@ -230,17 +238,19 @@ class AsyncClient:
         return StreamRead(events, make_token(self._secret, flow_id, declared.name, last), trimmed)
 
     async def stop_flow(self, flow_id: str, reason: str = "") -> None:
-        await self._store.stop_flow(flow_id, reason)
+        await self._store.stop_flow(_known(flow_id), reason)
 
     async def skip_timer(self, flow_id: str, step_execution_id: str) -> None:
         """Fire the pending timers of a waiting Step execution now (E6)."""
-        await self._store.skip_timer(flow_id, step_execution_id)
+        if "\x00" in step_execution_id:  # no Step execution has one (see _known)
+            raise StepNotWaitingError(_known(flow_id), step_execution_id)
+        await self._store.skip_timer(_known(flow_id), step_execution_id)
 
     async def update_flow_config(self, flow_id: str, config: FlowConfig) -> None:
-        await self._store.update_flow_config(flow_id, config)
+        await self._store.update_flow_config(_known(flow_id), config)
 
     async def describe_flow(self, flow_id: str) -> FlowInfo:
-        return await self._store.describe_flow(flow_id)
+        return await self._store.describe_flow(_known(flow_id))
 
     async def search_flows(self, query: str, limit: int = DEFAULT_READ_LIMIT) -> list[str]:
         """Flow IDs matching e.g. 'ActiveStepTypes = "AwaitToolApproval" AND FlowType = "Agent"'."""
@@ -253,13 +263,13 @@ class AsyncClient:
         )
 
     async def get_flow_history(self, flow_id: str) -> list[HistoryEntry]:
-        return await self._store.history(flow_id)
+        return await self._store.history(_known(flow_id))
 
     async def wait_for_flow(self, flow_id: str, timeout_seconds: float = 60.0) -> FlowInfo:
         """Poll until the flow is closed; raises TimeoutError with its active Steps otherwise."""
         deadline = time.monotonic() + timeout_seconds
         while True:
-            info = await self._store.describe_flow(flow_id)
+            info = await self._store.describe_flow(_known(flow_id))
             if info.status != "running":
                 return info
             if time.monotonic() >= deadline:
@@ -268,12 +278,12 @@ class AsyncClient:
             await asyncio.sleep(0.01)
 
     async def flow_output(self, flow_id: str) -> Any:
-        info = await self._store.describe_flow(flow_id)
+        info = await self._store.describe_flow(_known(flow_id))
         return None if info.output is None else decode_value("flow output", Any, info.output)
 
     async def exists(self, flow_id: str) -> bool:
         try:
-            await self._store.describe_flow(flow_id)
+            await self._store.describe_flow(_known(flow_id))
         except FlowNotFoundError:
             return False
         return True
