@@ -1,8 +1,10 @@
 """Group commit of the SQLite store: operations queued together share one transaction, and one
-that fails rolls back alone (E1 for each operation of a batch)."""
+that fails rolls back alone (E1 for each operation of a batch). The last test does the same for
+PostgreSQL's lanes."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -152,3 +154,35 @@ async def test_an_operations_notes_of_a_flow_row_end_with_it(tmp_path: Path, sec
     finally:
         await store.close()
         await other.close()
+
+
+async def test_a_database_error_fails_only_its_operation_on_postgresql(pg_database: str) -> None:
+    """On PostgreSQL, an operation the server refuses (here a statement naming no such column) raises
+    the server's error, alone or queued with others: the others commit, and the lanes go on
+    serving. Catches: an error pinned on the wrong operation, every operation of its batch failed
+    with it, or one operation tried again without end (a RecursionError in its place)."""
+    import psycopg
+
+    store = open_store(pg_database)
+    try:
+        for fid in ("a", "c"):
+            await store.start_flow(StartRequest(fid, "T", b"null", FlowConfig(), None))
+
+        def write(flow_id: str) -> Callable[[tx.Db], None]:
+            def op(db: tx.Db) -> None:
+                db.run("INSERT INTO attributes (flow_id, name, key, value) VALUES (?, 'A', '', ?)", (flow_id, b"1"))
+            return op
+
+        def refused(db: tx.Db) -> None:
+            db.run("UPDATE flows SET no_such_column = 1 WHERE flow_id = 'a'")
+
+        with pytest.raises(psycopg.errors.UndefinedColumn):
+            await store.raw(refused, write=True)
+        results = await asyncio.gather(*(store.raw(op, write=True) for op in (write("a"), refused, write("c"))),
+                                       return_exceptions=True)
+        assert results[0] is None and results[2] is None, results
+        assert isinstance(results[1], psycopg.errors.UndefinedColumn), results
+        for fid in ("a", "c"):
+            assert await store.read_attribute(fid, "A", "") == b"1"
+    finally:
+        await store.close()
