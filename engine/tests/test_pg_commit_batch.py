@@ -42,6 +42,8 @@ LOAD_ONLY = msgspec.structs.replace(
 )
 LOCKED = msgspec.structs.replace(NOOP, execute=msgspec.structs.replace(NOOP.execute, locks=("L",)))
 TIMED = _options(load=LoadOptions.none(), execute_timeout_seconds=30, heartbeat_timeout_seconds=5)
+# A heartbeat timeout longer than its method timeout: the first heartbeat deadline is the method's.
+TIMED_SHORT = _options(load=LoadOptions.none(), execute_timeout_seconds=5, heartbeat_timeout_seconds=30)
 PINNED_SYNC = _options(load=LoadOptions.none(), durability=StepDurability.SYNC)
 WAITING = resolve_task_options(StepOptions(load=LoadOptions.none()), True, None)  # a WaitFor, then an Execute
 INBOX: Channel[str] = Channel("Inbox", str)
@@ -138,8 +140,10 @@ async def chain_handoff(r: Run) -> None:
     await r.start("c")
     [lease] = await r.claim()
     [nxt] = await r.run(lease, _go(("B", NOOP)))
-    [nxt] = await r.run(nxt, _go(("B", TIMED)))  # its deadlines come from its timeouts
-    await r.run(nxt, _go(("A", PINNED_SYNC)))
+    [nxt] = await r.run(nxt, _go(("B", TIMED)))
+    [nxt] = await r.run(nxt, _go(("A", PINNED_SYNC)))
+    # Left running, so that their deadlines (from their timeouts) are compared.
+    await r.run(nxt, _go(("B", TIMED), ("B", TIMED_SHORT)), capacity=2)
 
 
 async def writes_and_loads(r: Run) -> None:
