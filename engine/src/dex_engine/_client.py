@@ -242,9 +242,10 @@ class AsyncClient:
 
     async def skip_timer(self, flow_id: str, step_execution_id: str) -> None:
         """Fire the pending timers of a waiting Step execution now (E6)."""
+        flow_id = _known(flow_id)
         if "\x00" in step_execution_id:  # no Step execution has one (see _known)
-            raise StepNotWaitingError(_known(flow_id), step_execution_id)
-        await self._store.skip_timer(_known(flow_id), step_execution_id)
+            raise StepNotWaitingError(flow_id, step_execution_id)
+        await self._store.skip_timer(flow_id, step_execution_id)
 
     async def update_flow_config(self, flow_id: str, config: FlowConfig) -> None:
         await self._store.update_flow_config(_known(flow_id), config)
@@ -267,9 +268,10 @@ class AsyncClient:
 
     async def wait_for_flow(self, flow_id: str, timeout_seconds: float = 60.0) -> FlowInfo:
         """Poll until the flow is closed; raises TimeoutError with its active Steps otherwise."""
+        flow_id = _known(flow_id)
         deadline = time.monotonic() + timeout_seconds
         while True:
-            info = await self._store.describe_flow(_known(flow_id))
+            info = await self._store.describe_flow(flow_id)
             if info.status != "running":
                 return info
             if time.monotonic() >= deadline:
