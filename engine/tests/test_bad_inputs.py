@@ -86,6 +86,9 @@ InboxAsMap = ChannelMap("Inbox", int)
 
 HUGE = "x" * MAX_VALUE_BYTES  # encodes to MAX_VALUE_BYTES + 2 bytes (the JSON quotes)
 ONCE = RetryPolicy(max_attempts=1)  # the first failure is final, so the flow fails at once
+# Characters a database cannot store in text: PostgreSQL's text cannot hold NUL, and a lone
+# surrogate has no UTF-8 encoding on either backend.
+UNSTORABLE = {"nul": "\x00", "surrogate": "\ud800"}
 
 
 def misuse(ctx: Context | RpcContext, what: str) -> None:
@@ -114,20 +117,40 @@ async def start(ctx: Context, what: str) -> StepDecision:
         raise RuntimeError("e" * (2 * MAX_HISTORY_DETAIL_CHARS))
     if what == "bare_error":
         raise TimeoutError  # as a handler's own asyncio.wait_for raises it: no message
-    if what == "nul_error":
-        raise RuntimeError("bad\x00value")
-    if what == "nul_reason":
-        return StepDecision.force_fail("reason\x00here")
+    kind, _, use = what.partition(":")
+    if kind in UNSTORABLE:  # "<kind>:<use>", the character being UNSTORABLE[kind]
+        bad = UNSTORABLE[kind]
+        if use == "error":
+            raise RuntimeError(f"bad{bad}value")
+        if use == "reason":
+            return StepDecision.force_fail(f"reason{bad}here")
+        if use == "checkpoint":
+            await ctx.heartbeat(f"a{bad}b")
+        if use in ("retried", "routed"):
+            return StepDecision.go_to(use.capitalize(), kind)
     if what == "nul_value":
         ctx.set(Note, "a\x00b")
         return StepDecision.graceful_complete("c\x00d")
-    if what == "nul_checkpoint":
-        await ctx.heartbeat("a\x00b")
     if what == "undeclared_cancel":
         ctx.set(Count, 41)
         return StepDecision.graceful_complete("done").with_canceling_steps("Nowhere")
     misuse(ctx, what)
     return StepDecision.graceful_complete("misuse was not refused")
+
+
+async def fails_once(ctx: Context, kind: str) -> StepDecision:
+    if ctx.attempt == 1:
+        raise RuntimeError(f"bad{UNSTORABLE[kind]}value")
+    return StepDecision.graceful_complete("retried")
+
+
+async def fails(ctx: Context, kind: str) -> StepDecision:
+    raise RuntimeError(f"bad{UNSTORABLE[kind]}value")
+
+
+async def recovered(ctx: Context, _: str) -> StepDecision:
+    assert ctx.recovery_error is not None
+    return StepDecision.graceful_complete(ctx.recovery_error.detail)
 
 
 async def listen_wait(ctx: Context, _: None) -> Wait:
@@ -170,6 +193,10 @@ FLOW = Flow(
     [
         Step("Start", start, input_type=str, options=StepOptions(execute_retry=ONCE)),
         Step("Listen", done, wait_for=listen_wait, input_type=type(None)),
+        Step("Retried", fails_once, input_type=str,
+             options=StepOptions(execute_retry=RetryPolicy(max_attempts=2, initial_interval_seconds=0.01))),
+        Step("Routed", fails, input_type=str, options=StepOptions(execute_retry=ONCE, failure_route="Recovered")),
+        Step("Recovered", recovered, input_type=str),
         Step("BadWait", done, wait_for=bad_wait, input_type=type(None), options=StepOptions(wait_for_retry=ONCE)),
     ],
     start_step="Start",
@@ -327,50 +354,72 @@ async def test_an_error_without_a_message_is_named_by_its_repr(db_url: str) -> N
         assert [h.detail for h in failed] == ["execute: TimeoutError: TimeoutError()"]
 
 
-async def test_texts_with_a_nul_character_are_kept_with_it_escaped(db_url: str) -> None:
-    """An error message, a force_fail reason and a stop reason with a NUL character (which
-    PostgreSQL's text cannot hold) are kept with it written as \\x00, on both backends alike, while
-    values keep it as it is, and the worker goes on. Catches: the NUL sent to PostgreSQL as is,
-    where the failure could never be recorded and the worker handed the attempt back and ran it
-    again without end."""
+@pytest.mark.parametrize(("kind", "escaped"), [("nul", "\\x00"), ("surrogate", "\\ud800")])
+async def test_texts_with_an_unstorable_character_are_kept_with_it_escaped(
+    db_url: str, kind: str, escaped: str,
+) -> None:
+    """An error message (final, retried or handed to a failure route), a force_fail reason and a stop reason with a NUL
+    character (which PostgreSQL's text cannot hold) or a lone surrogate (which no backend can encode)
+    are kept with it written as its escape, on both backends alike, and the worker goes on.
+    Catches: the text sent to the database as is, where the failure could never be recorded and the
+    worker handed the attempt back and ran it again without end."""
+    bad = UNSTORABLE[kind]
     async with engine_for(db_url, REGISTRY) as eng:
         c = eng.client
-        await c.start_flow("Bad", "error", "nul_error")
+        await c.start_flow("Bad", "error", f"{kind}:error")
         info = await c.wait_for_flow("error", 10)
-        assert info.status == "failed" and info.error is not None and "RuntimeError: bad\\x00value" in info.error
+        assert info.status == "failed" and info.error is not None and f"RuntimeError: bad{escaped}value" in info.error
         failed = [h.detail for h in await c.get_flow_history("error") if h.event_type == "attempt_failed"]
-        assert failed == ["execute: RuntimeError: bad\\x00value"]
+        assert failed == [f"execute: RuntimeError: bad{escaped}value"]
 
-        await c.start_flow("Bad", "reason", "nul_reason")
+        await c.start_flow("Bad", "retried", f"{kind}:retried")
+        assert (await c.wait_for_flow("retried", 10)).status == "completed"
+        failed = [h.detail for h in await c.get_flow_history("retried") if h.event_type == "attempt_failed"]
+        assert failed == [f"execute: RuntimeError: bad{escaped}value"]
+
+        await c.start_flow("Bad", "routed", f"{kind}:routed")  # its failure route is handed the error
+        assert (await c.wait_for_flow("routed", 10)).status == "completed"
+        assert await c.flow_output("routed") == f"bad{escaped}value"
+
+        await c.start_flow("Bad", "reason", f"{kind}:reason")
         info = await c.wait_for_flow("reason", 10)
-        assert (info.status, info.error) == ("failed", "reason\\x00here")
+        assert (info.status, info.error) == ("failed", f"reason{escaped}here")
         closed = [h.detail for h in await c.get_flow_history("reason") if h.event_type == "flow_closed"]
-        assert closed == ["failed: reason\\x00here"]
+        assert closed == [f"failed: reason{escaped}here"]
 
         await c.start_flow("Bad", "stop", "listen")
-        await c.stop_flow("stop", "why\x00not")
+        await c.stop_flow("stop", f"why{bad}not")
         info = await c.describe_flow("stop")
-        assert (info.status, info.error) == ("stopped", "why\\x00not")
-
-        await c.start_flow("Bad", "value", "nul_value")  # values are JSON: they keep it as it is
-        assert (await c.wait_for_flow("value", 10)).status == "completed"
-        assert await c.get_attribute("value", Note) == "a\x00b"
-        assert await c.flow_output("value") == "c\x00d"
+        assert (info.status, info.error) == ("stopped", f"why{escaped}not")
 
         await c.start_flow("Bad", "after", "ok")
         assert (await c.wait_for_flow("after", 10)).status == "completed"
 
 
-async def test_a_heartbeat_checkpoint_with_a_nul_character_is_refused(db_url: str) -> None:
-    """A heartbeat checkpoint with a NUL character (stored as text, which PostgreSQL cannot hold
-    with one) is refused on both backends with InvalidValueError naming the character's place:
-    the attempt fails with that error, and nothing else changes."""
+async def test_values_keep_a_nul_character_as_it_is(db_url: str) -> None:
+    """Values are JSON, which writes a NUL character as an escape of its own: it comes back unchanged."""
     async with engine_for(db_url, REGISTRY) as eng:
         c = eng.client
-        await c.start_flow("Bad", "f", "nul_checkpoint")
+        await c.start_flow("Bad", "value", "nul_value")
+        assert (await c.wait_for_flow("value", 10)).status == "completed"
+        assert await c.get_attribute("value", Note) == "a\x00b"
+        assert await c.flow_output("value") == "c\x00d"
+
+
+@pytest.mark.parametrize(("kind", "named"), [("nul", "a NUL character"), ("surrogate", "a lone surrogate")])
+async def test_a_heartbeat_checkpoint_with_an_unstorable_character_is_refused(
+    db_url: str, kind: str, named: str,
+) -> None:
+    """A heartbeat checkpoint with a NUL character or a lone surrogate (stored as text, which cannot
+    hold either, and not escaped, since it must come back exactly) is refused on both backends with
+    InvalidValueError naming the character and its place: the attempt fails with that error."""
+    async with engine_for(db_url, REGISTRY) as eng:
+        c = eng.client
+        await c.start_flow("Bad", "f", f"{kind}:checkpoint")
         info = await c.wait_for_flow("f", 10)
         assert info.status == "failed" and info.error is not None
-        assert "InvalidValueError: heartbeat checkpoint 'a\\x00b' contains a NUL character at index 1" in info.error
+        shown = repr(f"a{UNSTORABLE[kind]}b")
+        assert f"InvalidValueError: heartbeat checkpoint {shown} contains {named} at index 1" in info.error
 
 
 # IDs and keys ----------------------------------------------------------------------------------
@@ -396,12 +445,14 @@ async def test_bad_flow_id_is_refused(db_url: str, flow_id: str, named: str) -> 
                       "flow ID", named)
 
 
-async def test_lookups_of_an_id_with_a_nul_character_find_no_flow(db_url: str) -> None:
-    """No flow has an ID with a NUL character (start_flow refuses it), so every client call on one
-    raises FlowNotFoundError naming it, on both backends alike, and a Step execution ID with one
-    is not waiting. Catches: the ID sent to PostgreSQL, whose text cannot hold NUL (a DataError
-    there, where SQLite finds no flow)."""
-    bad = "a\x00b"
+@pytest.mark.parametrize("kind", UNSTORABLE)
+async def test_lookups_of_an_id_with_an_unstorable_character_find_no_flow(db_url: str, kind: str) -> None:
+    """No flow has an ID with a NUL character or a lone surrogate (start_flow refuses both), so
+    every client call on one raises FlowNotFoundError naming it, on both backends alike, a Step
+    execution ID with one is not waiting, and a search for a name with one finds nothing.
+    Catches: the text sent to the database, where PostgreSQL's text cannot hold NUL (a DataError)
+    and neither backend can encode a lone surrogate (a UnicodeEncodeError)."""
+    bad = f"a{UNSTORABLE[kind]}b"
     async with engine_for(db_url, REGISTRY, worker=False) as eng:
         c = eng.client
         await c.start_flow("Bad", "f", "listen")
@@ -426,6 +477,8 @@ async def test_lookups_of_an_id_with_a_nul_character_find_no_flow(db_url: str) -
         assert await c.exists(bad) is False
         with pytest.raises(StepNotWaitingError, match=re.escape(repr(bad))):
             await c.skip_timer("f", bad)
+        for term in ("FlowType", "FlowStatus", "ActiveStepTypes"):
+            assert await c.search_flows(f'{term} = "{bad}"') == []
 
 
 async def test_longest_and_punctuated_flow_ids_are_accepted(db_url: str) -> None:

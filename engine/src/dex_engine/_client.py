@@ -72,9 +72,10 @@ def parse_search(query: str) -> dict[str, str]:
 
 
 def _known(flow_id: str) -> str:
-    """`flow_id`, to look up; FlowNotFoundError for one with a NUL character, which no flow has
-    (start_flow refuses it) and PostgreSQL's text cannot even be asked about."""
-    if "\x00" in flow_id:
+    """`flow_id`, to look up; FlowNotFoundError for one with a character no flow ID has (start_flow
+    refuses control characters), among them two a database cannot even be asked about: NUL, which
+    PostgreSQL's text cannot hold, and a lone surrogate, which has no UTF-8 encoding."""
+    if not flow_id.isprintable():
         raise FlowNotFoundError(flow_id)
     return flow_id
 
@@ -243,7 +244,7 @@ class AsyncClient:
     async def skip_timer(self, flow_id: str, step_execution_id: str) -> None:
         """Fire the pending timers of a waiting Step execution now (E6)."""
         flow_id = _known(flow_id)
-        if "\x00" in step_execution_id:  # no Step execution has one (see _known)
+        if not step_execution_id.isprintable():  # no Step execution ID has such a character (see _known)
             raise StepNotWaitingError(flow_id, step_execution_id)
         await self._store.skip_timer(flow_id, step_execution_id)
 
@@ -258,6 +259,8 @@ class AsyncClient:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit!r}")
         terms = parse_search(query)
+        if not all(value.isprintable() for value in terms.values()):
+            return []  # no name has such a character (see _known), and a database may refuse it
         return await self._store.search_flows(
             flow_type=terms.get("FlowType"), status=terms.get("FlowStatus"),
             active_step=terms.get("ActiveStepTypes"), limit=limit,

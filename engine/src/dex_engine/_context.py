@@ -207,6 +207,26 @@ HeartbeatFn = Callable[[str | None], Awaitable[None]]
 EventFn = Callable[[str, bytes], None]
 
 
+def _check_checkpoint(checkpoint: str) -> None:
+    """InvalidValueError naming the first character of `checkpoint` a database cannot store as
+    text: NUL (PostgreSQL's text cannot hold it) or a lone surrogate (no UTF-8 encoding). Unlike an
+    error's text it cannot be escaped, since the next attempt must get back exactly what was saved."""
+    if "\x00" in checkpoint:
+        where, what = checkpoint.index("\x00"), "a NUL character"
+    elif checkpoint.isascii():
+        return
+    else:
+        try:
+            checkpoint.encode("utf-8")
+            return
+        except UnicodeEncodeError as exc:
+            where, what = exc.start, "a lone surrogate"
+    raise InvalidValueError(
+        f"heartbeat checkpoint {checkpoint[:40]!r} contains {what} at index {where}; "
+        "a checkpoint is stored as text: encode it (JSON, base64) first"
+    )
+
+
 class Context(_StateView):
     """What a WaitFor or Execute handler sees: identity, loaded state, buffered writes, heartbeats."""
 
@@ -244,13 +264,11 @@ class Context(_StateView):
 
         From then on the attempt counts as started (E3). `checkpoint` replaces the saved one; a
         heartbeat without one repeats the last. Raises StaleAttemptError if the attempt lost its task,
-        and InvalidValueError for a checkpoint with a NUL character (PostgreSQL's text cannot hold it).
+        and InvalidValueError for a checkpoint with a NUL character (PostgreSQL's text cannot hold it)
+        or a lone surrogate (no database can encode it).
         """
-        if checkpoint is not None and "\x00" in checkpoint:
-            raise InvalidValueError(
-                f"heartbeat checkpoint {checkpoint[:40]!r} contains a NUL character at index "
-                f"{checkpoint.index(chr(0))}; a checkpoint is stored as text: encode it (JSON, base64) first"
-            )
+        if checkpoint is not None:
+            _check_checkpoint(checkpoint)
         await self._heartbeat(checkpoint)
         if checkpoint is not None:
             self.checkpoint = checkpoint

@@ -307,8 +307,10 @@ def _history(
 
 def _storable_text(text: str) -> str:
     """`text` (an error's message, a reason) as both backends' text columns hold it: PostgreSQL's
-    text cannot hold NUL, so each NUL is written as the four characters \\x00, on SQLite too."""
-    return text.replace("\x00", "\\x00")
+    text cannot hold NUL, so each NUL is written as the four characters \\x00, and neither can
+    encode a lone surrogate, written as its escape (\\ud800), so that the text is always stored."""
+    text = text.replace("\x00", "\\x00")
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _on_postgres(db: Db) -> bool:
@@ -1513,6 +1515,7 @@ def fail_attempt(db: Db, lease: Lease, error: ErrorInfo, no_retry: bool, now: in
 
 
 def _fail_task(db: Db, task_id: int, error: ErrorInfo, no_retry: bool, now: int) -> None:
+    error = ErrorInfo(error.error_type, _storable_text(error.detail))  # it is kept for the retry too
     row = db.one(
         "SELECT flow_id, flow_type, step_type, step_execution_id, method, attempt, options, input, "
         "method_first_at, any_started, attempt_started FROM tasks WHERE task_id = ?",
