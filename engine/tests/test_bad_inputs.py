@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import math
 import re
 import threading
@@ -111,6 +112,8 @@ async def start(ctx: Context, what: str) -> StepDecision:
         return StepDecision.graceful_complete("done")
     if what == "listen":
         return StepDecision.go_to("Listen", None)
+    if what == "miswrapped":
+        return StepDecision.go_to("Miswrapped", None)
     if what == "bad_wait":
         return StepDecision.go_to("BadWait", None)
     if what == "long_error":
@@ -128,6 +131,8 @@ async def start(ctx: Context, what: str) -> StepDecision:
             await ctx.heartbeat(f"a{bad}b")
         if use in ("retried", "routed"):
             return StepDecision.go_to(use.capitalize(), kind)
+    if what == "textless_error":
+        raise TextlessError("its __str__ raises")
     if what == "nul_value":
         ctx.set(Note, "a\x00b")
         return StepDecision.graceful_complete("c\x00d")
@@ -136,6 +141,32 @@ async def start(ctx: Context, what: str) -> StepDecision:
         return StepDecision.graceful_complete("done").with_canceling_steps("Nowhere")
     misuse(ctx, what)
     return StepDecision.graceful_complete("misuse was not refused")
+
+
+class TextlessError(Exception):
+    """An exception whose text cannot be made: its __str__ (and so its repr's use of it) raises."""
+
+    def __str__(self) -> str:
+        raise ValueError("no text")
+
+    def __repr__(self) -> str:
+        raise ValueError("no repr")
+
+
+def _takes_no_input(fn: Callable[[Context], Awaitable[StepDecision]]) -> Callable[..., Any]:
+    """A decorator whose wrapper claims `fn`'s signature (functools.wraps) but takes only ctx: it
+    passes the Flow's definition check, and calling it with (ctx, input) raises TypeError."""
+
+    @functools.wraps(fn)
+    async def wrapper(ctx: Context) -> StepDecision:
+        return await fn(ctx)
+
+    return wrapper
+
+
+@_takes_no_input
+async def miswrapped(ctx: Context, _: None = None) -> StepDecision:
+    return StepDecision.graceful_complete(None)
 
 
 async def fails_once(ctx: Context, kind: str) -> StepDecision:
@@ -197,6 +228,7 @@ FLOW = Flow(
              options=StepOptions(execute_retry=RetryPolicy(max_attempts=2, initial_interval_seconds=0.01))),
         Step("Routed", fails, input_type=str, options=StepOptions(execute_retry=ONCE, failure_route="Recovered")),
         Step("Recovered", recovered, input_type=str),
+        Step("Miswrapped", miswrapped, input_type=type(None), options=StepOptions(execute_retry=ONCE)),
         Step("BadWait", done, wait_for=bad_wait, input_type=type(None), options=StepOptions(wait_for_retry=ONCE)),
     ],
     start_step="Start",
@@ -340,6 +372,33 @@ async def test_a_long_error_is_kept_in_history_cut_to_the_detail_limit(db_url: s
         assert len(failed) == 1, failed
         full = "execute: RuntimeError: " + "e" * (2 * MAX_HISTORY_DETAIL_CHARS)
         assert failed[0].detail == full[:MAX_HISTORY_DETAIL_CHARS]
+
+
+async def test_an_error_whose_text_cannot_be_made_fails_the_attempt(db_url: str) -> None:
+    """A handler raising an exception whose __str__ and __repr__ raise fails its attempt, named by
+    its type. Catches: the failure's text made without a guard, which raised in the worker, so the
+    attempt was handed back and run again without end, the flow running forever."""
+    async with engine_for(db_url, REGISTRY) as eng:
+        c = eng.client
+        await c.start_flow("Bad", "f", "textless_error")
+        info = await c.wait_for_flow("f", 10)
+        assert (info.status, info.error) == (
+            "failed", "Step Start-1 failed after 1 attempt(s): TextlessError: (its text could not be made: ValueError)")
+
+
+async def test_a_handler_that_cannot_be_called_with_its_input_fails_the_attempt(db_url: str) -> None:
+    """A handler that raises when called with (ctx, input), before it runs (here a decorator's
+    wrapper that takes only ctx, which the definition check cannot see through functools.wraps),
+    fails its attempt with WorkerInvocationError naming the TypeError. Catches: only the engine's
+    own errors caught at the call, any other raised in the worker and the attempt handed back and
+    run again without end."""
+    async with engine_for(db_url, REGISTRY) as eng:
+        c = eng.client
+        await c.start_flow("Bad", "f", "miswrapped")
+        info = await c.wait_for_flow("f", 10)
+        assert info.status == "failed" and info.error is not None
+        assert info.error.startswith("Step Miswrapped-1 failed after 1 attempt(s): WorkerInvocationError: TypeError: ")
+        assert "positional argument" in info.error
 
 
 async def test_an_error_without_a_message_is_named_by_its_repr(db_url: str) -> None:
@@ -875,11 +934,27 @@ def _sync_wait(ctx: Context, _: None) -> Wait:
     return Wait.skip_immediately()
 
 
+async def _one_argument(ctx: Context) -> StepDecision:
+    return StepDecision.dead_end()
+
+
+async def _three_arguments(ctx: Context, _: None, extra: int) -> Wait:
+    return Wait.skip_immediately()
+
+
 def test_flow_definition_lists_every_problem_at_once() -> None:
     """A Flow with several mistakes raises one FlowDefinitionError that lists each of them."""
 
     @rpc(locks=[Stray])
     async def locked(ctx: RpcContext, _: None) -> None:
+        return None
+
+    @rpc()
+    def sync_rpc(ctx: RpcContext, _: None) -> None:
+        return None
+
+    @rpc()
+    async def no_request(ctx: RpcContext) -> None:
         return None
 
     with pytest.raises(FlowDefinitionError) as caught:
@@ -889,6 +964,7 @@ def test_flow_definition_lists_every_problem_at_once() -> None:
                 Step("A", done),
                 Step("A", done),
                 Step("Sync", _sync_execute, wait_for=_sync_wait),  # type: ignore[arg-type]
+                Step("Arity", _one_argument, wait_for=_three_arguments),  # type: ignore[arg-type]
                 Step("Routed", done, options=StepOptions(failure_route="Nowhere", execute_locks=(Stray,),
                                                           wait_for_locks=(Tags["k"],))),
                 Step("Pure", done, pure_execute="yes"),  # type: ignore[arg-type]
@@ -896,7 +972,7 @@ def test_flow_definition_lists_every_problem_at_once() -> None:
             start_step="Missing",
             # What follows an item that is not of its kind is still checked.
             schema=[Note, "Colour", Attribute("Note", int), Inbox],
-            rpcs=[_sync_wait, locked, locked],
+            rpcs=[_sync_wait, locked, locked, sync_rpc, no_request],  # type: ignore[list-item]
         )
     message = str(caught.value)
     expected = [
@@ -906,6 +982,12 @@ def test_flow_definition_lists_every_problem_at_once() -> None:
         "RPC 'locked' locks 'Stray', which is not a declared attribute",
         "Step 'Sync' execute must be an async function",
         "Step 'Sync' wait_for must be an async function",
+        "Step 'Arity' execute _one_argument(ctx: 'Context') -> 'StepDecision' cannot be called with (ctx, input)",
+        "Step 'Arity' wait_for _three_arguments(ctx: 'Context', _: 'None', extra: 'int') -> 'Wait' cannot be "
+        "called with (ctx, input): missing a required argument: 'extra'",
+        "RPC 'sync_rpc' must be an async function",
+        "RPC 'no_request' test_flow_definition_lists_every_problem_at_once.<locals>.no_request(ctx: 'RpcContext') "
+        "-> 'None' cannot be called with (ctx, input): too many positional arguments",
         "failure route 'Nowhere' is not one of the flow's Steps",
         "Step 'Routed' locks 'Stray'",
         "Step 'Routed' locks 'Tags[k]'",

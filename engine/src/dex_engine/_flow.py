@@ -120,6 +120,23 @@ def rpc(
     return wrap
 
 
+def _handler_problems(label: str, handler: object) -> list[str]:
+    """Why `handler` cannot be called as `await handler(ctx, input)`, if it cannot: found here, a
+    mistake is named when the Flow is defined, where otherwise every attempt would fail with it."""
+    if not inspect.iscoroutinefunction(handler):
+        return [f"{label} must be an async function, got {handler!r}"]
+    try:
+        signature = inspect.signature(handler)
+    except ValueError:  # no signature to read (some callables implemented in C): the call decides
+        return []
+    try:
+        signature.bind(None, None)
+    except TypeError as exc:
+        return [f"{label} {getattr(handler, '__qualname__', handler)}{signature} cannot be called with "
+                f"(ctx, input): {exc}"]
+    return []
+
+
 class Flow:
     """A Flow definition: its type, Steps (at most one start Step), schema and RPCs."""
 
@@ -169,6 +186,7 @@ class Flow:
                 problems.append(f"RPC {r.name!r} is declared twice")
                 continue  # the first declaration's own problems are listed already
             self.rpcs[r.name] = r
+            problems.extend(_handler_problems(f"RPC {r.name!r}", r.handler))
             problems.extend(self._lock_problems(f"RPC {r.name!r}", r.locks))
         for step in self.steps.values():
             problems.extend(self._step_problems(step))
@@ -180,10 +198,9 @@ class Flow:
     def _step_problems(self, step: Step[Any]) -> list[str]:
         out: list[str] = []
         label = f"Step {step.step_type!r}"
-        if not inspect.iscoroutinefunction(step.execute):
-            out.append(f"{label} execute must be an async function")
-        if step.wait_for is not None and not inspect.iscoroutinefunction(step.wait_for):
-            out.append(f"{label} wait_for must be an async function")
+        out.extend(_handler_problems(f"{label} execute", step.execute))
+        if step.wait_for is not None:
+            out.extend(_handler_problems(f"{label} wait_for", step.wait_for))
         for flag in ("pure_execute", "pure_until_heartbeat"):
             pure: object = getattr(step, flag)  # typed bool, but a caller without a type checker may pass anything
             if not isinstance(pure, bool):

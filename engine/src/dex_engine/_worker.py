@@ -24,7 +24,6 @@ from ._codec import decode_value, encode_value
 from ._context import Context, EventFn, FoldContext, HeartbeatFn, NotFoldable, WaitResult
 from ._decision import StepDecision
 from ._errors import (
-    DexError,
     InvalidValueError,
     NoRetryError,
     StaleAttemptError,
@@ -488,9 +487,10 @@ class AsyncWorker:
             _gates.gate(_gates.CLAIMED)
         try:
             ctx, call = self._handler_call(running)
-        except DexError as exc:
-            invocation = WorkerInvocationError(type(exc).__name__, str(exc))
-            await self._fail(running, ErrorInfo("WorkerInvocationError", str(invocation)), False)
+        except Exception as exc:  # the handler is missing or takes other input: it cannot be called
+            invocation = _error_info(exc)
+            detail = str(WorkerInvocationError(invocation.error_type, invocation.detail))
+            await self._fail(running, ErrorInfo("WorkerInvocationError", detail), False)
             return
         timeout: asyncio.Timeout | None = None
         try:
@@ -813,5 +813,10 @@ def _cancel_requested() -> bool:
 
 
 def _error_info(exc: BaseException) -> ErrorInfo:
-    return ErrorInfo(type(exc).__name__, str(exc) or repr(exc))
+    """What `exc` was, for the attempt's failure. Never raises: an exception whose text cannot be
+    made would otherwise leave the failure unrecorded, the attempt handed back and run again."""
+    try:
+        return ErrorInfo(type(exc).__name__, str(exc) or repr(exc))
+    except Exception as failed:
+        return ErrorInfo(type(exc).__name__, f"(its text could not be made: {type(failed).__name__})")
 
