@@ -38,7 +38,7 @@ from dex_engine import (
     _gates,
     open_store,
 )
-from dex_engine._limits import RENEW_RETRY_SECONDS
+from dex_engine._limits import MAX_WORKER_ERRORS_PER_ATTEMPT, RENEW_RETRY_SECONDS
 from dex_engine._records import HousekeepingReport
 from dex_engine._store import LOST_CLAIM_MS
 
@@ -528,9 +528,51 @@ async def test_an_attempt_the_worker_itself_cannot_finish_is_handed_back_and_ret
         assert (await eng.client.wait_for_flow("f", 10)).status == "completed"
         assert faults == ["commit_execute", "fail_attempt"]
         assert calls == [1, 2]
+        assert eng.worker is not None and eng.worker._worker_errors == {}  # the attempt that ended forgot it
         assert await eng.client.flow_output("f") == "attempt 2"
         (failed,) = failures(await eng.client.get_flow_history("f"))
         assert failed[:2] == ("Call-1", 1), failed
+
+
+async def test_an_unstarted_attempt_the_worker_cannot_end_again_and_again_is_failed(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An attempt that never started (no heartbeat) is handed back under the same number after a
+    worker-side error (E3: no retry used). When ending it fails every time (an error of the
+    worker's that recurs on each run: a bug in recording the failure), the worker fails it with
+    WorkerError after MAX_WORKER_ERRORS_PER_ATTEMPT runs, and the retry policy applies. Catches:
+    the attempt handed back and run again without end, its flow running forever (as a NUL in an
+    error's text once did on PostgreSQL)."""
+    calls: list[int] = []
+
+    async def call(ctx: Context, _: None) -> StepDecision:
+        calls.append(ctx.attempt)
+        return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
+
+    registry = Registry([Flow("Unending", [Step("Call", call, options=QUICK_RETRY)], start_step="Call")])
+    async with engine_for(db_url, registry) as eng:
+        commit_execute, fail_attempt = eng.store.commit_execute, eng.store.fail_attempt
+
+        async def unrecordable_commit(lease: Any, *args: Any, **kwargs: Any) -> Any:
+            if lease.attempt == 1:
+                raise RuntimeError("a bug in the commit")
+            return await commit_execute(lease, *args, **kwargs)
+
+        async def unrecordable_failure(lease: Any, error: Any, **kwargs: Any) -> Any:
+            if error.error_type != "WorkerError":  # the worker's own last resort is recorded
+                raise LookupError("a bug in recording the failure")
+            return await fail_attempt(lease, error, **kwargs)
+
+        monkeypatch.setattr(eng.store, "commit_execute", unrecordable_commit)
+        monkeypatch.setattr(eng.store, "fail_attempt", unrecordable_failure)
+        await eng.client.start_flow("Unending", "u")
+        assert (await eng.client.wait_for_flow("u", 20)).status == "completed"
+        assert calls == [1] * MAX_WORKER_ERRORS_PER_ATTEMPT + [2]
+        assert await eng.client.flow_output("u") == "attempt 2"
+        (failed,) = failures(await eng.client.get_flow_history("u"))
+        assert failed == ("Call-1", 1, "execute: WorkerError: the worker could not end the attempt "
+                          f"{MAX_WORKER_ERRORS_PER_ATTEMPT} times; the last time: LookupError")
+        assert eng.worker is not None and eng.worker._worker_errors == {}
 
 
 @pytest.mark.sqlite_only  # on PostgreSQL the lock is released without a round trip; a poll claims the Step

@@ -23,6 +23,16 @@ MAX_HISTORY_EVENTS_PER_FLOW = 20_000
 # a traceback, while a handler raising a huge error cannot grow history by megabytes a failure.
 MAX_HISTORY_DETAIL_CHARS = 4000
 
+# Worker-side errors (its own, not the handler's) in ending one attempt before it fails that
+# attempt rather than hand it back again: an unstarted attempt handed back is run again under the
+# same number (E3), so an error that recurs each time would otherwise repeat it without end, while
+# one or two in a row (a lost connection) are worth a fresh try that consumes no retry.
+MAX_WORKER_ERRORS_PER_ATTEMPT = 3
+
+# Attempts whose worker-side errors a worker counts at once: more would mean a broken database or
+# worker, where the counts matter less than the worker's memory staying bounded.
+MAX_WORKER_ERROR_ENTRIES = 1000
+
 # Lease of a worker: a worker that has not renewed for this long is declared dead and its
 # started attempts fail (unstarted ones are handed out again). 30 s matches Procrastinate.
 DEFAULT_LEASE_TTL_SECONDS = 30.0

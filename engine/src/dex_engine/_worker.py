@@ -38,6 +38,8 @@ from ._limits import (
     DEFAULT_MAX_CONCURRENT_TASKS,
     DEFAULT_POLL_SECONDS,
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
+    MAX_WORKER_ERROR_ENTRIES,
+    MAX_WORKER_ERRORS_PER_ATTEMPT,
     RENEW_RETRY_SECONDS,
 )
 from ._open import open_store
@@ -140,6 +142,9 @@ class AsyncWorker:
         self._loop_thread: int | None = None  # the event loop's thread, where pure Executes may fold
         # Hand-backs of claims beyond max_concurrent_tasks still being committed (_spawn).
         self._handing_back: set[asyncio.Task[None]] = set()
+        # Task ID -> (attempt, worker-side errors so far in ending it), for attempts this worker
+        # handed back: at MAX_WORKER_ERRORS_PER_ATTEMPT it fails the attempt instead.
+        self._worker_errors: dict[int, tuple[int, int]] = {}
 
     @property
     def store(self) -> Store:
@@ -453,23 +458,41 @@ class AsyncWorker:
                 raise
         except StaleAttemptError:
             log.info("attempt %s#%d lost its task; result discarded", lease.step_execution_id, lease.attempt)
-        except Exception:
-            log.exception("worker error while running %s; handing the attempt back", lease.step_execution_id)
-            # Left alone, the task would stay running until this worker dies. Abandoned, the next
-            # housekeeping fails or re-hands it as it would a dead worker's attempt.
-            try:
-                await self.store.abandon(lease)
-            except StaleAttemptError:
-                pass
-            except Exception:
-                log.exception("could not hand back %s; it is recovered when this worker stops",
-                              lease.step_execution_id)
+        except Exception as exc:
+            await self._after_worker_error(lease, exc)
+        else:
+            if self._worker_errors:
+                self._worker_errors.pop(lease.task_id, None)
         finally:
             if lease.started is not None:
                 # Not resumed (revoked before it ran): drop the parked handler. This task runs in its
                 # variables already, which StartedFold.close would enter again.
                 cast(ParkedHandler, lease.started.resume).coroutine.close()
             self._end_attempt(running)
+
+    async def _after_worker_error(self, lease: Lease, exc: Exception) -> None:
+        """End an attempt the worker could not end itself (an error of its own, `exc`): hand it back,
+        so that the next housekeeping fails it or hands it out again as it would a dead worker's;
+        after MAX_WORKER_ERRORS_PER_ATTEMPT of them, fail it with a plain error, so that an error
+        that recurs on each run cannot run an unstarted attempt again without end."""
+        attempt, errors = self._worker_errors.pop(lease.task_id, (lease.attempt, 0))
+        errors = errors + 1 if attempt == lease.attempt else 1
+        try:
+            if errors < MAX_WORKER_ERRORS_PER_ATTEMPT:
+                log.exception("worker error while running %s; handing the attempt back", lease.step_execution_id)
+                if len(self._worker_errors) < MAX_WORKER_ERROR_ENTRIES:
+                    self._worker_errors[lease.task_id] = (lease.attempt, errors)
+                # Left alone, the task would stay running until this worker dies.
+                await self.store.abandon(lease)
+                return
+            log.exception("worker error while running %s, %d times in a row; failing the attempt",
+                          lease.step_execution_id, errors)
+            detail = f"the worker could not end the attempt {errors} times; the last time: {type(exc).__name__}"
+            await self.store.fail_attempt(lease, ErrorInfo("WorkerError", detail))
+        except StaleAttemptError:
+            pass
+        except Exception:
+            log.exception("could not hand back %s; it is recovered when this worker stops", lease.step_execution_id)
 
     def _end_attempt(self, running: _Running) -> None:
         """Free the attempt's slot and close its events; its parked handler, if any, is closed."""
