@@ -10,7 +10,8 @@ model call per step, in order:
   output, error, cancellation_reason and task_id by call ID, and `{seen}` the number of stored
   messages the call saw;
 - `{"turn_error": "text"}` ends the turn as failed without a retry;
-- `{"raise": "text"}` fails every attempt of the model call; with `"attempts": n`, only the first n;
+- `{"raise": "text"}` fails every attempt of the model call; with `"attempts": n`, only the first n
+  (`{"raise_bytes": n}` fails every attempt with a text of n characters);
 - `"gate": "name"` in any step waits at that FileGate before the model call returns;
 - `"heartbeat": true` in any step heartbeats first (before the gate), so the attempt counts as
   started, as a model call that already streamed output does: a Worker killed after it fails the
@@ -18,7 +19,8 @@ model call per step, in order:
 
 Tools (in the tool Step): args `{"gate": name}` wait at a FileGate first; `{"sleep": seconds}` then
 take that long, as a call to a slow API does; `{"fail": text}` raises ToolExecutionError;
-`{"unknown": text}` raises ToolOutcomeUnknownError; `{"crash": text}` raises RuntimeError;
+`{"unknown": text}` raises ToolOutcomeUnknownError (`{"fail_bytes": n}`, `{"unknown_bytes": n}`: with a
+text of n characters); `{"crash": text}` raises RuntimeError (`{"crash_bytes": n}`: n characters);
 `{"output_bytes": n}` returns n bytes, `{"output": text}` that text. Policies by name prefix: read_
 READ, idem_ IDEMPOTENT_WRITE, write_ NON_IDEMPOTENT_WRITE; anything else gets the session default
 (unclassified).
@@ -167,6 +169,8 @@ class ScriptedRunner:
             await self._gate(step["gate"]).wait_for_release()
         if "raise" in step and turn.attempt <= step.get("attempts", 1_000_000):
             raise RuntimeError(step["raise"])
+        if "raise_bytes" in step:
+            raise RuntimeError("r" * int(step["raise_bytes"]))
         pending = [_restored(m) for m in run["items"]]
         # Results of the previous response's tool calls, now final.
         results = sorted(turn.tool_calls.values(), key=lambda r: r.deferral_order)
@@ -221,8 +225,14 @@ class ScriptedRunner:
             raise ToolExecutionError(args["fail"])
         if "unknown" in args:
             raise ToolOutcomeUnknownError(args["unknown"])
+        if "fail_bytes" in args:
+            raise ToolExecutionError("f" * int(args["fail_bytes"]))
+        if "unknown_bytes" in args:
+            raise ToolOutcomeUnknownError("u" * int(args["unknown_bytes"]))
         if "crash" in args:
             raise RuntimeError(args["crash"])
+        if "crash_bytes" in args:
+            raise RuntimeError("c" * int(args["crash_bytes"]))
         if "ask" in args and not call.input_answers:
             return ToolInputRequested(question=str(args["ask"]))
         if "task" in args:

@@ -80,7 +80,12 @@ from dex_agents import (
     UpdateSessionSettingsRequest,
     message_sequence_key,
 )
-from dex_agents._constants import CUT_NOTE_FIELD_CHARS, MAX_REJECTION_MESSAGE_CHARS, REJECTION_MESSAGE_NOT_STORED
+from dex_agents._constants import (
+    CUT_NOTE_FIELD_CHARS,
+    MAX_REJECTION_MESSAGE_CHARS,
+    MAX_STORED_TOOL_ERROR_CHARS,
+    REJECTION_MESSAGE_NOT_STORED,
+)
 from dex_agents._session_settings import session_settings_size
 from dex_agents._timefmt import format_time
 from dex_agents._tool_steps import ToolSteps
@@ -95,6 +100,7 @@ from dex_agents.testing import (
     wait_until,
 )
 from dex_engine import (
+    MAX_ERROR_TEXT_CHARS,
     MAX_VALUE_BYTES,
     AsyncClient,
     AsyncWorker,
@@ -737,6 +743,26 @@ async def test_runner_that_raises_on_every_attempt_fails_the_turn(tmp_path: Path
         await assert_usable(sessions, "s", before)
 
 
+async def test_errors_of_megabytes_fail_the_turn_and_the_call_with_them_cut(tmp_path: Path) -> None:
+    """A runner, or a read tool, that raises with a text of megabytes (a whole response body) on
+    every attempt: the call records failed and the turn fails, each with the error's first
+    MAX_ERROR_TEXT_CHARS characters, and the session goes on. Catches: the error handed to the
+    failure route whole, where RecordTurnFailure (last_turn_error) and RecordToolFailure (the
+    call's error) could never store it and retried without end, the session stuck in its turn."""
+    size = 3 * MAX_VALUE_BYTES
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        snapshot = await run_turn(sessions, "s", script(
+            {"tools": [{"id": "c1", "name": "read_x", "args": {"crash_bytes": size}}]}, {"answer": "{records}"}))
+        assert snapshot.state is not None and snapshot.state.last_turn_error is None
+        (record,) = json.loads(snapshot.messages[-1].text or "").values()
+        assert (record["status"], record["error"]) == ("failed", "c" * MAX_ERROR_TEXT_CHARS)
+        _, error = await failed_turn(sessions, "s", script({"raise_bytes": size}))
+        assert error == "r" * MAX_ERROR_TEXT_CHARS
+        await assert_usable(sessions, "s", before)
+
+
 class _FailingAfterAReadRunner:
     """One read call, whose output is `output`, then a model call that fails for good; the turn's
     unfinished-turn message is an assistant message of `size` characters."""
@@ -1278,6 +1304,37 @@ async def test_tool_output_over_the_value_limit(tmp_path: Path) -> None:
         for call_id in ("r", "i", "w"):
             assert engine.log.count("tool_start", tool_call_id=call_id) == 1
             assert engine.log.count("tool_end", tool_call_id=call_id) == 1
+        await assert_usable(sessions, "s", before)
+
+
+async def test_tool_error_over_the_value_limit_keeps_the_calls_status(tmp_path: Path) -> None:
+    """A tool error (ToolExecutionError, ToolOutcomeUnknownError) whose text is too large to store
+    keeps the call's status, failed or outcome_unknown, with the text cut to
+    MAX_STORED_TOOL_ERROR_CHARS and a note of its length; each tool ran once. Catches: such an
+    error taken for a too-large output, where a write the tool said failed, or whose outcome it did
+    not know, was recorded as succeeded, and the model told so."""
+    flow = build_flow(tmp_path, tool_policies={
+        "write_big": ToolPolicy(ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=False)})
+    size = MAX_VALUE_BYTES + 1
+    async with in_process(tmp_path, flow) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        snapshot = await run_turn(sessions, "s", script({"tools": [
+            {"id": "rf", "name": "read_big", "args": {"fail_bytes": size}},
+            {"id": "ru", "name": "read_big", "args": {"unknown_bytes": size}},
+            {"id": "wf", "name": "write_big", "args": {"fail_bytes": size}},
+            {"id": "wu", "name": "write_big", "args": {"unknown_bytes": size}},
+        ]}, {"answer": "{records}"}))
+        assert snapshot.state is not None and snapshot.state.last_turn_error is None
+        records = json.loads(snapshot.messages[-1].text or "")
+        cut = f" [Dex: cut from {size} characters]"
+        failed, unknown = "f" * MAX_STORED_TOOL_ERROR_CHARS + cut, "u" * MAX_STORED_TOOL_ERROR_CHARS + cut
+        assert {k: (v["status"], v["output"], v["error"]) for k, v in records.items()} == {
+            "rf": ("failed", None, failed), "ru": ("outcome_unknown", None, unknown),
+            "wf": ("failed", None, failed), "wu": ("outcome_unknown", None, unknown),
+        }
+        for call_id in records:
+            assert engine.log.count("tool_start", tool_call_id=call_id) == 1
         await assert_usable(sessions, "s", before)
 
 

@@ -64,7 +64,7 @@ from dex_engine import (
     rpc,
 )
 from dex_engine._codec import encode_value
-from dex_engine._limits import MAX_HISTORY_DETAIL_CHARS, MAX_STREAM_WAIT_SECONDS
+from dex_engine._limits import MAX_ERROR_TEXT_CHARS, MAX_STREAM_WAIT_SECONDS
 from dex_engine._retry import decide_retry
 
 from .conftest import Engine, engine_for, wait_until
@@ -116,8 +116,16 @@ async def start(ctx: Context, what: str) -> StepDecision:
         return StepDecision.go_to("Miswrapped", None)
     if what == "bad_wait":
         return StepDecision.go_to("BadWait", None)
+    if what.startswith("checkpoint_bytes:"):  # a checkpoint of that many bytes in UTF-8 (é is two)
+        size = int(what.partition(":")[2])
+        await ctx.heartbeat("é" + "c" * (size - 2))
+        return StepDecision.graceful_complete(len(ctx.checkpoint or ""))
     if what == "long_error":
-        raise RuntimeError("e" * (2 * MAX_HISTORY_DETAIL_CHARS))
+        raise RuntimeError("e" * (2 * MAX_ERROR_TEXT_CHARS))
+    if what == "long_reason":
+        return StepDecision.force_fail("r" * (2 * MAX_ERROR_TEXT_CHARS))
+    if what == "long_routed":
+        return StepDecision.go_to("Routed", "long")
     if what == "bare_error":
         raise TimeoutError  # as a handler's own asyncio.wait_for raises it: no message
     kind, _, use = what.partition(":")
@@ -176,6 +184,8 @@ async def fails_once(ctx: Context, kind: str) -> StepDecision:
 
 
 async def fails(ctx: Context, kind: str) -> StepDecision:
+    if kind == "long":
+        raise RuntimeError("e" * (2 * MAX_ERROR_TEXT_CHARS))
     raise RuntimeError(f"bad{UNSTORABLE[kind]}value")
 
 
@@ -361,17 +371,32 @@ async def test_misuse_in_a_step_handler_fails_the_attempt_and_history_names_it(
         assert (await c.wait_for_flow("after", 10)).status == "completed"
 
 
-async def test_a_long_error_is_kept_in_history_cut_to_the_detail_limit(db_url: str) -> None:
-    """A handler's error text longer than MAX_HISTORY_DETAIL_CHARS is kept to exactly that many
-    characters in its attempt_failed entry, from its start."""
+async def test_a_long_error_is_kept_cut_to_the_error_text_limit(db_url: str) -> None:
+    """A handler's error text, a force_fail reason and a stop reason longer than MAX_ERROR_TEXT_CHARS
+    are kept to their first that many characters: in history, in the flow's error, and in the error
+    a failure route is handed. Catches: an error kept whole (a handler raising a whole response
+    body), which grew the rows by megabytes and made the failure route's own writes, which often
+    keep the error, too large to commit."""
+    limit = MAX_ERROR_TEXT_CHARS
     async with engine_for(db_url, REGISTRY) as eng:
         c = eng.client
         await c.start_flow("Bad", "f", "long_error")
-        assert (await c.wait_for_flow("f", 10)).status == "failed"
+        info = await c.wait_for_flow("f", 10)
+        assert info.status == "failed"
         failed = [h for h in await c.get_flow_history("f") if h.event_type == "attempt_failed"]
         assert len(failed) == 1, failed
-        full = "execute: RuntimeError: " + "e" * (2 * MAX_HISTORY_DETAIL_CHARS)
-        assert failed[0].detail == full[:MAX_HISTORY_DETAIL_CHARS]
+        assert failed[0].detail == ("execute: RuntimeError: " + "e" * (2 * limit))[:limit]
+        assert info.error == ("Step Start-1 failed after 1 attempt(s): RuntimeError: " + "e" * (2 * limit))[:limit]
+
+        await c.start_flow("Bad", "routed", "long_routed")
+        assert (await c.wait_for_flow("routed", 10)).status == "completed"
+        assert await c.flow_output("routed") == "e" * limit
+
+        await c.start_flow("Bad", "reason", "long_reason")
+        assert (await c.wait_for_flow("reason", 10)).error == "r" * limit
+        await c.start_flow("Bad", "stop", "listen")
+        await c.stop_flow("stop", "s" * (2 * limit))
+        assert (await c.describe_flow("stop")).error == "s" * limit
 
 
 async def test_an_error_whose_text_cannot_be_made_fails_the_attempt(db_url: str) -> None:
@@ -479,6 +504,23 @@ async def test_a_heartbeat_checkpoint_with_an_unstorable_character_is_refused(
         assert info.status == "failed" and info.error is not None
         shown = repr(f"a{UNSTORABLE[kind]}b")
         assert f"InvalidValueError: heartbeat checkpoint {shown} contains {named} at index 1" in info.error
+
+
+async def test_a_heartbeat_checkpoint_over_the_value_limit_is_refused(db_url: str) -> None:
+    """A heartbeat checkpoint over MAX_VALUE_BYTES in UTF-8 (every later claim of the method loads
+    it) is refused with ValueTooLargeError naming its size, as a value is; one of exactly that size
+    is kept. Catches: a checkpoint of any size stored (PostgreSQL refuses a field over 1 GB), or
+    its size counted in characters rather than bytes."""
+    async with engine_for(db_url, REGISTRY) as eng:
+        c = eng.client
+        await c.start_flow("Bad", "fits", f"checkpoint_bytes:{MAX_VALUE_BYTES}")
+        assert (await c.wait_for_flow("fits", 10)).status == "completed"
+        assert await c.flow_output("fits") == MAX_VALUE_BYTES - 1
+        await c.start_flow("Bad", "over", f"checkpoint_bytes:{MAX_VALUE_BYTES + 1}")
+        info = await c.wait_for_flow("over", 10)
+        assert info.status == "failed" and info.error is not None
+        assert (f"ValueTooLargeError: value for 'heartbeat checkpoint' is {MAX_VALUE_BYTES + 1} bytes encoded, "
+                f"over MAX_VALUE_BYTES ({MAX_VALUE_BYTES})") in info.error
 
 
 # IDs and keys ----------------------------------------------------------------------------------

@@ -93,6 +93,10 @@ DEFAULT_DECLINE_MESSAGE = "The user declined to answer."
 MAX_REJECTION_MESSAGE_CHARS = 16_384
 # The rejection message a call gets when even a cut one does not fit beside its arguments.
 REJECTION_MESSAGE_NOT_STORED = "The user rejected this tool call; the reason given was too large to store."
+# A tool's error text (ToolExecutionError, ToolOutcomeUnknownError) too large to store with its call
+# is kept to this many characters, and the call keeps its status: a write whose outcome is unknown
+# must go on saying so, whatever the size of what the tool said.
+MAX_STORED_TOOL_ERROR_CHARS = 4000
 # A note listing a turn's tool calls that is too large to store whole keeps this many characters of
 # each call's arguments and result: the calls and their statuses still reach the model, so a write
 # that ran is not repeated, while a few hundred calls still fit one engine value.

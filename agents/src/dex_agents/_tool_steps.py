@@ -27,6 +27,7 @@ from ._constants import (
     APPROVAL_DEADLINE_PASSED,
     AWAIT_QUESTION_ANSWER,
     AWAIT_TOOL_APPROVAL,
+    MAX_STORED_TOOL_ERROR_CHARS,
     RESUME_TURN,
 )
 from ._control_steps import (
@@ -48,6 +49,7 @@ from ._persistence import (
     TOOL_CALL_RESULTS,
     TURN_CONTROL_REQUESTS,
 )
+from ._policy import cut_text
 from ._runner import (
     DeferredToolExecution,
     ToolExecutionError,
@@ -83,8 +85,12 @@ def idempotency_key(flow_id: str, turn_id: str, tool_call_id: str) -> str:
     return f"{flow_id}/{turn_id}/{tool_call_id}"
 
 
-def oversized_output(record: AgentToolCall, error: ValueTooLargeError) -> AgentToolCall:
-    """A result too large to store: a read fails (safe to ask again); a write that ran keeps succeeded."""
+def oversized_output(record: AgentToolCall, final: AgentToolCall, error: ValueTooLargeError) -> AgentToolCall:
+    """`final`, the outcome of `record`, when it is too large to store. A success's output is not
+    stored: a read fails (safe to ask again), a write that ran keeps succeeded. Any other outcome
+    keeps its status (a write whose outcome is unknown must go on saying so) with its error cut."""
+    if final.status is not AgentToolCallStatus.SUCCEEDED:
+        return finished(record, final.status, error=cut_text(final.error or "", MAX_STORED_TOOL_ERROR_CHARS))
     note = (f"the tool's output is {error.size} bytes, over the session's value limit of {error.limit}; "
             "it was not stored")
     if record.effect is ToolEffect.READ:
@@ -93,12 +99,12 @@ def oversized_output(record: AgentToolCall, error: ValueTooLargeError) -> AgentT
 
 
 def finish_tool_call(rt: SessionRuntime, ctx: Context, record: AgentToolCall, final: AgentToolCall) -> StepDecision:
-    """End a tool Step with `final`, the outcome of `record`; when its output is too large to store,
-    with oversized_output's outcome instead."""
+    """End a tool Step with `final`, the outcome of `record`; when it is too large to store, with
+    oversized_output's outcome instead."""
     try:
         rt.finish_record(ctx, final)
     except ValueTooLargeError as exc:
-        rt.finish_record(ctx, oversized_output(record, exc))
+        rt.finish_record(ctx, oversized_output(record, final, exc))
     return StepDecision.dead_end()
 
 

@@ -32,7 +32,7 @@ from ._errors import (
     WorkerInvocationError,
 )
 from ._flow import Flow, Registry, Rpc, Step, rpc
-from ._limits import DEFAULT_READ_LIMIT, MAX_TIMER_SECONDS, MAX_VALUE_BYTES
+from ._limits import DEFAULT_READ_LIMIT, MAX_ERROR_TEXT_CHARS, MAX_TIMER_SECONDS, MAX_VALUE_BYTES
 from ._open import open_store
 from ._options import FlowConfig, LoadOptions, LoadSpec, MovementOptions, StepDurability, StepOptions
 from ._records import AttemptProgress, FlowInfo, HistoryEntry, RecoveryError
@@ -44,6 +44,7 @@ from ._worker import AsyncWorker, WorkerOptions
 
 __all__ = [
     "DEFAULT_READ_LIMIT",
+    "MAX_ERROR_TEXT_CHARS",
     "MAX_TIMER_SECONDS",
     "MAX_VALUE_BYTES",
     "AsyncClient",

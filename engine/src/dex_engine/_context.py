@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._codec import decode_value, decoded_cache, encode_value
-from ._errors import InvalidValueError, NotLoadedError
+from ._errors import InvalidValueError, NotLoadedError, ValueTooLargeError
+from ._limits import MAX_VALUE_BYTES
 from ._options import LoadSpec
 from ._records import RecoveryError, WaitOutcome, WriteSet
 from ._schema import AttributeMap, AttributeRef, ChannelRef, Stream
@@ -208,19 +209,22 @@ EventFn = Callable[[str, bytes], None]
 
 
 def _check_checkpoint(checkpoint: str) -> None:
-    """InvalidValueError naming the first character of `checkpoint` a database cannot store as
-    text: NUL (PostgreSQL's text cannot hold it) or a lone surrogate (no UTF-8 encoding). Unlike an
-    error's text it cannot be escaped, since the next attempt must get back exactly what was saved."""
+    """ValueTooLargeError for a `checkpoint` over MAX_VALUE_BYTES in UTF-8, as for a value (every
+    later claim of the method loads it); InvalidValueError naming its first character a database
+    cannot store as text: NUL (PostgreSQL's text cannot hold it) or a lone surrogate (no UTF-8
+    encoding). Unlike an error's text it cannot be escaped: the next attempt must get back exactly
+    what was saved."""
     if "\x00" in checkpoint:
         where, what = checkpoint.index("\x00"), "a NUL character"
-    elif checkpoint.isascii():
-        return
     else:
         try:
-            checkpoint.encode("utf-8")
-            return
+            size = len(checkpoint) if checkpoint.isascii() else len(checkpoint.encode("utf-8"))
         except UnicodeEncodeError as exc:
             where, what = exc.start, "a lone surrogate"
+        else:
+            if size > MAX_VALUE_BYTES:
+                raise ValueTooLargeError("heartbeat checkpoint", size, MAX_VALUE_BYTES)
+            return
     raise InvalidValueError(
         f"heartbeat checkpoint {checkpoint[:40]!r} contains {what} at index {where}; "
         "a checkpoint is stored as text: encode it (JSON, base64) first"

@@ -19,9 +19,11 @@ DEFAULT_STREAM_CAPACITY_BYTES = 10 * 1024 * 1024
 # Step history events kept per flow; older ones are trimmed so history stays bounded.
 MAX_HISTORY_EVENTS_PER_FLOW = 20_000
 
-# Characters of a history event's detail (an error's text) kept: enough for a message and the top of
-# a traceback, while a handler raising a huge error cannot grow history by megabytes a failure.
-MAX_HISTORY_DETAIL_CHARS = 4000
+# Characters of an error's text kept (a history event's detail, a flow's error, the error a failure
+# route is handed): enough for a message and the top of a traceback, while a handler raising a huge
+# error (a whole response body) grows nothing by megabytes, nor makes the failure route's own
+# writes, which often keep the error, too large to commit.
+MAX_ERROR_TEXT_CHARS = 4000
 
 # Worker-side errors (its own, not the handler's) in ending one attempt before it fails that
 # attempt rather than hand it back again: an unstarted attempt handed back is run again under the

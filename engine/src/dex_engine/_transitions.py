@@ -30,7 +30,7 @@ from ._limits import (
     ACTIVE_STEP_SEARCH_CANDIDATES,
     HISTORY_CHAIN_TRIM_EVERY,
     HISTORY_TRIM_CHECK_EVERY,
-    MAX_HISTORY_DETAIL_CHARS,
+    MAX_ERROR_TEXT_CHARS,
     MAX_HISTORY_EVENTS_PER_FLOW,
     ROWS_PER_STATEMENT,
 )
@@ -269,7 +269,7 @@ def update_flow_config(db: Db, flow_id: str, config: FlowConfig) -> None:
 
 
 def close_flow(db: Db, flow_id: str, status: str, output: bytes | None, error: str | None, now: int) -> None:
-    error = None if error is None else _storable_text(error)
+    error = None if error is None else _error_text(error)
     for (task_id,) in db.all("SELECT task_id FROM tasks WHERE flow_id = ? ORDER BY task_id", (flow_id,)):
         _cancel_task(db, int(task_id), now, "flow closed")
     # Its history follows (flow_closed), whose update tells the version after both (Db.version_after).
@@ -300,9 +300,14 @@ def _maybe_complete(db: Db, flow_id: str, now: int) -> None:
 def _history(
     db: Db, flow_id: str, step_type: str, seid: str, event: str, attempt: int, now: int, detail: str = ""
 ) -> None:
-    # Cut before and after: a huge error is not copied whole, and its escapes do not pass the limit.
-    detail = _storable_text(detail[:MAX_HISTORY_DETAIL_CHARS])[:MAX_HISTORY_DETAIL_CHARS]
-    db.history.append((flow_id, step_type, seid, event, attempt, now, detail))
+    db.history.append((flow_id, step_type, seid, event, attempt, now, _error_text(detail)))
+
+
+def _error_text(text: str) -> str:
+    """`text` (an error's, a reason, a history detail) as kept: its first MAX_ERROR_TEXT_CHARS
+    characters, storable. Cut before and after: a huge error is not copied whole, and its escapes
+    do not pass the limit."""
+    return _storable_text(text[:MAX_ERROR_TEXT_CHARS])[:MAX_ERROR_TEXT_CHARS]
 
 
 def _storable_text(text: str) -> str:
@@ -1515,7 +1520,7 @@ def fail_attempt(db: Db, lease: Lease, error: ErrorInfo, no_retry: bool, now: in
 
 
 def _fail_task(db: Db, task_id: int, error: ErrorInfo, no_retry: bool, now: int) -> None:
-    error = ErrorInfo(error.error_type, _storable_text(error.detail))  # it is kept for the retry too
+    error = ErrorInfo(error.error_type, _error_text(error.detail))  # kept for the retry and failure route too
     row = db.one(
         "SELECT flow_id, flow_type, step_type, step_execution_id, method, attempt, options, input, "
         "method_first_at, any_started, attempt_started FROM tasks WHERE task_id = ?",
