@@ -763,6 +763,45 @@ async def test_errors_of_megabytes_fail_the_turn_and_the_call_with_them_cut(tmp_
         await assert_usable(sessions, "s", before)
 
 
+class _DeltaRunner(ScriptedRunner):
+    """The scripted runner, except that it first writes DELTAS[user text] as text_delta events."""
+
+    DELTAS: dict[str, str] = {"odd delta": "half \ud83d of an emoji", "big delta": "d" * (MAX_VALUE_BYTES + 1)}
+
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome:
+        delta = self.DELTAS.get(current_user_text(turn))
+        if delta is not None:
+            turn.events.write_text_delta(delta)
+            turn.events.write_text_delta("after it")
+        return await super().run_model_step(turn)
+
+
+async def test_a_live_event_that_cannot_be_stored_as_written_does_not_fail_the_model_call(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Live events are best effort. A text_delta with a lone surrogate (a model's stream that split a
+    UTF-16 pair across two deltas) is stored with it as its JSON escape, so that reading it gives the
+    text back exactly; one over the value limit is dropped with a warning. Either way the model call
+    ran once and its turn completed. Catches: the write raising into the runner, which failed the
+    model call, paid for it again on each of its three attempts, and failed the turn."""
+    async with in_process(tmp_path, flow_with(_DeltaRunner(tmp_path))) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        # The scripted model call writes its own delta, "step 0", after these.
+        for text, stored in (("odd delta", ["half \ud83d of an emoji", "after it", "step 0"]),
+                             ("big delta", ["after it", "step 0"])):
+            snapshot = await run_turn(sessions, "s", text)
+            assert snapshot.state is not None and snapshot.state.last_turn_error is None
+            turn_id = f"turn-{snapshot.state.turn_count}"
+            assert [p["text"] for t, p in await turn_events(sessions, "s", turn_id) if t == "text_delta"] == stored
+            assert engine.log.count("model", turn_id=turn_id) == 1
+        (dropped,) = [r.getMessage() for r in caplog.records if "dropped a text_delta event" in r.getMessage()]
+        assert re.fullmatch(
+            r"dropped a text_delta event of RunModel-3 attempt 1: value for 'AgentEvents' is \d+ bytes encoded, "
+            rf"over MAX_VALUE_BYTES \({MAX_VALUE_BYTES}\); store it in pieces or outside the flow", dropped), dropped
+        await assert_usable(sessions, "s", before)
+
+
 class _FailingAfterAReadRunner:
     """One read call, whose output is `output`, then a model call that fails for good; the turn's
     unfinished-turn message is an assistant message of `size` characters."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
@@ -10,7 +11,11 @@ from typing import Any
 
 import msgspec
 
+from dex_engine import ValueTooLargeError
+
 from ._wire import AgentEvent
+
+log = logging.getLogger("dex_agents.session")
 
 
 class AgentEventType(StrEnum):
@@ -38,6 +43,10 @@ class AgentEventType(StrEnum):
 # The payload text is JSONEncoder's with these options, byte for byte; json.dumps with them builds a
 # new JSONEncoder per call.
 _PAYLOAD_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+# A payload with a lone surrogate (a model's stream that split a UTF-16 pair across two deltas), which
+# UTF-8 and so the stored event cannot hold, is written with every non-ASCII character as its JSON
+# escape: the same JSON value, the surrogate included, in text that can be stored.
+_ASCII_PAYLOAD_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 # msgspec writes the same text for the payloads the session itself writes, several times faster: for
 # str keys and str, int, bool and None values (every string is escaped alike), in dicts and lists
 # nested up to _PLAIN_DEPTH deep (deeper ones meet JSONEncoder's recursion limit, or not, as before).
@@ -58,8 +67,14 @@ def payload_text(payload: Mapping[str, Any]) -> str:
         try:
             return _PLAIN_ENCODER.encode(plain).decode()
         except UnicodeEncodeError:
-            pass  # a lone surrogate, which JSONEncoder writes as it is
-    return _PAYLOAD_ENCODER.encode(plain)
+            return _ASCII_PAYLOAD_ENCODER.encode(plain)
+    text = _PAYLOAD_ENCODER.encode(plain)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return _ASCII_PAYLOAD_ENCODER.encode(plain)
+    return text
 
 
 def _is_plain(value: dict[Any, Any] | list[Any], depth: int) -> bool:
@@ -116,7 +131,13 @@ class AgentEventWriter:
         with self._lock:
             if self._closed:
                 return
-            self._emit(event)
+            try:
+                self._emit(event)
+            except ValueTooLargeError as exc:
+                # Live events are best effort: one too large to store is dropped, not the model call
+                # or tool that wrote it (its retry would pay for the call again, and fail alike).
+                log.warning("dropped a %s event of %s attempt %d: %s", event.type, self.step_execution_id,
+                            self.attempt, exc)
 
     def write_text_delta(self, text: str) -> None:
         self.write_event(AgentEventType.TEXT_DELTA, {"text": text})
