@@ -10,6 +10,7 @@ scripted cases against a Worker child process, as deployments do.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -1433,6 +1434,8 @@ INVALID_SETTINGS: list[tuple[str, object, str]] = [
     ("a-str", "model=x", "session_settings must be a JSON object, got str"),
     ("nan", {"k": math.nan}, "session_settings are not JSON: "),
     ("not-serializable", {"k": object()}, "session_settings are not JSON: "),
+    ("nested-too-deeply", functools.reduce(lambda inner, _: {"k": inner}, range(5000), {}),
+     "session_settings are not JSON: maximum recursion depth exceeded"),
     ("too-large", _settings_of_size(MAX_SESSION_SETTINGS_BYTES + 1),
      f"session_settings are {MAX_SESSION_SETTINGS_BYTES + 1} bytes of compact JSON, over the limit of "
      f"{MAX_SESSION_SETTINGS_BYTES}"),

@@ -631,6 +631,13 @@ def test_bad_names_in_definitions_are_refused(make: Callable[[], object], named:
 # Values ----------------------------------------------------------------------------------------
 
 
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 @pytest.mark.parametrize("where", ["client.publish", "rpc ctx.set", "start_flow input"])
 async def test_value_over_max_value_bytes_is_refused(db_url: str, where: str) -> None:
     """A value over MAX_VALUE_BYTES raises ValueTooLargeError naming the value's place and size,
@@ -659,6 +666,7 @@ async def test_value_over_max_value_bytes_is_refused(db_url: str, where: str) ->
         "rpc request",
         "rpc request with a lone surrogate",
         "start_flow input with a lone surrogate",
+        "start_flow input nested too deeply",
         "rpc ctx.set",
     ],
 )
@@ -677,6 +685,8 @@ async def test_value_of_wrong_type_is_refused(db_url: str, where: str) -> None:
             # Text UTF-8 cannot hold: the same error as any value JSON cannot hold, naming where it went.
             "rpc request with a lone surrogate": (lambda: c.rpc("f", "note", "bad \ud800"), "request of RPC note"),
             "start_flow input with a lone surrogate": (lambda: c.start_flow("Bad", "g", "bad \ud800"), "flow input"),
+            # Deeper than Python's recursion limit lets the encoder go: not a RecursionError.
+            "start_flow input nested too deeply": (lambda: c.start_flow("Bad", "g", _nested(5000)), "flow input"),
             "rpc ctx.set": (lambda: c.rpc("f", "misuse", "wrong_type"), "'Count'"),
         }
         call, name = calls[where]

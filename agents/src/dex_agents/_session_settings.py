@@ -35,7 +35,7 @@ def session_settings_error(settings: object, *, limit: int = SESSION_SIDE_SETTIN
         return f"session_settings must be a JSON object, got {type(settings).__name__}"
     try:
         size = settings_json_bytes(settings)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply to write
         return f"session_settings are not JSON: {exc}"
     if size > limit:
         return f"session_settings are {size} bytes of compact JSON, over the limit of {limit}"
