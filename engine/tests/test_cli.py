@@ -35,6 +35,7 @@ from dex_engine import (
     Wait,
     rpc,
 )
+from dex_engine._open import shown_url
 from dex_engine.cli import cli
 
 from .conftest import engine_for, wait_until
@@ -410,10 +411,40 @@ def test_bad_database_urls_print_one_error_line_and_exit_2(tmp_path: Path) -> No
         assert_one_line_error(run("list", "--db", url), *needles)
     assert not (tmp_path / "missing.db").exists()
     assert_one_line_error(run("demo", "--db", "mysql://host/db"), "unsupported database URL")
+    # A PostgreSQL server that is not there (nothing listens on port 1): one line naming the URL and
+    # the server's refusal, and never the URL's password.
+    refused = run("list", "--db", "postgresql://me:hunter2@127.0.0.1:1/db")
+    assert_one_line_error(refused, "cannot open 'postgresql://me:***@127.0.0.1:1/db' as a dex_engine database",
+                          "OperationalError", "Connection refused")
+    assert "hunter2" not in refused.output
     assert_one_line_error(run("demo", "--db", f"sqlite:///{not_a_db}"), "notes.txt")
     # A new file the store cannot create (its directory is a file): one line naming it, from the store.
     assert_one_line_error(run("demo", "--db", f"sqlite:///{not_a_db}/demo.db"),
                           "cannot open", "notes.txt/demo.db", "as a dex_engine database")
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("postgresql://me:pw@db:5432/app", "postgresql://me:***@db:5432/app"),
+    ("postgresql://me:p%40w@h1:1,h2:2/app", "postgresql://me:***@h1:1,h2:2/app"),
+    ("postgresql://me@db/app?sslmode=require&password=pw", "postgresql://me@db/app?sslmode=require&password=***"),
+    ("postgresql://me@db/app?password=pw", "postgresql://me@db/app?password=***"),
+    ("postgresql://me@db/app", "postgresql://me@db/app"),
+    ("sqlite:////var/lib/app/dex.db", "sqlite:////var/lib/app/dex.db"),
+    ("sqlite:///dex.db?synchronous=NORMAL", "sqlite:///dex.db?synchronous=NORMAL"),
+])
+def test_shown_url_hides_only_the_password(url: str, shown: str) -> None:
+    assert shown_url(url) == shown
+
+
+def test_messages_naming_a_postgresql_url_hide_its_password(pg_database: str) -> None:
+    """A PostgreSQL URL with a password (here one the server's trust authentication ignores) is
+    shown with *** for it: a flow that is not there is named with the URL, and the password is
+    not. Catches: the password printed in errors, and so in terminals, logs and CI output."""
+    with_password = pg_database.replace("://postgres@", "://postgres:hunter2@", 1)
+    assert with_password != pg_database
+    result = run("describe", "nope", "--db", with_password)
+    assert_one_line_error(result, "no flow with ID 'nope' in ", "postgres:***@")
+    assert "hunter2" not in result.output
 
 
 # demo ---------------------------------------------------------------------------------------

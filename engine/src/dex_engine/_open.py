@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from urllib.parse import urlsplit, urlunsplit
+
 from ._store import Store
 
 
@@ -17,5 +20,19 @@ def open_store(url: str) -> Store:
 
         return PostgresStore(url)
     raise ValueError(
-        f"unsupported database URL {url!r}; use sqlite:///path/to/file.db or postgresql://user@host:port/dbname"
+        f"unsupported database URL {shown_url(url)!r}; use sqlite:///path/to/file.db or postgresql://user@host:port/dbname"
     )
+
+
+def shown_url(url: str) -> str:
+    """`url` fit for a message or a log: a password in it, as user:password@ or a password=
+    parameter, is written as ***."""
+    parts = urlsplit(url)
+    if parts.password is None and "password=" not in parts.query:
+        return url  # unchanged, not rebuilt: urlunsplit would drop the empty host of sqlite:////path
+    netloc = parts.netloc
+    if parts.password is not None:
+        userinfo, _, hosts = netloc.rpartition("@")
+        netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
+    query = re.sub(r"(^|&)password=[^&]*", r"\1password=***", parts.query)
+    return urlunsplit(parts._replace(netloc=netloc, query=query))

@@ -58,8 +58,9 @@ from . import _gates
 from . import _transitions as tx
 from ._attribute_cache import AttributeCache, KnownRows
 from ._codec import decode_json, encode_json
-from ._errors import FlowNotActiveError, StaleAttemptError
+from ._errors import FlowNotActiveError, StaleAttemptError, StoreOpenError
 from ._migrate import apply_pending
+from ._open import shown_url
 from ._options import LoadSpec, MethodOptions, StepDurability, TaskOptions
 from ._records import DecisionRecord, Lease, MovementRecord, WriteSet
 from ._store import FoldExecute, Store, commit_origin, now_ms
@@ -679,10 +680,17 @@ class PostgresStore(Store):
         # Named in pg_stat_activity as the URL says, else as dex_engine.
         self._app_name = psycopg.conninfo.conninfo_to_dict(self._conninfo).get("application_name") or "dex_engine"
         self._closed = False
-        with psycopg.connect(self._conninfo, autocommit=True) as conn:
-            migrate(conn)
-            conn.execute("DELETE FROM commit_marks WHERE updated_at < now() - %s::interval",
-                         (COMMIT_MARK_RETENTION,))
+        try:
+            with psycopg.connect(self._conninfo, autocommit=True) as conn:
+                migrate(conn)
+                conn.execute("DELETE FROM commit_marks WHERE updated_at < now() - %s::interval",
+                             (COMMIT_MARK_RETENTION,))
+        except psycopg.Error as exc:
+            raise StoreOpenError(
+                f"cannot open {shown_url(url)!r} as a dex_engine database: {type(exc).__name__}: "
+                f"{' '.join(str(exc).split())}; the server must be running, and the URL's user able to create "
+                "tables in its database"
+            ) from None
         self._pool: psycopg_pool.ConnectionPool[Any] = psycopg_pool.ConnectionPool(
             self._conninfo, configure=self._configure_session,
             min_size=1, max_size=pool_size, open=True, name="dex-engine",
@@ -712,7 +720,7 @@ class PostgresStore(Store):
         commit: _ExecuteCommit | None = None,
     ) -> R:
         if self._closed:
-            raise RuntimeError(f"store {self.url!r} is closed")
+            raise RuntimeError(f"store {shown_url(self.url)!r} is closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
         self._dispatcher.put(_Op(fn, write, durable is not False, loop, future, commit_origin.get(), commit))
@@ -1021,6 +1029,6 @@ class PostgresStore(Store):
         # Operations queued as the store closed: nobody will run them.
         for op in self._dispatcher.drain():
             if not op.loop.is_closed():
-                error = RuntimeError(f"store {self.url!r} is closed")
+                error = RuntimeError(f"store {shown_url(self.url)!r} is closed")
                 with contextlib.suppress(RuntimeError):
                     op.loop.call_soon_threadsafe(_deliver, [(op.future, False, error)], [])

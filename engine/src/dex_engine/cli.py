@@ -27,7 +27,7 @@ from rich.text import Text
 
 from ._client import parse_search
 from ._errors import DexError, FlowNotFoundError, StoreOpenError
-from ._open import open_store
+from ._open import open_store, shown_url
 from ._records import FlowInfo
 from ._sqlite_store import parse_sqlite_url
 from ._store import Store
@@ -78,7 +78,7 @@ def _check_database(url: str, *, must_exist: bool) -> None:
         raise CliError(str(exc)) from None
     if not os.path.exists(path):
         if must_exist:
-            raise CliError(f"no database file {path!r} (from --db {url}); pass --db or set {DB_ENV}")
+            raise CliError(f"no database file {path!r} (from --db {shown_url(url)}); pass --db or set {DB_ENV}")
         return
     try:
         conn = sqlite3.connect(path)
@@ -97,7 +97,7 @@ def _open(url: str) -> Store:
     try:
         return open_store(url)
     except ValueError as exc:
-        raise CliError(f"cannot open database {url!r}: {exc}") from None
+        raise CliError(f"cannot open database {shown_url(url)!r}: {exc}") from None
     except StoreOpenError as exc:
         raise CliError(str(exc)) from None
 
@@ -116,7 +116,7 @@ def _run(url: str, fn: Callable[[Store], Awaitable[T]]) -> T:
     try:
         return asyncio.run(go())
     except FlowNotFoundError as exc:
-        raise CliError(f"{exc} in {url}") from None
+        raise CliError(f"{exc} in {shown_url(url)}") from None
     except DexError as exc:
         raise CliError(str(exc)) from None
 
