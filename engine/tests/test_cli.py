@@ -413,6 +413,10 @@ def test_bad_database_urls_print_one_error_line_and_exit_2(tmp_path: Path) -> No
     assert_one_line_error(run("demo", "--db", "mysql://host/db"), "unsupported database URL")
     # A PostgreSQL server that is not there (nothing listens on port 1): one line naming the URL and
     # the server's refusal, and never the URL's password.
+    # A malformed URL, whose parser's message quotes it whole: the password is hidden there too.
+    malformed = run("list", "--db", "postgresql://me:hunter2@[::1/db")
+    assert_one_line_error(malformed, "malformed PostgreSQL URL 'postgresql://me:***@[::1/db'")
+    assert "hunter2" not in malformed.output
     refused = run("list", "--db", "postgresql://me:hunter2@127.0.0.1:1/db")
     assert_one_line_error(refused, "cannot open 'postgresql://me:***@127.0.0.1:1/db' as a dex_engine database",
                           "OperationalError", "Connection refused")
@@ -429,6 +433,7 @@ def test_bad_database_urls_print_one_error_line_and_exit_2(tmp_path: Path) -> No
     ("postgresql://me@db/app?sslmode=require&password=pw", "postgresql://me@db/app?sslmode=require&password=***"),
     ("postgresql://me@db/app?password=pw", "postgresql://me@db/app?password=***"),
     ("postgresql://me@db/app", "postgresql://me@db/app"),
+    ("postgresql://me:pw@[::1/app?password=pw", "postgresql://me:***@[::1/app?password=***"),  # malformed
     ("sqlite:////var/lib/app/dex.db", "sqlite:////var/lib/app/dex.db"),
     ("sqlite:///dex.db?synchronous=NORMAL", "sqlite:///dex.db?synchronous=NORMAL"),
 ])

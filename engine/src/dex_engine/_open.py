@@ -27,7 +27,10 @@ def open_store(url: str) -> Store:
 def shown_url(url: str) -> str:
     """`url` fit for a message or a log: a password in it, as user:password@ or a password=
     parameter, is written as ***."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # malformed (an unclosed IPv6 bracket): hide what would be userinfo's password
+        return re.sub(r"password=[^&]*", "password=***", re.sub(r"^([^:/]*://[^:@/]*):[^@]*@", r"\1:***@", url))
     if parts.password is None and "password=" not in parts.query:
         return url  # unchanged, not rebuilt: urlunsplit would drop the empty host of sqlite:////path
     netloc = parts.netloc

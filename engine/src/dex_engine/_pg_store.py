@@ -675,7 +675,12 @@ class PostgresStore(Store):
     def __init__(self, url: str, *, pool_size: int | None = None) -> None:
         pool_size = pool_size or DEFAULT_POOL_SIZE
         self.url = url
-        self._conninfo = _with_network_timeouts(url)
+        try:
+            self._conninfo = _with_network_timeouts(url)
+        except psycopg.ProgrammingError as exc:  # libpq's text may quote the URL, password and all
+            raise ValueError(
+                f"malformed PostgreSQL URL {shown_url(url)!r}: {str(exc).replace(url, shown_url(url)).strip()}"
+            ) from None
         self._configure_session = _session_setup(self._conninfo)
         # Named in pg_stat_activity as the URL says, else as dex_engine.
         self._app_name = psycopg.conninfo.conninfo_to_dict(self._conninfo).get("application_name") or "dex_engine"
