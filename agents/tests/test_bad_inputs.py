@@ -15,7 +15,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -1481,7 +1481,7 @@ async def test_session_client_refuses_a_wrong_flow_message_or_search_mode(tmp_pa
         rows = await table_rows(engine.client)
         with pytest.raises(TypeError) as caught:
             await sessions.start_session("s", 42)  # type: ignore[arg-type]
-        assert str(caught.value) == "initial_message must be text or None, got int"
+        assert str(caught.value) == "initial_message must be a str or None, got int: 42"
         with pytest.raises(ValueError) as caught_mode:
             await sessions.start_session("s", "first", active_step_search_mode="enabled")  # type: ignore[arg-type]
         assert str(caught_mode.value) == "active_step_search_mode must be an ActiveStepSearchMode, got 'enabled'"
@@ -1489,6 +1489,38 @@ async def test_session_client_refuses_a_wrong_flow_message_or_search_mode(tmp_pa
         assert not await engine.client.exists("s")
         await sessions.start_session("s", "first", active_step_search_mode=ActiveStepSearchMode.DISABLED)
         assert await engine.client.exists("s")
+
+
+async def test_session_client_calls_refuse_text_that_is_not_a_str(tmp_path: Path) -> None:
+    """Each AgentSessionClient call refuses a text argument that is not a str with TypeError naming
+    the argument and the value, before anything is sent; a message sent as bytes is not stored.
+    Catches: bytes taken as their base64 text by the engine's JSON (b"hi" stored as the message
+    "aGk=", and answered), and other values refused only by the RPC's type check, with its text."""
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        rows = await table_rows(engine.client)
+        calls: list[tuple[str, Callable[[], Awaitable[object]]]] = [
+            ("text must be a str, got bytes: b'hi'", lambda: sessions.send_user_message("s", b"hi")),  # type: ignore[arg-type]
+            ("text must be a str, got NoneType: None", lambda: sessions.send_user_message("s", None)),  # type: ignore[arg-type]
+            ("text must be a str or None, got bytes: b'hi'", lambda: sessions.steer_user_message("s", text=b"hi")),  # type: ignore[arg-type]
+            ("message_id must be a str or None, got int: 7",
+             lambda: sessions.steer_user_message("s", message_id=7)),  # type: ignore[arg-type]
+            ("interrupt_id must be a str, got NoneType: None",
+             lambda: sessions.resolve_interrupt("s", None, approved=True)),  # type: ignore[arg-type]
+            ("rejection_message must be a str or None, got bytes: b'no'",
+             lambda: sessions.resolve_interrupt("s", "i", approved=False, rejection_message=b"no")),  # type: ignore[arg-type]
+            ("interrupt_id must be a str, got int: 1", lambda: sessions.answer_question("s", 1, "a")),  # type: ignore[arg-type]
+            ("answer must be a str, got bytes: b'a'", lambda: sessions.answer_question("s", "i", b"a")),  # type: ignore[arg-type]
+            ("message_id must be a str, got bytes: b'm'", lambda: sessions.delete_queued_message("s", b"m")),  # type: ignore[arg-type]
+            ("turn_id must be a str or None, got int: 2", lambda: sessions.cancel_turn("s", 2)),  # type: ignore[arg-type]
+        ]
+        for message, call in calls:
+            with pytest.raises(TypeError) as caught:
+                await call()
+            assert str(caught.value) == message
+        assert await table_rows(engine.client) == rows
+        await assert_usable(sessions, "s", before)
 
 
 async def test_start_flow_with_invalid_settings_force_fails_the_session(tmp_path: Path) -> None:

@@ -57,6 +57,14 @@ def agent_session_flow_config(
     return FlowConfig(active_step_search=mode is ActiveStepSearchMode.ENABLED, default_step_durability=step_durability)
 
 
+def _check_text(name: str, value: object, *, optional: bool = False) -> None:
+    """TypeError unless `value` is text (or None when `optional`). Checked here since the engine's
+    JSON would take bytes as their base64 text: b"hi" would be sent as the message "aGk="."""
+    if not isinstance(value, str) and not (optional and value is None):
+        kind = "a str or None" if optional else "a str"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}: {value!r:.60}")
+
+
 class AgentSessionClient:
     """Typed calls to the sessions of one agent Flow type."""
 
@@ -79,8 +87,7 @@ class AgentSessionClient:
 
         Settings the session would refuse are refused here, before anything is stored.
         """
-        if initial_message is not None and not isinstance(initial_message, str):
-            raise TypeError(f"initial_message must be text or None, got {type(initial_message).__name__}")
+        _check_text("initial_message", initial_message, optional=True)
         if session_settings is not None:
             validate_session_settings(session_settings)
         await self.client.start_flow(
@@ -91,6 +98,7 @@ class AgentSessionClient:
 
     async def send_user_message(self, session_id: str, text: str, *, plan_mode: bool = False) -> bool:
         """Queue a message; False when blank, or for a plan_mode message while plan mode is off."""
+        _check_text("text", text)
         result = await self.client.rpc(session_id, "send_user_message", AgentUserMessage(text, plan_mode))
         return bool(result)
 
@@ -113,12 +121,16 @@ class AgentSessionClient:
         self, session_id: str, interrupt_id: str, approved: bool, rejection_message: str | None = None
     ) -> bool:
         """Approve or reject a pending interrupt; retries a lock held by a short Step for 5 s."""
+        _check_text("interrupt_id", interrupt_id)
+        _check_text("rejection_message", rejection_message, optional=True)
         request = ResolveInterruptRequest(interrupt_id, approved, rejection_message)
         result = await self._retry_lock_conflicts(lambda: self.client.rpc(session_id, "resolve_interrupt", request))
         return bool(result)
 
     async def answer_question(self, session_id: str, interrupt_id: str, answer: str) -> bool:
         """Answer a pending question; False when it is not pending, past its deadline, blank, or not a choice."""
+        _check_text("interrupt_id", interrupt_id)
+        _check_text("answer", answer)
         request = AnswerQuestionRequest(interrupt_id, answer)
         result = await self._retry_lock_conflicts(lambda: self.client.rpc(session_id, "answer_question", request))
         return bool(result)
@@ -133,6 +145,8 @@ class AgentSessionClient:
         both or neither, blank text, a message no longer queued (also one the session consumed while
         the RPC ran: the engine reruns an RPC whose reads changed), or a turn that cannot be steered.
         """
+        _check_text("text", text, optional=True)
+        _check_text("message_id", message_id, optional=True)
         request = SteerUserMessageRequest(message_id=message_id, text=text)
         result = await self._retry_lock_conflicts(lambda: self.client.rpc(session_id, "steer_user_message", request))
         return bool(result)
@@ -140,6 +154,7 @@ class AgentSessionClient:
     async def delete_queued_message(self, session_id: str, message_id: str) -> bool:
         """Delete a queued message (`message_id` from AgentSnapshot.queued_messages); False when it is
         no longer queued."""
+        _check_text("message_id", message_id)
         request = DeleteQueuedMessageRequest(message_id)
         result = await self._retry_lock_conflicts(
             lambda: self.client.rpc(session_id, "delete_queued_message", request)
@@ -154,6 +169,7 @@ class AgentSessionClient:
         committed its final answer first still completes the turn. Retries a lock held by a short
         Step for 5 s.
         """
+        _check_text("turn_id", turn_id, optional=True)
         request = CancelTurnRequest(turn_id)
         result = await self._retry_lock_conflicts(lambda: self.client.rpc(session_id, "cancel_turn", request))
         return bool(result)
