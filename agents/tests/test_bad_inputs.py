@@ -348,6 +348,15 @@ def script(*steps: dict[str, Any]) -> str:
     return json.dumps({"steps": list(steps)})
 
 
+async def tool_records(sessions: AgentSessionClient, session_id: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """Run a turn that asks for `calls` and then answers; the final records by call ID (status,
+    output, error, ...) as the answer showed them, after checking that the turn completed."""
+    snapshot = await run_turn(sessions, session_id, script({"tools": calls}, {"answer": "{records}"}))
+    assert snapshot.state is not None and snapshot.state.last_turn_error is None
+    records: dict[str, Any] = json.loads(snapshot.messages[-1].text or "")
+    return records
+
+
 # Blank messages -----------------------------------------------------------------------------------
 
 
@@ -482,9 +491,7 @@ async def test_arguments_with_a_lone_surrogate_fail_only_that_call(tmp_path: Pat
     async with in_process(tmp_path, build_flow(tmp_path)) as engine:
         sessions = engine.sessions
         before = await started_session(sessions, "s")
-        snapshot = await run_turn(sessions, "s", script({"tools": calls}, {"answer": "{records}"}))
-        assert snapshot.state is not None and snapshot.state.last_turn_error is None
-        records = json.loads(snapshot.messages[-1].text or "")
+        records = await tool_records(sessions, "s", calls)
         error = "arguments are not valid UTF-8 text: '\\ud800' at position 7 is a lone surrogate"
         assert {k: (v["status"], v["error"]) for k, v in records.items()} == {
             "b-read": ("failed", error), "b-write": ("failed", error), "ok": ("succeeded", None)}
@@ -754,10 +761,8 @@ async def test_errors_of_megabytes_fail_the_turn_and_the_call_with_them_cut(tmp_
     async with in_process(tmp_path, build_flow(tmp_path)) as engine:
         sessions = engine.sessions
         before = await started_session(sessions, "s")
-        snapshot = await run_turn(sessions, "s", script(
-            {"tools": [{"id": "c1", "name": "read_x", "args": {"crash_bytes": size}}]}, {"answer": "{records}"}))
-        assert snapshot.state is not None and snapshot.state.last_turn_error is None
-        (record,) = json.loads(snapshot.messages[-1].text or "").values()
+        (record,) = (await tool_records(sessions, "s", [
+            {"id": "c1", "name": "read_x", "args": {"crash_bytes": size}}])).values()
         assert (record["status"], record["error"]) == ("failed", "c" * MAX_ERROR_TEXT_CHARS)
         _, error = await failed_turn(sessions, "s", script({"raise_bytes": size}))
         assert error == "r" * MAX_ERROR_TEXT_CHARS
@@ -1359,14 +1364,12 @@ async def test_tool_error_over_the_value_limit_keeps_the_calls_status(tmp_path: 
     async with in_process(tmp_path, flow) as engine:
         sessions = engine.sessions
         before = await started_session(sessions, "s")
-        snapshot = await run_turn(sessions, "s", script({"tools": [
+        records = await tool_records(sessions, "s", [
             {"id": "rf", "name": "read_big", "args": {"fail_bytes": size}},
             {"id": "ru", "name": "read_big", "args": {"unknown_bytes": size}},
             {"id": "wf", "name": "write_big", "args": {"fail_bytes": size}},
             {"id": "wu", "name": "write_big", "args": {"unknown_bytes": size}},
-        ]}, {"answer": "{records}"}))
-        assert snapshot.state is not None and snapshot.state.last_turn_error is None
-        records = json.loads(snapshot.messages[-1].text or "")
+        ])
         cut = f" [Dex: cut from {size} characters]"
         failed, unknown = "f" * MAX_STORED_TOOL_ERROR_CHARS + cut, "u" * MAX_STORED_TOOL_ERROR_CHARS + cut
         assert {k: (v["status"], v["output"], v["error"]) for k, v in records.items()} == {
@@ -1388,13 +1391,11 @@ async def test_tool_output_or_error_with_a_lone_surrogate_is_stored_escaped(tmp_
     async with in_process(tmp_path, flow) as engine:
         sessions = engine.sessions
         before = await started_session(sessions, "s")
-        snapshot = await run_turn(sessions, "s", script({"tools": [
+        records = await tool_records(sessions, "s", [
             {"id": "r", "name": "read_odd", "args": {"output": odd}},
             {"id": "w", "name": "write_odd", "args": {"output": odd}},
             {"id": "f", "name": "read_fails", "args": {"fail": odd}},
-        ]}, {"answer": "{records}"}))
-        assert snapshot.state is not None and snapshot.state.last_turn_error is None
-        records = json.loads(snapshot.messages[-1].text or "")
+        ])
         escaped = "half \\ud83d of an emoji"
         assert {k: (v["status"], v["output"], v["error"]) for k, v in records.items()} == {
             "r": ("succeeded", escaped, None), "w": ("succeeded", escaped, None), "f": ("failed", None, escaped)}
