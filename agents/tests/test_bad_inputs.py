@@ -82,6 +82,7 @@ from dex_agents import (
     message_sequence_key,
 )
 from dex_agents._constants import (
+    ARGUMENTS_TOO_DEEP,
     CUT_NOTE_FIELD_CHARS,
     MAX_REJECTION_MESSAGE_CHARS,
     MAX_STORED_TOOL_ERROR_CHARS,
@@ -478,6 +479,27 @@ async def test_arguments_that_are_not_a_json_object_fail_only_that_call(tmp_path
         assert (await steps_run(engine.client, "s"))[3:] == [
             "RunModel", "CallTool", "ResumeTurn", "RunModel",
         ]
+        await assert_usable(sessions, "s", before)
+
+
+async def test_arguments_nested_too_deeply_fail_only_that_call(tmp_path: Path) -> None:
+    """Arguments nested deeper than the JSON decoder can go (a model's output need not be sane) fail
+    only that call, at once, with a clear error: no approval, no Step, one model call. Catches: the
+    decoder's RecursionError raised in RunModel, which failed the model call, paid for it again on
+    each of its three attempts, and failed the turn."""
+    depth = 50_000
+    deep = '{"a": ' + "[" * depth + "]" * depth + "}"
+    calls = [{"id": "d-read", "name": "read_x", "args_text": deep},
+             {"id": "d-write", "name": "write_x", "args_text": deep}, {"id": "ok", "name": "read_ok", "args": {}}]
+    async with in_process(tmp_path, build_flow(tmp_path)) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        records = await tool_records(sessions, "s", calls)
+        assert {k: (v["status"], v["error"]) for k, v in records.items()} == {
+            "d-read": ("failed", ARGUMENTS_TOO_DEEP), "d-write": ("failed", ARGUMENTS_TOO_DEEP),
+            "ok": ("succeeded", None)}
+        assert [e["tool_call_id"] for e in engine.log.entries("tool_start")] == ["ok"]
+        assert [e["attempt"] for e in engine.log.entries("model", turn_id="turn-2")] == [1, 1]
         await assert_usable(sessions, "s", before)
 
 

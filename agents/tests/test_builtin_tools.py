@@ -196,6 +196,9 @@ def test_argument_parsers() -> None:
         parse_durable_wait('{"duration_seconds": 61, "reason": ""}', timedelta(minutes=1))
     with pytest.raises(BuiltInArgumentsError, match="arguments must be a JSON object"):
         parse_ask_user('{"question": NaN}')
+    deep = '{"question": ' + "[" * 100_000 + "]" * 100_000 + "}"  # past the JSON decoder's recursion
+    with pytest.raises(BuiltInArgumentsError, match=r"^arguments are nested too deeply to read as JSON$"):
+        parse_ask_user(deep)
 
 
 def test_enabled_built_in_name_is_reserved() -> None:

@@ -13,7 +13,7 @@ from datetime import timedelta
 from enum import StrEnum
 from typing import Any
 
-from ._constants import ARGUMENTS_NOT_OBJECT
+from ._constants import ARGUMENTS_NOT_OBJECT, ARGUMENTS_TOO_DEEP
 
 
 class BuiltInTool(StrEnum):
@@ -115,6 +115,8 @@ def decode_arguments_object(arguments: str) -> dict[str, Any]:
         value = json.loads(arguments, parse_constant=refuse)
     except (TypeError, ValueError):
         raise BuiltInArgumentsError(ARGUMENTS_NOT_OBJECT) from None
+    except RecursionError:
+        raise BuiltInArgumentsError(ARGUMENTS_TOO_DEEP) from None
     if not isinstance(value, dict):
         raise BuiltInArgumentsError(ARGUMENTS_NOT_OBJECT)
     return value

@@ -106,6 +106,9 @@ CUT_NOTE_FIELD_CHARS = 2_000
 STEERED_REJECTION_MESSAGE = '{"status":"cancelled","reason":"superseded_by_steered_user_message"}'
 TURN_CANCELLED_REJECTION_MESSAGE = '{"status":"cancelled","reason":"turn_cancelled_by_user"}'
 ARGUMENTS_NOT_OBJECT = "arguments must be a JSON object"
+# Arguments nested deeper than Python's JSON decoder can go (its recursion limit): the call fails
+# with this rather than the model call raising RecursionError on every attempt.
+ARGUMENTS_TOO_DEEP = "arguments are nested too deeply to read as JSON"
 NEW_MESSAGES_WITHOUT_BUILDER = (
     "a runner that sets ToolCallsRequested.new_messages must implement build_unfinished_turn_messages"
 )

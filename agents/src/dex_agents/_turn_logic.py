@@ -21,6 +21,7 @@ from dex_engine import RetryPolicy
 from ._builtin_tools import BuiltInArgumentsError, BuiltInTool, parse_ask_user, parse_durable_wait
 from ._constants import (
     ARGUMENTS_NOT_OBJECT,
+    ARGUMENTS_TOO_DEEP,
     AWAIT_QUESTION_ANSWER,
     AWAIT_TIMER,
     AWAIT_TOOL_APPROVAL,
@@ -192,6 +193,8 @@ def arguments_error(arguments: object) -> str | None:
         value = _STRICT_JSON.decode(arguments)
     except ValueError:
         return ARGUMENTS_NOT_OBJECT
+    except RecursionError:
+        return ARGUMENTS_TOO_DEEP
     if not isinstance(value, dict):
         return ARGUMENTS_NOT_OBJECT
     return None
