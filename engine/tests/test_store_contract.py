@@ -7,6 +7,7 @@ once per configured backend; nothing here may depend on one backend (no backend-
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ from dex_engine import (
     Stream,
     Timer,
     Wait,
+    WorkerIdInUseError,
     open_store,
 )
 from dex_engine import _transitions as tx
@@ -398,6 +400,27 @@ async def test_housekeeping_declares_workers_dead_only_while_its_own_lease_holds
     now = int(expires[W]) + 1  # W's lease has run out too: run by no worker, housekeeping removes both
     assert await housekeep(W) == 0
     assert await housekeep(None) == 2
+
+
+async def test_a_worker_id_held_by_a_live_worker_elsewhere_is_refused(store: Store) -> None:
+    """Registering under an ID whose live lease another process (host and PID) holds raises
+    WorkerIdInUseError naming that process, and changes nothing; the same process registers again
+    (after being declared dead, say), and another takes the ID once the lease has run out.
+    Catches: two live workers under one ID, each taking the other's attempts for lost claims (and
+    either one's stop failing every attempt of the other as a dead worker's) so that they ran twice."""
+    rows = await store.raw(lambda db: db.all("SELECT * FROM workers ORDER BY worker_id"))
+    for host, pid in (("contract-host", 2), ("other-host", 1)):
+        with pytest.raises(WorkerIdInUseError, match=rf"^worker ID '{W}' is held by a live worker on host "
+                                                     r"'contract-host', PID 1, whose lease runs \d+ ms more; "):
+            await store.register_worker(W, host, pid, HOUR_MS)
+    assert await store.raw(lambda db: db.all("SELECT * FROM workers ORDER BY worker_id")) == rows
+    await store.register_worker(W, "contract-host", 1, HOUR_MS)  # the same process: its lease is renewed
+
+    await store.register_worker("brief", "contract-host", 2, 1)
+    await asyncio.sleep(0.01)  # its lease has run out: the ID is free
+    await store.register_worker("brief", "other-host", 7, HOUR_MS)
+    assert await store.raw(lambda db: db.one("SELECT host, pid FROM workers WHERE worker_id = 'brief'")) == (
+        "other-host", 7)
 
 
 # Fencing and attempts ----------------------------------------------------------------------------

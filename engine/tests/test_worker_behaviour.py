@@ -95,6 +95,52 @@ async def test_entering_a_worker_returns_once_it_is_registered(db_url: str) -> N
     assert listed() == [], "the worker was left running (registered) after its block"
 
 
+async def test_a_worker_id_in_use_by_a_live_worker_is_refused_at_start(db_url: str) -> None:
+    """A worker starting under an ID that a live worker holds fails to start with WorkerIdInUseError
+    naming it: one in this process (same host and PID, so only the process can tell), or one whose
+    row in the database another process (host, PID) holds with a live lease. It leaves nothing
+    behind, the live worker goes on, and the ID starts again once free. Catches: two workers under
+    one ID, each handing back the other's running attempts as lost claims, and the first to stop
+    failing every attempt of the other as a dead worker's, so that Steps (tool calls) ran twice."""
+    from dex_engine import WorkerIdInUseError, WorkerOptions
+
+    registry = Registry([FLOW])
+    store = _sqlite_store.SqliteStore(db_url) if db_url.startswith("sqlite") else _pg_store.PostgresStore(db_url)
+    try:
+        options = WorkerOptions(database_url=db_url, worker_id="twin")
+        async with AsyncWorker(registry, options, store=store):
+            with pytest.raises(WorkerIdInUseError, match=r"^worker ID 'twin' is held by another worker running in "
+                                                         r"this process; "):
+                await AsyncWorker(registry, options, store=store).__aenter__()
+            rows = await store.raw(lambda db: db.all("SELECT worker_id FROM workers"))
+            assert [r[0] for r in rows] == ["twin"]
+        async with AsyncWorker(registry, options, store=store) as again:  # free once the first stopped
+            assert again.worker_id == "twin"
+
+        await store.register_worker("elsewhere", "another-host", 4242, 600_000)
+        with pytest.raises(WorkerIdInUseError, match=r"^worker ID 'elsewhere' is held by a live worker on host "
+                                                     r"'another-host', PID 4242, "):
+            await AsyncWorker(registry, WorkerOptions(database_url=db_url, worker_id="elsewhere")).__aenter__()
+        await store.unregister_worker("elsewhere")
+        async with AsyncWorker(registry, WorkerOptions(database_url=db_url, worker_id="elsewhere"), store=store):
+            pass
+    finally:
+        await store.close()
+
+
+def test_a_worker_id_that_is_not_a_usable_id_is_refused() -> None:
+    from dex_engine import WorkerOptions
+
+    """WorkerOptions refuses a worker ID that is not a usable ID, naming the problem: it is stored
+    and logged like a flow ID. An empty one, like None, has the worker make one up."""
+    for bad, named in (("a/b", "reserved character '/'"), ("tab\there", "control character"),
+                       ("x" * 256, "over 255")):
+        with pytest.raises(ValueError, match=r"^invalid WorkerOptions: worker ID ") as caught:
+            WorkerOptions(worker_id=bad)
+        assert named in str(caught.value), (bad, str(caught.value))
+    assert WorkerOptions(worker_id="").worker_id == ""
+
+
 def test_a_worker_without_options_takes_the_defaults_and_an_id_of_its_own() -> None:
     """AsyncWorker(registry) runs with WorkerOptions' defaults, under an ID naming its host and
     process that no other worker shares."""

@@ -29,6 +29,7 @@ from ._errors import (
     UndeclaredNameError,
     UnknownFlowTypeError,
     ValueTooLargeError,
+    WorkerIdInUseError,
     WorkerInvocationError,
 )
 from ._flow import Flow, Registry, Rpc, Step, rpc
@@ -108,6 +109,7 @@ __all__ = [
     "ValueTooLargeError",
     "Wait",
     "WaitResult",
+    "WorkerIdInUseError",
     "WorkerInvocationError",
     "WorkerOptions",
     "open_store",

@@ -20,6 +20,7 @@ DexError
  +-- StaleAttemptError         a write from an attempt that no longer owns its task (fencing)
  +-- StepNotWaitingError       skip_timer on a Step execution that is not waiting
  +-- WorkerInvocationError     a handler raised; carries the error type and detail
+ +-- WorkerIdInUseError        a worker starts under an ID a live worker elsewhere holds
  +-- NoRetryError              raised by a handler to skip remaining retries
 """
 
@@ -46,6 +47,7 @@ __all__ = [
     "UndeclaredNameError",
     "UnknownFlowTypeError",
     "ValueTooLargeError",
+    "WorkerIdInUseError",
     "WorkerInvocationError",
 ]
 
@@ -186,6 +188,11 @@ class WorkerInvocationError(DexError):
         super().__init__(f"{error_type}: {detail}")
         self.error_type = error_type
         self.detail = detail
+
+
+class WorkerIdInUseError(DexError, RuntimeError):
+    """A worker registering under an ID whose live lease another process (host and PID) holds: two
+    workers under one ID would take each other's attempts for lost ones and run them again."""
 
 
 class StoreOpenError(DexError, RuntimeError):

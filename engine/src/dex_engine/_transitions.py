@@ -25,6 +25,7 @@ from ._errors import (
     RpcLockConflictError,
     StaleAttemptError,
     StepNotWaitingError,
+    WorkerIdInUseError,
 )
 from ._limits import (
     ACTIVE_STEP_SEARCH_CANDIDATES,
@@ -1634,11 +1635,21 @@ def register_worker(db: Db, worker_id: str, host: str, pid: int, ttl_ms: int, no
     """Give the worker a live lease. One that had no row (declared dead, or an earlier process
     under the same ID) first sees its attempts still held in the database failed or handed back as
     a dead worker's: it no longer runs them, and its new row would hide them until lost-claim recovery."""
-    if not worker_registered(db, worker_id):
+    row = db.one("SELECT host, pid, expires_at FROM workers WHERE worker_id = ?", (worker_id,))
+    if row is None:
         _expire_orphans(db, now)
+    elif (str(row[0]), int(row[1])) != (host, pid) and int(row[2]) > now:
+        raise WorkerIdInUseError(
+            f"worker ID {worker_id!r} is held by a live worker on host {row[0]!r}, PID {row[1]}, whose lease "
+            f"runs {int(row[2]) - now} ms more; give each worker its own ID (or none: one is made up), or, "
+            "for a process restarted under its ID, start it once that lease has run out"
+        )
     _send(
         db, "INSERT INTO workers (worker_id, host, pid, started_at, expires_at) VALUES (?, ?, ?, ?, ?) "
-        "ON CONFLICT (worker_id) DO UPDATE SET expires_at = excluded.expires_at",
+        # A process taking over an ID whose lease ran out makes the row its own.
+        "ON CONFLICT (worker_id) DO UPDATE SET expires_at = excluded.expires_at, host = excluded.host, "
+        "pid = excluded.pid, started_at = CASE WHEN workers.host = excluded.host AND workers.pid = excluded.pid "
+        "THEN workers.started_at ELSE excluded.started_at END",
         (worker_id, host, pid, now, now + ttl_ms),
     )
 

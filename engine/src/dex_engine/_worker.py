@@ -24,13 +24,16 @@ from ._codec import decode_value, encode_value
 from ._context import Context, EventFn, FoldContext, HeartbeatFn, NotFoldable, WaitResult
 from ._decision import StepDecision
 from ._errors import (
+    InvalidIdError,
     InvalidValueError,
     NoRetryError,
     StaleAttemptError,
     UndeclaredNameError,
+    WorkerIdInUseError,
     WorkerInvocationError,
 )
 from ._flow import Flow, Registry
+from ._ids import check_id
 from ._limits import (
     DEFAULT_HOUSEKEEPING_SECONDS,
     DEFAULT_LEASE_RENEW_SECONDS,
@@ -83,8 +86,19 @@ class WorkerOptions:
         for name in ("housekeeping_seconds", "poll_seconds", "shutdown_grace_seconds"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.worker_id is not None and self.worker_id != "":  # none or empty: one is made up
+            try:
+                check_id("worker ID", self.worker_id)
+            except InvalidIdError as exc:
+                problems.append(str(exc))
         if problems:
             raise ValueError("invalid WorkerOptions: " + "; ".join(problems))
+
+
+# IDs of the workers running in this process (any thread, any event loop): a second worker under one
+# of them shares its host and PID, so the database's check (register_worker) cannot tell it apart.
+_ids_running_here: set[str] = set()
+_ids_in_use_here = threading.Lock()
 
 
 class _Running:
@@ -184,6 +198,20 @@ class AsyncWorker:
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
+        with _ids_in_use_here:
+            if self.worker_id in _ids_running_here:
+                raise WorkerIdInUseError(
+                    f"worker ID {self.worker_id!r} is held by another worker running in this process; give "
+                    "each worker its own ID (or none: one is made up)"
+                )
+            _ids_running_here.add(self.worker_id)
+        try:
+            await self._run()
+        finally:
+            with _ids_in_use_here:
+                _ids_running_here.discard(self.worker_id)
+
+    async def _run(self) -> None:
         if self._store is None:
             self._store = open_store(self.options.database_url)
         store = self._store
@@ -194,7 +222,15 @@ class AsyncWorker:
         self._own_context = contextvars.copy_context()
         self._loop_thread = threading.get_ident()
         ttl_ms = int(self.options.lease_ttl_seconds * 1000)
-        await store.register_worker(self.worker_id, socket.gethostname(), os.getpid(), ttl_ms)
+        try:
+            await store.register_worker(self.worker_id, socket.gethostname(), os.getpid(), ttl_ms)
+        except BaseException:  # its ID is in use, or the database refuses: leave nothing behind
+            store.remove_local_claimer(self)
+            store.remove_commit_listener(self._notify)
+            if self._owns_store:
+                await store.close()
+            self._stopped.set()
+            raise
         self._registered.set()
         renewer = asyncio.create_task(self._renew_loop(ttl_ms))
         try:
