@@ -1002,6 +1002,29 @@ async def test_an_operation_waiting_for_a_row_lock_does_not_hold_up_other_flows(
         assert await client.rpc("f", "peek") == ["t1"]
 
 
+async def test_a_batch_waiting_for_a_row_lock_lets_its_other_flows_operations_go_on(pg_database: str) -> None:
+    """Operations queued at once on one connection go in one batch, which waits for a row lock only
+    BATCH_LOCK_TIMEOUT_MS: when one of them needs a flow another session holds, the batch is run
+    again one by one, so the operations on other flows complete while that one still waits. Catches:
+    a batch that waits for the lock as long as it is held (no lock timeout in force, as when its
+    statements run outside BEGIN, where SET LOCAL does nothing), holding up every operation in it."""
+    async with client_for(pg_database) as client:
+        for flow_id in ("f", "g"):
+            await client.start_flow("PgfLocks", flow_id)
+        with flow_row_locked(pg_database, "f"):
+            # Queued in one go behind the first (which the lane may take alone): a batch with f's.
+            others = [asyncio.create_task(client.publish("g", Box, f"g{n}")) for n in range(5)]
+            stuck = asyncio.create_task(client.publish("f", Box, "t1"))
+            more = [asyncio.create_task(client.publish("g", Box, f"g{n}")) for n in range(5, 10)]
+            others += more
+            done, _ = await asyncio.wait(others, timeout=3.0)
+            assert len(done) == len(others), f"operations on g waited with the one on the locked flow: {len(done)} done"
+            assert not stuck.done(), stuck
+        await asyncio.wait_for(stuck, 30)
+        assert sorted(await client.rpc("g", "peek")) == sorted(f"g{n}" for n in range(10))
+        assert await client.rpc("f", "peek") == ["t1"]
+
+
 async def test_a_lone_operation_waits_for_a_row_lock_as_long_as_it_is_held(pg_database: str) -> None:
     """A lone operation waits for a flow's row lock without a lock timeout of its own, however long
     another session holds it: here longer than MAX_OP_TRIES waits of the batch lock timeout and

@@ -644,6 +644,10 @@ class _Dispatcher:
             return ops
 
 
+# The result of an operation already handed to its caller (_each_alone_past_locks): _complete skips it.
+_DELIVERED: Any = object()
+
+
 def _deliver(items: list[tuple[asyncio.Future[Any], bool, Any]], listeners: list[Callable[[], None]]) -> None:
     """Runs on the caller's event loop: one wake-up resolves every result of a batch."""
     for future, ok, value in items:
@@ -802,7 +806,7 @@ class PostgresStore(Store):
                 return self._run_batch(lane, ops, isolated, batched=False)
             except (pg_errors.SerializationFailure, pg_errors.DeadlockDetected, pg_errors.LockNotAvailable) as exc:
                 if len(ops) > 1:
-                    return self._each_alone(lane, ops, batched)
+                    return self._each_alone_past_locks(lane, ops, batched)
                 if attempt == MAX_OP_TRIES:
                     return [(False, exc)]
             except psycopg.OperationalError as exc:
@@ -826,9 +830,35 @@ class PostgresStore(Store):
     def _each_alone(self, lane: _Lane, ops: list[_Op], batched: bool = True) -> list[tuple[bool, Any]]:
         return [result for op in ops for result in self._run_batch(lane, [op], 0, batched)]
 
-    def _transact(self, lane: _Lane, ops: list[_Op], batched: bool = True) -> list[Any]:
+    def _each_alone_past_locks(self, lane: _Lane, ops: list[_Op], batched: bool) -> list[tuple[bool, Any]]:
+        """Run `ops` of a batch whose lock wait timed out each alone: first each with the batch's lock
+        timeout, then, after all the others, those whose lock is still held, waiting for it. Run
+        alone in order without that first pass, an operation waiting for a flow that another
+        session holds would hold up the rest of the batch, operations on other flows, as long."""
+        waiting: list[_Op] = []
+        for op in ops:
+            try:
+                value = self._transact(lane, [op], batched, lock_timeout=True)[0]
+            except pg_errors.LockNotAvailable:
+                waiting.append(op)  # still held: waited for below
+                continue
+            except _OutcomeUnknown as unknown:
+                result = (False, unknown.error)  # it may have committed: never run again
+            except Exception:  # anything else takes the usual path, with its retries (none committed)
+                (result,) = self._run_batch(lane, [op], 0, batched)
+            else:
+                result = (False, value.error) if isinstance(value, _Rejected) else (True, value)
+            self._complete([op], [result])  # now: not once the locked ones got their locks
+        for op in waiting:
+            self._complete([op], self._run_batch(lane, [op], 0, batched))
+        return [(True, _DELIVERED)] * len(ops)
+
+    def _transact(
+        self, lane: _Lane, ops: list[_Op], batched: bool = True, *, lock_timeout: bool | None = None,
+    ) -> list[Any]:
         """One transaction running `ops`, the batchable Execute commits first (one call), then the
-        others in order; their results (a _Rejected for a commit whose lease was stale), once committed."""
+        others in order; their results (a _Rejected for a commit whose lease was stale), once committed.
+        Row lock waits are cut at BATCH_LOCK_TIMEOUT_MS with `lock_timeout`, by default for a batch."""
         conn, pipeline = lane.open()
         db = _PgDb(conn, pipeline)
         results: list[Any] = []
@@ -841,7 +871,7 @@ class PostgresStore(Store):
             if not reads:
                 db.sender.execute("BEGIN")
             early_xid = self._mark_early(db, ops, lane)
-            if len(ops) > 1 and not reads:
+            if (len(ops) > 1 if lock_timeout is None else lock_timeout) and not reads:
                 db.sender.execute(f"SET LOCAL lock_timeout = {BATCH_LOCK_TIMEOUT_MS}")
             batch = [i for i, op in enumerate(ops) if op.commit is not None] if batched else []
             done: dict[int, Any] = {}
@@ -930,9 +960,10 @@ class PostgresStore(Store):
         # One wake-up per event loop per batch, with its commit listeners folded in: a worker is
         # woken by commits of other origins (its own already handed it what they claimed).
         per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], bool, Any]]] = {}
-        for op, (ok, value) in zip(batch, results, strict=True):
+        pending = [(op, (ok, value)) for op, (ok, value) in zip(batch, results, strict=True) if value is not _DELIVERED]
+        for op, (ok, value) in pending:
             per_loop.setdefault(op.loop, []).append((op.future, ok, value))
-        origins = {op.origin for op, (ok, _) in zip(batch, results, strict=True) if ok and op.write}
+        origins = {op.origin for op, (ok, _) in pending if ok and op.write}
         listeners: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = {}
         if origins:
             for loop, fn in list(self._listeners):
