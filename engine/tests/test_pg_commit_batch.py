@@ -11,6 +11,7 @@ transitions fails here.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -424,6 +425,34 @@ async def test_a_batch_of_many_shapes_leaves_what_one_commit_at_a_time_leaves(pg
         got, want = await _rows(store, "F"), await _rows(store, "G")
         for table in want:
             assert got[table] == want[table], table
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("scenario", [stream_appends, appends_without_a_claim], ids=lambda s: s.__name__)
+async def test_a_call_the_server_refuses_reruns_the_batch_through_the_transitions(
+    pg_database: str, scenario: Callable[[Run], Awaitable[None]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server refusing the dex_commit_execute call itself (a DataError, as a fault in the
+    function would raise) rolls its transaction back and runs the batch's commits again through
+    _transitions, one by one: they commit once, leaving what the reference run leaves. Catches: a
+    lane that lost the rerun's results (and so its thread, with every operation queued to it)."""
+    import psycopg
+
+    store = open_store(pg_database)
+    real = pg._commit_executes
+    refused: list[int] = []
+
+    def refuses_once(db: Any, commits: list[Any]) -> list[Any]:
+        if not refused:
+            refused.append(len(commits))
+            raise psycopg.errors.DataError("the server refused the batched call")
+        return real(db, commits)
+
+    monkeypatch.setattr(pg, "_commit_executes", refuses_once)
+    try:
+        # Bounded: with the lane's thread gone, its operations would wait for ever.
+        await asyncio.wait_for(_same_as_the_reference(store, scenario, batched_ran=lambda: len(refused) == 1), 60)
     finally:
         await store.close()
 
