@@ -251,6 +251,12 @@ class WrongToolResultRunner(ScriptedRunner):
         return result
 
 
+def unapproved_write_flow(tmp_path: Path, tool_name: str) -> AgentSessionFlow:
+    """The scripted flow, where `tool_name` is a non-idempotent write that runs without approval."""
+    return build_flow(tmp_path, tool_policies={
+        tool_name: ToolPolicy(ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=False)})
+
+
 def flow_with(runner: ScriptedRunner, **options: Any) -> AgentSessionFlow:
     return AgentSessionFlow(runner, FLOW_TYPE, AgentSessionOptions(**options))
 
@@ -1350,8 +1356,7 @@ async def test_tool_returning_a_non_tool_execution_result(tmp_path: Path) -> Non
 async def test_tool_output_over_the_value_limit(tmp_path: Path) -> None:
     """A tool output too large to store: a read records failed with a clear error (safe to call
     again); a write that ran records succeeded with a note; each tool ran once."""
-    flow = build_flow(tmp_path, tool_policies={
-        "write_big": ToolPolicy(ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=False)})
+    flow = unapproved_write_flow(tmp_path, "write_big")
     big = {"output_bytes": MAX_VALUE_BYTES}
     async with in_process(tmp_path, flow) as engine:
         sessions = engine.sessions
@@ -1380,8 +1385,7 @@ async def test_tool_error_over_the_value_limit_keeps_the_calls_status(tmp_path: 
     MAX_STORED_TOOL_ERROR_CHARS and a note of its length; each tool ran once. Catches: such an
     error taken for a too-large output, where a write the tool said failed, or whose outcome it did
     not know, was recorded as succeeded, and the model told so."""
-    flow = build_flow(tmp_path, tool_policies={
-        "write_big": ToolPolicy(ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=False)})
+    flow = unapproved_write_flow(tmp_path, "write_big")
     size = MAX_VALUE_BYTES + 1
     async with in_process(tmp_path, flow) as engine:
         sessions = engine.sessions
@@ -1407,8 +1411,7 @@ async def test_tool_output_or_error_with_a_lone_surrogate_is_stored_escaped(tmp_
     """A tool's output or error text holding a lone surrogate (UTF-8 cannot hold it) is stored with
     the surrogate escaped: the write that ran stays succeeded (not outcome_unknown), nothing runs
     twice, and the model sees the text with the escape."""
-    flow = build_flow(tmp_path, tool_policies={
-        "write_odd": ToolPolicy(ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=False)})
+    flow = unapproved_write_flow(tmp_path, "write_odd")
     odd = "half \ud83d of an emoji"
     async with in_process(tmp_path, flow) as engine:
         sessions = engine.sessions
