@@ -423,6 +423,24 @@ async def test_a_worker_id_held_by_a_live_worker_elsewhere_is_refused(store: Sto
         "other-host", 7)
 
 
+async def test_renewal_and_removal_with_a_holder_touch_only_its_row(store: Store) -> None:
+    """Renewing or removing a worker for a holder (host, PID) touches its ID's row only when that
+    process holds it: one paused past its lease, whose ID another process took over meanwhile,
+    finds its renewal refused (as if declared dead) and leaves the other's row alone when it stops.
+    Catches: the paused process renewing the other's lease and claiming under the shared ID, or
+    removing its row, whose attempts housekeeping then failed as a dead worker's while they ran."""
+    def row() -> Any:
+        return store.raw(lambda db: db.one("SELECT host, pid, expires_at FROM workers WHERE worker_id = ?", (W,)))
+
+    assert await store.renew_worker(W, HOUR_MS, holder=("contract-host", 1))
+    before = await row()
+    assert not await store.renew_worker(W, 2 * HOUR_MS, holder=("contract-host", 2))
+    await store.unregister_worker(W, holder=("other-host", 1))
+    assert await row() == before
+    await store.unregister_worker(W, holder=("contract-host", 1))
+    assert await row() is None
+
+
 # Fencing and attempts ----------------------------------------------------------------------------
 
 

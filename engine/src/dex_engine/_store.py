@@ -344,12 +344,14 @@ class Store(ABC):
     async def register_worker(self, worker_id: str, host: str, pid: int, ttl_ms: int) -> None:
         await self._run(lambda db: tx.register_worker(db, worker_id, host, pid, ttl_ms, now_ms()), write=True)
 
-    async def renew_worker(self, worker_id: str, ttl_ms: int) -> bool:
-        return await self._run(lambda db: tx.renew_worker(db, worker_id, ttl_ms, now_ms()), write=True,
+    async def renew_worker(self, worker_id: str, ttl_ms: int, *, holder: tuple[str, int] | None = None) -> bool:
+        """False when the worker was declared dead, or its ID's row is not `holder`'s (host, PID)."""
+        return await self._run(lambda db: tx.renew_worker(db, worker_id, ttl_ms, now_ms(), holder), write=True,
                                durable=False)
 
-    async def unregister_worker(self, worker_id: str) -> None:
-        await self._run(lambda db: tx.unregister_worker(db, worker_id, now_ms()), write=True)
+    async def unregister_worker(self, worker_id: str, *, holder: tuple[str, int] | None = None) -> None:
+        """Remove the worker (with `holder`, only the row that host and PID hold)."""
+        await self._run(lambda db: tx.unregister_worker(db, worker_id, now_ms(), holder), write=True)
 
     async def housekeeping(self) -> HousekeepingReport:
         return await self._run(lambda db: tx.housekeeping(db, now_ms()), write=True)

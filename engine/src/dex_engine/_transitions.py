@@ -1654,13 +1654,23 @@ def register_worker(db: Db, worker_id: str, host: str, pid: int, ttl_ms: int, no
     )
 
 
-def renew_worker(db: Db, worker_id: str, ttl_ms: int, now: int) -> bool:
-    """Extend the worker's lease; False when it was declared dead (its attempts are gone)."""
-    return bool(db.run("UPDATE workers SET expires_at = ? WHERE worker_id = ?", (now + ttl_ms, worker_id)))
+def renew_worker(db: Db, worker_id: str, ttl_ms: int, now: int, holder: tuple[str, int] | None = None) -> bool:
+    """Extend the worker's lease; False when it was declared dead (its attempts are gone), or, with
+    `holder` (host, PID), when the ID's row is another process's: one that took the ID over while
+    this one was paused past its lease, whose row this one must neither renew nor remove."""
+    if holder is None:
+        return bool(db.run("UPDATE workers SET expires_at = ? WHERE worker_id = ?", (now + ttl_ms, worker_id)))
+    return bool(db.run("UPDATE workers SET expires_at = ? WHERE worker_id = ? AND host = ? AND pid = ?",
+                       (now + ttl_ms, worker_id, *holder)))
 
 
-def unregister_worker(db: Db, worker_id: str, now: int) -> None:
-    _send(db, "DELETE FROM workers WHERE worker_id = ?", (worker_id,))
+def unregister_worker(db: Db, worker_id: str, now: int, holder: tuple[str, int] | None = None) -> None:
+    """Remove the worker's row (with `holder`, only if that process holds it, see renew_worker);
+    its attempts left in the database are failed or handed back as a dead worker's."""
+    if holder is None:
+        _send(db, "DELETE FROM workers WHERE worker_id = ?", (worker_id,))
+    else:
+        _send(db, "DELETE FROM workers WHERE worker_id = ? AND host = ? AND pid = ?", (worker_id, *holder))
     _expire_orphans(db, now)
     # The leaving worker may be the only one that knew a due time (a timer it registered, a retry
     # it scheduled: such commits send no notification): wake the others to learn it.

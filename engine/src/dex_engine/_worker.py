@@ -131,6 +131,9 @@ class AsyncWorker:
         self._store = store
         self._owns_store = store is None
         self.worker_id = self.options.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # The process that holds the worker's row (register_worker): renewals and the removal at
+        # stop touch only a row it holds, never one another process took the ID over with.
+        self._holder = (socket.gethostname(), os.getpid())
         self._flow_types = sorted(registry.flows)
         self._running: dict[int, _Running] = {}
         self._wake = asyncio.Event()
@@ -223,7 +226,7 @@ class AsyncWorker:
         self._loop_thread = threading.get_ident()
         ttl_ms = int(self.options.lease_ttl_seconds * 1000)
         try:
-            await store.register_worker(self.worker_id, socket.gethostname(), os.getpid(), ttl_ms)
+            await store.register_worker(self.worker_id, *self._holder, ttl_ms)
         except BaseException:  # its ID is in use, or the database refuses: leave nothing behind
             store.remove_local_claimer(self)
             store.remove_commit_listener(self._notify)
@@ -247,7 +250,7 @@ class AsyncWorker:
                     await renewer
             store.remove_commit_listener(self._notify)
             with contextlib.suppress(Exception):
-                await store.unregister_worker(self.worker_id)
+                await store.unregister_worker(self.worker_id, holder=self._holder)
             if self._owns_store:
                 await store.close()
             self._stopped.set()
@@ -259,7 +262,9 @@ class AsyncWorker:
         must_claim = True
         while not self._stopping.is_set():
             housekeep = time.monotonic() >= next_housekeeping
-            free = opts.max_concurrent_tasks - len(self._running)
+            # Unregistered (declared dead, or its ID another process's), it claims nothing, not even
+            # work another connection's commit made ready, which a poll otherwise claims unasked.
+            free = 0 if self._unregistered else opts.max_concurrent_tasks - len(self._running)
             claim = must_claim and free > 0
             # By attempt, not task: a reply that comes back after a watched attempt ended must not
             # revoke the task's next attempt, handed to this worker meanwhile (a retry, same task).
@@ -434,14 +439,14 @@ class AsyncWorker:
                     await self._renew_now.wait()
             self._renew_now.clear()
             try:
-                if not await self.store.renew_worker(self.worker_id, ttl_ms):
+                if not await self.store.renew_worker(self.worker_id, ttl_ms, holder=self._holder):
                     # Declared dead while we were paused or cut off: every attempt we hold is gone.
                     self._unregistered = True
                     log.warning("worker %s was declared dead; abandoning %d attempts", self.worker_id,
                                 len(self._running))
                     for running in list(self._running.values()):
                         self._revoke(running)
-                    await self.store.register_worker(self.worker_id, socket.gethostname(), os.getpid(), ttl_ms)
+                    await self.store.register_worker(self.worker_id, *self._holder, ttl_ms)
                 if self._unregistered:
                     self._unregistered = False
                     self._notify()  # claims were held back meanwhile
@@ -602,7 +607,8 @@ class AsyncWorker:
                 if _gates.ACTIVE:
                     _gates.gate(_gates.BEFORE_COMMIT)
                 free = self.options.max_concurrent_tasks - len(self._running) + 1
-                claim = None if self._stopping.is_set() else (self.worker_id, self._flow_types, free)
+                claims = not (self._stopping.is_set() or self._unregistered)
+                claim = (self.worker_id, self._flow_types, free) if claims else None
                 started = int(time.time() * 1000)
                 self._claiming.append(started)
                 try:
