@@ -430,6 +430,7 @@ def test_bad_database_urls_print_one_error_line_and_exit_2(tmp_path: Path) -> No
 @pytest.mark.parametrize(("url", "shown"), [
     ("postgresql://me:pw@db:5432/app", "postgresql://me:***@db:5432/app"),
     ("postgresql://me:p%40w@h1:1,h2:2/app", "postgresql://me:***@h1:1,h2:2/app"),
+    ("postgresql://me:p@w@db/app", "postgresql://me:***@db/app"),  # an @ left unescaped in the password
     ("postgresql://me@db/app?sslmode=require&password=pw", "postgresql://me@db/app?sslmode=require&password=***"),
     ("postgresql://me@db/app?password=pw", "postgresql://me@db/app?password=***"),
     ("postgresql://me@db/app", "postgresql://me@db/app"),

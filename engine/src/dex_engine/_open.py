@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from urllib.parse import urlsplit, urlunsplit
 
 from ._store import Store
 
@@ -26,16 +25,10 @@ def open_store(url: str) -> Store:
 
 def shown_url(url: str) -> str:
     """`url` fit for a message or a log: a password in it, as user:password@ or a password=
-    parameter, is written as ***."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:  # malformed (an unclosed IPv6 bracket): hide what would be userinfo's password
-        return re.sub(r"password=[^&]*", "password=***", re.sub(r"^([^:/]*://[^:@/]*):[^@]*@", r"\1:***@", url))
-    if parts.password is None and "password=" not in parts.query:
-        return url  # unchanged, not rebuilt: urlunsplit would drop the empty host of sqlite:////path
-    netloc = parts.netloc
-    if parts.password is not None:
-        userinfo, _, hosts = netloc.rpartition("@")
-        netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
-    query = re.sub(r"(^|&)password=[^&]*", r"\1password=***", parts.query)
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
+    parameter, is written as ***. By pattern, not parsed: a malformed URL is shown too."""
+    url = _USERINFO_PASSWORD.sub(r"\1:***@", url, count=1)
+    return _PASSWORD_PARAMETER.sub(r"\1password=***", url)
+
+
+_USERINFO_PASSWORD = re.compile(r"^([a-zA-Z][\w+.-]*://[^:@/?#]*):[^/?#]*@")  # to the last @ of the host part
+_PASSWORD_PARAMETER = re.compile(r"([?&])password=[^&#]*")

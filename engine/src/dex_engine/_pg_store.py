@@ -644,6 +644,11 @@ class _Dispatcher:
             return ops
 
 
+def _result(value: Any) -> tuple[bool, Any]:
+    """An operation's (ok, value) from what its transaction returned: a stale commit's error."""
+    return (False, value.error) if isinstance(value, _Rejected) else (True, value)
+
+
 # The result of an operation already handed to its caller (_each_alone_past_locks): _complete skips it.
 _DELIVERED: Any = object()
 
@@ -788,8 +793,7 @@ class PostgresStore(Store):
         delay = 0.01
         for attempt in range(1, MAX_OP_TRIES + 1):
             try:
-                return [(False, value.error) if isinstance(value, _Rejected) else (True, value)
-                        for value in self._transact(lane, ops, batched)]
+                return [_result(value) for value in self._transact(lane, ops, batched)]
             except _OpFailed as failed:
                 if len(ops) == 1:
                     return [(False, failed.error)]
@@ -847,7 +851,7 @@ class PostgresStore(Store):
             except Exception:  # anything else takes the usual path, with its retries (none committed)
                 (result,) = self._run_batch(lane, [op], 0, batched)
             else:
-                result = (False, value.error) if isinstance(value, _Rejected) else (True, value)
+                result = _result(value)
             self._complete([op], [result])  # now: not once the locked ones got their locks
         for op in waiting:
             self._complete([op], self._run_batch(lane, [op], 0, batched))

@@ -533,7 +533,8 @@ class AsyncWorker:
         except StaleAttemptError:
             pass
         except Exception:
-            log.exception("could not hand back %s; it is recovered when this worker stops", lease.step_execution_id)
+            log.exception("could not hand back or fail %s; it is recovered when this worker stops",
+                          lease.step_execution_id)
 
     def _end_attempt(self, running: _Running) -> None:
         """Free the attempt's slot and close its events; its parked handler, if any, is closed."""
