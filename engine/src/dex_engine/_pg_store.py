@@ -695,7 +695,7 @@ class PostgresStore(Store):
         self._app_name = psycopg.conninfo.conninfo_to_dict(self._conninfo).get("application_name") or "dex_engine"
         self._closed = False
         try:
-            with psycopg.connect(self._conninfo, autocommit=True) as conn:
+            with psycopg.connect(self._conninfo, autocommit=True, application_name=self._app_name) as conn:
                 migrate(conn)
                 conn.execute("DELETE FROM commit_marks WHERE updated_at < now() - %s::interval",
                              (COMMIT_MARK_RETENTION,))
