@@ -127,6 +127,7 @@ from dex_engine import (
     open_store,
     rpc,
 )
+from dex_engine._limits import DEFAULT_LEASE_RENEW_SECONDS, DEFAULT_LEASE_TTL_SECONDS
 from dex_engine._sqlite_store import SqliteStore
 from dex_engine._store import Store
 
@@ -586,14 +587,17 @@ def engine_shape_flow(watcher: TurnWatcher, flow_type: str = "BenchShape") -> De
 async def dex_phase(url: str, plan: Sequence[int], prefix: str, concurrent: bool,
                     make_turn: Callable[[TurnWatcher], DexTurn] = scripted_runner_flow,
                     counter: CommitCounter | None = None,
-                    before_clock: Callable[[], Any] | None = None) -> PhaseResult:
+                    before_clock: Callable[[], Any] | None = None,
+                    lease_renew_seconds: float = DEFAULT_LEASE_RENEW_SECONDS) -> PhaseResult:
     postgres = url.startswith("postgresql")
     store = (open_store(url) if postgres else
              SqliteStore(url) if counter is None else CountingSqliteStore(url, counter))
     bound = bind_turn(store, make_turn)
     watcher, registry, calls = bound.watcher, bound.registry, bound.calls
     # Each session has at most one Step running at a time; leave headroom as the tests do.
-    options = WorkerOptions(database_url=url, max_concurrent_tasks=max(64, 4 * len(plan)))
+    options = WorkerOptions(database_url=url, max_concurrent_tasks=max(64, 4 * len(plan)),
+                            lease_renew_seconds=lease_renew_seconds,
+                            lease_ttl_seconds=max(DEFAULT_LEASE_TTL_SECONDS, 3 * lease_renew_seconds))
     latencies: list[float] = []
 
     async def start(session_id: str) -> None:

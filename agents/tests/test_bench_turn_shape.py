@@ -55,10 +55,12 @@ async def test_a_counted_sequential_pass_counts_dexs_four_commits_and_replays_it
     tmp_path: Path, name: str,
 ) -> None:
     """Catches: a shape that commits other than four times a turn, and a replay whose copy's WAL
-    was not grown (its turns would all grow it, and none be timed)."""
+    was not grown (its turns would all grow it, and none be timed). The worker renews its lease
+    far less often than the pass lasts even on a loaded machine: a renewal commits too."""
     make, _note = agent_turn.DEX_SYSTEMS[name]
     counter = CommitCounter()
-    result = await dex_phase(f"sqlite:///{tmp_path / 'count.db'}", [8], "t", False, make, counter)
+    result = await dex_phase(f"sqlite:///{tmp_path / 'count.db'}", [8], "t", False, make, counter,
+                             lease_renew_seconds=3600.0)
     assert result.turns == 8
     assert (result.commits, result.fsyncs) == (4 * 8, 4 * 8)
     assert result.replayed is not None
