@@ -441,6 +441,44 @@ async def test_renewal_and_removal_with_a_holder_touch_only_its_row(store: Store
     assert await row() is None
 
 
+
+async def test_taking_over_an_expired_id_fences_off_the_attempts_held_under_it(store: Store) -> None:
+    """A process taking over another's expired worker ID first treats what that process holds
+    under it as a dead worker's: the unstarted attempt is handed out again as itself, the started
+    one fails (WorkerLost), and the old leases write nothing. Catches: the new row hiding those
+    attempts from housekeeping while the paused process still ran them, committed them and claimed
+    more through its commits, until the new process's lost-claim recovery found them."""
+    await start(store, "unstarted")
+    await start(store, "started")
+    await store.register_worker("paused", "contract-host", 2, 1)  # its lease runs out at once
+    leases = {x.flow_id: x for x in await store.claim("paused", TYPES, 10)}
+    await store.heartbeat(leases["started"], "half way")
+    await asyncio.sleep(0.01)
+    await store.register_worker("paused", "other-host", 7, HOUR_MS)
+
+    assert await active(store, "unstarted") == [("Start-1", "ready", "execute", 1)]
+    assert await active(store, "started") == [("Start-1", "ready", "execute", 2)]
+    failures = [h.detail for h in await store.history("started") if h.event_type == tx.ATTEMPT_FAILED]
+    assert len(failures) == 1 and "WorkerLost" in failures[0]
+    for lease in leases.values():
+        with pytest.raises(StaleAttemptError):
+            await store.commit_execute(lease, WriteSet(), goto("Next"))
+    again = {x.flow_id: x for x in await store.claim("paused", TYPES, 10)}
+    assert (again["unstarted"].attempt, again["started"].attempt) == (1, 2)
+
+
+async def test_a_poll_for_a_holder_whose_id_another_process_holds_claims_nothing(store: Store) -> None:
+    """A poll asked to claim for a worker whose ID's row another process (host, PID) holds claims
+    nothing and reports the worker unregistered; for the holder it claims. Catches: a paused worker
+    whose ID was taken over claiming under the other process's lease until its next renewal (up to
+    lease_renew_seconds later), so that the other took those attempts for lost claims."""
+    await start(store, "f1")
+    _, result = await store.poll(W, TYPES, 10, [], must_claim=True, housekeep=False, holder=("contract-host", 2))
+    assert (result.leases, result.registered) == ([], False)
+    assert await active(store, "f1") == [("Start-1", "ready", "execute", 1)]
+    _, result = await store.poll(W, TYPES, 10, [], must_claim=True, housekeep=False, holder=("contract-host", 1))
+    assert ([x.flow_id for x in result.leases], result.registered) == (["f1"], True)
+
 # Fencing and attempts ----------------------------------------------------------------------------
 
 

@@ -162,6 +162,36 @@ async def test_a_worker_whose_id_another_process_took_over_claims_nothing_and_le
         await store.close()
 
 
+
+async def test_a_worker_whose_id_was_taken_over_claims_nothing_before_its_next_renewal(db_url: str) -> None:
+    """A worker whose ID's row another process holds claims nothing from its very next poll, long
+    before its next renewal would find out. Catches: polls that checked only that the ID had a row,
+    so the paused worker claimed under the other's lease for up to lease_renew_seconds, and the
+    other then took those attempts for lost claims."""
+    from dex_engine import AsyncClient, WorkerOptions
+
+    ran: list[str] = []
+
+    async def start(ctx: Context, _: Any) -> StepDecision:
+        ran.append(ctx.flow_id)
+        return StepDecision.graceful_complete()
+
+    registry = Registry([Flow("TakenOverLate", [Step("Start", start)], start_step="Start")])
+    store = _sqlite_store.SqliteStore(db_url) if db_url.startswith("sqlite") else _pg_store.PostgresStore(db_url)
+    try:
+        options = WorkerOptions(database_url=db_url, worker_id="late", lease_ttl_seconds=3600.0,
+                                lease_renew_seconds=1800.0, housekeeping_seconds=0.1, poll_seconds=0.01)
+        async with AsyncWorker(registry, options, store=store):
+            await store.raw(lambda db: db.run("UPDATE workers SET host = 'other-host', pid = 9 "
+                                              "WHERE worker_id = 'late'"), write=True)
+            await AsyncClient(registry, store=store).start_flow("TakenOverLate", "f")
+            await asyncio.sleep(0.5)  # polls, a notification and housekeeping: none may claim it
+            assert ran == []
+        row = await store.raw(lambda db: db.one("SELECT host, pid FROM workers WHERE worker_id = 'late'"))
+        assert tuple(row) == ("other-host", 9)
+    finally:
+        await store.close()
+
 async def _true(value: bool) -> bool:
     return value
 

@@ -672,19 +672,21 @@ class SqliteStore(Store):
     async def poll(
         self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],
         *, must_claim: bool, housekeep: bool, known: Sequence[int] | None = None,
-        claimed_before: int | None = None,
+        claimed_before: int | None = None, holder: tuple[str, int] | None = None,
     ) -> tuple[bool, PollResult]:
         """Store.poll; a quiet poll of a file nobody committed to since this worker's last quiet
         poll (with the same running attempts) gets that poll's answer, read on this thread."""
         if must_claim or housekeep:
             return await super().poll(worker_id, flow_types, capacity, running, must_claim=must_claim,
-                                      housekeep=housekeep, known=known, claimed_before=claimed_before)
+                                      housekeep=housekeep, known=known, claimed_before=claimed_before,
+                                      holder=holder)
         asked: _Asked = (tuple(flow_types), tuple(running))
         version, answer = self._quiet.answer(worker_id, asked)
         if answer is not None:
             return False, answer
         changed, result = await super().poll(worker_id, flow_types, capacity, running, must_claim=False,
-                                             housekeep=False, known=known, claimed_before=claimed_before)
+                                             housekeep=False, known=known, claimed_before=claimed_before,
+                                             holder=holder)
         # Only a light poll's answer is kept: nothing claimed, nothing changed elsewhere. `version`
         # was read before it ran, so a commit made meanwhile makes the next poll ask again.
         self._quiet.keep(worker_id, version, asked, None if changed or result.leases else result)

@@ -76,9 +76,10 @@ def _started_or_claimed(
 class LocalClaimer(Protocol):
     """A worker of this process that takes the Steps a client's commit makes ready, in that commit."""
 
-    def local_claim(self) -> tuple[str, Sequence[str], int, int] | None:
-        """On the caller's event loop, before the commit is sent: (worker ID, flow types, free slots,
-        a token for `local_claim_done`), or None when this worker cannot take work from this caller."""
+    def local_claim(self) -> tuple[str, tuple[str, int], Sequence[str], int, int] | None:
+        """On the caller's event loop, before the commit is sent: (worker ID, its holder (host, PID),
+        flow types, free slots, a token for `local_claim_done`), or None when this worker cannot take
+        work from this caller. The commit claims nothing when the ID's row is not the holder's."""
 
     def local_claim_done(self, token: int, leases: list[Lease] | None, capacity: int) -> None:
         """After the commit (or its failure): run the attempts it claimed; None: it claimed nothing."""
@@ -158,13 +159,15 @@ class Store(ABC):
                 break
         else:
             return await self._run(fn, write=True)
-        worker_id, flow_types, capacity, token = request
+        worker_id, holder, flow_types, capacity, token = request
 
         def op(db: Db) -> tuple[R, list[Lease] | None]:
             readied = getattr(db, "readied", 0)
             result = fn(db)
-            if getattr(db, "readied", 0) == readied:
-                return result, None  # nothing became ready: the worker is woken as usual
+            if getattr(db, "readied", 0) == readied or not tx.worker_registered(db, worker_id, holder):
+                # Nothing became ready, or the worker must claim nothing (declared dead, or its ID
+                # another process's): it is woken as usual, and its poll finds out which.
+                return result, None
             now = now_ms()
             if self.folds_executes:
                 claimed = tx.claim_deferred(db, worker_id, flow_types, capacity, now)
@@ -359,7 +362,7 @@ class Store(ABC):
     async def poll(
         self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],
         *, must_claim: bool, housekeep: bool, known: Sequence[int] | None = None,
-        claimed_before: int | None = None,
+        claimed_before: int | None = None, holder: tuple[str, int] | None = None,
     ) -> tuple[bool, tx.PollResult]:
         """One worker loop iteration in one transaction; returns (changed elsewhere, result).
 
@@ -367,7 +370,9 @@ class Store(ABC):
         when housekeeping made work ready. With `known`, housekeeping hands back this worker's
         claims made before `claimed_before` (ms; default LOST_CLAIM_MS before this call) that are
         not in `known`: the caller takes both before the call, since the transaction may run much
-        later, after commits handed the caller claims that `known` cannot list.
+        later, after commits handed the caller claims that `known` cannot list. With `holder` (host,
+        PID), a worker whose ID's row that process does not hold claims nothing (see
+        tx.worker_registered).
         """
         if claimed_before is None:
             claimed_before = now_ms() - LOST_CLAIM_MS
@@ -392,7 +397,7 @@ class Store(ABC):
             report = tx.housekeeping(db, now, worker_id) if housekeep else None
             woke = report is not None and bool(report.timers_fired or report.leases_expired or report.timeouts)
             claim_now = must_claim or changed or woke
-            registered = not claim_now or tx.worker_registered(db, worker_id)
+            registered = not claim_now or tx.worker_registered(db, worker_id, holder)
             leases = tx.claim(db, worker_id, flow_types, capacity, now) if claim_now and registered else []
             result = tx.PollResult(leases, tx.task_epochs(db, running), tx.next_due(db, flow_types), report,
                                    registered)

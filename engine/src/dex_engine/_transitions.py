@@ -1633,20 +1633,26 @@ def task_epochs(db: Db, task_ids: Sequence[int]) -> dict[int, int]:
 
 def register_worker(db: Db, worker_id: str, host: str, pid: int, ttl_ms: int, now: int) -> None:
     """Give the worker a live lease. One that had no row (declared dead, or an earlier process
-    under the same ID) first sees its attempts still held in the database failed or handed back as
-    a dead worker's: it no longer runs them, and its new row would hide them until lost-claim recovery."""
+    under the same ID), or takes over the expired row of another process (host, PID), first sees
+    the attempts still held under the ID failed or handed back as a dead worker's: no process runs
+    them any longer (the other one, paused or gone, is fenced off by it), and the new row would
+    hide them until lost-claim recovery."""
     row = db.one("SELECT host, pid, expires_at FROM workers WHERE worker_id = ?", (worker_id,))
+    if row is not None and (str(row[0]), int(row[1])) != (host, pid):
+        if int(row[2]) > now:
+            raise WorkerIdInUseError(
+                f"worker ID {worker_id!r} is held by a live worker on host {row[0]!r}, PID {row[1]}, whose "
+                f"lease runs {int(row[2]) - now} ms more; give each worker its own ID (or none: one is made "
+                "up), or, for a process restarted under its ID, start it once that lease has run out"
+            )
+        _send(db, "DELETE FROM workers WHERE worker_id = ?", (worker_id,))
+        row = None
     if row is None:
         _expire_orphans(db, now)
-    elif (str(row[0]), int(row[1])) != (host, pid) and int(row[2]) > now:
-        raise WorkerIdInUseError(
-            f"worker ID {worker_id!r} is held by a live worker on host {row[0]!r}, PID {row[1]}, whose lease "
-            f"runs {int(row[2]) - now} ms more; give each worker its own ID (or none: one is made up), or, "
-            "for a process restarted under its ID, start it once that lease has run out"
-        )
     _send(
         db, "INSERT INTO workers (worker_id, host, pid, started_at, expires_at) VALUES (?, ?, ?, ?, ?) "
-        # A process taking over an ID whose lease ran out makes the row its own.
+        # Of two processes taking over one expired ID at once, the later makes the row its own (the
+        # other finds its next renewal refused and claims nothing).
         "ON CONFLICT (worker_id) DO UPDATE SET expires_at = excluded.expires_at, host = excluded.host, "
         "pid = excluded.pid, started_at = CASE WHEN workers.host = excluded.host AND workers.pid = excluded.pid "
         "THEN workers.started_at ELSE excluded.started_at END",
@@ -1677,10 +1683,14 @@ def unregister_worker(db: Db, worker_id: str, now: int, holder: tuple[str, int] 
     db.notify()
 
 
-def worker_registered(db: Db, worker_id: str) -> bool:
-    """Whether the worker has a row. One without (declared dead) must claim nothing until it
-    registers again: housekeeping would fail what it started as a dead worker's attempts."""
-    return db.one("SELECT 1 FROM workers WHERE worker_id = ?", (worker_id,)) is not None
+def worker_registered(db: Db, worker_id: str, holder: tuple[str, int] | None = None) -> bool:
+    """Whether the worker has a row (with `holder`, one that host and PID hold). One without
+    (declared dead, or its ID taken over by another process) must claim nothing until it registers
+    again: its claims would be failed as a dead worker's, or run under another process's lease."""
+    if holder is None:
+        return db.one("SELECT 1 FROM workers WHERE worker_id = ?", (worker_id,)) is not None
+    return db.one("SELECT 1 FROM workers WHERE worker_id = ? AND host = ? AND pid = ?",
+                  (worker_id, *holder)) is not None
 
 
 def housekeeping(db: Db, now: int, worker_id: str | None = None) -> HousekeepingReport:

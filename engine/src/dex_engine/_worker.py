@@ -274,7 +274,7 @@ class AsyncWorker:
             try:
                 _changed, result = await store.poll(
                     self.worker_id, self._flow_types, free, list(watched), must_claim=claim, housekeep=housekeep,
-                    known=list(self._running), claimed_before=self._claimed_before(),
+                    known=list(self._running), claimed_before=self._claimed_before(), holder=self._holder,
                 )
             except Exception:
                 log.exception("worker poll failed; will retry")
@@ -334,7 +334,7 @@ class AsyncWorker:
 
     # Steps made ready by clients' commits in this process (Store.LocalClaimer) -----------
 
-    def local_claim(self) -> tuple[str, list[str], int, int] | None:
+    def local_claim(self) -> tuple[str, tuple[str, int], list[str], int, int] | None:
         if self._stopping.is_set() or self._unregistered or asyncio.get_running_loop() is not self._loop:
             return None  # a client on another event loop: its commit wakes us as usual
         free = self.options.max_concurrent_tasks - len(self._running)
@@ -343,7 +343,7 @@ class AsyncWorker:
         # In flight like a commit's claims: no poll may take these for lost claims before they land.
         started = int(time.time() * 1000)
         self._claiming.append(started)
-        return self.worker_id, self._flow_types, free, started
+        return self.worker_id, self._holder, self._flow_types, free, started
 
     def local_claim_done(self, token: int, leases: list[Lease] | None, capacity: int) -> None:
         self._claiming.remove(token)
