@@ -534,6 +534,24 @@ async def test_an_attempt_the_worker_itself_cannot_finish_is_handed_back_and_ret
         assert failed[:2] == ("Call-1", 1), failed
 
 
+def _unendable_attempts(eng: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every first attempt's commit, and the recording of its failure, raise in the worker."""
+    commit_execute, fail_attempt = eng.store.commit_execute, eng.store.fail_attempt
+
+    async def unrecordable_commit(lease: Any, *args: Any, **kwargs: Any) -> Any:
+        if lease.attempt == 1:
+            raise RuntimeError("a bug in the commit")
+        return await commit_execute(lease, *args, **kwargs)
+
+    async def unrecordable_failure(lease: Any, error: Any, **kwargs: Any) -> Any:
+        if error.error_type != "WorkerError":  # the worker's own last resort is recorded
+            raise LookupError("a bug in recording the failure")
+        return await fail_attempt(lease, error, **kwargs)
+
+    monkeypatch.setattr(eng.store, "commit_execute", unrecordable_commit)
+    monkeypatch.setattr(eng.store, "fail_attempt", unrecordable_failure)
+
+
 async def test_an_unstarted_attempt_the_worker_cannot_end_again_and_again_is_failed(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -551,20 +569,7 @@ async def test_an_unstarted_attempt_the_worker_cannot_end_again_and_again_is_fai
 
     registry = Registry([Flow("Unending", [Step("Call", call, options=QUICK_RETRY)], start_step="Call")])
     async with engine_for(db_url, registry) as eng:
-        commit_execute, fail_attempt = eng.store.commit_execute, eng.store.fail_attempt
-
-        async def unrecordable_commit(lease: Any, *args: Any, **kwargs: Any) -> Any:
-            if lease.attempt == 1:
-                raise RuntimeError("a bug in the commit")
-            return await commit_execute(lease, *args, **kwargs)
-
-        async def unrecordable_failure(lease: Any, error: Any, **kwargs: Any) -> Any:
-            if error.error_type != "WorkerError":  # the worker's own last resort is recorded
-                raise LookupError("a bug in recording the failure")
-            return await fail_attempt(lease, error, **kwargs)
-
-        monkeypatch.setattr(eng.store, "commit_execute", unrecordable_commit)
-        monkeypatch.setattr(eng.store, "fail_attempt", unrecordable_failure)
+        _unendable_attempts(eng, monkeypatch)
         await eng.client.start_flow("Unending", "u")
         assert (await eng.client.wait_for_flow("u", 20)).status == "completed"
         assert calls == [1] * MAX_WORKER_ERRORS_PER_ATTEMPT + [2]
@@ -574,6 +579,49 @@ async def test_an_unstarted_attempt_the_worker_cannot_end_again_and_again_is_fai
                           f"{MAX_WORKER_ERRORS_PER_ATTEMPT} times; the last time: LookupError")
         assert eng.worker is not None and eng.worker._worker_errors == {}
 
+
+async def test_attempts_beyond_the_workers_error_count_bound_still_end_failed(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With its count of worker-side errors full (MAX_WORKER_ERROR_ENTRIES, 1 here), a worker
+    leaves a fresh entry alone and counts the new attempt once the counted one ended; it drops an
+    entry left stale (an attempt that went to another worker) for it. Every attempt that cannot
+    be ended is failed with WorkerError in the end, and the count stays within its bound. Catches:
+    entries of attempts handed to other workers filling the count for good, after which an error
+    that recurs ran its attempt again without end."""
+    from dex_engine import _worker
+
+    monkeypatch.setattr(_worker, "MAX_WORKER_ERROR_ENTRIES", 1)
+    calls: list[tuple[str, int]] = []
+
+    async def call(ctx: Context, _: None) -> StepDecision:
+        calls.append((ctx.flow_id, ctx.attempt))
+        return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
+
+    registry = Registry([Flow("Bounded", [Step("Call", call, options=QUICK_RETRY)], start_step="Call")])
+    async with engine_for(db_url, registry) as eng:
+        assert eng.worker is not None
+        _unendable_attempts(eng, monkeypatch)
+        stale = time.monotonic() - _worker.WORKER_ERROR_STALE_SECONDS - 1
+        eng.worker._worker_errors[10**9] = (1, 1, stale)  # an attempt handed back and run elsewhere
+        sizes: list[int] = []
+        count = eng.worker._count_worker_error
+
+        def counting(lease: Any, errors: int) -> None:
+            count(lease, errors)
+            sizes.append(len(eng.worker._worker_errors))  # type: ignore[union-attr]
+
+        monkeypatch.setattr(eng.worker, "_count_worker_error", counting)
+        await asyncio.gather(*(eng.client.start_flow("Bounded", f"b{i}") for i in range(3)))
+        for i in range(3):
+            assert (await eng.client.wait_for_flow(f"b{i}", 30)).status == "completed"
+            assert await eng.client.flow_output(f"b{i}") == "attempt 2"
+            (failed,) = failures(await eng.client.get_flow_history(f"b{i}"))
+            assert failed[2].startswith("execute: WorkerError: the worker could not end the attempt "
+                                        f"{MAX_WORKER_ERRORS_PER_ATTEMPT} times"), failed
+            assert calls.count((f"b{i}", 1)) >= MAX_WORKER_ERRORS_PER_ATTEMPT
+        assert sizes and max(sizes) == 1
+        assert eng.worker._worker_errors == {}
 
 @pytest.mark.sqlite_only  # on PostgreSQL the lock is released without a round trip; a poll claims the Step
 async def test_a_step_waiting_for_a_method_lock_runs_once_the_holder_commits(db_url: str) -> None:

@@ -35,6 +35,11 @@ MAX_WORKER_ERRORS_PER_ATTEMPT = 3
 # worker, where the counts matter less than the worker's memory staying bounded.
 MAX_WORKER_ERROR_ENTRIES = 1000
 
+# A counted attempt with no worker-side error for this long went to another worker (or ended
+# there): a full count drops it for a new one. One handed back here is run again within a
+# housekeeping or two (seconds), so its count is never this old while its error recurs.
+WORKER_ERROR_STALE_SECONDS = 120.0
+
 # Lease of a worker: a worker that has not renewed for this long is declared dead and its
 # started attempts fail (unstarted ones are handed out again). 30 s matches Procrastinate.
 DEFAULT_LEASE_TTL_SECONDS = 30.0

@@ -44,6 +44,7 @@ from ._limits import (
     MAX_WORKER_ERROR_ENTRIES,
     MAX_WORKER_ERRORS_PER_ATTEMPT,
     RENEW_RETRY_SECONDS,
+    WORKER_ERROR_STALE_SECONDS,
 )
 from ._open import open_store
 from ._parked import FoldFunctions, ParkedHandler
@@ -159,9 +160,10 @@ class AsyncWorker:
         self._loop_thread: int | None = None  # the event loop's thread, where pure Executes may fold
         # Hand-backs of claims beyond max_concurrent_tasks still being committed (_spawn).
         self._handing_back: set[asyncio.Task[None]] = set()
-        # Task ID -> (attempt, worker-side errors so far in ending it), for attempts this worker
-        # handed back: at MAX_WORKER_ERRORS_PER_ATTEMPT it fails the attempt instead.
-        self._worker_errors: dict[int, tuple[int, int]] = {}
+        # Task ID -> (attempt, worker-side errors so far in ending it, monotonic time of the last),
+        # for attempts this worker handed back: at MAX_WORKER_ERRORS_PER_ATTEMPT it fails the
+        # attempt instead. In the order they were last counted (each count re-inserts its entry).
+        self._worker_errors: dict[int, tuple[int, int, float]] = {}
 
     @property
     def store(self) -> Store:
@@ -516,13 +518,12 @@ class AsyncWorker:
         so that the next housekeeping fails it or hands it out again as it would a dead worker's;
         after MAX_WORKER_ERRORS_PER_ATTEMPT of them, fail it with a plain error, so that an error
         that recurs on each run cannot run an unstarted attempt again without end."""
-        attempt, errors = self._worker_errors.pop(lease.task_id, (lease.attempt, 0))
+        attempt, errors, _last = self._worker_errors.pop(lease.task_id, (lease.attempt, 0, 0.0))
         errors = errors + 1 if attempt == lease.attempt else 1
         try:
             if errors < MAX_WORKER_ERRORS_PER_ATTEMPT:
                 log.exception("worker error while running %s; handing the attempt back", lease.step_execution_id)
-                if len(self._worker_errors) < MAX_WORKER_ERROR_ENTRIES:
-                    self._worker_errors[lease.task_id] = (lease.attempt, errors)
+                self._count_worker_error(lease, errors)
                 # Left alone, the task would stay running until this worker dies.
                 await self.store.abandon(lease)
                 return
@@ -535,6 +536,20 @@ class AsyncWorker:
         except Exception:
             log.exception("could not hand back or fail %s; it is recovered when this worker stops",
                           lease.step_execution_id)
+
+    def _count_worker_error(self, lease: Lease, errors: int) -> None:
+        """Keep `errors` as the count of `lease`'s attempt. With MAX_WORKER_ERROR_ENTRIES counted
+        already, the least recently counted entry makes room if it is stale (its attempt went to
+        another worker); else this one goes uncounted for now, and the counted ones, failed in
+        turn, make room. Entries of attempts that went elsewhere would otherwise fill the table for
+        good, and no recurring error be counted again."""
+        entries, now = self._worker_errors, time.monotonic()
+        if len(entries) >= MAX_WORKER_ERROR_ENTRIES:
+            oldest = next(iter(entries))
+            if now - entries[oldest][2] < WORKER_ERROR_STALE_SECONDS:
+                return
+            del entries[oldest]
+        entries[lease.task_id] = (lease.attempt, errors, now)
 
     def _end_attempt(self, running: _Running) -> None:
         """Free the attempt's slot and close its events; its parked handler, if any, is closed."""
