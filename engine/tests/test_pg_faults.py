@@ -1121,6 +1121,42 @@ async def test_a_commit_still_in_progress_when_asked_about_is_waited_for(pg_data
         assert await client.rpc("f", "peek") == ["t1"]
 
 
+
+async def test_a_commit_whose_outcome_the_server_cannot_tell_is_reported_unknown_and_not_repeated(
+    pg_database: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """E1: a client's connection drops while its COMMIT is on its way (held in the proxy), and the
+    server reports the transaction in progress every time it is asked (fewer tries here). The
+    publish raises CommitOutcomeUnknownError, saying it may have committed, and is not run again:
+    once the COMMIT arrives the message is there once. Catches: the server's connection error
+    raised as such (callers retry those, which would publish twice), or the operation run again."""
+    import psycopg
+
+    from dex_engine import CommitOutcomeUnknownError, _pg_store
+
+    monkeypatch.setattr(_pg_store, "MAX_OP_TRIES", 2)  # the server is asked 4 times, over 0.15 s
+    async with proxy_to(pg_database) as proxy, client_for(pg_database) as client, \
+            client_for(proxy.url(pg_database)) as proxied:
+        await client.start_flow("PgfLocks", "f")
+        rule = proxy.arm("hold", *PUBLISH_SQL, param="f")
+        publish = asyncio.create_task(proxied.publish("f", Box, "t1"))
+        held = await asyncio.wait_for(rule.hit, 30)
+        held.cw.transport.abort()
+        with pytest.raises(CommitOutcomeUnknownError, match=r"^the connection to postgresql://.* was lost during "
+                           r"COMMIT \(\w+: .*\) and the server could not say whether the transaction "
+                           r"committed: it may have; read its effect before doing it again$") as raised:
+            await asyncio.wait_for(publish, 30)
+        assert isinstance(raised.value.__cause__, psycopg.OperationalError)
+        assert not isinstance(raised.value, psycopg.Error)
+        rule.release()
+        for _ in range(100):
+            if await client.rpc("f", "peek") == ["t1"]:
+                break
+            await asyncio.sleep(0.05)
+        assert await client.rpc("f", "peek") == ["t1"]
+        await asyncio.sleep(0.3)  # an operation run again would add its message by now
+        assert await client.rpc("f", "peek") == ["t1"]
+
 # Mixed workload under random pg_terminate_backend and under server crashes -------------------
 
 

@@ -9,6 +9,7 @@ from ._context import Context, PendingMessage, RpcContext, WaitResult
 from ._decision import Movement, RPCResult, StepDecision
 from ._errors import (
     ChannelMessageNotFoundError,
+    CommitOutcomeUnknownError,
     DexError,
     FlowAlreadyStartedError,
     FlowDefinitionError,
@@ -60,6 +61,7 @@ __all__ = [
     "ChannelMessageNotFoundError",
     "ChannelRef",
     "Client",
+    "CommitOutcomeUnknownError",
     "Context",
     "DexError",
     "Flow",

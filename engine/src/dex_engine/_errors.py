@@ -28,6 +28,7 @@ from __future__ import annotations
 
 __all__ = [
     "ChannelMessageNotFoundError",
+    "CommitOutcomeUnknownError",
     "DexError",
     "FlowAlreadyStartedError",
     "FlowDefinitionError",
@@ -193,6 +194,11 @@ class WorkerInvocationError(DexError):
 class WorkerIdInUseError(DexError, RuntimeError):
     """A worker registering under an ID whose live lease another process (host and PID) holds: two
     workers under one ID would take each other's attempts for lost ones and run them again."""
+
+
+class CommitOutcomeUnknownError(DexError, ConnectionError):
+    """The connection to the database was lost during an operation's COMMIT, and the server could
+    not say whether that transaction committed: it may have. Read its effect before doing it again."""
 
 
 class StoreOpenError(DexError, RuntimeError):

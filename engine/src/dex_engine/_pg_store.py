@@ -58,7 +58,7 @@ from . import _gates
 from . import _transitions as tx
 from ._attribute_cache import AttributeCache, KnownRows
 from ._codec import decode_json, encode_json
-from ._errors import FlowNotActiveError, StaleAttemptError, StoreOpenError
+from ._errors import CommitOutcomeUnknownError, FlowNotActiveError, StaleAttemptError, StoreOpenError
 from ._migrate import apply_pending
 from ._open import shown_url
 from ._options import LoadSpec, MethodOptions, StepDurability, TaskOptions
@@ -505,11 +505,16 @@ class _OpFailed(Exception):
 
 
 class _OutcomeUnknown(Exception):
-    """The connection dropped during COMMIT and the server could not say whether it committed."""
+    """The connection dropped during COMMIT and the server could not say whether it committed;
+    `error`, what the operations raise, says so."""
 
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(error)
-        self.error = error
+    def __init__(self, url: str, cause: BaseException) -> None:
+        self.error = CommitOutcomeUnknownError(
+            f"the connection to {shown_url(url)} was lost during COMMIT ({type(cause).__name__}: "
+            f"{' '.join(str(cause).split())}) and the server could not say whether the transaction committed: it may "
+            "have; read its effect before doing it again")
+        self.error.__cause__ = cause
+        super().__init__(self.error)
 
 
 def _getconn(pool: psycopg_pool.ConnectionPool[Any]) -> psycopg.Connection[Any]:
@@ -942,7 +947,7 @@ class PostgresStore(Store):
                 if committed:
                     return results
                 if committed is None:
-                    raise _OutcomeUnknown(exc) from exc
+                    raise _OutcomeUnknown(self.url, exc) from exc
             for undo in reversed(db.undo):
                 undo()
             raise
