@@ -156,3 +156,28 @@ def test_demo_model_commands() -> None:
     assert [c.name for c in reply.tool_calls] == ["lookup_order"]
     assert json.loads(str(reply.tool_calls[0].arguments)) == {"order_id": "A-1001"}
     assert ask(UserTextInput("x"), ToolResultInput("c", "lookup_order", "ok")) == "lookup_order returned: ok"
+
+
+def test_bad_session_ids_and_unusable_directories_end_with_a_message_not_a_traceback(tmp_path: Path) -> None:
+    """A session ID that is not a usable ID, a data directory that cannot be made, or a database
+    that cannot be opened there ends the command with exit code 1 and one line that names the
+    problem. Catches: a Python traceback for a typo, and the chat's "session is saved, run the
+    same command to resume it" printed for a session that could not exist."""
+    unusable = tmp_path / "a-file"
+    unusable.write_text("not a directory")
+    cases = [
+        (["chat", "--data-dir", str(tmp_path / "d"), "--session", "a/b"],
+         "Error: flow ID 'a/b' contains reserved character '/'; it joins IDs into keys"),
+        (["chat", "--data-dir", str(unusable / "d")], f"Error: [Errno 20] Not a directory: '{unusable / 'd'}'"),
+        (["demo", "--data-dir", str(unusable / "d")], f"Error: [Errno 20] Not a directory: '{unusable / 'd'}'"),
+    ]
+    no_files = Path("/proc/1")  # a directory where no one, root included, may make a file
+    if no_files.is_dir():
+        cases.append((["demo", "--data-dir", str(no_files)],
+                      f"Error: cannot open '{no_files / 'demo.db'}' (from 'sqlite:///{no_files / 'demo.db'}') as a "
+                      "dex_engine database: "))
+    for args, message in cases:
+        done = _run(args)
+        assert done.returncode == 1, (args, done.returncode, done.stdout, done.stderr)
+        assert done.stderr.startswith(message), (args, done.stderr)
+        assert "Traceback" not in done.stderr and "is saved" not in done.stdout, (args, done.stdout, done.stderr)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
+
+from dex_engine import DexError
 
 # Where `dex-agents chat` keeps its session by default, relative to the working directory.
 DEFAULT_CHAT_DIR = Path(".dex")
@@ -25,7 +29,7 @@ def demo(data_dir: Path | None) -> None:
     """Start a session, kill its Worker while it waits for an approval, approve, show the record."""
     from .demo._run import run_demo
 
-    raise SystemExit(asyncio.run(run_demo(Console(), data_dir)))
+    raise SystemExit(_run(lambda: run_demo(Console(), data_dir)))
 
 
 @main.command()
@@ -37,8 +41,20 @@ def chat(data_dir: Path, session_id: str) -> None:
     """Chat with the demo agent in the terminal; approvals are asked inline."""
     from .demo._chat import run_chat
 
-    data_dir.mkdir(parents=True, exist_ok=True)
+    def start() -> Coroutine[Any, Any, int]:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        return run_chat(Console(), data_dir, session_id)
+
     try:
-        raise SystemExit(asyncio.run(run_chat(Console(), data_dir, session_id)))
+        raise SystemExit(_run(start))
     except KeyboardInterrupt:
         raise SystemExit(130) from None
+
+
+def _run(start: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    """Run a command's coroutine; a database that cannot be opened, a directory that cannot be
+    made, or a bad ID ends the command with its message (exit code 1), not a traceback."""
+    try:
+        return asyncio.run(start())
+    except (DexError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions
+from dex_engine import AsyncClient, AsyncWorker, InvalidIdError, Registry, WorkerOptions
 
 from .._client import AgentSessionClient
 from .._wire import AgentInterrupt, AgentPlan, AgentSnapshot, InterruptKind, PlanStatus
@@ -225,14 +225,20 @@ async def run_chat(console: Console, data_dir: Path, session_id: str) -> int:
         database_url=url, lease_ttl_seconds=CHAT_LEASE_TTL_SECONDS, lease_renew_seconds=CHAT_LEASE_TTL_SECONDS / 5,
     ))
     worker_task = asyncio.create_task(worker.run())
+    saved = True
     try:
         await Chat(console, AgentSessionClient(client, flow), session_id, TerminalLines()).run()
     except EOFError:
         pass
+    except InvalidIdError:
+        saved = False  # no session under that ID: the error says why
+        raise
     finally:
         await worker.stop()
         with contextlib.suppress(asyncio.CancelledError):
             await worker_task
         await client.close()
-        console.print(f"[dim]session {session_id!r} is saved in {data_dir}; run the same command to resume it[/dim]")
+        if saved:
+            console.print(f"[dim]session {session_id!r} is saved in {data_dir}; "
+                          "run the same command to resume it[/dim]")
     return 0
