@@ -796,6 +796,7 @@ async def test_forged_and_foreign_resume_tokens_are_refused(db_url: str, tmp_pat
             ("garbage", "'garbage'"),
             ("", "''"),
             ("a.b.c", "'a.b.c'"),
+            ("a\ud800.b", "'a\\ud800.b'"),  # text that has no UTF-8 (what JSON's "\ud800" decodes to)
         ]
         for token, named in cases:
             await refused(eng.store, lambda t=token: c.read_stream("f", Events, t), InvalidResumeTokenError,
