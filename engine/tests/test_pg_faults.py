@@ -1103,12 +1103,7 @@ async def test_a_commit_still_in_progress_when_asked_about_is_waited_for(pg_data
     the client publishes again and the message is there twice."""
     import psycopg
 
-    async with proxy_to(pg_database) as proxy, client_for(pg_database) as client, \
-            client_for(proxy.url(pg_database)) as proxied:
-        await client.start_flow("PgfLocks", "f")
-        rule = proxy.arm("hold", *PUBLISH_SQL, param="f")
-        publish = asyncio.create_task(proxied.publish("f", Box, "t1"))
-        held = await asyncio.wait_for(rule.hit, 30)
+    async with _publish_with_commit_held(pg_database) as (client, rule, held, publish):
         xid = await asyncio.to_thread(_backend_xid, pg_database, held.backend_pid)
         held.cw.transport.abort()  # the client's side only: the server's session stays in its transaction
         await asyncio.sleep(1.0)  # meanwhile the client asks about its transaction: in progress
@@ -1119,7 +1114,6 @@ async def test_a_commit_still_in_progress_when_asked_about_is_waited_for(pg_data
             row = conn.execute("SELECT pg_xact_status(%s::text::xid8)", (str(xid),)).fetchone()
         assert row == ("committed",), f"the held transaction did not commit: {row}"
         assert await client.rpc("f", "peek") == ["t1"]
-
 
 
 async def test_a_commit_whose_outcome_the_server_cannot_tell_is_reported_unknown_and_not_repeated(
@@ -1135,12 +1129,7 @@ async def test_a_commit_whose_outcome_the_server_cannot_tell_is_reported_unknown
     from dex_engine import CommitOutcomeUnknownError, _pg_store
 
     monkeypatch.setattr(_pg_store, "MAX_OP_TRIES", 2)  # the server is asked 4 times, over 0.15 s
-    async with proxy_to(pg_database) as proxy, client_for(pg_database) as client, \
-            client_for(proxy.url(pg_database)) as proxied:
-        await client.start_flow("PgfLocks", "f")
-        rule = proxy.arm("hold", *PUBLISH_SQL, param="f")
-        publish = asyncio.create_task(proxied.publish("f", Box, "t1"))
-        held = await asyncio.wait_for(rule.hit, 30)
+    async with _publish_with_commit_held(pg_database) as (client, rule, held, publish):
         held.cw.transport.abort()
         with pytest.raises(CommitOutcomeUnknownError, match=r"^the connection to postgresql://.* was lost during "
                            r"COMMIT \(\w+: .*\) and the server could not say whether the transaction "
@@ -1156,6 +1145,19 @@ async def test_a_commit_whose_outcome_the_server_cannot_tell_is_reported_unknown
         assert await client.rpc("f", "peek") == ["t1"]
         await asyncio.sleep(0.3)  # an operation run again would add its message by now
         assert await client.rpc("f", "peek") == ["t1"]
+
+
+@contextlib.asynccontextmanager
+async def _publish_with_commit_held(url: str) -> AsyncIterator[tuple[AsyncClient, CommitRule, Any, asyncio.Task[Any]]]:
+    """Flow 'f' started; a publish of 't1' to it, through the proxy, whose COMMIT the proxy holds
+    (the rule, and the held connection as `rule.hit` gives it); and a client that goes around."""
+    async with proxy_to(url) as proxy, client_for(url) as client, client_for(proxy.url(url)) as proxied:
+        await client.start_flow("PgfLocks", "f")
+        rule = proxy.arm("hold", *PUBLISH_SQL, param="f")
+        publish = asyncio.create_task(proxied.publish("f", Box, "t1"))
+        held = await asyncio.wait_for(rule.hit, 30)
+        yield client, rule, held, publish
+
 
 # Mixed workload under random pg_terminate_backend and under server crashes -------------------
 

@@ -128,13 +128,17 @@ async def test_a_worker_id_in_use_by_a_live_worker_is_refused_at_start(db_url: s
         await store.close()
 
 
+@pytest.mark.parametrize("takeover", ["made-again", "taken-in-place"])
 async def test_a_worker_whose_id_another_process_took_over_claims_nothing_and_leaves_its_row(
-    db_url: str,
+    db_url: str, takeover: str,
 ) -> None:
-    """A worker whose ID another process took over (its row gone and made again by that process,
-    as when it was paused past its lease) finds its next renewal refused, claims nothing from then
-    on, and at stop leaves the other process's row alone. Catches: two processes running under one
-    ID, each taking the other's attempts for lost ones, and the paused one's stop removing the
+    """A worker whose ID another process took over claims nothing from then on, and at stop leaves
+    the other process's row alone: when the row was removed and made again by that process (as
+    when this one was declared dead while paused past its lease), which its next renewal finds;
+    and when the row changed hands in place, which its very next poll or client commit finds, long
+    before the next renewal. Catches: two processes running under one ID, each taking the other's
+    attempts for lost ones; polls that checked only that the ID had a row, so the paused worker
+    claimed under the other's lease until its next renewal; and the paused one's stop removing the
     other's row, whose running attempts housekeeping then failed as a dead worker's."""
     from dex_engine import AsyncClient, WorkerOptions
 
@@ -146,51 +150,26 @@ async def test_a_worker_whose_id_another_process_took_over_claims_nothing_and_le
 
     registry = Registry([Flow("TakenOver", [Step("Start", start)], start_step="Start")])
     store = _sqlite_store.SqliteStore(db_url) if db_url.startswith("sqlite") else _pg_store.PostgresStore(db_url)
+    renew = 0.1 if takeover == "made-again" else 1800.0  # in place: no renewal within the test
     try:
-        options = WorkerOptions(database_url=db_url, worker_id="paused", lease_ttl_seconds=5.0,
-                                lease_renew_seconds=0.1, housekeeping_seconds=0.1, poll_seconds=0.01)
+        options = WorkerOptions(database_url=db_url, worker_id="paused", lease_ttl_seconds=3 * renew + 5,
+                                lease_renew_seconds=renew, housekeeping_seconds=0.1, poll_seconds=0.01)
         async with AsyncWorker(registry, options, store=store) as worker:
-            await store.unregister_worker("paused")  # declared dead, and the ID taken over:
-            await store.register_worker("paused", "other-host", 9, 600_000)
-            await wait_until("the worker to find its renewal refused", lambda: _true(worker._unregistered))
+            if takeover == "made-again":
+                await store.unregister_worker("paused")  # declared dead, and the ID taken over:
+                await store.register_worker("paused", "other-host", 9, 600_000)
+                await wait_until("the worker to find its renewal refused", lambda: _true(worker._unregistered))
+            else:
+                await store.raw(lambda db: db.run("UPDATE workers SET host = 'other-host', pid = 9 "
+                                                  "WHERE worker_id = 'paused'"), write=True)
             await AsyncClient(registry, store=store).start_flow("TakenOver", "f")
-            await asyncio.sleep(0.5)  # several polls and a housekeeping: none may claim it
+            await asyncio.sleep(0.5)  # polls, a notification and housekeeping: none may claim it
             assert ran == []
         row = await store.raw(lambda db: db.one("SELECT host, pid FROM workers WHERE worker_id = 'paused'"))
         assert tuple(row) == ("other-host", 9)
     finally:
         await store.close()
 
-
-
-async def test_a_worker_whose_id_was_taken_over_claims_nothing_before_its_next_renewal(db_url: str) -> None:
-    """A worker whose ID's row another process holds claims nothing from its very next poll, long
-    before its next renewal would find out. Catches: polls that checked only that the ID had a row,
-    so the paused worker claimed under the other's lease for up to lease_renew_seconds, and the
-    other then took those attempts for lost claims."""
-    from dex_engine import AsyncClient, WorkerOptions
-
-    ran: list[str] = []
-
-    async def start(ctx: Context, _: Any) -> StepDecision:
-        ran.append(ctx.flow_id)
-        return StepDecision.graceful_complete()
-
-    registry = Registry([Flow("TakenOverLate", [Step("Start", start)], start_step="Start")])
-    store = _sqlite_store.SqliteStore(db_url) if db_url.startswith("sqlite") else _pg_store.PostgresStore(db_url)
-    try:
-        options = WorkerOptions(database_url=db_url, worker_id="late", lease_ttl_seconds=3600.0,
-                                lease_renew_seconds=1800.0, housekeeping_seconds=0.1, poll_seconds=0.01)
-        async with AsyncWorker(registry, options, store=store):
-            await store.raw(lambda db: db.run("UPDATE workers SET host = 'other-host', pid = 9 "
-                                              "WHERE worker_id = 'late'"), write=True)
-            await AsyncClient(registry, store=store).start_flow("TakenOverLate", "f")
-            await asyncio.sleep(0.5)  # polls, a notification and housekeeping: none may claim it
-            assert ran == []
-        row = await store.raw(lambda db: db.one("SELECT host, pid FROM workers WHERE worker_id = 'late'"))
-        assert tuple(row) == ("other-host", 9)
-    finally:
-        await store.close()
 
 async def _true(value: bool) -> bool:
     return value
