@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import re
 import time
@@ -130,16 +131,17 @@ async def test_a_worker_id_in_use_by_a_live_worker_is_refused_at_start(db_url: s
 
 @pytest.mark.parametrize("takeover", ["made-again", "taken-in-place"])
 async def test_a_worker_whose_id_another_process_took_over_claims_nothing_and_leaves_its_row(
-    db_url: str, takeover: str,
+    db_url: str, takeover: str, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A worker whose ID another process took over claims nothing from then on, and at stop leaves
     the other process's row alone: when the row was removed and made again by that process (as
     when this one was declared dead while paused past its lease), which its next renewal finds;
     and when the row changed hands in place, which its very next poll or client commit finds, long
-    before the next renewal. Catches: two processes running under one ID, each taking the other's
-    attempts for lost ones; polls that checked only that the ID had a row, so the paused worker
-    claimed under the other's lease until its next renewal; and the paused one's stop removing the
-    other's row, whose running attempts housekeeping then failed as a dead worker's."""
+    before the next renewal. It says so in one log line, however often it tries to register again.
+    Catches: two processes running under one ID, each taking the other's attempts for lost ones;
+    polls that checked only that the ID had a row, so the paused worker claimed under the other's
+    lease until its next renewal; the paused one's stop removing the other's row, whose running
+    attempts housekeeping then failed as a dead worker's; and a traceback logged at each try."""
     from dex_engine import AsyncClient, WorkerOptions
 
     ran: list[str] = []
@@ -167,6 +169,14 @@ async def test_a_worker_whose_id_another_process_took_over_claims_nothing_and_le
             assert ran == []
         row = await store.raw(lambda db: db.one("SELECT host, pid FROM workers WHERE worker_id = 'paused'"))
         assert tuple(row) == ("other-host", 9)
+        said = [r for r in caplog.records if r.name == "dex_engine.worker" and r.levelno >= logging.WARNING]
+        messages = [r.getMessage() for r in said]
+        held = [m for m in messages if "claims nothing until its ID is free again" in m]
+        assert len(held) == 1 and held[0].startswith(
+            "worker paused claims nothing until its ID is free again: worker ID 'paused' is held by a live worker "
+            "on host 'other-host', PID 9, whose lease runs "), messages
+        # Besides it, at most the warning that the worker was declared dead; no traceback.
+        assert len(messages) <= 2 and all(r.exc_info is None for r in said), messages
     finally:
         await store.close()
 

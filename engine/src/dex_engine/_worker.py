@@ -144,6 +144,7 @@ class AsyncWorker:
         self._registered = asyncio.Event()
         # Declared dead (a poll found no row of ours): claim nothing until the renewer registers again.
         self._unregistered = False
+        self._id_held_elsewhere = False  # registering again found our ID another live process's (logged once)
         self._renew_now = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background: asyncio.Task[None] | None = None
@@ -444,14 +445,23 @@ class AsyncWorker:
                 if not await self.store.renew_worker(self.worker_id, ttl_ms, holder=self._holder):
                     # Declared dead while we were paused or cut off: every attempt we hold is gone.
                     self._unregistered = True
-                    log.warning("worker %s was declared dead; abandoning %d attempts", self.worker_id,
-                                len(self._running))
+                    if not self._id_held_elsewhere:  # said already, with the reason
+                        log.warning("worker %s was declared dead; abandoning %d attempts", self.worker_id,
+                                    len(self._running))
                     for running in list(self._running.values()):
                         self._revoke(running)
                     await self.store.register_worker(self.worker_id, *self._holder, ttl_ms)
                 if self._unregistered:
-                    self._unregistered = False
+                    self._unregistered = self._id_held_elsewhere = False
                     self._notify()  # claims were held back meanwhile
+            except WorkerIdInUseError as exc:
+                # Another live process took our ID over while we were paused: claim nothing, and try
+                # again at the renewal pace (its lease may run out), saying so once, not every second.
+                if not self._id_held_elsewhere:
+                    self._id_held_elsewhere = True
+                    log.error("worker %s claims nothing until its ID is free again: %s", self.worker_id, exc)
+                await asyncio.sleep(self.options.lease_renew_seconds)
+                self._renew_now.set()
             except Exception:
                 # Renewing, or registering again, failed (the database is down?): try again after
                 # this pause, and at that pace until it succeeds, whether or not a poll asks for it
