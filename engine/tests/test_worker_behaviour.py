@@ -181,6 +181,54 @@ async def test_a_worker_whose_id_another_process_took_over_claims_nothing_and_le
         await store.close()
 
 
+
+async def test_a_worker_whose_polls_keep_failing_backs_off_and_logs_the_traceback_once(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Polls that fail again and again (a corrupt file, a full disk) are retried after a pause that
+    doubles up to POLL_RETRY_MAX_SECONDS, with one traceback in the log for the run of failures and
+    a line when polls work again; then the worker claims work another process made ready. Catches:
+    a failing database polled, and its traceback logged, every poll_seconds (a hundred times a
+    second here) for as long as it fails."""
+    from dex_engine import AsyncClient, WorkerOptions, open_store
+
+    ran: list[str] = []
+
+    async def start(ctx: Context, _: Any) -> StepDecision:
+        ran.append(ctx.flow_id)
+        return StepDecision.graceful_complete()
+
+    registry = Registry([Flow("PollFails", [Step("Start", start)], start_step="Start")])
+    store, other = open_store(db_url), open_store(db_url)  # `other`: a process whose commits only polls see
+    failed: list[float] = []
+    failing = True
+    real_poll = store.poll
+
+    async def poll(*args: Any, **kwargs: Any) -> Any:
+        if failing:
+            failed.append(time.monotonic())
+            raise RuntimeError("database disk image is malformed")
+        return await real_poll(*args, **kwargs)
+
+    monkeypatch.setattr(store, "poll", poll)
+    try:
+        options = WorkerOptions(database_url=db_url, poll_seconds=0.01, housekeeping_seconds=0.1)
+        async with AsyncWorker(registry, options, store=store):
+            await asyncio.sleep(1.5)
+            failing = False
+            await AsyncClient(registry, store=other).start_flow("PollFails", "f")
+            await wait_until("the worker to claim the flow's Step", lambda: _true(ran == ["f"]))
+    finally:
+        await store.close()
+        await other.close()
+    # 0.01, 0.02, 0.04 ... 0.64, then 1 s apart: about 8 polls in 1.5 s, not 150.
+    assert 4 <= len(failed) <= 12, len(failed)
+    said = [r for r in caplog.records if r.name == "dex_engine.worker" and r.levelno >= logging.WARNING]
+    assert [(r.getMessage(), r.exc_info is not None) for r in said] == [
+        ("worker poll failed; will retry", True),
+        (f"worker poll works again after {len(failed)} failures in a row", False),
+    ]
+
 async def _true(value: bool) -> bool:
     return value
 

@@ -57,6 +57,14 @@ RENEW_RETRY_SECONDS = 1.0
 # How often a worker checks the database for work another process made (SQLite data_version).
 DEFAULT_POLL_SECONDS = 0.02
 
+# Failed polls in a row are retried after a pause that doubles from poll_seconds up to this: a
+# database that keeps failing (a corrupt file, a full disk) is not hammered, nor its error logged,
+# fifty times a second, and one back within a second is polled within a second.
+POLL_RETRY_MAX_SECONDS = 1.0
+
+# While polls keep failing, the error is logged with its traceback once, then once per this period.
+POLL_FAILURE_LOG_SECONDS = 60.0
+
 # Concurrent Step handlers per worker.
 DEFAULT_MAX_CONCURRENT_TASKS = 64
 

@@ -43,6 +43,8 @@ from ._limits import (
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
     MAX_WORKER_ERROR_ENTRIES,
     MAX_WORKER_ERRORS_PER_ATTEMPT,
+    POLL_FAILURE_LOG_SECONDS,
+    POLL_RETRY_MAX_SECONDS,
     RENEW_RETRY_SECONDS,
     WORKER_ERROR_STALE_SECONDS,
 )
@@ -263,6 +265,7 @@ class AsyncWorker:
         opts = self.options
         next_housekeeping = 0.0
         must_claim = True
+        failed, said_at = 0, 0.0  # polls failed in a row; when that was last logged (monotonic)
         while not self._stopping.is_set():
             housekeep = time.monotonic() >= next_housekeeping
             # Unregistered (declared dead, or its ID another process's), it claims nothing, not even
@@ -279,10 +282,22 @@ class AsyncWorker:
                     self.worker_id, self._flow_types, free, list(watched), must_claim=claim, housekeep=housekeep,
                     known=list(self._running), claimed_before=self._claimed_before(), holder=self._holder,
                 )
-            except Exception:
-                log.exception("worker poll failed; will retry")
-                await asyncio.sleep(opts.poll_seconds)
+            except Exception as exc:
+                failed += 1
+                now = time.monotonic()
+                if failed == 1:
+                    log.exception("worker poll failed; will retry")
+                    said_at = now
+                elif now - said_at >= POLL_FAILURE_LOG_SECONDS:
+                    log.error("worker poll failed %d times in a row; the last: %s: %s", failed, type(exc).__name__, exc)
+                    said_at = now
+                pause = max(opts.poll_seconds, min(opts.poll_seconds * 2 ** (failed - 1), POLL_RETRY_MAX_SECONDS))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), pause)
                 continue
+            if failed:
+                log.warning("worker poll works again after %d failures in a row", failed)
+                failed = 0
             if housekeep:
                 if _gates.ACTIVE:
                     _gates.gate(_gates.HOUSEKEEPING)
