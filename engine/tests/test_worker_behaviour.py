@@ -186,10 +186,10 @@ async def test_a_worker_whose_polls_keep_failing_backs_off_and_logs_the_tracebac
     db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Polls that fail again and again (a corrupt file, a full disk) are retried after a pause that
-    doubles up to POLL_RETRY_MAX_SECONDS, with one traceback in the log for the run of failures and
-    a line when polls work again; then the worker claims work another process made ready. Catches:
-    a failing database polled, and its traceback logged, every poll_seconds (a hundred times a
-    second here) for as long as it fails."""
+    doubles up to POLL_RETRY_MAX_SECONDS; polls and lease renewals that keep failing each log one
+    traceback for the run of failures and a line when they work again; then the worker claims work
+    another process made ready. Catches: a failing database polled, and its traceback logged, every
+    poll_seconds (a hundred times a second here), and renewals logging one at each retry."""
     from dex_engine import AsyncClient, WorkerOptions, open_store
 
     ran: list[str] = []
@@ -210,21 +210,37 @@ async def test_a_worker_whose_polls_keep_failing_backs_off_and_logs_the_tracebac
             raise RuntimeError("database disk image is malformed")
         return await real_poll(*args, **kwargs)
 
+    renewals: list[float] = []
+    real_renew = store.renew_worker
+
+    async def renew_worker(*args: Any, **kwargs: Any) -> Any:
+        if failing:
+            renewals.append(time.monotonic())
+            raise RuntimeError("disk I/O error")
+        return await real_renew(*args, **kwargs)
+
     monkeypatch.setattr(store, "poll", poll)
+    monkeypatch.setattr(store, "renew_worker", renew_worker)
     try:
-        options = WorkerOptions(database_url=db_url, poll_seconds=0.01, housekeeping_seconds=0.1)
+        options = WorkerOptions(database_url=db_url, poll_seconds=0.01, housekeeping_seconds=0.1,
+                                lease_renew_seconds=0.05)
         async with AsyncWorker(registry, options, store=store):
             await asyncio.sleep(1.5)
             failing = False
             await AsyncClient(registry, store=other).start_flow("PollFails", "f")
             await wait_until("the worker to claim the flow's Step", lambda: _true(ran == ["f"]))
+            await wait_until("a renewal to work again", lambda: _true(any(
+                "lease renewal works again" in r.getMessage() for r in caplog.records)))
     finally:
         await store.close()
         await other.close()
     # 0.01, 0.02, 0.04 ... 0.64, then 1 s apart: about 8 polls in 1.5 s, not 150.
     assert 4 <= len(failed) <= 12, len(failed)
+    assert len(renewals) >= 5, renewals  # every 0.05 s: many failures, one traceback
     said = [r for r in caplog.records if r.name == "dex_engine.worker" and r.levelno >= logging.WARNING]
-    assert [(r.getMessage(), r.exc_info is not None) for r in said] == [
+    assert sorted((r.getMessage(), r.exc_info is not None) for r in said) == [
+        ("lease renewal failed; will retry", True),
+        (f"lease renewal works again after {len(renewals)} failures in a row", False),
         ("worker poll failed; will retry", True),
         (f"worker poll works again after {len(failed)} failures in a row", False),
     ]

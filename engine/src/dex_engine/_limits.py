@@ -62,8 +62,9 @@ DEFAULT_POLL_SECONDS = 0.02
 # fifty times a second, and one back within a second is polled within a second.
 POLL_RETRY_MAX_SECONDS = 1.0
 
-# While polls keep failing, the error is logged with its traceback once, then once per this period.
-POLL_FAILURE_LOG_SECONDS = 60.0
+# While a worker's polls or lease renewals keep failing, the error is logged with its traceback
+# once, then once per this period: enough to see it goes on, not a log filled with one error.
+FAILURE_LOG_SECONDS = 60.0
 
 # Concurrent Step handlers per worker.
 DEFAULT_MAX_CONCURRENT_TASKS = 64

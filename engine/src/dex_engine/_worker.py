@@ -41,9 +41,9 @@ from ._limits import (
     DEFAULT_MAX_CONCURRENT_TASKS,
     DEFAULT_POLL_SECONDS,
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
+    FAILURE_LOG_SECONDS,
     MAX_WORKER_ERROR_ENTRIES,
     MAX_WORKER_ERRORS_PER_ATTEMPT,
-    POLL_FAILURE_LOG_SECONDS,
     POLL_RETRY_MAX_SECONDS,
     RENEW_RETRY_SECONDS,
     WORKER_ERROR_STALE_SECONDS,
@@ -102,6 +102,34 @@ class WorkerOptions:
 # of them shares its host and PID, so the database's check (register_worker) cannot tell it apart.
 _ids_running_here: set[str] = set()
 _ids_in_use_here = threading.Lock()
+
+
+class _FailureStreak:
+    """Failures in a row of one action a worker repeats (`what`: a poll, a lease renewal), logged
+    with the traceback at the first, then once per FAILURE_LOG_SECONDS, and once it works again."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.count = 0
+        self._said_at = 0.0  # time.monotonic() of the last line logged
+
+    def failed(self, exc: Exception) -> int:
+        """Count a failure (call it while handling `exc`); returns the failures in a row."""
+        self.count += 1
+        now = time.monotonic()
+        if self.count == 1:
+            log.exception("%s failed; will retry", self.what)
+        elif now - self._said_at >= FAILURE_LOG_SECONDS:
+            log.error("%s failed %d times in a row; the last: %s: %s", self.what, self.count, type(exc).__name__, exc)
+        else:
+            return self.count
+        self._said_at = now
+        return self.count
+
+    def succeeded(self) -> None:
+        if self.count:
+            log.warning("%s works again after %d failures in a row", self.what, self.count)
+            self.count = 0
 
 
 class _Running:
@@ -265,7 +293,7 @@ class AsyncWorker:
         opts = self.options
         next_housekeeping = 0.0
         must_claim = True
-        failed, said_at = 0, 0.0  # polls failed in a row; when that was last logged (monotonic)
+        polls = _FailureStreak("worker poll")
         while not self._stopping.is_set():
             housekeep = time.monotonic() >= next_housekeeping
             # Unregistered (declared dead, or its ID another process's), it claims nothing, not even
@@ -283,21 +311,12 @@ class AsyncWorker:
                     known=list(self._running), claimed_before=self._claimed_before(), holder=self._holder,
                 )
             except Exception as exc:
-                failed += 1
-                now = time.monotonic()
-                if failed == 1:
-                    log.exception("worker poll failed; will retry")
-                    said_at = now
-                elif now - said_at >= POLL_FAILURE_LOG_SECONDS:
-                    log.error("worker poll failed %d times in a row; the last: %s: %s", failed, type(exc).__name__, exc)
-                    said_at = now
+                failed = polls.failed(exc)
                 pause = max(opts.poll_seconds, min(opts.poll_seconds * 2 ** (failed - 1), POLL_RETRY_MAX_SECONDS))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), pause)
                 continue
-            if failed:
-                log.warning("worker poll works again after %d failures in a row", failed)
-                failed = 0
+            polls.succeeded()
             if housekeep:
                 if _gates.ACTIVE:
                     _gates.gate(_gates.HOUSEKEEPING)
@@ -451,6 +470,7 @@ class AsyncWorker:
             running.task.cancel()
 
     async def _renew_loop(self, ttl_ms: int) -> None:
+        renewals = _FailureStreak("lease renewal")
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.options.lease_renew_seconds):
@@ -469,6 +489,7 @@ class AsyncWorker:
                 if self._unregistered:
                     self._unregistered = self._id_held_elsewhere = False
                     self._notify()  # claims were held back meanwhile
+                renewals.succeeded()
             except WorkerIdInUseError as exc:
                 # Another live process took our ID over while we were paused: claim nothing, and try
                 # again at the renewal pace (its lease may run out), saying so once, not every second.
@@ -477,12 +498,12 @@ class AsyncWorker:
                     log.error("worker %s claims nothing until its ID is free again: %s", self.worker_id, exc)
                 await asyncio.sleep(self.options.lease_renew_seconds)
                 self._renew_now.set()
-            except Exception:
+            except Exception as exc:
                 # Renewing, or registering again, failed (the database is down?): try again after
                 # this pause, and at that pace until it succeeds, whether or not a poll asks for it
                 # meanwhile. A worker declared dead claims nothing until then, so nothing it starts
                 # is failed as lost.
-                log.exception("lease renewal failed; will retry")
+                renewals.failed(exc)
                 await asyncio.sleep(min(RENEW_RETRY_SECONDS, self.options.lease_renew_seconds))
                 self._renew_now.set()
 
