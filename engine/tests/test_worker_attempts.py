@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from dex_engine import (
+    AsyncWorker,
     Attribute,
     Channel,
     Context,
@@ -35,6 +36,7 @@ from dex_engine import (
     Store,
     Timer,
     Wait,
+    WorkerOptions,
     _gates,
     open_store,
 )
@@ -82,6 +84,34 @@ async def test_a_stopping_worker_keeps_its_lease_while_started_attempts_finish(d
         assert runs == [(1, "start"), (1, "end")]
         assert failures(await eng.client.get_flow_history("d")) == []
 
+
+async def test_cancelling_a_workers_run_task_stops_it_as_stop_does(db_url: str) -> None:
+    """A worker whose run() task is cancelled (a supervisor's task group, a Ctrl-C in an app that
+    runs it as a task) stops as stop() does: the started attempt finishes within the grace and
+    commits, the worker leaves no row behind, and run() ends cancelled. Catches: the attempt
+    cancelled with the loop and failed as a lost one after the lease ran out, then run again."""
+    runs: list[str] = []
+
+    async def tool(ctx: Context, _: None) -> StepDecision:
+        await ctx.heartbeat("started")
+        runs.append("start")
+        await asyncio.sleep(0.5)
+        runs.append("end")
+        return StepDecision.graceful_complete("done")
+
+    registry = Registry([Flow("CancelledRun", [Step("Tool", tool, options=QUICK_RETRY)], start_step="Tool")])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        worker = AsyncWorker(registry, WorkerOptions(database_url=db_url, shutdown_grace_seconds=10.0), store=eng.store)
+        run = asyncio.create_task(worker.run())
+        await eng.client.start_flow("CancelledRun", "c")
+        await wait_until("the attempt to start", lambda: asyncio.sleep(0, runs))
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        assert runs == ["start", "end"]
+        assert await eng.store.raw(lambda db: db.all("SELECT worker_id FROM workers")) == []
+        assert (await eng.client.describe_flow("c")).status == "completed"
+        assert failures(await eng.client.get_flow_history("c")) == []
 
 async def test_a_stopping_worker_cancels_what_outlasts_its_grace_and_the_attempt_runs_again(db_url: str) -> None:
     """stop() waits shutdown_grace_seconds for started attempts, then cancels their handlers and
