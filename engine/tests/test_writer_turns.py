@@ -42,8 +42,8 @@ def holder_of(tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]]:
     started: list[subprocess.Popen[str]] = []
     yield started
     for proc in started:
-        proc.kill()
-        proc.wait()
+        with proc:  # closes its pipes too
+            proc.kill()
 
 
 def hold_turn(lock: Path, started: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
