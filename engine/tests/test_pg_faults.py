@@ -1147,6 +1147,29 @@ async def test_a_commit_whose_outcome_the_server_cannot_tell_is_reported_unknown
         assert await client.rpc("f", "peek") == ["t1"]
 
 
+
+async def test_an_operation_whose_every_try_loses_its_connection_raises_and_writes_nothing(
+    pg_database: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """E1: a client's connection drops, both ways, while its COMMIT is on its way (so the server
+    rolls the transaction back), on the last try the store allows (MAX_OP_TRIES, one here). The
+    publish raises the server's connection error, which callers may retry: the server said the
+    transaction did not commit, and nothing of it is there; the next publish works. Catches: an
+    operation reported failed that committed, or one reported done that did not."""
+    import psycopg
+
+    from dex_engine import CommitOutcomeUnknownError, _pg_store
+
+    monkeypatch.setattr(_pg_store, "MAX_OP_TRIES", 1)
+    async with _publish_with_commit_held(pg_database) as (client, _rule, held, publish):
+        held.abort()  # the server's side too: the transaction never commits
+        with pytest.raises(psycopg.OperationalError) as raised:
+            await asyncio.wait_for(publish, 60)
+        assert not isinstance(raised.value, CommitOutcomeUnknownError)
+        assert await client.rpc("f", "peek") == []
+        await client.publish("f", Box, "t2")
+        assert await client.rpc("f", "peek") == ["t2"]
+
 @contextlib.asynccontextmanager
 async def _publish_with_commit_held(url: str) -> AsyncIterator[tuple[AsyncClient, CommitRule, Any, asyncio.Task[Any]]]:
     """Flow 'f' started; a publish of 't1' to it, through the proxy, whose COMMIT the proxy holds
