@@ -119,11 +119,10 @@ class _FailureStreak:
         now = time.monotonic()
         if self.count == 1:
             log.exception("%s failed; will retry", self.what)
+            self._said_at = now
         elif now - self._said_at >= FAILURE_LOG_SECONDS:
             log.error("%s failed %d times in a row; the last: %s: %s", self.what, self.count, type(exc).__name__, exc)
-        else:
-            return self.count
-        self._said_at = now
+            self._said_at = now
         return self.count
 
     def succeeded(self) -> None:
@@ -314,7 +313,8 @@ class AsyncWorker:
                 failed = polls.failed(exc)
                 pause = max(opts.poll_seconds, min(opts.poll_seconds * 2 ** (failed - 1), POLL_RETRY_MAX_SECONDS))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), pause)
+                    async with asyncio.timeout(pause):  # stop() does not wait out the pause
+                        await self._stopping.wait()
                 continue
             polls.succeeded()
             if housekeep:
