@@ -245,6 +245,38 @@ async def test_a_worker_whose_polls_keep_failing_backs_off_and_logs_the_tracebac
         (f"worker poll works again after {len(failed)} failures in a row", False),
     ]
 
+
+@pytest.mark.parametrize("offset_ms", [0, 10_000, -10_000])
+async def test_a_worker_on_a_host_whose_clock_is_off_says_so_at_start(
+    db_url: str, offset_ms: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On PostgreSQL, where workers may run on several hosts, a worker whose host's clock is more
+    than CLOCK_SKEW_WARN_MS from the database server's logs a warning at start naming the skew and
+    what it breaks; one in step logs none. On SQLite every process shares the machine's clock, and
+    nothing is compared. Catches: a host running ahead declaring the other hosts' workers dead
+    early, failing their started Steps as lost, with nothing in the logs to say why."""
+    from dex_engine import WorkerOptions, _pg_store
+
+    real = _pg_store._local_clock_ms
+    monkeypatch.setattr(_pg_store, "_local_clock_ms", lambda: real() + offset_ms)
+    registry = Registry([Flow("Clocked", [Step("Start", _noop)], start_step="Start")])
+    async with AsyncWorker(registry, WorkerOptions(database_url=db_url)):
+        pass
+    said = [r.getMessage() for r in caplog.records if "the database server's" in r.getMessage()]
+    if db_url.startswith("sqlite") or offset_ms == 0:
+        assert said == []
+    else:
+        direction = "ahead of" if offset_ms > 0 else "behind"
+        assert len(said) == 1 and re.search(
+            rf"this host's clock is (9\.\d|10\.\d) s {direction} the database server's; leases, deadlines and "
+            r"timers are times each host's own clock writes and reads, so hosts running ahead declare others' "
+            r"workers dead early and fire timers early: keep every host's clock synchronized \(NTP\)$",
+            said[0]), said
+
+
+async def _noop(ctx: Context, _: Any) -> StepDecision:
+    return StepDecision.graceful_complete()
+
 async def _true(value: bool) -> bool:
     return value
 

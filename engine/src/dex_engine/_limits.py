@@ -44,6 +44,12 @@ WORKER_ERROR_STALE_SECONDS = 120.0
 # started attempts fail (unstarted ones are handed out again). 30 s matches Procrastinate.
 DEFAULT_LEASE_TTL_SECONDS = 30.0
 
+# A worker whose host's clock is further than this from the database server's says so at start:
+# leases, deadlines and timers are wall-clock times each host writes and reads with its own clock,
+# so a host that runs ahead declares the others' workers dead early (their started Steps fail as
+# lost and run again) and fires timers early. A tenth of the default lease TTL.
+CLOCK_SKEW_WARN_MS = 3000
+
 # Renewal interval; a third of the TTL so two missed renewals do not lose the lease.
 DEFAULT_LEASE_RENEW_SECONDS = 10.0
 

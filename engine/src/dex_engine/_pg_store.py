@@ -504,6 +504,10 @@ class _OpFailed(Exception):
         self.error = error
 
 
+# This host's clock as clock_skew_ms reads it (a test moves it; the engine's own times use now_ms).
+_local_clock_ms = now_ms
+
+
 class _OutcomeUnknown(Exception):
     """The connection dropped during COMMIT and the server could not say whether it committed;
     `error`, what the operations raise, says so."""
@@ -1021,6 +1025,16 @@ class PostgresStore(Store):
                 db.undo.append(self._notified.set)  # rolled back, the poll that saw it never happened
             return True
         return False
+
+    async def clock_skew_ms(self) -> int | None:
+        def op(db: Db) -> int:
+            before = _local_clock_ms()
+            row = db.one("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint")
+            after = _local_clock_ms()
+            assert row is not None
+            return int(row[0]) - (before + after) // 2
+
+        return await self._run(op, write=False)
 
     async def changed(self) -> bool:
         return await self._run(self._changed_in, write=False)

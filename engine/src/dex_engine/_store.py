@@ -132,6 +132,11 @@ class Store(ABC):
     async def changed(self) -> bool:
         """True when another connection committed since the last call (cheap poll)."""
 
+    async def clock_skew_ms(self) -> int | None:
+        """How far the database server's clock is ahead of this host's (ms, negative when behind),
+        for a backend whose workers may run on several hosts; None when all share one clock."""
+        return None
+
     def add_commit_listener(self, fn: Callable[[], None]) -> None:
         """Call `fn` on the current event loop after each local write commit."""
         self._listeners.append((asyncio.get_running_loop(), fn))

@@ -35,6 +35,7 @@ from ._errors import (
 from ._flow import Flow, Registry
 from ._ids import check_id
 from ._limits import (
+    CLOCK_SKEW_WARN_MS,
     DEFAULT_HOUSEKEEPING_SECONDS,
     DEFAULT_LEASE_RENEW_SECONDS,
     DEFAULT_LEASE_TTL_SECONDS,
@@ -269,6 +270,7 @@ class AsyncWorker:
         self._registered.set()
         renewer = asyncio.create_task(self._renew_loop(ttl_ms))
         try:
+            await self._check_clock(store)
             await self._main_loop()
         finally:
             store.remove_local_claimer(self)
@@ -286,6 +288,20 @@ class AsyncWorker:
             if self._owns_store:
                 await store.close()
             self._stopped.set()
+
+    async def _check_clock(self, store: Store) -> None:
+        """Warn when this host's clock is far from the database server's (see CLOCK_SKEW_WARN_MS)."""
+        try:
+            skew = await store.clock_skew_ms()
+        except Exception:
+            log.warning("could not compare this host's clock with the database server's", exc_info=True)
+            return
+        if skew is not None and abs(skew) > CLOCK_SKEW_WARN_MS:
+            log.warning(
+                "worker %s: this host's clock is %.1f s %s the database server's; leases, deadlines and timers "
+                "are times each host's own clock writes and reads, so hosts running ahead declare others' "
+                "workers dead early and fire timers early: keep every host's clock synchronized (NTP)",
+                self.worker_id, abs(skew) / 1000, "behind" if skew > 0 else "ahead of")
 
     async def _main_loop(self) -> None:
         store = self.store
