@@ -596,7 +596,7 @@ class AsyncWorker:
         except StaleAttemptError:
             pass
         except Exception:
-            log.exception("could not hand back or fail %s; it is recovered when this worker stops",
+            log.exception("could not hand back or fail %s; housekeeping hands it back as a lost claim",
                           lease.step_execution_id)
 
     def _count_worker_error(self, lease: Lease, errors: int) -> None:
