@@ -88,6 +88,15 @@ def test_run_model_limit_refuses_bad_attempts(value: Any) -> None:
     assert repr(value) in str(info.value)
 
 
+def test_a_run_model_timeout_past_the_engines_longest_is_refused() -> None:
+    """Catches: a timeout of more than a year accepted here, then refused by the engine as the
+    session Flow was built, naming execute_timeout_seconds rather than RunModelLimit.timeout."""
+    with pytest.raises(ValueError, match=r"^invalid RunModelLimit: timeout must be a positive timedelta of at most "
+                                         r"366 days \(the engine's longest method timeout\), got "):
+        RunModelLimit(timeout=timedelta(days=367))
+    assert RunModelLimit(timeout=timedelta(days=366)).timeout == timedelta(days=366)
+
+
 def test_run_model_limit_reports_every_problem() -> None:
     """All bad fields are reported in one error, so one fix round is enough."""
     with pytest.raises(ValueError, match="invalid RunModelLimit") as info:

@@ -207,7 +207,8 @@ async def test_a_provider_that_fails_fails_only_that_call(tmp_path: Path, caplog
         raised = "the runner's tool_call_step_options raised RuntimeError: no manifest for this tool"
         assert errors["c1"] == f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}: {raised}"
         assert "returned '30 seconds', which is not a ToolCallStepOptions or None" in errors["c2"]
-        assert "ToolCallStepOptions.timeout must be a positive timedelta or None, got datetime.timedelta(0)" \
+        assert "ToolCallStepOptions.timeout must be a positive timedelta of at most 366 days (the engine's longest " \
+               "method timeout) or None, got datetime.timedelta(0)" \
             in errors["c3"]
         assert "ToolCallStepOptions.retry must be a dex_engine.RetryPolicy or None, got 3" in errors["c4"]
         assert errors["c6"] == errors["c1"]
@@ -253,7 +254,10 @@ def test_an_async_provider_is_named_and_its_coroutine_closed() -> None:
 @pytest.mark.parametrize("chosen, message", [
     ({"timeout": 30}, "returned {'timeout': 30}, which is not a ToolCallStepOptions or None"),
     (ToolCallStepOptions(timeout=timedelta(seconds=-1)), "timeout must be a positive timedelta"),
-    (ToolCallStepOptions(timeout=30), "timeout must be a positive timedelta or None, got 30"),  # type: ignore[arg-type]
+    (ToolCallStepOptions(timeout=30), "(the engine's longest method timeout) or None, got 30"),  # type: ignore[arg-type]
+    # Past the engine's cap, the call's MovementOptions would refuse it in RunModel's commit: the
+    # turn would fail, not the one call.
+    (ToolCallStepOptions(timeout=timedelta(days=400)), "timeout must be a positive timedelta of at most 366 days"),
     (ToolCallStepOptions(retry={"max_attempts": 2}), "retry must be a dex_engine.RetryPolicy"),  # type: ignore[arg-type]
 ])
 def test_unusable_options_are_named(chosen: object, message: str) -> None:

@@ -64,7 +64,7 @@ from dex_engine import (
     rpc,
 )
 from dex_engine._codec import encode_value
-from dex_engine._limits import MAX_ERROR_TEXT_CHARS, MAX_STREAM_WAIT_SECONDS
+from dex_engine._limits import MAX_ERROR_TEXT_CHARS, MAX_OPTION_SECONDS, MAX_STREAM_WAIT_SECONDS
 from dex_engine._retry import decide_retry
 
 from .conftest import Engine, engine_for, wait_until
@@ -955,8 +955,19 @@ def test_invalid_step_option_timeouts(field_name: str, value: Any) -> None:
     [
         ({"lease_ttl_seconds": 10.0, "lease_renew_seconds": 10.0}, "lease_renew_seconds (10.0)"),
         ({"lease_ttl_seconds": 5.0, "lease_renew_seconds": 8.0}, "lease_ttl_seconds (5.0)"),
-        ({"lease_renew_seconds": 0.0}, "lease_renew_seconds (0.0)"),
+        ({"lease_renew_seconds": 0.0}, "lease_renew_seconds must be a number of seconds > 0 and at most 86400, "
+                                       "got 0.0"),
         ({"lease_ttl_seconds": math.nan}, "nan"),
+        # Accepted once, each of these failed only as a worker started (an int too large for the
+        # database, an infinity in a lease expiry) or never housekept at all (timers never fired).
+        ({"lease_ttl_seconds": math.inf}, "lease_ttl_seconds must be a number of seconds > 0 and at most 86400, "
+                                          "got inf"),
+        ({"lease_ttl_seconds": 1e300, "lease_renew_seconds": 1e299}, "got 1e+300; lease_renew_seconds must"),
+        ({"housekeeping_seconds": math.inf}, "housekeeping_seconds must be a number of seconds > 0"),
+        ({"poll_seconds": "1"}, "poll_seconds must be a number of seconds > 0 and at most 86400, got '1'"),
+        ({"lease_ttl_seconds": True, "lease_renew_seconds": 0.5}, "lease_ttl_seconds must be a number of seconds > 0 "
+                                                                 "and at most 86400, got True"),
+        ({"database_url": 5}, "database_url must be a str, got int: 5"),
         ({"max_concurrent_tasks": 0}, "max_concurrent_tasks"),
         ({"max_concurrent_tasks": 1.5}, "1.5"),
         ({"max_concurrent_tasks": True}, "True"),
@@ -977,6 +988,10 @@ def test_worker_options_at_their_limits_are_accepted() -> None:
     options = WorkerOptions(max_concurrent_tasks=1, lease_ttl_seconds=1.0, lease_renew_seconds=0.999,
                             poll_seconds=0.001, housekeeping_seconds=0.001, shutdown_grace_seconds=0.001)
     assert (options.max_concurrent_tasks, options.lease_renew_seconds) == (1, 0.999)
+    longest = WorkerOptions(lease_ttl_seconds=MAX_OPTION_SECONDS, lease_renew_seconds=MAX_OPTION_SECONDS - 1,
+                            poll_seconds=MAX_OPTION_SECONDS, housekeeping_seconds=MAX_OPTION_SECONDS,
+                            shutdown_grace_seconds=MAX_OPTION_SECONDS)
+    assert longest.lease_ttl_seconds == MAX_OPTION_SECONDS
 
 
 def _sync_execute(ctx: Context, _: None) -> StepDecision:

@@ -28,7 +28,8 @@ from ._wire import ToolEffect
 
 # A rollover chunk is one engine value: a cap above MAX_VALUE_BYTES would make a later rollover fail.
 MESSAGE_CHUNK_MAX_BYTES_LIMIT = min(MAX_MESSAGE_CHUNK_MAX_BYTES, MAX_VALUE_BYTES)
-# An approval deadline or a durable wait becomes one engine Timer, which can be at most this long.
+# An approval deadline or a durable wait becomes one engine Timer, which can be at most this long;
+# a model call's or a tool call's timeout an engine method timeout, bounded the same.
 LONGEST_TIMER = timedelta(seconds=MAX_TIMER_SECONDS)
 
 
@@ -44,8 +45,9 @@ class RunModelLimit:
         problems = []
         timeout: object = self.timeout
         budget: object = self.retry_budget
-        if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
-            problems.append(f"timeout must be a positive timedelta, got {self.timeout!r}")
+        if not isinstance(timeout, timedelta) or not timedelta(0) < timeout <= LONGEST_TIMER:
+            problems.append(f"timeout must be a positive timedelta of at most {LONGEST_TIMER.days} days (the "
+                            f"engine's longest method timeout), got {self.timeout!r}")
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             problems.append(f"max_attempts must be a whole number >= 1, got {self.max_attempts!r}")
         if not isinstance(budget, timedelta) or budget <= timedelta(0):

@@ -31,6 +31,7 @@ from ._constants import (
     MAX_REJECTION_MESSAGE_CHARS,
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
 )
+from ._options import LONGEST_TIMER
 from ._plans import WRITE_TODOS, count_write_todos_calls, rejected_in_planning_turn, settle_write_todos
 from ._policy import REPEATABLE_EFFECTS, ToolPolicy, cut_text, is_approval_required
 from ._runner import DeferredToolCall, FrameworkMessage, ToolCallStepOptions
@@ -282,8 +283,9 @@ def tool_step_overrides(step: str, chosen: object) -> tuple[RetryPolicy | None, 
             f"tool_call_step_options returned {chosen!r}, which is not a ToolCallStepOptions or None"
         )
     timeout, retry = chosen.timeout, chosen.retry
-    if timeout is not None and not (isinstance(timeout, timedelta) and timeout > timedelta(0)):
-        raise ValueError(f"ToolCallStepOptions.timeout must be a positive timedelta or None, got {timeout!r}")
+    if timeout is not None and not (isinstance(timeout, timedelta) and timedelta(0) < timeout <= LONGEST_TIMER):
+        raise ValueError(f"ToolCallStepOptions.timeout must be a positive timedelta of at most {LONGEST_TIMER.days} "
+                         f"days (the engine's longest method timeout) or None, got {timeout!r}")
     if retry is not None and not isinstance(retry, RetryPolicy):
         raise ValueError(f"ToolCallStepOptions.retry must be a dex_engine.RetryPolicy or None, got {retry!r}")
     return (retry if step == CALL_TOOL else None), (None if timeout is None else timeout.total_seconds())

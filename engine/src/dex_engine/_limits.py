@@ -50,6 +50,11 @@ DEFAULT_LEASE_TTL_SECONDS = 30.0
 # lost and run again) and fires timers early. A tenth of the default lease TTL.
 CLOCK_SKEW_WARN_MS = 3000
 
+# Longest WorkerOptions duration accepted (lease TTL, renewal, housekeeping, poll, shutdown grace):
+# a day, far beyond any sensible setting; a lease expiry past it would overflow nothing, but a
+# misplaced unit (ms for s) or an infinity is caught at once instead of when a worker starts.
+MAX_OPTION_SECONDS = 24 * 3600
+
 # Renewal interval; a third of the TTL so two missed renewals do not lose the lease.
 DEFAULT_LEASE_RENEW_SECONDS = 10.0
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
@@ -10,6 +9,7 @@ from typing import Any, Literal
 import msgspec
 
 from ._errors import FlowDefinitionError
+from ._limits import MAX_TIMER_SECONDS
 from ._retry import RetryPolicy
 from ._schema import AttributeMap, AttributeRef
 
@@ -144,8 +144,10 @@ def _check_timeouts(options: StepOptions | MovementOptions) -> None:
         if value is None:
             continue
         number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not (number and value > 0 and math.isfinite(value)):
-            raise FlowDefinitionError(f"{label} must be a positive number of seconds, got {value!r}")
+        if not (number and 0 < value <= MAX_TIMER_SECONDS):
+            # Past the cap, a deadline (ms) would not fit the database's 64-bit integers either.
+            raise FlowDefinitionError(
+                f"{label} must be a positive number of seconds, at most {MAX_TIMER_SECONDS}, got {value!r}")
 
 
 class FlowConfig(msgspec.Struct, frozen=True, omit_defaults=True):

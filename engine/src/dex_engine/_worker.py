@@ -43,6 +43,7 @@ from ._limits import (
     DEFAULT_POLL_SECONDS,
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
     FAILURE_LOG_SECONDS,
+    MAX_OPTION_SECONDS,
     MAX_WORKER_ERROR_ENTRIES,
     MAX_WORKER_ERRORS_PER_ATTEMPT,
     POLL_RETRY_MAX_SECONDS,
@@ -79,17 +80,24 @@ class WorkerOptions:
 
     def __post_init__(self) -> None:
         problems = []
+        url: object = self.database_url  # typed str; checked for callers that pass anything
+        if not isinstance(url, str):
+            problems.append(f"database_url must be a str, got {type(url).__name__}: {url!r}")
         tasks = self.max_concurrent_tasks
         if isinstance(tasks, bool) or not isinstance(tasks, int) or tasks < 1:
             problems.append(f"max_concurrent_tasks must be a whole number >= 1, got {tasks!r}")
-        if not 0 < self.lease_renew_seconds < self.lease_ttl_seconds:
+        seconds = ("lease_ttl_seconds", "lease_renew_seconds", "housekeeping_seconds", "poll_seconds",
+                   "shutdown_grace_seconds")
+        bad = [name for name in seconds if not _seconds(getattr(self, name))]
+        for name in bad:
             problems.append(
-                f"lease_renew_seconds ({self.lease_renew_seconds}) must be > 0 and below "
+                f"{name} must be a number of seconds > 0 and at most {MAX_OPTION_SECONDS}, got {getattr(self, name)!r}")
+        if not {"lease_ttl_seconds", "lease_renew_seconds"} & set(bad) and not (
+                self.lease_renew_seconds < self.lease_ttl_seconds):
+            problems.append(
+                f"lease_renew_seconds ({self.lease_renew_seconds}) must be below "
                 f"lease_ttl_seconds ({self.lease_ttl_seconds}), or leases expire between renewals"
             )
-        for name in ("housekeeping_seconds", "poll_seconds", "shutdown_grace_seconds"):
-            if not getattr(self, name) > 0:
-                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
         if self.worker_id is not None and self.worker_id != "":  # none or empty: one is made up
             try:
                 check_id("worker ID", self.worker_id)
@@ -97,6 +105,11 @@ class WorkerOptions:
                 problems.append(str(exc))
         if problems:
             raise ValueError("invalid WorkerOptions: " + "; ".join(problems))
+
+
+def _seconds(value: object) -> bool:
+    """A usable WorkerOptions duration: a real number (not a bool), > 0, at most MAX_OPTION_SECONDS."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= MAX_OPTION_SECONDS
 
 
 # IDs of the workers running in this process (any thread, any event loop): a second worker under one
