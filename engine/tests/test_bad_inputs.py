@@ -1025,6 +1025,10 @@ def test_flow_definition_lists_every_problem_at_once() -> None:
     async def no_request(ctx: RpcContext) -> None:
         return None
 
+    @rpc(request_type=[str])  # a value where a type belongs
+    async def listed(ctx: RpcContext, _: Any) -> None:
+        return None
+
     with pytest.raises(FlowDefinitionError) as caught:
         Flow(
             "Broken",
@@ -1036,11 +1040,12 @@ def test_flow_definition_lists_every_problem_at_once() -> None:
                 Step("Routed", done, options=StepOptions(failure_route="Nowhere", execute_locks=(Stray,),
                                                           wait_for_locks=(Tags["k"],))),
                 Step("Pure", done, pure_execute="yes"),  # type: ignore[arg-type]
+                Step("Typed", done, input_type=3),
             ],
             start_step="Missing",
             # What follows an item that is not of its kind is still checked.
-            schema=[Note, "Colour", Attribute("Note", int), Inbox],
-            rpcs=[_sync_wait, locked, locked, sync_rpc, no_request],  # type: ignore[list-item]
+            schema=[Note, "Colour", Attribute("Note", int), Inbox, Channel("Odd", 5)],
+            rpcs=[_sync_wait, locked, locked, sync_rpc, no_request, listed],  # type: ignore[list-item]
         )
     message = str(caught.value)
     expected = [
@@ -1063,6 +1068,11 @@ def test_flow_definition_lists_every_problem_at_once() -> None:
         "schema item 'Colour' is not an Attribute, AttributeMap, Channel, ChannelMap, Stream",
         "RPC 'locked' is declared twice",
         "is not decorated with @rpc",
+        # Accepted once: the first value written or read raised msgspec's TypeError in a handler.
+        "Channel 'Odd' value type is 5, not a type whose values can be stored as JSON (Type '5' is not supported)",
+        "RPC 'listed' request type is [<class 'str'>], not a type whose values can be stored as JSON (unhashable "
+        "type: 'list')",
+        "Step 'Typed' input type is 3, not a type whose values can be stored as JSON (Type '3' is not supported)",
     ]
     missing = [e for e in expected if e not in message]
     assert not missing, f"{message!r} lacks {missing}"

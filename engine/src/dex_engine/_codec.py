@@ -27,6 +27,15 @@ def _decoder(tp: Any) -> msgspec.json.Decoder[Any]:
     return dec
 
 
+def type_problem(label: str, tp: Any) -> str | None:
+    """Why values of `tp` cannot be stored as JSON (`label` names where it was declared), or None."""
+    try:
+        _decoder(tp)
+    except TypeError as exc:  # not a type msgspec knows (a value, an unsupported class), or unhashable
+        return f"{label} is {tp!r}, not a type whose values can be stored as JSON ({exc})"
+    return None
+
+
 def encode_value(name: str, tp: Any, value: Any, *, limit: int = MAX_VALUE_BYTES) -> bytes:
     """Encode `value` as JSON, checking it is a `tp` and at most `limit` bytes."""
     try:

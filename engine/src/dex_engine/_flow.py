@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ._codec import type_problem
 from ._decision import RPCResult, StepDecision
 from ._errors import FlowDefinitionError, RpcNotFoundError, UndeclaredNameError, UnknownFlowTypeError
 from ._ids import check_id
@@ -171,6 +172,9 @@ class Flow:
             if item.name in seen:
                 problems.append(f"schema name {item.name!r} is declared twice")
             seen.add(item.name)
+            problem = type_problem(f"{type(item).__name__} {item.name!r} value type", item.value_type)
+            if problem is not None:
+                problems.append(problem)
             if isinstance(item, Attribute | AttributeMap):
                 self.attributes[item.name] = item
             elif isinstance(item, Channel | ChannelMap):
@@ -187,6 +191,9 @@ class Flow:
                 continue  # the first declaration's own problems are listed already
             self.rpcs[r.name] = r
             problems.extend(_handler_problems(f"RPC {r.name!r}", r.handler))
+            problem = type_problem(f"RPC {r.name!r} request type", r.request_type)
+            if problem is not None:
+                problems.append(problem)
             problems.extend(self._lock_problems(f"RPC {r.name!r}", r.locks))
         for step in self.steps.values():
             problems.extend(self._step_problems(step))
@@ -199,6 +206,9 @@ class Flow:
         out: list[str] = []
         label = f"Step {step.step_type!r}"
         out.extend(_handler_problems(f"{label} execute", step.execute))
+        problem = type_problem(f"{label} input type", step.input_type)
+        if problem is not None:
+            out.append(problem)
         if step.wait_for is not None:
             out.extend(_handler_problems(f"{label} wait_for", step.wait_for))
         for flag in ("pure_execute", "pure_until_heartbeat"):
