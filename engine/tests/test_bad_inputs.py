@@ -628,6 +628,24 @@ def test_bad_names_in_definitions_are_refused(make: Callable[[], object], named:
     assert named in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        pytest.param(lambda: Stream("s", str, capacity_bytes=0), "stream 's' capacity must be a positive whole "
+                     "number of bytes, got 0", id="stream-capacity-zero"),
+        pytest.param(lambda: Stream("s", str, capacity_bytes="1MB"), "got '1MB'", id="stream-capacity-text"),
+        pytest.param(lambda: Stream("s", str, capacity_bytes=1.5), "got 1.5", id="stream-capacity-float"),
+        pytest.param(lambda: open_store(5), "database URL must be a str, got int: 5", id="store-url-not-text"),
+    ],
+)
+def test_bad_values_in_definitions_are_refused_by_name(make: Callable[[], object], message: str) -> None:
+    """Catches: a capacity given as text failing with a bare TypeError of a comparison, and a URL
+    that is not text with an AttributeError from inside the engine."""
+    with pytest.raises(ValueError) as caught:
+        make()
+    assert message in str(caught.value)
+
+
 # Values ----------------------------------------------------------------------------------------
 
 

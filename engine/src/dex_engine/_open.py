@@ -10,6 +10,9 @@ from ._store import Store
 def open_store(url: str) -> Store:
     """Open the database at `url`: `sqlite:///path/to/file.db` (optionally `?synchronous=NORMAL`)
     or `postgresql://user@host:port/dbname` (needs the `postgres` extra)."""
+    given: object = url  # typed str; checked for callers that pass anything
+    if not isinstance(given, str):
+        raise ValueError(f"database URL must be a str, got {type(given).__name__}: {given!r}")
     if url.startswith("sqlite:"):
         from ._sqlite_store import SqliteStore
 

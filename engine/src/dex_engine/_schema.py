@@ -103,8 +103,9 @@ class Stream(Generic[T]):
     def __init__(self, name: str, value_type: Any, capacity_bytes: int = DEFAULT_STREAM_CAPACITY_BYTES) -> None:
         self.name = check_id("stream name", name)
         self.value_type = value_type
-        if capacity_bytes <= 0:
-            raise ValueError(f"stream {name!r} capacity must be positive, got {capacity_bytes}")
+        capacity: object = capacity_bytes  # typed int; checked for callers that pass anything
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise ValueError(f"stream {name!r} capacity must be a positive whole number of bytes, got {capacity!r}")
         self.capacity_bytes = capacity_bytes
 
     def __repr__(self) -> str:
