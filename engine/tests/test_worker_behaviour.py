@@ -200,27 +200,20 @@ async def test_a_worker_whose_polls_keep_failing_backs_off_and_logs_the_tracebac
 
     registry = Registry([Flow("PollFails", [Step("Start", start)], start_step="Start")])
     store, other = open_store(db_url), open_store(db_url)  # `other`: a process whose commits only polls see
-    failed: list[float] = []
     failing = True
-    real_poll = store.poll
 
-    async def poll(*args: Any, **kwargs: Any) -> Any:
-        if failing:
-            failed.append(time.monotonic())
-            raise RuntimeError("database disk image is malformed")
-        return await real_poll(*args, **kwargs)
+    def failing_while_asked(real: Callable[..., Awaitable[Any]], calls: list[float], error: str) -> Any:
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if failing:
+                calls.append(time.monotonic())
+                raise RuntimeError(error)
+            return await real(*args, **kwargs)
+        return call
 
+    failed: list[float] = []
     renewals: list[float] = []
-    real_renew = store.renew_worker
-
-    async def renew_worker(*args: Any, **kwargs: Any) -> Any:
-        if failing:
-            renewals.append(time.monotonic())
-            raise RuntimeError("disk I/O error")
-        return await real_renew(*args, **kwargs)
-
-    monkeypatch.setattr(store, "poll", poll)
-    monkeypatch.setattr(store, "renew_worker", renew_worker)
+    monkeypatch.setattr(store, "poll", failing_while_asked(store.poll, failed, "database disk image is malformed"))
+    monkeypatch.setattr(store, "renew_worker", failing_while_asked(store.renew_worker, renewals, "disk I/O error"))
     try:
         options = WorkerOptions(database_url=db_url, poll_seconds=0.01, housekeeping_seconds=0.1,
                                 lease_renew_seconds=0.05)
