@@ -64,7 +64,7 @@ from dex_engine import (
     rpc,
 )
 from dex_engine._codec import encode_value
-from dex_engine._limits import MAX_ERROR_TEXT_CHARS, MAX_OPTION_SECONDS, MAX_STREAM_WAIT_SECONDS
+from dex_engine._limits import MAX_ERROR_TEXT_CHARS, MAX_OPTION_SECONDS, MAX_READ_LIMIT, MAX_STREAM_WAIT_SECONDS
 from dex_engine._retry import decide_retry
 
 from .conftest import Engine, engine_for, wait_until
@@ -768,8 +768,13 @@ def _b64(data: bytes) -> str:
         (-0.5, 10, f"wait_seconds must be between 0 and {MAX_STREAM_WAIT_SECONDS}, got -0.5"),
         (MAX_STREAM_WAIT_SECONDS + 0.5, 10, f"got {MAX_STREAM_WAIT_SECONDS + 0.5}"),
         (math.nan, 10, "got nan"),
-        (0.0, 0, "limit must be >= 1, got 0"),
-        (0.0, -3, "limit must be >= 1, got -3"),
+        (0.0, 0, f"limit must be a whole number from 1 to {MAX_READ_LIMIT}, got 0"),
+        (0.0, -3, "got -3"),
+        # Once: an OverflowError from the database driver, a TypeError of a comparison, a 1.
+        (0.0, 10**30, f"got {10**30}"),
+        (0.0, "10", "got '10'"),
+        (0.0, True, "got True"),
+        ("1", 10, "wait_seconds must be between 0 and 60.0, got '1'"),
     ],
 )
 async def test_read_stream_wait_or_limit_out_of_range(db_url: str, wait_seconds: float, limit: int, named: str) -> None:
@@ -1156,15 +1161,29 @@ async def test_malformed_search_query(db_url: str, query: str, named: str) -> No
         assert await eng.client.search_flows('FlowType = "Bad"') == ["f"]
 
 
-@pytest.mark.parametrize("limit", [0, -5])
-async def test_search_limit_below_one(db_url: str, limit: int) -> None:
-    """E13: a search limit below 1 raises ValueError naming it (before: 0 found nothing, and a
-    negative one meant no limit on SQLite and an error from PostgreSQL)."""
+@pytest.mark.parametrize("limit", [0, -5, 10**30, 2.5, "3"])
+async def test_search_limit_out_of_range(db_url: str, limit: Any) -> None:
+    """E13: a search limit below 1, above MAX_READ_LIMIT or not a whole number raises ValueError
+    naming it (before: 0 found nothing, a negative one meant no limit on SQLite and an error from
+    PostgreSQL, 10**30 an OverflowError from the driver)."""
     async with idle_engine(db_url) as eng:
         for query in ('FlowType = "Bad"', 'ActiveStepTypes = "Listen"'):
             await refused(eng.store, lambda q=query: eng.client.search_flows(q, limit=limit), ValueError,
-                          f"limit must be >= 1, got {limit}")
+                          f"limit must be a whole number from 1 to {MAX_READ_LIMIT}, got {limit!r}")
         assert await eng.client.search_flows('FlowType = "Bad"', limit=1) == ["f"]
+        assert await eng.client.search_flows('FlowType = "Bad"', limit=MAX_READ_LIMIT) == ["f"]
+
+
+@pytest.mark.parametrize("timeout", [math.nan, -1, "5"])
+async def test_wait_for_flow_refuses_a_timeout_that_is_not_a_number_of_seconds(db_url: str, timeout: Any) -> None:
+    """Catches: a NaN timeout that never ran out (the wait went on for ever), a negative one that
+    timed out at once as if the flow were stuck, and text failing with a TypeError of an addition."""
+    async with idle_engine(db_url) as eng:
+        with pytest.raises(ValueError, match=re.escape(f"timeout_seconds must be a number of seconds >= 0, got "
+                                                       f"{timeout!r}")):
+            await eng.client.wait_for_flow("f", timeout)
+        with pytest.raises(TimeoutError, match="still running after 0 s"):
+            await eng.client.wait_for_flow("f", 0)
 
 
 @pytest.mark.parametrize(

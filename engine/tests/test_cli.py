@@ -394,6 +394,22 @@ def test_bad_input_prints_one_error_line_and_exits_2(db: str, args: list[str], n
     assert_one_line_error(run(*args, "--db", db), *needles)
 
 
+@pytest.mark.parametrize(("args", "error"), [
+    (["list", "--limit", str(10**30)], f"Error: Invalid value for '--limit': {10**30} is not in the range "
+                                       "1<=x<=1000000000."),
+    (["search", 'FlowType = "Cli"', "--limit", str(10**30)], "Error: Invalid value for '--limit'"),
+    (["history", "done-1", "--limit", str(10**30)], "Error: Invalid value for '--limit'"),
+    (["stream", "done-1", "Log", "--after", str(10**30)], f"Error: Invalid value for '--after': {10**30} is not "
+                                                           "in the range 0<=x<=9223372036854775807."),
+])
+def test_numbers_past_the_databases_integers_are_refused_as_usage_errors(db: str, args: list[str], error: str) -> None:
+    """Catches: a limit or position past what the database's 64-bit integers hold reaching the
+    query, which failed with an OverflowError's traceback."""
+    result = run(*args, "--db", db)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.strip().splitlines()[-1].startswith(error), result.output
+
+
 def test_bad_database_urls_print_one_error_line_and_exit_2(tmp_path: Path) -> None:
     """Unsupported schemes, URLs without a file, missing files and non-database files are refused up front."""
     not_a_db = tmp_path / "notes.txt"

@@ -16,7 +16,13 @@ from ._decision import RPCResult
 from ._errors import DexError, FlowNotFoundError, RpcContentionError, StepNotWaitingError
 from ._flow import Flow, Registry
 from ._ids import check_id
-from ._limits import CLIENT_FLOW_TYPE_CACHE_ENTRIES, DEFAULT_READ_LIMIT, MAX_RPC_TRIES, MAX_STREAM_WAIT_SECONDS
+from ._limits import (
+    CLIENT_FLOW_TYPE_CACHE_ENTRIES,
+    DEFAULT_READ_LIMIT,
+    MAX_READ_LIMIT,
+    MAX_RPC_TRIES,
+    MAX_STREAM_WAIT_SECONDS,
+)
 from ._open import open_store
 from ._options import FlowConfig
 from ._records import FlowInfo, HistoryEntry, MovementRecord, StartRequest
@@ -216,10 +222,9 @@ class AsyncClient:
         """Events after `resume_token` (from the start when None), long-polling up to `wait_seconds`."""
         flow = await self._flow_of(flow_id)
         declared = flow.check_stream(stream)
-        if not 0 <= wait_seconds <= MAX_STREAM_WAIT_SECONDS:
+        if not (_is_number(wait_seconds) and 0 <= wait_seconds <= MAX_STREAM_WAIT_SECONDS):
             raise ValueError(f"wait_seconds must be between 0 and {MAX_STREAM_WAIT_SECONDS}, got {wait_seconds!r}")
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit!r}")
+        _check_limit(limit)
         if self._secret is None:
             self._secret = await self._store.stream_secret()
         after = 0 if resume_token is None else read_token(self._secret, resume_token, flow_id, declared.name)
@@ -256,8 +261,7 @@ class AsyncClient:
 
     async def search_flows(self, query: str, limit: int = DEFAULT_READ_LIMIT) -> list[str]:
         """Flow IDs matching e.g. 'ActiveStepTypes = "AwaitToolApproval" AND FlowType = "Agent"'."""
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit!r}")
+        _check_limit(limit)
         terms = parse_search(query)
         if not all(value.isprintable() for value in terms.values()):
             return []  # no name has such a character (see _known), and a database may refuse it
@@ -270,7 +274,10 @@ class AsyncClient:
         return await self._store.history(_known(flow_id))
 
     async def wait_for_flow(self, flow_id: str, timeout_seconds: float = 60.0) -> FlowInfo:
-        """Poll until the flow is closed; raises TimeoutError with its active Steps otherwise."""
+        """Poll until the flow is closed (`timeout_seconds` may be math.inf); raises TimeoutError with
+        its active Steps otherwise."""
+        if not (_is_number(timeout_seconds) and timeout_seconds >= 0):  # NaN too: it never times out
+            raise ValueError(f"timeout_seconds must be a number of seconds >= 0, got {timeout_seconds!r}")
         flow_id = _known(flow_id)
         deadline = time.monotonic() + timeout_seconds
         while True:
@@ -292,6 +299,15 @@ class AsyncClient:
         except FlowNotFoundError:
             return False
         return True
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_limit(limit: object) -> None:
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_READ_LIMIT:
+        raise ValueError(f"limit must be a whole number from 1 to {MAX_READ_LIMIT}, got {limit!r}")
 
 
 class Client:

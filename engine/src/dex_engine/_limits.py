@@ -140,6 +140,10 @@ MAX_RPC_TRIES = 64
 # Events a stream read, or flow IDs a search, returns when the caller names no limit: one page a UI can render.
 DEFAULT_READ_LIMIT = 1000
 
+# Largest limit a stream read or a search accepts: more than any read returns, and well inside the
+# 64-bit integers SQL's LIMIT takes (a larger Python int failed the read with OverflowError).
+MAX_READ_LIMIT = 10**9
+
 # A stream long-poll waits at most this long for new events.
 MAX_STREAM_WAIT_SECONDS = 60.0
 

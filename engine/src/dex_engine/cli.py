@@ -27,6 +27,7 @@ from rich.text import Text
 
 from ._client import parse_search
 from ._errors import DexError, FlowNotFoundError, StoreOpenError
+from ._limits import MAX_READ_LIMIT
 from ._open import open_store, shown_url
 from ._records import FlowInfo
 from ._sqlite_store import parse_sqlite_url
@@ -42,6 +43,8 @@ FLOW_STATUSES = ("running", "completed", "failed", "stopped")
 FOLLOW_POLL_SECONDS = 0.2
 # Events per read of `stream`; it reads page after page.
 STREAM_PAGE = 1000
+# Largest --after: the largest sequence the database's 64-bit integers hold (more overflowed the read).
+MAX_SEQUENCE = 2**63 - 1
 # Output width when stdout is not a terminal (pipes, tests): wide enough that tables never wrap IDs.
 PIPE_WIDTH = 200
 
@@ -164,7 +167,8 @@ def cli() -> None:
 @cli.command("list")
 @click.option("--type", "flow_type", metavar="T", help="Only flows of this flow type.")
 @click.option("--status", type=click.Choice(FLOW_STATUSES), help="Only flows with this status.")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="Newest N flows.")
+@click.option("--limit", type=click.IntRange(min=1, max=MAX_READ_LIMIT), default=50, show_default=True,
+              help="Newest N flows.")
 @_db_option
 def list_command(flow_type: str | None, status: str | None, limit: int, db_url: str) -> None:
     """Table of flows, newest first."""
@@ -182,7 +186,7 @@ def list_command(flow_type: str | None, status: str | None, limit: int, db_url: 
 
 @cli.command()
 @click.argument("query")
-@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1, max=MAX_READ_LIMIT), default=1000, show_default=True)
 @_db_option
 def search(query: str, limit: int, db_url: str) -> None:
     """Flow IDs matching QUERY, one per line.
@@ -243,7 +247,8 @@ def describe(flow_id: str, db_url: str) -> None:
 
 @cli.command()
 @click.argument("flow_id")
-@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True, help="Last N events.")
+@click.option("--limit", type=click.IntRange(min=1, max=MAX_READ_LIMIT), default=1000, show_default=True,
+              help="Last N events.")
 @_db_option
 def history(flow_id: str, limit: int, db_url: str) -> None:
     """Step history of a flow, oldest first."""
@@ -280,7 +285,7 @@ def attributes(flow_id: str, name: str | None, db_url: str) -> None:
 @cli.command()
 @click.argument("flow_id")
 @click.argument("stream_name", metavar="STREAM")
-@click.option("--after", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--after", type=click.IntRange(min=0, max=MAX_SEQUENCE), default=0, show_default=True,
               help="Only events with a sequence above SEQ.", metavar="SEQ")
 @click.option("--follow", is_flag=True, help="Keep printing new events until the flow closes.")
 @_db_option
