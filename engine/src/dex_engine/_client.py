@@ -24,7 +24,7 @@ from ._limits import (
     MAX_STREAM_WAIT_SECONDS,
 )
 from ._open import open_store
-from ._options import FlowConfig
+from ._options import FlowConfig, is_number
 from ._records import FlowInfo, HistoryEntry, MovementRecord, StartRequest
 from ._scheduling import movement_record, start_record
 from ._schema import AttributeMap, AttributeRef, ChannelRef, Stream
@@ -222,7 +222,7 @@ class AsyncClient:
         """Events after `resume_token` (from the start when None), long-polling up to `wait_seconds`."""
         flow = await self._flow_of(flow_id)
         declared = flow.check_stream(stream)
-        if not (_is_number(wait_seconds) and 0 <= wait_seconds <= MAX_STREAM_WAIT_SECONDS):
+        if not (is_number(wait_seconds) and 0 <= wait_seconds <= MAX_STREAM_WAIT_SECONDS):
             raise ValueError(f"wait_seconds must be between 0 and {MAX_STREAM_WAIT_SECONDS}, got {wait_seconds!r}")
         _check_limit(limit)
         if self._secret is None:
@@ -276,7 +276,7 @@ class AsyncClient:
     async def wait_for_flow(self, flow_id: str, timeout_seconds: float = 60.0) -> FlowInfo:
         """Poll until the flow is closed (`timeout_seconds` may be math.inf); raises TimeoutError with
         its active Steps otherwise."""
-        if not (_is_number(timeout_seconds) and timeout_seconds >= 0):  # NaN too: it never times out
+        if not (is_number(timeout_seconds) and timeout_seconds >= 0):  # NaN too: it never times out
             raise ValueError(f"timeout_seconds must be a number of seconds >= 0, got {timeout_seconds!r}")
         flow_id = _known(flow_id)
         deadline = time.monotonic() + timeout_seconds
@@ -299,10 +299,6 @@ class AsyncClient:
         except FlowNotFoundError:
             return False
         return True
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _check_limit(limit: object) -> None:

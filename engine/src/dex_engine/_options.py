@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import msgspec
 
@@ -135,6 +135,11 @@ class MovementOptions:
         _check_timeouts(self)
 
 
+def is_number(value: object) -> TypeGuard[int | float]:
+    """A real number given where one is expected: an int or a float, not a bool (which is an int)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _check_timeouts(options: StepOptions | MovementOptions) -> None:
     for label, value in (
         ("execute_timeout_seconds", options.execute_timeout_seconds),
@@ -143,8 +148,7 @@ def _check_timeouts(options: StepOptions | MovementOptions) -> None:
     ):
         if value is None:
             continue
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not (number and 0 < value <= MAX_TIMER_SECONDS):
+        if not (is_number(value) and 0 < value <= MAX_TIMER_SECONDS):
             # Past the cap, a deadline (ms) would not fit the database's 64-bit integers either.
             raise FlowDefinitionError(
                 f"{label} must be a positive number of seconds, at most {MAX_TIMER_SECONDS}, got {value!r}")

@@ -1664,19 +1664,15 @@ def renew_worker(db: Db, worker_id: str, ttl_ms: int, now: int, holder: tuple[st
     """Extend the worker's lease; False when it was declared dead (its attempts are gone), or, with
     `holder` (host, PID), when the ID's row is another process's: one that took the ID over while
     this one was paused past its lease, whose row this one must neither renew nor remove."""
-    if holder is None:
-        return bool(db.run("UPDATE workers SET expires_at = ? WHERE worker_id = ?", (now + ttl_ms, worker_id)))
-    return bool(db.run("UPDATE workers SET expires_at = ? WHERE worker_id = ? AND host = ? AND pid = ?",
-                       (now + ttl_ms, worker_id, *holder)))
+    where, params = _worker_row(worker_id, holder)
+    return bool(db.run(f"UPDATE workers SET expires_at = ? WHERE {where}", (now + ttl_ms, *params)))
 
 
 def unregister_worker(db: Db, worker_id: str, now: int, holder: tuple[str, int] | None = None) -> None:
     """Remove the worker's row (with `holder`, only if that process holds it, see renew_worker);
     its attempts left in the database are failed or handed back as a dead worker's."""
-    if holder is None:
-        _send(db, "DELETE FROM workers WHERE worker_id = ?", (worker_id,))
-    else:
-        _send(db, "DELETE FROM workers WHERE worker_id = ? AND host = ? AND pid = ?", (worker_id, *holder))
+    where, params = _worker_row(worker_id, holder)
+    _send(db, f"DELETE FROM workers WHERE {where}", params)
     _expire_orphans(db, now)
     # The leaving worker may be the only one that knew a due time (a timer it registered, a retry
     # it scheduled: such commits send no notification): wake the others to learn it.
@@ -1687,10 +1683,16 @@ def worker_registered(db: Db, worker_id: str, holder: tuple[str, int] | None = N
     """Whether the worker has a row (with `holder`, one that host and PID hold). One without
     (declared dead, or its ID taken over by another process) must claim nothing until it registers
     again: its claims would be failed as a dead worker's, or run under another process's lease."""
+    where, params = _worker_row(worker_id, holder)
+    return db.one(f"SELECT 1 FROM workers WHERE {where}", params) is not None
+
+
+def _worker_row(worker_id: str, holder: tuple[str, int] | None) -> tuple[str, tuple[Any, ...]]:
+    """The WHERE clause and parameters of the worker's row: any, or with `holder` (host, PID) only
+    the row that process holds."""
     if holder is None:
-        return db.one("SELECT 1 FROM workers WHERE worker_id = ?", (worker_id,)) is not None
-    return db.one("SELECT 1 FROM workers WHERE worker_id = ? AND host = ? AND pid = ?",
-                  (worker_id, *holder)) is not None
+        return "worker_id = ?", (worker_id,)
+    return "worker_id = ? AND host = ? AND pid = ?", (worker_id, *holder)
 
 
 def housekeeping(db: Db, now: int, worker_id: str | None = None) -> HousekeepingReport:

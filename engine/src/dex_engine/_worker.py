@@ -51,6 +51,7 @@ from ._limits import (
     WORKER_ERROR_STALE_SECONDS,
 )
 from ._open import open_store
+from ._options import is_number
 from ._parked import FoldFunctions, ParkedHandler
 from ._records import DecisionRecord, ErrorInfo, Lease, MovementRecord, StartedFold, WriteSet
 from ._scheduling import movement_record
@@ -109,7 +110,7 @@ class WorkerOptions:
 
 def _seconds(value: object) -> bool:
     """A usable WorkerOptions duration: a real number (not a bool), > 0, at most MAX_OPTION_SECONDS."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= MAX_OPTION_SECONDS
+    return is_number(value) and 0 < value <= MAX_OPTION_SECONDS
 
 
 # IDs of the workers running in this process (any thread, any event loop): a second worker under one
