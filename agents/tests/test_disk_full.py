@@ -2,7 +2,8 @@
 
 The engine's file lives on a small tmpfs that the test fills while a model call runs, so the Step's
 commit, the worker's hand-back and its lease renewals all fail with SQLITE_FULL, as they do when a
-real disk fills. Mounting needs root (CAP_SYS_ADMIN), as CI has; elsewhere the test is skipped.
+real disk fills. Mounting needs root, as CI has; run as another user the test is skipped, and as
+root a mount that fails fails it.
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ FULL_SECONDS = 2.0  # how long the disk stays full while the turn's commit fails
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root, as CI runs (.ci/run installs PostgreSQL with apt)")
     mount = tmp_path / "small-disk"
     mount.mkdir()
+    # As root the mount must work: a failure fails the test rather than skip it unnoticed in CI.
     made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(mount)],
                           capture_output=True, text=True, check=False)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {made.stderr.strip()}")
+    assert made.returncode == 0, f"cannot mount a tmpfs as root: {made.stderr.strip()}"
     try:
         yield mount
     finally:
