@@ -1,6 +1,7 @@
 """How a PostgreSQL store's connections show in pg_stat_activity, where operators look for them
 (docs/deployment.md, "Pool sizes"): the lanes under the URL's application_name, else dex_engine, and
-the listener under the same name with _listen appended. These tests need TEST_PG_DSN."""
+the listener under the same name with _listen appended; and what the lanes do with operations as
+the store closes. These tests need TEST_PG_DSN."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections import Counter
 import psycopg
 import pytest
 
-from dex_engine import Context, Flow, Registry, Step, StepDecision
+from dex_engine import Context, Flow, FlowNotFoundError, Registry, Step, StepDecision, open_store
 
 from .conftest import engine_for, wait_until
 
@@ -57,6 +58,23 @@ async def test_a_store_names_its_connections_as_its_url_says(pg_database: str) -
     seen = await _names_seen(pg_database, f"{pg_database}?application_name=billing")
     assert set(seen) == {"billing", "billing_listen"}, seen
     assert seen["billing_listen"] == 1, seen
+
+
+async def test_operations_queued_as_the_store_closes_run_and_later_ones_are_refused(
+    pg_database: str,
+) -> None:
+    """Catches: operations queued just before close() dropped or left waiting, and one queued after
+    the lanes stopped (a caller on another loop past the closed check) waiting for ever."""
+    store = open_store(pg_database)
+    pending = [asyncio.ensure_future(store.describe_flow(f"none-{i}")) for i in range(50)]
+    await asyncio.sleep(0)  # each call is queued to the lanes before the store closes
+    await store.close()
+    results = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 10)
+    assert all(isinstance(r, FlowNotFoundError) for r in results), results  # every one ran
+
+    store._closed = False  # type: ignore[attr-defined]  # as if its closed check ran just before close()
+    with pytest.raises(RuntimeError, match="is closed"):
+        await asyncio.wait_for(store.describe_flow("late"), 10)
 
 
 if __name__ == "__main__":  # pragma: no cover

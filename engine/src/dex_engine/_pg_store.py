@@ -604,8 +604,11 @@ class _Dispatcher:
         self.watching = False  # another lane waits out the first one's current batch
         self.closed = False
 
-    def put(self, op: _Op) -> None:
+    def put(self, op: _Op) -> bool:
+        """Queue `op`; False once the store closed, as no lane may be left to run it."""
         with self.lock:
+            if self.closed:
+                return False
             self.queue.append(op)
             # Wake a lane only when one must act: each wake-up is a thread switch.
             if self.busy_since is None:
@@ -613,6 +616,7 @@ class _Dispatcher:
                     self.first.notify()
             elif not self.watching:
                 self.others.notify()  # it waits out the first lane's grace period, then takes over
+            return True
 
     def close(self) -> None:
         with self.lock:
@@ -746,7 +750,9 @@ class PostgresStore(Store):
             raise RuntimeError(f"store {shown_url(self.url)!r} is closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
-        self._dispatcher.put(_Op(fn, write, durable is not False, loop, future, commit_origin.get(), commit))
+        op = _Op(fn, write, durable is not False, loop, future, commit_origin.get(), commit)
+        if not self._dispatcher.put(op):  # closed from another thread since the check above
+            raise RuntimeError(f"store {shown_url(self.url)!r} is closed")
         return await future
 
     async def poll(
@@ -1086,7 +1092,7 @@ class PostgresStore(Store):
         self._listener.join()
         for lane in self._lanes:
             lane.join()
-        # Operations queued as the store closed: nobody will run them.
+        # Operations no lane took (every lane died of an unexpected error): nobody will run them.
         for op in self._dispatcher.drain():
             if not op.loop.is_closed():
                 error = RuntimeError(f"store {shown_url(self.url)!r} is closed")
