@@ -1003,6 +1003,16 @@ CONTRACT_BREACHES: list[tuple[str, Callable[[], object], str]] = [
      "TurnCompleted.new_messages must be a sequence of FrameworkMessage, got str"),
     ("usage-not-agent-usage", lambda: TurnCompleted([_PARTIAL], usage={"model_calls": 1}),  # type: ignore[arg-type]
      "usage must be an AgentUsage, got dict"),
+    # A provider's missing count passed on as None, a float, or a negative count: the session's
+    # totals could not add them (the model call ran three times and its answer was lost).
+    ("usage-count-none", lambda: TurnCompleted([_PARTIAL], AgentUsage(1, cached_input_tokens=None)),  # type: ignore[arg-type]
+     "usage cached_input_tokens must be a whole number of at least 0, got None"),
+    ("usage-count-float", lambda: TurnCompleted([_PARTIAL], AgentUsage(1, input_tokens=12.5)),  # type: ignore[arg-type]
+     "usage input_tokens must be a whole number of at least 0, got 12.5"),
+    ("usage-count-negative", lambda: TurnCompleted([_PARTIAL], AgentUsage(1, output_tokens=-3)),
+     "usage output_tokens must be a whole number of at least 0, got -3"),
+    ("usage-count-bool", lambda: TurnCompleted([_PARTIAL], AgentUsage(True)),
+     "usage model_calls must be a whole number of at least 0, got True"),
     ("policy-not-tool-policy",
      lambda: ToolCallsRequested("state", [DeferredToolCall("c1", "read_x", "{}", "read")], _USAGE),  # type: ignore[arg-type]
      "tool call 'c1' has policy 'read'; use turn.resolve_tool_policy(name)"),
@@ -1035,7 +1045,8 @@ CONTRACT_BREACHES: list[tuple[str, Callable[[], object], str]] = [
      "TurnCompleted.new_messages[0].tool_output must be text (str) or None, not bytes"),
 ]
 # Cases whose outcome carries no AgentUsage to record; every other one records _USAGE before failing.
-NO_USAGE_RECORDED = {"a-dict", "none", "usage-not-agent-usage"}
+NO_USAGE_RECORDED = {"a-dict", "none", "usage-not-agent-usage", "usage-count-none", "usage-count-float",
+                     "usage-count-negative", "usage-count-bool"}
 
 
 async def test_a_turn_error_after_a_tool_call_stores_the_runners_transcript_and_no_note(tmp_path: Path) -> None:

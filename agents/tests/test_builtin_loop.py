@@ -14,6 +14,7 @@ from agents.tests.conftest import REPO_ROOT
 
 from dex_agents import (
     OUTCOME_UNKNOWN_TEXT,
+    TOOL_NAME_MISSING,
     AgentSessionClient,
     AgentSnapshot,
     AgentTurnContext,
@@ -101,7 +102,8 @@ async def test_function_tool_turn_stores_items_as_they_appear(tmp_path: Path) ->
 
 
 async def test_schema_violation_and_unknown_tool_reach_the_model(tmp_path: Path) -> None:
-    """Bad arguments and an unknown name become tool failures the model sees; neither asks for approval."""
+    """Bad arguments, an unknown name and no name become tool failures the model sees; none asks for
+    approval, and the response's other calls run. Catches: a nameless call failing the whole turn."""
 
     def respond(request: ModelRequest) -> ScriptedModelReply:
         results = ScriptedModelClient.tool_results(request)
@@ -110,6 +112,7 @@ async def test_schema_violation_and_unknown_tool_reach_the_model(tmp_path: Path)
         return ScriptedModelReply(tool_calls=[
             ScriptedToolCall("lookup_order", {"order_id": 7}),
             ScriptedToolCall("no_such_tool", {}),
+            ScriptedToolCall("", {}),
         ])
 
     flow, _ = scripted_flow(respond)
@@ -121,6 +124,8 @@ async def test_schema_violation_and_unknown_tool_reach_the_model(tmp_path: Path)
         answer = done.messages[-1].text or ""
         assert "The tool call failed: invalid arguments for lookup_order" in answer
         assert "The tool call failed: unknown tool no_such_tool" in answer
+        assert f"The tool call failed: {TOOL_NAME_MISSING}" in answer
+        assert done.state is not None and done.state.last_turn_error is None
         assert done.pending_interrupts == []
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import inspect
 import json
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, NotRequired, Optional, TypedDict
@@ -597,6 +598,30 @@ async def test_unencodable_result_follows_the_effect_rule() -> None:
         await invoke(produce, {}, ToolEffect.READ)
     with pytest.raises(TypeError):
         await invoke(produce, {}, ToolEffect.NON_IDEMPOTENT_WRITE)
+
+
+@pytest.mark.parametrize("result", [
+    {"ratio": math.nan}, [1.0, math.inf], {"deep": [{"limit": -math.inf}]}, math.nan,
+])
+async def test_a_result_holding_nan_or_infinity_follows_the_effect_rule(result: object) -> None:
+    """NaN and infinities, which JSON cannot hold, fail the call like any unencodable result.
+    Catches: msgspec writing them as null, the model shown a wrong value as the call's success."""
+
+    @function_tool
+    async def produce() -> object:
+        return result
+
+    with pytest.raises(ToolExecutionError, match=r"^ValueError: the result holds the number -?(nan|inf), "
+                                                  "which JSON cannot hold$"):
+        await invoke(produce, {}, ToolEffect.READ)
+    with pytest.raises(ValueError, match="which JSON cannot hold"):
+        await invoke(produce, {}, ToolEffect.NON_IDEMPOTENT_WRITE)
+
+    @function_tool
+    async def with_null() -> object:
+        return {"value": None, "count": 1.5}
+
+    assert await invoke(with_null, {}) == '{"value":null,"count":1.5}'  # a real null is kept
 
 
 @pytest.mark.parametrize("effect", [ToolEffect.READ, ToolEffect.IDEMPOTENT_WRITE])

@@ -24,6 +24,7 @@ from dex_agents import (
     AgentSessionClient,
     AgentSessionFlow,
     AgentSessionOptions,
+    AgentStatus,
     DeferredToolCall,
     DeferredToolExecution,
     DeferredToolOutcome,
@@ -32,6 +33,8 @@ from dex_agents import (
     ToolEffect,
     ToolPolicy,
 )
+from dex_agents._constants import MAX_STORED_TOOL_ERROR_CHARS
+from dex_agents._policy import cut_text
 from dex_agents.testing import executed_steps, to_step_history
 from dex_engine import RetryPolicy
 
@@ -51,7 +54,21 @@ POLICIES = {
     "bad_timeout": ToolPolicy(ToolEffect.READ),
     "bad_retry": ToolPolicy(ToolEffect.READ),
     "guarded_raise": ToolPolicy(ToolEffect.IDEMPOTENT_WRITE, requires_approval=True),
+    "odd_huge": ToolPolicy(ToolEffect.READ),
+    "odd_badstr": ToolPolicy(ToolEffect.READ),
+    "guarded_huge": ToolPolicy(ToolEffect.READ, requires_approval=True),
+    "guarded_badstr": ToolPolicy(ToolEffect.READ, requires_approval=True),
 }
+# The text of the exception tool_call_step_options raises for a tool named *_huge: over the engine's
+# value limit, so the call's record cannot hold it whole.
+HUGE_TEXT_CHARS = 2 * 1024 * 1024
+
+
+class _TextlessError(Exception):
+    """An exception whose text cannot be made."""
+
+    def __str__(self) -> str:
+        raise ValueError("no text")
 
 # What tool_call_step_options returns, by tool name (a name not listed gets None).
 CHOSEN: dict[str, Any] = {
@@ -78,6 +95,10 @@ class OptionsRunner(AskingRunner):
         self.asked.append(call)
         if call.tool_name.endswith("_raise"):
             raise RuntimeError("no manifest for this tool")
+        if call.tool_name.endswith("_huge"):
+            raise RuntimeError("m" * HUGE_TEXT_CHARS)
+        if call.tool_name.endswith("_badstr"):
+            raise _TextlessError()
         chosen: ToolCallStepOptions | None = CHOSEN.get(call.tool_name)
         return chosen
 
@@ -223,6 +244,38 @@ async def test_a_provider_that_fails_fails_only_that_call(tmp_path: Path, caplog
         await sessions.send_user_message("s", "and now?")
         snapshot = await sessions.get_agent_snapshot("s")
         assert snapshot.state is not None and snapshot.state.last_turn_error is None
+
+
+async def test_a_provider_raising_a_huge_or_textless_exception_fails_only_that_call(tmp_path: Path) -> None:
+    """The provider raising with a text of megabytes, or an exception whose __str__ raises, records
+    the call failed without running it (the text cut, or named as unmakeable), whether the call ran
+    at once or after an approval. Catches: the error made or stored whole, which failed
+    AwaitToolApproval on each of its 20 attempts, and then the session, or RunModel with its model
+    call three times."""
+    engine, runner = _engine(tmp_path)
+    async with engine.running():
+        sessions: AgentSessionClient = engine.sessions()
+        await sessions.start_session("s", _script([
+            _call("c1", "odd_huge"), _call("c2", "odd_badstr"), _call("c3", "guarded_huge"),
+            _call("c4", "guarded_badstr"), _call("c5", "ok"),
+        ]))
+        for approval in await _pending(sessions, "c3", "c4"):
+            assert await sessions.resolve_interrupt("s", approval.interrupt_id, approved=True)
+        outcomes, _ = await _done(sessions)
+        raised = "the runner's tool_call_step_options raised"
+        huge = cut_text(f"{raised} RuntimeError: {'m' * HUGE_TEXT_CHARS}", MAX_STORED_TOOL_ERROR_CHARS)
+        textless = f"{raised} _TextlessError: (a _TextlessError whose text could not be made: ValueError)"
+        assert {call_id: (o["status"], o["error"]) for call_id, o in outcomes.items()} == {
+            "c1": ("failed", f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}: {huge}"),
+            "c2": ("failed", f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}: {textless}"),
+            "c3": ("failed", f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}: {huge}"),
+            "c4": ("failed", f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}: {textless}"),
+            "c5": ("succeeded", None),
+        }
+        assert [r.tool_call_id for r in runner.runs] == ["c5"]
+        snapshot = await sessions.get_agent_snapshot("s")
+        assert snapshot.state is not None and (snapshot.state.status, snapshot.state.last_turn_error) == (
+            AgentStatus.WAITING_FOR_USER_MESSAGE, None)
 
 
 @pytest.mark.parametrize("chosen, step, expected", [

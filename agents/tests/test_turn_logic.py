@@ -23,6 +23,7 @@ from dex_agents._constants import (
     CALL_TOOL,
     NEW_MESSAGES_WITHOUT_BUILDER,
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
+    TOOL_NAME_MISSING,
 )
 from dex_agents._events import AgentEventWriter
 from dex_agents._policy import (
@@ -293,6 +294,18 @@ def test_arguments_not_a_strict_json_object_fail_only_that_call(arguments: str, 
         CALL_TOOL, AgentToolCallStatus.APPROVED, 1)
 
 
+@pytest.mark.parametrize("name", ["", "  "])
+@pytest.mark.parametrize("effect", [ToolEffect.READ, ToolEffect.UNCLASSIFIED])
+def test_a_blank_tool_name_fails_only_that_call(name: str, effect: ToolEffect) -> None:
+    """A model's call naming no tool is recorded failed, without approval or a Step, for the model
+    to see; the response's other calls proceed (it failed the whole turn before)."""
+    bad, good = plan([call("bad", name, "{}", effect), call("good", "tool", "{}", ToolEffect.READ)]).calls
+    assert (bad.next_step, bad.record.status, bad.record.error) == (
+        None, AgentToolCallStatus.FAILED, TOOL_NAME_MISSING)
+    assert describe_tool_call_outcome(bad.record) == "The tool call failed: the tool call names no tool"
+    assert (good.next_step, good.record.status) == (CALL_TOOL, AgentToolCallStatus.APPROVED)
+
+
 def test_non_text_arguments_fail_the_call() -> None:
     """Arguments that are not text at all fail the call; the record keeps their repr as text."""
     (planned,) = plan([call("c1", arguments={"a": 1})]).calls
@@ -335,12 +348,12 @@ def test_no_tool_calls_fails_the_turn(tool_calls: Any) -> None:
 
 
 def test_malformed_calls_fail_the_turn() -> None:
-    """A non-DeferredToolCall, an empty tool name, a bad policy or a source reference that is not
-    text, or not storable text, fail the turn."""
+    """A non-DeferredToolCall, a tool name that is not text, a bad policy or a source reference that
+    is not text, or not storable text, fail the turn."""
     with pytest.raises(TurnContractError, match=r"tool_calls\[1\] is a dict"):
         plan([call("a"), {"tool_call_id": "b"}])
-    for no_name in ("", None, 5):
-        with pytest.raises(TurnContractError, match="'c1' has no tool name"):
+    for no_name in (None, 5, b"t"):
+        with pytest.raises(TurnContractError, match=f"'c1' has tool_name {no_name!r}; it must be text"):
             plan([call("c1", tool_name=no_name)])
     bad_policy: Any = "read"
     with pytest.raises(TurnContractError, match="'c1' has policy 'read'"):

@@ -11,7 +11,6 @@ summarizes; both load the whole AgentMessages window.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any
 
@@ -53,16 +52,16 @@ from ._runtime import (
     ValueTooLarge,
     background_heartbeats,
     chunk_reader,
+    resolved,
     window_messages,
 )
 from ._timefmt import utc_now_text
-from ._turn_logic import TurnContractError
+from ._turn_logic import TurnContractError, usage_problem
 from ._wire import (
     AgentMessage,
     AgentMessageChunkRange,
     AgentState,
     AgentStatus,
-    AgentUsage,
     CompactContextInput,
     ContextSummary,
 )
@@ -162,10 +161,6 @@ def model_view(ctx: Context, rt: SessionRuntime, *, warn: bool) -> tuple[list[Ag
 # RunModel's decision -------------------------------------------------------------------------------------
 
 
-async def _resolved(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
-
-
 def _whole_number(value: object, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TurnContractError(f"{source} returned {value!r}; return a whole number")
@@ -186,10 +181,10 @@ async def compaction_before_model_call(
     if policy is None or not rt.compacts:
         return None
     try:
-        estimate = _whole_number(await _resolved(runner.estimate_input_tokens(turn)), "estimate_input_tokens")
+        estimate = _whole_number(await resolved(runner.estimate_input_tokens(turn)), "estimate_input_tokens")
         if not policy.should_compact(estimate):
             return None
-        chosen = await _resolved(runner.select_compaction_cutoff(turn, policy.retained_token_budget))
+        chosen = await resolved(runner.select_compaction_cutoff(turn, policy.retained_token_budget))
         if chosen is None:
             return None
         cutoff = _whole_number(chosen, "select_compaction_cutoff")
@@ -248,17 +243,16 @@ class CompactionSteps:
         )
         try:
             async with background_heartbeats(ctx, RUN_MODEL_HEARTBEAT_INTERVAL.total_seconds()):
-                result = await runner.summarize_context(summary_request)
+                result = await resolved(runner.summarize_context(summary_request))
         finally:
             writer.close()
         if not isinstance(result, ContextSummaryResult):
             raise CompactionContractError(
                 f"summarize_context returned a {type(result).__name__}; return a ContextSummaryResult"
             )
-        if not isinstance(result.usage, AgentUsage):
-            raise CompactionContractError(
-                f"ContextSummaryResult.usage must be an AgentUsage, got {type(result.usage).__name__}"
-            )
+        problem = usage_problem(result.usage)
+        if problem is not None:
+            raise CompactionContractError(f"ContextSummaryResult.usage {problem}")
         if not isinstance(result.text, str) or not result.text.strip():
             raise BlankContextSummaryError(f"summarize_context returned a blank summary through {through}")
         summary = ContextSummary(

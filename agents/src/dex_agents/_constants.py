@@ -97,6 +97,10 @@ REJECTION_MESSAGE_NOT_STORED = "The user rejected this tool call; the reason giv
 # is kept to this many characters, and the call keeps its status: a write whose outcome is unknown
 # must go on saying so, whatever the size of what the tool said.
 MAX_STORED_TOOL_ERROR_CHARS = 4000
+# A failed turn's error (last_turn_error, the turn_failed event) is kept to this many characters:
+# a runner's turn_error or a raised text of megabytes could not be stored, and the model call would
+# run again on every retry, the runner's messages lost.
+MAX_STORED_TURN_ERROR_CHARS = 4000
 # A note listing a turn's tool calls that is too large to store whole keeps this many characters of
 # each call's arguments and result: the calls and their statuses still reach the model, so a write
 # that ran is not repeated, while a few hundred calls still fit one engine value.
@@ -106,6 +110,8 @@ CUT_NOTE_FIELD_CHARS = 2_000
 STEERED_REJECTION_MESSAGE = '{"status":"cancelled","reason":"superseded_by_steered_user_message"}'
 TURN_CANCELLED_REJECTION_MESSAGE = '{"status":"cancelled","reason":"turn_cancelled_by_user"}'
 ARGUMENTS_NOT_OBJECT = "arguments must be a JSON object"
+# A call whose tool name is blank (a model's malformed output) fails with this, the model seeing it.
+TOOL_NAME_MISSING = "the tool call names no tool"
 # Arguments nested deeper than Python's JSON decoder can go (its recursion limit): the call fails
 # with this rather than the model call raising RecursionError on every attempt.
 ARGUMENTS_TOO_DEEP = "arguments are nested too deeply to read as JSON"

@@ -98,6 +98,23 @@ def cut_text(text: str, chars: int | None) -> str:
     return f"{text[:chars]} [Dex: cut from {len(text)} characters]"
 
 
+def text_of(value: object) -> str:
+    """`value` as text, for an error a session stores: str() of what is not text. Never raises: a
+    runner's odd value (an exception given as a message, a __str__ that raises) must not stop a call
+    or a turn from being recorded, which would run it again."""
+    if isinstance(value, str):
+        return value
+    try:
+        return str(value)
+    except Exception as exc:
+        return f"(a {type(value).__name__} whose text could not be made: {type(exc).__name__})"
+
+
+def raised_text(exc: BaseException) -> str:
+    """What `exc` was, as "<type>: <text>"; never raises (text_of)."""
+    return f"{type(exc).__name__}: {text_of(exc)}"
+
+
 def build_turn_failure_note(records: Iterable[AgentToolCall], *, field_chars: int | None = None) -> str | None:
     """The turn-failure note for a failed turn's final records, or None when no tool call ran;
     `field_chars` as in build_tool_call_note."""

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,13 @@ from dex_engine import (
 
 from ._chunk_memo import ChunkMessagesMemo
 from ._compaction import is_compaction_runner, plan_retention
-from ._constants import CUT_NOTE_FIELD_CHARS, REJECTION_MESSAGE_NOT_STORED, TOOL_HEARTBEAT_INTERVAL
+from ._constants import (
+    CUT_NOTE_FIELD_CHARS,
+    MAX_STORED_TOOL_ERROR_CHARS,
+    MAX_STORED_TURN_ERROR_CHARS,
+    REJECTION_MESSAGE_NOT_STORED,
+    TOOL_HEARTBEAT_INTERVAL,
+)
 from ._events import AgentEventType, AgentEventWriter, make_event
 from ._message_store import (
     MessageLayoutLimits,
@@ -64,7 +71,7 @@ from ._persistence import (
     TURN_SESSION_SETTINGS,
     message_sequence_key,
 )
-from ._policy import build_turn_failure_note
+from ._policy import build_turn_failure_note, cut_text, raised_text
 from ._runner import AgentFrameworkRunner, AgentTurnContext, FrameworkMessage, UnfinishedTurnMessageBuilder
 from ._timefmt import utc_now_text
 from ._turn_logic import (
@@ -79,6 +86,7 @@ from ._turn_logic import (
     to_agent_message,
     tool_step_for,
     tool_step_overrides,
+    usage_problem,
 )
 from ._wire import (
     AgentEvent,
@@ -299,7 +307,7 @@ class SessionRuntime:
         try:
             built = self.runner.build_user_message(text)
         except Exception as exc:
-            raise TurnContractError(f"build_user_message raised {type(exc).__name__}: {exc}") from exc
+            raise TurnContractError(f"build_user_message raised {raised_text(exc)}") from exc
         checked = check_framework_messages([built], "build_user_message(...)")[0]
         if checked.role is not MessageRole.USER:
             raise TurnContractError(f"build_user_message returned role {checked.role.value!r}; it must be 'user'")
@@ -330,8 +338,9 @@ class SessionRuntime:
         return dict(stored.session_settings) if stored is not None and stored.turn_id == turn_id else {}
 
     def record_usage(self, ctx: Context, turn_id: str, usage: AgentUsage) -> None:
-        if not isinstance(usage, AgentUsage):
-            raise TurnContractError(f"usage must be an AgentUsage, got {type(usage).__name__}")
+        problem = usage_problem(usage)
+        if problem is not None:
+            raise TurnContractError(f"usage {problem}")
         total = (ctx.get(AGENT_USAGE) or AgentUsage()).plus(usage)
         ctx.set(AGENT_USAGE, total)
         self.emit(ctx, AgentEventType.USAGE_RECORDED, turn_id, {
@@ -369,7 +378,8 @@ class SessionRuntime:
     ) -> None:
         """End the turn as failed in this commit: unfinished items, the note (with `note` and final
         records), cleared records. What does not fit the value limit is left out (append_turn_ending);
-        nothing here blocks the failure."""
+        nothing here blocks the failure: an error over MAX_STORED_TURN_ERROR_CHARS is cut."""
+        error = cut_text(error, MAX_STORED_TURN_ERROR_CHARS)
         records = self.turn_records(ctx, turn_id)
 
         def note_text(field_chars: int | None) -> str | None:
@@ -437,7 +447,8 @@ class SessionRuntime:
             chosen = provide(deferred_call_of(record))
         except Exception as exc:
             log.warning("tool_call_step_options raised for tool call %r", record.tool_call_id, exc_info=True)
-            detail = f"the runner's tool_call_step_options raised {type(exc).__name__}: {exc}"
+            detail = cut_text(f"the runner's tool_call_step_options raised {raised_text(exc)}",
+                              MAX_STORED_TOOL_ERROR_CHARS)
             return finished(record, AgentToolCallStatus.FAILED, error=not_run_error(detail))
         try:
             retry, timeout = tool_step_overrides(step, chosen)
@@ -493,6 +504,13 @@ def every_chunk_reader(ctx: Context | RpcContext) -> Callable[[AgentMessageChunk
         return chunk if chunk is not None else one(chunk_range)
 
     return read
+
+
+async def resolved(value: Any) -> Any:
+    """A runner method's result, awaited when it is awaitable. The contract's methods are async, but
+    a plain def has already done its work when it returns (a model call, a write that may not run
+    twice): its result is used rather than the Step failing after it and running it again."""
+    return await value if inspect.isawaitable(value) else value
 
 
 def background_heartbeats(

@@ -33,7 +33,7 @@ from ._constants import (
 )
 from ._events import AgentEventType
 from ._persistence import AGENT_STATE, AGENT_TOOL_CALLS, TURN_CANCELLATION_REQUEST
-from ._policy import REPEATABLE_EFFECTS
+from ._policy import REPEATABLE_EFFECTS, text_of
 from ._runner import (
     ToolExecutionError,
     ToolExecutionResult,
@@ -46,7 +46,7 @@ from ._runner import (
     ToolTaskStarted,
     polls_tool_tasks,
 )
-from ._runtime import SessionRuntime, background_heartbeats, tool_call_load
+from ._runtime import SessionRuntime, background_heartbeats, resolved, tool_call_load
 from ._turn_logic import finished, text_problem, without_question
 from ._wire import (
     AgentState,
@@ -312,11 +312,11 @@ class TaskSteps:
             # keeps killing its Worker runs out of attempts instead of being handed out forever.
             await ctx.heartbeat()
             async with background_heartbeats(ctx):
-                result = await cast(ToolTaskPoller, rt.runner).poll_tool_task(poll)
+                result = await resolved(cast(ToolTaskPoller, rt.runner).poll_tool_task(poll))
         except ToolExecutionError as exc:
-            final = finished(polled, AgentToolCallStatus.FAILED, error=exc.message)
+            final = finished(polled, AgentToolCallStatus.FAILED, error=text_of(exc.message))
         except ToolOutcomeUnknownError as exc:
-            final = finished(polled, AgentToolCallStatus.OUTCOME_UNKNOWN, error=exc.message)
+            final = finished(polled, AgentToolCallStatus.OUTCOME_UNKNOWN, error=text_of(exc.message))
         else:
             if isinstance(result, ToolTaskPending):
                 return self._pending(ctx, polled, result)
@@ -366,6 +366,6 @@ class TaskSteps:
                 attempt=ctx.attempt, heartbeat=heartbeat,
             )
             async with background_heartbeats(ctx):
-                await cancel(cancellation)
+                await resolved(cancel(cancellation))
         rt.finish_record(ctx, cancelled_task_record(record))
         return StepDecision.dead_end()

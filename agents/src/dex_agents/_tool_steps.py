@@ -49,7 +49,7 @@ from ._persistence import (
     TOOL_CALL_RESULTS,
     TURN_CONTROL_REQUESTS,
 )
-from ._policy import cut_text
+from ._policy import cut_text, text_of
 from ._runner import (
     DeferredToolExecution,
     ToolExecutionError,
@@ -65,6 +65,7 @@ from ._runtime import (
     background_heartbeats,
     now_utc,
     pending_interrupts,
+    resolved,
     tool_call_load,
 )
 from ._task_steps import cancelled_task_record, is_abandoned_task, question_failure_status, start_tool_task
@@ -265,11 +266,11 @@ class ToolSteps:
         result: object = None
         try:
             async with background_heartbeats(ctx):
-                result = await rt.runner.execute_deferred_tool_call(call)
+                result = await resolved(rt.runner.execute_deferred_tool_call(call))
         except ToolExecutionError as exc:
-            final = finished(record, AgentToolCallStatus.FAILED, error=exc.message)
+            final = finished(record, AgentToolCallStatus.FAILED, error=text_of(exc.message))
         except ToolOutcomeUnknownError as exc:
-            final = finished(record, AgentToolCallStatus.OUTCOME_UNKNOWN, error=exc.message)
+            final = finished(record, AgentToolCallStatus.OUTCOME_UNKNOWN, error=text_of(exc.message))
         else:
             if isinstance(result, ToolInputRequested):
                 return self._ask(ctx, record, result)

@@ -30,6 +30,7 @@ from ._constants import (
     DEFAULT_MAX_DURABLE_WAIT,
     MAX_REJECTION_MESSAGE_CHARS,
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
+    TOOL_NAME_MISSING,
 )
 from ._options import LONGEST_TIMER
 from ._plans import WRITE_TODOS, count_write_todos_calls, rejected_in_planning_turn, settle_write_todos
@@ -44,6 +45,7 @@ from ._wire import (
     AgentStatus,
     AgentToolCall,
     AgentToolCallStatus,
+    AgentUsage,
     InteractionMode,
     InterruptKind,
     MessageRole,
@@ -91,6 +93,18 @@ def ended_turn(state: AgentState, *, error: str | None) -> AgentState:
 
 
 _ROLES = frozenset(r.value for r in MessageRole)
+
+
+def usage_problem(usage: object) -> str | None:
+    """Why `usage` cannot be added to the session's totals, or None: it must be an AgentUsage whose
+    counts are whole numbers of at least 0 (a provider's missing count passed on as None is not)."""
+    if not isinstance(usage, AgentUsage):
+        return f"must be an AgentUsage, got {type(usage).__name__}"
+    for name in AgentUsage.__struct_fields__:
+        value = getattr(usage, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            return f"{name} must be a whole number of at least 0, got {value!r:.60}"
+    return None
 
 
 def text_problem(value: str) -> str | None:
@@ -326,7 +340,8 @@ def plan_tool_calls(
     """Records, interrupts and next Steps for one response's tool calls (in model order).
 
     Raises TurnContractError for what fails the turn: no calls, a bad ID, a call that is not a
-    DeferredToolCall. Arguments that are not a JSON object fail only that call, at once. A planning
+    DeferredToolCall. Arguments that are not a JSON object, or a blank tool name, fail only that
+    call, at once. A planning
     turn rejects every call but write_todos; write_todos settles here against `current_plan`.
     """
     if isinstance(tool_calls, str | bytes) or not isinstance(tool_calls, Sequence) or not tool_calls:
@@ -341,8 +356,8 @@ def plan_tool_calls(
         if not isinstance(call, DeferredToolCall):
             raise TurnContractError(f"tool_calls[{index}] is a {type(call).__name__}, not a DeferredToolCall")
         call_id = check_tool_call_id(call.tool_call_id, seen)
-        if not isinstance(call.tool_name, str) or not call.tool_name:
-            raise TurnContractError(f"tool call {call_id!r} has no tool name")
+        if not isinstance(call.tool_name, str):
+            raise TurnContractError(f"tool call {call_id!r} has tool_name {call.tool_name!r:.60}; it must be text")
         name_problem = text_problem(call.tool_name)
         if name_problem is not None:
             raise TurnContractError(f"tool call {call_id!r} has a tool name that is {name_problem}")
@@ -374,7 +389,8 @@ def plan_tool_calls(
             if interrupt is not None:
                 interrupts.append(interrupt)
             continue
-        bad_arguments = arguments_error(call.arguments)
+        # A model's call with a blank name fails alone, as bad arguments do: its other calls still run.
+        bad_arguments = TOOL_NAME_MISSING if not call.tool_name.strip() else arguments_error(call.arguments)
         arguments = storable_arguments(call.arguments)
         approval = is_approval_required(call.policy)
         if bad_arguments is not None:

@@ -51,6 +51,7 @@ from ._runtime import (
     background_heartbeats,
     now_utc,
     pending_interrupts,
+    resolved,
     session_settings,
     tool_call_load,
 )
@@ -221,7 +222,7 @@ class TurnSteps:
             return compacting  # CompactContext, with no model call (or a contract breach ended the turn)
         try:
             async with background_heartbeats(ctx, RUN_MODEL_HEARTBEAT_INTERVAL.total_seconds()):
-                outcome = await rt.runner.run_model_step(turn)
+                outcome = await resolved(rt.runner.run_model_step(turn))
         finally:
             turn.events.close()
         try:

@@ -46,7 +46,7 @@ from typing import Any, overload
 import msgspec
 
 from .._events import AgentEventWriter
-from .._policy import ToolPolicy
+from .._policy import ToolPolicy, raised_text
 from .._runner import ToolExecutionError, ToolInputRequested, ToolOutcomeUnknownError
 from .._wire import QuestionAnswer, ToolEffect
 from ._model import ModelToolDefinition
@@ -429,7 +429,7 @@ class _Object(_Shape):
         try:
             return self.cls(**converted)
         except Exception as exc:  # __post_init__ validation rejects the value like a schema would
-            raise _ArgumentError(path, f"{type(exc).__name__}: {exc}") from None
+            raise _ArgumentError(path, raised_text(exc)) from None
 
 
 class _UnsupportedType(TypeError):
@@ -572,7 +572,26 @@ def _encode_result(result: object) -> str:
     if isinstance(result, str):
         return result
     # msgspec encodes dataclasses, Enums (by value), TypedDicts, datetimes and UUIDs as well.
-    return msgspec.json.encode(result).decode()
+    data = msgspec.json.encode(result)
+    if b"null" in data:  # msgspec writes NaN and infinities as null: the model would see a wrong value
+        bad = _non_finite(msgspec.to_builtins(result))
+        if bad is not None:
+            raise ValueError(f"the result holds the number {bad!r}, which JSON cannot hold")
+    return data.decode()
+
+
+def _non_finite(value: object) -> float | None:
+    """The first NaN or infinity in `value` (builtins: dicts, lists, scalars), or None."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return item
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+    return None
 
 
 class FunctionTool:
@@ -642,7 +661,7 @@ class FunctionTool:
             # A repeatable call's error is shown to the model; a write that may not repeat might
             # have taken effect, so its error propagates and the session records outcome_unknown.
             if context.effect in _MODEL_VISIBLE_ERROR_EFFECTS:
-                raise ToolExecutionError(f"{type(exc).__name__}: {exc}") from exc
+                raise ToolExecutionError(raised_text(exc)) from exc
             raise
 
     def _convert_arguments(self, decoded: dict[str, Any]) -> dict[str, Any]:
@@ -664,7 +683,7 @@ class FunctionTool:
         except ToolExecutionError as exc:
             raise ToolExecutionError(f"{prefix}: {exc.message}") from exc
         except Exception as exc:  # CancelledError is a BaseException and passes through
-            raise ToolExecutionError(f"{prefix}: prepare_arguments failed: {type(exc).__name__}: {exc}") from exc
+            raise ToolExecutionError(f"{prefix}: prepare_arguments failed: {raised_text(exc)}") from exc
         if inspect.isawaitable(prepared):
             if inspect.iscoroutine(prepared):
                 prepared.close()  # never awaited on purpose; closing avoids a "never awaited" warning
