@@ -43,6 +43,7 @@ from dex_engine import (
     InvalidResumeTokenError,
     InvalidValueError,
     InvalidWaitError,
+    MovementOptions,
     Registry,
     RetryPolicy,
     RpcContext,
@@ -50,6 +51,7 @@ from dex_engine import (
     SearchQueryError,
     Step,
     StepDecision,
+    StepDurability,
     StepNotWaitingError,
     StepOptions,
     Store,
@@ -582,6 +584,47 @@ async def test_lookups_of_an_id_with_an_unstorable_character_find_no_flow(db_url
             assert await c.search_flows(f'{term} = "{bad}"') == []
 
 
+@pytest.mark.parametrize("bad", [42, None, b"f", ["f"]], ids=["int", "none", "bytes", "list"])
+async def test_lookups_of_an_id_that_is_not_a_str_are_refused_as_start_flow_refuses_it(db_url: str, bad: Any) -> None:
+    """A flow ID that is not a str (an int read from a row, a None, bytes) gets from every client call
+    the InvalidIdError start_flow gives it, naming its type and value, and changes nothing.
+    Catches: AttributeError ('int' object has no attribute 'isprintable') from inside the client, and
+    TypeError (unhashable type) from its cache of flow types for a list."""
+    message = f"flow ID must be a string, got {type(bad).__name__}: {bad!r}"
+    async with idle_engine(db_url) as eng:
+        c = eng.client
+        calls: dict[str, Callable[[], Awaitable[object]]] = {
+            "start_flow": lambda: c.start_flow("Bad", bad, "ok"),
+            "describe_flow": lambda: c.describe_flow(bad),
+            "exists": lambda: c.exists(bad),
+            "get_flow_history": lambda: c.get_flow_history(bad),
+            "wait_for_flow": lambda: c.wait_for_flow(bad, 1),
+            "flow_output": lambda: c.flow_output(bad),
+            "stop_flow": lambda: c.stop_flow(bad, "why"),
+            "skip_timer": lambda: c.skip_timer(bad, "Listen-1"),
+            "update_flow_config": lambda: c.update_flow_config(bad, FlowConfig()),
+            "rpc": lambda: c.rpc(bad, "note", "x"),
+            "publish": lambda: c.publish(bad, Inbox, 1),
+            "get_attribute": lambda: c.get_attribute(bad, Note),
+            "get_attribute_map": lambda: c.get_attribute_map(bad, Tags),
+            "read_stream": lambda: c.read_stream(bad, Events),
+        }
+        for name, call in calls.items():
+            error = await refused(eng.store, call, InvalidIdError)
+            assert str(error) == message, name
+
+
+async def test_a_step_execution_id_or_query_that_is_not_a_str_is_refused(db_url: str) -> None:
+    """skip_timer's Step execution ID and search_flows's query must be text: InvalidIdError and
+    SearchQueryError name the value. Catches: AttributeError from inside the client."""
+    async with idle_engine(db_url) as eng:
+        c = eng.client
+        error = await refused(eng.store, lambda: c.skip_timer("f", 7), InvalidIdError)  # type: ignore[arg-type]
+        assert str(error) == "step execution ID must be a string, got int: 7"
+        error = await refused(eng.store, lambda: c.search_flows(7), SearchQueryError)  # type: ignore[arg-type]
+        assert str(error) == "search query must be text, got int: 7"
+
+
 async def test_longest_and_punctuated_flow_ids_are_accepted(db_url: str) -> None:
     """The boundary: 255 characters and punctuation other than '/' are valid flow IDs."""
     async with engine_for(db_url, REGISTRY, worker=False) as eng:
@@ -704,7 +747,7 @@ async def test_value_of_wrong_type_is_refused(db_url: str, where: str) -> None:
             "rpc request with a lone surrogate": (lambda: c.rpc("f", "note", "bad \ud800"), "request of RPC note"),
             "start_flow input with a lone surrogate": (lambda: c.start_flow("Bad", "g", "bad \ud800"), "flow input"),
             # Deeper than Python's recursion limit lets the encoder go: not a RecursionError.
-            "start_flow input nested too deeply": (lambda: c.start_flow("Bad", "g", _nested(5000)), "flow input"),
+            "start_flow input nested too deeply": (lambda: c.start_flow("Bad", "g", _nested(100_000)), "flow input"),
             "rpc ctx.set": (lambda: c.rpc("f", "misuse", "wrong_type"), "'Count'"),
         }
         call, name = calls[where]
@@ -749,6 +792,23 @@ async def test_operations_on_a_closed_flow_are_refused(db_url: str, operation: s
         }
         await refused(eng.store, calls[operation], FlowNotActiveError, "'f'", "stopped")
         assert await c.get_attribute("f", Note) == "kept", "a closed flow's attributes stay readable"
+
+
+@pytest.mark.parametrize("config", ["bogus", {"active_step_search": False}], ids=["text", "dict"])
+async def test_a_config_that_is_not_a_flow_config_is_refused(db_url: str, config: Any) -> None:
+    """start_flow's config_override and update_flow_config take only a FlowConfig: anything else
+    raises InvalidValueError naming the argument and the value, and nothing is stored. Catches: the
+    value stored as its JSON, after which no reader could decode the flow's config (the flow ran no
+    other Step, describe_flow raised msgspec's ValidationError), or one that could by chance."""
+    async with idle_engine(db_url) as eng:
+        c = eng.client
+        shown = f"got {type(config).__name__}: {config!r}"
+        await refused(eng.store, lambda: c.start_flow("Bad", "g", "ok", config_override=config), InvalidValueError,
+                      "config_override must be a FlowConfig", shown)
+        await refused(eng.store, lambda: c.update_flow_config("f", config), InvalidValueError,
+                      "config must be a FlowConfig", shown)
+        assert not await c.exists("g")
+        assert (await c.describe_flow("f")).config == FlowConfig()
 
 
 async def test_unknown_rpc_is_refused(db_url: str) -> None:
@@ -971,6 +1031,53 @@ def test_invalid_step_option_timeouts(field_name: str, value: Any) -> None:
         StepOptions(**{field_name: value})
     assert field_name in str(caught.value)
     assert repr(value) in str(caught.value)
+
+
+DURABILITY_CHOICES = "StepDurability.SYNC or StepDurability.ASYNC"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param({"default_step_durability": "async"},
+                     f"FlowConfig default_step_durability must be {DURABILITY_CHOICES}, got 'async'", id="text"),
+        pytest.param({"default_step_durability": None},
+                     f"FlowConfig default_step_durability must be {DURABILITY_CHOICES}, got None", id="none"),
+        pytest.param({"default_step_durability": 1},
+                     f"FlowConfig default_step_durability must be {DURABILITY_CHOICES}, got 1", id="int"),
+        pytest.param({"active_step_search": 1}, "FlowConfig active_step_search must be a bool, got 1", id="search-int"),
+        pytest.param({"active_step_search": "false"}, "FlowConfig active_step_search must be a bool, got 'false'",
+                     id="search-text"),
+    ],
+)
+def test_a_flow_config_with_a_bad_field_is_refused_when_built(kwargs: dict[str, Any], message: str) -> None:
+    """A FlowConfig refuses a field of the wrong kind with InvalidValueError naming it and the value.
+    Catches: the config stored as given, after which no reader could decode it: the flow (an agent
+    session started with step_durability="async") never ran another Step."""
+    with pytest.raises(InvalidValueError) as caught:
+        FlowConfig(**kwargs)
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize("make", [StepOptions, MovementOptions])
+@pytest.mark.parametrize("value", ["async", 1, True])
+def test_invalid_step_durability(make: Callable[..., object], value: Any) -> None:
+    """Step and movement options refuse a durability that is not a StepDurability with
+    FlowDefinitionError naming it. Catches: the options stored with each task they resolve to, where
+    the next process to read the task (a restarted worker) could not decode it and the flow stalled."""
+    with pytest.raises(FlowDefinitionError) as caught:
+        make(durability=value)
+    assert str(caught.value) == (f"durability must be StepDurability.SYNC, StepDurability.ASYNC or None (the flow "
+                                 f"config's default), got {value!r}")
+
+
+@pytest.mark.parametrize("member", list(StepDurability))
+def test_a_durability_given_as_its_text_is_taken_as_the_member(member: StepDurability) -> None:
+    """"SYNC" and "ASYNC" named their durability before it was checked, so they still do: each
+    option holds the member itself, as a decoded one would."""
+    assert FlowConfig(default_step_durability=member.value).default_step_durability is member  # type: ignore[arg-type]
+    assert StepOptions(durability=member.value).durability is member  # type: ignore[arg-type]
+    assert MovementOptions(durability=member.value).durability is member  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
@@ -54,6 +55,9 @@ def agent_session_flow_config(
     """The FlowConfig to pass to AsyncClient.start_flow(config_override=...) for a session."""
     if not isinstance(mode, ActiveStepSearchMode):
         raise ValueError(f"active_step_search_mode must be an ActiveStepSearchMode, got {mode!r}")
+    if step_durability not in tuple(StepDurability):  # a member, or its text ("SYNC"), as FlowConfig takes
+        raise ValueError(
+            f"step_durability must be StepDurability.SYNC or StepDurability.ASYNC, got {step_durability!r}")
     return FlowConfig(active_step_search=mode is ActiveStepSearchMode.ENABLED, default_step_durability=step_durability)
 
 
@@ -69,6 +73,12 @@ class AgentSessionClient:
     """Typed calls to the sessions of one agent Flow type."""
 
     def __init__(self, client: AsyncClient, flow: AgentSessionFlow) -> None:
+        # The blocking Client has the same method names, but its calls return results, not
+        # awaitables: each call would commit, then fail, and a retry would commit it again. Checked
+        # by the calls, not the class, so an async test double of AsyncClient still serves.
+        if not inspect.iscoroutinefunction(getattr(client, "rpc", None)):
+            raise TypeError(f"client must be a dex_engine.AsyncClient, got {type(client).__name__}, whose rpc "
+                            "cannot be awaited; pass a dex_engine.AsyncClient")
         if not isinstance(flow, AgentSessionFlow):
             raise TypeError(f"flow must be an AgentSessionFlow, got {type(flow).__name__}")
         self.client = client

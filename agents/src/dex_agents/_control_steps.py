@@ -264,9 +264,14 @@ def steer_request_ok(request: SteerUserMessageRequest) -> bool:
     return request.text is None or bool(request.text.strip())
 
 
+# Digits of the longest engine message ID: a 64-bit signed integer (9,223,372,036,854,775,807). A
+# longer one names no message, and past 4,300 digits Python's int() refuses to convert it at all.
+MAX_CHANNEL_MESSAGE_ID_DIGITS = 19
+
+
 def channel_message_id(text: str) -> int | None:
     """A PendingUserMessage.message_id as the engine's message ID, None when it cannot be one."""
-    if not text.isdigit() or not text.isascii():
+    if len(text) > MAX_CHANNEL_MESSAGE_ID_DIGITS or not text.isdigit() or not text.isascii():
         return None
     return int(text)
 

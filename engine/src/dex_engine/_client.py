@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from ._codec import decode_value, encode_value
 from ._context import RpcContext
 from ._decision import RPCResult
-from ._errors import DexError, FlowNotFoundError, RpcContentionError, StepNotWaitingError
+from ._errors import DexError, FlowNotFoundError, InvalidValueError, RpcContentionError, StepNotWaitingError
 from ._flow import Flow, Registry
 from ._ids import check_id
 from ._limits import (
@@ -62,6 +62,9 @@ _TERM = re.compile(r'\s*(FlowType|FlowStatus|ActiveStepTypes)\s*=\s*"([^"]*)"\s*
 def parse_search(query: str) -> dict[str, str]:
     """`FlowType = "X" AND FlowStatus = "running" AND ActiveStepTypes = "Y"` (each optional)."""
     terms: dict[str, str] = {}
+    given: object = query
+    if not isinstance(given, str):
+        raise SearchQueryError(f"search query must be text, got {type(given).__name__}: {given!r:.60}")
     if not query.strip():
         return terms
     for part in re.split(r"\bAND\b", query):
@@ -77,10 +80,13 @@ def parse_search(query: str) -> dict[str, str]:
     return terms
 
 
-def _known(flow_id: str) -> str:
+def _known(flow_id: object) -> str:
     """`flow_id`, to look up; FlowNotFoundError for one with a character no flow ID has (start_flow
     refuses control characters), among them two a database cannot even be asked about: NUL, which
-    PostgreSQL's text cannot hold, and a lone surrogate, which has no UTF-8 encoding."""
+    PostgreSQL's text cannot hold, and a lone surrogate, which has no UTF-8 encoding. One that is not
+    a str gets the InvalidIdError start_flow gives it, naming its type."""
+    if not isinstance(flow_id, str):
+        return check_id("flow ID", flow_id)  # raises for any value that is not a str
     if not flow_id.isprintable():
         raise FlowNotFoundError(flow_id)
     return flow_id
@@ -121,9 +127,10 @@ class AsyncClient:
         """Start a flow; raises FlowAlreadyStartedError when the ID exists."""
         flow = self.registry.flow(flow_type)
         check_id("flow ID", flow_id)
+        config = FlowConfig() if config_override is None else _flow_config("config_override", config_override)
         await self._store.start_flow(StartRequest(
             flow_id=flow_id, flow_type=flow_type, input=encode_value("flow input", Any, input),
-            config=config_override or FlowConfig(), start=start_record(flow, input),
+            config=config, start=start_record(flow, input),
         ))
         self._remember_flow_type(flow_id, flow_type)
 
@@ -134,9 +141,9 @@ class AsyncClient:
         self._flow_types[flow_id] = flow_type
 
     async def _flow_of(self, flow_id: str) -> Flow:
-        flow_type = self._flow_types.get(flow_id)
+        flow_type = self._flow_types.get(_known(flow_id))  # checked first: an unhashable ID is no key
         if flow_type is None:
-            flow_type = (await self._store.describe_flow(_known(flow_id))).flow_type
+            flow_type = (await self._store.describe_flow(flow_id)).flow_type
             self._remember_flow_type(flow_id, flow_type)
         return self.registry.flow(flow_type)
 
@@ -249,12 +256,15 @@ class AsyncClient:
     async def skip_timer(self, flow_id: str, step_execution_id: str) -> None:
         """Fire the pending timers of a waiting Step execution now (E6)."""
         flow_id = _known(flow_id)
+        checked: object = step_execution_id
+        if not isinstance(checked, str):
+            check_id("step execution ID", checked)  # raises, naming the type
         if not step_execution_id.isprintable():  # no Step execution ID has such a character (see _known)
             raise StepNotWaitingError(flow_id, step_execution_id)
         await self._store.skip_timer(flow_id, step_execution_id)
 
     async def update_flow_config(self, flow_id: str, config: FlowConfig) -> None:
-        await self._store.update_flow_config(_known(flow_id), config)
+        await self._store.update_flow_config(_known(flow_id), _flow_config("config", config))
 
     async def describe_flow(self, flow_id: str) -> FlowInfo:
         return await self._store.describe_flow(_known(flow_id))
@@ -299,6 +309,14 @@ class AsyncClient:
         except FlowNotFoundError:
             return False
         return True
+
+
+def _flow_config(label: str, config: object) -> FlowConfig:
+    """`config` if it is a FlowConfig: the store would write any struct or mapping given instead, and
+    a flow whose stored config no reader decodes never runs another Step."""
+    if not isinstance(config, FlowConfig):
+        raise InvalidValueError(f"{label} must be a FlowConfig, got {type(config).__name__}: {config!r:.60}")
+    return config
 
 
 def _check_limit(limit: object) -> None:

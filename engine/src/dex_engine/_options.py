@@ -8,7 +8,7 @@ from typing import Any, Literal, TypeGuard
 
 import msgspec
 
-from ._errors import FlowDefinitionError
+from ._errors import FlowDefinitionError, InvalidValueError
 from ._limits import MAX_TIMER_SECONDS
 from ._retry import RetryPolicy
 from ._schema import AttributeMap, AttributeRef
@@ -21,6 +21,16 @@ class StepDurability(StrEnum):
 
     SYNC = "SYNC"
     ASYNC = "ASYNC"
+
+
+def _as_step_durability(value: object) -> StepDurability | None:
+    """`value` as the StepDurability it names, None when it names none. A member's text ("SYNC", as
+    it is stored) names that member: callers passed the text before it was checked, and it worked."""
+    if isinstance(value, StepDurability):
+        return value
+    if isinstance(value, str) and value in tuple(StepDurability):
+        return StepDurability(value)
+    return None
 
 
 class LoadSpec(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -106,6 +116,7 @@ class StepOptions:
 
     def __post_init__(self) -> None:
         _check_timeouts(self)
+        _check_durability(self)
 
 
 @dataclass(frozen=True)
@@ -133,6 +144,7 @@ class MovementOptions:
             if retry is not None and not isinstance(retry, RetryPolicy):
                 raise FlowDefinitionError(f"{label} must be a RetryPolicy or None, got {retry!r}")
         _check_timeouts(self)
+        _check_durability(self)
 
 
 def is_number(value: object) -> TypeGuard[int | float]:
@@ -154,11 +166,38 @@ def _check_timeouts(options: StepOptions | MovementOptions) -> None:
                 f"{label} must be a positive number of seconds, at most {MAX_TIMER_SECONDS}, got {value!r}")
 
 
+def _check_durability(options: StepOptions | MovementOptions) -> None:
+    # Stored with each task it resolves to: a value no reader can decode would stall the flow.
+    if options.durability is None:
+        return
+    durability = _as_step_durability(options.durability)
+    if durability is None:
+        raise FlowDefinitionError(
+            "durability must be StepDurability.SYNC, StepDurability.ASYNC or None (the flow config's "
+            f"default), got {options.durability!r}")
+    if durability is not options.durability:
+        object.__setattr__(options, "durability", durability)  # the member, not its text
+
+
 class FlowConfig(msgspec.Struct, frozen=True, omit_defaults=True):
     """Per-flow configuration: set at start_flow, changed with update_flow_config (later Steps only)."""
 
     active_step_search: bool = True
     default_step_durability: StepDurability = StepDurability.SYNC
+
+    def __post_init__(self) -> None:
+        # Checked when built: a config no reader can decode, once stored, stops its flow for good.
+        # msgspec runs this on every decode too, where both values are right: two type tests.
+        search: object = self.active_step_search
+        if not isinstance(search, bool):
+            raise InvalidValueError(f"FlowConfig active_step_search must be a bool, got {search!r}")
+        durability = _as_step_durability(self.default_step_durability)
+        if durability is None:
+            raise InvalidValueError(
+                "FlowConfig default_step_durability must be StepDurability.SYNC or StepDurability.ASYNC, "
+                f"got {self.default_step_durability!r}")
+        if durability is not self.default_step_durability:
+            msgspec.structs.force_setattr(self, "default_step_durability", durability)  # the member, not its text
 
 
 class MethodOptions(msgspec.Struct, frozen=True, omit_defaults=True):

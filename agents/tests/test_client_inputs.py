@@ -1,0 +1,133 @@
+"""AgentSessionClient refuses what it cannot send, before anything is stored, on both backends.
+
+Each case was once accepted and broke later: a step durability stored in a FlowConfig no reader
+could decode (the session never ran), a session ID that is not a str failing deep in the engine,
+the blocking engine Client whose calls commit and then fail (a retry sends twice), and a message ID
+too long for int() raising instead of being "not queued".
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agents.tests.scripted_agent import build_flow
+from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
+
+from dex_agents import AgentSessionClient, AgentSnapshot
+from dex_agents.testing import wait_for_agent_snapshot
+from dex_engine import (
+    AsyncClient,
+    AsyncWorker,
+    Client,
+    FlowConfig,
+    InvalidIdError,
+    Registry,
+    StepDurability,
+    WorkerOptions,
+    open_store,
+)
+
+
+@asynccontextmanager
+async def sessions_on(tmp_path: Path, url: str, *, worker: bool = False) -> AsyncIterator[AgentSessionClient]:
+    """The scripted agent's sessions on `url`; with `worker`, a Worker in this process runs them."""
+    flow = build_flow(tmp_path)
+    store = open_store(url)
+    running: AsyncWorker | None = None
+    try:
+        if worker:
+            running = AsyncWorker(Registry([flow]), WorkerOptions(database_url=url, poll_seconds=0.01), store=store)
+            await running.__aenter__()
+        yield AgentSessionClient(AsyncClient(Registry([flow]), store=store), flow)
+    finally:
+        if running is not None:
+            await running.stop()
+        await store.close()
+
+
+def _turn_ended(snapshot: AgentSnapshot) -> bool:
+    state = snapshot.state
+    return state is not None and state.turn_count >= 1 and state.active_turn_id is None
+
+
+@pytest.mark.parametrize("durability", ["async", "bogus", None, 1])
+async def test_start_session_refuses_a_step_durability_that_is_not_one(
+    tmp_path: Path, db_url: str, durability: Any  # noqa: F811
+) -> None:
+    """start_session refuses a step_durability other than StepDurability.SYNC or ASYNC with
+    ValueError naming it, and starts nothing; the same ID then starts. Catches: the value stored in
+    the session's FlowConfig, which no reader could decode: the session's Worker failed to claim
+    StartAgentSession for ever and its messages were queued, never answered."""
+    async with sessions_on(tmp_path, db_url) as sessions:
+        with pytest.raises(ValueError) as caught:
+            await sessions.start_session("s", "hi", step_durability=durability)
+        assert str(caught.value) == (
+            f"step_durability must be StepDurability.SYNC or StepDurability.ASYNC, got {durability!r}")
+        assert not await sessions.client.exists("s")
+        await sessions.start_session("s", "hi")
+        assert (await sessions.client.describe_flow("s")).config == FlowConfig()
+
+
+async def test_a_step_durability_given_as_its_text_runs_the_session(tmp_path: Path, db_url: str) -> None:  # noqa: F811
+    """"ASYNC", the text of StepDurability.ASYNC, worked before step_durability was checked: it still
+    starts a session whose config holds the member, and whose first turn runs."""
+    async with sessions_on(tmp_path, db_url, worker=True) as sessions:
+        await sessions.start_session("s", "hi", step_durability="ASYNC")  # type: ignore[arg-type]
+        config = (await sessions.client.describe_flow("s")).config
+        assert config.default_step_durability is StepDurability.ASYNC
+        await wait_for_agent_snapshot(sessions, "s", _turn_ended, description="the first turn ended")
+
+
+@pytest.mark.parametrize("bad", [42, None, b"s"], ids=["int", "none", "bytes"])
+async def test_session_calls_refuse_a_session_id_that_is_not_a_str(
+    tmp_path: Path, db_url: str, bad: Any  # noqa: F811
+) -> None:
+    """Every session call on an ID that is not a str (an int from a database row, None, bytes) raises
+    the InvalidIdError start_session gives it, naming its type and value. Catches: AttributeError
+    ('int' object has no attribute 'isprintable') from inside the engine for all but start_session."""
+    message = f"flow ID must be a string, got {type(bad).__name__}: {bad!r}"
+    async with sessions_on(tmp_path, db_url) as sessions:
+        calls: dict[str, Callable[[], Awaitable[object]]] = {
+            "start_session": lambda: sessions.start_session(bad, "hi"),
+            "send_user_message": lambda: sessions.send_user_message(bad, "hi"),
+            "get_agent_snapshot": lambda: sessions.get_agent_snapshot(bad),
+            "list_agent_messages": lambda: sessions.list_agent_messages(bad),
+            "resolve_interrupt": lambda: sessions.resolve_interrupt(bad, "c1", True),
+            "delete_queued_message": lambda: sessions.delete_queued_message(bad, "1"),
+            "cancel_turn": lambda: sessions.cancel_turn(bad),
+            "read_agent_events": lambda: sessions.read_agent_events(bad),
+        }
+        for name, call in calls.items():
+            with pytest.raises(InvalidIdError) as caught:
+                await call()
+            assert str(caught.value) == message, name
+
+
+def test_the_blocking_engine_client_is_refused(tmp_path: Path, db_url: str) -> None:  # noqa: F811
+    """AgentSessionClient refuses dex_engine.Client, whose calls cannot be awaited, with TypeError
+    saying to pass an AsyncClient. Catches: send_user_message storing the message, then raising
+    TypeError, so a caller's retry queued it twice."""
+    flow = build_flow(tmp_path)
+    with Client(Registry([flow]), db_url) as blocking, pytest.raises(TypeError) as caught:
+        AgentSessionClient(blocking, flow)  # type: ignore[arg-type]
+    assert str(caught.value) == ("client must be a dex_engine.AsyncClient, got Client, whose rpc cannot be awaited; "
+                                 "pass a dex_engine.AsyncClient")
+
+
+async def test_a_message_id_too_long_to_be_one_is_not_queued(tmp_path: Path, db_url: str) -> None:  # noqa: F811
+    """delete_queued_message and steer_user_message return False for a message ID of any length that
+    names no queued message, and the queued message stays. Catches: an ID of over 4,300 digits
+    raising Python's ValueError from int() instead."""
+    async with sessions_on(tmp_path, db_url) as sessions:  # no Worker: the message stays queued
+        await sessions.start_session("s")
+        await sessions.send_user_message("s", "queued")
+        for message_id in ("9" * 20, "9" * 5000):
+            assert await sessions.delete_queued_message("s", message_id) is False
+            assert await sessions.steer_user_message("s", message_id=message_id) is False
+        queued = (await sessions.get_agent_snapshot("s")).queued_messages
+        assert [m.message.text for m in queued] == ["queued"]
+        assert await sessions.delete_queued_message("s", queued[0].message_id) is True
