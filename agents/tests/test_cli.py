@@ -142,6 +142,34 @@ def test_chat_control_lines_without_a_turn_are_refused(tmp_path: Path) -> None:
     assert "agent> ok" in result.stdout and "Demo reply" not in result.stdout
 
 
+def test_chat_help_is_answered_by_the_chat_and_sends_nothing(tmp_path: Path) -> None:
+    """/help prints the demo model's commands and the chat's once, and starts no turn.
+    Catches: "/help" also sent to the agent as a message, whose turn printed the commands again."""
+    result = _run(["chat", "--data-dir", str(tmp_path)], stdin="/help\n/echo ok\n")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert out.count("Demo model commands:") == 1 and out.count("While a turn runs:") == 1
+    assert "agent> Demo model commands:" not in out
+    assert "agent> ok" in out
+
+
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])
+def test_chat_refuses_a_line_that_is_not_utf8_and_goes_on(tmp_path: Path, errors: str) -> None:
+    """A line that is not UTF-8 (a Latin-1 'é') is refused with one line saying it was not sent, and
+    the next line is answered, whichever error handler stdin has (strict on en_US.UTF-8,
+    surrogateescape in the C locale). Catches: with strict, the stdin reader thread dying and the
+    chat waiting for ever; with surrogateescape, the chat ending with an internal JSON error."""
+    env = {**os.environ, "COLUMNS": "200", "PYTHONIOENCODING": f"utf-8:{errors}"}
+    done = subprocess.run([*CLI, "chat", "--data-dir", str(tmp_path)], check=False, input=b"caf\xe9\n/echo after\n",
+                          capture_output=True, timeout=CLI_TIMEOUT_SECONDS, env=env)
+    out, err = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, out + err
+    refusal = "the line b'caf\\xe9' is not utf-8 text, so it was not sent; type it again"
+    assert out.count(refusal) == 1, out
+    assert "agent> after" in out and "Demo reply" not in out
+    assert "Traceback" not in err, err
+
+
 def test_demo_model_commands() -> None:
     """The demo model: /echo, /tool with JSON, bad JSON, /help, plain text, and results after tools."""
 

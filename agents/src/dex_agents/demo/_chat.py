@@ -18,7 +18,7 @@ from dex_engine import AsyncClient, AsyncWorker, InvalidIdError, Registry, Worke
 from .._client import AgentSessionClient
 from .._wire import AgentInterrupt, AgentPlan, AgentSnapshot, InterruptKind, PlanStatus
 from ._agent import build_demo_flow
-from ._lines import CANCEL_COMMAND, STEER_COMMAND, TerminalLines, is_control
+from ._lines import CANCEL_COMMAND, STEER_COMMAND, TerminalLines, UndecodableLineError, is_control
 from ._model import HELP_TEXT
 
 # The chat's Worker lives in this process; a short lease lets a restarted chat take over the
@@ -50,9 +50,14 @@ class Chat:
         self.token: str | None = None
 
     async def _ask(self, prompt: str) -> str | None:
-        """One line from the terminal after `prompt`, or None at end of input."""
-        self.console.print(prompt, end="", markup=False, highlight=False)
-        return await self.lines.next()
+        """One line from the terminal after `prompt`, or None at end of input; a line that is not
+        text is refused, and `prompt` asked again."""
+        while True:
+            self.console.print(prompt, end="", markup=False, highlight=False)
+            try:
+                return await self.lines.next()
+            except UndecodableLineError as error:
+                self.console.print(f"  {error}", style="red", markup=False, highlight=False)
 
     async def open(self) -> None:
         """Start the session, or resume it: show its latest messages and answer what waits."""
@@ -84,9 +89,10 @@ class Chat:
                 continue
             if text in ("/quit", "/exit"):
                 return
-            if text == "/help":
+            if text == "/help":  # answered here, not sent: a turn would print the model's commands again
                 self.console.print(HELP_TEXT)
                 self.console.print(CHAT_HELP_TEXT)
+                continue
             if is_control(text):
                 self.console.print("[dim]  no turn is running; /steer and /cancel apply to a running turn[/dim]")
                 continue

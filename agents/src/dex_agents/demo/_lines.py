@@ -16,41 +16,65 @@ STEER_COMMAND = "/steer"
 CANCEL_COMMAND = "/cancel"
 
 
+class UndecodableLineError(ValueError):
+    """A line typed or piped in that is not text in the terminal's encoding; it is dropped."""
+
+    def __init__(self, line: bytes, encoding: str) -> None:
+        super().__init__(f"the line {line!r:.60} is not {encoding} text, so it was not sent; type it again")
+        self.line = line
+
+
 class TerminalLines:
     """Lines from stdin in order; None marks the end of input."""
 
     def __init__(self) -> None:
-        self._lines: collections.deque[str | None] = collections.deque()
+        # An undecodable line is kept as its error, raised by next() in its turn.
+        self._lines: collections.deque[str | UndecodableLineError | None] = collections.deque()
         self._ready = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         # A daemon thread, not asyncio.to_thread: a blocked input() must not keep the process alive.
         threading.Thread(target=self._read, name="chat-stdin", daemon=True).start()
 
     def _read(self) -> None:
+        # Bytes, decoded here line by line: stdin's own decoding either raises in this thread (which
+        # then dies, and the chat waits for ever) or, with surrogateescape, passes the line on as
+        # text no JSON can hold. Either way one bad line must not end the chat.
+        encoding = sys.stdin.encoding
         while True:
-            line = sys.stdin.readline()
-            self._loop.call_soon_threadsafe(self._push, line.rstrip("\n") if line else None)
-            if not line:
+            raw = sys.stdin.buffer.readline()
+            if not raw:
+                self._loop.call_soon_threadsafe(self._push, None)
                 return
+            text = raw.rstrip(b"\n")
+            try:
+                line: str | UndecodableLineError = text.decode(encoding)
+            except UnicodeDecodeError:
+                line = UndecodableLineError(text, encoding)
+            self._loop.call_soon_threadsafe(self._push, line)
 
-    def _push(self, line: str | None) -> None:
+    def _push(self, line: str | UndecodableLineError | None) -> None:
         self._lines.append(line)
         self._ready.set()
 
     async def next(self) -> str | None:
-        """The next line, waiting for it; None at end of input (Ctrl-D or a closed pipe)."""
+        """The next line, waiting for it; None at end of input (Ctrl-D or a closed pipe).
+        UndecodableLineError for a line that is not text; it is taken, and the next call goes on."""
         while not self._lines:
             self._ready.clear()
             await self._ready.wait()
         line = self._lines[0]
         if line is not None:  # the end of input stays, so every later read sees it too
             self._lines.popleft()
+        if isinstance(line, UndecodableLineError):
+            raise line
         return line
 
     def take_control(self) -> str | None:
         """The next line when it is already typed and is a turn control command; it is taken."""
-        if self._lines and is_control(self._lines[0]):
-            return self._lines.popleft()
+        line = self._lines[0] if self._lines else None
+        if isinstance(line, str) and is_control(line):
+            self._lines.popleft()
+            return line
         return None
 
 
