@@ -1471,7 +1471,7 @@ INVALID_SETTINGS: list[tuple[str, object, str]] = [
     ("a-str", "model=x", "session_settings must be a JSON object, got str"),
     ("nan", {"k": math.nan}, "session_settings are not JSON: "),
     ("not-serializable", {"k": object()}, "session_settings are not JSON: "),
-    ("nested-too-deeply", functools.reduce(lambda inner, _: {"k": inner}, range(5000), {}),
+    ("nested-too-deeply", functools.reduce(lambda inner, _: {"k": inner}, range(100_000), {}),
      "session_settings are not JSON: maximum recursion depth exceeded"),
     ("too-large", _settings_of_size(MAX_SESSION_SETTINGS_BYTES + 1),
      f"session_settings are {MAX_SESSION_SETTINGS_BYTES + 1} bytes of compact JSON, over the limit of "
