@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import sqlite3
 from pathlib import Path
 
@@ -221,3 +222,26 @@ def test_sqlite_history_moves_into_chained_batches_and_reads_as_before(tmp_path:
             await store.close()
 
     asyncio.run(check())
+
+
+@pytest.mark.parametrize("stored", ["2024.1", "", "0", "-1", "٣", None])
+def test_sqlite_meta_without_a_dex_engine_schema_version_is_refused_unchanged(
+    tmp_path: Path, stored: str | None,
+) -> None:
+    """A file with meta and flows tables whose schema_version is not one dex_engine writes (another
+    application's meta table, a hand-edited one) or is missing: StoreOpenError naming the file and
+    the value, saying it is not a dex_engine database; the file keeps its bytes. Catches: a bare
+    ValueError from int() that names neither, and migrations applied from a version read wrongly."""
+    path = tmp_path / "app.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    if stored is not None:
+        conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (stored,))
+    conn.execute("CREATE TABLE flows (x)")
+    conn.commit()
+    conn.close()
+    before = path.read_bytes()
+    refusal = f"'{path}' is not a dex_engine database: its meta table's schema_version is {stored!r}, not a dex_engine"
+    with pytest.raises(StoreOpenError, match=re.escape(refusal)):
+        open_store(f"sqlite:///{path}")
+    assert path.read_bytes() == before

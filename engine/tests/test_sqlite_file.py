@@ -156,3 +156,95 @@ async def test_run_sync_runs_on_the_stores_thread_durably_and_raises_what_its_op
         assert await asyncio.to_thread(store.run_sync, where, write=True) == (f"dex-sqlite:{path}", 2)
     finally:
         await store.close()
+
+
+def _journal_mode_and_tables(path: Path) -> tuple[str, list[str]]:
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+        return mode, [r[0] for r in conn.execute("SELECT name FROM sqlite_master ORDER BY name")]
+
+
+@pytest.mark.parametrize(("ddl", "why"), [
+    (["CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)", "INSERT INTO customers VALUES (1, 'alice')"],
+     "its tables do not include dex_engine's meta and flows"),
+    (["CREATE TABLE flows (x)"], "its tables do not include dex_engine's meta and flows"),
+    (["CREATE TABLE meta (name TEXT)", "CREATE TABLE flows (x)"], "its meta table has no key and value columns"),
+    (["CREATE VIEW v AS SELECT 1"], "its tables do not include"),
+])
+def test_another_applications_database_is_refused_as_it_was(tmp_path: Path, ddl: list[str], why: str) -> None:
+    """A URL naming another application's SQLite database: StoreOpenError naming the file, saying it
+    is not a dex_engine database and what to name instead; the file keeps its bytes and its journal
+    mode, and nothing is created beside it. Catches: the engine's tables migrated into that
+    application's database, or a refused file left switched to WAL."""
+    path = tmp_path / "app.db"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        for statement in ddl:
+            conn.execute(statement)
+        conn.commit()
+    before = path.read_bytes()
+    with pytest.raises(StoreOpenError, match=rf"'{re.escape(str(path))}' is not a dex_engine database: "
+                                             rf"{re.escape(why)}.*name a new file, or one dex_engine created"):
+        open_store(f"sqlite:///{path}")
+    assert path.read_bytes() == before
+    assert _journal_mode_and_tables(path)[0] == "delete"
+    assert [p.name for p in tmp_path.iterdir()] == ["app.db"]
+
+
+async def test_a_zero_byte_file_is_opened_as_a_new_database(tmp_path: Path) -> None:
+    """A file that exists but holds nothing (touched by a deploy script, or left by a first open that
+    created it and was killed) is a new database, not another application's: it is migrated."""
+    path = tmp_path / "engine.db"
+    path.touch()
+    store = open_store(f"sqlite:///{path}")
+    try:
+        await store.start_flow(StartRequest("f1", "T", b"null", FlowConfig(), None))
+    finally:
+        await store.close()
+    mode, tables = _journal_mode_and_tables(path)
+    assert mode == "wal" and {"meta", "flows"} <= set(tables)
+
+
+@pytest.mark.parametrize(("url", "part"), [
+    ("sqlite:///{d}/runs#3.db", "has a '#'"),
+    ("sqlite:///{d}/runs.db#", "has a '#'"),
+    ("sqlite:///{d}/runs.db?synchronous=NORMAL#x", "has a '#'"),
+    ("sqlite://data/engine.db", "has a host part ('data')"),
+    ("sqlite://localhost/{d}/engine.db", "has a host part ('localhost')"),
+])
+def test_a_url_with_parts_a_url_parser_would_drop_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str, part: str,
+) -> None:
+    """A '#' (the rest would be taken as a fragment) or a host part (one slash short of a path):
+    ValueError naming the URL and the part, and no file is created. Catches: another file opened,
+    and created, with no error (runs#3.db opening runs; sqlite://data/engine.db opening engine.db)."""
+    monkeypatch.chdir(tmp_path)
+    url = url.format(d=tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"sqlite URL {url!r} {part}")) as refused:
+        open_store(url)
+    if "host" in part:
+        assert "sqlite:///relative/path.db" in str(refused.value)
+        assert "sqlite:////absolute/path.db" in str(refused.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_a_relative_path_stays_where_it_was_opened_after_a_chdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store opened on a relative path in one directory, after the process changed directory (a
+    daemonizing library, the application's own chdir): its quiet polls and its writes (with their
+    write turn) still use the file it opened. Catches: the path resolved again on first use, which
+    created a stray database and -dexlock file in the new directory."""
+    opened, moved = tmp_path / "opened", tmp_path / "moved"
+    opened.mkdir()
+    moved.mkdir()
+    monkeypatch.chdir(opened)
+    store = open_store("sqlite:///engine.db")
+    try:
+        monkeypatch.chdir(moved)
+        await store.poll("w1", ["T"], 1, [], must_claim=False, housekeep=False)
+        await store.start_flow(StartRequest("f1", "T", b"null", FlowConfig(), None))
+        assert (await store.describe_flow("f1")).status == "running"
+    finally:
+        await store.close()
+    assert list(moved.iterdir()) == []
+    assert {"engine.db", "engine.db-dexlock"} <= {p.name for p in opened.iterdir()}

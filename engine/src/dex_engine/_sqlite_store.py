@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar, get_args
 from urllib.parse import parse_qs, urlparse
 
@@ -85,10 +85,20 @@ _SWITCH = {"on": True, "off": False}
 
 
 def parse_sqlite_url(url: str) -> SqliteSettings:
-    """`sqlite:///relative.db`, `sqlite:////abs/path.db`; optional `synchronous=NORMAL` and `inline=off`."""
+    """`sqlite:///relative.db`, `sqlite:////abs/path.db`; optional `synchronous=NORMAL` and `inline=off`.
+
+    The path is taken as written (no %-decoding, no ~), so a URL whose parts a URL parser would drop
+    (a host, a #fragment) is refused: opening the rest would open, and create, another file."""
     parsed = urlparse(url)
     if parsed.scheme != "sqlite":
         raise ValueError(f"not a sqlite URL: {url!r}; expected sqlite:///path/to/file.db")
+    if parsed.netloc:
+        raise ValueError(f"sqlite URL {url!r} has a host part ({parsed.netloc!r}); a sqlite URL names a file "
+                         "on this machine: sqlite:///relative/path.db (three slashes) or "
+                         "sqlite:////absolute/path.db (four)")
+    if "#" in url:
+        raise ValueError(f"sqlite URL {url!r} has a '#', which would end its path; write the path without "
+                         "'#' (rename the file or directory, or link to it from a path without one)")
     path = parsed.path[1:] if parsed.path.startswith("/") else parsed.path
     if not path:
         raise ValueError(f"sqlite URL {url!r} names no file; expected sqlite:///path/to/file.db")
@@ -207,18 +217,41 @@ _STOP = object()
 _WATCH = object()  # queued when the watch interval changes: the thread may be waiting without one
 
 
-def migrate(conn: sqlite3.Connection) -> None:
-    """Apply numbered migrations not yet applied."""
+def schema_version(conn: sqlite3.Connection, path: str) -> int:
+    """The dex_engine schema version of the file `path` open on `conn`, read without changing anything:
+    0 for a file holding nothing yet (new, or zero bytes). A file holding anything else (another
+    application's tables, a `meta` table dex_engine did not write) is refused with StoreOpenError:
+    migrating it would add the engine's tables to that application's data."""
+    entries = conn.execute("SELECT type, name FROM sqlite_master").fetchall()
+    if not entries:
+        return 0
+    tables = {name for kind, name in entries if kind == "table"}
+    if not {"meta", "flows"} <= tables:
+        raise _not_dex_engine(path, "its tables do not include dex_engine's meta and flows")
+    columns = {row[0] for row in conn.execute("SELECT name FROM pragma_table_info('meta')")}
+    if not {"key", "value"} <= columns:
+        raise _not_dex_engine(path, "its meta table has no key and value columns")
+    row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    stored = row[0] if row else None
+    # apply_pending writes str(number) of a migration, numbered from 1, with the meta table itself.
+    if not (isinstance(stored, str) and stored.isascii() and stored.isdigit() and int(stored) >= 1):
+        raise _not_dex_engine(path, f"its meta table's schema_version is {stored!r}, not a dex_engine schema "
+                                    "version")
+    return int(stored)
+
+
+def _not_dex_engine(path: str, why: str) -> StoreOpenError:
+    return StoreOpenError(f"{path!r} is not a dex_engine database: {why}; name a new file, or one "
+                          "dex_engine created")
+
+
+def migrate(conn: sqlite3.Connection, path: str) -> None:
+    """Apply numbered migrations not yet applied to the file `path` open on `conn`."""
     conn.execute("BEGIN IMMEDIATE")
     try:
-        has_meta = conn.execute(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
-        ).fetchone()
-        version = 0
-        if has_meta:
-            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            version = int(row[0]) if row else 0
-        apply_pending(conn.execute, "sqlite", version, "?")
+        # Judged again under the write lock: the file may have changed since the judgement before
+        # WAL (SqliteStore._connect), another store having migrated it meanwhile.
+        apply_pending(conn.execute, "sqlite", schema_version(conn, path), "?")
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
@@ -308,7 +341,10 @@ class SqliteStore(Store):
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.settings = parse_sqlite_url(url)
+        settings = parse_sqlite_url(url)
+        # Resolved once, now: the quiet-poll connection and the write-turn file are opened later, and
+        # a process that changed directory meanwhile would open (and create) files of that name there.
+        self.settings = replace(settings, path=os.path.abspath(settings.path))
         self._queue: queue.SimpleQueue[_Op | object] = queue.SimpleQueue()
         self._listeners: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
         self._data_version = -1
@@ -338,12 +374,21 @@ class SqliteStore(Store):
             raise self._open_error(exc) from exc
         try:
             conn.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+            # Before anything is changed, the journal mode included: a file that is not a dex_engine
+            # database is refused as it was. One read transaction: its reads see one state of a file
+            # another store may be migrating.
+            conn.execute("BEGIN")
+            try:
+                schema_version(conn, path)
+            finally:
+                if conn.in_transaction:  # an error may have ended it
+                    conn.execute("ROLLBACK")
             mode = _enter_wal(conn)
             if str(mode).lower() != "wal":
                 raise StoreOpenError(f"could not put {path!r} in WAL mode (got {mode!r})")
             conn.execute(f"PRAGMA synchronous = {self.settings.synchronous}")
             conn.execute("PRAGMA foreign_keys = ON")
-            migrate(conn)
+            migrate(conn, path)
         except (OSError, sqlite3.Error) as exc:
             conn.close()
             raise self._open_error(exc) from exc
