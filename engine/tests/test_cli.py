@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -394,6 +396,41 @@ def test_bad_input_prints_one_error_line_and_exits_2(db: str, args: list[str], n
     assert_one_line_error(run(*args, "--db", db), *needles)
 
 
+# A command-line byte that is not UTF-8 (a Latin-1 terminal, a pasted byte), as Python decodes argv.
+NOT_UTF8 = b"caf\xe9".decode("utf-8", "surrogateescape")
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["describe", NOT_UTF8], ["no flow with ID 'caf\\udce9' in sqlite:///"]),
+    (["history", NOT_UTF8], ["no flow with ID 'caf\\udce9' in sqlite:///"]),
+    (["attributes", NOT_UTF8], ["no flow with ID 'caf\\udce9' in sqlite:///"]),
+    (["stream", NOT_UTF8, "Log"], ["no flow with ID 'caf\\udce9' in sqlite:///"]),
+    (["skip-timer", NOT_UTF8, "Wait-1"], ["no flow with ID 'caf\\udce9' in sqlite:///"]),
+    (["stop", NOT_UTF8], ["no flow with ID 'caf\\udce9' in sqlite:///"]),
+    (["stream", "done-1", NOT_UTF8], ["no events in stream 'caf\\udce9'", "Log"]),
+    (["stream", "waiting-1", NOT_UTF8, "--follow"], ["no events in stream 'caf\\udce9'", "Log"]),
+    (["skip-timer", "waiting-1", NOT_UTF8], ["Step execution 'caf\\udce9' of flow 'waiting-1' is not waiting"]),
+])
+def test_names_that_are_not_utf8_are_unknown_like_any_other(db: str, args: list[str], needles: list[str]) -> None:
+    """A flow ID, stream name or Step execution ID with a byte that is not UTF-8 is one no flow has:
+    the one-line error of an unknown one, exit 2 (and `stream --follow` does not wait for a stream
+    that can never be written). Catches: a UnicodeEncodeError traceback from the database driver."""
+    assert_one_line_error(run(*args, "--db", db), *needles)
+
+
+@pytest.mark.parametrize(("args", "stdout", "stderr"), [
+    (["list", "--type", NOT_UTF8], "No flows match.\n", ""),
+    (["search", f'FlowType = "{NOT_UTF8}"'], "", "no flows match\n"),
+    (["search", f'ActiveStepTypes = "Wait" AND FlowType = "{NOT_UTF8}"'], "", "no flows match\n"),
+])
+def test_types_that_are_not_utf8_match_no_flows(db: str, args: list[str], stdout: str, stderr: str) -> None:
+    """A flow or Step type with a byte that is not UTF-8 matches nothing, as any unknown type does.
+    Catches: a UnicodeEncodeError traceback from the database driver."""
+    result = run(*args, "--db", db)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert (result.stdout, result.stderr) == (stdout, stderr)
+
+
 @pytest.mark.parametrize(("args", "error"), [
     (["list", "--limit", str(10**30)], f"Error: Invalid value for '--limit': {10**30} is not in the range "
                                        "1<=x<=1000000000."),
@@ -441,6 +478,25 @@ def test_bad_database_urls_print_one_error_line_and_exit_2(tmp_path: Path) -> No
     # A new file the store cannot create (its directory is a file): one line naming it, from the store.
     assert_one_line_error(run("demo", "--db", f"sqlite:///{not_a_db}/demo.db"),
                           "cannot open", "notes.txt/demo.db", "as a dex_engine database")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chattr +i needs root (CAP_LINUX_IMMUTABLE)")
+@pytest.mark.parametrize("immutable", ["directory", "file"])
+def test_a_database_this_process_may_not_write_is_named_as_such(db_copy: str, immutable: str) -> None:
+    """An engine database in a directory this process may not write (a read-only mount, a snapshot;
+    here chattr +i, which binds root too), or a file it may not write: one line naming what may not
+    be written and why the engine needs to. Catches: "not a readable SQLite database (unable to open
+    database file)" for a healthy engine database, SQLite's text for its -shm file it may not create."""
+    path = Path(db_copy.removeprefix("sqlite:///"))
+    target = path.parent if immutable == "directory" else path
+    what = f"its directory '{path.parent}'" if immutable == "directory" else "the file"
+    subprocess.run(["chattr", "+i", str(target)], check=True)
+    try:
+        result = run("list", "--db", db_copy)
+    finally:
+        subprocess.run(["chattr", "-i", str(target)], check=True)
+    assert_one_line_error(result, f"cannot use '{path}': this process may not write {what}",
+                          "needs write access", "copy.db-wal, copy.db-shm and copy.db-dexlock")
 
 
 @pytest.mark.parametrize(("url", "shown"), [

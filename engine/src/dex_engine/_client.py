@@ -80,7 +80,7 @@ def parse_search(query: str) -> dict[str, str]:
     return terms
 
 
-def _known(flow_id: object) -> str:
+def known_flow_id(flow_id: object) -> str:
     """`flow_id`, to look up; FlowNotFoundError for one with a character no flow ID has (start_flow
     refuses control characters), among them two a database cannot even be asked about: NUL, which
     PostgreSQL's text cannot hold, and a lone surrogate, which has no UTF-8 encoding. One that is not
@@ -141,7 +141,7 @@ class AsyncClient:
         self._flow_types[flow_id] = flow_type
 
     async def _flow_of(self, flow_id: str) -> Flow:
-        flow_type = self._flow_types.get(_known(flow_id))  # checked first: an unhashable ID is no key
+        flow_type = self._flow_types.get(known_flow_id(flow_id))  # checked first: an unhashable ID is no key
         if flow_type is None:
             flow_type = (await self._store.describe_flow(flow_id)).flow_type
             self._remember_flow_type(flow_id, flow_type)
@@ -251,44 +251,44 @@ class AsyncClient:
         return StreamRead(events, make_token(self._secret, flow_id, declared.name, last), trimmed)
 
     async def stop_flow(self, flow_id: str, reason: str = "") -> None:
-        await self._store.stop_flow(_known(flow_id), reason)
+        await self._store.stop_flow(known_flow_id(flow_id), reason)
 
     async def skip_timer(self, flow_id: str, step_execution_id: str) -> None:
         """Fire the pending timers of a waiting Step execution now (E6)."""
-        flow_id = _known(flow_id)
+        flow_id = known_flow_id(flow_id)
         checked: object = step_execution_id
         if not isinstance(checked, str):
             check_id("step execution ID", checked)  # raises, naming the type
-        if not step_execution_id.isprintable():  # no Step execution ID has such a character (see _known)
+        if not step_execution_id.isprintable():  # no Step execution ID has such a character (see known_flow_id)
             raise StepNotWaitingError(flow_id, step_execution_id)
         await self._store.skip_timer(flow_id, step_execution_id)
 
     async def update_flow_config(self, flow_id: str, config: FlowConfig) -> None:
-        await self._store.update_flow_config(_known(flow_id), _flow_config("config", config))
+        await self._store.update_flow_config(known_flow_id(flow_id), _flow_config("config", config))
 
     async def describe_flow(self, flow_id: str) -> FlowInfo:
-        return await self._store.describe_flow(_known(flow_id))
+        return await self._store.describe_flow(known_flow_id(flow_id))
 
     async def search_flows(self, query: str, limit: int = DEFAULT_READ_LIMIT) -> list[str]:
         """Flow IDs matching e.g. 'ActiveStepTypes = "AwaitToolApproval" AND FlowType = "Agent"'."""
         _check_limit(limit)
         terms = parse_search(query)
         if not all(value.isprintable() for value in terms.values()):
-            return []  # no name has such a character (see _known), and a database may refuse it
+            return []  # no name has such a character (see known_flow_id), and a database may refuse it
         return await self._store.search_flows(
             flow_type=terms.get("FlowType"), status=terms.get("FlowStatus"),
             active_step=terms.get("ActiveStepTypes"), limit=limit,
         )
 
     async def get_flow_history(self, flow_id: str) -> list[HistoryEntry]:
-        return await self._store.history(_known(flow_id))
+        return await self._store.history(known_flow_id(flow_id))
 
     async def wait_for_flow(self, flow_id: str, timeout_seconds: float = 60.0) -> FlowInfo:
         """Poll until the flow is closed (`timeout_seconds` may be math.inf); raises TimeoutError with
         its active Steps otherwise."""
         if not (is_number(timeout_seconds) and timeout_seconds >= 0):  # NaN too: it never times out
             raise ValueError(f"timeout_seconds must be a number of seconds >= 0, got {timeout_seconds!r}")
-        flow_id = _known(flow_id)
+        flow_id = known_flow_id(flow_id)
         deadline = time.monotonic() + timeout_seconds
         while True:
             info = await self._store.describe_flow(flow_id)
@@ -300,12 +300,12 @@ class AsyncClient:
             await asyncio.sleep(0.01)
 
     async def flow_output(self, flow_id: str) -> Any:
-        info = await self._store.describe_flow(_known(flow_id))
+        info = await self._store.describe_flow(known_flow_id(flow_id))
         return None if info.output is None else decode_value("flow output", Any, info.output)
 
     async def exists(self, flow_id: str) -> bool:
         try:
-            await self._store.describe_flow(_known(flow_id))
+            await self._store.describe_flow(known_flow_id(flow_id))
         except FlowNotFoundError:
             return False
         return True

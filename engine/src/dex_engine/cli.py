@@ -25,9 +25,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ._client import parse_search
-from ._errors import DexError, FlowNotFoundError, StoreOpenError
-from ._limits import MAX_READ_LIMIT
+from ._client import known_flow_id, parse_search
+from ._errors import DexError, FlowNotFoundError, StepNotWaitingError, StoreOpenError
+from ._limits import MAX_READ_LIMIT, SQLITE_WRITER_TURN_SUFFIX
 from ._open import open_store, shown_url
 from ._records import FlowInfo
 from ._sqlite_store import parse_sqlite_url
@@ -90,9 +90,38 @@ def _check_database(url: str, *, must_exist: bool) -> None:
         finally:
             conn.close()
     except sqlite3.Error as exc:
+        # Reading a WAL file creates its -shm file: in a directory this process may not write, even
+        # an engine database cannot be read, and SQLite's "unable to open database file" misleads.
+        _refuse_unwritable(path)
         raise CliError(f"{path!r} is not a readable SQLite database ({exc})") from None
     if row is None:
         raise CliError(f"{path!r} is not a dex-engine database (it has no flows table)")
+    _refuse_unwritable(path)  # every command opens the store, which writes (migrations, WAL)
+
+
+def _refuse_unwritable(path: str) -> None:
+    """Refuse the database file `path` when this process may not write it or its directory."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.access(directory, os.W_OK):
+        what = f"its directory {directory!r}"
+    elif not os.access(path, os.W_OK):
+        what = "the file"
+    else:
+        return
+    name = os.path.basename(path)
+    raise CliError(
+        f"cannot use {path!r}: this process may not write {what}; the engine needs write access to the "
+        f"database file and its directory (it creates {name}-wal, {name}-shm and "
+        f"{name}{SQLITE_WRITER_TURN_SUFFIX} beside the file): run as a user who may write there, or copy "
+        "the file into a writable directory"
+    )
+
+
+def _askable(*names: str | None) -> bool:
+    """Whether the store may be asked about `names` (flow types, Step types, stream names): as for a
+    flow ID (`known_flow_id`), no name has a character that is not printable, and one decoded from a
+    command-line byte that is not UTF-8 (a lone surrogate) cannot even be encoded for the database."""
+    return all(name is None or name.isprintable() for name in names)
 
 
 def _open(url: str) -> Store:
@@ -172,7 +201,13 @@ def cli() -> None:
 @_db_option
 def list_command(flow_type: str | None, status: str | None, limit: int, db_url: str) -> None:
     """Table of flows, newest first."""
-    flows = _run(db_url, lambda store: store.list_flows(flow_type=flow_type, status=status, limit=limit))
+
+    async def go(store: Store) -> list[FlowInfo]:
+        if not _askable(flow_type):
+            return []  # no flow has such a type
+        return await store.list_flows(flow_type=flow_type, status=status, limit=limit)
+
+    flows = _run(db_url, go)
     console = _console()
     if not flows:
         console.print("No flows match.")
@@ -196,6 +231,8 @@ def search(query: str, limit: int, db_url: str) -> None:
 
     async def go(store: Store) -> list[str]:
         terms = parse_search(query)
+        if not _askable(*terms.values()):
+            return []  # no flow has such a type, status or Step type
         return await store.search_flows(flow_type=terms.get("FlowType"), status=terms.get("FlowStatus"),
                                         active_step=terms.get("ActiveStepTypes"), limit=limit)
 
@@ -211,7 +248,7 @@ def search(query: str, limit: int, db_url: str) -> None:
 @_db_option
 def describe(flow_id: str, db_url: str) -> None:
     """Status, type, times, config, output or error, and active Steps of a flow."""
-    info = _run(db_url, lambda store: store.describe_flow(flow_id))
+    info = _run(db_url, lambda store: store.describe_flow(known_flow_id(flow_id)))
     now_ms = time.time() * 1000
     console = _console()
     fields = Table.grid(padding=(0, 2))
@@ -252,7 +289,7 @@ def describe(flow_id: str, db_url: str) -> None:
 @_db_option
 def history(flow_id: str, limit: int, db_url: str) -> None:
     """Step history of a flow, oldest first."""
-    entries = _run(db_url, lambda store: store.history(flow_id, limit))
+    entries = _run(db_url, lambda store: store.history(known_flow_id(flow_id), limit))
     table = _table("event_type", "step_type", "step_execution_id", "attempt", "time", "detail")
     for e in entries:
         table.add_row(e.event_type, Text(e.step_type), Text(e.step_execution_id), str(e.attempt), _time(e.at_ms),
@@ -266,7 +303,7 @@ def history(flow_id: str, limit: int, db_url: str) -> None:
 @_db_option
 def attributes(flow_id: str, name: str | None, db_url: str) -> None:
     """Stored attributes as JSON; an attribute map is an object by key."""
-    stored = _run(db_url, lambda store: store.read_all_attributes(flow_id))
+    stored = _run(db_url, lambda store: store.read_all_attributes(known_flow_id(flow_id)))
     tree: dict[str, Any] = {}
     for (attr, key), data in sorted(stored.items()):
         value = json.loads(data)
@@ -292,19 +329,24 @@ def attributes(flow_id: str, name: str | None, db_url: str) -> None:
 def stream(flow_id: str, stream_name: str, after: int, follow: bool, db_url: str) -> None:
     """Events of a stream as JSON lines (sequence, step_execution_id, attempt, value)."""
 
+    def no_events(names: list[str]) -> CliError:
+        return CliError(f"flow {flow_id!r} has no events in stream {stream_name!r}; streams with events: {names}")
+
     async def go(store: Store) -> None:
         position = after
         waiting = False
         while True:
             # Read the status before the events: once closed, no event can follow the read.
-            running = (await store.describe_flow(flow_id)).status == "running"
+            running = (await store.describe_flow(known_flow_id(flow_id))).status == "running"
+            if not _askable(stream_name):
+                # No stream has such a name, nor ever will: refused even with --follow, which would wait for ever.
+                raise no_events(await store.stream_names(flow_id))
             page = await store.read_events(flow_id, stream_name, position, STREAM_PAGE)
             if not page.events and position == after and not waiting:
                 names = await store.stream_names(flow_id)
                 if stream_name not in names:
                     if not (follow and running):
-                        raise CliError(f"flow {flow_id!r} has no events in stream {stream_name!r}; "
-                                       f"streams with events: {names}")
+                        raise no_events(names)
                     # Without a Registry a typo looks like a stream not written yet: say so, then wait.
                     click.echo(f"stream {stream_name!r} of flow {flow_id!r} has no events yet; waiting "
                                f"(streams with events: {names})", err=True)
@@ -331,7 +373,14 @@ def stream(flow_id: str, stream_name: str, after: int, follow: bool, db_url: str
 @_db_option
 def skip_timer(flow_id: str, step_execution_id: str, db_url: str) -> None:
     """Fire the pending timers of a waiting Step execution now."""
-    _run(db_url, lambda store: store.skip_timer(flow_id, step_execution_id))
+
+    async def go(store: Store) -> None:
+        known = known_flow_id(flow_id)
+        if not _askable(step_execution_id):  # as AsyncClient.skip_timer: no Step execution ID has one
+            raise StepNotWaitingError(flow_id, step_execution_id)
+        await store.skip_timer(known, step_execution_id)
+
+    _run(db_url, go)
     click.echo(f"Fired the timers of {step_execution_id} in flow {flow_id}.")
 
 
@@ -341,7 +390,7 @@ def skip_timer(flow_id: str, step_execution_id: str, db_url: str) -> None:
 @_db_option
 def stop(flow_id: str, reason: str, db_url: str) -> None:
     """Stop a running flow now, cancelling its active Steps."""
-    _run(db_url, lambda store: store.stop_flow(flow_id, reason))
+    _run(db_url, lambda store: store.stop_flow(known_flow_id(flow_id), reason))
     click.echo(f"Stopped flow {flow_id}: {reason}")
 
 
