@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -21,6 +22,7 @@ from dex_engine import (
     Wait,
     rpc,
 )
+from dex_engine._open import shown_url
 
 from .conftest import engine_for
 
@@ -163,3 +165,40 @@ async def test_the_blocking_client_reads_a_stream_and_skips_a_timer(db_url: str)
 
     async with engine_for(db_url, Registry([TICKER])):
         await asyncio.to_thread(drive)
+
+
+async def test_closing_the_blocking_client_ends_calls_other_threads_wait_in(db_url: str) -> None:
+    """close() while other threads wait in wait_for_flow or a long-polling read_stream: each gets a
+    RuntimeError saying the client closed, at once. A second close does nothing; a call after close
+    is refused. Catches: close() stopping the client's loop under the waiting calls, which then
+    waited for ever, and a second close raising 'Event loop is closed'."""
+
+    def drive() -> None:
+        client = Client(Registry([TICKER]), db_url)
+        client.start_flow("Ticker", "never")  # no worker: it never completes, nor writes an event
+        outcomes: list[str] = []
+
+        def wait(call: Callable[[], object]) -> threading.Thread:
+            def run() -> None:
+                try:
+                    call()
+                    outcomes.append("returned")
+                except RuntimeError as exc:
+                    outcomes.append(str(exc))
+            thread = threading.Thread(target=run, daemon=True)
+            thread.start()
+            return thread
+
+        threads = [wait(lambda: client.wait_for_flow("never", 60)),
+                   wait(lambda: client.read_stream("never", Log, wait_seconds=60))]
+        time.sleep(0.3)  # both are waiting on the client's loop
+        client.close()
+        for thread in threads:
+            thread.join(10)
+            assert not thread.is_alive(), "a call still waits after close()"
+        assert outcomes == [f"client of {shown_url(db_url)!r} was closed while the call waited"] * 2
+        client.close()
+        with pytest.raises(RuntimeError, match="is closed"):
+            client.describe_flow("never")
+
+    await asyncio.to_thread(drive)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import re
 import threading
 import time
@@ -23,7 +24,7 @@ from ._limits import (
     MAX_RPC_TRIES,
     MAX_STREAM_WAIT_SECONDS,
 )
-from ._open import open_store
+from ._open import open_store, shown_url
 from ._options import FlowConfig, is_number
 from ._records import FlowInfo, HistoryEntry, MovementRecord, StartRequest
 from ._scheduling import movement_record, start_record
@@ -328,8 +329,13 @@ class Client:
     """Blocking twin of AsyncClient; runs an event loop on a private thread."""
 
     def __init__(self, registry: Registry, database_url: str) -> None:
+        self._url = database_url
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dex-client", daemon=True)
+        # Calls other threads wait in: close() ends them, or they would wait on a stopped loop for ever.
+        self._lock = threading.Lock()
+        self._in_flight: set[concurrent.futures.Future[Any]] = set()
+        self._closed = False
         self._thread.start()
         try:
             self._async = self._call(self._make(registry, database_url))
@@ -342,7 +348,21 @@ class Client:
         return AsyncClient(registry, url)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise RuntimeError(f"client of {shown_url(self._url)!r} is closed")
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._in_flight.add(future)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            if self._closed:
+                raise RuntimeError(f"client of {shown_url(self._url)!r} was closed while the call waited") from None
+            raise
+        finally:
+            with self._lock:
+                self._in_flight.discard(future)
 
     def start_flow(self, flow_type: str, flow_id: str, input: Any = None, *,
                    config_override: FlowConfig | None = None) -> None:
@@ -382,8 +402,18 @@ class Client:
         return self._call(self._async.wait_for_flow(flow_id, timeout_seconds))
 
     def close(self) -> None:
-        self._call(self._async.close())
-        self._stop_loop()
+        """Close the store; calls other threads wait in raise RuntimeError. A second close does nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            waiting = list(self._in_flight)
+        for future in waiting:
+            future.cancel()  # cancels its task on the loop; the caller's result() raises
+        try:
+            asyncio.run_coroutine_threadsafe(self._async.close(), self._loop).result()
+        finally:
+            self._stop_loop()
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
