@@ -59,6 +59,25 @@ def _run_with_pause(args: list[str], first: str, shown: str, then: str) -> tuple
         process.kill()
 
 
+def test_chat_quits_cleanly_while_its_input_stays_open(tmp_path: Path) -> None:
+    """/quit typed at a terminal, whose input stays open: the chat exits with code 0. Catches: the
+    reader thread, blocked in stdin's buffered read, holding its lock as the interpreter shut down,
+    which aborted it (SIGABRT, "could not acquire lock for <_io.BufferedReader name='<stdin>'>")."""
+    env = {**os.environ, "COLUMNS": "200"}
+    process = subprocess.Popen([*CLI, "chat", "--data-dir", str(tmp_path)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write("/echo one\n/quit\n")
+        process.stdin.flush()  # and left open, as a terminal is
+        code = process.wait(CLI_TIMEOUT_SECONDS)
+        output = process.stdout.read()
+    finally:
+        process.kill()
+    assert code == 0, output
+    assert "agent> one" in output and "Fatal Python error" not in output, output
+
+
 def test_demo_shows_the_write_ran_once_across_a_worker_kill(tmp_path: Path) -> None:
     """The demo kills a Worker during the approval wait; the refund runs once and the record shows it."""
     result = _run(["demo", "--data-dir", str(tmp_path)])

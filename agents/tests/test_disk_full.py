@@ -118,3 +118,32 @@ async def test_a_turn_whose_commit_finds_the_disk_full_completes_once_space_retu
     assert any(m.startswith("worker error while running RunModel-2") for m in tracebacks), tracebacks
     assert sum(m.startswith("lease renewal failed") for m in tracebacks) <= 1, tracebacks
     assert len(tracebacks) <= 6, tracebacks
+
+
+def test_the_chat_ends_with_a_one_line_error_when_the_disk_fills(small_disk: Path) -> None:
+    """`dex-agents chat` whose next message finds the disk full ends with SQLite's reason on one
+    line (exit code 1). Catches: a traceback ending in sqlite3.OperationalError."""
+    from agents.tests.test_cli import CLI, CLI_TIMEOUT_SECONDS
+
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    chat = subprocess.Popen([*CLI, "chat", "--data-dir", str(small_disk / "chat")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert chat.stdin is not None and chat.stdout is not None
+        chat.stdin.write("/echo first\n")
+        chat.stdin.flush()
+        for line in chat.stdout:  # the first answer: the session's file is written
+            if "agent>" in line:
+                assert "first" in line, line
+                break
+        else:
+            pytest.fail("the chat ended before it answered")
+        fill(small_disk)
+        chat.stdin.write("/echo " + "x" * 3000 + "\n")  # more than any free page can take
+        chat.stdin.close()
+        rest = chat.stdout.read()
+        code = chat.wait(CLI_TIMEOUT_SECONDS)
+    finally:
+        chat.kill()
+    assert code == 1, rest
+    assert "Error: database or disk is full" in rest and "Traceback" not in rest, rest

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,10 @@ def chat(data_dir: Path, session_id: str) -> None:
 
 
 def _run(start: Callable[[], Coroutine[Any, Any, int]]) -> int:
-    """Run a command's coroutine; a database that cannot be opened, a directory that cannot be
-    made, or a bad ID ends the command with its message (exit code 1), not a traceback."""
+    """Run a command's coroutine; a database that cannot be opened or written (a full disk), a
+    directory that cannot be made, or a bad ID ends the command with its message (exit code 1), not
+    a traceback."""
     try:
         return asyncio.run(start())
-    except (DexError, OSError) as exc:
+    except (DexError, OSError, sqlite3.Error) as exc:
         raise click.ClickException(str(exc)) from None

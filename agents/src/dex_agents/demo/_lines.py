@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import sys
 import threading
 
 STEER_COMMAND = "/steer"
 CANCEL_COMMAND = "/cancel"
+# Bytes a read of stdin takes at most: whatever is typed or piped, lines are split from these.
+STDIN_READ_BYTES = 65536
 
 
 class UndecodableLineError(ValueError):
@@ -22,6 +25,13 @@ class UndecodableLineError(ValueError):
     def __init__(self, line: bytes, encoding: str) -> None:
         super().__init__(f"the line {line!r:.60} is not {encoding} text, so it was not sent; type it again")
         self.line = line
+
+
+def _decoded(raw: bytes, encoding: str) -> str | UndecodableLineError:
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError:
+        return UndecodableLineError(raw, encoding)
 
 
 class TerminalLines:
@@ -36,21 +46,23 @@ class TerminalLines:
         threading.Thread(target=self._read, name="chat-stdin", daemon=True).start()
 
     def _read(self) -> None:
-        # Bytes, decoded here line by line: stdin's own decoding either raises in this thread (which
-        # then dies, and the chat waits for ever) or, with surrogateescape, passes the line on as
-        # text no JSON can hold. Either way one bad line must not end the chat.
+        # Bytes from the descriptor, decoded here line by line. Not sys.stdin: its decoding either
+        # raises in this thread (which then dies, and the chat waits for ever) or, with
+        # surrogateescape, passes a line on as text no JSON can hold; and its buffer's lock, held
+        # by this thread while it waits, aborts the interpreter as the chat exits.
         encoding = sys.stdin.encoding
+        descriptor = sys.stdin.fileno()
+        pending = b""
         while True:
-            raw = sys.stdin.buffer.readline()
-            if not raw:
+            chunk = os.read(descriptor, STDIN_READ_BYTES)
+            if not chunk:
+                if pending:  # a last line without its newline
+                    self._loop.call_soon_threadsafe(self._push, _decoded(pending, encoding))
                 self._loop.call_soon_threadsafe(self._push, None)
                 return
-            text = raw.rstrip(b"\n")
-            try:
-                line: str | UndecodableLineError = text.decode(encoding)
-            except UnicodeDecodeError:
-                line = UndecodableLineError(text, encoding)
-            self._loop.call_soon_threadsafe(self._push, line)
+            *lines, pending = (pending + chunk).split(b"\n")
+            for raw in lines:
+                self._loop.call_soon_threadsafe(self._push, _decoded(raw, encoding))
 
     def _push(self, line: str | UndecodableLineError | None) -> None:
         self._lines.append(line)
