@@ -203,7 +203,8 @@ def chat_stream(*, reasoning: str | None = None, text: str | None = None, call: 
         chunks += [chunk({"content": text[:3]}), chunk({"content": text[3:]})]
     if call:
         arguments = call["function"]["arguments"]
-        chunks.append(chunk({"tool_calls": [{"index": 0, "id": call["id"], "type": "function", "function": {
+        first = {"index": 0, "type": "function", **({"id": call["id"]} if call.get("id") else {})}
+        chunks.append(chunk({"tool_calls": [{**first, "function": {
             "name": call["function"]["name"], "arguments": arguments[:5]}}]}))
         chunks.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": arguments[5:]}}]}))
     chunks.append(chunk({}, "tool_calls" if call else "stop"))
@@ -393,6 +394,27 @@ async def test_chat_stream_items_usage_metadata_and_replay(provider: FakeProvide
         {"type": "function_call_output", "call_id": "call_7", "output": "shipped"},
     ]
     assert b"Let me think." not in provider.received[-1].body
+
+
+async def test_a_streamed_tool_call_without_an_id_gets_one(provider: FakeProvider) -> None:
+    """A Chat Completions stream whose tool call carries no id (some OpenAI-compatible servers send
+    none) gives the call an id, `call_<response id>_<index>`, and keeps it. Catches: LiteLLM's chunk
+    builder dropping every call without an id, the model's call lost without a word."""
+    provider.queue(CHAT_PATH, chat_stream(call={key: value for key, value in CHAT_CALL.items() if key != "id"}))
+    response = await chat_client(provider).call_model(
+        ModelRequest(None, (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
+    assert [item.tool_call for item in response.output] == [
+        ModelToolCall("call_chatcmpl-1_0", "lookup_order", '{"order_id":"A-1"}')]
+
+
+async def test_responses_arguments_sent_as_an_object_are_stored_as_json(provider: FakeProvider) -> None:
+    """A Responses API function call whose arguments are a JSON object, not its text, is stored with
+    the object's JSON. Catches: Python's repr ({'order_id': 'A-1'}), which the tool refused as not JSON."""
+    provider.queue(RESPONSES_PATH, responses_stream([{**CALL_ITEM, "arguments": {"order_id": "A-1"}}]))
+    response = await openai_client(provider).call_model(
+        ModelRequest(None, (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
+    assert [item.tool_call for item in response.output] == [
+        ModelToolCall("call_1", "lookup_order", '{"order_id":"A-1"}')]
 
 
 async def test_anthropic_thinking_blocks_replay_with_their_signature(provider: FakeProvider) -> None:

@@ -74,6 +74,39 @@ def _get(value: object, name: str) -> Any:
     return getattr(value, name, None)
 
 
+def _arguments_text(value: object) -> str:
+    """A tool call's arguments as the JSON text the session stores: a provider that sends them as an
+    object (some Responses API servers do) gets its JSON, not Python's repr, which no tool can parse."""
+    if value is None or value == "":
+        return "{}"
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _name_unnamed_tool_calls(chunks: list[Any]) -> None:
+    """Give each streamed tool call that never carries an id one, on its first fragment:
+    stream_chunk_builder keeps only tool calls with an id, so a server that streams none (some
+    OpenAI-compatible ones) would lose the model's call without a word. The id is the one _chat_items
+    gives a call without one, `call_<response id>_<index>`."""
+    named: set[tuple[int, int]] = set()
+    first: dict[tuple[int, int], Any] = {}
+    response_id: str | None = None
+    for chunk in chunks:
+        response_id = response_id or _str_or_none(_get(chunk, "id"))
+        for choice in _get(chunk, "choices") or []:
+            for fragment in _get(_get(choice, "delta"), "tool_calls") or []:
+                key = (_get(choice, "index") or 0, _get(fragment, "index") or 0)
+                first.setdefault(key, fragment)
+                if _get(fragment, "id"):
+                    named.add(key)
+    for key, fragment in first.items():
+        if key not in named:
+            made = f"call_{response_id or 'response'}_{key[1]}"
+            if isinstance(fragment, dict):
+                fragment["id"] = made
+            else:
+                fragment.id = made
+
+
 def _count(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
@@ -244,7 +277,7 @@ class LiteLLMModelClient:
         text_json = _dump(raw)
         if kind == "function_call":
             call = ModelToolCall(str(raw.get("call_id") or raw.get("id") or ""), str(raw.get("name") or ""),
-                                 str(raw.get("arguments") or "{}"))
+                                 _arguments_text(raw.get("arguments")))
             return ModelOutputItem(self.api_label, OutputItemKind.TOOL_CALL, text_json, tool_call=call)
         if kind == "message":
             parts = [p for p in raw.get("content") or [] if isinstance(p, dict)]
@@ -284,6 +317,7 @@ class LiteLLMModelClient:
                     content = _get(delta, "content")
                     if isinstance(content, str):
                         output.write_text_delta(content)
+            _name_unnamed_tool_calls(chunks)
             built = litellm.stream_chunk_builder(chunks, messages=messages) if chunks else None
         if built is None or not _get(built, "choices"):
             raise RuntimeError("the Chat Completions stream ended without a response")
@@ -339,7 +373,7 @@ class LiteLLMModelClient:
             raw_function = call.get("function")
             function: dict[str, Any] = raw_function if isinstance(raw_function, dict) else {}
             tool_call = ModelToolCall(str(call["id"]), str(function.get("name") or ""),
-                                      str(function.get("arguments") or "{}"))
+                                      _arguments_text(function.get("arguments")))
             items.append(ModelOutputItem(self.api_label, OutputItemKind.TOOL_CALL,
                                          _dump({"role": "assistant", "tool_calls": [call]}), tool_call=tool_call))
         return tuple(items)
