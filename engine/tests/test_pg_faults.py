@@ -934,6 +934,36 @@ async def test_the_store_is_back_within_seconds_of_a_long_outage(pg_database: st
         assert await client.rpc("f", "peek") == ["t1"]
 
 
+async def test_a_run_of_refused_transactions_leaves_the_store_working(pg_database: str) -> None:
+    """The server refuses every transaction's first write for a while (a trigger here; a read-only
+    switchover or a full disk in production), fifteen times in a row on the same connections: each
+    publish fails with the server's error, and once writes are accepted again every publish works.
+    Catches: BEGIN and ROLLBACK prepared by psycopg (after five uses) inside failing pipeline
+    segments, its cache then out of step with the server, and a connection whose rollback failed
+    given back as idle: every later operation of the process failed with InvalidSqlStatementName,
+    for good."""
+    import psycopg
+
+    def sql(statement: str) -> None:
+        with psycopg.connect(pg_database, autocommit=True) as conn:
+            conn.execute(statement)
+
+    async with client_for(pg_database) as client:
+        await client.start_flow("PgfLocks", "f")
+        await client.publish("f", Box, "before")
+        sql("CREATE FUNCTION pgf_refuse() RETURNS trigger LANGUAGE plpgsql AS"
+            " $$ BEGIN RAISE EXCEPTION 'refused for a moment'; END $$")
+        sql("CREATE TRIGGER pgf_refuse BEFORE INSERT OR UPDATE ON commit_marks"
+            " FOR EACH ROW EXECUTE FUNCTION pgf_refuse()")
+        for attempt in range(15):
+            with pytest.raises(psycopg.errors.RaiseException, match="refused for a moment"):
+                await client.publish("f", Box, f"refused {attempt}")
+        sql("DROP TRIGGER pgf_refuse ON commit_marks")
+        for attempt in range(6):
+            await client.publish("f", Box, f"after {attempt}")
+        assert await client.rpc("f", "peek") == ["before", *(f"after {n}" for n in range(6))]
+
+
 # Lock waits cut short by the server's lock_timeout ---------------------------------------------
 
 LOCK_TIMEOUT_MS = 100  # set in the test's URL, as a DBA may set it for the database or its users

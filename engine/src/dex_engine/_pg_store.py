@@ -558,12 +558,13 @@ class _Lane:
         return self._conn, self._pipeline
 
     def rollback(self) -> None:
-        """End a failed transaction; a connection that cannot is given back to the pool."""
+        """End a failed transaction; a connection that cannot is closed and given back to the pool,
+        which replaces it: its session state (prepared statements above all) is unknown."""
         assert self._conn is not None and self._pipeline is not None
         try:
             with contextlib.suppress(psycopg.Error):
                 self._pipeline.sync()  # collects the error and ends the aborted pipeline segment
-            self._conn.execute("ROLLBACK")
+            self._conn.execute("ROLLBACK", prepare=False)
             self._pipeline.sync()
             # Seeing ROLLBACK, psycopg forgets its prepared statements and deallocates them all
             # (DEALLOCATE ALL) right after the next statement it sends. Were that one a statement it
@@ -572,17 +573,17 @@ class _Lane:
             self._conn.execute("DEALLOCATE ALL", prepare=False)
             self._pipeline.sync()
         except psycopg.Error:
-            self.release()
+            self.release(discard=True)
 
-    def release(self) -> None:
-        """Give the connection back (the pool replaces a broken one)."""
+    def release(self, *, discard: bool = False) -> None:
+        """Give the connection back (the pool replaces a broken one); with `discard`, closed first."""
         conn, self._conn, self._pipeline = self._conn, None, None
         if conn is None:
             return
         with contextlib.suppress(psycopg.Error):
             self._stack.close()  # leaves pipeline mode
         self._stack = contextlib.ExitStack()
-        if not conn.broken and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        if discard or (not conn.broken and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE):
             conn.close()  # in an unknown state: the pool discards closed connections
         self._pool.putconn(conn)
 
@@ -888,11 +889,14 @@ class PostgresStore(Store):
         # implicit transaction, and these take no locks and write nothing).
         reads = not any(op.write for op in ops)
         try:
+            # Transaction control never prepared (see _Lane.rollback): psycopg prepares a statement
+            # run PREPARE_THRESHOLD times, and one prepared inside a failing pipeline segment is
+            # known to psycopg but not to the server, which broke every later batch of the lane.
             if not reads:
-                db.sender.execute("BEGIN")
+                db.sender.execute("BEGIN", prepare=False)
             early_xid = self._mark_early(db, ops, lane)
             if (len(ops) > 1 if lock_timeout is None else lock_timeout) and not reads:
-                db.sender.execute(f"SET LOCAL lock_timeout = {BATCH_LOCK_TIMEOUT_MS}")
+                db.sender.execute(f"SET LOCAL lock_timeout = {BATCH_LOCK_TIMEOUT_MS}", prepare=False)
             batch = [i for i, op in enumerate(ops) if op.commit is not None] if batched else []
             done: dict[int, Any] = {}
             if batch:
@@ -929,7 +933,7 @@ class PostgresStore(Store):
                       if op.write and not isinstance(result, _Rejected)] if db.wrote else []
             if writes and all(not op.durable and not _hands_out_leases(result) for op, result in writes):
                 # Set at the end: the setting in force at COMMIT is the one that counts.
-                db.sender.execute("SET LOCAL synchronous_commit = off")
+                db.sender.execute("SET LOCAL synchronous_commit = off", prepare=False)
             if early_xid is not None:
                 row = early_xid.fetchone()  # its reply came with the first one a statement waited for
                 xid = None if row is None else row[0]
@@ -940,7 +944,7 @@ class PostgresStore(Store):
                 xid = None if row is None else row[0]
             commit_sent = True
             if not reads:
-                db.sender.execute("COMMIT")
+                db.sender.execute("COMMIT", prepare=False)
             pipeline.sync()
             return results
         except BaseException as exc:
