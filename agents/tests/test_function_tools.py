@@ -8,12 +8,13 @@ tests, and their annotations must be real objects for `typing.get_type_hints` to
 import asyncio
 import dataclasses
 import enum
+import functools
 import inspect
 import json
 import math
 import threading
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, NotRequired, Optional, TypedDict
+from dataclasses import InitVar, dataclass, field
+from typing import Annotated, Any, ClassVar, Literal, NotRequired, Optional, TypedDict
 
 import pytest
 from hypothesis import given, settings
@@ -224,6 +225,54 @@ def test_integral_float_for_int_parameter_arrives_as_int() -> None:
     run(tool, '{"value": 3.0}')
     assert received == [3]
     assert type(received[0]) is int
+
+
+@pytest.mark.parametrize(
+    ("annotation", "expected"), [(Literal[1, 2], 2), (Priority, Priority.HIGH), (Literal[1, 2] | str, 2)]
+)
+def test_integral_float_for_integer_choice_arrives_as_the_choice(annotation: Any, expected: Any) -> None:
+    """An integer Literal or Enum is offered as an integer enum, which 2.0 satisfies as it does `int`."""
+    tool, received = capturing_tool(annotation)
+    run(tool, '{"value": 2.0}')
+    assert received == [expected]
+    assert type(received[0]) is type(expected)
+
+
+@pytest.mark.parametrize(("argument", "shown"), [("2.5", "2.5"), ("true", "true"), ("3.0", "3.0")])
+def test_integer_choice_still_refuses_fractions_booleans_and_other_values(argument: str, shown: str) -> None:
+    tool, received = capturing_tool(Literal[1, 2])
+    with pytest.raises(ToolExecutionError) as caught:
+        run(tool, f'{{"value": {argument}}}')
+    assert caught.value.message == f"invalid arguments for probe: parameter 'value': expected one of 1, 2, got {shown}"
+    assert received == []
+
+
+def test_initvar_field_of_a_dataclass_is_offered_and_passed_to_init() -> None:
+    """An InitVar is an `__init__` argument, so it is a member; a ClassVar is not."""
+
+    @dataclass
+    class Money:
+        cents: int
+        currency: InitVar[str]
+        rounded: InitVar[bool] = False
+        places: ClassVar[int] = 2
+
+        def __post_init__(self, currency: str, rounded: bool) -> None:
+            self.code = currency.upper()
+            self.was_rounded = rounded
+
+    tool, received = capturing_tool(Money)
+    assert property_schema(tool) == {
+        "type": "object",
+        "properties": {"cents": {"type": "integer"}, "currency": {"type": "string"}, "rounded": {"type": "boolean"}},
+        "required": ["cents", "currency"],
+        "additionalProperties": False,
+    }
+    run(tool, {"value": {"cents": 5, "currency": "eur"}})
+    run(tool, {"value": {"cents": 7, "currency": "usd", "rounded": True}})
+    assert [(m.cents, m.code, m.was_rounded) for m in received] == [(5, "EUR", False), (7, "USD", True)]
+    with pytest.raises(ToolExecutionError, match="parameter 'value': missing required field 'currency'"):
+        run(tool, {"value": {"cents": 5}})
 
 
 def test_union_tries_alternatives_in_declaration_order() -> None:
@@ -835,11 +884,16 @@ def test_positional_only_parameters_are_refused() -> None:
 
 
 def test_unresolvable_forward_reference_is_refused() -> None:
-    with pytest.raises(TypeError, match="cannot resolve the type hints of tool 'tool': name 'Missing' is not defined"):
+    with pytest.raises(TypeError) as caught:
 
         @function_tool
         def tool(a: "Missing") -> str:  # type: ignore[name-defined] # noqa: F821
             return ""
+
+    assert str(caught.value) == (
+        "cannot resolve the type hints of tool 'tool': name 'Missing' is not defined; an argument type must be"
+        " importable at run time, not only under TYPE_CHECKING"
+    )
 
 
 def test_string_annotations_resolve_from_the_function_module() -> None:
@@ -852,10 +906,53 @@ def test_string_annotations_resolve_from_the_function_module() -> None:
     assert tool.parameters_schema["properties"] == {"a": ADDRESS_SCHEMA, "b": {"type": "integer"}}
 
 
-@pytest.mark.parametrize("name", ["", "has space", "x" * 65, "naïve", "dot.ted", "trailing\n", "<lambda>"])
+def test_return_annotation_is_never_resolved() -> None:
+    """Only parameter hints matter: a return type imported only under TYPE_CHECKING does not block the tool."""
+
+    @function_tool
+    def total(order_id: str) -> "Decimal":  # type: ignore[name-defined] # noqa: F821
+        return order_id
+
+    assert total.parameters_schema["properties"] == {"order_id": {"type": "string"}}
+    assert run(total, {"order_id": "o-1"}) == "o-1"
+
+
+def search_catalogue(catalogue: Opaque, query: str, limit: int = 10, exact: bool = False) -> str:
+    """Search the catalogue."""
+    return f"{type(catalogue).__name__} {query} {limit} {exact}"
+
+
+def test_partial_is_a_tool_of_the_wrapped_function_without_its_bound_parameters() -> None:
+    """Name, docstring and hints come from the wrapped function; what the partial binds is not offered."""
+    tool = function_tool(functools.partial(search_catalogue, Opaque(), exact=True))
+    assert (tool.name, tool.description) == ("search_catalogue", "Search the catalogue.")
+    assert tool.parameters_schema == {
+        "type": "object",
+        "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+        "required": ["query"],
+        "additionalProperties": False,
+    }
+    assert run(tool, {"query": "lamps"}) == "Opaque lamps 10 True"
+    with pytest.raises(ToolExecutionError, match="unknown parameter 'exact'"):
+        run(tool, {"query": "lamps", "exact": False})
+
+
+@pytest.mark.parametrize(
+    "name", ["", "has space", "x" * 65, "naïve", "dot.ted", "trailing\n", "<lambda>", "2fa_check", "-lookup"]
+)
 def test_bad_names_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match="invalid tool name"):
         function_tool(name=name)(lambda: "")
+
+
+def test_name_must_start_with_a_letter_or_underscore() -> None:
+    """Gemini refuses a function name that starts with a digit or '-'; the error says what is allowed."""
+    with pytest.raises(ValueError) as caught:
+        function_tool(name="3d-render")(lambda: "")
+    assert str(caught.value) == (
+        "invalid tool name '3d-render': a tool name is 1 to 64 characters of letters, digits, '_' and '-',"
+        " starting with a letter or '_'"
+    )
 
 
 def test_lambda_without_explicit_name_is_refused() -> None:
@@ -864,7 +961,7 @@ def test_lambda_without_explicit_name_is_refused() -> None:
         function_tool(lambda: "")
 
 
-@pytest.mark.parametrize("name", ["a", "A-b_9", "x" * 64])
+@pytest.mark.parametrize("name", ["a", "A-b_9", "x" * 64, "_private", "_9-"])
 def test_good_names_are_kept(name: str) -> None:
     assert function_tool(name=name)(lambda: "").name == name
 

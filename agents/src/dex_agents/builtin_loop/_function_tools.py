@@ -10,13 +10,18 @@ Decisions this module makes (seed 003, "Built-in agent loop"):
 - Supported annotations: `str`, `int`, `float`, `bool`, `None`, `list` / `list[T]`, `dict` /
   `dict[str, T]`, `Literal[...]` of str/int/bool/None values, `Enum` subclasses with str or int
   values (offered by value), unions including `Optional` (`anyOf`), dataclasses and `TypedDict`
-  (nested object schemas with `additionalProperties: false`), and `Annotated[T, "description"]`
-  (the first string extra becomes `description`; other extras are ignored). Anything else (no
-  annotation, `Any`, `tuple`, `set`, arbitrary classes, recursive types, `*args`, `**kwargs`,
-  positional-only parameters) raises `TypeError` when the tool is defined.
+  (nested object schemas with `additionalProperties: false`; a dataclass's `InitVar` fields are
+  members, since `__init__` takes them), and `Annotated[T, "description"]` (the first string extra
+  becomes `description`; other extras are ignored). Anything else (no annotation, `Any`, `tuple`,
+  `set`, arbitrary classes, recursive types, `*args`, `**kwargs`, positional-only parameters)
+  raises `TypeError` when the tool is defined. Only parameter hints are resolved: the return
+  annotation may name a type imported only under `TYPE_CHECKING`.
+- A `functools.partial` is a tool of the function it wraps (name, docstring, hints); the parameters
+  it binds are not offered to the model.
 - Checking mirrors the JSON Schema offered: `bool` is never an `int` or a `float`; an `int` is a
   fine `float` (converted); an integral float such as `3.0` is a fine `int` (JSON Schema's
-  `integer` accepts it); non-finite numbers are refused. Unknown names are violations at every level.
+  `integer` accepts it), for an integer `Literal` or `Enum` value too; non-finite numbers are
+  refused. Unknown names are violations at every level.
 - `null` for a member that has a default (a parameter with a default, a dataclass field with a
   default, a `TypedDict` key that is not required) whose type does not admit `None` means the
   member is absent, as for built-in tools: providers in strict-schema mode send it.
@@ -33,6 +38,7 @@ import asyncio
 import copy
 import dataclasses
 import enum
+import functools
 import inspect
 import json
 import math
@@ -53,8 +59,9 @@ from ._model import ModelToolDefinition
 
 __all__ = ["FunctionTool", "ToolCallContext", "function_tool"]
 
-# What providers accept as a function name (OpenAI, Anthropic and Gemini share this subset).
-_TOOL_NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# What providers accept as a function name: OpenAI and Anthropic take 1 to 64 of [A-Za-z0-9_-], and
+# Gemini's FunctionDeclaration.name also must start with a letter or '_' (at most 64 characters).
+_TOOL_NAME_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
 # Effects whose calls may run again: an error there is shown to the model instead of failing the Step.
 _MODEL_VISIBLE_ERROR_EFFECTS = frozenset({ToolEffect.READ, ToolEffect.IDEMPOTENT_WRITE})
 _MAX_SHOWN_VALUE_CHARS = 60
@@ -282,7 +289,9 @@ class _Choice(_Shape):
         # (JSON value, Python value) pairs, in declaration order.
         self.options = tuple(options)
         self._lookup = {(_json_type(raw), raw): result for raw, result in self.options}
-        self.json_types = frozenset(_json_type(raw) for raw, _ in self.options)
+        kinds = frozenset(_json_type(raw) for raw, _ in self.options)
+        # An integral float such as 2.0 may be an integer option, as it is a fine `int` (see convert).
+        self.json_types = kinds | {"number"} if "integer" in kinds else kinds
         self.accepts_none = "null" in self.json_types
 
     def schema(self) -> dict[str, Any]:
@@ -296,6 +305,9 @@ class _Choice(_Shape):
         return "one of " + ", ".join(_show(raw) for raw, _ in self.options)
 
     def convert(self, value: object, path: str) -> object:
+        # JSON Schema's enum compares numbers by value, so 2.0 is the integer option 2 (as for `int`).
+        if isinstance(value, float) and value.is_integer() and ("integer", int(value)) in self._lookup:
+            return self._lookup[("integer", int(value))]
         try:
             key = (_json_type(value), value)
             if key in self._lookup:
@@ -442,11 +454,26 @@ def _type_name(annotation: object) -> str:
     return repr(annotation).replace("typing.", "")
 
 
-def _resolved_hints(owner: object, label: str) -> dict[str, Any]:
+def _resolved_hints(owner: object, label: str, module_namespace: dict[str, Any] | None = None) -> dict[str, Any]:
     try:
-        return typing.get_type_hints(owner, include_extras=True)
+        return typing.get_type_hints(owner, globalns=module_namespace, include_extras=True)
     except Exception as exc:  # NameError for an unresolvable forward reference, among others
-        raise TypeError(f"cannot resolve the type hints of {label}: {exc}") from exc
+        advice = "; an argument type must be importable at run time, not only under TYPE_CHECKING"
+        raise TypeError(
+            f"cannot resolve the type hints of {label}: {exc}{advice if isinstance(exc, NameError) else ''}"
+        ) from exc
+
+
+def _parameter_hints(owner: Callable[..., Any], label: str) -> dict[str, Any]:
+    """The resolved hints of `owner`'s parameters. Its return annotation stays unresolved: the schema
+    never uses it, and a return type imported only under TYPE_CHECKING must not block the tool."""
+    annotations: dict[str, Any] = getattr(owner, "__annotations__", None) or {}
+    parameters_only = types.SimpleNamespace(
+        __annotations__={name: hint for name, hint in annotations.items() if name != "return"}
+    )
+    # The namespace get_type_hints(owner) would use: the module of the function behind any decorators.
+    module_namespace: dict[str, Any] = getattr(inspect.unwrap(owner), "__globals__", {})
+    return _resolved_hints(parameters_only, label, module_namespace)
 
 
 class _ShapeBuilder:
@@ -523,13 +550,23 @@ class _ShapeBuilder:
             self._building.pop()
 
     def _dataclass(self, cls: type) -> _Shape:
+        assert dataclasses.is_dataclass(cls), f"build() routes only dataclasses here, got {cls!r}"
         hints = _resolved_hints(cls, cls.__qualname__)
+        regular = {field.name for field in dataclasses.fields(cls)}
         members = []
-        for field in dataclasses.fields(cls):
-            if not field.init:
-                continue  # set by the class itself, never by the caller
+        # __dataclass_fields__ also holds the pseudo-fields dataclasses.fields() leaves out, in
+        # declaration order: an InitVar is an argument of __init__, so the caller must be able to pass it.
+        for field in cls.__dataclass_fields__.values():
+            hint = hints[field.name]
+            if field.name in regular:
+                if not field.init:
+                    continue  # set by the class itself, never by the caller
+            elif hint is typing.ClassVar or typing.get_origin(hint) is typing.ClassVar:
+                continue  # belongs to the class, never an argument
+            elif isinstance(hint, dataclasses.InitVar):
+                hint = hint.type
             required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
-            members.append(_Member(field.name, self._member(cls, field.name, hints[field.name]), required))
+            members.append(_Member(field.name, self._member(cls, field.name, hint), required))
         return _Object(cls, members, is_dataclass=True)
 
     def _typed_dict(self, cls: type) -> _Shape:
@@ -697,14 +734,25 @@ class FunctionTool:
         return dict(prepared)
 
 
+def _partial_target(fn: Callable[..., Any]) -> tuple[Callable[..., Any], frozenset[str]]:
+    """The callable behind a `functools.partial` (else `fn`), and the parameters it binds by keyword."""
+    target = fn
+    bound: set[str] = set()
+    while isinstance(target, functools.partial):  # a partial subclass does not flatten nested partials
+        bound.update(target.keywords)
+        target = target.func
+    return target, frozenset(bound)
+
+
 def _tool_name(fn: Callable[..., Any], name: str | None) -> str:
     if name is None:
-        name = getattr(fn, "__name__", None)
+        name = getattr(_partial_target(fn)[0], "__name__", None)
         if not isinstance(name, str):
             raise ValueError(f"{fn!r} has no __name__; pass name= to function_tool")
     if not isinstance(name, str) or not _TOOL_NAME_PATTERN.fullmatch(name):
         raise ValueError(
-            f"invalid tool name {name!r}: a tool name is 1 to 64 characters of letters, digits, '_' and '-'"
+            f"invalid tool name {name!r}: a tool name is 1 to 64 characters of letters, digits, '_' and '-',"
+            " starting with a letter or '_'"
         )
     return name
 
@@ -714,10 +762,11 @@ def _tool_description(fn: Callable[..., Any], description: str | None) -> str:
         if not isinstance(description, str):
             raise TypeError(f"description must be a str, got {type(description).__name__}")
         return description
-    # Only a function's own docstring: a callable object's would describe its class, and a
-    # functools.partial's describes partial itself.
-    if inspect.isfunction(fn) or inspect.ismethod(fn) or inspect.isbuiltin(fn):
-        return inspect.cleandoc(fn.__doc__) if fn.__doc__ else ""
+    # Only a function's own docstring (behind a functools.partial, whose own describes partial
+    # itself): a callable object's would describe its class.
+    target = _partial_target(fn)[0]
+    if inspect.isfunction(target) or inspect.ismethod(target) or inspect.isbuiltin(target):
+        return inspect.cleandoc(target.__doc__) if target.__doc__ else ""
     return ""
 
 
@@ -727,12 +776,18 @@ def _parameters(fn: Callable[..., Any], tool_name: str) -> tuple[list[_Member], 
         signature = inspect.signature(fn)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"cannot read the signature of tool {tool_name!r}: {exc}") from exc
-    hint_owner = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else getattr(fn, "__call__", fn)  # noqa: B004
-    hints = _resolved_hints(hint_owner, f"tool {tool_name!r}")
+    # A partial's signature already leaves out what it binds positionally; its own __call__ has no
+    # hints, so they come from the function it wraps.
+    target, bound_by_keyword = _partial_target(fn)
+    is_function = inspect.isfunction(target) or inspect.ismethod(target)
+    hint_owner = target if is_function else getattr(target, "__call__", target)  # noqa: B004
+    hints = _parameter_hints(hint_owner, f"tool {tool_name!r}")
     members: list[_Member] = []
     context_parameter: str | None = None
     builder = _ShapeBuilder()
     for parameter in signature.parameters.values():
+        if parameter.name in bound_by_keyword:
+            continue  # the partial supplies it (a dependency, say), so the model neither sees nor sets it
         where = f"parameter {parameter.name!r} of tool {tool_name!r}"
         if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             raise TypeError(f"{where}: *args and **kwargs are not supported")
