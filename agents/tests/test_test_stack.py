@@ -1,5 +1,6 @@
 """AgentTestStack's Worker children (seed 003 "Testing an adapter"): each runs in its own process
-group, kill() and stop() reach the whole group, and leaving the stack leaves no Worker running.
+group, kill() and stop() reach the whole group, and leaving the stack leaves no Worker running;
+neither does a start_worker() that fails, nor a test process that dies without leaving the stack.
 
 The Worker's own long-lived subprocess stands for what a real Worker may start (a tool's subprocess,
 an MCP server): a kill that reached only the Worker would leave it running into the next test.
@@ -7,15 +8,41 @@ an MCP server): a kill that reached only the Worker would leave it running into 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import sys
+import textwrap
 from pathlib import Path
 
+import pytest
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
-from agents.tests.scripted_agent import build_flow
+from agents.tests.scripted_agent import ENV_START_GATE, build_flow
 from agents.tests.scripted_worker import ENV_STRAY_PID_FILE
 
-from dex_agents.testing import AgentTestStack, WorkerProcess, wait_until
+from dex_agents.testing import AgentTestStack, FileGate, WorkerProcess, wait_until
+
+# A test process that starts a Worker (with a stray subprocess), prints both PIDs, and waits to
+# be killed: it stands for a pytest run a CI timeout SIGKILLs in the middle of a test.
+DOOMED_TEST_PROCESS = textwrap.dedent("""
+    import asyncio, sys
+    from pathlib import Path
+    from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
+    from agents.tests.scripted_agent import build_flow
+    from agents.tests.scripted_worker import ENV_STRAY_PID_FILE
+    from dex_agents.testing import AgentTestStack
+
+    async def main(state_dir: Path) -> None:
+        async with AgentTestStack(state_dir, [build_flow(state_dir)], WORKER_MODULE, worker_cwd=REPO_ROOT) as stack:
+            pid_file = state_dir / "stray.pid"
+            worker = await stack.start_worker({ENV_STRAY_PID_FILE: str(pid_file)})
+            print(worker.pid, pid_file.read_text(), flush=True)
+            await asyncio.sleep(600)
+
+    asyncio.run(main(Path(sys.argv[1])))
+""")
+# The doomed test process imports, then starts and registers a Worker: seconds on a loaded machine.
+DOOMED_START_SECONDS = 60.0
 
 
 def alive(pid: int) -> bool:
@@ -76,3 +103,43 @@ async def test_leaving_the_stack_kills_every_worker(tmp_path: Path) -> None:
     assert [first.process.poll(), second.process.poll()] == [-signal.SIGKILL, -signal.SIGKILL]
     await ended(first_stray)
     await ended(second_stray)
+
+
+async def test_a_worker_that_never_registers_is_killed_when_start_worker_fails(stack: AgentTestStack) -> None:
+    """A start_worker() cancelled (or timed out) while its Worker is still unregistered kills that
+    Worker: the caller never got hold of it to kill it."""
+    gate = FileGate(stack.state_dir, "never-released")  # the Worker waits there, before it registers
+    starting = asyncio.create_task(stack.start_worker({ENV_START_GATE: gate.name}))
+    try:
+        await gate.wait_until_reached()
+    finally:
+        starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    [worker] = stack.workers
+    assert worker.process.returncode == -signal.SIGKILL
+
+
+async def test_workers_end_when_the_test_process_dies_without_leaving_the_stack(tmp_path: Path) -> None:
+    """A test process SIGKILLed inside `async with AgentTestStack` (a CI timeout) runs no cleanup; its
+    Worker notices it was handed to another parent and SIGKILLs its process group, stray and all."""
+    doomed = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", DOOMED_TEST_PROCESS, str(tmp_path), cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE)
+    worker = stray = 0
+    try:
+        assert doomed.stdout is not None
+        line = await asyncio.wait_for(doomed.stdout.readline(), DOOMED_START_SECONDS)
+        assert line, f"the test process exited with {await doomed.wait()} before its Worker registered"
+        worker, stray = (int(pid) for pid in line.split())
+        assert alive(worker) and alive(stray)
+        doomed.kill()
+        assert await doomed.wait() == -signal.SIGKILL
+        await ended(worker)
+        await ended(stray)
+    finally:
+        if doomed.returncode is None:
+            doomed.kill()
+            await doomed.wait()
+        for pid in (worker, stray):
+            if pid and alive(pid):
+                os.kill(pid, signal.SIGKILL)  # never leave them behind, even when the test fails

@@ -9,6 +9,7 @@ from ._scenario import ContextWindowSessionReport, ContextWindowSessionScenario,
 from ._stack import (
     DEFAULT_TEST_LEASE_TTL_SECONDS,
     ENV_DATABASE_URL,
+    ENV_PARENT_PID,
     ENV_STATE_DIR,
     AgentTestStack,
     WorkerProcess,
@@ -19,6 +20,7 @@ from ._waiting import wait_for_agent_snapshot, wait_until
 __all__ = [
     "DEFAULT_TEST_LEASE_TTL_SECONDS",
     "ENV_DATABASE_URL",
+    "ENV_PARENT_PID",
     "ENV_STATE_DIR",
     "EXECUTE_COMPLETED_EVENT",
     "AgentTestStack",

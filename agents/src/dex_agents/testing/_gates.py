@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ class FileGate:
         self.release_path = Path(state_dir) / f"{name}.release"
 
     def mark_reached(self) -> None:
-        tmp = self.reached_path.with_name(f"{self.reached_path.name}.tmp{os.getpid()}")
+        """Record that this process reached the gate; safe to call again, and from several threads
+        at once (parallel calls of a sync tool): each call writes a temporary file of its own."""
+        tmp = self.reached_path.with_name(f"{self.reached_path.name}.tmp{os.getpid()}-{threading.get_ident()}")
         tmp.write_text(str(os.getpid()))
         os.replace(tmp, self.reached_path)  # the test never sees the file without the pid
 

@@ -8,9 +8,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Literal
 
 from dex_engine import AsyncClient, AsyncWorker, Flow, Registry, WorkerOptions
 
@@ -23,12 +26,18 @@ from ._waiting import DEFAULT_WAIT_SECONDS, wait_until
 ENV_DATABASE_URL = "DEX_AGENTS_TEST_DATABASE_URL"
 ENV_STATE_DIR = "DEX_AGENTS_TEST_STATE_DIR"
 ENV_LEASE_TTL = "DEX_AGENTS_TEST_LEASE_TTL"
+# The PID of the test process, set by start_worker: a Worker child ends (with its process group)
+# once that process is gone. A helper that starts Worker children itself sets it the same way.
+ENV_PARENT_PID = "DEX_AGENTS_TEST_PARENT_PID"
 
 # A killed Worker's lease expires after this long and its Steps are taken over. Short, so kill
 # tests run fast, but well above a loaded 2-core CI machine's scheduling hiccups.
 DEFAULT_TEST_LEASE_TTL_SECONDS = 2.0
 # Parallel tool Steps of one response need slots of their own.
 TEST_WORKER_MAX_CONCURRENT_TASKS = 64
+# How often a Worker child looks whether the test process is still its parent: a test process
+# killed without leaving its stack leaves no Worker running for more than about this long.
+PARENT_WATCH_SECONDS = 0.2
 
 
 def test_worker_options(database_url: str, lease_ttl_seconds: float) -> WorkerOptions:
@@ -42,13 +51,43 @@ def test_worker_options(database_url: str, lease_ttl_seconds: float) -> WorkerOp
 def run_agent_worker(flows: Sequence[Flow], *, database_url: str | None = None) -> None:
     """Run a Worker for `flows` until SIGTERM or SIGINT: the body of a Worker child process.
 
-    The database URL and lease timing come from the environment AgentTestStack sets.
+    The database URL and lease timing come from the environment AgentTestStack sets. Started by
+    AgentTestStack, the Worker SIGKILLs its own process group once the test process that started
+    it is gone (killed, say, by a CI timeout before it could leave the stack).
     """
     url = database_url or os.environ.get(ENV_DATABASE_URL)
     if not url:
         raise SystemExit(f"run_agent_worker: set {ENV_DATABASE_URL} or pass database_url")
     ttl = float(os.environ.get(ENV_LEASE_TTL, DEFAULT_TEST_LEASE_TTL_SECONDS))
+    # Taken out of the environment, so that no subprocess of this Worker takes the test process
+    # for its own parent.
+    parent = os.environ.pop(ENV_PARENT_PID, None)
+    if parent is not None:
+        _watch_parent(int(parent))
     asyncio.run(_serve(Registry(list(flows)), test_worker_options(url, ttl)))
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """SIGKILL this Worker's process group, as WorkerProcess.kill() would, once `parent_pid` is no
+    longer this process's parent: the test process died and the Worker was handed to init.
+
+    A thread polling getppid(), not PR_SET_PDEATHSIG: that fires when the parent *thread* that
+    spawned the child ends (an event loop in a thread of a live test process, say), it is Linux
+    only, and it would kill the Worker but not the subprocesses in its group. A thread, not a task,
+    so that a handler blocking the Worker's event loop cannot hold it up.
+    """
+    if os.getpgrp() != os.getpid():
+        # AgentTestStack starts each Worker as the leader of a new process group; killing any
+        # other group could reach processes that are not the Worker's.
+        raise SystemExit(f"run_agent_worker: {ENV_PARENT_PID} is set, but process {os.getpid()} does not lead "
+                         f"its process group {os.getpgrp()}; start Workers with AgentTestStack.start_worker")
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_WATCH_SECONDS)
+        os.killpg(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name=f"dex-test-parent-watch:{parent_pid}", daemon=True).start()
 
 
 async def _serve(registry: Registry, options: WorkerOptions) -> None:
@@ -121,13 +160,21 @@ class AgentTestStack:
         self.lease_ttl_seconds = lease_ttl_seconds
         self.client = AsyncClient(Registry(self.flows), self.database_url)
         self.workers: list[WorkerProcess] = []
+        # Workers start only inside `async with`: only leaving the stack kills them.
+        self._state: Literal["new", "open", "exited"] = "new"
 
     async def __aenter__(self) -> AgentTestStack:
+        if self._state != "new":
+            when = "is open" if self._state == "open" else "was exited"
+            raise RuntimeError(f"the AgentTestStack in {str(self.state_dir)!r} {when}; enter a stack once: create "
+                               "a new AgentTestStack for each `async with`")
+        self._state = "open"
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._state = "exited"
         for worker in self.workers:
             worker.kill()
         await self.client.close()
@@ -136,7 +183,15 @@ class AgentTestStack:
         return AgentSessionClient(self.client, flow)
 
     async def start_worker(self, env: dict[str, str] | None = None) -> WorkerProcess:
-        """Start a Worker child and wait until it has registered with the engine."""
+        """Start a Worker child and wait until it has registered with the engine.
+
+        Only inside `async with` the stack: leaving it kills the Worker. Should the Worker not
+        register (it exits, the wait times out or is cancelled), it is killed before this raises.
+        """
+        if self._state != "open":
+            when = "was not entered yet" if self._state == "new" else "was exited"
+            raise RuntimeError(f"start_worker: the AgentTestStack in {str(self.state_dir)!r} {when}; start Workers "
+                               "inside `async with AgentTestStack(...) as stack:`, which kills them when it is left")
         number = len(self.workers) + 1
         log_path = self.state_dir / f"worker-{number}.log"
         child_env = dict(os.environ)
@@ -144,6 +199,7 @@ class AgentTestStack:
             ENV_DATABASE_URL: self.database_url,
             ENV_STATE_DIR: str(self.state_dir),
             ENV_LEASE_TTL: str(self.lease_ttl_seconds),
+            ENV_PARENT_PID: str(os.getpid()),
             "PYTHONUNBUFFERED": "1",
         })
         child_env.update(self.worker_env)
@@ -159,7 +215,11 @@ class AgentTestStack:
                 )
             return any(row[2] == worker.pid for row in await self.client.store.list_workers())
 
-        await wait_until(f"worker {worker.pid} to register", registered)
+        try:
+            await wait_until(f"worker {worker.pid} to register", registered)
+        except BaseException:
+            worker.kill()  # nothing else would: the caller never gets hold of it
+            raise
         return worker
 
     def _spawn(self, env: dict[str, str], log_path: Path) -> WorkerProcess:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import time
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -28,18 +28,34 @@ async def wait_until(
 ) -> Any:
     """Poll `probe` (sync or async) until it returns a truthy value, and return it.
 
-    Raises AssertionError naming `description` and the last value when `timeout` seconds pass.
+    Raises AssertionError naming `description` and the last value when `timeout` seconds pass,
+    cancelling an awaited probe call still running then. A sync probe runs on the event loop and
+    cannot be interrupted: one that blocks holds the wait up until it returns.
     """
-    deadline = time.monotonic() + timeout
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    # asyncio.timeout_at takes None for "never" (FileGate waits for ever).
+    cutoff = deadline if math.isfinite(deadline) else None
+    value: Any = None
     while True:
-        value = probe()
-        if inspect.isawaitable(value):
-            value = await value
+        returned = probe()
+        if inspect.isawaitable(returned):
+            bound = asyncio.timeout_at(cutoff)
+            try:
+                async with bound:
+                    returned = await returned
+            except TimeoutError:
+                if not bound.expired():
+                    raise  # the probe's own TimeoutError, not the deadline
+                break
+        value = returned
         if value:
             return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {description}; last value: {value!r}")
-        await asyncio.sleep(interval)
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        await asyncio.sleep(min(interval, left))  # so that the last probe runs at the deadline, not after it
+    raise AssertionError(f"timed out after {timeout} s waiting for {description}; last value: {value!r}")
 
 
 async def wait_for_agent_snapshot(

@@ -1,0 +1,120 @@
+"""The test kit (seed 003 "Testing an adapter") used wrongly or under load: a stack used outside
+`async with`, a mistyped database URL, a probe that hangs, a FileGate reached from two threads.
+Each fails loudly and at once, naming what to fix, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
+from agents.tests.scripted_agent import build_flow
+
+from dex_agents.testing import AgentTestStack, FileGate, read_step_history, wait_until
+
+# A probe hanging this long stands for a read that never returns; a wait bounded by its timeout
+# ends long before.
+HANGING_PROBE_SECONDS = 20.0
+# Rounds of two threads marking one gate at once: the race lost in most rounds.
+GATE_RACE_ROUNDS = 200
+
+
+def new_stack(tmp_path: Path) -> AgentTestStack:
+    return AgentTestStack(tmp_path, [build_flow(tmp_path)], WORKER_MODULE, worker_cwd=REPO_ROOT)
+
+
+async def refused_start(stack: AgentTestStack) -> str:
+    """start_worker()'s refusal, checked to have started no Worker (killing any it did)."""
+    try:
+        with pytest.raises(RuntimeError) as refusal:
+            await stack.start_worker()
+    finally:
+        spawned = list(stack.workers)
+        for worker in spawned:
+            worker.kill()
+    assert spawned == []
+    return str(refusal.value)
+
+
+async def test_start_worker_outside_async_with_is_refused_before_a_worker_starts(tmp_path: Path) -> None:
+    """Only leaving the stack kills its Workers, so a Worker started before entering it or after
+    leaving it would run on, orphaned."""
+    stack = new_stack(tmp_path)
+    assert "was not entered yet" in await refused_start(stack)
+    async with stack:
+        pass
+    message = await refused_start(stack)
+    assert "was exited" in message and repr(str(tmp_path)) in message
+    assert "worker-1.log" not in os.listdir(tmp_path)  # no Worker was started, not even briefly
+
+
+async def test_a_stack_is_entered_once(tmp_path: Path) -> None:
+    """Leaving a stack closes its Client: entering it again would hand out a closed engine."""
+    stack = new_stack(tmp_path)
+    async with stack:
+        with pytest.raises(RuntimeError, match="is open"):
+            await stack.__aenter__()
+    with pytest.raises(RuntimeError, match="was exited"):
+        async with stack:
+            pass
+
+
+async def test_read_step_history_of_a_missing_database_file_creates_nothing(tmp_path: Path) -> None:
+    """A mistyped path is named, instead of a new empty database that has "no flow with ID ..."."""
+    missing = tmp_path / "tmp_pth" / "dex.db"
+    with pytest.raises(FileNotFoundError, match=f"no database file {str(missing)!r}"):
+        await read_step_history(f"sqlite:///{missing}", "s1")
+    assert os.listdir(tmp_path) == []
+
+
+async def test_wait_until_cuts_off_an_async_probe_at_the_timeout() -> None:
+    calls: list[str] = []
+
+    async def hanging() -> bool:
+        calls.append("started")
+        await asyncio.sleep(0 if len(calls) == 1 else HANGING_PROBE_SECONDS)
+        calls.append("returned")
+        return False
+
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match=r"^timed out after 0.5 s waiting for an answer; last value: False$"):
+        await wait_until("an answer", hanging, timeout=0.5)
+    assert time.monotonic() - started < HANGING_PROBE_SECONDS / 2
+    assert calls == ["started", "returned", "started"]  # the second call was cancelled
+
+
+async def test_wait_until_passes_on_a_probes_own_timeout_error() -> None:
+    async def failing() -> bool:
+        raise TimeoutError("the probe's own")
+
+    with pytest.raises(TimeoutError, match="the probe's own"):
+        await wait_until("an answer", failing, timeout=5)
+
+
+def test_a_file_gate_reached_by_two_threads_at_once(tmp_path: Path) -> None:
+    """Two parallel calls of a sync tool in one Worker reach one gate at the same moment."""
+    failures: list[BaseException] = []
+    for round_number in range(GATE_RACE_ROUNDS):
+        gate = FileGate(tmp_path, f"lookup-{round_number}")
+        together = threading.Barrier(2)
+
+        def reach(gate: FileGate = gate, together: threading.Barrier = together) -> None:
+            together.wait()
+            try:
+                gate.mark_reached()
+            except BaseException as exc:
+                failures.append(exc)
+
+        threads = [threading.Thread(target=reach) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert gate.reached_path.read_text() == str(os.getpid())
+    assert failures == []
+    # Every temporary file became a gate's reached file.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"lookup-{n}.reached" for n in range(GATE_RACE_ROUNDS))
