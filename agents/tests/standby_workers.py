@@ -19,6 +19,7 @@ from agents.tests.scripted_agent import ENV_START_GATE
 
 from dex_agents.testing import (
     ENV_DATABASE_URL,
+    ENV_PARENT_PID,
     ENV_STATE_DIR,
     AgentTestStack,
     FileGate,
@@ -51,7 +52,7 @@ class SharedStack:
         stack = self.stack
         name = f"standby-{next(self.numbers)}"
         env = {**os.environ, ENV_DATABASE_URL: stack.database_url, ENV_STATE_DIR: str(stack.state_dir),
-               "PYTHONUNBUFFERED": "1", **stack.worker_env, ENV_START_GATE: name}
+               ENV_PARENT_PID: str(os.getpid()), "PYTHONUNBUFFERED": "1", **stack.worker_env, ENV_START_GATE: name}
         log_path = stack.state_dir / f"{name}.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(

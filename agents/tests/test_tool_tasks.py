@@ -92,6 +92,7 @@ from dex_agents._tool_steps import ToolSteps, invalid_question_error
 from dex_agents.demo import build_demo_flow
 from dex_agents.testing import (
     ENV_DATABASE_URL,
+    ENV_PARENT_PID,
     ENV_STATE_DIR,
     AgentTestStack,
     FileGate,
@@ -672,7 +673,7 @@ class SharedWorkers:
         stack = self.stack
         gate = FileGate(stack.state_dir, "standby")
         env = {**os.environ, ENV_DATABASE_URL: stack.database_url, ENV_STATE_DIR: str(stack.state_dir),
-               "PYTHONUNBUFFERED": "1", ENV_START_GATE: gate.name}
+               ENV_PARENT_PID: str(os.getpid()), "PYTHONUNBUFFERED": "1", ENV_START_GATE: gate.name}
         log_path = stack.state_dir / "standby.log"
         with log_path.open("wb") as out:
             process = subprocess.Popen([sys.executable, "-m", WORKER_MODULE], cwd=REPO_ROOT, env=env, stdout=out,
