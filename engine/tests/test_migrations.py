@@ -245,3 +245,34 @@ def test_sqlite_meta_without_a_dex_engine_schema_version_is_refused_unchanged(
     with pytest.raises(StoreOpenError, match=re.escape(refusal)):
         open_store(f"sqlite:///{path}")
     assert path.read_bytes() == before
+
+
+def _pg_tables(url: str) -> list[str]:
+    with psycopg.connect(url) as conn:
+        return [name for (name,) in conn.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() ORDER BY tablename")]
+
+
+@pytest.mark.parametrize(("stored", "with_flows", "why"), [
+    ("2024.1", True, "its meta table's schema_version is '2024.1', not a dex_engine schema version"),
+    ("17", False, "it has a meta table but no dex_engine flows table"),
+    ("3", False, "it has a meta table but no dex_engine flows table"),
+    (None, True, "its meta table's schema_version is None, not a dex_engine schema version"),
+])
+def test_postgres_meta_of_another_application_is_refused_unchanged(
+    pg_database: str, stored: str | None, with_flows: bool, why: str,
+) -> None:
+    """A database holding another application's key/value `meta` table (a common name): StoreOpenError
+    saying it is not a dex_engine database, and how to give dex_engine its own schema; nothing is
+    created. Catches: int()'s bare ValueError for '2024.1', 'a newer dex_engine wrote it' for '17',
+    and 'relation tasks does not exist' for '3'."""
+    with psycopg.connect(pg_database, autocommit=True) as conn:
+        conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        if stored is not None:
+            conn.execute("INSERT INTO meta VALUES ('schema_version', %s)", (stored,))
+        if with_flows:
+            conn.execute("CREATE TABLE flows (x int)")
+    before = _pg_tables(pg_database)
+    with pytest.raises(StoreOpenError, match=re.escape(f"is not a dex_engine database: {why}; use a database")):
+        open_store(pg_database)
+    assert _pg_tables(pg_database) == before

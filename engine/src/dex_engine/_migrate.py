@@ -31,6 +31,15 @@ def migration_files(backend: str) -> list[tuple[int, str]]:
     return sorted((int(e.name.split("_", 1)[0]), e.read_text()) for e in folder.iterdir() if e.name.endswith(".sql"))
 
 
+def recorded_version(stored: object) -> int | None:
+    """The schema version a `meta` row's value records, or None when it is not one dex_engine wrote:
+    apply_pending writes str(number) of a migration, numbered from 1. Another application's `meta`
+    table (a common name) holds anything else."""
+    if isinstance(stored, str) and stored.isascii() and stored.isdigit() and int(stored) >= 1:
+        return int(stored)
+    return None
+
+
 def apply_pending(execute: Execute, backend: str, version: int, placeholder: str) -> None:
     """Inside the caller's transaction: apply migrations after `version`, record the new version,
     and create the stream token secret once. A database a newer

@@ -59,7 +59,7 @@ from . import _transitions as tx
 from ._attribute_cache import AttributeCache, KnownRows
 from ._codec import decode_json, encode_json
 from ._errors import CommitOutcomeUnknownError, FlowNotActiveError, StaleAttemptError, StoreOpenError
-from ._migrate import apply_pending
+from ._migrate import apply_pending, recorded_version
 from ._open import shown_url
 from ._options import LoadSpec, MethodOptions, StepDurability, TaskOptions
 from ._records import DecisionRecord, Lease, MovementRecord, WriteSet
@@ -680,16 +680,35 @@ def _deliver(items: list[tuple[asyncio.Future[Any], bool, Any]], listeners: list
         listener()
 
 
-def migrate(conn: psycopg.Connection[Any]) -> None:
-    """Apply numbered migrations not yet applied."""
+def migrate(conn: psycopg.Connection[Any], url: str) -> None:
+    """Apply numbered migrations not yet applied to the database of `url`."""
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
-        has_meta = conn.execute("SELECT to_regclass('meta')").fetchone()
-        version = 0
-        if has_meta and has_meta[0] is not None:
-            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            version = int(row[0]) if row else 0
-        apply_pending(conn.execute, "postgres", version, "%s")  # committed as the block exits
+        apply_pending(conn.execute, "postgres", _schema_version(conn, url), "%s")  # committed as the block exits
+
+
+def _schema_version(conn: psycopg.Connection[Any], url: str) -> int:
+    """The dex_engine schema version of the database (the schema search_path names first); 0 when
+    it has no `meta` table. Another application's `meta` (a common name) is refused, unchanged:
+    its schema_version is not one dex_engine wrote, or dex_engine's flows table is not beside it."""
+    row = conn.execute("SELECT to_regclass('meta') IS NOT NULL, to_regclass('flows') IS NOT NULL").fetchone()
+    has_meta, has_flows = (bool(row[0]), bool(row[1])) if row else (False, False)
+    if not has_meta:
+        return 0
+    columns = {name for (name,) in conn.execute(
+        "SELECT attname FROM pg_attribute WHERE attrelid = 'meta'::regclass AND attnum > 0 AND NOT attisdropped")}
+    stored: object = None
+    if {"key", "value"} <= columns:
+        found = conn.execute("SELECT value FROM meta WHERE key::text = 'schema_version'").fetchone()
+        stored = found[0] if found else None
+    version = recorded_version(stored)
+    if version is None or not has_flows:
+        why = (f"its meta table's schema_version is {stored!r}, not a dex_engine schema version"
+               if version is None else "it has a meta table but no dex_engine flows table")
+        raise StoreOpenError(
+            f"{shown_url(url)!r} is not a dex_engine database: {why}; use a database of dex_engine's own, or a "
+            "schema of its own (options=-csearch_path=<schema> in the URL)")
+    return version
 
 
 class PostgresStore(Store):
@@ -710,7 +729,7 @@ class PostgresStore(Store):
         self._closed = False
         try:
             with psycopg.connect(self._conninfo, autocommit=True, application_name=self._app_name) as conn:
-                migrate(conn)
+                migrate(conn, url)
                 conn.execute("DELETE FROM commit_marks WHERE updated_at < now() - %s::interval",
                              (COMMIT_MARK_RETENTION,))
         except psycopg.Error as exc:

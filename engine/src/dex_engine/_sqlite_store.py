@@ -61,7 +61,7 @@ from ._limits import (
     SQLITE_WRITER_YIELD_SECONDS,
     WAL_SWITCH_RETRY_SECONDS,
 )
-from ._migrate import apply_pending
+from ._migrate import apply_pending, recorded_version
 from ._store import Store, commit_origin
 from ._task_options import SharedOptions
 from ._transitions import AppendRow, Db, HistoryRow, PollResult, Row, UnstoredMessage, run_op
@@ -233,11 +233,11 @@ def schema_version(conn: sqlite3.Connection, path: str) -> int:
         raise _not_dex_engine(path, "its meta table has no key and value columns")
     row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
     stored = row[0] if row else None
-    # apply_pending writes str(number) of a migration, numbered from 1, with the meta table itself.
-    if not (isinstance(stored, str) and stored.isascii() and stored.isdigit() and int(stored) >= 1):
+    version = recorded_version(stored)
+    if version is None:
         raise _not_dex_engine(path, f"its meta table's schema_version is {stored!r}, not a dex_engine schema "
                                     "version")
-    return int(stored)
+    return version
 
 
 def _not_dex_engine(path: str, why: str) -> StoreOpenError:
