@@ -964,6 +964,31 @@ async def test_a_run_of_refused_transactions_leaves_the_store_working(pg_databas
         assert await client.rpc("f", "peek") == ["before", *(f"after {n}" for n in range(6))]
 
 
+async def test_an_operation_that_never_gets_a_connection_says_so(
+    pg_database: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server stays unreachable through every try of an operation: it fails with an error naming
+    the database, the time waited and the tries, and what to check. Catches: the pool's own
+    PoolTimeout ('couldn't get a connection after 1.99 sec') raised after minutes of waiting."""
+    import psycopg_pool
+
+    from dex_engine import _pg_store
+
+    monkeypatch.setattr(_pg_store, "CONNECTION_WAIT_SECONDS", 1.0)
+    monkeypatch.setattr(_pg_store, "MAX_OP_TRIES", 2)
+    async with proxy_to(pg_database) as proxy, client_for(proxy.url(pg_database)) as client:
+        await client.start_flow("PgfLocks", "f")
+        proxy.refusing = True
+        for conn in list(proxy.conns):
+            conn.abort()
+        with pytest.raises(psycopg_pool.PoolTimeout) as caught:
+            await asyncio.wait_for(client.publish("f", Box, "t1"), 60)
+        message = str(caught.value)
+        assert message.startswith(f"no connection to {_pg_store.shown_url(proxy.url(pg_database))!r} in "), message
+        assert "s (2 tries): the server refused or did not answer" in message, message
+        assert "check that the server is running and reachable" in message, message
+
+
 # Lock waits cut short by the server's lock_timeout ---------------------------------------------
 
 LOCK_TIMEOUT_MS = 100  # set in the test's URL, as a DBA may set it for the database or its users

@@ -827,6 +827,7 @@ class PostgresStore(Store):
         database error in a batch that holds any, so that one bad commit cannot fail the others.
         """
         delay = 0.01
+        started = time.monotonic()
         for attempt in range(1, MAX_OP_TRIES + 1):
             try:
                 return [_result(value) for value in self._transact(lane, ops, batched)]
@@ -853,7 +854,7 @@ class PostgresStore(Store):
                 # The connection dropped (server restart, pg_terminate_backend, network) before
                 # COMMIT, or during it and the transaction did not commit: run it again.
                 if attempt == MAX_OP_TRIES:
-                    return [(False, exc)] * len(ops)
+                    return [(False, self._gave_up(exc, time.monotonic() - started))] * len(ops)
                 log.warning("database connection lost (try %d of %d); retrying", attempt, MAX_OP_TRIES)
             except psycopg.Error as exc:
                 if batched and any(op.commit is not None for op in ops):
@@ -866,6 +867,18 @@ class PostgresStore(Store):
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
         raise AssertionError("unreachable")
+
+    def _gave_up(self, exc: psycopg.OperationalError, waited: float) -> psycopg.OperationalError:
+        """The error an operation fails with after its last try. The pool's own timeout names only
+        its last short wait for a connection, not the minutes waited nor what to check."""
+        if not isinstance(exc, psycopg_pool.PoolTimeout):
+            return exc
+        error = psycopg_pool.PoolTimeout(
+            f"no connection to {shown_url(self.url)!r} in {waited:.0f} s ({MAX_OP_TRIES} tries): the server "
+            "refused or did not answer, or every connection of the pool stayed busy; check that the server "
+            "is running and reachable from this host")
+        error.__cause__ = exc
+        return error
 
     def _each_alone(self, lane: _Lane, ops: list[_Op], batched: bool = True) -> list[tuple[bool, Any]]:
         return [result for op in ops for result in self._run_batch(lane, [op], 0, batched)]
