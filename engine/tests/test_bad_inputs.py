@@ -548,6 +548,24 @@ async def test_bad_flow_id_is_refused(db_url: str, flow_id: str, named: str) -> 
                       "flow ID", named)
 
 
+def _lookups(c: AsyncClient, bad: Any) -> dict[str, Callable[[], Awaitable[object]]]:
+    """Every client call that names a flow, on flow ID `bad`."""
+    return {
+        "describe_flow": lambda: c.describe_flow(bad),
+        "get_flow_history": lambda: c.get_flow_history(bad),
+        "wait_for_flow": lambda: c.wait_for_flow(bad, 1),
+        "flow_output": lambda: c.flow_output(bad),
+        "stop_flow": lambda: c.stop_flow(bad, "why"),
+        "skip_timer": lambda: c.skip_timer(bad, "Listen-1"),
+        "update_flow_config": lambda: c.update_flow_config(bad, FlowConfig()),
+        "rpc": lambda: c.rpc(bad, "note", "x"),
+        "publish": lambda: c.publish(bad, Inbox, 1),
+        "get_attribute": lambda: c.get_attribute(bad, Note),
+        "get_attribute_map": lambda: c.get_attribute_map(bad, Tags),
+        "read_stream": lambda: c.read_stream(bad, Events),
+    }
+
+
 @pytest.mark.parametrize("kind", UNSTORABLE)
 async def test_lookups_of_an_id_with_an_unstorable_character_find_no_flow(db_url: str, kind: str) -> None:
     """No flow has an ID with a NUL character or a lone surrogate (start_flow refuses both), so
@@ -559,21 +577,7 @@ async def test_lookups_of_an_id_with_an_unstorable_character_find_no_flow(db_url
     async with engine_for(db_url, REGISTRY, worker=False) as eng:
         c = eng.client
         await c.start_flow("Bad", "f", "listen")
-        calls: dict[str, Callable[[], Awaitable[object]]] = {
-            "describe_flow": lambda: c.describe_flow(bad),
-            "get_flow_history": lambda: c.get_flow_history(bad),
-            "wait_for_flow": lambda: c.wait_for_flow(bad, 1),
-            "flow_output": lambda: c.flow_output(bad),
-            "stop_flow": lambda: c.stop_flow(bad, "why"),
-            "skip_timer": lambda: c.skip_timer(bad, "Listen-1"),
-            "update_flow_config": lambda: c.update_flow_config(bad, FlowConfig()),
-            "rpc": lambda: c.rpc(bad, "note", "x"),
-            "publish": lambda: c.publish(bad, Inbox, 1),
-            "get_attribute": lambda: c.get_attribute(bad, Note),
-            "get_attribute_map": lambda: c.get_attribute_map(bad, Tags),
-            "read_stream": lambda: c.read_stream(bad, Events),
-        }
-        for name, call in calls.items():
+        for name, call in _lookups(c, bad).items():
             with pytest.raises(FlowNotFoundError, match=re.escape(repr(bad))):
                 await call()
             assert (await c.describe_flow("f")).status == "running", name
@@ -593,22 +597,8 @@ async def test_lookups_of_an_id_that_is_not_a_str_are_refused_as_start_flow_refu
     message = f"flow ID must be a string, got {type(bad).__name__}: {bad!r}"
     async with idle_engine(db_url) as eng:
         c = eng.client
-        calls: dict[str, Callable[[], Awaitable[object]]] = {
-            "start_flow": lambda: c.start_flow("Bad", bad, "ok"),
-            "describe_flow": lambda: c.describe_flow(bad),
-            "exists": lambda: c.exists(bad),
-            "get_flow_history": lambda: c.get_flow_history(bad),
-            "wait_for_flow": lambda: c.wait_for_flow(bad, 1),
-            "flow_output": lambda: c.flow_output(bad),
-            "stop_flow": lambda: c.stop_flow(bad, "why"),
-            "skip_timer": lambda: c.skip_timer(bad, "Listen-1"),
-            "update_flow_config": lambda: c.update_flow_config(bad, FlowConfig()),
-            "rpc": lambda: c.rpc(bad, "note", "x"),
-            "publish": lambda: c.publish(bad, Inbox, 1),
-            "get_attribute": lambda: c.get_attribute(bad, Note),
-            "get_attribute_map": lambda: c.get_attribute_map(bad, Tags),
-            "read_stream": lambda: c.read_stream(bad, Events),
-        }
+        calls = {"start_flow": lambda: c.start_flow("Bad", bad, "ok"), "exists": lambda: c.exists(bad),
+                 **_lookups(c, bad)}
         for name, call in calls.items():
             error = await refused(eng.store, call, InvalidIdError)
             assert str(error) == message, name
