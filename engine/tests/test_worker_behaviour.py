@@ -1401,3 +1401,50 @@ async def test_a_worker_whose_poll_or_renewal_fails_waits_before_it_tries_again(
 
         await wait_until(f"the worker to try {operation} again after the failures", answered)
     assert_paced(tried[: failing + 1], pause)
+
+
+_escapes: list[tuple[str, int]] = []
+_ESCAPING: dict[str, type[BaseException]] = {"GeneratorExit": GeneratorExit, "SystemExit": SystemExit}
+
+
+async def _lets_out(ctx: Context, kind: str) -> StepDecision:
+    _escapes.append((kind, ctx.attempt))
+    raise _ESCAPING[kind]()
+
+
+async def _to_pure(ctx: Context, kind: str) -> StepDecision:
+    return StepDecision.go_to("Run", kind)  # Run, pure, is first stepped inside this commit
+
+
+async def _routed(ctx: Context, _: str) -> StepDecision:
+    assert ctx.recovery_error is not None
+    return StepDecision.graceful_complete(ctx.recovery_error.error_type)
+
+
+_TWO_QUICK = RetryPolicy(max_attempts=2, initial_interval_seconds=0.01, max_interval_seconds=0.01)
+
+
+def _escapes_flow(*, pure: bool) -> Flow:
+    run = Step("Run", _lets_out, input_type=str, pure_execute=pure,
+               options=StepOptions(execute_retry=_TWO_QUICK, failure_route="Route"))
+    steps = [run, Step("Route", _routed, input_type=str)]  # a failure route gets the failed Step's input
+    if pure:
+        steps.append(Step("Go", _to_pure, input_type=str))
+    return Flow("EscapesPure" if pure else "Escapes", steps, start_step="Go" if pure else "Run")
+
+
+@pytest.mark.parametrize("kind", sorted(_ESCAPING))
+@pytest.mark.parametrize("pure", [False, True], ids=["usual", "pure"])
+async def test_a_handler_letting_out_a_base_exception_fails_its_attempt(db_url: str, kind: str, pure: bool) -> None:
+    """A handler that lets out GeneratorExit, or SystemExit (a library's sys.exit(), argparse's),
+    fails its attempt like any other error: retried, then its failure route; the worker goes on.
+    Catches: the exception escaping the attempt's task, its Step left running for ever while the
+    worker renewed its lease (GeneratorExit), or the worker process ended (SystemExit); for a pure
+    Step, the exception aborting the commit that stepped it."""
+    _escapes.clear()
+    flow = _escapes_flow(pure=pure)
+    async with engine_for(db_url, Registry([flow])) as eng:
+        await eng.client.start_flow(flow.flow_type, "e", kind)
+        assert (await eng.client.wait_for_flow("e", 20)).status == "completed"
+        assert await eng.client.flow_output("e") == kind
+        assert _escapes[-2:] == [(kind, 1), (kind, 2)]

@@ -675,7 +675,12 @@ class AsyncWorker:
         except NoRetryError as exc:
             await self._fail(running, _error_info(exc), True)
             return
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise  # the process is asked to stop
+        except BaseException as exc:
+            # Exception, and what else a handler may let out: GeneratorExit, or SystemExit from a
+            # library's sys.exit() (argparse's). A failure of the attempt like any other: let
+            # through, it left the attempt's task running for ever, or ended the worker process.
             await self._fail(running, _error_info(exc), False)
             return
         await self._drain_events(running)
@@ -853,10 +858,11 @@ class AsyncWorker:
                 return None
             parked = ParkedHandler(ctx, running, functions, variables)
             return StartedFold(functions.checkpoint, functions.events, parked, partial(variables.run, running.close))
-        except (KeyboardInterrupt, SystemExit):
+        except KeyboardInterrupt:
             raise
         except BaseException:
-            # Whatever went wrong happens again in the usual attempt, with retries and failure routes.
+            # Whatever went wrong happens again in the usual attempt, with retries and failure routes
+            # (a handler's SystemExit too: there it fails the attempt, as it would here the commit).
             # That includes a CancelledError the handler raised itself (it was stepped, not awaited,
             # so nothing cancelled it): let through, it would abort the commit that claimed it.
             return None
