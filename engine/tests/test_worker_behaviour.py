@@ -31,6 +31,7 @@ from dex_engine import (
     StepOptions,
     Store,
     Stream,
+    Timer,
     Wait,
     _client,
     _pg_store,
@@ -1448,3 +1449,47 @@ async def test_a_handler_letting_out_a_base_exception_fails_its_attempt(db_url: 
         assert (await eng.client.wait_for_flow("e", 20)).status == "completed"
         assert await eng.client.flow_output("e") == kind
         assert _escapes[-2:] == [(kind, 1), (kind, 2)]
+
+
+# A chain of Steps and a due Step of another flow on a worker with one slot.
+_TIMER_RAN = asyncio.Event()
+_MAX_LOOPS = 3000  # far more than the chain needs once the other flow's Step runs (about a second)
+
+
+async def _loop_until_timer_ran(ctx: Context, loops: int) -> StepDecision:
+    if _TIMER_RAN.is_set():
+        return StepDecision.graceful_complete(f"saw it after {loops} loops")
+    if loops >= _MAX_LOOPS:
+        return StepDecision.graceful_complete("starved")
+    await asyncio.sleep(0.001)  # some I/O, as a poll of another service does
+    return StepDecision.go_to("Loop", loops + 1)
+
+
+async def _after_a_moment(ctx: Context, _: None) -> Wait:
+    return Wait.until(Timer.by_duration(0.3))
+
+
+async def _mark_timer_ran(ctx: Context, _: None) -> StepDecision:
+    _TIMER_RAN.set()
+    return StepDecision.graceful_complete("ran")
+
+
+LOOPING = Flow("Looping", [Step("Loop", _loop_until_timer_ran, input_type=int)], start_step="Loop")
+TIMED = Flow("Timed", [Step("Fire", _mark_timer_ran, wait_for=_after_a_moment, input_type=type(None))],
+             start_step="Fire")
+
+
+async def test_a_chain_of_steps_does_not_keep_a_due_step_of_another_flow_waiting(db_url: str) -> None:
+    """A worker with one slot runs a flow whose Step moves to itself until another flow's Step, due
+    after a 0.3 s timer, has run: that Step gets the slot as soon as it is due, and the chain ends.
+    Catches: each commit of the chain handing its next Step straight back to the worker, which then
+    never claimed the due Step: the chain looped until it gave up ('starved'), and one that waited
+    for ever would have deadlocked the two flows."""
+    _TIMER_RAN.clear()
+    async with engine_for(db_url, Registry([LOOPING, TIMED]), worker=False) as eng:
+        await eng.start_worker(max_concurrent_tasks=1)
+        await eng.client.start_flow("Timed", "t")
+        await eng.client.start_flow("Looping", "c", 0)
+        assert (await eng.client.wait_for_flow("c", 60)).status == "completed"
+        assert str(await eng.client.flow_output("c")).startswith("saw it after ")
+        assert await eng.client.flow_output("t") == "ran"

@@ -183,6 +183,11 @@ class AsyncWorker:
         self._running: dict[int, _Running] = {}
         self._wake = asyncio.Event()
         self._claim_asked = False  # a wake-up came: the loop claims (a timeout alone does not)
+        # The last poll found work due while every slot was taken: the next Execute commit that
+        # starts Steps claims nothing (they go in ready) and the loop then claims by age, so the
+        # slot it frees goes to the oldest ready Step, not on to the same chain of Steps for as
+        # long as the chain goes on.
+        self._due_while_full = False
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
         self._registered = asyncio.Event()
@@ -347,6 +352,8 @@ class AsyncWorker:
                         await self._stopping.wait()
                 continue
             polls.succeeded()
+            self._due_while_full = (free <= 0 and result.next_due_ms is not None
+                                    and result.next_due_ms <= time.time() * 1000)
             if housekeep:
                 if _gates.ACTIVE:
                     _gates.gate(_gates.HOUSEKEEPING)
@@ -705,6 +712,12 @@ class AsyncWorker:
                     _gates.gate(_gates.BEFORE_COMMIT)
                 free = self.options.max_concurrent_tasks - len(self._running) + 1
                 claims = not (self._stopping.is_set() or self._unregistered)
+                # Only a commit that starts Steps would hand them over; one that starts none claims
+                # by age in its own transaction as usual.
+                yields = claims and self._due_while_full and bool(decision.movements)
+                if yields:
+                    self._due_while_full = False
+                    claims = False
                 claim = (self.worker_id, self._flow_types, free) if claims else None
                 started = int(time.time() * 1000)
                 self._claiming.append(started)
@@ -714,6 +727,8 @@ class AsyncWorker:
                     self._forget(running)
                     for next_lease in leases:
                         self._spawn(next_lease)
+                    if yields:
+                        self._notify()  # claim by age now, in the slot this attempt freed
                 finally:
                     self._claiming.remove(started)
         except (StaleAttemptError, asyncio.CancelledError):
