@@ -38,6 +38,7 @@ from dex_agents import (
     INTERRUPT_RESOLUTIONS,
     INVALID_START_SESSION_SETTINGS_REASON,
     MAX_SESSION_SETTINGS_BYTES,
+    MAX_SESSION_SETTINGS_NESTING,
     NEW_MESSAGES_WITHOUT_BUILDER,
     OUTCOME_UNKNOWN_TEXT,
     PENDING_INTERRUPTS,
@@ -1472,7 +1473,12 @@ INVALID_SETTINGS: list[tuple[str, object, str]] = [
     ("nan", {"k": math.nan}, "session_settings are not JSON: "),
     ("not-serializable", {"k": object()}, "session_settings are not JSON: "),
     ("nested-too-deeply", functools.reduce(lambda inner, _: {"k": inner}, range(100_000), {}),
-     "session_settings are not JSON: maximum recursion depth exceeded"),
+     f"session_settings nest objects and arrays 100001 levels deep, over the limit of {MAX_SESSION_SETTINGS_NESTING}"),
+    # Deeper than the engine stores (MAX_VALUE_NESTING, less the start input around them), though
+    # JSON writes it: refused here, by name, not as the engine's 'flow input'.
+    ("nested-past-the-engine", functools.reduce(lambda inner, _: {"k": inner}, range(MAX_SESSION_SETTINGS_NESTING), {}),
+     f"session_settings nest objects and arrays {MAX_SESSION_SETTINGS_NESTING + 1} levels deep, over the limit of "
+     f"{MAX_SESSION_SETTINGS_NESTING}"),
     ("too-large", _settings_of_size(MAX_SESSION_SETTINGS_BYTES + 1),
      f"session_settings are {MAX_SESSION_SETTINGS_BYTES + 1} bytes of compact JSON, over the limit of "
      f"{MAX_SESSION_SETTINGS_BYTES}"),

@@ -25,6 +25,7 @@ import pytest
 from dex_engine import (
     MAX_TIMER_SECONDS,
     MAX_VALUE_BYTES,
+    MAX_VALUE_NESTING,
     AsyncClient,
     AsyncWorker,
     Attribute,
@@ -65,7 +66,7 @@ from dex_engine import (
     open_store,
     rpc,
 )
-from dex_engine._codec import encode_value
+from dex_engine._codec import encode_value, may_nest_deeply, nesting_depth
 from dex_engine._limits import MAX_ERROR_TEXT_CHARS, MAX_OPTION_SECONDS, MAX_READ_LIMIT, MAX_STREAM_WAIT_SECONDS
 from dex_engine._retry import decide_retry
 
@@ -1349,3 +1350,56 @@ def test_a_struct_or_dataclass_built_with_a_wrong_field_type_is_refused(value: o
 
 def test_a_map_key_of_exactly_the_id_length_is_accepted() -> None:
     assert Tags["k" * 255].key == "k" * 255
+
+
+# Values nested past MAX_VALUE_NESTING ------------------------------------------------------------
+
+
+async def _depth_of(ctx: Context, value: Any) -> StepDecision:
+    depth = 0
+    while isinstance(value, list) and value:
+        value, depth = value[0], depth + 1
+    return StepDecision.graceful_complete(depth)
+
+
+DEPTH = Flow("Depth", [Step("Measure", _depth_of, input_type=Any)], start_step="Measure")
+
+
+async def test_a_value_nested_past_the_limit_is_refused_and_one_at_it_is_read_by_a_worker(db_url: str) -> None:
+    """A value whose arrays nest MAX_VALUE_NESTING levels is stored and decoded by a worker; one
+    level more is refused with InvalidValueError naming the value, its depth and the limit, and
+    nothing is stored. Catches: on Python 3.12 and later, a value nested about 9,990 levels deep
+    encoded by the client that no worker could decode: its Step failed every attempt."""
+    async with engine_for(db_url, Registry([DEPTH])) as eng:
+        at_limit = _nested(MAX_VALUE_NESTING - 1)  # [[...[]...]]: its innermost list is one more level
+        await eng.client.start_flow("Depth", "ok", at_limit)
+        assert (await eng.client.wait_for_flow("ok", 20)).status == "completed"
+        assert await eng.client.flow_output("ok") == MAX_VALUE_NESTING - 1
+        await refused(eng.store, lambda: eng.client.start_flow("Depth", "deep", _nested(MAX_VALUE_NESTING)),
+                      InvalidValueError, "'flow input'", f"{MAX_VALUE_NESTING + 1} levels deep",
+                      f"over the limit of {MAX_VALUE_NESTING}")
+        assert not await eng.client.exists("deep")
+
+
+@pytest.mark.parametrize(("value", "depth"), [
+    (1, 0), ("x", 0), ([], 1), ({}, 1), ([[]], 2), ({"a": [1, {"b": "[[[[{{"}]}, 3),
+    ("\"[\\\"[", 0), ({"k": "a\\\\"}, 1), ({"k\\\"[": ["\\", "\\\\\"", [["]"]]]}, 4),
+])
+def test_nesting_depth_counts_brackets_outside_strings(value: Any, depth: int) -> None:
+    """Brackets inside strings, escaped quotes and backslashes included, are not nesting."""
+    assert nesting_depth(msgspec.json.encode(value)) == depth
+
+
+def test_only_types_that_can_nest_deeply_have_their_values_counted() -> None:
+    """Values of a type whose depth is bounded (a struct of text, a list of dicts of ints) are never
+    counted, so the check costs them nothing; Any, a recursive type and an unhashable one are."""
+
+    class Tree(msgspec.Struct):
+        children: list[Tree]
+
+    class Record(msgspec.Struct):
+        text: str
+        rows: list[dict[str, int]]
+
+    assert may_nest_deeply(Any) and may_nest_deeply(dict[str, Any]) and may_nest_deeply(Tree)
+    assert not may_nest_deeply(Record) and not may_nest_deeply(int) and not may_nest_deeply(list[str])

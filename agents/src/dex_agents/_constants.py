@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from dex_engine import MAX_VALUE_NESTING
+
 # Upper bound of Channel ranges (TurnControlRequests, SteeredUserMessages): "everything queued".
 MAX = 2_147_483_647
 
@@ -63,6 +65,9 @@ DEFAULT_RETAINED_MESSAGE_LIMIT = 1000
 
 # Session settings are references the Worker resolves, never content; 16 KiB is plenty.
 MAX_SESSION_SETTINGS_BYTES = 16_384
+# Levels of objects and arrays in session settings: the engine's MAX_VALUE_NESTING, less room for
+# the values they travel in (the start input, the turn's copy, an update request).
+MAX_SESSION_SETTINGS_NESTING = MAX_VALUE_NESTING - 10
 # Cores encode some floats and U+2028/U+2029 differently; the session accepts this much more.
 SESSION_SETTINGS_SIZE_TOLERANCE_BYTES = 1_024
 

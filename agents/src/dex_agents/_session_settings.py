@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ._constants import MAX_SESSION_SETTINGS_BYTES, SESSION_SETTINGS_SIZE_TOLERANCE_BYTES
+from ._constants import MAX_SESSION_SETTINGS_BYTES, MAX_SESSION_SETTINGS_NESTING, SESSION_SETTINGS_SIZE_TOLERANCE_BYTES
 
 
 def settings_json_bytes(settings: Any) -> int:
@@ -33,10 +33,27 @@ def session_settings_error(settings: object, *, limit: int = SESSION_SIDE_SETTIN
     """None for acceptable settings, else why not (the session's own check allows the tolerance)."""
     if not isinstance(settings, dict):
         return f"session_settings must be a JSON object, got {type(settings).__name__}"
+    # First: how deep JSON's encoder goes before it gives up depends on the Python.
+    depth = _nesting(settings)
+    if depth > MAX_SESSION_SETTINGS_NESTING:
+        return (f"session_settings nest objects and arrays {depth} levels deep, over the limit of "
+                f"{MAX_SESSION_SETTINGS_NESTING}")
     try:
         size = settings_json_bytes(settings)
-    except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply to write
+    except (TypeError, ValueError) as exc:
         return f"session_settings are not JSON: {exc}"
     if size > limit:
         return f"session_settings are {size} bytes of compact JSON, over the limit of {limit}"
     return None
+
+
+def _nesting(value: object) -> int:
+    """Levels of objects and arrays in JSON-shaped `value` (settings are small: a walk is cheap)."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, level = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            pending.extend((child, level + 1) for child in children)
+    return deepest

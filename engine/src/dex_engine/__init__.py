@@ -34,7 +34,7 @@ from ._errors import (
     WorkerInvocationError,
 )
 from ._flow import Flow, Registry, Rpc, Step, rpc
-from ._limits import DEFAULT_READ_LIMIT, MAX_ERROR_TEXT_CHARS, MAX_TIMER_SECONDS, MAX_VALUE_BYTES
+from ._limits import DEFAULT_READ_LIMIT, MAX_ERROR_TEXT_CHARS, MAX_TIMER_SECONDS, MAX_VALUE_BYTES, MAX_VALUE_NESTING
 from ._open import open_store
 from ._options import FlowConfig, LoadOptions, LoadSpec, MovementOptions, StepDurability, StepOptions
 from ._records import AttemptProgress, FlowInfo, HistoryEntry, RecoveryError
@@ -49,6 +49,7 @@ __all__ = [
     "MAX_ERROR_TEXT_CHARS",
     "MAX_TIMER_SECONDS",
     "MAX_VALUE_BYTES",
+    "MAX_VALUE_NESTING",
     "AsyncClient",
     "AsyncWorker",
     "AttemptProgress",

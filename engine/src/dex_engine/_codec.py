@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
+from array import array
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -11,7 +13,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from ._errors import InvalidValueError, ValueTooLargeError
-from ._limits import DECODED_VALUE_CACHE_BYTES, DECODED_VALUE_CACHE_ENTRIES, MAX_VALUE_BYTES
+from ._limits import DECODED_VALUE_CACHE_BYTES, DECODED_VALUE_CACHE_ENTRIES, MAX_VALUE_BYTES, MAX_VALUE_NESTING
 
 T = TypeVar("T")
 
@@ -36,6 +38,81 @@ def type_problem(label: str, tp: Any) -> str | None:
     return None
 
 
+# Opening brackets as 1, closing ones as -1 (255, read as a signed byte); every other byte dropped.
+_BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def nesting_depth(data: bytes) -> int:
+    """How deeply the JSON `data` nests arrays and objects (0 for a scalar)."""
+    # Brackets inside strings do not count. With escaped backslashes, then escaped quotes, taken
+    # out, every other piece between quotes is outside a string (bytes operations, no Python loop).
+    unescaped = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    outside = b"".join(unescaped.split(b'"')[::2])
+    steps = outside.translate(_BRACKET_STEPS, _NOT_BRACKETS)
+    return max(itertools.accumulate(array("b", steps)), default=0)
+
+
+# Whether values of a declared type may nest past MAX_VALUE_NESTING (Any, a recursive type), by type.
+_may_nest_deeply: dict[Any, bool] = {}
+
+
+def may_nest_deeply(tp: Any) -> bool:
+    """Whether values of `tp` can nest arrays and objects past MAX_VALUE_NESTING: most declared
+    types (an agent's message chunk, a struct of text) bound their depth, and their values need
+    no count. An unhashable or unknown type is counted."""
+    try:
+        known = _may_nest_deeply.get(tp)
+    except TypeError:
+        return True
+    if known is None:
+        try:
+            depth = _type_depth(mi.type_info(tp), set())
+        except Exception:  # a type msgspec cannot describe: count its values
+            depth = None
+        known = _may_nest_deeply[tp] = depth is None or depth > MAX_VALUE_NESTING
+    return known
+
+
+def _type_depth(info: mi.Type, path: set[int]) -> int | None:
+    """The deepest nesting of arrays and objects a value of `info` can have; None when unbounded."""
+    if id(info) in path:
+        return None  # recursive
+    inner: list[mi.Type]
+    if isinstance(info, mi.AnyType | mi.RawType | mi.CustomType | mi.ExtType):
+        return None
+    if isinstance(info, mi.UnionType):
+        inner, own = list(info.types), 0
+    elif isinstance(info, mi.ListType | mi.SetType | mi.FrozenSetType | mi.VarTupleType):
+        inner, own = [info.item_type], 1
+    elif isinstance(info, mi.TupleType):
+        inner, own = list(info.item_types), 1
+    elif isinstance(info, mi.DictType):
+        inner, own = [info.value_type], 1
+    elif isinstance(info, mi.StructType | mi.DataclassType | mi.TypedDictType | mi.NamedTupleType):
+        inner, own = [field.type for field in info.fields], 1
+    else:
+        return 0  # a scalar: text, a number, a literal, an enum, a time
+    path.add(id(info))
+    depths = [_type_depth(item, path) for item in inner]
+    path.discard(id(info))
+    if any(depth is None for depth in depths):
+        return None
+    return own + max((depth for depth in depths if depth is not None), default=0)
+
+
+def nesting_problem(name: str, data: bytes) -> str | None:
+    """Why the JSON `data` of `name` nests too deeply to store (MAX_VALUE_NESTING), or None."""
+    # Only a value with that many brackets can nest that deeply: most are counted no further.
+    if len(data) <= 2 * MAX_VALUE_NESTING or data.count(b"[") + data.count(b"{") <= MAX_VALUE_NESTING:
+        return None
+    depth = nesting_depth(data)
+    if depth <= MAX_VALUE_NESTING:
+        return None
+    return (f"value for {name!r} nests arrays and objects {depth} levels deep, over the limit of "
+            f"{MAX_VALUE_NESTING} (MAX_VALUE_NESTING); store it flatter, or as text")
+
+
 def encode_value(name: str, tp: Any, value: Any, *, limit: int = MAX_VALUE_BYTES) -> bytes:
     """Encode `value` as JSON, checking it is a `tp` and at most `limit` bytes."""
     try:
@@ -48,6 +125,9 @@ def encode_value(name: str, tp: Any, value: Any, *, limit: int = MAX_VALUE_BYTES
         ) from None
     if len(data) > limit:
         raise ValueTooLargeError(name, len(data), limit)
+    nesting = nesting_problem(name, data) if may_nest_deeply(tp) else None
+    if nesting is not None:
+        raise InvalidValueError(nesting)
     if tp is not Any and not _is_checked_instance(tp, value):
         # Round-trip through the declared type: catches a dict where a dataclass is declared,
         # a str where an int is declared, and nested mismatches. A shareable value decoded here

@@ -6,6 +6,13 @@ from __future__ import annotations
 # SQLite's and PostgreSQL's comfortable row sizes and a snapshot load bounded.
 MAX_VALUE_BYTES = 1024 * 1024
 
+# Arrays and objects nested in one value: what every worker can decode. The decoder's own bound
+# depends on the Python (3.11 counts the caller's frames against its recursion limit of 1,000;
+# 3.12 and later allow about 10,000), and a worker decodes deeper in its stack than a client
+# encodes, so a value near that bound could be stored and then never read. Half of 3.11's leaves
+# room for the envelopes values travel in (a start input around its settings, say).
+MAX_VALUE_NESTING = 500
+
 # Flow IDs, step types, names: long enough for UUID-based compound IDs, short enough to index.
 MAX_ID_LENGTH = 255
 
