@@ -248,3 +248,31 @@ async def test_a_relative_path_stays_where_it_was_opened_after_a_chdir(
         await store.close()
     assert list(moved.iterdir()) == []
     assert {"engine.db", "engine.db-dexlock"} <= {p.name for p in opened.iterdir()}
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+async def test_a_file_deleted_or_replaced_under_an_open_store_refuses_writes(tmp_path: Path, how: str) -> None:
+    """The database file is deleted (with its -wal and -shm), or another file renamed over it, while
+    a store has it open: a write raises StoreOpenError naming the file and saying to restart, and
+    writes nothing. Catches: SQLite writing on to the unlinked file, every acknowledged write lost
+    at the next open while other processes used a new file at that path."""
+    path = tmp_path / "e.db"
+    store = open_store(f"sqlite:///{path}")
+    try:
+        await store.start_flow(StartRequest("before", "T", b"null", FlowConfig(), None))
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        if how == "replaced":
+            other = open_store(f"sqlite:///{tmp_path / 'other.db'}")
+            await other.close()
+            (tmp_path / "other.db").rename(path)
+        with pytest.raises(StoreOpenError, match=re.escape(f"database file '{path}' was deleted or replaced")):
+            await store.start_flow(StartRequest("after", "T", b"null", FlowConfig(), None))
+    finally:
+        await store.close()
+    if how == "replaced":
+        reopened = open_store(f"sqlite:///{path}")
+        try:
+            assert await reopened.list_flows() == []  # the file renamed there, untouched
+        finally:
+            await reopened.close()

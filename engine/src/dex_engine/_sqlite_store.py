@@ -217,6 +217,15 @@ _STOP = object()
 _WATCH = object()  # queued when the watch interval changes: the thread may be waiting without one
 
 
+def _file_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path`, None when there is none."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
 def schema_version(conn: sqlite3.Connection, path: str) -> int:
     """The dex_engine schema version of the file `path` open on `conn`, read without changing anything:
     0 for a file holding nothing yet (new, or zero bytes). A file holding anything else (another
@@ -414,6 +423,7 @@ class SqliteStore(Store):
         db = _SqliteDb(conn)
         turns = WriterTurns(self.settings.path)
         self._conn, self._db, self._turns = conn, db, turns
+        self._file_identity = _file_identity(self.settings.path)
         self._level: str = self.settings.synchronous
         self._busy_timeout_ms = SQLITE_BUSY_TIMEOUT_MS
         self._ready.set_result(None)
@@ -506,6 +516,8 @@ class SqliteStore(Store):
                 conn.execute(f"PRAGMA synchronous = {wanted}")
                 level = wanted
             db.shared_options.rolled_back()  # a transaction starts with no confirmations of its own
+            if writes:
+                self._check_file()
             conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
             if len(batch) == 1:
                 try:
@@ -539,6 +551,16 @@ class SqliteStore(Store):
         # A rolled-back revocation still counts: one spurious wake-up costs a poll, a missed one a
         # running attempt that goes on until housekeeping.
         return level, results, writes, writes and db.revokes != revokes
+
+    def _check_file(self) -> None:
+        """Refuse to write when the database file was deleted or replaced under this store: SQLite
+        goes on writing to the open, unlinked file, and every write would be lost on reopen while
+        other processes use the new file at that path."""
+        if _file_identity(self.settings.path) != self._file_identity:
+            raise StoreOpenError(
+                f"database file {self.settings.path!r} was deleted or replaced while this process had it "
+                "open; nothing was written (the writes would be lost): restart this process to open the file "
+                "now at that path")
 
     def _set_busy_timeout(self, ms: int) -> None:
         if ms != self._busy_timeout_ms:
