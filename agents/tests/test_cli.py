@@ -42,18 +42,17 @@ def _run_with_pause(args: list[str], first: str, shown: str, then: str) -> tuple
         assert process.stdin is not None and process.stdout is not None
         process.stdin.write(first)
         process.stdin.flush()
-        seen: list[str] = []
-        for line in process.stdout:
-            seen.append(line)
-            if shown in line:
-                break
-        else:
-            process.wait()
-            pytest.fail(f"the chat never printed {shown!r}:\n{''.join(seen)}")
+        seen = ""  # read by the character: a prompt (`[y/n] `) ends no line
+        while not seen.endswith(shown):
+            char = process.stdout.read(1)
+            if not char:
+                process.wait()
+                pytest.fail(f"the chat never printed {shown!r}:\n{seen}")
+            seen += char
         process.stdin.write(then)
         process.stdin.close()
         rest = process.stdout.read()
-        return process.wait(), "".join(seen) + rest
+        return process.wait(), seen + rest
     finally:
         watchdog.cancel()
         process.kill()
@@ -108,6 +107,59 @@ def test_chat_answers_asks_for_approval_and_resumes_after_restart(tmp_path: Path
     assert "resuming session 'chat'" in second.stdout
     assert "user> hello" in second.stdout  # the earlier conversation, from the stored session
     assert "agent> still here" in second.stdout
+
+
+def test_chat_asks_again_for_an_approval_answer_that_is_not_yes_or_no(tmp_path: Path) -> None:
+    """An empty line or a typo at the [y/n] prompt asks again; only n rejects. Catches: anything but
+    y/yes taken as a rejection, the call rejected for good by a stray Enter."""
+    refund = '/tool refund_order {"order_id": "A-1001", "amount_cents": 5}'
+    result = _run(["chat", "--data-dir", str(tmp_path)], stdin=f"{refund}\n\nye\ny\n")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("answer y or n") == 2
+    assert "refund_order: succeeded" in result.stdout
+    assert len(read_ledger(tmp_path / "demo-ledger.jsonl")) == 1
+
+
+def test_chat_cancel_typed_at_an_approval_prompt_cancels_the_turn(tmp_path: Path) -> None:
+    """/cancel at an approval prompt cancels the turn, as /help says it does while a turn runs.
+    Catches: the line taken for the answer (a rejection), the turn going on."""
+    refund = '/tool refund_order {"order_id": "A-1001", "amount_cents": 5}'
+    code, out = _run_with_pause(["chat", "--data-dir", str(tmp_path)], f"{refund}\n", "[y/n]",
+                                "/cancel\n/echo after\n")
+    assert code == 0, out
+    assert "turn cancelled" in out
+    assert out.index("turn cancelled") < out.index("agent> after")
+    assert read_ledger(tmp_path / "demo-ledger.jsonl") == []
+
+
+def test_chat_shows_brackets_as_typed_and_resumes_a_session_holding_them(tmp_path: Path) -> None:
+    """Text with square brackets is shown as typed, now and when the session is resumed. Catches:
+    messages printed as rich markup: '[/x]' raised MarkupError, so the chat ended and could never
+    show the session again, and '[red]' vanished."""
+    first = _run(["chat", "--data-dir", str(tmp_path)], stdin="/echo closing tag [/x] and [red] in arr[i]\n")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "agent> closing tag [/x] and [red] in arr[i]" in first.stdout
+    second = _run(["chat", "--data-dir", str(tmp_path)], stdin="/echo again\n")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "assistant> closing tag [/x] and [red] in arr[i]" in second.stdout
+
+
+def test_chat_refuses_a_line_too_large_to_send_and_goes_on(tmp_path: Path) -> None:
+    """A line over the engine's value limit is refused with the reason, and the next line is
+    answered. Catches: the error ending the whole chat (exit code 1)."""
+    result = _run(["chat", "--data-dir", str(tmp_path)], stdin="x" * 1_100_000 + "\n/echo still here\n")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "that message was not sent: value for 'request of RPC send_user_message' is" in result.stdout
+    assert "agent> still here" in result.stdout
+
+
+def test_chat_echoes_a_long_unbroken_word(tmp_path: Path) -> None:
+    """A pasted token of 300,000 characters is answered. Catches: rich's highlighter, whose time
+    grows faster than the text (87 s for 100,000 characters), holding the chat for many minutes."""
+    token = "t0K" * 100_000
+    result = _run(["chat", "--data-dir", str(tmp_path)], stdin=f"/echo {token}\n")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert token in "".join(result.stdout.split("\n"))  # the terminal width wraps it
 
 
 def test_chat_rejection_never_runs_the_write(tmp_path: Path) -> None:

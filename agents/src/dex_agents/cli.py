@@ -44,7 +44,8 @@ def chat(data_dir: Path, session_id: str) -> None:
 
     def start() -> Coroutine[Any, Any, int]:
         data_dir.mkdir(parents=True, exist_ok=True)
-        return run_chat(Console(), data_dir, session_id)
+        # No highlighting: rich's highlighter takes minutes over a long unbroken word (a pasted token).
+        return run_chat(Console(highlight=False), data_dir, session_id)
 
     try:
         raise SystemExit(_run(start))

@@ -12,8 +12,9 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
-from dex_engine import AsyncClient, AsyncWorker, InvalidIdError, Registry, WorkerOptions
+from dex_engine import AsyncClient, AsyncWorker, InvalidIdError, InvalidValueError, Registry, WorkerOptions
 
 from .._client import AgentSessionClient
 from .._wire import AgentInterrupt, AgentPlan, AgentSnapshot, InterruptKind, PlanStatus
@@ -29,6 +30,8 @@ RESUME_MESSAGES_SHOWN = 10
 # How long one read of the AgentEvents Stream waits for new events.
 EVENT_WAIT_SECONDS = 1.0
 TURN_END_EVENTS = frozenset({"turn_completed", "turn_failed", "turn_steered", "turn_cancelled"})
+# What an approval prompt takes; anything else asks again.
+APPROVAL_ANSWERS = {"y": True, "yes": True, "n": False, "no": False}
 
 
 CHAT_HELP_TEXT = (
@@ -63,14 +66,14 @@ class Chat:
         """Start the session, or resume it: show its latest messages and answer what waits."""
         if not await self.sessions.client.exists(self.session_id):
             await self.sessions.start_session(self.session_id)
-            self.console.print(f"[dim]new session {self.session_id!r}; type /help for the demo model's commands, "
-                               "Ctrl-D to leave[/dim]")
+            self.console.print(f"[dim]new session {escape(repr(self.session_id))}; type /help for the demo model's "
+                               "commands, Ctrl-D to leave[/dim]")
             return
         snapshot = await self.sessions.get_agent_snapshot(self.session_id)
-        self.console.print(f"[dim]resuming session {self.session_id!r}[/dim]")
+        self.console.print(f"[dim]resuming session {escape(repr(self.session_id))}[/dim]")
         for message in snapshot.messages[-RESUME_MESSAGES_SHOWN:]:
             if message.text:
-                self.console.print(f"[bold]{message.role.value}>[/bold] {message.text}")
+                self.console.print(f"[bold]{message.role.value}>[/bold] {escape(message.text)}")
         self.token = (await self.sessions.read_agent_events(self.session_id, limit=1_000_000)).resume_token
         if _turn_running(snapshot):
             self.console.print("[dim]a turn is still running; following it[/dim]")
@@ -98,7 +101,11 @@ class Chat:
                 continue
             if self.token is None:
                 self.token = (await self.sessions.read_agent_events(self.session_id, limit=1_000_000)).resume_token
-            await self.sessions.send_user_message(self.session_id, text, plan_mode=wants_plan_mode(text))
+            try:
+                await self.sessions.send_user_message(self.session_id, text, plan_mode=wants_plan_mode(text))
+            except InvalidValueError as error:  # too large to send, say: that line only, the chat goes on
+                self.console.print(f"  that message was not sent: {error}", style="red", markup=False)
+                continue
             await self.follow_turn()
             await self.offer_plan()
 
@@ -133,22 +140,22 @@ class Chat:
                 if kind == "turn_started":
                     turn_id = event.value.turn_id
                 elif kind == "text_delta":
-                    self.console.print(f"[green]agent>[/green] {payload['text']}")
+                    self.console.print(f"[green]agent>[/green] {escape(payload['text'])}")
                 elif kind == "tool_call_started":
-                    self.console.print(f"[dim]  running {payload['tool_name']}...[/dim]")
+                    self.console.print(f"[dim]  running {escape(payload['tool_name'])}...[/dim]")
                 elif kind == "tool_call_finished":
-                    self.console.print(f"[dim]  {payload['tool_name']}: {payload['status']}[/dim]")
+                    self.console.print(f"[dim]  {escape(payload['tool_name'])}: {payload['status']}[/dim]")
                 elif kind == "interrupt_raised":
                     snapshot = await self.sessions.get_agent_snapshot(self.session_id)
                     await self._answer_pending(snapshot.pending_interrupts)
                 elif kind == "timer_started":
-                    self.console.print(f"[dim]  waiting until {payload['wait_until']} ({payload['reason']}); "
+                    self.console.print(f"[dim]  waiting until {payload['wait_until']} ({escape(payload['reason'])}); "
                                        "the Timer is durable: Ctrl-C and come back later[/dim]")
                 elif kind == "plan_updated":
                     self.console.print(f"[dim]  plan revision {payload['revision']} is {payload['status']} "
                                        f"({payload['task_count']} tasks)[/dim]")
                 elif kind == "turn_failed":
-                    self.console.print(f"[red]the turn failed: {payload['error']}[/red]")
+                    self.console.print(f"[red]the turn failed: {escape(payload['error'])}[/red]")
                 elif kind == "turn_steered":
                     self.console.print("[dim]  turn steered; the steered message starts the next turn[/dim]")
                     if payload["steered_message_count"]:
@@ -162,9 +169,23 @@ class Chat:
     async def _apply_control(self, turn_id: str) -> None:
         """Steer or cancel the running turn with a /steer or /cancel line typed meanwhile."""
         line = self.lines.take_control()
-        if line is None:
-            return
-        text = line.strip()
+        if line is not None:
+            await self._control(line.strip(), turn_id)
+
+    async def _control_at_prompt(self, answer: str) -> bool:
+        """Apply a /steer or /cancel typed at an approval or question prompt, as /help says they act
+        while a turn runs (not taken for the answer); whether it was one."""
+        if not is_control(answer.strip()):
+            return False
+        snapshot = await self.sessions.get_agent_snapshot(self.session_id)
+        turn_id = snapshot.state.active_turn_id if snapshot.state else None
+        if turn_id is None:
+            self.console.print("[dim]  no turn is running; /steer and /cancel apply to a running turn[/dim]")
+        else:
+            await self._control(answer.strip(), turn_id)
+        return True
+
+    async def _control(self, text: str, turn_id: str) -> None:
         if text == CANCEL_COMMAND:
             done = await self.sessions.cancel_turn(self.session_id, turn_id)
         else:
@@ -178,10 +199,17 @@ class Chat:
             if interrupt.kind is InterruptKind.QUESTION:
                 await self._answer_question(interrupt)
                 continue
-            answer = await self._ask(f"approve {interrupt.tool_name} {interrupt.arguments}? [y/n] ")
-            if answer is None:
-                raise EOFError
-            approved = answer.strip().lower() in ("y", "yes")
+            while True:  # anything but yes or no asks again: an empty line or a typo must not reject
+                answer = await self._ask(f"approve {interrupt.tool_name} {interrupt.arguments}? [y/n] ")
+                if answer is None:
+                    raise EOFError
+                if await self._control_at_prompt(answer):
+                    return  # cancelled or steered: the turn's pending interrupts are settled for it
+                choice = answer.strip().lower()
+                if choice in APPROVAL_ANSWERS:
+                    break
+                self.console.print("  answer y or n", markup=False)
+            approved = APPROVAL_ANSWERS[choice]
             done = await self.sessions.resolve_interrupt(self.session_id, interrupt.interrupt_id, approved)
             if not done:
                 self.console.print("[dim]  that approval is no longer pending[/dim]")
@@ -192,6 +220,8 @@ class Chat:
         answer = await self._ask(f"{interrupt.question}{choices} (empty line declines) ")
         if answer is None:
             raise EOFError
+        if await self._control_at_prompt(answer):
+            return
         if not answer.strip():
             await self.sessions.resolve_interrupt(self.session_id, interrupt.interrupt_id, approved=False)
             return
@@ -245,6 +275,6 @@ async def run_chat(console: Console, data_dir: Path, session_id: str) -> int:
             await worker_task
         await client.close()
         if saved:
-            console.print(f"[dim]session {session_id!r} is saved in {data_dir}; "
+            console.print(f"[dim]session {escape(repr(session_id))} is saved in {escape(str(data_dir))}; "
                           "run the same command to resume it[/dim]")
     return 0
