@@ -162,6 +162,53 @@ def test_chat_echoes_a_long_unbroken_word(tmp_path: Path) -> None:
     assert token in "".join(result.stdout.split("\n"))  # the terminal width wraps it
 
 
+ENGINE_CLI = [sys.executable, "-c", "from dex_engine.cli import main; main()"]
+
+
+def _stop_session(data_dir: Path) -> None:
+    stopped = subprocess.run([*ENGINE_CLI, "stop", "chat", "--db", f"sqlite:///{data_dir / 'agents.db'}"],
+                             capture_output=True, text=True, timeout=CLI_TIMEOUT_SECONDS, check=False)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+
+
+def test_chat_on_a_stopped_session_says_it_has_ended(tmp_path: Path) -> None:
+    """A session stopped with dex-engine stop: the chat says it has ended and how to start another
+    (exit code 1), and does not offer to resume it. Catches: 'resuming session', then a traceback-
+    like error at the first message and 'run the same command to resume it', again and again."""
+    assert _run(["chat", "--data-dir", str(tmp_path)], stdin="/echo one\n").returncode == 0
+    _stop_session(tmp_path)
+    again = _run(["chat", "--data-dir", str(tmp_path)], stdin="/echo two\n")
+    assert again.returncode == 1, again.stdout + again.stderr
+    assert "session 'chat' has ended (flow 'chat' is stopped" in again.stdout
+    assert "start another with --session NAME" in again.stdout
+    assert "resume it" not in again.stdout and "resuming" not in again.stdout
+
+
+def test_chat_following_a_turn_ends_when_its_session_is_stopped(tmp_path: Path) -> None:
+    """dex-engine stop while the chat follows a turn waiting on a durable timer: the chat says the
+    session has ended and exits, its input still open. Catches: the chat waiting for the turn's
+    events for ever, deaf to Ctrl-D."""
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([*CLI, "chat", "--data-dir", str(tmp_path)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write("/wait 600 coffee\n")
+        process.stdin.flush()
+        for line in process.stdout:
+            if "waiting until" in line:
+                break
+        else:
+            pytest.fail("the chat never showed the wait")
+        _stop_session(tmp_path)
+        code = process.wait(CLI_TIMEOUT_SECONDS)
+        rest = process.stdout.read()
+    finally:
+        process.kill()
+    assert code == 1, rest
+    assert "session 'chat' has ended (flow 'chat' is stopped" in rest
+
+
 def test_chat_rejection_never_runs_the_write(tmp_path: Path) -> None:
     """Answering n rejects the call: the ledger stays empty and the model sees the rejection."""
     refund = '/tool refund_order {"order_id": "A-1001", "amount_cents": 5}'

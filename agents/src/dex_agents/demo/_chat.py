@@ -14,7 +14,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from dex_engine import AsyncClient, AsyncWorker, InvalidIdError, InvalidValueError, Registry, WorkerOptions
+from dex_engine import (
+    AsyncClient,
+    AsyncWorker,
+    FlowNotActiveError,
+    InvalidIdError,
+    InvalidValueError,
+    Registry,
+    WorkerOptions,
+)
 
 from .._client import AgentSessionClient
 from .._wire import AgentInterrupt, AgentPlan, AgentSnapshot, InterruptKind, PlanStatus
@@ -69,6 +77,7 @@ class Chat:
             self.console.print(f"[dim]new session {escape(repr(self.session_id))}; type /help for the demo model's "
                                "commands, Ctrl-D to leave[/dim]")
             return
+        await self._require_open()
         snapshot = await self.sessions.get_agent_snapshot(self.session_id)
         self.console.print(f"[dim]resuming session {escape(repr(self.session_id))}[/dim]")
         for message in snapshot.messages[-RESUME_MESSAGES_SHOWN:]:
@@ -135,6 +144,8 @@ class Chat:
                 await self._apply_control(turn_id)
             read = await self.sessions.read_agent_events(self.session_id, self.token, wait_seconds=EVENT_WAIT_SECONDS)
             self.token = read.resume_token
+            if not read.events:
+                await self._require_open()  # stopped meanwhile (dex-engine stop): no event will come
             for event in read.events:
                 kind, payload = event.value.type, json.loads(event.value.payload)
                 if kind == "turn_started":
@@ -165,6 +176,12 @@ class Chat:
                     self.console.print("[dim]  turn cancelled[/dim]")
                 if kind in TURN_END_EVENTS:
                     return
+
+    async def _require_open(self) -> None:
+        """FlowNotActiveError when the session's Flow has ended (stopped, failed): it takes nothing more."""
+        info = await self.sessions.client.describe_flow(self.session_id)
+        if info.status != "running":
+            raise FlowNotActiveError(self.session_id, info.status)
 
     async def _apply_control(self, turn_id: str) -> None:
         """Steer or cancel the running turn with a /steer or /cancel line typed meanwhile."""
@@ -269,6 +286,11 @@ async def run_chat(console: Console, data_dir: Path, session_id: str) -> int:
     except InvalidIdError:
         saved = False  # no session under that ID: the error says why
         raise
+    except FlowNotActiveError as closed:  # stopped (dex-engine stop) or failed: it cannot go on
+        saved = False
+        console.print(f"session {session_id!r} has ended ({closed}); start another with --session NAME",
+                      style="red", markup=False)
+        return 1
     finally:
         await worker.stop()
         with contextlib.suppress(asyncio.CancelledError):
