@@ -250,6 +250,15 @@ async def test_a_relative_path_stays_where_it_was_opened_after_a_chdir(
     assert {"engine.db", "engine.db-dexlock"} <= {p.name for p in opened.iterdir()}
 
 
+def _remove_database_files(path: Path) -> None:
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+
+
+def _rename(source: Path, target: Path) -> None:
+    source.rename(target)
+
+
 @pytest.mark.parametrize("how", ["deleted", "replaced"])
 async def test_a_file_deleted_or_replaced_under_an_open_store_refuses_writes(tmp_path: Path, how: str) -> None:
     """The database file is deleted (with its -wal and -shm), or another file renamed over it, while
@@ -260,12 +269,11 @@ async def test_a_file_deleted_or_replaced_under_an_open_store_refuses_writes(tmp
     store = open_store(f"sqlite:///{path}")
     try:
         await store.start_flow(StartRequest("before", "T", b"null", FlowConfig(), None))
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        _remove_database_files(path)
         if how == "replaced":
             other = open_store(f"sqlite:///{tmp_path / 'other.db'}")
             await other.close()
-            (tmp_path / "other.db").rename(path)
+            _rename(tmp_path / "other.db", path)
         with pytest.raises(StoreOpenError, match=re.escape(f"database file '{path}' was deleted or replaced")):
             await store.start_flow(StartRequest("after", "T", b"null", FlowConfig(), None))
     finally:
