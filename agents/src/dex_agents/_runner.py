@@ -15,6 +15,7 @@ if sys.version_info >= (3, 13):
 else:  # TypeVar defaults (PEP 696) arrive in 3.13
     from typing_extensions import TypeVar
 
+from ._policy import text_of
 from ._wire import (
     AgentMessage,
     AgentToolCall,
@@ -154,19 +155,21 @@ DeferredToolOutcome = ToolExecutionResult | ToolInputRequested | ToolTaskStarted
 
 
 class ToolExecutionError(Exception):
-    """A tool failure the model should see: recorded `failed` with this message, never retried."""
+    """A tool failure the model should see: recorded `failed` with this message, never retried.
+    A message that is not text (the caught exception itself) is kept as its text (text_of)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
-        self.message = message
+        self.message = text_of(message)
 
 
 class ToolOutcomeUnknownError(Exception):
-    """The tool sent a write and cannot tell whether it took effect: recorded `outcome_unknown`."""
+    """The tool sent a write and cannot tell whether it took effect: recorded `outcome_unknown`.
+    A message that is not text is kept as its text, as ToolExecutionError's."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
-        self.message = message
+        self.message = text_of(message)
 
 
 HeartbeatFn = Callable[[], Awaitable[None]]

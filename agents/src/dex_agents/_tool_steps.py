@@ -49,7 +49,7 @@ from ._persistence import (
     TOOL_CALL_RESULTS,
     TURN_CONTROL_REQUESTS,
 )
-from ._policy import cut_text, text_of
+from ._policy import cut_text
 from ._runner import (
     DeferredToolExecution,
     ToolExecutionError,
@@ -268,9 +268,9 @@ class ToolSteps:
             async with background_heartbeats(ctx):
                 result = await resolved(rt.runner.execute_deferred_tool_call(call))
         except ToolExecutionError as exc:
-            final = finished(record, AgentToolCallStatus.FAILED, error=text_of(exc.message))
+            final = finished(record, AgentToolCallStatus.FAILED, error=exc.message)
         except ToolOutcomeUnknownError as exc:
-            final = finished(record, AgentToolCallStatus.OUTCOME_UNKNOWN, error=text_of(exc.message))
+            final = finished(record, AgentToolCallStatus.OUTCOME_UNKNOWN, error=exc.message)
         else:
             if isinstance(result, ToolInputRequested):
                 return self._ask(ctx, record, result)
