@@ -208,15 +208,20 @@ class ScriptedRunner:
         effect = next((e for prefix, e in POLICIES.items() if name.startswith(prefix)), None)
         return DeferredToolCall(spec["id"], name, arguments, turn.resolve_tool_policy(name, effect))
 
+    def log_tool_start(self, call: DeferredToolExecution) -> None:
+        """Record that a tool run started (the `tool_start` entry tests count runs by)."""
+        record = call.tool_call
+        if self.log is not None:
+            self.log.record("tool_start", flow_id=call.flow_id, turn_id=record.turn_id,
+                            tool_call_id=record.tool_call_id, tool_name=record.tool_name, attempt=call.attempt,
+                            idempotency_key=call.idempotency_key)
+
     async def execute_deferred_tool_call(
         self, call: DeferredToolExecution
     ) -> ToolExecutionResult | ToolInputRequested | ToolTaskStarted:
         record = call.tool_call
         args = json.loads(record.arguments)
-        if self.log is not None:
-            self.log.record("tool_start", flow_id=call.flow_id, turn_id=record.turn_id,
-                            tool_call_id=record.tool_call_id, tool_name=record.tool_name, attempt=call.attempt,
-                            idempotency_key=call.idempotency_key)
+        self.log_tool_start(call)
         if "gate" in args:
             await self._gate(args["gate"]).wait_for_release()
         if "sleep" in args:

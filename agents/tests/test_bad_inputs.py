@@ -245,9 +245,7 @@ class WrongToolResultRunner(ScriptedRunner):
         record = call.tool_call
         if not record.tool_name.startswith("bad_"):
             return await super().execute_deferred_tool_call(call)
-        assert self.log is not None
-        self.log.record("tool_start", flow_id=call.flow_id, turn_id=record.turn_id, tool_call_id=record.tool_call_id,
-                        tool_name=record.tool_name, attempt=call.attempt, idempotency_key=call.idempotency_key)
+        self.log_tool_start(call)
         result: Any = "plain text"
         return result
 

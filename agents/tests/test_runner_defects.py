@@ -73,9 +73,7 @@ class OddToolErrorRunner(ScriptedRunner):
         record = call.tool_call
         if not record.tool_name.endswith("_odd"):
             return await super().execute_deferred_tool_call(call)
-        assert self.log is not None
-        self.log.record("tool_start", flow_id=call.flow_id, turn_id=record.turn_id, tool_call_id=record.tool_call_id,
-                        tool_name=record.tool_name, attempt=call.attempt, idempotency_key=call.idempotency_key)
+        self.log_tool_start(call)
         args = json.loads(record.arguments)
         message = self.MESSAGES[args["message"]]
         if args.get("unknown"):
