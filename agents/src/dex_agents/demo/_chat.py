@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -83,8 +84,8 @@ class Chat:
         for message in snapshot.messages[-RESUME_MESSAGES_SHOWN:]:
             if message.text:
                 self.console.print(f"[bold]{message.role.value}>[/bold] {escape(message.text)}")
-        self.token = (await self.sessions.read_agent_events(self.session_id, limit=1_000_000)).resume_token
-        if _turn_running(snapshot):
+        await self._skip_to_end()
+        if _busy(snapshot):
             self.console.print("[dim]a turn is still running; following it[/dim]")
             await self._answer_pending(snapshot.pending_interrupts)
             await self.follow_turn(snapshot.state.active_turn_id if snapshot.state else None)
@@ -108,8 +109,7 @@ class Chat:
             if is_control(text):
                 self.console.print("[dim]  no turn is running; /steer and /cancel apply to a running turn[/dim]")
                 continue
-            if self.token is None:
-                self.token = (await self.sessions.read_agent_events(self.session_id, limit=1_000_000)).resume_token
+            await self._skip_to_end()  # what happened while this chat waited for a line is not its reply
             try:
                 await self.sessions.send_user_message(self.session_id, text, plan_mode=wants_plan_mode(text))
             except InvalidValueError as error:  # too large to send, say: that line only, the chat goes on
@@ -137,8 +137,9 @@ class Chat:
         await self.follow_turn()
 
     async def follow_turn(self, turn_id: str | None = None) -> None:
-        """Print the turn's live events until it ends, asking for approvals inline and applying
-        /steer and /cancel lines typed meanwhile (to `turn_id`, or the turn that starts)."""
+        """Print the session's live events until no turn runs or waits to start, asking for
+        approvals inline and applying /steer and /cancel lines typed meanwhile (to `turn_id`, or
+        the turn that starts)."""
         while True:
             if turn_id is not None:
                 await self._apply_control(turn_id)
@@ -146,36 +147,54 @@ class Chat:
             self.token = read.resume_token
             if not read.events:
                 await self._require_open()  # stopped meanwhile (dex-engine stop): no event will come
-            for event in read.events:
+            ended = False
+            for event in read.events:  # the whole batch: its token is taken, so what is left is lost
                 kind, payload = event.value.type, json.loads(event.value.payload)
                 if kind == "turn_started":
                     turn_id = event.value.turn_id
-                elif kind == "text_delta":
-                    self.console.print(f"[green]agent>[/green] {escape(payload['text'])}")
-                elif kind == "tool_call_started":
-                    self.console.print(f"[dim]  running {escape(payload['tool_name'])}...[/dim]")
-                elif kind == "tool_call_finished":
-                    self.console.print(f"[dim]  {escape(payload['tool_name'])}: {payload['status']}[/dim]")
-                elif kind == "interrupt_raised":
-                    snapshot = await self.sessions.get_agent_snapshot(self.session_id)
-                    await self._answer_pending(snapshot.pending_interrupts)
-                elif kind == "timer_started":
-                    self.console.print(f"[dim]  waiting until {payload['wait_until']} ({escape(payload['reason'])}); "
-                                       "the Timer is durable: Ctrl-C and come back later[/dim]")
-                elif kind == "plan_updated":
-                    self.console.print(f"[dim]  plan revision {payload['revision']} is {payload['status']} "
-                                       f"({payload['task_count']} tasks)[/dim]")
-                elif kind == "turn_failed":
-                    self.console.print(f"[red]the turn failed: {escape(payload['error'])}[/red]")
-                elif kind == "turn_steered":
-                    self.console.print("[dim]  turn steered; the steered message starts the next turn[/dim]")
-                    if payload["steered_message_count"]:
-                        turn_id = None
-                        continue  # the steered turn starts at once: follow it too
-                elif kind == "turn_cancelled":
-                    self.console.print("[dim]  turn cancelled[/dim]")
-                if kind in TURN_END_EVENTS:
+                elif kind in TURN_END_EVENTS:
+                    ended, turn_id = True, None
+                await self._show(kind, payload)
+            if ended:
+                # A turn that ends can start the next at once (its steered messages, even when it
+                # was cancelled), or leave a message queued behind it (another chat's, or a steer
+                # queued as it ended): follow on until the session is idle.
+                snapshot = await self.sessions.get_agent_snapshot(self.session_id)
+                if not _busy(snapshot):
                     return
+                turn_id = snapshot.state.active_turn_id if snapshot.state else None
+
+    async def _show(self, kind: str, payload: dict[str, Any]) -> None:
+        """One live event as the chat shows it; an interrupt is asked for at once."""
+        if kind == "text_delta":
+            self.console.print(f"[green]agent>[/green] {escape(payload['text'])}")
+        elif kind == "tool_call_started":
+            self.console.print(f"[dim]  running {escape(payload['tool_name'])}...[/dim]")
+        elif kind == "tool_call_finished":
+            self.console.print(f"[dim]  {escape(payload['tool_name'])}: {payload['status']}[/dim]")
+        elif kind == "interrupt_raised":
+            snapshot = await self.sessions.get_agent_snapshot(self.session_id)
+            await self._answer_pending(snapshot.pending_interrupts)
+        elif kind == "timer_started":
+            self.console.print(f"[dim]  waiting until {payload['wait_until']} ({escape(payload['reason'])}); "
+                               "the Timer is durable: Ctrl-C and come back later[/dim]")
+        elif kind == "plan_updated":
+            self.console.print(f"[dim]  plan revision {payload['revision']} is {payload['status']} "
+                               f"({payload['task_count']} tasks)[/dim]")
+        elif kind == "turn_failed":
+            self.console.print(f"[red]the turn failed: {escape(payload['error'])}[/red]")
+        elif kind == "turn_steered":
+            self.console.print("[dim]  turn steered; the steered message starts the next turn[/dim]")
+        elif kind == "turn_cancelled":
+            self.console.print("[dim]  turn cancelled[/dim]")
+
+    async def _skip_to_end(self) -> None:
+        """Move past every event written so far (another chat's turns, say), page by page."""
+        while True:
+            read = await self.sessions.read_agent_events(self.session_id, self.token)
+            self.token = read.resume_token
+            if not read.events:
+                return
 
     async def _require_open(self) -> None:
         """FlowNotActiveError when the session's Flow has ended (stopped, failed): it takes nothing more."""
@@ -266,6 +285,11 @@ def plan_lines(plan: AgentPlan) -> list[str]:
 
 def _turn_running(snapshot: AgentSnapshot) -> bool:
     return snapshot.state is not None and snapshot.state.active_turn_id is not None
+
+
+def _busy(snapshot: AgentSnapshot) -> bool:
+    """A turn runs, or a message waits to start one."""
+    return _turn_running(snapshot) or bool(snapshot.queued_messages or snapshot.steered_messages)
 
 
 async def run_chat(console: Console, data_dir: Path, session_id: str) -> int:

@@ -35,9 +35,12 @@ def _decoded(raw: bytes, encoding: str) -> str | UndecodableLineError:
 
 
 class TerminalLines:
-    """Lines from stdin in order; None marks the end of input."""
+    """Lines from a terminal (stdin unless `descriptor` names another) in order; None marks the end
+    of input."""
 
-    def __init__(self) -> None:
+    def __init__(self, descriptor: int | None = None, encoding: str | None = None) -> None:
+        self._descriptor = sys.stdin.fileno() if descriptor is None else descriptor
+        self._encoding = encoding or sys.stdin.encoding
         # An undecodable line is kept as its error, raised by next() in its turn.
         self._lines: collections.deque[str | UndecodableLineError | None] = collections.deque()
         self._ready = asyncio.Event()
@@ -50,11 +53,10 @@ class TerminalLines:
         # raises in this thread (which then dies, and the chat waits for ever) or, with
         # surrogateescape, passes a line on as text no JSON can hold; and its buffer's lock, held
         # by this thread while it waits, aborts the interpreter as the chat exits.
-        encoding = sys.stdin.encoding
-        descriptor = sys.stdin.fileno()
+        encoding = self._encoding
         pending = b""
         while True:
-            chunk = os.read(descriptor, STDIN_READ_BYTES)
+            chunk = os.read(self._descriptor, STDIN_READ_BYTES)
             if not chunk:
                 if pending:  # a last line without its newline
                     self._loop.call_soon_threadsafe(self._push, _decoded(pending, encoding))

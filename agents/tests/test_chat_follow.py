@@ -1,0 +1,154 @@
+"""How `dex-agents chat` follows turns, in process: a real engine file and Worker, the chat's
+terminal a pipe the test types into, so each test sets up exactly the order of events it needs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from dex_agents import AgentSessionClient
+from dex_agents.demo._agent import build_demo_flow
+from dex_agents.demo._chat import Chat
+from dex_agents.demo._lines import TerminalLines
+from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions
+
+SESSION = "chat"
+WAIT_SECONDS = 60.0
+REFUND = '/tool refund_order {"order_id": "A-1001", "amount_cents": 500}'
+
+
+@dataclass
+class Terminal:
+    """A chat's screen and keyboard: what it printed, and a pipe to type lines into."""
+
+    chat: Chat
+    screen: io.StringIO
+    keyboard: int
+
+    def type(self, *lines: str) -> None:
+        os.write(self.keyboard, "".join(f"{line}\n" for line in lines).encode())
+
+    def shown(self) -> str:
+        return self.screen.getvalue()
+
+
+@dataclass
+class Setup:
+    sessions: AgentSessionClient
+    worker: AsyncWorker | None
+    worker_task: asyncio.Task[None] | None
+    registry: Registry
+    url: str
+
+    def start_worker(self) -> None:
+        self.worker = AsyncWorker(self.registry, WorkerOptions(database_url=self.url))
+        self.worker_task = asyncio.create_task(self.worker.run())
+
+    async def stop_worker(self) -> None:
+        assert self.worker is not None and self.worker_task is not None
+        await self.worker.stop()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.worker_task
+        self.worker = self.worker_task = None
+
+    def terminal(self) -> Terminal:
+        screen = io.StringIO()
+        reading, writing = os.pipe()
+        lines = TerminalLines(reading, "utf-8")
+        console = Console(file=screen, width=200, highlight=False, color_system=None)
+        return Terminal(Chat(console, self.sessions, SESSION, lines), screen, writing)
+
+
+@pytest.fixture
+async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
+    url = f"sqlite:///{tmp_path / 'agents.db'}"
+    flow = build_demo_flow(tmp_path / "ledger.jsonl")
+    registry = Registry([flow])
+    client = AsyncClient(registry, url)
+    result = Setup(AgentSessionClient(client, flow), None, None, registry, url)
+    result.start_worker()
+    try:
+        yield result
+    finally:
+        if result.worker is not None:
+            await result.stop_worker()
+        await client.close()
+
+
+async def _until(condition: Callable[[], Awaitable[bool]], what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + WAIT_SECONDS
+    while not await condition():
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"no {what} within {WAIT_SECONDS} s")
+        await asyncio.sleep(0.02)
+
+
+async def test_a_cancelled_turn_with_a_steer_goes_on_to_show_the_steered_turn(setup: Setup) -> None:
+    """A turn both steered and cancelled ends as cancelled, and the steered message starts the next
+    turn at once (seed 002). Catches: the chat stopping at turn_cancelled, so the steered turn's
+    reply was never shown and the next line typed was sent as a new message behind it."""
+    terminal = setup.terminal()
+    await terminal.chat.open()
+    sessions = setup.sessions
+    await sessions.send_user_message(SESSION, REFUND)
+
+    async def waiting_for_approval() -> bool:
+        return bool((await sessions.get_agent_snapshot(SESSION)).pending_interrupts)
+
+    await _until(waiting_for_approval, "approval pending for the refund")
+    snapshot = await sessions.get_agent_snapshot(SESSION)
+    turn_id = snapshot.state.active_turn_id if snapshot.state else None
+    assert turn_id is not None
+    # The chat has shown the turn up to its approval; then, with no Worker to apply them in
+    # between, the turn is steered and cancelled.
+    terminal.chat.token = (await sessions.read_agent_events(SESSION, limit=1_000_000)).resume_token
+    await setup.stop_worker()
+    assert await sessions.steer_user_message(SESSION, text="/echo never mind")
+    assert await sessions.cancel_turn(SESSION, turn_id)
+    setup.start_worker()
+
+    async with asyncio.timeout(WAIT_SECONDS):
+        await terminal.chat.follow_turn(turn_id)
+    shown = terminal.shown()
+    assert "turn cancelled" in shown
+    assert "agent> never mind" in shown, shown
+    after = await sessions.get_agent_snapshot(SESSION)
+    assert after.state is not None and after.state.active_turn_id is None
+
+
+async def test_a_second_chat_on_the_session_shows_its_own_reply(setup: Setup) -> None:
+    """Two chats on one session: the second's message gets its own reply, not the reply to the
+    first chat's earlier message. Catches: the second chat reading on from where it opened, showing
+    the other chat's turn as its answer and its own a message late."""
+    first, second = setup.terminal(), setup.terminal()
+    await first.chat.open()
+    running = asyncio.create_task(second.chat.run())
+
+    async def opened() -> bool:
+        return second.chat.token is not None
+
+    await _until(opened, "second chat opened")
+
+    await setup.sessions.send_user_message(SESSION, "/echo for the first chat")
+    async with asyncio.timeout(WAIT_SECONDS):
+        await first.chat.follow_turn()
+    second.type("/echo for the second chat")
+
+    async def answered() -> bool:
+        return "agent> for the second chat" in second.shown()
+
+    await _until(answered, "reply shown in the second chat")
+    second.type("/quit")
+    async with asyncio.timeout(WAIT_SECONDS):
+        await running
+    assert "for the first chat" not in second.shown(), second.shown()
+    messages = (await setup.sessions.get_agent_snapshot(SESSION)).messages
+    assert [m.text for m in messages if m.text][-1] == "for the second chat"
