@@ -7,29 +7,40 @@ import json
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from agents.tests.builtin_agent import InProcessEngine, gated_flow, lookup_order, scripted_flow, tool_then_answer
+from agents.tests.compaction_agent import FILLER
 from agents.tests.conftest import REPO_ROOT
 
 from dex_agents import (
     OUTCOME_UNKNOWN_TEXT,
     TOOL_NAME_MISSING,
     AgentSessionClient,
+    AgentSessionFlow,
     AgentSnapshot,
     AgentTurnContext,
+    BuiltInTool,
+    CompactionPolicy,
     DeferredToolCall,
     DeferredToolExecution,
     MessageRole,
+    ToolCallStepOptions,
     ToolEffect,
     ToolExecutionResult,
     ToolInputRequested,
     ToolPolicy,
+    ToolTaskCancellation,
+    ToolTaskPoll,
+    ToolTaskPollOutcome,
+    ToolTaskStarted,
 )
 from dex_agents.builtin_loop import (
     MAX_CONSECUTIVE_TURN_CONTINUATIONS,
     TURN_CONTINUATION_LIMIT_ERROR,
     AgentDefinition,
+    BuiltinLoopAgentRunner,
     ContinueTurn,
     InstructionContext,
     ModelOutputItem,
@@ -46,9 +57,11 @@ from dex_agents.builtin_loop import (
     TurnContinuationContext,
     UserTextInput,
     builtin_agent_session_flow,
+    builtin_agent_session_options,
     function_tool,
     model_call_limit_result,
 )
+from dex_agents.builtin_loop._loop_runner import listed_tool_problem
 from dex_agents.testing import (
     AgentTestStack,
     FileGate,
@@ -57,6 +70,9 @@ from dex_agents.testing import (
     to_step_history,
     wait_for_agent_snapshot,
 )
+
+# Tool calls of the compacted turn in test_scripted_call_ids_stay_unique_when_compaction_shortens_the_input.
+CALLS = 12
 
 
 async def _turns_done(sessions: AgentSessionClient, sid: str, count: int) -> AgentSnapshot:
@@ -462,3 +478,219 @@ def test_stored_items_are_parsed_once_per_process_and_the_cache_is_bounded(monke
     assert len(_items._parsed) == 3
     assert [m.sequence for m in _items._parsed] == [3, 4, 5]
     assert _items.input_item(stored(1, "one")) == first
+
+
+def test_agent_definition_refuses_fields_of_the_wrong_kind_and_names_it_cannot_use() -> None:
+    """Each refused when the agent is built, naming the field. Catches: bare TypeErrors (None for
+    tools, model_settings); a hook given as text failing every turn after paid model calls; a
+    source without a text name whose calls could never find it again; a declared name that an
+    enabled built-in tool shadows failing every turn instead of the definition."""
+    model = ScriptedModelClient(lambda r: ScriptedModelReply(text="x"))
+
+    def refused(match: str, **fields: Any) -> None:
+        with pytest.raises(ValueError, match=match):
+            AgentDefinition(**{"name": "a", "instructions": "", "model": model, **fields})
+
+    refused(r"tools must be a list of FunctionTool, got None", tools=None)
+    refused(r"tools must be a list of FunctionTool, got FunctionTool", tools=lookup_order)
+    refused(r"tool_sources must be a list of ToolSource objects, got None", tool_sources=None)
+    refused(r"model_settings must be a dict of the model client's settings, got 'fast'", model_settings="fast")
+    refused(r"tool_policies must be a dict of tool name to ToolPolicy, got None", tool_policies=None)
+    refused(r"decide_turn_continuation must be a function of TurnContinuationContext or None, got 'end'",
+            decide_turn_continuation="end")
+    refused(r"resolve_model must be a function of the session settings or None, got 'gpt-5'", resolve_model="gpt-5")
+    nameless = _Source("x", [])
+    nameless.source_name = None  # type: ignore[assignment]
+    refused(r"has source_name None; give it a unique, non-empty text name", tool_sources=[nameless])
+    refused(r"tool ask_user uses the name of an enabled built-in tool",
+            tool_sources=[_Declaring("s", ["ask_user"])], built_in_tools=frozenset({BuiltInTool.ASK_USER}))
+    refused(r"tool write_todos uses the name of an enabled built-in tool",
+            tool_sources=[_Declaring("s", ["write_todos"])], plan_mode_enabled=True)
+    refused(r"tool source 's' lists a tool named a more than once", tool_sources=[_Declaring("s", ["a", "a"])])
+    refused(r"tool source 's' declares a tool name '', not non-empty text", tool_sources=[_Declaring("s", [""])])
+
+
+class _Declaring(_Source):
+    def __init__(self, name: str, declared: Sequence[str]) -> None:
+        super().__init__(name, declared)
+
+    def declared_tool_names(self) -> Sequence[str]:
+        return self.tools
+
+
+class _OddListing(_Source):
+    """Lists one good tool after definitions a model cannot be offered (an MCP tool without a
+    description, say), or raises CancelledError as a client library whose server died can."""
+
+    def __init__(self, *, cancelled: bool = False) -> None:
+        super().__init__("odd", ["remote_search"])
+        self.cancelled = cancelled
+
+    async def list_tools(self) -> Sequence[ModelToolDefinition]:
+        if self.cancelled:
+            raise asyncio.CancelledError
+        good = await super().list_tools()
+        return [ModelToolDefinition("nodesc", None, {}), ModelToolDefinition("noschema", "d", None),  # type: ignore[arg-type]
+                {"name": "plain"}, ModelToolDefinition("", "d", {}), *good]  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+async def test_a_malformed_listing_leaves_out_what_cannot_be_offered(tmp_path: Path, cancelled: bool) -> None:
+    """Bad definitions are left out and the rest offered; a listing cancelled by the source's own
+    library offers nothing. Catches: each failing every turn with errors like `'NoneType' object is
+    not iterable` or `CancelledError()`, where the seed says a down server never fails a turn."""
+    flow, model = scripted_flow(_call_first_offered, tool_sources=[_OddListing(cancelled=cancelled)])
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "search")
+        done = await _turns_done(sessions, "s", 1)
+        assert done.state is not None and done.state.last_turn_error is None
+        offered = [t.name for t in model.requests[0].tools]
+        if cancelled:
+            assert offered == ["lookup_order", "refund_order"]
+        else:
+            assert offered == ["lookup_order", "refund_order", "remote_search"]
+            assert done.messages[-1].text == "odd ran remote_search"
+
+
+def test_listed_tool_problems_name_what_is_wrong() -> None:
+    assert listed_tool_problem(ModelToolDefinition("t", "d", {"type": "object"})) is None
+    assert listed_tool_problem({"name": "t"}) == "{'name': 't'} is not a ModelToolDefinition"
+    assert listed_tool_problem(ModelToolDefinition(" ", "d", {})) == "a tool's name is ' ', not non-empty text"
+    assert listed_tool_problem(ModelToolDefinition("t", None, {})) == "tool t's description is None, not text"  # type: ignore[arg-type]
+    assert listed_tool_problem(ModelToolDefinition("t", "d", [])) == (  # type: ignore[arg-type]
+        "tool t's parameters_schema is [], not a JSON Schema object")
+
+
+class _TaskSource(_Source):
+    """A source whose calls start tasks it polls and cancels itself, and that gives its calls a
+    tool Step timeout; `hang` makes a call hang instead, as a server that stops answering."""
+
+    def __init__(self, *, hang: bool = False, poll_interval: int = 1) -> None:
+        super().__init__("tasks", ["remote_search"])
+        self.hang = hang
+        self.poll_interval = poll_interval
+        self.polled: list[str | None] = []
+        self.cancelled: list[str | None] = []
+        self.options_for: list[str | None] = []
+        self.supports_tool_tasks: list[bool] = []
+
+    async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> Any:
+        self.supports_tool_tasks.append(call.supports_tool_tasks)
+        if self.hang:
+            await asyncio.sleep(3600)
+        return ToolTaskStarted(task_id="task-1", poll_interval_seconds=self.poll_interval)
+
+    async def poll_tool_task(self, poll: ToolTaskPoll) -> ToolTaskPollOutcome:
+        self.polled.append(poll.tool_call.tool_source_reference)
+        return ToolExecutionResult(f"task {poll.tool_call.task_id} done")
+
+    async def cancel_tool_task(self, cancellation: ToolTaskCancellation) -> None:
+        self.cancelled.append(cancellation.tool_call.tool_source_reference)
+
+    def tool_call_step_options(self, call: DeferredToolCall) -> ToolCallStepOptions:
+        self.options_for.append(call.tool_source_reference)
+        return ToolCallStepOptions(timeout=timedelta(seconds=1))
+
+
+async def test_a_sources_task_is_polled_by_that_source(tmp_path: Path) -> None:
+    """A listed tool's task goes to its source's poll_tool_task, with the source's own reference.
+    Catches: the runner lacking poll_tool_task, so the call failed with MISSING_TOOL_TASK_POLLER
+    (seed 003: "tool tasks work as for any tool")."""
+    source = _TaskSource()
+    flow, _ = scripted_flow(_call_first_offered, tool_sources=[source])
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "search")
+        done = await _turns_done(sessions, "s", 1)
+        assert done.messages[-1].text == "task task-1 done"
+        assert source.supports_tool_tasks == [True]
+        assert source.polled == ["ref:remote_search"]
+        assert source.options_for == ["ref:remote_search"]
+
+
+async def test_a_cancelled_turn_cancels_the_sources_task(tmp_path: Path) -> None:
+    """cancel_turn abandons a source's task; the source's cancel_tool_task is asked to stop it."""
+    source = _TaskSource(poll_interval=600)
+    flow, _ = scripted_flow(_call_first_offered, tool_sources=[source])
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "search")
+        waiting = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: s if any(c.task_id for c in s.tool_calls) else None,
+            description="the source's task to start")
+        assert waiting.state is not None and waiting.state.active_turn_id is not None
+        assert await sessions.cancel_turn("s", waiting.state.active_turn_id)
+        await _turns_done(sessions, "s", 1)
+        await wait_for_agent_snapshot(sessions, "s", lambda s: s if source.cancelled else None,
+                                      description="the source's cancel_tool_task")
+        assert source.cancelled == ["ref:remote_search"]
+        assert source.polled == []
+
+
+async def test_a_sources_tool_step_options_bound_its_call(tmp_path: Path) -> None:
+    """A source's tool_call_step_options timeout ends a call whose server stops answering. Catches:
+    the options never asked for, so the turn hung on a tool Step with no deadline."""
+    source = _TaskSource(hang=True)
+    flow, _ = scripted_flow(_call_first_offered, tool_sources=[source])
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "search")
+        done = await _turns_done(sessions, "s", 1)
+        assert source.options_for == ["ref:remote_search"]
+        answer = done.messages[-1].text or ""  # the model's answer quotes the call's result
+        assert answer.startswith("The tool call failed:") and "passed its" in answer, answer  # timeout or deadline
+
+
+async def test_a_task_no_source_started_fails_by_its_effect(tmp_path: Path) -> None:
+    """A subclass whose own tool starts a task but that does not poll it: the base runner's
+    poll_tool_task refuses it with LookupError, so the call's effect decides (read: failed)."""
+
+    class OwnTasks(BuiltinLoopAgentRunner):
+        async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> Any:
+            return ToolTaskStarted(task_id="own", poll_interval_seconds=1)
+
+    definition = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(tool_then_answer),
+                                 tools=[lookup_order])
+    flow = AgentSessionFlow(OwnTasks(definition), "OwnTasks", builtin_agent_session_options(definition))
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", '/tool lookup_order {"order_id": "A-1"}')
+        done = await _turns_done(sessions, "s", 1)
+        (record,) = [m for m in done.messages if m.role is MessageRole.TOOL]
+        assert record.tool_output is not None and "no tool source built" in record.tool_output
+
+
+async def test_scripted_call_ids_stay_unique_when_compaction_shortens_the_input(tmp_path: Path) -> None:
+    """A turn of twelve tool calls compacted as it runs. Catches: ScriptedModelClient deriving IDs
+    from the input's length, which comes round again once a summary shortens the input, failing
+    the turn with "tool call ID ... repeats within this turn"."""
+
+    @function_tool(effect=ToolEffect.READ, name="count")
+    def count(step: int, pad: str = "") -> int:
+        """Count one step."""
+        return step
+
+    def respond(request: ModelRequest) -> ScriptedModelReply:
+        results = ScriptedModelClient.tool_results(request)
+        step = int(results[-1].output) + 1 if results else 1
+        if step > CALLS:
+            return ScriptedModelReply(text=f"counted {CALLS}")
+        return ScriptedModelReply(tool_calls=[ScriptedToolCall("count", {"step": step, "pad": FILLER})])
+
+    model = ScriptedModelClient(respond)
+    definition = AgentDefinition(name="a", instructions="", model=model, tools=[count],
+                                 compaction=CompactionPolicy(context_window_tokens=500))
+    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(definition, "Counting")])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "count")
+        done = await _turns_done(sessions, "s", 1)
+        assert done.state is not None and done.state.last_turn_error is None
+        assert done.context_summary is not None  # compacted within the turn
+        assert done.messages[-1].text == f"counted {CALLS}"

@@ -625,11 +625,12 @@ async def test_plan_mode_draft_then_approval_runs_an_executing_turn(tmp_path: Pa
 
         events = await engine.events("s")
         # Golden payloads; write_todos settles in RunModel's commit, before the next model call.
+        call_id = json.loads(turn_events(events, "turn-1")[1][1])["tool_call_id"]
         assert turn_events(events, "turn-1") == [
             ("turn_started", '{"sequence":1}'),
-            ("tool_call_deferred", '{"tool_call_id":"call_2_0","tool_name":"write_todos","effect":"read",'
+            ("tool_call_deferred", f'{{"tool_call_id":"{call_id}","tool_name":"write_todos","effect":"read",'
                                    '"requires_approval":false}'),
-            ("tool_call_finished", '{"tool_call_id":"call_2_0","tool_name":"write_todos","status":"succeeded"}'),
+            ("tool_call_finished", f'{{"tool_call_id":"{call_id}","tool_name":"write_todos","status":"succeeded"}}'),
             ("plan_updated", '{"revision":1,"status":"draft","task_count":2}'),
             ("turn_completed", '{"message_count":3}'),
         ]

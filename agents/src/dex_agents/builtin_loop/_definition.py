@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from .._builtin_tools import BuiltInTool
 from .._compaction import CompactionPolicy
@@ -102,6 +102,7 @@ class AgentDefinition:
         timeout: object = self.tool_source_listing_timeout
         if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
             problems.append(f"tool_source_listing_timeout must be a positive timedelta, got {timeout!r}")
+        problems.extend(_shape_problems(self))
         problems.extend(_tool_problems(self.tools, self.tool_sources))
         compaction: object = self.compaction
         if compaction is not None and not isinstance(compaction, CompactionPolicy):
@@ -112,11 +113,7 @@ class AgentDefinition:
         if not isinstance(built_ins, frozenset | set) or not all(isinstance(t, BuiltInTool) for t in built_ins):
             problems.append(f"built_in_tools must be a frozenset of BuiltInTool, got {built_ins!r}")
         else:
-            problems.extend(
-                f"tool {tool.name} uses the name of an enabled built-in tool"
-                for tool in self.tools
-                if isinstance(tool, FunctionTool) and tool.name in {b.value for b in built_ins}
-            )
+            problems.extend(_built_in_clashes(self.tools, self.tool_sources, {b.value for b in built_ins}))
         if problems:
             raise ValueError("invalid AgentDefinition: " + "; ".join(problems))
         object.__setattr__(self, "tools", tuple(self.tools))
@@ -171,9 +168,46 @@ def _plan_mode_problems(
     return problems
 
 
-def _tool_problems(tools: Sequence[object], sources: Sequence[object]) -> list[str]:
+def _is_list(value: object) -> TypeGuard[Sequence[object]]:
+    """A list or tuple of things; not text (a sequence of characters), not one thing alone."""
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes)
+
+
+def _shape_problems(definition: AgentDefinition) -> list[str]:
+    """Fields whose wrong kind would otherwise fail later with a bare TypeError, or in every turn."""
+    problems: list[str] = []
+    for field_name, what in (("tools", "FunctionTool"), ("tool_sources", "ToolSource objects")):
+        value: object = getattr(definition, field_name)
+        if not _is_list(value):
+            problems.append(f"{field_name} must be a list of {what}, got {value!r}")
+    settings: object = definition.model_settings
+    if not isinstance(settings, Mapping):
+        problems.append(f"model_settings must be a dict of the model client's settings, got {settings!r}")
+    policies: object = definition.tool_policies
+    if not isinstance(policies, Mapping):
+        problems.append(f"tool_policies must be a dict of tool name to ToolPolicy, got {policies!r}")
+    for hook_name, takes in (("decide_turn_continuation", "TurnContinuationContext"),
+                             ("resolve_model", "the session settings")):
+        hook: object = getattr(definition, hook_name)
+        if hook is not None and not callable(hook):
+            problems.append(f"{hook_name} must be a function of {takes} or None, got {hook!r}")
+    return problems
+
+
+def _built_in_clashes(tools: object, sources: object, built_ins: set[str]) -> list[str]:
+    """Function tools, and names tool sources declare, that an enabled built-in tool would shadow."""
+    names = [t.name for t in tools if isinstance(t, FunctionTool)] if _is_list(tools) else []
+    if _is_list(sources):
+        names.extend(n for s in sources if isinstance(s, ToolSource) for n in declared_names(s))
+    return [f"tool {name} uses the name of an enabled built-in tool" for name in dict.fromkeys(names)
+            if name in built_ins]
+
+
+def _tool_problems(tools: object, sources: object) -> list[str]:
     problems: list[str] = []
     seen: set[str] = set()
+    if not _is_list(tools) or not _is_list(sources):
+        return problems  # refused by _shape_problems
     for tool in tools:
         if not isinstance(tool, FunctionTool):
             problems.append(f"tools must be FunctionTool (use @function_tool), got {tool!r}")
@@ -187,13 +221,25 @@ def _tool_problems(tools: Sequence[object], sources: Sequence[object]) -> list[s
         if not isinstance(source, ToolSource):
             problems.append(f"tool_sources must be ToolSource objects, got {source!r}")
             continue
+        source_name: object = source.source_name
+        if not isinstance(source_name, str) or not source_name.strip():
+            # Its calls store the name to find the source again: one that is not text never could.
+            problems.append(f"tool source {source!r} has source_name {source_name!r}; give it a unique, "
+                            "non-empty text name")
+            continue
         if source.source_name in source_names:
             problems.append(f"two tool sources are named {source.source_name!r}; give each a unique source_name")
         source_names.add(source.source_name)
-        for name in declared_names(source):
+        declared = declared_names(source)
+        for name in dict.fromkeys(declared):
+            if not isinstance(name, str) or not name.strip():
+                problems.append(f"tool source {source.source_name!r} declares a tool name {name!r}, not non-empty text")
+                continue
             if name in seen:
                 problems.append(f"tool {name} of a tool source uses the name of a function tool")
-            if name in listed:
+            if declared.count(name) > 1:
+                problems.append(f"tool source {source.source_name!r} lists a tool named {name} more than once")
+            elif name in listed:
                 problems.append(f"two tool sources list a tool named {name}")
             listed.add(name)
     return problems

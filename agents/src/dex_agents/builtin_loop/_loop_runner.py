@@ -8,7 +8,7 @@ import inspect
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -24,11 +24,17 @@ from .._runner import (
     DeferredToolExecution,
     FrameworkMessage,
     ToolCallsRequested,
+    ToolCallStepOptions,
     ToolExecutionError,
     ToolExecutionResult,
     ToolInputRequested,
+    ToolTaskCancellation,
+    ToolTaskPoll,
+    ToolTaskPoller,
+    ToolTaskPollOutcome,
     TurnCompleted,
     TurnContinued,
+    polls_tool_tasks,
 )
 from .._wire import AgentUsage, InteractionMode, MessageRole, PlanStatus, ToolEffect
 from ._compaction import estimate_model_input, select_response_cutoff, summarize_with_model, with_summary_note
@@ -185,7 +191,8 @@ class BuiltinLoopAgentRunner:
         if source_ref is not None:
             source_name, reference = source_ref
             source = self.definition.tool_source(source_name)  # LookupError: the effect decides
-            own = dataclasses.replace(call, tool_call=msgspec.structs.replace(record, tool_source_reference=reference))
+            own = dataclasses.replace(call, tool_call=msgspec.structs.replace(record, tool_source_reference=reference),
+                                      supports_tool_tasks=call.supports_tool_tasks and polls_tool_tasks(source))
             return await source.execute_deferred_tool_call(own)
         tool = self.definition.function_tool(record.tool_name)
         if tool is None:
@@ -199,6 +206,50 @@ class BuiltinLoopAgentRunner:
         )
         result = await tool.invoke(record.arguments, context)
         return result if isinstance(result, ToolInputRequested) else ToolExecutionResult(result)
+
+    # A source's calls: their tool tasks and tool Step options go to the source that built them ----
+
+    async def poll_tool_task(self, poll: ToolTaskPoll) -> ToolTaskPollOutcome:
+        """The source's poll_tool_task, with the call's own reference (seed 003 "Tool sources")."""
+        found = self._source_of(poll.tool_call.tool_source_reference)
+        if found is None or not polls_tool_tasks(found[0]):
+            # LookupError, as for a source this Worker lacks: the call's effect decides the outcome.
+            raise LookupError(
+                f"tool call {poll.tool_call.tool_call_id!r} ({poll.tool_call.tool_name}) started a task that "
+                + ("no tool source can poll (its source has no poll_tool_task)" if found else
+                   "no tool source built; a runner whose own tools start tasks overrides poll_tool_task"))
+        source, reference = found
+        own = dataclasses.replace(poll, tool_call=msgspec.structs.replace(
+            poll.tool_call, tool_source_reference=reference))
+        return await cast(ToolTaskPoller, source).poll_tool_task(own)
+
+    async def cancel_tool_task(self, cancellation: ToolTaskCancellation) -> None:
+        """The source's cancel_tool_task, when it has one; nothing else can stop the task."""
+        found = self._source_of(cancellation.tool_call.tool_source_reference)
+        cancel = None if found is None else getattr(found[0], "cancel_tool_task", None)
+        if found is not None and callable(cancel):
+            own = dataclasses.replace(cancellation, tool_call=msgspec.structs.replace(
+                cancellation.tool_call, tool_source_reference=found[1]))
+            await cancel(own)
+
+    def tool_call_step_options(self, call: DeferredToolCall) -> ToolCallStepOptions | None:
+        """The source's tool_call_step_options (an operation's timeout and retry, say), when it has one."""
+        stored = unwrap_source_reference(call.tool_source_reference)
+        if stored is None or not any(s.source_name == stored[0] for s in self.definition.tool_sources):
+            return None  # a function tool; or a source this Worker lacks, whose tool Step raises LookupError
+        provide = getattr(self.definition.tool_source(stored[0]), "tool_call_step_options", None)
+        if not callable(provide):
+            return None
+        chosen: ToolCallStepOptions | None = provide(dataclasses.replace(call, tool_source_reference=stored[1]))
+        return chosen
+
+    def _source_of(self, stored_reference: str | None) -> tuple[ToolSource, str | None] | None:
+        """The source a stored call's reference names, and the source's own reference; None for a
+        call no source built. LookupError for a source this Worker does not have."""
+        stored = unwrap_source_reference(stored_reference)
+        if stored is None:
+            return None
+        return self.definition.tool_source(stored[0]), stored[1]
 
     # Compaction (ContextCompactionRunner; _compaction.py) ----------------------------------------
 
@@ -340,17 +391,17 @@ class BuiltinLoopAgentRunner:
         sources: dict[str, tuple[ToolSource, ModelToolDefinition]] = {}
         timeout = definition.tool_source_listing_timeout.total_seconds()
         for source in definition.tool_sources:
-            try:
-                listed = list(await asyncio.wait_for(source.list_tools(), timeout))
-                self._listings[source.source_name] = tuple(listed)
-            except Exception:
-                log.warning("tool source %r could not be listed; it offers no tools in this model call",
-                            source.source_name, exc_info=True)
+            listed = await _listing(source, timeout)
+            if listed is None:
                 continue
+            self._listings[source.source_name] = listed
             for tool in listed:
                 if tool.name in function_names:
                     raise ValueError(f"tool {tool.name} of a tool source uses the name of a function tool")
                 if tool.name in sources:
+                    if sources[tool.name][0] is source:
+                        raise ValueError(f"tool source {source.source_name!r} lists a tool named {tool.name} "
+                                         "more than once")
                     raise ValueError(f"two tool sources list a tool named {tool.name}")
                 if tool.name in built_ins:
                     raise ValueError(f"tool {tool.name} uses the name of an enabled built-in tool")
@@ -378,6 +429,50 @@ class BuiltinLoopAgentRunner:
             # A name no listing offered never reaches a source: it fails as unknown, without approval.
             policy = ToolPolicy(ToolEffect.UNCLASSIFIED, requires_approval=False)
         return DeferredToolCall(call.tool_call_id, call.tool_name, call.arguments, policy)
+
+
+async def _listing(source: ToolSource, timeout: float) -> tuple[ModelToolDefinition, ...] | None:
+    """The source's tools, each one that is not a well-formed definition left out; None when the
+    listing raised or timed out: a down or broken server offers no tools, it never fails the turn."""
+    try:
+        listed = list(await asyncio.wait_for(source.list_tools(), timeout))
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # the Step itself is cancelled
+        # A client library's own cancellation (an MCP client whose server died, say) is a failure.
+        log.warning("tool source %r was cancelled while listing; it offers no tools in this model call",
+                    source.source_name, exc_info=True)
+        return None
+    except Exception:
+        log.warning("tool source %r could not be listed; it offers no tools in this model call",
+                    source.source_name, exc_info=True)
+        return None
+    kept: list[ModelToolDefinition] = []
+    for tool in listed:
+        problem = listed_tool_problem(tool)
+        if problem is None:
+            kept.append(tool)
+        else:
+            log.warning("tool source %r listed a tool the model cannot be offered, left out: %s",
+                        source.source_name, problem)
+    return tuple(kept)
+
+
+def listed_tool_problem(tool: object) -> str | None:
+    """What makes a listed tool unfit to offer a model, or None."""
+    if not isinstance(tool, ModelToolDefinition):
+        return f"{tool!r:.200} is not a ModelToolDefinition"
+    name: object = tool.name
+    if not isinstance(name, str) or not name.strip():
+        return f"a tool's name is {name!r:.200}, not non-empty text"
+    description: object = tool.description
+    if not isinstance(description, str):
+        return f"tool {name}'s description is {description!r:.200}, not text"
+    schema: object = tool.parameters_schema
+    if not isinstance(schema, Mapping):
+        return f"tool {name}'s parameters_schema is {schema!r:.200}, not a JSON Schema object"
+    return None
 
 
 def _planning_tools(built_ins: frozenset[str]) -> _Offered:

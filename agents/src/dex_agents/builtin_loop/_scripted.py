@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 from collections import deque
@@ -25,6 +26,8 @@ from ._model import (
 
 SCRIPTED_API = "scripted"
 
+# Hex digits of the request digest in a derived tool call ID: 48 bits, no repeat within a session.
+SCRIPTED_CALL_ID_DIGEST_CHARS = 12
 # Requests a ScriptedModelClient keeps for inspection by default.
 DEFAULT_MAX_RECORDED_REQUESTS = 100
 
@@ -116,6 +119,9 @@ class ScriptedModelClient:
         if not isinstance(reply, ScriptedModelReply):
             raise TypeError(f"the script returned {reply!r}; return a ScriptedModelReply")
         items: list[ModelOutputItem] = []
+        # Derived from the whole input: the same for a RunModel that runs again, and new for every
+        # later request of the turn, even after compaction has made its input shorter.
+        request_digest = _digest(request.input) if reply.tool_calls else ""
         if reply.reasoning:
             output.write_reasoning_delta(reply.reasoning)
             items.append(_item(OutputItemKind.REASONING, {"type": "reasoning", "text": reply.reasoning},
@@ -125,7 +131,7 @@ class ScriptedModelClient:
             items.append(_item(OutputItemKind.TEXT, {"type": "text", "text": reply.text}, text=reply.text))
         for index, call in enumerate(reply.tool_calls):
             arguments = call.arguments if isinstance(call.arguments, str) else json.dumps(call.arguments)
-            call_id = call.tool_call_id or f"call_{len(request.input)}_{index}"
+            call_id = call.tool_call_id or f"call_{request_digest}_{index}"
             items.append(_item(
                 OutputItemKind.TOOL_CALL,
                 {"type": "tool_call", "id": call_id, "name": call.name, "arguments": arguments},
@@ -145,6 +151,10 @@ class ScriptedModelClient:
         usage = AgentUsage(model_calls=1, input_tokens=estimate_request_tokens(request),
                            output_tokens=estimate_text_tokens(item.item))
         return ModelResponse((item,), usage)
+
+
+def _digest(items: tuple[object, ...]) -> str:
+    return hashlib.sha256(repr(items).encode("utf-8", "surrogatepass")).hexdigest()[:SCRIPTED_CALL_ID_DIGEST_CHARS]
 
 
 def _item(kind: OutputItemKind, raw: dict[str, object], *, text: str | None = None,

@@ -17,7 +17,12 @@ STEPWISE_TOOL_SOURCE_KEY = "stepwise_tool_source"
 
 @runtime_checkable
 class ToolSource(Protocol):
-    """Tools listed at run time. `source_name` must be unique in an agent and stable across deploys."""
+    """Tools listed at run time. `source_name` must be unique in an agent and stable across deploys.
+
+    Optional, each reached with the call's own reference: `poll_tool_task` and `cancel_tool_task`
+    (its calls may return ToolTaskStarted), `tool_call_step_options` (a call's tool Step timeout
+    and retry), `declared_tool_names()` (checked when the agent is built) and `cached_tools()`.
+    """
 
     source_name: str
 

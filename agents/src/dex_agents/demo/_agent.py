@@ -70,6 +70,8 @@ class DemoAgentRunner(BuiltinLoopAgentRunner):
                                poll_interval_seconds=REPORT_POLL_INTERVAL_SECONDS)
 
     async def poll_tool_task(self, poll: ToolTaskPoll) -> ToolTaskPollOutcome:
+        if poll.tool_call.tool_name != build_report.name:
+            return await super().poll_tool_task(poll)  # a tool source's task
         polls = int(poll.tool_call.input_continuation or "0") + 1
         if polls < REPORT_READY_AFTER_POLLS:
             return ToolTaskPending(poll_interval_seconds=REPORT_POLL_INTERVAL_SECONDS, continuation=str(polls))
