@@ -1493,3 +1493,56 @@ async def test_a_chain_of_steps_does_not_keep_a_due_step_of_another_flow_waiting
         assert (await eng.client.wait_for_flow("c", 60)).status == "completed"
         assert str(await eng.client.flow_output("c")).startswith("saw it after ")
         assert await eng.client.flow_output("t") == "ran"
+
+
+# More events than one INSERT of either backend can carry (250,000 parameters in this SQLite build, PostgreSQL's
+# 65,535, six to an event).
+BURST_EVENTS = 45_000
+Burst = Stream("Burst", int)
+
+
+def _burst_flow(then: str) -> Flow:
+    async def burst(ctx: Context, _: Any) -> StepDecision:
+        for i in range(BURST_EVENTS):  # no await between: a synchronous loop, as a plain-def callback writes
+            ctx.write_event(Burst, i)
+        if then == "yield":
+            await asyncio.sleep(0.05)  # the flush runs meanwhile
+        elif then == "heartbeat":
+            await ctx.heartbeat()  # the heartbeat carries the pending events
+        return StepDecision.graceful_complete()
+
+    return Flow("Bursting", [Step("Burst", burst)], start_step="Burst", schema=[Burst])
+
+
+@pytest.mark.parametrize("then", ["return", "yield", "heartbeat"])
+async def test_a_burst_of_events_is_stored_whole_in_the_one_attempt(db_url: str, then: str) -> None:
+    """Thousands of events written without an await. Catches: the flush putting them all in one
+    INSERT over the backend's parameter limit, so the attempt failed and was run again (a model
+    call paid for each time) with none of its events kept, or the events dropped silently."""
+    async with engine_for(db_url, Registry([_burst_flow(then)])) as eng:
+        await eng.client.start_flow("Bursting", "b1")
+        assert (await eng.client.wait_for_flow("b1", 60)).status == "completed"
+        read = await eng.client.read_stream("b1", Burst, limit=BURST_EVENTS + 1)
+        assert [e.value for e in read.events] == list(range(BURST_EVENTS))
+        assert {e.attempt for e in read.events} == {1}
+        history = await eng.client.get_flow_history("b1")
+        assert [h.event_type for h in history if h.event_type == "attempt_failed"] == []
+
+
+async def test_events_that_cannot_be_written_are_dropped_and_the_attempt_commits(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store error on the best-effort append (not a lost lease) drops that batch with a warning.
+    Catches: the error escaping the flush into the attempt's end, so the Worker handed the attempt
+    back and ran it again, three times, for events that are best effort."""
+    async with engine_for(db_url, Registry([_burst_flow("return")])) as eng:
+        async def failing(*_args: Any) -> None:
+            raise RuntimeError("disk I/O error")
+
+        monkeypatch.setattr(eng.store, "append_best_effort", failing)
+        with caplog.at_level(logging.WARNING, logger="dex_engine.worker"):
+            await eng.client.start_flow("Bursting", "b1")
+            assert (await eng.client.wait_for_flow("b1", 60)).status == "completed"
+        history = await eng.client.get_flow_history("b1")
+        assert [h.attempt for h in history if h.event_type == "execute_completed"] == [1]
+        assert f"{BURST_EVENTS} events of Burst-1 attempt 1 could not be written and were dropped" in caplog.text

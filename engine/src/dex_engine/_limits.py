@@ -185,6 +185,6 @@ TASK_OPTIONS_COLLECT_MS = 60 * 60 * 1000
 # Rows a store remembers as confirmed: every Step type of many flow types; a miss costs one upsert.
 TASK_OPTIONS_CONFIRMED_ENTRIES = 4096
 
-# Rows one multi-row statement writes or names: at most 4 parameters each, far below either
+# Rows one multi-row statement writes or names: at most 6 parameters each, far below either
 # backend's limit on parameters per statement.
 ROWS_PER_STATEMENT = 200

@@ -1155,14 +1155,17 @@ def append_events(
         positions = stream_positions(db, flow_id)
         next_seq, first_seq, total = positions.get(stream, (1, 1, 0))
         next_seq, total = next_seq + len(rows), total + size
-    params: list[Any] = []
-    for seq, (seid, attempt, value) in enumerate(rows, start=next_seq - len(rows)):
-        params += (flow_id, stream, seq, seid, attempt, value)
-    _send(
-        db, "INSERT INTO stream_events (flow_id, stream, seq, step_execution_id, attempt, value) VALUES "
-        + _rows_of(6, len(rows)),
-        params,
-    )
+    first_new = next_seq - len(rows)
+    for start in range(0, len(rows), ROWS_PER_STATEMENT):  # a burst of events: over a statement's parameter limit
+        part = rows[start:start + ROWS_PER_STATEMENT]
+        params: list[Any] = []
+        for seq, (seid, attempt, value) in enumerate(part, start=first_new + start):
+            params += (flow_id, stream, seq, seid, attempt, value)
+        _send(
+            db, "INSERT INTO stream_events (flow_id, stream, seq, step_execution_id, attempt, value) VALUES "
+            + _rows_of(6, len(part)),
+            params,
+        )
     trimmed = total > capacity
     if trimmed:
         cut = _trim_stream(db, flow_id, stream, total - capacity, next_seq - 1)

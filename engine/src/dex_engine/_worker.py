@@ -959,6 +959,11 @@ class AsyncWorker:
             except StaleAttemptError:
                 self._revoke(running)
                 return
+            except Exception:
+                # Best effort (ENGINE.md E11): a write that fails drops
+                # its batch; it must not fail the attempt, whose result commits on its own.
+                log.warning("%d events of %s attempt %d could not be written and were dropped",
+                            len(batch), running.lease.step_execution_id, running.lease.attempt, exc_info=True)
 
 
 def _lease_context(flow: Flow, lease: Lease, heartbeat: HeartbeatFn, write_event: EventFn) -> Context:
