@@ -1067,6 +1067,25 @@ async def test_an_approval_wait_reads_only_its_own_interrupt() -> None:
         assert waiting == expected
 
 
+@pytest.mark.parametrize(("left_ms", "timer_seconds"), [(1_200, 2), (1_000, 1), (300, 1), (59_001, 60)])
+async def test_an_approval_waits_on_a_deadline_timer_rounded_up_to_whole_seconds(
+    monkeypatch: pytest.MonkeyPatch, left_ms: int, timer_seconds: int,
+) -> None:
+    """The Timer the approval's wait registers is the time to its deadline rounded up (seed 002:
+    "rounded up to whole seconds because Dex Timers take whole seconds"). Catches: rounding to the
+    nearest second, a Timer that fires before the deadline and then spins on zero-second Timers."""
+    flow = build_flow(None)
+    steps = _approval_steps(flow)
+    now = datetime(2026, 1, 1, 1, 0, tzinfo=UTC)
+    monkeypatch.setattr("dex_agents._tool_steps.now_utc", lambda: now)
+    deadline = format_time(now + timedelta(milliseconds=left_ms))
+    values = _waiting_values(False, True, tool_call(AgentToolCallStatus.AWAITING_APPROVAL))
+    values[("PendingInterrupts", "")] = [msgspec.structs.replace(_interrupt("c1", "c1"), deadline=deadline)]
+    waiting = await steps.await_tool_approval_wait(step_context(flow, "AwaitToolApproval", values), "c1")
+    assert waiting == Wait.any_of(TOOL_CALL_CANCELLATIONS["c1"].for_one(), INTERRUPT_RESOLUTIONS["c1"].for_one(),
+                                  Timer.by_duration(timer_seconds))
+
+
 @pytest.mark.parametrize("status", [None, AgentToolCallStatus.APPROVED, AgentToolCallStatus.REJECTED])
 async def test_an_approval_wait_of_a_call_no_longer_awaiting_approval_skips_and_its_execute_ends(
     status: AgentToolCallStatus | None,

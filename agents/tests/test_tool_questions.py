@@ -467,6 +467,9 @@ async def test_a_call_that_asked_keeps_its_effect_after_a_step_failure(
         history = await engine.client.get_flow_history("s")
         [failure] = [e for e in history if e.event_type == "step_failed"]
         assert failure.detail.startswith("NOT_COMPLETED" if fault == "tool_raises" else "NOT_STARTED")
+        if never_ran:  # seed 002: the prefix, then ": " and the recovery detail (the attempt's error)
+            assert outcomes["c1"]["error"] == (
+                f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}: injected: the attempt failed before the tool started")
         expected_runs = {"tool_raises": 2, "not_started": 1, "not_started_unasked": 0}[fault]
         assert len(runner.runs_of("c1")) == expected_runs
 
