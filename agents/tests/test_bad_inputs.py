@@ -76,6 +76,7 @@ from dex_agents import (
     ToolCallsRequested,
     ToolEffect,
     ToolExecutionResult,
+    ToolInputRequested,
     ToolPolicy,
     TurnCompleted,
     TurnContinued,
@@ -832,6 +833,86 @@ async def test_a_live_event_that_cannot_be_stored_as_written_does_not_fail_the_m
         assert re.fullmatch(
             r"dropped a text_delta event of RunModel-3 attempt 1: value for 'AgentEvents' is \d+ bytes encoded, "
             rf"over MAX_VALUE_BYTES \({MAX_VALUE_BYTES}\); store it in pieces or outside the flow", dropped), dropped
+        await assert_usable(sessions, "s", before)
+
+
+class _UnwritableEventsRunner(ScriptedRunner):
+    """The scripted runner, except that it first writes events no JSON can hold, then a text_delta."""
+
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome:
+        if current_user_text(turn) == "odd events":
+            turn.events.write_event("myadapter.metric", {"latency_ms": float("nan")})
+            turn.events.write_event("myadapter.tags", {"tags": {"a", "b"}})
+            turn.events.write_event("", {})
+            turn.events.write_text_delta("after them")
+        return await super().run_model_step(turn)
+
+
+async def test_a_live_event_that_is_not_json_is_dropped_with_a_warning_naming_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A payload with NaN or a set, or a blank event type: each dropped with a warning that names
+    the event and the problem, the model call run once. Catches: the write raising into the
+    runner, failing the model call (paid again on each of three attempts) and then the turn with
+    "Out of range float values are not JSON compliant", which names no event."""
+    async with in_process(tmp_path, flow_with(_UnwritableEventsRunner(tmp_path))) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        snapshot = await run_turn(sessions, "s", "odd events")
+        assert snapshot.state is not None and snapshot.state.last_turn_error is None
+        turn_id = f"turn-{snapshot.state.turn_count}"
+        events = await turn_events(sessions, "s", turn_id)
+        assert [p["text"] for t, p in events if t == "text_delta"] == ["after them", "step 0"]
+        assert not [t for t, _ in events if t.startswith("myadapter.")]
+        assert engine.log.count("model", turn_id=turn_id) == 1
+        dropped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dropped a")]
+        assert dropped == [
+            "dropped a 'myadapter.metric' event of RunModel-2 attempt 1: it cannot be written as JSON: "
+            "Out of range float values are not JSON compliant",
+            "dropped a 'myadapter.tags' event of RunModel-2 attempt 1: it cannot be written as JSON: "
+            "Object of type set is not JSON serializable",
+            "dropped a '' event of RunModel-2 attempt 1: it cannot be written as JSON: "
+            "an event type must be a non-empty string, got ''",
+        ]
+        await assert_usable(sessions, "s", before)
+
+
+class _BigQuestionRunner(ScriptedRunner):
+    """The scripted runner, except that read_x first asks a question that fits its record and
+    PendingInterrupts, but whose interrupt_raised payload, JSON escaped again inside the event,
+    does not fit one stored value."""
+
+    QUESTION = '"' * (MAX_VALUE_BYTES // 3)
+
+    async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> Any:
+        if not call.input_answers:
+            return ToolInputRequested(question=self.QUESTION, allows_free_text=True)
+        return await super().execute_deferred_tool_call(call)
+
+
+async def test_a_question_whose_event_is_too_large_is_still_asked_and_answered(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The interrupt_raised event is dropped with a warning (streams are best effort; readers have
+    the snapshot); the question is pending, and its answer reaches the tool. Catches: the event's
+    append failing AwaitQuestionAnswer on each of its attempts, leaving the call awaiting an
+    answer that no one could give, with no pending interrupt."""
+    async with in_process(tmp_path, flow_with(_BigQuestionRunner(tmp_path))) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        assert await sessions.send_user_message("s", script({"tools": [{"id": "r1", "name": "read_x"}]},
+                                                            {"answer": "{results}"}))
+        question = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: next(iter(s.pending_interrupts), None), description="the question")
+        assert question.question == _BigQuestionRunner.QUESTION
+        assert await sessions.answer_question("s", question.interrupt_id, "yes")
+        snapshot = await turn_ended(sessions, "s", 2)
+        assert snapshot.state is not None and snapshot.state.last_turn_error is None
+        assert [t for t, _ in await turn_events(sessions, "s", "turn-2") if t.startswith("interrupt_")] == [
+            "interrupt_resolved"]
+        assert any(r.getMessage().startswith("flow s: dropped a interrupt_raised event of ") for r in caplog.records)
+        history = await engine.client.get_flow_history("s")
+        assert [h.step_type for h in history if h.event_type == "attempt_failed"] == []
         await assert_usable(sessions, "s", before)
 
 

@@ -13,6 +13,7 @@ from agents.tests.built_context import runtime_of, step_context, tool_call
 from agents.tests.builtin_agent import InProcessEngine, lookup_order, scripted_flow
 
 from dex_agents import (
+    ARGUMENTS_NOT_TEXT,
     AWAIT_TIMER,
     TOOL_CALL_CANCELLATIONS,
     AgentEventType,
@@ -170,6 +171,9 @@ async def test_skip_timer_ends_a_long_wait(tmp_path: Path) -> None:
      "invalid durable_wait arguments: duration_seconds must be a whole number from 1 to 31622400, got 2.5"),
     ("durable_wait", {"duration_seconds": 5}, "invalid durable_wait arguments: reason must be text"),
     ("durable_wait", "[1]", "arguments must be a JSON object"),
+    # Strict JSON whose escape decodes to half a UTF-16 pair: no stored question or reason holds it.
+    ("ask_user", r'{"question": "a\ud800b"}', ARGUMENTS_NOT_TEXT),
+    ("durable_wait", r'{"duration_seconds": 5, "reason": "\uDC00"}', ARGUMENTS_NOT_TEXT),
 ])
 async def test_invalid_built_in_arguments_fail_at_once(
     tmp_path: Path, name: str, arguments: dict[str, Any] | str, error: str

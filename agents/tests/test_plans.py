@@ -25,6 +25,7 @@ from agents.tests.scripted_agent import ScriptedRunner
 from dex_agents import (
     AGENT_PLAN,
     AGENT_STATE,
+    ARGUMENTS_NOT_TEXT,
     AWAIT_USER_MESSAGE,
     BUILT_IN_TOOL_DEFINITIONS,
     PENDING_PLAN_EXECUTION,
@@ -142,6 +143,13 @@ def test_write_todos_arguments_parse_to_tasks_in_order() -> None:
      "invalid todos: todos[0].status must be one of pending, in_progress, completed, got 'done'"),
     ('{"todos": [{"content": "a"}]}',
      "invalid todos: todos[0].status must be one of pending, in_progress, completed, got None"),
+    # Strict JSON, whose escape decodes to half a UTF-16 pair: no stored plan could hold it.
+    (r'{"todos": [{"content": "a\ud800b", "status": "pending"}]}', ARGUMENTS_NOT_TEXT),
+    # Values the model wrote are shown cut, so the error stays small whatever the model sent.
+    ('{"todos": [{"content": "a", "status": "' + "x" * 100_000 + '"}]}',
+     "invalid todos: todos[0].status must be one of pending, in_progress, completed, got '" + "x" * 59),
+    ('{"todos": [{"content": "a", "status": "pending", "' + "f" * 100_000 + '": 1}]}',
+     "invalid todos: todos[0] has unknown field '" + "f" * 59),
 ])
 def test_invalid_write_todos_arguments_fail_with_the_model_visible_reason(arguments: str, error: str) -> None:
     """Not strict JSON fails as `arguments must be a JSON object`; anything else `invalid todos: <reason>`."""

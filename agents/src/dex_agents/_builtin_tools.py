@@ -13,7 +13,8 @@ from datetime import timedelta
 from enum import StrEnum
 from typing import Any
 
-from ._constants import ARGUMENTS_NOT_OBJECT, ARGUMENTS_TOO_DEEP
+from ._constants import ARGUMENTS_NOT_OBJECT, ARGUMENTS_NOT_TEXT, ARGUMENTS_TOO_DEEP, SHOWN_VALUE_CHARS
+from ._policy import text_problem
 
 
 class BuiltInTool(StrEnum):
@@ -119,14 +120,33 @@ def decode_arguments_object(arguments: str) -> dict[str, Any]:
         raise BuiltInArgumentsError(ARGUMENTS_TOO_DEEP) from None
     if not isinstance(value, dict):
         raise BuiltInArgumentsError(ARGUMENTS_NOT_OBJECT)
+    # Strict JSON may escape half of a UTF-16 pair ("\ud800"), which decodes to text no stored
+    # value can hold: the plan, question or reason would fail the Step's commit on every retry.
+    if "\\u" in arguments:
+        try:
+            holds_surrogate = _holds_lone_surrogate(value)
+        except RecursionError:
+            raise BuiltInArgumentsError(ARGUMENTS_TOO_DEEP) from None
+        if holds_surrogate:
+            raise BuiltInArgumentsError(ARGUMENTS_NOT_TEXT)
     return value
+
+
+def _holds_lone_surrogate(value: object) -> bool:
+    if isinstance(value, str):
+        return text_problem(value) is not None
+    if isinstance(value, dict):
+        return any(_holds_lone_surrogate(k) or _holds_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_lone_surrogate(v) for v in value)
+    return False
 
 
 def _object(tool: str, arguments: str, allowed: tuple[str, ...]) -> dict[str, Any]:
     value = decode_arguments_object(arguments)
     unknown = sorted(set(value) - set(allowed))  # the first unknown name is the lowest by code point
     if unknown:
-        raise BuiltInArgumentsError(f"invalid {tool} arguments: unknown argument {unknown[0]!r}")
+        raise BuiltInArgumentsError(f"invalid {tool} arguments: unknown argument {unknown[0]!r:.{SHOWN_VALUE_CHARS}}")
     return {k: v for k, v in value.items() if v is not None}  # null for an optional argument means absent
 
 
@@ -158,7 +178,7 @@ def parse_durable_wait(arguments: str, max_wait: timedelta) -> DurableWaitArgume
     limit = int(max_wait.total_seconds())
     if isinstance(seconds, bool) or not isinstance(seconds, int) or not 1 <= seconds <= limit:
         raise BuiltInArgumentsError(
-            f"invalid {tool} arguments: duration_seconds must be a whole number from 1 to {limit}, got {seconds!r}"
+            f"invalid {tool} arguments: duration_seconds must be a whole number from 1 to {limit}, got {seconds!r:.{SHOWN_VALUE_CHARS}}"
         )
     reason = value.get("reason")
     if not isinstance(reason, str):

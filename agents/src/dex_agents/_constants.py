@@ -120,6 +120,11 @@ TOOL_NAME_MISSING = "the tool call names no tool"
 # Arguments nested deeper than Python's JSON decoder can go (its recursion limit): the call fails
 # with this rather than the model call raising RecursionError on every attempt.
 ARGUMENTS_TOO_DEEP = "arguments are nested too deeply to read as JSON"
+# Characters of a value the model wrote that a built-in's error repeats: enough to recognise it,
+# and the error (stored in the call's record) stays small whatever the model sent.
+SHOWN_VALUE_CHARS = 60
+# A built-in call whose JSON escapes decode to a lone surrogate: text that cannot be stored.
+ARGUMENTS_NOT_TEXT = "arguments hold a \\u escape of half a UTF-16 pair (a lone surrogate), which is not text"
 NEW_MESSAGES_WITHOUT_BUILDER = (
     "a runner that sets ToolCallsRequested.new_messages must implement build_unfinished_turn_messages"
 )

@@ -11,8 +11,6 @@ from typing import Any
 
 import msgspec
 
-from dex_engine import ValueTooLargeError
-
 from ._wire import AgentEvent
 
 log = logging.getLogger("dex_agents.session")
@@ -125,17 +123,23 @@ class AgentEventWriter:
         self._closed = False
 
     def write_event(self, event_type: str, payload: Mapping[str, Any]) -> None:
+        """Write one live event; one that cannot be stored (no JSON object payload, a blank type,
+        too large) is dropped with a warning naming it: live events are best effort, and failing
+        the model call or tool that wrote it would pay for that call again on each retry, and fail alike."""
         if self.closed:
             return  # dropped unchecked: a stray late write must not raise in its thread either
-        event = make_event(event_type, self.turn_id, self.step_execution_id, self.attempt, payload)
+        try:
+            event = make_event(event_type, self.turn_id, self.step_execution_id, self.attempt, payload)
+        except (TypeError, ValueError, RecursionError) as exc:
+            log.warning("dropped a %r event of %s attempt %d: it cannot be written as JSON: %s",
+                        event_type, self.step_execution_id, self.attempt, exc)
+            return
         with self._lock:
             if self._closed:
                 return
             try:
                 self._emit(event)
-            except ValueTooLargeError as exc:
-                # Live events are best effort: one too large to store is dropped, not the model call
-                # or tool that wrote it (its retry would pay for the call again, and fail alike).
+            except ValueError as exc:  # too large (ValueTooLargeError), or text no stored value holds
                 log.warning("dropped a %s event of %s attempt %d: %s", event.type, self.step_execution_id,
                             self.attempt, exc)
 

@@ -19,7 +19,7 @@ import msgspec
 from dex_engine import MAX_VALUE_BYTES
 
 from ._builtin_tools import BuiltInArgumentsError, BuiltInTool, decode_arguments_object
-from ._constants import PLANNING_TURN_REJECTION_MESSAGE, WRITE_TODOS_CALLED_MORE_THAN_ONCE
+from ._constants import PLANNING_TURN_REJECTION_MESSAGE, SHOWN_VALUE_CHARS, WRITE_TODOS_CALLED_MORE_THAN_ONCE
 from ._timefmt import format_time
 from ._wire import (
     AgentPlan,
@@ -65,7 +65,7 @@ def parse_write_todos(arguments: str) -> tuple[AgentPlanTask, ...]:
     value = decode_arguments_object(arguments)
     unknown = sorted(set(value) - {"todos"})
     if unknown:
-        raise _invalid(f"unknown argument {unknown[0]!r}")
+        raise _invalid(f"unknown argument {unknown[0]!r:.{SHOWN_VALUE_CHARS}}")
     todos = value.get("todos")
     if todos is None:
         raise _invalid("todos is required: a list of tasks, each {content, status}")
@@ -78,13 +78,13 @@ def parse_write_todos(arguments: str) -> tuple[AgentPlanTask, ...]:
             raise _invalid(f"{where} must be an object with content and status")
         extra = sorted(set(task) - set(_TASK_FIELDS))
         if extra:
-            raise _invalid(f"{where} has unknown field {extra[0]!r}")
+            raise _invalid(f"{where} has unknown field {extra[0]!r:.{SHOWN_VALUE_CHARS}}")
         content = task.get("content")
         if not isinstance(content, str) or not content.strip():
             raise _invalid(f"{where}.content must be non-empty text")
         status = task.get("status")
         if not isinstance(status, str) or status not in _TASK_STATUS_VALUES:
-            raise _invalid(f"{where}.status must be one of {_TASK_STATUSES}, got {status!r}")
+            raise _invalid(f"{where}.status must be one of {_TASK_STATUSES}, got {status!r:.{SHOWN_VALUE_CHARS}}")
         tasks.append(AgentPlanTask(content=content, status=PlanTaskStatus(status)))
     return tuple(tasks)
 

@@ -195,8 +195,15 @@ class SessionRuntime:
     # Events ----------------------------------------------------------------------------------
 
     def emit(self, ctx: Context, event_type: AgentEventType, turn_id: str | None, payload: Mapping[str, Any]) -> None:
-        """Append an event at this Step's commit (it appears only if the Step commits)."""
-        ctx.append(self.events, make_event(event_type, turn_id, ctx.step_execution_id, ctx.attempt, payload))
+        """Append an event at this Step's commit (it appears only if the Step commits). One too
+        large to store (an interrupt_raised of a question near the value limit, whose payload is
+        JSON inside JSON) is dropped with a warning: streams are best effort, and the Step would
+        fail alike on every retry. Readers have the snapshot."""
+        event = make_event(event_type, turn_id, ctx.step_execution_id, ctx.attempt, payload)
+        try:
+            ctx.append(self.events, event)
+        except ValueTooLargeError as exc:
+            log.warning("flow %s: dropped a %s event of %s: %s", ctx.flow_id, event_type, ctx.step_execution_id, exc)
 
     def live_writer(self, ctx: Context, turn_id: str | None) -> AgentEventWriter:
         """A best-effort writer for the runner: events appear at once, before the attempt commits."""

@@ -34,7 +34,7 @@ from ._constants import (
 )
 from ._options import LONGEST_TIMER
 from ._plans import WRITE_TODOS, count_write_todos_calls, rejected_in_planning_turn, settle_write_todos
-from ._policy import REPEATABLE_EFFECTS, ToolPolicy, cut_text, is_approval_required
+from ._policy import REPEATABLE_EFFECTS, ToolPolicy, cut_text, is_approval_required, text_problem
 from ._runner import DeferredToolCall, FrameworkMessage, ToolCallStepOptions
 from ._timefmt import format_time
 from ._wire import (
@@ -104,17 +104,6 @@ def usage_problem(usage: object) -> str | None:
         value = getattr(usage, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             return f"{name} must be a whole number of at least 0, got {value!r:.60}"
-    return None
-
-
-def text_problem(value: str) -> str | None:
-    """Why text cannot be stored (stored values are JSON, which is UTF-8), or None when it can."""
-    if value.isascii():  # O(1) in CPython (a flag of the string): most text takes no encoding here
-        return None
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return f"not valid UTF-8 text: {value[exc.start]!r} at position {exc.start} is a lone surrogate"
     return None
 
 
