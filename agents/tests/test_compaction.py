@@ -1628,3 +1628,33 @@ async def test_a_cancelled_model_call_moves_to_apply_turn_control_with_only_the_
     assert AGENT_MESSAGE_CHUNKS.name not in movement.options.load.names
     assert {key for name, key in movement.options.load.instances if name == AGENT_MESSAGE_CHUNKS.name} == {
         message_sequence_key(5)}
+
+
+async def test_a_summary_with_a_lone_surrogate_is_stored_escaped(tmp_path: Path) -> None:
+    """A summary text holding half a UTF-16 pair (a provider's stream that split one) is stored with
+    it as its escape, made once. Catches: the commit failing on every attempt, paying for the
+    summary three times, then failing that turn and, compacting first, every later one."""
+    calls: list[int] = []
+
+    def summarize(request: ModelRequest) -> str:
+        calls.append(1)
+        return "the summary \ud800"
+
+    flow, _ = compaction_flow("SurrogateAgent", answer, window=400, summarize=summarize)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        number = 0
+        while not calls:
+            number += 1
+            assert number < 20, "never compacted"
+            await run_turns(sessions, "s", [say(number)], start=number - 1)
+        await run_turns(sessions, "s", [say(number + 1)], start=number)
+        snapshot = await sessions.get_agent_snapshot("s")
+        assert snapshot.state is not None and snapshot.state.last_turn_error is None
+        assert snapshot.context_summary is not None and snapshot.context_summary.text == "the summary \\ud800"
+        assert len(calls) == 1
+        history = to_step_history(await engine.client.get_flow_history("s"))
+        assert [e.final_attempt for e in history
+                if e.step_type == COMPACT_CONTEXT and e.event_type == "execute_completed"] == [1]

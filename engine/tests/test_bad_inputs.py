@@ -1321,6 +1321,16 @@ def test_a_value_is_checked_strictly_against_its_declared_type(tp: type, value: 
         encode_value("N", tp, value)
 
 
+@pytest.mark.parametrize("value", [10**5000, {"limit": -(10**5000)}, [1, 10**4300]],
+                         ids=["int", "in-an-object", "in-a-list"])
+def test_an_int_too_long_to_write_as_text_is_refused_naming_the_value(value: object) -> None:
+    """Python writes no int of over 4,300 digits as text. Catches: its ValueError escaping as is
+    (from an RPC's request, say), naming neither the value nor the call."""
+    with pytest.raises(InvalidValueError, match=r"^value for 'N' cannot be encoded as JSON \((int|dict|list)\): "
+                       r"Exceeds the limit \(4300 digits\)"):
+        encode_value("N", Any, value)
+
+
 def test_a_value_of_exactly_the_limit_is_accepted_and_one_byte_more_refused() -> None:
     assert encode_value("N", str, "x" * 8, limit=10) == b'"xxxxxxxx"'
     with pytest.raises(ValueTooLargeError) as caught:

@@ -178,7 +178,8 @@ def parse_durable_wait(arguments: str, max_wait: timedelta) -> DurableWaitArgume
     limit = int(max_wait.total_seconds())
     if isinstance(seconds, bool) or not isinstance(seconds, int) or not 1 <= seconds <= limit:
         raise BuiltInArgumentsError(
-            f"invalid {tool} arguments: duration_seconds must be a whole number from 1 to {limit}, got {seconds!r:.{SHOWN_VALUE_CHARS}}"
+            f"invalid {tool} arguments: duration_seconds must be a whole number from 1 to {limit}, "
+            f"got {seconds!r:.{SHOWN_VALUE_CHARS}}"
         )
     reason = value.get("reason")
     if not isinstance(reason, str):

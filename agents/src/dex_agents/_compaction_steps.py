@@ -56,7 +56,7 @@ from ._runtime import (
     window_messages,
 )
 from ._timefmt import utc_now_text
-from ._turn_logic import TurnContractError, usage_problem
+from ._turn_logic import TurnContractError, storable_text, usage_problem
 from ._wire import (
     AgentMessage,
     AgentMessageChunkRange,
@@ -257,7 +257,9 @@ class CompactionSteps:
             raise BlankContextSummaryError(f"summarize_context returned a blank summary through {through}")
         summary = ContextSummary(
             generation=1 if previous is None else previous.generation + 1, first_sequence=1,
-            last_sequence=through, text=result.text, created_at=utc_now_text(),
+            # A lone surrogate (a stream that split a UTF-16 pair) is kept as its escape: the commit
+            # would fail on every retry, paying for the summary each time, and every later turn alike.
+            last_sequence=through, text=storable_text(result.text), created_at=utc_now_text(),
         )
         try:
             ctx.set(CONTEXT_SUMMARY, summary)

@@ -117,8 +117,9 @@ def encode_value(name: str, tp: Any, value: Any, *, limit: int = MAX_VALUE_BYTES
     """Encode `value` as JSON, checking it is a `tp` and at most `limit` bytes."""
     try:
         data = _encoder.encode(value)
-    except (TypeError, msgspec.EncodeError, UnicodeEncodeError, RecursionError) as exc:
-        # UnicodeEncodeError: text with a lone surrogate, which UTF-8 (and so JSON) cannot hold.
+    except (TypeError, ValueError, msgspec.EncodeError, RecursionError) as exc:
+        # UnicodeEncodeError (a ValueError): text with a lone surrogate, which UTF-8 (and so JSON)
+        # cannot hold. ValueError: an int of more digits than Python converts to text (4,300).
         # RecursionError: nested deeper than Python's recursion limit lets the encoder go.
         raise InvalidValueError(
             f"value for {name!r} cannot be encoded as JSON ({type(value).__name__}): {exc}"
