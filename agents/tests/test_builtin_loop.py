@@ -694,3 +694,37 @@ async def test_scripted_call_ids_stay_unique_when_compaction_shortens_the_input(
         assert done.state is not None and done.state.last_turn_error is None
         assert done.context_summary is not None  # compacted within the turn
         assert done.messages[-1].text == f"counted {CALLS}"
+
+
+class _Rendezvous(_Source):
+    """Lists only once every source of the agent is listing: listed one after another, none would."""
+
+    def __init__(self, name: str, everyone: list[_Rendezvous], all_listing: asyncio.Event) -> None:
+        super().__init__(name, [f"{name}_tool"])
+        self.everyone = everyone
+        self.all_listing = all_listing
+        self.listing = False
+
+    async def list_tools(self) -> Sequence[ModelToolDefinition]:
+        self.listing = True
+        if all(s.listing for s in self.everyone):
+            self.all_listing.set()
+        await self.all_listing.wait()
+        return await super().list_tools()
+
+
+async def test_tool_sources_are_listed_at_once(tmp_path: Path) -> None:
+    """Every source's listing runs at the same time. Catches: one after another, where each down
+    server added a whole listing timeout to the model call (ten servers, 100 s before any answer)."""
+    everyone: list[_Rendezvous] = []
+    all_listing = asyncio.Event()
+    everyone.extend(_Rendezvous(f"s{i}", everyone, all_listing) for i in range(3))
+    flow, model = scripted_flow(_call_first_offered, tool_sources=everyone,
+                                tool_source_listing_timeout=timedelta(seconds=2))
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "hi")
+        await _turns_done(sessions, "s", 1)
+        assert [t.name for t in model.requests[0].tools] == [
+            "lookup_order", "refund_order", "s0_tool", "s1_tool", "s2_tool"]

@@ -390,8 +390,9 @@ class BuiltinLoopAgentRunner:
             raise ValueError(f"tool {name} uses the name of an enabled built-in tool")
         sources: dict[str, tuple[ToolSource, ModelToolDefinition]] = {}
         timeout = definition.tool_source_listing_timeout.total_seconds()
-        for source in definition.tool_sources:
-            listed = await _listing(source, timeout)
+        # All at once: a down server costs the call one listing timeout, not one per source.
+        listings = await asyncio.gather(*(_listing(source, timeout) for source in definition.tool_sources))
+        for source, listed in zip(definition.tool_sources, listings, strict=True):
             if listed is None:
                 continue
             self._listings[source.source_name] = listed
