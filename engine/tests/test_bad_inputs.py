@@ -862,6 +862,7 @@ async def test_forged_and_foreign_resume_tokens_are_refused(db_url: str, tmp_pat
 
         cases: list[tuple[Any, str]] = [
             (flipped_mac, "signature"),
+            (own[:-3], "cut, altered, or issued by another database"),  # copied short from a log line
             (12345, "12345"),  # not text at all
             (rewound, "signature"),
             (foreign_db, "signature"),

@@ -30,7 +30,9 @@ def read_token(secret: bytes, token: str, flow_id: str, stream: str) -> int:
     body, _, mac = token.encode().partition(b".")
     expected = base64.urlsafe_b64encode(hmac.new(secret, body, hashlib.sha256).digest()[:16]).rstrip(b"=")
     if not hmac.compare_digest(expected, mac):
-        raise InvalidResumeTokenError("resume token was not issued by this database (signature mismatch)")
+        raise InvalidResumeTokenError(
+            "resume token was cut, altered, or issued by another database (its signature does not match); "
+            "pass a token exactly as a read of this database returned it, or None to read from the start")
     try:
         position = msgspec.json.decode(base64.urlsafe_b64decode(body + b"=" * (-len(body) % 4)), type=_Position)
     except (msgspec.DecodeError, ValueError):
