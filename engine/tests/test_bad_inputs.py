@@ -1332,6 +1332,15 @@ def test_an_int_too_long_to_write_as_text_is_refused_naming_the_value(value: obj
         encode_value("N", Any, value)
 
 
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_float_json_cannot_hold_is_refused_where_float_is_declared(value: float) -> None:
+    """NaN and the infinities. Catches: msgspec writing them as null, which the commit stored and
+    no later load of a float could read, so every Step loading the value failed for good."""
+    with pytest.raises(InvalidValueError, match=rf"^value for 'N' is {value!r}, which JSON cannot hold"):
+        encode_value("N", float, value)
+    assert encode_value("N", Any, {"n": value}) == b'{"n":null}'  # as docs/engine.md says
+
+
 def test_a_value_of_exactly_the_limit_is_accepted_and_one_byte_more_refused() -> None:
     assert encode_value("N", str, "x" * 8, limit=10) == b'"xxxxxxxx"'
     with pytest.raises(ValueTooLargeError) as caught:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import threading
 from array import array
 from collections.abc import Callable
@@ -126,6 +127,10 @@ def encode_value(name: str, tp: Any, value: Any, *, limit: int = MAX_VALUE_BYTES
         ) from None
     if len(data) > limit:
         raise ValueTooLargeError(name, len(data), limit)
+    if type(value) is float and not math.isfinite(value):
+        # msgspec writes it as null, which no float declaration reads back: every later load of
+        # the value would fail. (Inside an Any or dict value the null is read back as None.)
+        raise InvalidValueError(f"value for {name!r} is {value!r}, which JSON cannot hold; store it as text or None")
     nesting = nesting_problem(name, data) if may_nest_deeply(tp) else None
     if nesting is not None:
         raise InvalidValueError(nesting)
