@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from dex_engine import (
+    AsyncClient,
     AsyncWorker,
     Attribute,
     Channel,
@@ -37,6 +38,7 @@ from dex_engine import (
     _pg_store,
     _sqlite_store,
     _worker,
+    open_store,
     rpc,
 )
 from dex_engine._records import DecisionRecord, StartRequest, WriteSet
@@ -415,6 +417,38 @@ async def test_a_stop_returns_after_the_handlers_it_cancels_have_ended(db_url: s
         worker = await _holding(eng, "Held", "h", log, shutdown_grace_seconds=0.1)
         await asyncio.wait_for(worker.stop(), 10)
         assert log == ["running", "cleaned up"]
+
+
+@pytest.mark.parametrize("client", ["same store", "another store"])
+async def test_a_stopping_worker_still_cancels_an_attempt_a_commit_cancels(db_url: str, client: str) -> None:
+    """stop_flow while the worker drains: the running handler is cancelled at once (E9), as it is
+    while the worker runs, not left running until the shutdown grace ends. Catches: only the main
+    loop, which a stop ends, polling the running attempts' epochs."""
+    log: list[str] = []
+
+    async def hold(ctx: Context, _: Any) -> StepDecision:
+        log.append("running")
+        try:
+            await asyncio.Event().wait()  # a model call: no heartbeat, nothing to notice a cancel by
+        except asyncio.CancelledError:
+            log.append("cancelled")
+            raise
+        return StepDecision.graceful_complete()
+
+    registry = _one_step("Held", hold)
+    async with engine_for(db_url, registry, worker=False) as eng:
+        worker = await _holding(eng, "Held", "h", log, shutdown_grace_seconds=30)
+        stopping = asyncio.create_task(worker.stop())
+        await wait_until("the worker to start draining", lambda: asyncio.sleep(0, worker._stopping.is_set()))
+        other = open_store(db_url) if client == "another store" else eng.store
+        try:
+            await AsyncClient(registry, store=other).stop_flow("h", "the user left")
+            await wait_until("the handler to be cancelled", lambda: asyncio.sleep(0, log == ["running", "cancelled"]))
+            await asyncio.wait_for(stopping, 30)
+        finally:
+            if other is not eng.store:
+                await other.close()
+        assert (await eng.client.describe_flow("h")).status == "stopped"
 
 
 async def test_a_stop_lets_a_commit_in_flight_land_whatever_its_grace(

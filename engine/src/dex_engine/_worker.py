@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -364,9 +364,7 @@ class AsyncWorker:
                 self._renew_now.set()  # register again now, not at the next renewal
             for lease in result.leases:
                 self._spawn(lease)
-            for task_id, running in watched.items():
-                if self._running.get(task_id) is running and result.epochs.get(task_id) != running.lease.lease_epoch:
-                    self._revoke(running)  # E9: cancelled, timed out or taken over
+            self._revoke_changed(watched, result.epochs)
             # On a watched store every commit that could concern this worker wakes it (its own and
             # this process's clients' through the commit listeners, others' through the store's
             # watch), including one that revokes a running attempt: only due work and housekeeping
@@ -558,11 +556,15 @@ class AsyncWorker:
             remaining = deadline - time.monotonic()
             if not (tasks or self._claiming) or remaining <= 0:
                 break
-            # A claim in flight ends in local_claim_done or in a task above, both of which wake us.
+            # A claim in flight ends in local_claim_done or in a task above, both of which wake us,
+            # as does a commit that may cancel what runs (on an unwatched store, a poll's pace).
             self._wake.clear()
             woken = asyncio.ensure_future(self._wake.wait())
-            await asyncio.wait({*tasks, woken}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            wait = remaining if self._watched else min(remaining, self.options.poll_seconds)
+            done, _ = await asyncio.wait({*tasks, woken}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
             woken.cancel()
+            if woken in done or not done:
+                await self._revoke_cancelled()
         self._drained = True
         for task in self._handing_back:
             task.cancel()  # unregistering at the end hands these claims back too
@@ -571,6 +573,30 @@ class AsyncWorker:
             self._revoke(running)
         if late or self._handing_back:
             await asyncio.wait([*(r.task for r in late if r.task is not None), *self._handing_back])
+
+    def _revoke_changed(self, watched: dict[int, _Running], epochs: Mapping[int, int]) -> None:
+        """Revoke each watched attempt whose task's epoch moved on (E9: cancelled, timed out or
+        taken over), unless it ended, or its task went on to another attempt here, meanwhile."""
+        for task_id, running in watched.items():
+            if self._running.get(task_id) is running and epochs.get(task_id) != running.lease.lease_epoch:
+                self._revoke(running)
+
+    async def _revoke_cancelled(self) -> None:
+        """While draining (the main loop has ended): what a poll of the running attempts' epochs,
+        claiming nothing, finds cancelled is revoked, so its handler stops now, not at the grace."""
+        watched = {tid: r for tid, r in self._running.items() if not r.committing}
+        if not watched:
+            return
+        try:
+            _changed, result = await self.store.poll(
+                self.worker_id, self._flow_types, 0, list(watched), must_claim=False, housekeep=False,
+                holder=self._holder,
+            )
+        except Exception:
+            log.debug("worker %s: a poll while draining failed; the grace's end revokes what is left",
+                      self.worker_id, exc_info=True)
+            return
+        self._revoke_changed(watched, result.epochs)
 
     # One attempt -------------------------------------------------------------------------
 
