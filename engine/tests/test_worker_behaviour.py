@@ -41,6 +41,7 @@ from dex_engine import (
     open_store,
     rpc,
 )
+from dex_engine._clock import WallClockSteps
 from dex_engine._records import DecisionRecord, StartRequest, WriteSet
 from dex_engine._scheduling import movement_record
 
@@ -1580,3 +1581,53 @@ async def test_events_that_cannot_be_written_are_dropped_and_the_attempt_commits
         history = await eng.client.get_flow_history("b1")
         assert [h.attempt for h in history if h.event_type == "execute_completed"] == [1]
         assert f"{BURST_EVENTS} events of Burst-1 attempt 1 could not be written and were dropped" in caplog.text
+
+
+def test_wall_clock_steps_are_told_from_time_passing() -> None:
+    """Both clocks moving together is time passing (a paused process included); the wall clock
+    moving alone is a step, forward or back."""
+    wall, monotonic = [1_000.0], [5.0]
+    steps = WallClockSteps(lambda: wall[0], lambda: monotonic[0])
+    wall[0] += 30.0
+    monotonic[0] += 30.0
+    assert steps.step() == 0.0  # 30 s passed (or the process was stopped for 30 s)
+    wall[0] += 3_600.5
+    monotonic[0] += 0.5
+    assert steps.step() == 3_600.0  # NTP set the time an hour forward
+    wall[0] -= 25.0
+    monotonic[0] += 1.0
+    assert steps.step() == -26.0
+    assert steps.step() == 0.0  # measured from the last look, not from the start
+
+
+async def test_a_forward_step_of_the_wall_clock_declares_no_live_worker_dead(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The wall clock steps forward past the lease TTL under two live workers. Catches: the first
+    to renew its own lease then declaring the other dead before it renewed, so that worker's
+    started Step failed as WorkerLost and ran a second time while its first run went on."""
+    runs: list[int] = []
+
+    async def tool(ctx: Context, _: Any) -> StepDecision:
+        runs.append(ctx.attempt)
+        for _ in range(30):  # a started attempt (it heartbeats) that outlives the step
+            await ctx.heartbeat()
+            await asyncio.sleep(0.1)
+        return StepDecision.graceful_complete()
+
+    offset = [0.0]
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + offset[0])
+    timings = {"lease_ttl_seconds": 3.0, "lease_renew_seconds": 1.0, "housekeeping_seconds": 0.1}
+    async with engine_for(db_url, _one_step("Tools", tool), worker=False) as eng, \
+            engine_for(db_url, _one_step("Other", _done), worker=False) as other:
+        await other.start_worker(worker_id="other", **timings)
+        await asyncio.sleep(0.5)  # their renewals out of phase, as two processes' are
+        await eng.start_worker(worker_id="tools", **timings)
+        await eng.client.start_flow("Tools", "t")
+        await wait_until("the tool to start", lambda: asyncio.sleep(0, runs))
+        offset[0] = 20.0  # NTP steps the machine's clock, which every worker reads
+        assert (await eng.client.wait_for_flow("t", 30)).status == "completed"
+        history = await eng.client.get_flow_history("t")
+        assert [h.detail for h in history if h.event_type == "attempt_failed"] == []
+        assert runs == [1]

@@ -72,6 +72,11 @@ DEFAULT_HOUSEKEEPING_SECONDS = 1.0
 # most, rather than a whole renewal period later: the worker claims nothing until it succeeds.
 RENEW_RETRY_SECONDS = 1.0
 
+# How far the wall clock may move against the monotonic clock between two of a worker's polls and
+# still count as drift; more is a step (NTP setting the time, a virtual machine resumed), after
+# which the worker declares no other worker dead for one lease TTL (their renewals catch up).
+CLOCK_STEP_SECONDS = 2.0
+
 # How often a worker checks the database for work another process made (SQLite data_version).
 DEFAULT_POLL_SECONDS = 0.02
 

@@ -367,7 +367,7 @@ class Store(ABC):
     async def poll(
         self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],
         *, must_claim: bool, housekeep: bool, known: Sequence[int] | None = None,
-        claimed_before: int | None = None, holder: tuple[str, int] | None = None,
+        claimed_before: int | None = None, holder: tuple[str, int] | None = None, declare_dead: bool = True,
     ) -> tuple[bool, tx.PollResult]:
         """One worker loop iteration in one transaction; returns (changed elsewhere, result).
 
@@ -399,7 +399,7 @@ class Store(ABC):
             changed = self._changed_in(db)
             if housekeep and known is not None:
                 tx.release_lost_claims(db, worker_id, known, claimed_before, now)
-            report = tx.housekeeping(db, now, worker_id) if housekeep else None
+            report = tx.housekeeping(db, now, worker_id, declare_dead=declare_dead) if housekeep else None
             woke = report is not None and bool(report.timers_fired or report.leases_expired or report.timeouts)
             claim_now = must_claim or changed or woke
             registered = not claim_now or tx.worker_registered(db, worker_id, holder)

@@ -1698,16 +1698,18 @@ def _worker_row(worker_id: str, holder: tuple[str, int] | None) -> tuple[str, tu
     return "worker_id = ? AND host = ? AND pid = ?", (worker_id, *holder)
 
 
-def housekeeping(db: Db, now: int, worker_id: str | None = None) -> HousekeepingReport:
+def housekeeping(db: Db, now: int, worker_id: str | None = None, *, declare_dead: bool = True) -> HousekeepingReport:
     """Dead workers, expired leases, timeouts, due timers. Idempotent; any worker may run it.
 
     Run by `worker_id`, it declares no worker dead while that worker's own lease has run out or
     is gone: a live worker that finds its own lease expired has seen the wall clock step forward
     (or was paused), so the others' expired leases prove nothing either until the renewals catch up.
+    Nor with `declare_dead` False: the caller saw the wall clock step, and its own lease may have
+    been renewed since, while the others' renewals have not caught up yet.
     """
     removed = 0
     own = None if worker_id is None else db.one("SELECT expires_at FROM workers WHERE worker_id = ?", (worker_id,))
-    if worker_id is None or (own is not None and int(own[0]) >= now):
+    if declare_dead and (worker_id is None or (own is not None and int(own[0]) >= now)):
         removed = db.run("DELETE FROM workers WHERE expires_at < ?", (now,))
     expired = _expire_orphans(db, now)
     timeouts = 0

@@ -20,6 +20,7 @@ from typing import Any, cast
 import msgspec
 
 from . import _gates
+from ._clock import WallClockSteps
 from ._codec import decode_value, encode_value
 from ._context import Context, EventFn, FoldContext, HeartbeatFn, NotFoldable, WaitResult
 from ._decision import StepDecision
@@ -36,6 +37,7 @@ from ._flow import Flow, Registry
 from ._ids import check_id
 from ._limits import (
     CLOCK_SKEW_WARN_MS,
+    CLOCK_STEP_SECONDS,
     DEFAULT_HOUSEKEEPING_SECONDS,
     DEFAULT_LEASE_RENEW_SECONDS,
     DEFAULT_LEASE_TTL_SECONDS,
@@ -195,6 +197,9 @@ class AsyncWorker:
         self._unregistered = False
         self._id_held_elsewhere = False  # registering again found our ID another live process's (logged once)
         self._renew_now = asyncio.Event()
+        # The wall clock stepped (see _watch_clock): until this monotonic time, declare no worker dead.
+        self._clock = WallClockSteps()
+        self._trust_leases_at = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background: asyncio.Task[None] | None = None
         # Starts (wall-clock ms) of commits in flight that may claim work: until a commit's reply is
@@ -339,10 +344,12 @@ class AsyncWorker:
             watched = {tid: r for tid, r in self._running.items() if not r.committing}
             self._wake.clear()
             self._claim_asked = False
+            self._watch_clock()
             try:
                 _changed, result = await store.poll(
                     self.worker_id, self._flow_types, free, list(watched), must_claim=claim, housekeep=housekeep,
                     known=list(self._running), claimed_before=self._claimed_before(), holder=self._holder,
+                    declare_dead=time.monotonic() >= self._trust_leases_at,
                 )
             except Exception as exc:
                 failed = polls.failed(exc)
@@ -393,6 +400,27 @@ class AsyncWorker:
             except TimeoutError:
                 # A wake that lands as the timeout fires is lost by the wait but stays asked: keep it.
                 must_claim = self._claim_asked
+
+    def _watch_clock(self) -> None:
+        """After a step of the wall clock, declare no worker dead for one lease TTL.
+
+        Forward, every lease written before it looks expired, this worker's own too; renewing its
+        own first (the housekeeping guard sees only that one) would let it remove live peers whose
+        renewals have not caught up yet, and their started Steps would run again. Within a TTL
+        every live worker has renewed. Back, a worker that died just before takes that much longer
+        to be taken over: said, since nothing here can shorten a lease another process wrote."""
+        stepped = self._clock.step()
+        if abs(stepped) <= CLOCK_STEP_SECONDS:
+            return
+        if stepped > 0:
+            self._trust_leases_at = time.monotonic() + self.options.lease_ttl_seconds
+            self._renew_now.set()
+            log.warning("worker %s: the wall clock stepped %.1f s forward; it declares no worker dead for the "
+                        "next %.0f s (lease_ttl_seconds), while the others renew their leases", self.worker_id,
+                        stepped, self.options.lease_ttl_seconds)
+        else:
+            log.warning("worker %s: the wall clock stepped %.1f s back; a worker that died just before is taken "
+                        "over that much later", self.worker_id, -stepped)
 
     def _claimed_before(self) -> int:
         """Time (ms) before which a claim of ours that we do not hold counts as lost.
