@@ -1252,6 +1252,25 @@ async def test_model_answer_over_the_value_limit_fails_the_turn(tmp_path: Path) 
         await assert_usable(sessions, "s", before)
 
 
+async def test_a_tool_call_whose_record_is_over_the_value_limit_fails_the_turn_once(tmp_path: Path) -> None:
+    """A call whose arguments alone nearly fill one stored value (from a runner that stores no
+    message of them), so its record does not fit: the turn fails at once naming the call, the
+    model called once and no tool run. Catches: RunModel's commit failing on each of its three
+    attempts, calling the model again each time, and then an engine error naming no call."""
+    arguments = json.dumps({"pad": "x" * (MAX_VALUE_BYTES - 100)})
+    huge = DeferredToolCall("c1", "read_x", arguments, ToolPolicy(ToolEffect.READ))
+    runner = MisbehavingRunner(tmp_path, {"huge-call": lambda: ToolCallsRequested("asked", [huge], AgentUsage())})
+    async with in_process(tmp_path, flow_with(runner)) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        turn_id, error = await failed_turn(sessions, "s", f"{MISBEHAVE} huge-call")
+        assert error.startswith(f"tool call 'c1' (read_x) of turn {turn_id} is too large to store: value for "
+                                "'AgentToolCalls[c1]' is "), error
+        assert engine.log.count("model", turn_id=turn_id) == 1
+        assert engine.log.count("tool_start") == 0
+        await assert_usable(sessions, "s", before)
+
+
 class _OversizedRunStateRunner:
     """A read call with a run state that fits, then one whose run state is over the value limit.
     Each response stores an assistant message, and the runner builds unfinished-turn messages, so a

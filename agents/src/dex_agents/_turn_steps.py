@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import msgspec
 
@@ -299,18 +300,19 @@ class TurnSteps:
                 "tool_call_id": record.tool_call_id, "tool_name": record.tool_name,
                 "effect": record.effect.value, "requires_approval": record.requires_approval,
             })
-            if planned.next_step is None:
-                rt.finish_record(ctx, record)
-                continue
-            if planned.next_step in TOOL_STEPS:
-                moved = rt.tool_step_movement(record)
-                if isinstance(moved, AgentToolCall):
-                    rt.finish_record(ctx, moved)
-                else:
-                    ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], record)
-                    movements.append(moved)
-                continue
-            ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], record)
+            with _record_fits(record):
+                if planned.next_step is None:
+                    rt.finish_record(ctx, record)
+                    continue
+                if planned.next_step in TOOL_STEPS:
+                    moved = rt.tool_step_movement(record)
+                    if isinstance(moved, AgentToolCall):
+                        rt.finish_record(ctx, moved)
+                    else:
+                        ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], record)
+                        movements.append(moved)
+                    continue
+                ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], record)
             if planned.timer_reason is not None:
                 rt.emit(ctx, AgentEventType.TIMER_STARTED, turn_id, {
                     "tool_call_id": record.tool_call_id, "wait_until": record.wait_until,
@@ -374,3 +376,15 @@ class TurnSteps:
 
 def _with_status(state: AgentState, status: AgentStatus) -> AgentState:
     return msgspec.structs.replace(state, status=status)
+
+
+@contextlib.contextmanager
+def _record_fits(record: AgentToolCall) -> Iterator[None]:
+    """A call's record over the value limit (arguments near it, from a runner that stores no
+    message of them) fails the turn at once, naming the call: a retry would call the model again
+    for the same output, and fail alike."""
+    try:
+        yield
+    except ValueTooLargeError as exc:
+        raise ValueTooLarge(f"tool call {record.tool_call_id!r} ({record.tool_name}) of turn {record.turn_id} is "
+                            f"too large to store: {exc}") from None
