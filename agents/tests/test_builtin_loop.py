@@ -294,46 +294,41 @@ def _call_first_offered(request: ModelRequest) -> ScriptedModelReply:
                               if "remote_search" in names else ())
 
 
+async def _first_turn(tmp_path: Path, sources: list[Any], text: str, **definition: Any,
+                      ) -> tuple[AgentSnapshot, ScriptedModelClient]:
+    """The first turn of a scripted agent on `sources` that calls remote_search when listed."""
+    flow, model = scripted_flow(_call_first_offered, tool_sources=sources, **definition)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", text)
+        return await _turns_done(sessions, "s", 1), model
+
+
 async def test_tool_source_call_reaches_its_source_with_its_own_reference(tmp_path: Path) -> None:
     """Source tools are offered after function tools; the tool Step finds the source by its stored name."""
     source = _Source("search", ["remote_search"])
     down = _Source("down", ["never"], fail=True)
-    flow, model = scripted_flow(_call_first_offered, tool_sources=[down, source])
-    engine = InProcessEngine(tmp_path, [flow])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s", "search")
-        done = await _turns_done(sessions, "s", 1)
-        assert done.messages[-1].text == "search ran remote_search"
-        assert [t.name for t in model.requests[0].tools] == ["lookup_order", "refund_order", "remote_search"]
-        assert source.executed == ["ref:remote_search"]
+    done, model = await _first_turn(tmp_path, [down, source], "search")
+    assert done.messages[-1].text == "search ran remote_search"
+    assert [t.name for t in model.requests[0].tools] == ["lookup_order", "refund_order", "remote_search"]
+    assert source.executed == ["ref:remote_search"]
 
 
 async def test_tool_source_name_collision_fails_the_model_call(tmp_path: Path) -> None:
     """A listed name that repeats a function tool fails RunModel before any model request."""
     source = _Source("dupe", ["lookup_order"])
-    flow, model = scripted_flow(_call_first_offered, tool_sources=[source])
-    engine = InProcessEngine(tmp_path, [flow])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s", "hi")
-        done = await _turns_done(sessions, "s", 1)
-        assert done.state is not None
-        assert done.state.last_turn_error == "tool lookup_order of a tool source uses the name of a function tool"
-        assert len(model.requests) == 0
+    done, model = await _first_turn(tmp_path, [source], "hi")
+    assert done.state is not None
+    assert done.state.last_turn_error == "tool lookup_order of a tool source uses the name of a function tool"
+    assert len(model.requests) == 0
 
 
 async def test_slow_tool_source_offers_nothing_in_that_call(tmp_path: Path) -> None:
     """A listing slower than tool_source_listing_timeout leaves its tools out; the turn goes on."""
     slow = _Source("slow", ["remote_search"], delay=5.0)
-    flow, _ = scripted_flow(_call_first_offered, tool_sources=[slow],
-                                tool_source_listing_timeout=timedelta(milliseconds=50))
-    engine = InProcessEngine(tmp_path, [flow])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s", "hi")
-        done = await _turns_done(sessions, "s", 1)
-        assert done.messages[-1].text == "lookup_order,refund_order"
+    done, _ = await _first_turn(tmp_path, [slow], "hi", tool_source_listing_timeout=timedelta(milliseconds=50))
+    assert done.messages[-1].text == "lookup_order,refund_order"
 
 
 def test_agent_definition_refuses_bad_tools() -> None:
@@ -539,19 +534,14 @@ async def test_a_malformed_listing_leaves_out_what_cannot_be_offered(tmp_path: P
     """Bad definitions are left out and the rest offered; a listing cancelled by the source's own
     library offers nothing. Catches: each failing every turn with errors like `'NoneType' object is
     not iterable` or `CancelledError()`, where the seed says a down server never fails a turn."""
-    flow, model = scripted_flow(_call_first_offered, tool_sources=[_OddListing(cancelled=cancelled)])
-    engine = InProcessEngine(tmp_path, [flow])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s", "search")
-        done = await _turns_done(sessions, "s", 1)
-        assert done.state is not None and done.state.last_turn_error is None
-        offered = [t.name for t in model.requests[0].tools]
-        if cancelled:
-            assert offered == ["lookup_order", "refund_order"]
-        else:
-            assert offered == ["lookup_order", "refund_order", "remote_search"]
-            assert done.messages[-1].text == "odd ran remote_search"
+    done, model = await _first_turn(tmp_path, [_OddListing(cancelled=cancelled)], "search")
+    assert done.state is not None and done.state.last_turn_error is None
+    offered = [t.name for t in model.requests[0].tools]
+    if cancelled:
+        assert offered == ["lookup_order", "refund_order"]
+    else:
+        assert offered == ["lookup_order", "refund_order", "remote_search"]
+        assert done.messages[-1].text == "odd ran remote_search"
 
 
 def test_listed_tool_problems_name_what_is_wrong() -> None:
@@ -599,16 +589,11 @@ async def test_a_sources_task_is_polled_by_that_source(tmp_path: Path) -> None:
     Catches: the runner lacking poll_tool_task, so the call failed with MISSING_TOOL_TASK_POLLER
     (seed 003: "tool tasks work as for any tool")."""
     source = _TaskSource()
-    flow, _ = scripted_flow(_call_first_offered, tool_sources=[source])
-    engine = InProcessEngine(tmp_path, [flow])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s", "search")
-        done = await _turns_done(sessions, "s", 1)
-        assert done.messages[-1].text == "task task-1 done"
-        assert source.supports_tool_tasks == [True]
-        assert source.polled == ["ref:remote_search"]
-        assert source.options_for == ["ref:remote_search"]
+    done, _ = await _first_turn(tmp_path, [source], "search")
+    assert done.messages[-1].text == "task task-1 done"
+    assert source.supports_tool_tasks == [True]
+    assert source.polled == ["ref:remote_search"]
+    assert source.options_for == ["ref:remote_search"]
 
 
 async def test_a_cancelled_turn_cancels_the_sources_task(tmp_path: Path) -> None:
@@ -635,15 +620,10 @@ async def test_a_sources_tool_step_options_bound_its_call(tmp_path: Path) -> Non
     """A source's tool_call_step_options timeout ends a call whose server stops answering. Catches:
     the options never asked for, so the turn hung on a tool Step with no deadline."""
     source = _TaskSource(hang=True)
-    flow, _ = scripted_flow(_call_first_offered, tool_sources=[source])
-    engine = InProcessEngine(tmp_path, [flow])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s", "search")
-        done = await _turns_done(sessions, "s", 1)
-        assert source.options_for == ["ref:remote_search"]
-        answer = done.messages[-1].text or ""  # the model's answer quotes the call's result
-        assert answer.startswith("The tool call failed:") and "passed its" in answer, answer  # timeout or deadline
+    done, _ = await _first_turn(tmp_path, [source], "search")
+    assert source.options_for == ["ref:remote_search"]
+    answer = done.messages[-1].text or ""  # the model's answer quotes the call's result
+    assert answer.startswith("The tool call failed:") and "passed its" in answer, answer  # timeout or deadline
 
 
 async def test_a_task_no_source_started_fails_by_its_effect(tmp_path: Path) -> None:
@@ -719,12 +699,6 @@ async def test_tool_sources_are_listed_at_once(tmp_path: Path) -> None:
     everyone: list[_Rendezvous] = []
     all_listing = asyncio.Event()
     everyone.extend(_Rendezvous(f"s{i}", everyone, all_listing) for i in range(3))
-    flow, model = scripted_flow(_call_first_offered, tool_sources=everyone,
-                                tool_source_listing_timeout=timedelta(seconds=2))
-    engine = InProcessEngine(tmp_path, [flow])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s", "hi")
-        await _turns_done(sessions, "s", 1)
-        assert [t.name for t in model.requests[0].tools] == [
-            "lookup_order", "refund_order", "s0_tool", "s1_tool", "s2_tool"]
+    _, model = await _first_turn(tmp_path, list(everyone), "hi", tool_source_listing_timeout=timedelta(seconds=2))
+    assert [t.name for t in model.requests[0].tools] == [
+        "lookup_order", "refund_order", "s0_tool", "s1_tool", "s2_tool"]

@@ -1464,6 +1464,16 @@ def test_an_append_deletes_the_summarized_chunks_it_brings_past_the_retained_lim
     assert ctx.get(AGENT_MESSAGE_CHUNKS[message_sequence_key(3)]) == AgentMessageChunk(tuple(stored[2:4]))
 
 
+async def _turns_until_summarized(sessions: AgentSessionClient, calls: list[int]) -> int:
+    """Turns of session "s", one at a time, until the summarize function was called; how many."""
+    number = 0
+    while not calls:
+        number += 1
+        assert number < 20, "never compacted"
+        await run_turns(sessions, "s", [say(number)], start=number - 1)
+    return number
+
+
 @pytest.mark.parametrize("blank_attempts", [1, 99])
 async def test_a_blank_summary_fails_the_attempt(tmp_path: Path, blank_attempts: int) -> None:
     """A blank summary fails the CompactContext attempt: a retry that writes one carries on; blank on
@@ -1480,11 +1490,7 @@ async def test_a_blank_summary_fails_the_attempt(tmp_path: Path, blank_attempts:
     async with engine.running():
         sessions = engine.sessions()
         await sessions.start_session("s")
-        number = 0
-        while not calls:
-            number += 1
-            assert number < 20, "never compacted"
-            await run_turns(sessions, "s", [say(number)], start=number - 1)
+        await _turns_until_summarized(sessions, calls)
         snapshot = await sessions.get_agent_snapshot("s")
         history = to_step_history(await engine.client.get_flow_history("s"))
         compact = [e for e in history if e.step_type == COMPACT_CONTEXT]
@@ -1645,11 +1651,7 @@ async def test_a_summary_with_a_lone_surrogate_is_stored_escaped(tmp_path: Path)
     async with engine.running():
         sessions = engine.sessions()
         await sessions.start_session("s")
-        number = 0
-        while not calls:
-            number += 1
-            assert number < 20, "never compacted"
-            await run_turns(sessions, "s", [say(number)], start=number - 1)
+        number = await _turns_until_summarized(sessions, calls)
         await run_turns(sessions, "s", [say(number + 1)], start=number)
         snapshot = await sessions.get_agent_snapshot("s")
         assert snapshot.state is not None and snapshot.state.last_turn_error is None
