@@ -1342,7 +1342,8 @@ async def test_a_run_state_failure_leaves_nothing_of_the_session_answerable() ->
     flow = AgentSessionFlow(ScriptedRunner(), "Fails")
     detail = "the framework run state of turn turn-1 is too large to store: over the limit"
     recovery = RecoveryError(step_type="RunModel", step_execution_id="RunModel-1", method="execute", attempts=1,
-                             attempt_progress=AttemptProgress.NOT_COMPLETED, error_type="ValueTooLarge", detail=detail)
+                             attempt_progress=AttemptProgress.NOT_COMPLETED, error_type="RunStateTooLarge",
+                             detail=detail)
     ctx = step_context(flow, "RecordTurnFailure", {
         ("AgentState", ""): running_turn(), ("PendingInterrupts", ""): [interrupt("c1")],
         ("FrameworkRunState", ""): "run state",
@@ -1362,6 +1363,9 @@ async def test_a_run_state_failure_leaves_nothing_of_the_session_answerable() ->
     ("RuntimeError", "the framework run state of turn turn-1 is bad", "the framework run state of turn turn-1 is bad"),
     ("ValueTooLarge", "message 3 (assistant) of turn turn-1 is too large to store",
      "message 3 (assistant) of turn turn-1 is too large to store"),
+    # A call's record too large to store, whose tool name the model chose: the turn ends, not the session.
+    ("ValueTooLarge", "tool call 'c1' (save run state of the job) of turn turn-1 is too large to store",
+     "tool call 'c1' (save run state of the job) of turn turn-1 is too large to store"),
 ])
 async def test_record_turn_failure_ends_the_turn_with_the_recovery_detail_or_its_type(
     error_type: str, detail: str, expected: str,

@@ -503,6 +503,8 @@ def test_agent_definition_refuses_fields_of_the_wrong_kind_and_names_it_cannot_u
             tool_sources=[_Declaring("s", ["write_todos"])], plan_mode_enabled=True)
     refused(r"tool source 's' lists a tool named a more than once", tool_sources=[_Declaring("s", ["a", "a"])])
     refused(r"tool source 's' declares a tool name '', not non-empty text", tool_sources=[_Declaring("s", [""])])
+    refused(r"tool source 's' declares a tool name \['a'\], not non-empty text",
+            tool_sources=[_Declaring("s", [["a"]])])  # type: ignore[list-item]
 
 
 class _Declaring(_Source):
@@ -702,3 +704,41 @@ async def test_tool_sources_are_listed_at_once(tmp_path: Path) -> None:
     _, model = await _first_turn(tmp_path, list(everyone), "hi", tool_source_listing_timeout=timedelta(seconds=2))
     assert [t.name for t in model.requests[0].tools] == [
         "lookup_order", "refund_order", "s0_tool", "s1_tool", "s2_tool"]
+
+
+class _Aborting(_Source):
+    """A listing that raises past any Exception handler, as a client library's own BaseException."""
+
+    async def list_tools(self) -> Sequence[ModelToolDefinition]:
+        await asyncio.sleep(0)
+        raise _Abort("the client gave up")
+
+
+class _Abort(BaseException):
+    pass
+
+
+class _Hanging(_Source):
+    def __init__(self) -> None:
+        super().__init__("hanging", ["never"])
+        self.cancelled = False
+
+    async def list_tools(self) -> Sequence[ModelToolDefinition]:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        return []
+
+
+async def test_a_listing_that_raises_past_the_runner_ends_the_other_listings() -> None:
+    """The model call fails, and no other source's listing runs on after it. Catches: listings
+    gathered without cancelling the rest, left running (holding connections) after the Step ended."""
+    hanging = _Hanging()
+    definition = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(tool_then_answer),
+                                 tool_sources=[hanging, _Aborting("abort", [])])
+    with pytest.raises(BaseExceptionGroup) as raised:
+        await BuiltinLoopAgentRunner(definition)._offered_tools(frozenset())
+    assert [type(e) for e in raised.value.exceptions] == [_Abort]
+    assert hanging.cancelled

@@ -1631,3 +1631,29 @@ async def test_a_forward_step_of_the_wall_clock_declares_no_live_worker_dead(
         history = await eng.client.get_flow_history("t")
         assert [h.detail for h in history if h.event_type == "attempt_failed"] == []
         assert runs == [1]
+
+
+async def test_a_drain_gives_up_a_slow_poll_at_its_grace(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drain's poll for cancelled attempts stops at the end of the grace, which then revokes
+    what runs. Catches: a poll hanging on a slow database holding stop() past its grace."""
+    log: list[str] = []
+
+    async def hold(ctx: Context, _: Any) -> StepDecision:
+        log.append("running")
+        await asyncio.Event().wait()
+        return StepDecision.graceful_complete()
+
+    async with engine_for(db_url, _one_step("Held", hold), worker=False) as eng:
+        worker = await _holding(eng, "Held", "h", log, shutdown_grace_seconds=1.0)
+        polling = eng.store.poll
+
+        async def slow_while_draining(*args: Any, **kwargs: Any) -> Any:
+            if worker._stopping.is_set():
+                await asyncio.sleep(600)  # a database that stopped answering
+            return await polling(*args, **kwargs)
+
+        monkeypatch.setattr(eng.store, "poll", slow_while_draining)
+        stopping = asyncio.create_task(worker.stop())
+        await wait_until("the worker to start draining", lambda: asyncio.sleep(0, worker._stopping.is_set()))
+        worker._notify()  # a wake-up while draining, as a commit's
+        await asyncio.wait_for(stopping, 30)

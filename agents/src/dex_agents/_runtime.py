@@ -134,6 +134,12 @@ class ValueTooLarge(NoRetryError):
     """A value the Step must store is over the engine's value limit; retrying cannot help."""
 
 
+class RunStateTooLarge(ValueTooLarge):
+    """The runner's framework run state is over the value limit: every later turn would fail
+    alike, so RecordTurnFailure ends the session (told by this type, never by the text, which
+    names a tool and a call the model chose)."""
+
+
 # Steps that wait on an interrupt (approval, question) also read the pending interrupts (deadlines).
 INTERRUPT_STEP_LOAD_EXTRA = (PENDING_INTERRUPTS,)
 

@@ -48,6 +48,7 @@ from ._policy import text_problem
 from ._runner import AgentTurnContext, ToolCallsRequested, TurnCompleted, TurnContinued
 from ._runtime import (
     INTERRUPT_STEP_LOAD_EXTRA,
+    RunStateTooLarge,
     SessionRuntime,
     ValueTooLarge,
     background_heartbeats,
@@ -346,7 +347,7 @@ class TurnSteps:
         try:
             ctx.set(FRAMEWORK_RUN_STATE, run_state)
         except ValueTooLargeError as exc:
-            raise ValueTooLarge(f"the framework run state of turn {turn_id} is too large to store: {exc}") from None
+            raise RunStateTooLarge(f"the framework run state of turn {turn_id} is too large to store: {exc}") from None
 
     # RecordTurnFailure -------------------------------------------------------------------------
 
@@ -358,7 +359,7 @@ class TurnSteps:
         turn_id = state.active_turn_id
         recovery = ctx.recovery_error
         error = "the model call failed" if recovery is None else recovery.detail or recovery.error_type
-        if recovery is not None and recovery.error_type == ValueTooLarge.__name__ and "run state of" in error:
+        if recovery is not None and recovery.error_type == RunStateTooLarge.__name__:
             return self._end_session(ctx, state, turn_id, error)
         turn = self.turn_context(ctx, state, turn_id, live=False)
         rt.fail_turn(ctx, state, turn_id, error, unfinished=rt.unfinished_turn_messages(turn) or [])

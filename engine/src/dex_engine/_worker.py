@@ -592,7 +592,7 @@ class AsyncWorker:
             done, _ = await asyncio.wait({*tasks, woken}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
             woken.cancel()
             if woken in done or not done:
-                await self._revoke_cancelled()
+                await self._revoke_cancelled(deadline)
         self._drained = True
         for task in self._handing_back:
             task.cancel()  # unregistering at the end hands these claims back too
@@ -609,17 +609,19 @@ class AsyncWorker:
             if self._running.get(task_id) is running and epochs.get(task_id) != running.lease.lease_epoch:
                 self._revoke(running)
 
-    async def _revoke_cancelled(self) -> None:
+    async def _revoke_cancelled(self, deadline: float) -> None:
         """While draining (the main loop has ended): what a poll of the running attempts' epochs,
-        claiming nothing, finds cancelled is revoked, so its handler stops now, not at the grace."""
+        claiming nothing, finds cancelled is revoked, so its handler stops now, not at the grace.
+        The poll gives up at the drain's `deadline` (monotonic), which revokes what is left anyway."""
         watched = {tid: r for tid, r in self._running.items() if not r.committing}
-        if not watched:
+        if not watched or time.monotonic() >= deadline:
             return
         try:
-            _changed, result = await self.store.poll(
-                self.worker_id, self._flow_types, 0, list(watched), must_claim=False, housekeep=False,
-                holder=self._holder,
-            )
+            async with asyncio.timeout(deadline - time.monotonic()):
+                _changed, result = await self.store.poll(
+                    self.worker_id, self._flow_types, 0, list(watched), must_claim=False, housekeep=False,
+                    holder=self._holder,
+                )
         except Exception:
             log.debug("worker %s: a poll while draining failed; the grace's end revokes what is left",
                       self.worker_id, exc_info=True)

@@ -198,7 +198,7 @@ def _built_in_clashes(tools: object, sources: object, built_ins: set[str]) -> li
     """Function tools, and names tool sources declare, that an enabled built-in tool would shadow."""
     names = [t.name for t in tools if isinstance(t, FunctionTool)] if _is_list(tools) else []
     if _is_list(sources):
-        names.extend(n for s in sources if isinstance(s, ToolSource) for n in declared_names(s))
+        names.extend(n for s in sources if isinstance(s, ToolSource) for n in declared_names(s) if isinstance(n, str))
     return [f"tool {name} uses the name of an enabled built-in tool" for name in dict.fromkeys(names)
             if name in built_ins]
 
@@ -231,10 +231,10 @@ def _tool_problems(tools: object, sources: object) -> list[str]:
             problems.append(f"two tool sources are named {source.source_name!r}; give each a unique source_name")
         source_names.add(source.source_name)
         declared = declared_names(source)
+        problems.extend(f"tool source {source.source_name!r} declares a tool name {name!r}, not non-empty text"
+                        for name in declared if not isinstance(name, str) or not name.strip())
+        declared = [name for name in declared if isinstance(name, str) and name.strip()]
         for name in dict.fromkeys(declared):
-            if not isinstance(name, str) or not name.strip():
-                problems.append(f"tool source {source.source_name!r} declares a tool name {name!r}, not non-empty text")
-                continue
             if name in seen:
                 problems.append(f"tool {name} of a tool source uses the name of a function tool")
             if declared.count(name) > 1:

@@ -390,8 +390,12 @@ class BuiltinLoopAgentRunner:
             raise ValueError(f"tool {name} uses the name of an enabled built-in tool")
         sources: dict[str, tuple[ToolSource, ModelToolDefinition]] = {}
         timeout = definition.tool_source_listing_timeout.total_seconds()
-        # All at once: a down server costs the call one listing timeout, not one per source.
-        listings = await asyncio.gather(*(_listing(source, timeout) for source in definition.tool_sources))
+        # All at once: a down server costs the call one listing timeout, not one per source. In a
+        # TaskGroup, so that a listing raising past _listing (KeyboardInterrupt, say) or the Step's
+        # cancellation ends the others too.
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_listing(source, timeout)) for source in definition.tool_sources]
+        listings = [task.result() for task in tasks]
         for source, listed in zip(definition.tool_sources, listings, strict=True):
             if listed is None:
                 continue
