@@ -1657,3 +1657,34 @@ async def test_a_drain_gives_up_a_slow_poll_at_its_grace(db_url: str, monkeypatc
         await wait_until("the worker to start draining", lambda: asyncio.sleep(0, worker._stopping.is_set()))
         worker._notify()  # a wake-up while draining, as a commit's
         await asyncio.wait_for(stopping, 30)
+
+
+async def test_a_stream_that_cannot_be_written_drops_only_its_own_events(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One attempt writes to two streams and the append to one fails: the other's events are kept,
+    and the warning counts only the events dropped. Catches: the whole batch given up (and counted)
+    for one stream's error."""
+    kept, lost = Stream("Kept", str), Stream("Lost", str)
+
+    async def both(ctx: Context, _: Any) -> StepDecision:
+        ctx.write_event(lost, "a")
+        ctx.write_event(lost, "b")
+        ctx.write_event(kept, "c")
+        return StepDecision.graceful_complete()
+
+    registry = Registry([Flow("Two", [Step("Both", both)], start_step="Both", schema=[kept, lost])])
+    async with engine_for(db_url, registry) as eng:
+        appending = eng.store.append_best_effort
+
+        async def failing_for_lost(lease: Any, stream: str, *rest: Any) -> Any:
+            if stream == "Lost":
+                raise RuntimeError("disk I/O error")
+            return await appending(lease, stream, *rest)
+
+        monkeypatch.setattr(eng.store, "append_best_effort", failing_for_lost)
+        with caplog.at_level(logging.WARNING, logger="dex_engine.worker"):
+            await eng.client.start_flow("Two", "t")
+            assert (await eng.client.wait_for_flow("t", 30)).status == "completed"
+        assert [e.value for e in (await eng.client.read_stream("t", kept)).events] == ["c"]
+        assert "2 events of Both-1 attempt 1 could not be written and were dropped" in caplog.text

@@ -1009,17 +1009,17 @@ class AsyncWorker:
             by_stream: dict[tuple[str, int], list[bytes]] = {}
             for stream, capacity, data in batch:
                 by_stream.setdefault((stream, capacity), []).append(data)
-            try:
-                for (stream, capacity), values in by_stream.items():
+            for (stream, capacity), values in by_stream.items():
+                try:
                     await self.store.append_best_effort(running.lease, stream, capacity, values)
-            except StaleAttemptError:
-                self._revoke(running)
-                return
-            except Exception:
-                # Best effort (ENGINE.md E11): a write that fails drops
-                # its batch; it must not fail the attempt, whose result commits on its own.
-                log.warning("%d events of %s attempt %d could not be written and were dropped",
-                            len(batch), running.lease.step_execution_id, running.lease.attempt, exc_info=True)
+                except StaleAttemptError:
+                    self._revoke(running)
+                    return
+                except Exception:
+                    # Best effort (ENGINE.md E11): a write that fails drops its events; it must not
+                    # fail the attempt, whose result commits on its own.
+                    log.warning("%d events of %s attempt %d could not be written and were dropped",
+                                len(values), running.lease.step_execution_id, running.lease.attempt, exc_info=True)
 
 
 def _lease_context(flow: Flow, lease: Lease, heartbeat: HeartbeatFn, write_event: EventFn) -> Context:

@@ -79,12 +79,13 @@ class Chat:
                                "commands, Ctrl-D to leave[/dim]")
             return
         await self._require_open()
+        # The events' end first, then the snapshot: a turn that ends between the two is seen ending.
+        await self._skip_to_end()
         snapshot = await self.sessions.get_agent_snapshot(self.session_id)
         self.console.print(f"[dim]resuming session {escape(repr(self.session_id))}[/dim]")
         for message in snapshot.messages[-RESUME_MESSAGES_SHOWN:]:
             if message.text:
                 self.console.print(f"[bold]{message.role.value}>[/bold] {escape(message.text)}")
-        await self._skip_to_end()
         if _busy(snapshot):
             self.console.print("[dim]a turn is still running; following it[/dim]")
             await self._answer_pending(snapshot.pending_interrupts)
