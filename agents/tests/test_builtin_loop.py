@@ -528,7 +528,8 @@ class _OddListing(_Source):
             raise asyncio.CancelledError
         good = await super().list_tools()
         return [ModelToolDefinition("nodesc", None, {}), ModelToolDefinition("noschema", "d", None),  # type: ignore[arg-type]
-                {"name": "plain"}, ModelToolDefinition("", "d", {}), *good]  # type: ignore[list-item]
+                {"name": "plain"}, ModelToolDefinition("", "d", {}),  # type: ignore[list-item]
+                ModelToolDefinition("files.read", "d", {}), ModelToolDefinition("3d_render", "d", {}), *good]
 
 
 @pytest.mark.parametrize("cancelled", [False, True])
@@ -550,6 +551,10 @@ def test_listed_tool_problems_name_what_is_wrong() -> None:
     assert listed_tool_problem(ModelToolDefinition("t", "d", {"type": "object"})) is None
     assert listed_tool_problem({"name": "t"}) == "{'name': 't'} is not a ModelToolDefinition"
     assert listed_tool_problem(ModelToolDefinition(" ", "d", {})) == "a tool's name is ' ', not non-empty text"
+    assert listed_tool_problem(ModelToolDefinition("files.read", "d", {})) == (
+        "tool name 'files.read' is not one providers accept: a tool name is 1 to 64 characters of letters, digits, "
+        "'_' and '-', starting with a letter or '_'")
+    assert listed_tool_problem(ModelToolDefinition("t" * 65, "d", {})) is not None
     assert listed_tool_problem(ModelToolDefinition("t", None, {})) == "tool t's description is None, not text"  # type: ignore[arg-type]
     assert listed_tool_problem(ModelToolDefinition("t", "d", [])) == (  # type: ignore[arg-type]
         "tool t's parameters_schema is [], not a JSON Schema object")

@@ -42,7 +42,6 @@ import functools
 import inspect
 import json
 import math
-import re
 import types
 import typing
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -55,13 +54,10 @@ from .._events import AgentEventWriter
 from .._policy import ToolPolicy, raised_text
 from .._runner import ToolExecutionError, ToolInputRequested, ToolOutcomeUnknownError
 from .._wire import QuestionAnswer, ToolEffect
-from ._model import ModelToolDefinition
+from ._model import PROVIDER_TOOL_NAME_RULE, ModelToolDefinition, is_provider_tool_name
 
 __all__ = ["FunctionTool", "ToolCallContext", "function_tool"]
 
-# What providers accept as a function name: OpenAI and Anthropic take 1 to 64 of [A-Za-z0-9_-], and
-# Gemini's FunctionDeclaration.name also must start with a letter or '_' (at most 64 characters).
-_TOOL_NAME_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
 # Effects whose calls may run again: an error there is shown to the model instead of failing the Step.
 _MODEL_VISIBLE_ERROR_EFFECTS = frozenset({ToolEffect.READ, ToolEffect.IDEMPOTENT_WRITE})
 _MAX_SHOWN_VALUE_CHARS = 60
@@ -749,11 +745,8 @@ def _tool_name(fn: Callable[..., Any], name: str | None) -> str:
         name = getattr(_partial_target(fn)[0], "__name__", None)
         if not isinstance(name, str):
             raise ValueError(f"{fn!r} has no __name__; pass name= to function_tool")
-    if not isinstance(name, str) or not _TOOL_NAME_PATTERN.fullmatch(name):
-        raise ValueError(
-            f"invalid tool name {name!r}: a tool name is 1 to 64 characters of letters, digits, '_' and '-',"
-            " starting with a letter or '_'"
-        )
+    if not is_provider_tool_name(name):
+        raise ValueError(f"invalid tool name {name!r}: {PROVIDER_TOOL_NAME_RULE}")
     return name
 
 

@@ -42,6 +42,7 @@ from ._definition import AgentDefinition, ContinueTurn, InstructionContext, Turn
 from ._function_tools import ToolCallContext
 from ._items import input_item, output_message, tool_result_message, user_message
 from ._model import (
+    PROVIDER_TOOL_NAME_RULE,
     ModelClient,
     ModelInputItem,
     ModelOutputItem,
@@ -54,6 +55,7 @@ from ._model import (
     ToolChoice,
     ToolResultInput,
     UserTextInput,
+    is_provider_tool_name,
 )
 from ._tool_sources import ToolSource, unwrap_source_reference, wrap_source_reference
 
@@ -471,6 +473,9 @@ def listed_tool_problem(tool: object) -> str | None:
     name: object = tool.name
     if not isinstance(name, str) or not name.strip():
         return f"a tool's name is {name!r:.200}, not non-empty text"
+    if not is_provider_tool_name(name):
+        # Offered, it would make the provider refuse every request of the turn.
+        return f"tool name {name!r:.200} is not one providers accept: {PROVIDER_TOOL_NAME_RULE}"
     description: object = tool.description
     if not isinstance(description, str):
         return f"tool {name}'s description is {description!r:.200}, not text"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -68,6 +69,19 @@ class ToolResultInput:
 
 
 ModelInputItem = UserTextInput | ToolResultInput | ModelOutputItem
+
+
+# What providers accept as a function name: OpenAI and Anthropic take 1 to 64 of [A-Za-z0-9_-], and
+# Gemini's FunctionDeclaration.name also must start with a letter or '_' (at most 64 characters).
+_PROVIDER_TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
+PROVIDER_TOOL_NAME_RULE = (
+    "a tool name is 1 to 64 characters of letters, digits, '_' and '-', starting with a letter or '_'"
+)
+
+
+def is_provider_tool_name(name: object) -> bool:
+    """Whether every supported provider takes `name` as a function name (PROVIDER_TOOL_NAME_RULE)."""
+    return isinstance(name, str) and _PROVIDER_TOOL_NAME.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)
