@@ -395,9 +395,11 @@ class BuiltinLoopAgentRunner:
         # All at once: a down server costs the call one listing timeout, not one per source. In a
         # TaskGroup, so that a listing raising past _listing (KeyboardInterrupt, say) or the Step's
         # cancellation ends the others too.
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_listing(source, timeout)) for source in definition.tool_sources]
-        listings = [task.result() for task in tasks]
+        listings: list[tuple[ModelToolDefinition, ...] | None] = []
+        if definition.tool_sources:  # most agents have none: no task group per model call for them
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(_listing(source, timeout)) for source in definition.tool_sources]
+            listings = [task.result() for task in tasks]
         for source, listed in zip(definition.tool_sources, listings, strict=True):
             if listed is None:
                 continue
