@@ -36,7 +36,6 @@ from dex_agents._policy import (
     describe_tool_call_outcome,
     is_approval_required,
     resolve_tool_policy,
-    text_problem,
 )
 from dex_agents._runner import AgentTurnContext, DeferredToolCall, FrameworkMessage
 from dex_agents._turn_logic import (
@@ -55,6 +54,7 @@ from dex_agents._turn_logic import (
     recovered_status,
     started_turn,
     storable_outcome,
+    text_problem,
     to_agent_message,
     tool_step_for,
     turn_id_for,

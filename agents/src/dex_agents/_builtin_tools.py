@@ -14,7 +14,6 @@ from enum import StrEnum
 from typing import Any
 
 from ._constants import ARGUMENTS_NOT_OBJECT, ARGUMENTS_NOT_TEXT, ARGUMENTS_TOO_DEEP, SHOWN_VALUE_CHARS
-from ._policy import text_problem
 
 
 class BuiltInTool(StrEnum):
@@ -124,22 +123,12 @@ def decode_arguments_object(arguments: str) -> dict[str, Any]:
     # value can hold: the plan, question or reason would fail the Step's commit on every retry.
     if "\\u" in arguments:
         try:
-            holds_surrogate = _holds_lone_surrogate(value)
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise BuiltInArgumentsError(ARGUMENTS_NOT_TEXT) from None
         except RecursionError:
             raise BuiltInArgumentsError(ARGUMENTS_TOO_DEEP) from None
-        if holds_surrogate:
-            raise BuiltInArgumentsError(ARGUMENTS_NOT_TEXT)
     return value
-
-
-def _holds_lone_surrogate(value: object) -> bool:
-    if isinstance(value, str):
-        return text_problem(value) is not None
-    if isinstance(value, dict):
-        return any(_holds_lone_surrogate(k) or _holds_lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_holds_lone_surrogate(v) for v in value)
-    return False
 
 
 def _object(tool: str, arguments: str, allowed: tuple[str, ...]) -> dict[str, Any]:

@@ -98,17 +98,6 @@ def cut_text(text: str, chars: int | None) -> str:
     return f"{text[:chars]} [Dex: cut from {len(text)} characters]"
 
 
-def text_problem(value: str) -> str | None:
-    """Why text cannot be stored (stored values are JSON, which is UTF-8), or None when it can."""
-    if value.isascii():  # O(1) in CPython (a flag of the string): most text takes no encoding here
-        return None
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return f"not valid UTF-8 text: {value[exc.start]!r} at position {exc.start} is a lone surrogate"
-    return None
-
-
 def text_of(value: object) -> str:
     """`value` as text, for an error a session stores: str() of what is not text. Never raises: a
     runner's odd value (an exception given as a message, a __str__ that raises) must not stop a call

@@ -33,7 +33,7 @@ from ._constants import (
 )
 from ._events import AgentEventType
 from ._persistence import AGENT_STATE, AGENT_TOOL_CALLS, TURN_CANCELLATION_REQUEST
-from ._policy import REPEATABLE_EFFECTS, text_problem
+from ._policy import REPEATABLE_EFFECTS
 from ._runner import (
     ToolExecutionError,
     ToolExecutionResult,
@@ -47,7 +47,7 @@ from ._runner import (
     polls_tool_tasks,
 )
 from ._runtime import SessionRuntime, background_heartbeats, resolved, tool_call_load
-from ._turn_logic import finished, without_question
+from ._turn_logic import finished, text_problem, without_question
 from ._wire import (
     AgentState,
     AgentToolCall,

@@ -49,7 +49,7 @@ from ._persistence import (
     TOOL_CALL_RESULTS,
     TURN_CONTROL_REQUESTS,
 )
-from ._policy import cut_text, text_problem
+from ._policy import cut_text
 from ._runner import (
     DeferredToolExecution,
     ToolExecutionError,
@@ -75,6 +75,7 @@ from ._turn_logic import (
     finished,
     not_run_error,
     recovered_status,
+    text_problem,
     without_interrupt,
 )
 from ._wire import AgentInterrupt, AgentStatus, AgentToolCall, AgentToolCallStatus, ToolEffect

@@ -29,12 +29,13 @@ from ._constants import (
     CALL_TOOL,
     DEFAULT_MAX_DURABLE_WAIT,
     MAX_REJECTION_MESSAGE_CHARS,
+    SHOWN_VALUE_CHARS,
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
     TOOL_NAME_MISSING,
 )
 from ._options import LONGEST_TIMER
 from ._plans import WRITE_TODOS, count_write_todos_calls, rejected_in_planning_turn, settle_write_todos
-from ._policy import REPEATABLE_EFFECTS, ToolPolicy, cut_text, is_approval_required, text_problem
+from ._policy import REPEATABLE_EFFECTS, ToolPolicy, cut_text, is_approval_required
 from ._runner import DeferredToolCall, FrameworkMessage, ToolCallStepOptions
 from ._timefmt import format_time
 from ._wire import (
@@ -103,7 +104,18 @@ def usage_problem(usage: object) -> str | None:
     for name in AgentUsage.__struct_fields__:
         value = getattr(usage, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            return f"{name} must be a whole number of at least 0, got {value!r:.60}"
+            return f"{name} must be a whole number of at least 0, got {value!r:.{SHOWN_VALUE_CHARS}}"
+    return None
+
+
+def text_problem(value: str) -> str | None:
+    """Why text cannot be stored (stored values are JSON, which is UTF-8), or None when it can."""
+    if value.isascii():  # O(1) in CPython (a flag of the string): most text takes no encoding here
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"not valid UTF-8 text: {value[exc.start]!r} at position {exc.start} is a lone surrogate"
     return None
 
 
@@ -346,7 +358,8 @@ def plan_tool_calls(
             raise TurnContractError(f"tool_calls[{index}] is a {type(call).__name__}, not a DeferredToolCall")
         call_id = check_tool_call_id(call.tool_call_id, seen)
         if not isinstance(call.tool_name, str):
-            raise TurnContractError(f"tool call {call_id!r} has tool_name {call.tool_name!r:.60}; it must be text")
+            raise TurnContractError(
+                f"tool call {call_id!r} has tool_name {call.tool_name!r:.{SHOWN_VALUE_CHARS}}; it must be text")
         name_problem = text_problem(call.tool_name)
         if name_problem is not None:
             raise TurnContractError(f"tool call {call_id!r} has a tool name that is {name_problem}")

@@ -44,7 +44,6 @@ from ._plans import (
     plan_updated_payload,
     turn_interaction_mode,
 )
-from ._policy import text_problem
 from ._runner import AgentTurnContext, ToolCallsRequested, TurnCompleted, TurnContinued
 from ._runtime import (
     INTERRUPT_STEP_LOAD_EXTRA,
@@ -67,6 +66,7 @@ from ._turn_logic import (
     next_turn_id,
     plan_tool_calls,
     started_turn,
+    text_problem,
 )
 from ._wire import (
     AgentSessionStartInput,
