@@ -550,7 +550,9 @@ async def test_a_malformed_listing_leaves_out_what_cannot_be_offered(tmp_path: P
 def test_listed_tool_problems_name_what_is_wrong() -> None:
     assert listed_tool_problem(ModelToolDefinition("t", "d", {"type": "object"})) is None
     assert listed_tool_problem({"name": "t"}) == "{'name': 't'} is not a ModelToolDefinition"
-    assert listed_tool_problem(ModelToolDefinition(" ", "d", {})) == "a tool's name is ' ', not non-empty text"
+    assert listed_tool_problem(ModelToolDefinition(" ", "d", {})) == (
+        "tool name ' ' is not one providers accept: a tool name is 1 to 64 characters of letters, digits, "
+        "'_' and '-', starting with a letter or '_'")
     assert listed_tool_problem(ModelToolDefinition("files.read", "d", {})) == (
         "tool name 'files.read' is not one providers accept: a tool name is 1 to 64 characters of letters, digits, "
         "'_' and '-', starting with a letter or '_'")

@@ -15,6 +15,7 @@ from ._constants import (
     LIST_MESSAGES_DEFAULT_LIMIT,
     RPC_LOCK_CONFLICT_RETRY,
     RPC_LOCK_CONFLICT_RETRY_INTERVAL,
+    SHOWN_VALUE_CHARS,
 )
 from ._session_flow import AgentSessionFlow
 from ._session_settings import validate_session_settings
@@ -66,7 +67,7 @@ def _check_text(name: str, value: object, *, optional: bool = False) -> None:
     JSON would take bytes as their base64 text: b"hi" would be sent as the message "aGk="."""
     if not isinstance(value, str) and not (optional and value is None):
         kind = "a str or None" if optional else "a str"
-        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}: {value!r:.60}")
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}: {value!r:.{SHOWN_VALUE_CHARS}}")
 
 
 class AgentSessionClient:

@@ -377,7 +377,8 @@ class Store(ABC):
         not in `known`: the caller takes both before the call, since the transaction may run much
         later, after commits handed the caller claims that `known` cannot list. With `holder` (host,
         PID), a worker whose ID's row that process does not hold claims nothing (see
-        tx.worker_registered).
+        tx.worker_registered). With `declare_dead` False, housekeeping declares no worker dead (the
+        caller saw the wall clock step; see tx.housekeeping).
         """
         if claimed_before is None:
             claimed_before = now_ms() - LOST_CLAIM_MS

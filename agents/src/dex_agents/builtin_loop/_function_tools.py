@@ -50,6 +50,7 @@ from typing import Any, overload
 
 import msgspec
 
+from .._constants import SHOWN_VALUE_CHARS
 from .._events import AgentEventWriter
 from .._policy import ToolPolicy, raised_text
 from .._runner import ToolExecutionError, ToolInputRequested, ToolOutcomeUnknownError
@@ -60,7 +61,6 @@ __all__ = ["FunctionTool", "ToolCallContext", "function_tool"]
 
 # Effects whose calls may run again: an error there is shown to the model instead of failing the Step.
 _MODEL_VISIBLE_ERROR_EFFECTS = frozenset({ToolEffect.READ, ToolEffect.IDEMPOTENT_WRITE})
-_MAX_SHOWN_VALUE_CHARS = 60
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,8 @@ def _show(value: object) -> str:
         text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
         text = repr(value)
-    if len(text) > _MAX_SHOWN_VALUE_CHARS:
-        text = text[: _MAX_SHOWN_VALUE_CHARS - 3] + "..."
+    if len(text) > SHOWN_VALUE_CHARS:
+        text = text[: SHOWN_VALUE_CHARS - 3] + "..."
     return text
 
 

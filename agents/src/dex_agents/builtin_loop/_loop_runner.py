@@ -14,7 +14,7 @@ import msgspec
 
 from .._builtin_tools import BUILT_IN_TOOL_DEFINITIONS, BuiltInTool
 from .._compaction import ContextSummaryRequest, ContextSummaryResult
-from .._constants import MAX_CONSECUTIVE_TURN_CONTINUATIONS
+from .._constants import MAX_CONSECUTIVE_TURN_CONTINUATIONS, SHOWN_VALUE_CHARS
 from .._plans import build_plan_note
 from .._policy import OUTCOME_UNKNOWN_TEXT, ToolPolicy, describe_tool_call_outcome
 from .._runner import (
@@ -236,13 +236,14 @@ class BuiltinLoopAgentRunner:
 
     def tool_call_step_options(self, call: DeferredToolCall) -> ToolCallStepOptions | None:
         """The source's tool_call_step_options (an operation's timeout and retry, say), when it has one."""
-        stored = unwrap_source_reference(call.tool_source_reference)
-        if stored is None or not any(s.source_name == stored[0] for s in self.definition.tool_sources):
-            return None  # a function tool; or a source this Worker lacks, whose tool Step raises LookupError
-        provide = getattr(self.definition.tool_source(stored[0]), "tool_call_step_options", None)
-        if not callable(provide):
+        try:
+            found = self._source_of(call.tool_source_reference)
+        except LookupError:
+            return None  # a source this Worker lacks: its tool Step raises LookupError, and the effect decides
+        provide = None if found is None else getattr(found[0], "tool_call_step_options", None)
+        if found is None or not callable(provide):
             return None
-        chosen: ToolCallStepOptions | None = provide(dataclasses.replace(call, tool_source_reference=stored[1]))
+        chosen: ToolCallStepOptions | None = provide(dataclasses.replace(call, tool_source_reference=found[1]))
         return chosen
 
     def _source_of(self, stored_reference: str | None) -> tuple[ToolSource, str | None] | None:
@@ -471,19 +472,17 @@ async def _listing(source: ToolSource, timeout: float) -> tuple[ModelToolDefinit
 def listed_tool_problem(tool: object) -> str | None:
     """What makes a listed tool unfit to offer a model, or None."""
     if not isinstance(tool, ModelToolDefinition):
-        return f"{tool!r:.200} is not a ModelToolDefinition"
+        return f"{tool!r:.{SHOWN_VALUE_CHARS}} is not a ModelToolDefinition"
     name: object = tool.name
-    if not isinstance(name, str) or not name.strip():
-        return f"a tool's name is {name!r:.200}, not non-empty text"
     if not is_provider_tool_name(name):
         # Offered, it would make the provider refuse every request of the turn.
-        return f"tool name {name!r:.200} is not one providers accept: {PROVIDER_TOOL_NAME_RULE}"
+        return f"tool name {name!r:.{SHOWN_VALUE_CHARS}} is not one providers accept: {PROVIDER_TOOL_NAME_RULE}"
     description: object = tool.description
     if not isinstance(description, str):
-        return f"tool {name}'s description is {description!r:.200}, not text"
+        return f"tool {name}'s description is {description!r:.{SHOWN_VALUE_CHARS}}, not text"
     schema: object = tool.parameters_schema
     if not isinstance(schema, Mapping):
-        return f"tool {name}'s parameters_schema is {schema!r:.200}, not a JSON Schema object"
+        return f"tool {name}'s parameters_schema is {schema!r:.{SHOWN_VALUE_CHARS}}, not a JSON Schema object"
     return None
 
 
