@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from dex_agents import AgentSessionClient
+from dex_agents import AgentSessionClient, AgentSnapshot
 from dex_agents.demo._agent import build_demo_flow
 from dex_agents.demo._chat import Chat
 from dex_agents.demo._lines import TerminalLines
@@ -152,3 +152,44 @@ async def test_a_second_chat_on_the_session_shows_its_own_reply(setup: Setup) ->
     assert "for the first chat" not in second.shown(), second.shown()
     messages = (await setup.sessions.get_agent_snapshot(SESSION)).messages
     assert [m.text for m in messages if m.text][-1] == "for the second chat"
+
+
+async def test_a_resumed_chat_sees_the_end_of_a_turn_that_ends_as_it_opens(setup: Setup) -> None:
+    """The turn a resumed chat finds running ends right after the chat read the snapshot. Catches:
+    the chat taking the events' end after the snapshot, so it skipped that turn's end and followed
+    a turn that had already ended, waiting for ever."""
+    sessions = setup.sessions
+    await sessions.start_session(SESSION)
+    await sessions.send_user_message(SESSION, "/wait 600 coffee")
+
+    async def waiting() -> bool:
+        calls = (await sessions.get_agent_snapshot(SESSION)).tool_calls
+        return any(c.status.value == "waiting_for_timer" for c in calls)
+
+    await _until(waiting, "durable wait of the turn")
+
+    class EndingAfterTheSnapshot(AgentSessionClient):
+        """The first snapshot is read while the turn runs; the turn is cancelled and has ended
+        before the chat gets it."""
+
+        ended = False
+
+        async def get_agent_snapshot(self, session_id: str) -> AgentSnapshot:
+            snapshot = await super().get_agent_snapshot(session_id)
+            if not self.ended:
+                self.ended = True
+                assert snapshot.state is not None and snapshot.state.active_turn_id is not None
+                assert await sessions.cancel_turn(SESSION, snapshot.state.active_turn_id)
+
+                async def idle() -> bool:
+                    state = (await sessions.get_agent_snapshot(SESSION)).state
+                    return state is not None and state.active_turn_id is None
+
+                await _until(idle, "cancelled turn to end")
+            return snapshot
+
+    terminal = setup.terminal()
+    terminal.chat.sessions = EndingAfterTheSnapshot(sessions.client, sessions.flow)
+    async with asyncio.timeout(WAIT_SECONDS):
+        await terminal.chat.open()
+    assert "turn cancelled" in terminal.shown()
