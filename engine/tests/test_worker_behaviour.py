@@ -34,6 +34,7 @@ from dex_engine import (
     Stream,
     Timer,
     Wait,
+    WorkerOptions,
     _client,
     _pg_store,
     _sqlite_store,
@@ -420,11 +421,14 @@ async def test_a_stop_returns_after_the_handlers_it_cancels_have_ended(db_url: s
         assert log == ["running", "cleaned up"]
 
 
-@pytest.mark.parametrize("client", ["same store", "another store"])
-async def test_a_stopping_worker_still_cancels_an_attempt_a_commit_cancels(db_url: str, client: str) -> None:
+@pytest.mark.parametrize("client", ["same store", "another store", "another store, unwatched"])
+async def test_a_stopping_worker_still_cancels_an_attempt_a_commit_cancels(
+    db_url: str, client: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """stop_flow while the worker drains: the running handler is cancelled at once (E9), as it is
-    while the worker runs, not left running until the shutdown grace ends. Catches: only the main
-    loop, which a stop ends, polling the running attempts' epochs."""
+    while the worker runs, not left running until the shutdown grace ends; on a store that cannot
+    watch other processes' commits, at the poll pace. Catches: only the main loop, which a stop
+    ends, polling the running attempts' epochs."""
     log: list[str] = []
 
     async def hold(ctx: Context, _: Any) -> StepDecision:
@@ -438,10 +442,13 @@ async def test_a_stopping_worker_still_cancels_an_attempt_a_commit_cancels(db_ur
 
     registry = _one_step("Held", hold)
     async with engine_for(db_url, registry, worker=False) as eng:
-        worker = await _holding(eng, "Held", "h", log, shutdown_grace_seconds=30)
+        if client.endswith("unwatched"):
+            monkeypatch.setattr(eng.store, "watch_foreign_commits", lambda interval_seconds: False)
+        worker = await _holding(eng, "Held", "h", log, shutdown_grace_seconds=30, lease_ttl_seconds=300.0,
+                                lease_renew_seconds=60.0)  # no renewal to wake the drain meanwhile
         stopping = asyncio.create_task(worker.stop())
         await wait_until("the worker to start draining", lambda: asyncio.sleep(0, worker._stopping.is_set()))
-        other = open_store(db_url) if client == "another store" else eng.store
+        other = open_store(db_url) if client.startswith("another store") else eng.store
         try:
             await AsyncClient(registry, store=other).stop_flow("h", "the user left")
             await wait_until("the handler to be cancelled", lambda: asyncio.sleep(0, log == ["running", "cancelled"]))
@@ -1688,3 +1695,28 @@ async def test_a_stream_that_cannot_be_written_drops_only_its_own_events(
             assert (await eng.client.wait_for_flow("t", 30)).status == "completed"
         assert [e.value for e in (await eng.client.read_stream("t", kept)).events] == ["c"]
         assert "2 events of Both-1 attempt 1 could not be written and were dropped" in caplog.text
+
+
+def test_a_worker_trusts_no_lease_for_a_ttl_after_the_clock_steps_forward_and_warns_of_a_step_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Forward past CLOCK_STEP_SECONDS: no worker declared dead for one lease TTL, the renewal at
+    once, and a warning; back: a warning only; within it: nothing. Catches: a step back taken for
+    a forward one (holding takeovers off for nothing), or drift taken for a step."""
+    wall, monotonic = [1_000.0], [5.0]
+    worker = AsyncWorker(Registry([FLOW]), WorkerOptions(database_url="sqlite:///unused.db", lease_ttl_seconds=30.0))
+    worker._clock = WallClockSteps(lambda: wall[0], lambda: monotonic[0])
+    with caplog.at_level(logging.WARNING, logger="dex_engine.worker"):
+        wall[0] += 1.5  # drift within CLOCK_STEP_SECONDS
+        worker._watch_clock()
+        assert (worker._trust_leases_at, worker._renew_now.is_set(), caplog.text) == (0.0, False, "")
+        wall[0] -= 60.0
+        worker._watch_clock()
+        assert (worker._trust_leases_at, worker._renew_now.is_set()) == (0.0, False)
+        assert "the wall clock stepped 60.0 s back" in caplog.text
+        wall[0] += 3_600.0
+        before = time.monotonic()
+        worker._watch_clock()
+        assert before + 30.0 <= worker._trust_leases_at <= time.monotonic() + 30.0
+        assert worker._renew_now.is_set()
+        assert "the wall clock stepped 3600.0 s forward; it declares no worker dead for the next 30 s" in caplog.text
