@@ -749,3 +749,25 @@ async def test_a_listing_that_raises_past_the_runner_ends_the_other_listings() -
         await BuiltinLoopAgentRunner(definition)._offered_tools(frozenset())
     assert [type(e) for e in raised.value.exceptions] == [_Abort]
     assert hanging.cancelled
+
+
+class _NoTaskSource(_Source):
+    """A source without poll_tool_task that notes what its calls are told about tool tasks."""
+
+    def __init__(self) -> None:
+        super().__init__("plain", ["remote_search"])
+        self.supports_tool_tasks: list[bool] = []
+
+    async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> ToolExecutionResult:
+        self.supports_tool_tasks.append(call.supports_tool_tasks)
+        return await super().execute_deferred_tool_call(call)
+
+
+async def test_a_source_that_cannot_poll_is_told_tool_tasks_are_not_supported(tmp_path: Path) -> None:
+    """The runner polls tasks (for sources that can), but a source without poll_tool_task is told
+    supports_tool_tasks=False, so it runs the call inside the Step. Catches: every source told
+    True, starting a task nothing can poll."""
+    source = _NoTaskSource()
+    done, _ = await _first_turn(tmp_path, [source], "search")
+    assert done.messages[-1].text == "plain ran remote_search"
+    assert source.supports_tool_tasks == [False]
