@@ -1258,16 +1258,19 @@ async def test_model_answer_over_the_value_limit_fails_the_turn(tmp_path: Path) 
 async def test_a_tool_call_whose_record_is_over_the_value_limit_fails_the_turn_once(tmp_path: Path) -> None:
     """A call whose arguments alone nearly fill one stored value (from a runner that stores no
     message of them), so its record does not fit: the turn fails at once naming the call, the
-    model called once and no tool run. Catches: RunModel's commit failing on each of its three
-    attempts, calling the model again each time, and then an engine error naming no call."""
+    model called once and no tool run, the session going on though the tool's name holds "run state
+    of" (what ends a session for an oversized run state). Catches: RunModel's commit failing on each
+    of its three attempts, calling the model again each time, and then an engine error naming no
+    call; and the failure taken for the run state's."""
     arguments = json.dumps({"pad": "x" * (MAX_VALUE_BYTES - 100)})
-    huge = DeferredToolCall("c1", "read_x", arguments, ToolPolicy(ToolEffect.READ))
+    huge = DeferredToolCall("c1", "save run state of job", arguments, ToolPolicy(ToolEffect.READ))
     runner = MisbehavingRunner(tmp_path, {"huge-call": lambda: ToolCallsRequested("asked", [huge], AgentUsage())})
     async with in_process(tmp_path, flow_with(runner)) as engine:
         sessions = engine.sessions
         before = await started_session(sessions, "s")
         turn_id, error = await failed_turn(sessions, "s", f"{MISBEHAVE} huge-call")
-        assert error.startswith(f"tool call 'c1' (read_x) of turn {turn_id} is too large to store: value for "
+        assert error.startswith(f"tool call 'c1' (save run state of job) of turn {turn_id} is too large to store: "
+                                "value for "
                                 "'AgentToolCalls[c1]' is "), error
         assert engine.log.count("model", turn_id=turn_id) == 1
         assert engine.log.count("tool_start") == 0
@@ -1345,8 +1348,7 @@ async def test_a_run_state_failure_leaves_nothing_of_the_session_answerable() ->
     flow = AgentSessionFlow(ScriptedRunner(), "Fails")
     detail = "the framework run state of turn turn-1 is too large to store: over the limit"
     recovery = RecoveryError(step_type="RunModel", step_execution_id="RunModel-1", method="execute", attempts=1,
-                             attempt_progress=AttemptProgress.NOT_COMPLETED, error_type="RunStateTooLarge",
-                             detail=detail)
+                             attempt_progress=AttemptProgress.NOT_COMPLETED, error_type="ValueTooLarge", detail=detail)
     ctx = step_context(flow, "RecordTurnFailure", {
         ("AgentState", ""): running_turn(), ("PendingInterrupts", ""): [interrupt("c1")],
         ("FrameworkRunState", ""): "run state",
@@ -1367,7 +1369,7 @@ async def test_a_run_state_failure_leaves_nothing_of_the_session_answerable() ->
     ("ValueTooLarge", "message 3 (assistant) of turn turn-1 is too large to store",
      "message 3 (assistant) of turn turn-1 is too large to store"),
     # A call's record too large to store, whose tool name the model chose: the turn ends, not the session.
-    ("ValueTooLarge", "tool call 'c1' (save run state of the job) of turn turn-1 is too large to store",
+    ("ToolCallTooLarge", "tool call 'c1' (save run state of the job) of turn turn-1 is too large to store",
      "tool call 'c1' (save run state of the job) of turn turn-1 is too large to store"),
 ])
 async def test_record_turn_failure_ends_the_turn_with_the_recovery_detail_or_its_type(

@@ -134,10 +134,10 @@ class ValueTooLarge(NoRetryError):
     """A value the Step must store is over the engine's value limit; retrying cannot help."""
 
 
-class RunStateTooLarge(ValueTooLarge):
-    """The runner's framework run state is over the value limit: every later turn would fail
-    alike, so RecordTurnFailure ends the session (told by this type, never by the text, which
-    names a tool and a call the model chose)."""
+class ToolCallTooLarge(ValueTooLarge):
+    """A tool call's record is over the value limit. Its own type, not ValueTooLarge: the seed has
+    RecordTurnFailure end the session for a ValueTooLarge whose detail contains "run state of",
+    and this detail names a tool the model chose."""
 
 
 # Steps that wait on an interrupt (approval, question) also read the pending interrupts (deadlines).

@@ -47,8 +47,8 @@ from ._plans import (
 from ._runner import AgentTurnContext, ToolCallsRequested, TurnCompleted, TurnContinued
 from ._runtime import (
     INTERRUPT_STEP_LOAD_EXTRA,
-    RunStateTooLarge,
     SessionRuntime,
+    ToolCallTooLarge,
     ValueTooLarge,
     background_heartbeats,
     now_utc,
@@ -347,7 +347,7 @@ class TurnSteps:
         try:
             ctx.set(FRAMEWORK_RUN_STATE, run_state)
         except ValueTooLargeError as exc:
-            raise RunStateTooLarge(f"the framework run state of turn {turn_id} is too large to store: {exc}") from None
+            raise ValueTooLarge(f"the framework run state of turn {turn_id} is too large to store: {exc}") from None
 
     # RecordTurnFailure -------------------------------------------------------------------------
 
@@ -359,7 +359,7 @@ class TurnSteps:
         turn_id = state.active_turn_id
         recovery = ctx.recovery_error
         error = "the model call failed" if recovery is None else recovery.detail or recovery.error_type
-        if recovery is not None and recovery.error_type == RunStateTooLarge.__name__:
+        if recovery is not None and recovery.error_type == ValueTooLarge.__name__ and "run state of" in error:
             return self._end_session(ctx, state, turn_id, error)
         turn = self.turn_context(ctx, state, turn_id, live=False)
         rt.fail_turn(ctx, state, turn_id, error, unfinished=rt.unfinished_turn_messages(turn) or [])
@@ -387,5 +387,5 @@ def _record_fits(record: AgentToolCall) -> Iterator[None]:
     try:
         yield
     except ValueTooLargeError as exc:
-        raise ValueTooLarge(f"tool call {record.tool_call_id!r} ({record.tool_name}) of turn {record.turn_id} is "
-                            f"too large to store: {exc}") from None
+        raise ToolCallTooLarge(f"tool call {record.tool_call_id!r} ({record.tool_name}) of turn {record.turn_id} is "
+                               f"too large to store: {exc}") from None
