@@ -15,6 +15,7 @@ from agents.tests.compaction_agent import FILLER
 from agents.tests.conftest import REPO_ROOT
 
 from dex_agents import (
+    MISSING_TOOL_TASK_POLLER,
     OUTCOME_UNKNOWN_TEXT,
     TOOL_NAME_MISSING,
     AgentSessionClient,
@@ -635,12 +636,17 @@ async def test_a_sources_tool_step_options_bound_its_call(tmp_path: Path) -> Non
     assert answer.startswith("The tool call failed:") and "passed its" in answer, answer  # timeout or deadline
 
 
-async def test_a_task_no_source_started_fails_by_its_effect(tmp_path: Path) -> None:
-    """A subclass whose own tool starts a task but that does not poll it: the base runner's
-    poll_tool_task refuses it with LookupError, so the call's effect decides (read: failed)."""
+async def test_a_task_no_source_started_fails_at_once_with_missing_poller(tmp_path: Path) -> None:
+    """A subclass whose own tool starts a task but that does not override poll_tool_task is told
+    supports_tool_tasks=False, and a task it starts anyway is recorded by its effect with
+    MISSING_TOOL_TASK_POLLER when it starts, as on a runner with no poll_tool_task. Catches: the
+    base runner's source-only poll_tool_task counting as a poller, so the call was told tasks were
+    supported and its poll failed three times with LookupError."""
+    told: list[bool] = []
 
     class OwnTasks(BuiltinLoopAgentRunner):
         async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> Any:
+            told.append(call.supports_tool_tasks)
             return ToolTaskStarted(task_id="own", poll_interval_seconds=1)
 
     definition = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(tool_then_answer),
@@ -651,8 +657,37 @@ async def test_a_task_no_source_started_fails_by_its_effect(tmp_path: Path) -> N
         sessions = engine.sessions()
         await sessions.start_session("s", '/tool lookup_order {"order_id": "A-1"}')
         done = await _turns_done(sessions, "s", 1)
-        (record,) = [m for m in done.messages if m.role is MessageRole.TOOL]
-        assert record.tool_output is not None and "no tool source built" in record.tool_output
+        (result,) = [m for m in done.messages if m.role is MessageRole.TOOL]
+        assert result.tool_output == f"The tool call failed: {MISSING_TOOL_TASK_POLLER}"
+        assert told == [False]
+        events = [e.value.type for e in (await sessions.read_agent_events("s")).events]
+        assert "tool_task_started" not in events and "tool_call_finished" in events
+
+
+async def test_a_subclass_that_polls_its_own_tasks_is_told_they_are_supported(tmp_path: Path) -> None:
+    """A subclass that overrides poll_tool_task polls its own tools' tasks. Catches: the per-call
+    check asking only the tool sources, so such a subclass was refused its own tasks."""
+    told: list[bool] = []
+
+    class OwnTasks(BuiltinLoopAgentRunner):
+        async def execute_deferred_tool_call(self, call: DeferredToolExecution) -> Any:
+            told.append(call.supports_tool_tasks)
+            return ToolTaskStarted(task_id="own", poll_interval_seconds=1)
+
+        async def poll_tool_task(self, poll: ToolTaskPoll) -> ToolTaskPollOutcome:
+            return ToolExecutionResult(f"polled {poll.tool_call.task_id}")
+
+    definition = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(tool_then_answer),
+                                 tools=[lookup_order])
+    flow = AgentSessionFlow(OwnTasks(definition), "OwnTasks", builtin_agent_session_options(definition))
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", '/tool lookup_order {"order_id": "A-1"}')
+        done = await _turns_done(sessions, "s", 1)
+        (result,) = [m for m in done.messages if m.role is MessageRole.TOOL]
+        assert result.tool_output == "polled own"
+        assert told == [True]
 
 
 async def test_scripted_call_ids_stay_unique_when_compaction_shortens_the_input(tmp_path: Path) -> None:

@@ -351,6 +351,11 @@ class ToolTaskCanceller(Protocol):
     async def cancel_tool_task(self, cancellation: ToolTaskCancellation) -> None: ...
 
 
-def polls_tool_tasks(runner: object) -> bool:
-    """Whether the runner polls tasks (implements ToolTaskPoller.poll_tool_task)."""
-    return callable(getattr(runner, "poll_tool_task", None))
+def polls_tool_tasks(runner: object, record: AgentToolCall | None = None) -> bool:
+    """Whether the runner polls tasks (implements ToolTaskPoller.poll_tool_task); given `record`,
+    whether it polls that call's task. A runner that polls for some calls only (the built-in loop's,
+    for its tool sources that poll) answers per call through `_polls_tool_task_of`."""
+    if not callable(getattr(runner, "poll_tool_task", None)):
+        return False
+    per_call = getattr(runner, "_polls_tool_task_of", None)
+    return record is None or not callable(per_call) or bool(per_call(record))

@@ -208,7 +208,7 @@ def start_tool_task(rt: SessionRuntime, ctx: Context, record: AgentToolCall, sta
     effect (failed for a read, outcome_unknown otherwise): the task may run.
     """
     error: str | None = None
-    if not polls_tool_tasks(rt.runner):
+    if not polls_tool_tasks(rt.runner, record):
         error = MISSING_TOOL_TASK_POLLER
     else:
         problem = tool_task_started_problem(started)
@@ -288,8 +288,8 @@ class TaskSteps:
             return StepDecision.go_to(FINISH_TURN_CANCELLATION, record.turn_id)
         # The poll's commit clears task_answer_pending, whatever the poll returns.
         polled = msgspec.structs.replace(record, task_answer_pending=False)
-        if not polls_tool_tasks(rt.runner):
-            # A Worker whose runner lost poll_tool_task since the task started.
+        if not polls_tool_tasks(rt.runner, record):
+            # A Worker whose runner (or the call's tool source) lost poll_tool_task since the task started.
             rt.finish_record(ctx, finished(polled, status_by_effect(record), error=MISSING_TOOL_TASK_POLLER))
             return StepDecision.dead_end()
         from ._tool_steps import finish_tool_call, idempotency_key

@@ -261,7 +261,7 @@ class ToolSteps:
             idempotency_key=idempotency_key(ctx.flow_id, record.turn_id, record.tool_call_id),
             attempt=ctx.attempt, events=writer, heartbeat=heartbeat, save_heartbeat_checkpoint=save_checkpoint,
             heartbeat_checkpoint=ctx.checkpoint, context=ctx, input_answers=tuple(record.input_answers),
-            supports_tool_tasks=polls_tool_tasks(rt.runner),
+            supports_tool_tasks=polls_tool_tasks(rt.runner, record),
         )
         result: object = None
         try:

@@ -36,7 +36,7 @@ from .._runner import (
     TurnContinued,
     polls_tool_tasks,
 )
-from .._wire import AgentUsage, InteractionMode, MessageRole, PlanStatus, ToolEffect
+from .._wire import AgentToolCall, AgentUsage, InteractionMode, MessageRole, PlanStatus, ToolEffect
 from ._compaction import estimate_model_input, select_response_cutoff, summarize_with_model, with_summary_note
 from ._definition import AgentDefinition, ContinueTurn, InstructionContext, TurnContinuationContext
 from ._function_tools import ToolCallContext
@@ -215,15 +215,26 @@ class BuiltinLoopAgentRunner:
         """The source's poll_tool_task, with the call's own reference (seed 003 "Tool sources")."""
         found = self._source_of(poll.tool_call.tool_source_reference)
         if found is None or not polls_tool_tasks(found[0]):
-            # LookupError, as for a source this Worker lacks: the call's effect decides the outcome.
-            raise LookupError(
-                f"tool call {poll.tool_call.tool_call_id!r} ({poll.tool_call.tool_name}) started a task that "
-                + ("no tool source can poll (its source has no poll_tool_task)" if found else
-                   "no tool source built; a runner whose own tools start tasks overrides poll_tool_task"))
+            # The session asks _polls_tool_task_of first and records MISSING_TOOL_TASK_POLLER itself.
+            raise LookupError(f"tool call {poll.tool_call.tool_call_id!r} ({poll.tool_call.tool_name}) "
+                              "has no tool source that polls tasks")
         source, reference = found
         own = dataclasses.replace(poll, tool_call=msgspec.structs.replace(
             poll.tool_call, tool_source_reference=reference))
         return await cast(ToolTaskPoller, source).poll_tool_task(own)
+
+    def _polls_tool_task_of(self, record: AgentToolCall) -> bool:
+        """Whether poll_tool_task can poll `record`'s task (read by polls_tool_tasks): a subclass that
+        overrides poll_tool_task polls its own tools' tasks; this class polls only for a source with
+        poll_tool_task. A source this Worker lacks answers True, so the poll raises LookupError as
+        its execution would, and the effect decides."""
+        if type(self).poll_tool_task is not BuiltinLoopAgentRunner.poll_tool_task:
+            return True
+        try:
+            found = self._source_of(record.tool_source_reference)
+        except LookupError:
+            return True
+        return found is not None and polls_tool_tasks(found[0])
 
     async def cancel_tool_task(self, cancellation: ToolTaskCancellation) -> None:
         """The source's cancel_tool_task, when it has one; nothing else can stop the task."""
