@@ -7,6 +7,7 @@ Chat Completions streaming API and the Anthropic Messages streaming API as SSE. 
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -30,6 +31,7 @@ from agents.tests.conftest import REPO_ROOT
 from dex_agents import AgentEvent, AgentEventWriter, AgentUsage, MessageRole, ModelCallMetadata, ToolEffect
 from dex_agents.builtin_loop import (
     AgentDefinition,
+    ModelOutputItem,
     ModelOutputWriter,
     ModelRequest,
     ModelToolCall,
@@ -405,6 +407,93 @@ async def test_a_streamed_tool_call_without_an_id_gets_one(provider: FakeProvide
         ModelRequest(None, (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
     assert [item.tool_call for item in response.output] == [
         ModelToolCall("call_chatcmpl-1_0", "lookup_order", '{"order_id":"A-1"}')]
+
+
+async def test_a_streamed_tool_call_without_a_name_is_kept_with_none(provider: FakeProvider) -> None:
+    """A Chat Completions stream whose tool call carries no name gives a call named "" (the session
+    then records it failed with TOOL_NAME_MISSING, as on the Responses API), stored with no name.
+    Catches: LiteLLM's chunk builder dropping every call without a name, so the turn ended as if
+    the model had asked for nothing."""
+    nameless = {**CHAT_CALL, "function": {"name": None, "arguments": '{"order_id":"A-1"}'}}
+    provider.queue(CHAT_PATH, chat_stream(call=nameless))
+    response = await chat_client(provider).call_model(
+        ModelRequest(None, (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
+    assert [item.tool_call for item in response.output] == [ModelToolCall("call_7", "", '{"order_id":"A-1"}')]
+    (stored,) = json.loads(response.output[0].item)["tool_calls"]
+    assert stored["function"] == {"name": "", "arguments": '{"order_id":"A-1"}'}
+
+
+GEMINI_PATH = "/models/gemini-3-pro-preview:streamGenerateContent?alt=sse"
+# Gemini's thought signatures are opaque base64, often hundreds of characters, '/' and '+' included.
+THOUGHT_SIGNATURE = base64.b64encode(bytes(range(256))).decode()
+
+
+def gemini_stream(parts: list[dict[str, Any]]) -> Reply:
+    return sse([{"candidates": [{"content": {"role": "model", "parts": parts}, "finishReason": "STOP", "index": 0}],
+                 "usageMetadata": {"promptTokenCount": 10, "candidatesTokenCount": 5, "totalTokenCount": 15},
+                 "modelVersion": "gemini-3-pro-preview", "responseId": "r1"}], named=False)
+
+
+async def test_gemini_thought_signature_stays_out_of_the_tool_call_id(provider: FakeProvider) -> None:
+    """A Gemini tool call with a thought signature gets a plain tool call ID; the signature comes back
+    on replay. Catches: LiteLLM's default of putting the signature in the ID (`call_..__thought__<base64>`),
+    which the session refuses (over 255 characters, '/'), failing every such Gemini turn."""
+    client = LiteLLMModelClient("gemini/gemini-3-pro-preview", api_base=provider.url, api_key_provider=lambda: "k")
+    provider.queue(GEMINI_PATH, gemini_stream([{"functionCall": {"name": "lookup_order", "args": {"order_id": "A-1"}},
+                                                "thoughtSignature": THOUGHT_SIGNATURE}]))
+    response = await client.call_model(
+        ModelRequest(None, (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
+    (item,) = response.output
+    assert item.tool_call is not None
+    call_id = item.tool_call.tool_call_id
+    assert "/" not in call_id and len(call_id) < 100 and THOUGHT_SIGNATURE not in call_id, call_id
+    assert "thought_signature_in_tool_call_id" not in provider.received[-1].json
+
+    provider.queue(GEMINI_PATH, gemini_stream([{"text": "It shipped."}]))
+    history = (UserTextInput("Where is A-1?"), item, ToolResultInput(call_id, "lookup_order", '{"status":"shipped"}'))
+    await client.call_model(ModelRequest(None, history, (LOOKUP_TOOL,)), collecting_writer()[0])
+    (model_turn,) = [c for c in provider.received[-1].json["contents"] if c["role"] == "model"]
+    assert model_turn["parts"][0]["thoughtSignature"] == THOUGHT_SIGNATURE
+
+
+async def test_arguments_that_are_not_a_json_object_replay_as_an_empty_object(provider: FakeProvider) -> None:
+    """A past call whose arguments are not a JSON object (a response cut off mid-call; the session
+    failed the call) is replayed with "{}", to its own API and to another, and its stored item keeps
+    what the model sent. Catches: the text replayed as it was, which LiteLLM's Anthropic request
+    refuses before sending, failing every later model call of the session."""
+    cut = '{"order_id": "A-'
+    provider.queue(CHAT_PATH, chat_stream(call={**CHAT_CALL, "function": {"name": "lookup_order", "arguments": cut}}))
+    response = await chat_client(provider).call_model(
+        ModelRequest(None, (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
+    (item,) = response.output
+    assert item.tool_call == ModelToolCall("call_7", "lookup_order", cut)
+    history = (UserTextInput("Where is A-1?"), item,
+               ToolResultInput("call_7", "lookup_order", "The tool call failed: arguments must be a JSON object"))
+
+    provider.queue(CHAT_PATH, chat_stream(text="Sorry."))
+    await chat_client(provider).call_model(ModelRequest(None, history, (LOOKUP_TOOL,)), collecting_writer()[0])
+    assert provider.received[-1].json["messages"][1]["tool_calls"][0]["function"]["arguments"] == "{}"
+    assert json.loads(item.item)["tool_calls"][0]["function"]["arguments"] == cut
+
+    provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM]))
+    await openai_client(provider).call_model(ModelRequest(None, history), collecting_writer()[0])
+    assert provider.received[-1].json["input"][1]["arguments"] == "{}"
+
+    # A Responses API call with such arguments, replayed to Chat Completions.
+    foreign = ModelOutputItem("litellm.responses:openai", OutputItemKind.TOOL_CALL,
+                              json.dumps({**CALL_ITEM, "arguments": cut}), tool_call=item.tool_call)
+    provider.queue(CHAT_PATH, chat_stream(text="Sorry."))
+    await chat_client(provider).call_model(
+        ModelRequest(None, (history[0], foreign, history[2]), (LOOKUP_TOOL,)), collecting_writer()[0])
+    assert provider.received[-1].json["messages"][1]["tool_calls"][0]["function"]["arguments"] == "{}"
+
+    anthropic = LiteLLMModelClient("anthropic/claude-sonnet-4-5", api_base=provider.url,
+                                   api_key_provider=lambda: "k", request_options={"max_tokens": 1024})
+    provider.queue(MESSAGES_PATH, anthropic_stream(thinking="Again.", text="Sorry."))
+    answer = await anthropic.call_model(ModelRequest(None, history, (LOOKUP_TOOL,)), collecting_writer()[0])
+    assert answer.output[-1].text == "Sorry."
+    (tool_use,) = [c for c in provider.received[-1].json["messages"][1]["content"] if c["type"] == "tool_use"]
+    assert tool_use["input"] == {}
 
 
 async def test_responses_arguments_sent_as_an_object_are_stored_as_json(provider: FakeProvider) -> None:

@@ -7,7 +7,9 @@ reasoning comes back to be replayed. Every other provider uses streaming Chat Co
 
 Each output item's `api` is `litellm.responses:<provider>` or `litellm.chat:<provider>`. An item whose
 `api` is this client's replays as the provider's own JSON, unchanged; an item of another provider or API
-replays as its text and tool calls, and its reasoning is dropped.
+replays as its text and tool calls, and its reasoning is dropped. On Chat Completions, and for another
+API's calls, a past tool call's arguments that are not a JSON object replay as `{}` (the session failed
+that call; some providers refuse such a request).
 
 Credentials come from the Worker's environment, as LiteLLM reads it, or from `api_key_provider`; never
 from the request. LiteLLM fetches its model cost map over the network when imported, unless
@@ -56,7 +58,7 @@ _RESERVED_OPTIONS: Final = frozenset({
     "model", "input", "messages", "instructions", "tools", "tool_choice", "stream", "stream_options", "store",
     "include", "previous_response_id", "conversation", "num_retries", "max_retries", "api_key", "api_base",
     "base_url", "custom_llm_provider", "azure_ad_token", "aws_access_key_id", "aws_secret_access_key",
-    "aws_session_token", "vertex_credentials",
+    "aws_session_token", "vertex_credentials", "thought_signature_in_tool_call_id",
 })
 
 _RESPONSES_INCLUDE: Final = ("reasoning.encrypted_content",)
@@ -82,11 +84,17 @@ def _arguments_text(value: object) -> str:
     return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-def _name_unnamed_tool_calls(chunks: list[Any]) -> None:
-    """Give each streamed tool call that never carries an id one, on its first fragment:
-    stream_chunk_builder keeps only tool calls with an id, so a server that streams none (some
-    OpenAI-compatible ones) would lose the model's call without a word. The id is the one _chat_items
-    gives a call without one, `call_<response id>_<index>`."""
+# The name a streamed tool call that never carries one gets until _chat_items stores it with none:
+# stream_chunk_builder keeps only calls with a name. No provider accepts a tool name with spaces.
+_NAMELESS: Final = " nameless call "
+
+
+def _complete_streamed_tool_calls(chunks: list[Any]) -> None:
+    """Give each streamed tool call that never carries an id one, and one that never carries a name
+    _NAMELESS, on its first fragment: stream_chunk_builder keeps only tool calls with both, so a
+    server that streams none (some OpenAI-compatible ones) would lose the model's call without a
+    word. The id is the one _chat_items gives a call without one, `call_<response id>_<index>`."""
+    with_id: set[tuple[int, int]] = set()
     named: set[tuple[int, int]] = set()
     first: dict[tuple[int, int], Any] = {}
     response_id: str | None = None
@@ -94,17 +102,27 @@ def _name_unnamed_tool_calls(chunks: list[Any]) -> None:
         response_id = response_id or _str_or_none(_get(chunk, "id"))
         for choice in _get(chunk, "choices") or []:
             for fragment in _get(_get(choice, "delta"), "tool_calls") or []:
+                if _get(fragment, "function") is None:
+                    continue  # the chunk builder skips a fragment without a function, so must this
                 key = (_get(choice, "index") or 0, _get(fragment, "index") or 0)
                 first.setdefault(key, fragment)
                 if _get(fragment, "id"):
+                    with_id.add(key)
+                if _get(_get(fragment, "function"), "name"):
                     named.add(key)
     for key, fragment in first.items():
+        if key not in with_id:
+            _put(fragment, "id", f"call_{response_id or 'response'}_{key[1]}")
         if key not in named:
-            made = f"call_{response_id or 'response'}_{key[1]}"
-            if isinstance(fragment, dict):
-                fragment["id"] = made
-            else:
-                fragment.id = made
+            _put(_get(fragment, "function"), "name", _NAMELESS)
+
+
+def _put(value: Any, name: str, field: object) -> None:
+    """Set a field of a LiteLLM object or of a plain dict."""
+    if isinstance(value, dict):
+        value[name] = field
+    else:
+        setattr(value, name, field)
 
 
 def _count(value: object) -> int:
@@ -264,7 +282,7 @@ class LiteLLMModelClient:
             elif entry.kind is OutputItemKind.TOOL_CALL and entry.tool_call is not None:
                 call = entry.tool_call
                 out.append({"type": "function_call", "call_id": call.tool_call_id, "name": call.tool_name,
-                            "arguments": call.arguments})
+                            "arguments": _replayable_arguments(call.arguments)})
             elif entry.kind is OutputItemKind.TEXT and entry.text:
                 out.append({"role": "assistant", "content": entry.text})
             # Reasoning of another provider or API is dropped: it cannot be verified here.
@@ -298,7 +316,11 @@ class LiteLLMModelClient:
         self, request: ModelRequest, output: ModelOutputWriter, kwargs: dict[str, Any]
     ) -> ModelResponse:
         messages = self._chat_messages(request)
-        kwargs.update(messages=messages, stream_options={"include_usage": True})
+        # LiteLLM would put Gemini's thought signature (long base64, often with '/') into the tool call
+        # ID, which the session refuses; off, the signature rides in provider_specific_fields, which the
+        # stored item keeps and replays.
+        kwargs.update(messages=messages, stream_options={"include_usage": True},
+                      thought_signature_in_tool_call_id=False)
         if request.tools:
             kwargs["tools"] = [_chat_tool(tool) for tool in request.tools]
             kwargs["tool_choice"] = _TOOL_CHOICES[request.tool_choice]
@@ -317,7 +339,7 @@ class LiteLLMModelClient:
                     content = _get(delta, "content")
                     if isinstance(content, str):
                         output.write_text_delta(content)
-            _name_unnamed_tool_calls(chunks)
+            _complete_streamed_tool_calls(chunks)
             built = litellm.stream_chunk_builder(chunks, messages=messages) if chunks else None
         if built is None or not _get(built, "choices"):
             raise RuntimeError("the Chat Completions stream ended without a response")
@@ -372,6 +394,8 @@ class LiteLLMModelClient:
                 call["id"] = f"call_{response_id or 'response'}_{index}"
             raw_function = call.get("function")
             function: dict[str, Any] = raw_function if isinstance(raw_function, dict) else {}
+            if function.get("name") == _NAMELESS:
+                function = call["function"] = {**function, "name": ""}  # stored as the provider sent it
             tool_call = ModelToolCall(str(call["id"]), str(function.get("name") or ""),
                                       _arguments_text(function.get("arguments")))
             items.append(ModelOutputItem(self.api_label, OutputItemKind.TOOL_CALL,
@@ -411,7 +435,7 @@ class LiteLLMModelClient:
                     if key == "content" and isinstance(value, str):
                         texts.append(value)
                     elif key == "tool_calls" and isinstance(value, list):
-                        calls.extend(value)
+                        calls.extend(_with_replayable_arguments(call) for call in value)
                     elif key == "thinking_blocks" and isinstance(value, list):
                         blocks.extend(value)
                     elif key == "reasoning_content" and isinstance(value, str):
@@ -420,8 +444,8 @@ class LiteLLMModelClient:
                         extra.setdefault(key, value)
             elif item.kind is OutputItemKind.TOOL_CALL and item.tool_call is not None:
                 call = item.tool_call
-                calls.append({"id": call.tool_call_id, "type": "function",
-                              "function": {"name": call.tool_name, "arguments": call.arguments}})
+                calls.append({"id": call.tool_call_id, "type": "function", "function": {
+                    "name": call.tool_name, "arguments": _replayable_arguments(call.arguments)}})
             elif item.kind is OutputItemKind.TEXT and item.text:
                 texts.append(item.text)
         group.clear()
@@ -438,6 +462,28 @@ class LiteLLMModelClient:
 
     def _is_anthropic(self) -> bool:
         return self.provider == "anthropic" or "claude" in self.model.lower()
+
+
+def _replayable_arguments(arguments: str) -> str:
+    """A past call's arguments as a later request may carry them: "{}" for text that is not a JSON
+    object (a response cut off mid-call). The session failed that call and the model has its result;
+    LiteLLM's Anthropic, Bedrock and Gemini requests parse every past call's arguments and would
+    refuse every later model call of the session."""
+    try:
+        parsed = json.loads(arguments)
+    except (TypeError, ValueError):
+        return "{}"
+    return arguments if isinstance(parsed, dict) else "{}"
+
+
+def _with_replayable_arguments(call: Any) -> Any:
+    """A stored Chat Completions tool call with _replayable_arguments; anything else as it is."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or "arguments" not in function:
+        return call
+    arguments = function["arguments"]
+    replayable = _replayable_arguments(arguments) if isinstance(arguments, str) else arguments
+    return call if replayable is arguments else {**call, "function": {**function, "arguments": replayable}}
 
 
 def _check_options(options: Mapping[str, Any], where: str) -> None:
