@@ -15,6 +15,7 @@ from dex_engine import _transitions as transitions
 from dex_engine._codec import encode_json
 from dex_engine._decision import Movement
 from dex_engine._migrate import migration_files, statements
+from dex_engine._open import shown_url
 from dex_engine._records import StartRequest
 from dex_engine._scheduling import movement_record
 
@@ -64,7 +65,7 @@ async def test_stores_opened_at_once_on_a_new_database_migrate_it_once(db_url: s
 
 async def test_a_database_a_newer_engine_migrated_is_refused_unchanged(db_url: str) -> None:
     """Opening a database whose schema version is past this engine's migrations fails with an error
-    that names both versions and what to do, and leaves the database as it was. Catches: an older
+    that names the database, both versions and what to do, and leaves the database as it was. Catches: an older
     engine reading rows in a newer form (task options by reference) as if it knew them."""
     backend = "postgres" if db_url.startswith("postgres") else "sqlite"
     latest = migration_files(backend)[-1][0]
@@ -74,8 +75,12 @@ async def test_a_database_a_newer_engine_migrated_is_refused_unchanged(db_url: s
                                           (str(latest + 1),)), write=True)
     finally:
         await store.close()
-    with pytest.raises(StoreOpenError, match=rf"schema is version {latest + 1}, newer than the {latest} .*upgrade"):
+    newer = rf"schema is version {latest + 1}, newer than the {latest} .*upgrade"
+    with pytest.raises(StoreOpenError, match=newer) as refused:
         open_store(db_url)
+    # Named, as every other refusal to open names its database; a PostgreSQL URL without its password.
+    named = db_url.removeprefix("sqlite:///") if backend == "sqlite" else shown_url(db_url)
+    assert str(refused.value).startswith(f"{named!r}: "), refused.value
     # Read with a connection of its own: the version is still the newer one, nothing was migrated.
     if backend == "sqlite":
         conn = sqlite3.connect(db_url.removeprefix("sqlite:///"))

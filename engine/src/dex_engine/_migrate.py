@@ -40,16 +40,17 @@ def recorded_version(stored: object) -> int | None:
     return None
 
 
-def apply_pending(execute: Execute, backend: str, version: int, placeholder: str) -> None:
+def apply_pending(execute: Execute, backend: str, version: int, placeholder: str, database: str) -> None:
     """Inside the caller's transaction: apply migrations after `version`, record the new version,
     and create the stream token secret once. A database a newer
-    dex_engine migrated is refused: its rows may be in forms this one misreads (schema 6 on SQLite
-    stores task options by reference)."""
+    dex_engine migrated is refused, named by `database` (its path, or its URL without a password):
+    its rows may be in forms this one misreads (schema 6 on SQLite stores task options by reference)."""
     files = migration_files(backend)
     if version > files[-1][0]:
         raise StoreOpenError(
-            f"the database's schema is version {version}, newer than the {files[-1][0]} this dex_engine knows "
-            f"({backend}): a newer dex_engine wrote it; upgrade dex_engine to open it (nothing was changed)"
+            f"{database!r}: the database's schema is version {version}, newer than the {files[-1][0]} this "
+            f"dex_engine knows ({backend}): a newer dex_engine wrote it; upgrade dex_engine to open it (nothing "
+            "was changed)"
         )
     for number, sql in files:
         if number <= version:

@@ -684,7 +684,8 @@ def migrate(conn: psycopg.Connection[Any], url: str) -> None:
     """Apply numbered migrations not yet applied to the database of `url`."""
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
-        apply_pending(conn.execute, "postgres", _schema_version(conn, url), "%s")  # committed as the block exits
+        # Committed as the block exits.
+        apply_pending(conn.execute, "postgres", _schema_version(conn, url), "%s", shown_url(url))
 
 
 def _schema_version(conn: psycopg.Connection[Any], url: str) -> int:

@@ -260,7 +260,7 @@ def migrate(conn: sqlite3.Connection, path: str) -> None:
     try:
         # Judged again under the write lock: the file may have changed since the judgement before
         # WAL (SqliteStore._connect), another store having migrated it meanwhile.
-        apply_pending(conn.execute, "sqlite", schema_version(conn, path), "?")
+        apply_pending(conn.execute, "sqlite", schema_version(conn, path), "?", path)
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
