@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -320,11 +322,147 @@ def test_bad_session_ids_and_unusable_directories_end_with_a_message_not_a_trace
     ]
     no_files = Path("/proc/1")  # a directory where no one, root included, may make a file
     if no_files.is_dir():
-        cases.append((["demo", "--data-dir", str(no_files)],
-                      f"Error: cannot open '{no_files / 'demo.db'}' (from 'sqlite:///{no_files / 'demo.db'}') as a "
-                      "dex_engine database: "))
+        cases.append((["chat", "--data-dir", str(no_files)],
+                      f"Error: cannot open '{no_files / 'agents.db'}' (from 'sqlite:///{no_files / 'agents.db'}') as "
+                      "a dex_engine database: "))
     for args, message in cases:
         done = _run(args)
         assert done.returncode == 1, (args, done.returncode, done.stdout, done.stderr)
         assert done.stderr.startswith(message), (args, done.stderr)
         assert "Traceback" not in done.stderr and "is saved" not in done.stdout, (args, done.stdout, done.stderr)
+
+
+def test_demo_refuses_a_directory_it_did_not_make_and_deletes_nothing(tmp_path: Path) -> None:
+    """--data-dir must be new or empty; one holding anything is refused (exit code 2, naming what it
+    holds) and left as it was. Catches: the demo deleting another program's demo.db, every demo.db*
+    file and a ledger.jsonl before it started."""
+    held = {"demo.db": b"another program's database", "demo.db.notes.txt": b"notes", "ledger.jsonl": b"{}\n"}
+    for name, data in held.items():
+        (tmp_path / name).write_bytes(data)
+    done = _run(["demo", "--data-dir", str(tmp_path)])
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"'{tmp_path}' is not empty (it holds demo.db, demo.db.notes.txt, ledger.jsonl)" in done.stderr
+    assert "name a new or empty directory" in done.stderr
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == held
+
+
+@pytest.mark.parametrize("command", ["chat", "demo"])
+@pytest.mark.parametrize("name", ["has#hash", "q?x=1"])
+def test_a_data_dir_a_sqlite_url_cannot_name_is_refused_by_the_option(tmp_path: Path, command: str,
+                                                                       name: str) -> None:
+    """A --data-dir with '#' or '?' is refused (exit code 2) before anything is made. Catches: a
+    traceback from the URL parser, after the directory had been made."""
+    directory = tmp_path / name
+    done = _run([command, "--data-dir", str(directory)])
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Invalid value for '--data-dir'" in done.stderr and "a sqlite URL cannot hold in its path" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not directory.exists()
+
+
+def test_chat_with_standard_input_closed_says_so(tmp_path: Path) -> None:
+    """Catches: "session ... is saved", then an AttributeError traceback from reading a closed stdin."""
+    done = subprocess.run([*CLI, "chat", "--data-dir", str(tmp_path)], check=False, capture_output=True, text=True,
+                          timeout=CLI_TIMEOUT_SECONDS, stdin=None, preexec_fn=lambda: os.close(0))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr == "Error: standard input is closed; the chat reads what you type from it\n"
+    assert "is saved" not in done.stdout
+
+
+def test_chat_does_not_call_a_session_it_could_not_use_saved(tmp_path: Path) -> None:
+    """An ID held by a Flow of another kind: the chat's error, and no "saved ... resume it". Catches:
+    the resume hint printed after every error."""
+    url = f"sqlite:///{tmp_path / 'agents.db'}"
+    started = subprocess.run([sys.executable, "-c", (
+        "import asyncio\n"
+        "from dex_engine import AsyncClient, Channel, Flow, Registry, Step, StepDecision, Wait\n"
+        "names = Channel('Names', str)\n"
+        "async def wait(ctx, _): return Wait.until(names.for_one())\n"
+        "async def end(ctx, _): return StepDecision.dead_end()\n"
+        "flow = Flow('Greeter', [Step('Start', end, wait_for=wait)], schema=[names])\n"
+        "async def main():\n"
+        "    client = AsyncClient(Registry([flow]), " + repr(url) + ")\n"
+        "    await client.start_flow('Greeter', 'chat')\n"
+        "    await client.close()\n"
+        "asyncio.run(main())\n")], capture_output=True, text=True, timeout=CLI_TIMEOUT_SECONDS, check=False)
+    assert started.returncode == 0, started.stderr
+    done = _run(["chat", "--data-dir", str(tmp_path)], stdin="/echo hi\n")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Greeter" in done.stderr
+    assert "is saved" not in done.stdout
+
+
+def test_chat_ended_by_eof_after_its_session_was_stopped_says_it_has_ended(tmp_path: Path) -> None:
+    """dex-engine stop while the chat waits for a line, then end of input: the chat says the session
+    has ended (exit code 1). Catches: exit code 0 and "saved ...; run the same command to resume it"."""
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([*CLI, "chat", "--data-dir", str(tmp_path)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write("/echo one\n")
+        process.stdin.flush()
+        for line in process.stdout:
+            if "agent> one" in line:
+                break
+        else:
+            pytest.fail("the chat never answered")
+        _stop_session(tmp_path)
+        process.stdin.close()
+        code = process.wait(CLI_TIMEOUT_SECONDS)
+        rest = process.stdout.read()
+    finally:
+        process.kill()
+    assert code == 1, rest
+    assert "session 'chat' has ended (flow 'chat' is stopped" in rest
+    assert "is saved" not in rest
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (not a zombie waiting for its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
+def test_no_demo_worker_outlives_the_demo(tmp_path: Path, sig: signal.Signals) -> None:
+    """The demo ended by SIGTERM or SIGHUP (a closed terminal) stops its Worker and exits with 128 +
+    the signal; killed outright, its Worker sees its parent gone and kills itself. Catches: a Worker
+    left running for ever, its parent init."""
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([*CLI, "demo", "--data-dir", str(tmp_path / "d")], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            found = re.search(r"Worker 1 started \(pid (\d+)\)", line)
+            if found:
+                worker = int(found.group(1))
+                break
+        else:
+            pytest.fail("the demo never started its Worker")
+        process.send_signal(sig)
+        code = process.wait(CLI_TIMEOUT_SECONDS)
+    finally:
+        process.kill()
+    assert code == (-sig if sig == signal.SIGKILL else 128 + sig)
+    deadline = time.monotonic() + 30
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(worker), f"the demo's Worker {worker} outlived it"
+
+
+def test_chat_on_a_full_disk_ends_with_one_error_line(small_disk: Path) -> None:
+    """The disk under the chat's database fills while it chats: the chat ends (exit code 1) with one
+    error that says the disk is full. Catches: the chat following a turn its Worker could never
+    commit, for ever, the terminal filling with the Worker's tracebacks."""
+    lines = "".join(f"/echo {'y' * 20_000}\n" for _ in range(200))
+    done = subprocess.run([*CLI, "chat", "--data-dir", str(small_disk / "d")], check=False, input=lines,
+                          capture_output=True, text=True, timeout=CLI_TIMEOUT_SECONDS,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stderr.startswith("Error: ") and "full" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]

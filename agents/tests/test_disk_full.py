@@ -15,7 +15,6 @@ import logging
 import os
 import sqlite3
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,25 +25,7 @@ from dex_agents import AgentStatus, MessageRole
 from dex_agents.testing import FileGate, InvocationLog
 from dex_engine import AsyncClient, Registry, WorkerOptions, open_store
 
-# Room for the session's file and its WAL, little enough to fill in a moment.
-TMPFS_SIZE = "4m"
 FULL_SECONDS = 2.0  # how long the disk stays full while the turn's commit fails
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root, as CI runs (.ci/run installs PostgreSQL with apt)")
-    mount = tmp_path / "small-disk"
-    mount.mkdir()
-    # As root the mount must work: a failure fails the test rather than skip it unnoticed in CI.
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(mount)],
-                          capture_output=True, text=True, check=False)
-    assert made.returncode == 0, f"cannot mount a tmpfs as root: {made.stderr.strip()}"
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def fill(disk: Path) -> Path:

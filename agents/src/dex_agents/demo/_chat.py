@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,8 @@ from rich.markup import escape
 from dex_engine import (
     AsyncClient,
     AsyncWorker,
+    DexError,
     FlowNotActiveError,
-    InvalidIdError,
     InvalidValueError,
     Registry,
     WorkerOptions,
@@ -28,6 +29,7 @@ from dex_engine import (
 from .._client import AgentSessionClient
 from .._wire import AgentInterrupt, AgentPlan, AgentSnapshot, InterruptKind, PlanStatus
 from ._agent import build_demo_flow
+from ._full_disk import FullDiskWatch, until_disk_full
 from ._lines import CANCEL_COMMAND, STEER_COMMAND, TerminalLines, UndecodableLineError, is_control
 from ._model import HELP_TEXT
 
@@ -294,34 +296,50 @@ def _busy(snapshot: AgentSnapshot) -> bool:
 
 
 async def run_chat(console: Console, data_dir: Path, session_id: str) -> int:
-    """Chat until end of input; `data_dir` must exist."""
-    url = f"sqlite:///{data_dir / 'agents.db'}"
+    """Chat until end of input; `data_dir` must exist. Ends with OSError (ENOSPC) when the disk
+    under the database fills, since no turn could end."""
+    database = data_dir / "agents.db"
+    url = f"sqlite:///{database}"
     flow = build_demo_flow(data_dir / "demo-ledger.jsonl")
     registry = Registry([flow])
     client = AsyncClient(registry, url)
     worker = AsyncWorker(registry, WorkerOptions(
         database_url=url, lease_ttl_seconds=CHAT_LEASE_TTL_SECONDS, lease_renew_seconds=CHAT_LEASE_TTL_SECONDS / 5,
     ))
-    worker_task = asyncio.create_task(worker.run())
-    saved = True
-    try:
-        await Chat(console, AgentSessionClient(client, flow), session_id, TerminalLines()).run()
-    except EOFError:
-        pass
-    except InvalidIdError:
-        saved = False  # no session under that ID: the error says why
-        raise
-    except FlowNotActiveError as closed:  # stopped (dex-engine stop) or failed: it cannot go on
-        saved = False
-        console.print(f"session {session_id!r} has ended ({closed}); start another with --session NAME",
+    status: str | None = None
+    ended: FlowNotActiveError | None = None
+    with FullDiskWatch() as full_disk:
+        worker_task = asyncio.create_task(worker.run())
+        try:
+            chat = Chat(console, AgentSessionClient(client, flow), session_id, TerminalLines())
+            await until_disk_full(chat.run(), full_disk, str(database))
+        except EOFError:
+            pass
+        except FlowNotActiveError as closed:  # stopped (dex-engine stop) or failed: it cannot go on
+            ended = closed
+        finally:
+            await worker.stop()
+            with contextlib.suppress(asyncio.CancelledError):
+                await worker_task
+            status = await _session_status(client, session_id, flow.flow_type)
+            await client.close()
+            if status == "running":
+                console.print(f"[dim]session {escape(repr(session_id))} is saved in {escape(str(data_dir))}; "
+                              "run the same command to resume it[/dim]")
+    if ended is None and status is not None and status != "running":  # stopped while the chat waited for a line
+        ended = FlowNotActiveError(session_id, status)
+    if ended is not None:
+        console.print(f"session {session_id!r} has ended ({ended}); start another with --session NAME",
                       style="red", markup=False)
         return 1
-    finally:
-        await worker.stop()
-        with contextlib.suppress(asyncio.CancelledError):
-            await worker_task
-        await client.close()
-        if saved:
-            console.print(f"[dim]session {escape(repr(session_id))} is saved in {escape(str(data_dir))}; "
-                          "run the same command to resume it[/dim]")
     return 0
+
+
+async def _session_status(client: AsyncClient, session_id: str, flow_type: str) -> str | None:
+    """The status of the chat's session: None when `session_id` holds no session of `flow_type` (none
+    was started, another kind of Flow has the ID) or it cannot be read."""
+    try:
+        info = await client.describe_flow(session_id)
+    except (DexError, OSError, sqlite3.Error):
+        return None
+    return info.status if info.flow_type == flow_type else None

@@ -26,7 +26,14 @@ from dex_engine import AsyncClient, Registry
 
 from .._client import AgentSessionClient
 from .._session_flow import AgentSessionFlow
-from ..testing import StepHistoryEntry, executed_steps, to_step_history, wait_for_agent_snapshot, wait_until
+from ..testing import (
+    ENV_PARENT_PID,
+    StepHistoryEntry,
+    executed_steps,
+    to_step_history,
+    wait_for_agent_snapshot,
+    wait_until,
+)
 from ._agent import ENV_LEDGER, build_demo_flow, read_ledger
 
 DEMO_SESSION_ID = "demo-session"
@@ -35,11 +42,27 @@ REFUND_MESSAGE = '/tool refund_order {"order_id": "A-1001", "amount_cents": 1500
 DEMO_TIMEOUT_SECONDS = 90.0
 
 
+def data_dir_problem(directory: Path) -> str | None:
+    """Why the demo cannot run in `directory`, or None. It starts from nothing and never deletes
+    what it did not write, so the directory must be new or empty."""
+    if not directory.exists():
+        return None
+    if not directory.is_dir():
+        return f"{str(directory)!r} is not a directory"
+    held = sorted(entry.name for entry in directory.iterdir())
+    if held:
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        return (f"{str(directory)!r} is not empty (it holds {shown}); the demo starts from nothing and deletes "
+                "nothing it did not write: name a new or empty directory")
+    return None
+
+
 class _Worker:
-    """The demo's Worker, a child process in its own process group."""
+    """The demo's Worker, a child process in its own process group; it kills itself if the demo
+    process dies without stopping it (SIGKILL, say)."""
 
     def __init__(self, database_url: str, ledger: Path, log_path: Path) -> None:
-        env = dict(os.environ, **{ENV_LEDGER: str(ledger), "PYTHONUNBUFFERED": "1"})
+        env = dict(os.environ, **{ENV_LEDGER: str(ledger), "PYTHONUNBUFFERED": "1", ENV_PARENT_PID: str(os.getpid())})
         with log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "dex_agents.demo.worker", database_url], env=env,
@@ -71,13 +94,12 @@ async def _registered(client: AsyncClient, worker: _Worker) -> None:
 async def run_demo(console: Console, data_dir: Path | None = None) -> int:
     """Run the demo in `data_dir` (a fresh temporary directory by default); returns an exit code."""
     own_dir = data_dir is None
+    if data_dir is not None and (problem := data_dir_problem(data_dir)) is not None:
+        raise ValueError(problem)
     directory = Path(tempfile.mkdtemp(prefix="dex-agents-demo-")) if data_dir is None else data_dir
     directory.mkdir(parents=True, exist_ok=True)
     database = directory / "demo.db"
-    for stale in directory.glob("demo.db*"):
-        stale.unlink()
     ledger = directory / "ledger.jsonl"
-    ledger.unlink(missing_ok=True)
     url = f"sqlite:///{database}"
     flow = build_demo_flow(ledger)
     client = AsyncClient(Registry([flow]), url)
