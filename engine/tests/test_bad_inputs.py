@@ -119,6 +119,10 @@ async def start(ctx: Context, what: str) -> StepDecision:
         return StepDecision.go_to("Miswrapped", None)
     if what == "bad_wait":
         return StepDecision.go_to("BadWait", None)
+    if what in ("stray_wait", "map_wait"):
+        return StepDecision.go_to("StrayWait", what)
+    if what == "undeclared_messages":
+        return StepDecision.go_to("ReadStray", None)
     if what.startswith("checkpoint_bytes:"):  # a checkpoint of that many bytes in UTF-8 (é is two)
         size = int(what.partition(":")[2])
         await ctx.heartbeat("é" + "c" * (size - 2))
@@ -206,6 +210,25 @@ async def bad_wait(ctx: Context, _: None) -> Wait:
     return Wait.until(Inbox.for_range(2, 1))  # raises InvalidWaitError
 
 
+async def stray_wait(ctx: Context, what: str) -> Wait:
+    """A wait nothing could satisfy: a channel the flow lacks, or an instance of a plain channel.
+    The first writes nothing, so the worker also evaluates it before the commit that starts it."""
+    if what == "stray_wait":
+        return Wait.until(StrayChannel.for_one())
+    ctx.set(Count, 41)
+    return Wait.until(InboxAsMap["k"].for_one())
+
+
+async def read_stray(ctx: Context, _: None) -> StepDecision:
+    ctx.set(Count, 41)
+    ctx.wait_result.messages(StrayChannel)
+    return StepDecision.graceful_complete("messages of a stray channel were not refused")
+
+
+async def at_once(ctx: Context, _: None) -> Wait:
+    return Wait.until(Timer.by_duration(0))
+
+
 async def done(ctx: Context, _: None) -> StepDecision:
     return StepDecision.graceful_complete(None)
 
@@ -243,6 +266,8 @@ FLOW = Flow(
         Step("Recovered", recovered, input_type=str),
         Step("Miswrapped", miswrapped, input_type=type(None), options=StepOptions(execute_retry=ONCE)),
         Step("BadWait", done, wait_for=bad_wait, input_type=type(None), options=StepOptions(wait_for_retry=ONCE)),
+        Step("StrayWait", done, wait_for=stray_wait, input_type=str, options=StepOptions(wait_for_retry=ONCE)),
+        Step("ReadStray", read_stray, wait_for=at_once, input_type=type(None), options=StepOptions(execute_retry=ONCE)),
     ],
     start_step="Start",
     schema=[Note, Count, Tags, Inbox, Boxes, Events, Other],
@@ -350,6 +375,11 @@ async def test_undeclared_name_from_client_or_rpc(db_url: str, case: str, name: 
         ("too_large", "execute", ValueTooLargeError, "'Note'"),
         ("wrong_type", "execute", InvalidValueError, "'Count'"),
         ("bad_wait", "wait_for", InvalidWaitError, "'Inbox'"),
+        # Catches: the wait stored, and the flow waiting for ever on a channel no one can publish to.
+        ("stray_wait", "wait_for", UndeclaredNameError, "'StrayChannel'"),
+        ("map_wait", "wait_for", UndeclaredNameError, "'Inbox[k]'"),
+        # Catches: [] for messages of a channel the flow lacks (a typo reads as "nothing came").
+        ("undeclared_messages", "execute", UndeclaredNameError, "'StrayChannel'"),
     ],
 )
 async def test_misuse_in_a_step_handler_fails_the_attempt_and_history_names_it(

@@ -190,6 +190,7 @@ class WaitResult:
 
     def messages(self, channel: ChannelRef[T]) -> list[T]:
         """Decoded messages consumed from one channel instance, over every condition naming it."""
+        self.flow.check_channel(channel)  # a channel the Flow lacks is a mistake, not "no messages"
         if self.outcome is None or self.spec is None:
             return []
         out: list[T] = []

@@ -57,8 +57,9 @@ from ._options import is_number
 from ._parked import FoldFunctions, ParkedHandler
 from ._records import DecisionRecord, ErrorInfo, Lease, MovementRecord, StartedFold, WriteSet
 from ._scheduling import movement_record
+from ._schema import ChannelRef
 from ._store import LOST_CLAIM_MS, Store, commit_origin
-from ._wait import Wait, WaitSpec
+from ._wait import ChannelCondition, Wait, WaitSpec
 
 log = logging.getLogger("dex_engine.worker")
 
@@ -752,11 +753,7 @@ class AsyncWorker:
         running.committing = True
         try:
             if lease.method == "wait_for":
-                if not isinstance(result, Wait):
-                    raise InvalidValueError(
-                        f"wait_for of Step {lease.step_type!r} returned {result!r}, not a Wait"
-                    )
-                spec: WaitSpec = result.spec()
+                spec = checked_wait(self.registry.flow(lease.flow_type), lease.step_type, result)
                 if _gates.ACTIVE:
                     _gates.gate(_gates.BEFORE_COMMIT)
                 await self.store.commit_wait_for(lease, ctx.writes, spec)
@@ -884,9 +881,9 @@ class AsyncWorker:
             else:
                 running.close()
                 return None
-            if ctx.touched or not isinstance(result, Wait) or not ctx.writes.empty():
+            if ctx.touched or not ctx.writes.empty():
                 return None
-            return result.spec(), loaded
+            return checked_wait(flow, step.step_type, result), loaded
         except (Exception, NotFoldable, asyncio.CancelledError):
             # Whatever went wrong happens again in the real attempt, with retries and failure routes.
             # That includes a CancelledError the WaitFor raised itself: stepped, nothing cancelled it.
@@ -1049,6 +1046,18 @@ def _cancel_requested() -> bool:
     by something it awaited."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+def checked_wait(flow: Flow, step_type: str, result: object) -> WaitSpec:
+    """The WaitSpec of what a WaitFor returned. InvalidValueError when it is not a Wait, and
+    UndeclaredNameError for a channel the Flow does not declare in that shape (plain or map): nothing
+    can publish there, so the wait would hold the Step for ever."""
+    if not isinstance(result, Wait):
+        raise InvalidValueError(f"wait_for of Step {step_type!r} returned {result!r}, not a Wait")
+    for condition in result.conditions:
+        if isinstance(condition, ChannelCondition):
+            flow.check_channel(ChannelRef(condition.channel, condition.key, None))
+    return result.spec()
 
 
 def _error_info(exc: BaseException) -> ErrorInfo:
