@@ -244,7 +244,7 @@ async def test_an_early_wait_for_that_swallows_what_it_cannot_do_early_runs_as_u
         Step("Start", start, input_type=type(None)),
         Step("Logged", execute, input_type=type(None), wait_for=logged_wait,
              options=StepOptions(wait_for_load=LoadOptions.none())),
-    ], start_step="Start", schema=[Events])
+    ], start_step="Start", schema=[Events, C])
     async with engine_for(db_url, Registry([flow])) as eng:
         await eng.client.start_flow("Logged", "f1")
         await wait_until("Logged executed", lambda: _count(probe.executed, 1))
