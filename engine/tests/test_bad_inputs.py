@@ -50,6 +50,7 @@ from dex_engine import (
     RpcContext,
     RpcNotFoundError,
     SearchQueryError,
+    StaleAttemptError,
     Step,
     StepDecision,
     StepDurability,
@@ -95,6 +96,9 @@ ONCE = RetryPolicy(max_attempts=1)  # the first failure is final, so the flow fa
 UNSTORABLE = {"nul": "\x00", "surrogate": "\ud800"}
 
 
+KEPT_CONTEXTS: list[Context] = []  # contexts "keep_context" handed on past its return
+
+
 def misuse(ctx: Context | RpcContext, what: str) -> None:
     """Each bad call a handler can make; a valid write first, which must not be committed."""
     ctx.set(Count, 41)
@@ -123,6 +127,9 @@ async def start(ctx: Context, what: str) -> StepDecision:
         return StepDecision.go_to("StrayWait", what)
     if what == "undeclared_messages":
         return StepDecision.go_to("ReadStray", None)
+    if what == "keep_context":  # a background task holding the context past the handler's return
+        KEPT_CONTEXTS.append(ctx)
+        return StepDecision.go_to("Listen", None)
     if what.startswith("checkpoint_bytes:"):  # a checkpoint of that many bytes in UTF-8 (é is two)
         size = int(what.partition(":")[2])
         await ctx.heartbeat("é" + "c" * (size - 2))
@@ -1453,3 +1460,32 @@ def test_only_types_that_can_nest_deeply_have_their_values_counted() -> None:
 
     assert may_nest_deeply(Any) and may_nest_deeply(dict[str, Any]) and may_nest_deeply(Tree)
     assert not may_nest_deeply(Record) and not may_nest_deeply(int) and not may_nest_deeply(list[str])
+
+
+async def test_a_context_written_after_its_handler_returned_refuses_the_write(db_url: str) -> None:
+    """A write through a context kept past its handler's return raises StaleAttemptError naming the
+    call, the method and the Step execution, and nothing is stored. Catches: the write accepted
+    and then lost without a word (its attempt had committed)."""
+    KEPT_CONTEXTS.clear()
+    async with engine_for(db_url, REGISTRY) as eng:
+        c = eng.client
+        await c.start_flow("Bad", "f", "keep_context")
+
+        async def listening() -> bool:
+            return [s.step_type for s in (await c.describe_flow("f")).active_steps] == ["Listen"]
+
+        await wait_until("the flow to wait in Listen", listening)
+        (kept,) = KEPT_CONTEXTS
+        writes: dict[str, Callable[[], None]] = {
+            "set": lambda: kept.set(Count, 1),
+            "delete": lambda: kept.delete(Note),
+            "publish": lambda: kept.publish(Inbox, 1),
+            "append": lambda: kept.append(Events, "late"),
+        }
+        for call, write in writes.items():
+            with pytest.raises(StaleAttemptError) as refused:
+                write()
+            assert str(refused.value).startswith(f"ctx.{call} after execute of Start-1 (attempt 1) returned: ")
+        assert await c.get_attribute("f", Count) is None
+        assert (await c.read_stream("f", Events)).events == []
+

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._codec import decode_value, decoded_cache, encode_value
-from ._errors import InvalidValueError, NotLoadedError, ValueTooLargeError
+from ._errors import InvalidValueError, NotLoadedError, StaleAttemptError, ValueTooLargeError
 from ._limits import MAX_VALUE_BYTES
 from ._options import LoadSpec
 from ._records import RecoveryError, WaitOutcome, WriteSet
@@ -44,6 +44,18 @@ class _StateView:
         self._cache: dict[tuple[str, str], Any] = {}
         self._map_keys: dict[str, list[str]] | None = None  # loaded keys by map name, sorted
         self._items: dict[str, dict[str, Any]] = {}  # items() by map name, until a write to the map
+        self._ended: str | None = None  # set by close(): what ended, for the error of a later write
+
+    def close(self, ended: str) -> None:
+        """Refuse writes from now on: the handler returned (`ended` says which), and its writes were
+        taken for its commit or dropped with its failure. A write kept for later (a background task
+        holding the context) would be lost without a word."""
+        self._ended = ended
+
+    def _refuse_if_closed(self, call: str) -> None:
+        if self._ended is not None:
+            raise StaleAttemptError(f"ctx.{call} after {self._ended}: its writes were already committed or "
+                                    "dropped; make every write before the handler returns")
 
     def _is_loaded(self, name: str, key: str) -> bool:
         return self._load.loads(name, key)
@@ -121,6 +133,7 @@ class _StateView:
 
     def set(self, ref: AttributeRef[T], value: T) -> None:
         """Write an attribute; encoded and checked now, committed with the method's result."""
+        self._refuse_if_closed("set")
         self.flow.check_attribute(ref)
         data = encode_value(ref.label, ref.value_type, value)
         ident = (ref.name, ref.key)
@@ -129,6 +142,7 @@ class _StateView:
         self._items.pop(ref.name, None)
 
     def delete(self, ref: AttributeRef[Any]) -> None:
+        self._refuse_if_closed("delete")
         self.flow.check_attribute(ref)
         ident = (ref.name, ref.key)
         self._writes.attributes[ident] = None
@@ -137,6 +151,7 @@ class _StateView:
 
     def publish(self, channel: ChannelRef[T], value: T) -> None:
         """Queue a message on a channel instance at this method's commit."""
+        self._refuse_if_closed("publish")
         self.flow.check_channel(channel)
         self._writes.publishes.append(
             (channel.name, channel.key, encode_value(channel.label, channel.value_type, value))
@@ -144,6 +159,7 @@ class _StateView:
 
     def append(self, stream: Stream[T], event: T) -> None:
         """Append an event to a stream at this method's commit (transactional)."""
+        self._refuse_if_closed("append")
         declared = self.flow.check_stream(stream)
         self._writes.appends.append(
             (declared.name, declared.capacity_bytes, encode_value(declared.name, declared.value_type, event))
@@ -374,5 +390,6 @@ class RpcContext(_StateView):
 
     def delete_message(self, channel: ChannelRef[Any], message_id: int) -> None:
         """Delete a pending message at commit; the RPC fails with ChannelMessageNotFoundError if it is gone."""
+        self._refuse_if_closed("delete_message")
         self.flow.check_channel(channel)
         self._writes.deleted_messages.append((channel.name, channel.key, message_id))

@@ -747,6 +747,8 @@ class AsyncWorker:
             # through, it left the attempt's task running for ever, or ended the worker process.
             await self._fail(running, _error_info(exc), False)
             return
+        finally:
+            ctx.close(f"{lease.method} of {lease.step_execution_id} (attempt {lease.attempt}) returned")
         await self._drain_events(running)
         if running.revoked:
             return
