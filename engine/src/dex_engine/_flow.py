@@ -11,7 +11,7 @@ from ._codec import type_problem
 from ._decision import RPCResult, StepDecision
 from ._errors import FlowDefinitionError, RpcNotFoundError, UndeclaredNameError, UnknownFlowTypeError
 from ._ids import check_id
-from ._options import LoadOptions, LoadSpec, LockItem, StepOptions, lock_name
+from ._options import LoadOptions, LoadSpec, LockItem, StepOptions, check_load, lock_items, lock_name
 from ._schema import (
     Attribute,
     AttributeMap,
@@ -110,11 +110,13 @@ def rpc(
     """
 
     def wrap(fn: RpcFn) -> Rpc:
+        label = f"RPC {name or getattr(fn, '__name__', fn)!r}"
+        check_load(f"{label} load", load, optional=True)
         return Rpc(
             name=check_id("RPC name", name or fn.__name__),
             handler=fn,
             request_type=request_type,
-            locks=tuple(lock_name(x) for x in locks),
+            locks=tuple(lock_name(x) for x in lock_items(f"{label} locks", locks)),
             load=load or LoadOptions.all(),
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, TypeGuard
@@ -97,6 +98,32 @@ def lock_name(item: LockItem) -> str:
     raise FlowDefinitionError(f"lock {item!r} is not an Attribute, AttributeMap or map instance")
 
 
+def lock_items(label: str, locks: object) -> tuple[LockItem, ...]:
+    """`locks` (a lock set as given: any iterable of lock items) as a tuple, or FlowDefinitionError
+    naming `label` and the value: iterated unchecked, one item given alone failed with a bare
+    TypeError, or a map with a key error for key 0."""
+    expected = f"{label} must be a collection of Attributes, AttributeMaps or map instances"
+    if isinstance(locks, AttributeRef | AttributeMap):
+        raise FlowDefinitionError(f"{expected}, got the single item {locks!r}; give it as a tuple: ({locks!r},)")
+    if not isinstance(locks, Iterable) or isinstance(locks, str):
+        raise FlowDefinitionError(f"{expected}, got {locks!r}")
+    items = tuple(locks)
+    for item in items:
+        if not isinstance(item, AttributeRef | AttributeMap):
+            raise FlowDefinitionError(
+                f"{label} holds {item!r}, which is not an Attribute, AttributeMap or map instance")
+    return items
+
+
+def check_load(label: str, load: object, optional: bool) -> None:
+    """Raise FlowDefinitionError naming `label` unless `load` is a LoadSpec (or None, if `optional`):
+    anything else was accepted here and failed later, at start_flow or at a commit."""
+    if isinstance(load, LoadSpec) or (optional and load is None):
+        return
+    choices = "LoadOptions.all(), LoadOptions.none() or LoadOptions.only(...)" + (" or None" if optional else "")
+    raise FlowDefinitionError(f"{label} must be {choices}, got {load!r}")
+
+
 @dataclass(frozen=True)
 class StepOptions:
     """Per-Step options. Timeouts are seconds; None means no limit."""
@@ -115,6 +142,11 @@ class StepOptions:
     wait_for_load: LoadSpec | None = None  # overrides `load` for WaitFor only
 
     def __post_init__(self) -> None:
+        _check_retries(self, optional=False)
+        _check_loads(self, optional=False)
+        # Normalized to tuples: a list given is taken, and the options stay hashable.
+        object.__setattr__(self, "execute_locks", lock_items("execute_locks", self.execute_locks))
+        object.__setattr__(self, "wait_for_locks", lock_items("wait_for_locks", self.wait_for_locks))
         _check_timeouts(self)
         _check_durability(self)
 
@@ -140,9 +172,8 @@ class MovementOptions:
     heartbeat_timeout_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        for label, retry in (("execute_retry", self.execute_retry), ("wait_for_retry", self.wait_for_retry)):
-            if retry is not None and not isinstance(retry, RetryPolicy):
-                raise FlowDefinitionError(f"{label} must be a RetryPolicy or None, got {retry!r}")
+        _check_retries(self, optional=True)
+        _check_loads(self, optional=True)
         _check_timeouts(self)
         _check_durability(self)
 
@@ -150,6 +181,25 @@ class MovementOptions:
 def is_number(value: object) -> TypeGuard[int | float]:
     """A real number given where one is expected: an int or a float, not a bool (which is an int)."""
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_retries(options: StepOptions | MovementOptions, optional: bool) -> None:
+    # Checked when built: a retry that is not a RetryPolicy was stored with the task, and the first
+    # failed attempt then could not be ended, so it was handed back and run again without end.
+    for label in ("execute_retry", "wait_for_retry"):
+        retry: object = getattr(options, label)
+        if isinstance(retry, RetryPolicy) or (optional and retry is None):
+            continue
+        expected = "a RetryPolicy or None" if optional else "a RetryPolicy"
+        raise FlowDefinitionError(
+            f"{label} must be {expected}, got {retry!r}; for one attempt, no retries, give "
+            "RetryPolicy(max_attempts=1)")
+
+
+def _check_loads(options: StepOptions | MovementOptions, optional: bool) -> None:
+    check_load("load", options.load, optional)
+    check_load("execute_load", options.execute_load, optional=True)
+    check_load("wait_for_load", options.wait_for_load, optional=True)
 
 
 def _check_timeouts(options: StepOptions | MovementOptions) -> None:
