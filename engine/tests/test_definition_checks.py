@@ -6,6 +6,7 @@ neither (or, for a retry policy that was not one, ran a Step again without end).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -19,12 +20,17 @@ from dex_engine import (
     FlowDefinitionError,
     LoadOptions,
     MovementOptions,
+    Registry,
     RpcContext,
     Step,
     StepDecision,
     StepOptions,
+    WorkerOptions,
     rpc,
 )
+from dex_engine._limits import MAX_CONCURRENT_TASKS
+
+from .conftest import engine_for
 
 Note = Attribute("Note", str)
 Tags = AttributeMap("Tags", str)
@@ -123,5 +129,27 @@ def test_rpc_refuses_a_lock_set_or_load_of_the_wrong_kind(kwargs: dict[str, Any]
     with pytest.raises(FlowDefinitionError) as caught:
         rpc(**kwargs)(handler)
     assert str(caught.value).startswith(message)
+
+
+# B: WorkerOptions.max_concurrent_tasks ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("tasks", [sys.maxsize, 2**63, 10**30, MAX_CONCURRENT_TASKS + 1])
+def test_worker_options_refuse_more_concurrent_tasks_than_the_limit(tasks: int) -> None:
+    """Catches: max_concurrent_tasks=sys.maxsize accepted; every poll then failed with OverflowError
+    (the claim binds capacity * CLAIM_ROWS_PER_SLOT) and the worker never ran a Step."""
+    with pytest.raises(ValueError) as caught:
+        WorkerOptions(max_concurrent_tasks=tasks)
+    assert (f"max_concurrent_tasks must be a whole number from 1 to {MAX_CONCURRENT_TASKS}, got {tasks!r}"
+            in str(caught.value))
+
+
+async def test_a_worker_at_the_concurrent_task_limit_runs_steps(db_url: str) -> None:
+    """The largest capacity accepted is one a worker can claim with on either backend."""
+    registry = Registry([Flow("Once", [Step("S", done)], start_step="S")])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        await eng.start_worker(max_concurrent_tasks=MAX_CONCURRENT_TASKS)
+        await eng.client.start_flow("Once", "f")
+        assert (await eng.client.wait_for_flow("f", 10)).status == "completed"
 
 

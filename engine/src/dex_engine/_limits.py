@@ -92,6 +92,15 @@ FAILURE_LOG_SECONDS = 60.0
 # Concurrent Step handlers per worker.
 DEFAULT_MAX_CONCURRENT_TASKS = 64
 
+# Most concurrent Step handlers a worker accepts: far more than one event loop runs well, and a
+# claim's row limit (this times CLAIM_ROWS_PER_SLOT) stays well inside the 64-bit integers SQL's
+# LIMIT takes; a "no limit" of sys.maxsize failed every poll with OverflowError, running nothing.
+MAX_CONCURRENT_TASKS = 100_000
+
+# Ready rows a claim reads per free slot: some are skipped (a lock they need is held, by a Step or
+# by an earlier claim of the same call), so it reads more than it can take to still fill its slots.
+CLAIM_ROWS_PER_SLOT = 4
+
 # How long stop() lets started attempts finish before revoking them: a model or tool call of a few
 # seconds completes, while a deploy's restart is not held up by one that runs for minutes.
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 10.0

@@ -29,6 +29,7 @@ from ._errors import (
 )
 from ._limits import (
     ACTIVE_STEP_SEARCH_CANDIDATES,
+    CLAIM_ROWS_PER_SLOT,
     HISTORY_CHAIN_TRIM_EVERY,
     HISTORY_TRIM_CHECK_EVERY,
     MAX_ERROR_TEXT_CHARS,
@@ -865,7 +866,7 @@ def claim_deferred(db: Db, worker_id: str, flow_types: Sequence[str], capacity: 
         sql = (f"SELECT {_CLAIM_COLS}, {_FLOW_STATE_OF_F} "
                "FROM tasks t JOIN flows f ON f.flow_id = t.flow_id WHERE t.state = 'ready' AND t.run_at <= ? "
                f"AND t.flow_type IN ({_in(flow_types)}) ORDER BY t.run_at, t.task_id LIMIT ?")
-    rows = db.all(sql, (now, *flow_types, capacity * 4))
+    rows = db.all(sql, (now, *flow_types, capacity * CLAIM_ROWS_PER_SLOT))
     claimed: list[Claimed] = []
     taking: dict[tuple[str, str], _ClaimWrites] = {}  # locks the claims so far will take
     for r in rows:

@@ -45,6 +45,7 @@ from ._limits import (
     DEFAULT_POLL_SECONDS,
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
     FAILURE_LOG_SECONDS,
+    MAX_CONCURRENT_TASKS,
     MAX_OPTION_SECONDS,
     MAX_WORKER_ERROR_ENTRIES,
     MAX_WORKER_ERRORS_PER_ATTEMPT,
@@ -88,8 +89,9 @@ class WorkerOptions:
         if not isinstance(url, str):
             problems.append(f"database_url must be a str, got {type(url).__name__}: {url!r}")
         tasks = self.max_concurrent_tasks
-        if isinstance(tasks, bool) or not isinstance(tasks, int) or tasks < 1:
-            problems.append(f"max_concurrent_tasks must be a whole number >= 1, got {tasks!r}")
+        if isinstance(tasks, bool) or not isinstance(tasks, int) or not 1 <= tasks <= MAX_CONCURRENT_TASKS:
+            problems.append(
+                f"max_concurrent_tasks must be a whole number from 1 to {MAX_CONCURRENT_TASKS}, got {tasks!r}")
         seconds = ("lease_ttl_seconds", "lease_renew_seconds", "housekeeping_seconds", "poll_seconds",
                    "shutdown_grace_seconds")
         bad = [name for name in seconds if not _seconds(getattr(self, name))]
