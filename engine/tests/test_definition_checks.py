@@ -15,9 +15,12 @@ import pytest
 from dex_engine import (
     Attribute,
     AttributeMap,
+    Channel,
+    ChannelMap,
     Context,
     Flow,
     FlowDefinitionError,
+    InvalidIdError,
     LoadOptions,
     MovementOptions,
     Registry,
@@ -25,6 +28,7 @@ from dex_engine import (
     Step,
     StepDecision,
     StepOptions,
+    Stream,
     WorkerOptions,
     rpc,
 )
@@ -151,5 +155,39 @@ async def test_a_worker_at_the_concurrent_task_limit_runs_steps(db_url: str) -> 
         await eng.start_worker(max_concurrent_tasks=MAX_CONCURRENT_TASKS)
         await eng.client.start_flow("Once", "f")
         assert (await eng.client.wait_for_flow("f", 10)).status == "completed"
+
+
+# C: '[' and ']' in schema names ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [
+        pytest.param(lambda name: Attribute(name, str), "attribute name", id="attribute"),
+        pytest.param(lambda name: AttributeMap(name, str), "attribute map name", id="attribute-map"),
+        pytest.param(lambda name: Channel(name, str), "channel name", id="channel"),
+        pytest.param(lambda name: ChannelMap(name, str), "channel map name", id="channel-map"),
+        pytest.param(lambda name: Stream(name, str), "stream name", id="stream"),
+    ],
+)
+@pytest.mark.parametrize(("name", "char"), [("Cfg[v2]", "["), ("Cfg]", "]")])
+def test_schema_names_refuse_the_brackets_of_a_map_instance(
+    make: Callable[[str], object], kind: str, name: str, char: str
+) -> None:
+    """Catches: Attribute("Cfg[v2]", str) accepted, though locking it failed ("not a declared
+    attribute") and its lock name was that of instance "v2" of a map "Cfg"."""
+    with pytest.raises(InvalidIdError) as caught:
+        make(name)
+    assert str(caught.value) == (f"{kind} {name!r} contains reserved character {char!r}; it marks a map "
+                                 "instance's key, as in 'Name[key]'")
+
+
+def test_keys_step_types_and_flow_ids_may_still_hold_brackets() -> None:
+    """Only schema names are set apart from keys by brackets: a key with them makes a label no plain
+    name can have, and Step types, RPC names and flow IDs never share a label with a key."""
+    assert Tags["a[b]"].label == "Tags[a[b]]"
+    flow = Flow("Flow[1]", [Step("Step[1]", done, options=StepOptions(execute_locks=(Tags["a[b]"],)))],
+                start_step="Step[1]", schema=[Tags])
+    assert flow.steps["Step[1]"].options.execute_locks == (Tags["a[b]"],)
 
 

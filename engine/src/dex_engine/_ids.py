@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ._errors import InvalidIdError
-from ._limits import MAX_ID_LENGTH, RESERVED_ID_CHARACTERS
+from ._limits import MAX_ID_LENGTH, RESERVED_ID_CHARACTERS, RESERVED_NAME_CHARACTERS
 
 
 def check_id(kind: str, value: object) -> str:
@@ -27,6 +27,18 @@ def check_id(kind: str, value: object) -> str:
                 f"{kind} {value!r} contains reserved character {ch!r}; it joins IDs into keys"
             )
     return value
+
+
+def check_name(kind: str, value: object) -> str:
+    """check_id, for a schema name (attribute, channel, stream, or a map of them): also without '['
+    or ']', which set a map instance's key apart in its label and lock ("Name[key]")."""
+    name = check_id(kind, value)
+    for ch in RESERVED_NAME_CHARACTERS:
+        if ch in name:
+            raise InvalidIdError(
+                f"{kind} {name!r} contains reserved character {ch!r}; it marks a map instance's key, "
+                f"as in 'Name[key]'")
+    return name
 
 
 def check_key(kind: str, value: object) -> str:

@@ -20,6 +20,11 @@ MAX_ID_LENGTH = 255
 # control characters and whitespace make IDs unreadable in logs and the CLI.
 RESERVED_ID_CHARACTERS = "/"
 
+# Characters that schema names (attributes, channels, streams and their maps) may not contain, on
+# top of the IDs' rules: a map instance's lock and label is "Name[key]", so a plain attribute named
+# "Cfg[v2]" could not be told from instance "v2" of a map "Cfg" (and could not be locked).
+RESERVED_NAME_CHARACTERS = "[]"
+
 # A stream's default capacity per flow; the oldest events are trimmed beyond it.
 DEFAULT_STREAM_CAPACITY_BYTES = 10 * 1024 * 1024
 

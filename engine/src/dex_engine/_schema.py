@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ._ids import check_id, check_key
+from ._ids import check_key, check_name
 from ._limits import DEFAULT_STREAM_CAPACITY_BYTES
 from ._wait import ChannelCondition, channel_condition
 
@@ -29,14 +29,14 @@ class Attribute(AttributeRef[T]):
     """A typed durable value of a flow."""
 
     def __init__(self, name: str, value_type: Any) -> None:
-        super().__init__(check_id("attribute name", name), "", value_type)
+        super().__init__(check_name("attribute name", name), "", value_type)
 
 
 class AttributeMap(Generic[T]):
     """A keyed family of typed values; each key is stored, loaded and locked on its own."""
 
     def __init__(self, name: str, value_type: Any) -> None:
-        self.name = check_id("attribute map name", name)
+        self.name = check_name("attribute map name", name)
         self.value_type = value_type
 
     def __getitem__(self, key: str) -> AttributeRef[T]:
@@ -80,14 +80,14 @@ class Channel(ChannelRef[T]):
     """A durable FIFO of typed messages per flow."""
 
     def __init__(self, name: str, value_type: Any) -> None:
-        super().__init__(check_id("channel name", name), "", value_type)
+        super().__init__(check_name("channel name", name), "", value_type)
 
 
 class ChannelMap(Generic[T]):
     """A keyed family of independent FIFOs."""
 
     def __init__(self, name: str, value_type: Any) -> None:
-        self.name = check_id("channel map name", name)
+        self.name = check_name("channel map name", name)
         self.value_type = value_type
 
     def __getitem__(self, key: str) -> ChannelRef[T]:
@@ -101,7 +101,7 @@ class Stream(Generic[T]):
     """An append-only event log per flow, trimmed oldest-first beyond `capacity_bytes`."""
 
     def __init__(self, name: str, value_type: Any, capacity_bytes: int = DEFAULT_STREAM_CAPACITY_BYTES) -> None:
-        self.name = check_id("stream name", name)
+        self.name = check_name("stream name", name)
         self.value_type = value_type
         capacity: object = capacity_bytes  # typed int; checked for callers that pass anything
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
