@@ -21,10 +21,12 @@ from dex_engine import (
     Flow,
     FlowDefinitionError,
     InvalidIdError,
+    InvalidValueError,
     LoadOptions,
     MovementOptions,
     Registry,
     RpcContext,
+    RPCResult,
     Step,
     StepDecision,
     StepOptions,
@@ -32,9 +34,11 @@ from dex_engine import (
     WorkerOptions,
     rpc,
 )
+from dex_engine._decision import Movement
 from dex_engine._limits import MAX_CONCURRENT_TASKS
 
 from .conftest import engine_for
+from .test_bad_inputs import refused
 
 Note = Attribute("Note", str)
 Tags = AttributeMap("Tags", str)
@@ -191,3 +195,93 @@ def test_keys_step_types_and_flow_ids_may_still_hold_brackets() -> None:
     assert flow.steps["Step[1]"].options.execute_locks == (Tags["a[b]"],)
 
 
+# D: decisions and RPC results ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reason", [42, None, {"a": 1}], ids=["int", "none", "dict"])
+def test_force_fail_refuses_a_reason_that_is_not_text(reason: Any) -> None:
+    """Catches: force_fail(42) failing its attempt with "'int' object is not subscriptable" (and
+    force_fail(None) failing the flow with no error at all)."""
+    with pytest.raises(InvalidValueError) as caught:
+        StepDecision.force_fail(reason)
+    assert str(caught.value) == (f"a StepDecision's reason (force_fail's) must be a str, got "
+                                 f"{type(reason).__name__}: {reason!r}; give the reason as text")
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        pytest.param(lambda: StepDecision.dead_end().with_canceling_steps(5),  # type: ignore[arg-type]
+                     "with_canceling_steps must be a Step or a Step type's name, got int: 5", id="cancel-int"),
+        pytest.param(lambda: StepDecision.go_to_many(("End",), "End"),  # type: ignore[arg-type]
+                     "go_to_many holds 'End', which is neither a Movement nor a (step, input)", id="many-text"),
+        pytest.param(lambda: StepDecision.go_to("End", None, "fast"),  # type: ignore[arg-type]
+                     "a Movement's options must be MovementOptions or None, got str: 'fast'", id="options-text"),
+        pytest.param(lambda: StepDecision.go_to("End", None, StepOptions()),  # type: ignore[arg-type]
+                     "a Movement's options must be MovementOptions or None, got StepOptions", id="options-step"),
+        pytest.param(lambda: Movement(5),  # type: ignore[arg-type]
+                     "a Movement's step must be a Step or a Step type's name, got int: 5", id="movement-step"),
+        pytest.param(lambda: RPCResult("out", next_steps=Movement("End")),  # type: ignore[arg-type]
+                     "RPCResult next_steps must be a collection of Movements or (step, input) tuples, got "
+                     "Movement(step='End'", id="rpc-one-movement"),
+        pytest.param(lambda: RPCResult("out", canceling_steps=(5,)),  # type: ignore[arg-type]
+                     "RPCResult canceling_steps must be a Step or a Step type's name, got int: 5", id="rpc-cancel-int"),
+    ],
+)
+def test_decisions_refuse_arguments_of_the_wrong_kind(make: Callable[[], object], message: str) -> None:
+    """Catches: these failing later, inside the engine, with AttributeError ('int' object has no
+    attribute 'step_type', 'str' object has no attribute 'load'), with a Step 'E' nobody declared
+    (the text "End" taken as a (step, input, options) tuple), or StepOptions silently taken as a
+    movement's options."""
+    with pytest.raises(InvalidValueError) as caught:
+        make()
+    assert str(caught.value).startswith(message)
+
+
+def test_an_rpc_result_takes_one_name_whole_and_step_input_tuples() -> None:
+    """Catches: canceling_steps="Park" read as the Step types 'P', 'a', 'r', 'k', and next_steps of
+    (step, input) tuples (which go_to_many takes) failing with "'tuple' object has no attribute
+    'step_type'"."""
+    result = RPCResult("out", next_steps=(("Park", None),), canceling_steps="Park")  # type: ignore[arg-type]
+    assert result.next_steps == (Movement("Park", None),)
+    assert result.canceling_steps == ("Park",)
+    decision = StepDecision("dead_end", canceling_steps="Park")  # type: ignore[arg-type]
+    assert decision.canceling_steps == ("Park",)
+
+
+@rpc()
+async def cancel_as_text(ctx: RpcContext, _: None) -> RPCResult[str]:
+    return RPCResult("out", canceling_steps="Park")  # type: ignore[arg-type]
+
+
+@rpc()
+async def next_as_tuple(ctx: RpcContext, _: None) -> RPCResult[str]:
+    return RPCResult("out", next_steps=(("Park", None),))  # type: ignore[arg-type]
+
+
+RPC_FLOW = Flow("Rpcs", [Step("Start", park), Step("Park", park)], start_step="Start",
+                rpcs=[cancel_as_text, next_as_tuple])
+
+
+async def test_an_rpc_result_with_a_name_or_a_tuple_starts_and_cancels_those_steps(db_url: str) -> None:
+    """End to end, with no worker: the (step, input) tuple schedules Park; the name "Park" given
+    alone cancels it (not Steps 'P', 'a', 'r', 'k', which failed the RPC as undeclared)."""
+    async with engine_for(db_url, Registry([RPC_FLOW]), worker=False) as eng:
+        c = eng.client
+        await c.start_flow("Rpcs", "f")
+        assert await c.rpc("f", "next_as_tuple") == "out"
+        active = [s.step_execution_id for s in (await c.describe_flow("f")).active_steps]
+        assert sorted(active) == ["Park-1", "Start-1"]
+        assert await c.rpc("f", "cancel_as_text") == "out"
+        assert [s.step_execution_id for s in (await c.describe_flow("f")).active_steps] == ["Start-1"]
+
+
+@pytest.mark.parametrize("reason", [42, b"stop"], ids=["int", "bytes"])
+async def test_stop_flow_refuses_a_reason_that_is_not_text(db_url: str, reason: Any) -> None:
+    """Catches: stop_flow(flow_id, 42) refused with "'int' object is not subscriptable", which named
+    neither the reason nor its value. The flow is left as it was."""
+    async with engine_for(db_url, Registry([RPC_FLOW]), worker=False) as eng:
+        await eng.client.start_flow("Rpcs", "f")
+        await refused(eng.store, lambda: eng.client.stop_flow("f", reason), InvalidValueError,
+                      "stop_flow's reason", f"got {type(reason).__name__}: {reason!r}")
+        assert (await eng.client.describe_flow("f")).status == "running"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
+from ._errors import InvalidValueError
 from ._options import MovementOptions
 
 if TYPE_CHECKING:
@@ -12,6 +14,47 @@ if TYPE_CHECKING:
 
 OutputT = TypeVar("OutputT")
 
+# The arguments below are checked as a decision is made, each error naming the argument and value:
+# unchecked, a wrong one failed later inside the engine with a TypeError or AttributeError that
+# named neither, or (a str iterated as Step type names) named a Step "P" that nobody wrote.
+
+
+def _step_name(label: str, step: object) -> str:
+    """The Step type `step` (a Step or its type's name) names; InvalidValueError naming `label`."""
+    if isinstance(step, str):
+        return step
+    name = getattr(step, "step_type", None)  # a Step, duck-typed: _flow imports this module
+    if isinstance(name, str):
+        return name
+    raise InvalidValueError(f"{label} must be a Step or a Step type's name, got {type(step).__name__}: {step!r}")
+
+
+def _step_names(label: str, steps: object) -> tuple[str, ...]:
+    """Step types to cancel, as given: one name (a str is taken whole, not as its characters) or any
+    iterable of Steps and names."""
+    if isinstance(steps, str):
+        return (steps,)
+    if not isinstance(steps, Iterable):
+        raise InvalidValueError(f"{label} must be Steps or Step type names, got {type(steps).__name__}: {steps!r}")
+    return tuple(_step_name(label, step) for step in steps)
+
+
+def _movements(label: str, movements: object) -> tuple[Movement, ...]:
+    """Movements as given: each a Movement or a (step, input[, options]) tuple, as go_to_many takes."""
+    if isinstance(movements, Movement) or not isinstance(movements, Iterable) or isinstance(movements, str):
+        raise InvalidValueError(
+            f"{label} must be a collection of Movements or (step, input) tuples, got {movements!r}")
+    return tuple(_movement(label, m) for m in movements)
+
+
+def _movement(label: str, movement: object) -> Movement:
+    if isinstance(movement, Movement):
+        return movement
+    if isinstance(movement, tuple) and 1 <= len(movement) <= 3:
+        return Movement(*movement)
+    raise InvalidValueError(
+        f"{label} holds {movement!r}, which is neither a Movement nor a (step, input) or (step, input, "
+        "options) tuple")
 
 
 @dataclass(frozen=True)
@@ -21,6 +64,13 @@ class Movement:
     step: Step[Any] | str
     input: Any = None
     options: MovementOptions | None = None
+
+    def __post_init__(self) -> None:
+        _step_name("a Movement's step", self.step)
+        options: object = self.options
+        if options is not None and not isinstance(options, MovementOptions):
+            raise InvalidValueError(
+                f"a Movement's options must be MovementOptions or None, got {type(options).__name__}: {options!r}")
 
     @property
     def step_type(self) -> str:
@@ -40,6 +90,17 @@ class StepDecision:
     reason: str = ""
     canceling_steps: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        reason: object = self.reason
+        if not isinstance(reason, str):
+            raise InvalidValueError(
+                f"a StepDecision's reason (force_fail's) must be a str, got {type(reason).__name__}: {reason!r}; "
+                "give the reason as text")
+        if not all(type(m) is Movement for m in self.movements):  # made by go_to and go_to_many: all are
+            object.__setattr__(self, "movements", _movements("StepDecision movements", self.movements))
+        if self.canceling_steps:
+            object.__setattr__(self, "canceling_steps", _step_names("canceling_steps", self.canceling_steps))
+
     @staticmethod
     def go_to(step: Step[Any] | str, input: Any = None, options: MovementOptions | None = None) -> StepDecision:
         return StepDecision("movements", (Movement(step, input, options),))
@@ -47,8 +108,7 @@ class StepDecision:
     @staticmethod
     def go_to_many(*movements: Movement | tuple[Any, ...]) -> StepDecision:
         """Start several Steps at once, e.g. parallel tool calls; each item a Movement or (step, input)."""
-        built = tuple(m if isinstance(m, Movement) else Movement(*m) for m in movements)
-        return StepDecision("movements", built)
+        return StepDecision("movements", _movements("go_to_many", movements))
 
     go_to_multi = go_to_many
 
@@ -73,7 +133,7 @@ class StepDecision:
         return StepDecision("force_fail", reason=reason)
 
     def with_canceling_steps(self, *step_types: Step[Any] | str) -> StepDecision:
-        names = tuple(s if isinstance(s, str) else s.step_type for s in step_types)
+        names = tuple(_step_name("with_canceling_steps", s) for s in step_types)
         return replace(self, canceling_steps=self.canceling_steps + names)
 
 
@@ -84,3 +144,8 @@ class RPCResult(Generic[OutputT]):
     output: OutputT
     next_steps: tuple[Movement, ...] = field(default=())
     canceling_steps: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        # Taken as StepDecision takes them: (step, input) tuples as go_to_many does, one name whole.
+        object.__setattr__(self, "next_steps", _movements("RPCResult next_steps", self.next_steps))
+        object.__setattr__(self, "canceling_steps", _step_names("RPCResult canceling_steps", self.canceling_steps))

@@ -22,6 +22,7 @@ from ._errors import (
     FlowAlreadyStartedError,
     FlowNotActiveError,
     FlowNotFoundError,
+    InvalidValueError,
     RpcLockConflictError,
     StaleAttemptError,
     StepNotWaitingError,
@@ -309,6 +310,11 @@ def _error_text(text: str) -> str:
     """`text` (an error's, a reason, a history detail) as kept: its first MAX_ERROR_TEXT_CHARS
     characters, storable. Cut before and after: a huge error is not copied whole, and its escapes
     do not pass the limit."""
+    given: object = text  # typed str; a caller's reason (stop_flow's, say) may be anything
+    if not isinstance(given, str):
+        raise InvalidValueError(
+            f"a reason or error text (stop_flow's reason, force_fail's) must be a str, got "
+            f"{type(given).__name__}: {given!r:.200}; give it as text")
     return _storable_text(text[:MAX_ERROR_TEXT_CHARS])[:MAX_ERROR_TEXT_CHARS]
 
 
