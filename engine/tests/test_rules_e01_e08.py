@@ -21,6 +21,7 @@ from dex_engine import (
     MAX_VALUE_BYTES,
     AttemptProgress,
     Attribute,
+    AttributeMap,
     Channel,
     ChannelMap,
     ChannelMessageNotFoundError,
@@ -1259,6 +1260,73 @@ async def bump_blind(ctx: RpcContext, _: None) -> None:
     """bump that loads nothing: its lock must still be checked, though it reads no snapshot."""
     ctx.set(Count, 100)
     ctx.publish(Inbox, "bumped")
+
+
+Tags = AttributeMap("Tags", str)
+
+
+@rpc(locks=[Tags["k"]])
+async def write_tag_k(ctx: RpcContext, _: None) -> None:
+    ctx.set(Tags["k"], "rpc")
+
+
+@rpc(locks=[Tags["j"]])
+async def write_tag_j(ctx: RpcContext, _: None) -> None:
+    ctx.set(Tags["j"], "rpc")
+
+
+@rpc(locks=[Tags])
+async def write_tags(ctx: RpcContext, _: None) -> None:
+    ctx.set(Tags["k"], "rpc whole")
+
+
+async def test_e7_a_whole_maps_lock_and_its_instances_locks_exclude_each_other(db_url: str) -> None:
+    """E7 for an AttributeMap: while a Step holds the whole map Tags, a Step locking Tags[k] is not
+    started and an RPC locking Tags[k] fails; while a Step holds Tags[k], an RPC locking Tags fails,
+    and one locking Tags[j] succeeds (instances are locked on their own). Catches: lock names
+    compared as exact text, so a map's lock and its instances' locks never met."""
+    log: list[str] = []
+    released = {"all": asyncio.Event(), "k": asyncio.Event()}
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to_many(("HoldAll", "all"), ("HoldK", "k"))
+
+    def started(name: str) -> Callable[[], Awaitable[bool]]:
+        async def seen() -> bool:
+            return f"{name}-start" in log
+        return seen
+
+    async def hold(ctx: Context, name: str) -> StepDecision:
+        log.append(f"{name}-start")
+        await released[name].wait()
+        log.append(f"{name}-end")
+        return StepDecision.dead_end()
+
+    flow = Flow("E7Map", [
+        Step("Start", start),
+        Step("HoldAll", hold, input_type=str, options=StepOptions(execute_locks=(Tags,))),
+        Step("HoldK", hold, input_type=str, options=StepOptions(execute_locks=(Tags["k"],))),
+    ], start_step="Start", schema=[*SCHEMA, Tags], rpcs=[write_tag_k, write_tag_j, write_tags])
+    async with engine_for(db_url, Registry([flow])) as eng:
+        await eng.client.start_flow("E7Map", "f")
+        await wait_until("HoldAll started", started("all"))
+        with pytest.raises(RpcLockConflictError) as conflict:
+            await eng.client.rpc("f", "write_tag_k")
+        assert conflict.value.lock == "Tags"
+        await asyncio.sleep(0.3)  # polls come and go: none may start HoldK
+        assert "k-start" not in log and await step_state(eng, "f", "HoldK-1") == ("ready", 1)
+
+        released["all"].set()
+        await wait_until("HoldK started", started("k"))
+        assert log.index("all-end") < log.index("k-start")
+        with pytest.raises(RpcLockConflictError) as conflict:
+            await eng.client.rpc("f", "write_tags")
+        assert conflict.value.lock == "Tags[k]"
+        await eng.client.rpc("f", "write_tag_j")
+        released["k"].set()
+        await no_active_steps(eng, "f")
+        assert await eng.client.get_attribute("f", Tags["j"]) == "rpc"
+        assert await eng.client.get_attribute("f", Tags["k"]) is None
 
 
 async def test_e7_step_lock_is_held_between_retries(db_url: str) -> None:

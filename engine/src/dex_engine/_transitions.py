@@ -781,11 +781,27 @@ def _release_locks(db: Db, task_id: int) -> None:
         db.notify()
 
 
+def _locks_conflict(held: str, wanted: str) -> bool:
+    """Whether two lock names exclude each other: the same lock, or a whole map's ("Tags") and one
+    of its instances' ("Tags[k]"). Schema names hold no '[', so "Tags[" starts only Tags' instances."""
+    return held == wanted or held.startswith(wanted + "[") or wanted.startswith(held + "[")
+
+
+def _conflicting_locks_sql(column: str, names: Sequence[str]) -> tuple[str, tuple[object, ...]]:
+    """A condition on the lock name `column` matching every lock that conflicts with one of `names`
+    (_locks_conflict), and its parameters."""
+    exact = sorted({*names, *(n.split("[", 1)[0] for n in names if "[" in n)})
+    wholes = [n for n in names if "[" not in n]  # a map's instances are locked under "name[key]"
+    condition = f"{column} IN ({_in(exact)})" + f" OR substr({column}, 1, ?) = ?" * len(wholes)
+    return f"({condition})", (*exact, *(part for n in wholes for part in (len(n) + 1, n + "[")))
+
+
 def _locks_taken(db: Db, flow_id: str, task_id: int, names: tuple[str, ...]) -> bool:
-    """Whether another task holds one of these locks of the flow."""
+    """Whether another task holds one of these locks of the flow, or one that conflicts with it."""
+    condition, params = _conflicting_locks_sql("lock_name", names)
     return bool(db.all(
-        f"SELECT lock_name FROM locks WHERE flow_id = ? AND lock_name IN ({_in(names)}) AND task_id <> ?",
-        (flow_id, *names, task_id),
+        f"SELECT lock_name FROM locks WHERE flow_id = ? AND {condition} AND task_id <> ?",
+        (flow_id, *params, task_id),
     ))
 
 
@@ -896,7 +912,8 @@ def _claim_row(
     mopts = _method_options(options, str(method))
     locks: tuple[str, ...] = ()
     if not r[14] and mopts.locks:
-        blocker = next((taking[(str(flow_id), n)] for n in mopts.locks if (str(flow_id), n) in taking), None)
+        blocker = next((w for (f, held), w in taking.items()
+                        if f == str(flow_id) and any(_locks_conflict(held, n) for n in mopts.locks)), None)
         if blocker is not None:
             blocker.blocks_others = True
             return None
@@ -1831,10 +1848,11 @@ def next_due(db: Db, flow_types: Sequence[str]) -> int | None:
 def _check_rpc_locks(db: Db, flow_id: str, locks: Sequence[str]) -> None:
     if not locks:
         return
+    condition, params = _conflicting_locks_sql("l.lock_name", locks)
     row = db.one(
         f"SELECT l.lock_name, t.step_execution_id FROM locks l LEFT JOIN tasks t ON t.task_id = l.task_id "
-        f"WHERE l.flow_id = ? AND l.lock_name IN ({_in(locks)}) LIMIT 1",
-        (flow_id, *locks),
+        f"WHERE l.flow_id = ? AND {condition} LIMIT 1",
+        (flow_id, *params),
     )
     if row is not None:
         raise RpcLockConflictError(flow_id, str(row[0]), f"Step {row[1]}")
