@@ -1142,6 +1142,16 @@ def test_invalid_worker_options(kwargs: dict[str, Any], named: str) -> None:
     assert named in str(caught.value)
 
 
+def test_a_worker_refuses_what_is_not_a_registry_or_worker_options() -> None:
+    """Catches: AttributeError from deep inside the worker ('list' object has no attribute 'flows')
+    for a list of Flows, and options given as a dict accepted until first read."""
+    not_a_registry = r"AsyncWorker takes a Registry of Flows, got list: .*Registry\(\[flow, \.\.\.\]\)"
+    with pytest.raises(TypeError, match=not_a_registry):
+        AsyncWorker([FLOW], WorkerOptions())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"options must be WorkerOptions, got dict: \{'poll_seconds': 1\}"):
+        AsyncWorker(REGISTRY, {"poll_seconds": 1})  # type: ignore[arg-type]
+
+
 def test_worker_options_at_their_limits_are_accepted() -> None:
     """The smallest capacity and the tightest renewal that can work are valid, not rejected."""
     options = WorkerOptions(max_concurrent_tasks=1, lease_ttl_seconds=1.0, lease_renew_seconds=0.999,

@@ -176,6 +176,13 @@ class AsyncWorker:
     """
 
     def __init__(self, registry: Registry, options: WorkerOptions | None = None, *, store: Store | None = None) -> None:
+        given: tuple[object, object] = (registry, options)  # typed; checked for callers that pass anything
+        if not isinstance(given[0], Registry):
+            raise TypeError(f"AsyncWorker takes a Registry of Flows, got {type(registry).__name__}: {registry!r:.200}; "
+                            "wrap the Flows: Registry([flow, ...])")
+        if given[1] is not None and not isinstance(given[1], WorkerOptions):
+            raise TypeError(f"AsyncWorker's options must be WorkerOptions, got {type(options).__name__}: "
+                            f"{options!r:.200}; write WorkerOptions(database_url=..., ...)")
         self.registry = registry
         self.options = options or WorkerOptions()
         self._store = store
