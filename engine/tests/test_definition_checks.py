@@ -285,3 +285,33 @@ async def test_stop_flow_refuses_a_reason_that_is_not_text(db_url: str, reason: 
         await refused(eng.store, lambda: eng.client.stop_flow("f", reason), InvalidValueError,
                       "stop_flow's reason", f"got {type(reason).__name__}: {reason!r}")
         assert (await eng.client.describe_flow("f")).status == "running"
+
+
+# Loads of undeclared attributes, and Step options that are not StepOptions -----------------------
+
+
+def test_a_flow_refuses_a_load_of_an_attribute_it_does_not_declare() -> None:
+    """Catches: a typo in LoadOptions.only accepted, loading nothing, and seen only when a handler
+    read the real name (NotLoadedError, or a value that seemed unset)."""
+
+    @rpc(load=LoadOptions.only(Attribute("Nope", str)))
+    async def reads(ctx: RpcContext, _: None) -> None:
+        return None
+
+    with pytest.raises(FlowDefinitionError) as refused_flow:
+        Flow("Loads", [
+            Step("S", done, options=StepOptions(load=LoadOptions.only(Note, Attribute("Notes", str)))),
+            Step("T", done, options=StepOptions(wait_for_load=LoadOptions.only(AttributeMap("Tag", str)["k"]))),
+        ], start_step="S", schema=[Note, Tags], rpcs=[reads])
+    text = str(refused_flow.value)
+    assert "Step 'S' load loads 'Notes', which is not a declared attribute" in text
+    assert "Step 'T' wait_for_load loads 'Tag', which is not a declared attribute" in text
+    assert "RPC 'reads' load loads 'Nope', which is not a declared attribute" in text
+    Flow("Loads", [Step("S", done, options=StepOptions(load=LoadOptions.only(Note, Tags["k"])))],
+         start_step="S", schema=[Note, Tags])
+
+
+def test_a_flow_refuses_step_options_that_are_not_step_options() -> None:
+    """Catches: an AttributeError ('dict' object has no attribute 'failure_route') naming neither."""
+    with pytest.raises(FlowDefinitionError, match=r"Step 'S' options must be StepOptions, got dict: \{'load'"):
+        Flow("Opts", [Step("S", done, options={"load": None})], start_step="S")  # type: ignore[arg-type]

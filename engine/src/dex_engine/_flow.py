@@ -197,6 +197,7 @@ class Flow:
             if problem is not None:
                 problems.append(problem)
             problems.extend(self._lock_problems(f"RPC {r.name!r}", r.locks))
+            problems.extend(self._load_problems(f"RPC {r.name!r} load", r.load))
         for step in self.steps.values():
             problems.extend(self._step_problems(step))
         if problems:
@@ -207,6 +208,9 @@ class Flow:
     def _step_problems(self, step: Step[Any]) -> list[str]:
         out: list[str] = []
         label = f"Step {step.step_type!r}"
+        options: object = step.options  # typed StepOptions; a caller without a type checker may pass anything
+        if not isinstance(options, StepOptions):
+            return [f"{label} options must be StepOptions, got {type(options).__name__}: {options!r:.200}"]
         out.extend(_handler_problems(f"{label} execute", step.execute))
         problem = type_problem(f"{label} input type", step.input_type)
         if problem is not None:
@@ -222,7 +226,18 @@ class Flow:
             out.append(f"{label} failure route {route!r} is not one of the flow's Steps")
         out.extend(self._lock_problems(label, tuple(lock_name(x) for x in step.options.execute_locks)))
         out.extend(self._lock_problems(label, tuple(lock_name(x) for x in step.options.wait_for_locks)))
+        for field_name in ("load", "execute_load", "wait_for_load"):
+            out.extend(self._load_problems(f"{label} {field_name}", getattr(step.options, field_name)))
         return out
+
+    def _load_problems(self, label: str, load: LoadSpec | None) -> list[str]:
+        """Attributes a load names that the Flow does not declare: a typo there loaded nothing, and
+        surfaced only as a NotLoadedError (or a missing value) when a handler read the real name."""
+        if load is None or load.mode != "only":
+            return []
+        named = [*load.names, *(name for name, _ in load.instances)]
+        return [f"{label} loads {name!r}, which is not a declared attribute"
+                for name in dict.fromkeys(named) if name not in self.attributes]
 
     def _lock_problems(self, label: str, locks: tuple[str, ...]) -> list[str]:
         return [
