@@ -18,7 +18,7 @@ from dex_agents import AgentSessionClient, AgentSnapshot
 from dex_agents.demo._agent import build_demo_flow
 from dex_agents.demo._chat import Chat
 from dex_agents.demo._lines import TerminalLines
-from dex_engine import AsyncClient, AsyncWorker, Registry, WorkerOptions
+from dex_engine import AsyncClient, AsyncWorker, Registry, StreamRead, WorkerOptions
 
 SESSION = "chat"
 WAIT_SECONDS = 60.0
@@ -193,3 +193,30 @@ async def test_a_resumed_chat_sees_the_end_of_a_turn_that_ends_as_it_opens(setup
     async with asyncio.timeout(WAIT_SECONDS):
         await terminal.chat.open()
     assert "turn cancelled" in terminal.shown()
+
+
+async def test_skipping_to_the_end_reads_every_page(setup: Setup) -> None:
+    """Moving past what was written before (another chat's turns) reads page after page, up to the
+    end. Catches: one read taken for the end, so a long session's older events (past one page)
+    were shown as the reply to the next message."""
+    sessions = setup.sessions
+    first = setup.terminal()
+    await first.chat.open()
+    for text in ("/echo one", "/echo two"):
+        await sessions.send_user_message(SESSION, text)
+        async with asyncio.timeout(WAIT_SECONDS):
+            await first.chat.follow_turn()
+
+    class SmallPages(AgentSessionClient):
+        async def read_agent_events(self, session_id: str, resume_token: str | None = None, *,
+                                    wait_seconds: float = 0.0, limit: int = 3) -> StreamRead:
+            return await super().read_agent_events(session_id, resume_token, wait_seconds=wait_seconds,
+                                                   limit=min(limit, 3))
+
+    total = len((await sessions.read_agent_events(SESSION, limit=1_000_000)).events)
+    assert total > 3 * 2, total  # more than two pages
+    terminal = setup.terminal()
+    terminal.chat.sessions = SmallPages(sessions.client, sessions.flow)
+    await terminal.chat._skip_to_end()
+    rest = await sessions.read_agent_events(SESSION, terminal.chat.token)
+    assert rest.events == []
