@@ -58,6 +58,8 @@ class SearchQueryError(DexError, ValueError):
 
 
 _TERM = re.compile(r'\s*(FlowType|FlowStatus|ActiveStepTypes)\s*=\s*"([^"]*)"\s*')
+# Between terms. Matched after a whole term, never split on first: a quoted name may hold "AND".
+_AND = re.compile(r"AND\b")
 
 
 def parse_search(query: str) -> dict[str, str]:
@@ -68,17 +70,28 @@ def parse_search(query: str) -> dict[str, str]:
         raise SearchQueryError(f"search query must be text, got {type(given).__name__}: {given!r:.60}")
     if not query.strip():
         return terms
-    for part in re.split(r"\bAND\b", query):
-        m = _TERM.fullmatch(part)
-        if m is None:
-            raise SearchQueryError(
-                f"cannot parse {part.strip()!r} in search query {query!r}; use "
-                'FlowType = "...", FlowStatus = "...", ActiveStepTypes = "..." joined with AND'
-            )
-        if m.group(1) in terms:
-            raise SearchQueryError(f"{m.group(1)} appears twice in search query {query!r}")
-        terms[m.group(1)] = m.group(2)
-    return terms
+    at = 0
+    while True:
+        term = _TERM.match(query, at)
+        if term is None:
+            raise _unparsed(query, at)
+        if term.group(1) in terms:
+            raise SearchQueryError(f"{term.group(1)} appears twice in search query {query!r}")
+        terms[term.group(1)] = term.group(2)
+        at = term.end()
+        if at == len(query):
+            return terms
+        joint = _AND.match(query, at)
+        if joint is None:
+            raise _unparsed(query, at)
+        at = joint.end()
+
+
+def _unparsed(query: str, at: int) -> SearchQueryError:
+    return SearchQueryError(
+        f"cannot parse {query[at:].strip()!r} in search query {query!r}; use "
+        'FlowType = "...", FlowStatus = "...", ActiveStepTypes = "..." joined with AND'
+    )
 
 
 def known_flow_id(flow_id: object) -> str:
