@@ -53,3 +53,18 @@ async def test_search_finds_names_that_hold_and(db_url: str) -> None:
                       'FlowType = "Plan-AND-Do" FlowStatus = "running"'):
             with pytest.raises(SearchQueryError, match="cannot parse"):
                 await c.search_flows(glued)
+
+
+@pytest.mark.parametrize("status", ["Completed", "done", "", "running "])
+async def test_search_for_an_unknown_status_is_refused(db_url: str, status: str) -> None:
+    """A FlowStatus that is none of running, completed, failed, stopped raises SearchQueryError
+    naming it and listing those four. Catches: `FlowStatus = "Completed"` (or "done", or "")
+    silently matching nothing, so a typo read as "no such flows"."""
+    async with engine_for(db_url, SEARCH_REGISTRY, worker=False) as eng:
+        await eng.client.start_flow("Plan-AND-Do", "p")
+        with pytest.raises(SearchQueryError) as caught:
+            await eng.client.search_flows(f'FlowType = "Plan-AND-Do" AND FlowStatus = "{status}"')
+        message = str(caught.value)
+        assert f"FlowStatus {status!r}" in message
+        assert '"running", "completed", "failed", "stopped"' in message
+        assert await eng.client.search_flows('FlowStatus = "running"') == ["p"]

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 from ._codec import decode_value, encode_value
 from ._context import RpcContext
@@ -26,7 +26,7 @@ from ._limits import (
 )
 from ._open import open_store, shown_url
 from ._options import FlowConfig, is_number
-from ._records import FlowInfo, HistoryEntry, MovementRecord, StartRequest
+from ._records import FlowInfo, FlowStatus, HistoryEntry, MovementRecord, StartRequest
 from ._scheduling import movement_record, start_record
 from ._schema import AttributeMap, AttributeRef, ChannelRef, Stream
 from ._store import Store
@@ -58,6 +58,8 @@ class SearchQueryError(DexError, ValueError):
 
 
 _TERM = re.compile(r'\s*(FlowType|FlowStatus|ActiveStepTypes)\s*=\s*"([^"]*)"\s*')
+# The values FlowStatus takes, read from its Literal so the two cannot drift apart.
+_FLOW_STATUSES: tuple[str, ...] = get_args(FlowStatus)
 # Between terms. Matched after a whole term, never split on first: a quoted name may hold "AND".
 _AND = re.compile(r"AND\b")
 
@@ -77,7 +79,7 @@ def parse_search(query: str) -> dict[str, str]:
             raise _unparsed(query, at)
         if term.group(1) in terms:
             raise SearchQueryError(f"{term.group(1)} appears twice in search query {query!r}")
-        terms[term.group(1)] = term.group(2)
+        terms[term.group(1)] = _term_value(query, term.group(1), term.group(2))
         at = term.end()
         if at == len(query):
             return terms
@@ -85,6 +87,16 @@ def parse_search(query: str) -> dict[str, str]:
         if joint is None:
             raise _unparsed(query, at)
         at = joint.end()
+
+
+def _term_value(query: str, name: str, value: str) -> str:
+    """`value`, checked when `name` has a closed set of values: a misspelt status matched nothing."""
+    if name == "FlowStatus" and value not in _FLOW_STATUSES:
+        raise SearchQueryError(
+            f"FlowStatus {value!r} in search query {query!r} is not a flow status; use one of "
+            + ", ".join(f'"{status}"' for status in _FLOW_STATUSES)
+        )
+    return value
 
 
 def _unparsed(query: str, at: int) -> SearchQueryError:
