@@ -3,11 +3,29 @@ concurrent RPCs on one flow from one client."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 
-from dex_engine import Channel, Context, Flow, Registry, SearchQueryError, Step, StepDecision, Wait
+from dex_engine import (
+    AsyncClient,
+    Attribute,
+    AttributeMap,
+    Channel,
+    Context,
+    Flow,
+    LoadOptions,
+    Registry,
+    RpcContentionError,
+    RpcContext,
+    SearchQueryError,
+    Step,
+    StepDecision,
+    Wait,
+    rpc,
+)
+from dex_engine._limits import MAX_RPC_TRIES
 
 from .conftest import engine_for, wait_until
 
@@ -68,3 +86,114 @@ async def test_search_for_an_unknown_status_is_refused(db_url: str, status: str)
         assert f"FlowStatus {status!r}" in message
         assert '"running", "completed", "failed", "stopped"' in message
         assert await eng.client.search_flows('FlowStatus = "running"') == ["p"]
+
+
+# Concurrent RPCs on one flow -------------------------------------------------------------------
+
+Count = Attribute("Count", int)
+Notes = AttributeMap("Notes", int)
+
+
+@rpc()
+async def increment(ctx: RpcContext, _request: Any) -> int:
+    await asyncio.sleep(0)  # an await, as any real handler has, lets the other calls read the same version
+    count = (ctx.get(Count) or 0) + 1
+    ctx.set(Count, count)
+    return count
+
+
+note_runs: list[int] = []
+
+
+@rpc(request_type=int, load=LoadOptions.none())
+async def note(ctx: RpcContext, request: int) -> None:
+    note_runs.append(request)
+    ctx.set(Notes[str(request)], request)  # loads nothing: commits with no snapshot read before
+
+
+runs: list[int] = []
+overtaker: list[AsyncClient] = []  # the client that writes to the flow during each run
+
+
+@rpc()
+async def always_overtaken(ctx: RpcContext, _request: Any) -> None:
+    """Each run publishes before it commits: another write to the flow, so its snapshot is stale."""
+    runs.append(1)
+    await overtaker[0].publish("c", Inbox, len(runs))
+    ctx.set(Count, -1)
+
+
+COUNTER = Flow("Counter", [Step("Listen", complete, wait_for=wait_for_inbox)], start_step="Listen",
+               schema=[Inbox, Count, Notes], rpcs=[increment, note, always_overtaken])
+COUNTER_REGISTRY = Registry([COUNTER])
+
+
+async def test_many_concurrent_rpcs_of_one_client_on_one_flow_all_commit(db_url: str) -> None:
+    """E8 serializes an RPC with every other change to its flow, so however many RPCs one client
+    runs on one flow at once, each commits exactly once. Catches: optimistic retries in which each
+    round committed one call and sent all the others round again, so with more than MAX_RPC_TRIES
+    concurrent calls the rest failed with RpcContentionError ("saw the flow change on each of 64
+    tries"). Calls that need no snapshot (`note`) run among them and must neither fail nor be lost,
+    and each runs its handler once: one that finishes while another call holds the flow's turn waits
+    for the turn and commits what it computed."""
+    calls = 3 * MAX_RPC_TRIES
+    note_runs.clear()
+    async with engine_for(db_url, COUNTER_REGISTRY, worker=False) as eng:
+        c = eng.client
+        await c.start_flow("Counter", "c")
+        results = await asyncio.gather(
+            *(c.rpc("c", "increment") for _ in range(calls)),
+            *(c.rpc("c", "note", i) for i in range(calls)),
+        )
+        assert sorted(results[:calls]) == list(range(1, calls + 1))  # each saw the one before it
+        assert await c.get_attribute("c", Count) == calls
+        assert await c.get_attribute_map("c", Notes) == {str(i): i for i in range(calls)}
+        assert sorted(note_runs) == list(range(calls))
+        assert not c._rpc_turns._turns  # a flow's turn is dropped when its last RPC leaves it
+
+
+async def test_an_rpc_overtaken_on_every_try_runs_its_handler_max_tries_times(db_url: str) -> None:
+    """When a writer outside the client changes the flow before each commit, the RPC gives up with
+    RpcContentionError naming it, the flow and MAX_RPC_TRIES, having run its handler exactly that
+    many times and committed nothing. Pins the bound on handler runs that taking turns must keep."""
+    runs.clear()
+    async with engine_for(db_url, COUNTER_REGISTRY, worker=False) as eng:
+        overtaker[:] = [eng.client]
+        await eng.client.start_flow("Counter", "c")
+        with pytest.raises(RpcContentionError) as caught:
+            await eng.client.rpc("c", "always_overtaken")
+        assert len(runs) == MAX_RPC_TRIES
+        message = str(caught.value)
+        assert "'always_overtaken'" in message
+        assert "'c'" in message
+        assert f"each of {MAX_RPC_TRIES} tries" in message
+        assert await eng.client.get_attribute("c", Count) is None
+        assert not eng.client._rpc_turns._turns
+
+
+async def test_rpcs_that_start_while_a_turn_is_taken_wait_for_it(db_url: str) -> None:
+    """While an RPC of the client holds a flow's turn (here the test holds it), the client's other
+    RPCs on that flow neither read a snapshot nor commit a blind run: they wait for the turn, then
+    all commit, a blind handler having run once. Catches: RPCs racing the turn's holder, which could
+    make it lose on every try; and a blind run that waited being run again."""
+    note_runs.clear()
+    async with engine_for(db_url, COUNTER_REGISTRY, worker=False) as eng:
+        c = eng.client
+        await c.start_flow("Counter", "c")
+        turns = c._rpc_turns
+        async with turns.turn("c"):
+            calls = [asyncio.ensure_future(c.rpc("c", "increment")) for _ in range(3)]
+            calls += [asyncio.ensure_future(c.rpc("c", "note", i)) for i in range(3)]
+
+            async def all_waiting() -> bool:
+                return turns._turns[asyncio.get_running_loop(), "c"].users == 1 + len(calls)
+
+            await wait_until("every call waiting for the turn", all_waiting)
+            assert await c.get_attribute("c", Count) is None
+            assert await c.get_attribute_map("c", Notes) == {}
+            assert sorted(note_runs) == [0, 1, 2]
+        assert sorted(await asyncio.gather(*calls[:3])) == [1, 2, 3]
+        await asyncio.gather(*calls[3:])
+        assert await c.get_attribute_map("c", Notes) == {"0": 0, "1": 1, "2": 2}
+        assert sorted(note_runs) == [0, 1, 2]
+        assert not turns._turns

@@ -7,15 +7,16 @@ import concurrent.futures
 import re
 import threading
 import time
-from collections.abc import Coroutine
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, get_args
 
 from ._codec import decode_value, encode_value
 from ._context import RpcContext
 from ._decision import RPCResult
 from ._errors import DexError, FlowNotFoundError, InvalidValueError, RpcContentionError, StepNotWaitingError
-from ._flow import Flow, Registry
+from ._flow import Flow, Registry, Rpc
 from ._ids import check_id
 from ._limits import (
     CLIENT_FLOW_TYPE_CACHE_ENTRIES,
@@ -26,7 +27,7 @@ from ._limits import (
 )
 from ._open import open_store, shown_url
 from ._options import FlowConfig, is_number
-from ._records import FlowInfo, FlowStatus, HistoryEntry, MovementRecord, StartRequest
+from ._records import FlowInfo, FlowStatus, HistoryEntry, MovementRecord, StartRequest, WriteSet
 from ._scheduling import movement_record, start_record
 from ._schema import AttributeMap, AttributeRef, ChannelRef, Stream
 from ._store import Store
@@ -118,6 +119,75 @@ def known_flow_id(flow_id: object) -> str:
     return flow_id
 
 
+@dataclass(frozen=True)
+class _RpcCall:
+    """One RPC call: its flow, handler and request (decoded into the declared type)."""
+
+    flow: Flow
+    flow_id: str
+    handler: Rpc
+    request: Any
+
+
+@dataclass(frozen=True)
+class _RpcOutcome:
+    """What one run of an RPC handler returned and would commit."""
+
+    output: Any
+    writes: WriteSet
+    records: list[MovementRecord]
+    canceling: tuple[str, ...]
+
+
+class _FlowTypeChanged(Exception):
+    """An RPC's snapshot names another flow type than the one its handler was looked up for."""
+
+
+@dataclass
+class _Turn:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0  # RPCs holding or waiting for it; the turn is dropped when the last one leaves
+
+
+class _RpcTurns:
+    """Lets one client's RPCs on a flow retry one at a time.
+
+    Every try of an RPC reads the flow's version and commits only if it is unchanged (E8). Concurrent
+    RPCs of one client on one flow read the same version, so each round only one of them commits: n
+    of them take up to n rounds, and with more than MAX_RPC_TRIES the rest failed with
+    RpcContentionError. So an RPC that lost a race retries in its flow's turn, and an RPC that would
+    write while the turn is taken (read a snapshot, or commit a blind run) waits for the turn instead.
+    The holder then loses to this client at most once to a snapshot read before the turn was taken,
+    and once to each blind commit already under way; otherwise only to writers outside this client
+    (Steps, publishes, other clients and processes). An uncontended RPC never takes the turn: it
+    costs a dict lookup.
+
+    Keyed by event loop too: an asyncio.Lock belongs to one loop, and a client may be used from
+    several. A turn lives only while an RPC holds or waits for it, so the table stays small.
+    """
+
+    def __init__(self) -> None:
+        self._turns: dict[tuple[asyncio.AbstractEventLoop, str], _Turn] = {}
+
+    def taken(self, flow_id: str) -> bool:
+        return (asyncio.get_running_loop(), flow_id) in self._turns
+
+    @asynccontextmanager
+    async def turn(self, flow_id: str) -> AsyncIterator[None]:
+        key = (asyncio.get_running_loop(), flow_id)
+        turn = self._turns.get(key)
+        if turn is None:
+            turn = self._turns[key] = _Turn()
+        turn.users += 1
+        try:
+            async with turn.lock:
+                yield
+        finally:
+            turn.users -= 1
+            if turn.users == 0:
+                del self._turns[key]
+
+
 class AsyncClient:
     """Talks to one database on behalf of the Registry's Flows. RPC handlers run in this process."""
 
@@ -132,6 +202,7 @@ class AsyncClient:
         # again under their ID, so one lookup per flow serves every later call (RPCs check it again
         # against their snapshot). Bounded: cleared when full.
         self._flow_types: dict[str, str] = {}
+        self._rpc_turns = _RpcTurns()
 
     @property
     def store(self) -> Store:
@@ -186,37 +257,84 @@ class AsyncClient:
             # The handler sees the request as a worker would after a network hop: decoded into the
             # declared type, so a dict shaped like the request arrives as the request, never as a dict.
             request = decode_value(label, handler.request_type, data)
-        if handler.load.mode == "none" and not handler.locks:
-            # A handler that loads nothing and reads no pending message decides from its request
-            # alone: its writes need no snapshot to be checked against, so they commit in one
-            # transaction with no read before. Anything else takes the snapshot path below.
-            ctx = RpcContext(flow, flow_id, {}, handler.load, {}, name)
-            try:
-                output, records, canceling = self._rpc_outcome(flow, await handler.handler(ctx, request))
-            except Exception:
-                pass  # run again on a snapshot, where its error (or a missing flow) is reported as usual
-            else:
-                if not ctx.pending_read and not (ctx.writes.empty() and not records and not canceling):
-                    await self._store.rpc_commit(flow_id, None, handler.locks, ctx.writes, records, canceling)
-                    return output
-        for _ in range(MAX_RPC_TRIES):
-            snap = await self._store.rpc_read(flow_id, handler.load, handler.locks)
-            if snap.flow_type != flow.flow_type:
-                # Not reached while flows keep their IDs for good; never run a handler of another type.
-                self._flow_types.pop(flow_id, None)
-                return await self.rpc(flow_id, name, request)
-            ctx = RpcContext(flow, flow_id, snap.attributes, handler.load, snap.pending, name, snap.in_flight)
-            output, records, canceling = self._rpc_outcome(flow, await handler.handler(ctx, request))
-            if ctx.writes.empty() and not records and not canceling:
+        try:
+            return await self._run_rpc(_RpcCall(flow, flow_id, handler, request))
+        except _FlowTypeChanged:
+            # Not reached while flows keep their IDs for good; never run a handler of another type.
+            # Out here, not where it was seen: that RPC may hold the flow's turn, which is not reentrant.
+            self._flow_types.pop(flow_id, None)
+            return await self.rpc(flow_id, name, request)
+
+    async def _run_rpc(self, call: _RpcCall) -> Any:
+        """First optimistically; after a lost race, or while another RPC of this client holds the
+        flow's turn, in that turn (_RpcTurns). The handler runs at most 1 + MAX_RPC_TRIES times:
+        once with no snapshot (_rpc_blind), then on snapshots."""
+        blind = await self._rpc_blind(call)
+        turns = self._rpc_turns
+        tries = MAX_RPC_TRIES
+        if not turns.taken(call.flow_id):  # checked after the blind run's awaits, right before writing
+            if blind is not None:
+                return await self._rpc_commit_blind(call, blind)
+            settled, output = await self._rpc_on_snapshot(call)
+            if settled:
                 return output
-            try:
-                await self._store.rpc_commit(flow_id, snap.version, handler.locks, ctx.writes, records, canceling)
-            except RpcVersionChanged:
-                continue
-            return output
+            tries -= 1
+        # Racing the turn's holder could make it lose again and again: queue behind it instead.
+        async with turns.turn(call.flow_id):
+            if blind is not None:
+                return await self._rpc_commit_blind(call, blind)
+            return await self._rpc_snapshots(call, tries)
+
+    async def _rpc_blind(self, call: _RpcCall) -> _RpcOutcome | None:
+        """The outcome of a handler that loads nothing and reads no pending message: it decides from
+        its request alone, so its writes need no snapshot to be checked against and commit in one
+        transaction with no read before. None for any other handler, and when it raises or writes
+        nothing: it then runs on a snapshot, where its error (or a missing flow) is reported as usual."""
+        handler = call.handler
+        if handler.load.mode != "none" or handler.locks:
+            return None
+        ctx = RpcContext(call.flow, call.flow_id, {}, handler.load, {}, handler.name)
+        try:
+            output, records, canceling = self._rpc_outcome(call.flow, await handler.handler(ctx, call.request))
+        except Exception:
+            return None
+        if ctx.pending_read or (ctx.writes.empty() and not records and not canceling):
+            return None
+        return _RpcOutcome(output, ctx.writes, records, canceling)
+
+    async def _rpc_commit_blind(self, call: _RpcCall, blind: _RpcOutcome) -> Any:
+        await self._store.rpc_commit(call.flow_id, None, call.handler.locks, blind.writes, blind.records,
+                                     blind.canceling)
+        return blind.output
+
+    async def _rpc_snapshots(self, call: _RpcCall, tries: int) -> Any:
+        """Up to `tries` tries on snapshots; RpcContentionError when the flow changed under each."""
+        for _ in range(tries):
+            settled, output = await self._rpc_on_snapshot(call)
+            if settled:
+                return output
         raise RpcContentionError(
-            f"RPC {name!r} on flow {flow_id!r} saw the flow change on each of {MAX_RPC_TRIES} tries; nothing committed"
+            f"RPC {call.handler.name!r} on flow {call.flow_id!r} saw the flow change on each of {MAX_RPC_TRIES} "
+            "tries (other writers to it: workers, other clients or processes); nothing committed, call it again"
         )
+
+    async def _rpc_on_snapshot(self, call: _RpcCall) -> tuple[bool, Any]:
+        """One try on a snapshot: (True, output) once it committed or wrote nothing, (False, None)
+        when the flow changed before its commit."""
+        handler = call.handler
+        snap = await self._store.rpc_read(call.flow_id, handler.load, handler.locks)
+        if snap.flow_type != call.flow.flow_type:
+            raise _FlowTypeChanged()
+        ctx = RpcContext(call.flow, call.flow_id, snap.attributes, handler.load, snap.pending, handler.name,
+                         snap.in_flight)
+        output, records, canceling = self._rpc_outcome(call.flow, await handler.handler(ctx, call.request))
+        if ctx.writes.empty() and not records and not canceling:
+            return True, output
+        try:
+            await self._store.rpc_commit(call.flow_id, snap.version, handler.locks, ctx.writes, records, canceling)
+        except RpcVersionChanged:
+            return False, None
+        return True, output
 
     @staticmethod
     def _rpc_outcome(flow: Flow, result: Any) -> tuple[Any, list[MovementRecord], tuple[str, ...]]:
