@@ -256,6 +256,15 @@ async def misuse_rpc(ctx: RpcContext, what: str) -> None:
     misuse(ctx, what)
 
 
+KEPT_RPC_CONTEXTS: list[RpcContext] = []  # contexts keep_rpc_context handed on past its return
+
+
+@rpc(name="keep_rpc_context")
+async def keep_rpc_context(ctx: RpcContext, _: None) -> None:
+    KEPT_RPC_CONTEXTS.append(ctx)
+    ctx.set(Note, "kept")
+
+
 @rpc(request_type=int)
 async def takes_int(ctx: RpcContext, n: int) -> int:
     ctx.set(Count, n)
@@ -278,7 +287,7 @@ FLOW = Flow(
     ],
     start_step="Start",
     schema=[Note, Count, Tags, Inbox, Boxes, Events, Other],
-    rpcs=[note, append, misuse_rpc, takes_int],
+    rpcs=[note, append, misuse_rpc, takes_int, keep_rpc_context],
 )
 OTHER_FLOW = Flow("OtherType", [Step("Start", start, input_type=str)], start_step="Start")
 REGISTRY = Registry([FLOW, OTHER_FLOW])
@@ -1501,4 +1510,22 @@ async def test_a_context_written_after_its_handler_returned_refuses_the_write(db
             assert str(refused.value).startswith(f"ctx.{call} after execute of Start-1 (attempt 1) returned: ")
         assert await c.get_attribute("f", Count) is None
         assert (await c.read_stream("f", Events)).events == []
+
+
+async def test_an_rpc_context_written_after_its_handler_returned_refuses_the_write(db_url: str) -> None:
+    """As for a Step's context: a write through an RPC's context kept past its return raises
+    StaleAttemptError naming the RPC and the flow, and only what the handler wrote is stored.
+    Catches: the late write accepted and lost."""
+    KEPT_RPC_CONTEXTS.clear()
+    async with engine_for(db_url, REGISTRY) as eng:
+        c = eng.client
+        await c.start_flow("Bad", "f", "listen")
+        await c.rpc("f", "keep_rpc_context")
+        kept = KEPT_RPC_CONTEXTS[-1]
+        with pytest.raises(StaleAttemptError) as refused_write:
+            kept.set(Note, "late")
+        assert str(refused_write.value).startswith("ctx.set after RPC 'keep_rpc_context' on flow 'f' returned: ")
+        with pytest.raises(StaleAttemptError):
+            kept.publish(Inbox, 1)
+        assert await c.get_attribute("f", Note) == "kept"
 

@@ -295,7 +295,7 @@ class AsyncClient:
             return None
         ctx = RpcContext(call.flow, call.flow_id, {}, handler.load, {}, handler.name)
         try:
-            output, records, canceling = self._rpc_outcome(call.flow, await handler.handler(ctx, call.request))
+            output, records, canceling = await self._handled(call, ctx)
         except Exception:
             return None
         if ctx.pending_read or (ctx.writes.empty() and not records and not canceling):
@@ -327,7 +327,7 @@ class AsyncClient:
             raise _FlowTypeChanged()
         ctx = RpcContext(call.flow, call.flow_id, snap.attributes, handler.load, snap.pending, handler.name,
                          snap.in_flight)
-        output, records, canceling = self._rpc_outcome(call.flow, await handler.handler(ctx, call.request))
+        output, records, canceling = await self._handled(call, ctx)
         if ctx.writes.empty() and not records and not canceling:
             return True, output
         try:
@@ -335,6 +335,14 @@ class AsyncClient:
         except RpcVersionChanged:
             return False, None
         return True, output
+
+    async def _handled(self, call: _RpcCall, ctx: RpcContext) -> tuple[Any, list[MovementRecord], tuple[str, ...]]:
+        """One run of the handler on `ctx`, which then refuses writes: a task the handler left
+        holding it would otherwise write into a commit that has already happened."""
+        try:
+            return self._rpc_outcome(call.flow, await call.handler.handler(ctx, call.request))
+        finally:
+            ctx.close(f"RPC {call.handler.name!r} on flow {call.flow_id!r} returned")
 
     @staticmethod
     def _rpc_outcome(flow: Flow, result: Any) -> tuple[Any, list[MovementRecord], tuple[str, ...]]:
