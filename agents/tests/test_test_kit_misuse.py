@@ -118,3 +118,47 @@ def test_a_file_gate_reached_by_two_threads_at_once(tmp_path: Path) -> None:
     assert failures == []
     # Every temporary file became a gate's reached file.
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"lookup-{n}.reached" for n in range(GATE_RACE_ROUNDS))
+
+
+async def test_wait_until_with_no_time_left_still_asks_an_async_probe_once() -> None:
+    """Catches: the probe cut off the moment it started, so timeout=0 never saw an answer that
+    was already there (a sync probe always got one look)."""
+
+    async def ready() -> str:
+        await asyncio.sleep(0)
+        return "ready"
+
+    assert await wait_until("an answer", ready, timeout=0) == "ready"
+
+
+async def test_a_file_gate_after_a_kill_waits_for_the_retrys_process(tmp_path: Path) -> None:
+    """A Worker killed at a gate leaves its pid there; the retry in the next Worker marks the gate
+    again, and wait_until_reached(other_than=...) waits for it; reset() makes the gate stop the
+    next handler again. Catches: the dead Worker's pid returned at once after a restart, before
+    the retry had reached the gate."""
+    gate = FileGate(tmp_path, "refund")
+    killed = os.getpid() + 100_000  # no such process here: the Worker killed at the gate
+    gate.reached_path.write_text(str(killed))
+    assert await gate.wait_until_reached() == killed
+    with pytest.raises(AssertionError, match=f"gate refund reached by a process other than {killed}"):
+        await gate.wait_until_reached(timeout=0.2, other_than=killed)
+    gate.release()
+    await gate.wait_for_release()  # the retry passes the released gate, marking it as its own
+    assert await gate.wait_until_reached(other_than=killed) == os.getpid()
+    gate.reset()
+    assert not gate.reached and not gate.release_path.exists()
+
+
+async def test_a_stack_in_a_relative_directory_shares_it_with_a_worker_started_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative tmp_path and a worker_cwd elsewhere (seed 003's PACKAGE_DIR). Catches: the Worker
+    reading the relative path from its own directory, serving another database the test never saw
+    (start_worker timed out waiting for it to register)."""
+    monkeypatch.chdir(tmp_path)
+    async with AgentTestStack(Path("state"), [build_flow(tmp_path / "state")], WORKER_MODULE,
+                              worker_cwd=REPO_ROOT) as stack:
+        worker = await stack.start_worker()
+        assert stack.state_dir == tmp_path / "state"
+        assert worker.alive
+    assert not (REPO_ROOT / "state").exists()

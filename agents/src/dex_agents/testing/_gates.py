@@ -34,15 +34,15 @@ class FileGate:
         os.replace(tmp, self.reached_path)  # the test never sees the file without the pid
 
     async def wait_for_release(self) -> None:
-        """Mark the gate reached (if not yet) and wait, yielding, until the test releases it."""
-        if not self.reached_path.exists():
-            self.mark_reached()
+        """Mark the gate reached by this process and wait, yielding, until the test releases it.
+        Marked again on every call: a retry in a new Worker, after the first was killed here,
+        replaces the dead Worker's pid."""
+        self.mark_reached()
         await wait_until(f"gate {self.name} released", self.release_path.exists, timeout=float("inf"))
 
     def wait_for_release_blocking(self, poll: float = 0.01) -> None:
         """The same from a thread (e.g. a sync tool run in a worker thread)."""
-        if not self.reached_path.exists():
-            self.mark_reached()
+        self.mark_reached()
         while not self.release_path.exists():
             time.sleep(poll)
 
@@ -50,13 +50,30 @@ class FileGate:
     def reached(self) -> bool:
         return self.reached_path.exists()
 
-    async def wait_until_reached(self, timeout: float = DEFAULT_WAIT_SECONDS) -> int:
-        """Wait until a handler reached the gate; return the pid of the process that reached it."""
-        await wait_until(f"gate {self.name} reached", self.reached_path.exists, timeout=timeout)
-        return int(self.reached_path.read_text())
+    async def wait_until_reached(self, timeout: float = DEFAULT_WAIT_SECONDS, *, other_than: int | None = None) -> int:
+        """Wait until a handler reached the gate; return the pid of the process that reached it.
+        With `other_than` (the pid of a Worker killed at the gate), wait until another process
+        reached it: the retry in the Worker that took over."""
+
+        def reached_by() -> int | None:
+            try:
+                pid = int(self.reached_path.read_text())
+            except FileNotFoundError:
+                return None
+            return None if pid == other_than else pid
+
+        waited_for = f"gate {self.name} reached" + (f" by a process other than {other_than}" if other_than else "")
+        found: int = await wait_until(waited_for, reached_by, timeout=timeout)
+        return found
 
     def release(self) -> None:
         self.release_path.write_text("go")
+
+    def reset(self) -> None:
+        """Neither reached nor released: the gate stops the next handler again (a second kill at
+        the same point, say)."""
+        self.reached_path.unlink(missing_ok=True)
+        self.release_path.unlink(missing_ok=True)
 
 
 class InvocationLog:

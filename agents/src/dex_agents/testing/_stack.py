@@ -151,7 +151,8 @@ class AgentTestStack:
         database_url: str | None = None,
         lease_ttl_seconds: float = DEFAULT_TEST_LEASE_TTL_SECONDS,
     ) -> None:
-        self.state_dir = Path(tmp_path)
+        # Absolute: the Worker starts in worker_cwd, where a relative path names another database.
+        self.state_dir = Path(tmp_path).resolve()
         self.flows = list(flows)
         self.worker_module = worker_module
         self.worker_cwd = Path(worker_cwd) if worker_cwd is not None else Path.cwd()

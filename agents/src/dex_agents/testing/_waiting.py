@@ -17,6 +17,8 @@ T = TypeVar("T")
 # Long enough for a Worker restart plus a lease takeover on a loaded CI machine.
 DEFAULT_WAIT_SECONDS = 30.0
 POLL_SECONDS = 0.02
+# How long an awaited probe started at the deadline may still run: a snapshot read takes well under it.
+PROBE_GRACE_SECONDS = 1.0
 
 
 async def wait_until(
@@ -29,7 +31,8 @@ async def wait_until(
     """Poll `probe` (sync or async) until it returns a truthy value, and return it.
 
     Raises AssertionError naming `description` and the last value when `timeout` seconds pass,
-    cancelling an awaited probe call still running then. A sync probe runs on the event loop and
+    cancelling an awaited probe call still running then (one started at the deadline gets
+    PROBE_GRACE_SECONDS). A sync probe runs on the event loop and
     cannot be interrupted: one that blocks holds the wait up until it returns.
     """
     loop = asyncio.get_running_loop()
@@ -40,7 +43,9 @@ async def wait_until(
     while True:
         returned = probe()
         if inspect.isawaitable(returned):
-            bound = asyncio.timeout_at(cutoff)
+            # A probe started at (or just before) the deadline still gets PROBE_GRACE_SECONDS to
+            # answer: cut off at once, the last probe never counted, nor the only one of timeout=0.
+            bound = asyncio.timeout_at(None if cutoff is None else max(cutoff, loop.time() + PROBE_GRACE_SECONDS))
             try:
                 async with bound:
                     returned = await returned
