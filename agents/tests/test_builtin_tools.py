@@ -246,3 +246,34 @@ async def test_await_timer_of_a_call_no_longer_waiting_skips_and_writes_nothing(
     decision = await built_ins.await_timer(ctx, "c1")
     assert decision.kind == "dead_end"
     assert ctx.writes.empty()
+
+
+async def test_questions_that_do_not_fit_in_pending_interrupts_fail_alone(tmp_path: Path) -> None:
+    """One response asks four big questions; three fit in PendingInterrupts, the fourth is failed
+    (never asked) with a note the model sees, and the turn goes on. Catches: RunModel's commit
+    failing with ValueTooLargeError, so the model was called three times and the turn failed."""
+    questions = [chr(ord("A") + n) * 150_000 for n in range(4)]
+
+    def respond(request: ModelRequest) -> ScriptedModelReply:
+        results = ScriptedModelClient.tool_results(request)
+        if results:
+            return ScriptedModelReply(text=" | ".join(r.output[:120] for r in results))
+        return ScriptedModelReply(tool_calls=[ScriptedToolCall("ask_user", {"question": q}) for q in questions])
+
+    flow, model = scripted_flow(respond, built_in_tools=BOTH)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "ask me four things")
+        asked = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: s.pending_interrupts if len(s.pending_interrupts) == 3 else None,
+            description="three questions pending")
+        assert [i.question[:1] for i in asked if i.question] == ["A", "B", "C"]
+        for interrupt in asked:
+            assert await sessions.answer_question("s", interrupt.interrupt_id, "yes")
+        done = await _done(sessions)
+        assert done.state is not None and done.state.last_turn_error is None
+        assert len(model.requests) == 2
+        last = done.messages[-1].text or ""
+        assert last.count('{"status":"answered","answer":"yes"}') == 3, last
+        assert "The tool call failed: its question does not fit with the turn's other pending interrupts" in last

@@ -62,6 +62,7 @@ from ._turn_logic import (
     TurnContractError,
     check_framework_messages,
     ended_turn,
+    finished,
     initial_state,
     next_turn_id,
     plan_tool_calls,
@@ -69,14 +70,17 @@ from ._turn_logic import (
     text_problem,
 )
 from ._wire import (
+    AgentInterrupt,
     AgentSessionStartInput,
     AgentState,
     AgentStatus,
     AgentToolCall,
+    AgentToolCallStatus,
     AgentUsage,
     AgentUserMessage,
     CompactContextInput,
     InteractionMode,
+    InterruptKind,
     PlanExecutionRequest,
     TurnSessionSettings,
 )
@@ -294,6 +298,7 @@ class TurnSteps:
         )
         state = rt.append_messages(ctx, state, turn_id, items)
         self._store_run_state(ctx, turn_id, run_state)
+        raised, unfit = _store_interrupts(ctx, plan.interrupts)
         movements: list[Movement] = []
         for planned in plan.calls:
             record = planned.record
@@ -302,6 +307,10 @@ class TurnSteps:
                 "effect": record.effect.value, "requires_approval": record.requires_approval,
             })
             with _record_fits(record):
+                error = unfit.get(record.tool_call_id)
+                if error is not None:
+                    rt.finish_record(ctx, finished(record, AgentToolCallStatus.FAILED, error=error))
+                    continue
                 if planned.next_step is None:
                     rt.finish_record(ctx, record)
                     continue
@@ -327,11 +336,8 @@ class TurnSteps:
             # write_todos settled in this commit: the plan is replaced whatever else the turn does.
             ctx.set(AGENT_PLAN, plan.plan)
             rt.emit(ctx, AgentEventType.PLAN_UPDATED, turn_id, plan_updated_payload(plan.plan))
-        if plan.interrupts:
-            pending = pending_interrupts(ctx)
-            pending.extend(plan.interrupts)
-            ctx.set(PENDING_INTERRUPTS, pending)
-            for interrupt in plan.interrupts:
+        if raised:
+            for interrupt in raised:
                 rt.emit(ctx, AgentEventType.INTERRUPT_RAISED, turn_id, {
                     "interrupt_id": interrupt.interrupt_id, "tool_call_id": interrupt.tool_call_id,
                     "tool_name": interrupt.tool_name, "deadline": interrupt.deadline, "kind": interrupt.kind.value,
@@ -373,6 +379,31 @@ class TurnSteps:
         ctx.set(AGENT_STATE, _with_status(ended, AgentStatus.FAILED))
         self.rt.emit(ctx, AgentEventType.TURN_FAILED, turn_id, {"error": error})
         return StepDecision.force_fail(error)
+
+
+def _store_interrupts(
+    ctx: Context, interrupts: Sequence[AgentInterrupt]
+) -> tuple[list[AgentInterrupt], dict[str, str]]:
+    """Add the response's interrupts to PendingInterrupts, each that still fits in one value: those
+    raised, and by tool call ID the error of each left out. A call whose approval request or question
+    does not fit is failed, never run, and the rest of the turn goes on: failing RunModel's commit
+    would call the model again for the same output (seed 002: a too-large value fails at once)."""
+    if not interrupts:
+        return [], {}
+    pending = pending_interrupts(ctx)
+    raised: list[AgentInterrupt] = []
+    unfit: dict[str, str] = {}
+    for interrupt in interrupts:
+        try:
+            ctx.set(PENDING_INTERRUPTS, [*pending, *raised, interrupt])
+        except ValueTooLargeError as exc:
+            what = "question" if interrupt.kind is InterruptKind.QUESTION else "approval request"
+            unfit[interrupt.tool_call_id] = (
+                f"its {what} does not fit with the turn's other pending interrupts ({exc.size} bytes, over the "
+                f"session's value limit of {exc.limit}); the call was not run")
+        else:
+            raised.append(interrupt)  # a set that fails writes nothing: the last that fit stands
+    return raised, unfit
 
 
 def _with_status(state: AgentState, status: AgentStatus) -> AgentState:
