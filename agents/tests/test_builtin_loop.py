@@ -806,3 +806,47 @@ async def test_a_source_that_cannot_poll_is_told_tool_tasks_are_not_supported(tm
     done, _ = await _first_turn(tmp_path, [source], "search")
     assert done.messages[-1].text == "plain ran remote_search"
     assert source.supports_tool_tasks == [False]
+
+
+async def test_a_tool_output_over_half_the_value_limit_is_stored_once_and_the_turn_goes_on(tmp_path: Path) -> None:
+    """A read tool returning 600 KB: its result message holds the output once, so it fits, and the
+    model's next call sees it. Catches: the output stored in the message twice (tool_output and the
+    framework item), which failed the next RunModel's commit after its paid model call."""
+    big = "x" * 600_000
+
+    @function_tool(effect=ToolEffect.READ, name="dump")
+    def dump() -> str:
+        """Return a big text."""
+        return big
+
+    def respond(request: ModelRequest) -> ScriptedModelReply:
+        results = ScriptedModelClient.tool_results(request)
+        if results:
+            return ScriptedModelReply(text=f"got {len(results[0].output)} characters")
+        return ScriptedModelReply(tool_calls=[ScriptedToolCall("dump", {})])
+
+    definition = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(respond), tools=[dump])
+    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(definition, "Dumping")])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "dump it")
+        done = await _turns_done(sessions, "s", 1)
+    assert done.state is not None and done.state.last_turn_error is None
+    assert done.messages[-1].text == "got 600000 characters"
+    (result,) = [m for m in done.messages if m.role is MessageRole.TOOL]
+    assert result.tool_output == big and big not in result.framework_item
+
+
+def test_messages_stored_with_their_text_in_the_framework_item_still_read() -> None:
+    """Sessions of dex-agents 0.1 stored a user text and a tool output inside the framework item too;
+    their messages read as before."""
+    from dex_agents import AgentMessage
+    from dex_agents.builtin_loop import _items
+
+    old_user = AgentMessage(1, "t1", MessageRole.USER, "hi", None, None, None, None,
+                            '{"type":"user_text","text":"hi"}', "2026-01-01T00:00:00.000Z")
+    old_tool = AgentMessage(3, "t1", MessageRole.TOOL, None, "c1", "dump", None, "out",
+                            '{"type":"tool_result","tool_call_id":"c1","tool_name":"dump","output":"out"}',
+                            "2026-01-01T00:00:00.000Z")
+    assert _items.input_item(old_user) == UserTextInput("hi")
+    assert _items.input_item(old_tool) == ToolResultInput("c1", "dump", "out")

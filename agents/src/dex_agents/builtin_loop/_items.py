@@ -20,8 +20,12 @@ def _dump(value: dict[str, Any]) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
+# A user text and a tool's output are stored once, in the message's `text` and `tool_output`, not
+# again in its framework item: stored twice, one of half the value limit failed the turn's commit.
+
+
 def user_message(text: str) -> FrameworkMessage:
-    return FrameworkMessage(MessageRole.USER, _dump({"type": USER_TEXT, "text": text}), text=text)
+    return FrameworkMessage(MessageRole.USER, _dump({"type": USER_TEXT}), text=text)
 
 
 def output_message(item: ModelOutputItem) -> FrameworkMessage:
@@ -40,10 +44,16 @@ def output_message(item: ModelOutputItem) -> FrameworkMessage:
 
 
 def tool_result_message(result: ToolResultInput) -> FrameworkMessage:
-    raw = {"type": TOOL_RESULT, "tool_call_id": result.tool_call_id, "tool_name": result.tool_name,
-           "output": result.output}
+    raw = {"type": TOOL_RESULT, "tool_call_id": result.tool_call_id, "tool_name": result.tool_name}
     return FrameworkMessage(MessageRole.TOOL, _dump(raw), tool_call_id=result.tool_call_id,
                             tool_name=result.tool_name, tool_output=result.output)
+
+
+def stored_text(raw: dict[str, Any], field: str, stored: str | None) -> str:
+    """A user text or tool output: from the message (`stored`), or from the framework item of a
+    message written before they were stored once (sessions of dex-agents 0.1)."""
+    held = raw.get(field)
+    return held if isinstance(held, str) else stored or ""
 
 
 # Items are frozen and a function of the (frozen) message alone, so every model call of every
@@ -79,9 +89,10 @@ def _parse(message: AgentMessage) -> ModelInputItem:
             ),
         )
     if kind == TOOL_RESULT and isinstance(raw, dict):
-        return ToolResultInput(str(raw["tool_call_id"]), str(raw["tool_name"]), str(raw["output"]))
+        return ToolResultInput(str(raw["tool_call_id"]), str(raw["tool_name"]),
+                               stored_text(raw, "output", message.tool_output))
     if kind == USER_TEXT and isinstance(raw, dict):
-        return UserTextInput(str(raw["text"]))
+        return UserTextInput(stored_text(raw, "text", message.text))
     if message.role is MessageRole.TOOL:
         return ToolResultInput(message.tool_call_id or "", message.tool_name or "", message.tool_output or "")
     if message.role is MessageRole.ASSISTANT:

@@ -40,7 +40,7 @@ from .._wire import AgentToolCall, AgentUsage, InteractionMode, MessageRole, Pla
 from ._compaction import estimate_model_input, select_response_cutoff, summarize_with_model, with_summary_note
 from ._definition import AgentDefinition, ContinueTurn, InstructionContext, TurnContinuationContext
 from ._function_tools import ToolCallContext
-from ._items import input_item, output_message, tool_result_message, user_message
+from ._items import TOOL_RESULT, USER_TEXT, input_item, output_message, stored_text, tool_result_message, user_message
 from ._model import (
     PROVIDER_TOOL_NAME_RULE,
     ModelClient,
@@ -518,10 +518,10 @@ def _with_plan_note(turn: AgentTurnContext, items: list[ModelInputItem]) -> list
 def input_item_of(message: FrameworkMessage) -> ModelInputItem:
     """The model input item of a message not stored yet."""
     raw = json.loads(message.framework_item)
-    if raw["type"] == "tool_result":
-        return ToolResultInput(raw["tool_call_id"], raw["tool_name"], raw["output"])
-    if raw["type"] == "user_text":
-        return UserTextInput(raw["text"])
+    if raw["type"] == TOOL_RESULT:
+        return ToolResultInput(raw["tool_call_id"], raw["tool_name"], stored_text(raw, "output", message.tool_output))
+    if raw["type"] == USER_TEXT:
+        return UserTextInput(stored_text(raw, "text", message.text))
     call = raw.get("tool_call")
     return ModelOutputItem(raw["api"], OutputItemKind(raw["kind"]), raw["item"], raw.get("text"),
                            None if call is None else ModelToolCall(**call))
