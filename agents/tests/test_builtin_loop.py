@@ -636,6 +636,20 @@ async def test_a_sources_tool_step_options_bound_its_call(tmp_path: Path) -> Non
     assert answer.startswith("The tool call failed:") and "passed its" in answer, answer  # timeout or deadline
 
 
+async def _own_tool_turn(tmp_path: Path, runner: type[BuiltinLoopAgentRunner]) -> tuple[str | None, list[str]]:
+    """One turn calling lookup_order on a `runner` subclass: the call's result, and the event types."""
+    definition = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(tool_then_answer),
+                                 tools=[lookup_order])
+    flow = AgentSessionFlow(runner(definition), "OwnTasks", builtin_agent_session_options(definition))
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", '/tool lookup_order {"order_id": "A-1"}')
+        done = await _turns_done(sessions, "s", 1)
+        (result,) = [m for m in done.messages if m.role is MessageRole.TOOL]
+        return result.tool_output, [e.value.type for e in (await sessions.read_agent_events("s")).events]
+
+
 async def test_a_task_no_source_started_fails_at_once_with_missing_poller(tmp_path: Path) -> None:
     """A subclass whose own tool starts a task but that does not override poll_tool_task is told
     supports_tool_tasks=False, and a task it starts anyway is recorded by its effect with
@@ -649,19 +663,10 @@ async def test_a_task_no_source_started_fails_at_once_with_missing_poller(tmp_pa
             told.append(call.supports_tool_tasks)
             return ToolTaskStarted(task_id="own", poll_interval_seconds=1)
 
-    definition = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(tool_then_answer),
-                                 tools=[lookup_order])
-    flow = AgentSessionFlow(OwnTasks(definition), "OwnTasks", builtin_agent_session_options(definition))
-    engine = InProcessEngine(tmp_path, [flow])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s", '/tool lookup_order {"order_id": "A-1"}')
-        done = await _turns_done(sessions, "s", 1)
-        (result,) = [m for m in done.messages if m.role is MessageRole.TOOL]
-        assert result.tool_output == f"The tool call failed: {MISSING_TOOL_TASK_POLLER}"
-        assert told == [False]
-        events = [e.value.type for e in (await sessions.read_agent_events("s")).events]
-        assert "tool_task_started" not in events and "tool_call_finished" in events
+    result, events = await _own_tool_turn(tmp_path, OwnTasks)
+    assert result == f"The tool call failed: {MISSING_TOOL_TASK_POLLER}"
+    assert told == [False]
+    assert "tool_task_started" not in events and "tool_call_finished" in events
 
 
 async def test_a_subclass_that_polls_its_own_tasks_is_told_they_are_supported(tmp_path: Path) -> None:
@@ -677,17 +682,9 @@ async def test_a_subclass_that_polls_its_own_tasks_is_told_they_are_supported(tm
         async def poll_tool_task(self, poll: ToolTaskPoll) -> ToolTaskPollOutcome:
             return ToolExecutionResult(f"polled {poll.tool_call.task_id}")
 
-    definition = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(tool_then_answer),
-                                 tools=[lookup_order])
-    flow = AgentSessionFlow(OwnTasks(definition), "OwnTasks", builtin_agent_session_options(definition))
-    engine = InProcessEngine(tmp_path, [flow])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s", '/tool lookup_order {"order_id": "A-1"}')
-        done = await _turns_done(sessions, "s", 1)
-        (result,) = [m for m in done.messages if m.role is MessageRole.TOOL]
-        assert result.tool_output == "polled own"
-        assert told == [True]
+    result, _ = await _own_tool_turn(tmp_path, OwnTasks)
+    assert result == "polled own"
+    assert told == [True]
 
 
 async def test_scripted_call_ids_stay_unique_when_compaction_shortens_the_input(tmp_path: Path) -> None:

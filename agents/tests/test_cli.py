@@ -187,27 +187,35 @@ def test_chat_on_a_stopped_session_says_it_has_ended(tmp_path: Path) -> None:
     assert "resume it" not in again.stdout and "resuming" not in again.stdout
 
 
+def _stopped_while_chatting(data_dir: Path, typed: str, shown: str, then_close_input: bool) -> tuple[int, str]:
+    """Type `typed` into a chat, stop its session with dex-engine once the chat printed `shown`,
+    end the input if asked; the chat's exit code and what it printed after."""
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([*CLI, "chat", "--data-dir", str(data_dir)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write(typed)
+        process.stdin.flush()
+        for line in process.stdout:
+            if shown in line:
+                break
+        else:
+            pytest.fail(f"the chat never printed {shown!r}")
+        _stop_session(data_dir)
+        if then_close_input:
+            process.stdin.close()
+        code = process.wait(CLI_TIMEOUT_SECONDS)
+        return code, process.stdout.read()
+    finally:
+        process.kill()
+
+
 def test_chat_following_a_turn_ends_when_its_session_is_stopped(tmp_path: Path) -> None:
     """dex-engine stop while the chat follows a turn waiting on a durable timer: the chat says the
     session has ended and exits, its input still open. Catches: the chat waiting for the turn's
     events for ever, deaf to Ctrl-D."""
-    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([*CLI, "chat", "--data-dir", str(tmp_path)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        assert process.stdin is not None and process.stdout is not None
-        process.stdin.write("/wait 600 coffee\n")
-        process.stdin.flush()
-        for line in process.stdout:
-            if "waiting until" in line:
-                break
-        else:
-            pytest.fail("the chat never showed the wait")
-        _stop_session(tmp_path)
-        code = process.wait(CLI_TIMEOUT_SECONDS)
-        rest = process.stdout.read()
-    finally:
-        process.kill()
+    code, rest = _stopped_while_chatting(tmp_path, "/wait 600 coffee\n", "waiting until", then_close_input=False)
     assert code == 1, rest
     assert "session 'chat' has ended (flow 'chat' is stopped" in rest
 
@@ -395,24 +403,7 @@ def test_chat_does_not_call_a_session_it_could_not_use_saved(tmp_path: Path) -> 
 def test_chat_ended_by_eof_after_its_session_was_stopped_says_it_has_ended(tmp_path: Path) -> None:
     """dex-engine stop while the chat waits for a line, then end of input: the chat says the session
     has ended (exit code 1). Catches: exit code 0 and "saved ...; run the same command to resume it"."""
-    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([*CLI, "chat", "--data-dir", str(tmp_path)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        assert process.stdin is not None and process.stdout is not None
-        process.stdin.write("/echo one\n")
-        process.stdin.flush()
-        for line in process.stdout:
-            if "agent> one" in line:
-                break
-        else:
-            pytest.fail("the chat never answered")
-        _stop_session(tmp_path)
-        process.stdin.close()
-        code = process.wait(CLI_TIMEOUT_SECONDS)
-        rest = process.stdout.read()
-    finally:
-        process.kill()
+    code, rest = _stopped_while_chatting(tmp_path, "/echo one\n", "agent> one", then_close_input=True)
     assert code == 1, rest
     assert "session 'chat' has ended (flow 'chat' is stopped" in rest
     assert "is saved" not in rest
