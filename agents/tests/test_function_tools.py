@@ -14,9 +14,10 @@ import json
 import math
 import threading
 from dataclasses import InitVar, dataclass, field
-from typing import Annotated, Any, ClassVar, Literal, NotRequired, Optional, TypedDict
+from typing import Annotated, Any, ClassVar, Literal, NotRequired, Optional, Required, TypedDict
 
 import pytest
+from agents.tests.function_tools_future import FutureChild, FutureFilters, FutureOptions
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -210,6 +211,76 @@ def test_typed_dict_parameter_has_object_schema_and_arrives_as_dict() -> None:
     run(paging, {"value": {"size": 10}})
     assert paging_received == [{"size": 10}]
 
+
+
+def test_typed_dict_qualifiers_decide_required_keys_under_postponed_annotations() -> None:
+    """Catches required-ness taken from `__required_keys__` alone: with `from __future__ import annotations`
+    Python 3.11 records a NotRequired key as required and a Required key of a total=False class as optional."""
+    filters, filters_received = capturing_tool(FutureFilters)
+    assert property_schema(filters)["required"] == ["name"]
+    run(filters, {"value": {"name": "x"}})
+    assert filters_received == [{"name": "x"}]
+
+    options, options_received = capturing_tool(FutureOptions)
+    assert property_schema(options)["required"] == ["mode"]
+    with pytest.raises(ToolExecutionError) as caught:
+        run(options, {"value": {"size": 1}})
+    assert caught.value.message == "invalid arguments for probe: parameter 'value': missing required field 'mode'"
+    assert options_received == []
+
+
+def test_typed_dict_keys_inherited_across_totality_keep_their_own_required_ness() -> None:
+    """Catches one totality applied to every key: a base with total=False and a total subclass, each with
+    qualified and unqualified keys, all declared under `from __future__ import annotations`."""
+    tool, received = capturing_tool(FutureChild)
+    schema = property_schema(tool)
+    assert schema["required"] == ["base_required", "child_required"]
+    assert schema["properties"]["described"] == {"type": "integer", "description": "how many"}
+    run(tool, {"value": {"base_required": "a", "child_required": 1}})
+    assert received == [{"base_required": "a", "child_required": 1}]
+
+
+class QualifiedInsideAnnotated(TypedDict):
+    name: str
+    limit: Annotated[NotRequired[int], "how many"]
+    owner: NotRequired[Annotated[str, "who"]]
+
+
+class RequiredInsideAnnotated(TypedDict, total=False):
+    mode: Annotated[Required[str], "how"]
+    size: Annotated[int, "how big"]
+
+
+def test_typed_dict_qualifier_inside_annotated_is_unwrapped_and_keeps_the_description() -> None:
+    """Catches a qualifier stripped only at the top: `Annotated[NotRequired[int], "..."]` (valid per PEP 655)
+    was refused as "NotRequired[int] is not a supported argument type"."""
+    tool, received = capturing_tool(QualifiedInsideAnnotated)
+    assert property_schema(tool) == {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "limit": {"type": "integer", "description": "how many"},
+            "owner": {"type": "string", "description": "who"},
+        },
+        "required": ["name"],
+        "additionalProperties": False,
+    }
+    run(tool, {"value": {"name": "x", "limit": 2}})
+    assert received == [{"name": "x", "limit": 2}]
+
+    partial, _ = capturing_tool(RequiredInsideAnnotated)
+    assert property_schema(partial)["required"] == ["mode"]
+    assert property_schema(partial)["properties"]["mode"] == {"type": "string", "description": "how"}
+
+
+class ConflictingQualifiers(TypedDict):
+    limit: Annotated[Required[NotRequired[int]], "how many"]
+
+
+def test_typed_dict_key_both_required_and_not_required_is_refused() -> None:
+    """A key cannot be both; the error names the field rather than picking one qualifier silently."""
+    with pytest.raises(TypeError, match=r"field 'limit' of ConflictingQualifiers: .* both Required and NotRequired"):
+        capturing_tool(ConflictingQualifiers)
 
 def test_int_argument_for_float_parameter_arrives_as_float() -> None:
     """An integer is a valid JSON Schema number; the function gets a float, not an int."""

@@ -16,6 +16,9 @@ Decisions this module makes (seed 003, "Built-in agent loop"):
   `set`, arbitrary classes, recursive types, `*args`, `**kwargs`, positional-only parameters)
   raises `TypeError` when the tool is defined. Only parameter hints are resolved: the return
   annotation may name a type imported only under `TYPE_CHECKING`.
+- A `TypedDict` key's `Required[...]` / `NotRequired[...]` is read from its resolved hint, also inside
+  `Annotated` (either order); only a key without one takes `__required_keys__`, which misreads the
+  qualifiers of postponed (`from __future__ import annotations`) hints.
 - A `functools.partial` is a tool of the function it wraps (name, docstring, hints); the parameters
   it binds are not offered to the model.
 - Checking mirrors the JSON Schema offered: `bool` is never an `int` or a `float`; an `int` is a
@@ -472,6 +475,28 @@ def _parameter_hints(owner: Callable[..., Any], label: str) -> dict[str, Any]:
     return _resolved_hints(parameters_only, label, module_namespace)
 
 
+# Typed Any: rebuilding Annotated from a runtime tuple of arguments is no type expression for mypy.
+_ANNOTATED: Any = typing.Annotated
+
+
+def _split_qualifier(hint: object) -> tuple[object, object | None]:
+    """A TypedDict key's resolved hint without its Required[...] / NotRequired[...], wherever it sits among
+    Annotated layers (PEP 655 allows either order), and that qualifier, or None when there is none."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Required or origin is typing.NotRequired:
+        inner, nested = _split_qualifier(typing.get_args(hint)[0])
+        if nested is not None and nested is not origin:
+            raise _UnsupportedType(f"{_type_name(hint)} is both Required and NotRequired")
+        return inner, origin
+    if origin is typing.Annotated:
+        inner, qualifier = _split_qualifier(typing.get_args(hint)[0])
+        if qualifier is None:
+            return hint, None
+        # Rebuilt with every extra, so the description is kept as for any Annotated type.
+        return _ANNOTATED[(inner, *hint.__metadata__)], qualifier  # type: ignore[attr-defined]
+    return hint, None
+
+
 class _ShapeBuilder:
     def __init__(self) -> None:
         self._building: list[type] = []  # classes being built, to refuse recursive types
@@ -567,15 +592,17 @@ class _ShapeBuilder:
 
     def _typed_dict(self, cls: type) -> _Shape:
         hints = _resolved_hints(cls, cls.__qualname__)
+        # Right only for keys without a qualifier: under `from __future__ import annotations` the class
+        # sees Required[...] / NotRequired[...] as strings and applies the declaring class's totality.
         required_keys: frozenset[str] = getattr(cls, "__required_keys__", frozenset())
         members = []
         for key, declared in hints.items():
-            # get_type_hints(include_extras=True) keeps Required[...] / NotRequired[...]; the
-            # class's __required_keys__ already holds their meaning.
-            hint = declared
-            while typing.get_origin(hint) in (typing.Required, typing.NotRequired):
-                hint = typing.get_args(hint)[0]
-            members.append(_Member(key, self._member(cls, key, hint), key in required_keys))
+            try:
+                hint, qualifier = _split_qualifier(declared)
+            except _UnsupportedType as exc:
+                raise _UnsupportedType(f"field {key!r} of {cls.__qualname__}: {exc}") from None
+            required = key in required_keys if qualifier is None else qualifier is typing.Required
+            members.append(_Member(key, self._member(cls, key, hint), required))
         return _Object(cls, members, is_dataclass=False)
 
     def _member(self, owner: type, name: str, hint: object) -> _Shape:
