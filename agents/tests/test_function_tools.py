@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dex_agents import ToolEffect, ToolExecutionError, ToolOutcomeUnknownError, ToolPolicy
+from dex_agents._constants import ARGUMENTS_TOO_DEEP
 from dex_agents.builtin_loop import ModelToolDefinition
 from dex_agents.builtin_loop._function_tools import FunctionTool, ToolCallContext, function_tool
 
@@ -518,6 +519,46 @@ def test_json_that_is_not_an_object_is_refused(text: str) -> None:
     with pytest.raises(ToolExecutionError) as caught:
         run(tool, text)
     assert caught.value.message == "invalid arguments for probe: arguments must be a JSON object"
+    assert received == []
+
+
+# Far above any recursion limit (Python's or 3.12+'s C one): json.loads and json.dumps overflow on it
+# whatever the depth of the stack they run on.
+OVERFLOWING_DEPTH = 100_000
+
+
+@pytest.mark.parametrize("effect", [ToolEffect.NON_IDEMPOTENT_WRITE, ToolEffect.READ])
+def test_arguments_nested_too_deeply_to_decode_are_refused_and_never_run(effect: ToolEffect) -> None:
+    """Catches RecursionError from json.loads escaping invoke: the session recorded a write that never ran
+    as outcome_unknown and retried a read, failing it with the raw "maximum recursion depth" text."""
+    text = '{"value": ' + "[" * OVERFLOWING_DEPTH + "]" * OVERFLOWING_DEPTH + "}"
+    with pytest.raises(RecursionError):
+        json.loads(text)  # the premise: the decode itself overflows
+    tool, received = capturing_tool(list)
+    with pytest.raises(ToolExecutionError) as caught:
+        run(tool, text, effect)
+    assert caught.value.message == f"invalid arguments for probe: {ARGUMENTS_TOO_DEEP}"
+    assert received == []
+
+
+def test_arguments_nested_too_deeply_to_check_are_refused_and_never_run() -> None:
+    """Catches RecursionError escaping the check: a deep value the schema refuses is shown in the error, and
+    showing it overflows. prepare_arguments hands it over, so no decode overflows first."""
+    deep: list[Any] = []
+    for _ in range(OVERFLOWING_DEPTH):
+        deep = [deep]
+    with pytest.raises(RecursionError):
+        json.dumps(deep)  # the premise: showing the value overflows
+    received: list[str] = []
+
+    @function_tool(effect=ToolEffect.NON_IDEMPOTENT_WRITE, prepare_arguments=lambda _: {"mode": deep})
+    def pick(mode: Literal["fast", "slow"]) -> str:
+        received.append(mode)
+        return "picked"
+
+    with pytest.raises(ToolExecutionError) as caught:
+        run(pick, {"mode": "fast"}, ToolEffect.NON_IDEMPOTENT_WRITE)
+    assert caught.value.message == f"invalid arguments for pick: {ARGUMENTS_TOO_DEEP}"
     assert received == []
 
 

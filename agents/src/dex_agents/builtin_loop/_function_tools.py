@@ -53,7 +53,7 @@ from typing import Any, overload
 
 import msgspec
 
-from .._constants import SHOWN_VALUE_CHARS
+from .._constants import ARGUMENTS_TOO_DEEP, SHOWN_VALUE_CHARS
 from .._events import AgentEventWriter
 from .._policy import ToolPolicy, raised_text
 from .._runner import ToolExecutionError, ToolInputRequested, ToolOutcomeUnknownError
@@ -623,6 +623,9 @@ def _decode_arguments(tool_name: str, arguments: str) -> dict[str, Any]:
         decoded = json.loads(arguments, parse_constant=refuse_constant)
     except (ValueError, TypeError):
         raise ToolExecutionError(f"invalid arguments for {tool_name}: arguments are not valid JSON") from None
+    except RecursionError:
+        # RunModel's own check decodes on a shallower stack, so text it accepted may still overflow here.
+        raise ToolExecutionError(f"invalid arguments for {tool_name}: {ARGUMENTS_TOO_DEEP}") from None
     if not isinstance(decoded, dict):
         raise ToolExecutionError(f"invalid arguments for {tool_name}: arguments must be a JSON object")
     return decoded
@@ -734,6 +737,9 @@ class FunctionTool:
             if not exc.path:
                 raise ToolExecutionError(f"{prefix}: {exc.problem}") from None
             raise ToolExecutionError(f"{prefix}: parameter {exc.path!r}: {exc.problem}") from None
+        except RecursionError:
+            # Showing a refused value (json.dumps) walks all of it: a deep one overflows before the error.
+            raise ToolExecutionError(f"{prefix}: {ARGUMENTS_TOO_DEEP}") from None
 
     def _prepare(self, decoded: dict[str, Any]) -> dict[str, Any]:
         prefix = f"invalid arguments for {self.name}"
