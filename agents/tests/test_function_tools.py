@@ -6,6 +6,7 @@ tests, and their annotations must be real objects for `typing.get_type_hints` to
 """
 
 import asyncio
+import contextvars
 import dataclasses
 import enum
 import functools
@@ -840,6 +841,29 @@ async def test_cancelled_error_always_propagates(sync: bool) -> None:
     """CancelledError is never turned into a model-visible error, even for reads."""
     with pytest.raises(asyncio.CancelledError):
         await invoke(failing_tool(sync, asyncio.CancelledError()), {}, ToolEffect.READ)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), SystemExit(3)], ids=["KeyboardInterrupt", "SystemExit"])
+async def test_a_sync_tool_raising_keyboard_interrupt_or_system_exit_fails_the_call(error: BaseException) -> None:
+    """Raised in the tool's thread, it is no signal to the process: the call fails (a read's error is
+    model-visible). Catches: the exception carried out of the tool Step, ending the Worker."""
+    with pytest.raises(ToolExecutionError, match=f"tool fail raised {type(error).__name__}"):
+        await invoke(failing_tool(True, error), {}, ToolEffect.READ)
+
+
+async def test_a_sync_tool_runs_on_a_daemon_thread_with_the_callers_context() -> None:
+    """Catches: the default executor's thread, which the event loop and the interpreter join at
+    their end, so a hung sync tool held a stopped Worker's process up past its shutdown grace."""
+    seen: list[tuple[bool, str]] = []
+    marker: contextvars.ContextVar[str] = contextvars.ContextVar("marker")
+
+    def where() -> str:
+        seen.append((threading.current_thread().daemon, marker.get("unset")))
+        return "ok"
+
+    marker.set("caller's")
+    assert await invoke(FunctionTool(where, name="where", effect=ToolEffect.READ), {}) == "ok"
+    assert seen == [(True, "caller's")]
 
 
 def failing_tool(sync: bool, error: BaseException, effect: ToolEffect = ToolEffect.READ) -> FunctionTool:

@@ -38,6 +38,8 @@ Decisions this module makes (seed 003, "Built-in agent loop"):
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import enum
@@ -45,6 +47,7 @@ import functools
 import inspect
 import json
 import math
+import threading
 import types
 import typing
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -712,7 +715,7 @@ class FunctionTool:
             if self._is_async:
                 result = await self.fn(**kwargs)
             else:
-                result = await asyncio.to_thread(self.fn, **kwargs)
+                result = await _in_daemon_thread(self.name, functools.partial(self.fn, **kwargs))
                 if inspect.isawaitable(result):  # a sync callable that hands back an awaitable
                     result = await result
             if isinstance(result, ToolInputRequested):
@@ -889,3 +892,40 @@ def function_tool(
     if fn is None:
         return decorate
     return decorate(fn)
+
+
+async def _in_daemon_thread(tool: str, call: Callable[[], Any]) -> Any:
+    """`call()` on a daemon thread of its own, with this task's context variables, awaited.
+
+    Not asyncio.to_thread: the default executor's threads are joined as the event loop and the
+    interpreter end, so a sync tool that hangs held a stopped Worker's process up until it returned,
+    past the shutdown grace that bounds a restart. The call's thread is left to the process's end.
+    A KeyboardInterrupt or SystemExit the tool raises fails the call (a RuntimeError naming it)
+    rather than ending the Worker: it is no signal to the process.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.cancelled():
+            return  # the attempt ended (revoked, timed out) while the tool ran
+        if error is None:
+            done.set_result(result)
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        result: Any = None
+        try:
+            result = context.run(call)
+        except (Exception, asyncio.CancelledError) as exc:  # a CancelledError stays one, as from any tool
+            error = exc
+        except BaseException as exc:  # see the docstring
+            error = RuntimeError(f"tool {tool} raised {type(exc).__name__}: {exc}")
+        with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=f"dex-tool:{tool}", daemon=True).start()
+    return await done
