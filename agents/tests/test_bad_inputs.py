@@ -1586,6 +1586,11 @@ INVALID_SETTINGS: list[tuple[str, object, str]] = [
     ("nested-past-the-engine", functools.reduce(lambda inner, _: {"k": inner}, range(MAX_SESSION_SETTINGS_NESTING), {}),
      f"session_settings nest objects and arrays {MAX_SESSION_SETTINGS_NESTING + 1} levels deep, over the limit of "
      f"{MAX_SESSION_SETTINGS_NESTING}"),
+    # Catches: json.dumps writing a None, True or 1 key as text, so the size checked was not what the
+    # engine stores (it refused None and True keys by its own, unnamed error; {1: .., "1": ..} lost one).
+    ("none-key", {"a": {None: 1}}, "session_settings keys must be text, got the NoneType key None"),
+    ("bool-key", {True: 1}, "session_settings keys must be text, got the bool key True"),
+    ("int-key", {1: "a", "1": "b"}, "session_settings keys must be text, got the int key 1"),
     ("too-large", _settings_of_size(MAX_SESSION_SETTINGS_BYTES + 1),
      f"session_settings are {MAX_SESSION_SETTINGS_BYTES + 1} bytes of compact JSON, over the limit of "
      f"{MAX_SESSION_SETTINGS_BYTES}"),

@@ -125,7 +125,8 @@ async def test_a_message_id_too_long_to_be_one_is_not_queued(tmp_path: Path, db_
     async with sessions_on(tmp_path, db_url) as sessions:  # no Worker: the message stays queued
         await sessions.start_session("s")
         await sessions.send_user_message("s", "queued")
-        for message_id in ("9" * 20, "9" * 5000):
+        queued_id = (await sessions.get_agent_snapshot("s")).queued_messages[0].message_id
+        for message_id in ("9" * 20, "9" * 5000, "0" + queued_id):  # "01" is not message 1
             assert await sessions.delete_queued_message("s", message_id) is False
             assert await sessions.steer_user_message("s", message_id=message_id) is False
         queued = (await sessions.get_agent_snapshot("s")).queued_messages

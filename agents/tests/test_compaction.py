@@ -213,12 +213,35 @@ def test_policy_defaults_and_thresholds() -> None:
     ({"context_window_tokens": 10, "reserved_input_tokens": -1}, "reserved_input_tokens must be a whole number"),
     ({"context_window_tokens": 10, "reserved_input_tokens": True}, "reserved_input_tokens must be a whole number"),
     ({"context_window_tokens": 10, "reserved_input_tokens": 1.5}, "reserved_input_tokens must be a whole number"),
+    # Catches: reserved tokens that, with what compaction keeps, reach the trigger again at once, so
+    # the session summarized nearly every turn (one larger than the whole window was taken too).
+    ({"context_window_tokens": 1000, "reserved_input_tokens": 550},
+     "reserved_input_tokens (550) and the retained budget (300 tokens, retained_ratio 0.3 of 1000) reach the "
+     "trigger (850 tokens) together"),
+    ({"context_window_tokens": 450, "reserved_input_tokens": 10_000}, "reserved_input_tokens (10000) and the"),
 ])
 def test_policy_refuses_bad_values(fields: dict[str, Any], problem: str) -> None:
     """Each bad value is a ValueError naming the field."""
     with pytest.raises(ValueError, match="invalid CompactionPolicy") as info:
         CompactionPolicy(**fields)
     assert problem in str(info.value)
+
+
+def test_reserved_tokens_just_below_the_trigger_are_taken() -> None:
+    assert CompactionPolicy(context_window_tokens=1000, reserved_input_tokens=549).reserved_input_tokens == 549
+
+
+@pytest.mark.parametrize("setting", ["max_output_tokens", "max_tokens"])
+def test_an_agent_whose_summary_output_fills_the_window_is_refused(setting: str) -> None:
+    """Catches: every summary request over the window by its reserved output alone, so each left out
+    the whole conversation it was to summarize, without an error."""
+    model = ScriptedModelClient(lambda r: ScriptedModelReply(text="x"))
+    with pytest.raises(ValueError, match=r"max output tokens \(450\) leave no room in the compaction window "
+                                         r"\(450 tokens\)"):
+        AgentDefinition(name="a", instructions="", model=model, model_settings={setting: 450},
+                        compaction=CompactionPolicy(context_window_tokens=450))
+    AgentDefinition(name="a", instructions="", model=model, model_settings={setting: 449},
+                    compaction=CompactionPolicy(context_window_tokens=450))
 
 
 def test_an_empty_range_lists_no_chunk_to_load() -> None:

@@ -243,6 +243,9 @@ def test_steer_request_needs_exactly_one_of_text_and_message_id(request_fields: 
 def test_channel_message_ids_are_decimal_text() -> None:
     assert channel_message_id("42") == 42
     assert [channel_message_id(t) for t in ("", "-1", "4.2", "x", "١٢")] == [None] * 5
+    # Catches: "01" acting on queued message 1, which the snapshot shows as "1".
+    assert [channel_message_id(t) for t in ("01", "0000000000000000002", "00")] == [None] * 3
+    assert channel_message_id("0") == 0
 
 
 def test_steered_note_lists_final_calls_in_deferral_order() -> None:

@@ -79,6 +79,13 @@ class CompactionPolicy:
         reserved: object = self.reserved_input_tokens
         if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
             problems.append(f"reserved_input_tokens must be a whole number >= 0, got {reserved!r}")
+        elif not problems and reserved and self.retained_token_budget + reserved >= self.trigger_tokens:
+            # The reserved tokens count in every estimate: with what compaction keeps, they would
+            # reach the trigger again at once, and the session would summarize nearly every turn.
+            problems.append(
+                f"reserved_input_tokens ({reserved}) and the retained budget ({self.retained_token_budget} tokens, "
+                f"retained_ratio {self.retained_ratio!r} of {self.context_window_tokens}) reach the trigger "
+                f"({self.trigger_tokens} tokens) together; lower reserved_input_tokens or retained_ratio")
         if problems:
             raise ValueError("invalid CompactionPolicy: " + "; ".join(problems))
 

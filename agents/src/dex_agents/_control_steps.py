@@ -270,10 +270,12 @@ MAX_CHANNEL_MESSAGE_ID_DIGITS = 19
 
 
 def channel_message_id(text: str) -> int | None:
-    """A PendingUserMessage.message_id as the engine's message ID, None when it cannot be one."""
+    """A PendingUserMessage.message_id as the engine's message ID, None when it cannot be one. Only
+    the form the snapshot shows: "01" names no pending message, and must not act on message 1."""
     if len(text) > MAX_CHANNEL_MESSAGE_ID_DIGITS or not text.isdigit() or not text.isascii():
         return None
-    return int(text)
+    number = int(text)
+    return number if str(number) == text else None
 
 
 # Helpers the Step modules call at their boundaries ------------------------------------------------

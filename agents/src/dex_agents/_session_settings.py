@@ -34,10 +34,15 @@ def session_settings_error(settings: object, *, limit: int = SESSION_SIDE_SETTIN
     if not isinstance(settings, dict):
         return f"session_settings must be a JSON object, got {type(settings).__name__}"
     # First: how deep JSON's encoder goes before it gives up depends on the Python.
-    depth = _nesting(settings)
+    depth, odd_keys = _nesting(settings)
     if depth > MAX_SESSION_SETTINGS_NESTING:
         return (f"session_settings nest objects and arrays {depth} levels deep, over the limit of "
                 f"{MAX_SESSION_SETTINGS_NESTING}")
+    if odd_keys:
+        odd_key = odd_keys[0]
+        # json.dumps would write None, True or 1 as a text key: the size checked here would not be
+        # what is stored, and {1: "a", "1": "b"} would lose a key.
+        return f"session_settings keys must be text, got the {type(odd_key).__name__} key {odd_key!r:.60}"
     try:
         size = settings_json_bytes(settings)
     except (TypeError, ValueError) as exc:
@@ -47,13 +52,17 @@ def session_settings_error(settings: object, *, limit: int = SESSION_SIDE_SETTIN
     return None
 
 
-def _nesting(value: object) -> int:
-    """Levels of objects and arrays in JSON-shaped `value` (settings are small: a walk is cheap)."""
+def _nesting(value: object) -> tuple[int, list[object]]:
+    """Levels of objects and arrays in JSON-shaped `value`, and the keys of its objects that are not
+    text. Settings are small: a walk is cheap."""
     deepest, pending = 0, [(value, 1)]
+    odd_keys: list[object] = []
     while pending:
         item, level = pending.pop()
+        if isinstance(item, dict):
+            odd_keys.extend(key for key in item if not isinstance(key, str))
         children = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else None
         if children is not None:
             deepest = max(deepest, level)
             pending.extend((child, level + 1) for child in children)
-    return deepest
+    return deepest, odd_keys

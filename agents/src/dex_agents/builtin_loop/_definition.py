@@ -13,6 +13,7 @@ from .._compaction import CompactionPolicy
 from .._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES, DEFAULT_MAX_DURABLE_WAIT
 from .._policy import ToolPolicy
 from .._wire import InteractionMode, JsonObject, ToolEffect
+from ._compaction import max_output_tokens
 from ._function_tools import FunctionTool
 from ._model import ModelClient, ModelOutputItem, ToolResultInput
 from ._tool_sources import DEFAULT_TOOL_SOURCE_LISTING_TIMEOUT_SECONDS, ToolSource, declared_names
@@ -107,6 +108,15 @@ class AgentDefinition:
         compaction: object = self.compaction
         if compaction is not None and not isinstance(compaction, CompactionPolicy):
             problems.append(f"compaction must be a CompactionPolicy or None, got {compaction!r}")
+        elif compaction is not None and isinstance(self.model_settings, Mapping):
+            reserve = max_output_tokens(self.model_settings)
+            if reserve >= compaction.context_window_tokens:
+                # The summary call reserves its output in the window: no summary request could fit,
+                # and each would leave out the whole conversation it was to summarize.
+                problems.append(
+                    f"model_settings' max output tokens ({reserve}) leave no room in the compaction window "
+                    f"({compaction.context_window_tokens} tokens) for the summary call's input; lower it, or "
+                    "raise context_window_tokens")
         problems.extend(_plan_mode_problems(self.plan_mode_enabled, self.planning_tool_choice, model,
                                             self.model_settings))
         built_ins: object = self.enabled_built_in_tools
