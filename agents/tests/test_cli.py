@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -355,7 +356,7 @@ def test_demo_refuses_a_directory_it_did_not_make_and_deletes_nothing(tmp_path: 
 
 
 @pytest.mark.parametrize("command", ["chat", "demo"])
-@pytest.mark.parametrize("name", ["has#hash", "q?x=1"])
+@pytest.mark.parametrize("name", ["has#hash", "q?x=1", "tab\there"])
 def test_a_data_dir_a_sqlite_url_cannot_name_is_refused_by_the_option(tmp_path: Path, command: str,
                                                                        name: str) -> None:
     """A --data-dir with '#' or '?' is refused (exit code 2) before anything is made. Catches: a
@@ -457,3 +458,30 @@ def test_chat_on_a_full_disk_ends_with_one_error_line(small_disk: Path) -> None:
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stderr.startswith("Error: ") and "full" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr, done.stderr[-4000:]
+
+
+def test_a_command_leaves_an_ignored_sighup_ignored_and_restores_signal_handlers() -> None:
+    """Catches: a nohup'd chat or demo ended by the SIGHUP it was told to ignore, and SIG_DFL left
+    in place of the caller's own handlers once the command returned."""
+    from dex_agents.cli import _run
+
+    def mine(signum: int, frame: object) -> None:
+        raise AssertionError("not called")
+
+    before = signal.signal(signal.SIGTERM, mine), signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        seen: list[object] = []
+
+        async def command() -> int:
+            os.kill(os.getpid(), signal.SIGHUP)  # ignored: the command goes on
+            await asyncio.sleep(0.05)
+            seen.append(signal.getsignal(signal.SIGHUP))
+            return 7
+
+        assert _run(command) == 7
+        assert seen == [signal.SIG_IGN]
+        assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGHUP, before[1])
+

@@ -210,6 +210,9 @@ async def test_a_zero_byte_file_is_opened_as_a_new_database(tmp_path: Path) -> N
     ("sqlite:///{d}/runs.db?synchronous=NORMAL#x", "has a '#'"),
     ("sqlite://data/engine.db", "has a host part ('data')"),
     ("sqlite://localhost/{d}/engine.db", "has a host part ('localhost')"),
+    # urlparse drops these wherever they are: "a\tb/engine.db" opened ab/engine.db.
+    ("sqlite:///{d}/a\tb/engine.db", "has '\\t'"),
+    ("sqlite:///{d}/a\nb\r.db", "has '\\n' and '\\r'"),
 ])
 def test_a_url_with_parts_a_url_parser_would_drop_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str, part: str,

@@ -20,8 +20,9 @@ DEFAULT_CHAT_DIR = Path(".dex")
 DEFAULT_CHAT_SESSION = "chat"
 # Signals that end a command as Ctrl-C does, its Workers stopped (SIGHUP: the terminal closed).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-# Characters a sqlite URL cannot carry in its path: '?' starts the parameters, '#' a fragment.
-URL_UNSAFE_PATH_CHARACTERS = "?#"
+# Characters a sqlite URL cannot carry in its path: '?' starts the parameters, '#' a fragment, and
+# URL parsing drops a tab, CR or LF wherever it is (the database would land in another directory).
+URL_UNSAFE_PATH_CHARACTERS = "?#\t\r\n"
 
 
 def _data_dir(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
@@ -96,7 +97,10 @@ async def _until_stopped(start: Callable[[], Coroutine[Any, Any, int]]) -> int:
         received.append(signum)
         task.cancel()
 
-    for signum in STOP_SIGNALS:
+    # A signal the caller ignores stays ignored (nohup's SIGHUP); the others' handlers come back after.
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    handled = [signum for signum, handler in previous.items() if handler is not signal.SIG_IGN]
+    for signum in handled:
         loop.add_signal_handler(signum, stop, signum)
     try:
         return await start()
@@ -105,5 +109,6 @@ async def _until_stopped(start: Callable[[], Coroutine[Any, Any, int]]) -> int:
             raise
         return 128 + received[0]
     finally:
-        for signum in STOP_SIGNALS:
+        for signum in handled:
             loop.remove_signal_handler(signum)
+            signal.signal(signum, previous[signum])

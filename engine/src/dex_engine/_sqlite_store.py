@@ -99,6 +99,11 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
     if "#" in url:
         raise ValueError(f"sqlite URL {url!r} has a '#', which would end its path; write the path without "
                          "'#' (rename the file or directory, or link to it from a path without one)")
+    dropped = sorted({c for c in url if c in "\t\r\n"})
+    if dropped:
+        # urlparse removes them wherever they are: the rest would name, and create, another file.
+        raise ValueError(f"sqlite URL {url!r} has {' and '.join(repr(c) for c in dropped)}, which URL parsing "
+                         "drops; name a file whose path has no tab or line break")
     path = parsed.path[1:] if parsed.path.startswith("/") else parsed.path
     if not path:
         raise ValueError(f"sqlite URL {url!r} names no file; expected sqlite:///path/to/file.db")
