@@ -15,6 +15,7 @@ from dex_engine import (
     Channel,
     Context,
     Flow,
+    InvalidValueError,
     LoadOptions,
     Registry,
     RpcContentionError,
@@ -123,8 +124,30 @@ async def always_overtaken(ctx: RpcContext, _request: Any) -> None:
     ctx.set(Count, -1)
 
 
+nested: list[AsyncClient] = []  # the client whose RPC calls another on the same flow
+outer_runs: list[int] = []
+outer_events: dict[str, asyncio.Event] = {}  # "read" and "overtaken", made in each test's event loop
+
+
+@rpc()
+async def peek(ctx: RpcContext, _request: Any) -> int:
+    return ctx.get(Count) or 0
+
+
+@rpc()
+async def outer(ctx: RpcContext, _request: Any) -> int:
+    """Reuses `peek` on its own flow; its first run is overtaken, so it runs again in the flow's turn."""
+    outer_runs.append(1)
+    seen: int = await nested[0].rpc(ctx.flow_id, "peek")
+    if len(outer_runs) == 1:
+        outer_events["read"].set()
+        await outer_events["overtaken"].wait()
+    ctx.set(Count, seen + 100)
+    return seen
+
+
 COUNTER = Flow("Counter", [Step("Listen", complete, wait_for=wait_for_inbox)], start_step="Listen",
-               schema=[Inbox, Count, Notes], rpcs=[increment, note, always_overtaken])
+               schema=[Inbox, Count, Notes], rpcs=[increment, note, always_overtaken, peek, outer])
 COUNTER_REGISTRY = Registry([COUNTER])
 
 
@@ -181,19 +204,58 @@ async def test_rpcs_that_start_while_a_turn_is_taken_wait_for_it(db_url: str) ->
         c = eng.client
         await c.start_flow("Counter", "c")
         turns = c._rpc_turns
-        async with turns.turn("c"):
-            calls = [asyncio.ensure_future(c.rpc("c", "increment")) for _ in range(3)]
-            calls += [asyncio.ensure_future(c.rpc("c", "note", i)) for i in range(3)]
+        held, release = asyncio.Event(), asyncio.Event()
 
-            async def all_waiting() -> bool:
-                return turns._turns[asyncio.get_running_loop(), "c"].users == 1 + len(calls)
+        async def hold() -> None:  # a task of its own: calls made where the turn is held would be its
+            async with turns.turn("c"):
+                held.set()
+                await release.wait()
 
-            await wait_until("every call waiting for the turn", all_waiting)
-            assert await c.get_attribute("c", Count) is None
-            assert await c.get_attribute_map("c", Notes) == {}
-            assert sorted(note_runs) == [0, 1, 2]
+        holder = asyncio.ensure_future(hold())
+        await held.wait()
+        calls = [asyncio.ensure_future(c.rpc("c", "increment")) for _ in range(3)]
+        calls += [asyncio.ensure_future(c.rpc("c", "note", i)) for i in range(3)]
+
+        async def all_waiting() -> bool:
+            return turns._turns[asyncio.get_running_loop(), "c"].users == 1 + len(calls)
+
+        await wait_until("every call waiting for the turn", all_waiting)
+        assert await c.get_attribute("c", Count) is None
+        assert await c.get_attribute_map("c", Notes) == {}
+        assert sorted(note_runs) == [0, 1, 2]
+        release.set()
+        await holder
         assert sorted(await asyncio.gather(*calls[:3])) == [1, 2, 3]
         await asyncio.gather(*calls[3:])
         assert await c.get_attribute_map("c", Notes) == {"0": 0, "1": 1, "2": 2}
         assert sorted(note_runs) == [0, 1, 2]
         assert not turns._turns
+
+
+async def test_an_rpc_whose_handler_calls_an_rpc_on_its_flow_after_a_lost_race_returns(db_url: str) -> None:
+    """The retry of a lost race holds the flow's turn; the RPC its handler makes on the same flow
+    runs in that turn. Catches: the inner RPC waiting for the turn its own caller held, for ever."""
+    nested.clear()
+    outer_runs.clear()
+    outer_events.update(read=asyncio.Event(), overtaken=asyncio.Event())
+    async with engine_for(db_url, COUNTER_REGISTRY, worker=False) as eng:
+        nested.append(eng.client)
+        await eng.client.start_flow("Counter", "c")
+        call = asyncio.ensure_future(eng.client.rpc("c", "outer"))
+        await outer_events["read"].wait()
+        assert await eng.client.rpc("c", "increment") == 1  # lands while the first run waits
+        outer_events["overtaken"].set()
+        assert await asyncio.wait_for(call, 30) == 1
+        assert len(outer_runs) == 2
+        assert await eng.client.get_attribute("c", Count) == 101
+
+
+@pytest.mark.parametrize("reason", [None, 0, b"", 42])
+async def test_stop_flow_refuses_a_reason_that_is_not_text_however_falsy(db_url: str, reason: Any) -> None:
+    """Catches: None, 0 and b"" taken as no reason (stopping the flow), only 42 refused."""
+    async with engine_for(db_url, COUNTER_REGISTRY, worker=False) as eng:
+        await eng.client.start_flow("Counter", "c")
+        with pytest.raises(InvalidValueError, match="stop_flow's reason must be a str"):
+            await eng.client.stop_flow("c", reason)
+        assert (await eng.client.describe_flow("c")).status == "running"
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import re
 import threading
 import time
@@ -163,25 +164,39 @@ class _RpcTurns:
     costs a dict lookup.
 
     Keyed by event loop too: an asyncio.Lock belongs to one loop, and a client may be used from
-    several. A turn lives only while an RPC holds or waits for it, so the table stays small.
+    several. A turn lives only while an RPC holds or waits for it, so the table stays small. The
+    holder's handler may call RPCs on the same flow itself: those run as if the turn were free (it
+    is theirs), where waiting for it would wait for ever.
     """
 
     def __init__(self) -> None:
         self._turns: dict[tuple[asyncio.AbstractEventLoop, str], _Turn] = {}
+        # The turns the running code holds: set in the holder's context, seen by what its handler calls.
+        self._held: contextvars.ContextVar[frozenset[tuple[asyncio.AbstractEventLoop, str]]] = (
+            contextvars.ContextVar("dex_rpc_turns_held", default=frozenset()))
 
     def taken(self, flow_id: str) -> bool:
-        return (asyncio.get_running_loop(), flow_id) in self._turns
+        key = (asyncio.get_running_loop(), flow_id)
+        return key in self._turns and key not in self._held.get()
 
     @asynccontextmanager
     async def turn(self, flow_id: str) -> AsyncIterator[None]:
         key = (asyncio.get_running_loop(), flow_id)
+        held = self._held.get()
+        if key in held:
+            yield  # an RPC its holder's handler makes: the turn is already this code's
+            return
         turn = self._turns.get(key)
         if turn is None:
             turn = self._turns[key] = _Turn()
         turn.users += 1
         try:
             async with turn.lock:
-                yield
+                token = self._held.set(held | {key})
+                try:
+                    yield
+                finally:
+                    self._held.reset(token)
         finally:
             turn.users -= 1
             if turn.users == 0:
@@ -403,6 +418,10 @@ class AsyncClient:
         return StreamRead(events, make_token(self._secret, flow_id, declared.name, last), trimmed)
 
     async def stop_flow(self, flow_id: str, reason: str = "") -> None:
+        given: object = reason  # typed str; checked for callers that pass anything (None, 0, b"")
+        if not isinstance(given, str):
+            raise InvalidValueError(f"stop_flow's reason must be a str, got {type(given).__name__}: {given!r:.200}; "
+                                    "give it as text")
         await self._store.stop_flow(known_flow_id(flow_id), reason)
 
     async def skip_timer(self, flow_id: str, step_execution_id: str) -> None:
