@@ -1529,3 +1529,60 @@ async def test_an_rpc_context_written_after_its_handler_returned_refuses_the_wri
             kept.publish(Inbox, 1)
         assert await c.get_attribute("f", Note) == "kept"
 
+
+
+KEPT_FOLDED: list[Context] = []  # contexts of handlers the worker ran inside a commit
+
+
+async def _to_kept(ctx: Context, _: None) -> StepDecision:
+    return StepDecision.go_to("Keep", None)
+
+
+async def _keep_and_listen(ctx: Context, _: None) -> StepDecision:
+    KEPT_FOLDED.append(ctx)
+    return StepDecision.go_to("Listen", None)
+
+
+async def _kept_wait(ctx: Context, _: None) -> Wait:
+    KEPT_FOLDED.append(ctx)
+    return Wait.until(Inbox.for_one())
+
+
+async def _to_listen(ctx: Context, _: None) -> StepDecision:
+    return StepDecision.go_to("Listen", None)
+
+
+FOLDED_FLOWS = [
+    # Start's commit claims Keep and runs its pure Execute inside it.
+    Flow("FoldedExecute", [
+        Step("Start", _to_kept, input_type=type(None)),
+        Step("Keep", _keep_and_listen, input_type=type(None), pure_execute=True),
+        Step("Listen", done, input_type=type(None)),
+    ], start_step="Start", schema=[Count, Inbox]),
+    # Start's commit evaluates Listen's WaitFor before it commits.
+    Flow("FoldedWait", [
+        Step("Start", _to_listen, input_type=type(None)),
+        Step("Listen", done, wait_for=_kept_wait, input_type=type(None)),
+    ], start_step="Start", schema=[Count, Inbox]),
+]
+
+
+async def test_contexts_of_handlers_run_inside_a_commit_refuse_late_writes(db_url: str) -> None:
+    """A pure Execute run inside the commit that claims it, and a WaitFor evaluated inside the commit
+    that starts its Step (both on SQLite), refuse a write after they returned, as a usual attempt's
+    context does. Catches: those contexts never closed, the write accepted and lost."""
+    for flow in FOLDED_FLOWS:
+        KEPT_FOLDED.clear()
+        async with engine_for(db_url, Registry([flow])) as eng:
+            c = eng.client
+            await c.start_flow(flow.flow_type, flow.flow_type)
+
+            async def settled(client: AsyncClient = c, flow_id: str = flow.flow_type) -> bool:
+                steps = (await client.describe_flow(flow_id)).active_steps
+                return bool(KEPT_FOLDED) and all(s.state == "waiting" for s in steps)
+
+            await wait_until(f"{flow.flow_type}'s handler kept its context", settled)
+            for context in KEPT_FOLDED:
+                with pytest.raises(StaleAttemptError, match=r"^ctx\.set after "):
+                    context.set(Count, 1)
+            assert await c.get_attribute(flow.flow_type, Count) is None

@@ -875,9 +875,10 @@ class AsyncWorker:
                         loaded.pop(ident, None)
                     else:
                         loaded[ident] = value
+        early: FoldContext | None = None
         try:
             input_value = decode_value(f"input of Step {step.step_type}", step.input_type, movement.input)
-            ctx = FoldContext(
+            ctx = early = FoldContext(
                 flow=flow, flow_id=lease.flow_id, step_type=step.step_type, step_execution_id="",
                 method="wait_for", attempt=1, loaded=loaded, load=load, checkpoint=None,
                 recovery_error=None, wait_result=None, heartbeat=_no_heartbeat, write_event=_no_event,
@@ -899,6 +900,9 @@ class AsyncWorker:
             # Whatever went wrong happens again in the real attempt, with retries and failure routes.
             # That includes a CancelledError the WaitFor raised itself: stepped, nothing cancelled it.
             return None
+        finally:
+            if early is not None:
+                early.close(f"wait_for of Step {step.step_type} (evaluated before its Step started) returned")
 
     def fold_execute(self, lease: Lease, durable: bool) -> tuple[WriteSet, DecisionRecord] | StartedFold | None:
         """Run a pure Execute now, inside the commit that claimed `lease`: its writes and decision
@@ -920,6 +924,8 @@ class AsyncWorker:
         # The handler's own context variables, as its attempt's task would have them: none it sets
         # leaks into the committing task, and a parked handler's task goes on in them (_spawn).
         variables = self._own_context.copy()
+        ctx: Context | None = None
+        parked_handler = False  # a parked handler goes on with its context as a usual attempt
         try:
             input_value = decode_value(f"input of Step {step.step_type}", step.input_type, lease.input)
             functions = FoldFunctions(flow, parks=parks)
@@ -936,6 +942,7 @@ class AsyncWorker:
                 variables.run(running.close)  # it awaits something only a usual attempt can wait for
                 return None
             parked = ParkedHandler(ctx, running, functions, variables)
+            parked_handler = True
             return StartedFold(functions.checkpoint, functions.events, parked, partial(variables.run, running.close))
         except KeyboardInterrupt:
             raise
@@ -945,6 +952,9 @@ class AsyncWorker:
             # That includes a CancelledError the handler raised itself (it was stepped, not awaited,
             # so nothing cancelled it): let through, it would abort the commit that claimed it.
             return None
+        finally:
+            if ctx is not None and not parked_handler:  # as _attempt closes a usual attempt's
+                ctx.close(f"execute of {lease.step_execution_id} (attempt {lease.attempt}) returned")
 
     async def _fail(self, running: _Running, error: ErrorInfo, no_retry: bool) -> None:
         # Events the attempt wrote before failing are kept: readers show a failed attempt's output.
