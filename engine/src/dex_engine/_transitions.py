@@ -890,7 +890,7 @@ def claim_deferred(db: Db, worker_id: str, flow_types: Sequence[str], capacity: 
                f"AND t.flow_type IN ({_in(flow_types)}) ORDER BY t.run_at, t.task_id LIMIT ?")
     rows = db.all(sql, (now, *flow_types, capacity * CLAIM_ROWS_PER_SLOT))
     claimed: list[Claimed] = []
-    taking: dict[tuple[str, str], _ClaimWrites] = {}  # locks the claims so far will take
+    taking: dict[str, dict[str, _ClaimWrites]] = {}  # by flow, the locks the claims so far will take
     for r in rows:
         if len(claimed) >= capacity:
             break
@@ -901,7 +901,7 @@ def claim_deferred(db: Db, worker_id: str, flow_types: Sequence[str], capacity: 
 
 
 def _claim_row(
-    db: Db, r: Row, worker_id: str, now: int, taking: dict[tuple[str, str], _ClaimWrites]
+    db: Db, r: Row, worker_id: str, now: int, taking: dict[str, dict[str, _ClaimWrites]]
 ) -> Claimed | None:
     task_id, epoch, flow_id, flow_type, step_type, seid, method, attempt = r[:8]
     if db.skip_locked and db.one(f"SELECT 1 FROM flows WHERE flow_id = ?{db.skip_locked}", (flow_id,)) is None:
@@ -912,8 +912,8 @@ def _claim_row(
     mopts = _method_options(options, str(method))
     locks: tuple[str, ...] = ()
     if not r[14] and mopts.locks:
-        blocker = next((w for (f, held), w in taking.items()
-                        if f == str(flow_id) and any(_locks_conflict(held, n) for n in mopts.locks)), None)
+        taken = taking.get(str(flow_id), {})  # this flow's alone: the scan stays short however big the claim
+        blocker = next((w for held, w in taken.items() if any(_locks_conflict(held, n) for n in mopts.locks)), None)
         if blocker is not None:
             blocker.blocks_others = True
             return None
@@ -923,7 +923,7 @@ def _claim_row(
     start = _attempt_start(db, str(flow_id), options, mopts, None if r[10] is None else bytes(r[10]), now)
     writes = _ClaimWrites(worker_id, now, start, locks, bool(r[14]) and bool(mopts.locks))
     for name in locks:
-        taking[(str(flow_id), name)] = writes
+        taking.setdefault(str(flow_id), {})[name] = writes
     lease = Lease(
         task_id=int(task_id), lease_epoch=int(epoch) + 1, flow_id=str(flow_id), flow_type=str(flow_type),
         step_type=str(step_type), step_execution_id=str(seid),
