@@ -847,3 +847,57 @@ def test_messages_stored_with_their_text_in_the_framework_item_still_read() -> N
                             "2026-01-01T00:00:00.000Z")
     assert _items.input_item(old_user) == UserTextInput("hi")
     assert _items.input_item(old_tool) == ToolResultInput("c1", "dump", "out")
+
+
+async def test_a_turn_failed_in_run_models_commit_stores_its_calls_results_before_the_note(tmp_path: Path) -> None:
+    """A provider that reuses a tool call ID in the turn's second response breaks the contract, and
+    RunModel's commit fails the turn. The first call's result is stored before the note, as in
+    RecordTurnFailure (seed 002). Catches: no result stored, so the next turn's model saw the call
+    that succeeded as "outcome unknown" beside a note saying it succeeded."""
+
+    def respond(request: ModelRequest) -> ScriptedModelReply:
+        if ScriptedModelClient.user_texts(request)[-1] == "next":
+            return ScriptedModelReply(text="ok")
+        order = "A-2" if ScriptedModelClient.tool_results(request) else "A-1"
+        return ScriptedModelReply(tool_calls=[ScriptedToolCall("lookup_order", {"order_id": order},
+                                                               tool_call_id="call_0")])
+
+    flow, model = scripted_flow(respond)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "go")
+        failed = await _turns_done(sessions, "s", 1)
+        assert failed.state is not None and "call_0" in (failed.state.last_turn_error or "")
+        await sessions.send_user_message("s", "next")
+        await _turns_done(sessions, "s", 2)
+    results = [i for i in model.requests[-1].input if isinstance(i, ToolResultInput)]
+    assert [(r.tool_call_id, json.loads(r.output)) for r in results] == [
+        ("call_0", {"order_id": "A-1", "status": "shipped"})]
+
+
+async def test_a_turn_failed_by_a_compaction_answer_stores_its_calls_results_before_the_note(tmp_path: Path) -> None:
+    """The same for a breach in the compaction check before a model call (an estimate that is not a
+    whole number, once a call of the turn has run)."""
+
+    class BadEstimate(BuiltinLoopAgentRunner):
+        def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
+            ran = any(m.role is MessageRole.ASSISTANT and m.tool_call_id for m in turn.messages
+                      if m.turn_id == turn.turn_id)
+            return "many" if ran and turn.turn_id == "turn-1" else 1  # type: ignore[return-value]
+
+    model = ScriptedModelClient(tool_then_answer)
+    definition = AgentDefinition(name="a", instructions="", model=model, tools=[lookup_order],
+                                 compaction=CompactionPolicy(context_window_tokens=100_000))
+    flow = AgentSessionFlow(BadEstimate(definition), "BadEstimate", builtin_agent_session_options(definition))
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", '/tool lookup_order {"order_id": "A-1"}')
+        failed = await _turns_done(sessions, "s", 1)
+        assert failed.state is not None and "estimate_input_tokens returned 'many'" in (
+            failed.state.last_turn_error or "")
+        await sessions.send_user_message("s", "next")
+        await _turns_done(sessions, "s", 2)
+    results = [i for i in model.requests[-1].input if isinstance(i, ToolResultInput)]
+    assert [json.loads(r.output) for r in results] == [{"order_id": "A-1", "status": "shipped"}]

@@ -194,7 +194,8 @@ async def compaction_before_model_call(
                 f"select_compaction_cutoff returned {cutoff}, after the newest stored message {newest}"
             )
     except TurnContractError as exc:
-        rt.fail_turn(ctx, state, turn.turn_id, str(exc))
+        # As RecordTurnFailure ends a turn: the runner's results of its stored calls, then the note.
+        rt.fail_turn(ctx, state, turn.turn_id, str(exc), unfinished=rt.unfinished_turn_messages(turn) or [])
         return StepDecision.go_to(AWAIT_USER_MESSAGE)
     after = summarized_through(turn.context_summary)
     if cutoff <= after:

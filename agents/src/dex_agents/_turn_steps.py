@@ -239,8 +239,11 @@ class TurnSteps:
     def _fail_in_commit(self, ctx: Context, state: AgentState, turn_id: str, error: str) -> StepDecision:
         """A contract breach a retry cannot fix ends the turn in this commit; the session goes on.
 
-        Every breach is found before the outcome stores anything, so `state` is still the stored one."""
-        self.rt.fail_turn(ctx, state, turn_id, error)
+        Every breach is found before the outcome stores anything, so `state` is still the stored one,
+        and the runner's unfinished-turn messages (results of the turn's stored calls) go before the
+        note, as in RecordTurnFailure."""
+        turn = self.turn_context(ctx, state, turn_id, live=False)
+        self.rt.fail_turn(ctx, state, turn_id, error, unfinished=self.rt.unfinished_turn_messages(turn) or [])
         return StepDecision.go_to(AWAIT_USER_MESSAGE)
 
     def _apply_outcome(self, ctx: Context, state: AgentState, turn_id: str, outcome: object) -> StepDecision:
