@@ -1967,3 +1967,36 @@ async def test_an_answer_committed_just_before_cancel_turn_is_applied_not_lost(t
         finished = [p["status"] for t, p in events if t == "tool_call_finished"]
         assert finished == (["succeeded"] if kind == "answer" else ["rejected"])
         assert engine.log.count("tool_start") == 0
+
+
+async def test_a_steered_turn_whose_runner_messages_do_not_fit_stores_the_steered_note(tmp_path: Path) -> None:
+    """A write ran, then the turn was steered; the runner's unfinished-turn messages are over the
+    value limit. The steered note stands in for them (seed 002: ApplyTurnControl stores a note when
+    the runner stores no messages). Catches: neither stored, the next turn's model never told that
+    the write ran."""
+    from agents.tests.scripted_agent import IncrementalScriptedRunner
+
+    from dex_agents import RunModelLimit, ToolPolicy
+    from dex_agents._policy import STEERED_NOTE_HEADER
+    from dex_agents.testing import FileGate
+
+    class HugeUnfinished(IncrementalScriptedRunner):
+        def build_unfinished_turn_messages(self, turn: AgentTurnContext) -> list[FrameworkMessage]:
+            return [item(MessageRole.TOOL, tool_call_id="c1", tool_name="write_x", output="y" * (MAX_VALUE_BYTES + 10))]
+
+    flow = AgentSessionFlow(HugeUnfinished(tmp_path), FLOW_TYPE, AgentSessionOptions(
+        tool_policies={"write_x": ToolPolicy(ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=False)},
+        run_model_limit=RunModelLimit(max_attempts=1)))
+    script = {"steps": [{"tools": [{"id": "c1", "name": "write_x", "args": {"gate": "g", "output": "paid"}}]},
+                        {"answer": "done"}]}
+    async with in_process(tmp_path, flow) as engine:
+        sessions = engine.sessions
+        await sessions.start_session("s", json.dumps(script))
+        gate = FileGate(tmp_path, "g")
+        await gate.wait_until_reached()
+        assert await sessions.steer_user_message("s", text="hello")
+        gate.release()
+        await turn_ended(sessions, "s", 2)
+        texts = [m.text or "" for m in await all_messages(sessions, "s")]
+    (note,) = [t for t in texts if t.startswith(STEERED_NOTE_HEADER)]
+    assert "write_x" in note and "succeeded: paid" in note

@@ -747,6 +747,18 @@ def test_a_turns_ending_tries_the_note_before_the_unfinished_messages(
     assert [[m.text for m in tried] for tried in tries] == expected
 
 
+@pytest.mark.parametrize(("unfinished", "expected"), [
+    # A steered or cancelled turn: the runner's messages, else its note, never both.
+    (["u1", "u2"], [["u1", "u2"], ["note"], ["cut"], []]),
+    ([], [[]]),
+])
+def test_a_controlled_turns_ending_tries_the_note_only_instead_of_the_runners_messages(
+    unfinished: list[str], expected: list[list[str]]
+) -> None:
+    tries = ending_tries([_user(t) for t in unfinished], _user("note"), lambda: _user("cut"), note_instead=True)
+    assert [[m.text for m in tried] for tried in tries] == expected
+
+
 def test_a_turns_ending_builds_the_cut_note_only_when_the_whole_one_does_not_fit() -> None:
     asked: list[int] = []
 

@@ -376,8 +376,8 @@ def end_controlled_turn(
 ) -> AgentState:
     """End a steered or cancelled turn in this commit, every record final.
 
-    Stores the runner's unfinished-turn messages, else the steered or cancelled note when the turn
-    has records (what does not fit the value limit is left out: append_turn_ending); deletes the
+    Stores the runner's unfinished-turn messages, else (none from the runner, or too large to store)
+    the steered or cancelled note when the turn has records (append_turn_ending); deletes the
     records and run state; counts the turn, clears it and last_turn_error; writes turn_steered or
     turn_cancelled.
     """
@@ -387,8 +387,10 @@ def end_controlled_turn(
         return controlled_turn_note(records.values(), reason, field_chars=field_chars)
 
     what = "cancelled turn" if reason is CancellationReason.TURN_CANCELLED else "steered turn"
-    state = rt.append_turn_ending(ctx, state, turn_id, unfinished or [], None if unfinished is not None else note_text,
-                                  what)
+    # The runner's messages when it gives them, else the note; the note also when they do not fit:
+    # a write that ran must be told to the next turn's model one way or the other.
+    state = rt.append_turn_ending(ctx, state, turn_id, unfinished or [], note_text, what,
+                                  note_instead=unfinished is not None)
     count = rt.reply_count(ctx, state, turn_id)
     rt.clear_turn(ctx, turn_id)
     if pending_interrupts(ctx):

@@ -413,11 +413,14 @@ class SessionRuntime:
         unfinished: Sequence[FrameworkMessage],
         note_text: Callable[[int | None], str | None] | None,
         what: str,
+        *,
+        note_instead: bool = False,
     ) -> AgentState:
         """Store an ending turn's last messages: `unfinished`, then the note `note_text(None)` gives,
         if any. When they do not fit the value limit, the first of ending_tries that fits (the note
         whole, then cut to CUT_NOTE_FIELD_CHARS a field, before the unfinished messages); a runner
-        that cannot build the note leaves it out. `what` names the turn in warnings."""
+        that cannot build the note leaves it out. With `note_instead`, the note is stored only when
+        the unfinished messages do not fit (ending_tries). `what` names the turn in warnings."""
 
         def note_message(field_chars: int | None) -> FrameworkMessage | None:
             text = note_text(field_chars) if note_text is not None else None
@@ -433,7 +436,8 @@ class SessionRuntime:
 
         note = note_message(None)
         first: ValueTooLarge | None = None
-        for items in ending_tries(unfinished, note, lambda: note_message(CUT_NOTE_FIELD_CHARS)):
+        tries = ending_tries(unfinished, note, lambda: note_message(CUT_NOTE_FIELD_CHARS), note_instead=note_instead)
+        for items in tries:
             # append_messages checks every size before it writes anything, so a refused try leaves nothing.
             try:
                 state = self.append_messages(ctx, state, turn_id, items)

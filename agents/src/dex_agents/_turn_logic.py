@@ -220,11 +220,27 @@ def ending_tries(
     unfinished: Sequence[FrameworkMessage],
     note: FrameworkMessage | None,
     cut_note: Callable[[], FrameworkMessage | None],
+    *,
+    note_instead: bool = False,
 ) -> Iterator[list[FrameworkMessage]]:
     """What a turn's end tries to store, best first, until one fits the value limit: the unfinished
     messages and the note, the note alone, both again with the note cut (`cut_note`, asked only
     then), the unfinished messages alone, nothing. The note comes before the unfinished messages: it
-    is what keeps the next turn from repeating a write."""
+    is what keeps the next turn from repeating a write.
+
+    With `note_instead` (a steered or cancelled turn, whose note stands in for the runner's
+    messages, never beside them): the unfinished messages, else the note, else the cut note, else
+    nothing."""
+    if note_instead:
+        yield [*unfinished]
+        if note is not None and unfinished:
+            yield [note]
+            cut = cut_note()
+            if cut is not None and cut != note:
+                yield [cut]
+        if unfinished:
+            yield []
+        return
     yield [*unfinished, *([note] if note is not None else [])]
     if note is not None:
         if unfinished:
