@@ -1089,13 +1089,21 @@ CONTRACT_BREACHES: list[tuple[str, Callable[[], object], str]] = [
     # A provider's missing count passed on as None, a float, or a negative count: the session's
     # totals could not add them (the model call ran three times and its answer was lost).
     ("usage-count-none", lambda: TurnCompleted([_PARTIAL], AgentUsage(1, cached_input_tokens=None)),  # type: ignore[arg-type]
-     "usage cached_input_tokens must be a whole number of at least 0, got None"),
+     "usage cached_input_tokens must be a whole number from 0 to 9223372036854775807, got None"),
     ("usage-count-float", lambda: TurnCompleted([_PARTIAL], AgentUsage(1, input_tokens=12.5)),  # type: ignore[arg-type]
-     "usage input_tokens must be a whole number of at least 0, got 12.5"),
+     "usage input_tokens must be a whole number from 0 to 9223372036854775807, got 12.5"),
     ("usage-count-negative", lambda: TurnCompleted([_PARTIAL], AgentUsage(1, output_tokens=-3)),
-     "usage output_tokens must be a whole number of at least 0, got -3"),
+     "usage output_tokens must be a whole number from 0 to 9223372036854775807, got -3"),
     ("usage-count-bool", lambda: TurnCompleted([_PARTIAL], AgentUsage(True)),
-     "usage model_calls must be a whole number of at least 0, got True"),
+     "usage model_calls must be a whole number from 0 to 9223372036854775807, got True"),
+    # Catches: a count too large to store (over 4,300 digits) failing the commit three times.
+    ("usage-count-huge", lambda: TurnCompleted([_PARTIAL], AgentUsage(1, input_tokens=10**5000)),
+     "usage input_tokens must be a whole number from 0 to 9223372036854775807, got (a int whose repr could not "
+     "be made: ValueError)"),
+    # Catches: TypeError (unhashable) from the role check, which failed the commit three times.
+    ("role-unhashable",
+     lambda: TurnCompleted([FrameworkMessage(["assistant"], "{}")], _USAGE),  # type: ignore[arg-type]
+     "TurnCompleted.new_messages[0] has role ['assistant']; use MessageRole.USER, ASSISTANT or TOOL"),
     ("policy-not-tool-policy",
      lambda: ToolCallsRequested("state", [DeferredToolCall("c1", "read_x", "{}", "read")], _USAGE),  # type: ignore[arg-type]
      "tool call 'c1' has policy 'read'; use turn.resolve_tool_policy(name)"),
@@ -1129,7 +1137,7 @@ CONTRACT_BREACHES: list[tuple[str, Callable[[], object], str]] = [
 ]
 # Cases whose outcome carries no AgentUsage to record; every other one records _USAGE before failing.
 NO_USAGE_RECORDED = {"a-dict", "none", "usage-not-agent-usage", "usage-count-none", "usage-count-float",
-                     "usage-count-negative", "usage-count-bool"}
+                     "usage-count-negative", "usage-count-bool", "usage-count-huge"}
 
 
 async def test_a_turn_error_after_a_tool_call_stores_the_runners_transcript_and_no_note(tmp_path: Path) -> None:
@@ -2000,3 +2008,22 @@ async def test_a_steered_turn_whose_runner_messages_do_not_fit_stores_the_steere
         texts = [m.text or "" for m in await all_messages(sessions, "s")]
     (note,) = [t for t in texts if t.startswith(STEERED_NOTE_HEADER)]
     assert "write_x" in note and "succeeded: paid" in note
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+async def test_a_turn_error_whose_text_cannot_be_made_fails_the_turn_once(tmp_path: Path) -> None:
+    """Catches: str() of the runner's turn_error raising in RunModel's commit, which repeated the
+    paid model call three times."""
+    runner = MisbehavingRunner(tmp_path, {"odd": lambda: TurnCompleted([_PARTIAL], _USAGE, turn_error=_Unprintable())})
+    async with in_process(tmp_path, flow_with(runner)) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        turn_id, error = await failed_turn(sessions, "s", f"{MISBEHAVE} odd")
+        assert error == "(a _Unprintable whose text could not be made: RuntimeError)"
+        assert engine.log.count("model", turn_id=turn_id) == 1
+        await assert_usable(sessions, "s", await all_messages(sessions, "s"))
+        assert before

@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agents.tests.builtin_agent import InProcessEngine, gated_flow, lookup_order, scripted_flow, tool_then_answer
+from agents.tests.builtin_agent import (
+    InProcessEngine,
+    gated_flow,
+    lookup_order,
+    refund_order,
+    scripted_flow,
+    tool_then_answer,
+)
 from agents.tests.compaction_agent import FILLER
 from agents.tests.conftest import REPO_ROOT
 
@@ -29,6 +36,7 @@ from dex_agents import (
     MessageRole,
     ToolCallStepOptions,
     ToolEffect,
+    ToolExecutionError,
     ToolExecutionResult,
     ToolInputRequested,
     ToolPolicy,
@@ -901,3 +909,73 @@ async def test_a_turn_failed_by_a_compaction_answer_stores_its_calls_results_bef
         await _turns_done(sessions, "s", 2)
     results = [i for i in model.requests[-1].input if isinstance(i, ToolResultInput)]
     assert [json.loads(r.output) for r in results] == [{"order_id": "A-1", "status": "shipped"}]
+
+
+class _NotFound(ToolExecutionError):
+    """A tool's own error type that sets its text without ToolExecutionError.__init__."""
+
+    def __init__(self, order_id: str) -> None:
+        Exception.__init__(self, f"no order {order_id}")
+
+
+@pytest.mark.parametrize("effect", [ToolEffect.READ, ToolEffect.IDEMPOTENT_WRITE])
+async def test_a_tool_error_subclass_without_its_message_fails_the_call_once(
+    tmp_path: Path, effect: ToolEffect
+) -> None:
+    """Catches: AttributeError on exc.message in the tool Step, so the tool ran three times, and a
+    write the tool said had failed was recorded outcome_unknown."""
+    runs: list[str] = []
+
+    @function_tool(effect=effect, name="find", requires_approval=False)
+    def find(order_id: str) -> str:
+        """Find an order."""
+        runs.append(order_id)
+        raise _NotFound(order_id)
+
+    definition = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(tool_then_answer), tools=[find])
+    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(definition, "Finding")])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", '/tool find {"order_id": "A-9"}')
+        done = await _turns_done(sessions, "s", 1)
+    (result,) = [m for m in done.messages if m.role is MessageRole.TOOL]
+    assert result.tool_output == "The tool call failed: no order A-9"
+    assert runs == ["A-9"]
+
+
+class _OddOptions(BuiltinLoopAgentRunner):
+    """Gives refund_order's calls step options that are not ToolCallStepOptions: a huge text."""
+
+    def tool_call_step_options(self, call: DeferredToolCall) -> Any:
+        return "x" * 2_000_000 if call.tool_name == "refund_order" else None
+
+
+async def test_step_options_that_are_not_options_fail_only_their_call_even_after_an_approval(tmp_path: Path) -> None:
+    """A runner's tool_call_step_options returning a 2 MB text: that call fails, not run, with a cut
+    error, after its approval too; the other call runs and the turn goes on. Catches: the error
+    quoting the whole value, over the value limit, failing the turn (or AwaitToolApproval's Step
+    again and again, the session stuck)."""
+    refund = '{"order_id": "A-1", "amount_cents": 5}'
+
+    def respond(request: ModelRequest) -> ScriptedModelReply:
+        results = ScriptedModelClient.tool_results(request)
+        if results:
+            return ScriptedModelReply(text=" | ".join(f"{r.tool_name}: {r.output[:200]}" for r in results))
+        return ScriptedModelReply(tool_calls=[ScriptedToolCall("refund_order", refund),
+                                              ScriptedToolCall("lookup_order", {"order_id": "A-1"})])
+
+    definition = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(respond),
+                                 tools=[lookup_order, refund_order])
+    flow = AgentSessionFlow(_OddOptions(definition), "OddOptions", builtin_agent_session_options(definition))
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "refund")
+        interrupt = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: next(iter(s.pending_interrupts), None), description="the refund's approval")
+        assert await sessions.resolve_interrupt("s", interrupt.interrupt_id, approved=True)
+        done = await _turns_done(sessions, "s", 1)
+    assert done.state is not None and done.state.last_turn_error is None
+    answer = done.messages[-1].text or ""
+    assert "refund_order: The tool call failed: the tool did not run" in answer and "which is not a Tool" in answer
+    assert 'lookup_order: {"order_id":"A-1","status":"shipped"}' in answer

@@ -822,3 +822,18 @@ def test_storable_outcome_escapes_only_what_cannot_be_stored() -> None:
     stored = storable_outcome(odd)
     assert (stored.output, stored.error, stored.rejection_message) == ("a\\ud800", "b\\udfff", "c\\ud83d")
     assert msgspec.json.encode(stored)
+
+
+def test_arguments_that_are_not_text_are_stored_as_a_repr_that_never_raises_and_is_cut() -> None:
+    """Catches: a runner's arguments object whose repr raises failing RunModel's commit three
+    times (three paid model calls), and a huge one stored whole."""
+    from dex_agents._constants import MAX_STORED_TOOL_ERROR_CHARS
+    from dex_agents._turn_logic import storable_arguments
+
+    class NoRepr:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    assert storable_arguments(NoRepr()) == "(a NoRepr whose repr could not be made: RuntimeError)"
+    assert storable_arguments(["x" * 10_000]) == repr(["x" * 10_000])[:MAX_STORED_TOOL_ERROR_CHARS]
+    assert storable_arguments('{"a": 1}') == '{"a": 1}'

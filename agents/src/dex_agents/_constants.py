@@ -102,6 +102,9 @@ REJECTION_MESSAGE_NOT_STORED = "The user rejected this tool call; the reason giv
 # is kept to this many characters, and the call keeps its status: a write whose outcome is unknown
 # must go on saying so, whatever the size of what the tool said.
 MAX_STORED_TOOL_ERROR_CHARS = 4000
+# The largest token count a runner's AgentUsage may report: a 64-bit count, what providers and the
+# engine's other counters use; a count past Python's 4,300 digits could not even be stored.
+MAX_USAGE_COUNT = 2**63 - 1
 # A failed turn's error (last_turn_error, the turn_failed event) is kept to this many characters:
 # a runner's turn_error or a raised text of megabytes could not be stored, and the model call would
 # run again on every retry, the runner's messages lost.

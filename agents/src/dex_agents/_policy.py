@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ._constants import DEFAULT_REJECTION_MESSAGE
+from ._constants import DEFAULT_REJECTION_MESSAGE, SHOWN_VALUE_CHARS
 from ._wire import AgentToolCall, AgentToolCallStatus, ToolEffect
 
 # Effects whose calls may run again: CallTool retries them; the others run at most once.
@@ -108,6 +108,23 @@ def text_of(value: object) -> str:
         return str(value)
     except Exception as exc:
         return f"(a {type(value).__name__} whose text could not be made: {type(exc).__name__})"
+
+
+def shown(value: object, chars: int = SHOWN_VALUE_CHARS) -> str:
+    """repr(value), at most `chars` characters, for an error that names a runner's value. Never
+    raises: a repr that raises must not stop the call or turn from being recorded."""
+    try:
+        text = repr(value)
+    except Exception as exc:
+        return f"(a {type(value).__name__} whose repr could not be made: {type(exc).__name__})"
+    return text[:chars]
+
+
+def error_message(exc: BaseException) -> str:
+    """The message of a ToolExecutionError or ToolOutcomeUnknownError as text. Never raises: a
+    subclass that skipped super().__init__ has no `message`, and its own text stands in."""
+    message = getattr(exc, "message", None)
+    return text_of(exc if message is None else message)
 
 
 def raised_text(exc: BaseException) -> str:

@@ -470,7 +470,8 @@ class SessionRuntime:
         try:
             retry, timeout = tool_step_overrides(step, chosen)
         except ValueError as exc:
-            return finished(record, AgentToolCallStatus.FAILED, error=not_run_error(str(exc)))
+            detail = cut_text(str(exc), MAX_STORED_TOOL_ERROR_CHARS)  # it may quote a huge value
+            return finished(record, AgentToolCallStatus.FAILED, error=not_run_error(detail))
         return Movement(step, record.tool_call_id, dataclasses.replace(
             moved, execute_retry=retry, execute_timeout_seconds=timeout))
 

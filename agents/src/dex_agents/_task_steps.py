@@ -33,7 +33,7 @@ from ._constants import (
 )
 from ._events import AgentEventType
 from ._persistence import AGENT_STATE, AGENT_TOOL_CALLS, TURN_CANCELLATION_REQUEST
-from ._policy import REPEATABLE_EFFECTS
+from ._policy import REPEATABLE_EFFECTS, error_message
 from ._runner import (
     ToolExecutionError,
     ToolExecutionResult,
@@ -314,9 +314,9 @@ class TaskSteps:
             async with background_heartbeats(ctx):
                 result = await resolved(cast(ToolTaskPoller, rt.runner).poll_tool_task(poll))
         except ToolExecutionError as exc:
-            final = finished(polled, AgentToolCallStatus.FAILED, error=exc.message)
+            final = finished(polled, AgentToolCallStatus.FAILED, error=error_message(exc))
         except ToolOutcomeUnknownError as exc:
-            final = finished(polled, AgentToolCallStatus.OUTCOME_UNKNOWN, error=exc.message)
+            final = finished(polled, AgentToolCallStatus.OUTCOME_UNKNOWN, error=error_message(exc))
         else:
             if isinstance(result, ToolTaskPending):
                 return self._pending(ctx, polled, result)

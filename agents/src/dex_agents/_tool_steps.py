@@ -49,7 +49,7 @@ from ._persistence import (
     TOOL_CALL_RESULTS,
     TURN_CONTROL_REQUESTS,
 )
-from ._policy import cut_text
+from ._policy import cut_text, error_message
 from ._runner import (
     DeferredToolExecution,
     ToolExecutionError,
@@ -268,9 +268,9 @@ class ToolSteps:
             async with background_heartbeats(ctx):
                 result = await resolved(rt.runner.execute_deferred_tool_call(call))
         except ToolExecutionError as exc:
-            final = finished(record, AgentToolCallStatus.FAILED, error=exc.message)
+            final = finished(record, AgentToolCallStatus.FAILED, error=error_message(exc))
         except ToolOutcomeUnknownError as exc:
-            final = finished(record, AgentToolCallStatus.OUTCOME_UNKNOWN, error=exc.message)
+            final = finished(record, AgentToolCallStatus.OUTCOME_UNKNOWN, error=error_message(exc))
         else:
             if isinstance(result, ToolInputRequested):
                 return self._ask(ctx, record, result)

@@ -29,13 +29,15 @@ from ._constants import (
     CALL_TOOL,
     DEFAULT_MAX_DURABLE_WAIT,
     MAX_REJECTION_MESSAGE_CHARS,
+    MAX_STORED_TOOL_ERROR_CHARS,
+    MAX_USAGE_COUNT,
     SHOWN_VALUE_CHARS,
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
     TOOL_NAME_MISSING,
 )
 from ._options import LONGEST_TIMER
 from ._plans import WRITE_TODOS, count_write_todos_calls, rejected_in_planning_turn, settle_write_todos
-from ._policy import REPEATABLE_EFFECTS, ToolPolicy, cut_text, is_approval_required
+from ._policy import REPEATABLE_EFFECTS, ToolPolicy, cut_text, is_approval_required, shown
 from ._runner import DeferredToolCall, FrameworkMessage, ToolCallStepOptions
 from ._timefmt import format_time
 from ._wire import (
@@ -103,8 +105,8 @@ def usage_problem(usage: object) -> str | None:
         return f"must be an AgentUsage, got {type(usage).__name__}"
     for name in AgentUsage.__struct_fields__:
         value = getattr(usage, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            return f"{name} must be a whole number of at least 0, got {value!r:.{SHOWN_VALUE_CHARS}}"
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_USAGE_COUNT:
+            return f"{name} must be a whole number from 0 to {MAX_USAGE_COUNT}, got {shown(value)}"
     return None
 
 
@@ -132,12 +134,12 @@ def check_framework_messages(items: object, source: str) -> list[FrameworkMessag
             raise TurnContractError(f"{source}[{index}] is a {type(given).__name__}, not a FrameworkMessage")
         role: object = given.role
         item = given
-        if type(role) is not MessageRole and role in _ROLES:
+        if type(role) is not MessageRole and isinstance(role, str) and role in _ROLES:
             # A plain "assistant" is as good as the enum member (which needs no copy).
             item = dataclasses.replace(given, role=MessageRole(role))
         if not isinstance(item.role, MessageRole):
             raise TurnContractError(
-                f"{source}[{index}] has role {item.role!r}; use MessageRole.USER, ASSISTANT or TOOL"
+                f"{source}[{index}] has role {shown(item.role)}; use MessageRole.USER, ASSISTANT or TOOL"
             )
         if not isinstance(item.framework_item, str):
             raise TurnContractError(
@@ -268,7 +270,7 @@ def _escaped(text: str) -> str:
 def storable_arguments(arguments: object) -> str:
     """What a record stores as a call's arguments: the text, escaped by storable_text (the call
     then fails on arguments_error), or the repr of arguments that are not text."""
-    return storable_text(arguments) if isinstance(arguments, str) else repr(arguments)
+    return storable_text(arguments) if isinstance(arguments, str) else shown(arguments, MAX_STORED_TOOL_ERROR_CHARS)
 
 
 def storable_outcome(record: AgentToolCall) -> AgentToolCall:
@@ -311,14 +313,14 @@ def tool_step_overrides(step: str, chosen: object) -> tuple[RetryPolicy | None, 
         )
     if not isinstance(chosen, ToolCallStepOptions):
         raise ValueError(
-            f"tool_call_step_options returned {chosen!r}, which is not a ToolCallStepOptions or None"
+            f"tool_call_step_options returned {shown(chosen)}, which is not a ToolCallStepOptions or None"
         )
     timeout, retry = chosen.timeout, chosen.retry
     if timeout is not None and not (isinstance(timeout, timedelta) and timedelta(0) < timeout <= LONGEST_TIMER):
         raise ValueError(f"ToolCallStepOptions.timeout must be a positive timedelta of at most {LONGEST_TIMER.days} "
-                         f"days (the engine's longest method timeout) or None, got {timeout!r}")
+                         f"days (the engine's longest method timeout) or None, got {shown(timeout)}")
     if retry is not None and not isinstance(retry, RetryPolicy):
-        raise ValueError(f"ToolCallStepOptions.retry must be a dex_engine.RetryPolicy or None, got {retry!r}")
+        raise ValueError(f"ToolCallStepOptions.retry must be a dex_engine.RetryPolicy or None, got {shown(retry)}")
     return (retry if step == CALL_TOOL else None), (None if timeout is None else timeout.total_seconds())
 
 

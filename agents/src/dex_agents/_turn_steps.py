@@ -44,6 +44,7 @@ from ._plans import (
     plan_updated_payload,
     turn_interaction_mode,
 )
+from ._policy import text_of
 from ._runner import AgentTurnContext, ToolCallsRequested, TurnCompleted, TurnContinued
 from ._runtime import (
     INTERRUPT_STEP_LOAD_EXTRA,
@@ -259,7 +260,7 @@ class TurnSteps:
             items = check_framework_messages(outcome.new_messages, "TurnCompleted.new_messages")
             turn_error = outcome.turn_error
             if turn_error is not None:
-                turn_error = str(turn_error)
+                turn_error = text_of(turn_error)
                 problem = text_problem(turn_error)
                 if problem is not None:
                     raise TurnContractError(f"TurnCompleted.turn_error is {problem}")
