@@ -21,6 +21,8 @@ import pytest
 
 import dex_engine._transitions as transitions
 from dex_engine import (
+    AsyncClient,
+    AsyncWorker,
     Attribute,
     AttributeMap,
     AttributeRef,
@@ -39,6 +41,7 @@ from dex_engine import (
     Store,
     Stream,
     Wait,
+    WorkerOptions,
     open_store,
     rpc,
 )
@@ -533,6 +536,31 @@ async def test_events_written_before_a_heartbeat_go_out_with_it_in_order(
         ("before heartbeat", "Only-1", 1), ("after heartbeat", "Only-1", 1),
     ]
     assert appends == [1]
+
+
+async def test_an_event_written_while_a_heartbeat_carries_earlier_ones_follows_them(db_url: str) -> None:
+    """A handler writes event 1 and heartbeats; while the heartbeat (carrying event 1) runs, another
+    of its tasks writes event 2. Catches: event 2's flush overtaking the heartbeat on SQLite (an
+    operation that yields to the loop can be overtaken), so readers saw 2 before 1 (E11)."""
+
+    async def step(ctx: Context, _: None) -> StepDecision:
+        async def second() -> None:
+            ctx.write_event(Events, "2")
+
+        later = asyncio.ensure_future(second())
+        ctx.write_event(Events, "1")
+        await ctx.heartbeat()
+        await later
+        return StepDecision.graceful_complete()
+
+    flow = Flow("Ordered", [Step("Only", step, input_type=type(None))], start_step="Only", schema=[Events])
+    registry = Registry([flow])
+    # A worker with a store of its own, as in a Worker process: its operations then yield to the loop.
+    async with AsyncClient(registry, db_url) as client, AsyncWorker(registry, WorkerOptions(database_url=db_url)):
+        await client.start_flow("Ordered", "f1")
+        assert (await client.wait_for_flow("f1", 10)).status == "completed"
+        read = await client.read_stream("f1", Events)
+    assert [(e.sequence, e.value) for e in read.events] == [(1, "1"), (2, "2")]
 
 
 @pytest.mark.sqlite_only

@@ -985,7 +985,16 @@ class AsyncWorker:
                 with running.events_lock:
                     events = running.events[:]
                     running.events.clear()
-            await store.heartbeat(lease, checkpoint, events)
+            if not events:
+                await store.heartbeat(lease, checkpoint, events)
+                return
+            # Carrying events, the heartbeat is the attempt's flush while it runs: an event written
+            # meanwhile (by another task of the handler) waits for it, and is flushed after it, in
+            # order; a store that lets one operation overtake another cannot reorder them.
+            carrying = asyncio.ensure_future(store.heartbeat(lease, checkpoint, events))
+            running.flush_task = carrying
+            carrying.add_done_callback(lambda _: self._schedule_flush(running))
+            await carrying
 
         def write_event(stream: str, data: bytes) -> None:
             with running.events_lock:
