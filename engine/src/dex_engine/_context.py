@@ -52,10 +52,9 @@ class _StateView:
         holding the context) would be lost without a word."""
         self._ended = ended
 
-    def _refuse_if_closed(self, call: str) -> None:
-        if self._ended is not None:
-            raise StaleAttemptError(f"ctx.{call} after {self._ended}: its writes were already committed or "
-                                    "dropped; make every write before the handler returns")
+    def _refused(self, call: str) -> StaleAttemptError:
+        return StaleAttemptError(f"ctx.{call} after {self._ended}: its writes were already committed or "
+                                 "dropped; make every write before the handler returns")
 
     def _is_loaded(self, name: str, key: str) -> bool:
         return self._load.loads(name, key)
@@ -133,7 +132,8 @@ class _StateView:
 
     def set(self, ref: AttributeRef[T], value: T) -> None:
         """Write an attribute; encoded and checked now, committed with the method's result."""
-        self._refuse_if_closed("set")
+        if self._ended is not None:  # inline: every write of every handler passes here
+            raise self._refused("set")
         self.flow.check_attribute(ref)
         data = encode_value(ref.label, ref.value_type, value)
         ident = (ref.name, ref.key)
@@ -142,7 +142,8 @@ class _StateView:
         self._items.pop(ref.name, None)
 
     def delete(self, ref: AttributeRef[Any]) -> None:
-        self._refuse_if_closed("delete")
+        if self._ended is not None:  # inline: every write of every handler passes here
+            raise self._refused("delete")
         self.flow.check_attribute(ref)
         ident = (ref.name, ref.key)
         self._writes.attributes[ident] = None
@@ -151,7 +152,8 @@ class _StateView:
 
     def publish(self, channel: ChannelRef[T], value: T) -> None:
         """Queue a message on a channel instance at this method's commit."""
-        self._refuse_if_closed("publish")
+        if self._ended is not None:  # inline: every write of every handler passes here
+            raise self._refused("publish")
         self.flow.check_channel(channel)
         self._writes.publishes.append(
             (channel.name, channel.key, encode_value(channel.label, channel.value_type, value))
@@ -159,7 +161,8 @@ class _StateView:
 
     def append(self, stream: Stream[T], event: T) -> None:
         """Append an event to a stream at this method's commit (transactional)."""
-        self._refuse_if_closed("append")
+        if self._ended is not None:  # inline: every write of every handler passes here
+            raise self._refused("append")
         declared = self.flow.check_stream(stream)
         self._writes.appends.append(
             (declared.name, declared.capacity_bytes, encode_value(declared.name, declared.value_type, event))
@@ -390,6 +393,7 @@ class RpcContext(_StateView):
 
     def delete_message(self, channel: ChannelRef[Any], message_id: int) -> None:
         """Delete a pending message at commit; the RPC fails with ChannelMessageNotFoundError if it is gone."""
-        self._refuse_if_closed("delete_message")
+        if self._ended is not None:  # inline: every write of every handler passes here
+            raise self._refused("delete_message")
         self.flow.check_channel(channel)
         self._writes.deleted_messages.append((channel.name, channel.key, message_id))

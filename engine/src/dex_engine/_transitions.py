@@ -22,7 +22,6 @@ from ._errors import (
     FlowAlreadyStartedError,
     FlowNotActiveError,
     FlowNotFoundError,
-    InvalidValueError,
     RpcLockConflictError,
     StaleAttemptError,
     StepNotWaitingError,
@@ -309,12 +308,8 @@ def _history(
 def _error_text(text: str) -> str:
     """`text` (an error's, a reason, a history detail) as kept: its first MAX_ERROR_TEXT_CHARS
     characters, storable. Cut before and after: a huge error is not copied whole, and its escapes
-    do not pass the limit."""
-    given: object = text  # typed str; a caller's reason (stop_flow's, say) may be anything
-    if not isinstance(given, str):
-        raise InvalidValueError(
-            f"a reason or error text (stop_flow's reason, force_fail's) must be a str, got "
-            f"{type(given).__name__}: {given!r:.200}; give it as text")
+    do not pass the limit. A reason is checked to be text where it is given (StepDecision,
+    AsyncClient.stop_flow): this runs for every history entry."""
     return _storable_text(text[:MAX_ERROR_TEXT_CHARS])[:MAX_ERROR_TEXT_CHARS]
 
 

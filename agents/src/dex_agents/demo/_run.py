@@ -92,10 +92,9 @@ async def _registered(client: AsyncClient, worker: _Worker) -> None:
 
 
 async def run_demo(console: Console, data_dir: Path | None = None) -> int:
-    """Run the demo in `data_dir` (a fresh temporary directory by default); returns an exit code."""
+    """Run the demo in `data_dir` (a fresh temporary directory by default, else one data_dir_problem
+    accepts: the command checks it, naming its option); returns an exit code."""
     own_dir = data_dir is None
-    if data_dir is not None and (problem := data_dir_problem(data_dir)) is not None:
-        raise ValueError(problem)
     directory = Path(tempfile.mkdtemp(prefix="dex-agents-demo-")) if data_dir is None else data_dir
     directory.mkdir(parents=True, exist_ok=True)
     database = directory / "demo.db"
