@@ -92,6 +92,15 @@ async def _turns_done(sessions: AgentSessionClient, sid: str, count: int) -> Age
     return snapshot
 
 
+async def _one_turn(tmp_path: Path, definition: AgentDefinition, text: str) -> AgentSnapshot:
+    """The snapshot after the first turn of a session of `definition`'s agent, started with `text`."""
+    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(definition)])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", text)
+        return await _turns_done(sessions, "s", 1)
+
+
 def test_the_testing_kit_exports_the_built_in_loops_scripted_model_client() -> None:
     """Seed 003: dex_agents.testing "exports the same class" as dex_agents.builtin_loop."""
     import dex_agents.testing
@@ -715,14 +724,10 @@ async def test_scripted_call_ids_stay_unique_when_compaction_shortens_the_input(
     model = ScriptedModelClient(respond)
     definition = AgentDefinition(name="a", instructions="", model=model, tools=[count],
                                  compaction=CompactionPolicy(context_window_tokens=500))
-    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(definition, "Counting")])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s", "count")
-        done = await _turns_done(sessions, "s", 1)
-        assert done.state is not None and done.state.last_turn_error is None
-        assert done.context_summary is not None  # compacted within the turn
-        assert done.messages[-1].text == f"counted {CALLS}"
+    done = await _one_turn(tmp_path, definition, "count")
+    assert done.state is not None and done.state.last_turn_error is None
+    assert done.context_summary is not None  # compacted within the turn
+    assert done.messages[-1].text == f"counted {CALLS}"
 
 
 class _Rendezvous(_Source):
@@ -831,11 +836,7 @@ async def test_a_tool_output_over_half_the_value_limit_is_stored_once_and_the_tu
         return ScriptedModelReply(tool_calls=[ScriptedToolCall("dump", {})])
 
     definition = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(respond), tools=[dump])
-    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(definition, "Dumping")])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s", "dump it")
-        done = await _turns_done(sessions, "s", 1)
+    done = await _one_turn(tmp_path, definition, "dump it")
     assert done.state is not None and done.state.last_turn_error is None
     assert done.messages[-1].text == "got 600000 characters"
     (result,) = [m for m in done.messages if m.role is MessageRole.TOOL]
@@ -933,11 +934,7 @@ async def test_a_tool_error_subclass_without_its_message_fails_the_call_once(
         raise _NotFound(order_id)
 
     definition = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(tool_then_answer), tools=[find])
-    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(definition, "Finding")])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s", '/tool find {"order_id": "A-9"}')
-        done = await _turns_done(sessions, "s", 1)
+    done = await _one_turn(tmp_path, definition, '/tool find {"order_id": "A-9"}')
     (result,) = [m for m in done.messages if m.role is MessageRole.TOOL]
     assert result.tool_output == "The tool call failed: no order A-9"
     assert runs == ["A-9"]
