@@ -33,6 +33,7 @@ from dex_agents import (
     AGENT_TOOL_CALLS,
     AGENT_USAGE,
     ARGUMENTS_NOT_OBJECT,
+    AWAIT_QUESTION_ANSWER,
     AWAIT_TOOL_APPROVAL,
     FRAMEWORK_RUN_STATE,
     INTERRUPT_RESOLUTIONS,
@@ -81,6 +82,8 @@ from dex_agents import (
     TurnCompleted,
     TurnContinued,
     UpdateSessionSettingsRequest,
+    _builtin_steps,
+    _tool_steps,
     message_sequence_key,
 )
 from dex_agents._constants import (
@@ -105,6 +108,7 @@ from dex_agents.testing import (
 )
 from dex_engine import (
     MAX_ERROR_TEXT_CHARS,
+    MAX_TIMER_SECONDS,
     MAX_VALUE_BYTES,
     AsyncClient,
     AsyncWorker,
@@ -650,6 +654,43 @@ async def test_answer_question_blank_or_past_its_deadline_is_false(tmp_path: Pat
         await engine.start_worker()
         snapshot = await turn_ended(sessions, "s", 2)
         assert snapshot.messages[-1].text == "q1=question deadline passed"
+        await assert_usable(sessions, "s", before)
+
+
+async def test_the_longest_deadline_read_by_a_worker_whose_clock_is_behind_still_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """interrupt_deadline may be the engine's longest Timer (366 days). The Worker that waits on an
+    approval or a question may read the time an hour behind the one that wrote the deadline (another
+    host, or NTP stepping the clock back): the deadline is then further away than any Timer can be.
+    The waits register at once anyway, at the longest Timer, and the answers apply; before, each
+    WaitFor was refused on every retry and the session failed."""
+    behind = timedelta(hours=1)
+    for module in (_tool_steps, _builtin_steps):
+        monkeypatch.setattr(module, "now_utc", lambda: datetime.now(UTC) - behind)
+    flow = build_flow(tmp_path, interrupt_deadline=timedelta(seconds=MAX_TIMER_SECONDS),
+                      built_in_tools=frozenset({BuiltInTool.ASK_USER}))
+    async with in_process(tmp_path, flow) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        assert await sessions.send_user_message("s", script({"tools": [
+            {"id": "w1", "name": "write_x"}, {"id": "q1", "name": "ask_user", "args": {"question": "Name?"}},
+        ]}, {"answer": "{results}"}))
+        await wait_for_agent_snapshot(sessions, "s", lambda s: len(s.pending_interrupts) == 2 or None,
+                                      description="the approval and the question")
+
+        async def both_waiting() -> bool:
+            info = await engine.client.describe_flow("s")
+            waiting = {a.step_type for a in info.active_steps if a.state == "waiting" and a.timer_due_at_ms}
+            return waiting == {AWAIT_TOOL_APPROVAL, AWAIT_QUESTION_ANSWER}
+
+        await wait_until("both waits registered with their Timers", both_waiting)
+        assert await sessions.resolve_interrupt("s", "w1", approved=True)
+        assert await sessions.answer_question("s", "q1", "Ada")
+        snapshot = await turn_ended(sessions, "s", 2)
+        assert snapshot.messages[-1].text == 'w1=write_x done; q1={"status":"answered","answer":"Ada"}'
+        history = await engine.client.get_flow_history("s")
+        assert [e for e in history if e.event_type == "attempt_failed"] == []
         await assert_usable(sessions, "s", before)
 
 

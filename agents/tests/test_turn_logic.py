@@ -72,6 +72,7 @@ from dex_agents._wire import (
     QuestionAnswer,
     ToolEffect,
 )
+from dex_engine import MAX_TIMER_SECONDS
 
 NOW = datetime(2026, 11, 1, 12, 0, 0, 123000, tzinfo=UTC)
 TURN = "turn-3"
@@ -439,7 +440,9 @@ def test_not_run_error_uses_the_seed_prefix() -> None:
 @pytest.mark.parametrize(("delta", "seconds"), [
     (timedelta(seconds=5), 5), (timedelta(seconds=5, microseconds=1), 6), (timedelta(microseconds=1), 1),
     (timedelta(milliseconds=999), 1), (timedelta(0), 0), (timedelta(microseconds=-1), 0), (timedelta(seconds=-90), 0),
-    (timedelta(days=1, milliseconds=500), 86_401), (timedelta(days=400), 400 * 86_400),
+    (timedelta(days=1, milliseconds=500), 86_401), (timedelta(seconds=MAX_TIMER_SECONDS), MAX_TIMER_SECONDS),
+    # Past the longest Timer only when read with a clock behind the writer's: that Timer fires early.
+    (timedelta(days=400), MAX_TIMER_SECONDS),
 ])
 def test_deadline_timer_seconds(delta: timedelta, seconds: int) -> None:
     """Whole seconds until the deadline, rounded up so the Timer never fires early; 0 once past."""

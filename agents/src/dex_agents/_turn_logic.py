@@ -535,9 +535,17 @@ def not_run_error(detail: str) -> str:
 
 
 def deadline_timer_seconds(deadline: datetime, now: datetime) -> int:
-    """Whole seconds until `deadline`, rounded up (engine Timers take whole seconds); 0 when past."""
+    """Whole seconds until `deadline`, rounded up (engine Timers take whole seconds); 0 when past;
+    at most the engine's longest Timer.
+
+    A deadline or wait_until of up to LONGEST_TIMER was written with the clock of the Worker that
+    ran RunModel (or raised the question). Read by a Worker whose clock is behind (another host, or
+    NTP stepping the clock back), it is further away than that: the Timer would be refused, and the
+    WaitFor with it on every retry until the Step, and the session, failed. The longest Timer fires
+    at most that skew early, and the approval and question Steps then wait again.
+    """
     remaining = (deadline - now).total_seconds()
-    return max(0, math.ceil(remaining))
+    return min(int(LONGEST_TIMER.total_seconds()), max(0, math.ceil(remaining)))
 
 
 def without_interrupt(
