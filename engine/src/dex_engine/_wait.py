@@ -55,6 +55,17 @@ class TimerCondition:
 
     seconds: int
 
+    def __post_init__(self) -> None:
+        # Made directly rather than by Timer.by_duration, a value the store cannot hold (a fraction,
+        # a bool, NaN, past the limit) failed the WaitFor's commit on every retry, and the flow,
+        # with an error that did not name it.
+        seconds: object = self.seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, int) or not 0 <= seconds <= MAX_TIMER_SECONDS:
+            raise InvalidWaitError(
+                f"TimerCondition takes whole seconds from 0 to {MAX_TIMER_SECONDS}, got {seconds!r}; "
+                "make timers with Timer.by_duration(seconds), which rounds a fraction up"
+            )
+
     def spec(self) -> ConditionSpec:
         return ConditionSpec(kind="timer", seconds=self.seconds)
 
