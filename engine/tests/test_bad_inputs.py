@@ -950,6 +950,8 @@ async def test_forged_and_foreign_resume_tokens_are_refused(db_url: str, tmp_pat
         pytest.param(lambda: Timer.by_duration(MAX_TIMER_SECONDS + 0.5),
                      f"timer duration {MAX_TIMER_SECONDS + 0.5!r} s is beyond the limit of {MAX_TIMER_SECONDS} s",
                      id="timer-past-the-limit"),
+        pytest.param(lambda: Timer.by_duration(10**400), f"timer duration {10**400!r} s is beyond the limit",
+                     id="timer-past-a-float"),
         pytest.param(lambda: Timer.by_duration("5"), "'5'", id="string-timer"),
         pytest.param(lambda: Timer.by_duration(True), "True", id="bool-timer"),
         # Made directly, past Timer.by_duration's checks: each failed the WaitFor's commit instead.

@@ -92,7 +92,10 @@ class Timer:
     @staticmethod
     def by_duration(seconds: float) -> TimerCondition:
         """A timer of whole seconds; fractions round up, 0 fires at once, negatives are refused."""
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or math.isnan(seconds):
+        # math.isnan only on a float: it cannot convert an int past a float's range (OverflowError).
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or (
+            isinstance(seconds, float) and math.isnan(seconds)
+        ):
             raise InvalidWaitError(f"timer duration must be a number of seconds, got {seconds!r}")
         if seconds < 0:
             raise InvalidWaitError(f"timer duration is negative ({seconds!r} s); use 0 to fire at once")
