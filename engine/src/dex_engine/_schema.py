@@ -7,7 +7,7 @@ from typing import Any, Generic, TypeVar
 
 from ._ids import check_key, check_name
 from ._limits import DEFAULT_STREAM_CAPACITY_BYTES
-from ._wait import ChannelCondition, channel_condition
+from ._wait import ChannelCondition
 
 T = TypeVar("T")
 
@@ -59,21 +59,21 @@ class ChannelRef(Generic[T]):
         return self.name if not self.key else f"{self.name}[{self.key}]"
 
     def for_one(self) -> ChannelCondition:
-        return channel_condition(self.name, self.key, 1, 1)
+        return ChannelCondition(self.name, self.key, 1, 1)
 
     def for_n(self, n: int) -> ChannelCondition:
-        return channel_condition(self.name, self.key, n, n)
+        return ChannelCondition(self.name, self.key, n, n)
 
     def at_least(self, n: int) -> ChannelCondition:
         """Satisfied by n queued messages; takes everything queued."""
-        return channel_condition(self.name, self.key, n, None)
+        return ChannelCondition(self.name, self.key, n, None)
 
     def at_most(self, n: int) -> ChannelCondition:
         """Never blocks: satisfied by an empty queue; takes up to n."""
-        return channel_condition(self.name, self.key, 0, n)
+        return ChannelCondition(self.name, self.key, 0, n)
 
     def for_range(self, at_least: int, at_most: int) -> ChannelCondition:
-        return channel_condition(self.name, self.key, at_least, at_most)
+        return ChannelCondition(self.name, self.key, at_least, at_most)
 
 
 class Channel(ChannelRef[T]):

@@ -42,6 +42,24 @@ class ChannelCondition:
     at_least: int
     at_most: int | None
 
+    def __post_init__(self) -> None:
+        # Checked here, not only in the channel helpers, because ChannelCondition is exported: one
+        # made directly with a fraction or a bool failed the WaitFor's commit on every retry, and
+        # at_most=0 or at_most < at_least held the Step for ever.
+        channel, key = self.channel, self.key
+        if not isinstance(key, str):
+            raise InvalidWaitError(f"the key of channel {channel!r} must be text, got {key!r}")
+        for label, n, optional in (("at_least", self.at_least, False), ("at_most", self.at_most, True)):
+            if not (n is None and optional) and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+                raise InvalidWaitError(f"{label} must be a whole number >= 0, got {n!r} for channel {channel!r}")
+        if self.at_most is not None and self.at_most < self.at_least:
+            raise InvalidWaitError(
+                f"at_most ({self.at_most}) < at_least ({self.at_least}) on channel {channel!r}; "
+                "it could never be satisfied"
+            )
+        if self.at_most == 0:
+            raise InvalidWaitError(f"at_most must be >= 1 on channel {channel!r}; a condition that takes nothing")
+
     def spec(self) -> ConditionSpec:
         return ConditionSpec(
             kind="channel", channel=self.channel, key=self.key,
@@ -71,19 +89,6 @@ class TimerCondition:
 
 
 Condition = ChannelCondition | TimerCondition
-
-
-def channel_condition(channel: str, key: str, at_least: int, at_most: int | None) -> ChannelCondition:
-    for label, n in (("at_least", at_least), ("at_most", at_most)):
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-            raise InvalidWaitError(f"{label} must be a whole number >= 0, got {n!r} for channel {channel!r}")
-    if at_most is not None and at_most < at_least:
-        raise InvalidWaitError(
-            f"at_most ({at_most}) < at_least ({at_least}) on channel {channel!r}; it could never be satisfied"
-        )
-    if at_most == 0:
-        raise InvalidWaitError(f"at_most must be >= 1 on channel {channel!r}; a condition that takes nothing")
-    return ChannelCondition(channel, key, at_least, at_most)
 
 
 class Timer:
