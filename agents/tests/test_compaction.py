@@ -209,6 +209,8 @@ def test_policy_defaults_and_thresholds() -> None:
     ({"context_window_tokens": 10, "retained_ratio": 1.0},
      "retained_ratio must be a number from 0 to below 1, got 1.0"),
     ({"context_window_tokens": 10, "retained_ratio": "0.3"}, "retained_ratio must be a number from 0 to below 1"),
+    # A whole number past a float's range: math.isfinite raised OverflowError on it.
+    ({"context_window_tokens": 10, "trigger_ratio": 10**400}, "trigger_ratio must be a number above 0 and at most 1"),
     ({"context_window_tokens": 10, "trigger_ratio": 0.5, "retained_ratio": 0.5}, "must be below trigger_ratio"),
     ({"context_window_tokens": 10, "reserved_input_tokens": -1}, "reserved_input_tokens must be a whole number"),
     ({"context_window_tokens": 10, "reserved_input_tokens": True}, "reserved_input_tokens must be a whole number"),

@@ -1037,11 +1037,17 @@ async def test_skip_timer_on_a_step_that_is_not_waiting(db_url: str) -> None:
         ({"max_interval_seconds": MAX_TIMER_SECONDS + 1},
          f"max_interval_seconds must be at most {MAX_TIMER_SECONDS} s"),
         ({"initial_interval_seconds": math.inf, "max_interval_seconds": math.inf},
-         "initial_interval_seconds must be >= 0, got inf"),
+         "initial_interval_seconds must be a finite number >= 0, got inf"),
         ({"backoff_coefficient": True}, "backoff_coefficient must be a number, got True"),
         ({"total_duration_seconds": 0}, "total_duration_seconds"),
         ({"total_duration_seconds": -5.0}, "-5.0"),
         ({"total_duration_seconds": math.inf}, "inf"),
+        # Whole numbers past a float's range: the stored policy, read back as floats, could not be
+        # decoded (and math.isfinite raised OverflowError on them, not FlowDefinitionError).
+        ({"total_duration_seconds": 10**400}, "total_duration_seconds must be > 0 and finite"),
+        ({"backoff_coefficient": 10**400}, "backoff_coefficient must be a finite number >= 1"),
+        ({"initial_interval_seconds": 10**400, "max_interval_seconds": 10**401},
+         "initial_interval_seconds must be a finite number >= 0"),
     ],
 )
 def test_invalid_retry_policy(kwargs: dict[str, Any], named: str) -> None:

@@ -104,7 +104,12 @@ class CompactionPolicy:
 
 
 def _is_ratio(value: object) -> TypeGuard[float]:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past a float's range
+        return False
 
 
 # The runner capability ------------------------------------------------------------------------------

@@ -41,10 +41,11 @@ class RetryPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
         ]
         if not_numbers:  # the range checks below would raise TypeError on them
             raise FlowDefinitionError("invalid retry policy: " + "; ".join(problems + not_numbers))
-        if not (self.initial_interval_seconds >= 0 and math.isfinite(self.initial_interval_seconds)):
-            problems.append(f"initial_interval_seconds must be >= 0, got {self.initial_interval_seconds!r}")
-        if not (self.backoff_coefficient >= 1 and math.isfinite(self.backoff_coefficient)):
-            problems.append(f"backoff_coefficient must be >= 1, got {self.backoff_coefficient!r}")
+        if not (self.initial_interval_seconds >= 0 and _finite(self.initial_interval_seconds)):
+            problems.append(
+                f"initial_interval_seconds must be a finite number >= 0, got {self.initial_interval_seconds!r}")
+        if not (self.backoff_coefficient >= 1 and _finite(self.backoff_coefficient)):
+            problems.append(f"backoff_coefficient must be a finite number >= 1, got {self.backoff_coefficient!r}")
         if not (self.max_interval_seconds >= self.initial_interval_seconds):
             problems.append(
                 f"max_interval_seconds ({self.max_interval_seconds!r}) must be >= "
@@ -55,7 +56,7 @@ class RetryPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
                 f"max_interval_seconds must be at most {MAX_TIMER_SECONDS} s, got {self.max_interval_seconds!r}"
             )
         total = self.total_duration_seconds
-        if total is not None and not (total > 0 and math.isfinite(total)):
+        if total is not None and not (total > 0 and _finite(total)):
             problems.append(f"total_duration_seconds must be > 0 and finite (or None), got {total!r}")
         if problems:
             raise FlowDefinitionError("invalid retry policy: " + "; ".join(problems))
@@ -67,6 +68,16 @@ class RetryPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
         except OverflowError:  # a long "retry forever" policy: the cap applies
             return float(self.max_interval_seconds)
         return min(raw, self.max_interval_seconds)
+
+
+def _finite(value: float) -> bool:
+    """Whether `value` is a finite float or an int a float can hold. The policy is stored with a
+    scheduled Step as JSON and read back as floats: an int past a float's range (on which
+    math.isfinite raises OverflowError) could not be read back."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True)
