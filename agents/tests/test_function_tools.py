@@ -10,6 +10,7 @@ import contextvars
 import dataclasses
 import enum
 import functools
+import gc
 import inspect
 import json
 import math
@@ -864,6 +865,101 @@ async def test_a_sync_tool_runs_on_a_daemon_thread_with_the_callers_context() ->
     marker.set("caller's")
     assert await invoke(FunctionTool(where, name="where", effect=ToolEffect.READ), {}) == "ok"
     assert seen == [(True, "caller's")]
+
+
+class LateTool:
+    """A sync tool that blocks in its thread until released, then returns or raises `outcome`."""
+
+    def __init__(self, outcome: object) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+        self.outcome = outcome
+        self.tool = FunctionTool(self._late, name="late", effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+
+    def _late(self) -> object:
+        self.started.set()
+        assert self.release.wait(30), "the test never released the tool"
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+    def finish(self) -> None:
+        """Release the tool and wait for its thread to end (it delivers its outcome, or drops it)."""
+        self.release.set()
+        for thread in threading.enumerate():
+            if thread.name == "dex-tool:late":
+                thread.join(10)
+                assert not thread.is_alive()
+
+
+LATE_OUTCOMES = [
+    pytest.param("late result", id="returns"),
+    pytest.param(ValueError("late failure"), id="raises"),
+    pytest.param(SystemExit(3), id="raises-SystemExit"),
+]
+
+
+@pytest.fixture
+def escaped(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """What escaped a tool's thread unhandled: a thread's exception, or an unraisable one."""
+    seen: list[object] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(args.exc_value))
+    monkeypatch.setattr("sys.unraisablehook", lambda unraisable: seen.append(unraisable.exc_value))
+    return seen
+
+
+@pytest.mark.parametrize("outcome", LATE_OUTCOMES)
+def test_a_sync_tool_that_ends_after_its_event_loop_closed_is_dropped_quietly(
+    outcome: object, escaped: list[object]
+) -> None:
+    """The loop ended (a Worker's asyncio.run returned, cancelling the call) while the tool ran: the
+    thread's later outcome has no loop to go to and is dropped, with nothing raised in the thread."""
+    late = LateTool(outcome)
+    ended: list[str] = []
+    reported: list[object] = []
+
+    async def leave_the_call_running() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, context: reported.append(context))
+        call = asyncio.create_task(late.tool.invoke("{}", make_context(ToolEffect.NON_IDEMPOTENT_WRITE)))
+        await asyncio.to_thread(late.started.wait, 10)
+        call.add_done_callback(lambda task: ended.append("cancelled" if task.cancelled() else repr(task.result())))
+
+    asyncio.run(leave_the_call_running())  # cancels the call, then closes the loop
+    late.finish()
+    assert (ended, reported, escaped) == (["cancelled"], [], [])
+
+
+@pytest.mark.parametrize("outcome", LATE_OUTCOMES)
+async def test_a_sync_tool_whose_call_was_cancelled_has_its_later_outcome_dropped(
+    outcome: object, escaped: list[object]
+) -> None:
+    """The call is cancelled (Step revoked, timed out, Worker stopping) while the tool's thread runs:
+    CancelledError at once, never a result or an error of the call, and what the thread returns or
+    raises later reaches nobody: no "exception was never retrieved", nothing raised in the thread."""
+    late = LateTool(outcome)
+    reported: list[object] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, context: reported.append(context))
+    call = asyncio.create_task(late.tool.invoke("{}", make_context(ToolEffect.NON_IDEMPOTENT_WRITE)))
+    await asyncio.to_thread(late.started.wait, 10)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await asyncio.to_thread(late.finish)
+    for _ in range(3):  # the thread's callback, had it been scheduled, runs in one of these rounds
+        await asyncio.sleep(0)
+    gc.collect()  # a future holding a never-retrieved exception would report it when collected
+    assert (reported, escaped) == ([], [])
+
+
+async def test_a_sync_tool_that_times_out_frees_the_call_and_its_late_result_is_dropped(escaped: list[object]) -> None:
+    """A tool Step's method timeout cancels the wait on the thread: the call ends at the timeout,
+    and the result the thread returns afterwards is dropped."""
+    late = LateTool("late result")
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.2):
+            await late.tool.invoke("{}", make_context(ToolEffect.NON_IDEMPOTENT_WRITE))
+    await asyncio.to_thread(late.finish)
+    await asyncio.sleep(0)
+    assert escaped == []
 
 
 def failing_tool(sync: bool, error: BaseException, effect: ToolEffect = ToolEffect.READ) -> FunctionTool:
