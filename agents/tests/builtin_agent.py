@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,9 +93,18 @@ def tool_then_answer(request: ModelRequest) -> ScriptedModelReply:
 
 
 def gated_flow(state_dir: Path | None = None) -> AgentSessionFlow:
-    """The kill test's agent: `/gate NAME` makes the model call wait at FileGate NAME, then answer."""
+    """The kill test's agent: `/gate NAME` makes the model call wait at FileGate NAME, then answer;
+    `/hang` calls `hang_write`, a sync write that reaches FileGate `hang` and then never returns."""
     directory = state_dir or Path(os.environ[ENV_STATE_DIR])
     log = InvocationLog(directory / "invocations.log")
+
+    @function_tool(effect=ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=False)
+    def hang_write() -> str:
+        """A write that never returns (sync: it blocks its thread for good)."""
+        log.record("hang_write")
+        FileGate(directory, "hang").mark_reached()
+        threading.Event().wait()
+        return "never"
 
     async def respond(request: ModelRequest) -> ScriptedModelReply:
         text = ScriptedModelClient.user_texts(request)[-1]
@@ -106,7 +116,9 @@ def gated_flow(state_dir: Path | None = None) -> AgentSessionFlow:
             return ScriptedModelReply(text="released")
         if text == "/tool":
             return ScriptedModelReply(tool_calls=[ScriptedToolCall("lookup_order", {"order_id": "A-1"})])
+        if text == "/hang":
+            return ScriptedModelReply(tool_calls=[ScriptedToolCall("hang_write", {})])
         return ScriptedModelReply(text=f"echo: {text}")
 
-    flow, _ = scripted_flow(respond, "GatedBuiltinAgent")
+    flow, _ = scripted_flow(respond, "GatedBuiltinAgent", tools=[lookup_order, refund_order, hang_write])
     return flow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -431,6 +432,32 @@ async def test_worker_killed_during_run_model_reruns_only_that_model_call(tmp_pa
         # The killed model call had written nothing durable: the same attempt is handed out again.
         killed = [e for e in history if e.step_execution_id == "RunModel-3" and e.event_type == "execute_completed"]
         assert len(killed) == 1
+
+
+@pytest.mark.slow
+async def test_worker_stopped_while_a_sync_tool_hangs_exits_and_records_the_write_unknown(tmp_path: Path) -> None:
+    """SIGTERM while a sync write blocks its thread for good: the Worker exits 0 within the shutdown
+    grace (the tool's daemon thread holds no process up), the write is recorded outcome_unknown by
+    the next Worker and never runs again, and the turn goes on. Catches: a thread that the event
+    loop or the interpreter joins at its end, holding a deploy's restart up for ever."""
+    flow = gated_flow(tmp_path)
+    async with AgentTestStack(tmp_path, [flow], "agents.tests.builtin_worker", worker_cwd=REPO_ROOT) as stack:
+        sessions = stack.sessions(flow)
+        worker = await stack.start_worker()
+        await sessions.start_session("s", "/hang")
+        await FileGate(tmp_path, "hang").wait_until_reached()
+        started = time.monotonic()
+        assert await worker.stop(timeout=30) == 0, worker.log_tail()
+        assert time.monotonic() - started < 15  # the 5 s grace, then the exit
+        await stack.start_worker()
+        done = await _turns_done(sessions, "s", 1)
+        assert done.messages[-1].text == "after the tool"
+        events = (await sessions.read_agent_events("s", limit=1000)).events
+        finished = [json.loads(e.value.payload) for e in events if e.value.type == "tool_call_finished"]
+        assert [(f["tool_name"], f["status"]) for f in finished] == [("hang_write", "outcome_unknown")]
+        assert InvocationLog(tmp_path / "invocations.log").count("hang_write") == 1
+        steps = executed_steps(await stack.read_step_history("s"))
+        assert "RecordToolOutcomeUnknown" in steps and "CallSingleAttemptTool" not in steps
 
 
 async def test_function_tool_asks_a_question_and_runs_again_with_the_answer(tmp_path: Path) -> None:
