@@ -28,7 +28,8 @@ READ, idem_ IDEMPOTENT_WRITE, write_ NON_IDEMPOTENT_WRITE; anything else gets th
 Tool tasks: args `{"task": {"id": text, "interval": seconds, "polls": [...]}}` start a task (after
 any gate): the tool saves the task ID as its heartbeat checkpoint and returns
 ToolTaskStarted(id, interval) (defaults: `task-<tool call ID>`, 1 s); a retried attempt returns the
-saved one. `id` and `interval` are passed as given, so a test can send a blank ID or a non-number.
+saved one (`"start_gate": name` waits at that FileGate after the first attempt saved it, as
+before the tool Step's commit). `id` and `interval` are passed as given, so a test can send a blank ID or a non-number.
 poll_tool_task plays `polls` in order, keeping its position in the call's input_continuation
 (`p<n>`: the next poll plays polls[n]), so a crashed poll replays the same step:
 `{"pending": seconds}` returns ToolTaskPending (`"keep": text` returns that continuation instead);
@@ -259,6 +260,8 @@ class ScriptedRunner:
                                 attempt=call.attempt, task_id=task_id, supports_tool_tasks=call.supports_tool_tasks)
             if isinstance(task_id, str):
                 await call.save_heartbeat_checkpoint(task_id)
+            if "start_gate" in task:
+                await self._gate(task["start_gate"]).wait_for_release()
         return ToolTaskStarted(task_id=task_id, poll_interval_seconds=task.get("interval", 1))
 
     async def poll_tool_task(self, poll: ToolTaskPoll) -> ToolTaskPollOutcome:

@@ -861,6 +861,36 @@ async def test_kill_during_a_poll_reruns_only_that_poll(workers: SharedWorkers) 
     assert finals == [1, 2, 1]
 
 
+@pytest.mark.asyncio(loop_scope="module")
+async def test_kill_after_the_task_started_and_before_its_first_poll(workers: SharedWorkers) -> None:
+    """A Worker killed (SIGKILL) in CallTool after the tool started its task and saved its handle,
+    before the Step's commit: the next Worker runs CallTool again (attempt 2), which gets the saved
+    handle and starts nothing; one tool_task_started; then a Worker killed while PollToolTask waits
+    on its Timer: the next one polls. The task started once and each poll ran once."""
+    sessions, log, sid = workers.sessions, workers.log, "kill-start"
+    worker = await workers.worker()
+    gate = FileGate(workers.stack.state_dir, f"{sid}.start")
+    await sessions.start_session(sid, _script(_task("c1", "read_report", interval=3, start_gate=gate.name, polls=[
+        {"pending": 0.1}, {"result": "report ready"}])))
+    assert await gate.wait_until_reached() == worker.pid
+    worker.kill()
+    gate.release()
+    second = await workers.worker()
+    waiting = await _record_of(sessions, "c1", AgentToolCallStatus.WAITING_FOR_TASK, sid)
+    assert (waiting.task_id, waiting.task_poll_interval_seconds) == ("task-c1", 3)
+    second.kill()  # its PollToolTask waits on the Timer
+    await workers.worker()
+    outcomes, _ = await _outcomes(sessions, sid)
+    assert (outcomes["c1"]["status"], outcomes["c1"]["output"]) == ("succeeded", "report ready")
+    assert [(e["attempt"], e["task_id"]) for e in log.entries("task_start", flow_id=sid)] == [(1, "task-c1")]
+    assert [e["attempt"] for e in log.entries("tool_start", flow_id=sid)] == [1, 2]
+    assert _polls(log, sid=sid) == [(0, 1), (1, 1)]
+    assert [p["task_id"] for _, p in await _events(sessions, "tool_task_started", sid)] == ["task-c1"]
+    history = to_step_history(await workers.stack.client.get_flow_history(sid))
+    assert executed_steps(history) == [
+        "StartAgentSession", "RunModel", "CallTool", "PollToolTask", "PollToolTask", "ResumeTurn", "RunModel"]
+
+
 async def test_task_result_over_the_value_limit(tmp_path: Path) -> None:
     """A task's result too large to store ends its call as CallTool's would: a read fails with the
     size note (safe to ask again), a write the task ran succeeds with the note as its output; each
