@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 from agents.tests.builtin_agent import (
+    FAST_WORKER,
     InProcessEngine,
     gated_flow,
     lookup_order,
@@ -80,6 +82,7 @@ from dex_agents.testing import (
     to_step_history,
     wait_for_agent_snapshot,
 )
+from dex_engine import AsyncWorker, Registry, WorkerOptions
 
 # Tool calls of the compacted turn in test_scripted_call_ids_stay_unique_when_compaction_shortens_the_input.
 CALLS = 12
@@ -458,6 +461,53 @@ async def test_worker_stopped_while_a_sync_tool_hangs_exits_and_records_the_writ
         assert InvocationLog(tmp_path / "invocations.log").count("hang_write") == 1
         steps = executed_steps(await stack.read_step_history("s"))
         assert "RecordToolOutcomeUnknown" in steps and "CallSingleAttemptTool" not in steps
+
+
+async def test_a_sync_tools_result_after_its_worker_stopped_is_never_recorded(tmp_path: Path) -> None:
+    """A sync read still blocked in its thread when its Worker stops: the stop ends at the grace,
+    not when the tool returns; the next Worker (same process, same event loop) runs the call again
+    and records that run's result. The first thread's later result reaches nothing: it is neither
+    recorded nor reported as an error of the loop."""
+    first_started, release_first = threading.Event(), threading.Event()
+    runs: list[int] = []
+
+    @function_tool(effect=ToolEffect.READ)
+    def slow_read() -> str:
+        """A read whose first run blocks until released."""
+        runs.append(len(runs) + 1)
+        if len(runs) == 1:
+            first_started.set()
+            release_first.wait(30)
+            return "stale"
+        return "fresh"
+
+    reported: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, context: reported.append(context))
+    flow, _ = scripted_flow(tool_then_answer, tools=[slow_read])
+    engine = InProcessEngine(tmp_path, [flow])
+    registry = Registry([flow])
+    options = WorkerOptions(database_url=engine.url, shutdown_grace_seconds=0.5, **FAST_WORKER)
+    sessions = engine.sessions()
+    try:
+        first = AsyncWorker(registry, options)
+        running = asyncio.create_task(first.run())
+        await sessions.start_session("s", "/tool slow_read {}")
+        await asyncio.to_thread(first_started.wait, 30)
+        async with asyncio.timeout(10):  # the grace, then the running attempt is revoked
+            await first.stop()
+            await running
+        release_first.set()  # the first run returns "stale" now, to nobody
+        second = AsyncWorker(registry, options)
+        running = asyncio.create_task(second.run())
+        done = await _turns_done(sessions, "s", 1)
+        await second.stop()
+        await running
+    finally:
+        release_first.set()
+        await engine.client.close()
+    assert done.messages[-1].text == "results: slow_read=fresh"
+    assert runs == [1, 2]
+    assert reported == []
 
 
 async def test_function_tool_asks_a_question_and_runs_again_with_the_answer(tmp_path: Path) -> None:
