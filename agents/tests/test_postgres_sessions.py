@@ -113,3 +113,28 @@ async def test_a_write_killed_mid_call_is_outcome_unknown_and_never_rerun(pg_sta
                                        "RecordToolOutcomeUnknown", "ResumeTurn", "RunModel"]
     assert [e.event_type for e in entries
             if e.step_type == "CallSingleAttemptTool" and e.event_type == EXECUTE_COMPLETED_EVENT] == []
+
+
+async def test_a_task_handle_saved_before_a_kill_is_not_started_again(pg_stack: AgentTestStack) -> None:
+    """SIGKILL in CallTool after the tool started its task and saved the handle as its heartbeat
+    checkpoint: the new Worker's attempt 2 reads the checkpoint from PostgreSQL and returns the same
+    task, which is then polled to its result. Catches: a checkpoint lost on PostgreSQL, which
+    starts the remote work a second time."""
+    sessions = pg_stack.sessions(cast(AgentSessionFlow, pg_stack.flows[0]))
+    log = InvocationLog(pg_stack.state_dir / INVOCATIONS)
+    gate = FileGate(pg_stack.state_dir, "s3.start")
+    worker = await pg_stack.start_worker()
+    await sessions.start_session("s3", _script(
+        {"tools": [{"id": "t1", "name": "read_report",
+                    "args": {"task": {"start_gate": "s3.start", "polls": [{"result": "report ready"}]}}}]},
+        {"answer": "{results}"},
+    ))
+    assert await gate.wait_until_reached() == worker.pid
+    worker.kill()
+    gate.release()
+    await pg_stack.start_worker()
+    snapshot = await wait_for_agent_snapshot(sessions, "s3", _turns_ended(1), description="the turn's end")
+    assert snapshot.messages[-1].text == "t1=report ready"
+    assert [(e["attempt"], e["task_id"]) for e in log.entries("task_start", flow_id="s3")] == [(1, "task-t1")]
+    assert [e["attempt"] for e in log.entries("tool_start", flow_id="s3")] == [1, 2]
+    assert [e["task_id"] for e in log.entries("poll", flow_id="s3")] == ["task-t1"]
