@@ -73,7 +73,7 @@ from dex_agents.builtin_loop import (
     function_tool,
     model_call_limit_result,
 )
-from dex_agents.builtin_loop._loop_runner import listed_tool_problem
+from dex_agents.builtin_loop._loop_runner import listed_tool_problem, unknown_tool_error
 from dex_agents.testing import (
     AgentTestStack,
     FileGate,
@@ -640,6 +640,39 @@ async def test_a_malformed_listing_leaves_out_what_cannot_be_offered(tmp_path: P
     else:
         assert offered == ["lookup_order", "refund_order", "remote_search"]
         assert done.messages[-1].text == "odd ran remote_search"
+
+
+class _BadCallSource(_Source):
+    """A source whose deferred_tool_call raises, returns no DeferredToolCall, or a reference that is not text."""
+
+    def __init__(self, fault: str) -> None:
+        super().__init__("odd", ["remote_search"])
+        self.fault = fault
+
+    def deferred_tool_call(self, call: ModelToolCall, listed_tool: ModelToolDefinition,
+                           turn: AgentTurnContext) -> DeferredToolCall:
+        if self.fault == "raises":
+            raise RuntimeError("the source could not build the call")
+        if self.fault == "returns None":
+            return None  # type: ignore[return-value]
+        return DeferredToolCall(call.tool_call_id, call.tool_name, call.arguments, ToolPolicy(ToolEffect.READ),
+                                tool_source_reference={"operation": "search"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fault", ["raises", "returns None", "reference not text"])
+async def test_a_source_that_cannot_build_its_call_fails_that_call_and_pays_one_model_call(
+    tmp_path: Path, fault: str
+) -> None:
+    """The model call that asked for the tool is made once: the call fails as unknown without
+    reaching the source, and the turn goes on. Catches: the error (or a dict reference, which the
+    source got back as None) failing the RunModel attempt, so the paid model call ran three times
+    and the turn failed."""
+    source = _BadCallSource(fault)
+    done, model = await _first_turn(tmp_path, [source], "search")
+    assert len(model.requests) == 2  # the call, then the answer after its result
+    assert done.state is not None and done.state.last_turn_error is None
+    assert done.messages[-1].text == f"The tool call failed: {unknown_tool_error('remote_search')}"
+    assert source.executed == []
 
 
 def test_listed_tool_problems_name_what_is_wrong() -> None:

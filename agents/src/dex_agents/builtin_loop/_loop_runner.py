@@ -16,7 +16,7 @@ from .._builtin_tools import BUILT_IN_TOOL_DEFINITIONS, BuiltInTool
 from .._compaction import ContextSummaryRequest, ContextSummaryResult
 from .._constants import MAX_CONSECUTIVE_TURN_CONTINUATIONS, SHOWN_VALUE_CHARS
 from .._plans import build_plan_note
-from .._policy import OUTCOME_UNKNOWN_TEXT, ToolPolicy, describe_tool_call_outcome
+from .._policy import OUTCOME_UNKNOWN_TEXT, ToolPolicy, describe_tool_call_outcome, raised_text, shown
 from .._runner import (
     AgentTurnContext,
     AgentTurnOutcome,
@@ -438,10 +438,14 @@ class BuiltinLoopAgentRunner:
         listed = offered.sources.get(call.tool_name)
         if listed is not None:
             source, tool = listed
-            built = source.deferred_tool_call(call, tool, turn)
-            return dataclasses.replace(
-                built, tool_source_reference=wrap_source_reference(source.source_name, built.tool_source_reference)
-            )
+            built = _source_call(source, call, tool, turn)
+            if built is not None:
+                return dataclasses.replace(
+                    built, tool_source_reference=wrap_source_reference(source.source_name, built.tool_source_reference)
+                )
+            # Like a tool no listing offered: it fails as unknown and never reaches the source.
+            return DeferredToolCall(call.tool_call_id, call.tool_name, call.arguments,
+                                    ToolPolicy(ToolEffect.UNCLASSIFIED, requires_approval=False))
         if call.tool_name in turn.enabled_built_in_tools:
             policy = ToolPolicy(ToolEffect.READ, requires_approval=False)  # the session routes it itself
         elif self.definition.function_tool(call.tool_name) is not None:
@@ -450,6 +454,32 @@ class BuiltinLoopAgentRunner:
             # A name no listing offered never reaches a source: it fails as unknown, without approval.
             policy = ToolPolicy(ToolEffect.UNCLASSIFIED, requires_approval=False)
         return DeferredToolCall(call.tool_call_id, call.tool_name, call.arguments, policy)
+
+
+def _source_call(
+    source: ToolSource, call: ModelToolCall, listed_tool: ModelToolDefinition, turn: AgentTurnContext
+) -> DeferredToolCall | None:
+    """The source's DeferredToolCall for `call`; None, with a warning, when deferred_tool_call raises or
+    returns something else, or a reference that is not text. The model call is paid for already: an
+    error here would fail the RunModel attempt and make it again on each retry, and a reference that
+    is not text would reach the source as None at execution, perhaps naming another operation."""
+    try:
+        built: object = source.deferred_tool_call(call, listed_tool, turn)
+    except Exception as exc:
+        problem = f"deferred_tool_call raised {raised_text(exc)}"
+    else:
+        reference: object = getattr(built, "tool_source_reference", None)
+        if not isinstance(built, DeferredToolCall):
+            if inspect.iscoroutine(built):
+                built.close()  # an async deferred_tool_call: never awaited, closed to avoid a warning
+            problem = f"deferred_tool_call returned {shown(built)}, not a DeferredToolCall"
+        elif reference is not None and not isinstance(reference, str):
+            problem = f"deferred_tool_call returned tool_source_reference {shown(reference)}, not text"
+        else:
+            return built
+    log.warning("tool source %r could not build tool call %r (%s), which fails as an unknown tool: %s",
+                source.source_name, call.tool_call_id, call.tool_name, problem)
+    return None
 
 
 async def _listing(source: ToolSource, timeout: float) -> tuple[ModelToolDefinition, ...] | None:
