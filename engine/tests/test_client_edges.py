@@ -15,6 +15,9 @@ from dex_engine import (
     Channel,
     Context,
     Flow,
+    FlowNotActiveError,
+    FlowNotActiveOrNotFoundError,
+    FlowNotFoundError,
     InvalidValueError,
     LoadOptions,
     Registry,
@@ -259,3 +262,19 @@ async def test_stop_flow_refuses_a_reason_that_is_not_text_however_falsy(db_url:
             await eng.client.stop_flow("c", reason)
         assert (await eng.client.describe_flow("c")).status == "running"
 
+
+
+async def test_a_missing_or_ended_flow_is_caught_by_one_name(db_url: str) -> None:
+    """Seed 004's example catches FlowNotActiveOrNotFoundError for a session that is gone, whether it
+    never existed or has ended. Catches: no such name, so that code failed to import, and catching
+    either error alone let the other through."""
+    async with engine_for(db_url, SEARCH_REGISTRY) as eng:
+        c = eng.client
+        with pytest.raises(FlowNotActiveOrNotFoundError) as missing:
+            await c.describe_flow("never-started")
+        assert isinstance(missing.value, FlowNotFoundError)
+        await c.start_flow("Plan-AND-Do", "ended")
+        await c.stop_flow("ended")
+        with pytest.raises(FlowNotActiveOrNotFoundError) as ended:
+            await c.publish("ended", Inbox, 1)
+        assert isinstance(ended.value, FlowNotActiveError)

@@ -3,8 +3,9 @@
 DexError
  +-- FlowDefinitionError       a Flow, Step, RPC or Registry is declared wrongly
  +-- FlowAlreadyStartedError   start_flow with a flow ID that exists
- +-- FlowNotFoundError         no flow with that ID
- +-- FlowNotActiveError        the flow is closed (completed, failed or stopped)
+ +-- FlowNotActiveOrNotFoundError  either of these two (seed 004's example catches it)
+ |    +-- FlowNotFoundError    no flow with that ID
+ |    +-- FlowNotActiveError   the flow is closed (completed, failed or stopped)
  +-- UnknownFlowTypeError      no Flow of that type in the Registry
  +-- RpcNotFoundError          the Flow has no RPC of that name
  +-- RpcLockConflictError      an RPC's lock is held; nothing changed
@@ -33,6 +34,7 @@ __all__ = [
     "FlowAlreadyStartedError",
     "FlowDefinitionError",
     "FlowNotActiveError",
+    "FlowNotActiveOrNotFoundError",
     "FlowNotFoundError",
     "InvalidIdError",
     "InvalidResumeTokenError",
@@ -67,13 +69,18 @@ class FlowAlreadyStartedError(DexError):
         self.flow_id = flow_id
 
 
-class FlowNotFoundError(DexError):
+class FlowNotActiveOrNotFoundError(DexError):
+    """A call named a flow that does not exist or no longer runs. Seed 004's example catches this one
+    name for both, so code that only needs "the session is gone" need not tell them apart."""
+
+
+class FlowNotFoundError(FlowNotActiveOrNotFoundError):
     def __init__(self, flow_id: str) -> None:
         super().__init__(f"no flow with ID {flow_id!r}")
         self.flow_id = flow_id
 
 
-class FlowNotActiveError(DexError):
+class FlowNotActiveError(FlowNotActiveOrNotFoundError):
     def __init__(self, flow_id: str, status: str) -> None:
         super().__init__(f"flow {flow_id!r} is {status}, not running; it accepts no more changes")
         self.flow_id = flow_id
