@@ -13,7 +13,7 @@ from ._definition import (
     TurnContinuation,
     TurnContinuationContext,
 )
-from ._flow import builtin_agent_session_flow, builtin_agent_session_options
+from ._flow import builtin_agent_session_flow, builtin_agent_session_options, stepwise_agent_session_flow
 from ._function_tools import FunctionTool, ToolCallContext, function_tool
 from ._loop_runner import TURN_CONTINUATION_LIMIT_ERROR, BuiltinLoopAgentRunner, model_call_limit_result
 from ._model import (
@@ -72,5 +72,6 @@ __all__ = [
     "estimate_text_tokens",
     "function_tool",
     "model_call_limit_result",
+    "stepwise_agent_session_flow",
     "wrap_source_reference",
 ]

@@ -1,4 +1,4 @@
-"""builtin_agent_session_flow: an AgentDefinition as a session Flow."""
+"""builtin_agent_session_flow (also stepwise_agent_session_flow): an AgentDefinition as a session Flow."""
 
 from __future__ import annotations
 
@@ -27,3 +27,8 @@ def builtin_agent_session_flow(definition: AgentDefinition, flow_type: str | Non
     return AgentSessionFlow(
         BuiltinLoopAgentRunner(definition), flow_type or definition.name, builtin_agent_session_options(definition)
     )
+
+
+# Seed 004, the built-in loop's guide, builds its agent with this name, and seed 003 with the one above;
+# both seeds are contracts, so code written from either runs.
+stepwise_agent_session_flow = builtin_agent_session_flow
