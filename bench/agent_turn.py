@@ -1257,6 +1257,8 @@ def main() -> None:
         parser.error(f"--rounds must be from 1 to --turns ({args.turns}), got {args.rounds}")
     if not 1 <= args.processes <= args.sessions:
         parser.error(f"--processes must be from 1 to --sessions ({args.sessions}), got {args.processes}")
+    if args.floor_commits < 1:  # each floor slice's median needs a commit
+        parser.error(f"--floor-commits must be at least 1, got {args.floor_commits}")
 
     tmp = Path(tempfile.mkdtemp(prefix="dex-agent-bench-"))
     log: Callable[[str], None] = (lambda s: print(s, file=sys.stderr)) if args.json else print

@@ -744,6 +744,26 @@ def main_postgres(args: argparse.Namespace) -> None:
           "\nworkers' psycopg sent and waited for, and transactions they committed (polls included).")
 
 
+COMMIT_PATHS = ("batched", "each", "generic")
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, by name, the numbers no run can use: every median needs a sample (a chain of one Step has
+    no gap between Step starts), and an unknown --commits would silently run as 'batched'."""
+    if args.chain_steps != 0 and args.chain_steps < 2:
+        parser.error(f"--chain-steps must be 0 (by concurrency) or at least 2, got {args.chain_steps}")
+    if args.floor_commits < 1:
+        parser.error(f"--floor-commits must be at least 1, got {args.floor_commits}")
+    if args.warmup_steps < 0:
+        parser.error(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
+    for name, counts in (("--workers", args.workers), ("--concurrency", args.concurrency)):
+        if not counts or min(counts) < 1:
+            parser.error(f"{name} must be counts of at least 1, got {','.join(map(str, counts))}")
+    unknown = [path for path in args.commits if path not in COMMIT_PATHS]
+    if unknown:
+        parser.error(f"--commits takes {', '.join(COMMIT_PATHS)}, got {','.join(unknown)}")
+
+
 def main() -> None:
     if len(sys.argv) >= 3 and sys.argv[1] == "--serve":
         if len(sys.argv) == 5:
@@ -768,6 +788,7 @@ def main() -> None:
                              "one operation after the other), 'generic' (_transitions), or several, comma-"
                              "separated: each configuration runs with each, one after the other")
     args = parser.parse_args()
+    check_args(parser, args)
     if args.backend == "postgres":
         main_postgres(args)
         return

@@ -87,6 +87,18 @@ def test_profile_turn_refuses_bad_arguments_before_running_anything(
     assert error in capsys.readouterr().err
 
 
+def test_agent_turn_refuses_a_floor_of_no_commits_before_running_anything(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Catches: `--floor-commits 0` ran the floor and then ended in a StatisticsError traceback (a
+    median of no commits)."""
+    monkeypatch.setattr(sys, "argv", ["agent_turn.py", "--floor-commits", "0"])
+    with pytest.raises(SystemExit) as exited:
+        agent_turn.main()
+    assert exited.value.code == 2
+    assert "--floor-commits must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_a_replay_says_which_turns_its_median_is_over() -> None:
     """Catches: a median over WAL-growing turns reported as over reused ones."""
     assert reused_wal(31, 32) == "over the 31 of 32 turns that reused the copy's WAL"

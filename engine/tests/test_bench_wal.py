@@ -8,8 +8,11 @@ that grew its WAL, or systems timed while theirs still grew, would skew every ra
 from __future__ import annotations
 
 import sqlite3
+import sys
 from pathlib import Path
 
+import pytest
+from bench import engine_steps
 from bench.engine_steps import WalWarmth, floor
 
 LEAST = 3  # agent_turn's warm-up turns at the least
@@ -97,3 +100,22 @@ def test_a_file_without_a_wal_gets_the_minimum_warm_up(tmp_path: Path) -> None:
     assert not WalWarmth(None).grew()
     assert WalWarmth.of("postgresql://db/x").wal is None
     assert WalWarmth.of(f"sqlite:///{tmp_path}/a.db?synchronous=NORMAL").wal == tmp_path / "a.db-wal"
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--floor-commits", "0"], "--floor-commits must be at least 1, got 0"),
+    (["--chain-steps", "1"], "--chain-steps must be 0 (by concurrency) or at least 2, got 1"),
+    (["--backend", "postgres", "--workers", "0"], "--workers must be counts of at least 1, got 0"),
+    (["--backend", "postgres", "--commits", "batch"], "--commits takes batched, each, generic, got batch"),
+])
+def test_numbers_no_run_can_use_are_refused_by_name(
+    argv: list[str], named: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`uv run python bench/engine_steps.py` (README) with such a number ends with one line naming it.
+    Catches: --floor-commits 0 and --chain-steps 1 ran for seconds, then ended in a StatisticsError
+    traceback (a median of no samples); --commits batch ran every configuration as 'batched'."""
+    monkeypatch.setattr(sys, "argv", ["engine_steps.py", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        engine_steps.main()
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"engine_steps.py: error: {named}"
