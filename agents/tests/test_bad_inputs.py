@@ -93,7 +93,7 @@ from dex_agents._constants import (
     MAX_STORED_TOOL_ERROR_CHARS,
     REJECTION_MESSAGE_NOT_STORED,
 )
-from dex_agents._session_settings import session_settings_size
+from dex_agents._session_settings import session_settings_error, session_settings_size, validate_session_settings
 from dex_agents._timefmt import format_time
 from dex_agents._tool_steps import ToolSteps
 from dex_agents._turn_logic import storable_rejection_message
@@ -1613,6 +1613,34 @@ def test_settings_size_is_the_compact_json_of_every_key() -> None:
     assert session_settings_size(settings) == len('{"model":"m","tools":["a","b"],"n":1}')
 
 
+def _settings_holding_themselves() -> dict[str, Any]:
+    """Settings with an array that holds the settings again: a cycle, which JSON cannot write."""
+    settings: dict[str, Any] = {"model": "m"}
+    settings["fallbacks"] = [{"model": "n"}, settings]
+    return settings
+
+
+CIRCULAR_SETTINGS_PROBLEM = (
+    "session_settings contain themselves (an object or array that holds itself), which JSON cannot write")
+
+
+@pytest.mark.timeout(10)
+def test_settings_that_hold_themselves_are_refused_at_once() -> None:
+    """A dict or list that holds itself is refused with ValueError naming the problem, by the Client's
+    check and the session's. Catches: the nesting walk following the cycle for ever, so that
+    start_session and update_session_settings hung, growing memory, instead of raising. The same
+    object under two keys is no cycle, and is accepted."""
+    loop: list[Any] = ["a"]
+    loop.append({"k": loop})
+    for settings in (_settings_holding_themselves(), {"x": loop}):
+        with pytest.raises(ValueError) as caught:
+            validate_session_settings(settings)
+        assert str(caught.value) == CIRCULAR_SETTINGS_PROBLEM
+        assert session_settings_error(settings) == CIRCULAR_SETTINGS_PROBLEM
+    shared = {"model": "m", "tools": ["a"]}
+    validate_session_settings({"main": shared, "fallbacks": [shared, shared]})
+
+
 def test_a_rejection_message_of_exactly_the_limit_is_kept_whole() -> None:
     """MAX_REJECTION_MESSAGE_CHARS is the longest message kept as given; one more character is cut."""
     exact = "n" * MAX_REJECTION_MESSAGE_CHARS
@@ -1640,6 +1668,7 @@ INVALID_SETTINGS: list[tuple[str, object, str]] = [
     ("none-key", {"a": {None: 1}}, "session_settings keys must be text, got the NoneType key None"),
     ("bool-key", {True: 1}, "session_settings keys must be text, got the bool key True"),
     ("int-key", {1: "a", "1": "b"}, "session_settings keys must be text, got the int key 1"),
+    ("circular", _settings_holding_themselves(), CIRCULAR_SETTINGS_PROBLEM),
     ("too-large", _settings_of_size(MAX_SESSION_SETTINGS_BYTES + 1),
      f"session_settings are {MAX_SESSION_SETTINGS_BYTES + 1} bytes of compact JSON, over the limit of "
      f"{MAX_SESSION_SETTINGS_BYTES}"),

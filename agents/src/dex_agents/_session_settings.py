@@ -34,7 +34,10 @@ def session_settings_error(settings: object, *, limit: int = SESSION_SIDE_SETTIN
     if not isinstance(settings, dict):
         return f"session_settings must be a JSON object, got {type(settings).__name__}"
     # First: how deep JSON's encoder goes before it gives up depends on the Python.
-    depth, odd_keys = _nesting(settings)
+    depth, odd_keys, circular = _nesting(settings)
+    if circular:
+        # Before the depth: a value that holds itself is endlessly deep, and JSON cannot write it.
+        return "session_settings contain themselves (an object or array that holds itself), which JSON cannot write"
     if depth > MAX_SESSION_SETTINGS_NESTING:
         return (f"session_settings nest objects and arrays {depth} levels deep, over the limit of "
                 f"{MAX_SESSION_SETTINGS_NESTING}")
@@ -52,17 +55,32 @@ def session_settings_error(settings: object, *, limit: int = SESSION_SIDE_SETTIN
     return None
 
 
-def _nesting(value: object) -> tuple[int, list[object]]:
-    """Levels of objects and arrays in JSON-shaped `value`, and the keys of its objects that are not
-    text. Settings are small: a walk is cheap."""
+def _nesting(value: object) -> tuple[int, list[object], bool]:
+    """Levels of objects and arrays in JSON-shaped `value`, the keys of its objects that are not
+    text, and whether an object or array holds itself (then the walk stops: it would never end).
+    Settings are small: a walk is cheap."""
     deepest, pending = 0, [(value, 1)]
     odd_keys: list[object] = []
+    # The objects and arrays being walked, from `value` down to the current one, by id: a child
+    # among them is a cycle. The same child under two parents is no cycle, and JSON writes it twice.
+    open_ids: set[object] = set()
     while pending:
         item, level = pending.pop()
+        if level == _LEAVING:
+            open_ids.discard(item)  # the id pushed when it was entered
+            continue
         if isinstance(item, dict):
             odd_keys.extend(key for key in item if not isinstance(key, str))
         children = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else None
         if children is not None:
+            if id(item) in open_ids:
+                return deepest, odd_keys, True
+            open_ids.add(id(item))
             deepest = max(deepest, level)
+            pending.append((id(item), _LEAVING))
             pending.extend((child, level + 1) for child in children)
-    return deepest, odd_keys
+    return deepest, odd_keys, False
+
+
+# The level of the marker _nesting pushes under a container's children: popped, it leaves it.
+_LEAVING = 0
