@@ -281,3 +281,29 @@ def test_postgres_meta_of_another_application_is_refused_unchanged(
     with pytest.raises(StoreOpenError, match=re.escape(f"is not a dex_engine database: {why}; use a database")):
         open_store(pg_database)
     assert _pg_tables(pg_database) == before
+
+
+@pytest.mark.parametrize(("ddl", "taken"), [
+    ("CREATE TABLE tasks (id SERIAL PRIMARY KEY, title TEXT); INSERT INTO tasks (title) VALUES ('buy milk')",
+     'relation "tasks"'),
+    ("CREATE TABLE flows (id INT)", 'relation "flows"'),
+    ("CREATE TABLE orders (id INT); CREATE INDEX tasks_ready ON orders (id)", 'relation "tasks_ready"'),
+    ("CREATE FUNCTION dex_load_snapshot(p_flow TEXT, p_spec JSONB) RETURNS BYTEA LANGUAGE sql AS 'SELECT NULL::bytea'",
+     'function "dex_load_snapshot"'),
+])
+def test_postgres_tables_of_another_application_are_refused_unchanged(pg_database: str, ddl: str, taken: str) -> None:
+    """A database without dex_engine's meta table but with another application's table, index or
+    function of a name the migrations create (`tasks`, `flows`, ...): StoreOpenError naming the URL
+    and the object, saying it is not a dex_engine database and how to give dex_engine its own
+    schema; the database is left as it was. Catches: the server's bare 'relation "tasks" already
+    exists' with advice to check the server and the user's rights, neither of which is the problem."""
+    with psycopg.connect(pg_database, autocommit=True) as conn:
+        conn.execute(ddl)
+    before = _pg_tables(pg_database)
+    with pytest.raises(StoreOpenError) as refused:
+        open_store(pg_database)
+    assert str(refused.value).startswith(f"{shown_url(pg_database)!r} is not a dex_engine database: it already "
+                                         f'holds {taken}, of another application; '), refused.value
+    assert "use a database of dex_engine's own, or a schema of its own (options=-csearch_path=<schema>" in str(
+        refused.value)
+    assert _pg_tables(pg_database) == before

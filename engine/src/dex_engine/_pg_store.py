@@ -684,8 +684,21 @@ def migrate(conn: psycopg.Connection[Any], url: str) -> None:
     """Apply numbered migrations not yet applied to the database of `url`."""
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
-        # Committed as the block exits.
-        apply_pending(conn.execute, "postgres", _schema_version(conn, url), "%s", shown_url(url))
+        version = _schema_version(conn, url)
+        try:
+            # Committed as the block exits.
+            apply_pending(conn.execute, "postgres", version, "%s", shown_url(url))
+        except (psycopg.errors.DuplicateTable, psycopg.errors.DuplicateFunction, psycopg.errors.DuplicateObject) as exc:
+            if version:
+                raise
+            # No meta table, yet a name the first migration creates is taken: DDL is transactional
+            # (a migration killed midway left nothing), so another application's table, index or
+            # function holds it. Rolled back as the block exits.
+            raise StoreOpenError(
+                f"{shown_url(url)!r} is not a dex_engine database: it already holds "
+                f"{(exc.diag.message_primary or str(exc)).split(' already exists')[0]}, of another application; "
+                "use a database of dex_engine's own, or a schema of its own (options=-csearch_path=<schema> in "
+                "the URL)") from None
 
 
 def _schema_version(conn: psycopg.Connection[Any], url: str) -> int:
