@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import sys
 import textwrap
@@ -143,3 +144,29 @@ async def test_workers_end_when_the_test_process_dies_without_leaving_the_stack(
         for pid in (worker, stray):
             if pid and alive(pid):
                 os.kill(pid, signal.SIGKILL)  # never leave them behind, even when the test fails
+
+
+@pytest.mark.parametrize("query", ["", "?synchronous=NORMAL"])
+async def test_a_relative_sqlite_url_names_the_same_file_for_its_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, query: str,
+) -> None:
+    """A relative `database_url` names a file in the test's working directory; Worker children start
+    in `worker_cwd` (the repository root), and must open that same file. Catches: each Worker
+    creating a database of that name in the repository instead, never registering where the stack
+    looks, and start_worker timing out after 30 s with nothing said about the path."""
+    monkeypatch.chdir(tmp_path)
+    state = tmp_path / "state"
+    state.mkdir()
+    stray = REPO_ROOT / "rel" / "dex.db"
+    assert not stray.parent.exists()
+    try:
+        async with AgentTestStack(state, [build_flow(state)], WORKER_MODULE, worker_cwd=REPO_ROOT,
+                                  database_url=f"sqlite:///rel/dex.db{query}") as stack:
+            worker = await asyncio.wait_for(stack.start_worker(), 20)
+            assert any(row[2] == worker.pid for row in await stack.client.store.list_workers())
+            assert stack.database_url == f"sqlite:///{tmp_path / 'rel' / 'dex.db'}{query}"
+        assert (tmp_path / "rel" / "dex.db").exists()
+        assert not stray.parent.exists()
+    finally:
+        if stray.parent.exists():  # never leave the Worker's stray database in the repository
+            shutil.rmtree(stray.parent)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Literal
+from urllib.parse import urlparse
 
 from dex_engine import AsyncClient, AsyncWorker, Flow, Registry, WorkerOptions
 
@@ -98,6 +99,24 @@ async def _serve(registry: Registry, options: WorkerOptions) -> None:
     await worker.run()
 
 
+def _absolute_sqlite_url(url: str) -> str:
+    """`url`, with a relative SQLite path made absolute against this process's working directory.
+
+    The test process opens the database here, and Worker children start in worker_cwd, where the
+    relative path would name (and create) another database: they would never register where the
+    stack looks. The engine's reading of the path: as written after "sqlite:///", relative unless
+    it starts with a fourth slash. A URL the engine refuses (a host, a '#', a tab or line break that
+    URL parsing drops) is left as given for it to refuse.
+    """
+    parsed = urlparse(url)
+    if parsed.scheme != "sqlite" or parsed.netloc or any(c in url for c in "#\t\r\n"):
+        return url
+    path = parsed.path[1:] if parsed.path.startswith("/") else parsed.path
+    if not path or os.path.isabs(path):
+        return url
+    return f"sqlite:///{os.path.abspath(path)}" + (f"?{parsed.query}" if parsed.query else "")
+
+
 class WorkerProcess:
     """A Worker child in its own process group, so a signal reaches it and nothing else."""
 
@@ -157,7 +176,8 @@ class AgentTestStack:
         self.worker_module = worker_module
         self.worker_cwd = Path(worker_cwd) if worker_cwd is not None else Path.cwd()
         self.worker_env = dict(worker_env or {})
-        self.database_url = database_url or f"sqlite:///{self.state_dir / 'dex.db'}"
+        self.database_url = _absolute_sqlite_url(database_url) if database_url else (
+            f"sqlite:///{self.state_dir / 'dex.db'}")
         self.lease_ttl_seconds = lease_ttl_seconds
         self.client = AsyncClient(Registry(self.flows), self.database_url)
         self.workers: list[WorkerProcess] = []
