@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import re
 import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psycopg
@@ -307,3 +309,35 @@ def test_postgres_tables_of_another_application_are_refused_unchanged(pg_databas
     assert "use a database of dex_engine's own, or a schema of its own (options=-csearch_path=<schema>" in str(
         refused.value)
     assert _pg_tables(pg_database) == before
+
+
+def test_a_store_opened_while_another_migrates_a_large_file_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Processes starting together on a database an older dex_engine made: one migrates it, and a
+    migration of a large file (schema 7 rewrote every history row: about a minute for 9 million)
+    holds the write lock longer than SQLite's busy timeout. The others wait for it and open the
+    migrated file. Catches: every process but the migrating one refused with 'database is locked'
+    and advice about the URL and the directory. Here the busy timeout is cut to 0.2 s and a
+    connection of the test plays the migrating process, holding the lock for 1 s."""
+    monkeypatch.setattr("dex_engine._sqlite_store.SQLITE_BUSY_TIMEOUT_MS", 200)
+    latest = migration_files("sqlite")[-1][0]
+    path = tmp_path / "old.db"
+    migrating = _sqlite_at_version(path, latest - 1)
+    migrating.execute("PRAGMA journal_mode = WAL")
+    migrating.execute("BEGIN IMMEDIATE")
+    with ThreadPoolExecutor(1) as pool:
+        opening = pool.submit(open_store, f"sqlite:///{path}")
+        time.sleep(1.0)
+        assert not opening.done(), opening.exception()
+        number, sql = migration_files("sqlite")[-1]
+        for statement in statements(sql):
+            migrating.execute(statement)
+        migrating.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(number),))
+        migrating.execute("COMMIT")
+        store = opening.result(timeout=30)
+    migrating.close()
+    try:
+        assert asyncio.run(store.raw(_version)) == latest
+    finally:
+        asyncio.run(store.close())

@@ -112,6 +112,9 @@ DEFAULT_SHUTDOWN_GRACE_SECONDS = 10.0
 
 # SQLite busy timeout: long enough for another process's group commit to finish.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# How long a store opening a SQLite file waits for another store migrating it (SqliteStore's
+# _begin_migration): a migration rewriting a large file holds the write lock for minutes.
+SQLITE_MIGRATION_WAIT_SECONDS = 1800.0
 # Between tries at putting a new file in WAL mode: stores opening it at once can get SQLITE_BUSY
 # there without SQLite's busy handler waiting, and the one converting it is done within a few ms.
 WAL_SWITCH_RETRY_SECONDS = 0.002

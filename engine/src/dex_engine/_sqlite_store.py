@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import queue
 import sqlite3
@@ -57,17 +58,20 @@ from ._limits import (
     INLINE_YIELDS,
     MAX_GROUP_COMMIT_OPS,
     SQLITE_BUSY_TIMEOUT_MS,
+    SQLITE_MIGRATION_WAIT_SECONDS,
     SQLITE_WRITER_BUSY_SECONDS,
     SQLITE_WRITER_YIELD_SECONDS,
     WAL_SWITCH_RETRY_SECONDS,
 )
-from ._migrate import apply_pending, recorded_version
+from ._migrate import apply_pending, migration_files, recorded_version
 from ._store import Store, commit_origin
 from ._task_options import SharedOptions
 from ._transitions import AppendRow, Db, HistoryRow, PollResult, Row, UnstoredMessage, run_op
 from ._writer_turns import WriterTurns
 
 R = TypeVar("R")
+
+log = logging.getLogger("dex_engine")
 
 Synchronous = Literal["FULL", "NORMAL"]
 _SYNCHRONOUS_LEVELS: tuple[Synchronous, ...] = get_args(Synchronous)
@@ -261,7 +265,7 @@ def _not_dex_engine(path: str, why: str) -> StoreOpenError:
 
 def migrate(conn: sqlite3.Connection, path: str) -> None:
     """Apply numbered migrations not yet applied to the file `path` open on `conn`."""
-    conn.execute("BEGIN IMMEDIATE")
+    _begin_migration(conn, path)
     try:
         # Judged again under the write lock: the file may have changed since the judgement before
         # WAL (SqliteStore._connect), another store having migrated it meanwhile.
@@ -270,6 +274,40 @@ def migrate(conn: sqlite3.Connection, path: str) -> None:
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def _begin_migration(conn: sqlite3.Connection, path: str) -> None:
+    """BEGIN IMMEDIATE, waiting as long as another store migrates the file.
+
+    Stores starting together on a file an older dex_engine made all find it behind, and one of them
+    migrates it while the others wait for the write lock. A migration that rewrites a large file
+    (schema 7 rewrote every history row: about a minute for 9 million) outlasts the busy timeout;
+    so while the file's committed version, read before each try (WAL lets a reader see it), is
+    older than this engine's, the lock is tried again, for up to SQLITE_MIGRATION_WAIT_SECONDS."""
+    latest = migration_files("sqlite")[-1][0]
+    deadline = time.monotonic() + SQLITE_MIGRATION_WAIT_SECONDS
+    told = False
+    while True:
+        behind = _committed_version(conn, path) < latest
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            return
+        except sqlite3.OperationalError as exc:
+            if not (_is_busy(exc) and behind) or time.monotonic() >= deadline:
+                raise
+        if not told:
+            log.info("waiting for another process to migrate %r to dex_engine schema %d", path, latest)
+            told = True
+        time.sleep(WAL_SWITCH_RETRY_SECONDS)  # SQLite's busy handler waited; this only bounds a busy loop
+
+
+def _committed_version(conn: sqlite3.Connection, path: str) -> int:
+    conn.execute("BEGIN")
+    try:
+        return schema_version(conn, path)
+    finally:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
 
 
 # What a quiet poll asked: the worker's flow types and its running attempts' task IDs.
