@@ -503,6 +503,14 @@ def test_a_database_this_process_may_not_write_is_named_as_such(db_copy: str, im
     ("postgresql://me:pw@db:5432/app", "postgresql://me:***@db:5432/app"),
     ("postgresql://me:p%40w@h1:1,h2:2/app", "postgresql://me:***@h1:1,h2:2/app"),
     ("postgresql://me:p@w@db/app", "postgresql://me:***@db/app"),  # an @ left unescaped in the password
+    # A ?, # or / left unescaped: libpq takes the first two as part of the password, and the third
+    # makes the URL name another host; either way the password must not be shown.
+    ("postgresql://me:pa?ss@db/app", "postgresql://me:***@db/app"),
+    ("postgresql://me:pa#ss@db/app?sslmode=require", "postgresql://me:***@db/app?sslmode=require"),
+    ("postgresql://me:pa/ss@db/app", "postgresql://me:***@db/app"),
+    ("postgresql://me:a?b#c/d@db/app?password=pw", "postgresql://me:***@db/app?password=***"),
+    ("postgresql://db:5432/app?application_name=me@home", "postgresql://db:5432/app?application_name=me@home"),
+    ("postgresql://db:5432?application_name=me@home", "postgresql://db:5432?application_name=me@home"),
     ("postgresql://me@db/app?sslmode=require&password=pw", "postgresql://me@db/app?sslmode=require&password=***"),
     ("postgresql://me@db/app?password=pw", "postgresql://me@db/app?password=***"),
     ("postgresql://me@db/app", "postgresql://me@db/app"),

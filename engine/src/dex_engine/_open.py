@@ -33,5 +33,9 @@ def shown_url(url: str) -> str:
     return _PASSWORD_PARAMETER.sub(r"\1password=***", url)
 
 
-_USERINFO_PASSWORD = re.compile(r"^([a-zA-Z][\w+.-]*://[^:@/?#]*):[^/?#]*@")  # to the last @ of the host part
+# From the user name's ':' to the URL's last '@': a password with an unescaped '@', '?', '#' or '/'
+# (libpq reads the first three as part of it) is hidden whole. Not a host's ':port' (digits, then the
+# path, the next host, the parameters or the end) before an '@' in a parameter's value. A URL with
+# a password and an '@' in a parameter's value shows less than it could, never a password.
+_USERINFO_PASSWORD = re.compile(r"^([a-zA-Z][\w+.-]*://[^:@/?#]*):(?!\d*(?:[/,?#]|$)).*@")
 _PASSWORD_PARAMETER = re.compile(r"([?&])password=[^&#]*")
