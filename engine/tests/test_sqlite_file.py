@@ -170,6 +170,10 @@ def _journal_mode_and_tables(path: Path) -> tuple[str, list[str]]:
     (["CREATE TABLE flows (x)"], "its tables do not include dex_engine's meta and flows"),
     (["CREATE TABLE meta (name TEXT)", "CREATE TABLE flows (x)"], "its meta table has no key and value columns"),
     (["CREATE VIEW v AS SELECT 1"], "its tables do not include"),
+    # No tables yet, but marked by an application that set up the file and creates its tables later.
+    (["PRAGMA user_version = 3"], "it has no tables, but its user_version is 3, set by another application"),
+    (["PRAGMA application_id = 1296125511"],
+     "it has no tables, but its application_id is 1296125511, set by another application"),
 ])
 def test_another_applications_database_is_refused_as_it_was(tmp_path: Path, ddl: list[str], why: str) -> None:
     """A URL naming another application's SQLite database: StoreOpenError naming the file, saying it

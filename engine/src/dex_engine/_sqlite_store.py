@@ -242,6 +242,13 @@ def schema_version(conn: sqlite3.Connection, path: str) -> int:
     migrating it would add the engine's tables to that application's data."""
     entries = conn.execute("SELECT type, name FROM sqlite_master").fetchall()
     if not entries:
+        # dex_engine sets neither: a file without tables that has one is another application's,
+        # set up before it creates its tables.
+        for mark in ("application_id", "user_version"):
+            value = conn.execute(f"PRAGMA {mark}").fetchone()[0]
+            if value:
+                raise _not_dex_engine(path, f"it has no tables, but its {mark} is {value}, set by another "
+                                            "application")
         return 0
     tables = {name for kind, name in entries if kind == "table"}
     if not {"meta", "flows"} <= tables:
