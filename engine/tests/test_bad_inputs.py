@@ -1383,6 +1383,10 @@ async def test_wait_for_flow_refuses_a_timeout_that_is_not_a_number_of_seconds(d
         ("sqlite:///engine.db?synchronous=SOMETIMES", "'SOMETIMES'"),
         ("sqlite:///engine.db?synchronus=NORMAL", "'synchronus'"),  # a misspelt parameter is not ignored
         ("sqlite:///engine.db?inline=sometimes", "'sometimes'"),
+        # A NUL: SQLite raised "embedded null byte" naming no URL, and libpq ends a parameter at it,
+        # so the rest named another database.
+        ("sqlite:///eng\x00ine.db", "'sqlite:///eng\\x00ine.db' has a NUL character"),
+        ("postgresql://postgres@127.0.0.1:1/dex\x00_staging", "has a NUL character"),
     ],
 )
 async def test_bad_database_url(url: str, named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -194,6 +194,20 @@ def test_another_applications_database_is_refused_as_it_was(tmp_path: Path, ddl:
     assert [p.name for p in tmp_path.iterdir()] == ["app.db"]
 
 
+@pytest.mark.parametrize("content", [b"x", b"\n"], ids=["one-byte", "echo"])
+def test_a_one_byte_file_is_refused_as_it_was(tmp_path: Path, content: bytes) -> None:
+    """SQLite reads a one-byte file (what `echo > engine.db` leaves) as an empty database; longer
+    ones it refuses itself. Such a file is not ours to write over, and is refused as it was.
+    Catches: the engine's tables written over it."""
+    path = tmp_path / "notes.db"
+    path.write_bytes(content)
+    with pytest.raises(StoreOpenError, match=rf"'{re.escape(str(path))}' is not a dex_engine database: "
+                                             "it holds bytes that are not a SQLite database's"):
+        open_store(f"sqlite:///{path}")
+    assert path.read_bytes() == content
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.db"]
+
+
 async def test_a_zero_byte_file_is_opened_as_a_new_database(tmp_path: Path) -> None:
     """A file that exists but holds nothing (touched by a deploy script, or left by a first open that
     created it and was killed) is a new database, not another application's: it is migrated."""

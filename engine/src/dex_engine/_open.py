@@ -13,6 +13,10 @@ def open_store(url: str) -> Store:
     given: object = url  # typed str; checked for callers that pass anything
     if not isinstance(given, str):
         raise ValueError(f"database URL must be a str, got {type(given).__name__}: {given!r}")
+    if "\x00" in url:
+        # A file path cannot hold one, and libpq ends a parameter at it: the rest would name another
+        # database.
+        raise ValueError(f"database URL {shown_url(url)!r} has a NUL character; remove it")
     if url.startswith("sqlite:"):
         from ._sqlite_store import SqliteStore
 

@@ -242,6 +242,9 @@ def schema_version(conn: sqlite3.Connection, path: str) -> int:
     migrating it would add the engine's tables to that application's data."""
     entries = conn.execute("SELECT type, name FROM sqlite_master").fetchall()
     if not entries:
+        if _foreign_bytes(path):
+            # SQLite reads a file of a few bytes as an empty database, and migrating would overwrite it.
+            raise _not_dex_engine(path, "it holds bytes that are not a SQLite database's")
         # dex_engine sets neither: a file without tables that has one is another application's,
         # set up before it creates its tables.
         for mark in ("application_id", "user_version"):
@@ -263,6 +266,20 @@ def schema_version(conn: sqlite3.Connection, path: str) -> int:
         raise _not_dex_engine(path, f"its meta table's schema_version is {stored!r}, not a dex_engine schema "
                                     "version")
     return version
+
+
+def _foreign_bytes(path: str) -> bool:
+    """Whether the file at `path` has content that does not start with SQLite's header. Empty (or
+    missing) is not foreign: a new database's pages may still be only in its WAL."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(len(_SQLITE_HEADER))
+    except OSError:
+        return False  # SQLite opened it; what it cannot read, it reports itself
+    return bool(head) and head != _SQLITE_HEADER
+
+
+_SQLITE_HEADER = b"SQLite format 3\x00"
 
 
 def _not_dex_engine(path: str, why: str) -> StoreOpenError:
