@@ -27,6 +27,7 @@ from agents.tests.built_context import running_turn, runtime_of, step_context, t
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import ENV_BUILT_IN_TOOLS, ENV_INCREMENTAL, build_flow
 from agents.tests.session_driver import Session
+from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 
 from dex_agents import (
     AGENT_MESSAGES,
@@ -90,7 +91,7 @@ from dex_agents.testing import (
     AgentTestStack,
     wait_until,
 )
-from dex_engine import Context, LoadOptions, RpcContext, Timer, Wait, WaitResult
+from dex_engine import MAX_VALUE_BYTES, Context, LoadOptions, RpcContext, Timer, Wait, WaitResult
 from dex_engine._records import ConsumedMessage, WaitOutcome
 
 # The integration tests share the module's event loop with the shared stacks' Clients.
@@ -1271,6 +1272,42 @@ async def test_a_steered_message_the_turn_control_step_took_stays_in_the_snapsho
         done = await session.turns_ended(2)
         assert user_texts(done, "turn-2") == ["change of plan"]
         assert done.steered_messages == [] and done.queued_messages == []
+
+
+@pytest.mark.parametrize("paste_first", [False, True])
+async def test_a_steered_message_too_large_to_store_loses_none_of_the_others(
+    tmp_path: Any, db_url: str, paste_first: bool  # noqa: F811 - the fixture
+) -> None:
+    """Two steers reach one ApplyTurnControl (sent while no Worker runs): a short instruction, and a
+    paste that fits the RPC but not an AgentMessage. The steered turn fails for the paste, with no
+    model call, its error naming it after the stored messages; the instruction is stored as the
+    turn's user message, in either order, and the session goes on. Breaks if the whole steered batch
+    is dropped with the one message that does not fit: the instruction was then neither stored,
+    queued nor steered."""
+    flow = build_flow(tmp_path)
+    async with AgentTestStack(tmp_path, [flow], WORKER_MODULE, worker_cwd=REPO_ROOT, database_url=db_url) as stack:
+        session = Session(stack, "s")
+        worker = await stack.start_worker()
+        await session.start(script({"tools": [{"id": "w", "name": "write_refund", "args": {}}]}, {"answer": "never"}))
+        await session.interrupts("w")
+        worker.kill()
+        paste = "x" * (MAX_VALUE_BYTES - 100)  # the request fits; the stored message holds it twice
+        for text in ([paste, "use staging"] if paste_first else ["use staging", paste]):
+            assert await session.sessions.steer_user_message(session.id, text=text)
+        await stack.start_worker()
+
+        done = await session.turns_ended(2)
+        assert done.state is not None and done.steered_messages == []
+        error = done.state.last_turn_error
+        assert error is not None and error.startswith("message 4 (user) of turn turn-2 is too large to store: ")
+        assert [(e.type, p) for e, p in await session.events() if e.turn_id == "turn-2"] == [
+            ("turn_started", {"sequence": 3}), ("turn_failed", {"error": error})]
+        assert [(m.sequence, m.role, m.text) for m in done.messages if m.turn_id == "turn-2"] == [
+            (3, MessageRole.USER, "use staging")]
+        assert session.count("model", turn_id="turn-2") == 0
+        assert await session.sessions.send_user_message(session.id, "hello")
+        done = await session.turns_ended(3)
+        assert [m.text for m in done.messages[-2:]] == ["hello", "echo: hello"]
 
 
 async def test_a_question_whose_deadline_timer_fired_in_a_steered_turn_is_rejected_for_its_deadline() -> None:

@@ -108,19 +108,49 @@ class TurnSteps:
         rt = self.rt
         turn_id = next_turn_id(state)
         first_sequence = state.next_message_sequence
-        try:
-            items = [rt.user_message(m.text) for m in messages]
-            # Also writes TurnReplySequence: the turn's replies start after these messages.
-            state = rt.append_messages(ctx, state, turn_id, items, starts_turn=True)
-        except (ValueTooLarge, TurnContractError) as exc:
+        state, error = self._store_user_messages(ctx, state, turn_id, messages)
+        if error is not None:
             state = started_turn(state, turn_id, mode)
             rt.emit(ctx, AgentEventType.TURN_STARTED, turn_id, {"sequence": first_sequence})
-            rt.fail_turn(ctx, state, turn_id, str(exc))
+            rt.fail_turn(ctx, state, turn_id, error)
             return StepDecision.go_to(AWAIT_USER_MESSAGE)
         ctx.set(TURN_SESSION_SETTINGS, TurnSessionSettings(turn_id=turn_id, session_settings=session_settings(ctx)))
         ctx.set(AGENT_STATE, started_turn(state, turn_id, mode))
         rt.emit(ctx, AgentEventType.TURN_STARTED, turn_id, {"sequence": first_sequence})
         return go_to_run_model(ctx, rt.options)
+
+    def _store_user_messages(
+        self, ctx: Context, state: AgentState, turn_id: str, messages: Sequence[AgentUserMessage]
+    ) -> tuple[AgentState, str | None]:
+        """Store a turn's user messages; the error that fails the turn when one cannot be stored
+        (too large, or the runner cannot build it), else None. Also writes TurnReplySequence: the
+        turn's replies start after these messages.
+
+        A steered turn starts with several messages. When one cannot be stored, the others are
+        stored one by one, in order, so that the user's other messages are not lost with it, and the
+        error names the first left out at the sequence after them, which no stored message has.
+        """
+        rt = self.rt
+        try:
+            items = [rt.user_message(m.text) for m in messages]
+            return rt.append_messages(ctx, state, turn_id, items, starts_turn=True), None
+        except (ValueTooLarge, TurnContractError) as exc:
+            if len(messages) < 2:
+                return state, str(exc)
+        left_out: list[AgentUserMessage] = []
+        for message in messages:
+            try:
+                state = rt.append_messages(ctx, state, turn_id, [rt.user_message(message.text)], starts_turn=True)
+            except (ValueTooLarge, TurnContractError):
+                left_out.append(message)
+        for message in left_out:
+            # Again, after the stored ones, for the error's sequence. A message only grows with its
+            # sequence, so it fails again; one that a runner builds differently this time is kept.
+            try:
+                state = rt.append_messages(ctx, state, turn_id, [rt.user_message(message.text)], starts_turn=True)
+            except (ValueTooLarge, TurnContractError) as exc:
+                return state, str(exc)
+        return state, None
 
     async def start_agent_session(self, ctx: Context, start: AgentSessionStartInput | None) -> StepDecision:
         start = start or AgentSessionStartInput()
