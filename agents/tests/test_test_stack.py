@@ -170,3 +170,15 @@ async def test_a_relative_sqlite_url_names_the_same_file_for_its_workers(
     finally:
         if stray.parent.exists():  # never leave the Worker's stray database in the repository
             shutil.rmtree(stray.parent)
+
+
+async def test_a_state_directory_that_does_not_exist_yet_is_made(tmp_path: Path) -> None:
+    """The state directory holds the Workers' logs and the gates' marks. With the database elsewhere
+    (a PostgreSQL URL, or a SQLite file in another directory) nothing else creates it. Catches:
+    start_worker failing with FileNotFoundError on the Worker's log."""
+    state = tmp_path / "not-yet" / "state"
+    async with AgentTestStack(state, [build_flow(state)], WORKER_MODULE, worker_cwd=REPO_ROOT,
+                              database_url=f"sqlite:///{tmp_path / 'dex.db'}") as stack:
+        worker = await asyncio.wait_for(stack.start_worker(), 20)
+        assert any(row[2] == worker.pid for row in await stack.client.store.list_workers())
+    assert (state / "worker-1.log").exists()

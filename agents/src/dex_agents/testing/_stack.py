@@ -172,6 +172,9 @@ class AgentTestStack:
     ) -> None:
         # Absolute: the Worker starts in worker_cwd, where a relative path names another database.
         self.state_dir = Path(tmp_path).resolve()
+        # It holds the Workers' logs and the gates' marks; with the database elsewhere (PostgreSQL,
+        # or a SQLite file in another directory) nothing else would make it.
+        self.state_dir.mkdir(parents=True, exist_ok=True)
         self.flows = list(flows)
         self.worker_module = worker_module
         self.worker_cwd = Path(worker_cwd) if worker_cwd is not None else Path.cwd()
