@@ -29,6 +29,7 @@ from dex_engine import (
     Context,
     Flow,
     HistoryEntry,
+    InvalidValueError,
     LoadOptions,
     Movement,
     NoRetryError,
@@ -1429,6 +1430,35 @@ async def test_e8_deleting_a_message_that_is_gone_fails_the_whole_rpc(db_url: st
         with pytest.raises(ChannelMessageNotFoundError):
             await eng.client.rpc("f", "drop", id1)
         assert (await eng.client.describe_flow("f")).status == "running"
+
+
+@rpc(request_type=Any)
+async def drop_given(ctx: RpcContext, message_id: Any) -> None:
+    """Deletes whatever ID the caller sent, as a handler that trusts its request would."""
+    ctx.delete_message(Inbox, message_id)
+
+
+async def test_e8_a_message_id_no_message_can_have_deletes_nothing_the_same_on_both_backends(db_url: str) -> None:
+    """E8: delete_message with an ID outside 64 bits fails the RPC with ChannelMessageNotFoundError
+    naming it, and one that is not a whole number with InvalidValueError naming it; the queued
+    message stays. Catches: SQLite raising OverflowError for 2**63 where PostgreSQL finds nothing,
+    True deleting message 1 on SQLite and "1" deleting it on PostgreSQL.
+    """
+    flow = make_flow("E8Ids", [idle_step()], "Idle", rpcs=[drop_given])
+    async with engine_for(db_url, Registry([flow])) as eng:
+        await eng.client.start_flow("E8Ids", "f")
+        await wait_state(eng, "f", "Idle-1", "waiting")
+        mid = await eng.client.publish("f", Inbox, "m1")
+        assert mid == 1  # the IDs a bool or a numeric text would alias
+        for too_large in (2**63, -(2**63) - 1, 10**30):
+            with pytest.raises(ChannelMessageNotFoundError) as gone:
+                await eng.client.rpc("f", "drop_given", too_large)
+            assert str(too_large) in str(gone.value)
+        for not_a_number in (True, "1", 1.0, [1], None):
+            with pytest.raises(InvalidValueError, match="message_id must be a whole number") as bad:
+                await eng.client.rpc("f", "drop_given", not_a_number)
+            assert repr(not_a_number) in str(bad.value)
+        assert (await eng.client.rpc("f", "peek", ["Inbox"]))["Inbox"] == [(mid, "m1")]
 
 
 async def test_e8_concurrent_rpcs_on_one_flow_are_serialized(db_url: str) -> None:

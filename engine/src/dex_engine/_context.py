@@ -396,4 +396,11 @@ class RpcContext(_StateView):
         if self._ended is not None:  # inline: every write of every handler passes here
             raise self._refused("delete_message")
         self.flow.check_channel(channel)
+        given: object = message_id  # typed int; checked for handlers that pass a request's value as it came
+        if isinstance(given, bool) or not isinstance(given, int):
+            # Each database would compare it its own way: True deleted message 1 on SQLite, "1" on
+            # PostgreSQL, and a list failed with a driver error.
+            raise InvalidValueError(
+                f"delete_message's message_id must be a whole number (a PendingMessage's message_id), got "
+                f"{type(given).__name__}: {given!r:.60}")
         self._writes.deleted_messages.append((channel.name, channel.key, message_id))

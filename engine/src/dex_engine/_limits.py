@@ -210,3 +210,7 @@ TASK_OPTIONS_CONFIRMED_ENTRIES = 4096
 # Rows one multi-row statement writes or names: at most 6 parameters each, far below either
 # backend's limit on parameters per statement.
 ROWS_PER_STATEMENT = 200
+
+# The largest channel message ID: both backends number messages with signed 64-bit integers, and
+# SQLite cannot even be asked about a larger one (the driver raises OverflowError).
+MAX_MESSAGE_ID = 2**63 - 1

@@ -34,6 +34,7 @@ from ._limits import (
     HISTORY_TRIM_CHECK_EVERY,
     MAX_ERROR_TEXT_CHARS,
     MAX_HISTORY_EVENTS_PER_FLOW,
+    MAX_MESSAGE_ID,
     ROWS_PER_STATEMENT,
 )
 from ._options import FlowConfig, LoadSpec, MethodOptions, TaskOptions
@@ -1066,7 +1067,9 @@ def apply_writes(
             params,
         )
     for channel, key, message_id in writes.deleted_messages:
-        if not db.run(
+        # An ID no message can have is not looked up: SQLite would raise OverflowError where
+        # PostgreSQL finds nothing (RpcContext.delete_message took only whole numbers).
+        if not 0 < message_id <= MAX_MESSAGE_ID or not db.run(
             "DELETE FROM channel_messages WHERE message_id = ? AND flow_id = ? AND channel = ? AND key = ?",
             (message_id, flow_id, channel, key),
         ):
