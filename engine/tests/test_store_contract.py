@@ -41,6 +41,7 @@ from dex_engine import (
     WorkerIdInUseError,
     open_store,
 )
+from dex_engine import _store as store_module
 from dex_engine import _transitions as tx
 from dex_engine._limits import ROWS_PER_STATEMENT
 from dex_engine._records import (
@@ -1031,6 +1032,43 @@ async def test_search_flows_by_type_status_and_active_step(store: Store) -> None
     assert await found(active_step="Next") == set()  # "hidden" turned active Step search off
     assert await found(status="stopped") == set()
     assert len(await store.search_flows(limit=2)) == 2
+
+
+async def test_flows_of_one_millisecond_are_found_and_listed_by_id_in_code_point_order(
+    store: Store, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """E13: flows created in the same millisecond come out of search_flows (with or without an active
+    Step, reading candidates or paging through running flows) ordered by ID as Python orders text,
+    and list_flows gives the reverse, on a PostgreSQL database whose collation is a language's (the
+    usual default; the test server's is C) too. Catches: ORDER BY flow_id following the database's
+    collation ("_x" before "1", "a" before "B"), so that a limit cut another set of flows per backend."""
+    if store.url.startswith("postgres"):
+        if not await store.raw(lambda db: db.all("SELECT 1 FROM pg_collation WHERE collname = 'und-x-icu'")):
+            pytest.skip("this PostgreSQL server has no ICU collations")
+        # What a database created with an ICU locale gives every text column.
+        for table, column in (("flows", "flow_id"), ("streams", "stream")):
+            await store.raw(lambda db, t=table, c=column: db.run(
+                f'ALTER TABLE {t} ALTER COLUMN {c} TYPE TEXT COLLATE "und-x-icu"'), write=True)
+    ids = ["b", "B", "a", "A", "_x", "1", "10", "9", "\u00e9", "z"]
+    hidden = {"A", "10"}  # hidden from active Step search: they take places in its pages
+    monkeypatch.setattr(store_module, "now_ms", lambda: 1_700_000_000_000)
+    for flow_id in ids:
+        await start(store, flow_id, config=FlowConfig(active_step_search=flow_id not in hidden))
+    in_order = sorted(ids)
+    visible = [f for f in in_order if f not in hidden]
+    assert await store.search_flows() == in_order
+    assert await store.search_flows(limit=3) == in_order[:3]
+    assert await store.search_flows(flow_type="Contract", status="running", limit=4) == in_order[:4]
+    assert await store.search_flows(active_step="Start", limit=4) == visible[:4]
+    monkeypatch.setattr(tx, "ACTIVE_STEP_SEARCH_CANDIDATES", 0)  # page through running flows instead
+    assert await store.search_flows(active_step="Start", limit=2) == visible[:2]
+    assert await store.search_flows(active_step="Start", limit=5) == visible[:5]
+    assert [info.flow_id for info in await store.list_flows(limit=4)] == in_order[::-1][:4]
+    # A flow's stream names (the CLI lists them) in the same order.
+    streams = ["b", "B", "_x", "1"]
+    lease = (await store.claim(W, TYPES, 1))[0]
+    await store.commit_execute(lease, WriteSet(appends=[(name, 1000, enc(name)) for name in streams]), DEAD_END)
+    assert await store.stream_names(lease.flow_id) == sorted(streams)
 
 
 async def test_history_records_step_events_in_order(store: Store) -> None:

@@ -1972,6 +1972,14 @@ def describe_flow(db: Db, flow_id: str) -> FlowInfo:
     )
 
 
+def _by_code_point(db: Db, column: str) -> str:
+    """`column` compared as Python compares text (by code point), for ORDER BY and the comparisons
+    that page through one: SQLite's BINARY collation does, while PostgreSQL follows the database's
+    collation, which need not (en_US puts "_x" before "1", "a" before "B"): flows started in one
+    millisecond were listed, and cut at a limit, in another order on each backend."""
+    return f'{column} COLLATE "C"' if _on_postgres(db) else column
+
+
 def _flow_filter(prefix: str, flow_type: str | None, status: str | None) -> tuple[list[str], list[Any]]:
     """WHERE clauses and parameters selecting flows of a type and status (each optional)."""
     clauses: list[str] = []
@@ -1989,8 +1997,8 @@ def search_flows(
     clauses, params = _flow_filter("f.", flow_type, status)
     if active_step is None:
         where = " AND ".join(clauses) or "1 = 1"
-        rows = db.all(f"SELECT f.flow_id FROM flows f WHERE {where} ORDER BY f.created_at, f.flow_id LIMIT ?",
-                      (*params, limit))
+        rows = db.all(f"SELECT f.flow_id FROM flows f WHERE {where} "
+                      f"ORDER BY f.created_at, {_by_code_point(db, 'f.flow_id')} LIMIT ?", (*params, limit))
         return [str(r[0]) for r in rows]
     # E13/E16: running flows with an active Step of this type, whose config enables this search.
     clauses.append("f.status = 'running'")
@@ -2015,7 +2023,8 @@ def search_flows(
     clauses.append("EXISTS (SELECT 1 FROM tasks t WHERE t.flow_id = f.flow_id AND t.step_type = ?)")
     params.append(active_step)
     select = f"SELECT f.flow_id, f.config, f.created_at FROM flows f WHERE {' AND '.join(clauses)}"
-    order = " ORDER BY f.created_at, f.flow_id LIMIT ?"
+    flow_id = _by_code_point(db, "f.flow_id")
+    order = f" ORDER BY f.created_at, {flow_id} LIMIT ?"
     out: list[str] = []
     rows = db.all(select + order, (*params, limit))
     while True:
@@ -2024,7 +2033,7 @@ def search_flows(
             return out[:limit]
         # Flows whose config hides them from this search took places in the page: read on after it.
         last_id, _, last_at = rows[-1]
-        rows = db.all(select + " AND (f.created_at > ? OR (f.created_at = ? AND f.flow_id > ?))" + order,
+        rows = db.all(select + f" AND (f.created_at > ? OR (f.created_at = ? AND {flow_id} > ?))" + order,
                       (*params, last_at, last_at, last_id, limit))
 
 
@@ -2032,8 +2041,8 @@ def list_flows(db: Db, flow_type: str | None, status: str | None, limit: int) ->
     """The newest `limit` flows, optionally of one type and status, newest first (the CLI's `list`)."""
     clauses, params = _flow_filter("", flow_type, status)
     where = " AND ".join(clauses) or "1 = 1"
-    rows = db.all(f"SELECT flow_id FROM flows WHERE {where} ORDER BY created_at DESC, flow_id DESC LIMIT ?",
-                  (*params, limit))
+    rows = db.all(f"SELECT flow_id FROM flows WHERE {where} "
+                  f"ORDER BY created_at DESC, {_by_code_point(db, 'flow_id')} DESC LIMIT ?", (*params, limit))
     return [describe_flow(db, str(r[0])) for r in rows]
 
 
@@ -2042,7 +2051,8 @@ def stream_names(db: Db, flow_id: str) -> list[str]:
     existing_flow_type(db, flow_id)
     if not _on_postgres(db):
         return sorted(stream_positions(db, flow_id))
-    return [str(r[0]) for r in db.all("SELECT stream FROM streams WHERE flow_id = ? ORDER BY stream", (flow_id,))]
+    return [str(r[0]) for r in db.all(f"SELECT stream FROM streams WHERE flow_id = ? ORDER BY "
+                                      f"{_by_code_point(db, 'stream')}", (flow_id,))]
 
 
 def list_workers(db: Db) -> list[tuple[str, str, int, int, int]]:
