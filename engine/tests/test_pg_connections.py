@@ -6,12 +6,27 @@ the store closes. These tests need TEST_PG_DSN."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 
 import psycopg
 import pytest
 
-from dex_engine import Context, Flow, FlowNotFoundError, Registry, Step, StepDecision, open_store
+from dex_engine import (
+    AsyncClient,
+    AttributeMap,
+    Context,
+    Flow,
+    FlowNotFoundError,
+    Registry,
+    RpcContext,
+    Step,
+    StepDecision,
+    Timer,
+    Wait,
+    open_store,
+    rpc,
+)
 
 from .conftest import engine_for, wait_until
 
@@ -75,6 +90,46 @@ async def test_operations_queued_as_the_store_closes_run_and_later_ones_are_refu
     store._closed = False  # type: ignore[attr-defined]  # as if its closed check ran just before close()
     with pytest.raises(RuntimeError, match="is closed"):
         await asyncio.wait_for(store.describe_flow("late"), 10)
+
+
+def _wide(n: int) -> str:
+    """n characters of four UTF-8 bytes each (CJK Extension B)."""
+    return "".join(chr(0x20000 + i) for i in range(n))
+
+
+WIDE = AttributeMap(_wide(200), str)
+
+
+@rpc(request_type=str)
+async def put_wide(ctx: RpcContext, key: str) -> None:
+    ctx.set(WIDE[key], "v")
+
+
+async def _wait(ctx: Context, _: None) -> Wait:
+    return Wait.until(Timer.by_duration(3600))
+
+
+WIDE_REGISTRY = Registry([Flow("Wide", [Step("Idle", _done, wait_for=_wait)], start_step="Idle",
+                               schema=[WIDE], rpcs=[put_wide])])
+
+
+async def test_a_row_past_an_index_limit_fails_at_once_not_as_a_lost_connection(
+    pg_database: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A write whose index row is past PostgreSQL's size limit (a flow ID, map name and key of 4-byte
+    characters) fails with the server's error on its one try. Catches: that error (an
+    OperationalError by its SQLSTATE class) taken for a lost connection, tried eight times over
+    seconds with a "connection lost" warning each, and its COMMIT's outcome looked up."""
+    client = AsyncClient(WIDE_REGISTRY, pg_database)
+    try:
+        flow_id = _wide(255)
+        await client.start_flow("Wide", flow_id)
+        with caplog.at_level(logging.WARNING, logger="dex_engine"), pytest.raises(psycopg.errors.ProgramLimitExceeded):
+            await client.rpc(flow_id, "put_wide", _wide(255))
+        assert [r.getMessage() for r in caplog.records if "connection lost" in r.getMessage()] == []
+        assert await client.rpc(flow_id, "put_wide", "short") is None  # the store goes on
+    finally:
+        await client.close()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -99,6 +99,10 @@ BATCH_LOCK_TIMEOUT_MS = 100
 MAX_BATCH_ISOLATIONS = 3
 # Tries of one operation on a dropped connection, deadlock or serialization failure.
 MAX_OP_TRIES = 8
+# OperationalErrors that are a statement's own failure, not a lost connection: a row past the
+# index's size limit, too many arguments or columns. Every try would fail the same way, and the
+# connection is fine, so the statement's op fails at once (SQLSTATE class 54).
+_STATEMENT_LIMITS = (pg_errors.ProgramLimitExceeded,)
 # Without a notification, report a change at least this often so claims fall back to polling.
 FALLBACK_POLL_SECONDS = 1.0
 # Migrations of concurrent processes serialize on this advisory lock.
@@ -865,22 +869,31 @@ class PostgresStore(Store):
                 if attempt == MAX_OP_TRIES:
                     return [(False, exc)]
             except psycopg.OperationalError as exc:
+                if isinstance(exc, _STATEMENT_LIMITS):
+                    return self._statement_failed(lane, ops, isolated, batched, exc)
                 # The connection dropped (server restart, pg_terminate_backend, network) before
                 # COMMIT, or during it and the transaction did not commit: run it again.
                 if attempt == MAX_OP_TRIES:
                     return [(False, self._gave_up(exc, time.monotonic() - started))] * len(ops)
                 log.warning("database connection lost (try %d of %d); retrying", attempt, MAX_OP_TRIES)
             except psycopg.Error as exc:
-                if batched and any(op.commit is not None for op in ops):
-                    return self._run_batch(lane, ops, isolated, batched=False)
-                if len(ops) > 1:
-                    return self._each_alone(lane, ops, batched)
-                return [(False, exc)]
+                return self._statement_failed(lane, ops, isolated, batched, exc)
             except BaseException as exc:  # the lane must survive to serve the others
                 return [(False, exc)] * len(ops)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
         raise AssertionError("unreachable")
+
+    def _statement_failed(
+        self, lane: _Lane, ops: list[_Op], isolated: int, batched: bool, exc: psycopg.Error
+    ) -> list[tuple[bool, Any]]:
+        """A statement of the batch failed on the server: find the op it belongs to by running the
+        ops again unbatched or one by one; a single op fails with it."""
+        if batched and any(op.commit is not None for op in ops):
+            return self._run_batch(lane, ops, isolated, batched=False)
+        if len(ops) > 1:
+            return self._each_alone(lane, ops, batched)
+        return [(False, exc)]
 
     def _gave_up(self, exc: psycopg.OperationalError, waited: float) -> psycopg.OperationalError:
         """The error an operation fails with after its last try. The pool's own timeout names only
@@ -997,7 +1010,8 @@ class PostgresStore(Store):
             # The connection dropped during COMMIT: ask the server, never apply it twice. Not only
             # when psycopg already calls it broken: a FATAL (pg_terminate_backend) arrives before
             # the closed socket, and the backend may have committed before it ended.
-            ambiguous = commit_sent and isinstance(exc, psycopg.OperationalError)
+            ambiguous = (commit_sent and isinstance(exc, psycopg.OperationalError)
+                         and not isinstance(exc, _STATEMENT_LIMITS))
             if conn.broken or ambiguous:
                 lane.release()  # also frees its pool slot for _committed's connection
             else:
