@@ -896,6 +896,9 @@ async def test_e13_search_by_active_step_type(db_url: str) -> None:
         assert await found('ActiveStepTypes = "Busy"') == ["a-busy"]
         assert await found('ActiveStepTypes = "Start"') == []
         assert await found('ActiveStepTypes = "Busy" AND FlowType = "SearchB"') == []
+        # Only running flows have active Steps: any other status beside ActiveStepTypes finds none.
+        assert await found('ActiveStepTypes = "Park" AND FlowStatus = "completed"') == []
+        assert await found('FlowStatus = "failed" AND ActiveStepTypes = "Busy"') == []
         assert await found('FlowType = "SearchA" AND FlowStatus = "completed"') == ["a-done"]
         assert await found('FlowStatus = "running"') == ["a-busy", "a-other", "a-park", "b-park"]
         # Every term is optional: no term at all finds every flow, closed ones too.
