@@ -1,17 +1,21 @@
 """Agent sessions on PostgreSQL: the same Flow, Worker children and SIGKILLs as on SQLite.
 
-The matrix (test_matrix.py) runs on a private SQLite file; these run its two kill cases that
-lean most on the store (a pending approval across a Worker's death, and a single-attempt write
-killed mid-call) against TEST_PG_DSN's server, skipped loudly without it.
+The matrix (test_matrix.py) runs on a private SQLite file; these run its kill cases, which lean
+most on the store (a pending approval across a Worker's death, item 3; a single-attempt write
+killed mid-call, items 5 and 9; a model call killed mid-call, item 6), against TEST_PG_DSN's
+server, skipped loudly without it. PostgreSQL has its own commit path (dex_commit_execute), which
+resolves each scheduled Step's durability and hands out attempts by itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
 
+import psycopg
 import pytest
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import INVOCATIONS, build_flow
@@ -26,6 +30,7 @@ from dex_agents.testing import (
     executed_steps,
     wait_for_agent_snapshot,
 )
+from dex_engine import StepDurability
 
 pytestmark = pytest.mark.slow
 
@@ -84,10 +89,25 @@ async def test_an_approval_survives_a_worker_kill_and_the_write_runs_once(pg_sta
     assert steps[5:] == ["ResumeTurn", "RunModel"]
 
 
-async def test_a_write_killed_mid_call_is_outcome_unknown_and_never_rerun(pg_stack: AgentTestStack) -> None:
+def _scheduled_durabilities(database_url: str, flow_id: str) -> dict[str, str]:
+    """The resolved durability of each Step the session has scheduled now, from the engine's tasks
+    table (on PostgreSQL a task row holds its options' JSON): the only place that shows whether the
+    flow's default reached a Step."""
+    with contextlib.closing(psycopg.connect(database_url)) as db:
+        rows = db.execute("SELECT step_type, options FROM tasks WHERE flow_id = %s", (flow_id,)).fetchall()
+    return {str(step_type): str(json.loads(bytes(options))["durability"]) for step_type, options in rows}
+
+
+@pytest.mark.parametrize("durability", [StepDurability.SYNC, StepDurability.ASYNC])
+async def test_a_write_killed_mid_call_is_outcome_unknown_and_never_rerun(
+    pg_stack: AgentTestStack, durability: StepDurability,
+) -> None:
     """SIGKILL inside CallSingleAttemptTool: the new Worker records outcome_unknown instead of
-    running the write again, and the model is told so. Catches: a started attempt handed out again
-    on PostgreSQL (its heartbeat's attempt_started lost or ignored)."""
+    running the write again, and the model is told so (matrix item 5); with an ASYNC Step durability
+    default too (item 9), whose Steps still commit SYNC. Catches: a started attempt handed out again
+    on PostgreSQL (its heartbeat's attempt_started lost or ignored), or dex_commit_execute letting
+    the flow's ASYNC default override a tool Step's own SYNC (its commits could then be lost in a
+    server crash and the write run again)."""
     sessions = pg_stack.sessions(cast(AgentSessionFlow, pg_stack.flows[0]))
     log = InvocationLog(pg_stack.state_dir / INVOCATIONS)
     gate = FileGate(pg_stack.state_dir, "s2.write")
@@ -95,10 +115,14 @@ async def test_a_write_killed_mid_call_is_outcome_unknown_and_never_rerun(pg_sta
     await sessions.start_session("s2", _script(
         {"tools": [{"id": "w1", "name": "write_refund", "args": {"gate": "s2.write"}}]},
         {"answer": "{results}"},
-    ))
+    ), step_durability=durability)
     await wait_for_agent_snapshot(sessions, "s2", _pending("w1"), description="the approval")
     assert await sessions.resolve_interrupt("s2", "w1", approved=True)
     assert await gate.wait_until_reached() == worker.pid
+    # Every Step sets SYNC itself, so the flow's default never reaches a scheduled Step.
+    assert _scheduled_durabilities(pg_stack.database_url, "s2") == {
+        "CallSingleAttemptTool": "SYNC", "ResumeTurn": "SYNC"}
+    assert (await pg_stack.client.describe_flow("s2")).config.default_step_durability is durability
     worker.kill()
     await pg_stack.start_worker()
     gate.release()  # a rerun would now finish and log a second tool_start and a success
@@ -138,3 +162,35 @@ async def test_a_task_handle_saved_before_a_kill_is_not_started_again(pg_stack: 
     assert [(e["attempt"], e["task_id"]) for e in log.entries("task_start", flow_id="s3")] == [(1, "task-t1")]
     assert [e["attempt"] for e in log.entries("tool_start", flow_id="s3")] == [1, 2]
     assert [e["task_id"] for e in log.entries("poll", flow_id="s3")] == ["task-t1"]
+
+
+async def test_a_model_call_killed_mid_call_reruns_only_that_call(pg_stack: AgentTestStack) -> None:
+    """SIGKILL inside the second RunModel after it heartbeated (matrix item 6): the new Worker runs
+    that model call again as attempt 2; the first model call and the tool ran once. Catches, on
+    PostgreSQL: a started attempt handed out again under its number, or a rerun of more than the
+    killed Step."""
+    sessions = pg_stack.sessions(cast(AgentSessionFlow, pg_stack.flows[0]))
+    log = InvocationLog(pg_stack.state_dir / INVOCATIONS)
+    gate = FileGate(pg_stack.state_dir, "s4.model")
+    worker = await pg_stack.start_worker()
+    await sessions.start_session("s4", _script(
+        {"tools": [{"id": "c1", "name": "read_orders", "args": {}}]},
+        # Heartbeat first: the killed attempt counts as started, so its rerun is attempt 2.
+        {"answer": "orders: {results}", "gate": "s4.model", "heartbeat": True},
+    ))
+    assert await gate.wait_until_reached() == worker.pid
+    worker.kill()
+    await pg_stack.start_worker()
+    gate.release()
+    snapshot = await wait_for_agent_snapshot(sessions, "s4", _turns_ended(1), description="the turn's end")
+    assert snapshot.messages[-1].text == "orders: c1=read_orders done"
+    model_calls = [(e["step"], e["attempt"]) for e in log.entries("model", flow_id="s4", turn_id="turn-1")]
+    assert model_calls == [(0, 1), (1, 1), (1, 2)]
+    assert log.count("tool_start", flow_id="s4", tool_call_id="c1") == 1
+    entries = await pg_stack.read_step_history("s4")
+    assert executed_steps(entries) == ["StartAgentSession", "RunModel", "CallTool", "ResumeTurn", "RunModel"]
+    run_models = [e for e in entries if e.step_type == "RunModel" and e.event_type == EXECUTE_COMPLETED_EVENT]
+    assert [e.final_attempt for e in run_models] == [1, 2]
+    failed = [(e.step_execution_id, e.final_attempt) for e in entries
+              if e.step_type == "RunModel" and e.event_type == "attempt_failed"]
+    assert failed == [(run_models[1].step_execution_id, 1)]
