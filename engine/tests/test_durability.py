@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import shutil
+import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +21,7 @@ import pytest
 from dex_engine import (
     AsyncClient,
     AsyncWorker,
+    Attribute,
     Channel,
     Context,
     Flow,
@@ -26,6 +34,7 @@ from dex_engine import (
     StepDecision,
     StepDurability,
     StepOptions,
+    Stream,
     Wait,
     WorkerOptions,
     open_store,
@@ -251,8 +260,6 @@ def test_async_commit_survives_sigkill_right_after_it_is_acknowledged(tmp_path: 
     proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode == -9, proc.stderr
     assert proc.stdout.strip() == "acknowledged"
-    import sqlite3
-
     conn = sqlite3.connect(db)
     try:
         assert conn.execute("SELECT status, output FROM flows WHERE flow_id = 'crash-1'").fetchone() == (
@@ -260,3 +267,127 @@ def test_async_commit_survives_sigkill_right_after_it_is_acknowledged(tmp_path: 
         assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
     finally:
         conn.close()
+
+
+# Application-crash images (RELIABILITY.md T05) -------------------------------------------------
+
+IMAGE_COMMITS = 1000
+IMAGES = 25
+
+Tally = Attribute("Tally", int)
+Mirror = Attribute("Mirror", int)
+Tallies = Channel("Tallies", int)
+TallyLog = Stream("TallyLog", int)
+
+
+@rpc(request_type=int)
+async def record_tally(ctx: RpcContext, n: int) -> None:
+    """Commit n in four tables at once: two attributes, a channel message and a stream event."""
+    ctx.set(Tally, n)
+    ctx.set(Mirror, n)
+    ctx.publish(Tallies, n)
+    ctx.append(TallyLog, n)
+
+
+async def _tally_wait(ctx: Context, _: Any) -> Wait:
+    return Wait.until(Tallies.for_n(IMAGE_COMMITS + 1))  # never satisfied: the messages stay queued
+
+
+TALLY_FLOW = Flow("Tally", [Step("Hold", _noop, wait_for=_tally_wait)], start_step="Hold",
+                  schema=[Tally, Mirror, Tallies, TallyLog], rpcs=[record_tally])
+
+
+def _image_state(path: Path) -> tuple[str, int | None, int | None, int, int]:
+    """(integrity_check, Tally, Mirror, queued messages, stream events) of one image, read with sqlite3."""
+    conn = sqlite3.connect(path)
+    try:
+        check = str(conn.execute("PRAGMA integrity_check").fetchone()[0])
+
+        def attribute(name: str) -> int | None:
+            row = conn.execute("SELECT value FROM attributes WHERE flow_id = 'tally' AND name = ?", (name,)).fetchone()
+            return None if row is None else int(json.loads(bytes(row[0])))
+
+        messages = conn.execute("SELECT count(*) FROM channel_messages WHERE flow_id = 'tally'").fetchone()[0]
+        events = conn.execute("SELECT count(*) FROM stream_events WHERE flow_id = 'tally'").fetchone()[0]
+        return check, attribute("Tally"), attribute("Mirror"), int(messages), int(events)
+    finally:
+        conn.close()
+
+
+def _take_images(script: str, db: Path, acks: Path, rng: random.Random) -> tuple[list[tuple[Path, int]], int, str]:
+    """Run `script` in a child, freeze it up to IMAGES times at random moments and copy `db` with its
+    WAL and shared memory while it is frozen: (image directory, last acknowledged commit) each, then
+    the child's exit code and stderr. The pauses between freezes pick the moments, not a wait."""
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    images: list[tuple[Path, int]] = []
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and not acks.exists():  # its imports take a while: freeze commits only
+            assert time.monotonic() < deadline, "the child made no commit within 60 s"
+            time.sleep(0.01)
+        while proc.poll() is None and len(images) < IMAGES:
+            time.sleep(rng.uniform(0.0, 0.02))
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                image = db.parent / f"image-{len(images)}"
+                image.mkdir()
+                for suffix in ("", "-wal", "-shm"):
+                    if Path(f"{db}{suffix}").exists():
+                        shutil.copyfile(f"{db}{suffix}", image / f"{db.name}{suffix}")
+                lines = acks.read_text().split() if acks.exists() else []
+                images.append((image, int(lines[-1]) if lines else 0))
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return images, proc.returncode, stderr
+
+
+@pytest.mark.slow
+async def test_crash_images_hold_every_acknowledged_commit_whole(tmp_path: Path) -> None:
+    """A client process commits RPCs one after another (each writes two attributes, a message and an
+    event) and logs each acknowledgement; the test freezes it (SIGSTOP) at random moments, copies the
+    database, WAL and shared-memory files (what an application crash leaves) and lets it go on. Every
+    image must pass integrity_check, hold a whole prefix of the commits (all four writes of each, none
+    of a later one), and hold every commit acknowledged before the freeze; the engine must open it
+    and read the same state. Catches: an RPC acknowledged before its commit reached the WAL (group
+    commit or a deferred write), or one commit split over several transactions."""
+    db = tmp_path / "tally.db"
+    acks = tmp_path / "acks"
+    url = f"sqlite:///{db}"
+    async with AsyncClient(Registry([TALLY_FLOW]), url) as client:
+        await client.start_flow("Tally", "tally")
+    script = textwrap.dedent(f"""
+        import asyncio, os, sys
+        sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+        from engine.tests.test_durability import TALLY_FLOW, IMAGE_COMMITS
+        from dex_engine import AsyncClient, Registry
+
+        async def main():
+            fd = os.open({str(acks)!r}, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            async with AsyncClient(Registry([TALLY_FLOW]), {url!r}) as client:
+                for n in range(1, IMAGE_COMMITS + 1):
+                    await client.rpc("tally", "record_tally", n)
+                    os.write(fd, b"%d\\n" % n)
+
+        asyncio.run(main())
+    """)
+    seed = random.randrange(2**32)
+    images, returncode, stderr = _take_images(script, db, acks, random.Random(seed))
+    assert returncode == 0, stderr
+    acked = [n for _, n in images]
+    # Reachable: some images froze the child between two commits, not before or after them all.
+    assert any(0 < n < IMAGE_COMMITS for n in acked), f"seed {seed}: images at acks {acked}"
+    for image, acknowledged in images:
+        check, tally, mirror, messages, events = _image_state(image / "tally.db")
+        held = tally or 0
+        where = f"seed {seed}, image {image.name} (frozen after ack {acknowledged})"
+        assert check == "ok", where
+        assert (tally or 0, mirror or 0, messages, events) == (held, held, held, held), where
+        assert held >= acknowledged, f"{where}: acknowledged commits missing"
+        async with AsyncClient(Registry([TALLY_FLOW]), f"sqlite:///{image / 'tally.db'}") as reader:
+            assert await reader.get_attribute("tally", Tally) == tally, where
+            assert len((await reader.read_stream("tally", TallyLog)).events) == held, where
