@@ -510,7 +510,16 @@ def test_a_database_this_process_may_not_write_is_named_as_such(db_copy: str, im
     ("postgresql://me:pa/ss@db/app", "postgresql://me:***@db/app"),
     ("postgresql://me:a?b#c/d@db/app?password=pw", "postgresql://me:***@db/app?password=***"),
     ("postgresql://db:5432/app?application_name=me@home", "postgresql://db:5432/app?application_name=me@home"),
-    ("postgresql://db:5432?application_name=me@home", "postgresql://db:5432?application_name=me@home"),
+    # libpq reads user:password up to the first '@' before any '/': this is user db, password
+    # "5432?application_name=me", on host home.
+    ("postgresql://db:5432?application_name=me@home", "postgresql://db:***@home"),
+    ("postgresql://db:5432,db2:5433/app?application_name=me@home",
+     "postgresql://db:5432,db2:5433/app?application_name=me@home"),
+    # A password of digits, then a ?, #, , or / (as libpq reads the first three, the user meant the fourth).
+    ("postgresql://me:123?ab@db/app", "postgresql://me:***@db/app"),
+    ("postgresql://me:12#34@db/app", "postgresql://me:***@db/app"),
+    ("postgresql://me:12,34@db/app", "postgresql://me:***@db/app"),
+    ("postgresql://me:2024/x@db/app", "postgresql://me:***@db/app"),
     ("postgresql://me@db/app?sslmode=require&password=pw", "postgresql://me@db/app?sslmode=require&password=***"),
     ("postgresql://me@db/app?password=pw", "postgresql://me@db/app?password=***"),
     ("postgresql://me@db/app", "postgresql://me@db/app"),

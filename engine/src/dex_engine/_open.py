@@ -39,7 +39,10 @@ def shown_url(url: str) -> str:
 
 # From the user name's ':' to the URL's last '@': a password with an unescaped '@', '?', '#' or '/'
 # (libpq reads the first three as part of it) is hidden whole. Not a host's ':port' (digits, then the
-# path, the next host, the parameters or the end) before an '@' in a parameter's value. A URL with
-# a password and an '@' in a parameter's value shows less than it could, never a password.
-_USERINFO_PASSWORD = re.compile(r"^([a-zA-Z][\w+.-]*://[^:@/?#]*):(?!\d*(?:[/,?#]|$)).*@")
+# end, or the path or the next host with no '@' before the parameters) before an '@' in a parameter's
+# value. libpq takes the text up to the first '@' before any '/' as user:password, so digits followed
+# by '?', '#', or a ',' or '/' with an '@' before the parameters, are a password ("12?ab", "12,34"),
+# never a port. A URL with a password and an '@' in a parameter's value shows less than it could, and
+# one with an '@' in its database name too, never a password.
+_USERINFO_PASSWORD = re.compile(r"^([a-zA-Z][\w+.-]*://[^:@/?#]*):(?!\d*(?:$|[/,][^@?#]*(?:[?#]|$))).*@")
 _PASSWORD_PARAMETER = re.compile(r"([?&])password=[^&#]*")
