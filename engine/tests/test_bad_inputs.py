@@ -1380,6 +1380,8 @@ async def test_wait_for_flow_refuses_a_timeout_that_is_not_a_number_of_seconds(d
         ("mysql://localhost/dex", "'mysql://localhost/dex'"),
         ("", "''"),
         ("sqlite://", "names no file"),
+        # Not SQLite's private in-memory database: a file named ':memory:' in the working directory.
+        ("sqlite:///:memory:", "names an in-memory database"),
         ("sqlite:///engine.db?synchronous=SOMETIMES", "'SOMETIMES'"),
         ("sqlite:///engine.db?synchronus=NORMAL", "'synchronus'"),  # a misspelt parameter is not ignored
         ("sqlite:///engine.db?inline=sometimes", "'sometimes'"),

@@ -111,6 +111,11 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
     path = parsed.path[1:] if parsed.path.startswith("/") else parsed.path
     if not path:
         raise ValueError(f"sqlite URL {url!r} names no file; expected sqlite:///path/to/file.db")
+    if path == ":memory:":
+        # SQLite's name for a private in-memory database; the engine's connections, workers and
+        # clients could not share one, so it would open (and create) a file of that name instead.
+        raise ValueError(f"sqlite URL {url!r} names an in-memory database, which the engine's connections "
+                         "and processes cannot share; name a file (a temporary directory's, for tests)")
     query = parse_qs(parsed.query, keep_blank_values=True)
     unknown = sorted(set(query) - set(_URL_PARAMETERS))
     if unknown:
