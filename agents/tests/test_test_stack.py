@@ -182,3 +182,12 @@ async def test_a_state_directory_that_does_not_exist_yet_is_made(tmp_path: Path)
         worker = await asyncio.wait_for(stack.start_worker(), 20)
         assert any(row[2] == worker.pid for row in await stack.client.store.list_workers())
     assert (state / "worker-1.log").exists()
+
+
+def test_an_in_memory_sqlite_url_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers cannot share an in-memory database. Catches: the stack making ':memory:' an absolute
+    path, which the engine then opened as a file of that name."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="names an in-memory database"):
+        AgentTestStack(tmp_path, [build_flow(tmp_path)], WORKER_MODULE, database_url="sqlite:///:memory:")
+    assert [p.name for p in tmp_path.iterdir()] == []

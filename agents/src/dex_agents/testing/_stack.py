@@ -112,7 +112,7 @@ def _absolute_sqlite_url(url: str) -> str:
     if parsed.scheme != "sqlite" or parsed.netloc or any(c in url for c in "#\t\r\n"):
         return url
     path = parsed.path[1:] if parsed.path.startswith("/") else parsed.path
-    if not path or os.path.isabs(path):
+    if not path or path == ":memory:" or os.path.isabs(path):  # the engine refuses the first two by name
         return url
     return f"sqlite:///{os.path.abspath(path)}" + (f"?{parsed.query}" if parsed.query else "")
 
