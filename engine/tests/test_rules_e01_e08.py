@@ -10,6 +10,7 @@ arithmetic of recorded values, never as wall-clock upper bounds.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 
 from dex_engine import (
     MAX_VALUE_BYTES,
+    AsyncClient,
     AttemptProgress,
     Attribute,
     AttributeMap,
@@ -47,6 +49,7 @@ from dex_engine import (
     Stream,
     Timer,
     Wait,
+    open_store,
     rpc,
 )
 from dex_engine import _transitions as transitions
@@ -1402,6 +1405,61 @@ async def test_e8_rpc_reads_pending_with_ids_deletes_by_id_starts_and_cancels_st
         assert await step_state(eng, "f", "Idle-1") is None
         assert [h.step_execution_id for h in await history(eng, "f", "step_cancelled")] == ["Idle-1"]
         assert await pending(eng, "f", "Inbox") == []
+
+
+@rpc()
+async def note_and_inbox(ctx: RpcContext, _: None) -> tuple[str | None, list[str]]:
+    """Reads only: Note and the pending Inbox messages."""
+    return ctx.get(Note), [m.value for m in ctx.pending(Inbox)]
+
+
+@rpc()
+async def take_into_note(ctx: RpcContext, _: None) -> None:
+    """Takes the oldest Inbox message into Note, as a Step's wait and Execute would."""
+    first = ctx.pending(Inbox)[0]
+    ctx.delete_message(Inbox, first.message_id)
+    ctx.set(Note, first.value)
+
+
+async def test_e8_an_rpc_that_only_reads_sees_the_flow_before_or_after_a_commit_never_half(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """E8: an RPC runs in one transaction, so a commit that lands while it reads is seen whole or
+    not at all. Here another process takes the pending message into Note after the RPC read the
+    messages and before it read the attributes. Catches: on PostgreSQL each statement saw the
+    commits made before it (READ COMMITTED), so an RPC that writes nothing (which no version check
+    at commit guards) saw the message both pending and in Note: an agent session's snapshot listed
+    steered messages still pending after the turn that stored them ended.
+    """
+    flow = make_flow("E8r", [idle_step()], "Idle", rpcs=[note_and_inbox, take_into_note])
+    registry = Registry([flow])
+
+    async def take() -> None:
+        store = open_store(db_url)
+        try:
+            await AsyncClient(registry, store=store).rpc("f", "take_into_note")
+        finally:
+            await store.close()
+
+    real_load = transitions.load_attributes
+    landed: list[bool] = []
+
+    def load_after_a_commit(db: Any, flow_id: str, spec: Any) -> Any:
+        if not landed:  # the first read only; the other process's RPC reads through here too
+            landed.append(True)
+            other = threading.Thread(target=lambda: asyncio.run(take()))  # its own store and loop
+            other.start()
+            other.join()
+        return real_load(db, flow_id, spec)
+
+    async with engine_for(db_url, Registry([flow]), worker=False) as eng:
+        await eng.client.start_flow("E8r", "f")
+        await eng.client.publish("f", Inbox, "m1")
+        monkeypatch.setattr(transitions, "load_attributes", load_after_a_commit)
+        seen = await eng.client.rpc("f", "note_and_inbox")
+        assert landed
+        assert list(seen) in ([None, ["m1"]], ["m1", []])  # before the commit, or after it
+        assert list(await eng.client.rpc("f", "note_and_inbox")) == ["m1", []]
 
 
 async def test_e8_deleting_a_message_that_is_gone_fails_the_whole_rpc(db_url: str) -> None:

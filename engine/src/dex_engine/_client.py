@@ -335,9 +335,12 @@ class AsyncClient:
 
     async def _rpc_on_snapshot(self, call: _RpcCall) -> tuple[bool, Any]:
         """One try on a snapshot: (True, output) once it committed or wrote nothing, (False, None)
-        when the flow changed before its commit."""
+        when the flow changed while it was read or before its commit."""
         handler = call.handler
-        snap = await self._store.rpc_read(call.flow_id, handler.load, handler.locks)
+        try:
+            snap = await self._store.rpc_read(call.flow_id, handler.load, handler.locks)
+        except RpcVersionChanged:
+            return False, None  # the flow changed while it was read: no snapshot to run on
         if snap.flow_type != call.flow.flow_type:
             raise _FlowTypeChanged()
         ctx = RpcContext(call.flow, call.flow_id, snap.attributes, handler.load, snap.pending, handler.name,

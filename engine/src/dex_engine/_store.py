@@ -423,7 +423,11 @@ class Store(ABC):
 
     # RPCs and clients
     async def rpc_read(self, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcSnapshot:
-        return await self._run(lambda db: tx.rpc_read(db, flow_id, load, locks), write=False)
+        """RpcVersionChanged when the flow changed while it was read (see tx.rpc_read)."""
+        snapshot = await self._run(lambda db: tx.rpc_read(db, flow_id, load, locks), write=False)
+        if snapshot is None:
+            raise tx.RpcVersionChanged()
+        return snapshot
 
     async def rpc_commit(
         self, flow_id: str, version: int | None, locks: Sequence[str], writes: WriteSet,

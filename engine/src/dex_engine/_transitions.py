@@ -1856,9 +1856,10 @@ def _check_rpc_locks(db: Db, flow_id: str, locks: Sequence[str]) -> None:
         raise RpcLockConflictError(flow_id, str(row[0]), f"Step {row[1]}")
 
 
-def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcSnapshot:
-    """What an RPC handler sees. A closed flow is read too: its state stays readable (E12), so an
-    RPC that changes nothing answers from it; rpc_commit refuses one that would change it."""
+def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcSnapshot | None:
+    """What an RPC handler sees; None when the flow changed while it was read. A closed flow is
+    read too: its state stays readable (E12), so an RPC that changes nothing answers from it;
+    rpc_commit refuses one that would change it."""
     flow_type = existing_flow_type(db, flow_id)
     _check_rpc_locks(db, flow_id, locks)
     known = db.known.get(flow_id)
@@ -1866,6 +1867,20 @@ def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcS
     version_row = (known.version,) if known is not None else db.one(
         "SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
     assert version_row is not None
+    snapshot = _rpc_rows(db, flow_id, flow_type, int(version_row[0]), load)
+    if _on_postgres(db):
+        # PostgreSQL reads each statement as of its own start (READ COMMITTED): a commit between
+        # them (a worker's) would show the handler attributes after it and messages before it. A
+        # writing RPC's commit finds such a change by the version; an RPC that only reads must
+        # find it here. (SQLite reads in one snapshot.) Not raised: that would roll back the batch.
+        row = db.one("SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
+        if row is None or int(row[0]) != snapshot.version:
+            return None
+    return snapshot
+
+
+def _rpc_rows(db: Db, flow_id: str, flow_type: str, version: int, load: LoadSpec) -> RpcSnapshot:
+    """rpc_read's reads after the version: the pending messages, those in flight, the attributes."""
     pending: dict[tuple[str, str], list[tuple[int, bytes]]] = {}
     for channel, key, mid, value in db.all(
         "SELECT channel, key, message_id, value FROM channel_messages WHERE flow_id = ? ORDER BY message_id",
@@ -1885,7 +1900,7 @@ def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcS
                     (message.message_id, bytes(message.value)))
     for messages in in_flight.values():
         messages.sort()
-    return RpcSnapshot(flow_type, int(version_row[0]), load_attributes(db, flow_id, load), pending, in_flight)
+    return RpcSnapshot(flow_type, version, load_attributes(db, flow_id, load), pending, in_flight)
 
 
 def rpc_commit(
