@@ -274,17 +274,19 @@ def schema_version(conn: sqlite3.Connection, path: str) -> int:
 
 
 def _foreign_bytes(path: str) -> bool:
-    """Whether the file at `path` has content that does not start with SQLite's header. Empty (or
-    missing) is not foreign: a new database's pages may still be only in its WAL."""
+    """Whether the file at `path` holds bytes but less than a SQLite page, which no database has.
+    Empty (or missing) is not foreign: a new database's pages may still be only in its WAL.
+
+    By size, never by reading it: closing any descriptor of the file drops every POSIX lock this
+    process holds on it, SQLite's included, and other stores of the process may have it open."""
     try:
-        with open(path, "rb") as file:
-            head = file.read(len(_SQLITE_HEADER))
+        size = os.stat(path).st_size
     except OSError:
         return False  # SQLite opened it; what it cannot read, it reports itself
-    return bool(head) and head != _SQLITE_HEADER
+    return 0 < size < _SMALLEST_DATABASE_BYTES
 
 
-_SQLITE_HEADER = b"SQLite format 3\x00"
+_SMALLEST_DATABASE_BYTES = 512  # SQLite's smallest page size; a database file holds whole pages
 
 
 def _not_dex_engine(path: str, why: str) -> StoreOpenError:
