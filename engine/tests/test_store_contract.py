@@ -8,6 +8,7 @@ once per configured backend; nothing here may depend on one backend (no backend-
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -1069,6 +1070,93 @@ async def test_flows_of_one_millisecond_are_found_and_listed_by_id_in_code_point
     lease = (await store.claim(W, TYPES, 1))[0]
     await store.commit_execute(lease, WriteSet(appends=[(name, 1000, enc(name)) for name in streams]), DEAD_END)
     assert await store.stream_names(lease.flow_id) == sorted(streams)
+
+
+class _OtherCommitAfterFirstStatement:
+    """A Db whose first statement, once it returned, lets another connection commit (`commit`, run
+    to its end on a thread of its own) before the operation goes on: a commit that lands in the
+    middle of a read of several statements."""
+
+    def __init__(self, db: Any, commit: Callable[[], None], landed: list[bool]) -> None:
+        self._db, self._commit, self._landed = db, commit, landed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._db, name)
+
+    def one(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        row = self._db.one(sql, params)
+        self._after_statement()
+        return row
+
+    def all(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        rows = self._db.all(sql, params)
+        self._after_statement()
+        return rows
+
+    def _after_statement(self) -> None:
+        if not self._landed:
+            self._landed.append(True)
+            other = threading.Thread(target=self._commit)
+            other.start()
+            other.join()
+
+
+def stop_after_first_statement(
+    monkeypatch: pytest.MonkeyPatch, db_url: str, read: str, flow_id: str,
+) -> list[bool]:
+    """From now on, the first run of tx.`read` is interrupted after its first statement by another
+    store stopping `flow_id`; returns [True] once that happened."""
+    real = getattr(tx, read)
+    landed: list[bool] = []
+
+    def stop() -> None:
+        async def go() -> None:
+            other = open_store(db_url)
+            try:
+                await other.stop_flow(flow_id, "stopped mid-read")
+            finally:
+                await other.close()
+
+        asyncio.run(go())  # its own event loop: the reader's is blocked in the read
+
+    def interrupted(db: Any, *args: Any) -> Any:
+        return real(_OtherCommitAfterFirstStatement(db, stop, landed), *args)
+
+    monkeypatch.setattr(tx, read, interrupted)
+    return landed
+
+
+async def test_describe_flow_sees_a_flow_before_or_after_a_commit_never_half(
+    store: Store, db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """E13: a flow is described as one commit left it. Catches: on PostgreSQL (READ COMMITTED) the
+    flow's row and its Steps were two statements, each seeing the commits made before it, so a
+    flow stopped between them read as running with no active Step, a state it never had."""
+    await start(store, "f1")
+    landed = stop_after_first_statement(monkeypatch, db_url, "describe_flow", "f1")
+    info = await store.describe_flow("f1")
+    assert landed
+    steps = [s.step_execution_id for s in info.active_steps]
+    assert (info.status, steps) in (("running", ["Start-1"]), ("stopped", []))
+    assert (await store.describe_flow("f1")).status == "stopped"
+
+
+async def test_list_flows_of_a_status_lists_only_flows_of_that_status_as_they_were(
+    store: Store, db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """list_flows (the CLI's `list`) lists each flow as one commit left it, and with `status` only
+    flows of that status. Catches: on PostgreSQL (READ COMMITTED) it read the matching IDs, then
+    each flow in statements of its own, so a flow stopped meanwhile was listed under "running"
+    with status "stopped"."""
+    for flow_id in ("f1", "f2"):
+        await start(store, flow_id)
+    landed = stop_after_first_statement(monkeypatch, db_url, "list_flows", "f1")
+    listed = await store.list_flows(status="running")
+    assert landed
+    shown = [(i.flow_id, i.status, [s.step_execution_id for s in i.active_steps]) for i in listed]
+    assert shown in ([("f2", "running", ["Start-1"]), ("f1", "running", ["Start-1"])],
+                     [("f2", "running", ["Start-1"])]), shown
+    assert [i.flow_id for i in await store.list_flows(status="running")] == ["f2"]
 
 
 async def test_history_records_step_events_in_order(store: Store) -> None:

@@ -1964,25 +1964,36 @@ def read_all_attributes(db: Db, flow_id: str) -> dict[tuple[str, str], bytes]:
     return load_attributes(db, flow_id, LoadSpec("all"))
 
 
+# A flow with its active Steps, one row per Step (one row of NULL Step columns when it has none).
+# One statement, not the flow's row and then its tasks: on PostgreSQL each statement sees the
+# commits made before it (READ COMMITTED), so a flow closed between the two read as running with
+# no active Steps, and list_flows(status=...) listed it with another status.
+_FLOW_INFO_COLUMNS = "flow_id, flow_type, status, created_at, closed_at, output, error, config"
+_FLOW_INFO = (
+    "SELECT f.flow_id, f.flow_type, f.status, f.created_at, f.closed_at, f.output, f.error, f.config, "
+    "t.step_type, t.step_execution_id, t.state, t.method, t.attempt, t.timer_due_at "
+    "FROM {flows} f LEFT JOIN tasks t ON t.flow_id = f.flow_id"
+)
+
+
 def describe_flow(db: Db, flow_id: str) -> FlowInfo:
-    row = db.one(
-        "SELECT flow_id, flow_type, status, created_at, closed_at, output, error, config FROM flows "
-        "WHERE flow_id = ?", (flow_id,),
-    )
-    if row is None:
+    rows = db.all(_FLOW_INFO.format(flows="flows") + " WHERE f.flow_id = ? ORDER BY t.task_id", (flow_id,))
+    if not rows:
         raise FlowNotFoundError(flow_id)
-    steps = db.all(
-        "SELECT step_type, step_execution_id, state, method, attempt, timer_due_at FROM tasks "
-        "WHERE flow_id = ? ORDER BY task_id", (flow_id,),
-    )
+    return _flow_info(rows)
+
+
+def _flow_info(rows: Sequence[Row]) -> FlowInfo:
+    """The FlowInfo of one flow's rows of _FLOW_INFO, its Steps in task order."""
+    row = rows[0]
     return FlowInfo(
         flow_id=str(row[0]), flow_type=str(row[1]), status=row[2], created_at_ms=int(row[3]),
         closed_at_ms=None if row[4] is None else int(row[4]),
         output=None if row[5] is None else bytes(row[5]), error=row[6],
         config=decode_json(row[7], FlowConfig),
         active_steps=tuple(
-            ActiveStep(str(s[0]), str(s[1]), str(s[2]), str(s[3]), int(s[4]),
-                       None if s[5] is None else int(s[5])) for s in steps
+            ActiveStep(str(s[8]), str(s[9]), str(s[10]), str(s[11]), int(s[12]),
+                       None if s[13] is None else int(s[13])) for s in rows if s[9] is not None
         ),
     )
 
@@ -2053,12 +2064,19 @@ def search_flows(
 
 
 def list_flows(db: Db, flow_type: str | None, status: str | None, limit: int) -> list[FlowInfo]:
-    """The newest `limit` flows, optionally of one type and status, newest first (the CLI's `list`)."""
+    """The newest `limit` flows, optionally of one type and status, newest first (the CLI's `list`).
+    One statement, as describe_flow: each flow listed as it was when the list was read."""
     clauses, params = _flow_filter("", flow_type, status)
     where = " AND ".join(clauses) or "1 = 1"
-    rows = db.all(f"SELECT flow_id FROM flows WHERE {where} "
-                  f"ORDER BY created_at DESC, {_by_code_point(db, 'flow_id')} DESC LIMIT ?", (*params, limit))
-    return [describe_flow(db, str(r[0])) for r in rows]
+    newest = (f"(SELECT {_FLOW_INFO_COLUMNS} FROM flows WHERE {where} "
+              f"ORDER BY created_at DESC, {_by_code_point(db, 'flow_id')} DESC LIMIT ?)")
+    rows = db.all(_FLOW_INFO.format(flows=newest)
+                  + f" ORDER BY f.created_at DESC, {_by_code_point(db, 'f.flow_id')} DESC, t.task_id",
+                  (*params, limit))
+    by_flow: dict[str, list[Row]] = {}
+    for row in rows:
+        by_flow.setdefault(str(row[0]), []).append(row)
+    return [_flow_info(flow_rows) for flow_rows in by_flow.values()]
 
 
 def stream_names(db: Db, flow_id: str) -> list[str]:
