@@ -6,6 +6,7 @@ import asyncio
 import logging
 import random
 import re
+import sqlite3
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -38,6 +39,8 @@ from dex_engine import (
     _client,
     _pg_store,
     _sqlite_store,
+    _store,
+    _transitions,
     _worker,
     open_store,
     rpc,
@@ -1337,6 +1340,96 @@ async def _statements_of_housekeeping(
         await wait_until("three housekeeping passes", two_passes)
     return {sql: params for sql, params in seen.items()
             if re.match(r"\s*(SELECT|UPDATE|DELETE|WITH)\b", sql, flags=re.IGNORECASE)}
+
+
+HIDDEN_FLOWS = 3000
+
+
+def _flow_rows_read(db_url: str, sql: str, params: tuple[Any, ...]) -> int:
+    """How much of the flows table `sql` reads, on a connection of its own: PostgreSQL's count of
+    the flows rows its scans returned or filtered out (EXPLAIN ANALYZE), SQLite's virtual machine
+    steps (about ten per row a scan visits)."""
+    if db_url.startswith("postgresql"):
+        import psycopg
+
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            # The plan PostgreSQL takes when it expects many flows after the page (statistics that
+            # lag behind the newest flows): the running flows in created_at order, not a bitmap of
+            # the few it would pick by exact estimates.
+            conn.execute("SET enable_bitmapscan = off")
+            conn.execute("SET enable_seqscan = off")
+            plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + _pg_store._to_pg(sql), params).fetchone()
+        assert plan is not None
+        read, nodes = 0, [plan[0][0]["Plan"]]
+        while nodes:
+            node = nodes.pop()
+            nodes += node.get("Plans", [])
+            if node.get("Relation Name") == "flows":
+                read += (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)) * node["Actual Loops"]
+        return read
+    steps = [0]
+
+    def step() -> int:
+        steps[0] += 1
+        return 0  # go on
+
+    conn = sqlite3.connect(db_url.removeprefix("sqlite:///"))
+    try:
+        conn.set_progress_handler(step, 1)
+        conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+    return steps[0]
+
+
+async def test_an_active_step_search_reads_on_after_hidden_flows_without_reading_them_again(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """E13/E16: a search by active Step with more candidates than it reads one by one pages through
+    the running flows; flows whose config hides them take places in a page, and it reads on after
+    the page. Each page must start where the last one ended, through the index on (status,
+    created_at). Catches: the page's bound was only `created_at > ? OR (created_at = ? AND flow_id >
+    ?)`, which no index range serves, so each page read the running flows from the first one again:
+    quadratic in hidden flows (a search with limit 1 past 5,000 hidden sessions took 36 s on
+    PostgreSQL, holding its connection and transaction all along)."""
+    async with engine_for(db_url, Registry([FLOW]), worker=False) as eng:
+        store = eng.store
+        monkeypatch.setattr(_store, "now_ms", lambda: 1_700_000_000_000)
+        await eng.client.start_flow("Behaviour", "hidden-0", config_override=FlowConfig(active_step_search=False))
+
+        def clone(db: Any) -> None:  # HIDDEN_FLOWS more like it, each a millisecond younger
+            numbers = "WITH RECURSIVE n (i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) "
+            columns = _FLOW_COLUMNS.replace(", created_at", "")
+            db.run(f"{numbers}INSERT INTO flows (flow_id, created_at, {columns}) SELECT 'hidden-' || n.i, "
+                   f"created_at + n.i, {columns} FROM flows, n WHERE flow_id = 'hidden-0'", (HIDDEN_FLOWS,))
+            task_columns = _TASK_COLUMNS.replace("flow_id, ", "", 1)
+            db.run(f"{numbers}INSERT INTO tasks ({_TASK_COLUMNS}) SELECT 'hidden-' || n.i, {task_columns} "
+                   "FROM tasks, n WHERE flow_id = 'hidden-0'", (HIDDEN_FLOWS,))
+
+        await store._run(clone, write=True)
+        monkeypatch.setattr(_store, "now_ms", lambda: 1_700_000_000_000 + HIDDEN_FLOWS + 1)
+        await eng.client.start_flow("Behaviour", "shown")
+        monkeypatch.setattr(_transitions, "ACTIVE_STEP_SEARCH_CANDIDATES", 0)  # page through running flows
+        pages: list[tuple[str, tuple[Any, ...]]] = []
+        real = _transitions.search_flows
+
+        def recorded(db: Any, *args: Any) -> Any:
+            class Recording:
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(db, name)
+
+                def all(self, sql: str, params: Any = ()) -> Any:
+                    pages.append((sql, tuple(params)))
+                    return db.all(sql, params)
+
+            return real(Recording(), *args)
+
+        monkeypatch.setattr(_transitions, "search_flows", recorded)
+        assert await eng.client.search_flows('ActiveStepTypes = "Flaky"', limit=10) == ["shown"]
+        assert len(pages) > HIDDEN_FLOWS // 10  # a page of ten after another
+        last_sql, last_params = pages[-1]  # the page after all but the last few hidden flows
+        read = _flow_rows_read(db_url, last_sql, last_params)
+        assert read < HIDDEN_FLOWS, f"the last page read {read} (rows or steps) past {HIDDEN_FLOWS} hidden flows"
 
 
 async def test_a_client_that_starts_flows_for_days_remembers_only_so_many(

@@ -2058,8 +2058,10 @@ def search_flows(
         if len(out) >= limit or len(rows) < limit:
             return out[:limit]
         # Flows whose config hides them from this search took places in the page: read on after it.
+        # `created_at >= ?` on its own too: an index range starts there, where the OR alone made
+        # each page read the running flows from the first one again (quadratic in hidden flows).
         last_id, _, last_at = rows[-1]
-        rows = db.all(select + f" AND (f.created_at > ? OR (f.created_at = ? AND {flow_id} > ?))" + order,
+        rows = db.all(select + f" AND f.created_at >= ? AND (f.created_at > ? OR {flow_id} > ?)" + order,
                       (*params, last_at, last_at, last_id, limit))
 
 
