@@ -705,6 +705,38 @@ def migrate(conn: psycopg.Connection[Any], url: str) -> None:
                 "the URL)") from None
 
 
+def _conninfo(url: str) -> str:
+    """`url` as the conninfo the store connects with (_with_network_timeouts); ValueError when malformed."""
+    try:
+        return _with_network_timeouts(url)
+    except psycopg.ProgrammingError as exc:  # libpq's text may quote the URL, password and all
+        raise ValueError(
+            f"malformed PostgreSQL URL {shown_url(url)!r}: {str(exc).replace(url, shown_url(url)).strip()}"
+        ) from None
+
+
+def _open_error(url: str, exc: psycopg.Error) -> StoreOpenError:
+    return StoreOpenError(
+        f"cannot open {shown_url(url)!r} as a dex_engine database: {type(exc).__name__}: "
+        f"{' '.join(str(exc).split())}; the server must be running, and the URL's user able to create "
+        "tables in its database"
+    )
+
+
+def stored_schema_version(url: str) -> int:
+    """The dex_engine schema version of the database at `url`, read without changing anything (as
+    opening a store would: it creates and migrates the schema); 0 when it has none yet. ValueError
+    for a malformed URL, StoreOpenError for a server that cannot be reached or another application's
+    tables, as opening a store raises them."""
+    conninfo = _conninfo(url)
+    app_name = psycopg.conninfo.conninfo_to_dict(conninfo).get("application_name") or "dex_engine"
+    try:
+        with psycopg.connect(conninfo, autocommit=True, application_name=app_name) as conn:
+            return _schema_version(conn, url)
+    except psycopg.Error as exc:
+        raise _open_error(url, exc) from None
+
+
 def _schema_version(conn: psycopg.Connection[Any], url: str) -> int:
     """The dex_engine schema version of the database (the schema search_path names first); 0 when
     it has no `meta` table. Another application's `meta` (a common name) is refused, unchanged:
@@ -735,12 +767,7 @@ class PostgresStore(Store):
     def __init__(self, url: str, *, pool_size: int | None = None) -> None:
         pool_size = pool_size or DEFAULT_POOL_SIZE
         self.url = url
-        try:
-            self._conninfo = _with_network_timeouts(url)
-        except psycopg.ProgrammingError as exc:  # libpq's text may quote the URL, password and all
-            raise ValueError(
-                f"malformed PostgreSQL URL {shown_url(url)!r}: {str(exc).replace(url, shown_url(url)).strip()}"
-            ) from None
+        self._conninfo = _conninfo(url)
         self._configure_session = _session_setup(self._conninfo)
         # Named in pg_stat_activity as the URL says, else as dex_engine.
         self._app_name = psycopg.conninfo.conninfo_to_dict(self._conninfo).get("application_name") or "dex_engine"
@@ -751,11 +778,7 @@ class PostgresStore(Store):
                 conn.execute("DELETE FROM commit_marks WHERE updated_at < now() - %s::interval",
                              (COMMIT_MARK_RETENTION,))
         except psycopg.Error as exc:
-            raise StoreOpenError(
-                f"cannot open {shown_url(url)!r} as a dex_engine database: {type(exc).__name__}: "
-                f"{' '.join(str(exc).split())}; the server must be running, and the URL's user able to create "
-                "tables in its database"
-            ) from None
+            raise _open_error(url, exc) from None
         self._pool: psycopg_pool.ConnectionPool[Any] = psycopg_pool.ConnectionPool(
             self._conninfo, configure=self._configure_session,
             min_size=1, max_size=pool_size, open=True, name="dex-engine",

@@ -8,13 +8,14 @@ sqlite:///dex.db). Bad input prints one `Error: ...` line and exits with code 2.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sqlite3
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -28,9 +29,10 @@ from rich.text import Text
 from ._client import known_flow_id, parse_search
 from ._errors import DexError, FlowNotFoundError, StepNotWaitingError, StoreOpenError
 from ._limits import MAX_READ_LIMIT, SQLITE_WRITER_TURN_SUFFIX
+from ._migrate import migration_files
 from ._open import open_store, shown_url
 from ._records import FlowInfo
-from ._sqlite_store import parse_sqlite_url
+from ._sqlite_store import parse_sqlite_url, schema_version
 from ._store import Store
 
 T = TypeVar("T")
@@ -38,6 +40,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 DB_ENV = "DEX_ENGINE_DB"
 DEFAULT_DB = "sqlite:///dex.db"
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 FLOW_STATUSES = ("running", "completed", "failed", "stopped")
 # How often `stream --follow` looks for new events.
 FOLLOW_POLL_SECONDS = 0.2
@@ -69,10 +72,16 @@ def _db_option(fn: F) -> F:
 
 
 def _check_database(url: str, *, must_exist: bool) -> None:
-    """Refuse a malformed URL, a missing file (when `must_exist`) and a file that is not an engine database.
+    """Refuse a malformed URL, a file that is not an engine database, and, when `must_exist`, a
+    database that is not there or has an older schema.
 
-    Opening a store creates and migrates the file, so a mistyped path must be caught before that.
+    Opening a store creates and migrates the database, so a mistyped path or URL must be caught
+    before that, and so must a database that workers of an older dex_engine still use.
     """
+    if url.startswith(POSTGRES_SCHEMES):
+        if must_exist:
+            _check_postgres(url)
+        return
     if not url.startswith("sqlite:"):
         return  # open_store judges other URLs
     try:
@@ -87,6 +96,7 @@ def _check_database(url: str, *, must_exist: bool) -> None:
         conn = sqlite3.connect(path)
         try:
             row = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'flows'").fetchone()
+            version = None if row is None else schema_version(conn, path)
         finally:
             conn.close()
     except sqlite3.Error as exc:
@@ -94,9 +104,39 @@ def _check_database(url: str, *, must_exist: bool) -> None:
         # an engine database cannot be read, and SQLite's "unable to open database file" misleads.
         _refuse_unwritable(path)
         raise CliError(f"{path!r} is not a readable SQLite database ({exc})") from None
-    if row is None:
+    except StoreOpenError as exc:  # a flows table, but not dex_engine's
+        raise CliError(str(exc)) from None
+    if version is None:
         raise CliError(f"{path!r} is not a dex-engine database (it has no flows table)")
     _refuse_unwritable(path)  # every command opens the store, which writes (migrations, WAL)
+    if must_exist:
+        _refuse_older_schema(path, version, "sqlite")
+
+
+def _check_postgres(url: str) -> None:
+    """Refuse a PostgreSQL database without dex_engine's tables (opening it would create them, in
+    whatever database the URL names) or with an older schema."""
+    from ._pg_store import stored_schema_version
+
+    with _open_errors(url):
+        version = stored_schema_version(url)
+    if version == 0:
+        raise CliError(f"{shown_url(url)!r} holds no dex_engine tables, so no flows (nothing was created there); "
+                       f"pass --db or set {DB_ENV} to the URL the workers use")
+    _refuse_older_schema(shown_url(url), version, "postgres")
+
+
+def _refuse_older_schema(database: str, version: int, backend: str) -> None:
+    """Refuse a database whose schema is older than this engine's: opening it would migrate it, and
+    workers of the older dex_engine still using it would then misread it."""
+    latest = migration_files(backend)[-1][0]
+    if version < latest:
+        raise CliError(
+            f"{database!r} has dex_engine schema version {version}, older than the {latest} this dex-engine "
+            "uses; it was not opened, since opening would migrate it under the older dex_engine's workers "
+            "(nothing was changed): upgrade the workers, which migrate it as they start, or use the "
+            "dex-engine command of their version"
+        )
 
 
 def _refuse_unwritable(path: str) -> None:
@@ -124,14 +164,22 @@ def _askable(*names: str | None) -> bool:
     return all(name is None or name.isprintable() for name in names)
 
 
-def _open(url: str) -> Store:
-    """open_store, its refusals (a bad URL, a file that cannot be an engine database) as one-line CLI errors."""
+@contextlib.contextmanager
+def _open_errors(url: str) -> Iterator[None]:
+    """Refusals to open the database at `url` (a bad URL, one that cannot be an engine database, a
+    server that cannot be reached) as one-line CLI errors."""
     try:
-        return open_store(url)
+        yield
     except ValueError as exc:
         raise CliError(f"cannot open database {shown_url(url)!r}: {exc}") from None
     except StoreOpenError as exc:
         raise CliError(str(exc)) from None
+
+
+def _open(url: str) -> Store:
+    """open_store, its refusals as one-line CLI errors."""
+    with _open_errors(url):
+        return open_store(url)
 
 
 def _run(url: str, fn: Callable[[Store], Awaitable[T]]) -> T:
