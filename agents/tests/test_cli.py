@@ -81,6 +81,33 @@ def test_chat_quits_cleanly_while_its_input_stays_open(tmp_path: Path) -> None:
     assert "agent> one" in output and "Fatal Python error" not in output, output
 
 
+def test_chat_whose_output_is_closed_ends_with_one_error_line_and_saves_the_session(tmp_path: Path) -> None:
+    """The chat's standard output closed by its reader (`dex-agents chat | head -1`) while its input
+    stays open: the chat ends with one error line, exit code 1, and the session resumes. Catches:
+    rich's SystemExit raised inside the chat's task, which asyncio printed with a traceback ("Task
+    exception was never retrieved")."""
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([*CLI, "chat", "--data-dir", str(tmp_path)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert process.stdin is not None and process.stdout is not None and process.stderr is not None
+        assert "new session 'chat'" in process.stdout.readline()
+        process.stdout.close()  # as `head -1` does after its line
+        process.stdin.write("hello\n")
+        process.stdin.flush()  # and left open, as a terminal is
+        code = process.wait(CLI_TIMEOUT_SECONDS)
+        errors = process.stderr.read()
+    finally:
+        process.kill()
+    assert code == 1, errors
+    assert errors.startswith("Error: ") and len(errors.strip().splitlines()) == 1, errors
+    assert "standard output" in errors and "Traceback" not in errors, errors
+    again = _run(["chat", "--data-dir", str(tmp_path)], stdin="/echo still here\n")
+    assert again.returncode == 0, again.stdout + again.stderr
+    # Whether "hello" was sent depends on which print met the closed pipe first: the prompt, or the reply.
+    assert "resuming session 'chat'" in again.stdout and "agent> still here" in again.stdout, again.stdout
+
+
 def test_demo_shows_the_write_ran_once_across_a_worker_kill(tmp_path: Path) -> None:
     """The demo kills a Worker during the approval wait; the refund runs once and the record shows it."""
     result = _run(["demo", "--data-dir", str(tmp_path)])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import signal
 import sqlite3
 import sys
@@ -23,6 +25,19 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 # Characters a sqlite URL cannot carry in its path: '?' starts the parameters, '#' a fragment, and
 # URL parsing drops a tab, CR or LF wherever it is (the database would land in another directory).
 URL_UNSAFE_PATH_CHARACTERS = "?#\t\r\n"
+
+
+class _Console(Console):
+    """A rich Console whose standard output, closed by its reader (`| head -1`), ends the command
+    with one error line (exit code 1)."""
+
+    def on_broken_pipe(self) -> None:
+        # rich's own raises SystemExit, which asyncio prints with a traceback when the chat's task
+        # raises it. What is printed from now on (the Workers' stop, the session saved) goes nowhere.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        raise BrokenPipeError(errno.EPIPE, "standard output was closed by its reader; the command stopped")
 
 
 def _data_dir(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
@@ -51,7 +66,7 @@ def demo(data_dir: Path | None) -> None:
     problem = None if data_dir is None else data_dir_problem(data_dir)
     if problem is not None:
         raise click.BadParameter(problem, param_hint="'--data-dir'")
-    raise SystemExit(_run(lambda: run_demo(Console(), data_dir)))
+    raise SystemExit(_run(lambda: run_demo(_Console(), data_dir)))
 
 
 @main.command()
@@ -69,7 +84,7 @@ def chat(data_dir: Path, session_id: str) -> None:
     def start() -> Coroutine[Any, Any, int]:
         data_dir.mkdir(parents=True, exist_ok=True)
         # No highlighting: rich's highlighter takes minutes over a long unbroken word (a pasted token).
-        return run_chat(Console(highlight=False), data_dir, session_id)
+        return run_chat(_Console(highlight=False), data_dir, session_id)
 
     try:
         raise SystemExit(_run(start))
