@@ -451,6 +451,19 @@ def test_numbers_past_the_databases_integers_are_refused_as_usage_errors(db: str
     assert result.output.strip().splitlines()[-1].startswith(error), result.output
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, whose writes fail with ENOSPC")
+@pytest.mark.parametrize("args", [["list"], ["describe", "done-1"], ["history", "done-1"], ["attributes", "done-1"],
+                                  ["stream", "done-1", "Log"]])
+def test_output_that_cannot_be_written_ends_with_one_error_line(db: str, args: list[str]) -> None:
+    """Output redirected to a full disk (/dev/full here): one error line saying the output cannot be
+    written, exit code 1. Catches: rich's or click's OSError as a traceback (click answers only EPIPE)."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([DEX_ENGINE, *args, "--db", db], stdout=full, stderr=subprocess.PIPE, text=True,
+                              check=False, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == "Error: cannot write the output: [Errno 28] No space left on device\n", done.stderr
+
+
 def test_bad_database_urls_print_one_error_line_and_exit_2(tmp_path: Path) -> None:
     """Unsupported schemes, URLs without a file, missing files and non-database files are refused up front."""
     not_a_db = tmp_path / "notes.txt"

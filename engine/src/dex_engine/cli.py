@@ -493,8 +493,22 @@ def demo(db_url: str | None) -> None:
 
 def main() -> None:
     """Entry point of the `dex-engine` script."""
-    cli(prog_name="dex-engine")
+    try:
+        cli(prog_name="dex-engine")
+    except OSError as exc:  # click answers only a closed pipe (EPIPE) itself
+        raise SystemExit(_os_error(exc)) from None
 
+
+def _os_error(exc: OSError) -> str:
+    """The one-line message of `exc`, which ended a command. One without a file name failed a write
+    of the output (a full disk under `> file`): the output goes nowhere from now on, so that the
+    interpreter's last flush fails no more."""
+    if exc.filename is not None:
+        return f"Error: {exc}"
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return f"Error: cannot write the output: {exc}"
 
 if __name__ == "__main__":
     main()
