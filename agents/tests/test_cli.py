@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import re
@@ -122,6 +123,39 @@ def test_demo_shows_the_write_ran_once_across_a_worker_kill(tmp_path: Path) -> N
     ledger = read_ledger(tmp_path / "ledger.jsonl")
     assert [(r["order_id"], r["amount_cents"]) for r in ledger] == [("A-1001", 1500)]
     assert re.fullmatch(r"demo-session/turn-1/call_[0-9a-f]{12}_0", str(ledger[0]["idempotency_key"]))
+
+
+def test_demo_runs_in_a_directory_holding_a_dex_agents_folder_of_its_own(tmp_path: Path) -> None:
+    """`dex-agents demo` run in a project whose working directory holds a `dex_agents` folder.
+    Catches: its Worker (`python -m`, which searched the working directory first) importing that
+    folder instead, exiting as it started, and the demo failing with a traceback."""
+    (tmp_path / "dex_agents").mkdir()
+    (tmp_path / "dex_agents" / "__init__.py").touch()
+    script = str(Path(sys.executable).with_name("dex-agents"))  # not `python -c`, which searches it too
+    done = subprocess.run([script, "demo", "--data-dir", "d"], cwd=tmp_path, check=False, capture_output=True,
+                          text=True, timeout=CLI_TIMEOUT_SECONDS, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "the write ran exactly once across a Worker kill" in done.stdout
+
+
+async def test_a_demo_worker_that_exits_as_it_starts_ends_the_demo_with_its_log_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A demo Worker that exits as it starts (here an interpreter that is not one): the demo ends
+    with DemoError naming its exit code and its log's last line, which the command prints as one
+    line. Catches: RuntimeError("the demo Worker exited with code 3") as a traceback, its reason
+    only in a log the demo's temporary directory took with it."""
+    from rich.console import Console
+
+    from dex_agents.demo._run import DemoError, run_demo
+
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'no interpreter here' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(broken))
+    with pytest.raises(DemoError, match=r"exited with code 3 as it started; the last line of its log "
+                                        r"'.*worker-1\.log': no interpreter here$"):
+        await run_demo(Console(file=io.StringIO()), tmp_path / "d")
 
 
 def test_chat_answers_asks_for_approval_and_resumes_after_restart(tmp_path: Path) -> None:

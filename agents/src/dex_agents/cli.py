@@ -61,12 +61,15 @@ def main() -> None:
                    "removed afterwards).")
 def demo(data_dir: Path | None) -> None:
     """Start a session, kill its Worker while it waits for an approval, approve, show the record."""
-    from .demo._run import data_dir_problem, run_demo
+    from .demo._run import DemoError, data_dir_problem, run_demo
 
     problem = None if data_dir is None else data_dir_problem(data_dir)
     if problem is not None:
         raise click.BadParameter(problem, param_hint="'--data-dir'")
-    raise SystemExit(_run(lambda: run_demo(_Console(), data_dir)))
+    try:
+        raise SystemExit(_run(lambda: run_demo(_Console(), data_dir)))
+    except DemoError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @main.command()

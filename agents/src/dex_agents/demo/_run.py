@@ -57,15 +57,22 @@ def data_dir_problem(directory: Path) -> str | None:
     return None
 
 
+class DemoError(Exception):
+    """The demo cannot go on (its Worker exited as it started); the message says why."""
+
+
 class _Worker:
     """The demo's Worker, a child process in its own process group; it kills itself if the demo
     process dies without stopping it (SIGKILL, say)."""
 
     def __init__(self, database_url: str, ledger: Path, log_path: Path) -> None:
         env = dict(os.environ, **{ENV_LEDGER: str(ledger), "PYTHONUNBUFFERED": "1", ENV_PARENT_PID: str(os.getpid())})
+        self.log_path = log_path
         with log_path.open("ab") as log:
+            # -P: the working directory is not searched first, so a `dex_agents` of the user's own
+            # there (a project's folder) is not imported in place of this one.
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "dex_agents.demo.worker", database_url], env=env,
+                [sys.executable, "-P", "-m", "dex_agents.demo.worker", database_url], env=env,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
 
@@ -85,7 +92,10 @@ class _Worker:
 async def _registered(client: AsyncClient, worker: _Worker) -> None:
     async def seen() -> bool:
         if worker.process.poll() is not None:
-            raise RuntimeError(f"the demo Worker exited with code {worker.process.returncode}")
+            # Its log is read now: a temporary directory goes with the demo.
+            lines = worker.log_path.read_text(errors="replace").strip().splitlines()
+            raise DemoError(f"the demo Worker exited with code {worker.process.returncode} as it started; the last "
+                            f"line of its log {str(worker.log_path)!r}: {lines[-1] if lines else '(empty)'}")
         return any(row[2] == worker.process.pid for row in await client.store.list_workers())
 
     await wait_until("the demo Worker to start", seen)
