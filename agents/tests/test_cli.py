@@ -430,6 +430,22 @@ def test_a_data_dir_a_sqlite_url_cannot_name_is_refused_by_the_option(tmp_path: 
     assert not directory.exists()
 
 
+def test_chat_whose_input_cannot_be_read_ends_with_one_error_line(tmp_path: Path) -> None:
+    """Standard input open for writing only, as nohup leaves it when it was a terminal: the chat ends
+    with one error line (exit code 1). Catches: the reader thread dying with a traceback, and the
+    chat waiting at its prompt for ever."""
+    with open(tmp_path / "write-only", "w") as write_only:
+        try:
+            done = subprocess.run([*CLI, "chat", "--data-dir", str(tmp_path / "d")], stdin=write_only,
+                                  capture_output=True, text=True, timeout=60, check=False,
+                                  env={**os.environ, "COLUMNS": "200"})
+        except subprocess.TimeoutExpired as expired:
+            pytest.fail(f"the chat waited for a line it could never read: {expired.stderr!r}")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr == ("Error: [Errno 9] cannot read standard input (Bad file descriptor); the chat reads "
+                           "what you type from it\n"), done.stderr
+
+
 def test_chat_with_standard_input_closed_says_so(tmp_path: Path) -> None:
     """Catches: "session ... is saved", then an AttributeError traceback from reading a closed stdin."""
     done = subprocess.run([*CLI, "chat", "--data-dir", str(tmp_path)], check=False, capture_output=True, text=True,

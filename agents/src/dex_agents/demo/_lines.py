@@ -41,8 +41,9 @@ class TerminalLines:
     def __init__(self, descriptor: int | None = None, encoding: str | None = None) -> None:
         self._descriptor = sys.stdin.fileno() if descriptor is None else descriptor
         self._encoding = encoding or sys.stdin.encoding
-        # An undecodable line is kept as its error, raised by next() in its turn.
-        self._lines: collections.deque[str | UndecodableLineError | None] = collections.deque()
+        # An undecodable line is kept as its error, raised by next() in its turn; so is an input that
+        # cannot be read (OSError), which ends the lines as None does.
+        self._lines: collections.deque[str | UndecodableLineError | OSError | None] = collections.deque()
         self._ready = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         # A daemon thread, not asyncio.to_thread: a blocked input() must not keep the process alive.
@@ -56,7 +57,15 @@ class TerminalLines:
         encoding = self._encoding
         pending = b""
         while True:
-            chunk = os.read(self._descriptor, STDIN_READ_BYTES)
+            try:
+                chunk = os.read(self._descriptor, STDIN_READ_BYTES)
+            except OSError as error:
+                # stdin open for writing only (nohup's, for a terminal) or a terminal gone (EIO): no
+                # line will come, and the chat must not wait for one for ever.
+                unreadable = OSError(error.errno, f"cannot read standard input ({error.strerror}); the chat reads "
+                                                  "what you type from it")
+                self._loop.call_soon_threadsafe(self._push, unreadable)
+                return
             if not chunk:
                 if pending:  # a last line without its newline
                     self._loop.call_soon_threadsafe(self._push, _decoded(pending, encoding))
@@ -66,20 +75,21 @@ class TerminalLines:
             for raw in lines:
                 self._loop.call_soon_threadsafe(self._push, _decoded(raw, encoding))
 
-    def _push(self, line: str | UndecodableLineError | None) -> None:
+    def _push(self, line: str | UndecodableLineError | OSError | None) -> None:
         self._lines.append(line)
         self._ready.set()
 
     async def next(self) -> str | None:
         """The next line, waiting for it; None at end of input (Ctrl-D or a closed pipe).
-        UndecodableLineError for a line that is not text; it is taken, and the next call goes on."""
+        UndecodableLineError for a line that is not text; it is taken, and the next call goes on.
+        OSError when the input cannot be read."""
         while not self._lines:
             self._ready.clear()
             await self._ready.wait()
         line = self._lines[0]
-        if line is not None:  # the end of input stays, so every later read sees it too
+        if line is not None and not isinstance(line, OSError):  # the end stays, so every later read sees it too
             self._lines.popleft()
-        if isinstance(line, UndecodableLineError):
+        if isinstance(line, (UndecodableLineError, OSError)):
             raise line
         return line
 
