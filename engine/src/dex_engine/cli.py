@@ -510,5 +510,6 @@ def _os_error(exc: OSError) -> str:
     os.close(devnull)
     return f"Error: cannot write the output: {exc}"
 
+
 if __name__ == "__main__":
     main()
