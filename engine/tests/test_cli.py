@@ -680,3 +680,34 @@ def test_demo_without_arguments_uses_a_fresh_temporary_database(
     assert len(created) == 1 and url.group(1) == f"sqlite:///{created[0]}"
     assert "flow order-1 completed" in result.stdout
     assert not (tmp_path / "mine.db").exists()
+
+
+# Runs the CLI with the PostgreSQL driver's import refused, as on a machine without the extra.
+_WITHOUT_DRIVER = (
+    "import sys\n"
+    "sys.modules[sys.argv[1]] = None\n"
+    "from dex_engine.cli import main\n"
+    "sys.argv = ['dex-engine', *sys.argv[2:]]\n"
+    "main()\n"
+)
+
+
+@pytest.mark.parametrize("module", ["psycopg", "psycopg_pool"])
+def test_a_postgresql_url_without_the_driver_installed_names_the_extra_to_install(module: str) -> None:
+    """Catches: `dex-engine list --db postgresql://...` (and open_store) without the postgres extra
+    ending in a ModuleNotFoundError traceback that says nothing of the extra."""
+    url = "postgresql://app:secret@db.example/app"
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_DRIVER, module, "list", "--db", url],
+                          capture_output=True, text=True, check=False, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        "Error: cannot open 'postgresql://app:***@db.example/app': PostgreSQL needs the "
+        f"{module} package, which is not installed; install the engine's postgres extra "
+        "(pip install 'dex-engine[postgres]')\n"
+    ), done.stderr
+    library = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.modules[{module!r}] = None\n"
+         "from dex_engine import open_store, StoreOpenError\n"
+         f"try: open_store({url!r})\nexcept StoreOpenError as e: print(e)"],
+        capture_output=True, text=True, check=False, timeout=60)
+    assert library.returncode == 0 and f"needs the {module} package" in library.stdout, library.stderr

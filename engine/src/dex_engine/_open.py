@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import re
+from types import ModuleType
 
+from ._errors import StoreOpenError
 from ._store import Store
+
+# What a PostgreSQL URL needs installed beyond the engine itself.
+POSTGRES_EXTRA_MODULES = ("psycopg", "psycopg_pool")
 
 
 def open_store(url: str) -> Store:
@@ -22,12 +27,25 @@ def open_store(url: str) -> Store:
 
         return SqliteStore(url)
     if url.startswith(("postgresql://", "postgres://")):
-        from ._pg_store import PostgresStore
-
-        return PostgresStore(url)
+        store: Store = postgres_store_module(url).PostgresStore(url)
+        return store
     raise ValueError(
         f"unsupported database URL {shown_url(url)!r}; use sqlite:///path/to/file.db or postgresql://user@host:port/dbname"
     )
+
+
+def postgres_store_module(url: str) -> ModuleType:
+    """The PostgreSQL store's module; StoreOpenError naming the extra to install when its driver is missing."""
+    try:
+        from . import _pg_store
+    except ModuleNotFoundError as exc:
+        if exc.name not in POSTGRES_EXTRA_MODULES:
+            raise
+        raise StoreOpenError(
+            f"cannot open {shown_url(url)!r}: PostgreSQL needs the {exc.name} package, which is not installed; "
+            "install the engine's postgres extra (pip install 'dex-engine[postgres]')"
+        ) from None
+    return _pg_store
 
 
 def shown_url(url: str) -> str:

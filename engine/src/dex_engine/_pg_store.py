@@ -54,6 +54,11 @@ from typing import Any, TypeVar
 
 import msgspec
 
+# Without the postgres extra these fail, and open_store names the extra to install.
+import psycopg
+import psycopg_pool
+from psycopg import errors as pg_errors
+
 from . import _gates
 from . import _transitions as tx
 from ._attribute_cache import AttributeCache, KnownRows
@@ -65,15 +70,6 @@ from ._options import LoadSpec, MethodOptions, StepDurability, TaskOptions
 from ._records import DecisionRecord, Lease, MovementRecord, WriteSet
 from ._store import FoldExecute, Store, commit_origin, now_ms
 from ._transitions import AppendRow, Db, HistoryRow, PollResult, Row, run_op
-
-try:
-    import psycopg
-    import psycopg_pool
-    from psycopg import errors as pg_errors
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "PostgreSQL support needs the 'postgres' extra: pip install 'dex-engine[postgres]'"
-    ) from exc
 
 log = logging.getLogger("dex_engine.postgres")
 

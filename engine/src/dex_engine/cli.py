@@ -30,7 +30,7 @@ from ._client import known_flow_id, parse_search
 from ._errors import DexError, FlowNotFoundError, StepNotWaitingError, StoreOpenError
 from ._limits import MAX_READ_LIMIT, SQLITE_WRITER_TURN_SUFFIX
 from ._migrate import migration_files
-from ._open import open_store, shown_url
+from ._open import open_store, postgres_store_module, shown_url
 from ._records import FlowInfo
 from ._sqlite_store import parse_sqlite_url, schema_version
 from ._store import Store
@@ -116,10 +116,8 @@ def _check_database(url: str, *, must_exist: bool) -> None:
 def _check_postgres(url: str) -> None:
     """Refuse a PostgreSQL database without dex_engine's tables (opening it would create them, in
     whatever database the URL names) or with an older schema."""
-    from ._pg_store import stored_schema_version
-
     with _open_errors(url):
-        version = stored_schema_version(url)
+        version: int = postgres_store_module(url).stored_schema_version(url)
     if version == 0:
         raise CliError(f"{shown_url(url)!r} holds no dex_engine tables, so no flows (nothing was created there); "
                        f"pass --db or set {DB_ENV} to the URL the workers use")
