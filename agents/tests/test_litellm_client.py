@@ -423,6 +423,52 @@ async def test_a_streamed_tool_call_without_a_name_is_kept_with_none(provider: F
     assert stored["function"] == {"name": "", "arguments": '{"order_id":"A-1"}'}
 
 
+def chat_chunks(deltas: list[dict[str, Any]], finish: str) -> Reply:
+    """A Chat Completions stream of these deltas, then `finish`, then [DONE]."""
+    chunks = [{"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1767225600, "model": "test-model",
+               "choices": [{"index": 0, "delta": delta, "finish_reason": None}]} for delta in deltas]
+    chunks.append({**chunks[0], "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    return sse(chunks, named=False, done=True)
+
+
+def call_fragment(index: int | None, arguments: str, call_id: str | None = None) -> dict[str, Any]:
+    """A streamed tool call fragment; the first of a call carries its id and name; index None sends none."""
+    fragment: dict[str, Any] = {} if index is None else {"index": index}
+    if call_id is not None:
+        fragment.update(id=call_id, type="function", function={"name": "lookup_order", "arguments": arguments})
+    else:
+        fragment["function"] = {"arguments": arguments}
+    return {"tool_calls": [fragment]}
+
+
+async def test_streamed_tool_calls_that_share_an_index_stay_apart(provider: FakeProvider) -> None:
+    """Calls that a server streams under one index (Ollama and some gateways send 0, or none, for
+    every call) stay separate calls, each with its own id and arguments; calls interleaved under
+    their own indexes assemble as before. Catches: the chunk builder joining them by index into one
+    call with the last id and the argument texts run together, so one call was lost and the other
+    failed as not a JSON object."""
+    shared = [call_fragment(0, '{"order_', "call_a"), call_fragment(0, 'id":"A-1"}'),
+              call_fragment(0, '{"order_', "call_b"), call_fragment(0, 'id":"B-2"}'),
+              call_fragment(None, '{"order_id":"C-3"}', "call_c")]
+    provider.queue(CHAT_PATH, chat_chunks(shared, "tool_calls"))
+    response = await chat_client(provider).call_model(
+        ModelRequest(None, (UserTextInput("Where are my orders?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
+    assert [item.tool_call for item in response.output] == [
+        ModelToolCall("call_a", "lookup_order", '{"order_id":"A-1"}'),
+        ModelToolCall("call_b", "lookup_order", '{"order_id":"B-2"}'),
+        ModelToolCall("call_c", "lookup_order", '{"order_id":"C-3"}')]
+    assert [json.loads(item.item)["tool_calls"][0]["id"] for item in response.output] == ["call_a", "call_b", "call_c"]
+
+    interleaved = [call_fragment(0, '{"order_', "call_a"), call_fragment(1, '{"order_', "call_b"),
+                   call_fragment(1, 'id":"B-2"}'), call_fragment(0, 'id":"A-1"}')]
+    provider.queue(CHAT_PATH, chat_chunks(interleaved, "tool_calls"))
+    response = await chat_client(provider).call_model(
+        ModelRequest(None, (UserTextInput("Where are my orders?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
+    assert [item.tool_call for item in response.output] == [
+        ModelToolCall("call_a", "lookup_order", '{"order_id":"A-1"}'),
+        ModelToolCall("call_b", "lookup_order", '{"order_id":"B-2"}')]
+
+
 GEMINI_PATH = "/models/gemini-3-pro-preview:streamGenerateContent?alt=sse"
 # Gemini's thought signatures are opaque base64, often hundreds of characters, '/' and '+' included.
 THOUGHT_SIGNATURE = base64.b64encode(bytes(range(256))).decode()

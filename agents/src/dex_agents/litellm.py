@@ -21,7 +21,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, cast
 
 try:
@@ -89,11 +89,45 @@ def _arguments_text(value: object) -> str:
 _NAMELESS: Final = " nameless call "
 
 
+def _tool_call_fragments(chunks: list[Any]) -> Iterator[tuple[int, Any]]:
+    """Each streamed tool call fragment the chunk builder reads, with its choice's index."""
+    for chunk in chunks:
+        for choice in _get(chunk, "choices") or []:
+            for fragment in _get(_get(choice, "delta"), "tool_calls") or []:
+                if _get(fragment, "function") is not None:  # the chunk builder skips one without
+                    yield _get(choice, "index") or 0, fragment
+
+
+def _separate_reused_indexes(chunks: list[Any]) -> None:
+    """Give a streamed tool call that reuses an earlier call's index, under its own new id, an index
+    of its own. The chunk builder joins fragments by index, and some OpenAI-compatible servers
+    (Ollama, some proxies and gateways) send index 0, or none, for every call of a response: two
+    calls became one, with the second's id and both argument texts run together, so one call was
+    lost and the other failed as not a JSON object."""
+    fragments = list(_tool_call_fragments(chunks))
+    free = {choice: -1 for choice, _ in fragments}
+    for choice, fragment in fragments:
+        free[choice] = max(free[choice], _get(fragment, "index") or 0)
+    now_at: dict[tuple[int, int], int] = {}  # (choice, index sent) -> the index its fragments now go to
+    ids: dict[tuple[int, int], str] = {}  # (choice, index now) -> the id of the call there
+    for choice, fragment in fragments:
+        sent = _get(fragment, "index") or 0
+        index = now_at.get((choice, sent), sent)
+        fragment_id = _str_or_none(_get(fragment, "id"))
+        if fragment_id is not None and ids.setdefault((choice, index), fragment_id) != fragment_id:
+            free[choice] += 1
+            index = now_at[(choice, sent)] = free[choice]  # a new call: it and what follows go there
+            ids[(choice, index)] = fragment_id
+        if index != sent:
+            _put(fragment, "index", index)
+
+
 def _complete_streamed_tool_calls(chunks: list[Any]) -> None:
     """Give each streamed tool call that never carries an id one, and one that never carries a name
     _NAMELESS, on its first fragment: stream_chunk_builder keeps only tool calls with both, so a
     server that streams none (some OpenAI-compatible ones) would lose the model's call without a
     word. The id is the one _chat_items gives a call without one, `call_<response id>_<index>`."""
+    _separate_reused_indexes(chunks)
     with_id: set[tuple[int, int]] = set()
     named: set[tuple[int, int]] = set()
     first: dict[tuple[int, int], Any] = {}
