@@ -967,6 +967,19 @@ def test_messages_stored_with_their_text_in_the_framework_item_still_read() -> N
     assert _items.input_item(old_user) == UserTextInput("hi")
     assert _items.input_item(old_tool) == ToolResultInput("c1", "dump", "out")
 
+    # An answer's text and a call's arguments were in the framework item too (beside the provider's item).
+    answer_item = '{"role":"assistant","content":"ok"}'
+    old_answer = AgentMessage(4, "t1", MessageRole.ASSISTANT, "ok", None, None, None, None, json.dumps(
+        {"type": "model_output", "api": "x", "kind": "text", "item": answer_item, "text": "ok", "tool_call": None}),
+        "2026-01-01T00:00:00.000Z")
+    call_item = '{"role":"assistant","tool_calls":[]}'
+    old_call = AgentMessage(2, "t1", MessageRole.ASSISTANT, None, "c1", "dump", "{}", None, json.dumps(
+        {"type": "model_output", "api": "x", "kind": "tool_call", "item": call_item, "text": None,
+         "tool_call": {"tool_call_id": "c1", "tool_name": "dump", "arguments": "{}"}}), "2026-01-01T00:00:00.000Z")
+    assert _items.input_item(old_answer) == ModelOutputItem("x", OutputItemKind.TEXT, answer_item, "ok")
+    assert _items.input_item(old_call) == ModelOutputItem("x", OutputItemKind.TOOL_CALL, call_item, None,
+                                                          ModelToolCall("c1", "dump", "{}"))
+
 
 async def test_a_turn_failed_in_run_models_commit_stores_its_calls_results_before_the_note(tmp_path: Path) -> None:
     """A provider that reuses a tool call ID in the turn's second response breaks the contract, and

@@ -27,6 +27,7 @@ import litellm
 import pytest
 from agents.tests.builtin_agent import InProcessEngine, lookup_order
 from agents.tests.conftest import REPO_ROOT
+from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 
 from dex_agents import AgentEvent, AgentEventWriter, AgentUsage, MessageRole, ModelCallMetadata, ToolEffect
 from dex_agents.builtin_loop import (
@@ -696,3 +697,42 @@ async def test_session_turn_with_a_tool_call_through_litellm(provider: FakeProvi
     assert second[2] == {"role": "assistant", "content": "Checking.", "tool_calls": [CHAT_CALL]}
     assert second[3]["role"] == "tool" and second[3]["tool_call_id"] == "call_7"
     assert "shipped" in second[3]["content"]
+
+
+async def test_a_long_answer_and_long_arguments_are_stored_and_replayed(
+    provider: FakeProvider, tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """A model's answer and a tool call's arguments of about 400,000 characters each (some 100,000
+    tokens, within what models may write) are stored, and the next request replays them. Catches:
+    each stored three times in its message (the provider's item, the framework item's own copy,
+    the message field), over the engine's value limit, so the paid answer was lost and the turn
+    failed with "too large to store"."""
+    model = chat_client(provider)
+    agent = AgentDefinition(name="litellm-agent", model=model, instructions="You look up orders.",
+                            tools=[lookup_order])
+    flow = builtin_agent_session_flow(agent, "LiteLLMAgent")
+    order_id = "A-" + "1" * 400_000
+    call = {**CHAT_CALL, "function": {"name": "lookup_order", "arguments": json.dumps({"order_id": order_id})}}
+    answer = "All orders shipped. " * 20_000
+    provider.queue(CHAT_PATH, chat_stream(call=call))
+    provider.queue(CHAT_PATH, chat_stream(text=answer))
+    provider.queue(CHAT_PATH, chat_stream(text="Yes."))
+    engine = InProcessEngine(tmp_path, [flow], db_url)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "Where is my order?")
+        done = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: s if s.state is not None and s.state.turn_count >= 1 else None,
+            description="the turn to end")
+        assert done.state is not None and done.state.last_turn_error is None
+        assert [m.role for m in done.messages] == [
+            MessageRole.USER, MessageRole.ASSISTANT, MessageRole.TOOL, MessageRole.ASSISTANT]
+        assert done.messages[1].tool_arguments == call["function"]["arguments"]
+        assert done.messages[-1].text == answer
+        await sessions.send_user_message("s", "Sure?")
+        await wait_for_agent_snapshot(
+            sessions, "s", lambda s: s if s.state is not None and s.state.turn_count >= 2 else None,
+            description="the second turn to end")
+    replayed = provider.received[-1].json["messages"]
+    assert replayed[2]["tool_calls"] == [call]
+    assert replayed[4] == {"role": "assistant", "content": answer}

@@ -22,6 +22,8 @@ def _dump(value: dict[str, Any]) -> str:
 
 # A user text and a tool's output are stored once, in the message's `text` and `tool_output`, not
 # again in its framework item: stored twice, one of half the value limit failed the turn's commit.
+# Likewise a model's answer text and a tool call's arguments, which the message holds in `text` and
+# `tool_arguments`: the framework item keeps only the provider's own item, where they appear again.
 
 
 def user_message(text: str) -> FrameworkMessage:
@@ -30,16 +32,31 @@ def user_message(text: str) -> FrameworkMessage:
 
 def output_message(item: ModelOutputItem) -> FrameworkMessage:
     call = item.tool_call
-    raw = {
-        "type": MODEL_OUTPUT, "api": item.api, "kind": item.kind.value, "item": item.item, "text": item.text,
-        "tool_call": None if call is None else {
-            "tool_call_id": call.tool_call_id, "tool_name": call.tool_name, "arguments": call.arguments,
-        },
-    }
+    shown = item.kind is OutputItemKind.TEXT
+    raw: dict[str, Any] = {"type": MODEL_OUTPUT, "api": item.api, "kind": item.kind.value, "item": item.item}
+    if not shown:
+        raw["text"] = item.text  # a reasoning text has no message field of its own
+    raw["tool_call"] = None if call is None else {"tool_call_id": call.tool_call_id, "tool_name": call.tool_name}
     return FrameworkMessage(
-        MessageRole.ASSISTANT, _dump(raw), text=item.text if item.kind is OutputItemKind.TEXT else None,
+        MessageRole.ASSISTANT, _dump(raw), text=item.text if shown else None,
         tool_call_id=None if call is None else call.tool_call_id, tool_name=None if call is None else call.tool_name,
         tool_arguments=None if call is None else call.arguments,
+    )
+
+
+def stored_output_item(raw: dict[str, Any], text: str | None, tool_arguments: str | None) -> ModelOutputItem:
+    """The output item of a MODEL_OUTPUT framework item, with the message's `text` and
+    `tool_arguments`, which the framework item holds itself only in messages of dex-agents 0.1."""
+    held = raw.get("text")
+    call = raw.get("tool_call")
+    arguments = call.get("arguments") if isinstance(call, dict) else None
+    return ModelOutputItem(
+        api=str(raw["api"]), kind=OutputItemKind(raw["kind"]), item=str(raw["item"]),
+        text=held if "text" in raw else text,
+        tool_call=None if not isinstance(call, dict) else ModelToolCall(
+            str(call["tool_call_id"]), str(call["tool_name"]),
+            arguments if isinstance(arguments, str) else tool_arguments or "",
+        ),
     )
 
 
@@ -81,13 +98,7 @@ def _parse(message: AgentMessage) -> ModelInputItem:
         raw = None
     kind = raw.get("type") if isinstance(raw, dict) else None
     if kind == MODEL_OUTPUT and isinstance(raw, dict):
-        call = raw.get("tool_call")
-        return ModelOutputItem(
-            api=str(raw["api"]), kind=OutputItemKind(raw["kind"]), item=str(raw["item"]), text=raw.get("text"),
-            tool_call=None if not isinstance(call, dict) else ModelToolCall(
-                str(call["tool_call_id"]), str(call["tool_name"]), str(call["arguments"])
-            ),
-        )
+        return stored_output_item(raw, message.text, message.tool_arguments)
     if kind == TOOL_RESULT and isinstance(raw, dict):
         return ToolResultInput(str(raw["tool_call_id"]), str(raw["tool_name"]),
                                stored_text(raw, "output", message.tool_output))

@@ -40,7 +40,16 @@ from .._wire import AgentToolCall, AgentUsage, InteractionMode, MessageRole, Pla
 from ._compaction import estimate_model_input, select_response_cutoff, summarize_with_model, with_summary_note
 from ._definition import AgentDefinition, ContinueTurn, InstructionContext, TurnContinuationContext
 from ._function_tools import ToolCallContext
-from ._items import TOOL_RESULT, USER_TEXT, input_item, output_message, stored_text, tool_result_message, user_message
+from ._items import (
+    TOOL_RESULT,
+    USER_TEXT,
+    input_item,
+    output_message,
+    stored_output_item,
+    stored_text,
+    tool_result_message,
+    user_message,
+)
 from ._model import (
     PROVIDER_TOOL_NAME_RULE,
     ModelClient,
@@ -552,9 +561,7 @@ def input_item_of(message: FrameworkMessage) -> ModelInputItem:
         return ToolResultInput(raw["tool_call_id"], raw["tool_name"], stored_text(raw, "output", message.tool_output))
     if raw["type"] == USER_TEXT:
         return UserTextInput(stored_text(raw, "text", message.text))
-    call = raw.get("tool_call")
-    return ModelOutputItem(raw["api"], OutputItemKind(raw["kind"]), raw["item"], raw.get("text"),
-                           None if call is None else ModelToolCall(**call))
+    return stored_output_item(raw, message.text, message.tool_arguments)
 
 
 def _paired(items: list[ModelInputItem]) -> list[ModelInputItem]:
