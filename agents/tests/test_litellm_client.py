@@ -161,11 +161,15 @@ RESPONSES_USAGE = {"input_tokens": 100, "input_tokens_details": {"cached_tokens"
                    "output_tokens_details": {"reasoning_tokens": 7}, "total_tokens": 120}
 
 
-def responses_stream(items: list[dict[str, Any]], *, response_id: str = "resp_1") -> Reply:
-    """A Responses API stream: each item added, its deltas, done; then response.completed with usage."""
-    response = {"id": response_id, "object": "response", "created_at": 1767225600, "status": "completed",
+def responses_stream(items: list[dict[str, Any]], *, response_id: str = "resp_1", incomplete: str | None = None
+                     ) -> Reply:
+    """A Responses API stream: each item added, its deltas, done; then response.completed with usage
+    (response.incomplete for the reason `incomplete`, such as "max_output_tokens")."""
+    response = {"id": response_id, "object": "response", "created_at": 1767225600,
+                "status": "incomplete" if incomplete else "completed",
                 "model": "gpt-5-2026-01-01", "output": items, "usage": RESPONSES_USAGE, "error": None,
-                "incomplete_details": None, "instructions": None, "metadata": {}, "parallel_tool_calls": True,
+                "incomplete_details": {"reason": incomplete} if incomplete else None, "instructions": None,
+                "metadata": {}, "parallel_tool_calls": True,
                 "tool_choice": "auto", "tools": [], "temperature": 1.0, "top_p": 1.0}
     events: list[dict[str, Any]] = [
         {"type": "response.created", "response": {**response, "status": "in_progress", "output": [], "usage": None}},
@@ -181,7 +185,7 @@ def responses_stream(items: list[dict[str, Any]], *, response_id: str = "resp_1"
                 events.append({"type": "response.output_text.delta", "item_id": item["id"], "output_index": index,
                                "content_index": 0, "delta": part, "logprobs": []})
         events.append({"type": "response.output_item.done", "output_index": index, "item": item})
-    events.append({"type": "response.completed", "response": response})
+    events.append({"type": "response.incomplete" if incomplete else "response.completed", "response": response})
     for number, event in enumerate(events):
         event["sequence_number"] = number
     return sse(events, named=True)
@@ -341,6 +345,33 @@ async def test_responses_replay_is_exact_to_the_same_api_and_text_only_elsewhere
         {"role": "tool", "tool_call_id": "call_1", "content": "shipped"},
     ]
     assert b"encrypted_content" not in other.body and b"Check A-1." not in other.body
+
+
+async def test_a_response_cut_off_while_reasoning_replays_without_its_reasoning(provider: FakeProvider) -> None:
+    """A response that reached max_output_tokens while reasoning has only a reasoning item; later
+    requests leave it out, and keep the reasoning of complete responses. Catches: the lone item
+    replayed, which OpenAI refuses ("of type 'reasoning' was provided without its required
+    following item"), so every later turn of the session failed."""
+    client = openai_client(provider)
+    provider.queue(RESPONSES_PATH, responses_stream([REASONING_ITEM], incomplete="max_output_tokens"))
+    cut = await client.call_model(ModelRequest(None, (UserTextInput("Think hard."),)), collecting_writer()[0])
+    assert [item.kind for item in cut.output] == [OutputItemKind.REASONING]
+    assert cut.metadata is not None and cut.metadata.finish_reasons == ("max_output_tokens",)
+
+    provider.queue(RESPONSES_PATH, responses_stream([REASONING_ITEM, MESSAGE_ITEM, CALL_ITEM], response_id="resp_2"))
+    history = (UserTextInput("Think hard."), *cut.output, UserTextInput("Where is A-1?"))
+    full = await client.call_model(ModelRequest(None, history), collecting_writer()[0])
+    assert provider.received[-1].json["input"] == [
+        {"role": "user", "content": "Think hard."}, {"role": "user", "content": "Where is A-1?"}]
+
+    provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM], response_id="resp_3"))
+    history = (*history, *full.output, ToolResultInput("call_1", "lookup_order", "shipped"))
+    await client.call_model(ModelRequest(None, history), collecting_writer()[0])
+    assert provider.received[-1].json["input"] == [
+        {"role": "user", "content": "Think hard."}, {"role": "user", "content": "Where is A-1?"},
+        REASONING_ITEM, MESSAGE_ITEM, CALL_ITEM,
+        {"type": "function_call_output", "call_id": "call_1", "output": "shipped"},
+    ]
 
 
 # Chat Completions ---------------------------------------------------------------------------------

@@ -6,10 +6,11 @@ reasoning comes back to be replayed. Every other provider uses streaming Chat Co
 (`litellm.acompletion(stream=True)`), keeping Anthropic `thinking_blocks` with their `signature`.
 
 Each output item's `api` is `litellm.responses:<provider>` or `litellm.chat:<provider>`. An item whose
-`api` is this client's replays as the provider's own JSON, unchanged; an item of another provider or API
-replays as its text and tool calls, and its reasoning is dropped. On Chat Completions, and for another
-API's calls, a past tool call's arguments that are not a JSON object replay as `{}` (the session failed
-that call; some providers refuse such a request).
+`api` is this client's replays as the provider's own JSON, unchanged (but a Responses reasoning item that
+no other item of its response follows, from a response cut off while reasoning, is left out: OpenAI refuses
+it); an item of another provider or API replays as its text and tool calls, and its reasoning is dropped.
+On Chat Completions, and for another API's calls, a past tool call's arguments that are not a JSON object
+replay as `{}` (the session failed that call; some providers refuse such a request).
 
 Credentials come from the Worker's environment, as LiteLLM reads it, or from `api_key_provider`; never
 from the request. LiteLLM fetches its model cost map over the network when imported, unless
@@ -306,7 +307,10 @@ class LiteLLMModelClient:
 
     def _responses_input(self, entries: Sequence[ModelInputItem]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        for entry in entries:
+        unfollowed = self._unfollowed_reasoning(entries)
+        for index, entry in enumerate(entries):
+            if index in unfollowed:
+                continue
             if isinstance(entry, UserTextInput):
                 out.append({"role": "user", "content": entry.text})
             elif isinstance(entry, ToolResultInput):
@@ -321,6 +325,25 @@ class LiteLLMModelClient:
                 out.append({"role": "assistant", "content": entry.text})
             # Reasoning of another provider or API is dropped: it cannot be verified here.
         return out
+
+    def _unfollowed_reasoning(self, entries: Sequence[ModelInputItem]) -> set[int]:
+        """The indexes of this API's reasoning items that no other output item of their response
+        follows: a response cut off while reasoning (incomplete at max_output_tokens) has only
+        those. OpenAI refuses a reasoning item without its following item, so replayed they failed
+        every later model call of the session; they are left out, as another API's reasoning is."""
+        unfollowed: set[int] = set()
+        followed = False
+        for index in range(len(entries) - 1, -1, -1):
+            entry = entries[index]
+            if not isinstance(entry, ModelOutputItem):
+                followed = False  # a user text or tool result: the response before it ended there
+            elif followed:
+                continue
+            elif entry.api == self.api_label and entry.kind is OutputItemKind.REASONING and _is_reasoning(entry.item):
+                unfollowed.add(index)  # parsed only here, at a response's end: most items are not
+            else:
+                followed = True
+        return unfollowed
 
     def _responses_item(self, raw: Any) -> ModelOutputItem:
         if not isinstance(raw, dict):
@@ -518,6 +541,15 @@ def _with_replayable_arguments(call: Any) -> Any:
     arguments = function["arguments"]
     replayable = _replayable_arguments(arguments) if isinstance(arguments, str) else arguments
     return call if replayable is arguments else {**call, "function": {**function, "arguments": replayable}}
+
+
+def _is_reasoning(item: str) -> bool:
+    """Whether a stored Responses API item is a reasoning item (not a provider-side tool's record)."""
+    try:
+        raw = json.loads(item)
+    except ValueError:
+        return False
+    return isinstance(raw, dict) and raw.get("type") == "reasoning"
 
 
 def _check_options(options: Mapping[str, Any], where: str) -> None:
