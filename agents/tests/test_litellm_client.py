@@ -501,6 +501,38 @@ async def test_streamed_tool_calls_that_share_an_index_stay_apart(provider: Fake
         ModelToolCall("call_b", "lookup_order", '{"order_id":"B-2"}')]
 
 
+async def test_calls_without_ids_of_a_response_without_an_id_get_ids_unique_in_the_turn(
+    provider: FakeProvider, tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """A server that sends "" as the response ID and no tool call IDs (Hugging Face TGI does the
+    first) gets call IDs that differ between the model calls of one turn. Catches: both calls named
+    call_response_0, so the turn's second tool-calling response failed it ("repeats within this
+    turn")."""
+    unnamed = [{"tool_calls": [{"index": 0, "type": "function", "function": {
+        "name": "lookup_order", "arguments": '{"order_id":"A-1"}'}}]}]
+
+    def without_ids(reply: Reply) -> Reply:
+        return Reply(reply.status, reply.body.replace(b'"id": "chatcmpl-1"', b'"id": ""'), reply.content_type)
+
+    model = chat_client(provider)
+    agent = AgentDefinition(name="litellm-agent", model=model, instructions="", tools=[lookup_order])
+    flow = builtin_agent_session_flow(agent, "LiteLLMAgent")
+    provider.queue(CHAT_PATH, without_ids(chat_chunks(unnamed, "tool_calls")))
+    provider.queue(CHAT_PATH, without_ids(chat_chunks(unnamed, "tool_calls")))
+    provider.queue(CHAT_PATH, without_ids(chat_stream(text="A-1 has shipped.")))
+    engine = InProcessEngine(tmp_path, [flow], db_url)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "Where is A-1?")
+        done = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: s if s.state is not None and s.state.turn_count >= 1 else None,
+            description="the turn to end")
+    assert done.state is not None and done.state.last_turn_error is None
+    assert done.messages[-1].text == "A-1 has shipped."
+    call_ids = [m.tool_call_id for m in done.messages if m.role is MessageRole.ASSISTANT and m.tool_call_id]
+    assert len(call_ids) == 2 and len(set(call_ids)) == 2, call_ids
+
+
 GEMINI_PATH = "/models/gemini-3-pro-preview:streamGenerateContent?alt=sse"
 # Gemini's thought signatures are opaque base64, often hundreds of characters, '/' and '+' included.
 THOUGHT_SIGNATURE = base64.b64encode(bytes(range(256))).decode()

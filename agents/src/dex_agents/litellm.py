@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, cast
 
@@ -127,7 +128,8 @@ def _complete_streamed_tool_calls(chunks: list[Any]) -> None:
     """Give each streamed tool call that never carries an id one, and one that never carries a name
     _NAMELESS, on its first fragment: stream_chunk_builder keeps only tool calls with both, so a
     server that streams none (some OpenAI-compatible ones) would lose the model's call without a
-    word. The id is the one _chat_items gives a call without one, `call_<response id>_<index>`."""
+    word. The id is the one _chat_items gives a call without one, `call_<response id>_<index>`, or
+    with a random name (_unnamed_response) for a response without an ID."""
     _separate_reused_indexes(chunks)
     with_id: set[tuple[int, int]] = set()
     named: set[tuple[int, int]] = set()
@@ -145,11 +147,19 @@ def _complete_streamed_tool_calls(chunks: list[Any]) -> None:
                     with_id.add(key)
                 if _get(_get(fragment, "function"), "name"):
                     named.add(key)
+    response_name = response_id or _unnamed_response()
     for key, fragment in first.items():
         if key not in with_id:
-            _put(fragment, "id", f"call_{response_id or 'response'}_{key[1]}")
+            _put(fragment, "id", f"call_{response_name}_{key[1]}")
         if key not in named:
             _put(_get(fragment, "function"), "name", _NAMELESS)
+
+
+def _unnamed_response() -> str:
+    """A name for a response that came without an ID (some servers, such as Hugging Face TGI, send
+    ""), for the IDs of its calls that came without one too: a fixed name gave every such call of
+    a turn the same ID, which the session refuses, failing each turn with a second model call."""
+    return f"response-{uuid.uuid4().hex[:16]}"
 
 
 def _put(value: Any, name: str, field: object) -> None:
@@ -448,7 +458,8 @@ class LiteLLMModelClient:
             call = cast("dict[str, Any]", _plain(raw_call))
             call = {key: value for key, value in call.items() if value is not None}
             if not call.get("id"):
-                call["id"] = f"call_{response_id or 'response'}_{index}"
+                response_id = response_id or _unnamed_response()  # one name for the response's calls
+                call["id"] = f"call_{response_id}_{index}"
             raw_function = call.get("function")
             function: dict[str, Any] = raw_function if isinstance(raw_function, dict) else {}
             if function.get("name") == _NAMELESS:
