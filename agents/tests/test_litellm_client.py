@@ -533,6 +533,32 @@ async def test_calls_without_ids_of_a_response_without_an_id_get_ids_unique_in_t
     assert len(call_ids) == 2 and len(set(call_ids)) == 2, call_ids
 
 
+async def test_text_with_lone_surrogates_is_stored_as_utf8(
+    provider: FakeProvider, tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """A server that sends an emoji's two UTF-16 halves as JSON escapes in two chunks, and a lone
+    one, gets a stored answer with the emoji joined and U+FFFD for the lone one, in a turn that
+    completes; the live deltas show U+FFFD. Catches: the text stored with the surrogates, which no
+    stored value can hold, so the turn failed after the paid model call and the answer was lost."""
+    model = chat_client(provider)
+    agent = AgentDefinition(name="litellm-agent", model=model, instructions="")
+    flow = builtin_agent_session_flow(agent, "LiteLLMAgent")
+    provider.queue(CHAT_PATH, chat_chunks(
+        [{"role": "assistant", "content": "Done \ud83d"}, {"content": "\ude00, bad byte \udcaf."}], "stop"))
+    engine = InProcessEngine(tmp_path, [flow], db_url)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "Go")
+        done = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: s if s.state is not None and s.state.turn_count >= 1 else None,
+            description="the turn to end")
+        events = await sessions.read_agent_events("s")
+    assert done.state is not None and done.state.last_turn_error is None
+    assert done.messages[-1].text == "Done \U0001f600, bad byte \ufffd."
+    assert [json.loads(e.value.payload)["text"] for e in events.events if e.value.type == "text_delta"] == [
+        "Done \ufffd", "\ufffd, bad byte \ufffd."]
+
+
 GEMINI_PATH = "/models/gemini-3-pro-preview:streamGenerateContent?alt=sse"
 # Gemini's thought signatures are opaque base64, often hundreds of characters, '/' and '+' included.
 THOUGHT_SIGNATURE = base64.b64encode(bytes(range(256))).decode()

@@ -277,9 +277,9 @@ class LiteLLMModelClient:
             async for event in stream:
                 kind = _event_type(event)
                 if kind in ("response.output_text.delta", "response.refusal.delta"):
-                    output.write_text_delta(str(_get(event, "delta") or ""))
+                    output.write_text_delta(_utf8(str(_get(event, "delta") or "")))
                 elif kind in ("response.reasoning_summary_text.delta", "response.reasoning_text.delta"):
-                    output.write_reasoning_delta(str(_get(event, "delta") or ""))
+                    output.write_reasoning_delta(_utf8(str(_get(event, "delta") or "")))
                 elif kind == "response.output_item.done":
                     index = _get(event, "output_index")
                     done[index if isinstance(index, int) else len(done)] = _get(event, "item")
@@ -291,7 +291,7 @@ class LiteLLMModelClient:
             raise RuntimeError("the Responses stream ended without response.completed")
         # The completed response lists every item; output_item.done events are the fallback.
         raw_items = list(_get(final, "output") or []) or [done[i] for i in sorted(done)]
-        items = tuple(self._responses_item(_plain(raw)) for raw in raw_items)
+        items = tuple(_utf8_item(self._responses_item(_plain(raw))) for raw in raw_items)
         usage = _get(final, "usage")
         details_in, details_out = _get(usage, "input_tokens_details"), _get(usage, "output_tokens_details")
         status = _get(final, "status")
@@ -402,16 +402,17 @@ class LiteLLMModelClient:
                     delta = _get(choice, "delta")
                     reasoning = _get(delta, "reasoning_content")
                     if isinstance(reasoning, str):
-                        output.write_reasoning_delta(reasoning)
+                        output.write_reasoning_delta(_utf8(reasoning))
                     content = _get(delta, "content")
                     if isinstance(content, str):
-                        output.write_text_delta(content)
+                        output.write_text_delta(_utf8(content))
             _complete_streamed_tool_calls(chunks)
             built = litellm.stream_chunk_builder(chunks, messages=messages) if chunks else None
         if built is None or not _get(built, "choices"):
             raise RuntimeError("the Chat Completions stream ended without a response")
         choices = list(_get(built, "choices"))
-        items = self._chat_items(_get(choices[0], "message"), _str_or_none(_get(built, "id")))
+        items = tuple(_utf8_item(item) for item in self._chat_items(_get(choices[0], "message"),
+                                                                    _str_or_none(_get(built, "id"))))
         usage = _get(built, "usage")
         details_in, details_out = _get(usage, "prompt_tokens_details"), _get(usage, "completion_tokens_details")
         reasons = tuple(str(r) for r in (_get(c, "finish_reason") for c in choices) if r)
@@ -598,6 +599,29 @@ def _responses_tool(tool: ModelToolDefinition) -> dict[str, Any]:
 def _chat_tool(tool: ModelToolDefinition) -> dict[str, Any]:
     return {"type": "function", "function": {"name": tool.name, "description": tool.description,
                                              "parameters": dict(tool.parameters_schema)}}
+
+
+def _utf8(text: str) -> str:
+    """`text` as UTF-8 can hold it: a surrogate pair joined into its character, a lone surrogate as
+    U+FFFD. Some servers send JSON escapes of lone surrogates (an emoji split between two chunks, or
+    bytes they could not decode); stored, such text failed the turn after the model call was paid."""
+    if text.isascii():
+        return text
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
+def _utf8_item(item: ModelOutputItem) -> ModelOutputItem:
+    """The item with its texts as _utf8 makes them (a joined text's pairs join as its parts' do)."""
+    call = item.tool_call
+    fixed_call = call if call is None else ModelToolCall(
+        _utf8(call.tool_call_id), _utf8(call.tool_name), _utf8(call.arguments))
+    fixed = ModelOutputItem(item.api, item.kind, _utf8(item.item), None if item.text is None else _utf8(item.text),
+                            fixed_call)
+    return item if fixed == item else fixed
 
 
 def _str_or_none(value: object) -> str | None:
