@@ -1077,8 +1077,9 @@ class _OtherCommitAfterFirstStatement:
     to its end on a thread of its own) before the operation goes on: a commit that lands in the
     middle of a read of several statements."""
 
-    def __init__(self, db: Any, commit: Callable[[], None], landed: list[bool]) -> None:
-        self._db, self._commit, self._landed = db, commit, landed
+    def __init__(self, db: Any, commit: Callable[[], None], landed: list[bool], after: int = 1) -> None:
+        # `after`: the commit lands after that many statements instead of the first.
+        self._db, self._commit, self._landed, self._after = db, commit, landed, after
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._db, name)
@@ -1094,7 +1095,8 @@ class _OtherCommitAfterFirstStatement:
         return rows
 
     def _after_statement(self) -> None:
-        if not self._landed:
+        self._after -= 1
+        if not self._landed and self._after == 0:
             self._landed.append(True)
             other = threading.Thread(target=self._commit)
             other.start()
@@ -1139,6 +1141,49 @@ async def test_describe_flow_sees_a_flow_before_or_after_a_commit_never_half(
     steps = [s.step_execution_id for s in info.active_steps]
     assert (info.status, steps) in (("running", ["Start-1"]), ("stopped", []))
     assert (await store.describe_flow("f1")).status == "stopped"
+
+
+@pytest.mark.parametrize("after", range(1, 6))
+async def test_a_locked_rpc_read_never_sees_a_state_from_while_a_step_held_the_lock(
+    store: Store, db_url: str, monkeypatch: pytest.MonkeyPatch, after: int,
+) -> None:
+    """E7: an RPC locking Count never answers from a state that existed only while a Step held
+    Count, wherever in its read a Step takes Count and a commit follows. Catches: on PostgreSQL
+    (READ COMMITTED) rpc_read checked the locks in its own statement before its other reads, and a
+    claim changes no version: a Step that took Count right after that check, then a publish, gave
+    the RPC a snapshot holding that message and no RpcLockConflictError, though Count had been
+    held since before the message came."""
+    await start(store, "f1")
+    await store.commit_execute(await claim_one(store), WriteSet(), goto("Locked"))
+    landed: list[bool] = []
+    claimed: list[Lease] = []
+
+    def claim_then_publish() -> None:
+        async def go() -> None:
+            other = open_store(db_url)
+            try:
+                claimed.append(await claim_one(other, "worker-2"))  # takes Count
+                await other.publish("f1", "Inbox", "", enc("while Count is held"))
+            finally:
+                await other.close()
+
+        asyncio.run(go())  # its own event loop: the reader's is blocked in the read
+
+    real = tx.rpc_read
+    monkeypatch.setattr(tx, "rpc_read", lambda db, *args: real(
+        _OtherCommitAfterFirstStatement(db, claim_then_publish, landed, after), *args))
+    try:
+        snap = await store.rpc_read("f1", ALL, ["Count"])
+    except (RpcLockConflictError, tx.RpcVersionChanged):
+        pass  # the Step holds Count (E7), or the flow changed while read: the client reads again
+    else:  # read as it was before the claim: Count free, no message yet
+        assert snap.pending == {}, snap.pending
+    monkeypatch.undo()
+    if not landed:  # the read had fewer statements: the claim comes after it
+        await asyncio.to_thread(claim_then_publish)
+    assert [lease.step_execution_id for lease in claimed] == ["Locked-1"]
+    with pytest.raises(RpcLockConflictError):
+        await store.rpc_read("f1", ALL, ["Count"])
 
 
 async def test_list_flows_of_a_status_lists_only_flows_of_that_status_as_they_were(

@@ -1861,13 +1861,17 @@ def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcS
     read too: its state stays readable (E12), so an RPC that changes nothing answers from it;
     rpc_commit refuses one that would change it."""
     flow_type = existing_flow_type(db, flow_id)
-    _check_rpc_locks(db, flow_id, locks)
     known = db.known.get(flow_id)
     # Nothing of this transaction changed the flow since existing_flow_type read it.
     version_row = (known.version,) if known is not None else db.one(
         "SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
     assert version_row is not None
     snapshot = _rpc_rows(db, flow_id, flow_type, int(version_row[0]), load)
+    # After the reads, not before: a claim takes its locks without changing the version, so on
+    # PostgreSQL a Step that took a lock after an earlier check, then any commit, would give the
+    # handler a state that existed only while the lock was held (E7). Checked here, the version
+    # check below vouches that the state read is the one the locks were found free in.
+    _check_rpc_locks(db, flow_id, locks)
     if _on_postgres(db):
         # PostgreSQL reads each statement as of its own start (READ COMMITTED): a commit between
         # them (a worker's) would show the handler attributes after it and messages before it. A
