@@ -799,12 +799,14 @@ async def test_value_of_wrong_type_is_refused(db_url: str, where: str) -> None:
 # Flows, RPCs, streams --------------------------------------------------------------------------
 
 
-async def test_unknown_flow_type_is_refused(db_url: str) -> None:
+@pytest.mark.parametrize("flow_type", ["NoSuchFlow", ["Bad"], {"type": "Bad"}], ids=["text", "list", "dict"])
+async def test_unknown_flow_type_is_refused(db_url: str, flow_type: Any) -> None:
     """start_flow with a type the Registry lacks raises UnknownFlowTypeError naming it and the
-    known types."""
+    known types. Catches: a type that cannot be a dict key (a list or dict from a request body)
+    raised a bare TypeError ("unhashable type") naming neither."""
     async with engine_for(db_url, REGISTRY, worker=False) as eng:
-        await refused(eng.store, lambda: eng.client.start_flow("NoSuchFlow", "f", "ok"), UnknownFlowTypeError,
-                      "'NoSuchFlow'", "'Bad'", "'OtherType'")
+        await refused(eng.store, lambda: eng.client.start_flow(flow_type, "f", "ok"), UnknownFlowTypeError,
+                      repr(flow_type), "'Bad'", "'OtherType'")
 
 
 @pytest.mark.parametrize("second_type", ["Bad", "OtherType"])
@@ -853,11 +855,14 @@ async def test_a_config_that_is_not_a_flow_config_is_refused(db_url: str, config
         assert (await c.describe_flow("f")).config == FlowConfig()
 
 
-async def test_unknown_rpc_is_refused(db_url: str) -> None:
-    """An RPC name the flow lacks raises RpcNotFoundError naming it and listing the flow's RPCs."""
+@pytest.mark.parametrize("name", ["nope", ["note"], {"name": "note"}], ids=["text", "list", "dict"])
+async def test_unknown_rpc_is_refused(db_url: str, name: Any) -> None:
+    """An RPC name the flow lacks raises RpcNotFoundError naming it and listing the flow's RPCs.
+    Catches: a name that cannot be a dict key (a list or dict from a request body) raised a bare
+    TypeError ("unhashable type") naming neither."""
     async with idle_engine(db_url) as eng:
-        await refused(eng.store, lambda: eng.client.rpc("f", "nope", None), RpcNotFoundError,
-                      "'nope'", "'Bad'", "'note'", "'takes_int'")
+        await refused(eng.store, lambda: eng.client.rpc("f", name, None), RpcNotFoundError,
+                      repr(name), "'Bad'", "'note'", "'takes_int'")
 
 
 def _b64(data: bytes) -> str:

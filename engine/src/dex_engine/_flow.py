@@ -257,7 +257,7 @@ class Flow:
     def rpc(self, name: str) -> Rpc:
         try:
             return self.rpcs[name]
-        except KeyError:
+        except (KeyError, TypeError):  # TypeError: an unhashable name (a list from a request body) is none either
             raise RpcNotFoundError(self.flow_type, name, list(self.rpcs)) from None
 
     def check_attribute(self, ref: AttributeRef[Any]) -> None:
@@ -315,7 +315,7 @@ class Registry:
     def flow(self, flow_type: str) -> Flow:
         try:
             return self.flows[flow_type]
-        except KeyError:
+        except (KeyError, TypeError):  # TypeError: an unhashable type name (a list, a dict) is none either
             raise UnknownFlowTypeError(flow_type, list(self.flows)) from None
 
 
