@@ -2,8 +2,8 @@
 
 The rules themselves are pure, in _plans.py. Here they meet the engine: the Flow constructor's
 plan-mode check, the PlanExecutions condition AwaitUserMessage waits on while a plan is draft or
-active, reading the approval it consumed, and execute_plan, which serializes on the
-PendingPlanExecution lock (seed 002 "RPCs", "Rules").
+active, reading the approval it consumed, and execute_plan, which declares the PendingPlanExecution
+lock (seed 002 "RPCs", "Rules") and serializes by the flow's version.
 """
 
 from __future__ import annotations
@@ -59,9 +59,11 @@ def plan_rpcs() -> list[Rpc]:
     @rpc("execute_plan", request_type=ExecutePlanRequest, locks=[PENDING_PLAN_EXECUTION],
          load=LoadOptions.only(AGENT_STATE, AGENT_PLAN, PENDING_PLAN_EXECUTION, PENDING_INTERRUPTS))
     async def execute_plan(ctx: RpcContext, request: ExecutePlanRequest) -> bool:
-        # The lock makes a concurrent call fail with RpcLockConflictError (the client retries it and
-        # then sees the pending approval): a second approval is refused until AwaitUserMessage
-        # consumes the first, including while its Execute has not committed.
+        # The seed's lock: it conflicts only with a Step holding it (E7), and no Step does, so it
+        # never raises. Concurrent calls serialize by the flow's version instead (E8): the second
+        # runs again on the first's commit and sees the pending approval, so a second approval is
+        # refused until AwaitUserMessage consumes the first, including while its Execute has not
+        # committed.
         pending = ctx.get(PENDING_PLAN_EXECUTION)
         accepted = execute_plan_accepted(
             request.revision, state=ctx.get(AGENT_STATE), plan=ctx.get(AGENT_PLAN),
