@@ -23,6 +23,7 @@ from agents.tests.builtin_agent import (
 )
 from agents.tests.compaction_agent import FILLER
 from agents.tests.conftest import REPO_ROOT
+from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 
 from dex_agents import (
     MISSING_TOOL_TASK_POLLER,
@@ -508,6 +509,38 @@ async def test_a_sync_tools_result_after_its_worker_stopped_is_never_recorded(tm
     assert done.messages[-1].text == "results: slow_read=fresh"
     assert runs == [1, 2]
     assert reported == []
+
+
+@pytest.mark.parametrize(("effect", "result"), [
+    (ToolEffect.READ, "The tool call failed: RuntimeError: tool find_order raised StopIteration"),
+    (ToolEffect.NON_IDEMPOTENT_WRITE, OUTCOME_UNKNOWN_TEXT),
+])
+async def test_a_sync_tool_raising_stop_iteration_fails_its_call_by_effect(
+    tmp_path: Path, db_url: str, effect: ToolEffect, result: str  # noqa: F811 - the fixture
+) -> None:
+    """A sync tool whose `next()` finds nothing lets StopIteration out of its thread. The call fails
+    by its effect, once, and the turn goes on. Catches: StopIteration cannot be set on an asyncio
+    Future, so the call's result was lost in the event loop and the tool Step, heartbeating, waited
+    for it for ever: the session stuck in its turn."""
+    runs: list[str] = []
+
+    @function_tool(effect=effect, requires_approval=False)
+    def find_order(order_id: str) -> str:
+        """Find an order by ID."""
+        runs.append(order_id)
+        return next(order for order in ("A-1", "A-2") if order == order_id)
+
+    flow, _ = scripted_flow(tool_then_answer, tools=[find_order])
+    engine = InProcessEngine(tmp_path, [flow], url=db_url)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", '/tool find_order {"order_id": "B-9"}')
+        done = await wait_for_agent_snapshot(
+            sessions, "s", lambda s: s if s.state is not None and s.state.turn_count >= 1 else None,
+            description="the turn to end", timeout=20)
+    assert done.messages[-1].text == f"results: find_order={result}"
+    assert done.state is not None and done.state.last_turn_error is None
+    assert runs == ["B-9"]
 
 
 async def test_function_tool_asks_a_question_and_runs_again_with_the_answer(tmp_path: Path) -> None:

@@ -920,6 +920,11 @@ async def _in_daemon_thread(tool: str, call: Callable[[], Any]) -> Any:
         result: Any = None
         try:
             result = context.run(call)
+        except StopIteration as exc:
+            # A Future refuses StopIteration (settle raised TypeError in the loop and the call waited
+            # for ever); a coroutine's StopIteration becomes a RuntimeError too (PEP 479).
+            error = RuntimeError(f"tool {tool} raised StopIteration")
+            error.__cause__ = exc
         except (Exception, asyncio.CancelledError) as exc:  # a CancelledError stays one, as from any tool
             error = exc
         except BaseException as exc:  # see the docstring
