@@ -676,7 +676,8 @@ async def test_a_malformed_listing_leaves_out_what_cannot_be_offered(tmp_path: P
 
 
 class _BadCallSource(_Source):
-    """A source whose deferred_tool_call raises, returns no DeferredToolCall, or a reference that is not text."""
+    """A source whose deferred_tool_call raises, returns no DeferredToolCall, a reference that is not
+    text, or a call under an ID of its own."""
 
     def __init__(self, fault: str) -> None:
         super().__init__("odd", ["remote_search"])
@@ -688,18 +689,22 @@ class _BadCallSource(_Source):
             raise RuntimeError("the source could not build the call")
         if self.fault == "returns None":
             return None  # type: ignore[return-value]
+        if self.fault == "another call ID":
+            return DeferredToolCall(f"odd-{call.tool_call_id}", call.tool_name, call.arguments,
+                                    ToolPolicy(ToolEffect.READ), tool_source_reference="search")
         return DeferredToolCall(call.tool_call_id, call.tool_name, call.arguments, ToolPolicy(ToolEffect.READ),
                                 tool_source_reference={"operation": "search"})  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("fault", ["raises", "returns None", "reference not text"])
+@pytest.mark.parametrize("fault", ["raises", "returns None", "reference not text", "another call ID"])
 async def test_a_source_that_cannot_build_its_call_fails_that_call_and_pays_one_model_call(
     tmp_path: Path, fault: str
 ) -> None:
     """The model call that asked for the tool is made once: the call fails as unknown without
     reaching the source, and the turn goes on. Catches: the error (or a dict reference, which the
     source got back as None) failing the RunModel attempt, so the paid model call ran three times
-    and the turn failed."""
+    and the turn failed; a call under another ID than the model's running, its result stored apart
+    from the model's call, which the model was told had an unknown outcome."""
     source = _BadCallSource(fault)
     done, model = await _first_turn(tmp_path, [source], "search")
     assert len(model.requests) == 2  # the call, then the answer after its result

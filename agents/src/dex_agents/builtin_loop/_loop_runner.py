@@ -469,9 +469,10 @@ def _source_call(
     source: ToolSource, call: ModelToolCall, listed_tool: ModelToolDefinition, turn: AgentTurnContext
 ) -> DeferredToolCall | None:
     """The source's DeferredToolCall for `call`; None, with a warning, when deferred_tool_call raises or
-    returns something else, or a reference that is not text. The model call is paid for already: an
-    error here would fail the RunModel attempt and make it again on each retry, and a reference that
-    is not text would reach the source as None at execution, perhaps naming another operation."""
+    returns something else, a reference that is not text, or another tool call ID. The model call is
+    paid for already: an error here would fail the RunModel attempt and make it again on each retry,
+    and a reference that is not text would reach the source as None at execution, perhaps naming
+    another operation."""
     try:
         built: object = source.deferred_tool_call(call, listed_tool, turn)
     except Exception as exc:
@@ -484,6 +485,10 @@ def _source_call(
             problem = f"deferred_tool_call returned {shown(built)}, not a DeferredToolCall"
         elif reference is not None and not isinstance(reference, str):
             problem = f"deferred_tool_call returned tool_source_reference {shown(reference)}, not text"
+        elif built.tool_call_id != call.tool_call_id:
+            # Its result would be stored apart from the model's call, which would be told the outcome is unknown.
+            problem = (f"deferred_tool_call returned tool_call_id {shown(built.tool_call_id)}, not the model's "
+                       f"{shown(call.tool_call_id)}")
         else:
             return built
     log.warning("tool source %r could not build tool call %r (%s), which fails as an unknown tool: %s",
