@@ -259,6 +259,39 @@ async def test_continuation_after_an_answer_and_its_limit(tmp_path: Path) -> Non
         assert failed.messages[-1].text == "never done"
 
 
+@pytest.mark.parametrize("fault", ["returns None", "raises"])
+async def test_a_continuation_hook_failing_after_an_answer_fails_the_turn_without_paying_again(
+    tmp_path: Path, fault: str
+) -> None:
+    """A hook that forgets to return in one branch (None), or raises, after the model answered: the
+    turn fails at once naming the hook's problem, the paid answer is stored, and the session goes
+    on. Catches: the error failing the RunModel attempt, so the same answer was paid for on each
+    of its three attempts and then lost with the turn."""
+
+    def decide(context: TurnContinuationContext) -> Any:
+        if context.tool_results:
+            return "end"
+        if fault == "raises":
+            raise KeyError("verdict")
+        return None
+
+    flow, model = scripted_flow(lambda r: ScriptedModelReply(text="the answer"), decide_turn_continuation=decide)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "start")
+        done = await _turns_done(sessions, "s", 1)
+        assert await sessions.send_user_message("s", "again")
+        again = await _turns_done(sessions, "s", 2)
+    assert len(model.requests) == 2  # one per turn
+    error = {"returns None": "decide_turn_continuation returned None; return 'end', 'default' or ContinueTurn",
+             "raises": "decide_turn_continuation raised KeyError: 'verdict'"}[fault]
+    assert done.state is not None and done.state.last_turn_error == error
+    assert [(m.role, m.text) for m in done.messages] == [(MessageRole.USER, "start"),
+                                                         (MessageRole.ASSISTANT, "the answer")]
+    assert again.messages[-1].text == "the answer"
+
+
 async def test_end_after_tools_completes_with_the_tool_result(tmp_path: Path) -> None:
     """'end' after tool calls completes the turn without another model call; the last message is the result."""
 

@@ -75,6 +75,10 @@ TURN_CONTINUATION_LIMIT_ERROR = (
 )
 
 
+class TurnContinuationError(ValueError):
+    """decide_turn_continuation raised, or returned something other than a TurnContinuation."""
+
+
 def model_call_limit_result(limit: int) -> str:
     return f"The tool call was not run: this turn reached its limit of {limit} model calls."
 
@@ -170,7 +174,12 @@ class BuiltinLoopAgentRunner:
             deferred = [self._deferred(turn, call, offered) for call in calls]
             state = _encode(_RunState(model_calls=model_calls))
             return ToolCallsRequested(state, deferred, response.usage, unstored, response.metadata)
-        decision = await self._decide(turn, outputs, [])
+        try:
+            decision = await self._decide(turn, outputs, [])
+        except TurnContinuationError as exc:
+            # The answer is paid for: a retry would buy it again for the same broken hook, so the turn
+            # fails here, with the answer stored.
+            return TurnCompleted(unstored, response.usage, response.metadata, turn_error=str(exc))
         if isinstance(decision, ContinueTurn):
             if run.consecutive_continuations >= MAX_CONSECUTIVE_TURN_CONTINUATIONS:
                 return TurnCompleted(unstored, response.usage, response.metadata,
@@ -391,17 +400,21 @@ class BuiltinLoopAgentRunner:
         hook = self.definition.decide_turn_continuation
         if hook is None:
             return "default"
-        value: Any = hook(TurnContinuationContext(turn.flow_id, turn.turn_id, dict(turn.session_settings),
-                                                  tuple(outputs), tuple(results)))
-        if inspect.isawaitable(value):
-            value = await value
+        try:
+            value: Any = hook(TurnContinuationContext(turn.flow_id, turn.turn_id, dict(turn.session_settings),
+                                                      tuple(outputs), tuple(results)))
+            if inspect.isawaitable(value):
+                value = await value
+        except Exception as exc:
+            raise TurnContinuationError(f"decide_turn_continuation raised {raised_text(exc)}") from exc
         if isinstance(value, ContinueTurn):
             if not isinstance(value.message, str) or not value.message.strip():
-                raise ValueError("decide_turn_continuation returned ContinueTurn with a blank message")
+                raise TurnContinuationError("decide_turn_continuation returned ContinueTurn with a blank message")
             return value
         if value in ("end", "default"):
             return str(value)
-        raise ValueError(f"decide_turn_continuation returned {value!r}; return 'end', 'default' or ContinueTurn")
+        raise TurnContinuationError(
+            f"decide_turn_continuation returned {shown(value)}; return 'end', 'default' or ContinueTurn")
 
     async def _offered_tools(self, built_ins: frozenset[str]) -> _Offered:
         """Function tools, then each source's listing, then the enabled built-in tools."""
