@@ -834,6 +834,56 @@ async def test_a_sources_tool_step_options_bound_its_call(tmp_path: Path) -> Non
     assert answer.startswith("The tool call failed:") and "passed its" in answer, answer  # timeout or deadline
 
 
+class _PlainDefSource:
+    """A source written with plain `def` methods (a sync HTTP client, say): the ToolSource protocol's
+    `async def` returning Any accepts them for mypy, and isinstance only checks the names."""
+
+    source_name = "plain"
+
+    def __init__(self, effect: ToolEffect, *, task: bool = False) -> None:
+        self.effect = effect
+        self.task = task
+        self.executed: list[str] = []
+        self.polled: list[str] = []
+
+    def list_tools(self) -> Sequence[ModelToolDefinition]:
+        return [ModelToolDefinition("remote_search", "Search remotely.", {"type": "object", "properties": {}})]
+
+    def deferred_tool_call(self, call: ModelToolCall, listed_tool: ModelToolDefinition,
+                           turn: AgentTurnContext) -> DeferredToolCall:
+        return DeferredToolCall(call.tool_call_id, call.tool_name, call.arguments,
+                                ToolPolicy(self.effect, requires_approval=False), tool_source_reference="op")
+
+    def execute_deferred_tool_call(self, call: DeferredToolExecution) -> Any:
+        self.executed.append(call.tool_call.tool_call_id)
+        if self.task:
+            return ToolTaskStarted(task_id="task-1", poll_interval_seconds=1)
+        return ToolExecutionResult(f"ran {call.tool_call.tool_name}")
+
+    def poll_tool_task(self, poll: ToolTaskPoll) -> ToolTaskPollOutcome:
+        self.polled.append(poll.tool_call.tool_call_id)
+        return ToolExecutionResult(f"task {poll.tool_call.task_id} done")
+
+
+@pytest.mark.parametrize(("effect", "task"), [
+    (ToolEffect.READ, False), (ToolEffect.NON_IDEMPOTENT_WRITE, False), (ToolEffect.READ, True),
+])
+async def test_a_source_with_plain_def_methods_is_listed_and_its_call_runs_once(
+    tmp_path: Path, effect: ToolEffect, task: bool
+) -> None:
+    """Its listing offers its tool, and a call's result (or its task's) is the call's result, after
+    one run. Catches: the runner awaiting what the plain def returned, after the work was done: the
+    listing offered nothing in every model call; a write that succeeded was recorded outcome_unknown,
+    and a read ran three times and was recorded failed (as the session already avoids for a
+    runner's own plain def methods)."""
+    source = _PlainDefSource(effect, task=task)
+    done, model = await _first_turn(tmp_path, [source], "search")
+    assert "remote_search" in [t.name for t in model.requests[0].tools]
+    assert done.messages[-1].text == ("task task-1 done" if task else "ran remote_search")
+    assert len(source.executed) == 1
+    assert len(source.polled) == (1 if task else 0)
+
+
 async def _own_tool_turn(tmp_path: Path, runner: type[BuiltinLoopAgentRunner]) -> tuple[str | None, list[str]]:
     """One turn calling lookup_order on a `runner` subclass: the call's result, and the event types."""
     definition = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(tool_then_answer),

@@ -36,6 +36,7 @@ from .._runner import (
     TurnContinued,
     polls_tool_tasks,
 )
+from .._runtime import resolved
 from .._wire import AgentToolCall, AgentUsage, InteractionMode, MessageRole, PlanStatus, ToolEffect
 from ._compaction import estimate_model_input, select_response_cutoff, summarize_with_model, with_summary_note
 from ._definition import AgentDefinition, ContinueTurn, InstructionContext, TurnContinuationContext
@@ -213,7 +214,9 @@ class BuiltinLoopAgentRunner:
             source = self.definition.tool_source(source_name)  # LookupError: the effect decides
             own = dataclasses.replace(call, tool_call=msgspec.structs.replace(record, tool_source_reference=reference),
                                       supports_tool_tasks=call.supports_tool_tasks and polls_tool_tasks(source))
-            return await source.execute_deferred_tool_call(own)
+            # resolved: a source's plain def has run the tool when it returns; awaiting its result would
+            # fail the Step after the work, and a write would be recorded outcome_unknown.
+            return await resolved(source.execute_deferred_tool_call(own))
         tool = self.definition.function_tool(record.tool_name)
         if tool is None:
             raise ToolExecutionError(unknown_tool_error(record.tool_name))
@@ -239,7 +242,8 @@ class BuiltinLoopAgentRunner:
         source, reference = found
         own = dataclasses.replace(poll, tool_call=msgspec.structs.replace(
             poll.tool_call, tool_source_reference=reference))
-        return await cast(ToolTaskPoller, source).poll_tool_task(own)
+        outcome: ToolTaskPollOutcome = await resolved(cast(ToolTaskPoller, source).poll_tool_task(own))
+        return outcome
 
     def _polls_tool_task_of(self, record: AgentToolCall) -> bool:
         """Whether poll_tool_task can poll `record`'s task (read by polls_tool_tasks): a subclass that
@@ -261,7 +265,7 @@ class BuiltinLoopAgentRunner:
         if found is not None and callable(cancel):
             own = dataclasses.replace(cancellation, tool_call=msgspec.structs.replace(
                 cancellation.tool_call, tool_source_reference=found[1]))
-            await cancel(own)
+            await resolved(cancel(own))
 
     def tool_call_step_options(self, call: DeferredToolCall) -> ToolCallStepOptions | None:
         """The source's tool_call_step_options (an operation's timeout and retry, say), when it has one."""
@@ -513,7 +517,8 @@ async def _listing(source: ToolSource, timeout: float) -> tuple[ModelToolDefinit
     """The source's tools, each one that is not a well-formed definition left out; None when the
     listing raised or timed out: a down or broken server offers no tools, it never fails the turn."""
     try:
-        listed = list(await asyncio.wait_for(source.list_tools(), timeout))
+        # resolved: a source's plain def list_tools returns the listing itself.
+        listed = list(await asyncio.wait_for(resolved(source.list_tools()), timeout))
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if task is not None and task.cancelling():
