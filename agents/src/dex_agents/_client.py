@@ -19,6 +19,7 @@ from ._constants import (
 )
 from ._session_flow import AgentSessionFlow
 from ._session_settings import validate_session_settings
+from ._turn_logic import storable_rejection_message
 from ._wire import (
     AgentMessagesPage,
     AgentSessionStartInput,
@@ -134,7 +135,11 @@ class AgentSessionClient:
         """Approve or reject a pending interrupt; retries a lock held by a short Step for 5 s."""
         _check_text("interrupt_id", interrupt_id)
         _check_text("rejection_message", rejection_message, optional=True)
-        request = ResolveInterruptRequest(interrupt_id, approved, rejection_message)
+        # Cut here as the RPC would store it (dropped on approval): a reason over the engine's value
+        # limit would otherwise make the request itself too large, and the rejection never reach the
+        # session, although a longer message is documented to be kept cut.
+        kept = None if approved is True else storable_rejection_message(rejection_message)
+        request = ResolveInterruptRequest(interrupt_id, approved, kept)
         result = await self._retry_lock_conflicts(lambda: self.client.rpc(session_id, "resolve_interrupt", request))
         return bool(result)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -96,6 +97,16 @@ def cut_text(text: str, chars: int | None) -> str:
     if chars is None or len(text) <= chars:
         return text
     return f"{text[:chars]} [Dex: cut from {len(text)} characters]"
+
+
+# The note cut_text appends; a length of at most 19 digits, so int() never meets a huge one.
+_CUT_NOTE = re.compile(r" \[Dex: cut from ([1-9][0-9]{0,18}) characters\]")
+
+
+def is_cut_text(text: str, chars: int) -> bool:
+    """Whether `text` is what cut_text(original, chars) made of an original longer than `chars`."""
+    note = _CUT_NOTE.fullmatch(text, chars)
+    return note is not None and int(note.group(1)) > chars
 
 
 def text_of(value: object) -> str:

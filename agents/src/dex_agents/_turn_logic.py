@@ -37,7 +37,7 @@ from ._constants import (
 )
 from ._options import LONGEST_TIMER
 from ._plans import WRITE_TODOS, count_write_todos_calls, rejected_in_planning_turn, settle_write_todos
-from ._policy import REPEATABLE_EFFECTS, ToolPolicy, cut_text, is_approval_required, shown
+from ._policy import REPEATABLE_EFFECTS, ToolPolicy, cut_text, is_approval_required, is_cut_text, shown
 from ._runner import DeferredToolCall, FrameworkMessage, ToolCallStepOptions
 from ._timefmt import format_time
 from ._wire import (
@@ -485,8 +485,12 @@ def _built_in_call(
 
 
 def storable_rejection_message(message: str | None) -> str | None:
-    """`message`, cut to MAX_REJECTION_MESSAGE_CHARS with a note saying so when longer."""
-    return None if message is None else cut_text(message, MAX_REJECTION_MESSAGE_CHARS)
+    """`message`, cut to MAX_REJECTION_MESSAGE_CHARS with a note saying so when longer. A message
+    that already is such a cut stays as it is: AgentSessionClient cuts before sending, so that a
+    reason over the engine's value limit still fits in its request, and the RPC cuts again."""
+    if message is None or is_cut_text(message, MAX_REJECTION_MESSAGE_CHARS):
+        return message
+    return cut_text(message, MAX_REJECTION_MESSAGE_CHARS)
 
 
 def finished(
