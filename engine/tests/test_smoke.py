@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
 from collections.abc import Callable
@@ -8,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from dex_engine import (
+    AsyncClient,
     Attribute,
     Channel,
     Client,
@@ -202,3 +204,17 @@ async def test_closing_the_blocking_client_ends_calls_other_threads_wait_in(db_u
             client.describe_flow("never")
 
     await asyncio.to_thread(drive)
+
+
+def test_the_blocking_client_takes_each_methods_arguments_as_the_async_client_does() -> None:
+    """Catches: a method of Client whose parameters differ from AsyncClient's (seed 003 calls
+    `search_flows(query, 50)`, which the blocking client refused with a TypeError while its limit
+    was keyword-only)."""
+    shared = [name for name, member in vars(Client).items()
+              if callable(member) and not name.startswith("_") and hasattr(AsyncClient, name)]
+    assert "search_flows" in shared and "read_stream" in shared
+    for name in shared:
+        blocking = inspect.signature(getattr(Client, name))
+        awaited = inspect.signature(getattr(AsyncClient, name))
+        assert [(p.name, p.kind, p.default) for p in blocking.parameters.values()] == [
+            (p.name, p.kind, p.default) for p in awaited.parameters.values()], name

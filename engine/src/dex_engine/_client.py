@@ -565,7 +565,7 @@ class Client:
     def describe_flow(self, flow_id: str) -> FlowInfo:
         return self._call(self._async.describe_flow(flow_id))
 
-    def search_flows(self, query: str, *, limit: int = DEFAULT_READ_LIMIT) -> list[str]:
+    def search_flows(self, query: str, limit: int = DEFAULT_READ_LIMIT) -> list[str]:
         return self._call(self._async.search_flows(query, limit=limit))
 
     def get_flow_history(self, flow_id: str) -> list[HistoryEntry]:
