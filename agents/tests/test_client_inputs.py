@@ -17,7 +17,7 @@ import pytest
 from agents.tests.scripted_agent import build_flow
 from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 
-from dex_agents import AgentSessionClient, AgentSnapshot
+from dex_agents import AgentSessionClient, AgentSnapshot, UpdateSessionSettingsRequest
 from dex_agents.testing import wait_for_agent_snapshot
 from dex_engine import (
     AsyncClient,
@@ -132,3 +132,22 @@ async def test_a_message_id_too_long_to_be_one_is_not_queued(tmp_path: Path, db_
         queued = (await sessions.get_agent_snapshot("s")).queued_messages
         assert [m.message.text for m in queued] == ["queued"]
         assert await sessions.delete_queued_message("s", queued[0].message_id) is True
+
+
+@pytest.mark.parametrize("settings", [[1, 2], "model-a", 5, True], ids=["array", "text", "number", "bool"])
+async def test_update_session_settings_that_are_not_an_object_return_false(
+    tmp_path: Path, db_url: str, settings: Any  # noqa: F811
+) -> None:
+    """The update_session_settings RPC returns False for settings that are not a JSON object, as seed
+    002's RPC table says (with null, missing and oversized settings), and the stored settings stay.
+    Catches: the request's decoding refusing them with InvalidValueError, so a caller on the wire (a
+    web route forwarding a browser's body) got an exception where the contract promises False."""
+    async with sessions_on(tmp_path, db_url, worker=True) as sessions:
+        await sessions.start_session("s", "hi", session_settings={"model": "m"})
+        await wait_for_agent_snapshot(sessions, "s", _turn_ended, description="the first turn ended")
+        request = UpdateSessionSettingsRequest(settings)
+        assert await sessions.client.rpc("s", "update_session_settings", request) is False
+        assert await sessions.client.rpc("s", "update_session_settings", {"session_settings": settings}) is False
+        assert (await sessions.get_agent_snapshot("s")).session_settings == {"model": "m"}
+        assert await sessions.client.rpc("s", "update_session_settings", UpdateSessionSettingsRequest({})) is True
+        assert (await sessions.get_agent_snapshot("s")).session_settings is None

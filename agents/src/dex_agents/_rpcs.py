@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import msgspec
+
 from dex_engine import LoadOptions, Rpc, RpcContext, rpc
 
 from ._constants import LIST_MESSAGES_DEFAULT_LIMIT, LIST_MESSAGES_MAX_LIMIT, SNAPSHOT_MESSAGE_LIMIT
@@ -39,6 +43,15 @@ from ._wire import (
     ResolveInterruptRequest,
     UpdateSessionSettingsRequest,
 )
+
+
+class SessionSettingsUpdate(msgspec.Struct, frozen=True):
+    """UpdateSessionSettingsRequest as the update_session_settings RPC decodes it: the same JSON, with
+    settings of any JSON type. Seed 002's RPC table answers settings that are not a JSON object with
+    False, as it does null and oversized ones; declared as JsonObject, the request's decoding refused
+    them with InvalidValueError before the RPC could say so."""
+
+    session_settings: Any = None
 
 
 def page_of_messages(
@@ -141,8 +154,10 @@ def session_rpcs(*, plan_mode_enabled: bool) -> list[Rpc]:
         return page_of_messages(ctx.get(AGENT_MESSAGE_INDEX), window_messages(ctx), chunk_reader(ctx),
                                 request.before_sequence, request.limit)
 
-    @rpc("update_session_settings", request_type=UpdateSessionSettingsRequest, load=LoadOptions.only(AGENT_STATE))
-    async def update_session_settings(ctx: RpcContext, request: UpdateSessionSettingsRequest) -> bool:
+    @rpc("update_session_settings", request_type=SessionSettingsUpdate, load=LoadOptions.only(AGENT_STATE))
+    async def update_session_settings(
+        ctx: RpcContext, request: SessionSettingsUpdate | UpdateSessionSettingsRequest
+    ) -> bool:
         # Replaces, never merges; {} clears. The next turn copies it; the running turn keeps its copy.
         if ctx.get(AGENT_STATE) is None:
             return False  # StartAgentSession has not committed
