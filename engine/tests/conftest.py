@@ -200,6 +200,16 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return url
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-k` deselects: it matches the marker's name
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark `postgres` every test that takes a PostgreSQL database, so `-k postgres` selects all of
+    them and `-k "not postgres"` leaves them out, as docs/testing.md says; `db_url`'s postgres
+    param has it in its ID already. A module that needs a server of its own marks itself."""
+    for item in items:
+        if "pg_databases" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.postgres)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     dsn = os.environ.get("TEST_PG_DSN")
     if not dsn:

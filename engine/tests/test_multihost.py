@@ -43,7 +43,7 @@ from .conftest import NO_PG_REASON, engine_for
 from .proc_harness import ProcSet, WorkerProcess, assert_no_attempt_ran_twice, eventually
 from .worker_child import REGISTRY, Owner
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]  # PostgreSQL only (docs/testing.md's -k postgres)
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 # Each host gets 10.77.<n>.0/30: .1 on the root namespace's end (where the server listens), .2 in its namespace.

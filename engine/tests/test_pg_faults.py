@@ -88,7 +88,7 @@ from .proc_harness import (
     eventually,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]  # PostgreSQL only (docs/testing.md's -k postgres)
 
 T = TypeVar("T")
 
