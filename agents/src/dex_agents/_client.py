@@ -144,7 +144,8 @@ class AgentSessionClient:
         return bool(result)
 
     async def answer_question(self, session_id: str, interrupt_id: str, answer: str) -> bool:
-        """Answer a pending question; False when it is not pending, past its deadline, blank, or not a choice."""
+        """Answer a pending question; False when it is not pending, past its deadline, blank, or not one
+        of its choices while it allows no free text. Retries a lock held by a short Step for 5 s."""
         _check_text("interrupt_id", interrupt_id)
         _check_text("answer", answer)
         request = AnswerQuestionRequest(interrupt_id, answer)
