@@ -8,6 +8,7 @@ the RPCs, the model input and the stored index agree with what was said.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import json
@@ -654,6 +655,34 @@ async def test_thirty_turns_over_a_small_window(tmp_path: Path) -> None:
         completed = [json.loads(e.value.payload) for e in await all_agent_events(sessions, "s")
                      if e.value.type == "turn_completed"]
         assert [c["message_count"] for c in completed] == [per_turn - 1] * 30
+
+
+async def test_paging_back_to_back_lets_the_loop_run_its_timers(tmp_path: Path) -> None:
+    """A client that pages through a transcript again and again (a UI exporting it, a sync job) on
+    the loop of an in-process Worker: on SQLite each read ran on that loop while it looked idle, so
+    the pager never suspended and no timer fired until it stopped: not the Worker's lease renewal,
+    not a sleep, not the wait_for timeout meant to bound the paging itself."""
+    flow, _ = storage_flow("PagedAgent", message_window_size=4, message_chunk_size=2)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        for number in range(1, 4):
+            await run_turn(sessions, "s", number, f"turn {number}")
+        loop = asyncio.get_running_loop()
+        paging_seconds = 3.0
+
+        async def page_for_a_while() -> int:
+            started, walks = loop.time(), 0
+            while loop.time() - started < paging_seconds:
+                await all_pages(sessions, "s", limit=5)
+                walks += 1
+            return walks
+
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(page_for_a_while(), timeout=0.2)
+        assert loop.time() - started < 1.0, f"wait_for(timeout=0.2) ended after {loop.time() - started:.2f} s"
 
 
 async def test_oversized_messages_sit_in_their_own_chunks(tmp_path: Path) -> None:

@@ -78,6 +78,22 @@ async def test_an_idle_loop_runs_the_operation_itself_and_a_busy_one_hands_it_of
     assert await marks(store) == ["idle", "busy"]
 
 
+async def test_operations_back_to_back_on_an_idle_loop_still_let_its_timers_fire(store: SqliteStore) -> None:
+    """A caller that runs operations one after another (a client paging through a long transcript)
+    finds its loop idle before each, since its timers are not yet in the ready queue: run inline
+    every time, its task never suspended, and no timer fired until it stopped (a sleep, a
+    wait_for timeout, an in-process Worker's lease renewal). A due timer now sends the operation to
+    the store's thread, so the caller waits and the loop runs the timer."""
+    loop = asyncio.get_running_loop()
+    fired: list[float] = []
+    started = loop.time()
+    loop.call_later(0.01, lambda: fired.append(loop.time()))
+    while loop.time() - started < 0.5:
+        await store.raw(lambda db: db.one("SELECT count(*) FROM marks"))
+    assert fired, "a timer due after 10 ms did not fire while operations ran back to back for 0.5 s"
+    assert fired[0] - started < 0.2, f"the timer due after 10 ms fired after {fired[0] - started:.3f} s"
+
+
 async def test_two_operations_ready_at_once_on_an_idle_loop_both_run_inline(store: SqliteStore) -> None:
     """Two tasks start an operation in the same round of an otherwise idle loop (an attempt's
     commit and a reader woken by the commit before it): each finds the other's wake-up ready. Each

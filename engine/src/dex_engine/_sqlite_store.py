@@ -208,6 +208,16 @@ def _remember(db: _SqliteDb) -> None:
     db.shared_options.committed()
 
 
+def _timer_due(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether `loop` has a timer whose time has come (asyncio's heap of TimerHandles; a loop without
+    one, uvloop, hands every operation off anyway). Such a timer reaches the ready queue only when
+    the loop runs a round: a caller running one operation after another inline never suspends, so
+    without this check its loop's sleeps, wait_for timeouts and lease renewals never fired while it
+    went on (a client paging through a long transcript)."""
+    scheduled: list[asyncio.TimerHandle] | None = getattr(loop, "_scheduled", None)
+    return scheduled is not None and len(scheduled) > 0 and scheduled[0].when() <= loop.time()
+
+
 def _is_busy(exc: BaseException) -> bool:
     """SQLite's lock was taken (SQLITE_BUSY or an extended form): the transaction was rolled back."""
     code = getattr(exc, "sqlite_errorcode", None)
@@ -758,7 +768,7 @@ class SqliteStore(Store):
         # another operation letting the loop run before its own does not count (_yielders).
         ready = getattr(loop, "_ready", None)
         if (ready is None or len(ready) > self._yielders(loop) or not self.settings.inline
-                or not self._take_connection()):
+                or _timer_due(loop) or not self._take_connection()):
             return False
         try:
             if self._outstanding or self._closed:
