@@ -92,6 +92,7 @@ from dex_agents._constants import (
     MAX_REJECTION_MESSAGE_CHARS,
     MAX_STORED_TOOL_ERROR_CHARS,
     REJECTION_MESSAGE_NOT_STORED,
+    TIGHTER_NOTE_FIELD_CHARS,
 )
 from dex_agents._session_settings import session_settings_error, session_settings_size, validate_session_settings
 from dex_agents._timefmt import format_time
@@ -1090,6 +1091,40 @@ async def test_a_failed_turn_whose_note_is_too_large_stores_it_cut(
                 "Do not repeat these tool calls unless the user asks again.",
             ])),
         ]
+
+
+class _NotingRunner(_NoNoteRunner):
+    """A runner that builds every user message, Dex's notes included, as plain user text."""
+
+    def build_user_message(self, text: str) -> FrameworkMessage:
+        return item(MessageRole.USER, text=text)
+
+
+def test_a_failed_turn_whose_cut_note_is_still_too_large_stores_it_cut_further() -> None:
+    """500 calls whose arguments and outputs are 3,000 characters each: the note cut to
+    CUT_NOTE_FIELD_CHARS a field is still over the value limit, so it is stored cut to the first of
+    TIGHTER_NOTE_FIELD_CHARS. Catches: the note left out, so that the next turn's model, told
+    nothing, could repeat the writes that ran."""
+    calls = 500
+    arguments, output = "a" * 3000, "o" * 3000
+    flow = AgentSessionFlow(_NotingRunner(), "Noting")
+    ctx = step_context(flow, "RecordTurnFailure", {
+        ("AgentToolCalls", f"c{n}"): tool_call(AgentToolCallStatus.SUCCEEDED, tool_call_id=f"c{n}", arguments=arguments,
+                                               output=output, deferral_order=n)
+        for n in range(calls)
+    })
+    assert calls * 2 * (CUT_NOTE_FIELD_CHARS + 30) > MAX_VALUE_BYTES  # the first cut cannot fit
+    runtime_of(flow).fail_turn(ctx, running_turn(), "turn-1", "boom")
+    stored = ctx.get(AGENT_MESSAGES[message_sequence_key(2)])
+    chars = TIGHTER_NOTE_FIELD_CHARS[0]
+    line = (f"- t {arguments[:chars]} [Dex: cut from 3000 characters] -> succeeded: "
+            f"{output[:chars]} [Dex: cut from 3000 characters]")
+    assert stored is not None and stored.text == "\n".join([
+        "[Dex] The previous turn failed after these tool calls ran:", *[line] * calls,
+        "Do not repeat these tool calls unless the user asks again.",
+    ])
+    state = ctx.get(AGENT_STATE)
+    assert state is not None and (state.last_turn_error, state.next_message_sequence) == ("boom", 3)
 
 
 def _read_call(call_id: str = "c1") -> DeferredToolCall:

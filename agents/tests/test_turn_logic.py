@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -746,7 +747,7 @@ def test_a_turns_ending_tries_the_note_before_the_unfinished_messages(
     unfinished: list[str], note: str | None, cut: str | None, expected: list[list[str]]
 ) -> None:
     tries = ending_tries([_user(t) for t in unfinished], None if note is None else _user(note),
-                         lambda: None if cut is None else _user(cut))
+                         [None if cut is None else _user(cut)])
     assert [[m.text for m in tried] for tried in tries] == expected
 
 
@@ -758,21 +759,39 @@ def test_a_turns_ending_tries_the_note_before_the_unfinished_messages(
 def test_a_controlled_turns_ending_tries_the_note_only_instead_of_the_runners_messages(
     unfinished: list[str], expected: list[list[str]]
 ) -> None:
-    tries = ending_tries([_user(t) for t in unfinished], _user("note"), lambda: _user("cut"), note_instead=True)
+    tries = ending_tries([_user(t) for t in unfinished], _user("note"), [_user("cut")], note_instead=True)
     assert [[m.text for m in tried] for tried in tries] == expected
 
 
-def test_a_turns_ending_builds_the_cut_note_only_when_the_whole_one_does_not_fit() -> None:
-    asked: list[int] = []
+def test_a_turns_ending_builds_each_cut_note_only_when_the_one_before_does_not_fit() -> None:
+    asked: list[str] = []
 
-    def cut() -> FrameworkMessage:
-        asked.append(1)
-        return _user("cut")
+    def cuts() -> Iterator[FrameworkMessage]:
+        for name in ("cut", "tighter"):
+            asked.append(name)
+            yield _user(name)
 
-    tries = ending_tries([_user("u")], _user("note"), cut)
+    tries = ending_tries([_user("u")], _user("note"), cuts())
     assert [m.text for m in next(tries)] == ["u", "note"] and [m.text for m in next(tries)] == ["note"]
     assert asked == []
-    assert [m.text for m in next(tries)] == ["u", "cut"] and asked == [1]
+    assert [m.text for m in next(tries)] == ["u", "cut"] and asked == ["cut"]
+    assert [m.text for m in next(tries)] == ["cut"] and asked == ["cut"]
+    assert [m.text for m in next(tries)] == ["u", "tighter"] and asked == ["cut", "tighter"]
+
+
+@pytest.mark.parametrize(("cuts", "expected"), [
+    # Each tighter cut is tried, with and then without the unfinished messages, before giving up the note.
+    (["cut", "tighter"], [["u", "note"], ["note"], ["u", "cut"], ["cut"], ["u", "tighter"], ["tighter"], ["u"], []]),
+    # A cut that changes nothing (fields already short) is not tried twice.
+    (["cut", "cut", None], [["u", "note"], ["note"], ["u", "cut"], ["cut"], ["u"], []]),
+])
+def test_a_turns_ending_tries_every_tighter_cut_of_the_note(cuts: list[str | None], expected: list[list[str]]) -> None:
+    tries = ending_tries([_user("u")], _user("note"), [None if c is None else _user(c) for c in cuts])
+    assert [[m.text for m in tried] for tried in tries] == expected
+    controlled = ending_tries([_user("u")], _user("note"), [None if c is None else _user(c) for c in cuts],
+                              note_instead=True)
+    assert [[m.text for m in tried] for tried in controlled] == [
+        ["u"], ["note"], *([c] for c in dict.fromkeys(c for c in cuts if c is not None)), []]
 
 
 def test_check_framework_messages_accepts_a_plain_role_string() -> None:

@@ -113,6 +113,10 @@ MAX_STORED_TURN_ERROR_CHARS = 4000
 # each call's arguments and result: the calls and their statuses still reach the model, so a write
 # that ran is not repeated, while a few hundred calls still fit one engine value.
 CUT_NOTE_FIELD_CHARS = 2_000
+# When even that note is too large (a failed turn of hundreds of calls with long arguments), it is
+# cut again to these: the calls' names and statuses are what keep the next turn's model from
+# repeating a write, and at 0 several thousand calls fit one engine value.
+TIGHTER_NOTE_FIELD_CHARS = (200, 0)
 # Steering and cancel_turn record a call they abandoned before it started rejected with one of these
 # (seed 002, "Turn-failure note and model-visible results"), compact JSON the model can read.
 STEERED_REJECTION_MESSAGE = '{"status":"cancelled","reason":"superseded_by_steered_user_message"}'

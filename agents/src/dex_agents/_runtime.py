@@ -37,6 +37,7 @@ from ._constants import (
     MAX_STORED_TOOL_ERROR_CHARS,
     MAX_STORED_TURN_ERROR_CHARS,
     REJECTION_MESSAGE_NOT_STORED,
+    TIGHTER_NOTE_FIELD_CHARS,
     TOOL_HEARTBEAT_INTERVAL,
 )
 from ._events import AgentEventType, AgentEventWriter, make_event
@@ -418,9 +419,10 @@ class SessionRuntime:
     ) -> AgentState:
         """Store an ending turn's last messages: `unfinished`, then the note `note_text(None)` gives,
         if any. When they do not fit the value limit, the first of ending_tries that fits (the note
-        whole, then cut to CUT_NOTE_FIELD_CHARS a field, before the unfinished messages); a runner
-        that cannot build the note leaves it out. With `note_instead`, the note is stored only when
-        the unfinished messages do not fit (ending_tries). `what` names the turn in warnings."""
+        whole, then cut to CUT_NOTE_FIELD_CHARS a field, then to each TIGHTER_NOTE_FIELD_CHARS, before
+        the unfinished messages); a runner that cannot build the note leaves it out. With
+        `note_instead`, the note is stored only when the unfinished messages do not fit
+        (ending_tries). `what` names the turn in warnings."""
 
         def note_message(field_chars: int | None) -> FrameworkMessage | None:
             text = note_text(field_chars) if note_text is not None else None
@@ -436,7 +438,8 @@ class SessionRuntime:
 
         note = note_message(None)
         first: ValueTooLarge | None = None
-        tries = ending_tries(unfinished, note, lambda: note_message(CUT_NOTE_FIELD_CHARS), note_instead=note_instead)
+        cuts = (note_message(chars) for chars in (CUT_NOTE_FIELD_CHARS, *TIGHTER_NOTE_FIELD_CHARS))
+        tries = ending_tries(unfinished, note, cuts, note_instead=note_instead)
         for items in tries:
             # append_messages checks every size before it writes anything, so a refused try leaves nothing.
             try:

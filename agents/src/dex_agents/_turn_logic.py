@@ -10,7 +10,7 @@ import dataclasses
 import inspect
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -221,24 +221,24 @@ def arguments_error(arguments: object) -> str | None:
 def ending_tries(
     unfinished: Sequence[FrameworkMessage],
     note: FrameworkMessage | None,
-    cut_note: Callable[[], FrameworkMessage | None],
+    cut_notes: Iterable[FrameworkMessage | None],
     *,
     note_instead: bool = False,
 ) -> Iterator[list[FrameworkMessage]]:
     """What a turn's end tries to store, best first, until one fits the value limit: the unfinished
-    messages and the note, the note alone, both again with the note cut (`cut_note`, asked only
-    then), the unfinished messages alone, nothing. The note comes before the unfinished messages: it
-    is what keeps the next turn from repeating a write.
+    messages and the note, the note alone, both again with each cut of the note in turn (`cut_notes`,
+    each cut more than the last, built only when reached; None or a repeat is skipped), the
+    unfinished messages alone, nothing. The note comes before the unfinished messages: it is what
+    keeps the next turn from repeating a write.
 
     With `note_instead` (a steered or cancelled turn, whose note stands in for the runner's
-    messages, never beside them): the unfinished messages, else the note, else the cut note, else
+    messages, never beside them): the unfinished messages, else the note, else each cut note, else
     nothing."""
     if note_instead:
         yield [*unfinished]
         if note is not None and unfinished:
             yield [note]
-            cut = cut_note()
-            if cut is not None and cut != note:
+            for cut in _new_cuts(note, cut_notes):
                 yield [cut]
         if unfinished:
             yield []
@@ -247,8 +247,7 @@ def ending_tries(
     if note is not None:
         if unfinished:
             yield [note]
-        cut = cut_note()
-        if cut is not None and cut != note:
+        for cut in _new_cuts(note, cut_notes):
             yield [*unfinished, cut]
             if unfinished:
                 yield [cut]
@@ -256,6 +255,15 @@ def ending_tries(
             yield [*unfinished]
     if unfinished or note is not None:
         yield []
+
+
+def _new_cuts(note: FrameworkMessage, cut_notes: Iterable[FrameworkMessage | None]) -> Iterator[FrameworkMessage]:
+    """The cuts of `note` that differ from it and from the cut before (a note too short to cut)."""
+    last = note
+    for cut in cut_notes:
+        if cut is not None and cut != last:
+            yield cut
+            last = cut
 
 
 def storable_text(text: str) -> str:
