@@ -321,6 +321,50 @@ async def test_stream_follow_waits_for_new_events_until_the_flow_closes(db_copy:
     ]
 
 
+Burst: Stream[str] = Stream("Burst", str, capacity_bytes=50)  # each event below is 5 bytes as JSON: 10 kept
+
+
+@rpc(request_type=list[str])
+async def burst(ctx: RpcContext, values: list[str]) -> None:
+    for value in values:
+        ctx.append(Burst, value)
+
+
+async def _idle(ctx: Context, _: None) -> StepDecision:
+    return StepDecision.dead_end()
+
+
+BURST_FLOW = Flow("Burst", [Step("Idle", _idle, input_type=type(None))], schema=[Burst], rpcs=[burst])
+
+
+async def test_stream_follow_says_when_events_were_trimmed_while_it_followed(db_url: str) -> None:
+    """--follow says which events it missed when a burst trims them between two of its reads, as it
+    does for the first read: the printed sequences jump, and a reader piping the lines on must not
+    take the jump for the stream's whole story. Catches: a gap reported only on the first read."""
+    async with engine_for(db_url, Registry([BURST_FLOW])) as eng:
+        await eng.client.start_flow("Burst", "b1")
+        await eng.client.rpc("b1", "burst", ["e01", "e02"])
+        proc = await asyncio.create_subprocess_exec(
+            DEX_ENGINE, "stream", "b1", "Burst", "--follow", "--db", db_url,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            assert proc.stdout is not None
+            for _ in range(2):
+                await asyncio.wait_for(proc.stdout.readline(), 30)
+            # The follower has printed 1 and 2; one commit appends 3..22 and trims 1..12 (capacity).
+            await eng.client.rpc("b1", "burst", [f"e{i:02d}" for i in range(3, 23)])
+            await eng.client.stop_flow("b1")
+            out, err = await asyncio.wait_for(proc.communicate(), 30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert proc.returncode == 0, err
+    assert [json.loads(line)["sequence"] for line in out.decode().splitlines()] == list(range(13, 23))
+    assert "events 3..12 were trimmed (stream capacity)" in err.decode(), err
+
+
 # skip-timer / stop / workers ----------------------------------------------------------------
 
 
