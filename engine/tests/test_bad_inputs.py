@@ -937,6 +937,16 @@ async def test_forged_and_foreign_resume_tokens_are_refused(db_url: str, tmp_pat
         assert [e.value for e in good.events] == ["e2"]
 
 
+async def test_a_huge_resume_token_is_refused_with_a_short_message(db_url: str) -> None:
+    """A megabyte of text passed as a resume token (a client's Last-Event-ID, say) is refused naming
+    its start, not echoed whole into the error, which a server logs and may send back."""
+    async with idle_engine(db_url) as eng:
+        for huge in ("x" * 1_000_000, "é" * 1_000_000, "a." + "b" * 1_000_000 + ".c"):
+            error = await refused(eng.store, lambda t=huge: eng.client.read_stream("f", Events, t),
+                                  InvalidResumeTokenError, "resume token", repr(huge)[:50])
+            assert len(str(error)) < 500, len(str(error))
+
+
 # Waits and timers ------------------------------------------------------------------------------
 
 

@@ -26,7 +26,8 @@ def make_token(secret: bytes, flow_id: str, stream: str, sequence: int) -> str:
 def read_token(secret: bytes, token: str, flow_id: str, stream: str) -> int:
     """The last sequence the token's holder has seen; refuses forged or foreign tokens."""
     if not isinstance(token, str) or token.count(".") != 1 or not token.isascii():
-        raise InvalidResumeTokenError(f"resume token {token!r} is malformed")
+        # Cut: a token comes from a client (a Last-Event-ID header, say), and the error is logged.
+        raise InvalidResumeTokenError(f"resume token {token!r:.200} is malformed")
     body, _, mac = token.encode().partition(b".")
     expected = base64.urlsafe_b64encode(hmac.new(secret, body, hashlib.sha256).digest()[:16]).rstrip(b"=")
     if not hmac.compare_digest(expected, mac):
