@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import socket
 import sqlite3
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -92,6 +94,41 @@ async def test_operations_back_to_back_on_an_idle_loop_still_let_its_timers_fire
         await store.raw(lambda db: db.one("SELECT count(*) FROM marks"))
     assert fired, "a timer due after 10 ms did not fire while operations ran back to back for 0.5 s"
     assert fired[0] - started < 0.2, f"the timer due after 10 ms fired after {fired[0] - started:.3f} s"
+
+
+async def test_operations_back_to_back_on_an_idle_loop_still_let_it_answer_a_socket(store: SqliteStore) -> None:
+    """A caller running operations one after another (paging through a long transcript, polling a
+    snapshot) with no timer scheduled: its loop has nothing ready before each, so each ran inline,
+    the caller never suspended, and the loop never polled its sockets. A server on that loop (an
+    HTTP handler, another client's connection) got no byte until the caller stopped. A socket with
+    something to read now sends the operation to the store's thread, so the loop serves it."""
+    here = threading.get_ident()
+    answered = asyncio.Event()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readline()
+        answered.set()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    read = lambda db: (db.one("SELECT count(*) FROM marks"), threading.get_ident())[1]  # noqa: E731
+    try:
+        # Run inline before the client writes: the loop is otherwise idle.
+        assert await store.raw(read) == here
+        # A blocking client on this thread: the kernel completes its connect and takes its line
+        # without the loop, which must then poll the listening socket and the connection.
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(b"hello\n")
+            sent = time.monotonic()
+            while not answered.is_set() and time.monotonic() - sent < 3:
+                await store.raw(read)
+            waited = time.monotonic() - sent
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert answered.is_set(), "the server never read a line sent while operations ran back to back for 3 s"
+    assert waited < 0.5, f"the server read a line {waited:.3f} s after it was sent"
 
 
 async def test_two_operations_ready_at_once_on_an_idle_loop_both_run_inline(store: SqliteStore) -> None:

@@ -41,6 +41,7 @@ import contextlib
 import logging
 import os
 import queue
+import selectors
 import sqlite3
 import threading
 import time
@@ -216,6 +217,17 @@ def _timer_due(loop: asyncio.AbstractEventLoop) -> bool:
     went on (a client paging through a long transcript)."""
     scheduled: list[asyncio.TimerHandle] | None = getattr(loop, "_scheduled", None)
     return scheduled is not None and len(scheduled) > 0 and scheduled[0].when() <= loop.time()
+
+
+def _io_ready(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether a file `loop` watches (a server's socket, a connection) has something for it, asked
+    of its selector without waiting: like a due timer, that reaches the loop only when it runs a
+    round, and a caller running one operation after another inline never let it (a server on that
+    loop read nothing while a client paged through a long transcript). About 1 us a call. uvloop,
+    without asyncio's ready queue, hands every operation off before this; Windows' proactor has no
+    selector to ask (its `_selector` is the proactor, whose select consumes completions)."""
+    selector = getattr(loop, "_selector", None)
+    return isinstance(selector, selectors.BaseSelector) and len(selector.select(0)) > 0
 
 
 def _is_busy(exc: BaseException) -> bool:
@@ -771,7 +783,9 @@ class SqliteStore(Store):
                 or _timer_due(loop) or not self._take_connection()):
             return False
         try:
-            if self._outstanding or self._closed:
+            # Asked last, when nothing else refuses: the syscall lets the store's thread run, and asked
+            # of every operation of a busy process it split its group commits.
+            if self._outstanding or self._closed or _io_ready(loop):
                 return False
             if op.write and not self._turns.try_enter():
                 return False  # another process writes: wait for its turn on the thread
