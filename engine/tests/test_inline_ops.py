@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import signal
 import socket
 import sqlite3
 import threading
@@ -129,6 +130,25 @@ async def test_operations_back_to_back_on_an_idle_loop_still_let_it_answer_a_soc
         await server.wait_closed()
     assert answered.is_set(), "the server never read a line sent while operations ran back to back for 3 s"
     assert waited < 0.5, f"the server read a line {waited:.3f} s after it was sent"
+
+
+async def test_operations_back_to_back_on_an_idle_loop_still_let_it_handle_a_signal(store: SqliteStore) -> None:
+    """asyncio hands a signal to its loop through a socket the loop watches (the CLI Worker's
+    SIGTERM handler is one): operations run back to back inline kept it from the handler, and the
+    process from stopping, until they stopped."""
+    loop = asyncio.get_running_loop()
+    handled = asyncio.Event()
+    loop.add_signal_handler(signal.SIGUSR1, handled.set)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        sent = time.monotonic()
+        while not handled.is_set() and time.monotonic() - sent < 3:
+            await store.raw(lambda db: db.one("SELECT count(*) FROM marks"))
+        waited = time.monotonic() - sent
+    finally:
+        loop.remove_signal_handler(signal.SIGUSR1)
+    assert handled.is_set(), "a signal sent while operations ran back to back for 3 s was never handled"
+    assert waited < 0.5, f"the signal was handled {waited:.3f} s after it was sent"
 
 
 async def test_two_operations_ready_at_once_on_an_idle_loop_both_run_inline(store: SqliteStore) -> None:
