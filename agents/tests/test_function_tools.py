@@ -1088,11 +1088,29 @@ def test_enum_with_unsupported_values_is_refused() -> None:
 
 
 def test_missing_annotation_is_refused() -> None:
-    with pytest.raises(TypeError, match="parameter 'order_id' of tool 'lookup' has no type annotation"):
+    """The error says what to write: a newcomer's `context` parameter is not found by its name."""
+    with pytest.raises(TypeError) as caught:
 
         @function_tool
         def lookup(order_id) -> str:  # type: ignore[no-untyped-def]
             return str(order_id)
+
+    assert str(caught.value) == (
+        "parameter 'order_id' of tool 'lookup' has no type annotation; annotate it with its type (str, int,"
+        " float, bool, None, list[...], dict[str, ...], Literal[...], a union, an Enum, a dataclass or a"
+        " TypedDict), or with ToolCallContext for the call's context"
+    )
+
+
+def test_unsupported_annotation_names_the_types_to_use() -> None:
+    with pytest.raises(TypeError) as caught:
+        capturing_tool(set[int])
+
+    assert str(caught.value) == (
+        "parameter 'value' of tool 'probe' has unsupported type set[int]: set[int] is not a supported argument"
+        " type; use str, int, float, bool, None, list[...], dict[str, ...], Literal[...], a union, an Enum, a"
+        " dataclass or a TypedDict"
+    )
 
 
 def test_variadic_parameters_are_refused() -> None:

@@ -450,6 +450,13 @@ class _UnsupportedType(TypeError):
     pass
 
 
+# Named in the errors for a parameter without a usable type, so the author knows what to write instead.
+_SUPPORTED_ARGUMENT_TYPES = (
+    "str, int, float, bool, None, list[...], dict[str, ...], Literal[...], a union, an Enum,"
+    " a dataclass or a TypedDict"
+)
+
+
 def _type_name(annotation: object) -> str:
     if isinstance(annotation, type) and not typing.get_args(annotation):
         return annotation.__qualname__
@@ -540,7 +547,9 @@ class _ShapeBuilder:
         if typing.is_typeddict(annotation):
             assert isinstance(annotation, type)
             return self._guarded(annotation, self._typed_dict)
-        raise _UnsupportedType(f"{_type_name(annotation)} is not a supported argument type")
+        raise _UnsupportedType(
+            f"{_type_name(annotation)} is not a supported argument type; use {_SUPPORTED_ARGUMENT_TYPES}"
+        )
 
     def _literal(self, values: tuple[object, ...]) -> _Shape:
         for value in values:
@@ -823,7 +832,10 @@ def _parameters(fn: Callable[..., Any], tool_name: str) -> tuple[list[_Member], 
         if parameter.kind is inspect.Parameter.POSITIONAL_ONLY:
             raise TypeError(f"{where}: positional-only parameters are not supported")
         if parameter.name not in hints:
-            raise TypeError(f"{where} has no type annotation")
+            raise TypeError(
+                f"{where} has no type annotation; annotate it with its type ({_SUPPORTED_ARGUMENT_TYPES}),"
+                " or with ToolCallContext for the call's context"
+            )
         hint = hints[parameter.name]
         if hint is ToolCallContext:
             if context_parameter is not None:
