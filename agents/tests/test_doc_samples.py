@@ -11,6 +11,8 @@ import ast
 import asyncio
 import inspect
 import re
+import signal
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,8 +33,8 @@ from dex_agents.builtin_loop import (
     builtin_agent_session_flow,
     stepwise_agent_session_flow,
 )
-from dex_agents.testing import EXECUTE_COMPLETED_EVENT, AgentTestStack, wait_for_agent_snapshot
-from dex_engine import FlowNotActiveOrNotFoundError
+from dex_agents.testing import EXECUTE_COMPLETED_EVENT, AgentTestStack, wait_for_agent_snapshot, wait_until
+from dex_engine import AsyncClient, FlowNotActiveOrNotFoundError, Registry
 
 
 def _reply(request: ModelRequest) -> ScriptedModelReply:
@@ -370,9 +372,118 @@ async def test_testing_an_adapter_sample_runs_as_written(tmp_path: Path, monkeyp
     await namespace["test_write_survives_a_worker_kill"](tmp_path / "state")
 
 
+# "A Worker process and its clients": its worker.py, as written, run as a process of its own beside a
+# myapp/agent.py whose refund runs until the test releases it; its client sample in this process.
+
+MYAPP_AGENT = '''
+import time
+from pathlib import Path
+
+from dex_agents import ToolEffect
+from dex_agents.builtin_loop import (
+    AgentDefinition, ModelRequest, ScriptedModelClient, ScriptedModelReply, ScriptedToolCall,
+    builtin_agent_session_flow, function_tool,
+)
+
+
+@function_tool(effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+def refund_order(order_id: str) -> str:
+    """Refund an order: marks its start, then runs until the test releases it."""
+    with open("refunds.log", "a") as log:
+        log.write(order_id + "\\n")
+    while not Path("release").exists():
+        time.sleep(0.05)
+    return f"refunded order {order_id}"
+
+
+def _respond(request: ModelRequest) -> ScriptedModelReply:
+    if results := ScriptedModelClient.tool_results(request):
+        return ScriptedModelReply(text=results[0].output)
+    order_id = ScriptedModelClient.user_texts(request)[-1].split()[-1]
+    return ScriptedModelReply(tool_calls=[ScriptedToolCall("refund_order", {"order_id": order_id})])
+
+
+flow = builtin_agent_session_flow(
+    AgentDefinition(name="refunds", instructions="Refund what is asked.", model=ScriptedModelClient(_respond),
+                    tools=[refund_order]),
+    flow_type="RefundAgent",
+)
+'''
+
+
+def _write_worker_app(app_dir: Path, worker_sample: str) -> None:
+    (app_dir / "worker.py").write_text(worker_sample)
+    (app_dir / "myapp").mkdir()
+    (app_dir / "myapp" / "__init__.py").write_text("")
+    (app_dir / "myapp" / "agent.py").write_text(MYAPP_AGENT)
+
+
+@pytest.mark.slow
+@pytest.mark.sqlite_only
+async def test_worker_process_sample_stops_on_sigterm_after_its_running_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guide's worker.py, run as `python worker.py`, and its client sample, which finds the session
+    waiting for approval with search_flows and approves it. SIGTERM while that approved write runs
+    lets the write finish and the process exit 0, so a deploy's stop records the write `succeeded`
+    (Python's default SIGTERM ends the process at once and leaves it `outcome_unknown`); a second
+    Worker started the same way ends the turn. Catches: a sample that never ran its Worker, or whose
+    stop left a running write to the lease's expiry."""
+    worker_sample, client_sample = guide_samples("A Worker process and its clients")
+    assert worker_sample.startswith("# worker.py\n")
+    _write_worker_app(tmp_path, worker_sample)
+    monkeypatch.chdir(tmp_path)  # the samples' relative sqlite:///agents.db, and the refund's files
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "myapp" or m.startswith("myapp.")]:
+        monkeypatch.delitem(sys.modules, name)
+    from myapp.agent import flow  # type: ignore[import-not-found]  # written above
+
+    def start_worker() -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "worker.py"], cwd=tmp_path, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    sessions = AgentSessionClient(AsyncClient(Registry([flow]), "sqlite:///agents.db"), flow)
+    namespace: dict[str, Any] = {"AgentSessionClient": AgentSessionClient, "AsyncClient": AsyncClient,
+                                 "Registry": Registry, "flow": flow}
+    workers = [start_worker()]
+    try:
+        await sessions.start_session("session-42", "Refund order 7")
+        await wait_for_agent_snapshot(
+            sessions, "session-42", lambda s: next(iter(s.pending_interrupts), None), description="the approval")
+        await run_sample(client_sample, namespace)  # approves it; its own message waits in the queue
+        assert namespace["events"].events and namespace["resume_token"] == namespace["events"].resume_token
+        await wait_until("the refund to start", lambda: (tmp_path / "refunds.log").exists() or None)
+
+        workers[0].send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        assert workers[0].poll() is None, "the Worker left while its write ran"
+        (tmp_path / "release").touch()
+        output, _ = await asyncio.to_thread(workers[0].communicate, timeout=30)
+        assert workers[0].returncode == 0, output
+
+        workers.append(start_worker())
+        snapshot = await wait_for_agent_snapshot(
+            sessions, "session-42", lambda s: s if "refunded order 7" in [m.text for m in s.messages] else None,
+            description="the first turn's answer")
+        outputs = [m.tool_output for m in snapshot.messages if m.tool_name == "refund_order" and m.tool_output]
+        assert outputs == ["refunded order 7"]
+        workers[1].send_signal(signal.SIGTERM)
+        output, _ = await asyncio.to_thread(workers[1].communicate, timeout=30)
+        assert workers[1].returncode == 0, output
+        assert (tmp_path / "refunds.log").read_text().splitlines()[0] == "7"
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+        await sessions.client.close()
+        if "sessions" in namespace:
+            await namespace["sessions"].client.close()
+
+
 def test_every_python_sample_of_the_agents_guide_is_run_above() -> None:
     """A python block added to docs/agents.md outside these sections would go untested."""
-    tested = ["Running an agent", "The built-in loop", "Plans and plan mode", "Steering and cancellation",
-              "Testing an adapter"]
+    tested = ["Running an agent", "The built-in loop", "A Worker process and its clients", "Plans and plan mode",
+              "Steering and cancellation", "Testing an adapter"]
     every = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.S)
     assert [sample for heading in tested for sample in guide_samples(heading)] == every
