@@ -46,6 +46,7 @@ from dex_engine import (
     rpc,
 )
 from dex_engine._clock import WallClockSteps
+from dex_engine._open import shown_url
 from dex_engine._records import DecisionRecord, StartRequest, WriteSet
 from dex_engine._scheduling import movement_record
 
@@ -102,6 +103,33 @@ async def test_entering_a_worker_returns_once_it_is_registered(db_url: str) -> N
     async with AsyncWorker(Registry([FLOW]), WorkerOptions(database_url=db_url, worker_id="listed")) as worker:
         assert listed() == [worker.worker_id] == ["listed"], "not listed at once, or not under the ID it was given"
     assert listed() == [], "the worker was left running (registered) after its block"
+
+
+async def test_a_started_worker_logs_its_flow_types_and_its_database(
+    db_url: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker logs, once registered, the flow types it runs and the database it runs them from: a
+    SQLite URL with the absolute path of its file, a PostgreSQL URL with any password hidden.
+    Catches the silent case a newcomer cannot tell apart from a hang: a session whose client writes
+    to another database than the worker's (a relative path from another directory, the default
+    sqlite:///dex.db) or whose flow type the worker's Registry leaves out, its Steps ready for ever."""
+    from dex_engine import AsyncWorker, WorkerOptions
+
+    other = Flow("Another", [Step("Done", _done, input_type=type(None))], start_step="Done")
+    monkeypatch.chdir(tmp_path)
+    relative = "sqlite:///relative.db"
+    # The test server trusts its user, so a password in the URL is only there to be hidden.
+    urls = [relative] if db_url.startswith("sqlite") else [re.sub(r"^(postgresql://[^:@/]+)@", r"\1:pw@", db_url)]
+    for url in urls:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="dex_engine.worker"):
+            async with AsyncWorker(Registry([FLOW, other]), WorkerOptions(database_url=url, worker_id="w1")):
+                pass
+        said = [r.getMessage() for r in caplog.records if "runs the Steps of" in r.getMessage()]
+        where = (f"{relative} (file {tmp_path / 'relative.db'})" if url == relative
+                 else shown_url(url))
+        assert said == [f"worker w1 runs the Steps of flow types Another, Behaviour from {where}"]
+        assert "pw" not in said[0] and (url == relative or ":pw@" in url)
 
 
 async def test_a_worker_id_in_use_by_a_live_worker_is_refused_at_start(db_url: str) -> None:

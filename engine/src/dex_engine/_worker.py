@@ -53,7 +53,7 @@ from ._limits import (
     RENEW_RETRY_SECONDS,
     WORKER_ERROR_STALE_SECONDS,
 )
-from ._open import open_store
+from ._open import open_store, shown_url
 from ._options import is_number
 from ._parked import FoldFunctions, ParkedHandler
 from ._records import DecisionRecord, ErrorInfo, Lease, MovementRecord, StartedFold, WriteSet
@@ -302,6 +302,8 @@ class AsyncWorker:
             self._stopped.set()
             raise
         self._registered.set()
+        log.info("worker %s runs the Steps of flow types %s from %s", self.worker_id,
+                 ", ".join(self._flow_types), self._database_shown())
         renewer = asyncio.create_task(self._renew_loop(ttl_ms))
         try:
             await self._check_clock(store)
@@ -322,6 +324,20 @@ class AsyncWorker:
             if self._owns_store:
                 await store.close()
             self._stopped.set()
+
+    def _database_shown(self) -> str:
+        """Where this worker runs Steps from, for its start log. A session nobody runs is most often
+        on another database than its client's (a relative SQLite path names a file in the working
+        directory; WorkerOptions defaults to sqlite:///dex.db) or of a flow type left out of the
+        Registry: the log names both."""
+        if not self._owns_store:
+            return "the store it was given"
+        url = self.options.database_url
+        if url.startswith("sqlite:"):
+            from ._sqlite_store import parse_sqlite_url
+
+            return f"{shown_url(url)} (file {os.path.abspath(parse_sqlite_url(url).path)})"
+        return shown_url(url)
 
     async def _check_clock(self, store: Store) -> None:
         """Warn when this host's clock is far from the database server's (see CLOCK_SKEW_WARN_MS)."""
