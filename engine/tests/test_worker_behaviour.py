@@ -391,6 +391,31 @@ async def test_stop_ends_a_worker_run_directly_at_once(db_url: str) -> None:
         assert running.done() and running.exception() is None
 
 
+@pytest.mark.parametrize("store_given", [False, True])
+async def test_a_worker_that_has_run_refuses_to_run_again(db_url: str, store_given: bool) -> None:
+    """A worker runs once: entering it again, or `run()` after it stopped, raises RuntimeError saying
+    to make a new AsyncWorker, while the new one runs the flow. Catches: a second run that found its
+    stop still set and returned at once, claiming nothing, so with a store the caller gave it (which
+    stays open) the block ran with no worker and the flow it started waited for ever; with its own
+    store, a bare `store ... is closed`."""
+    registry = Registry([FLOW])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        store = eng.store if store_given else None
+        options = WorkerOptions(database_url=db_url, poll_seconds=0.01, housekeeping_seconds=0.1)
+        worker = AsyncWorker(registry, options, store=store)
+        async with worker:
+            pass
+        again = rf"^worker {re.escape(repr(worker.worker_id))} has already run, and a worker runs once; to run again, "
+        with pytest.raises(RuntimeError, match=again + r"make a new AsyncWorker\(registry, options\)$"):
+            async with worker:
+                pass
+        with pytest.raises(RuntimeError, match=again):
+            await worker.run()
+        async with AsyncWorker(registry, options, store=store):
+            await eng.client.start_flow("Behaviour", "after")
+            assert (await eng.client.wait_for_flow("after", 10)).status == "completed"
+
+
 def _one_step(flow_type: str, handler: Callable[[Context, Any], Awaitable[StepDecision]]) -> Registry:
     return Registry([Flow(flow_type, [Step("Hold", handler)], start_step="Hold")])
 

@@ -222,6 +222,9 @@ class AsyncWorker:
         # run in a copy, not in the client's context, so their commits do not wake it.
         self._own_context: contextvars.Context | None = None
         self._drained = False  # set once stopping has waited out its grace: nothing more runs here
+        # Set when a run gets as far as registering: its stop is final (the stopping flag stays set,
+        # an owned store is closed), so a second run would claim nothing and leave sessions waiting.
+        self._ran = False
         self._loop_thread: int | None = None  # the event loop's thread, where pure Executes may fold
         # Hand-backs of claims beyond max_concurrent_tasks still being committed (_spawn).
         self._handing_back: set[asyncio.Task[None]] = set()
@@ -236,7 +239,15 @@ class AsyncWorker:
             raise RuntimeError("the worker has not started")
         return self._store
 
+    def _check_first_run(self) -> None:
+        if self._ran:
+            raise RuntimeError(
+                f"worker {self.worker_id!r} has already run, and a worker runs once; to run again, make a new "
+                "AsyncWorker(registry, options)"
+            )
+
     async def __aenter__(self) -> AsyncWorker:
+        self._check_first_run()
         background = self._background = asyncio.create_task(self.run())
         registered = asyncio.create_task(self._registered.wait())
         try:
@@ -267,6 +278,7 @@ class AsyncWorker:
         self._wake.set()
 
     async def run(self) -> None:
+        self._check_first_run()
         self._loop = asyncio.get_running_loop()
         with _ids_in_use_here:
             if self.worker_id in _ids_running_here:
@@ -292,6 +304,7 @@ class AsyncWorker:
         self._own_context = contextvars.copy_context()
         self._loop_thread = threading.get_ident()
         ttl_ms = int(self.options.lease_ttl_seconds * 1000)
+        self._ran = True
         try:
             await store.register_worker(self.worker_id, *self._holder, ttl_ms)
         except BaseException:  # its ID is in use, or the database refuses: leave nothing behind
