@@ -131,6 +131,20 @@ async def test_a_started_worker_logs_its_flow_types_and_its_database(
         assert said == [f"worker w1 runs the Steps of flow types Another, Behaviour from {where}"]
         assert "pw" not in said[0] and (url == relative or ":pw@" in url)
 
+    # A store given to the worker is where it runs, whatever its options' URL says.
+    store = open_store(db_url)
+    try:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="dex_engine.worker"):
+            async with AsyncWorker(Registry([FLOW]), WorkerOptions(database_url=relative, worker_id="w2"),
+                                   store=store):
+                pass
+    finally:
+        await store.close()
+    said = [r.getMessage() for r in caplog.records if "runs the Steps of" in r.getMessage()]
+    where = f"{db_url} (file {db_url.removeprefix('sqlite:///')})" if db_url.startswith("sqlite") else shown_url(db_url)
+    assert said == [f"worker w2 runs the Steps of flow types Behaviour from {where}"]
+
 
 async def test_a_worker_id_in_use_by_a_live_worker_is_refused_at_start(db_url: str) -> None:
     """A worker starting under an ID that a live worker holds fails to start with WorkerIdInUseError

@@ -343,9 +343,10 @@ class AsyncWorker:
         on another database than its client's (a relative SQLite path names a file in the working
         directory; WorkerOptions defaults to sqlite:///dex.db) or of a flow type left out of the
         Registry: the log names both."""
-        if not self._owns_store:
-            return "the store it was given"
-        url = self.options.database_url
+        # A store given to the worker wins over options.database_url; one of its own making may have no URL.
+        url: object = getattr(self.store, "url", None)
+        if not isinstance(url, str):
+            return f"a {type(self.store).__name__}"
         if url.startswith("sqlite:"):
             from ._sqlite_store import parse_sqlite_url
 
