@@ -107,6 +107,20 @@ async def test_chain_wait_and_rpc(db_url: str) -> None:
         assert await eng.client.flow_output("f1") == {"count": 5, "msg": "hello"}
 
 
+async def test_a_call_on_a_closed_async_client_says_to_open_the_database_again(db_url: str) -> None:
+    """A web handler that closes a shared AsyncClient and calls it later gets an error saying what
+    closed the store and what to do, not only that a store is closed."""
+    async with engine_for(db_url, Registry([FLOW])):
+        client = AsyncClient(Registry([FLOW]), db_url)
+        await client.close()
+        with pytest.raises(RuntimeError) as caught:
+            await client.describe_flow("f1")
+        assert str(caught.value) == (
+            f"store {shown_url(db_url)!r} is closed; the AsyncClient, AsyncWorker or open_store() call that opened"
+            " it has closed it; open the database again (a new AsyncClient or AsyncWorker)"
+        )
+
+
 async def test_the_blocking_client_drives_a_flow(db_url: str) -> None:
     """Client, the blocking twin of AsyncClient, from a plain thread: start a flow, find it waiting,
     read its state, call an RPC, publish, read history, stop another flow, and close its loop thread."""

@@ -68,7 +68,7 @@ from ._migrate import apply_pending, recorded_version
 from ._open import shown_url
 from ._options import LoadSpec, MethodOptions, StepDurability, TaskOptions
 from ._records import DecisionRecord, Lease, MovementRecord, WriteSet
-from ._store import FoldExecute, Store, commit_origin, now_ms
+from ._store import CLOSED_STORE_ADVICE, FoldExecute, Store, commit_origin, now_ms
 from ._transitions import AppendRow, Db, HistoryRow, PollResult, Row, run_op
 
 log = logging.getLogger("dex_engine.postgres")
@@ -804,12 +804,12 @@ class PostgresStore(Store):
         commit: _ExecuteCommit | None = None,
     ) -> R:
         if self._closed:
-            raise RuntimeError(f"store {shown_url(self.url)!r} is closed")
+            raise RuntimeError(f"store {shown_url(self.url)!r} is closed; {CLOSED_STORE_ADVICE}")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
         op = _Op(fn, write, durable is not False, loop, future, commit_origin.get(), commit)
         if not self._dispatcher.put(op):  # closed from another thread since the check above
-            raise RuntimeError(f"store {shown_url(self.url)!r} is closed")
+            raise RuntimeError(f"store {shown_url(self.url)!r} is closed; {CLOSED_STORE_ADVICE}")
         return await future
 
     async def poll(
@@ -1178,6 +1178,6 @@ class PostgresStore(Store):
         # Operations no lane took (every lane died of an unexpected error): nobody will run them.
         for op in self._dispatcher.drain():
             if not op.loop.is_closed():
-                error = RuntimeError(f"store {shown_url(self.url)!r} is closed")
+                error = RuntimeError(f"store {shown_url(self.url)!r} is closed; {CLOSED_STORE_ADVICE}")
                 with contextlib.suppress(RuntimeError):
                     op.loop.call_soon_threadsafe(_deliver, [(op.future, False, error)], [])

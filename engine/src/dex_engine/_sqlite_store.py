@@ -65,7 +65,7 @@ from ._limits import (
     WAL_SWITCH_RETRY_SECONDS,
 )
 from ._migrate import apply_pending, migration_files, recorded_version
-from ._store import Store, commit_origin
+from ._store import CLOSED_STORE_ADVICE, Store, commit_origin
 from ._task_options import SharedOptions
 from ._transitions import AppendRow, Db, HistoryRow, PollResult, Row, UnstoredMessage, run_op
 from ._writer_turns import WriterTurns
@@ -726,7 +726,7 @@ class SqliteStore(Store):
 
     def _refuse_if_closed(self) -> None:
         if self._closed:
-            raise RuntimeError(f"store {self.url!r} is closed")
+            raise RuntimeError(f"store {self.url!r} is closed; {CLOSED_STORE_ADVICE}")
 
     async def _run(self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None) -> R:
         self._refuse_if_closed()

@@ -45,6 +45,13 @@ R = TypeVar("R")
 # heartbeat (E10); when not, a Step.pure_until_heartbeat handler is not run.
 FoldExecute = Callable[[Lease, bool], tuple[WriteSet, DecisionRecord] | StartedFold | None]
 
+# Said after "store ... is closed": a call on a client after its close (or a worker's store after its stop)
+# names what to do.
+CLOSED_STORE_ADVICE = (
+    "the AsyncClient, AsyncWorker or open_store() call that opened it has closed it; open the database again"
+    " (a new AsyncClient or AsyncWorker)"
+)
+
 # A claim older than this that its worker does not know of was lost in transit and is handed back;
 # far longer than any reply takes to arrive.
 LOST_CLAIM_MS = 10_000
