@@ -1544,6 +1544,18 @@ async def test_context_window_scenario_on_the_builtin_loop(tmp_path: Path) -> No
     assert report.next_input_tokens < 600
 
 
+async def test_context_window_scenario_says_when_the_event_stream_dropped_events(tmp_path: Path) -> None:
+    """A Flow whose AgentEvents Stream keeps too few bytes for the scenario's turns: the scenario
+    names the capacity. Catches: the trimmed read taken as the whole stream, which failed with a
+    misleading list of compaction generations."""
+    flow, _ = compaction_flow("SmallEvents", answer, window=600, message_window_size=4, message_chunk_size=2,
+                              retained_message_limit=8, agent_events_capacity_bytes=4000)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        with pytest.raises(AssertionError, match=r"dropped its oldest events \(over its capacity, 4000 bytes\)"):
+            await ContextWindowSessionScenario(engine.sessions(), turns=18).run()
+
+
 class NeverCompacts(BuiltinLoopAgentRunner):
     def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
         return 0

@@ -111,6 +111,13 @@ class ContextWindowSessionScenario:
         token: str | None = None
         while True:
             read = await self.sessions.read_agent_events(self.session_id, token)
+            # Events older than the Stream's capacity are gone: the checks below would then fail
+            # with a misleading count of compactions.
+            assert not read.trimmed, (
+                f"the AgentEvents Stream of {self.session_id!r} dropped its oldest events (over its capacity, "
+                f"{self.sessions.flow.options.agent_events_capacity_bytes} bytes); the scenario checks every "
+                "compaction event: give the Flow a larger agent_events_capacity_bytes, or run fewer turns"
+            )
             if not read.events:
                 break
             for event in read.events:
