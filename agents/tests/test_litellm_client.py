@@ -27,6 +27,7 @@ import litellm
 import pytest
 from agents.tests.builtin_agent import InProcessEngine, lookup_order
 from agents.tests.conftest import REPO_ROOT
+from agents.tests.session_driver import turns_ended
 from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 
 from dex_agents import AgentEvent, AgentEventWriter, AgentUsage, MessageRole, ModelCallMetadata, ToolEffect
@@ -45,7 +46,7 @@ from dex_agents.builtin_loop import (
     estimate_request_tokens,
 )
 from dex_agents.litellm import LiteLLMModelClient
-from dex_agents.testing import executed_steps, to_step_history, wait_for_agent_snapshot
+from dex_agents.testing import executed_steps, to_step_history
 
 litellm.suppress_debug_info = True  # no "Provider List" banner on every expected error
 
@@ -524,9 +525,7 @@ async def test_calls_without_ids_of_a_response_without_an_id_get_ids_unique_in_t
     async with engine.running():
         sessions = engine.sessions()
         await sessions.start_session("s", "Where is A-1?")
-        done = await wait_for_agent_snapshot(
-            sessions, "s", lambda s: s if s.state is not None and s.state.turn_count >= 1 else None,
-            description="the turn to end")
+        done = await turns_ended(sessions, "s", 1)
     assert done.state is not None and done.state.last_turn_error is None
     assert done.messages[-1].text == "A-1 has shipped."
     call_ids = [m.tool_call_id for m in done.messages if m.role is MessageRole.ASSISTANT and m.tool_call_id]
@@ -549,9 +548,7 @@ async def test_text_with_lone_surrogates_is_stored_as_utf8(
     async with engine.running():
         sessions = engine.sessions()
         await sessions.start_session("s", "Go")
-        done = await wait_for_agent_snapshot(
-            sessions, "s", lambda s: s if s.state is not None and s.state.turn_count >= 1 else None,
-            description="the turn to end")
+        done = await turns_ended(sessions, "s", 1)
         events = await sessions.read_agent_events("s")
     assert done.state is not None and done.state.last_turn_error is None
     assert done.messages[-1].text == "Done \U0001f600, bad byte \ufffd."
@@ -771,9 +768,7 @@ async def test_session_turn_with_a_tool_call_through_litellm(provider: FakeProvi
     async with engine.running():
         sessions = engine.sessions()
         await sessions.start_session("s", "Where is A-1?")
-        done = await wait_for_agent_snapshot(
-            sessions, "s", lambda s: s if s.state is not None and s.state.turn_count >= 1 else None,
-            description="the turn to end")
+        done = await turns_ended(sessions, "s", 1)
         assert done.state is not None and done.state.last_turn_error is None
         assert done.messages[-1].role is MessageRole.ASSISTANT and done.messages[-1].text == "A-1 has shipped."
         steps = executed_steps(to_step_history(await engine.client.get_flow_history("s")))
@@ -810,18 +805,14 @@ async def test_a_long_answer_and_long_arguments_are_stored_and_replayed(
     async with engine.running():
         sessions = engine.sessions()
         await sessions.start_session("s", "Where is my order?")
-        done = await wait_for_agent_snapshot(
-            sessions, "s", lambda s: s if s.state is not None and s.state.turn_count >= 1 else None,
-            description="the turn to end")
+        done = await turns_ended(sessions, "s", 1)
         assert done.state is not None and done.state.last_turn_error is None
         assert [m.role for m in done.messages] == [
             MessageRole.USER, MessageRole.ASSISTANT, MessageRole.TOOL, MessageRole.ASSISTANT]
         assert done.messages[1].tool_arguments == call["function"]["arguments"]
         assert done.messages[-1].text == answer
         await sessions.send_user_message("s", "Sure?")
-        await wait_for_agent_snapshot(
-            sessions, "s", lambda s: s if s.state is not None and s.state.turn_count >= 2 else None,
-            description="the second turn to end")
+        await turns_ended(sessions, "s", 2)
     replayed = provider.received[-1].json["messages"]
     assert replayed[2]["tool_calls"] == [call]
     assert replayed[4] == {"role": "assistant", "content": answer}
