@@ -539,14 +539,21 @@ async def test_e11_long_poll_returns_when_an_event_is_appended(db_url: str, monk
         token = (await c.read_stream("s1", Events)).resume_token
 
         polls = 0
-        real_read = eng.store.read_events
+        real_read, real_watch = eng.store.read_events, eng.store.newest_sequences
 
         async def counting_read(*args: Any, **kwargs: Any) -> Any:
             nonlocal polls
             polls += 1
             return await real_read(*args, **kwargs)
 
+        async def counting_watch(*args: Any, **kwargs: Any) -> Any:
+            nonlocal polls
+            polls += 1
+            return await real_watch(*args, **kwargs)
+
+        # Its own read, then the client's watcher looks for new events on its behalf.
         monkeypatch.setattr(eng.store, "read_events", counting_read)
+        monkeypatch.setattr(eng.store, "newest_sequences", counting_watch)
         reader = asyncio.create_task(c.read_stream("s1", Events, token, wait_seconds=30))
 
         async def polled_twice() -> bool:

@@ -945,6 +945,22 @@ async def test_stream_capacity_trims_the_oldest_events(store: Store) -> None:
     assert ([(e.sequence, e.value) for e in other.events], other.first_sequence) == ([(1, values[0])], 1)
 
 
+async def test_newest_sequences_name_each_streams_newest_event(store: Store) -> None:
+    """E11: the newest sequence of each (flow, stream) asked for, in the order asked, trimmed or not;
+    0 for a stream with no event and for a flow that does not exist; each pair once however often
+    asked. Long-polling readers rely on it to know when to read. Catches: results in another order,
+    keyed by flow alone, or the oldest kept sequence instead of the newest."""
+    await start(store, "f1")
+    await start(store, "f2")
+    leases = {x.flow_id: x for x in await store.claim(W, TYPES, 10)}
+    await store.append_best_effort(leases["f1"], "Out", 20, [enc(f"event-{i}") for i in range(1, 6)])  # trims
+    await store.append_best_effort(leases["f2"], "Out", 10_000, [enc("one")])
+    await store.append_best_effort(leases["f2"], "Alpha", 10_000, [enc("a"), enc("b")])
+    keys = [("f2", "Alpha"), ("f1", "Out"), ("f1", "Alpha"), ("f2", "Out"), ("nowhere", "Out"), ("f1", "Out")]
+    assert await store.newest_sequences(keys) == [2, 5, 0, 1, 0, 5]
+    assert await store.newest_sequences([]) == []
+
+
 @pytest.mark.parametrize("last", [10, 11])
 async def test_one_append_trims_as_many_old_events_as_its_bytes_need(store: Store, last: int) -> None:
     """E11 when an append must trim many events, of mixed sizes: exactly the oldest ones whose bytes

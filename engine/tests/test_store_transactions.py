@@ -108,6 +108,7 @@ async def test_reads_do_not_wait_for_another_connections_write_lock(
         "read_all_attributes": lambda: store.read_all_attributes("f1"),
         "read_events": lambda: store.read_events("f1", "Out", 0, 10),
         "stream_names": lambda: store.stream_names("f1"),
+        "newest_sequences": lambda: store.newest_sequences([("f1", "Out")]),
         "stream_secret": store.stream_secret,
         "poll (nothing to claim)": lambda: store.poll(W, TYPES, 1, [], must_claim=False, housekeep=False),
     }

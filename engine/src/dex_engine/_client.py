@@ -8,6 +8,7 @@ import contextvars
 import re
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from ._limits import (
     MAX_READ_LIMIT,
     MAX_RPC_TRIES,
     MAX_STREAM_WAIT_SECONDS,
+    STREAM_WATCH_SECONDS,
 )
 from ._open import open_store, shown_url
 from ._options import FlowConfig, is_number
@@ -203,6 +205,67 @@ class _RpcTurns:
                 del self._turns[key]
 
 
+class _StreamWatch:
+    """The long-polling stream readers of one client on one event loop, and the one task that
+    watches their streams for them.
+
+    A reader that found no event registers (flow, stream, sequence it read up to) and waits. While
+    any reader waits, every STREAM_WATCH_SECONDS the task reads the newest sequence of every watched
+    stream in one operation (Store.newest_sequences) and wakes the readers whose stream went past
+    theirs, which then read their events themselves: n idle readers cost one statement a tick, not
+    n reads. When that operation fails, it wakes every reader, whose own read meets the error. The
+    task ends once no reader waits.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._waiting: dict[asyncio.Future[None], tuple[str, str, int]] = {}
+        self.task: asyncio.Task[None] | None = None
+
+    async def wait(self, flow_id: str, stream: str, after: int, timeout: float) -> None:
+        """Until `stream` of `flow_id` has an event after sequence `after`, the watcher's read failed,
+        or `timeout` seconds passed."""
+        woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting[woken] = (flow_id, stream, after)
+        if self.task is None:
+            self.task = asyncio.create_task(self._watch(), name="dex-stream-watch")
+        try:
+            await asyncio.wait((woken,), timeout=timeout)
+        finally:
+            del self._waiting[woken]
+
+    async def close(self) -> None:
+        """End the task and wake every waiting reader."""
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.wait((self.task,))  # raises nothing: a caller's own cancellation still does
+        for woken in self._waiting:
+            if not woken.done():
+                woken.set_result(None)
+
+    async def _watch(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(STREAM_WATCH_SECONDS)
+                if not self._waiting:
+                    return
+                waiting = list(self._waiting.items())
+                keys = list(dict.fromkeys((flow_id, stream) for flow_id, stream, _ in self._waiting.values()))
+                try:
+                    newest = dict(zip(keys, await self._store.newest_sequences(keys), strict=True))
+                except Exception:
+                    # Each reader reads again and meets the error itself (or reads on, if it passed).
+                    newest = None
+                for woken, (flow_id, stream, after) in waiting:
+                    if not woken.done() and (newest is None or newest[flow_id, stream] > after):
+                        woken.set_result(None)
+        finally:
+            # Set when it ends however it ends (cancelled by close too): a reader that comes later
+            # starts a new one.
+            if self.task is asyncio.current_task():
+                self.task = None
+
+
 class AsyncClient:
     """Talks to one database on behalf of the Registry's Flows. RPC handlers run in this process."""
 
@@ -218,12 +281,21 @@ class AsyncClient:
         # against their snapshot). Bounded: cleared when full.
         self._flow_types: dict[str, str] = {}
         self._rpc_turns = _RpcTurns()
+        # Long-polling stream readers, by event loop (a client may be used from several).
+        # Weak keys: a loop that closed (asyncio.run after asyncio.run) leaves no entry behind.
+        self._stream_watches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _StreamWatch] = (
+            weakref.WeakKeyDictionary())
 
     @property
     def store(self) -> Store:
         return self._store
 
     async def close(self) -> None:
+        # The watcher must not outlive the client (an event loop stopped after close would find it
+        # pending); readers still waiting read again, and meet the closed store's error.
+        watch = self._stream_watches.pop(asyncio.get_running_loop(), None)
+        if watch is not None:
+            await watch.close()
         if self._owns_store:
             await self._store.close()
 
@@ -410,7 +482,7 @@ class AsyncClient:
             page = await self._store.read_events(flow_id, declared.name, after, limit)
             if page.events or time.monotonic() >= deadline:
                 break
-            await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+            await self._stream_watch().wait(flow_id, declared.name, after, max(0.0, deadline - time.monotonic()))
         events = [
             StreamEvent(e.sequence, e.step_execution_id, e.attempt,
                         decode_value(declared.name, declared.value_type, e.value))
@@ -419,6 +491,13 @@ class AsyncClient:
         last = events[-1].sequence if events else max(after, page.next_sequence - 1)
         trimmed = bool(events) and events[0].sequence > after + 1
         return StreamRead(events, make_token(self._secret, flow_id, declared.name, last), trimmed)
+
+    def _stream_watch(self) -> _StreamWatch:
+        loop = asyncio.get_running_loop()
+        watch = self._stream_watches.get(loop)
+        if watch is None:
+            watch = self._stream_watches[loop] = _StreamWatch(self._store)
+        return watch
 
     async def stop_flow(self, flow_id: str, reason: str = "") -> None:
         given: object = reason  # typed str; checked for callers that pass anything (None, 0, b"")

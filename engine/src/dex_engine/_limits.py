@@ -176,6 +176,10 @@ MAX_READ_LIMIT = 10**9
 # A stream long-poll waits at most this long for new events.
 MAX_STREAM_WAIT_SECONDS = 60.0
 
+# How often a client's long-polling stream readers (all of them, in one statement) look for new
+# events: a reader returns within about this long of an event's commit.
+STREAM_WATCH_SECONDS = 0.02
+
 # Longest timer and retry interval accepted: a year, far beyond any real wait.
 MAX_TIMER_SECONDS = 366 * 24 * 3600
 

@@ -464,6 +464,10 @@ class Store(ABC):
     async def read_events(self, flow_id: str, stream: str, after: int, limit: int) -> EventPage:
         return await self._run(lambda db: tx.read_events(db, flow_id, stream, after, limit), write=False)
 
+    async def newest_sequences(self, keys: Sequence[tuple[str, str]]) -> list[int]:
+        """The newest sequence of each (flow ID, stream) in `keys`, in their order (0: no event)."""
+        return await self._run(lambda db: tx.newest_sequences(db, keys), write=False)
+
     async def stream_names(self, flow_id: str) -> list[str]:
         """Names of the flow's streams that ever received an event."""
         return await self._run(lambda db: tx.stream_names(db, flow_id), write=False)

@@ -1250,6 +1250,34 @@ def read_events(db: Db, flow_id: str, stream: str, after: int, limit: int) -> Ev
     return EventPage(events, next_seq, first)
 
 
+# The newest sequence of each (flow, stream) of a JSON array of [flow, stream] pairs, by its
+# index there: one primary key lookup per pair (no such event: NULL).
+_NEWEST_SEQUENCES = (
+    "SELECT k.key, (SELECT MAX(seq) FROM stream_events e WHERE e.flow_id = json_extract(k.value, '$[0]') "
+    "AND e.stream = json_extract(k.value, '$[1]')) FROM json_each(?) k"
+)
+# PostgreSQL's: the pairs as two text arrays, numbered from 1.
+_PG_NEWEST_SEQUENCES = (
+    "SELECT k.i - 1, (SELECT MAX(seq) FROM stream_events e WHERE e.flow_id = k.flow_id AND e.stream = k.stream) "
+    "FROM unnest(?::text[], ?::text[]) WITH ORDINALITY AS k(flow_id, stream, i)"
+)
+
+
+def newest_sequences(db: Db, keys: Sequence[tuple[str, str]]) -> list[int]:
+    """The newest sequence of each (flow, stream) in `keys`, in their order; 0 for a stream with no
+    event (or no such flow). One statement however many keys: long-polling readers share it."""
+    if not keys:
+        return []
+    if _on_postgres(db):
+        rows = db.all(_PG_NEWEST_SEQUENCES, ([f for f, _ in keys], [s for _, s in keys]))
+    else:
+        rows = db.all(_NEWEST_SEQUENCES, (encode_json([list(key) for key in keys]).decode(),))
+    newest = [0] * len(keys)
+    for index, seq in rows:
+        newest[int(index)] = 0 if seq is None else int(seq)
+    return newest
+
+
 # Waits (E5, E6) ------------------------------------------------------------------------------
 
 
