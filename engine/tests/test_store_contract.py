@@ -8,6 +8,7 @@ once per configured backend; nothing here may depend on one backend (no backend-
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -44,7 +45,7 @@ from dex_engine import (
 )
 from dex_engine import _store as store_module
 from dex_engine import _transitions as tx
-from dex_engine._limits import ROWS_PER_STATEMENT
+from dex_engine._limits import MAX_CONCURRENT_TASKS, ROWS_PER_STATEMENT
 from dex_engine._records import (
     AttemptProgress,
     DecisionRecord,
@@ -55,6 +56,7 @@ from dex_engine._records import (
     WriteSet,
 )
 from dex_engine._scheduling import movement_record, start_record
+from dex_engine._sqlite_store import SqliteStore
 from dex_engine._store import now_ms
 
 from .conftest import wait_until
@@ -1443,3 +1445,19 @@ async def test_a_poll_by_a_worker_declared_dead_claims_nothing_and_says_so(store
     assert (result.leases, result.registered) == ([], False)
     _, result = await store.poll(W, TYPES, 10, [], must_claim=True, housekeep=False)
     assert ([lease.flow_id for lease in result.leases], result.registered) == (["f1"], True)
+
+
+async def test_a_poll_watching_more_running_attempts_than_a_statement_takes_parameters_answers(store: Store) -> None:
+    """A worker may run up to MAX_CONCURRENT_TASKS attempts, and each poll reads the lease epochs
+    of all it runs. Named in one statement, more than SQLite's 32,766 parameters (PostgreSQL's
+    65,535) failed every poll of that worker: no claim, no housekeeping, no timer fired, for as
+    long as so many ran."""
+    if isinstance(store, SqliteStore):
+        # This machine's SQLite takes 250,000 parameters; SQLite's own default, as most builds keep it:
+        await store.raw(lambda db: db.conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 32_766))
+    await start(store, "f1")
+    lease = await claim_one(store)
+    running = [*range(-MAX_CONCURRENT_TASKS, 0), lease.task_id]  # IDs of tasks long gone, and one running
+    for housekeep in (False, True):
+        _, result = await store.poll(W, TYPES, 0, running, must_claim=False, housekeep=housekeep)
+        assert result.epochs == {lease.task_id: lease.lease_epoch}

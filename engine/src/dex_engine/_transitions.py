@@ -1672,13 +1672,18 @@ def append_best_effort(db: Db, lease: Lease, stream: str, capacity: int, values:
 
 
 def task_epochs(db: Db, task_ids: Sequence[int]) -> dict[int, int]:
-    if not task_ids:
-        return {}
-    rows = db.all(
-        f"SELECT task_id, lease_epoch FROM tasks WHERE state = 'running' AND task_id IN ({_in(task_ids)})",
-        tuple(task_ids),
-    )
-    return {int(r[0]): int(r[1]) for r in rows}
+    """The lease epochs of those of `task_ids` still running. Read ROWS_PER_STATEMENT IDs at a time:
+    a worker may run up to MAX_CONCURRENT_TASKS attempts, more than a statement takes parameters
+    (PostgreSQL 65,535, SQLite 32,766 unless built otherwise), and every poll would fail."""
+    epochs: dict[int, int] = {}
+    for i in range(0, len(task_ids), ROWS_PER_STATEMENT):
+        part = task_ids[i:i + ROWS_PER_STATEMENT]
+        rows = db.all(
+            f"SELECT task_id, lease_epoch FROM tasks WHERE state = 'running' AND task_id IN ({_in(part)})",
+            tuple(part),
+        )
+        epochs.update((int(r[0]), int(r[1])) for r in rows)
+    return epochs
 
 
 # Workers and housekeeping ------------------------------------------------------------------
