@@ -1499,6 +1499,82 @@ async def test_an_active_step_search_reads_on_after_hidden_flows_without_reading
         assert read < HIDDEN_FLOWS, f"the last page read {read} (rows or steps) past {HIDDEN_FLOWS} hidden flows"
 
 
+READY_TASKS = 3000
+
+
+def _task_rows_read(db_url: str, sql: str, params: tuple[Any, ...]) -> int:
+    """How much of the tasks table `sql` reads, on a connection of its own, with the plan the
+    database picks: PostgreSQL's count of the tasks rows its scans returned or filtered out (EXPLAIN
+    ANALYZE), SQLite's virtual machine steps (about ten per row a scan visits)."""
+    if db_url.startswith("postgresql"):
+        import psycopg
+
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + _pg_store._to_pg(sql), params).fetchone()
+        assert plan is not None
+        read, nodes = 0, [plan[0][0]["Plan"]]
+        while nodes:
+            node = nodes.pop()
+            nodes += node.get("Plans", [])
+            if node.get("Relation Name") == "tasks":
+                read += (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)) * node["Actual Loops"]
+        return read
+    steps = [0]
+
+    def step() -> int:
+        steps[0] += 1
+        return 0  # go on
+
+    conn = sqlite3.connect(db_url.removeprefix("sqlite:///"))
+    try:
+        conn.set_progress_handler(step, 1)
+        conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+    return steps[0]
+
+
+async def test_a_claim_reads_only_the_ready_tasks_it_takes_when_many_are_due_at_one_time(db_url: str) -> None:
+    """A housekeeping pass that fires many timers (approval deadlines falling due while no worker
+    ran) makes every woken task ready at the same run_at, and a claim takes the oldest few by
+    (run_at, task_id). Each claim, and each Step commit that claims for its freed slot, must read
+    only those few. Catches: on PostgreSQL the index on ready tasks held run_at alone, so every
+    claim read and sorted all the tasks of that run_at: 5,000 fired deadlines took 18 s to be
+    claimed once each, and a message sent meanwhile waited as long."""
+    async with engine_for(db_url, Registry([FLOW]), worker=False) as eng:
+        store = eng.store
+        await eng.client.start_flow("Behaviour", "ready-0")
+
+        def clone(db: Any) -> None:  # READY_TASKS more flows, each with its ready task at the same run_at
+            numbers = "WITH RECURSIVE n (i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) "
+            db.run(f"{numbers}INSERT INTO flows (flow_id, {_FLOW_COLUMNS}) SELECT 'ready-' || n.i, {_FLOW_COLUMNS} "
+                   "FROM flows, n WHERE flow_id = 'ready-0'", (READY_TASKS,))
+            columns = _TASK_COLUMNS.replace("flow_id, ", "", 1)
+            db.run(f"{numbers}INSERT INTO tasks ({_TASK_COLUMNS}) SELECT 'ready-' || n.i, {columns} "
+                   "FROM tasks, n WHERE flow_id = 'ready-0'", (READY_TASKS,))
+            if db_url.startswith("postgresql"):
+                db.run("ANALYZE")
+
+        await store._run(clone, write=True)
+        await store.register_worker("claimer", "test-host", 1, 3_600_000)
+        db_class = _pg_store._PgDb if db_url.startswith("postgresql") else _sqlite_store._SqliteDb
+        claims: list[tuple[str, tuple[Any, ...]]] = []
+        with pytest.MonkeyPatch.context() as patch:
+            original = db_class.all
+
+            def recording(self: Any, sql: str, params: Any = ()) -> Any:
+                if "state = 'ready' AND" in sql and "ORDER BY" in sql:
+                    claims.append((sql, tuple(params)))
+                return original(self, sql, params)
+
+            patch.setattr(db_class, "all", recording)
+            leases = await store.claim("claimer", ["Behaviour"], 1)
+        assert [lease.flow_id for lease in leases] == ["ready-0"]
+        assert len(claims) == 1, claims
+        read = _task_rows_read(db_url, *claims[0])
+        assert read < READY_TASKS, f"a claim of one task read {read} (rows or steps) of {READY_TASKS} ready tasks"
+
+
 async def test_a_client_that_starts_flows_for_days_remembers_only_so_many(
     db_url: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
