@@ -249,17 +249,29 @@ def main() -> None:
         worker_main()
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=10_000)
-    parser.add_argument("--approvals", type=int, default=100)
-    parser.add_argument("--batch", type=int, default=200)
-    parser.add_argument("--idle", type=float, default=30.0)
-    parser.add_argument("--probes", type=int, default=20)
-    parser.add_argument("--midturn", type=int, default=50)
-    parser.add_argument("--lease", type=float, default=5.0)
-    parser.add_argument("--timers", type=int, default=0)
-    parser.add_argument("--deadline", type=float, default=60.0)
-    parser.add_argument("--pg-dsn")
+    parser.add_argument("--sessions", type=int, default=10_000, help="sessions in all (default 10,000)")
+    parser.add_argument("--approvals", type=int, default=100,
+                        help="of them, sessions left waiting for an approval (default 100)")
+    parser.add_argument("--batch", type=int, default=200, help="sessions started at once (default 200)")
+    parser.add_argument("--idle", type=float, default=30.0, help="seconds the Worker's idle CPU is measured over")
+    parser.add_argument("--probes", type=int, default=20, help="messages sent to random idle sessions, one at a time")
+    parser.add_argument("--midturn", type=int, default=50, help="sessions mid-turn when the Worker is killed")
+    parser.add_argument("--lease", type=float, default=5.0, help="the Worker's lease, seconds (default 5)")
+    parser.add_argument("--timers", type=int, default=0,
+                        help="more sessions waiting for an approval whose --deadline falls due at about one time")
+    parser.add_argument("--deadline", type=float, default=60.0, help="those approvals' deadline, seconds (default 60)")
+    parser.add_argument("--pg-dsn",
+                        help="run on this PostgreSQL server (creates and drops a database) instead of SQLite")
     args = parser.parse_args()
+    idle_sessions = args.sessions - args.approvals
+    if min(args.approvals, args.probes, args.midturn, args.timers) < 0 or args.batch < 1:
+        parser.error("--approvals, --probes, --midturn and --timers must be at least 0, and --batch at least 1")
+    if idle_sessions < args.probes + args.midturn + 1:
+        parser.error(f"--sessions ({args.sessions}) must leave, beside --approvals ({args.approvals}), at least "
+                     f"--probes + --midturn + 1 ({args.probes + args.midturn + 1}) idle sessions to send messages to")
+    if not (args.idle >= 0 and args.lease > 0 and args.deadline > 0):
+        parser.error(f"--idle must be at least 0 and --lease and --deadline above 0, got {args.idle}, {args.lease}, "
+                     f"{args.deadline}")
     with tempfile.TemporaryDirectory(prefix="dex-idle-") as tmp:
         state = Path(tmp)
         if args.pg_dsn:

@@ -104,3 +104,23 @@ def test_a_replay_says_which_turns_its_median_is_over() -> None:
     assert reused_wal(31, 32) == "over the 31 of 32 turns that reused the copy's WAL"
     assert reused_wal(0, 32) == (
         "over all 32 turns, every one of which grew the copy's WAL (about twice a commit's cost)")
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--sessions", "60", "--approvals", "0"],
+     "must leave, beside --approvals (0), at least --probes + --midturn + 1 (71)"),
+    (["--batch", "0"], "--batch at least 1"),
+    (["--lease", "0"], "--lease and --deadline above 0, got 30.0, 0.0, 60.0"),
+])
+def test_idle_sessions_refuses_bad_arguments_before_running_anything(
+    argv: list[str], error: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Catches: too few idle sessions for its probes, which ran for seconds and then failed in
+    random.sample with a ValueError; a batch of 0 sessions, which never started one."""
+    import idle_sessions
+
+    monkeypatch.setattr(sys, "argv", ["idle_sessions.py", *argv])
+    with pytest.raises(SystemExit) as exited:
+        idle_sessions.main()
+    assert exited.value.code == 2
+    assert error in capsys.readouterr().err
