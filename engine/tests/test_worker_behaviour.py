@@ -1412,26 +1412,23 @@ async def _statements_of_housekeeping(
 HIDDEN_FLOWS = 3000
 
 
-def _flow_rows_read(db_url: str, sql: str, params: tuple[Any, ...]) -> int:
-    """How much of the flows table `sql` reads, on a connection of its own: PostgreSQL's count of
-    the flows rows its scans returned or filtered out (EXPLAIN ANALYZE), SQLite's virtual machine
-    steps (about ten per row a scan visits)."""
+def _rows_read(db_url: str, table: str, sql: str, params: tuple[Any, ...], *, pg_settings: tuple[str, ...] = ()) -> int:
+    """How much of `table` `sql` reads, on a connection of its own: PostgreSQL's count of the
+    `table` rows its scans returned or filtered out (EXPLAIN ANALYZE, after `pg_settings`), SQLite's
+    virtual machine steps (about ten per row a scan visits)."""
     if db_url.startswith("postgresql"):
         import psycopg
 
         with psycopg.connect(db_url, autocommit=True) as conn:
-            # The plan PostgreSQL takes when it expects many flows after the page (statistics that
-            # lag behind the newest flows): the running flows in created_at order, not a bitmap of
-            # the few it would pick by exact estimates.
-            conn.execute("SET enable_bitmapscan = off")
-            conn.execute("SET enable_seqscan = off")
+            for setting in pg_settings:
+                conn.execute(setting)
             plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + _pg_store._to_pg(sql), params).fetchone()
         assert plan is not None
         read, nodes = 0, [plan[0][0]["Plan"]]
         while nodes:
             node = nodes.pop()
             nodes += node.get("Plans", [])
-            if node.get("Relation Name") == "flows":
+            if node.get("Relation Name") == table:
                 read += (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)) * node["Actual Loops"]
         return read
     steps = [0]
@@ -1447,6 +1444,12 @@ def _flow_rows_read(db_url: str, sql: str, params: tuple[Any, ...]) -> int:
     finally:
         conn.close()
     return steps[0]
+
+
+# The plan PostgreSQL takes when it expects many flows after a search's page (statistics that lag
+# behind the newest flows): the running flows in created_at order, not a bitmap of the few it would
+# pick by exact estimates.
+_LAGGING_STATISTICS_PLAN = ("SET enable_bitmapscan = off", "SET enable_seqscan = off")
 
 
 async def test_an_active_step_search_reads_on_after_hidden_flows_without_reading_them_again(
@@ -1495,43 +1498,11 @@ async def test_an_active_step_search_reads_on_after_hidden_flows_without_reading
         assert await eng.client.search_flows('ActiveStepTypes = "Flaky"', limit=10) == ["shown"]
         assert len(pages) > HIDDEN_FLOWS // 10  # a page of ten after another
         last_sql, last_params = pages[-1]  # the page after all but the last few hidden flows
-        read = _flow_rows_read(db_url, last_sql, last_params)
+        read = _rows_read(db_url, "flows", last_sql, last_params, pg_settings=_LAGGING_STATISTICS_PLAN)
         assert read < HIDDEN_FLOWS, f"the last page read {read} (rows or steps) past {HIDDEN_FLOWS} hidden flows"
 
 
 READY_TASKS = 3000
-
-
-def _task_rows_read(db_url: str, sql: str, params: tuple[Any, ...]) -> int:
-    """How much of the tasks table `sql` reads, on a connection of its own, with the plan the
-    database picks: PostgreSQL's count of the tasks rows its scans returned or filtered out (EXPLAIN
-    ANALYZE), SQLite's virtual machine steps (about ten per row a scan visits)."""
-    if db_url.startswith("postgresql"):
-        import psycopg
-
-        with psycopg.connect(db_url, autocommit=True) as conn:
-            plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + _pg_store._to_pg(sql), params).fetchone()
-        assert plan is not None
-        read, nodes = 0, [plan[0][0]["Plan"]]
-        while nodes:
-            node = nodes.pop()
-            nodes += node.get("Plans", [])
-            if node.get("Relation Name") == "tasks":
-                read += (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)) * node["Actual Loops"]
-        return read
-    steps = [0]
-
-    def step() -> int:
-        steps[0] += 1
-        return 0  # go on
-
-    conn = sqlite3.connect(db_url.removeprefix("sqlite:///"))
-    try:
-        conn.set_progress_handler(step, 1)
-        conn.execute(sql, params).fetchall()
-    finally:
-        conn.close()
-    return steps[0]
 
 
 async def test_a_claim_reads_only_the_ready_tasks_it_takes_when_many_are_due_at_one_time(db_url: str) -> None:
@@ -1571,7 +1542,7 @@ async def test_a_claim_reads_only_the_ready_tasks_it_takes_when_many_are_due_at_
             leases = await store.claim("claimer", ["Behaviour"], 1)
         assert [lease.flow_id for lease in leases] == ["ready-0"]
         assert len(claims) == 1, claims
-        read = _task_rows_read(db_url, *claims[0])
+        read = _rows_read(db_url, "tasks", *claims[0])
         assert read < READY_TASKS, f"a claim of one task read {read} (rows or steps) of {READY_TASKS} ready tasks"
 
 
