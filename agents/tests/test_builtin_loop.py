@@ -29,6 +29,7 @@ from dex_agents import (
     MISSING_TOOL_TASK_POLLER,
     OUTCOME_UNKNOWN_TEXT,
     TOOL_NAME_MISSING,
+    AgentEvent,
     AgentSessionClient,
     AgentSessionFlow,
     AgentSnapshot,
@@ -933,6 +934,62 @@ async def test_a_subclass_that_polls_its_own_tasks_is_told_they_are_supported(tm
     result, _ = await _own_tool_turn(tmp_path, OwnTasks)
     assert result == "polled own"
     assert told == [True]
+
+
+async def _task_tool_turn(
+    tmp_path: Path, runner: type[BuiltinLoopAgentRunner], effect: ToolEffect
+) -> tuple[AgentSnapshot, list[AgentEvent]]:
+    """One turn calling start_report, a function tool that starts remote work and returns its
+    ToolTaskStarted, on a `runner` subclass: the snapshot after it, and the event types."""
+
+    @function_tool(effect=effect, requires_approval=False)
+    async def start_report(context: ToolCallContext) -> ToolTaskStarted:
+        """Start a report."""
+        return ToolTaskStarted(task_id=f"report-{context.tool_call_id}", poll_interval_seconds=1)
+
+    definition = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(tool_then_answer),
+                                 tools=[start_report])
+    flow = AgentSessionFlow(runner(definition), "FunctionTasks", builtin_agent_session_options(definition))
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "/tool start_report {}")
+        done = await _turns_done(sessions, "s", 1)
+        return done, [e.value for e in (await sessions.read_agent_events("s")).events]
+
+
+@pytest.mark.parametrize(("effect", "status"), [
+    (ToolEffect.READ, "failed"), (ToolEffect.NON_IDEMPOTENT_WRITE, "outcome_unknown"),
+])
+async def test_a_function_tools_task_without_a_poller_is_recorded_by_its_effect(
+    tmp_path: Path, effect: ToolEffect, status: str
+) -> None:
+    """A function tool that returns ToolTaskStarted started remote work; nothing polls a function
+    tool's task on the base runner, so the call is recorded by its effect with
+    MISSING_TOOL_TASK_POLLER (seed 003 "Tool tasks"). Catches: the ToolTaskStarted serialized as
+    JSON and recorded `succeeded`, so the model read the handle as the tool's result and a started
+    write looked finished, and nothing ever polled the task."""
+    done, events = await _task_tool_turn(tmp_path, BuiltinLoopAgentRunner, effect)
+    (result,) = [m for m in done.messages if m.role is MessageRole.TOOL]
+    assert result.tool_output == (f"The tool call failed: {MISSING_TOOL_TASK_POLLER}" if status == "failed"
+                                  else OUTCOME_UNKNOWN_TEXT), result
+    (finished,) = [json.loads(e.payload) for e in events if e.type == "tool_call_finished"]
+    assert finished["status"] == status
+    assert "tool_task_started" not in [e.type for e in events]
+
+
+async def test_a_function_tools_task_is_polled_by_a_subclass_that_polls(tmp_path: Path) -> None:
+    """A subclass that overrides poll_tool_task polls the tasks its function tools start, as it
+    does its own tools' tasks. Catches: the ToolTaskStarted stored as the call's JSON output."""
+
+    class PollsFunctionTasks(BuiltinLoopAgentRunner):
+        async def poll_tool_task(self, poll: ToolTaskPoll) -> ToolTaskPollOutcome:
+            return ToolExecutionResult(f"polled {poll.tool_call.task_id}")
+
+    done, events = await _task_tool_turn(tmp_path, PollsFunctionTasks, ToolEffect.NON_IDEMPOTENT_WRITE)
+    (result,) = [m for m in done.messages if m.role is MessageRole.TOOL]
+    assert result.tool_output is not None and result.tool_output.startswith("polled report-"), result
+    assert "tool_task_started" in [e.type for e in events]
 
 
 async def test_scripted_call_ids_stay_unique_when_compaction_shortens_the_input(tmp_path: Path) -> None:

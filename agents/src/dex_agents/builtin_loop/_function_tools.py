@@ -59,7 +59,7 @@ import msgspec
 from .._constants import ARGUMENTS_TOO_DEEP, SHOWN_VALUE_CHARS
 from .._events import AgentEventWriter
 from .._policy import ToolPolicy, raised_text
-from .._runner import ToolExecutionError, ToolInputRequested, ToolOutcomeUnknownError
+from .._runner import ToolExecutionError, ToolInputRequested, ToolOutcomeUnknownError, ToolTaskStarted
 from .._wire import QuestionAnswer, ToolEffect
 from ._model import PROVIDER_TOOL_NAME_RULE, ModelToolDefinition, is_provider_tool_name
 
@@ -714,9 +714,10 @@ class FunctionTool:
     def __repr__(self) -> str:
         return f"FunctionTool(name={self.name!r}, effect={self.policy.effect.value!r})"
 
-    async def invoke(self, arguments: str, context: ToolCallContext) -> str | ToolInputRequested:
+    async def invoke(self, arguments: str, context: ToolCallContext) -> str | ToolInputRequested | ToolTaskStarted:
         """Checks the argument text, calls the function once and returns its model-visible output,
-        or the question it asks the user (the session asks, then calls it again with the answer)."""
+        the question it asks the user (the session asks, then calls it again with the answer), or
+        the task it started (the runner's poll_tool_task polls it)."""
         kwargs = self._convert_arguments(_decode_arguments(self.name, arguments))
         if self._context_parameter is not None:
             kwargs[self._context_parameter] = context
@@ -727,7 +728,9 @@ class FunctionTool:
                 result = await _in_daemon_thread(self.name, functools.partial(self.fn, **kwargs))
                 if inspect.isawaitable(result):  # a sync callable that hands back an awaitable
                     result = await result
-            if isinstance(result, ToolInputRequested):
+            # Not outputs: as JSON the model would read a started task's handle as the result, a
+            # write that started would be recorded succeeded, and nothing would poll the task.
+            if isinstance(result, ToolInputRequested | ToolTaskStarted):
                 return result
             return _encode_result(result)
         except (ToolExecutionError, ToolOutcomeUnknownError):

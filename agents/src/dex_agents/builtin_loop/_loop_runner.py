@@ -27,7 +27,6 @@ from .._runner import (
     ToolCallStepOptions,
     ToolExecutionError,
     ToolExecutionResult,
-    ToolInputRequested,
     ToolTaskCancellation,
     ToolTaskPoll,
     ToolTaskPoller,
@@ -228,7 +227,7 @@ class BuiltinLoopAgentRunner:
             heartbeat_checkpoint=call.heartbeat_checkpoint, save_heartbeat_checkpoint=call.save_heartbeat_checkpoint,
         )
         result = await tool.invoke(record.arguments, context)
-        return result if isinstance(result, ToolInputRequested) else ToolExecutionResult(result)
+        return ToolExecutionResult(result) if isinstance(result, str) else result
 
     # A source's calls: their tool tasks and tool Step options go to the source that built them ----
 
