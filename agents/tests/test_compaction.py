@@ -1607,6 +1607,14 @@ async def test_worker_killed_during_compact_context_reruns_only_the_summary_call
         assert steps.count(RUN_MODEL) == number + 1
         at = steps.index(COMPACT_CONTEXT)
         assert steps[at - 1: at + 2] == [RUN_MODEL, COMPACT_CONTEXT, RUN_MODEL]
+        # The killed summary call committed nothing: every model call and the summary call that
+        # committed count once, and the session total is the sum of the usage_recorded events.
+        recorded = [json.loads(e.value.payload) for e in (await sessions.read_agent_events("s")).events
+                    if e.value.type == "usage_recorded"]
+        assert done.usage.model_calls == number + 1 == sum(r["recorded"]["model_calls"] for r in recorded)
+        assert recorded[-1]["session"] == msgspec.to_builtins(done.usage)
+        for field in ("input_tokens", "output_tokens"):
+            assert getattr(done.usage, field) == sum(r["recorded"][field] for r in recorded)
 
 
 class _LoadedAttributes:

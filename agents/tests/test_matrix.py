@@ -16,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, cast
 
+import msgspec
 import pytest
 import pytest_asyncio
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
@@ -462,6 +463,13 @@ async def test_6_kill_during_run_model_reruns_only_that_call(run: Run) -> None:
     assert final_answer(snapshot) == "orders: c1=read_orders done"
     assert run.model_calls("turn-1") == [(0, 1), (1, 1), (1, 2)]
     assert run.tool_starts("c1") == 1
+    # The killed attempt committed nothing, so its usage is not counted: each committed model call once,
+    # and the session total is the sum of the usage_recorded events.
+    assert snapshot.usage == AgentUsage(model_calls=2, input_tokens=20, output_tokens=10)
+    recorded = [json.loads(e.value.payload) for e in (await run.sessions.read_agent_events(run.session_id)).events
+                if e.value.type == "usage_recorded"]
+    assert [r["recorded"]["model_calls"] for r in recorded] == [1, 1]
+    assert recorded[-1]["session"] == msgspec.to_builtins(snapshot.usage)
 
     entries = await run.history()
     assert executed_steps(entries) == ["StartAgentSession", "RunModel", "CallTool", "ResumeTurn", "RunModel"]
