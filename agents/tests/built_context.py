@@ -4,6 +4,7 @@ tool questions)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -19,7 +20,7 @@ from dex_agents import (
     ToolEffect,
 )
 from dex_agents._runtime import SessionRuntime
-from dex_engine import Context, LoadOptions, LoadSpec, RecoveryError, Wait, WaitResult
+from dex_engine import MAX_VALUE_BYTES, Context, LoadOptions, LoadSpec, RecoveryError, Wait, WaitResult
 from dex_engine._context import EventFn, HeartbeatFn
 from dex_engine._records import WaitOutcome
 
@@ -32,6 +33,19 @@ def tool_call(status: AgentToolCallStatus, **fields: Any) -> AgentToolCall:
         deferral_order=0, tool_source_reference=None, trace_context=None,
     )
     return msgspec.structs.replace(record, **fields)
+
+
+def filling(record: AgentToolCall, slack: int, field: str = "arguments") -> AgentToolCall:
+    """`record` with its text `field` (arguments by default) padded to a JSON object of "x"s so
+    that the record is `slack` bytes under MAX_VALUE_BYTES: a call that steering or cancel_turn
+    must still be able to end."""
+    def padded(chars: int) -> AgentToolCall:
+        return msgspec.structs.replace(record, **{field: json.dumps({"pad": "x" * chars}, separators=(",", ":"))})
+
+    short = len(msgspec.json.encode(padded(0)))  # each "x" is one byte more
+    filled = padded(MAX_VALUE_BYTES - slack - short)
+    assert len(msgspec.json.encode(filled)) == MAX_VALUE_BYTES - slack
+    return filled
 
 
 def running_turn(**fields: Any) -> AgentState:

@@ -24,8 +24,9 @@ from typing import Any
 
 import msgspec
 import pytest
-from agents.tests.built_context import interrupt, running_turn, runtime_of, step_context, tool_call
+from agents.tests.built_context import filling, interrupt, running_turn, runtime_of, step_context, tool_call
 from agents.tests.scripted_agent import FLOW_TYPE, INVOCATIONS, ScriptedRunner, build_flow, item
+from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 
 from dex_agents import (
     AGENT_MESSAGES,
@@ -94,6 +95,7 @@ from dex_agents._constants import (
     REJECTION_MESSAGE_NOT_STORED,
     TIGHTER_NOTE_FIELD_CHARS,
 )
+from dex_agents._policy import CANCELLED_NOTE_HEADER
 from dex_agents._session_settings import session_settings_error, session_settings_size, validate_session_settings
 from dex_agents._timefmt import format_time
 from dex_agents._tool_steps import ToolSteps
@@ -169,8 +171,11 @@ class InProcess:
 
 
 @asynccontextmanager
-async def in_process(tmp_path: Path, flow: AgentSessionFlow, *, worker: bool = True) -> AsyncIterator[InProcess]:
-    url = f"sqlite:///{tmp_path / 'dex.db'}"
+async def in_process(
+    tmp_path: Path, flow: AgentSessionFlow, *, worker: bool = True, database_url: str | None = None
+) -> AsyncIterator[InProcess]:
+    """The engine on `database_url`, by default a SQLite file in tmp_path."""
+    url = database_url or f"sqlite:///{tmp_path / 'dex.db'}"
     options = WorkerOptions(database_url=url, lease_ttl_seconds=2.0, lease_renew_seconds=0.4,
                             housekeeping_seconds=0.1, poll_seconds=0.01, shutdown_grace_seconds=5.0)
     store = open_store(url)
@@ -1357,6 +1362,41 @@ async def test_a_tool_call_whose_record_is_over_the_value_limit_fails_the_turn_o
                                 "value for "
                                 "'AgentToolCalls[c1]' is "), error
         assert engine.log.count("model", turn_id=turn_id) == 1
+        assert engine.log.count("tool_start") == 0
+        await assert_usable(sessions, "s", before)
+
+
+def _approval_filling_its_record(tool_call_id: str, turn_id: str, slack: int) -> DeferredToolCall:
+    """A write needing approval whose record, as RunModel stores it, is `slack` bytes under the
+    value limit: its arguments fill the rest."""
+    policy = ToolPolicy(ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=True)
+    record = filling(tool_call(AgentToolCallStatus.AWAITING_APPROVAL, tool_call_id=tool_call_id, turn_id=turn_id,
+                               tool_name="write_x", effect=policy.effect, requires_approval=True), slack)
+    return DeferredToolCall(tool_call_id, "write_x", record.arguments, policy)
+
+
+async def test_cancel_turn_ends_a_turn_whose_waiting_call_nearly_fills_the_value_limit(
+    tmp_path: Path, db_url: str  # noqa: F811 - the fixture
+) -> None:
+    """A write awaiting approval whose record is 20 bytes under the value limit (arguments from a
+    runner that stores no message of them): cancel_turn marks it rejected with the cancellation's
+    message and reason, ~60 bytes more. Its arguments are cut instead, and the turn ends cancelled,
+    the note naming the call. Catches: FinishTurnCancellation failing on every retry, the cancel
+    never finishing and the session stuck in running_tools."""
+    runner = MisbehavingRunner(tmp_path, {"filling-approval": lambda: ToolCallsRequested(
+        "asked", [_approval_filling_its_record("w1", "turn-2", 20)], AgentUsage())})
+    async with in_process(tmp_path, flow_with(runner), database_url=db_url) as engine:
+        sessions = engine.sessions
+        before = await started_session(sessions, "s")
+        assert await sessions.send_user_message("s", f"{MISBEHAVE} filling-approval")
+        await wait_for_agent_snapshot(sessions, "s", lambda s: s.pending_interrupts, description="the approval")
+        assert await sessions.cancel_turn("s") is True
+        snapshot = await turn_ended(sessions, "s", 2)
+        assert snapshot.state is not None and snapshot.state.last_turn_error is None
+        assert snapshot.pending_interrupts == [] and snapshot.tool_calls == []
+        note = snapshot.messages[-1].text or ""
+        assert note.startswith(CANCELLED_NOTE_HEADER), note[:200]
+        assert re.search(r'- write_x \{"pad":"x+ \[Dex: cut from \d+ characters\] -> rejected: ', note), note[:300]
         assert engine.log.count("tool_start") == 0
         await assert_usable(sessions, "s", before)
 

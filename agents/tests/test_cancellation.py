@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 import pytest_asyncio
-from agents.tests.built_context import runtime_of, step_context, tool_call
+from agents.tests.built_context import filling, runtime_of, step_context, tool_call
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import ENV_BUILT_IN_TOOLS, build_flow, item
 from agents.tests.session_driver import Session
@@ -30,6 +30,7 @@ from dex_agents import (
     AGENT_TOOL_CALLS,
     APPLY_TURN_CONTROL,
     AWAIT_QUESTION_ANSWER,
+    AWAIT_TIMER,
     AWAIT_TOOL_APPROVAL,
     CALL_SINGLE_ATTEMPT_TOOL,
     CALL_TOOL,
@@ -40,6 +41,7 @@ from dex_agents import (
     POLL_TOOL_TASK,
     RESUME_TURN,
     STEERED_REJECTION_MESSAGE,
+    TOOL_CALL_CANCELLATIONS,
     TOOL_CALL_RESULTS,
     TOOL_TASK_CANCELLED_ERROR,
     TURN_CANCELLATION_REQUEST,
@@ -65,6 +67,7 @@ from dex_agents import (
     TurnControlRequest,
 )
 from dex_agents._builtin_steps import BuiltInSteps
+from dex_agents._constants import CUT_NOTE_FIELD_CHARS
 from dex_agents._control_steps import (
     CANCEL_TURN_CANCELING_STEPS,
     TURN_CONTROL_WAKE,
@@ -74,14 +77,14 @@ from dex_agents._control_steps import (
     cancellation_action,
     cancelled_record,
 )
-from dex_agents._policy import CANCELLED_NOTE_HEADER, TOOL_CALL_NOTE_FOOTER
-from dex_agents._task_steps import answered_task_record, cancelled_task_record
+from dex_agents._policy import CANCELLED_NOTE_HEADER, TOOL_CALL_NOTE_FOOTER, cut_text
+from dex_agents._task_steps import TaskSteps, answered_task_record, cancelled_task_record
 from dex_agents._tool_steps import ToolSteps
 from dex_agents._turn_steps import TurnSteps
 from dex_agents.testing import (
     AgentTestStack,
 )
-from dex_engine import Context, LoadOptions, RpcContext, RPCResult, Timer, Wait
+from dex_engine import MAX_VALUE_BYTES, Context, LoadOptions, RpcContext, RPCResult, Timer, Wait
 from dex_engine._records import ConsumedMessage, WaitOutcome
 
 BUILT_INS = frozenset({BuiltInTool.ASK_USER, BuiltInTool.DURABLE_WAIT})
@@ -469,6 +472,83 @@ async def test_finish_turn_cancellation_records_hands_over_and_sends_back_in_one
     decision = await control.finish_turn_cancellation(again, "turn-1")
     assert [(m.step_type, m.input) for m in decision.movements] == [(AWAIT_TOOL_APPROVAL, "answered")]
     assert again.writes.publishes == [] and again.writes.appends == []
+
+
+def _answers_filling(slack: int) -> AgentToolCall:
+    """A tool's second question, pending, on a call whose first answer nearly fills the value limit."""
+    asked = tool_call(S.AWAITING_ANSWER, input_question="Q?", input_answers=[
+        QuestionAnswer(interrupt_id="c1-input-1", question="Q?", answer="")])
+    answer = "a" * (MAX_VALUE_BYTES - slack - len(msgspec.json.encode(asked)))
+    return msgspec.structs.replace(asked, input_answers=[
+        QuestionAnswer(interrupt_id="c1-input-1", question="Q?", answer=answer)])
+
+
+@pytest.mark.parametrize(("record", "pending", "after", "answers"), [
+    (filling(tool_call(S.AWAITING_APPROVAL, requires_approval=True), 20), "c1", S.REJECTED, 0),
+    (filling(tool_call(S.WAITING_FOR_TIMER), 20), None, S.REJECTED, 0),
+    (filling(tool_call(S.WAITING_FOR_TASK, task_id="task-1"), 10), None, S.WAITING_FOR_TASK, 0),  # marked: +15 bytes
+    (_answers_filling(20), "c1-input-2", S.REJECTED, 1),  # its arguments are short: the answers go
+])
+async def test_finish_turn_cancellation_ends_a_call_whose_record_nearly_fills_the_value_limit(
+    record: AgentToolCall, pending: str | None, after: AgentToolCallStatus, answers: int,
+) -> None:
+    """A call whose arguments (or answers) leave under ~100 bytes of the value limit: the rejection
+    message and reason cancel_turn adds would not fit. Its arguments are cut (CUT_NOTE_FIELD_CHARS),
+    then its answers dropped, and the call is settled as usual. Catches: the Step failing on every
+    retry, so the cancel never finishes and ResumeTurn waits for ever."""
+    flow = _flow()
+    control = ControlSteps(runtime_of(flow), TurnSteps(runtime_of(flow)))
+    interrupts = [] if pending is None else [_interrupt(pending)]
+    ctx = step_context(flow, FINISH_TURN_CANCELLATION, {
+        ("AgentToolCalls", "c1"): record, ("AgentState", ""): _state(), ("TurnCancellationRequest", ""): CANCELLED,
+        ("PendingInterrupts", ""): interrupts})
+    decision = await control.finish_turn_cancellation(ctx, "turn-1")
+    stored = ctx.get(AGENT_TOOL_CALLS["c1"])
+    assert stored is not None
+    assert (stored.status, stored.cancellation_reason) == (after, CancellationReason.TURN_CANCELLED)
+    assert stored.arguments == cut_text(record.arguments, CUT_NOTE_FIELD_CHARS)
+    assert len(stored.input_answers) == (len(record.input_answers) if answers == 0 else 0)
+    if after is S.REJECTED:
+        assert stored.rejection_message == TURN_CANCELLED_REJECTION_MESSAGE
+        assert [v for n, _, v in ctx.writes.publishes] == [b'{"tool_call_id":"c1"}']
+        assert decision.kind == "dead_end" and ctx.get(PENDING_INTERRUPTS) == []
+    else:
+        assert [(m.step_type, m.input) for m in decision.movements] == [(CANCEL_TOOL_TASK, "c1")]
+
+
+async def test_cancel_tool_task_ends_an_abandoned_task_whose_record_nearly_fills_the_value_limit() -> None:
+    """CancelToolTask's outcome_unknown adds its ~90-character error: a record 50 bytes under the
+    limit is stored with its arguments cut, and the call's one result published."""
+    flow = _flow()
+    runtime = runtime_of(flow)
+    abandoned = filling(tool_call(S.WAITING_FOR_TASK, task_id="task-1",
+                                  cancellation_reason=CancellationReason.TURN_CANCELLED), 50)
+    ctx = step_context(flow, CANCEL_TOOL_TASK, {("AgentToolCalls", "c1"): abandoned, ("AgentState", ""): _state(),
+                                                ("TurnCancellationRequest", ""): CANCELLED})
+    assert (await TaskSteps(runtime, ToolSteps(runtime)).cancel_tool_task(ctx, "c1")).kind == "dead_end"
+    stored = ctx.get(AGENT_TOOL_CALLS["c1"])
+    assert stored is not None
+    assert (stored.status, stored.error) == (S.OUTCOME_UNKNOWN, TOOL_TASK_CANCELLED_ERROR)
+    assert stored.arguments == cut_text(abandoned.arguments, CUT_NOTE_FIELD_CHARS)
+    assert [n for n, _, _ in ctx.writes.publishes] == ["ToolCallResults"]
+
+
+async def test_a_steered_durable_wait_whose_record_nearly_fills_the_value_limit_ends() -> None:
+    """A steer abandons a durable wait the same way: AwaitTimer, woken in a steered turn, stores the
+    rejected record with its arguments cut rather than failing on every retry."""
+    flow = build_flow(None, built_in_tools=BUILT_INS)
+    timer = filling(tool_call(S.WAITING_FOR_TIMER, tool_name="durable_wait", wait_until="2026-01-01T00:01:00.000Z"),
+                    20)
+    wake = ConsumedMessage(1, msgspec.Raw(b'{"reason":"steered"}'))
+    waited = (Wait.any_of(Timer.by_duration(60), TOOL_CALL_CANCELLATIONS["c1"].for_one()),
+              WaitOutcome(satisfied=(1,), consumed=((), (wake,))))
+    ctx = step_context(flow, AWAIT_TIMER, {("AgentToolCalls", "c1"): timer, ("AgentState", ""): _state(),
+                                           ("SteeredMessageCount", ""): 1}, waited)
+    assert (await BuiltInSteps(runtime_of(flow)).await_timer(ctx, "c1")).kind == "dead_end"
+    stored = ctx.get(AGENT_TOOL_CALLS["c1"])
+    assert stored is not None
+    assert (stored.status, stored.cancellation_reason) == (S.REJECTED, CancellationReason.STEERED)
+    assert stored.arguments == cut_text(timer.arguments, CUT_NOTE_FIELD_CHARS)
 
 
 @pytest.mark.parametrize(("state", "cancellation", "expected"), [

@@ -315,7 +315,7 @@ def abandon_call(
         if interrupt is not None:
             ctx.set(PENDING_INTERRUPTS, [i for i in pending if i is not interrupt])
             emit_interrupt_cancelled(rt, ctx, interrupt, record.turn_id, reason)
-    rt.finish_record(ctx, cancelled_record(record, reason))
+    rt.store_cancelled_record(ctx, cancelled_record(record, reason))
     return StepDecision.dead_end()
 
 
@@ -506,10 +506,10 @@ class ControlSteps:
                 kept.remove(interrupt)
                 emit_interrupt_cancelled(rt, ctx, interrupt, turn_id, reason)
             if action is CancellationAction.CANCEL_TASK:
-                ctx.set(AGENT_TOOL_CALLS[record.tool_call_id], abandoned_task_record(record))
+                rt.store_cancelled_record(ctx, abandoned_task_record(record))
                 movements.append(Movement(CANCEL_TOOL_TASK, record.tool_call_id, tool_call_load(record.tool_call_id)))
             else:
-                rt.finish_record(ctx, cancelled_record(record, reason))
+                rt.store_cancelled_record(ctx, cancelled_record(record, reason))
         if len(kept) != len(pending):
             ctx.set(PENDING_INTERRUPTS, kept)
         return StepDecision.go_to_many(*movements) if movements else StepDecision.dead_end()

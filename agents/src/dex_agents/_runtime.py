@@ -83,6 +83,7 @@ from ._turn_logic import (
     ending_tries,
     finished,
     not_run_error,
+    smaller_records,
     storable_outcome,
     to_agent_message,
     tool_step_for,
@@ -486,6 +487,32 @@ class SessionRuntime:
         except ValueTooLargeError:
             self.finish_record(ctx, finished(record, AgentToolCallStatus.REJECTED,
                                              rejection_message=REJECTION_MESSAGE_NOT_STORED))
+
+    def store_cancelled_record(self, ctx: Context, record: AgentToolCall) -> None:
+        """Store a record that steering or cancel_turn changed: finish_record for a final one, else
+        set it (a started task handed to CancelToolTask). When the change makes it too large to
+        store, the first of smaller_records that fits: a Step that failed for it would fail on every
+        retry, and the cancelled turn would never end."""
+        def store(stored: AgentToolCall) -> None:
+            if stored.status.is_final:
+                self.finish_record(ctx, stored)
+            else:
+                ctx.set(AGENT_TOOL_CALLS[stored.tool_call_id], stored)
+
+        try:
+            store(record)
+            return
+        except ValueTooLargeError as exc:
+            first = exc
+        for smaller in smaller_records(record):
+            try:
+                store(smaller)  # a set that fails writes nothing
+            except ValueTooLargeError:
+                continue
+            log.warning("flow %s: %s; tool call %r is stored with its arguments cut instead", ctx.flow_id, first,
+                        record.tool_call_id)
+            return
+        raise first
 
     def finish_record(self, ctx: Context, record: AgentToolCall) -> None:
         """Store a final record, publish its one ToolCallCompleted, and write tool_call_finished."""

@@ -367,5 +367,5 @@ class TaskSteps:
             )
             async with background_heartbeats(ctx):
                 await resolved(cancel(cancellation))
-        rt.finish_record(ctx, cancelled_task_record(record))
+        rt.store_cancelled_record(ctx, cancelled_task_record(record))
         return StepDecision.dead_end()

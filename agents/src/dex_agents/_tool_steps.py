@@ -336,7 +336,7 @@ class ToolSteps:
             return StepDecision.dead_end()
         if is_abandoned_task(record):
             # CancelToolTask kept failing: the abandoned task still ends the turn, with the same result.
-            self.rt.finish_record(ctx, cancelled_task_record(record))
+            self.rt.store_cancelled_record(ctx, cancelled_task_record(record))
             return StepDecision.dead_end()
         recovery = ctx.recovery_error
         detail = "the tool Step failed" if recovery is None else recovery.detail or recovery.error_type

@@ -27,6 +27,7 @@ from ._constants import (
     AWAIT_TOOL_APPROVAL,
     CALL_SINGLE_ATTEMPT_TOOL,
     CALL_TOOL,
+    CUT_NOTE_FIELD_CHARS,
     DEFAULT_MAX_DURABLE_WAIT,
     MAX_REJECTION_MESSAGE_CHARS,
     MAX_STORED_TOOL_ERROR_CHARS,
@@ -520,6 +521,18 @@ def finished(
 def without_question(record: AgentToolCall) -> AgentToolCall:
     """The record with no pending tool question (its answers and continuation stay)."""
     return msgspec.structs.replace(record, input_question=None, input_choices=[], input_allows_free_text=True)
+
+
+def smaller_records(record: AgentToolCall) -> Iterator[AgentToolCall]:
+    """What a call's record tries to store instead when steering or cancel_turn grew it past the
+    value limit, each smaller than the last: its arguments cut to CUT_NOTE_FIELD_CHARS, then also
+    without its answers and, once final (never polled again), its continuation. They mark a call
+    that takes no further effect (a rejection message, a reason, an error of ~100 bytes), and a
+    call whose arguments or answers nearly fill the limit must still end, or the cancel never would."""
+    cut = msgspec.structs.replace(record, arguments=cut_text(record.arguments, CUT_NOTE_FIELD_CHARS))
+    yield cut
+    continuation = None if record.status.is_final else record.input_continuation
+    yield msgspec.structs.replace(cut, input_answers=[], input_continuation=continuation)
 
 
 def recovered_status(
