@@ -1461,3 +1461,23 @@ async def test_a_poll_watching_more_running_attempts_than_a_statement_takes_para
     for housekeep in (False, True):
         _, result = await store.poll(W, TYPES, 0, running, must_claim=False, housekeep=housekeep)
         assert result.epochs == {lease.task_id: lease.lease_epoch}
+
+
+async def test_a_wait_that_takes_more_messages_than_a_statement_takes_parameters_is_satisfied(store: Store) -> None:
+    """A wait for "every message queued" (at_most of a large n, as a session's steering wait is)
+    deletes each message it takes. Named in one statement, more than SQLite's 32,766 parameters
+    (PostgreSQL's 65,535) failed the commit that evaluated the wait, and every later one: the
+    Step never woke, and every publish to its flow failed with it."""
+    if isinstance(store, SqliteStore):
+        # This machine's SQLite takes 250,000 parameters; SQLite's own default, as most builds keep it:
+        await store.raw(lambda db: db.conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 32_766))
+    count = 65_536
+    await start(store, "f1")
+    publishes = [("Inbox", "", enc(n)) for n in range(count)]
+    await store.commit_execute(await claim_one(store), WriteSet(publishes=publishes), goto("Next"))
+    listen = msgspec.structs.replace(move("Listen"), wait=Wait.until(Inbox.at_most(2 * count)).spec())
+    await store.commit_execute(await claim_one(store), WriteSet(), DecisionRecord("movements", (listen,)))
+    woken = await claim_one(store)
+    assert woken.step_execution_id == "Listen-1" and woken.wait_outcome is not None
+    assert [msgspec.json.decode(m.value) for m in woken.wait_outcome.consumed[0]] == list(range(count))
+    assert (await store.rpc_read("f1", ALL, [])).pending.get(("Inbox", ""), []) == []

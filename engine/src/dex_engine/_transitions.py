@@ -1369,8 +1369,11 @@ def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
             consumed.append(tuple(ConsumedMessage(mid, msgspec.Raw(bodies[mid])) for mid in ids))
             if ids:
                 stored = [mid for mid in ids if mid not in unstored_ids]
-                if stored:
-                    _send(db, f"DELETE FROM channel_messages WHERE message_id IN ({_in(stored)})", stored)
+                # ROWS_PER_STATEMENT at a time: a wait for "all queued" (at_most(n)) may take more
+                # messages than a statement takes parameters.
+                for at in range(0, len(stored), ROWS_PER_STATEMENT):
+                    taken_part = stored[at:at + ROWS_PER_STATEMENT]
+                    _send(db, f"DELETE FROM channel_messages WHERE message_id IN ({_in(taken_part)})", taken_part)
                 if unstored is not None and len(stored) < len(ids):
                     unstored[:] = [m for m in unstored if m.message_id not in ids]
                 taken = set(ids)
