@@ -50,7 +50,7 @@ from dex_engine._open import shown_url
 from dex_engine._records import DecisionRecord, StartRequest, WriteSet
 from dex_engine._scheduling import movement_record
 
-from .conftest import Engine, assert_paced, engine_for, stop_while_a_claim_lands, wait_until
+from .conftest import FAST, Engine, assert_paced, engine_for, stop_while_a_claim_lands, wait_until
 
 Log = Stream("Log", str)
 Inbox = Channel("Inbox", str)
@@ -445,7 +445,7 @@ async def _holding(eng: Engine, flow_type: str, flow_id: str, log: list[str], **
 async def test_a_stopping_worker_takes_no_new_work_from_its_processs_clients(db_url: str) -> None:
     """While a worker stops (its one running attempt finishing within the grace), a client sharing
     its store readies a Step: the stopping worker must not run it (it takes no claim, or hands an
-    unstarted one back as it unregisters), or each such commit would keep the stop waiting for yet
+    unstarted one back at once), or each such commit would keep the stop waiting for yet
     another attempt. The Step waits for the next worker. Catches a stopping worker that runs new work."""
     entered: list[str] = []
     release = asyncio.Event()
@@ -578,6 +578,63 @@ async def test_a_stop_waits_for_a_claim_in_flight_and_not_for_its_grace(
         await asyncio.wait_for(stopped[0][1], 10)
         await eng.start_worker()
         assert (await eng.client.wait_for_flow("landing", 10)).status == "completed"
+
+
+async def test_a_stopping_worker_hands_back_at_once_a_step_a_commit_in_flight_claimed(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """stop() comes while an attempt's commit is in flight, the commit handing its worker the
+    flow's next Step; another attempt of the worker runs on within its 30 s grace. The stopping
+    worker does not run the Step it was handed, and gives it back at once: another worker (another
+    process's) runs it within seconds, not once the longest running attempt ends. Catches: the
+    claim kept until the worker unregistered at the end of its drain, so the session stalled for
+    up to the whole grace."""
+    entered: list[str] = []
+    release = asyncio.Event()
+
+    async def hold(ctx: Context, _: Any) -> StepDecision:
+        entered.append(ctx.flow_id)
+        await release.wait()
+        return StepDecision.graceful_complete()
+
+    async def first(ctx: Context, _: Any) -> StepDecision:
+        return StepDecision.go_to("Second")
+
+    async def second(ctx: Context, _: Any) -> StepDecision:
+        return StepDecision.graceful_complete("second ran")
+
+    registry = Registry([
+        Flow("Held", [Step("Hold", hold)], start_step="Hold"),
+        Flow("Pair", [Step("First", first), Step("Second", second)], start_step="First"),
+    ])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        worker = await _holding(eng, "Held", "held", entered, shutdown_grace_seconds=30.0)
+        real_commit = type(eng.store).commit_execute
+        stopping: list[asyncio.Task[None]] = []
+
+        async def commit_in_flight_at_stop(self: Store, lease: Any, *args: Any, **kwargs: Any) -> Any:
+            if lease.step_type == "First":
+                assert self is eng.store and args[2] is not None, "the stopping worker's commit claims for it"
+                stopping.append(asyncio.create_task(worker.stop()))
+                await asyncio.sleep(0.1)  # the stop is in: the worker drains
+            return await real_commit(self, lease, *args, **kwargs)
+
+        monkeypatch.setattr(type(eng.store), "commit_execute", commit_in_flight_at_stop)
+        await eng.client.start_flow("Pair", "pair")  # no other worker yet: this one runs First
+        await wait_until("First's commit", lambda: asyncio.sleep(0, stopping))
+        other = open_store(db_url)
+        try:
+            async with AsyncWorker(registry, WorkerOptions(**{**FAST.__dict__, "database_url": db_url}),
+                                   store=other):
+                info = await eng.client.wait_for_flow("pair", 5)
+                assert info.status == "completed"
+                assert not stopping[0].done(), "the held attempt still runs in the stopping worker"
+                release.set()
+                await asyncio.wait_for(stopping[0], 10)
+        finally:
+            release.set()
+            await other.close()
+        assert entered == ["held"]
 
 
 async def test_a_worker_closes_the_store_it_opened(db_url: str) -> None:

@@ -511,7 +511,12 @@ class AsyncWorker:
                 return
             context = cast(ParkedHandler, lease.started.resume).variables
         elif self._stopping.is_set():
-            return  # draining: unregistering at the end hands unstarted claims back (same attempt, E3)
+            # Draining: never started here, so give it back now (same attempt, E3) for another worker
+            # to take at once; held until this worker unregisters, it would wait for the longest
+            # running attempt, up to the whole grace. Once drained, unregistering hands it back.
+            if not self._drained:
+                self._hand_back_later(lease, context)
+            return
         previous = self._running.get(lease.task_id)
         if previous is not None and previous.lease.lease_epoch >= lease.lease_epoch:
             # A reply that came late (a poll's, a commit's): this worker already runs the task's
@@ -528,10 +533,7 @@ class AsyncWorker:
             # Claims in flight at once (a poll, commits, clients' hand-offs) each took up to the
             # slots free when they started, so together they may hold more than there are. An
             # attempt whose commit recorded its first heartbeat has started: it runs regardless.
-            task = asyncio.create_task(self._hand_back(lease), name=f"hand back {lease.step_execution_id}",
-                                       context=context)
-            self._handing_back.add(task)
-            task.add_done_callback(self._handing_back.discard)
+            self._hand_back_later(lease, context)
             return
         running = _Running(lease)
         self._running[lease.task_id] = running
@@ -547,6 +549,13 @@ class AsyncWorker:
                 with contextlib.suppress(Exception):
                     running.lease.started.close()  # in its own variables, which this callback is not
             self._end_attempt(running)
+
+    def _hand_back_later(self, lease: Lease, context: contextvars.Context) -> None:
+        """Hand `lease` back (_hand_back) in a task of its own, which a drain waits for."""
+        task = asyncio.create_task(self._hand_back(lease), name=f"hand back {lease.step_execution_id}",
+                                   context=context)
+        self._handing_back.add(task)
+        task.add_done_callback(self._handing_back.discard)
 
     async def _hand_back(self, lease: Lease) -> None:
         """Give back a claim this worker has no slot for: unstarted, same attempt (E3)."""
