@@ -42,6 +42,12 @@ DOOMED_TEST_PROCESS = textwrap.dedent("""
 
     asyncio.run(main(Path(sys.argv[1])))
 """)
+# The same test process with its Worker frozen (SIGSTOP to the Worker's group, as a zombie test
+# does) when it is killed: the Worker's watching thread cannot run until something resumes it.
+FROZEN_DOOMED_TEST_PROCESS = DOOMED_TEST_PROCESS.replace(
+    "        print(worker.pid,", "        os.killpg(worker.pid, signal.SIGSTOP)\n        print(worker.pid,",
+).replace("import asyncio, sys", "import asyncio, os, signal, sys")
+assert "SIGSTOP" in FROZEN_DOOMED_TEST_PROCESS and "import asyncio, os, signal, sys" in FROZEN_DOOMED_TEST_PROCESS
 # The doomed test process imports, then starts and registers a Worker: seconds on a loaded machine.
 DOOMED_START_SECONDS = 60.0
 
@@ -121,11 +127,15 @@ async def test_a_worker_that_never_registers_is_killed_when_start_worker_fails(s
     assert worker.process.returncode == -signal.SIGKILL
 
 
-async def test_workers_end_when_the_test_process_dies_without_leaving_the_stack(tmp_path: Path) -> None:
+@pytest.mark.parametrize("frozen", [False, True], ids=["running", "frozen"])
+async def test_workers_end_when_the_test_process_dies_without_leaving_the_stack(tmp_path: Path, frozen: bool) -> None:
     """A test process SIGKILLed inside `async with AgentTestStack` (a CI timeout) runs no cleanup; its
-    Worker notices it was handed to another parent and SIGKILLs its process group, stray and all."""
+    Worker notices it was handed to another parent and SIGKILLs its process group, stray and all;
+    also when the test had frozen the Worker's group with SIGSTOP. Catches: a frozen Worker, whose
+    watching thread never ran again, left stopped for ever with its stray."""
+    script = FROZEN_DOOMED_TEST_PROCESS if frozen else DOOMED_TEST_PROCESS
     doomed = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", DOOMED_TEST_PROCESS, str(tmp_path), cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE)
+        sys.executable, "-c", script, str(tmp_path), cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE)
     worker = stray = 0
     try:
         assert doomed.stdout is not None

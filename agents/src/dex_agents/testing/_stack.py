@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -39,6 +40,8 @@ TEST_WORKER_MAX_CONCURRENT_TASKS = 64
 # How often a Worker child looks whether the test process is still its parent: a test process
 # killed without leaving its stack leaves no Worker running for more than about this long.
 PARENT_WATCH_SECONDS = 0.2
+# prctl's option for the signal sent when the parent dies (<linux/prctl.h>).
+PR_SET_PDEATHSIG = 1
 
 
 def test_worker_options(database_url: str, lease_ttl_seconds: float) -> WorkerOptions:
@@ -72,10 +75,12 @@ def _watch_parent(parent_pid: int) -> None:
     """SIGKILL this Worker's process group, as WorkerProcess.kill() would, once `parent_pid` is no
     longer this process's parent: the test process died and the Worker was handed to init.
 
-    A thread polling getppid(), not PR_SET_PDEATHSIG: that fires when the parent *thread* that
+    A thread polling getppid(), not PR_SET_PDEATHSIG alone: that fires when the parent *thread* that
     spawned the child ends (an event loop in a thread of a live test process, say), it is Linux
     only, and it would kill the Worker but not the subprocesses in its group. A thread, not a task,
-    so that a handler blocking the Worker's event loop cannot hold it up.
+    so that a handler blocking the Worker's event loop cannot hold it up. A Worker the test froze
+    (SIGSTOP) runs no thread, though: on Linux the parent's death also sends it SIGCONT
+    (_resume_when_orphaned), and the thread then sees the new parent.
     """
     if os.getpgrp() != os.getpid():
         # AgentTestStack starts each Worker as the leader of a new process group; killing any
@@ -88,7 +93,22 @@ def _watch_parent(parent_pid: int) -> None:
             time.sleep(PARENT_WATCH_SECONDS)
         os.killpg(os.getpid(), signal.SIGKILL)
 
+    _resume_when_orphaned()
     threading.Thread(target=watch, name=f"dex-test-parent-watch:{parent_pid}", daemon=True).start()
+
+
+def _resume_when_orphaned() -> None:
+    """On Linux, have the kernel send this process SIGCONT when the thread that started it ends.
+
+    A Worker frozen with SIGSTOP when the test process dies would otherwise stay stopped for ever,
+    with every subprocess of its group. SIGCONT, not SIGKILL: that thread may end while the test
+    process lives on (see _watch_parent), and a resumed Worker only goes on running. Best effort:
+    where prctl is missing or refuses, a frozen Worker stays as it was before.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGCONT, 0, 0, 0)
 
 
 async def _serve(registry: Registry, options: WorkerOptions) -> None:
