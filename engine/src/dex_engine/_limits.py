@@ -73,6 +73,24 @@ DEFAULT_LEASE_RENEW_SECONDS = 10.0
 # How often any worker scans for due timers, expired leases and timeouts when idle.
 DEFAULT_HOUSEKEEPING_SECONDS = 1.0
 
+# Flows whose due timers one housekeeping transaction fires: a few tens of ms of write lock on either
+# backend, where a burst (approval deadlines that fell due while no worker ran) took seconds in one
+# transaction, and a failed pass redoes only its own flows.
+TIMERS_FIRED_PER_HOUSEKEEPING = 128
+
+# A worker's housekeeping fires timers only while fewer than TIMERS_FIRED_PER_HOUSEKEEPING tasks of
+# its flow types are ready: claims take the oldest ready first, so a message that arrives during a
+# burst waits behind at most that many, not behind the whole burst. Beyond that it still fires this
+# many a pass, so ready work that never drains (a steady stream, lock-blocked tasks) delays timers
+# but never starves them.
+TIMERS_FIRED_WHILE_BACKLOGGED = 16
+
+# While a pass left due timers for later ones, a worker housekeeps again this soon, not a whole
+# interval on: that many ready tasks drain in about this long on either backend (a few hundred agent
+# turns a second), and a pass that finds them still queued fires nothing at the cost of one short
+# transaction, twenty a second at most.
+TIMER_BURST_HOUSEKEEPING_SECONDS = 0.05
+
 # A failed lease renewal (or registration after being declared dead) is tried again this soon, at
 # most, rather than a whole renewal period later: the worker claims nothing until it succeeds.
 RENEW_RETRY_SECONDS = 1.0

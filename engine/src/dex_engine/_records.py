@@ -204,3 +204,5 @@ class HousekeepingReport:
     leases_expired: int = 0
     timeouts: int = 0
     workers_removed: int = 0
+    # The pass fired as many timers as it could (_transitions._timer_budget) and more are due.
+    timers_left: bool = False

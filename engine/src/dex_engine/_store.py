@@ -375,6 +375,7 @@ class Store(ABC):
         self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],
         *, must_claim: bool, housekeep: bool, known: Sequence[int] | None = None,
         claimed_before: int | None = None, holder: tuple[str, int] | None = None, declare_dead: bool = True,
+        timer_floor: bool = True,
     ) -> tuple[bool, tx.PollResult]:
         """One worker loop iteration in one transaction; returns (changed elsewhere, result).
 
@@ -385,7 +386,8 @@ class Store(ABC):
         later, after commits handed the caller claims that `known` cannot list. With `holder` (host,
         PID), a worker whose ID's row that process does not hold claims nothing (see
         tx.worker_registered). With `declare_dead` False, housekeeping declares no worker dead (the
-        caller saw the wall clock step; see tx.housekeeping).
+        caller saw the wall clock step; see tx.housekeeping). With `timer_floor` False, housekeeping
+        fires timers only while few of `flow_types`' tasks are ready (see tx.housekeeping).
         """
         if claimed_before is None:
             claimed_before = now_ms() - LOST_CLAIM_MS
@@ -407,7 +409,8 @@ class Store(ABC):
             changed = self._changed_in(db)
             if housekeep and known is not None:
                 tx.release_lost_claims(db, worker_id, known, claimed_before, now)
-            report = tx.housekeeping(db, now, worker_id, declare_dead=declare_dead) if housekeep else None
+            report = (tx.housekeeping(db, now, worker_id, declare_dead=declare_dead, flow_types=flow_types,
+                                      timer_floor=timer_floor) if housekeep else None)
             woke = report is not None and bool(report.timers_fired or report.leases_expired or report.timeouts)
             claim_now = must_claim or changed or woke
             registered = not claim_now or tx.worker_registered(db, worker_id, holder)

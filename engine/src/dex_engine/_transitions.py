@@ -36,6 +36,8 @@ from ._limits import (
     MAX_HISTORY_EVENTS_PER_FLOW,
     MAX_MESSAGE_ID,
     ROWS_PER_STATEMENT,
+    TIMERS_FIRED_PER_HOUSEKEEPING,
+    TIMERS_FIRED_WHILE_BACKLOGGED,
 )
 from ._options import FlowConfig, LoadSpec, MethodOptions, TaskOptions
 from ._records import (
@@ -1756,8 +1758,16 @@ def _worker_row(worker_id: str, holder: tuple[str, int] | None) -> tuple[str, tu
     return "worker_id = ? AND host = ? AND pid = ?", (worker_id, *holder)
 
 
-def housekeeping(db: Db, now: int, worker_id: str | None = None, *, declare_dead: bool = True) -> HousekeepingReport:
+def housekeeping(
+    db: Db, now: int, worker_id: str | None = None, *, declare_dead: bool = True,
+    flow_types: Sequence[str] | None = None, timer_floor: bool = True,
+) -> HousekeepingReport:
     """Dead workers, expired leases, timeouts, due timers. Idempotent; any worker may run it.
+
+    It fires the timers of at most TIMERS_FIRED_PER_HOUSEKEEPING flows, the earliest due first;
+    later passes fire the rest (the report's `timers_left`). Run by a worker of `flow_types`, fewer
+    while their ready tasks queue (see _timer_budget); `timer_floor` True (once a housekeeping
+    interval) fires TIMERS_FIRED_WHILE_BACKLOGGED even then.
 
     Run by `worker_id`, it declares no worker dead while that worker's own lease has run out or
     is gone: a live worker that finds its own lease expired has seen the wall clock step forward
@@ -1786,10 +1796,12 @@ def housekeeping(db: Db, now: int, worker_id: str | None = None, *, declare_dead
         timeouts += 1
     fired = 0
     # Deduplicated and sorted here (see _in_lock_order): for DISTINCT ... ORDER BY flow_id SQLite
-    # reads every task in flow order (tasks_flow) instead of the due timers (tasks_timer).
-    flows = sorted({str(flow_id) for (flow_id,) in db.all(
-        "SELECT flow_id FROM tasks WHERE state = 'waiting' AND timer_due_at <= ?", (now,))})
-    for flow_id in flows:
+    # reads every task in flow order (tasks_flow) instead of the due timers (tasks_timer). A flow
+    # with several due waits counts once per wait against the limit, which only fires fewer.
+    budget = _timer_budget(db, now, flow_types, timer_floor)
+    due = db.all("SELECT flow_id FROM tasks WHERE state = 'waiting' AND timer_due_at <= ? "
+                 "ORDER BY timer_due_at LIMIT ?", (now, budget + 1))
+    for flow_id in sorted({str(flow_id) for (flow_id,) in due[:budget]}):
         lock_flow(db, flow_id)
         n = evaluate_waits(db, flow_id, now)
         if n:
@@ -1799,7 +1811,25 @@ def housekeeping(db: Db, now: int, worker_id: str | None = None, *, declare_dead
     if shared is not None:
         shared.collect(db, now)
     return HousekeepingReport(timers_fired=fired, leases_expired=expired, timeouts=timeouts,
-                              workers_removed=removed)
+                              workers_removed=removed, timers_left=len(due) > budget)
+
+
+def _timer_budget(db: Db, now: int, flow_types: Sequence[str] | None, floor: bool) -> int:
+    """How many waits' due timers one housekeeping pass fires. Claims take the oldest ready task
+    first, and a fired timer's task is ready from when it fired: a whole burst fired at once would
+    queue every message that arrives after it behind the burst. So a worker's pass fires only what
+    keeps its flow types' ready tasks under TIMERS_FIRED_PER_HOUSEKEEPING; with `floor` (once a
+    housekeeping interval) at least TIMERS_FIRED_WHILE_BACKLOGGED, so timers move on however long
+    ready work queues, while the extra passes a burst asks for (timers_left) add nothing to a queue."""
+    if not flow_types:
+        return TIMERS_FIRED_PER_HOUSEKEEPING
+    row = db.one(
+        f"SELECT COUNT(*) FROM (SELECT 1 FROM tasks WHERE state = 'ready' AND run_at <= ? "
+        f"AND flow_type IN ({_in(flow_types)}) LIMIT ?) r",
+        (now, *flow_types, TIMERS_FIRED_PER_HOUSEKEEPING),
+    )
+    ready = int(row[0]) if row is not None else 0
+    return max(TIMERS_FIRED_WHILE_BACKLOGGED if floor else 0, TIMERS_FIRED_PER_HOUSEKEEPING - ready)
 
 
 def _in_lock_order(rows: list[Row], flow: int, task: int) -> list[Row]:

@@ -51,6 +51,7 @@ from ._limits import (
     MAX_WORKER_ERRORS_PER_ATTEMPT,
     POLL_RETRY_MAX_SECONDS,
     RENEW_RETRY_SECONDS,
+    TIMER_BURST_HOUSEKEEPING_SECONDS,
     WORKER_ERROR_STALE_SECONDS,
 )
 from ._open import open_store, shown_url
@@ -371,10 +372,12 @@ class AsyncWorker:
         store = self.store
         opts = self.options
         next_housekeeping = 0.0
+        next_timer_floor = 0.0  # when a housekeeping pass next fires timers however many tasks are ready
         must_claim = True
         polls = _FailureStreak("worker poll")
         while not self._stopping.is_set():
             housekeep = time.monotonic() >= next_housekeeping
+            timer_floor = housekeep and time.monotonic() >= next_timer_floor
             # Unregistered (declared dead, or its ID another process's), it claims nothing, not even
             # work another connection's commit made ready, which a poll otherwise claims unasked.
             free = 0 if self._unregistered else opts.max_concurrent_tasks - len(self._running)
@@ -389,7 +392,7 @@ class AsyncWorker:
                 _changed, result = await store.poll(
                     self.worker_id, self._flow_types, free, list(watched), must_claim=claim, housekeep=housekeep,
                     known=list(self._running), claimed_before=self._claimed_before(), holder=self._holder,
-                    declare_dead=time.monotonic() >= self._trust_leases_at,
+                    declare_dead=time.monotonic() >= self._trust_leases_at, timer_floor=timer_floor,
                 )
             except Exception as exc:
                 failed = polls.failed(exc)
@@ -405,6 +408,13 @@ class AsyncWorker:
                 if _gates.ACTIVE:
                     _gates.gate(_gates.HOUSEKEEPING)
                 next_housekeeping = time.monotonic() + opts.housekeeping_seconds * (0.75 + random.random() / 2)
+                if timer_floor:
+                    next_timer_floor = next_housekeeping
+                if result.housekeeping is not None and result.housekeeping.timers_left:
+                    # A burst of due timers is fired a part at a time as the ready queue drains
+                    # (tx.housekeeping): look again soon, not a whole interval on.
+                    next_housekeeping = min(
+                        next_housekeeping, time.monotonic() + TIMER_BURST_HOUSEKEEPING_SECONDS)
             must_claim = False
             if not result.registered:
                 self._unregistered = True
