@@ -1012,10 +1012,14 @@ OLD = Flow("Versioned", [Step("First", _first), Step("Renamed", _done, input_typ
 NEW = Flow("Versioned", [Step("First", _first)], start_step="First")
 
 
-async def test_a_step_this_worker_cannot_invoke_fails_with_worker_invocation_error(db_url: str) -> None:
-    """A stored Step that the worker's Flow no longer defines (another deploy) is not retried forever
-    and not lost: its attempts fail with WorkerInvocationError naming the Step, and when the retry
-    policy is spent the flow fails with that error."""
+async def test_a_step_no_worker_declares_waits_unfailed_until_the_flow_is_stopped(
+    db_url: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stored Step that the worker's Flow no longer defines (another deploy) is neither lost nor
+    failed, nor retried in a loop: it waits, ready, under its first attempt, for a worker that
+    declares it, and the worker says so once, naming it. With none (the Step was removed while
+    flows still had it ready), stopping the flow ends it."""
+    caplog.set_level(logging.WARNING, logger="dex_engine.worker")
     async with engine_for(db_url, Registry([OLD]), worker=False) as eng:
         # Schedule Renamed with the old definition, then serve the flow with the new one.
         await eng.client.start_flow("Versioned", "v1")
@@ -1026,17 +1030,31 @@ async def test_a_step_this_worker_cannot_invoke_fails_with_worker_invocation_err
         eng.registry = Registry([NEW])
         worker = await eng.start_worker()
         assert worker.registry.flow("Versioned") is NEW
-        info = await eng.client.wait_for_flow("v1", 30)
-        assert info.status == "failed"
-        assert info.error is not None and "WorkerInvocationError" in info.error and "'Renamed'" in info.error
-        failures = [h for h in await eng.client.get_flow_history("v1") if h.event_type == "attempt_failed"]
-        assert [h.attempt for h in failures] == [1, 2, 3]
+
+        async def renamed() -> Any:
+            return await eng.store.raw(lambda db: db.one(
+                "SELECT state, attempt, lease_epoch FROM tasks WHERE flow_id = 'v1' AND step_type = 'Renamed'"))
+
+        async def handed_back() -> bool:
+            row = await renamed()
+            return tuple(row[:2]) == ("ready", 1) and row[2] > 0  # claimed, then handed back unstarted
+
+        await wait_until("the worker to claim Renamed and hand it back", handed_back)
+        await asyncio.sleep(0.5)  # the worker polls many times meanwhile (FAST): none fails it
+        state, attempt, _epoch = await renamed()
+        assert state in ("ready", "running") and attempt == 1, (state, attempt)  # running: claimed again, briefly
+        assert (await eng.client.describe_flow("v1")).status == "running"
+        assert [h for h in await eng.client.get_flow_history("v1") if h.event_type == "attempt_failed"] == []
+        warned = [r.getMessage() for r in caplog.records if "'Renamed'" in r.getMessage()]
+        assert len(warned) == 1 and "'Versioned'" in warned[0], warned
+        await eng.client.stop_flow("v1", "Renamed was removed")
+        assert (await eng.client.wait_for_flow("v1", 10)).status != "running"
 
 
 async def test_a_commit_that_claims_a_step_this_worker_cannot_invoke_still_lands(db_url: str) -> None:
     """During a deploy, a worker's commit may claim as its next work a ready Step that its Flow no
-    longer defines. That commit lands as usual, and the claimed Step fails as its own attempt with
-    WorkerInvocationError: the commit that claimed it does not fail for it."""
+    longer defines. That commit lands as usual, and the claimed Step is handed back unstarted for a
+    worker that declares it: neither the commit nor the Step fails for it."""
     release = asyncio.Event()
 
     async def hold(ctx: Context, _: None) -> StepDecision:
@@ -1058,11 +1076,13 @@ async def test_a_commit_that_claims_a_step_this_worker_cannot_invoke_still_lands
         assert (await eng.client.wait_for_flow("h", 10)).status == "completed"
         assert [h for h in await eng.client.get_flow_history("h") if h.event_type == "attempt_failed"] == []
 
-        async def renamed_failed() -> list[str]:
-            return [h.detail for h in await eng.client.get_flow_history("v1") if h.event_type == "attempt_failed"]
+        async def renamed_handed_back() -> bool:
+            row = await eng.store.raw(lambda db: db.one(
+                "SELECT state, attempt, lease_epoch FROM tasks WHERE flow_id = 'v1' AND step_type = 'Renamed'"))
+            return tuple(row[:2]) == ("ready", 1) and row[2] > 0  # claimed, then handed back unstarted
 
-        details = await wait_until("Renamed's first attempt to fail", renamed_failed)
-        assert "WorkerInvocationError" in details[0] and "'Renamed'" in details[0], details
+        await wait_until("Renamed handed back, not failed", renamed_handed_back)
+        assert [h for h in await eng.client.get_flow_history("v1") if h.event_type == "attempt_failed"] == []
 
 
 CHAIN_STEPS = 8
@@ -1984,3 +2004,108 @@ def test_a_worker_trusts_no_lease_for_a_ttl_after_the_clock_steps_forward_and_wa
         assert before + 30.0 <= worker._trust_leases_at <= time.monotonic() + 30.0
         assert worker._renew_now.is_set()
         assert "the wall clock stepped 3600.0 s forward; it declares no worker dead for the next 30 s" in caplog.text
+
+
+async def test_an_older_worker_leaves_a_step_its_registry_lacks_for_a_worker_that_declares_it(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A rolling deploy adds Step D to flow type Chain. A worker of the older version, whose Chain
+    has no D, never runs nor fails it: it hands the ready D back (unstarted: same attempt, E3) for
+    a back-off each time, says once what is missing and what to do, and a worker that declares D
+    runs it as soon as it comes. It used to claim D and fail it on every attempt
+    (WorkerInvocationError: UndeclaredNameError), and the flow ended failed for good."""
+    backoff = 0.5
+    monkeypatch.setattr(_worker, "UNDECLARED_STEP_RETRY_SECONDS", backoff)
+
+    async def to_d(ctx: Context, _: Any) -> StepDecision:
+        return StepDecision.go_to("D")
+
+    async def to_b(ctx: Context, _: Any) -> StepDecision:
+        return StepDecision.go_to("B")
+
+    async def one_second(ctx: Context, _: Any) -> Wait:
+        return Wait.until(Timer.by_duration(1))
+
+    async def finish(ctx: Context, _: Any) -> StepDecision:
+        return StepDecision.graceful_complete(f"{ctx.step_execution_id} ran")
+
+    newer = Registry([Flow("Chain", [Step("A", to_d), Step("D", finish, wait_for=one_second)], start_step="A")])
+    older = Registry([Flow("Chain", [Step("A", to_b), Step("B", finish)], start_step="A")])
+
+    def worker(registry: Registry, worker_id: str, store: Store) -> AsyncWorker:
+        return AsyncWorker(registry, WorkerOptions(**{**FAST.__dict__, "database_url": db_url,
+                                                      "worker_id": worker_id}), store=store)
+
+    async with engine_for(db_url, newer, worker=False) as eng:
+        async def d_row() -> Any:
+            return await eng.store.raw(lambda db: db.one(
+                "SELECT state, method, attempt, lease_epoch FROM tasks WHERE flow_id = 'f' AND step_type = 'D'"))
+
+        async with worker(newer, "v2", eng.store):
+            await eng.client.start_flow("Chain", "f")
+            await wait_until("D waiting on its timer", lambda: _is(d_row(), "waiting"))
+        caplog.set_level(logging.WARNING, logger="dex_engine.worker")
+        old_store = open_store(db_url)
+        try:
+            async with worker(older, "v1", old_store):
+                await wait_until("D's timer due", lambda: _is(d_row(), "ready", "execute"))
+                started = time.monotonic()
+                await asyncio.sleep(4 * backoff)
+                state, method, attempt, epoch = await d_row()
+                # Ready, or claimed again for a moment before its hand-back: never run nor failed.
+                assert state in ("ready", "running") and (method, attempt) == ("execute", 1), "v1 ran or failed D"
+                assert (await eng.client.describe_flow("f")).status == "running"
+                # Claimed again once a back-off at most, not in a busy loop (one per poll interval).
+                claims = epoch - 1  # the wait's one claim (by v2) before
+                assert 1 <= claims <= (time.monotonic() - started) / backoff + 2, claims
+                warned = [r.getMessage() for r in caplog.records if "'D'" in r.getMessage()]
+                assert len(warned) == 1, warned
+                assert all(w in warned[0] for w in ("'Chain'", "v1", "start a worker whose Registry declares"))
+                async with worker(newer, "v2b", eng.store):
+                    info = await eng.client.wait_for_flow("f", 4 * backoff + 5)
+                assert info.status == "completed", info
+        finally:
+            await old_store.close()
+        ran = [(h.event_type, h.attempt) for h in await eng.client.get_flow_history("f") if h.step_type == "D"]
+        assert ("execute_completed", 1) in ran and {a for _, a in ran if a} == {1}, ran
+
+
+async def test_an_older_worker_leaves_a_wait_for_its_registry_lacks_for_a_worker_that_declares_it(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same when the newer version gave a Step a WaitFor: an older worker, whose Step has none,
+    hands the ready WaitFor back unstarted instead of failing it (it did, as an UndeclaredNameError)."""
+    backoff = 0.5
+    monkeypatch.setattr(_worker, "UNDECLARED_STEP_RETRY_SECONDS", backoff)
+
+    async def finish(ctx: Context, _: Any) -> StepDecision:
+        return StepDecision.graceful_complete("done")
+
+    async def at_once(ctx: Context, _: Any) -> Wait:
+        return Wait.until(Timer.by_duration(0))
+
+    newer = Registry([Flow("Waits", [Step("S", finish, wait_for=at_once)], start_step="S")])
+    older = Registry([Flow("Waits", [Step("S", finish)], start_step="S")])
+    caplog.set_level(logging.WARNING, logger="dex_engine.worker")
+    async with engine_for(db_url, newer, worker=False) as eng:
+        old_store = open_store(db_url)
+        try:
+            async with AsyncWorker(older, WorkerOptions(**{**FAST.__dict__, "database_url": db_url}), store=old_store):
+                await eng.client.start_flow("Waits", "w")
+                await asyncio.sleep(3 * backoff)
+                row = await eng.store.raw(
+                    lambda db: db.one("SELECT state, method, attempt FROM tasks WHERE flow_id = 'w'"))
+                assert row[0] in ("ready", "running") and tuple(row[1:]) == ("wait_for", 1), row
+                warned = [r.getMessage() for r in caplog.records if "a WaitFor for Step 'S'" in r.getMessage()]
+                assert len(warned) == 1 and "'Waits'" in warned[0], warned
+                await eng.start_worker()
+                assert (await eng.client.wait_for_flow("w", 3 * backoff + 5)).status == "completed"
+        finally:
+            await old_store.close()
+        attempts = {h.attempt for h in await eng.client.get_flow_history("w") if h.attempt}
+        assert attempts == {1}, attempts
+
+
+async def _is(row: Awaitable[Any], *prefix: str) -> bool:
+    got = await row
+    return got is not None and tuple(got[:len(prefix)]) == prefix

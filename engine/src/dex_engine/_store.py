@@ -343,8 +343,8 @@ class Store(ABC):
     async def abandon(self, lease: Lease) -> None:
         await self._run(lambda db: tx.abandon(db, lease), write=True)
 
-    async def release_unstarted(self, lease: Lease) -> None:
-        await self._run(lambda db: tx.release_unstarted(db, lease, now_ms()), write=True)
+    async def release_unstarted(self, lease: Lease, delay_ms: int = 0) -> None:
+        await self._run(lambda db: tx.release_unstarted(db, lease, now_ms(), delay_ms), write=True)
 
     async def heartbeat(
         self, lease: Lease, checkpoint: str | None, events: Sequence[tuple[str, int, bytes]] = (),

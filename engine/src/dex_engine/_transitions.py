@@ -1630,14 +1630,15 @@ def abandon(db: Db, lease: Lease) -> None:
     _send(db, "UPDATE tasks SET lease_owner = NULL WHERE task_id = ?", (lease.task_id,))
 
 
-def release_unstarted(db: Db, lease: Lease, now: int) -> None:
-    """Give back an attempt that never started (a claim beyond the worker's slots): same attempt
-    number, no retry used; other workers are told it is ready."""
+def release_unstarted(db: Db, lease: Lease, now: int, delay_ms: int = 0) -> None:
+    """Give back an attempt that never started (a claim beyond the worker's slots, a Step the
+    worker's Registry lacks): same attempt number, no retry used; other workers are told it is
+    ready, to claim `delay_ms` from now."""
     check_lease(db, lease)
     _send(
         db, "UPDATE tasks SET state = 'ready', lease_owner = NULL, deadline_at = NULL, run_at = ? "
         "WHERE task_id = ? AND attempt_started = 0",
-        (now, lease.task_id),
+        (now + delay_ms, lease.task_id),
     )
     db.notify()
 
