@@ -132,5 +132,26 @@ async def test_a_row_past_an_index_limit_fails_at_once_not_as_a_lost_connection(
         await client.close()
 
 
+async def test_a_statement_cut_by_the_urls_statement_timeout_is_not_reported_as_a_lost_connection(
+    pg_database: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A statement the server cancels (here by a statement_timeout set in the URL, as an operator
+    may set one) is tried again, as a lock wait it cut may pass next time, and each retry's warning
+    names the server's error; the last one's error is raised. Catches: every retry logged as
+    "database connection lost", which sends whoever reads the log after the network, not the
+    timeout (or the full disk, or whatever else the server refused)."""
+    store = open_store(f"{pg_database}?options=-c%20statement_timeout%3D50")
+    try:
+        with caplog.at_level(logging.WARNING, logger="dex_engine"), pytest.raises(psycopg.errors.QueryCanceled):
+            await store.raw(lambda db: db.one("SELECT pg_sleep(1)"))
+        warnings = [r.getMessage() for r in caplog.records if r.name == "dex_engine.postgres"]
+        assert len(warnings) == 7, warnings  # MAX_OP_TRIES - 1 retries
+        assert all("connection lost" not in w and "QueryCanceled: canceling statement due to statement timeout" in w
+                   for w in warnings), warnings
+        assert await store.raw(lambda db: db.one("SELECT 1")) == (1,)  # the store goes on
+    finally:
+        await store.close()
+
+
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(pytest.main([__file__]))

@@ -99,6 +99,9 @@ MAX_OP_TRIES = 8
 # index's size limit, too many arguments or columns. Every try would fail the same way, and the
 # connection is fine, so the statement's op fails at once (SQLSTATE class 54).
 _STATEMENT_LIMITS = (pg_errors.ProgramLimitExceeded,)
+# SQLSTATEs of an OperationalError the server sends as it ends the session: administrator command,
+# crash, start-up (with class 08, connection exceptions, and psycopg's own, which has none).
+_SESSION_ENDED = ("57P01", "57P02", "57P03")
 # Without a notification, report a change at least this often so claims fall back to polling.
 FALLBACK_POLL_SECONDS = 1.0
 # Migrations of concurrent processes serialize on this advisory lock.
@@ -493,6 +496,22 @@ def _light_poll(db: Db, flow_types: str, running: Sequence[int]) -> PollResult:
     epochs = {} if row[0] is None else {int(t): int(e) for t, e in zip(row[0], row[1], strict=True)}
     due = [int(v) for v in row[2:] if v is not None]
     return PollResult([], epochs, min(due) if due else None, None)
+
+
+def _what_failed(exc: psycopg.OperationalError) -> str:
+    """What a retried OperationalError was, for its warning: a lost connection, or a statement the
+    server cut short or refused on a connection that is fine (a statement_timeout, a cancel, a full
+    disk), which a reader of the log must not go looking for in the network."""
+    state = exc.sqlstate
+    if state is None or state.startswith("08") or state in _SESSION_ENDED:
+        return "database connection lost"
+    return "database statement failed"
+
+
+def _error_line(exc: BaseException) -> str:
+    """`exc` as its type and the first line of its text (the server's message, not its detail)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 class _OpFailed(Exception):
@@ -892,10 +911,12 @@ class PostgresStore(Store):
                 if isinstance(exc, _STATEMENT_LIMITS):
                     return self._statement_failed(lane, ops, isolated, batched, exc)
                 # The connection dropped (server restart, pg_terminate_backend, network) before
-                # COMMIT, or during it and the transaction did not commit: run it again.
+                # COMMIT, or during it and the transaction did not commit, or the server cut a
+                # statement short (a statement_timeout, a cancel, a full disk): run it again.
                 if attempt == MAX_OP_TRIES:
                     return [(False, self._gave_up(exc, time.monotonic() - started))] * len(ops)
-                log.warning("database connection lost (try %d of %d); retrying", attempt, MAX_OP_TRIES)
+                log.warning("%s (try %d of %d): %s; retrying", _what_failed(exc), attempt, MAX_OP_TRIES,
+                            _error_line(exc))
             except psycopg.Error as exc:
                 return self._statement_failed(lane, ops, isolated, batched, exc)
             except BaseException as exc:  # the lane must survive to serve the others
