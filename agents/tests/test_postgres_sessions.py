@@ -9,17 +9,21 @@ resolves each scheduled Step's durability and hands out attempts by itself.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import INVOCATIONS, build_flow
 from engine.tests.conftest import pg_database, pg_databases  # noqa: F401 - the fixtures these tests use
+from engine.tests.test_pg_faults import terminate_backends
 
 from dex_agents import OUTCOME_UNKNOWN_TEXT, AgentSessionFlow, AgentSnapshot, AgentToolCallStatus, MessageRole
 from dex_agents.testing import (
@@ -194,3 +198,74 @@ async def test_a_model_call_killed_mid_call_reruns_only_that_call(pg_stack: Agen
     failed = [(e.step_execution_id, e.final_attempt) for e in entries
               if e.step_type == "RunModel" and e.event_type == "attempt_failed"]
     assert failed == [(run_models[1].step_execution_id, 1)]
+
+
+# Rounds of terminations, 0.3-1.2 s apart: about the first two of each session's three turns. A storm
+# without end would starve the pool (see the test).
+STORM_ROUNDS = 8
+
+
+async def test_turns_under_a_storm_of_backend_terminations_run_each_call_once(pg_stack: AgentTestStack) -> None:
+    """pg_terminate_backend of every session of the database (the Worker's, the client's, the
+    listener's) every 0.3-1.2 s, STORM_ROUNDS times, while three sessions run three turns each of
+    reads, an idempotent write and an approved write: every turn ends with every call done, and each
+    model call and each tool ran once, as attempt 1. Catches: a Step commit or heartbeat lost to a
+    dropped connection (the turn stuck, or its Step run again: a model call paid twice, a write
+    repeated), or one applied twice. (Terminations that go on without end, a round every second or
+    less, can hold an operation back for minutes: each dead pooled connection a lane meets costs its
+    getconn a backoff of a second or more, by which time the replacement may be dead too.)"""
+    sessions = pg_stack.sessions(cast(AgentSessionFlow, pg_stack.flows[0]))
+    log = InvocationLog(pg_stack.state_dir / INVOCATIONS)
+    await pg_stack.start_worker()
+    ids = ["storm1", "storm2", "storm3"]
+    stop = asyncio.Event()
+    rounds: list[int] = []
+
+    async def storm() -> None:
+        dbname = urlsplit(pg_stack.database_url).path.lstrip("/")
+        while not stop.is_set() and len(rounds) < STORM_ROUNDS:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), random.uniform(0.3, 1.2))
+            if not stop.is_set():
+                killed = await asyncio.to_thread(terminate_backends, pg_stack.database_url, dbname)
+                rounds.append(len(killed))
+
+    def script(turn: int) -> str:
+        return _script(
+            {"tools": [{"id": f"r{turn}", "name": "read_orders", "args": {"sleep": 1.0}},
+                       {"id": f"i{turn}", "name": "idem_update", "args": {"sleep": 1.0}}]},
+            {"tools": [{"id": f"w{turn}", "name": "write_refund", "args": {"sleep": 1.0}}]},
+            {"answer": "done {results}"},
+        )
+
+    async def run(session_id: str) -> list[AgentSnapshot]:
+        ended = []
+        for turn in range(1, 4):
+            if turn == 1:
+                await sessions.start_session(session_id, script(turn))
+            else:
+                assert await sessions.send_user_message(session_id, script(turn))
+            await wait_for_agent_snapshot(sessions, session_id, _pending(f"w{turn}"), description="the approval",
+                                          timeout=120)
+            assert await sessions.resolve_interrupt(session_id, f"w{turn}", approved=True)
+            ended.append(await wait_for_agent_snapshot(sessions, session_id, _turns_ended(turn),
+                                                       description="the turn's end", timeout=120))
+        return ended
+
+    storming = asyncio.create_task(storm())
+    try:
+        ended = await asyncio.gather(*(run(s) for s in ids))
+    finally:
+        stop.set()
+        await storming
+    assert len(rounds) >= STORM_ROUNDS // 2 and all(rounds), rounds  # the sessions may end first
+    for session_id, snapshots in zip(ids, ended, strict=True):
+        for turn, snapshot in enumerate(snapshots, 1):
+            results = f"r{turn}=read_orders done; i{turn}=idem_update done; w{turn}=write_refund done"
+            assert snapshot.messages[-1].text == f"done {results}", (session_id, turn)
+            model_calls = [(e["step"], e["attempt"]) for e in log.entries("model", flow_id=session_id,
+                                                                            turn_id=f"turn-{turn}")]
+            assert model_calls == [(0, 1), (1, 1), (2, 1)], (session_id, turn)
+        starts = [(e["tool_call_id"], e["attempt"]) for e in log.entries("tool_start", flow_id=session_id)]
+        expected = sorted((f"{kind}{turn}", 1) for turn in range(1, 4) for kind in "irw")
+        assert sorted(starts) == expected, session_id
