@@ -2109,3 +2109,66 @@ async def test_an_older_worker_leaves_a_wait_for_its_registry_lacks_for_a_worker
 async def _is(row: Awaitable[Any], *prefix: str) -> bool:
     got = await row
     return got is not None and tuple(got[:len(prefix)]) == prefix
+
+
+async def test_work_a_full_workers_housekeeping_readies_as_its_slot_frees_is_claimed_at_once(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A housekeeping poll sent while every slot was taken claims nothing (it asks for no slot);
+    when the running attempt commits meanwhile, its commit claims into its freed slot what is
+    ready then, which is nothing, and so does not wake the loop; and when that poll's housekeeping
+    then fires a timer, the Step it readies must still be claimed at once, not at the next
+    housekeeping or poll. Forced here on both backends: the worker's one slot is held by an attempt
+    that commits while the housekeeping poll that fires a timer is held before its transaction;
+    polls, housekeeping and PostgreSQL's fallback poll are a minute apart. Catches the loop going
+    back to sleep after that poll, the timed Step left ready for up to a housekeeping interval."""
+    if db_url.startswith("postgresql"):
+        monkeypatch.setattr(_pg_store, "FALLBACK_POLL_SECONDS", 60.0)
+    release = asyncio.Event()
+    ran: list[str] = []
+
+    async def hold(ctx: Context, _: None) -> StepDecision:
+        ran.append(ctx.flow_id)
+        await release.wait()
+        return StepDecision.graceful_complete()
+
+    async def after_a_second(ctx: Context, _: None) -> Wait:
+        return Wait.until(Timer.by_duration(1))
+
+    async def timed(ctx: Context, _: None) -> StepDecision:
+        ran.append(ctx.flow_id)
+        return StepDecision.graceful_complete()
+
+    registry = Registry([
+        Flow("HoldSlot", [Step("Hold", hold, input_type=type(None))], start_step="Hold"),
+        Flow("Timed", [Step("Fire", timed, input_type=type(None), wait_for=after_a_second)], start_step="Fire"),
+    ])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        worker = await eng.start_worker(max_concurrent_tasks=1, poll_seconds=60.0, housekeeping_seconds=60.0,
+                                        lease_ttl_seconds=300.0, lease_renew_seconds=100.0)
+        real_poll = eng.store.poll
+        forced: list[bool] = []
+
+        async def poll(worker_id: str, flow_types: Any, capacity: int, running_ids: Any, **kw: Any) -> Any:
+            if kw["housekeep"] and capacity == 0 and not forced:
+                forced.append(True)
+                release.set()  # the held attempt commits, claiming nothing: its timer has not fired yet
+
+                async def committed() -> bool:
+                    return not worker._running
+
+                await wait_until("the held attempt's commit", committed)
+            return await real_poll(worker_id, flow_types, capacity, running_ids, **kw)
+
+        monkeypatch.setattr(eng.store, "poll", poll)
+        await eng.client.start_flow("Timed", "timed")
+        await eng.client.start_flow("HoldSlot", "held")
+
+        async def held() -> bool:
+            return ran == ["held"]
+
+        await wait_until("the held attempt to run", held)
+        info = await eng.client.wait_for_flow("timed", 15)
+        assert forced, "no housekeeping poll was sent while the slot was held: the test did not force the race"
+        assert info.status == "completed", f"the fired timer's Step was not claimed at once: {info}"
+        assert ran == ["held", "timed"]

@@ -437,6 +437,11 @@ class AsyncWorker:
                 until_due = result.next_due_ms / 1000 - time.time()
                 if until_due > 0:
                     timeout = min(timeout, until_due)
+                elif housekeep and self._freed_meanwhile(free, len(result.leases)):
+                    # Slots freed while the poll ran, by commits that claimed into them before its
+                    # housekeeping made this work ready (they do not wake the loop): claim it now.
+                    must_claim = True
+                    continue
                 elif not ((claim or free <= 0) and housekeep):
                     # Something is due (a retry, a timer, a deadline, a lease) and this poll did not
                     # both claim (when a slot was free) and housekeep: do both now. When it did and
@@ -454,6 +459,13 @@ class AsyncWorker:
             except TimeoutError:
                 # A wake that lands as the timeout fires is lost by the wait but stays asked: keep it.
                 must_claim = self._claim_asked
+
+    def _freed_meanwhile(self, asked: int, claimed: int) -> bool:
+        """Whether more slots are free now than a poll sent for `asked` free slots, which claimed
+        `claimed`, left unfilled: attempts ended while it ran, and their commits claimed into their
+        slots before the poll's housekeeping made work ready."""
+        free = 0 if self._unregistered else self.options.max_concurrent_tasks - len(self._running)
+        return free > max(asked, 0) - claimed
 
     def _watch_clock(self) -> None:
         """After a step of the wall clock, declare no worker dead for one lease TTL.
