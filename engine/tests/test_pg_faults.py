@@ -989,6 +989,58 @@ async def test_an_operation_that_never_gets_a_connection_says_so(
         assert "check that the server is running and reachable" in message, message
 
 
+async def test_a_worker_stopped_during_an_outage_ends_within_its_grace(
+    pg_database: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server becomes unreachable while a worker runs a long attempt, and the worker is then
+    stopped (SIGTERM from systemd or Kubernetes, which SIGKILL it after their own timeout): it must
+    end about its shutdown grace after the stop, the attempt revoked at the grace as usual, not
+    once the poll in flight and its removal from the workers table have waited out every try of a
+    lost connection (here 4 tries of 4 s each; by default 8 of up to 30 s). A stopping worker's
+    own operations give up at their next ask for a connection (every CONNECTION_ASK_SECONDS); its
+    row, left, expires as a dead worker's. Catches: a stop whose grace starts only after the poll
+    in flight gave up, and then waits for every try of the worker's removal (29 s here); and a
+    store that, closed after it (as a worker closes a store it opened), waits for those tries."""
+    from dex_engine import _pg_store
+
+    monkeypatch.setattr(_pg_store, "CONNECTION_WAIT_SECONDS", 4.0)
+    monkeypatch.setattr(_pg_store, "MAX_OP_TRIES", 4)
+    asks = 2 * _pg_store.CONNECTION_ASK_SECONDS  # the poll's (within the grace) and the removal's
+    grace = 1.0
+    long_started.clear()
+    long_cancelled.clear()
+    async with proxy_to(pg_database) as proxy, client_for(pg_database) as client:
+        url = proxy.url(pg_database)
+        store: Store = await asyncio.to_thread(open_store, url)
+        worker = AsyncWorker(REGISTRY, WorkerOptions(
+            database_url=url, poll_seconds=0.01, housekeeping_seconds=0.1, lease_ttl_seconds=300.0,
+            lease_renew_seconds=100.0, shutdown_grace_seconds=grace), store=store)
+        polls = count_polls(monkeypatch)
+        try:
+            await worker.__aenter__()
+            await client.start_flow("PgfLong", "long")
+            await eventually("the long attempt started", lambda: long_started == ["long"])
+            proxy.refusing = True
+            for conn in list(proxy.conns):
+                conn.abort()
+            sent = len(polls)
+            await eventually("a poll sent during the outage", lambda: len(polls) > sent)
+            await asyncio.sleep(0.5)  # it meets the refused connections and retries
+            stopped_at = time.monotonic()
+            await asyncio.wait_for(worker.stop(), 60)
+            took = time.monotonic() - stopped_at
+            assert long_cancelled == ["long"], "the running attempt was not revoked at the grace"
+            assert took < grace + asks + 2.0, f"the worker ended {took:.1f} s after its stop; its grace is {grace} s"
+            closed_at = time.monotonic()
+            await asyncio.wait_for(store.close(), 60)
+            took = time.monotonic() - closed_at
+            assert took < asks + 2.0, f"the worker's store took {took:.1f} s to close"
+        finally:
+            await worker.stop()
+            proxy.refusing = False
+            await store.close()
+
+
 # Lock waits cut short by the server's lock_timeout ---------------------------------------------
 
 LOCK_TIMEOUT_MS = 100  # set in the test's URL, as a DBA may set it for the database or its users

@@ -50,6 +50,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import msgspec
@@ -68,7 +69,7 @@ from ._migrate import apply_pending, recorded_version
 from ._open import shown_url
 from ._options import LoadSpec, MethodOptions, StepDurability, TaskOptions
 from ._records import DecisionRecord, Lease, MovementRecord, WriteSet
-from ._store import CLOSED_STORE_ADVICE, FoldExecute, Store, commit_origin, now_ms
+from ._store import CLOSED_STORE_ADVICE, FoldExecute, Store, commit_origin, now_ms, stop_retrying
 from ._transitions import AppendRow, Db, HistoryRow, PollResult, Row, run_op
 
 log = logging.getLogger("dex_engine.postgres")
@@ -467,6 +468,12 @@ class _Op:
     future: asyncio.Future[Any]
     origin: Callable[[], None] | None
     commit: _ExecuteCommit | None = None  # an Execute's commit that dex_commit_execute can batch
+    gives_up: Callable[[], bool] | None = None  # stop_retrying's value where the operation was asked
+
+
+def _given_up(ops: list[_Op]) -> bool:
+    """Whether every operation of a batch gives up trying (stop_retrying)."""
+    return all(op.gives_up is not None and op.gives_up() for op in ops)
 
 
 # A worker's poll when it has nothing to claim or clean up: the lease epochs of its running
@@ -540,9 +547,13 @@ class _OutcomeUnknown(Exception):
         super().__init__(self.error)
 
 
-def _getconn(pool: psycopg_pool.ConnectionPool[Any]) -> psycopg.Connection[Any]:
+def _never() -> bool:
+    return False
+
+
+def _getconn(pool: psycopg_pool.ConnectionPool[Any], gives_up: Callable[[], bool] = _never) -> psycopg.Connection[Any]:
     """A connection from `pool`, asking again every CONNECTION_ASK_SECONDS (see there); raises
-    psycopg_pool.PoolTimeout after CONNECTION_WAIT_SECONDS."""
+    psycopg_pool.PoolTimeout after CONNECTION_WAIT_SECONDS, or once `gives_up()` after an ask."""
     deadline = time.monotonic() + CONNECTION_WAIT_SECONDS
     while True:
         try:
@@ -550,7 +561,7 @@ def _getconn(pool: psycopg_pool.ConnectionPool[Any]) -> psycopg.Connection[Any]:
                 timeout=min(CONNECTION_ASK_SECONDS, max(0.01, deadline - time.monotonic())))
             return conn
         except psycopg_pool.PoolTimeout:
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or gives_up():
                 raise
 
 
@@ -565,9 +576,9 @@ class _Lane:
         self._pipeline: psycopg.Pipeline | None = None
         self._stack = contextlib.ExitStack()
 
-    def open(self) -> tuple[psycopg.Connection[Any], psycopg.Pipeline]:
+    def open(self, gives_up: Callable[[], bool] = _never) -> tuple[psycopg.Connection[Any], psycopg.Pipeline]:
         if self._conn is None or self._pipeline is None:
-            conn = _getconn(self._pool)
+            conn = _getconn(self._pool, gives_up)
             try:
                 self._pipeline = self._stack.enter_context(conn.pipeline())
             except BaseException:
@@ -826,7 +837,7 @@ class PostgresStore(Store):
             raise RuntimeError(f"store {shown_url(self.url)!r} is closed; {CLOSED_STORE_ADVICE}")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
-        op = _Op(fn, write, durable is not False, loop, future, commit_origin.get(), commit)
+        op = _Op(fn, write, durable is not False, loop, future, commit_origin.get(), commit, stop_retrying.get())
         if not self._dispatcher.put(op):  # closed from another thread since the check above
             raise RuntimeError(f"store {shown_url(self.url)!r} is closed; {CLOSED_STORE_ADVICE}")
         return await future
@@ -915,6 +926,8 @@ class PostgresStore(Store):
                 # statement short (a statement_timeout, a cancel, a full disk): run it again.
                 if attempt == MAX_OP_TRIES:
                     return [(False, self._gave_up(exc, time.monotonic() - started))] * len(ops)
+                if _given_up(ops):
+                    return [(False, exc)] * len(ops)  # nothing committed: a stopping worker's poll, say
                 log.warning("%s (try %d of %d): %s; retrying", _what_failed(exc), attempt, MAX_OP_TRIES,
                             _error_line(exc))
             except psycopg.Error as exc:
@@ -980,7 +993,7 @@ class PostgresStore(Store):
         """One transaction running `ops`, the batchable Execute commits first (one call), then the
         others in order; their results (a _Rejected for a commit whose lease was stale), once committed.
         Row lock waits are cut at BATCH_LOCK_TIMEOUT_MS with `lock_timeout`, by default for a batch."""
-        conn, pipeline = lane.open()
+        conn, pipeline = lane.open(partial(_given_up, ops))
         db = _PgDb(conn, pipeline)
         results: list[Any] = []
         commit_sent = False

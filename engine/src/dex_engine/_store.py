@@ -60,6 +60,13 @@ LOST_CLAIM_MS = 10_000
 # own commits (it already holds what they claimed), only by everyone else's.
 commit_origin: ContextVar[Callable[[], None] | None] = ContextVar("dex_commit_origin", default=None)
 
+# Set by a worker for its own operations (polls, lease renewals, its registration's removal): a
+# backend that tries an operation again after a lost connection gives it up once this returns True
+# (the worker is stopping). Else a stop during a database outage waited for every try of the poll
+# in flight (minutes on PostgreSQL) before its grace even began, and a service manager's stop
+# timeout killed the process instead.
+stop_retrying: ContextVar[Callable[[], bool] | None] = ContextVar("dex_stop_retrying", default=None)
+
 
 def now_ms() -> int:
     return int(time.time() * 1000)

@@ -61,7 +61,7 @@ from ._parked import FoldFunctions, ParkedHandler
 from ._records import DecisionRecord, ErrorInfo, Lease, MovementRecord, StartedFold, WriteSet
 from ._scheduling import movement_record
 from ._schema import ChannelRef
-from ._store import LOST_CLAIM_MS, Store, commit_origin
+from ._store import LOST_CLAIM_MS, Store, commit_origin, stop_retrying
 from ._wait import ChannelCondition, Wait, WaitSpec
 
 log = logging.getLogger("dex_engine.worker")
@@ -203,6 +203,7 @@ class AsyncWorker:
         # long as the chain goes on.
         self._due_while_full = False
         self._stopping = asyncio.Event()
+        self._stop_asked_at: float | None = None  # time.monotonic() of the first stop()
         self._stopped = asyncio.Event()
         self._registered = asyncio.Event()
         # Declared dead (a poll found no row of ours): claim nothing until the renewer registers again.
@@ -270,6 +271,8 @@ class AsyncWorker:
         await self.stop()
 
     async def stop(self) -> None:
+        if not self._stopping.is_set():
+            self._stop_asked_at = time.monotonic()  # the grace starts now, whatever is in flight
         self._stopping.set()
         self._notify()
         if self._background is not None:
@@ -322,6 +325,10 @@ class AsyncWorker:
         self._registered.set()
         log.info("worker %s runs the Steps of flow types %s from %s", self.worker_id,
                  ", ".join(self._flow_types), self._database_shown())
+        # The worker's own operations (not its attempts', whose context was taken above) stop trying
+        # again after a lost connection once it is stopping: its poll in flight must not hold up
+        # the drain, nor its removal the end of the stop (left, its row expires as a dead worker's).
+        retrying = stop_retrying.set(self._stopping.is_set)
         renewer = asyncio.create_task(self._renew_loop(ttl_ms))
         try:
             await self._check_clock(store)
@@ -339,6 +346,7 @@ class AsyncWorker:
             store.remove_commit_listener(self._notify)
             with contextlib.suppress(Exception):
                 await store.unregister_worker(self.worker_id, holder=self._holder)
+            stop_retrying.reset(retrying)
             if self._owns_store:
                 await store.close()
             self._stopped.set()
@@ -399,6 +407,8 @@ class AsyncWorker:
                     declare_dead=time.monotonic() >= self._trust_leases_at, timer_floor=timer_floor,
                 )
             except Exception as exc:
+                if self._stopping.is_set():
+                    break  # given up (stop_retrying), or failed anyway: nothing to retry for
                 failed = polls.failed(exc)
                 pause = max(opts.poll_seconds, min(opts.poll_seconds * 2 ** (failed - 1), POLL_RETRY_MAX_SECONDS))
                 with contextlib.suppress(TimeoutError):
@@ -679,7 +689,9 @@ class AsyncWorker:
         whose first heartbeat it recorded (Step.pure_until_heartbeat). It runs like the others; if
         the worker unregistered first, that would fail it as lost while its handler still ran.
         """
-        deadline = time.monotonic() + self.options.shutdown_grace_seconds
+        # From the stop: a poll in flight then (one waiting out a database outage, say) may have
+        # ended the main loop late.
+        deadline = (self._stop_asked_at or time.monotonic()) + self.options.shutdown_grace_seconds
         while True:
             tasks = {r.task for r in self._running.values() if r.task is not None} | self._handing_back
             remaining = deadline - time.monotonic()
