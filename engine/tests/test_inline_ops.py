@@ -466,3 +466,40 @@ async def test_an_operation_after_close_is_refused_not_left_waiting(tmp_path: Pa
     caller.start()
     caller.join(2.0)
     assert len(outcome) == 1 and "is closed" in outcome[0], outcome
+
+
+async def test_operations_back_to_back_do_not_keep_an_operation_letting_the_loop_run_waiting(
+    store: SqliteStore,
+) -> None:
+    """An operation that finds callbacks ready lets the loop run them first (INLINE_YIELDS rounds),
+    and another task's operations do not count its wake-up as work for the loop. A task running
+    operations back to back (a client exporting transcripts, a UI polling a snapshot) then ran each
+    one inline and never suspended, so the waiting operation's task never ran again: a write on the
+    same loop hung until the reader stopped (here, until wait_for's timer came due). It now runs
+    ahead of a waiting operation once, then lets it have its round."""
+    stop = False
+    reads = 0
+
+    async def reader() -> None:
+        nonlocal reads
+        while not stop:
+            await store.raw(lambda db: db.one("SELECT count(*) FROM marks"))
+            reads += 1
+
+    task = asyncio.create_task(reader())
+    ran: list[tuple[str, int]] = []
+    try:
+        for number in range(20):
+            # Woken by a timer, the writer works a little: meanwhile the reader's operation, handed
+            # off for the due timer, completes, so the write finds the reader's wake-up ready.
+            await asyncio.sleep(0.01)
+            time.sleep(0.01)  # noqa: ASYNC251 - blocking on purpose, as handler work would
+            started = time.monotonic()
+            await asyncio.wait_for(store.raw(mark(f"w{number}", ran), write=True), 3)
+            waited = time.monotonic() - started
+            assert waited < 0.5, f"write {number} waited {waited:.3f} s while another task read back to back"
+    finally:
+        stop = True
+        await task
+    assert reads > 0
+    assert len(await marks(store)) == 20

@@ -464,6 +464,8 @@ class SqliteStore(Store):
         self._outstanding = 0  # operations queued and not yet completed: _inline must not overtake them
         # Operations letting their loop's ready callbacks run before they run inline (_run), by loop.
         self._yielding: dict[asyncio.AbstractEventLoop, int] = {}
+        # Loops where an operation ran inline ahead of such a one since it last got its round (_yielders).
+        self._overtaken: set[asyncio.AbstractEventLoop] = set()
         self._thread = threading.Thread(target=self._main, name=f"dex-sqlite:{self.settings.path}", daemon=True)
         self._closed = False
         self._thread.start()
@@ -747,6 +749,7 @@ class SqliteStore(Store):
                     await asyncio.sleep(0)
                 finally:
                     self._yielding[loop] -= 1
+                    self._overtaken.discard(loop)
                 if self._inline(op, loop):
                     return await future
             self._enqueue(op)
@@ -763,8 +766,11 @@ class SqliteStore(Store):
     def _yielders(self, loop: asyncio.AbstractEventLoop) -> int:
         """Ready callbacks of `loop` that _inline may ignore: one of another operation letting the
         loop run before its own (_run), whose wait for this one would only hand both off. More
-        operations waiting at once commit together on the store's thread (group commit)."""
-        return min(self._yielding.get(loop, 0), 1)
+        operations waiting at once commit together on the store's thread (group commit). Only once
+        until that operation got its round: a task running operations back to back inline never
+        suspends, so it kept the waiting one from ever running again (a client's write beside a
+        transcript export on one loop hung until the export ended)."""
+        return 0 if loop in self._overtaken else min(self._yielding.get(loop, 0), 1)
 
     def _enqueue(self, op: _Op) -> None:
         # Under the lock close() takes: an operation is queued before _STOP, and so runs, or refused.
@@ -798,6 +804,8 @@ class SqliteStore(Store):
             ok, value = results[0]
             if not ok and _is_busy(value):
                 return False  # rolled back: the thread waits for SQLite's lock instead
+            if ready:
+                self._overtaken.add(loop)  # ahead of an operation letting the loop run (_yielders)
             self._complete([op], results, writes, wake_origins=revoked, on_loop=loop)
             return True
         finally:
