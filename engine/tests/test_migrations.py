@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import secrets
 import sqlite3
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
+from psycopg import sql as pg_sql
 
 from dex_engine import Context, Flow, FlowConfig, Step, StepDecision, StoreOpenError, open_store
 from dex_engine import _transitions as transitions
@@ -341,3 +346,78 @@ def test_a_store_opened_while_another_migrates_a_large_file_waits_for_it(
         assert asyncio.run(store.raw(_version)) == latest
     finally:
         asyncio.run(store.close())
+
+
+@contextlib.contextmanager
+def _pg_role(database_url: str) -> Iterator[str]:
+    """A login role of its own for one test (roles are the server's, not the database's), dropped after."""
+    role = f"dex_role_{secrets.token_hex(4)}"
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        admin.execute(pg_sql.SQL("CREATE ROLE {} LOGIN").format(pg_sql.Identifier(role)))
+    try:
+        yield role
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
+            admin.execute(pg_sql.SQL("DROP OWNED BY {}").format(pg_sql.Identifier(role)))
+            admin.execute(pg_sql.SQL("DROP ROLE {}").format(pg_sql.Identifier(role)))
+
+
+def _as_role(database_url: str, role: str) -> str:
+    parts = urlsplit(database_url)
+    return urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port}"))
+
+
+async def _opens(url: str) -> None:
+    store = open_store(url)
+    try:
+        await store.start_flow(StartRequest("f", "T", b"null", FlowConfig(), None))
+    finally:
+        await store.close()
+
+
+async def test_postgres_user_who_may_not_create_tables_is_told_what_to_grant(pg_database: str) -> None:
+    """A role without CREATE on the schema: StoreOpenError naming the GRANT that lets it create the
+    engine's tables, which, run, does. Catches the old advice for every failure ('the server must
+    be running, and the URL's user able to create tables') that named no statement."""
+    with _pg_role(pg_database) as role:
+        url = _as_role(pg_database, role)
+        with psycopg.connect(pg_database, autocommit=True) as admin:
+            admin.execute(pg_sql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(pg_sql.Identifier(role)))
+        grant = f"GRANT CREATE ON SCHEMA public TO {role}"
+        with pytest.raises(StoreOpenError, match=re.escape(f"{role} may not create tables there: as the schema's "
+                                                           f"owner run {grant},")):
+            open_store(url)
+        assert _pg_tables(pg_database) == []
+        with psycopg.connect(pg_database, autocommit=True) as admin:
+            admin.execute(grant)
+        await _opens(url)
+
+
+async def test_postgres_user_of_tables_another_role_created_is_told_what_to_grant(pg_database: str) -> None:
+    """The engine's tables made by another role (a deploy user) and a worker's role without rights
+    on them: StoreOpenError saying so, naming the GRANTs, which, run, let it work."""
+    store = open_store(pg_database)
+    await store.close()
+    with _pg_role(pg_database) as role:
+        url = _as_role(pg_database, role)
+        with psycopg.connect(pg_database, autocommit=True) as admin:
+            admin.execute(pg_sql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(pg_sql.Identifier(role)))
+        with pytest.raises(StoreOpenError, match=re.escape("its dex_engine tables belong to another role: connect as "
+                                                           "that role, or as it run GRANT SELECT")) as refused:
+            open_store(url)
+        for grant in re.findall(r"GRANT [A-Z, ]+ ON ALL [A-Z]+ IN SCHEMA <schema> TO \S+", str(refused.value)):
+            with psycopg.connect(pg_database, autocommit=True) as admin:
+                admin.execute(grant.replace("<schema>", "public"))
+        await _opens(url)
+
+
+def test_postgres_database_that_does_not_exist_is_named_with_how_to_create_it(pg_database: str) -> None:
+    """A URL naming a database the server does not have (a typo, a database not created yet):
+    StoreOpenError naming it and the CREATE DATABASE to run, not advice about creating tables."""
+    parts = urlsplit(pg_database)
+    missing = f"dex_missing_{secrets.token_hex(4)}"
+    url = urlunsplit(parts._replace(path=f"/{missing}"))
+    with pytest.raises(StoreOpenError, match=re.escape(f"the server has no database '{missing}': create it "
+                                                       f"(CREATE DATABASE {missing}) or correct the URL")):
+        open_store(url)

@@ -744,9 +744,36 @@ def _conninfo(url: str) -> str:
 def _open_error(url: str, exc: psycopg.Error) -> StoreOpenError:
     return StoreOpenError(
         f"cannot open {shown_url(url)!r} as a dex_engine database: {type(exc).__name__}: "
-        f"{' '.join(str(exc).split())}; the server must be running, and the URL's user able to create "
-        "tables in its database"
+        f"{' '.join(str(exc).split())}; {_open_advice(url, exc)}"
     )
+
+
+def _open_advice(url: str, exc: psycopg.Error) -> str:
+    """What to do about `exc`, raised connecting to `url` or creating its schema: the one thing to
+    change, with the statement to run where there is one, rather than a list of every cause."""
+    try:
+        params = psycopg.conninfo.conninfo_to_dict(_conninfo(url))
+    except ValueError:
+        params = {}
+    user = str(params.get("user") or "the URL's user")
+    dbname = str(params.get("dbname") or "")
+    text = str(exc)
+    if isinstance(exc, pg_errors.InsufficientPrivilege):
+        schema = re.search(r"permission denied for schema (\S+)", text)
+        if schema:
+            return (f"{user} may not create tables there: as the schema's owner run GRANT CREATE ON SCHEMA "
+                    f"{schema.group(1)} TO {user}, or name a database or schema {user} owns")
+        if re.search(r"permission denied for (table|sequence|function)", text):
+            return (f"its dex_engine tables belong to another role: connect as that role, or as it run GRANT "
+                    f"SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA <schema> TO {user} and GRANT USAGE, "
+                    f"SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA <schema> TO {user} (migrations still need the owner)")
+        return f"{user} lacks a privilege the engine needs there; connect as the role that owns its database"
+    if isinstance(exc, pg_errors.InvalidSchemaName):
+        return ("the schema the URL's search_path names first does not exist: create it (CREATE SCHEMA ...) or "
+                "correct options=-csearch_path=<schema> in the URL")
+    if dbname and f'database "{dbname}" does not exist' in text:
+        return f"the server has no database {dbname!r}: create it (CREATE DATABASE {dbname}) or correct the URL"
+    return "the server must be running and reachable at the URL's host and port, and accept its user"
 
 
 def stored_schema_version(url: str) -> int:
