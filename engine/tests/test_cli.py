@@ -747,7 +747,7 @@ def test_a_postgresql_url_without_the_driver_installed_names_the_extra_to_instal
     assert done.stderr == (
         "Error: cannot open 'postgresql://app:***@db.example/app': PostgreSQL needs the "
         f"{module} package, which is not installed; install the engine's postgres extra "
-        "(pip install 'dex-engine[postgres]')\n"
+        "(dex-engine is not on PyPI: from a clone of dex, pip install './engine[postgres]')\n"
     ), done.stderr
     library = subprocess.run(
         [sys.executable, "-c", f"import sys; sys.modules[{module!r}] = None\n"

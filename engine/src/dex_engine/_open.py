@@ -43,7 +43,8 @@ def postgres_store_module(url: str) -> ModuleType:
             raise
         raise StoreOpenError(
             f"cannot open {shown_url(url)!r}: PostgreSQL needs the {exc.name} package, which is not installed; "
-            "install the engine's postgres extra (pip install 'dex-engine[postgres]')"
+            "install the engine's postgres extra (dex-engine is not on PyPI: from a clone of dex, "
+            "pip install './engine[postgres]')"
         ) from None
     return _pg_store
 
