@@ -298,7 +298,9 @@ def test_postgres_meta_of_another_application_is_refused_unchanged(
     ("CREATE FUNCTION dex_load_snapshot(p_flow TEXT, p_spec JSONB) RETURNS BYTEA LANGUAGE sql AS 'SELECT NULL::bytea'",
      'function "dex_load_snapshot"'),
 ])
-def test_postgres_tables_of_another_application_are_refused_unchanged(pg_database: str, ddl: str, taken: str) -> None:
+async def test_postgres_tables_of_another_application_are_refused_unchanged(
+    pg_database: str, ddl: str, taken: str,
+) -> None:
     """A database without dex_engine's meta table but with another application's table, index or
     function of a name the migrations create (`tasks`, `flows`, ...): StoreOpenError naming the URL
     and the object, saying it is not a dex_engine database and how to give dex_engine its own
@@ -311,8 +313,14 @@ def test_postgres_tables_of_another_application_are_refused_unchanged(pg_databas
         open_store(pg_database)
     assert str(refused.value).startswith(f"{shown_url(pg_database)!r} is not a dex_engine database: it already "
                                          f'holds {taken}, of another application; '), refused.value
-    assert "use a database of dex_engine's own, or a schema of its own (options=-csearch_path=<schema>" in str(
-        refused.value)
+    advice = "use a database of dex_engine's own, or a schema of its own (?options=-csearch_path%3D<schema> in the URL)"
+    assert advice in str(refused.value)
+    assert _pg_tables(pg_database) == before
+    # The advice as written works: the URL libpq refused with '=' unencoded in the value
+    # ('extra key/value separator') opens the engine in a schema of its own beside the other tables.
+    with psycopg.connect(pg_database, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA dex")
+    await _opens(pg_database + "?options=-csearch_path%3Ddex")
     assert _pg_tables(pg_database) == before
 
 

@@ -727,7 +727,7 @@ def migrate(conn: psycopg.Connection[Any], url: str) -> None:
             raise StoreOpenError(
                 f"{shown_url(url)!r} is not a dex_engine database: it already holds "
                 f"{(exc.diag.message_primary or str(exc)).split(' already exists')[0]}, of another application; "
-                "use a database of dex_engine's own, or a schema of its own (options=-csearch_path=<schema> in "
+                "use a database of dex_engine's own, or a schema of its own (?options=-csearch_path%3D<schema> in "
                 "the URL)") from None
 
 
@@ -770,7 +770,7 @@ def _open_advice(url: str, exc: psycopg.Error) -> str:
         return f"{user} lacks a privilege the engine needs there; connect as the role that owns its database"
     if isinstance(exc, pg_errors.InvalidSchemaName):
         return ("the schema the URL's search_path names first does not exist: create it (CREATE SCHEMA ...) or "
-                "correct options=-csearch_path=<schema> in the URL")
+                "correct ?options=-csearch_path%3D<schema> in the URL")
     if dbname and f'database "{dbname}" does not exist' in text:
         return f"the server has no database {dbname!r}: create it (CREATE DATABASE {dbname}) or correct the URL"
     return "the server must be running and reachable at the URL's host and port, and accept its user"
@@ -810,7 +810,7 @@ def _schema_version(conn: psycopg.Connection[Any], url: str) -> int:
                if version is None else "it has a meta table but no dex_engine flows table")
         raise StoreOpenError(
             f"{shown_url(url)!r} is not a dex_engine database: {why}; use a database of dex_engine's own, or a "
-            "schema of its own (options=-csearch_path=<schema> in the URL)")
+            "schema of its own (?options=-csearch_path%3D<schema> in the URL)")
     return version
 
 
