@@ -24,6 +24,7 @@ from agents.tests.builtin_agent import InProcessEngine
 from agents.tests.compaction_agent import answer, compaction_flow, kill_test_flow, say
 from agents.tests.conftest import REPO_ROOT
 from agents.tests.session_driver import all_agent_events
+from engine.tests.conftest import pg_database, pg_databases  # noqa: F401 - the kill test's PostgreSQL database
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1572,12 +1573,17 @@ async def test_context_window_scenario_catches_a_runner_that_never_compacts(tmp_
 
 # A Worker killed during CompactContext ------------------------------------------------------------------
 
-async def test_worker_killed_during_compact_context_reruns_only_the_summary_call(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_worker_killed_during_compact_context_reruns_only_the_summary_call(
+    tmp_path: Path, backend: str, request: pytest.FixtureRequest,
+) -> None:
     """SIGKILL while CompactContext's summary call runs: a new Worker runs the summary call again, every
     model call ran once, the RunModel that chose to compact is not repeated, and the Step shape is the
-    same as without the kill."""
+    same as without the kill; on a SQLite file and on PostgreSQL (TEST_PG_DSN)."""
     flow = kill_test_flow(tmp_path)
-    async with AgentTestStack(tmp_path, [flow], "agents.tests.compaction_agent", worker_cwd=REPO_ROOT) as stack:
+    url = request.getfixturevalue("pg_database") if backend == "postgres" else None
+    async with AgentTestStack(tmp_path, [flow], "agents.tests.compaction_agent", worker_cwd=REPO_ROOT,
+                              database_url=url) as stack:
         sessions = stack.sessions(flow)
         worker = await stack.start_worker()
         await sessions.start_session("s")
