@@ -305,3 +305,26 @@ async def test_a_file_deleted_or_replaced_under_an_open_store_refuses_writes(tmp
             assert await reopened.list_flows() == []  # the file renamed there, untouched
         finally:
             await reopened.close()
+
+
+async def test_a_current_file_opens_and_reads_while_another_process_holds_its_write_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client process (a web server starting, `dex-engine describe`) opens the file while another
+    writer holds SQLite's write lock longer than the busy timeout (a long transaction, the sqlite3
+    shell): opening a file already at this engine's schema writes nothing, so it opens and reads at
+    once (WAL lets a reader in), instead of waiting out the busy timeout and being refused with
+    `database is locked` and the advice to name a new file."""
+    path = tmp_path / "engine.db"
+    store = open_store(f"sqlite:///{path}")
+    await store.start_flow(StartRequest("f1", "T", b"null", FlowConfig(), None))
+    await store.close()
+    monkeypatch.setattr("dex_engine._sqlite_store.SQLITE_BUSY_TIMEOUT_MS", 200)  # the refusal, quickly
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as writer:
+        writer.execute("BEGIN IMMEDIATE")
+        writer.execute("INSERT INTO meta (key, value) VALUES ('held', 'by another process')")
+        store = open_store(f"sqlite:///{path}")
+        try:
+            assert (await store.describe_flow("f1")).status == "running"
+        finally:
+            await store.close()

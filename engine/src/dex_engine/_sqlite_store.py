@@ -318,6 +318,8 @@ def _not_dex_engine(path: str, why: str) -> StoreOpenError:
 
 def migrate(conn: sqlite3.Connection, path: str) -> None:
     """Apply numbered migrations not yet applied to the file `path` open on `conn`."""
+    if _up_to_date(conn, path):
+        return
     _begin_migration(conn, path)
     try:
         # Judged again under the write lock: the file may have changed since the judgement before
@@ -327,6 +329,22 @@ def migrate(conn: sqlite3.Connection, path: str) -> None:
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def _up_to_date(conn: sqlite3.Connection, path: str) -> bool:
+    """Whether the file's committed schema is this engine's and has its stream token secret, read
+    without the write lock: opening such a file writes nothing. Taking the lock anyway made every
+    process that opened the file (a client, the command line) wait for any other process's write,
+    and one that held it past the busy timeout (a long transaction, the sqlite3 shell) refused the
+    open with `database is locked`, although WAL lets a reader in."""
+    conn.execute("BEGIN")
+    try:
+        if schema_version(conn, path) != migration_files("sqlite")[-1][0]:
+            return False
+        return conn.execute("SELECT 1 FROM meta WHERE key = 'stream_token_secret'").fetchone() is not None
+    finally:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
 
 
 def _begin_migration(conn: sqlite3.Connection, path: str) -> None:
