@@ -328,3 +328,27 @@ async def test_a_current_file_opens_and_reads_while_another_process_holds_its_wr
             assert (await store.describe_flow("f1")).status == "running"
         finally:
             await store.close()
+
+
+async def test_a_write_refused_past_the_busy_timeout_names_the_file_and_that_nothing_was_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer holds SQLite's write lock past the busy timeout: the write fails with
+    OperationalError (SQLITE_BUSY, as before) whose text names the file and says nothing was
+    written, so the caller knows it may call again; SQLite's own `database is locked` says neither.
+    Called again once the lock is free, it is stored once."""
+    path = tmp_path / "engine.db"
+    store = open_store(f"sqlite:///{path}")
+    try:
+        monkeypatch.setattr("dex_engine._sqlite_store.SQLITE_BUSY_TIMEOUT_MS", 200)  # the refusal, quickly
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as writer:
+            writer.execute("BEGIN IMMEDIATE")
+            with pytest.raises(sqlite3.OperationalError) as refused:
+                await store.start_flow(StartRequest("f1", "T", b"null", FlowConfig(), None))
+            writer.execute("ROLLBACK")
+        assert refused.value.sqlite_errorcode == sqlite3.SQLITE_BUSY
+        assert str(path) in str(refused.value) and "nothing was written" in str(refused.value), refused.value
+        await store.start_flow(StartRequest("f1", "T", b"null", FlowConfig(), None))
+        assert (await store.describe_flow("f1")).status == "running"
+    finally:
+        await store.close()

@@ -607,6 +607,8 @@ class SqliteStore(Store):
 
     def _run_batch(self, conn: sqlite3.Connection, db: _SqliteDb, batch: list[_Op], level: str) -> str:
         level, results, writes, revoked = self._execute(conn, db, batch, level)
+        if any(op.write for op in batch):
+            results = [(ok, self._busy_error(value) if not ok and _is_busy(value) else value) for ok, value in results]
         # Done before the callers hear of it: a caller that goes on at once (its next operation)
         # may then run that one on its loop, not queue it behind work that has already finished.
         with self._count_lock:
@@ -667,6 +669,20 @@ class SqliteStore(Store):
         # A rolled-back revocation still counts: one spurious wake-up costs a poll, a missed one a
         # running attempt that goes on until housekeeping.
         return level, results, writes, writes and db.revokes != revokes
+
+    def _busy_error(self, exc: sqlite3.OperationalError) -> sqlite3.OperationalError:
+        """The error a write fails with when SQLite's write lock stayed taken past the busy timeout.
+        SQLite's own text, `database is locked`, names no file and does not say that nothing was
+        written, which a caller needs to know to call again. Same type and error code, so code that
+        catches it still does."""
+        error = sqlite3.OperationalError(
+            f"database is locked: another connection held the write lock of {self.settings.path!r} for longer "
+            f"than the busy timeout ({self._busy_timeout_ms / 1000:g} s): a long transaction, the sqlite3 shell, "
+            "or a process frozen or stopped in a debugger; nothing was written, so the call can be made again")
+        error.sqlite_errorcode = exc.sqlite_errorcode
+        error.sqlite_errorname = exc.sqlite_errorname
+        error.__cause__ = exc
+        return error
 
     def _check_file(self) -> None:
         """Refuse to write when the database file was deleted or replaced under this store: SQLite
