@@ -607,7 +607,7 @@ class SqliteStore(Store):
 
     def _run_batch(self, conn: sqlite3.Connection, db: _SqliteDb, batch: list[_Op], level: str) -> str:
         level, results, writes, revoked = self._execute(conn, db, batch, level)
-        if any(op.write for op in batch):
+        if any(not ok and _is_busy(value) for ok, value in results) and any(op.write for op in batch):
             results = [(ok, self._busy_error(value) if not ok and _is_busy(value) else value) for ok, value in results]
         # Done before the callers hear of it: a caller that goes on at once (its next operation)
         # may then run that one on its loop, not queue it behind work that has already finished.
