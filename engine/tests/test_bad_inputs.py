@@ -1451,6 +1451,36 @@ def test_a_float_json_cannot_hold_is_refused_where_float_is_declared(value: floa
     assert encode_value("N", Any, {"n": value}) == b'{"n":null}'  # as docs/engine.md says
 
 
+class _Reading(msgspec.Struct, frozen=True):
+    celsius: float | None = None
+    history: list[float] = []
+
+
+async def _reads_celsius(ctx: Context, reading: _Reading) -> StepDecision:
+    return StepDecision.graceful_complete(reading.celsius)
+
+
+READINGS = Flow("Readings", [Step("Read", _reads_celsius, input_type=_Reading)], start_step="Read")
+
+
+@pytest.mark.parametrize("reading", [_Reading(celsius=math.nan), _Reading(celsius=-math.inf),
+                                     _Reading(history=[1.0, math.inf])], ids=["optional-nan", "optional-inf", "item"])
+async def test_a_float_json_cannot_hold_inside_a_declared_value_is_refused(db_url: str, reading: _Reading) -> None:
+    """NaN or an infinity in a float field of a declared value. Catches: msgspec writing it as
+    null, which a `float | None` field read back as None, so the NaN was stored as "no reading"
+    without a word (and one in a `float` field was refused as a puzzling "got null")."""
+    async with engine_for(db_url, Registry([READINGS])) as eng:
+        bad = next(v for v in (reading.celsius, *reading.history) if v is not None and not math.isfinite(v))
+        await refused(eng.store, lambda: eng.client.start_flow("Readings", "r", reading),
+                      InvalidValueError, "'input of Step Read'", f"holds the float {bad!r}, which JSON cannot hold")
+        assert not await eng.client.exists("r")
+        await eng.client.start_flow("Readings", "none", _Reading())  # None itself is a value it holds
+        assert (await eng.client.wait_for_flow("none", 20)).status == "completed"
+        assert await eng.client.flow_output("none") is None
+    # Declared Any, it is written as null, as docs/engine.md says.
+    assert encode_value("N", Any, _Reading(celsius=math.nan)) == b'{"celsius":null,"history":[]}'
+
+
 def test_a_value_of_exactly_the_limit_is_accepted_and_one_byte_more_refused() -> None:
     assert encode_value("N", str, "x" * 8, limit=10) == b'"xxxxxxxx"'
     with pytest.raises(ValueTooLargeError) as caught:

@@ -75,6 +75,67 @@ def may_nest_deeply(tp: Any) -> bool:
     return known
 
 
+# Whether a declared type has a float position (a field, an item, a value), by type.
+_may_hold_float: dict[Any, bool] = {}
+
+
+def may_hold_float(tp: Any) -> bool:
+    """Whether `tp` declares a float anywhere inside it (Any does not: there a NaN is written as null,
+    as docs/engine.md says). An unhashable or unknown type is treated as one that may."""
+    try:
+        known = _may_hold_float.get(tp)
+    except TypeError:
+        return True
+    if known is None:
+        try:
+            known = _has_float(mi.type_info(tp), set())
+        except Exception:  # a type msgspec cannot describe: look in its values
+            known = True
+        _may_hold_float[tp] = known
+    return known
+
+
+def _has_float(info: mi.Type, path: set[int]) -> bool:
+    if isinstance(info, mi.FloatType):
+        return True
+    if id(info) in path:
+        return False  # recursive: what it holds is looked at where it was entered
+    inner: list[mi.Type]
+    if isinstance(info, mi.UnionType | mi.TupleType):
+        inner = list(info.types if isinstance(info, mi.UnionType) else info.item_types)
+    elif isinstance(info, mi.ListType | mi.SetType | mi.FrozenSetType | mi.VarTupleType):
+        inner = [info.item_type]
+    elif isinstance(info, mi.DictType):
+        inner = [info.key_type, info.value_type]
+    elif isinstance(info, mi.StructType | mi.DataclassType | mi.TypedDictType | mi.NamedTupleType):
+        inner = [field.type for field in info.fields]
+    else:
+        return False
+    path.add(id(info))
+    found = any(_has_float(item, path) for item in inner)
+    path.discard(id(info))
+    return found
+
+
+def non_finite_float(value: Any) -> float | None:
+    """The first NaN or infinity inside `value` (its fields, items and values), or None."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return item
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple | set | frozenset):
+            pending.extend(item)
+        elif isinstance(item, msgspec.Struct):
+            pending.extend(getattr(item, field) for field in item.__struct_fields__)
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            pending.extend(getattr(item, field.name) for field in dataclasses.fields(item))
+    return None
+
+
 def _type_depth(info: mi.Type, path: set[int]) -> int | None:
     """The deepest nesting of arrays and objects a value of `info` can have; None when unbounded."""
     if id(info) in path:
@@ -131,6 +192,15 @@ def encode_value(name: str, tp: Any, value: Any, *, limit: int = MAX_VALUE_BYTES
         # msgspec writes it as null, which no float declaration reads back: every later load of
         # the value would fail. (Inside an Any or dict value the null is read back as None.)
         raise InvalidValueError(f"value for {name!r} is {value!r}, which JSON cannot hold; store it as text or None")
+    if b"null" in data and may_hold_float(tp):
+        # One inside the value is written as null too: a field declared `float | None` read it back
+        # as None, so the NaN was stored as "no value" without a word. Looked for only when a null
+        # was written where the declared type has a float: most values are never walked.
+        found = non_finite_float(value)
+        if found is not None:
+            raise InvalidValueError(
+                f"value for {name!r} holds the float {found!r}, which JSON cannot hold (it would be "
+                "written as null); store it as text or None")
     nesting = nesting_problem(name, data) if may_nest_deeply(tp) else None
     if nesting is not None:
         raise InvalidValueError(nesting)
