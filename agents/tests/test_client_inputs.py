@@ -8,6 +8,7 @@ too long for int() raising instead of being "not queued".
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -151,3 +152,29 @@ async def test_update_session_settings_that_are_not_an_object_return_false(
         assert (await sessions.get_agent_snapshot("s")).session_settings == {"model": "m"}
         assert await sessions.client.rpc("s", "update_session_settings", UpdateSessionSettingsRequest({})) is True
         assert (await sessions.get_agent_snapshot("s")).session_settings is None
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, True, 2.0, "3"],
+                         ids=["nan", "inf", "-inf", "bool", "float", "text"])
+async def test_message_pages_and_plan_revisions_refuse_a_number_that_is_not_a_whole_one(
+    tmp_path: Path, db_url: str, bad: Any  # noqa: F811
+) -> None:
+    """list_agent_messages' before_sequence and limit and execute_plan's revision take an int: anything
+    else raises TypeError naming the parameter and the value, and sends nothing. Catches: the engine's
+    JSON writing NaN and the infinities as null, so before_sequence=nan was read as "no
+    before_sequence" and answered with the newest page, as if it were a real cursor."""
+    async with sessions_on(tmp_path, db_url, worker=True) as sessions:
+        await sessions.start_session("s", "hi")
+        await wait_for_agent_snapshot(sessions, "s", _turn_ended, description="the first turn ended")
+        calls: dict[str, Callable[[], Awaitable[object]]] = {
+            "before_sequence": lambda: sessions.list_agent_messages("s", before_sequence=bad),
+            "limit": lambda: sessions.list_agent_messages("s", limit=bad),
+            "revision": lambda: sessions.execute_plan("s", bad),
+        }
+        for name, call in calls.items():
+            with pytest.raises(TypeError) as caught:
+                await call()
+            assert str(caught.value).startswith(f"{name} must be a whole number (int)"), caught.value
+            assert f"got {type(bad).__name__}: {bad!r}" in str(caught.value)
+        page = await sessions.list_agent_messages("s", before_sequence=None, limit=1)
+        assert len(page.messages) == 1 and page.next_before_sequence == page.messages[0].sequence

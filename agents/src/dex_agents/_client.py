@@ -71,6 +71,15 @@ def _check_text(name: str, value: object, *, optional: bool = False) -> None:
         raise TypeError(f"{name} must be {kind}, got {type(value).__name__}: {value!r:.{SHOWN_VALUE_CHARS}}")
 
 
+def _check_whole_number(name: str, value: object, *, optional: bool = False) -> None:
+    """TypeError unless `value` is an int, not a bool (or None when `optional`). Checked here since
+    the engine's JSON writes a NaN or an infinity as null: list_agent_messages(before_sequence=nan)
+    was read as no before_sequence, and answered with the newest page."""
+    if (not isinstance(value, int) or isinstance(value, bool)) and not (optional and value is None):
+        kind = "a whole number (int) or None" if optional else "a whole number (int)"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}: {value!r:.{SHOWN_VALUE_CHARS}}")
+
+
 class AgentSessionClient:
     """Typed calls to the sessions of one agent Flow type."""
 
@@ -117,6 +126,7 @@ class AgentSessionClient:
     async def execute_plan(self, session_id: str, revision: int) -> bool:
         """Approve plan `revision` for execution. A concurrent approval's lock is retried for up to 5 s;
         once it commits, this approval finds an execution pending and returns False."""
+        _check_whole_number("revision", revision)
         request = ExecutePlanRequest(revision)
         result = await self._retry_lock_conflicts(lambda: self.client.rpc(session_id, "execute_plan", request))
         return bool(result)
@@ -198,6 +208,10 @@ class AgentSessionClient:
     async def list_agent_messages(
         self, session_id: str, before_sequence: int | None = None, limit: int = LIST_MESSAGES_DEFAULT_LIMIT
     ) -> AgentMessagesPage:
+        """A page of stored messages before `before_sequence` (None: the newest); the session clamps
+        `limit` to 1..200."""
+        _check_whole_number("before_sequence", before_sequence, optional=True)
+        _check_whole_number("limit", limit)
         page: AgentMessagesPage = await self.client.rpc(
             session_id, "list_agent_messages", ListAgentMessagesRequest(before_sequence, limit)
         )
