@@ -5,10 +5,12 @@ Each fails loudly and at once, naming what to fix, and leaves nothing behind."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
@@ -162,3 +164,27 @@ async def test_a_stack_in_a_relative_directory_shares_it_with_a_worker_started_e
         assert stack.state_dir == tmp_path / "state"
         assert worker.alive
     assert not (REPO_ROOT / "state").exists()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"timeout": math.nan}, "timeout must be a number of seconds (math.inf waits for ever), got nan"),
+    ({"timeout": True}, "timeout must be a number of seconds (math.inf waits for ever), got True"),
+    ({"timeout": "5"}, "timeout must be a number of seconds (math.inf waits for ever), got '5'"),
+    ({"timeout": 0.2, "interval": math.nan}, "interval must be a finite number of seconds above 0, got nan"),
+    ({"timeout": 0.2, "interval": 0}, "interval must be a finite number of seconds above 0, got 0"),
+    ({"timeout": 0.2, "interval": -1}, "interval must be a finite number of seconds above 0, got -1"),
+], ids=["nan-timeout", "bool-timeout", "text-timeout", "nan-interval", "zero-interval", "negative-interval"])
+async def test_wait_until_refuses_a_timeout_or_interval_it_cannot_keep(kwargs: dict[str, Any], message: str) -> None:
+    """Before the first probe: ValueError naming the parameter and the value. Catches: a NaN
+    timeout, whose deadline no comparison ever reaches, and a NaN interval, slept for ever, each
+    holding the test for good instead of failing it; a text timeout failing with a bare TypeError."""
+    probes: list[int] = []
+
+    def never() -> bool:
+        probes.append(1)
+        return False
+
+    with pytest.raises(ValueError) as caught:
+        await asyncio.wait_for(wait_until("an answer", never, **kwargs), HANGING_PROBE_SECONDS)
+    assert str(caught.value) == message
+    assert probes == []

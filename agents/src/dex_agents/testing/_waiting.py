@@ -35,6 +35,10 @@ async def wait_until(
     PROBE_GRACE_SECONDS). A sync probe runs on the event loop and
     cannot be interrupted: one that blocks holds the wait up until it returns.
     """
+    _check_seconds("timeout", timeout, "a number of seconds (math.inf waits for ever)")
+    _check_seconds("interval", interval, "a finite number of seconds above 0")
+    if not 0 < interval < math.inf:  # 0 or less: a busy loop; math.inf: asleep past the deadline
+        raise ValueError(f"interval must be a finite number of seconds above 0, got {interval!r}")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     # asyncio.timeout_at takes None for "never" (FileGate waits for ever).
@@ -61,6 +65,15 @@ async def wait_until(
             break
         await asyncio.sleep(min(interval, left))  # so that the last probe runs at the deadline, not after it
     raise AssertionError(f"timed out after {timeout} s waiting for {description}; last value: {value!r}")
+
+
+def _check_seconds(name: str, value: object, allowed: str) -> None:
+    """ValueError unless `value` is a number of seconds, not a bool and not NaN: a NaN deadline is
+    never reached (every comparison with it is false), so the wait went on for ever, and a NaN
+    interval slept for ever."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or (isinstance(value, float) and math.isnan(value)):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
 async def wait_for_agent_snapshot(
