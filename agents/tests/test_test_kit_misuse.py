@@ -188,3 +188,17 @@ async def test_wait_until_refuses_a_timeout_or_interval_it_cannot_keep(kwargs: d
         await asyncio.wait_for(wait_until("an answer", never, **kwargs), HANGING_PROBE_SECONDS)
     assert str(caught.value) == message
     assert probes == []
+
+
+@pytest.mark.parametrize(("ttl", "error"), [
+    (math.nan, ValueError), (0, ValueError), (-1.0, ValueError), (1e6, ValueError), (True, TypeError),
+    ("5", TypeError),
+])
+def test_a_lease_ttl_no_worker_can_use_is_refused_by_the_stack(tmp_path: Path, ttl: object, error: type) -> None:
+    """Refused when the stack is made, naming it, with nothing created; not by each Worker child
+    later, which start_worker reports only as a Worker that exited before registering."""
+    state = tmp_path / "state"
+    with pytest.raises(error, match="lease_ttl_seconds"):
+        AgentTestStack(state, [build_flow(tmp_path)], WORKER_MODULE, worker_cwd=REPO_ROOT,
+                       lease_ttl_seconds=ttl)  # type: ignore[arg-type]
+    assert not state.exists()

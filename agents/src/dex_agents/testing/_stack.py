@@ -52,6 +52,18 @@ def test_worker_options(database_url: str, lease_ttl_seconds: float) -> WorkerOp
     )
 
 
+def _check_lease_ttl(database_url: str, lease_ttl_seconds: object) -> None:
+    """Refuse a lease TTL no Worker child can use, here: its WorkerOptions would refuse it only in
+    the child, which start_worker then reports as a Worker that exited before registering."""
+    if isinstance(lease_ttl_seconds, bool) or not isinstance(lease_ttl_seconds, int | float):
+        raise TypeError(f"AgentTestStack lease_ttl_seconds must be a number of seconds, got "
+                        f"{type(lease_ttl_seconds).__name__}: {lease_ttl_seconds!r}")
+    try:
+        test_worker_options(database_url, lease_ttl_seconds)
+    except ValueError as exc:
+        raise ValueError(f"AgentTestStack lease_ttl_seconds={lease_ttl_seconds!r} gives its Workers {exc}") from None
+
+
 def run_agent_worker(flows: Sequence[Flow], *, database_url: str | None = None) -> None:
     """Run a Worker for `flows` until SIGTERM or SIGINT: the body of a Worker child process.
 
@@ -192,6 +204,9 @@ class AgentTestStack:
     ) -> None:
         # Absolute: the Worker starts in worker_cwd, where a relative path names another database.
         self.state_dir = Path(tmp_path).resolve()
+        self.database_url = _absolute_sqlite_url(database_url) if database_url else (
+            f"sqlite:///{self.state_dir / 'dex.db'}")
+        _check_lease_ttl(self.database_url, lease_ttl_seconds)
         # It holds the Workers' logs and the gates' marks; with the database elsewhere (PostgreSQL,
         # or a SQLite file in another directory) nothing else would make it.
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -199,8 +214,6 @@ class AgentTestStack:
         self.worker_module = worker_module
         self.worker_cwd = Path(worker_cwd) if worker_cwd is not None else Path.cwd()
         self.worker_env = dict(worker_env or {})
-        self.database_url = _absolute_sqlite_url(database_url) if database_url else (
-            f"sqlite:///{self.state_dir / 'dex.db'}")
         self.lease_ttl_seconds = lease_ttl_seconds
         self.client = AsyncClient(Registry(self.flows), self.database_url)
         self.workers: list[WorkerProcess] = []
