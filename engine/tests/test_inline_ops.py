@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import gc
 import os
 import signal
 import socket
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -343,6 +345,33 @@ def test_two_event_loops_sharing_the_store_each_keep_their_order(tmp_path: Path)
     loop_threads = {t.ident for t in threads}
     assert (where["a"] | where["b"]) - loop_threads, "no write went to the store's thread"
     assert (where["a"] | where["b"]) & loop_threads, "no write ran on its own loop"
+
+
+def test_a_store_keeps_no_event_loop_it_served_after_that_loop_ends(tmp_path: Path) -> None:
+    """One store serving a fresh loop per call (asyncio.run per request in a threaded web app, a
+    test framework's loop per test): each loop is freed once it ends, also one whose operation was
+    cancelled while it let the loop run first. Catches: the store counted the operations letting
+    each loop run in a dict keyed by loop and never removed the key, keeping every loop (some KB
+    each) for the life of the store."""
+    store = SqliteStore(f"sqlite:///{tmp_path / 'loops.db'}")
+    served: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def request(cancel: bool) -> None:
+        loop = asyncio.get_running_loop()
+        served.append(weakref.ref(loop))
+        keep_busy(loop, INLINE_YIELDS + 2)  # so the operation lets the loop run before its own
+        op = asyncio.ensure_future(store.raw(lambda db: db.one("SELECT 1")))
+        if cancel:
+            await asyncio.sleep(0)
+            op.cancel()
+        await asyncio.gather(op, return_exceptions=True)
+
+    for i in range(20):
+        asyncio.run(request(cancel=i % 2 == 1))
+    store.run_sync(lambda db: None, write=False)  # the store's thread lets go of the last batch it ran
+    gc.collect()
+    assert [ref for ref in served if ref() is not None] == []
+    asyncio.run(store.close())
 
 
 async def test_a_watch_set_while_every_operation_ran_inline_still_sees_another_connections_commit(

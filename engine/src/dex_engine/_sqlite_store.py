@@ -782,8 +782,7 @@ class SqliteStore(Store):
                 try:
                     await asyncio.sleep(0)
                 finally:
-                    self._yielding[loop] -= 1
-                    self._overtaken.discard(loop)
+                    self._unyield(loop)
                 if self._inline(op, loop):
                     return await future
             self._enqueue(op)
@@ -796,6 +795,16 @@ class SqliteStore(Store):
         ready = getattr(loop, "_ready", None)
         return (ready is not None and len(ready) > self._yielders(loop) and self.settings.inline
                 and not self._outstanding and not self._closed)
+
+    def _unyield(self, loop: asyncio.AbstractEventLoop) -> None:
+        # The last one out drops the loop's entry: a store outlives many loops (asyncio.run per request
+        # in a threaded app, a test framework's loop per test), and kept it kept every loop it served.
+        self._overtaken.discard(loop)  # it got its round
+        left = self._yielding[loop] - 1
+        if left:
+            self._yielding[loop] = left
+        else:
+            del self._yielding[loop]
 
     def _yielders(self, loop: asyncio.AbstractEventLoop) -> int:
         """Ready callbacks of `loop` that _inline may ignore: one of another operation letting the
@@ -838,7 +847,7 @@ class SqliteStore(Store):
             ok, value = results[0]
             if not ok and _is_busy(value):
                 return False  # rolled back: the thread waits for SQLite's lock instead
-            if ready:
+            if ready and loop in self._yielding:
                 self._overtaken.add(loop)  # ahead of an operation letting the loop run (_yielders)
             self._complete([op], results, writes, wake_origins=revoked, on_loop=loop)
             return True
