@@ -92,6 +92,32 @@ async def test_operations_queued_as_the_store_closes_run_and_later_ones_are_refu
         await asyncio.wait_for(store.describe_flow("late"), 10)
 
 
+async def test_a_close_whose_caller_is_cancelled_still_closes_every_connection(pg_database: str) -> None:
+    """A client's close cancelled as it waits (asyncio.timeout around it, a cancelled shutdown) still
+    ends with no session of the store left on the server. Catches: the pool closed only once the
+    caller resumed after the lanes stopped, so a cancel there left its connections (and threads)
+    open until the process exited; a second close returned at once, the store being closed."""
+    url = f"{pg_database}?application_name=cancelled_close"
+    client = AsyncClient(REGISTRY, url)
+    await client.start_flow("Once", "o")
+    closing = asyncio.ensure_future(client.close())
+    await asyncio.sleep(0)  # the lanes are told to stop; the caller waits for them
+    closing.cancel()
+    await asyncio.gather(closing, return_exceptions=True)
+    await client.close()
+
+    def sessions() -> int:
+        with psycopg.connect(pg_database, autocommit=True) as conn:
+            row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE "
+                               "'cancelled_close%'").fetchone()
+        return int(row[0]) if row else 0
+
+    async def none_left() -> bool:
+        return await asyncio.to_thread(sessions) == 0
+
+    await wait_until("the store's sessions to end", none_left)
+
+
 def _wide(n: int) -> str:
     """n characters of four UTF-8 bytes each (CJK Extension B)."""
     return "".join(chr(0x20000 + i) for i in range(n))

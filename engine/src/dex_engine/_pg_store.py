@@ -1230,8 +1230,14 @@ class PostgresStore(Store):
         self._closed = True
         self._stop_listening.set()
         self._dispatcher.close()  # the lanes run what is queued, then stop
-        await asyncio.to_thread(self._join_threads)
-        await asyncio.to_thread(self._pool.close)
+        # One thread does it all, which goes on when the caller is cancelled (asyncio.timeout around
+        # close, a cancelled shutdown): a second close returns at once, so nothing else would close
+        # the pool, and its connections and threads would stay until the process exits.
+        await asyncio.to_thread(self._finish_close)
+
+    def _finish_close(self) -> None:
+        self._join_threads()
+        self._pool.close()
 
     def _join_threads(self) -> None:
         self._listener.join()
