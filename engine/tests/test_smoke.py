@@ -220,6 +220,52 @@ async def test_closing_the_blocking_client_ends_calls_other_threads_wait_in(db_u
     await asyncio.to_thread(drive)
 
 
+# The blocking Client whose RPC calls it again (an application's one shared client, used by its own handler).
+SHARED_BLOCKING: list[Client] = []
+
+
+@rpc()
+async def status_by_blocking_client(ctx: RpcContext, _: None) -> str:
+    return SHARED_BLOCKING[0].describe_flow(ctx.flow_id).status
+
+
+REENTERED = Flow("Reentered", [Step("Listen", listen, wait_for=listen_wait, input_type=type(None))],
+                 start_step="Listen", schema=[Count, Inbox], rpcs=[status_by_blocking_client])
+
+
+async def test_the_blocking_client_called_from_its_own_rpc_handler_fails_at_once(db_url: str) -> None:
+    """An RPC handler that calls the blocking Client that runs it (a threaded app's one shared
+    client) gets a RuntimeError saying what to do, and the client serves other threads and closes
+    after. Catches: that call blocked the client's own loop waiting for a result only that loop
+    could make: the caller, every other thread's call and close() waited for ever."""
+
+    def drive() -> None:
+        client = Client(Registry([REENTERED]), db_url)
+        SHARED_BLOCKING[:] = [client]
+        client.start_flow("Reentered", "r")
+        outcome: list[str] = []
+
+        def call() -> None:
+            try:
+                outcome.append(client.rpc("r", "status_by_blocking_client"))
+            except RuntimeError as exc:
+                outcome.append(str(exc))
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(10)
+        assert not caller.is_alive(), "the handler's call on its own client still waits"
+        assert len(outcome) == 1 and "from code its own event loop runs" in outcome[0], outcome
+        assert "await an AsyncClient" in outcome[0]
+        assert client.describe_flow("r").status == "running"
+        closer = threading.Thread(target=client.close, daemon=True)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive(), "close() still waits"
+
+    await asyncio.to_thread(drive)
+
+
 def test_the_blocking_client_takes_each_methods_arguments_as_the_async_client_does() -> None:
     """Catches: a method of Client whose parameters differ from AsyncClient's (seed 003 calls
     `search_flows(query, 50)`, which the blocking client refused with a TypeError while its limit

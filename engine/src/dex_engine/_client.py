@@ -600,6 +600,14 @@ class Client:
         return AsyncClient(registry, url)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self._thread:
+            # Code this client's loop runs (an RPC handler it called) would block that loop waiting for
+            # a result only the loop can make: this call, and every other thread's and close(), for ever.
+            coro.close()
+            raise RuntimeError(
+                f"a call of the blocking Client of {shown_url(self._url)!r} from code its own event loop runs "
+                "(an RPC handler it called) would wait for ever; in an RPC handler, await an AsyncClient's "
+                "calls instead")
         with self._lock:
             if self._closed:
                 coro.close()
