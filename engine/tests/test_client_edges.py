@@ -4,6 +4,7 @@ concurrent RPCs on one flow from one client."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -278,3 +279,32 @@ async def test_a_missing_or_ended_flow_is_caught_by_one_name(db_url: str) -> Non
         with pytest.raises(FlowNotActiveOrNotFoundError) as ended:
             await c.publish("ended", Inbox, 1)
         assert isinstance(ended.value, FlowNotActiveError)
+
+
+async def test_an_rpc_cancelled_while_its_commit_waits_for_the_database_may_still_commit(db_url: str) -> None:
+    """A call cancelled (asyncio.timeout, a web request whose client left) after it was sent still
+    commits: its transaction runs on the store's thread or connection whatever became of its caller.
+    docs/engine.md says so, and that a retry must check first (an RPC is not deduplicated)."""
+    async with engine_for(db_url, COUNTER_REGISTRY, worker=False) as eng:
+        await eng.client.start_flow("Counter", "c")
+        holding, release = threading.Event(), threading.Event()
+
+        def hold(db: Any) -> None:
+            # Another transaction writing the flow's row: the RPC's commit waits for it.
+            db.run("UPDATE flows SET flow_id = flow_id WHERE flow_id = ?", ("c",))
+            holding.set()
+            release.wait(10)
+
+        holder = asyncio.ensure_future(asyncio.to_thread(asyncio.run, eng.store.raw(hold, write=True)))
+        await asyncio.to_thread(holding.wait, 10)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await eng.client.rpc("c", "note", 7)
+        release.set()
+        await holder
+
+        async def committed() -> bool:
+            return await eng.client.get_attribute_map("c", Notes) == {"7": 7}
+
+        await wait_until("the cancelled RPC's commit", committed)
+        assert await eng.client.rpc("c", "increment") == 1  # and the client serves the next call
