@@ -1041,6 +1041,48 @@ async def test_a_worker_stopped_during_an_outage_ends_within_its_grace(
             await store.close()
 
 
+
+@pytest.mark.parametrize("caller", ["cancelled", "waiting"])
+async def test_a_client_closed_during_an_outage_ends_within_one_ask_for_a_connection(
+    pg_database: str, monkeypatch: pytest.MonkeyPatch, caller: str,
+) -> None:
+    """The server becomes unreachable while a client's call is in flight; the call is cancelled
+    (asyncio.timeout, a web request whose client left) or still waits, and the client is then
+    closed (the app shuts down): the close ends within about one ask for a connection, and a call
+    still waiting fails with the connection error (it did not take effect). Catches: the close
+    waiting for the call's every try of a lost connection (here 4 tries of 4 s each; by default 8
+    of up to 30 s, minutes), though nobody waited for it, so a service manager's stop timeout
+    killed the process instead."""
+    import psycopg
+
+    from dex_engine import _pg_store
+
+    monkeypatch.setattr(_pg_store, "CONNECTION_WAIT_SECONDS", 4.0)
+    monkeypatch.setattr(_pg_store, "MAX_OP_TRIES", 4)
+    async with proxy_to(pg_database) as proxy:
+        # Opened on a thread: it connects through the proxy, which needs this event loop to answer.
+        client = await asyncio.to_thread(AsyncClient, REGISTRY, proxy.url(pg_database))
+        try:
+            assert not await client.exists("before")
+            proxy.refusing = True
+            for conn in list(proxy.conns):
+                conn.abort()
+            call = asyncio.ensure_future(client.exists("during"))
+            await asyncio.sleep(0.5)  # it meets the refused connections and retries
+            if caller == "cancelled":
+                call.cancel()
+            closed_at = time.monotonic()
+            await asyncio.wait_for(client.close(), 60)
+            took = time.monotonic() - closed_at
+            assert took < _pg_store.CONNECTION_ASK_SECONDS + 2.0, f"the client took {took:.1f} s to close"
+            outcome = (await asyncio.gather(call, return_exceptions=True))[0]
+            if caller == "waiting":
+                assert isinstance(outcome, psycopg.OperationalError), outcome
+        finally:
+            proxy.refusing = False
+            await client.close()
+
+
 # Lock waits cut short by the server's lock_timeout ---------------------------------------------
 
 LOCK_TIMEOUT_MS = 100  # set in the test's URL, as a DBA may set it for the database or its users

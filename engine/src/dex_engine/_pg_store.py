@@ -468,11 +468,11 @@ class _Op:
     future: asyncio.Future[Any]
     origin: Callable[[], None] | None
     commit: _ExecuteCommit | None = None  # an Execute's commit that dex_commit_execute can batch
-    gives_up: Callable[[], bool] | None = None  # stop_retrying's value where the operation was asked
+    gives_up: Callable[[], bool] | None = None  # see PostgresStore._gives_up
 
 
 def _given_up(ops: list[_Op]) -> bool:
-    """Whether every operation of a batch gives up trying (stop_retrying)."""
+    """Whether every operation of a batch gives up trying (PostgresStore._gives_up)."""
     return all(op.gives_up is not None and op.gives_up() for op in ops)
 
 
@@ -864,10 +864,20 @@ class PostgresStore(Store):
             raise RuntimeError(f"store {shown_url(self.url)!r} is closed; {CLOSED_STORE_ADVICE}")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
-        op = _Op(fn, write, durable is not False, loop, future, commit_origin.get(), commit, stop_retrying.get())
+        op = _Op(fn, write, durable is not False, loop, future, commit_origin.get(), commit,
+                 self._gives_up(future, stop_retrying.get()))
         if not self._dispatcher.put(op):  # closed from another thread since the check above
             raise RuntimeError(f"store {shown_url(self.url)!r} is closed; {CLOSED_STORE_ADVICE}")
         return await future
+
+    def _gives_up(self, future: asyncio.Future[Any], stopping: Callable[[], bool] | None) -> Callable[[], bool]:
+        """When an operation stops trying again after a lost connection (at its next ask for one at
+        the latest), having committed nothing: once its caller no longer waits (cancelled, say by
+        asyncio.timeout or a blocking Client's close: a cancelled call may or may not take effect),
+        the store is closing, or its worker is stopping (stop_retrying). Else, during an outage, a
+        close waited for every try of each operation in flight (minutes), and a service manager's
+        stop timeout killed the process instead."""
+        return lambda: future.cancelled() or self._closed or (stopping is not None and stopping())
 
     async def poll(
         self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],
