@@ -214,8 +214,9 @@ async def test_closing_the_blocking_client_ends_calls_other_threads_wait_in(db_u
             assert not thread.is_alive(), "a call still waits after close()"
         assert outcomes == [f"client of {shown_url(db_url)!r} was closed while the call waited"] * 2
         client.close()
-        with pytest.raises(RuntimeError, match="is closed"):
+        with pytest.raises(RuntimeError, match="is closed") as refused:
             client.describe_flow("never")
+        assert "open the database again with a new Client" in str(refused.value)  # says what to do
 
     await asyncio.to_thread(drive)
 

@@ -611,7 +611,8 @@ class Client:
         with self._lock:
             if self._closed:
                 coro.close()
-                raise RuntimeError(f"client of {shown_url(self._url)!r} is closed")
+                raise RuntimeError(f"client of {shown_url(self._url)!r} is closed; its close() was called (by this "
+                                   "or another thread): open the database again with a new Client")
             future = asyncio.run_coroutine_threadsafe(coro, self._loop)
             self._in_flight.add(future)
         try:
