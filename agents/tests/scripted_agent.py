@@ -8,7 +8,7 @@ model call per step, in order:
 - `{"answer": "text"}` is the final answer; `{results}` in it becomes each final record's
   model-visible result (`id=<text>; ...`), `{records}` a JSON object of each record's status,
   output, error, cancellation_reason and task_id by call ID, and `{seen}` the number of stored
-  messages the call saw;
+  messages the call saw; `{"answer_bytes": n}` answers n characters (over the value limit, say);
 - `{"turn_error": "text"}` ends the turn as failed without a retry;
 - `{"raise": "text"}` fails every attempt of the model call; with `"attempts": n`, only the first n
   (`{"raise_bytes": n}` fails every attempt with a text of n characters);
@@ -193,7 +193,7 @@ class ScriptedRunner:
             return ToolCallsRequested(json.dumps(state), calls, CALL_USAGE, new_messages=stored_now)
         if "turn_error" in step:
             return TurnCompleted(pending, CALL_USAGE, turn_error=step["turn_error"])
-        text = str(step.get("answer", "done"))
+        text = "a" * int(step["answer_bytes"]) if "answer_bytes" in step else str(step.get("answer", "done"))
         text = text.replace("{results}", "; ".join(f"{r.tool_call_id}={describe_tool_call_outcome(r)}"
                                                      for r in results))
         text = text.replace("{seen}", str(len(turn.messages)))

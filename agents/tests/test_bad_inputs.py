@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 import pytest
 from agents.tests.built_context import filling, interrupt, running_turn, runtime_of, step_context, tool_call
-from agents.tests.scripted_agent import FLOW_TYPE, INVOCATIONS, ScriptedRunner, build_flow, item
+from agents.tests.scripted_agent import CALL_USAGE, FLOW_TYPE, INVOCATIONS, ScriptedRunner, build_flow, item
 from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 
 from dex_agents import (
@@ -96,6 +96,7 @@ from dex_agents._constants import (
     TIGHTER_NOTE_FIELD_CHARS,
 )
 from dex_agents._policy import CANCELLED_NOTE_HEADER
+from dex_agents._runtime import ValueTooLarge, with_unrecorded_usage
 from dex_agents._session_settings import session_settings_error, session_settings_size, validate_session_settings
 from dex_agents._timefmt import format_time
 from dex_agents._tool_steps import ToolSteps
@@ -1322,13 +1323,29 @@ async def test_a_user_message_the_runner_cannot_build_fails_the_turn(
 # Values over the engine's limit -------------------------------------------------------------------
 
 
-async def test_model_answer_over_the_value_limit_fails_the_turn(tmp_path: Path) -> None:
+async def assert_usage_recorded_once(sessions: AgentSessionClient, session_id: str, turn_id: str) -> None:
+    """The turn's model call, whose outcome was too large to store, is counted once: one
+    usage_recorded of _USAGE (the failure route's), before turn_failed, and the session's total
+    the first turn's call (the scripted runner's CALL_USAGE) plus it."""
+    events = [(t, p) for t, p in await turn_events(sessions, session_id, turn_id)
+              if t in ("usage_recorded", "turn_failed")]
+    total = CALL_USAGE.plus(_USAGE)
+    assert [(t, p.get("recorded"), p.get("session")) for t, p in events] == [
+        ("usage_recorded", msgspec.to_builtins(_USAGE), msgspec.to_builtins(total)), ("turn_failed", None, None)]
+    assert (await sessions.get_agent_snapshot(session_id)).usage == total
+
+
+async def test_model_answer_over_the_value_limit_fails_the_turn(
+    tmp_path: Path, db_url: str  # noqa: F811 - the fixture
+) -> None:
     """An answer larger than MAX_VALUE_BYTES fails the turn once (no retry): RecordTurnFailure sets a
-    last_turn_error saying which message is too large to store, and nothing of the answer is stored."""
+    last_turn_error saying which message is too large to store, and nothing of the answer is stored;
+    the call's usage, dropped with RunModel's commit, is recorded by RecordTurnFailure. Catches: a
+    model call the user paid for missing from AgentUsage."""
     runner = MisbehavingRunner(tmp_path, {
-        "big": lambda: TurnCompleted([item(MessageRole.ASSISTANT, text="x" * MAX_VALUE_BYTES)]),
+        "big": lambda: TurnCompleted([item(MessageRole.ASSISTANT, text="x" * MAX_VALUE_BYTES)], _USAGE),
     })
-    async with in_process(tmp_path, flow_with(runner)) as engine:
+    async with in_process(tmp_path, flow_with(runner), database_url=db_url) as engine:
         sessions = engine.sessions
         before = await started_session(sessions, "s")
         text = f"{MISBEHAVE} big"
@@ -1336,6 +1353,7 @@ async def test_model_answer_over_the_value_limit_fails_the_turn(tmp_path: Path) 
         assert error.startswith("message 4 (assistant) of turn turn-2 is too large to store: ")
         assert f"over MAX_VALUE_BYTES ({MAX_VALUE_BYTES})" in error
         assert engine.log.count("model", turn_id=turn_id) == 1
+        await assert_usage_recorded_once(sessions, "s", turn_id)
         # A failed RunModel commits no Execute; its failure route does.
         assert await steps_run(engine.client, "s") == [
             "StartAgentSession", "RunModel", "AwaitUserMessage", "RecordTurnFailure",
@@ -1344,17 +1362,19 @@ async def test_model_answer_over_the_value_limit_fails_the_turn(tmp_path: Path) 
         await assert_usable(sessions, "s", before)
 
 
-async def test_a_tool_call_whose_record_is_over_the_value_limit_fails_the_turn_once(tmp_path: Path) -> None:
+async def test_a_tool_call_whose_record_is_over_the_value_limit_fails_the_turn_once(
+    tmp_path: Path, db_url: str  # noqa: F811 - the fixture
+) -> None:
     """A call whose arguments alone nearly fill one stored value (from a runner that stores no
     message of them), so its record does not fit: the turn fails at once naming the call, the
     model called once and no tool run, the session going on though the tool's name holds "run state
     of" (what ends a session for an oversized run state). Catches: RunModel's commit failing on each
     of its three attempts, calling the model again each time, and then an engine error naming no
-    call; and the failure taken for the run state's."""
+    call; the failure taken for the run state's; the call's usage missing from AgentUsage."""
     arguments = json.dumps({"pad": "x" * (MAX_VALUE_BYTES - 100)})
     huge = DeferredToolCall("c1", "save run state of job", arguments, ToolPolicy(ToolEffect.READ))
-    runner = MisbehavingRunner(tmp_path, {"huge-call": lambda: ToolCallsRequested("asked", [huge], AgentUsage())})
-    async with in_process(tmp_path, flow_with(runner)) as engine:
+    runner = MisbehavingRunner(tmp_path, {"huge-call": lambda: ToolCallsRequested("asked", [huge], _USAGE)})
+    async with in_process(tmp_path, flow_with(runner), database_url=db_url) as engine:
         sessions = engine.sessions
         before = await started_session(sessions, "s")
         turn_id, error = await failed_turn(sessions, "s", f"{MISBEHAVE} huge-call")
@@ -1363,6 +1383,7 @@ async def test_a_tool_call_whose_record_is_over_the_value_limit_fails_the_turn_o
                                 "'AgentToolCalls[c1]' is "), error
         assert engine.log.count("model", turn_id=turn_id) == 1
         assert engine.log.count("tool_start") == 0
+        await assert_usage_recorded_once(sessions, "s", turn_id)
         await assert_usable(sessions, "s", before)
 
 
@@ -1417,7 +1438,7 @@ class _OversizedRunStateRunner:
         if turn.framework_run_state is None:
             return ToolCallsRequested("fits", [_read_call("c1")], AgentUsage(),
                                       new_messages=[item(MessageRole.ASSISTANT, text="asked c1")])
-        return ToolCallsRequested("x" * MAX_VALUE_BYTES, [_read_call("c2")], AgentUsage(),
+        return ToolCallsRequested("x" * MAX_VALUE_BYTES, [_read_call("c2")], _USAGE,
                                   new_messages=[item(MessageRole.ASSISTANT, text="asked c2")])
 
     async def execute_deferred_tool_call(self, execution: DeferredToolExecution) -> ToolExecutionResult:
@@ -1427,15 +1448,18 @@ class _OversizedRunStateRunner:
         return [item(MessageRole.TOOL, tool_call_id="c2", output="never run")]
 
 
-async def test_a_run_state_too_large_to_store_ends_the_session(tmp_path: Path) -> None:
+async def test_a_run_state_too_large_to_store_ends_the_session(
+    tmp_path: Path, db_url: str  # noqa: F811 - the fixture
+) -> None:
     """Seed 002, RecordTurnFailure (the rule under RecordToolFailure): a RunModel whose run state is
     over the value limit fails once (no retry), and its failure route ends the session instead of the
     turn, since every later turn would meet the same limit. Status failed, last_turn_error the
     detail, the turn, FrameworkRunState and PendingInterrupts cleared, the turn's records kept (but
     not in the snapshot, which lists the active turn's only), turn_failed written, the Flow
-    force-failed with the detail, and no turn message stored: no unfinished-turn messages, no note."""
+    force-failed with the detail, and no turn message stored: no unfinished-turn messages, no note.
+    The failed call's usage, dropped with RunModel's commit, is recorded as the session ends."""
     runner = _OversizedRunStateRunner()
-    async with in_process(tmp_path, AgentSessionFlow(runner, FLOW_TYPE)) as engine:
+    async with in_process(tmp_path, AgentSessionFlow(runner, FLOW_TYPE), database_url=db_url) as engine:
         sessions, client = engine.sessions, engine.client
         await sessions.start_session("s", HELLO)
         info = await client.wait_for_flow("s", 30)
@@ -1460,6 +1484,9 @@ async def test_a_run_state_too_large_to_store_ends_the_session(tmp_path: Path) -
         stored = await all_messages(sessions, "s")
         assert [(m.role, m.text) for m in stored] == [(MessageRole.USER, HELLO), (MessageRole.ASSISTANT, "asked c1")]
         await assert_turn_failed(sessions, "s", "turn-1", error)
+        recorded = [p["recorded"] for t, p in await turn_events(sessions, "s", "turn-1") if t == "usage_recorded"]
+        assert recorded == [msgspec.to_builtins(AgentUsage()), msgspec.to_builtins(_USAGE)]
+        assert snapshot.usage == _USAGE
         # The second RunModel failed without a retry: it commits no Execute; its failure route does.
         assert await steps_run(client, "s") == [
             "StartAgentSession", "RunModel", "CallTool", "ResumeTurn", "RecordTurnFailure",
@@ -1515,6 +1542,37 @@ async def test_record_turn_failure_ends_the_turn_with_the_recovery_detail_or_its
         AgentStatus.WAITING_FOR_USER_MESSAGE, None, expected)
     events = [msgspec.json.decode(data) for _, _, data in ctx.writes.appends]
     assert [(e["type"], json.loads(e["payload"])) for e in events] == [("turn_failed", {"error": expected})]
+
+
+_TOO_LARGE = "message 3 (assistant) of turn turn-1 is too large to store"
+
+
+@pytest.mark.parametrize(("error_type", "usage", "counted"), [
+    ("ValueTooLarge", _USAGE, True),
+    ("ToolCallTooLarge", _USAGE, True),
+    # Any other failure's detail is a runner's text, whatever it starts with.
+    ("RuntimeError", _USAGE, False),
+    # A usage that cannot be added to the totals is left in the detail, not recorded.
+    ("ValueTooLarge", AgentUsage(model_calls=-1), False),
+])
+async def test_record_turn_failure_records_the_usage_a_too_large_outcome_carries(
+    error_type: str, usage: AgentUsage, counted: bool,
+) -> None:
+    """RunModel's size failure carries the model call's usage, which its failed commit dropped, at
+    the head of its detail: RecordTurnFailure records it, before turn_failed, and keeps it out of
+    last_turn_error."""
+    flow = AgentSessionFlow(ScriptedRunner(), "Fails")
+    detail = str(with_unrecorded_usage(ValueTooLarge(_TOO_LARGE), usage))
+    recovery = RecoveryError(step_type="RunModel", step_execution_id="RunModel-1", method="execute", attempts=1,
+                             attempt_progress=AttemptProgress.NOT_COMPLETED, error_type=error_type, detail=detail)
+    ctx = step_context(flow, "RecordTurnFailure", {("AgentState", ""): running_turn()}, recovery_error=recovery)
+    await TurnSteps(runtime_of(flow)).record_turn_failure(ctx, None)
+    expected = _TOO_LARGE if counted else detail
+    state = ctx.get(AGENT_STATE)
+    assert state is not None and state.last_turn_error == expected
+    events = [msgspec.json.decode(data) for _, _, data in ctx.writes.appends]
+    assert [e["type"] for e in events] == [*(["usage_recorded"] if counted else []), "turn_failed"]
+    assert ctx.get(AGENT_USAGE) == (usage if counted else None)
 
 
 def _text_filling(limit: int, wrap: Callable[[str], object]) -> str:

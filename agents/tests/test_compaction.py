@@ -24,7 +24,7 @@ from agents.tests.builtin_agent import InProcessEngine
 from agents.tests.compaction_agent import answer, compaction_flow, kill_test_flow, say
 from agents.tests.conftest import REPO_ROOT
 from agents.tests.session_driver import all_agent_events
-from engine.tests.conftest import pg_database, pg_databases  # noqa: F401 - the kill test's PostgreSQL database
+from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -50,6 +50,7 @@ from dex_agents import (
     AgentState,
     AgentStatus,
     AgentTurnContext,
+    AgentUsage,
     CompactContextInput,
     CompactionPolicy,
     ContextCompactionRunner,
@@ -103,7 +104,7 @@ from dex_agents.testing import (
     to_step_history,
     wait_for_agent_snapshot,
 )
-from dex_engine import Context, Flow
+from dex_engine import MAX_VALUE_BYTES, Context, Flow
 from dex_engine._context import HeartbeatFn
 from dex_engine._transitions import stored_options_json
 
@@ -1305,6 +1306,37 @@ async def test_a_summary_result_that_breaks_the_contract_fails_the_turn_without_
     assert executed_steps(history) == ["StartAgentSession", "AwaitUserMessage", RUN_MODEL, "RecordTurnFailure"]
     assert [(e.event_type, e.final_attempt) for e in history if e.step_type == COMPACT_CONTEXT] == [
         ("step_scheduled", 0), ("attempt_failed", 1), ("step_failed", 1)]
+
+
+SUMMARY_USAGE = AgentUsage(model_calls=1, input_tokens=900, output_tokens=300)
+
+
+class SummaryTooLarge(CutoffAtTheSummary):
+    async def summarize_context(self, request: ContextSummaryRequest) -> ContextSummaryResult:
+        return ContextSummaryResult("x" * MAX_VALUE_BYTES, usage=SUMMARY_USAGE)
+
+
+async def test_a_summary_too_large_to_store_fails_the_turn_and_counts_its_call(
+    tmp_path: Path, db_url: str  # noqa: F811 - the fixture
+) -> None:
+    """A summary over the value limit fails CompactContext's one attempt, and its commit with the
+    summary call's usage: RecordTurnFailure fails the turn and records that usage, once. Catches: a
+    summary call the user paid for missing from AgentUsage."""
+    flow, model = compaction_flow("HugeSummaryAgent", answer, window=500, runner=SummaryTooLarge)
+    engine = InProcessEngine(tmp_path, [flow], db_url)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        done = await run_turns(sessions, "s", ["hello"])
+        events = await all_agent_events(sessions, "s")
+        history = to_step_history(await engine.client.get_flow_history("s"))
+    error = done.state.last_turn_error if done.state is not None else None
+    assert error is not None and error.startswith("the context summary through 1 is too large to store: "), error
+    assert done.context_summary is None and model_calls(model) == []
+    assert done.usage == SUMMARY_USAGE
+    recorded = [json.loads(e.value.payload)["recorded"] for e in events if e.value.type == "usage_recorded"]
+    assert recorded == [msgspec.to_builtins(SUMMARY_USAGE)]
+    assert executed_steps(history) == ["StartAgentSession", "AwaitUserMessage", RUN_MODEL, "RecordTurnFailure"]
 
 
 COMPACTING = running_turn(status=AgentStatus.COMPACTING_CONTEXT, next_message_sequence=4)

@@ -21,6 +21,7 @@ import pytest
 import pytest_asyncio
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import (
+    CALL_USAGE,
     ENV_DEADLINE_SECONDS,
     ENV_INCREMENTAL,
     INVOCATIONS,
@@ -48,7 +49,7 @@ from dex_agents.testing import (
     wait_for_agent_snapshot,
     wait_until,
 )
-from dex_engine import StepDurability
+from dex_engine import MAX_VALUE_BYTES, StepDurability
 
 # The approval deadline of test 7: long enough that the test sees the interrupt raised, short
 # enough not to slow the file down. Only the Worker's Timer and the RPC's check read it.
@@ -477,6 +478,34 @@ async def test_6_kill_during_run_model_reruns_only_that_call(run: Run) -> None:
     assert [e.final_attempt for e in run_models] == [1, 2]
     failed = events_of(entries, "RunModel", "attempt_failed")
     assert [(e.step_execution_id, e.final_attempt) for e in failed] == [(run_models[1].step_execution_id, 1)]
+
+
+async def test_kill_in_record_turn_failure_counts_an_answer_too_large_to_store_once(
+    request: pytest.FixtureRequest,
+) -> None:
+    """An answer over the value limit fails RunModel's commit, and the call's usage with it;
+    RecordTurnFailure records that usage. A Worker killed inside RecordTurnFailure (in the runner's
+    build_unfinished_turn_messages) commits nothing, and the next Worker's attempt records it: the
+    model call is counted once, neither lost nor twice, and not made again."""
+    run = Run(request.getfixturevalue("incremental_shared"), session_id_of(request), incremental=True)
+    worker = await run.shared.worker()
+    await run.start(json.dumps({"steps": [{"answer_bytes": MAX_VALUE_BYTES}],
+                                "unfinished_gate": run.gate_name("failure")}))
+    assert await run.gate("failure").wait_until_reached() == worker.pid
+    worker.kill()
+    await run.shared.start_new_worker()
+    run.gate("failure").release()
+    snapshot = await run.turns_ended(1)
+    assert snapshot.state is not None
+    assert (snapshot.state.last_turn_error or "").startswith("message 2 (assistant) of turn turn-1 is too large")
+    assert run.model_calls("turn-1") == [(0, 1)]
+    assert snapshot.usage == CALL_USAGE
+    recorded = [json.loads(e.value.payload) for e in (await run.sessions.read_agent_events(run.session_id)).events
+                if e.value.type == "usage_recorded"]
+    assert recorded == [{"recorded": msgspec.to_builtins(CALL_USAGE), "session": msgspec.to_builtins(CALL_USAGE)}]
+    entries = await run.history()
+    assert executed_steps(entries) == ["StartAgentSession", "RecordTurnFailure"]
+    assert len(events_of(entries, "RunModel", "step_failed")) == 1
 
 
 # 7 (second half). The approval deadline rejects the call ---------------------------------

@@ -54,6 +54,7 @@ from ._runtime import (
     chunk_reader,
     resolved,
     window_messages,
+    with_unrecorded_usage,
 )
 from ._timefmt import utc_now_text
 from ._turn_logic import TurnContractError, storable_text, usage_problem
@@ -265,7 +266,8 @@ class CompactionSteps:
         try:
             ctx.set(CONTEXT_SUMMARY, summary)
         except ValueTooLargeError as exc:
-            raise ValueTooLarge(f"the context summary through {through} is too large to store: {exc}") from None
+            too_large = ValueTooLarge(f"the context summary through {through} is too large to store: {exc}")
+            raise with_unrecorded_usage(too_large, result.usage) from None  # RecordTurnFailure records it
         rt.record_usage(ctx, turn_id, result.usage)
         index = rt.retain(ctx, ctx.get(AGENT_MESSAGE_INDEX), state.next_message_sequence - 1)
         if index is not None:

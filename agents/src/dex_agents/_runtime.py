@@ -142,6 +142,37 @@ class ToolCallTooLarge(ValueTooLarge):
     and this detail names a tool the model chose."""
 
 
+# A model call whose outcome (an answer, a run state, a call's record, a summary) is too large to
+# store fails its Step's commit, and the usage recorded in it, the call paid for, with it. The
+# failure route, RecordTurnFailure, records it: the failure's detail, all the engine hands it, leads
+# with the usage. A prefix, because the engine keeps a detail's first MAX_ERROR_TEXT_CHARS and the
+# rest is text a runner chose (a tool's name), which can neither push it out nor stand for it.
+_UNRECORDED_USAGE = "[usage of the model call, recorded by the failure route: "
+_UNRECORDED_USAGE_END = "] "
+
+
+def with_unrecorded_usage(exc: ValueTooLarge, usage: AgentUsage) -> ValueTooLarge:
+    """`exc` again, of its type (the failure route's rule reads it), its detail led by `usage`."""
+    return type(exc)(f"{_UNRECORDED_USAGE}{msgspec.json.encode(usage).decode()}{_UNRECORDED_USAGE_END}{exc}")
+
+
+def unrecorded_usage(error_type: str, detail: str) -> tuple[AgentUsage | None, str]:
+    """The usage with_unrecorded_usage put in a failure's detail, and the detail without it; (None,
+    `detail`) for any other failure. Only a too-large error carries it: the detail of any other is a
+    runner's text."""
+    if error_type not in (ValueTooLarge.__name__, ToolCallTooLarge.__name__) or not detail.startswith(
+            _UNRECORDED_USAGE):
+        return None, detail
+    encoded, found, rest = detail[len(_UNRECORDED_USAGE):].partition(_UNRECORDED_USAGE_END)
+    if not found:
+        return None, detail
+    try:
+        usage = msgspec.json.decode(encoded, type=AgentUsage)
+    except msgspec.DecodeError:  # ValidationError included
+        return None, detail
+    return (None, detail) if usage_problem(usage) is not None else (usage, rest)
+
+
 # Steps that wait on an interrupt (approval, question) also read the pending interrupts (deadlines).
 INTERRUPT_STEP_LOAD_EXTRA = (PENDING_INTERRUPTS,)
 

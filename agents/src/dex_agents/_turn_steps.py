@@ -57,6 +57,8 @@ from ._runtime import (
     resolved,
     session_settings,
     tool_call_load,
+    unrecorded_usage,
+    with_unrecorded_usage,
 )
 from ._session_settings import session_settings_error
 from ._turn_logic import (
@@ -266,6 +268,11 @@ class TurnSteps:
             return self._apply_outcome(ctx, state, turn_id, outcome)
         except TurnContractError as exc:
             return self._fail_in_commit(ctx, state, turn_id, str(exc))
+        except ValueTooLarge as exc:
+            # Raised after _apply_outcome recorded the usage, which this failed commit drops with the
+            # rest: RecordTurnFailure records it, once, in the commit that fails the turn.
+            assert isinstance(outcome, TurnCompleted | ToolCallsRequested | TurnContinued)
+            raise with_unrecorded_usage(exc, outcome.usage) from None
 
     def _fail_in_commit(self, ctx: Context, state: AgentState, turn_id: str, error: str) -> StepDecision:
         """A contract breach a retry cannot fix ends the turn in this commit; the session goes on.
@@ -398,7 +405,10 @@ class TurnSteps:
             return StepDecision.dead_end()  # the turn already ended (e.g. cancelled)
         turn_id = state.active_turn_id
         recovery = ctx.recovery_error
-        error = "the model call failed" if recovery is None else recovery.detail or recovery.error_type
+        usage, detail = (None, "") if recovery is None else unrecorded_usage(recovery.error_type, recovery.detail)
+        error = "the model call failed" if recovery is None else detail or recovery.error_type
+        if usage is not None:
+            rt.record_usage(ctx, turn_id, usage)  # a call whose outcome was too large to store
         if recovery is not None and recovery.error_type == ValueTooLarge.__name__ and "run state of" in error:
             return self._end_session(ctx, state, turn_id, error)
         turn = self.turn_context(ctx, state, turn_id, live=False)
