@@ -230,8 +230,17 @@ async def status_by_blocking_client(ctx: RpcContext, _: None) -> str:
     return SHARED_BLOCKING[0].describe_flow(ctx.flow_id).status
 
 
+@rpc()
+async def close_blocking_client(ctx: RpcContext, _: None) -> str:
+    try:
+        SHARED_BLOCKING[0].close()
+    except RuntimeError as exc:
+        return str(exc)
+    return "closed"
+
+
 REENTERED = Flow("Reentered", [Step("Listen", listen, wait_for=listen_wait, input_type=type(None))],
-                 start_step="Listen", schema=[Count, Inbox], rpcs=[status_by_blocking_client])
+                 start_step="Listen", schema=[Count, Inbox], rpcs=[status_by_blocking_client, close_blocking_client])
 
 
 async def test_the_blocking_client_called_from_its_own_rpc_handler_fails_at_once(db_url: str) -> None:
@@ -263,6 +272,33 @@ async def test_the_blocking_client_called_from_its_own_rpc_handler_fails_at_once
         closer.start()
         closer.join(10)
         assert not closer.is_alive(), "close() still waits"
+
+    await asyncio.to_thread(drive)
+
+
+async def test_the_blocking_client_closed_from_its_own_rpc_handler_refuses_at_once(db_url: str) -> None:
+    """Catches: close() called by an RPC handler the blocking Client runs waited for that client's
+    own loop, which the handler blocked: the handler, its caller and every other thread hung."""
+
+    def drive() -> None:
+        client = Client(Registry([REENTERED]), db_url)
+        SHARED_BLOCKING[:] = [client]
+        client.start_flow("Reentered", "r")
+        outcome: list[str] = []
+
+        def call() -> None:
+            try:
+                outcome.append(client.rpc("r", "close_blocking_client"))
+            except RuntimeError as exc:  # the close went ahead: it cancelled this call, then hung its loop
+                outcome.append(f"the call failed: {exc}")
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(10)
+        assert not caller.is_alive(), "close() from the handler still waits"
+        assert len(outcome) == 1 and "close it from another thread" in outcome[0], outcome
+        assert client.describe_flow("r").status == "running"
+        client.close()
 
     await asyncio.to_thread(drive)
 

@@ -664,6 +664,11 @@ class Client:
 
     def close(self) -> None:
         """Close the store; calls other threads wait in raise RuntimeError. A second close does nothing."""
+        if threading.current_thread() is self._thread:
+            # As for a call (_call): closing waits for the loop this code blocks.
+            raise RuntimeError(
+                f"close() of the blocking Client of {shown_url(self._url)!r} from code its own event loop runs "
+                "(an RPC handler it called) would wait for ever; close it from another thread")
         with self._lock:
             if self._closed:
                 return
