@@ -964,6 +964,38 @@ async def test_a_run_of_refused_transactions_leaves_the_store_working(pg_databas
         assert await client.rpc("f", "peek") == ["before", *(f"after {n}" for n in range(6))]
 
 
+async def test_a_refusal_after_refusals_in_a_row_leaves_the_store_working(pg_database: str) -> None:
+    """Two transactions refused in a row (the second rolled back with nothing prepared), writes
+    accepted again for a while (statements prepared anew), then one more refusal: every write
+    after it still works, on every connection of the pool. Catches: the lane's ROLLBACK and
+    DEALLOCATE ALL seen by psycopg only the first time (its cache of statements to watch kept
+    them), so that a later rollback deallocated every statement on the server while psycopg took
+    them for prepared, and the connection failed each one with InvalidSqlStatementName for good
+    (under contention on one flow, a batch's lock timeout followed by its ops' retries)."""
+    import psycopg
+
+    def sql(statement: str) -> None:
+        with psycopg.connect(pg_database, autocommit=True) as conn:
+            conn.execute(statement)
+
+    async with client_for(pg_database, pool_size=1) as client:
+        await client.start_flow("PgfLocks", "f")
+        sql("CREATE FUNCTION pgf_refuse() RETURNS trigger LANGUAGE plpgsql AS"
+            " $$ BEGIN RAISE EXCEPTION 'refused for a moment'; END $$")
+        expected = []
+        for refusals in (2, 1):
+            sql("CREATE TRIGGER pgf_refuse BEFORE INSERT OR UPDATE ON commit_marks"
+                " FOR EACH ROW EXECUTE FUNCTION pgf_refuse()")
+            for attempt in range(refusals):
+                with pytest.raises(psycopg.errors.RaiseException, match="refused for a moment"):
+                    await client.publish("f", Box, f"refused {refusals} {attempt}")
+            sql("DROP TRIGGER pgf_refuse ON commit_marks")
+            for attempt in range(6):
+                await client.publish("f", Box, f"after {refusals} {attempt}")
+                expected.append(f"after {refusals} {attempt}")
+        assert await client.rpc("f", "peek") == expected
+
+
 async def test_an_operation_that_never_gets_a_connection_says_so(
     pg_database: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -594,12 +594,18 @@ class _Lane:
         try:
             with contextlib.suppress(psycopg.Error):
                 self._pipeline.sync()  # collects the error and ends the aborted pipeline segment
-            self._conn.execute("ROLLBACK", prepare=False)
-            self._pipeline.sync()
-            # Seeing ROLLBACK, psycopg forgets its prepared statements and deallocates them all
-            # (DEALLOCATE ALL) right after the next statement it sends. Were that one a statement it
-            # prepares (a read-only batch starts without BEGIN), the deallocation would drop it
-            # and its next use would fail: send the deallocation now, after one it does not prepare.
+            # psycopg's cache of prepared statements must be emptied with the server's. Its own
+            # rollback() always empties it (and deallocates what it knew of); a ROLLBACK or
+            # DEALLOCATE ALL run as a query is seen only while psycopg does not yet count it among
+            # its queries, so from a connection's second rollback in a row on, the server lost every
+            # statement psycopg still took for prepared: each later use failed for good
+            # (InvalidSqlStatementName). A read-only batch has no transaction for rollback() to end:
+            # it gets an empty one.
+            if self._conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                self._conn.execute("BEGIN", prepare=False)
+            self._conn.rollback()
+            # Statements psycopg forgot when their pipeline segment failed may still be on the
+            # server: drop them too (psycopg's cache is empty now, so it has nothing to forget).
             self._conn.execute("DEALLOCATE ALL", prepare=False)
             self._pipeline.sync()
         except psycopg.Error:
