@@ -1023,6 +1023,27 @@ async def test_a_kept_quiet_answer_is_dropped_by_a_commit_of_this_process_too(db
         await store.close()
 
 
+@pytest.mark.sqlite_only
+async def test_a_worker_leaving_a_shared_store_leaves_no_quiet_answer(db_url: str) -> None:
+    """Catches: a store shared by workers (`store=`) kept each worker's last quiet-poll answer until
+    it closed, one per worker ID it ever served, so a process that starts and stops workers on one
+    store grew without bound."""
+    from dex_engine._sqlite_store import SqliteStore
+
+    store = open_store(db_url)
+    assert isinstance(store, SqliteStore)
+    try:
+        for n in range(3):
+            worker_id = f"w{n}"
+            await store.register_worker(worker_id, "host", 1, 60_000)
+            await store.poll(worker_id, ["T"], 0, [], must_claim=False, housekeep=False)
+            assert worker_id in store._quiet._answers, "the quiet poll kept no answer: nothing to check"
+            await store.unregister_worker(worker_id)
+            assert store._quiet._answers == {}, f"after {worker_id} left: {list(store._quiet._answers)}"
+    finally:
+        await store.close()
+
+
 def view_flow(probe: Probe) -> Flow:
     """Start sets A=1, B=1; Decide (loads A and B) holds until released, deletes B and moves to Next,
     which is handed to the same worker and records what it loads (A and B)."""

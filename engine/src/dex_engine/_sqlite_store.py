@@ -422,6 +422,12 @@ class _QuietPolls:
                 return version, kept[2]
             return version, None
 
+    def forget(self, worker_id: str) -> None:
+        """Drop `worker_id`'s kept answer: a store shared by workers started and stopped one after
+        another (each with a new ID) kept one per worker it ever served until it closed."""
+        with self._lock:
+            self._answers.pop(worker_id, None)
+
     def keep(self, worker_id: str, version: int | None, asked: _Asked, result: PollResult | None) -> None:
         with self._lock:
             if version is None or result is None:
@@ -884,6 +890,10 @@ class SqliteStore(Store):
             changed = True  # cannot tell: a spurious wake-up costs one poll
         if changed:
             self._complete([], [], True)  # no operation of this process: every listener, one wake per loop
+
+    async def unregister_worker(self, worker_id: str, *, holder: tuple[str, int] | None = None) -> None:
+        self._quiet.forget(worker_id)
+        await super().unregister_worker(worker_id, holder=holder)
 
     async def poll(
         self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],
