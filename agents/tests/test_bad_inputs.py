@@ -120,6 +120,7 @@ from dex_engine import (
     Flow,
     FlowNotActiveError,
     FlowNotFoundError,
+    FlowStillRunningError,
     InvalidValueError,
     LoadOptions,
     NoRetryError,
@@ -2083,6 +2084,38 @@ async def test_calls_on_an_unknown_session_raise_flow_not_found(tmp_path: Path) 
             with pytest.raises(FlowNotFoundError, match="'missing'"):
                 await call
         assert not await engine.client.exists("missing")
+
+
+async def test_a_stopped_session_deleted_through_the_engine_reads_as_unknown(
+    tmp_path: Path, db_url: str  # noqa: F811 - the fixture
+) -> None:
+    """Seed 000: a stopped session stays readable for the retention period; once the engine deletes
+    it (delete_flow, as retention does), every session call raises FlowNotFoundError naming it, as
+    for an ID never started, also through a client that had read the session before. A running
+    session is not deleted, and the ID starts a new session afterwards."""
+    async with in_process(tmp_path, build_flow(tmp_path), database_url=db_url) as engine:
+        sessions = engine.sessions
+        await sessions.start_session("s", "first")
+        await turn_ended(sessions, "s", 1)
+        other = AgentSessionClient(AsyncClient(Registry([engine.flow]), store=engine.client.store), engine.flow)
+        assert (await other.get_agent_snapshot("s")).messages  # it knows the session now
+        with pytest.raises(FlowStillRunningError, match="'s' is still running; stop it first"):
+            await engine.client.delete_flow("s")
+        await engine.client.stop_flow("s", "closed by the test")
+        assert (await sessions.get_agent_snapshot("s")).messages  # stopped: still readable
+
+        assert await engine.client.delete_flow("s") is True
+
+        for client in (sessions, other):
+            for call in (client.get_agent_snapshot("s"), client.list_agent_messages("s"),
+                         client.read_agent_events("s"), client.send_user_message("s", HELLO)):
+                with pytest.raises(FlowNotFoundError, match="'s'"):
+                    await call
+        assert await engine.client.delete_flow("s") is False
+
+        await sessions.start_session("s", "second")
+        again = await turn_ended(sessions, "s", 1)
+        assert "first" not in repr(again.messages) and "second" in repr(again.messages)
 
 
 async def test_a_closed_session_still_serves_its_snapshot_and_messages_and_refuses_changes(tmp_path: Path) -> None:

@@ -384,6 +384,19 @@ async def test_skip_timer_fires_the_waiting_steps_timer(db_copy: str) -> None:
                           "waiting-1", "completed")
 
 
+def test_delete_removes_a_closed_flow_and_refuses_a_running_one(db_copy: str) -> None:
+    """delete removes a closed flow (it is unknown afterwards); a running flow is refused and kept,
+    an unknown one is an error naming it: each a one-line error."""
+    out = ok("delete", "done-1", "--db", db_copy)
+    assert out == "Deleted flow done-1.\n"
+    assert_one_line_error(run("describe", "done-1", "--db", db_copy), "no flow with ID 'done-1'")
+    assert_one_line_error(run("delete", "done-1", "--db", db_copy), "no flow with ID 'done-1' in sqlite:///")
+    assert_one_line_error(run("delete", "waiting-1", "--db", db_copy),
+                          "flow 'waiting-1' is still running; stop it first (stop_flow)")
+    assert re.search(r"^status\s+running", ok("describe", "waiting-1", "--db", db_copy), re.M)
+    assert_one_line_error(run("delete", "bad\x01id", "--db", db_copy), "no flow with ID 'bad\\x01id'")
+
+
 def test_stop_closes_a_running_flow(db_copy: str) -> None:
     """stop closes the flow as stopped with the reason, cancelling its Step; stopping it again is refused."""
     out = ok("stop", "waiting-2", "--reason", "testing the CLI", "--db", db_copy)
@@ -430,6 +443,7 @@ def test_db_comes_from_the_environment_then_the_default(
     (["stream", "nope", "Log"], ["no flow with ID 'nope'"]),
     (["skip-timer", "nope", "Wait-1"], ["no flow with ID 'nope'"]),
     (["stop", "nope"], ["no flow with ID 'nope'"]),
+    (["delete", "nope"], ["no flow with ID 'nope'"]),
     (["attributes", "done-1", "--name", "Missing"], ["'Missing'", "Count", "Notes"]),
     (["stream", "done-1", "Nope"], ["'Nope'", "Log"]),
     (["stream", "waiting-1", "Later"], ["'Later'", "Log"]),  # running, but no events yet and no --follow
@@ -455,6 +469,7 @@ NOT_UTF8 = b"caf\xe9".decode("utf-8", "surrogateescape")
     (["stream", NOT_UTF8, "Log"], ["no flow with ID 'caf\\udce9' in sqlite:///"]),
     (["skip-timer", NOT_UTF8, "Wait-1"], ["no flow with ID 'caf\\udce9' in sqlite:///"]),
     (["stop", NOT_UTF8], ["no flow with ID 'caf\\udce9' in sqlite:///"]),
+    (["delete", NOT_UTF8], ["no flow with ID 'caf\\udce9' in sqlite:///"]),
     (["stream", "done-1", NOT_UTF8], ["no events in stream 'caf\\udce9'", "Log"]),
     (["stream", "waiting-1", NOT_UTF8, "--follow"], ["no events in stream 'caf\\udce9'", "Log"]),
     (["skip-timer", "waiting-1", NOT_UTF8], ["Step execution 'caf\\udce9' of flow 'waiting-1' is not waiting"]),
@@ -647,7 +662,7 @@ def _migrate_to(url: str, version: int) -> None:
 # Every command that reads or operates a database the workers use (all but demo).
 DATABASE_COMMANDS = [["list"], ["search", 'FlowType = "Cli"'], ["describe", "done-1"], ["history", "done-1"],
                      ["attributes", "done-1"], ["stream", "done-1", "Log"], ["skip-timer", "waiting-1", "Wait-1"],
-                     ["stop", "waiting-1"], ["workers"]]
+                     ["stop", "waiting-1"], ["delete", "done-1"], ["workers"]]
 
 
 def test_commands_leave_a_database_of_an_older_schema_unmigrated(db_url: str) -> None:

@@ -276,9 +276,12 @@ class AsyncClient:
         self._store = store if store is not None else open_store(database_url or "")
         self._owns_store = store is None
         self._secret: bytes | None = None
-        # Flow type by flow ID: a flow's type never changes and flows are never deleted and started
-        # again under their ID, so one lookup per flow serves every later call (RPCs check it again
-        # against their snapshot). Bounded: cleared when full.
+        # Flow type by flow ID: a flow's type never changes, so one lookup per flow serves every
+        # later call (RPCs check it again against their snapshot). A flow deleted (delete_flow,
+        # retention) and started again under its ID may have another type: this client forgets the
+        # ones it deletes or starts, but another client's RPCs only are checked against the new type:
+        # its reads and publishes follow the old one's schema (docs/engine.md: reuse an ID for the
+        # same flow type). Bounded: cleared when full.
         self._flow_types: dict[str, str] = {}
         self._rpc_turns = _RpcTurns()
         # Long-polling stream readers, by event loop (a client may be used from several).
@@ -506,6 +509,19 @@ class AsyncClient:
                                     "give it as text")
         await self._store.stop_flow(known_flow_id(flow_id), reason)
 
+    async def delete_flow(self, flow_id: str) -> bool:
+        """Delete a closed (completed, failed or stopped) flow and everything stored of it, in one
+        transaction; returns False when there is no such flow. A running flow is refused with
+        FlowStillRunningError, deleting nothing: stop it first (stop_flow). Afterwards the flow ID is
+        unknown everywhere, and start_flow may use it again for a new flow."""
+        given: object = flow_id
+        if isinstance(given, str) and not given.isprintable():
+            return False  # no flow has such an ID (see known_flow_id)
+        flow_id = known_flow_id(flow_id)
+        deleted = await self._store.delete_flow(flow_id)
+        self._flow_types.pop(flow_id, None)
+        return deleted
+
     async def skip_timer(self, flow_id: str, step_execution_id: str) -> None:
         """Fire the pending timers of a waiting Step execution now (E6)."""
         flow_id = known_flow_id(flow_id)
@@ -646,6 +662,9 @@ class Client:
 
     def stop_flow(self, flow_id: str, reason: str = "") -> None:
         self._call(self._async.stop_flow(flow_id, reason))
+
+    def delete_flow(self, flow_id: str) -> bool:
+        return self._call(self._async.delete_flow(flow_id))
 
     def skip_timer(self, flow_id: str, step_execution_id: str) -> None:
         self._call(self._async.skip_timer(flow_id, step_execution_id))

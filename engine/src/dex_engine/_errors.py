@@ -3,6 +3,7 @@
 DexError
  +-- FlowDefinitionError       a Flow, Step, RPC or Registry is declared wrongly
  +-- FlowAlreadyStartedError   start_flow with a flow ID that exists
+ +-- FlowStillRunningError     delete_flow of a flow that still runs
  +-- FlowNotActiveOrNotFoundError  either of these two (seed 004's example catches it)
  |    +-- FlowNotFoundError    no flow with that ID
  |    +-- FlowNotActiveError   the flow is closed (completed, failed or stopped)
@@ -36,6 +37,7 @@ __all__ = [
     "FlowNotActiveError",
     "FlowNotActiveOrNotFoundError",
     "FlowNotFoundError",
+    "FlowStillRunningError",
     "InvalidIdError",
     "InvalidResumeTokenError",
     "InvalidValueError",
@@ -66,6 +68,16 @@ class FlowDefinitionError(DexError):
 class FlowAlreadyStartedError(DexError):
     def __init__(self, flow_id: str) -> None:
         super().__init__(f"flow {flow_id!r} already exists; choose another flow ID")
+        self.flow_id = flow_id
+
+
+class FlowStillRunningError(DexError):
+    """delete_flow of a running flow: its Steps would lose their state in the middle of their work."""
+
+    def __init__(self, flow_id: str) -> None:
+        super().__init__(
+            f"flow {flow_id!r} is still running; stop it first (stop_flow), then delete it (nothing was deleted)"
+        )
         self.flow_id = flow_id
 
 

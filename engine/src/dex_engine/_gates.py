@@ -15,6 +15,7 @@ CLAIMED = "worker.claimed"  # attempt handed to this worker, handler not yet cal
 BEFORE_COMMIT = "worker.before_commit"  # handler returned, result not yet sent to the store
 INSIDE_COMMIT = "store.inside_commit"  # inside the commit transaction, before COMMIT
 AFTER_COMMIT = "worker.after_commit"  # commit acknowledged
+INSIDE_DELETE = "store.inside_delete"  # inside delete_flow's transaction, every row deleted, before COMMIT
 # A pure Execute run inside another commit (Step.pure_execute) crosses only that commit's gates.
 HOUSEKEEPING = "worker.housekeeping"  # inside housekeeping (recovery of earlier crashes)
 

@@ -78,6 +78,16 @@ DEFAULT_HOUSEKEEPING_SECONDS = 1.0
 # transaction, and a failed pass redoes only its own flows.
 TIMERS_FIRED_PER_HOUSEKEEPING = 128
 
+# Closed flows one housekeeping pass deletes under retention (WorkerOptions.closed_flow_retention_seconds):
+# an agent session's rows (a message window, history, a stream of up to some MiB) take about a
+# millisecond or a few to delete, so a pass holds the write lock for tens of ms at most, and a
+# backlog (retention enabled on an old database) drains at this many per housekeeping interval.
+CLOSED_FLOWS_DELETED_PER_HOUSEKEEPING = 32
+
+# Longest closed-flow retention accepted: ten years, beyond any retention policy, while a duration
+# given in ms instead of s (or an infinity) is refused; keep closed flows for ever with None.
+MAX_RETENTION_SECONDS = 10 * 366 * 24 * 3600
+
 # A worker's housekeeping fires timers only while fewer than TIMERS_FIRED_PER_HOUSEKEEPING tasks of
 # its flow types are ready: claims take the oldest ready first, so a message that arrives during a
 # burst waits behind at most that many, not behind the whole burst. Beyond that it still fires this

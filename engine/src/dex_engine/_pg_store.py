@@ -889,7 +889,7 @@ class PostgresStore(Store):
         self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],
         *, must_claim: bool, housekeep: bool, known: Sequence[int] | None = None,
         claimed_before: int | None = None, holder: tuple[str, int] | None = None, declare_dead: bool = True,
-        timer_floor: bool = True,
+        timer_floor: bool = True, retention_ms: int | None = None,
     ) -> tuple[bool, PollResult]:
         """Store.poll; but when it would neither claim nor clean up (no claim asked for, no
         notification, no fallback poll and no housekeeping due), one read-only statement outside a
@@ -899,7 +899,8 @@ class PostgresStore(Store):
                 or time.monotonic() - self._last_change_report >= FALLBACK_POLL_SECONDS):
             return await super().poll(worker_id, flow_types, capacity, running, must_claim=must_claim,
                                       housekeep=housekeep, known=known, claimed_before=claimed_before,
-                                      holder=holder, declare_dead=declare_dead, timer_floor=timer_floor)
+                                      holder=holder, declare_dead=declare_dead, timer_floor=timer_floor,
+                                      retention_ms=retention_ms)
         types = self._flow_type_arrays.get(tuple(flow_types))
         if types is None:
             types = self._flow_type_arrays[tuple(flow_types)] = _text_array(flow_types)

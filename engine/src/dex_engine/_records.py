@@ -206,3 +206,7 @@ class HousekeepingReport:
     workers_removed: int = 0
     # The pass fired as many timers as it could (_transitions._timer_budget) and more are due.
     timers_left: bool = False
+    # Closed flows retention deleted (WorkerOptions.closed_flow_retention_seconds), and whether the
+    # pass left more that are due (it deletes at most CLOSED_FLOWS_DELETED_PER_HOUSEKEEPING).
+    flows_deleted: int = 0
+    flows_left: bool = False

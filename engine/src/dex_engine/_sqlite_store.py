@@ -899,14 +899,15 @@ class SqliteStore(Store):
         self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],
         *, must_claim: bool, housekeep: bool, known: Sequence[int] | None = None,
         claimed_before: int | None = None, holder: tuple[str, int] | None = None, declare_dead: bool = True,
-        timer_floor: bool = True,
+        timer_floor: bool = True, retention_ms: int | None = None,
     ) -> tuple[bool, PollResult]:
         """Store.poll; a quiet poll of a file nobody committed to since this worker's last quiet
         poll (with the same running attempts) gets that poll's answer, read on this thread."""
         if must_claim or housekeep:
             return await super().poll(worker_id, flow_types, capacity, running, must_claim=must_claim,
                                       housekeep=housekeep, known=known, claimed_before=claimed_before,
-                                      holder=holder, declare_dead=declare_dead, timer_floor=timer_floor)
+                                      holder=holder, declare_dead=declare_dead, timer_floor=timer_floor,
+                                      retention_ms=retention_ms)
         asked: _Asked = (tuple(flow_types), tuple(running))
         version, answer = self._quiet.answer(worker_id, asked)
         if answer is not None:

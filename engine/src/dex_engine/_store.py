@@ -217,6 +217,17 @@ class Store(ABC):
     async def stop_flow(self, flow_id: str, reason: str) -> None:
         await self._run(lambda db: tx.stop_flow(db, flow_id, reason, now_ms()), write=True)
 
+    async def delete_flow(self, flow_id: str) -> bool:
+        """Delete a closed flow and all its rows in one transaction; False when there is none."""
+
+        def op(db: Db) -> bool:
+            deleted = tx.delete_flow(db, flow_id)
+            if deleted and _gates.ACTIVE:  # the transaction is open: a crash here must leave the flow whole
+                _gates.gate(_gates.INSIDE_DELETE)
+            return deleted
+
+        return await self._run(op, write=True)
+
     async def update_flow_config(self, flow_id: str, config: FlowConfig) -> None:
         await self._run(lambda db: tx.update_flow_config(db, flow_id, config), write=True)
 
@@ -382,7 +393,7 @@ class Store(ABC):
         self, worker_id: str, flow_types: Sequence[str], capacity: int, running: Sequence[int],
         *, must_claim: bool, housekeep: bool, known: Sequence[int] | None = None,
         claimed_before: int | None = None, holder: tuple[str, int] | None = None, declare_dead: bool = True,
-        timer_floor: bool = True,
+        timer_floor: bool = True, retention_ms: int | None = None,
     ) -> tuple[bool, tx.PollResult]:
         """One worker loop iteration in one transaction; returns (changed elsewhere, result).
 
@@ -394,7 +405,8 @@ class Store(ABC):
         PID), a worker whose ID's row that process does not hold claims nothing (see
         tx.worker_registered). With `declare_dead` False, housekeeping declares no worker dead (the
         caller saw the wall clock step; see tx.housekeeping). With `timer_floor` False, housekeeping
-        fires timers only while few of `flow_types`' tasks are ready (see tx.housekeeping).
+        fires timers only while few of `flow_types`' tasks are ready (see tx.housekeeping). With
+        `retention_ms`, housekeeping deletes some flows closed longer ago than that (tx.delete_closed_flows).
         """
         if claimed_before is None:
             claimed_before = now_ms() - LOST_CLAIM_MS
@@ -417,7 +429,7 @@ class Store(ABC):
             if housekeep and known is not None:
                 tx.release_lost_claims(db, worker_id, known, claimed_before, now)
             report = (tx.housekeeping(db, now, worker_id, declare_dead=declare_dead, flow_types=flow_types,
-                                      timer_floor=timer_floor) if housekeep else None)
+                                      timer_floor=timer_floor, retention_ms=retention_ms) if housekeep else None)
             woke = report is not None and bool(report.timers_fired or report.leases_expired or report.timeouts)
             claim_now = must_claim or changed or woke
             registered = not claim_now or tx.worker_registered(db, worker_id, holder)

@@ -22,6 +22,7 @@ from ._errors import (
     FlowAlreadyStartedError,
     FlowNotActiveError,
     FlowNotFoundError,
+    FlowStillRunningError,
     RpcLockConflictError,
     StaleAttemptError,
     StepNotWaitingError,
@@ -30,6 +31,7 @@ from ._errors import (
 from ._limits import (
     ACTIVE_STEP_SEARCH_CANDIDATES,
     CLAIM_ROWS_PER_SLOT,
+    CLOSED_FLOWS_DELETED_PER_HOUSEKEEPING,
     HISTORY_CHAIN_TRIM_EVERY,
     HISTORY_TRIM_CHECK_EVERY,
     MAX_ERROR_TEXT_CHARS,
@@ -291,6 +293,60 @@ def stop_flow(db: Db, flow_id: str, reason: str, now: int) -> None:
     close_flow(db, flow_id, "stopped", None, reason or "stopped", now)
 
 
+def delete_flow(db: Db, flow_id: str) -> bool:
+    """Delete a closed flow and every row of it; False when there is no such flow. A running one is
+    refused (FlowStillRunningError): its Steps would lose their state in the middle of their work."""
+    row = db.one(f"SELECT status FROM flows WHERE flow_id = ?{db.for_update}", (flow_id,))
+    if row is None:
+        return False
+    if row[0] == "running":
+        raise FlowStillRunningError(flow_id)
+    _delete_flow_rows(db, flow_id)
+    return True
+
+
+# The tables with rows of a flow besides `flows` and its history, each indexed by flow ID first. A
+# closed flow has no tasks or locks left (close_flow cancels its Steps); they are named anyway, so
+# that nothing of the flow can outlive it. PostgreSQL keeps Step counters and stream positions in
+# tables of their own (SQLite: in the flow row).
+_FLOW_TABLES = ("attributes", "channel_messages", "stream_events", "tasks", "locks")
+_PG_FLOW_TABLES = ("history", "step_counters", "streams")
+
+
+def _delete_flow_rows(db: Db, flow_id: str) -> None:
+    """Inside the transaction that locked the flow: delete its rows from every table."""
+    tables: tuple[str, ...] = _FLOW_TABLES
+    if _on_postgres(db):
+        tables += _PG_FLOW_TABLES
+    else:
+        db.run(_DELETE_BATCHES, (flow_id,))  # before the flow row, whose history_head starts the walk
+    for table in tables:
+        db.run(f"DELETE FROM {table} WHERE flow_id = ?", (flow_id,))
+    db.run("DELETE FROM flows WHERE flow_id = ?", (flow_id,))
+    # Nothing of it may reach the store's attribute cache: a flow started again under the ID starts
+    # from no rows (the cache tells incarnations apart by creation time too, to the millisecond).
+    db.known.pop(flow_id, None)
+    if db.cache is not None:
+        db.cache.drop(flow_id)
+
+
+def delete_closed_flows(db: Db, closed_before: int) -> tuple[int, bool]:
+    """Retention: delete flows closed before `closed_before` (ms), the longest closed first, at most
+    CLOSED_FLOWS_DELETED_PER_HOUSEKEEPING; returns how many, and whether more are that old. Found
+    through flows_closed (schema 8 on SQLite, 7 on PostgreSQL), so a pass reads only those it deletes."""
+    due = db.all("SELECT flow_id FROM flows WHERE closed_at IS NOT NULL AND closed_at < ? ORDER BY closed_at LIMIT ?",
+                 (closed_before, CLOSED_FLOWS_DELETED_PER_HOUSEKEEPING + 1))
+    deleted = 0
+    # In ID order (see _in_lock_order); one another housekeeper is deleting now is skipped (PostgreSQL).
+    for flow_id in sorted(str(r[0]) for r in due[:CLOSED_FLOWS_DELETED_PER_HOUSEKEEPING]):
+        row = db.one(f"SELECT closed_at FROM flows WHERE flow_id = ?{db.skip_locked}", (flow_id,))
+        if row is None or row[0] is None or int(row[0]) >= closed_before:
+            continue
+        _delete_flow_rows(db, flow_id)
+        deleted += 1
+    return deleted, len(due) > CLOSED_FLOWS_DELETED_PER_HOUSEKEEPING
+
+
 def _maybe_complete(db: Db, flow_id: str, now: int) -> None:
     row = db.one("SELECT completing, completion_output FROM flows WHERE flow_id = ?", (flow_id,))
     if row is None or not row[0]:
@@ -412,6 +468,8 @@ _CHAIN = (
 # Parameters: the flow ID and the last sequence to delete.
 _TRIM_BATCHES = (_CHAIN.format(more="")
                  + "DELETE FROM history_batches WHERE batch_id IN (SELECT batch_id FROM chain WHERE last_seq <= ?2)")
+# All of a flow's batches (delete_flow): they have no index by flow, so the flow's are its chain's.
+_DELETE_BATCHES = _CHAIN.format(more="") + "DELETE FROM history_batches WHERE batch_id IN (SELECT batch_id FROM chain)"
 # Parameters: the flow ID and how many of the newest events to cover.
 _READ_BATCHES = _CHAIN.format(more=" AND c.n < ?2") + "SELECT first_seq, events FROM chain"
 # The batch that holds sequence ?2 and later ones too, once _TRIM_BATCHES ran (the walk stops there).
@@ -1761,9 +1819,10 @@ def _worker_row(worker_id: str, holder: tuple[str, int] | None) -> tuple[str, tu
 
 def housekeeping(
     db: Db, now: int, worker_id: str | None = None, *, declare_dead: bool = True,
-    flow_types: Sequence[str] | None = None, timer_floor: bool = True,
+    flow_types: Sequence[str] | None = None, timer_floor: bool = True, retention_ms: int | None = None,
 ) -> HousekeepingReport:
-    """Dead workers, expired leases, timeouts, due timers. Idempotent; any worker may run it.
+    """Dead workers, expired leases, timeouts, due timers, and with `retention_ms` flows closed longer
+    ago than that (delete_closed_flows). Idempotent; any worker may run it.
 
     It fires the timers of at most TIMERS_FIRED_PER_HOUSEKEEPING flows, the earliest due first;
     later passes fire the rest (the report's `timers_left`). Run by a worker of `flow_types`, fewer
@@ -1811,8 +1870,10 @@ def housekeeping(
     shared: SharedOptions | None = getattr(db, "shared_options", None)
     if shared is not None:
         shared.collect(db, now)
+    flows_deleted, flows_left = (0, False) if retention_ms is None else delete_closed_flows(db, now - retention_ms)
     return HousekeepingReport(timers_fired=fired, leases_expired=expired, timeouts=timeouts,
-                              workers_removed=removed, timers_left=len(due) > budget)
+                              workers_removed=removed, timers_left=len(due) > budget,
+                              flows_deleted=flows_deleted, flows_left=flows_left)
 
 
 def _timer_budget(db: Db, now: int, flow_types: Sequence[str] | None, floor: bool) -> int:

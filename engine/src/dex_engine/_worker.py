@@ -47,6 +47,7 @@ from ._limits import (
     FAILURE_LOG_SECONDS,
     MAX_CONCURRENT_TASKS,
     MAX_OPTION_SECONDS,
+    MAX_RETENTION_SECONDS,
     MAX_WORKER_ERROR_ENTRIES,
     MAX_WORKER_ERRORS_PER_ATTEMPT,
     POLL_RETRY_MAX_SECONDS,
@@ -74,6 +75,10 @@ class WorkerOptions:
     A worker that stops renewing is declared dead after `lease_ttl_seconds`; its started attempts
     fail and its unstarted ones are handed out again, so takeover takes at most about
     lease_ttl + housekeeping seconds.
+
+    With `closed_flow_retention_seconds`, housekeeping deletes flows closed (completed, failed or
+    stopped) longer ago than that, as delete_flow does, a few at a time (CLOSED_FLOWS_DELETED_PER_HOUSEKEEPING
+    per pass); None keeps them for ever. Any one worker with it set deletes them for the whole database.
     """
 
     database_url: str = "sqlite:///dex.db"
@@ -84,6 +89,7 @@ class WorkerOptions:
     poll_seconds: float = DEFAULT_POLL_SECONDS
     shutdown_grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_SECONDS
     worker_id: str | None = None
+    closed_flow_retention_seconds: float | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -106,6 +112,11 @@ class WorkerOptions:
                 f"lease_renew_seconds ({self.lease_renew_seconds}) must be below "
                 f"lease_ttl_seconds ({self.lease_ttl_seconds}), or leases expire between renewals"
             )
+        retention = self.closed_flow_retention_seconds
+        if retention is not None and not (is_number(retention) and 0 < retention <= MAX_RETENTION_SECONDS):
+            problems.append(
+                f"closed_flow_retention_seconds must be None (keep closed flows for ever) or a number of seconds "
+                f"> 0 and at most {MAX_RETENTION_SECONDS}, got {retention!r}")
         if self.worker_id is not None and self.worker_id != "":  # none or empty: one is made up
             try:
                 check_id("worker ID", self.worker_id)
@@ -194,6 +205,8 @@ class AsyncWorker:
         # stop touch only a row it holds, never one another process took the ID over with.
         self._holder = (socket.gethostname(), os.getpid())
         self._flow_types = sorted(registry.flows)
+        retention = self.options.closed_flow_retention_seconds
+        self._retention_ms = None if retention is None else int(retention * 1000)
         self._running: dict[int, _Running] = {}
         self._wake = asyncio.Event()
         self._claim_asked = False  # a wake-up came: the loop claims (a timeout alone does not)
@@ -405,6 +418,7 @@ class AsyncWorker:
                     self.worker_id, self._flow_types, free, list(watched), must_claim=claim, housekeep=housekeep,
                     known=list(self._running), claimed_before=self._claimed_before(), holder=self._holder,
                     declare_dead=time.monotonic() >= self._trust_leases_at, timer_floor=timer_floor,
+                    retention_ms=self._retention_ms,
                 )
             except Exception as exc:
                 if self._stopping.is_set():
@@ -424,6 +438,9 @@ class AsyncWorker:
                 next_housekeeping = time.monotonic() + opts.housekeeping_seconds * (0.75 + random.random() / 2)
                 if timer_floor:
                     next_timer_floor = next_housekeeping
+                if result.housekeeping is not None and result.housekeeping.flows_deleted:
+                    log.info("worker %s deleted %d flows closed over %s s ago (closed_flow_retention_seconds)",
+                             self.worker_id, result.housekeeping.flows_deleted, opts.closed_flow_retention_seconds)
                 if result.housekeeping is not None and result.housekeeping.timers_left:
                     # A burst of due timers is fired a part at a time as the ready queue drains
                     # (tx.housekeeping): look again soon, not a whole interval on.

@@ -442,6 +442,20 @@ def stop(flow_id: str, reason: str, db_url: str) -> None:
 
 
 @cli.command()
+@click.argument("flow_id")
+@_db_option
+def delete(flow_id: str, db_url: str) -> None:
+    """Delete a closed flow and everything stored of it (attributes, messages, streams, history)."""
+
+    async def go(store: Store) -> bool:
+        return _askable(flow_id) and await store.delete_flow(known_flow_id(flow_id))
+
+    if not _run(db_url, go):
+        raise CliError(f"{FlowNotFoundError(flow_id)} in {shown_url(db_url)}")
+    click.echo(f"Deleted flow {flow_id}.")
+
+
+@cli.command()
 @_db_option
 def workers(db_url: str) -> None:
     """Registered workers and when their lease expires."""
