@@ -244,6 +244,35 @@ def test_flow_refuses_a_runner_missing_methods(runner: Any, missing: list[str], 
         assert name not in text
 
 
+class _AsyncUserMessage(_Complete):
+    async def build_user_message(self, text: str) -> FrameworkMessage:  # type: ignore[override]
+        return FrameworkMessage(MessageRole.USER, "{}", text=text)
+
+
+class _AsyncUnfinished(_Complete):
+    async def build_unfinished_turn_messages(self, turn: AgentTurnContext) -> list[FrameworkMessage]:
+        return []
+
+
+@pytest.mark.parametrize(("runner", "method"), [
+    (_AsyncUserMessage(), "build_user_message"),
+    (_AsyncUnfinished(), "build_unfinished_turn_messages"),
+])
+def test_flow_refuses_an_async_method_the_session_cannot_await(runner: Any, method: str) -> None:
+    """build_user_message and build_unfinished_turn_messages run inside a commit, which cannot await:
+    `async def` is refused when the Flow is built, naming the method and what to write. Catches:
+    an async build_user_message failed every turn with "build_user_message(...)[0] is a coroutine,
+    not a FrameworkMessage", and an async builder silently lost the runner's items of every
+    cancelled, steered or failed turn (a warning, the session's note instead)."""
+    with pytest.raises(TypeError) as info:
+        AgentSessionFlow(runner)
+    assert str(info.value) == (
+        f"{type(runner).__name__}.{method} is async def, but the session calls it inside a commit, which "
+        "cannot await it; make it a plain def (run_model_step, execute_deferred_tool_call and the "
+        "tool task and compaction methods may be async)"
+    )
+
+
 def test_flow_refuses_options_of_the_wrong_type() -> None:
     """Options must be AgentSessionOptions; a dict is a TypeError naming what it got."""
     bad: Any = {"default_tool_effect": ToolEffect.READ}

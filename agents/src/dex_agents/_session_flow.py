@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from dex_engine import Flow, LoadOptions, RetryPolicy, Step, StepDurability, StepOptions
@@ -63,12 +64,26 @@ _SYNC = StepDurability.SYNC
 _RUNNER_METHODS = ("build_user_message", "run_model_step", "execute_deferred_tool_call")
 
 
+# Runner methods the session calls inside a commit (StartAgentSession, AwaitUserMessage, the Steps
+# that end a turn), where nothing can be awaited: an async def there returns an unawaited coroutine.
+_PLAIN_RUNNER_METHODS = ("build_user_message", "build_unfinished_turn_messages")
+
+
 def _check_runner(runner: object) -> None:
     missing = [name for name in _RUNNER_METHODS if not callable(getattr(runner, name, None))]
     if missing:
         raise TypeError(
             f"{type(runner).__name__} is not an AgentFrameworkRunner: it lacks {', '.join(missing)}"
         )
+    for name in _PLAIN_RUNNER_METHODS:
+        # Refused here, once: at run time an async build_user_message fails every turn with a coroutine
+        # "not a FrameworkMessage", and an async builder drops its items from every unfinished turn.
+        if inspect.iscoroutinefunction(getattr(runner, name, None)):
+            raise TypeError(
+                f"{type(runner).__name__}.{name} is async def, but the session calls it inside a commit, which "
+                "cannot await it; make it a plain def (run_model_step, execute_deferred_tool_call and the "
+                "tool task and compaction methods may be async)"
+            )
 
 
 class AgentSessionFlow(Flow):
