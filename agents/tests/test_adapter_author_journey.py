@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from agents.tests.journey_agent import (
+    AWAITED_ESTIMATE_FLOW_TYPE,
     COMPACTING_FLOW_TYPE,
     FLOW_TYPE,
     LOOKUP_GATE,
@@ -142,11 +143,14 @@ async def test_cancel_turn_stores_the_runners_unfinished_messages(tmp_path: Path
         assert not any((m.text or "").startswith("[Dex]") for m in snapshot.messages)
 
 
-@pytest.mark.parametrize("flow_type", [COMPACTING_FLOW_TYPE])
+@pytest.mark.parametrize("flow_type", [COMPACTING_FLOW_TYPE, AWAITED_ESTIMATE_FLOW_TYPE])
 async def test_the_context_window_scenario_passes_for_the_adapter_on_a_worker_child(
     tmp_path: Path, flow_type: str
 ) -> None:
-    """The scenario on a Worker child, for a framework adapter."""
+    """The scenario on a Worker child, also for an adapter whose estimate_input_tokens and
+    select_compaction_cutoff are async (RunModel awaits them). Catches: the scenario called the
+    estimate without awaiting it and failed with "estimate_input_tokens returned <coroutine ...>"
+    for an adapter the session runs fine."""
     stack, flows = stack_of(tmp_path)
     async with stack:
         await stack.start_worker()

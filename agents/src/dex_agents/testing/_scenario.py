@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .._constants import COMPACT_CONTEXT, RUN_MODEL
 from .._events import AgentEventType, AgentEventWriter
 from .._runner import AgentTurnContext
+from .._runtime import resolved
 from .._wire import AgentMessage, AgentSnapshot, AgentStatus, ContextSummary
 from ._history import executed_steps, to_step_history
 from ._waiting import DEFAULT_WAIT_SECONDS, wait_for_agent_snapshot
@@ -99,7 +100,7 @@ class ContextWindowSessionScenario:
         await self._check_history(summary.generation)
         stored, deleted_before = await self._stored_messages(newest)
         self._check_retention(stored, summary, newest)
-        next_input = self._next_input_tokens(stored, summary, final)
+        next_input = await self._next_input_tokens(stored, summary, final)
         assert next_input < policy.context_window_tokens, (
             f"the next model input is {next_input} tokens, over the {policy.context_window_tokens}-token window"
         )
@@ -176,7 +177,9 @@ class ContextWindowSessionScenario:
         bound = max(limit, options.message_window_size, after_summary) + options.message_chunk_size
         assert len(stored) <= bound, f"{len(stored)} stored messages, over the retention bound {bound}"
 
-    def _next_input_tokens(self, stored: list[AgentMessage], summary: ContextSummary, final: AgentSnapshot) -> int:
+    async def _next_input_tokens(
+        self, stored: list[AgentMessage], summary: ContextSummary, final: AgentSnapshot
+    ) -> int:
         options = self.sessions.flow.options
         runner: Any = self.sessions.flow.runner
         assert final.state is not None
@@ -194,6 +197,7 @@ class ContextWindowSessionScenario:
             default_tool_effect=options.default_tool_effect,
             enabled_built_in_tools=frozenset(t.value for t in options.built_in_tools), context_summary=summary,
         )
-        value = runner.estimate_input_tokens(turn)
+        # Awaited when awaitable, as RunModel awaits it: an adapter's async estimate is a working one.
+        value = await resolved(runner.estimate_input_tokens(turn))
         assert isinstance(value, int), f"estimate_input_tokens returned {value!r}"
         return value
