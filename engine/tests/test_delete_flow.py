@@ -307,6 +307,28 @@ async def test_retention_deletes_a_bounded_number_per_pass_oldest_first(
         assert await one_pass() == (0, False, ["f5"])
 
 
+async def test_a_worker_drains_a_retention_backlog_without_waiting_a_housekeeping_interval_a_pass(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A backlog larger than one pass (retention turned on for an old database) is deleted in passes
+    a fraction of a second apart. Catches a worker that waited its whole housekeeping interval (a
+    minute here) between passes, so that a backlog of millions took weeks."""
+    monkeypatch.setattr(transitions, "CLOSED_FLOWS_DELETED_PER_HOUSEKEEPING", 2)
+    async with engine_for(db_url, REGISTRY) as eng:
+        for n in range(7):
+            await closed_flow(eng, f"f{n}", "completed")
+            await close_days_ago(eng.store, f"f{n}", 10)
+        assert eng.worker is not None
+        await eng.worker.stop()
+        await eng.start_worker(closed_flow_retention_seconds=5 * 24 * 3600, housekeeping_seconds=60.0)
+
+        async def all_deleted() -> bool:
+            return not any([await eng.client.exists(f"f{n}") for n in range(7)])
+
+        # Four passes: the first at the worker's start, the others only if it does not wait a minute.
+        await wait_until("the backlog of 7 closed flows deleted 2 a pass", all_deleted, timeout=20)
+
+
 async def test_retention_finds_due_flows_through_an_index(db_url: str) -> None:
     """The pass's search for due flows reads the closed-flows index, not every flow."""
     async with engine_for(db_url, REGISTRY, worker=False) as eng:

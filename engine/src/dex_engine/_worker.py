@@ -52,6 +52,7 @@ from ._limits import (
     MAX_WORKER_ERRORS_PER_ATTEMPT,
     POLL_RETRY_MAX_SECONDS,
     RENEW_RETRY_SECONDS,
+    RETENTION_BACKLOG_HOUSEKEEPING_SECONDS,
     TIMER_BURST_HOUSEKEEPING_SECONDS,
     UNDECLARED_STEP_RETRY_SECONDS,
     WORKER_ERROR_STALE_SECONDS,
@@ -446,6 +447,11 @@ class AsyncWorker:
                     # (tx.housekeeping): look again soon, not a whole interval on.
                     next_housekeeping = min(
                         next_housekeeping, time.monotonic() + TIMER_BURST_HOUSEKEEPING_SECONDS)
+                if result.housekeeping is not None and result.housekeeping.flows_left:
+                    # A retention backlog (retention turned on for an old database) drains a part at
+                    # a time, a few passes a second.
+                    next_housekeeping = min(
+                        next_housekeeping, time.monotonic() + RETENTION_BACKLOG_HOUSEKEEPING_SECONDS)
             must_claim = False
             if not result.registered:
                 self._unregistered = True
