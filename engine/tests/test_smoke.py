@@ -227,7 +227,10 @@ SHARED_BLOCKING: list[Client] = []
 
 @rpc()
 async def status_by_blocking_client(ctx: RpcContext, _: None) -> str:
-    return SHARED_BLOCKING[0].describe_flow(ctx.flow_id).status
+    try:
+        return SHARED_BLOCKING[0].describe_flow(ctx.flow_id).status
+    except RuntimeError as exc:
+        return str(exc)
 
 
 @rpc()
@@ -243,11 +246,19 @@ REENTERED = Flow("Reentered", [Step("Listen", listen, wait_for=listen_wait, inpu
                  start_step="Listen", schema=[Count, Inbox], rpcs=[status_by_blocking_client, close_blocking_client])
 
 
-async def test_the_blocking_client_called_from_its_own_rpc_handler_fails_at_once(db_url: str) -> None:
-    """An RPC handler that calls the blocking Client that runs it (a threaded app's one shared
-    client) gets a RuntimeError saying what to do, and the client serves other threads and closes
-    after. Catches: that call blocked the client's own loop waiting for a result only that loop
-    could make: the caller, every other thread's call and close() waited for ever."""
+@pytest.mark.parametrize(("rpc_name", "refusal"), [
+    ("status_by_blocking_client", "from code its own event loop runs (an RPC handler it called) would wait "
+                                  "for ever; in an RPC handler, await an AsyncClient's calls instead"),
+    ("close_blocking_client", "would wait for ever; close it from another thread"),
+])
+async def test_the_blocking_client_used_from_its_own_rpc_handler_refuses_at_once(
+    db_url: str, rpc_name: str, refusal: str
+) -> None:
+    """An RPC handler that calls, or closes, the blocking Client that runs it (a threaded app's one
+    shared client) gets a RuntimeError saying what to do, and the client serves other threads and
+    closes after. Catches: the call or close blocked the client's own loop waiting for a result only
+    that loop could make: the caller, every other thread's call and close() waited for ever (a close
+    first cancelled the caller's call, which then failed, and hung the loop)."""
 
     def drive() -> None:
         client = Client(Registry([REENTERED]), db_url)
@@ -257,48 +268,20 @@ async def test_the_blocking_client_called_from_its_own_rpc_handler_fails_at_once
 
         def call() -> None:
             try:
-                outcome.append(client.rpc("r", "status_by_blocking_client"))
+                outcome.append(client.rpc("r", rpc_name))
             except RuntimeError as exc:
-                outcome.append(str(exc))
-
-        caller = threading.Thread(target=call, daemon=True)
-        caller.start()
-        caller.join(10)
-        assert not caller.is_alive(), "the handler's call on its own client still waits"
-        assert len(outcome) == 1 and "from code its own event loop runs" in outcome[0], outcome
-        assert "await an AsyncClient" in outcome[0]
-        assert client.describe_flow("r").status == "running"
-        closer = threading.Thread(target=client.close, daemon=True)
-        closer.start()
-        closer.join(10)
-        assert not closer.is_alive(), "close() still waits"
-
-    await asyncio.to_thread(drive)
-
-
-async def test_the_blocking_client_closed_from_its_own_rpc_handler_refuses_at_once(db_url: str) -> None:
-    """Catches: close() called by an RPC handler the blocking Client runs waited for that client's
-    own loop, which the handler blocked: the handler, its caller and every other thread hung."""
-
-    def drive() -> None:
-        client = Client(Registry([REENTERED]), db_url)
-        SHARED_BLOCKING[:] = [client]
-        client.start_flow("Reentered", "r")
-        outcome: list[str] = []
-
-        def call() -> None:
-            try:
-                outcome.append(client.rpc("r", "close_blocking_client"))
-            except RuntimeError as exc:  # the close went ahead: it cancelled this call, then hung its loop
                 outcome.append(f"the call failed: {exc}")
 
         caller = threading.Thread(target=call, daemon=True)
         caller.start()
         caller.join(10)
-        assert not caller.is_alive(), "close() from the handler still waits"
-        assert len(outcome) == 1 and "close it from another thread" in outcome[0], outcome
+        assert not caller.is_alive(), f"{rpc_name}: the handler's use of its own client still waits"
+        assert len(outcome) == 1 and refusal in outcome[0], outcome
         assert client.describe_flow("r").status == "running"
-        client.close()
+        closer = threading.Thread(target=client.close, daemon=True)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive(), "close() still waits"
 
     await asyncio.to_thread(drive)
 
