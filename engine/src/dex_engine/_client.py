@@ -34,7 +34,7 @@ from ._records import FlowInfo, FlowStatus, HistoryEntry, MovementRecord, StartR
 from ._scheduling import movement_record, start_record
 from ._schema import AttributeMap, AttributeRef, ChannelRef, Stream
 from ._store import Store
-from ._tokens import make_token, read_token
+from ._tokens import check_incarnation, make_token, read_token
 from ._transitions import RpcVersionChanged
 
 T = TypeVar("T")
@@ -479,10 +479,14 @@ class AsyncClient:
         _check_limit(limit)
         if self._secret is None:
             self._secret = await self._store.stream_secret()
-        after = 0 if resume_token is None else read_token(self._secret, resume_token, flow_id, declared.name)
+        position = None if resume_token is None else read_token(self._secret, resume_token, flow_id, declared.name)
+        after = 0 if position is None else position.sequence
         deadline = time.monotonic() + wait_seconds
         while True:
             page = await self._store.read_events(flow_id, declared.name, after, limit)
+            if position is not None:
+                # Each page: the flow may be deleted and started again while this reader waits.
+                check_incarnation(position, flow_id, page.flow_started_ms)
             if page.events or time.monotonic() >= deadline:
                 break
             await self._stream_watch().wait(flow_id, declared.name, after, max(0.0, deadline - time.monotonic()))
@@ -493,7 +497,7 @@ class AsyncClient:
         ]
         last = events[-1].sequence if events else max(after, page.next_sequence - 1)
         trimmed = bool(events) and events[0].sequence > after + 1
-        return StreamRead(events, make_token(self._secret, flow_id, declared.name, last), trimmed)
+        return StreamRead(events, make_token(self._secret, flow_id, declared.name, last, page.flow_started_ms), trimmed)
 
     def _stream_watch(self) -> _StreamWatch:
         loop = asyncio.get_running_loop()

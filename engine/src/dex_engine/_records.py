@@ -196,6 +196,7 @@ class EventPage:
     events: list[StoredEvent]
     next_sequence: int  # the sequence a reader passes next
     first_sequence: int  # oldest sequence still stored (trimming)
+    flow_started_ms: int  # the flow's created_at: tells it from an earlier flow of its ID (resume tokens)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,17 @@
-"""Stream resume tokens: opaque, signed, bound to one flow and stream (E11)."""
+"""Stream resume tokens: opaque, signed, bound to one flow and stream (E11).
+
+A flow ID deleted and started again names a new flow whose sequences start from 1 again: a token of
+the old one would skip the new one's events up to its sequence. So a token also names the flow's
+incarnation, its start time in ms (flows.created_at), which the reader compares with the flow it
+reads (read_events returns it; no query of its own).
+"""
 
 from __future__ import annotations
 
 import base64
 import hashlib
 import hmac
+from dataclasses import dataclass
 
 import msgspec
 
@@ -15,16 +22,27 @@ class _Position(msgspec.Struct, frozen=True, array_like=True):
     flow_id: str
     stream: str
     sequence: int
+    # None in a token made before tokens named it: it cannot be told from one of the current flow,
+    # so it is read as then (docs/engine.md, "Deleting closed flows and retention").
+    started_ms: int | None = None
 
 
-def make_token(secret: bytes, flow_id: str, stream: str, sequence: int) -> str:
-    body = base64.urlsafe_b64encode(msgspec.json.encode(_Position(flow_id, stream, sequence))).rstrip(b"=")
+@dataclass(frozen=True)
+class TokenPosition:
+    sequence: int  # the last sequence the token's holder has seen
+    started_ms: int | None  # the flow's created_at when the token was made (None: an older token)
+
+
+def make_token(secret: bytes, flow_id: str, stream: str, sequence: int, started_ms: int) -> str:
+    position = _Position(flow_id, stream, sequence, started_ms)
+    body = base64.urlsafe_b64encode(msgspec.json.encode(position)).rstrip(b"=")
     mac = hmac.new(secret, body, hashlib.sha256).digest()[:16]
     return (body + b"." + base64.urlsafe_b64encode(mac).rstrip(b"=")).decode()
 
 
-def read_token(secret: bytes, token: str, flow_id: str, stream: str) -> int:
-    """The last sequence the token's holder has seen; refuses forged or foreign tokens."""
+def read_token(secret: bytes, token: str, flow_id: str, stream: str) -> TokenPosition:
+    """Where the token's holder is; refuses forged or foreign tokens (the incarnation is checked by
+    check_incarnation, once the flow is read)."""
     if not isinstance(token, str) or token.count(".") != 1 or not token.isascii():
         # Cut: a token comes from a client (a Last-Event-ID header, say), and the error is logged.
         raise InvalidResumeTokenError(f"resume token {token!r:.200} is malformed")
@@ -43,4 +61,13 @@ def read_token(secret: bytes, token: str, flow_id: str, stream: str) -> int:
             f"resume token belongs to flow {position.flow_id!r} stream {position.stream!r}, "
             f"not flow {flow_id!r} stream {stream!r}"
         )
-    return position.sequence
+    return TokenPosition(position.sequence, position.started_ms)
+
+
+def check_incarnation(position: TokenPosition, flow_id: str, started_ms: int) -> None:
+    """Refuses a token of an earlier flow of this ID (deleted, then started again)."""
+    if position.started_ms is not None and position.started_ms != started_ms:
+        raise InvalidResumeTokenError(
+            f"resume token belongs to an earlier flow {flow_id!r}, which was deleted and started again; "
+            "its positions mean nothing in the new one: read from the start (resume_token=None)"
+        )

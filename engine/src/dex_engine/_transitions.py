@@ -201,15 +201,23 @@ def _send(db: Db, sql: str, params: Sequence[Any] = ()) -> None:
 
 def existing_flow_type(db: Db, flow_id: str) -> str:
     """The flow's type; FlowNotFoundError when there is no such flow."""
+    return existing_flow(db, flow_id)[0]
+
+
+def existing_flow(db: Db, flow_id: str) -> tuple[str, int]:
+    """The flow's type and start time (ms), which tells a flow from an earlier one of its ID."""
     if _on_postgres(db):
-        row = db.one("SELECT flow_type FROM flows WHERE flow_id = ?", (flow_id,))
+        row = db.one("SELECT flow_type, created_at FROM flows WHERE flow_id = ?", (flow_id,))
     else:
         row = db.one(f"SELECT flow_type, {_FLOW_STATE} FROM flows WHERE flow_id = ?", (flow_id,))
     if row is None:
         raise FlowNotFoundError(flow_id)
-    if not _on_postgres(db):
+    if _on_postgres(db):
+        created_at = int(row[1])
+    else:
         _know_flow_row(db, flow_id, *row[1:])
-    return str(row[0])
+        created_at = int(row[1 + _FLOW_STATE.split(", ").index("created_at")])
+    return str(row[0]), created_at
 
 
 # The columns of a flow row an SQLite operation keeps for its duration (_know_flow_row), read with it.
@@ -1296,10 +1304,10 @@ def _first_sequence(db: Db, flow_id: str, stream: str) -> int | None:
 
 
 def read_events(db: Db, flow_id: str, stream: str, after: int, limit: int) -> EventPage:
-    existing_flow_type(db, flow_id)
+    _, started = existing_flow(db, flow_id)
     first = _first_sequence(db, flow_id, stream)
     if first is None:
-        return EventPage([], 1, 1)
+        return EventPage([], 1, 1, started)
     rows = db.all(
         "SELECT seq, step_execution_id, attempt, value FROM stream_events "
         "WHERE flow_id = ? AND stream = ? AND seq > ? ORDER BY seq LIMIT ?",
@@ -1307,7 +1315,7 @@ def read_events(db: Db, flow_id: str, stream: str, after: int, limit: int) -> Ev
     )
     events = [StoredEvent(int(r[0]), str(r[1]), int(r[2]), bytes(r[3])) for r in rows]
     next_seq = events[-1].sequence + 1 if events else max(after + 1, first)
-    return EventPage(events, next_seq, first)
+    return EventPage(events, next_seq, first, started)
 
 
 # The newest sequence of each (flow, stream) of a JSON array of [flow, stream] pairs, by its
