@@ -1,5 +1,6 @@
 """A flow ID deleted (delete_flow, retention) and started again, seen by another client that read the
-old flow: its resume tokens of the old flow are refused (E11).
+old flow: its resume tokens of the old flow are refused (E11), and the type it remembered is not used
+to check names, decode values or run RPCs on the new flow.
 
 Two clients, each on its own store, on one database of each backend: "us" deletes and starts, "them"
 read before and after.
@@ -17,13 +18,67 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from dex_engine import AsyncClient, InvalidResumeTokenError, Registry
+from dex_engine import (
+    AsyncClient,
+    Attribute,
+    Channel,
+    Context,
+    Flow,
+    InvalidResumeTokenError,
+    LoadOptions,
+    Registry,
+    RpcContext,
+    RpcNotFoundError,
+    Step,
+    StepDecision,
+    Stream,
+    UndeclaredNameError,
+    Wait,
+    rpc,
+)
 from dex_engine._open import open_store
 
-from .conftest import engine_for
-from .test_delete_flow import KEEPER, Inbox, Log, closed_flow, listening
+from .conftest import Engine, engine_for, wait_until
+from .test_delete_flow import KEEPER, Inbox, Log, Note, closed_flow, listening
 
-REGISTRY = Registry([KEEPER])
+Count = Attribute("Count", int)
+Tally = Channel("Tally", int)
+Numbers = Stream("Log", int)  # the name of Keeper's stream, with another value type
+
+
+async def count(ctx: Context, n: int) -> StepDecision:
+    ctx.set(Count, n)
+    ctx.write_event(Numbers, n)
+    return StepDecision.go_to("Hold", None)
+
+
+async def hold_wait(ctx: Context, _: None) -> Wait:
+    return Wait.until(Tally.for_one())
+
+
+async def hold(ctx: Context, _: None) -> StepDecision:
+    return StepDecision.force_complete(None)
+
+
+@rpc(load=LoadOptions.none())
+async def jot(ctx: RpcContext, text: str) -> None:
+    """Decides from its request alone: committed with no snapshot read first."""
+    ctx.set(Note, text)
+
+
+JOTTER = Flow(
+    "Jotter", [Step("Idle", hold, wait_for=hold_wait, input_type=type(None))], start_step="Idle",
+    schema=[Note, Tally], rpcs=[jot],
+)
+
+
+OTHER = Flow(
+    "Other",
+    [Step("Count", count, input_type=int), Step("Hold", hold, wait_for=hold_wait, input_type=type(None))],
+    start_step="Count",
+    schema=[Count, Tally, Numbers],
+)
+REGISTRY = Registry([KEEPER, OTHER, JOTTER])
 
 
 @asynccontextmanager
@@ -31,6 +86,12 @@ async def other_client(db_url: str) -> AsyncIterator[AsyncClient]:
     """Another client of the database, on a store of its own (as another process would be)."""
     async with AsyncClient(REGISTRY, store=open_store(db_url)) as client:
         yield client
+
+
+async def restarted_as_other(eng: Engine, flow_id: str, n: int) -> None:
+    assert await eng.client.delete_flow(flow_id)
+    await eng.client.start_flow("Other", flow_id, n)
+    await wait_until(f"{flow_id} holding", lambda: eng.client.get_attribute(flow_id, Count))
 
 
 async def test_a_resume_token_of_a_deleted_flow_is_refused_for_the_flow_started_again(db_url: str) -> None:
@@ -79,3 +140,54 @@ async def test_a_token_made_before_tokens_named_the_flows_start_reads_as_before(
         read = await eng.client.read_stream("legacy", Log, legacy)
         assert [e.value for e in read.events] == ["got bye"]
         assert len(read.resume_token) > len(legacy)
+
+
+async def test_another_client_reads_a_flow_started_again_with_another_type(db_url: str) -> None:
+    """Clients that read the old flow check names and decode values by the stored type, not the one
+    they remembered."""
+    async with engine_for(db_url, REGISTRY) as eng, other_client(db_url) as them, other_client(db_url) as others:
+        await closed_flow(eng, "swap", "completed")
+        for client in (them, others):  # both remember Keeper
+            assert [e.value for e in (await client.read_stream("swap", "Log")).events] == ["filled hello", "got bye"]
+
+        await restarted_as_other(eng, "swap", 7)
+
+        # A stream both declare: decoded as Other's (int), not as Keeper's (str).
+        assert [e.value for e in (await them.read_stream("swap", "Log")).events] == [7]
+        # A name Keeper does not declare: checked against Other.
+        assert await others.get_attribute("swap", Count) == 7
+
+
+async def test_another_client_cannot_publish_by_the_old_type_to_a_flow_started_again(db_url: str) -> None:
+    """A publish to a channel the new flow's type does not declare is refused, and queues nothing."""
+    async with engine_for(db_url, REGISTRY) as eng, other_client(db_url) as them:
+        await closed_flow(eng, "swap", "completed")
+        assert await them.get_attribute("swap", Note) == "hello"  # remembers Keeper
+
+        await restarted_as_other(eng, "swap", 7)
+
+        with pytest.raises(UndeclaredNameError, match="channel 'Inbox' is not declared by flow type 'Other'"):
+            await them.publish("swap", Inbox, "for Keeper")
+        rows = await eng.store.raw(lambda db: db.all("SELECT channel FROM channel_messages WHERE flow_id = ?",
+                                                     ("swap",)))
+        assert rows == []
+        await them.publish("swap", Tally, 1)  # Other's channel: it takes it and completes
+        assert (await eng.client.wait_for_flow("swap", 10)).status == "completed"
+
+
+async def test_another_client_runs_no_rpc_of_the_old_type_on_a_flow_started_again(db_url: str) -> None:
+    """An RPC that reads nothing commits without a snapshot: its commit checks the type, so the old
+    type's handler writes nothing into the new flow."""
+    async with engine_for(db_url, REGISTRY) as eng, other_client(db_url) as them:
+        await eng.client.start_flow("Jotter", "swap")
+        await them.rpc("swap", "jot", "first")  # remembers Jotter
+        assert await eng.client.get_attribute("swap", Note) == "first"
+        await eng.client.publish("swap", Tally, 1)
+        await eng.client.wait_for_flow("swap", 10)
+
+        await restarted_as_other(eng, "swap", 7)
+
+        with pytest.raises(RpcNotFoundError, match="'Other'"):
+            await them.rpc("swap", "jot", "into Other")
+        rows = await eng.store.raw(lambda db: db.all("SELECT name FROM attributes WHERE flow_id = ?", ("swap",)))
+        assert rows == [("Count",)]

@@ -9,7 +9,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, get_args
@@ -17,7 +17,15 @@ from typing import Any, TypeVar, get_args
 from ._codec import decode_value, encode_value
 from ._context import RpcContext
 from ._decision import RPCResult
-from ._errors import DexError, FlowNotFoundError, InvalidValueError, RpcContentionError, StepNotWaitingError
+from ._errors import (
+    DexError,
+    FlowNotFoundError,
+    InvalidValueError,
+    RpcContentionError,
+    RpcNotFoundError,
+    StepNotWaitingError,
+    UndeclaredNameError,
+)
 from ._flow import Flow, Registry, Rpc
 from ._ids import check_id
 from ._limits import (
@@ -35,9 +43,11 @@ from ._scheduling import movement_record, start_record
 from ._schema import AttributeMap, AttributeRef, ChannelRef, Stream
 from ._store import Store
 from ._tokens import check_incarnation, make_token, read_token
-from ._transitions import RpcVersionChanged
+from ._transitions import FlowTypeChanged, RpcVersionChanged
 
 T = TypeVar("T")
+R = TypeVar("R")
+N = TypeVar("N")  # what a name lookup found (an Rpc, a Stream; None for a check)
 
 
 @dataclass(frozen=True)
@@ -140,10 +150,6 @@ class _RpcOutcome:
     writes: WriteSet
     records: list[MovementRecord]
     canceling: tuple[str, ...]
-
-
-class _FlowTypeChanged(Exception):
-    """An RPC's snapshot names another flow type than the one its handler was looked up for."""
 
 
 @dataclass
@@ -277,11 +283,11 @@ class AsyncClient:
         self._owns_store = store is None
         self._secret: bytes | None = None
         # Flow type by flow ID: a flow's type never changes, so one lookup per flow serves every
-        # later call (RPCs check it again against their snapshot). A flow deleted (delete_flow,
-        # retention) and started again under its ID may have another type: this client forgets the
-        # ones it deletes or starts, but another client's RPCs only are checked against the new type:
-        # its reads and publishes follow the old one's schema (docs/engine.md: reuse an ID for the
-        # same flow type). Bounded: cleared when full.
+        # later call. A flow deleted (delete_flow, retention) and started again under its ID may
+        # have another type, and another client may have done it: so each call hands the remembered
+        # type to the transaction that reads the flow row anyway, which refuses another
+        # (FlowTypeChanged), and a name the remembered type does not declare is checked again
+        # against the stored one (_by_stored_type). Bounded: cleared when full.
         self._flow_types: dict[str, str] = {}
         self._rpc_turns = _RpcTurns()
         # Long-polling stream readers, by event loop (a client may be used from several).
@@ -334,26 +340,49 @@ class AsyncClient:
             self._remember_flow_type(flow_id, flow_type)
         return self.registry.flow(flow_type)
 
+    async def _by_stored_type(
+        self, flow_id: str, lookup: Callable[[Flow], N], call: Callable[[Flow, N], Awaitable[R]],
+    ) -> R:
+        """`call(flow, lookup(flow))`, with the flow's Flow looked up by the type this client
+        remembers, and `lookup` its check of the name the caller gave (an RPC, channel, attribute or
+        stream). By the stored type when the flow's ID was deleted and started again with another
+        one since: when the transaction saw it (FlowTypeChanged, raised before anything is written or
+        returned), or when the remembered type does not declare the name (the type is read once
+        more: a name the caller got wrong costs a read, a common call none)."""
+        while True:
+            remembered = self._flow_types.get(known_flow_id(flow_id)) is not None  # checked first: see _flow_of
+            flow = await self._flow_of(flow_id)
+            try:
+                found = lookup(flow)
+            except (UndeclaredNameError, RpcNotFoundError):
+                if not remembered:
+                    raise  # checked against the stored type
+                self._flow_types.pop(flow_id, None)
+                continue
+            try:
+                return await call(flow, found)
+            except FlowTypeChanged:
+                # Out here, not where it was seen: an RPC may hold the flow's turn, which is not reentrant.
+                self._flow_types.pop(flow_id, None)
+
     async def rpc(self, flow_id: str, name: str, request: Any = None) -> Any:
         """Run RPC `name` on a flow in one transaction (E8); returns its output.
 
         A handler that raises commits nothing; its error reaches the caller.
         """
-        flow = await self._flow_of(flow_id)
-        handler = flow.rpc(name)
+        # Never a handler of another type: a snapshot's or commit's type is checked.
+        return await self._by_stored_type(flow_id, lambda flow: flow.rpc(name),
+                                          lambda flow, handler: self._rpc(flow, flow_id, handler, request))
+
+    async def _rpc(self, flow: Flow, flow_id: str, handler: Rpc, request: Any) -> Any:
+        name = handler.name
         label = f"request of RPC {name}"
         data = encode_value(label, handler.request_type, request)
         if handler.request_type is not Any:
             # The handler sees the request as a worker would after a network hop: decoded into the
             # declared type, so a dict shaped like the request arrives as the request, never as a dict.
             request = decode_value(label, handler.request_type, data)
-        try:
-            return await self._run_rpc(_RpcCall(flow, flow_id, handler, request))
-        except _FlowTypeChanged:
-            # Not reached while flows keep their IDs for good; never run a handler of another type.
-            # Out here, not where it was seen: that RPC may hold the flow's turn, which is not reentrant.
-            self._flow_types.pop(flow_id, None)
-            return await self.rpc(flow_id, name, request)
+        return await self._run_rpc(_RpcCall(flow, flow_id, handler, request))
 
     async def _run_rpc(self, call: _RpcCall) -> Any:
         """First optimistically; after a lost race, or while another RPC of this client holds the
@@ -394,7 +423,7 @@ class AsyncClient:
 
     async def _rpc_commit_blind(self, call: _RpcCall, blind: _RpcOutcome) -> Any:
         await self._store.rpc_commit(call.flow_id, None, call.handler.locks, blind.writes, blind.records,
-                                     blind.canceling)
+                                     blind.canceling, call.flow.flow_type)
         return blind.output
 
     async def _rpc_snapshots(self, call: _RpcCall, tries: int) -> Any:
@@ -417,7 +446,7 @@ class AsyncClient:
         except RpcVersionChanged:
             return False, None  # the flow changed while it was read: no snapshot to run on
         if snap.flow_type != call.flow.flow_type:
-            raise _FlowTypeChanged()
+            raise FlowTypeChanged(snap.flow_type)
         ctx = RpcContext(call.flow, call.flow_id, snap.attributes, handler.load, snap.pending, handler.name,
                          snap.in_flight)
         output, records, canceling = await self._handled(call, ctx)
@@ -450,21 +479,21 @@ class AsyncClient:
 
     async def publish(self, flow_id: str, channel: ChannelRef[T], value: T) -> int:
         """Queue a message on a flow's channel; returns its message ID."""
-        flow = await self._flow_of(flow_id)
-        flow.check_channel(channel)
         data = encode_value(channel.label, channel.value_type, value)
-        return await self._store.publish(flow_id, channel.name, channel.key, data)
+        return await self._by_stored_type(
+            flow_id, lambda flow: flow.check_channel(channel),
+            lambda flow, _: self._store.publish(flow_id, channel.name, channel.key, data, flow.flow_type))
 
     async def get_attribute(self, flow_id: str, ref: AttributeRef[T]) -> T | None:
-        flow = await self._flow_of(flow_id)
-        flow.check_attribute(ref)
-        data = await self._store.read_attribute(flow_id, ref.name, ref.key)
+        data = await self._by_stored_type(
+            flow_id, lambda flow: flow.check_attribute(ref),
+            lambda flow, _: self._store.read_attribute(flow_id, ref.name, ref.key, flow.flow_type))
         return None if data is None else decode_value(ref.label, ref.value_type, data)
 
     async def get_attribute_map(self, flow_id: str, amap: AttributeMap[T]) -> dict[str, T]:
-        flow = await self._flow_of(flow_id)
-        flow.check_attribute(amap["?"])
-        rows = await self._store.read_attribute_map(flow_id, amap.name)
+        rows = await self._by_stored_type(
+            flow_id, lambda flow: flow.check_attribute(amap["?"]),
+            lambda flow, _: self._store.read_attribute_map(flow_id, amap.name, flow.flow_type))
         return {k: decode_value(amap.name, amap.value_type, v, k) for k, v in rows.items()}
 
     async def read_stream(
@@ -472,18 +501,24 @@ class AsyncClient:
         wait_seconds: float = 0.0, limit: int = DEFAULT_READ_LIMIT,
     ) -> StreamRead:
         """Events after `resume_token` (from the start when None), long-polling up to `wait_seconds`."""
-        flow = await self._flow_of(flow_id)
-        declared = flow.check_stream(stream)
         if not (is_number(wait_seconds) and 0 <= wait_seconds <= MAX_STREAM_WAIT_SECONDS):
             raise ValueError(f"wait_seconds must be between 0 and {MAX_STREAM_WAIT_SECONDS}, got {wait_seconds!r}")
         _check_limit(limit)
+        return await self._by_stored_type(
+            flow_id, lambda flow: flow.check_stream(stream),
+            lambda flow, declared: self._read_stream(flow, flow_id, declared, resume_token, wait_seconds, limit))
+
+    async def _read_stream(
+        self, flow: Flow, flow_id: str, declared: Stream[Any], resume_token: str | None, wait_seconds: float,
+        limit: int,
+    ) -> StreamRead:
         if self._secret is None:
             self._secret = await self._store.stream_secret()
         position = None if resume_token is None else read_token(self._secret, resume_token, flow_id, declared.name)
         after = 0 if position is None else position.sequence
         deadline = time.monotonic() + wait_seconds
         while True:
-            page = await self._store.read_events(flow_id, declared.name, after, limit)
+            page = await self._store.read_events(flow_id, declared.name, after, limit, flow.flow_type)
             if position is not None:
                 # Each page: the flow may be deleted and started again while this reader waits.
                 check_incarnation(position, flow_id, page.flow_started_ms)

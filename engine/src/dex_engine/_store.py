@@ -460,10 +460,10 @@ class Store(ABC):
 
     async def rpc_commit(
         self, flow_id: str, version: int | None, locks: Sequence[str], writes: WriteSet,
-        next_steps: Sequence[MovementRecord], canceling: Sequence[str],
+        next_steps: Sequence[MovementRecord], canceling: Sequence[str], flow_type: str | None = None,
     ) -> None:
         def op(db: Db) -> None:
-            tx.rpc_commit(db, flow_id, version, locks, writes, next_steps, canceling, now_ms())
+            tx.rpc_commit(db, flow_id, version, locks, writes, next_steps, canceling, now_ms(), flow_type)
 
         if canceling:
             # It may revoke running attempts: the worker must be woken to see that (E9).
@@ -471,20 +471,25 @@ class Store(ABC):
         else:
             await self._run_handing_off(op)
 
-    async def publish(self, flow_id: str, channel: str, key: str, value: bytes) -> int:
-        return await self._run_handing_off(lambda db: tx.publish(db, flow_id, channel, key, value, now_ms()))
+    # `flow_type`, when given, is the type the caller checked the names against: another one stored
+    # (the ID deleted and started again) raises FlowTypeChanged, reading and writing nothing.
 
-    async def read_attribute(self, flow_id: str, name: str, key: str) -> bytes | None:
-        return await self._run(lambda db: tx.read_attribute(db, flow_id, name, key), write=False)
+    async def publish(self, flow_id: str, channel: str, key: str, value: bytes, flow_type: str | None = None) -> int:
+        return await self._run_handing_off(
+            lambda db: tx.publish(db, flow_id, channel, key, value, now_ms(), flow_type))
 
-    async def read_attribute_map(self, flow_id: str, name: str) -> dict[str, bytes]:
-        return await self._run(lambda db: tx.read_attribute_map(db, flow_id, name), write=False)
+    async def read_attribute(self, flow_id: str, name: str, key: str, flow_type: str | None = None) -> bytes | None:
+        return await self._run(lambda db: tx.read_attribute(db, flow_id, name, key, flow_type), write=False)
+
+    async def read_attribute_map(self, flow_id: str, name: str, flow_type: str | None = None) -> dict[str, bytes]:
+        return await self._run(lambda db: tx.read_attribute_map(db, flow_id, name, flow_type), write=False)
 
     async def read_all_attributes(self, flow_id: str) -> dict[tuple[str, str], bytes]:
         return await self._run(lambda db: tx.read_all_attributes(db, flow_id), write=False)
 
-    async def read_events(self, flow_id: str, stream: str, after: int, limit: int) -> EventPage:
-        return await self._run(lambda db: tx.read_events(db, flow_id, stream, after, limit), write=False)
+    async def read_events(self, flow_id: str, stream: str, after: int, limit: int,
+                          flow_type: str | None = None) -> EventPage:
+        return await self._run(lambda db: tx.read_events(db, flow_id, stream, after, limit, flow_type), write=False)
 
     async def newest_sequences(self, keys: Sequence[tuple[str, str]]) -> list[int]:
         """The newest sequence of each (flow ID, stream) in `keys`, in their order (0: no event)."""

@@ -143,6 +143,16 @@ class RpcVersionChanged(Exception):
     """The flow changed between an RPC's read and its commit; the RPC runs again."""
 
 
+class FlowTypeChanged(Exception):
+    """The flow is of another type than the caller looked its names up in: its ID was deleted and
+    started again with another type since the caller (a client that remembers types) read it."""
+
+
+def _check_type(found: str, expected: str | None) -> None:
+    if expected is not None and found != expected:
+        raise FlowTypeChanged(found)
+
+
 # History events (E13)
 STEP_SCHEDULED = "step_scheduled"
 WAIT_REGISTERED = "wait_registered"
@@ -199,12 +209,13 @@ def _send(db: Db, sql: str, params: Sequence[Any] = ()) -> None:
 # Flows -------------------------------------------------------------------------------------
 
 
-def existing_flow_type(db: Db, flow_id: str) -> str:
-    """The flow's type; FlowNotFoundError when there is no such flow."""
-    return existing_flow(db, flow_id)[0]
+def existing_flow_type(db: Db, flow_id: str, expected: str | None = None) -> str:
+    """The flow's type; FlowNotFoundError when there is no such flow, FlowTypeChanged when it is
+    not `expected` (a type the caller remembers)."""
+    return existing_flow(db, flow_id, expected)[0]
 
 
-def existing_flow(db: Db, flow_id: str) -> tuple[str, int]:
+def existing_flow(db: Db, flow_id: str, expected: str | None = None) -> tuple[str, int]:
     """The flow's type and start time (ms), which tells a flow from an earlier one of its ID."""
     if _on_postgres(db):
         row = db.one("SELECT flow_type, created_at FROM flows WHERE flow_id = ?", (flow_id,))
@@ -217,6 +228,7 @@ def existing_flow(db: Db, flow_id: str) -> tuple[str, int]:
     else:
         _know_flow_row(db, flow_id, *row[1:])
         created_at = int(row[1 + _FLOW_STATE.split(", ").index("created_at")])
+    _check_type(str(row[0]), expected)
     return str(row[0]), created_at
 
 
@@ -1303,8 +1315,9 @@ def _first_sequence(db: Db, flow_id: str, stream: str) -> int | None:
     return None if known is None else known[1]
 
 
-def read_events(db: Db, flow_id: str, stream: str, after: int, limit: int) -> EventPage:
-    _, started = existing_flow(db, flow_id)
+def read_events(db: Db, flow_id: str, stream: str, after: int, limit: int,
+                flow_type: str | None = None) -> EventPage:
+    _, started = existing_flow(db, flow_id, flow_type)
     first = _first_sequence(db, flow_id, stream)
     if first is None:
         return EventPage([], 1, 1, started)
@@ -2045,10 +2058,12 @@ def _rpc_rows(db: Db, flow_id: str, flow_type: str, version: int, load: LoadSpec
 
 def rpc_commit(
     db: Db, flow_id: str, version: int | None, locks: Sequence[str], writes: WriteSet,
-    next_steps: Sequence[MovementRecord], canceling: Sequence[str], now: int,
+    next_steps: Sequence[MovementRecord], canceling: Sequence[str], now: int, expected_type: str | None = None,
 ) -> None:
-    """Commit an RPC's result if the flow is still at `version`; None: the handler read no state."""
+    """Commit an RPC's result if the flow is still at `version`; None: the handler read no state
+    (and `expected_type`, its handler's flow type, is checked: no snapshot did)."""
     flow_type = require_running(db, flow_id)
+    _check_type(flow_type, expected_type)
     if version is not None:
         row = db.one("SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
         if row is None or int(row[0]) != version:
@@ -2068,8 +2083,9 @@ def rpc_commit(
         bump(db, flow_id)  # else writing the history bumps the version (flush_history)
 
 
-def publish(db: Db, flow_id: str, channel: str, key: str, value: bytes, now: int) -> int:
-    require_running(db, flow_id)
+def publish(db: Db, flow_id: str, channel: str, key: str, value: bytes, now: int,
+            flow_type: str | None = None) -> int:
+    _check_type(require_running(db, flow_id), flow_type)
     row = db.one(
         "INSERT INTO channel_messages (flow_id, channel, key, value, created_at) VALUES (?, ?, ?, ?, ?) "
         "RETURNING message_id",
@@ -2084,8 +2100,8 @@ def publish(db: Db, flow_id: str, channel: str, key: str, value: bytes, now: int
 # Reads for clients and the CLI ---------------------------------------------------------------
 
 
-def read_attribute(db: Db, flow_id: str, name: str, key: str) -> bytes | None:
-    existing_flow_type(db, flow_id)
+def read_attribute(db: Db, flow_id: str, name: str, key: str, flow_type: str | None = None) -> bytes | None:
+    existing_flow_type(db, flow_id, flow_type)
     known = db.known.get(flow_id)
     if known is not None and known.covers(name):
         return known.rows.get((name, key))
@@ -2093,8 +2109,8 @@ def read_attribute(db: Db, flow_id: str, name: str, key: str) -> bytes | None:
     return None if row is None else bytes(row[0])
 
 
-def read_attribute_map(db: Db, flow_id: str, name: str) -> dict[str, bytes]:
-    existing_flow_type(db, flow_id)
+def read_attribute_map(db: Db, flow_id: str, name: str, flow_type: str | None = None) -> dict[str, bytes]:
+    existing_flow_type(db, flow_id, flow_type)
     rows = load_attributes(db, flow_id, LoadSpec("only", (name,)))
     return {key: rows[(n, key)] for n, key in sorted(rows)}
 
