@@ -366,8 +366,16 @@ def test_a_store_keeps_no_event_loop_it_served_after_that_loop_ends(tmp_path: Pa
             op.cancel()
         await asyncio.gather(op, return_exceptions=True)
 
+    async def readying_request() -> None:
+        # An operation run inline, on an idle loop, that leaves a callback ready as it ends (another
+        # thread's call_soon_threadsafe can, too): it overtook no operation letting the loop run.
+        loop = asyncio.get_running_loop()
+        served.append(weakref.ref(loop))
+        await store.raw(lambda db: (loop.call_soon(lambda: None), db.one("SELECT 1"))[1])
+
     for i in range(20):
         asyncio.run(request(cancel=i % 2 == 1))
+        asyncio.run(readying_request())
     store.run_sync(lambda db: None, write=False)  # the store's thread lets go of the last batch it ran
     gc.collect()
     assert [ref for ref in served if ref() is not None] == []
