@@ -654,15 +654,17 @@ class Client:
     async def _make(registry: Registry, url: str) -> AsyncClient:
         return AsyncClient(registry, url)
 
+    def _on_own_loop(self, what: str, advice: str) -> RuntimeError:
+        """The error for `what` asked by code this client's own loop runs (an RPC handler it called):
+        waiting for the result would block the loop that makes it, and with it every other thread's
+        call and close(), for ever."""
+        return RuntimeError(f"{what} of the blocking Client of {shown_url(self._url)!r} from code its own event "
+                            f"loop runs (an RPC handler it called) would wait for ever; {advice}")
+
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if threading.current_thread() is self._thread:
-            # Code this client's loop runs (an RPC handler it called) would block that loop waiting for
-            # a result only the loop can make: this call, and every other thread's and close(), for ever.
             coro.close()
-            raise RuntimeError(
-                f"a call of the blocking Client of {shown_url(self._url)!r} from code its own event loop runs "
-                "(an RPC handler it called) would wait for ever; in an RPC handler, await an AsyncClient's "
-                "calls instead")
+            raise self._on_own_loop("a call", "in an RPC handler, await an AsyncClient's calls instead")
         with self._lock:
             if self._closed:
                 coro.close()
@@ -723,10 +725,7 @@ class Client:
     def close(self) -> None:
         """Close the store; calls other threads wait in raise RuntimeError. A second close does nothing."""
         if threading.current_thread() is self._thread:
-            # As for a call (_call): closing waits for the loop this code blocks.
-            raise RuntimeError(
-                f"close() of the blocking Client of {shown_url(self._url)!r} from code its own event loop runs "
-                "(an RPC handler it called) would wait for ever; close it from another thread")
+            raise self._on_own_loop("close()", "close it from another thread")
         with self._lock:
             if self._closed:
                 return
