@@ -54,6 +54,38 @@ def nesting_depth(data: bytes) -> int:
     return max(itertools.accumulate(array("b", steps)), default=0)
 
 
+def _per_type(cache: dict[Any, bool], tp: Any, judge: Callable[[mi.Type], bool]) -> bool:
+    """`judge` of `tp`'s msgspec description, kept per type in `cache`; True for an unhashable type
+    or one msgspec cannot describe (its values are then looked at, which is always safe)."""
+    try:
+        known = cache.get(tp)
+    except TypeError:
+        return True
+    if known is None:
+        try:
+            known = judge(mi.type_info(tp))
+        except Exception:
+            known = True
+        cache[tp] = known
+    return known
+
+
+def _inner_types(info: mi.Type) -> tuple[list[mi.Type], int] | None:
+    """The types directly inside `info`, and 1 when it is an array or object itself (0 for a union);
+    None for one with nothing inside (a scalar, Any, a custom type)."""
+    if isinstance(info, mi.UnionType):
+        return list(info.types), 0
+    if isinstance(info, mi.ListType | mi.SetType | mi.FrozenSetType | mi.VarTupleType):
+        return [info.item_type], 1
+    if isinstance(info, mi.TupleType):
+        return list(info.item_types), 1
+    if isinstance(info, mi.DictType):
+        return [info.value_type], 1  # keys are written as text
+    if isinstance(info, mi.StructType | mi.DataclassType | mi.TypedDictType | mi.NamedTupleType):
+        return [field.type for field in info.fields], 1
+    return None
+
+
 # Whether values of a declared type may nest past MAX_VALUE_NESTING (Any, a recursive type), by type.
 _may_nest_deeply: dict[Any, bool] = {}
 
@@ -62,17 +94,12 @@ def may_nest_deeply(tp: Any) -> bool:
     """Whether values of `tp` can nest arrays and objects past MAX_VALUE_NESTING: most declared
     types (an agent's message chunk, a struct of text) bound their depth, and their values need
     no count. An unhashable or unknown type is counted."""
-    try:
-        known = _may_nest_deeply.get(tp)
-    except TypeError:
-        return True
-    if known is None:
-        try:
-            depth = _type_depth(mi.type_info(tp), set())
-        except Exception:  # a type msgspec cannot describe: count its values
-            depth = None
-        known = _may_nest_deeply[tp] = depth is None or depth > MAX_VALUE_NESTING
-    return known
+
+    def deep(info: mi.Type) -> bool:
+        depth = _type_depth(info, set())
+        return depth is None or depth > MAX_VALUE_NESTING
+
+    return _per_type(_may_nest_deeply, tp, deep)
 
 
 # Whether a declared type has a float position (a field, an item, a value), by type.
@@ -82,39 +109,19 @@ _may_hold_float: dict[Any, bool] = {}
 def may_hold_float(tp: Any) -> bool:
     """Whether `tp` declares a float anywhere inside it (Any does not: there a NaN is written as null,
     as docs/engine.md says). An unhashable or unknown type is treated as one that may."""
-    try:
-        known = _may_hold_float.get(tp)
-    except TypeError:
-        return True
-    if known is None:
-        try:
-            known = _has_float(mi.type_info(tp), set())
-        except Exception:  # a type msgspec cannot describe: look in its values
-            known = True
-        _may_hold_float[tp] = known
-    return known
+    return _per_type(_may_hold_float, tp, lambda info: _has_float(info, set()))
 
 
 def _has_float(info: mi.Type, path: set[int]) -> bool:
     if isinstance(info, mi.FloatType):
         return True
-    if id(info) in path:
+    found = _inner_types(info)
+    if found is None or id(info) in path:
         return False  # recursive: what it holds is looked at where it was entered
-    inner: list[mi.Type]
-    if isinstance(info, mi.UnionType | mi.TupleType):
-        inner = list(info.types if isinstance(info, mi.UnionType) else info.item_types)
-    elif isinstance(info, mi.ListType | mi.SetType | mi.FrozenSetType | mi.VarTupleType):
-        inner = [info.item_type]
-    elif isinstance(info, mi.DictType):
-        inner = [info.key_type, info.value_type]
-    elif isinstance(info, mi.StructType | mi.DataclassType | mi.TypedDictType | mi.NamedTupleType):
-        inner = [field.type for field in info.fields]
-    else:
-        return False
     path.add(id(info))
-    found = any(_has_float(item, path) for item in inner)
+    held = any(_has_float(item, path) for item in found[0])
     path.discard(id(info))
-    return found
+    return held
 
 
 def non_finite_float(value: Any) -> float | None:
@@ -140,21 +147,12 @@ def _type_depth(info: mi.Type, path: set[int]) -> int | None:
     """The deepest nesting of arrays and objects a value of `info` can have; None when unbounded."""
     if id(info) in path:
         return None  # recursive
-    inner: list[mi.Type]
     if isinstance(info, mi.AnyType | mi.RawType | mi.CustomType | mi.ExtType):
         return None
-    if isinstance(info, mi.UnionType):
-        inner, own = list(info.types), 0
-    elif isinstance(info, mi.ListType | mi.SetType | mi.FrozenSetType | mi.VarTupleType):
-        inner, own = [info.item_type], 1
-    elif isinstance(info, mi.TupleType):
-        inner, own = list(info.item_types), 1
-    elif isinstance(info, mi.DictType):
-        inner, own = [info.value_type], 1
-    elif isinstance(info, mi.StructType | mi.DataclassType | mi.TypedDictType | mi.NamedTupleType):
-        inner, own = [field.type for field in info.fields], 1
-    else:
+    found = _inner_types(info)
+    if found is None:
         return 0  # a scalar: text, a number, a literal, an enum, a time
+    inner, own = found
     path.add(id(info))
     depths = [_type_depth(item, path) for item in inner]
     path.discard(id(info))
