@@ -553,10 +553,10 @@ class AsyncClient:
         transaction; returns False when there is no such flow. A running flow is refused with
         FlowStillRunningError, deleting nothing: stop it first (stop_flow). Afterwards the flow ID is
         unknown everywhere, and start_flow may use it again for a new flow."""
-        given: object = flow_id
-        if isinstance(given, str) and not given.isprintable():
-            return False  # no flow has such an ID (see known_flow_id)
-        flow_id = known_flow_id(flow_id)
+        try:
+            flow_id = known_flow_id(flow_id)
+        except FlowNotFoundError:
+            return False  # no flow has such an ID
         deleted = await self._store.delete_flow(flow_id)
         self._flow_types.pop(flow_id, None)
         return deleted
