@@ -439,19 +439,17 @@ class AsyncWorker:
                 next_housekeeping = time.monotonic() + opts.housekeeping_seconds * (0.75 + random.random() / 2)
                 if timer_floor:
                     next_timer_floor = next_housekeeping
-                if result.housekeeping is not None and result.housekeeping.flows_deleted:
+                report = result.housekeeping
+                if report is not None and report.flows_deleted:
                     log.info("worker %s deleted %d flows closed over %s s ago (closed_flow_retention_seconds)",
-                             self.worker_id, result.housekeeping.flows_deleted, opts.closed_flow_retention_seconds)
-                if result.housekeeping is not None and result.housekeeping.timers_left:
-                    # A burst of due timers is fired a part at a time as the ready queue drains
-                    # (tx.housekeeping): look again soon, not a whole interval on.
-                    next_housekeeping = min(
-                        next_housekeeping, time.monotonic() + TIMER_BURST_HOUSEKEEPING_SECONDS)
-                if result.housekeeping is not None and result.housekeeping.flows_left:
-                    # A retention backlog (retention turned on for an old database) drains a part at
-                    # a time, a few passes a second.
-                    next_housekeeping = min(
-                        next_housekeeping, time.monotonic() + RETENTION_BACKLOG_HOUSEKEEPING_SECONDS)
+                             self.worker_id, report.flows_deleted, opts.closed_flow_retention_seconds)
+                if report is not None and (report.timers_left or report.flows_left):
+                    # A burst of due timers (fired a part at a time as the ready queue drains) or a
+                    # retention backlog (deleted a part at a time): look again soon, not a whole
+                    # interval on.
+                    again = (TIMER_BURST_HOUSEKEEPING_SECONDS if report.timers_left
+                             else RETENTION_BACKLOG_HOUSEKEEPING_SECONDS)
+                    next_housekeeping = min(next_housekeeping, time.monotonic() + again)
             must_claim = False
             if not result.registered:
                 self._unregistered = True
