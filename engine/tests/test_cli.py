@@ -12,13 +12,11 @@ import json
 import os
 import re
 import shutil
-import sqlite3
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import psycopg
 import pytest
 from click.testing import CliRunner, Result
 
@@ -40,11 +38,12 @@ from dex_engine import (
     open_store,
     rpc,
 )
-from dex_engine._migrate import migration_files, statements
+from dex_engine._migrate import migration_files
 from dex_engine._open import shown_url
 from dex_engine.cli import cli
 
 from .conftest import engine_for, wait_until
+from .schema_states import migrate_to, pg_tables, stored_version
 
 Count: Attribute[int] = Attribute("Count", int)
 Notes: AttributeMap[str] = AttributeMap("Notes", str)
@@ -619,46 +618,6 @@ def test_messages_naming_a_postgresql_url_hide_its_password(pg_database: str) ->
     assert "hunter2" not in result.output
 
 
-def _pg_tables(url: str) -> list[str]:
-    with psycopg.connect(url) as pg:
-        return [name for (name,) in pg.execute(
-            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() ORDER BY tablename")]
-
-
-def _stored_version(url: str) -> str:
-    query = "SELECT value FROM meta WHERE key = 'schema_version'"
-    if url.startswith("sqlite:"):
-        conn = sqlite3.connect(url.removeprefix("sqlite:///"))
-        try:
-            return str(conn.execute(query).fetchone()[0])
-        finally:
-            conn.close()
-    with psycopg.connect(url) as pg:
-        row = pg.execute(query).fetchone()
-        assert row is not None
-        return str(row[0])
-
-
-def _migrate_to(url: str, version: int) -> None:
-    """Give the empty database at `url` the schema `version` (migrations 1 to `version`), as an
-    older dex_engine left it."""
-    backend = "postgres" if url.startswith("postgres") else "sqlite"
-    sql = [statement for number, text in migration_files(backend) if number <= version
-           for statement in statements(text)]
-    sql.append(f"INSERT INTO meta (key, value) VALUES ('schema_version', '{version}')")
-    if backend == "sqlite":
-        conn = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
-        try:
-            for statement in sql:
-                conn.execute(statement)
-        finally:
-            conn.close()
-        return
-    with psycopg.connect(url, autocommit=True) as pg:
-        for statement in sql:
-            pg.execute(statement)
-
-
 # Every command that reads or operates a database the workers use (all but demo).
 DATABASE_COMMANDS = [["list"], ["search", 'FlowType = "Cli"'], ["describe", "done-1"], ["history", "done-1"],
                      ["attributes", "done-1"], ["stream", "done-1", "Log"], ["skip-timer", "waiting-1", "Wait-1"],
@@ -671,13 +630,13 @@ def test_commands_leave_a_database_of_an_older_schema_unmigrated(db_url: str) ->
     list`, which only reads, migrating the database under the older workers."""
     backend = "postgres" if db_url.startswith("postgres") else "sqlite"
     latest = migration_files(backend)[-1][0]
-    _migrate_to(db_url, latest - 1)
+    migrate_to(db_url, latest - 1)
     named = db_url.removeprefix("sqlite:///") if backend == "sqlite" else shown_url(db_url)
     for args in DATABASE_COMMANDS:
         assert_one_line_error(run(*args, "--db", db_url),
                               f"{named!r} has dex_engine schema version {latest - 1}, older than the {latest}",
                               "nothing was changed")
-        assert _stored_version(db_url) == str(latest - 1), args
+        assert stored_version(db_url) == str(latest - 1), args
 
 
 def test_commands_create_nothing_in_a_postgresql_database_without_flows(pg_database: str) -> None:
@@ -688,7 +647,7 @@ def test_commands_create_nothing_in_a_postgresql_database_without_flows(pg_datab
     for args in DATABASE_COMMANDS:
         assert_one_line_error(run(*args, "--db", pg_database),
                               f"{shown_url(pg_database)!r} holds no dex_engine tables", "nothing was created")
-    assert _pg_tables(pg_database) == []
+    assert pg_tables(pg_database) == []
 
 
 # demo ---------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from dex_engine._open import shown_url
 from dex_engine._records import StartRequest
 from dex_engine._scheduling import movement_record
 
+from .schema_states import pg_tables
+
 
 def _version(db: object) -> int:
     row = db.one("SELECT value FROM meta WHERE key = 'schema_version'")  # type: ignore[attr-defined]
@@ -259,12 +261,6 @@ def test_sqlite_meta_without_a_dex_engine_schema_version_is_refused_unchanged(
     assert path.read_bytes() == before
 
 
-def _pg_tables(url: str) -> list[str]:
-    with psycopg.connect(url) as conn:
-        return [name for (name,) in conn.execute(
-            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() ORDER BY tablename")]
-
-
 @pytest.mark.parametrize(("stored", "with_flows", "why"), [
     ("2024.1", True, "its meta table's schema_version is '2024.1', not a dex_engine schema version"),
     ("17", False, "it has a meta table but no dex_engine flows table"),
@@ -284,10 +280,10 @@ def test_postgres_meta_of_another_application_is_refused_unchanged(
             conn.execute("INSERT INTO meta VALUES ('schema_version', %s)", (stored,))
         if with_flows:
             conn.execute("CREATE TABLE flows (x int)")
-    before = _pg_tables(pg_database)
+    before = pg_tables(pg_database)
     with pytest.raises(StoreOpenError, match=re.escape(f"is not a dex_engine database: {why}; use a database")):
         open_store(pg_database)
-    assert _pg_tables(pg_database) == before
+    assert pg_tables(pg_database) == before
 
 
 @pytest.mark.parametrize(("ddl", "taken"), [
@@ -308,20 +304,20 @@ async def test_postgres_tables_of_another_application_are_refused_unchanged(
     exists' with advice to check the server and the user's rights, neither of which is the problem."""
     with psycopg.connect(pg_database, autocommit=True) as conn:
         conn.execute(ddl)
-    before = _pg_tables(pg_database)
+    before = pg_tables(pg_database)
     with pytest.raises(StoreOpenError) as refused:
         open_store(pg_database)
     assert str(refused.value).startswith(f"{shown_url(pg_database)!r} is not a dex_engine database: it already "
                                          f'holds {taken}, of another application; '), refused.value
     advice = "use a database of dex_engine's own, or a schema of its own (?options=-csearch_path%3D<schema> in the URL)"
     assert advice in str(refused.value)
-    assert _pg_tables(pg_database) == before
+    assert pg_tables(pg_database) == before
     # The advice as written works: the URL libpq refused with '=' unencoded in the value
     # ('extra key/value separator') opens the engine in a schema of its own beside the other tables.
     with psycopg.connect(pg_database, autocommit=True) as conn:
         conn.execute("CREATE SCHEMA dex")
     await _opens(pg_database + "?options=-csearch_path%3Ddex")
-    assert _pg_tables(pg_database) == before
+    assert pg_tables(pg_database) == before
 
 
 def test_a_store_opened_while_another_migrates_a_large_file_waits_for_it(
@@ -396,7 +392,7 @@ async def test_postgres_user_who_may_not_create_tables_is_told_what_to_grant(pg_
         with pytest.raises(StoreOpenError, match=re.escape(f"{role} may not create tables there: as the schema's "
                                                            f"owner run {grant},")):
             open_store(url)
-        assert _pg_tables(pg_database) == []
+        assert pg_tables(pg_database) == []
         with psycopg.connect(pg_database, autocommit=True) as admin:
             admin.execute(grant)
         await _opens(url)
