@@ -7,16 +7,22 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import build_flow
+from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
+from engine.tests.schema_states import latest_version, migrate_to, pg_tables, stored_version
 
 from dex_agents.testing import AgentTestStack, FileGate, read_step_history, wait_until
+from dex_engine import FlowNotFoundError, StoreOpenError, open_store
+from dex_engine._open import shown_url
 
 # A probe hanging this long stands for a read that never returns; a wait bounded by its timeout
 # ends long before.
@@ -71,6 +77,58 @@ async def test_read_step_history_of_a_missing_database_file_creates_nothing(tmp_
     with pytest.raises(FileNotFoundError, match=f"no database file {str(missing)!r}"):
         await read_step_history(f"sqlite:///{missing}", "s1")
     assert os.listdir(tmp_path) == []
+
+
+def _named(url: str) -> str:
+    """How a refusal names the database at `url`: a SQLite file by its path, a PostgreSQL URL without its password."""
+    return repr(url.removeprefix("sqlite:///")) if url.startswith("sqlite:") else repr(shown_url(url))
+
+
+async def test_read_step_history_creates_nothing_in_a_database_without_engine_tables(
+    db_url: str, tmp_path: Path,  # noqa: F811 - the fixture
+) -> None:
+    """A URL naming a database that holds no engine tables (the application's own SQLite file, here
+    one without tables yet; a mistyped PostgreSQL database name that exists, or the application's
+    own database, here with one table of its own) is refused by name, and nothing is created there.
+    Catches: every table of the engine created in that database, then "no flow with ID" as if it
+    were the engine's."""
+    sqlite = db_url.startswith("sqlite:")
+    if sqlite:
+        sqlite3.connect(tmp_path / "engine.db").close()  # an empty database file, as the application left it
+    else:
+        with psycopg.connect(db_url, autocommit=True) as pg:
+            pg.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY)")
+    with pytest.raises(StoreOpenError) as refusal:
+        await read_step_history(db_url, "s1")
+    message = str(refusal.value)
+    assert _named(db_url) in message and "nothing was created" in message, message
+    assert "pass the URL of the engine database the workers use" in message, message
+    if sqlite:
+        assert os.listdir(tmp_path) == ["engine.db"] and (tmp_path / "engine.db").stat().st_size == 0
+    else:
+        assert pg_tables(db_url) == ["orders"]
+
+
+async def test_read_step_history_leaves_a_database_of_an_older_schema_unmigrated(db_url: str) -> None:  # noqa: F811
+    """A database an older dex_engine made, its workers still running on it, is refused with both
+    schema versions named, and keeps its version. Catches: a read that migrates the database under
+    the older workers."""
+    latest = latest_version(db_url)
+    migrate_to(db_url, latest - 1)
+    with pytest.raises(StoreOpenError) as refusal:
+        await read_step_history(db_url, "s1")
+    message = str(refusal.value)
+    assert f"{_named(db_url)} has dex_engine schema version {latest - 1}, older than the {latest}" in message, message
+    assert "nothing was changed" in message, message
+    assert stored_version(db_url) == str(latest - 1)
+
+
+async def test_read_step_history_reads_an_engine_database_of_this_schema(db_url: str) -> None:  # noqa: F811
+    """The refusals above leave an engine database of this dex_engine's schema to be read: a flow it
+    does not hold is named as such."""
+    await open_store(db_url).close()
+    with pytest.raises(FlowNotFoundError, match="'s1'"):
+        await read_step_history(db_url, "s1")
 
 
 async def test_wait_until_cuts_off_an_async_probe_at_the_timeout() -> None:

@@ -10,11 +10,18 @@ from ._store import Store
 
 # What a PostgreSQL URL needs installed beyond the engine itself.
 POSTGRES_EXTRA_MODULES = ("psycopg", "psycopg_pool")
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
 
-def open_store(url: str) -> Store:
+def open_store(url: str, *, existing: bool = False) -> Store:
     """Open the database at `url`: `sqlite:///path/to/file.db` (optionally `?synchronous=NORMAL`)
-    or `postgresql://user@host:port/dbname` (needs the `postgres` extra)."""
+    or `postgresql://user@host:port/dbname` (needs the `postgres` extra). It creates the database's
+    schema, or migrates an older one, as it opens.
+
+    With `existing`, only an engine database of this dex_engine's schema is opened, to read or
+    operate the one the workers use: a SQLite file that is not there raises FileNotFoundError, and
+    a database without dex_engine tables or of an older schema StoreOpenError, before anything is
+    created or changed."""
     given: object = url  # typed str; checked for callers that pass anything
     if not isinstance(given, str):
         raise ValueError(f"database URL must be a str, got {type(given).__name__}: {given!r}")
@@ -22,11 +29,15 @@ def open_store(url: str) -> Store:
         # A file path cannot hold one, and libpq ends a parameter at it: the rest would name another
         # database.
         raise ValueError(f"database URL {shown_url(url)!r} has a NUL character; remove it")
+    if existing:
+        from ._existing import OPEN_EXISTING, check_existing  # it imports this module
+
+        check_existing(url, OPEN_EXISTING, must_exist=True)
     if url.startswith("sqlite:"):
         from ._sqlite_store import SqliteStore
 
         return SqliteStore(url)
-    if url.startswith(("postgresql://", "postgres://")):
+    if url.startswith(POSTGRES_SCHEMES):
         store: Store = postgres_store_module(url).PostgresStore(url)
         return store
     raise ValueError(

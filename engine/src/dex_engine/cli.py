@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import os
-import sqlite3
 import sys
 import tempfile
 import time
@@ -28,11 +27,11 @@ from rich.text import Text
 
 from ._client import known_flow_id, parse_search
 from ._errors import DexError, FlowNotFoundError, StepNotWaitingError, StoreOpenError
-from ._limits import MAX_READ_LIMIT, SQLITE_WRITER_TURN_SUFFIX
-from ._migrate import migration_files
-from ._open import open_store, postgres_store_module, shown_url
+from ._existing import Wording, check_existing
+from ._limits import MAX_READ_LIMIT
+from ._open import open_store, shown_url
 from ._records import FlowInfo
-from ._sqlite_store import parse_sqlite_url, schema_version
+from ._sqlite_store import parse_sqlite_url
 from ._store import Store
 
 T = TypeVar("T")
@@ -40,7 +39,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 DB_ENV = "DEX_ENGINE_DB"
 DEFAULT_DB = "sqlite:///dex.db"
-POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 FLOW_STATUSES = ("running", "completed", "failed", "stopped")
 # How often `stream --follow` looks for new events.
 FOLLOW_POLL_SECONDS = 0.2
@@ -71,6 +69,15 @@ def _db_option(fn: F) -> F:
     )(fn)
 
 
+# How the command's refusals of a database (engine/_existing.py) name the command and its options.
+CLI_WORDING = Wording(
+    reader="this dex-engine",
+    pass_instead=f"pass --db or set {DB_ENV} to the URL the workers use",
+    older_instead="use the dex-engine command of their version",
+    foreign_file_advice="",
+)
+
+
 def _check_database(url: str, *, must_exist: bool) -> None:
     """Refuse a malformed URL, a file that is not an engine database, and, when `must_exist`, a
     database that is not there or has an older schema.
@@ -78,81 +85,15 @@ def _check_database(url: str, *, must_exist: bool) -> None:
     Opening a store creates and migrates the database, so a mistyped path or URL must be caught
     before that, and so must a database that workers of an older dex_engine still use.
     """
-    if url.startswith(POSTGRES_SCHEMES):
-        if must_exist:
-            _check_postgres(url)
-        return
-    if not url.startswith("sqlite:"):
-        return  # open_store judges other URLs
-    try:
-        path = parse_sqlite_url(url).path
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
-    if not os.path.exists(path):
-        if must_exist:
-            raise CliError(f"no database file {path!r} (from --db {shown_url(url)}); pass --db or set {DB_ENV}")
-        return
-    try:
-        conn = sqlite3.connect(path)
+    if url.startswith("sqlite:"):
         try:
-            row = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'flows'").fetchone()
-            version = None if row is None else schema_version(conn, path)
-        finally:
-            conn.close()
-    except sqlite3.Error as exc:
-        # Reading a WAL file creates its -shm file: in a directory this process may not write, even
-        # an engine database cannot be read, and SQLite's "unable to open database file" misleads.
-        _refuse_unwritable(path)
-        raise CliError(f"{path!r} is not a readable SQLite database ({exc})") from None
-    except StoreOpenError as exc:  # a flows table, but not dex_engine's
-        raise CliError(str(exc)) from None
-    if version is None:
-        raise CliError(f"{path!r} is not a dex-engine database (it has no flows table)")
-    _refuse_unwritable(path)  # every command opens the store, which writes (migrations, WAL)
-    if must_exist:
-        _refuse_older_schema(path, version, "sqlite")
-
-
-def _check_postgres(url: str) -> None:
-    """Refuse a PostgreSQL database without dex_engine's tables (opening it would create them, in
-    whatever database the URL names) or with an older schema."""
+            path = parse_sqlite_url(url).path
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        if must_exist and not os.path.exists(path):  # named here to name --db; the rest in check_existing
+            raise CliError(f"no database file {path!r} (from --db {shown_url(url)}); pass --db or set {DB_ENV}")
     with _open_errors(url):
-        version: int = postgres_store_module(url).stored_schema_version(url)
-    if version == 0:
-        raise CliError(f"{shown_url(url)!r} holds no dex_engine tables, so no flows (nothing was created there); "
-                       f"pass --db or set {DB_ENV} to the URL the workers use")
-    _refuse_older_schema(shown_url(url), version, "postgres")
-
-
-def _refuse_older_schema(database: str, version: int, backend: str) -> None:
-    """Refuse a database whose schema is older than this engine's: opening it would migrate it, and
-    workers of the older dex_engine still using it would then misread it."""
-    latest = migration_files(backend)[-1][0]
-    if version < latest:
-        raise CliError(
-            f"{database!r} has dex_engine schema version {version}, older than the {latest} this dex-engine "
-            "uses; it was not opened, since opening would migrate it under the older dex_engine's workers "
-            "(nothing was changed): upgrade the workers, which migrate it as they start, or use the "
-            "dex-engine command of their version"
-        )
-
-
-def _refuse_unwritable(path: str) -> None:
-    """Refuse the database file `path` when this process may not write it or its directory."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.access(directory, os.W_OK):
-        what = f"its directory {directory!r}"
-    elif not os.access(path, os.W_OK):
-        what = "the file"
-    else:
-        return
-    name = os.path.basename(path)
-    raise CliError(
-        f"cannot use {path!r}: this process may not write {what}; the engine needs write access to the "
-        f"database file and its directory (it creates {name}-wal, {name}-shm and "
-        f"{name}{SQLITE_WRITER_TURN_SUFFIX} beside the file): run as a user who may write there, or copy "
-        "the file into a writable directory"
-    )
+        check_existing(url, CLI_WORDING, must_exist=must_exist)
 
 
 def _askable(*names: str | None) -> bool:

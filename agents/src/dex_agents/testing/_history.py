@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from urllib.parse import urlparse
 
 from dex_engine import HistoryEntry, open_store
 
@@ -33,29 +31,17 @@ def to_step_history(entries: list[HistoryEntry]) -> list[StepHistoryEntry]:
 async def read_step_history(database_url: str, flow_id: str) -> list[StepHistoryEntry]:
     """Every Step event of a flow, oldest first, read straight from the engine database.
 
-    Raises FileNotFoundError for a SQLite database file that does not exist.
+    Only an engine database the workers use is read, never created or migrated: a mistyped path
+    or database name would otherwise report the flow missing from a new empty database (and leave
+    the engine's tables in whatever database it names), and a database of an older schema would be
+    migrated under the older workers. Raises FileNotFoundError for a SQLite database file that does
+    not exist, StoreOpenError for a database without dex_engine tables or of an older schema.
     """
-    _require_sqlite_file(database_url)
-    store = open_store(database_url)
+    store = open_store(database_url, existing=True)
     try:
         return to_step_history(await store.history(flow_id))
     finally:
         await store.close()
-
-
-def _require_sqlite_file(database_url: str) -> None:
-    """Refuse a SQLite URL whose file does not exist: opening a store creates the file, its
-    directories and the schema, so a mistyped path would read an empty new database and report
-    the flow missing instead of the path."""
-    parsed = urlparse(database_url)
-    if not database_url.startswith("sqlite:") or parsed.netloc or "#" in database_url:
-        return  # open_store judges other URLs, and refuses these malformed ones before creating anything
-    # The engine's reading of a sqlite URL: the path after "sqlite:///" as written, relative to
-    # the working directory unless it starts with a fourth slash.
-    path = parsed.path[1:] if parsed.path.startswith("/") else parsed.path
-    if path and not os.path.exists(path):
-        raise FileNotFoundError(f"no database file {os.path.abspath(path)!r} (from {database_url!r}); pass the "
-                                "URL the engine was started with, e.g. AgentTestStack.database_url")
 
 
 def executed_steps(history: list[StepHistoryEntry]) -> list[str]:
