@@ -1090,6 +1090,83 @@ async def test_flows_of_one_millisecond_are_found_and_listed_by_id_in_code_point
     assert await store.stream_names(lease.flow_id) == sorted(streams)
 
 
+# Plans of search_flows with an active Step: (ACTIVE_STEP_SEARCH_CANDIDATES, ..._PER_FLOW_WALKED,
+# ..._LOOKUPS_PG). Few candidates read by key; many: a short walk of the running flows, a longer
+# one, the candidates joined to their flows (looked up one by one or planned, on PostgreSQL), and
+# every mix of them, as the bounds let each take over.
+_ACTIVE_STEP_PLANS = {
+    "by-key": (10_000, 4, 10_000),
+    "walk-all": (0, 1, 10_000),
+    "walk-then-join": (0, 4, 10_000),
+    "short-walk-then-longer": (3, 2, 10_000),
+    "join-looked-up": (1, 10_000, 10_000),
+    "join-planned": (1, 10_000, 0),
+}
+
+
+@pytest.mark.parametrize("plan", list(_ACTIVE_STEP_PLANS))
+async def test_an_active_step_search_finds_what_reading_every_flow_finds_whatever_its_plan(
+    store: Store, monkeypatch: pytest.MonkeyPatch, plan: str,
+) -> None:
+    """E13/E16: search_flows with an active Step gives, for every type, status and limit, exactly
+    the first flows (by created_at, then ID by code point) of those a reading of every flow and task
+    finds: running, with an active Step of that type in any state, a config that does not hide
+    them, of the type and status asked; over flows of one millisecond, IDs whose order depends on
+    the collation, hidden flows, flows with two tasks of the Step, closed flows, whichever of its
+    plans the search takes. Catches: a plan losing, repeating or misordering flows."""
+    import random
+
+    if store.url.startswith("postgres") and await store.raw(
+            lambda db: db.all("SELECT 1 FROM pg_collation WHERE collname = 'und-x-icu'")):
+        for table in ("flows", "tasks"):  # what a database created with an ICU locale gives them
+            await store.raw(lambda db, t=table: db.run(
+                f'ALTER TABLE {t} ALTER COLUMN flow_id TYPE TEXT COLLATE "und-x-icu"'), write=True)
+    candidates, walked, lookups = _ACTIVE_STEP_PLANS[plan]
+    monkeypatch.setattr(tx, "ACTIVE_STEP_SEARCH_CANDIDATES", candidates)
+    monkeypatch.setattr(tx, "ACTIVE_STEP_SEARCH_CANDIDATES_PER_FLOW_WALKED", walked)
+    monkeypatch.setattr(tx, "ACTIVE_STEP_SEARCH_LOOKUPS_PG", lookups)
+    monkeypatch.setattr(store_module, "now_ms", lambda: 1_700_000_000_000)
+    await start(store, "template")  # its row and its Start task are copied for every other flow
+    rng = random.Random(1316)
+    hidden = tx.encode_json(FlowConfig(active_step_search=False))
+    flows, tasks = [], []
+    for n in range(160):
+        flow_id = rng.choice(["a", "B", "_x", "1", "\u00e9", "Z", "b", "10"]) + str(n)
+        flows.append((flow_id, rng.choice(["Contract", "Other"]), "running" if rng.random() < 0.85 else "completed",
+                      hidden if rng.random() < 0.2 else b"{}", 1_700_000_000_000 + rng.randrange(25)))
+        for _ in range(rng.choice([0, 1, 1, 1, 2, 2])):
+            state = rng.choice(["waiting", "ready", "running"])
+            tasks.append((flow_id, rng.choice(["Listen", "Listen", "Other"]), state))
+
+    def fill(db: Any) -> None:
+        columns = "input, version"
+        for flow in flows:
+            db.run(f"INSERT INTO flows (flow_id, flow_type, status, config, created_at, {columns}) "
+                   f"SELECT ?, ?, ?, ?, ?, {columns} FROM flows WHERE flow_id = 'template'", flow)
+        columns = "step_execution_id, input, options, method, attempt, run_at, created_at"
+        for flow_id, step_type, state in tasks:
+            db.run(f"INSERT INTO tasks (flow_id, flow_type, step_type, state, {columns}) "
+                   f"SELECT ?, flow_type, ?, ?, {columns} FROM tasks WHERE flow_id = 'template'",
+                   (flow_id, step_type, state))
+
+    await store.raw(fill, write=True)
+    every_flow = await store.raw(lambda db: db.all("SELECT flow_id, flow_type, status, config, created_at FROM flows"))
+    every_task = await store.raw(lambda db: db.all("SELECT flow_id, step_type FROM tasks"))
+    listening = {str(flow_id) for flow_id, step_type in every_task if step_type == "Listen"}
+    assert sum(1 for f in every_flow if f[0] in listening and f[2] == "running") > 40  # pages of 1 to 40 and more
+    for step in ("Listen", "Start", "Other", "Nothing"):
+        with_step = {str(flow_id) for flow_id, step_type in every_task if step_type == step}
+        for flow_type in (None, "Contract", "Other"):
+            for status in (None, "running", "completed"):
+                expected = [flow_id for _, flow_id in sorted(
+                    (int(at), str(flow_id)) for flow_id, ftype, fstatus, config, at in every_flow
+                    if fstatus == "running" and flow_id in with_step and flow_type in (None, ftype)
+                    and status in (None, fstatus) and tx.decode_json(config, FlowConfig).active_step_search)]
+                for limit in (1, 2, 7, 40, 1000):
+                    found = await store.search_flows(flow_type=flow_type, status=status, active_step=step, limit=limit)
+                    assert found == expected[:limit], (step, flow_type, status, limit)
+
+
 class _OtherCommitAfterFirstStatement:
     """A Db whose first statement, once it returned, lets another connection commit (`commit`, run
     to its end on a thread of its own) before the operation goes on: a commit that lands in the

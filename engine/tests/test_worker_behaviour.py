@@ -1556,7 +1556,8 @@ async def test_an_active_step_search_reads_on_after_hidden_flows_without_reading
         await store._run(clone, write=True)
         monkeypatch.setattr(_store, "now_ms", lambda: 1_700_000_000_000 + HIDDEN_FLOWS + 1)
         await eng.client.start_flow("Behaviour", "shown")
-        monkeypatch.setattr(_transitions, "ACTIVE_STEP_SEARCH_CANDIDATES", 0)  # page through running flows
+        monkeypatch.setattr(_transitions, "ACTIVE_STEP_SEARCH_CANDIDATES", 0)  # page through running flows,
+        monkeypatch.setattr(_transitions, "ACTIVE_STEP_SEARCH_CANDIDATES_PER_FLOW_WALKED", 1)  # all of them
         pages: list[tuple[str, tuple[Any, ...]]] = []
         real = _transitions.search_flows
 

@@ -233,6 +233,14 @@ HISTORY_CHAIN_TRIM_EVERY = 4096
 # are at most this many; with more, it reads running flows in order and stops at its limit, which
 # is then cheaper than sorting every match (e.g. all sessions idle in AwaitUserMessage).
 ACTIVE_STEP_SEARCH_CANDIDATES = 2000
+# With more, it reads the running flows in order as far as one per this many candidates, then
+# whatever that window lacks from all the candidates, ordered by the database; the candidates are
+# counted up to ACTIVE_STEP_SEARCH_COUNTED (the count reads an index; a larger count changes little).
+ACTIVE_STEP_SEARCH_CANDIDATES_PER_FLOW_WALKED = 4
+ACTIVE_STEP_SEARCH_COUNTED = 400_000
+# On PostgreSQL the candidates' flows are looked up one by one up to this many, and the planner
+# chooses beyond (see _active_step_flows_after).
+ACTIVE_STEP_SEARCH_LOOKUPS_PG = 10_000
 
 # Pure Executes (Step.pure_execute) one commit may run inside its own transaction: each runs on the
 # event loop while the store's write lock is held, so a chain of them must stay short.

@@ -30,6 +30,9 @@ from ._errors import (
 )
 from ._limits import (
     ACTIVE_STEP_SEARCH_CANDIDATES,
+    ACTIVE_STEP_SEARCH_CANDIDATES_PER_FLOW_WALKED,
+    ACTIVE_STEP_SEARCH_COUNTED,
+    ACTIVE_STEP_SEARCH_LOOKUPS_PG,
     CLAIM_ROWS_PER_SLOT,
     CLOSED_FLOWS_DELETED_PER_HOUSEKEEPING,
     HISTORY_CHAIN_TRIM_EVERY,
@@ -2173,6 +2176,15 @@ def _flow_filter(prefix: str, flow_type: str | None, status: str | None) -> tupl
     return clauses, params
 
 
+# The flows with an active Step of a type: ?s are the type, three times. UNION ALL, deduplicated by
+# the reader: SQLite would build all of a UNION before applying a LIMIT.
+_ACTIVE_STEP_TASKS = (
+    "SELECT flow_id FROM tasks WHERE state = 'waiting' AND step_type = ? UNION ALL "
+    "SELECT flow_id FROM tasks WHERE state = 'ready' AND step_type = ? UNION ALL "
+    "SELECT flow_id FROM tasks WHERE state = 'running' AND step_type = ?"
+)
+
+
 def search_flows(
     db: Db, flow_type: str | None, status: str | None, active_step: str | None, limit: int
 ) -> list[str]:
@@ -2185,13 +2197,8 @@ def search_flows(
     # E13/E16: running flows with an active Step of this type, whose config enables this search.
     clauses.append("f.status = 'running'")
     # The flows that have the Step, through the indexes of each active state, when they are few.
-    # UNION ALL, deduplicated here: SQLite would build all of a UNION before applying the LIMIT.
-    candidates = db.all(
-        "SELECT flow_id FROM tasks WHERE state = 'waiting' AND step_type = ? UNION ALL "
-        "SELECT flow_id FROM tasks WHERE state = 'ready' AND step_type = ? UNION ALL "
-        "SELECT flow_id FROM tasks WHERE state = 'running' AND step_type = ? LIMIT ?",
-        (active_step, active_step, active_step, ACTIVE_STEP_SEARCH_CANDIDATES + 1),
-    )
+    candidates = db.all(_ACTIVE_STEP_TASKS + " LIMIT ?",
+                        (active_step, active_step, active_step, ACTIVE_STEP_SEARCH_CANDIDATES + 1))
     if len(candidates) <= ACTIVE_STEP_SEARCH_CANDIDATES:
         # Each by its key, filtered and ordered here: given the type and status too, SQLite would
         # read every running flow of the type through flows_type_status instead.
@@ -2202,23 +2209,112 @@ def search_flows(
                        if fstatus == "running" and flow_type in (None, ftype) and status in (None, fstatus)
                        and decode_json(config, FlowConfig).active_step_search)
         return [flow_id for _, flow_id in found[:limit]]
-    clauses.append("EXISTS (SELECT 1 FROM tasks t WHERE t.flow_id = f.flow_id AND t.step_type = ?)")
-    params.append(active_step)
+    # Many: the oldest running flows may hold the first `limit` of them (most sessions wait in this
+    # Step), or none (it is rare, or only young sessions reached it). Read the running flows in
+    # order, first as many as ACTIVE_STEP_SEARCH_CANDIDATES, then on to one per
+    # ACTIVE_STEP_SEARCH_CANDIDATES_PER_FLOW_WALKED candidates; whatever those windows lack comes from
+    # all the candidates, each flow read by its key and ordered by the database. Either way the
+    # search costs about as much as reading the candidates, wherever in the order they are, and far
+    # less when the oldest flows hold the page.
+    out, window_end = _walk_running_flows(db, clauses, params, active_step, None, ACTIVE_STEP_SEARCH_CANDIDATES, limit)
+    if len(out) >= limit or window_end is None:  # the page, or every running flow read
+        return out
+    counted = db.one(f"SELECT count(*) FROM ({_ACTIVE_STEP_TASKS} LIMIT ?) c",
+                     (active_step, active_step, active_step, ACTIVE_STEP_SEARCH_COUNTED))
+    candidate_count = int(counted[0]) if counted else 0
+    walked = candidate_count // ACTIVE_STEP_SEARCH_CANDIDATES_PER_FLOW_WALKED
+    if walked > ACTIVE_STEP_SEARCH_CANDIDATES:
+        more, window_end = _walk_running_flows(db, clauses, params, active_step, window_end, walked, limit - len(out))
+        out += more
+        if len(out) >= limit or window_end is None:
+            return out
+    return out + _active_step_flows_after(db, clauses, params, active_step, window_end, candidate_count,
+                                          limit - len(out))
+
+
+def _walk_running_flows(
+    db: Db, clauses: list[str], params: list[Any], active_step: str, after: int | None, flows: int, limit: int,
+) -> tuple[list[str], int | None]:
+    """Up to `limit` flows passing `clauses` with an active Step `active_step` and searchable, in
+    order, read through the running flows in order: those created after `after` (None: any time),
+    as far as the `flows`-th of them. Returns them and that flow's created_at, the end of the window
+    read (all the flows of that millisecond), or None when fewer running flows are left."""
+    if after is None:
+        window = db.one("SELECT created_at FROM flows WHERE status = 'running' ORDER BY created_at LIMIT 1 OFFSET ?",
+                        (max(0, flows - 1),))
+    else:
+        window = db.one("SELECT created_at FROM flows WHERE status = 'running' AND created_at > ? "
+                        "ORDER BY created_at LIMIT 1 OFFSET ?", (after, max(0, flows - 1)))
+    window_end = None if window is None else int(window[0])
+    clauses = [*clauses, "EXISTS (SELECT 1 FROM tasks t WHERE t.flow_id = f.flow_id AND t.step_type = ?)"]
+    params = [*params, active_step]
+    if window_end is not None:
+        clauses.append("f.created_at <= ?")
+        params.append(window_end)
     select = f"SELECT f.flow_id, f.config, f.created_at FROM flows f WHERE {' AND '.join(clauses)}"
     flow_id = _by_code_point(db, "f.flow_id")
     order = f" ORDER BY f.created_at, {flow_id} LIMIT ?"
     out: list[str] = []
-    rows = db.all(select + order, (*params, limit))
+    rows = db.all(select + order if after is None else select + " AND f.created_at > ?" + order,
+                  (*params, limit) if after is None else (*params, after, limit))
     while True:
         out += [str(flow_id) for flow_id, config, _ in rows if decode_json(config, FlowConfig).active_step_search]
         if len(out) >= limit or len(rows) < limit:
-            return out[:limit]
+            return out[:limit], window_end
         # Flows whose config hides them from this search took places in the page: read on after it.
         # `created_at >= ?` on its own too: an index range starts there, where the OR alone made
         # each page read the running flows from the first one again (quadratic in hidden flows).
+        # Not `after` too: SQLite may start the range there instead.
         last_id, _, last_at = rows[-1]
         rows = db.all(select + f" AND f.created_at >= ? AND (f.created_at > ? OR {flow_id} > ?)" + order,
                       (*params, last_at, last_at, last_id, limit))
+
+
+def _active_step_flows_after(
+    db: Db, clauses: list[str], params: list[Any], active_step: str, after: int, candidates: int, limit: int,
+) -> list[str]:
+    """Up to `limit` flows passing `clauses` with an active Step `active_step` and searchable, in
+    order, created after `after`: each of the `candidates` (about) tasks' flow read by its key, all
+    ordered by the database (SQLite sorts them in a temporary b-tree, far faster than here)."""
+    flow_id = _by_code_point(db, "f.flow_id")
+    order = f" ORDER BY f.created_at, {flow_id} LIMIT ?"
+    params = [active_step, active_step, active_step, *params, after]
+
+    def select(where: str) -> str:
+        where = f"f.flow_id = c.flow_id AND {' AND '.join(clauses)} AND f.created_at > ?{where}"
+        if not _on_postgres(db):
+            # CROSS JOIN: SQLite reads the candidates first, where it would read every running flow
+            # through flows_status and look each up among them.
+            flows = f"({_ACTIVE_STEP_TASKS}) c CROSS JOIN flows f WHERE {where}"
+        elif candidates <= ACTIVE_STEP_SEARCH_LOOKUPS_PG:
+            # Each candidate's flow by its key (OFFSET 0 keeps the subquery apart, so the join cannot
+            # be planned otherwise): PostgreSQL's default costs (pages read from disk) made it read
+            # and hash every flow instead, five times slower with 2,000 candidates among 100,000.
+            flows = (f"({_ACTIVE_STEP_TASKS}) c CROSS JOIN LATERAL (SELECT f.flow_id, f.config, f.created_at "
+                     f"FROM flows f WHERE {where} OFFSET 0) f")
+        else:
+            # More: PostgreSQL plans the join. Forcing the lookups, its estimate of their cost would
+            # pass jit_above_cost and compile the statement first (100 ms with 50,000 candidates),
+            # and hashing the flows, in parallel, is then about as fast.
+            flows = f"({_ACTIVE_STEP_TASKS}) c JOIN flows f ON {where}"
+        return f"SELECT f.flow_id, f.config, f.created_at FROM {flows}{order}"
+
+    out: list[str] = []
+    page = limit
+    rows = db.all(select(""), (*params, page))
+    while True:
+        # A flow with two tasks of the Step comes twice, one row after the other.
+        for flow_id_, config, _ in rows:
+            if (not out or out[-1] != flow_id_) and decode_json(config, FlowConfig).active_step_search:
+                out.append(str(flow_id_))
+        if len(out) >= limit or len(rows) < page:
+            return out[:limit]
+        # Hidden flows or repeated ones took places in the page: read on after it, in pages twice
+        # as long each time, as each reads every candidate again.
+        last_id, _, last_at = rows[-1]
+        page *= 2
+        rows = db.all(select(f" AND (f.created_at > ? OR (f.created_at = ? AND {flow_id} > ?))"),
+                      (*params, last_at, last_at, last_id, page))
 
 
 def list_flows(db: Db, flow_type: str | None, status: str | None, limit: int) -> list[FlowInfo]:
