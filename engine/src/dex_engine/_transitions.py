@@ -1819,7 +1819,7 @@ def unregister_worker(db: Db, worker_id: str, now: int, holder: tuple[str, int] 
     its attempts left in the database are failed or handed back as a dead worker's."""
     where, params = _worker_row(worker_id, holder)
     _send(db, f"DELETE FROM workers WHERE {where}", params)
-    _expire_orphans(db, now)
+    _expire_orphans(db, now, stopped_worker=worker_id)
     # The leaving worker may be the only one that knew a due time (a timer it registered, a retry
     # it scheduled: such commits send no notification): wake the others to learn it.
     db.notify()
@@ -1926,19 +1926,31 @@ def _in_lock_order(rows: list[Row], flow: int, task: int) -> list[Row]:
     return sorted(rows, key=lambda r: (str(r[flow]), int(r[task])))
 
 
-def _expire_orphans(db: Db, now: int) -> int:
-    orphan = ("SELECT t.task_id, t.attempt_started, t.flow_id FROM tasks t LEFT JOIN workers w "
+# The error of a started attempt whose worker is gone. A worker that stops leaves in the database
+# only what outlasted its grace (its drain revoked it): "died" there sends an operator looking for
+# a crash, where the cause is the grace (the stopping worker's warning says what to change). Kept
+# free of advice: an agent's tool record carries this text to the model.
+WORKER_DIED = ErrorInfo("WorkerLost", "the worker running the attempt died")
+WORKER_STOPPED = ErrorInfo("WorkerLost", "the worker running the attempt stopped before the attempt ended "
+                                         "(its shutdown_grace_seconds ran out)")
+
+
+def _expire_orphans(db: Db, now: int, *, stopped_worker: str | None = None) -> int:
+    """Fail or hand back the running attempts of workers that have no row; those of `stopped_worker`,
+    which is unregistering, fail as stopped rather than died."""
+    orphan = ("SELECT t.task_id, t.attempt_started, t.flow_id, t.lease_owner FROM tasks t LEFT JOIN workers w "
               "ON w.worker_id = t.lease_owner WHERE t.state = 'running' AND w.worker_id IS NULL")
     count = 0
-    for candidate, _started, candidate_flow in _in_lock_order(db.all(orphan), 2, 0):
+    for candidate, _started, candidate_flow, _owner in _in_lock_order(db.all(orphan), 2, 0):
         lock_flow(db, str(candidate_flow))
         row = db.one(orphan + " AND t.task_id = ?", (candidate,))
         if row is None:
             continue  # renewed, committed or handled meanwhile
-        task_id, started, flow_id = row
+        task_id, started, flow_id, owner = row
         count += 1
         if started:
-            _fail_task(db, int(task_id), ErrorInfo("WorkerLost", "the worker running the attempt died"), False, now)
+            error = WORKER_STOPPED if stopped_worker is not None and owner == stopped_worker else WORKER_DIED
+            _fail_task(db, int(task_id), error, False, now)
         else:
             # E3: never started: hand the same attempt out again, consuming no retry.
             _send(

@@ -67,6 +67,8 @@ from ._store import LOST_CLAIM_MS, Store, commit_origin, stop_retrying
 from ._wait import ChannelCondition, Wait, WaitSpec
 
 log = logging.getLogger("dex_engine.worker")
+# Attempts a stop past its grace names in its warning (the count says how many more).
+_LATE_ATTEMPTS_NAMED = 10
 
 
 @dataclass(frozen=True)
@@ -731,6 +733,17 @@ class AsyncWorker:
         for task in self._handing_back:
             task.cancel()  # unregistering at the end hands these claims back too
         late = [r for r in self._running.values() if r.task is not None]
+        if late:
+            # Said here: otherwise the only trace is a WorkerLost in each flow's history, and the
+            # attempts (a model call, a tool) run again elsewhere or, for writes, end outcome unknown.
+            log.warning(
+                "worker %s stops after its shutdown_grace_seconds (%s s) with %d attempts still running, now "
+                "cancelled: %s; each runs again elsewhere, or, started, fails as WorkerLost through its retry "
+                "policy (a write that may not repeat ends outcome unknown). To let such attempts finish, give "
+                "WorkerOptions a shutdown_grace_seconds longer than they run, and the process supervisor a "
+                "stop timeout longer than that", self.worker_id, self.options.shutdown_grace_seconds,
+                len(late), ", ".join(f"{r.lease.flow_id}/{r.lease.step_execution_id} attempt {r.lease.attempt}"
+                                     for r in late[:_LATE_ATTEMPTS_NAMED]))
         for running in late:
             self._revoke(running)
         if late or self._handing_back:
