@@ -747,6 +747,21 @@ def _conninfo(url: str) -> str:
         ) from None
 
 
+def _engine_schema(url: str) -> str | None:
+    """The schema (quoted as SQL needs) whose `meta` table the URL's search_path finds, else the
+    first schema of that path: the one a GRANT must name, so the advice gives a statement to run
+    as written. None when it cannot be read (the advice then shows a placeholder)."""
+    conninfo = _conninfo(url)
+    app_name = psycopg.conninfo.conninfo_to_dict(conninfo).get("application_name") or "dex_engine"
+    try:
+        with psycopg.connect(conninfo, autocommit=True, application_name=app_name) as conn:
+            row = conn.execute("SELECT COALESCE((SELECT relnamespace::regnamespace::text FROM pg_class "
+                               "WHERE oid = to_regclass('meta')), quote_ident(current_schema()))").fetchone()
+    except psycopg.Error:
+        return None
+    return str(row[0]) if row is not None and row[0] is not None else None
+
+
 def _open_error(url: str, exc: psycopg.Error) -> StoreOpenError:
     return StoreOpenError(
         f"cannot open {shown_url(url)!r} as a dex_engine database: {type(exc).__name__}: "
@@ -770,9 +785,10 @@ def _open_advice(url: str, exc: psycopg.Error) -> str:
             return (f"{user} may not create tables there: as the schema's owner run GRANT CREATE ON SCHEMA "
                     f"{schema.group(1)} TO {user}, or name a database or schema {user} owns")
         if re.search(r"permission denied for (table|sequence|function)", text):
+            home = _engine_schema(url) or "<schema>"
             return (f"its dex_engine tables belong to another role: connect as that role, or as it run GRANT "
-                    f"SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA <schema> TO {user} and GRANT USAGE, "
-                    f"SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA <schema> TO {user} (migrations still need the owner)")
+                    f"SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {home} TO {user} and GRANT USAGE, "
+                    f"SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA {home} TO {user} (migrations still need the owner)")
         return f"{user} lacks a privilege the engine needs there; connect as the role that owns its database"
     if isinstance(exc, pg_errors.InvalidSchemaName):
         return ("the schema the URL's search_path names first does not exist: create it (CREATE SCHEMA ...) or "
