@@ -431,7 +431,11 @@ def test_db_comes_from_the_environment_then_the_default(
     result = run("search", 'FlowStatus = "completed"', env={"DEX_ENGINE_DB": db})
     assert result.exit_code == 0 and result.stdout.split() == ["done-1"]
     monkeypatch.chdir(tmp_path)
-    assert_one_line_error(run("list", env={"DEX_ENGINE_DB": None}), "dex.db", "DEX_ENGINE_DB")
+    # Relative, from the working directory: the error names that directory and the file's absolute
+    # path (as a worker's start log does), so a command run from the wrong directory is told so.
+    assert_one_line_error(run("list", env={"DEX_ENGINE_DB": None}),
+                          f"no database file {str(tmp_path / 'dex.db')!r} (from --db sqlite:///dex.db, relative "
+                          f"to the working directory {str(tmp_path)!r})", "DEX_ENGINE_DB")
     assert not (tmp_path / "dex.db").exists()
 
 

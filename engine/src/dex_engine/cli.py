@@ -91,7 +91,11 @@ def _check_database(url: str, *, must_exist: bool) -> None:
         except ValueError as exc:
             raise CliError(str(exc)) from None
         if must_exist and not os.path.exists(path):  # named here to name --db; the rest in check_existing
-            raise CliError(f"no database file {path!r} (from --db {shown_url(url)}); pass --db or set {DB_ENV}")
+            # A relative path names a file in the working directory: say which, as a worker's start
+            # log names its file by its absolute path, so the two can be compared.
+            where = "" if os.path.isabs(path) else f", relative to the working directory {os.getcwd()!r}"
+            raise CliError(f"no database file {os.path.abspath(path)!r} (from --db {shown_url(url)}{where}); "
+                           f"pass --db or set {DB_ENV} to the URL the workers use")
     with _open_errors(url):
         check_existing(url, CLI_WORDING, must_exist=must_exist)
 
