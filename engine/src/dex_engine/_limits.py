@@ -265,3 +265,7 @@ ROWS_PER_STATEMENT = 200
 # The largest channel message ID: both backends number messages with signed 64-bit integers, and
 # SQLite cannot even be asked about a larger one (the driver raises OverflowError).
 MAX_MESSAGE_ID = 2**63 - 1
+
+# Attempts still running that a worker stopping past its grace names in its warning; the count
+# says how many more, and one log line stays readable with hundreds of slots.
+LATE_ATTEMPTS_NAMED = 10

@@ -45,6 +45,7 @@ from ._limits import (
     DEFAULT_POLL_SECONDS,
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
     FAILURE_LOG_SECONDS,
+    LATE_ATTEMPTS_NAMED,
     MAX_CONCURRENT_TASKS,
     MAX_OPTION_SECONDS,
     MAX_RETENTION_SECONDS,
@@ -67,8 +68,6 @@ from ._store import LOST_CLAIM_MS, Store, commit_origin, stop_retrying
 from ._wait import ChannelCondition, Wait, WaitSpec
 
 log = logging.getLogger("dex_engine.worker")
-# Attempts a stop past its grace names in its warning (the count says how many more).
-_LATE_ATTEMPTS_NAMED = 10
 
 
 @dataclass(frozen=True)
@@ -743,7 +742,7 @@ class AsyncWorker:
                 "WorkerOptions a shutdown_grace_seconds longer than they run, and the process supervisor a "
                 "stop timeout longer than that", self.worker_id, self.options.shutdown_grace_seconds,
                 len(late), ", ".join(f"{r.lease.flow_id}/{r.lease.step_execution_id} attempt {r.lease.attempt}"
-                                     for r in late[:_LATE_ATTEMPTS_NAMED]))
+                                     for r in late[:LATE_ATTEMPTS_NAMED]))
         for running in late:
             self._revoke(running)
         if late or self._handing_back:
