@@ -384,6 +384,31 @@ async def test_undeclared_name_from_client_or_rpc(db_url: str, case: str, name: 
         await refused(eng.store, calls[case], UndeclaredNameError, name, "'Bad'")
 
 
+@pytest.mark.parametrize("ref", [None, "Note", 7, b"Events", ["Note"]], ids=["none", "name", "int", "bytes", "list"])
+@pytest.mark.parametrize("method", ["publish", "get_attribute", "get_attribute_map", "read_stream"])
+async def test_client_calls_refuse_a_schema_ref_of_another_type(db_url: str, method: str, ref: Any) -> None:
+    """publish, get_attribute, get_attribute_map and read_stream given something other than the
+    Channel, Attribute, AttributeMap or Stream (None, the attribute's name as text) raise
+    InvalidValueError naming the argument, its type and what to pass, changing nothing; read_stream
+    still takes a stream's name. Catches: AttributeError ('NoneType' object has no attribute
+    'name') or TypeError ('str' indices) from deep in the lookup, naming neither."""
+    if method == "read_stream" and isinstance(ref, str):
+        ref = 7  # a name is a stream read_stream accepts
+    async with idle_engine(db_url) as eng:
+        c = eng.client
+        calls: dict[str, tuple[Callable[[], Awaitable[Any]], str]] = {
+            "publish": (lambda: c.publish("f", ref, 1), "channel must be of type ChannelRef"),
+            "get_attribute": (lambda: c.get_attribute("f", ref), "ref must be of type AttributeRef"),
+            "get_attribute_map": (lambda: c.get_attribute_map("f", ref), "amap must be of type AttributeMap"),
+            "read_stream": (lambda: c.read_stream("f", ref), "stream must be of type Stream"),
+        }
+        call, named = calls[method]
+        await refused(eng.store, call, InvalidValueError, named, f"got {type(ref).__name__}: {ref!r}",
+                      "the Flow declares")
+        assert await c.get_attribute("f", Note) == "kept"
+        assert [e.value for e in (await c.read_stream("f", "Events")).events] == ["e1"]
+
+
 @pytest.mark.parametrize(
     ("what", "method", "error", "name"),
     [

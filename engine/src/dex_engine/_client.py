@@ -25,6 +25,7 @@ from ._errors import (
     RpcNotFoundError,
     StepNotWaitingError,
     UndeclaredNameError,
+    shown,
 )
 from ._flow import Flow, Registry, Rpc
 from ._ids import check_id
@@ -479,18 +480,21 @@ class AsyncClient:
 
     async def publish(self, flow_id: str, channel: ChannelRef[T], value: T) -> int:
         """Queue a message on a flow's channel; returns its message ID."""
+        _check_ref("channel", channel, ChannelRef, "pass the Channel (or ChannelMap[key]) the Flow declares")
         data = encode_value(channel.label, channel.value_type, value)
         return await self._by_stored_type(
             flow_id, lambda flow: flow.check_channel(channel),
             lambda flow, _: self._store.publish(flow_id, channel.name, channel.key, data, flow.flow_type))
 
     async def get_attribute(self, flow_id: str, ref: AttributeRef[T]) -> T | None:
+        _check_ref("ref", ref, AttributeRef, "pass the Attribute (or AttributeMap[key]) the Flow declares")
         data = await self._by_stored_type(
             flow_id, lambda flow: flow.check_attribute(ref),
             lambda flow, _: self._store.read_attribute(flow_id, ref.name, ref.key, flow.flow_type))
         return None if data is None else decode_value(ref.label, ref.value_type, data)
 
     async def get_attribute_map(self, flow_id: str, amap: AttributeMap[T]) -> dict[str, T]:
+        _check_ref("amap", amap, AttributeMap, "pass the AttributeMap the Flow declares")
         rows = await self._by_stored_type(
             flow_id, lambda flow: flow.check_attribute(amap["?"]),
             lambda flow, _: self._store.read_attribute_map(flow_id, amap.name, flow.flow_type))
@@ -504,6 +508,8 @@ class AsyncClient:
         if not (is_number(wait_seconds) and 0 <= wait_seconds <= MAX_STREAM_WAIT_SECONDS):
             raise ValueError(f"wait_seconds must be between 0 and {MAX_STREAM_WAIT_SECONDS}, got {wait_seconds!r}")
         _check_limit(limit)
+        if not isinstance(stream, str):
+            _check_ref("stream", stream, Stream, "pass the Stream the Flow declares, or its name")
         return await self._by_stored_type(
             flow_id, lambda flow: flow.check_stream(stream),
             lambda flow, declared: self._read_stream(flow, flow_id, declared, resume_token, wait_seconds, limit))
@@ -625,6 +631,14 @@ def _flow_config(label: str, config: object) -> FlowConfig:
     if not isinstance(config, FlowConfig):
         raise InvalidValueError(f"{label} must be a FlowConfig, got {type(config).__name__}: {config!r:.60}")
     return config
+
+
+def _check_ref(label: str, ref: object, kind: type, advice: str) -> None:
+    """InvalidValueError unless `ref` is a `kind`: anything else (None, a name given as text) failed
+    deep in the lookup with AttributeError or TypeError, naming neither the argument nor the fix."""
+    if not isinstance(ref, kind):
+        raise InvalidValueError(f"{label} must be of type {kind.__name__}, got {type(ref).__name__}: {shown(ref)}; "
+                                f"{advice}")
 
 
 def _check_limit(limit: object) -> None:

@@ -226,3 +226,18 @@ class StoreOpenError(DexError, RuntimeError):
 
 class NoRetryError(DexError):
     """Raise from a handler to fail the method now, skipping its remaining retries."""
+
+
+# How much of a caller's value an error message shows.
+SHOWN_CHARS = 60
+
+
+def shown(value: object, chars: int = SHOWN_CHARS) -> str:
+    """repr(value), at most `chars` characters, for an error that names a caller's value. Never
+    raises: an int of over 4,300 digits has no repr (ValueError), nor has an object whose __repr__
+    raises, and the error about the value must still be the one raised."""
+    try:
+        text = repr(value)
+    except Exception as exc:
+        return f"(a {type(value).__name__} whose repr could not be made: {type(exc).__name__})"
+    return text[:chars]
