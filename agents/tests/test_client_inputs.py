@@ -8,6 +8,7 @@ too long for int() raising instead of being "not queued".
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -26,8 +27,13 @@ from dex_engine import (
     Client,
     FlowConfig,
     InvalidIdError,
+    InvalidResumeTokenError,
+    InvalidValueError,
     Registry,
+    RpcNotFoundError,
+    SearchQueryError,
     StepDurability,
+    UnknownFlowTypeError,
     WorkerOptions,
     open_store,
 )
@@ -178,3 +184,61 @@ async def test_message_pages_and_plan_revisions_refuse_a_number_that_is_not_a_wh
             assert f"got {type(bad).__name__}: {bad!r}" in str(caught.value)
         page = await sessions.list_agent_messages("s", before_sequence=None, limit=1)
         assert len(page.messages) == 1 and page.next_before_sequence == page.messages[0].sequence
+
+
+class _Unshowable:
+    """A value whose repr raises (an ORM row detached from its session, say)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("detached")
+
+
+@pytest.mark.parametrize("bad", [10**5000, _Unshowable()], ids=["int-of-5000-digits", "repr-raises"])
+async def test_a_value_with_no_repr_gets_the_error_about_it(tmp_path: Path, db_url: str, bad: Any) -> None:  # noqa: F811
+    """A value whose repr cannot be made (an int of over 4,300 digits, an object whose __repr__
+    raises) given to a session or engine call gets the error that call gives any value of its
+    type, naming the parameter, and stores nothing; the session then works. Catches: the error's
+    own text raising Python's ValueError ("Exceeds the limit (4300 digits) for integer string
+    conversion") or the object's error instead, and wait_for_flow raising OverflowError."""
+    async with sessions_on(tmp_path, db_url, worker=True) as sessions:
+        await sessions.start_session("s", "hi")
+        await wait_for_agent_snapshot(sessions, "s", _turn_ended, description="the first turn ended")
+        client = sessions.client
+        kind = type(bad).__name__
+        calls: dict[str, tuple[Callable[[], Awaitable[object]], type[Exception], str]] = {
+            "session ID": (lambda: sessions.send_user_message(bad, "hi"), InvalidIdError,
+                           f"flow ID must be a string, got {kind}: (a {kind} whose repr could not be made"),
+            "text": (lambda: sessions.send_user_message("s", bad), TypeError, f"text must be a str, got {kind}: (a"),
+            "interrupt_id": (lambda: sessions.resolve_interrupt("s", bad, True), TypeError,
+                             f"interrupt_id must be a str, got {kind}"),
+            "search mode": (lambda: sessions.start_session("t", active_step_search_mode=bad), ValueError,
+                            "active_step_search_mode must be an ActiveStepSearchMode, got (a"),
+            "resume token": (lambda: sessions.read_agent_events("s", bad), InvalidResumeTokenError,
+                             "resume token (a"),
+            "wait_seconds": (lambda: sessions.read_agent_events("s", wait_seconds=bad), ValueError,
+                             "wait_seconds must be between 0 and"),
+            "limit": (lambda: client.search_flows("", bad), ValueError, "limit must be a whole number"),
+            "query": (lambda: client.search_flows(bad), SearchQueryError, f"search query must be text, got {kind}"),
+            "rpc name": (lambda: client.rpc("s", bad), RpcNotFoundError, "has no RPC (a"),
+            "flow type": (lambda: client.start_flow(bad, "t"), UnknownFlowTypeError, "unknown flow type (a"),
+            "reason": (lambda: client.stop_flow("s", bad), InvalidValueError, "stop_flow's reason must be a str"),
+            "config": (lambda: client.start_flow("ScriptedAgent", "t", config_override=bad), InvalidValueError,
+                       "config_override must be a FlowConfig"),
+        }
+        if isinstance(bad, int):
+            calls["timeout"] = (lambda: client.wait_for_flow("s", bad), TimeoutError, "")
+        for name, (call, error, text) in calls.items():
+            try:
+                await asyncio.wait_for(call(), 0.5 if name == "timeout" else 30)
+            except Exception as exc:
+                if name == "timeout":  # waits for ever, as math.inf does: cut short here
+                    assert isinstance(exc, TimeoutError), (name, exc)
+                    continue
+                assert type(exc) is error, (name, type(exc), exc)
+                assert str(exc).startswith(text) or text in str(exc), (name, str(exc))
+            else:
+                raise AssertionError(f"{name}: {bad!r:.0} accepted")
+        assert not await client.exists("t")
+        assert await sessions.send_user_message("s", "again")
+        await wait_for_agent_snapshot(sessions, "s", lambda s: s.state is not None and s.state.turn_count >= 2
+                                      and s.state.active_turn_id is None, description="the second turn ended")

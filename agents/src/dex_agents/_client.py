@@ -15,8 +15,8 @@ from ._constants import (
     LIST_MESSAGES_DEFAULT_LIMIT,
     RPC_LOCK_CONFLICT_RETRY,
     RPC_LOCK_CONFLICT_RETRY_INTERVAL,
-    SHOWN_VALUE_CHARS,
 )
+from ._policy import shown
 from ._session_flow import AgentSessionFlow
 from ._session_settings import validate_session_settings
 from ._turn_logic import storable_rejection_message
@@ -56,10 +56,10 @@ def agent_session_flow_config(
 ) -> FlowConfig:
     """The FlowConfig to pass to AsyncClient.start_flow(config_override=...) for a session."""
     if not isinstance(mode, ActiveStepSearchMode):
-        raise ValueError(f"active_step_search_mode must be an ActiveStepSearchMode, got {mode!r}")
+        raise ValueError(f"active_step_search_mode must be an ActiveStepSearchMode, got {shown(mode)}")
     if step_durability not in tuple(StepDurability):  # a member, or its text ("SYNC"), as FlowConfig takes
         raise ValueError(
-            f"step_durability must be StepDurability.SYNC or StepDurability.ASYNC, got {step_durability!r}")
+            f"step_durability must be StepDurability.SYNC or StepDurability.ASYNC, got {shown(step_durability)}")
     return FlowConfig(active_step_search=mode is ActiveStepSearchMode.ENABLED, default_step_durability=step_durability)
 
 
@@ -68,7 +68,7 @@ def _check_text(name: str, value: object, *, optional: bool = False) -> None:
     JSON would take bytes as their base64 text: b"hi" would be sent as the message "aGk="."""
     if not isinstance(value, str) and not (optional and value is None):
         kind = "a str or None" if optional else "a str"
-        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}: {value!r:.{SHOWN_VALUE_CHARS}}")
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}: {shown(value)}")
 
 
 def _check_whole_number(name: str, value: object, *, optional: bool = False) -> None:
@@ -77,7 +77,7 @@ def _check_whole_number(name: str, value: object, *, optional: bool = False) -> 
     was read as no before_sequence, and answered with the newest page."""
     if (not isinstance(value, int) or isinstance(value, bool)) and not (optional and value is None):
         kind = "a whole number (int) or None" if optional else "a whole number (int)"
-        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}: {value!r:.{SHOWN_VALUE_CHARS}}")
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}: {shown(value)}")
 
 
 class AgentSessionClient:

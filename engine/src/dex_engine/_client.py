@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import math
 import re
+import sys
 import threading
 import time
 import weakref
@@ -84,7 +86,7 @@ def parse_search(query: str) -> dict[str, str]:
     terms: dict[str, str] = {}
     given: object = query
     if not isinstance(given, str):
-        raise SearchQueryError(f"search query must be text, got {type(given).__name__}: {given!r:.60}")
+        raise SearchQueryError(f"search query must be text, got {type(given).__name__}: {shown(given)}")
     if not query.strip():
         return terms
     at = 0
@@ -506,7 +508,8 @@ class AsyncClient:
     ) -> StreamRead:
         """Events after `resume_token` (from the start when None), long-polling up to `wait_seconds`."""
         if not (is_number(wait_seconds) and 0 <= wait_seconds <= MAX_STREAM_WAIT_SECONDS):
-            raise ValueError(f"wait_seconds must be between 0 and {MAX_STREAM_WAIT_SECONDS}, got {wait_seconds!r}")
+            raise ValueError(
+                f"wait_seconds must be between 0 and {MAX_STREAM_WAIT_SECONDS}, got {shown(wait_seconds, None)}")
         _check_limit(limit)
         if not isinstance(stream, str):
             _check_ref("stream", stream, Stream, "pass the Stream the Flow declares, or its name")
@@ -550,7 +553,8 @@ class AsyncClient:
     async def stop_flow(self, flow_id: str, reason: str = "") -> None:
         given: object = reason  # typed str; checked for callers that pass anything (None, 0, b"")
         if not isinstance(given, str):
-            raise InvalidValueError(f"stop_flow's reason must be a str, got {type(given).__name__}: {given!r:.200}; "
+            raise InvalidValueError(f"stop_flow's reason must be a str, got {type(given).__name__}: "
+                                    f"{shown(given, 200)}; "
                                     "give it as text")
         await self._store.stop_flow(known_flow_id(flow_id), reason)
 
@@ -601,9 +605,11 @@ class AsyncClient:
         """Poll until the flow is closed (`timeout_seconds` may be math.inf); raises TimeoutError with
         its active Steps otherwise."""
         if not (is_number(timeout_seconds) and timeout_seconds >= 0):  # NaN too: it never times out
-            raise ValueError(f"timeout_seconds must be a number of seconds >= 0, got {timeout_seconds!r}")
+            raise ValueError(f"timeout_seconds must be a number of seconds >= 0, got {shown(timeout_seconds, None)}")
         flow_id = known_flow_id(flow_id)
-        deadline = time.monotonic() + timeout_seconds
+        # An int too large for a float (10**400) waits for ever, as math.inf does: added as it is, it
+        # raised OverflowError.
+        deadline = time.monotonic() + (math.inf if timeout_seconds > sys.float_info.max else timeout_seconds)
         while True:
             info = await self._store.describe_flow(flow_id)
             if info.status != "running":
@@ -629,7 +635,7 @@ def _flow_config(label: str, config: object) -> FlowConfig:
     """`config` if it is a FlowConfig: the store would write any struct or mapping given instead, and
     a flow whose stored config no reader decodes never runs another Step."""
     if not isinstance(config, FlowConfig):
-        raise InvalidValueError(f"{label} must be a FlowConfig, got {type(config).__name__}: {config!r:.60}")
+        raise InvalidValueError(f"{label} must be a FlowConfig, got {type(config).__name__}: {shown(config)}")
     return config
 
 
@@ -643,7 +649,7 @@ def _check_ref(label: str, ref: object, kind: type, advice: str) -> None:
 
 def _check_limit(limit: object) -> None:
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_READ_LIMIT:
-        raise ValueError(f"limit must be a whole number from 1 to {MAX_READ_LIMIT}, got {limit!r}")
+        raise ValueError(f"limit must be a whole number from 1 to {MAX_READ_LIMIT}, got {shown(limit, None)}")
 
 
 class Client:

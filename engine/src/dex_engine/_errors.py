@@ -102,14 +102,14 @@ class FlowNotActiveError(FlowNotActiveOrNotFoundError):
 class UnknownFlowTypeError(DexError):
     def __init__(self, flow_type: str, known: list[str]) -> None:
         super().__init__(
-            f"unknown flow type {flow_type!r}; the Registry has {sorted(known)!r}"
+            f"unknown flow type {shown(flow_type, None)}; the Registry has {sorted(known)!r}"
         )
         self.flow_type = flow_type
 
 
 class RpcNotFoundError(DexError):
     def __init__(self, flow_type: str, name: str, known: list[str]) -> None:
-        super().__init__(f"flow type {flow_type!r} has no RPC {name!r}; it has {sorted(known)!r}")
+        super().__init__(f"flow type {flow_type!r} has no RPC {shown(name, None)}; it has {sorted(known)!r}")
         self.name = name
 
 
@@ -232,12 +232,12 @@ class NoRetryError(DexError):
 SHOWN_CHARS = 60
 
 
-def shown(value: object, chars: int = SHOWN_CHARS) -> str:
-    """repr(value), at most `chars` characters, for an error that names a caller's value. Never
+def shown(value: object, chars: int | None = SHOWN_CHARS) -> str:
+    """repr(value), at most `chars` characters (None: all), for an error that names a caller's value. Never
     raises: an int of over 4,300 digits has no repr (ValueError), nor has an object whose __repr__
     raises, and the error about the value must still be the one raised."""
     try:
         text = repr(value)
     except Exception as exc:
         return f"(a {type(value).__name__} whose repr could not be made: {type(exc).__name__})"
-    return text[:chars]
+    return text if chars is None else text[:chars]

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from ._errors import InvalidIdError
+from ._errors import InvalidIdError, shown
 from ._limits import MAX_ID_LENGTH, RESERVED_ID_CHARACTERS, RESERVED_NAME_CHARACTERS
 
 
 def check_id(kind: str, value: object) -> str:
     """Return `value` if it is a usable ID, else raise InvalidIdError naming the problem."""
     if not isinstance(value, str):
-        raise InvalidIdError(f"{kind} must be a string, got {type(value).__name__}: {value!r}")
+        raise InvalidIdError(f"{kind} must be a string, got {type(value).__name__}: {shown(value, None)}")
     if not value:
         raise InvalidIdError(f"{kind} is empty; give a non-empty {kind}")
     if len(value) > MAX_ID_LENGTH:
@@ -44,7 +44,7 @@ def check_name(kind: str, value: object) -> str:
 def check_key(kind: str, value: object) -> str:
     """Map and channel keys: any non-empty printable text up to the ID length."""
     if not isinstance(value, str):
-        raise InvalidIdError(f"{kind} must be a string, got {type(value).__name__}: {value!r}")
+        raise InvalidIdError(f"{kind} must be a string, got {type(value).__name__}: {shown(value, None)}")
     if not value:
         raise InvalidIdError(f"{kind} is empty; give a non-empty key")
     if len(value) > MAX_ID_LENGTH:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ._errors import InvalidResumeTokenError
+from ._errors import InvalidResumeTokenError, shown
 
 
 class _Position(msgspec.Struct, frozen=True, array_like=True):
@@ -45,7 +45,7 @@ def read_token(secret: bytes, token: str, flow_id: str, stream: str) -> TokenPos
     check_incarnation, once the flow is read)."""
     if not isinstance(token, str) or token.count(".") != 1 or not token.isascii():
         # Cut: a token comes from a client (a Last-Event-ID header, say), and the error is logged.
-        raise InvalidResumeTokenError(f"resume token {token!r:.200} is malformed")
+        raise InvalidResumeTokenError(f"resume token {shown(token, 200)} is malformed")
     body, _, mac = token.encode().partition(b".")
     expected = base64.urlsafe_b64encode(hmac.new(secret, body, hashlib.sha256).digest()[:16]).rstrip(b"=")
     if not hmac.compare_digest(expected, mac):
