@@ -1159,6 +1159,12 @@ DURABILITY_CHOICES = "StepDurability.SYNC or StepDurability.ASYNC"
         pytest.param({"active_step_search": 1}, "FlowConfig active_step_search must be a bool, got 1", id="search-int"),
         pytest.param({"active_step_search": "false"}, "FlowConfig active_step_search must be a bool, got 'false'",
                      id="search-text"),
+        # Catches: Python's ValueError (an int of over 4,300 digits has no repr) instead of this error.
+        pytest.param({"active_step_search": 10**5000}, "FlowConfig active_step_search must be a bool, got (a int "
+                     "whose repr could not be made: ValueError)", id="search-int-without-repr"),
+        pytest.param({"default_step_durability": 10**5000}, f"FlowConfig default_step_durability must be "
+                     f"{DURABILITY_CHOICES}, got (a int whose repr could not be made: ValueError)",
+                     id="durability-int-without-repr"),
     ],
 )
 def test_a_flow_config_with_a_bad_field_is_refused_when_built(kwargs: dict[str, Any], message: str) -> None:

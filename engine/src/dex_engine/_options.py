@@ -9,7 +9,7 @@ from typing import Any, Literal, TypeGuard
 
 import msgspec
 
-from ._errors import FlowDefinitionError, InvalidValueError
+from ._errors import FlowDefinitionError, InvalidValueError, shown
 from ._limits import MAX_TIMER_SECONDS
 from ._retry import RetryPolicy
 from ._schema import AttributeMap, AttributeRef
@@ -240,12 +240,12 @@ class FlowConfig(msgspec.Struct, frozen=True, omit_defaults=True):
         # msgspec runs this on every decode too, where both values are right: two type tests.
         search: object = self.active_step_search
         if not isinstance(search, bool):
-            raise InvalidValueError(f"FlowConfig active_step_search must be a bool, got {search!r}")
+            raise InvalidValueError(f"FlowConfig active_step_search must be a bool, got {shown(search, None)}")
         durability = _as_step_durability(self.default_step_durability)
         if durability is None:
             raise InvalidValueError(
                 "FlowConfig default_step_durability must be StepDurability.SYNC or StepDurability.ASYNC, "
-                f"got {self.default_step_durability!r}")
+                f"got {shown(self.default_step_durability, None)}")
         if durability is not self.default_step_durability:
             msgspec.structs.force_setattr(self, "default_step_durability", durability)  # the member, not its text
 
