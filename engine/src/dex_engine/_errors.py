@@ -28,6 +28,8 @@ DexError
 
 from __future__ import annotations
 
+from ._limits import SHOWN_CHARS
+
 __all__ = [
     "ChannelMessageNotFoundError",
     "CommitOutcomeUnknownError",
@@ -226,10 +228,6 @@ class StoreOpenError(DexError, RuntimeError):
 
 class NoRetryError(DexError):
     """Raise from a handler to fail the method now, skipping its remaining retries."""
-
-
-# How much of a caller's value an error message shows.
-SHOWN_CHARS = 60
 
 
 def shown(value: object, chars: int | None = SHOWN_CHARS) -> str:

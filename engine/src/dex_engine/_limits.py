@@ -269,3 +269,7 @@ MAX_MESSAGE_ID = 2**63 - 1
 # Attempts still running that a worker stopping past its grace names in its warning; the count
 # says how many more, and one log line stays readable with hundreds of slots.
 LATE_ATTEMPTS_NAMED = 10
+
+# How much of a caller's value an error message shows by default: enough to recognise it, while a
+# megabyte of text given by mistake does not become a megabyte of log line.
+SHOWN_CHARS = 60
