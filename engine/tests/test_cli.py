@@ -391,7 +391,7 @@ def test_delete_removes_a_closed_flow_and_refuses_a_running_one(db_copy: str) ->
     assert_one_line_error(run("describe", "done-1", "--db", db_copy), "no flow with ID 'done-1'")
     assert_one_line_error(run("delete", "done-1", "--db", db_copy), "no flow with ID 'done-1' in sqlite:///")
     assert_one_line_error(run("delete", "waiting-1", "--db", db_copy),
-                          "flow 'waiting-1' is still running; stop it first (stop_flow)")
+                          "flow 'waiting-1' is still running; stop it first (dex-engine stop waiting-1 --db sqlite:///")
     assert re.search(r"^status\s+running", ok("describe", "waiting-1", "--db", db_copy), re.M)
     assert_one_line_error(run("delete", "bad\x01id", "--db", db_copy), "no flow with ID 'bad\\x01id'")
 

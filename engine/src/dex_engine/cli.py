@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ._client import known_flow_id, parse_search
-from ._errors import DexError, FlowNotFoundError, StepNotWaitingError, StoreOpenError
+from ._errors import DexError, FlowNotFoundError, FlowStillRunningError, StepNotWaitingError, StoreOpenError
 from ._existing import Wording, check_existing
 from ._limits import MAX_READ_LIMIT
 from ._open import open_store, shown_url
@@ -393,7 +393,12 @@ def delete(flow_id: str, db_url: str) -> None:
     """Delete a closed flow and everything stored of it (attributes, messages, streams, history)."""
 
     async def go(store: Store) -> bool:
-        return _askable(flow_id) and await store.delete_flow(known_flow_id(flow_id))
+        try:
+            return _askable(flow_id) and await store.delete_flow(known_flow_id(flow_id))
+        except FlowStillRunningError:
+            # The error's advice names the client's stop_flow; here the command that stops it.
+            raise CliError(f"flow {flow_id!r} is still running; stop it first (dex-engine stop {flow_id} "
+                           f"--db {shown_url(db_url)}), then delete it (nothing was deleted)") from None
 
     if not _run(db_url, go):
         raise CliError(f"{FlowNotFoundError(flow_id)} in {shown_url(db_url)}")
