@@ -12,7 +12,8 @@ model call per step, in order:
 - `{"turn_error": "text"}` ends the turn as failed without a retry;
 - `{"raise": "text"}` fails every attempt of the model call; with `"attempts": n`, only the first n
   (`{"raise_bytes": n}` fails every attempt with a text of n characters);
-- `"gate": "name"` in any step waits at that FileGate before the model call returns;
+- `"gate": "name"` in any step waits at that FileGate before the model call returns, and
+  `"sleep": seconds` then takes that long, as a slow model call does;
 - `"heartbeat": true` in any step heartbeats first (before the gate), so the attempt counts as
   started, as a model call that already streamed output does: a Worker killed after it fails the
   attempt (the rerun is attempt 2) instead of handing the same attempt out again.
@@ -168,6 +169,8 @@ class ScriptedRunner:
             await turn.heartbeat()
         if "gate" in step:
             await self._gate(step["gate"]).wait_for_release()
+        if "sleep" in step:
+            await asyncio.sleep(float(step["sleep"]))
         if "raise" in step and turn.attempt <= step.get("attempts", 1_000_000):
             raise RuntimeError(step["raise"])
         if "raise_bytes" in step:
