@@ -15,10 +15,15 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
-from agents.tests.scripted_agent import ENV_START_GATE, IncrementalScriptedRunner, ScriptedRunner, state_dir_from_env
+from agents.tests.scripted_agent import (
+    ENV_START_GATE,
+    IncrementalScriptedRunner,
+    ScriptedRunner,
+    state_dir_from_env,
+    wait_for_start_gate,
+)
 
 from dex_agents import AgentSessionFlow, AgentSessionOptions, DeferredToolExecution, ToolEffect, ToolPolicy
-from dex_agents.testing import FileGate
 
 FLOW_TYPE = "ChaosAgent"
 INCREMENTAL_FLOW_TYPE = "ChaosAgentIncremental"
@@ -62,7 +67,7 @@ def build_flows(state_dir: Path | None = None) -> list[AgentSessionFlow]:
         # A standby Worker child (standby_workers.py): imported, and registers only once released.
         if state_dir is None:
             raise RuntimeError(f"{ENV_START_GATE} needs the state directory")
-        FileGate(state_dir, start_gate).wait_for_release_blocking(poll=0.05)
+        wait_for_start_gate(state_dir, start_gate)
     options = AgentSessionOptions(tool_policies=TOOL_POLICIES)
     deadline = AgentSessionOptions(tool_policies=TOOL_POLICIES, interrupt_deadline=APPROVAL_DEADLINE)
     return [AgentSessionFlow(ChaosRunner(state_dir), FLOW_TYPE, options),

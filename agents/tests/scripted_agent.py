@@ -62,6 +62,7 @@ import asyncio
 import hashlib
 import json
 import os
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -97,7 +98,7 @@ from dex_agents import (
     TurnCompleted,
     describe_tool_call_outcome,
 )
-from dex_agents.testing import ENV_STATE_DIR, FileGate, InvocationLog
+from dex_agents.testing import ENV_PARENT_PID, ENV_STATE_DIR, FileGate, InvocationLog
 
 FLOW_TYPE = "ScriptedAgent"
 ENV_INCREMENTAL = "SCRIPTED_INCREMENTAL"
@@ -105,6 +106,8 @@ ENV_DEADLINE_SECONDS = "SCRIPTED_INTERRUPT_DEADLINE_SECONDS"
 ENV_START_GATE = "SCRIPTED_WORKER_START_GATE"
 ENV_BUILT_IN_TOOLS = "SCRIPTED_BUILT_IN_TOOLS"
 INVOCATIONS = "invocations.log"
+# How often a standby Worker child looks at its start gate, and whether the test process is alive.
+START_GATE_POLL_SECONDS = 0.05
 
 POLICIES = {"read_": ToolEffect.READ, "idem_": ToolEffect.IDEMPOTENT_WRITE, "write_": ToolEffect.NON_IDEMPOTENT_WRITE}
 
@@ -349,6 +352,22 @@ def state_dir_from_env() -> Path | None:
     return Path(value) if value else None
 
 
+def wait_for_start_gate(state_dir: Path, name: str) -> None:
+    """A standby Worker child's wait at its start gate (ENV_START_GATE), until the test releases it.
+
+    run_agent_worker watches the test process only once it runs, after this wait: a standby whose
+    test process is gone (SIGKILLed, so it left no stack to kill the standby) exits here instead of
+    waiting for ever.
+    """
+    gate = FileGate(state_dir, name)
+    gate.mark_reached()
+    parent = os.environ.get(ENV_PARENT_PID)
+    while not gate.release_path.exists():
+        if parent is not None and os.getppid() != int(parent):
+            raise SystemExit(f"standby Worker {os.getpid()}: test process {parent} is gone; not starting")
+        time.sleep(START_GATE_POLL_SECONDS)
+
+
 def build_flow(state_dir: Path | None = None, *, incremental: bool | None = None,
                interrupt_deadline: timedelta | None = None,
                tool_policies: dict[str, ToolPolicy] | None = None,
@@ -360,7 +379,7 @@ def build_flow(state_dir: Path | None = None, *, incremental: bool | None = None
         gate_dir = state_dir or state_dir_from_env()
         if gate_dir is None:
             raise RuntimeError(f"{ENV_START_GATE} needs {ENV_STATE_DIR}")
-        FileGate(gate_dir, start_gate).wait_for_release_blocking(poll=0.05)
+        wait_for_start_gate(gate_dir, start_gate)
     if incremental is None:
         incremental = os.environ.get(ENV_INCREMENTAL) == "1"
     if interrupt_deadline is None and os.environ.get(ENV_DEADLINE_SECONDS):

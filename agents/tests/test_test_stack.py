@@ -48,6 +48,26 @@ FROZEN_DOOMED_TEST_PROCESS = DOOMED_TEST_PROCESS.replace(
     "        print(worker.pid,", "        os.killpg(worker.pid, signal.SIGSTOP)\n        print(worker.pid,",
 ).replace("import asyncio, sys", "import asyncio, os, signal, sys")
 assert "SIGSTOP" in FROZEN_DOOMED_TEST_PROCESS and "import asyncio, os, signal, sys" in FROZEN_DOOMED_TEST_PROCESS
+# The same with standby Worker children (standby_workers.py), which wait at their start gates,
+# unregistered, when the test process is killed: it prints their PIDs once both reached the gate.
+DOOMED_STANDBY_TEST_PROCESS = textwrap.dedent("""
+    import asyncio, sys
+    from pathlib import Path
+    from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
+    from agents.tests.scripted_agent import build_flow
+    from agents.tests.standby_workers import SharedStack
+    from dex_agents.testing import AgentTestStack, wait_until
+
+    async def main(state_dir: Path) -> None:
+        async with AgentTestStack(state_dir, [build_flow(state_dir)], WORKER_MODULE, worker_cwd=REPO_ROOT) as stack:
+            shared = SharedStack(stack, standbys=1)
+            await wait_until("the standbys at their gates", lambda: all(g.reached for _, g in shared.standbys),
+                             timeout=60)
+            print(*(w.pid for w, _ in shared.standbys), flush=True)
+            await asyncio.sleep(600)
+
+    asyncio.run(main(Path(sys.argv[1])))
+""")
 # The doomed test process imports, then starts and registers a Worker: seconds on a loaded machine.
 DOOMED_START_SECONDS = 60.0
 
@@ -153,6 +173,33 @@ async def test_workers_end_when_the_test_process_dies_without_leaving_the_stack(
             await doomed.wait()
         for pid in (worker, stray):
             if pid and alive(pid):
+                os.kill(pid, signal.SIGKILL)  # never leave them behind, even when the test fails
+
+
+async def test_standby_workers_end_when_the_test_process_dies_without_leaving_the_stack(tmp_path: Path) -> None:
+    """A standby Worker child waits at its start gate before run_agent_worker watches its parent; a
+    test process SIGKILLed meanwhile (a CI timeout) runs no cleanup, so the standby must notice by
+    itself. Catches: standbys left waiting at their gates for ever, one per standby of every such run."""
+    doomed = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", DOOMED_STANDBY_TEST_PROCESS, str(tmp_path), cwd=REPO_ROOT,
+        stdout=asyncio.subprocess.PIPE)
+    standbys: list[int] = []
+    try:
+        assert doomed.stdout is not None
+        line = await asyncio.wait_for(doomed.stdout.readline(), DOOMED_START_SECONDS)
+        assert line, f"the test process exited with {await doomed.wait()} before its standbys waited"
+        standbys = [int(pid) for pid in line.split()]
+        assert len(standbys) == 2 and all(alive(pid) for pid in standbys)
+        doomed.kill()
+        assert await doomed.wait() == -signal.SIGKILL
+        for pid in standbys:
+            await ended(pid)
+    finally:
+        if doomed.returncode is None:
+            doomed.kill()
+            await doomed.wait()
+        for pid in standbys:
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)  # never leave them behind, even when the test fails
 
 
