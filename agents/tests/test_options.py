@@ -6,8 +6,10 @@ an operator sees the mistake at Worker start rather than in a failed session.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -17,6 +19,7 @@ from dex_agents import (
     AgentTurnContext,
     AgentTurnOutcome,
     BuiltInTool,
+    CompactionPolicy,
     DeferredToolExecution,
     FrameworkMessage,
     MessageRole,
@@ -27,6 +30,13 @@ from dex_agents import (
     TurnCompleted,
 )
 from dex_agents._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES
+from dex_agents.builtin_loop import (
+    AgentDefinition,
+    FunctionTool,
+    ScriptedModelClient,
+    ScriptedModelReply,
+    function_tool,
+)
 from dex_engine import MAX_TIMER_SECONDS
 
 # Values typed Any on purpose: the point is what a caller without a type checker can pass.
@@ -307,3 +317,139 @@ def test_max_durable_wait_is_at_least_one_second() -> None:
         with pytest.raises(ValueError, match="max_durable_wait must be a timedelta from 1 second") as info:
             AgentSessionOptions(max_durable_wait=bad)
         assert repr(bad) in str(info.value)
+
+
+# A value with no repr -------------------------------------------------------------------------
+
+
+class _Unshowable:
+    """A value whose repr raises (an ORM row detached from its session, say)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("detached")
+
+
+def _negative(bad: Any) -> Any:
+    """`bad` refused where any whole number >= 0 is taken: an int of over 4,300 digits made negative."""
+    return -abs(bad) if isinstance(bad, int) else bad
+
+
+class _Source:
+    """A ToolSource (it lists nothing) with the given source_name and declared tool names."""
+
+    def __init__(self, source_name: Any, declared: tuple[Any, ...] = ()) -> None:
+        self.source_name = source_name
+        self._declared = declared
+
+    def declared_tool_names(self) -> list[Any]:
+        return list(self._declared)
+
+    async def list_tools(self) -> list[Any]:
+        return []
+
+    def deferred_tool_call(self, call: Any, listed_tool: Any, turn: Any) -> Any:
+        raise NotImplementedError
+
+    async def execute_deferred_tool_call(self, call: Any) -> Any:
+        raise NotImplementedError
+
+
+def _showing(bad: Any) -> Any:
+    """A callable with no __name__ whose repr is `bad`'s (which cannot be made)."""
+
+    class Showing:
+        def __call__(self) -> None:
+            return None
+
+        def __repr__(self) -> str:
+            return repr(bad)
+
+    return Showing()
+
+
+def _tool_taking(annotation: Any) -> FunctionTool:
+    def tool(x: Any) -> str:
+        return "ok"
+
+    tool.__annotations__ = {"x": annotation, "return": str}
+    return FunctionTool(tool)
+
+
+def _agent(**kwargs: Any) -> AgentDefinition:
+    fields: dict[str, Any] = {"name": "a", "instructions": "be brief",
+                              "model": ScriptedModelClient(lambda request: ScriptedModelReply(text="ok"))}
+    return AgentDefinition(**{**fields, **kwargs})
+
+
+# (label, build with the bad value, the error raised, text the message holds). Where any whole
+# number >= 0 is taken (a capacity, a count), the int of 5,000 digits is made negative to be refused.
+_NO_REPR_DECLARATIONS: list[tuple[str, Callable[[Any], object], type[Exception], str]] = [
+    ("RunModelLimit.timeout", lambda bad: RunModelLimit(timeout=bad), ValueError, "timeout must be"),
+    ("RunModelLimit.max_attempts", lambda bad: RunModelLimit(max_attempts=_negative(bad)), ValueError,
+     "max_attempts must be"),
+    ("RunModelLimit.retry_budget", lambda bad: RunModelLimit(retry_budget=bad), ValueError, "retry_budget must be"),
+    ("ToolPolicy.effect", ToolPolicy, TypeError, "ToolPolicy.effect"),
+    ("ToolPolicy.requires_approval", lambda bad: ToolPolicy(ToolEffect.READ, bad), TypeError,
+     "ToolPolicy.requires_approval"),
+    ("AgentSessionOptions.tool_policies key",
+     lambda bad: AgentSessionOptions(tool_policies={bad: ToolPolicy(ToolEffect.READ)}), ValueError,
+     "tool_policies key"),
+    ("AgentSessionOptions.tool_policies value", lambda bad: AgentSessionOptions(tool_policies={"t": bad}),
+     ValueError, "tool_policies['t']"),
+    *((f"AgentSessionOptions.{name}", lambda bad, name=name: AgentSessionOptions(**{name: bad}), ValueError, name)
+      for name in ("default_tool_effect", "interrupt_deadline", "built_in_tools", "max_durable_wait",
+                   "plan_mode_enabled", "message_chunk_max_bytes", "compaction", "run_model_limit")),
+    *((f"AgentSessionOptions.{name}", lambda bad, name=name: AgentSessionOptions(**{name: _negative(bad)}),
+       ValueError, name)
+      for name in ("agent_events_capacity_bytes", "message_window_size", "message_chunk_size",
+                   "retained_message_limit")),
+    *((f"CompactionPolicy.{name}", lambda bad, name=name: CompactionPolicy(**{"context_window_tokens": 1000,
+                                                                          name: _negative(bad)}),
+       ValueError, name)
+      for name in ("context_window_tokens", "trigger_ratio", "retained_ratio", "reserved_input_tokens")),
+    ("AgentSessionFlow runner", AgentSessionFlow, TypeError, "is not an AgentFrameworkRunner"),
+    ("AgentSessionFlow options", lambda bad: AgentSessionFlow(_Complete(), options=bad), TypeError,
+     "options must be AgentSessionOptions"),
+    *((f"AgentDefinition.{name}", lambda bad, name=name: _agent(**{name: bad}), ValueError, name)
+      for name in ("name", "instructions", "tool_source_listing_timeout", "compaction", "plan_mode_enabled",
+                   "planning_tool_choice", "built_in_tools", "tools", "tool_sources", "model_settings",
+                   "tool_policies", "decide_turn_continuation", "resolve_model")),
+    ("AgentDefinition.max_model_calls_per_turn", lambda bad: _agent(max_model_calls_per_turn=_negative(bad)),
+     ValueError, "max_model_calls_per_turn"),
+    ("AgentDefinition.tools item", lambda bad: _agent(tools=[bad]), ValueError, "tools must be FunctionTool"),
+    ("AgentDefinition.tool_sources item", lambda bad: _agent(tool_sources=[bad]), ValueError,
+     "tool_sources must be ToolSource objects"),
+    ("ToolSource.source_name", lambda bad: _agent(tool_sources=[_Source(bad)]), ValueError, "has source_name"),
+    ("ToolSource declared name", lambda bad: _agent(tool_sources=[_Source("s", (bad,))]), ValueError,
+     "tool source 's' declares a tool name"),
+    ("ScriptedModelClient respond", ScriptedModelClient, TypeError, "respond must be"),
+    ("ScriptedModelClient summarize", lambda bad: ScriptedModelClient(print, summarize=bad), TypeError,
+     "summarize must be"),
+    ("ScriptedModelClient max_recorded_requests",
+     lambda bad: ScriptedModelClient(print, max_recorded_requests=_negative(bad)), ValueError,
+     "max_recorded_requests must be"),
+    ("FunctionTool fn", FunctionTool, TypeError, "a function tool needs a callable"),
+    ("FunctionTool name", lambda bad: FunctionTool(print, name=bad), ValueError, "invalid tool name"),
+    ("FunctionTool without __name__", lambda bad: FunctionTool(_showing(bad)), ValueError, "has no __name__"),
+    ("function_tool effect", lambda bad: function_tool(effect=bad)(print), TypeError, "ToolPolicy.effect"),
+    ("FunctionTool Literal value", lambda bad: _tool_taking(Literal[frozenset({bad})]), TypeError,
+     "Literal value"),
+    ("FunctionTool Enum value", lambda bad: _tool_taking(enum.Enum("Odd", {"A": (bad,)})), TypeError,
+     "Odd.A has value"),
+]
+
+
+@pytest.mark.parametrize("bad", [10**5000, _Unshowable()], ids=["int-of-5000-digits", "repr-raises"])
+@pytest.mark.parametrize(("build", "error", "text"), [case[1:] for case in _NO_REPR_DECLARATIONS],
+                         ids=[case[0] for case in _NO_REPR_DECLARATIONS])
+def test_a_declaration_given_a_value_with_no_repr_raises_its_own_error(
+    bad: Any, build: Callable[[Any], object], error: type[Exception], text: str
+) -> None:
+    """An option, agent, tool or model client given a value whose repr cannot be made (an int of over
+    4,300 digits, an object whose __repr__ raises) in a checked field raises its own error naming the
+    field. Catches: building that error's text raising Python's ValueError ("Exceeds the limit (4300
+    digits) for integer string conversion") or the object's own error, at Worker start."""
+    with pytest.raises(Exception) as caught:
+        build(bad)
+    assert type(caught.value) is error, (type(caught.value), caught.value)
+    assert text in str(caught.value), str(caught.value)

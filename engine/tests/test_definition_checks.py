@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from dex_engine import (
+    AsyncWorker,
     Attribute,
     AttributeMap,
     Channel,
@@ -25,6 +26,7 @@ from dex_engine import (
     LoadOptions,
     MovementOptions,
     Registry,
+    RetryPolicy,
     RpcContext,
     RPCResult,
     Step,
@@ -315,3 +317,94 @@ def test_a_flow_refuses_step_options_that_are_not_step_options() -> None:
     """Catches: an AttributeError ('dict' object has no attribute 'failure_route') naming neither."""
     with pytest.raises(FlowDefinitionError, match=r"Step 'S' options must be StepOptions, got dict: \{'load'"):
         Flow("Opts", [Step("S", done, options={"load": None})], start_step="S")  # type: ignore[arg-type]
+
+
+# A value with no repr -------------------------------------------------------------------------
+
+
+class _Unshowable:
+    """A value whose repr raises (an ORM row detached from its session, say)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("detached")
+
+
+def _flow_with(*steps: Step[Any], schema: tuple[Any, ...] = (), rpcs: tuple[Any, ...] = ()) -> Flow:
+    return Flow("F", [Step("a", done), *steps], schema=schema, rpcs=rpcs)
+
+
+async def _handle(ctx: RpcContext, _: None) -> None:
+    return None
+
+
+# (label, build with the bad value, the error raised, text the message holds). Where any whole
+# number is taken (max_attempts, capacity_bytes), `huge` is made negative to be refused.
+_NO_REPR_DECLARATIONS: list[tuple[str, Callable[[Any], object], type[Exception], str]] = [
+    *((f"StepOptions.{name}", lambda bad, name=name: StepOptions(**{name: bad}), FlowDefinitionError, name)
+      for name in ("execute_retry", "wait_for_retry", "load", "execute_load", "wait_for_load", "execute_locks",
+                   "wait_for_locks", "execute_timeout_seconds", "wait_for_timeout_seconds",
+                   "heartbeat_timeout_seconds", "durability")),
+    ("StepOptions.execute_locks item", lambda bad: StepOptions(execute_locks=(bad,)), FlowDefinitionError,
+     "execute_locks holds"),
+    *((f"MovementOptions.{name}", lambda bad, name=name: MovementOptions(**{name: bad}), FlowDefinitionError, name)
+      for name in ("execute_retry", "load", "execute_timeout_seconds", "durability")),
+    ("LoadOptions.only", LoadOptions.only, FlowDefinitionError, "load option"),
+    ("RetryPolicy.max_attempts", lambda bad: RetryPolicy(max_attempts=-abs(bad) if isinstance(bad, int) else bad),
+     FlowDefinitionError, "max_attempts"),
+    *((f"RetryPolicy.{name}", lambda bad, name=name: RetryPolicy(**{name: bad}), FlowDefinitionError, name)
+      for name in ("initial_interval_seconds", "backoff_coefficient", "max_interval_seconds",
+                   "total_duration_seconds")),
+    ("Stream capacity", lambda bad: Stream("s", str, -abs(bad) if isinstance(bad, int) else bad), ValueError,
+     "capacity"),
+    ("Attribute value type", lambda bad: _flow_with(schema=(Attribute("n", bad),)), FlowDefinitionError,
+     "Attribute 'n' value type"),
+    ("schema item", lambda bad: _flow_with(schema=(bad,)), FlowDefinitionError, "schema item"),
+    ("Step input type", lambda bad: _flow_with(Step("b", done, input_type=bad)), FlowDefinitionError,
+     "Step 'b' input type"),
+    ("Step execute", lambda bad: _flow_with(Step("b", bad)), FlowDefinitionError, "Step 'b' execute"),
+    ("Step wait_for", lambda bad: _flow_with(Step("b", done, wait_for=bad)), FlowDefinitionError,
+     "Step 'b' wait_for"),
+    ("Step options", lambda bad: _flow_with(Step("b", done, options=bad)), FlowDefinitionError,
+     "Step 'b' options"),
+    ("Step pure_execute", lambda bad: _flow_with(Step("b", done, pure_execute=bad)), FlowDefinitionError,
+     "Step 'b' pure_execute"),
+    ("Step pure_until_heartbeat", lambda bad: _flow_with(Step("b", done, pure_until_heartbeat=bad)),
+     FlowDefinitionError, "Step 'b' pure_until_heartbeat"),
+    ("Step failure route", lambda bad: _flow_with(Step("b", done, options=StepOptions(failure_route=bad))),
+     FlowDefinitionError, "Step 'b' failure route"),
+    ("rpc name", lambda bad: rpc(bad)(_handle), InvalidIdError, "RPC name"),
+    ("rpc load", lambda bad: rpc("r", load=bad)(_handle), FlowDefinitionError, "RPC 'r' load"),
+    ("rpc locks", lambda bad: rpc("r", locks=bad)(_handle), FlowDefinitionError, "RPC 'r' locks"),
+    ("rpc handler", lambda bad: _flow_with(rpcs=(rpc("r")(bad),)), FlowDefinitionError, "RPC 'r' must be"),
+    ("rpc request type", lambda bad: _flow_with(rpcs=(rpc("r", request_type=bad)(_handle),)),
+     FlowDefinitionError, "RPC 'r' request type"),
+    ("Flow rpcs item", lambda bad: _flow_with(rpcs=(bad,)), FlowDefinitionError, "is not decorated with @rpc"),
+    ("Registry item", lambda bad: Registry([bad]), FlowDefinitionError, "is not a Flow"),
+    *((f"WorkerOptions.{name}", lambda bad, name=name: WorkerOptions(**{name: bad}), ValueError, name)
+      for name in ("database_url", "max_concurrent_tasks", "lease_ttl_seconds", "lease_renew_seconds",
+                   "housekeeping_seconds", "poll_seconds", "shutdown_grace_seconds",
+                   "closed_flow_retention_seconds")),
+    ("WorkerOptions.worker_id", lambda bad: WorkerOptions(worker_id=bad), ValueError, "worker ID"),
+    ("AsyncWorker registry", AsyncWorker, TypeError, "AsyncWorker takes a Registry"),
+    ("AsyncWorker options", lambda bad: AsyncWorker(Registry([_flow_with()]), bad), TypeError,
+     "AsyncWorker's options must be WorkerOptions"),
+]
+
+
+@pytest.mark.parametrize("bad", [10**5000, _Unshowable()], ids=["int-of-5000-digits", "repr-raises"])
+@pytest.mark.parametrize(("build", "error", "text"), [case[1:] for case in _NO_REPR_DECLARATIONS],
+                         ids=[case[0] for case in _NO_REPR_DECLARATIONS])
+def test_a_declaration_given_a_value_with_no_repr_raises_its_own_error(
+    bad: Any, build: Callable[[Any], object], error: type[Exception], text: str
+) -> None:
+    """A declaration given a value whose repr cannot be made (an int of over 4,300 digits, an object
+    whose __repr__ raises) in a checked field raises its own error naming the field, with the value
+    shown as far as it can be. Catches: building that error's text raising Python's ValueError
+    ("Exceeds the limit (4300 digits) for integer string conversion") or the object's own error."""
+    with pytest.raises(Exception) as caught:
+        build(bad)
+    assert type(caught.value) is error, (type(caught.value), caught.value)
+    message = str(caught.value)
+    assert text in message, message
+    if isinstance(bad, _Unshowable):
+        assert "(a _Unshowable whose repr could not be made: RuntimeError)" in message, message

@@ -22,6 +22,7 @@ from ._constants import (
     DEFAULT_COMPACTION_TRIGGER_RATIO,
 )
 from ._message_store import ChunkReader, checked_chunk, chunk_holding, empty_index
+from ._policy import shown
 from ._wire import (
     AgentMessage,
     AgentMessageChunkRange,
@@ -65,20 +66,20 @@ class CompactionPolicy:
         problems: list[str] = []
         window: object = self.context_window_tokens
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            problems.append(f"context_window_tokens must be a whole number >= 1, got {window!r}")
+            problems.append(f"context_window_tokens must be a whole number >= 1, got {shown(window, None)}")
         trigger: object = self.trigger_ratio
         trigger_ok = _is_ratio(trigger) and 0 < trigger <= 1
         if not trigger_ok:
-            problems.append(f"trigger_ratio must be a number above 0 and at most 1, got {trigger!r}")
+            problems.append(f"trigger_ratio must be a number above 0 and at most 1, got {shown(trigger, None)}")
         retained: object = self.retained_ratio
         if not (_is_ratio(retained) and 0 <= retained < 1):
-            problems.append(f"retained_ratio must be a number from 0 to below 1, got {retained!r}")
+            problems.append(f"retained_ratio must be a number from 0 to below 1, got {shown(retained, None)}")
         elif _is_ratio(trigger) and trigger_ok and retained >= trigger:
             # Keeping as much as triggers compaction would compact again at once.
             problems.append(f"retained_ratio ({retained!r}) must be below trigger_ratio ({trigger!r})")
         reserved: object = self.reserved_input_tokens
         if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
-            problems.append(f"reserved_input_tokens must be a whole number >= 0, got {reserved!r}")
+            problems.append(f"reserved_input_tokens must be a whole number >= 0, got {shown(reserved, None)}")
         elif not problems and reserved and self.retained_token_budget + reserved >= self.trigger_tokens:
             # The reserved tokens count in every estimate: with what compaction keeps, they would
             # reach the trigger again at once, and the session would summarize nearly every turn.

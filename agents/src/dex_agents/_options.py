@@ -23,7 +23,7 @@ from ._constants import (
     RUN_MODEL_RETRY_BUDGET,
     RUN_MODEL_TIMEOUT,
 )
-from ._policy import ToolPolicy
+from ._policy import ToolPolicy, shown
 from ._wire import ToolEffect
 
 # A rollover chunk is one engine value: a cap above MAX_VALUE_BYTES would make a later rollover fail.
@@ -47,11 +47,11 @@ class RunModelLimit:
         budget: object = self.retry_budget
         if not isinstance(timeout, timedelta) or not timedelta(0) < timeout <= LONGEST_TIMER:
             problems.append(f"timeout must be a positive timedelta of at most {LONGEST_TIMER.days} days (the "
-                            f"engine's longest method timeout), got {self.timeout!r}")
+                            f"engine's longest method timeout), got {shown(self.timeout, None)}")
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
-            problems.append(f"max_attempts must be a whole number >= 1, got {self.max_attempts!r}")
+            problems.append(f"max_attempts must be a whole number >= 1, got {shown(self.max_attempts, None)}")
         if not isinstance(budget, timedelta) or budget <= timedelta(0):
-            problems.append(f"retry_budget must be a positive timedelta, got {self.retry_budget!r}")
+            problems.append(f"retry_budget must be a positive timedelta, got {shown(self.retry_budget, None)}")
         if problems:
             raise ValueError("invalid RunModelLimit: " + "; ".join(problems))
 
@@ -95,52 +95,52 @@ class AgentSessionOptions:
         else:
             for name, policy in policies.items():
                 if not isinstance(name, str) or not name:
-                    problems.append(f"tool_policies key {name!r} is not a tool name")
+                    problems.append(f"tool_policies key {shown(name, None)} is not a tool name")
                 if not isinstance(policy, ToolPolicy):
-                    problems.append(f"tool_policies[{name!r}] is {policy!r}, not a ToolPolicy")
+                    problems.append(f"tool_policies[{shown(name, None)}] is {shown(policy, None)}, not a ToolPolicy")
             object.__setattr__(self, "tool_policies", MappingProxyType(dict(policies)))
         if not isinstance(effect, ToolEffect):
-            problems.append(f"default_tool_effect must be a ToolEffect, got {self.default_tool_effect!r}")
+            problems.append(f"default_tool_effect must be a ToolEffect, got {shown(self.default_tool_effect, None)}")
         capacity = self.agent_events_capacity_bytes
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            problems.append(f"agent_events_capacity_bytes must be a whole number >= 1, got {capacity!r}")
+            problems.append(f"agent_events_capacity_bytes must be a whole number >= 1, got {shown(capacity, None)}")
         deadline: object = self.interrupt_deadline
         if deadline is not None and (not isinstance(deadline, timedelta) or deadline <= timedelta(0)):
-            problems.append(f"interrupt_deadline must be a positive timedelta or None, got {deadline!r}")
+            problems.append(f"interrupt_deadline must be a positive timedelta or None, got {shown(deadline, None)}")
         elif isinstance(deadline, timedelta) and deadline > LONGEST_TIMER:
             problems.append(f"interrupt_deadline must be at most {LONGEST_TIMER.days} days (the engine's longest "
-                            f"timer), got {deadline!r}")
+                            f"timer), got {shown(deadline, None)}")
         tools: object = self.built_in_tools
         if not isinstance(tools, frozenset | set) or not all(isinstance(t, BuiltInTool) for t in tools):
-            problems.append(f"built_in_tools must be a frozenset of BuiltInTool, got {tools!r}")
+            problems.append(f"built_in_tools must be a frozenset of BuiltInTool, got {shown(tools, None)}")
         else:
             object.__setattr__(self, "built_in_tools", frozenset(tools))
         wait: object = self.max_durable_wait
         if not isinstance(wait, timedelta) or not timedelta(seconds=1) <= wait <= LONGEST_TIMER:
             problems.append(f"max_durable_wait must be a timedelta from 1 second to {LONGEST_TIMER.days} days "
-                            f"(the engine's longest timer), got {wait!r}")
+                            f"(the engine's longest timer), got {shown(wait, None)}")
         plan_mode: object = self.plan_mode_enabled
         if not isinstance(plan_mode, bool):
-            problems.append(f"plan_mode_enabled must be True or False, got {plan_mode!r}")
+            problems.append(f"plan_mode_enabled must be True or False, got {shown(plan_mode, None)}")
         for name in ("message_window_size", "message_chunk_size"):
             value: object = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(f"{name} must be a whole number >= 1, got {value!r}")
+                problems.append(f"{name} must be a whole number >= 1, got {shown(value, None)}")
         chunk_bytes: object = self.message_chunk_max_bytes
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not (
             1 <= chunk_bytes <= MESSAGE_CHUNK_MAX_BYTES_LIMIT
         ):
             problems.append(
                 f"message_chunk_max_bytes must be a whole number from 1 to {MESSAGE_CHUNK_MAX_BYTES_LIMIT} "
-                f"(at most 8 MiB, and a chunk must fit the engine's MAX_VALUE_BYTES), got {chunk_bytes!r}"
+                f"(at most 8 MiB, and a chunk must fit the engine's MAX_VALUE_BYTES), got {shown(chunk_bytes, None)}"
             )
         compaction: object = self.compaction
         if compaction is not None and not isinstance(compaction, CompactionPolicy):
-            problems.append(f"compaction must be a CompactionPolicy or None, got {compaction!r}")
+            problems.append(f"compaction must be a CompactionPolicy or None, got {shown(compaction, None)}")
         retained: object = self.retained_message_limit
         if retained is not None and (isinstance(retained, bool) or not isinstance(retained, int) or retained < 0):
-            problems.append(f"retained_message_limit must be a whole number >= 0 or None, got {retained!r}")
+            problems.append(f"retained_message_limit must be a whole number >= 0 or None, got {shown(retained, None)}")
         if not isinstance(limit, RunModelLimit):
-            problems.append(f"run_model_limit must be a RunModelLimit, got {self.run_model_limit!r}")
+            problems.append(f"run_model_limit must be a RunModelLimit, got {shown(self.run_model_limit, None)}")
         if problems:
             raise ValueError("invalid AgentSessionOptions: " + "; ".join(problems))

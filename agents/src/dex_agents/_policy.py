@@ -32,9 +32,10 @@ class ToolPolicy:
 
     def __post_init__(self) -> None:
         if not isinstance(self.effect, ToolEffect):
-            raise TypeError(f"ToolPolicy.effect must be a ToolEffect, got {self.effect!r}")
+            raise TypeError(f"ToolPolicy.effect must be a ToolEffect, got {shown(self.effect, None)}")
         if self.requires_approval is not None and not isinstance(self.requires_approval, bool):
-            raise TypeError(f"ToolPolicy.requires_approval must be a bool or None, got {self.requires_approval!r}")
+            raise TypeError(
+                f"ToolPolicy.requires_approval must be a bool or None, got {shown(self.requires_approval, None)}")
 
 
 def is_approval_required(policy: ToolPolicy) -> bool:
@@ -121,14 +122,14 @@ def text_of(value: object) -> str:
         return f"(a {type(value).__name__} whose text could not be made: {type(exc).__name__})"
 
 
-def shown(value: object, chars: int = SHOWN_VALUE_CHARS) -> str:
-    """repr(value), at most `chars` characters, for an error that names a runner's value. Never
+def shown(value: object, chars: int | None = SHOWN_VALUE_CHARS) -> str:
+    """repr(value), at most `chars` characters (None: all), for an error that names a runner's value. Never
     raises: a repr that raises must not stop the call or turn from being recorded."""
     try:
         text = repr(value)
     except Exception as exc:
         return f"(a {type(value).__name__} whose repr could not be made: {type(exc).__name__})"
-    return text[:chars]
+    return text if chars is None else text[:chars]
 
 
 def error_message(exc: BaseException) -> str:

@@ -13,7 +13,7 @@ from typing import Any, TypeVar, cast
 import msgspec
 import msgspec.inspect as mi
 
-from ._errors import InvalidValueError, ValueTooLargeError
+from ._errors import InvalidValueError, ValueTooLargeError, shown
 from ._limits import DECODED_VALUE_CACHE_BYTES, DECODED_VALUE_CACHE_ENTRIES, MAX_VALUE_BYTES, MAX_VALUE_NESTING
 
 T = TypeVar("T")
@@ -35,7 +35,9 @@ def type_problem(label: str, tp: Any) -> str | None:
     try:
         _decoder(tp)
     except TypeError as exc:  # not a type msgspec knows (a value, an unsupported class), or unhashable
-        return f"{label} is {tp!r}, not a type whose values can be stored as JSON ({exc})"
+        return f"{label} is {shown(tp, None)}, not a type whose values can be stored as JSON ({exc})"
+    except Exception:  # msgspec names a value it cannot take by its repr, and that repr raised
+        return f"{label} is {shown(tp, None)}, not a type whose values can be stored as JSON"
     return None
 
 

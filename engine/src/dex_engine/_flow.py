@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._codec import type_problem
 from ._decision import RPCResult, StepDecision
-from ._errors import FlowDefinitionError, RpcNotFoundError, UndeclaredNameError, UnknownFlowTypeError
+from ._errors import FlowDefinitionError, RpcNotFoundError, UndeclaredNameError, UnknownFlowTypeError, shown
 from ._ids import check_id
 from ._options import LoadOptions, LoadSpec, LockItem, StepOptions, check_load, lock_items, lock_name
 from ._schema import (
@@ -110,7 +110,7 @@ def rpc(
     """
 
     def wrap(fn: RpcFn) -> Rpc:
-        label = f"RPC {name or getattr(fn, '__name__', fn)!r}"
+        label = f"RPC {shown(name or getattr(fn, '__name__', fn), None)}"
         check_load(f"{label} load", load, optional=True)
         return Rpc(
             name=check_id("RPC name", name or fn.__name__),
@@ -127,7 +127,7 @@ def _handler_problems(label: str, handler: object) -> list[str]:
     """Why `handler` cannot be called as `await handler(ctx, input)`, if it cannot: found here, a
     mistake is named when the Flow is defined, where otherwise every attempt would fail with it."""
     if not inspect.iscoroutinefunction(handler):
-        return [f"{label} must be an async function, got {handler!r}"]
+        return [f"{label} must be an async function, got {shown(handler, None)}"]
     try:
         signature = inspect.signature(handler)
     except ValueError:  # no signature to read (some callables implemented in C): the call decides
@@ -169,7 +169,8 @@ class Flow:
         seen: set[str] = set()
         for item in map(_as_object, schema):
             if not isinstance(item, Attribute | AttributeMap | Channel | ChannelMap | Stream):
-                problems.append(f"schema item {item!r} is not an Attribute, AttributeMap, Channel, ChannelMap, Stream")
+                problems.append(
+                    f"schema item {shown(item, None)} is not an Attribute, AttributeMap, Channel, ChannelMap, Stream")
                 continue
             if item.name in seen:
                 problems.append(f"schema name {item.name!r} is declared twice")
@@ -186,7 +187,7 @@ class Flow:
         self.rpcs: dict[str, Rpc] = {}
         for r in map(_as_object, rpcs):
             if not isinstance(r, Rpc):
-                problems.append(f"RPC {r!r} is not decorated with @rpc")
+                problems.append(f"RPC {shown(r, None)} is not decorated with @rpc")
                 continue
             if r.name in self.rpcs:
                 problems.append(f"RPC {r.name!r} is declared twice")
@@ -210,7 +211,7 @@ class Flow:
         label = f"Step {step.step_type!r}"
         options: object = step.options  # typed StepOptions; a caller without a type checker may pass anything
         if not isinstance(options, StepOptions):
-            return [f"{label} options must be StepOptions, got {type(options).__name__}: {options!r:.200}"]
+            return [f"{label} options must be StepOptions, got {type(options).__name__}: {shown(options, 200)}"]
         out.extend(_handler_problems(f"{label} execute", step.execute))
         problem = type_problem(f"{label} input type", step.input_type)
         if problem is not None:
@@ -220,10 +221,10 @@ class Flow:
         for flag in ("pure_execute", "pure_until_heartbeat"):
             pure: object = getattr(step, flag)  # typed bool, but a caller without a type checker may pass anything
             if not isinstance(pure, bool):
-                out.append(f"{label} {flag} must be True or False, got {pure!r}")
+                out.append(f"{label} {flag} must be True or False, got {shown(pure, None)}")
         route = step.options.failure_route
         if route is not None and route not in self.steps:
-            out.append(f"{label} failure route {route!r} is not one of the flow's Steps")
+            out.append(f"{label} failure route {shown(route, None)} is not one of the flow's Steps")
         out.extend(self._lock_problems(label, tuple(lock_name(x) for x in step.options.execute_locks)))
         out.extend(self._lock_problems(label, tuple(lock_name(x) for x in step.options.wait_for_locks)))
         for field_name in ("load", "execute_load", "wait_for_load"):
@@ -302,7 +303,7 @@ class Registry:
         problems = []
         for flow in map(_as_object, flows):
             if not isinstance(flow, Flow):
-                problems.append(f"{flow!r} is not a Flow")
+                problems.append(f"{shown(flow, None)} is not a Flow")
                 continue
             if flow.flow_type in self.flows:
                 problems.append(f"flow type {flow.flow_type!r} is registered twice")

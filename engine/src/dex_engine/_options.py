@@ -82,7 +82,8 @@ class LoadOptions:
                 else:
                     names.append(item.name)
             else:
-                raise FlowDefinitionError(f"load option {item!r} is not an Attribute, AttributeMap or map instance")
+                raise FlowDefinitionError(
+                    f"load option {shown(item, None)} is not an Attribute, AttributeMap or map instance")
         return LoadSpec("only", tuple(names), tuple(instances))
 
 
@@ -95,7 +96,7 @@ def lock_name(item: LockItem) -> str:
         return item.name
     if isinstance(item, AttributeRef):
         return item.label
-    raise FlowDefinitionError(f"lock {item!r} is not an Attribute, AttributeMap or map instance")
+    raise FlowDefinitionError(f"lock {shown(item, None)} is not an Attribute, AttributeMap or map instance")
 
 
 def lock_items(label: str, locks: object) -> tuple[LockItem, ...]:
@@ -104,14 +105,15 @@ def lock_items(label: str, locks: object) -> tuple[LockItem, ...]:
     TypeError, or a map with a key error for key 0."""
     expected = f"{label} must be a collection of Attributes, AttributeMaps or map instances"
     if isinstance(locks, AttributeRef | AttributeMap):
-        raise FlowDefinitionError(f"{expected}, got the single item {locks!r}; give it as a tuple: ({locks!r},)")
+        item = shown(locks, None)
+        raise FlowDefinitionError(f"{expected}, got the single item {item}; give it as a tuple: ({item},)")
     if not isinstance(locks, Iterable) or isinstance(locks, str):
-        raise FlowDefinitionError(f"{expected}, got {locks!r}")
+        raise FlowDefinitionError(f"{expected}, got {shown(locks, None)}")
     items = tuple(locks)
     for item in items:
         if not isinstance(item, AttributeRef | AttributeMap):
             raise FlowDefinitionError(
-                f"{label} holds {item!r}, which is not an Attribute, AttributeMap or map instance")
+                f"{label} holds {shown(item, None)}, which is not an Attribute, AttributeMap or map instance")
     return items
 
 
@@ -121,7 +123,7 @@ def check_load(label: str, load: object, optional: bool) -> None:
     if isinstance(load, LoadSpec) or (optional and load is None):
         return
     choices = "LoadOptions.all(), LoadOptions.none() or LoadOptions.only(...)" + (" or None" if optional else "")
-    raise FlowDefinitionError(f"{label} must be {choices}, got {load!r}")
+    raise FlowDefinitionError(f"{label} must be {choices}, got {shown(load, None)}")
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,7 @@ def _check_retries(options: StepOptions | MovementOptions, optional: bool) -> No
             continue
         expected = "a RetryPolicy or None" if optional else "a RetryPolicy"
         raise FlowDefinitionError(
-            f"{label} must be {expected}, got {retry!r}; for one attempt, no retries, give "
+            f"{label} must be {expected}, got {shown(retry, None)}; for one attempt, no retries, give "
             "RetryPolicy(max_attempts=1)")
 
 
@@ -213,7 +215,7 @@ def _check_timeouts(options: StepOptions | MovementOptions) -> None:
         if not (is_number(value) and 0 < value <= MAX_TIMER_SECONDS):
             # Past the cap, a deadline (ms) would not fit the database's 64-bit integers either.
             raise FlowDefinitionError(
-                f"{label} must be a positive number of seconds, at most {MAX_TIMER_SECONDS}, got {value!r}")
+                f"{label} must be a positive number of seconds, at most {MAX_TIMER_SECONDS}, got {shown(value, None)}")
 
 
 def _check_durability(options: StepOptions | MovementOptions) -> None:
@@ -224,7 +226,7 @@ def _check_durability(options: StepOptions | MovementOptions) -> None:
     if durability is None:
         raise FlowDefinitionError(
             "durability must be StepDurability.SYNC, StepDurability.ASYNC or None (the flow config's "
-            f"default), got {options.durability!r}")
+            f"default), got {shown(options.durability, None)}")
     if durability is not options.durability:
         object.__setattr__(options, "durability", durability)  # the member, not its text
 

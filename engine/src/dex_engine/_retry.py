@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ._errors import FlowDefinitionError
+from ._errors import FlowDefinitionError, shown
 from ._limits import MAX_TIMER_SECONDS
 
 
@@ -28,7 +28,7 @@ class RetryPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
     def __post_init__(self) -> None:
         problems = []
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
-            problems.append(f"max_attempts must be a whole number >= 1, got {self.max_attempts!r}")
+            problems.append(f"max_attempts must be a whole number >= 1, got {shown(self.max_attempts, None)}")
         seconds = {
             "initial_interval_seconds": self.initial_interval_seconds,
             "backoff_coefficient": self.backoff_coefficient,
@@ -36,28 +36,31 @@ class RetryPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
             "total_duration_seconds": self.total_duration_seconds,
         }
         not_numbers = [
-            f"{name} must be a number, got {value!r}" for name, value in seconds.items()
+            f"{name} must be a number, got {shown(value, None)}" for name, value in seconds.items()
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float))
         ]
         if not_numbers:  # the range checks below would raise TypeError on them
             raise FlowDefinitionError("invalid retry policy: " + "; ".join(problems + not_numbers))
         if not (self.initial_interval_seconds >= 0 and _finite(self.initial_interval_seconds)):
             problems.append(
-                f"initial_interval_seconds must be a finite number >= 0, got {self.initial_interval_seconds!r}")
+                "initial_interval_seconds must be a finite number >= 0, "
+                f"got {shown(self.initial_interval_seconds, None)}")
         if not (self.backoff_coefficient >= 1 and _finite(self.backoff_coefficient)):
-            problems.append(f"backoff_coefficient must be a finite number >= 1, got {self.backoff_coefficient!r}")
+            problems.append(
+                f"backoff_coefficient must be a finite number >= 1, got {shown(self.backoff_coefficient, None)}")
         if not (self.max_interval_seconds >= self.initial_interval_seconds):
             problems.append(
-                f"max_interval_seconds ({self.max_interval_seconds!r}) must be >= "
-                f"initial_interval_seconds ({self.initial_interval_seconds!r})"
+                f"max_interval_seconds ({shown(self.max_interval_seconds, None)}) must be >= "
+                f"initial_interval_seconds ({shown(self.initial_interval_seconds, None)})"
             )
         elif not self.max_interval_seconds <= MAX_TIMER_SECONDS:
             problems.append(
-                f"max_interval_seconds must be at most {MAX_TIMER_SECONDS} s, got {self.max_interval_seconds!r}"
+                f"max_interval_seconds must be at most {MAX_TIMER_SECONDS} s, "
+                f"got {shown(self.max_interval_seconds, None)}"
             )
         total = self.total_duration_seconds
         if total is not None and not (total > 0 and _finite(total)):
-            problems.append(f"total_duration_seconds must be > 0 and finite (or None), got {total!r}")
+            problems.append(f"total_duration_seconds must be > 0 and finite (or None), got {shown(total, None)}")
         if problems:
             raise FlowDefinitionError("invalid retry policy: " + "; ".join(problems))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from ._errors import shown
 from ._ids import check_key, check_name
 from ._limits import DEFAULT_STREAM_CAPACITY_BYTES
 from ._wait import ChannelCondition
@@ -105,7 +106,8 @@ class Stream(Generic[T]):
         self.value_type = value_type
         capacity: object = capacity_bytes  # typed int; checked for callers that pass anything
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-            raise ValueError(f"stream {name!r} capacity must be a positive whole number of bytes, got {capacity!r}")
+            raise ValueError(
+                f"stream {name!r} capacity must be a positive whole number of bytes, got {shown(capacity, None)}")
         self.capacity_bytes = capacity_bytes
 
     def __repr__(self) -> str:

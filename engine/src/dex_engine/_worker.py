@@ -32,6 +32,7 @@ from ._errors import (
     UndeclaredNameError,
     WorkerIdInUseError,
     WorkerInvocationError,
+    shown,
 )
 from ._flow import Flow, Registry
 from ._ids import check_id
@@ -97,17 +98,19 @@ class WorkerOptions:
         problems = []
         url: object = self.database_url  # typed str; checked for callers that pass anything
         if not isinstance(url, str):
-            problems.append(f"database_url must be a str, got {type(url).__name__}: {url!r}")
+            problems.append(f"database_url must be a str, got {type(url).__name__}: {shown(url, None)}")
         tasks = self.max_concurrent_tasks
         if isinstance(tasks, bool) or not isinstance(tasks, int) or not 1 <= tasks <= MAX_CONCURRENT_TASKS:
             problems.append(
-                f"max_concurrent_tasks must be a whole number from 1 to {MAX_CONCURRENT_TASKS}, got {tasks!r}")
+                f"max_concurrent_tasks must be a whole number from 1 to {MAX_CONCURRENT_TASKS}, "
+                f"got {shown(tasks, None)}")
         seconds = ("lease_ttl_seconds", "lease_renew_seconds", "housekeeping_seconds", "poll_seconds",
                    "shutdown_grace_seconds")
         bad = [name for name in seconds if not _seconds(getattr(self, name))]
         for name in bad:
             problems.append(
-                f"{name} must be a number of seconds > 0 and at most {MAX_OPTION_SECONDS}, got {getattr(self, name)!r}")
+                f"{name} must be a number of seconds > 0 and at most {MAX_OPTION_SECONDS}, "
+                f"got {shown(getattr(self, name), None)}")
         if not {"lease_ttl_seconds", "lease_renew_seconds"} & set(bad) and not (
                 self.lease_renew_seconds < self.lease_ttl_seconds):
             problems.append(
@@ -118,7 +121,7 @@ class WorkerOptions:
         if retention is not None and not (is_number(retention) and 0 < retention <= MAX_RETENTION_SECONDS):
             problems.append(
                 f"closed_flow_retention_seconds must be None (keep closed flows for ever) or a number of seconds "
-                f"> 0 and at most {MAX_RETENTION_SECONDS}, got {retention!r}")
+                f"> 0 and at most {MAX_RETENTION_SECONDS}, got {shown(retention, None)}")
         if self.worker_id is not None and self.worker_id != "":  # none or empty: one is made up
             try:
                 check_id("worker ID", self.worker_id)
@@ -193,11 +196,11 @@ class AsyncWorker:
     def __init__(self, registry: Registry, options: WorkerOptions | None = None, *, store: Store | None = None) -> None:
         given: tuple[object, object] = (registry, options)  # typed; checked for callers that pass anything
         if not isinstance(given[0], Registry):
-            raise TypeError(f"AsyncWorker takes a Registry of Flows, got {type(registry).__name__}: {registry!r:.200}; "
-                            "wrap the Flows: Registry([flow, ...])")
+            raise TypeError(f"AsyncWorker takes a Registry of Flows, got {type(registry).__name__}: "
+                            f"{shown(registry, 200)}; wrap the Flows: Registry([flow, ...])")
         if given[1] is not None and not isinstance(given[1], WorkerOptions):
             raise TypeError(f"AsyncWorker's options must be WorkerOptions, got {type(options).__name__}: "
-                            f"{options!r:.200}; write WorkerOptions(database_url=..., ...)")
+                            f"{shown(options, 200)}; write WorkerOptions(database_url=..., ...)")
         self.registry = registry
         self.options = options or WorkerOptions()
         self._store = store

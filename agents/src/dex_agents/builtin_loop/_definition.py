@@ -11,7 +11,7 @@ from typing import Any, Literal, TypeGuard
 from .._builtin_tools import BuiltInTool
 from .._compaction import CompactionPolicy
 from .._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES, DEFAULT_MAX_DURABLE_WAIT
-from .._policy import ToolPolicy
+from .._policy import ToolPolicy, shown
 from .._wire import InteractionMode, JsonObject, ToolEffect
 from ._compaction import max_output_tokens
 from ._function_tools import FunctionTool
@@ -90,24 +90,25 @@ class AgentDefinition:
         problems: list[str] = []
         name: object = self.name
         if not isinstance(name, str) or not name.strip():
-            problems.append(f"name must be non-empty text, got {name!r}")
+            problems.append(f"name must be non-empty text, got {shown(name, None)}")
         instructions: object = self.instructions
         if not isinstance(instructions, str) and not callable(instructions):
-            problems.append(f"instructions must be text or a function of InstructionContext, got {instructions!r}")
+            problems.append(
+                f"instructions must be text or a function of InstructionContext, got {shown(instructions, None)}")
         model: object = self.model
         if not callable(getattr(model, "call_model", None)):
             problems.append(f"model must be a ModelClient (with call_model), got {type(model).__name__}")
         limit: object = self.max_model_calls_per_turn
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            problems.append(f"max_model_calls_per_turn must be a whole number >= 1, got {limit!r}")
+            problems.append(f"max_model_calls_per_turn must be a whole number >= 1, got {shown(limit, None)}")
         timeout: object = self.tool_source_listing_timeout
         if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
-            problems.append(f"tool_source_listing_timeout must be a positive timedelta, got {timeout!r}")
+            problems.append(f"tool_source_listing_timeout must be a positive timedelta, got {shown(timeout, None)}")
         problems.extend(_shape_problems(self))
         problems.extend(_tool_problems(self.tools, self.tool_sources))
         compaction: object = self.compaction
         if compaction is not None and not isinstance(compaction, CompactionPolicy):
-            problems.append(f"compaction must be a CompactionPolicy or None, got {compaction!r}")
+            problems.append(f"compaction must be a CompactionPolicy or None, got {shown(compaction, None)}")
         elif compaction is not None and isinstance(self.model_settings, Mapping):
             reserve = max_output_tokens(self.model_settings)
             if reserve >= compaction.context_window_tokens:
@@ -121,7 +122,7 @@ class AgentDefinition:
                                             self.model_settings))
         built_ins: object = self.enabled_built_in_tools
         if not isinstance(built_ins, frozenset | set) or not all(isinstance(t, BuiltInTool) for t in built_ins):
-            problems.append(f"built_in_tools must be a frozenset of BuiltInTool, got {built_ins!r}")
+            problems.append(f"built_in_tools must be a frozenset of BuiltInTool, got {shown(built_ins, None)}")
         else:
             problems.extend(_built_in_clashes(self.tools, self.tool_sources, {b.value for b in built_ins}))
         if problems:
@@ -164,9 +165,9 @@ def _plan_mode_problems(
     """plan_mode_enabled and planning_tool_choice; "required" needs a client that can force a tool call."""
     problems: list[str] = []
     if not isinstance(plan_mode_enabled, bool):
-        problems.append(f"plan_mode_enabled must be True or False, got {plan_mode_enabled!r}")
+        problems.append(f"plan_mode_enabled must be True or False, got {shown(plan_mode_enabled, None)}")
     if choice not in ("auto", "required"):
-        problems.append(f"planning_tool_choice must be 'auto' or 'required', got {choice!r}")
+        problems.append(f"planning_tool_choice must be 'auto' or 'required', got {shown(choice, None)}")
     elif choice == "required":
         supports = getattr(model, "supports_forced_tool_choice", None)
         if callable(supports) and supports(dict(settings) if isinstance(settings, Mapping) else {}) is False:
@@ -189,18 +190,18 @@ def _shape_problems(definition: AgentDefinition) -> list[str]:
     for field_name, what in (("tools", "FunctionTool"), ("tool_sources", "ToolSource objects")):
         value: object = getattr(definition, field_name)
         if not _is_list(value):
-            problems.append(f"{field_name} must be a list of {what}, got {value!r}")
+            problems.append(f"{field_name} must be a list of {what}, got {shown(value, None)}")
     settings: object = definition.model_settings
     if not isinstance(settings, Mapping):
-        problems.append(f"model_settings must be a dict of the model client's settings, got {settings!r}")
+        problems.append(f"model_settings must be a dict of the model client's settings, got {shown(settings, None)}")
     policies: object = definition.tool_policies
     if not isinstance(policies, Mapping):
-        problems.append(f"tool_policies must be a dict of tool name to ToolPolicy, got {policies!r}")
+        problems.append(f"tool_policies must be a dict of tool name to ToolPolicy, got {shown(policies, None)}")
     for hook_name, takes in (("decide_turn_continuation", "TurnContinuationContext"),
                              ("resolve_model", "the session settings")):
         hook: object = getattr(definition, hook_name)
         if hook is not None and not callable(hook):
-            problems.append(f"{hook_name} must be a function of {takes} or None, got {hook!r}")
+            problems.append(f"{hook_name} must be a function of {takes} or None, got {shown(hook, None)}")
     return problems
 
 
@@ -220,7 +221,7 @@ def _tool_problems(tools: object, sources: object) -> list[str]:
         return problems  # refused by _shape_problems
     for tool in tools:
         if not isinstance(tool, FunctionTool):
-            problems.append(f"tools must be FunctionTool (use @function_tool), got {tool!r}")
+            problems.append(f"tools must be FunctionTool (use @function_tool), got {shown(tool, None)}")
             continue
         if tool.name in seen:
             problems.append(f"two function tools are named {tool.name!r}")
@@ -229,19 +230,20 @@ def _tool_problems(tools: object, sources: object) -> list[str]:
     listed: set[str] = set()
     for source in sources:
         if not isinstance(source, ToolSource):
-            problems.append(f"tool_sources must be ToolSource objects, got {source!r}")
+            problems.append(f"tool_sources must be ToolSource objects, got {shown(source, None)}")
             continue
         source_name: object = source.source_name
         if not isinstance(source_name, str) or not source_name.strip():
             # Its calls store the name to find the source again: one that is not text never could.
-            problems.append(f"tool source {source!r} has source_name {source_name!r}; give it a unique, "
-                            "non-empty text name")
+            problems.append(f"tool source {shown(source, None)} has source_name {shown(source_name, None)}; "
+                            "give it a unique, non-empty text name")
             continue
         if source.source_name in source_names:
             problems.append(f"two tool sources are named {source.source_name!r}; give each a unique source_name")
         source_names.add(source.source_name)
         declared = declared_names(source)
-        problems.extend(f"tool source {source.source_name!r} declares a tool name {name!r}, not non-empty text"
+        problems.extend(f"tool source {source.source_name!r} declares a tool name {shown(name, None)}, "
+                        "not non-empty text"
                         for name in declared if not isinstance(name, str) or not name.strip())
         declared = [name for name in declared if isinstance(name, str) and name.strip()]
         for name in dict.fromkeys(declared):

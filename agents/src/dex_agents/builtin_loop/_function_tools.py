@@ -58,7 +58,7 @@ import msgspec
 
 from .._constants import ARGUMENTS_TOO_DEEP, SHOWN_VALUE_CHARS
 from .._events import AgentEventWriter
-from .._policy import ToolPolicy, raised_text
+from .._policy import ToolPolicy, raised_text, shown
 from .._runner import ToolExecutionError, ToolInputRequested, ToolOutcomeUnknownError, ToolTaskStarted
 from .._wire import QuestionAnswer, ToolEffect
 from ._model import PROVIDER_TOOL_NAME_RULE, ModelToolDefinition, is_provider_tool_name
@@ -460,7 +460,7 @@ _SUPPORTED_ARGUMENT_TYPES = (
 def _type_name(annotation: object) -> str:
     if isinstance(annotation, type) and not typing.get_args(annotation):
         return annotation.__qualname__
-    return repr(annotation).replace("typing.", "")
+    return shown(annotation, None).replace("typing.", "")  # an annotation may hold a value with no repr
 
 
 def _resolved_hints(owner: object, label: str, module_namespace: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -554,9 +554,9 @@ class _ShapeBuilder:
     def _literal(self, values: tuple[object, ...]) -> _Shape:
         for value in values:
             if value is not None and not isinstance(value, str | int | bool):
-                raise _UnsupportedType(f"Literal value {value!r} is not a str, int, bool or None")
+                raise _UnsupportedType(f"Literal value {shown(value, None)} is not a str, int, bool or None")
             if isinstance(value, enum.Enum):
-                raise _UnsupportedType(f"Literal value {value!r} is an Enum member; use the Enum type")
+                raise _UnsupportedType(f"Literal value {shown(value, None)} is an Enum member; use the Enum type")
         return _Choice([(value, value) for value in values])
 
     def _enum(self, cls: type[enum.Enum]) -> _Shape:
@@ -565,7 +565,7 @@ class _ShapeBuilder:
             value = member.value
             if isinstance(value, bool) or not isinstance(value, str | int):
                 raise _UnsupportedType(
-                    f"{cls.__qualname__}.{member.name} has value {value!r}; Enum values must be str or int"
+                    f"{cls.__qualname__}.{member.name} has value {shown(value, None)}; Enum values must be str or int"
                 )
             # The JSON value is the plain str/int, not the member (a StrEnum member is also a str).
             options.append((str(value) if isinstance(value, str) else int(value), member))
@@ -684,7 +684,7 @@ class FunctionTool:
         prepare_arguments: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         if not callable(fn):
-            raise TypeError(f"a function tool needs a callable, got {fn!r}")
+            raise TypeError(f"a function tool needs a callable, got {shown(fn, None)}")
         self.fn = fn
         self.policy = ToolPolicy(effect, requires_approval)
         self.name = _tool_name(fn, name)
@@ -792,9 +792,9 @@ def _tool_name(fn: Callable[..., Any], name: str | None) -> str:
     if name is None:
         name = getattr(_partial_target(fn)[0], "__name__", None)
         if not isinstance(name, str):
-            raise ValueError(f"{fn!r} has no __name__; pass name= to function_tool")
+            raise ValueError(f"{shown(fn, None)} has no __name__; pass name= to function_tool")
     if not is_provider_tool_name(name):
-        raise ValueError(f"invalid tool name {name!r}: {PROVIDER_TOOL_NAME_RULE}")
+        raise ValueError(f"invalid tool name {shown(name, None)}: {PROVIDER_TOOL_NAME_RULE}")
     return name
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from .._compaction import estimate_text_tokens
 from .._constants import CONTEXT_SUMMARY_INSTRUCTIONS
+from .._policy import shown
 from .._wire import AgentUsage
 from ._model import (
     ModelOutputItem,
@@ -65,14 +66,15 @@ class ScriptedModelClient:
     def __init__(self, respond: Respond, *, summarize: Summarize | None = None,
                  max_recorded_requests: int = DEFAULT_MAX_RECORDED_REQUESTS) -> None:
         if not callable(respond):
-            raise TypeError(f"respond must be a function of the ModelRequest, got {respond!r}")
+            raise TypeError(f"respond must be a function of the ModelRequest, got {shown(respond, None)}")
         if summarize is not None and not callable(summarize):
-            raise TypeError(f"summarize must be a function of the ModelRequest, got {summarize!r}")
+            raise TypeError(f"summarize must be a function of the ModelRequest, got {shown(summarize, None)}")
         self._summarize = summarize
         if isinstance(max_recorded_requests, bool) or not isinstance(max_recorded_requests, int) or (
             max_recorded_requests < 0
         ):
-            raise ValueError(f"max_recorded_requests must be a whole number >= 0, got {max_recorded_requests!r}")
+            raise ValueError(
+                f"max_recorded_requests must be a whole number >= 0, got {shown(max_recorded_requests, None)}")
         self._respond = respond
         self.requests: deque[ModelRequest] = deque(maxlen=max_recorded_requests)
 
