@@ -90,10 +90,11 @@ def test_run_model_limit_refuses_bad_durations(field: str, value: Any) -> None:
     assert repr(value) in str(info.value)
 
 
-@pytest.mark.parametrize("value", [0, -1, True, False, 2.0, "3", None])
+@pytest.mark.parametrize("value", [0, -1, True, False, 2.0, "3", None, 2**64])
 def test_run_model_limit_refuses_bad_attempts(value: Any) -> None:
-    """max_attempts is a whole number from 1; bools, floats and text are refused, naming the value."""
-    with pytest.raises(ValueError, match="max_attempts must be a whole number >= 1") as info:
+    """max_attempts is a whole number from 1 to the engine's bound; bools, floats, text and a count
+    too large to store are refused, naming the value."""
+    with pytest.raises(ValueError, match="max_attempts must be a whole number from 1 to 9223372036854775807") as info:
         RunModelLimit(max_attempts=value)
     assert repr(value) in str(info.value)
 

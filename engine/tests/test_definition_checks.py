@@ -408,3 +408,31 @@ def test_a_declaration_given_a_value_with_no_repr_raises_its_own_error(
     assert text in message, message
     if isinstance(bad, _Unshowable):
         assert "(a _Unshowable whose repr could not be made: RuntimeError)" in message, message
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: Flow("F", [Step("a", done)], start_step=1),  # type: ignore[arg-type]
+     r"flow 'F': start_step must be a Step, its Step type \(str\) or None, got int: 1"),
+    (lambda: rpc()(1),  # type: ignore[arg-type]
+     r"RPC 1 must be an async function, got 1"),
+    (lambda: Flow("F", [Step("a", done, options=StepOptions(failure_route=["x"]))],  # type: ignore[arg-type]
+                  start_step="a"),
+     r"Step 'a' failure route \['x'\] is not one of the flow's Steps"),
+    (lambda: MovementOptions(failure_route=["x"]),  # type: ignore[arg-type]
+     r"MovementOptions failure_route must be a Step type \(str\) or None, got list: \['x'\]"),
+    (lambda: RetryPolicy(max_attempts=2**64),
+     r"max_attempts must be a whole number from 1 to 9223372036854775807, got 18446744073709551616"),
+])
+def test_a_declaration_of_the_wrong_kind_is_refused_naming_it(build: Callable[[], object], message: str) -> None:
+    """Catches: AttributeError ('int' object has no attribute 'step_type' / '__name__'), a bare
+    'unhashable type: list', and a retry policy too large to store accepted, then failing every commit
+    that schedules its Step."""
+    with pytest.raises(FlowDefinitionError, match=message):
+        build()
+
+
+def test_a_stream_capacity_too_large_to_store_is_refused() -> None:
+    """Catches: a capacity bound to every append's statement that neither backend takes."""
+    with pytest.raises(ValueError, match=r"stream 's' capacity must be .* at most 9223372036854775807, "
+                                         r"got 18446744073709551616"):
+        Stream("s", str, 2**64)

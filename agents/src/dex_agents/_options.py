@@ -19,6 +19,7 @@ from ._constants import (
     DEFAULT_MESSAGE_WINDOW_SIZE,
     DEFAULT_RETAINED_MESSAGE_LIMIT,
     MAX_MESSAGE_CHUNK_MAX_BYTES,
+    MAX_RETRY_ATTEMPTS,
     RUN_MODEL_MAX_ATTEMPTS,
     RUN_MODEL_RETRY_BUDGET,
     RUN_MODEL_TIMEOUT,
@@ -48,8 +49,11 @@ class RunModelLimit:
         if not isinstance(timeout, timedelta) or not timedelta(0) < timeout <= LONGEST_TIMER:
             problems.append(f"timeout must be a positive timedelta of at most {LONGEST_TIMER.days} days (the "
                             f"engine's longest method timeout), got {shown(self.timeout, None)}")
-        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
-            problems.append(f"max_attempts must be a whole number >= 1, got {shown(self.max_attempts, None)}")
+        attempts: object = self.max_attempts
+        # Bounded as the engine's RetryPolicy bounds it, which RunModel's is built into.
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or not 1 <= attempts <= MAX_RETRY_ATTEMPTS:
+            problems.append(f"max_attempts must be a whole number from 1 to {MAX_RETRY_ATTEMPTS}, "
+                            f"got {shown(self.max_attempts, None)}")
         if not isinstance(budget, timedelta) or budget <= timedelta(0):
             problems.append(f"retry_budget must be a positive timedelta, got {shown(self.retry_budget, None)}")
         if problems:

@@ -111,6 +111,8 @@ def rpc(
 
     def wrap(fn: RpcFn) -> Rpc:
         label = f"RPC {shown(name or getattr(fn, '__name__', fn), None)}"
+        if not callable(fn):  # named here: an RPC without a name takes its handler's __name__
+            raise FlowDefinitionError(_handler_problems(label, fn)[0])
         check_load(f"{label} load", load, optional=True)
         return Rpc(
             name=check_id("RPC name", name or fn.__name__),
@@ -159,6 +161,10 @@ class Flow:
             if step.step_type in self.steps:
                 problems.append(f"Step type {step.step_type!r} is declared twice")
             self.steps[step.step_type] = step
+        given_start: object = start_step  # typed; checked for callers that pass anything
+        if not isinstance(given_start, str | Step) and given_start is not None:
+            raise FlowDefinitionError(f"flow {flow_type!r}: start_step must be a Step, its Step type (str) or None, "
+                                      f"got {type(given_start).__name__}: {shown(given_start)}")
         start_name = start_step if isinstance(start_step, str) or start_step is None else start_step.step_type
         if start_name is not None and start_name not in self.steps:
             problems.append(f"start Step {start_name!r} is not one of the flow's Steps")
@@ -223,7 +229,7 @@ class Flow:
             if not isinstance(pure, bool):
                 out.append(f"{label} {flag} must be True or False, got {shown(pure, None)}")
         route = step.options.failure_route
-        if route is not None and route not in self.steps:
+        if route is not None and not (isinstance(route, str) and route in self.steps):  # a list is unhashable
             out.append(f"{label} failure route {shown(route, None)} is not one of the flow's Steps")
         out.extend(self._lock_problems(label, tuple(lock_name(x) for x in step.options.execute_locks)))
         out.extend(self._lock_problems(label, tuple(lock_name(x) for x in step.options.wait_for_locks)))

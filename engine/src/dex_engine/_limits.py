@@ -262,9 +262,13 @@ TASK_OPTIONS_CONFIRMED_ENTRIES = 4096
 # backend's limit on parameters per statement.
 ROWS_PER_STATEMENT = 200
 
+# The largest whole number either backend stores or takes as a parameter (signed 64 bits; SQLite's
+# driver raises OverflowError past it): the bound of counts and sizes a Flow declares (a retry
+# policy's max_attempts, a Stream's capacity), which are stored with tasks or bound to statements.
+MAX_WHOLE_NUMBER = 2**63 - 1
 # The largest channel message ID: both backends number messages with signed 64-bit integers, and
 # SQLite cannot even be asked about a larger one (the driver raises OverflowError).
-MAX_MESSAGE_ID = 2**63 - 1
+MAX_MESSAGE_ID = MAX_WHOLE_NUMBER
 
 # Attempts still running that a worker stopping past its grace names in its warning; the count
 # says how many more, and one log line stays readable with hundreds of slots.

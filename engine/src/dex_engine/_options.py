@@ -178,6 +178,11 @@ class MovementOptions:
         _check_loads(self, optional=True)
         _check_timeouts(self)
         _check_durability(self)
+        route: object = self.failure_route  # a Step's is checked by its Flow, which can name the Step
+        if route is not None and not isinstance(route, str):
+            # Looked up by name when the movement is scheduled, where a list raised "unhashable type".
+            raise FlowDefinitionError(f"MovementOptions failure_route must be a Step type (str) or None, "
+                                      f"got {type(route).__name__}: {shown(route)}")
 
 
 def is_number(value: object) -> TypeGuard[int | float]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import msgspec
 
 from ._errors import FlowDefinitionError, shown
-from ._limits import MAX_TIMER_SECONDS
+from ._limits import MAX_TIMER_SECONDS, MAX_WHOLE_NUMBER
 
 
 class RetryPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -27,8 +27,10 @@ class RetryPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
 
     def __post_init__(self) -> None:
         problems = []
-        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
-            problems.append(f"max_attempts must be a whole number >= 1, got {shown(self.max_attempts, None)}")
+        attempts: object = self.max_attempts
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or not 1 <= attempts <= MAX_WHOLE_NUMBER:
+            problems.append(f"max_attempts must be a whole number from 1 to {MAX_WHOLE_NUMBER}, "
+                            f"got {shown(self.max_attempts, None)}")
         seconds = {
             "initial_interval_seconds": self.initial_interval_seconds,
             "backoff_coefficient": self.backoff_coefficient,

@@ -7,7 +7,7 @@ from typing import Any, Generic, TypeVar
 
 from ._errors import shown
 from ._ids import check_key, check_name
-from ._limits import DEFAULT_STREAM_CAPACITY_BYTES
+from ._limits import DEFAULT_STREAM_CAPACITY_BYTES, MAX_WHOLE_NUMBER
 from ._wait import ChannelCondition
 
 T = TypeVar("T")
@@ -105,9 +105,9 @@ class Stream(Generic[T]):
         self.name = check_name("stream name", name)
         self.value_type = value_type
         capacity: object = capacity_bytes  # typed int; checked for callers that pass anything
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-            raise ValueError(
-                f"stream {name!r} capacity must be a positive whole number of bytes, got {shown(capacity, None)}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 0 < capacity <= MAX_WHOLE_NUMBER:
+            raise ValueError(f"stream {name!r} capacity must be a positive whole number of bytes, at most "
+                             f"{MAX_WHOLE_NUMBER}, got {shown(capacity, None)}")
         self.capacity_bytes = capacity_bytes
 
     def __repr__(self) -> str:
