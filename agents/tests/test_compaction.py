@@ -1172,6 +1172,18 @@ class BrokenEstimate(BuiltinLoopAgentRunner):
         return "a lot"  # type: ignore[return-value]
 
 
+class _NoRepr:
+    """A value whose repr raises (an ORM row detached from its session, say)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("detached")
+
+
+class NoReprEstimate(BuiltinLoopAgentRunner):
+    def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
+        return _NoRepr()  # type: ignore[return-value]
+
+
 class TrueEstimate(BuiltinLoopAgentRunner):
     def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
         return True  # a bool is an int to Python, but no token count
@@ -1264,6 +1276,8 @@ async def test_a_cutoff_of_zero_or_none_without_a_summary_calls_the_model(
 @pytest.mark.parametrize(("runner", "error"), [
     (BrokenEstimate, "estimate_input_tokens returned 'a lot'; return a whole number"),
     (TrueEstimate, "estimate_input_tokens returned True; return a whole number"),
+    (NoReprEstimate, "estimate_input_tokens returned (a _NoRepr whose repr could not be made: RuntimeError); "
+                     "return a whole number"),
     (CutoffPastTheEnd, "select_compaction_cutoff returned 2, after the newest stored message 1"),
 ])
 async def test_a_compaction_contract_breach_fails_the_turn(

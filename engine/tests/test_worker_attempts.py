@@ -513,12 +513,26 @@ async def test_a_timeout_error_the_handler_lets_out_is_not_the_method_timeout(
         assert failed[2] == "execute: TimeoutError: TimeoutError()", failed
 
 
-async def test_a_result_that_cannot_be_committed_fails_the_attempt_and_is_retried(db_url: str) -> None:
+class _NoRepr:
+    """A value whose repr raises (an ORM row detached from its session, say)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("detached")
+
+
+@pytest.mark.parametrize(("result", "shown"), [
+    ("not a decision", "'not a decision'"),
+    (_NoRepr(), "(a _NoRepr whose repr could not be made: RuntimeError), not a StepDecision"),
+], ids=["text", "no-repr"])
+async def test_a_result_that_cannot_be_committed_fails_the_attempt_and_is_retried(
+    db_url: str, result: object, shown: str
+) -> None:
     """A handler's result refused as its attempt commits (here not a StepDecision) fails that
-    attempt with the error named, and the Step's retry policy applies as to any other failure."""
+    attempt with the error named, and the Step's retry policy applies as to any other failure.
+    Catches a result with no repr failing with the repr's error instead of InvalidValueError."""
     async def returns(ctx: Context, _: None) -> StepDecision:
         if ctx.attempt == 1:
-            return "not a decision"  # type: ignore[return-value]
+            return result  # type: ignore[return-value]
         return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
 
     registry = Registry([Flow("Refused", [Step("Call", returns, options=QUICK_RETRY)], start_step="Call")])
@@ -528,7 +542,7 @@ async def test_a_result_that_cannot_be_committed_fails_the_attempt_and_is_retrie
         assert await eng.client.flow_output("r") == "attempt 2"
         (failed,) = failures(await eng.client.get_flow_history("r"))
         assert failed[:2] == ("Call-1", 1) and failed[2].startswith("execute: InvalidValueError: "), failed
-        assert "'not a decision'" in failed[2]
+        assert shown in failed[2]
 
 
 async def test_an_attempt_the_worker_itself_cannot_finish_is_handed_back_and_retried(

@@ -45,6 +45,7 @@ from ._persistence import (
     CONTEXT_SUMMARY,
     message_sequence_key,
 )
+from ._policy import shown
 from ._runner import AgentTurnContext
 from ._runtime import (
     TURN_LOAD,
@@ -164,7 +165,7 @@ def model_view(ctx: Context, rt: SessionRuntime, *, warn: bool) -> tuple[list[Ag
 
 def _whole_number(value: object, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TurnContractError(f"{source} returned {value!r}; return a whole number")
+        raise TurnContractError(f"{source} returned {shown(value)}; return a whole number")
     return value
 
 

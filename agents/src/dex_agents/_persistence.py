@@ -7,6 +7,7 @@ from typing import Any
 from dex_engine import Attribute, AttributeMap, Channel, ChannelMap, Stream
 
 from ._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES
+from ._policy import shown
 from ._wire import (
     AgentEvent,
     AgentInterrupt,
@@ -77,14 +78,14 @@ def agent_events_stream(capacity_bytes: int = DEFAULT_AGENT_EVENTS_CAPACITY_BYTE
 def message_sequence_key(sequence: int) -> str:
     """AgentMessages / AgentMessageChunks key: the sequence as 12-digit zero-padded decimal."""
     if isinstance(sequence, bool) or not isinstance(sequence, int) or not 0 < sequence < 10**12:
-        raise ValueError(f"message sequence must be a whole number from 1 to 10**12 - 1, got {sequence!r}")
+        raise ValueError(f"message sequence must be a whole number from 1 to 10**12 - 1, got {shown(sequence)}")
     return f"{sequence:012d}"
 
 
 def plan_execution_key(revision: int) -> str:
     """PlanExecutions key: the plan revision as decimal."""
     if isinstance(revision, bool) or not isinstance(revision, int) or revision < 1:
-        raise ValueError(f"plan revision must be a whole number >= 1, got {revision!r}")
+        raise ValueError(f"plan revision must be a whole number >= 1, got {shown(revision)}")
     return str(revision)
 
 

@@ -960,7 +960,7 @@ class AsyncWorker:
 
     def _decision_record(self, lease: Lease, result: object) -> DecisionRecord:
         if not isinstance(result, StepDecision):
-            raise InvalidValueError(f"execute of Step {lease.step_type!r} returned {result!r}, not a StepDecision")
+            raise InvalidValueError(f"execute of Step {lease.step_type!r} returned {shown(result)}, not a StepDecision")
         flow = self.registry.flow(lease.flow_type)
         movements = tuple(movement_record(flow, m) for m in result.movements)
         for name in result.canceling_steps:
@@ -1222,7 +1222,7 @@ def checked_wait(flow: Flow, step_type: str, result: object) -> WaitSpec:
     UndeclaredNameError for a channel the Flow does not declare in that shape (plain or map): nothing
     can publish there, so the wait would hold the Step for ever."""
     if not isinstance(result, Wait):
-        raise InvalidValueError(f"wait_for of Step {step_type!r} returned {result!r}, not a Wait")
+        raise InvalidValueError(f"wait_for of Step {step_type!r} returned {shown(result)}, not a Wait")
     for condition in result.conditions:
         if isinstance(condition, ChannelCondition):
             flow.check_channel(ChannelRef(condition.channel, condition.key, None))

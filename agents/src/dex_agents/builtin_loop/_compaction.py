@@ -23,6 +23,7 @@ from .._compaction import (
 )
 from .._constants import CONTEXT_SUMMARY_INSTRUCTIONS, CONTEXT_SUMMARY_REQUEST_TEXT
 from .._events import AgentEventWriter
+from .._policy import shown
 from .._runner import AgentTurnContext
 from .._wire import AgentMessage, MessageRole
 from ._items import input_item
@@ -93,7 +94,7 @@ def estimate_model_input(model: ModelClient, request: ModelRequest) -> int:
     estimate = getattr(model, "estimate_input_tokens", None)
     value = estimate(request) if callable(estimate) else estimate_request_tokens(request)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{type(model).__name__}.estimate_input_tokens returned {value!r}, not a whole number")
+        raise TypeError(f"{type(model).__name__}.estimate_input_tokens returned {shown(value)}, not a whole number")
     return value
 
 

@@ -14,7 +14,7 @@ import msgspec
 
 from .._builtin_tools import BUILT_IN_TOOL_DEFINITIONS, BuiltInTool
 from .._compaction import ContextSummaryRequest, ContextSummaryResult
-from .._constants import MAX_CONSECUTIVE_TURN_CONTINUATIONS, SHOWN_VALUE_CHARS
+from .._constants import MAX_CONSECUTIVE_TURN_CONTINUATIONS
 from .._plans import build_plan_note
 from .._policy import OUTCOME_UNKNOWN_TEXT, ToolPolicy, describe_tool_call_outcome, raised_text, shown
 from .._runner import (
@@ -544,17 +544,17 @@ async def _listing(source: ToolSource, timeout: float) -> tuple[ModelToolDefinit
 def listed_tool_problem(tool: object) -> str | None:
     """What makes a listed tool unfit to offer a model, or None."""
     if not isinstance(tool, ModelToolDefinition):
-        return f"{tool!r:.{SHOWN_VALUE_CHARS}} is not a ModelToolDefinition"
+        return f"{shown(tool)} is not a ModelToolDefinition"
     name: object = tool.name
     if not is_provider_tool_name(name):
         # Offered, it would make the provider refuse every request of the turn.
-        return f"tool name {name!r:.{SHOWN_VALUE_CHARS}} is not one providers accept: {PROVIDER_TOOL_NAME_RULE}"
+        return f"tool name {shown(name)} is not one providers accept: {PROVIDER_TOOL_NAME_RULE}"
     description: object = tool.description
     if not isinstance(description, str):
-        return f"tool {name}'s description is {description!r:.{SHOWN_VALUE_CHARS}}, not text"
+        return f"tool {name}'s description is {shown(description)}, not text"
     schema: object = tool.parameters_schema
     if not isinstance(schema, Mapping):
-        return f"tool {name}'s parameters_schema is {schema!r:.{SHOWN_VALUE_CHARS}}, not a JSON Schema object"
+        return f"tool {name}'s parameters_schema is {shown(schema)}, not a JSON Schema object"
     return None
 
 

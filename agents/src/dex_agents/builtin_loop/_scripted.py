@@ -119,7 +119,7 @@ class ScriptedModelClient:
         if inspect.isawaitable(reply):
             reply = await reply
         if not isinstance(reply, ScriptedModelReply):
-            raise TypeError(f"the script returned {reply!r}; return a ScriptedModelReply")
+            raise TypeError(f"the script returned {shown(reply)}; return a ScriptedModelReply")
         items: list[ModelOutputItem] = []
         # Derived from the whole input: the same for a RunModel that runs again, and new for every
         # later request of the turn, even after compaction has made its input shorter.
@@ -148,7 +148,7 @@ class ScriptedModelClient:
         if inspect.isawaitable(text):
             text = await text
         if not isinstance(text, str):
-            raise TypeError(f"summarize returned {text!r}; return the summary text")
+            raise TypeError(f"summarize returned {shown(text)}; return the summary text")
         item = _item(OutputItemKind.TEXT, {"type": "text", "text": text}, text=text)
         usage = AgentUsage(model_calls=1, input_tokens=estimate_request_tokens(request),
                            output_tokens=estimate_text_tokens(item.item))
