@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from agents.tests.scripted_agent import build_flow
 from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
+from engine.tests.odd_values import NO_REPR_VALUES
 
 from dex_agents import AgentSessionClient, AgentSnapshot, UpdateSessionSettingsRequest
 from dex_agents.testing import wait_for_agent_snapshot
@@ -186,14 +187,7 @@ async def test_message_pages_and_plan_revisions_refuse_a_number_that_is_not_a_wh
         assert len(page.messages) == 1 and page.next_before_sequence == page.messages[0].sequence
 
 
-class _Unshowable:
-    """A value whose repr raises (an ORM row detached from its session, say)."""
-
-    def __repr__(self) -> str:
-        raise RuntimeError("detached")
-
-
-@pytest.mark.parametrize("bad", [10**5000, _Unshowable()], ids=["int-of-5000-digits", "repr-raises"])
+@pytest.mark.parametrize("bad", NO_REPR_VALUES)
 async def test_a_value_with_no_repr_gets_the_error_about_it(tmp_path: Path, db_url: str, bad: Any) -> None:  # noqa: F811
     """A value whose repr cannot be made (an int of over 4,300 digits, an object whose __repr__
     raises) given to a session or engine call gets the error that call gives any value of its

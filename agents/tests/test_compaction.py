@@ -25,6 +25,7 @@ from agents.tests.compaction_agent import answer, compaction_flow, kill_test_flo
 from agents.tests.conftest import REPO_ROOT
 from agents.tests.session_driver import all_agent_events
 from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
+from engine.tests.odd_values import UNSHOWABLE_SHOWN, Unshowable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1172,16 +1173,9 @@ class BrokenEstimate(BuiltinLoopAgentRunner):
         return "a lot"  # type: ignore[return-value]
 
 
-class _NoRepr:
-    """A value whose repr raises (an ORM row detached from its session, say)."""
-
-    def __repr__(self) -> str:
-        raise RuntimeError("detached")
-
-
 class NoReprEstimate(BuiltinLoopAgentRunner):
     def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
-        return _NoRepr()  # type: ignore[return-value]
+        return Unshowable()  # type: ignore[return-value]
 
 
 class TrueEstimate(BuiltinLoopAgentRunner):
@@ -1276,8 +1270,7 @@ async def test_a_cutoff_of_zero_or_none_without_a_summary_calls_the_model(
 @pytest.mark.parametrize(("runner", "error"), [
     (BrokenEstimate, "estimate_input_tokens returned 'a lot'; return a whole number"),
     (TrueEstimate, "estimate_input_tokens returned True; return a whole number"),
-    (NoReprEstimate, "estimate_input_tokens returned (a _NoRepr whose repr could not be made: RuntimeError); "
-                     "return a whole number"),
+    (NoReprEstimate, f"estimate_input_tokens returned {UNSHOWABLE_SHOWN}; return a whole number"),
     (CutoffPastTheEnd, "select_compaction_cutoff returned 2, after the newest stored message 1"),
 ])
 async def test_a_compaction_contract_breach_fails_the_turn(

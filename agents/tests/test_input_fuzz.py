@@ -42,6 +42,7 @@ from agents.tests.test_bad_inputs import (
     table_rows,
 )
 from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
+from engine.tests.odd_values import Unshowable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -84,16 +85,6 @@ SESSION = "s"
 OWN_CODE = ("/dex_engine/", "/dex_agents/")
 
 
-class _Unshowable:
-    """A value whose repr and str raise (an ORM row detached from its session, say)."""
-
-    def __repr__(self) -> str:
-        raise RuntimeError("no repr")
-
-    def __str__(self) -> str:
-        raise RuntimeError("no str")
-
-
 def _recursive_dict() -> dict[str, Any]:
     value: dict[str, Any] = {}
     value["self"] = value
@@ -117,7 +108,7 @@ ODD: st.SearchStrategy[Any] = st.one_of(
     st.text(st.characters(codec=None, exclude_categories=()), max_size=8), ODD_TEXT,
     st.binary(max_size=4), st.lists(st.integers(), max_size=2),
     st.dictionaries(st.integers(), st.text(max_size=2), max_size=2),
-    st.builds(object), st.builds(_Unshowable), st.builds(_recursive_dict), st.builds(_recursive_list),
+    st.builds(object), st.builds(Unshowable), st.builds(_recursive_dict), st.builds(_recursive_list),
     st.sampled_from(list(MessageRole)),
 )
 

@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import pytest
+from engine.tests.odd_values import NO_REPR_VALUES
 
 from dex_agents import (
     AgentSessionFlow,
@@ -323,13 +324,6 @@ def test_max_durable_wait_is_at_least_one_second() -> None:
 # A value with no repr -------------------------------------------------------------------------
 
 
-class _Unshowable:
-    """A value whose repr raises (an ORM row detached from its session, say)."""
-
-    def __repr__(self) -> str:
-        raise RuntimeError("detached")
-
-
 def _negative(bad: Any) -> Any:
     """`bad` refused where any whole number >= 0 is taken: an int of over 4,300 digits made negative."""
     return -abs(bad) if isinstance(bad, int) else bad
@@ -440,7 +434,7 @@ _NO_REPR_DECLARATIONS: list[tuple[str, Callable[[Any], object], type[Exception],
 ]
 
 
-@pytest.mark.parametrize("bad", [10**5000, _Unshowable()], ids=["int-of-5000-digits", "repr-raises"])
+@pytest.mark.parametrize("bad", NO_REPR_VALUES)
 @pytest.mark.parametrize(("build", "error", "text"), [case[1:] for case in _NO_REPR_DECLARATIONS],
                          ids=[case[0] for case in _NO_REPR_DECLARATIONS])
 def test_a_declaration_given_a_value_with_no_repr_raises_its_own_error(

@@ -40,6 +40,7 @@ from dex_engine._decision import Movement
 from dex_engine._limits import MAX_CONCURRENT_TASKS
 
 from .conftest import engine_for
+from .odd_values import NO_REPR_VALUES, UNSHOWABLE_SHOWN, Unshowable
 from .test_bad_inputs import refused
 
 Note = Attribute("Note", str)
@@ -322,13 +323,6 @@ def test_a_flow_refuses_step_options_that_are_not_step_options() -> None:
 # A value with no repr -------------------------------------------------------------------------
 
 
-class _Unshowable:
-    """A value whose repr raises (an ORM row detached from its session, say)."""
-
-    def __repr__(self) -> str:
-        raise RuntimeError("detached")
-
-
 def _flow_with(*steps: Step[Any], schema: tuple[Any, ...] = (), rpcs: tuple[Any, ...] = ()) -> Flow:
     return Flow("F", [Step("a", done), *steps], schema=schema, rpcs=rpcs)
 
@@ -391,7 +385,7 @@ _NO_REPR_DECLARATIONS: list[tuple[str, Callable[[Any], object], type[Exception],
 ]
 
 
-@pytest.mark.parametrize("bad", [10**5000, _Unshowable()], ids=["int-of-5000-digits", "repr-raises"])
+@pytest.mark.parametrize("bad", NO_REPR_VALUES)
 @pytest.mark.parametrize(("build", "error", "text"), [case[1:] for case in _NO_REPR_DECLARATIONS],
                          ids=[case[0] for case in _NO_REPR_DECLARATIONS])
 def test_a_declaration_given_a_value_with_no_repr_raises_its_own_error(
@@ -406,8 +400,8 @@ def test_a_declaration_given_a_value_with_no_repr_raises_its_own_error(
     assert type(caught.value) is error, (type(caught.value), caught.value)
     message = str(caught.value)
     assert text in message, message
-    if isinstance(bad, _Unshowable):
-        assert "(a _Unshowable whose repr could not be made: RuntimeError)" in message, message
+    if isinstance(bad, Unshowable):
+        assert UNSHOWABLE_SHOWN in message, message
 
 
 @pytest.mark.parametrize(("build", "message"), [

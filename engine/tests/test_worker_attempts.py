@@ -45,6 +45,7 @@ from dex_engine._records import HousekeepingReport
 from dex_engine._store import LOST_CLAIM_MS
 
 from .conftest import Engine, assert_paced, engine_for, history_has, wait_until
+from .odd_values import UNSHOWABLE_SHOWN, Unshowable
 from .test_pure_execute import TRIES, called_from, quiet_engine
 
 QUICK_RETRY = StepOptions(execute_retry=RetryPolicy(max_attempts=4, initial_interval_seconds=0.01,
@@ -513,16 +514,9 @@ async def test_a_timeout_error_the_handler_lets_out_is_not_the_method_timeout(
         assert failed[2] == "execute: TimeoutError: TimeoutError()", failed
 
 
-class _NoRepr:
-    """A value whose repr raises (an ORM row detached from its session, say)."""
-
-    def __repr__(self) -> str:
-        raise RuntimeError("detached")
-
-
 @pytest.mark.parametrize(("result", "shown"), [
     ("not a decision", "'not a decision'"),
-    (_NoRepr(), "(a _NoRepr whose repr could not be made: RuntimeError), not a StepDecision"),
+    (Unshowable(), f"{UNSHOWABLE_SHOWN}, not a StepDecision"),
 ], ids=["text", "no-repr"])
 async def test_a_result_that_cannot_be_committed_fails_the_attempt_and_is_retried(
     db_url: str, result: object, shown: str
