@@ -287,12 +287,10 @@ async def cancel(run: ChaosRun) -> None:
 async def resolve(run: ChaosRun, *, final: bool) -> int:
     """Resolve pending approvals (all of them when `final`); returns how many were pending."""
     rng = run.rng
-    snapshot = await run.call("snapshot", run.sessions.get_agent_snapshot(run.session_id))
-    if snapshot is None:
+    found = await pending_targets(run, "tool_approval", final=final)
+    if found is None:
         return 0
-    seen(run, snapshot)
-    pending = [i.interrupt_id for i in snapshot.pending_interrupts if i.kind.value == "tool_approval"]
-    targets = pending if final else [rng.choice(pending)] if pending else []
+    pending, targets = found
     if not final and (not targets or rng.random() < 0.2) and run.seen_interrupts:
         targets = [rng.choice(run.seen_interrupts)]  # late: one seen earlier, maybe resolved long ago
     for interrupt_id in targets:
@@ -303,6 +301,17 @@ async def resolve(run: ChaosRun, *, final: bool) -> int:
             if first and again:
                 run.violation(f"resolve_interrupt {interrupt_id} returned True twice in a row")
     return len(pending)
+
+
+async def pending_targets(run: ChaosRun, kind: str, *, final: bool) -> tuple[list[str], list[str]] | None:
+    """The session's pending interrupts of `kind` and those to act on: all when `final`, else one
+    drawn at random; None when the snapshot could not be read."""
+    snapshot = await run.call("snapshot", run.sessions.get_agent_snapshot(run.session_id))
+    if snapshot is None:
+        return None
+    seen(run, snapshot)
+    pending = [i.interrupt_id for i in snapshot.pending_interrupts if i.kind.value == kind]
+    return pending, pending if final else [run.rng.choice(pending)] if pending else []
 
 
 def seen(run: ChaosRun, snapshot: AgentSnapshot) -> None:
@@ -328,12 +337,10 @@ async def resolve_once(run: ChaosRun, interrupt_id: str, approved: bool) -> bool
 async def answer(run: ChaosRun, *, final: bool) -> int:
     """Answer or decline pending questions (all of them when `final`); returns how many were pending."""
     rng = run.rng
-    snapshot = await run.call("snapshot", run.sessions.get_agent_snapshot(run.session_id))
-    if snapshot is None:
+    found = await pending_targets(run, "question", final=final)
+    if found is None:
         return 0
-    seen(run, snapshot)
-    pending = [i.interrupt_id for i in snapshot.pending_interrupts if i.kind.value == "question"]
-    targets = pending if final else [rng.choice(pending)] if pending else []
+    pending, targets = found
     for interrupt_id in targets:
         for _ in range(2 if rng.random() < 0.2 else 1):
             if rng.random() < (0.8 if final else 0.7):
