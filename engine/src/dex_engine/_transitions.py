@@ -2251,12 +2251,9 @@ def _walk_running_flows(
     order, read through the running flows in order: those created after `after` (None: any time),
     as far as the `flows`-th of them. Returns them and that flow's created_at, the end of the window
     read (all the flows of that millisecond), or None when fewer running flows are left."""
-    if after is None:
-        window = db.one("SELECT created_at FROM flows WHERE status = 'running' ORDER BY created_at LIMIT 1 OFFSET ?",
-                        (max(0, flows - 1),))
-    else:
-        window = db.one("SELECT created_at FROM flows WHERE status = 'running' AND created_at > ? "
-                        "ORDER BY created_at LIMIT 1 OFFSET ?", (after, max(0, flows - 1)))
+    since, since_params = ("", ()) if after is None else (" AND f.created_at > ?", (after,))
+    window = db.one(f"SELECT f.created_at FROM flows f WHERE f.status = 'running'{since} "
+                    "ORDER BY f.created_at LIMIT 1 OFFSET ?", (*since_params, max(0, flows - 1)))
     window_end = None if window is None else int(window[0])
     clauses = [*clauses, "EXISTS (SELECT 1 FROM tasks t WHERE t.flow_id = f.flow_id AND t.step_type = ?)"]
     params = [*params, active_step]
@@ -2267,8 +2264,7 @@ def _walk_running_flows(
     flow_id = _by_code_point(db, "f.flow_id")
     order = f" ORDER BY f.created_at, {flow_id} LIMIT ?"
     out: list[str] = []
-    rows = db.all(select + order if after is None else select + " AND f.created_at > ?" + order,
-                  (*params, limit) if after is None else (*params, after, limit))
+    rows = db.all(select + since + order, (*params, *since_params, limit))
     while True:
         out += [str(flow_id) for flow_id, config, _ in rows if decode_json(config, FlowConfig).active_step_search]
         if len(out) >= limit or len(rows) < limit:
