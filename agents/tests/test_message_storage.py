@@ -831,6 +831,39 @@ def test_a_message_is_refused_one_byte_past_the_value_limit_in_its_own_chunk(ove
     assert ctx.writes.empty()
 
 
+@pytest.mark.parametrize("small_before", [0, 2])
+def test_rollover_leaves_a_legacy_message_no_chunk_can_hold_in_the_window(small_before: int) -> None:
+    """A 0.1.0 session stored a message of MAX_VALUE_BYTES - 5 bytes in AgentMessages; its chunk
+    would be 10 bytes over the value limit. Rollover moves the messages before it and stops there,
+    so the next Step stores its message: before, every Step that stored one failed on that chunk
+    ("messages of turn turn-2 are too large to store"), and no turn of the session could run again.
+    Every message stays readable, in order, and pages back to sequence 1."""
+    flow, _ = storage_flow("LegacyGiantAgent", message_window_size=1, message_chunk_size=1)
+    giant_sequence = small_before + 1
+    padded = message(giant_sequence, 0)
+    giant = message(giant_sequence, MAX_VALUE_BYTES - 5 - message_bytes(padded))
+    assert message_bytes(giant) == MAX_VALUE_BYTES - 5 and chunk_bytes([message_bytes(giant)]) > MAX_VALUE_BYTES
+    legacy = [message(s, 1) for s in range(1, giant_sequence)] + [giant, message(giant_sequence + 1, 1)]
+    ctx = step_context(flow, "RunModel", {
+        (AGENT_MESSAGES.name, message_sequence_key(m.sequence)): m for m in legacy})  # no AgentMessageIndex
+    state = running_turn(active_turn_id="turn-1", next_message_sequence=len(legacy) + 1)
+    after = runtime_of(flow).append_messages(ctx, state, "turn-1", [_framework(MessageRole.ASSISTANT, "next")])
+    assert after.next_message_sequence == len(legacy) + 2
+    index = ctx.get(AGENT_MESSAGE_INDEX)
+    if small_before:
+        assert index == AgentMessageIndex(chunks=[AgentMessageChunkRange(1, 1), AgentMessageChunkRange(2, 2)],
+                                          first_sequence=1, window_first_sequence=giant_sequence)
+    else:
+        assert index is None  # nothing moved: the index is written only with a chunk
+    window = list(ctx.items(AGENT_MESSAGES).values())
+    assert [m.sequence for m in window] == list(range(giant_sequence, len(legacy) + 2))
+    read_chunk = every_chunk_reader(ctx)
+    stored = newest_messages(index, window, read_chunk)
+    assert stored[:-1] == legacy and stored[-1].text == "next"
+    page = page_of_messages(index, window, read_chunk, giant_sequence + 1, 200)
+    assert (page.messages, page.next_before_sequence) == (legacy[:giant_sequence], None)
+
+
 def test_appending_to_a_turn_whose_reply_sequence_names_another_records_its_own_first() -> None:
     """TurnReplySequence still names turn-1 (a Worker that did not record one started turn-2): the
     first append of turn-2 records where its replies start, found by a scan back while the turn's

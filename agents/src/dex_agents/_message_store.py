@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from dex_engine import MAX_VALUE_BYTES
+
 from ._constants import MESSAGE_ROLLOVER_MAX_BYTES_PER_COMMIT, MESSAGE_ROLLOVER_MAX_CHUNKS_PER_COMMIT
 from ._wire import AgentMessage, AgentMessageChunk, AgentMessageChunkRange, AgentMessageIndex, MessageRole
 
@@ -153,7 +155,8 @@ def _rollover(
     A chunk closes at chunk_size messages, before a message that would take it past chunk_max_bytes,
     and at a gap in the sequences (an oversized message's chunk sits there: rollover steps over it).
     One commit moves at most max_chunks_per_commit chunks and max_bytes_per_commit bytes, unless the
-    first chunk alone is larger.
+    first chunk alone is larger. Rollover stops at a message no chunk can hold (see below): it and
+    every later message stay in the window.
     """
     moved: list[AgentMessageChunk] = []
     moved_bytes = 0
@@ -161,6 +164,12 @@ def _rollover(
     while len(window) - position > limits.window_size and len(moved) < limits.max_chunks_per_commit:
         end = position + 1
         size = chunk_bytes([size_of(window[position])])
+        if size > MAX_VALUE_BYTES:
+            # Only a 0.1.0 window message can be here: stored alone it fit the engine's value limit,
+            # but its chunk is CHUNK_ENVELOPE_BYTES larger. Moving it would fail every commit that
+            # stores a message, so no turn of the session could run again; left in the window (as
+            # 0.1.0 kept it), the session goes on, only its window is no longer bounded.
+            break
         while end < len(window) and end - position < limits.chunk_size:
             following = window[end]
             if following.sequence != window[end - 1].sequence + 1:
