@@ -24,6 +24,7 @@ from dex_engine import (
     Channel,
     Context,
     Flow,
+    FlowNotFoundError,
     InvalidResumeTokenError,
     LoadOptions,
     Registry,
@@ -40,6 +41,7 @@ from dex_engine._open import open_store
 
 from .conftest import Engine, engine_for, wait_until
 from .test_delete_flow import KEEPER, Inbox, Log, Note, closed_flow, listening
+from .test_stream_watch import count_calls, idle
 
 Count = Attribute("Count", int)
 Tally = Channel("Tally", int)
@@ -122,6 +124,35 @@ async def test_a_resume_token_of_a_deleted_flow_is_refused_for_the_flow_started_
         rest = await them.read_stream("again", Log, fresh.resume_token)
         assert [(e.sequence, e.value) for e in rest.events] == [(2, "got bye again")]
         assert (await them.read_stream("again", Log, rest.resume_token)).events == []
+
+
+# A bound on a long poll that must end within a tick or two: only a broken watcher reaches it.
+LONG_POLL_BOUND_SECONDS = 20.0
+
+
+@pytest.mark.parametrize("started_again", [False, True])
+async def test_a_long_poll_ends_when_its_flow_is_deleted_meanwhile(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, started_again: bool
+) -> None:
+    """A reader long-polling a flow that is deleted while it waits (retention, say) hears so at once:
+    FlowNotFoundError, or InvalidResumeTokenError when the ID was started again (with fewer events
+    than the token had read), not after its whole wait. Catches: a watcher that wakes a reader only
+    when its stream grows past the token, which the deleted flow's stream never does."""
+    async with engine_for(db_url, REGISTRY) as eng, other_client(db_url) as them:
+        await closed_flow(eng, "gone", "completed")  # events 1 and 2
+        read = await them.read_stream("gone", Log)
+        assert [e.sequence for e in read.events] == [1, 2]
+        reads = count_calls(monkeypatch, them.store, "read_events")
+        waiting = asyncio.create_task(them.read_stream("gone", Log, read.resume_token, wait_seconds=60))
+        await idle(reads, [waiting])
+
+        assert await eng.client.delete_flow("gone")
+        if started_again:
+            await eng.client.start_flow("Keeper", "gone", "second life")  # event 1 only
+            await listening(eng, "gone")
+        expected = InvalidResumeTokenError if started_again else FlowNotFoundError
+        with pytest.raises(expected):
+            await asyncio.wait_for(waiting, LONG_POLL_BOUND_SECONDS)
 
 
 def legacy_token(secret: bytes, flow_id: str, stream: str, sequence: int) -> str:

@@ -221,9 +221,9 @@ class _StreamWatch:
     A reader that found no event registers (flow, stream, sequence it read up to) and waits. While
     any reader waits, every STREAM_WATCH_SECONDS the task reads the newest sequence of every watched
     stream in one operation (Store.newest_sequences) and wakes the readers whose stream went past
-    theirs, which then read their events themselves: n idle readers cost one statement a tick, not
-    n reads. When that operation fails, it wakes every reader, whose own read meets the error. The
-    task ends once no reader waits.
+    theirs, or fell below it (the flow was deleted), which then read their events themselves: n
+    idle readers cost one statement a tick, not n reads. When that operation fails, it wakes every
+    reader, whose own read meets the error. The task ends once no reader waits.
     """
 
     def __init__(self, store: Store) -> None:
@@ -266,7 +266,10 @@ class _StreamWatch:
                     # Each reader reads again and meets the error itself (or reads on, if it passed).
                     newest = None
                 for woken, (flow_id, stream, after) in waiting:
-                    if not woken.done() and (newest is None or newest[flow_id, stream] > after):
+                    # Below the reader's position, the stream lost events it had: its flow was
+                    # deleted (and maybe started again). Woken, the reader's own read raises
+                    # FlowNotFoundError or InvalidResumeTokenError now, not once its wait ran out.
+                    if not woken.done() and (newest is None or newest[flow_id, stream] != after):
                         woken.set_result(None)
         finally:
             # Set when it ends however it ends (cancelled by close too): a reader that comes later
