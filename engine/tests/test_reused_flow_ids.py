@@ -134,22 +134,36 @@ LONG_POLL_BOUND_SECONDS = 20.0
 async def test_a_long_poll_ends_when_its_flow_is_deleted_meanwhile(
     db_url: str, monkeypatch: pytest.MonkeyPatch, started_again: bool
 ) -> None:
-    """A reader long-polling a flow that is deleted while it waits (retention, say) hears so at once:
-    FlowNotFoundError, or InvalidResumeTokenError when the ID was started again (with fewer events
-    than the token had read), not after its whole wait. Catches: a watcher that wakes a reader only
-    when its stream grows past the token, which the deleted flow's stream never does."""
+    """A reader long-polling a flow that is stopped and deleted between two looks of the watcher
+    (retention, say) hears so at once: FlowNotFoundError, or InvalidResumeTokenError when the ID was
+    started again, here with as many events as the token had read, not after its whole wait.
+    Catches: a watcher that wakes a reader only when its stream's newest sequence moves, which the
+    deleted flow's does not, nor that of one started again with as many events."""
     async with engine_for(db_url, REGISTRY) as eng, other_client(db_url) as them:
-        await closed_flow(eng, "gone", "completed")  # events 1 and 2
+        await eng.client.start_flow("Keeper", "gone", "hello")
+        await listening(eng, "gone")
         read = await them.read_stream("gone", Log)
-        assert [e.sequence for e in read.events] == [1, 2]
+        assert [e.sequence for e in read.events] == [1]
+        # The watcher looks only once the flow is gone (and back): a look between would see it
+        # stopped and wake the reader with flow_closed instead.
+        look = asyncio.Event()
+        real_newest = them.store.newest_sequences
+
+        async def held(keys: list[tuple[str, str]]) -> list[tuple[int, int] | None]:
+            await look.wait()
+            return await real_newest(keys)
+
+        monkeypatch.setattr(them.store, "newest_sequences", held)
         reads = count_calls(monkeypatch, them.store, "read_events")
         waiting = asyncio.create_task(them.read_stream("gone", Log, read.resume_token, wait_seconds=60))
         await idle(reads, [waiting])
 
+        await eng.client.stop_flow("gone")
         assert await eng.client.delete_flow("gone")
         if started_again:
             await eng.client.start_flow("Keeper", "gone", "second life")  # event 1 only
             await listening(eng, "gone")
+        look.set()
         expected = InvalidResumeTokenError if started_again else FlowNotFoundError
         with pytest.raises(expected):
             await asyncio.wait_for(waiting, LONG_POLL_BOUND_SECONDS)

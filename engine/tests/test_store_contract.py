@@ -948,18 +948,23 @@ async def test_stream_capacity_trims_the_oldest_events(store: Store) -> None:
 
 
 async def test_newest_sequences_name_each_streams_newest_event(store: Store) -> None:
-    """E11: the newest sequence of each (flow, stream) asked for, in the order asked, trimmed or not;
-    0 for a stream with no event and for a flow that does not exist; each pair once however often
-    asked. Long-polling readers rely on it to know when to read. Catches: results in another order,
-    keyed by flow alone, or the oldest kept sequence instead of the newest."""
-    await start(store, "f1")
-    await start(store, "f2")
+    """E11: the newest sequence of each (flow, stream) asked for, in the order asked, trimmed or not,
+    with its flow's start; 0 for a stream with no event; None for a flow that does not exist or is
+    closed (no event can come); each pair once however often asked. Long-polling readers rely on it
+    to know when to read, and when to stop waiting. Catches: results in another order, keyed by flow
+    alone, the oldest kept sequence instead of the newest, or a closed flow's reader left waiting."""
+    for flow_id in ("f1", "f2", "done"):
+        await start(store, flow_id)
     leases = {x.flow_id: x for x in await store.claim(W, TYPES, 10)}
     await store.append_best_effort(leases["f1"], "Out", 20, [enc(f"event-{i}") for i in range(1, 6)])  # trims
     await store.append_best_effort(leases["f2"], "Out", 10_000, [enc("one")])
     await store.append_best_effort(leases["f2"], "Alpha", 10_000, [enc("a"), enc("b")])
-    keys = [("f2", "Alpha"), ("f1", "Out"), ("f1", "Alpha"), ("f2", "Out"), ("nowhere", "Out"), ("f1", "Out")]
-    assert await store.newest_sequences(keys) == [2, 5, 0, 1, 0, 5]
+    await store.append_best_effort(leases["done"], "Out", 10_000, [enc("last")])
+    await store.stop_flow("done", "finished")
+    f1, f2 = [(await store.read_events(f, "Out", 0, 1)).flow_started_ms for f in ("f1", "f2")]
+    keys = [("f2", "Alpha"), ("f1", "Out"), ("f1", "Alpha"), ("f2", "Out"), ("nowhere", "Out"), ("f1", "Out"),
+            ("done", "Out")]
+    assert await store.newest_sequences(keys) == [(2, f2), (5, f1), (0, f1), (1, f2), None, (5, f1), None]
     assert await store.newest_sequences([]) == []
 
 

@@ -170,3 +170,44 @@ async def test_closing_a_client_ends_its_watcher_and_its_readers(db_url: str) ->
     assert not watchers()
     with pytest.raises(RuntimeError, match="is closed"):
         await asyncio.wait_for(reader, 5)
+
+
+# A bound on a read that must return at once, or within a tick or two: only a broken reader reaches it.
+PROMPT_BOUND_SECONDS = 20.0
+
+
+async def test_a_long_poll_of_a_closed_flow_returns_at_once_saying_so(db_url: str) -> None:
+    """A closed flow's stream takes no more events, so a long poll of it with nothing left to read
+    returns at once, empty, with flow_closed; a read that still has its events returns them with it.
+    A running flow's reads say flow_closed is False. Catches: a UI following an ended session that
+    waits out every poll and never learns the session ended."""
+    async with engine_for(db_url, Registry([STREAMS_FLOW]), worker=False) as eng:
+        c = eng.client
+        await started(eng, "ended")
+        await c.rpc("ended", "append", ["a", "b"])
+        running = await c.read_stream("ended", Events)
+        assert ([e.value for e in running.events], running.flow_closed) == (["a", "b"], False)
+        await c.stop_flow("ended", "done")
+
+        rest = await asyncio.wait_for(c.read_stream("ended", Events, wait_seconds=60), PROMPT_BOUND_SECONDS)
+        assert ([e.value for e in rest.events], rest.flow_closed) == (["a", "b"], True)
+        for token in (running.resume_token, rest.resume_token, None):
+            stream = Other if token is None else Events  # Other never had an event
+            nothing = await asyncio.wait_for(c.read_stream("ended", stream, token, wait_seconds=60),
+                                             PROMPT_BOUND_SECONDS)
+            assert (nothing.events, nothing.flow_closed) == ([], True)
+
+
+async def test_a_long_poll_ends_when_its_flow_closes_meanwhile(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader long-polling a flow that is stopped while it waits returns within a tick or two,
+    empty, with flow_closed, not after its whole wait. Catches: a watcher that wakes a reader only
+    when its stream grows, which a stopped flow's never does."""
+    async with engine_for(db_url, Registry([STREAMS_FLOW]), worker=False) as eng:
+        c = eng.client
+        await started(eng, "closing")
+        reads = count_calls(monkeypatch, eng.store, "read_events")
+        waiting = asyncio.create_task(c.read_stream("closing", Events, wait_seconds=60))
+        await idle(reads, [waiting])
+        await c.stop_flow("closing", "done")
+        result = await asyncio.wait_for(waiting, PROMPT_BOUND_SECONDS)
+        assert (result.events, result.flow_closed) == ([], True)

@@ -68,6 +68,9 @@ class StreamRead:
     events: list[StreamEvent]
     resume_token: str  # pass it to the next read to get the events after these
     trimmed: bool  # events between the token and the first returned were trimmed (capacity)
+    # The flow was closed (completed, failed or stopped) when read: its stream takes no more events,
+    # so once a read returns none, there are none to wait for.
+    flow_closed: bool
 
 
 class SearchQueryError(DexError, ValueError):
@@ -218,24 +221,26 @@ class _StreamWatch:
     """The long-polling stream readers of one client on one event loop, and the one task that
     watches their streams for them.
 
-    A reader that found no event registers (flow, stream, sequence it read up to) and waits. While
-    any reader waits, every STREAM_WATCH_SECONDS the task reads the newest sequence of every watched
-    stream in one operation (Store.newest_sequences) and wakes the readers whose stream went past
-    theirs, or fell below it (the flow was deleted), which then read their events themselves: n
-    idle readers cost one statement a tick, not n reads. When that operation fails, it wakes every
+    A reader that found no event registers (flow, stream, sequence it read up to, the flow's start)
+    and waits. While any reader waits, every STREAM_WATCH_SECONDS the task reads the newest
+    sequence of every watched stream and its flow's start in one operation
+    (Store.newest_sequences) and wakes the readers whose stream went past theirs, or whose flow
+    closed, was deleted, or was started again, which then read their events themselves: n idle
+    readers cost one statement a tick, not n reads. When that operation fails, it wakes every
     reader, whose own read meets the error. The task ends once no reader waits.
     """
 
     def __init__(self, store: Store) -> None:
         self._store = store
-        self._waiting: dict[asyncio.Future[None], tuple[str, str, int]] = {}
+        self._waiting: dict[asyncio.Future[None], tuple[str, str, int, int]] = {}
         self.task: asyncio.Task[None] | None = None
 
-    async def wait(self, flow_id: str, stream: str, after: int, timeout: float) -> None:
-        """Until `stream` of `flow_id` has an event after sequence `after`, the watcher's read failed,
-        or `timeout` seconds passed."""
+    async def wait(self, flow_id: str, stream: str, after: int, started_ms: int, timeout: float) -> None:
+        """Until `stream` of `flow_id` (the flow started at `started_ms`) has an event after sequence
+        `after`, the flow is no longer that running flow, the watcher's read failed, or `timeout`
+        seconds passed."""
         woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting[woken] = (flow_id, stream, after)
+        self._waiting[woken] = (flow_id, stream, after, started_ms)
         if self.task is None:
             self.task = asyncio.create_task(self._watch(), name="dex-stream-watch")
         try:
@@ -259,17 +264,17 @@ class _StreamWatch:
                 if not self._waiting:
                     return
                 waiting = list(self._waiting.items())
-                keys = list(dict.fromkeys((flow_id, stream) for flow_id, stream, _ in self._waiting.values()))
+                keys = list(dict.fromkeys((flow_id, stream) for flow_id, stream, _, _ in self._waiting.values()))
                 try:
                     newest = dict(zip(keys, await self._store.newest_sequences(keys), strict=True))
                 except Exception:
                     # Each reader reads again and meets the error itself (or reads on, if it passed).
                     newest = None
-                for woken, (flow_id, stream, after) in waiting:
-                    # Below the reader's position, the stream lost events it had: its flow was
-                    # deleted (and maybe started again). Woken, the reader's own read raises
-                    # FlowNotFoundError or InvalidResumeTokenError now, not once its wait ran out.
-                    if not woken.done() and (newest is None or newest[flow_id, stream] != after):
+                for woken, (flow_id, stream, after, started_ms) in waiting:
+                    # Also woken when its flow closed (None: no event can come), or was deleted and
+                    # maybe started again: its own read then returns flow_closed, or raises
+                    # FlowNotFoundError or InvalidResumeTokenError, now, not once its wait ran out.
+                    if not woken.done() and (newest is None or newest[flow_id, stream] != (after, started_ms)):
                         woken.set_result(None)
         finally:
             # Set when it ends however it ends (cancelled by close too): a reader that comes later
@@ -534,9 +539,10 @@ class AsyncClient:
             if position is not None:
                 # Each page: the flow may be deleted and started again while this reader waits.
                 check_incarnation(position, flow_id, page.flow_started_ms)
-            if page.events or time.monotonic() >= deadline:
+            if page.events or page.flow_closed or time.monotonic() >= deadline:
                 break
-            await self._stream_watch().wait(flow_id, declared.name, after, max(0.0, deadline - time.monotonic()))
+            await self._stream_watch().wait(flow_id, declared.name, after, page.flow_started_ms,
+                                            max(0.0, deadline - time.monotonic()))
         events = [
             StreamEvent(e.sequence, e.step_execution_id, e.attempt,
                         decode_value(declared.name, declared.value_type, e.value))
@@ -544,7 +550,8 @@ class AsyncClient:
         ]
         last = events[-1].sequence if events else max(after, page.next_sequence - 1)
         trimmed = bool(events) and events[0].sequence > after + 1
-        return StreamRead(events, make_token(self._secret, flow_id, declared.name, last, page.flow_started_ms), trimmed)
+        return StreamRead(events, make_token(self._secret, flow_id, declared.name, last, page.flow_started_ms), trimmed,
+                          page.flow_closed)
 
     def _stream_watch(self) -> _StreamWatch:
         loop = asyncio.get_running_loop()

@@ -197,6 +197,7 @@ class EventPage:
     next_sequence: int  # the sequence a reader passes next
     first_sequence: int  # oldest sequence still stored (trimming)
     flow_started_ms: int  # the flow's created_at: tells it from an earlier flow of its ID (resume tokens)
+    flow_closed: bool  # closed when read: a closed flow's streams take no more events (its tasks are gone)
 
 
 @dataclass(frozen=True)

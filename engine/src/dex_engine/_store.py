@@ -491,8 +491,9 @@ class Store(ABC):
                           flow_type: str | None = None) -> EventPage:
         return await self._run(lambda db: tx.read_events(db, flow_id, stream, after, limit, flow_type), write=False)
 
-    async def newest_sequences(self, keys: Sequence[tuple[str, str]]) -> list[int]:
-        """The newest sequence of each (flow ID, stream) in `keys`, in their order (0: no event)."""
+    async def newest_sequences(self, keys: Sequence[tuple[str, str]]) -> list[tuple[int, int] | None]:
+        """The newest sequence (0: no event) of each (flow ID, stream) in `keys`, in their order, with
+        the flow's start (ms); None for a flow closed or gone."""
         return await self._run(lambda db: tx.newest_sequences(db, keys), write=False)
 
     async def stream_names(self, flow_id: str) -> list[str]:

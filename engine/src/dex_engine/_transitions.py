@@ -218,21 +218,21 @@ def existing_flow_type(db: Db, flow_id: str, expected: str | None = None) -> str
     return existing_flow(db, flow_id, expected)[0]
 
 
-def existing_flow(db: Db, flow_id: str, expected: str | None = None) -> tuple[str, int]:
-    """The flow's type and start time (ms), which tells a flow from an earlier one of its ID."""
+def existing_flow(db: Db, flow_id: str, expected: str | None = None) -> tuple[str, int, str]:
+    """The flow's type, start time (ms), which tells a flow from an earlier one of its ID, and status."""
     if _on_postgres(db):
-        row = db.one("SELECT flow_type, created_at FROM flows WHERE flow_id = ?", (flow_id,))
+        row = db.one("SELECT flow_type, status, created_at FROM flows WHERE flow_id = ?", (flow_id,))
     else:
-        row = db.one(f"SELECT flow_type, {_FLOW_STATE} FROM flows WHERE flow_id = ?", (flow_id,))
+        row = db.one(f"SELECT flow_type, status, {_FLOW_STATE} FROM flows WHERE flow_id = ?", (flow_id,))
     if row is None:
         raise FlowNotFoundError(flow_id)
     if _on_postgres(db):
-        created_at = int(row[1])
+        created_at = int(row[2])
     else:
-        _know_flow_row(db, flow_id, *row[1:])
-        created_at = int(row[1 + _FLOW_STATE.split(", ").index("created_at")])
+        _know_flow_row(db, flow_id, *row[2:])
+        created_at = int(row[2 + _FLOW_STATE.split(", ").index("created_at")])
     _check_type(str(row[0]), expected)
-    return str(row[0]), created_at
+    return str(row[0]), created_at, str(row[1])
 
 
 # The columns of a flow row an SQLite operation keeps for its duration (_know_flow_row), read with it.
@@ -1320,10 +1320,11 @@ def _first_sequence(db: Db, flow_id: str, stream: str) -> int | None:
 
 def read_events(db: Db, flow_id: str, stream: str, after: int, limit: int,
                 flow_type: str | None = None) -> EventPage:
-    _, started = existing_flow(db, flow_id, flow_type)
+    _, started, status = existing_flow(db, flow_id, flow_type)
+    closed = status != "running"
     first = _first_sequence(db, flow_id, stream)
     if first is None:
-        return EventPage([], 1, 1, started)
+        return EventPage([], 1, 1, started, closed)
     rows = db.all(
         "SELECT seq, step_execution_id, attempt, value FROM stream_events "
         "WHERE flow_id = ? AND stream = ? AND seq > ? ORDER BY seq LIMIT ?",
@@ -1331,34 +1332,38 @@ def read_events(db: Db, flow_id: str, stream: str, after: int, limit: int,
     )
     events = [StoredEvent(int(r[0]), str(r[1]), int(r[2]), bytes(r[3])) for r in rows]
     next_seq = events[-1].sequence + 1 if events else max(after + 1, first)
-    return EventPage(events, next_seq, first, started)
+    return EventPage(events, next_seq, first, started, closed)
 
 
-# The newest sequence of each (flow, stream) of a JSON array of [flow, stream] pairs, by its
-# index there: one primary key lookup per pair (no such event: NULL).
+# The newest sequence of each (flow, stream) of a JSON array of [flow, stream] pairs, by its index
+# there, and the flow's start: primary key lookups per pair (no such event: a NULL sequence; no
+# such flow, or one not running: no row).
 _NEWEST_SEQUENCES = (
-    "SELECT k.key, (SELECT MAX(seq) FROM stream_events e WHERE e.flow_id = json_extract(k.value, '$[0]') "
-    "AND e.stream = json_extract(k.value, '$[1]')) FROM json_each(?) k"
+    "SELECT k.key, (SELECT MAX(seq) FROM stream_events e WHERE e.flow_id = f.flow_id "
+    "AND e.stream = json_extract(k.value, '$[1]')), f.created_at FROM json_each(?) k "
+    "JOIN flows f ON f.flow_id = json_extract(k.value, '$[0]') AND f.status = 'running'"
 )
 # PostgreSQL's: the pairs as two text arrays, numbered from 1.
 _PG_NEWEST_SEQUENCES = (
-    "SELECT k.i - 1, (SELECT MAX(seq) FROM stream_events e WHERE e.flow_id = k.flow_id AND e.stream = k.stream) "
-    "FROM unnest(?::text[], ?::text[]) WITH ORDINALITY AS k(flow_id, stream, i)"
+    "SELECT k.i - 1, (SELECT MAX(seq) FROM stream_events e WHERE e.flow_id = k.flow_id AND e.stream = k.stream), "
+    "f.created_at FROM unnest(?::text[], ?::text[]) WITH ORDINALITY AS k(flow_id, stream, i) "
+    "JOIN flows f ON f.flow_id = k.flow_id AND f.status = 'running'"
 )
 
 
-def newest_sequences(db: Db, keys: Sequence[tuple[str, str]]) -> list[int]:
-    """The newest sequence of each (flow, stream) in `keys`, in their order; 0 for a stream with no
-    event (or no such flow). One statement however many keys: long-polling readers share it."""
+def newest_sequences(db: Db, keys: Sequence[tuple[str, str]]) -> list[tuple[int, int] | None]:
+    """For each (flow, stream) in `keys`, in their order: the stream's newest sequence (0: no event)
+    and the flow's start (ms), or None when the flow is closed or gone, so no event can come. One
+    statement however many keys: long-polling readers share it."""
     if not keys:
         return []
     if _on_postgres(db):
         rows = db.all(_PG_NEWEST_SEQUENCES, ([f for f, _ in keys], [s for _, s in keys]))
     else:
         rows = db.all(_NEWEST_SEQUENCES, (encode_json([list(key) for key in keys]).decode(),))
-    newest = [0] * len(keys)
-    for index, seq in rows:
-        newest[int(index)] = 0 if seq is None else int(seq)
+    newest: list[tuple[int, int] | None] = [None] * len(keys)
+    for index, seq, created_at in rows:
+        newest[int(index)] = (0 if seq is None else int(seq), int(created_at))
     return newest
 
 

@@ -148,7 +148,7 @@ class Chat:
                 await self._apply_control(turn_id)
             read = await self.sessions.read_agent_events(self.session_id, self.token, wait_seconds=EVENT_WAIT_SECONDS)
             self.token = read.resume_token
-            if not read.events:
+            if read.flow_closed and not read.events:
                 await self._require_open()  # stopped meanwhile (dex-engine stop): no event will come
             ended = False
             for event in read.events:  # the whole batch: its token is taken, so what is left is lost
