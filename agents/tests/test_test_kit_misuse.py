@@ -17,10 +17,12 @@ import psycopg
 import pytest
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import build_flow
+from agents.tests.test_bad_inputs import _OversizedRunStateRunner, in_process
 from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 from engine.tests.schema_states import latest_version, migrate_to, pg_tables, stored_version
 
-from dex_agents.testing import AgentTestStack, FileGate, read_step_history, wait_until
+from dex_agents import AgentSessionFlow, AgentSnapshot
+from dex_agents.testing import AgentTestStack, FileGate, read_step_history, wait_for_agent_snapshot, wait_until
 from dex_engine import FlowNotFoundError, StoreOpenError, open_store
 from dex_engine._open import shown_url
 
@@ -260,3 +262,50 @@ def test_a_lease_ttl_no_worker_can_use_is_refused_by_the_stack(tmp_path: Path, t
         AgentTestStack(state, [build_flow(tmp_path)], WORKER_MODULE, worker_cwd=REPO_ROOT,
                        lease_ttl_seconds=ttl)  # type: ignore[arg-type]
     assert not state.exists()
+
+
+def a_second_turn(snapshot: AgentSnapshot) -> bool:
+    return snapshot.state is not None and snapshot.state.turn_count >= 2
+
+
+async def test_wait_for_agent_snapshot_fails_at_once_on_a_stopped_session(
+    tmp_path: Path, db_url: str  # noqa: F811 - the fixture
+) -> None:
+    """A stopped session never changes again: the wait says so and how it ended, instead of
+    polling it for the whole timeout and then reporting only a timeout."""
+    async with in_process(tmp_path, build_flow(tmp_path), database_url=db_url) as engine:
+        await engine.sessions.start_session("s", "")
+        await wait_for_agent_snapshot(engine.sessions, "s", lambda s: s.state, description="the session's state")
+        await engine.client.stop_flow("s", "the test is done")
+        with pytest.raises(AssertionError) as caught:
+            await wait_for_agent_snapshot(engine.sessions, "s", a_second_turn, description="a second turn",
+                                          timeout=HANGING_PROBE_SECONDS)
+    assert str(caught.value).startswith(
+        "session 's' is stopped with error 'the test is done', so it will never show a second turn; last snapshot")
+
+
+async def test_wait_for_agent_snapshot_fails_at_once_on_a_failed_session(
+    tmp_path: Path, db_url: str  # noqa: F811 - the fixture
+) -> None:
+    """A session its failure route ended (a run state too large to store) names its error."""
+    flow = AgentSessionFlow(_OversizedRunStateRunner(), "Fails")
+    async with in_process(tmp_path, flow, database_url=db_url) as engine:
+        await engine.sessions.start_session("s", "hello")
+        with pytest.raises(AssertionError) as caught:
+            await wait_for_agent_snapshot(engine.sessions, "s", a_second_turn, description="a second turn",
+                                          timeout=HANGING_PROBE_SECONDS)
+    assert str(caught.value).startswith(
+        "session 's' is failed with error \"the framework run state of turn turn-1 is too large to store: ")
+    assert "so it will never show a second turn; last snapshot of 's': AgentSnapshot(" in str(caught.value)
+
+
+async def test_wait_for_agent_snapshot_returns_what_a_closed_session_shows(
+    tmp_path: Path, db_url: str  # noqa: F811 - the fixture
+) -> None:
+    """A probe a closed session passes still returns its value: only a wait it can never end fails."""
+    async with in_process(tmp_path, build_flow(tmp_path), database_url=db_url) as engine:
+        await engine.sessions.start_session("s", "")
+        await wait_for_agent_snapshot(engine.sessions, "s", lambda s: s.state, description="the session's state")
+        await engine.client.stop_flow("s")
+        state = await wait_for_agent_snapshot(engine.sessions, "s", lambda s: s.state, description="its state")
+    assert state.turn_count == 0

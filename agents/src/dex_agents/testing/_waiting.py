@@ -84,13 +84,31 @@ async def wait_for_agent_snapshot(
     description: str,
     timeout: float = DEFAULT_WAIT_SECONDS,
 ) -> T:
-    """Poll get_agent_snapshot until `probe(snapshot)` is truthy; return what it returned."""
+    """Poll get_agent_snapshot until `probe(snapshot)` is truthy; return what it returned.
+
+    Raises AssertionError at once when the session's Flow has closed (failed, stopped) without the
+    probe passing: a closed session never changes again, so waiting out `timeout` would only hide
+    why (a failed session's error is in the message).
+    """
     last: list[AgentSnapshot] = []
 
     async def check() -> T | None:
         snapshot = await sessions.get_agent_snapshot(session_id)
         last[:] = [snapshot]
-        return probe(snapshot)
+        found = probe(snapshot)
+        if found:
+            return found
+        info = await sessions.client.describe_flow(session_id)
+        if info.status == "running":
+            return found
+        # The snapshot may predate the close: probe the session as it ended once more.
+        snapshot = await sessions.get_agent_snapshot(session_id)
+        last[:] = [snapshot]
+        found = probe(snapshot)
+        if found:
+            return found
+        error = f" with error {info.error!r}" if info.error else ""
+        raise AssertionError(f"session {session_id!r} is {info.status}{error}, so it will never show {description}")
 
     try:
         found: T = await wait_until(description, check, timeout=timeout)
