@@ -430,7 +430,10 @@ BAD_TOOL_CALL_IDS: list[tuple[str, list[dict[str, Any]], str, str, int]] = [
      "c1", "repeats within this turn", 1),
     ("repeat in a later response", [{"tools": [{"id": "c1", "name": "read_x"}]},
                                     {"tools": [{"id": "c1", "name": "read_y"}]}],
-     "c1", "repeats within this turn", 2),
+     # The usual cause, a provider numbering each response's calls afresh, named with its fix.
+     "c1", "repeats within this turn: an earlier model call of the turn used it; IDs must be unique per turn, so "
+           "make IDs a provider numbers per response (call_0, call_1, ...) unique, e.g. by prefixing "
+           "len(turn.tool_calls)", 2),
 ]
 
 

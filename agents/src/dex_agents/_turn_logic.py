@@ -10,7 +10,7 @@ import dataclasses
 import inspect
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -169,8 +169,9 @@ def to_agent_message(item: FrameworkMessage, sequence: int, turn_id: str, create
     )
 
 
-def check_tool_call_id(tool_call_id: object, seen: set[str]) -> str:
-    """A tool call ID the session can key by, or TurnContractError saying why not."""
+def check_tool_call_id(tool_call_id: object, seen: set[str], earlier: Collection[str] = ()) -> str:
+    """A tool call ID the session can key by, or TurnContractError saying why not. `earlier`: the
+    IDs of the turn's earlier model calls, among `seen`."""
     if not isinstance(tool_call_id, str) or not tool_call_id:
         raise TurnContractError(f"tool call ID {tool_call_id!r} is empty; every tool call needs a non-empty ID")
     problem = text_problem(tool_call_id)
@@ -186,6 +187,14 @@ def check_tool_call_id(tool_call_id: object, seen: set[str]) -> str:
         )
     if not tool_call_id.isprintable():
         raise TurnContractError(f"tool call ID {tool_call_id!r} contains control characters")
+    if tool_call_id in earlier:
+        # Most often a provider that numbers each response's calls afresh (call_0, call_1, ...):
+        # every adapter of one meets this at the turn's second response with tools, so say how to fix it.
+        raise TurnContractError(
+            f"tool call ID {tool_call_id!r} repeats within this turn: an earlier model call of the turn used it; "
+            "IDs must be unique per turn, so make IDs a provider numbers per response (call_0, call_1, ...) "
+            "unique, e.g. by prefixing len(turn.tool_calls)"
+        )
     if tool_call_id in seen:
         raise TurnContractError(f"tool call ID {tool_call_id!r} repeats within this turn; IDs must be unique per turn")
     seen.add(tool_call_id)
@@ -375,6 +384,7 @@ def plan_tool_calls(
     if isinstance(tool_calls, str | bytes) or not isinstance(tool_calls, Sequence) or not tool_calls:
         raise TurnContractError("ToolCallsRequested.tool_calls must be a non-empty sequence of DeferredToolCall")
     seen = {r.tool_call_id for r in existing.values() if r.turn_id == turn_id}
+    earlier = frozenset(seen)
     first_order = len(seen)
     deadline = None if interrupt_deadline is None else format_time(now + interrupt_deadline)
     calls: list[PlannedCall] = []
@@ -383,7 +393,7 @@ def plan_tool_calls(
     for index, call in enumerate(tool_calls):
         if not isinstance(call, DeferredToolCall):
             raise TurnContractError(f"tool_calls[{index}] is a {type(call).__name__}, not a DeferredToolCall")
-        call_id = check_tool_call_id(call.tool_call_id, seen)
+        call_id = check_tool_call_id(call.tool_call_id, seen, earlier)
         if not isinstance(call.tool_name, str):
             raise TurnContractError(
                 f"tool call {call_id!r} has tool_name {call.tool_name!r:.{SHOWN_VALUE_CHARS}}; it must be text")
