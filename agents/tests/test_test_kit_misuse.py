@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import build_flow
-from agents.tests.test_bad_inputs import _OversizedRunStateRunner, in_process
+from agents.tests.test_bad_inputs import _OversizedRunStateRunner, in_process, run_turn, script
 from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 from engine.tests.schema_states import latest_version, migrate_to, pg_tables, stored_version
 
@@ -309,3 +309,21 @@ async def test_wait_for_agent_snapshot_returns_what_a_closed_session_shows(
         await engine.client.stop_flow("s")
         state = await wait_for_agent_snapshot(engine.sessions, "s", lambda s: s.state, description="its state")
     assert state.turn_count == 0
+
+
+async def test_read_step_history_says_why_a_runners_call_failed(
+    tmp_path: Path, db_url: str  # noqa: F811 - the fixture
+) -> None:
+    """A tool that raises a plain exception (an adapter's bug) is recorded by its effect, and the
+    model sees only that the call failed: the Step history's failures carry the exception, so an
+    adapter's test can see what went wrong without opening the engine's own history."""
+    async with in_process(tmp_path, build_flow(tmp_path), database_url=db_url) as engine:
+        await engine.sessions.start_session("s", "")
+        await wait_for_agent_snapshot(engine.sessions, "s", lambda s: s.state, description="the session's state")
+        await run_turn(engine.sessions, "s", script(
+            {"tools": [{"id": "c1", "name": "read_x", "args": {"crash": "the adapter's bug"}}]}, {"answer": "done"}))
+        history = await read_step_history(db_url, "s")
+    failures = [(e.event_type, e.final_attempt, e.detail) for e in history
+                if e.step_type == "CallTool" and e.event_type in ("attempt_failed", "step_failed")]
+    assert failures[0] == ("attempt_failed", 1, "execute: RuntimeError: the adapter's bug")
+    assert failures[-1][0] == "step_failed" and failures[-1][2].endswith("RuntimeError: the adapter's bug")

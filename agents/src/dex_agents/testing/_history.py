@@ -12,17 +12,20 @@ EXECUTE_COMPLETED_EVENT = "execute_completed"
 
 @dataclass(frozen=True)
 class StepHistoryEntry:
-    """One Step event: what happened, to which Step execution, at which attempt."""
+    """One Step event: what happened, to which Step execution, at which attempt, and the engine's
+    detail: for `attempt_failed` and `step_failed` the error (`execute: TypeError: ...`), the only
+    place a test sees why a runner's call failed when the session records it `outcome_unknown`."""
 
     event_type: str
     step_type: str
     step_execution_id: str
     final_attempt: int
+    detail: str = ""
 
 
 def to_step_history(entries: list[HistoryEntry]) -> list[StepHistoryEntry]:
     return [
-        StepHistoryEntry(e.event_type, e.step_type, e.step_execution_id, e.attempt)
+        StepHistoryEntry(e.event_type, e.step_type, e.step_execution_id, e.attempt, e.detail)
         for e in entries
         if e.step_type  # flow-level events (flow_closed) name no Step
     ]
