@@ -327,3 +327,26 @@ async def test_read_step_history_says_why_a_runners_call_failed(
                 if e.step_type == "CallTool" and e.event_type in ("attempt_failed", "step_failed")]
     assert failures[0] == ("attempt_failed", 1, "execute: RuntimeError: the adapter's bug")
     assert failures[-1][0] == "step_failed" and failures[-1][2].endswith("RuntimeError: the adapter's bug")
+
+
+async def test_start_worker_names_a_worker_module_that_starts_no_worker(tmp_path: Path) -> None:
+    """A worker module without its `if __name__ == "__main__": run_agent_worker(...)` exits at once
+    with 0 and prints nothing: start_worker says what the module lacks, not only that it exited."""
+    module = "agents.tests.scripted_agent"  # importable, and it starts nothing
+    async with AgentTestStack(tmp_path, [build_flow(tmp_path)], module, worker_cwd=REPO_ROOT) as stack:
+        with pytest.raises(AssertionError) as caught:
+            await stack.start_worker()
+    assert str(caught.value).endswith(
+        f"(python -m {module} in {str(REPO_ROOT)!r}) exited with 0 before registering, printing nothing: the module "
+        'started no Worker; call run_agent_worker(flows) in it under `if __name__ == "__main__":`')
+
+
+async def test_start_worker_names_the_module_of_a_worker_that_crashed_at_import(tmp_path: Path) -> None:
+    """A Worker child that fails at import shows its traceback, and which module in which directory."""
+    module = "agents.tests.no_such_worker"
+    async with AgentTestStack(tmp_path, [build_flow(tmp_path)], module, worker_cwd=REPO_ROOT) as stack:
+        with pytest.raises(AssertionError) as caught:
+            await stack.start_worker()
+    message = str(caught.value)
+    assert f"(python -m {module} in {str(REPO_ROOT)!r}) exited with 1 before registering:\n" in message
+    assert "No module named agents.tests.no_such_worker" in message

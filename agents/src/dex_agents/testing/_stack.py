@@ -267,9 +267,15 @@ class AgentTestStack:
 
         async def registered() -> bool:
             if not worker.alive:
-                raise AssertionError(
-                    f"worker {worker.pid} exited with {process.returncode} before registering:\n{worker.log_tail()}"
-                )
+                started = f"worker {worker.pid} (python -m {self.worker_module} in {str(self.worker_cwd)!r})"
+                output = worker.log_tail()
+                if process.returncode == 0 and not output.strip():
+                    # An exit without a word: the module ran to its end and started no Worker.
+                    raise AssertionError(
+                        f"{started} exited with 0 before registering, printing nothing: the module started no "
+                        "Worker; call run_agent_worker(flows) in it under `if __name__ == \"__main__\":`"
+                    )
+                raise AssertionError(f"{started} exited with {process.returncode} before registering:\n{output}")
             return any(row[2] == worker.pid for row in await self.client.store.list_workers())
 
         try:
