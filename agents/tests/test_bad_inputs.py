@@ -422,9 +422,10 @@ async def _awaited_one_message(client: AsyncClient, session_id: str) -> bool:
 # Tool call IDs ------------------------------------------------------------------------------------
 
 
-BAD_TOOL_CALL_IDS: list[tuple[str, list[dict[str, Any]], str, str, int]] = [
+BAD_TOOL_CALL_IDS: list[tuple[str, list[dict[str, Any]], object, str, int]] = [
     # (case, the turn's tool responses, the bad ID, why it is bad, model calls of the turn)
     ("empty", [{"tools": [{"id": "", "name": "read_x"}]}], "", "is empty", 1),
+    ("not text", [{"tools": [{"id": 7, "name": "read_x"}]}], 7, "(int) is not text; pass it as a str", 1),
     ("slash", [{"tools": [{"id": "a/b", "name": "read_x"}]}], "a/b", "contains '/'", 1),
     ("repeat in one response", [{"tools": [{"id": "c1", "name": "read_x"}, {"id": "c1", "name": "read_y"}]}],
      "c1", "repeats within this turn", 1),

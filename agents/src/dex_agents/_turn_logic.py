@@ -172,7 +172,13 @@ def to_agent_message(item: FrameworkMessage, sequence: int, turn_id: str, create
 def check_tool_call_id(tool_call_id: object, seen: set[str], earlier: Collection[str] = ()) -> str:
     """A tool call ID the session can key by, or TurnContractError saying why not. `earlier`: the
     IDs of the turn's earlier model calls, among `seen`."""
-    if not isinstance(tool_call_id, str) or not tool_call_id:
+    if not isinstance(tool_call_id, str):
+        # A provider's numeric ID passed on as it came: "is empty" would send the author looking
+        # for a missing value.
+        raise TurnContractError(
+            f"tool call ID {shown(tool_call_id)} ({type(tool_call_id).__name__}) is not text; pass it as a str"
+        )
+    if not tool_call_id:
         raise TurnContractError(f"tool call ID {tool_call_id!r} is empty; every tool call needs a non-empty ID")
     problem = text_problem(tool_call_id)
     if problem is not None:
