@@ -350,3 +350,18 @@ async def test_start_worker_names_the_module_of_a_worker_that_crashed_at_import(
     message = str(caught.value)
     assert f"(python -m {module} in {str(REPO_ROOT)!r}) exited with 1 before registering:\n" in message
     assert "No module named agents.tests.no_such_worker" in message
+
+
+async def test_wait_for_agent_snapshot_names_a_step_no_worker_runs(tmp_path: Path) -> None:
+    """A session whose Steps no Worker serves (the Worker child registers other flows, or none
+    runs): the timeout names the Step left ready and the flow type to serve, not only the snapshot
+    without state."""
+    async with in_process(tmp_path, build_flow(tmp_path), worker=False) as engine:
+        await engine.sessions.start_session("s", "hello")
+        with pytest.raises(AssertionError) as caught:
+            await wait_for_agent_snapshot(engine.sessions, "s", lambda s: s.state, description="its state", timeout=0.2)
+    assert str(caught.value).startswith(
+        "timed out after 0.2 s waiting for its state; last value: None; its active Steps: StartAgentSession-1 ready "
+        "(a Step that stays ready has no Worker to run it: does the Worker child's Registry serve flow type "
+        f"{engine.flow.flow_type!r}, and is it running on this database?); last snapshot of 's': "
+        "AgentSnapshot(state=None")

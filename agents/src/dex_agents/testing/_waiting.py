@@ -114,4 +114,19 @@ async def wait_for_agent_snapshot(
         found: T = await wait_until(description, check, timeout=timeout)
         return found
     except AssertionError as exc:
-        raise AssertionError(f"{exc}; last snapshot of {session_id!r}: {last[0] if last else None!r}") from None
+        stuck = await _active_steps(sessions, session_id) if last else ""
+        raise AssertionError(f"{exc}{stuck}; last snapshot of {session_id!r}: {last[0] if last else None!r}") from None
+
+
+async def _active_steps(sessions: AgentSessionClient, session_id: str) -> str:
+    """Where a running session is when a wait for it times out: its active Steps, and for one that
+    stays ready the usual cause, a test whose Worker child serves other flow types (or none)."""
+    info = await sessions.client.describe_flow(session_id)
+    if info.status != "running":
+        return ""
+    steps = ", ".join(f"{s.step_execution_id} {s.state}" for s in info.active_steps) or "none"
+    shown = f"; its active Steps: {steps}"
+    if any(s.state == "ready" for s in info.active_steps):
+        shown += (f" (a Step that stays ready has no Worker to run it: does the Worker child's Registry serve "
+                  f"flow type {info.flow_type!r}, and is it running on this database?)")
+    return shown
