@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -1602,12 +1603,36 @@ class NeverCompacts(BuiltinLoopAgentRunner):
 
 
 async def test_context_window_scenario_catches_a_runner_that_never_compacts(tmp_path: Path) -> None:
-    """The scenario fails for a runner whose estimate never reaches the trigger."""
+    """The scenario fails for a runner whose estimate never reaches the trigger, saying so with the
+    numbers."""
     flow, _ = compaction_flow("NeverAgent", answer, window=600, runner=NeverCompacts)
     engine = InProcessEngine(tmp_path, [flow])
     async with engine.running():
-        with pytest.raises(AssertionError, match="no compaction in 6 turns"):
+        with pytest.raises(AssertionError) as caught:
             await ContextWindowSessionScenario(engine.sessions(), turns=6).run()
+    assert str(caught.value) == (
+        "no compaction in 6 turns: the window was never reached (the next model input is 0 tokens, under the "
+        "trigger of 510); send longer messages or more turns, or give the Flow a smaller context_window_tokens")
+
+
+class NeverCuts(BuiltinLoopAgentRunner):
+    def select_compaction_cutoff(self, turn: AgentTurnContext, retained_token_budget: int) -> int | None:
+        return None
+
+
+async def test_context_window_scenario_names_a_cutoff_that_never_summarizes(tmp_path: Path) -> None:
+    """A runner whose input passes the trigger but whose select_compaction_cutoff names nothing: the
+    scenario says so. Catches: 'the window was never reached', which sent the adapter's author to
+    the estimate and the window, both of which worked."""
+    flow, _ = compaction_flow("NeverCutAgent", answer, window=600, runner=NeverCuts)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        with pytest.raises(AssertionError) as caught:
+            await ContextWindowSessionScenario(engine.sessions(), turns=6).run()
+    assert re.fullmatch(
+        r"no compaction in 6 turns, though the next model input is \d+ tokens \(estimate_input_tokens plus "
+        r"reserved_input_tokens\), over the trigger of 510: select_compaction_cutoff named no message to summarize "
+        r"\(None, or one at or before the summary\)", str(caught.value)), caught.value
 
 
 # A Worker killed during CompactContext ------------------------------------------------------------------

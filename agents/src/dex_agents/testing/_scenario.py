@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._compaction import CompactionPolicy
 from .._constants import COMPACT_CONTEXT, RUN_MODEL
 from .._events import AgentEventType, AgentEventWriter
 from .._runner import AgentTurnContext
@@ -89,7 +90,9 @@ class ContextWindowSessionScenario:
         final = self.snapshots[-1]
         assert final.state is not None and final.state.status is AgentStatus.WAITING_FOR_USER_MESSAGE
         summary = final.context_summary
-        assert summary is not None, f"no compaction in {self.turns} turns: the window was never reached"
+        if summary is None:
+            await self._no_compaction(policy, final)
+        assert summary is not None
         newest = final.state.next_message_sequence - 1
         assert summary.first_sequence == 1 and 1 <= summary.last_sequence < newest, summary
         assert summary.text.strip(), "the summary is blank"
@@ -105,6 +108,25 @@ class ContextWindowSessionScenario:
             f"the next model input is {next_input} tokens, over the {policy.context_window_tokens}-token window"
         )
         return ContextWindowSessionReport(self.turns, summary, compactions, stored, deleted_before, next_input)
+
+    async def _no_compaction(self, policy: CompactionPolicy, final: AgentSnapshot) -> None:
+        """Raise AssertionError saying why no turn compacted: the runner's estimate stayed under the
+        trigger, or it passed the trigger and select_compaction_cutoff named nothing to summarize."""
+        assert final.state is not None
+        stored, _ = await self._stored_messages(final.state.next_message_sequence - 1)
+        estimate = await self._next_input_tokens(stored, None, final)
+        with_reserved = estimate + policy.reserved_input_tokens
+        if policy.should_compact(estimate):
+            raise AssertionError(
+                f"no compaction in {self.turns} turns, though the next model input is {with_reserved} tokens "
+                f"(estimate_input_tokens plus reserved_input_tokens), over the trigger of {policy.trigger_tokens}: "
+                "select_compaction_cutoff named no message to summarize (None, or one at or before the summary)"
+            )
+        raise AssertionError(
+            f"no compaction in {self.turns} turns: the window was never reached (the next model input is "
+            f"{with_reserved} tokens, under the trigger of {policy.trigger_tokens}); send longer messages or more "
+            "turns, or give the Flow a smaller context_window_tokens"
+        )
 
     async def _check_events(self, summary: ContextSummary) -> list[dict[str, Any]]:
         started: list[int] = []
@@ -178,7 +200,7 @@ class ContextWindowSessionScenario:
         assert len(stored) <= bound, f"{len(stored)} stored messages, over the retention bound {bound}"
 
     async def _next_input_tokens(
-        self, stored: list[AgentMessage], summary: ContextSummary, final: AgentSnapshot
+        self, stored: list[AgentMessage], summary: ContextSummary | None, final: AgentSnapshot
     ) -> int:
         options = self.sessions.flow.options
         runner: Any = self.sessions.flow.runner
@@ -192,7 +214,8 @@ class ContextWindowSessionScenario:
 
         turn = AgentTurnContext(
             flow_id=self.session_id, turn_id=turn_id, attempt=1,
-            messages=[m for m in stored if m.sequence > summary.last_sequence], framework_run_state=None,
+            messages=[m for m in stored if summary is None or m.sequence > summary.last_sequence],
+            framework_run_state=None,
             tool_calls={}, events=events, heartbeat=heartbeat, tool_policies=options.tool_policies,
             default_tool_effect=options.default_tool_effect,
             enabled_built_in_tools=frozenset(t.value for t in options.built_in_tools), context_summary=summary,
