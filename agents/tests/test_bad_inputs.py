@@ -231,12 +231,20 @@ class MisbehavingRunner(ScriptedRunner):
             return item(MessageRole.ASSISTANT, text=text)
         if text == USER_MESSAGE_THAT_RAISES:
             raise ValueError("cannot build")
+        if text == USER_MESSAGE_AS_TEXT:
+            built: Any = text  # the message's text, not a FrameworkMessage
+            return built
+        if text == USER_MESSAGE_WITH_DICT_ITEM:
+            return FrameworkMessage(MessageRole.USER, {"content": text}, text=text)  # type: ignore[arg-type]
         return super().build_user_message(text)
 
 
 # The user texts MisbehavingRunner.build_user_message turns into an assistant message, or raises on.
 USER_MESSAGE_AS_ASSISTANT = "build me as an assistant message"
 USER_MESSAGE_THAT_RAISES = "build me and raise"
+# ... or returns as the text itself, or with a framework_item that is a dict, not JSON text.
+USER_MESSAGE_AS_TEXT = "build me as plain text"
+USER_MESSAGE_WITH_DICT_ITEM = "build me with a dict item"
 
 
 MANY_ANSWERS = 250
@@ -1309,6 +1317,9 @@ async def test_runner_contract_breach_fails_the_turn_without_retry(tmp_path: Pat
 @pytest.mark.parametrize(("text", "expected_error"), [
     (USER_MESSAGE_AS_ASSISTANT, "build_user_message returned role 'assistant'; it must be 'user'"),
     (USER_MESSAGE_THAT_RAISES, "build_user_message raised ValueError: cannot build"),
+    # One message, named without an index: "build_user_message(...)[0] is a str" read as a list.
+    (USER_MESSAGE_AS_TEXT, "build_user_message(...) is a str, not a FrameworkMessage"),
+    (USER_MESSAGE_WITH_DICT_ITEM, "build_user_message(...).framework_item is a dict, not JSON text (str)"),
 ])
 async def test_a_user_message_the_runner_cannot_build_fails_the_turn(
     tmp_path: Path, text: str, expected_error: str

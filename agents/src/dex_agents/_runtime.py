@@ -354,7 +354,7 @@ class SessionRuntime:
             built = self.runner.build_user_message(text)
         except Exception as exc:
             raise TurnContractError(f"build_user_message raised {raised_text(exc)}") from exc
-        checked = check_framework_messages([built], "build_user_message(...)")[0]
+        checked = check_framework_messages([built], "build_user_message(...)", single=True)[0]
         if checked.role is not MessageRole.USER:
             raise TurnContractError(f"build_user_message returned role {checked.role.value!r}; it must be 'user'")
         return checked

@@ -125,14 +125,16 @@ def text_problem(value: str) -> str | None:
 _MESSAGE_TEXT_FIELDS = ("framework_item", "text", "tool_call_id", "tool_name", "tool_arguments", "tool_output")
 
 
-def check_framework_messages(items: object, source: str) -> list[FrameworkMessage]:
-    """The runner's messages, or TurnContractError naming the first bad one."""
+def check_framework_messages(items: object, source: str, *, single: bool = False) -> list[FrameworkMessage]:
+    """The runner's messages, or TurnContractError naming the first bad one. `single`: `items` holds
+    the one message `source` returned, named without an index (there is no list to index)."""
     if isinstance(items, str | bytes) or not isinstance(items, Sequence):
         raise TurnContractError(f"{source} must be a sequence of FrameworkMessage, got {type(items).__name__}")
     out: list[FrameworkMessage] = []
     for index, given in enumerate(items):
+        where = source if single else f"{source}[{index}]"
         if not isinstance(given, FrameworkMessage):
-            raise TurnContractError(f"{source}[{index}] is a {type(given).__name__}, not a FrameworkMessage")
+            raise TurnContractError(f"{where} is a {type(given).__name__}, not a FrameworkMessage")
         role: object = given.role
         item = given
         if type(role) is not MessageRole and isinstance(role, str) and role in _ROLES:
@@ -140,11 +142,11 @@ def check_framework_messages(items: object, source: str) -> list[FrameworkMessag
             item = dataclasses.replace(given, role=MessageRole(role))
         if not isinstance(item.role, MessageRole):
             raise TurnContractError(
-                f"{source}[{index}] has role {shown(item.role)}; use MessageRole.USER, ASSISTANT or TOOL"
+                f"{where} has role {shown(item.role)}; use MessageRole.USER, ASSISTANT or TOOL"
             )
         if not isinstance(item.framework_item, str):
             raise TurnContractError(
-                f"{source}[{index}].framework_item is a {type(item.framework_item).__name__}, not JSON text (str)"
+                f"{where}.framework_item is a {type(item.framework_item).__name__}, not JSON text (str)"
             )
         for name in _MESSAGE_TEXT_FIELDS:
             value = getattr(item, name)
@@ -152,11 +154,11 @@ def check_framework_messages(items: object, source: str) -> list[FrameworkMessag
                 continue
             if not isinstance(value, str):
                 raise TurnContractError(
-                    f"{source}[{index}].{name} must be text (str) or None, not {type(value).__name__}"
+                    f"{where}.{name} must be text (str) or None, not {type(value).__name__}"
                 )
             problem = text_problem(value)
             if problem is not None:
-                raise TurnContractError(f"{source}[{index}].{name} is {problem}")
+                raise TurnContractError(f"{where}.{name} is {problem}")
         out.append(item)
     return out
 
