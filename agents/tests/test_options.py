@@ -256,6 +256,15 @@ def test_flow_refuses_a_runner_missing_methods(runner: Any, missing: list[str], 
         assert name not in text
 
 
+def test_flow_refuses_a_runner_class_instead_of_an_instance() -> None:
+    """AgentSessionFlow(MyRunner) instead of AgentSessionFlow(MyRunner()): the class has every
+    contract method, so it was accepted, and every turn failed with build_user_message raised
+    TypeError: missing 1 required positional argument."""
+    with pytest.raises(TypeError) as info:
+        AgentSessionFlow(_Complete)  # type: ignore[arg-type]
+    assert str(info.value) == "the class _Complete is not an AgentFrameworkRunner: pass an instance, _Complete(...)"
+
+
 class _AsyncUserMessage(_Complete):
     async def build_user_message(self, text: str) -> FrameworkMessage:  # type: ignore[override]
         return FrameworkMessage(MessageRole.USER, "{}", text=text)

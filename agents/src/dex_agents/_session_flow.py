@@ -70,6 +70,12 @@ _PLAIN_RUNNER_METHODS = ("build_user_message", "build_unfinished_turn_messages")
 
 
 def _check_runner(runner: object) -> None:
+    if isinstance(runner, type):
+        # A class has every method an instance has, so the check below passed it, and every turn then
+        # failed calling build_user_message unbound ("missing 1 required positional argument").
+        raise TypeError(
+            f"the class {runner.__name__} is not an AgentFrameworkRunner: pass an instance, {runner.__name__}(...)"
+        )
     missing = [name for name in _RUNNER_METHODS if not callable(getattr(runner, name, None))]
     if missing:
         raise TypeError(
