@@ -93,6 +93,7 @@ FLOW = Flow(
         Step("Listen", _execute, wait_for=_wait_for),
         Step("Locked", _execute, options=StepOptions(execute_locks=(Count,))),
         Step("LockedListen", _execute, wait_for=_wait_for, options=StepOptions(wait_for_locks=(Count,))),
+        Step("LockedRetry", _execute, options=StepOptions(execute_locks=(Count,), execute_retry=NOW_RETRY)),
         Step("LockedFragile", _execute, options=StepOptions(
             execute_locks=(Count,), execute_retry=RetryPolicy(max_attempts=1), failure_route="Recover")),
         Step("Timed", _execute, options=StepOptions(execute_timeout_seconds=20)),
@@ -693,6 +694,58 @@ async def test_locks_block_claims_and_rpcs(store: Store) -> None:
     snap = await store.rpc_read("f1", ALL, ["Count"])
     await store.rpc_commit("f1", snap.version, ["Count"], WriteSet(attributes={("Count", ""): enc(5)}), [], [])
     assert await store.read_attribute("f1", "Count", "") == enc(5)
+
+
+async def lock_conflicts(store: Store, flow_id: str) -> bool:
+    """Whether an RPC taking the Count lock of `flow_id` is refused now."""
+    try:
+        await store.rpc_read(flow_id, ALL, ["Count"])
+    except RpcLockConflictError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("how", ["handed back", "its worker stopped", "its worker died"])
+async def test_a_claim_that_never_started_gives_back_its_locks(store: Store, how: str) -> None:
+    """E7 holds a method's locks from its first attempt that runs: a claim that never started and is
+    made ready again (a stopping worker's drain, a Step the worker does not declare, a worker that
+    stopped or died before it began) gives them back, and the next claim takes them again. Catches:
+    locks kept by a ready Step no worker runs, which refused every RPC taking one (resolve_interrupt
+    on an agent session whose workers were all stopped) for as long as none ran."""
+    await start(store, "f1", "Locked")
+    await store.register_worker("going", "contract-host", 2, HOUR_MS)
+    lease = await claim_one(store, "going")
+    assert await lock_conflicts(store, "f1")
+    if how == "handed back":
+        await store.release_unstarted(lease)
+    elif how == "its worker stopped":
+        await store.unregister_worker("going")
+    else:
+        await store.raw(lambda db: db.run("DELETE FROM workers WHERE worker_id = ?", ("going",)), write=True)
+        await store.housekeeping()
+    assert await active(store, "f1") == [("Locked-1", "ready", "execute", 1)]
+    assert not await lock_conflicts(store, "f1")
+
+    again = await claim_one(store)
+    assert (again.step_execution_id, again.attempt) == ("Locked-1", 1)
+    assert await lock_conflicts(store, "f1")
+    await store.commit_execute(again, WriteSet(), DEAD_END)
+    assert not await lock_conflicts(store, "f1")
+
+
+async def test_a_retry_handed_back_unstarted_keeps_the_locks_its_first_attempt_took(store: Store) -> None:
+    """E7: a method holds its locks across all its attempts, so a retry's claim handed back before
+    it started keeps them: an RPC between two attempts of a started method never sees its state.
+    Catches: giving back the locks of any unstarted claim."""
+    await start(store, "f1", "LockedRetry")
+    first = await claim_one(store)
+    await store.heartbeat(first, None)  # started
+    await store.fail_attempt(first, ErrorInfo("Boom", "first attempt"))
+    retry = await claim_one(store)
+    assert retry.attempt == 2
+    await store.release_unstarted(retry)
+    assert await active(store, "f1") == [("LockedRetry-1", "ready", "execute", 2)]
+    assert await lock_conflicts(store, "f1")
 
 
 async def test_rpc_commit_with_a_stale_version_commits_nothing(store: Store) -> None:
