@@ -377,6 +377,25 @@ def test_demo_model_commands() -> None:
     assert ask(UserTextInput("x"), ToolResultInput("c", "lookup_order", "ok")) == "lookup_order returned: ok"
 
 
+def test_demo_wait_takes_whole_seconds_and_shows_its_usage_for_anything_else() -> None:
+    """/wait SECONDS REASON asks durable_wait for those seconds; a count int() cannot read gets the
+    usage line. Catches: '/wait ² x' ("²" is a digit to str.isdigit, not to int()) raising in the
+    model call, which failed the chat's turn with "invalid literal for int() with base 10: '²'"; so
+    did a count of more digits than int() converts."""
+
+    def wait_call(text: str) -> object:
+        reply = demo_reply(ModelRequest(None, (UserTextInput(text),)))
+        if not reply.tool_calls:
+            return reply.text
+        assert [c.name for c in reply.tool_calls] == ["durable_wait"]
+        return json.loads(str(reply.tool_calls[0].arguments))
+
+    assert wait_call("/wait 5 coffee") == {"duration_seconds": 5, "reason": "coffee"}
+    assert wait_call("/wait 0 now") == {"duration_seconds": 0, "reason": "now"}  # durable_wait refuses it
+    for text in ("/wait ² x", "/wait ½ x", "/wait 1.5 x", "/wait -3 x", "/wait x", "/wait " + "9" * 5000 + " x"):
+        assert wait_call(text) == "Usage: /wait SECONDS REASON", text
+
+
 def test_bad_session_ids_and_unusable_directories_end_with_a_message_not_a_traceback(tmp_path: Path) -> None:
     """A session ID that is not a usable ID, a data directory that cannot be made, or a database
     that cannot be opened there ends the command with exit code 1 and one line that names the

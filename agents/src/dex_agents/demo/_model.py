@@ -64,14 +64,26 @@ def demo_reply(request: ModelRequest) -> ScriptedModelReply:
                                       "allows_free_text": False})
     if command == "/wait":
         seconds, _, reason = rest.strip().partition(" ")
-        if not seconds.isdigit():
+        count = _whole_number(seconds)
+        if count is None:
             return ScriptedModelReply(text="Usage: /wait SECONDS REASON")
-        return _built_in("durable_wait", {"duration_seconds": int(seconds), "reason": reason or "demo wait"})
+        return _built_in("durable_wait", {"duration_seconds": count, "reason": reason or "demo wait"})
     if command == "/task":
         topic = rest.strip() or "orders"
         return ScriptedModelReply(text=f"Building a report on {topic}.",
                                   tool_calls=[ScriptedToolCall("build_report", json.dumps({"topic": topic}))])
     return ScriptedModelReply(text=f"Demo reply: {text}")
+
+
+def _whole_number(text: str) -> int | None:
+    """`text` as a count of seconds, or None. isdecimal, not isdigit: "²" is a digit that int()
+    refuses, and a ValueError here would fail the model call, and with it the turn."""
+    if not text.isdecimal():
+        return None
+    try:
+        return int(text)
+    except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
+        return None
 
 
 def _write_plan(rest: str) -> ScriptedModelReply:
