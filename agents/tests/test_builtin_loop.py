@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -400,6 +401,26 @@ def test_agent_definition_refuses_bad_tools() -> None:
         AgentDefinition(name="a", instructions="", model=model, max_model_calls_per_turn=0)
     with pytest.raises(ValueError, match="model must be a ModelClient"):
         AgentDefinition(name="a", instructions="", model="gpt")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("interrupt_deadline", timedelta(0), "interrupt_deadline must be a positive timedelta or None, got "),
+    ("interrupt_deadline", 300, "interrupt_deadline must be a positive timedelta or None, got 300"),
+    ("interrupt_deadline", True, "interrupt_deadline must be a positive timedelta or None, got True"),
+    ("interrupt_deadline", timedelta(days=367), "interrupt_deadline must be at most 366 days"),
+    ("max_durable_wait", timedelta(0), "max_durable_wait must be a timedelta from 1 second to 366 days"),
+    ("max_durable_wait", float("nan"), "max_durable_wait must be a timedelta from 1 second to 366 days"),
+])
+def test_agent_definition_refuses_a_bad_deadline_or_wait_limit_when_built(
+    field: str, value: object, message: str
+) -> None:
+    """AgentDefinition refuses its own interrupt_deadline and max_durable_wait, naming itself.
+    Catches: any value taken by AgentDefinition, then refused by builtin_agent_session_flow as
+    "invalid AgentSessionOptions", an object the caller never wrote (and never, when the definition
+    only backs a runner)."""
+    model = ScriptedModelClient(lambda r: ScriptedModelReply(text="x"))
+    with pytest.raises(ValueError, match=re.escape("invalid AgentDefinition: " + message)):
+        AgentDefinition(name="a", instructions="", model=model, **{field: value})
 
 
 async def test_failed_turn_pairs_every_stored_call_with_a_result(tmp_path: Path) -> None:

@@ -34,6 +34,25 @@ MESSAGE_CHUNK_MAX_BYTES_LIMIT = min(MAX_MESSAGE_CHUNK_MAX_BYTES, MAX_VALUE_BYTES
 LONGEST_TIMER = timedelta(seconds=MAX_TIMER_SECONDS)
 
 
+def interrupt_deadline_problem(deadline: object) -> str | None:
+    """What is wrong with an `interrupt_deadline`, or None. AgentDefinition checks its own with this
+    too, so a bad one is refused where it was written, not later as an AgentSessionOptions field."""
+    if deadline is not None and (not isinstance(deadline, timedelta) or deadline <= timedelta(0)):
+        return f"interrupt_deadline must be a positive timedelta or None, got {shown(deadline, None)}"
+    if isinstance(deadline, timedelta) and deadline > LONGEST_TIMER:
+        return (f"interrupt_deadline must be at most {LONGEST_TIMER.days} days (the engine's longest "
+                f"timer), got {shown(deadline, None)}")
+    return None
+
+
+def max_durable_wait_problem(wait: object) -> str | None:
+    """What is wrong with a `max_durable_wait`, or None (AgentDefinition checks its own with this too)."""
+    if not isinstance(wait, timedelta) or not timedelta(seconds=1) <= wait <= LONGEST_TIMER:
+        return (f"max_durable_wait must be a timedelta from 1 second to {LONGEST_TIMER.days} days "
+                f"(the engine's longest timer), got {shown(wait, None)}")
+    return None
+
+
 @dataclass(frozen=True)
 class RunModelLimit:
     """RunModel's method timeout, attempts, and the time budget of its retries."""
@@ -108,21 +127,17 @@ class AgentSessionOptions:
         capacity = self.agent_events_capacity_bytes
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             problems.append(f"agent_events_capacity_bytes must be a whole number >= 1, got {shown(capacity, None)}")
-        deadline: object = self.interrupt_deadline
-        if deadline is not None and (not isinstance(deadline, timedelta) or deadline <= timedelta(0)):
-            problems.append(f"interrupt_deadline must be a positive timedelta or None, got {shown(deadline, None)}")
-        elif isinstance(deadline, timedelta) and deadline > LONGEST_TIMER:
-            problems.append(f"interrupt_deadline must be at most {LONGEST_TIMER.days} days (the engine's longest "
-                            f"timer), got {shown(deadline, None)}")
+        deadline_problem = interrupt_deadline_problem(self.interrupt_deadline)
+        if deadline_problem is not None:
+            problems.append(deadline_problem)
         tools: object = self.built_in_tools
         if not isinstance(tools, frozenset | set) or not all(isinstance(t, BuiltInTool) for t in tools):
             problems.append(f"built_in_tools must be a frozenset of BuiltInTool, got {shown(tools, None)}")
         else:
             object.__setattr__(self, "built_in_tools", frozenset(tools))
-        wait: object = self.max_durable_wait
-        if not isinstance(wait, timedelta) or not timedelta(seconds=1) <= wait <= LONGEST_TIMER:
-            problems.append(f"max_durable_wait must be a timedelta from 1 second to {LONGEST_TIMER.days} days "
-                            f"(the engine's longest timer), got {shown(wait, None)}")
+        wait_problem = max_durable_wait_problem(self.max_durable_wait)
+        if wait_problem is not None:
+            problems.append(wait_problem)
         plan_mode: object = self.plan_mode_enabled
         if not isinstance(plan_mode, bool):
             problems.append(f"plan_mode_enabled must be True or False, got {shown(plan_mode, None)}")

@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeGuard
 from .._builtin_tools import BuiltInTool
 from .._compaction import CompactionPolicy
 from .._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES, DEFAULT_MAX_DURABLE_WAIT
+from .._options import interrupt_deadline_problem, max_durable_wait_problem
 from .._policy import ToolPolicy, shown
 from .._wire import InteractionMode, JsonObject, ToolEffect
 from ._compaction import max_output_tokens
@@ -101,6 +102,12 @@ class AgentDefinition:
         limit: object = self.max_model_calls_per_turn
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             problems.append(f"max_model_calls_per_turn must be a whole number >= 1, got {shown(limit, None)}")
+        # The session options builtin_agent_session_flow derives would refuse these too, but as
+        # "invalid AgentSessionOptions", which the caller never wrote.
+        for problem in (interrupt_deadline_problem(self.interrupt_deadline),
+                        max_durable_wait_problem(self.max_durable_wait)):
+            if problem is not None:
+                problems.append(problem)
         timeout: object = self.tool_source_listing_timeout
         if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
             problems.append(f"tool_source_listing_timeout must be a positive timedelta, got {shown(timeout, None)}")
