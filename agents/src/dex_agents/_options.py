@@ -84,7 +84,7 @@ class AgentSessionOptions:
     """Options of one agent Flow type.
 
     `tool_policies` override per tool name; `default_tool_effect` applies to tools with no policy
-    and no framework metadata. `interrupt_deadline` bounds how long an approval waits.
+    and no framework metadata. `interrupt_deadline` bounds how long an approval or a question waits.
     """
 
     tool_policies: Mapping[str, ToolPolicy] = field(default_factory=dict)
