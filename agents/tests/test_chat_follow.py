@@ -195,6 +195,37 @@ async def test_a_resumed_chat_sees_the_end_of_a_turn_that_ends_as_it_opens(setup
     assert "turn cancelled" in terminal.shown()
 
 
+async def test_a_resumed_chat_says_what_durable_wait_its_turn_is_in(setup: Setup) -> None:
+    """A chat opened while its turn waits on a durable_wait Timer shows the wait, as the chat that
+    started it did ("waiting until ... (coffee)"), then follows the turn to its end (the Timer
+    skipped, as `dex-engine skip-timer` does). Catches: the resumed chat printing only "a turn is
+    still running; following it" and then nothing until the Timer fired, up to a year later, after
+    the first chat said "Ctrl-C and come back later"."""
+    sessions = setup.sessions
+    await sessions.start_session(SESSION)
+    await sessions.send_user_message(SESSION, "/wait 600 coffee")
+
+    async def waiting() -> bool:
+        calls = (await sessions.get_agent_snapshot(SESSION)).tool_calls
+        return any(c.status.value == "waiting_for_timer" for c in calls)
+
+    await _until(waiting, "durable wait of the turn")
+    wait_until = next(c.wait_until for c in (await sessions.get_agent_snapshot(SESSION)).tool_calls)
+    terminal = setup.terminal()
+    opening = asyncio.create_task(terminal.chat.open())
+
+    async def following() -> bool:
+        return "following it" in terminal.shown()
+
+    await _until(following, "resumed chat following the turn")
+    await sessions.client.skip_timer(SESSION, "AwaitTimer-1")
+    async with asyncio.timeout(WAIT_SECONDS):
+        await opening
+    shown = terminal.shown()
+    assert f"waiting until {wait_until} (coffee)" in shown, shown
+    assert shown.index("waiting until") < shown.index("durable_wait: succeeded"), shown
+
+
 async def test_skipping_to_the_end_reads_every_page(setup: Setup) -> None:
     """Moving past what was written before (another chat's turns) reads page after page, up to the
     end. Catches: one read taken for the end, so a long session's older events (past one page)

@@ -27,7 +27,7 @@ from dex_engine import (
 )
 
 from .._client import AgentSessionClient
-from .._wire import AgentInterrupt, AgentPlan, AgentSnapshot, InterruptKind, PlanStatus
+from .._wire import AgentInterrupt, AgentPlan, AgentSnapshot, AgentToolCallStatus, InterruptKind, PlanStatus
 from ._agent import build_demo_flow
 from ._full_disk import FullDiskWatch, until_disk_full
 from ._lines import CANCEL_COMMAND, STEER_COMMAND, TerminalLines, UndecodableLineError, is_control
@@ -90,6 +90,11 @@ class Chat:
                 self.console.print(f"[bold]{message.role.value}>[/bold] {escape(message.text)}")
         if _busy(snapshot):
             self.console.print("[dim]a turn is still running; following it[/dim]")
+            # Its timer_started event is behind the events' end: say what the turn waits for, or
+            # the chat shows nothing until the Timer fires (up to max_durable_wait later).
+            for call in snapshot.tool_calls:
+                if call.status is AgentToolCallStatus.WAITING_FOR_TIMER and call.wait_until is not None:
+                    self._show_wait(call.wait_until, _wait_reason(call.arguments))
             await self._answer_pending(snapshot.pending_interrupts)
             await self.follow_turn(snapshot.state.active_turn_id if snapshot.state else None)
         await self.offer_plan()  # a draft left from the last run still waits for its review
@@ -179,8 +184,7 @@ class Chat:
             snapshot = await self.sessions.get_agent_snapshot(self.session_id)
             await self._answer_pending(snapshot.pending_interrupts)
         elif kind == "timer_started":
-            self.console.print(f"[dim]  waiting until {payload['wait_until']} ({escape(payload['reason'])}); "
-                               "the Timer is durable: Ctrl-C and come back later[/dim]")
+            self._show_wait(payload["wait_until"], payload["reason"])
         elif kind == "plan_updated":
             self.console.print(f"[dim]  plan revision {payload['revision']} is {payload['status']} "
                                f"({payload['task_count']} tasks)[/dim]")
@@ -190,6 +194,10 @@ class Chat:
             self.console.print("[dim]  turn steered; the steered message starts the next turn[/dim]")
         elif kind == "turn_cancelled":
             self.console.print("[dim]  turn cancelled[/dim]")
+
+    def _show_wait(self, wait_until: str, reason: str) -> None:
+        self.console.print(f"[dim]  waiting until {escape(wait_until)} ({escape(reason)}); "
+                           "the Timer is durable: Ctrl-C and come back later[/dim]")
 
     async def _skip_to_end(self) -> None:
         """Move past every event written so far (another chat's turns, say), page by page."""
@@ -268,6 +276,16 @@ class Chat:
             self.console.print("[dim]  that answer was not taken (not a choice, or no longer pending)[/dim]")
             if _still_pending_choice(interrupt, answer):
                 await self._answer_question(interrupt)
+
+
+def _wait_reason(arguments: str) -> str:
+    """The reason of a durable_wait call from its arguments, which the session checked (a JSON
+    object with a text reason) before it recorded the call waiting_for_timer."""
+    with contextlib.suppress(ValueError):
+        decoded = json.loads(arguments)
+        if isinstance(decoded, dict) and isinstance(decoded.get("reason"), str):
+            return str(decoded["reason"])
+    return "a durable wait"
 
 
 def _still_pending_choice(interrupt: AgentInterrupt, answer: str) -> bool:
