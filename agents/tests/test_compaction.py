@@ -199,9 +199,13 @@ def test_policy_defaults_and_thresholds() -> None:
 
 
 @pytest.mark.parametrize(("fields", "problem"), [
-    ({"context_window_tokens": 0}, "context_window_tokens must be a whole number >= 1"),
-    ({"context_window_tokens": True}, "context_window_tokens must be a whole number >= 1"),
-    ({"context_window_tokens": 10.0}, "context_window_tokens must be a whole number >= 1"),
+    ({"context_window_tokens": 0}, "context_window_tokens must be a whole number from 1 to"),
+    ({"context_window_tokens": True}, "context_window_tokens must be a whole number from 1 to"),
+    ({"context_window_tokens": 10.0}, "context_window_tokens must be a whole number from 1 to"),
+    # Catches: a window past a float's range taken, then trigger_tokens raising OverflowError in
+    # every RunModel of every session, in a Worker, instead of here.
+    ({"context_window_tokens": 10**400}, "context_window_tokens must be a whole number from 1 to"),
+    ({"context_window_tokens": 2**63}, f"context_window_tokens must be a whole number from 1 to {2**63 - 1}, got"),
     ({"context_window_tokens": 10, "trigger_ratio": 0}, "trigger_ratio must be a number above 0 and at most 1"),
     ({"context_window_tokens": 10, "trigger_ratio": 1.5}, "trigger_ratio must be a number above 0 and at most 1"),
     ({"context_window_tokens": 10, "trigger_ratio": float("nan")}, "trigger_ratio must be a number"),
@@ -287,7 +291,8 @@ def test_policy_names_every_bad_value_in_one_error() -> None:
     with pytest.raises(ValueError) as info:
         CompactionPolicy(context_window_tokens=0, reserved_input_tokens=-1)
     assert str(info.value) == (
-        "invalid CompactionPolicy: context_window_tokens must be a whole number >= 1, got 0; "
+        "invalid CompactionPolicy: context_window_tokens must be a whole number from 1 to "
+        f"{2**63 - 1}, got 0; "
         "reserved_input_tokens must be a whole number >= 0, got -1"
     )
     # A bad trigger_ratio is its own problem: retained_ratio is not also reported as not below it.

@@ -20,6 +20,7 @@ from ._constants import (
     CONTEXT_SUMMARY_TRANSCRIPT_HEADER,
     DEFAULT_COMPACTION_RETAINED_RATIO,
     DEFAULT_COMPACTION_TRIGGER_RATIO,
+    MAX_CONTEXT_WINDOW_TOKENS,
 )
 from ._message_store import ChunkReader, checked_chunk, chunk_holding, empty_index
 from ._policy import shown
@@ -65,8 +66,9 @@ class CompactionPolicy:
     def __post_init__(self) -> None:
         problems: list[str] = []
         window: object = self.context_window_tokens
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            problems.append(f"context_window_tokens must be a whole number >= 1, got {shown(window, None)}")
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_CONTEXT_WINDOW_TOKENS:
+            problems.append(f"context_window_tokens must be a whole number from 1 to {MAX_CONTEXT_WINDOW_TOKENS}, "
+                            f"got {shown(window, None)}")
         trigger: object = self.trigger_ratio
         trigger_ok = _is_ratio(trigger) and 0 < trigger <= 1
         if not trigger_ok:

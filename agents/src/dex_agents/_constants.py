@@ -105,6 +105,9 @@ MAX_STORED_TOOL_ERROR_CHARS = 4000
 # The largest token count a runner's AgentUsage may report: a 64-bit count, what providers and the
 # engine's other counters use; a count past Python's 4,300 digits could not even be stored.
 MAX_USAGE_COUNT = 2**63 - 1
+# The largest CompactionPolicy.context_window_tokens: a 64-bit count, as MAX_USAGE_COUNT; a larger
+# window overflows the float arithmetic of its trigger, failing every model call instead of the policy.
+MAX_CONTEXT_WINDOW_TOKENS = 2**63 - 1
 # The most attempts RunModelLimit takes: what the engine's RetryPolicy takes, a 64-bit count.
 MAX_RETRY_ATTEMPTS = 2**63 - 1
 # A failed turn's error (last_turn_error, the turn_failed event) is kept to this many characters:
