@@ -410,17 +410,34 @@ def test_agent_definition_refuses_bad_tools() -> None:
     ("interrupt_deadline", timedelta(days=367), "interrupt_deadline must be at most 366 days"),
     ("max_durable_wait", timedelta(0), "max_durable_wait must be a timedelta from 1 second to 366 days"),
     ("max_durable_wait", float("nan"), "max_durable_wait must be a timedelta from 1 second to 366 days"),
+    ("default_tool_effect", "read", "default_tool_effect must be a ToolEffect, such as ToolEffect.READ, got 'read'"),
+    ("default_tool_effect", None, "default_tool_effect must be a ToolEffect, such as ToolEffect.READ, got None"),
+    ("tool_policies", {"lookup_order": "read"},
+     "tool_policies['lookup_order'] is 'read', not a ToolPolicy; give a ToolPolicy"),
+    ("tool_policies", {"lookup_order": ToolEffect.READ}, "tool_policies['lookup_order'] is <ToolEffect.READ: 'read'>"),
+    ("tool_policies", {"": ToolPolicy(ToolEffect.READ)}, "tool_policies key '' is not a tool name"),
+    ("tool_policies", {3: ToolPolicy(ToolEffect.READ)}, "tool_policies key 3 is not a tool name"),
+    ("event_stream_capacity_bytes", 0, "event_stream_capacity_bytes must be a whole number of bytes from 1 to "),
+    ("event_stream_capacity_bytes", -1, "event_stream_capacity_bytes must be a whole number of bytes from 1 to "),
+    ("event_stream_capacity_bytes", True, "event_stream_capacity_bytes must be a whole number of bytes from 1 to "),
+    ("event_stream_capacity_bytes", 1.5, "event_stream_capacity_bytes must be a whole number of bytes from 1 to "),
+    ("event_stream_capacity_bytes", None, "event_stream_capacity_bytes must be a whole number of bytes from 1 to "),
+    ("event_stream_capacity_bytes", "1MiB", "event_stream_capacity_bytes must be a whole number of bytes from 1 to "),
+    # Past the engine Stream's 64-bit capacity: refused by the Stream, naming neither field.
+    ("event_stream_capacity_bytes", 2**63,
+     f"event_stream_capacity_bytes must be a whole number of bytes from 1 to {2**63 - 1}, got {2**63}"),
 ])
-def test_agent_definition_refuses_a_bad_deadline_or_wait_limit_when_built(
+def test_agent_definition_refuses_a_bad_value_where_it_is_written(
     field: str, value: object, message: str
 ) -> None:
-    """AgentDefinition refuses its own interrupt_deadline and max_durable_wait, naming itself.
-    Catches: any value taken by AgentDefinition, then refused by builtin_agent_session_flow as
-    "invalid AgentSessionOptions", an object the caller never wrote (and never, when the definition
-    only backs a runner)."""
+    """AgentDefinition refuses each field its derived AgentSessionOptions would refuse, naming its own
+    field and the value. Catches: any value taken by AgentDefinition, then refused by
+    builtin_agent_session_flow as "invalid AgentSessionOptions" (or by the engine's Stream), objects
+    the caller never wrote (and never, when the definition only backs a runner)."""
     model = ScriptedModelClient(lambda r: ScriptedModelReply(text="x"))
-    with pytest.raises(ValueError, match=re.escape("invalid AgentDefinition: " + message)):
+    with pytest.raises(ValueError, match=re.escape("invalid AgentDefinition: " + message)) as refused:
         AgentDefinition(name="a", instructions="", model=model, **{field: value})
+    assert "AgentSessionOptions" not in str(refused.value)
 
 
 async def test_failed_turn_pairs_every_stored_call_with_a_result(tmp_path: Path) -> None:

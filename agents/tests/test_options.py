@@ -156,6 +156,8 @@ def test_session_options_freeze_tool_policies() -> None:
     ({"agent_events_capacity_bytes": True}, "agent_events_capacity_bytes must be a whole number", "True"),
     ({"agent_events_capacity_bytes": 1.5}, "agent_events_capacity_bytes must be a whole number", "1.5"),
     ({"agent_events_capacity_bytes": "1MiB"}, "agent_events_capacity_bytes must be a whole number", "'1MiB'"),
+    # Past the engine Stream's 64-bit capacity: the Stream refused it later, naming neither option.
+    ({"agent_events_capacity_bytes": 2**63}, "agent_events_capacity_bytes must be a whole number", str(2**63)),
     ({"interrupt_deadline": timedelta(0)}, "interrupt_deadline must be a positive timedelta", "timedelta(0)"),
     ({"interrupt_deadline": timedelta(seconds=-1)}, "interrupt_deadline must be a positive timedelta",
      repr(timedelta(seconds=-1))),

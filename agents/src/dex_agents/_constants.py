@@ -37,6 +37,9 @@ CANCEL_TOOL_TASK_RETRY_BUDGET = timedelta(minutes=2)
 
 # The AgentEvents Stream keeps the newest 10 MiB of events per session; clients rebuild from snapshots.
 DEFAULT_AGENT_EVENTS_CAPACITY_BYTES = 10 * 1024 * 1024
+# The largest AgentEvents capacity: what the engine's Stream takes (a 64-bit count), checked before
+# the Stream is built so that a bad one names the option rather than the Stream.
+MAX_AGENT_EVENTS_CAPACITY_BYTES = 2**63 - 1
 
 # The built-in loop's parsed input items, kept per process by stored message: each model call reads
 # the whole conversation again, and a stored message never changes. Room for many sessions' windows.

@@ -18,6 +18,7 @@ from ._constants import (
     DEFAULT_MESSAGE_CHUNK_SIZE,
     DEFAULT_MESSAGE_WINDOW_SIZE,
     DEFAULT_RETAINED_MESSAGE_LIMIT,
+    MAX_AGENT_EVENTS_CAPACITY_BYTES,
     MAX_MESSAGE_CHUNK_MAX_BYTES,
     MAX_RETRY_ATTEMPTS,
     RUN_MODEL_MAX_ATTEMPTS,
@@ -50,6 +51,35 @@ def max_durable_wait_problem(wait: object) -> str | None:
     if not isinstance(wait, timedelta) or not timedelta(seconds=1) <= wait <= LONGEST_TIMER:
         return (f"max_durable_wait must be a timedelta from 1 second to {LONGEST_TIMER.days} days "
                 f"(the engine's longest timer), got {shown(wait, None)}")
+    return None
+
+
+def tool_policy_entry_problems(policies: Mapping[object, object]) -> list[str]:
+    """What is wrong with the entries of a `tool_policies` mapping (AgentDefinition checks its own
+    with this too, so a bad one is refused where it was written)."""
+    problems: list[str] = []
+    for name, policy in policies.items():
+        if not isinstance(name, str) or not name:
+            problems.append(f"tool_policies key {shown(name, None)} is not a tool name")
+        if not isinstance(policy, ToolPolicy):
+            problems.append(f"tool_policies[{shown(name, None)}] is {shown(policy, None)}, not a ToolPolicy; "
+                            "give a ToolPolicy, such as ToolPolicy(ToolEffect.READ)")
+    return problems
+
+
+def default_tool_effect_problem(effect: object) -> str | None:
+    """What is wrong with a `default_tool_effect`, or None (AgentDefinition checks its own with this too)."""
+    if not isinstance(effect, ToolEffect):
+        return f"default_tool_effect must be a ToolEffect, such as ToolEffect.READ, got {shown(effect, None)}"
+    return None
+
+
+def events_capacity_problem(capacity: object, field_name: str = "agent_events_capacity_bytes") -> str | None:
+    """What is wrong with an AgentEvents Stream capacity, or None. AgentDefinition checks its
+    `event_stream_capacity_bytes` with this too, naming its own field."""
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= MAX_AGENT_EVENTS_CAPACITY_BYTES:
+        return (f"{field_name} must be a whole number of bytes from 1 to {MAX_AGENT_EVENTS_CAPACITY_BYTES}, "
+                f"got {shown(capacity, None)}")
     return None
 
 
@@ -111,22 +141,16 @@ class AgentSessionOptions:
     def __post_init__(self) -> None:
         problems = []
         policies: object = self.tool_policies
-        effect: object = self.default_tool_effect
         limit: object = self.run_model_limit
         if not isinstance(policies, Mapping):
             problems.append(f"tool_policies must map tool names to ToolPolicy, got {type(self.tool_policies).__name__}")
         else:
-            for name, policy in policies.items():
-                if not isinstance(name, str) or not name:
-                    problems.append(f"tool_policies key {shown(name, None)} is not a tool name")
-                if not isinstance(policy, ToolPolicy):
-                    problems.append(f"tool_policies[{shown(name, None)}] is {shown(policy, None)}, not a ToolPolicy")
+            problems.extend(tool_policy_entry_problems(policies))
             object.__setattr__(self, "tool_policies", MappingProxyType(dict(policies)))
-        if not isinstance(effect, ToolEffect):
-            problems.append(f"default_tool_effect must be a ToolEffect, got {shown(self.default_tool_effect, None)}")
-        capacity = self.agent_events_capacity_bytes
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            problems.append(f"agent_events_capacity_bytes must be a whole number >= 1, got {shown(capacity, None)}")
+        for problem in (default_tool_effect_problem(self.default_tool_effect),
+                        events_capacity_problem(self.agent_events_capacity_bytes)):
+            if problem is not None:
+                problems.append(problem)
         deadline_problem = interrupt_deadline_problem(self.interrupt_deadline)
         if deadline_problem is not None:
             problems.append(deadline_problem)

@@ -11,7 +11,13 @@ from typing import Any, Literal, TypeGuard
 from .._builtin_tools import BuiltInTool
 from .._compaction import CompactionPolicy
 from .._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES, DEFAULT_MAX_DURABLE_WAIT
-from .._options import interrupt_deadline_problem, max_durable_wait_problem
+from .._options import (
+    default_tool_effect_problem,
+    events_capacity_problem,
+    interrupt_deadline_problem,
+    max_durable_wait_problem,
+    tool_policy_entry_problems,
+)
 from .._policy import ToolPolicy, shown
 from .._wire import InteractionMode, JsonObject, ToolEffect
 from ._compaction import max_output_tokens
@@ -105,7 +111,9 @@ class AgentDefinition:
         # The session options builtin_agent_session_flow derives would refuse these too, but as
         # "invalid AgentSessionOptions", which the caller never wrote.
         for problem in (interrupt_deadline_problem(self.interrupt_deadline),
-                        max_durable_wait_problem(self.max_durable_wait)):
+                        max_durable_wait_problem(self.max_durable_wait),
+                        default_tool_effect_problem(self.default_tool_effect),
+                        events_capacity_problem(self.event_stream_capacity_bytes, "event_stream_capacity_bytes")):
             if problem is not None:
                 problems.append(problem)
         timeout: object = self.tool_source_listing_timeout
@@ -204,6 +212,8 @@ def _shape_problems(definition: AgentDefinition) -> list[str]:
     policies: object = definition.tool_policies
     if not isinstance(policies, Mapping):
         problems.append(f"tool_policies must be a dict of tool name to ToolPolicy, got {shown(policies, None)}")
+    else:  # as the derived AgentSessionOptions would, but naming this definition
+        problems.extend(tool_policy_entry_problems(policies))
     for hook_name, takes in (("decide_turn_continuation", "TurnContinuationContext"),
                              ("resolve_model", "the session settings")):
         hook: object = getattr(definition, hook_name)
