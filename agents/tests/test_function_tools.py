@@ -14,6 +14,7 @@ import gc
 import inspect
 import json
 import math
+import re
 import threading
 from dataclasses import InitVar, dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, NotRequired, Optional, Required, TypedDict
@@ -1261,9 +1262,39 @@ def test_options_override_name_description_and_policy() -> None:
     assert run(set_status, {"status": "open"}) == "open"
 
 
-def test_effect_must_be_a_tool_effect() -> None:
-    with pytest.raises(TypeError, match=r"ToolPolicy\.effect must be a ToolEffect"):
-        function_tool(effect="read")(lambda: "")  # type: ignore[arg-type]
+@pytest.mark.parametrize(("options", "error", "message"), [
+    ({"effect": "read"}, TypeError,
+     "function tool 'tool': effect must be a ToolEffect, such as ToolEffect.READ, got 'read'"),
+    ({"effect": None}, TypeError,
+     "function tool 'tool': effect must be a ToolEffect, such as ToolEffect.READ, got None"),
+    ({"requires_approval": 1}, TypeError,
+     "function tool 'tool': requires_approval must be a bool or None (None: the effect decides), got 1"),
+    ({"requires_approval": "no"}, TypeError, "function tool 'tool': requires_approval must be a bool or None"),
+    ({"effect": "read", "requires_approval": "no"}, TypeError,
+     "effect must be a ToolEffect, such as ToolEffect.READ, got 'read'; requires_approval must be a bool or None"),
+    ({"name": ""}, ValueError, "invalid tool name '': a tool name is 1 to 64 characters"),
+    ({"name": 3}, ValueError, "invalid tool name 3: a tool name is 1 to 64 characters"),
+    ({"description": 3}, TypeError, "description of tool 'tool' must be text or None (None: the docstring), got 3"),
+    ({"parameters_schema": {"type": "string"}}, ValueError,
+     "parameters_schema of tool 'tool' must be a JSON object schema (type: object)"),
+    ({"parameters_schema": {"type": "object", "minimum": float("nan")}}, ValueError,
+     "parameters_schema of tool 'tool' is not JSON"),
+    ({"prepare_arguments": "strip"}, TypeError,
+     "prepare_arguments of tool 'tool' must be a function of the decoded arguments or None, got 'strip'"),
+])
+def test_function_tool_refuses_a_bad_option_naming_the_tool_and_the_option(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """Each bad option is refused where the tool is defined, naming the tool, the option and its
+    value. Catches: a bad effect or requires_approval reported as "ToolPolicy.effect", an object
+    the caller never wrote, with no word of which tool; a description or prepare_arguments error
+    not naming the tool or the value."""
+    def tool() -> str:
+        return ""
+
+    with pytest.raises(error, match=re.escape(message)) as refused:
+        function_tool(**options)(tool)
+    assert "ToolPolicy" not in str(refused.value)
 
 
 def test_explicit_schema_is_offered_but_arguments_still_follow_the_type_hints() -> None:

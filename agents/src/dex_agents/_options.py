@@ -25,7 +25,7 @@ from ._constants import (
     RUN_MODEL_RETRY_BUDGET,
     RUN_MODEL_TIMEOUT,
 )
-from ._policy import ToolPolicy, shown
+from ._policy import ToolPolicy, shown, tool_effect_problem
 from ._wire import ToolEffect
 
 # A rollover chunk is one engine value: a cap above MAX_VALUE_BYTES would make a later rollover fail.
@@ -67,17 +67,12 @@ def tool_policy_entry_problems(policies: Mapping[object, object]) -> list[str]:
     return problems
 
 
-def default_tool_effect_problem(effect: object) -> str | None:
-    """What is wrong with a `default_tool_effect`, or None (AgentDefinition checks its own with this too)."""
-    if not isinstance(effect, ToolEffect):
-        return f"default_tool_effect must be a ToolEffect, such as ToolEffect.READ, got {shown(effect, None)}"
-    return None
-
-
 def events_capacity_problem(capacity: object, field_name: str = "agent_events_capacity_bytes") -> str | None:
     """What is wrong with an AgentEvents Stream capacity, or None. AgentDefinition checks its
     `event_stream_capacity_bytes` with this too, naming its own field."""
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= MAX_AGENT_EVENTS_CAPACITY_BYTES:
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or not (
+        1 <= capacity <= MAX_AGENT_EVENTS_CAPACITY_BYTES
+    ):
         return (f"{field_name} must be a whole number of bytes from 1 to {MAX_AGENT_EVENTS_CAPACITY_BYTES}, "
                 f"got {shown(capacity, None)}")
     return None
@@ -147,7 +142,7 @@ class AgentSessionOptions:
         else:
             problems.extend(tool_policy_entry_problems(policies))
             object.__setattr__(self, "tool_policies", MappingProxyType(dict(policies)))
-        for problem in (default_tool_effect_problem(self.default_tool_effect),
+        for problem in (tool_effect_problem(self.default_tool_effect, "default_tool_effect"),
                         events_capacity_problem(self.agent_events_capacity_bytes)):
             if problem is not None:
                 problems.append(problem)

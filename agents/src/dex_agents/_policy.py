@@ -31,11 +31,25 @@ class ToolPolicy:
     requires_approval: bool | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.effect, ToolEffect):
-            raise TypeError(f"ToolPolicy.effect must be a ToolEffect, got {shown(self.effect, None)}")
-        if self.requires_approval is not None and not isinstance(self.requires_approval, bool):
-            raise TypeError(
-                f"ToolPolicy.requires_approval must be a bool or None, got {shown(self.requires_approval, None)}")
+        problem = tool_effect_problem(self.effect, "ToolPolicy.effect") or requires_approval_problem(
+            self.requires_approval, "ToolPolicy.requires_approval")
+        if problem is not None:
+            raise TypeError(problem)
+
+
+def tool_effect_problem(effect: object, field_name: str) -> str | None:
+    """What is wrong with a tool effect, or None. Shared by every place a user writes one
+    (ToolPolicy, function_tool, default_tool_effect), so each names its own field."""
+    if not isinstance(effect, ToolEffect):
+        return f"{field_name} must be a ToolEffect, such as ToolEffect.READ, got {shown(effect, None)}"
+    return None
+
+
+def requires_approval_problem(value: object, field_name: str) -> str | None:
+    """What is wrong with a `requires_approval`, or None (shared as tool_effect_problem is)."""
+    if value is not None and not isinstance(value, bool):
+        return f"{field_name} must be a bool or None (None: the effect decides), got {shown(value, None)}"
+    return None
 
 
 def is_approval_required(policy: ToolPolicy) -> bool:

@@ -12,13 +12,12 @@ from .._builtin_tools import BuiltInTool
 from .._compaction import CompactionPolicy
 from .._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES, DEFAULT_MAX_DURABLE_WAIT
 from .._options import (
-    default_tool_effect_problem,
     events_capacity_problem,
     interrupt_deadline_problem,
     max_durable_wait_problem,
     tool_policy_entry_problems,
 )
-from .._policy import ToolPolicy, shown
+from .._policy import ToolPolicy, shown, tool_effect_problem
 from .._wire import InteractionMode, JsonObject, ToolEffect
 from ._compaction import max_output_tokens
 from ._function_tools import FunctionTool
@@ -112,7 +111,7 @@ class AgentDefinition:
         # "invalid AgentSessionOptions", which the caller never wrote.
         for problem in (interrupt_deadline_problem(self.interrupt_deadline),
                         max_durable_wait_problem(self.max_durable_wait),
-                        default_tool_effect_problem(self.default_tool_effect),
+                        tool_effect_problem(self.default_tool_effect, "default_tool_effect"),
                         events_capacity_problem(self.event_stream_capacity_bytes, "event_stream_capacity_bytes")):
             if problem is not None:
                 problems.append(problem)

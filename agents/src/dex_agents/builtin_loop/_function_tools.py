@@ -58,7 +58,7 @@ import msgspec
 
 from .._constants import ARGUMENTS_TOO_DEEP, SHOWN_VALUE_CHARS
 from .._events import AgentEventWriter
-from .._policy import ToolPolicy, raised_text, shown
+from .._policy import ToolPolicy, raised_text, requires_approval_problem, shown, tool_effect_problem
 from .._runner import ToolExecutionError, ToolInputRequested, ToolOutcomeUnknownError, ToolTaskStarted
 from .._wire import QuestionAnswer, ToolEffect
 from ._model import PROVIDER_TOOL_NAME_RULE, ModelToolDefinition, is_provider_tool_name
@@ -686,12 +686,18 @@ class FunctionTool:
         if not callable(fn):
             raise TypeError(f"a function tool needs a callable, got {shown(fn, None)}")
         self.fn = fn
-        self.policy = ToolPolicy(effect, requires_approval)
         self.name = _tool_name(fn, name)
-        self.description = _tool_description(fn, description)
+        # Checked here, not by ToolPolicy, so that the error names this tool and the option written.
+        problems = [p for p in (tool_effect_problem(effect, "effect"),
+                                requires_approval_problem(requires_approval, "requires_approval")) if p is not None]
+        if problems:
+            raise TypeError(f"function tool {self.name!r}: " + "; ".join(problems))
+        self.policy = ToolPolicy(effect, requires_approval)
+        self.description = _tool_description(fn, self.name, description)
         if prepare_arguments is not None:
             if not callable(prepare_arguments):
-                raise TypeError(f"prepare_arguments of tool {self.name!r} must be callable")
+                raise TypeError(f"prepare_arguments of tool {self.name!r} must be a function of the decoded "
+                                f"arguments or None, got {shown(prepare_arguments, None)}")
             if inspect.iscoroutinefunction(prepare_arguments):
                 raise TypeError(f"prepare_arguments of tool {self.name!r} must be synchronous, not async")
         self._prepare_arguments = prepare_arguments
@@ -798,10 +804,11 @@ def _tool_name(fn: Callable[..., Any], name: str | None) -> str:
     return name
 
 
-def _tool_description(fn: Callable[..., Any], description: str | None) -> str:
+def _tool_description(fn: Callable[..., Any], tool_name: str, description: str | None) -> str:
     if description is not None:
         if not isinstance(description, str):
-            raise TypeError(f"description must be a str, got {type(description).__name__}")
+            raise TypeError(f"description of tool {tool_name!r} must be text or None (None: the docstring), "
+                            f"got {shown(description, None)}")
         return description
     # Only a function's own docstring (behind a functools.partial, whose own describes partial
     # itself): a callable object's would describe its class.
