@@ -417,6 +417,10 @@ def test_agent_definition_refuses_bad_tools() -> None:
     ("tool_policies", {"lookup_order": ToolEffect.READ}, "tool_policies['lookup_order'] is <ToolEffect.READ: 'read'>"),
     ("tool_policies", {"": ToolPolicy(ToolEffect.READ)}, "tool_policies key '' is not a tool name"),
     ("tool_policies", {3: ToolPolicy(ToolEffect.READ)}, "tool_policies key 3 is not a tool name"),
+    # Catches: a setting name that is not text taken, then failing every model call of LiteLLM
+    # (keyword arguments) with a bare TypeError, in a Worker.
+    ("model_settings", {1: 2}, "model_settings key 1 is not a setting name; use its name as text"),
+    ("model_settings", {"": 2}, "model_settings key '' is not a setting name"),
     ("event_stream_capacity_bytes", 0, "event_stream_capacity_bytes must be a whole number of bytes from 1 to "),
     ("event_stream_capacity_bytes", -1, "event_stream_capacity_bytes must be a whole number of bytes from 1 to "),
     ("event_stream_capacity_bytes", True, "event_stream_capacity_bytes must be a whole number of bytes from 1 to "),

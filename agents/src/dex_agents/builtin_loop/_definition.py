@@ -208,6 +208,11 @@ def _shape_problems(definition: AgentDefinition) -> list[str]:
     settings: object = definition.model_settings
     if not isinstance(settings, Mapping):
         problems.append(f"model_settings must be a dict of the model client's settings, got {shown(settings, None)}")
+    else:
+        # Settings are named: a client passes them on as keyword arguments (LiteLLM's), which fail
+        # every model call of every turn with a bare TypeError on a name that is not text.
+        problems.extend(f"model_settings key {shown(key, None)} is not a setting name; use its name as text"
+                        for key in settings if not isinstance(key, str) or not key)
     policies: object = definition.tool_policies
     if not isinstance(policies, Mapping):
         problems.append(f"tool_policies must be a dict of tool name to ToolPolicy, got {shown(policies, None)}")
