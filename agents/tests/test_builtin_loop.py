@@ -85,7 +85,7 @@ from dex_agents.testing import (
     to_step_history,
     wait_for_agent_snapshot,
 )
-from dex_engine import AsyncWorker, Registry, WorkerOptions
+from dex_engine import AsyncWorker, InvalidIdError, Registry, WorkerOptions
 
 # Tool calls of the compacted turn in test_scripted_call_ids_stay_unique_when_compaction_shortens_the_input.
 CALLS = 12
@@ -442,6 +442,20 @@ def test_agent_definition_refuses_a_bad_value_where_it_is_written(
     with pytest.raises(ValueError, match=re.escape("invalid AgentDefinition: " + message)) as refused:
         AgentDefinition(name="a", instructions="", model=model, **{field: value})
     assert "AgentSessionOptions" not in str(refused.value)
+
+
+def test_a_name_that_cannot_be_a_flow_type_is_named_as_the_agent_s_name() -> None:
+    """Without flow_type the flow type is the definition's name. Catches: AgentDefinition(name=
+    "Support Agent") refused by builtin_agent_session_flow as a "flow type", which the caller
+    never wrote, with no word that it is the name or that flow_type= would do."""
+    model = ScriptedModelClient(lambda r: ScriptedModelReply(text="x"))
+    agent = AgentDefinition(name="Support Agent", instructions="", model=model)
+    with pytest.raises(InvalidIdError, match=re.escape(
+        "the AgentDefinition's name 'Support Agent' is the flow type when flow_type is not given, and flow type "
+        "'Support Agent' contains whitespace")) as refused:
+        builtin_agent_session_flow(agent)
+    assert "pass flow_type= (such as 'SupportAgent') or rename the agent" in str(refused.value)
+    assert builtin_agent_session_flow(agent, flow_type="SupportAgent").flow_type == "SupportAgent"
 
 
 async def test_failed_turn_pairs_every_stored_call_with_a_result(tmp_path: Path) -> None:

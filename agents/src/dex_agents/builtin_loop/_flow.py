@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from dex_engine import InvalidIdError
+
 from .._options import AgentSessionOptions
+from .._policy import shown
 from .._session_flow import AgentSessionFlow
 from ._definition import AgentDefinition
 from ._loop_runner import BuiltinLoopAgentRunner
@@ -24,9 +27,17 @@ def builtin_agent_session_options(definition: AgentDefinition) -> AgentSessionOp
 
 def builtin_agent_session_flow(definition: AgentDefinition, flow_type: str | None = None) -> AgentSessionFlow:
     """The session Flow of a built-in loop agent; `flow_type` defaults to the definition's name."""
-    return AgentSessionFlow(
-        BuiltinLoopAgentRunner(definition), flow_type or definition.name, builtin_agent_session_options(definition)
-    )
+    runner, options = BuiltinLoopAgentRunner(definition), builtin_agent_session_options(definition)
+    if flow_type is not None:
+        return AgentSessionFlow(runner, flow_type, options)
+    try:
+        return AgentSessionFlow(runner, definition.name, options)
+    except InvalidIdError as exc:
+        # The flow type is the only ID the caller gives here; without flow_type it is the agent's
+        # name, which the caller wrote as a name ("Support Agent"), never as a flow type.
+        raise InvalidIdError(f"the AgentDefinition's name {shown(definition.name)} is the flow type when "
+                             f"flow_type is not given, and {exc}; pass flow_type= (such as 'SupportAgent') "
+                             "or rename the agent") from exc
 
 
 # Seed 004, the built-in loop's guide, builds its agent with this name, and seed 003 with the one above;
