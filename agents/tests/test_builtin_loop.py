@@ -723,6 +723,12 @@ def test_agent_definition_refuses_fields_of_the_wrong_kind_and_names_it_cannot_u
     refused(r"tool source 's' declares a tool name '', not non-empty text", tool_sources=[_Declaring("s", [""])])
     refused(r"tool source 's' declares a tool name \['a'\], not non-empty text",
             tool_sources=[_Declaring("s", [["a"]])])  # type: ignore[list-item]
+    # Catches: text taken as one declared name per character, anything else not a list failing with a
+    # bare TypeError that named no source.
+    refused(r"declared_tool_names\(\) of tool source 's' returned 'abc'; return a list of tool names",
+            tool_sources=[_Declaring("s", "abc")])
+    refused(r"declared_tool_names\(\) of tool source 's' returned 3; return a list of tool names",
+            tool_sources=[_Declaring("s", 3)], built_in_tools=frozenset({BuiltInTool.ASK_USER}))  # type: ignore[arg-type]
 
 
 class _Declaring(_Source):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -22,7 +23,12 @@ from .._wire import InteractionMode, JsonObject, ToolEffect
 from ._compaction import max_output_tokens
 from ._function_tools import FunctionTool
 from ._model import ModelClient, ModelOutputItem, ToolResultInput
-from ._tool_sources import DEFAULT_TOOL_SOURCE_LISTING_TIMEOUT_SECONDS, ToolSource, declared_names
+from ._tool_sources import (
+    DEFAULT_TOOL_SOURCE_LISTING_TIMEOUT_SECONDS,
+    DeclaredNamesError,
+    ToolSource,
+    declared_names,
+)
 
 # After this many model calls in one turn, the next call offers no tools and the turn ends.
 DEFAULT_MAX_MODEL_CALLS_PER_TURN = 100
@@ -230,7 +236,10 @@ def _built_in_clashes(tools: object, sources: object, built_ins: set[str]) -> li
     """Function tools, and names tool sources declare, that an enabled built-in tool would shadow."""
     names = [t.name for t in tools if isinstance(t, FunctionTool)] if _is_list(tools) else []
     if _is_list(sources):
-        names.extend(n for s in sources if isinstance(s, ToolSource) for n in declared_names(s) if isinstance(n, str))
+        for source in sources:
+            if isinstance(source, ToolSource):
+                with contextlib.suppress(DeclaredNamesError):  # reported by _tool_problems
+                    names.extend(n for n in declared_names(source) if isinstance(n, str))
     return [f"tool {name} uses the name of an enabled built-in tool" for name in dict.fromkeys(names)
             if name in built_ins]
 
@@ -262,11 +271,15 @@ def _tool_problems(tools: object, sources: object) -> list[str]:
         if source.source_name in source_names:
             problems.append(f"two tool sources are named {source.source_name!r}; give each a unique source_name")
         source_names.add(source.source_name)
-        declared = declared_names(source)
+        try:
+            given = declared_names(source)
+        except DeclaredNamesError as exc:
+            problems.append(str(exc))
+            continue
         problems.extend(f"tool source {source.source_name!r} declares a tool name {shown(name, None)}, "
                         "not non-empty text"
-                        for name in declared if not isinstance(name, str) or not name.strip())
-        declared = [name for name in declared if isinstance(name, str) and name.strip()]
+                        for name in given if not isinstance(name, str) or not name.strip())
+        declared = [name for name in given if isinstance(name, str) and name.strip()]
         for name in dict.fromkeys(declared):
             if name in seen:
                 problems.append(f"tool {name} of a tool source uses the name of a function tool")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from .._policy import shown
 from .._runner import AgentTurnContext, DeferredToolCall, DeferredToolExecution
 from ._model import ModelToolCall, ModelToolDefinition
 
@@ -54,7 +55,19 @@ def unwrap_source_reference(stored: str | None) -> tuple[str, str | None] | None
     return value[STEPWISE_TOOL_SOURCE_KEY], reference if isinstance(reference, str) else None
 
 
-def declared_names(source: ToolSource) -> list[str]:
-    """Names a source always lists (optional `declared_tool_names()`), checked when the agent is built."""
+class DeclaredNamesError(ValueError):
+    """A source's declared_tool_names() returned no list of names (not a ValueError it raised itself)."""
+
+
+def declared_names(source: ToolSource) -> list[object]:
+    """Names a source always lists (optional `declared_tool_names()`), checked when the agent is built.
+    Raises DeclaredNamesError, naming the source, for a result that is not a list of names: text would be
+    taken as one name per character, and anything else fail with a bare TypeError."""
     method = getattr(source, "declared_tool_names", None)
-    return list(method()) if callable(method) else []
+    if not callable(method):
+        return []
+    names: object = method()
+    if isinstance(names, str | bytes) or not isinstance(names, Iterable):
+        raise DeclaredNamesError(f"declared_tool_names() of tool source {shown(source.source_name)} returned "
+                                 f"{shown(names)}; return a list of tool names")
+    return list(names)
