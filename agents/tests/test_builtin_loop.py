@@ -421,6 +421,14 @@ def test_agent_definition_refuses_bad_tools() -> None:
     # (keyword arguments) with a bare TypeError, in a Worker.
     ("model_settings", {1: 2}, "model_settings key 1 is not a setting name; use its name as text"),
     ("model_settings", {"": 2}, "model_settings key '' is not a setting name"),
+    ("tool_source_listing_timeout", timedelta(0),
+     "tool_source_listing_timeout must be a positive timedelta shorter than RunModel's timeout (0:15:00), got "),
+    ("tool_source_listing_timeout", 10, "tool_source_listing_timeout must be a positive timedelta"),
+    # Catches: a listing that may outlast RunModel's timeout taken, then a hung source failing every
+    # turn ("execute passed its timeout") where it was to offer no tools (agents.md "Tool sources").
+    ("tool_source_listing_timeout", timedelta(minutes=15),
+     "tool_source_listing_timeout must be a positive timedelta shorter than RunModel's timeout (0:15:00), got "
+     "datetime.timedelta(seconds=900)"),
     ("event_stream_capacity_bytes", 0, "event_stream_capacity_bytes must be a whole number of bytes from 1 to "),
     ("event_stream_capacity_bytes", -1, "event_stream_capacity_bytes must be a whole number of bytes from 1 to "),
     ("event_stream_capacity_bytes", True, "event_stream_capacity_bytes must be a whole number of bytes from 1 to "),

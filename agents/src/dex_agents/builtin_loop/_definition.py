@@ -11,7 +11,7 @@ from typing import Any, Literal, TypeGuard
 
 from .._builtin_tools import BuiltInTool
 from .._compaction import CompactionPolicy
-from .._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES, DEFAULT_MAX_DURABLE_WAIT
+from .._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES, DEFAULT_MAX_DURABLE_WAIT, RUN_MODEL_TIMEOUT
 from .._options import (
     events_capacity_problem,
     interrupt_deadline_problem,
@@ -122,8 +122,11 @@ class AgentDefinition:
             if problem is not None:
                 problems.append(problem)
         timeout: object = self.tool_source_listing_timeout
-        if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
-            problems.append(f"tool_source_listing_timeout must be a positive timedelta, got {shown(timeout, None)}")
+        # Listings run inside RunModel: one that may outlast its timeout would fail the turn when a
+        # source hangs, where a listing timeout is to leave that source's tools out and go on.
+        if not isinstance(timeout, timedelta) or not timedelta(0) < timeout < RUN_MODEL_TIMEOUT:
+            problems.append(f"tool_source_listing_timeout must be a positive timedelta shorter than RunModel's "
+                            f"timeout ({RUN_MODEL_TIMEOUT}), got {shown(timeout, None)}")
         problems.extend(_shape_problems(self))
         problems.extend(_tool_problems(self.tools, self.tool_sources))
         compaction: object = self.compaction
