@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -733,6 +734,28 @@ async def test_credentials_and_owned_parameters_are_refused_in_settings(provider
     request = ModelRequest("Be brief.", (UserTextInput("x" * 300),), (LOOKUP_TOOL,))
     assert client.estimate_input_tokens(request) == estimate_request_tokens(request) >= 100
     assert LiteLLMModelClient("openai/gpt-5", api="chat").api_label == "litellm.chat:openai"
+
+
+@pytest.mark.parametrize(("where", "value", "message"), [
+    ("request_options", {1: 2}, "request_options keys must be option names (text), got 1"),
+    ("request_options", "fast", "request_options must be a dict of LiteLLM options, got 'fast'"),
+    ("request_options", {"stream": False}, "request_options may not set stream"),
+    ("model_settings", {"model": "openai/gpt-5-mini"}, "invalid AgentDefinition: model_settings may not set model"),
+    ("model_settings", {"api_key": "sk-inline", "temperature": 0}, "invalid AgentDefinition: model_settings may "
+     "not set api_key"),
+    ("model_settings", {1: 2}, "invalid AgentDefinition: model_settings key 1 is not a setting name"),
+])
+def test_a_bad_option_is_refused_where_it_is_written(where: str, value: object, message: str) -> None:
+    """request_options when the client is built, model_settings when the AgentDefinition is. Catches:
+    either taken, then every model call of every turn failing in a Worker (a bare TypeError on a
+    name that is not text, or "may not set"), and text request_options failing in dict()."""
+    with pytest.raises(ValueError, match=re.escape(message)) as refused:
+        if where == "request_options":
+            LiteLLMModelClient("openai/gpt-5", request_options=value)  # type: ignore[arg-type]
+        else:
+            AgentDefinition(name="a", instructions="", model=LiteLLMModelClient("openai/gpt-5"),
+                            model_settings=value)  # type: ignore[arg-type]
+    assert str(refused.value).count("model_settings key") <= 1  # not once by the definition, again by the client
 
 
 def test_without_litellm_the_import_names_the_extra() -> None:

@@ -33,6 +33,7 @@ except ImportError as error:  # pragma: no cover - exercised by a subprocess tes
         "dex_agents.litellm needs the LiteLLM package: install dex-agents[litellm] (pip install 'dex-agents[litellm]')"
     ) from error
 
+from ._policy import shown
 from ._runner import ModelCallMetadata
 from ._wire import AgentUsage
 from .builtin_loop._model import (
@@ -205,8 +206,10 @@ class LiteLLMModelClient:
             raise ValueError(f"api must be {RESPONSES_API!r}, {CHAT_API!r} or None, got {api!r}")
         if api_key_provider is not None and not callable(api_key_provider):
             raise TypeError("api_key_provider must be a function returning the API key")
+        problem = _options_problem(request_options or {}, "request_options")
+        if problem is not None:
+            raise ValueError(problem)
         options = dict(request_options or {})
-        _check_options(options, "request_options")
         try:
             resolved = cast(
                 "tuple[str, str, str | None, str | None]", litellm.get_llm_provider(model=model, api_base=api_base)
@@ -241,9 +244,16 @@ class LiteLLMModelClient:
         merged = {**self.request_options, **dict(settings or {})}
         return not _thinking_enabled(merged)
 
+    def model_settings_problem(self, settings: Mapping[str, Any]) -> str | None:
+        """What call_model would refuse in these model settings on every call, or None; AgentDefinition
+        asks when it is built, so that a bad setting is refused there and not in every turn."""
+        return _options_problem(settings, "model_settings")
+
     async def call_model(self, request: ModelRequest, output: ModelOutputWriter) -> ModelResponse:
+        problem = _options_problem(request.model_settings, "model_settings")
+        if problem is not None:
+            raise ValueError(problem)
         settings = dict(request.model_settings)
-        _check_options(settings, "model_settings")
         kwargs: dict[str, Any] = {**self.request_options, **settings}
         kwargs.update(model=self.model, stream=True, num_retries=0, max_retries=0)
         if self.api_base is not None:
@@ -564,13 +574,19 @@ def _is_reasoning(item: str) -> bool:
     return isinstance(raw, dict) and raw.get("type") == "reasoning"
 
 
-def _check_options(options: Mapping[str, Any], where: str) -> None:
+def _options_problem(options: object, where: str) -> str | None:
+    """What is wrong with request options or model settings, or None. They become keyword arguments
+    of every LiteLLM call: a name that is not text would fail each one with a bare TypeError."""
+    if not isinstance(options, Mapping):
+        return f"{where} must be a dict of LiteLLM options, got {shown(options, None)}"
+    odd = [key for key in options if not isinstance(key, str) or not key]
+    if odd:
+        return f"{where} keys must be option names (text), got {', '.join(shown(key, None) for key in odd)}"
     reserved = sorted(key for key in options if key in _RESERVED_OPTIONS)
     if reserved:
-        raise ValueError(
-            f"{where} may not set {', '.join(reserved)}: LiteLLMModelClient sets these itself, and credentials "
-            "come from the environment or api_key_provider"
-        )
+        return (f"{where} may not set {', '.join(reserved)}: LiteLLMModelClient sets these itself, and "
+                "credentials come from the environment or api_key_provider")
+    return None
 
 
 # Claude models that refuse a forced tool choice whatever the settings: Opus 5.5 and Sonnet 5.5, as

@@ -143,6 +143,14 @@ class AgentDefinition:
                     "raise context_window_tokens")
         problems.extend(_plan_mode_problems(self.plan_mode_enabled, self.planning_tool_choice, model,
                                             self.model_settings))
+        settings_problem = getattr(model, "model_settings_problem", None)
+        settings = self.model_settings
+        if callable(settings_problem) and isinstance(settings, Mapping) and all(isinstance(k, str) for k in settings):
+            # A client's own refusal of its settings (LiteLLM's of a setting it sets itself): here,
+            # not in call_model, which would fail every turn of every session after it started.
+            problem = settings_problem(dict(settings))
+            if problem is not None:
+                problems.append(problem)
         built_ins: object = self.enabled_built_in_tools
         if not isinstance(built_ins, frozenset | set) or not all(isinstance(t, BuiltInTool) for t in built_ins):
             problems.append(f"built_in_tools must be a frozenset of BuiltInTool, got {shown(built_ins, None)}")
