@@ -154,11 +154,8 @@ async def test_a_second_chat_on_the_session_shows_its_own_reply(setup: Setup) ->
     assert [m.text for m in messages if m.text][-1] == "for the second chat"
 
 
-async def test_a_resumed_chat_sees_the_end_of_a_turn_that_ends_as_it_opens(setup: Setup) -> None:
-    """The turn a resumed chat finds running ends right after the chat read the snapshot. Catches:
-    the chat taking the events' end after the snapshot, so it skipped that turn's end and followed
-    a turn that had already ended, waiting for ever."""
-    sessions = setup.sessions
+async def _turn_on_a_durable_wait(sessions: AgentSessionClient) -> None:
+    """Start the session with a turn that waits on a 600 s durable_wait Timer ("coffee")."""
     await sessions.start_session(SESSION)
     await sessions.send_user_message(SESSION, "/wait 600 coffee")
 
@@ -167,6 +164,14 @@ async def test_a_resumed_chat_sees_the_end_of_a_turn_that_ends_as_it_opens(setup
         return any(c.status.value == "waiting_for_timer" for c in calls)
 
     await _until(waiting, "durable wait of the turn")
+
+
+async def test_a_resumed_chat_sees_the_end_of_a_turn_that_ends_as_it_opens(setup: Setup) -> None:
+    """The turn a resumed chat finds running ends right after the chat read the snapshot. Catches:
+    the chat taking the events' end after the snapshot, so it skipped that turn's end and followed
+    a turn that had already ended, waiting for ever."""
+    sessions = setup.sessions
+    await _turn_on_a_durable_wait(sessions)
 
     class EndingAfterTheSnapshot(AgentSessionClient):
         """The first snapshot is read while the turn runs; the turn is cancelled and has ended
@@ -202,14 +207,7 @@ async def test_a_resumed_chat_says_what_durable_wait_its_turn_is_in(setup: Setup
     still running; following it" and then nothing until the Timer fired, up to a year later, after
     the first chat said "Ctrl-C and come back later"."""
     sessions = setup.sessions
-    await sessions.start_session(SESSION)
-    await sessions.send_user_message(SESSION, "/wait 600 coffee")
-
-    async def waiting() -> bool:
-        calls = (await sessions.get_agent_snapshot(SESSION)).tool_calls
-        return any(c.status.value == "waiting_for_timer" for c in calls)
-
-    await _until(waiting, "durable wait of the turn")
+    await _turn_on_a_durable_wait(sessions)
     wait_until = next(c.wait_until for c in (await sessions.get_agent_snapshot(SESSION)).tool_calls)
     terminal = setup.terminal()
     opening = asyncio.create_task(terminal.chat.open())
