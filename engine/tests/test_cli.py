@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ from dex_engine import (
     Step,
     StepDecision,
     StepOptions,
+    StoreOpenError,
     Stream,
     Timer,
     Wait,
@@ -603,6 +605,15 @@ def test_a_database_this_process_may_not_write_is_named_as_such(db_copy: str, im
     ("postgresql://me@db/app?password=pw", "postgresql://me@db/app?password=***"),
     ("postgresql://me@db/app", "postgresql://me@db/app"),
     ("postgresql://me:pw@[::1/app?password=pw", "postgresql://me:***@[::1/app?password=***"),  # malformed
+    # A libpq keyword string (refused, but named in the refusal), ?PASSWORD= (libpq refuses it, the
+    # user meant a password), a URL read with a leading blank, one with a slash too few.
+    ("host=db password=pw dbname=app", "host=db password=*** dbname=app"),
+    ("host=db password='p w' dbname=app", "host=db password=*** dbname=app"),
+    ("password = pw host=db", "password=*** host=db"),
+    ("postgresql://me@db/app?PASSWORD=pw", "postgresql://me@db/app?password=***"),
+    ("  postgresql://me:pw@db/app", "  postgresql://me:***@db/app"),
+    ("postgresql:/me:pw@db/app", "postgresql:/me:***@db/app"),
+    ("sqlite://me:pw@db/app.db", "sqlite://me:***@db/app.db"),
     ("sqlite:////var/lib/app/dex.db", "sqlite:////var/lib/app/dex.db"),
     ("sqlite:///dex.db?synchronous=NORMAL", "sqlite:///dex.db?synchronous=NORMAL"),
 ])
@@ -620,6 +631,34 @@ def test_messages_naming_a_postgresql_url_hide_its_password(pg_database: str) ->
     result = run("describe", "nope", "--db", with_password)
     assert_one_line_error(result, "no flow with ID 'nope' in ", "postgres:***@")
     assert "hunter2" not in result.output
+
+
+# In the user:password part, or as ?password= (where an '@' is no more than a character).
+@pytest.mark.parametrize("userinfo", [":hun%zzter2@", ":hun%00ter2@", ":p@hunter2@", "@"])
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_password_libpq_quotes_on_its_own_is_not_shown(pg_database: str, userinfo: str, existing: bool) -> None:
+    """A password with a bad %-escape, which libpq quotes whole in its refusal, or an unescaped '@',
+    after which libpq takes the rest for the host name it cannot find, is shown as *** in what
+    open_store raises, as in the URL. Catches: the password (or its tail) printed in the error."""
+    url = pg_database.replace("://postgres@", f"://postgres{userinfo}", 1)
+    if userinfo == "@":
+        url += "?password=hun%zzter2"
+    with pytest.raises((ValueError, StoreOpenError)) as refused:
+        open_store(url, existing=existing)
+    assert "ter2" not in "".join(traceback.format_exception(refused.value)), refused.value
+    assert "***" in str(refused.value)
+
+
+@pytest.mark.parametrize("url", ["host=127.0.0.1 password=hunter2 dbname=app", "sqlite://me:hunter2@db/app.db",
+                                 " postgresql://me:hunter2@127.0.0.1/app"])
+def test_a_refused_url_is_named_without_its_password(url: str) -> None:
+    """A URL open_store and the CLI refuse (a libpq keyword string, a sqlite URL with a host part, a
+    leading blank) is named with *** for its password. Catches: the password in the refusal."""
+    with pytest.raises(ValueError) as refused:
+        open_store(url)
+    assert "hunter2" not in str(refused.value) and "***" in str(refused.value), refused.value
+    result = run("list", "--db", url)
+    assert result.exit_code != 0 and "hunter2" not in result.output and "***" in result.output, result.output
 
 
 # Every command that reads or operates a database the workers use (all but demo).

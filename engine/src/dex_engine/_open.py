@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from types import ModuleType
+from urllib.parse import unquote
 
 from ._errors import StoreOpenError
 from ._store import Store
@@ -61,10 +62,31 @@ def postgres_store_module(url: str) -> ModuleType:
 
 
 def shown_url(url: str) -> str:
-    """`url` fit for a message or a log: a password in it, as user:password@ or a password=
-    parameter, is written as ***. By pattern, not parsed: a malformed URL is shown too."""
+    """`url` fit for a message or a log: a password in it, as user:password@, a password=
+    parameter (any case) or a libpq keyword string's password=..., is written as ***. By pattern,
+    not parsed: a malformed URL is shown too."""
     url = _USERINFO_PASSWORD.sub(r"\1:***@", url, count=1)
-    return _PASSWORD_PARAMETER.sub(r"\1password=***", url)
+    url = _PASSWORD_PARAMETER.sub(r"\1password=***", url)
+    return _KEYWORD_PASSWORD.sub(r"\1password=***", url)
+
+
+def shown_error(text: str, url: str) -> str:
+    """`text`, a driver's error about `url`, fit for a message or a log: the URL as shown_url
+    shows it, and each piece of its password libpq may quote on its own written as ***: the whole
+    password (a bad %-escape in it), and what follows an unescaped '@' in it, which libpq takes for
+    the host name. Only where no letter, digit, '%', '.' or '-' touches the piece, so that a short
+    password does not blank out every word holding its characters."""
+    text = text.replace(url, shown_url(url))
+    pieces: set[str] = set()
+    userinfo = _USERINFO_PASSWORD.match(url)
+    if userinfo is not None:
+        password = url[userinfo.end(1) + 1:userinfo.end() - 1]
+        pieces.update((password, password.partition("@")[2]))
+    pieces.update(found.group(1) for found in _PASSWORD_VALUE.finditer(url))
+    pieces.update([unquote(piece) for piece in pieces])
+    for piece in sorted(pieces - {""}, key=len, reverse=True):
+        text = re.sub(rf"(?<![\w%.-]){re.escape(piece)}(?![\w%.-])", "***", text)
+    return text
 
 
 # From the user name's ':' to the URL's last '@': a password with an unescaped '@', '?', '#' or '/'
@@ -73,6 +95,12 @@ def shown_url(url: str) -> str:
 # value. libpq takes the text up to the first '@' before any '/' as user:password, so digits followed
 # by '?', '#', or a ',' or '/' with an '@' before the parameters, are a password ("12?ab", "12,34"),
 # never a port. A URL with a password and an '@' in a parameter's value shows less than it could, and
-# one with an '@' in its database name too, never a password.
-_USERINFO_PASSWORD = re.compile(r"^([a-zA-Z][\w+.-]*://[^:@/?#]*):(?!\d*(?:$|[/,][^@?#]*(?:[?#]|$))).*@")
-_PASSWORD_PARAMETER = re.compile(r"([?&])password=[^&#]*")
+# one with an '@' in its database name too, never a password. Leading blanks (a URL read from a
+# file or an environment variable) or a slash too few after the scheme do not hide it from the pattern.
+_USERINFO_PASSWORD = re.compile(r"^(\s*[a-zA-Z][\w+.-]*:/*[^:@/?#]*):(?!\d*(?:$|[/,][^@?#]*(?:[?#]|$))).*@")
+# Any case: libpq refuses ?PASSWORD=, but the user meant one.
+_PASSWORD_PARAMETER = re.compile(r"([?&])password=[^&#]*", re.IGNORECASE)
+_PASSWORD_VALUE = re.compile(r"[?&]password=([^&#]*)", re.IGNORECASE)
+# A libpq keyword string ("host=db password='a b' dbname=app"), which open_store refuses: its
+# password, quoted or not, is not shown in that refusal either.
+_KEYWORD_PASSWORD = re.compile(r"(^|\s)password\s*=\s*(?:'(?:[^'\\]|\\.)*'?|\S*)", re.IGNORECASE)

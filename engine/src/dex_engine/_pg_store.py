@@ -66,7 +66,7 @@ from ._attribute_cache import AttributeCache, KnownRows
 from ._codec import decode_json, encode_json
 from ._errors import CommitOutcomeUnknownError, FlowNotActiveError, StaleAttemptError, StoreOpenError
 from ._migrate import apply_pending, recorded_version
-from ._open import shown_url
+from ._open import shown_error, shown_url
 from ._options import LoadSpec, MethodOptions, StepDurability, TaskOptions
 from ._records import DecisionRecord, Lease, MovementRecord, WriteSet
 from ._store import CLOSED_STORE_ADVICE, FoldExecute, Store, commit_origin, now_ms, stop_retrying
@@ -741,10 +741,8 @@ def _conninfo(url: str) -> str:
     """`url` as the conninfo the store connects with (_with_network_timeouts); ValueError when malformed."""
     try:
         return _with_network_timeouts(url)
-    except psycopg.ProgrammingError as exc:  # libpq's text may quote the URL, password and all
-        raise ValueError(
-            f"malformed PostgreSQL URL {shown_url(url)!r}: {str(exc).replace(url, shown_url(url)).strip()}"
-        ) from None
+    except psycopg.ProgrammingError as exc:  # libpq's text may quote the URL or its password
+        raise ValueError(f"malformed PostgreSQL URL {shown_url(url)!r}: {shown_error(str(exc), url).strip()}") from None
 
 
 def _engine_schema(url: str) -> str | None:
@@ -765,7 +763,7 @@ def _engine_schema(url: str) -> str | None:
 def _open_error(url: str, exc: psycopg.Error) -> StoreOpenError:
     return StoreOpenError(
         f"cannot open {shown_url(url)!r} as a dex_engine database: {type(exc).__name__}: "
-        f"{' '.join(str(exc).split())}; {_open_advice(url, exc)}"
+        f"{' '.join(shown_error(str(exc), url).split())}; {_open_advice(url, exc)}"
     )
 
 

@@ -65,6 +65,7 @@ from ._limits import (
     WAL_SWITCH_RETRY_SECONDS,
 )
 from ._migrate import apply_pending, migration_files, recorded_version
+from ._open import shown_url
 from ._store import CLOSED_STORE_ADVICE, Store, commit_origin
 from ._task_options import SharedOptions
 from ._transitions import AppendRow, Db, HistoryRow, PollResult, Row, UnstoredMessage, run_op
@@ -98,8 +99,9 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
     if parsed.scheme != "sqlite":
         raise ValueError(f"not a sqlite URL: {url!r}; expected sqlite:///path/to/file.db")
     if parsed.netloc:
-        raise ValueError(f"sqlite URL {url!r} has a host part ({parsed.netloc!r}); a sqlite URL names a file "
-                         "on this machine: sqlite:///relative/path.db (three slashes) or "
+        shown = shown_url(url)  # user:password@host: the password is not shown
+        raise ValueError(f"sqlite URL {shown!r} has a host part ({urlparse(shown).netloc!r}); a sqlite URL names "
+                         "a file on this machine: sqlite:///relative/path.db (three slashes) or "
                          "sqlite:////absolute/path.db (four)")
     if "#" in url:
         raise ValueError(f"sqlite URL {url!r} has a '#', which would end its path; write the path without "
