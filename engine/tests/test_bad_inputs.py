@@ -1251,6 +1251,16 @@ def test_worker_options_at_their_limits_are_accepted() -> None:
     assert longest.lease_ttl_seconds == MAX_OPTION_SECONDS
 
 
+
+def test_worker_options_repr_hides_the_database_password() -> None:
+    """WorkerOptions printed or logged (a service logs its settings at start) show its URL's
+    password as ***, and every other field as the dataclass would. Catches: the password in logs."""
+    options = WorkerOptions(database_url="postgresql://app:hunter2@db/app", worker_id="w-1")
+    for text in (repr(options), str(options), f"{options}"):
+        assert "hunter2" not in text
+        assert text.startswith("WorkerOptions(database_url='postgresql://app:***@db/app', max_concurrent_tasks=")
+        assert "worker_id='w-1'" in text
+
 def _sync_execute(ctx: Context, _: None) -> StepDecision:
     return StepDecision.dead_end()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import os
 import random
@@ -129,6 +130,12 @@ class WorkerOptions:
                 problems.append(str(exc))
         if problems:
             raise ValueError("invalid WorkerOptions: " + "; ".join(problems))
+
+    def __repr__(self) -> str:
+        # The dataclass's own repr would show the URL's password wherever options are logged or printed.
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                           if f.name != "database_url")
+        return f"WorkerOptions(database_url={shown_url(self.database_url)!r}, {fields})"
 
 
 def _seconds(value: object) -> bool:
