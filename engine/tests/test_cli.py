@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -742,6 +743,18 @@ def test_demo_without_arguments_uses_a_fresh_temporary_database(
     assert "flow order-1 completed" in result.stdout
     assert not (tmp_path / "mine.db").exists()
 
+
+
+def test_demo_on_a_postgresql_url_with_a_password_does_not_print_it(pg_database: str) -> None:
+    """`demo --db` with a password in the URL (one the test server's trust authentication ignores)
+    runs, and its database line and next commands show *** for it. Catches: the password printed
+    to the terminal, which is recorded, shared and pasted."""
+    url = pg_database.replace("://postgres@", "://postgres:hunter2@", 1)
+    result = run("demo", "--db", url)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "hunter2" not in result.output
+    assert f"dex-engine describe order-1 --db {shlex.quote(shown_url(url))}" in result.stdout
+    assert "the password is written as ***" in result.stdout
 
 # Runs the CLI with the PostgreSQL driver's import refused, as on a machine without the extra.
 _WITHOUT_DRIVER = (

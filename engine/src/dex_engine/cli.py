@@ -442,7 +442,7 @@ def demo(db_url: str | None) -> None:
         store = _open(url)
         try:
             console.print(Text("dex-engine demo: an order flow, run by the engine in this process", style="bold"))
-            console.print(Text.assemble(("database ", "dim"), url), soft_wrap=True)
+            console.print(Text.assemble(("database ", "dim"), shown_url(url)), soft_wrap=True)
             return await run_demo(store, console)
         finally:
             await store.close()

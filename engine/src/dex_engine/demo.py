@@ -26,6 +26,7 @@ from ._context import Context, RpcContext
 from ._decision import StepDecision
 from ._errors import FlowNotFoundError
 from ._flow import Flow, Registry, Step, rpc
+from ._open import shown_url
 from ._options import StepOptions
 from ._records import HistoryEntry, StoredEvent
 from ._retry import RetryPolicy
@@ -363,7 +364,9 @@ def print_summary(console: Console, url: str, result: DemoResult) -> None:
         ("\nflow ", "bold"), (result.flow_id, "bold"), (f" {result.status} in {result.seconds:.1f} s; output ", "bold"),
         (json.dumps(result.output), "green"),
     ))
-    db = shlex.quote(url)
+    # Printed without its password (a terminal is recorded, shared, pasted); the user knows it.
+    shown = shown_url(url)
+    db = shlex.quote(shown)
     fid = shlex.quote(result.flow_id)
     commands = "\n".join(f"  {c}" for c in [
         f"dex-engine describe {fid} --db {db}",
@@ -376,6 +379,8 @@ def print_summary(console: Console, url: str, result: DemoResult) -> None:
     # soft_wrap: never break a command across lines, so it can be copied as is.
     console.print(Text(commands), soft_wrap=True)
     console.print(Text(f"(or export DEX_ENGINE_DB={db} and drop --db)", style="dim"), soft_wrap=True)
+    if shown != url:
+        console.print(Text("(the password is written as ***: put yours back in the URL)", style="dim"))
 
 
 def _money(cents: int) -> str:
