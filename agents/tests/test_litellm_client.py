@@ -8,6 +8,7 @@ Chat Completions streaming API and the Anthropic Messages streaming API as SSE. 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import re
@@ -31,9 +32,19 @@ from agents.tests.conftest import REPO_ROOT
 from agents.tests.session_driver import turns_ended
 from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 
-from dex_agents import AgentEvent, AgentEventWriter, AgentUsage, MessageRole, ModelCallMetadata, ToolEffect
+from dex_agents import (
+    AgentEvent,
+    AgentEventWriter,
+    AgentSessionFlow,
+    AgentUsage,
+    MessageRole,
+    ModelCallMetadata,
+    RunModelLimit,
+    ToolEffect,
+)
 from dex_agents.builtin_loop import (
     AgentDefinition,
+    BuiltinLoopAgentRunner,
     ModelOutputItem,
     ModelOutputWriter,
     ModelRequest,
@@ -44,6 +55,7 @@ from dex_agents.builtin_loop import (
     ToolResultInput,
     UserTextInput,
     builtin_agent_session_flow,
+    builtin_agent_session_options,
     estimate_request_tokens,
 )
 from dex_agents.litellm import LiteLLMModelClient
@@ -714,6 +726,41 @@ async def test_a_server_error_is_one_request_and_raises(
     with pytest.raises(Exception, match="overloaded"):
         await client.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
     assert [r.path for r in provider.received] == [path]
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+async def test_a_provider_error_echoing_the_api_key_is_kept_without_it(
+    provider: FakeProvider, api: str, tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """A provider whose 401 quotes the key api_key_provider gave (and the Authorization header) fails
+    the turn with *** for it in the turn's error, the turn_failed event and the flow's history,
+    the error's type kept. Catches: the key stored in the database, for anyone who reads it."""
+    key = "sk-live-hunter2-0123456789"
+    path = RESPONSES_PATH if api == "responses" else CHAT_PATH
+    model = LiteLLMModelClient("openai/gpt-5" if api == "responses" else "hosted_vllm/test-model",
+                               api_base=provider.url + "/v1", api_key_provider=lambda: key)
+    echo = {"error": {"message": f"Incorrect API key provided: {key}; Authorization: Bearer {key}",
+                      "type": "invalid_request_error"}}
+    provider.queue(path, Reply(401, json.dumps(echo).encode(), "application/json"))
+    with pytest.raises(litellm.AuthenticationError) as raised:
+        await model.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
+    assert key not in str(raised.value) and "Incorrect API key provided: ***" in str(raised.value)
+
+    provider.queue(path, Reply(401, json.dumps(echo).encode(), "application/json"))
+    agent = AgentDefinition(name="litellm-agent", model=model, instructions="")
+    options = dataclasses.replace(builtin_agent_session_options(agent), run_model_limit=RunModelLimit(max_attempts=1))
+    flow = AgentSessionFlow(BuiltinLoopAgentRunner(agent), "LiteLLMAgent", options)
+    engine = InProcessEngine(tmp_path, [flow], db_url)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "hi")
+        done = await turns_ended(sessions, "s", 1)
+        events = await sessions.read_agent_events("s")
+        history = await engine.client.get_flow_history("s")
+    assert done.state is not None and done.state.last_turn_error is not None
+    assert "AuthenticationError" in done.state.last_turn_error and "***" in done.state.last_turn_error
+    stored = [done.state.last_turn_error, *(e.value.payload for e in events.events), *(h.detail for h in history)]
+    assert not [text for text in stored if key in text or "hunter2" in text]
 
 
 async def test_credentials_and_owned_parameters_are_refused_in_settings(provider: FakeProvider) -> None:

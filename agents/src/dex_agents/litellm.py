@@ -13,13 +13,15 @@ On Chat Completions, and for another API's calls, a past tool call's arguments t
 replay as `{}` (the session failed that call; some providers refuse such a request).
 
 Credentials come from the Worker's environment, as LiteLLM reads it, or from `api_key_provider`; never
-from the request. LiteLLM fetches its model cost map over the network when imported, unless
+from the request. An error that quotes the key `api_key_provider` gave is raised with *** for it.
+LiteLLM fetches its model cost map over the network when imported, unless
 `LITELLM_LOCAL_MODEL_COST_MAP=True` (or `LITELLM_OFFLINE_MODE=true`) is set in the environment.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
 import uuid
@@ -258,14 +260,24 @@ class LiteLLMModelClient:
         kwargs.update(model=self.model, stream=True, num_retries=0, max_retries=0)
         if self.api_base is not None:
             kwargs["api_base"] = self.api_base
+        key: str | None = None
         if self._api_key_provider is not None:
             key = self._api_key_provider()
             if not isinstance(key, str) or not key:
                 raise ValueError("api_key_provider returned no API key")
             kwargs["api_key"] = key
-        if self.api == RESPONSES_API:
-            return await self._call_responses(request, output, kwargs)
-        return await self._call_chat(request, output, kwargs)
+        try:
+            if self.api == RESPONSES_API:
+                return await self._call_responses(request, output, kwargs)
+            return await self._call_chat(request, output, kwargs)
+        except Exception as error:
+            # A provider may echo the key (or the Authorization header) in its error, and the error's
+            # text is kept in the flow's history and the turn's failure, and logged.
+            if key is not None:
+                _hide_key(error, key)
+                if key in _text_of(error):  # an exception whose text comes from elsewhere
+                    raise RuntimeError(f"{type(error).__name__}: {_text_of(error).replace(key, '***')}") from None
+            raise
 
     # The Responses API -------------------------------------------------------------------------
 
@@ -572,6 +584,29 @@ def _is_reasoning(item: str) -> bool:
     except ValueError:
         return False
     return isinstance(raw, dict) and raw.get("type") == "reasoning"
+
+
+def _hide_key(error: BaseException, key: str) -> None:
+    """Write `key` as *** in the text of `error` and of the errors it was raised from: its args and
+    the message attributes LiteLLM's and the OpenAI SDK's exceptions build their text from."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.args = tuple(arg.replace(key, "***") if isinstance(arg, str) else arg for arg in current.args)
+        for name in ("message", "litellm_debug_info"):
+            value = getattr(current, name, None)
+            if isinstance(value, str) and key in value:
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(current, name, value.replace(key, "***"))
+        current = current.__cause__ or current.__context__
+
+
+def _text_of(error: BaseException) -> str:
+    try:
+        return f"{error} {error!r}"
+    except Exception:  # an exception whose text cannot be made holds no key to show
+        return ""
 
 
 def _options_problem(options: object, where: str) -> str | None:
