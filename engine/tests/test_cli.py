@@ -651,7 +651,8 @@ def test_a_password_libpq_quotes_on_its_own_is_not_shown(pg_database: str, useri
 
 
 @pytest.mark.parametrize("url", ["host=127.0.0.1 password=hunter2 dbname=app", "sqlite://me:hunter2@db/app.db",
-                                 " postgresql://me:hunter2@127.0.0.1/app"])
+                                 " postgresql://me:hunter2@127.0.0.1/app", "sqlite:///app.db?password=hunter2",
+                                 "sqlite:///app.db?synchronous=FAST&password=hunter2"])
 def test_a_refused_url_is_named_without_its_password(url: str) -> None:
     """A URL open_store and the CLI refuse (a libpq keyword string, a sqlite URL with a host part, a
     leading blank) is named with *** for its password. Catches: the password in the refusal."""

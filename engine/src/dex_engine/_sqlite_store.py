@@ -96,40 +96,40 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
     The path is taken as written (no %-decoding, no ~), so a URL whose parts a URL parser would drop
     (a host, a #fragment) is refused: opening the rest would open, and create, another file."""
     parsed = urlparse(url)
+    shown = shown_url(url)  # named in every refusal: a password (user:password@, ?password=) is not
     if parsed.scheme != "sqlite":
-        raise ValueError(f"not a sqlite URL: {url!r}; expected sqlite:///path/to/file.db")
+        raise ValueError(f"not a sqlite URL: {shown!r}; expected sqlite:///path/to/file.db")
     if parsed.netloc:
-        shown = shown_url(url)  # user:password@host: the password is not shown
         raise ValueError(f"sqlite URL {shown!r} has a host part ({urlparse(shown).netloc!r}); a sqlite URL names "
                          "a file on this machine: sqlite:///relative/path.db (three slashes) or "
                          "sqlite:////absolute/path.db (four)")
     if "#" in url:
-        raise ValueError(f"sqlite URL {url!r} has a '#', which would end its path; write the path without "
+        raise ValueError(f"sqlite URL {shown!r} has a '#', which would end its path; write the path without "
                          "'#' (rename the file or directory, or link to it from a path without one)")
     dropped = sorted({c for c in url if c in "\t\r\n"})
     if dropped:
         # urlparse removes them wherever they are: the rest would name, and create, another file.
-        raise ValueError(f"sqlite URL {url!r} has {' and '.join(repr(c) for c in dropped)}, which URL parsing "
+        raise ValueError(f"sqlite URL {shown!r} has {' and '.join(repr(c) for c in dropped)}, which URL parsing "
                          "drops; name a file whose path has no tab or line break")
     path = parsed.path[1:] if parsed.path.startswith("/") else parsed.path
     if not path:
-        raise ValueError(f"sqlite URL {url!r} names no file; expected sqlite:///path/to/file.db")
+        raise ValueError(f"sqlite URL {shown!r} names no file; expected sqlite:///path/to/file.db")
     if path == ":memory:":
         # SQLite's name for a private in-memory database; the engine's connections, workers and
         # clients could not share one, so it would open (and create) a file of that name instead.
-        raise ValueError(f"sqlite URL {url!r} names an in-memory database, which the engine's connections "
+        raise ValueError(f"sqlite URL {shown!r} names an in-memory database, which the engine's connections "
                          "and processes cannot share; name a file (a temporary directory's, for tests)")
     query = parse_qs(parsed.query, keep_blank_values=True)
     unknown = sorted(set(query) - set(_URL_PARAMETERS))
     if unknown:
-        raise ValueError(f"unknown parameter {unknown[0]!r} in {url!r}; a sqlite URL takes "
+        raise ValueError(f"unknown parameter {unknown[0]!r} in {shown!r}; a sqlite URL takes "
                          f"{' and '.join(_URL_PARAMETERS)}")
     sync = query.get("synchronous", ["FULL"])[-1].upper()
     if sync not in _SYNCHRONOUS_LEVELS:
-        raise ValueError(f"synchronous={sync!r} in {url!r} is not FULL or NORMAL")
+        raise ValueError(f"synchronous={sync!r} in {shown!r} is not FULL or NORMAL")
     inline = query.get("inline", ["on"])[-1].lower()
     if inline not in _SWITCH:
-        raise ValueError(f"inline={inline!r} in {url!r} is not on or off")
+        raise ValueError(f"inline={inline!r} in {shown!r} is not on or off")
     return SqliteSettings(path=path, synchronous=sync, inline=_SWITCH[inline])
 
 
