@@ -62,12 +62,12 @@ def postgres_store_module(url: str) -> ModuleType:
 
 
 def shown_url(url: str) -> str:
-    """`url` fit for a message or a log: a password in it, as user:password@, a password=
-    parameter (any case) or a libpq keyword string's password=..., is written as ***. By pattern,
+    """`url` fit for a message or a log: a password in it, as user:password@, a password= or
+    sslpassword= parameter (any case) or a libpq keyword string's password=..., is written as ***. By pattern,
     not parsed: a malformed URL is shown too."""
     url = _USERINFO_PASSWORD.sub(r"\1:***@", url, count=1)
-    url = _PASSWORD_PARAMETER.sub(r"\1password=***", url)
-    return _KEYWORD_PASSWORD.sub(r"\1password=***", url)
+    url = _PASSWORD_PARAMETER.sub(r"\1\2password=***", url)
+    return _KEYWORD_PASSWORD.sub(r"\1\2password=***", url)
 
 
 def shown_error(text: str, url: str) -> str:
@@ -98,9 +98,10 @@ def shown_error(text: str, url: str) -> str:
 # one with an '@' in its database name too, never a password. Leading blanks (a URL read from a
 # file or an environment variable) or a slash too few after the scheme do not hide it from the pattern.
 _USERINFO_PASSWORD = re.compile(r"^(\s*[a-zA-Z][\w+.-]*:/*[^:@/?#]*):(?!\d*(?:$|[/,][^@?#]*(?:[?#]|$))).*@")
-# Any case: libpq refuses ?PASSWORD=, but the user meant one.
-_PASSWORD_PARAMETER = re.compile(r"([?&])password=[^&#]*", re.IGNORECASE)
-_PASSWORD_VALUE = re.compile(r"[?&]password=([^&#]*)", re.IGNORECASE)
+# And sslpassword, the passphrase of the client certificate's key. Any case: libpq refuses
+# ?PASSWORD=, but the user meant one.
+_PASSWORD_PARAMETER = re.compile(r"([?&])(ssl)?password=[^&#]*", re.IGNORECASE)
+_PASSWORD_VALUE = re.compile(r"[?&](?:ssl)?password=([^&#]*)", re.IGNORECASE)
 # A libpq keyword string ("host=db password='a b' dbname=app"), which open_store refuses: its
 # password, quoted or not, is not shown in that refusal either.
-_KEYWORD_PASSWORD = re.compile(r"(^|\s)password\s*=\s*(?:'(?:[^'\\]|\\.)*'?|\S*)", re.IGNORECASE)
+_KEYWORD_PASSWORD = re.compile(r"(^|\s)(ssl)?password\s*=\s*(?:'(?:[^'\\]|\\.)*'?|\S*)", re.IGNORECASE)
