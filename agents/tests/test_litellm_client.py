@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import threading
+import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -745,6 +746,7 @@ async def test_a_provider_error_echoing_the_api_key_is_kept_without_it(
     with pytest.raises(litellm.AuthenticationError) as raised:
         await model.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
     assert key not in str(raised.value) and "Incorrect API key provided: ***" in str(raised.value)
+    assert key not in "".join(traceback.format_exception(raised.value))  # as a Worker's log would print it
 
     provider.queue(path, Reply(401, json.dumps(echo).encode(), "application/json"))
     agent = AgentDefinition(name="litellm-agent", model=model, instructions="")
