@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -217,6 +219,62 @@ async def test_closing_the_blocking_client_ends_calls_other_threads_wait_in(db_u
         with pytest.raises(RuntimeError, match="is closed") as refused:
             client.describe_flow("never")
         assert "open the database again with a new Client" in str(refused.value)  # says what to do
+
+    await asyncio.to_thread(drive)
+
+
+def _in_a_fork(action: Callable[[], str]) -> str:
+    """What `action` returns (or the error it raises, as "ExcType: text") in a forked child, which
+    is killed if it has not ended in 30 s (a hang guard)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, and leave without running the parent's cleanup
+        try:
+            try:
+                outcome = action()
+            except BaseException as exc:
+                outcome = f"{type(exc).__name__}: {exc}"
+            os.write(write_end, outcome.encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    deadline = time.monotonic() + 30
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(read_end)
+            return "hung"
+        time.sleep(0.01)
+    with os.fdopen(read_end, "rb") as child_said:
+        return child_said.read().decode()
+
+
+async def test_a_forked_child_is_told_to_make_its_own_blocking_client(db_url: str) -> None:
+    """gunicorn --preload: a Client made before the fork, used in the child. A call there raises a
+    RuntimeError saying to make a Client after the fork; close() there returns, and leaves the
+    parent's client working. Catches: the child's call and close() queued work for the parent's
+    loop thread, which did not pass to the child, and waited for ever."""
+
+    def drive() -> None:
+        with Client(Registry([FLOW]), db_url) as client:
+            client.start_flow("Smoke", "forked", 1)
+            outcome = _in_a_fork(lambda: str(client.describe_flow("forked").status))
+            assert outcome.startswith(f"RuntimeError: the blocking Client of {shown_url(db_url)!r} was made in "
+                                      f"process {os.getpid()}, and this process ("), outcome
+            assert "make a new Client in each process after the fork" in outcome
+
+            def close_then_call() -> str:
+                client.close()
+                try:
+                    client.describe_flow("forked")
+                except RuntimeError as exc:
+                    return f"closed; then {exc}"
+                return "closed; then the call returned"
+
+            outcome = _in_a_fork(close_then_call)
+            assert outcome.startswith("closed; then the blocking Client of"), outcome
+            assert client.describe_flow("forked").status == "running"  # the parent's client still serves
 
     await asyncio.to_thread(drive)
 

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import contextvars
 import math
+import os
 import re
 import sys
 import threading
@@ -673,6 +674,9 @@ class Client:
         self._lock = threading.Lock()
         self._in_flight: set[concurrent.futures.Future[Any]] = set()
         self._closed = False
+        # Its thread lives only in this process: a fork's copy (gunicorn --preload) would queue
+        # calls to a loop that no thread runs, and wait for ever.
+        self._pid = os.getpid()
         self._thread.start()
         try:
             self._async = self._call(self._make(registry, database_url))
@@ -691,7 +695,20 @@ class Client:
         return RuntimeError(f"{what} of the blocking Client of {shown_url(self._url)!r} from code its own event "
                             f"loop runs (an RPC handler it called) would wait for ever; {advice}")
 
+    def _forked(self) -> bool:
+        return os.getpid() != self._pid
+
+    def _in_fork(self) -> RuntimeError:
+        return RuntimeError(f"the blocking Client of {shown_url(self._url)!r} was made in process {self._pid}, and "
+                            f"this process ({os.getpid()}) is a fork of it, to which its event-loop thread did not "
+                            "pass; make a new Client in each process after the fork (with gunicorn --preload: in "
+                            "a post_fork hook, or on first use)")
+
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._forked():
+            # Before taking _lock: a thread of the parent may have held it when the process forked.
+            coro.close()
+            raise self._in_fork()
         if threading.current_thread() is self._thread:
             coro.close()
             raise self._on_own_loop("a call", "in an RPC handler, await an AsyncClient's calls instead")
@@ -753,7 +770,13 @@ class Client:
         return self._call(self._async.wait_for_flow(flow_id, timeout_seconds))
 
     def close(self) -> None:
-        """Close the store; calls other threads wait in raise RuntimeError. A second close does nothing."""
+        """Close the store; calls other threads wait in raise RuntimeError. A second close does nothing.
+
+        In a fork of the process that made the client it only marks the client closed: the
+        loop thread and the store belong to the parent, which goes on using them."""
+        if self._forked():
+            self._closed = True
+            return
         if threading.current_thread() is self._thread:
             raise self._on_own_loop("close()", "close it from another thread")
         with self._lock:
