@@ -279,6 +279,33 @@ async def test_a_forked_child_is_told_to_make_its_own_blocking_client(db_url: st
     await asyncio.to_thread(drive)
 
 
+async def test_a_forked_child_is_told_to_open_the_database_again_for_an_async_client(db_url: str) -> None:
+    """gunicorn --preload with one AsyncClient, each request run by asyncio.run: in the child a
+    call raises a RuntimeError saying to open the database after the fork; close() there returns,
+    and leaves the parent's client working. Catches: on PostgreSQL the call waited for ever for the
+    parent's connection threads; on SQLite it used the parent's connection, which SQLite forbids
+    in a fork (it can corrupt the file), or waited for ever for its thread when the connection was
+    busy."""
+    client = AsyncClient(Registry([FLOW]), db_url)
+    try:
+        await client.start_flow("Smoke", "forked", 1)
+
+        def call() -> str:
+            return str(asyncio.run(client.describe_flow("forked")).status)
+
+        def close_then_call() -> str:
+            asyncio.run(client.close())
+            return call()
+
+        for action in (call, close_then_call):  # the call after close() raises: the fork is said first
+            outcome = await asyncio.to_thread(_in_a_fork, action)
+            assert (f"RuntimeError: store {shown_url(db_url)!r} was opened in process {os.getpid()}, and this process (" in outcome
+                    and "open the database again after the fork" in outcome), outcome
+        assert (await client.describe_flow("forked")).status == "running"  # the parent's client still serves
+    finally:
+        await client.close()
+
+
 # The blocking Client whose RPC calls it again (an application's one shared client, used by its own handler).
 SHARED_BLOCKING: list[Client] = []
 

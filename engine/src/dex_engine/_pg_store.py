@@ -44,6 +44,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import re
 import threading
 import time
@@ -69,7 +70,7 @@ from ._migrate import apply_pending, recorded_version
 from ._open import shown_error, shown_url
 from ._options import LoadSpec, MethodOptions, StepDurability, TaskOptions
 from ._records import DecisionRecord, Lease, MovementRecord, WriteSet
-from ._store import CLOSED_STORE_ADVICE, FoldExecute, Store, commit_origin, now_ms, stop_retrying
+from ._store import CLOSED_STORE_ADVICE, FoldExecute, Store, commit_origin, now_ms, refuse_in_fork, stop_retrying
 from ._transitions import AppendRow, Db, HistoryRow, PollResult, Row, run_op
 
 log = logging.getLogger("dex_engine.postgres")
@@ -840,6 +841,7 @@ class PostgresStore(Store):
     def __init__(self, url: str, *, pool_size: int | None = None) -> None:
         pool_size = pool_size or DEFAULT_POOL_SIZE
         self.url = url
+        self._opened_pid = os.getpid()  # its threads and connections belong to this process alone
         self._conninfo = _conninfo(url)
         self._configure_session = _session_setup(self._conninfo)
         # Named in pg_stat_activity as the URL says, else as dex_engine.
@@ -880,6 +882,7 @@ class PostgresStore(Store):
         self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None,
         commit: _ExecuteCommit | None = None,
     ) -> R:
+        refuse_in_fork(shown_url(self.url), self._opened_pid)
         if self._closed:
             raise RuntimeError(f"store {shown_url(self.url)!r} is closed; {CLOSED_STORE_ADVICE}")
         loop = asyncio.get_running_loop()
@@ -1259,6 +1262,8 @@ class PostgresStore(Store):
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._opened_pid:
+            return  # a fork's copy: its threads and connections are the parent's, which goes on using them
         self._stop_listening.set()
         self._dispatcher.close()  # the lanes run what is queued, then stop
         # One thread does it all, which goes on when the caller is cancelled (asyncio.timeout around

@@ -66,7 +66,7 @@ from ._limits import (
 )
 from ._migrate import apply_pending, migration_files, recorded_version
 from ._open import shown_url
-from ._store import CLOSED_STORE_ADVICE, Store, commit_origin
+from ._store import CLOSED_STORE_ADVICE, Store, commit_origin, refuse_in_fork
 from ._task_options import SharedOptions
 from ._transitions import AppendRow, Db, HistoryRow, PollResult, Row, UnstoredMessage, run_op
 from ._writer_turns import WriterTurns
@@ -472,6 +472,7 @@ class SqliteStore(Store):
 
     def __init__(self, url: str) -> None:
         self.url = url
+        self._opened_pid = os.getpid()  # its thread and connections belong to this process alone
         settings = parse_sqlite_url(url)
         # Resolved once, now: the quiet-poll connection and the write-turn file are opened later, and
         # a process that changed directory meanwhile would open (and create) files of that name there.
@@ -769,6 +770,7 @@ class SqliteStore(Store):
                     loop.call_soon_threadsafe(_deliver, per_loop.get(loop, []), listeners.get(loop, []))
 
     def _refuse_if_closed(self) -> None:
+        refuse_in_fork(shown_url(self.url), self._opened_pid)
         if self._closed:
             raise RuntimeError(f"store {self.url!r} is closed; {CLOSED_STORE_ADVICE}")
 
@@ -934,6 +936,11 @@ class SqliteStore(Store):
         return changed
 
     async def close(self) -> None:
+        if os.getpid() != self._opened_pid:
+            # A fork's copy: the thread and connections are the parent's, which goes on using them
+            # (and a thread of the parent may have held _count_lock as it forked).
+            self._closed = True
+            return
         with self._count_lock:
             if self._closed:
                 return

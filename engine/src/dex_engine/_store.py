@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -51,6 +52,18 @@ CLOSED_STORE_ADVICE = (
     "the AsyncClient, AsyncWorker or open_store() call that opened it has closed it; open the database again"
     " (a new AsyncClient or AsyncWorker)"
 )
+
+def refuse_in_fork(shown_url: str, opened_pid: int) -> None:
+    """RuntimeError in a fork of the process that opened the store (gunicorn --preload): the
+    store's threads did not pass to the fork, so an operation would wait for them for ever, and its
+    connections are the parent's (SQLite forbids using one in a fork: it can corrupt the file)."""
+    if os.getpid() != opened_pid:
+        raise RuntimeError(
+            f"store {shown_url!r} was opened in process {opened_pid}, and this process ({os.getpid()}) is a fork "
+            "of it, where the store's threads and connections cannot be used; open the database again after the "
+            "fork, in each process (a new AsyncClient or AsyncWorker; with gunicorn --preload: in a post_fork "
+            "hook, or on first use)")
+
 
 # A claim older than this that its worker does not know of was lost in transit and is handed back;
 # far longer than any reply takes to arrive.
