@@ -11,6 +11,7 @@ import re
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -663,13 +664,41 @@ def _check_limit(limit: object) -> None:
         raise ValueError(f"limit must be a whole number from 1 to {MAX_READ_LIMIT}, got {shown(limit, None)}")
 
 
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """A blocking Client's loop thread: runs `loop` until stopped, then closes it."""
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
+
+
+def _close_dropped(loop: asyncio.AbstractEventLoop, client: AsyncClient, pid: int, url: str) -> None:
+    """Close the store of a blocking Client collected unclosed, then end its loop thread. Waits for
+    neither: the collection may run on that very thread."""
+    if os.getpid() != pid:
+        return  # a fork's copy: the loop and the store are the parent's
+    warnings.warn(f"a blocking Client of {url!r} was never closed; call its close(), or use it in a with "
+                  "block", ResourceWarning, stacklevel=2)
+
+    async def close() -> None:
+        try:
+            await client.close()
+        finally:
+            loop.stop()
+
+    try:
+        asyncio.run_coroutine_threadsafe(close(), loop)
+    except RuntimeError:
+        pass  # the loop closed already
+
+
 class Client:
     """Blocking twin of AsyncClient; runs an event loop on a private thread."""
 
     def __init__(self, registry: Registry, database_url: str) -> None:
         self._url = database_url
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="dex-client", daemon=True)
+        self._thread = threading.Thread(target=_serve, args=(self._loop,), name="dex-client", daemon=True)
         # Calls other threads wait in: close() ends them, or they would wait on a stopped loop for ever.
         self._lock = threading.Lock()
         self._in_flight: set[concurrent.futures.Future[Any]] = set()
@@ -683,6 +712,13 @@ class Client:
         except BaseException:
             self._stop_loop()  # e.g. a bad database URL: leave no thread behind
             raise
+        # A client dropped unclosed (made per web request, say) kept its loop thread, the store's
+        # threads and, on PostgreSQL, its connections until the process exited. Not at exit: the
+        # daemon threads end with the process anyway, and a client kept for the process's whole
+        # life is no mistake.
+        self._dropped = weakref.finalize(self, _close_dropped, self._loop, self._async, self._pid,
+                                         shown_url(database_url))
+        self._dropped.atexit = False
 
     @staticmethod
     async def _make(registry: Registry, url: str) -> AsyncClient:
@@ -776,6 +812,7 @@ class Client:
         loop thread and the store belong to the parent, which goes on using them."""
         if self._forked():
             self._closed = True
+            self._dropped.detach()
             return
         if threading.current_thread() is self._thread:
             raise self._on_own_loop("close()", "close it from another thread")
@@ -784,6 +821,7 @@ class Client:
                 return
             self._closed = True
             waiting = list(self._in_flight)
+        self._dropped.detach()
         for future in waiting:
             future.cancel()  # cancels its task on the loop; the caller's result() raises
         try:
@@ -793,8 +831,7 @@ class Client:
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._thread.join()  # which closes the loop (_serve)
 
     def __enter__(self) -> Client:
         return self
