@@ -3,11 +3,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import inspect
+import math
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -243,6 +245,35 @@ async def test_a_blocking_client_dropped_unclosed_closes_its_store_and_ends_its_
             asyncio.run(store.describe_flow("dropped"))
 
     await asyncio.to_thread(drive)
+
+
+def test_ctrl_c_in_a_blocking_wait_ends_the_call_on_the_clients_loop(db_url: str) -> None:
+    """Ctrl-C (KeyboardInterrupt) while the main thread waits in wait_for_flow(id, math.inf) for a
+    flow no worker runs: the interrupt reaches the caller, and the call's task on the client's loop
+    ends too. Catches: the abandoned call polled the database until close(), which then destroyed
+    it with "Task was destroyed but it is pending!"."""
+    assert threading.current_thread() is threading.main_thread()  # where SIGINT's KeyboardInterrupt lands
+    with Client(Registry([FLOW]), db_url) as client:
+        client.start_flow("Smoke", "interrupted", 1)
+
+        def interrupt_once_waiting() -> None:
+            deadline = time.monotonic() + 30  # a hang guard
+            while not client._in_flight and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt_once_waiting, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            client.wait_for_flow("interrupted", math.inf)
+
+        async def others() -> set[asyncio.Task[Any]]:
+            return asyncio.all_tasks() - {asyncio.current_task()}  # type: ignore[operator]
+
+        deadline = time.monotonic() + 30  # a hang guard: the cancelled task ends within a loop turn or two
+        while tasks := asyncio.run_coroutine_threadsafe(others(), client._loop).result():
+            assert time.monotonic() < deadline, f"the interrupted call still runs: {tasks}"
+            time.sleep(0.01)
+        assert client.describe_flow("interrupted").status == "running"  # the client still serves
 
 
 def _in_a_fork(action: Callable[[], str]) -> str:

@@ -761,6 +761,12 @@ class Client:
             if self._closed:
                 raise RuntimeError(f"client of {shown_url(self._url)!r} was closed while the call waited") from None
             raise
+        except BaseException:
+            # The caller's wait was interrupted (Ctrl-C: KeyboardInterrupt): end the call too, or it went on
+            # without a caller (a wait_for_flow(id, math.inf) polled the database until close()). A call
+            # that failed is done already, and cancel() does nothing to it.
+            future.cancel()
+            raise
         finally:
             with self._lock:
                 self._in_flight.discard(future)
