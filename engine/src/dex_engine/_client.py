@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import math
 import os
@@ -686,10 +687,8 @@ def _close_dropped(loop: asyncio.AbstractEventLoop, client: AsyncClient, pid: in
         finally:
             loop.stop()
 
-    try:
+    with contextlib.suppress(RuntimeError):  # the loop closed already
         asyncio.run_coroutine_threadsafe(close(), loop)
-    except RuntimeError:
-        pass  # the loop closed already
 
 
 class Client:
