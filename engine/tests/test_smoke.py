@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -315,7 +316,7 @@ async def test_a_forked_child_is_told_to_make_its_own_blocking_client(db_url: st
             outcome = _in_a_fork(lambda: str(client.describe_flow("forked").status))
             assert outcome.startswith(f"RuntimeError: the blocking Client of {shown_url(db_url)!r} was made in "
                                       f"process {os.getpid()}, and this process ("), outcome
-            assert "make a new Client in each process after the fork" in outcome
+            assert "make Clients only after the fork, in each process" in outcome
 
             def close_then_call() -> str:
                 client.close()
@@ -354,10 +355,52 @@ async def test_a_forked_child_is_told_to_open_the_database_again_for_an_async_cl
             outcome = await asyncio.to_thread(_in_a_fork, action)
             opened_here = f"RuntimeError: store {shown_url(db_url)!r} was opened in process {os.getpid()}, "
             assert outcome.startswith(opened_here + "and this process ("), outcome
-            assert "open the database again after the fork" in outcome, outcome
+            assert "open the database only after the fork" in outcome, outcome
         assert (await client.describe_flow("forked")).status == "running"  # the parent's client still serves
     finally:
         await client.close()
+
+
+async def test_a_fork_cannot_open_a_sqlite_file_its_parent_had_open_as_it_forked(tmp_path: Path) -> None:
+    """A process forked while its parent had the SQLite file open (gunicorn --preload, then a Client
+    made in the worker) is refused at once with StoreOpenError saying why and what to do; one forked
+    after the parent closed its store opens the file and writes. Catches: SQLite's per-process lock
+    state copied into the fork: a fork made while the parent wrote waited 30 s for a write lock
+    nobody held on each write, then failed with 'database is locked', and SQLite warns that such a
+    fork can corrupt the file."""
+    db_url = f"sqlite:///{tmp_path / 'engine.db'}"
+
+    def open_and_write() -> str:
+        with Client(Registry([FLOW]), db_url) as mine:
+            mine.start_flow("Smoke", f"child-{os.getpid()}", 1)
+            return "wrote"
+
+    def drive() -> None:
+        client = Client(Registry([FLOW]), db_url)
+        stop = threading.Event()
+
+        def write() -> None:  # the parent writes as it forks
+            n = 0
+            while not stop.is_set():
+                n += 1
+                client.start_flow("Smoke", f"parent-{n}", 1)
+
+        writer = threading.Thread(target=write, daemon=True)
+        writer.start()
+        try:
+            outcome = _in_a_fork(open_and_write)
+        finally:
+            stop.set()
+            writer.join(30)
+        assert outcome.startswith(f"StoreOpenError: cannot open {db_url!r} in process "), outcome
+        assert "a fork of a process that had this SQLite file open as it forked" in outcome, outcome
+        assert "open the database only after the fork, in each process" in outcome, outcome
+        client.close()
+        assert _in_a_fork(open_and_write) == "wrote"  # the parent closed it before this fork
+        with Client(Registry([FLOW]), db_url) as after:
+            assert [f for f in after.search_flows("", 1000) if f.startswith("child-")] != []
+
+    await asyncio.to_thread(drive)
 
 
 # The blocking Client whose RPC calls it again (an application's one shared client, used by its own handler).

@@ -736,7 +736,7 @@ class Client:
     def _in_fork(self) -> RuntimeError:
         return RuntimeError(f"the blocking Client of {shown_url(self._url)!r} was made in process {self._pid}, and "
                             f"this process ({os.getpid()}) is a fork of it, to which its event-loop thread did not "
-                            "pass; make a new Client in each process after the fork (with gunicorn --preload: in "
+                            "pass; make Clients only after the fork, in each process (with gunicorn --preload: in "
                             "a post_fork hook, or on first use)")
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:

@@ -133,6 +133,36 @@ def parse_sqlite_url(url: str) -> SqliteSettings:
     return SqliteSettings(path=path, synchronous=sync, inline=_SWITCH[inline])
 
 
+class _OpenFiles:
+    """The SQLite files this process's stores have open, and those a process this one is a fork of
+    had open as it forked. SQLite keeps each file's lock state per process, and a fork copies it: a
+    store the fork opens on such a file takes the parent's locks for its own (a fork made mid-write
+    then waited for a write lock nobody held, 30 s per try), and SQLite's documentation warns that
+    this can corrupt the file."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts: dict[str, int] = {}  # stores open, by realpath
+        self.before_fork: set[str] = set()
+
+    def note(self, path: str, change: int) -> None:
+        with self.lock:
+            left = self.counts.get(path, 0) + change
+            if left > 0:
+                self.counts[path] = left
+            else:
+                self.counts.pop(path, None)
+
+    def after_fork_in_child(self) -> None:
+        self.before_fork.update(self.counts)
+        self.counts.clear()
+        self.lock = threading.Lock()  # a thread of the parent may have held it as the process forked
+
+
+_OPEN_FILES = _OpenFiles()
+os.register_at_fork(after_in_child=_OPEN_FILES.after_fork_in_child)
+
+
 class _SqliteDb:
     __slots__ = (
         "appends", "cache", "cache_writes", "conn", "counted", "counters", "cursor", "flow_rows", "history", "known",
@@ -477,6 +507,14 @@ class SqliteStore(Store):
         # Resolved once, now: the quiet-poll connection and the write-turn file are opened later, and
         # a process that changed directory meanwhile would open (and create) files of that name there.
         self.settings = replace(settings, path=os.path.abspath(settings.path))
+        self._real_path = os.path.realpath(self.settings.path)
+        if self._real_path in _OPEN_FILES.before_fork:
+            raise StoreOpenError(
+                f"cannot open {url!r} in process {os.getpid()}: it is a fork of a process that had this SQLite "
+                "file open as it forked (a Client, AsyncClient or AsyncWorker made before the fork, as with "
+                "gunicorn --preload), and SQLite's locks cannot be used safely in such a fork (writes wait for "
+                "locks nobody holds; the file can be corrupted); open the database only after the fork, in each "
+                "process (in gunicorn's post_fork hook, or on first use), or close it before forking")
         self._queue: queue.SimpleQueue[_Op | object] = queue.SimpleQueue()
         self._listeners: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
         self._data_version = -1
@@ -495,8 +533,13 @@ class SqliteStore(Store):
         self._overtaken: set[asyncio.AbstractEventLoop] = set()
         self._thread = threading.Thread(target=self._main, name=f"dex-sqlite:{self.settings.path}", daemon=True)
         self._closed = False
+        _OPEN_FILES.note(self._real_path, 1)
         self._thread.start()
-        self._ready.result()
+        try:
+            self._ready.result()
+        except BaseException:
+            _OPEN_FILES.note(self._real_path, -1)
+            raise
 
     def _connect(self) -> sqlite3.Connection:
         path = self.settings.path
@@ -613,6 +656,7 @@ class SqliteStore(Store):
             with self._conn_lock:
                 turns.close()
                 conn.close()
+            _OPEN_FILES.note(self._real_path, -1)  # its quiet-poll connection holds no lock between reads
 
     def _run_batch(self, conn: sqlite3.Connection, db: _SqliteDb, batch: list[_Op], level: str) -> str:
         level, results, writes, revoked = self._execute(conn, db, batch, level)

@@ -60,7 +60,7 @@ def refuse_in_fork(shown_url: str, opened_pid: int) -> None:
     if os.getpid() != opened_pid:
         raise RuntimeError(
             f"store {shown_url!r} was opened in process {opened_pid}, and this process ({os.getpid()}) is a fork "
-            "of it, where the store's threads and connections cannot be used; open the database again after the "
+            "of it, where the store's threads and connections cannot be used; open the database only after the "
             "fork, in each process (a new AsyncClient or AsyncWorker; with gunicorn --preload: in a post_fork "
             "hook, or on first use)")
 
