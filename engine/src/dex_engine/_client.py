@@ -678,8 +678,6 @@ def _close_dropped(loop: asyncio.AbstractEventLoop, client: AsyncClient, pid: in
     neither: the collection may run on that very thread."""
     if os.getpid() != pid:
         return  # a fork's copy: the loop and the store are the parent's
-    warnings.warn(f"a blocking Client of {url!r} was never closed; call its close(), or use it in a with "
-                  "block", ResourceWarning, stacklevel=2)
 
     async def close() -> None:
         try:
@@ -689,6 +687,9 @@ def _close_dropped(loop: asyncio.AbstractEventLoop, client: AsyncClient, pid: in
 
     with contextlib.suppress(RuntimeError):  # the loop closed already
         asyncio.run_coroutine_threadsafe(close(), loop)
+    # Last: under -W error the warning raises, and the client must be closed all the same.
+    warnings.warn(f"a blocking Client of {url!r} was never closed; call its close(), or use it in a with "
+                  "block", ResourceWarning, stacklevel=2)
 
 
 class Client:
