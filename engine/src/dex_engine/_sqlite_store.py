@@ -510,11 +510,11 @@ class SqliteStore(Store):
         self._real_path = os.path.realpath(self.settings.path)
         if self._real_path in _OPEN_FILES.before_fork:
             raise StoreOpenError(
-                f"cannot open {url!r} in process {os.getpid()}: it is a fork of a process that had this SQLite "
-                "file open as it forked (a Client, AsyncClient or AsyncWorker made before the fork, as with "
-                "gunicorn --preload), and SQLite's locks cannot be used safely in such a fork (writes wait for "
-                "locks nobody holds; the file can be corrupted); open the database only after the fork, in each "
-                "process (in gunicorn's post_fork hook, or on first use), or close it before forking")
+                f"cannot open {shown_url(url)!r} in process {os.getpid()}: it is a fork of a process that had "
+                "this SQLite file open as it forked (a Client, AsyncClient or AsyncWorker made before the fork, "
+                "as with gunicorn --preload), and SQLite's locks cannot be used safely in such a fork (writes "
+                "wait for locks nobody holds; the file can be corrupted); open the database only after the fork, "
+                "in each process (in gunicorn's post_fork hook, or on first use), or close it before forking")
         self._queue: queue.SimpleQueue[_Op | object] = queue.SimpleQueue()
         self._listeners: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
         self._data_version = -1
