@@ -9,7 +9,9 @@ too long for int() raising instead of being "not queued".
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -124,6 +126,30 @@ def test_the_blocking_engine_client_is_refused(tmp_path: Path, db_url: str) -> N
         AgentSessionClient(blocking, flow)  # type: ignore[arg-type]
     assert str(caught.value) == ("client must be a dex_engine.AsyncClient, got Client, whose rpc cannot be awaited; "
                                  "pass a dex_engine.AsyncClient")
+
+
+async def test_sync_code_shares_one_session_client_through_asyncio_run_in_many_threads(
+    tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """docs/agents.md's way for sync code (a threaded WSGI app): one AgentSessionClient over one
+    AsyncClient, each call run by asyncio.run in its own thread, 16 threads at once, each long-polling
+    its session's events while the others start theirs; every session's first turn answers."""
+    async with sessions_on(tmp_path, db_url, worker=True) as sessions:
+
+        def request(n: int) -> bool:
+            session_id = f"s{n}"
+            asyncio.run(sessions.start_session(session_id, "hi"))
+            token = None
+            deadline = time.monotonic() + 60  # a hang guard
+            while not _turn_ended(asyncio.run(sessions.get_agent_snapshot(session_id))):
+                assert time.monotonic() < deadline, f"{session_id}'s first turn never ended"
+                token = asyncio.run(sessions.read_agent_events(session_id, token, wait_seconds=1)).resume_token
+            return True
+
+        loop = asyncio.get_running_loop()
+        with concurrent.futures.ThreadPoolExecutor(16) as threads:  # asyncio.to_thread's has 6 on 2 cores
+            answered = await asyncio.gather(*(loop.run_in_executor(threads, request, n) for n in range(16)))
+        assert answered == [True] * 16
 
 
 async def test_a_message_id_too_long_to_be_one_is_not_queued(tmp_path: Path, db_url: str) -> None:  # noqa: F811
