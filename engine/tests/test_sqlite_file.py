@@ -4,15 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import sqlite3
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dex_engine import FlowConfig, StoreOpenError, open_store
+from dex_engine import (
+    AsyncWorker,
+    Context,
+    Flow,
+    FlowConfig,
+    Registry,
+    Step,
+    StepDecision,
+    StoreOpenError,
+    WorkerOptions,
+    open_store,
+)
+from dex_engine._errors import DatabaseFileReplacedError
 from dex_engine._records import StartRequest
 from dex_engine._sqlite_store import SqliteStore
 from dex_engine._transitions import Db
@@ -280,6 +295,10 @@ def _rename(source: Path, target: Path) -> None:
     source.rename(target)
 
 
+def _unlink(path: str) -> None:
+    os.unlink(path)
+
+
 @pytest.mark.parametrize("how", ["deleted", "replaced"])
 async def test_a_file_deleted_or_replaced_under_an_open_store_refuses_writes(tmp_path: Path, how: str) -> None:
     """The database file is deleted (with its -wal and -shm), or another file renamed over it, while
@@ -350,5 +369,91 @@ async def test_a_write_refused_past_the_busy_timeout_names_the_file_and_that_not
         assert str(path) in str(refused.value) and "nothing was written" in str(refused.value), refused.value
         await store.start_flow(StartRequest("f1", "T", b"null", FlowConfig(), None))
         assert (await store.describe_flow("f1")).status == "running"
+    finally:
+        await store.close()
+
+
+async def _noop_step(ctx: Context, _: Any) -> StepDecision:
+    return StepDecision.complete(None)
+
+
+NOOP = Flow("Noop", [Step("S", _noop_step)], start_step="S")
+
+
+@pytest.mark.parametrize("how", ["rm", "mv", "rm -wal", "rm -shm"])
+async def test_a_worker_whose_database_file_is_deleted_or_moved_stops_with_an_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str,
+) -> None:
+    """An operator deletes or moves the database file (or deletes its -wal or -shm) under a running
+    worker: the worker stops, its run() raising DatabaseFileReplacedError naming the file, so its
+    supervisor restarts it on the file now at that path. Catches: a worker that went on running
+    with its writes refused and its errors only logged, while the flows clients started in the new
+    file at that path waited for ever."""
+    monkeypatch.setattr("dex_engine._sqlite_store.SQLITE_FILE_CHECK_SECONDS", 0.0)
+    path = tmp_path / "e.db"
+    options = WorkerOptions(database_url=f"sqlite:///{path}", worker_id="w1", poll_seconds=0.05,
+                            lease_ttl_seconds=1.0, lease_renew_seconds=0.1, housekeeping_seconds=0.1)
+    worker = AsyncWorker(Registry([NOOP]), options)
+    running = asyncio.create_task(worker.run())
+    try:
+        await worker._registered.wait()
+        named = f"{path}{how.removeprefix('rm ')}" if how.startswith("rm -") else str(path)  # the file gone
+        if how == "mv":
+            _rename(path, tmp_path / "moved.db")
+        else:
+            _unlink(named)
+        with pytest.raises(DatabaseFileReplacedError, match=re.escape(repr(named))):
+            await asyncio.wait_for(running, WORKER_GIVES_UP_WITHIN_SECONDS)
+    finally:
+        running.cancel()
+        with contextlib.suppress(BaseException):
+            await running
+
+
+WORKER_GIVES_UP_WITHIN_SECONDS = 30.0  # a guard against a hang only: it stops at its next renewal
+
+
+@pytest.mark.parametrize("suffix", ["", "-wal", "-shm"])
+async def test_a_read_of_a_database_whose_files_were_deleted_fails_instead_of_showing_a_stale_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str,
+) -> None:
+    """After the database file, its -wal or its -shm is deleted under an open store, its reads raise
+    DatabaseFileReplacedError (checked every SQLITE_FILE_CHECK_SECONDS, here each read). Catches: a
+    client's wait_for_flow reading the unlinked file's unchanging state until its timeout (for ever
+    with math.inf), while the flow it waits for runs, or not, in the new file at that path."""
+    monkeypatch.setattr("dex_engine._sqlite_store.SQLITE_FILE_CHECK_SECONDS", 0.0)
+    path = tmp_path / "e.db"
+    store = open_store(f"sqlite:///{path}")
+    try:
+        await store.start_flow(StartRequest("f1", "T", b"null", FlowConfig(), None))
+        _unlink(f"{path}{suffix}")
+        with pytest.raises(DatabaseFileReplacedError, match=re.escape(repr(f"{path}{suffix}"))):
+            await store.describe_flow("f1")
+    finally:
+        await store.close()
+
+
+async def test_other_processes_opening_and_closing_the_file_leave_an_open_store_working(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another process opens the file, writes and closes it (the last connection but this one's): the
+    -wal and -shm stay, so this store's checks of them (every operation here) find nothing wrong."""
+    monkeypatch.setattr("dex_engine._sqlite_store.SQLITE_FILE_CHECK_SECONDS", 0.0)
+    path = tmp_path / "e.db"
+    store = open_store(f"sqlite:///{path}")
+    try:
+        await store.start_flow(StartRequest("f1", "T", b"null", FlowConfig(), None))
+        script = ("import asyncio, sys\n"
+                  "from dex_engine import FlowConfig, open_store\n"
+                  "from dex_engine._records import StartRequest\n"
+                  "async def main():\n"
+                  "    store = open_store(sys.argv[1])\n"
+                  "    await store.start_flow(StartRequest('f2', 'T', b'null', FlowConfig(), None))\n"
+                  "    await store.close()\n"
+                  "asyncio.run(main())\n")
+        await asyncio.to_thread(subprocess.run, [sys.executable, "-c", script, f"sqlite:///{path}"], check=True,
+                                timeout=60)
+        assert (await store.describe_flow("f2")).status == "running"
+        await store.start_flow(StartRequest("f3", "T", b"null", FlowConfig(), None))
     finally:
         await store.close()

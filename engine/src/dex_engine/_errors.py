@@ -226,6 +226,12 @@ class StoreOpenError(DexError, RuntimeError):
     """A database could not be opened or migrated; the message names the file and the reason."""
 
 
+class DatabaseFileReplacedError(StoreOpenError):
+    """An SQLite database file, or its -wal or -shm file, was deleted or replaced while a store had it
+    open: what the store reads is no longer what other processes see at that path, and what it
+    wrote would be lost. The store refuses every operation, and a worker on it stops with this error."""
+
+
 class NoRetryError(DexError):
     """Raise from a handler to fail the method now, skipping its remaining retries."""
 

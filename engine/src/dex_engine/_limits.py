@@ -177,6 +177,9 @@ SQLITE_WRITER_YIELD_SECONDS = 0.0005
 # The file beside an SQLite database whose flock its writers take turns through (_writer_turns):
 # next to SQLite's own -wal and -shm files, where the process can already create files.
 SQLITE_WRITER_TURN_SUFFIX = "-dexlock"
+# How often an SQLite store's reads, and its -wal and -shm files, are checked against the files at
+# their paths (SqliteStore._check_file): a stat each, while every write checks the database file.
+SQLITE_FILE_CHECK_SECONDS = 1.0
 
 # Most operations one group commit carries; bounds the latency one batch adds to its last op.
 MAX_GROUP_COMMIT_OPS = 256

@@ -52,13 +52,14 @@ from typing import Any, Literal, TypeVar, get_args
 from urllib.parse import parse_qs, urlparse
 
 from ._attribute_cache import AttributeCache, KnownRows
-from ._errors import StoreOpenError
+from ._errors import DatabaseFileReplacedError, StoreOpenError
 from ._limits import (
     INLINE_BUSY_TIMEOUT_MS,
     INLINE_LOCK_WAIT_SECONDS,
     INLINE_YIELDS,
     MAX_GROUP_COMMIT_OPS,
     SQLITE_BUSY_TIMEOUT_MS,
+    SQLITE_FILE_CHECK_SECONDS,
     SQLITE_MIGRATION_WAIT_SECONDS,
     SQLITE_WRITER_BUSY_SECONDS,
     SQLITE_WRITER_YIELD_SECONDS,
@@ -292,6 +293,12 @@ def _file_identity(path: str) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return stat.st_dev, stat.st_ino
+
+
+# SQLite's files beside the database in WAL mode: while any connection has the file open they stay,
+# so one gone or of another inode was deleted or replaced (the -wal with commits not yet copied into
+# the database file; a new -shm splits the processes' views of the -wal).
+_SIDE_FILES = ("-wal", "-shm")
 
 
 def schema_version(conn: sqlite3.Connection, path: str) -> int:
@@ -592,6 +599,10 @@ class SqliteStore(Store):
         turns = WriterTurns(self.settings.path)
         self._conn, self._db, self._turns = conn, db, turns
         self._file_identity = _file_identity(self.settings.path)
+        # Those that exist now (a file system without shared memory has no -shm) are checked.
+        self._side_identities = {suffix: identity for suffix in _SIDE_FILES
+                                 if (identity := _file_identity(self.settings.path + suffix)) is not None}
+        self._next_file_check = time.monotonic() + SQLITE_FILE_CHECK_SECONDS
         self._level: str = self.settings.synchronous
         self._busy_timeout_ms = SQLITE_BUSY_TIMEOUT_MS
         self._ready.set_result(None)
@@ -687,8 +698,7 @@ class SqliteStore(Store):
                 conn.execute(f"PRAGMA synchronous = {wanted}")
                 level = wanted
             db.shared_options.rolled_back()  # a transaction starts with no confirmations of its own
-            if writes:
-                self._check_file()
+            self._check_file(writes)
             conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
             if len(batch) == 1:
                 try:
@@ -737,15 +747,31 @@ class SqliteStore(Store):
         error.__cause__ = exc
         return error
 
-    def _check_file(self) -> None:
-        """Refuse to write when the database file was deleted or replaced under this store: SQLite
-        goes on writing to the open, unlinked file, and every write would be lost on reopen while
-        other processes use the new file at that path."""
-        if _file_identity(self.settings.path) != self._file_identity:
-            raise StoreOpenError(
-                f"database file {self.settings.path!r} was deleted or replaced while this process had it "
-                "open; nothing was written (the writes would be lost): restart this process to open the file "
-                "now at that path")
+    def _check_file(self, writes: bool) -> None:
+        """Refuse to run when the database file, or its -wal or -shm, was deleted or replaced under
+        this store: SQLite goes on using the open, unlinked files, so every write would be lost on
+        reopen while other processes use the new file at that path, and every read would show a state
+        nobody else sees (a client waiting for a flow would wait for ever). Every write checks the
+        database file (one stat); reads, and the -wal and -shm, are checked every
+        SQLITE_FILE_CHECK_SECONDS."""
+        path = self.settings.path
+        now = time.monotonic()
+        full = now >= self._next_file_check
+        if (writes or full) and _file_identity(path) != self._file_identity:
+            raise DatabaseFileReplacedError(
+                f"database file {path!r} was deleted or replaced while this process had it open; nothing was "
+                "written (the writes would be lost): restart this process to open the file now at that path")
+        if not full:
+            return
+        for suffix, identity in self._side_identities.items():
+            if _file_identity(path + suffix) != identity:
+                raise DatabaseFileReplacedError(
+                    f"{path + suffix!r}, SQLite's {suffix[1:]} file of database {path!r}, was deleted or replaced "
+                    "while this process had the database open; nothing was written: SQLite's processes no longer "
+                    "share one view of the file, and commits not yet copied from the -wal into the database file "
+                    "may be lost. Stop every process using the database, check it (sqlite3 FILE 'PRAGMA "
+                    "integrity_check'), then start them again")
+        self._next_file_check = now + SQLITE_FILE_CHECK_SECONDS
 
     def _set_busy_timeout(self, ms: int) -> None:
         if ms != self._busy_timeout_ms:

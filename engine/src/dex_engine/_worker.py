@@ -26,6 +26,7 @@ from ._codec import decode_value, encode_value
 from ._context import Context, EventFn, FoldContext, HeartbeatFn, NotFoldable, WaitResult
 from ._decision import StepDecision
 from ._errors import (
+    DatabaseFileReplacedError,
     InvalidIdError,
     InvalidValueError,
     NoRetryError,
@@ -229,6 +230,8 @@ class AsyncWorker:
         self._due_while_full = False
         self._stopping = asyncio.Event()
         self._stop_asked_at: float | None = None  # time.monotonic() of the first stop()
+        # Why the worker stopped by itself (its database file was replaced under it): run() raises it.
+        self._fatal: DatabaseFileReplacedError | None = None
         self._stopped = asyncio.Event()
         self._registered = asyncio.Event()
         # Declared dead (a poll found no row of ours): claim nothing until the renewer registers again.
@@ -305,6 +308,19 @@ class AsyncWorker:
         else:
             await self._stopped.wait()
 
+    def _give_up(self, exc: DatabaseFileReplacedError) -> None:
+        """Stop for good: retrying could never succeed, and a worker that went on running (its
+        process alive, its errors only logged) would leave the flows of the new file at its path
+        to nobody, where a supervisor restarts a process that exits."""
+        if self._fatal is None:
+            self._fatal = exc
+            log.error("worker %s stops: %s", self.worker_id, exc)
+        if not self._stopping.is_set():
+            # Nothing its running attempts do can be stored: they are revoked at once, not after the grace.
+            self._stop_asked_at = time.monotonic() - self.options.shutdown_grace_seconds
+        self._stopping.set()
+        self._notify()
+
     def _notify(self) -> None:
         """Wake the loop to claim (and poll); also the commit listener and commit origin."""
         self._claim_asked = True
@@ -375,6 +391,8 @@ class AsyncWorker:
             if self._owns_store:
                 await store.close()
             self._stopped.set()
+        if self._fatal is not None:
+            raise self._fatal
 
     def _database_shown(self) -> str:
         """Where this worker runs Steps from, for its start log. A session nobody runs is most often
@@ -435,6 +453,9 @@ class AsyncWorker:
             except Exception as exc:
                 if self._stopping.is_set():
                     break  # given up (stop_retrying), or failed anyway: nothing to retry for
+                if isinstance(exc, DatabaseFileReplacedError):
+                    self._give_up(exc)
+                    break
                 failed = polls.failed(exc)
                 pause = max(opts.poll_seconds, min(opts.poll_seconds * 2 ** (failed - 1), POLL_RETRY_MAX_SECONDS))
                 with contextlib.suppress(TimeoutError):
@@ -704,6 +725,9 @@ class AsyncWorker:
                     log.error("worker %s claims nothing until its ID is free again: %s", self.worker_id, exc)
                 await asyncio.sleep(self.options.lease_renew_seconds)
                 self._renew_now.set()
+            except DatabaseFileReplacedError as exc:
+                self._give_up(exc)
+                return
             except Exception as exc:
                 # Renewing, or registering again, failed (the database is down?): try again after
                 # this pause, and at that pace until it succeeds, whether or not a poll asks for it
