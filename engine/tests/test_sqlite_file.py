@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import re
 import sqlite3
@@ -457,3 +458,28 @@ async def test_other_processes_opening_and_closing_the_file_leave_an_open_store_
         await store.start_flow(StartRequest("f3", "T", b"null", FlowConfig(), None))
     finally:
         await store.close()
+
+
+async def test_stores_naming_one_file_through_a_symlink_take_turns_on_one_lock_file(tmp_path: Path) -> None:
+    """Two deployments name one database by different paths, one through a symlink to the file: both
+    take their write turns on the flock of `<real file>-dexlock`, beside SQLite's -wal and -shm, so
+    they still queue for each other. Catches: the lock file named after the path as given
+    (`link.db-dexlock`), a second lock the other deployment never took."""
+    real, link = tmp_path / "real.db", tmp_path / "link.db"
+    direct = open_store(f"sqlite:///{real}")
+    _symlink(real, link)
+    through_link = open_store(f"sqlite:///{link}")
+    try:
+        assert isinstance(through_link, SqliteStore)
+        await through_link.start_flow(StartRequest("f1", "T", b"null", FlowConfig(), None))
+        with open(f"{real}-dexlock", "a") as held:  # noqa: ASYNC230
+            fcntl.flock(held, fcntl.LOCK_EX)
+            assert not through_link._turns.try_enter()  # it queues behind the holder of the real file's
+        assert not Path(f"{link}-dexlock").exists()  # noqa: ASYNC240
+    finally:
+        await through_link.close()
+        await direct.close()
+
+
+def _symlink(target: Path, link: Path) -> None:
+    link.symlink_to(target)

@@ -596,12 +596,14 @@ class SqliteStore(Store):
             self._ready.set_exception(exc)
             return
         db = _SqliteDb(conn)
-        turns = WriterTurns(self.settings.path)
+        # Beside the file the path resolves to, as SQLite's -wal and -shm are: processes naming one file
+        # by different paths (a symlink to it) must take turns on one lock file.
+        turns = WriterTurns(self._real_path)
         self._conn, self._db, self._turns = conn, db, turns
         self._file_identity = _file_identity(self.settings.path)
         # Those that exist now (a file system without shared memory has no -shm) are checked.
         self._side_identities = {suffix: identity for suffix in _SIDE_FILES
-                                 if (identity := _file_identity(self.settings.path + suffix)) is not None}
+                                 if (identity := _file_identity(self._real_path + suffix)) is not None}
         self._next_file_check = time.monotonic() + SQLITE_FILE_CHECK_SECONDS
         self._level: str = self.settings.synchronous
         self._busy_timeout_ms = SQLITE_BUSY_TIMEOUT_MS
@@ -764,9 +766,10 @@ class SqliteStore(Store):
         if not full:
             return
         for suffix, identity in self._side_identities.items():
-            if _file_identity(path + suffix) != identity:
+            side = self._real_path + suffix  # SQLite keeps them beside the file a symlink leads to
+            if _file_identity(side) != identity:
                 raise DatabaseFileReplacedError(
-                    f"{path + suffix!r}, SQLite's {suffix[1:]} file of database {path!r}, was deleted or replaced "
+                    f"{side!r}, SQLite's {suffix[1:]} file of database {path!r}, was deleted or replaced "
                     "while this process had the database open; nothing was written: SQLite's processes no longer "
                     "share one view of the file, and commits not yet copied from the -wal into the database file "
                     "may be lost. Stop every process using the database, check it (sqlite3 FILE 'PRAGMA "
