@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import os
 import re
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -483,3 +484,52 @@ async def test_stores_naming_one_file_through_a_symlink_take_turns_on_one_lock_f
 
 def _symlink(target: Path, link: Path) -> None:
     link.symlink_to(target)
+
+
+_WRITE_ONCE = """
+import asyncio, sys
+from dex_engine import FlowConfig, open_store
+from dex_engine._records import StartRequest
+async def main() -> None:
+    store = open_store(sys.argv[1])
+    try:
+        print((await store.describe_flow("f1")).status)
+        await store.start_flow(StartRequest("f2", "T", b"null", FlowConfig(), None))
+    except Exception as exc:
+        print(type(exc).__name__, exc.sqlite_errorcode & 0xFF, exc)
+    finally:
+        await store.close()
+asyncio.run(main())
+"""
+
+
+def _without_root_powers() -> list[str]:
+    """A command prefix under which this process's user cannot write a file of mode 444: root (the
+    test containers) loses the capabilities that let it; skip where that cannot be done."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: a file of mode 444 stays writable")
+    caps = "-dac_override,-dac_read_search"
+    return [setpriv, f"--bounding-set={caps}", f"--inh-caps={caps}"]
+
+
+async def test_a_write_to_a_file_this_process_may_not_write_names_the_file_and_the_cause(tmp_path: Path) -> None:
+    """An operator changed the file's mode (or a process of another user created it): SQLite opens it
+    read-only without a word, reads work, and the first write fails with SQLITE_READONLY, whose text
+    now names the file, its owner and mode, and what to do. Catches SQLite's bare `attempt to write a
+    readonly database`, which says neither which file nor why."""
+    path = tmp_path / "e.db"
+    store = open_store(f"sqlite:///{path}")
+    await store.start_flow(StartRequest("f1", "T", b"null", FlowConfig(), None))
+    await store.close()
+    os.chmod(path, 0o444)
+    run = await asyncio.to_thread(
+        subprocess.run, [*_without_root_powers(), sys.executable, "-c", _WRITE_ONCE, f"sqlite:///{path}"],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "running"  # read-only, reads still work
+    assert lines[1].startswith(f"OperationalError {sqlite3.SQLITE_READONLY} attempt to write a readonly database")
+    assert f"{str(path)!r} (owner uid {os.geteuid()}, mode 444) cannot be written by this process" in lines[1]

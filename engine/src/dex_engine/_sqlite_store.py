@@ -269,6 +269,18 @@ def _is_busy(exc: BaseException) -> bool:
     return isinstance(exc, sqlite3.OperationalError) and code is not None and code & 0xFF == sqlite3.SQLITE_BUSY
 
 
+def _is_readonly(exc: BaseException) -> bool:
+    """SQLite refused a write to a file it has open read-only (SQLITE_READONLY or an extended form, but
+    for the file having been unlinked, which _check_file reports)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return (isinstance(exc, sqlite3.OperationalError) and code is not None
+            and code & 0xFF == sqlite3.SQLITE_READONLY and code != sqlite3.SQLITE_READONLY_DBMOVED)
+
+
+def _euid() -> str:
+    return str(os.geteuid()) if hasattr(os, "geteuid") else "unknown"  # Windows has no uids
+
+
 def _deliver(items: list[tuple[asyncio.Future[Any], bool, Any]], listeners: list[Callable[[], None]]) -> None:
     """Runs on the caller's event loop: one wake-up resolves every result of a batch."""
     for future, ok, value in items:
@@ -733,7 +745,30 @@ class SqliteStore(Store):
             db.cache_writes.clear()
         # A rolled-back revocation still counts: one spurious wake-up costs a poll, a missed one a
         # running attempt that goes on until housekeeping.
+        if any(not ok and _is_readonly(value) for ok, value in results):
+            results = [(ok, self._readonly_error(value) if not ok and _is_readonly(value) else value)
+                       for ok, value in results]
         return level, results, writes, writes and db.revokes != revokes
+
+    def _readonly_error(self, exc: sqlite3.OperationalError) -> sqlite3.OperationalError:
+        """The error a write fails with on a file SQLite opened read-only, which it does, saying nothing,
+        when this process may not write the file (its owner or mode changed, another user's process
+        created it): SQLite's own `attempt to write a readonly database` names no file, nor the cause.
+        Same text first, type and error code, so code that catches it still does."""
+        path = self.settings.path
+        try:
+            stat = os.stat(path)
+            now = f"owner uid {stat.st_uid}, mode {stat.st_mode & 0o777:o}"
+        except OSError as stat_error:
+            now = f"cannot stat it: {stat_error}"
+        error = sqlite3.OperationalError(
+            f"{exc}: {path!r} ({now}) cannot be written by this process (uid {_euid()}), so SQLite opened "
+            "it read-only; nothing was written: let the user this process runs as write the file, its -wal and "
+            "-shm and their directory (chown or chmod), or run the process as their owner, then restart it")
+        error.sqlite_errorcode = exc.sqlite_errorcode
+        error.sqlite_errorname = exc.sqlite_errorname
+        error.__cause__ = exc
+        return error
 
     def _busy_error(self, exc: sqlite3.OperationalError) -> sqlite3.OperationalError:
         """The error a write fails with when SQLite's write lock stayed taken past the busy timeout.
