@@ -20,6 +20,7 @@ import pytest
 from dex_engine import (
     AsyncWorker,
     Context,
+    DatabaseFileReplacedError,
     Flow,
     FlowConfig,
     Registry,
@@ -29,7 +30,6 @@ from dex_engine import (
     WorkerOptions,
     open_store,
 )
-from dex_engine._errors import DatabaseFileReplacedError
 from dex_engine._records import StartRequest
 from dex_engine._sqlite_store import SqliteStore
 from dex_engine._transitions import Db
@@ -533,3 +533,49 @@ async def test_a_write_to_a_file_this_process_may_not_write_names_the_file_and_t
     assert lines[0] == "running"  # read-only, reads still work
     assert lines[1].startswith(f"OperationalError {sqlite3.SQLITE_READONLY} attempt to write a readonly database")
     assert f"{str(path)!r} (owner uid {os.geteuid()}, mode 444) cannot be written by this process" in lines[1]
+
+
+def _vacuum_into(path: Path, backup: Path) -> None:
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("VACUUM INTO ?", (str(backup),))
+
+
+def _restore(backup: Path, path: Path) -> None:
+    shutil.copyfile(backup, f"{path}.new")
+    os.replace(f"{path}.new", path)
+
+
+async def test_the_documented_backup_while_writing_and_restore_keep_every_flow_of_the_snapshot(tmp_path: Path) -> None:
+    """deployment.md's backup: `VACUUM INTO` while a store writes flows one after another gives a file
+    dex_engine opens, holding a prefix of those flows; restored as documented (every process stopped,
+    the copy renamed over the file), the file opens with exactly those flows and takes writes."""
+    path, backup = tmp_path / "dex.db", tmp_path / "backup.db"
+    store = open_store(f"sqlite:///{path}")
+    written = 0
+    try:
+        async def write(count: int) -> None:
+            nonlocal written
+            for _ in range(count):
+                await store.start_flow(StartRequest(f"f{written}", "T", b"null", FlowConfig(), None))
+                written += 1
+
+        writing = asyncio.create_task(write(BACKUP_FLOWS))
+        await asyncio.sleep(0)
+        await asyncio.to_thread(_vacuum_into, path, backup)
+        await writing
+    finally:
+        await store.close()
+    assert not Path(f"{path}-wal").exists()  # noqa: ASYNC240  the last to close folded it in
+    await asyncio.to_thread(_restore, backup, path)
+    restored = open_store(f"sqlite:///{path}")
+    try:
+        ids = sorted(int(f.flow_id[1:]) for f in await restored.list_flows(limit=BACKUP_FLOWS))
+        assert ids == list(range(len(ids)))  # a consistent snapshot: the flows started before it
+        await restored.start_flow(StartRequest("after", "T", b"null", FlowConfig(), None))
+    finally:
+        await restored.close()
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+BACKUP_FLOWS = 300

@@ -10,6 +10,7 @@ from ._decision import Movement, RPCResult, StepDecision
 from ._errors import (
     ChannelMessageNotFoundError,
     CommitOutcomeUnknownError,
+    DatabaseFileReplacedError,
     DexError,
     FlowAlreadyStartedError,
     FlowDefinitionError,
@@ -66,6 +67,7 @@ __all__ = [
     "Client",
     "CommitOutcomeUnknownError",
     "Context",
+    "DatabaseFileReplacedError",
     "DexError",
     "Flow",
     "FlowAlreadyStartedError",
