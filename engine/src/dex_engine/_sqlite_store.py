@@ -359,6 +359,32 @@ def _foreign_bytes(path: str) -> bool:
     return 0 < size < _SMALLEST_DATABASE_BYTES
 
 
+def _refuse_orphan_wal(path: str) -> None:
+    """StoreOpenError when the file at `path` is missing or empty while a -wal with frames sits beside
+    it: the -wal of a database file moved or deleted while processes had it open (mv leaves the -wal
+    and -shm at the old names). SQLite would apply it to the new file, failing with `disk I/O error`
+    or folding another file's pages into it. A WAL-mode file always holds its header page, written
+    before its -wal is made, so a new database never looks like this."""
+    real = os.path.realpath(path)  # SQLite keeps the -wal beside the file a symlink leads to
+    try:
+        wal_bytes = os.stat(real + "-wal").st_size
+    except OSError:
+        return
+    try:
+        size: int | None = os.stat(real).st_size
+    except FileNotFoundError:
+        size = None
+    except OSError:
+        return  # SQLite reports what it cannot open itself
+    if wal_bytes and not size:
+        raise StoreOpenError(
+            f"cannot open {path!r}: it is {'missing' if size is None else 'empty'}, but {real + '-wal'!r} beside it "
+            f"holds {wal_bytes} bytes, the -wal of a database file that was moved or deleted while processes had it "
+            "open; opening would apply another file's pages to this one. Stop every process that has the old file "
+            "open; then move the old file back (or move its -wal and -shm along with it), or, to start with a new "
+            f"database, delete {real + '-wal'!r} and {real + '-shm'!r}")
+
+
 _SMALLEST_DATABASE_BYTES = 512  # SQLite's smallest page size; a database file holds whole pages
 
 
@@ -562,6 +588,7 @@ class SqliteStore(Store):
 
     def _connect(self) -> sqlite3.Connection:
         path = self.settings.path
+        _refuse_orphan_wal(path)
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
