@@ -770,11 +770,11 @@ class SqliteStore(Store):
         finally:
             # Applied by _remember if it committed; a rolled-back transaction's rows are nobody's.
             db.cache_writes.clear()
-        # A rolled-back revocation still counts: one spurious wake-up costs a poll, a missed one a
-        # running attempt that goes on until housekeeping.
         if any(not ok and _is_readonly(value) for ok, value in results):
             results = [(ok, self._readonly_error(value) if not ok and _is_readonly(value) else value)
                        for ok, value in results]
+        # A rolled-back revocation still counts: one spurious wake-up costs a poll, a missed one a
+        # running attempt that goes on until housekeeping.
         return level, results, writes, writes and db.revokes != revokes
 
     def _readonly_error(self, exc: sqlite3.OperationalError) -> sqlite3.OperationalError:
@@ -824,7 +824,8 @@ class SqliteStore(Store):
         if (writes or full) and _file_identity(path) != self._file_identity:
             raise DatabaseFileReplacedError(
                 f"database file {path!r} was deleted or replaced while this process had it open; nothing was "
-                "written (the writes would be lost): restart this process to open the file now at that path")
+                "written (the writes would be lost) or read (it would be the old file's): restart this process "
+                "to open the file now at that path")
         if not full:
             return
         for suffix, identity in self._side_identities.items():
