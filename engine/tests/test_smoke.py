@@ -6,8 +6,11 @@ import inspect
 import math
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,11 +31,14 @@ from dex_engine import (
     Stream,
     Timer,
     Wait,
+    open_store,
     rpc,
 )
 from dex_engine._open import shown_url
+from dex_engine._pg_store import PostgresStore
+from dex_engine._sqlite_store import SqliteStore
 
-from .conftest import engine_for
+from .conftest import engine_for, wait_until
 
 Count = Attribute("Count", int)
 Inbox = Channel("Inbox", str)
@@ -246,6 +252,148 @@ async def test_a_blocking_client_dropped_unclosed_closes_its_store_and_ends_its_
             asyncio.run(store.describe_flow("dropped"))
 
     await asyncio.to_thread(drive)
+
+
+def _db_sessions(db_url: str) -> int | None:
+    """Sessions on `db_url`'s PostgreSQL database other than this query's own; None on SQLite."""
+    if not db_url.startswith("postgresql"):
+        return None
+    import psycopg
+
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                           " AND pid <> pg_backend_pid()").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _threads_end(before: set[threading.Thread]) -> list[str]:
+    """The names of the store threads (dex-sqlite, dex-pg-*, the pool's dex-engine-*) started since
+    `before` that are still running after a hang guard: not asyncio.to_thread's, which stay."""
+    started = {thread for thread in set(threading.enumerate()) - before if thread.name.startswith("dex-")}
+    for thread in started:
+        thread.join(30)  # a hang guard
+    return [thread.name for thread in started if thread.is_alive()]
+
+
+async def _sessions_back_to(db_url: str, baseline: int | None) -> None:
+    # A backend leaves pg_stat_activity a moment after its client closed the connection.
+    await wait_until("the dropped clients' sessions to end",
+                     lambda: asyncio.to_thread(lambda: _db_sessions(db_url) == baseline))
+
+
+def _thread_path(db_url: str) -> str:
+    # On SQLite every operation goes to the store's thread, where the last one used to be kept.
+    return db_url + "?inline=off" if db_url.startswith("sqlite") else db_url
+
+
+async def test_async_clients_dropped_unclosed_close_their_stores(db_url: str) -> None:
+    """A web handler that makes an AsyncClient per request and never closes it: once each client is
+    collected its store's threads end and (PostgreSQL) its connections close, with a ResourceWarning
+    naming the URL. The last call of each failed (FlowNotFoundError). Catches: 10 such requests held
+    90 threads on PostgreSQL until the process exited, and a store's thread kept its last operation,
+    whose error's traceback kept the client itself from being collected."""
+    url = _thread_path(db_url)
+    baseline = await asyncio.to_thread(_db_sessions, db_url)
+    before = set(threading.enumerate())
+
+    async def request() -> None:
+        client = AsyncClient(Registry([FLOW]), url)
+        assert not await client.exists("no-such-flow")
+
+    def serve() -> None:
+        for _ in range(3):
+            asyncio.run(request())  # each request's loop ends: the drop happens where no loop runs
+
+    with pytest.warns(ResourceWarning) as warned:
+        await asyncio.to_thread(serve)
+        gc.collect()
+    assert [str(w.message) for w in warned] == [
+        f"an AsyncClient of {shown_url(url)!r} was never closed; await its close(), or use it in an async with "
+        "block"] * 3
+    assert await asyncio.to_thread(_threads_end, before) == []
+    await _sessions_back_to(db_url, baseline)
+
+
+async def test_a_dropped_async_client_closes_its_store_under_w_error(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With -W error the ResourceWarning is raised in the finalizer (and reported as unraisable):
+    the store is closed all the same. Catches: a warning issued before the close skipped it."""
+    unraisable: list[BaseException | None] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda hook: unraisable.append(hook.exc_value))
+    before = set(threading.enumerate())
+    client = AsyncClient(Registry([FLOW]), db_url)
+    await client.start_flow("Smoke", "f", 1)
+    store = client.store
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        del client
+        gc.collect()
+    assert [type(exc) for exc in unraisable] == [ResourceWarning]
+    assert await asyncio.to_thread(_threads_end, before) == []
+    with pytest.raises(RuntimeError, match="is closed"):
+        await store.describe_flow("f")
+
+
+async def test_a_closed_or_store_sharing_async_client_is_left_alone_when_dropped(db_url: str) -> None:
+    """An AsyncClient closed explicitly gives no warning when collected, and one given a store (the
+    caller's, shared with a worker, say) never closes it. Catches: a finalizer closing the store
+    under a worker that shares it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        async with AsyncClient(Registry([FLOW]), db_url) as closed:
+            await closed.start_flow("Smoke", "a", 1)
+        del closed
+        async with engine_for(db_url, Registry([FLOW]), worker=False) as eng:
+            sharing = AsyncClient(Registry([FLOW]), store=eng.store)
+            await sharing.start_flow("Smoke", "b", 1)
+            del sharing
+            gc.collect()
+            assert (await eng.store.describe_flow("b")).status == "running"  # the store is still open
+
+
+def test_an_async_client_kept_until_exit_runs_nothing_at_exit(tmp_path: Path) -> None:
+    """A client kept for the process's whole life is no mistake: at exit nothing warns or closes.
+    Catches: a finalizer run at interpreter exit, when the store's threads may already be gone."""
+    url = f"sqlite:///{tmp_path / 'kept.db'}"
+    script = (
+        "import asyncio, sys\n"
+        "sys.path.insert(0, '.')\n"
+        "from dex_engine import AsyncClient, Registry\n"
+        "from engine.tests.test_smoke import FLOW\n"
+        f"CLIENT = AsyncClient(Registry([FLOW]), {url!r})\n"
+        "asyncio.run(CLIENT.start_flow('Smoke', 'kept', 1))\n"
+    )
+    done = subprocess.run([sys.executable, "-W", "error::ResourceWarning", "-c", script],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+@pytest.mark.parametrize("where", ["thread", "lock"])
+async def test_close_nowait_on_the_stores_own_thread_or_holding_its_lock(db_url: str, where: str) -> None:
+    """The collector may run a dropped client's finalizer on one of its store's own threads, or on
+    a thread inside the store's lock: close_nowait must wait for neither. Catches: a close that
+    joined its own thread, or took a lock its caller held (hangs)."""
+    before = set(threading.enumerate())
+    store = open_store(db_url)
+    if where == "thread" and isinstance(store, SqliteStore):
+        await asyncio.to_thread(store.run_sync, lambda _db: store.close_nowait(), write=False)
+    elif where == "thread":
+        await store.raw(lambda _db: store.close_nowait())  # on one of its lanes
+    else:
+        lock = store._dispatcher.lock if isinstance(store, PostgresStore) else store._count_lock
+
+        def close_holding_the_lock() -> None:
+            with lock:
+                store.close_nowait()
+
+        closer = threading.Thread(target=close_holding_the_lock, daemon=True)
+        closer.start()
+        closer.join(30)  # a hang guard
+        assert not closer.is_alive(), "close_nowait waited for a lock its own thread held"
+    assert await asyncio.to_thread(_threads_end, before) == []
+    with pytest.raises(RuntimeError, match="is closed"):
+        await store.describe_flow("x")
 
 
 def test_ctrl_c_in_a_blocking_wait_ends_the_call_on_the_clients_loop(db_url: str) -> None:

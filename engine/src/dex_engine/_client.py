@@ -286,6 +286,17 @@ class _StreamWatch:
                 self.task = None
 
 
+def _close_dropped_store(store: Store, pid: int, url: str) -> None:
+    """Close the store of an AsyncClient collected unclosed. Without waiting: the collection may run
+    on one of the store's own threads, or where no event loop runs."""
+    if os.getpid() != pid:
+        return  # a fork's copy: the store's threads and connections are the parent's
+    store.close_nowait()
+    # Last: under -W error the warning raises, and the store must be closed all the same.
+    warnings.warn(f"an AsyncClient of {url!r} was never closed; await its close(), or use it in an async with "
+                  "block", ResourceWarning, stacklevel=2)
+
+
 class AsyncClient:
     """Talks to one database on behalf of the Registry's Flows. RPC handlers run in this process."""
 
@@ -308,12 +319,23 @@ class AsyncClient:
         # Weak keys: a loop that closed (asyncio.run after asyncio.run) leaves no entry behind.
         self._stream_watches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _StreamWatch] = (
             weakref.WeakKeyDictionary())
+        # A client dropped unclosed (one per web request, say) kept its store's threads and, on
+        # PostgreSQL, its connections until the process exited: the threads keep the store alive,
+        # so only the client's collection can tell. A store the caller gave is the caller's to close;
+        # and nothing runs at exit, as for the blocking Client.
+        self._dropped: weakref.finalize[[Store, int, str], AsyncClient] | None = None
+        if self._owns_store:
+            self._dropped = weakref.finalize(self, _close_dropped_store, self._store, os.getpid(),
+                                             shown_url(database_url or ""))
+            self._dropped.atexit = False
 
     @property
     def store(self) -> Store:
         return self._store
 
     async def close(self) -> None:
+        if self._dropped is not None:
+            self._dropped.detach()
         # The watcher must not outlive the client (an event loop stopped after close would find it
         # pending); readers still waiting read again, and meet the closed store's error.
         watch = self._stream_watches.pop(asyncio.get_running_loop(), None)

@@ -633,7 +633,9 @@ class _Dispatcher:
     transaction does not hold up the process's commits, heartbeats and polls."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # Reentrant: close() may come from a finalizer the collector runs on a thread that holds it
+        # (a lane in take(), a caller in put()), and a plain lock would wait there for ever.
+        self.lock = threading.RLock()
         self.first = threading.Condition(self.lock)
         self.others = threading.Condition(self.lock)
         self.queue: collections.deque[_Op] = collections.deque()
@@ -869,6 +871,7 @@ class PostgresStore(Store):
         self._listener = threading.Thread(target=self._listen, name="dex-pg-listen", daemon=True)
         self._listener.start()
         self._dispatcher = _Dispatcher()
+        self._lanes_running = pool_size  # under the dispatcher's lock: the last lane out closes the pool
         self._lanes = [
             threading.Thread(target=self._lane_main, args=(i == 0,), name=f"dex-pg-{i}", daemon=True)
             for i in range(pool_size)
@@ -939,8 +942,19 @@ class PostgresStore(Store):
         try:
             while (batch := self._dispatcher.take(first)) is not None:
                 self._complete(batch, self._run_batch(lane, batch))
+                # Not kept while waiting for the next: a failed operation's error holds its caller's
+                # frames, and with them kept the last client to use this lane from being collected.
+                del batch
         finally:
             lane.release()
+            with self._dispatcher.lock:
+                self._lanes_running -= 1
+                last = self._lanes_running == 0
+            if last and self._closed:
+                # After every lane gave its connection back. Here, not only in close(): close_nowait
+                # has nobody to wait for the lanes, and may run on a thread of the pool's own, which
+                # cannot close the pool (that joins its threads).
+                self._pool.close()
 
     def _run_batch(
         self, lane: _Lane, ops: list[_Op], isolated: int = 0, batched: bool = True,
@@ -1233,7 +1247,8 @@ class PostgresStore(Store):
 
     def _listen(self) -> None:
         """Set the notified flag and call the commit listeners on every NOTIFY; reconnect after errors."""
-        while not self._stop_listening.is_set():
+        # _closed too: close_nowait leaves _stop_listening alone (see there).
+        while not (self._stop_listening.is_set() or self._closed):
             try:
                 listen_name = f"{self._app_name}_listen"
                 with psycopg.connect(self._conninfo, autocommit=True, application_name=listen_name) as conn:
@@ -1241,12 +1256,12 @@ class PostgresStore(Store):
                     conn.execute(f"LISTEN {CHANNEL}")
                     conn.execute(f"LISTEN {REVOKED_CHANNEL}")
                     self._tell_listeners()  # anything may have happened while not listening
-                    while not self._stop_listening.is_set():
+                    while not (self._stop_listening.is_set() or self._closed):
                         for _ in conn.notifies(timeout=0.5, stop_after=1):
                             # Work ready, or a running attempt revoked: a sleeping worker must look.
                             self._tell_listeners()
             except psycopg.Error:
-                if self._stop_listening.wait(0.5):
+                if self._stop_listening.wait(0.5) or self._closed:
                     return
 
     def _tell_listeners(self) -> None:
@@ -1270,6 +1285,16 @@ class PostgresStore(Store):
         # close, a cancelled shutdown): a second close returns at once, so nothing else would close
         # the pool, and its connections and threads would stay until the process exits.
         await asyncio.to_thread(self._finish_close)
+
+    def close_nowait(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if os.getpid() != self._opened_pid:
+            return  # a fork's copy, as in close()
+        # Not _stop_listening.set(): an Event's lock may be held by the very thread this runs on. The
+        # listener sees _closed within its 0.5 s wait for notifications, and its connection closes.
+        self._dispatcher.close()  # the lanes run what is queued, then stop; the last closes the pool
 
     def _finish_close(self) -> None:
         self._join_threads()

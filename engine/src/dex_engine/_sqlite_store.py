@@ -691,6 +691,10 @@ class SqliteStore(Store):
                 with self._conn_lock, turns if writes else contextlib.nullcontext():
                     self._set_busy_timeout(SQLITE_BUSY_TIMEOUT_MS)
                     self._level = self._run_batch(conn, db, batch, self._level)
+                # Not kept while waiting for the next: a failed operation's error holds its caller's
+                # frames, and with them kept the last client to use this thread from being collected.
+                first = nxt = None
+                batch = []
                 if stop:
                     break
                 if not writes or self._queue.empty():
@@ -705,9 +709,24 @@ class SqliteStore(Store):
                     time.sleep(SQLITE_WRITER_YIELD_SECONDS)
                     busy_since = None
         finally:
+            # close_nowait queues _STOP without _count_lock: an operation let in just before may be
+            # behind it. Once this holds the lock no other gets in, so those are all refused here.
+            with self._count_lock:
+                self._closed = True
+                left: list[_Op] = []
+                while True:
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if isinstance(item, _Op):
+                        left.append(item)
+            closed = RuntimeError(f"store {shown_url(self.url)!r} is closed; {CLOSED_STORE_ADVICE}")
+            self._complete(left, [(False, closed)] * len(left), False)
             with self._conn_lock:
                 turns.close()
                 conn.close()
+            self._quiet.close()
             _OPEN_FILES.note(self._real_path, -1)  # its quiet-poll connection holds no lock between reads
 
     def _run_batch(self, conn: sqlite3.Connection, db: _SqliteDb, batch: list[_Op], level: str) -> str:
@@ -1084,3 +1103,11 @@ class SqliteStore(Store):
             self._queue.put(_STOP)
         self._quiet.close()
         await asyncio.to_thread(self._thread.join)
+
+    def close_nowait(self) -> None:
+        # Takes no lock: the collector may run this on a thread inside _enqueue (holding
+        # _count_lock) or on the store's own thread; SimpleQueue.put is safe even there. The
+        # thread refuses what got queued after _STOP, then closes the connections (_main).
+        self._closed = True
+        if os.getpid() == self._opened_pid:
+            self._queue.put(_STOP)

@@ -156,6 +156,14 @@ class Store(ABC):
     async def close(self) -> None: ...
 
     @abstractmethod
+    def close_nowait(self) -> None:
+        """Start closing the store from any thread, waiting for nothing: its own threads then run
+        what was queued, end, and close its connections. For a finalizer (a dropped AsyncClient's),
+        which may run on one of those threads, or where no event loop runs, so it must neither
+        await, nor join them, nor block on a lock such a thread may hold. A later close() returns
+        at once; in a fork of the process that opened the store it only marks it closed."""
+
+    @abstractmethod
     async def changed(self) -> bool:
         """True when another connection committed since the last call (cheap poll)."""
 
