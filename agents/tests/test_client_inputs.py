@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -262,3 +264,26 @@ async def test_a_value_with_no_repr_gets_the_error_about_it(tmp_path: Path, db_u
         assert await sessions.send_user_message("s", "again")
         await wait_for_agent_snapshot(sessions, "s", lambda s: s.state is not None and s.state.turn_count >= 2
                                       and s.state.active_turn_id is None, description="the second turn ended")
+
+
+def test_session_clients_dropped_unclosed_close_their_stores(tmp_path: Path, db_url: str) -> None:  # noqa: F811
+    """A web handler that makes an AgentSessionClient over an AsyncClient of its own per request and
+    never closes it: once collected, each one's store threads end, with a ResourceWarning saying to
+    close it. Catches: each such request kept its store's threads (9 on PostgreSQL) and connections
+    until the process exited."""
+    flow = build_flow(tmp_path)
+    before = set(threading.enumerate())
+
+    async def request(n: int) -> None:
+        sessions = AgentSessionClient(AsyncClient(Registry([flow]), db_url), flow)
+        await sessions.start_session(f"s{n}", "hi")
+        await sessions.get_agent_snapshot(f"s{n}")
+
+    with pytest.warns(ResourceWarning, match="an AsyncClient of .* was never closed"):
+        for n in range(3):
+            asyncio.run(request(n))
+        gc.collect()
+    started = {thread for thread in set(threading.enumerate()) - before if thread.name.startswith("dex-")}
+    for thread in started:
+        thread.join(30)  # a hang guard
+    assert [thread.name for thread in started if thread.is_alive()] == []
