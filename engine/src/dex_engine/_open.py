@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import re
 from types import ModuleType
+from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
 from ._errors import StoreOpenError
-from ._store import Store
+
+if TYPE_CHECKING:  # _store names URLs as shown_url shows them
+    from ._store import Store
 
 # What a PostgreSQL URL needs installed beyond the engine itself.
 POSTGRES_EXTRA_MODULES = ("psycopg", "psycopg_pool")

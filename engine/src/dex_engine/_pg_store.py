@@ -70,7 +70,7 @@ from ._migrate import apply_pending, recorded_version
 from ._open import shown_error, shown_url
 from ._options import LoadSpec, MethodOptions, StepDurability, TaskOptions
 from ._records import DecisionRecord, Lease, MovementRecord, WriteSet
-from ._store import CLOSED_STORE_ADVICE, FoldExecute, Store, commit_origin, now_ms, refuse_in_fork, stop_retrying
+from ._store import CLOSED_STORE_ADVICE, FoldExecute, Store, commit_origin, now_ms, stop_retrying
 from ._transitions import AppendRow, Db, HistoryRow, PollResult, Row, run_op
 
 log = logging.getLogger("dex_engine.postgres")
@@ -885,7 +885,7 @@ class PostgresStore(Store):
         self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None,
         commit: _ExecuteCommit | None = None,
     ) -> R:
-        refuse_in_fork(shown_url(self.url), self._opened_pid)
+        self._refuse_in_fork()
         if self._closed:
             raise RuntimeError(f"store {shown_url(self.url)!r} is closed; {CLOSED_STORE_ADVICE}")
         loop = asyncio.get_running_loop()
@@ -1277,7 +1277,7 @@ class PostgresStore(Store):
         if self._closed:
             return
         self._closed = True
-        if os.getpid() != self._opened_pid:
+        if self._in_fork():
             return  # a fork's copy: its threads and connections are the parent's, which goes on using them
         self._stop_listening.set()
         self._dispatcher.close()  # the lanes run what is queued, then stop
@@ -1290,7 +1290,7 @@ class PostgresStore(Store):
         if self._closed:
             return
         self._closed = True
-        if os.getpid() != self._opened_pid:
+        if self._in_fork():
             return  # a fork's copy, as in close()
         # Not _stop_listening.set(): an Event's lock may be held by the very thread this runs on. The
         # listener sees _closed within its 0.5 s wait for notifications, and its connection closes.

@@ -67,7 +67,7 @@ from ._limits import (
 )
 from ._migrate import apply_pending, migration_files, recorded_version
 from ._open import shown_url
-from ._store import CLOSED_STORE_ADVICE, Store, commit_origin, refuse_in_fork
+from ._store import CLOSED_STORE_ADVICE, Store, commit_origin
 from ._task_options import SharedOptions
 from ._transitions import AppendRow, Db, HistoryRow, PollResult, Row, UnstoredMessage, run_op
 from ._writer_turns import WriterTurns
@@ -925,9 +925,9 @@ class SqliteStore(Store):
                     loop.call_soon_threadsafe(_deliver, per_loop.get(loop, []), listeners.get(loop, []))
 
     def _refuse_if_closed(self) -> None:
-        refuse_in_fork(shown_url(self.url), self._opened_pid)
+        self._refuse_in_fork()
         if self._closed:
-            raise RuntimeError(f"store {self.url!r} is closed; {CLOSED_STORE_ADVICE}")
+            raise RuntimeError(f"store {shown_url(self.url)!r} is closed; {CLOSED_STORE_ADVICE}")
 
     async def _run(self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None) -> R:
         self._refuse_if_closed()
@@ -1091,7 +1091,7 @@ class SqliteStore(Store):
         return changed
 
     async def close(self) -> None:
-        if os.getpid() != self._opened_pid:
+        if self._in_fork():
             # A fork's copy: the thread and connections are the parent's, which goes on using them
             # (and a thread of the parent may have held _count_lock as it forked).
             self._closed = True
@@ -1109,5 +1109,5 @@ class SqliteStore(Store):
         # _count_lock) or on the store's own thread; SimpleQueue.put is safe even there. The
         # thread refuses what got queued after _STOP, then closes the connections (_main).
         self._closed = True
-        if os.getpid() == self._opened_pid:
+        if not self._in_fork():
             self._queue.put(_STOP)

@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 from . import _gates
 from . import _transitions as tx
 from ._limits import DEFAULT_READ_LIMIT, MAX_FOLDED_EXECUTES_PER_COMMIT
+from ._open import shown_url
 from ._options import FlowConfig, LoadSpec
 from ._records import (
     DecisionRecord,
@@ -52,18 +53,6 @@ CLOSED_STORE_ADVICE = (
     "the AsyncClient, AsyncWorker or open_store() call that opened it has closed it; open the database again"
     " (a new AsyncClient or AsyncWorker)"
 )
-
-def refuse_in_fork(shown_url: str, opened_pid: int) -> None:
-    """RuntimeError in a fork of the process that opened the store (gunicorn --preload): the
-    store's threads did not pass to the fork, so an operation would wait for them for ever, and its
-    connections are the parent's (SQLite forbids using one in a fork: it can corrupt the file)."""
-    if os.getpid() != opened_pid:
-        raise RuntimeError(
-            f"store {shown_url!r} was opened in process {opened_pid}, and this process ({os.getpid()}) is a fork "
-            "of it, where the store's threads and connections cannot be used; open the database only after the "
-            "fork, in each process (a new AsyncClient or AsyncWorker; with gunicorn --preload: in a post_fork "
-            "hook, or on first use)")
-
 
 # A claim older than this that its worker does not know of was lost in transit and is handed back;
 # far longer than any reply takes to arrive.
@@ -137,6 +126,24 @@ class Store(ABC):
     folds_executes: bool = False
     # Workers of this process that take such Steps (add_local_claimer); replaced, never mutated.
     _claimers: tuple[LocalClaimer, ...] = ()
+    # The process that opened the store (each backend sets it): its threads and connections are
+    # that process's alone.
+    _opened_pid: int
+
+    def _in_fork(self) -> bool:
+        """Whether this process is a fork of the one that opened the store (gunicorn --preload)."""
+        return os.getpid() != self._opened_pid
+
+    def _refuse_in_fork(self) -> None:
+        """RuntimeError in a fork of the process that opened the store: the store's threads did not
+        pass to the fork, so an operation would wait for them for ever, and its connections are the
+        parent's (SQLite forbids using one in a fork: it can corrupt the file)."""
+        if self._in_fork():
+            raise RuntimeError(
+                f"store {shown_url(self.url)!r} was opened in process {self._opened_pid}, and this process "
+                f"({os.getpid()}) is a fork of it, where the store's threads and connections cannot be used; open "
+                "the database only after the fork, in each process (a new AsyncClient or AsyncWorker; with "
+                "gunicorn --preload: in a post_fork hook, or on first use)")
 
     def watch_foreign_commits(self, interval_seconds: float) -> bool:
         """Call the commit listeners within about `interval_seconds` of another process's commit
