@@ -142,13 +142,10 @@ class AgentSessionOptions:
         else:
             problems.extend(tool_policy_entry_problems(policies))
             object.__setattr__(self, "tool_policies", MappingProxyType(dict(policies)))
-        for problem in (tool_effect_problem(self.default_tool_effect, "default_tool_effect"),
-                        events_capacity_problem(self.agent_events_capacity_bytes)):
-            if problem is not None:
-                problems.append(problem)
-        deadline_problem = interrupt_deadline_problem(self.interrupt_deadline)
-        if deadline_problem is not None:
-            problems.append(deadline_problem)
+        problems.extend(problem for problem in (
+            tool_effect_problem(self.default_tool_effect, "default_tool_effect"),
+            events_capacity_problem(self.agent_events_capacity_bytes),
+            interrupt_deadline_problem(self.interrupt_deadline)) if problem is not None)
         tools: object = self.built_in_tools
         if not isinstance(tools, frozenset | set) or not all(isinstance(t, BuiltInTool) for t in tools):
             problems.append(f"built_in_tools must be a frozenset of BuiltInTool, got {shown(tools, None)}")

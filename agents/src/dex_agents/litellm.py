@@ -275,8 +275,9 @@ class LiteLLMModelClient:
             # text is kept in the flow's history and the turn's failure, and logged.
             if key is not None:
                 _hide_key(error, key)
-                if key in _text_of(error):  # an exception whose text comes from elsewhere
-                    raise RuntimeError(f"{type(error).__name__}: {_text_of(error).replace(key, '***')}") from None
+                text = _text_of(error)
+                if key in text:  # an exception whose text comes from elsewhere
+                    raise RuntimeError(f"{type(error).__name__}: {text.replace(key, '***')}") from None
             raise
 
     # The Responses API -------------------------------------------------------------------------

@@ -756,7 +756,7 @@ class Client:
     def _forked(self) -> bool:
         return os.getpid() != self._pid
 
-    def _in_fork(self) -> RuntimeError:
+    def _fork_error(self) -> RuntimeError:
         return RuntimeError(f"the blocking Client of {shown_url(self._url)!r} was made in process {self._pid}, and "
                             f"this process ({os.getpid()}) is a fork of it, to which its event-loop thread did not "
                             "pass; make Clients only after the fork, in each process (with gunicorn --preload: in "
@@ -766,7 +766,7 @@ class Client:
         if self._forked():
             # Before taking _lock: a thread of the parent may have held it when the process forked.
             coro.close()
-            raise self._in_fork()
+            raise self._fork_error()
         if threading.current_thread() is self._thread:
             coro.close()
             raise self._on_own_loop("a call", "in an RPC handler, await an AsyncClient's calls instead")
