@@ -59,6 +59,33 @@ def is_approval_required(policy: ToolPolicy) -> bool:
     return policy.effect not in REPEATABLE_EFFECTS
 
 
+# How cautiously a call of each effect runs: a read is repeated and fails, an idempotent write is
+# repeated and ends outcome_unknown, the others run once. A call recorded under a lower rank than its
+# tool has now would run with fewer safeguards than the tool asks for.
+_EFFECT_CAUTION = {
+    ToolEffect.READ: 0, ToolEffect.IDEMPOTENT_WRITE: 1,
+    ToolEffect.NON_IDEMPOTENT_WRITE: 2, ToolEffect.UNCLASSIFIED: 2,
+}
+
+
+def _described(effect: ToolEffect, approval: bool) -> str:
+    return f"{effect.value} {'needing approval' if approval else 'with no approval'}"
+
+
+def stricter_policy_problem(record: AgentToolCall, current: ToolPolicy) -> str | None:
+    """Why `current`, the policy the tool has now, is stricter than the one `record` was made under
+    (a deploy changed the tool while the call waited or was retried), or None. The record chose the
+    call's approval and its tool Step, so running it as recorded could skip an approval the tool now
+    needs, or run a write that may not repeat in a Step that repeats it."""
+    approval = is_approval_required(current)
+    needs_approval = approval and not record.requires_approval
+    if not needs_approval and _EFFECT_CAUTION[current.effect] <= _EFFECT_CAUTION[record.effect]:
+        return None
+    return (f"tool {record.tool_name} changed after the model called it: the call was recorded as "
+            f"{_described(record.effect, record.requires_approval)}, and this Worker's agent defines it as "
+            f"{_described(current.effect, approval)}; call it again to run it under the new definition")
+
+
 def resolve_tool_policy(
     tool_name: str,
     tool_policies: Mapping[str, ToolPolicy],

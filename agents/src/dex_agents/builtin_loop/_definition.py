@@ -189,6 +189,11 @@ class AgentDefinition:
         merged.update(self.tool_policies)
         return merged
 
+    def function_tool_policy(self, name: str) -> ToolPolicy:
+        """The policy a call of function tool `name` gets, as the session options this definition
+        implies resolve it (builtin_agent_session_options)."""
+        return self.merged_tool_policies().get(name) or ToolPolicy(self.default_tool_effect)
+
 
 def _plan_mode_problems(
     plan_mode_enabled: object, choice: object, model: object, settings: Mapping[str, Any]

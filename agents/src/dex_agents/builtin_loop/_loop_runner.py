@@ -16,7 +16,14 @@ from .._builtin_tools import BUILT_IN_TOOL_DEFINITIONS, BuiltInTool
 from .._compaction import ContextSummaryRequest, ContextSummaryResult
 from .._constants import MAX_CONSECUTIVE_TURN_CONTINUATIONS
 from .._plans import build_plan_note
-from .._policy import OUTCOME_UNKNOWN_TEXT, ToolPolicy, describe_tool_call_outcome, raised_text, shown
+from .._policy import (
+    OUTCOME_UNKNOWN_TEXT,
+    ToolPolicy,
+    describe_tool_call_outcome,
+    raised_text,
+    shown,
+    stricter_policy_problem,
+)
 from .._runner import (
     AgentTurnContext,
     AgentTurnOutcome,
@@ -36,6 +43,7 @@ from .._runner import (
     polls_tool_tasks,
 )
 from .._runtime import resolved
+from .._turn_logic import not_run_error
 from .._wire import AgentToolCall, AgentUsage, InteractionMode, MessageRole, PlanStatus, ToolEffect
 from ._compaction import estimate_model_input, select_response_cutoff, summarize_with_model, with_summary_note
 from ._definition import AgentDefinition, ContinueTurn, InstructionContext, TurnContinuationContext
@@ -219,6 +227,12 @@ class BuiltinLoopAgentRunner:
         tool = self.definition.function_tool(record.tool_name)
         if tool is None:
             raise ToolExecutionError(unknown_tool_error(record.tool_name))
+        # The call waited (an approval, a question) or was retried across a deploy that made its tool
+        # stricter: not run, so the model calls it again and the new policy asks for what it needs.
+        stricter = stricter_policy_problem(record, self.definition.function_tool_policy(record.tool_name))
+        if stricter is not None:
+            log.warning("tool call %r was not run: %s", record.tool_call_id, stricter)
+            raise ToolExecutionError(not_run_error(stricter))
         context = ToolCallContext(
             idempotency_key=call.idempotency_key, attempt=call.attempt, flow_id=call.flow_id,
             turn_id=record.turn_id, tool_call_id=record.tool_call_id, events=call.events, heartbeat=call.heartbeat,
