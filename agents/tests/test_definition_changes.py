@@ -7,13 +7,15 @@ and goes on with a Worker of the changed definition, as a deploy does.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
-from agents.tests.builtin_agent import InProcessEngine, lookup_order, refund_order, scripted_flow
+from agents.tests.builtin_agent import FAST_WORKER, InProcessEngine, lookup_order, refund_order, scripted_flow
 from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 
 from dex_agents import (
+    OUTCOME_UNKNOWN_TEXT,
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
     AgentSessionClient,
     AgentSnapshot,
@@ -35,7 +37,8 @@ from dex_agents.builtin_loop import (
     ToolCallContext,
     function_tool,
 )
-from dex_agents.testing import wait_for_agent_snapshot
+from dex_agents.testing import executed_steps, to_step_history, wait_for_agent_snapshot
+from dex_engine import AsyncWorker, Registry, WorkerOptions
 
 SKU = {"sku": "A-1"}
 
@@ -130,6 +133,61 @@ async def test_a_call_whose_tool_a_deploy_made_stricter_runs_only_when_called_ag
         assert done.messages[-1].text == "done: v2 synced A-1"
         assert done.state is not None and done.state.last_turn_error is None
     assert ran == ["v2 non_idempotent_write"]
+
+
+@pytest.mark.parametrize("effect, result", [
+    (ToolEffect.READ, "The tool call failed: tool sync_stock changed after the model called it: the call was "
+     "recorded as read with no approval, and this Worker's agent defines it as non_idempotent_write needing "
+     "approval; call it again to run it under the new definition"),
+    (ToolEffect.IDEMPOTENT_WRITE, OUTCOME_UNKNOWN_TEXT),
+])
+async def test_a_call_cut_off_by_a_deploy_is_not_retried_under_a_stricter_tool(
+    tmp_path: Path, db_url: str, effect: ToolEffect, result: str  # noqa: F811 - the fixture
+) -> None:
+    """The deploy stops the old Worker while its tool runs; the new Worker's tool is a write that needs
+    an approval. The retry does not run it: a read fails (it took no effect, so the model may call
+    again), an idempotent write that may have taken effect records outcome_unknown. Catches: the new
+    write run by CallTool's retry, without approval, with `read` in its context."""
+    ran: list[str] = []
+    started = asyncio.Event()
+
+    @function_tool(effect=effect, name="sync_stock")
+    async def sync_v1(sku: str, context: ToolCallContext) -> str:
+        """Sync the stock of a SKU (never returns: the deploy stops it)."""
+        ran.append(f"v1 attempt {context.attempt}")
+        started.set()
+        await asyncio.Event().wait()
+        return "never"
+
+    def respond(request: ModelRequest) -> ScriptedModelReply:
+        results = ScriptedModelClient.tool_results(request)
+        if results:
+            return ScriptedModelReply(text=f"done: {results[-1].output}")
+        return ScriptedModelReply(tool_calls=[ScriptedToolCall("sync_stock", SKU)])
+
+    @function_tool(effect=ToolEffect.NON_IDEMPOTENT_WRITE, name="sync_stock")
+    def sync_v2(sku: str, context: ToolCallContext) -> str:
+        """Sync the stock of a SKU, for real."""
+        ran.append(f"v2 attempt {context.attempt} {context.effect.value}")
+        return f"v2 synced {sku}"
+
+    old, _ = scripted_flow(respond, tools=[lookup_order, sync_v1])
+    new, _ = scripted_flow(respond, tools=[lookup_order, sync_v2])
+    first = InProcessEngine(tmp_path, [old], url=db_url)
+    # A deploy's stop: the running attempt is cancelled at once and fails as WorkerLost, so it is retried.
+    first.worker = AsyncWorker(Registry([old]), WorkerOptions(database_url=first.url, shutdown_grace_seconds=0.01,
+                                                              **FAST_WORKER))
+    async with first.running():
+        await first.sessions().start_session("s", "sync A-1")
+        await started.wait()
+    second = InProcessEngine(tmp_path, [new], url=db_url)
+    async with second.running():
+        done = await _turn_ended(second.sessions())
+        assert [m.tool_output for m in done.messages if m.role is MessageRole.TOOL] == [result]
+        assert done.messages[-1].text == f"done: {result}"
+        steps = executed_steps(to_step_history(await second.client.get_flow_history("s")))
+        assert steps == ["StartAgentSession", "RunModel", "CallTool", "ResumeTurn", "RunModel"]
+    assert ran == ["v1 attempt 1"]
 
 
 async def test_a_relaxed_tool_runs_a_waiting_call_as_it_was_recorded(tmp_path: Path) -> None:

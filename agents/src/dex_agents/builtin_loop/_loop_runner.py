@@ -34,6 +34,7 @@ from .._runner import (
     ToolCallStepOptions,
     ToolExecutionError,
     ToolExecutionResult,
+    ToolOutcomeUnknownError,
     ToolTaskCancellation,
     ToolTaskPoll,
     ToolTaskPoller,
@@ -231,8 +232,13 @@ class BuiltinLoopAgentRunner:
         # stricter: not run, so the model calls it again and the new policy asks for what it needs.
         stricter = stricter_policy_problem(record, self.definition.function_tool_policy(record.tool_name))
         if stricter is not None:
-            log.warning("tool call %r was not run: %s", record.tool_call_id, stricter)
-            raise ToolExecutionError(not_run_error(stricter))
+            log.warning("tool call %r was not run (attempt %d): %s", record.tool_call_id, call.attempt, stricter)
+            if call.attempt == 1:
+                raise ToolExecutionError(not_run_error(stricter))
+            # An earlier attempt ran the old tool: a read took no effect, an idempotent write may have.
+            if record.effect is ToolEffect.IDEMPOTENT_WRITE:
+                raise ToolOutcomeUnknownError(stricter)
+            raise ToolExecutionError(stricter)
         context = ToolCallContext(
             idempotency_key=call.idempotency_key, attempt=call.attempt, flow_id=call.flow_id,
             turn_id=record.turn_id, tool_call_id=record.tool_call_id, events=call.events, heartbeat=call.heartbeat,
