@@ -8,6 +8,7 @@ and goes on with a Worker of the changed definition, as a deploy does.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ from dex_agents import (
     OUTCOME_UNKNOWN_TEXT,
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
     AgentSessionClient,
+    AgentSessionFlow,
+    AgentSessionOptions,
     AgentSnapshot,
     AgentToolCall,
     AgentToolCallStatus,
@@ -29,12 +32,15 @@ from dex_agents import (
 )
 from dex_agents._policy import stricter_policy_problem
 from dex_agents.builtin_loop import (
+    AgentDefinition,
+    BuiltinLoopAgentRunner,
     FunctionTool,
     ModelRequest,
     ScriptedModelClient,
     ScriptedModelReply,
     ScriptedToolCall,
     ToolCallContext,
+    builtin_agent_session_options,
     function_tool,
 )
 from dex_agents.testing import executed_steps, to_step_history, wait_for_agent_snapshot
@@ -279,3 +285,23 @@ def test_stricter_policy_problem_names_only_a_stricter_tool(
     """A call runs as recorded unless its tool now asks for an approval it did not get or repeats less."""
     problem = stricter_policy_problem(_recorded(recorded, approved), now)
     assert (problem is not None) is stricter
+
+
+def test_session_options_that_loosen_a_function_tool_are_refused_when_the_flow_is_built() -> None:
+    """Options whose policy for a function tool differs from the definition's would record every call
+    of it under one policy and then refuse to run it under the other: refused once, naming the tool."""
+    definition = AgentDefinition(name="a", model=ScriptedModelClient(lambda _: ScriptedModelReply(text="ok")),
+                                 instructions="x", tools=[lookup_order, refund_order])
+    runner = BuiltinLoopAgentRunner(definition)
+    loose = replace(builtin_agent_session_options(definition),
+                    tool_policies={**definition.merged_tool_policies(), "refund_order": ToolPolicy(ToolEffect.READ)})
+    with pytest.raises(ValueError) as raised:
+        AgentSessionFlow(runner, "Loose", loose)
+    text = str(raised.value)
+    assert "refund_order (read with no approval in the options, non_idempotent_write needing approval in the " \
+           "definition)" in text and "builtin_agent_session_options(definition)" in text
+    assert "lookup_order" not in text
+    with pytest.raises(ValueError, match=r"lookup_order \(unclassified needing approval in the options, read"):
+        AgentSessionFlow(runner, "Defaults", AgentSessionOptions())
+    # The options the definition implies, and any replace() of their other fields, are taken.
+    AgentSessionFlow(runner, "Derived", replace(builtin_agent_session_options(definition), message_window_size=8))

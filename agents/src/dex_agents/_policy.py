@@ -72,6 +72,11 @@ def _described(effect: ToolEffect, approval: bool) -> str:
     return f"{effect.value} {'needing approval' if approval else 'with no approval'}"
 
 
+def policy_text(policy: ToolPolicy) -> str:
+    """A policy as a person reads it: its effect and whether a call of it waits for approval."""
+    return _described(policy.effect, is_approval_required(policy))
+
+
 def stricter_policy_problem(record: AgentToolCall, current: ToolPolicy) -> str | None:
     """Why `current`, the policy the tool has now, is stricter than the one `record` was made under
     (a deploy changed the tool while the call waited or was retried), or None. The record chose the

@@ -92,6 +92,15 @@ def _check_runner(runner: object) -> None:
             )
 
 
+def _check_runner_options(runner: object, options: AgentSessionOptions) -> None:
+    """Ask a runner that has its own view of the options (the built-in loop's definition) whether
+    these contradict it: such a pair would fail every call at run time, not once here."""
+    problem_of = getattr(runner, "session_options_problem", None)
+    problem = problem_of(options) if callable(problem_of) else None
+    if problem is not None:
+        raise ValueError(f"{type(runner).__name__} cannot run with these AgentSessionOptions: {problem}")
+
+
 class AgentSessionFlow(Flow):
     """The shared session Flow with a framework runner. Register one per agent, each with its flow_type.
 
@@ -110,6 +119,7 @@ class AgentSessionFlow(Flow):
         if not isinstance(options, AgentSessionOptions):
             raise TypeError(f"options must be AgentSessionOptions, got {type(options).__name__}")
         check_plan_mode(runner, options.plan_mode_enabled, options.built_in_tools)
+        _check_runner_options(runner, options)
         check_compaction_runner(runner, options.compaction)
         self.runner = runner
         self.options = options

@@ -15,12 +15,15 @@ import msgspec
 from .._builtin_tools import BUILT_IN_TOOL_DEFINITIONS, BuiltInTool
 from .._compaction import ContextSummaryRequest, ContextSummaryResult
 from .._constants import MAX_CONSECUTIVE_TURN_CONTINUATIONS
+from .._options import AgentSessionOptions
 from .._plans import build_plan_note
 from .._policy import (
     OUTCOME_UNKNOWN_TEXT,
     ToolPolicy,
     describe_tool_call_outcome,
+    policy_text,
     raised_text,
+    resolve_tool_policy,
     shown,
     stricter_policy_problem,
 )
@@ -135,6 +138,21 @@ class BuiltinLoopAgentRunner:
         # and each tool source's last listing.
         self._last_instructions: str | None = None
         self._listings: dict[str, tuple[ModelToolDefinition, ...]] = {}
+
+    def session_options_problem(self, options: AgentSessionOptions) -> str | None:
+        """Which function tools these options give another policy than the definition does, or None.
+        A tool Step refuses a call whose tool the definition makes stricter than its record (a deploy
+        changed it), so options looser than the definition would refuse every call of that tool."""
+        differing = []
+        for tool in self.definition.tools:
+            given = policy_text(resolve_tool_policy(tool.name, options.tool_policies, options.default_tool_effect))
+            defined = policy_text(self.definition.function_tool_policy(tool.name))
+            if given != defined:
+                differing.append(f"{tool.name} ({given} in the options, {defined} in the definition)")
+        if not differing:
+            return None
+        return (f"function tool policies differ from the AgentDefinition's: {'; '.join(differing)}; build the "
+                "options with builtin_agent_session_options(definition) and set tool policies on the definition")
 
     # The runner contract ------------------------------------------------------------------------
 
