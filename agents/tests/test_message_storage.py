@@ -22,6 +22,7 @@ import pytest
 from agents.tests.built_context import running_turn, runtime_of, step_context
 from agents.tests.builtin_agent import InProcessEngine, lookup_order
 from agents.tests.session_driver import all_agent_events
+from engine.tests.conftest import pg_database, pg_databases  # noqa: F401 - the fixtures the PostgreSQL tests use
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -81,6 +82,9 @@ from dex_agents.builtin_loop import (
 from dex_agents.builtin_loop._items import input_item
 from dex_agents.testing import wait_for_agent_snapshot
 from dex_engine import MAX_VALUE_BYTES, Context, LoadSpec, NotLoadedError
+from dex_engine import _transitions as transitions
+from dex_engine._codec import encode_value
+from dex_engine._records import WriteSet
 
 # The pure layout ------------------------------------------------------------------------------------
 
@@ -917,3 +921,70 @@ def test_every_chunk_reader_reads_what_it_did_not_load_as_chunk_reader_does() ->
     with pytest.raises(NotLoadedError, match=f"AgentMessageChunks\\[{message_sequence_key(1)}\\]"):
         read(AgentMessageChunkRange(1, 2))
     assert every_chunk_reader(step_context(flow, "RunModel", values))(AgentMessageChunkRange(3, 4)) is None
+
+
+# Long sessions ---------------------------------------------------------------------------------------
+
+
+async def fabricate_chunks(engine: InProcessEngine, sid: str, count: int, chunk_size: int) -> int:
+    """Store `count` chunks of `chunk_size` messages from sequence 1 and an index listing them, as a
+    long session's rollovers would have left them, in one commit: thousands of turns in a moment.
+    Returns the number of messages."""
+    writes = WriteSet()
+    ranges: list[AgentMessageChunkRange] = []
+    for number in range(count):
+        first = number * chunk_size + 1
+        chunk = AgentMessageChunk(messages=tuple(message(s, 20) for s in range(first, first + chunk_size)))
+        key = message_sequence_key(first)
+        writes.attributes[(AGENT_MESSAGE_CHUNKS.name, key)] = encode_value(key, AgentMessageChunk, chunk)
+        ranges.append(AgentMessageChunkRange(first, first + chunk_size - 1))
+    total = count * chunk_size
+    index = AgentMessageIndex(chunks=ranges, first_sequence=1, window_first_sequence=total + 1)
+    writes.attributes[(AGENT_MESSAGE_INDEX.name, "")] = encode_value("index", AgentMessageIndex, index)
+    await engine.client.store.rpc_commit(sid, None, [], writes, [], [])
+    return total
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_a_page_reads_only_the_chunks_it_returns(
+    tmp_path: Path, backend: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """list_agent_messages and get_agent_snapshot on a session of 3,000 chunks load the chunks their
+    messages are in, and no others (counted as the engine hands the RPC its rows, from the database
+    or SQLite's cache); the pages are the same as before. Catches: both loaded AgentMessageChunks
+    whole, so every page of a UI read the session's every chunk, and cost more the longer the session
+    ran."""
+    url = request.getfixturevalue("pg_database") if backend == "postgres" else None
+    flow, _ = storage_flow("LongAgent", message_window_size=4, message_chunk_size=3)
+    engine = InProcessEngine(tmp_path, [flow], url=url)
+    chunk_rows: list[int] = []
+    real_load = transitions.load_attributes
+
+    def counting_load(db: Any, flow_id: str, spec: LoadSpec) -> dict[tuple[str, str], bytes]:
+        rows = real_load(db, flow_id, spec)
+        chunk_rows.append(sum(1 for name, _ in rows if name == AGENT_MESSAGE_CHUNKS.name))
+        return rows
+
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        await turn_done(sessions, "s", 0)  # StartAgentSession committed: the session waits for a message
+        total = await fabricate_chunks(engine, "s", 3000, chunk_size=3)
+        monkeypatch.setattr(transitions, "load_attributes", counting_load)
+
+        page = await sessions.list_agent_messages("s", limit=1)
+        assert [m.sequence for m in page.messages] == [total]
+        assert page.next_before_sequence == total
+        assert sum(chunk_rows) == 1
+        chunk_rows.clear()
+        page = await sessions.list_agent_messages("s", before_sequence=4500, limit=200)
+        assert [m.sequence for m in page.messages] == list(range(4300, 4500))
+        assert sum(chunk_rows) == 67  # 4300..4301 in the chunk from 4300, ..., 4498..4499 in the one from 4498
+        chunk_rows.clear()
+        page = await sessions.list_agent_messages("s", before_sequence=3, limit=200)
+        assert [m.sequence for m in page.messages] == [1, 2] and page.next_before_sequence is None
+        assert sum(chunk_rows) == 1
+        chunk_rows.clear()
+        snapshot = await sessions.get_agent_snapshot("s")
+        assert [m.sequence for m in snapshot.messages] == list(range(total - 199, total + 1))
+        assert sum(chunk_rows) == 67

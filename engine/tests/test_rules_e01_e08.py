@@ -1462,6 +1462,67 @@ async def test_e8_an_rpc_that_only_reads_sees_the_flow_before_or_after_a_commit_
         assert list(await eng.client.rpc("f", "note_and_inbox")) == ["m1", []]
 
 
+Pages = AttributeMap("Pages", str)
+
+
+@rpc(load=LoadOptions.none())
+async def write_generation(ctx: RpcContext, generation: int) -> None:
+    """Count names the generation; Pages["a"] and Pages["b"] hold it too."""
+    ctx.set(Count, generation)
+    ctx.set(Pages["a"], f"a{generation}")
+    ctx.set(Pages["b"], f"b{generation}")
+
+
+@rpc(load=LoadOptions.only(Count))
+async def read_generation(ctx: RpcContext, _: None) -> list[Any]:
+    """Reads Count from its snapshot, then loads the Pages instances it names (as a page of a long
+    map would be read), once and again (the second loads nothing new)."""
+    count = ctx.get(Count)
+    await ctx.load(Pages["a"], Pages["b"])
+    await ctx.load(Pages["a"])
+    return [count, ctx.get(Pages["a"]), ctx.get(Pages["b"]), ctx.keys(Pages)]
+
+
+async def test_e8_what_an_rpc_loads_later_is_of_the_state_its_snapshot_read(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """E8: RpcContext.load adds map instances to an RPC's snapshot of the same state. Here another
+    process writes a new generation after the RPC read Count and before it loads Pages: the load
+    finds the flow changed and the RPC runs again on a new snapshot, so it returns generation 2
+    whole. Catches: a load that read the latest rows alone, which returned Count 1 with Pages of
+    generation 2."""
+    flow = Flow("E8load", [idle_step()], start_step="Idle", schema=[*SCHEMA, Pages],
+                rpcs=[write_generation, read_generation])
+    registry = Registry([flow])
+
+    async def write_second() -> None:
+        store = open_store(db_url)
+        try:
+            await AsyncClient(registry, store=store).rpc("f", "write_generation", 2)
+        finally:
+            await store.close()
+
+    real_load = transitions.rpc_load
+    loads: list[Any] = []
+
+    def load_after_a_commit(db: Any, flow_id: str, version: int, spec: Any) -> Any:
+        if not loads:  # the first load only
+            other = threading.Thread(target=lambda: asyncio.run(write_second()))  # its own store and loop
+            other.start()
+            other.join()
+        loads.append(spec)
+        return real_load(db, flow_id, version, spec)
+
+    async with engine_for(db_url, registry, worker=False) as eng:
+        await eng.client.start_flow("E8load", "f")
+        await eng.client.rpc("f", "write_generation", 1)
+        assert await eng.client.rpc("f", "read_generation") == [1, "a1", "b1", ["a", "b"]]
+        monkeypatch.setattr(transitions, "rpc_load", load_after_a_commit)
+        assert await eng.client.rpc("f", "read_generation") == [2, "a2", "b2", ["a", "b"]]
+        # One load per run (the second ctx.load found both loaded); the first run's found the change.
+        assert [sorted(spec.instances) for spec in loads] == [[("Pages", "a"), ("Pages", "b")]] * 2
+
+
 async def test_e8_deleting_a_message_that_is_gone_fails_the_whole_rpc(db_url: str) -> None:
     """E8: an RPC deleting a message someone else already removed (another RPC, or a Step's wait) fails
     with ChannelMessageNotFoundError and commits nothing: not its attribute write, its publish, nor its

@@ -248,6 +248,20 @@ def iter_newest_first(
     A sequence in a chunk range is in that chunk; any other from window_first_sequence on is in
     AgentMessages (window instances elsewhere are ignored).
     """
+    for segment in _segments_newest_first(index, window, before):
+        if isinstance(segment, AgentMessage):
+            yield segment
+            continue
+        for message in reversed(checked_chunk(segment, read_chunk(segment))):
+            if before is None or message.sequence < before:
+                yield message
+
+
+def _segments_newest_first(
+    index: AgentMessageIndex | None, window: Sequence[AgentMessage], before: int | None,
+) -> list[AgentMessageChunkRange | AgentMessage]:
+    """Where the stored messages before `before` are, newest first: chunk ranges and window messages
+    (a chunk listed when its first sequence is before `before`)."""
     current = index or empty_index()
     chunks = current.chunks
     firsts = [r.first_sequence for r in chunks]
@@ -262,19 +276,31 @@ def iter_newest_first(
         ):
             segments.append((sequence, m))
     segments.sort(key=_segment_start, reverse=True)
-    for first, segment in segments:
-        if before is not None and first >= before:
-            continue
-        if isinstance(segment, AgentMessage):
-            yield segment
-            continue
-        for message in reversed(checked_chunk(segment, read_chunk(segment))):
-            if before is None or message.sequence < before:
-                yield message
+    return [segment for first, segment in segments if before is None or first < before]
 
 
 def _segment_start(segment: tuple[int, AgentMessageChunkRange | AgentMessage]) -> int:
     return segment[0]
+
+
+def chunks_of_newest(
+    index: AgentMessageIndex | None, window: Sequence[AgentMessage], *, before: int | None = None, limit: int,
+) -> list[AgentMessageChunkRange]:
+    """The chunk ranges `newest_messages(..., before=before, limit=limit)` reads: what an RPC that
+    returns a page loads, rather than every chunk of the session. A range is counted at its length,
+    which checked_chunk holds every chunk to."""
+    wanted: list[AgentMessageChunkRange] = []
+    count = 0
+    for segment in _segments_newest_first(index, window, before):
+        if count >= limit:
+            break
+        if isinstance(segment, AgentMessage):
+            count += 1
+            continue
+        wanted.append(segment)
+        last = segment.last_sequence if before is None else min(segment.last_sequence, before - 1)
+        count += last - segment.first_sequence + 1
+    return wanted
 
 
 def newest_messages(

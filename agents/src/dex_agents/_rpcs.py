@@ -9,7 +9,7 @@ import msgspec
 from dex_engine import LoadOptions, Rpc, RpcContext, rpc
 
 from ._constants import LIST_MESSAGES_DEFAULT_LIMIT, LIST_MESSAGES_MAX_LIMIT, SNAPSHOT_MESSAGE_LIMIT
-from ._message_store import ChunkReader, newest_messages
+from ._message_store import ChunkReader, chunks_of_newest, newest_messages
 from ._persistence import (
     AGENT_MESSAGE_CHUNKS,
     AGENT_MESSAGE_INDEX,
@@ -24,6 +24,7 @@ from ._persistence import (
     QUEUED_USER_MESSAGES,
     SESSION_SETTINGS,
     STEERED_USER_MESSAGES,
+    message_sequence_key,
 )
 from ._runtime import chunk_reader, now_utc, pending_interrupts, waiting_user_messages, window_messages
 from ._session_settings import session_settings_error
@@ -54,6 +55,23 @@ class SessionSettingsUpdate(msgspec.Struct, frozen=True):
     session_settings: Any = None
 
 
+def page_limit(limit: int) -> int:
+    """list_agent_messages' limit, clamped to 1..LIST_MESSAGES_MAX_LIMIT."""
+    return max(1, min(LIST_MESSAGES_MAX_LIMIT, limit))
+
+
+async def load_page_chunks(
+    ctx: RpcContext, index: AgentMessageIndex | None, window: list[AgentMessage], before_sequence: int | None,
+    limit: int,
+) -> None:
+    """Load the chunks that the newest `limit` messages before `before_sequence` are in, and no
+    others: loading AgentMessageChunks whole read every chunk of the session, so a page cost more
+    the longer the session ran (seed 002 lists the whole map; docs/deviations.md)."""
+    wanted = chunks_of_newest(index, window, before=before_sequence, limit=limit)
+    if wanted:
+        await ctx.load(*(AGENT_MESSAGE_CHUNKS[message_sequence_key(r.first_sequence)] for r in wanted))
+
+
 def page_of_messages(
     index: AgentMessageIndex | None,
     window: list[AgentMessage],
@@ -63,7 +81,7 @@ def page_of_messages(
 ) -> AgentMessagesPage:
     """One page, oldest first, ending before `before_sequence` (after the newest when None), across
     chunks and window; it reads only the chunks the page touches."""
-    limit = max(1, min(LIST_MESSAGES_MAX_LIMIT, limit))
+    limit = page_limit(limit)
     first_stored = 1 if index is None else index.first_sequence
     page = newest_messages(index, window, read_chunk, before=before_sequence, limit=limit)
     at_oldest = not page or page[0].sequence <= first_stored
@@ -123,14 +141,16 @@ def session_rpcs(*, plan_mode_enabled: bool) -> list[Rpc]:
         return True
 
     @rpc("get_agent_snapshot", load=LoadOptions.only(
-        AGENT_STATE, AGENT_MESSAGES, AGENT_MESSAGE_CHUNKS, AGENT_MESSAGE_INDEX, AGENT_TOOL_CALLS,
+        AGENT_STATE, AGENT_MESSAGES, AGENT_MESSAGE_INDEX, AGENT_TOOL_CALLS,
         PENDING_INTERRUPTS, AGENT_USAGE, AGENT_PLAN, CONTEXT_SUMMARY, SESSION_SETTINGS,
     ))
     async def get_agent_snapshot(ctx: RpcContext, _: None = None) -> AgentSnapshot:
         state = ctx.get(AGENT_STATE)
         # The newest messages, from the window and as many chunks as they reach back into.
-        messages = newest_messages(ctx.get(AGENT_MESSAGE_INDEX), window_messages(ctx), chunk_reader(ctx),
-                                   limit=SNAPSHOT_MESSAGE_LIMIT)
+        index = ctx.get(AGENT_MESSAGE_INDEX)
+        window = window_messages(ctx)
+        await load_page_chunks(ctx, index, window, None, SNAPSHOT_MESSAGE_LIMIT)
+        messages = newest_messages(index, window, chunk_reader(ctx), limit=SNAPSHOT_MESSAGE_LIMIT)
         # The active turn's records only: a session a too-large run state ended keeps its last
         # turn's records stored, but that turn is over.
         active_turn_id = None if state is None else state.active_turn_id
@@ -148,11 +168,13 @@ def session_rpcs(*, plan_mode_enabled: bool) -> list[Rpc]:
         )
 
     @rpc("list_agent_messages", request_type=ListAgentMessagesRequest | None,
-         load=LoadOptions.only(AGENT_MESSAGES, AGENT_MESSAGE_CHUNKS, AGENT_MESSAGE_INDEX))
+         load=LoadOptions.only(AGENT_MESSAGES, AGENT_MESSAGE_INDEX))
     async def list_agent_messages(ctx: RpcContext, request: ListAgentMessagesRequest | None) -> AgentMessagesPage:
         request = request or ListAgentMessagesRequest(limit=LIST_MESSAGES_DEFAULT_LIMIT)
-        return page_of_messages(ctx.get(AGENT_MESSAGE_INDEX), window_messages(ctx), chunk_reader(ctx),
-                                request.before_sequence, request.limit)
+        index = ctx.get(AGENT_MESSAGE_INDEX)
+        window = window_messages(ctx)
+        await load_page_chunks(ctx, index, window, request.before_sequence, page_limit(request.limit))
+        return page_of_messages(index, window, chunk_reader(ctx), request.before_sequence, request.limit)
 
     @rpc("update_session_settings", request_type=SessionSettingsUpdate, load=LoadOptions.only(AGENT_STATE))
     async def update_session_settings(

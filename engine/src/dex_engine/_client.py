@@ -43,7 +43,7 @@ from ._limits import (
     STREAM_WATCH_SECONDS,
 )
 from ._open import open_store, shown_url
-from ._options import FlowConfig, is_number
+from ._options import FlowConfig, LoadSpec, is_number
 from ._records import FlowInfo, FlowStatus, HistoryEntry, MovementRecord, StartRequest, WriteSet
 from ._scheduling import movement_record, start_record
 from ._schema import AttributeMap, AttributeRef, ChannelRef, Stream
@@ -483,9 +483,17 @@ class AsyncClient:
             return False, None  # the flow changed while it was read: no snapshot to run on
         if snap.flow_type != call.flow.flow_type:
             raise FlowTypeChanged(snap.flow_type)
+        version = snap.version
+
+        def load_more(spec: LoadSpec) -> Awaitable[dict[tuple[str, str], bytes]]:
+            return self._store.rpc_load(call.flow_id, version, spec)
+
         ctx = RpcContext(call.flow, call.flow_id, snap.attributes, handler.load, snap.pending, handler.name,
-                         snap.in_flight)
-        output, records, canceling = await self._handled(call, ctx)
+                         snap.in_flight, load_more)
+        try:
+            output, records, canceling = await self._handled(call, ctx)
+        except RpcVersionChanged:
+            return False, None  # ctx.load found the flow changed since the snapshot: run again on a new one
         if ctx.writes.empty() and not records and not canceling:
             return True, output
         try:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ._codec import decode_value, decoded_cache, encode_value
 from ._errors import InvalidValueError, NotLoadedError, StaleAttemptError, ValueTooLargeError
 from ._limits import MAX_VALUE_BYTES
-from ._options import LoadSpec
+from ._options import LoadOptions, LoadSpec
 from ._records import RecoveryError, WaitOutcome, WriteSet
 from ._schema import AttributeMap, AttributeRef, ChannelRef, Stream
 from ._wait import WaitSpec
@@ -363,11 +363,43 @@ class RpcContext(_StateView):
         pending: dict[tuple[str, str], list[tuple[int, bytes]]],
         rpc_name: str,
         in_flight: dict[tuple[str, str], list[tuple[int, bytes]]] | None = None,
+        load_more: Callable[[LoadSpec], Awaitable[dict[tuple[str, str], bytes]]] | None = None,
     ) -> None:
         super().__init__(flow, flow_id, loaded, load, f"RPC {rpc_name}")
+        self._load_more = load_more
         self._pending = pending
         self._in_flight = in_flight or {}
         self.pending_read = False  # whether the handler asked for pending or in-flight messages
+
+    async def load(self, *items: AttributeRef[Any] | AttributeMap[Any]) -> None:
+        """Load more attributes or map instances into this RPC's snapshot, as `LoadOptions.only(*items)`
+        names them, for a handler that learns from what it loaded which instances it needs (a page
+        of a long map): loading the whole map up front would read every instance to use a few.
+
+        What it loads belongs to the same state as the rest of the snapshot: when the flow changed
+        since the snapshot was read, the handler's run ends here (let the exception propagate) and
+        the RPC runs again on a new snapshot, as after a lost race at its commit (E8).
+        """
+        if self._ended is not None:
+            raise self._refused("load")
+        wanted = LoadOptions.only(*items)  # FlowDefinitionError for an item that is no attribute
+        for item in items:
+            self.flow.check_attribute(item if isinstance(item, AttributeRef) else item["?"])
+        current = self._load
+        if current.mode == "all":
+            return
+        names = tuple(n for n in wanted.names if n not in current.names)
+        instances = tuple((n, k) for n, k in wanted.instances if not current.loads(n, k))
+        if not names and not instances:
+            return  # all loaded already
+        if self._load_more is None:
+            raise RuntimeError(f"{self._owner} has no snapshot to load into")
+        rows = await self._load_more(LoadSpec("only", names, instances))
+        self._loaded = {**self._loaded, **rows}
+        self._load = LoadSpec("only", (*current.names, *names), (*current.instances, *instances))
+        self._map_keys = None  # the loaded keys by map, rebuilt with the new rows
+        for name in {*names, *(n for n, _ in instances)}:
+            self._items.pop(name, None)
 
     def pending(self, channel: ChannelRef[T]) -> list[PendingMessage]:
         """Messages queued on a channel instance, oldest first, minus those this RPC deleted."""

@@ -486,6 +486,13 @@ class Store(ABC):
             raise tx.RpcVersionChanged()
         return snapshot
 
+    async def rpc_load(self, flow_id: str, version: int, load: LoadSpec) -> dict[tuple[str, str], bytes]:
+        """RpcVersionChanged when the flow is no longer at `version` (see tx.rpc_load)."""
+        rows = await self._run(lambda db: tx.rpc_load(db, flow_id, version, load), write=False)
+        if rows is None:
+            raise tx.RpcVersionChanged()
+        return rows
+
     async def rpc_commit(
         self, flow_id: str, version: int | None, locks: Sequence[str], writes: WriteSet,
         next_steps: Sequence[MovementRecord], canceling: Sequence[str], flow_type: str | None = None,

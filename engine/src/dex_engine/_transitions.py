@@ -2087,6 +2087,19 @@ def _rpc_rows(db: Db, flow_id: str, flow_type: str, version: int, load: LoadSpec
     return RpcSnapshot(flow_type, version, load_attributes(db, flow_id, load), pending, in_flight)
 
 
+def rpc_load(db: Db, flow_id: str, version: int, load: LoadSpec) -> dict[tuple[str, str], bytes] | None:
+    """More attributes for an RPC handler that read its snapshot at `version` (RpcContext.load):
+    the rows `load` names, or None when the flow changed since (or is gone), so that what the
+    handler sees stays one state. The version is checked after the reads, as rpc_read does on
+    PostgreSQL; on SQLite the reads and the check see one snapshot anyway."""
+    existing_flow_type(db, flow_id)  # FlowNotFoundError for a flow deleted since; on SQLite, its cached rows
+    rows = load_attributes(db, flow_id, load)
+    row = db.one("SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
+    if row is None or int(row[0]) != version:
+        return None
+    return rows
+
+
 def rpc_commit(
     db: Db, flow_id: str, version: int | None, locks: Sequence[str], writes: WriteSet,
     next_steps: Sequence[MovementRecord], canceling: Sequence[str], now: int, expected_type: str | None = None,
