@@ -65,11 +65,12 @@ from dex_agents._message_store import (
     plan_append,
     reply_start_by_scan,
 )
-from dex_agents._persistence import message_sequence_key
+from dex_agents._persistence import AGENT_STATE, message_sequence_key
 from dex_agents._rpcs import page_of_messages
 from dex_agents._runtime import ValueTooLarge, every_chunk_reader
 from dex_agents._timefmt import utc_now_text
 from dex_agents._turn_logic import to_agent_message
+from dex_agents._wire import AgentState
 from dex_agents.builtin_loop import (
     AgentDefinition,
     BuiltinLoopAgentRunner,
@@ -926,23 +927,31 @@ def test_every_chunk_reader_reads_what_it_did_not_load_as_chunk_reader_does() ->
 # Long sessions ---------------------------------------------------------------------------------------
 
 
-async def fabricate_chunks(engine: InProcessEngine, sid: str, count: int, chunk_size: int) -> int:
-    """Store `count` chunks of `chunk_size` messages from sequence 1 and an index listing them, as a
-    long session's rollovers would have left them, in one commit: thousands of turns in a moment.
-    Returns the number of messages."""
+async def fabricate(engine: InProcessEngine, sid: str, index: AgentMessageIndex,
+                    chunks: dict[int, AgentMessageChunk]) -> int:
+    """Store these chunks and index, as a long session's rollovers would have left them, and the
+    session's next sequence after them, in one commit: thousands of turns in a moment. The session
+    must be waiting for a message. Returns the number of messages."""
     writes = WriteSet()
-    ranges: list[AgentMessageChunkRange] = []
-    for number in range(count):
-        first = number * chunk_size + 1
-        chunk = AgentMessageChunk(messages=tuple(message(s, 20) for s in range(first, first + chunk_size)))
+    for first, chunk in chunks.items():
         key = message_sequence_key(first)
         writes.attributes[(AGENT_MESSAGE_CHUNKS.name, key)] = encode_value(key, AgentMessageChunk, chunk)
-        ranges.append(AgentMessageChunkRange(first, first + chunk_size - 1))
-    total = count * chunk_size
-    index = AgentMessageIndex(chunks=ranges, first_sequence=1, window_first_sequence=total + 1)
     writes.attributes[(AGENT_MESSAGE_INDEX.name, "")] = encode_value("index", AgentMessageIndex, index)
+    state = await engine.client.get_attribute(sid, AGENT_STATE)
+    assert state is not None and state.next_message_sequence == 1
+    total = index.window_first_sequence - 1
+    state = msgspec.structs.replace(state, next_message_sequence=total + 1)
+    writes.attributes[(AGENT_STATE.name, "")] = encode_value("state", AgentState, state)
     await engine.client.store.rpc_commit(sid, None, [], writes, [], [])
     return total
+
+
+def chunks_of(count: int, size: int) -> tuple[AgentMessageIndex, dict[int, AgentMessageChunk]]:
+    """`count` chunks of `size` messages from sequence 1, and the index listing them."""
+    firsts = range(1, count * size + 1, size)
+    chunks = {f: AgentMessageChunk(messages=tuple(message(s, 20) for s in range(f, f + size))) for f in firsts}
+    ranges = [AgentMessageChunkRange(f, f + size - 1) for f in firsts]
+    return AgentMessageIndex(chunks=ranges, first_sequence=1, window_first_sequence=count * size + 1), chunks
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
@@ -969,7 +978,7 @@ async def test_a_page_reads_only_the_chunks_it_returns(
         sessions = engine.sessions()
         await sessions.start_session("s")
         await turn_done(sessions, "s", 0)  # StartAgentSession committed: the session waits for a message
-        total = await fabricate_chunks(engine, "s", 3000, chunk_size=3)
+        total = await fabricate(engine, "s", *chunks_of(3000, 3))
         monkeypatch.setattr(transitions, "load_attributes", counting_load)
 
         page = await sessions.list_agent_messages("s", limit=1)
@@ -988,3 +997,95 @@ async def test_a_page_reads_only_the_chunks_it_returns(
         snapshot = await sessions.get_agent_snapshot("s")
         assert [m.sequence for m in snapshot.messages] == list(range(total - 199, total + 1))
         assert sum(chunk_rows) == 67
+
+
+def full_index(room: int) -> tuple[AgentMessageIndex, dict[int, AgentMessageChunk]]:
+    """Single-message chunks from sequence 1, as many as leave the index no more than `room` and at
+    least `room` - 100 bytes below the engine's value limit, and the chunks it lists."""
+    ranges: list[AgentMessageChunkRange] = []
+    size = len(msgspec.json.encode(AgentMessageIndex(chunks=[], first_sequence=1, window_first_sequence=1)))
+    sequence = 1
+    while True:
+        entry = len(msgspec.json.encode(AgentMessageChunkRange(sequence, sequence))) + (1 if ranges else 0)
+        if size + entry + 12 > MAX_VALUE_BYTES - room:  # 12: window_first_sequence's digits
+            break
+        ranges.append(AgentMessageChunkRange(sequence, sequence))
+        size += entry
+        sequence += 1
+    index = AgentMessageIndex(chunks=ranges, first_sequence=1, window_first_sequence=sequence)
+    assert MAX_VALUE_BYTES - room - 100 < len(msgspec.json.encode(index)) <= MAX_VALUE_BYTES - room
+    return index, {r.first_sequence: AgentMessageChunk(messages=(message(r.first_sequence, 1),)) for r in ranges}
+
+
+@pytest.mark.parametrize("room", [0, 120, 400])
+def test_rollover_stops_where_the_index_would_pass_the_value_limit(room: int) -> None:
+    """With AgentMessageIndex near the engine's value limit (about 22,000 chunks), appends move only
+    the chunks whose ranges fit it, and keep the rest (an oversized message too) in the window, which
+    grows past its size: every index written fits the limit, and every message reads back in order.
+    Catches: rollover wrote an index over the limit, so every Step that stored a message failed on
+    every attempt, and the session never ran a turn again."""
+    index, chunks = full_index(room)
+    limits = MessageLayoutLimits(window_size=2, chunk_size=2, chunk_max_bytes=2048)
+    store = ModelStore(chunks=dict(chunks), index=index)
+    store.appended = [m for c in chunks.values() for m in c.messages]
+    for _ in range(6):
+        store.append([10, 10, 3000, 10], limits)  # the 3 KB message is oversized: its own chunk if it fits
+        assert store.index is not None
+        assert len(msgspec.json.encode(store.index)) <= MAX_VALUE_BYTES
+    assert store.index is not None
+    added = len(store.index.chunks) - len(index.chunks)
+    assert (added > 0) is (room >= 120)  # 120 bytes: room for a range or two, 0: none
+    assert len(store.window) > limits.window_size
+    expected = [m.sequence for m in store.appended]
+    assert [m.sequence for m in newest_messages(store.index, list(store.window.values()), store.read_chunk)] == expected
+    assert [m.sequence for m in all_messages(store.index, sorted(store.window.values(), key=lambda m: m.sequence),
+                                             store.read_chunk)] == expected
+    page = newest_messages(store.index, list(store.window.values()), store.read_chunk, limit=30)
+    assert [m.sequence for m in page] == expected[-30:]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_a_session_whose_index_is_full_goes_on(
+    tmp_path: Path, backend: str, request: pytest.FixtureRequest,
+) -> None:
+    """A session of about 22,700 chunks, its AgentMessageIndex a range short of the engine's value
+    limit, runs its turns: the first fills the index and keeps the rest of its messages in the
+    window, as the second does; no turn fails, the model sees every message in order, and the pages read them all back.
+    Catches: from the turn whose rollover passed the limit on, RunModel's commit failed on each
+    attempt (the model called each time) with the engine's ValueTooLargeError for AgentMessageIndex,
+    and every turn failed; when RecordTurnFailure's note rolled the window over too, that Step
+    retried without end and the session hung in running_model."""
+    url = request.getfixturevalue("pg_database") if backend == "postgres" else None
+    flow, model = storage_flow("FullIndexAgent", message_window_size=4, message_chunk_size=2)
+    engine = InProcessEngine(tmp_path, [flow], url=url)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        await turn_done(sessions, "s", 0)
+        index, chunks = full_index(room=120)
+        total = await fabricate(engine, "s", index, chunks)
+        for number in range(1, 3):
+            snapshot = await run_turn(sessions, "s", number, f"turn {number}")
+            assert snapshot.state is not None and snapshot.state.last_turn_error is None
+        per_turn = 1 + 2 + 2 * LOOKUPS_PER_TURN + 2
+        assert snapshot.state.next_message_sequence == total + 2 * per_turn + 1
+        layout = await stored_layout(engine, "s")
+        assert layout.index is not None and len(layout.index.chunks) > len(index.chunks)
+        assert len(msgspec.json.encode(layout.index)) <= MAX_VALUE_BYTES
+        assert len(layout.window) > 4
+        newest = await all_pages_from(sessions, "s", total - 10)
+        assert [m.sequence for m in newest] == list(range(total - 9, total + 2 * per_turn + 1))
+        assert list(model.requests[-1].input)[-(2 * per_turn - 2):] == [input_item(m) for m in newest[10:-2]]
+        assert len(model.requests[-1].input) == total + 2 * per_turn - 2
+
+
+async def all_pages_from(sessions: AgentSessionClient, sid: str, after: int) -> list[AgentMessage]:
+    """The stored messages after sequence `after`, paging back from the newest 7 at a time."""
+    pages: list[list[AgentMessage]] = []
+    cursor: int | None = None
+    while cursor is None or cursor > after + 1:
+        page = await sessions.list_agent_messages(sid, before_sequence=cursor, limit=7)
+        pages.append([m for m in page.messages if m.sequence > after])
+        assert page.next_before_sequence is not None
+        cursor = page.next_before_sequence
+    return [m for page in reversed(pages) for m in page]

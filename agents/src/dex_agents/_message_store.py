@@ -124,27 +124,61 @@ def plan_append(
     if len(stored) + len(placed) <= limits.window_size and not written:
         return MessageWrites(window_sets=tuple(placed))  # most appends: within the window, no chunk
     moved = _rollover(stored + placed, limits, size_of)
+    if (moved or written) and not _index_fits(current, chunks, moved):
+        # AgentMessageIndex is one engine value, one range per chunk: with no room left for a range,
+        # a chunk written now would fail this commit, its retries, and every later one that stores a
+        # message, so the session could never run a turn again. What finds no room stays in the
+        # window instead (readers take a message from there when no chunk holds it), which then
+        # grows past window_size; retention's deletes make room again.
+        if not _index_fits(current, chunks, []):
+            moved = []  # a full index (every append once it is): no rollover chunk fits
+        while moved and not _index_fits(current, chunks, moved):
+            moved.pop()
+        while written and not _index_fits(current, chunks, moved):
+            kept = written.pop().messages[0]
+            chunks.pop()
+            in_window = {m.sequence for m in placed} | {kept.sequence}
+            placed = [m for m in new if m.sequence in in_window]
     written.extend(moved)
-    chunks.extend(AgentMessageChunkRange(c.messages[0].sequence, c.messages[-1].sequence) for c in moved)
     moved_sequences = {m.sequence for c in moved for m in c.messages}
     # Only a rollover deletes window instances: most appends need no set of the stored sequences.
     old_sequences = set(map(_sequence_of, stored)) if moved_sequences else set()
-
-    new_index: AgentMessageIndex | None = None
-    if written:
-        chunks.sort(key=lambda r: r.first_sequence)
-        window_first = current.window_first_sequence
-        if moved:
-            window_first = _step_over_chunks(moved[-1].messages[-1].sequence + 1, chunks)
-        new_index = AgentMessageIndex(
-            chunks=chunks, first_sequence=current.first_sequence, window_first_sequence=window_first,
-        )
+    new_index = _planned_index(current, chunks, moved) if written else None
     return MessageWrites(
         window_sets=tuple(m for m in placed if m.sequence not in moved_sequences),
         window_deletes=tuple(s for s in sorted(moved_sequences) if s in old_sequences),
         chunk_sets=tuple(written),
         index=new_index,
     )
+
+
+# An upper bound of one AgentMessageChunkRange's JSON in the index, and a comma: two sequences of at
+# most 12 digits (message_sequence_key's limit).
+_RANGE_BYTES_BOUND = len(b'{"first_sequence":,"last_sequence":},') + 2 * 12
+
+
+def _planned_index(
+    current: AgentMessageIndex, chunks: Sequence[AgentMessageChunkRange], moved: Sequence[AgentMessageChunk],
+) -> AgentMessageIndex:
+    """The index after an append: `chunks` (the stored ones and new oversized messages' own) and
+    the `moved` rollover chunks, in order, and the window after the last moved one."""
+    ranges = sorted([*chunks, *(AgentMessageChunkRange(c.messages[0].sequence, c.messages[-1].sequence)
+                                for c in moved)], key=lambda r: r.first_sequence)
+    window_first = current.window_first_sequence
+    if moved:
+        window_first = _step_over_chunks(moved[-1].messages[-1].sequence + 1, ranges)
+    return AgentMessageIndex(chunks=ranges, first_sequence=current.first_sequence, window_first_sequence=window_first)
+
+
+def _index_fits(
+    current: AgentMessageIndex, chunks: Sequence[AgentMessageChunkRange], moved: Sequence[AgentMessageChunk],
+) -> bool:
+    """Whether _planned_index fits the engine's value limit: encoded only when the bound says it may
+    not, so an ordinary session's rollover never encodes it."""
+    # 200: room for the rest of the index, {"chunks":[],"first_sequence":..,"window_first_sequence":..}.
+    if (len(chunks) + len(moved)) * _RANGE_BYTES_BOUND + 200 <= MAX_VALUE_BYTES:
+        return True
+    return len(_encoder.encode(_planned_index(current, chunks, moved))) <= MAX_VALUE_BYTES
 
 
 def _rollover(
