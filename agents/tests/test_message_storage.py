@@ -58,6 +58,7 @@ from dex_agents._message_store import (
     chunk_bytes,
     chunk_holding,
     chunk_messages,
+    chunks_of_newest,
     is_oversized,
     iter_newest_first,
     message_bytes,
@@ -441,6 +442,35 @@ def test_a_turn_without_its_reply_sequence_counts_back_to_its_last_user_message(
     for turn_id, start in (("turn-2", 5), ("turn-3", 8)):
         newest_first = iter_newest_first(index, stored[4:], lambda r: chunk)
         assert reply_start_by_scan(newest_first, turn_id, 8) == start, turn_id
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    window=st.lists(st.integers(1, 12), max_size=8),
+    ranges=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 3)), max_size=4),
+    window_first=st.integers(1, 12),
+    before=st.none() | st.integers(-1, 16),
+    limit=st.integers(1, 6),
+)
+def test_a_page_loads_exactly_the_chunks_it_reads(
+    window: list[int], ranges: list[tuple[int, int]], window_first: int, before: int | None, limit: int,
+) -> None:
+    """chunks_of_newest, what get_agent_snapshot and list_agent_messages load, lists exactly the
+    chunks newest_messages then reads for that page, for any layout of whole chunks: unsorted or
+    overlapping ranges, window instances inside chunks or before them. One more would be a read the
+    page does not need; one fewer, a chunk the RPC had not loaded (NotLoadedError)."""
+    index = AgentMessageIndex(chunks=[AgentMessageChunkRange(first, first + length) for first, length in ranges],
+                              first_sequence=1, window_first_sequence=window_first)
+    stored = [message(sequence, 1) for sequence in window]
+    read: list[AgentMessageChunkRange] = []
+
+    def read_chunk(chunk_range: AgentMessageChunkRange) -> AgentMessageChunk:
+        read.append(chunk_range)
+        return AgentMessageChunk(tuple(message(s, 0) for s in range(chunk_range.first_sequence,
+                                                                     chunk_range.last_sequence + 1)))
+
+    newest_messages(index, stored, read_chunk, before=before, limit=limit)
+    assert chunks_of_newest(index, stored, before=before, limit=limit) == read
 
 
 @settings(max_examples=500, deadline=None)
