@@ -14,6 +14,7 @@ stays 1.
 from __future__ import annotations
 
 import bisect
+import heapq
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -293,28 +294,45 @@ def iter_newest_first(
 
 def _segments_newest_first(
     index: AgentMessageIndex | None, window: Sequence[AgentMessage], before: int | None,
-) -> list[AgentMessageChunkRange | AgentMessage]:
+) -> Iterator[AgentMessageChunkRange | AgentMessage]:
     """Where the stored messages before `before` are, newest first: chunk ranges and window messages
-    (a chunk listed when its first sequence is before `before`)."""
+    (a chunk listed when its first sequence is before `before`).
+
+    Chunks listed in order (as Steps write the index) are taken lazily from the newest before
+    `before`, so a page touches the chunks it reaches rather than every range of a long session's
+    index in Python; only the C-level passes below see them all.
+    """
     current = index or empty_index()
     chunks = current.chunks
-    firsts = [r.first_sequence for r in chunks]
+    firsts = list(map(_first_sequence_of, chunks))
     # Window messages are mostly newer than every chunk: only older ones need the chunk look-up.
-    newest_in_chunks = max((r.last_sequence for r in chunks), default=0)
+    newest_in_chunks = max(map(_last_sequence_of, chunks), default=0)
     window_first = current.window_first_sequence
-    segments: list[tuple[int, AgentMessageChunkRange | AgentMessage]] = [(r.first_sequence, r) for r in chunks]
-    for m in window:
-        sequence = m.sequence
-        if sequence >= window_first and (
-            sequence > newest_in_chunks or _holding(chunks, firsts, sequence) is None
-        ):
-            segments.append((sequence, m))
-    segments.sort(key=_segment_start, reverse=True)
-    return [segment for first, segment in segments if before is None or first < before]
+    in_window = [
+        m for m in window
+        if m.sequence >= window_first and (before is None or m.sequence < before)
+        and (m.sequence > newest_in_chunks or _holding(chunks, firsts, m.sequence) is None)
+    ]
+    in_window.sort(key=_sequence_of, reverse=True)  # stable: repeated sequences keep the window's order
+    if all(map(operator.lt, firsts, firsts[1:])):
+        # No window message starts where a chunk does (the chunk holds that sequence), so merging
+        # orders them as sorting every segment by its start would.
+        end = len(chunks) if before is None else bisect.bisect_left(firsts, before)
+        newer_chunks = (chunks[at] for at in range(end - 1, -1, -1))
+        return heapq.merge(newer_chunks, in_window, key=_segment_start, reverse=True)
+    segments: list[AgentMessageChunkRange | AgentMessage] = [
+        r for r in chunks if before is None or r.first_sequence < before]
+    segments.extend(in_window)
+    segments.sort(key=_segment_start, reverse=True)  # stable: equal starts keep the index's order
+    return iter(segments)
 
 
-def _segment_start(segment: tuple[int, AgentMessageChunkRange | AgentMessage]) -> int:
-    return segment[0]
+_first_sequence_of = operator.attrgetter("first_sequence")
+_last_sequence_of = operator.attrgetter("last_sequence")
+
+
+def _segment_start(segment: AgentMessageChunkRange | AgentMessage) -> int:
+    return segment.first_sequence if isinstance(segment, AgentMessageChunkRange) else segment.sequence
 
 
 def chunks_of_newest(
