@@ -15,6 +15,9 @@ from dex_engine import (
     Flow,
     InvalidValueError,
     LoadOptions,
+    LoadSpec,
+    NotLoadedError,
+    StaleAttemptError,
     Step,
     StepDecision,
     UndeclaredNameError,
@@ -153,3 +156,31 @@ async def test_a_heartbeats_checkpoint_is_the_attempts_checkpoint_from_then_on()
     await ctx.heartbeat("newer")
     assert ctx.checkpoint == "newer"
     assert beats == [None, "newer"]
+
+
+async def test_an_rpc_loads_map_instances_into_its_view_once() -> None:
+    """RpcContext.load adds instances to what get and items see, asks the store only for those not
+    loaded yet, refuses an undeclared attribute by name, and, like every write, a call after the
+    handler returned."""
+    asked: list[tuple[tuple[str, str], ...]] = []
+    stored = {("Points", k): encode_value("Points", Point, Point(x=n)) for n, k in enumerate("abc")}
+
+    async def load_more(spec: LoadSpec) -> dict[tuple[str, str], bytes]:
+        asked.append(spec.instances)
+        return {ident: stored[ident] for ident in spec.instances if ident in stored}
+
+    ctx = RpcContext(FLOW, "f1", {("Points", "a"): stored[("Points", "a")]}, LoadOptions.only(Points["a"]), {},
+                     "page", load_more=load_more)
+    assert ctx.items(Points) == {"a": Point(0)}
+    with pytest.raises(NotLoadedError):
+        ctx.get(Points["c"])
+    await ctx.load(Points["a"], Points["c"], Points["z"])
+    await ctx.load(Points["c"])
+    assert asked == [(("Points", "c"), ("Points", "z"))]
+    assert ctx.get(Points["c"]) == Point(2) and ctx.get(Points["z"]) is None
+    assert ctx.items(Points) == {"a": Point(0), "c": Point(2)}
+    with pytest.raises(UndeclaredNameError, match="Stray"):
+        await ctx.load(AttributeMap("Stray", int)["k"])
+    ctx.close("RPC 'page' returned")
+    with pytest.raises(StaleAttemptError, match="ctx.load after RPC 'page' returned"):
+        await ctx.load(Points["b"])
