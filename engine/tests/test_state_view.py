@@ -182,5 +182,5 @@ async def test_an_rpc_loads_map_instances_into_its_view_once() -> None:
     with pytest.raises(UndeclaredNameError, match="Stray"):
         await ctx.load(AttributeMap("Stray", int)["k"])
     ctx.close("RPC 'page' returned")
-    with pytest.raises(StaleAttemptError, match="ctx.load after RPC 'page' returned"):
+    with pytest.raises(StaleAttemptError, match=r"ctx\.load after RPC 'page' returned"):
         await ctx.load(Points["b"])
