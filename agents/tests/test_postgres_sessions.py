@@ -5,6 +5,11 @@ most on the store (a pending approval across a Worker's death, item 3; a single-
 killed mid-call, items 5 and 9; a model call killed mid-call, item 6), against TEST_PG_DSN's
 server, skipped loudly without it. PostgreSQL has its own commit path (dex_commit_execute), which
 resolves each scheduled Step's durability and hands out attempts by itself.
+
+The server-crash tests stop a private PostgreSQL instance at once (pg_ctl stop -m immediate) and
+start it again while a session waits for an approval, runs a write, receives an RPC, or sits idle:
+every connection (the Worker's, the client's, the listener's) dies together, and the server recovers
+from its WAL. The RPC cases place the crash at the RPC's COMMIT with test_pg_faults's PgProxy.
 """
 
 from __future__ import annotations
@@ -23,9 +28,23 @@ import pytest
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import INVOCATIONS, build_flow
 from engine.tests.conftest import pg_database, pg_databases  # noqa: F401 - the fixtures these tests use
-from engine.tests.test_pg_faults import terminate_backends
+from engine.tests.test_pg_faults import (  # noqa: F401 - private_pg: the fixture the crash tests use
+    PUBLISH_SQL,
+    PgProxy,
+    PrivateServer,
+    private_pg,
+    proxy_to,
+    terminate_backends,
+)
 
-from dex_agents import OUTCOME_UNKNOWN_TEXT, AgentSessionFlow, AgentSnapshot, AgentToolCallStatus, MessageRole
+from dex_agents import (
+    OUTCOME_UNKNOWN_TEXT,
+    AgentSessionClient,
+    AgentSessionFlow,
+    AgentSnapshot,
+    AgentToolCallStatus,
+    MessageRole,
+)
 from dex_agents.testing import (
     EXECUTE_COMPLETED_EVENT,
     AgentTestStack,
@@ -33,8 +52,10 @@ from dex_agents.testing import (
     InvocationLog,
     executed_steps,
     wait_for_agent_snapshot,
+    wait_until,
 )
-from dex_engine import StepDurability
+from dex_agents.testing._waiting import DEFAULT_WAIT_SECONDS
+from dex_engine import AsyncClient, AsyncWorker, Registry, StepDurability, WorkerOptions, open_store
 
 pytestmark = pytest.mark.slow
 
@@ -269,3 +290,177 @@ async def test_turns_under_a_storm_of_backend_terminations_run_each_call_once(pg
         starts = [(e["tool_call_id"], e["attempt"]) for e in log.entries("tool_start", flow_id=session_id)]
         expected = sorted((f"{kind}{turn}", 1) for turn in range(1, 4) for kind in "irw")
         assert sorted(starts) == expected, session_id
+
+
+# Server crashes: the whole PostgreSQL server stops at once (pg_ctl stop -m immediate) and starts
+# again, on a private instance (engine/tests/test_pg_faults.py's PrivateServer), never the shared one.
+# Every connection of the Worker, the client and the listener dies at once, and the server recovers
+# from its WAL: what each test checks survives that, not only one connection's death.
+
+
+@pytest.fixture
+async def crash_stack(tmp_path: Path, private_pg: PrivateServer) -> AsyncIterator[AgentTestStack]:  # noqa: F811
+    url = await asyncio.to_thread(private_pg.create_database)
+    async with AgentTestStack(tmp_path, [build_flow(tmp_path)], WORKER_MODULE, worker_cwd=REPO_ROOT,
+                              database_url=url) as stack:
+        yield stack
+
+
+async def _crash(server: PrivateServer) -> None:
+    await asyncio.to_thread(server.crash_and_restart)
+
+
+async def _answers_next_message(sessions: AgentSessionClient, session_id: str, turn: int) -> None:
+    """The session still works: a plain message sent now is answered as turn `turn`."""
+    assert await sessions.send_user_message(session_id, f"after the crash {turn}")
+    snapshot = await wait_for_agent_snapshot(sessions, session_id, _turns_ended(turn),
+                                             description=f"turn {turn}'s end after the crash")
+    assert snapshot.messages[-1].text == f"echo: after the crash {turn}"
+
+
+async def test_an_approval_pending_across_a_server_crash_is_resolved_right_after_it(
+    crash_stack: AgentTestStack, private_pg: PrivateServer,  # noqa: F811
+) -> None:
+    """The server crashes while the session waits for the write's approval; the approval is sent
+    the moment the server is back (the client's pooled connections all dead): it returns True, the
+    write runs once and the turn ends, on the same Worker. Catches: an approval lost or refused
+    after a crash (the pending interrupt or its wait not durable), a Worker that never resumes the
+    waiting turn, or a write run twice."""
+    sessions = crash_stack.sessions(cast(AgentSessionFlow, crash_stack.flows[0]))
+    log = InvocationLog(crash_stack.state_dir / INVOCATIONS)
+    worker = await crash_stack.start_worker()
+    await sessions.start_session("a1", _script(
+        {"tools": [{"id": "c1", "name": "read_orders", "args": {}},
+                   {"id": "c2", "name": "write_refund", "args": {"amount": 5}}]},
+        {"answer": "done {results}"},
+    ))
+    await wait_for_agent_snapshot(sessions, "a1", _pending("c2"), description="the approval")
+    await _crash(private_pg)
+    assert await sessions.resolve_interrupt("a1", "c2", approved=True)
+    snapshot = await wait_for_agent_snapshot(sessions, "a1", _turns_ended(1), description="the turn's end")
+    assert snapshot.messages[-1].text == "done c1=read_orders done; c2=write_refund done"
+    assert log.count("tool_start", flow_id="a1", tool_call_id="c2") == 1
+    assert log.count("tool_start", flow_id="a1", tool_call_id="c1") == 1
+    await _answers_next_message(sessions, "a1", 2)
+    assert worker.alive, worker.log_tail()
+
+
+@pytest.mark.parametrize("released", ["after_restart", "while_down"])
+async def test_a_write_mid_call_in_a_server_crash_runs_once(
+    crash_stack: AgentTestStack, private_pg: PrivateServer, released: str,  # noqa: F811
+) -> None:
+    """The server crashes while a single-attempt write is inside its call; the call then returns
+    after the server is back (after_restart), or while it is still down, so that the Step's commit
+    meets a dead server (while_down). The write ran once: the session records its result, or
+    outcome_unknown if its attempt could not commit, and is never run again. Catches: a started
+    single-attempt Step handed out again after a crash (its started mark lost), a commit lost to the
+    outage and the call silently retried, or a Worker that stops serving the session."""
+    sessions = crash_stack.sessions(cast(AgentSessionFlow, crash_stack.flows[0]))
+    log = InvocationLog(crash_stack.state_dir / INVOCATIONS)
+    gate = FileGate(crash_stack.state_dir, "w.write")
+    worker = await crash_stack.start_worker()
+    await sessions.start_session("w", _script(
+        {"tools": [{"id": "w1", "name": "write_refund", "args": {"gate": "w.write"}}]},
+        {"answer": "{results}"},
+    ))
+    await wait_for_agent_snapshot(sessions, "w", _pending("w1"), description="the approval")
+    assert await sessions.resolve_interrupt("w", "w1", approved=True)
+    assert await gate.wait_until_reached() == worker.pid
+    if released == "after_restart":
+        await _crash(private_pg)
+        gate.release()
+    else:
+        await asyncio.to_thread(private_pg.crash)
+        gate.release()
+        await wait_until("the write to return while the server is down",
+                         lambda: log.count("tool_end", flow_id="w") == 1)
+        await asyncio.to_thread(private_pg.start)
+    snapshot = await wait_for_agent_snapshot(sessions, "w", _turns_ended(1), description="the turn's end")
+    assert snapshot.messages[-1].text in ("w1=write_refund done", f"w1={OUTCOME_UNKNOWN_TEXT}"), snapshot.messages
+    assert log.count("tool_start", flow_id="w", tool_call_id="w1") == 1
+    await _answers_next_message(sessions, "w", 2)
+    assert worker.alive, worker.log_tail()
+
+
+@contextlib.asynccontextmanager
+async def _sessions_through(proxy: PgProxy, stack: AgentTestStack) -> AsyncIterator[AgentSessionClient]:
+    """A second client of the stack's sessions whose connections go through `proxy`."""
+    # Opened on a thread: it connects synchronously, through a proxy that needs this event loop.
+    store = await asyncio.to_thread(open_store, proxy.url(stack.database_url))
+    try:
+        yield AgentSessionClient(AsyncClient(Registry(stack.flows), store=store),
+                                 cast(AgentSessionFlow, stack.flows[0]))
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("commit", ["lost", "reply_lost"])
+@pytest.mark.parametrize("call", ["send_user_message", "resolve_interrupt"])
+async def test_an_rpc_in_flight_in_a_server_crash_is_applied_once(
+    crash_stack: AgentTestStack, private_pg: PrivateServer, call: str, commit: str,  # noqa: F811
+) -> None:
+    """A client's send_user_message or resolve_interrupt has sent its COMMIT when the server
+    crashes: before the COMMIT reached it (lost: the transaction is gone, its ID handed out again
+    after the restart), or after it committed but before its reply came back (reply_lost). Either
+    way the call returns True once the server is back, and its effect is there exactly once: the
+    message answered in one turn, the write approved and run once. Catches: a message delivered
+    twice (a committed RPC run again), a resolved interrupt reported False (its rerun finds it no
+    longer pending), or a lost RPC reported done."""
+    sessions = crash_stack.sessions(cast(AgentSessionFlow, crash_stack.flows[0]))
+    log = InvocationLog(crash_stack.state_dir / INVOCATIONS)
+    worker = await crash_stack.start_worker()
+    await sessions.start_session("r", _script(
+        {"tools": [{"id": "w1", "name": "write_refund", "args": {}}]},
+        {"answer": "{results}"},
+    ))
+    await wait_for_agent_snapshot(sessions, "r", _pending("w1"), description="the approval")
+    if call == "send_user_message":
+        # Queued behind the waiting turn: the RPC's commit is all that delivers it.
+        assert await sessions.resolve_interrupt("r", "w1", approved=True)
+    async with proxy_to(crash_stack.database_url) as proxy, _sessions_through(proxy, crash_stack) as proxied:
+        # The COMMIT of the RPC's publish: the message queued, or the approval sent to the Step.
+        rule = proxy.arm("hold" if commit == "lost" else "cut", *PUBLISH_SQL, param="r", hold_new_after=True)
+        if call == "send_user_message":
+            rpc = asyncio.create_task(proxied.send_user_message("r", "queued"))
+        else:
+            rpc = asyncio.create_task(proxied.resolve_interrupt("r", "w1", approved=True))
+        await asyncio.wait_for(asyncio.shield(rule.hit), DEFAULT_WAIT_SECONDS)
+        await _crash(private_pg)
+        rule.release()
+        proxy.admit.set()
+        assert await asyncio.wait_for(rpc, DEFAULT_WAIT_SECONDS) is True
+        assert rule.reply == (b"" if commit == "lost" else b"C"), f"the COMMIT was not {commit}: {rule}"
+    turns = 2 if call == "send_user_message" else 1
+    snapshot = await wait_for_agent_snapshot(sessions, "r", _turns_ended(turns), description="the turns' end")
+    assert snapshot.messages[-1].text == ("echo: queued" if turns == 2 else "w1=write_refund done")
+    users = [m.text for m in snapshot.messages if m.role is MessageRole.USER]
+    assert users[1:] == (["queued"] if turns == 2 else []), users
+    assert snapshot.queued_messages == [], snapshot.queued_messages
+    assert log.count("tool_start", flow_id="r", tool_call_id="w1") == 1
+    await _answers_next_message(sessions, "r", turns + 1)
+    assert worker.alive, worker.log_tail()
+
+
+# Worker options under which only a notification (or the listener's call after it reconnects)
+# wakes an idle Worker within a test's wait: housekeeping and lease renewal far apart.
+QUIET_WORKER_SECONDS = {"housekeeping_seconds": 300.0, "lease_ttl_seconds": 600.0, "lease_renew_seconds": 200.0}
+
+
+async def test_an_idle_worker_answers_a_message_sent_after_a_server_crash(
+    tmp_path: Path, private_pg: PrivateServer,  # noqa: F811
+) -> None:
+    """The Worker is idle, every session waiting for a message, when the server crashes; after the
+    restart a message is answered without waiting for housekeeping (far apart here): the Worker's
+    listener reconnects and hears the message's NOTIFY. Catches: a listener that stays dead after
+    the server's restart (or gives up), leaving sessions unanswered until the next housekeeping,
+    and a Worker that does not survive the crash."""
+    url = await asyncio.to_thread(private_pg.create_database)
+    flow = build_flow(tmp_path)
+    options = WorkerOptions(database_url=url, poll_seconds=0.01, **QUIET_WORKER_SECONDS)
+    async with AsyncClient(Registry([flow]), url) as client, AsyncWorker(Registry([flow]), options):
+        sessions = AgentSessionClient(client, flow)
+        await sessions.start_session("idle", "before")
+        snapshot = await wait_for_agent_snapshot(sessions, "idle", _turns_ended(1), description="turn 1's end")
+        assert snapshot.messages[-1].text == "echo: before"
+        await _crash(private_pg)
+        await _answers_next_message(sessions, "idle", 2)
