@@ -55,7 +55,16 @@ from dex_agents.testing import (
     wait_until,
 )
 from dex_agents.testing._waiting import DEFAULT_WAIT_SECONDS
-from dex_engine import AsyncClient, AsyncWorker, Registry, StepDurability, WorkerOptions, open_store
+from dex_engine import (
+    AsyncClient,
+    AsyncWorker,
+    InvalidResumeTokenError,
+    Registry,
+    StepDurability,
+    StreamRead,
+    WorkerOptions,
+    open_store,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -464,3 +473,42 @@ async def test_an_idle_worker_answers_a_message_sent_after_a_server_crash(
         assert snapshot.messages[-1].text == "echo: before"
         await _crash(private_pg)
         await _answers_next_message(sessions, "idle", 2)
+
+
+
+async def test_an_event_reader_past_events_a_server_crash_lost_is_told_so(
+    crash_stack: AgentTestStack, private_pg: PrivateServer,  # noqa: F811
+) -> None:
+    """A reader follows the session's events up to a model call's live text_delta, a best-effort
+    event written without fsync; the server crashes and loses it, and the events the turn commits
+    after the restart take its sequence. Reading on from that token raises InvalidResumeTokenError
+    saying so, and a read from the start has the turn's end. Catches: the reader's next read
+    skipping the events numbered again (usage_recorded here; a turn_completed or interrupt_raised
+    after a longer stream of deltas, leaving a chat waiting for ever)."""
+    sessions = crash_stack.sessions(cast(AgentSessionFlow, crash_stack.flows[0]))
+    gate = FileGate(crash_stack.state_dir, "ev.model")
+    await crash_stack.start_worker()
+    await sessions.start_session("ev", _script({"answer": "done", "gate": "ev.model"}))
+    await gate.wait_until_reached()
+
+    async def read_to_delta() -> StreamRead | None:
+        read = await sessions.read_agent_events("ev")
+        return read if any(e.value.type == "text_delta" for e in read.events) else None
+
+    seen: StreamRead = await wait_until("the model call's text_delta", read_to_delta)
+    assert [e.value.type for e in seen.events] == ["turn_started", "text_delta"]
+    # A read with nothing new hands back a token of the same position, which must tell the same.
+    same = await sessions.read_agent_events("ev", seen.resume_token)
+    assert same.events == []
+    await _crash(private_pg)
+    gate.release()
+    await wait_for_agent_snapshot(sessions, "ev", _turns_ended(1), description="the turn's end")
+    everything = await sessions.read_agent_events("ev")
+    assert [e.value.type for e in everything.events] == ["turn_started", "usage_recorded", "turn_completed"], (
+        "the text_delta survived the crash: the scenario needs it lost")
+    for token in (seen.resume_token, same.resume_token):
+        with pytest.raises(InvalidResumeTokenError, match=r"^resume token is past the events stream 'AgentEvents' "
+                           r"of flow 'ev' still has: its event 2 is gone or another event now, so a database crash "):
+            await sessions.read_agent_events("ev", token, wait_seconds=5)
+    # A token of the events as they are now reads on as usual.
+    assert (await sessions.read_agent_events("ev", everything.resume_token)).events == []

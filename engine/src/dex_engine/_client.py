@@ -48,7 +48,7 @@ from ._records import FlowInfo, FlowStatus, HistoryEntry, MovementRecord, StartR
 from ._scheduling import movement_record, start_record
 from ._schema import AttributeMap, AttributeRef, ChannelRef, Stream
 from ._store import Store
-from ._tokens import check_incarnation, make_token, read_token
+from ._tokens import check_incarnation, check_not_rewound, event_digest, make_token, read_token
 from ._transitions import FlowTypeChanged, RpcVersionChanged
 
 T = TypeVar("T")
@@ -570,8 +570,10 @@ class AsyncClient:
         while True:
             page = await self._store.read_events(flow_id, declared.name, after, limit, flow.flow_type)
             if position is not None:
-                # Each page: the flow may be deleted and started again while this reader waits.
+                # Each page: the flow may be deleted and started again while this reader waits, or
+                # the database crash and lose the events this reader saw last.
                 check_incarnation(position, flow_id, page.flow_started_ms)
+                check_not_rewound(position, flow_id, declared.name, page)
             if page.events or page.flow_closed or time.monotonic() >= deadline:
                 break
             await self._stream_watch().wait(flow_id, declared.name, after, page.flow_started_ms,
@@ -583,8 +585,12 @@ class AsyncClient:
         ]
         last = events[-1].sequence if events else max(after, page.next_sequence - 1)
         trimmed = bool(events) and events[0].sequence > after + 1
-        return StreamRead(events, make_token(self._secret, flow_id, declared.name, last, page.flow_started_ms), trimmed,
-                          page.flow_closed)
+        if page.events:
+            digest: str | None = event_digest(page.events[-1])
+        else:  # the same position (its event checked above), or past trimmed ones, where none is kept
+            digest = position.digest if position is not None and last == after else None
+        token = make_token(self._secret, flow_id, declared.name, last, page.flow_started_ms, digest)
+        return StreamRead(events, token, trimmed, page.flow_closed)
 
     def _stream_watch(self) -> _StreamWatch:
         loop = asyncio.get_running_loop()

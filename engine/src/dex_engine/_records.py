@@ -198,6 +198,9 @@ class EventPage:
     first_sequence: int  # oldest sequence still stored (trimming)
     flow_started_ms: int  # the flow's created_at: tells it from an earlier flow of its ID (resume tokens)
     flow_closed: bool  # closed when read: a closed flow's streams take no more events (its tasks are gone)
+    # The event at the sequence read after, when it is still stored: a resume token's holder saw it,
+    # and another event there means a crash lost it and its sequence was handed out again.
+    at_after: StoredEvent | None = None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import msgspec
 
 from ._errors import InvalidResumeTokenError, shown
+from ._records import EventPage, StoredEvent
 
 
 class _Position(msgspec.Struct, frozen=True, array_like=True):
@@ -25,16 +26,33 @@ class _Position(msgspec.Struct, frozen=True, array_like=True):
     # None in a token made before tokens named it: it cannot be told from one of the current flow,
     # so it is read as then (docs/engine.md, "Deleting closed flows and retention").
     started_ms: int | None = None
+    # A digest of the event at `sequence`, the last one the holder saw (None: it saw none there, or
+    # the token predates digests): a database crash may lose events a reader already saw (best-effort
+    # ones are written without fsync) and hand their sequences to later events, which a token
+    # holding only the sequence would skip.
+    digest: str | None = None
 
 
 @dataclass(frozen=True)
 class TokenPosition:
     sequence: int  # the last sequence the token's holder has seen
     started_ms: int | None  # the flow's created_at when the token was made (None: an older token)
+    digest: str | None = None  # event_digest of the event the holder saw at `sequence`, if any
 
 
-def make_token(secret: bytes, flow_id: str, stream: str, sequence: int, started_ms: int) -> str:
-    position = _Position(flow_id, stream, sequence, started_ms)
+def event_digest(event: StoredEvent) -> str:
+    """A short digest of a stored event, all of it: whether the event at a sequence is still the one
+    a reader saw."""
+    h = hashlib.sha256()
+    for part in (str(event.sequence).encode(), event.step_execution_id.encode(), str(event.attempt).encode()):
+        h.update(len(part).to_bytes(8, "big") + part)
+    h.update(event.value)
+    return base64.urlsafe_b64encode(h.digest()[:12]).decode()
+
+
+def make_token(secret: bytes, flow_id: str, stream: str, sequence: int, started_ms: int,
+               digest: str | None = None) -> str:
+    position = _Position(flow_id, stream, sequence, started_ms, digest)
     body = base64.urlsafe_b64encode(msgspec.json.encode(position)).rstrip(b"=")
     mac = hmac.new(secret, body, hashlib.sha256).digest()[:16]
     return (body + b"." + base64.urlsafe_b64encode(mac).rstrip(b"=")).decode()
@@ -61,7 +79,7 @@ def read_token(secret: bytes, token: str, flow_id: str, stream: str) -> TokenPos
             f"resume token belongs to flow {position.flow_id!r} stream {position.stream!r}, "
             f"not flow {flow_id!r} stream {stream!r}"
         )
-    return TokenPosition(position.sequence, position.started_ms)
+    return TokenPosition(position.sequence, position.started_ms, position.digest)
 
 
 def check_incarnation(position: TokenPosition, flow_id: str, started_ms: int) -> None:
@@ -71,3 +89,20 @@ def check_incarnation(position: TokenPosition, flow_id: str, started_ms: int) ->
             f"resume token belongs to an earlier flow {flow_id!r}, which was deleted and started again; "
             "its positions mean nothing in the new one: read from the start (resume_token=None)"
         )
+
+
+def check_not_rewound(position: TokenPosition, flow_id: str, stream: str, page: EventPage) -> None:
+    """Refuses a token whose last event is no longer stored as its holder saw it, though not trimmed:
+    a database crash lost it (with the events the holder saw after the last durable commit) and its
+    sequence, and maybe later ones, went to new events. Reading on after the token would skip those
+    silently (a turn's end, say) and a long poll would wait for a sequence already past."""
+    if position.digest is None or position.sequence < page.first_sequence:
+        return  # no event to compare, or trimmed (capacity): `trimmed` tells the reader
+    if page.at_after is not None and event_digest(page.at_after) == position.digest:
+        return
+    raise InvalidResumeTokenError(
+        f"resume token is past the events stream {stream!r} of flow {flow_id!r} still has: its event "
+        f"{position.sequence} is gone or another event now, so a database crash lost events this reader "
+        "saw and later events took their sequences; read from the start (resume_token=None) and rebuild "
+        "from the flow's state"
+    )

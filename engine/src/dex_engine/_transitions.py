@@ -1325,14 +1325,17 @@ def read_events(db: Db, flow_id: str, stream: str, after: int, limit: int,
     first = _first_sequence(db, flow_id, stream)
     if first is None:
         return EventPage([], 1, 1, started, closed)
+    # From `after` itself, in the same statement: the reader's last event, to tell it is still there.
     rows = db.all(
         "SELECT seq, step_execution_id, attempt, value FROM stream_events "
-        "WHERE flow_id = ? AND stream = ? AND seq > ? ORDER BY seq LIMIT ?",
-        (flow_id, stream, after, limit),
+        "WHERE flow_id = ? AND stream = ? AND seq >= ? ORDER BY seq LIMIT ?",
+        (flow_id, stream, after, limit + 1),
     )
     events = [StoredEvent(int(r[0]), str(r[1]), int(r[2]), bytes(r[3])) for r in rows]
+    at_after = events.pop(0) if events and events[0].sequence == after else None
+    events = events[:limit]
     next_seq = events[-1].sequence + 1 if events else max(after + 1, first)
-    return EventPage(events, next_seq, first, started, closed)
+    return EventPage(events, next_seq, first, started, closed, at_after)
 
 
 # The newest sequence of each (flow, stream) of a JSON array of [flow, stream] pairs, by its index
