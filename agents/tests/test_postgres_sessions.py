@@ -512,3 +512,47 @@ async def test_an_event_reader_past_events_a_server_crash_lost_is_told_so(
             await sessions.read_agent_events("ev", token, wait_seconds=5)
     # A token of the events as they are now reads on as usual.
     assert (await sessions.read_agent_events("ev", everything.resume_token)).events == []
+
+
+async def test_a_long_poll_across_a_server_crash_returns_the_next_turns_events(
+    crash_stack: AgentTestStack, private_pg: PrivateServer,  # noqa: F811
+) -> None:
+    """A reader long-polls the idle session's events when the server crashes; a message sent after
+    the restart starts a turn, and the same long poll returns its events. Catches: a long poll that
+    raises the lost connection to its caller, or sleeps through the turn (its watcher dead)."""
+    sessions = crash_stack.sessions(cast(AgentSessionFlow, crash_stack.flows[0]))
+    await crash_stack.start_worker()
+    await sessions.start_session("lp", "before")
+    await wait_for_agent_snapshot(sessions, "lp", _turns_ended(1), description="turn 1's end")
+    end = (await sessions.read_agent_events("lp")).resume_token
+    poll = asyncio.create_task(sessions.read_agent_events("lp", end, wait_seconds=DEFAULT_WAIT_SECONDS))
+    await asyncio.sleep(0.2)  # the poll waits (a poll not yet waiting passes the test all the same)
+    await _crash(private_pg)
+    assert not poll.done(), poll
+    assert await sessions.send_user_message("lp", "after")
+    read = await asyncio.wait_for(poll, DEFAULT_WAIT_SECONDS)
+    assert read.events and read.events[0].value.type == "turn_started", read
+
+
+
+async def test_a_model_call_mid_call_in_a_server_crash_is_paid_once(
+    crash_stack: AgentTestStack, private_pg: PrivateServer,  # noqa: F811
+) -> None:
+    """The server crashes while a model call runs (after its heartbeat, so it counts as started);
+    it returns after the restart, and its Worker commits it: the model was called once, and the
+    turn ends with its answer. Catches: a model call run (and paid) again after a crash its attempt
+    lived through, or a Worker whose lease the crash cost it."""
+    sessions = crash_stack.sessions(cast(AgentSessionFlow, crash_stack.flows[0]))
+    log = InvocationLog(crash_stack.state_dir / INVOCATIONS)
+    gate = FileGate(crash_stack.state_dir, "m.model")
+    worker = await crash_stack.start_worker()
+    await sessions.start_session("m", _script({"answer": "paid once", "gate": "m.model", "heartbeat": True}))
+    assert await gate.wait_until_reached() == worker.pid
+    await _crash(private_pg)
+    gate.release()
+    snapshot = await wait_for_agent_snapshot(sessions, "m", _turns_ended(1), description="the turn's end")
+    assert snapshot.messages[-1].text == "paid once"
+    assert [(e["step"], e["attempt"]) for e in log.entries("model", flow_id="m", turn_id="turn-1")] == [(0, 1)]
+    assert snapshot.usage.model_calls == 1
+    await _answers_next_message(sessions, "m", 2)
+    assert worker.alive, worker.log_tail()
