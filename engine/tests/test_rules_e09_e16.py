@@ -528,6 +528,36 @@ async def test_e11_sequences_and_resume_tokens(db_url: str) -> None:
         assert [e.sequence for e in rest.events] == [3, 4, 5, 6]
 
 
+async def test_e11_a_token_whose_event_a_crash_replaced_is_refused(db_url: str) -> None:
+    """E11: a database crash can lose the last events a reader saw (best-effort ones are written
+    without fsync) and give their sequences to later events. A token whose event is another one now
+    (here the stored event is replaced by hand, as that crash leaves it) is refused with
+    InvalidResumeTokenError, also by a long poll and through a token an empty read handed back;
+    the events kept before it still resume. Catches: a reader that reads on after the token and
+    silently skips the events that took the lost sequences."""
+    async with engine_for(db_url, Registry([STREAMS_FLOW])) as eng:
+        c = eng.client
+        await c.start_flow("Streams", "s1")
+        await c.rpc("s1", "append", ["a", "b", "c"])
+        kept = await c.read_stream("s1", Events, limit=2)
+        seen = await c.read_stream("s1", Events, kept.resume_token)
+        same = await c.read_stream("s1", Events, seen.resume_token)
+        assert [e.value for e in seen.events] == ["c"] and same.events == []
+
+        def replace_third(db: Any) -> None:
+            db.run("UPDATE stream_events SET value = ? WHERE flow_id = ? AND stream = ? AND seq = 3",
+                   (json.dumps("after the crash").encode(), "s1", "Events"))
+
+        await eng.store.raw(replace_third, write=True)
+        for token in (seen.resume_token, same.resume_token):
+            with pytest.raises(InvalidResumeTokenError, match=r"^resume token is past the events stream 'Events' of "
+                               r"flow 's1' still has: its event 3 is gone or another event now, so a database "
+                               r"crash lost events this reader saw"):
+                await c.read_stream("s1", Events, token, wait_seconds=5)
+        rest = await c.read_stream("s1", Events, kept.resume_token)
+        assert [(e.sequence, e.value) for e in rest.events] == [(3, "after the crash")]
+
+
 async def test_e11_long_poll_returns_when_an_event_is_appended(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """E11: a read with wait_seconds and nothing new long-polls and returns the event as soon as it is
     appended, long before its wait ends. Catches: long-polls that return empty at once, or only at
