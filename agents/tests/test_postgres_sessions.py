@@ -30,6 +30,7 @@ from agents.tests.scripted_agent import INVOCATIONS, build_flow
 from engine.tests.conftest import pg_database, pg_databases  # noqa: F401 - the fixtures these tests use
 from engine.tests.test_pg_faults import (  # noqa: F401 - private_pg: the fixture the crash tests use
     PUBLISH_SQL,
+    START_SQL,
     PgProxy,
     PrivateServer,
     private_pg,
@@ -448,6 +449,31 @@ async def test_an_rpc_in_flight_in_a_server_crash_is_applied_once(
     assert log.count("tool_start", flow_id="r", tool_call_id="w1") == 1
     await _answers_next_message(sessions, "r", turns + 1)
     assert worker.alive, worker.log_tail()
+
+
+@pytest.mark.parametrize("commit", ["lost", "reply_lost"])
+async def test_a_session_start_in_flight_in_a_server_crash_starts_it_once(
+    crash_stack: AgentTestStack, private_pg: PrivateServer, commit: str,  # noqa: F811
+) -> None:
+    """start_session has sent its COMMIT when the server crashes, before the COMMIT reached it or
+    before its reply came back: it returns once the server is back (no FlowAlreadyStartedError for
+    its own start), and the session answers its initial message once. Catches: a committed start
+    run again (refused as already started), or a lost one reported done."""
+    sessions = crash_stack.sessions(cast(AgentSessionFlow, crash_stack.flows[0]))
+    await crash_stack.start_worker()
+    async with proxy_to(crash_stack.database_url) as proxy, _sessions_through(proxy, crash_stack) as proxied:
+        rule = proxy.arm("hold" if commit == "lost" else "cut", *START_SQL, param="st", hold_new_after=True)
+        start = asyncio.create_task(proxied.start_session("st", "hello"))
+        await asyncio.wait_for(asyncio.shield(rule.hit), DEFAULT_WAIT_SECONDS)
+        await _crash(private_pg)
+        rule.release()
+        proxy.admit.set()
+        assert await asyncio.wait_for(start, DEFAULT_WAIT_SECONDS) is None
+        assert rule.reply == (b"" if commit == "lost" else b"C"), f"the COMMIT was not {commit}: {rule}"
+    snapshot = await wait_for_agent_snapshot(sessions, "st", _turns_ended(1), description="turn 1's end")
+    assert [(m.role, m.text) for m in snapshot.messages] == [(MessageRole.USER, "hello"),
+                                                            (MessageRole.ASSISTANT, "echo: hello")]
+    await _answers_next_message(sessions, "st", 2)
 
 
 # Worker options under which only a notification (or the listener's call after it reconnects)
