@@ -729,17 +729,25 @@ async def test_a_server_error_is_one_request_and_raises(
     assert [r.path for r in provider.received] == [path]
 
 
+@pytest.mark.parametrize("source", ["api_key_provider", "environment"])
 @pytest.mark.parametrize("api", ["responses", "chat"])
 async def test_a_provider_error_echoing_the_api_key_is_kept_without_it(
-    provider: FakeProvider, api: str, tmp_path: Path, db_url: str  # noqa: F811
+    provider: FakeProvider, api: str, source: str, tmp_path: Path, db_url: str,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A provider whose 401 quotes the key api_key_provider gave (and the Authorization header) fails
-    the turn with *** for it in the turn's error, the turn_failed event and the flow's history,
-    the error's type kept. Catches: the key stored in the database, for anyone who reads it."""
+    """A provider whose 401 quotes the key (and the Authorization header), whether api_key_provider
+    gave it or LiteLLM read it from the provider's environment variable, fails the turn with *** for
+    it in the turn's error, the turn_failed event and the flow's history, the error's type kept.
+    Catches: the key stored in the database, for anyone who reads it; a key from the environment,
+    the way most Workers set one, was kept whole."""
     key = "sk-live-hunter2-0123456789"
     path = RESPONSES_PATH if api == "responses" else CHAT_PATH
-    model = LiteLLMModelClient("openai/gpt-5" if api == "responses" else "hosted_vllm/test-model",
-                               api_base=provider.url + "/v1", api_key_provider=lambda: key)
+    model_name = "openai/gpt-5" if api == "responses" else "hosted_vllm/test-model"
+    if source == "environment":
+        monkeypatch.setenv("OPENAI_API_KEY" if api == "responses" else "HOSTED_VLLM_API_KEY", key)
+        model = LiteLLMModelClient(model_name, api_base=provider.url + "/v1")
+    else:
+        model = LiteLLMModelClient(model_name, api_base=provider.url + "/v1", api_key_provider=lambda: key)
     echo = {"error": {"message": f"Incorrect API key provided: {key}; Authorization: Bearer {key}",
                       "type": "invalid_request_error"}}
     provider.queue(path, Reply(401, json.dumps(echo).encode(), "application/json"))
@@ -747,6 +755,7 @@ async def test_a_provider_error_echoing_the_api_key_is_kept_without_it(
         await model.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
     assert key not in str(raised.value) and "Incorrect API key provided: ***" in str(raised.value)
     assert key not in "".join(traceback.format_exception(raised.value))  # as a Worker's log would print it
+    assert provider.received[0].headers["authorization"] == f"Bearer {key}"  # the key the call sent
 
     provider.queue(path, Reply(401, json.dumps(echo).encode(), "application/json"))
     agent = AgentDefinition(name="litellm-agent", model=model, instructions="")

@@ -13,7 +13,10 @@ On Chat Completions, and for another API's calls, a past tool call's arguments t
 replay as `{}` (the session failed that call; some providers refuse such a request).
 
 Credentials come from the Worker's environment, as LiteLLM reads it, or from `api_key_provider`; never
-from the request. An error that quotes the key `api_key_provider` gave is raised with *** for it.
+from the request. An error that quotes the key `api_key_provider` gave, or the value of an environment
+variable named like a credential (`OPENAI_API_KEY`, `AWS_SECRET_ACCESS_KEY`, ...; one of at least 8
+characters) or of a LiteLLM key setting (`litellm.api_key`, `litellm.anthropic_key`, ...), is raised with
+*** for it.
 LiteLLM fetches its model cost map over the network when imported, unless
 `LITELLM_LOCAL_MODEL_COST_MAP=True` (or `LITELLM_OFFLINE_MODE=true`) is set in the environment.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import re
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -35,6 +39,7 @@ except ImportError as error:  # pragma: no cover - exercised by a subprocess tes
         "dex_agents.litellm needs the LiteLLM package: install dex-agents[litellm] (pip install 'dex-agents[litellm]')"
     ) from error
 
+from ._constants import MIN_HIDDEN_ENVIRONMENT_SECRET_CHARS
 from ._policy import shown
 from ._runner import ModelCallMetadata
 from ._wire import AgentUsage
@@ -272,12 +277,14 @@ class LiteLLMModelClient:
             return await self._call_chat(request, output, kwargs)
         except Exception as error:
             # A provider may echo the key (or the Authorization header) in its error, and the error's
-            # text is kept in the flow's history and the turn's failure, and logged.
-            if key is not None:
-                _hide_key(error, key)
+            # text is kept in the flow's history and the turn's failure, and logged. The key may be
+            # one LiteLLM read from the environment or its own settings, not api_key_provider's.
+            secrets = _secrets(key)
+            if secrets:
+                _hide_secrets(error, secrets)
                 text = _text_of(error)
-                if key in text:  # an exception whose text comes from elsewhere
-                    raise RuntimeError(f"{type(error).__name__}: {text.replace(key, '***')}") from None
+                if any(secret in text for secret in secrets):  # an exception whose text comes from elsewhere
+                    raise RuntimeError(f"{type(error).__name__}: {_hidden(text, secrets)}") from None
             raise
 
     # The Responses API -------------------------------------------------------------------------
@@ -587,19 +594,46 @@ def _is_reasoning(item: str) -> bool:
     return isinstance(raw, dict) and raw.get("type") == "reasoning"
 
 
-def _hide_key(error: BaseException, key: str) -> None:
-    """Write `key` as *** in the text of `error` and of the errors it was raised from: its args and
-    the message attributes LiteLLM's and the OpenAI SDK's exceptions build their text from."""
+# An environment variable whose name says it holds a credential: LiteLLM reads provider keys from
+# such variables (OPENAI_API_KEY, ANTHROPIC_AUTH_TOKEN, AWS_SECRET_ACCESS_KEY, AZURE_AD_TOKEN, ...).
+_SECRET_NAME: Final = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
+# A LiteLLM module setting that holds a key (litellm.api_key, litellm.openai_key, ...); its
+# constants are upper case.
+_LITELLM_SECRET_SETTING: Final = re.compile(r"[a-z0-9_]*(?:key|token|secret|password|credentials?)")
+
+
+def _secrets(key: str | None) -> list[str]:
+    """Every credential the call may have sent, longest first (one may hold another): `key`, and the
+    values LiteLLM may have read one from, those of MIN_HIDDEN_ENVIRONMENT_SECRET_CHARS or more."""
+    found = {key} if key else set()
+    candidates = [value for name, value in os.environ.items() if _SECRET_NAME.search(name)]
+    candidates += [value for name, value in vars(litellm).items()
+                   if isinstance(value, str) and _LITELLM_SECRET_SETTING.fullmatch(name)]
+    found.update(value for value in candidates if len(value) >= MIN_HIDDEN_ENVIRONMENT_SECRET_CHARS)
+    return sorted(found, key=len, reverse=True)
+
+
+def _hidden(text: str, secrets: Sequence[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+def _hide_secrets(error: BaseException, secrets: Sequence[str]) -> None:
+    """Write each of `secrets` as *** in the text of `error` and of the errors it was raised from: its
+    args and the message attributes LiteLLM's and the OpenAI SDK's exceptions build their text from."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        current.args = tuple(arg.replace(key, "***") if isinstance(arg, str) else arg for arg in current.args)
+        current.args = tuple(_hidden(arg, secrets) if isinstance(arg, str) else arg for arg in current.args)
         for name in ("message", "litellm_debug_info"):
             value = getattr(current, name, None)
-            if isinstance(value, str) and key in value:
-                with contextlib.suppress(AttributeError, TypeError):
-                    setattr(current, name, value.replace(key, "***"))
+            if isinstance(value, str):
+                hidden = _hidden(value, secrets)
+                if hidden != value:
+                    with contextlib.suppress(AttributeError, TypeError):
+                        setattr(current, name, hidden)
         current = current.__cause__ or current.__context__
 
 
