@@ -774,6 +774,21 @@ async def test_a_provider_error_echoing_the_api_key_is_kept_without_it(
     assert not [text for text in stored if key in text or "hunter2" in text]
 
 
+@pytest.mark.parametrize("key", ["sk-live-0123456789\n", "sk-live-0123456789\r\n"])
+async def test_a_key_with_a_line_break_is_refused_naming_the_cause(provider: FakeProvider, key: str) -> None:
+    """A key from api_key_provider with a newline (read whole from a file or a secret store) is
+    refused before any request, saying what to do. Catches: the HTTP client refusing the header as
+    an injection attempt, raised as the provider's InternalServerError, which names neither the key
+    nor a fix, on every attempt."""
+    for model in (chat_client(provider), openai_client(provider)):
+        keyed = LiteLLMModelClient(model.model, api_base=model.api_base, api_key_provider=lambda: key)
+        with pytest.raises(ValueError, match=r"api_key_provider returned an API key with whitespace.*\.strip\(\)"
+                           ) as refused:
+            await keyed.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
+        assert "0123456789" not in str(refused.value)
+    assert provider.received == []
+
+
 async def test_credentials_and_owned_parameters_are_refused_in_settings(provider: FakeProvider) -> None:
     """model_settings and request_options cannot carry credentials or replace what the client sets."""
     client = chat_client(provider)

@@ -270,6 +270,13 @@ class LiteLLMModelClient:
             key = self._api_key_provider()
             if not isinstance(key, str) or not key:
                 raise ValueError("api_key_provider returned no API key")
+            if key != key.strip() or not key.isprintable():
+                # A key read whole from a file or a secret store often ends with a newline: sent, the HTTP
+                # client refused the header as an injection attempt, which LiteLLM raised as the
+                # provider's InternalServerError, on every attempt.
+                raise ValueError("api_key_provider returned an API key with whitespace around it or a control "
+                                 "character in it (a newline read with it from a file?); return the key alone, "
+                                 "such as with .strip()")
             kwargs["api_key"] = key
         try:
             if self.api == RESPONSES_API:
