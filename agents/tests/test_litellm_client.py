@@ -729,6 +729,23 @@ async def test_a_server_error_is_one_request_and_raises(
     assert [r.path for r in provider.received] == [path]
 
 
+async def test_a_server_without_the_responses_api_is_told_to_use_chat(provider: FakeProvider) -> None:
+    """An openai/ model with an api_base (LiteLLM's way to reach an OpenAI-compatible server) whose
+    server answers /responses with 404 fails saying to pass api='chat'; the same client with
+    api='chat' then works. Catches: a bare "NotFoundError: OpenAIException - Not Found", which
+    named neither the Responses API nor the option, on every turn."""
+    client = LiteLLMModelClient("openai/local-model", api_base=provider.url + "/v1",
+                                api_key_provider=lambda: "sk-local")
+    provider.queue(RESPONSES_PATH, Reply(404, b'{"detail":"Not Found"}', "application/json"))
+    with pytest.raises(litellm.NotFoundError, match=r"Not Found.*pass api='chat' to LiteLLMModelClient"):
+        await client.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
+    chat = LiteLLMModelClient("openai/local-model", api="chat", api_base=provider.url + "/v1",
+                              api_key_provider=lambda: "sk-local")
+    provider.queue(CHAT_PATH, chat_stream(text="Hello."))
+    response = await chat.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
+    assert [item.text for item in response.output] == ["Hello."]
+
+
 @pytest.mark.parametrize("source", ["api_key_provider", "environment"])
 @pytest.mark.parametrize("api", ["responses", "chat"])
 async def test_a_provider_error_echoing_the_api_key_is_kept_without_it(

@@ -283,6 +283,11 @@ class LiteLLMModelClient:
                 return await self._call_responses(request, output, kwargs)
             return await self._call_chat(request, output, kwargs)
         except Exception as error:
+            if self.api == RESPONSES_API and self.api_base is not None and isinstance(error, litellm.NotFoundError):
+                # LiteLLM reaches an OpenAI-compatible server as an openai/ model with an api_base, and
+                # many such servers serve Chat Completions only: their bare "Not Found" named no way out.
+                _append_to_text(error, "; if the server at api_base has no Responses API (/responses), "
+                                       "pass api='chat' to LiteLLMModelClient to use Chat Completions")
             # A provider may echo the key (or the Authorization header) in its error, and the error's
             # text is kept in the flow's history and the turn's failure, and logged. The key may be
             # one LiteLLM read from the environment or its own settings, not api_key_provider's.
@@ -642,6 +647,17 @@ def _hide_secrets(error: BaseException, secrets: Sequence[str]) -> None:
                     with contextlib.suppress(AttributeError, TypeError):
                         setattr(current, name, hidden)
         current = current.__cause__ or current.__context__
+
+
+def _append_to_text(error: BaseException, addition: str) -> None:
+    """Add `addition` to the text of `error`: its first arg and the message attribute LiteLLM's
+    exceptions build their text from."""
+    message = getattr(error, "message", None)
+    if isinstance(message, str):
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(error, "message", message + addition)  # noqa: B010 - BaseException declares no message
+    if error.args and isinstance(error.args[0], str):
+        error.args = (error.args[0] + addition, *error.args[1:])
 
 
 def _text_of(error: BaseException) -> str:
