@@ -746,23 +746,27 @@ async def test_a_server_without_the_responses_api_is_told_to_use_chat(provider: 
     assert [item.text for item in response.output] == ["Hello."]
 
 
-@pytest.mark.parametrize("source", ["api_key_provider", "environment"])
+@pytest.mark.parametrize("source", ["api_key_provider", "environment", "extra_headers"])
 @pytest.mark.parametrize("api", ["responses", "chat"])
 async def test_a_provider_error_echoing_the_api_key_is_kept_without_it(
     provider: FakeProvider, api: str, source: str, tmp_path: Path, db_url: str,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A provider whose 401 quotes the key (and the Authorization header), whether api_key_provider
-    gave it or LiteLLM read it from the provider's environment variable, fails the turn with *** for
-    it in the turn's error, the turn_failed event and the flow's history, the error's type kept.
-    Catches: the key stored in the database, for anyone who reads it; a key from the environment,
-    the way most Workers set one, was kept whole."""
+    gave it, LiteLLM read it from the provider's environment variable or request_options set it as
+    a header (a gateway's key), fails the turn with *** for it in the turn's error, the turn_failed
+    event and the flow's history, the error's type kept. Catches: the key stored in the database,
+    for anyone who reads it; a key from the environment, the way most Workers set one, or from a
+    header, was kept whole."""
     key = "sk-live-hunter2-0123456789"
     path = RESPONSES_PATH if api == "responses" else CHAT_PATH
     model_name = "openai/gpt-5" if api == "responses" else "hosted_vllm/test-model"
     if source == "environment":
         monkeypatch.setenv("OPENAI_API_KEY" if api == "responses" else "HOSTED_VLLM_API_KEY", key)
         model = LiteLLMModelClient(model_name, api_base=provider.url + "/v1")
+    elif source == "extra_headers":
+        model = LiteLLMModelClient(model_name, api_base=provider.url + "/v1",
+                                   request_options={"extra_headers": {"x-api-key": key}})
     else:
         model = LiteLLMModelClient(model_name, api_base=provider.url + "/v1", api_key_provider=lambda: key)
     echo = {"error": {"message": f"Incorrect API key provided: {key}; Authorization: Bearer {key}",
@@ -772,7 +776,8 @@ async def test_a_provider_error_echoing_the_api_key_is_kept_without_it(
         await model.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
     assert key not in str(raised.value) and "Incorrect API key provided: ***" in str(raised.value)
     assert key not in "".join(traceback.format_exception(raised.value))  # as a Worker's log would print it
-    assert provider.received[0].headers["authorization"] == f"Bearer {key}"  # the key the call sent
+    sent = provider.received[0].headers
+    assert (sent["x-api-key"] if source == "extra_headers" else sent["authorization"].removeprefix("Bearer ")) == key
 
     provider.queue(path, Reply(401, json.dumps(echo).encode(), "application/json"))
     agent = AgentDefinition(name="litellm-agent", model=model, instructions="")

@@ -168,8 +168,8 @@ CONTEXT_SUMMARY_INSTRUCTIONS = (
 # The last input item of a built-in loop summary request, so the request ends with a user message.
 CONTEXT_SUMMARY_REQUEST_TEXT = "[Dex] Write the summary of the conversation above now."
 
-# LiteLLMModelClient hides a credential-named environment value (or LiteLLM key setting) that a provider
-# error quotes; a shorter one is a setting ("true", "1"), and hiding it everywhere would garble the error.
+# LiteLLMModelClient hides a credential-named environment value (or LiteLLM key setting, or extra header)
+# that a provider error quotes; a shorter one is a setting ("true", "1"): hidden, it would garble the error.
 MIN_HIDDEN_ENVIRONMENT_SECRET_CHARS = 8
 
 # Step types of the session Flow (wire contracts: history, search and UIs read them).

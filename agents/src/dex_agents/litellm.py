@@ -15,8 +15,8 @@ replay as `{}` (the session failed that call; some providers refuse such a reque
 Credentials come from the Worker's environment, as LiteLLM reads it, or from `api_key_provider`; never
 from the request. An error that quotes the key `api_key_provider` gave, or the value of an environment
 variable named like a credential (`OPENAI_API_KEY`, `AWS_SECRET_ACCESS_KEY`, ...; one of at least 8
-characters) or of a LiteLLM key setting (`litellm.api_key`, `litellm.anthropic_key`, ...), is raised with
-*** for it.
+characters), of a LiteLLM key setting (`litellm.api_key`, `litellm.anthropic_key`, ...) or of a
+credential header in `extra_headers` (`Authorization`, `x-api-key`, ...), is raised with *** for it.
 LiteLLM fetches its model cost map over the network when imported, unless
 `LITELLM_LOCAL_MODEL_COST_MAP=True` (or `LITELLM_OFFLINE_MODE=true`) is set in the environment.
 """
@@ -291,7 +291,7 @@ class LiteLLMModelClient:
             # A provider may echo the key (or the Authorization header) in its error, and the error's
             # text is kept in the flow's history and the turn's failure, and logged. The key may be
             # one LiteLLM read from the environment or its own settings, not api_key_provider's.
-            secrets = _secrets(key)
+            secrets = _secrets(key, kwargs)
             if secrets:
                 _hide_secrets(error, secrets)
                 text = _text_of(error)
@@ -609,18 +609,29 @@ def _is_reasoning(item: str) -> bool:
 # An environment variable whose name says it holds a credential: LiteLLM reads provider keys from
 # such variables (OPENAI_API_KEY, ANTHROPIC_AUTH_TOKEN, AWS_SECRET_ACCESS_KEY, AZURE_AD_TOKEN, ...).
 _SECRET_NAME: Final = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
+# A request header that carries a credential (Authorization, x-api-key, Ocp-Apim-Subscription-Key, ...).
+_SECRET_HEADER: Final = re.compile(r"AUTH|KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
 # A LiteLLM module setting that holds a key (litellm.api_key, litellm.openai_key, ...); its
 # constants are upper case.
 _LITELLM_SECRET_SETTING: Final = re.compile(r"[a-z0-9_]*(?:key|token|secret|password|credentials?)")
 
 
-def _secrets(key: str | None) -> list[str]:
+def _secrets(key: str | None, kwargs: Mapping[str, Any]) -> list[str]:
     """Every credential the call may have sent, longest first (one may hold another): `key`, and the
-    values LiteLLM may have read one from, those of MIN_HIDDEN_ENVIRONMENT_SECRET_CHARS or more."""
+    values LiteLLM may have read one from, and the credentials of the call's extra headers (a
+    gateway's key), those of MIN_HIDDEN_ENVIRONMENT_SECRET_CHARS or more."""
     found = {key} if key else set()
     candidates = [value for name, value in os.environ.items() if _SECRET_NAME.search(name)]
     candidates += [value for name, value in vars(litellm).items()
                    if isinstance(value, str) and _LITELLM_SECRET_SETTING.fullmatch(name)]
+    for option in ("extra_headers", "headers"):
+        headers = kwargs.get(option)
+        if not isinstance(headers, Mapping):
+            continue
+        for name, value in headers.items():
+            if isinstance(name, str) and isinstance(value, str) and _SECRET_HEADER.search(name):
+                # "Bearer <token>": a server may echo the token alone.
+                candidates += [value, value.rsplit(" ", 1)[-1]]
     found.update(value for value in candidates if len(value) >= MIN_HIDDEN_ENVIRONMENT_SECRET_CHARS)
     return sorted(found, key=len, reverse=True)
 
