@@ -622,7 +622,7 @@ def _secrets(key: str | None, kwargs: Mapping[str, Any]) -> list[str]:
     gateway's key), those of MIN_HIDDEN_ENVIRONMENT_SECRET_CHARS or more."""
     found = {key} if key else set()
     candidates = [value for name, value in os.environ.items() if _SECRET_NAME.search(name)]
-    candidates += [value for name, value in vars(litellm).items()
+    candidates += [value for name, value in list(vars(litellm).items())  # a copy: other threads set settings
                    if isinstance(value, str) and _LITELLM_SECRET_SETTING.fullmatch(name)]
     for option in ("extra_headers", "headers"):
         headers = kwargs.get(option)
