@@ -796,6 +796,36 @@ async def test_a_provider_error_echoing_the_api_key_is_kept_without_it(
     assert not [text for text in stored if key in text or "hunter2" in text]
 
 
+async def test_an_api_key_provider_returning_no_text_is_refused_naming_what_it_returned(
+    provider: FakeProvider,
+) -> None:
+    """An async api_key_provider (its coroutine closed, so no "never awaited" warning follows), one
+    returning bytes, and one returning "" are refused naming what came back, the key's bytes never
+    shown. Catches: "api_key_provider returned no API key" for a function that does return one, async."""
+    async def fetch_key() -> str:
+        return "sk-live-0123456789"
+
+    made: list[Any] = []
+
+    def async_provider() -> Any:
+        made.append(fetch_key())
+        return made[-1]
+
+    cases: list[tuple[Any, type[Exception], str]] = [
+        (async_provider, TypeError, "returned an awaitable (an async function?); it must be a plain function"),
+        (lambda: b"sk-live-0123456789", ValueError, "returned a value of type bytes; it must return the API key text"),
+        (lambda: "", ValueError, "returned empty text; it must return the API key text"),
+    ]
+    for key_provider, error_type, message in cases:
+        client = LiteLLMModelClient("hosted_vllm/test-model", api_base=provider.url + "/v1",
+                                    api_key_provider=key_provider)
+        with pytest.raises(error_type, match=re.escape(message)) as refused:
+            await client.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
+        assert "0123456789" not in str(refused.value)
+    assert made[0].cr_frame is None  # closed: never started, and nothing left to warn about
+    assert provider.received == []
+
+
 @pytest.mark.parametrize("key", ["sk-live-0123456789\n", "sk-live-0123456789\r\n"])
 async def test_a_key_with_a_line_break_is_refused_naming_the_cause(provider: FakeProvider, key: str) -> None:
     """A key from api_key_provider with a newline (read whole from a file or a secret store) is

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import inspect
 import json
 import os
 import re
@@ -267,9 +268,17 @@ class LiteLLMModelClient:
             kwargs["api_base"] = self.api_base
         key: str | None = None
         if self._api_key_provider is not None:
-            key = self._api_key_provider()
-            if not isinstance(key, str) or not key:
-                raise ValueError("api_key_provider returned no API key")
+            returned: object = self._api_key_provider()
+            if inspect.isawaitable(returned):
+                if inspect.iscoroutine(returned):
+                    returned.close()  # never awaited: closed, so no "never awaited" warning follows
+                raise TypeError("api_key_provider returned an awaitable (an async function?); it must be a plain "
+                                "function returning the API key text")
+            if not isinstance(returned, str) or not returned:
+                # Its type only: a key given as bytes would be shown whole.
+                shown_type = "empty text" if returned == "" else f"a value of type {type(returned).__name__}"
+                raise ValueError(f"api_key_provider returned {shown_type}; it must return the API key text")
+            key = returned
             if key != key.strip() or not key.isprintable():
                 # A key read whole from a file or a secret store often ends with a newline: sent, the HTTP
                 # client refused the header as an injection attempt, which LiteLLM raised as the
