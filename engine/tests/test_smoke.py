@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import inspect
 import math
@@ -28,6 +29,7 @@ from dex_engine import (
     RpcContext,
     Step,
     StepDecision,
+    Store,
     Stream,
     Timer,
     Wait,
@@ -432,6 +434,140 @@ def test_ctrl_c_in_a_blocking_wait_ends_the_call_on_the_clients_loop(db_url: str
             assert time.monotonic() < deadline, f"the interrupted call still runs: {tasks}"
             time.sleep(0.01)
         assert client.describe_flow("interrupted").status == "running"  # the client still serves
+
+
+# A handler that holds its client's loop until the test lets it go: a blocking call in an RPC handler.
+_handler_entered = threading.Event()
+_handler_released = threading.Event()
+
+
+@rpc(request_type=type(None))
+async def hold_the_loop(ctx: RpcContext, _: None) -> None:
+    _handler_entered.set()
+    _handler_released.wait(30)  # a hang guard
+
+
+HOLDER = Flow("Holder", [Step("Start", ticker_sleep, wait_for=ticker_sleep_wait, input_type=type(None))],
+              start_step="Start", schema=[Log], rpcs=[hold_the_loop])
+
+
+def test_ctrl_c_in_close_still_closes_the_store_and_a_second_close_waits_for_it(db_url: str) -> None:
+    """Ctrl-C while close() waits, its loop busy (an RPC handler of another thread's call blocks it):
+    the interrupt reaches the caller, the close goes on, and a second close() returns once it is done,
+    with the store's threads (and on PostgreSQL its connections) ended. Catches: the interrupted close
+    stopped the loop before the store's close ran, so the store stayed open until the process exited,
+    "Task was destroyed but it is pending!" was logged, and the second close returned at once."""
+    assert threading.current_thread() is threading.main_thread()  # where SIGINT's KeyboardInterrupt lands
+    before = set(threading.enumerate())
+    client = Client(Registry([HOLDER]), db_url)
+    client.start_flow("Holder", "held")
+    _handler_entered.clear()
+    _handler_released.clear()
+    outcomes: list[str] = []
+
+    def call_the_handler() -> None:
+        try:
+            client.rpc("held", "hold_the_loop")
+            outcomes.append("returned")
+        except RuntimeError as exc:
+            outcomes.append(str(exc))
+
+    caller = threading.Thread(target=call_the_handler, daemon=True)
+    caller.start()
+    assert _handler_entered.wait(30)  # a hang guard
+    interrupted = threading.Event()
+
+    def on_sigint(signum: int, frame: object) -> None:
+        interrupted.set()  # then as Python's own handler does
+        raise KeyboardInterrupt
+
+    def interrupt_once_closing() -> None:
+        deadline = time.monotonic() + 30  # a hang guard
+        while not client._closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+        interrupted.wait(30)  # a hang guard
+        _handler_released.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        threading.Thread(target=interrupt_once_closing, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            client.close()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _handler_released.set()
+    client.close()
+    assert not client._thread.is_alive(), "the second close returned before the first one's close ended"
+    assert _threads_end(before) == []
+    with pytest.raises(RuntimeError, match="is closed"):
+        asyncio.run(client._async.store.describe_flow("held"))
+    caller.join(30)  # a hang guard
+    assert outcomes == [f"client of {shown_url(db_url)!r} was closed while the call waited"]
+
+
+async def test_a_close_racing_another_returns_only_once_the_store_is_closed(db_url: str) -> None:
+    """Two threads close one Client at once, its loop busy (an RPC handler blocks it): the one that
+    comes second returns only once the store is closed, as the first does. Catches: it returned at
+    once, the store still open, so code after it (dropping the database, deleting the file) raced the
+    close."""
+
+    def drive() -> None:
+        client = Client(Registry([HOLDER]), db_url)
+        client.start_flow("Holder", "held")
+        _handler_entered.clear()
+        _handler_released.clear()
+
+        def call_the_handler() -> None:
+            with contextlib.suppress(RuntimeError):  # closed while the call waited
+                client.rpc("held", "hold_the_loop")
+
+        caller = threading.Thread(target=call_the_handler, daemon=True)
+        caller.start()
+        assert _handler_entered.wait(30)  # a hang guard
+        first = threading.Thread(target=client.close, daemon=True)
+        first.start()
+        deadline = time.monotonic() + 30  # a hang guard
+        while not client._closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        store_closed_when_returned: list[bool] = []
+
+        def close_again() -> None:
+            client.close()
+            store_closed_when_returned.append(_store_closed(client._async.store))
+
+        second = threading.Thread(target=close_again, daemon=True)
+        second.start()
+        # Let the handler go once the second close returned, or waits in the join of the loop thread.
+        while second.is_alive() and not _in_join(second) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _handler_released.set()
+        for thread in (second, first, caller):
+            thread.join(30)  # a hang guard
+        assert store_closed_when_returned == [True]
+
+    try:
+        await asyncio.to_thread(drive)
+    finally:
+        _handler_released.set()
+
+
+def _store_closed(store: Store) -> bool:
+    try:
+        asyncio.run(store.describe_flow("held"))
+    except RuntimeError as exc:
+        return "is closed" in str(exc)
+    return False
+
+
+def _in_join(thread: threading.Thread) -> bool:
+    """Whether `thread` waits in a Thread.join now."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == "join" and frame.f_code.co_filename == threading.__file__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _in_a_fork(action: Callable[[], str]) -> str:

@@ -848,7 +848,8 @@ class Client:
         return self._call(self._async.wait_for_flow(flow_id, timeout_seconds))
 
     def close(self) -> None:
-        """Close the store; calls other threads wait in raise RuntimeError. A second close does nothing.
+        """Close the store; calls other threads wait in raise RuntimeError. A second close (another
+        thread's, or one after a Ctrl-C in the first) closes nothing more: it returns once the first is done.
 
         In a fork of the process that made the client it only marks the client closed: the
         loop thread and the store belong to the parent, which goes on using them."""
@@ -859,17 +860,24 @@ class Client:
         if threading.current_thread() is self._thread:
             raise self._on_own_loop("close()", "close it from another thread")
         with self._lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
             waiting = list(self._in_flight)
-        self._dropped.detach()
-        for future in waiting:
-            future.cancel()  # cancels its task on the loop; the caller's result() raises
-        try:
-            asyncio.run_coroutine_threadsafe(self._async.close(), self._loop).result()
-        finally:
-            self._stop_loop()
+        if first:
+            self._dropped.detach()
+            for future in waiting:
+                future.cancel()  # cancels its task on the loop; the caller's result() raises
+            # The loop stops itself once the close is done, whatever becomes of this caller: stopped
+            # from here after a Ctrl-C in the wait, it stopped before the close ran, and the store
+            # stayed open until the process exited.
+            closing = asyncio.run_coroutine_threadsafe(self._async.close(), self._loop)
+            loop = self._loop
+            closing.add_done_callback(lambda _: loop.call_soon_threadsafe(loop.stop))
+        # A second close (another thread's, or a retry after Ctrl-C) returns once the first is done
+        # too: the store is closed when any close() returns.
+        self._thread.join()  # the loop stops, and closes (_serve)
+        if first:
+            closing.result()  # the close's own error, if it failed
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
