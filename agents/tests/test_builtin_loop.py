@@ -8,6 +8,7 @@ import re
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from dex_agents import (
     DeferredToolCall,
     DeferredToolExecution,
     MessageRole,
+    RunModelLimit,
     ToolCallStepOptions,
     ToolEffect,
     ToolExecutionError,
@@ -387,6 +389,29 @@ async def test_slow_tool_source_offers_nothing_in_that_call(tmp_path: Path) -> N
     slow = _Source("slow", ["remote_search"], delay=5.0)
     done, _ = await _first_turn(tmp_path, [slow], "hi", tool_source_listing_timeout=timedelta(milliseconds=50))
     assert done.messages[-1].text == "lookup_order,refund_order"
+
+
+def test_a_run_model_timeout_no_longer_than_the_listing_timeout_is_refused() -> None:
+    """Options whose RunModel timeout (5 s) is not longer than the agent's listing timeout (10 s, the
+    default) are refused when the Flow is built, naming both; without tool sources nothing is listed,
+    and they are taken. Catches: they were taken, and a source that did not answer failed each turn
+    with "the attempt passed its deadline" where it was to offer no tools (agents.md "Tool sources")."""
+    model = ScriptedModelClient(lambda r: ScriptedModelReply(text="x"))
+    short = RunModelLimit(timeout=timedelta(seconds=5))
+    with_source = AgentDefinition(name="lister", instructions="", model=model, tool_sources=[_Source("s", ["t"])])
+    options = replace(builtin_agent_session_options(with_source), run_model_limit=short)
+    with pytest.raises(ValueError) as refused:
+        AgentSessionFlow(BuiltinLoopAgentRunner(with_source), "Lister", options)
+    assert str(refused.value) == (
+        "tool_source_listing_timeout (0:00:10) of AgentDefinition 'lister' is not shorter than the "
+        "AgentSessionOptions' run_model_limit.timeout (0:00:05), which the listing shares: a tool source that "
+        "does not answer would fail the turn instead of offering no tools; lower tool_source_listing_timeout, "
+        "or raise RunModelLimit.timeout")
+    shorter = replace(with_source, tool_source_listing_timeout=timedelta(seconds=4))
+    AgentSessionFlow(BuiltinLoopAgentRunner(shorter), "Lister", options)
+    without = AgentDefinition(name="plain", instructions="", model=model)
+    AgentSessionFlow(BuiltinLoopAgentRunner(without), "Plain",
+                     replace(builtin_agent_session_options(without), run_model_limit=short))
 
 
 def test_agent_definition_refuses_bad_tools() -> None:
