@@ -403,15 +403,35 @@ def test_a_run_model_timeout_no_longer_than_the_listing_timeout_is_refused() -> 
     with pytest.raises(ValueError) as refused:
         AgentSessionFlow(BuiltinLoopAgentRunner(with_source), "Lister", options)
     assert str(refused.value) == (
-        "tool_source_listing_timeout (0:00:10) of AgentDefinition 'lister' is not shorter than the "
-        "AgentSessionOptions' run_model_limit.timeout (0:00:05), which the listing shares: a tool source that "
-        "does not answer would fail the turn instead of offering no tools; lower tool_source_listing_timeout, "
-        "or raise RunModelLimit.timeout")
+        "AgentSessionOptions that do not fit AgentDefinition 'lister': the AgentDefinition's "
+        "tool_source_listing_timeout (0:00:10) is not shorter than the options' run_model_limit.timeout (0:00:05), "
+        "which the listing shares: a tool source that does not answer would fail the turn instead of offering no "
+        "tools; lower tool_source_listing_timeout, or raise RunModelLimit.timeout")
     shorter = replace(with_source, tool_source_listing_timeout=timedelta(seconds=4))
     AgentSessionFlow(BuiltinLoopAgentRunner(shorter), "Lister", options)
     without = AgentDefinition(name="plain", instructions="", model=model)
     AgentSessionFlow(BuiltinLoopAgentRunner(without), "Plain",
                      replace(builtin_agent_session_options(without), run_model_limit=short))
+
+
+def test_options_whose_compaction_window_the_models_output_fills_are_refused() -> None:
+    """A compaction policy set in the options (replace(builtin_agent_session_options(...), ...)), whose
+    window the model's max_output_tokens fills, is refused when the Flow is built, as the same policy
+    in the AgentDefinition is. Catches: it was taken, and every summary call left out the whole
+    conversation it was to summarize."""
+    model = ScriptedModelClient(lambda r: ScriptedModelReply(text="x"))
+    definition = AgentDefinition(name="summarizer", instructions="", model=model,
+                                 model_settings={"max_output_tokens": 4096})
+    options = replace(builtin_agent_session_options(definition),
+                      compaction=CompactionPolicy(context_window_tokens=4000))
+    with pytest.raises(ValueError) as refused:
+        AgentSessionFlow(BuiltinLoopAgentRunner(definition), "Summarizer", options)
+    assert str(refused.value) == (
+        "AgentSessionOptions that do not fit AgentDefinition 'summarizer': the options' compaction: "
+        "model_settings' max output tokens (4096) leave no room in the compaction window (4000 tokens) for the "
+        "summary call's input; lower it, or raise context_window_tokens")
+    roomy = replace(options, compaction=CompactionPolicy(context_window_tokens=40_000))
+    AgentSessionFlow(BuiltinLoopAgentRunner(definition), "Summarizer", roomy)
 
 
 def test_agent_definition_refuses_bad_tools() -> None:

@@ -101,21 +101,17 @@ def _check_runner_options(runner: object, options: AgentSessionOptions) -> None:
         raise ValueError(f"{type(runner).__name__} cannot run with these AgentSessionOptions: {problem}")
 
 
-def _check_tool_source_listing(runner: object, options: AgentSessionOptions) -> None:
-    """A built-in loop runner lists its tool sources inside RunModel: AgentDefinition checks its
-    listing timeout only against RunModel's default timeout, and options with a shorter one made a
-    hung source fail every turn ("the attempt passed its deadline") where it was to offer no tools."""
-    from .builtin_loop._loop_runner import BuiltinLoopAgentRunner  # the built-in loop imports this module
+def _check_builtin_loop_options(runner: object, options: AgentSessionOptions) -> None:
+    """A built-in loop agent's definition against the options it runs with: AgentDefinition checks
+    itself only against the options builtin_agent_session_options derives from it."""
+    from .builtin_loop._definition import session_options_problems  # the built-in loop imports this module
+    from .builtin_loop._loop_runner import BuiltinLoopAgentRunner
 
-    if not isinstance(runner, BuiltinLoopAgentRunner) or not runner.definition.tool_sources:
-        return  # nothing is listed: the listing timeout never applies
-    listing, timeout = runner.definition.tool_source_listing_timeout, options.run_model_limit.timeout
-    if listing >= timeout:
-        raise ValueError(
-            f"tool_source_listing_timeout ({listing}) of AgentDefinition {runner.definition.name!r} is not "
-            f"shorter than the AgentSessionOptions' run_model_limit.timeout ({timeout}), which the listing "
-            "shares: a tool source that does not answer would fail the turn instead of offering no tools; "
-            "lower tool_source_listing_timeout, or raise RunModelLimit.timeout")
+    if isinstance(runner, BuiltinLoopAgentRunner):
+        problems = session_options_problems(runner.definition, options)
+        if problems:
+            raise ValueError(f"AgentSessionOptions that do not fit AgentDefinition {runner.definition.name!r}: "
+                             + "; ".join(problems))
 
 
 class AgentSessionFlow(Flow):
@@ -138,7 +134,7 @@ class AgentSessionFlow(Flow):
         check_plan_mode(runner, options.plan_mode_enabled, options.built_in_tools)
         _check_runner_options(runner, options)
         check_compaction_runner(runner, options.compaction)
-        _check_tool_source_listing(runner, options)
+        _check_builtin_loop_options(runner, options)
         self.runner = runner
         self.options = options
         self.agent_events = agent_events_stream(options.agent_events_capacity_bytes)

@@ -13,6 +13,7 @@ from .._builtin_tools import BuiltInTool
 from .._compaction import CompactionPolicy
 from .._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES, DEFAULT_MAX_DURABLE_WAIT, RUN_MODEL_TIMEOUT
 from .._options import (
+    AgentSessionOptions,
     events_capacity_problem,
     interrupt_deadline_problem,
     max_durable_wait_problem,
@@ -133,14 +134,9 @@ class AgentDefinition:
         if compaction is not None and not isinstance(compaction, CompactionPolicy):
             problems.append(f"compaction must be a CompactionPolicy or None, got {shown(compaction, None)}")
         elif compaction is not None and isinstance(self.model_settings, Mapping):
-            reserve = max_output_tokens(self.model_settings)
-            if reserve >= compaction.context_window_tokens:
-                # The summary call reserves its output in the window: no summary request could fit,
-                # and each would leave out the whole conversation it was to summarize.
-                problems.append(
-                    f"model_settings' max output tokens ({reserve}) leave no room in the compaction window "
-                    f"({compaction.context_window_tokens} tokens) for the summary call's input; lower it, or "
-                    "raise context_window_tokens")
+            window_problem = compaction_window_problem(self.model_settings, compaction)
+            if window_problem is not None:
+                problems.append(window_problem)
         problems.extend(_plan_mode_problems(self.plan_mode_enabled, self.planning_tool_choice, model,
                                             self.model_settings))
         settings_problem = getattr(model, "model_settings_problem", None)
@@ -193,6 +189,39 @@ class AgentDefinition:
         """The policy a call of function tool `name` gets, as the session options this definition
         implies resolve it (builtin_agent_session_options)."""
         return self.merged_tool_policies().get(name) or ToolPolicy(self.default_tool_effect)
+
+
+def compaction_window_problem(model_settings: Mapping[str, Any], compaction: CompactionPolicy) -> str | None:
+    """What is wrong with `compaction` for a model called with `model_settings`, or None."""
+    reserve = max_output_tokens(model_settings)
+    if reserve < compaction.context_window_tokens:
+        return None
+    # The summary call reserves its output in the window: no summary request could fit, and each
+    # would leave out the whole conversation it was to summarize.
+    return (f"model_settings' max output tokens ({reserve}) leave no room in the compaction window "
+            f"({compaction.context_window_tokens} tokens) for the summary call's input; lower it, or "
+            "raise context_window_tokens")
+
+
+def session_options_problems(definition: AgentDefinition, options: AgentSessionOptions) -> list[str]:
+    """What AgentDefinition checks against RunModel's defaults, checked against `options`, which a
+    caller may have changed (replace(builtin_agent_session_options(definition), ...))."""
+    problems: list[str] = []
+    listing, timeout = definition.tool_source_listing_timeout, options.run_model_limit.timeout
+    # Listings run inside RunModel: one that may outlast its timeout fails every turn when a source
+    # hangs ("the attempt passed its deadline"), where it was to offer no tools. Without tool
+    # sources nothing is listed, and a short RunModel timeout is no mistake.
+    if definition.tool_sources and listing >= timeout:
+        problems.append(
+            f"the AgentDefinition's tool_source_listing_timeout ({listing}) is not shorter than the options' "
+            f"run_model_limit.timeout ({timeout}), which the listing shares: a tool source that does not answer "
+            "would fail the turn instead of offering no tools; lower tool_source_listing_timeout, or raise "
+            "RunModelLimit.timeout")
+    if options.compaction is not None:
+        window_problem = compaction_window_problem(definition.model_settings, options.compaction)
+        if window_problem is not None:
+            problems.append(f"the options' compaction: {window_problem}")
+    return problems
 
 
 def _plan_mode_problems(
