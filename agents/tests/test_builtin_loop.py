@@ -434,6 +434,29 @@ def test_options_whose_compaction_window_the_models_output_fills_are_refused() -
     AgentSessionFlow(BuiltinLoopAgentRunner(definition), "Summarizer", roomy)
 
 
+def test_options_enabling_a_built_in_tool_a_function_tool_is_named_after_are_refused() -> None:
+    """Options (replace(builtin_agent_session_options(...), ...)) enabling ask_user for an agent with
+    a function tool of that name are refused when the Flow is built, as the definition refuses it.
+    Catches: they were taken, and every turn failed ("tool ask_user uses the name of an enabled
+    built-in tool")."""
+
+    @function_tool(effect=ToolEffect.READ)
+    def ask_user(question: str) -> str:
+        """Ask the user."""
+        return question
+
+    model = ScriptedModelClient(lambda r: ScriptedModelReply(text="x"))
+    definition = AgentDefinition(name="asker", instructions="", model=model, tools=[ask_user])
+    options = replace(builtin_agent_session_options(definition), built_in_tools=frozenset({BuiltInTool.ASK_USER}))
+    with pytest.raises(ValueError) as refused:
+        AgentSessionFlow(BuiltinLoopAgentRunner(definition), "Asker", options)
+    assert str(refused.value) == (
+        "AgentSessionOptions that do not fit AgentDefinition 'asker': the options' built_in_tools: tool ask_user "
+        "uses the name of an enabled built-in tool; rename the tool, or leave that built-in tool out")
+    others = replace(options, built_in_tools=frozenset({BuiltInTool.DURABLE_WAIT}))
+    AgentSessionFlow(BuiltinLoopAgentRunner(definition), "Asker", others)
+
+
 def test_agent_definition_refuses_bad_tools() -> None:
     """Duplicate function tools, duplicate source names and a bad limit are refused when built."""
     model = ScriptedModelClient(lambda r: ScriptedModelReply(text="x"))

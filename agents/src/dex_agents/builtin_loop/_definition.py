@@ -217,6 +217,11 @@ def session_options_problems(definition: AgentDefinition, options: AgentSessionO
             f"run_model_limit.timeout ({timeout}), which the listing shares: a tool source that does not answer "
             "would fail the turn instead of offering no tools; lower tool_source_listing_timeout, or raise "
             "RunModelLimit.timeout")
+    # Only the options enable a built-in tool (the definition's own are refused when it is built): a
+    # clash made every model call of every turn fail.
+    built_ins = {tool.value for tool in options.built_in_tools}
+    problems.extend(f"the options' built_in_tools: {clash}; rename the tool, or leave that built-in tool out"
+                    for clash in _built_in_clashes(definition.tools, definition.tool_sources, built_ins))
     if options.compaction is not None:
         window_problem = compaction_window_problem(definition.model_settings, options.compaction)
         if window_problem is not None:
