@@ -7,6 +7,7 @@ import inspect
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -434,6 +435,32 @@ def test_ctrl_c_in_a_blocking_wait_ends_the_call_on_the_clients_loop(db_url: str
             assert time.monotonic() < deadline, f"the interrupted call still runs: {tasks}"
             time.sleep(0.01)
         assert client.describe_flow("interrupted").status == "running"  # the client still serves
+
+
+def test_ctrl_c_while_a_blocking_client_opens_a_silent_server_raises_at_once() -> None:
+    """Ctrl-C while Client(...) waits for a PostgreSQL server that accepted the connection but does not
+    answer: KeyboardInterrupt reaches the caller while the open still waits on the client's thread,
+    and once the open fails (the server hangs up) that thread ends. Catches: the interrupt was held
+    back until the connect timeout (10 s) ran out."""
+    assert threading.current_thread() is threading.main_thread()  # where SIGINT's KeyboardInterrupt lands
+    before = set(threading.enumerate())
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        url = f"postgresql://dex@127.0.0.1:{server.getsockname()[1]}/silent"
+        accepted: list[socket.socket] = []
+
+        def interrupt_once_connected() -> None:
+            server.settimeout(30)  # a hang guard
+            accepted.append(server.accept()[0])
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt_once_connected, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            Client(Registry([FLOW]), url)
+        opening = [thread for thread in set(threading.enumerate()) - before if thread.name == "dex-client"]
+        assert opening, "the interrupt waited for the open to give up"
+        accepted[0].close()  # the server hangs up: the open fails
+    opening[0].join(30)  # a hang guard
+    assert not opening[0].is_alive(), "the interrupted open's thread still runs"
 
 
 # A handler that holds its client's loop until the test lets it go: a blocking call in an RPC handler.

@@ -728,6 +728,21 @@ def _close_dropped(loop: asyncio.AbstractEventLoop, client: AsyncClient, pid: in
                   "block", ResourceWarning, stacklevel=2)
 
 
+def _close_unused(opening: concurrent.futures.Future[AsyncClient], loop: asyncio.AbstractEventLoop) -> None:
+    """Once the open of a blocking Client that failed, or whose caller gave up on it (Ctrl-C), is
+    done: close the client it made, if any, then stop the client's loop. Runs on the loop thread, or
+    on the caller's when the open was done before."""
+
+    async def close_and_stop() -> None:
+        try:
+            if not opening.cancelled() and opening.exception() is None:
+                await opening.result().close()
+        finally:
+            loop.stop()
+
+    asyncio.run_coroutine_threadsafe(close_and_stop(), loop)
+
+
 class Client:
     """Blocking twin of AsyncClient; runs an event loop on a private thread."""
 
@@ -743,10 +758,17 @@ class Client:
         # calls to a loop that no thread runs, and wait for ever.
         self._pid = os.getpid()
         self._thread.start()
+        opening = asyncio.run_coroutine_threadsafe(self._make(registry, database_url), self._loop)
         try:
-            self._async = self._call(self._make(registry, database_url))
+            self._async = opening.result()
         except BaseException:
-            self._stop_loop()  # e.g. a bad database URL: leave no thread behind
+            loop = self._loop
+            opening.add_done_callback(lambda done: _close_unused(done, loop))
+            if opening.done():
+                self._thread.join()  # e.g. a bad database URL: leave no thread behind
+            # Else Ctrl-C while the loop thread still opens the store (a PostgreSQL server that
+            # does not answer, for up to its connect timeout): waiting for it here held the
+            # interrupt back until then; the thread ends on its own once the open does.
             raise
         # A client dropped unclosed (made per web request, say) kept its loop thread, the store's
         # threads and, on PostgreSQL, its connections until the process exited. Not at exit: the
@@ -878,10 +900,6 @@ class Client:
         self._thread.join()  # the loop stops, and closes (_serve)
         if first:
             closing.result()  # the close's own error, if it failed
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()  # which closes the loop (_serve)
 
     def __enter__(self) -> Client:
         return self
