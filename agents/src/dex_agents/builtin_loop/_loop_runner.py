@@ -463,7 +463,8 @@ class BuiltinLoopAgentRunner:
         definitions = [t.definition() for t in definition.tools]
         function_names = {d.name for d in definitions}
         for name in sorted(function_names & built_ins):
-            # Only the session options enable it: the definition could not refuse the clash.
+            # Only the session options enable it: AgentSessionFlow refuses the clash (session_options_problems);
+            # this holds for a runner built into a Flow some other way.
             raise ValueError(f"tool {name} uses the name of an enabled built-in tool")
         sources: dict[str, tuple[ToolSource, ModelToolDefinition]] = {}
         timeout = definition.tool_source_listing_timeout.total_seconds()
