@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -577,6 +577,70 @@ async def test_a_close_racing_another_returns_only_once_the_store_is_closed(db_u
         await asyncio.to_thread(drive)
     finally:
         _handler_released.set()
+
+
+async def test_an_async_close_racing_another_returns_only_once_the_store_is_closed(db_url: str) -> None:
+    """Two tasks close one AsyncClient at once while its store's thread waits for a lock another
+    connection holds (a write queued before the close): the second returns only once the store's
+    threads ended, as the first does. Catches: it returned at once, its connections still open, so
+    code after it (dropping the database, deleting the file) raced the close."""
+    url = _thread_path(db_url)
+    before = set(threading.enumerate())
+    client = AsyncClient(Registry([FLOW]), url)
+    await client.start_flow("Smoke", "first", 1)
+    with _holding_the_flows_table(db_url):
+        writing = asyncio.create_task(client.start_flow("Smoke", "blocked", 1))
+        if db_url.startswith("postgresql"):
+            await wait_until("the write to wait for the lock", lambda: asyncio.to_thread(_waiting_for_a_lock, db_url))
+        else:
+            await asyncio.sleep(0)  # the write is queued on the store's thread, which waits for the lock
+        first = asyncio.create_task(client.close())
+        threads_left_when_returned: list[list[str]] = []
+
+        async def close_again() -> None:
+            await client.close()
+            threads_left_when_returned.append(
+                [thread.name for thread in set(threading.enumerate()) - before
+                 if thread.name.startswith("dex-") and thread.is_alive()])
+
+        second = asyncio.create_task(close_again())
+        for _ in range(3):
+            await asyncio.sleep(0)  # both closes run until they wait
+    await asyncio.gather(first, second)
+    with contextlib.suppress(Exception):  # committed before the close, or refused by it
+        await writing
+    assert threads_left_when_returned == [[]]
+
+
+@contextlib.contextmanager
+def _holding_the_flows_table(db_url: str) -> Iterator[None]:
+    """Another connection holds a lock that every write of `db_url`'s engine waits for."""
+    if db_url.startswith("postgresql"):
+        import psycopg
+
+        with psycopg.connect(db_url) as conn:
+            conn.execute("LOCK TABLE flows IN ACCESS EXCLUSIVE MODE")
+            yield
+            conn.rollback()
+        return
+    import sqlite3
+
+    conn = sqlite3.connect(db_url.removeprefix("sqlite:///"), isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        yield
+        conn.execute("ROLLBACK")
+    finally:
+        conn.close()
+
+
+def _waiting_for_a_lock(db_url: str) -> bool:
+    import psycopg
+
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                           " AND wait_event_type = 'Lock'").fetchone()
+    return row is not None and row[0] > 0
 
 
 def _store_closed(store: Store) -> bool:

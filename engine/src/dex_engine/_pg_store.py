@@ -849,6 +849,11 @@ class PostgresStore(Store):
         # Named in pg_stat_activity as the URL says, else as dex_engine.
         self._app_name = psycopg.conninfo.conninfo_to_dict(self._conninfo).get("application_name") or "dex_engine"
         self._closed = False
+        # The close() that joins the threads and closes the pool (not close_nowait, which leaves it
+        # to the last lane), and when it is done: a second close waits for it.
+        self._finish_lock = threading.Lock()
+        self._finish_started = False
+        self._finished = threading.Event()
         try:
             with psycopg.connect(self._conninfo, autocommit=True, application_name=self._app_name) as conn:
                 migrate(conn, url)
@@ -1274,15 +1279,21 @@ class PostgresStore(Store):
                     loop.call_soon_threadsafe(fn)
 
     async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
         if self._in_fork():
+            self._closed = True
             return  # a fork's copy: its threads and connections are the parent's, which goes on using them
+        with self._finish_lock:
+            finisher = not self._finish_started
+            self._finish_started = self._closed = True
+        if not finisher:
+            # A second close (another task's, at once) returns only once the first is done too: the
+            # connections are closed when any close() returns, and the caller may drop the database.
+            await asyncio.to_thread(self._finished.wait)
+            return
         self._stop_listening.set()
         self._dispatcher.close()  # the lanes run what is queued, then stop
         # One thread does it all, which goes on when the caller is cancelled (asyncio.timeout around
-        # close, a cancelled shutdown): a second close returns at once, so nothing else would close
+        # close, a cancelled shutdown): a second close only waits for it, so nothing else would close
         # the pool, and its connections and threads would stay until the process exits.
         await asyncio.to_thread(self._finish_close)
 
@@ -1297,8 +1308,11 @@ class PostgresStore(Store):
         self._dispatcher.close()  # the lanes run what is queued, then stop; the last closes the pool
 
     def _finish_close(self) -> None:
-        self._join_threads()
-        self._pool.close()
+        try:
+            self._join_threads()
+            self._pool.close()
+        finally:
+            self._finished.set()
 
     def _join_threads(self) -> None:
         self._listener.join()

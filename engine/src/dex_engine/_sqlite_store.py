@@ -1097,11 +1097,14 @@ class SqliteStore(Store):
             self._closed = True
             return
         with self._count_lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._queue.put(_STOP)
-        self._quiet.close()
+            first = not self._closed
+            if first:
+                self._closed = True
+                self._queue.put(_STOP)
+        if first:
+            self._quiet.close()
+        # A second close (another task's, at once) returns only once the first is done too: the
+        # file's connections are closed when any close() returns, and the caller may delete it.
         await asyncio.to_thread(self._thread.join)
 
     def close_nowait(self) -> None:
