@@ -93,25 +93,14 @@ def _check_runner(runner: object) -> None:
 
 
 def _check_runner_options(runner: object, options: AgentSessionOptions) -> None:
-    """Ask a runner that has its own view of the options (the built-in loop's definition) whether
-    these contradict it: such a pair would fail every call at run time, not once here."""
+    """Ask a runner that has its own view of the options (the built-in loop's AgentDefinition, which
+    checks itself only against the options builtin_agent_session_options derives from it) whether
+    these contradict it: such a pair would fail every turn or call at run time, not once here."""
     problem_of = getattr(runner, "session_options_problem", None)
     problem = problem_of(options) if callable(problem_of) else None
     if problem is not None:
-        raise ValueError(f"{type(runner).__name__} cannot run with these AgentSessionOptions: {problem}")
-
-
-def _check_builtin_loop_options(runner: object, options: AgentSessionOptions) -> None:
-    """A built-in loop agent's definition against the options it runs with: AgentDefinition checks
-    itself only against the options builtin_agent_session_options derives from it."""
-    from .builtin_loop._definition import session_options_problems  # the built-in loop imports this module
-    from .builtin_loop._loop_runner import BuiltinLoopAgentRunner
-
-    if isinstance(runner, BuiltinLoopAgentRunner):
-        problems = session_options_problems(runner.definition, options)
-        if problems:
-            raise ValueError(f"AgentSessionOptions that do not fit AgentDefinition {runner.definition.name!r}: "
-                             + "; ".join(problems))
+        # The runner names what they do not fit first ("AgentDefinition 'x': ...").
+        raise ValueError(f"AgentSessionOptions that do not fit {problem}")
 
 
 class AgentSessionFlow(Flow):
@@ -134,7 +123,6 @@ class AgentSessionFlow(Flow):
         check_plan_mode(runner, options.plan_mode_enabled, options.built_in_tools)
         _check_runner_options(runner, options)
         check_compaction_runner(runner, options.compaction)
-        _check_builtin_loop_options(runner, options)
         self.runner = runner
         self.options = options
         self.agent_events = agent_events_stream(options.agent_events_capacity_bytes)

@@ -19,7 +19,7 @@ from .._options import (
     max_durable_wait_problem,
     tool_policy_entry_problems,
 )
-from .._policy import ToolPolicy, shown, tool_effect_problem
+from .._policy import ToolPolicy, policy_text, resolve_tool_policy, shown, tool_effect_problem
 from .._wire import InteractionMode, JsonObject, ToolEffect
 from ._compaction import max_output_tokens
 from ._function_tools import FunctionTool
@@ -226,6 +226,18 @@ def session_options_problems(definition: AgentDefinition, options: AgentSessionO
         window_problem = compaction_window_problem(definition.model_settings, options.compaction)
         if window_problem is not None:
             problems.append(f"the options' compaction: {window_problem}")
+    # A tool Step refuses a call whose tool the definition makes stricter than its record (a deploy
+    # changed it), so options looser than the definition would record, then refuse, every call of it.
+    differing = []
+    for tool in definition.tools:
+        given = policy_text(resolve_tool_policy(tool.name, options.tool_policies, options.default_tool_effect))
+        defined = policy_text(definition.function_tool_policy(tool.name))
+        if given != defined:
+            differing.append(f"{tool.name} ({given} in the options, {defined} in the definition)")
+    if differing:
+        problems.append(f"function tool policies differ from the definition's: {'; '.join(differing)}; build "
+                        "the options with builtin_agent_session_options(definition) and set tool policies on the "
+                        "definition")
     return problems
 
 

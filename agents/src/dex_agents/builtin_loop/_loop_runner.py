@@ -21,9 +21,7 @@ from .._policy import (
     OUTCOME_UNKNOWN_TEXT,
     ToolPolicy,
     describe_tool_call_outcome,
-    policy_text,
     raised_text,
-    resolve_tool_policy,
     shown,
     stricter_policy_problem,
 )
@@ -50,7 +48,13 @@ from .._runtime import resolved
 from .._turn_logic import not_run_error
 from .._wire import AgentToolCall, AgentUsage, InteractionMode, MessageRole, PlanStatus, ToolEffect
 from ._compaction import estimate_model_input, select_response_cutoff, summarize_with_model, with_summary_note
-from ._definition import AgentDefinition, ContinueTurn, InstructionContext, TurnContinuationContext
+from ._definition import (
+    AgentDefinition,
+    ContinueTurn,
+    InstructionContext,
+    TurnContinuationContext,
+    session_options_problems,
+)
 from ._function_tools import ToolCallContext
 from ._items import (
     TOOL_RESULT,
@@ -140,19 +144,10 @@ class BuiltinLoopAgentRunner:
         self._listings: dict[str, tuple[ModelToolDefinition, ...]] = {}
 
     def session_options_problem(self, options: AgentSessionOptions) -> str | None:
-        """Which function tools these options give another policy than the definition does, or None.
-        A tool Step refuses a call whose tool the definition makes stricter than its record (a deploy
-        changed it), so options looser than the definition would refuse every call of that tool."""
-        differing = []
-        for tool in self.definition.tools:
-            given = policy_text(resolve_tool_policy(tool.name, options.tool_policies, options.default_tool_effect))
-            defined = policy_text(self.definition.function_tool_policy(tool.name))
-            if given != defined:
-                differing.append(f"{tool.name} ({given} in the options, {defined} in the definition)")
-        if not differing:
-            return None
-        return (f"function tool policies differ from the AgentDefinition's: {'; '.join(differing)}; build the "
-                "options with builtin_agent_session_options(definition) and set tool policies on the definition")
+        """What in `options` contradicts this runner's AgentDefinition, naming it first, or None
+        (AgentSessionFlow asks when it is built)."""
+        problems = session_options_problems(self.definition, options)
+        return f"AgentDefinition {self.definition.name!r}: " + "; ".join(problems) if problems else None
 
     # The runner contract ------------------------------------------------------------------------
 
