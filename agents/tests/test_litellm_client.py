@@ -211,8 +211,9 @@ CHAT_CALL = {"id": "call_7", "type": "function",
 
 
 def chat_stream(*, reasoning: str | None = None, text: str | None = None, call: dict[str, Any] | None = None,
-                usage: dict[str, Any] | None = None) -> Reply:
-    """A Chat Completions stream: reasoning_content, content in two pieces, a tool call in two pieces, usage."""
+                usage: dict[str, Any] | None = None, finish: str | None = None) -> Reply:
+    """A Chat Completions stream: reasoning_content, content in two pieces, a tool call in two pieces, usage;
+    finish_reason `finish`, else "tool_calls" or "stop"."""
 
     def chunk(delta: dict[str, Any] | None, finish: str | None = None) -> dict[str, Any]:
         return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1767225600, "model": "test-model",
@@ -229,7 +230,7 @@ def chat_stream(*, reasoning: str | None = None, text: str | None = None, call: 
         chunks.append(chunk({"tool_calls": [{**first, "function": {
             "name": call["function"]["name"], "arguments": arguments[:5]}}]}))
         chunks.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": arguments[5:]}}]}))
-    chunks.append(chunk({}, "tool_calls" if call else "stop"))
+    chunks.append(chunk({}, finish or ("tool_calls" if call else "stop")))
     last = chunk(None)
     last["usage"] = usage or {"prompt_tokens": 50, "completion_tokens": 12, "total_tokens": 62,
                               "prompt_tokens_details": {"cached_tokens": 10},
@@ -964,3 +965,82 @@ async def test_a_long_answer_and_long_arguments_are_stored_and_replayed(
     replayed = provider.received[-1].json["messages"]
     assert replayed[2]["tool_calls"] == [call]
     assert replayed[4] == {"role": "assistant", "content": answer}
+
+
+# Output cut at the token limit, or none at all ----------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+async def test_a_tool_call_cut_at_the_token_limit_tells_the_model_so(
+    provider: FakeProvider, api: str, tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """A response cut at the token limit in a tool call's arguments (finish_reason "length", or an
+    incomplete Responses API response at max_output_tokens) fails the call, and its result tells
+    the model its output was cut, naming the finish reason, so it can shorten the call. Catches:
+    only "arguments must be a JSON object", which told the model nothing it could fix, so it made
+    the same call again, cut again."""
+    cut = '{"order_id": "A-'
+    if api == "chat":
+        model, path, reason = chat_client(provider), CHAT_PATH, "length"
+        provider.queue(path, chat_stream(call={**CHAT_CALL, "function": {"name": "lookup_order", "arguments": cut}},
+                                         finish="length"))
+        provider.queue(path, chat_stream(text="Sorry."))
+    else:
+        model, path, reason = openai_client(provider), RESPONSES_PATH, "max_output_tokens"
+        provider.queue(path, responses_stream([{**CALL_ITEM, "status": "incomplete", "arguments": cut}],
+                                              incomplete="max_output_tokens"))
+        provider.queue(path, responses_stream([MESSAGE_ITEM], response_id="resp_2"))
+    agent = AgentDefinition(name="litellm-agent", model=model, instructions="", tools=[lookup_order])
+    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(agent, "LiteLLMAgent")], db_url)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "Where is A-1?")
+        done = await turns_ended(sessions, "s", 1)
+    assert done.state is not None and done.state.last_turn_error is None
+    (result,) = [m for m in done.messages if m.role is MessageRole.TOOL]
+    expected = (f"The tool call failed: arguments must be a JSON object; your output was cut at its token limit "
+                f"(finish_reason '{reason}') before this call's arguments were complete, so make the call again "
+                "with shorter arguments, or split the work into smaller calls")
+    assert result.tool_output == expected
+    sent = provider.received[-1].json
+    if api == "chat":
+        assert sent["messages"][-1] == {"role": "tool", "tool_call_id": "call_7", "content": expected}
+    else:
+        assert sent["input"][-1] == {"type": "function_call_output", "call_id": "call_1", "output": expected}
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+async def test_an_answer_cut_at_the_token_limit_is_kept_and_the_turn_fails_saying_so(
+    provider: FakeProvider, api: str, tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """An answer cut at the token limit is stored, and the turn fails with an error naming the
+    finish reason and the setting to raise; so does a Responses API response cut while reasoning,
+    which has no answer at all. Catches: the cut answer (or none) taken as the turn's whole
+    answer, with nothing telling the user or an operator."""
+    if api == "chat":
+        model, reason = chat_client(provider), "length"
+        provider.queue(CHAT_PATH, chat_stream(text="The three steps are: 1. Open", finish="length"))
+        provider.queue(CHAT_PATH, chat_stream(reasoning="Thinking hard about it", finish="length"))
+    else:
+        model, reason = openai_client(provider), "max_output_tokens"
+        provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM], incomplete="max_output_tokens"))
+        provider.queue(RESPONSES_PATH, responses_stream([REASONING_ITEM], incomplete="max_output_tokens"))
+    error = (f"the model's output was cut at its token limit (finish_reason '{reason}'), so its answer is "
+             "incomplete or missing; raise the output token limit (max_output_tokens or max_tokens in the agent's "
+             "model_settings), or ask for a shorter answer")
+    agent = AgentDefinition(name="litellm-agent", model=model, instructions="")
+    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(agent, "LiteLLMAgent")], db_url)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "How do I start?")
+        first = await turns_ended(sessions, "s", 1)
+        await sessions.send_user_message("s", "Think about it.")
+        second = await turns_ended(sessions, "s", 2)
+        failures = [json.loads(e.value.payload) for e in (await sessions.read_agent_events("s")).events
+                    if e.value.type == "turn_failed"]
+    assert first.state is not None and first.state.last_turn_error == error
+    assert first.messages[-1].role is MessageRole.ASSISTANT
+    assert first.messages[-1].text == ("The three steps are: 1. Open" if api == "chat" else "Let me look.")
+    assert second.state is not None and second.state.last_turn_error == error
+    assert [f["error"] for f in failures] == [error, error]
+    assert len(provider.received) == 2  # not tried again: the same limit would cut it again

@@ -83,6 +83,12 @@ RPC_LOCK_CONFLICT_RETRY_INTERVAL = timedelta(milliseconds=20)
 
 # The built-in loop's limit on decide_turn_continuation continuations in a row.
 MAX_CONSECUTIVE_TURN_CONTINUATIONS = 8
+# Finish reasons (ModelCallMetadata.finish_reasons, compared in lower case) that say a model's output
+# was cut at its output token limit: Chat Completions' "length" (LiteLLM's mapping of Anthropic's and
+# Gemini's too), the Responses API's incomplete reason "max_output_tokens", and Anthropic's and
+# Gemini's own "max_tokens". The built-in loop tells the model and the user, instead of taking a cut
+# answer as whole, or a cut tool call as one that merely had bad arguments.
+TOKEN_LIMIT_FINISH_REASONS = frozenset({"length", "max_output_tokens", "max_tokens"})
 
 # Fixed texts the model and operators see.
 TOOL_CALL_NOT_RUN_ERROR_PREFIX = "the tool did not run, so it is safe to call again"

@@ -45,8 +45,16 @@ from .._runner import (
     polls_tool_tasks,
 )
 from .._runtime import resolved
-from .._turn_logic import not_run_error
-from .._wire import AgentToolCall, AgentUsage, InteractionMode, MessageRole, PlanStatus, ToolEffect
+from .._turn_logic import arguments_error, not_run_error
+from .._wire import (
+    AgentToolCall,
+    AgentToolCallStatus,
+    AgentUsage,
+    InteractionMode,
+    MessageRole,
+    PlanStatus,
+    ToolEffect,
+)
 from ._compaction import estimate_model_input, select_response_cutoff, summarize_with_model, with_summary_note
 from ._definition import (
     AgentDefinition,
@@ -81,6 +89,7 @@ from ._model import (
     ToolResultInput,
     UserTextInput,
     is_provider_tool_name,
+    token_limit_finish_reason,
 )
 from ._tool_sources import ToolSource, unwrap_source_reference, wrap_source_reference
 
@@ -103,11 +112,31 @@ def unknown_tool_error(name: str) -> str:
     return f"unknown tool {name}"
 
 
+def cut_tool_call_result(outcome: str, finish_reason: str) -> str:
+    """The model-visible result of a call the session failed because the model's output was cut at
+    its token limit mid-arguments: the plain "arguments must be a JSON object" told the model
+    nothing it could fix, and it made the same call, cut again, until the turn's limits."""
+    return (f"{outcome}; your output was cut at its token limit (finish_reason {finish_reason!r}) before this "
+            "call's arguments were complete, so make the call again with shorter arguments, or split the work "
+            "into smaller calls")
+
+
+def cut_answer_error(finish_reason: str) -> str:
+    """The turn's error when the model's answer was cut at its token limit (the answer is stored)."""
+    return (f"the model's output was cut at its token limit (finish_reason {finish_reason!r}), so its answer is "
+            "incomplete or missing; raise the output token limit (max_output_tokens or max_tokens in the agent's "
+            "model_settings), or ask for a shorter answer")
+
+
 class _RunState(msgspec.Struct, frozen=True):
     """What the loop keeps between the Steps of a turn: everything else is in stored items."""
 
     model_calls: int = 0
     consecutive_continuations: int = 0
+    # The calls of the last response that the model's token limit cut mid-arguments, and its finish
+    # reason: their results, built in the next RunModel, say so (cut_tool_call_result).
+    cut_tool_calls: tuple[str, ...] = ()
+    cut_finish_reason: str | None = None
 
 
 def _run_state(turn: AgentTurnContext) -> _RunState:
@@ -158,7 +187,7 @@ class BuiltinLoopAgentRunner:
         definition = self.definition
         run = _run_state(turn)
         stored = [input_item(m) for m in turn.messages]
-        pending = self._pending_results(turn)
+        pending = self._pending_results(turn, run)
         unstored: list[FrameworkMessage] = [tool_result_message(r) for r in pending]
         if pending:
             decision = await self._decide(turn, self._last_output(stored), pending)
@@ -188,13 +217,21 @@ class BuiltinLoopAgentRunner:
         unstored.extend(output_message(item) for item in outputs)
         calls = [item.tool_call for item in outputs if item.kind is OutputItemKind.TOOL_CALL and item.tool_call]
         model_calls = run.model_calls + 1
+        cut = token_limit_finish_reason(response.metadata)
         if calls and limit_reached:
             refused = model_call_limit_result(definition.max_model_calls_per_turn)
             unstored.extend(tool_result_message(ToolResultInput(c.tool_call_id, c.tool_name, refused)) for c in calls)
             return TurnCompleted(unstored, response.usage, response.metadata)
         if calls:
             deferred = [self._deferred(turn, call, offered) for call in calls]
-            state = _encode(_RunState(model_calls=model_calls))
+            # The session fails a call whose arguments are not a JSON object; cut, its result says why.
+            cut_calls = tuple(c.tool_call_id for c in calls if arguments_error(c.arguments) is not None) if cut else ()
+            if cut_calls:
+                log.warning("the model's output was cut at its token limit (finish_reason %r) in the arguments of "
+                            "tool call %s, which fails; raise max_output_tokens or max_tokens in model_settings",
+                            cut, ", ".join(repr(c) for c in cut_calls))
+            state = _encode(_RunState(model_calls=model_calls, cut_tool_calls=cut_calls,
+                                      cut_finish_reason=cut if cut_calls else None))
             return ToolCallsRequested(state, deferred, response.usage, unstored, response.metadata)
         try:
             decision = await self._decide(turn, outputs, [])
@@ -209,11 +246,17 @@ class BuiltinLoopAgentRunner:
             unstored.append(user_message(decision.message))
             state = _encode(_RunState(model_calls, run.consecutive_continuations + 1))
             return TurnContinued(state, unstored, response.usage, response.metadata)
+        if cut is not None:
+            # Kept, as any paid answer is, but the turn fails so the user (and an operator's log) sees
+            # it is incomplete: taken as a whole answer, a cut one looked finished to everyone.
+            log.warning("turn %r: %s", turn.turn_id, cut_answer_error(cut))
+            return TurnCompleted(unstored, response.usage, response.metadata, turn_error=cut_answer_error(cut))
         return TurnCompleted(unstored, response.usage, response.metadata)
 
     def build_unfinished_turn_messages(self, turn: AgentTurnContext) -> Sequence[FrameworkMessage]:
         """A result for every stored tool call of the turn that has none yet (records, or unknown)."""
         answered = {m.tool_call_id for m in turn.messages if m.role is MessageRole.TOOL and m.turn_id == turn.turn_id}
+        run = _run_state(turn)
         out: list[FrameworkMessage] = []
         for message in turn.messages:
             if message.turn_id != turn.turn_id or message.role is not MessageRole.ASSISTANT:
@@ -222,7 +265,7 @@ class BuiltinLoopAgentRunner:
             if call_id is None or call_id in answered:
                 continue
             record = turn.tool_calls.get(call_id)
-            output = describe_tool_call_outcome(record) if record and record.status.is_final else OUTCOME_UNKNOWN_TEXT
+            output = _model_visible_result(record, run) if record and record.status.is_final else OUTCOME_UNKNOWN_TEXT
             out.append(tool_result_message(ToolResultInput(call_id, message.tool_name or "", output)))
             answered.add(call_id)
         return out
@@ -325,7 +368,7 @@ class BuiltinLoopAgentRunner:
         """The next model request as run_model_step builds it, estimated by the model client. Synchronous:
         an async instructions function counts its last text, a tool source its cached_tools() or last listing."""
         stored = [input_item(m) for m in turn.messages]
-        pending = self._pending_results(turn)
+        pending = self._pending_results(turn, _run_state(turn))
         model_input = _paired(with_summary_note(turn, _with_plan_note(turn, [*stored, *pending])))
         request = ModelRequest(
             instructions=self._instructions_now(turn), input=tuple(model_input),
@@ -405,7 +448,7 @@ class BuiltinLoopAgentRunner:
         return ToolChoice.REQUIRED if forced else ToolChoice.AUTO
 
     @staticmethod
-    def _pending_results(turn: AgentTurnContext) -> list[ToolResultInput]:
+    def _pending_results(turn: AgentTurnContext, run: _RunState) -> list[ToolResultInput]:
         """Results of the previous response's calls: final records whose results are not stored yet."""
         stored = {m.tool_call_id for m in turn.messages if m.role is MessageRole.TOOL and m.turn_id == turn.turn_id}
         records = sorted(turn.tool_calls.values(), key=lambda r: r.deferral_order)
@@ -414,7 +457,7 @@ class BuiltinLoopAgentRunner:
             m.tool_call_id for m in turn.messages if m.role is MessageRole.ASSISTANT and m.turn_id == turn.turn_id
         }
         return [
-            ToolResultInput(r.tool_call_id, r.tool_name, describe_tool_call_outcome(r))
+            ToolResultInput(r.tool_call_id, r.tool_name, _model_visible_result(r, run))
             for r in records
             if r.tool_call_id not in stored and r.status.is_final and (visible is None or r.tool_call_id in visible)
         ]
@@ -513,6 +556,15 @@ class BuiltinLoopAgentRunner:
             # A name no listing offered never reaches a source: it fails as unknown, without approval.
             policy = ToolPolicy(ToolEffect.UNCLASSIFIED, requires_approval=False)
         return DeferredToolCall(call.tool_call_id, call.tool_name, call.arguments, policy)
+
+
+def _model_visible_result(record: AgentToolCall, run: _RunState) -> str:
+    """describe_tool_call_outcome, saying so for a failed call that the token limit cut."""
+    outcome = describe_tool_call_outcome(record)
+    if (run.cut_finish_reason is not None and record.status is AgentToolCallStatus.FAILED
+            and record.tool_call_id in run.cut_tool_calls):
+        return cut_tool_call_result(outcome, run.cut_finish_reason)
+    return outcome
 
 
 def _source_call(

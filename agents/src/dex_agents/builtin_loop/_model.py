@@ -10,6 +10,7 @@ from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 from .._compaction import estimate_text_tokens
+from .._constants import TOKEN_LIMIT_FINISH_REASONS
 from .._events import AgentEventWriter
 from .._runner import ModelCallMetadata
 from .._wire import AgentUsage
@@ -110,6 +111,16 @@ class ModelResponse:
     output: tuple[ModelOutputItem, ...]
     usage: AgentUsage = field(default_factory=AgentUsage)
     metadata: ModelCallMetadata | None = None
+
+
+def token_limit_finish_reason(metadata: ModelCallMetadata | None) -> str | None:
+    """The finish reason, as the client reported it, saying the response was cut at the output token
+    limit (TOKEN_LIMIT_FINISH_REASONS), or None: a client that reports no finish reasons is never cut."""
+    reasons = metadata.finish_reasons if isinstance(metadata, ModelCallMetadata) else None
+    for reason in reasons or ():
+        if isinstance(reason, str) and reason.lower() in TOKEN_LIMIT_FINISH_REASONS:
+            return reason
+    return None
 
 
 class ModelOutputWriter:
