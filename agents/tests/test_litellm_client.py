@@ -970,6 +970,53 @@ async def test_a_long_answer_and_long_arguments_are_stored_and_replayed(
 # Output cut at the token limit, or none at all ----------------------------------------------------
 
 
+def _chat_chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"id": "chatcmpl-9", "object": "chat.completion.chunk", "created": 1767225600, "model": "test-model",
+            "choices": choices, **extra}
+
+
+EMPTY_REPLIES = {
+    "only [DONE]": (CHAT_PATH, Reply(200, b"data: [DONE]\n\n", "text/event-stream")),
+    "no choices": (CHAT_PATH, sse([_chat_chunk([]), _chat_chunk([], usage={
+        "prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5})], named=False, done=True)),
+    "an empty message": (CHAT_PATH, sse([
+        _chat_chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]),
+        _chat_chunk([{"index": 0, "delta": {}, "finish_reason": "stop"}])], named=False, done=True)),
+    "only reasoning": (CHAT_PATH, chat_stream(reasoning="Let me think.")),
+    "a response without items": (RESPONSES_PATH, responses_stream([])),
+}
+
+
+@pytest.mark.parametrize("case", list(EMPTY_REPLIES))
+async def test_a_response_with_no_text_and_no_tool_call_raises(provider: FakeProvider, case: str) -> None:
+    """A stream with no choices, only [DONE], an empty message, only reasoning, or a completed
+    Responses API response without items raises, so RunModel tries the call again. Catches: an
+    empty ModelResponse (LiteLLM fills in finish_reason "stop"), which ended the turn as answered,
+    with nothing to show the user and no error."""
+    path, reply = EMPTY_REPLIES[case]
+    provider.queue(path, reply)
+    client = chat_client(provider) if path == CHAT_PATH else openai_client(provider)
+    with pytest.raises(RuntimeError, match=r"the model returned no output: no text and no tool call \(finish_reason"):
+        await client.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
+
+
+async def test_an_empty_response_is_tried_again_in_a_session(
+    provider: FakeProvider, tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """RunModel's retry makes the call again after an empty stream, and the turn gets the answer."""
+    agent = AgentDefinition(name="litellm-agent", model=chat_client(provider), instructions="")
+    provider.queue(CHAT_PATH, Reply(200, b"data: [DONE]\n\n", "text/event-stream"))
+    provider.queue(CHAT_PATH, chat_stream(text="Hello."))
+    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(agent, "LiteLLMAgent")], db_url)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "hi")
+        done = await turns_ended(sessions, "s", 1)
+    assert done.state is not None and done.state.last_turn_error is None
+    assert [(m.role, m.text) for m in done.messages] == [(MessageRole.USER, "hi"), (MessageRole.ASSISTANT, "Hello.")]
+    assert len(provider.received) == 2
+
+
 @pytest.mark.parametrize("api", ["responses", "chat"])
 async def test_a_tool_call_cut_at_the_token_limit_tells_the_model_so(
     provider: FakeProvider, api: str, tmp_path: Path, db_url: str  # noqa: F811

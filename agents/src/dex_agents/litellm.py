@@ -57,6 +57,7 @@ from .builtin_loop._model import (
     ToolResultInput,
     UserTextInput,
     estimate_request_tokens,
+    token_limit_finish_reason,
 )
 
 __all__ = ["CHAT_API", "RESPONSES_API", "LiteLLMModelClient"]
@@ -348,7 +349,7 @@ class LiteLLMModelClient:
         status = _get(final, "status")
         reason = _get(_get(final, "incomplete_details"), "reason")
         finish = reason if status == "incomplete" and isinstance(reason, str) else status
-        return ModelResponse(
+        return _with_an_answer(ModelResponse(
             items,
             AgentUsage(
                 model_calls=1,
@@ -364,7 +365,7 @@ class LiteLLMModelClient:
                 response_id=_provider_response_id(_str_or_none(_get(final, "id"))),
                 finish_reasons=(finish,) if isinstance(finish, str) else None,
             ),
-        )
+        ))
 
     def _responses_input(self, entries: Sequence[ModelInputItem]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -467,7 +468,7 @@ class LiteLLMModelClient:
         usage = _get(built, "usage")
         details_in, details_out = _get(usage, "prompt_tokens_details"), _get(usage, "completion_tokens_details")
         reasons = tuple(str(r) for r in (_get(c, "finish_reason") for c in choices) if r)
-        return ModelResponse(
+        return _with_an_answer(ModelResponse(
             items,
             AgentUsage(
                 model_calls=1,
@@ -483,7 +484,7 @@ class LiteLLMModelClient:
                 response_id=_str_or_none(_get(built, "id")),
                 finish_reasons=reasons or None,
             ),
-        )
+        ))
 
     def _chat_items(self, message: Any, response_id: str | None) -> tuple[ModelOutputItem, ...]:
         """The assistant message split into items: each item is the part of the message it stands for."""
@@ -582,6 +583,22 @@ class LiteLLMModelClient:
 
     def _is_anthropic(self) -> bool:
         return self.provider == "anthropic" or "claude" in self.model.lower()
+
+
+def _with_an_answer(response: ModelResponse) -> ModelResponse:
+    """`response`, unless it holds no text and no tool call: then an error, so RunModel tries the call
+    again. A stream with no choices, or only [DONE], or an empty message, ended the turn as answered
+    with nothing to show and no error (LiteLLM fills in finish_reason "stop"). A response the token
+    limit cut is returned as it is: the runner tells the user and the model about the cut."""
+    if token_limit_finish_reason(response.metadata) is not None:
+        return response
+    if any(item.tool_call is not None or (item.kind is OutputItemKind.TEXT and item.text) for item in response.output):
+        return response
+    reasons = response.metadata.finish_reasons if response.metadata is not None else None
+    said = f"finish_reason {', '.join(repr(r) for r in reasons)}" if reasons else "no finish_reason"
+    only = f", only {len(response.output)} reasoning items" if response.output else ""
+    raise RuntimeError(f"the model returned no output: no text and no tool call ({said}{only}); the model "
+                       "call is tried again")
 
 
 def _replayable_arguments(arguments: str) -> str:
