@@ -1091,3 +1091,33 @@ async def test_an_answer_cut_at_the_token_limit_is_kept_and_the_turn_fails_sayin
     assert second.state is not None and second.state.last_turn_error == error
     assert [f["error"] for f in failures] == [error, error]
     assert len(provider.received) == 2  # not tried again: the same limit would cut it again
+
+
+@pytest.mark.parametrize("variable", ["OPENAI_API_KEY", "HOSTED_VLLM_API_KEY"])
+@pytest.mark.parametrize("value", ["sk-live-0123456789\n", " sk-live-0123456789", "sk-live-01234\r\n56789"])
+async def test_an_environment_key_with_a_line_break_is_refused_naming_the_variable(
+    provider: FakeProvider, variable: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A provider key from the environment with a newline (a Kubernetes secret or a file read into
+    the variable) is refused before any request, naming the variable and never its value; an
+    unrelated credential variable with one changes nothing. Catches: "InternalServerError: ...
+    Forbidden control character detected in headers", which named neither the key nor a fix, on
+    every attempt; an api_key_provider's key was already refused so."""
+    monkeypatch.setenv(variable, value)
+    monkeypatch.setenv("GITHUB_TOKEN", "ghp-0123456789\n")
+    if variable == "OPENAI_API_KEY":
+        client, provider_name = LiteLLMModelClient("openai/gpt-5", api_base=provider.url + "/v1"), "openai"
+    else:
+        client, provider_name = chat_client(provider), "hosted_vllm"
+    with pytest.raises(ValueError, match=re.escape(
+            f"environment variable {variable}, which LiteLLM reads the {provider_name} API key from, has whitespace "
+            "around its value or a control character in it")) as refused:
+        await client.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
+    assert "0123" not in str(refused.value) and "GITHUB_TOKEN" not in str(refused.value)
+    assert provider.received == []
+
+    monkeypatch.setenv(variable, value.strip().replace("\r\n", ""))
+    provider.queue(CHAT_PATH, chat_stream(text="Hello."))
+    provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM]))
+    response = await client.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
+    assert response.output[-1].text in ("Hello.", "Let me look.")

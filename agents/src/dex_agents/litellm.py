@@ -280,7 +280,7 @@ class LiteLLMModelClient:
                 shown_type = "empty text" if returned == "" else f"a value of type {type(returned).__name__}"
                 raise ValueError(f"api_key_provider returned {shown_type}; it must return the API key text")
             key = returned
-            if key != key.strip() or not key.isprintable():
+            if _padded(key):
                 # A key read whole from a file or a secret store often ends with a newline: sent, the HTTP
                 # client refused the header as an injection attempt, which LiteLLM raised as the
                 # provider's InternalServerError, on every attempt.
@@ -288,6 +288,16 @@ class LiteLLMModelClient:
                                  "character in it (a newline read with it from a file?); return the key alone, "
                                  "such as with .strip()")
             kwargs["api_key"] = key
+        else:
+            padded = _padded_environment_keys(self.provider)
+            if padded:
+                # As for api_key_provider's key: a Kubernetes secret or a file read into the variable
+                # often ends with a newline, and every attempt failed with a misleading
+                # "Forbidden control character detected in headers" InternalServerError.
+                raise ValueError(f"environment variable {' and '.join(padded)}, which LiteLLM reads the "
+                                 f"{self.provider} API key from, has whitespace around its value or a control "
+                                 "character in it (a newline read with it from a file or secret?); set it to the "
+                                 "key alone")
         try:
             if self.api == RESPONSES_API:
                 return await self._call_responses(request, output, kwargs)
@@ -640,6 +650,27 @@ _SECRET_HEADER: Final = re.compile(r"AUTH|KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL",
 # A LiteLLM module setting that holds a key (litellm.api_key, litellm.openai_key, ...); its
 # constants are upper case.
 _LITELLM_SECRET_SETTING: Final = re.compile(r"[a-z0-9_]*(?:key|token|secret|password|credentials?)")
+
+
+def _padded(key: str) -> bool:
+    """Whether an API key has whitespace around it or a control character in it: sent, the HTTP
+    client refuses the header."""
+    return key != key.strip() or not key.isprintable()
+
+
+def _name_letters(name: str) -> str:
+    return re.sub(r"[^A-Z0-9]", "", name.upper())
+
+
+def _padded_environment_keys(provider: str) -> list[str]:
+    """The names of the credential variables LiteLLM may read `provider`'s key from (named for it:
+    OPENAI_API_KEY, HOSTED_VLLM_API_KEY, ANTHROPIC_AUTH_TOKEN, TOGETHERAI_API_KEY, ...) whose value
+    _padded; only names, never values, leave here."""
+    prefix = _name_letters(provider)
+    if not prefix:
+        return []
+    return sorted(name for name, value in os.environ.items()
+                  if _SECRET_NAME.search(name) and _name_letters(name).startswith(prefix) and _padded(value))
 
 
 def _secrets(key: str | None, kwargs: Mapping[str, Any]) -> list[str]:
