@@ -61,6 +61,7 @@ from dex_agents import (
     ContextSummaryResult,
     FrameworkMessage,
     MessageRole,
+    ModelCallMetadata,
     RunModelLimit,
     ToolEffect,
     build_context_summary_omission_note,
@@ -85,7 +86,9 @@ from dex_agents.builtin_loop import (
     AgentDefinition,
     BuiltinLoopAgentRunner,
     ModelOutputItem,
+    ModelOutputWriter,
     ModelRequest,
+    ModelResponse,
     ModelToolCall,
     OutputItemKind,
     ScriptedModelClient,
@@ -1780,3 +1783,24 @@ async def test_a_summary_with_a_lone_surrogate_is_stored_escaped(tmp_path: Path)
         history = to_step_history(await engine.client.get_flow_history("s"))
         assert [e.final_attempt for e in history
                 if e.step_type == COMPACT_CONTEXT and e.event_type == "execute_completed"] == [1]
+
+
+async def test_a_summary_cut_at_the_token_limit_is_kept_saying_so(caplog: pytest.LogCaptureFixture) -> None:
+    """A summary the model's output token limit cut is kept (a retry pays for the same cut), but it
+    ends with a note saying so, and a warning is logged: retention may delete what it summarizes."""
+    class CutSummaries:
+        def estimate_input_tokens(self, request: ModelRequest) -> int:
+            return 1
+
+        async def call_model(self, request: ModelRequest, output: ModelOutputWriter) -> ModelResponse:
+            text = ModelOutputItem("scripted", OutputItemKind.TEXT, json.dumps({"type": "text", "text": "The user"}),
+                                   "The user")
+            return ModelResponse((text,), AgentUsage(model_calls=1), ModelCallMetadata(finish_reasons=("length",)))
+
+    messages = [message(1, item=json.dumps({"type": "user_text", "text": "remember 42"}))]
+    definition = AgentDefinition(name="a", instructions="x", model=CutSummaries())
+    with caplog.at_level(logging.WARNING):
+        result = await BuiltinLoopAgentRunner(definition).summarize_context(summary_request_of(messages, 10_000))
+    assert result.text == ("The user\n[Dex: this summary was cut at the model's output token limit "
+                           "(finish_reason 'length'); what followed is missing from it]")
+    assert "context summary was cut at the model's output token limit (finish_reason 'length')" in caplog.text

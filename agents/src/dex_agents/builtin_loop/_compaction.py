@@ -10,6 +10,7 @@ budget, the oldest messages are left out up to such a cut, with build_context_su
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,7 +40,10 @@ from ._model import (
     ToolResultInput,
     UserTextInput,
     estimate_request_tokens,
+    token_limit_finish_reason,
 )
+
+log = logging.getLogger(__name__)
 
 
 def with_summary_note(turn: AgentTurnContext, items: list[ModelInputItem]) -> list[ModelInputItem]:
@@ -149,7 +153,20 @@ async def summarize_with_model(
     if not isinstance(response, ModelResponse):
         raise TypeError(f"call_model returned {type(response).__name__}; return a ModelResponse")
     text = "".join(_text_of(item) for item in response.output)
+    cut = token_limit_finish_reason(response.metadata)
+    if cut is not None:
+        # Kept (a retry would pay for the same cut, and failing would stop every later turn), but said:
+        # retention may delete the messages it summarizes, and the model should know it lacks their end.
+        log.warning("turn %r: the context summary was cut at the model's output token limit (finish_reason %r); "
+                    "raise max_output_tokens or max_tokens in the agent's model_settings", request.turn_id, cut)
+        text += summary_cut_note(cut)
     return ContextSummaryResult(text, response.usage, response.metadata)
+
+
+def summary_cut_note(finish_reason: str) -> str:
+    """What a summary cut at the model's token limit ends with, for the model and whoever reads it."""
+    return (f"\n[Dex: this summary was cut at the model's output token limit (finish_reason {finish_reason!r}); "
+            "what followed is missing from it]")
 
 
 def _text_of(item: ModelOutputItem) -> str:
