@@ -1093,6 +1093,38 @@ async def test_an_answer_cut_at_the_token_limit_is_kept_and_the_turn_fails_sayin
     assert len(provider.received) == 2  # not tried again: the same limit would cut it again
 
 
+@pytest.mark.parametrize("api", ["responses", "chat"])
+async def test_an_answer_the_content_filter_stopped_is_kept_and_the_turn_fails_saying_so(
+    provider: FakeProvider, api: str, tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """An answer the provider's content filter stopped is stored, and the turn fails naming the
+    finish reason, without a retry; so does one the filter stopped before any text. Catches: the
+    stopped answer taken as whole, or an empty one tried again (a retry is stopped again, paid)."""
+    if api == "chat":
+        model = chat_client(provider)
+        provider.queue(CHAT_PATH, chat_stream(text="The first step is", finish="content_filter"))
+        provider.queue(CHAT_PATH, chat_stream(reasoning="Thinking", finish="content_filter"))
+    else:
+        model = openai_client(provider)
+        provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM], incomplete="content_filter"))
+        provider.queue(RESPONSES_PATH, responses_stream([REASONING_ITEM], incomplete="content_filter"))
+    error = ("the model provider's content filter stopped the model's output (finish_reason 'content_filter'), so "
+             "its answer is incomplete or missing; rephrase the request, or review the provider's content filter "
+             "settings")
+    agent = AgentDefinition(name="litellm-agent", model=model, instructions="")
+    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(agent, "LiteLLMAgent")], db_url)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "How do I start?")
+        first = await turns_ended(sessions, "s", 1)
+        await sessions.send_user_message("s", "Think about it.")
+        second = await turns_ended(sessions, "s", 2)
+    assert first.state is not None and first.state.last_turn_error == error
+    assert first.messages[-1].text == ("The first step is" if api == "chat" else "Let me look.")
+    assert second.state is not None and second.state.last_turn_error == error
+    assert len(provider.received) == 2
+
+
 @pytest.mark.parametrize("variable", ["OPENAI_API_KEY", "HOSTED_VLLM_API_KEY"])
 @pytest.mark.parametrize("value", ["sk-live-0123456789\n", " sk-live-0123456789", "sk-live-01234\r\n56789"])
 async def test_an_environment_key_with_a_line_break_is_refused_naming_the_variable(

@@ -89,6 +89,9 @@ MAX_CONSECUTIVE_TURN_CONTINUATIONS = 8
 # Gemini's own "max_tokens". The built-in loop tells the model and the user, instead of taking a cut
 # answer as whole, or a cut tool call as one that merely had bad arguments.
 TOKEN_LIMIT_FINISH_REASONS = frozenset({"length", "max_output_tokens", "max_tokens"})
+# Finish reasons that say the provider's content filter stopped the model's output (Chat Completions'
+# and the Responses API's incomplete reason): what was written before is all the answer there is.
+CONTENT_FILTER_FINISH_REASONS = frozenset({"content_filter"})
 
 # Fixed texts the model and operators see.
 TOOL_CALL_NOT_RUN_ERROR_PREFIX = "the tool did not run, so it is safe to call again"

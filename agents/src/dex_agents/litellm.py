@@ -56,6 +56,7 @@ from .builtin_loop._model import (
     ToolChoice,
     ToolResultInput,
     UserTextInput,
+    content_filter_finish_reason,
     estimate_request_tokens,
     token_limit_finish_reason,
 )
@@ -599,8 +600,9 @@ def _with_an_answer(response: ModelResponse) -> ModelResponse:
     """`response`, unless it holds no text and no tool call: then an error, so RunModel tries the call
     again. A stream with no choices, or only [DONE], or an empty message, ended the turn as answered
     with nothing to show and no error (LiteLLM fills in finish_reason "stop"). A response the token
-    limit cut is returned as it is: the runner tells the user and the model about the cut."""
-    if token_limit_finish_reason(response.metadata) is not None:
+    limit cut, or the provider's content filter stopped, is returned as it is: the runner tells the
+    user about it, where a retry would pay for the same stop."""
+    if token_limit_finish_reason(response.metadata) is not None or content_filter_finish_reason(response.metadata):
         return response
     if any(item.tool_call is not None or (item.kind is OutputItemKind.TEXT and item.text) for item in response.output):
         return response

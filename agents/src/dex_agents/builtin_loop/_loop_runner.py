@@ -88,6 +88,7 @@ from ._model import (
     ToolChoice,
     ToolResultInput,
     UserTextInput,
+    content_filter_finish_reason,
     is_provider_tool_name,
     token_limit_finish_reason,
 )
@@ -119,6 +120,13 @@ def cut_tool_call_result(outcome: str, finish_reason: str) -> str:
     return (f"{outcome}; your output was cut at its token limit (finish_reason {finish_reason!r}) before this "
             "call's arguments were complete, so make the call again with shorter arguments, or split the work "
             "into smaller calls")
+
+
+def filtered_answer_error(finish_reason: str) -> str:
+    """The turn's error when the provider's content filter stopped the model's answer (kept as it is)."""
+    return (f"the model provider's content filter stopped the model's output (finish_reason {finish_reason!r}), so "
+            "its answer is incomplete or missing; rephrase the request, or review the provider's content filter "
+            "settings")
 
 
 def cut_answer_error(finish_reason: str) -> str:
@@ -251,6 +259,12 @@ class BuiltinLoopAgentRunner:
             # it is incomplete: taken as a whole answer, a cut one looked finished to everyone.
             log.warning("turn %r: %s", turn.turn_id, cut_answer_error(cut))
             return TurnCompleted(unstored, response.usage, response.metadata, turn_error=cut_answer_error(cut))
+        filtered = content_filter_finish_reason(response.metadata)
+        if filtered is not None:
+            # The same for an answer the provider's filter stopped: a retry would be stopped again.
+            log.warning("turn %r: %s", turn.turn_id, filtered_answer_error(filtered))
+            return TurnCompleted(unstored, response.usage, response.metadata,
+                                 turn_error=filtered_answer_error(filtered))
         return TurnCompleted(unstored, response.usage, response.metadata)
 
     def build_unfinished_turn_messages(self, turn: AgentTurnContext) -> Sequence[FrameworkMessage]:

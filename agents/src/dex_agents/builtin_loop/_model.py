@@ -10,7 +10,7 @@ from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 from .._compaction import estimate_text_tokens
-from .._constants import TOKEN_LIMIT_FINISH_REASONS
+from .._constants import CONTENT_FILTER_FINISH_REASONS, TOKEN_LIMIT_FINISH_REASONS
 from .._events import AgentEventWriter
 from .._runner import ModelCallMetadata
 from .._wire import AgentUsage
@@ -116,9 +116,19 @@ class ModelResponse:
 def token_limit_finish_reason(metadata: ModelCallMetadata | None) -> str | None:
     """The finish reason, as the client reported it, saying the response was cut at the output token
     limit (TOKEN_LIMIT_FINISH_REASONS), or None: a client that reports no finish reasons is never cut."""
+    return _finish_reason_in(metadata, TOKEN_LIMIT_FINISH_REASONS)
+
+
+def content_filter_finish_reason(metadata: ModelCallMetadata | None) -> str | None:
+    """The finish reason saying the provider's content filter stopped the response
+    (CONTENT_FILTER_FINISH_REASONS), or None."""
+    return _finish_reason_in(metadata, CONTENT_FILTER_FINISH_REASONS)
+
+
+def _finish_reason_in(metadata: ModelCallMetadata | None, names: frozenset[str]) -> str | None:
     reasons = metadata.finish_reasons if isinstance(metadata, ModelCallMetadata) else None
     for reason in reasons or ():
-        if isinstance(reason, str) and reason.lower() in TOKEN_LIMIT_FINISH_REASONS:
+        if isinstance(reason, str) and reason.lower() in names:
             return reason
     return None
 
