@@ -24,6 +24,7 @@ DexError
  +-- WorkerInvocationError     a handler raised; carries the error type and detail
  +-- WorkerIdInUseError        a worker starts under an ID a live worker elsewhere holds
  +-- NoRetryError              raised by a handler to skip remaining retries
+ +-- RetryAfterError           raised by a handler whose retry may start no sooner than a delay
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = [
     "InvalidWaitError",
     "NoRetryError",
     "NotLoadedError",
+    "RetryAfterError",
     "RpcContentionError",
     "RpcLockConflictError",
     "RpcNotFoundError",
@@ -234,6 +236,20 @@ class DatabaseFileReplacedError(StoreOpenError):
 
 class NoRetryError(DexError):
     """Raise from a handler to fail the method now, skipping its remaining retries."""
+
+
+class RetryAfterError(DexError):
+    """Raise from a handler to fail the attempt with its retry no sooner than `delay_seconds` from now
+    (a provider's Retry-After), and within the method's retry policy: the retry starts after the
+    longer of this delay and the policy's interval; one past the policy's total duration is not made.
+
+    The engine reads the `retry_after_seconds` attribute, so any exception that has one asks the same,
+    keeping its own type (a library's rate-limit error with the attribute set on it).
+    """
+
+    def __init__(self, delay_seconds: float, message: str) -> None:
+        super().__init__(message)
+        self.retry_after_seconds = delay_seconds
 
 
 def shown(value: object, chars: int | None = SHOWN_CHARS) -> str:

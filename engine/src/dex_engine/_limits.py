@@ -225,6 +225,11 @@ STREAM_WATCH_SECONDS = 0.02
 # Longest timer and retry interval accepted: a year, far beyond any real wait.
 MAX_TIMER_SECONDS = 366 * 24 * 3600
 
+# Longest wait before a retry that a failed attempt's error may ask for (its retry_after_seconds, such
+# as a provider's Retry-After): a day, past any rate limit's window. A longer one (milliseconds given
+# as seconds, an HTTP date far off, an infinity) waits this long, still within the policy's total duration.
+MAX_RETRY_AFTER_SECONDS = 24 * 3600
+
 # History is trimmed every this many events of a flow, so a flow keeps between
 # MAX_HISTORY_EVENTS_PER_FLOW and that plus this many events.
 HISTORY_TRIM_CHECK_EVERY = 256

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import msgspec
 
 from ._errors import FlowDefinitionError, shown
-from ._limits import MAX_TIMER_SECONDS, MAX_WHOLE_NUMBER
+from ._limits import MAX_RETRY_AFTER_SECONDS, MAX_TIMER_SECONDS, MAX_WHOLE_NUMBER
 
 
 class RetryPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -86,19 +86,66 @@ def _finite(value: float) -> bool:
 
 
 @dataclass(frozen=True)
+class AskedDelay:
+    """What a failed attempt's error asked of its retry (its `retry_after_seconds`)."""
+
+    delay_ms: int | None  # the wait to honour; None when the value asked cannot be one
+    note: str  # what was asked, and what became of it, for the attempt's history
+
+
+def asked_delay(error: BaseException) -> AskedDelay | None:
+    """The retry delay `error` asks for through a `retry_after_seconds` attribute (RetryAfterError's,
+    or one a library's error carries), or None when it asks none. An unusable value (not a number,
+    negative, NaN) is a note and no delay: the attempt's own failure is what is recorded, and the
+    retry policy's interval applies; one over MAX_RETRY_AFTER_SECONDS is capped there."""
+    try:
+        value: object = getattr(error, "retry_after_seconds", None)
+    except Exception as failed:  # a property that raises: as unusable as a value that is no number
+        return AskedDelay(None, f"its retry_after_seconds could not be read ({type(failed).__name__}), so "
+                                "the retry policy's interval applies")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        return AskedDelay(None, f"its retry_after_seconds, {shown(value)}, is not a number of seconds >= 0, so "
+                                "the retry policy's interval applies")
+    if value > MAX_RETRY_AFTER_SECONDS:  # an infinity too; an int too large for a float compares as well
+        return AskedDelay(MAX_RETRY_AFTER_SECONDS * 1000,
+                          f"it asked for its retry no sooner than {_seconds(value)} s from now, capped at "
+                          f"MAX_RETRY_AFTER_SECONDS ({MAX_RETRY_AFTER_SECONDS} s)")
+    return AskedDelay(math.ceil(value * 1000), f"it asked for its retry no sooner than {_seconds(value)} s from now")
+
+
+def _seconds(value: float) -> str:
+    """Seconds as a history note shows them: 3, 2.5, 1e+12, inf."""
+    try:
+        return f"{float(value):g}"
+    except OverflowError:  # an int past a float's range
+        return shown(value)
+
+
+@dataclass(frozen=True)
 class RetryDecision:
     retry: bool
     run_at_ms: int = 0
+    # No retry although attempts remained, only because of the delay the error asked for: it would
+    # start after the policy's total duration, where the policy's own interval would not.
+    asked_past_budget: bool = False
 
 
 def decide_retry(
-    policy: RetryPolicy, *, attempt: int, first_started_ms: int, now_ms: int, no_retry: bool
+    policy: RetryPolicy, *, attempt: int, first_started_ms: int, now_ms: int, no_retry: bool,
+    asked_delay_ms: int | None = None,
 ) -> RetryDecision:
-    """Retry with backoff, or give up (the caller then takes the failure route)."""
+    """Retry with backoff, or give up (the caller then takes the failure route). A delay the error
+    asked for (`asked_delay_ms`) makes the retry wait at least that long, as any retry, in the
+    database: the worker is free meanwhile."""
     if no_retry or attempt >= policy.max_attempts:
         return RetryDecision(False)
-    run_at = now_ms + int(policy.interval_after(attempt) * 1000)
+    backoff_at = now_ms + int(policy.interval_after(attempt) * 1000)
+    run_at = backoff_at if asked_delay_ms is None else max(backoff_at, now_ms + asked_delay_ms)
     total = policy.total_duration_seconds
-    if total is not None and run_at > first_started_ms + int(total * 1000):
-        return RetryDecision(False)
+    if total is not None:
+        budget_end = first_started_ms + int(total * 1000)
+        if run_at > budget_end:
+            return RetryDecision(False, asked_past_budget=backoff_at <= budget_end)
     return RetryDecision(True, run_at)

@@ -35,6 +35,7 @@ from ._records import (
     StartRequest,
     WriteSet,
 )
+from ._retry import AskedDelay
 from ._transitions import Db
 from ._wait import WaitSpec
 
@@ -383,8 +384,10 @@ class Store(ABC):
             pending += _started_or_claimed(db, handoff, readied, flow_types, now, defer=True)
         return out
 
-    async def fail_attempt(self, lease: Lease, error: ErrorInfo, *, no_retry: bool = False) -> None:
-        await self._run(lambda db: tx.fail_attempt(db, lease, error, no_retry, now_ms()), write=True)
+    async def fail_attempt(
+        self, lease: Lease, error: ErrorInfo, *, no_retry: bool = False, asked: AskedDelay | None = None
+    ) -> None:
+        await self._run(lambda db: tx.fail_attempt(db, lease, error, no_retry, now_ms(), asked), write=True)
 
     async def abandon(self, lease: Lease) -> None:
         await self._run(lambda db: tx.abandon(db, lease), write=True)

@@ -65,7 +65,7 @@ from ._records import (
     WaitOutcome,
     WriteSet,
 )
-from ._retry import decide_retry
+from ._retry import AskedDelay, decide_retry
 from ._task_options import SharedOptions, is_reference, options_json
 from ._wait import WaitSpec
 from ._wait_selection import select_wait
@@ -385,6 +385,12 @@ def _history(
     db: Db, flow_id: str, step_type: str, seid: str, event: str, attempt: int, now: int, detail: str = ""
 ) -> None:
     db.history.append((flow_id, step_type, seid, event, attempt, now, _error_text(detail)))
+
+
+def _with_note(text: str, note: str) -> str:
+    """`text` (an error's, kept to MAX_ERROR_TEXT_CHARS) with `note` after it, the note kept whole:
+    a long error would otherwise push it past the limit, where it is cut off."""
+    return text[:max(0, MAX_ERROR_TEXT_CHARS - len(note))] + note
 
 
 def _error_text(text: str) -> str:
@@ -1663,12 +1669,18 @@ def _cancel_task(db: Db, task_id: int, now: int, detail: str) -> None:
 # Failures, retries, failure routes (E3, E4) --------------------------------------------------
 
 
-def fail_attempt(db: Db, lease: Lease, error: ErrorInfo, no_retry: bool, now: int) -> None:
+def fail_attempt(
+    db: Db, lease: Lease, error: ErrorInfo, no_retry: bool, now: int, asked: AskedDelay | None = None
+) -> None:
     check_lease(db, lease)
-    _fail_task(db, lease.task_id, error, no_retry, now)
+    _fail_task(db, lease.task_id, error, no_retry, now, asked)
 
 
-def _fail_task(db: Db, task_id: int, error: ErrorInfo, no_retry: bool, now: int) -> None:
+def _fail_task(
+    db: Db, task_id: int, error: ErrorInfo, no_retry: bool, now: int, asked: AskedDelay | None = None
+) -> None:
+    """Fail the task's running attempt: its retry, or its failure route, or the flow fails (E4).
+    `asked`: the delay its error asked for before the retry (RetryAfterError), told in its history."""
     error = ErrorInfo(error.error_type, _error_text(error.detail))  # kept for the retry and failure route too
     row = db.one(
         "SELECT flow_id, flow_type, step_type, step_execution_id, method, attempt, options, input, "
@@ -1681,11 +1693,21 @@ def _fail_task(db: Db, task_id: int, error: ErrorInfo, no_retry: bool, now: int)
     options = stored_task_options(db, bytes(row[6]))
     started = bool(row[9]) or bool(row[10])
     db.revoked()  # a running attempt fails: its own worker's, or one timed out or orphaned
-    _history(db, flow_id, step_type, seid, ATTEMPT_FAILED, attempt, now,
-             f"{method}: {error.error_type}: {error.detail}")
     policy = _method_options(options, method).retry
     decision = decide_retry(policy, attempt=attempt, first_started_ms=int(row[8] or now), now_ms=now,
-                            no_retry=no_retry)
+                            no_retry=no_retry, asked_delay_ms=None if asked is None else asked.delay_ms)
+    failed = f"{method}: {error.error_type}: {error.detail}"
+    if asked is not None:
+        # Operators read here why the retry waited longer than the policy's interval (or did not).
+        waits = f": the next attempt is due in {(decision.run_at_ms - now) / 1000:g} s" if decision.retry else ""
+        failed = _with_note(failed, f" ({asked.note}{waits})")
+    _history(db, flow_id, step_type, seid, ATTEMPT_FAILED, attempt, now, failed)
+    if decision.asked_past_budget:
+        assert asked is not None and policy.total_duration_seconds is not None
+        # Failed now, and saying why: the error asked for a wait that ends past the budget.
+        error = ErrorInfo(error.error_type, _with_note(error.detail, (
+            f" ({asked.note}, past the end of the retry policy's total duration of "
+            f"{policy.total_duration_seconds:g} s from the first attempt's start, so no retry was made)")))
     if decision.retry:
         _send(
             db, "UPDATE tasks SET state = 'ready', attempt = attempt + 1, attempt_started = 0, run_at = ?, "

@@ -65,6 +65,7 @@ from ._open import open_store, shown_url
 from ._options import is_number
 from ._parked import FoldFunctions, ParkedHandler
 from ._records import DecisionRecord, ErrorInfo, Lease, MovementRecord, StartedFold, WriteSet
+from ._retry import AskedDelay, asked_delay
 from ._scheduling import movement_record
 from ._schema import ChannelRef
 from ._store import LOST_CLAIM_MS, Store, commit_origin, stop_retrying
@@ -911,9 +912,10 @@ class AsyncWorker:
         except TimeoutError as exc:
             # Only the method's own timeout is MethodTimeout; a TimeoutError the handler let out (its
             # own wait_for) is a failure like any other, and its recovery error says so (E3).
-            error = (ErrorInfo("MethodTimeout", f"{lease.method} passed its timeout")
-                     if timeout is not None and timeout.expired() else _error_info(exc))
-            await self._fail(running, error, False)
+            if timeout is not None and timeout.expired():
+                await self._fail(running, ErrorInfo("MethodTimeout", f"{lease.method} passed its timeout"), False)
+            else:
+                await self._fail(running, _error_info(exc), False, self._asked_delay(lease, exc))
             return
         except NoRetryError as exc:
             await self._fail(running, _error_info(exc), True)
@@ -924,7 +926,7 @@ class AsyncWorker:
             # Exception, and what else a handler may let out: GeneratorExit, or SystemExit from a
             # library's sys.exit() (argparse's). A failure of the attempt like any other: let
             # through, it left the attempt's task running for ever, or ended the worker process.
-            await self._fail(running, _error_info(exc), False)
+            await self._fail(running, _error_info(exc), False, self._asked_delay(lease, exc))
             return
         finally:
             ctx.close(f"{lease.method} of {lease.step_execution_id} (attempt {lease.attempt}) returned")
@@ -1126,12 +1128,24 @@ class AsyncWorker:
             if ctx is not None and not parked_handler:  # as _attempt closes a usual attempt's
                 ctx.close(f"execute of {lease.step_execution_id} (attempt {lease.attempt}) returned")
 
-    async def _fail(self, running: _Running, error: ErrorInfo, no_retry: bool) -> None:
+    async def _fail(
+        self, running: _Running, error: ErrorInfo, no_retry: bool, asked: AskedDelay | None = None
+    ) -> None:
         # Events the attempt wrote before failing are kept: readers show a failed attempt's output.
         await self._drain_events(running)
         if running.revoked:
             return
-        await self.store.fail_attempt(running.lease, error, no_retry=no_retry)
+        await self.store.fail_attempt(running.lease, error, no_retry=no_retry, asked=asked)
+
+    @staticmethod
+    def _asked_delay(lease: Lease, exc: BaseException) -> AskedDelay | None:
+        """The retry delay `exc` asks for (RetryAfterError); an unusable one is also logged, as a
+        mistake of the handler's author, who may not read the flow's history."""
+        asked = asked_delay(exc)
+        if asked is not None and asked.delay_ms is None:
+            log.warning("%s of %s (attempt %d) raised %s: %s", lease.method, lease.step_execution_id, lease.attempt,
+                        type(exc).__name__, asked.note)
+        return asked
 
     def _context(self, running: _Running) -> Context:
         lease = running.lease
