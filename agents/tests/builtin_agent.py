@@ -35,11 +35,13 @@ FAST_WORKER = {"poll_seconds": 0.01, "housekeeping_seconds": 0.05}
 class InProcessEngine:
     """An engine database in `tmp_path` (or at `url`), one in-process Worker, and a Client, for the Flows given."""
 
-    def __init__(self, tmp_path: Path, flows: Sequence[AgentSessionFlow], url: str | None = None) -> None:
+    def __init__(
+        self, tmp_path: Path, flows: Sequence[AgentSessionFlow], url: str | None = None, **worker_options: Any
+    ) -> None:
         self.url = url or f"sqlite:///{tmp_path / 'engine.db'}"  # `url`: another database, PostgreSQL's say
         registry = Registry(list(flows))
         self.client = AsyncClient(registry, self.url)
-        self.worker = AsyncWorker(registry, WorkerOptions(database_url=self.url, **FAST_WORKER))
+        self.worker = AsyncWorker(registry, WorkerOptions(database_url=self.url, **{**FAST_WORKER, **worker_options}))
         self.flows = list(flows)
         self._task: asyncio.Task[None] | None = None
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import email.utils
 import json
 import os
 import re
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ import pytest
 from agents.tests.builtin_agent import InProcessEngine, lookup_order
 from agents.tests.conftest import REPO_ROOT
 from agents.tests.session_driver import turns_ended
-from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
+from engine.tests.conftest import db_url, pg_database, pg_databases, wait_until  # noqa: F401 - the fixtures used here
 
 from dex_agents import (
     AgentEvent,
@@ -61,6 +63,7 @@ from dex_agents.builtin_loop import (
 )
 from dex_agents.litellm import LiteLLMModelClient
 from dex_agents.testing import executed_steps, to_step_history
+from dex_engine import HistoryEntry
 
 litellm.suppress_debug_info = True  # no "Provider List" banner on every expected error
 
@@ -78,6 +81,7 @@ class Received:
     path: str
     headers: Mapping[str, str]
     body: bytes
+    at_ms: int = 0  # when it arrived, by the wall clock the engine's history uses
 
     @property
     def json(self) -> Any:
@@ -89,6 +93,7 @@ class Reply:
     status: int
     body: bytes
     content_type: str
+    headers: tuple[tuple[str, str], ...] = ()  # more response headers (Retry-After, ...)
 
 
 class FakeProvider:
@@ -106,9 +111,12 @@ class FakeProvider:
 
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                reply = provider._take(Received(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+                reply = provider._take(Received(self.path, {k.lower(): v for k, v in self.headers.items()}, body,
+                                                int(time.time() * 1000)))
                 self.send_response(reply.status)
                 self.send_header("Content-Type", reply.content_type)
+                for name, value in reply.headers:
+                    self.send_header(name, value)
                 self.send_header("Content-Length", str(len(reply.body)))
                 self.end_headers()
                 self.wfile.write(reply.body)
@@ -728,6 +736,118 @@ async def test_a_server_error_is_one_request_and_raises(
     with pytest.raises(Exception, match="overloaded"):
         await client.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
     assert [r.path for r in provider.received] == [path]
+
+
+def rate_limited(status: int, *headers: tuple[str, str]) -> Reply:
+    """A 429 saying so, or another status's error_reply ("overloaded": LiteLLM takes any error that
+    mentions a rate limit for a RateLimitError), with `headers`."""
+    if status != 429:
+        return dataclasses.replace(error_reply(status), headers=headers)
+    body = {"error": {"message": "Rate limit reached for requests; try again later", "type": "rate_limit_error"}}
+    return Reply(status, json.dumps(body).encode(), "application/json", headers)
+
+
+def in_seconds(seconds: int) -> str:
+    """An HTTP date `seconds` from now, as a Retry-After may give one."""
+    return email.utils.formatdate(time.time() + seconds, usegmt=True)
+
+
+@pytest.mark.parametrize(("status", "headers", "asked"), [
+    (429, [("Retry-After", "3")], 3.0),
+    (429, [("Retry-After", "3"), ("retry-after-ms", "2500")], 2.5),  # OpenAI's, in ms, taken first
+    (503, [("Retry-After", "7")], 7.0),
+    (429, [("Retry-After", "in 120")], "date"),
+    (429, [], None),
+    (429, [("Retry-After", "soon")], None),
+    (429, [("Retry-After", "nan")], None),
+    (500, [("Retry-After", "3")], None),  # a server error's Retry-After is no rate limit's
+])
+@pytest.mark.parametrize("api", ["responses", "chat"])
+async def test_a_rate_limit_with_retry_after_asks_the_engine_to_wait(
+    provider: FakeProvider, api: str, status: int, headers: list[tuple[str, str]], asked: float | str | None
+) -> None:
+    """A 429 or 503 whose response has Retry-After (seconds or an HTTP date) or retry-after-ms raises
+    the provider's error, its type kept, with retry_after_seconds set (dex_engine's RetryAfterError
+    protocol), so RunModel's next attempt waits that long; no header, an unreadable one, or another
+    status sets none. Catches: the header ignored, the engine retrying after its own 1 s and 2 s."""
+    headers = [(name, in_seconds(120) if value == "in 120" else value) for name, value in headers]
+    client = openai_client(provider) if api == "responses" else chat_client(provider)
+    path = RESPONSES_PATH if api == "responses" else CHAT_PATH
+    provider.queue(path, rate_limited(status, *headers))
+    expected = {429: litellm.RateLimitError, 503: litellm.ServiceUnavailableError, 500: litellm.InternalServerError}
+    with pytest.raises(expected[status]) as raised:
+        await client.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
+    got = getattr(raised.value, "retry_after_seconds", None)
+    if asked == "date":
+        assert isinstance(got, float) and 60 < got <= 120, got  # whole seconds, less the time the call took
+    else:
+        assert got == asked
+    assert len(provider.received) == 1  # one request: the wait is the engine's, not the client's
+
+
+def engine_history_of(history: list[HistoryEntry], step_type: str, event_type: str) -> list[HistoryEntry]:
+    return [h for h in history if h.step_type == step_type and h.event_type == event_type]
+
+
+async def test_a_rate_limited_turn_waits_for_retry_after_in_the_engine_and_succeeds(
+    provider: FakeProvider, tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """A provider answering RunModel's first call 429 with Retry-After: 3, then the answer: the turn
+    succeeds; the second call arrives no sooner than 3 s after the engine recorded the first
+    attempt's failure (the history says the retry was asked for 3 s); and on a Worker with one slot,
+    another session's whole turn runs meanwhile. Catches: the retries after the policy's 1 s and
+    2 s that failed the turn in 3 s, or a wait inside the attempt that holds the Worker."""
+    agent = AgentDefinition(name="litellm-agent", model=chat_client(provider), instructions="")
+    flow = builtin_agent_session_flow(agent, "LiteLLMAgent")
+    provider.queue(CHAT_PATH, rate_limited(429, ("Retry-After", "3")))
+    provider.queue(CHAT_PATH, chat_stream(text="fine"))
+    provider.queue(CHAT_PATH, chat_stream(text="fine"))
+    engine = InProcessEngine(tmp_path, [flow], db_url, max_concurrent_tasks=1)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("a", "hello from a")
+
+        async def a_failed() -> list[HistoryEntry]:
+            return engine_history_of(await engine.client.get_flow_history("a"), "RunModel", "attempt_failed")
+
+        (failed,) = await wait_until("RunModel of a failed once", a_failed)
+        await sessions.start_session("b", "hello from b")
+        await turns_ended(sessions, "b", 1)
+        done = await turns_ended(sessions, "a", 1)
+        b_done = engine_history_of(await engine.client.get_flow_history("b"), "RunModel", "execute_completed")
+        a_history = await engine.client.get_flow_history("a")
+    assert done.state is not None and done.state.last_turn_error is None and done.messages[-1].text == "fine"
+    assert [r.json["messages"][-1]["content"] for r in provider.received] == ["hello from a", "hello from b",
+                                                                              "hello from a"]
+    retried = provider.received[2].at_ms
+    assert retried >= failed.at_ms + 3000, "the retry came before the provider's Retry-After"
+    assert b_done[0].at_ms < retried, "the other session's turn waited for the slot the waiting retry held"
+    assert "RateLimitError" in failed.detail and "no sooner than 3 s from now" in failed.detail
+    assert [h.attempt for h in engine_history_of(a_history, "RunModel", "execute_completed")] == [2]
+
+
+async def test_a_retry_after_past_the_retry_budget_fails_the_turn_at_once_naming_it(
+    provider: FakeProvider, tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """A 429 asking for an hour, under RunModel's 3 attempts within 30 min, fails the turn at once:
+    last_turn_error keeps the provider's error and names the asked 3600 s and the 1800 s budget; no
+    second call is made. Catches: a retry scheduled past the budget (the turn stuck for an hour), or
+    retries after 1 s and 2 s the provider refuses again, ending with its error alone."""
+    agent = AgentDefinition(name="litellm-agent", model=chat_client(provider), instructions="")
+    flow = builtin_agent_session_flow(agent, "LiteLLMAgent")
+    provider.queue(CHAT_PATH, rate_limited(429, ("Retry-After", "3600")))
+    provider.queue(CHAT_PATH, chat_stream(text="too soon"))  # a retry would get this
+    engine = InProcessEngine(tmp_path, [flow], db_url)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "hi")
+        done = await turns_ended(sessions, "s", 1)
+    assert done.state is not None and done.state.last_turn_error is not None
+    error = done.state.last_turn_error
+    assert "RateLimitError" in error and "Rate limit reached for requests" in error
+    assert ("it asked for its retry no sooner than 3600 s from now, past the end of the retry policy's total "
+            "duration of 1800 s from the first attempt's start, so no retry was made") in error
+    assert len(provider.received) == 1
 
 
 async def test_a_server_without_the_responses_api_is_told_to_use_chat(provider: FakeProvider) -> None:

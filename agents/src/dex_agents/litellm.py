@@ -17,6 +17,8 @@ from the request. An error that quotes the key `api_key_provider` gave, or the v
 variable named like a credential (`OPENAI_API_KEY`, `AWS_SECRET_ACCESS_KEY`, ...; one of at least 8
 characters), of a LiteLLM key setting (`litellm.api_key`, `litellm.anthropic_key`, ...) or of a
 credential header in `extra_headers` (`Authorization`, `x-api-key`, ...), is raised with *** for it.
+A 429 or 503 whose response has `retry-after-ms` or `Retry-After` is raised with `retry_after_seconds` set
+on it (dex_engine's RetryAfterError protocol): the engine waits that long before RunModel's next attempt.
 LiteLLM fetches its model cost map over the network when imported, unless
 `LITELLM_LOCAL_MODEL_COST_MAP=True` (or `LITELLM_OFFLINE_MODE=true`) is set in the environment.
 """
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import datetime
+import email.utils
 import inspect
 import json
 import os
@@ -313,11 +317,15 @@ class LiteLLMModelClient:
             # text is kept in the flow's history and the turn's failure, and logged. The key may be
             # one LiteLLM read from the environment or its own settings, not api_key_provider's.
             secrets = _secrets(key, kwargs)
+            delay = _retry_after_seconds(error)
             if secrets:
                 _hide_secrets(error, secrets)
                 text = _text_of(error)
                 if any(secret in text for secret in secrets):  # an exception whose text comes from elsewhere
-                    raise RuntimeError(f"{type(error).__name__}: {_hidden(text, secrets)}") from None
+                    hidden = RuntimeError(f"{type(error).__name__}: {_hidden(text, secrets)}")
+                    _ask_retry_after(hidden, delay)
+                    raise hidden from None
+            _ask_retry_after(error, delay)
             raise
 
     # The Responses API -------------------------------------------------------------------------
@@ -728,6 +736,63 @@ def _append_to_text(error: BaseException, addition: str) -> None:
             setattr(error, "message", message + addition)  # noqa: B010 - BaseException declares no message
     if error.args and isinstance(error.args[0], str):
         error.args = (error.args[0] + addition, *error.args[1:])
+
+
+# Statuses whose Retry-After a rate-limited or overloaded provider sends for when to call again
+# (RFC 9110 gives it to 503; 429 is a rate limit's own).
+_RETRY_AFTER_STATUSES: Final = frozenset({429, 503})
+# A Retry-After (or retry-after-ms) in seconds, not an HTTP date: digits, perhaps a fraction. float()
+# would also take "nan", "inf" and "1e9", which no provider means.
+_DELAY_NUMBER: Final = re.compile(r"\d{1,12}(?:\.\d{1,6})?")
+
+
+def _retry_after_seconds(error: BaseException) -> float | None:
+    """How long a 429 or 503 `error` asks to wait before the next call, from its response's
+    `retry-after-ms` (OpenAI's, in milliseconds; taken first, as the OpenAI SDK does) or
+    `Retry-After` (seconds, or an HTTP date), or None when it asks nothing readable."""
+    status = getattr(error, "status_code", None)
+    if status not in _RETRY_AFTER_STATUSES and not isinstance(
+            error, litellm.RateLimitError | litellm.ServiceUnavailableError):
+        return None
+    headers = _response_headers(error)
+    milliseconds = headers.get("retry-after-ms", "").strip()
+    if _DELAY_NUMBER.fullmatch(milliseconds):
+        return float(milliseconds) / 1000
+    text = headers.get("retry-after", "").strip()
+    if _DELAY_NUMBER.fullmatch(text):
+        return float(text)
+    if not text:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, OverflowError, IndexError):  # neither seconds nor a date: the policy applies
+        return None
+    if when.tzinfo is None:  # an HTTP date is in GMT; one written without a zone is read so
+        when = when.replace(tzinfo=datetime.UTC)
+    return max(0.0, (when - datetime.datetime.now(datetime.UTC)).total_seconds())
+
+
+def _response_headers(error: BaseException) -> dict[str, str]:
+    """The provider response's headers, names in lower case. LiteLLM keeps them on the error as
+    `litellm_response_headers` (the response it attaches has none); else the response's own."""
+    for found in (getattr(error, "litellm_response_headers", None),
+                  getattr(getattr(error, "response", None), "headers", None), getattr(error, "headers", None)):
+        items = getattr(found, "items", None)
+        if not callable(items):
+            continue
+        headers = {str(name).lower(): value for name, value in items() if isinstance(value, str)}
+        if headers:
+            return headers
+    return {}
+
+
+def _ask_retry_after(error: BaseException, delay: float | None) -> None:
+    """Have the engine start RunModel's next attempt no sooner than `delay` seconds from now: it
+    reads `retry_after_seconds` on the raised error (as on dex_engine.RetryAfterError), which keeps
+    its own type, so code that catches litellm.RateLimitError still does."""
+    if delay:
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(error, "retry_after_seconds", delay)  # noqa: B010 - an attribute the error does not declare
 
 
 def _text_of(error: BaseException) -> str:
