@@ -44,10 +44,12 @@ def _spans() -> Iterator[tuple[str, str]]:
     """(doc name, text) of every inline code span of the docs but the seed's column of
     deviations.md (the seed's names, which this code departs from)."""
     for path in DOCS:
-        for line in re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S).splitlines():
-            ours = line.split(" | ", 1)[-1] if path.name == "deviations.md" and line.startswith("| ") else line
-            for match in re.finditer(r"`([^`]+)`", ours):
-                yield path.name, match.group(1)
+        text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+        if path.name == "deviations.md":
+            text = "\n".join(line.split(" | ", 1)[-1] if line.startswith("| ") else line for line in text.splitlines())
+        # A span may wrap onto the next line, but never crosses a blank line or a table row.
+        for match in re.finditer(r"`([^`\n]+(?:\n(?![\n|])[^`\n]*)*)`", text):
+            yield path.name, " ".join(match.group(1).split())
 
 
 def _all_modules() -> list[ModuleType]:
@@ -454,8 +456,19 @@ _COMPOSED_TEXTS: dict[str, tuple[str, ...]] = {
     # TOOL_CALL_NOT_RUN_ERROR_PREFIX, then _policy.py's f"tool {name} changed after the model called it: "
     "the tool did not run, so it is safe to call again: tool <name> changed after the model called it: ...":
         ("the tool did not run, so it is safe to call again", " changed after the model called it: "),
+    # _turn_logic.py: f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}: {detail}", quoted up to the detail
+    "the tool did not run, so it is safe to call again:": ("the tool did not run, so it is safe to call again",),
     # _transitions.py: f"{method}: {error.error_type}: {error.detail}", every part a field
     "execute: TypeError: ...": (),
+    # _migrate.py: f"...: the database's schema is version {version}, newer than the {latest} this "
+    "the database's schema is version N, newer than the M this dex_engine knows":
+        ("the database's schema is version ", ", newer than the ", " this "),
+    # agents.md's example of _policy.py's text, its policies filled in (sync_stock, read, ...)
+    "the tool did not run, so it is safe to call again: tool sync_stock changed after the model called it: "
+    "the call was recorded as read with no approval, and this Worker's agent defines it as "
+    "non_idempotent_write needing approval; call it again to run it under the new definition":
+        ("the tool did not run, so it is safe to call again", " changed after the model called it: ",
+         "; call it again to run it under the new definition"),
 }
 
 
