@@ -357,6 +357,18 @@ def test_every_file_the_docs_name_exists() -> None:
     assert not wrong, wrong
 
 
+def test_every_test_the_docs_name_exists() -> None:
+    """`test_name` spans (and `path.py::test_name`), which the docs cite as evidence. Catches: a
+    test renamed or deleted while the docs still point at it."""
+    defined = {name for path in REPO_ROOT.rglob("test_*.py") if ".venv" not in path.parts
+               for name in re.findall(r"^\s*(?:async )?def (test_\w+)", path.read_text(encoding="utf-8"), re.M)}
+    named = {(doc, match) for doc, span in _spans() for match in re.findall(r"(?:^|::)(test_\w+)$", span)
+             if not match.endswith("_py")}
+    assert len(named) >= 10, named
+    wrong = sorted(f"{doc}: {name}" for doc, name in named if name not in defined)
+    assert not wrong, wrong
+
+
 # ---------------------------------------------------------------------------------------------
 # The CLIs
 
