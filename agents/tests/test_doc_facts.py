@@ -10,6 +10,7 @@ regexes misread are listed below, each with its reason, so a new drift fails lou
 from __future__ import annotations
 
 import ast
+import builtins
 import dataclasses
 import importlib
 import inspect
@@ -354,6 +355,28 @@ def test_every_file_the_docs_name_exists() -> None:
     files = {path.name for path in REPO_ROOT.rglob("*.py") if ".venv" not in path.parts}
     wrong = sorted({f"{doc}: {span}" for doc, span in _spans()
                     if re.fullmatch(r"[\w/]+\.py( .*)?", span) and span.split()[0].split("/")[-1] not in files})
+    assert not wrong, wrong
+
+
+# CamelCase spans that are neither this code's names nor its strings, each with where it is from.
+_OTHER_NAMES: dict[str, str] = {
+    "Enum": "Python's enum", "InitVar": "Python's dataclasses", "TypedDict": "Python's typing",
+    "TaskGroup": "Python's asyncio", "CancelledError": "Python's asyncio",
+    "Authorization": "an HTTP header", "ProgramLimitExceeded": "a psycopg error class",
+    "DirectTurns": "a class of bench/agent_turn.py", "PgProxy": "a class of the engine's tests",
+}
+
+
+def test_every_camel_case_name_the_docs_use_is_the_codes() -> None:
+    """`Name` spans: a class or function of the code, or a Step type, attribute, event or error
+    type, which the code spells as a string. Catches: a Step or attribute renamed while the docs
+    (and users' search queries such as `ActiveStepTypes = "AwaitToolApproval"`) use the old name."""
+    names = {name for module in MODULES for name in vars(module)}
+    strings = set(_source_strings())
+    excused = set(_OTHER_NAMES) | _not_implemented_names()
+    wrong = sorted({f"{doc}: {span}" for doc, span in _spans()
+                    if re.fullmatch(r"[A-Z][a-z]+[A-Za-z0-9]*", span) and span not in names | strings | excused
+                    and not hasattr(builtins, span)})
     assert not wrong, wrong
 
 
