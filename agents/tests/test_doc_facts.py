@@ -308,6 +308,40 @@ def test_every_class_attribute_the_docs_name_exists() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def test_every_keyword_the_docs_pass_to_a_function_exists() -> None:
+    """`function(keyword=...)` and `client.method(keyword=...)` spans. Catches: a keyword
+    renamed while the docs still pass the old one (a TypeError for whoever copies it)."""
+    functions: dict[str, list[object]] = {}
+    for module in MODULES:
+        for name, obj in vars(module).items():
+            if callable(obj) and not name.startswith("_"):
+                functions.setdefault(name, []).append(obj)
+            if isinstance(obj, type):
+                for member, method in vars(obj).items():
+                    if callable(method) and not member.startswith("_"):
+                        functions.setdefault(member, []).append(method)
+    checked = 0
+    wrong: list[str] = []
+    for doc, span in _spans():
+        for match in re.finditer(r"\b([a-z_][a-z0-9_]*)\(([^()]*)\)", span):
+            keywords = re.findall(r"\b([a-z_][a-z0-9_]*)=", match.group(2))
+            if not keywords or match.group(1) not in functions:
+                continue
+            checked += 1
+            signatures = []
+            for function in functions[match.group(1)]:
+                try:
+                    signatures.append(inspect.signature(function).parameters)  # type: ignore[arg-type]
+                except (TypeError, ValueError):
+                    continue
+            if not any(all(k in parameters for k in keywords)
+                       or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+                       for parameters in signatures):
+                wrong.append(f"{doc}: `{span}`: no {match.group(1)} takes {keywords}")
+    assert checked >= 8, checked
+    assert not wrong, "\n".join(wrong)
+
+
 def _logger_names() -> set[str]:
     names: set[str] = set()
     for root in SOURCE_ROOTS:
