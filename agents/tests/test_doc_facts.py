@@ -107,7 +107,8 @@ _AFTER = re.compile(rf"`(?P<name>[A-Z][A-Z0-9_]{{3,}})`(?: \(|, | = ){_VALUE}")
 # (value unit? up to four words (`NAME`  or  value, `NAME`
 _BEFORE = re.compile(rf"(?<![\w.]){_VALUE}(?:(?: [a-z][\w']*){{0,4}} \(|, )`(?P<name>[A-Z][A-Z0-9_]{{3,}})`")
 
-# (doc, name, the doc's words for the value) the regexes misread, each with why it is left out.
+# (doc, name, the doc's words for the value) the regexes misread, each with why it is left out
+# (none so far: add one here rather than loosening the regexes).
 _MISREAD: dict[tuple[str, str, str], str] = {}
 
 
