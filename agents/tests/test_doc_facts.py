@@ -415,6 +415,45 @@ def test_every_camel_case_name_the_docs_use_is_the_codes() -> None:
     assert not wrong, wrong
 
 
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _sections(path: Path) -> list[str]:
+    """A doc's headings and its bold lead-ins (`- **Locks.** ...`), which the docs cite by name."""
+    text = path.read_text(encoding="utf-8")
+    return ([line.lstrip("#").strip() for line in text.splitlines() if re.match(r"#+ ", line)]
+            + [bold.rstrip(".") for bold in re.findall(r"^- \*\*([^*]+)\*\*", text, re.M)])
+
+
+def test_every_link_and_section_the_docs_point_to_exists() -> None:
+    """`[text](other.md#anchor)` links, and citations such as (docs/engine.md, "Durability modes")
+    or (see "Plans and plan mode"). Catches: a section renamed or merged while other pages still
+    send readers to it."""
+    sections = {path.name: _sections(path) for path in DOCS}
+    wrong: list[str] = []
+    for path in DOCS:
+        text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if link.startswith(("http://", "https://")):
+                continue
+            target, _, anchor = link.partition("#")
+            file = (path.parent / target) if target else path
+            if not file.exists():
+                wrong.append(f"{path.name}: link to a missing file: {link}")
+            elif anchor and file.name in sections and anchor not in {_anchor(h) for h in sections[file.name]}:
+                wrong.append(f"{path.name}: link to a missing section: {link}")
+        prose = " ".join(text.split())
+        for doc, title in re.findall(r'docs/(\w+)\.md, "([^"]+)"', prose):
+            if not any(heading.startswith(title) for heading in sections.get(f"{doc}.md", [])):
+                wrong.append(f'{path.name}: docs/{doc}.md has no section "{title}"')
+        for title in re.findall(r'\b[Ss]ee "([^"]+)"', prose):
+            if not any(title == heading for headings in sections.values() for heading in headings):
+                wrong.append(f'{path.name}: no doc has a section "{title}"')
+    assert not wrong, "\n".join(wrong)
+
+
 def test_every_test_the_docs_name_exists() -> None:
     """`test_name` spans (and `path.py::test_name`), which the docs cite as evidence. Catches: a
     test renamed or deleted while the docs still point at it."""
