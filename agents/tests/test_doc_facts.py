@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import builtins
 import dataclasses
+import functools
 import importlib
 import inspect
 import math
@@ -53,13 +54,25 @@ def _spans() -> Iterator[tuple[str, str]]:
             yield path.name, " ".join(match.group(1).split())
 
 
+# Importing LiteLLM takes seconds (and, unless told not to, the network): its module's names are
+# read from its source instead.
+_LITELLM_MODULE = "dex_agents.litellm"
+_LITELLM_NAMES = {
+    name for node in ast.parse((SOURCE_ROOTS[1] / "dex_agents" / "litellm.py").read_text(encoding="utf-8")).body
+    for name in ([node.name] if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                 else [t.id for t in node.targets if isinstance(t, ast.Name)] if isinstance(node, ast.Assign)
+                 else [node.target.id] if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                 else [])
+}
+
+
 def _all_modules() -> list[ModuleType]:
     """Every module of both packages, so a fact about an internal name is checked too."""
     modules: list[ModuleType] = []
     for package in (dex_engine, dex_agents):
         modules.append(package)
         for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-            if info.name.endswith("__main__"):
+            if info.name.endswith("__main__") or info.name == _LITELLM_MODULE:
                 continue
             try:
                 modules.append(importlib.import_module(info.name))
@@ -363,6 +376,10 @@ def test_every_module_and_logger_the_docs_name_exists() -> None:
             continue
         if span in loggers:
             continue
+        if span.startswith(_LITELLM_MODULE):
+            if span != _LITELLM_MODULE and span.split(".")[2] not in _LITELLM_NAMES:
+                wrong.append(f"{doc}: {span}")
+            continue
         parts = span.split(".")
         for cut in range(len(parts), 0, -1):
             try:
@@ -406,7 +423,7 @@ def test_every_camel_case_name_the_docs_use_is_the_codes() -> None:
     """`Name` spans: a class or function of the code, or a Step type, attribute, event or error
     type, which the code spells as a string. Catches: a Step or attribute renamed while the docs
     (and users' search queries such as `ActiveStepTypes = "AwaitToolApproval"`) use the old name."""
-    names = {name for module in MODULES for name in vars(module)}
+    names = {name for module in MODULES for name in vars(module)} | _LITELLM_NAMES
     strings = set(_source_strings())
     excused = set(_OTHER_NAMES) | _not_implemented_names()
     wrong = sorted({f"{doc}: {span}" for doc, span in _spans()
@@ -499,6 +516,15 @@ def test_every_cli_command_and_flag_the_docs_name_exists() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def test_the_litellm_pin_the_docs_give_is_the_extras() -> None:
+    """deviations.md gives the litellm extra's pin (releases after the compromised ones)."""
+    pyproject = (REPO_ROOT / "agents" / "pyproject.toml").read_text(encoding="utf-8")
+    pin = re.search(r'^litellm = \["([^"]+)"\]', pyproject, re.M)
+    assert pin is not None
+    stated = {span for _, span in _spans() if re.fullmatch(r"litellm[<>=!]=?[\d.].*", span)}
+    assert stated == {pin.group(1)}, (stated, pin.group(1))
+
+
 def test_the_cli_reads_the_environment_variable_the_docs_name() -> None:
     """engine.md: each command takes `--db URL` (or `DEX_ENGINE_DB`)."""
     for name, command in engine_cli.commands.items():
@@ -536,7 +562,8 @@ def test_the_worker_options_tables_give_the_defaults_of_the_code() -> None:
 # Quoted error texts
 
 
-def _source_strings() -> list[str]:
+@functools.cache
+def _source_strings() -> tuple[str, ...]:
     """Every string of the source but docstrings, with format fields as \\0."""
     strings: list[str] = []
     for root in SOURCE_ROOTS:
@@ -552,7 +579,7 @@ def _source_strings() -> list[str]:
                 elif isinstance(node, ast.JoinedStr):
                     strings.append("".join(v.value if isinstance(v, ast.Constant) and isinstance(v.value, str)
                                            else "\0" for v in node.values))
-    return strings
+    return tuple(strings)
 
 
 # Quoted texts built from several strings of the source, which the check cannot join, each
@@ -582,8 +609,10 @@ _COMPOSED_TEXTS: dict[str, tuple[str, ...]] = {
 
 
 def _looks_like_a_message(span: str) -> bool:
-    """Prose in backticks: lower-case words (or a [Dex] note), no code punctuation."""
-    return (len(span.split()) >= 3 and re.fullmatch(r"(\[Dex\] |The )?[a-z<][\w<>' ,:;.\-]*[\w.>:]", span) is not None
+    """Prose in backticks: lower-case words (or a [Dex] note), no code punctuation; a parenthesis
+    only as prose has one (`... were trimmed (stream capacity)`), not a call's."""
+    return (len(span.split()) >= 3 and re.fullmatch(r"(\[Dex\] |The )?[a-z<][\w<>' ,:;.()\-]*[\w.>:)]", span) is not None
+            and re.search(r"\w\(", span) is None
             and not span.startswith(("uv ", "pip ", "ip ", "nice ", "taskset ", "pg_ctl ", "apt-get ", "mv ", "cp ",
                                      "python ", "dexcli ", "run state", "lease_ttl", "processes ", "dex-",
                                      "from ", "profile_turn")))
