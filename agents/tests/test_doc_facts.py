@@ -611,7 +611,8 @@ _COMPOSED_TEXTS: dict[str, tuple[str, ...]] = {
 def _looks_like_a_message(span: str) -> bool:
     """Prose in backticks: lower-case words (or a [Dex] note), no code punctuation; a parenthesis
     only as prose has one (`... were trimmed (stream capacity)`), not a call's."""
-    return (len(span.split()) >= 3 and re.fullmatch(r"(\[Dex\] |The )?[a-z<][\w<>' ,:;.()\-]*[\w.>:)]", span) is not None
+    return (len(span.split()) >= 3
+            and re.fullmatch(r"(\[Dex\] |The )?[a-z<][\w<>' ,:;.()\-]*[\w.>:)]", span) is not None
             and re.search(r"\w\(", span) is None
             and not span.startswith(("uv ", "pip ", "ip ", "nice ", "taskset ", "pg_ctl ", "apt-get ", "mv ", "cp ",
                                      "python ", "dexcli ", "run state", "lease_ttl", "processes ", "dex-",
