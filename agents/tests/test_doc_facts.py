@@ -126,8 +126,9 @@ _MISREAD: dict[tuple[str, str, str], str] = {}
 
 
 def _doc_value(name: str, number: str, unit: str | None) -> float | None:
-    """The stated value in the constant's own unit (its name's suffix), or None when the units
-    cannot be the same quantity (a duration stated for a count)."""
+    """The stated value in the constant's own unit (its name's suffix); None when the words are
+    no value ("a" alone), NaN when their unit cannot be the constant's (a duration stated for a
+    count), which then equals no value of the code."""
     if number in _WORDS:
         if unit is None:  # "a" or "one" alone is English, not a value
             return None
