@@ -102,6 +102,11 @@ async def test_a_read_killed_mid_call_runs_again_and_a_task_is_polled(tmp_path: 
         gate = arm(stack, LOOKUP_GATE)
         await sessions.start_session("s2", "lookup")
         killed = await gate.wait_until_reached()
+        # The other read finished first (on a loaded machine it may still be running at the gate,
+        # and then it rightly runs again too): only the gated one is cut off by the kill.
+        await wait_for_agent_snapshot(sessions, "s2", lambda s: any(
+            c.tool_call_id == "b" and c.status is AgentToolCallStatus.SUCCEEDED for c in s.tool_calls),
+            description="read b's result")
         worker.kill()
         await stack.start_worker()
         await gate.wait_until_reached(other_than=killed)
