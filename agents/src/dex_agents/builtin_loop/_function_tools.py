@@ -33,6 +33,9 @@ Decisions this module makes (seed 003, "Built-in agent loop"):
 - A result that cannot be encoded as JSON is an error of the call and follows the effect rule.
 - `ToolOutcomeUnknownError` raised by the function passes through for every effect: the tool itself
   says a write may have happened.
+- An exception with a `retry_after_seconds` attribute (`dex_engine.RetryAfterError`, a rate-limited
+  API client's error) passes through for every effect instead of becoming `ToolExecutionError`: it
+  asks for a retry after that delay, which CallTool's retry policy makes (docs/deviations.md).
 """
 
 from __future__ import annotations
@@ -744,7 +747,9 @@ class FunctionTool:
         except Exception as exc:
             # A repeatable call's error is shown to the model; a write that may not repeat might
             # have taken effect, so its error propagates and the session records outcome_unknown.
-            if context.effect in _MODEL_VISIBLE_ERROR_EFFECTS:
+            # An error that asks for its retry after a delay (a rate limit's Retry-After) propagates
+            # too, so CallTool's retry policy retries it after that delay (dex_engine.RetryAfterError).
+            if context.effect in _MODEL_VISIBLE_ERROR_EFFECTS and not _asks_retry_after(exc):
                 raise ToolExecutionError(raised_text(exc)) from exc
             raise
 
@@ -782,6 +787,15 @@ class FunctionTool:
                 f"{prefix}: prepare_arguments returned {type(prepared).__name__}, not a JSON object"
             )
         return dict(prepared)
+
+
+def _asks_retry_after(exc: BaseException) -> bool:
+    """Whether `exc` asks for its retry after a delay: it has a `retry_after_seconds` other than None,
+    as dex_engine reads it (an unusable value is the engine's to report, in the attempt's history)."""
+    try:
+        return getattr(exc, "retry_after_seconds", None) is not None
+    except Exception:  # a property that raises: the engine notes it, and the policy's interval applies
+        return True
 
 
 def _partial_target(fn: Callable[..., Any]) -> tuple[Callable[..., Any], frozenset[str]]:
