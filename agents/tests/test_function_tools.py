@@ -28,6 +28,7 @@ from dex_agents import ToolEffect, ToolExecutionError, ToolOutcomeUnknownError, 
 from dex_agents._constants import ARGUMENTS_TOO_DEEP
 from dex_agents.builtin_loop import ModelToolDefinition
 from dex_agents.builtin_loop._function_tools import FunctionTool, ToolCallContext, function_tool
+from dex_engine import RetryAfterError
 
 # --------------------------------------------------------------------------- fixtures and helpers
 
@@ -836,6 +837,28 @@ async def test_outcome_unknown_error_passes_through_for_every_effect(effect: Too
     with pytest.raises(ToolOutcomeUnknownError) as caught:
         await invoke(failing_tool(True, error), {}, effect)
     assert caught.value is error
+
+
+class _RateLimited(Exception):
+    def __init__(self, retry_after_seconds: object) -> None:
+        super().__init__("429 Too Many Requests")
+        self.retry_after_seconds = retry_after_seconds
+
+
+@pytest.mark.parametrize("effect", list(ToolEffect))
+@pytest.mark.parametrize("sync", [True, False])
+async def test_an_error_asking_retry_after_propagates_for_every_effect(effect: ToolEffect, sync: bool) -> None:
+    """An error with retry_after_seconds (a library's, or dex_engine.RetryAfterError) propagates
+    unchanged, so CallTool's retry honours the delay; one whose retry_after_seconds is None asks
+    nothing and is wrapped as any error is. Catches: a rate-limited read turned into
+    ToolExecutionError, failing the call at once with no retry."""
+    for error in (_RateLimited(2.5), RetryAfterError(2, "quota: retry in 2 s")):
+        with pytest.raises(type(error)) as caught:
+            await invoke(failing_tool(sync, error), {}, effect)
+        assert caught.value is error
+    if effect in (ToolEffect.READ, ToolEffect.IDEMPOTENT_WRITE):
+        with pytest.raises(ToolExecutionError, match=r"^_RateLimited: 429 Too Many Requests$"):
+            await invoke(failing_tool(sync, _RateLimited(None)), {}, effect)
 
 
 @pytest.mark.parametrize("sync", [True, False])
