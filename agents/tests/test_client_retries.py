@@ -230,3 +230,75 @@ async def test_a_lock_conflict_that_persists_raises_after_the_retry_window(
         await held.release()
         assert await rpc.call(engine.sessions) is True
         await assert_turn_ended(engine, rpc)
+
+
+async def hold_lock_of(store: Store, flow_id: str, lock: str, step_execution_id: str) -> HeldLock:
+    """Take `lock` of the flow for the Step `step_execution_id`, as its Execute's claim would."""
+
+    def insert(db: Any) -> int:
+        rows = db.all("SELECT task_id FROM tasks WHERE flow_id = ? AND step_execution_id = ?",
+                      (flow_id, step_execution_id))
+        assert len(rows) == 1, f"expected one task of {step_execution_id}, found {rows!r}"
+        db.run("INSERT INTO locks (flow_id, lock_name, task_id) VALUES (?, ?, ?)", (flow_id, lock, int(rows[0][0])))
+        return int(rows[0][0])
+
+    return HeldLock(store, flow_id, lock, await store.raw(insert, write=True), step_execution_id)
+
+
+class TrainClient(CountingClient):
+    """Hands the lock from Step to Step, as approvals of a wide fan-out wake one AwaitToolApproval
+    after another: each of `train` holds it for `conflicts_each` conflicts, then commits (releases)."""
+
+    def __init__(self, registry: Registry, store: Store) -> None:
+        super().__init__(registry, store)
+        self.train: list[str] = []
+        self.conflicts_each = 0
+
+    async def rpc(self, flow_id: str, name: str, request: Any = None) -> Any:
+        try:
+            return await super().rpc(flow_id, name, request)
+        except RpcLockConflictError:
+            if self.conflicts % self.conflicts_each == 0:
+                assert self.held is not None
+                await self.held.release()
+                self.held = None
+                if self.train:
+                    self.held = await hold_lock_of(self.store, flow_id, PENDING_INTERRUPTS.label, self.train.pop(0))
+            raise
+
+
+async def test_a_lock_handed_from_step_to_step_for_longer_than_the_retry_window_is_retried_until_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Approving a wide fan-out wakes its AwaitToolApproval Steps one after another, each holding
+    PendingInterrupts briefly, for longer in all than RPC_LOCK_CONFLICT_RETRY (a hundred approvals
+    on PostgreSQL). Each new holder is progress: the client keeps retrying, and the approval commits
+    once the train has passed. Catches: resolve_interrupt raising RpcLockConflictError ("held by Step
+    AwaitToolApproval-...") 5 s after its first conflict, though no Step held the lock for long."""
+    clock = SteppedClock()
+    monkeypatch.setattr(client_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(client_module, "asyncio", types.SimpleNamespace(sleep=clock.sleep))
+    async with in_process(tmp_path) as engine:
+        engine.client = TrainClient(Registry([engine.flow]), engine.client.store)
+        script = json.dumps({"steps": [{"tools": [{"id": f"w{i}", "name": "write_x"} for i in range(1, 5)]},
+                                       {"answer": "{results}"}]})
+        await engine.sessions.start_session(SESSION, script)
+        await wait_for_agent_snapshot(engine.sessions, SESSION, lambda s: s if len(s.pending_interrupts) == 4 else None,
+                                      description="four approvals")
+        steps = await engine.client.store.raw(lambda db: [str(r[0]) for r in db.all(
+            "SELECT step_execution_id FROM tasks WHERE flow_id = ? AND step_type = 'AwaitToolApproval'"
+            " ORDER BY task_id", (SESSION,))])
+        assert len(steps) == 4
+        # The other three calls' Steps hold the lock in turn, each for 4 s of the client's clock.
+        engine.client.held = await hold_lock_of(engine.client.store, SESSION, PENDING_INTERRUPTS.label, steps[1])
+        engine.client.train, engine.client.conflicts_each = steps[2:], 200
+        assert await engine.sessions.resolve_interrupt(SESSION, "w1", approved=True) is True
+        assert engine.client.conflicts == 600 and engine.client.held is None
+        assert clock.now_ms > RPC_LOCK_CONFLICT_RETRY // timedelta(milliseconds=1)
+        for call in ("w2", "w3", "w4"):
+            assert await engine.sessions.resolve_interrupt(SESSION, call, approved=True) is True
+        snapshot = await wait_for_agent_snapshot(
+            engine.sessions, SESSION, lambda s: s if s.state is not None and s.state.turn_count == 1 else None,
+            description="turn-1 to end")
+        assert snapshot.messages[-1].text == "; ".join(f"w{i}=write_x done" for i in range(1, 5))
+        assert engine.log.count("tool_end") == 4

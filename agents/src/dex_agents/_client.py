@@ -228,11 +228,19 @@ class AgentSessionClient:
 
     @staticmethod
     async def _retry_lock_conflicts(call: Callable[[], Awaitable[Any]]) -> Any:
+        # The budget is per holder: approving a wide fan-out wakes a train of short Steps that take
+        # the lock one after another (AwaitToolApproval-1, -2, ...), for longer in all than the
+        # budget. A new holder is progress; only one holder that keeps the lock (a killed Worker's
+        # claim) exhausts it.
+        holder: str | None = None
         deadline = time.monotonic() + RPC_LOCK_CONFLICT_RETRY.total_seconds()
         while True:
             try:
                 return await call()
-            except RpcLockConflictError:
-                if time.monotonic() >= deadline:
+            except RpcLockConflictError as exc:
+                now = time.monotonic()
+                if exc.holder != holder:
+                    holder, deadline = exc.holder, now + RPC_LOCK_CONFLICT_RETRY.total_seconds()
+                elif now >= deadline:
                     raise
                 await asyncio.sleep(RPC_LOCK_CONFLICT_RETRY_INTERVAL.total_seconds())

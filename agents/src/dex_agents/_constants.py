@@ -77,7 +77,8 @@ SESSION_SETTINGS_SIZE_TOLERANCE_BYTES = 1_024
 # A durable_wait may last up to a year by default; Timers hold no Worker.
 DEFAULT_MAX_DURABLE_WAIT = timedelta(days=365)
 
-# AgentSessionClient retries RpcLockConflictError this long: the locks are held only by short Steps.
+# AgentSessionClient retries RpcLockConflictError while one Step holds the lock this long: the locks are
+# held only by short Steps (a new holder, one of a train of Steps, starts the time again).
 RPC_LOCK_CONFLICT_RETRY = timedelta(seconds=5)
 RPC_LOCK_CONFLICT_RETRY_INTERVAL = timedelta(milliseconds=20)
 
