@@ -254,6 +254,9 @@ class TrainClient(CountingClient):
         self.train: list[str] = []
         self.conflicts_each = 0
 
+    def start_train(self, first: HeldLock, rest: list[str], conflicts_each: int) -> None:
+        self.held, self.train, self.conflicts_each = first, rest, conflicts_each
+
     async def rpc(self, flow_id: str, name: str, request: Any = None) -> Any:
         try:
             return await super().rpc(flow_id, name, request)
@@ -290,8 +293,8 @@ async def test_a_lock_handed_from_step_to_step_for_longer_than_the_retry_window_
             " ORDER BY task_id", (SESSION,))])
         assert len(steps) == 4
         # The other three calls' Steps hold the lock in turn, each for 4 s of the client's clock.
-        engine.client.held = await hold_lock_of(engine.client.store, SESSION, PENDING_INTERRUPTS.label, steps[1])
-        engine.client.train, engine.client.conflicts_each = steps[2:], 200
+        first = await hold_lock_of(engine.client.store, SESSION, PENDING_INTERRUPTS.label, steps[1])
+        engine.client.start_train(first, steps[2:], 200)
         assert await engine.sessions.resolve_interrupt(SESSION, "w1", approved=True) is True
         assert engine.client.conflicts == 600 and engine.client.held is None
         assert clock.now_ms > RPC_LOCK_CONFLICT_RETRY // timedelta(milliseconds=1)
