@@ -7,11 +7,16 @@ import asyncio
 import re
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
+import msgspec
+from agents.tests.built_context import step_context
 from agents.tests.builtin_agent import InProcessEngine, scripted_flow
 from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 
-from dex_agents import AgentSnapshot, AgentToolCallStatus, ToolEffect
+from dex_agents import PENDING_INTERRUPTS, AgentInterrupt, AgentSnapshot, AgentToolCallStatus, InterruptKind, ToolEffect
+from dex_agents._constants import RUN_MODEL
+from dex_agents._turn_steps import _store_interrupts, _store_interrupts_one_by_one
 from dex_agents.builtin_loop import (
     ModelRequest,
     ScriptedModelClient,
@@ -117,3 +122,47 @@ async def test_approvals_past_the_value_limit_fail_their_calls_and_the_rest_reso
         await sessions.send_user_message("s", "hello")
         after = await wait_for_agent_snapshot(sessions, "s", _turns_ended(2), description="the next turn")
         assert after.messages[-1].text == "echo: hello"
+
+
+def _interrupt(n: int, arguments_chars: int) -> AgentInterrupt:
+    return AgentInterrupt(interrupt_id=f"c{n:04d}", kind=InterruptKind.TOOL_APPROVAL, tool_call_id=f"c{n:04d}",
+                          tool_name="fan_write", arguments="a" * arguments_chars, created_at="2026-01-01T00:00:00Z",
+                          deadline=None)
+
+
+def test_raising_thousands_of_approvals_encodes_pending_interrupts_a_few_times_not_once_each() -> None:
+    """Every set of PendingInterrupts encodes and checks the whole list: RunModel's commit set it once
+    per interrupt, so 3,000 approvals of one response took seconds of the Worker's event loop (every
+    session of that Worker stalled). Catches: a set per interrupt, whether or not all fit."""
+    flow, _ = scripted_flow(fan_out, tools=[fan_write])
+    for count, chars in ((3000, 10), (3000, 600)):  # all fit; then the last ~1,400 do not
+        ctx = step_context(flow, RUN_MODEL, {("PendingInterrupts", ""): [_interrupt(9999, 10)]})
+        sets: list[int] = []
+        original = ctx.set
+
+        def counting_set(ref: Any, value: Any, original: Any = original, sets: list[int] = sets) -> None:
+            sets.append(len(value))
+            original(ref, value)
+
+        ctx.set = counting_set  # type: ignore[method-assign]
+        raised, unfit = _store_interrupts(ctx, [_interrupt(n, chars) for n in range(count)])
+        assert len(sets) <= 2
+        stored = ctx.get(PENDING_INTERRUPTS)
+        assert stored is not None and stored[1:] == raised and len(raised) + len(unfit) == count
+
+
+def test_the_approvals_raised_past_the_value_limit_are_those_the_engine_check_keeps() -> None:
+    """Interrupts of mixed sizes, some over what is left: the ones raised and each left-out call's
+    error (its size and the limit) are the same as setting the list one interrupt at a time, as the
+    engine checks it, and the stored list is the largest that fits."""
+    flow, _ = scripted_flow(fan_out, tools=[fan_write])
+    existing = [_interrupt(9999, 300_000)]
+    interrupts = [_interrupt(n, [150_000, 20, 400_000, 90_000][n % 4]) for n in range(24)]
+    fast = step_context(flow, RUN_MODEL, {("PendingInterrupts", ""): existing})
+    slow = step_context(flow, RUN_MODEL, {("PendingInterrupts", ""): existing})
+    assert _store_interrupts(fast, interrupts) == _store_interrupts_one_by_one(slow, existing, interrupts)
+    assert fast.get(PENDING_INTERRUPTS) == slow.get(PENDING_INTERRUPTS)
+    raised, unfit = _store_interrupts(step_context(flow, RUN_MODEL, {("PendingInterrupts", ""): existing}),
+                                      interrupts)
+    assert 0 < len(raised) < len(interrupts) and unfit
+    assert len(msgspec.json.encode([*existing, *raised])) <= MAX_VALUE_BYTES

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 
 import msgspec
 
-from dex_engine import Context, Movement, StepDecision, ValueTooLargeError, Wait
+from dex_engine import MAX_VALUE_BYTES, Context, Movement, StepDecision, ValueTooLargeError, Wait
 
 from ._compaction_steps import compaction_before_model_call, go_to_apply_turn_control, go_to_run_model, model_view
 from ._constants import (
@@ -435,19 +435,50 @@ def _store_interrupts(
     if not interrupts:
         return [], {}
     pending = pending_interrupts(ctx)
+    with contextlib.suppress(ValueTooLargeError):
+        ctx.set(PENDING_INTERRUPTS, [*pending, *interrupts])  # most often all fit: one encoding
+        return list(interrupts), {}
+    # Each set encodes (and checks) the whole list: one set per interrupt took seconds for a few
+    # thousand of one response, the Worker's event loop blocked. A JSON array is its items joined by
+    # commas in brackets, so adding up each interrupt's size once picks the same ones.
+    size = len(msgspec.json.encode(pending))
+    count = len(pending)
+    raised: list[AgentInterrupt] = []
+    unfit: dict[str, str] = {}
+    for interrupt in interrupts:
+        grown = size + len(msgspec.json.encode(interrupt)) + (1 if count else 0)
+        if grown > MAX_VALUE_BYTES:
+            unfit[interrupt.tool_call_id] = _interrupt_unfit_error(interrupt, grown, MAX_VALUE_BYTES)
+        else:
+            raised.append(interrupt)
+            size, count = grown, count + 1
+    try:
+        ctx.set(PENDING_INTERRUPTS, [*pending, *raised])
+    except ValueTooLargeError:
+        return _store_interrupts_one_by_one(ctx, pending, interrupts)  # the sum was wrong: no guess stored
+    return raised, unfit
+
+
+def _store_interrupts_one_by_one(
+    ctx: Context, pending: Sequence[AgentInterrupt], interrupts: Sequence[AgentInterrupt]
+) -> tuple[list[AgentInterrupt], dict[str, str]]:
+    """_store_interrupts by the engine's own check of each list."""
     raised: list[AgentInterrupt] = []
     unfit: dict[str, str] = {}
     for interrupt in interrupts:
         try:
             ctx.set(PENDING_INTERRUPTS, [*pending, *raised, interrupt])
         except ValueTooLargeError as exc:
-            what = "question" if interrupt.kind is InterruptKind.QUESTION else "approval request"
-            unfit[interrupt.tool_call_id] = (
-                f"its {what} does not fit with the turn's other pending interrupts ({exc.size} bytes, over the "
-                f"session's value limit of {exc.limit}); the call was not run")
+            unfit[interrupt.tool_call_id] = _interrupt_unfit_error(interrupt, exc.size, exc.limit)
         else:
             raised.append(interrupt)  # a set that fails writes nothing: the last that fit stands
     return raised, unfit
+
+
+def _interrupt_unfit_error(interrupt: AgentInterrupt, size: int, limit: int) -> str:
+    what = "question" if interrupt.kind is InterruptKind.QUESTION else "approval request"
+    return (f"its {what} does not fit with the turn's other pending interrupts ({size} bytes, over the "
+            f"session's value limit of {limit}); the call was not run")
 
 
 def _with_status(state: AgentState, status: AgentStatus) -> AgentState:
