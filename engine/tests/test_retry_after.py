@@ -9,6 +9,7 @@ arithmetic of recorded values.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -18,15 +19,19 @@ import pytest
 
 from dex_engine import (
     Context,
+    InvalidValueError,
     Registry,
     RetryAfterError,
     RetryPolicy,
+    RpcContext,
+    RPCResult,
     Step,
     StepDecision,
     StepOptions,
+    rpc,
 )
 from dex_engine._limits import MAX_RETRY_AFTER_SECONDS
-from dex_engine._records import ErrorInfo
+from dex_engine._records import AttemptProgress, ErrorInfo, RecoveryError
 from dex_engine._retry import asked_delay
 
 from .conftest import engine_for, wait_until
@@ -166,3 +171,68 @@ async def test_e4_the_retry_runs_at_the_longer_of_the_asked_delay_and_the_interv
             if gap == MAX_RETRY_AFTER_SECONDS * 1000:
                 assert f"capped at MAX_RETRY_AFTER_SECONDS ({MAX_RETRY_AFTER_SECONDS} s)" in failed.detail
             await eng.store.raw(lambda db: db.run("UPDATE tasks SET run_at = 0"), write=True)  # due now
+
+
+async def test_an_rpc_ends_a_waiting_retry_through_its_failure_route_and_leaves_a_running_attempt(
+    db_url: str,
+) -> None:
+    """RPCResult(ending_retry_waits=...): Work, whose first attempt asked for its retry in 3600 s, is
+    ended at the RPC's commit, its failure route receiving the reason and its last error with the
+    attempts made; Busy, of a type also named, is running then and is left to finish. Catches: the
+    retry run after the ending (the handler called twice), the wait left an hour, or a running
+    attempt cancelled or failed."""
+    ran: list[tuple[str, int]] = []
+    recovered: list[RecoveryError | None] = []
+    release = asyncio.Event()
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to_many(("Work", None), ("Busy", None))
+
+    async def work(ctx: Context, _: None) -> StepDecision:
+        ran.append(("Work", ctx.attempt))
+        await ctx.heartbeat()
+        raise RetryAfterError(3600, "quota exhausted")
+
+    async def busy(ctx: Context, _: None) -> StepDecision:
+        ran.append(("Busy", ctx.attempt))
+        await ctx.heartbeat()
+        await release.wait()
+        return StepDecision.dead_end()
+
+    async def rescue(ctx: Context, _: None) -> StepDecision:
+        recovered.append(ctx.recovery_error)
+        return StepDecision.graceful_complete()
+
+    @rpc()
+    async def stop_waits(ctx: RpcContext, _: None) -> RPCResult[str]:
+        return RPCResult("ok", ending_retry_waits=("Work", "Busy"), ending_reason="stopped by the user")
+
+    routed = StepOptions(failure_route="Rescue")
+    flow = make_flow("Ends", [Step("Start", start), Step("Work", work, options=routed),
+                              Step("Busy", busy, options=routed), Step("Rescue", rescue)], "Start", [stop_waits])
+    async with engine_for(db_url, Registry([flow]), worker=False) as eng:
+        await eng.start_worker(max_concurrent_tasks=2)
+        await eng.client.start_flow("Ends", "f")
+        await wait_until("Work's attempt 1 failed", lambda: history(eng, "f", "attempt_failed"))
+        await wait_until("Busy running", lambda: _sync(("Busy", 1) in ran))
+        assert await eng.client.rpc("f", "stop_waits") == "ok"
+        await wait_until("the failure route ran", lambda: _sync(recovered))
+        release.set()
+        assert (await eng.client.wait_for_flow("f", 10)).status == "completed"
+        failed = await history(eng, "f", "step_failed")
+    assert ran == [("Work", 1), ("Busy", 1)]
+    (err,) = recovered
+    assert err is not None
+    assert (err.step_type, err.attempts, err.attempt_progress) == ("Work", 1, AttemptProgress.NOT_COMPLETED)
+    assert err.error_type == "RetryAfterError"
+    assert err.detail.startswith("stopped by the user; its last attempt failed: RetryAfterError: quota exhausted")
+    assert [h.step_execution_id for h in failed] == ["Work-1"]
+
+
+def test_rpc_result_refuses_an_ending_reason_that_is_not_text() -> None:
+    with pytest.raises(InvalidValueError, match="ending_reason must be a str, got int: 5"):
+        RPCResult("out", ending_retry_waits=("Work",), ending_reason=5)  # type: ignore[arg-type]
+
+
+async def _sync(value: object) -> object:
+    return value

@@ -44,7 +44,7 @@ from ._limits import (
 )
 from ._open import open_store, shown_url
 from ._options import FlowConfig, LoadSpec, is_number
-from ._records import FlowInfo, FlowStatus, HistoryEntry, MovementRecord, StartRequest, WriteSet
+from ._records import FlowInfo, FlowStatus, HistoryEntry, MovementRecord, RetryWaitEnding, StartRequest, WriteSet
 from ._scheduling import movement_record, start_record
 from ._schema import AttributeMap, AttributeRef, ChannelRef, Stream
 from ._store import Store
@@ -159,6 +159,7 @@ class _RpcOutcome:
     writes: WriteSet
     records: list[MovementRecord]
     canceling: tuple[str, ...]
+    ending: RetryWaitEnding | None
 
 
 @dataclass
@@ -450,16 +451,16 @@ class AsyncClient:
             return None
         ctx = RpcContext(call.flow, call.flow_id, {}, handler.load, {}, handler.name)
         try:
-            output, records, canceling = await self._handled(call, ctx)
+            output, records, canceling, ending = await self._handled(call, ctx)
         except Exception:
             return None
-        if ctx.pending_read or (ctx.writes.empty() and not records and not canceling):
+        if ctx.pending_read or (ctx.writes.empty() and not records and not canceling and ending is None):
             return None
-        return _RpcOutcome(output, ctx.writes, records, canceling)
+        return _RpcOutcome(output, ctx.writes, records, canceling, ending)
 
     async def _rpc_commit_blind(self, call: _RpcCall, blind: _RpcOutcome) -> Any:
         await self._store.rpc_commit(call.flow_id, None, call.handler.locks, blind.writes, blind.records,
-                                     blind.canceling, call.flow.flow_type)
+                                     blind.canceling, call.flow.flow_type, blind.ending)
         return blind.output
 
     async def _rpc_snapshots(self, call: _RpcCall, tries: int) -> Any:
@@ -491,18 +492,21 @@ class AsyncClient:
         ctx = RpcContext(call.flow, call.flow_id, snap.attributes, handler.load, snap.pending, handler.name,
                          snap.in_flight, load_more)
         try:
-            output, records, canceling = await self._handled(call, ctx)
+            output, records, canceling, ending = await self._handled(call, ctx)
         except RpcVersionChanged:
             return False, None  # ctx.load found the flow changed since the snapshot: run again on a new one
-        if ctx.writes.empty() and not records and not canceling:
+        if ctx.writes.empty() and not records and not canceling and ending is None:
             return True, output
         try:
-            await self._store.rpc_commit(call.flow_id, snap.version, handler.locks, ctx.writes, records, canceling)
+            await self._store.rpc_commit(call.flow_id, snap.version, handler.locks, ctx.writes, records, canceling,
+                                         ending=ending)
         except RpcVersionChanged:
             return False, None
         return True, output
 
-    async def _handled(self, call: _RpcCall, ctx: RpcContext) -> tuple[Any, list[MovementRecord], tuple[str, ...]]:
+    async def _handled(
+        self, call: _RpcCall, ctx: RpcContext
+    ) -> tuple[Any, list[MovementRecord], tuple[str, ...], RetryWaitEnding | None]:
         """One run of the handler on `ctx`, which then refuses writes: a task the handler left
         holding it would otherwise write into a commit that has already happened."""
         try:
@@ -511,15 +515,21 @@ class AsyncClient:
             ctx.close(f"RPC {call.handler.name!r} on flow {call.flow_id!r} returned")
 
     @staticmethod
-    def _rpc_outcome(flow: Flow, result: Any) -> tuple[Any, list[MovementRecord], tuple[str, ...]]:
-        """An RPC handler's output, the Steps it starts (stored form) and the Step types it cancels."""
+    def _rpc_outcome(
+        flow: Flow, result: Any
+    ) -> tuple[Any, list[MovementRecord], tuple[str, ...], RetryWaitEnding | None]:
+        """An RPC handler's output, the Steps it starts (stored form), the Step types it cancels and
+        the retry waits it ends."""
+        ending = None
         if isinstance(result, RPCResult):
             output, next_steps, canceling = result.output, result.next_steps, tuple(result.canceling_steps)
+            if result.ending_retry_waits:
+                ending = RetryWaitEnding(tuple(result.ending_retry_waits), result.ending_reason)
         else:
             output, next_steps, canceling = result, (), ()
-        for step_type in canceling:
+        for step_type in (*canceling, *(() if ending is None else ending.step_types)):
             flow.step(step_type)
-        return output, [movement_record(flow, m) for m in next_steps], canceling
+        return output, [movement_record(flow, m) for m in next_steps], canceling, ending
 
     async def publish(self, flow_id: str, channel: ChannelRef[T], value: T) -> int:
         """Queue a message on a flow's channel; returns its message ID."""

@@ -139,13 +139,26 @@ class StepDecision:
 
 @dataclass(frozen=True)
 class RPCResult(Generic[OutputT]):
-    """An RPC's output plus Steps to start and Step types to cancel at its commit."""
+    """An RPC's output plus Steps to start and Step types to cancel at its commit.
+
+    `ending_retry_waits`: Step types whose executions waiting for a retry (a failed attempt's
+    retry, not yet running) end at the commit as if their retries were spent: each goes to its
+    failure route with `ending_reason` and its last error; a running attempt is left alone.
+    """
 
     output: OutputT
     next_steps: tuple[Movement, ...] = field(default=())
     canceling_steps: tuple[str, ...] = field(default=())
+    ending_retry_waits: tuple[str, ...] = field(default=())
+    ending_reason: str = "ended while waiting to retry"
 
     def __post_init__(self) -> None:
         # Taken as StepDecision takes them: (step, input) tuples as go_to_many does, one name whole.
         object.__setattr__(self, "next_steps", _movements("RPCResult next_steps", self.next_steps))
         object.__setattr__(self, "canceling_steps", _step_names("RPCResult canceling_steps", self.canceling_steps))
+        object.__setattr__(self, "ending_retry_waits",
+                           _step_names("RPCResult ending_retry_waits", self.ending_retry_waits))
+        reason: object = self.ending_reason
+        if not isinstance(reason, str):
+            raise InvalidValueError(
+                f"RPCResult ending_reason must be a str, got {type(reason).__name__}: {reason!r}; give it as text")

@@ -76,6 +76,13 @@ class MovementRecord(msgspec.Struct, frozen=True):
     wait_loaded: tuple[tuple[str, str, bytes], ...] = ()
 
 
+class RetryWaitEnding(msgspec.Struct, frozen=True):
+    """Step types whose executions waiting for a retry an RPC ends now, and why (RPCResult)."""
+
+    step_types: tuple[str, ...]
+    reason: str
+
+
 class DecisionRecord(msgspec.Struct, frozen=True):
     kind: Literal["movements", "dead_end", "graceful_complete", "force_complete", "force_fail"]
     movements: tuple[MovementRecord, ...] = ()

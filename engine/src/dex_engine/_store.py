@@ -30,6 +30,7 @@ from ._records import (
     HousekeepingReport,
     Lease,
     MovementRecord,
+    RetryWaitEnding,
     RpcSnapshot,
     StartedFold,
     StartRequest,
@@ -499,11 +500,12 @@ class Store(ABC):
     async def rpc_commit(
         self, flow_id: str, version: int | None, locks: Sequence[str], writes: WriteSet,
         next_steps: Sequence[MovementRecord], canceling: Sequence[str], flow_type: str | None = None,
+        ending: RetryWaitEnding | None = None,
     ) -> None:
         def op(db: Db) -> None:
-            tx.rpc_commit(db, flow_id, version, locks, writes, next_steps, canceling, now_ms(), flow_type)
+            tx.rpc_commit(db, flow_id, version, locks, writes, next_steps, canceling, now_ms(), flow_type, ending)
 
-        if canceling:
+        if canceling or ending is not None:
             # It may revoke running attempts: the worker must be woken to see that (E9).
             await self._run(op, write=True)
         else:

@@ -58,6 +58,7 @@ from ._records import (
     Lease,
     MovementRecord,
     RecoveryError,
+    RetryWaitEnding,
     RpcSnapshot,
     StartedFold,
     StartRequest,
@@ -1716,23 +1717,55 @@ def _fail_task(
         )
         bump(db, flow_id)
         return
+    _end_failed_task(db, task_id, (flow_id, flow_type, step_type, seid, method), attempt, started, options,
+                     bytes(row[7]), error, now)
+
+
+def _end_failed_task(
+    db: Db, task_id: int, names: tuple[str, str, str, str, str], attempts: int, started: bool,
+    options: TaskOptions, input_value: bytes, error: ErrorInfo, now: int,
+) -> None:
+    """A Step method failed for good after `attempts` attempts: its failure route starts with the
+    recovery error, else the flow fails (E4). `names`: flow ID, flow type, Step type, execution, method."""
+    flow_id, flow_type, step_type, seid, method = names
     _release_locks(db, task_id)
     _send(db, "DELETE FROM tasks WHERE task_id = ?", (task_id,))
     recovery = RecoveryError(
         step_type=step_type, step_execution_id=seid,
-        method="wait_for" if method == "wait_for" else "execute", attempts=attempt,
+        method="wait_for" if method == "wait_for" else "execute", attempts=attempts,
         attempt_progress=AttemptProgress.NOT_COMPLETED if started else AttemptProgress.NOT_STARTED,
         error_type=error.error_type, detail=error.detail,
     )
-    _history(db, flow_id, step_type, seid, STEP_FAILED, attempt, now,
+    _history(db, flow_id, step_type, seid, STEP_FAILED, attempts, now,
              f"{recovery.attempt_progress}: {error.error_type}: {error.detail}")
     if options.failure_route is not None and options.failure_route_options is not None:
-        route = MovementRecord(options.failure_route, bytes(row[7]), options.failure_route_options)
+        route = MovementRecord(options.failure_route, input_value, options.failure_route_options)
         create_task(db, flow_id, flow_type, route, now, recovery)
         bump(db, flow_id)
     else:
         close_flow(db, flow_id, "failed", None,
-                   f"Step {seid} failed after {attempt} attempt(s): {error.error_type}: {error.detail}", now)
+                   f"Step {seid} failed after {attempts} attempt(s): {error.error_type}: {error.detail}", now)
+
+
+def end_retry_waits(db: Db, flow_id: str, ending: RetryWaitEnding, now: int) -> None:
+    """End now, as if their retries were spent, the executions of `ending`'s Step types that wait
+    for a retry (ready after a failed attempt, none running): each goes to its failure route with its
+    last attempt's error after `ending.reason`. A running attempt is left alone: it may be taking
+    effect, and it decides its own end."""
+    step_types = ending.step_types
+    rows = db.all(
+        "SELECT task_id, flow_type, step_type, step_execution_id, method, attempt, options, input, any_started, "
+        f"last_error FROM tasks WHERE flow_id = ? AND state = 'ready' AND attempt > 1 "
+        f"AND step_type IN ({_in(step_types)}) ORDER BY task_id",
+        (flow_id, *step_types),
+    )
+    for row in rows:
+        last = None if row[9] is None else decode_json(bytes(row[9]), ErrorInfo)
+        failed = "" if last is None else f"; its last attempt failed: {last.error_type}: {last.detail}"
+        error = ErrorInfo("RetryWaitEnded" if last is None else last.error_type, _error_text(ending.reason + failed))
+        _end_failed_task(db, int(row[0]), (flow_id, str(row[1]), str(row[2]), str(row[3]), str(row[4])),
+                         int(row[5]) - 1, bool(row[8]), stored_task_options(db, bytes(row[6])), bytes(row[7]),
+                         error, now)
 
 
 def abandon(db: Db, lease: Lease) -> None:
@@ -2128,9 +2161,11 @@ def rpc_load(db: Db, flow_id: str, version: int, load: LoadSpec) -> dict[tuple[s
 def rpc_commit(
     db: Db, flow_id: str, version: int | None, locks: Sequence[str], writes: WriteSet,
     next_steps: Sequence[MovementRecord], canceling: Sequence[str], now: int, expected_type: str | None = None,
+    ending: RetryWaitEnding | None = None,
 ) -> None:
     """Commit an RPC's result if the flow is still at `version`; None: the handler read no state
-    (and `expected_type`, its handler's flow type, is checked: no snapshot did)."""
+    (and `expected_type`, its handler's flow type, is checked: no snapshot did). `ending`: the
+    retry waits it ends (end_retry_waits)."""
     flow_type = require_running(db, flow_id)
     _check_type(flow_type, expected_type)
     if version is not None:
@@ -2141,6 +2176,8 @@ def rpc_commit(
     apply_writes(db, flow_id, writes, "", 0, now)
     if canceling:
         cancel_step_types(db, flow_id, canceling, now)
+    if ending is not None and ending.step_types:
+        end_retry_waits(db, flow_id, ending, now)
     for movement in next_steps:
         create_task(db, flow_id, flow_type, movement, now)
     if writes.publishes:
