@@ -178,3 +178,55 @@ async def test_a_retry_after_past_the_tool_steps_budget_ends_the_call_at_once_by
     assert ("it asked for its retry no sooner than 3600 s from now, past the end of the retry policy's total "
             "duration of 60 s from the first attempt's start, so no retry was made") in record["error"]
     assert runner.attempts == [1]
+
+
+class HourRunner(BudgetRunner):
+    """BudgetRunner under CallTool's default retry policy (no total duration): a tool asking 3600 s
+    waits an hour in the database for its second attempt."""
+
+    def tool_call_step_options(self, call: DeferredToolCall) -> ToolCallStepOptions | None:
+        return None
+
+
+@pytest.mark.parametrize(("tool", "status"), [
+    ("read_quota", AgentToolCallStatus.FAILED), ("idem_quota", AgentToolCallStatus.OUTCOME_UNKNOWN),
+])
+async def test_cancel_turn_ends_a_tool_call_waiting_to_retry_at_once_without_calling_it_again(
+    tmp_path: Path, db_url: str, tool: str, status: AgentToolCallStatus  # noqa: F811
+) -> None:
+    """A tool (read_: read, idem_: idempotent_write) whose first attempt asked for its retry in 3600 s,
+    on a one-slot Worker: cancel_turn while CallTool waits for that retry ends the turn at once, the
+    call recorded by its effect (read: failed; idempotent_write: outcome_unknown, the first attempt
+    having started) saying it was cancelled while waiting to retry, the tool never called again, and
+    the session takes the next message. Catches: the turn ending only after the hour, with a second
+    call of the tool after the user cancelled."""
+    runner = HourRunner()
+    flow = AgentSessionFlow(runner, "HourAgent", AgentSessionOptions())
+    engine = InProcessEngine(tmp_path, [flow], db_url, max_concurrent_tasks=1)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("a", script(
+            {"tools": [{"id": "c1", "name": tool, "args": {"delay": 3600}}]}, {"answer": "{records}"}))
+
+        async def waiting_to_retry() -> list[HistoryEntry]:
+            return history_of(await engine.client.get_flow_history("a"), "CallTool", "attempt_failed")
+
+        await wait_until("CallTool of a failed once", waiting_to_retry)
+        assert await sessions.cancel_turn("a") is True
+        await turns_ended(sessions, "a", 1)
+        await sessions.send_user_message("a", script({"answer": "after the cancel"}))
+        done = await turns_ended(sessions, "a", 2)
+        events = (await sessions.read_agent_events("a", limit=1000)).events
+        history = await engine.client.get_flow_history("a")
+    finished = [json.loads(e.value.payload) for e in events if e.value.type == "tool_call_finished"]
+    assert [f["status"] for f in finished] == [status.value], finished
+    (ended,) = history_of(history, "CallTool", "step_failed")
+    assert "cancelled while waiting to retry: the user cancelled the turn" in ended.detail, ended
+    assert "429 Too Many Requests, retry after 3600 s" in ended.detail, ended
+    if status is AgentToolCallStatus.FAILED:  # the model is told why in the cancelled turn's note
+        note = next(m.text or "" for m in done.messages if "stopped the previous turn" in (m.text or ""))
+        assert "cancelled while waiting to retry: the user cancelled the turn" in note, note
+    assert [e.value.type for e in events if e.value.type in ("turn_cancelled", "turn_completed")] == [
+        "turn_cancelled", "turn_completed"]
+    assert done.messages[-1].text == "after the cancel"
+    assert runner.attempts == [1]

@@ -43,7 +43,9 @@ from ._constants import (
     AWAIT_TIMER,
     AWAIT_TOOL_APPROVAL,
     AWAIT_USER_MESSAGE,
+    CALL_TOOL,
     CANCEL_TOOL_TASK,
+    CANCELLED_WHILE_WAITING_TO_RETRY,
     COMPACT_CONTEXT,
     FINISH_TURN_CANCELLATION,
     MAX,
@@ -611,6 +613,10 @@ def turn_control_rpcs() -> list[Rpc]:
         ctx.set(TURN_CANCELLATION_REQUEST, TurnCancellationRequest(turn_id=turn_id, requested_at=utc_now_text()))
         requeue_taken_resolutions(ctx, turn_id)
         canceling = tuple(s for s in CANCEL_TURN_CANCELING_STEPS if s in ctx.flow.steps)
-        return RPCResult(True, next_steps=(Movement(FINISH_TURN_CANCELLATION, turn_id),), canceling_steps=canceling)
+        # A CallTool waiting for a retry (a rate limit's can be an hour) is not running: its call
+        # ends now by its effect through RecordToolFailure, and the tool is not called again. A
+        # running one keeps the seed's rule and runs to the end.
+        return RPCResult(True, next_steps=(Movement(FINISH_TURN_CANCELLATION, turn_id),), canceling_steps=canceling,
+                         ending_retry_waits=(CALL_TOOL,), ending_reason=CANCELLED_WHILE_WAITING_TO_RETRY)
 
     return [steer_user_message, delete_queued_message, cancel_turn]
