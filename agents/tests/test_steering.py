@@ -91,7 +91,7 @@ from dex_agents.testing import (
     AgentTestStack,
     wait_until,
 )
-from dex_engine import MAX_VALUE_BYTES, Context, LoadOptions, RpcContext, Timer, Wait, WaitResult
+from dex_engine import MAX_VALUE_BYTES, Context, LoadOptions, RpcContext, RPCResult, Timer, Wait, WaitResult
 from dex_engine._records import ConsumedMessage, WaitOutcome
 
 # The integration tests share the module's event loop with the shared stacks' Clients.
@@ -988,13 +988,16 @@ async def test_refused_steer_and_delete_requests_return_false_and_write_nothing(
 
 async def test_steer_rpc_writes_the_message_the_count_and_one_wake_in_one_commit() -> None:
     """A steer of a running turn publishes the message to SteeredUserMessages (a queued one moved as it
-    is, plan_mode kept), adds one to SteeredMessageCount and publishes TurnControlRequest(steer);
+    is, plan_mode kept), adds one to SteeredMessageCount, publishes TurnControlRequest(steer) and ends
+    the CallTool Steps waiting for a retry;
     with no active turn a queued message ID stays queued (True, nothing written)."""
     flow = build_flow(None)
     values = {("AgentState", ""): running_turn(), ("SteeredMessageCount", ""): 4}
     moved = AgentUserMessage("plan this", plan_mode=True)
     ctx = _rpc_context(flow, "steer_user_message", values, ((5, moved),))
-    assert await flow.rpc("steer_user_message").handler(ctx, SteerUserMessageRequest(message_id="5")) is True
+    steered = await flow.rpc("steer_user_message").handler(ctx, SteerUserMessageRequest(message_id="5"))
+    assert isinstance(steered, RPCResult) and steered.output is True
+    assert steered.ending_retry_waits == ("CallTool",)  # a tool call waiting for a retry ends now
     assert ctx.writes.deleted_messages == [("QueuedUserMessages", "", 5)]
     assert [(n, msgspec.json.decode(v)) for n, _, v in ctx.writes.publishes] == [
         ("SteeredUserMessages", {"text": "plan this", "plan_mode": True}),

@@ -188,18 +188,19 @@ class HourRunner(BudgetRunner):
         return None
 
 
+@pytest.mark.parametrize("control", ["cancel_turn", "steer"])
 @pytest.mark.parametrize(("tool", "status"), [
     ("read_quota", AgentToolCallStatus.FAILED), ("idem_quota", AgentToolCallStatus.OUTCOME_UNKNOWN),
 ])
-async def test_cancel_turn_ends_a_tool_call_waiting_to_retry_at_once_without_calling_it_again(
-    tmp_path: Path, db_url: str, tool: str, status: AgentToolCallStatus  # noqa: F811
+async def test_cancel_or_steer_ends_a_tool_call_waiting_to_retry_at_once_without_calling_it_again(
+    tmp_path: Path, db_url: str, tool: str, status: AgentToolCallStatus, control: str  # noqa: F811
 ) -> None:
     """A tool (read_: read, idem_: idempotent_write) whose first attempt asked for its retry in 3600 s,
-    on a one-slot Worker: cancel_turn while CallTool waits for that retry ends the turn at once, the
-    call recorded by its effect (read: failed; idempotent_write: outcome_unknown, the first attempt
-    having started) saying it was cancelled while waiting to retry, the tool never called again, and
-    the session takes the next message. Catches: the turn ending only after the hour, with a second
-    call of the tool after the user cancelled."""
+    on a one-slot Worker: cancel_turn (or a steer) while CallTool waits for that retry ends the turn at
+    once, the call recorded by its effect (read: failed; idempotent_write: outcome_unknown, the first
+    attempt having started) saying it was cancelled while waiting to retry, the tool never called
+    again, and the session takes the next message (the steered one). Catches: the turn ending only
+    after the hour, with a second call of the tool after the user cancelled or steered."""
     runner = HourRunner()
     flow = AgentSessionFlow(runner, "HourAgent", AgentSessionOptions())
     engine = InProcessEngine(tmp_path, [flow], db_url, max_concurrent_tasks=1)
@@ -212,21 +213,26 @@ async def test_cancel_turn_ends_a_tool_call_waiting_to_retry_at_once_without_cal
             return history_of(await engine.client.get_flow_history("a"), "CallTool", "attempt_failed")
 
         await wait_until("CallTool of a failed once", waiting_to_retry)
-        assert await sessions.cancel_turn("a") is True
-        await turns_ended(sessions, "a", 1)
-        await sessions.send_user_message("a", script({"answer": "after the cancel"}))
+        if control == "cancel_turn":
+            assert await sessions.cancel_turn("a") is True
+            await turns_ended(sessions, "a", 1)
+            await sessions.send_user_message("a", script({"answer": "after the control"}))
+        else:
+            assert await sessions.steer_user_message("a", text=script({"answer": "after the control"})) is True
         done = await turns_ended(sessions, "a", 2)
         events = (await sessions.read_agent_events("a", limit=1000)).events
         history = await engine.client.get_flow_history("a")
     finished = [json.loads(e.value.payload) for e in events if e.value.type == "tool_call_finished"]
     assert [f["status"] for f in finished] == [status.value], finished
+    why = "the user cancelled the turn" if control == "cancel_turn" else "the user steered the turn with a new message"
     (ended,) = history_of(history, "CallTool", "step_failed")
-    assert "cancelled while waiting to retry: the user cancelled the turn" in ended.detail, ended
+    assert f"cancelled while waiting to retry: {why}" in ended.detail, ended
     assert "429 Too Many Requests, retry after 3600 s" in ended.detail, ended
-    if status is AgentToolCallStatus.FAILED:  # the model is told why in the cancelled turn's note
-        note = next(m.text or "" for m in done.messages if "stopped the previous turn" in (m.text or ""))
-        assert "cancelled while waiting to retry: the user cancelled the turn" in note, note
-    assert [e.value.type for e in events if e.value.type in ("turn_cancelled", "turn_completed")] == [
-        "turn_cancelled", "turn_completed"]
-    assert done.messages[-1].text == "after the cancel"
+    if status is AgentToolCallStatus.FAILED:  # the model is told why in the ended turn's note
+        note = next(m.text or "" for m in done.messages if "after these tool calls ran" in (m.text or ""))
+        assert f"cancelled while waiting to retry: {why}" in note, note
+    ending = "turn_cancelled" if control == "cancel_turn" else "turn_steered"
+    assert [e.value.type for e in events if e.value.type in ("turn_cancelled", "turn_steered", "turn_completed")] == [
+        ending, "turn_completed"]
+    assert done.messages[-1].text == "after the control"
     assert runner.attempts == [1]

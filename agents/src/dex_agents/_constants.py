@@ -96,9 +96,10 @@ CONTENT_FILTER_FINISH_REASONS = frozenset({"content_filter"})
 
 # Fixed texts the model and operators see.
 TOOL_CALL_NOT_RUN_ERROR_PREFIX = "the tool did not run, so it is safe to call again"
-# The error of a call cancel_turn ended while its CallTool waited for a retry (the failure route
-# records it by effect, its last attempt's error after this).
+# The error of a call cancel_turn or a steer ended while its CallTool waited for a retry (the
+# failure route records it by effect, its last attempt's error after this).
 CANCELLED_WHILE_WAITING_TO_RETRY = "cancelled while waiting to retry: the user cancelled the turn"
+STEERED_WHILE_WAITING_TO_RETRY = "cancelled while waiting to retry: the user steered the turn with a new message"
 MISSING_TOOL_TASK_POLLER = (
     "the tool started a task, but the runner does not implement poll_tool_task, so nothing can poll it"
 )

@@ -53,6 +53,7 @@ from ._constants import (
     RECORD_TURN_FAILURE,
     RUN_MODEL,
     STEERED_REJECTION_MESSAGE,
+    STEERED_WHILE_WAITING_TO_RETRY,
     TURN_CANCELLED_REJECTION_MESSAGE,
 )
 from ._events import AgentEventType
@@ -553,7 +554,7 @@ def turn_control_rpcs() -> list[Rpc]:
 
     @rpc("steer_user_message", request_type=SteerUserMessageRequest,
          load=LoadOptions.only(AGENT_STATE, STEERED_MESSAGE_COUNT))
-    async def steer_user_message(ctx: RpcContext, request: SteerUserMessageRequest) -> bool:
+    async def steer_user_message(ctx: RpcContext, request: SteerUserMessageRequest) -> bool | RPCResult[bool]:
         # Locks nothing: a steer never waits for a Step. Reads the queued messages to move one.
         if not steer_request_ok(request):
             return False
@@ -584,7 +585,9 @@ def turn_control_rpcs() -> list[Rpc]:
         ctx.publish(STEERED_USER_MESSAGES, message)
         ctx.set(STEERED_MESSAGE_COUNT, (ctx.get(STEERED_MESSAGE_COUNT) or 0) + 1)
         ctx.publish(TURN_CONTROL_REQUESTS, TurnControlRequest(TurnControlKind.STEER))
-        return True
+        # A CallTool waiting for a retry is not running: it ends now, as cancel_turn ends it, so the
+        # steered turn does not wait for the retry (an hour, for a rate limit) nor run the tool again.
+        return RPCResult(True, ending_retry_waits=(CALL_TOOL,), ending_reason=STEERED_WHILE_WAITING_TO_RETRY)
 
     @rpc("delete_queued_message", request_type=DeleteQueuedMessageRequest, load=LoadOptions.none())
     async def delete_queued_message(ctx: RpcContext, request: DeleteQueuedMessageRequest) -> bool:
