@@ -505,7 +505,7 @@ class Store(ABC):
         def op(db: Db) -> None:
             tx.rpc_commit(db, flow_id, version, locks, writes, next_steps, canceling, now_ms(), flow_type, ending)
 
-        if canceling or ending is not None:
+        if canceling:  # an ending revokes nothing (it ends no running attempt), so it may hand off
             # It may revoke running attempts: the worker must be woken to see that (E9).
             await self._run(op, write=True)
         else:
