@@ -590,7 +590,6 @@ def _source_strings() -> tuple[str, ...]:
 
 
 # Quoted texts built from several strings of the source, which the check cannot join, each
-# checked by hand: where they are built.
 # checked by hand: the parts the source builds them from.
 _COMPOSED_TEXTS: dict[str, tuple[str, ...]] = {
     # _turn_steps.py: f"its {what} does not fit with the turn's other pending interrupts (...)"
@@ -601,6 +600,11 @@ _COMPOSED_TEXTS: dict[str, tuple[str, ...]] = {
         ("the tool did not run, so it is safe to call again", " changed after the model called it: "),
     # _turn_logic.py: f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}: {detail}", quoted up to the detail
     "the tool did not run, so it is safe to call again:": ("the tool did not run, so it is safe to call again",),
+    # CANCELLED_WHILE_WAITING_TO_RETRY, then _transitions.py's end_retry_waits f"; its last attempt failed: ..."
+    "cancelled while waiting to retry: the user cancelled the turn; its last attempt failed:":
+        ("cancelled while waiting to retry: the user cancelled the turn", "; its last attempt failed: "),
+    "cancelled while waiting to retry: the user cancelled the turn; its last attempt failed: <error>":
+        ("cancelled while waiting to retry: the user cancelled the turn", "; its last attempt failed: "),
     # _transitions.py: f"{method}: {error.error_type}: {error.detail}", every part a field
     "execute: TypeError: ...": (),
     # _migrate.py: f"...: the database's schema is version {version}, newer than the {latest} this "
