@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -849,3 +850,52 @@ async def test_housekeeping_waits_for_a_commit_that_satisfies_the_wait_whose_tim
     assert len(completed) == 1, completed
     assert len(got) == 1, got
     assert report.timers_fired == 0, report
+
+
+async def test_a_failed_attempt_is_logged_naming_its_flow_and_the_last_with_its_traceback(
+    db_url: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each failed attempt of a Step is logged once on dex_engine.worker naming its flow, Step
+    execution and attempt: at INFO while its retry policy may run it again, at WARNING with the
+    handler's traceback once it is the last, saying what follows (the failure route, or the flow
+    fails); a NoRetryError is the last at once. Catches: a Step's bug failing a flow with no log
+    line at all, and its traceback nowhere (the database keeps only its type and text)."""
+
+    async def broken(ctx: Context, _: None) -> StepDecision:
+        raise KeyError("missing-" + "x" * 10_000)
+
+    async def refused(ctx: Context, _: None) -> StepDecision:
+        from dex_engine import NoRetryError
+        raise NoRetryError("bad input")
+
+    async def route(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.graceful_complete("routed")
+
+    three = StepOptions(execute_retry=RetryPolicy(max_attempts=3, initial_interval_seconds=0.01,
+                                                  max_interval_seconds=0.01))
+    registry = Registry([
+        Flow("Broken", [Step("Work", broken, options=three)], start_step="Work"),
+        Flow("Refused", [Step("Work", refused, options=dataclasses.replace(three, failure_route="Route")),
+                         Step("Route", route)], start_step="Work"),
+    ])
+    async with engine_for(db_url, registry) as eng:
+        with caplog.at_level(logging.INFO, logger="dex_engine.worker"):
+            await eng.client.start_flow("Broken", "b")
+            await eng.client.start_flow("Refused", "r")
+            assert (await eng.client.wait_for_flow("b", 10)).status == "failed"
+            assert (await eng.client.wait_for_flow("r", 10)).status == "completed"
+    said = [r for r in caplog.records if r.name == "dex_engine.worker" and "of Step" in r.getMessage()]
+    lines = sorted((r.levelname, r.getMessage()[:120], r.exc_info is not None) for r in said)
+    cut = "KeyError: 'missing-" + "x" * 100
+    assert lines == [
+        ("INFO", f"flow b: execute of Step Work-1 attempt 1 failed, retried as its retry policy allows: {cut}"[:120],
+         False),
+        ("INFO", f"flow b: execute of Step Work-1 attempt 2 failed, retried as its retry policy allows: {cut}"[:120],
+         False),
+        ("WARNING", f"flow b: execute of Step Work-1 failed on attempt 3, its last: {cut}"[:120], True),
+        ("WARNING", "flow r: execute of Step Work-1 failed on attempt 1, its last: NoRetryError: bad input; its "
+                    "failure route Route runs", True),
+    ]
+    last = next(r for r in said if r.getMessage().startswith("flow b: execute of Step Work-1 failed on attempt 3"))
+    assert last.getMessage().endswith("; the flow fails")
+    assert len(last.getMessage()) < 4200  # the error's text is cut as the database keeps it

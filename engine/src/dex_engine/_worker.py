@@ -50,6 +50,7 @@ from ._limits import (
     FAILURE_LOG_SECONDS,
     LATE_ATTEMPTS_NAMED,
     MAX_CONCURRENT_TASKS,
+    MAX_ERROR_TEXT_CHARS,
     MAX_OPTION_SECONDS,
     MAX_RETENTION_SECONDS,
     MAX_WORKER_ERROR_ENTRIES,
@@ -890,7 +891,7 @@ class AsyncWorker:
         except Exception as exc:  # the handler is missing or takes other input: it cannot be called
             invocation = _error_info(exc)
             detail = str(WorkerInvocationError(invocation.error_type, invocation.detail))
-            await self._fail(running, ErrorInfo("WorkerInvocationError", detail), False)
+            await self._fail(running, ErrorInfo("WorkerInvocationError", detail), False, exc)
             return
         timeout: asyncio.Timeout | None = None
         try:
@@ -907,18 +908,20 @@ class AsyncWorker:
             # The handler raised it without being cancelled (it awaited a future something else
             # cancelled): a failure like any other, retried by its policy. Let through, the attempt
             # would end with its task left running, handed back as a lost claim again and again.
-            await self._fail(running, _error_info(exc), False)
+            await self._fail(running, _error_info(exc), False, exc)
             return
         except TimeoutError as exc:
             # Only the method's own timeout is MethodTimeout; a TimeoutError the handler let out (its
             # own wait_for) is a failure like any other, and its recovery error says so (E3).
             if timeout is not None and timeout.expired():
-                await self._fail(running, ErrorInfo("MethodTimeout", f"{lease.method} passed its timeout"), False)
+                # No traceback logged: it is the cancel's.
+                timed_out = ErrorInfo("MethodTimeout", f"{lease.method} passed its timeout")
+                await self._fail(running, timed_out, False, None)
             else:
-                await self._fail(running, _error_info(exc), False, self._asked_delay(lease, exc))
+                await self._fail(running, _error_info(exc), False, exc, self._asked_delay(lease, exc))
             return
         except NoRetryError as exc:
-            await self._fail(running, _error_info(exc), True)
+            await self._fail(running, _error_info(exc), True, exc)
             return
         except KeyboardInterrupt:
             raise  # the process is asked to stop
@@ -926,7 +929,7 @@ class AsyncWorker:
             # Exception, and what else a handler may let out: GeneratorExit, or SystemExit from a
             # library's sys.exit() (argparse's). A failure of the attempt like any other: let
             # through, it left the attempt's task running for ever, or ended the worker process.
-            await self._fail(running, _error_info(exc), False, self._asked_delay(lease, exc))
+            await self._fail(running, _error_info(exc), False, exc, self._asked_delay(lease, exc))
             return
         finally:
             ctx.close(f"{lease.method} of {lease.step_execution_id} (attempt {lease.attempt}) returned")
@@ -970,7 +973,7 @@ class AsyncWorker:
         except (StaleAttemptError, asyncio.CancelledError):
             raise
         except Exception as exc:
-            await self._fail(running, _error_info(exc), False)
+            await self._fail(running, _error_info(exc), False, exc)
             return
         if _gates.ACTIVE:
             _gates.gate(_gates.AFTER_COMMIT)
@@ -1129,13 +1132,15 @@ class AsyncWorker:
                 ctx.close(f"execute of {lease.step_execution_id} (attempt {lease.attempt}) returned")
 
     async def _fail(
-        self, running: _Running, error: ErrorInfo, no_retry: bool, asked: AskedDelay | None = None
+        self, running: _Running, error: ErrorInfo, no_retry: bool, exc: BaseException | None,
+        asked: AskedDelay | None = None,
     ) -> None:
         # Events the attempt wrote before failing are kept: readers show a failed attempt's output.
         await self._drain_events(running)
         if running.revoked:
             return
         await self.store.fail_attempt(running.lease, error, no_retry=no_retry, asked=asked)
+        _log_failed_attempt(running.lease, error, no_retry, exc)
 
     @staticmethod
     def _asked_delay(lease: Lease, exc: BaseException) -> AskedDelay | None:
@@ -1272,6 +1277,24 @@ def checked_wait(flow: Flow, step_type: str, result: object) -> WaitSpec:
         if isinstance(condition, ChannelCondition):
             flow.check_channel(ChannelRef(condition.channel, condition.key, None))
     return result.spec()
+
+
+def _log_failed_attempt(lease: Lease, error: ErrorInfo, no_retry: bool, exc: BaseException | None) -> None:
+    """Log the failure of `lease`'s attempt, which the store recorded, naming its flow: one line at
+    INFO while its retry policy may run it again, and at WARNING with `exc`'s traceback once it
+    counts as the last. Recorded only in the database, a Step's bug left no traceback anywhere,
+    and an operator watching the worker saw nothing of a flow or a turn that failed."""
+    options = lease.options.wait_for if lease.method == "wait_for" and lease.options.wait_for else lease.options.execute
+    detail = error.detail[:MAX_ERROR_TEXT_CHARS]  # the stored text's cut: a huge error is not logged whole
+    if not no_retry and lease.attempt < options.retry.max_attempts:
+        # Its total_duration_seconds may still make this the last (the store decides): "as it allows".
+        log.info("flow %s: %s of Step %s attempt %d failed, retried as its retry policy allows: %s: %s",
+                 lease.flow_id, lease.method, lease.step_execution_id, lease.attempt, error.error_type, detail)
+        return
+    after = (f"its failure route {lease.options.failure_route} runs" if lease.options.failure_route is not None
+             else "the flow fails")
+    log.warning("flow %s: %s of Step %s failed on attempt %d, its last: %s: %s; %s", lease.flow_id, lease.method,
+                lease.step_execution_id, lease.attempt, error.error_type, detail, after, exc_info=exc)
 
 
 def _error_info(exc: BaseException) -> ErrorInfo:
