@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import threading
 import time
@@ -1415,3 +1416,37 @@ async def test_step_options_that_are_not_options_fail_only_their_call_even_after
     answer = done.messages[-1].text or ""
     assert "refund_order: The tool call failed: the tool did not run" in answer and "which is not a Tool" in answer
     assert 'lookup_order: {"order_id":"A-1","status":"shipped"}' in answer
+
+
+async def test_warnings_about_a_turn_name_its_session(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The built-in loop's warnings about a model call name the session's flow and the turn: a tool
+    call's arguments cut at the token limit, then an answer cut there. Catches: "turn 'turn-1': ...",
+    a turn ID every session has, with no way for an operator to find which session it was."""
+    from dex_agents import AgentUsage, ModelCallMetadata
+    from dex_agents.builtin_loop import ModelOutputWriter, ModelResponse
+
+    class CutReplies:
+        def estimate_input_tokens(self, request: ModelRequest) -> int:
+            return 1
+
+        async def call_model(self, request: ModelRequest, output: ModelOutputWriter) -> ModelResponse:
+            cut = ModelCallMetadata(finish_reasons=("length",))
+            if ScriptedModelClient.tool_results(request):
+                text = ModelOutputItem("scripted", OutputItemKind.TEXT, json.dumps({"type": "text", "text": "Half"}),
+                                       "Half")
+                return ModelResponse((text,), AgentUsage(model_calls=1), cut)
+            call = ModelToolCall("call-1", "lookup_order", '{"order_')
+            item = ModelOutputItem("scripted", OutputItemKind.TOOL_CALL, json.dumps({"type": "tool_call"}),
+                                   tool_call=call)
+            return ModelResponse((item,), AgentUsage(model_calls=1), cut)
+
+    agent = AgentDefinition(name="cut", model=CutReplies(), instructions="", tools=[lookup_order])
+    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(agent, "CutAgent")])
+    with caplog.at_level(logging.WARNING, logger="dex_agents.builtin_loop"):
+        async with engine.running():
+            await engine.sessions().start_session("support-42", "look it up")
+            await _turns_done(engine.sessions(), "support-42", 1)
+    said = [r.getMessage() for r in caplog.records if r.name == "dex_agents.builtin_loop"]
+    assert [m[:60] for m in said] == ["flow support-42 turn turn-1: the model's output was cut at i"] * 2, said
+    assert "in the arguments of tool call 'call-1'" in said[0]
+    assert "so its answer is incomplete or missing" in said[1]

@@ -1803,4 +1803,5 @@ async def test_a_summary_cut_at_the_token_limit_is_kept_saying_so(caplog: pytest
         result = await BuiltinLoopAgentRunner(definition).summarize_context(summary_request_of(messages, 10_000))
     assert result.text == ("The user\n[Dex: this summary was cut at the model's output token limit "
                            "(finish_reason 'length'); what followed is missing from it]")
-    assert "context summary was cut at the model's output token limit (finish_reason 'length')" in caplog.text
+    assert "flow s turn turn-1: the context summary was cut at the model's output token limit (finish_reason " \
+           "'length')" in caplog.text  # the session named: every session has a turn-1

@@ -238,7 +238,8 @@ async def test_a_provider_that_fails_fails_only_that_call(tmp_path: Path, caplog
         assert "CallTool" in await _steps(engine)
         raised_logs = [r for r in caplog.records if "tool_call_step_options raised" in r.getMessage()]
         assert sorted(r.getMessage() for r in raised_logs) == [
-            "tool_call_step_options raised for tool call 'c1'", "tool_call_step_options raised for tool call 'c6'",
+            "flow s turn turn-1: tool_call_step_options raised for tool call 'c1'",
+            "flow s turn turn-1: tool_call_step_options raised for tool call 'c6'",
         ]
         assert all(r.levelno == logging.WARNING and r.exc_info and r.exc_info[0] is RuntimeError for r in raised_logs)
         await sessions.send_user_message("s", "and now?")

@@ -182,7 +182,7 @@ class BuiltInSteps:
                 without_question(record), status=AgentToolCallStatus.APPROVED,
                 input_answers=[*record.input_answers, answer],
             )
-            moved = rt.tool_step_movement(approved)
+            moved = rt.tool_step_movement(ctx.flow_id, approved)
             if isinstance(moved, AgentToolCall):
                 rt.finish_record(ctx, moved)
                 return StepDecision.dead_end()

@@ -485,10 +485,10 @@ class SessionRuntime:
             break
         return state
 
-    def tool_step_movement(self, record: AgentToolCall) -> Movement | AgentToolCall:
+    def tool_step_movement(self, flow_id: str, record: AgentToolCall) -> Movement | AgentToolCall:
         """The movement into an approved call's tool Step, with the runner's own options for the call
         (ToolCallStepOptionsProvider); or, when those cannot be had, the call's record made final
-        `failed` without running, for the caller to finish."""
+        `failed` without running, for the caller to finish; a warning names `flow_id`, the session."""
         step = tool_step_for(record.effect)
         moved = tool_call_load(record.tool_call_id)
         provide = getattr(self.runner, "tool_call_step_options", None)
@@ -498,7 +498,8 @@ class SessionRuntime:
         try:
             chosen = provide(deferred_call_of(record))
         except Exception as exc:
-            log.warning("tool_call_step_options raised for tool call %r", record.tool_call_id, exc_info=True)
+            log.warning("flow %s turn %s: tool_call_step_options raised for tool call %r", flow_id, record.turn_id,
+                        record.tool_call_id, exc_info=True)
             detail = cut_text(f"the runner's tool_call_step_options raised {raised_text(exc)}",
                               MAX_STORED_TOOL_ERROR_CHARS)
             return finished(record, AgentToolCallStatus.FAILED, error=not_run_error(detail))

@@ -180,7 +180,7 @@ class ToolSteps:
             self._resolved_event(ctx, record, approved=resolution.approved, rejection_message=rejection)
             if resolution.approved:
                 approved = msgspec.structs.replace(record, status=AgentToolCallStatus.APPROVED)
-                moved = rt.tool_step_movement(approved)
+                moved = rt.tool_step_movement(ctx.flow_id, approved)
                 if isinstance(moved, AgentToolCall):
                     rt.finish_record(ctx, moved)
                     return StepDecision.dead_end()

@@ -356,7 +356,7 @@ class TurnSteps:
                     rt.finish_record(ctx, record)
                     continue
                 if planned.next_step in TOOL_STEPS:
-                    moved = rt.tool_step_movement(record)
+                    moved = rt.tool_step_movement(ctx.flow_id, record)
                     if isinstance(moved, AgentToolCall):
                         rt.finish_record(ctx, moved)
                     else:

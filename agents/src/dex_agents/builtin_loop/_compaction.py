@@ -157,8 +157,9 @@ async def summarize_with_model(
     if cut is not None:
         # Kept (a retry would pay for the same cut, and failing would stop every later turn), but said:
         # retention may delete the messages it summarizes, and the model should know it lacks their end.
-        log.warning("turn %r: the context summary was cut at the model's output token limit (finish_reason %r); "
-                    "raise max_output_tokens or max_tokens in the agent's model_settings", request.turn_id, cut)
+        log.warning("flow %s turn %s: the context summary was cut at the model's output token limit (finish_reason "
+                    "%r); raise max_output_tokens or max_tokens in the agent's model_settings", request.flow_id,
+                    request.turn_id, cut)
         text += summary_cut_note(cut)
     return ContextSummaryResult(text, response.usage, response.metadata)
 

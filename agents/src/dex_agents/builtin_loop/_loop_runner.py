@@ -212,7 +212,7 @@ class BuiltinLoopAgentRunner:
         elif planning:
             offered = _planning_tools(turn.enabled_built_in_tools)
         else:
-            offered = await self._offered_tools(turn.enabled_built_in_tools)
+            offered = await self._offered_tools(turn)
         request = ModelRequest(
             instructions=await self._instructions(turn), input=tuple(model_input), tools=offered.definitions,
             tool_choice=ToolChoice.NONE if limit_reached else self._tool_choice(turn, run, offered),
@@ -235,9 +235,9 @@ class BuiltinLoopAgentRunner:
             # The session fails a call whose arguments are not a JSON object; cut, its result says why.
             cut_calls = tuple(c.tool_call_id for c in calls if arguments_error(c.arguments) is not None) if cut else ()
             if cut_calls:
-                log.warning("the model's output was cut at its token limit (finish_reason %r) in the arguments of "
-                            "tool call %s, which fails; raise max_output_tokens or max_tokens in model_settings",
-                            cut, ", ".join(repr(c) for c in cut_calls))
+                log.warning("flow %s turn %s: the model's output was cut at its token limit (finish_reason %r) in "
+                            "the arguments of tool call %s, which fails; raise max_output_tokens or max_tokens in "
+                            "model_settings", turn.flow_id, turn.turn_id, cut, ", ".join(repr(c) for c in cut_calls))
             state = _encode(_RunState(model_calls=model_calls, cut_tool_calls=cut_calls,
                                       cut_finish_reason=cut if cut_calls else None))
             return ToolCallsRequested(state, deferred, response.usage, unstored, response.metadata)
@@ -257,7 +257,7 @@ class BuiltinLoopAgentRunner:
         if cut is not None:
             # Kept, as any paid answer is, but the turn fails so the user (and an operator's log) sees
             # it is incomplete: taken as a whole answer, a cut one looked finished to everyone.
-            log.warning("turn %r: %s", turn.turn_id, cut_answer_error(cut))
+            log.warning("flow %s turn %s: %s", turn.flow_id, turn.turn_id, cut_answer_error(cut))
             return TurnCompleted(unstored, response.usage, response.metadata, turn_error=cut_answer_error(cut))
         filtered = content_filter_finish_reason(response.metadata)
         if filtered is not None:
@@ -302,7 +302,8 @@ class BuiltinLoopAgentRunner:
         # stricter: not run, so the model calls it again and the new policy asks for what it needs.
         stricter = stricter_policy_problem(record, self.definition.function_tool_policy(record.tool_name))
         if stricter is not None:
-            log.warning("tool call %r was not run (attempt %d): %s", record.tool_call_id, call.attempt, stricter)
+            log.warning("flow %s turn %s: tool call %r was not run (attempt %d): %s", call.flow_id, record.turn_id,
+                        record.tool_call_id, call.attempt, stricter)
             if call.attempt == 1:
                 raise ToolExecutionError(not_run_error(stricter))
             # An earlier attempt ran the old tool: a read took no effect, an idempotent write may have.
@@ -509,9 +510,10 @@ class BuiltinLoopAgentRunner:
         raise TurnContinuationError(
             f"decide_turn_continuation returned {shown(value)}; return 'end', 'default' or ContinueTurn")
 
-    async def _offered_tools(self, built_ins: frozenset[str]) -> _Offered:
+    async def _offered_tools(self, turn: AgentTurnContext) -> _Offered:
         """Function tools, then each source's listing, then the enabled built-in tools."""
         definition = self.definition
+        built_ins = turn.enabled_built_in_tools
         definitions = [t.definition() for t in definition.tools]
         function_names = {d.name for d in definitions}
         for name in sorted(function_names & built_ins):
@@ -526,7 +528,7 @@ class BuiltinLoopAgentRunner:
         listings: list[tuple[ModelToolDefinition, ...] | None] = []
         if definition.tool_sources:  # most agents have none: no task group per model call for them
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(_listing(source, timeout)) for source in definition.tool_sources]
+                tasks = [group.create_task(_listing(source, timeout, turn)) for source in definition.tool_sources]
             listings = [task.result() for task in tasks]
         for source, listed in zip(definition.tool_sources, listings, strict=True):
             if listed is None:
@@ -607,14 +609,17 @@ def _source_call(
                        f"{shown(call.tool_call_id)}")
         else:
             return built
-    log.warning("tool source %r could not build tool call %r (%s), which fails as an unknown tool: %s",
-                source.source_name, call.tool_call_id, call.tool_name, problem)
+    log.warning("flow %s turn %s: tool source %r could not build tool call %r (%s), which fails as an unknown "
+                "tool: %s", turn.flow_id, turn.turn_id, source.source_name, call.tool_call_id, call.tool_name, problem)
     return None
 
 
-async def _listing(source: ToolSource, timeout: float) -> tuple[ModelToolDefinition, ...] | None:
+async def _listing(
+    source: ToolSource, timeout: float, turn: AgentTurnContext
+) -> tuple[ModelToolDefinition, ...] | None:
     """The source's tools, each one that is not a well-formed definition left out; None when the
-    listing raised or timed out: a down or broken server offers no tools, it never fails the turn."""
+    listing raised or timed out: a down or broken server offers no tools, it never fails the turn.
+    Each warning names `turn`'s flow: the model call of which session went without the tools."""
     try:
         # resolved: a source's plain def list_tools returns the listing itself.
         listed = list(await asyncio.wait_for(resolved(source.list_tools()), timeout))
@@ -623,12 +628,12 @@ async def _listing(source: ToolSource, timeout: float) -> tuple[ModelToolDefinit
         if task is not None and task.cancelling():
             raise  # the Step itself is cancelled
         # A client library's own cancellation (an MCP client whose server died, say) is a failure.
-        log.warning("tool source %r was cancelled while listing; it offers no tools in this model call",
-                    source.source_name, exc_info=True)
+        log.warning("flow %s turn %s: tool source %r was cancelled while listing; it offers no tools in this "
+                    "model call", turn.flow_id, turn.turn_id, source.source_name, exc_info=True)
         return None
     except Exception:
-        log.warning("tool source %r could not be listed; it offers no tools in this model call",
-                    source.source_name, exc_info=True)
+        log.warning("flow %s turn %s: tool source %r could not be listed; it offers no tools in this model call",
+                    turn.flow_id, turn.turn_id, source.source_name, exc_info=True)
         return None
     kept: list[ModelToolDefinition] = []
     for tool in listed:
@@ -636,8 +641,8 @@ async def _listing(source: ToolSource, timeout: float) -> tuple[ModelToolDefinit
         if problem is None:
             kept.append(tool)
         else:
-            log.warning("tool source %r listed a tool the model cannot be offered, left out: %s",
-                        source.source_name, problem)
+            log.warning("flow %s turn %s: tool source %r listed a tool the model cannot be offered, left out: %s",
+                        turn.flow_id, turn.turn_id, source.source_name, problem)
     return tuple(kept)
 
 
