@@ -369,7 +369,8 @@ async def test_cut_off_host_is_taken_over_and_its_late_commit_is_fenced(
                 host_a.reconnect()
                 await eventually(
                     "A's late commit to be refused by the store",
-                    lambda: "attempt Slow-1#1 lost its task; result discarded" in a.output_text(), 60,
+                    lambda: "flow z: Slow-1 attempt 1 lost its task (taken over, or the flow ended); result discarded"
+                    in a.output_text(), 60,
                 )
                 a_gates = procs.gates.crossings(a.pid)
                 assert INSIDE_COMMIT not in a_gates and AFTER_COMMIT not in a_gates, (

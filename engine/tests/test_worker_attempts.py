@@ -601,7 +601,7 @@ def _unendable_attempts(eng: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def test_an_unstarted_attempt_the_worker_cannot_end_again_and_again_is_failed(
-    db_url: str, monkeypatch: pytest.MonkeyPatch
+    db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """An attempt that never started (no heartbeat) is handed back under the same number after a
     worker-side error (E3: no retry used). When ending it fails every time (an error of the
@@ -626,6 +626,12 @@ async def test_an_unstarted_attempt_the_worker_cannot_end_again_and_again_is_fai
         assert failed == ("Call-1", 1, "execute: WorkerError: the worker could not end the attempt "
                           f"{MAX_WORKER_ERRORS_PER_ATTEMPT} times; the last time: LookupError")
         assert eng.worker is not None and eng.worker._worker_errors == {}
+    # Each names the flow and attempt: Step execution IDs (Call-1) repeat in every flow.
+    errors = [r.getMessage() for r in caplog.records if r.name == "dex_engine.worker" and r.levelno >= logging.ERROR]
+    assert errors == (["flow u: worker error while running Call-1 attempt 1; handing the attempt back"]
+                      * (MAX_WORKER_ERRORS_PER_ATTEMPT - 1)
+                      + [f"flow u: worker error while running Call-1 attempt 1, {MAX_WORKER_ERRORS_PER_ATTEMPT} "
+                         "times in a row; failing the attempt"]), errors
 
 
 async def test_attempts_beyond_the_workers_error_count_bound_still_end_failed(

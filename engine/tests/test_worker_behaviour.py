@@ -1872,7 +1872,8 @@ async def test_events_that_cannot_be_written_are_dropped_and_the_attempt_commits
             assert (await eng.client.wait_for_flow("b1", 60)).status == "completed"
         history = await eng.client.get_flow_history("b1")
         assert [h.attempt for h in history if h.event_type == "execute_completed"] == [1]
-        assert f"{BURST_EVENTS} events of Burst-1 attempt 1 could not be written and were dropped" in caplog.text
+        dropped = f"flow b1: {BURST_EVENTS} events of Burst-1 attempt 1 could not be written and were dropped"
+        assert dropped in caplog.text
 
 
 def test_wall_clock_steps_are_told_from_time_passing() -> None:
@@ -1979,7 +1980,7 @@ async def test_a_stream_that_cannot_be_written_drops_only_its_own_events(
             await eng.client.start_flow("Two", "t")
             assert (await eng.client.wait_for_flow("t", 30)).status == "completed"
         assert [e.value for e in (await eng.client.read_stream("t", kept)).events] == ["c"]
-        assert "2 events of Both-1 attempt 1 could not be written and were dropped" in caplog.text
+        assert "flow t: 2 events of Both-1 attempt 1 could not be written and were dropped" in caplog.text
 
 
 def test_a_worker_trusts_no_lease_for_a_ttl_after_the_clock_steps_forward_and_warns_of_a_step_back(

@@ -661,8 +661,8 @@ class AsyncWorker:
         except StaleAttemptError:
             return  # taken over meanwhile
         except Exception:
-            log.exception("could not hand back %s; housekeeping hands it back as a lost claim",
-                          lease.step_execution_id)
+            log.exception("flow %s: could not hand back %s attempt %d; housekeeping hands it back as a lost claim",
+                          lease.flow_id, lease.step_execution_id, lease.attempt)
             return
         # A slot may have freed meanwhile, or this claim's slot is free: claim (by age, not this
         # Step again before its delay).
@@ -821,7 +821,8 @@ class AsyncWorker:
             if not running.revoked:
                 raise
         except StaleAttemptError:
-            log.info("attempt %s#%d lost its task; result discarded", lease.step_execution_id, lease.attempt)
+            log.info("flow %s: %s attempt %d lost its task (taken over, or the flow ended); result discarded",
+                     lease.flow_id, lease.step_execution_id, lease.attempt)
         except Exception as exc:
             await self._after_worker_error(lease, exc)
         else:
@@ -843,20 +844,21 @@ class AsyncWorker:
         errors = errors + 1 if attempt == lease.attempt else 1
         try:
             if errors < MAX_WORKER_ERRORS_PER_ATTEMPT:
-                log.exception("worker error while running %s; handing the attempt back", lease.step_execution_id)
+                log.exception("flow %s: worker error while running %s attempt %d; handing the attempt back",
+                              lease.flow_id, lease.step_execution_id, lease.attempt)
                 self._count_worker_error(lease, errors)
                 # Left alone, the task would stay running until this worker dies.
                 await self.store.abandon(lease)
                 return
-            log.exception("worker error while running %s, %d times in a row; failing the attempt",
-                          lease.step_execution_id, errors)
+            log.exception("flow %s: worker error while running %s attempt %d, %d times in a row; failing the attempt",
+                          lease.flow_id, lease.step_execution_id, lease.attempt, errors)
             detail = f"the worker could not end the attempt {errors} times; the last time: {type(exc).__name__}"
             await self.store.fail_attempt(lease, ErrorInfo("WorkerError", detail))
         except StaleAttemptError:
             pass
         except Exception:
-            log.exception("could not hand back or fail %s; housekeeping hands it back as a lost claim",
-                          lease.step_execution_id)
+            log.exception("flow %s: could not hand back or fail %s attempt %d; housekeeping hands it back as a lost "
+                          "claim", lease.flow_id, lease.step_execution_id, lease.attempt)
 
     def _count_worker_error(self, lease: Lease, errors: int) -> None:
         """Keep `errors` as the count of `lease`'s attempt. With MAX_WORKER_ERROR_ENTRIES counted
@@ -1234,8 +1236,9 @@ class AsyncWorker:
                 except Exception:
                     # Best effort (ENGINE.md E11): a write that fails drops its events; it must not
                     # fail the attempt, whose result commits on its own.
-                    log.warning("%d events of %s attempt %d could not be written and were dropped",
-                                len(values), running.lease.step_execution_id, running.lease.attempt, exc_info=True)
+                    log.warning("flow %s: %d events of %s attempt %d could not be written and were dropped",
+                                running.lease.flow_id, len(values), running.lease.step_execution_id,
+                                running.lease.attempt, exc_info=True)
 
 
 def _lease_context(flow: Flow, lease: Lease, heartbeat: HeartbeatFn, write_event: EventFn) -> Context:
