@@ -905,3 +905,30 @@ async def test_a_failed_attempt_is_logged_naming_its_flow_and_the_last_with_its_
     last = next(r for r in said if r.getMessage().startswith("flow b: execute of Step Work-1 failed on attempt 3"))
     assert last.getMessage().endswith("; the flow fails")
     assert len(last.getMessage()) < 4200  # the error's text is cut as the database keeps it
+
+
+async def test_a_dead_workers_attempts_taken_back_are_logged_naming_their_flows(
+    db_url: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The worker whose housekeeping takes back a dead worker's attempts warns once, naming each
+    attempt's flow, Step execution and attempt. Catches: a worker killed mid-attempt, its session
+    failed as WorkerLost or run again, with no line in any surviving worker's log."""
+
+    async def work(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
+
+    registry = Registry([Flow("Orphaned", [Step("Work", work, options=QUICK_RETRY)], start_step="Work")])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        await eng.client.start_flow("Orphaned", "o")
+        await eng.store.register_worker("killed", "gone-host", 1, 1)  # its lease runs out at once
+        [lease] = await eng.store.claim("killed", ["Orphaned"], 1)
+        await eng.store.heartbeat(lease, "started")  # started: it fails as WorkerLost, then is retried
+        with caplog.at_level(logging.WARNING, logger="dex_engine.worker"):
+            await eng.start_worker()
+            assert (await eng.client.wait_for_flow("o", 10)).status == "completed"
+    said = [r.getMessage() for r in caplog.records if "housekeeping took back" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].endswith("housekeeping took back 1 attempts of workers that died or lost their lease (1 declared "
+                            "dead now; a started attempt fails as WorkerLost through its retry policy, others run "
+                            "again) and failed 0 attempts past their deadline (HeartbeatTimeout, MethodTimeout): "
+                            "o/Work-1 attempt 1"), said

@@ -278,8 +278,9 @@ MAX_WHOLE_NUMBER = 2**63 - 1
 # SQLite cannot even be asked about a larger one (the driver raises OverflowError).
 MAX_MESSAGE_ID = MAX_WHOLE_NUMBER
 
-# Attempts still running that a worker stopping past its grace names in its warning; the count
-# says how many more, and one log line stays readable with hundreds of slots.
+# Attempts still running that a worker stopping past its grace names in its warning, and attempts a
+# housekeeping pass took back or timed out that its worker's warning names; the count says how
+# many more, and one log line stays readable with hundreds of slots.
 LATE_ATTEMPTS_NAMED = 10
 
 # How much of a caller's value an error message shows by default: enough to recognise it, while a

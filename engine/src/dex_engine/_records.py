@@ -216,6 +216,9 @@ class HousekeepingReport:
     leases_expired: int = 0
     timeouts: int = 0
     workers_removed: int = 0
+    # "flow/step execution attempt n" of the first LATE_ATTEMPTS_NAMED attempts the pass expired or
+    # timed out, for the worker's warning: a dead worker's sessions must be findable from the log.
+    attempts_named: tuple[str, ...] = ()
     # The pass fired as many timers as it could (_transitions._timer_budget) and more are due.
     timers_left: bool = False
     # Closed flows retention deleted (WorkerOptions.closed_flow_retention_seconds), and whether the

@@ -37,6 +37,7 @@ from ._limits import (
     CLOSED_FLOWS_DELETED_PER_HOUSEKEEPING,
     HISTORY_CHAIN_TRIM_EVERY,
     HISTORY_TRIM_CHECK_EVERY,
+    LATE_ATTEMPTS_NAMED,
     MAX_ERROR_TEXT_CHARS,
     MAX_HISTORY_EVENTS_PER_FLOW,
     MAX_MESSAGE_ID,
@@ -1941,7 +1942,8 @@ def housekeeping(
     own = None if worker_id is None else db.one("SELECT expires_at FROM workers WHERE worker_id = ?", (worker_id,))
     if declare_dead and (worker_id is None or (own is not None and int(own[0]) >= now)):
         removed = db.run("DELETE FROM workers WHERE expires_at < ?", (now,))
-    expired = _expire_orphans(db, now)
+    named: list[str] = []
+    expired = _expire_orphans(db, now, named=named)
     timeouts = 0
     # Candidates are found without locks, then each is re-checked under its flow's lock, flows
     # taken in ID order so that concurrent housekeepers cannot deadlock.
@@ -1954,6 +1956,7 @@ def housekeeping(
         if row is None:
             continue
         kind = "MethodTimeout" if row[0] is not None and int(row[0]) < now else "HeartbeatTimeout"
+        _name_attempt(db, int(task_id), named)
         _fail_task(db, int(task_id), ErrorInfo(kind, "the attempt passed its deadline"), False, now)
         timeouts += 1
     fired = 0
@@ -1974,7 +1977,7 @@ def housekeeping(
         shared.collect(db, now)
     flows_deleted, flows_left = (0, False) if retention_ms is None else delete_closed_flows(db, now - retention_ms)
     return HousekeepingReport(timers_fired=fired, leases_expired=expired, timeouts=timeouts,
-                              workers_removed=removed, timers_left=len(due) > budget,
+                              workers_removed=removed, attempts_named=tuple(named), timers_left=len(due) > budget,
                               flows_deleted=flows_deleted, flows_left=flows_left)
 
 
@@ -2013,9 +2016,10 @@ WORKER_STOPPED = ErrorInfo("WorkerLost", "the worker running the attempt stopped
                                          "(its shutdown_grace_seconds ran out)")
 
 
-def _expire_orphans(db: Db, now: int, *, stopped_worker: str | None = None) -> int:
+def _expire_orphans(db: Db, now: int, *, stopped_worker: str | None = None, named: list[str] | None = None) -> int:
     """Fail or hand back the running attempts of workers that have no row; those of `stopped_worker`,
-    which is unregistering, fail as stopped rather than died."""
+    which is unregistering, fail as stopped rather than died. Each is added to `named` (see
+    _name_attempt)."""
     orphan = ("SELECT t.task_id, t.attempt_started, t.flow_id, t.lease_owner FROM tasks t LEFT JOIN workers w "
               "ON w.worker_id = t.lease_owner WHERE t.state = 'running' AND w.worker_id IS NULL")
     count = 0
@@ -2026,6 +2030,8 @@ def _expire_orphans(db: Db, now: int, *, stopped_worker: str | None = None) -> i
             continue  # renewed, committed or handled meanwhile
         task_id, started, flow_id, owner = row
         count += 1
+        if named is not None:
+            _name_attempt(db, int(task_id), named)
         if started:
             error = WORKER_STOPPED if stopped_worker is not None and owner == stopped_worker else WORKER_DIED
             _fail_task(db, int(task_id), error, False, now)
@@ -2036,6 +2042,14 @@ def _expire_orphans(db: Db, now: int, *, stopped_worker: str | None = None) -> i
             db.notify()
             db.revoked()  # a worker that still runs it (not dead, only late to renew) must stop
     return count
+
+
+def _name_attempt(db: Db, task_id: int, named: list[str]) -> None:
+    """Add "flow/step execution attempt n" of the running task to `named`, up to LATE_ATTEMPTS_NAMED."""
+    if len(named) < LATE_ATTEMPTS_NAMED:
+        row = db.one("SELECT flow_id, step_execution_id, attempt FROM tasks WHERE task_id = ?", (task_id,))
+        if row is not None:
+            named.append(f"{row[0]}/{row[1]} attempt {row[2]}")
 
 
 def release_lost_claims(db: Db, worker_id: str, known: Sequence[int], claimed_before: int, now: int) -> None:

@@ -65,7 +65,7 @@ from ._limits import (
 from ._open import open_store, shown_url
 from ._options import is_number
 from ._parked import FoldFunctions, ParkedHandler
-from ._records import DecisionRecord, ErrorInfo, Lease, MovementRecord, StartedFold, WriteSet
+from ._records import DecisionRecord, ErrorInfo, HousekeepingReport, Lease, MovementRecord, StartedFold, WriteSet
 from ._retry import AskedDelay, asked_delay
 from ._scheduling import movement_record
 from ._schema import ChannelRef
@@ -474,6 +474,8 @@ class AsyncWorker:
                 if timer_floor:
                     next_timer_floor = next_housekeeping
                 report = result.housekeeping
+                if report is not None and (report.leases_expired or report.timeouts):
+                    self._said_taken_over(report)
                 if report is not None and report.flows_deleted:
                     log.info("worker %s deleted %d flows closed over %s s ago (closed_flow_retention_seconds)",
                              self.worker_id, report.flows_deleted, opts.closed_flow_retention_seconds)
@@ -524,6 +526,18 @@ class AsyncWorker:
             except TimeoutError:
                 # A wake that lands as the timeout fires is lost by the wait but stays asked: keep it.
                 must_claim = self._claim_asked
+
+    def _said_taken_over(self, report: HousekeepingReport) -> None:
+        """Warn of the attempts a housekeeping pass took back from workers that died (or lost
+        their lease) or failed past their deadline, naming their flows: without it, a worker's
+        crash and its sessions' retries left no line in any surviving worker's log."""
+        count = report.leases_expired + report.timeouts
+        more = count - len(report.attempts_named)
+        log.warning("worker %s: housekeeping took back %d attempts of workers that died or lost their lease "
+                    "(%d declared dead now; a started attempt fails as WorkerLost through its retry policy, "
+                    "others run again) and failed %d attempts past their deadline (HeartbeatTimeout, "
+                    "MethodTimeout): %s%s", self.worker_id, report.leases_expired, report.workers_removed,
+                    report.timeouts, ", ".join(report.attempts_named), f" and {more} more" if more > 0 else "")
 
     def _freed_meanwhile(self, asked: int, claimed: int) -> bool:
         """Whether more slots are free now than a poll sent for `asked` free slots, which claimed
