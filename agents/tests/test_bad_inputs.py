@@ -892,8 +892,9 @@ async def test_a_live_event_that_cannot_be_stored_as_written_does_not_fail_the_m
             assert engine.log.count("model", turn_id=turn_id) == 1
         (dropped,) = [r.getMessage() for r in caplog.records if "dropped a text_delta event" in r.getMessage()]
         assert re.fullmatch(
-            r"dropped a text_delta event of RunModel-3 attempt 1: value for 'AgentEvents' is \d+ bytes encoded, "
-            rf"over MAX_VALUE_BYTES \({MAX_VALUE_BYTES}\); store it in pieces or outside the flow", dropped), dropped
+            r"flow s: dropped a text_delta event of RunModel-3 attempt 1: value for 'AgentEvents' is \d+ bytes "
+            rf"encoded, over MAX_VALUE_BYTES \({MAX_VALUE_BYTES}\); store it in pieces or outside the flow",
+            dropped), dropped
         await assert_usable(sessions, "s", before)
 
 
@@ -926,13 +927,13 @@ async def test_a_live_event_that_is_not_json_is_dropped_with_a_warning_naming_it
         assert [p["text"] for t, p in events if t == "text_delta"] == ["after them", "step 0"]
         assert not [t for t, _ in events if t.startswith("myadapter.")]
         assert engine.log.count("model", turn_id=turn_id) == 1
-        dropped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dropped a")]
+        dropped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("flow s: dropped a")]
         expected = [  # the json module's own words; Python 3.13 adds the value (": nan")
-            r"dropped a 'myadapter\.metric' event of RunModel-2 attempt 1: it cannot be written as JSON: "
+            r"flow s: dropped a 'myadapter\.metric' event of RunModel-2 attempt 1: it cannot be written as JSON: "
             r"Out of range float values are not JSON compliant(: nan)?",
-            r"dropped a 'myadapter\.tags' event of RunModel-2 attempt 1: it cannot be written as JSON: "
+            r"flow s: dropped a 'myadapter\.tags' event of RunModel-2 attempt 1: it cannot be written as JSON: "
             r"Object of type set is not JSON serializable",
-            r"dropped a '' event of RunModel-2 attempt 1: it cannot be written as JSON: "
+            r"flow s: dropped a '' event of RunModel-2 attempt 1: it cannot be written as JSON: "
             r"an event type must be a non-empty string, got ''",
         ]
         assert len(dropped) == len(expected), dropped

@@ -110,12 +110,16 @@ class AgentEventWriter:
 
     Safe to call from any thread. Once the call that received it returns, the writer is closed and
     later writes are dropped, so a stray thread cannot attribute output to a finished attempt.
+    An event that cannot be stored is dropped with a warning naming it, and `flow_id` when given.
     """
 
     def __init__(
-        self, emit: Callable[[AgentEvent], None], turn_id: str | None, step_execution_id: str, attempt: int
+        self, emit: Callable[[AgentEvent], None], turn_id: str | None, step_execution_id: str, attempt: int,
+        *, flow_id: str | None = None,
     ) -> None:
         self._emit = emit
+        # Named in the warning of a dropped event: Step execution IDs (RunModel-2) repeat in every session.
+        self._flow = "" if flow_id is None else f"flow {flow_id}: "
         self.turn_id = turn_id
         self.step_execution_id = step_execution_id
         self.attempt = attempt
@@ -131,8 +135,8 @@ class AgentEventWriter:
         try:
             event = make_event(event_type, self.turn_id, self.step_execution_id, self.attempt, payload)
         except (TypeError, ValueError, RecursionError) as exc:
-            log.warning("dropped a %r event of %s attempt %d: it cannot be written as JSON: %s",
-                        event_type, self.step_execution_id, self.attempt, exc)
+            log.warning("%sdropped a %r event of %s attempt %d: it cannot be written as JSON: %s",
+                        self._flow, event_type, self.step_execution_id, self.attempt, exc)
             return
         with self._lock:
             if self._closed:
@@ -140,8 +144,8 @@ class AgentEventWriter:
             try:
                 self._emit(event)
             except ValueError as exc:  # too large (ValueTooLargeError), or text no stored value holds
-                log.warning("dropped a %s event of %s attempt %d: %s", event.type, self.step_execution_id,
-                            self.attempt, exc)
+                log.warning("%sdropped a %s event of %s attempt %d: %s", self._flow, event.type,
+                            self.step_execution_id, self.attempt, exc)
 
     def write_text_delta(self, text: str) -> None:
         self.write_event(AgentEventType.TEXT_DELTA, {"text": text})

@@ -250,7 +250,7 @@ class SessionRuntime:
         def write(event: AgentEvent) -> None:
             ctx.write_event(self.events, event)
 
-        return AgentEventWriter(write, turn_id, ctx.step_execution_id, ctx.attempt)
+        return AgentEventWriter(write, turn_id, ctx.step_execution_id, ctx.attempt, flow_id=ctx.flow_id)
 
     # Messages ----------------------------------------------------------------------------------
 
