@@ -60,7 +60,7 @@ FAST_NETWORK_TIMEOUTS = "connect_timeout=2&keepalives_idle=1&keepalives_interval
 SERVER_SIDE_SETTINGS = ("SELECT current_setting('idle_in_transaction_session_timeout'),"
                         " current_setting('tcp_keepalives_idle'), current_setting('tcp_user_timeout')")
 # What a worker logs when an operation fails on a dead connection (the store retries it).
-CONNECTION_TROUBLE = ("database connection lost", "worker poll failed", "lease renewal failed")
+CONNECTION_TROUBLE = ("database connection lost", ": poll failed", ": lease renewal failed")
 
 BEFORE_COMMIT = "worker.before_commit"
 INSIDE_COMMIT = "store.inside_commit"

@@ -266,7 +266,7 @@ async def test_a_worker_whose_polls_keep_failing_backs_off_and_logs_the_tracebac
     monkeypatch.setattr(store, "renew_worker", failing_while_asked(store.renew_worker, renewals, "disk I/O error"))
     try:
         options = WorkerOptions(database_url=db_url, poll_seconds=0.01, housekeeping_seconds=0.1,
-                                lease_renew_seconds=0.05)
+                                lease_renew_seconds=0.05, worker_id="failing")
         async with AsyncWorker(registry, options, store=store):
             await asyncio.sleep(1.5)
             failing = False
@@ -282,10 +282,10 @@ async def test_a_worker_whose_polls_keep_failing_backs_off_and_logs_the_tracebac
     assert len(renewals) >= 5, renewals  # every 0.05 s: many failures, one traceback
     said = [r for r in caplog.records if r.name == "dex_engine.worker" and r.levelno >= logging.WARNING]
     assert sorted((r.getMessage(), r.exc_info is not None) for r in said) == [
-        ("lease renewal failed; will retry", True),
-        (f"lease renewal works again after {len(renewals)} failures in a row", False),
-        ("worker poll failed; will retry", True),
-        (f"worker poll works again after {len(failed)} failures in a row", False),
+        ("worker failing: lease renewal failed; will retry", True),
+        (f"worker failing: lease renewal works again after {len(renewals)} failures in a row", False),
+        ("worker failing: poll failed; will retry", True),
+        (f"worker failing: poll works again after {len(failed)} failures in a row", False),
     ]
 
 

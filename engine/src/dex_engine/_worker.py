@@ -431,7 +431,7 @@ class AsyncWorker:
         next_housekeeping = 0.0
         next_timer_floor = 0.0  # when a housekeeping pass next fires timers however many tasks are ready
         must_claim = True
-        polls = _FailureStreak("worker poll")
+        polls = _FailureStreak(f"worker {self.worker_id}: poll")  # several may share a process's log
         while not self._stopping.is_set():
             housekeep = time.monotonic() >= next_housekeeping
             timer_floor = housekeep and time.monotonic() >= next_timer_floor
@@ -713,7 +713,7 @@ class AsyncWorker:
             running.task.cancel()
 
     async def _renew_loop(self, ttl_ms: int) -> None:
-        renewals = _FailureStreak("lease renewal")
+        renewals = _FailureStreak(f"worker {self.worker_id}: lease renewal")
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.options.lease_renew_seconds):
