@@ -932,3 +932,33 @@ async def test_a_dead_workers_attempts_taken_back_are_logged_naming_their_flows(
                             "dead now; a started attempt fails as WorkerLost through its retry policy, others run "
                             "again) and failed 0 attempts past their deadline (HeartbeatTimeout, MethodTimeout): "
                             "o/Work-1 attempt 1"), said
+
+
+async def test_a_worker_declared_dead_names_the_attempts_it_abandons(
+    db_url: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker that finds itself declared dead (paused or cut off past its lease) names the flow,
+    Step execution and attempt of each attempt it abandons: its renewal warns, or its poll, finding
+    the attempt's lease gone first, says so. Catches: "abandoning 1 attempts", with nothing to find
+    the sessions by, or an attempt revoked with no line at all."""
+    started: list[int] = []
+
+    async def work(ctx: Context, _: None) -> StepDecision:
+        await ctx.heartbeat("started")
+        started.append(ctx.attempt)
+        await asyncio.sleep(3600 if ctx.attempt == 1 else 0)
+        return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
+
+    registry = Registry([Flow("Abandoned", [Step("Work", work, options=QUICK_RETRY)], start_step="Work")])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        await eng.start_worker(worker_id="paused", lease_renew_seconds=0.05)
+        await eng.client.start_flow("Abandoned", "a")
+        await wait_until("attempt 1 to start", lambda: asyncio.sleep(0, started))
+        with caplog.at_level(logging.INFO, logger="dex_engine.worker"):
+            await eng.store.unregister_worker("paused")  # as another worker's housekeeping declares it dead
+            assert (await eng.client.wait_for_flow("a", 10)).status == "completed"
+    # Its renewal or its poll finds it first: either line names the attempt.
+    said = [m for m in (r.getMessage() for r in caplog.records) if "declared dead" in m or "taken over" in m]
+    assert said and said[0] in (
+        "worker paused was declared dead; abandoning 1 attempts: a/Work-1 attempt 1",
+        "flow a: Work-1 attempt 1 was cancelled, timed out or taken over; its handler is cancelled"), said

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import itertools
 import logging
 import os
 import random
@@ -13,7 +14,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -724,8 +725,8 @@ class AsyncWorker:
                     # Declared dead while we were paused or cut off: every attempt we hold is gone.
                     self._unregistered = True
                     if not self._id_held_elsewhere:  # said already, with the reason
-                        log.warning("worker %s was declared dead; abandoning %d attempts", self.worker_id,
-                                    len(self._running))
+                        log.warning("worker %s was declared dead; abandoning %d attempts%s", self.worker_id,
+                                    len(self._running), _attempts_named(self._running.values()))
                     for running in list(self._running.values()):
                         self._revoke(running)
                     await self.store.register_worker(self.worker_id, *self._holder, ttl_ms)
@@ -791,8 +792,7 @@ class AsyncWorker:
                 "policy (a write that may not repeat ends outcome unknown). To let such attempts finish, give "
                 "WorkerOptions a shutdown_grace_seconds longer than they run, and the process supervisor a "
                 "stop timeout longer than that", self.worker_id, self.options.shutdown_grace_seconds,
-                len(late), ", ".join(f"{r.lease.flow_id}/{r.lease.step_execution_id} attempt {r.lease.attempt}"
-                                     for r in late[:LATE_ATTEMPTS_NAMED]))
+                len(late), _attempts_named(late)[2:])
         for running in late:
             self._revoke(running)
         if late or self._handing_back:
@@ -803,6 +803,9 @@ class AsyncWorker:
         taken over), unless it ended, or its task went on to another attempt here, meanwhile."""
         for task_id, running in watched.items():
             if self._running.get(task_id) is running and epochs.get(task_id) != running.lease.lease_epoch:
+                lease = running.lease  # INFO: a cancel (cancel_turn, stop_flow) is routine
+                log.info("flow %s: %s attempt %d was cancelled, timed out or taken over; its handler is cancelled",
+                         lease.flow_id, lease.step_execution_id, lease.attempt)
                 self._revoke(running)
 
     async def _revoke_cancelled(self, deadline: float) -> None:
@@ -1294,6 +1297,14 @@ def checked_wait(flow: Flow, step_type: str, result: object) -> WaitSpec:
         if isinstance(condition, ChannelCondition):
             flow.check_channel(ChannelRef(condition.channel, condition.key, None))
     return result.spec()
+
+
+def _attempts_named(running: Iterable[_Running]) -> str:
+    """": flow/step execution attempt n, ..." of the first LATE_ATTEMPTS_NAMED of `running` ("" for
+    none), for a warning about them: the sessions they belong to must be findable from the log."""
+    named = [f"{r.lease.flow_id}/{r.lease.step_execution_id} attempt {r.lease.attempt}"
+             for r in itertools.islice(running, LATE_ATTEMPTS_NAMED)]
+    return ": " + ", ".join(named) if named else ""
 
 
 def _log_failed_attempt(lease: Lease, error: ErrorInfo, no_retry: bool, exc: BaseException | None) -> None:
