@@ -13,6 +13,7 @@ import random
 import socket
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
@@ -1321,8 +1322,14 @@ def _log_failed_attempt(lease: Lease, error: ErrorInfo, no_retry: bool, exc: Bas
         return
     after = (f"its failure route {lease.options.failure_route} runs" if lease.options.failure_route is not None
              else "the flow fails")
-    log.warning("flow %s: %s of Step %s failed on attempt %d, its last: %s: %s; %s", lease.flow_id, lease.method,
-                lease.step_execution_id, lease.attempt, error.error_type, detail, after, exc_info=exc)
+    frames = ""
+    if exc is not None and len(error.detail) > MAX_ERROR_TEXT_CHARS:
+        # With exc_info, logging would print the error's text whole (a response body of megabytes):
+        # the traceback's frames alone, after the text cut above.
+        frames = "\nTraceback (most recent call last):\n" + "".join(traceback.format_tb(exc.__traceback__)).rstrip()
+        exc = None
+    log.warning("flow %s: %s of Step %s failed on attempt %d, its last: %s: %s; %s%s", lease.flow_id, lease.method,
+                lease.step_execution_id, lease.attempt, error.error_type, detail, after, frames, exc_info=exc)
 
 
 def _error_info(exc: BaseException) -> ErrorInfo:
