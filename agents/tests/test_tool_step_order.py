@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import re
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
@@ -27,6 +28,7 @@ import msgspec
 import pytest
 from agents.tests.built_context import interrupt, runtime_of, step_context, tool_call
 from agents.tests.scripted_agent import ScriptedRunner
+from engine.tests.odd_values import UNSHOWABLE_SHOWN, Unshowable
 
 from dex_agents import (
     AGENT_STATE,
@@ -330,6 +332,25 @@ async def test_a_tool_result_whose_output_is_not_text_fails_the_step_and_records
                        r"ToolExecutionResult\(output: str\) or raise ToolExecutionError$"):
         await handler(ctx, "c1")
     assert ctx.writes.empty()
+
+
+class UnshowableResultRunner(ScriptedRunner):
+    """A tool that returns a value whose repr raises."""
+
+    async def execute_deferred_tool_call(
+        self, call: DeferredToolExecution
+    ) -> ToolExecutionResult | ToolInputRequested | ToolTaskStarted:
+        return Unshowable()  # type: ignore[return-value]
+
+
+async def test_a_tool_result_whose_repr_raises_fails_the_step_naming_what_it_is() -> None:
+    """The contract error about a tool's result names it as `shown` does. Catches: the result's own
+    repr raising inside the error's message, so the Step failed (and was logged) with the
+    result's RuntimeError, which named no contract."""
+    flow = AgentSessionFlow(UnshowableResultRunner(), "ToolOrder", AgentSessionOptions())
+    ctx = step_context(flow, CALL_TOOL, {("AgentToolCalls", "c1"): tool_call(AgentToolCallStatus.APPROVED)})
+    with pytest.raises(TypeError, match=re.escape(f"execute_deferred_tool_call returned {UNSHOWABLE_SHOWN}; ")):
+        await ToolSteps(runtime_of(flow)).call_tool(ctx, "c1")
 
 
 class HeartbeatingRunner(ScriptedRunner):

@@ -49,7 +49,7 @@ from ._persistence import (
     TOOL_CALL_RESULTS,
     TURN_CONTROL_REQUESTS,
 )
-from ._policy import cut_text, error_message
+from ._policy import cut_text, error_message, shown
 from ._runner import (
     DeferredToolExecution,
     ToolExecutionError,
@@ -278,7 +278,8 @@ class ToolSteps:
                 return start_tool_task(rt, ctx, record, result)
             if not isinstance(result, ToolExecutionResult) or not isinstance(result.output, str):
                 raise TypeError(
-                    f"execute_deferred_tool_call returned {result!r}; return ToolExecutionResult(output: str) "
+                    # shown: a repr that raises, or of megabytes, must not replace or swell this error.
+                    f"execute_deferred_tool_call returned {shown(result)}; return ToolExecutionResult(output: str) "
                     "or raise ToolExecutionError"
                 )
             final = finished(record, AgentToolCallStatus.SUCCEEDED, output=result.output)
