@@ -28,6 +28,7 @@ from agents.tests.built_context import runtime_of, step_context, tool_call
 from agents.tests.builtin_agent import InProcessEngine
 from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import ENV_START_GATE, FLOW_TYPE, INVOCATIONS, ScriptedRunner, build_flow
+from engine.tests.odd_values import UNSHOWABLE_SHOWN, Unshowable
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -155,6 +156,8 @@ def test_poll_interval_property(value: float) -> None:
     ("job-1", math.nan, "poll_interval_seconds must be a number, got nan"),
     ("job-1", None, "poll_interval_seconds must be a number, got None"),
     ("job-1", True, "poll_interval_seconds must be a number, got True"),
+    # Named as shown() names values: a repr that raises failed the Step with its own error.
+    ("job-1", Unshowable(), f"poll_interval_seconds must be a number, got {UNSHOWABLE_SHOWN}"),
     ("", "soon", "task_id must be non-empty text"),  # the ID is checked first
     ("job-\ud800", 5, "task_id is not valid UTF-8 text: '\\ud800' at position 4 is a lone surrogate"),
 ])
@@ -167,6 +170,7 @@ def test_tool_task_started_problems(task_id: Any, interval: Any, problem: str | 
 @pytest.mark.parametrize(("interval", "continuation", "problem"), [
     (3, None, None), (0.5, "k", None),
     ("later", None, "poll_interval_seconds must be a number, got 'later'"),
+    (Unshowable(), None, f"poll_interval_seconds must be a number, got {UNSHOWABLE_SHOWN}"),
     (3, 5, "continuation must be text or None"),
     (3, "k\udc00", "continuation is not valid UTF-8 text: '\\udc00' at position 1 is a lone surrogate"),
 ])

@@ -33,7 +33,7 @@ from ._constants import (
 )
 from ._events import AgentEventType
 from ._persistence import AGENT_STATE, AGENT_TOOL_CALLS, TURN_CANCELLATION_REQUEST
-from ._policy import REPEATABLE_EFFECTS, error_message
+from ._policy import REPEATABLE_EFFECTS, error_message, shown
 from ._runner import (
     ToolExecutionError,
     ToolExecutionResult,
@@ -96,7 +96,7 @@ def tool_task_started_problem(started: ToolTaskStarted) -> str | None:
     if problem is not None:
         return f"task_id is {problem}"
     if task_poll_interval_seconds(started.poll_interval_seconds) is None:
-        return f"poll_interval_seconds must be a number, got {started.poll_interval_seconds!r}"
+        return f"poll_interval_seconds must be a number, got {shown(started.poll_interval_seconds)}"
     return None
 
 
@@ -107,7 +107,7 @@ def invalid_task_error(problem: str) -> str:
 def tool_task_pending_problem(pending: ToolTaskPending) -> str | None:
     """None for a ToolTaskPending the session can store; else what is wrong with it."""
     if task_poll_interval_seconds(pending.poll_interval_seconds) is None:
-        return f"poll_interval_seconds must be a number, got {pending.poll_interval_seconds!r}"
+        return f"poll_interval_seconds must be a number, got {shown(pending.poll_interval_seconds)}"
     continuation: object = pending.continuation
     if continuation is not None and not isinstance(continuation, str):
         return "continuation must be text or None"
@@ -324,8 +324,8 @@ class TaskSteps:
                 return self.tools._ask(ctx, polled, result)
             if not isinstance(result, ToolExecutionResult) or not isinstance(result.output, str):
                 raise TypeError(
-                    f"poll_tool_task returned {result!r}; return ToolExecutionResult(output: str), ToolTaskPending "
-                    "or ToolInputRequested, or raise ToolExecutionError"
+                    f"poll_tool_task returned {shown(result)}; return ToolExecutionResult(output: str), "
+                    "ToolTaskPending or ToolInputRequested, or raise ToolExecutionError"
                 )
             final = finished(polled, AgentToolCallStatus.SUCCEEDED, output=result.output)
         finally:
