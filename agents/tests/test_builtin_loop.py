@@ -8,6 +8,7 @@ import logging
 import re
 import threading
 import time
+import types
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -1218,7 +1219,8 @@ async def test_a_listing_that_raises_past_the_runner_ends_the_other_listings() -
     definition = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(tool_then_answer),
                                  tool_sources=[hanging, _Aborting("abort", [])])
     with pytest.raises(BaseExceptionGroup) as raised:
-        await BuiltinLoopAgentRunner(definition)._offered_tools(frozenset())
+        turn: Any = types.SimpleNamespace(flow_id="f", turn_id="turn-1", enabled_built_in_tools=frozenset())
+        await BuiltinLoopAgentRunner(definition)._offered_tools(turn)
     assert [type(e) for e in raised.value.exceptions] == [_Abort]
     assert hanging.cancelled
 
