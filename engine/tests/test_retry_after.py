@@ -143,7 +143,7 @@ async def test_e4_an_unusable_retry_after_falls_back_to_the_policy(
                 "interval applies") in entry.detail, entry.detail
     assert "its retry_after_seconds could not be read (RuntimeError)" in failed[-1].detail
     warned = [r.getMessage() for r in caplog.records if "retry_after_seconds" in r.getMessage()]
-    assert len(warned) == len(bad) + 1 and "Work-1 (attempt 1) raised ProviderBusy" in warned[0]
+    assert len(warned) == len(bad) + 1 and "flow f: execute of Work-1 (attempt 1) raised ProviderBusy" in warned[0]
 
 
 async def test_e4_the_retry_runs_at_the_longer_of_the_asked_delay_and_the_interval(db_url: str) -> None:

@@ -1168,8 +1168,8 @@ class AsyncWorker:
         mistake of the handler's author, who may not read the flow's history."""
         asked = asked_delay(exc)
         if asked is not None and asked.delay_ms is None:
-            log.warning("%s of %s (attempt %d) raised %s: %s", lease.method, lease.step_execution_id, lease.attempt,
-                        type(exc).__name__, asked.note)
+            log.warning("flow %s: %s of %s (attempt %d) raised %s: %s", lease.flow_id, lease.method,
+                        lease.step_execution_id, lease.attempt, type(exc).__name__, asked.note)
         return asked
 
     def _context(self, running: _Running) -> Context:
