@@ -964,3 +964,35 @@ async def test_a_worker_declared_dead_names_the_attempts_it_abandons(
     assert said and said[0] in (
         "worker paused was declared dead; abandoning 1 attempts: a/Work-1 attempt 1",
         "flow a: Work-1 attempt 1 was cancelled, timed out or taken over; its handler is cancelled"), said
+
+
+async def test_an_attempt_whose_own_commit_ended_its_task_is_not_said_to_be_taken_over(
+    db_url: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A poll reply that no longer finds the task of an attempt that began committing meanwhile (its
+    own commit ended the task) logs nothing; one that finds a running attempt's task gone says so.
+    Catches: an INFO line claiming "cancelled, timed out or taken over" for hundreds of attempts
+    of a busy PostgreSQL worker that were not."""
+    started: list[int] = []
+
+    async def work(ctx: Context, _: None) -> StepDecision:
+        started.append(ctx.attempt)
+        await asyncio.sleep(3600)
+        return StepDecision.graceful_complete()
+
+    registry = Registry([Flow("Committing", [Step("Work", work, options=QUICK_RETRY)], start_step="Work")])
+    async with engine_for(db_url, registry) as eng:
+        await eng.client.start_flow("Committing", "c")
+        await wait_until("the attempt to start", lambda: asyncio.sleep(0, started))
+        assert eng.worker is not None
+        [(task_id, running)] = list(eng.worker._running.items())
+        with caplog.at_level(logging.INFO, logger="dex_engine.worker"):
+            running.committing = True  # as when its commit began after the poll was sent
+            eng.worker._revoke_changed({task_id: running}, {})
+            while_committing = [r.getMessage() for r in caplog.records if "taken over" in r.getMessage()]
+            running.committing = False
+            eng.worker._revoke_changed({task_id: running}, {})  # cancels the handler: the worker can stop
+        said = [r.getMessage() for r in caplog.records if "taken over" in r.getMessage()]
+        assert while_committing == [], while_committing
+        assert said == ["flow c: Work-1 attempt 1 was cancelled, timed out or taken over; its handler is cancelled"]
+        await eng.client.stop_flow("c", "done")

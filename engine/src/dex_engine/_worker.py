@@ -804,9 +804,11 @@ class AsyncWorker:
         taken over), unless it ended, or its task went on to another attempt here, meanwhile."""
         for task_id, running in watched.items():
             if self._running.get(task_id) is running and epochs.get(task_id) != running.lease.lease_epoch:
-                lease = running.lease  # INFO: a cancel (cancel_turn, stop_flow) is routine
-                log.info("flow %s: %s attempt %d was cancelled, timed out or taken over; its handler is cancelled",
-                         lease.flow_id, lease.step_execution_id, lease.attempt)
+                lease = running.lease
+                if not running.committing:  # else its own commit, begun since the poll, ended the task
+                    # INFO: a cancel (cancel_turn, stop_flow) is routine.
+                    log.info("flow %s: %s attempt %d was cancelled, timed out or taken over; its handler is "
+                             "cancelled", lease.flow_id, lease.step_execution_id, lease.attempt)
                 self._revoke(running)
 
     async def _revoke_cancelled(self, deadline: float) -> None:
