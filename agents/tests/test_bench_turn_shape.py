@@ -62,7 +62,9 @@ async def test_a_counted_sequential_pass_counts_dexs_four_commits_and_replays_it
     result = await dex_phase(f"sqlite:///{tmp_path / 'count.db'}", [8], "t", False, make, counter,
                              lease_renew_seconds=3600.0)
     assert result.turns == 8
-    assert (result.commits, result.fsyncs) == (4 * 8, 4 * 8)
+    # A turn that committed once more would add 8; a loaded machine (CI's) may add a commit or two
+    # of the worker's own (a claim handed back that did not start in time), which is not the shape's.
+    assert 4 * 8 <= result.commits <= 4 * 8 + 2 and result.fsyncs == result.commits, (result.commits, result.fsyncs)
     assert result.replayed is not None
     assert result.replayed.turns == 8 and result.replayed.timed >= 7, result.replayed
     assert result.replay_statements > 40
