@@ -31,6 +31,7 @@ from .._runner import (
     DeferredToolCall,
     DeferredToolExecution,
     FrameworkMessage,
+    ModelCallMetadata,
     ToolCallsRequested,
     ToolCallStepOptions,
     ToolExecutionError,
@@ -254,17 +255,13 @@ class BuiltinLoopAgentRunner:
             unstored.append(user_message(decision.message))
             state = _encode(_RunState(model_calls, run.consecutive_continuations + 1))
             return TurnContinued(state, unstored, response.usage, response.metadata)
-        if cut is not None:
+        stopped = _stopped_answer_error(response.metadata)
+        if stopped is not None:
             # Kept, as any paid answer is, but the turn fails so the user (and an operator's log) sees
-            # it is incomplete: taken as a whole answer, a cut one looked finished to everyone.
-            log.warning("flow %s turn %s: %s", turn.flow_id, turn.turn_id, cut_answer_error(cut))
-            return TurnCompleted(unstored, response.usage, response.metadata, turn_error=cut_answer_error(cut))
-        filtered = content_filter_finish_reason(response.metadata)
-        if filtered is not None:
-            # The same for an answer the provider's filter stopped: a retry would be stopped again.
-            log.warning("turn %r: %s", turn.turn_id, filtered_answer_error(filtered))
-            return TurnCompleted(unstored, response.usage, response.metadata,
-                                 turn_error=filtered_answer_error(filtered))
+            # it is incomplete: taken as a whole answer, it looked finished to everyone, and a retry
+            # would be cut or filtered again, paid for again.
+            log.warning("flow %s turn %s: %s", turn.flow_id, turn.turn_id, stopped)
+            return TurnCompleted(unstored, response.usage, response.metadata, turn_error=stopped)
         return TurnCompleted(unstored, response.usage, response.metadata)
 
     def build_unfinished_turn_messages(self, turn: AgentTurnContext) -> Sequence[FrameworkMessage]:
@@ -572,6 +569,16 @@ class BuiltinLoopAgentRunner:
             # A name no listing offered never reaches a source: it fails as unknown, without approval.
             policy = ToolPolicy(ToolEffect.UNCLASSIFIED, requires_approval=False)
         return DeferredToolCall(call.tool_call_id, call.tool_name, call.arguments, policy)
+
+
+def _stopped_answer_error(metadata: ModelCallMetadata | None) -> str | None:
+    """The turn's error for an answer the token limit cut or the provider's content filter stopped,
+    or None for a whole one."""
+    cut = token_limit_finish_reason(metadata)
+    if cut is not None:
+        return cut_answer_error(cut)
+    filtered = content_filter_finish_reason(metadata)
+    return None if filtered is None else filtered_answer_error(filtered)
 
 
 def _model_visible_result(record: AgentToolCall, run: _RunState) -> str:
