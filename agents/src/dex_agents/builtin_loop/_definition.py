@@ -188,7 +188,7 @@ class AgentDefinition:
     def function_tool_policy(self, name: str) -> ToolPolicy:
         """The policy a call of function tool `name` gets, as the session options this definition
         implies resolve it (builtin_agent_session_options)."""
-        return self.merged_tool_policies().get(name) or ToolPolicy(self.default_tool_effect)
+        return resolve_tool_policy(name, self.merged_tool_policies(), self.default_tool_effect)
 
 
 def compaction_window_problem(model_settings: Mapping[str, Any], compaction: CompactionPolicy) -> str | None:
