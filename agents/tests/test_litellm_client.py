@@ -1176,25 +1176,41 @@ async def test_a_tool_call_cut_at_the_token_limit_tells_the_model_so(
         assert sent["input"][-1] == {"type": "function_call_output", "call_id": "call_1", "output": expected}
 
 
+# The two ways a provider stops an answer before its end, with the finish reason each API reports
+# and the turn error the built-in loop records.
+_STOPPED_ANSWERS = {
+    "token_limit": ({"chat": "length", "responses": "max_output_tokens"},
+                    "the model's output was cut at its token limit (finish_reason '{reason}'), so its answer is "
+                    "incomplete or missing; raise the output token limit (max_output_tokens or max_tokens in the "
+                    "agent's model_settings), or ask for a shorter answer"),
+    "content_filter": ({"chat": "content_filter", "responses": "content_filter"},
+                       "the model provider's content filter stopped the model's output (finish_reason '{reason}'), "
+                       "so its answer is incomplete or missing; rephrase the request, or review the provider's "
+                       "content filter settings"),
+}
+
+
+@pytest.mark.parametrize("stop", sorted(_STOPPED_ANSWERS))
 @pytest.mark.parametrize("api", ["responses", "chat"])
-async def test_an_answer_cut_at_the_token_limit_is_kept_and_the_turn_fails_saying_so(
-    provider: FakeProvider, api: str, tmp_path: Path, db_url: str  # noqa: F811
+async def test_an_answer_stopped_before_its_end_is_kept_and_the_turn_fails_saying_so(
+    provider: FakeProvider, api: str, stop: str, tmp_path: Path, db_url: str  # noqa: F811
 ) -> None:
-    """An answer cut at the token limit is stored, and the turn fails with an error naming the
-    finish reason and the setting to raise; so does a Responses API response cut while reasoning,
-    which has no answer at all. Catches: the cut answer (or none) taken as the turn's whole
-    answer, with nothing telling the user or an operator."""
+    """An answer cut at the token limit, or stopped by the provider's content filter, is stored, and
+    the turn fails with an error naming the finish reason and what to do, without a retry; so does
+    a response stopped before any answer (only reasoning). Catches: the stopped answer (or none)
+    taken as the turn's whole answer, with nothing telling the user or an operator, or an empty one
+    tried again (the same stop, paid again)."""
+    reasons, template = _STOPPED_ANSWERS[stop]
+    reason = reasons[api]
     if api == "chat":
-        model, reason = chat_client(provider), "length"
-        provider.queue(CHAT_PATH, chat_stream(text="The three steps are: 1. Open", finish="length"))
-        provider.queue(CHAT_PATH, chat_stream(reasoning="Thinking hard about it", finish="length"))
+        model = chat_client(provider)
+        provider.queue(CHAT_PATH, chat_stream(text="The three steps are: 1. Open", finish=reason))
+        provider.queue(CHAT_PATH, chat_stream(reasoning="Thinking hard about it", finish=reason))
     else:
-        model, reason = openai_client(provider), "max_output_tokens"
-        provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM], incomplete="max_output_tokens"))
-        provider.queue(RESPONSES_PATH, responses_stream([REASONING_ITEM], incomplete="max_output_tokens"))
-    error = (f"the model's output was cut at its token limit (finish_reason '{reason}'), so its answer is "
-             "incomplete or missing; raise the output token limit (max_output_tokens or max_tokens in the agent's "
-             "model_settings), or ask for a shorter answer")
+        model = openai_client(provider)
+        provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM], incomplete=reason))
+        provider.queue(RESPONSES_PATH, responses_stream([REASONING_ITEM], incomplete=reason))
+    error = template.format(reason=reason)
     agent = AgentDefinition(name="litellm-agent", model=model, instructions="")
     engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(agent, "LiteLLMAgent")], db_url)
     async with engine.running():
@@ -1210,39 +1226,7 @@ async def test_an_answer_cut_at_the_token_limit_is_kept_and_the_turn_fails_sayin
     assert first.messages[-1].text == ("The three steps are: 1. Open" if api == "chat" else "Let me look.")
     assert second.state is not None and second.state.last_turn_error == error
     assert [f["error"] for f in failures] == [error, error]
-    assert len(provider.received) == 2  # not tried again: the same limit would cut it again
-
-
-@pytest.mark.parametrize("api", ["responses", "chat"])
-async def test_an_answer_the_content_filter_stopped_is_kept_and_the_turn_fails_saying_so(
-    provider: FakeProvider, api: str, tmp_path: Path, db_url: str  # noqa: F811
-) -> None:
-    """An answer the provider's content filter stopped is stored, and the turn fails naming the
-    finish reason, without a retry; so does one the filter stopped before any text. Catches: the
-    stopped answer taken as whole, or an empty one tried again (a retry is stopped again, paid)."""
-    if api == "chat":
-        model = chat_client(provider)
-        provider.queue(CHAT_PATH, chat_stream(text="The first step is", finish="content_filter"))
-        provider.queue(CHAT_PATH, chat_stream(reasoning="Thinking", finish="content_filter"))
-    else:
-        model = openai_client(provider)
-        provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM], incomplete="content_filter"))
-        provider.queue(RESPONSES_PATH, responses_stream([REASONING_ITEM], incomplete="content_filter"))
-    error = ("the model provider's content filter stopped the model's output (finish_reason 'content_filter'), so "
-             "its answer is incomplete or missing; rephrase the request, or review the provider's content filter "
-             "settings")
-    agent = AgentDefinition(name="litellm-agent", model=model, instructions="")
-    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(agent, "LiteLLMAgent")], db_url)
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s", "How do I start?")
-        first = await turns_ended(sessions, "s", 1)
-        await sessions.send_user_message("s", "Think about it.")
-        second = await turns_ended(sessions, "s", 2)
-    assert first.state is not None and first.state.last_turn_error == error
-    assert first.messages[-1].text == ("The first step is" if api == "chat" else "Let me look.")
-    assert second.state is not None and second.state.last_turn_error == error
-    assert len(provider.received) == 2
+    assert len(provider.received) == 2  # not tried again: the same limit or filter would stop it again
 
 
 @pytest.mark.parametrize("variable", ["OPENAI_API_KEY", "HOSTED_VLLM_API_KEY"])
