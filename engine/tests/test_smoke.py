@@ -437,6 +437,10 @@ def test_ctrl_c_in_a_blocking_wait_ends_the_call_on_the_clients_loop(db_url: str
         assert client.describe_flow("interrupted").status == "running"  # the client still serves
 
 
+def _since_signal(sent_at: list[float], caught_at: float) -> str:
+    return f"{caught_at - sent_at[0]:.3f} s after the signal" if sent_at else "before any signal was sent"
+
+
 def test_ctrl_c_while_a_blocking_client_opens_a_silent_server_raises_at_once() -> None:
     """Ctrl-C while Client(...) waits for a PostgreSQL server that accepted the connection but does not
     answer: KeyboardInterrupt reaches the caller while the open still waits on the client's thread,
@@ -448,16 +452,30 @@ def test_ctrl_c_while_a_blocking_client_opens_a_silent_server_raises_at_once() -
         url = f"postgresql://dex@127.0.0.1:{server.getsockname()[1]}/silent"
         accepted: list[socket.socket] = []
 
+        sent_at: list[float] = []
+
         def interrupt_once_connected() -> None:
             server.settimeout(30)  # a hang guard
             accepted.append(server.accept()[0])
+            sent_at.append(time.monotonic())
             os.kill(os.getpid(), signal.SIGINT)
 
         threading.Thread(target=interrupt_once_connected, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             Client(Registry([FLOW]), url)
+        caught_at = time.monotonic()
         opening = [thread for thread in set(threading.enumerate()) - before if thread.name == "dex-client"]
-        assert opening, "the interrupt waited for the open to give up"
+        # What the client did with its connection, to tell an interrupt held back (the open gave up:
+        # the client hung up) from an open that ended for another reason, should this ever fail.
+        accepted[0].setblocking(False)
+        try:
+            connection = "hung up" if accepted[0].recv(1 << 16) == b"" else "still open"
+        except BlockingIOError:
+            connection = "still open"
+        except OSError as exc:
+            connection = f"failed: {exc!r}"
+        assert opening, (f"the open had ended when the interrupt reached the caller, "
+                         f"{_since_signal(sent_at, caught_at)}; the client's connection: {connection}")
         accepted[0].close()  # the server hangs up: the open fails
     opening[0].join(30)  # a hang guard
     assert not opening[0].is_alive(), "the interrupted open's thread still runs"
