@@ -18,6 +18,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -365,6 +366,44 @@ async def test_stream_follow_says_when_events_were_trimmed_while_it_followed(db_
     assert proc.returncode == 0, err
     assert [json.loads(line)["sequence"] for line in out.decode().splitlines()] == list(range(13, 23))
     assert "events 3..12 were trimmed (stream capacity)" in err.decode(), err
+
+
+async def test_stream_follow_prints_again_the_events_a_crash_renumbered(db_url: str) -> None:
+    """--follow notices that events it printed are gone or other events now, as a database crash
+    leaves them (best-effort events are written without fsync; the events written after the restart
+    take their sequences; here the stored events are replaced by hand): it says so on stderr and
+    prints on from the first one changed. Catches: a follower that reads on after its last sequence
+    and silently skips the events that took the lost sequences."""
+    async with engine_for(db_url, Registry([BURST_FLOW])) as eng:
+        await eng.client.start_flow("Burst", "c1")
+        await eng.client.rpc("c1", "burst", ["e01", "e02", "e03"])
+        proc = await asyncio.create_subprocess_exec(
+            DEX_ENGINE, "stream", "c1", "Burst", "--follow", "--db", db_url,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            assert proc.stdout is not None
+            first = [await asyncio.wait_for(proc.stdout.readline(), 30) for _ in range(3)]
+
+            def crash_renumbers(db: Any) -> None:
+                for seq in (2, 3):
+                    db.run("UPDATE stream_events SET value = ? WHERE flow_id = ? AND stream = ? AND seq = ?",
+                           (json.dumps(f"n{seq:02d}").encode(), "c1", "Burst", seq))
+
+            await eng.store.raw(crash_renumbers, write=True)
+            await eng.client.rpc("c1", "burst", ["n04"])
+            await eng.client.stop_flow("c1")
+            out, err = await asyncio.wait_for(proc.communicate(), 30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert proc.returncode == 0, err
+    lines = [json.loads(line) for line in (b"".join(first) + out).decode().splitlines()]
+    printed = [(line["sequence"], line["value"]) for line in lines]
+    assert printed == [(1, "e01"), (2, "e02"), (3, "e03"), (2, "n02"), (3, "n03"), (4, "n04")], err
+    assert ("events 2..3 this follower printed are gone or other events now: a database crash lost them"
+            in err.decode()), err
 
 
 # skip-timer / stop / workers ----------------------------------------------------------------

@@ -218,6 +218,10 @@ MAX_READ_LIMIT = 10**9
 # A stream long-poll waits at most this long for new events.
 MAX_STREAM_WAIT_SECONDS = 60.0
 
+# Printed events whose digests `dex-engine stream --follow` keeps, to find the first one a database
+# crash lost: a crash loses the last moments of commits, far fewer events than this (~1 MB kept).
+FOLLOW_REMEMBERED_EVENTS = 10_000
+
 # How often a client's long-polling stream readers (all of them, in one statement) look for new
 # events: a reader returns within about this long of an event's commit.
 STREAM_WATCH_SECONDS = 0.02

@@ -28,11 +28,12 @@ from rich.text import Text
 from ._client import known_flow_id, parse_search
 from ._errors import DexError, FlowNotFoundError, FlowStillRunningError, StepNotWaitingError, StoreOpenError
 from ._existing import Wording, check_existing
-from ._limits import MAX_READ_LIMIT
+from ._limits import FOLLOW_REMEMBERED_EVENTS, MAX_READ_LIMIT
 from ._open import open_store, shown_url
 from ._records import FlowInfo
 from ._sqlite_store import parse_sqlite_url
 from ._store import Store
+from ._tokens import event_digest
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -323,7 +324,38 @@ def stream(flow_id: str, stream_name: str, after: int, follow: bool, db_url: str
     def no_events(names: list[str]) -> CliError:
         return CliError(f"flow {flow_id!r} has no events in stream {stream_name!r}; streams with events: {names}")
 
+    # The digests of the last events printed, oldest first, by sequence: whether the stream still
+    # holds them as printed. `forgot`: older printed events were dropped from it.
+    printed: dict[int, str] = {}
+    forgot = False
+
+    async def rewind(store: Store, newest: int, first_kept: int) -> int:
+        """The sequence to read on after, once the printed event `newest` is gone or another now:
+        the one before the oldest remembered event that changed (a crash loses the newest commits)."""
+        oldest = min(seq for seq in printed if seq >= first_kept)
+        page = await store.read_events(flow_id, stream_name, oldest, newest - oldest)
+        stored = {e.sequence: event_digest(e) for e in page.events}
+        if page.at_after is not None:
+            stored[page.at_after.sequence] = event_digest(page.at_after)
+        # Not the ones trimmed since (capacity): they are gone, not changed, and the gap is noted.
+        kept = [seq for seq in printed if seq >= page.first_sequence]
+        changed = next((seq for seq in kept if stored.get(seq) != printed[seq]), None)
+        if changed is None:
+            return newest
+        note = (f"events {changed}..{newest} this follower printed are gone or other events now: a database crash "
+                "lost them (best-effort events are written without fsync) and later events took their sequences; "
+                f"printing on from {changed}")
+        if changed == kept[0] and forgot:
+            note += (f" (it remembers only the last {FOLLOW_REMEMBERED_EVENTS} events it printed, so earlier ones may "
+                     f"have changed too: run it again without --after to see the stream as stored)")
+        click.echo(note, err=True)
+        for seq in kept:
+            if seq >= changed:
+                del printed[seq]
+        return changed - 1
+
     async def go(store: Store) -> None:
+        nonlocal forgot
         position = after
         waiting = False
         while True:
@@ -333,6 +365,13 @@ def stream(flow_id: str, stream_name: str, after: int, follow: bool, db_url: str
                 # No stream has such a name, nor ever will: refused even with --follow, which would wait for ever.
                 raise no_events(await store.stream_names(flow_id))
             page = await store.read_events(flow_id, stream_name, position, STREAM_PAGE)
+            if position in printed and position >= page.first_sequence and (
+                    page.at_after is None or event_digest(page.at_after) != printed[position]):
+                # A database crash lost events this follower printed (best-effort ones are written
+                # without fsync) and later events took their sequences: reading on after `position`
+                # would skip those silently (a turn's end, say). Print on from the first one changed.
+                position = await rewind(store, position, page.first_sequence)
+                continue
             if not page.events and position == after and not waiting:
                 names = await store.stream_names(flow_id)
                 if stream_name not in names:
@@ -350,6 +389,10 @@ def stream(flow_id: str, stream_name: str, after: int, follow: bool, db_url: str
                 click.echo(json.dumps({"sequence": e.sequence, "step_execution_id": e.step_execution_id,
                                        "attempt": e.attempt, "value": json.loads(e.value)}, ensure_ascii=False))
                 position = e.sequence
+                printed[position] = event_digest(e)
+                if len(printed) > FOLLOW_REMEMBERED_EVENTS:
+                    del printed[next(iter(printed))]
+                    forgot = True
             if len(page.events) == STREAM_PAGE:
                 continue
             if not follow or not running:
