@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -231,6 +232,79 @@ async def test_cancel_or_steer_ends_a_tool_call_waiting_to_retry_at_once_without
     if status is AgentToolCallStatus.FAILED:  # the model is told why in the ended turn's note
         note = next(m.text or "" for m in done.messages if "after these tool calls ran" in (m.text or ""))
         assert f"cancelled while waiting to retry: {why}" in note, note
+    ending = "turn_cancelled" if control == "cancel_turn" else "turn_steered"
+    assert [e.value.type for e in events if e.value.type in ("turn_cancelled", "turn_steered", "turn_completed")] == [
+        ending, "turn_completed"]
+    assert done.messages[-1].text == "after the control"
+    assert runner.attempts == [1]
+
+
+class HeldHourRunner(HourRunner):
+    """HourRunner whose tool's first attempt is held until the test releases it, then asks 3600 s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def execute_deferred_tool_call(
+        self, call: DeferredToolExecution
+    ) -> ToolExecutionResult | ToolInputRequested | ToolTaskStarted:
+        if call.attempt == 1 and "delay" in json.loads(call.tool_call.arguments):
+            self.running.set()
+            await self.release.wait()
+        return await super().execute_deferred_tool_call(call)
+
+
+@pytest.mark.parametrize("control", ["cancel_turn", "steer"])
+@pytest.mark.parametrize(("tool", "status"), [
+    ("read_quota", AgentToolCallStatus.FAILED), ("idem_quota", AgentToolCallStatus.OUTCOME_UNKNOWN),
+])
+async def test_cancel_or_steer_during_a_tool_attempt_that_then_asks_retry_after_ends_the_call_without_the_retry(
+    tmp_path: Path, db_url: str, tool: str, status: AgentToolCallStatus, control: str  # noqa: F811
+) -> None:
+    """cancel_turn (or a steer) commits while CallTool's first attempt is running; the attempt then
+    fails asking for its retry in 3600 s. The call ends at that failure as if it had been waiting to
+    retry when the control came (read: failed; idempotent_write: outcome_unknown), the turn ends
+    cancelled (steered) at once, and the tool is not called again. Catches: the retry scheduled an
+    hour out, the cancelled turn active until then and the tool called again after the user
+    cancelled, because the control ended only retries already waiting at its commit."""
+    runner = HeldHourRunner()
+    flow = AgentSessionFlow(runner, "HeldHourAgent", AgentSessionOptions())
+    engine = InProcessEngine(tmp_path, [flow], db_url)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("a", script(
+            {"tools": [{"id": "c1", "name": tool, "args": {"delay": 3600}}]}, {"answer": "{records}"}))
+        await asyncio.wait_for(runner.running.wait(), 30)
+        if control == "cancel_turn":
+            assert await sessions.cancel_turn("a") is True
+        else:
+            assert await sessions.steer_user_message("a", text=script({"answer": "after the control"})) is True
+        runner.release.set()
+
+        async def turn_ended() -> bool:
+            history = await engine.client.get_flow_history("a")
+            retry = [h for h in history_of(history, "CallTool", "attempt_failed") if "next attempt is due" in h.detail]
+            state = (await sessions.get_agent_snapshot("a")).state
+            ended = state is not None and state.turn_count >= 1 and (
+                (control == "cancel_turn" and state.active_turn_id is None) or state.turn_count == 2)
+            if retry and not ended:
+                raise AssertionError(f"the {control} turn waits for a retry: {retry[0].detail}")
+            return ended
+
+        await wait_until(f"the {control} turn to end", turn_ended)
+        if control == "cancel_turn":
+            await sessions.send_user_message("a", script({"answer": "after the control"}))
+        done = await turns_ended(sessions, "a", 2)
+        events = (await sessions.read_agent_events("a", limit=1000)).events
+        history = await engine.client.get_flow_history("a")
+    finished = [json.loads(e.value.payload) for e in events if e.value.type == "tool_call_finished"]
+    assert [f["status"] for f in finished] == [status.value], finished
+    why = "the user cancelled the turn" if control == "cancel_turn" else "the user steered the turn with a new message"
+    (ended,) = history_of(history, "CallTool", "step_failed")
+    assert f"cancelled while waiting to retry: {why}" in ended.detail, ended
+    assert "429 Too Many Requests, retry after 3600 s" in ended.detail, ended
     ending = "turn_cancelled" if control == "cancel_turn" else "turn_steered"
     assert [e.value.type for e in events if e.value.type in ("turn_cancelled", "turn_steered", "turn_completed")] == [
         ending, "turn_completed"]

@@ -229,6 +229,60 @@ async def test_an_rpc_ends_a_waiting_retry_through_its_failure_route_and_leaves_
     assert [h.step_execution_id for h in failed] == ["Work-1"]
 
 
+async def test_an_rpc_ending_retries_ends_an_attempt_running_at_its_commit_when_it_then_fails(
+    db_url: str,
+) -> None:
+    """RPCResult(ending_retry_waits=...) while Work's first attempt runs; that attempt then raises
+    RetryAfterError(3600): the execution ends at that failure through its failure route, with the
+    reason and its error, instead of a retry an hour later; a Work execution started after the RPC
+    retries as its policy says. Catches: the ending reaching only retries already waiting at the
+    commit (the flow stuck an hour, the handler called again after it was ended), or sticking to
+    later executions of the Step type."""
+    ran: list[tuple[int, int]] = []  # (round, attempt)
+    recovered: list[RecoveryError | None] = []
+    release = asyncio.Event()
+
+    async def start(ctx: Context, _: None) -> StepDecision:
+        return StepDecision.go_to("Work", 1)
+
+    async def work(ctx: Context, round_: int) -> StepDecision:
+        ran.append((round_, ctx.attempt))
+        await ctx.heartbeat()
+        if round_ == 1:
+            await release.wait()
+            raise RetryAfterError(3600, "quota exhausted")
+        if ctx.attempt == 1:
+            raise RuntimeError("transient")
+        return StepDecision.graceful_complete()
+
+    async def rescue(ctx: Context, _: int) -> StepDecision:
+        recovered.append(ctx.recovery_error)
+        return StepDecision.go_to("Work", 2)
+
+    @rpc()
+    async def stop_waits(ctx: RpcContext, _: None) -> RPCResult[str]:
+        return RPCResult("ok", ending_retry_waits=("Work",), ending_reason="stopped by the user")
+
+    fast = RetryPolicy(max_attempts=3, initial_interval_seconds=0.01)
+    flow = make_flow("EndsRunning", [
+        Step("Start", start), Step("Work", work, options=StepOptions(failure_route="Rescue", execute_retry=fast)),
+        Step("Rescue", rescue)], "Start", [stop_waits])
+    async with engine_for(db_url, Registry([flow])) as eng:
+        await eng.client.start_flow("EndsRunning", "f")
+        await wait_until("Work running", lambda: _sync((1, 1) in ran))
+        assert await eng.client.rpc("f", "stop_waits") == "ok"
+        release.set()
+        assert (await eng.client.wait_for_flow("f", 10)).status == "completed"
+        attempts = await history(eng, "f", "attempt_failed")
+    assert ran == [(1, 1), (2, 1), (2, 2)]
+    (err,) = recovered
+    assert err is not None
+    assert (err.step_type, err.attempts, err.attempt_progress) == ("Work", 1, AttemptProgress.NOT_COMPLETED)
+    assert err.error_type == "RetryAfterError"
+    assert err.detail.startswith("stopped by the user; its last attempt failed: RetryAfterError: quota exhausted")
+    assert "next attempt is due" not in attempts[0].detail, attempts[0]
+
+
 def test_rpc_result_refuses_an_ending_reason_that_is_not_text() -> None:
     with pytest.raises(InvalidValueError, match="ending_reason must be a str, got int: 5"):
         RPCResult("out", ending_retry_waits=("Work",), ending_reason=5)  # type: ignore[arg-type]

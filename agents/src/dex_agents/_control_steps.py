@@ -586,7 +586,8 @@ def turn_control_rpcs() -> list[Rpc]:
         ctx.set(STEERED_MESSAGE_COUNT, (ctx.get(STEERED_MESSAGE_COUNT) or 0) + 1)
         ctx.publish(TURN_CONTROL_REQUESTS, TurnControlRequest(TurnControlKind.STEER))
         # A CallTool waiting for a retry is not running: it ends now, as cancel_turn ends it, so the
-        # steered turn does not wait for the retry (an hour, for a rate limit) nor run the tool again.
+        # steered turn does not wait for the retry (an hour, for a rate limit) nor run the tool again;
+        # a running one that then fails ends the same way.
         return RPCResult(True, ending_retry_waits=(CALL_TOOL,), ending_reason=STEERED_WHILE_WAITING_TO_RETRY)
 
     @rpc("delete_queued_message", request_type=DeleteQueuedMessageRequest, load=LoadOptions.none())
@@ -618,7 +619,8 @@ def turn_control_rpcs() -> list[Rpc]:
         canceling = tuple(s for s in CANCEL_TURN_CANCELING_STEPS if s in ctx.flow.steps)
         # A CallTool waiting for a retry (a rate limit's can be an hour) is not running: its call
         # ends now by its effect through RecordToolFailure, and the tool is not called again. A
-        # running one keeps the seed's rule and runs to the end.
+        # running one keeps the seed's rule and runs to the end, but if it fails it ends the same
+        # way instead of retrying (the engine keeps the ending for it).
         return RPCResult(True, next_steps=(Movement(FINISH_TURN_CANCELLATION, turn_id),), canceling_steps=canceling,
                          ending_retry_waits=(CALL_TOOL,), ending_reason=CANCELLED_WHILE_WAITING_TO_RETRY)
 

@@ -143,7 +143,8 @@ class RPCResult(Generic[OutputT]):
 
     `ending_retry_waits`: Step types whose executions waiting for a retry (a failed attempt's
     retry, not yet running) end at the commit as if their retries were spent: each goes to its
-    failure route with `ending_reason` and its last error; a running attempt is left alone.
+    failure route with `ending_reason` and its last error; a running attempt is left alone, but
+    its execution makes no further retry: a failure that would retry ends it the same way.
     """
 
     output: OutputT

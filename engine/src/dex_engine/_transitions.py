@@ -1686,7 +1686,7 @@ def _fail_task(
     error = ErrorInfo(error.error_type, _error_text(error.detail))  # kept for the retry and failure route too
     row = db.one(
         "SELECT flow_id, flow_type, step_type, step_execution_id, method, attempt, options, input, "
-        "method_first_at, any_started, attempt_started FROM tasks WHERE task_id = ?",
+        "method_first_at, any_started, attempt_started, retry_ending FROM tasks WHERE task_id = ?",
         (task_id,),
     )
     assert row is not None
@@ -1694,6 +1694,8 @@ def _fail_task(
                                                             str(row[3]), str(row[4]), int(row[5]))
     options = stored_task_options(db, bytes(row[6]))
     started = bool(row[9]) or bool(row[10])
+    # An RPC ended this execution's retries while this attempt ran or waited to run (end_retry_waits).
+    retry_ended_by = None if row[11] is None else str(row[11])
     db.revoked()  # a running attempt fails: its own worker's, or one timed out or orphaned
     policy = _method_options(options, method).retry
     decision = decide_retry(policy, attempt=attempt, first_started_ms=int(row[8] or now), now_ms=now,
@@ -1701,7 +1703,8 @@ def _fail_task(
     failed = f"{method}: {error.error_type}: {error.detail}"
     if asked is not None:
         # Operators read here why the retry waited longer than the policy's interval (or did not).
-        waits = f": the next attempt is due in {(decision.run_at_ms - now) / 1000:g} s" if decision.retry else ""
+        retries = decision.retry and retry_ended_by is None
+        waits = f": the next attempt is due in {(decision.run_at_ms - now) / 1000:g} s" if retries else ""
         failed = _with_note(failed, f" ({asked.note}{waits})")
     _history(db, flow_id, step_type, seid, ATTEMPT_FAILED, attempt, now, failed)
     if decision.asked_past_budget:
@@ -1710,7 +1713,10 @@ def _fail_task(
         error = ErrorInfo(error.error_type, _with_note(error.detail, (
             f" ({asked.note}, past the end of the retry policy's total duration of "
             f"{policy.total_duration_seconds:g} s from the first attempt's start, so no retry was made)")))
-    if decision.retry:
+    if decision.retry and retry_ended_by is not None:
+        # It ends as one that waited for its retry at that RPC's commit would have.
+        error = _retry_wait_ended(retry_ended_by, error)
+    elif decision.retry:
         _send(
             db, "UPDATE tasks SET state = 'ready', attempt = attempt + 1, attempt_started = 0, run_at = ?, "
             "lease_owner = NULL, deadline_at = NULL, last_error = ? WHERE task_id = ?",
@@ -1762,11 +1768,24 @@ def end_retry_waits(db: Db, flow_id: str, ending: RetryWaitEnding, now: int) -> 
     )
     for row in rows:
         last = None if row[9] is None else decode_json(bytes(row[9]), ErrorInfo)
-        failed = "" if last is None else f"; its last attempt failed: {last.error_type}: {last.detail}"
-        error = ErrorInfo("RetryWaitEnded" if last is None else last.error_type, _error_text(ending.reason + failed))
+        error = (ErrorInfo("RetryWaitEnded", _error_text(ending.reason)) if last is None
+                 else _retry_wait_ended(ending.reason, last))
         _end_failed_task(db, int(row[0]), (flow_id, str(row[1]), str(row[2]), str(row[3]), str(row[4])),
                          int(row[5]) - 1, bool(row[8]), stored_task_options(db, bytes(row[6])), bytes(row[7]),
                          error, now)
+    # The executions left (an attempt running, or yet to run) make no retry either: a failure that
+    # would retry ends them with this reason (_fail_task). The first ending's reason stays.
+    _send(
+        db, f"UPDATE tasks SET retry_ending = ? WHERE flow_id = ? AND step_type IN ({_in(step_types)}) "
+        "AND retry_ending IS NULL",
+        (_error_text(ending.reason), flow_id, *step_types),
+    )
+
+
+def _retry_wait_ended(reason: str, last: ErrorInfo) -> ErrorInfo:
+    """The error an execution whose retry an RPC ended fails with: `reason`, then its last error."""
+    failed = f"; its last attempt failed: {last.error_type}: {last.detail}"
+    return ErrorInfo(last.error_type, _error_text(reason + failed))
 
 
 def abandon(db: Db, lease: Lease) -> None:
