@@ -785,6 +785,27 @@ async def test_a_rate_limit_with_retry_after_asks_the_engine_to_wait(
     assert len(provider.received) == 1  # one request: the wait is the engine's, not the client's
 
 
+@pytest.mark.parametrize(("status", "error_type", "asked"), [
+    (529, "overloaded_error", 7.0), (503, "overloaded_error", 7.0), (500, "api_error", None),
+])
+async def test_anthropic_overloaded_with_retry_after_asks_the_engine_to_wait(
+    provider: FakeProvider, status: int, error_type: str, asked: float | None
+) -> None:
+    """Anthropic's overloaded answer (529, or a 503, with an overloaded_error body) and Retry-After: 7,
+    which LiteLLM raises as an InternalServerError whose status_code is 500, is raised with
+    retry_after_seconds=7 as a 429's is; a 500 api_error's Retry-After still sets none. Catches: the
+    overload's Retry-After ignored, so RunModel's retries came after the policy's 1 s and 2 s, into
+    the same overload, and the turn failed in 3 s."""
+    client = LiteLLMModelClient("anthropic/claude-sonnet-4-5", api_base=provider.url,
+                                api_key_provider=lambda: "sk-ant-provided", request_options={"max_tokens": 64})
+    body = {"type": "error", "error": {"type": error_type, "message": "Overloaded" if asked else "Internal error"}}
+    provider.queue(MESSAGES_PATH, Reply(status, json.dumps(body).encode(), "application/json", (("Retry-After", "7"),)))
+    with pytest.raises(litellm.InternalServerError) as raised:
+        await client.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
+    assert getattr(raised.value, "retry_after_seconds", None) == asked
+    assert len(provider.received) == 1
+
+
 def engine_history_of(history: list[HistoryEntry], step_type: str, event_type: str) -> list[HistoryEntry]:
     return [h for h in history if h.step_type == step_type and h.event_type == event_type]
 

@@ -17,8 +17,9 @@ from the request. An error that quotes the key `api_key_provider` gave, or the v
 variable named like a credential (`OPENAI_API_KEY`, `AWS_SECRET_ACCESS_KEY`, ...; one of at least 8
 characters), of a LiteLLM key setting (`litellm.api_key`, `litellm.anthropic_key`, ...) or of a
 credential header in `extra_headers` (`Authorization`, `x-api-key`, ...), is raised with *** for it.
-A 429 or 503 whose response has `retry-after-ms` or `Retry-After` is raised with `retry_after_seconds` set
-on it (dex_engine's RetryAfterError protocol): the engine waits that long before RunModel's next attempt.
+A 429, 503 or 529 (Anthropic's overloaded) whose response has `retry-after-ms` or `Retry-After` is raised
+with `retry_after_seconds` set on it (dex_engine's RetryAfterError protocol): the engine waits that long
+before RunModel's next attempt.
 LiteLLM fetches its model cost map over the network when imported, unless
 `LITELLM_LOCAL_MODEL_COST_MAP=True` (or `LITELLM_OFFLINE_MODE=true`) is set in the environment.
 """
@@ -739,18 +740,20 @@ def _append_to_text(error: BaseException, addition: str) -> None:
 
 
 # Statuses whose Retry-After a rate-limited or overloaded provider sends for when to call again
-# (RFC 9110 gives it to 503; 429 is a rate limit's own).
-_RETRY_AFTER_STATUSES: Final = frozenset({429, 503})
+# (RFC 9110 gives it to 503; 429 is a rate limit's own; 529 is Anthropic's "overloaded_error").
+_RETRY_AFTER_STATUSES: Final = frozenset({429, 503, 529})
 # A Retry-After (or retry-after-ms) in seconds, not an HTTP date: digits, perhaps a fraction. float()
 # would also take "nan", "inf" and "1e9", which no provider means.
 _DELAY_NUMBER: Final = re.compile(r"\d{1,12}(?:\.\d{1,6})?")
 
 
 def _retry_after_seconds(error: BaseException) -> float | None:
-    """How long a 429 or 503 `error` asks to wait before the next call, from its response's
+    """How long a 429, 503 or 529 `error` asks to wait before the next call, from its response's
     `retry-after-ms` (OpenAI's, in milliseconds; taken first, as the OpenAI SDK does) or
     `Retry-After` (seconds, or an HTTP date), or None when it asks nothing readable."""
-    status = getattr(error, "status_code", None)
+    # LiteLLM raises Anthropic's overloaded answer (529, or a 503 or 500 saying overloaded_error) as an
+    # InternalServerError whose status_code is 500; the provider's status is its provider_status_code.
+    status = getattr(error, "provider_status_code", None) or getattr(error, "status_code", None)
     if status not in _RETRY_AFTER_STATUSES and not isinstance(
             error, litellm.RateLimitError | litellm.ServiceUnavailableError):
         return None
