@@ -310,3 +310,49 @@ async def test_cancel_or_steer_during_a_tool_attempt_that_then_asks_retry_after_
         ending, "turn_completed"]
     assert done.messages[-1].text == "after the control"
     assert runner.attempts == [1]
+
+
+async def test_cancel_during_a_function_tool_that_then_asks_retry_after_ends_the_turn_without_the_retry(
+    tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """The built-in loop's read function tool, running when cancel_turn commits, then raising
+    RetryAfterError(3600): the turn ends cancelled at once, the call failed saying it was cancelled
+    while waiting to retry, and the tool ran once. Catches: the cancelled turn held an hour for the
+    retry, which called the tool again."""
+    calls: list[int] = []
+    running, release = asyncio.Event(), asyncio.Event()
+
+    @function_tool(effect=ToolEffect.READ, name="fetch_quote")
+    async def fetch_quote(symbol: str, context: ToolCallContext) -> str:
+        calls.append(context.attempt)
+        running.set()
+        await release.wait()
+        raise RetryAfterError(3600, "quota API: retry in an hour")
+
+    flow, _ = scripted_flow(tool_then_answer, tools=[fetch_quote])
+    engine = InProcessEngine(tmp_path, [flow], db_url)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("a", '/tool fetch_quote {"symbol": "DEX"}')
+        await asyncio.wait_for(running.wait(), 30)
+        assert await sessions.cancel_turn("a") is True
+        release.set()
+
+        async def cancelled() -> bool:
+            retry = [h for h in history_of(await engine.client.get_flow_history("a"), "CallTool", "attempt_failed")
+                     if "next attempt is due" in h.detail]
+            state = (await sessions.get_agent_snapshot("a")).state
+            ended = state is not None and state.turn_count == 1 and state.active_turn_id is None
+            if retry and not ended:
+                raise AssertionError(f"the cancelled turn waits for a retry: {retry[0].detail}")
+            return ended
+
+        await wait_until("the cancelled turn to end", cancelled)
+        events = (await sessions.read_agent_events("a", limit=1000)).events
+        history = await engine.client.get_flow_history("a")
+    finished = [json.loads(e.value.payload) for e in events if e.value.type == "tool_call_finished"]
+    assert [f["status"] for f in finished] == [AgentToolCallStatus.FAILED.value], finished
+    (ended,) = history_of(history, "CallTool", "step_failed")
+    assert "cancelled while waiting to retry: the user cancelled the turn" in ended.detail, ended
+    assert [e.value.type for e in events if e.value.type in ("turn_cancelled", "turn_completed")] == ["turn_cancelled"]
+    assert calls == [1]
