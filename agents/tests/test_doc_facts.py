@@ -16,23 +16,34 @@ import functools
 import importlib
 import inspect
 import math
+import os
 import pkgutil
 import re
+import shlex
+import tomllib
 import typing
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import click
 import pytest
 
 import dex_agents
 import dex_engine
+from dex_agents import BuiltInTool, CompactionPolicy
+from dex_agents.builtin_loop import (
+    AgentDefinition,
+    ScriptedModelClient,
+    ScriptedModelReply,
+    builtin_agent_session_flow,
+)
 from dex_agents.cli import main as agents_cli
 from dex_engine.cli import cli as engine_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DOCS = [*sorted((REPO_ROOT / "docs").glob("*.md")), REPO_ROOT / "README.md"]
+DOCS = [*sorted((REPO_ROOT / "docs").glob("*.md")), REPO_ROOT / "README.md", REPO_ROOT / "engine" / "README.md"]
 SOURCE_ROOTS = [REPO_ROOT / "engine" / "src", REPO_ROOT / "agents" / "src"]
 
 
@@ -499,27 +510,144 @@ def _cli_options(group: click.Group) -> dict[str, set[str]]:
             for name, command in group.commands.items()}
 
 
+def _commands() -> Iterator[tuple[str, str]]:
+    """(doc name, command) of every shell command the docs give a reader to type: each line of
+    their bash blocks (each `&&` part on its own, comments dropped), then every inline span."""
+    for path in DOCS:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(encoding="utf-8"), flags=re.S):
+            for line in block.splitlines():
+                code = "" if line.lstrip().startswith("#") else line.split(" #")[0]
+                for part in code.split("&&"):
+                    if part.strip():
+                        yield path.name, " ".join(part.split())
+    yield from _spans()
+
+
+BENCH = REPO_ROOT / "bench"
+# uv's options that take a value (`uv run --group bench python ...`).
+_UV_VALUE_OPTIONS = {"--group", "--project", "--python", "--with"}
+
+
+def _command_words(command: str) -> list[str]:
+    """The words of a command as the program it runs sees them: leading VAR=value assignments, and
+    `uv run` or `python` with their own options, dropped."""
+    words = command.split()
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        words = words[1:]
+    if words[:2] == ["uv", "run"]:
+        words = words[2:]
+        while words and words[0].startswith("--"):
+            words = words[2:] if words[0] in _UV_VALUE_OPTIONS else words[1:]
+    if words[:1] == ["python"]:
+        words = words[1:]
+    return words
+
+
 def test_every_cli_command_and_flag_the_docs_name_exists() -> None:
-    """`dex-engine CMD --flag` and `dex-agents CMD` spans, and each `--flag` span of a benchmark.
-    Catches: a subcommand or flag renamed while the docs still tell users to type the old one."""
+    """`dex-engine CMD --flag` and `dex-agents CMD` commands (inline or in a bash block, run bare or
+    with `uv run`), each `--flag` of a benchmark command (`uv run python bench/x.py --flag`) in that
+    script, and each `--flag` span alone in some script. Catches: a subcommand or flag renamed while
+    the docs still tell users to type the old one."""
     assert isinstance(agents_cli, click.Group)
     clis = {"dex-engine": _cli_options(engine_cli), "dex-agents": _cli_options(agents_cli)}
     sources = "\n".join(path.read_text(encoding="utf-8") for path in REPO_ROOT.rglob("*.py")
                         if ".venv" not in path.parts)
     wrong: list[str] = []
-    for doc, span in _spans():
-        words = re.sub(r"^uv run (--group \S+ )?", "", span).split()
+    checked = 0
+    for doc, command in _commands():
+        words = _command_words(command)
         if words and words[0] in clis and len(words) > 1 and not words[1].startswith("-"):
+            checked += 1
             options = clis[words[0]].get(words[1])
             if options is None:
-                wrong.append(f"{doc}: `{span}`: no command {words[1]}")
+                wrong.append(f"{doc}: `{command}`: no command {words[1]}")
                 continue
-            wrong += [f"{doc}: `{span}`: {words[1]} takes no {w}" for w in words[2:]
+            wrong += [f"{doc}: `{command}`: {words[1]} takes no {w}" for w in words[2:]
                       if w.startswith("--") and w not in options]
-        elif words and (words[0].startswith(("profile_turn.py", "bench/"))
-                        or (re.fullmatch(r"--[a-z][a-z-]+", words[0]) and words[0] != "--preload")):  # gunicorn's
-            wrong += [f"{doc}: `{span}`: no {w} in any script" for w in words
+        elif words and re.fullmatch(r"(bench/)?\w+\.py", words[0]) and (BENCH / Path(words[0]).name).exists():
+            checked += 1
+            script = (BENCH / Path(words[0]).name).read_text(encoding="utf-8")
+            wrong += [f"{doc}: `{command}`: no {w} in {words[0]}" for w in words[1:]
+                      if w.startswith("--") and f'"{w}"' not in script]
+        elif words and re.fullmatch(r"--[a-z][a-z-]+", words[0]) and words[0] != "--preload":  # gunicorn's
+            wrong += [f"{doc}: `{command}`: no {w} in any script" for w in words
                       if w.startswith("--") and f'"{w}"' not in sources]
+    assert checked >= 20, checked
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_step_shape_block_names_every_step_of_a_session() -> None:
+    """docs/agents.md "Step shape": each CamelCase name is a Step of a session Flow (every built-in
+    tool and compaction on) or a runner outcome type, and every Step of that Flow is in it.
+    Catches: a Step added, renamed or removed while the shape readers debug from stays as it was."""
+    text = (REPO_ROOT / "docs" / "agents.md").read_text(encoding="utf-8")
+    (shape,) = re.findall(r"## Step shape\n\n```text\n(.*?)```", text, flags=re.S)
+    model = ScriptedModelClient(lambda request: ScriptedModelReply(text="ok"))
+    agent = AgentDefinition(name="shape", instructions="x", model=model, built_in_tools=frozenset(BuiltInTool),
+                            plan_mode_enabled=True, compaction=CompactionPolicy(context_window_tokens=100_000))
+    steps = set(builtin_agent_session_flow(agent).steps)
+    named = set(re.findall(r"\b[A-Z][a-z]+(?:[A-Z][a-z]+)+\b", shape))
+    outcomes = {name for name in named if isinstance(getattr(dex_agents, name, None), type)}
+    assert {"TurnCompleted", "ToolCallsRequested", "ToolTaskStarted"} <= outcomes, outcomes
+    assert sorted(named - steps - outcomes) == [], "named in the Step shape but no Step or outcome type"
+    assert sorted(steps - named) == [], "Steps of a session missing from the Step shape"
+
+
+def _pyproject(path: Path) -> dict[str, Any]:
+    with path.open("rb") as file:
+        return tomllib.load(file)
+
+
+def test_every_path_extra_group_and_marker_the_docs_commands_use_exists() -> None:
+    """The docs' commands: `.ci/` scripts (executable), `pip install ./engine './agents[litellm]'`
+    (a package directory and its extra), `uv ... --group G` (a dependency group), and `pytest`'s
+    test paths and `-m` markers. Catches: a script, extra, group, test file or marker renamed while
+    the install, test and CI commands of the docs still use the old name."""
+    root = _pyproject(REPO_ROOT / "pyproject.toml")
+    groups = set(root["dependency-groups"])
+    markers = {line.split(":")[0].strip() for line in root["tool"]["pytest"]["ini_options"]["markers"]}
+    wrong: list[str] = []
+    checked = 0
+    # A package with an extra (`'./agents[litellm]'`) wherever a doc names one, in a comment too.
+    extras = [(path.name, "pip install " + " ".join(re.findall(r"\./\w+\[\w+\]", path.read_text(encoding="utf-8"))))
+              for path in DOCS]
+    for doc, command in [*_commands(), *extras]:
+        try:
+            words = shlex.split(command.replace("$(", " "))
+        except ValueError:  # a line of a command that goes on over several lines, its quote open
+            words = command.split()
+        for script in re.findall(r"(?<![\w/])\.ci/[\w-]+", command):
+            checked += 1
+            if not os.access(REPO_ROOT / script, os.X_OK):
+                wrong.append(f"{doc}: `{command}`: no executable {script}")
+        for i, word in enumerate(words):
+            if word == "--group" and i + 1 < len(words):
+                checked += 1
+                if words[i + 1] not in groups:
+                    wrong.append(f"{doc}: `{command}`: no dependency group {words[i + 1]}")
+        if words[:2] == ["pip", "install"]:
+            for package in words[2:]:
+                match = re.fullmatch(r"\./(\w+)(?:\[(\w+)\])?", package)
+                if match is None:
+                    continue
+                checked += 1
+                pyproject = REPO_ROOT / match.group(1) / "pyproject.toml"
+                if not pyproject.exists():
+                    wrong.append(f"{doc}: `{command}`: no package directory {match.group(1)}")
+                elif match.group(2) and match.group(2) not in _pyproject(pyproject)["project"].get(
+                        "optional-dependencies", {}):
+                    wrong.append(f"{doc}: `{command}`: {match.group(1)} has no extra {match.group(2)}")
+        if "pytest" in words:
+            for i, word in enumerate(words[words.index("pytest") + 1:], words.index("pytest") + 1):
+                if re.fullmatch(r"[\w/]+\.py(::\w+)?", word):
+                    checked += 1
+                    if not (REPO_ROOT / word.split("::")[0]).exists():
+                        wrong.append(f"{doc}: `{command}`: no test file {word}")
+                elif words[i - 1] == "-m":
+                    checked += 1
+                    names = set(re.findall(r"\w+", word)) - {"not", "and", "or"}
+                    wrong += [f"{doc}: `{command}`: no marker {name}" for name in names - markers]
+    assert checked >= 8, checked
     assert not wrong, "\n".join(wrong)
 
 
