@@ -32,7 +32,8 @@ import pytest
 
 import dex_agents
 import dex_engine
-from dex_agents import BuiltInTool, CompactionPolicy
+from dex_agents import AgentToolCall, AgentToolCallStatus, BuiltInTool, CompactionPolicy, ToolEffect
+from dex_agents._policy import build_turn_failure_note
 from dex_agents.builtin_loop import (
     AgentDefinition,
     ScriptedModelClient,
@@ -591,6 +592,24 @@ def test_the_step_shape_block_names_every_step_of_a_session() -> None:
     assert {"TurnCompleted", "ToolCallsRequested", "ToolTaskStarted"} <= outcomes, outcomes
     assert sorted(named - steps - outcomes) == [], "named in the Step shape but no Step or outcome type"
     assert sorted(steps - named) == [], "Steps of a session missing from the Step shape"
+
+
+def test_the_turn_failure_note_block_is_the_note_the_session_stores() -> None:
+    """docs/agents.md's text block of the note a failed turn stores, built from one call record
+    (its `...` stands for the rest of the line). Catches: the note's header, line or footer
+    reworded while the doc still shows the old words, which users grep transcripts for."""
+    text = (REPO_ROOT / "docs" / "agents.md").read_text(encoding="utf-8")
+    (shown,) = [block for block in re.findall(r"```text\n(.*?)```", text, flags=re.S)
+                if block.startswith("[Dex] The previous turn failed")]
+    record = AgentToolCall(
+        tool_call_id="call_0", turn_id="turn-1", tool_name="refund_order", arguments='{"order_id": "A-1001"}',
+        effect=ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=True, status=AgentToolCallStatus.OUTCOME_UNKNOWN,
+        output=None, error=None, rejection_message=None, deferral_order=0, tool_source_reference=None,
+        trace_context=None)
+    note = build_turn_failure_note([record])
+    assert note is not None
+    pattern = ".*".join(re.escape(piece) for piece in shown.strip().split("..."))
+    assert re.fullmatch(pattern, note, flags=re.S), (shown, note)
 
 
 def _pyproject(path: Path) -> dict[str, Any]:
