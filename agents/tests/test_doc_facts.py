@@ -612,6 +612,19 @@ def test_the_turn_failure_note_block_is_the_note_the_session_stores() -> None:
     assert re.fullmatch(pattern, note, flags=re.S), (shown, note)
 
 
+def test_the_newest_migration_the_docs_name_is_the_newest() -> None:
+    """deployment.md: "The newest one (schema 8 on SQLite, 7 on PostgreSQL) builds ...". Catches: a
+    migration added while the rolling-upgrade advice still describes the one before it."""
+    migrations = REPO_ROOT / "engine" / "src" / "dex_engine" / "_migrations"
+    newest = {backend: max(int(path.name[:4]) for path in (migrations / backend).glob("[0-9]*.sql"))
+              for backend in ("sqlite", "postgres")}
+    stated = [(int(sqlite), int(postgres)) for path in DOCS
+              for sqlite, postgres in re.findall(r"[Tt]he newest one \(schema (\d+) on SQLite, (\d+) on PostgreSQL\)",
+                                                 _prose(path))]
+    assert stated, "the phrase is gone: update this test with the docs"
+    assert set(stated) == {(newest["sqlite"], newest["postgres"])}, (stated, newest)
+
+
 def _pyproject(path: Path) -> dict[str, Any]:
     with path.open("rb") as file:
         return tomllib.load(file)
