@@ -38,7 +38,7 @@ from dex_engine import (
     rpc,
 )
 from dex_engine._open import shown_url
-from dex_engine._pg_store import PostgresStore
+from dex_engine._pg_store import NETWORK_TIMEOUTS, PostgresStore
 from dex_engine._sqlite_store import SqliteStore
 
 from .conftest import engine_for, wait_until
@@ -437,21 +437,19 @@ def test_ctrl_c_in_a_blocking_wait_ends_the_call_on_the_clients_loop(db_url: str
         assert client.describe_flow("interrupted").status == "running"  # the client still serves
 
 
-def _since_signal(sent_at: list[float], caught_at: float) -> str:
-    return f"{caught_at - sent_at[0]:.3f} s after the signal" if sent_at else "before any signal was sent"
+# The product fault holds the interrupt back until the open gives up, at the connect timeout: an
+# open that ended sooner, with the interrupt not yet caught, ended for a cause outside the test
+# (seen once in CI, never reproduced), and the scenario runs again.
+_OPEN_GIVES_UP_SECONDS = float(NETWORK_TIMEOUTS["connect_timeout"])
+_SILENT_SERVER_TRIES = 3
 
 
-def test_ctrl_c_while_a_blocking_client_opens_a_silent_server_raises_at_once() -> None:
-    """Ctrl-C while Client(...) waits for a PostgreSQL server that accepted the connection but does not
-    answer: KeyboardInterrupt reaches the caller while the open still waits on the client's thread,
-    and once the open fails (the server hangs up) that thread ends. Catches: the interrupt was held
-    back until the connect timeout (10 s) ran out."""
-    assert threading.current_thread() is threading.main_thread()  # where SIGINT's KeyboardInterrupt lands
-    before = set(threading.enumerate())
+def _interrupt_an_open(before: set[threading.Thread]) -> tuple[list[threading.Thread], str]:
+    """Ctrl-C once Client(...) connected to a server that never answers; the new client threads
+    still alive when KeyboardInterrupt was caught, and what happened if there are none."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         url = f"postgresql://dex@127.0.0.1:{server.getsockname()[1]}/silent"
         accepted: list[socket.socket] = []
-
         sent_at: list[float] = []
 
         def interrupt_once_connected() -> None:
@@ -465,8 +463,8 @@ def test_ctrl_c_while_a_blocking_client_opens_a_silent_server_raises_at_once() -
             Client(Registry([FLOW]), url)
         caught_at = time.monotonic()
         opening = [thread for thread in set(threading.enumerate()) - before if thread.name == "dex-client"]
-        # What the client did with its connection, to tell an interrupt held back (the open gave up:
-        # the client hung up) from an open that ended for another reason, should this ever fail.
+        if not sent_at:
+            return opening, "a stray interrupt came before the client connected"
         accepted[0].setblocking(False)
         try:
             connection = "hung up" if accepted[0].recv(1 << 16) == b"" else "still open"
@@ -474,9 +472,28 @@ def test_ctrl_c_while_a_blocking_client_opens_a_silent_server_raises_at_once() -
             connection = "still open"
         except OSError as exc:
             connection = f"failed: {exc!r}"
-        assert opening, (f"the open had ended when the interrupt reached the caller, "
-                         f"{_since_signal(sent_at, caught_at)}; the client's connection: {connection}")
         accepted[0].close()  # the server hangs up: the open fails
+    return opening, (f"the interrupt was caught {caught_at - sent_at[0]:.3f} s after the signal; the client's "
+                     f"connection: {connection}")
+
+
+def test_ctrl_c_while_a_blocking_client_opens_a_silent_server_raises_at_once() -> None:
+    """Ctrl-C while Client(...) waits for a PostgreSQL server that accepted the connection but does not
+    answer: KeyboardInterrupt reaches the caller while the open still waits on the client's thread,
+    and once the open fails (the server hangs up) that thread ends. Catches: the interrupt was held
+    back until the connect timeout (10 s) ran out."""
+    assert threading.current_thread() is threading.main_thread()  # where SIGINT's KeyboardInterrupt lands
+    outcomes: list[str] = []
+    for _ in range(_SILENT_SERVER_TRIES):
+        before = set(threading.enumerate())
+        started = time.monotonic()
+        opening, outcome = _interrupt_an_open(before)
+        if opening:
+            break
+        outcomes.append(outcome)
+        assert time.monotonic() - started < _OPEN_GIVES_UP_SECONDS, (
+            f"the interrupt waited for the open to give up: {outcome}")
+    assert opening, f"each open ended before its interrupt reached the caller: {outcomes}"
     opening[0].join(30)  # a hang guard
     assert not opening[0].is_alive(), "the interrupted open's thread still runs"
 
