@@ -30,7 +30,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import litellm
 import pytest
-from agents.tests.builtin_agent import InProcessEngine, lookup_order
+from agents.tests.builtin_agent import InProcessEngine, lookup_order, refund_order
 from agents.tests.conftest import REPO_ROOT
 from agents.tests.session_driver import turns_ended
 from engine.tests.conftest import db_url, pg_database, pg_databases, wait_until  # noqa: F401 - the fixtures used here
@@ -39,6 +39,7 @@ from dex_agents import (
     AgentEvent,
     AgentEventWriter,
     AgentSessionFlow,
+    AgentSnapshot,
     AgentUsage,
     MessageRole,
     ModelCallMetadata,
@@ -62,7 +63,7 @@ from dex_agents.builtin_loop import (
     estimate_request_tokens,
 )
 from dex_agents.litellm import LiteLLMModelClient
-from dex_agents.testing import executed_steps, to_step_history
+from dex_agents.testing import executed_steps, to_step_history, wait_for_agent_snapshot
 from dex_engine import HistoryEntry
 
 litellm.suppress_debug_info = True  # no "Provider List" banner on every expected error
@@ -553,6 +554,104 @@ async def test_calls_without_ids_of_a_response_without_an_id_get_ids_unique_in_t
     assert done.messages[-1].text == "A-1 has shipped."
     call_ids = [m.tool_call_id for m in done.messages if m.role is MessageRole.ASSISTANT and m.tool_call_id]
     assert len(call_ids) == 2 and len(set(call_ids)) == 2, call_ids
+
+
+def numbered_call(index: int, call_id: str, order_id: str, name: str = "lookup_order") -> dict[str, Any]:
+    """A whole streamed tool call in one fragment, under the id a server gave it."""
+    arguments = json.dumps({"order_id": order_id, **({"amount_cents": 250} if name == "refund_order" else {})})
+    return {"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                            "function": {"name": name, "arguments": arguments}}]}
+
+
+async def test_call_ids_a_server_repeats_are_made_unique_and_replayed_as_stored(
+    provider: FakeProvider, tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """A server that numbers each response's calls afresh (vLLM, llama.cpp and Ollama with some
+    templates) or gives two calls of one response one ID runs the turn: each call gets an ID of its
+    own, its result goes to it, and the next request sends each call and its result under that ID.
+    Catches: the turn failing at its second response with tools ("repeats within this turn ...
+    prefixing len(turn.tool_calls)", advice for a runner the built-in loop's user cannot follow),
+    and at once for two calls with one ID."""
+    model = chat_client(provider)
+    agent = AgentDefinition(name="litellm-agent", model=model, instructions="", tools=[lookup_order])
+    flow = builtin_agent_session_flow(agent, "LiteLLMAgent")
+    provider.queue(CHAT_PATH, chat_chunks([numbered_call(0, "call_0", "A-1")], "tool_calls"))
+    provider.queue(CHAT_PATH, chat_chunks([numbered_call(0, "call_0", "B-2"), numbered_call(1, "call_0", "C-3")],
+                                          "tool_calls"))
+    provider.queue(CHAT_PATH, chat_stream(text="All shipped."))
+    engine = InProcessEngine(tmp_path, [flow], db_url)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "Where are A-1, B-2 and C-3?")
+        done = await turns_ended(sessions, "s", 1)
+    assert done.state is not None and done.state.last_turn_error is None, done.state.last_turn_error
+    assert done.messages[-1].text == "All shipped."
+    calls = [(m.tool_call_id, json.loads(m.tool_arguments or "{}")["order_id"])
+             for m in done.messages if m.role is MessageRole.ASSISTANT and m.tool_call_id]
+    assert calls == [("call_0", "A-1"), ("call_0_1", "B-2"), ("call_0_2", "C-3")]
+    results = {m.tool_call_id: json.loads(m.tool_output or "{}")["order_id"]
+               for m in done.messages if m.role is MessageRole.TOOL}
+    assert results == {"call_0": "A-1", "call_0_1": "B-2", "call_0_2": "C-3"}
+    sent = provider.received[-1].json["messages"]
+    sent_calls = [(c["id"], json.loads(c["function"]["arguments"])["order_id"])
+                  for m in sent if m["role"] == "assistant" for c in m.get("tool_calls") or []]
+    assert sent_calls == calls
+    sent_results = {m["tool_call_id"]: json.loads(m["content"])["order_id"] for m in sent if m["role"] == "tool"}
+    assert sent_results == results
+
+
+async def test_a_call_id_reused_in_a_later_turn_is_not_approved_by_the_earlier_turns_approval(
+    provider: FakeProvider, tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """A write that needs approval, under call_0 in turn 1 (cancelled while it waited) and again
+    under call_0 in turn 2 (the server numbers every response's calls from 0): turn 2's approval has
+    an interrupt ID of its own, so a late approval of turn 1's call (the person clicked what turn 1
+    showed) approves nothing, and the write runs once, when its own interrupt is approved. Catches:
+    resolve_interrupt("call_0") approving turn 2's refund, which the person never saw."""
+    model = chat_client(provider)
+    agent = AgentDefinition(name="litellm-agent", model=model, instructions="", tools=[refund_order])
+    flow = builtin_agent_session_flow(agent, "LiteLLMAgent")
+    provider.queue(CHAT_PATH, chat_chunks([numbered_call(0, "call_0", "A-1", "refund_order")], "tool_calls"))
+    provider.queue(CHAT_PATH, chat_chunks([numbered_call(0, "call_0", "B-2", "refund_order")], "tool_calls"))
+    provider.queue(CHAT_PATH, chat_stream(text="Refunded B-2."))
+    engine = InProcessEngine(tmp_path, [flow], db_url)
+
+    def pending(snapshot: AgentSnapshot) -> AgentSnapshot | None:
+        return snapshot if snapshot.pending_interrupts else None
+
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "Refund A-1.")
+        first = await wait_for_agent_snapshot(sessions, "s", pending, description="turn 1's approval")
+        assert [i.interrupt_id for i in first.pending_interrupts] == ["call_0"]
+        assert await sessions.cancel_turn("s")
+        await turns_ended(sessions, "s", 1)
+        assert await sessions.send_user_message("s", "Refund B-2 instead.")
+        second = await wait_for_agent_snapshot(sessions, "s", pending, description="turn 2's approval")
+        [interrupt] = second.pending_interrupts
+        assert interrupt.interrupt_id != "call_0" and '"B-2"' in interrupt.arguments
+        assert not await sessions.resolve_interrupt("s", "call_0", approved=True)  # turn 1's, late
+        assert (await sessions.get_agent_snapshot("s")).pending_interrupts == second.pending_interrupts
+        assert await sessions.resolve_interrupt("s", interrupt.interrupt_id, approved=True)
+        done = await turns_ended(sessions, "s", 2)
+    assert done.state is not None and done.state.last_turn_error is None, done.state.last_turn_error
+    outputs = [m.tool_output for m in done.messages if m.role is MessageRole.TOOL and m.turn_id == "turn-2"]
+    assert outputs == ["refunded 250 on B-2"]
+    assert done.messages[-1].text == "Refunded B-2."
+
+
+async def test_a_responses_call_id_the_input_holds_gets_one_of_its_own(provider: FakeProvider) -> None:
+    """On the Responses API too, a call whose call_id the request's input already holds is stored
+    and returned under a new one, so its replayed call and output agree."""
+    earlier = ModelOutputItem("litellm.responses:openai", OutputItemKind.TOOL_CALL, json.dumps(CALL_ITEM),
+                              tool_call=ModelToolCall("call_1", "lookup_order", '{"order_id":"A-1"}'))
+    history = (UserTextInput("Where is A-1?"), earlier, ToolResultInput("call_1", "lookup_order", "shipped"))
+    provider.queue(RESPONSES_PATH, responses_stream([CALL_ITEM]))
+    response = await openai_client(provider).call_model(ModelRequest(None, history, (LOOKUP_TOOL,)),
+                                                        collecting_writer()[0])
+    [item] = response.output
+    assert item.tool_call == ModelToolCall("call_1_1", "lookup_order", '{"order_id":"A-1"}')
+    assert json.loads(item.item) == {**CALL_ITEM, "call_id": "call_1_1"}
 
 
 async def test_text_with_lone_surrogates_is_stored_as_utf8(

@@ -48,6 +48,7 @@ except ImportError as error:  # pragma: no cover - exercised by a subprocess tes
 from ._constants import MIN_HIDDEN_ENVIRONMENT_SECRET_CHARS
 from ._policy import shown
 from ._runner import ModelCallMetadata
+from ._turn_logic import MAX_TOOL_CALL_ID_LENGTH
 from ._wire import AgentUsage
 from .builtin_loop._model import (
     ModelInputItem,
@@ -169,6 +170,34 @@ def _complete_streamed_tool_calls(chunks: list[Any]) -> None:
             _put(fragment, "id", f"call_{response_name}_{key[1]}")
         if key not in named:
             _put(_get(fragment, "function"), "name", _NAMELESS)
+
+
+def _call_ids_in(entries: Sequence[ModelInputItem]) -> set[str]:
+    """The tool call IDs the request's input holds, which a new call's ID must differ from."""
+    taken: set[str] = set()
+    for entry in entries:
+        if isinstance(entry, ToolResultInput):
+            taken.add(entry.tool_call_id)
+        elif isinstance(entry, ModelOutputItem) and entry.tool_call is not None:
+            taken.add(entry.tool_call.tool_call_id)
+    return taken
+
+
+def _fresh_call_id(call_id: str, taken: set[str]) -> str:
+    """`call_id`, or `<call_id>_<n>` with the least n from 1 that `taken` does not hold when it does;
+    added to `taken`. Servers such as vLLM, llama.cpp and Ollama (with some chat templates) and some
+    LiteLLM adapters number each response's calls afresh (call_0, call_1, ...) or give every call one
+    ID: the session refuses an ID that repeats within a turn (seed 003), so such a server failed each
+    turn at its second response with tools, or at once for two calls with one ID; and an ID repeated
+    in a later turn made a late resolve_interrupt of an earlier call approve the later call. Made
+    only of the request's input and the response, the new ID is the same on each RunModel attempt."""
+    fresh, number = call_id, 0
+    while fresh in taken:
+        number += 1
+        suffix = f"_{number}"
+        fresh = call_id[:MAX_TOOL_CALL_ID_LENGTH - len(suffix)] + suffix  # room for the suffix in a long ID
+    taken.add(fresh)
+    return fresh
 
 
 def _unnamed_response() -> str:
@@ -363,7 +392,8 @@ class LiteLLMModelClient:
             raise RuntimeError("the Responses stream ended without response.completed")
         # The completed response lists every item; output_item.done events are the fallback.
         raw_items = list(_get(final, "output") or []) or [done[i] for i in sorted(done)]
-        items = tuple(_utf8_item(self._responses_item(_plain(raw))) for raw in raw_items)
+        taken = _call_ids_in(request.input)
+        items = tuple(_utf8_item(self._responses_item(_plain(raw), taken)) for raw in raw_items)
         usage = _get(final, "usage")
         details_in, details_out = _get(usage, "input_tokens_details"), _get(usage, "output_tokens_details")
         status = _get(final, "status")
@@ -427,15 +457,19 @@ class LiteLLMModelClient:
                 followed = True
         return unfollowed
 
-    def _responses_item(self, raw: Any) -> ModelOutputItem:
+    def _responses_item(self, raw: Any, taken: set[str]) -> ModelOutputItem:
+        """One output item; a function call's ID made one `taken` does not hold (_fresh_call_id)."""
         if not isinstance(raw, dict):
             raise TypeError(f"the provider returned an output item that is not an object: {raw!r}")
         kind = raw.get("type")
-        text_json = _dump(raw)
         if kind == "function_call":
-            call = ModelToolCall(str(raw.get("call_id") or raw.get("id") or ""), str(raw.get("name") or ""),
-                                 _arguments_text(raw.get("arguments")))
-            return ModelOutputItem(self.api_label, OutputItemKind.TOOL_CALL, text_json, tool_call=call)
+            call_id = str(raw.get("call_id") or raw.get("id") or "")
+            fresh = _fresh_call_id(call_id, taken) if call_id else call_id
+            if fresh != call_id:
+                raw = {**raw, "call_id": fresh}  # stored under it, so the replayed call and its output agree
+            call = ModelToolCall(fresh, str(raw.get("name") or ""), _arguments_text(raw.get("arguments")))
+            return ModelOutputItem(self.api_label, OutputItemKind.TOOL_CALL, _dump(raw), tool_call=call)
+        text_json = _dump(raw)
         if kind == "message":
             parts = [p for p in raw.get("content") or [] if isinstance(p, dict)]
             text = "".join(str(p.get("text") or p.get("refusal") or "") for p in parts)
@@ -484,7 +518,8 @@ class LiteLLMModelClient:
             raise RuntimeError("the Chat Completions stream ended without a response")
         choices = list(_get(built, "choices"))
         items = tuple(_utf8_item(item) for item in self._chat_items(_get(choices[0], "message"),
-                                                                    _str_or_none(_get(built, "id"))))
+                                                                    _str_or_none(_get(built, "id")),
+                                                                    _call_ids_in(request.input)))
         usage = _get(built, "usage")
         details_in, details_out = _get(usage, "prompt_tokens_details"), _get(usage, "completion_tokens_details")
         reasons = tuple(str(r) for r in (_get(c, "finish_reason") for c in choices) if r)
@@ -506,8 +541,9 @@ class LiteLLMModelClient:
             ),
         ))
 
-    def _chat_items(self, message: Any, response_id: str | None) -> tuple[ModelOutputItem, ...]:
-        """The assistant message split into items: each item is the part of the message it stands for."""
+    def _chat_items(self, message: Any, response_id: str | None, taken: set[str]) -> tuple[ModelOutputItem, ...]:
+        """The assistant message split into items: each item is the part of the message it stands for;
+        each tool call's ID made one `taken` does not hold (_fresh_call_id)."""
         items: list[ModelOutputItem] = []
         reasoning: dict[str, Any] = {}
         blocks = _get(message, "thinking_blocks")
@@ -533,6 +569,7 @@ class LiteLLMModelClient:
             if not call.get("id"):
                 response_id = response_id or _unnamed_response()  # one name for the response's calls
                 call["id"] = f"call_{response_id}_{index}"
+            call["id"] = _fresh_call_id(str(call["id"]), taken)  # stored under it, as the tool result is sent
             raw_function = call.get("function")
             function: dict[str, Any] = raw_function if isinstance(raw_function, dict) else {}
             if function.get("name") == _NAMELESS:
