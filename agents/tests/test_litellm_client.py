@@ -526,6 +526,36 @@ async def test_streamed_tool_calls_that_share_an_index_stay_apart(provider: Fake
         ModelToolCall("call_b", "lookup_order", '{"order_id":"B-2"}')]
 
 
+def call_head(call_id: str | None, name: str) -> dict[str, Any]:
+    """The first fragment of a streamed call as OpenAI sends it: its id (unless None) and name, no arguments."""
+    return {"tool_calls": [{"index": 0, "type": "function", **({"id": call_id} if call_id else {}),
+                            "function": {"name": name, "arguments": ""}}]}
+
+
+@pytest.mark.parametrize("shape", ["one id, whole calls", "no ids, heads first"])
+async def test_streamed_calls_under_one_index_and_one_id_or_none_stay_apart(provider: FakeProvider, shape: str) -> None:
+    """Calls a server streams all under index 0 and one id (call_0), or under index 0 and no id,
+    stay separate calls, each with its own arguments, name and id, stored as returned. Catches: the
+    chunk builder joining them into one call whose arguments ran together (not a JSON object, so it
+    failed) and the other call lost without a word."""
+    if shape == "one id, whole calls":
+        fragments = [numbered_call(0, "call_0", "A-1"), numbered_call(0, "call_0", "B-2", "refund_order")]
+        ids = ["call_0", "call_0_1"]
+    else:
+        fragments = [call_head(None, "lookup_order"), call_fragment(0, '{"order_id"'), call_fragment(0, ':"A-1"}'),
+                     call_head(None, "refund_order"), call_fragment(0, '{"order_id":"B-2",'),
+                     call_fragment(0, '"amount_cents":250}')]
+        ids = ["call_chatcmpl-1_0", "call_chatcmpl-1_1"]
+    provider.queue(CHAT_PATH, chat_chunks(fragments, "tool_calls"))
+    response = await chat_client(provider).call_model(
+        ModelRequest(None, (UserTextInput("Refund B-2 if A-1 shipped."),), (LOOKUP_TOOL,)), collecting_writer()[0])
+    calls = [item.tool_call for item in response.output if item.tool_call is not None]
+    assert [(c.tool_call_id, c.tool_name, json.loads(c.arguments)) for c in calls] == [
+        (ids[0], "lookup_order", {"order_id": "A-1"}),
+        (ids[1], "refund_order", {"order_id": "B-2", "amount_cents": 250})]
+    assert [json.loads(item.item)["tool_calls"][0]["id"] for item in response.output] == ids
+
+
 async def test_calls_without_ids_of_a_response_without_an_id_get_ids_unique_in_the_turn(
     provider: FakeProvider, tmp_path: Path, db_url: str  # noqa: F811
 ) -> None:

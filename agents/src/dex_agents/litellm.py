@@ -118,27 +118,60 @@ def _tool_call_fragments(chunks: list[Any]) -> Iterator[tuple[int, Any]]:
 
 
 def _separate_reused_indexes(chunks: list[Any]) -> None:
-    """Give a streamed tool call that reuses an earlier call's index, under its own new id, an index
-    of its own. The chunk builder joins fragments by index, and some OpenAI-compatible servers
-    (Ollama, some proxies and gateways) send index 0, or none, for every call of a response: two
-    calls became one, with the second's id and both argument texts run together, so one call was
-    lost and the other failed as not a JSON object."""
+    """Give a streamed tool call that reuses an earlier call's index an index of its own: one under
+    its own new id, and one under the same id, or none, whose arguments start when the call there
+    already holds a whole JSON object. The chunk builder joins fragments by index, and some
+    OpenAI-compatible servers (Ollama, some proxies and gateways) send index 0, or none, for every
+    call of a response, some with no ids or one id for all: two calls became one, with the second's
+    id and both argument texts run together, so one call was lost and the other failed as not a
+    JSON object."""
     fragments = list(_tool_call_fragments(chunks))
     free = {choice: -1 for choice, _ in fragments}
     for choice, fragment in fragments:
         free[choice] = max(free[choice], _get(fragment, "index") or 0)
     now_at: dict[tuple[int, int], int] = {}  # (choice, index sent) -> the index its fragments now go to
     ids: dict[tuple[int, int], str] = {}  # (choice, index now) -> the id of the call there
+    texts: dict[tuple[int, int], list[str]] = {}  # (choice, index now) -> the argument texts of the call there
+    # (choice, index now) -> a fragment with an id or name but no arguments after the call there was
+    # whole: the start of the next call, if arguments follow
+    heads: dict[tuple[int, int], Any] = {}
     for choice, fragment in fragments:
         sent = _get(fragment, "index") or 0
         index = now_at.get((choice, sent), sent)
         fragment_id = _str_or_none(_get(fragment, "id"))
+        raw_text = _get(_get(fragment, "function"), "arguments")
+        text = raw_text if isinstance(raw_text, str) else ""
         if fragment_id is not None and ids.setdefault((choice, index), fragment_id) != fragment_id:
             free[choice] += 1
             index = now_at[(choice, sent)] = free[choice]  # a new call: it and what follows go there
             ids[(choice, index)] = fragment_id
+        elif text.lstrip().startswith("{") and _whole_object(texts.get((choice, index), [])):
+            # Joined, the texts would be no JSON at all: this is the next call's, under the same id or none.
+            head = heads.pop((choice, index), None)
+            free[choice] += 1
+            index = now_at[(choice, sent)] = free[choice]
+            if fragment_id is not None:
+                ids[(choice, index)] = fragment_id
+            if head is not None:
+                _put(head, "index", index)  # its id and name are the new call's
+        elif not text and (fragment_id is not None or _get(_get(fragment, "function"), "name")) and _whole_object(
+                texts.get((choice, index), [])):
+            heads[(choice, index)] = fragment
+        texts.setdefault((choice, index), []).append(text)
         if index != sent:
             _put(fragment, "index", index)
+
+
+def _whole_object(parts: list[str]) -> bool:
+    """Whether the texts `parts` make one whole JSON object; joined and parsed only when they end as
+    one could, so a call streamed in thousands of fragments is not parsed again at each."""
+    last = next((part for part in reversed(parts) if part.strip()), "")
+    if not last.rstrip().endswith("}"):
+        return False
+    try:
+        return isinstance(json.loads("".join(parts)), dict)
+    except ValueError:
+        return False
 
 
 def _complete_streamed_tool_calls(chunks: list[Any]) -> None:
