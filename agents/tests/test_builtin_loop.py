@@ -1301,17 +1301,17 @@ def test_messages_stored_with_their_text_in_the_framework_item_still_read() -> N
 
 
 async def test_a_turn_failed_in_run_models_commit_stores_its_calls_results_before_the_note(tmp_path: Path) -> None:
-    """A provider that reuses a tool call ID in the turn's second response breaks the contract, and
-    RunModel's commit fails the turn. The first call's result is stored before the note, as in
+    """A provider whose second response of the turn has a tool call ID with '/' breaks the contract,
+    and RunModel's commit fails the turn. The first call's result is stored before the note, as in
     RecordTurnFailure (seed 002). Catches: no result stored, so the next turn's model saw the call
     that succeeded as "outcome unknown" beside a note saying it succeeded."""
 
     def respond(request: ModelRequest) -> ScriptedModelReply:
         if ScriptedModelClient.user_texts(request)[-1] == "next":
             return ScriptedModelReply(text="ok")
-        order = "A-2" if ScriptedModelClient.tool_results(request) else "A-1"
-        return ScriptedModelReply(tool_calls=[ScriptedToolCall("lookup_order", {"order_id": order},
-                                                               tool_call_id="call_0")])
+        again = bool(ScriptedModelClient.tool_results(request))
+        return ScriptedModelReply(tool_calls=[ScriptedToolCall(
+            "lookup_order", {"order_id": "A-2" if again else "A-1"}, tool_call_id="call/1" if again else "call_0")])
 
     flow, model = scripted_flow(respond)
     engine = InProcessEngine(tmp_path, [flow])
@@ -1319,7 +1319,7 @@ async def test_a_turn_failed_in_run_models_commit_stores_its_calls_results_befor
         sessions = engine.sessions()
         await sessions.start_session("s", "go")
         failed = await _turns_done(sessions, "s", 1)
-        assert failed.state is not None and "call_0" in (failed.state.last_turn_error or "")
+        assert failed.state is not None and "'call/1' contains '/'" in (failed.state.last_turn_error or "")
         await sessions.send_user_message("s", "next")
         await _turns_done(sessions, "s", 2)
     results = [i for i in model.requests[-1].input if isinstance(i, ToolResultInput)]

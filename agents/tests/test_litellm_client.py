@@ -41,6 +41,7 @@ from dex_agents import (
     AgentSessionFlow,
     AgentSnapshot,
     AgentUsage,
+    CompactionPolicy,
     MessageRole,
     ModelCallMetadata,
     RunModelLimit,
@@ -61,6 +62,7 @@ from dex_agents.builtin_loop import (
     builtin_agent_session_flow,
     builtin_agent_session_options,
     estimate_request_tokens,
+    function_tool,
 )
 from dex_agents.litellm import LiteLLMModelClient
 from dex_agents.testing import executed_steps, to_step_history, wait_for_agent_snapshot
@@ -630,6 +632,54 @@ async def test_call_ids_a_server_repeats_are_made_unique_and_replayed_as_stored(
     assert sent_results == results
 
 
+COUNTED_STEPS = 12
+
+
+@function_tool(effect=ToolEffect.READ, name="count")
+def count_step(step: int, pad: str = "") -> int:
+    """Count one step."""
+    return step
+
+
+async def test_call_ids_a_server_repeats_stay_unique_when_the_turn_compacts(
+    provider: FakeProvider, tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """A turn of twelve calls, each under call_0, that compacts as it runs: the calls a summary took
+    out of the model's input are no longer there for the client to tell a repeat by, and the turn
+    still gives each call an ID of its own, and every request sends each call and its result under
+    one ID. Catches: the turn failing at the first call after a compaction ("tool call ID 'call_0'
+    repeats within this turn")."""
+
+    def take(received: Received) -> Reply:
+        provider.received.append(received)
+        body = received.json
+        if not body.get("tools"):
+            return chat_stream(text="Counted some steps.")  # the summary call
+        results = [m for m in body["messages"] if m["role"] == "tool"]
+        step = int(results[-1]["content"]) + 1 if results else 1
+        if step > COUNTED_STEPS:
+            return chat_stream(text=f"counted {COUNTED_STEPS}")
+        return chat_chunks([{"tool_calls": [{"index": 0, "id": "call_0", "type": "function", "function": {
+            "name": "count", "arguments": json.dumps({"step": step, "pad": "x" * 400})}}]}], "tool_calls")
+
+    provider._take = take  # type: ignore[method-assign]
+    agent = AgentDefinition(name="litellm-agent", model=chat_client(provider), instructions="", tools=[count_step],
+                            compaction=CompactionPolicy(context_window_tokens=1000))
+    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(agent, "LiteLLMAgent")], db_url)
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "Count to twelve.")
+        done = await turns_ended(sessions, "s", 1)
+    assert done.state is not None and done.state.last_turn_error is None, done.state.last_turn_error
+    assert done.context_summary is not None  # compacted within the turn
+    assert done.messages[-1].text == f"counted {COUNTED_STEPS}"
+    for request in provider.received:
+        messages = request.json["messages"]
+        calls = [c["id"] for m in messages if m["role"] == "assistant" for c in m.get("tool_calls") or []]
+        results = [m["tool_call_id"] for m in messages if m["role"] == "tool"]
+        assert calls == results and len(set(calls)) == len(calls), (calls, results)
+
+
 async def test_a_call_id_reused_in_a_later_turn_is_not_approved_by_the_earlier_turns_approval(
     provider: FakeProvider, tmp_path: Path, db_url: str  # noqa: F811
 ) -> None:
@@ -672,7 +722,9 @@ async def test_a_call_id_reused_in_a_later_turn_is_not_approved_by_the_earlier_t
 
 async def test_a_responses_call_id_the_input_holds_gets_one_of_its_own(provider: FakeProvider) -> None:
     """On the Responses API too, a call whose call_id the request's input already holds is stored
-    and returned under a new one, so its replayed call and output agree."""
+    and returned under a new one, so its replayed call and output agree; and a stored call replays
+    under its ModelToolCall's ID. Catches: the repeated call_id kept, and a call replayed under the
+    provider's ID while its output went under the session's."""
     earlier = ModelOutputItem("litellm.responses:openai", OutputItemKind.TOOL_CALL, json.dumps(CALL_ITEM),
                               tool_call=ModelToolCall("call_1", "lookup_order", '{"order_id":"A-1"}'))
     history = (UserTextInput("Where is A-1?"), earlier, ToolResultInput("call_1", "lookup_order", "shipped"))
@@ -682,6 +734,17 @@ async def test_a_responses_call_id_the_input_holds_gets_one_of_its_own(provider:
     [item] = response.output
     assert item.tool_call == ModelToolCall("call_1_1", "lookup_order", '{"order_id":"A-1"}')
     assert json.loads(item.item) == {**CALL_ITEM, "call_id": "call_1_1"}
+
+    # A call the loop gave an ID of its own (its item keeps the provider's) replays under that ID.
+    renamed = ModelOutputItem(earlier.api, earlier.kind, earlier.item,
+                              tool_call=ModelToolCall("call_1_2", "lookup_order", '{"order_id":"A-1"}'))
+    provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM]))
+    await openai_client(provider).call_model(ModelRequest(None, (
+        UserTextInput("Where is A-1?"), renamed, ToolResultInput("call_1_2", "lookup_order", "shipped"))),
+        collecting_writer()[0])
+    sent = provider.received[-1].json["input"]
+    assert [(i["type"], i["call_id"]) for i in sent if "call_id" in i] == [
+        ("function_call", "call_1_2"), ("function_call_output", "call_1_2")]
 
 
 async def test_text_with_lone_surrogates_is_stored_as_utf8(

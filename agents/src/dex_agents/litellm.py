@@ -48,7 +48,6 @@ except ImportError as error:  # pragma: no cover - exercised by a subprocess tes
 from ._constants import MIN_HIDDEN_ENVIRONMENT_SECRET_CHARS
 from ._policy import shown
 from ._runner import ModelCallMetadata
-from ._turn_logic import MAX_TOOL_CALL_ID_LENGTH
 from ._wire import AgentUsage
 from .builtin_loop._model import (
     ModelInputItem,
@@ -65,6 +64,7 @@ from .builtin_loop._model import (
     content_filter_finish_reason,
     estimate_request_tokens,
     token_limit_finish_reason,
+    unique_call_id,
 )
 
 __all__ = ["CHAT_API", "RESPONSES_API", "LiteLLMModelClient"]
@@ -214,23 +214,6 @@ def _call_ids_in(entries: Sequence[ModelInputItem]) -> set[str]:
         elif isinstance(entry, ModelOutputItem) and entry.tool_call is not None:
             taken.add(entry.tool_call.tool_call_id)
     return taken
-
-
-def _fresh_call_id(call_id: str, taken: set[str]) -> str:
-    """`call_id`, or `<call_id>_<n>` with the least n from 1 that `taken` does not hold when it does;
-    added to `taken`. Servers such as vLLM, llama.cpp and Ollama (with some chat templates) and some
-    LiteLLM adapters number each response's calls afresh (call_0, call_1, ...) or give every call one
-    ID: the session refuses an ID that repeats within a turn (seed 003), so such a server failed each
-    turn at its second response with tools, or at once for two calls with one ID; and an ID repeated
-    in a later turn made a late resolve_interrupt of an earlier call approve the later call. Made
-    only of the request's input and the response, the new ID is the same on each RunModel attempt."""
-    fresh, number = call_id, 0
-    while fresh in taken:
-        number += 1
-        suffix = f"_{number}"
-        fresh = call_id[:MAX_TOOL_CALL_ID_LENGTH - len(suffix)] + suffix  # room for the suffix in a long ID
-    taken.add(fresh)
-    return fresh
 
 
 def _unnamed_response() -> str:
@@ -461,7 +444,11 @@ class LiteLLMModelClient:
             elif isinstance(entry, ToolResultInput):
                 out.append({"type": "function_call_output", "call_id": entry.tool_call_id, "output": entry.output})
             elif entry.api == self.api_label:
-                out.append(cast("dict[str, Any]", json.loads(entry.item)))  # the provider's own item, unchanged
+                own = cast("dict[str, Any]", json.loads(entry.item))  # the provider's own item, unchanged
+                if entry.tool_call is not None and own.get("type") == "function_call":
+                    # Under the session's ID, which its output is sent under (the loop may have made it unique).
+                    own["call_id"] = entry.tool_call.tool_call_id
+                out.append(own)
             elif entry.kind is OutputItemKind.TOOL_CALL and entry.tool_call is not None:
                 call = entry.tool_call
                 out.append({"type": "function_call", "call_id": call.tool_call_id, "name": call.tool_name,
@@ -491,13 +478,13 @@ class LiteLLMModelClient:
         return unfollowed
 
     def _responses_item(self, raw: Any, taken: set[str]) -> ModelOutputItem:
-        """One output item; a function call's ID made one `taken` does not hold (_fresh_call_id)."""
+        """One output item; a function call's ID made one `taken` does not hold (unique_call_id)."""
         if not isinstance(raw, dict):
             raise TypeError(f"the provider returned an output item that is not an object: {raw!r}")
         kind = raw.get("type")
         if kind == "function_call":
             call_id = str(raw.get("call_id") or raw.get("id") or "")
-            fresh = _fresh_call_id(call_id, taken) if call_id else call_id
+            fresh = unique_call_id(call_id, taken) if call_id else call_id
             if fresh != call_id:
                 raw = {**raw, "call_id": fresh}  # stored under it, so the replayed call and its output agree
             call = ModelToolCall(fresh, str(raw.get("name") or ""), _arguments_text(raw.get("arguments")))
@@ -576,7 +563,7 @@ class LiteLLMModelClient:
 
     def _chat_items(self, message: Any, response_id: str | None, taken: set[str]) -> tuple[ModelOutputItem, ...]:
         """The assistant message split into items: each item is the part of the message it stands for;
-        each tool call's ID made one `taken` does not hold (_fresh_call_id)."""
+        each tool call's ID made one `taken` does not hold (unique_call_id)."""
         items: list[ModelOutputItem] = []
         reasoning: dict[str, Any] = {}
         blocks = _get(message, "thinking_blocks")
@@ -602,7 +589,7 @@ class LiteLLMModelClient:
             if not call.get("id"):
                 response_id = response_id or _unnamed_response()  # one name for the response's calls
                 call["id"] = f"call_{response_id}_{index}"
-            call["id"] = _fresh_call_id(str(call["id"]), taken)  # stored under it, as the tool result is sent
+            call["id"] = unique_call_id(str(call["id"]), taken)  # stored under it, as the tool result is sent
             raw_function = call.get("function")
             function: dict[str, Any] = raw_function if isinstance(raw_function, dict) else {}
             if function.get("name") == _NAMELESS:
@@ -646,7 +633,12 @@ class LiteLLMModelClient:
                     if key == "content" and isinstance(value, str):
                         texts.append(value)
                     elif key == "tool_calls" and isinstance(value, list):
-                        calls.extend(_with_replayable_arguments(call) for call in value)
+                        own_calls = value
+                        if item.tool_call is not None and len(value) == 1 and isinstance(value[0], dict):
+                            # Under the session's ID, which its result is sent under (the loop may have
+                            # made it unique).
+                            own_calls = [{**value[0], "id": item.tool_call.tool_call_id}]
+                        calls.extend(_with_replayable_arguments(call) for call in own_calls)
                     elif key == "thinking_blocks" and isinstance(value, list):
                         blocks.extend(value)
                     elif key == "reasoning_content" and isinstance(value, str):

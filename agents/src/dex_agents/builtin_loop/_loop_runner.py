@@ -92,6 +92,7 @@ from ._model import (
     content_filter_finish_reason,
     is_provider_tool_name,
     token_limit_finish_reason,
+    unique_call_id,
 )
 from ._tool_sources import ToolSource, unwrap_source_reference, wrap_source_reference
 
@@ -222,7 +223,7 @@ class BuiltinLoopAgentRunner:
         response = await self._model(turn).call_model(request, ModelOutputWriter(turn.events))
         if not isinstance(response, ModelResponse):
             raise TypeError(f"call_model returned {type(response).__name__}; return a ModelResponse")
-        outputs = list(response.output)
+        outputs = _with_call_ids_unique_in_turn(list(response.output), turn)
         unstored.extend(output_message(item) for item in outputs)
         calls = [item.tool_call for item in outputs if item.kind is OutputItemKind.TOOL_CALL and item.tool_call]
         model_calls = run.model_calls + 1
@@ -696,6 +697,27 @@ def input_item_of(message: FrameworkMessage) -> ModelInputItem:
     if raw["type"] == USER_TEXT:
         return UserTextInput(stored_text(raw, "text", message.text))
     return stored_output_item(raw, message.text, message.tool_arguments)
+
+
+def _with_call_ids_unique_in_turn(outputs: list[ModelOutputItem], turn: AgentTurnContext) -> list[ModelOutputItem]:
+    """`outputs`, with a tool call whose ID a call of this turn, or an earlier call of the response,
+    already has under its own (unique_call_id); its item keeps the provider's JSON. A client sees
+    only the request's input, which lacks the turn's calls a compaction within the turn summarized,
+    so a server numbering each response's calls from call_0 failed a long turn once it compacted
+    ("repeats within this turn"), however its client made IDs unique. A client that replays its own
+    items must send a call under its ModelToolCall's ID, as LiteLLMModelClient does."""
+    taken = {r.tool_call_id for r in turn.tool_calls.values() if r.turn_id == turn.turn_id}
+    out: list[ModelOutputItem] = []
+    for item in outputs:
+        call = item.tool_call if isinstance(item, ModelOutputItem) else None
+        fresh = None
+        if call is not None and isinstance(call.tool_call_id, str) and call.tool_call_id:
+            fresh = unique_call_id(call.tool_call_id, taken)
+        if call is None or fresh is None or fresh == call.tool_call_id:
+            out.append(item)
+        else:
+            out.append(dataclasses.replace(item, tool_call=dataclasses.replace(call, tool_call_id=fresh)))
+    return out
 
 
 def _paired(items: list[ModelInputItem]) -> list[ModelInputItem]:

@@ -13,6 +13,7 @@ from .._compaction import estimate_text_tokens
 from .._constants import CONTENT_FILTER_FINISH_REASONS, TOKEN_LIMIT_FINISH_REASONS
 from .._events import AgentEventWriter
 from .._runner import ModelCallMetadata
+from .._turn_logic import MAX_TOOL_CALL_ID_LENGTH
 from .._wire import AgentUsage
 
 
@@ -170,3 +171,20 @@ def estimate_request_tokens(request: ModelRequest) -> int:
     for tool in request.tools:
         total += estimate_text_tokens(tool.name + tool.description + json.dumps(dict(tool.parameters_schema)))
     return total
+
+
+def unique_call_id(call_id: str, taken: set[str]) -> str:
+    """`call_id`, or `<call_id>_<n>` with the least n from 1 that `taken` does not hold when it does;
+    added to `taken`. Servers such as vLLM, llama.cpp and Ollama (with some chat templates) and some
+    LiteLLM adapters number each response's calls afresh (call_0, call_1, ...) or give every call one
+    ID: the session refuses an ID that repeats within a turn (seed 003), so such a server failed each
+    turn at its second response with tools, or at once for two calls with one ID; and an ID repeated
+    in a later turn made a late resolve_interrupt of an earlier call approve the later call. Made
+    only of what the model call saw and returned, the new ID is the same on each RunModel attempt."""
+    fresh, number = call_id, 0
+    while fresh in taken:
+        number += 1
+        suffix = f"_{number}"
+        fresh = call_id[:MAX_TOOL_CALL_ID_LENGTH - len(suffix)] + suffix  # room for the suffix in a long ID
+    taken.add(fresh)
+    return fresh
