@@ -720,6 +720,21 @@ async def test_a_call_id_reused_in_a_later_turn_is_not_approved_by_the_earlier_t
     assert done.messages[-1].text == "Refunded B-2."
 
 
+@pytest.mark.parametrize("item", [{k: v for k, v in CALL_ITEM.items() if k not in ("call_id", "id")},
+                                  {**CALL_ITEM, "call_id": "", "id": ""}], ids=["none", "empty"])
+async def test_a_responses_call_without_a_call_id_gets_one(provider: FakeProvider, item: dict[str, Any]) -> None:
+    """A Responses API server's function call with no call_id, or an empty one, gets
+    `call_<the provider's response ID>_<index>`, stored in its item too, as a Chat Completions call
+    without an id does. Catches: the turn failing with "tool call ID '' is empty", which its user
+    could not fix."""
+    provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM, item]))
+    response = await openai_client(provider).call_model(
+        ModelRequest(None, (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
+    [call] = [i for i in response.output if i.tool_call is not None]
+    assert call.tool_call == ModelToolCall("call_resp_1_1", "lookup_order", '{"order_id":"A-1"}')
+    assert json.loads(call.item)["call_id"] == "call_resp_1_1"
+
+
 async def test_a_responses_call_id_the_input_holds_gets_one_of_its_own(provider: FakeProvider) -> None:
     """On the Responses API too, a call whose call_id the request's input already holds is stored
     and returned under a new one, so its replayed call and output agree; and a stored call replays

@@ -409,7 +409,11 @@ class LiteLLMModelClient:
         # The completed response lists every item; output_item.done events are the fallback.
         raw_items = list(_get(final, "output") or []) or [done[i] for i in sorted(done)]
         taken = _call_ids_in(request.input)
-        items = tuple(_utf8_item(self._responses_item(_plain(raw), taken)) for raw in raw_items)
+        # One name for the response's calls that come without an ID, as on Chat Completions.
+        # (The provider's own ID: LiteLLM's wrapped one is base64, which may hold '/', refused in an ID.)
+        response_name = _provider_response_id(_str_or_none(_get(final, "id"))) or _unnamed_response()
+        items = tuple(_utf8_item(self._responses_item(_plain(raw), taken, f"call_{response_name}_{index}"))
+                      for index, raw in enumerate(raw_items))
         usage = _get(final, "usage")
         details_in, details_out = _get(usage, "input_tokens_details"), _get(usage, "output_tokens_details")
         status = _get(final, "status")
@@ -477,14 +481,15 @@ class LiteLLMModelClient:
                 followed = True
         return unfollowed
 
-    def _responses_item(self, raw: Any, taken: set[str]) -> ModelOutputItem:
-        """One output item; a function call's ID made one `taken` does not hold (unique_call_id)."""
+    def _responses_item(self, raw: Any, taken: set[str], unnamed_call_id: str) -> ModelOutputItem:
+        """One output item; a function call's ID made one `taken` does not hold (unique_call_id), and
+        `unnamed_call_id` for a call that came without one (a server's empty call_id failed the turn)."""
         if not isinstance(raw, dict):
             raise TypeError(f"the provider returned an output item that is not an object: {raw!r}")
         kind = raw.get("type")
         if kind == "function_call":
-            call_id = str(raw.get("call_id") or raw.get("id") or "")
-            fresh = unique_call_id(call_id, taken) if call_id else call_id
+            call_id = str(raw.get("call_id") or "")
+            fresh = unique_call_id(call_id or str(raw.get("id") or "") or unnamed_call_id, taken)
             if fresh != call_id:
                 raw = {**raw, "call_id": fresh}  # stored under it, so the replayed call and its output agree
             call = ModelToolCall(fresh, str(raw.get("name") or ""), _arguments_text(raw.get("arguments")))
