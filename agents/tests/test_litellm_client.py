@@ -558,6 +558,19 @@ async def test_streamed_calls_under_one_index_and_one_id_or_none_stay_apart(prov
     assert [json.loads(item.item)["tool_calls"][0]["id"] for item in response.output] == ids
 
 
+async def test_arguments_a_server_repeats_after_a_whole_call_stay_with_it(provider: FakeProvider) -> None:
+    """Arguments that run on after a call's whole JSON object, without an id or a name to start a
+    call (a server repeating the arguments), stay that call's: it fails as not a JSON object, as
+    before. Catches: splitting them off as a second call, which would run the tool twice."""
+    repeated = [call_fragment(0, '{"order_', "call_a"), call_fragment(0, 'id":"A-1"}'),
+                call_fragment(0, '{"order_id":"A-1"}')]
+    provider.queue(CHAT_PATH, chat_chunks(repeated, "tool_calls"))
+    response = await chat_client(provider).call_model(
+        ModelRequest(None, (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
+    assert [item.tool_call for item in response.output] == [
+        ModelToolCall("call_a", "lookup_order", '{"order_id":"A-1"}{"order_id":"A-1"}')]
+
+
 async def test_calls_without_ids_of_a_response_without_an_id_get_ids_unique_in_the_turn(
     provider: FakeProvider, tmp_path: Path, db_url: str  # noqa: F811
 ) -> None:

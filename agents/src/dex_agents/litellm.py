@@ -141,11 +141,15 @@ def _separate_reused_indexes(chunks: list[Any]) -> None:
         fragment_id = _str_or_none(_get(fragment, "id"))
         raw_text = _get(_get(fragment, "function"), "arguments")
         text = raw_text if isinstance(raw_text, str) else ""
+        # A call starts with its id or name: arguments alone that run on after a whole object (a
+        # server repeating a call's arguments) stay with it, failing it, rather than run it twice.
+        starts = fragment_id is not None or bool(_get(_get(fragment, "function"), "name"))
         if fragment_id is not None and ids.setdefault((choice, index), fragment_id) != fragment_id:
             free[choice] += 1
             index = now_at[(choice, sent)] = free[choice]  # a new call: it and what follows go there
             ids[(choice, index)] = fragment_id
-        elif text.lstrip().startswith("{") and _whole_object(texts.get((choice, index), [])):
+        elif (text.lstrip().startswith("{") and (starts or (choice, index) in heads)
+              and _whole_object(texts.get((choice, index), []))):
             # Joined, the texts would be no JSON at all: this is the next call's, under the same id or none.
             head = heads.pop((choice, index), None)
             free[choice] += 1
@@ -154,8 +158,7 @@ def _separate_reused_indexes(chunks: list[Any]) -> None:
                 ids[(choice, index)] = fragment_id
             if head is not None:
                 _put(head, "index", index)  # its id and name are the new call's
-        elif not text and (fragment_id is not None or _get(_get(fragment, "function"), "name")) and _whole_object(
-                texts.get((choice, index), [])):
+        elif not text and starts and _whole_object(texts.get((choice, index), [])):
             heads[(choice, index)] = fragment
         texts.setdefault((choice, index), []).append(text)
         if index != sent:
