@@ -25,6 +25,7 @@ from dex_agents import (
     AgentSessionClient,
     AgentSessionFlow,
     AgentSessionOptions,
+    AgentSnapshot,
     AgentToolCallStatus,
     DeferredToolCall,
     DeferredToolExecution,
@@ -35,7 +36,7 @@ from dex_agents import (
     ToolTaskStarted,
 )
 from dex_agents.builtin_loop import ToolCallContext, function_tool
-from dex_engine import HistoryEntry, RetryAfterError, RetryPolicy
+from dex_engine import HistoryEntry, RetryAfterError, RetryPolicy, StreamEvent
 
 
 class RateLimited(Exception):
@@ -48,6 +49,23 @@ class RateLimited(Exception):
 
 def history_of(history: list[HistoryEntry], step_type: str, event_type: str) -> list[HistoryEntry]:
     return [h for h in history if h.step_type == step_type and h.event_type == event_type]
+
+
+def ended_by_the_control(control: str, status: AgentToolCallStatus, events: list[StreamEvent],
+                         history: list[HistoryEntry], done: AgentSnapshot) -> str:
+    """Check that the turn's one call ended, recorded `status`, as one whose retry `control`
+    (cancel_turn or steer) ended, and that the session went on to the next turn; the reason given."""
+    finished = [json.loads(e.value.payload) for e in events if e.value.type == "tool_call_finished"]
+    assert [f["status"] for f in finished] == [status.value], finished
+    why = "the user cancelled the turn" if control == "cancel_turn" else "the user steered the turn with a new message"
+    (ended,) = history_of(history, "CallTool", "step_failed")
+    assert f"cancelled while waiting to retry: {why}" in ended.detail, ended
+    assert "429 Too Many Requests, retry after 3600 s" in ended.detail, ended
+    ending = "turn_cancelled" if control == "cancel_turn" else "turn_steered"
+    assert [e.value.type for e in events if e.value.type in ("turn_cancelled", "turn_steered", "turn_completed")] == [
+        ending, "turn_completed"]
+    assert done.messages[-1].text == "after the control"
+    return why
 
 
 @pytest.mark.parametrize(("effect", "error"), [
@@ -223,20 +241,11 @@ async def test_cancel_or_steer_ends_a_tool_call_waiting_to_retry_at_once_without
         done = await turns_ended(sessions, "a", 2)
         events = (await sessions.read_agent_events("a", limit=1000)).events
         history = await engine.client.get_flow_history("a")
-    finished = [json.loads(e.value.payload) for e in events if e.value.type == "tool_call_finished"]
-    assert [f["status"] for f in finished] == [status.value], finished
-    why = "the user cancelled the turn" if control == "cancel_turn" else "the user steered the turn with a new message"
-    (ended,) = history_of(history, "CallTool", "step_failed")
-    assert f"cancelled while waiting to retry: {why}" in ended.detail, ended
-    assert "429 Too Many Requests, retry after 3600 s" in ended.detail, ended
+    why = ended_by_the_control(control, status, events, history, done)
+    assert runner.attempts == [1]
     if status is AgentToolCallStatus.FAILED:  # the model is told why in the ended turn's note
         note = next(m.text or "" for m in done.messages if "after these tool calls ran" in (m.text or ""))
         assert f"cancelled while waiting to retry: {why}" in note, note
-    ending = "turn_cancelled" if control == "cancel_turn" else "turn_steered"
-    assert [e.value.type for e in events if e.value.type in ("turn_cancelled", "turn_steered", "turn_completed")] == [
-        ending, "turn_completed"]
-    assert done.messages[-1].text == "after the control"
-    assert runner.attempts == [1]
 
 
 class HeldHourRunner(HourRunner):
@@ -299,16 +308,7 @@ async def test_cancel_or_steer_during_a_tool_attempt_that_then_asks_retry_after_
         done = await turns_ended(sessions, "a", 2)
         events = (await sessions.read_agent_events("a", limit=1000)).events
         history = await engine.client.get_flow_history("a")
-    finished = [json.loads(e.value.payload) for e in events if e.value.type == "tool_call_finished"]
-    assert [f["status"] for f in finished] == [status.value], finished
-    why = "the user cancelled the turn" if control == "cancel_turn" else "the user steered the turn with a new message"
-    (ended,) = history_of(history, "CallTool", "step_failed")
-    assert f"cancelled while waiting to retry: {why}" in ended.detail, ended
-    assert "429 Too Many Requests, retry after 3600 s" in ended.detail, ended
-    ending = "turn_cancelled" if control == "cancel_turn" else "turn_steered"
-    assert [e.value.type for e in events if e.value.type in ("turn_cancelled", "turn_steered", "turn_completed")] == [
-        ending, "turn_completed"]
-    assert done.messages[-1].text == "after the control"
+    ended_by_the_control(control, status, events, history, done)
     assert runner.attempts == [1]
 
 
