@@ -568,6 +568,94 @@ def test_ctrl_c_in_close_still_closes_the_store_and_a_second_close_waits_for_it(
     assert outcomes == [f"client of {shown_url(db_url)!r} was closed while the call waited"]
 
 
+class _SigtermAt(set[Any]):
+    """A blocking Client's set of waiting calls that raises SIGTERM once in the calling thread (whose
+    handler runs at once, in it) when the client adds a call to it (before or after adding it), or
+    when close() lists it: each a moment the client holds its lock."""
+
+    def __init__(self, when: str) -> None:
+        super().__init__()
+        self.when = when
+
+    def _sigterm(self, when: str) -> None:
+        if self.when == when:
+            self.when = "done"  # once: the handler's own close() comes here too
+            signal.raise_signal(signal.SIGTERM)
+
+    def add(self, future: Any) -> None:
+        self._sigterm("before_in_flight")
+        super().add(future)
+        self._sigterm("after_in_flight")
+
+    def __iter__(self) -> Iterator[Any]:
+        self._sigterm("in_close")
+        return super().__iter__()
+
+
+@pytest.mark.parametrize("when", ["submitting", "queued", "before_in_flight", "after_in_flight", "in_close"])
+def test_close_in_a_signal_handler_returns_wherever_it_interrupts_the_client(db_url: str, when: str) -> None:
+    """A script's SIGTERM handler calls close() of the Client its main thread is using, and the signal
+    comes while that thread holds the client's lock: as a call is handed to the loop (before or after
+    the loop checks it is open), just before or after the call is counted as waiting, or in the
+    script's own close(). The handler's close returns; the interrupted call raises saying the client
+    is closed; the loop thread ends and the store is closed. Catches: the handler's close() waited
+    for ever for the lock the thread it interrupted held; with a reentrant lock, the interrupted call
+    waited for ever on the loop the close had stopped (or met "Event loop is closed", or the closed
+    store), and a close in close() waited for ever for the loop thread the interrupted close had yet
+    to end."""
+    assert threading.current_thread() is threading.main_thread()  # where the handler runs, in the fork too
+
+    def drive() -> str:
+        client = Client(Registry([FLOW]), db_url)
+        client.start_flow("Smoke", "waited", 1)  # no worker: it runs until the test ends
+        said: list[str] = []
+
+        def on_sigterm(signum: int, frame: object) -> None:
+            client.close()
+            said.append("handler closed")
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        if when in ("submitting", "queued"):
+            loop: Any = client._loop
+            check_closed = loop._check_closed
+            armed = [True]
+
+            def sigterm_around_the_check() -> None:
+                # Once, in the main thread: there only the call's hand-over and the close check it.
+                if not (armed and threading.current_thread() is threading.main_thread()):
+                    check_closed()
+                    return
+                armed.clear()
+                if when == "submitting":
+                    signal.raise_signal(signal.SIGTERM)
+                check_closed()
+                if when == "queued":
+                    signal.raise_signal(signal.SIGTERM)
+
+            loop._check_closed = sigterm_around_the_check  # in the fork only
+        client._in_flight = _SigtermAt(when)
+        try:
+            if when == "in_close":
+                client.close()
+                said.append("closed")
+            else:
+                client.wait_for_flow("waited", math.inf)
+                said.append("returned")
+        except RuntimeError as exc:
+            said.append(str(exc))
+        said.append(f"loop thread ended: {not client._thread.is_alive()}")
+        said.append(f"store closed: {_store_closed(client._async.store)}")
+        return "; ".join(said)
+
+    url = shown_url(db_url)
+    ended = {
+        "submitting": f"client of {url!r} is closed; its close() was called (by this or another thread): open the "
+                      "database again with a new Client",
+        "in_close": "closed",
+    }.get(when, f"client of {url!r} was closed while the call waited")
+    assert _in_a_fork(drive) == f"handler closed; {ended}; loop thread ended: True; store closed: True"
+
+
 async def test_a_close_racing_another_returns_only_once_the_store_is_closed(db_url: str) -> None:
     """Two threads close one Client at once, its loop busy (an RPC handler blocks it): the one that
     comes second returns only once the store is closed, as the first does. Catches: it returned at

@@ -761,9 +761,21 @@ class Client:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=_serve, args=(self._loop,), name="dex-client", daemon=True)
         # Calls other threads wait in: close() ends them, or they would wait on a stopped loop for ever.
-        self._lock = threading.Lock()
+        # Reentrant: a signal handler (a script's SIGTERM handler) that calls close() runs in the main
+        # thread between two bytecodes, maybe while that very thread holds the lock in a call or in
+        # close(), and with a plain Lock waited for it for ever.
+        self._lock = threading.RLock()
         self._in_flight: set[concurrent.futures.Future[Any]] = set()
+        # The calls' tasks, which the close cancels on the loop: a close a signal handler runs while
+        # its thread was handing a call to the loop finds the call in neither _in_flight nor done.
+        # Used on the loop thread only.
+        self._call_tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
+        # The thread of the first close(), and the close it handed to the loop once the loop is sure
+        # to stop after it: a close() a signal handler runs while that thread's own close() has not
+        # got so far must not wait for the loop thread to end (see close()).
+        self._closer: int | None = None
+        self._closing: concurrent.futures.Future[None] | None = None
         # Its thread lives only in this process: a fork's copy (gunicorn --preload) would queue
         # calls to a loop that no thread runs, and wait for ever.
         self._pid = os.getpid()
@@ -819,10 +831,24 @@ class Client:
         with self._lock:
             if self._closed:
                 coro.close()
-                raise RuntimeError(f"client of {shown_url(self._url)!r} is closed; its close() was called (by this "
-                                   "or another thread): open the database again with a new Client")
-            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+                raise self._closed_error()
+            tracked = self._tracked(coro)
+            try:
+                future = asyncio.run_coroutine_threadsafe(tracked, self._loop)
+            except RuntimeError:
+                tracked.close()
+                coro.close()
+                if not self._closed_now():
+                    raise
+                # A signal handler's close() ran in this thread since the check above (the lock is
+                # reentrant), and the loop it stopped is closed ("Event loop is closed").
+                raise self._closed_error() from None
             self._in_flight.add(future)
+            # Checked again once the call is in _in_flight: a signal handler's close() that ran in this
+            # thread since the check above did not see it, and may have stopped the loop before it
+            # ran, where it would wait for ever.
+            if self._closed_now():
+                future.cancel()
         try:
             return future.result()
         except concurrent.futures.CancelledError:
@@ -838,6 +864,30 @@ class Client:
         finally:
             with self._lock:
                 self._in_flight.discard(future)
+
+    async def _tracked(self, coro: Coroutine[Any, Any, T]) -> T:
+        """`coro`, run as a call the close cancels."""
+        task = asyncio.current_task()
+        assert task is not None  # run_coroutine_threadsafe runs it in a task
+        self._call_tasks.add(task)
+        try:
+            return await coro
+        finally:
+            self._call_tasks.discard(task)
+
+    async def _close_on_loop(self) -> None:
+        for task in self._call_tasks:
+            task.cancel()  # its caller's result() raises
+        await self._async.close()
+
+    def _closed_now(self) -> bool:
+        """_closed, read again: a signal handler's close() may have set it since the last read, in this
+        very thread, which a type checker's narrowing does not know."""
+        return self._closed
+
+    def _closed_error(self) -> RuntimeError:
+        return RuntimeError(f"client of {shown_url(self._url)!r} is closed; its close() was called (by this or "
+                            "another thread): open the database again with a new Client")
 
     def start_flow(self, flow_type: str, flow_id: str, input: Any = None, *,
                    config_override: FlowConfig | None = None) -> None:
@@ -882,6 +932,8 @@ class Client:
     def close(self) -> None:
         """Close the store; calls other threads wait in raise RuntimeError. A second close (another
         thread's, or one after a Ctrl-C in the first) closes nothing more: it returns once the first is done.
+        A signal handler may call it, even one that interrupted a call or close() of this client in its
+        thread: a close() interrupted before it told the loop to close returns once the handler does.
 
         In a fork of the process that made the client it only marks the client closed: the
         loop thread and the store belong to the parent, which goes on using them."""
@@ -891,20 +943,35 @@ class Client:
             return
         if threading.current_thread() is self._thread:
             raise self._on_own_loop("close()", "close it from another thread")
+        me = threading.get_ident()
         with self._lock:
-            first = not self._closed
             self._closed = True
+            # No call between the test and the set: a signal handler's close() cannot run between them.
+            first = self._closer is None
+            if first:
+                self._closer = me
             waiting = list(self._in_flight)
         if first:
-            self._dropped.detach()
-            for future in waiting:
-                future.cancel()  # cancels its task on the loop; the caller's result() raises
-            # The loop stops itself once the close is done, whatever becomes of this caller: stopped
-            # from here after a Ctrl-C in the wait, it stopped before the close ran, and the store
-            # stayed open until the process exited.
-            closing = asyncio.run_coroutine_threadsafe(self._async.close(), self._loop)
-            loop = self._loop
-            closing.add_done_callback(lambda _: loop.call_soon_threadsafe(loop.stop))
+            try:
+                self._dropped.detach()
+                for future in waiting:
+                    future.cancel()  # cancels its task on the loop; the caller's result() raises
+                # The loop stops itself once the close is done, whatever becomes of this caller: stopped
+                # from here after a Ctrl-C in the wait, it stopped before the close ran, and the store
+                # stayed open until the process exited.
+                closing = asyncio.run_coroutine_threadsafe(self._close_on_loop(), self._loop)
+                loop = self._loop
+                closing.add_done_callback(lambda _: loop.call_soon_threadsafe(loop.stop))
+                self._closing = closing
+            except BaseException:
+                if self._closing is None:
+                    self._closer = None  # interrupted (Ctrl-C) before the loop was told: the next close() does it
+                raise
+        elif self._closing is None and self._closer == me:
+            # A signal handler's close() that interrupted this thread's own first close() before that
+            # told the loop to close and stop: the loop thread ends only once that close goes on,
+            # after this returns, so waiting for it here waited for ever.
+            return
         # A second close (another thread's, or a retry after Ctrl-C) returns once the first is done
         # too: the store is closed when any close() returns.
         self._thread.join()  # the loop stops, and closes (_serve)
