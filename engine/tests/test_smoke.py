@@ -656,6 +656,56 @@ def test_close_in_a_signal_handler_returns_wherever_it_interrupts_the_client(db_
     assert _in_a_fork(drive) == f"handler closed; {ended}; loop thread ended: True; store closed: True"
 
 
+def test_a_second_sigterm_while_the_handlers_close_waits_for_the_loop_thread_returns(db_url: str) -> None:
+    """A script's SIGTERM handler calls close(), and a second SIGTERM comes while that close waits for
+    the client's loop thread to end, delivered to another thread (the kernel picks any that does not
+    block it): the main thread runs the handler again once its wait returns. Both closes return.
+    Catches: the wait was Thread.join(), which the second handler's close ran in again after the
+    first had taken the ended thread's lock, and waited for ever for it."""
+    assert threading.current_thread() is threading.main_thread()  # where the handler runs, in the fork too
+
+    def drive() -> str:
+        client = Client(Registry([FLOW]), db_url)
+        client.start_flow("Smoke", "waited", 1)
+        said: list[str] = []
+
+        def on_sigterm(signum: int, frame: object) -> None:
+            client.close()
+            said.append("handler closed")
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        close = client._async.close
+        main = threading.main_thread()
+
+        async def second_sigterm_then_close() -> None:
+            async def waiting() -> bool:
+                return _waiting_in_close(main)
+
+            await wait_until("the main thread to wait in close()", waiting, timeout=30)
+            signal.raise_signal(signal.SIGTERM)  # here, on the loop thread: the main thread's wait goes on
+            await close()
+
+        client._async.close = second_sigterm_then_close  # type: ignore[method-assign]  # in the fork only
+        signal.raise_signal(signal.SIGTERM)
+        said.append(f"loop thread ended: {not client._thread.is_alive()}")
+        said.append(f"store closed: {_store_closed(client._async.store)}")
+        return "; ".join(said)
+
+    assert _in_a_fork(drive) == "handler closed; handler closed; loop thread ended: True; store closed: True"
+
+
+def _waiting_in_close(thread: threading.Thread) -> bool:
+    """Whether `thread` waits (in threading's code) in a blocking Client's close() now."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None or frame.f_code.co_filename != threading.__file__:
+        return False
+    while frame is not None:
+        if frame.f_code.co_name == "close" and frame.f_code.co_filename == inspect.getfile(Client):
+            return True
+        frame = frame.f_back
+    return False
+
+
 async def test_a_close_racing_another_returns_only_once_the_store_is_closed(db_url: str) -> None:
     """Two threads close one Client at once, its loop busy (an RPC handler blocks it): the one that
     comes second returns only once the store is closed, as the first does. Catches: it returned at
@@ -688,8 +738,8 @@ async def test_a_close_racing_another_returns_only_once_the_store_is_closed(db_u
 
         second = threading.Thread(target=close_again, daemon=True)
         second.start()
-        # Let the handler go once the second close returned, or waits in the join of the loop thread.
-        while second.is_alive() and not _in_join(second) and time.monotonic() < deadline:
+        # Let the handler go once the second close returned, or waits for the loop thread to end.
+        while second.is_alive() and not _waiting_in_close(second) and time.monotonic() < deadline:
             time.sleep(0.01)
         _handler_released.set()
         for thread in (second, first, caller):
@@ -771,16 +821,6 @@ def _store_closed(store: Store) -> bool:
         asyncio.run(store.describe_flow("held"))
     except RuntimeError as exc:
         return "is closed" in str(exc)
-    return False
-
-
-def _in_join(thread: threading.Thread) -> bool:
-    """Whether `thread` waits in a Thread.join now."""
-    frame = sys._current_frames().get(thread.ident or -1)
-    while frame is not None:
-        if frame.f_code.co_name == "join" and frame.f_code.co_filename == threading.__file__:
-            return True
-        frame = frame.f_back
     return False
 
 

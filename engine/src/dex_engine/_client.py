@@ -711,12 +711,15 @@ def _check_limit(limit: object) -> None:
         raise ValueError(f"limit must be a whole number from 1 to {MAX_READ_LIMIT}, got {shown(limit, None)}")
 
 
-def _serve(loop: asyncio.AbstractEventLoop) -> None:
-    """A blocking Client's loop thread: runs `loop` until stopped, then closes it."""
+def _serve(loop: asyncio.AbstractEventLoop, served: concurrent.futures.Future[None]) -> None:
+    """A blocking Client's loop thread: runs `loop` until stopped, then closes it, then sets `served`."""
     try:
         loop.run_forever()
     finally:
-        loop.close()
+        try:
+            loop.close()
+        finally:
+            served.set_result(None)
 
 
 def _close_dropped(loop: asyncio.AbstractEventLoop, client: AsyncClient, pid: int, url: str) -> None:
@@ -759,7 +762,10 @@ class Client:
     def __init__(self, registry: Registry, database_url: str) -> None:
         self._url = database_url
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=_serve, args=(self._loop,), name="dex-client", daemon=True)
+        # Set once the loop thread closed the loop: what close() waits for (see there).
+        self._served: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=_serve, args=(self._loop, self._served), name="dex-client",
+                                        daemon=True)
         # Calls other threads wait in: close() ends them, or they would wait on a stopped loop for ever.
         # Reentrant: a signal handler (a script's SIGTERM handler) that calls close() runs in the main
         # thread between two bytecodes, maybe while that very thread holds the lock in a call or in
@@ -974,7 +980,12 @@ class Client:
             return
         # A second close (another thread's, or a retry after Ctrl-C) returns once the first is done
         # too: the store is closed when any close() returns.
-        self._thread.join()  # the loop stops, and closes (_serve)
+        # The loop stops, and closes (_serve). Waited for in a future, then joined: a signal handler's
+        # close() that ran in this thread as Thread.join() got the ended thread's lock (a second SIGTERM,
+        # delivered to another thread, is handled once this one runs again) joined it again while the
+        # join it interrupted held that lock, and waited for ever; a future's wait is reentrant.
+        self._served.result()
+        self._thread.join()
         if first:
             closing.result()  # the close's own error, if it failed
 
