@@ -21,6 +21,7 @@ import pytest
 
 from dex_engine import (
     AsyncClient,
+    AsyncWorker,
     Attribute,
     Channel,
     Client,
@@ -34,6 +35,7 @@ from dex_engine import (
     Stream,
     Timer,
     Wait,
+    WorkerOptions,
     open_store,
     rpc,
 )
@@ -496,6 +498,40 @@ def test_ctrl_c_while_a_blocking_client_opens_a_silent_server_raises_at_once() -
     assert opening, f"each open ended before its interrupt reached the caller: {outcomes}"
     opening[0].join(30)  # a hang guard
     assert not opening[0].is_alive(), "the interrupted open's thread still runs"
+
+
+async def test_a_worker_stopped_while_it_opens_a_silent_server_stops_at_once() -> None:
+    """stop() (a SIGTERM handler's) while AsyncWorker.run() opens a PostgreSQL server that accepted
+    the connection but does not answer: run() returns, not having started, while the open still
+    waits, and the open's thread ends once the open fails. Catches: the open ran on the event loop,
+    so nothing else ran on it (the SIGTERM handler among them) until the connect timeout (10 s) ran
+    out, and run() then raised StoreOpenError."""
+    before = set(threading.enumerate())
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        url = f"postgresql://dex@127.0.0.1:{server.getsockname()[1]}/silent"
+        worker = AsyncWorker(Registry([FLOW]), WorkerOptions(database_url=url))
+        running = asyncio.create_task(worker.run())
+        server.settimeout(30)  # a hang guard
+        accepted, _ = await asyncio.to_thread(server.accept)
+        with accepted:
+            await asyncio.wait_for(worker.stop(), 30)  # a hang guard
+            assert await running is None
+            assert not _hung_up(accepted), "the worker's stop waited until the open gave up"
+    opening = [thread for thread in set(threading.enumerate()) - before if thread.name == "dex-worker-open"]
+    for thread in opening:
+        thread.join(30)  # a hang guard: the open fails once the server hung up
+        assert not thread.is_alive(), "the stopped worker's open still runs"
+
+
+def _hung_up(conn: socket.socket) -> bool:
+    """Whether the peer of `conn` closed it (read past what it sent)."""
+    conn.setblocking(False)
+    try:
+        while conn.recv(1 << 16):
+            pass
+    except BlockingIOError:
+        return False  # open, and nothing more to read
+    return True
 
 
 # A handler that holds its client's loop until the test lets it go: a blocking call in an RPC handler.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
@@ -347,8 +348,20 @@ class AsyncWorker:
                 _ids_running_here.discard(self.worker_id)
 
     async def _run(self) -> None:
+        self._stopped.clear()  # set by an earlier run that could not open the store
         if self._store is None:
-            self._store = open_store(self.options.database_url)
+            try:
+                opened = await self._open_store()
+            except BaseException:
+                # As when registering fails below: a stop() after it (a SIGTERM handler's) returns,
+                # where it waited for ever for a stop of a run that had ended.
+                self._stopped.set()
+                raise
+            if opened is None:
+                self._ran = True
+                self._stopped.set()
+                return  # stopped while the store opened
+            self._store = opened
         store = self._store
         store.add_commit_listener(self._notify)
         store.add_local_claimer(self)
@@ -397,6 +410,38 @@ class AsyncWorker:
             self._stopped.set()
         if self._fatal is not None:
             raise self._fatal
+
+    async def _open_store(self) -> Store | None:
+        """The store of options.database_url, opened on a thread of its own; None if stop() came
+        first, and then the store, once made, is closed. On PostgreSQL the open connects and
+        migrates: against a server that does not answer it waits out the connect timeout (10 s an
+        address), which on the event loop held up everything the loop runs, the SIGTERM handler
+        that would stop the worker among them."""
+        opening: concurrent.futures.Future[Store] = concurrent.futures.Future()
+        url = self.options.database_url
+
+        def open_it() -> None:
+            # Running from here: a stop now no longer cancels it, and the store it makes is closed.
+            if not opening.set_running_or_notify_cancel():
+                return  # stopped before the open began
+            try:
+                opening.set_result(open_store(url))
+            except BaseException as exc:  # handed to the worker, which raises it
+                opening.set_exception(exc)
+
+        # A daemon thread, not asyncio.to_thread: asyncio.run waits for its executor's threads as it
+        # ends, so a stopped worker's process would still wait out the open.
+        threading.Thread(target=open_it, name="dex-worker-open", daemon=True).start()
+        opened = asyncio.wrap_future(opening)
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((opened, stopping), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not opened.done():  # stopped, or run() cancelled
+                opened.cancel()  # the open too, if it has not begun; once begun it cannot be interrupted
+                opening.add_done_callback(_close_opened)
+        return opened.result() if not opened.cancelled() else None
 
     def _database_shown(self) -> str:
         """Where this worker runs Steps from, for its start log. A session nobody runs is most often
@@ -1259,6 +1304,12 @@ class AsyncWorker:
                     log.warning("flow %s: %d events of %s attempt %d could not be written and were dropped",
                                 running.lease.flow_id, len(values), running.lease.step_execution_id,
                                 running.lease.attempt, exc_info=True)
+
+
+def _close_opened(opening: concurrent.futures.Future[Store]) -> None:
+    """Close the store an open that nobody waits for any more made (its worker was stopped)."""
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close_nowait()
 
 
 def _lease_context(flow: Flow, lease: Lease, heartbeat: HeartbeatFn, write_event: EventFn) -> Context:
