@@ -407,6 +407,37 @@ async def test_housekeeping_declares_workers_dead_only_while_its_own_lease_holds
     assert await housekeep(None) == 2
 
 
+
+async def test_a_forward_clock_step_moves_only_the_deadlines_set_before_it(store: Store) -> None:
+    """After the wall clock stepped 60 s forward, a worker moves its running attempts' heartbeat and
+    method deadlines 60 s later, only those claimed before the step; housekeeping that does not
+    trust leases yet fails none past its deadline, one that does fails those still past. Catches:
+    every live attempt failed as HeartbeatTimeout or MethodTimeout by the step, another worker's
+    attempts or one claimed after the step moved as well."""
+    await store.register_worker("peer", "contract-host", 2, HOUR_MS)
+    claimed = []
+    for flow_id, worker in (("before", W), ("after", W), ("peers", "peer")):
+        await start(store, flow_id)
+        claimed.append(await claim_one(store, worker))
+    before, after, peers = claimed
+    now = 10_000_000
+    for lease, claimed_at in ((before, now - 70_000), (after, now - 1_000), (peers, now - 70_000)):
+        await store.raw(lambda db, t=lease.task_id, c=claimed_at: db.run(
+            "UPDATE tasks SET claimed_at = ?, deadline_at = ?, method_deadline_at = ? WHERE task_id = ?",
+            (c, now - 500, now - 500, t)), write=True)
+    assert await store.shift_deadlines(W, 60_000, now - 60_000) == 1
+    deadlines = dict(await store.raw(lambda db: db.all("SELECT flow_id, deadline_at FROM tasks WHERE "
+                                                       "method_deadline_at = deadline_at")))
+    assert deadlines == {"before": now + 59_500, "after": now - 500, "peers": now - 500}
+
+    async def timeouts(declare_dead: bool) -> int:
+        report = await store.raw(lambda db: tx.housekeeping(db, now, W, declare_dead=declare_dead), write=True)
+        return int(report.timeouts)
+
+    assert await timeouts(False) == 0
+    assert await timeouts(True) == 2
+    assert [(x[0], x[1]) for x in await active(store, "before")] == [("Start-1", "running")]
+
 async def test_a_worker_id_held_by_a_live_worker_elsewhere_is_refused(store: Store) -> None:
     """Registering under an ID whose live lease another process (host and PID) holds raises
     WorkerIdInUseError naming that process, and changes nothing; the same process registers again

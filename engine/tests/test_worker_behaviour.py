@@ -2174,3 +2174,42 @@ async def test_work_a_full_workers_housekeeping_readies_as_its_slot_frees_is_cla
         assert forced, "no housekeeping poll was sent while the slot was held: the test did not force the race"
         assert info.status == "completed", f"the fired timer's Step was not claimed at once: {info}"
         assert ran == ["held", "timed"]
+
+
+@pytest.mark.parametrize("timeout", ["heartbeat", "execute"])
+async def test_a_forward_step_of_the_wall_clock_fails_no_live_attempt_as_timed_out(
+    db_url: str, timeout: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The wall clock steps forward 20 s under a live worker whose started Step heartbeats every
+    second with a 5 s heartbeat timeout (or has a 10 s execute timeout) and ends in 3 s. Catches:
+    housekeeping failing it as HeartbeatTimeout or MethodTimeout at once, by deadlines written
+    before the step, while it runs on: its write done, the attempt recorded failed (for an agent's
+    single-attempt write, outcome_unknown) and, with retries, run a second time."""
+    runs: list[int] = []
+
+    async def tool(ctx: Context, _: Any) -> StepDecision:
+        for _ in range(3):
+            await ctx.heartbeat()
+            if not runs or runs[-1] != ctx.attempt:
+                runs.append(ctx.attempt)  # after a heartbeat: the step must come after a deadline written
+            await asyncio.sleep(1.0)
+        return StepDecision.graceful_complete()
+
+    options = (StepOptions(heartbeat_timeout_seconds=5.0) if timeout == "heartbeat"
+               else StepOptions(execute_timeout_seconds=10.0))
+    registry = Registry([Flow("Tools", [Step("Hold", tool, options=options)], start_step="Hold")])
+    offset = [0.0]
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + offset[0])
+    # A TTL shorter than what is left of the Step: the trust after the step ends while it runs.
+    timings = {"lease_ttl_seconds": 1.2, "lease_renew_seconds": 0.4, "housekeeping_seconds": 0.1}
+    async with engine_for(db_url, registry, worker=False) as eng:
+        await eng.start_worker(worker_id="tools", **timings)
+        await eng.client.start_flow("Tools", "t")
+        await wait_until("the tool to start", lambda: asyncio.sleep(0, runs))
+        offset[0] = 20.0  # NTP steps the machine's clock forward
+        assert (await eng.client.wait_for_flow("t", 30)).status == "completed"
+        history = await eng.client.get_flow_history("t")
+        assert [h.detail for h in history if h.event_type == "attempt_failed"] == []
+        assert runs == [1]
+

@@ -414,6 +414,10 @@ class Store(ABC):
         return await self._run(lambda db: tx.renew_worker(db, worker_id, ttl_ms, now_ms(), holder), write=True,
                                durable=False)
 
+    async def shift_deadlines(self, worker_id: str, shift_ms: int, claimed_by: int) -> int:
+        """See tx.shift_deadlines: the wall clock stepped forward `shift_ms` under the worker's attempts."""
+        return await self._run(lambda db: tx.shift_deadlines(db, worker_id, shift_ms, claimed_by), write=True)
+
     async def unregister_worker(self, worker_id: str, *, holder: tuple[str, int] | None = None) -> None:
         """Remove the worker (with `holder`, only the row that host and PID hold)."""
         await self._run(lambda db: tx.unregister_worker(db, worker_id, now_ms(), holder), write=True)

@@ -1912,6 +1912,25 @@ def renew_worker(db: Db, worker_id: str, ttl_ms: int, now: int, holder: tuple[st
     return bool(db.run(f"UPDATE workers SET expires_at = ? WHERE {where}", (now + ttl_ms, *params)))
 
 
+def shift_deadlines(db: Db, worker_id: str, shift_ms: int, claimed_by: int) -> int:
+    """Move the heartbeat and method deadlines of `worker_id`'s running attempts claimed by
+    `claimed_by` (ms) `shift_ms` later: the wall clock stepped forward that much under them, and
+    a deadline is a duration from the attempt's claim or last heartbeat, which the step must not
+    shorten (every live attempt would fail as HeartbeatTimeout or MethodTimeout at once). Taken
+    under each flow's lock, in the order every transaction locks flows. Returns the attempts moved."""
+    moved = 0
+    for flow_id, task_id in _in_lock_order(db.all(
+        "SELECT flow_id, task_id FROM tasks WHERE state = 'running' AND lease_owner = ? AND claimed_at <= ? "
+        "AND deadline_at IS NOT NULL", (worker_id, claimed_by),
+    ), 0, 1):
+        lock_flow(db, str(flow_id))
+        moved += db.run(
+            "UPDATE tasks SET deadline_at = deadline_at + ?, method_deadline_at = method_deadline_at + ? "
+            "WHERE task_id = ? AND state = 'running' AND lease_owner = ? AND claimed_at <= ?",
+            (shift_ms, shift_ms, task_id, worker_id, claimed_by))
+    return moved
+
+
 def unregister_worker(db: Db, worker_id: str, now: int, holder: tuple[str, int] | None = None) -> None:
     """Remove the worker's row (with `holder`, only if that process holds it, see renew_worker);
     its attempts left in the database are failed or handed back as a dead worker's."""
@@ -1955,11 +1974,15 @@ def housekeeping(
     is gone: a live worker that finds its own lease expired has seen the wall clock step forward
     (or was paused), so the others' expired leases prove nothing either until the renewals catch up.
     Nor with `declare_dead` False: the caller saw the wall clock step, and its own lease may have
-    been renewed since, while the others' renewals have not caught up yet.
+    been renewed since, while the others' renewals have not caught up yet. In both cases it fails
+    no attempt past its deadline either (see shift_deadlines).
     """
     removed = 0
     own = None if worker_id is None else db.one("SELECT expires_at FROM workers WHERE worker_id = ?", (worker_id,))
-    if declare_dead and (worker_id is None or (own is not None and int(own[0]) >= now)):
+    # The same holds for deadlines: after a forward step every one written before it looks passed,
+    # until each worker has moved its own attempts' (shift_deadlines) at its next renewal.
+    trusted = declare_dead and (worker_id is None or (own is not None and int(own[0]) >= now))
+    if trusted:
         removed = db.run("DELETE FROM workers WHERE expires_at < ?", (now,))
     named: list[str] = []
     expired = _expire_orphans(db, now, named=named)
@@ -1968,7 +1991,7 @@ def housekeeping(
     # taken in ID order so that concurrent housekeepers cannot deadlock.
     for flow_id, task_id in _in_lock_order(db.all(
         "SELECT flow_id, task_id FROM tasks WHERE state = 'running' AND deadline_at < ?", (now,)
-    ), 0, 1):
+    ) if trusted else [], 0, 1):
         lock_flow(db, str(flow_id))
         row = db.one("SELECT method_deadline_at FROM tasks WHERE task_id = ? AND state = 'running' "
                      "AND deadline_at < ?", (task_id, now))

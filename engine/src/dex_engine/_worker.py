@@ -246,6 +246,8 @@ class AsyncWorker:
         # The wall clock stepped (see _watch_clock): until this monotonic time, declare no worker dead.
         self._clock = WallClockSteps()
         self._trust_leases_at = 0.0
+        # Forward steps not yet taken out of our attempts' deadlines (ms, claimed by): see _watch_clock.
+        self._deadline_shifts: list[tuple[int, int]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background: asyncio.Task[None] | None = None
         # Starts (wall-clock ms) of commits in flight that may claim work: until a commit's reply is
@@ -594,22 +596,27 @@ class AsyncWorker:
         return free > max(asked, 0) - claimed
 
     def _watch_clock(self) -> None:
-        """After a step of the wall clock, declare no worker dead for one lease TTL.
+        """After a step of the wall clock, declare no worker dead and fail no attempt past its
+        deadline for one lease TTL, and move this worker's attempts' deadlines by a forward step.
 
         Forward, every lease written before it looks expired, this worker's own too; renewing its
         own first (the housekeeping guard sees only that one) would let it remove live peers whose
         renewals have not caught up yet, and their started Steps would run again. Within a TTL
-        every live worker has renewed. Back, a worker that died just before takes that much longer
-        to be taken over: said, since nothing here can shorten a lease another process wrote."""
+        every live worker has renewed, and moved its attempts' heartbeat and method deadlines
+        (durations the step did not take) as far forward: those claimed by the wall time less the
+        step are the ones claimed before it. Back, a worker that died just before takes that much
+        longer to be taken over: said, since nothing here can shorten a lease another process wrote."""
         stepped = self._clock.step()
         if abs(stepped) <= CLOCK_STEP_SECONDS:
             return
         if stepped > 0:
             self._trust_leases_at = time.monotonic() + self.options.lease_ttl_seconds
+            shift_ms = int(stepped * 1000)
+            self._deadline_shifts.append((shift_ms, int(time.time() * 1000) - shift_ms))
             self._renew_now.set()
             log.warning("worker %s: the wall clock stepped %.1f s forward; it declares no worker dead for the "
-                        "next %.0f s (lease_ttl_seconds), while the others renew their leases", self.worker_id,
-                        stepped, self.options.lease_ttl_seconds)
+                        "next %.0f s (lease_ttl_seconds), while the others renew their leases, and moves its "
+                        "running attempts' deadlines as far", self.worker_id, stepped, self.options.lease_ttl_seconds)
         else:
             log.warning("worker %s: the wall clock stepped %.1f s back; a worker that died just before is taken "
                         "over that much later", self.worker_id, -stepped)
@@ -766,6 +773,9 @@ class AsyncWorker:
                 async with asyncio.timeout(self.options.lease_renew_seconds):
                     await self._renew_now.wait()
             self._renew_now.clear()
+            # Here too, not only before each poll: a worker asleep between polls (a watched store,
+            # long attempts) must still move its deadlines before the others' TTL of trust ends.
+            self._watch_clock()
             try:
                 if not await self.store.renew_worker(self.worker_id, ttl_ms, holder=self._holder):
                     # Declared dead while we were paused or cut off: every attempt we hold is gone.
@@ -778,7 +788,11 @@ class AsyncWorker:
                     await self.store.register_worker(self.worker_id, *self._holder, ttl_ms)
                 if self._unregistered:
                     self._unregistered = self._id_held_elsewhere = False
+                    self._deadline_shifts.clear()  # the attempts they were for are gone
                     self._notify()  # claims were held back meanwhile
+                while self._deadline_shifts:
+                    await self.store.shift_deadlines(self.worker_id, *self._deadline_shifts[0])
+                    del self._deadline_shifts[0]  # once done: a failure leaves it for the next try
                 renewals.succeeded()
             except WorkerIdInUseError as exc:
                 # Another live process took our ID over while we were paused: claim nothing, and try
