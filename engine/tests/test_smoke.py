@@ -39,6 +39,7 @@ from dex_engine import (
     open_store,
     rpc,
 )
+from dex_engine import _worker as worker_module
 from dex_engine._open import shown_url
 from dex_engine._pg_store import NETWORK_TIMEOUTS, PostgresStore
 from dex_engine._sqlite_store import SqliteStore
@@ -521,6 +522,37 @@ async def test_a_worker_stopped_while_it_opens_a_silent_server_stops_at_once() -
     for thread in opening:
         thread.join(30)  # a hang guard: the open fails once the server hung up
         assert not thread.is_alive(), "the stopped worker's open still runs"
+
+
+async def test_a_worker_stopped_while_its_open_runs_closes_the_store_the_open_then_makes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop() while AsyncWorker.run() opens its store, the open then succeeding (a slow PostgreSQL
+    connect that gets through; here a SQLite open held back): run() returns at the stop, and the
+    store the open makes afterwards is closed, its threads ended. Catches: nobody closed it, so its
+    threads (on PostgreSQL, its connections) lived until the process exited."""
+    release = threading.Event()
+    opening = threading.Event()
+    opened: list[Store] = []
+    real_open = worker_module.open_store
+
+    def held_open(url: str) -> Store:
+        opening.set()
+        release.wait(30)  # a hang guard
+        opened.append(real_open(url))
+        return opened[-1]
+
+    monkeypatch.setattr(worker_module, "open_store", held_open)
+    before = set(threading.enumerate())
+    worker = AsyncWorker(Registry([FLOW]), WorkerOptions(database_url=f"sqlite:///{tmp_path / 'held.db'}"))
+    running = asyncio.create_task(worker.run())
+    assert await asyncio.to_thread(opening.wait, 30)  # a hang guard
+    await asyncio.wait_for(worker.stop(), 30)  # a hang guard
+    assert await running is None
+    assert not opened, "run() waited for the open"
+    release.set()
+    assert await asyncio.to_thread(_threads_end, before) == []
+    assert len(opened) == 1
 
 
 def _hung_up(conn: socket.socket) -> bool:
