@@ -447,9 +447,11 @@ _OPEN_GIVES_UP_SECONDS = float(NETWORK_TIMEOUTS["connect_timeout"])
 _SILENT_SERVER_TRIES = 3
 
 
-def _interrupt_an_open(before: set[threading.Thread]) -> tuple[list[threading.Thread], str]:
-    """Ctrl-C once Client(...) connected to a server that never answers; the new client threads
-    still alive when KeyboardInterrupt was caught, and what happened if there are none."""
+def _interrupt_an_open(before: set[threading.Thread]) -> tuple[bool | None, str]:
+    """Ctrl-C once Client(...) connected to a server that never answers, then the server hangs up on
+    it and on every connection after (libpq tries again without SSL). Whether the client's thread,
+    alive when KeyboardInterrupt was caught, ended once the open failed (None: none was alive), and
+    what happened."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         url = f"postgresql://dex@127.0.0.1:{server.getsockname()[1]}/silent"
         accepted: list[socket.socket] = []
@@ -461,13 +463,14 @@ def _interrupt_an_open(before: set[threading.Thread]) -> tuple[list[threading.Th
             sent_at.append(time.monotonic())
             os.kill(os.getpid(), signal.SIGINT)
 
-        threading.Thread(target=interrupt_once_connected, daemon=True).start()
+        interrupter = threading.Thread(target=interrupt_once_connected, daemon=True)
+        interrupter.start()
         with pytest.raises(KeyboardInterrupt):
             Client(Registry([FLOW]), url)
         caught_at = time.monotonic()
         opening = [thread for thread in set(threading.enumerate()) - before if thread.name == "dex-client"]
         if not sent_at:
-            return opening, "a stray interrupt came before the client connected"
+            return None, "a stray interrupt came before the client connected"
         accepted[0].setblocking(False)
         try:
             connection = "hung up" if accepted[0].recv(1 << 16) == b"" else "still open"
@@ -475,9 +478,26 @@ def _interrupt_an_open(before: set[threading.Thread]) -> tuple[list[threading.Th
             connection = "still open"
         except OSError as exc:
             connection = f"failed: {exc!r}"
+        outcome = f"the interrupt was caught {caught_at - sent_at[0]:.3f} s after the signal; the client's " \
+                  f"connection: {connection}"
+        if not opening:
+            accepted[0].close()
+            return None, outcome
+        done = threading.Event()
+
+        def hang_up_on_each() -> None:
+            server.settimeout(0.05)
+            while not done.is_set():
+                with contextlib.suppress(TimeoutError):
+                    server.accept()[0].close()
+
+        hanging_up = threading.Thread(target=hang_up_on_each, daemon=True)
+        hanging_up.start()
         accepted[0].close()  # the server hangs up: the open fails
-    return opening, (f"the interrupt was caught {caught_at - sent_at[0]:.3f} s after the signal; the client's "
-                     f"connection: {connection}")
+        opening[0].join(30)  # a hang guard
+        done.set()
+        hanging_up.join(30)  # a hang guard
+    return not opening[0].is_alive(), outcome
 
 
 def test_ctrl_c_while_a_blocking_client_opens_a_silent_server_raises_at_once() -> None:
@@ -490,15 +510,14 @@ def test_ctrl_c_while_a_blocking_client_opens_a_silent_server_raises_at_once() -
     for _ in range(_SILENT_SERVER_TRIES):
         before = set(threading.enumerate())
         started = time.monotonic()
-        opening, outcome = _interrupt_an_open(before)
-        if opening:
-            break
+        ended, outcome = _interrupt_an_open(before)
+        if ended is not None:
+            assert ended, f"the interrupted open's thread still runs: {outcome}"
+            return
         outcomes.append(outcome)
         assert time.monotonic() - started < _OPEN_GIVES_UP_SECONDS, (
             f"the interrupt waited for the open to give up: {outcome}")
-    assert opening, f"each open ended before its interrupt reached the caller: {outcomes}"
-    opening[0].join(30)  # a hang guard
-    assert not opening[0].is_alive(), "the interrupted open's thread still runs"
+    raise AssertionError(f"each open ended before its interrupt reached the caller: {outcomes}")
 
 
 async def test_a_worker_stopped_while_it_opens_a_silent_server_stops_at_once() -> None:
@@ -551,6 +570,8 @@ async def test_a_worker_stopped_while_its_open_runs_closes_the_store_the_open_th
     assert await running is None
     assert not opened, "run() waited for the open"
     release.set()
+    # Made, its thread started: _threads_end cannot join a thread still starting.
+    await wait_until("the held open to make its store", lambda: asyncio.sleep(0, bool(opened)))
     assert await asyncio.to_thread(_threads_end, before) == []
     assert len(opened) == 1
 
