@@ -520,6 +520,33 @@ def test_ctrl_c_while_a_blocking_client_opens_a_silent_server_raises_at_once() -
     raise AssertionError(f"each open ended before its interrupt reached the caller: {outcomes}")
 
 
+def test_ctrl_c_as_a_blocking_client_hands_its_open_to_its_loop_leaves_no_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in the moment Client(...) hands the open to its loop thread (the open scheduled, the
+    KeyboardInterrupt raised before the hand-off returned; here raised by the hand-off itself): the
+    interrupt reaches the caller, and the loop thread, with whatever store it opened, ends. Catches:
+    the hand-off ran before the code that stops the loop of an abandoned open, so the loop thread
+    (and a store it opened) ran until the process exited, as CI saw under load."""
+    real = asyncio.BaseEventLoop.call_soon_threadsafe
+    handed: list[bool] = []
+
+    def interrupted_hand_off(loop: asyncio.BaseEventLoop, *args: Any, **kwargs: Any) -> Any:
+        handle = real(loop, *args, **kwargs)
+        if threading.current_thread() is threading.main_thread() and not handed:
+            handed.append(True)
+            raise KeyboardInterrupt
+        return handle
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "call_soon_threadsafe", interrupted_hand_off)
+    before = set(threading.enumerate())
+    with pytest.raises(KeyboardInterrupt):
+        Client(Registry([FLOW]), f"sqlite:///{tmp_path / 'handed.db'}")
+    assert handed
+    monkeypatch.undo()
+    assert _threads_end(before) == []
+
+
 async def test_a_worker_stopped_while_it_opens_a_silent_server_stops_at_once() -> None:
     """stop() (a SIGTERM handler's) while AsyncWorker.run() opens a PostgreSQL server that accepted
     the connection but does not answer: run() returns, not having started, while the open still

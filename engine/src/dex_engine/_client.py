@@ -741,6 +741,17 @@ def _close_dropped(loop: asyncio.AbstractEventLoop, client: AsyncClient, pid: in
                   "block", ResourceWarning, stacklevel=2)
 
 
+def _open_into(opening: concurrent.futures.Future[AsyncClient], registry: Registry, url: str) -> None:
+    """Open a blocking Client's AsyncClient on its loop into `opening`, unless its caller gave up
+    (Ctrl-C) before the open began."""
+    if not opening.set_running_or_notify_cancel():
+        return
+    try:
+        opening.set_result(AsyncClient(registry, url))
+    except BaseException as exc:  # the caller's result() raises it
+        opening.set_exception(exc)
+
+
 def _close_unused(opening: concurrent.futures.Future[AsyncClient], loop: asyncio.AbstractEventLoop) -> None:
     """Once the open of a blocking Client that failed, or whose caller gave up on it (Ctrl-C), is
     done: close the client it made, if any, then stop the client's loop. Runs on the loop thread, or
@@ -786,11 +797,16 @@ class Client:
         # calls to a loop that no thread runs, and wait for ever.
         self._pid = os.getpid()
         self._thread.start()
-        opening = asyncio.run_coroutine_threadsafe(self._make(registry, database_url), self._loop)
+        # Made here, before the open is handed to the loop: a Ctrl-C while the hand-off ran (the loop
+        # thread may already be opening, and connected) left no future to stop the loop by, and
+        # the loop thread ran until the process exited.
+        opening: concurrent.futures.Future[AsyncClient] = concurrent.futures.Future()
         try:
+            self._loop.call_soon_threadsafe(_open_into, opening, registry, database_url)
             self._async = opening.result()
         except BaseException:
             loop = self._loop
+            opening.cancel()  # an open not begun never begins; one begun runs on (see below)
             opening.add_done_callback(lambda done: _close_unused(done, loop))
             if opening.done():
                 self._thread.join()  # e.g. a bad database URL: leave no thread behind
@@ -805,10 +821,6 @@ class Client:
         self._dropped = weakref.finalize(self, _close_dropped, self._loop, self._async, self._pid,
                                          shown_url(database_url))
         self._dropped.atexit = False
-
-    @staticmethod
-    async def _make(registry: Registry, url: str) -> AsyncClient:
-        return AsyncClient(registry, url)
 
     def _on_own_loop(self, what: str, advice: str) -> RuntimeError:
         """The error for `what` asked by code this client's own loop runs (an RPC handler it called):
