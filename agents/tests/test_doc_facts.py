@@ -214,6 +214,7 @@ _NOT_CONSTANTS: dict[str, str] = {
     "DEX_PG_FRESH_DB": "an environment variable the tests read",
     "DEX_ENGINE_DB": "an environment variable the CLI reads (checked by the CLI test below)",
     "DEX_AGENTS_TEST_DATABASE_URL": "an environment variable (the value of ENV_DATABASE_URL)",
+    "PGCLIENTENCODING": "libpq's environment variable, which the PostgreSQL store overrides",
     "DEXCLI": "seed 003's environment variable, named in deviations.md as not used",
     "CREATE": "SQL",
     "DROP": "SQL",

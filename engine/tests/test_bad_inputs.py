@@ -566,6 +566,37 @@ async def test_values_keep_a_nul_character_as_it_is(db_url: str) -> None:
         assert await c.flow_output("value") == "c\x00d"
 
 
+UNICODE_NOTES = AttributeMap("UnicodeNotes", str)
+
+
+async def _note_under_itself(ctx: Context, text: str) -> StepDecision:
+    ctx.set(UNICODE_NOTES[text], text)
+    return StepDecision.graceful_complete(text)
+
+
+UNICODE_FLOW = Flow("Unicode", [Step("Note", _note_under_itself, input_type=str)], start_step="Note",
+                    schema=[UNICODE_NOTES])
+
+
+async def test_text_beyond_latin1_is_kept_whatever_pgclientencoding_says(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flow ID, map key and value beyond Latin-1 (a combining accent, an emoji) are kept as on
+    SQLite when the environment sets PGCLIENTENCODING=LATIN1 (as some hosts do): the store speaks
+    UTF-8 to PostgreSQL whatever libpq's defaults say. Catches: start_flow raising a bare
+    UnicodeEncodeError, and a Step writing such a value failing after its retries, on PostgreSQL
+    only."""
+    monkeypatch.setenv("PGCLIENTENCODING", "LATIN1")
+    text = "e\u0301\U0001F600"
+    async with engine_for(db_url, Registry([UNICODE_FLOW])) as eng:
+        c = eng.client
+        await c.start_flow("Unicode", text, text)
+        assert (await c.wait_for_flow(text, 10)).status == "completed"
+        assert await c.flow_output(text) == text
+        assert await c.get_attribute_map(text, UNICODE_NOTES) == {text: text}
+        assert await c.search_flows('FlowType = "Unicode"') == [text]
+
+
 @pytest.mark.parametrize(("kind", "named"), [("nul", "a NUL character"), ("surrogate", "a lone surrogate")])
 async def test_a_heartbeat_checkpoint_with_an_unstorable_character_is_refused(
     db_url: str, kind: str, named: str,

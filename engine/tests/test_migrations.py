@@ -26,6 +26,7 @@ from dex_engine._open import shown_url
 from dex_engine._records import StartRequest
 from dex_engine._scheduling import movement_record
 
+from .conftest import PgDatabases, pg_database_url
 from .schema_states import pg_tables
 
 
@@ -318,6 +319,31 @@ async def test_postgres_tables_of_another_application_are_refused_unchanged(
         conn.execute("CREATE SCHEMA dex")
     await _opens(pg_database + "?options=-csearch_path%3Ddex")
     assert pg_tables(pg_database) == before
+
+
+@pytest.mark.parametrize("encoding", ["LATIN1", "SQL_ASCII"])
+def test_a_postgres_database_not_in_utf8_is_refused_unchanged(pg_databases: PgDatabases, encoding: str) -> None:
+    """A database created with another encoding than UTF8 (an old cluster's LATIN1 default, or
+    SQL_ASCII): StoreOpenError naming the encoding and how to create a UTF8 database; nothing is
+    created. Catches: the store opened, and a flow ID, map key or value with a character the
+    encoding lacks (on SQLite every one is kept) failing later with a bare UnicodeEncodeError, and on
+    SQL_ASCII every text read back as bytes."""
+    name = f"dex_t_{secrets.token_hex(6)}"
+    with psycopg.connect(pg_databases.dsn, autocommit=True) as admin:
+        admin.execute(pg_sql.SQL("CREATE DATABASE {} ENCODING {} TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'")
+                      .format(pg_sql.Identifier(name), pg_sql.Literal(encoding)))
+    url = pg_database_url(pg_databases.dsn, name)
+    try:
+        with pytest.raises(StoreOpenError) as refused:
+            open_store(url)
+        assert str(refused.value) == (
+            f"cannot open {shown_url(url)!r} as a dex_engine database: its encoding is {encoding}, which cannot hold "
+            "every character of the flow IDs, names and errors dex_engine stores; use a database created with "
+            "ENCODING 'UTF8' (CREATE DATABASE <name> ENCODING 'UTF8' TEMPLATE template0)")
+        assert pg_tables(url) == []
+    finally:
+        with psycopg.connect(pg_databases.dsn, autocommit=True) as admin:
+            admin.execute(pg_sql.SQL("DROP DATABASE {} WITH (FORCE)").format(pg_sql.Identifier(name)))
 
 
 def test_a_store_opened_while_another_migrates_a_large_file_waits_for_it(

@@ -741,9 +741,10 @@ def migrate(conn: psycopg.Connection[Any], url: str) -> None:
 
 
 def _conninfo(url: str) -> str:
-    """`url` as the conninfo the store connects with (_with_network_timeouts); ValueError when malformed."""
+    """`url` as the conninfo the store connects with (_with_network_timeouts), its text UTF-8 whatever the
+    URL or PGCLIENTENCODING say (see _check_encoding); ValueError when malformed."""
     try:
-        return _with_network_timeouts(url)
+        return psycopg.conninfo.make_conninfo(_with_network_timeouts(url), client_encoding="UTF8")
     except psycopg.ProgrammingError as exc:  # libpq's text may quote the URL or its password
         raise ValueError(f"malformed PostgreSQL URL {shown_url(url)!r}: {shown_error(str(exc), url).strip()}") from None
 
@@ -761,6 +762,22 @@ def _engine_schema(url: str) -> str | None:
     except psycopg.Error:
         return None
     return str(row[0]) if row is not None and row[0] is not None else None
+
+
+def _check_encoding(conn: psycopg.Connection[Any], url: str) -> None:
+    """Refuse, before anything is created, a database whose encoding is not UTF8. The engine's text
+    (flow IDs, names, map keys, errors) is any Unicode but NUL, as SQLite keeps it; a LATIN1 or
+    SQL_ASCII database cannot hold most of it (a flow ID "e\u0301" or a Step's value with an emoji
+    failed with a UnicodeEncodeError, after its retries), so a program that ran on SQLite would fail
+    there only with some inputs."""
+    row = conn.execute("SELECT pg_encoding_to_char(encoding) FROM pg_database WHERE datname = current_database()"
+                       ).fetchone()
+    encoding = str(row[0]) if row is not None else "UTF8"
+    if encoding != "UTF8":
+        raise StoreOpenError(
+            f"cannot open {shown_url(url)!r} as a dex_engine database: its encoding is {encoding}, which cannot hold "
+            "every character of the flow IDs, names and errors dex_engine stores; use a database created with "
+            "ENCODING 'UTF8' (CREATE DATABASE <name> ENCODING 'UTF8' TEMPLATE template0)")
 
 
 def _open_error(url: str, exc: psycopg.Error) -> StoreOpenError:
@@ -856,6 +873,7 @@ class PostgresStore(Store):
         self._finished = threading.Event()
         try:
             with psycopg.connect(self._conninfo, autocommit=True, application_name=self._app_name) as conn:
+                _check_encoding(conn, url)
                 migrate(conn, url)
                 conn.execute("DELETE FROM commit_marks WHERE updated_at < now() - %s::interval",
                              (COMMIT_MARK_RETENTION,))
