@@ -1039,6 +1039,27 @@ async def test_e13_history_is_bounded(db_url: str, monkeypatch: pytest.MonkeyPat
         assert not [h for h in history if h.step_execution_id in ("Count-1", "Count-2")], "oldest events kept"
 
 
+async def test_e13_history_reads_the_newest_events_up_to_the_bound_on_either_backend(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """E13: each backend trims history in its own chunks (PostgreSQL every HISTORY_TRIM_CHECK_EVERY
+    events, SQLite every HISTORY_CHAIN_TRIM_EVERY), so a flow may hold a few more events than
+    MAX_HISTORY_EVENTS_PER_FLOW; get_flow_history returns exactly the newest that many on both.
+    Catches: the same flow read back with up to 24,095 events on SQLite and 20,255 on PostgreSQL,
+    past the documented 20,000."""
+    limit = 20
+    monkeypatch.setattr(transitions, "MAX_HISTORY_EVENTS_PER_FLOW", limit)
+    monkeypatch.setattr(transitions, "HISTORY_TRIM_CHECK_EVERY", 8)
+    monkeypatch.setattr(transitions, "HISTORY_CHAIN_TRIM_EVERY", 64)
+    async with engine_for(db_url, Registry([CHAIN])) as eng:
+        await eng.client.start_flow("Chain", "h1", 30)  # about 60 events: under 64, so SQLite has not trimmed
+        assert (await eng.client.wait_for_flow("h1", 20)).status == "completed"
+        history = await eng.client.get_flow_history("h1")
+        assert len(history) == limit, [(h.event_type, h.step_execution_id) for h in history]
+        assert history[-1].event_type == "flow_closed"
+        assert ("execute_completed", "Count-30") in [(h.event_type, h.step_execution_id) for h in history]
+
+
 # E14 Values --------------------------------------------------------------------------------------
 
 Blob = Attribute("Blob", str)

@@ -564,6 +564,10 @@ def run_op(fn: Callable[[Db], R], db: Db) -> R:
 
 def read_history(db: Db, flow_id: str, limit: int) -> list[HistoryEntry]:
     existing_flow_type(db, flow_id)
+    # A flow holds up to its trim interval more than MAX_HISTORY_EVENTS_PER_FLOW (HISTORY_TRIM_CHECK_EVERY
+    # on PostgreSQL, HISTORY_CHAIN_TRIM_EVERY on SQLite): reading only the newest that many gives
+    # the same history on both backends, whenever it is read.
+    limit = min(limit, MAX_HISTORY_EVENTS_PER_FLOW)
     if not _on_postgres(db):
         batches = sorted(db.all(_READ_BATCHES, (flow_id, limit)))
         events = [event for _first, blob in batches for event in decode_json(bytes(blob), _HistoryBatch)]
