@@ -23,6 +23,7 @@ from dex_engine import (
     AttributeMap,
     AttributeRef,
     Channel,
+    Client,
     Context,
     Flow,
     FlowConfig,
@@ -692,6 +693,73 @@ async def test_e11_capacity_trims_oldest_first(db_url: str) -> None:
             "SELECT COUNT(*), SUM(LENGTH(value)) FROM stream_events WHERE flow_id = 's1' AND stream = 'Small'"))
         assert kept is not None
         assert (int(kept[0]), int(kept[1])) == (4, 44)
+
+
+class _CommitsAfterStatement:
+    """A Db for one read that runs `commit` (another writer's) once its `n`-th statement returned."""
+
+    def __init__(self, db: Any, n: int, commit: Callable[[], object]) -> None:
+        self._db, self._n, self._commit, self._statements = db, n, commit, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._db, name)
+
+    def one(self, sql: str, params: Any = ()) -> Any:
+        return self._then(self._db.one(sql, params))
+
+    def all(self, sql: str, params: Any = ()) -> Any:
+        return self._then(self._db.all(sql, params))
+
+    def _then(self, result: Any) -> Any:
+        self._statements += 1
+        if self._statements == self._n:
+            self._commit()
+        return result
+
+
+@pytest.mark.parametrize("trim_after", [1, 2])
+async def test_e11_a_read_racing_a_trim_sees_the_stream_before_or_after_it(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, trim_after: int,
+) -> None:
+    """E11: another writer's append that trims a reader's last event away while the reader's read
+    runs (after its first or second statement) gives that reader the stream as it was before the
+    append or as it is after it (the newer event, with `trimmed`), on both backends. Catches:
+    PostgreSQL reading where the stream starts and its events in two statements, each seeing the
+    latest commit: the trim fell between them, the reader's event looked lost though not trimmed,
+    and the read raised InvalidResumeTokenError saying a database crash lost events (SQLite reads
+    one snapshot)."""
+    async with engine_for(db_url, Registry([STREAMS_FLOW]), worker=False) as eng:
+        c = eng.client
+        await c.start_flow("Streams", "s1")
+        await c.rpc("s1", "append_small", ["v1", "v2", "v3"])
+        first = await c.read_stream("s1", Small, limit=1)
+        # Another process's writer: a blocking Client runs on a loop of its own, so the read may wait
+        # for it wherever it runs (on this loop, inline on SQLite; on a connection's thread).
+        other = await asyncio.to_thread(Client, Registry([STREAMS_FLOW]), db_url)
+        real = transitions.read_events
+        trims: list[object] = []
+
+        def trim() -> None:  # an event over the capacity leaves only itself
+            trims.append(other.rpc("s1", "append_small", ["x" * 60]))
+
+        def racing(db: Any, *args: Any) -> Any:
+            if trims:
+                return real(db, *args)
+            page = real(_CommitsAfterStatement(db, trim_after, trim), *args)
+            if not trims:  # the read took fewer statements: the append commits after it
+                trim()
+            return page
+
+        monkeypatch.setattr(transitions, "read_events", racing)
+        try:
+            read = await c.read_stream("s1", Small, first.resume_token)
+        finally:
+            await asyncio.to_thread(other.close)
+        assert trims == [1]
+        before_trim = ([e.sequence for e in read.events], read.trimmed) == ([2, 3], False)
+        assert before_trim or ([e.sequence for e in read.events], read.trimmed) == ([4], True), read
+        after = await c.read_stream("s1", Small, read.resume_token)
+        assert [e.sequence for e in after.events] == ([4] if before_trim else []) and not after.trimmed, after
 
 
 # E12 Completion ----------------------------------------------------------------------------------

@@ -1321,29 +1321,49 @@ def _trim_stream(db: Db, flow_id: str, stream: str, excess: int, newest: int) ->
     return cut, freed
 
 
-def _first_sequence(db: Db, flow_id: str, stream: str) -> int | None:
-    """The oldest kept sequence of a flow's stream; None when it never had an event."""
-    if _on_postgres(db):
-        row = db.one("SELECT first_seq FROM streams WHERE flow_id = ? AND stream = ?", (flow_id, stream))
-        return None if row is None else int(row[0])
-    known = stream_positions(db, flow_id).get(stream)
-    return None if known is None else known[1]
+# PostgreSQL's read of a stream page, in one statement: the flow (type, status, start), where the
+# stream starts (NULL: it never had an event) and its events from the reader's last one on, each row
+# holding the first three. One statement because each of PostgreSQL's statements sees the latest
+# commit: read apart, an append that trimmed the reader's last event away between the read of the
+# stream's start and that of its events made the event look lost (not trimmed), as after a database
+# crash. SQLite reads one snapshot (BEGIN) whatever the statements.
+_PG_EVENT_PAGE = (
+    "SELECT f.flow_type, f.status, f.created_at, s.first_seq, e.seq, e.step_execution_id, e.attempt, e.value "
+    "FROM flows f LEFT JOIN streams s ON s.flow_id = f.flow_id AND s.stream = ? "
+    "LEFT JOIN LATERAL (SELECT seq, step_execution_id, attempt, value FROM stream_events "
+    "WHERE flow_id = s.flow_id AND stream = s.stream AND seq >= ? ORDER BY seq LIMIT ?) e ON TRUE "
+    "WHERE f.flow_id = ? ORDER BY e.seq"
+)
 
 
 def read_events(db: Db, flow_id: str, stream: str, after: int, limit: int,
                 flow_type: str | None = None) -> EventPage:
-    _, started, status = existing_flow(db, flow_id, flow_type)
-    closed = status != "running"
-    first = _first_sequence(db, flow_id, stream)
-    if first is None:
-        return EventPage([], 1, 1, started, closed)
     # From `after` itself, in the same statement: the reader's last event, to tell it is still there.
-    rows = db.all(
-        "SELECT seq, step_execution_id, attempt, value FROM stream_events "
-        "WHERE flow_id = ? AND stream = ? AND seq >= ? ORDER BY seq LIMIT ?",
-        (flow_id, stream, after, limit + 1),
-    )
-    events = [StoredEvent(int(r[0]), str(r[1]), int(r[2]), bytes(r[3])) for r in rows]
+    if _on_postgres(db):
+        rows = db.all(_PG_EVENT_PAGE, (stream, after, limit + 1, flow_id))
+        if not rows:
+            raise FlowNotFoundError(flow_id)
+        head = rows[0]
+        _check_type(str(head[0]), flow_type)
+        started, closed = int(head[2]), head[1] != "running"
+        if head[3] is None:
+            return EventPage([], 1, 1, started, closed)
+        first = int(head[3])
+        events = [StoredEvent(int(r[4]), str(r[5]), int(r[6]), bytes(r[7])) for r in rows if r[4] is not None]
+    else:
+        _, started, status = existing_flow(db, flow_id, flow_type)
+        closed = status != "running"
+        # The flow row holds the positions (see Db.streams): no statement of their own.
+        known = stream_positions(db, flow_id).get(stream)
+        if known is None:
+            return EventPage([], 1, 1, started, closed)
+        first = known[1]
+        rows = db.all(
+            "SELECT seq, step_execution_id, attempt, value FROM stream_events "
+            "WHERE flow_id = ? AND stream = ? AND seq >= ? ORDER BY seq LIMIT ?",
+            (flow_id, stream, after, limit + 1),
+        )
+        events = [StoredEvent(int(r[0]), str(r[1]), int(r[2]), bytes(r[3])) for r in rows]
     at_after = events.pop(0) if events and events[0].sequence == after else None
     events = events[:limit]
     next_seq = events[-1].sequence + 1 if events else max(after + 1, first)
