@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import gc
 import inspect
+import itertools
 import math
 import os
 import signal
@@ -15,6 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -808,6 +810,110 @@ def test_a_second_sigterm_while_the_handlers_close_waits_for_the_loop_thread_ret
         return "; ".join(said)
 
     assert _in_a_fork(drive) == "handler closed; handler closed; loop thread ended: True; store closed: True"
+
+
+_LOCKS = (type(threading.Lock()), type(threading.RLock()))
+
+
+class _SigtermAtPoint:
+    """A profile function (sys.setprofile) that raises SIGTERM, whose handler runs at once in the
+    same thread, at the `point`th (from 0) point of that thread where a signal's handler may run: a
+    Python function's start, a C function's return, or a lock's acquire (a thread blocked in it runs
+    the handler there). Once, and only while `armed`."""
+
+    def __init__(self, point: int) -> None:
+        self.point = point
+        self.seen = 0
+        self.armed = True
+        self.fired_at = ""
+
+    def __call__(self, frame: FrameType, event: str, arg: object) -> None:
+        if not self.armed:
+            return
+        if event == "c_call":
+            if getattr(arg, "__name__", None) not in ("acquire", "__enter__") or \
+                    not isinstance(getattr(arg, "__self__", None), _LOCKS):
+                return
+        elif event not in ("call", "c_return"):
+            return
+        if self.seen == self.point:
+            self.armed = False
+            what = getattr(arg, "__qualname__", "") if event != "call" else ""
+            self.fired_at = f"{event} {what} in {frame.f_code.co_name} " \
+                            f"({Path(frame.f_code.co_filename).name}:{frame.f_lineno})"
+            signal.raise_signal(signal.SIGTERM)  # its handler runs before this returns
+        self.seen += 1
+
+
+def _sigterm_at_every_point(db_url: str, act: Callable[[Client], object]) -> str:
+    """The outcomes (sorted, one a line, each with the first point that had it) of `act` on a new
+    Client, with a SIGTERM whose handler calls the client's close() coming at each point of it in
+    turn (see _SigtermAtPoint), until `act` ends with the signal not sent. In a fork, in its main
+    thread, where handlers run; "hung" if any hangs (its stderr names the point)."""
+    assert threading.current_thread() is threading.main_thread()
+
+    def drive() -> str:
+        outcomes: dict[str, str] = {}
+        for point in itertools.count():
+            client = Client(Registry([FLOW]), db_url)
+            if point == 0:
+                client.start_flow("Smoke", "waited", 1)  # no worker: it runs until the test ends
+            said: list[str] = []
+
+            def on_sigterm(signum: int, frame: object, client: Client = client, said: list[str] = said) -> None:
+                client.close()
+                said.append("handler closed")
+
+            signal.signal(signal.SIGTERM, on_sigterm)
+            hook = _SigtermAtPoint(point)
+            sys.setprofile(hook)
+            try:
+                try:
+                    act(client)
+                finally:
+                    hook.armed = False
+                    sys.setprofile(None)
+                said.append("returned")
+            except TimeoutError:
+                said.append("timed out")
+            except RuntimeError as exc:
+                said.append(str(exc))
+            if not hook.fired_at:
+                client.close()
+                return "\n".join(sorted(f"{outcome} (first at {at})" for outcome, at in outcomes.items()))
+            said.append(f"loop thread ended: {not client._thread.is_alive()}")
+            said.append(f"store closed: {_store_closed(client._async.store)}")
+            outcomes.setdefault("; ".join(said), f"point {point}: {hook.fired_at}")
+            # Named on stderr first: a hang loses the outcomes
+            os.write(2, f"point {point}: {hook.fired_at}: {'; '.join(said)}\n".encode())
+        raise AssertionError("unreachable")
+
+    return _in_a_fork(drive)
+
+
+def _outcomes_only(report: str) -> set[str]:
+    return {line.split(" (first at ")[0] for line in report.splitlines()}
+
+
+def test_a_sigterm_closing_the_client_anywhere_in_a_blocking_call_ends_both(db_url: str) -> None:
+    """A script's SIGTERM handler calls close() of the Client its main thread is calling, the signal
+    coming at each point of the call in turn: the handler's close returns, the call returns or raises
+    saying the client is closed, the loop thread ends and the store is closed. Catches: the call
+    waited in concurrent.futures.Future.result(), which holds the future's lock but in its inner
+    wait: a handler run while it held it waited for the loop thread to end, which waited for that
+    lock to hand the call over, for ever (seen about once in 100 SIGTERMs to such a script)."""
+    url = shown_url(db_url)
+    tail = "loop thread ended: True; store closed: True"
+    # A call that takes a while (polls the running flow), so that its caller waits for it at each
+    # point of its wait: on the loop's own time, the result may come first.
+    report = _sigterm_at_every_point(db_url, lambda client: client.wait_for_flow("waited", 0.1))
+    assert report != "hung"
+    assert _outcomes_only(report) <= {
+        f"handler closed; timed out; {tail}",
+        f"handler closed; client of {url!r} was closed while the call waited; {tail}",
+        f"handler closed; client of {url!r} is closed; its close() was called (by this or another thread): open "
+        f"the database again with a new Client; {tail}",
+    }, report
 
 
 def _waiting_in_close(thread: threading.Thread) -> bool:

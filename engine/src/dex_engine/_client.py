@@ -17,7 +17,7 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, get_args
+from typing import Any, Generic, TypeVar, get_args
 
 from ._codec import decode_value, encode_value
 from ._context import RpcContext
@@ -767,6 +767,27 @@ def _close_unused(opening: concurrent.futures.Future[AsyncClient], loop: asyncio
     asyncio.run_coroutine_threadsafe(close_and_stop(), loop)
 
 
+class _Call(Generic[T]):
+    """A blocking Client's call, handed to its loop thread, which runs `coro` as `task`. Its caller
+    waits by taking `done`, taken from the start; the loop thread releases it once the task is done,
+    or close() does first."""
+
+    __slots__ = ("abandoned", "coro", "done", "task")
+
+    def __init__(self, coro: Coroutine[Any, Any, T]) -> None:
+        self.coro = coro
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.task: asyncio.Task[T] | None = None  # set on the loop thread
+        self.abandoned = False  # the caller stopped waiting before it started (set on the loop thread)
+
+    def release(self) -> None:
+        """Let the caller go on. Whoever comes second (the loop thread or close()) does nothing: its
+        caller takes `done` once only."""
+        with contextlib.suppress(RuntimeError):  # released already
+            self.done.release()
+
+
 class Client:
     """Blocking twin of AsyncClient; runs an event loop on a private thread."""
 
@@ -777,15 +798,18 @@ class Client:
         self._served: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=_serve, args=(self._loop, self._served), name="dex-client",
                                         daemon=True)
-        # Calls other threads wait in: close() ends them, or they would wait on a stopped loop for ever.
+        # Orders the hand-over of calls with close(): a call handed over before close() marked the client
+        # closed is started on the loop before the close, which cancels it; one after is refused.
         # Reentrant: a signal handler (a script's SIGTERM handler) that calls close() runs in the main
         # thread between two bytecodes, maybe while that very thread holds the lock in a call or in
         # close(), and with a plain Lock waited for it for ever.
         self._lock = threading.RLock()
-        self._in_flight: set[concurrent.futures.Future[Any]] = set()
-        # The calls' tasks, which the close cancels on the loop: a close a signal handler runs while
-        # its thread was handing a call to the loop finds the call in neither _in_flight nor done.
-        # Used on the loop thread only.
+        # Calls other threads wait in: close() lets their callers go (they raise), even while the loop
+        # is busy (an RPC handler that blocks it).
+        self._in_flight: set[_Call[Any]] = set()
+        # The calls' tasks, which the close cancels on the loop: a close a signal handler runs while its
+        # thread was handing a call to the loop finds the call in neither _in_flight nor done. Used on
+        # the loop thread only.
         self._call_tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         # The thread of the first close(), and the close it handed to the loop once the loop is sure
@@ -846,56 +870,77 @@ class Client:
         if threading.current_thread() is self._thread:
             coro.close()
             raise self._on_own_loop("a call", "in an RPC handler, await an AsyncClient's calls instead")
+        call = _Call(coro)
         with self._lock:
             if self._closed:
                 coro.close()
                 raise self._closed_error()
-            tracked = self._tracked(coro)
             try:
-                future = asyncio.run_coroutine_threadsafe(tracked, self._loop)
+                self._loop.call_soon_threadsafe(self._start, call)
             except RuntimeError:
-                tracked.close()
                 coro.close()
                 if not self._closed_now():
                     raise
                 # A signal handler's close() ran in this thread since the check above (the lock is
                 # reentrant), and the loop it stopped is closed ("Event loop is closed").
                 raise self._closed_error() from None
-            self._in_flight.add(future)
+            self._in_flight.add(call)
             # Checked again once the call is in _in_flight: a signal handler's close() that ran in this
             # thread since the check above did not see it, and may have stopped the loop before it
-            # ran, where it would wait for ever.
+            # started, where it would wait for ever.
             if self._closed_now():
-                future.cancel()
+                call.release()
         try:
-            return future.result()
-        except concurrent.futures.CancelledError:
-            if self._closed:
-                raise RuntimeError(f"client of {shown_url(self._url)!r} was closed while the call waited") from None
-            raise
+            # Waited for on a plain lock, which the loop thread (and close()) only release: a signal
+            # handler run in this wait holds nothing, so its close() can wait for the loop thread to end.
+            # (Future.result() of concurrent.futures holds the future's lock but in its inner wait; the
+            # loop thread, needing that lock to hand the call over or its result back, never ended.)
+            call.done.acquire()
         except BaseException:
             # The caller's wait was interrupted (Ctrl-C: KeyboardInterrupt): end the call too, or it went on
-            # without a caller (a wait_for_flow(id, math.inf) polled the database until close()). A call
-            # that failed is done already, and cancel() does nothing to it.
-            future.cancel()
+            # without a caller (a wait_for_flow(id, math.inf) polled the database until close()).
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the call ended with it
+                self._loop.call_soon_threadsafe(self._abandon, call)
             raise
         finally:
             with self._lock:
-                self._in_flight.discard(future)
+                self._in_flight.discard(call)
+        task = call.task
+        if task is None or not task.done():  # close() let the caller go
+            if self._loop.is_closed() and call.task is None:
+                coro.close()  # the loop thread ended without starting it
+            raise RuntimeError(f"client of {shown_url(self._url)!r} was closed while the call waited")
+        if task.cancelled():
+            if self._closed:
+                raise RuntimeError(f"client of {shown_url(self._url)!r} was closed while the call waited")
+            raise concurrent.futures.CancelledError()
+        return task.result()
 
-    async def _tracked(self, coro: Coroutine[Any, Any, T]) -> T:
-        """`coro`, run as a call the close cancels."""
-        task = asyncio.current_task()
-        assert task is not None  # run_coroutine_threadsafe runs it in a task
+    def _start(self, call: _Call[Any]) -> None:
+        """On the loop: run `call` as a task the close cancels, which lets its caller go once done."""
+        if call.abandoned:
+            call.coro.close()
+            return
+        task = self._loop.create_task(call.coro)
+        call.task = task
         self._call_tasks.add(task)
-        try:
-            return await coro
-        finally:
-            self._call_tasks.discard(task)
+        task.add_done_callback(lambda _: self._finished(call, task))
+
+    def _finished(self, call: _Call[Any], task: asyncio.Task[Any]) -> None:
+        self._call_tasks.discard(task)
+        call.release()
+
+    @staticmethod
+    def _abandon(call: _Call[Any]) -> None:
+        """On the loop: end `call`, whose caller stopped waiting, or keep it from starting."""
+        if call.task is None:
+            call.abandoned = True
+        else:
+            call.task.cancel()  # nothing once done
 
     async def _close_on_loop(self) -> None:
         for task in self._call_tasks:
-            task.cancel()  # its caller's result() raises
+            task.cancel()
         await self._async.close()
 
     def _closed_now(self) -> bool:
@@ -972,8 +1017,8 @@ class Client:
         if first:
             try:
                 self._dropped.detach()
-                for future in waiting:
-                    future.cancel()  # cancels its task on the loop; the caller's result() raises
+                for call in waiting:
+                    call.release()  # its caller raises; _close_on_loop cancels its task
                 # The loop stops itself once the close is done, whatever becomes of this caller: stopped
                 # from here after a Ctrl-C in the wait, it stopped before the close ran, and the store
                 # stayed open until the process exited.
