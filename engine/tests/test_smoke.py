@@ -916,9 +916,25 @@ def test_a_sigterm_closing_the_client_anywhere_in_a_blocking_call_ends_both(db_u
     }, report
 
 
+def test_a_sigterm_closing_the_client_anywhere_in_its_close_returns_both(db_url: str) -> None:
+    """A script's SIGTERM handler calls close() of its Client, and the signal comes at each point of
+    the script's own close() in turn, or of a first handler's (two SIGTERMs): both closes return, the
+    loop thread ends and the store is closed. Catches: the outer close waited for the loop thread in
+    a concurrent future's result(), and a handler run between its test of the future's state and its
+    wait took the wake-up (its own wait returned), so the outer one waited for ever; a handler run in
+    Thread.join() holding the ended thread's lock joined it again, waiting for that lock for ever."""
+    report = _sigterm_at_every_point(db_url, lambda client: client.close())
+    assert report != "hung"
+    assert _outcomes_only(report) == {"handler closed; returned; loop thread ended: True; store closed: True"}, report
+
+
 def _waiting_in_close(thread: threading.Thread) -> bool:
-    """Whether `thread` waits (in threading's code) in a blocking Client's close() now."""
+    """Whether `thread` waits in a blocking Client's close() now: for the lock its loop thread holds,
+    or in threading's code (the join)."""
     frame = sys._current_frames().get(thread.ident or -1)
+    if frame is not None and frame.f_code is Client.close.__code__:
+        lines, first = inspect.getsourcelines(Client.close)
+        return "self._served.acquire()" in lines[frame.f_lineno - first]
     if frame is None or frame.f_code.co_filename != threading.__file__:
         return False
     while frame is not None:

@@ -711,15 +711,14 @@ def _check_limit(limit: object) -> None:
         raise ValueError(f"limit must be a whole number from 1 to {MAX_READ_LIMIT}, got {shown(limit, None)}")
 
 
-def _serve(loop: asyncio.AbstractEventLoop, served: concurrent.futures.Future[None]) -> None:
-    """A blocking Client's loop thread: runs `loop` until stopped, then closes it, then sets `served`."""
-    try:
-        loop.run_forever()
-    finally:
+def _serve(loop: asyncio.AbstractEventLoop, served: threading.RLock) -> None:
+    """A blocking Client's loop thread: runs `loop` until stopped, then closes it, holding `served`
+    until then (what close() waits for)."""
+    with served:
         try:
-            loop.close()
+            loop.run_forever()
         finally:
-            served.set_result(None)
+            loop.close()
 
 
 def _close_dropped(loop: asyncio.AbstractEventLoop, client: AsyncClient, pid: int, url: str) -> None:
@@ -794,8 +793,9 @@ class Client:
     def __init__(self, registry: Registry, database_url: str) -> None:
         self._url = database_url
         self._loop = asyncio.new_event_loop()
-        # Set once the loop thread closed the loop: what close() waits for (see there).
-        self._served: concurrent.futures.Future[None] = concurrent.futures.Future()
+        # Held by the loop thread until it closed the loop: what close() waits for (see there).
+        self._served = threading.RLock()
+        self._joining: set[int] = set()  # the threads in close()'s join of the loop thread (see there)
         self._thread = threading.Thread(target=_serve, args=(self._loop, self._served), name="dex-client",
                                         daemon=True)
         # Orders the hand-over of calls with close(): a call handed over before close() marked the client
@@ -1037,12 +1037,19 @@ class Client:
             return
         # A second close (another thread's, or a retry after Ctrl-C) returns once the first is done
         # too: the store is closed when any close() returns.
-        # The loop stops, and closes (_serve). Waited for in a future, then joined: a signal handler's
-        # close() that ran in this thread as Thread.join() got the ended thread's lock (a second SIGTERM,
-        # delivered to another thread, is handled once this one runs again) joined it again while the
-        # join it interrupted held that lock, and waited for ever; a future's wait is reentrant.
-        self._served.result()
-        self._thread.join()
+        # The loop stops, and closes (_serve), then the thread ends. A signal handler's close() (a second
+        # SIGTERM's) may run in this thread anywhere in these waits, and wait again inside them: so the
+        # wait is taking the lock the loop thread holds until then, which is reentrant (a future's wait
+        # lost the wake-up its inner wait took when interrupted between its test and its wait), and the
+        # inner close does not join (Thread.join() waited for ever for the lock the interrupted join held).
+        self._served.acquire()
+        self._served.release()
+        if me not in self._joining:
+            self._joining.add(me)
+            try:
+                self._thread.join()
+            finally:
+                self._joining.discard(me)
         if first:
             closing.result()  # the close's own error, if it failed
 
