@@ -751,6 +751,7 @@ def test_stored_items_are_parsed_once_per_process_and_the_cache_is_bounded(monke
     and shared (items are frozen), equal messages share it, and the cache drops its oldest entry at
     its bound. Catches an unbounded cache, or one that hands a message another message's item."""
     from dex_agents import AgentMessage
+    from dex_agents._constants import INPUT_ITEM_CACHE_CHARS
     from dex_agents.builtin_loop import _items
 
     def stored(sequence: int, text: str) -> AgentMessage:
@@ -758,16 +759,15 @@ def test_stored_items_are_parsed_once_per_process_and_the_cache_is_bounded(monke
         return AgentMessage(sequence, "t1", MessageRole.USER, text, None, None, None, None, built.framework_item,
                             "2026-01-01T00:00:00.000Z")
 
-    monkeypatch.setattr(_items, "_parsed", {})
-    monkeypatch.setattr(_items, "INPUT_ITEM_CACHE_ENTRIES", 3)
+    monkeypatch.setattr(_items, "_parsed", _items._ParsedItems(3, INPUT_ITEM_CACHE_CHARS))
     first = _items.input_item(stored(1, "one"))
     assert first == _items.UserTextInput("one")
     assert _items.input_item(stored(1, "one")) is first, "an equal stored message was parsed again"
     assert _items.input_item(stored(2, "two")) == _items.UserTextInput("two")
     for n in range(3, 6):
         _items.input_item(stored(n, f"m{n}"))
-    assert len(_items._parsed) == 3
-    assert [m.sequence for m in _items._parsed] == [3, 4, 5]
+    assert len(_items._parsed.items) == 3
+    assert [m.sequence for m in _items._parsed.items] == [3, 4, 5]
     assert _items.input_item(stored(1, "one")) == first
 
 
@@ -1452,3 +1452,49 @@ async def test_warnings_about_a_turn_name_its_session(tmp_path: Path, caplog: py
     assert [m[:60] for m in said] == ["flow support-42 turn turn-1: the model's output was cut at i"] * 2, said
     assert "in the arguments of tool call 'call-1'" in said[0]
     assert "so its answer is incomplete or missing" in said[1]
+
+
+@function_tool(effect=ToolEffect.READ)
+async def fetch_page(page: int) -> str:
+    """Fetch a large page (PAGE_CHARS characters)."""
+    return f"page {page}: " + "x" * PAGE_CHARS
+
+
+PAGE_CHARS = 40_000
+
+
+async def test_parsed_input_items_stay_within_their_character_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model input items a worker keeps by stored message hold at most INPUT_ITEM_CACHE_CHARS of
+    those messages' texts: bounded by entries alone (8192), sessions whose tools return large pages
+    kept every page of the last 8192 messages alive, gigabytes past what the engine's caches keep.
+    Here a bound of 3 pages, and 4 sessions of 2 turns each reading a page: the later turns' model
+    calls read every earlier message again, and the cache holds at most the bound."""
+    from dex_agents._constants import INPUT_ITEM_CACHE_ENTRIES
+    from dex_agents.builtin_loop import _items
+
+    bound = 3 * PAGE_CHARS
+    cache = _items._ParsedItems(INPUT_ITEM_CACHE_ENTRIES, bound)
+    monkeypatch.setattr(_items, "_parsed", cache)
+
+    def held() -> int:
+        return sum(map(_items.message_chars, cache.items))
+
+    flow, model = scripted_flow(tool_then_answer, tools=[fetch_page])
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        for n in range(4):
+            sid = f"s{n}"
+            await sessions.start_session(sid, f'/tool fetch_page {{"page": {n}}}')
+            await _turns_done(sessions, sid, 1)
+            assert await sessions.send_user_message(sid, "again")
+            done = await _turns_done(sessions, sid, 2)
+            assert done.messages[-1].text == "echo: again"
+            assert held() <= bound, f"{len(cache.items)} items hold {held()} characters, over {bound}"
+            assert cache.chars == held()
+    # The bound still lets the newest messages in, and the last call saw its page's result.
+    assert cache.items
+    result = model.requests[-1].input[-3]
+    assert isinstance(result, ToolResultInput) and result.output.startswith("page 3: xxx")

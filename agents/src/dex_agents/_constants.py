@@ -44,6 +44,9 @@ MAX_AGENT_EVENTS_CAPACITY_BYTES = 2**63 - 1
 # The built-in loop's parsed input items, kept per process by stored message: each model call reads
 # the whole conversation again, and a stored message never changes. Room for many sessions' windows.
 INPUT_ITEM_CACHE_ENTRIES = 8192
+# And at most so many characters of those messages' texts, as the engine's decoded cache bounds its
+# bytes: a worker's tool outputs of 100 kB each otherwise kept 800 MB alive here.
+INPUT_ITEM_CACHE_CHARS = 32 * 1024 * 1024
 
 # The messages of each session's chunks, as its last model call assembled them, kept per process
 # (_chunk_memo): for many more sessions than a worker runs at once, and at most so many messages in

@@ -6,7 +6,7 @@ import json
 import threading
 from typing import Any
 
-from .._constants import INPUT_ITEM_CACHE_ENTRIES
+from .._constants import INPUT_ITEM_CACHE_CHARS, INPUT_ITEM_CACHE_ENTRIES
 from .._runner import FrameworkMessage
 from .._wire import AgentMessage, MessageRole
 from ._model import ModelInputItem, ModelOutputItem, ModelToolCall, OutputItemKind, ToolResultInput, UserTextInput
@@ -74,9 +74,42 @@ def stored_text(raw: dict[str, Any], field: str, stored: str | None) -> str:
 
 
 # Items are frozen and a function of the (frozen) message alone, so every model call of every
-# session in this process can share them; the oldest entry goes first when the cache is full.
-_parsed: dict[AgentMessage, ModelInputItem] = {}
-_parsed_lock = threading.Lock()
+# session in this process can share them.
+class _ParsedItems:
+    """Input items by stored message; the oldest entries go first past `max_entries` entries or
+    `max_chars` characters of their messages' texts (message_chars). Bounded by entries alone,
+    messages with large tool outputs kept gigabytes alive that the engine's byte-bounded caches
+    had let go."""
+
+    def __init__(self, max_entries: int, max_chars: int) -> None:
+        self.items: dict[AgentMessage, tuple[ModelInputItem, int]] = {}
+        self.chars = 0  # the message_chars of the messages in `items`
+        self._max_entries = max_entries
+        self._max_chars = max_chars
+        self._lock = threading.Lock()  # model calls of one flow type may run on several threads
+
+    def get(self, message: AgentMessage) -> ModelInputItem | None:
+        hit = self.items.get(message)
+        return None if hit is None else hit[0]
+
+    def keep(self, message: AgentMessage, item: ModelInputItem) -> None:
+        size = message_chars(message)
+        with self._lock:
+            if message in self.items:  # another thread parsed it meanwhile
+                return
+            self.items[message] = (item, size)
+            self.chars += size
+            while len(self.items) > self._max_entries or self.chars > self._max_chars:
+                self.chars -= self.items.pop(next(iter(self.items)))[1]
+
+
+def message_chars(message: AgentMessage) -> int:
+    """The characters of a message's texts: what keeping it keeps alive, near enough."""
+    return (len(message.framework_item) + len(message.text or "") + len(message.tool_output or "")
+            + len(message.tool_arguments or ""))
+
+
+_parsed = _ParsedItems(INPUT_ITEM_CACHE_ENTRIES, INPUT_ITEM_CACHE_CHARS)
 
 
 def input_item(message: AgentMessage) -> ModelInputItem:
@@ -84,10 +117,7 @@ def input_item(message: AgentMessage) -> ModelInputItem:
     item = _parsed.get(message)
     if item is None:
         item = _parse(message)
-        with _parsed_lock:
-            if len(_parsed) >= INPUT_ITEM_CACHE_ENTRIES:
-                del _parsed[next(iter(_parsed))]
-            _parsed[message] = item
+        _parsed.keep(message, item)
     return item
 
 
