@@ -4,11 +4,12 @@ as chunk_messages does otherwise, errors included."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from dex_agents import _chunk_memo
 from dex_agents._chunk_memo import ChunkMessagesMemo
-from dex_agents._message_store import ChunkReader, MessageStoreCorruptError, chunk_messages
+from dex_agents._message_store import ChunkReader, MessageStoreCorruptError, chunk_messages, message_chars
 from dex_agents._wire import AgentMessage, AgentMessageChunk, AgentMessageChunkRange, MessageRole
 
 
@@ -113,3 +114,23 @@ def test_the_oldest_sessions_go_past_either_bound(assembled: list[int]) -> None:
     by_messages.reader("a")(RANGES, stores["a"].read)
     by_messages.reader("b")(RANGES, stores["b"].read)
     assert len(by_messages) == 1
+
+
+def big_chunk(first: int, last: int, output_chars: int) -> AgentMessageChunk:
+    return AgentMessageChunk(tuple(msgspec.structs.replace(message(s), tool_output="x" * output_chars)
+                                   for s in range(first, last + 1)))
+
+
+def test_the_oldest_sessions_go_past_the_character_bound(assembled: list[int]) -> None:
+    """Bounded by sessions and messages alone, the memo kept 65,536 messages however large: with
+    tool outputs of 100 kB, gigabytes the engine's byte-bounded caches had let go. Here room for two
+    sessions of 5 messages of 10,000 characters each, not three."""
+    memo = ChunkMessagesMemo(sessions=10, messages=1000, chars=120_000)
+    stores = {s: Stored(big_chunk(1, 3, 10_000), big_chunk(4, 5, 10_000)) for s in ("a", "b", "c")}
+    for s in ("a", "b", "c"):
+        assert len(memo.reader(s)(RANGES, stores[s].read)) == 5
+    kept = [m for k in memo._kept.values() for m in k.messages]
+    assert len(memo) == 2 and sum(map(message_chars, kept)) <= 120_000
+    memo.reader("a")(RANGES, stores["a"].read)  # the oldest went: assembled again
+    memo.reader("c")(RANGES, stores["c"].read)  # the newest stayed: a hit
+    assert assembled == [2, 2, 2, 2]

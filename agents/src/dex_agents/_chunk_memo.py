@@ -8,8 +8,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ._constants import CHUNK_MEMO_MESSAGES, CHUNK_MEMO_SESSIONS
-from ._message_store import ChunkMessages, ChunkReader, chunk_messages
+from ._constants import CHUNK_MEMO_CHARS, CHUNK_MEMO_MESSAGES, CHUNK_MEMO_SESSIONS
+from ._message_store import ChunkMessages, ChunkReader, chunk_messages, message_chars
 from ._wire import AgentMessage, AgentMessageChunk, AgentMessageChunkRange
 
 
@@ -18,6 +18,7 @@ class _Kept:
     ranges: tuple[AgentMessageChunkRange, ...]
     chunks: tuple[AgentMessageChunk | None, ...]  # held, so that no other object can take their identities
     messages: tuple[AgentMessage, ...]
+    chars: int  # the messages' message_chars
 
 
 class ChunkMessagesMemo:
@@ -30,10 +31,15 @@ class ChunkMessagesMemo:
     model call would otherwise check and copy every chunk of it, every time.
     """
 
-    def __init__(self, sessions: int = CHUNK_MEMO_SESSIONS, messages: int = CHUNK_MEMO_MESSAGES) -> None:
+    def __init__(self, sessions: int = CHUNK_MEMO_SESSIONS, messages: int = CHUNK_MEMO_MESSAGES,
+                 chars: int = CHUNK_MEMO_CHARS) -> None:
         self._sessions = sessions
         self._messages = messages
+        self._chars = chars
         self._held = 0  # messages kept, over all sessions
+        # Their characters: bounded by messages alone, sessions with large tool outputs kept
+        # gigabytes alive that the engine's byte-bounded caches had let go.
+        self._held_chars = 0
         self._kept: OrderedDict[str, _Kept] = OrderedDict()
         self._lock = threading.Lock()  # model calls of one flow type may run on several threads
 
@@ -54,7 +60,7 @@ class ChunkMessagesMemo:
                 return list(kept.messages)
             by_range = dict(zip(ranges, chunks, strict=True))
             messages = chunk_messages(ranges, by_range.__getitem__)
-            self._keep(flow_id, _Kept(tuple(ranges), chunks, tuple(messages)))
+            self._keep(flow_id, _Kept(tuple(ranges), chunks, tuple(messages), sum(map(message_chars, messages))))
             return messages
 
         return read_chunks
@@ -64,11 +70,15 @@ class ChunkMessagesMemo:
             old = self._kept.pop(flow_id, None)
             if old is not None:
                 self._held -= len(old.messages)
+                self._held_chars -= old.chars
             self._kept[flow_id] = kept
             self._held += len(kept.messages)
-            while self._kept and (len(self._kept) > self._sessions or self._held > self._messages):
+            self._held_chars += kept.chars
+            while self._kept and (len(self._kept) > self._sessions or self._held > self._messages
+                                  or self._held_chars > self._chars):
                 _, gone = self._kept.popitem(last=False)
                 self._held -= len(gone.messages)
+                self._held_chars -= gone.chars
 
     def __len__(self) -> int:
         return len(self._kept)

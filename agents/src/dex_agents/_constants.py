@@ -54,6 +54,9 @@ INPUT_ITEM_CACHE_CHARS = 32 * 1024 * 1024
 # few hundred bytes a message).
 CHUNK_MEMO_SESSIONS = 256
 CHUNK_MEMO_MESSAGES = 65_536
+# And at most so many characters of those messages' texts: at 100 kB tool outputs, the message bound
+# alone let it keep gigabytes.
+CHUNK_MEMO_CHARS = 64 * 1024 * 1024
 
 # get_agent_snapshot returns the newest messages only; list_agent_messages pages through the rest.
 SNAPSHOT_MESSAGE_LIMIT = 200

@@ -375,6 +375,12 @@ def newest_messages(
     return picked
 
 
+def message_chars(message: AgentMessage) -> int:
+    """The characters of a message's texts: near enough what a cache that keeps it keeps alive."""
+    return (len(message.framework_item) + len(message.text or "") + len(message.tool_output or "")
+            + len(message.tool_arguments or ""))
+
+
 def chunk_messages(chunks: Sequence[AgentMessageChunkRange], read_chunk: ChunkReader) -> list[AgentMessage]:
     """The messages of these chunks (in order, none overlapping), oldest first, in a new list. Chunks
     are read and checked newest first, so a bad chunk is reported as newest_messages reports it."""

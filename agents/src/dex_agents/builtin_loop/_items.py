@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 from .._constants import INPUT_ITEM_CACHE_CHARS, INPUT_ITEM_CACHE_ENTRIES
+from .._message_store import message_chars
 from .._runner import FrameworkMessage
 from .._wire import AgentMessage, MessageRole
 from ._model import ModelInputItem, ModelOutputItem, ModelToolCall, OutputItemKind, ToolResultInput, UserTextInput
@@ -101,12 +102,6 @@ class _ParsedItems:
             self.chars += size
             while len(self.items) > self._max_entries or self.chars > self._max_chars:
                 self.chars -= self.items.pop(next(iter(self.items)))[1]
-
-
-def message_chars(message: AgentMessage) -> int:
-    """The characters of a message's texts: what keeping it keeps alive, near enough."""
-    return (len(message.framework_item) + len(message.text or "") + len(message.tool_output or "")
-            + len(message.tool_arguments or ""))
 
 
 _parsed = _ParsedItems(INPUT_ITEM_CACHE_ENTRIES, INPUT_ITEM_CACHE_CHARS)
