@@ -89,10 +89,6 @@ class _ParsedItems:
         self._max_chars = max_chars
         self._lock = threading.Lock()  # model calls of one flow type may run on several threads
 
-    def get(self, message: AgentMessage) -> ModelInputItem | None:
-        hit = self.items.get(message)
-        return None if hit is None else hit[0]
-
     def keep(self, message: AgentMessage, item: ModelInputItem) -> None:
         size = message_chars(message)
         with self._lock:
@@ -109,10 +105,11 @@ _parsed = _ParsedItems(INPUT_ITEM_CACHE_ENTRIES, INPUT_ITEM_CACHE_CHARS)
 
 def input_item(message: AgentMessage) -> ModelInputItem:
     """The model input item of a stored message; items another runner stored fall back to their text."""
-    item = _parsed.get(message)
-    if item is None:
-        item = _parse(message)
-        _parsed.keep(message, item)
+    hit = _parsed.items.get(message)  # unlocked: a dict lookup is atomic, and this is every message of every call
+    if hit is not None:
+        return hit[0]
+    item = _parse(message)
+    _parsed.keep(message, item)
     return item
 
 
