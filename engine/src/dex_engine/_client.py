@@ -8,16 +8,17 @@ import contextlib
 import contextvars
 import math
 import os
+import queue
 import re
 import sys
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, get_args
+from typing import Any, Generic, TypeVar, cast, get_args
 
 from ._codec import decode_value, encode_value
 from ._context import RpcContext
@@ -40,11 +41,23 @@ from ._limits import (
     MAX_READ_LIMIT,
     MAX_RPC_TRIES,
     MAX_STREAM_WAIT_SECONDS,
+    RPC_LOCKED_AFTER_LOST_RACES,
+    RPC_LOCKED_LOOP_WAIT_SECONDS,
+    RPC_LOCKED_YIELDS,
     STREAM_WATCH_SECONDS,
 )
 from ._open import open_store, shown_url
 from ._options import FlowConfig, LoadSpec, is_number
-from ._records import FlowInfo, FlowStatus, HistoryEntry, MovementRecord, RetryWaitEnding, StartRequest, WriteSet
+from ._records import (
+    FlowInfo,
+    FlowStatus,
+    HistoryEntry,
+    MovementRecord,
+    RetryWaitEnding,
+    RpcOutcome,
+    RpcSnapshot,
+    StartRequest,
+)
 from ._scheduling import movement_record, start_record
 from ._schema import AttributeMap, AttributeRef, ChannelRef, Stream
 from ._store import Store
@@ -151,15 +164,85 @@ class _RpcCall:
     request: Any
 
 
-@dataclass(frozen=True)
-class _RpcOutcome:
-    """What one run of an RPC handler returned and would commit."""
+class _Ready(Generic[R]):
+    """An awaitable that computes its value when awaited, never suspending: what a stepped handler
+    (AsyncClient._stepped) awaits for `ctx.load`."""
 
-    output: Any
-    writes: WriteSet
-    records: list[MovementRecord]
-    canceling: tuple[str, ...]
-    ending: RetryWaitEnding | None
+    def __init__(self, compute: Callable[[], R]) -> None:
+        self._compute = compute
+
+    def __await__(self) -> Generator[Any, None, R]:
+        return self._compute()
+        yield  # type: ignore[unreachable]  # a generator that returns before its first yield
+
+
+def _on_loop(
+    loop: asyncio.AbstractEventLoop,
+    loop_thread: int,
+    run: Callable[[Callable[[LoadSpec], dict[tuple[str, str], bytes]]], RpcOutcome | None],
+    load: Callable[[LoadSpec], dict[tuple[str, str], bytes]],
+) -> RpcOutcome | None:
+    """`run(load)` on `loop`'s thread, from a transaction on the store's thread (or inline on that
+    loop): the handler belongs to its caller's loop, as in every usual run, and is not made to run
+    on a thread beside it. `load` reads in the transaction, so it runs on the calling thread: the
+    loop's thread asks for it and waits, while this thread waits for the loop and does its loads.
+    None when the loop has not run `run` within RPC_LOCKED_LOOP_WAIT_SECONDS (blocked, or closed):
+    the transaction holds the flow's write lock meanwhile."""
+    if threading.get_ident() == loop_thread:  # run inline on the loop (SQLite): it waits for nobody
+        return run(load)
+    asks: queue.SimpleQueue[tuple[LoadSpec, concurrent.futures.Future[dict[tuple[str, str], bytes]]]
+                            | tuple[None, RpcOutcome | None]] = queue.SimpleQueue()
+    lock = threading.Lock()
+    abandoned = False
+
+    def load_here(spec: LoadSpec) -> dict[tuple[str, str], bytes]:
+        answer: concurrent.futures.Future[dict[tuple[str, str], bytes]] = concurrent.futures.Future()
+        with lock:
+            if abandoned:
+                raise RuntimeError("the RPC's transaction stopped waiting for its event loop")
+            asks.put((spec, answer))
+        return answer.result()
+
+    def on_loop() -> None:
+        with lock:
+            if abandoned:
+                return
+        outcome = None
+        try:
+            outcome = run(load_here)
+        finally:
+            asks.put((None, outcome))
+
+    try:
+        loop.call_soon_threadsafe(on_loop)
+    except RuntimeError:
+        return None  # the loop is closed
+    deadline = time.monotonic() + RPC_LOCKED_LOOP_WAIT_SECONDS
+    try:
+        while True:
+            try:
+                spec, reply = asks.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if spec is None:
+                return cast("RpcOutcome | None", reply)
+            answer = cast("concurrent.futures.Future[dict[tuple[str, str], bytes]]", reply)
+            try:
+                answer.set_result(load(spec))
+            except BaseException as exc:
+                answer.set_exception(exc)
+                raise
+    finally:
+        with lock:
+            abandoned = True
+        while True:  # a load asked just before: its asker must not wait for ever
+            try:
+                spec, reply = asks.get_nowait()
+            except queue.Empty:
+                break
+            if spec is not None:
+                cast("concurrent.futures.Future[Any]", reply).set_exception(
+                    RuntimeError("the RPC's transaction stopped waiting for its event loop"))
 
 
 @dataclass
@@ -441,7 +524,7 @@ class AsyncClient:
                 return await self._rpc_commit_blind(call, blind)
             return await self._rpc_snapshots(call, tries)
 
-    async def _rpc_blind(self, call: _RpcCall) -> _RpcOutcome | None:
+    async def _rpc_blind(self, call: _RpcCall) -> RpcOutcome | None:
         """The outcome of a handler that loads nothing and reads no pending message: it decides from
         its request alone, so its writes need no snapshot to be checked against and commit in one
         transaction with no read before. None for any other handler, and when it raises or writes
@@ -456,19 +539,32 @@ class AsyncClient:
             return None
         if ctx.pending_read or (ctx.writes.empty() and not records and not canceling and ending is None):
             return None
-        return _RpcOutcome(output, ctx.writes, records, canceling, ending)
+        return RpcOutcome(output, ctx.writes, records, canceling, ending)
 
-    async def _rpc_commit_blind(self, call: _RpcCall, blind: _RpcOutcome) -> Any:
+    async def _rpc_commit_blind(self, call: _RpcCall, blind: RpcOutcome) -> Any:
         await self._store.rpc_commit(call.flow_id, None, call.handler.locks, blind.writes, blind.records,
                                      blind.canceling, call.flow.flow_type, blind.ending)
         return blind.output
 
     async def _rpc_snapshots(self, call: _RpcCall, tries: int) -> Any:
-        """Up to `tries` tries on snapshots; RpcContentionError when the flow changed under each."""
+        """Up to `tries` tries on snapshots; RpcContentionError when the flow changed under each.
+
+        The flow's turn orders only this client's RPCs: those of other clients and processes, and
+        Steps, race it, and some RPC lost 64 races in a row to five other clients' bursts. So once
+        it lost RPC_LOCKED_AFTER_LOST_RACES races, a try runs its handler inside the transaction
+        that holds the flow's write lock (_rpc_locked), which nothing can overtake; only a handler
+        that waits for something a transaction cannot wait for goes on racing."""
+        lost = MAX_RPC_TRIES - tries  # one before the turn was taken
+        lockable = True
         for _ in range(tries):
-            settled, output = await self._rpc_on_snapshot(call)
+            if lockable and lost >= RPC_LOCKED_AFTER_LOST_RACES:
+                settled, output = await self._rpc_locked(call)
+                lockable = settled
+            else:
+                settled, output = await self._rpc_on_snapshot(call)
             if settled:
                 return output
+            lost += 1
         raise RpcContentionError(
             f"RPC {call.handler.name!r} on flow {call.flow_id!r} saw the flow change on each of {MAX_RPC_TRIES} "
             "tries (other writers to it: workers, other clients or processes); nothing committed, call it again"
@@ -503,6 +599,54 @@ class AsyncClient:
         except RpcVersionChanged:
             return False, None
         return True, output
+
+    async def _rpc_locked(self, call: _RpcCall) -> tuple[bool, Any]:
+        """One try that cannot lose a race (Store.rpc_locked): (True, output) once it committed or
+        wrote nothing; (False, None) when the handler did not finish without waiting (see
+        _stepped), having committed nothing."""
+        loop, loop_thread = asyncio.get_running_loop(), threading.get_ident()
+        context = contextvars.copy_context()  # the caller's, as a usual run of the handler has
+        handler = call.handler
+
+        def decide(snap: RpcSnapshot, load: Callable[[LoadSpec], dict[tuple[str, str], bytes]]) -> RpcOutcome | None:
+            if snap.flow_type != call.flow.flow_type:
+                raise FlowTypeChanged(snap.flow_type)  # before anything is written
+            return _on_loop(loop, loop_thread, lambda load_here: self._stepped(call, snap, load_here, context), load)
+
+        outcome = await self._store.rpc_locked(call.flow_id, handler.load, handler.locks, decide)
+        return (False, None) if outcome is None else (True, outcome.output)
+
+    def _stepped(
+        self, call: _RpcCall, snap: RpcSnapshot, load: Callable[[LoadSpec], dict[tuple[str, str], bytes]],
+        context: contextvars.Context,
+    ) -> RpcOutcome | None:
+        """The handler run to its end on `snap` without an event loop's help, inside a transaction
+        that cannot wait for the loop: its coroutine is stepped, not awaited, and `ctx.load` reads at
+        once. None when it waits for anything else (a future: I/O, a lock, a timer), yields more than
+        RPC_LOCKED_YIELDS times (`asyncio.sleep(0)` yields and wants only to be resumed), or raises:
+        a usual run on a snapshot then raises the same error to the caller."""
+        handler = call.handler
+        ctx = RpcContext(call.flow, call.flow_id, snap.attributes, handler.load, snap.pending, handler.name,
+                         snap.in_flight, lambda spec: _Ready(lambda: load(spec)))
+        try:
+            running = cast("Coroutine[Any, Any, Any]", handler.handler(ctx, call.request))
+            try:
+                for _ in range(RPC_LOCKED_YIELDS + 1):
+                    if context.run(running.send, None) is not None:
+                        break  # a future: only the loop can wait for it
+                context.run(running.close)
+                return None
+            except StopIteration as done:
+                result = done.value
+            output, records, canceling, ending = self._rpc_outcome(call.flow, result)
+            return RpcOutcome(output, ctx.writes, records, canceling, ending)
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            # Its own CancelledError too: stepped, not awaited, nothing cancelled it.
+            return None
+        finally:
+            ctx.close(f"RPC {handler.name!r} on flow {call.flow_id!r} returned")
 
     async def _handled(
         self, call: _RpcCall, ctx: RpcContext

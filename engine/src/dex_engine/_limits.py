@@ -208,6 +208,21 @@ CLIENT_FLOW_TYPE_CACHE_ENTRIES = 100_000
 # RPC optimistic validation: tries before RpcContentionError.
 MAX_RPC_TRIES = 64
 
+# Races an RPC loses before its next try runs the handler inside the transaction that holds the
+# flow's write lock, which cannot lose: two, so that an uncontended RPC and one that lost once to a
+# single other writer never hold the lock over a handler run, while writers of other clients and
+# processes cannot make one lose 64 times in a row.
+RPC_LOCKED_AFTER_LOST_RACES = 2
+
+# Bare yields (asyncio.sleep(0)) a handler run inside that transaction may make: each is only
+# resumed; one that yields more is polling something the transaction cannot wait for.
+RPC_LOCKED_YIELDS = 100
+
+# How long that transaction waits for the caller's event loop to run the handler, holding the
+# flow's write lock (on SQLite the file's): the loop waits for this transaction, so it answers in
+# well under a millisecond unless something blocks it; then the RPC goes back to racing.
+RPC_LOCKED_LOOP_WAIT_SECONDS = 1.0
+
 # Events a stream read, or flow IDs a search, returns when the caller names no limit: one page a UI can render.
 DEFAULT_READ_LIMIT = 1000
 

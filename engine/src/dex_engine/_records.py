@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -141,6 +141,20 @@ class RpcSnapshot:
     pending: dict[tuple[str, str], list[tuple[int, bytes]]]
     # Messages a satisfied wait took whose Step's Execute has not committed, by channel instance.
     in_flight: dict[tuple[str, str], list[tuple[int, bytes]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RpcOutcome:
+    """What one run of an RPC handler returned and would commit."""
+
+    output: Any
+    writes: WriteSet
+    records: list[MovementRecord]
+    canceling: tuple[str, ...]
+    ending: RetryWaitEnding | None
+
+    def writes_nothing(self) -> bool:
+        return self.writes.empty() and not self.records and not self.canceling and self.ending is None
 
 
 @dataclass(frozen=True)

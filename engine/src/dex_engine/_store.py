@@ -31,6 +31,7 @@ from ._records import (
     Lease,
     MovementRecord,
     RetryWaitEnding,
+    RpcOutcome,
     RpcSnapshot,
     StartedFold,
     StartRequest,
@@ -500,6 +501,30 @@ class Store(ABC):
         if rows is None:
             raise tx.RpcVersionChanged()
         return rows
+
+    async def rpc_locked(
+        self, flow_id: str, load: LoadSpec, locks: Sequence[str],
+        decide: Callable[[RpcSnapshot, Callable[[LoadSpec], dict[tuple[str, str], bytes]]], RpcOutcome | None],
+    ) -> RpcOutcome | None:
+        """One RPC try that cannot lose a race: the flow's snapshot is read, `decide` runs the handler
+        on it (the callable it is given loads more attributes in this transaction), and its outcome
+        is committed, all in one transaction that holds the flow's write lock (its row lock on
+        PostgreSQL, the file's on SQLite) so that nothing changes the flow in between. None, having
+        committed nothing, when `decide` could not run the handler to its end in the transaction."""
+
+        def op(db: Db) -> RpcOutcome | None:
+            tx.lock_flow(db, flow_id)
+            snapshot = tx.rpc_read(db, flow_id, load, locks)
+            assert snapshot is not None, "the flow changed under its row lock"
+            outcome = decide(snapshot, lambda spec: tx.load_attributes(db, flow_id, spec))
+            if outcome is None or outcome.writes_nothing():
+                return outcome
+            tx.rpc_commit(db, flow_id, snapshot.version, locks, outcome.writes, outcome.records, outcome.canceling,
+                          now_ms(), ending=outcome.ending)
+            return outcome
+
+        # Not handed off (see rpc_commit): the outcome is known only inside the transaction.
+        return await self._run(op, write=True)
 
     async def rpc_commit(
         self, flow_id: str, version: int | None, locks: Sequence[str], writes: WriteSet,
