@@ -150,8 +150,32 @@ async def outer(ctx: RpcContext, _request: Any) -> int:
     return seen
 
 
+@rpc(load=LoadOptions.only(Count))
+async def tally(ctx: RpcContext, _request: Any) -> int:
+    """Counts, and keeps each count's predecessor in Notes, loaded only when needed (as an agent
+    session pages a long map): the run that cannot lose must load it in its own transaction."""
+    await asyncio.sleep(0)
+    count = (ctx.get(Count) or 0) + 1
+    await ctx.load(Notes[str(count - 1)])
+    assert (ctx.get(Notes[str(count - 1)]) is not None) == (count > 1)
+    ctx.set(Count, count)
+    ctx.set(Notes[str(count)], count)
+    return count
+
+
+fails_from_run: list[int] = []  # the run from which `fails_late` raises; its runs so far
+
+
+@rpc()
+async def fails_late(ctx: RpcContext, _request: Any) -> None:
+    fails_from_run.append(1)
+    if len(fails_from_run) > fails_from_run[0]:
+        raise ValueError(f"run {len(fails_from_run) - 1} refuses")
+    ctx.set(Count, -1)
+
+
 COUNTER = Flow("Counter", [Step("Listen", complete, wait_for=wait_for_inbox)], start_step="Listen",
-               schema=[Inbox, Count, Notes], rpcs=[increment, note, always_overtaken, peek, outer])
+               schema=[Inbox, Count, Notes], rpcs=[increment, note, always_overtaken, peek, outer, tally, fails_late])
 COUNTER_REGISTRY = Registry([COUNTER])
 
 
@@ -196,6 +220,62 @@ async def test_an_rpc_overtaken_on_every_try_runs_its_handler_max_tries_times(db
         assert f"each of {MAX_RPC_TRIES} tries" in message
         assert await eng.client.get_attribute("c", Count) is None
         assert not eng.client._rpc_turns._turns
+
+
+def overtake_every_snapshot(monkeypatch: pytest.MonkeyPatch, client: AsyncClient, outsider: AsyncClient) -> list[int]:
+    """From now on, right after each snapshot `client` reads for an RPC, `outsider` publishes to the
+    flow: a writer outside the client (another process, a Step) that commits between every try's
+    read and its commit, so that no try on a snapshot can commit. Returns the publishes so far."""
+    real = client.store.rpc_read
+    published: list[int] = []
+
+    async def read_then_overtaken(flow_id: str, load: Any, locks: Any) -> Any:
+        snapshot = await real(flow_id, load, locks)
+        published.append(await outsider.publish(flow_id, Inbox, 0))
+        return snapshot
+
+    monkeypatch.setattr(client.store, "rpc_read", read_then_overtaken)
+    return published
+
+
+@pytest.mark.parametrize("name", ["increment", "tally"])
+async def test_rpcs_of_several_clients_overtaken_before_every_commit_all_commit(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """E8 serializes an RPC with every change to its flow, so an RPC overtaken by other writers on
+    every try still commits, once. Here a writer outside each client commits between each snapshot
+    read and its commit, as other clients' and processes' bursts did at random (six clients sending
+    600 RPCs to one flow made up to nine fail per run). Catches: every try of every RPC losing its
+    race, so each failed with RpcContentionError after MAX_RPC_TRIES tries. `tally` loads more
+    attributes during its run, which must read in the transaction that cannot lose."""
+    clients, calls = 3, 4
+    async with engine_for(db_url, COUNTER_REGISTRY, worker=False) as eng:
+        await eng.client.start_flow("Counter", "c")
+        others = [AsyncClient(COUNTER_REGISTRY, db_url) for _ in range(clients)]
+        try:
+            published = [overtake_every_snapshot(monkeypatch, other, eng.client) for other in others]
+            results = await asyncio.gather(*(other.rpc("c", name) for other in others for _ in range(calls)))
+        finally:
+            for other in others:
+                await other.close()
+        assert sorted(results) == list(range(1, clients * calls + 1))  # each saw the one before it
+        assert await eng.client.get_attribute("c", Count) == clients * calls
+        assert all(published)  # each client's RPCs were overtaken
+
+
+async def test_an_rpc_whose_handler_raises_after_lost_races_raises_its_error(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handler that raises in the try that cannot lose (its third) commits nothing and its error
+    reaches the caller, as from any run (E8)."""
+    async with engine_for(db_url, COUNTER_REGISTRY, worker=False) as eng:
+        await eng.client.start_flow("Counter", "c")
+        async with AsyncClient(COUNTER_REGISTRY, db_url) as other:
+            overtake_every_snapshot(monkeypatch, other, eng.client)
+            fails_from_run[:] = [2]  # runs 1 and 2 lose their races, run 3 raises
+            with pytest.raises(ValueError, match="refuses"):
+                await other.rpc("c", "fails_late")
+        assert await eng.client.get_attribute("c", Count) is None
 
 
 async def test_rpcs_that_start_while_a_turn_is_taken_wait_for_it(db_url: str) -> None:
