@@ -567,7 +567,9 @@ class AsyncClient:
             lost += 1
         raise RpcContentionError(
             f"RPC {call.handler.name!r} on flow {call.flow_id!r} saw the flow change on each of {MAX_RPC_TRIES} "
-            "tries (other writers to it: workers, other clients or processes); nothing committed, call it again"
+            "tries (other writers to it: workers, other clients or processes), and no try could run it under the "
+            "flow's write lock (its handler awaited something other than ctx.load, or its event loop was blocked); "
+            "nothing committed, call it again, or make the handler await only ctx.load"
         )
 
     async def _rpc_on_snapshot(self, call: _RpcCall) -> tuple[bool, Any]:

@@ -128,7 +128,8 @@ class RpcLockConflictError(DexError):
 
 
 class RpcContentionError(DexError):
-    """The flow changed under the RPC on every try; nothing was committed."""
+    """The flow changed under the RPC on every try, and no try could run it under the flow's write
+    lock (its handler awaited something other than `ctx.load`); nothing was committed."""
 
 
 class ChannelMessageNotFoundError(DexError):
