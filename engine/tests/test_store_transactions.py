@@ -17,7 +17,7 @@ import pytest
 from dex_engine import FlowConfig, Store, open_store
 from dex_engine import _sqlite_store as sqlite_store
 from dex_engine._options import LoadSpec
-from dex_engine._records import ErrorInfo, Lease, WriteSet
+from dex_engine._records import ErrorInfo, Lease, RpcOutcome, WriteSet
 from dex_engine._wait import ConditionSpec, WaitSpec
 
 from .test_durability import record_operation_levels
@@ -76,6 +76,8 @@ async def test_each_write_is_fsynced_unless_documented_best_effort(
     await start(store, "f3")
     running = (await store.describe_flow("f3")).active_steps[0].step_execution_id
     await level("rpc_commit (cancelling)", lambda: store.rpc_commit("f3", None, [], WriteSet(), [], [running]))
+    locked = RpcOutcome(None, WriteSet(attributes={("Count", ""): enc(1)}), [], (), None)
+    await level("rpc_locked", lambda: store.rpc_locked("f3", LoadSpec(), [], lambda snap, load: locked))
     await level("poll", lambda: store.poll(W, TYPES, 1, [], must_claim=True, housekeep=False))
     await level("register_worker", lambda: store.register_worker("w2", "tx-host", 2, HOUR_MS))
     await level("unregister_worker", lambda: store.unregister_worker("w2"))

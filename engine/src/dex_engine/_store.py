@@ -515,7 +515,8 @@ class Store(ABC):
         def op(db: Db) -> RpcOutcome | None:
             tx.lock_flow(db, flow_id)
             snapshot = tx.rpc_read(db, flow_id, load, locks)
-            assert snapshot is not None, "the flow changed under its row lock"
+            if snapshot is None:  # nothing changes the version under the row lock; were it to, this try lost
+                return None
             outcome = decide(snapshot, lambda spec: tx.load_attributes(db, flow_id, spec))
             if outcome is None or outcome.writes_nothing():
                 return outcome
