@@ -24,6 +24,7 @@ from dex_engine import (
     Registry,
     RpcContentionError,
     RpcContext,
+    RpcLockConflictError,
     SearchQueryError,
     Step,
     StepDecision,
@@ -174,8 +175,14 @@ async def fails_late(ctx: RpcContext, _request: Any) -> None:
     ctx.set(Count, -1)
 
 
+@rpc(locks=[Count])
+async def locked_set(ctx: RpcContext, _request: Any) -> None:
+    ctx.set(Count, 7)
+
+
 COUNTER = Flow("Counter", [Step("Listen", complete, wait_for=wait_for_inbox)], start_step="Listen",
-               schema=[Inbox, Count, Notes], rpcs=[increment, note, always_overtaken, peek, outer, tally, fails_late])
+               schema=[Inbox, Count, Notes], rpcs=[increment, note, always_overtaken, peek, outer, tally, fails_late,
+                                                      locked_set])
 COUNTER_REGISTRY = Registry([COUNTER])
 
 
@@ -275,6 +282,39 @@ async def test_an_rpc_whose_handler_raises_after_lost_races_raises_its_error(
             fails_from_run[:] = [2]  # runs 1 and 2 lose their races, run 3 raises
             with pytest.raises(ValueError, match="refuses"):
                 await other.rpc("c", "fails_late")
+        assert await eng.client.get_attribute("c", Count) is None
+
+
+async def test_an_rpc_whose_lock_a_step_took_while_it_lost_races_fails_with_a_lock_conflict(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """E7 holds in the try that cannot lose: a Step that took the RPC's lock while the RPC lost its
+    first two races makes that try fail at once with RpcLockConflictError naming the lock and the
+    Step, committing nothing, as any try would."""
+    async with engine_for(db_url, COUNTER_REGISTRY, worker=False) as eng:
+        await eng.client.start_flow("Counter", "c")
+
+        def step_takes_count(db: Any) -> None:  # as a claim of a Step locking Count does
+            row = db.one("SELECT task_id FROM tasks WHERE flow_id = ?", ("c",))
+            db.run("INSERT INTO locks (flow_id, lock_name, task_id) VALUES (?, ?, ?)", ("c", "Count", row[0]))
+
+        async with AsyncClient(COUNTER_REGISTRY, db_url) as other:
+            real = other.store.rpc_read
+            reads: list[int] = []
+
+            async def read_then_overtaken(flow_id: str, load: Any, locks: Any) -> Any:
+                snapshot = await real(flow_id, load, locks)
+                reads.append(await eng.client.publish(flow_id, Inbox, 0))
+                if len(reads) == 2:
+                    await eng.store.raw(step_takes_count, write=True)
+                return snapshot
+
+            monkeypatch.setattr(other.store, "rpc_read", read_then_overtaken)
+            with pytest.raises(RpcLockConflictError) as conflict:
+                await other.rpc("c", "locked_set")
+        assert conflict.value.lock == "Count"
+        assert "Listen-1" in str(conflict.value)
+        assert len(reads) == 2  # the third try read in the transaction that holds the flow's lock
         assert await eng.client.get_attribute("c", Count) is None
 
 
