@@ -270,6 +270,23 @@ async def test_rpcs_of_several_clients_overtaken_before_every_commit_all_commit(
         assert all(published)  # each client's RPCs were overtaken
 
 
+async def test_a_burst_of_rpcs_from_several_clients_on_one_flow_all_commit_once(db_url: str) -> None:
+    """Several clients (several web server processes, say) each send many RPCs to one flow at once,
+    with no hook: they race each other for real, and each commits exactly once. Catches (at random,
+    the test above at once): an RPC losing every race to the other clients' bursts."""
+    clients, calls = 4, 25
+    async with engine_for(db_url, COUNTER_REGISTRY, worker=False) as eng:
+        await eng.client.start_flow("Counter", "c")
+        others = [AsyncClient(COUNTER_REGISTRY, db_url) for _ in range(clients)]
+        try:
+            results = await asyncio.gather(*(other.rpc("c", "tally") for _ in range(calls) for other in others))
+        finally:
+            for other in others:
+                await other.close()
+        assert sorted(results) == list(range(1, clients * calls + 1))
+        assert await eng.client.get_attribute("c", Count) == clients * calls
+
+
 async def test_an_rpc_whose_handler_raises_after_lost_races_raises_its_error(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
