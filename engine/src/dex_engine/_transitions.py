@@ -563,21 +563,19 @@ def run_op(fn: Callable[[Db], R], db: Db) -> R:
 
 
 def read_history(db: Db, flow_id: str, limit: int) -> list[HistoryEntry]:
-    existing_flow_type(db, flow_id)
     # A flow holds up to its trim interval more than MAX_HISTORY_EVENTS_PER_FLOW (HISTORY_TRIM_CHECK_EVERY
     # on PostgreSQL, HISTORY_CHAIN_TRIM_EVERY on SQLite): reading only the newest that many gives
     # the same history on both backends, whenever it is read.
     limit = min(limit, MAX_HISTORY_EVENTS_PER_FLOW)
     if not _on_postgres(db):
+        existing_flow_type(db, flow_id)
         batches = sorted(db.all(_READ_BATCHES, (flow_id, limit)))
         events = [event for _first, blob in batches for event in decode_json(bytes(blob), _HistoryBatch)]
         return [HistoryEntry(event, step_type, seid, attempt, at, detail)
                 for step_type, seid, event, attempt, at, detail in events[max(0, len(events) - limit):]]
-    rows = db.all(
-        "SELECT event_type, step_type, step_execution_id, attempt, at, detail FROM "
-        "(SELECT * FROM history WHERE flow_id = ? ORDER BY seq DESC LIMIT ?) h ORDER BY seq",
-        (flow_id, limit),
-    )
+    rows = _pg_rows_of_flow(
+        db, flow_id, None, "event_type, step_type, step_execution_id, attempt, at, detail",
+        "SELECT * FROM history WHERE flow_id = f.flow_id ORDER BY seq DESC LIMIT ?", (limit,), "j.seq")
     return [HistoryEntry(str(r[0]), str(r[1]), str(r[2]), int(r[3]), int(r[4]), str(r[5])) for r in rows]
 
 
@@ -2286,7 +2284,34 @@ def publish(db: Db, flow_id: str, channel: str, key: str, value: bytes, now: int
 # Reads for clients and the CLI ---------------------------------------------------------------
 
 
+# These reads are of a flow and rows of it. On PostgreSQL they are one statement each
+# (_pg_rows_of_flow), as each statement sees the latest commit (READ COMMITTED): read apart, a flow
+# deleted between the two read as one without rows (no history, no attributes), and one deleted and
+# started again with another type (reused IDs are allowed) passed the check of the caller's type and
+# gave the new flow's rows to be read as the old type's. SQLite reads one snapshot (BEGIN).
+
+
+def _pg_rows_of_flow(
+    db: Db, flow_id: str, flow_type: str | None, columns: str, rows: str, params: Sequence[Any], order: str = "",
+) -> list[Row]:
+    """PostgreSQL: `columns` of the rows `rows` selects (a statement over `f`, the flow's row, with
+    `params`), as `j`, read in one statement with the flow (FlowNotFoundError when there is none,
+    FlowTypeChanged when it is not of `flow_type`), in `order`; the first column is never NULL."""
+    found = db.all(f"SELECT f.flow_type, {', '.join('j.' + c for c in columns.split(', '))} FROM flows f "
+                   f"LEFT JOIN LATERAL ({rows}) j ON TRUE WHERE f.flow_id = ?{' ORDER BY ' + order if order else ''}",
+                   (*params, flow_id))
+    if not found:
+        raise FlowNotFoundError(flow_id)
+    _check_type(str(found[0][0]), flow_type)
+    return [r[1:] for r in found if r[1] is not None]
+
+
 def read_attribute(db: Db, flow_id: str, name: str, key: str, flow_type: str | None = None) -> bytes | None:
+    if _on_postgres(db):
+        rows = _pg_rows_of_flow(db, flow_id, flow_type, "value",
+                                "SELECT value FROM attributes WHERE flow_id = f.flow_id AND name = ? AND key = ?",
+                                (name, key))
+        return bytes(rows[0][0]) if rows else None
     existing_flow_type(db, flow_id, flow_type)
     known = db.known.get(flow_id)
     if known is not None and known.covers(name):
@@ -2296,12 +2321,20 @@ def read_attribute(db: Db, flow_id: str, name: str, key: str, flow_type: str | N
 
 
 def read_attribute_map(db: Db, flow_id: str, name: str, flow_type: str | None = None) -> dict[str, bytes]:
+    if _on_postgres(db):
+        return {str(key): bytes(value) for key, value in sorted(_pg_rows_of_flow(
+            db, flow_id, flow_type, "key, value",
+            "SELECT key, value FROM attributes WHERE flow_id = f.flow_id AND name = ?", (name,)))}
     existing_flow_type(db, flow_id, flow_type)
     rows = load_attributes(db, flow_id, LoadSpec("only", (name,)))
     return {key: rows[(n, key)] for n, key in sorted(rows)}
 
 
 def read_all_attributes(db: Db, flow_id: str) -> dict[tuple[str, str], bytes]:
+    if _on_postgres(db):
+        return {(str(name), str(key)): bytes(value) for name, key, value in _pg_rows_of_flow(
+            db, flow_id, None, "name, key, value", "SELECT name, key, value FROM attributes WHERE flow_id = f.flow_id",
+            ())}
     existing_flow_type(db, flow_id)
     return load_attributes(db, flow_id, LoadSpec("all"))
 
@@ -2514,11 +2547,12 @@ def list_flows(db: Db, flow_type: str | None, status: str | None, limit: int) ->
 
 def stream_names(db: Db, flow_id: str) -> list[str]:
     """Names of the flow's streams that ever received an event, sorted."""
-    existing_flow_type(db, flow_id)
     if not _on_postgres(db):
+        existing_flow_type(db, flow_id)
         return sorted(stream_positions(db, flow_id))
-    return [str(r[0]) for r in db.all(f"SELECT stream FROM streams WHERE flow_id = ? ORDER BY "
-                                      f"{_by_code_point(db, 'stream')}", (flow_id,))]
+    return [str(r[0]) for r in _pg_rows_of_flow(db, flow_id, None, "stream",
+                                                "SELECT stream FROM streams WHERE flow_id = f.flow_id", (),
+                                                _by_code_point(db, "j.stream"))]
 
 
 def list_workers(db: Db) -> list[tuple[str, str, int, int, int]]:

@@ -1,0 +1,129 @@
+"""A client's read of one flow sees it as of one moment, on both backends: another connection's
+commit (a delete) that lands while the read runs, after any of its statements, gives the flow as it
+was before the commit or as it is after it, never part of each.
+
+On PostgreSQL each statement of a transaction sees the latest commit (READ COMMITTED), where SQLite
+reads one snapshot: a read of several statements could mix two states there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+import dex_engine._transitions as transitions
+from dex_engine import Client, FlowNotFoundError, HistoryEntry, UndeclaredNameError
+
+from .conftest import Engine, engine_for
+from .test_delete_flow import REGISTRY, Note, Tags, closed_flow
+from .test_reused_flow_ids import REGISTRY as REUSED
+from .test_rules_e09_e16 import _CommitsAfterStatement
+
+
+def _history(entries: list[HistoryEntry]) -> list[tuple[str, str]]:
+    return [(e.event_type, e.step_execution_id) for e in entries]
+
+
+# Each read: (the transition it runs, how the client calls it, what it returns for the flow as
+# closed_flow leaves it, made comparable).
+_READS: dict[str, tuple[str, Callable[[Engine], Awaitable[Any]], Callable[[Any], Any]]] = {
+    "get_flow_history": ("read_history", lambda eng: eng.client.get_flow_history("f1"), _history),
+    "get_attribute": ("read_attribute", lambda eng: eng.client.get_attribute("f1", Note), lambda v: v),
+    "get_attribute_map": ("read_attribute_map", lambda eng: eng.client.get_attribute_map("f1", Tags), lambda v: v),
+    # The CLI's `attributes` and `stream` commands.
+    "read_all_attributes": ("read_all_attributes", lambda eng: eng.store.read_all_attributes("f1"), lambda v: v),
+    "stream_names": ("stream_names", lambda eng: eng.store.stream_names("f1"), lambda v: v),
+}
+
+
+@pytest.mark.parametrize("read", sorted(_READS))
+@pytest.mark.parametrize("delete_after", [1, 2])
+async def test_a_read_racing_a_delete_sees_the_flow_before_or_after_it(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, read: str, delete_after: int,
+) -> None:
+    """A flow deleted by another connection while a read of it runs (after the read's first or
+    second statement) reads as it was (the whole value) or as gone (FlowNotFoundError). Catches:
+    PostgreSQL reading that the flow exists, then its rows, in two statements: the delete fell
+    between them and get_flow_history returned [], get_attribute None, get_attribute_map {}, for a
+    flow that always had them."""
+    transition, call, shown = _READS[read]
+    async with engine_for(db_url, REGISTRY) as eng:
+        await closed_flow(eng, "f1", "completed")
+        whole = shown(await call(eng))
+        assert whole, whole  # the flow has rows of each read
+        # Another process's client: a blocking Client runs on a loop of its own, so the read may
+        # wait for it wherever it runs (on this loop, inline on SQLite; on a connection's thread).
+        other = await asyncio.to_thread(Client, REGISTRY, db_url)
+        real = getattr(transitions, transition)
+        deleted: list[bool] = []
+
+        def delete() -> None:
+            deleted.append(other.delete_flow("f1"))
+
+        def racing(db: Any, *args: Any) -> Any:
+            if deleted:
+                return real(db, *args)
+            result = real(_CommitsAfterStatement(db, delete_after, delete), *args)
+            if not deleted:  # the read took fewer statements: the delete commits after it
+                delete()
+            return result
+
+        monkeypatch.setattr(transitions, transition, racing)
+        try:
+            try:
+                seen = shown(await call(eng))
+            except FlowNotFoundError:
+                seen = FlowNotFoundError
+        finally:
+            await asyncio.to_thread(other.close)
+        assert deleted == [True]
+        assert seen in (whole, FlowNotFoundError), seen
+        with pytest.raises(FlowNotFoundError):
+            await call(eng)
+
+
+
+@pytest.mark.parametrize("read", ["get_attribute", "get_attribute_map"])
+async def test_an_attribute_read_racing_a_restart_with_another_type_reads_one_flow(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, read: str,
+) -> None:
+    """A flow deleted and started again under its ID, with another type, by another connection
+    while a client's attribute read of it runs (after the read's first statement) reads as the old
+    flow or as the new one, whose type does not declare the name (UndeclaredNameError). Catches:
+    PostgreSQL checking the old flow's type, then reading the new flow's rows: None or {} for a
+    name the new flow's type does not have."""
+    transition, call, shown = _READS[read]
+    async with engine_for(db_url, REUSED) as eng:
+        await closed_flow(eng, "f1", "completed")
+        whole = shown(await call(eng))  # the client remembers Keeper
+        other = await asyncio.to_thread(Client, REUSED, db_url)
+        real = getattr(transitions, transition)
+        restarted: list[bool] = []
+
+        def restart() -> None:
+            assert other.delete_flow("f1")
+            other.start_flow("Other", "f1", 7)
+            restarted.append(True)
+
+        def racing(db: Any, *args: Any) -> Any:
+            if restarted:
+                return real(db, *args)
+            result = real(_CommitsAfterStatement(db, 1, restart), *args)
+            if not restarted:
+                restart()
+            return result
+
+        monkeypatch.setattr(transitions, transition, racing)
+        try:
+            try:
+                seen = shown(await call(eng))
+            except UndeclaredNameError as exc:
+                assert "'Other'" in str(exc), exc
+                seen = UndeclaredNameError
+        finally:
+            await asyncio.to_thread(other.close)
+        assert restarted == [True]
+        assert seen in (whole, UndeclaredNameError), seen
