@@ -15,7 +15,21 @@ from typing import Any
 import pytest
 
 import dex_engine._transitions as transitions
-from dex_engine import Client, FlowNotFoundError, HistoryEntry, UndeclaredNameError
+from dex_engine import (
+    Client,
+    Context,
+    Flow,
+    FlowNotFoundError,
+    HistoryEntry,
+    LoadOptions,
+    Registry,
+    RpcContext,
+    RpcNotFoundError,
+    Step,
+    StepDecision,
+    UndeclaredNameError,
+    rpc,
+)
 
 from .conftest import Engine, engine_for
 from .test_delete_flow import REGISTRY, Note, Tags, closed_flow
@@ -127,3 +141,61 @@ async def test_an_attribute_read_racing_a_restart_with_another_type_reads_one_fl
             await asyncio.to_thread(other.close)
         assert restarted == [True]
         assert seen in (whole, UndeclaredNameError), seen
+
+
+@rpc(load=LoadOptions.only(Note))
+async def peek(ctx: RpcContext, _: None) -> str | None:
+    return ctx.get(Note)
+
+
+async def noted(ctx: Context, text: str) -> StepDecision:
+    ctx.set(Note, text)
+    return StepDecision.force_complete(None)
+
+
+PEEKER = Flow("Peeker", [Step("Note", noted, input_type=str)], start_step="Note", schema=[Note], rpcs=[peek])
+PEEKERS = Registry([PEEKER, *(REUSED.flow(t) for t in ("Keeper", "Other", "Jotter"))])
+
+
+async def test_an_rpc_racing_a_restart_with_another_type_runs_on_one_flow(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flow deleted and started again under its ID, with another type, by another connection
+    while an RPC's snapshot of it is read (after the read's first statement) gives the handler the
+    old flow, or the RPC is run by the new flow's type (which has no such RPC: RpcNotFoundError).
+    Catches: PostgreSQL reading the flow's type, then its version and rows, in two statements: the
+    old type's handler ran on the new flow's state (and a writing one would have committed into
+    it, its version being the new flow's)."""
+    async with engine_for(db_url, PEEKERS) as eng:
+        await eng.client.start_flow("Peeker", "f1", "old")
+        await eng.client.wait_for_flow("f1", 10)
+        assert await eng.client.rpc("f1", "peek") == "old"  # the client remembers Peeker
+        other = await asyncio.to_thread(Client, PEEKERS, db_url)
+        real = transitions.rpc_read
+        restarted: list[bool] = []
+
+        def restart() -> None:
+            assert other.delete_flow("f1")
+            other.start_flow("Jotter", "f1")
+            other.rpc("f1", "jot", "new")  # the new flow's Note
+            restarted.append(True)
+
+        def racing(db: Any, *args: Any) -> Any:
+            if restarted:
+                return real(db, *args)
+            result = real(_CommitsAfterStatement(db, 1, restart), *args)
+            if not restarted:
+                restart()
+            return result
+
+        monkeypatch.setattr(transitions, "rpc_read", racing)
+        try:
+            try:
+                seen = await eng.client.rpc("f1", "peek")
+            except RpcNotFoundError as exc:
+                assert "'Jotter'" in str(exc), exc
+                seen = RpcNotFoundError
+        finally:
+            await asyncio.to_thread(other.close)
+        assert restarted == [True]
+        assert seen in ("old", RpcNotFoundError), seen

@@ -2176,13 +2176,23 @@ def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcS
     """What an RPC handler sees; None when the flow changed while it was read. A closed flow is
     read too: its state stays readable (E12), so an RPC that changes nothing answers from it;
     rpc_commit refuses one that would change it."""
-    flow_type = existing_flow_type(db, flow_id)
-    known = db.known.get(flow_id)
-    # Nothing of this transaction changed the flow since existing_flow_type read it.
-    version_row = (known.version,) if known is not None else db.one(
-        "SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
-    assert version_row is not None
-    snapshot = _rpc_rows(db, flow_id, flow_type, int(version_row[0]), load)
+    if _on_postgres(db):
+        # The type and the version in one statement: read apart (each statement sees the latest
+        # commit), a flow deleted and started again with another type between them gave the old
+        # type's handler the new flow's state, at the new flow's version, which its commit checks.
+        flow_row = db.one("SELECT flow_type, version FROM flows WHERE flow_id = ?", (flow_id,))
+        if flow_row is None:
+            raise FlowNotFoundError(flow_id)
+        flow_type, version = str(flow_row[0]), int(flow_row[1])
+    else:
+        flow_type = existing_flow_type(db, flow_id)
+        known = db.known.get(flow_id)
+        # Nothing of this transaction changed the flow since existing_flow_type read it.
+        version_row = (known.version,) if known is not None else db.one(
+            "SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
+        assert version_row is not None
+        version = int(version_row[0])
+    snapshot = _rpc_rows(db, flow_id, flow_type, version, load)
     # After the reads, not before: a claim takes its locks without changing the version, so on
     # PostgreSQL a Step that took a lock after an earlier check, then any commit, would give the
     # handler a state that existed only while the lock was held (E7). Checked here, the version
