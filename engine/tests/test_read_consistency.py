@@ -25,14 +25,16 @@ from dex_engine import (
     Registry,
     RpcContext,
     RpcNotFoundError,
+    RPCResult,
     Step,
     StepDecision,
     UndeclaredNameError,
+    Wait,
     rpc,
 )
 
 from .conftest import Engine, engine_for
-from .test_delete_flow import REGISTRY, Note, Tags, closed_flow
+from .test_delete_flow import REGISTRY, Inbox, Note, Tags, closed_flow
 from .test_reused_flow_ids import REGISTRY as REUSED
 from .test_rules_e09_e16 import _CommitsAfterStatement
 
@@ -199,3 +201,65 @@ async def test_an_rpc_racing_a_restart_with_another_type_runs_on_one_flow(
             await asyncio.to_thread(other.close)
         assert restarted == [True]
         assert seen in ("old", RpcNotFoundError), seen
+
+
+async def ask_wait(ctx: Context, _: None) -> Wait:
+    return Wait.until(Inbox.for_one())
+
+
+async def answered(ctx: Context, _: None) -> StepDecision:
+    return StepDecision.force_complete(None)
+
+
+@rpc(load=LoadOptions.none())
+async def move(ctx: RpcContext, _: None) -> RPCResult[None]:
+    return RPCResult(None, next_steps=(("Hold", None),), canceling_steps=("Ask",))
+
+
+MOVER = Flow(
+    "Mover",
+    [Step("Ask", answered, wait_for=ask_wait, input_type=type(None)),
+     Step("Hold", answered, wait_for=ask_wait, input_type=type(None))],
+    start_step="Ask", schema=[Inbox], rpcs=[move],
+)
+MOVERS = Registry([MOVER])
+
+
+async def test_an_active_step_search_racing_changes_lists_the_flows_of_one_moment(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two flows in Step Ask; while a search for it runs (after its first statement), another
+    connection moves one on to another Step (it stays running) and stops the other. The search
+    lists both (before) or neither (after). Catches: PostgreSQL reading the flows with the Step,
+    then those flows (running?) in another statement: it listed only the one that moved on, a
+    list no moment had."""
+    async with engine_for(db_url, MOVERS, worker=False) as eng:
+        for flow_id in ("x", "z"):
+            await eng.client.start_flow("Mover", flow_id)
+        query = 'ActiveStepTypes = "Ask"'
+        assert await eng.client.search_flows(query) == ["x", "z"]
+        other = await asyncio.to_thread(Client, MOVERS, db_url)
+        real = transitions.search_flows
+        changed: list[bool] = []
+
+        def change() -> None:
+            other.rpc("x", "move")
+            other.stop_flow("z", "racing a search")
+            changed.append(True)
+
+        def racing(db: Any, *args: Any) -> Any:
+            if changed:
+                return real(db, *args)
+            result = real(_CommitsAfterStatement(db, 1, change), *args)
+            if not changed:
+                change()
+            return result
+
+        monkeypatch.setattr(transitions, "search_flows", racing)
+        try:
+            seen = await eng.client.search_flows(query)
+        finally:
+            await asyncio.to_thread(other.close)
+        assert changed == [True]
+        assert seen in (["x", "z"], []), seen
+        assert await eng.client.search_flows(query) == []

@@ -2411,6 +2411,17 @@ _ACTIVE_STEP_TASKS = (
 )
 
 
+# PostgreSQL's read of the flows with an active Step of a type, when they are few: how many of its
+# tasks there are (up to the LIMIT ?), and, when at most the second ?, their flows (a row of NULL
+# flow columns when none). A SELECT, not WITH: the store takes any other statement for a write. The
+# CASE, not a condition of its own: PostgreSQL then read every candidate's flow to drop it.
+_PG_ACTIVE_STEP_FLOWS = (
+    "SELECT k.n, f.flow_id, f.flow_type, f.status, f.config, f.created_at FROM "
+    f"(SELECT count(*) AS n, array_agg(c.flow_id) AS ids FROM ({_ACTIVE_STEP_TASKS} LIMIT ?) c) k "
+    "LEFT JOIN flows f ON f.flow_id = ANY(CASE WHEN k.n <= ? THEN k.ids END)"
+)
+
+
 def search_flows(
     db: Db, flow_type: str | None, status: str | None, active_step: str | None, limit: int
 ) -> list[str]:
@@ -2423,14 +2434,24 @@ def search_flows(
     # E13/E16: running flows with an active Step of this type, whose config enables this search.
     clauses.append("f.status = 'running'")
     # The flows that have the Step, through the indexes of each active state, when they are few.
-    candidates = db.all(_ACTIVE_STEP_TASKS + " LIMIT ?",
-                        (active_step, active_step, active_step, ACTIVE_STEP_SEARCH_CANDIDATES + 1))
-    if len(candidates) <= ACTIVE_STEP_SEARCH_CANDIDATES:
-        # Each by its key, filtered and ordered here: given the type and status too, SQLite would
-        # read every running flow of the type through flows_type_status instead.
-        ids = list({str(r[0]) for r in candidates})
+    # Each by its key, filtered and ordered here: given the type and status too, SQLite would read
+    # every running flow of the type through flows_type_status instead.
+    if _on_postgres(db):
+        # In the statement that reads the Steps: read apart (each statement sees the latest commit),
+        # a flow whose Step ended between the two, still running, was listed, and one that closed
+        # was not, a list of flows no moment had.
+        both = db.all(_PG_ACTIVE_STEP_FLOWS, (active_step, active_step, active_step,
+                                              ACTIVE_STEP_SEARCH_CANDIDATES + 1, ACTIVE_STEP_SEARCH_CANDIDATES))
+        few = int(both[0][0]) <= ACTIVE_STEP_SEARCH_CANDIDATES
+        rows = [r[1:] for r in both if r[1] is not None]
+    else:
+        candidates = db.all(_ACTIVE_STEP_TASKS + " LIMIT ?",
+                            (active_step, active_step, active_step, ACTIVE_STEP_SEARCH_CANDIDATES + 1))
+        few = len(candidates) <= ACTIVE_STEP_SEARCH_CANDIDATES
+        ids = list({str(r[0]) for r in candidates}) if few else []
         rows = db.all(f"SELECT flow_id, flow_type, status, config, created_at FROM flows WHERE flow_id IN ({_in(ids)})",
                       ids) if ids else []
+    if few:
         found = sorted((int(created_at), str(flow_id)) for flow_id, ftype, fstatus, config, created_at in rows
                        if fstatus == "running" and flow_type in (None, ftype) and status in (None, fstatus)
                        and decode_json(config, FlowConfig).active_step_search)
