@@ -365,3 +365,18 @@ async def test_wait_for_agent_snapshot_names_a_step_no_worker_runs(tmp_path: Pat
         "(a Step that stays ready has no Worker to run it: does the Worker child's Registry serve flow type "
         f"{engine.flow.flow_type!r}, and is it running on this database?); last snapshot of 's': "
         "AgentSnapshot(state=None")
+
+
+async def test_a_second_stack_on_the_same_directory_keeps_the_first_stacks_worker_logs(tmp_path: Path) -> None:
+    """Two stacks on one state directory (a second stack on the same database, as a restart test
+    opens) number their Workers from 1 alike. Catches: the second stack's first Worker opening
+    `worker-1.log` for writing, wiping the output of the first stack's Worker (the traceback kept
+    in a failed test's tmp_path) or, with both stacks open, writing over a live Worker's log."""
+    crashing = "agents.tests.no_such_worker"
+    async with AgentTestStack(tmp_path, [build_flow(tmp_path)], crashing, worker_cwd=REPO_ROOT) as first:
+        with pytest.raises(AssertionError):
+            await first.start_worker()
+        async with new_stack(tmp_path) as second:
+            worker = await second.start_worker()
+            assert worker.log_path != first.workers[0].log_path
+    assert "No module named agents.tests.no_such_worker" in first.workers[0].log_tail()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import itertools
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Literal
+from typing import BinaryIO, Literal
 from urllib.parse import urlparse
 
 from dex_engine import AsyncClient, AsyncWorker, Flow, Registry, WorkerOptions
@@ -149,6 +150,21 @@ def _absolute_sqlite_url(url: str) -> str:
     return f"sqlite:///{os.path.abspath(path)}" + (f"?{parsed.query}" if parsed.query else "")
 
 
+def _new_worker_log(state_dir: Path) -> tuple[Path, BinaryIO]:
+    """The lowest-numbered `worker-<n>.log` in `state_dir` that does not exist yet, created.
+
+    Created exclusively, never truncated: another AgentTestStack on the same directory (a second
+    stack on the same database, at once or after the first) numbers its Workers from 1 too, and
+    opening its `worker-1.log` for writing would wipe the first stack's Worker output (the
+    traceback of a failed test, kept in its tmp_path) or mix two live Workers' output in one file.
+    """
+    for number in itertools.count(1):
+        path = state_dir / f"worker-{number}.log"
+        with contextlib.suppress(FileExistsError):
+            return path, path.open("xb")
+    raise AssertionError("unreachable: itertools.count never ends")
+
+
 class WorkerProcess:
     """A Worker child in its own process group, so a signal reaches it and nothing else."""
 
@@ -249,8 +265,6 @@ class AgentTestStack:
             when = "was not entered yet" if self._state == "new" else "was exited"
             raise RuntimeError(f"start_worker: the AgentTestStack in {str(self.state_dir)!r} {when}; start Workers "
                                "inside `async with AgentTestStack(...) as stack:`, which kills them when it is left")
-        number = len(self.workers) + 1
-        log_path = self.state_dir / f"worker-{number}.log"
         child_env = dict(os.environ)
         child_env.update({
             ENV_DATABASE_URL: self.database_url,
@@ -261,7 +275,7 @@ class AgentTestStack:
         })
         child_env.update(self.worker_env)
         child_env.update(env or {})
-        worker = self._spawn(child_env, log_path)
+        worker = self._spawn(child_env)
         process = worker.process
         self.workers.append(worker)
 
@@ -285,8 +299,9 @@ class AgentTestStack:
             raise
         return worker
 
-    def _spawn(self, env: dict[str, str], log_path: Path) -> WorkerProcess:
-        with log_path.open("wb") as log:
+    def _spawn(self, env: dict[str, str]) -> WorkerProcess:
+        log_path, log = _new_worker_log(self.state_dir)
+        with log:
             process = subprocess.Popen(
                 [sys.executable, "-m", self.worker_module], cwd=self.worker_cwd, env=env,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
