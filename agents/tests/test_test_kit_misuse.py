@@ -380,3 +380,21 @@ async def test_a_second_stack_on_the_same_directory_keeps_the_first_stacks_worke
             worker = await second.start_worker()
             assert worker.log_path != first.workers[0].log_path
     assert "No module named agents.tests.no_such_worker" in first.workers[0].log_tail()
+
+
+async def test_a_gate_released_then_reset_at_once_lets_its_waiting_handler_go(tmp_path: Path) -> None:
+    """release() then reset() right away, to stop the next handler at the same gate: the handler
+    waiting there was released and goes on; the next one stops. Catches: the waiter, which polls
+    for the release file, never seeing it (reset() deleted it first) and waiting for ever."""
+    gate = FileGate(tmp_path, "g")
+    waiting = asyncio.create_task(gate.wait_for_release())
+    await gate.wait_until_reached(timeout=10)
+    gate.release()
+    gate.reset()  # no await in between: the waiter cannot look before the release file is gone
+    await asyncio.wait_for(waiting, timeout=10)  # a bound on a hang, not a timing assertion
+    following = asyncio.create_task(gate.wait_for_release())
+    try:
+        await gate.wait_until_reached(timeout=10)
+        assert not following.done()
+    finally:
+        following.cancel()

@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,10 @@ class FileGate:
         self.name = name
         self.reached_path = Path(state_dir) / f"{name}.reached"
         self.release_path = Path(state_dir) / f"{name}.release"
+        # One file per handler waiting at the gate; release() deletes them all. A waiter polls,
+        # so a release() the test follows at once with reset() (to stop the next handler) removes
+        # the release file before the waiter looks: the missing token still lets it through.
+        self.waiting_dir = Path(state_dir) / f"{name}.waiting"
 
     def mark_reached(self) -> None:
         """Record that this process reached the gate; safe to call again, and from several threads
@@ -37,14 +42,30 @@ class FileGate:
         """Mark the gate reached by this process and wait, yielding, until the test releases it.
         Marked again on every call: a retry in a new Worker, after the first was killed here,
         replaces the dead Worker's pid."""
-        self.mark_reached()
-        await wait_until(f"gate {self.name} released", self.release_path.exists, timeout=float("inf"))
+        token = self._start_waiting()
+        await wait_until(f"gate {self.name} released", lambda: self._released(token), timeout=float("inf"))
 
     def wait_for_release_blocking(self, poll: float = 0.01) -> None:
         """The same from a thread (e.g. a sync tool run in a worker thread)."""
-        self.mark_reached()
-        while not self.release_path.exists():
+        token = self._start_waiting()
+        while not self._released(token):
             time.sleep(poll)
+
+    def _start_waiting(self) -> Path:
+        """This handler's waiting token, made before it marks the gate reached: a release() that
+        follows wait_until_reached() then always finds (and deletes) it."""
+        self.waiting_dir.mkdir(exist_ok=True)
+        # One per call: parallel async handlers of one Worker share its process and thread.
+        token = self.waiting_dir / f"{os.getpid()}-{uuid.uuid4().hex}"
+        token.touch()
+        self.mark_reached()
+        return token
+
+    def _released(self, token: Path) -> bool:
+        if self.release_path.exists() or not token.exists():
+            token.unlink(missing_ok=True)
+            return True
+        return False
 
     @property
     def reached(self) -> bool:
@@ -67,11 +88,16 @@ class FileGate:
         return found
 
     def release(self) -> None:
+        """Let every handler waiting at the gate go on, and any that reaches it until reset()."""
         self.release_path.write_text("go")
+        if self.waiting_dir.is_dir():
+            for token in self.waiting_dir.iterdir():
+                token.unlink(missing_ok=True)
 
     def reset(self) -> None:
         """Neither reached nor released: the gate stops the next handler again (a second kill at
-        the same point, say)."""
+        the same point, say). A handler released before stays released, even one that has not
+        looked yet."""
         self.reached_path.unlink(missing_ok=True)
         self.release_path.unlink(missing_ok=True)
 
