@@ -68,6 +68,25 @@ DOOMED_STANDBY_TEST_PROCESS = textwrap.dedent("""
 
     asyncio.run(main(Path(sys.argv[1])))
 """)
+# The same with a Worker child held at a FileGate before it calls run_agent_worker (gated_worker.py):
+# it prints the child's PID once the child waits there.
+DOOMED_GATED_TEST_PROCESS = textwrap.dedent("""
+    import asyncio, sys
+    from pathlib import Path
+    from agents.tests.conftest import REPO_ROOT
+    from agents.tests.gated_worker import START_GATE
+    from agents.tests.scripted_agent import build_flow
+    from dex_agents.testing import AgentTestStack, FileGate
+
+    async def main(state_dir: Path) -> None:
+        async with AgentTestStack(state_dir, [build_flow(state_dir)], "agents.tests.gated_worker",
+                                  worker_cwd=REPO_ROOT) as stack:
+            starting = asyncio.create_task(stack.start_worker())
+            print(await FileGate(state_dir, START_GATE).wait_until_reached(timeout=60), flush=True)
+            await starting
+
+    asyncio.run(main(Path(sys.argv[1])))
+""")
 # The doomed test process imports, then starts and registers a Worker: seconds on a loaded machine.
 DOOMED_START_SECONDS = 60.0
 
@@ -201,6 +220,32 @@ async def test_standby_workers_end_when_the_test_process_dies_without_leaving_th
         for pid in standbys:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)  # never leave them behind, even when the test fails
+
+
+async def test_a_worker_child_waiting_at_a_gate_ends_when_the_test_process_dies(tmp_path: Path) -> None:
+    """A Worker child held at a FileGate before it calls run_agent_worker (its module waits until
+    the test has set something up), when the test process is SIGKILLed: no stack is left to kill it
+    and run_agent_worker's watch has not started, so the gate's wait must notice by itself.
+    Catches: the child waiting at its gate for ever."""
+    doomed = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", DOOMED_GATED_TEST_PROCESS, str(tmp_path), cwd=REPO_ROOT,
+        stdout=asyncio.subprocess.PIPE)
+    child = 0
+    try:
+        assert doomed.stdout is not None
+        line = await asyncio.wait_for(doomed.stdout.readline(), DOOMED_START_SECONDS)
+        assert line, f"the test process exited with {await doomed.wait()} before its Worker child waited"
+        child = int(line)
+        assert alive(child)
+        doomed.kill()
+        assert await doomed.wait() == -signal.SIGKILL
+        await ended(child)
+    finally:
+        if doomed.returncode is None:
+            doomed.kill()
+            await doomed.wait()
+        if child and alive(child):
+            os.kill(child, signal.SIGKILL)  # never leave it behind, even when the test fails
 
 
 @pytest.mark.parametrize("query", ["", "?synchronous=NORMAL"])

@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ._stack import exit_if_test_process_gone
 from ._waiting import DEFAULT_WAIT_SECONDS, wait_until
 
 
@@ -62,6 +63,8 @@ class FileGate:
         return token
 
     def _released(self, token: Path) -> bool:
+        # A Worker child may wait here before run_agent_worker watches the test process.
+        exit_if_test_process_gone()
         if self.release_path.exists() or not token.exists():
             token.unlink(missing_ok=True)
             return True
