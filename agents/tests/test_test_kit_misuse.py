@@ -398,3 +398,16 @@ async def test_a_gate_released_then_reset_at_once_lets_its_waiting_handler_go(tm
         assert not following.done()
     finally:
         following.cancel()
+
+
+async def test_a_gate_never_reached_names_the_file_it_looked_for(tmp_path: Path) -> None:
+    """A handler that marks its gate in another directory (a Worker child given another state
+    directory) never reaches the test's gate. Catches: a timeout saying only the gate's name, with
+    nothing pointing at the directory the test looked in."""
+    gate = FileGate(tmp_path, "g")
+    FileGate(tmp_path / "elsewhere", "g").reached_path.parent.mkdir()
+    FileGate(tmp_path / "elsewhere", "g").mark_reached()
+    with pytest.raises(AssertionError) as caught:
+        await gate.wait_until_reached(timeout=0.1)
+    looked_for = str(tmp_path / "g.reached")
+    assert f"waiting for gate g reached (its mark {looked_for!r}); last value: None" in str(caught.value)

@@ -86,7 +86,10 @@ class FileGate:
                 return None
             return None if pid == other_than else pid
 
-        waited_for = f"gate {self.name} reached" + (f" by a process other than {other_than}" if other_than else "")
+        # The file it looks for: a handler that marks its gates in another directory (a state_dir
+        # other than the Worker child's ENV_STATE_DIR) never reaches this one.
+        waited_for = (f"gate {self.name} reached" + (f" by a process other than {other_than}" if other_than else "")
+                      + f" (its mark {str(self.reached_path)!r})")
         found: int = await wait_until(waited_for, reached_by, timeout=timeout)
         return found
 
