@@ -21,7 +21,7 @@ from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import ENV_START_GATE, build_flow
 from agents.tests.scripted_worker import ENV_STRAY_PID_FILE
 
-from dex_agents.testing import AgentTestStack, FileGate, WorkerProcess, wait_until
+from dex_agents.testing import ENV_PARENT_PID, AgentTestStack, FileGate, WorkerProcess, wait_until
 
 # A test process that starts a Worker (with a stray subprocess), prints both PIDs, and waits to
 # be killed: it stands for a pytest run a CI timeout SIGKILLs in the middle of a test.
@@ -293,3 +293,22 @@ def test_an_in_memory_sqlite_url_is_refused_by_name(tmp_path: Path, monkeypatch:
     with pytest.raises(ValueError, match="names an in-memory database"):
         AgentTestStack(tmp_path, [build_flow(tmp_path)], WORKER_MODULE, database_url="sqlite:///:memory:")
     assert [p.name for p in tmp_path.iterdir()] == []
+
+
+async def test_a_subprocess_of_a_worker_child_waits_at_a_gate_until_released(tmp_path: Path) -> None:
+    """A subprocess the Worker module starts before run_agent_worker inherits the test process's
+    PID in ENV_PARENT_PID, though its parent is the Worker. Catches: its gate's wait taking it for
+    an orphaned Worker child and ending it (or its parent's group) while the test runs."""
+    waiter = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import sys; from dex_agents.testing import FileGate; "
+        "FileGate(sys.argv[1], 'g').wait_for_release_blocking()", str(tmp_path),
+        env={**os.environ, ENV_PARENT_PID: str(os.getppid())})  # a live process that is not its parent
+    try:
+        gate = FileGate(tmp_path, "g")
+        await gate.wait_until_reached()
+        gate.release()
+        assert await asyncio.wait_for(waiter.wait(), DOOMED_START_SECONDS) == 0
+    finally:
+        if waiter.returncode is None:
+            waiter.kill()
+            await waiter.wait()

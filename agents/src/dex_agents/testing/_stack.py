@@ -112,15 +112,16 @@ def _watch_parent(parent_pid: int) -> None:
 
 def exit_if_test_process_gone() -> None:
     """In a Worker child before run_agent_worker watches its parent (waiting at a FileGate, say):
-    end the child, with its process group when it leads one, if the test process that started it
-    is gone. Nothing else would: the test process SIGKILLed (a CI timeout) left no stack to kill it.
-    Does nothing outside such a child, and once run_agent_worker has taken ENV_PARENT_PID."""
+    SIGKILL the child's process group, as WorkerProcess.kill() would, if the test process that
+    started it is gone. Nothing else would: the test process SIGKILLed (a CI timeout) left no stack.
+
+    Does nothing once run_agent_worker has taken ENV_PARENT_PID, nor in a process that does not lead
+    its group: a subprocess the Worker module started first inherits the variable, but its parent
+    is the Worker, not the test process."""
     parent = os.environ.get(ENV_PARENT_PID)
-    if parent is None or os.getppid() == int(parent):
+    if parent is None or os.getpgrp() != os.getpid() or os.getppid() == int(parent):
         return
-    if os.getpgrp() == os.getpid():
-        os.killpg(os.getpid(), signal.SIGKILL)  # as WorkerProcess.kill() would: subprocesses too
-    raise SystemExit(f"Worker child {os.getpid()}: the test process {parent} that started it is gone")
+    os.killpg(os.getpid(), signal.SIGKILL)
 
 
 def _resume_when_orphaned() -> None:
