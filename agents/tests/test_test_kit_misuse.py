@@ -22,7 +22,14 @@ from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F40
 from engine.tests.schema_states import latest_version, migrate_to, pg_tables, stored_version
 
 from dex_agents import AgentSessionFlow, AgentSnapshot
-from dex_agents.testing import AgentTestStack, FileGate, read_step_history, wait_for_agent_snapshot, wait_until
+from dex_agents.testing import (
+    ENV_DATABASE_URL,
+    AgentTestStack,
+    FileGate,
+    read_step_history,
+    wait_for_agent_snapshot,
+    wait_until,
+)
 from dex_engine import FlowNotFoundError, StoreOpenError, open_store
 from dex_engine._open import shown_url
 
@@ -411,3 +418,22 @@ async def test_a_gate_never_reached_names_the_file_it_looked_for(tmp_path: Path)
         await gate.wait_until_reached(timeout=0.1)
     looked_for = str(tmp_path / "g.reached")
     assert f"waiting for gate g reached (its mark {looked_for!r}); last value: None" in str(caught.value)
+
+
+async def test_a_worker_that_runs_on_another_database_is_named_when_start_worker_times_out(tmp_path: Path) -> None:
+    """A Worker child that runs but registers in another database (its module passes
+    run_agent_worker a database_url of its own, or worker_env overrides the URL): start_worker's
+    timeout says where the stack looked and what to check, and kills the Worker. Catches: only
+    "timed out waiting for worker N to register; last value: False"."""
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    stack = AgentTestStack(tmp_path, [build_flow(tmp_path)], WORKER_MODULE, worker_cwd=REPO_ROOT,
+                           worker_env={ENV_DATABASE_URL: other})
+    async with stack:
+        with pytest.raises(AssertionError) as caught:
+            await stack.start_worker(timeout=2)
+        [worker] = stack.workers
+        assert not worker.alive
+    message = str(caught.value)
+    assert f"it ran (python -m {WORKER_MODULE}) but did not register in {stack.database_url}, where the stack " \
+           f"looks; does it run a Worker on another database (run_agent_worker's database_url, or " \
+           f"{ENV_DATABASE_URL} in worker_env)" in message

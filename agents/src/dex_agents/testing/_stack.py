@@ -19,6 +19,7 @@ from typing import BinaryIO, Literal
 from urllib.parse import urlparse
 
 from dex_engine import AsyncClient, AsyncWorker, Flow, Registry, WorkerOptions
+from dex_engine._open import shown_url
 
 from .._client import AgentSessionClient
 from .._session_flow import AgentSessionFlow
@@ -269,8 +270,11 @@ class AgentTestStack:
     def sessions(self, flow: AgentSessionFlow) -> AgentSessionClient:
         return AgentSessionClient(self.client, flow)
 
-    async def start_worker(self, env: dict[str, str] | None = None) -> WorkerProcess:
-        """Start a Worker child and wait until it has registered with the engine.
+    async def start_worker(
+        self, env: dict[str, str] | None = None, *, timeout: float = DEFAULT_WAIT_SECONDS,
+    ) -> WorkerProcess:
+        """Start a Worker child and wait until it has registered with the engine, at most `timeout`
+        seconds (its imports may take longer on a loaded machine).
 
         Only inside `async with` the stack: leaving it kills the Worker. Should the Worker not
         register (it exits, the wait times out or is cancelled), it is killed before this raises.
@@ -307,7 +311,19 @@ class AgentTestStack:
             return any(row[2] == worker.pid for row in await self.client.store.list_workers())
 
         try:
-            await wait_until(f"worker {worker.pid} to register", registered)
+            await wait_until(f"worker {worker.pid} to register", registered, timeout=timeout)
+        except AssertionError as exc:
+            running = worker.alive
+            worker.kill()  # nothing else would: the caller never gets hold of it
+            if not running:
+                raise
+            # Alive but never seen: it registers elsewhere or never gets to run_agent_worker.
+            raise AssertionError(
+                f"{exc}: it ran (python -m {self.worker_module}) but did not register in "
+                f"{shown_url(self.database_url)}, where the stack looks; does it run a Worker on another "
+                f"database (run_agent_worker's database_url, or {ENV_DATABASE_URL} in worker_env), or wait "
+                f"before run_agent_worker? Its output:\n{worker.log_tail()}"
+            ) from None
         except BaseException:
             worker.kill()  # nothing else would: the caller never gets hold of it
             raise
