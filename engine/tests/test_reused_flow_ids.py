@@ -68,9 +68,24 @@ async def jot(ctx: RpcContext, text: str) -> None:
     ctx.set(Note, text)
 
 
+# "reached": set by `remark` once it read its snapshot; "gate": what it then awaits, set by the test,
+# which deletes the flow and starts it again meanwhile. Made per test (an Event belongs to one loop).
+REMARK_GATE: dict[str, asyncio.Event] = {}
+
+
+@rpc(load=LoadOptions.only(Note))
+async def remark(ctx: RpcContext, text: str) -> str:
+    """Decides from the flow's state: its writes belong to the flow whose Note it read."""
+    seen = ctx.get(Note)
+    REMARK_GATE["reached"].set()
+    await REMARK_GATE["gate"].wait()
+    ctx.set(Note, f"{seen} {text}")
+    return f"{seen}"
+
+
 JOTTER = Flow(
     "Jotter", [Step("Idle", hold, wait_for=hold_wait, input_type=type(None))], start_step="Idle",
-    schema=[Note, Tally], rpcs=[jot],
+    schema=[Note, Tally], rpcs=[jot, remark],
 )
 
 
@@ -236,3 +251,39 @@ async def test_another_client_runs_no_rpc_of_the_old_type_on_a_flow_started_agai
             await them.rpc("swap", "jot", "into Other")
         rows = await eng.store.raw(lambda db: db.all("SELECT name FROM attributes WHERE flow_id = ?", ("swap",)))
         assert rows == [("Count",)]
+
+
+async def flow_version(eng: Engine, flow_id: str) -> int:
+    row = await eng.store.raw(lambda db: db.one("SELECT version FROM flows WHERE flow_id = ?", (flow_id,)))
+    assert row is not None
+    return int(row[0])
+
+
+async def test_an_rpc_decided_on_the_old_flow_does_not_commit_into_the_flow_started_again(db_url: str) -> None:
+    """E8: an RPC that read the old flow, and whose handler still ran when the flow was stopped,
+    deleted and started again, and the new flow reached the version it read, commits nothing decided
+    from the old flow's state: the version alone matched (it counts from the start again), so its
+    writes landed in the new flow. It runs again on the new flow's state, as after a lost race."""
+    REMARK_GATE["reached"] = reached = asyncio.Event()
+    REMARK_GATE["gate"] = gate = asyncio.Event()
+    # No worker: only the test's calls change the versions.
+    async with engine_for(db_url, REGISTRY, worker=False) as eng, other_client(db_url) as them:
+        await eng.client.start_flow("Jotter", "reborn")
+        for n in range(6):  # the old flow's version well above where the new one starts
+            await eng.client.rpc("reborn", "jot", f"old {n}")
+        await eng.client.rpc("reborn", "jot", "old")
+        read_at = await flow_version(eng, "reborn")
+        remarking = asyncio.create_task(them.rpc("reborn", "remark", "seen"))
+        await asyncio.wait_for(reached.wait(), 10)
+
+        await eng.client.stop_flow("reborn", "replaced")
+        assert await eng.client.delete_flow("reborn")
+        await eng.client.start_flow("Jotter", "reborn")
+        await eng.client.rpc("reborn", "jot", "new")
+        while await flow_version(eng, "reborn") < read_at:
+            await eng.client.rpc("reborn", "jot", "new")
+        assert await flow_version(eng, "reborn") == read_at  # the stale commit's check passes on the version
+
+        gate.set()
+        assert await asyncio.wait_for(remarking, 10) == "new"
+        assert await eng.client.get_attribute("reborn", Note) == "new seen"

@@ -1505,13 +1505,13 @@ async def test_e8_what_an_rpc_loads_later_is_of_the_state_its_snapshot_read(
     real_load = transitions.rpc_load
     loads: list[Any] = []
 
-    def load_after_a_commit(db: Any, flow_id: str, version: int, spec: Any) -> Any:
+    def load_after_a_commit(db: Any, flow_id: str, version: int, spec: Any, started_ms: int | None) -> Any:
         if not loads:  # the first load only
             other = threading.Thread(target=lambda: asyncio.run(write_second()))  # its own store and loop
             other.start()
             other.join()
         loads.append(spec)
-        return real_load(db, flow_id, version, spec)
+        return real_load(db, flow_id, version, spec, started_ms)
 
     async with engine_for(db_url, registry, worker=False) as eng:
         await eng.client.start_flow("E8load", "f")

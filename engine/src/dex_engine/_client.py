@@ -585,7 +585,7 @@ class AsyncClient:
         version = snap.version
 
         def load_more(spec: LoadSpec) -> Awaitable[dict[tuple[str, str], bytes]]:
-            return self._store.rpc_load(call.flow_id, version, spec)
+            return self._store.rpc_load(call.flow_id, version, spec, snap.started_ms)
 
         ctx = RpcContext(call.flow, call.flow_id, snap.attributes, handler.load, snap.pending, handler.name,
                          snap.in_flight, load_more)
@@ -597,7 +597,7 @@ class AsyncClient:
             return True, output
         try:
             await self._store.rpc_commit(call.flow_id, snap.version, handler.locks, ctx.writes, records, canceling,
-                                         ending=ending)
+                                         ending=ending, started_ms=snap.started_ms)
         except RpcVersionChanged:
             return False, None
         return True, output

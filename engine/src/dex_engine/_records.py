@@ -137,6 +137,9 @@ class StartedFold:
 class RpcSnapshot:
     flow_type: str
     version: int
+    # The flow's created_at: versions count from the start again in a flow deleted and started
+    # again under its ID, so the version alone does not tell the old flow from the new one.
+    started_ms: int
     attributes: dict[tuple[str, str], bytes]
     pending: dict[tuple[str, str], list[tuple[int, bytes]]]
     # Messages a satisfied wait took whose Step's Execute has not committed, by channel instance.

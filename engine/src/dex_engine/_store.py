@@ -495,9 +495,10 @@ class Store(ABC):
             raise tx.RpcVersionChanged()
         return snapshot
 
-    async def rpc_load(self, flow_id: str, version: int, load: LoadSpec) -> dict[tuple[str, str], bytes]:
+    async def rpc_load(self, flow_id: str, version: int, load: LoadSpec,
+                       started_ms: int | None = None) -> dict[tuple[str, str], bytes]:
         """RpcVersionChanged when the flow is no longer at `version` (see tx.rpc_load)."""
-        rows = await self._run(lambda db: tx.rpc_load(db, flow_id, version, load), write=False)
+        rows = await self._run(lambda db: tx.rpc_load(db, flow_id, version, load, started_ms), write=False)
         if rows is None:
             raise tx.RpcVersionChanged()
         return rows
@@ -521,7 +522,7 @@ class Store(ABC):
             if outcome is None or outcome.writes_nothing():
                 return outcome
             tx.rpc_commit(db, flow_id, snapshot.version, locks, outcome.writes, outcome.records, outcome.canceling,
-                          now_ms(), ending=outcome.ending)
+                          now_ms(), ending=outcome.ending, started_ms=snapshot.started_ms)
             return outcome
 
         # Not handed off (see rpc_commit): the outcome is known only inside the transaction.
@@ -530,10 +531,14 @@ class Store(ABC):
     async def rpc_commit(
         self, flow_id: str, version: int | None, locks: Sequence[str], writes: WriteSet,
         next_steps: Sequence[MovementRecord], canceling: Sequence[str], flow_type: str | None = None,
-        ending: RetryWaitEnding | None = None,
+        ending: RetryWaitEnding | None = None, started_ms: int | None = None,
     ) -> None:
+        """`started_ms`: the flow's created_at the snapshot read (RpcSnapshot.started_ms), checked with
+        `version` so that a flow deleted and started again at that version is not taken for it."""
+
         def op(db: Db) -> None:
-            tx.rpc_commit(db, flow_id, version, locks, writes, next_steps, canceling, now_ms(), flow_type, ending)
+            tx.rpc_commit(db, flow_id, version, locks, writes, next_steps, canceling, now_ms(), flow_type, ending,
+                          started_ms)
 
         if canceling:  # an ending revokes nothing (it ends no running attempt), so it may hand off
             # It may revoke running attempts: the worker must be woken to see that (E9).

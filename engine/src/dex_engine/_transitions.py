@@ -2180,19 +2180,19 @@ def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcS
         # The type and the version in one statement: read apart (each statement sees the latest
         # commit), a flow deleted and started again with another type between them gave the old
         # type's handler the new flow's state, at the new flow's version, which its commit checks.
-        flow_row = db.one("SELECT flow_type, version FROM flows WHERE flow_id = ?", (flow_id,))
+        flow_row = db.one("SELECT flow_type, version, created_at FROM flows WHERE flow_id = ?", (flow_id,))
         if flow_row is None:
             raise FlowNotFoundError(flow_id)
-        flow_type, version = str(flow_row[0]), int(flow_row[1])
+        flow_type, version, started = str(flow_row[0]), int(flow_row[1]), int(flow_row[2])
     else:
         flow_type = existing_flow_type(db, flow_id)
         known = db.known.get(flow_id)
         # Nothing of this transaction changed the flow since existing_flow_type read it.
-        version_row = (known.version,) if known is not None else db.one(
-            "SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
+        version_row = (known.version, known.created_at) if known is not None else db.one(
+            "SELECT version, created_at FROM flows WHERE flow_id = ?", (flow_id,))
         assert version_row is not None
-        version = int(version_row[0])
-    snapshot = _rpc_rows(db, flow_id, flow_type, version, load)
+        version, started = int(version_row[0]), int(version_row[1])
+    snapshot = _rpc_rows(db, flow_id, flow_type, version, started, load)
     # After the reads, not before: a claim takes its locks without changing the version, so on
     # PostgreSQL a Step that took a lock after an earlier check, then any commit, would give the
     # handler a state that existed only while the lock was held (E7). Checked here, the version
@@ -2203,13 +2203,22 @@ def rpc_read(db: Db, flow_id: str, load: LoadSpec, locks: Sequence[str]) -> RpcS
         # them (a worker's) would show the handler attributes after it and messages before it. A
         # writing RPC's commit finds such a change by the version; an RPC that only reads must
         # find it here. (SQLite reads in one snapshot.) Not raised: that would roll back the batch.
-        row = db.one("SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
-        if row is None or int(row[0]) != snapshot.version:
+        row = db.one("SELECT version, created_at FROM flows WHERE flow_id = ?", (flow_id,))
+        if not _at_version(row, snapshot.version, snapshot.started_ms):
             return None
     return snapshot
 
 
-def _rpc_rows(db: Db, flow_id: str, flow_type: str, version: int, load: LoadSpec) -> RpcSnapshot:
+def _at_version(row: Row | None, version: int, started_ms: int | None) -> bool:
+    """Whether `row` (a flow's version and created_at, None: no flow) is that flow at `version`. The
+    start too when given: a flow deleted and started again counts its versions from 1 again, so an
+    RPC that read the old flow would otherwise commit what it decided from it into the new one."""
+    return row is not None and int(row[0]) == version and (started_ms is None or int(row[1]) == started_ms)
+
+
+def _rpc_rows(
+    db: Db, flow_id: str, flow_type: str, version: int, started_ms: int, load: LoadSpec,
+) -> RpcSnapshot:
     """rpc_read's reads after the version: the pending messages, those in flight, the attributes."""
     pending: dict[tuple[str, str], list[tuple[int, bytes]]] = {}
     for channel, key, mid, value in db.all(
@@ -2230,18 +2239,20 @@ def _rpc_rows(db: Db, flow_id: str, flow_type: str, version: int, load: LoadSpec
                     (message.message_id, bytes(message.value)))
     for messages in in_flight.values():
         messages.sort()
-    return RpcSnapshot(flow_type, version, load_attributes(db, flow_id, load), pending, in_flight)
+    return RpcSnapshot(flow_type, version, started_ms, load_attributes(db, flow_id, load), pending, in_flight)
 
 
-def rpc_load(db: Db, flow_id: str, version: int, load: LoadSpec) -> dict[tuple[str, str], bytes] | None:
+def rpc_load(
+    db: Db, flow_id: str, version: int, load: LoadSpec, started_ms: int | None = None,
+) -> dict[tuple[str, str], bytes] | None:
     """More attributes for an RPC handler that read its snapshot at `version` (RpcContext.load):
     the rows `load` names, or None when the flow changed since (or is gone), so that what the
     handler sees stays one state. The version is checked after the reads, as rpc_read does on
     PostgreSQL; on SQLite the reads and the check see one snapshot anyway."""
     existing_flow_type(db, flow_id)  # FlowNotFoundError for a flow deleted since; on SQLite, its cached rows
     rows = load_attributes(db, flow_id, load)
-    row = db.one("SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
-    if row is None or int(row[0]) != version:
+    row = db.one("SELECT version, created_at FROM flows WHERE flow_id = ?", (flow_id,))
+    if not _at_version(row, version, started_ms):
         return None
     return rows
 
@@ -2249,16 +2260,17 @@ def rpc_load(db: Db, flow_id: str, version: int, load: LoadSpec) -> dict[tuple[s
 def rpc_commit(
     db: Db, flow_id: str, version: int | None, locks: Sequence[str], writes: WriteSet,
     next_steps: Sequence[MovementRecord], canceling: Sequence[str], now: int, expected_type: str | None = None,
-    ending: RetryWaitEnding | None = None,
+    ending: RetryWaitEnding | None = None, started_ms: int | None = None,
 ) -> None:
-    """Commit an RPC's result if the flow is still at `version`; None: the handler read no state
+    """Commit an RPC's result if the flow is still at `version` (and, given `started_ms`, is the
+    flow that started then, not one started again under its ID); None: the handler read no state
     (and `expected_type`, its handler's flow type, is checked: no snapshot did). `ending`: the
     retry waits it ends (end_retry_waits)."""
     flow_type = require_running(db, flow_id)
     _check_type(flow_type, expected_type)
     if version is not None:
-        row = db.one("SELECT version FROM flows WHERE flow_id = ?", (flow_id,))
-        if row is None or int(row[0]) != version:
+        row = db.one("SELECT version, created_at FROM flows WHERE flow_id = ?", (flow_id,))
+        if not _at_version(row, version, started_ms):
             raise RpcVersionChanged()
     _check_rpc_locks(db, flow_id, locks)
     apply_writes(db, flow_id, writes, "", 0, now)
