@@ -16,8 +16,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -42,6 +44,7 @@ from dex_engine import (
     open_store,
     rpc,
 )
+from dex_engine import cli as cli_module
 from dex_engine._migrate import migration_files
 from dex_engine._open import shown_url
 from dex_engine.cli import cli
@@ -404,6 +407,53 @@ async def test_stream_follow_prints_again_the_events_a_crash_renumbered(db_url: 
     assert printed == [(1, "e01"), (2, "e02"), (3, "e03"), (2, "n02"), (3, "n03"), (4, "n04")], err
     assert ("events 2..3 this follower printed are gone or other events now: a database crash lost them"
             in err.decode()), err
+
+
+async def test_stream_follow_says_when_its_flow_was_deleted_and_started_again(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--follow whose flow is stopped, deleted and started again under its ID between two of its polls
+    says so and stops, as it stops when its flow closes (the old one closed before it was deleted).
+    Catches: a follower that took the new flow's events, whose sequences count from 1 again, for a
+    database crash's renumbering of the old one's, or printed them on as the old flow's."""
+    polled, resume = threading.Event(), threading.Event()
+    pauses: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def poll_pause(delay: float) -> None:
+        """The follower's wait between polls: the first one lasts until the test resumes it."""
+        pauses.append(delay)
+        if not resume.is_set():
+            polled.set()
+            await asyncio.get_running_loop().run_in_executor(None, resume.wait)
+        await real_sleep(0.01)
+
+    # The CLI's module sees this `asyncio` (its own run, this sleep): the test decides when it polls.
+    monkeypatch.setattr(cli_module, "asyncio", SimpleNamespace(run=asyncio.run, sleep=poll_pause))
+    async with engine_for(db_url, Registry([BURST_FLOW])) as eng:
+        await eng.client.start_flow("Burst", "r1")
+        await eng.client.rpc("r1", "burst", ["old1", "old2", "old3"])
+        following = asyncio.ensure_future(asyncio.to_thread(run, "stream", "r1", "Burst", "--follow", "--db", db_url))
+        try:
+            await asyncio.wait_for(asyncio.to_thread(polled.wait), 30)
+            await eng.client.stop_flow("r1", "replaced")
+            assert await eng.client.delete_flow("r1")
+            await eng.client.start_flow("Burst", "r1")
+            await eng.client.rpc("r1", "burst", ["new1"])
+        finally:
+            resume.set()
+        # Ended, or polled again: one that reads on follows the new flow until it closes.
+        await wait_until("the follower ended or polled again",
+                         lambda: real_sleep(0, following.done() or len(pauses) > 1))
+        if not following.done():
+            await eng.client.stop_flow("r1")
+        result = await asyncio.wait_for(following, 30)
+    printed = [json.loads(line)["value"] for line in result.stdout.splitlines()]
+    assert printed == ["old1", "old2", "old3"], result.output
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("Error: flow 'r1' was deleted and started again while this follower read it ("), \
+        result.output
+    assert "run it again to follow the new flow" in result.stderr, result.output
 
 
 # skip-timer / stop / workers ----------------------------------------------------------------

@@ -354,17 +354,33 @@ def stream(flow_id: str, stream_name: str, after: int, follow: bool, db_url: str
                 del printed[seq]
         return changed - 1
 
+    def check_same_flow(started: int, now_started: int) -> None:
+        """The flow printed from must still be the one read: a flow ID may be deleted and started again
+        (between two polls), and the new flow's sequences count from 1 again, so reading on would take
+        its events for the old one's, or its renumbering for a crash. The old flow closed before it was
+        deleted, which ends a follow; the events it wrote after the last read are gone with it."""
+        if now_started != started:
+            raise CliError(
+                f"flow {flow_id!r} was deleted and started again while this follower read it (the flow printed "
+                f"from started at {_time(started)}, the one now at {_time(now_started)}): the events above are the "
+                "old flow's, and any it wrote after the last read are gone; run it again to follow the new flow")
+
     async def go(store: Store) -> None:
         nonlocal forgot
         position = after
         waiting = False
+        started: int | None = None  # the followed flow's created_at
         while True:
             # Read the status before the events: once closed, no event can follow the read.
-            running = (await store.describe_flow(known_flow_id(flow_id))).status == "running"
+            info = await store.describe_flow(known_flow_id(flow_id))
+            started = info.created_at_ms if started is None else started
+            check_same_flow(started, info.created_at_ms)
+            running = info.status == "running"
             if not _askable(stream_name):
                 # No stream has such a name, nor ever will: refused even with --follow, which would wait for ever.
                 raise no_events(await store.stream_names(flow_id))
             page = await store.read_events(flow_id, stream_name, position, STREAM_PAGE)
+            check_same_flow(started, page.flow_started_ms)  # replaced between the two reads
             if position in printed and position >= page.first_sequence and (
                     page.at_after is None or event_digest(page.at_after) != printed[position]):
                 # A database crash lost events this follower printed (best-effort ones are written
