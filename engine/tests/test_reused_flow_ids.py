@@ -83,9 +83,19 @@ async def remark(ctx: RpcContext, text: str) -> str:
     return f"{seen}"
 
 
+@rpc(load=LoadOptions.only(Note))
+async def glance(ctx: RpcContext, _: None) -> list[object]:
+    """Reads only, loading more later: what it loads must be of the flow its snapshot read."""
+    seen = ctx.get(Note)
+    REMARK_GATE["reached"].set()
+    await REMARK_GATE["gate"].wait()
+    await ctx.load(Count)
+    return [seen, ctx.get(Count)]
+
+
 JOTTER = Flow(
     "Jotter", [Step("Idle", hold, wait_for=hold_wait, input_type=type(None))], start_step="Idle",
-    schema=[Note, Tally], rpcs=[jot, remark],
+    schema=[Note, Count, Tally], rpcs=[jot, remark, glance],
 )
 
 
@@ -259,11 +269,18 @@ async def flow_version(eng: Engine, flow_id: str) -> int:
     return int(row[0])
 
 
-async def test_an_rpc_decided_on_the_old_flow_does_not_commit_into_the_flow_started_again(db_url: str) -> None:
+@pytest.mark.parametrize(("name", "request_", "answer", "note"), [
+    ("remark", "seen", "new", "new seen"),  # its commit
+    ("glance", None, ["new", None], "new"),  # its ctx.load, in an RPC that writes nothing
+])
+async def test_an_rpc_decided_on_the_old_flow_does_not_commit_into_the_flow_started_again(
+    db_url: str, name: str, request_: object, answer: object, note: str,
+) -> None:
     """E8: an RPC that read the old flow, and whose handler still ran when the flow was stopped,
     deleted and started again, and the new flow reached the version it read, commits nothing decided
-    from the old flow's state: the version alone matched (it counts from the start again), so its
-    writes landed in the new flow. It runs again on the new flow's state, as after a lost race."""
+    from the old flow's state (nor loads the new flow's rows into the old one's snapshot): the
+    version alone matched (it counts from the start again), so its writes landed in the new flow.
+    It runs again on the new flow's state, as after a lost race."""
     REMARK_GATE["reached"] = reached = asyncio.Event()
     REMARK_GATE["gate"] = gate = asyncio.Event()
     # No worker: only the test's calls change the versions.
@@ -273,7 +290,7 @@ async def test_an_rpc_decided_on_the_old_flow_does_not_commit_into_the_flow_star
             await eng.client.rpc("reborn", "jot", f"old {n}")
         await eng.client.rpc("reborn", "jot", "old")
         read_at = await flow_version(eng, "reborn")
-        remarking = asyncio.create_task(them.rpc("reborn", "remark", "seen"))
+        remarking = asyncio.create_task(them.rpc("reborn", name, request_))
         await asyncio.wait_for(reached.wait(), 10)
 
         await eng.client.stop_flow("reborn", "replaced")
@@ -285,5 +302,5 @@ async def test_an_rpc_decided_on_the_old_flow_does_not_commit_into_the_flow_star
         assert await flow_version(eng, "reborn") == read_at  # the stale commit's check passes on the version
 
         gate.set()
-        assert await asyncio.wait_for(remarking, 10) == "new"
-        assert await eng.client.get_attribute("reborn", Note) == "new seen"
+        assert await asyncio.wait_for(remarking, 10) == answer
+        assert await eng.client.get_attribute("reborn", Note) == note
