@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-import dex_engine._transitions as transitions
 from dex_engine import (
     Client,
     Context,
@@ -34,9 +33,9 @@ from dex_engine import (
 )
 
 from .conftest import Engine, engine_for
+from .racing_reads import commit_during_first_read
 from .test_delete_flow import REGISTRY, Inbox, Note, Tags, closed_flow
 from .test_reused_flow_ids import REGISTRY as REUSED
-from .test_rules_e09_e16 import _CommitsAfterStatement
 
 
 def _history(entries: list[HistoryEntry]) -> list[tuple[str, str]]:
@@ -73,21 +72,7 @@ async def test_a_read_racing_a_delete_sees_the_flow_before_or_after_it(
         # Another process's client: a blocking Client runs on a loop of its own, so the read may
         # wait for it wherever it runs (on this loop, inline on SQLite; on a connection's thread).
         other = await asyncio.to_thread(Client, REGISTRY, db_url)
-        real = getattr(transitions, transition)
-        deleted: list[bool] = []
-
-        def delete() -> None:
-            deleted.append(other.delete_flow("f1"))
-
-        def racing(db: Any, *args: Any) -> Any:
-            if deleted:
-                return real(db, *args)
-            result = real(_CommitsAfterStatement(db, delete_after, delete), *args)
-            if not deleted:  # the read took fewer statements: the delete commits after it
-                delete()
-            return result
-
-        monkeypatch.setattr(transitions, transition, racing)
+        deleted = commit_during_first_read(monkeypatch, transition, delete_after, lambda: other.delete_flow("f1"))
         try:
             try:
                 seen = shown(await call(eng))
@@ -116,23 +101,13 @@ async def test_an_attribute_read_racing_a_restart_with_another_type_reads_one_fl
         await closed_flow(eng, "f1", "completed")
         whole = shown(await call(eng))  # the client remembers Keeper
         other = await asyncio.to_thread(Client, REUSED, db_url)
-        real = getattr(transitions, transition)
-        restarted: list[bool] = []
 
-        def restart() -> None:
+        def restart() -> bool:
             assert other.delete_flow("f1")
             other.start_flow("Other", "f1", 7)
-            restarted.append(True)
+            return True
 
-        def racing(db: Any, *args: Any) -> Any:
-            if restarted:
-                return real(db, *args)
-            result = real(_CommitsAfterStatement(db, 1, restart), *args)
-            if not restarted:
-                restart()
-            return result
-
-        monkeypatch.setattr(transitions, transition, racing)
+        restarted = commit_during_first_read(monkeypatch, transition, 1, restart)
         try:
             try:
                 seen = shown(await call(eng))
@@ -173,24 +148,14 @@ async def test_an_rpc_racing_a_restart_with_another_type_runs_on_one_flow(
         await eng.client.wait_for_flow("f1", 10)
         assert await eng.client.rpc("f1", "peek") == "old"  # the client remembers Peeker
         other = await asyncio.to_thread(Client, PEEKERS, db_url)
-        real = transitions.rpc_read
-        restarted: list[bool] = []
 
-        def restart() -> None:
+        def restart() -> bool:
             assert other.delete_flow("f1")
             other.start_flow("Jotter", "f1")
             other.rpc("f1", "jot", "new")  # the new flow's Note
-            restarted.append(True)
+            return True
 
-        def racing(db: Any, *args: Any) -> Any:
-            if restarted:
-                return real(db, *args)
-            result = real(_CommitsAfterStatement(db, 1, restart), *args)
-            if not restarted:
-                restart()
-            return result
-
-        monkeypatch.setattr(transitions, "rpc_read", racing)
+        restarted = commit_during_first_read(monkeypatch, "rpc_read", 1, restart)
         try:
             try:
                 seen = await eng.client.rpc("f1", "peek")
@@ -239,23 +204,13 @@ async def test_an_active_step_search_racing_changes_lists_the_flows_of_one_momen
         query = 'ActiveStepTypes = "Ask"'
         assert await eng.client.search_flows(query) == ["x", "z"]
         other = await asyncio.to_thread(Client, MOVERS, db_url)
-        real = transitions.search_flows
-        changed: list[bool] = []
 
-        def change() -> None:
+        def change() -> bool:
             other.rpc("x", "move")
             other.stop_flow("z", "racing a search")
-            changed.append(True)
+            return True
 
-        def racing(db: Any, *args: Any) -> Any:
-            if changed:
-                return real(db, *args)
-            result = real(_CommitsAfterStatement(db, 1, change), *args)
-            if not changed:
-                change()
-            return result
-
-        monkeypatch.setattr(transitions, "search_flows", racing)
+        changed = commit_during_first_read(monkeypatch, "search_flows", 1, change)
         try:
             seen = await eng.client.search_flows(query)
         finally:

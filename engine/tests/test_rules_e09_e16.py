@@ -52,6 +52,7 @@ from dex_engine import (
 )
 
 from .conftest import Engine, engine_for, wait_until
+from .racing_reads import commit_during_first_read
 
 # A retry soon after a failure, so retried tests stay fast; ONCE: the first failure is final.
 QUICK = RetryPolicy(max_attempts=3, initial_interval_seconds=0.05, max_interval_seconds=0.05)
@@ -695,28 +696,6 @@ async def test_e11_capacity_trims_oldest_first(db_url: str) -> None:
         assert (int(kept[0]), int(kept[1])) == (4, 44)
 
 
-class _CommitsAfterStatement:
-    """A Db for one read that runs `commit` (another writer's) once its `n`-th statement returned."""
-
-    def __init__(self, db: Any, n: int, commit: Callable[[], object]) -> None:
-        self._db, self._n, self._commit, self._statements = db, n, commit, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._db, name)
-
-    def one(self, sql: str, params: Any = ()) -> Any:
-        return self._then(self._db.one(sql, params))
-
-    def all(self, sql: str, params: Any = ()) -> Any:
-        return self._then(self._db.all(sql, params))
-
-    def _then(self, result: Any) -> Any:
-        self._statements += 1
-        if self._statements == self._n:
-            self._commit()
-        return result
-
-
 @pytest.mark.parametrize("trim_after", [1, 2])
 async def test_e11_a_read_racing_a_trim_sees_the_stream_before_or_after_it(
     db_url: str, monkeypatch: pytest.MonkeyPatch, trim_after: int,
@@ -736,21 +715,9 @@ async def test_e11_a_read_racing_a_trim_sees_the_stream_before_or_after_it(
         # Another process's writer: a blocking Client runs on a loop of its own, so the read may wait
         # for it wherever it runs (on this loop, inline on SQLite; on a connection's thread).
         other = await asyncio.to_thread(Client, Registry([STREAMS_FLOW]), db_url)
-        real = transitions.read_events
-        trims: list[object] = []
-
-        def trim() -> None:  # an event over the capacity leaves only itself
-            trims.append(other.rpc("s1", "append_small", ["x" * 60]))
-
-        def racing(db: Any, *args: Any) -> Any:
-            if trims:
-                return real(db, *args)
-            page = real(_CommitsAfterStatement(db, trim_after, trim), *args)
-            if not trims:  # the read took fewer statements: the append commits after it
-                trim()
-            return page
-
-        monkeypatch.setattr(transitions, "read_events", racing)
+        # An event over the capacity leaves only itself.
+        trims = commit_during_first_read(monkeypatch, "read_events", trim_after,
+                                         lambda: other.rpc("s1", "append_small", ["x" * 60]))
         try:
             read = await c.read_stream("s1", Small, first.resume_token)
         finally:
