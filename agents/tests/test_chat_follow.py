@@ -249,3 +249,39 @@ async def test_skipping_to_the_end_reads_every_page(setup: Setup) -> None:
     await terminal.chat._skip_to_end()
     rest = await sessions.read_agent_events(SESSION, terminal.chat.token)
     assert rest.events == []
+
+
+async def test_a_chat_whose_session_was_deleted_and_started_again_shows_the_new_one(setup: Setup) -> None:
+    """The session is stopped, deleted and started again under its ID (another chat's) while this
+    chat waits for a line: the typed line is not sent, and the chat shows the session as stored and
+    goes on with it, as seed 003 has a UI whose resume token is refused load the snapshot again.
+    Catches: the chat ending on the engine's InvalidResumeTokenError, whose advice ("read from the
+    start (resume_token=None)") a chat user cannot follow."""
+    sessions = setup.sessions
+    terminal = setup.terminal()
+    running = asyncio.create_task(terminal.chat.run())
+    terminal.type("/echo in the old session")
+
+    async def waits_for_a_line() -> bool:  # the reply shown, the next prompt printed
+        return terminal.shown().endswith("agent> in the old session\nyou> ")
+
+    await _until(waits_for_a_line, "reply in the old session")
+    await sessions.client.stop_flow(SESSION, "replaced")
+    assert await sessions.client.delete_flow(SESSION)
+    await sessions.start_session(SESSION)
+    await sessions.send_user_message(SESSION, "/echo in the new session")
+
+    async def answered() -> bool:
+        messages = (await sessions.get_agent_snapshot(SESSION)).messages
+        return [m.text for m in messages if m.text][-1:] == ["in the new session"]
+
+    await _until(answered, "reply in the new session")
+    terminal.type("/echo typed for the old session", "/echo typed again", "/quit")
+    async with asyncio.timeout(WAIT_SECONDS):
+        await running
+    shown = terminal.shown()
+    assert "session 'chat' is not as this chat showed it (it was deleted and started again" in shown, shown
+    assert "that message was not sent; type it again" in shown, shown
+    assert "agent> typed again" in shown, shown
+    texts = [m.text for m in (await sessions.get_agent_snapshot(SESSION)).messages if m.text]
+    assert "typed for the old session" not in texts and texts[-1] == "typed again", texts

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import sqlite3
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from dex_engine import (
     AsyncWorker,
     DexError,
     FlowNotActiveError,
+    InvalidResumeTokenError,
     InvalidValueError,
     Registry,
     WorkerOptions,
@@ -80,11 +82,16 @@ class Chat:
             self.console.print(f"[dim]new session {escape(repr(self.session_id))}; type /help for the demo model's "
                                "commands, Ctrl-D to leave[/dim]")
             return
+        await self._resume(f"resuming session {self.session_id!r}")
+
+    async def _resume(self, header: str) -> None:
+        """Show the session as stored after `header` (its latest messages, what waits) and follow a
+        turn that runs; the chat reads its events on from their end."""
         await self._require_open()
         # The events' end first, then the snapshot: a turn that ends between the two is seen ending.
         await self._skip_to_end()
         snapshot = await self.sessions.get_agent_snapshot(self.session_id)
-        self.console.print(f"[dim]resuming session {escape(repr(self.session_id))}[/dim]")
+        self.console.print(f"[dim]{escape(header)}[/dim]")
         for message in snapshot.messages[-RESUME_MESSAGES_SHOWN:]:
             if message.text:
                 self.console.print(f"[bold]{message.role.value}>[/bold] {escape(message.text)}")
@@ -100,7 +107,7 @@ class Chat:
         await self.offer_plan()  # a draft left from the last run still waits for its review
 
     async def run(self) -> None:
-        await self.open()
+        await self._in_sync(self.open())
         while True:
             text = await self._ask("you> ")
             if text is None:
@@ -117,14 +124,46 @@ class Chat:
             if is_control(text):
                 self.console.print("[dim]  no turn is running; /steer and /cancel apply to a running turn[/dim]")
                 continue
-            await self._skip_to_end()  # what happened while this chat waited for a line is not its reply
+            try:
+                await self._skip_to_end()  # what happened while this chat waited for a line is not its reply
+            except InvalidResumeTokenError:
+                # The line was written for the conversation shown, which is not the one stored now.
+                await self._resync()
+                self.console.print("  that message was not sent; type it again to send it to the session shown "
+                                   "above", style="red", markup=False)
+                continue
             try:
                 await self.sessions.send_user_message(self.session_id, text, plan_mode=wants_plan_mode(text))
             except InvalidValueError as error:  # too large to send, say: that line only, the chat goes on
                 self.console.print(f"  that message was not sent: {error}", style="red", markup=False)
                 continue
-            await self.follow_turn()
-            await self.offer_plan()
+            await self._in_sync(self._reply())
+
+    async def _reply(self) -> None:
+        await self.follow_turn()
+        await self.offer_plan()
+
+    async def _in_sync(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work`; when the session's events refuse the chat's resume token, show the session
+        again from its snapshot instead (seed 003: a UI whose token is refused loads the snapshot)."""
+        try:
+            await work
+        except InvalidResumeTokenError:
+            await self._resync()
+
+    async def _resync(self) -> None:
+        """The events this chat read on from are not the session's any more: it was deleted and
+        started again under its ID (another chat, `dex-engine delete`), or a database crash lost
+        events the chat showed. Say so and show the session as stored, reading its events from the
+        start (the token the engine refused means nothing now)."""
+        while True:
+            self.token = None
+            try:
+                await self._resume(f"session {self.session_id!r} is not as this chat showed it (it was deleted and "
+                                   "started again, or a database crash lost events); showing it as stored")
+                return
+            except InvalidResumeTokenError:
+                continue  # replaced again while it was read: read the newest one from the start
 
     async def offer_plan(self) -> None:
         """Show a draft plan and ask whether to execute it; yes runs it as an executing turn."""
