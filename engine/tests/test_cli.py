@@ -47,6 +47,8 @@ from dex_engine import (
 from dex_engine import cli as cli_module
 from dex_engine._migrate import migration_files
 from dex_engine._open import shown_url
+from dex_engine._records import EventPage
+from dex_engine._store import Store
 from dex_engine.cli import cli
 
 from .conftest import engine_for, wait_until
@@ -889,3 +891,63 @@ def test_a_postgresql_url_without_the_driver_installed_names_the_extra_to_instal
          f"try: open_store({url!r})\nexcept StoreOpenError as e: print(e)"],
         capture_output=True, text=True, check=False, timeout=60)
     assert library.returncode == 0 and f"needs the {module} package" in library.stdout, library.stderr
+
+
+async def test_stream_follow_says_its_flow_was_replaced_while_it_rechecked_a_crash(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--follow finds an event it printed changed (as a database crash leaves it) and reads the
+    printed ones again to see where the change starts; the flow is stopped, deleted and started
+    again under its ID between those two reads. It says the flow was replaced and stops. Catches: a
+    follower that took the new flow's events for the old one's renumbered by a crash, telling the
+    user on stderr that a database crash lost events it printed."""
+    gate: dict[int, tuple[threading.Event, threading.Event]] = {
+        after: (threading.Event(), threading.Event()) for after in (3, 1)}
+    real_open = cli_module._open
+
+    def open_paused(url: str) -> Store:
+        """The follower's store; its read after 3 (the poll after it printed 1..3) and its re-read
+        after 1 (of the printed events) each wait until the test resumes them."""
+        store = real_open(url)
+        read_events = store.read_events
+
+        async def paused(flow_id: str, stream: str, after: int, limit: int) -> EventPage:
+            if after in gate and not gate[after][1].is_set():
+                gate[after][0].set()
+                await asyncio.get_running_loop().run_in_executor(None, gate[after][1].wait)
+            return await read_events(flow_id, stream, after, limit)
+
+        monkeypatch.setattr(store, "read_events", paused)
+        return store
+
+    async def reached(after: int) -> None:
+        await asyncio.wait_for(asyncio.to_thread(gate[after][0].wait), 30)
+
+    monkeypatch.setattr(cli_module, "_open", open_paused)
+    async with engine_for(db_url, Registry([BURST_FLOW])) as eng:
+        await eng.client.start_flow("Burst", "r2")
+        await eng.client.rpc("r2", "burst", ["old1", "old2", "old3"])
+        following = asyncio.ensure_future(asyncio.to_thread(run, "stream", "r2", "Burst", "--follow", "--db", db_url))
+        try:
+            await reached(3)
+
+            def crash_renumbers(db: Any) -> None:
+                db.run("UPDATE stream_events SET value = ? WHERE flow_id = ? AND stream = ? AND seq = ?",
+                       (json.dumps("renumbered3").encode(), "r2", "Burst", 3))
+
+            await eng.store.raw(crash_renumbers, write=True)
+            gate[3][1].set()
+            await reached(1)
+            await eng.client.stop_flow("r2", "replaced")
+            assert await eng.client.delete_flow("r2")
+            await eng.client.start_flow("Burst", "r2")
+            await eng.client.rpc("r2", "burst", ["new1", "new2", "new3"])
+        finally:
+            for _, resume in gate.values():
+                resume.set()
+        result = await asyncio.wait_for(following, 30)
+    assert [json.loads(line)["value"] for line in result.stdout.splitlines()] == ["old1", "old2", "old3"], \
+        result.output
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("Error: flow 'r2' was deleted and started again while this follower read it ("), \
+        result.output

@@ -329,11 +329,14 @@ def stream(flow_id: str, stream_name: str, after: int, follow: bool, db_url: str
     printed: dict[int, str] = {}
     forgot = False
 
-    async def rewind(store: Store, newest: int, first_kept: int) -> int:
+    async def rewind(store: Store, newest: int, first_kept: int, started: int) -> int:
         """The sequence to read on after, once the printed event `newest` is gone or another now:
         the one before the oldest remembered event that changed (a crash loses the newest commits)."""
         oldest = min(seq for seq in printed if seq >= first_kept)
         page = await store.read_events(flow_id, stream_name, oldest, newest - oldest)
+        # Replaced since the read that sent here: the new flow's events differ from the printed ones
+        # because they are another flow's, not because a crash renumbered them.
+        check_same_flow(started, page.flow_started_ms)
         stored = {e.sequence: event_digest(e) for e in page.events}
         if page.at_after is not None:
             stored[page.at_after.sequence] = event_digest(page.at_after)
@@ -386,7 +389,7 @@ def stream(flow_id: str, stream_name: str, after: int, follow: bool, db_url: str
                 # A database crash lost events this follower printed (best-effort ones are written
                 # without fsync) and later events took their sequences: reading on after `position`
                 # would skip those silently (a turn's end, say). Print on from the first one changed.
-                position = await rewind(store, position, page.first_sequence)
+                position = await rewind(store, position, page.first_sequence, started)
                 continue
             if not page.events and position == after and not waiting:
                 names = await store.stream_names(flow_id)
