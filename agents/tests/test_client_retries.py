@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from agents.tests.scripted_agent import INVOCATIONS, build_flow
+from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 
 import dex_agents._client as client_module
 from dex_agents import PENDING_INTERRUPTS, AgentSessionClient, AgentSessionFlow, AgentSnapshot
@@ -101,11 +102,11 @@ class Engine:
 
 
 @asynccontextmanager
-async def in_process(tmp_path: Path) -> AsyncIterator[Engine]:
-    """The scripted Flow on a SQLite file in tmp_path; the Worker shares the client's Store, so it
-    hears each commit at once."""
+async def in_process(tmp_path: Path, database_url: str | None = None) -> AsyncIterator[Engine]:
+    """The scripted Flow on `database_url` (None: a SQLite file in tmp_path); the Worker shares the
+    client's Store, so it hears each commit at once."""
     flow = build_flow(tmp_path)
-    url = f"sqlite:///{tmp_path / 'dex.db'}"
+    url = database_url or f"sqlite:///{tmp_path / 'dex.db'}"
     store = open_store(url)
     options = WorkerOptions(database_url=url, lease_ttl_seconds=2.0, lease_renew_seconds=0.4,
                             housekeeping_seconds=0.1, poll_seconds=0.01, shutdown_grace_seconds=5.0)
@@ -171,6 +172,11 @@ async def assert_turn_ended(engine: Engine, rpc: LockingRpc) -> None:
     assert engine.log.count("tool_end") == rpc.tool_runs
 
 
+def sent_locking(client: CountingClient) -> list[str]:
+    """The RPCs sent but the lock-free snapshot resolve_interrupt reads on a new holder's conflict."""
+    return [name for name in client.sent if name != "get_agent_snapshot"]
+
+
 @pytest.mark.parametrize("rpc", LOCKING_RPCS, ids=IDS)
 async def test_a_lock_conflict_that_clears_is_retried_and_the_call_commits(tmp_path: Path, rpc: LockingRpc) -> None:
     """Two conflicts, then the lock is released: the third try commits, the call returns True, and
@@ -181,7 +187,7 @@ async def test_a_lock_conflict_that_clears_is_retried_and_the_call_commits(tmp_p
         engine.client.held, engine.client.release_after = held, 2
         engine.client.sent.clear()
         assert await rpc.call(engine.sessions) is True
-        assert engine.client.sent == [rpc.name] * 3
+        assert sent_locking(engine.client) == [rpc.name] * 3
         assert engine.client.conflicts == 2
         await assert_turn_ended(engine, rpc)
 
@@ -224,7 +230,7 @@ async def test_a_lock_conflict_that_persists_raises_after_the_retry_window(
         assert window_ms == 5_000  # seed 003: the client "retries it for 5 seconds"
         assert clock.now_ms == window_ms  # the last try was the first at the deadline
         tries = RPC_LOCK_CONFLICT_RETRY // RPC_LOCK_CONFLICT_RETRY_INTERVAL + 1
-        assert engine.client.sent == [rpc.name] * tries
+        assert sent_locking(engine.client) == [rpc.name] * tries
 
         assert await engine.sessions.get_agent_snapshot(SESSION) == waiting
         await held.release()
@@ -305,3 +311,42 @@ async def test_a_lock_handed_from_step_to_step_for_longer_than_the_retry_window_
             description="turn-1 to end")
         assert snapshot.messages[-1].text == "; ".join(f"w{i}=write_x done" for i in range(1, 5))
         assert engine.log.count("tool_end") == 4
+
+
+async def test_a_resolve_that_can_only_return_false_answers_while_a_step_holds_the_lock(
+    tmp_path: Path, db_url: str, monkeypatch: pytest.MonkeyPatch  # noqa: F811 - the fixture
+) -> None:
+    """A resolve of an interrupt already resolved, or of one never raised, returns False while a Step
+    holds PendingInterrupts, without waiting for it: a lock-free snapshot read after the first
+    conflict shows nothing it could change. A pending interrupt still waits for the lock and commits.
+    Catches: such a resolve waiting out a fan-out's whole train of lock holders (seconds), here one
+    holder that never lets go (RpcLockConflictError after the retry window)."""
+    clock = SteppedClock()  # without the check, the retry window passes in sleeps, not seconds
+    monkeypatch.setattr(client_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(client_module, "asyncio", types.SimpleNamespace(sleep=clock.sleep))
+    async with in_process(tmp_path, db_url) as engine:
+        script = json.dumps({"steps": [{"tools": [{"id": "w1", "name": "write_x"}, {"id": "w2", "name": "write_x"}]},
+                                       {"answer": "{results}"}]})
+        await engine.sessions.start_session(SESSION, script)
+        await wait_for_agent_snapshot(engine.sessions, SESSION, lambda s: s if len(s.pending_interrupts) == 2 else None,
+                                      description="two approvals")
+        assert await engine.sessions.resolve_interrupt(SESSION, "w1", approved=True) is True
+        await wait_for_agent_snapshot(
+            engine.sessions, SESSION,
+            lambda s: s if [r.status for r in s.tool_calls if r.tool_call_id == "w1"] == ["succeeded"] else None,
+            description="w1 to run")
+        held = await hold_lock(engine.client.store, SESSION, PENDING_INTERRUPTS.label, "AwaitToolApproval")
+        engine.client.sent.clear()
+        for interrupt_id, approved in (("w1", True), ("w1", False), ("w9", True)):
+            assert await engine.sessions.resolve_interrupt(SESSION, interrupt_id, approved) is False
+        # Each answered at its first conflict, the lock still held: none waited for the holder.
+        assert engine.client.sent == ["resolve_interrupt", "get_agent_snapshot"] * 3
+        assert engine.client.conflicts == 3 and clock.now_ms == 0
+        # w2 is pending: the snapshot proves nothing, so the call retries until the holder commits.
+        engine.client.held, engine.client.release_after = held, engine.client.conflicts + 2
+        assert await engine.sessions.resolve_interrupt(SESSION, "w2", approved=True) is True
+        assert engine.client.held is None
+        snapshot = await wait_for_agent_snapshot(
+            engine.sessions, SESSION, lambda s: s if s.state is not None and s.state.turn_count == 1 else None,
+            description="turn-1 to end")
+        assert snapshot.messages[-1].text == "w1=write_x done; w2=write_x done"

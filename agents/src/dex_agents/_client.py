@@ -9,7 +9,15 @@ from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import Any, TypeVar
 
-from dex_engine import DEFAULT_READ_LIMIT, AsyncClient, FlowConfig, RpcLockConflictError, StepDurability, StreamRead
+from dex_engine import (
+    DEFAULT_READ_LIMIT,
+    AsyncClient,
+    DexError,
+    FlowConfig,
+    RpcLockConflictError,
+    StepDurability,
+    StreamRead,
+)
 
 from ._constants import (
     LIST_MESSAGES_DEFAULT_LIMIT,
@@ -17,6 +25,8 @@ from ._constants import (
     RPC_LOCK_CONFLICT_RETRY_INTERVAL,
 )
 from ._policy import shown
+from ._rpcs import resolve_refused
+from ._runtime import now_utc
 from ._session_flow import AgentSessionFlow
 from ._session_settings import validate_session_settings
 from ._turn_logic import storable_rejection_message
@@ -150,7 +160,26 @@ class AgentSessionClient:
         # session, although a longer message is documented to be kept cut.
         kept = None if approved is True else storable_rejection_message(rejection_message)
         request = ResolveInterruptRequest(interrupt_id, approved, kept)
-        result = await self._retry_lock_conflicts(lambda: self.client.rpc(session_id, "resolve_interrupt", request))
+
+        async def refused() -> bool:
+            # Asked only after a lock conflict, never on the uncontended path: a resolve that can only
+            # return False (the interrupt resolved, expired or unknown) need not wait out a fan-out's
+            # train of Steps holding PendingInterrupts. get_agent_snapshot takes no lock. An
+            # interrupt's removal from PendingInterrupts is final (its ID is never raised again), and
+            # a deadline once passed stays passed, so "refused" read here is what the locked RPC would
+            # answer; "pending" proves nothing, so the locked RPC is tried again.
+            sent: object = approved  # typed bool, but a caller may pass anything
+            if not isinstance(sent, bool):
+                return False  # the RPC refuses the request itself (InvalidValueError): let it say so
+            try:
+                snapshot = await self.get_agent_snapshot(session_id)
+            except DexError:
+                return False  # no answer here: the locked RPC reports its own errors
+            interrupt = next((i for i in snapshot.pending_interrupts if i.interrupt_id == interrupt_id), None)
+            return resolve_refused(interrupt, sent, now_utc())
+
+        result = await self._retry_lock_conflicts(
+            lambda: self.client.rpc(session_id, "resolve_interrupt", request), refused=refused)
         return bool(result)
 
     async def answer_question(self, session_id: str, interrupt_id: str, answer: str) -> bool:
@@ -227,11 +256,15 @@ class AgentSessionClient:
         )
 
     @staticmethod
-    async def _retry_lock_conflicts(call: Callable[[], Awaitable[Any]]) -> Any:
+    async def _retry_lock_conflicts(
+        call: Callable[[], Awaitable[Any]], *, refused: Callable[[], Awaitable[bool]] | None = None
+    ) -> Any:
         # The budget is per holder: approving a wide fan-out wakes a train of short Steps that take
         # the lock one after another (AwaitToolApproval-1, -2, ...), for longer in all than the
         # budget. A new holder is progress; only one holder that keeps the lock (a killed Worker's
         # claim) exhausts it.
+        # `refused`, asked once per new holder (each one's commit may have settled the call), says
+        # the call would return False without a change: it returns False without waiting for the lock.
         holder: str | None = None
         deadline = time.monotonic() + RPC_LOCK_CONFLICT_RETRY.total_seconds()
         while True:
@@ -241,6 +274,8 @@ class AgentSessionClient:
                 now = time.monotonic()
                 if exc.holder != holder:
                     holder, deadline = exc.holder, now + RPC_LOCK_CONFLICT_RETRY.total_seconds()
+                    if refused is not None and await refused():
+                        return False
                 elif now >= deadline:
                     raise
                 await asyncio.sleep(RPC_LOCK_CONFLICT_RETRY_INTERVAL.total_seconds())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import msgspec
@@ -31,6 +32,7 @@ from ._session_settings import session_settings_error
 from ._timefmt import parse_time
 from ._turn_logic import storable_rejection_message, without_interrupt
 from ._wire import (
+    AgentInterrupt,
     AgentInterruptResolution,
     AgentMessage,
     AgentMessageIndex,
@@ -92,6 +94,17 @@ def page_of_messages(
     )
 
 
+def resolve_refused(interrupt: AgentInterrupt | None, approved: bool, now: datetime) -> bool:
+    """Whether resolve_interrupt returns False for `interrupt` (None: not pending) at `now`, changing
+    nothing. The RPC and AgentSessionClient's lock-free check both ask this, so they judge alike."""
+    if interrupt is None:
+        return True
+    if interrupt.deadline is not None and now >= parse_time(interrupt.deadline):
+        return True  # its Step records the deadline; an answer now would race it
+    # Questions are answered with answer_question; resolve_interrupt only declines.
+    return interrupt.kind is InterruptKind.QUESTION and approved
+
+
 def session_rpcs(*, plan_mode_enabled: bool) -> list[Rpc]:
     """The RPCs of every agent session Flow (`plan_mode_enabled` from its AgentSessionOptions)."""
 
@@ -108,12 +121,8 @@ def session_rpcs(*, plan_mode_enabled: bool) -> list[Rpc]:
     async def resolve_interrupt(ctx: RpcContext, request: ResolveInterruptRequest) -> bool:
         pending = pending_interrupts(ctx)
         kept, interrupt = without_interrupt(pending, request.interrupt_id)
-        if interrupt is None:
+        if interrupt is None or resolve_refused(interrupt, request.approved, now_utc()):
             return False
-        if interrupt.deadline is not None and now_utc() >= parse_time(interrupt.deadline):
-            return False  # its Step records the deadline; an answer now would race it
-        if interrupt.kind is InterruptKind.QUESTION and request.approved:
-            return False  # questions are answered with answer_question; resolve_interrupt only declines
         ctx.set(PENDING_INTERRUPTS, kept)
         ctx.publish(INTERRUPT_RESOLUTIONS[interrupt.interrupt_id], AgentInterruptResolution(
             approved=request.approved,
