@@ -17,7 +17,7 @@ import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from agents.tests.scripted_agent import INVOCATIONS, build_flow
 from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 
 import dex_agents._client as client_module
+import dex_agents._rpcs as rpcs_module
 from dex_agents import PENDING_INTERRUPTS, AgentSessionClient, AgentSessionFlow, AgentSnapshot
 from dex_agents._constants import RPC_LOCK_CONFLICT_RETRY, RPC_LOCK_CONFLICT_RETRY_INTERVAL
 from dex_agents.testing import InvocationLog, wait_for_agent_snapshot
@@ -102,10 +103,12 @@ class Engine:
 
 
 @asynccontextmanager
-async def in_process(tmp_path: Path, database_url: str | None = None) -> AsyncIterator[Engine]:
+async def in_process(
+    tmp_path: Path, database_url: str | None = None, interrupt_deadline: timedelta | None = None
+) -> AsyncIterator[Engine]:
     """The scripted Flow on `database_url` (None: a SQLite file in tmp_path); the Worker shares the
     client's Store, so it hears each commit at once."""
-    flow = build_flow(tmp_path)
+    flow = build_flow(tmp_path, interrupt_deadline=interrupt_deadline)
     url = database_url or f"sqlite:///{tmp_path / 'dex.db'}"
     store = open_store(url)
     options = WorkerOptions(database_url=url, lease_ttl_seconds=2.0, lease_renew_seconds=0.4,
@@ -350,3 +353,28 @@ async def test_a_resolve_that_can_only_return_false_answers_while_a_step_holds_t
             engine.sessions, SESSION, lambda s: s if s.state is not None and s.state.turn_count == 1 else None,
             description="turn-1 to end")
         assert snapshot.messages[-1].text == "w1=write_x done; w2=write_x done"
+
+
+async def test_a_resolve_past_the_deadline_answers_false_while_a_step_holds_the_lock(
+    tmp_path: Path, db_url: str, monkeypatch: pytest.MonkeyPatch  # noqa: F811 - the fixture
+) -> None:
+    """An interrupt still in PendingInterrupts but past its deadline (its Step has not recorded it
+    yet) is judged by the lock-free check as the locked RPC judges it: False at the first conflict,
+    and False from the RPC once the lock is free. The clock of both, not the Worker's, is moved past
+    the deadline, so the Worker's Timer does not remove the interrupt first."""
+    clock = SteppedClock()
+    monkeypatch.setattr(client_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(client_module, "asyncio", types.SimpleNamespace(sleep=clock.sleep))
+    async with in_process(tmp_path, db_url, interrupt_deadline=timedelta(hours=1)) as engine:
+        await waiting_turn(engine, LOCKING_RPCS[0])
+        later = datetime.now(UTC) + timedelta(hours=2)
+        monkeypatch.setattr(client_module, "now_utc", lambda: later)
+        monkeypatch.setattr(rpcs_module, "now_utc", lambda: later)
+        held = await hold_lock(engine.client.store, SESSION, PENDING_INTERRUPTS.label, "AwaitToolApproval")
+        engine.client.sent.clear()
+        assert await engine.sessions.resolve_interrupt(SESSION, "w1", approved=True) is False
+        assert engine.client.sent == ["resolve_interrupt", "get_agent_snapshot"] and clock.now_ms == 0
+        await held.release()
+        assert await engine.sessions.resolve_interrupt(SESSION, "w1", approved=True) is False
+        snapshot = await engine.sessions.get_agent_snapshot(SESSION)
+        assert [i.interrupt_id for i in snapshot.pending_interrupts] == ["w1"]  # nothing changed
