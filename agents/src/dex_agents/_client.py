@@ -162,7 +162,7 @@ class AgentSessionClient:
         request = ResolveInterruptRequest(interrupt_id, approved, kept)
 
         async def refused() -> bool:
-            # Asked only after a lock conflict, never on the uncontended path: a resolve that can only
+            # Asked only at the first lock conflict, never on the uncontended path: a resolve that can only
             # return False (the interrupt resolved, expired or unknown) need not wait out a fan-out's
             # train of Steps holding PendingInterrupts. get_agent_snapshot takes no lock. An
             # interrupt's removal from PendingInterrupts is final (its ID is never raised again), and
@@ -263,8 +263,10 @@ class AgentSessionClient:
         # the lock one after another (AwaitToolApproval-1, -2, ...), for longer in all than the
         # budget. A new holder is progress; only one holder that keeps the lock (a killed Worker's
         # claim) exhausts it.
-        # `refused`, asked once per new holder (each one's commit may have settled the call), says
-        # the call would return False without a change: it returns False without waiting for the lock.
+        # `refused`, asked at the first conflict only, says the call would return False without a
+        # change: it returns False without waiting for the lock. Not at each new holder: in a wide
+        # fan-out that read a whole snapshot per holder for every pending resolve, whose answer
+        # ("pending") a later holder seldom changes.
         holder: str | None = None
         deadline = time.monotonic() + RPC_LOCK_CONFLICT_RETRY.total_seconds()
         while True:
@@ -273,8 +275,9 @@ class AgentSessionClient:
             except RpcLockConflictError as exc:
                 now = time.monotonic()
                 if exc.holder != holder:
+                    first = holder is None
                     holder, deadline = exc.holder, now + RPC_LOCK_CONFLICT_RETRY.total_seconds()
-                    if refused is not None and await refused():
+                    if first and refused is not None and await refused():
                         return False
                 elif now >= deadline:
                     raise
