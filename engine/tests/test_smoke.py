@@ -686,6 +686,58 @@ def test_ctrl_c_in_close_still_closes_the_store_and_a_second_close_waits_for_it(
     assert outcomes == [f"client of {shown_url(db_url)!r} was closed while the call waited"]
 
 
+class _FailedError(Exception):
+    pass
+
+
+@rpc(request_type=type(None))
+async def hold_the_loop_then_fail(ctx: RpcContext, _: None) -> None:
+    _handler_entered.set()
+    _handler_released.wait(30)  # a hang guard
+    raise _FailedError("the handler failed")
+
+
+FAILER = Flow("Failer", [Step("Start", ticker_sleep, wait_for=ticker_sleep_wait, input_type=type(None))],
+              start_step="Start", schema=[Log], rpcs=[hold_the_loop_then_fail])
+
+
+def test_a_call_that_fails_after_close_let_its_caller_go_reports_no_unretrieved_error(db_url: str) -> None:
+    """close() on one thread lets another thread's call go (it raises saying the client was closed
+    while it waited), and the call then fails on the loop (its RPC handler raises): nobody reads that
+    error, and asyncio does not report it when the call's task is collected. Catches: "Task exception
+    was never retrieved" logged with the handler's traceback after close(), since the call's task was
+    no longer chained to a future that read its outcome."""
+    client = Client(Registry([FAILER]), db_url)
+    client.start_flow("Failer", "failing")
+    reported: list[str] = []
+    client._loop.set_exception_handler(lambda _loop, context: reported.append(context["message"]))
+    _handler_entered.clear()
+    _handler_released.clear()
+    outcomes: list[str] = []
+
+    def call_the_handler() -> None:
+        try:
+            client.rpc("failing", "hold_the_loop_then_fail")
+            outcomes.append("returned")
+        except (RuntimeError, _FailedError) as exc:
+            outcomes.append(str(exc))
+
+    caller = threading.Thread(target=call_the_handler, daemon=True)
+    try:
+        caller.start()
+        assert _handler_entered.wait(30)  # a hang guard
+        closer = threading.Thread(target=client.close, daemon=True)
+        closer.start()
+        caller.join(30)  # a hang guard: close() lets the caller go at once, the loop still busy
+        _handler_released.set()
+        closer.join(30)  # a hang guard
+    finally:
+        _handler_released.set()
+    assert outcomes == [f"client of {shown_url(db_url)!r} was closed while the call waited"]
+    gc.collect()  # the call's task, whose collection reported its error
+    assert reported == []
+
+
 class _SigtermAt(set[Any]):
     """A blocking Client's set of waiting calls that raises SIGTERM once in the calling thread (whose
     handler runs at once, in it) when the client adds a call to it (before or after adding it), or

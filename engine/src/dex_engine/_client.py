@@ -1074,6 +1074,10 @@ class Client:
 
     def _finished(self, call: _Call[Any], task: asyncio.Task[Any]) -> None:
         self._call_tasks.discard(task)
+        if not task.cancelled():
+            # Marks its error as seen: a caller that stopped waiting (Ctrl-C, or close() let it go) never
+            # reads it, and asyncio logged "Task exception was never retrieved" with its traceback.
+            task.exception()
         call.release()
 
     @staticmethod
