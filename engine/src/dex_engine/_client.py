@@ -1017,26 +1017,26 @@ class Client:
             coro.close()
             raise self._on_own_loop("a call", "in an RPC handler, await an AsyncClient's calls instead")
         call = _Call(coro)
-        with self._lock:
-            if self._closed:
-                coro.close()
-                raise self._closed_error()
-            try:
-                self._loop.call_soon_threadsafe(self._start, call)
-            except RuntimeError:
-                coro.close()
-                if not self._closed_now():
-                    raise
-                # A signal handler's close() ran in this thread since the check above (the lock is
-                # reentrant), and the loop it stopped is closed ("Event loop is closed").
-                raise self._closed_error() from None
-            self._in_flight.add(call)
-            # Checked again once the call is in _in_flight: a signal handler's close() that ran in this
-            # thread since the check above did not see it, and may have stopped the loop before it
-            # started, where it would wait for ever.
-            if self._closed_now():
-                call.release()
         try:
+            with self._lock:
+                if self._closed:
+                    coro.close()
+                    raise self._closed_error()
+                try:
+                    self._loop.call_soon_threadsafe(self._start, call)
+                except RuntimeError:
+                    coro.close()
+                    if not self._closed_now():
+                        raise
+                    # A signal handler's close() ran in this thread since the check above (the lock is
+                    # reentrant), and the loop it stopped is closed ("Event loop is closed").
+                    raise self._closed_error() from None
+                self._in_flight.add(call)
+                # Checked again once the call is in _in_flight: a signal handler's close() that ran in this
+                # thread since the check above did not see it, and may have stopped the loop before it
+                # started, where it would wait for ever.
+                if self._closed_now():
+                    call.release()
             # Waited for on a plain lock, which the loop thread (and close()) only release: a signal
             # handler run in this wait holds nothing, so its close() can wait for the loop thread to end.
             # (Future.result() of concurrent.futures holds the future's lock but in its inner wait; the
@@ -1044,7 +1044,9 @@ class Client:
             call.done.acquire()
         except BaseException:
             # The caller's wait was interrupted (Ctrl-C: KeyboardInterrupt): end the call too, or it went on
-            # without a caller (a wait_for_flow(id, math.inf) polled the database until close()).
+            # without a caller (a wait_for_flow(id, math.inf) polled the database until close()). From the
+            # hand-over on, not only in the wait: a Ctrl-C just after call_soon_threadsafe returned left
+            # the call running for ever. One not handed over is closed there (_abandon).
             with contextlib.suppress(RuntimeError):  # the loop is closed: the call ended with it
                 self._loop.call_soon_threadsafe(self._abandon, call)
             raise
@@ -1085,6 +1087,7 @@ class Client:
         """On the loop: end `call`, whose caller stopped waiting, or keep it from starting."""
         if call.task is None:
             call.abandoned = True
+            call.coro.close()  # "never awaited" otherwise, should _start never come (not handed over)
         else:
             call.task.cancel()  # nothing once done
 
