@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import _thread
 import asyncio
 import contextlib
 import gc
@@ -449,6 +450,39 @@ def _loop_tasks(client: Client) -> set[asyncio.Task[Any]]:
         return asyncio.all_tasks() - {asyncio.current_task()}  # type: ignore[operator]
 
     return asyncio.run_coroutine_threadsafe(others(), client._loop).result()
+
+
+def test_a_ctrl_c_that_no_lock_wait_woke_still_reaches_a_blocking_call(db_url: str) -> None:
+    """A KeyboardInterrupt pending while the main thread already waits for a call (wait_for_flow(id,
+    math.inf)) that never ends: it reaches the caller, the call ends on the loop, and the client
+    still serves. _thread.interrupt_main() sets Python's flag without waking the wait, as a SIGINT
+    that lands just before the wait blocks does. Catches: the caller waited in one lock wait, which
+    only the call's end ended: the interrupt waited for ever (here, for the guard's close())."""
+    assert threading.current_thread() is threading.main_thread()
+    with Client(Registry([FLOW]), db_url) as client:
+        client.start_flow("Smoke", "interrupted", 1)
+        guard_closed: list[bool] = []
+
+        def interrupt_once_waiting() -> None:
+            deadline = time.monotonic() + 30  # a hang guard
+            while not client._in_flight and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)  # well into the wait
+            _thread.interrupt_main()
+            time.sleep(30)  # a hang guard: let the caller go, saying it had to
+            if client._in_flight:
+                guard_closed.append(True)
+                client.close()
+
+        threading.Thread(target=interrupt_once_waiting, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            client.wait_for_flow("interrupted", math.inf)
+        assert guard_closed == [], "the interrupt reached the caller only once the guard closed the client"
+        deadline = time.monotonic() + 30  # a hang guard: the cancelled task ends within a loop turn or two
+        while tasks := _loop_tasks(client):
+            assert time.monotonic() < deadline, f"the interrupted call still runs: {tasks}"
+            time.sleep(0.01)
+        assert client.describe_flow("interrupted").status == "running"
 
 
 class _InterruptOnAdd(set[Any]):

@@ -37,6 +37,7 @@ from ._flow import Flow, Registry, Rpc
 from ._ids import check_id
 from ._limits import (
     CLIENT_FLOW_TYPE_CACHE_ENTRIES,
+    CLIENT_SIGNAL_CHECK_SECONDS,
     DEFAULT_READ_LIMIT,
     MAX_READ_LIMIT,
     MAX_RPC_TRIES,
@@ -1041,7 +1042,11 @@ class Client:
             # handler run in this wait holds nothing, so its close() can wait for the loop thread to end.
             # (Future.result() of concurrent.futures holds the future's lock but in its inner wait; the
             # loop thread, needing that lock to hand the call over or its result back, never ended.)
-            call.done.acquire()
+            # In pieces: a signal that lands just before the wait blocks does not wake it, nor does one
+            # that only sets Python's flag (_thread.interrupt_main), so Ctrl-C's KeyboardInterrupt
+            # waited for the call's end (for ever in a wait_for_flow(id, math.inf)).
+            while not call.done.acquire(timeout=CLIENT_SIGNAL_CHECK_SECONDS):
+                pass
         except BaseException:
             # The caller's wait was interrupted (Ctrl-C: KeyboardInterrupt): end the call too, or it went on
             # without a caller (a wait_for_flow(id, math.inf) polled the database until close()). From the

@@ -205,6 +205,11 @@ SCHEDULING_OPTIONS_CACHE_ENTRIES = 4096
 # active flows of a busy application; a miss costs one read.
 CLIENT_FLOW_TYPE_CACHE_ENTRIES = 100_000
 
+# A blocking Client's caller waits for its call in pieces of this long, so that a Ctrl-C no lock wait
+# woke (one landing just before the wait blocked) reaches it within this long, not at the call's end;
+# a call that ends sooner returns at once.
+CLIENT_SIGNAL_CHECK_SECONDS = 0.1
+
 # RPC optimistic validation: tries before RpcContentionError.
 MAX_RPC_TRIES = 64
 
