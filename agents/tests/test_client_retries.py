@@ -27,7 +27,7 @@ from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F40
 
 import dex_agents._client as client_module
 import dex_agents._rpcs as rpcs_module
-from dex_agents import PENDING_INTERRUPTS, AgentSessionClient, AgentSessionFlow, AgentSnapshot
+from dex_agents import PENDING_INTERRUPTS, AgentSessionClient, AgentSessionFlow, AgentSnapshot, BuiltInTool
 from dex_agents._constants import RPC_LOCK_CONFLICT_RETRY, RPC_LOCK_CONFLICT_RETRY_INTERVAL
 from dex_agents.testing import InvocationLog, wait_for_agent_snapshot
 from dex_engine import AsyncClient, AsyncWorker, Registry, RpcLockConflictError, Store, WorkerOptions, open_store
@@ -104,11 +104,12 @@ class Engine:
 
 @asynccontextmanager
 async def in_process(
-    tmp_path: Path, database_url: str | None = None, interrupt_deadline: timedelta | None = None
+    tmp_path: Path, database_url: str | None = None, interrupt_deadline: timedelta | None = None,
+    built_in_tools: frozenset[BuiltInTool] | None = None,
 ) -> AsyncIterator[Engine]:
     """The scripted Flow on `database_url` (None: a SQLite file in tmp_path); the Worker shares the
     client's Store, so it hears each commit at once."""
-    flow = build_flow(tmp_path, interrupt_deadline=interrupt_deadline)
+    flow = build_flow(tmp_path, interrupt_deadline=interrupt_deadline, built_in_tools=built_in_tools)
     url = database_url or f"sqlite:///{tmp_path / 'dex.db'}"
     store = open_store(url)
     options = WorkerOptions(database_url=url, lease_ttl_seconds=2.0, lease_renew_seconds=0.4,
@@ -176,7 +177,8 @@ async def assert_turn_ended(engine: Engine, rpc: LockingRpc) -> None:
 
 
 def sent_locking(client: CountingClient) -> list[str]:
-    """The RPCs sent but the lock-free snapshot resolve_interrupt reads on a new holder's conflict."""
+    """The RPCs sent but the lock-free snapshot resolve_interrupt and answer_question read at their
+    first conflict."""
     return [name for name in client.sent if name != "get_agent_snapshot"]
 
 
@@ -270,7 +272,7 @@ class TrainClient(CountingClient):
         try:
             return await super().rpc(flow_id, name, request)
         except RpcLockConflictError:
-            if self.conflicts % self.conflicts_each == 0:
+            if self.conflicts_each and self.conflicts % self.conflicts_each == 0:
                 assert self.held is not None
                 await self.held.release()
                 self.held = None
@@ -355,26 +357,83 @@ async def test_a_resolve_that_can_only_return_false_answers_while_a_step_holds_t
         assert snapshot.messages[-1].text == "w1=write_x done; w2=write_x done"
 
 
+@pytest.mark.parametrize("rpc", LOCKING_RPCS[:2], ids=IDS[:2])
 async def test_a_resolve_past_the_deadline_answers_false_while_a_step_holds_the_lock(
-    tmp_path: Path, db_url: str, monkeypatch: pytest.MonkeyPatch  # noqa: F811 - the fixture
+    tmp_path: Path, db_url: str, rpc: LockingRpc, monkeypatch: pytest.MonkeyPatch  # noqa: F811 - the fixture
 ) -> None:
     """An interrupt still in PendingInterrupts but past its deadline (its Step has not recorded it
-    yet) is judged by the lock-free check as the locked RPC judges it: False at the first conflict,
-    and False from the RPC once the lock is free. The clock of both, not the Worker's, is moved past
-    the deadline, so the Worker's Timer does not remove the interrupt first."""
+    yet) is judged by the lock-free check as the locked RPC (resolve_interrupt or answer_question)
+    judges it: False at the first conflict, and False from the RPC once the lock is free. The clock
+    of both, not the Worker's, is moved past the deadline, so the Worker's Timer does not remove the
+    interrupt first."""
     clock = SteppedClock()
     monkeypatch.setattr(client_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
     monkeypatch.setattr(client_module, "asyncio", types.SimpleNamespace(sleep=clock.sleep))
     async with in_process(tmp_path, db_url, interrupt_deadline=timedelta(hours=1)) as engine:
-        await waiting_turn(engine, LOCKING_RPCS[0])
+        await waiting_turn(engine, rpc)
         later = datetime.now(UTC) + timedelta(hours=2)
         monkeypatch.setattr(client_module, "now_utc", lambda: later)
         monkeypatch.setattr(rpcs_module, "now_utc", lambda: later)
+        held = await hold_lock(engine.client.store, SESSION, PENDING_INTERRUPTS.label, rpc.holder)
+        engine.client.sent.clear()
+        assert await rpc.call(engine.sessions) is False
+        assert engine.client.sent == [rpc.name, "get_agent_snapshot"] and clock.now_ms == 0
+        await held.release()
+        assert await rpc.call(engine.sessions) is False
+        snapshot = await engine.sessions.get_agent_snapshot(SESSION)
+        assert [i.interrupt_id for i in snapshot.pending_interrupts] == [rpc.interrupt_id]  # nothing changed
+
+
+async def test_an_answer_that_can_only_return_false_answers_while_a_step_holds_the_lock(
+    tmp_path: Path, db_url: str, monkeypatch: pytest.MonkeyPatch  # noqa: F811 - the fixture
+) -> None:
+    """An answer_question that can only return False (the question already answered, or never
+    raised, the interrupt an approval, the answer blank or not one of the question's choices)
+    returns it while a Step holds PendingInterrupts, read from a lock-free snapshot at the first
+    conflict. An answer the question takes still waits for the lock, through a second holder
+    without reading the snapshot again, and commits. Catches: such an answer waiting out a fan-out's
+    whole train of lock holders, here one that never lets go (RpcLockConflictError after the retry
+    window)."""
+    clock = SteppedClock()  # without the check, the retry window passes in sleeps, not seconds
+    monkeypatch.setattr(client_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(client_module, "asyncio", types.SimpleNamespace(sleep=clock.sleep))
+    async with in_process(tmp_path, db_url, built_in_tools=frozenset({BuiltInTool.ASK_USER})) as engine:
+        engine.client = TrainClient(Registry([engine.flow]), engine.client.store)
+        pick = {"question": "Colour?", "choices": ["red", "blue"], "allows_free_text": False}
+        script = json.dumps({"steps": [{"tools": [
+            {"id": "w1", "name": "write_x"},
+            {"id": "q1", "name": "ask_user", "args": pick},
+            {"id": "q2", "name": "ask_user", "args": {"question": "Why?"}},
+        ]}, {"answer": "{results}"}]})
+        await engine.sessions.start_session(SESSION, script)
+        await wait_for_agent_snapshot(engine.sessions, SESSION, lambda s: s if len(s.pending_interrupts) == 3 else None,
+                                      description="an approval and two questions")
+        assert await engine.sessions.answer_question(SESSION, "q2", "because") is True
+        await wait_for_agent_snapshot(
+            engine.sessions, SESSION,
+            lambda s: s if [r.status for r in s.tool_calls if r.tool_call_id == "q2"] == ["succeeded"] else None,
+            description="q2 to be answered")
         held = await hold_lock(engine.client.store, SESSION, PENDING_INTERRUPTS.label, "AwaitToolApproval")
         engine.client.sent.clear()
-        assert await engine.sessions.resolve_interrupt(SESSION, "w1", approved=True) is False
-        assert engine.client.sent == ["resolve_interrupt", "get_agent_snapshot"] and clock.now_ms == 0
-        await held.release()
-        assert await engine.sessions.resolve_interrupt(SESSION, "w1", approved=True) is False
-        snapshot = await engine.sessions.get_agent_snapshot(SESSION)
-        assert [i.interrupt_id for i in snapshot.pending_interrupts] == ["w1"]  # nothing changed
+        refused = (("q2", "again"), ("q9", "red"), ("w1", "yes"), ("q1", "  "), ("q1", "green"))
+        for interrupt_id, answer in refused:
+            assert await engine.sessions.answer_question(SESSION, interrupt_id, answer) is False, interrupt_id
+        # Each answered at its first conflict, the lock still held: none waited for the holder.
+        assert engine.client.sent == ["answer_question", "get_agent_snapshot"] * len(refused)
+        assert engine.client.conflicts == len(refused) and clock.now_ms == 0
+        # q1 takes "blue": the lock passes to another Step, then is free, and the call commits.
+        waits = await engine.client.store.raw(lambda db: [str(r[0]) for r in db.all(
+            "SELECT step_execution_id FROM tasks WHERE flow_id = ? AND step_type = 'AwaitQuestionAnswer'",
+            (SESSION,))])
+        assert len(waits) == 1, waits  # q1's; q2's Step has committed
+        engine.client.sent.clear()
+        engine.client.conflicts = 0
+        engine.client.start_train(held, waits, 2)
+        assert await engine.sessions.answer_question(SESSION, "q1", "blue") is True
+        assert engine.client.held is None and engine.client.conflicts == 4
+        assert engine.client.sent.count("get_agent_snapshot") == 1  # at the first conflict only
+        assert await engine.sessions.resolve_interrupt(SESSION, "w1", approved=True) is True
+        snapshot = await wait_for_agent_snapshot(
+            engine.sessions, SESSION, lambda s: s if s.state is not None and s.state.turn_count == 1 else None,
+            description="turn-1 to end")
+        assert "blue" in (snapshot.messages[-1].text or "")

@@ -25,7 +25,7 @@ from ._constants import (
     RPC_LOCK_CONFLICT_RETRY_INTERVAL,
 )
 from ._policy import shown
-from ._rpcs import resolve_refused
+from ._rpcs import answer_refused, resolve_refused
 from ._runtime import now_utc
 from ._session_flow import AgentSessionFlow
 from ._session_settings import validate_session_settings
@@ -188,7 +188,22 @@ class AgentSessionClient:
         _check_text("interrupt_id", interrupt_id)
         _check_text("answer", answer)
         request = AnswerQuestionRequest(interrupt_id, answer)
-        result = await self._retry_lock_conflicts(lambda: self.client.rpc(session_id, "answer_question", request))
+
+        async def refused() -> bool:
+            # As resolve_interrupt's check, at the first lock conflict only: an answer that can only
+            # return False (the question answered, declined, expired or unknown, or the answer one it
+            # refuses) need not wait out a fan-out's train of Steps holding PendingInterrupts. A
+            # question's kind, choices and deadline never change while it is pending, so "refused"
+            # read here is what the locked RPC would answer; "pending" proves nothing.
+            try:
+                snapshot = await self.get_agent_snapshot(session_id)
+            except DexError:
+                return False  # no answer here: the locked RPC reports its own errors
+            interrupt = next((i for i in snapshot.pending_interrupts if i.interrupt_id == interrupt_id), None)
+            return answer_refused(interrupt, answer, now_utc())
+
+        result = await self._retry_lock_conflicts(
+            lambda: self.client.rpc(session_id, "answer_question", request), refused=refused)
         return bool(result)
 
     async def steer_user_message(

@@ -94,15 +94,30 @@ def page_of_messages(
     )
 
 
+def _past_deadline(interrupt: AgentInterrupt, now: datetime) -> bool:
+    # Its Step records the deadline; an answer now would race it.
+    return interrupt.deadline is not None and now >= parse_time(interrupt.deadline)
+
+
 def resolve_refused(interrupt: AgentInterrupt | None, approved: bool, now: datetime) -> bool:
     """Whether resolve_interrupt returns False for `interrupt` (None: not pending) at `now`, changing
     nothing. The RPC and AgentSessionClient's lock-free check both ask this, so they judge alike."""
-    if interrupt is None:
+    if interrupt is None or _past_deadline(interrupt, now):
         return True
-    if interrupt.deadline is not None and now >= parse_time(interrupt.deadline):
-        return True  # its Step records the deadline; an answer now would race it
     # Questions are answered with answer_question; resolve_interrupt only declines.
     return interrupt.kind is InterruptKind.QUESTION and approved
+
+
+def answer_refused(interrupt: AgentInterrupt | None, answer: str, now: datetime) -> bool:
+    """Whether answer_question returns False for `interrupt` (None: not pending) and `answer` at
+    `now`, changing nothing: not a question, past its deadline, a blank answer, or one not among its
+    choices while it allows no free text. The RPC and AgentSessionClient's lock-free check both ask
+    this, so they judge alike."""
+    if interrupt is None or interrupt.kind is not InterruptKind.QUESTION or _past_deadline(interrupt, now):
+        return True
+    if not answer.strip():
+        return True
+    return not interrupt.allows_free_text and answer not in interrupt.choices
 
 
 def session_rpcs(*, plan_mode_enabled: bool) -> list[Rpc]:
@@ -134,18 +149,11 @@ def session_rpcs(*, plan_mode_enabled: bool) -> list[Rpc]:
          load=LoadOptions.only(PENDING_INTERRUPTS))
     async def answer_question(ctx: RpcContext, request: AnswerQuestionRequest) -> bool:
         kept, interrupt = without_interrupt(pending_interrupts(ctx), request.interrupt_id)
-        if interrupt is None or interrupt.kind is not InterruptKind.QUESTION:
-            return False
-        if interrupt.deadline is not None and now_utc() >= parse_time(interrupt.deadline):
-            return False
-        answer = request.answer
-        if not answer.strip():
-            return False
-        if not interrupt.allows_free_text and answer not in interrupt.choices:
+        if interrupt is None or answer_refused(interrupt, request.answer, now_utc()):
             return False
         ctx.set(PENDING_INTERRUPTS, kept)
         ctx.publish(INTERRUPT_RESOLUTIONS[interrupt.interrupt_id], AgentInterruptResolution(
-            approved=True, rejection_message=None, answer=answer,
+            approved=True, rejection_message=None, answer=request.answer,
         ))
         return True
 
