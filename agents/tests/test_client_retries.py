@@ -306,8 +306,12 @@ async def test_a_lock_handed_from_step_to_step_for_longer_than_the_retry_window_
         # The other three calls' Steps hold the lock in turn, each for 4 s of the client's clock.
         first = await hold_lock_of(engine.client.store, SESSION, PENDING_INTERRUPTS.label, steps[1])
         engine.client.start_train(first, steps[2:], 200)
+        engine.client.sent.clear()
         assert await engine.sessions.resolve_interrupt(SESSION, "w1", approved=True) is True
         assert engine.client.conflicts == 600 and engine.client.held is None
+        # The lock-free snapshot is read at the first conflict only, not again for each new holder:
+        # in a wide fan-out every pending resolve would read a whole snapshot per Step of the train.
+        assert engine.client.sent.count("get_agent_snapshot") == 1
         assert clock.now_ms > RPC_LOCK_CONFLICT_RETRY // timedelta(milliseconds=1)
         for call in ("w2", "w3", "w4"):
             assert await engine.sessions.resolve_interrupt(SESSION, call, approved=True) is True
