@@ -26,6 +26,7 @@ from dex_agents.testing import (
     ENV_DATABASE_URL,
     AgentTestStack,
     FileGate,
+    InvocationLog,
     read_step_history,
     wait_for_agent_snapshot,
     wait_until,
@@ -437,3 +438,36 @@ async def test_a_worker_that_runs_on_another_database_is_named_when_start_worker
     assert f"it ran (python -m {WORKER_MODULE}) but did not register in {stack.database_url}, where the stack " \
            f"looks; does it run a Worker on another database (run_agent_worker's database_url, or " \
            f"{ENV_DATABASE_URL} in worker_env)" in message
+
+
+def test_an_invocation_record_written_in_short_writes_is_read_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record whose write the kernel takes only part of at a time (a signal, a nearly full disk)
+    is still written whole, and read back as written. Catches: record() ignored what os.write
+    returned, leaving a torn line that entries() then failed to parse, or dropped."""
+    log = InvocationLog(tmp_path / "calls.jsonl")
+    real_write = os.write
+
+    def short_write(fd: int, data: bytes) -> int:
+        return real_write(fd, data[:7])
+
+    monkeypatch.setattr(os, "write", short_write)
+    log.record("tool", name="write_x", arguments={"text": "é" * 40})
+    log.record("model", call=2)
+    monkeypatch.undo()
+    assert log.entries() == [
+        {"kind": "tool", "pid": os.getpid(), "name": "write_x", "arguments": {"text": "é" * 40}},
+        {"kind": "model", "pid": os.getpid(), "call": 2},
+    ]
+
+
+def test_an_invocation_log_line_that_is_not_a_record_is_named(tmp_path: Path) -> None:
+    """A line of the log that is not JSON (something else wrote to the file) fails entries() naming
+    the file and the line, not with a bare JSONDecodeError."""
+    log = InvocationLog(tmp_path / "calls.jsonl")
+    log.record("tool", name="a")
+    with log.path.open("a") as file:
+        file.write("not json\n")
+    with pytest.raises(ValueError, match=r"line 2 of the invocation log .*calls\.jsonl.* is not a JSON record"):
+        log.entries()

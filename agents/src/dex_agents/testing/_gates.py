@@ -121,7 +121,9 @@ class InvocationLog:
         line = json.dumps({"kind": kind, "pid": os.getpid(), **fields}, sort_keys=True)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, (line + "\n").encode())
+            data = (line + "\n").encode()
+            while data:  # a short write (a signal, a nearly full disk) left the rest unwritten: a torn line
+                data = data[os.write(fd, data):]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -131,10 +133,15 @@ class InvocationLog:
         if not self.path.exists():
             return []
         out = []
-        for line in self.path.read_text().split("\n")[:-1]:
+        for number, line in enumerate(self.path.read_text().split("\n")[:-1], start=1):
             if not line:
                 continue
-            entry: dict[str, Any] = json.loads(line)
+            try:
+                entry: dict[str, Any] = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"line {number} of the invocation log {str(self.path)!r} is not a JSON record "
+                                 f"({exc}): {line[:200]!r}; record() writes whole lines, so something else wrote "
+                                 "to the file") from None
             if kind is not None and entry.get("kind") != kind:
                 continue
             if all(entry.get(k) == v for k, v in match.items()):
