@@ -249,9 +249,17 @@ def test_chat_on_a_stopped_session_says_it_has_ended(tmp_path: Path) -> None:
     assert "resume it" not in again.stdout and "resuming" not in again.stdout
 
 
-def _stopped_while_chatting(data_dir: Path, typed: str, shown: str, then_close_input: bool) -> tuple[int, str]:
+def _delete_session(data_dir: Path) -> None:
+    deleted = subprocess.run([*ENGINE_CLI, "delete", "chat", "--db", f"sqlite:///{data_dir / 'agents.db'}"],
+                             capture_output=True, text=True, timeout=CLI_TIMEOUT_SECONDS, check=False)
+    assert deleted.returncode == 0, deleted.stdout + deleted.stderr
+
+
+def _stopped_while_chatting(data_dir: Path, typed: str, shown: str, then_close_input: bool,
+                            then_delete: bool = False, then_type: str = "") -> tuple[int, str]:
     """Type `typed` into a chat, stop its session with dex-engine once the chat printed `shown`,
-    end the input if asked; the chat's exit code and what it printed after."""
+    delete it and type `then_type` if asked, end the input if asked; the chat's exit code and what
+    it printed after."""
     env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen([*CLI, "chat", "--data-dir", str(data_dir)], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -265,6 +273,11 @@ def _stopped_while_chatting(data_dir: Path, typed: str, shown: str, then_close_i
         else:
             pytest.fail(f"the chat never printed {shown!r}")
         _stop_session(data_dir)
+        if then_delete:
+            _delete_session(data_dir)
+        if then_type:
+            process.stdin.write(then_type)
+            process.stdin.flush()
         if then_close_input:
             process.stdin.close()
         code = process.wait(CLI_TIMEOUT_SECONDS)
@@ -504,6 +517,17 @@ def test_chat_ended_by_eof_after_its_session_was_stopped_says_it_has_ended(tmp_p
     assert code == 1, rest
     assert "session 'chat' has ended (flow 'chat' is stopped" in rest
     assert "is saved" not in rest
+
+
+def test_chat_whose_session_was_deleted_says_so_and_how_to_start_it_again(tmp_path: Path) -> None:
+    """dex-engine stop and delete while the chat waits for a line, then a line typed: the chat says
+    the session was deleted and how to start a new one (exit code 1), and sends nothing. Catches:
+    the chat ending on the engine's bare "Error: no flow with ID 'chat'"."""
+    code, rest = _stopped_while_chatting(tmp_path, "/echo one\n", "agent> one", then_close_input=True,
+                                         then_delete=True, then_type="/echo two\n")
+    assert code == 1, rest
+    assert "session 'chat' was deleted while this chat ran; run the same command to start a new one" in rest, rest
+    assert "Error:" not in rest and "is saved" not in rest, rest
 
 
 def _running(pid: int) -> bool:

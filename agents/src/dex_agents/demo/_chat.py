@@ -22,6 +22,7 @@ from dex_engine import (
     AsyncWorker,
     DexError,
     FlowNotActiveError,
+    FlowNotFoundError,
     InvalidResumeTokenError,
     InvalidValueError,
     Registry,
@@ -365,6 +366,7 @@ async def run_chat(console: Console, data_dir: Path, session_id: str) -> int:
     ))
     status: str | None = None
     ended: FlowNotActiveError | None = None
+    deleted = False
     with FullDiskWatch() as full_disk:
         worker_task = asyncio.create_task(worker.run())
         try:
@@ -374,6 +376,8 @@ async def run_chat(console: Console, data_dir: Path, session_id: str) -> int:
             pass
         except FlowNotActiveError as closed:  # stopped (dex-engine stop) or failed: it cannot go on
             ended = closed
+        except FlowNotFoundError:  # stopped and deleted (dex-engine delete) while the chat ran
+            deleted = True
         finally:
             await worker.stop()
             with contextlib.suppress(asyncio.CancelledError):
@@ -383,6 +387,10 @@ async def run_chat(console: Console, data_dir: Path, session_id: str) -> int:
             if status == "running":
                 console.print(f"[dim]session {escape(repr(session_id))} is saved in {escape(str(data_dir))}; "
                               "run the same command to resume it[/dim]")
+    if deleted:
+        console.print(f"session {session_id!r} was deleted while this chat ran; run the same command to start a "
+                      "new one", style="red", markup=False)
+        return 1
     if ended is None and status is not None and status != "running":  # stopped while the chat waited for a line
         ended = FlowNotActiveError(session_id, status)
     if ended is not None:
