@@ -787,6 +787,30 @@ def test_bad_values_in_definitions_are_refused_by_name(make: Callable[[], object
     assert message in str(caught.value)
 
 
+def _postgres_dsn(url: str) -> object:
+    """`url` as a pydantic settings class holds it (PostgresDsn), whose repr shows the password."""
+    pydantic = pytest.importorskip("pydantic")
+    return pydantic.TypeAdapter(pydantic.PostgresDsn).validate_python(url)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "PostgresDsn"])
+@pytest.mark.parametrize("where", ["open_store", "WorkerOptions"])
+def test_a_database_url_that_is_not_a_str_is_refused_without_its_password(kind: str, where: str) -> None:
+    """A URL given as bytes or a pydantic PostgresDsn (a settings field passed as is) is refused
+    naming it with *** for its password. Catches: the refusal quoted its repr, password and all,
+    into the traceback a service logs as it fails to start."""
+    url = "postgresql://app:Hunter2-pw@db.example:5432/app"
+    given = url.encode() if kind == "bytes" else _postgres_dsn(url)
+    with pytest.raises(ValueError) as caught:
+        if where == "open_store":
+            open_store(given)  # type: ignore[arg-type]
+        else:
+            WorkerOptions(database_url=given)  # type: ignore[arg-type]
+    assert "Hunter2-pw" not in str(caught.value)
+    assert f"must be a str, got {kind}: " in str(caught.value)
+    assert "postgresql://app:***@db.example:5432/app" in str(caught.value)
+
+
 # Values ----------------------------------------------------------------------------------------
 
 

@@ -7,7 +7,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
-from ._errors import StoreOpenError
+from ._errors import StoreOpenError, shown
 
 if TYPE_CHECKING:  # _store names URLs as shown_url shows them
     from ._store import Store
@@ -28,7 +28,7 @@ def open_store(url: str, *, existing: bool = False) -> Store:
     created or changed."""
     given: object = url  # typed str; checked for callers that pass anything
     if not isinstance(given, str):
-        raise ValueError(f"database URL must be a str, got {type(given).__name__}: {given!r}")
+        raise ValueError(f"database URL must be a str, got {type(given).__name__}: {shown_url_value(given)}")
     if "\x00" in url:
         # A file path cannot hold one, and libpq ends a parameter at it: the rest would name another
         # database.
@@ -71,6 +71,17 @@ def shown_url(url: str) -> str:
     url = _USERINFO_PASSWORD.sub(r"\1:***@", url, count=1)
     url = _PASSWORD_PARAMETER.sub(r"\1\2password=***", url)
     return _KEYWORD_PASSWORD.sub(r"\1\2password=***", url)
+
+
+def shown_url_value(value: object) -> str:
+    """repr(value), a database URL given as something other than a str, fit for the refusal that
+    names it: a pydantic PostgresDsn (from a settings class), a yarl URL or bytes repr as the whole
+    URL, password and all; its password is written as *** as shown_url writes it."""
+    try:
+        text = value.decode("utf-8", "backslashreplace") if isinstance(value, bytes | bytearray) else str(value)
+    except Exception:  # no text to find its password in: its repr may show it, so the type alone
+        return f"(a {type(value).__name__} whose text could not be made)"
+    return shown_error(shown(value, None), text)
 
 
 def shown_error(text: str, url: str) -> str:

@@ -65,7 +65,7 @@ from ._limits import (
     UNDECLARED_STEP_RETRY_SECONDS,
     WORKER_ERROR_STALE_SECONDS,
 )
-from ._open import open_store, shown_url
+from ._open import open_store, shown_url, shown_url_value
 from ._options import is_number
 from ._parked import FoldFunctions, ParkedHandler
 from ._records import DecisionRecord, ErrorInfo, HousekeepingReport, Lease, MovementRecord, StartedFold, WriteSet
@@ -105,7 +105,7 @@ class WorkerOptions:
         problems = []
         url: object = self.database_url  # typed str; checked for callers that pass anything
         if not isinstance(url, str):
-            problems.append(f"database_url must be a str, got {type(url).__name__}: {shown(url, None)}")
+            problems.append(f"database_url must be a str, got {type(url).__name__}: {shown_url_value(url)}")
         tasks = self.max_concurrent_tasks
         if isinstance(tasks, bool) or not isinstance(tasks, int) or not 1 <= tasks <= MAX_CONCURRENT_TASKS:
             problems.append(
