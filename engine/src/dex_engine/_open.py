@@ -28,7 +28,8 @@ def open_store(url: str, *, existing: bool = False) -> Store:
     created or changed."""
     given: object = url  # typed str; checked for callers that pass anything
     if not isinstance(given, str):
-        raise ValueError(f"database URL must be a str, got {type(given).__name__}: {shown_url_value(given)}")
+        raise ValueError(f"database URL must be a str, got {type(given).__name__}: {shown_url_value(given)}; "
+                         "pass its text, such as str(url) for a URL object")
     if "\x00" in url:
         # A file path cannot hold one, and libpq ends a parameter at it: the rest would name another
         # database.

@@ -105,7 +105,8 @@ class WorkerOptions:
         problems = []
         url: object = self.database_url  # typed str; checked for callers that pass anything
         if not isinstance(url, str):
-            problems.append(f"database_url must be a str, got {type(url).__name__}: {shown_url_value(url)}")
+            problems.append(f"database_url must be a str, got {type(url).__name__}: {shown_url_value(url)}; "
+                            "pass its text, such as str(url) for a URL object")
         tasks = self.max_concurrent_tasks
         if isinstance(tasks, bool) or not isinstance(tasks, int) or not 1 <= tasks <= MAX_CONCURRENT_TASKS:
             problems.append(
