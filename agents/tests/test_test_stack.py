@@ -295,6 +295,23 @@ def test_an_in_memory_sqlite_url_is_refused_by_name(tmp_path: Path, monkeypatch:
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
+@pytest.mark.parametrize("kind", ["bytes", "PostgresDsn"])
+def test_a_database_url_that_is_not_a_str_is_refused_by_name_without_its_password(tmp_path: Path, kind: str) -> None:
+    """A URL given as bytes or a pydantic PostgresDsn is refused naming database_url, with *** for
+    its password. Catches: a bare AttributeError from urlparse for a PostgresDsn, and bytes blamed
+    on lease_ttl_seconds."""
+    url = "postgresql://app:Hunter2-pw@db.example:5432/app"
+    if kind == "bytes":
+        given: object = url.encode()
+    else:
+        pydantic = pytest.importorskip("pydantic")
+        given = pydantic.TypeAdapter(pydantic.PostgresDsn).validate_python(url)
+    with pytest.raises(ValueError) as caught:
+        AgentTestStack(tmp_path, [build_flow(tmp_path)], WORKER_MODULE, database_url=given)  # type: ignore[arg-type]
+    assert str(caught.value).startswith(f"AgentTestStack database_url must be a str, got {kind}: ")
+    assert "postgresql://app:***@db.example:5432/app" in str(caught.value) and "Hunter2-pw" not in str(caught.value)
+
+
 async def test_a_subprocess_of_a_worker_child_waits_at_a_gate_until_released(tmp_path: Path) -> None:
     """A subprocess the Worker module starts before run_agent_worker inherits the test process's
     PID in ENV_PARENT_PID, though its parent is the Worker. Catches: its gate's wait taking it for

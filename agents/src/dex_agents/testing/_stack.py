@@ -19,7 +19,7 @@ from typing import BinaryIO, Literal
 from urllib.parse import urlparse
 
 from dex_engine import AsyncClient, AsyncWorker, Flow, Registry, WorkerOptions
-from dex_engine._open import shown_url
+from dex_engine._open import shown_url, shown_url_value
 
 from .._client import AgentSessionClient
 from .._session_flow import AgentSessionFlow
@@ -233,6 +233,10 @@ class AgentTestStack:
         database_url: str | None = None,
         lease_ttl_seconds: float = DEFAULT_TEST_LEASE_TTL_SECONDS,
     ) -> None:
+        given: object = database_url  # typed str; a pydantic PostgresDsn passed as is failed in urlparse
+        if given is not None and not isinstance(given, str):
+            raise ValueError(f"AgentTestStack database_url must be a str, got {type(given).__name__}: "
+                             f"{shown_url_value(given)}; pass its text, such as str(url) for a URL object")
         # Absolute: the Worker starts in worker_cwd, where a relative path names another database.
         self.state_dir = Path(tmp_path).resolve()
         self.database_url = _absolute_sqlite_url(database_url) if database_url else (
