@@ -436,6 +436,7 @@ _OTHER_NAMES: dict[str, str] = {
     "TaskGroup": "Python's asyncio", "CancelledError": "Python's asyncio",
     "Authorization": "an HTTP header", "ProgramLimitExceeded": "a psycopg error class",
     "DirectTurns": "a class of bench/agent_turn.py", "PgProxy": "a class of the engine's tests",
+    "PostgresDsn": "a pydantic URL type",
 }
 
 
