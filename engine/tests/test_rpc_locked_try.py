@@ -232,6 +232,7 @@ CASES = [
     Case("calls_the_client"),
     Case("calls_an_rpc_on_its_flow"),
     Case("calls_its_own_client"),
+    Case("loads_in_gather"),
 ]
 
 
@@ -290,10 +291,11 @@ async def run_case(eng: Engine, caller: AsyncClient, case: Case, lose_first: int
 async def test_the_try_under_the_flows_write_lock_gives_what_a_usual_try_gives(db_url: str) -> None:
     """Each RpcContext feature (load, pending messages, publish, set and delete, locks, RPCResult's
     Steps, a closed flow, contextvars, a raising handler) and each handler that awaits what the
-    transaction cannot wait for (many yields, a future, a timeout, other client calls): the
+    transaction cannot wait for (many yields, a future, gather, a timeout, other client calls): the
     third try, run under the flow's write lock after two lost races, returns or raises and leaves the
     flow exactly as an uncontended call does, a handler that cannot be stepped going back to racing,
-    and nothing the stepped run left behind is logged or warned of."""
+    and nothing the stepped run left behind is logged ("_GatheringFuture exception was never
+    retrieved" for `asyncio.gather(ctx.load(a), ctx.load(b))`) or warned of."""
     loop = asyncio.get_running_loop()
     unhandled: list[tuple[str, dict[str, Any]]] = []
     differ: dict[str, tuple[Any, Any]] = {}

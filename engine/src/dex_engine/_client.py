@@ -177,6 +177,12 @@ class _Ready(Generic[R]):
         yield  # type: ignore[unreachable]  # a generator that returns before its first yield
 
 
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark `future`'s error as seen, so that the loop does not log it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
 def _on_loop(
     loop: asyncio.AbstractEventLoop,
     loop_thread: int,
@@ -634,10 +640,19 @@ class AsyncClient:
         try:
             running = cast("Coroutine[Any, Any, Any]", handler.handler(ctx, call.request))
             try:
+                awaited = None
                 for _ in range(RPC_LOCKED_YIELDS + 1):
-                    if context.run(running.send, None) is not None:
+                    awaited = context.run(running.send, None)
+                    if awaited is not None:
                         break  # a future: only the loop can wait for it
                 context.run(running.close)
+                if isinstance(awaited, asyncio.Future):
+                    # Its outcome is the abandoned run's, which nothing awaits now: left alone, that of
+                    # `asyncio.gather(ctx.load(a), ctx.load(b))` (its tasks' ctx.load run after the run
+                    # ended) made the loop log "_GatheringFuture exception was never retrieved" with a
+                    # StaleAttemptError for a handler that did nothing wrong. Not cancelled: what set
+                    # it is not the engine's, and may not expect that.
+                    awaited.add_done_callback(_retrieved)
                 return None
             except StopIteration as done:
                 result = done.value
