@@ -193,7 +193,14 @@ EQ = Flow(
           awaits_a_lock, uses_a_timeout, calls_the_client, calls_an_rpc_on_its_flow, calls_its_own_client,
           loads_in_gather],
 )
-REGISTRY = Registry([EQ])
+@rpc(name="read_count")
+async def other_read_count(ctx: RpcContext, _request: Any) -> str:
+    return f"the other type's, Count {ctx.get(Count)}"
+
+
+OTHER = Flow("Other", [Step("Listen", complete, wait_for=wait_for_inbox)], start_step="Listen",
+             schema=[Inbox, Count], rpcs=[other_read_count])
+REGISTRY = Registry([EQ, OTHER])
 
 
 @dataclass(frozen=True)
@@ -202,16 +209,23 @@ class Case:
     request: Any = None
     closed: bool = False  # the flow is stopped before the call
     step_holds_count: bool = False  # a Step holds the lock on Count (E7)
+    deleted: bool = False  # the flow is stopped and deleted before the call
+    retyped: bool = False  # ... and started again under its ID as another flow type
 
     @property
     def label(self) -> str:
         closed = " on a closed flow" if self.closed else ""
+        closed += " on a deleted flow" if self.deleted else ""
+        closed += " started again as another type" if self.retyped else ""
         return f"{self.rpc}{closed}{' while a Step holds its lock' if self.step_holds_count else ''}"
 
 
 CASES = [
     Case("read_count"),
     Case("read_count", closed=True),
+    Case("read_count", deleted=True),
+    Case("publish_and_set", 2, deleted=True),
+    Case("read_count", deleted=True, retyped=True),
     Case("load_later"),
     Case("read_pending"),
     Case("take_pending"),
@@ -254,7 +268,7 @@ async def run_case(eng: Engine, caller: AsyncClient, case: Case, lose_first: int
     await c.rpc(flow_id, "publish_and_set", 1)  # Count 1, Notes z
     if case.step_holds_count:
         await eng.store.raw(step_takes_count(flow_id), write=True)
-    if case.closed:
+    if case.closed or case.deleted:
         await c.stop_flow(flow_id)
     real_read, real_locked = caller.store.rpc_read, caller.store.rpc_locked
     reads: list[int] = []
@@ -272,6 +286,11 @@ async def run_case(eng: Engine, caller: AsyncClient, case: Case, lose_first: int
 
     setattr(caller.store, "rpc_read", read_or_lose)  # noqa: B010
     setattr(caller.store, "rpc_locked", counted_locked)  # noqa: B010
+    if case.deleted:
+        await caller.get_attribute(flow_id, Count)  # the caller knows its type, as after an earlier call
+        await c.delete_flow(flow_id)
+        if case.retyped:
+            await c.start_flow("Other", flow_id)
     token = caller_var.set("the caller's")
     try:
         output: Any = ("returned", await caller.rpc(flow_id, case.rpc, case.request))
@@ -281,6 +300,8 @@ async def run_case(eng: Engine, caller: AsyncClient, case: Case, lose_first: int
         caller_var.reset(token)
         setattr(caller.store, "rpc_read", real_read)  # noqa: B010
         setattr(caller.store, "rpc_locked", real_locked)  # noqa: B010
+    if case.deleted:
+        return output, (await c.exists(flow_id),), len(locked)
     info = await c.describe_flow(flow_id)
     state = (info.status, sorted(s.step_type for s in info.active_steps),
              await c.get_attribute(flow_id, Count), await c.get_attribute_map(flow_id, Notes),
