@@ -6,12 +6,18 @@ them apart: same output or error, same state after."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import gc
+import sqlite3
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from dex_engine import (
     AsyncClient,
@@ -339,3 +345,62 @@ async def test_the_try_under_the_flows_write_lock_gives_what_a_usual_try_gives(d
         loop.set_exception_handler(None)
     assert not unhandled
     assert not differ
+
+
+writer_of_the_file: list[Any] = []  # the database file; then what the writer beside the handler got
+
+
+def write_the_file(path: str, done: threading.Event) -> None:
+    """Take the SQLite file's write lock from a connection of its own, as another process does."""
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=5, isolation_level=None)) as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("ROLLBACK")
+        writer_of_the_file.append("wrote")
+    except sqlite3.Error as exc:
+        writer_of_the_file.append(exc)
+    finally:
+        done.set()
+
+
+@rpc()
+async def blocks_its_loop(ctx: RpcContext, _request: Any) -> int:
+    if len(writer_of_the_file) == 1:  # its first run: wait for a writer of the file, blocking the loop
+        done = threading.Event()
+        threading.Thread(target=write_the_file, args=(writer_of_the_file[0], done)).start()
+        done.wait(30)
+    ctx.set(Count, 20)
+    return 20
+
+
+BLOCKING = Flow("Blocking", [Step("Listen", complete, wait_for=wait_for_inbox)], start_step="Listen",
+                schema=[Inbox, Count], rpcs=[blocks_its_loop])
+
+
+@pytest.mark.sqlite_only
+async def test_a_handler_that_blocks_its_loop_in_the_locked_try_holds_the_file_at_most_a_second(
+    db_url: str, tmp_path: Path
+) -> None:
+    """The try under the flow's write lock holds it at most RPC_LOCKED_LOOP_WAIT_SECONDS while its
+    handler runs: a handler that blocks its event loop (CPU work, a blocking call) longer makes it
+    commit nothing and go back to racing, and every other writer of the SQLite file goes on. Catches:
+    that try run inline on the caller's loop (the loop idle), where nothing bounded the handler's
+    run, so the file stayed write-locked for as long as the handler blocked: here another
+    connection's write waited its whole busy timeout and failed with 'database is locked'."""
+    writer_of_the_file[:] = [str(tmp_path / "engine.db")]
+    registry = Registry([BLOCKING])
+    async with engine_for(db_url, registry, worker=False) as eng, AsyncClient(registry, db_url) as caller:
+        await eng.client.start_flow("Blocking", "b")
+        real_read = caller.store.rpc_read
+        reads: list[int] = []
+
+        async def read_or_lose(flow_id: str, load: Any, locks: Any) -> Any:
+            reads.append(1)
+            if len(reads) <= 2:
+                raise RpcVersionChanged()
+            return await real_read(flow_id, load, locks)
+
+        setattr(caller.store, "rpc_read", read_or_lose)  # noqa: B010
+        assert await caller.rpc("b", "blocks_its_loop") == 20
+        assert writer_of_the_file[1:] == ["wrote"]
+        assert await eng.client.get_attribute("b", Count) == 20

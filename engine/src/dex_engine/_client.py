@@ -195,7 +195,7 @@ def _on_loop(
     loop's thread asks for it and waits, while this thread waits for the loop and does its loads.
     None when the loop has not run `run` within RPC_LOCKED_LOOP_WAIT_SECONDS (blocked, or closed):
     the transaction holds the flow's write lock meanwhile."""
-    if threading.get_ident() == loop_thread:  # run inline on the loop (SQLite): it waits for nobody
+    if threading.get_ident() == loop_thread:  # a store that ran the transaction on the loop: it waits for nobody
         return run(load)
     asks: queue.SimpleQueue[tuple[LoadSpec, concurrent.futures.Future[dict[tuple[str, str], bytes]]]
                             | tuple[None, RpcOutcome | None]] = queue.SimpleQueue()

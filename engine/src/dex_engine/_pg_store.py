@@ -906,8 +906,8 @@ class PostgresStore(Store):
 
     async def _run(
         self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None,
-        commit: _ExecuteCommit | None = None,
-    ) -> R:
+        commit: _ExecuteCommit | None = None, inline: bool = True,
+    ) -> R:  # `inline`: every operation runs on the store's threads
         self._refuse_in_fork()
         if self._closed:
             raise RuntimeError(f"store {shown_url(self.url)!r} is closed; {CLOSED_STORE_ADVICE}")

@@ -929,12 +929,16 @@ class SqliteStore(Store):
         if self._closed:
             raise RuntimeError(f"store {shown_url(self.url)!r} is closed; {CLOSED_STORE_ADVICE}")
 
-    async def _run(self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None) -> R:
+    async def _run(
+        self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None, inline: bool = True,
+    ) -> R:
         self._refuse_if_closed()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
         op = _Op(fn, write, True if durable is None else durable, loop, future, commit_origin.get())
-        if not self._inline(op, loop):
+        if not inline:
+            self._enqueue(op)
+        elif not self._inline(op, loop):
             for _ in range(INLINE_YIELDS):
                 if not self._only_the_loop_is_busy(loop):
                     break

@@ -159,8 +159,11 @@ class Store(ABC):
         return False
 
     @abstractmethod
-    async def _run(self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None) -> R:
-        """Run `fn` in one transaction. `durable` False allows skipping the fsync (ASYNC Steps)."""
+    async def _run(
+        self, fn: Callable[[Db], R], *, write: bool, durable: bool | None = None, inline: bool = True,
+    ) -> R:
+        """Run `fn` in one transaction. `durable` False allows skipping the fsync (ASYNC Steps).
+        `inline` False: never on the caller's event loop's thread (a store that may run it there)."""
 
     @abstractmethod
     async def close(self) -> None: ...
@@ -525,8 +528,11 @@ class Store(ABC):
                           now_ms(), ending=outcome.ending, started_ms=snapshot.started_ms)
             return outcome
 
-        # Not handed off (see rpc_commit): the outcome is known only inside the transaction.
-        return await self._run(op, write=True)
+        # Not handed off (see rpc_commit): the outcome is known only inside the transaction. Not
+        # inline: on the loop's thread the handler's run holds the write lock (SQLite: the file's)
+        # for as long as it blocks that loop; from another thread, _on_loop lets go of it after
+        # RPC_LOCKED_LOOP_WAIT_SECONDS.
+        return await self._run(op, write=True, inline=False)
 
     async def rpc_commit(
         self, flow_id: str, version: int | None, locks: Sequence[str], writes: WriteSet,
