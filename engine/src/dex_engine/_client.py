@@ -195,8 +195,9 @@ def _on_loop(
     loop's thread asks for it and waits, while this thread waits for the loop and does its loads.
     None when the loop has not run `run` within RPC_LOCKED_LOOP_WAIT_SECONDS (blocked, or closed):
     the transaction holds the flow's write lock meanwhile."""
-    if threading.get_ident() == loop_thread:  # a store that ran the transaction on the loop: it waits for nobody
-        return run(load)
+    # Store.rpc_locked runs its transaction off the loop (inline=False): from the loop's own thread,
+    # the wait below would wait for itself.
+    assert threading.get_ident() != loop_thread, "rpc_locked ran its transaction on the caller's event loop"
     asks: queue.SimpleQueue[tuple[LoadSpec, concurrent.futures.Future[dict[tuple[str, str], bytes]]]
                             | tuple[None, RpcOutcome | None]] = queue.SimpleQueue()
     lock = threading.Lock()
