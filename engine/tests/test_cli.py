@@ -17,7 +17,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
+from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -31,6 +33,7 @@ from dex_engine import (
     Channel,
     Context,
     Flow,
+    FlowInfo,
     Registry,
     RetryPolicy,
     RpcContext,
@@ -62,7 +65,7 @@ Later: Stream[str] = Stream("Later", str)  # first written when Wait ends
 
 # The installed console script (entry point dex_engine.cli:main), next to this interpreter.
 DEX_ENGINE = str(Path(sys.executable).with_name("dex-engine"))
-TIME = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}"
+TIME = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
 
 
 async def start(ctx: Context, n: int) -> StepDecision:
@@ -225,6 +228,31 @@ def test_describe_running_flow_shows_its_waiting_step_and_timer(db: str) -> None
     assert config and json.loads(config.group(1)) == {"active_step_search": True, "default_step_durability": "SYNC"}
     # The hour-long timer of the wait is due in the future.
     assert re.search(rf"^Wait-1\s+Wait\s+waiting\s+execute\s+1\s+{TIME} \(in \d+\.\d s\)\s*$", out, re.M), out
+
+
+def test_describe_shows_times_in_utc_whatever_the_hosts_time_zone(
+    db: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a host whose local time is not UTC, describe shows the flow's start as the wire does, in
+    UTC with milliseconds and Z. Catches: the host's local time, unmarked, 5:30 hours off here."""
+    info = asyncio.run(_describe(db, "done-1"))
+    monkeypatch.setenv("TZ", "Asia/Kolkata")
+    time.tzset()
+    try:
+        out = ok("describe", "done-1", "--db", db)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    created = datetime.fromtimestamp(info.created_at_ms / 1000, UTC).isoformat(timespec="milliseconds")
+    assert re.search(rf"^created\s+{re.escape(created.replace('+00:00', 'Z'))}\s*$", out, re.M), out
+
+
+async def _describe(db: str, flow_id: str) -> FlowInfo:
+    store = open_store(db)
+    try:
+        return await store.describe_flow(flow_id)
+    finally:
+        await store.close()
 
 
 def test_describe_closed_flows_show_output_or_error(db: str) -> None:

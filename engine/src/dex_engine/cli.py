@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import click
@@ -146,9 +146,11 @@ def _run(url: str, fn: Callable[[Store], Awaitable[T]]) -> T:
 
 
 def _time(ms: int | None) -> str:
+    """A stored time as the wire writes times: UTC, milliseconds, Z. The host's local time, unmarked,
+    read as UTC beside logs and JSON, hours off on any server not set to UTC."""
     if ms is None:
         return "-"
-    return datetime.fromtimestamp(ms / 1000).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _relative(ms: int, now_ms: float) -> str:
