@@ -66,6 +66,7 @@ from . import _transitions as tx
 from ._attribute_cache import AttributeCache, KnownRows
 from ._codec import decode_json, encode_json
 from ._errors import CommitOutcomeUnknownError, FlowNotActiveError, StaleAttemptError, StoreOpenError
+from ._limits import POOLER_PROBE_ROUNDS
 from ._migrate import apply_pending, recorded_version
 from ._open import shown_error, shown_url
 from ._options import LoadSpec, MethodOptions, StepDurability, TaskOptions
@@ -780,6 +781,54 @@ def _check_encoding(conn: psycopg.Connection[Any], url: str) -> None:
             "ENCODING 'UTF8' (CREATE DATABASE <name> ENCODING 'UTF8' TEMPLATE template0)")
 
 
+# What to do about a pooler that does not give the store's connections a server session each.
+_POOLER_ADVICE = ("connect to PostgreSQL directly, or through PgBouncer with pool_mode = session for this database "
+                  "(pool_mode=session on its line in [databases])")
+
+
+def _server_session(conn: psycopg.Connection[Any]) -> tuple[int, str]:
+    """The server session `conn`'s next statement runs in: its backend pid and the server's start
+    time, so that two servers behind one address (whose pids may coincide) are told apart."""
+    row = conn.execute("SELECT pg_backend_pid(), pg_postmaster_start_time()::text", prepare=False).fetchone()
+    assert row is not None
+    return int(row[0]), str(row[1])
+
+
+def _refuse_transaction_pooling(conn: psycopg.Connection[Any], conninfo: str, app_name: str, url: str) -> None:
+    """Refuse a pooler that hands a client connection's transactions to different server sessions
+    (PgBouncer's pool_mode = transaction, the default of many managed offerings). The store keeps
+    session state on its connections: the listener's LISTEN (through such a pooler it hears nothing,
+    so cross-process wake-ups are lost), and the lanes' prepared statements (psycopg prepares a
+    statement run 5 times; the next transaction, on another server session, failed with "prepared
+    statement "_pg3_0" does not exist" or "already exists", over and over). A second connection holds
+    a transaction open while `conn` runs a statement: through such a pooler the second takes the
+    server session `conn` just gave back (PgBouncer hands out the last one given back), or `conn`
+    moves to another; directly or through a session pooler neither can happen, so there are no false
+    alarms. Other clients' transactions ending at the wrong moment can hide the pooler from a round,
+    hence POOLER_PROBE_ROUNDS of them. One extra connection and a few short statements per open."""
+    mine = _server_session(conn)
+    with psycopg.connect(conninfo, autocommit=True, application_name=app_name) as other:
+        for _ in range(POOLER_PROBE_ROUNDS):
+            before = _server_session(conn)  # gives its server session back just before `other` asks for one
+            with other.transaction():
+                theirs = _server_session(other)  # holds its server session until the transaction ends
+                after = _server_session(conn)
+            if theirs == mine:
+                seen = f"two connections ran in one server session, backend pid {mine[0]}"
+                break
+            if before != mine or after != mine:
+                moved = before if before != mine else after
+                seen = f"one connection ran in different server sessions, backend pids {mine[0]} and {moved[0]}"
+                break
+        else:
+            return
+    raise StoreOpenError(
+        f"cannot open {shown_url(url)!r} as a dex_engine database: a connection pooler between the store and "
+        f"PostgreSQL (PgBouncer with pool_mode = transaction or statement?) hands each transaction whichever "
+        f"server session is free ({seen}); that breaks the LISTEN that wakes workers and the prepared statements "
+        f"the store keeps on its connections; {_POOLER_ADVICE}")
+
+
 def _open_error(url: str, exc: psycopg.Error) -> StoreOpenError:
     return StoreOpenError(
         f"cannot open {shown_url(url)!r} as a dex_engine database: {type(exc).__name__}: "
@@ -811,6 +860,9 @@ def _open_advice(url: str, exc: psycopg.Error) -> str:
     if isinstance(exc, pg_errors.InvalidSchemaName):
         return ("the schema the URL's search_path names first does not exist: create it (CREATE SCHEMA ...) or "
                 "correct ?options=-csearch_path%3D<schema> in the URL")
+    # PgBouncer's own refusal, such as "transaction blocks not allowed in statement pooling mode".
+    if "pooling mode" in text:
+        return f"a connection pooler (PgBouncer) refused what the store needs: {_POOLER_ADVICE}"
     if dbname and f'database "{dbname}" does not exist' in text:
         return f"the server has no database {dbname!r}: create it (CREATE DATABASE {dbname}) or correct the URL"
     return "the server must be running and reachable at the URL's host and port, and accept its user"
@@ -874,6 +926,7 @@ class PostgresStore(Store):
         try:
             with psycopg.connect(self._conninfo, autocommit=True, application_name=self._app_name) as conn:
                 _check_encoding(conn, url)
+                _refuse_transaction_pooling(conn, self._conninfo, str(self._app_name), url)
                 migrate(conn, url)
                 conn.execute("DELETE FROM commit_marks WHERE updated_at < now() - %s::interval",
                              (COMMIT_MARK_RETENTION,))
