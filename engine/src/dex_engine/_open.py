@@ -81,6 +81,10 @@ def shown_url_value(value: object) -> str:
     try:
         text = value.decode("utf-8", "backslashreplace") if isinstance(value, bytes | bytearray) else str(value)
     except Exception:  # no text to find its password in: its repr may show it, so the type alone
+        try:
+            repr(value)
+        except Exception:  # no repr either: shown() names it as it names every such value, showing nothing of it
+            return shown(value, None)
         return f"(a {type(value).__name__} whose text could not be made)"
     return shown_error(shown(value, None), text)
 
