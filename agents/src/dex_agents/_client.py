@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from enum import StrEnum
 from typing import Any, TypeVar
 
@@ -31,6 +32,7 @@ from ._session_flow import AgentSessionFlow
 from ._session_settings import validate_session_settings
 from ._turn_logic import storable_rejection_message
 from ._wire import (
+    AgentInterrupt,
     AgentMessagesPage,
     AgentSessionStartInput,
     AgentSnapshot,
@@ -171,12 +173,8 @@ class AgentSessionClient:
             sent: object = approved  # typed bool, but a caller may pass anything
             if not isinstance(sent, bool):
                 return False  # the RPC refuses the request itself (InvalidValueError): let it say so
-            try:
-                snapshot = await self.get_agent_snapshot(session_id)
-            except DexError:
-                return False  # no answer here: the locked RPC reports its own errors
-            interrupt = next((i for i in snapshot.pending_interrupts if i.interrupt_id == interrupt_id), None)
-            return resolve_refused(interrupt, sent, now_utc())
+            return await self._refused_now(session_id, interrupt_id,
+                                           lambda interrupt, now: resolve_refused(interrupt, sent, now))
 
         result = await self._retry_lock_conflicts(
             lambda: self.client.rpc(session_id, "resolve_interrupt", request), refused=refused)
@@ -195,12 +193,8 @@ class AgentSessionClient:
             # refuses) need not wait out a fan-out's train of Steps holding PendingInterrupts. A
             # question's kind, choices and deadline never change while it is pending, so "refused"
             # read here is what the locked RPC would answer; "pending" proves nothing.
-            try:
-                snapshot = await self.get_agent_snapshot(session_id)
-            except DexError:
-                return False  # no answer here: the locked RPC reports its own errors
-            interrupt = next((i for i in snapshot.pending_interrupts if i.interrupt_id == interrupt_id), None)
-            return answer_refused(interrupt, answer, now_utc())
+            return await self._refused_now(session_id, interrupt_id,
+                                           lambda interrupt, now: answer_refused(interrupt, answer, now))
 
         result = await self._retry_lock_conflicts(
             lambda: self.client.rpc(session_id, "answer_question", request), refused=refused)
@@ -269,6 +263,19 @@ class AgentSessionClient:
         return await self.client.read_stream(
             session_id, self.flow.agent_events, resume_token, wait_seconds=wait_seconds, limit=limit
         )
+
+    async def _refused_now(
+        self, session_id: str, interrupt_id: str, refused: Callable[[AgentInterrupt | None, datetime], bool],
+    ) -> bool:
+        """Whether `refused` (the RPC's own rule) says no for the interrupt as a lock-free snapshot shows
+        it now (None: not pending); False when the snapshot cannot be read: the locked RPC reports its
+        own errors."""
+        try:
+            snapshot = await self.get_agent_snapshot(session_id)
+        except DexError:
+            return False
+        interrupt = next((i for i in snapshot.pending_interrupts if i.interrupt_id == interrupt_id), None)
+        return refused(interrupt, now_utc())
 
     @staticmethod
     async def _retry_lock_conflicts(
