@@ -34,6 +34,7 @@ from dex_agents import (
     ToolPolicy,
 )
 from dex_agents._constants import MAX_STORED_TOOL_ERROR_CHARS
+from dex_agents._options import LONGEST_TIMER
 from dex_agents._policy import cut_text
 from dex_agents.testing import executed_steps, to_step_history
 from dex_engine import RetryPolicy
@@ -284,6 +285,8 @@ async def test_a_provider_raising_a_huge_or_textless_exception_fails_only_that_c
     (ToolCallStepOptions(), "CallTool", (None, None)),
     (ToolCallStepOptions(timeout=timedelta(seconds=90), retry=QUICK_TWO), "CallTool", (QUICK_TWO, 90.0)),
     (ToolCallStepOptions(timeout=timedelta(seconds=90), retry=QUICK_TWO), "CallSingleAttemptTool", (None, 90.0)),
+    # The engine's longest method timeout itself is usable ("at most"), not refused as over it.
+    (ToolCallStepOptions(timeout=LONGEST_TIMER), "CallTool", (None, LONGEST_TIMER.total_seconds())),
 ])
 def test_overrides_by_step(chosen: ToolCallStepOptions | None, step: str, expected: tuple[Any, Any]) -> None:
     from dex_agents._turn_logic import tool_step_overrides
