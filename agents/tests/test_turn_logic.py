@@ -22,6 +22,7 @@ from dex_agents._constants import (
     AWAIT_TOOL_APPROVAL,
     CALL_SINGLE_ATTEMPT_TOOL,
     CALL_TOOL,
+    MAX_USAGE_COUNT,
     NEW_MESSAGES_WITHOUT_BUILDER,
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
     TOOL_NAME_MISSING,
@@ -59,6 +60,7 @@ from dex_agents._turn_logic import (
     to_agent_message,
     tool_step_for,
     turn_id_for,
+    usage_problem,
     without_interrupt,
 )
 from dex_agents._wire import (
@@ -67,6 +69,7 @@ from dex_agents._wire import (
     AgentStatus,
     AgentToolCall,
     AgentToolCallStatus,
+    AgentUsage,
     InteractionMode,
     InterruptKind,
     MessageRole,
@@ -859,3 +862,12 @@ def test_arguments_that_are_not_text_are_stored_as_a_repr_that_never_raises_and_
     assert storable_arguments(NoRepr()) == "(a NoRepr whose repr could not be made: RuntimeError)"
     assert storable_arguments(["x" * 10_000]) == repr(["x" * 10_000])[:MAX_STORED_TOOL_ERROR_CHARS]
     assert storable_arguments('{"a": 1}') == '{"a": 1}'
+
+
+@pytest.mark.parametrize("field", AgentUsage.__struct_fields__)
+def test_a_usage_count_of_exactly_the_largest_is_added_and_one_more_is_refused(field: str) -> None:
+    """MAX_USAGE_COUNT is the largest count usage_problem lets into the session's totals."""
+    assert usage_problem(AgentUsage(**{field: MAX_USAGE_COUNT})) is None
+    assert usage_problem(AgentUsage(**{field: MAX_USAGE_COUNT + 1})) == (
+        f"{field} must be a whole number from 0 to {MAX_USAGE_COUNT}, got {MAX_USAGE_COUNT + 1}")
+
