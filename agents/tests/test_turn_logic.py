@@ -22,6 +22,7 @@ from dex_agents._constants import (
     AWAIT_TOOL_APPROVAL,
     CALL_SINGLE_ATTEMPT_TOOL,
     CALL_TOOL,
+    CUT_NOTE_FIELD_CHARS,
     MAX_USAGE_COUNT,
     NEW_MESSAGES_WITHOUT_BUILDER,
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
@@ -54,6 +55,7 @@ from dex_agents._turn_logic import (
     not_run_error,
     plan_tool_calls,
     recovered_status,
+    smaller_records,
     started_turn,
     storable_outcome,
     text_problem,
@@ -871,3 +873,18 @@ def test_a_usage_count_of_exactly_the_largest_is_added_and_one_more_is_refused(f
     assert usage_problem(AgentUsage(**{field: MAX_USAGE_COUNT + 1})) == (
         f"{field} must be a whole number from 0 to {MAX_USAGE_COUNT}, got {MAX_USAGE_COUNT + 1}")
 
+
+@pytest.mark.parametrize("status", list(AgentToolCallStatus))
+def test_smaller_records_drop_the_continuation_of_a_final_call_only(status: AgentToolCallStatus) -> None:
+    """Each smaller record cuts the arguments; the smallest also drops the answers and, once the
+    call is final (never polled again), its continuation, which a call still waiting needs."""
+    answer = QuestionAnswer(interrupt_id="q1", question="Which?", answer="A")
+    big = msgspec.structs.replace(
+        record(arguments="a" * (CUT_NOTE_FIELD_CHARS + 1), status=status, input_answers=[answer]),
+        input_continuation="k" * 100,
+    )
+    cut, smallest = list(smaller_records(big))
+    assert cut == msgspec.structs.replace(big, arguments=f"{'a' * CUT_NOTE_FIELD_CHARS} [Dex: cut from "
+                                                         f"{CUT_NOTE_FIELD_CHARS + 1} characters]")
+    assert smallest == msgspec.structs.replace(
+        cut, input_answers=[], input_continuation=None if status.is_final else big.input_continuation)
