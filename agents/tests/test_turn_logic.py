@@ -23,6 +23,7 @@ from dex_agents._constants import (
     CALL_SINGLE_ATTEMPT_TOOL,
     CALL_TOOL,
     CUT_NOTE_FIELD_CHARS,
+    MAX_REJECTION_MESSAGE_CHARS,
     MAX_USAGE_COUNT,
     NEW_MESSAGES_WITHOUT_BUILDER,
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
@@ -58,6 +59,7 @@ from dex_agents._turn_logic import (
     smaller_records,
     started_turn,
     storable_outcome,
+    storable_rejection_message,
     text_problem,
     to_agent_message,
     tool_step_for,
@@ -888,3 +890,26 @@ def test_smaller_records_drop_the_continuation_of_a_final_call_only(status: Agen
                                                          f"{CUT_NOTE_FIELD_CHARS + 1} characters]")
     assert smallest == msgspec.structs.replace(
         cut, input_answers=[], input_continuation=None if status.is_final else big.input_continuation)
+
+
+_LIMIT = "r" * MAX_REJECTION_MESSAGE_CHARS
+
+
+@pytest.mark.parametrize("message", [
+    # Only what cut_text makes of a longer message passes as already cut; a user's text that merely
+    # looks like one is cut as any other, so no stored message runs past the limit and its note.
+    f"{_LIMIT} [Dex: cut from {MAX_REJECTION_MESSAGE_CHARS} characters]",  # no message of the limit is cut
+    f"{_LIMIT} [Dex: cut from 0{MAX_REJECTION_MESSAGE_CHARS + 1} characters]",  # cut_text writes no leading 0
+    f"{_LIMIT} [Dex: cut from {MAX_REJECTION_MESSAGE_CHARS + 1} characters] and more",  # the note must end it
+    f"{_LIMIT}r [Dex: cut from {MAX_REJECTION_MESSAGE_CHARS + 2} characters]",  # the note must start at the limit
+])
+def test_a_rejection_message_that_only_looks_cut_is_cut(message: str) -> None:
+    assert storable_rejection_message(message) == (
+        f"{message[:MAX_REJECTION_MESSAGE_CHARS]} [Dex: cut from {len(message)} characters]")
+
+
+def test_a_rejection_message_already_cut_is_kept_as_it_is() -> None:
+    """The client cuts before sending and the RPC cuts again: the second cut changes nothing."""
+    once = storable_rejection_message(_LIMIT + "rr")
+    assert once == f"{_LIMIT} [Dex: cut from {MAX_REJECTION_MESSAGE_CHARS + 2} characters]"
+    assert storable_rejection_message(once) == once
