@@ -38,10 +38,17 @@ from dex_agents._policy import (
     build_tool_call_note,
     build_turn_failure_note,
     describe_tool_call_outcome,
+    error_message,
     is_approval_required,
     resolve_tool_policy,
 )
-from dex_agents._runner import AgentTurnContext, DeferredToolCall, FrameworkMessage
+from dex_agents._runner import (
+    AgentTurnContext,
+    DeferredToolCall,
+    FrameworkMessage,
+    ToolExecutionError,
+    ToolOutcomeUnknownError,
+)
 from dex_agents._turn_logic import (
     MAX_TOOL_CALL_ID_LENGTH,
     TurnContractError,
@@ -913,3 +920,25 @@ def test_a_rejection_message_already_cut_is_kept_as_it_is() -> None:
     once = storable_rejection_message(_LIMIT + "rr")
     assert once == f"{_LIMIT} [Dex: cut from {MAX_REJECTION_MESSAGE_CHARS + 2} characters]"
     assert storable_rejection_message(once) == once
+
+
+@pytest.mark.parametrize("error_type", [ToolExecutionError, ToolOutcomeUnknownError])
+def test_a_tool_errors_recorded_text_is_its_message_not_its_str(
+    error_type: type[ToolExecutionError] | type[ToolOutcomeUnknownError],
+) -> None:
+    """The record keeps the message the tool gave, even from a subclass whose __str__ says more; a
+    subclass that skipped super().__init__ has no message, and its own text stands in."""
+
+    class Detailed(error_type):  # type: ignore[valid-type,misc]
+        def __str__(self) -> str:
+            return f"E42: {self.message}"
+
+    class Bare(error_type):  # type: ignore[valid-type,misc]
+        def __init__(self) -> None:  # no super().__init__: no message
+            pass
+
+        def __str__(self) -> str:
+            return "bare failure"
+
+    assert error_message(Detailed("out of stock")) == "out of stock"
+    assert error_message(Bare()) == "bare failure"
