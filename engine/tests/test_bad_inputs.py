@@ -66,6 +66,7 @@ from dex_engine import (
     ValueTooLargeError,
     Wait,
     WorkerOptions,
+    _codec,
     open_store,
     rpc,
 )
@@ -1577,6 +1578,26 @@ async def test_a_float_json_cannot_hold_inside_a_declared_value_is_refused(db_ur
     assert encode_value("N", Any, _Reading(celsius=math.nan)) == b'{"celsius":null,"history":[]}'
 
 
+@dataclasses.dataclass
+class _Probe:
+    reading: float | None
+
+
+@pytest.mark.parametrize(("tp", "value"), [
+    (dict[str, float | None], {"a": 1.0, "b": math.nan}),
+    (_Probe, _Probe(reading=math.inf)),
+    (tuple[int, float | None], (1, -math.inf)),
+    (frozenset[float | None], frozenset([1.0, math.nan])),
+    (list[tuple[float | None, ...]], [(1.0,), (2.0, math.nan)]),
+], ids=["dict value", "dataclass field", "tuple item", "frozenset item", "tuple in list"])
+def test_a_float_json_cannot_hold_is_found_in_every_kind_of_container(tp: Any, value: Any) -> None:
+    """Where a float is declared, a NaN or infinity is refused wherever it sits: a dict's values, a
+    dataclass's fields, a tuple's or set's items, not only a Struct's fields and a list's items.
+    Catches: one of them not looked into, so the float was written as null and read back as None."""
+    with pytest.raises(InvalidValueError, match=r"holds the float -?(nan|inf), which JSON cannot hold"):
+        encode_value("N", tp, value)
+
+
 def test_a_value_of_exactly_the_limit_is_accepted_and_one_byte_more_refused() -> None:
     assert encode_value("N", str, "x" * 8, limit=10) == b'"xxxxxxxx"'
     with pytest.raises(ValueTooLargeError) as caught:
@@ -1637,6 +1658,29 @@ async def test_a_value_nested_past_the_limit_is_refused_and_one_at_it_is_read_by
         assert not await eng.client.exists("deep")
 
 
+def test_a_value_exactly_at_the_nesting_limit_is_accepted_whatever_else_it_holds() -> None:
+    """A value MAX_VALUE_NESTING levels deep is stored even when it has more brackets than levels
+    (so it is counted, not waved through by the quick length and bracket checks); one level more
+    is refused naming its depth. Catches: the limit itself refused (`<` for `<=`)."""
+    deepest = _nested(MAX_VALUE_NESTING - 2)  # MAX_VALUE_NESTING - 1 levels
+    at_limit = [deepest, [], {"k": [1]}]
+    assert nesting_depth(msgspec.json.encode(at_limit)) == MAX_VALUE_NESTING
+    assert encode_value("N", Any, at_limit).count(b"[") > MAX_VALUE_NESTING
+    with pytest.raises(InvalidValueError, match=f"nests arrays and objects {MAX_VALUE_NESTING + 1} levels deep"):
+        encode_value("N", Any, [at_limit])
+
+
+def test_a_declared_type_deeper_than_the_limit_has_its_values_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bounded type whose values can still nest past MAX_VALUE_NESTING (here with a limit of 3)
+    has its values counted, and one of exactly the limit's depth is not. Catches: a type's own
+    level left out of its depth, or only Any and recursive types counted."""
+    monkeypatch.setattr(_codec, "MAX_VALUE_NESTING", 3)
+    monkeypatch.setattr(_codec, "_may_nest_deeply", {})
+    assert not may_nest_deeply(list[dict[str, list[int]]]) and may_nest_deeply(list[list[list[list[int]]]])
+    with pytest.raises(InvalidValueError, match="4 levels deep, over the limit of 3"):
+        encode_value("N", list[list[list[list[int]]]], [[[[1]]]])
+
+
 @pytest.mark.parametrize(("value", "depth"), [
     (1, 0), ("x", 0), ([], 1), ({}, 1), ([[]], 2), ({"a": [1, {"b": "[[[[{{"}]}, 3),
     ("\"[\\\"[", 0), ({"k": "a\\\\"}, 1), ({"k\\\"[": ["\\", "\\\\\"", [["]"]]]}, 4),
@@ -1658,6 +1702,7 @@ def test_only_types_that_can_nest_deeply_have_their_values_counted() -> None:
         rows: list[dict[str, int]]
 
     assert may_nest_deeply(Any) and may_nest_deeply(dict[str, Any]) and may_nest_deeply(Tree)
+    assert may_nest_deeply(msgspec.Raw)  # JSON already encoded: any depth
     assert not may_nest_deeply(Record) and not may_nest_deeply(int) and not may_nest_deeply(list[str])
 
 
