@@ -304,11 +304,13 @@ def test_a_flow_refuses_a_load_of_an_attribute_it_does_not_declare() -> None:
     with pytest.raises(FlowDefinitionError) as refused_flow:
         Flow("Loads", [
             Step("S", done, options=StepOptions(load=LoadOptions.only(Note, Attribute("Notes", str)))),
-            Step("T", done, options=StepOptions(wait_for_load=LoadOptions.only(AttributeMap("Tag", str)["k"]))),
+            Step("T", done, options=StepOptions(
+                wait_for_load=LoadOptions.only(AttributeMap("Tag", str)["k"], AttributeMap("Tag", str)["j"]))),
         ], start_step="S", schema=[Note, Tags], rpcs=[reads])
     text = str(refused_flow.value)
     assert "Step 'S' load loads 'Notes', which is not a declared attribute" in text
     assert "Step 'T' wait_for_load loads 'Tag', which is not a declared attribute" in text
+    assert text.count("loads 'Tag'") == 1  # two instances of one undeclared map: named once
     assert "RPC 'reads' load loads 'Nope', which is not a declared attribute" in text
     Flow("Loads", [Step("S", done, options=StepOptions(load=LoadOptions.only(Note, Tags["k"])))],
          start_step="S", schema=[Note, Tags])
