@@ -1191,13 +1191,21 @@ def test_retry_forever_policy_keeps_a_finite_interval() -> None:
 
 @pytest.mark.parametrize("field_name", ["execute_timeout_seconds", "wait_for_timeout_seconds",
                                         "heartbeat_timeout_seconds"])
-@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, "10", True])
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, "10", True, MAX_TIMER_SECONDS + 0.001])
 def test_invalid_step_option_timeouts(field_name: str, value: Any) -> None:
     """Step timeouts must be positive finite seconds; FlowDefinitionError names the option and value."""
     with pytest.raises(FlowDefinitionError) as caught:
         StepOptions(**{field_name: value})
     assert field_name in str(caught.value)
     assert repr(value) in str(caught.value)
+    assert f"at most {MAX_TIMER_SECONDS}" in str(caught.value)
+
+
+@pytest.mark.parametrize("make", [StepOptions, MovementOptions])
+def test_a_step_option_timeout_of_exactly_the_cap_is_taken(make: Callable[..., object]) -> None:
+    """MAX_TIMER_SECONDS itself is "at most" the cap, as the refusal says. Catches: `<` for `<=`."""
+    make(execute_timeout_seconds=MAX_TIMER_SECONDS, wait_for_timeout_seconds=MAX_TIMER_SECONDS,
+         heartbeat_timeout_seconds=float(MAX_TIMER_SECONDS))
 
 
 DURABILITY_CHOICES = "StepDurability.SYNC or StepDurability.ASYNC"

@@ -84,6 +84,14 @@ def test_options_refuse_a_load_that_is_not_a_load_spec(
     assert str(caught.value).endswith(f"got {value!r}")
 
 
+def test_a_step_load_of_none_is_refused() -> None:
+    """A Step's `load` has no "keep" to fall back on (only the overrides do), so None is refused as
+    not a load spec. Catches: None taken, stored as the task's load, and failing at scheduling."""
+    with pytest.raises(FlowDefinitionError, match=r"^load must be LoadOptions\.all\(\), LoadOptions\.none\(\) or "
+                                                   r"LoadOptions\.only\(\.\.\.\), got None$"):
+        StepOptions(load=None)  # type: ignore[arg-type]
+
+
 def test_the_optional_loads_may_be_none_and_load_specs_are_taken() -> None:
     """None keeps the Step's own load for the optional fields; a LoadSpec is taken as given."""
     only = LoadOptions.only(Note)

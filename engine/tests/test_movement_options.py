@@ -225,6 +225,8 @@ def test_each_option_a_movement_sets_overrides_the_steps_and_each_it_leaves_keep
     assert _resolved(StepOptions(), MOVED) == MOVED_RESOLVED
     both = _resolved(OWN, MovementOptions(load=LoadSpec("only", ("B",)), wait_for_load=LoadSpec("only", ("V",))))
     assert (both["execute_load"], both["wait_for_load"]) == (LoadSpec("only", ("B",)), LoadSpec("only", ("V",)))
+    moved_load = _resolved(OWN, MovementOptions(load=LoadSpec("only", ("B",))))
+    assert (moved_load["execute_load"], moved_load["wait_for_load"]) == (LoadSpec("only", ("B",)),) * 2
     plain = _resolved(StepOptions(load=LoadSpec("only", ("L",))), None)
     assert (plain["execute_load"], plain["wait_for_load"]) == (LoadSpec("only", ("L",)), LoadSpec("only", ("L",)))
 
