@@ -71,7 +71,13 @@ from dex_engine import (
     rpc,
 )
 from dex_engine._codec import encode_value, may_nest_deeply, nesting_depth
-from dex_engine._limits import MAX_ERROR_TEXT_CHARS, MAX_OPTION_SECONDS, MAX_READ_LIMIT, MAX_STREAM_WAIT_SECONDS
+from dex_engine._limits import (
+    MAX_ERROR_TEXT_CHARS,
+    MAX_OPTION_SECONDS,
+    MAX_READ_LIMIT,
+    MAX_RETENTION_SECONDS,
+    MAX_STREAM_WAIT_SECONDS,
+)
 from dex_engine._retry import decide_retry
 
 from .conftest import Engine, engine_for, wait_until
@@ -1313,7 +1319,8 @@ def test_worker_options_at_their_limits_are_accepted() -> None:
                             poll_seconds=MAX_OPTION_SECONDS, housekeeping_seconds=MAX_OPTION_SECONDS,
                             shutdown_grace_seconds=MAX_OPTION_SECONDS)
     assert longest.lease_ttl_seconds == MAX_OPTION_SECONDS
-
+    kept = WorkerOptions(closed_flow_retention_seconds=MAX_RETENTION_SECONDS)  # "at most" the cap, as refusals say
+    assert kept.closed_flow_retention_seconds == MAX_RETENTION_SECONDS
 
 
 def test_worker_options_repr_hides_the_database_password() -> None:
