@@ -77,6 +77,7 @@ from dex_engine._limits import (
     MAX_READ_LIMIT,
     MAX_RETENTION_SECONDS,
     MAX_STREAM_WAIT_SECONDS,
+    MAX_WHOLE_NUMBER,
 )
 from dex_engine._retry import decide_retry
 
@@ -783,6 +784,7 @@ def test_bad_names_in_definitions_are_refused(make: Callable[[], object], named:
                      "number of bytes, at most 9223372036854775807, got 0", id="stream-capacity-zero"),
         pytest.param(lambda: Stream("s", str, capacity_bytes="1MB"), "got '1MB'", id="stream-capacity-text"),
         pytest.param(lambda: Stream("s", str, capacity_bytes=1.5), "got 1.5", id="stream-capacity-float"),
+        pytest.param(lambda: Stream("s", str, capacity_bytes=True), "got True", id="stream-capacity-bool"),
         pytest.param(lambda: open_store(5), "database URL must be a str, got int: 5", id="store-url-not-text"),
     ],
 )
@@ -792,6 +794,11 @@ def test_bad_values_in_definitions_are_refused_by_name(make: Callable[[], object
     with pytest.raises(ValueError) as caught:
         make()
     assert message in str(caught.value)
+
+
+def test_a_stream_capacity_of_exactly_the_largest_whole_number_is_taken() -> None:
+    """"at most MAX_WHOLE_NUMBER", as the refusal says. Catches: `<` for `<=`."""
+    assert Stream("s", str, capacity_bytes=MAX_WHOLE_NUMBER).capacity_bytes == MAX_WHOLE_NUMBER
 
 
 def _postgres_dsn(url: str) -> object:
@@ -1171,6 +1178,9 @@ def test_retry_policy_lists_every_problem_at_once() -> None:
 def test_a_retry_policy_at_its_limits_is_accepted() -> None:
     """The longest retry interval accepted is the timer limit itself."""
     assert RetryPolicy(max_interval_seconds=MAX_TIMER_SECONDS).max_interval_seconds == MAX_TIMER_SECONDS
+    # "from 1 to MAX_WHOLE_NUMBER" and ">= 0", as the refusals say: both ends are taken.
+    edges = RetryPolicy(max_attempts=MAX_WHOLE_NUMBER, initial_interval_seconds=0)
+    assert (edges.max_attempts, edges.interval_after(1)) == (MAX_WHOLE_NUMBER, 0)
 
 
 @pytest.mark.parametrize(("now_ms", "retry"), [(9_000, True), (9_001, False)])
