@@ -1698,10 +1698,13 @@ def test_a_value_exactly_at_the_nesting_limit_is_accepted_whatever_else_it_holds
 def test_a_declared_type_deeper_than_the_limit_has_its_values_counted(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bounded type whose values can still nest past MAX_VALUE_NESTING (here with a limit of 3)
     has its values counted, and one of exactly the limit's depth is not. Catches: a type's own
-    level left out of its depth, or only Any and recursive types counted."""
+    level left out of its depth (or a union's counted), or only Any and recursive types counted."""
     monkeypatch.setattr(_codec, "MAX_VALUE_NESTING", 3)
     monkeypatch.setattr(_codec, "_may_nest_deeply", {})
     assert not may_nest_deeply(list[dict[str, list[int]]]) and may_nest_deeply(list[list[list[list[int]]]])
+    # A dict is a level (an object); a union is not (`int | None` is a scalar).
+    assert may_nest_deeply(dict[str, dict[str, dict[str, dict[str, int]]]])
+    assert not may_nest_deeply(list[list[list[int | None]]])
     with pytest.raises(InvalidValueError, match="4 levels deep, over the limit of 3"):
         encode_value("N", list[list[list[list[int]]]], [[[[1]]]])
 
