@@ -125,7 +125,9 @@ class FakeProvider:
                 self.wfile.write(reply.body)
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # A short poll interval: shutdown() waits for the server loop's next poll, 0.5 s by default, in every test.
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.01},
+                                        daemon=True)
         self._thread.start()
         self.url = f"http://127.0.0.1:{self._server.server_port}"
 
