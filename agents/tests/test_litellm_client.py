@@ -47,6 +47,7 @@ from dex_agents import (
     RunModelLimit,
     ToolEffect,
 )
+from dex_agents._constants import MIN_HIDDEN_ENVIRONMENT_SECRET_CHARS
 from dex_agents.builtin_loop import (
     AgentDefinition,
     BuiltinLoopAgentRunner,
@@ -189,13 +190,14 @@ RESPONSES_USAGE = {"input_tokens": 100, "input_tokens_details": {"cached_tokens"
                    "output_tokens_details": {"reasoning_tokens": 7}, "total_tokens": 120}
 
 
-def responses_stream(items: list[dict[str, Any]], *, response_id: str = "resp_1", incomplete: str | None = None
-                     ) -> Reply:
+def responses_stream(items: list[dict[str, Any]], *, response_id: str = "resp_1", incomplete: str | None = None,
+                     listed: bool = True) -> Reply:
     """A Responses API stream: each item added, its deltas, done; then response.completed with usage
-    (response.incomplete for the reason `incomplete`, such as "max_output_tokens")."""
+    (response.incomplete for the reason `incomplete`, such as "max_output_tokens"), whose output lists
+    the items unless not `listed` (some servers send it empty)."""
     response = {"id": response_id, "object": "response", "created_at": 1767225600,
                 "status": "incomplete" if incomplete else "completed",
-                "model": "gpt-5-2026-01-01", "output": items, "usage": RESPONSES_USAGE, "error": None,
+                "model": "gpt-5-2026-01-01", "output": items if listed else [], "usage": RESPONSES_USAGE, "error": None,
                 "incomplete_details": {"reason": incomplete} if incomplete else None, "instructions": None,
                 "metadata": {}, "parallel_tool_calls": True,
                 "tool_choice": "auto", "tools": [], "temperature": 1.0, "top_p": 1.0}
@@ -204,14 +206,19 @@ def responses_stream(items: list[dict[str, Any]], *, response_id: str = "resp_1"
     ]
     for index, item in enumerate(items):
         events.append({"type": "response.output_item.added", "output_index": index, "item": item})
-        if item["type"] == "reasoning":
+        if item["type"] == "reasoning" and item["summary"]:
             events.append({"type": "response.reasoning_summary_text.delta", "item_id": item["id"],
                            "output_index": index, "summary_index": 0, "delta": item["summary"][0]["text"]})
+        elif item["type"] == "reasoning":  # an open-weight model's raw reasoning text, no summary
+            events.append({"type": "response.reasoning_text.delta", "item_id": item["id"], "output_index": index,
+                           "content_index": 0, "delta": item["content"][0]["text"]})
         if item["type"] == "message":
-            text = item["content"][0]["text"]
+            content = item["content"][0]
+            kind = "refusal" if content["type"] == "refusal" else "output_text"
+            text = content[kind if kind == "refusal" else "text"]
             for part in (text[:4], text[4:]):
-                events.append({"type": "response.output_text.delta", "item_id": item["id"], "output_index": index,
-                               "content_index": 0, "delta": part, "logprobs": []})
+                events.append({"type": f"response.{kind}.delta", "item_id": item["id"], "output_index": index,
+                               "content_index": 0, "delta": part, **({} if kind == "refusal" else {"logprobs": []})})
         events.append({"type": "response.output_item.done", "output_index": index, "item": item})
     events.append({"type": "response.incomplete" if incomplete else "response.completed", "response": response})
     for number, event in enumerate(events):
@@ -834,12 +841,13 @@ async def test_gemini_thought_signature_stays_out_of_the_tool_call_id(provider: 
     assert model_turn["parts"][0]["thoughtSignature"] == THOUGHT_SIGNATURE
 
 
-async def test_arguments_that_are_not_a_json_object_replay_as_an_empty_object(provider: FakeProvider) -> None:
-    """A past call whose arguments are not a JSON object (a response cut off mid-call; the session
-    failed the call) is replayed with "{}", to its own API and to another, and its stored item keeps
-    what the model sent. Catches: the text replayed as it was, which LiteLLM's Anthropic request
-    refuses before sending, failing every later model call of the session."""
-    cut = '{"order_id": "A-'
+@pytest.mark.parametrize("cut", ['{"order_id": "A-', '["A-1"]'])
+async def test_arguments_that_are_not_a_json_object_replay_as_an_empty_object(provider: FakeProvider, cut: str
+                                                                             ) -> None:
+    """A past call whose arguments are not a JSON object (a response cut off mid-call, or JSON of
+    another kind; the session failed the call) is replayed with "{}", to its own API and to another,
+    and its stored item keeps what the model sent. Catches: the text replayed as it was, which
+    LiteLLM's Anthropic request refuses before sending, failing every later model call of the session."""
     provider.queue(CHAT_PATH, chat_stream(call={**CHAT_CALL, "function": {"name": "lookup_order", "arguments": cut}}))
     response = await chat_client(provider).call_model(
         ModelRequest(None, (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
@@ -882,6 +890,60 @@ async def test_responses_arguments_sent_as_an_object_are_stored_as_json(provider
         ModelRequest(None, (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
     assert [item.tool_call for item in response.output] == [
         ModelToolCall("call_1", "lookup_order", '{"order_id":"A-1"}')]
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+async def test_a_call_whose_arguments_come_empty_is_stored_with_an_empty_object(provider: FakeProvider, api: str
+                                                                              ) -> None:
+    """A call of a tool without parameters whose arguments come as "" (some servers send none) is
+    stored with "{}". Catches: "" stored, which the session fails as not a JSON object, so such a
+    tool never ran."""
+    if api == "responses":
+        client, path = openai_client(provider), RESPONSES_PATH
+        reply = responses_stream([{**CALL_ITEM, "arguments": ""}])
+    else:
+        client, path = chat_client(provider), CHAT_PATH
+        reply = chat_stream(call={**CHAT_CALL, "function": {"name": "lookup_order", "arguments": ""}})
+    provider.queue(path, reply)
+    response = await client.call_model(ModelRequest(None, (UserTextInput("Any orders?"),), (LOOKUP_TOOL,)),
+                                       collecting_writer()[0])
+    assert [item.tool_call.arguments for item in response.output if item.tool_call] == ["{}"]
+
+
+async def test_a_refusal_streams_and_is_stored_as_the_answer_text(provider: FakeProvider) -> None:
+    """A Responses API refusal (content part "refusal", streamed as response.refusal.delta) is
+    streamed as text deltas and stored as the answer's text. Catches: the refusal left out, so the
+    user saw nothing stream and the call failed as "no output", paid again on each retry."""
+    refusal = {**MESSAGE_ITEM, "content": [{"type": "refusal", "refusal": "I can't help with that."}]}
+    provider.queue(RESPONSES_PATH, responses_stream([refusal]))
+    writer, events = collecting_writer()
+    response = await openai_client(provider).call_model(ModelRequest(None, (UserTextInput("hi"),)), writer)
+    assert [(item.kind, item.text) for item in response.output] == [(OutputItemKind.TEXT, "I can't help with that.")]
+    assert deltas(events) == [("text_delta", "I ca"), ("text_delta", "n't help with that.")]
+
+
+async def test_raw_reasoning_text_without_a_summary_streams_and_is_stored(provider: FakeProvider) -> None:
+    """A reasoning item with reasoning_text content and no summary (open-weight models behind a
+    Responses API server), streamed as response.reasoning_text.delta, streams as reasoning deltas
+    and is stored with that text. Catches: only summaries read, the model's reasoning never shown."""
+    raw = {"id": "rs_2", "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Think."}]}
+    provider.queue(RESPONSES_PATH, responses_stream([raw, MESSAGE_ITEM]))
+    writer, events = collecting_writer()
+    response = await openai_client(provider).call_model(ModelRequest(None, (UserTextInput("hi"),)), writer)
+    assert [(item.kind, item.text) for item in response.output] == [
+        (OutputItemKind.REASONING, "Think."), (OutputItemKind.TEXT, "Let me look.")]
+    assert deltas(events)[0] == ("reasoning_delta", "Think.")
+
+
+async def test_items_of_a_completed_response_without_its_output_come_from_their_done_events(
+    provider: FakeProvider,
+) -> None:
+    """A server whose response.completed lists no output (the items came in output_item.done events)
+    gives those items, in order. Catches: the answer and its call lost, the call failing as "no output"."""
+    provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM, CALL_ITEM], listed=False))
+    response = await openai_client(provider).call_model(
+        ModelRequest(None, (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
+    assert [json.loads(item.item) for item in response.output] == [MESSAGE_ITEM, CALL_ITEM]
 
 
 async def test_anthropic_thinking_blocks_replay_with_their_signature(provider: FakeProvider) -> None:
@@ -979,6 +1041,7 @@ def in_seconds(seconds: int) -> str:
     (429, [("Retry-After", "3"), ("retry-after-ms", "2500")], 2.5),  # OpenAI's, in ms, taken first
     (503, [("Retry-After", "7")], 7.0),
     (429, [("Retry-After", "in 120")], "date"),
+    (429, [("Retry-After", "in 120 without a zone")], "date"),  # read as GMT
     (429, [], None),
     (429, [("Retry-After", "soon")], None),
     (429, [("Retry-After", "nan")], None),
@@ -992,7 +1055,9 @@ async def test_a_rate_limit_with_retry_after_asks_the_engine_to_wait(
     the provider's error, its type kept, with retry_after_seconds set (dex_engine's RetryAfterError
     protocol), so RunModel's next attempt waits that long; no header, an unreadable one, or another
     status sets none. Catches: the header ignored, the engine retrying after its own 1 s and 2 s."""
-    headers = [(name, in_seconds(120) if value == "in 120" else value) for name, value in headers]
+    headers = [(name, in_seconds(120) if value == "in 120" else
+                in_seconds(120).removesuffix(" GMT") if value == "in 120 without a zone" else value)
+               for name, value in headers]
     client = openai_client(provider) if api == "responses" else chat_client(provider)
     path = RESPONSES_PATH if api == "responses" else CHAT_PATH
     provider.queue(path, rate_limited(status, *headers))
@@ -1160,6 +1225,28 @@ async def test_a_provider_error_echoing_the_api_key_is_kept_without_it(
     assert not [text for text in stored if key in text or "hunter2" in text]
 
 
+@pytest.mark.parametrize("source", ["environment", "bearer header"])
+async def test_a_shortest_hidden_key_and_a_bearer_token_echoed_alone_are_hidden(
+    provider: FakeProvider, source: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An environment key of exactly MIN_HIDDEN_ENVIRONMENT_SECRET_CHARS characters (docs: "at least"),
+    and the token of an `Authorization: Bearer <token>` extra header that the error quotes without
+    "Bearer", are raised as ***. Catches: either kept whole in the turn's error and history."""
+    if source == "environment":
+        key = "k" * MIN_HIDDEN_ENVIRONMENT_SECRET_CHARS
+        monkeypatch.setenv("HOSTED_VLLM_API_KEY", key)
+        model = chat_client(provider)
+    else:
+        key = "gw-token-0123456789"
+        model = LiteLLMModelClient("hosted_vllm/test-model", api_base=provider.url + "/v1",
+                                   request_options={"extra_headers": {"Authorization": f"Bearer {key}"}})
+    echo = {"error": {"message": f"Unknown credential {key}.", "type": "invalid_request_error"}}
+    provider.queue(CHAT_PATH, Reply(401, json.dumps(echo).encode(), "application/json"))
+    with pytest.raises(litellm.AuthenticationError) as raised:
+        await model.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
+    assert key not in str(raised.value) and "Unknown credential ***." in str(raised.value)
+
+
 async def test_an_api_key_provider_returning_no_text_is_refused_naming_what_it_returned(
     provider: FakeProvider,
 ) -> None:
@@ -1227,6 +1314,7 @@ async def test_credentials_and_owned_parameters_are_refused_in_settings(provider
 
 @pytest.mark.parametrize(("where", "value", "message"), [
     ("request_options", {1: 2}, "request_options keys must be option names (text), got 1"),
+    ("request_options", {"": 2}, "request_options keys must be option names (text), got ''"),
     ("request_options", "fast", "request_options must be a dict of LiteLLM options, got 'fast'"),
     ("request_options", {"stream": False}, "request_options may not set stream"),
     ("model_settings", {"model": "openai/gpt-5-mini"}, "invalid AgentDefinition: model_settings may not set model"),
