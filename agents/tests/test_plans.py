@@ -940,9 +940,12 @@ async def test_required_tool_choice_forces_write_todos_only_on_the_first_call_wi
     tmp_path: Path,
 ) -> None:
     """planning_tool_choice required: the first model call of a planning turn is forced while no
-    draft exists; later calls, and a planning turn on an existing draft, are auto. A chat turn is auto."""
+    draft exists; later calls, even after a write_todos that failed and left no draft, and a planning
+    turn on an existing draft, are auto. A chat turn is auto. (The failed call kills mutant R16 of the
+    loop sweep, later calls forced too: a model whose write_todos kept failing could never answer.)"""
     script: Script = {
-        "Plan": [ScriptedModelReply(tool_calls=[write(("a", "pending"))]), ScriptedModelReply(text="drafted")],
+        "Plan": [ScriptedModelReply(tool_calls=[ScriptedToolCall("write_todos", {})]),
+                 ScriptedModelReply(tool_calls=[write(("a", "pending"))]), ScriptedModelReply(text="drafted")],
         "More": [ScriptedModelReply(text="Which part?")],
         "hello": [ScriptedModelReply(text="hi")],
     }
@@ -958,6 +961,7 @@ async def test_required_tool_choice_forces_write_todos_only_on_the_first_call_wi
         assert choices == [
             (["lookup_order", "refund_order", "write_todos"], ToolChoice.AUTO),  # initial message: a chat turn
             (["write_todos"], ToolChoice.REQUIRED),
+            (["write_todos"], ToolChoice.AUTO),  # no draft: the first write_todos failed
             (["write_todos"], ToolChoice.AUTO),
             (["write_todos"], ToolChoice.AUTO),  # a draft exists
         ]

@@ -1,0 +1,226 @@
+"""Built-in loop behaviour that a hand-made mutation sweep of the loop runner, its stored items and
+function tools found untested: each test names the mutant it kills."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from agents.tests.builtin_agent import InProcessEngine, lookup_order, scripted_flow, tool_then_answer
+
+from dex_agents import (
+    AgentSessionClient,
+    AgentSessionFlow,
+    AgentSnapshot,
+    AgentUsage,
+    BuiltInTool,
+    MessageRole,
+    ModelCallMetadata,
+    RunModelLimit,
+)
+from dex_agents._constants import MAX_CONSECUTIVE_TURN_CONTINUATIONS
+from dex_agents.builtin_loop import (
+    AgentDefinition,
+    BuiltinLoopAgentRunner,
+    ContinueTurn,
+    ModelOutputItem,
+    ModelOutputWriter,
+    ModelRequest,
+    ModelResponse,
+    ModelToolCall,
+    ModelToolDefinition,
+    OutputItemKind,
+    ScriptedModelClient,
+    ScriptedModelReply,
+    ScriptedToolCall,
+    ToolResultInput,
+    TurnContinuationContext,
+    builtin_agent_session_flow,
+    builtin_agent_session_options,
+)
+from dex_agents.testing import wait_for_agent_snapshot
+
+
+async def _turns_done(sessions: AgentSessionClient, sid: str, count: int) -> AgentSnapshot:
+    snapshot: AgentSnapshot = await wait_for_agent_snapshot(
+        sessions, sid, lambda s: s if s.state is not None and s.state.turn_count >= count else None,
+        description=f"{count} turn(s) of {sid} to end",
+    )
+    return snapshot
+
+
+def _call_item(call_id: str, name: str, arguments: str) -> ModelOutputItem:
+    return ModelOutputItem("scripted", OutputItemKind.TOOL_CALL, json.dumps({"type": "tool_call", "id": call_id}),
+                           tool_call=ModelToolCall(call_id, name, arguments))
+
+
+async def test_only_the_calls_the_token_limit_cut_are_told_so(tmp_path: Path) -> None:
+    """In a response cut at its token limit, the result of a whole call that failed for its own reason
+    (an unknown tool) is that failure alone; only the call whose arguments were cut is told to retry
+    with shorter arguments. Catches (mutant R04, every call of a cut response taken as cut): the model
+    told its whole call was cut, so it shortened arguments that were never the problem."""
+    requests: list[ModelRequest] = []
+
+    class CutReplies:
+        def estimate_input_tokens(self, request: ModelRequest) -> int:
+            return 1
+
+        async def call_model(self, request: ModelRequest, output: ModelOutputWriter) -> ModelResponse:
+            requests.append(request)
+            if ScriptedModelClient.tool_results(request):
+                text = ModelOutputItem("scripted", OutputItemKind.TEXT, json.dumps({"type": "text"}), "Done.")
+                return ModelResponse((text,), AgentUsage(model_calls=1))
+            calls = (_call_item("call-whole", "no_such_tool", "{}"), _call_item("call-cut", "lookup_order", '{"ord'))
+            return ModelResponse(calls, AgentUsage(model_calls=1), ModelCallMetadata(finish_reasons=("length",)))
+
+    agent = AgentDefinition(name="cut", model=CutReplies(), instructions="", tools=[lookup_order])
+    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(agent, "CutAgent")])
+    async with engine.running():
+        await engine.sessions().start_session("s", "look it up")
+        await _turns_done(engine.sessions(), "s", 1)
+    results = {r.tool_call_id: r.output for r in ScriptedModelClient.tool_results(requests[-1])}
+    assert "token limit" not in results["call-whole"] and "unknown tool no_such_tool" in results["call-whole"]
+    assert "your output was cut at its token limit" in results["call-cut"]
+
+
+async def test_a_tool_call_between_continuations_starts_their_count_again(tmp_path: Path) -> None:
+    """The continuation limit counts continuations in a row without a tool call (docs/agents.md): a
+    turn continued more times than the limit, with a tool call after each continuation, ends well.
+    Catches (mutant R08, the count kept across tool calls): such a turn failed with "continued more
+    than 8 times in a row without a tool call", though each continuation led to one."""
+    continuations = MAX_CONSECUTIVE_TURN_CONTINUATIONS + 2
+
+    def respond(request: ModelRequest) -> ScriptedModelReply:
+        if isinstance(request.input[-1], ToolResultInput):
+            return ScriptedModelReply(text="answer")
+        return ScriptedModelReply(tool_calls=[ScriptedToolCall("lookup_order", {"order_id": "A-1"})])
+
+    answers: list[int] = []
+
+    def decide(context: TurnContinuationContext) -> ContinueTurn | str:
+        if context.tool_results:
+            return "default"
+        answers.append(1)
+        return ContinueTurn("Keep going.") if len(answers) <= continuations else "default"
+
+    flow, _ = scripted_flow(respond, decide_turn_continuation=decide)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        await engine.sessions().start_session("s", "start")
+        done = await _turns_done(engine.sessions(), "s", 1)
+    assert done.state is not None and done.state.last_turn_error is None
+    assert len(answers) == continuations + 1
+
+
+async def test_the_continuation_hook_after_tool_results_gets_the_last_response_only(tmp_path: Path) -> None:
+    """After tool results, decide_turn_continuation's model_output is the response that made the
+    calls, not earlier answers of the session. Catches (mutant R21, every stored output item taken):
+    the hook saw the previous turn's answer as this response's, and decided on it."""
+    seen: list[list[str | None]] = []
+
+    def decide(context: TurnContinuationContext) -> str:
+        if context.tool_results:
+            seen.append([item.text if item.tool_call is None else item.tool_call.tool_name
+                         for item in context.model_output])
+        return "default"
+
+    flow, _ = scripted_flow(tool_then_answer, decide_turn_continuation=decide)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "hi")
+        await _turns_done(sessions, "s", 1)
+        assert await sessions.send_user_message("s", '/tool lookup_order {"order_id": "A-1"}')
+        await _turns_done(sessions, "s", 2)
+    assert seen == [["calling", "lookup_order"]]
+
+
+async def test_a_continuation_with_a_blank_message_fails_the_turn_naming_it(tmp_path: Path) -> None:
+    """ContinueTurn whose message is only whitespace fails the turn with its answer stored, as a
+    hook's other bad return does. Catches (mutant R22, only "" refused): a blank user message stored
+    and sent to the model, which some providers refuse, every continuation paid for."""
+    flow, model = scripted_flow(tool_then_answer, decide_turn_continuation=lambda c: ContinueTurn(" \n"))
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        await engine.sessions().start_session("s", "hi")
+        done = await _turns_done(engine.sessions(), "s", 1)
+    assert done.state is not None
+    assert done.state.last_turn_error == "decide_turn_continuation returned ContinueTurn with a blank message"
+    assert len(model.requests) == 1 and done.messages[-1].text == "echo: hi"
+
+
+class _Listing:
+    """A tool source that lists `tools` and declares no names, so only its listing shows a collision."""
+
+    def __init__(self, name: str, tools: Sequence[str]) -> None:
+        self.source_name = name
+        self.tools = tools
+
+    async def list_tools(self) -> Sequence[ModelToolDefinition]:
+        return [ModelToolDefinition(t, "", {"type": "object", "properties": {}}) for t in self.tools]
+
+    def deferred_tool_call(self, call: object, listed_tool: object, turn: object) -> None:
+        raise AssertionError("never called: the model call fails first")
+
+    async def execute_deferred_tool_call(self, call: object) -> None:
+        raise AssertionError("never called")
+
+
+@pytest.mark.parametrize(("listings", "built_ins", "error"), [
+    ([["a", "a"]], frozenset(), "tool source 's0' lists a tool named a more than once"),
+    ([["a"], ["a"]], frozenset(), "two tool sources list a tool named a"),
+    ([["ask_user"]], frozenset({BuiltInTool.ASK_USER}), "tool ask_user uses the name of an enabled built-in tool"),
+])
+async def test_a_listing_colliding_with_a_tool_fails_the_model_call_naming_the_collision(
+    tmp_path: Path, listings: list[list[str]], built_ins: frozenset[BuiltInTool], error: str
+) -> None:
+    """A source that lists a name twice, two sources listing one name, or a listed name of an enabled
+    built-in tool fail RunModel before any model request, each with its own error. Catches (mutants
+    R23, the first two messages swapped, and R24, the built-in check dropped): a wrong source named,
+    or a built-in tool offered twice, which the provider refuses."""
+    model = ScriptedModelClient(tool_then_answer)
+    agent = AgentDefinition(name="lister", instructions="", model=model, built_in_tools=built_ins,
+                            tool_sources=[_Listing(f"s{i}", listed) for i, listed in enumerate(listings)])
+    options = dataclasses.replace(builtin_agent_session_options(agent), run_model_limit=RunModelLimit(max_attempts=1))
+    engine = InProcessEngine(tmp_path, [AgentSessionFlow(BuiltinLoopAgentRunner(agent), "Lister", options)])
+    async with engine.running():
+        await engine.sessions().start_session("s", "hi")
+        done = await _turns_done(engine.sessions(), "s", 1)
+    assert done.state is not None and done.state.last_turn_error == error
+    assert not model.requests
+
+
+async def test_a_continuation_after_tool_results_reaches_the_next_model_call(tmp_path: Path) -> None:
+    """ContinueTurn returned after a response's tool results stores its message after the results,
+    and the next model call gets it. Catches (mutant R37, the message dropped there): the hook's
+    instruction never reached the model, which answered as if it had said nothing."""
+    def decide(context: TurnContinuationContext) -> ContinueTurn | str:
+        return ContinueTurn("Also check B-2.") if context.tool_results else "default"
+
+    flow, model = scripted_flow(tool_then_answer, decide_turn_continuation=decide)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        await engine.sessions().start_session("s", '/tool lookup_order {"order_id": "A-1"}')
+        done = await _turns_done(engine.sessions(), "s", 1)
+    assert [type(item).__name__ for item in model.requests[1].input[-2:]] == ["ToolResultInput", "UserTextInput"]
+    assert ScriptedModelClient.user_texts(model.requests[1])[-1] == "Also check B-2."
+    assert [m.text for m in done.messages if m.role is MessageRole.USER][-1] == "Also check B-2."
+
+
+async def test_resolve_model_returning_no_model_client_fails_the_turn_naming_what_it_returned(
+    tmp_path: Path,
+) -> None:
+    """A resolve_model that returns something without call_model fails the turn with the type it
+    returned. Catches (mutant R38, the check dropped): "'str' object has no attribute 'call_model'"."""
+    agent = AgentDefinition(name="resolver", instructions="", model=ScriptedModelClient(tool_then_answer),
+                            resolve_model=lambda settings: "openai/gpt-5")  # type: ignore[arg-type, return-value]
+    options = dataclasses.replace(builtin_agent_session_options(agent), run_model_limit=RunModelLimit(max_attempts=1))
+    engine = InProcessEngine(tmp_path, [AgentSessionFlow(BuiltinLoopAgentRunner(agent), "Resolver", options)])
+    async with engine.running():
+        await engine.sessions().start_session("s", "hi")
+        done = await _turns_done(engine.sessions(), "s", 1)
+    assert done.state is not None and done.state.last_turn_error is not None
+    assert "resolve_model returned str, not a ModelClient" in done.state.last_turn_error
