@@ -506,6 +506,24 @@ def test_schema_violations_are_model_visible_errors_naming_the_parameter(
     assert calls == []
 
 
+@pytest.mark.parametrize("number", ["1e999", "-1e999"])
+def test_a_number_past_the_float_range_is_refused_and_never_run(number: str) -> None:
+    """A JSON number that is finite as text but overflows a float (1e999 decodes to inf) is refused
+    as out of range, like 10**400. Catches (mutant F02 of the loop sweep, the finiteness check dropped):
+    the tool ran with ratio=inf."""
+    calls: list[float] = []
+
+    @function_tool(effect=ToolEffect.READ)
+    def scale(ratio: float) -> str:
+        calls.append(ratio)
+        return "scaled"
+
+    with pytest.raises(ToolExecutionError) as caught:
+        run(scale, f'{{"ratio": {number}}}')
+    assert caught.value.message == "invalid arguments for scale: parameter 'ratio': number out of range"
+    assert calls == []
+
+
 @pytest.mark.parametrize("text", ["not json", "", "{", "{'a': 1}", "NaN", '{"a": Infinity}', "{} {}"])
 def test_text_that_is_not_json_is_refused(text: str) -> None:
     """Invalid JSON (non-standard constants included) gives the contract's exact error."""
@@ -859,6 +877,50 @@ async def test_an_error_asking_retry_after_propagates_for_every_effect(effect: T
     if effect in (ToolEffect.READ, ToolEffect.IDEMPOTENT_WRITE):
         with pytest.raises(ToolExecutionError, match=r"^_RateLimited: 429 Too Many Requests$"):
             await invoke(failing_tool(sync, _RateLimited(None)), {}, effect)
+
+
+class _UnreadableDelay(Exception):
+    """A rate limit error whose retry_after_seconds property raises (a library's bad header parse)."""
+
+    @property
+    def retry_after_seconds(self) -> float:
+        raise ValueError("Retry-After: soon")
+
+
+async def test_an_error_whose_retry_after_cannot_be_read_still_propagates_from_a_read() -> None:
+    """An error whose retry_after_seconds raises when read propagates unchanged, as one with a delay
+    does: the engine reads it, notes the problem in the attempt's history and retries at the
+    policy's interval. Catches (mutant F14 of the loop sweep, taken as asking nothing): a read's
+    rate limit shown to the model as a failed call, with no retry."""
+    error = _UnreadableDelay("429 Too Many Requests")
+    with pytest.raises(_UnreadableDelay) as caught:
+        await invoke(failing_tool(False, error), {}, ToolEffect.READ)
+    assert caught.value is error
+
+
+@pytest.mark.timeout(30)  # the mutant below hangs the call for good
+async def test_a_sync_tool_raising_stop_iteration_fails_the_call() -> None:
+    """A sync tool that raises StopIteration (next() on an empty iterator) fails its call naming it.
+    Catches (mutant F22 of the loop sweep, StopIteration passed on as it is): asyncio refuses it as
+    a future's exception, so the call never ended and its Step hung until its timeout."""
+    def first_match() -> str:
+        return next(iter([]))
+
+    with pytest.raises(ToolExecutionError, match=r"^RuntimeError: tool first_match raised StopIteration$"):
+        await FunctionTool(first_match, effect=ToolEffect.READ).invoke("{}", make_context(ToolEffect.READ))
+
+
+async def test_a_sync_function_returning_a_coroutine_has_it_awaited() -> None:
+    """A plain def that hands back a coroutine (a wrapper around an async client call) has it
+    awaited and its result returned. Catches (mutant F25 of the loop sweep, the awaitable taken as
+    the result): "the result ... is not JSON", and a "never awaited" warning."""
+    async def fetch(order_id: str) -> str:
+        return f"order {order_id}"
+
+    def lookup(order_id: str) -> Any:
+        return fetch(order_id)
+
+    assert await invoke(FunctionTool(lookup, effect=ToolEffect.READ), {"order_id": "A-1"}) == "order A-1"
 
 
 @pytest.mark.parametrize("sync", [True, False])
