@@ -12,6 +12,7 @@ import pytest
 from agents.tests.builtin_agent import InProcessEngine, lookup_order, scripted_flow, tool_then_answer
 
 from dex_agents import (
+    AgentMessage,
     AgentSessionClient,
     AgentSessionFlow,
     AgentSnapshot,
@@ -38,6 +39,8 @@ from dex_agents.builtin_loop import (
     ScriptedToolCall,
     ToolResultInput,
     TurnContinuationContext,
+    UserTextInput,
+    _items,
     builtin_agent_session_flow,
     builtin_agent_session_options,
 )
@@ -224,3 +227,62 @@ async def test_resolve_model_returning_no_model_client_fails_the_turn_naming_wha
         done = await _turns_done(engine.sessions(), "s", 1)
     assert done.state is not None and done.state.last_turn_error is not None
     assert "resolve_model returned str, not a ModelClient" in done.state.last_turn_error
+
+
+async def test_stored_reasoning_keeps_its_text_for_the_next_model_call(tmp_path: Path) -> None:
+    """A reasoning item is stored with its text (the message has no text field for it), a call with
+    its arguments, and the next model call of the turn gets them back. Catches (mutants I01 and I03
+    of the loop sweep, the text not stored or not read): a model client that replays reasoning as
+    text, and the continuation hook, got None."""
+    def respond(request: ModelRequest) -> ScriptedModelReply:
+        if ScriptedModelClient.tool_results(request):
+            return ScriptedModelReply(text="done")
+        return ScriptedModelReply(reasoning="Check A-1 first.",
+                                  tool_calls=[ScriptedToolCall("lookup_order", {"order_id": "A-1"})])
+
+    flow, model = scripted_flow(respond)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        await engine.sessions().start_session("s", "where is A-1?")
+        done = await _turns_done(engine.sessions(), "s", 1)
+    reasoning = [item for item in model.requests[1].input
+                 if isinstance(item, ModelOutputItem) and item.kind is OutputItemKind.REASONING]
+    assert [item.text for item in reasoning] == ["Check A-1 first."]
+    # Nor is it the assistant message's text, which users read as the answer (mutant I02).
+    assert "Check A-1 first." not in [m.text for m in done.messages]
+    # The call's arguments are stored on its message and replayed (mutant I11: stored as None).
+    assert [m.tool_arguments for m in done.messages if m.role is MessageRole.ASSISTANT and m.tool_call_id] == \
+        ['{"order_id": "A-1"}']
+    assert [item.tool_call.arguments for item in model.requests[1].input
+            if isinstance(item, ModelOutputItem) and item.tool_call] == ['{"order_id": "A-1"}']
+
+
+def test_messages_of_dex_agents_0_1_and_of_other_runners_parse_as_their_items(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session stored by dex-agents 0.1 (texts, outputs and arguments in the framework item, not the
+    message) and messages another runner stored (no item of this loop) read back as the items they
+    stand for. Catches (mutants I04, I05, I08, I09, I10, I12 of the loop sweep): a 0.1 session's
+    user texts, tool outputs and call arguments replayed empty after an upgrade, or another
+    runner's texts lost or replayed as reasoning, which other providers drop."""
+    monkeypatch.setattr(_items, "_parsed", _items._ParsedItems(100, 1_000_000))
+
+    def message(role: MessageRole, item: dict[str, object] | None, text: str | None = None,
+                call: tuple[str, str] | None = None, output: str | None = None) -> AgentMessage:
+        framework_item = json.dumps(item) if item is not None else "not this loop's item"
+        return AgentMessage(1, "t1", role, text, call and call[0], call and call[1], None, output, framework_item,
+                            "2026-01-01T00:00:00.000Z")
+
+    old_call = {"type": "model_output", "api": "a", "kind": "tool_call", "item": "{}",
+                "tool_call": {"tool_call_id": "c1", "tool_name": "t", "arguments": '{"x":1}'}}
+    assert _items.input_item(message(MessageRole.USER, {"type": "user_text", "text": "hi"})) == UserTextInput("hi")
+    assert _items.input_item(message(MessageRole.TOOL, {"type": "tool_result", "tool_call_id": "c1",
+                                                        "tool_name": "t", "output": "ok"})) == \
+        ToolResultInput("c1", "t", "ok")
+    parsed = _items.input_item(message(MessageRole.ASSISTANT, old_call))
+    assert isinstance(parsed, ModelOutputItem) and parsed.tool_call == ModelToolCall("c1", "t", '{"x":1}')
+
+    assert _items.input_item(message(MessageRole.USER, None, text="other")) == UserTextInput("other")
+    assert _items.input_item(message(MessageRole.TOOL, None, call=("c2", "u"), output="done")) == \
+        ToolResultInput("c2", "u", "done")
+    answer = _items.input_item(message(MessageRole.ASSISTANT, None, text="hello"))
+    assert isinstance(answer, ModelOutputItem)
+    assert (answer.kind, answer.text) == (OutputItemKind.TEXT, "hello")
