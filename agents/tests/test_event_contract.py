@@ -413,6 +413,52 @@ def test_nothing_is_emitted_once_close_returned() -> None:
         sys.setswitchinterval(switch_interval)
 
 
+
+class RaisingPayload(Mapping[str, Any]):
+    """A payload that raises an error no encoder failure raises as soon as it is read."""
+
+    def __getitem__(self, key: str) -> Any:
+        raise RuntimeError("payload read")
+
+    def __len__(self) -> int:
+        raise RuntimeError("payload read")
+
+    def __iter__(self) -> Iterator[str]:
+        raise RuntimeError("payload read")
+
+
+def test_a_write_after_close_is_dropped_unread(caplog: pytest.LogCaptureFixture) -> None:
+    """A stray write to a closed writer is dropped before its payload is read: it neither raises
+    (whatever its payload does) nor logs a dropped-event warning for output nobody wants.
+    Catches: the closed check before encoding gone (only the one under the lock left)."""
+    emitted: list[AgentEvent] = []
+    writer = AgentEventWriter(emitted.append, "turn-1", "RunModel-1", 1, flow_id="s")
+    writer.close()
+    with caplog.at_level("WARNING", logger="dex_agents.session"):
+        writer.write_event("probe", RaisingPayload())
+        writer.write_event("probe", {"x": float("nan")})
+        writer.write_event("", {})
+    assert emitted == []
+    assert caplog.records == []
+
+
+def test_a_payload_nested_too_deeply_is_dropped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """A payload nested deeper than the JSON encoder can go is dropped with a warning naming it, as
+    any payload that cannot be written as JSON: the write does not raise RecursionError into the
+    model call or tool that wrote it. Catches: RecursionError not caught by write_event."""
+    deep: list[Any] = []
+    for _ in range(sys.getrecursionlimit() * 2):
+        deep = [deep]
+    emitted: list[AgentEvent] = []
+    writer = AgentEventWriter(emitted.append, "turn-1", "RunModel-1", 1, flow_id="s")
+    with caplog.at_level("WARNING", logger="dex_agents.session"):
+        writer.write_event("probe", {"deep": deep})
+        writer.write_event("probe", {"ok": 1})
+    assert [e.payload for e in emitted] == ['{"ok":1}']
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("flow s: dropped a 'probe' event of RunModel-1 attempt 1: it cannot be written as JSON: ")
+
+
 # interrupt_raised and interrupt_resolved ---------------------------------------------------------
 
 
