@@ -417,6 +417,23 @@ def test_reads_ignore_window_instances_outside_the_window() -> None:
         assert [(m.sequence, m.text) for m in read] == [(1, "x"), (2, "x"), (3, "x"), (4, "x"), (5, "x")]
 
 
+
+def test_reads_of_an_index_listing_its_chunks_out_of_order_come_out_in_sequence_order() -> None:
+    """Steps list AgentMessageIndex's chunks in order, but a reader does not rely on it: an index
+    listing them out of order reads as the same index in order, for every page. Catches: the lazy
+    merge (which assumes chunks in order) taken for any index."""
+    chunks = {1: AgentMessageChunk(tuple(message(s, 1) for s in (1, 2, 3))),
+              4: AgentMessageChunk((message(4, 1), message(5, 1)))}
+    in_order = [AgentMessageChunkRange(1, 3), AgentMessageChunkRange(4, 5)]
+    window = [message(6, 1), message(7, 1)]
+    for ranges in (in_order, in_order[::-1]):
+        index = AgentMessageIndex(chunks=ranges, first_sequence=1, window_first_sequence=6)
+        pages = [newest_messages(index, window, lambda r: chunks[r.first_sequence], before=before, limit=limit)
+                 for before, limit in ((None, None), (None, 3), (6, 4), (4, 5))]
+        assert [[m.sequence for m in page] for page in pages] == [
+            [1, 2, 3, 4, 5, 6, 7], [5, 6, 7], [2, 3, 4, 5], [1, 2, 3]], ranges
+
+
 def test_a_page_past_deleted_messages_names_the_first_stored_one() -> None:
     """list_agent_messages' page: deleted_before_sequence is AgentMessageIndex.first_sequence once it is
     past 1, already at 2 (only message 1 deleted), and the page starting there is the last; without
