@@ -143,6 +143,11 @@ def test_write_todos_arguments_parse_to_tasks_in_order() -> None:
      "invalid todos: todos[0].status must be one of pending, in_progress, completed, got 'done'"),
     ('{"todos": [{"content": "a"}]}',
      "invalid todos: todos[0].status must be one of pending, in_progress, completed, got None"),
+    # A status that is no string, not even a hashable value, fails as any other bad status.
+    ('{"todos": [{"content": "a", "status": ["pending"]}]}',
+     "invalid todos: todos[0].status must be one of pending, in_progress, completed, got ['pending']"),
+    ('{"todos": [{"content": "a", "status": {"pending": 1}}]}',
+     "invalid todos: todos[0].status must be one of pending, in_progress, completed, got {'pending': 1}"),
     # Strict JSON, whose escape decodes to half a UTF-16 pair: no stored plan could hold it.
     (r'{"todos": [{"content": "a\ud800b", "status": "pending"}]}', ARGUMENTS_NOT_TEXT),
     # Values the model wrote are shown cut, so the error stays small whatever the model sent.
