@@ -1791,6 +1791,33 @@ def test_settings_that_hold_themselves_are_refused_at_once() -> None:
     validate_session_settings({"main": shared, "fallbacks": [shared, shared]})
 
 
+
+def test_settings_checks_at_their_edges() -> None:
+    """The settings checks' edges, each measured as seed 002 "Session settings" says (compact JSON
+    text in UTF-8, objects and arrays nested at most MAX_SESSION_SETTINGS_NESTING deep):
+    - non-ASCII text counts its UTF-8 bytes, so settings of exactly the limit in it are accepted
+      (catches: the size taken of \\u escapes, 6 bytes a character);
+    - settings exactly MAX_SESSION_SETTINGS_NESTING deep are accepted (catches: `>=`);
+    - the depth is the deepest branch's, whichever is walked last (catches: the last one's);
+    - a tuple, written by JSON as an array, counts as one (catches: tuples not walked);
+    - a key that is not text is shown cut (catches: a huge key in the error)."""
+    accented = {"k": "é" * ((MAX_SESSION_SETTINGS_BYTES - len('{"k":""}')) // 2)}
+    assert session_settings_size(accented) == MAX_SESSION_SETTINGS_BYTES
+    validate_session_settings(accented)
+    deepest_allowed = functools.reduce(lambda inner, _: {"k": inner}, range(MAX_SESSION_SETTINGS_NESTING - 1), {})
+    validate_session_settings(deepest_allowed)
+    too_deep = f"over the limit of {MAX_SESSION_SETTINGS_NESTING}"
+    for settings, depth in (
+        ({"shallow": [], "deep": deepest_allowed}, MAX_SESSION_SETTINGS_NESTING + 1),
+        ({"k": functools.reduce(lambda inner, _: (inner,), range(MAX_SESSION_SETTINGS_NESTING), ())},
+         MAX_SESSION_SETTINGS_NESTING + 2),
+    ):
+        assert session_settings_error(settings) == (
+            f"session_settings nest objects and arrays {depth} levels deep, {too_deep}")
+    assert session_settings_error({10**100: 1}) == (
+        "session_settings keys must be text, got the int key " + "1" + "0" * 59)
+
+
 def test_a_rejection_message_of_exactly_the_limit_is_kept_whole() -> None:
     """MAX_REJECTION_MESSAGE_CHARS is the longest message kept as given; one more character is cut."""
     exact = "n" * MAX_REJECTION_MESSAGE_CHARS
