@@ -393,6 +393,8 @@ def test_a_reader_checks_each_chunk_holds_its_range() -> None:
     # The listed number of messages, but other sequences: still not the chunk the index lists.
     with pytest.raises(MessageStoreCorruptError, match=r"holds 2\.\.3 \(2 messages\).*lists 1\.\.2"):
         newest_messages(index, window, lambda r: AgentMessageChunk((message(2, 1), message(3, 1))))
+    with pytest.raises(MessageStoreCorruptError, match=r"holds no messages, but AgentMessageIndex lists 1\.\.2"):
+        newest_messages(index, window, lambda r: AgentMessageChunk(()))
     # Only the chunks a page reaches are read; an empty page reads nothing.
     assert newest_messages(index, window, lambda r: None, limit=1) == window
     assert newest_messages(index, window, lambda r: None, limit=0) == []
@@ -1089,6 +1091,32 @@ def test_rollover_stops_where_the_index_would_pass_the_value_limit(room: int) ->
                                              store.read_chunk)] == expected
     page = newest_messages(store.index, list(store.window.values()), store.read_chunk, limit=30)
     assert [m.sequence for m in page] == expected[-30:]
+
+
+def test_a_rollover_after_retention_keeps_the_first_stored_sequence() -> None:
+    """A rollover's new AgentMessageIndex keeps first_sequence, which retention advanced: the
+    messages before it are deleted, and a page past them names it. Catches: the index rewritten with
+    first_sequence 1, as if deleted messages were stored again."""
+    index = AgentMessageIndex(chunks=[AgentMessageChunkRange(5, 6)], first_sequence=5, window_first_sequence=7)
+    limits = MessageLayoutLimits(window_size=2, chunk_size=2, chunk_max_bytes=2048)
+    writes = plan_append([message(7, 1), message(8, 1)], index, [message(9, 1)], limits)
+    assert writes.index == AgentMessageIndex(
+        chunks=[AgentMessageChunkRange(5, 6), AgentMessageChunkRange(7, 8)], first_sequence=5, window_first_sequence=9)
+
+
+def test_of_two_oversized_messages_only_the_older_gets_the_last_room_in_the_index() -> None:
+    """With room in AgentMessageIndex for one more range, an append of two oversized messages writes
+    the older one's chunk and lists its range, and keeps the newer one in the window: the chunk
+    written is the chunk listed. Catches: the older message kept in the window while its range stayed
+    listed and the newer one's chunk was written (a read of the index finds the wrong chunk)."""
+    index, _ = full_index(room=40)
+    first = index.window_first_sequence
+    limits = MessageLayoutLimits(window_size=2, chunk_size=2, chunk_max_bytes=2048)
+    writes = plan_append([], index, [message(first, 3000), message(first + 1, 3000)], limits)
+    assert writes.index is not None
+    assert [c.messages[0].sequence for c in writes.chunk_sets] == [first]
+    assert writes.index.chunks[len(index.chunks):] == [AgentMessageChunkRange(first, first)]
+    assert [m.sequence for m in writes.window_sets] == [first + 1]
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
