@@ -295,6 +295,7 @@ def test_approval_activates_a_draft_keeps_an_active_plan_and_refuses_a_stale_one
     assert activated is not None
     plan, changed = activated
     assert changed and plan.status is PlanStatus.ACTIVE and plan.revision == 3 and plan.tasks == DRAFT.tasks
+    assert plan.updated_at == "2026-11-01T12:00:00.123Z"  # the approval changed the plan: now
     active = plan_of(3, PlanStatus.ACTIVE, task("a"))
     assert approved_plan(active, 3, NOW) == (active, False)
     assert approved_plan(DRAFT, 2, NOW) is None
