@@ -871,6 +871,29 @@ async def test_apply_turn_control_ends_the_steered_turn_and_counts_the_first_ste
     assert [(e.type, e.turn_id) for e in _events_written(ctx)][:1] == [("turn_steered", "turn-1")]
 
 
+async def test_a_blank_steered_message_is_applied_but_starts_no_turn() -> None:
+    """A blank message published to QueuedUserMessages around send_user_message can be moved by a
+    steer with its message_id. ApplyTurnControl counts it applied but, as AwaitUserMessage does with
+    a blank queued message, never stores it as a user message: alone it starts no turn; with others
+    the turn starts with those. Catches: ApplyTurnControl starting the turn with every steered
+    message (survived the _control_steps mutation sweep)."""
+    flow = AgentSessionFlow(_NoModel(), "NoModel")  # type: ignore[arg-type]
+    runtime = runtime_of(flow)
+    control = ControlSteps(runtime, TurnSteps(runtime))
+    idle = running_turn(status=AgentStatus.WAITING_FOR_USER_MESSAGE, active_turn_id=None, turn_count=1,
+                        accepts_turn_control=False)
+    alone = _applying(flow, {("AgentState", ""): idle}, AgentUserMessage(" \n"))
+    decision = await control.apply_turn_control(alone, None)
+    assert [m.step_type for m in decision.movements] == [AWAIT_USER_MESSAGE]
+    assert alone.get(APPLIED_STEERED_MESSAGE_COUNT) == 1
+    assert alone.get(AGENT_STATE) == idle
+    mixed = _applying(flow, {("AgentState", ""): idle}, AgentUserMessage(" "), AgentUserMessage("real"))
+    decision = await control.apply_turn_control(mixed, None)
+    assert [m.step_type for m in decision.movements] == [RUN_MODEL]
+    stored = [msgspec.json.decode(v) for (name, _), v in mixed.writes.attributes.items() if name == "AgentMessages"]
+    assert [m["text"] for m in stored] == ["real"]
+
+
 async def test_a_steered_turns_note_too_large_to_store_is_stored_cut(caplog: pytest.LogCaptureFixture) -> None:
     """A read whose output fits its record (700,000 characters) makes a steered note over the value
     limit; the note is stored with the result cut to CUT_NOTE_FIELD_CHARS, so the model still learns
