@@ -4,29 +4,35 @@ function tools found untested: each test names the mutant it kills."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from agents.tests.builtin_agent import InProcessEngine, lookup_order, scripted_flow, tool_then_answer
 
 from dex_agents import (
+    AgentEventWriter,
     AgentMessage,
     AgentSessionClient,
     AgentSessionFlow,
     AgentSnapshot,
+    AgentTurnContext,
     AgentUsage,
     BuiltInTool,
     MessageRole,
     ModelCallMetadata,
     RunModelLimit,
+    ToolEffect,
 )
 from dex_agents._constants import MAX_CONSECUTIVE_TURN_CONTINUATIONS
 from dex_agents.builtin_loop import (
     AgentDefinition,
     BuiltinLoopAgentRunner,
     ContinueTurn,
+    InstructionContext,
     ModelOutputItem,
     ModelOutputWriter,
     ModelRequest,
@@ -286,3 +292,77 @@ def test_messages_of_dex_agents_0_1_and_of_other_runners_parse_as_their_items(mo
     answer = _items.input_item(message(MessageRole.ASSISTANT, None, text="hello"))
     assert isinstance(answer, ModelOutputItem)
     assert (answer.kind, answer.text) == (OutputItemKind.TEXT, "hello")
+
+
+class _Estimating(ScriptedModelClient):
+    """A scripted model that records the requests its estimate_input_tokens is given."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda request: ScriptedModelReply(text="ok"))
+        self.estimated: list[ModelRequest] = []
+
+    def estimate_input_tokens(self, request: ModelRequest) -> int:
+        self.estimated.append(request)
+        return 1
+
+
+class _Cached(_Listing):
+    """A source whose cached_tools() answers without I/O once it has listed."""
+
+    def __init__(self, name: str, tools: Sequence[str]) -> None:
+        super().__init__(name, tools)
+        self.listed = False
+
+    async def list_tools(self) -> Sequence[ModelToolDefinition]:
+        self.listed = True
+        return await super().list_tools()
+
+    def cached_tools(self) -> Sequence[ModelToolDefinition] | None:
+        return [ModelToolDefinition(f"cached_{t}", "", {"type": "object", "properties": {}}) for t in self.tools]
+
+
+def _bare_turn() -> AgentTurnContext:
+    async def no_heartbeat() -> None:
+        return None
+
+    return AgentTurnContext(
+        flow_id="s", turn_id="turn-1", attempt=1, messages=[], framework_run_state=None, tool_calls={},
+        events=AgentEventWriter(lambda event: None, "turn-1", "RunModel-1", 1), heartbeat=no_heartbeat,
+        tool_policies={}, default_tool_effect=ToolEffect.UNCLASSIFIED,
+    )
+
+
+async def test_the_compaction_estimate_counts_async_instructions_and_source_tools() -> None:
+    """estimate_input_tokens (synchronous, for compaction decisions) counts what the next model call
+    sends: an async instructions function's last text, and each tool source's cached_tools() or else
+    its last listing. Catches: the instructions left out (None) or counted as their coroutine's repr,
+    and a source's tools left out, so compaction came too late for a long prompt or many MCP tools."""
+    calls: list[str] = []
+    made: list[Coroutine[Any, Any, str]] = []
+
+    async def text(context: InstructionContext) -> str:
+        calls.append(context.turn_id)
+        return f"Be brief ({len(calls)})."
+
+    def instructions(context: InstructionContext) -> Awaitable[str]:
+        made.append(text(context))
+        return made[-1]
+
+    model = _Estimating()
+    agent = AgentDefinition(name="estimated", instructions=instructions, model=model,
+                            tool_sources=[_Listing("listed", ["remote_search"]), _Cached("cached", ["fetch"])])
+    runner = BuiltinLoopAgentRunner(agent)
+    turn = _bare_turn()
+    runner.estimate_input_tokens(turn)
+    # Before any model call: no text yet, and only what a source tells without listing.
+    assert model.estimated[-1].instructions is None
+    assert [t.name for t in model.estimated[-1].tools] == ["cached_fetch"]
+    await runner.run_model_step(turn)
+    assert [t.name for t in model.requests[-1].tools] == ["remote_search", "fetch"]
+    runner.estimate_input_tokens(turn)
+    estimated = model.estimated[-1]
+    assert estimated.instructions == "Be brief (1)."  # the text of the function's last awaited call
+    assert calls == ["turn-1"]  # the estimate's own calls of it never ran
+    # and were closed, not left to warn "coroutine ... was never awaited" when collected
+    assert [inspect.getcoroutinestate(c) for c in made] == [inspect.CORO_CLOSED] * 3
+    assert [t.name for t in estimated.tools] == ["remote_search", "cached_fetch"]
