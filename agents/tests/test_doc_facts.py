@@ -230,6 +230,7 @@ _NOT_CONSTANTS: dict[str, str] = {
     "PASSWORD": "a part of an environment variable's name the redaction looks for",
     "CREDENTIAL": "a part of an environment variable's name the redaction looks for",
     "FULL": "an SQLite synchronous level",
+    "OPENAI_BASE_URL": "LiteLLM's environment variable for an openai/ model's server (its 404 hint names it)",
     "NORMAL": "an SQLite synchronous level",
     "WAL": "an SQLite journal mode",
     "AND": "a word of the search query language",

@@ -1175,6 +1175,22 @@ async def test_a_server_without_the_responses_api_is_told_to_use_chat(provider: 
     assert [item.text for item in response.output] == ["Hello."]
 
 
+@pytest.mark.parametrize("variable", ["OPENAI_BASE_URL", "OPENAI_API_BASE"])
+async def test_a_server_set_in_the_environment_without_the_responses_api_is_told_to_use_chat(
+    provider: FakeProvider, monkeypatch: pytest.MonkeyPatch, variable: str,
+) -> None:
+    """As with api_base: an openai/ model whose server comes from OPENAI_BASE_URL or OPENAI_API_BASE
+    (LiteLLM reads them when no api_base is passed), answering /responses with 404, fails saying to
+    pass api='chat' and naming the variable. Catches: the bare "Not Found" for a server set the
+    way the OpenAI SDK's users set one."""
+    monkeypatch.setenv(variable, provider.url + "/v1")
+    client = LiteLLMModelClient("openai/local-model", api_key_provider=lambda: "sk-local")
+    provider.queue(RESPONSES_PATH, Reply(404, b'{"detail":"Not Found"}', "application/json"))
+    with pytest.raises(litellm.NotFoundError, match=rf"Not Found.*{variable}.*pass api='chat' to LiteLLMModelClient"):
+        await client.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
+    assert [r.path for r in provider.received] == [RESPONSES_PATH]
+
+
 @pytest.mark.parametrize("source", ["api_key_provider", "environment", "extra_headers"])
 @pytest.mark.parametrize("api", ["responses", "chat"])
 async def test_a_provider_error_echoing_the_api_key_is_kept_without_it(

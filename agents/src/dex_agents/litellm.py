@@ -80,6 +80,9 @@ _RESERVED_OPTIONS: Final = frozenset({
     "aws_session_token", "vertex_credentials", "thought_signature_in_tool_call_id",
 })
 
+# The environment variables LiteLLM reads an openai/ model's base URL from when no api_base is given.
+_OPENAI_BASE_VARIABLES: Final = ("OPENAI_BASE_URL", "OPENAI_API_BASE")
+
 _RESPONSES_INCLUDE: Final = ("reasoning.encrypted_content",)
 _TOOL_CHOICES: Final = {ToolChoice.AUTO: "auto", ToolChoice.REQUIRED: "required", ToolChoice.NONE: "none"}
 
@@ -357,10 +360,12 @@ class LiteLLMModelClient:
                 return await self._call_responses(request, output, kwargs)
             return await self._call_chat(request, output, kwargs)
         except Exception as error:
-            if self.api == RESPONSES_API and self.api_base is not None and isinstance(error, litellm.NotFoundError):
-                # LiteLLM reaches an OpenAI-compatible server as an openai/ model with an api_base, and
-                # many such servers serve Chat Completions only: their bare "Not Found" named no way out.
-                _append_to_text(error, "; if the server at api_base has no Responses API (/responses), "
+            base = self._responses_base_setting() if self.api == RESPONSES_API else None
+            if base is not None and isinstance(error, litellm.NotFoundError):
+                # LiteLLM reaches an OpenAI-compatible server as an openai/ model with an api_base (or
+                # OPENAI_BASE_URL), and many such servers serve Chat Completions only: their bare
+                # "Not Found" named no way out.
+                _append_to_text(error, f"; if the server at {base} has no Responses API (/responses), "
                                        "pass api='chat' to LiteLLMModelClient to use Chat Completions")
             # A provider may echo the key (or the Authorization header) in its error, and the error's
             # text is kept in the flow's history and the turn's failure, and logged. The key may be
@@ -376,6 +381,17 @@ class LiteLLMModelClient:
                     raise hidden from None
             _ask_retry_after(error, delay)
             raise
+
+    def _responses_base_setting(self) -> str | None:
+        """The setting that sends Responses API calls to a server other than OpenAI's, or None: api_base,
+        else what LiteLLM reads for an openai/ model without one, in its order."""
+        if self.api_base is not None:
+            return "api_base"
+        if self.provider != "openai":
+            return None
+        if getattr(litellm, "api_base", None):
+            return "litellm.api_base"
+        return next((name for name in _OPENAI_BASE_VARIABLES if os.environ.get(name)), None)
 
     # The Responses API -------------------------------------------------------------------------
 
