@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import re
 from collections.abc import Awaitable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from dex_agents import (
     ModelCallMetadata,
     RunModelLimit,
     ToolEffect,
+    ToolPolicy,
 )
 from dex_agents._constants import MAX_CONSECUTIVE_TURN_CONTINUATIONS
 from dex_agents.builtin_loop import (
@@ -50,6 +52,7 @@ from dex_agents.builtin_loop import (
     builtin_agent_session_flow,
     builtin_agent_session_options,
 )
+from dex_agents.builtin_loop._tool_sources import unwrap_source_reference, wrap_source_reference
 from dex_agents.testing import wait_for_agent_snapshot
 
 
@@ -366,3 +369,58 @@ async def test_the_compaction_estimate_counts_async_instructions_and_source_tool
     # and were closed, not left to warn "coroutine ... was never awaited" when collected
     assert [inspect.getcoroutinestate(c) for c in made] == [inspect.CORO_CLOSED] * 3
     assert [t.name for t in estimated.tools] == ["remote_search", "cached_fetch"]
+
+
+class _Declaring(_Listing):
+    """A source that declares the names it lists, so AgentDefinition checks them when it is built."""
+
+    def declared_tool_names(self) -> list[str]:
+        return list(self.tools)
+
+
+@pytest.mark.parametrize(("fields", "error"), [
+    ({"name": "  "}, "name must be non-empty text, got '  '"),  # mutant D01: blank name taken
+    ({"max_model_calls_per_turn": True}, "max_model_calls_per_turn must be a whole number >= 1, got True"),  # D05
+    ({"tools": "lookup_order"}, "tools must be a list of FunctionTool, got 'lookup_order'"),  # D19: one per letter
+    ({"tool_sources": [_Declaring(" ", [])]}, "has source_name ' '; give it a unique, non-empty text name"),  # D24
+    ({"tools": [lookup_order], "tool_sources": [_Declaring("s", ["lookup_order"])]},
+     "tool lookup_order of a tool source uses the name of a function tool"),  # D27
+    ({"tool_sources": [_Declaring("s1", ["search"]), _Declaring("s2", ["search"])]},
+     "two tool sources list a tool named search"),  # D29
+])
+def test_agent_definition_refuses_what_its_sweep_found_unchecked(fields: dict[str, Any], error: str) -> None:
+    """AgentDefinition refuses, when built, a blank name or source name, True as a call limit, text as
+    the tool list, and declared source tool names colliding with a function tool or another source.
+    Catches (mutants D01, D05, D19, D24, D27, D29 of the _definition sweep): each taken, then failing
+    later: a collision in every model call of every turn, text as one bad tool per letter."""
+    agent: dict[str, Any] = {"name": "a", "instructions": "", "model": ScriptedModelClient(tool_then_answer)}
+    with pytest.raises(ValueError, match=re.escape("invalid AgentDefinition: ") + ".*" + re.escape(error)):
+        AgentDefinition(**{**agent, **fields})
+
+
+def test_a_definitions_tool_policy_overrides_its_function_tools_own() -> None:
+    """AgentDefinition.tool_policies override a function tool's own policy, in the options the
+    definition implies and for its calls. Catches (mutant D13 of the _definition sweep, the override
+    dropped): lookup_order, declared a read, ran without the approval the definition asked for."""
+    asked = ToolPolicy(ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=True)
+    agent = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(tool_then_answer),
+                            tools=[lookup_order], tool_policies={"lookup_order": asked})
+    assert builtin_agent_session_options(agent).tool_policies["lookup_order"] == asked
+    assert agent.function_tool_policy("lookup_order") == asked
+
+
+@pytest.mark.parametrize(("stored", "found"), [
+    (None, None),
+    ("call-ref-7", None),  # another runner's reference, not JSON (mutant T02: raised)
+    ('["s", "r"]', None),  # JSON, not an object (T03: AttributeError)
+    ('{"reference": "r"}', None),  # no source name (T04: taken as a source call)
+    ('{"stepwise_tool_source": "s", "reference": 7}', ("s", None)),  # T05: 7 handed on as the reference
+    (wrap_source_reference("s", "r"), ("s", "r")),
+])
+def test_a_stored_reference_names_a_source_only_when_it_was_wrapped(
+    stored: str | None, found: tuple[str, str | None] | None
+) -> None:
+    """A stored call's reference is taken as a tool source's only when wrap_source_reference made it;
+    any other is a function tool's (or another runner's) call. Catches (mutants T02-T05 of the
+    _tool_sources sweep): such a call failing its tool Step with a bare ValueError or AttributeError."""
+    assert unwrap_source_reference(stored) == found
