@@ -7,7 +7,7 @@ import dataclasses
 import inspect
 import json
 import re
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Awaitable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -374,8 +374,15 @@ async def test_the_compaction_estimate_counts_async_instructions_and_source_tool
 class _Declaring(_Listing):
     """A source that declares the names it lists, so AgentDefinition checks them when it is built."""
 
-    def declared_tool_names(self) -> list[str]:
+    def declared_tool_names(self) -> Iterable[str]:
         return list(self.tools)
+
+
+class _DeclaringOnce(_Listing):
+    """Declares its names as a generator, which can be read only once."""
+
+    def declared_tool_names(self) -> Iterable[str]:
+        return (name for name in self.tools)
 
 
 @pytest.mark.parametrize(("fields", "error"), [
@@ -387,11 +394,14 @@ class _Declaring(_Listing):
      "tool lookup_order of a tool source uses the name of a function tool"),  # D27
     ({"tool_sources": [_Declaring("s1", ["search"]), _Declaring("s2", ["search"])]},
      "two tool sources list a tool named search"),  # D29
+    ({"tools": [lookup_order], "tool_sources": [_DeclaringOnce("s", ["lookup_order"])]},
+     "tool lookup_order of a tool source uses the name of a function tool"),  # T10: a generator read twice
 ])
 def test_agent_definition_refuses_what_its_sweep_found_unchecked(fields: dict[str, Any], error: str) -> None:
     """AgentDefinition refuses, when built, a blank name or source name, True as a call limit, text as
     the tool list, and declared source tool names colliding with a function tool or another source.
-    Catches (mutants D01, D05, D19, D24, D27, D29 of the _definition sweep): each taken, then failing
+    Catches (mutants D01, D05, D19, D24, D27, D29 of the _definition sweep, and T10 of the
+    _tool_sources sweep, a declared_tool_names() generator not read into a list): each taken, then failing
     later: a collision in every model call of every turn, text as one bad tool per letter."""
     agent: dict[str, Any] = {"name": "a", "instructions": "", "model": ScriptedModelClient(tool_then_answer)}
     with pytest.raises(ValueError, match=re.escape("invalid AgentDefinition: ") + ".*" + re.escape(error)):
