@@ -396,11 +396,13 @@ class _DeclaringOnce(_Listing):
      "two tool sources list a tool named search"),  # D29
     ({"tools": [lookup_order], "tool_sources": [_DeclaringOnce("s", ["lookup_order"])]},
      "tool lookup_order of a tool source uses the name of a function tool"),  # T10: a generator read twice
+    ({"built_in_tools": frozenset({"ask_user"})},
+     "built_in_tools must be a frozenset of BuiltInTool, got frozenset({'ask_user'})"),  # D11: AttributeError
 ])
 def test_agent_definition_refuses_what_its_sweep_found_unchecked(fields: dict[str, Any], error: str) -> None:
     """AgentDefinition refuses, when built, a blank name or source name, True as a call limit, text as
     the tool list, and declared source tool names colliding with a function tool or another source.
-    Catches (mutants D01, D05, D19, D24, D27, D29 of the _definition sweep, and T10 of the
+    Catches (mutants D01, D05, D11, D19, D24, D27, D29 of the _definition sweep, and T10 of the
     _tool_sources sweep, a declared_tool_names() generator not read into a list): each taken, then failing
     later: a collision in every model call of every turn, text as one bad tool per letter."""
     agent: dict[str, Any] = {"name": "a", "instructions": "", "model": ScriptedModelClient(tool_then_answer)}
@@ -434,3 +436,15 @@ def test_a_stored_reference_names_a_source_only_when_it_was_wrapped(
     any other is a function tool's (or another runner's) call. Catches (mutants T02-T05 of the
     _tool_sources sweep): such a call failing its tool Step with a bare ValueError or AttributeError."""
     assert unwrap_source_reference(stored) == found
+
+
+def test_a_run_model_timeout_equal_to_the_listing_timeout_is_refused() -> None:
+    """A RunModel timeout equal to the listing timeout leaves the model call no time after a listing
+    that times out, so it is refused like a shorter one. Catches (mutant D15 of the _definition
+    sweep, > for >=): taken, and a source that did not answer failed the turn at its deadline."""
+    agent = AgentDefinition(name="lister", instructions="", model=ScriptedModelClient(tool_then_answer),
+                            tool_sources=[_Listing("s", ["t"])])
+    equal = RunModelLimit(timeout=agent.tool_source_listing_timeout)
+    options = dataclasses.replace(builtin_agent_session_options(agent), run_model_limit=equal)
+    with pytest.raises(ValueError, match=r"tool_source_listing_timeout \(0:00:10\) is not shorter than"):
+        AgentSessionFlow(BuiltinLoopAgentRunner(agent), "Lister", options)
