@@ -20,6 +20,7 @@ from dex_engine import (
     StaleAttemptError,
     Step,
     StepDecision,
+    Stream,
     UndeclaredNameError,
 )
 from dex_engine._codec import encode_value
@@ -184,3 +185,61 @@ async def test_an_rpc_loads_map_instances_into_its_view_once() -> None:
     ctx.close("RPC 'page' returned")
     with pytest.raises(StaleAttemptError, match=r"ctx\.load after RPC 'page' returned"):
         await ctx.load(Points["b"])
+
+
+def test_items_of_a_map_the_method_did_not_load_is_refused_by_name() -> None:
+    """A map the load options leave out is NotLoadedError, not an empty map (which would read as "no
+    instances" and let a handler act on it); one loaded by instance is readable."""
+    v = _StateView(FLOW, "f1", dict([stored(Names, "a", "x")]), LoadOptions.only(Names["a"]), "S")
+    with pytest.raises(NotLoadedError, match=r"'Points' was not loaded for Step 'S'"):
+        v.items(Points)
+    assert v.items(Names) == {"a": "x"}
+
+
+async def test_an_rpc_that_loaded_everything_loads_nothing_more() -> None:
+    """ctx.load in an RPC whose snapshot has every attribute asks the store for nothing: its
+    snapshot already holds them (and a second read could see a later state)."""
+    asked: list[LoadSpec] = []
+
+    async def load_more(spec: LoadSpec) -> dict[tuple[str, str], bytes]:
+        asked.append(spec)
+        return {}
+
+    ctx = RpcContext(FLOW, "f1", dict([stored(Points, "a", Point(1))]), LoadOptions.all(), {}, "page",
+                     load_more=load_more)
+    await ctx.load(Points["a"], Points["b"], Names)
+    assert asked == []
+    assert ctx.items(Points) == {"a": Point(1)} and ctx.items(Names) == {}
+
+
+@pytest.mark.parametrize("message_id", [True, "1", 1.0, None])
+def test_delete_message_refuses_an_id_that_is_no_whole_number(message_id: object) -> None:
+    """True is an int to Python but would delete message 1 on SQLite only; each is refused by value."""
+    ctx = RpcContext(RPC_FLOW, "f1", {}, LoadOptions.all(), {("Inbox", "a"): _queued((1, 10))}, "ask")
+    with pytest.raises(InvalidValueError, match=rf"must be a whole number .*got {type(message_id).__name__}: "):
+        ctx.delete_message(Inbox["a"], message_id)  # type: ignore[arg-type]
+    assert ctx.writes.deleted_messages == []
+
+
+def test_an_rpc_deleting_a_message_after_it_returned_is_refused() -> None:
+    ctx = RpcContext(RPC_FLOW, "f1", {}, LoadOptions.all(), {("Inbox", "a"): _queued((1, 10))}, "ask")
+    ctx.close("RPC 'ask' returned")
+    with pytest.raises(StaleAttemptError, match=r"ctx\.delete_message after RPC 'ask' returned"):
+        ctx.delete_message(Inbox["a"], 1)
+    assert ctx.writes.deleted_messages == []
+
+
+def test_an_event_or_append_to_an_undeclared_stream_is_refused_by_name() -> None:
+    """Neither reaches the store: a best-effort event would otherwise land in a stream no reader knows."""
+    events: list[tuple[str, bytes]] = []
+    ctx = Context(flow=FLOW, flow_id="f1", step_type="S", step_execution_id="S-1", method="execute", attempt=1,
+                  loaded={}, load=LoadOptions.all(), checkpoint=None, recovery_error=None, wait_result=None,
+                  heartbeat=_no_heartbeat, write_event=lambda name, data: events.append((name, data)))
+    for write in (ctx.write_event, ctx.append):
+        with pytest.raises(UndeclaredNameError, match="Nowhere"):
+            write(Stream("Nowhere", int), 1)
+    assert events == [] and ctx.writes.appends == []
+
+
+async def _no_heartbeat(_checkpoint: str | None) -> None:
+    pass
