@@ -243,3 +243,14 @@ def test_an_event_or_append_to_an_undeclared_stream_is_refused_by_name() -> None
 
 async def _no_heartbeat(_checkpoint: str | None) -> None:
     pass
+
+
+def test_an_rpc_reading_what_it_did_not_load_is_told_to_load_it_for_the_rpc() -> None:
+    """The advice names the RPC's own load options and ctx.load, not a Step's load options (an RPC
+    is no Step; its Flow's Steps' options do not change what it loads)."""
+    ctx = RpcContext(FLOW, "f1", {}, LoadOptions.only(Names["a"]), {}, "page")
+    advice = r"was not loaded for RPC 'page'; add it to the RPC's load options \(rpc\(load=\.\.\.\)\) or load it first"
+    with pytest.raises(NotLoadedError, match=r"attribute 'Points\[b\]' " + advice):
+        ctx.get(Points["b"])
+    with pytest.raises(NotLoadedError, match=r"attribute 'Points' " + advice):
+        ctx.items(Points)

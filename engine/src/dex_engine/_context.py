@@ -56,6 +56,9 @@ class _StateView:
         return StaleAttemptError(f"ctx.{call} after {self._ended}: its writes were already committed or "
                                  "dropped; make every write before the handler returns")
 
+    def _not_loaded(self, name: str) -> NotLoadedError:
+        return NotLoadedError(name, self._owner)
+
     def _is_loaded(self, name: str, key: str) -> bool:
         return self._load.loads(name, key)
 
@@ -72,7 +75,7 @@ class _StateView:
             data = writes[ident]
         else:
             if not self._load.loads(ref.name, ref.key):
-                raise NotLoadedError(ref.label, self._owner)
+                raise self._not_loaded(ref.label)
             data = self._loaded.get(ident)
         if data is None:
             return default
@@ -90,7 +93,7 @@ class _StateView:
             self.flow.check_attribute(AttributeRef(name, "?", amap.value_type))
         whole = self._load.mode == "all" or name in self._load.names
         if not whole and not any(n == name for n, _ in self._load.instances):
-            raise NotLoadedError(name, self._owner)
+            raise self._not_loaded(name)
         if self._map_keys is None:
             index: dict[str, list[str]] = {}
             for n, k in self._loaded:
@@ -366,10 +369,14 @@ class RpcContext(_StateView):
         load_more: Callable[[LoadSpec], Awaitable[dict[tuple[str, str], bytes]]] | None = None,
     ) -> None:
         super().__init__(flow, flow_id, loaded, load, f"RPC {rpc_name}")
+        self._rpc_name = rpc_name
         self._load_more = load_more
         self._pending = pending
         self._in_flight = in_flight or {}
         self.pending_read = False  # whether the handler asked for pending or in-flight messages
+
+    def _not_loaded(self, name: str) -> NotLoadedError:
+        return NotLoadedError(name, self._rpc_name, rpc=self._rpc_name)
 
     async def load(self, *items: AttributeRef[Any] | AttributeMap[Any]) -> None:
         """Load more attributes or map instances into this RPC's snapshot, as `LoadOptions.only(*items)`
