@@ -979,3 +979,37 @@ async def test_stream_follow_says_its_flow_was_replaced_while_it_rechecked_a_cra
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith("Error: flow 'r2' was deleted and started again while this follower read it ("), \
         result.output
+
+
+def test_stream_follow_of_a_closed_flow_refuses_a_stream_without_events(db: str) -> None:
+    """--follow waits for a stream's first event only while the flow runs: a closed flow writes none,
+    so a typo is an error (exit 2), not an empty success."""
+    result = run("stream", "done-1", "Nowhere", "--follow", "--db", db)
+    assert_one_line_error(result, "flow 'done-1' has no events in stream 'Nowhere'", "'Log'")
+
+
+async def test_stream_reads_page_after_page_and_names_a_single_trimmed_event(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream longer than a page is printed whole, in order; a gap of one trimmed event is noted
+    like a longer one. Catches: only the first page printed; a gap reported only when over one."""
+    async with engine_for(db_url, Registry([BURST_FLOW])) as eng:
+        await eng.client.start_flow("Burst", "p1")
+        await eng.client.rpc("p1", "burst", [f"e{i:02d}" for i in range(1, 12)])  # 11: event 1 trimmed
+    monkeypatch.setattr(cli_module, "STREAM_PAGE", 3)
+    result = await asyncio.to_thread(run, "stream", "p1", "Burst", "--db", db_url)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert [json.loads(line)["sequence"] for line in result.stdout.splitlines()] == list(range(2, 12))
+    assert result.stderr == "events 1..1 were trimmed (stream capacity)\n"
+
+
+async def test_workers_marks_a_lapsed_lease_as_expired(db_copy: str) -> None:
+    """A worker whose lease lapsed (a crashed host) shows as expired, its expiry in the past."""
+    store = open_store(db_copy)
+    try:
+        await store.register_worker("w-lapsed", "gone-host", 4242, ttl_ms=-60_000)
+    finally:
+        await store.close()
+    out = await asyncio.to_thread(ok, "workers", "--db", db_copy)
+    row = next(line for line in out.splitlines() if "w-lapsed" in line)
+    assert re.search(rf"{TIME} \([\d.]+ s ago\)\s+expired \(not yet removed\)", row), row
