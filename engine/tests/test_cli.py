@@ -1013,3 +1013,46 @@ async def test_workers_marks_a_lapsed_lease_as_expired(db_copy: str) -> None:
     out = await asyncio.to_thread(ok, "workers", "--db", db_copy)
     row = next(line for line in out.splitlines() if "w-lapsed" in line)
     assert re.search(rf"{TIME} \([\d.]+ s ago\)\s+expired \(not yet removed\)", row), row
+
+
+@pytest.mark.parametrize(("remembered", "crashed", "caveat"), [(2, (3, 4), True), (100, (1, 2, 3, 4), False)])
+async def test_stream_follow_says_when_it_may_have_missed_older_changes(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, remembered: int, crashed: tuple[int, ...], caveat: bool,
+) -> None:
+    """A follower remembers only its last FOLLOW_REMEMBERED_EVENTS printed events: when the oldest one
+    it remembers changed, older ones may have too, and its note says so; when it still remembers
+    every event it printed, the note has no such caveat. Catches: an unbounded memory of printed
+    events; the caveat on every change at the first remembered event."""
+    polled, resume = threading.Event(), threading.Event()
+    real_sleep = asyncio.sleep
+
+    async def poll_pause(delay: float) -> None:
+        if not resume.is_set():
+            polled.set()
+            await asyncio.get_running_loop().run_in_executor(None, resume.wait)
+        await real_sleep(0.01)
+
+    monkeypatch.setattr(cli_module, "asyncio", SimpleNamespace(run=asyncio.run, sleep=poll_pause))
+    monkeypatch.setattr(cli_module, "FOLLOW_REMEMBERED_EVENTS", remembered)
+    async with engine_for(db_url, Registry([BURST_FLOW])) as eng:
+        await eng.client.start_flow("Burst", "m1")
+        await eng.client.rpc("m1", "burst", ["e01", "e02", "e03", "e04"])
+        following = asyncio.ensure_future(asyncio.to_thread(run, "stream", "m1", "Burst", "--follow", "--db", db_url))
+        try:
+            await asyncio.wait_for(asyncio.to_thread(polled.wait), 30)
+
+            def crash_renumbers(db: Any) -> None:
+                for seq in crashed:
+                    db.run("UPDATE stream_events SET value = ? WHERE flow_id = ? AND stream = ? AND seq = ?",
+                           (json.dumps(f"n{seq:02d}").encode(), "m1", "Burst", seq))
+
+            await eng.store.raw(crash_renumbers, write=True)
+            await eng.client.stop_flow("m1")
+        finally:
+            resume.set()
+        result = await asyncio.wait_for(following, 30)
+    assert result.exit_code == 0, result.output
+    values = [json.loads(line)["value"] for line in result.stdout.splitlines()]
+    assert values == ["e01", "e02", "e03", "e04", *(f"n{seq:02d}" for seq in crashed)], result.output
+    assert f"events {crashed[0]}..4 this follower printed are gone" in result.stderr, result.stderr
+    assert (f"it remembers only the last {remembered} events it printed" in result.stderr) == caveat, result.stderr
