@@ -1056,3 +1056,33 @@ async def test_stream_follow_says_when_it_may_have_missed_older_changes(
     assert values == ["e01", "e02", "e03", "e04", *(f"n{seq:02d}" for seq in crashed)], result.output
     assert f"events {crashed[0]}..4 this follower printed are gone" in result.stderr, result.stderr
     assert (f"it remembers only the last {remembered} events it printed" in result.stderr) == caveat, result.stderr
+
+
+async def test_stream_follow_says_once_that_it_waits_for_a_streams_first_event(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The "no events yet; waiting" note is printed once, not at every poll, and the follow ends
+    quietly when the flow closes. Catches: the note repeated at each poll (and then an error)."""
+    polled, resume = threading.Event(), threading.Event()
+    polls: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def poll_pause(delay: float) -> None:
+        polls.append(delay)
+        if len(polls) == 3 and not resume.is_set():
+            polled.set()
+            await asyncio.get_running_loop().run_in_executor(None, resume.wait)
+        await real_sleep(0)
+
+    monkeypatch.setattr(cli_module, "asyncio", SimpleNamespace(run=asyncio.run, sleep=poll_pause))
+    async with engine_for(db_url, Registry([BURST_FLOW])) as eng:
+        await eng.client.start_flow("Burst", "q1")
+        following = asyncio.ensure_future(asyncio.to_thread(run, "stream", "q1", "Burst", "--follow", "--db", db_url))
+        try:
+            await asyncio.wait_for(asyncio.to_thread(polled.wait), 30)
+            await eng.client.stop_flow("q1")
+        finally:
+            resume.set()
+        result = await asyncio.wait_for(following, 30)
+    assert (result.exit_code, result.stdout) == (0, ""), result.output
+    assert result.stderr.count("has no events yet; waiting") == 1, result.stderr

@@ -254,3 +254,20 @@ def test_an_rpc_reading_what_it_did_not_load_is_told_to_load_it_for_the_rpc() ->
         ctx.get(Points["b"])
     with pytest.raises(NotLoadedError, match=r"attribute 'Points' " + advice):
         ctx.items(Points)
+
+
+async def test_a_read_after_a_delete_sees_the_delete_and_a_load_of_a_loaded_map_asks_nothing() -> None:
+    """get after this method's delete is unset (not the stored value); ctx.load of a map the RPC
+    loaded whole by name reads nothing again (a second read could see a later state)."""
+    asked: list[LoadSpec] = []
+
+    async def load_more(spec: LoadSpec) -> dict[tuple[str, str], bytes]:
+        asked.append(spec)
+        return {}
+
+    ctx = RpcContext(FLOW, "f1", dict([stored(Points, "a", Point(1))]), LoadOptions.only(Points), {}, "page",
+                     load_more=load_more)
+    ctx.delete(Points["a"])
+    assert ctx.get(Points["a"]) is None and ctx.get(Points["a"], Point(0)) == Point(0)
+    await ctx.load(Points, Points["b"])
+    assert asked == []
