@@ -30,7 +30,16 @@ import dex_agents._rpcs as rpcs_module
 from dex_agents import PENDING_INTERRUPTS, AgentSessionClient, AgentSessionFlow, AgentSnapshot, BuiltInTool
 from dex_agents._constants import RPC_LOCK_CONFLICT_RETRY, RPC_LOCK_CONFLICT_RETRY_INTERVAL
 from dex_agents.testing import InvocationLog, wait_for_agent_snapshot
-from dex_engine import AsyncClient, AsyncWorker, Registry, RpcLockConflictError, Store, WorkerOptions, open_store
+from dex_engine import (
+    AsyncClient,
+    AsyncWorker,
+    DexError,
+    Registry,
+    RpcLockConflictError,
+    Store,
+    WorkerOptions,
+    open_store,
+)
 
 SESSION = "s"
 
@@ -441,3 +450,29 @@ async def test_an_answer_that_can_only_return_false_answers_while_a_step_holds_t
             engine.sessions, SESSION, lambda s: s if s.state is not None and s.state.turn_count == 1 else None,
             description="turn-1 to end")
         assert "blue" in (snapshot.messages[-1].text or "")
+
+
+class SnapshotFailingClient(CountingClient):
+    """Its get_agent_snapshot RPC fails, as a read the engine refuses would."""
+
+    async def rpc(self, flow_id: str, name: str, request: Any = None) -> Any:
+        if name == "get_agent_snapshot" and self.held is not None:
+            self.sent.append(name)
+            raise DexError("the snapshot cannot be read now")
+        return await super().rpc(flow_id, name, request)
+
+
+async def test_a_lock_free_check_that_cannot_read_the_snapshot_waits_for_the_lock(tmp_path: Path) -> None:
+    """At the first lock conflict resolve_interrupt reads a lock-free snapshot; when that read fails,
+    nothing says the call is refused, so the call waits for the lock and commits. Catches: a failed
+    read taken as "refused", the approval dropped with False."""
+    async with in_process(tmp_path) as engine:
+        rpc = LOCKING_RPCS[0]
+        await waiting_turn(engine, rpc)
+        engine.client = SnapshotFailingClient(Registry([engine.flow]), engine.client.store)
+        held = await hold_lock(engine.client.store, SESSION, PENDING_INTERRUPTS.label, rpc.holder)
+        engine.client.held, engine.client.release_after = held, 2
+        assert await rpc.call(engine.sessions) is True
+        assert engine.client.sent == ["resolve_interrupt", "get_agent_snapshot"] + ["resolve_interrupt"] * 2
+        await assert_turn_ended(engine, rpc)
+
