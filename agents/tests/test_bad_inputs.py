@@ -714,17 +714,21 @@ async def test_the_longest_deadline_read_by_a_worker_whose_clock_is_behind_still
         await assert_usable(sessions, "s", before)
 
 
-async def test_a_rejection_message_too_large_to_store_is_cut_and_the_session_goes_on(tmp_path: Path) -> None:
+@pytest.mark.parametrize("over_limit", [-4096, 4096], ids=["near-the-value-limit", "over-the-value-limit"])
+async def test_a_rejection_message_too_large_to_store_is_cut_and_the_session_goes_on(
+    tmp_path: Path, over_limit: int
+) -> None:
     """A rejection message near the engine's value limit would not fit in the call's record: every
     AwaitToolApproval attempt would fail, and the session with it. It is cut, with a note, and the
-    write is rejected as asked; nothing runs."""
+    write is rejected as asked; nothing runs. One over the limit is cut by the client before it is
+    sent, or the request itself would be too large (the resolve refused, the rejection lost)."""
     async with in_process(tmp_path, build_flow(tmp_path)) as engine:
         sessions = engine.sessions
         before = await started_session(sessions, "s")
         assert await sessions.send_user_message("s", script({"tools": [{"id": "w1", "name": "write_x"}]},
                                                             {"answer": "{results}"}))
         await wait_for_agent_snapshot(sessions, "s", lambda s: s.pending_interrupts, description="the approval")
-        reason = "no, " * ((MAX_VALUE_BYTES - 4096) // 4)
+        reason = "no, " * ((MAX_VALUE_BYTES + over_limit) // 4)
         assert await sessions.resolve_interrupt("s", "w1", approved=False, rejection_message=reason) is True
         snapshot = await turn_ended(sessions, "s", 2)
         kept = MAX_REJECTION_MESSAGE_CHARS
