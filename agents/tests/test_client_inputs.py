@@ -287,3 +287,20 @@ def test_session_clients_dropped_unclosed_close_their_stores(tmp_path: Path, db_
     for thread in started:
         thread.join(30)  # a hang guard
     assert [thread.name for thread in started if thread.is_alive()] == []
+
+
+async def test_read_agent_events_returns_at_most_limit_events_and_resumes_after_them(
+    tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """read_agent_events(limit=n) hands the engine's read its limit: n events, and a resume token
+    from which the next read goes on with the events after them. Catches: the limit dropped, every
+    read answered with up to DEFAULT_READ_LIMIT events."""
+    async with sessions_on(tmp_path, db_url, worker=True) as sessions:
+        await sessions.start_session("s", "hi")
+        await wait_for_agent_snapshot(sessions, "s", _turn_ended, description="the first turn ended")
+        every = (await sessions.read_agent_events("s")).events
+        assert len(every) >= 3
+        first = await sessions.read_agent_events("s", limit=1)
+        assert first.events == every[:1]
+        after = await sessions.read_agent_events("s", first.resume_token, limit=2)
+        assert after.events == every[1:3]
