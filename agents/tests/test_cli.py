@@ -66,9 +66,10 @@ def _run_with_pause(args: list[str], first: str, shown: str, then: str) -> tuple
 def test_chat_quits_cleanly_while_its_input_stays_open(tmp_path: Path) -> None:
     """/quit typed at a terminal, whose input stays open: the chat exits with code 0. Catches: the
     reader thread, blocked in stdin's buffered read, holding its lock as the interpreter shut down,
-    which aborted it (SIGABRT, "could not acquire lock for <_io.BufferedReader name='<stdin>'>")."""
+    which aborted it (SIGABRT, "could not acquire lock for <_io.BufferedReader name='<stdin>'>").
+    --data-dir names a directory two levels below one that exists: the chat makes both."""
     env = {**os.environ, "COLUMNS": "200"}
-    process = subprocess.Popen([*CLI, "chat", "--data-dir", str(tmp_path)], stdin=subprocess.PIPE,
+    process = subprocess.Popen([*CLI, "chat", "--data-dir", str(tmp_path / "new" / "d")], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         assert process.stdin is not None and process.stdout is not None
@@ -80,6 +81,7 @@ def test_chat_quits_cleanly_while_its_input_stays_open(tmp_path: Path) -> None:
         process.kill()
     assert code == 0, output
     assert "agent> one" in output and "Fatal Python error" not in output, output
+    assert (tmp_path / "new" / "d" / "agents.db").is_file()
 
 
 def test_chat_whose_output_is_closed_ends_with_one_error_line_and_saves_the_session(tmp_path: Path) -> None:
