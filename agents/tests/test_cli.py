@@ -607,3 +607,22 @@ def test_a_command_leaves_an_ignored_sighup_ignored_and_restores_signal_handlers
         signal.signal(signal.SIGTERM, before[0])
         signal.signal(signal.SIGHUP, before[1])
 
+
+
+def test_a_demo_error_ends_the_demo_command_with_one_error_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The DemoError of a demo Worker that exits as it starts reaches the user as the command's one
+    error line (exit code 1). Catches: the error raised through click as a traceback."""
+    from click.testing import CliRunner
+
+    from dex_agents.cli import main
+
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'no interpreter here' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(broken))
+    done = CliRunner().invoke(main, ["demo", "--data-dir", str(tmp_path / "d")])
+    assert done.exit_code == 1, (done.output, done.exception)
+    assert done.stderr.startswith("Error: the demo Worker exited with code 3 as it started"), done.stderr
+    assert done.stderr.rstrip().endswith("no interpreter here") and "Traceback" not in done.output
