@@ -608,7 +608,6 @@ def test_a_command_leaves_an_ignored_sighup_ignored_and_restores_signal_handlers
         signal.signal(signal.SIGHUP, before[1])
 
 
-
 def test_a_demo_error_ends_the_demo_command_with_one_error_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
