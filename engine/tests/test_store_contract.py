@@ -764,6 +764,42 @@ async def test_a_claim_that_never_started_gives_back_its_locks(store: Store, how
     assert not await lock_conflicts(store, "f1")
 
 
+@pytest.mark.parametrize("how", ["handed back", "its worker stopped", "its worker died"])
+async def test_a_claim_that_never_started_keeps_its_place_in_the_queue(store: Store, how: str) -> None:
+    """A claim made ready again before it started (handed back beyond the worker's slots, or its
+    worker gone) is claimed before work that became ready after it, as claims take the oldest
+    first. Catches: handing it back as ready from now, behind everything readied meanwhile; a
+    worker's claims in flight that took more than its slots kept handing the same message's Step
+    back, and it ran after 1,126 of 1,340 timers' Steps fired later than it was sent."""
+    await start(store, "older")
+    await asyncio.sleep(0.005)  # run_at is in milliseconds: the two must differ
+    await store.register_worker("going", "contract-host", 2, HOUR_MS)
+    lease = await store.claim("going", TYPES, 1)
+    assert [x.flow_id for x in lease] == ["older"]
+    await start(store, "newer")
+    await asyncio.sleep(0.005)
+    if how == "handed back":
+        await store.release_unstarted(lease[0])
+    elif how == "its worker stopped":
+        await store.unregister_worker("going")
+    else:
+        await store.raw(lambda db: db.run("DELETE FROM workers WHERE worker_id = ?", ("going",)), write=True)
+        await store.housekeeping()
+    assert await active(store, "older") == [("Start-1", "ready", "execute", 1)]
+    assert [x.flow_id for x in await store.claim(W, TYPES, 1)] == ["older"]
+    assert [x.flow_id for x in await store.claim(W, TYPES, 1)] == ["newer"]
+
+
+async def test_a_claim_handed_back_with_a_delay_is_claimed_only_after_it(store: Store) -> None:
+    """A claim handed back with a delay (a Step this worker's Registry does not declare) is not
+    claimed again before the delay is over, though it was ready first."""
+    await start(store, "f1")
+    lease = await claim_one(store)
+    await store.release_unstarted(lease, HOUR_MS)
+    assert await store.claim(W, TYPES, 1) == []
+    assert await active(store, "f1") == [("Start-1", "ready", "execute", 1)]
+
+
 async def test_a_retry_handed_back_unstarted_keeps_the_locks_its_first_attempt_took(store: Store) -> None:
     """E7: a method holds its locks across all its attempts, so a retry's claim handed back before
     it started keeps them: an RPC between two attempts of a started method never sees its state.

@@ -1820,26 +1820,31 @@ def abandon(db: Db, lease: Lease) -> None:
 def release_unstarted(db: Db, lease: Lease, now: int, delay_ms: int = 0) -> None:
     """Give back an attempt that never started (a claim beyond the worker's slots, a Step the
     worker's Registry lacks): same attempt number, no retry used; other workers are told it is
-    ready, to claim `delay_ms` from now."""
+    ready, to claim `delay_ms` from now, or with no delay in its place in the queue."""
     check_lease(db, lease)
-    _ready_again(db, lease.task_id, now + delay_ms)
+    _ready_again(db, lease.task_id, now + delay_ms if delay_ms else None)
     db.notify()
 
 
-def _ready_again(db: Db, task_id: int, run_at: int) -> None:
+def _ready_again(db: Db, task_id: int, run_at: int | None) -> None:
     """Make a claimed attempt that never started ready again, to claim from `run_at`: the same
-    attempt (E3). A method none of whose attempts started gives back its locks too, as it was
-    before its claim, which takes them again: E7 holds them from the first attempt that runs, and
-    held by a Step no worker runs (its worker stopped, or died, or declares no such Step) they
-    refused every RPC taking one for as long as no worker ran it."""
+    attempt (E3). With `run_at` None it keeps the run_at it was claimed with, so its place in the
+    queue: claims take the oldest first, and a claim handed back as the newest went behind all
+    work readied meanwhile, each time a worker's claims in flight took more than its slots (a
+    message's Step waited behind a whole burst of timers, handed back again and again).
+
+    A method none of whose attempts started gives back its locks too, as it was before its claim,
+    which takes them again: E7 holds them from the first attempt that runs, and held by a Step no
+    worker runs (its worker stopped, or died, or declares no such Step) they refused every RPC
+    taking one for as long as no worker ran it."""
     row = db.one("SELECT any_started, locks_held FROM tasks WHERE task_id = ? AND attempt_started = 0", (task_id,))
     if row is None:
         return
     give_back = not row[0] and bool(row[1])
     _send(
-        db, "UPDATE tasks SET state = 'ready', lease_owner = NULL, deadline_at = NULL, run_at = ?"
-        + (", locks_held = 0" if give_back else "") + " WHERE task_id = ?",
-        (run_at, task_id),
+        db, "UPDATE tasks SET state = 'ready', lease_owner = NULL, deadline_at = NULL"
+        + ("" if run_at is None else ", run_at = ?") + (", locks_held = 0" if give_back else "") + " WHERE task_id = ?",
+        (task_id,) if run_at is None else (run_at, task_id),
     )
     if give_back:
         _release_locks(db, task_id)
@@ -2101,7 +2106,7 @@ def _expire_orphans(db: Db, now: int, *, stopped_worker: str | None = None, name
             _fail_task(db, int(task_id), error, False, now)
         else:
             # E3: never started: hand the same attempt out again, consuming no retry.
-            _ready_again(db, int(task_id), now)
+            _ready_again(db, int(task_id), None)
             bump(db, str(flow_id))
             db.notify()
             db.revoked()  # a worker that still runs it (not dead, only late to renew) must stop
