@@ -421,6 +421,32 @@ def test_a_definitions_tool_policy_overrides_its_function_tools_own() -> None:
     assert agent.function_tool_policy("lookup_order") == asked
 
 
+def test_an_agent_definition_keeps_copies_of_the_lists_and_dicts_it_was_given() -> None:
+    """AgentDefinition copies its tools, tool sources, model settings and tool policies, read-only.
+    Catches: the caller's dict kept, so that dropping a tool policy from it after the definition was
+    built (and checked) let the tool run without the approval the definition asked for."""
+    asked = ToolPolicy(ToolEffect.NON_IDEMPOTENT_WRITE, requires_approval=True)
+    policies = {"lookup_order": asked}
+    settings: dict[str, Any] = {"temperature": 0.5}
+    tools = [lookup_order]
+    sources: list[Any] = [_Declaring("s", ["search"])]
+    agent = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(tool_then_answer), tools=tools,
+                            tool_sources=sources, model_settings=settings, tool_policies=policies)
+    policies.clear()
+    settings["temperature"] = 2
+    tools.clear()
+    sources.clear()
+    assert agent.function_tool_policy("lookup_order") == asked
+    assert builtin_agent_session_options(agent).tool_policies["lookup_order"] == asked
+    assert dict(agent.model_settings) == {"temperature": 0.5}
+    assert [t.name for t in agent.tools] == ["lookup_order"]
+    assert len(agent.tool_sources) == 1
+    with pytest.raises(TypeError):
+        agent.tool_policies["lookup_order"] = ToolPolicy(ToolEffect.READ)  # type: ignore[index]
+    with pytest.raises(TypeError):
+        agent.model_settings["temperature"] = 2  # type: ignore[index]
+
+
 @pytest.mark.parametrize(("stored", "found"), [
     (None, None),
     ("call-ref-7", None),  # another runner's reference, not JSON (mutant T02: raised)

@@ -154,9 +154,12 @@ class AgentDefinition:
             problems.extend(_built_in_clashes(self.tools, self.tool_sources, {b.value for b in built_ins}))
         if problems:
             raise ValueError("invalid AgentDefinition: " + "; ".join(problems))
+        # Copies, read-only: a caller's list or dict changed after the checks above would change the
+        # agent unchecked (a tool policy dropped, and its approval with it).
         object.__setattr__(self, "tools", tuple(self.tools))
         object.__setattr__(self, "tool_sources", tuple(self.tool_sources))
         object.__setattr__(self, "model_settings", MappingProxyType(dict(self.model_settings)))
+        object.__setattr__(self, "tool_policies", MappingProxyType(dict(self.tool_policies)))
 
     @property
     def enabled_built_in_tools(self) -> frozenset[BuiltInTool]:
