@@ -65,6 +65,24 @@ def test_items_are_in_key_order_with_this_methods_writes_and_deletes_on_top() ->
     assert v.keys(Points) == ["b", "c", "d"]
 
 
+Maybes: AttributeMap[int | None] = AttributeMap("Maybes", int | None)
+MAYBE_FLOW = Flow("Maybe", [Step("S", _noop, input_type=type(None))], start_step="S", schema=[Maybes])
+
+
+def test_an_instance_holding_null_is_listed_as_get_reads_it() -> None:
+    """items() lists a map instance whose value is None (stored JSON null, or set now), as get()
+    reads None for it and not the default; a deleted one is left out. Catches: items() dropping
+    the instances holding None, so that keys() said an instance get() read did not exist."""
+    v = _StateView(MAYBE_FLOW, "f1", {("Maybes", "a"): b"null", ("Maybes", "b"): b"1", ("Maybes", "c"): b"2"},
+                   LoadOptions.all(), "Step S")
+    assert v.items(Maybes) == {"a": None, "b": 1, "c": 2}
+    assert v.get(Maybes["a"], 7) is None
+    v.set(Maybes["b"], None)
+    v.delete(Maybes["c"])
+    assert v.items(Maybes) == {"a": None, "b": None}
+    assert v.keys(Maybes) == ["a", "b"]
+
+
 def test_a_stored_value_of_another_type_names_the_instance() -> None:
     """Only the bad instance is named; the good ones stay readable."""
     v = view({("Points", "a"): b'{"x":1}', ("Points", "b"): b'{"x":"two"}', ("Points", "c"): b'{"x":3}'})

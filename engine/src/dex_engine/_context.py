@@ -125,8 +125,8 @@ class _StateView:
                 else:
                     value = hit if handout is None else handout(hit)
                 cache[ident] = value
-            if value is not None:
-                out[key] = value
+            # A stored null is an instance (get returns it, not the default): listed too.
+            out[key] = value
         self._items[name] = out
         return dict(out)
 
