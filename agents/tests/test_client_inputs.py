@@ -304,3 +304,21 @@ async def test_read_agent_events_returns_at_most_limit_events_and_resumes_after_
         assert first.events == every[:1]
         after = await sessions.read_agent_events("s", first.resume_token, limit=2)
         assert after.events == every[1:3]
+
+
+async def test_read_agent_events_with_wait_seconds_waits_for_the_next_event(
+    tmp_path: Path, db_url: str  # noqa: F811
+) -> None:
+    """read_agent_events(wait_seconds=) long-polls: a read after the last event waits, and returns
+    with the next turn's events once a message starts one. Catches: wait_seconds not handed to the
+    engine's read, which then answers at once with no events and a UI polling it spins."""
+    async with sessions_on(tmp_path, db_url, worker=True) as sessions:
+        await sessions.start_session("s", "hi")
+        await wait_for_agent_snapshot(sessions, "s", _turn_ended, description="the first turn ended")
+        token = (await sessions.read_agent_events("s", limit=1000)).resume_token
+        reader = asyncio.create_task(sessions.read_agent_events("s", token, wait_seconds=60))
+        await asyncio.sleep(0.2)
+        assert not reader.done(), f"the read did not wait: {reader.result() if reader.done() else None}"
+        await sessions.send_user_message("s", "again")
+        read = await asyncio.wait_for(reader, 90)  # a hang guard
+        assert read.events and read.events[0].value.type == "turn_started"
