@@ -625,3 +625,46 @@ def test_a_demo_error_ends_the_demo_command_with_one_error_line(
     assert done.exit_code == 1, (done.output, done.exception)
     assert done.stderr.startswith("Error: the demo Worker exited with code 3 as it started"), done.stderr
     assert done.stderr.rstrip().endswith("no interpreter here") and "Traceback" not in done.output
+
+
+def test_chat_ended_by_ctrl_c_exits_with_130_and_the_session_resumes(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) at the chat's prompt ends it with exit code 130, as a shell expects of a
+    command the user interrupted, with no traceback; the session resumes. Catches: the
+    KeyboardInterrupt shown as a traceback, or another exit code (scripts test for 130)."""
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([*CLI, "chat", "--data-dir", str(tmp_path)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert process.stdin is not None and process.stdout is not None and process.stderr is not None
+        assert "new session 'chat'" in process.stdout.readline()
+        process.send_signal(signal.SIGINT)
+        code = process.wait(CLI_TIMEOUT_SECONDS)
+        errors = process.stderr.read()
+    finally:
+        process.kill()
+    assert code == 130, errors
+    assert "Traceback" not in errors, errors
+    again = _run(["chat", "--data-dir", str(tmp_path)], stdin="/echo still here\n")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resuming session 'chat'" in again.stdout and "agent> still here" in again.stdout, again.stdout
+
+
+def test_a_sqlite_error_ends_the_chat_command_with_one_error_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An sqlite3 error that reaches the command (not one dex_engine words itself) ends it with its
+    message as one error line, exit code 1. Catches: the error raised through click as a traceback."""
+    import sqlite3
+
+    from click.testing import CliRunner
+
+    from dex_agents.cli import main
+    from dex_agents.demo import _chat
+
+    async def locked(*_args: object) -> int:
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(_chat, "run_chat", locked)
+    done = CliRunner().invoke(main, ["chat", "--data-dir", str(tmp_path / "d")], input="")
+    assert done.exit_code == 1, (done.output, done.exception)
+    assert done.stderr == "Error: database is locked\n", done.stderr
