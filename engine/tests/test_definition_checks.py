@@ -237,6 +237,19 @@ def test_force_fail_refuses_a_reason_that_is_not_text(reason: Any) -> None:
                      "Movement(step='End'", id="rpc-one-movement"),
         pytest.param(lambda: RPCResult("out", canceling_steps=(5,)),  # type: ignore[arg-type]
                      "RPCResult canceling_steps must be a Step or a Step type's name, got int: 5", id="rpc-cancel-int"),
+        pytest.param(lambda: RPCResult("out", canceling_steps=5),  # type: ignore[arg-type]
+                     "RPCResult canceling_steps must be Steps or Step type names, got int: 5", id="rpc-cancel-one-int"),
+        pytest.param(lambda: RPCResult("out", next_steps="End"),  # type: ignore[arg-type]
+                     "RPCResult next_steps must be a collection of Movements or (step, input) tuples, got 'End'",
+                     id="rpc-next-text"),
+        pytest.param(lambda: StepDecision.go_to_many(()),  # type: ignore[arg-type]
+                     "go_to_many holds (), which is neither a Movement nor a (step, input)", id="many-empty-tuple"),
+        pytest.param(lambda: StepDecision.go_to_many(("End", None, None, None)),  # type: ignore[arg-type]
+                     "go_to_many holds ('End', None, None, None), which is neither", id="many-four-tuple"),
+        pytest.param(lambda: StepDecision.go_to_many(["End", None]),  # type: ignore[arg-type]
+                     "go_to_many holds ['End', None], which is neither", id="many-list"),
+        pytest.param(lambda: StepDecision("movements", ("End",)),  # type: ignore[arg-type]
+                     "StepDecision movements holds 'End', which is neither", id="decision-made-directly"),
     ],
 )
 def test_decisions_refuse_arguments_of_the_wrong_kind(make: Callable[[], object], message: str) -> None:
@@ -259,6 +272,38 @@ def test_an_rpc_result_takes_one_name_whole_and_step_input_tuples() -> None:
     decision = StepDecision("dead_end", canceling_steps="Park")  # type: ignore[arg-type]
     assert decision.canceling_steps == ("Park",)
 
+
+def test_decisions_take_step_objects_options_tuples_and_chained_cancellations() -> None:
+    """Catches: a Step object read by any attribute but step_type (no other test passes one), a
+    (step, input, options) tuple refused or its options dropped, a StepDecision made directly
+    keeping its tuples, a second with_canceling_steps dropping the first's names, and
+    ending_retry_waits given one name read as its characters."""
+    parked = Step("Park", park)
+    options = MovementOptions(execute_timeout_seconds=5.0)
+    assert Movement(parked, 1).step_type == "Park"
+    assert StepDecision.go_to(parked, 1, options).movements == (Movement(parked, 1, options),)
+    assert StepDecision.go_to_many((parked, 1, options), ("End", 2)).movements == (
+        Movement(parked, 1, options), Movement("End", 2))
+    assert StepDecision("movements", (("End", 2),)).movements == (Movement("End", 2),)  # type: ignore[arg-type]
+    decision = StepDecision.dead_end().with_canceling_steps("A").with_canceling_steps(parked, "B")
+    assert decision.canceling_steps == ("A", "Park", "B")
+    result = RPCResult("out", next_steps=[(parked, None, options)], canceling_steps=[parked],
+                       ending_retry_waits="Park")  # type: ignore[arg-type]
+    assert result.next_steps == (Movement(parked, None, options),)
+    assert (result.canceling_steps, result.ending_retry_waits) == (("Park",), ("Park",))
+    assert RPCResult("out", ending_retry_waits=[parked, "End"]).ending_retry_waits == ("Park", "End")
+    # The failure route's error starts with it when the RPC gives none: never an empty reason.
+    assert RPCResult("out").ending_reason == "ended while waiting to retry"
+
+
+def test_one_step_given_alone_is_taken_whole_as_one_name_is() -> None:
+    """Catches: canceling_steps=ParkStep (or ending_retry_waits) refused with "must be Steps or Step
+    type names, got Step: Step('Park')", an error that names what it asks for, though the name
+    "Park" given alone was taken."""
+    parked = Step("Park", park)
+    result = RPCResult("out", canceling_steps=parked, ending_retry_waits=parked)  # type: ignore[arg-type]
+    assert (result.canceling_steps, result.ending_retry_waits) == (("Park",), ("Park",))
+    assert StepDecision("dead_end", canceling_steps=parked).canceling_steps == ("Park",)  # type: ignore[arg-type]
 
 @rpc()
 async def cancel_as_text(ctx: RpcContext, _: None) -> RPCResult[str]:

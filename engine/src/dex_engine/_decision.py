@@ -30,10 +30,10 @@ def _step_name(label: str, step: object) -> str:
 
 
 def _step_names(label: str, steps: object) -> tuple[str, ...]:
-    """Step types to cancel, as given: one name (a str is taken whole, not as its characters) or any
-    iterable of Steps and names."""
-    if isinstance(steps, str):
-        return (steps,)
+    """Step types to cancel, as given: one Step or name (a str is taken whole, not as its characters)
+    or any iterable of Steps and names."""
+    if isinstance(steps, str) or isinstance(getattr(steps, "step_type", None), str):
+        return (_step_name(label, steps),)
     if not isinstance(steps, Iterable):
         raise InvalidValueError(f"{label} must be Steps or Step type names, got {type(steps).__name__}: {steps!r}")
     return tuple(_step_name(label, step) for step in steps)
