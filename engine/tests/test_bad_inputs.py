@@ -1088,6 +1088,8 @@ async def test_a_huge_resume_token_is_refused_with_a_short_message(db_url: str) 
         pytest.param(Wait.all_of, "all_of", id="empty-all-of"),
         pytest.param(lambda: Wait.until("soon"), "'soon'", id="not-a-condition"),
         pytest.param(lambda: Wait.any_of(Inbox.for_one(), 3), "3", id="not-a-condition-in-any-of"),
+        pytest.param(lambda: Wait.all_of(Timer.by_duration(1), ("Inbox", 2)), "('Inbox', 2) is not a wait condition",
+                     id="not-a-condition-in-all-of"),
     ],
 )
 def test_invalid_wait_is_refused(make: Callable[[], object], named: str) -> None:
