@@ -423,3 +423,24 @@ def test_a_store_collects_at_most_once_per_collect_interval() -> None:
     assert rows.used_at == {b"b": T0}  # not yet: the last scan was too recent
     shared.collect(rows, stale_at + TASK_OPTIONS_COLLECT_MS)
     assert rows.used_at == {}
+
+
+def test_collect_deletes_and_keeps_every_row_past_one_statements_worth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stale rows are deleted (unnamed) or stamped used (named) ROWS_PER_STATEMENT at a time, with
+    none lost at a part's edge (here 2 a statement, for 5 and 3 rows)."""
+    monkeypatch.setattr(_task_options, "ROWS_PER_STATEMENT", 2)
+    named = {b"n%d" % i for i in range(3)}
+    rows = _OptionRows({**{b"u%d" % i: T0 for i in range(5)}, **dict.fromkeys(named, T0)}, named)
+    now = T0 + TASK_OPTIONS_KEEP_MS + 1
+    SharedOptions().collect(rows, now)
+    assert rows.used_at == dict.fromkeys(named, now)
+
+
+def test_a_confirmation_stamped_later_than_now_is_not_taken_as_recent() -> None:
+    """A row confirmed at a time past `now` (the clock was set back since) is written again: that
+    stamp tells nothing of how recently the row was confirmed."""
+    db, shared = _Upserts(), SharedOptions()
+    shared.reference(db, b'{"n": 0}', T0)
+    shared.committed()
+    shared.reference(db, b'{"n": 0}', T0 - 1)
+    assert db.written == [digest_of(b'{"n": 0}')] * 2
