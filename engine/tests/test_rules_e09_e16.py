@@ -11,7 +11,7 @@ import base64
 import json
 import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -50,6 +50,8 @@ from dex_engine import (
     open_store,
     rpc,
 )
+from dex_engine._records import EventPage, StoredEvent
+from dex_engine._tokens import TokenPosition, check_not_rewound, event_digest
 
 from .conftest import Engine, engine_for, wait_until
 from .racing_reads import commit_during_first_read
@@ -230,7 +232,6 @@ async def test_e9_cancel_step_types(db_url: str, source: str) -> None:
         assert not [h for h in history if h[1].startswith("Recover")], "a cancelled Step took its failure route"
         assert not [h for h in history if h[0] in ("attempt_failed", "step_failed")]
         assert (await eng.client.describe_flow("c1")).status == "running"
-
 
 
 async def test_e9_a_decision_of_the_same_worker_cancels_its_running_attempt_at_once(
@@ -559,6 +560,25 @@ async def test_e11_a_token_whose_event_a_crash_replaced_is_refused(db_url: str) 
         rest = await c.read_stream("s1", Events, kept.resume_token)
         assert [(e.sequence, e.value) for e in rest.events] == [(3, "after the crash")]
 
+
+def test_e11_a_token_digest_tells_events_apart_by_all_they_hold() -> None:
+    """E11: the digest a token keeps of its last event differs for events that differ only in their
+    Step execution, their attempt, or in where one of those ends and the next begins, and a token
+    whose event is the oldest one still stored is checked too. Catches: a retried attempt's event
+    (same value, another attempt) taken for the one a reader saw before a crash, and the check
+    skipped for the first stored sequence as if it were trimmed."""
+    value = json.dumps("same").encode()
+    events = [StoredEvent(3, "Run-1", 12, value), StoredEvent(3, "Run-11", 2, value),
+              StoredEvent(3, "Run-1", 1, value), StoredEvent(3, "Other-1", 12, value)]
+    assert len({event_digest(e) for e in events}) == len(events)
+
+    seen, now = events[0], events[1]
+    position = TokenPosition(3, 1, event_digest(seen))
+    page = EventPage([], 4, 3, 1, False, at_after=now)
+    with pytest.raises(InvalidResumeTokenError, match=r"its event 3 is gone or another event now"):
+        check_not_rewound(position, "f", "Events", page)
+    check_not_rewound(position, "f", "Events", replace(page, at_after=seen))  # still the one it saw
+    check_not_rewound(position, "f", "Events", replace(page, first_sequence=4))  # trimmed: not compared
 
 async def test_e11_long_poll_returns_when_an_event_is_appended(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """E11: a read with wait_seconds and nothing new long-polls and returns the event as soon as it is
