@@ -234,6 +234,13 @@ def test_the_lock_file_is_made_readable_by_all_and_closing_closes_it(tmp_path: P
     turns.close()
     with pytest.raises(OSError):
         os.fstat(fd)
+    # A second close() closes nothing: the descriptor's number may already name another file.
+    other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT)
+    try:
+        turns.close()
+        os.fstat(other)
+    finally:
+        os.close(other)
 
 
 def _closed(fd: int) -> bool:
