@@ -173,6 +173,7 @@ async def test_a_late_turn_goes_to_the_next_waiting_write(
         tmp_path: Path, holder_of: list[subprocess.Popen[str]]) -> None:
     turns, lock, holder = gave_up_waiting(tmp_path, holder_of)
     turns.wait_seconds = 60
+    waiter = turns._waiter
     entered, leave = threading.Event(), threading.Event()
 
     def write() -> None:
@@ -187,6 +188,8 @@ async def test_a_late_turn_goes_to_the_next_waiting_write(
     holder.stdin.close()  # the turn frees; the newer request gets it
     assert await asyncio.to_thread(entered.wait, 60)
     assert not turn_is_free(lock), "the writer holds the turn, yet another open could take it"
+    # The one waiting thread took the newer request too: a thread per blocked write would be a leak.
+    assert turns._waiter is waiter and waiter is not None
     leave.set()
     await asyncio.to_thread(writer.join, 60)
     assert turn_is_free(lock)
