@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -194,6 +195,37 @@ async def test_a_late_turn_goes_to_the_next_waiting_write(
     await asyncio.to_thread(writer.join, 60)
     assert turn_is_free(lock)
     turns.close()
+
+
+def test_a_turn_freed_while_the_waiter_still_takes_it_for_a_writer_that_gave_up_is_not_shared(
+        tmp_path: Path, holder_of: list[subprocess.Popen[str]]) -> None:
+    """The holder lets go while the waiting thread still blocks in flock for a request its caller gave
+    up on: a try_enter then waits for the thread to settle, and takes the turn after. Catches: the
+    try_enter succeeding on the same open file as the thread's flock, and the thread then releasing
+    the turn (its caller gone) under the writer that believed it held it."""
+    turns, lock, holder = gave_up_waiting(tmp_path, holder_of)
+    waiter = turns._waiter
+    assert waiter is not None
+    with waiter._cv:  # the thread cannot settle its flock's result meanwhile
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(60)
+        assert not turns.try_enter()
+    assert wait_for_thread(lambda: not waiter.busy())
+    assert turns.try_enter()
+    assert turns._held and not turn_is_free(lock)
+    turns.leave()
+    assert turn_is_free(lock)
+    turns.close()
+
+
+def wait_for_thread(done: Callable[[], bool]) -> bool:
+    """Whether `done` came true within 60 s (a hang guard), polled every millisecond."""
+    for _ in range(60_000):
+        if done():
+            return True
+        time.sleep(0.001)
+    return False
 
 
 async def test_a_store_write_goes_on_when_the_turn_never_comes(

@@ -61,6 +61,11 @@ class WriterTurns:
         fd = self._open()
         if fd is None:
             return True
+        if self._waiter is not None and self._waiter.busy():
+            # Its thread still blocks in (or just returned from) flock on the same open file, for a
+            # request its caller gave up on: flock counts a lock taken here as that file's too, so the
+            # thread would take it as its own and release it under this writer.
+            return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -121,6 +126,11 @@ class _TurnWaiter:
                 return True
             self._abandoned = request
             return False
+
+    def busy(self) -> bool:
+        """Whether the thread is taking the turn for a request it has not yet settled."""
+        with self._cv:
+            return self._asked > self._granted
 
     def stop(self) -> None:
         with self._cv:
