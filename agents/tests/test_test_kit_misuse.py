@@ -21,7 +21,7 @@ from agents.tests.test_bad_inputs import _OversizedRunStateRunner, in_process, r
 from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
 from engine.tests.schema_states import latest_version, migrate_to, pg_tables, stored_version
 
-from dex_agents import AgentSessionFlow, AgentSnapshot
+from dex_agents import AgentSessionClient, AgentSessionFlow, AgentSnapshot
 from dex_agents.testing import (
     ENV_DATABASE_URL,
     AgentTestStack,
@@ -241,7 +241,10 @@ async def test_a_stack_in_a_relative_directory_shares_it_with_a_worker_started_e
     ({"timeout": 0.2, "interval": math.nan}, "interval must be a finite number of seconds above 0, got nan"),
     ({"timeout": 0.2, "interval": 0}, "interval must be a finite number of seconds above 0, got 0"),
     ({"timeout": 0.2, "interval": -1}, "interval must be a finite number of seconds above 0, got -1"),
-], ids=["nan-timeout", "bool-timeout", "text-timeout", "nan-interval", "zero-interval", "negative-interval"])
+    # With timeout=math.inf it would sleep for ever after the first probe.
+    ({"timeout": 0.2, "interval": math.inf}, "interval must be a finite number of seconds above 0, got inf"),
+], ids=["nan-timeout", "bool-timeout", "text-timeout", "nan-interval", "zero-interval", "negative-interval",
+        "infinite-interval"])
 async def test_wait_until_refuses_a_timeout_or_interval_it_cannot_keep(kwargs: dict[str, Any], message: str) -> None:
     """Before the first probe: ValueError naming the parameter and the value. Catches: a NaN
     timeout, whose deadline no comparison ever reaches, and a NaN interval, slept for ever, each
@@ -471,3 +474,106 @@ def test_an_invocation_log_line_that_is_not_a_record_is_named(tmp_path: Path) ->
         file.write("not json\n")
     with pytest.raises(ValueError, match=r"line 2 of the invocation log .*calls\.jsonl.* is not a JSON record"):
         log.entries()
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "/g"])
+def test_a_file_gate_name_that_is_not_one_file_name_is_refused(tmp_path: Path, name: str) -> None:
+    """A gate's name becomes its file names in the state directory: an empty one, or one with a '/'
+    (a directory that may not exist, or a path out of the directory), is refused by name."""
+    with pytest.raises(ValueError) as caught:
+        FileGate(tmp_path, name)
+    assert str(caught.value) == f"gate name {name!r} must be non-empty and contain no '/'"
+
+
+async def test_a_released_handler_goes_on_though_another_of_its_process_reaches_the_reset_gate(
+    tmp_path: Path,
+) -> None:
+    """release() then reset() at once, and the next handler of the same Worker (a parallel call of
+    a sync tool, in a thread) reaches the gate before the released one looks: the released one goes
+    on, the next one stops. Catches: one waiting token per process, which the next handler made
+    again, holding the released handler at the gate for ever."""
+    gate = FileGate(tmp_path, "g")
+    waiting = asyncio.create_task(gate.wait_for_release())
+    await gate.wait_until_reached(timeout=10)
+    gate.release()
+    gate.reset()
+    following = threading.Thread(target=gate.wait_for_release_blocking)
+    following.start()
+    # The event loop is held until the next handler is at the gate: the released one cannot look first.
+    while not gate.reached:
+        time.sleep(0.001)  # noqa: ASYNC251 - holding the loop is the point
+    try:
+        await asyncio.wait_for(waiting, timeout=10)  # a bound on a hang, not a timing assertion
+        assert following.is_alive()
+    finally:
+        gate.release()
+        following.join()
+
+
+def test_invocation_log_entries_filter_by_kind_and_every_field(tmp_path: Path) -> None:
+    """entries() and count() keep the records of the kind given whose fields all match; a log no
+    child wrote yet is empty, and a last line a live child is still writing is left out (not
+    read as a broken record)."""
+    log = InvocationLog(tmp_path / "calls.jsonl")
+    assert log.entries() == [] and log.count("tool") == 0
+    log.record("tool", name="refund", attempt=1)
+    log.record("tool", name="lookup", attempt=1)
+    log.record("model", name="refund", attempt=1)
+    with log.path.open("a") as file:
+        file.write('{"kind": "tool", "name": "ref')  # a record another child is writing now
+    me = os.getpid()
+    assert log.entries("tool", name="refund") == [{"kind": "tool", "pid": me, "name": "refund", "attempt": 1}]
+    assert log.count("tool", name="refund", attempt=2) == 0
+    assert log.count(name="refund") == 2
+    assert log.count("tool") == 2
+    assert log.count() == 3
+
+
+async def test_wait_until_sleeps_no_further_than_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interval longer than the time left: the last probe runs at the deadline, not an interval
+    later. Catches: sleeping the whole interval, so a wait of 0.5 s with interval=20 ran 20 s."""
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recorded_sleep(seconds: float) -> None:
+        slept.append(seconds)
+        await real_sleep(0)
+
+    answers = iter([False, "ready"])
+    monkeypatch.setattr(asyncio, "sleep", recorded_sleep)
+    assert await wait_until("an answer", lambda: next(answers), timeout=0.5, interval=HANGING_PROBE_SECONDS) == "ready"
+    monkeypatch.undo()
+    assert len(slept) == 1 and 0 < slept[0] <= 0.5
+
+
+class _SnapshotReadBeforeTheClose:
+    """A session client whose first snapshot read answers with `stale`, as a read that ran just
+    before the session's last Step and close did."""
+
+    def __init__(self, sessions: AgentSessionClient, stale: AgentSnapshot) -> None:
+        self.client = sessions.client
+        self._sessions = sessions
+        self._stale: list[AgentSnapshot] = [stale]
+
+    async def get_agent_snapshot(self, session_id: str) -> AgentSnapshot:
+        if self._stale:
+            return self._stale.pop()
+        return await self._sessions.get_agent_snapshot(session_id)
+
+
+async def test_wait_for_agent_snapshot_probes_a_closed_session_again_before_failing(
+    tmp_path: Path, db_url: str  # noqa: F811 - the fixture
+) -> None:
+    """The snapshot a wait read may predate the session's close: on finding the session closed, the
+    wait probes it as it ended once more, and returns what that shows. Catches: failing with 'will
+    never show' a turn the closed session did show."""
+    async with in_process(tmp_path, build_flow(tmp_path), database_url=db_url) as engine:
+        await engine.sessions.start_session("s", "")
+        before = await wait_for_agent_snapshot(engine.sessions, "s", lambda s: s if s.state else None,
+                                               description="the session's state")
+        await run_turn(engine.sessions, "s", script({"answer": "done"}))
+        await engine.client.stop_flow("s")
+        stale: Any = _SnapshotReadBeforeTheClose(engine.sessions, before)
+        ended = await wait_for_agent_snapshot(stale, "s", lambda s: s if s.state and s.state.turn_count else None,
+                                              description="the first turn", timeout=HANGING_PROBE_SECONDS)
+    assert ended.state is not None and ended.state.turn_count == 1
