@@ -76,13 +76,16 @@ DOOMED_GATED_TEST_PROCESS = textwrap.dedent("""
     from agents.tests.conftest import REPO_ROOT
     from agents.tests.gated_worker import START_GATE
     from agents.tests.scripted_agent import build_flow
+    from agents.tests.scripted_worker import ENV_STRAY_PID_FILE
     from dex_agents.testing import AgentTestStack, FileGate
 
     async def main(state_dir: Path) -> None:
         async with AgentTestStack(state_dir, [build_flow(state_dir)], "agents.tests.gated_worker",
                                   worker_cwd=REPO_ROOT) as stack:
-            starting = asyncio.create_task(stack.start_worker())
-            print(await FileGate(state_dir, START_GATE).wait_until_reached(timeout=60), flush=True)
+            pid_file = state_dir / "stray.pid"
+            starting = asyncio.create_task(stack.start_worker({ENV_STRAY_PID_FILE: str(pid_file)}))
+            child = await FileGate(state_dir, START_GATE).wait_until_reached(timeout=60)
+            print(child, pid_file.read_text(), flush=True)
             await starting
 
     asyncio.run(main(Path(sys.argv[1])))
@@ -226,26 +229,29 @@ async def test_a_worker_child_waiting_at_a_gate_ends_when_the_test_process_dies(
     """A Worker child held at a FileGate before it calls run_agent_worker (its module waits until
     the test has set something up), when the test process is SIGKILLed: no stack is left to kill it
     and run_agent_worker's watch has not started, so the gate's wait must notice by itself.
-    Catches: the child waiting at its gate for ever."""
+    The child's own subprocess (started before the gate) ends with it. Catches: the child waiting
+    at its gate for ever, and one that ended alone, leaving its subprocess running."""
     doomed = await asyncio.create_subprocess_exec(
         sys.executable, "-c", DOOMED_GATED_TEST_PROCESS, str(tmp_path), cwd=REPO_ROOT,
         stdout=asyncio.subprocess.PIPE)
-    child = 0
+    child = stray = 0
     try:
         assert doomed.stdout is not None
         line = await asyncio.wait_for(doomed.stdout.readline(), DOOMED_START_SECONDS)
         assert line, f"the test process exited with {await doomed.wait()} before its Worker child waited"
-        child = int(line)
-        assert alive(child)
+        child, stray = map(int, line.split())
+        assert alive(child) and alive(stray)
         doomed.kill()
         assert await doomed.wait() == -signal.SIGKILL
         await ended(child)
+        await ended(stray)
     finally:
         if doomed.returncode is None:
             doomed.kill()
             await doomed.wait()
-        if child and alive(child):
-            os.kill(child, signal.SIGKILL)  # never leave it behind, even when the test fails
+        for pid in (child, stray):
+            if pid and alive(pid):
+                os.kill(pid, signal.SIGKILL)  # never leave it behind, even when the test fails
 
 
 @pytest.mark.parametrize("query", ["", "?synchronous=NORMAL"])
@@ -329,3 +335,44 @@ async def test_a_subprocess_of_a_worker_child_waits_at_a_gate_until_released(tmp
         if waiter.returncode is None:
             waiter.kill()
             await waiter.wait()
+
+
+async def test_a_worker_that_does_not_lead_its_process_group_is_refused(tmp_path: Path) -> None:
+    """run_agent_worker with ENV_PARENT_PID set in a process that shares its parent's group (started
+    otherwise than by start_worker) exits naming the cause and the fix, before it runs a Worker.
+    Catches: the refusal dropped, and the Worker run with a watch whose SIGKILL of 'its' process group
+    (os.killpg of its own PID) names a group it does not lead."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import sys; from dex_agents.testing import run_agent_worker; "
+        "run_agent_worker([], database_url=sys.argv[1])", f"sqlite:///{tmp_path / 'dex.db'}",
+        env={**os.environ, ENV_PARENT_PID: str(os.getpid())}, stderr=asyncio.subprocess.PIPE)
+    try:
+        _, err = await asyncio.wait_for(child.communicate(), DOOMED_START_SECONDS)  # a bound on a hang
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    assert child.returncode == 1
+    assert err.decode().strip().endswith(
+        f"run_agent_worker: {ENV_PARENT_PID} is set, but process {child.pid} does not lead its process group "
+        f"{os.getpgrp()}; start Workers with AgentTestStack.start_worker")
+
+
+def test_a_sqlite_url_with_a_host_is_left_for_the_engine_to_refuse(tmp_path: Path) -> None:
+    """sqlite://host/dex.db (two slashes: 'host' is a host part) is not made into a file path: the
+    engine refuses it by name, saying how many slashes to write. Catches: the stack dropping the
+    host and opening ./dex.db, a file the caller never named."""
+    with pytest.raises(ValueError, match=r"sqlite URL 'sqlite://host/dex\.db' has a host part \('host'\)"):
+        AgentTestStack(tmp_path, [build_flow(tmp_path)], WORKER_MODULE, database_url="sqlite://host/dex.db")
+
+
+async def test_a_worker_child_takes_the_stacks_lease_ttl(tmp_path: Path) -> None:
+    """A stack's lease_ttl_seconds reaches its Worker children: the lease they register with is
+    that long. Catches: the children keeping the default 2 s lease whatever the stack was given."""
+    ttl = 60.0
+    async with AgentTestStack(tmp_path, [build_flow(tmp_path)], WORKER_MODULE, worker_cwd=REPO_ROOT,
+                              lease_ttl_seconds=ttl) as stack:
+        worker = await stack.start_worker()
+        [(started_ms, expires_ms)] = [(row[3], row[4]) for row in await stack.client.store.list_workers()
+                                      if row[2] == worker.pid]
+    assert expires_ms - started_ms >= ttl * 1000
