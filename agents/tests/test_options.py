@@ -30,7 +30,11 @@ from dex_agents import (
     ToolPolicy,
     TurnCompleted,
 )
-from dex_agents._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES
+from dex_agents._constants import (
+    DEFAULT_AGENT_EVENTS_CAPACITY_BYTES,
+    MAX_AGENT_EVENTS_CAPACITY_BYTES,
+    MAX_RETRY_ATTEMPTS,
+)
 from dex_agents.builtin_loop import (
     AgentDefinition,
     FunctionTool,
@@ -307,6 +311,19 @@ def test_the_longest_timer_is_accepted_for_deadlines_and_durable_waits() -> None
     """366 days, the engine's MAX_TIMER_SECONDS, is the bound itself: allowed for both."""
     options = AgentSessionOptions(interrupt_deadline=timedelta(days=366), max_durable_wait=timedelta(days=366))
     assert options.interrupt_deadline == options.max_durable_wait == timedelta(seconds=MAX_TIMER_SECONDS)
+
+
+def test_the_largest_events_capacity_and_run_model_attempts_are_accepted() -> None:
+    """The bounds themselves, the engine's largest Stream capacity and RetryPolicy attempts, are
+    allowed; one more is refused."""
+    options = AgentSessionOptions(agent_events_capacity_bytes=MAX_AGENT_EVENTS_CAPACITY_BYTES,
+                                  run_model_limit=RunModelLimit(max_attempts=MAX_RETRY_ATTEMPTS))
+    assert options.agent_events_capacity_bytes == MAX_AGENT_EVENTS_CAPACITY_BYTES
+    assert options.run_model_limit.max_attempts == MAX_RETRY_ATTEMPTS
+    with pytest.raises(ValueError, match="agent_events_capacity_bytes must be a whole number"):
+        AgentSessionOptions(agent_events_capacity_bytes=MAX_AGENT_EVENTS_CAPACITY_BYTES + 1)
+    with pytest.raises(ValueError, match="max_attempts must be a whole number"):
+        RunModelLimit(max_attempts=MAX_RETRY_ATTEMPTS + 1)
 
 
 def test_built_in_tools_take_a_set_of_built_in_tools_and_keep_a_frozenset() -> None:

@@ -77,6 +77,7 @@ from dex_agents._constants import (
 )
 from dex_agents._control_steps import ControlSteps, _back_to_wait
 from dex_agents._runtime import background_heartbeats
+from dex_agents._session_flow import RECOVERY_RETRY
 from dex_agents._task_steps import go_to_poll
 from dex_agents._tool_steps import ToolSteps
 from dex_agents._turn_steps import TurnSteps
@@ -230,6 +231,68 @@ def test_run_model_options_are_the_seeds(features: str) -> None:
     assert resolved.execute.retry == options.execute_retry
     assert resolved.failure_route == RECORD_TURN_FAILURE
     assert resolved.failure_route_options == task_options(flow, RECORD_TURN_FAILURE, None)
+
+
+@pytest.mark.parametrize("features", list(RUN_MODEL_FLOWS))
+def test_compact_context_has_run_models_options_and_failure_route(features: str) -> None:
+    """CompactContext (seed 002 Step table): "with RunModel's options and failure route", a
+    run_model_limit's included; a summary call is a model call."""
+    flow, _ = RUN_MODEL_FLOWS[features]
+    run_model, compact = flow.step(RUN_MODEL).options, flow.step(COMPACT_CONTEXT).options
+    shown = [(o.execute_timeout_seconds, o.heartbeat_timeout_seconds, o.execute_retry, o.failure_route)
+             for o in (run_model, compact)]
+    assert shown[0] == shown[1]
+
+
+# The seed's options of the tool Steps (seed 002 Step table): (failure route, attempts, retry budget in
+# seconds, method timeout in seconds); None where the seed sets none.
+SEED_TOOL_STEP_OPTIONS = {
+    "CallTool": ("RecordToolFailure", 3, None, None),
+    "CallSingleAttemptTool": ("RecordToolOutcomeUnknown", 1, None, None),
+    # Its movements choose the failure route by effect; this is the fallback.
+    "PollToolTask": ("RecordToolFailure", 3, None, None),
+    "CancelToolTask": ("RecordToolOutcomeUnknown", 3, 120.0, 30.0),
+}
+# What each Step's Execute locks (seed 002 Step table); every other Step locks nothing.
+SEED_STEP_LOCKS = {
+    "AwaitUserMessage": ["TurnCancellationRequest"],
+    "AwaitToolApproval": ["PendingInterrupts"],
+    "AwaitQuestionAnswer": ["PendingInterrupts"],
+    "ResumeTurn": ["PendingInterrupts"],
+    "ApplyTurnControl": ["TurnCancellationRequest"],
+    "FinishTurnCancellation": ["TurnCancellationRequest", "PendingInterrupts"],
+}
+
+
+@pytest.mark.parametrize("features", list(FLOWS))
+def test_tool_steps_and_locks_are_the_seeds(features: str) -> None:
+    """The tool Steps' attempts, failure routes and timeouts, and each Step's locks, as the seed's
+    Step table gives them. A single-attempt call routed to RecordToolFailure (which may retry
+    nothing but says the call failed, not that it may have run), a CancelToolTask without its 30 s
+    timeout, or an approval Step that stopped locking PendingInterrupts (racing resolve_interrupt)
+    each still ran every other test of the options."""
+    flow = FLOWS[features]
+    tool_steps = {}
+    for name in SEED_TOOL_STEP_OPTIONS:
+        options = flow.step(name).options
+        tool_steps[name] = (options.failure_route, options.execute_retry.max_attempts,
+                            options.execute_retry.total_duration_seconds, options.execute_timeout_seconds)
+    assert tool_steps == SEED_TOOL_STEP_OPTIONS
+    locks = {name: [lock.name for lock in step.options.execute_locks]
+             for name, step in flow.steps.items() if step.options.execute_locks or step.options.wait_for_locks}
+    assert locks == SEED_STEP_LOCKS
+    assert all(not step.options.wait_for_locks for step in flow.steps.values())
+
+
+@pytest.mark.parametrize("features", list(FLOWS))
+def test_every_wait_for_retries_with_the_recovery_retry(features: str) -> None:
+    """A WaitFor only decides whether its Step wakes: one failing on a passing database hiccup with
+    the engine's default of 3 attempts would fail the whole session, so each retries as the
+    bookkeeping Steps do."""
+    flow = FLOWS[features]
+    retries = {name: step.options.wait_for_retry for name, step in flow.steps.items() if step.wait_for is not None}
+    assert retries == dict.fromkeys(retries, RECOVERY_RETRY)
+    assert len(retries) == 7
 
 
 # RunModel's background heartbeat ----------------------------------------------------------------
