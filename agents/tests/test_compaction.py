@@ -1605,6 +1605,18 @@ async def test_context_window_scenario_says_when_the_event_stream_dropped_events
             await ContextWindowSessionScenario(engine.sessions(), turns=18).run()
 
 
+async def test_context_window_scenario_names_too_few_compactions(tmp_path: Path) -> None:
+    """min_compactions more than the turns compacted: the scenario fails with both counts. Catches:
+    a session that compacted fewer times than the test asked passing."""
+    flow, _ = compaction_flow("FewAgent", answer, window=600, message_window_size=4, message_chunk_size=2,
+                              retained_message_limit=8)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        with pytest.raises(AssertionError) as caught:
+            await ContextWindowSessionScenario(engine.sessions(), turns=18, min_compactions=100).run()
+    assert re.fullmatch(r"[1-9]\d* compactions in 18 turns; expected at least 100", str(caught.value)), caught.value
+
+
 class NeverCompacts(BuiltinLoopAgentRunner):
     def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
         return 0
