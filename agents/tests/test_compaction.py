@@ -52,6 +52,7 @@ from dex_agents import (
     AgentState,
     AgentStatus,
     AgentTurnContext,
+    AgentTurnOutcome,
     AgentUsage,
     CompactContextInput,
     CompactionPolicy,
@@ -64,6 +65,7 @@ from dex_agents import (
     ModelCallMetadata,
     RunModelLimit,
     ToolEffect,
+    TurnCompleted,
     build_context_summary_omission_note,
     build_context_summary_prompt,
     estimate_stored_input_tokens,
@@ -1615,6 +1617,23 @@ async def test_context_window_scenario_names_too_few_compactions(tmp_path: Path)
         with pytest.raises(AssertionError) as caught:
             await ContextWindowSessionScenario(engine.sessions(), turns=18, min_compactions=100).run()
     assert re.fullmatch(r"[1-9]\d* compactions in 18 turns; expected at least 100", str(caught.value)), caught.value
+
+
+class FailsTurnTwo(BuiltinLoopAgentRunner):
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome:
+        if turn.turn_id == "turn-2":
+            return TurnCompleted(new_messages=[], turn_error="the model refused")
+        return await super().run_model_step(turn)
+
+
+async def test_context_window_scenario_stops_at_a_failed_turn(tmp_path: Path) -> None:
+    """A turn that failed ends the scenario there, naming the turn and its error. Catches: the
+    scenario going on past it, to fail later on what the failed turn left out (no compaction)."""
+    flow, _ = compaction_flow("FailingAgent", answer, window=600, runner=FailsTurnTwo)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        with pytest.raises(AssertionError, match=r"^turn 2 failed: .*the model refused"):
+            await ContextWindowSessionScenario(engine.sessions(), turns=4).run()
 
 
 class NeverCompacts(BuiltinLoopAgentRunner):
