@@ -21,7 +21,15 @@ from agents.tests.conftest import REPO_ROOT, WORKER_MODULE
 from agents.tests.scripted_agent import ENV_START_GATE, build_flow
 from agents.tests.scripted_worker import ENV_STRAY_PID_FILE
 
-from dex_agents.testing import ENV_PARENT_PID, AgentTestStack, FileGate, WorkerProcess, wait_until
+from dex_agents.testing import (
+    ENV_DATABASE_URL,
+    ENV_PARENT_PID,
+    ENV_STATE_DIR,
+    AgentTestStack,
+    FileGate,
+    WorkerProcess,
+    wait_until,
+)
 
 # A test process that starts a Worker (with a stray subprocess), prints both PIDs, and waits to
 # be killed: it stands for a pytest run a CI timeout SIGKILLs in the middle of a test.
@@ -376,3 +384,26 @@ async def test_a_worker_child_takes_the_stacks_lease_ttl(tmp_path: Path) -> None
         [(started_ms, expires_ms)] = [(row[3], row[4]) for row in await stack.client.store.list_workers()
                                       if row[2] == worker.pid]
     assert expires_ms - started_ms >= ttl * 1000
+
+
+async def test_run_agent_worker_serves_the_database_url_it_is_given(tmp_path: Path) -> None:
+    """run_agent_worker's database_url wins over ENV_DATABASE_URL: a Worker module that names its
+    database serves that one. Catches: the environment's URL taken first, the Worker registering
+    in a database other than the one its module named."""
+    async with AgentTestStack(tmp_path, [build_flow(tmp_path)], WORKER_MODULE, worker_cwd=REPO_ROOT) as stack:
+        worker = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import sys; from agents.tests.scripted_agent import build_flow; "
+            "from dex_agents.testing import run_agent_worker; "
+            "run_agent_worker([build_flow()], database_url=sys.argv[1])",
+            stack.database_url, cwd=REPO_ROOT, start_new_session=True,
+            env={**os.environ, ENV_STATE_DIR: str(tmp_path), ENV_DATABASE_URL: f"sqlite:///{tmp_path / 'other.db'}"})
+        try:
+            await wait_until(f"worker {worker.pid} to register",
+                             lambda: registered(stack, worker.pid), timeout=DOOMED_START_SECONDS)
+        finally:
+            os.killpg(worker.pid, signal.SIGKILL)
+            await worker.wait()
+
+
+async def registered(stack: AgentTestStack, pid: int) -> bool:
+    return any(row[2] == pid for row in await stack.client.store.list_workers())
