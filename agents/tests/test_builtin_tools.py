@@ -25,7 +25,15 @@ from dex_agents import (
     MessageRole,
 )
 from dex_agents._builtin_steps import BuiltInSteps
-from dex_agents._builtin_tools import BuiltInArgumentsError, parse_ask_user, parse_durable_wait
+from dex_agents._builtin_tools import (
+    BUILT_IN_TOOL_DEFINITIONS,
+    BuiltInArgumentsError,
+    answered_output,
+    parse_ask_user,
+    parse_durable_wait,
+    waited_output,
+)
+from dex_agents._constants import SHOWN_VALUE_CHARS
 from dex_agents._timefmt import format_time
 from dex_agents.builtin_loop import (
     AgentDefinition,
@@ -204,6 +212,65 @@ def test_argument_parsers() -> None:
     with pytest.raises(BuiltInArgumentsError, match=r"^arguments are nested too deeply to read as JSON$"):
         parse_ask_user(deep)
 
+
+
+@pytest.mark.parametrize(("arguments", "error"), [
+    ('{"question": "  "}', "question must be non-empty text"),
+    ('{"question": "Q", "choices": "yes"}', "choices must be a list of non-empty texts"),
+    ('{"question": "Q", "choices": {"yes": 1}}', "choices must be a list of non-empty texts"),
+    ('{"question": "Q", "choices": ["yes", " "]}', "choices must be a list of non-empty texts"),
+    ('{"question": "Q", "allows_free_text": "yes"}', "allows_free_text must be true or false"),
+])
+def test_ask_user_refuses_blank_texts_and_choices_that_are_not_a_list(arguments: str, error: str) -> None:
+    """A blank question or choice would show the user nothing to answer, and choices given as text or
+    an object would be offered one character or key each: each is refused for the model to fix."""
+    with pytest.raises(BuiltInArgumentsError, match=f"^invalid ask_user arguments: {error}$"):
+        parse_ask_user(arguments)
+
+
+def test_durable_wait_refuses_true_and_a_wait_past_a_fractional_limit() -> None:
+    """JSON true is no number of seconds, though Python counts it as the int 1; a max_durable_wait
+    of 60.7 seconds takes whole waits up to 60, never 61 (which would wait past the limit)."""
+    with pytest.raises(BuiltInArgumentsError, match=r"from 1 to 60, got True$"):
+        parse_durable_wait('{"duration_seconds": true, "reason": ""}', timedelta(minutes=1))
+    fractional = timedelta(seconds=60.7)
+    assert parse_durable_wait('{"duration_seconds": 60, "reason": ""}', fractional).duration_seconds == 60
+    with pytest.raises(BuiltInArgumentsError, match=r"from 1 to 60, got 61$"):
+        parse_durable_wait('{"duration_seconds": 61, "reason": ""}', fractional)
+
+
+def test_an_unknown_argument_is_named_cut_to_a_short_text() -> None:
+    """A model may invent a huge argument name: the error names it cut, not the whole name."""
+    with pytest.raises(BuiltInArgumentsError) as raised:
+        parse_ask_user(json.dumps({"question": "Q", "x" * 100_000: 1}))
+    shown = repr("x" * 100_000)[:SHOWN_VALUE_CHARS]
+    assert str(raised.value) == f"invalid ask_user arguments: unknown argument {shown}"
+
+
+def test_built_in_results_are_the_seeds_compact_json_with_text_as_written() -> None:
+    """Seed 003: the model sees {"status":"answered","answer":"<text>"} and
+    {"status":"completed","waited_seconds":<n>,"reason":"<reason>"}: compact, text not escaped."""
+    assert answered_output("Zoë 🙂") == '{"status":"answered","answer":"Zoë 🙂"}'
+    assert waited_output(5, "Köln") == '{"status":"completed","waited_seconds":5,"reason":"Köln"}'
+
+
+@pytest.mark.parametrize(("tool", "allowed", "required"), [
+    (BuiltInTool.ASK_USER, {"question", "choices", "allows_free_text"}, ["question"]),
+    (BuiltInTool.DURABLE_WAIT, {"duration_seconds", "reason"}, ["duration_seconds", "reason"]),
+])
+def test_built_in_schemas_offer_what_the_parsers_take(
+    tool: BuiltInTool, allowed: set[str], required: list[str]
+) -> None:
+    """The schema the model is offered names the arguments the parser takes, requires the ones it
+    refuses to miss, and for durable_wait starts at its 1 second: a model following the schema is
+    never refused."""
+    schema = BUILT_IN_TOOL_DEFINITIONS[tool].parameters_schema
+    assert BUILT_IN_TOOL_DEFINITIONS[tool].name == tool.value
+    assert set(schema["properties"]) == allowed
+    assert schema["required"] == required
+    assert schema["additionalProperties"] is False
+    if tool is BuiltInTool.DURABLE_WAIT:
+        assert schema["properties"]["duration_seconds"]["minimum"] == 1
 
 def test_enabled_built_in_name_is_reserved() -> None:
     """A function tool may not use the name of an enabled built-in tool; a disabled one is ordinary."""
