@@ -34,7 +34,8 @@ before the tool Step's commit). `id` and `interval` are passed as given, so a te
 poll_tool_task plays `polls` in order, keeping its position in the call's input_continuation
 (`p<n>`: the next poll plays polls[n]), so a crashed poll replays the same step:
 `{"pending": seconds}` returns ToolTaskPending (`"keep": text` returns that continuation instead);
-`{"ask": question, "choices": [...]}` returns ToolInputRequested; `{"result": text}` returns it, with
+`{"ask": question, "choices": [...]}` returns ToolInputRequested (`{"ask_bytes": n}`: a question of n
+bytes); `{"result": text}` returns it, with
 `{answers}` replaced by the JSON list of [resolution, answer] the task received (`{"result_bytes": n}`
 returns n bytes); `{"fail": text}`
 raises ToolExecutionError, `{"unknown": text}` ToolOutcomeUnknownError, `{"crash": text}` RuntimeError
@@ -287,9 +288,10 @@ class ScriptedRunner:
         following = f"p{position + 1}"
         if "pending" in step:
             return ToolTaskPending(poll_interval_seconds=step["pending"], continuation=step.get("keep", following))
-        if "ask" in step:
+        if "ask" in step or "ask_bytes" in step:
             choices = list(step.get("choices", []))
-            return ToolInputRequested(question=step["ask"], choices=choices, allows_free_text=not choices,
+            question = step["ask"] if "ask" in step else "q" * step["ask_bytes"]
+            return ToolInputRequested(question=question, choices=choices, allows_free_text=not choices,
                                       continuation=following)
         if "fail" in step:
             raise ToolExecutionError(step["fail"])

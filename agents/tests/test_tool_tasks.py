@@ -819,13 +819,17 @@ async def test_task_question_deadline_goes_to_the_task(tmp_path: Path) -> None:
 
 
 async def test_task_question_that_cannot_be_asked_is_recorded_by_effect(tmp_path: Path) -> None:
-    """A task's question whose interrupt ID another call of the turn uses, or that is invalid, is
+    """A task's question whose interrupt ID another call of the turn uses, or that is invalid, or
+    whose ID is over the key limit (a 250-character call ID), or that makes the record too large, is
     recorded by effect (an idempotent write: outcome_unknown), not failed: the task started."""
+    long_id = "x" * 250
     async with _in_process(tmp_path) as (_, sessions, _log):
         await sessions.start_session("s", _script(
             _task("y", "idem_sync", polls=[{"ask": "Which?"}]),
             {"id": "y-input-1", "name": "write_refund", "args": {}},  # its approval is pending as y-input-1
             _task("z", "idem_other", polls=[{"ask": "Pick", "choices": ["a", "a"]}]),
+            _task(long_id, "idem_long", polls=[{"ask": "Which?"}], id="task-long"),
+            _task("big", "idem_big", polls=[{"ask_bytes": MAX_VALUE_BYTES}]),
         ))
         await _record_of(sessions, "y", AgentToolCallStatus.OUTCOME_UNKNOWN)
         assert await sessions.resolve_interrupt("s", "y-input-1", approved=False)
@@ -834,6 +838,11 @@ async def test_task_question_that_cannot_be_asked_is_recorded_by_effect(tmp_path
             "outcome_unknown", tool_question_id_in_use("y-input-1"))
         assert (outcomes["z"]["status"], outcomes["z"]["error"]) == (
             "outcome_unknown", invalid_question_error("choices repeat"))
+        assert outcomes[long_id]["status"] == "outcome_unknown"
+        assert outcomes[long_id]["error"].startswith(f"the tool's question cannot use interrupt ID {long_id}-input-1: ")
+        assert outcomes["big"]["status"] == "outcome_unknown"
+        assert re.fullmatch(re.escape(invalid_question_error("the question makes the call ")) + r"\d+ bytes, over "
+                            rf"the session's value limit of {MAX_VALUE_BYTES}", outcomes["big"]["error"])
         assert snapshot.pending_interrupts == []
 
 
