@@ -942,3 +942,13 @@ def test_a_tool_errors_recorded_text_is_its_message_not_its_str(
 
     assert error_message(Detailed("out of stock")) == "out of stock"
     assert error_message(Bare()) == "bare failure"
+
+
+@pytest.mark.parametrize("error_type", [ToolExecutionError, ToolOutcomeUnknownError])
+def test_a_tool_errors_message_attribute_is_text_even_when_given_an_exception(
+    error_type: type[ToolExecutionError] | type[ToolOutcomeUnknownError],
+) -> None:
+    """`message` is public and documented as kept as text: a runner that re-raises or logs the
+    error reads the text of the exception it wrapped, not the exception object."""
+    wrapped = ValueError("order 7 not found")
+    assert error_type(wrapped).message == "order 7 not found"  # type: ignore[arg-type]
