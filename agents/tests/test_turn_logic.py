@@ -48,6 +48,7 @@ from dex_agents._runner import (
     FrameworkMessage,
     ToolExecutionError,
     ToolOutcomeUnknownError,
+    polls_tool_tasks,
 )
 from dex_agents._turn_logic import (
     MAX_TOOL_CALL_ID_LENGTH,
@@ -952,3 +953,27 @@ def test_a_tool_errors_message_attribute_is_text_even_when_given_an_exception(
     error reads the text of the exception it wrapped, not the exception object."""
     wrapped = ValueError("order 7 not found")
     assert error_type(wrapped).message == "order 7 not found"  # type: ignore[arg-type]
+
+
+class _NoPolling:
+    poll_tool_task = None  # a subclass that turns its base's polling off
+
+
+class _Polls:
+    async def poll_tool_task(self, poll: object) -> None:
+        return None
+
+
+class _PollsSomeCalls(_Polls):
+    def _polls_tool_task_of(self, record: AgentToolCall) -> bool:
+        return record.tool_name == "polled"
+
+
+def test_polls_tool_tasks_asks_the_runner_and_per_call_only_for_a_record() -> None:
+    """A poll_tool_task that is not callable is no poller; a runner that polls some calls only
+    polls tasks, and for a record answers through _polls_tool_task_of."""
+    polled, other = record(tool_name="polled"), record(tool_name="other")
+    assert not polls_tool_tasks(_NoPolling()) and not polls_tool_tasks(_NoPolling(), polled)
+    assert polls_tool_tasks(_Polls()) and polls_tool_tasks(_Polls(), other)
+    assert polls_tool_tasks(_PollsSomeCalls())
+    assert polls_tool_tasks(_PollsSomeCalls(), polled) and not polls_tool_tasks(_PollsSomeCalls(), other)
