@@ -89,12 +89,9 @@ def test_chat_whose_output_is_closed_ends_with_one_error_line_and_saves_the_sess
     stays open: the chat ends with one error line, exit code 1, and the session resumes. Catches:
     rich's SystemExit raised inside the chat's task, which asyncio printed with a traceback ("Task
     exception was never retrieved")."""
-    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([*CLI, "chat", "--data-dir", str(tmp_path)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    process = _started_chat(tmp_path)
     try:
         assert process.stdin is not None and process.stdout is not None and process.stderr is not None
-        assert "new session 'chat'" in process.stdout.readline()
         process.stdout.close()  # as `head -1` does after its line
         process.stdin.write("hello\n")
         process.stdin.flush()  # and left open, as a terminal is
@@ -105,9 +102,28 @@ def test_chat_whose_output_is_closed_ends_with_one_error_line_and_saves_the_sess
     assert code == 1, errors
     assert errors.startswith("Error: ") and len(errors.strip().splitlines()) == 1, errors
     assert "standard output" in errors and "Traceback" not in errors, errors
-    again = _run(["chat", "--data-dir", str(tmp_path)], stdin="/echo still here\n")
-    assert again.returncode == 0, again.stdout + again.stderr
     # Whether "hello" was sent depends on which print met the closed pipe first: the prompt, or the reply.
+    _assert_resumes(tmp_path)
+
+
+def _started_chat(data_dir: Path) -> subprocess.Popen[str]:
+    """A chat on `data_dir`, its three pipes the caller's, once it has said its session is new."""
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([*CLI, "chat", "--data-dir", str(data_dir)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert process.stdout is not None
+        assert "new session 'chat'" in process.stdout.readline()
+    except BaseException:
+        process.kill()
+        raise
+    return process
+
+
+def _assert_resumes(data_dir: Path) -> None:
+    """A chat started again on `data_dir` resumes its session and answers."""
+    again = _run(["chat", "--data-dir", str(data_dir)], stdin="/echo still here\n")
+    assert again.returncode == 0, again.stdout + again.stderr
     assert "resuming session 'chat'" in again.stdout and "agent> still here" in again.stdout, again.stdout
 
 
@@ -631,12 +647,9 @@ def test_chat_ended_by_ctrl_c_exits_with_130_and_the_session_resumes(tmp_path: P
     """Ctrl-C (SIGINT) at the chat's prompt ends it with exit code 130, as a shell expects of a
     command the user interrupted, with no traceback; the session resumes. Catches: the
     KeyboardInterrupt shown as a traceback, or another exit code (scripts test for 130)."""
-    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([*CLI, "chat", "--data-dir", str(tmp_path)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    process = _started_chat(tmp_path)
     try:
-        assert process.stdin is not None and process.stdout is not None and process.stderr is not None
-        assert "new session 'chat'" in process.stdout.readline()
+        assert process.stderr is not None
         process.send_signal(signal.SIGINT)
         code = process.wait(CLI_TIMEOUT_SECONDS)
         errors = process.stderr.read()
@@ -644,9 +657,7 @@ def test_chat_ended_by_ctrl_c_exits_with_130_and_the_session_resumes(tmp_path: P
         process.kill()
     assert code == 130, errors
     assert "Traceback" not in errors, errors
-    again = _run(["chat", "--data-dir", str(tmp_path)], stdin="/echo still here\n")
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert "resuming session 'chat'" in again.stdout and "agent> still here" in again.stdout, again.stdout
+    _assert_resumes(tmp_path)
 
 
 def test_a_sqlite_error_ends_the_chat_command_with_one_error_line(

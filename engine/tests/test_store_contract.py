@@ -736,7 +736,22 @@ async def lock_conflicts(store: Store, flow_id: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("how", ["handed back", "its worker stopped", "its worker died"])
+# The ways a claim of worker "going" that never started is made ready again (ready_again).
+READY_AGAIN = ["handed back", "its worker stopped", "its worker died"]
+
+
+async def ready_again(store: Store, how: str, lease: Lease) -> None:
+    """Make `lease`, claimed by worker "going" and never started, ready again `how` (READY_AGAIN)."""
+    if how == "handed back":
+        await store.release_unstarted(lease)
+    elif how == "its worker stopped":
+        await store.unregister_worker("going")
+    else:
+        await store.raw(lambda db: db.run("DELETE FROM workers WHERE worker_id = ?", ("going",)), write=True)
+        await store.housekeeping()
+
+
+@pytest.mark.parametrize("how", READY_AGAIN)
 async def test_a_claim_that_never_started_gives_back_its_locks(store: Store, how: str) -> None:
     """E7 holds a method's locks from its first attempt that runs: a claim that never started and is
     made ready again (a stopping worker's drain, a Step the worker does not declare, a worker that
@@ -747,13 +762,7 @@ async def test_a_claim_that_never_started_gives_back_its_locks(store: Store, how
     await store.register_worker("going", "contract-host", 2, HOUR_MS)
     lease = await claim_one(store, "going")
     assert await lock_conflicts(store, "f1")
-    if how == "handed back":
-        await store.release_unstarted(lease)
-    elif how == "its worker stopped":
-        await store.unregister_worker("going")
-    else:
-        await store.raw(lambda db: db.run("DELETE FROM workers WHERE worker_id = ?", ("going",)), write=True)
-        await store.housekeeping()
+    await ready_again(store, how, lease)
     assert await active(store, "f1") == [("Locked-1", "ready", "execute", 1)]
     assert not await lock_conflicts(store, "f1")
 
@@ -764,7 +773,7 @@ async def test_a_claim_that_never_started_gives_back_its_locks(store: Store, how
     assert not await lock_conflicts(store, "f1")
 
 
-@pytest.mark.parametrize("how", ["handed back", "its worker stopped", "its worker died"])
+@pytest.mark.parametrize("how", READY_AGAIN)
 async def test_a_claim_that_never_started_keeps_its_place_in_the_queue(store: Store, how: str) -> None:
     """A claim made ready again before it started (handed back beyond the worker's slots, or its
     worker gone) is claimed before work that became ready after it, as claims take the oldest
@@ -778,13 +787,7 @@ async def test_a_claim_that_never_started_keeps_its_place_in_the_queue(store: St
     assert [x.flow_id for x in lease] == ["older"]
     await start(store, "newer")
     await asyncio.sleep(0.005)
-    if how == "handed back":
-        await store.release_unstarted(lease[0])
-    elif how == "its worker stopped":
-        await store.unregister_worker("going")
-    else:
-        await store.raw(lambda db: db.run("DELETE FROM workers WHERE worker_id = ?", ("going",)), write=True)
-        await store.housekeeping()
+    await ready_again(store, how, lease[0])
     assert await active(store, "older") == [("Start-1", "ready", "execute", 1)]
     assert [x.flow_id for x in await store.claim(W, TYPES, 1)] == ["older"]
     assert [x.flow_id for x in await store.claim(W, TYPES, 1)] == ["newer"]
