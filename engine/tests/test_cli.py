@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
@@ -439,6 +440,31 @@ async def test_stream_follow_prints_again_the_events_a_crash_renumbered(db_url: 
             in err.decode()), err
 
 
+@dataclass
+class PausedFollower:
+    """A `dex-engine stream --follow` whose waits between polls the test holds (pause_follower)."""
+
+    polls: list[float]  # the delay of each wait between polls so far
+    paused: threading.Event  # set when the follower waits at the held poll
+    resume: threading.Event  # set by the test: the follower goes on polling
+
+
+def pause_follower(monkeypatch: pytest.MonkeyPatch, at_poll: int = 1) -> PausedFollower:
+    """Hold the follower's `at_poll`-th wait between polls until the test sets `resume`. The CLI's
+    module sees this `asyncio` (its own run, this sleep): the test decides when it polls."""
+    follower = PausedFollower([], threading.Event(), threading.Event())
+
+    async def poll_pause(delay: float) -> None:
+        follower.polls.append(delay)
+        if len(follower.polls) >= at_poll and not follower.resume.is_set():
+            follower.paused.set()
+            await asyncio.get_running_loop().run_in_executor(None, follower.resume.wait)
+        await asyncio.sleep(0.01)
+
+    monkeypatch.setattr(cli_module, "asyncio", SimpleNamespace(run=asyncio.run, sleep=poll_pause))
+    return follower
+
+
 async def test_stream_follow_says_when_its_flow_was_deleted_and_started_again(
     db_url: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -446,35 +472,22 @@ async def test_stream_follow_says_when_its_flow_was_deleted_and_started_again(
     says so and stops, as it stops when its flow closes (the old one closed before it was deleted).
     Catches: a follower that took the new flow's events, whose sequences count from 1 again, for a
     database crash's renumbering of the old one's, or printed them on as the old flow's."""
-    polled, resume = threading.Event(), threading.Event()
-    pauses: list[float] = []
-    real_sleep = asyncio.sleep
-
-    async def poll_pause(delay: float) -> None:
-        """The follower's wait between polls: the first one lasts until the test resumes it."""
-        pauses.append(delay)
-        if not resume.is_set():
-            polled.set()
-            await asyncio.get_running_loop().run_in_executor(None, resume.wait)
-        await real_sleep(0.01)
-
-    # The CLI's module sees this `asyncio` (its own run, this sleep): the test decides when it polls.
-    monkeypatch.setattr(cli_module, "asyncio", SimpleNamespace(run=asyncio.run, sleep=poll_pause))
+    follower = pause_follower(monkeypatch)
     async with engine_for(db_url, Registry([BURST_FLOW])) as eng:
         await eng.client.start_flow("Burst", "r1")
         await eng.client.rpc("r1", "burst", ["old1", "old2", "old3"])
         following = asyncio.ensure_future(asyncio.to_thread(run, "stream", "r1", "Burst", "--follow", "--db", db_url))
         try:
-            await asyncio.wait_for(asyncio.to_thread(polled.wait), 30)
+            await asyncio.wait_for(asyncio.to_thread(follower.paused.wait), 30)
             await eng.client.stop_flow("r1", "replaced")
             assert await eng.client.delete_flow("r1")
             await eng.client.start_flow("Burst", "r1")
             await eng.client.rpc("r1", "burst", ["new1"])
         finally:
-            resume.set()
+            follower.resume.set()
         # Ended, or polled again: one that reads on follows the new flow until it closes.
         await wait_until("the follower ended or polled again",
-                         lambda: real_sleep(0, following.done() or len(pauses) > 1))
+                         lambda: asyncio.sleep(0, following.done() or len(follower.polls) > 1))
         if not following.done():
             await eng.client.stop_flow("r1")
         result = await asyncio.wait_for(following, 30)
@@ -1023,23 +1036,14 @@ async def test_stream_follow_says_when_it_may_have_missed_older_changes(
     it remembers changed, older ones may have too, and its note says so; when it still remembers
     every event it printed, the note has no such caveat. Catches: an unbounded memory of printed
     events; the caveat on every change at the first remembered event."""
-    polled, resume = threading.Event(), threading.Event()
-    real_sleep = asyncio.sleep
-
-    async def poll_pause(delay: float) -> None:
-        if not resume.is_set():
-            polled.set()
-            await asyncio.get_running_loop().run_in_executor(None, resume.wait)
-        await real_sleep(0.01)
-
-    monkeypatch.setattr(cli_module, "asyncio", SimpleNamespace(run=asyncio.run, sleep=poll_pause))
+    follower = pause_follower(monkeypatch)
     monkeypatch.setattr(cli_module, "FOLLOW_REMEMBERED_EVENTS", remembered)
     async with engine_for(db_url, Registry([BURST_FLOW])) as eng:
         await eng.client.start_flow("Burst", "m1")
         await eng.client.rpc("m1", "burst", ["e01", "e02", "e03", "e04"])
         following = asyncio.ensure_future(asyncio.to_thread(run, "stream", "m1", "Burst", "--follow", "--db", db_url))
         try:
-            await asyncio.wait_for(asyncio.to_thread(polled.wait), 30)
+            await asyncio.wait_for(asyncio.to_thread(follower.paused.wait), 30)
 
             def crash_renumbers(db: Any) -> None:
                 for seq in crashed:
@@ -1049,7 +1053,7 @@ async def test_stream_follow_says_when_it_may_have_missed_older_changes(
             await eng.store.raw(crash_renumbers, write=True)
             await eng.client.stop_flow("m1")
         finally:
-            resume.set()
+            follower.resume.set()
         result = await asyncio.wait_for(following, 30)
     assert result.exit_code == 0, result.output
     values = [json.loads(line)["value"] for line in result.stdout.splitlines()]
@@ -1063,26 +1067,15 @@ async def test_stream_follow_says_once_that_it_waits_for_a_streams_first_event(
 ) -> None:
     """The "no events yet; waiting" note is printed once, not at every poll, and the follow ends
     quietly when the flow closes. Catches: the note repeated at each poll (and then an error)."""
-    polled, resume = threading.Event(), threading.Event()
-    polls: list[float] = []
-    real_sleep = asyncio.sleep
-
-    async def poll_pause(delay: float) -> None:
-        polls.append(delay)
-        if len(polls) == 3 and not resume.is_set():
-            polled.set()
-            await asyncio.get_running_loop().run_in_executor(None, resume.wait)
-        await real_sleep(0)
-
-    monkeypatch.setattr(cli_module, "asyncio", SimpleNamespace(run=asyncio.run, sleep=poll_pause))
+    follower = pause_follower(monkeypatch, at_poll=3)
     async with engine_for(db_url, Registry([BURST_FLOW])) as eng:
         await eng.client.start_flow("Burst", "q1")
         following = asyncio.ensure_future(asyncio.to_thread(run, "stream", "q1", "Burst", "--follow", "--db", db_url))
         try:
-            await asyncio.wait_for(asyncio.to_thread(polled.wait), 30)
+            await asyncio.wait_for(asyncio.to_thread(follower.paused.wait), 30)
             await eng.client.stop_flow("q1")
         finally:
-            resume.set()
+            follower.resume.set()
         result = await asyncio.wait_for(following, 30)
     assert (result.exit_code, result.stdout) == (0, ""), result.output
     assert result.stderr.count("has no events yet; waiting") == 1, result.stderr
