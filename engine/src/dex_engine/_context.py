@@ -376,7 +376,7 @@ class RpcContext(_StateView):
         self.pending_read = False  # whether the handler asked for pending or in-flight messages
 
     def _not_loaded(self, name: str) -> NotLoadedError:
-        return NotLoadedError(name, self._rpc_name, rpc=self._rpc_name)
+        return NotLoadedError(name, self._rpc_name, rpc=True)
 
     async def load(self, *items: AttributeRef[Any] | AttributeMap[Any]) -> None:
         """Load more attributes or map instances into this RPC's snapshot, as `LoadOptions.only(*items)`

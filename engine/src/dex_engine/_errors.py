@@ -182,11 +182,12 @@ class InvalidWaitError(DexError, ValueError):
 
 
 class NotLoadedError(DexError, KeyError):
-    def __init__(self, name: str, step_type: str, *, rpc: str | None = None) -> None:
-        if rpc is None:
-            msg = f"attribute {name!r} was not loaded for Step {step_type!r}; add it to the Step's load options"
+    def __init__(self, name: str, owner: str, *, rpc: bool = False) -> None:
+        """`owner` is the Step type whose method read `name`, or with `rpc` the RPC's name."""
+        if not rpc:
+            msg = f"attribute {name!r} was not loaded for Step {owner!r}; add it to the Step's load options"
         else:  # an RPC has its own load options, and can load more while it runs
-            msg = (f"attribute {name!r} was not loaded for RPC {rpc!r}; add it to the RPC's load options "
+            msg = (f"attribute {name!r} was not loaded for RPC {owner!r}; add it to the RPC's load options "
                    "(rpc(load=...)) or load it first with `await ctx.load(...)`")
         super().__init__(msg)
         self.msg = msg
