@@ -1686,3 +1686,74 @@ async def test_a_wait_that_takes_more_messages_than_a_statement_takes_parameters
     assert woken.step_execution_id == "Listen-1" and woken.wait_outcome is not None
     assert [msgspec.json.decode(m.value) for m in woken.wait_outcome.consumed[0]] == list(range(count))
     assert (await store.rpc_read("f1", ALL, [])).pending.get(("Inbox", ""), []) == []
+
+
+async def test_deleting_a_message_names_its_channel_instance(store: Store) -> None:
+    """E8: an RPC deletes a message only through the channel instance (key) that holds it; naming
+    another instance of the same channel fails the commit and leaves the message queued. Catches: the
+    key left out of the delete, so a handler could delete a message it never saw in that queue."""
+    await start(store, "f1", "Listen")
+    mid = await store.publish("f1", "Inbox", "a", enc("for a"))
+    snap = await store.rpc_read("f1", ALL, [])
+    with pytest.raises(ChannelMessageNotFoundError):
+        await store.rpc_commit("f1", snap.version, [], WriteSet(deleted_messages=[("Inbox", "b", mid)]), [], [])
+    assert (await store.rpc_read("f1", ALL, [])).pending == {("Inbox", "a"): [(mid, enc("for a"))]}
+    await store.rpc_commit("f1", snap.version, [], WriteSet(deleted_messages=[("Inbox", "a", mid)]), [], [])
+    assert (await store.rpc_read("f1", ALL, [])).pending == {}
+
+
+async def test_a_message_goes_to_the_wait_registered_first(store: Store) -> None:
+    """E5: of two Steps waiting for one message each, the one whose wait was registered first takes
+    the first message, on both backends. Catches: waits evaluated newest first (a late waiter would
+    overtake one that has waited for long)."""
+    await start(store, "f1", "Listen")
+    await store.commit_wait_for(await claim_one(store), WriteSet(), Wait.until(Inbox.for_one()).spec())
+    snap = await store.rpc_read("f1", ALL, [])
+    await store.rpc_commit("f1", snap.version, [], WriteSet(), [move("Listen")], [])
+    await store.commit_wait_for(await claim_one(store), WriteSet(), Wait.until(Inbox.for_one()).spec())
+    await store.publish("f1", "Inbox", "", enc("first"))
+    assert await active(store, "f1") == [("Listen-1", "ready", "execute", 1), ("Listen-2", "waiting", "execute", 1)]
+
+
+async def test_a_wait_evaluated_ahead_on_other_attributes_runs_its_wait_for(store: Store) -> None:
+    """A wait evaluated before the commit that moves to its Step (MovementRecord.wait) is registered
+    only if the attributes its WaitFor loads are, at that commit, the ones it was evaluated on; else
+    the WaitFor runs as an attempt of its own. Catches: a wait registered on a state an RPC changed
+    after the committing Execute read it (the WaitFor would never see the RPC's write)."""
+    spec = Wait.until(Inbox.for_one()).spec()
+    for flow_id in ("stale", "current"):
+        await start(store, flow_id)
+    leases = {x.flow_id: x for x in await store.claim(W, TYPES, 10)}
+    for flow_id, seen in (("stale", enc(1)), ("current", enc(2))):
+        lease = leases[flow_id]
+        snap = await store.rpc_read(flow_id, ALL, [])
+        await store.rpc_commit(flow_id, snap.version, [], WriteSet(attributes={("Count", ""): enc(2)}), [], [])
+        listen = msgspec.structs.replace(move("Listen"), wait=spec, wait_loaded=(("Count", "", seen),))
+        await store.commit_execute(lease, WriteSet(), DecisionRecord("movements", (listen,)))
+    assert await active(store, "stale") == [("Listen-1", "ready", "wait_for", 1)]
+    assert await active(store, "current") == [("Listen-1", "waiting", "execute", 1)]
+
+
+async def test_a_wait_evaluated_ahead_for_a_wait_for_that_locks_is_not_registered(store: Store) -> None:
+    """A WaitFor that takes locks (E7) runs as an attempt holding them, even when a wait for it was
+    evaluated ahead (MovementRecord.wait): registering that wait would skip its locks."""
+    await start(store, "f1")
+    listen = msgspec.structs.replace(move("LockedListen"), wait=Wait.until(Inbox.for_one()).spec())
+    await store.commit_execute(await claim_one(store), WriteSet(), DecisionRecord("movements", (listen,)))
+    assert await active(store, "f1") == [("LockedListen-1", "ready", "wait_for", 1)]
+
+
+async def test_an_rpc_that_cancels_the_last_step_of_a_completing_flow_completes_it(store: Store) -> None:
+    """A flow asked to complete gracefully closes when its last Step ends, also when an RPC ends it
+    by cancelling it: completed, with the output graceful_complete gave. Catches: only Step commits
+    checking for the close (the flow would stay running with no Step left, for ever)."""
+    await start(store, "f1")
+    await store.commit_execute(await claim_one(store), WriteSet(), goto("Next", "Slow"))
+    done, _slow = await store.claim(W, TYPES, 10)
+    await store.commit_execute(done, WriteSet(), graceful("done"))
+    assert (await store.describe_flow("f1")).status == "running"
+    snap = await store.rpc_read("f1", ALL, [])
+    await store.rpc_commit("f1", snap.version, [], WriteSet(), [], ["Slow"])
+    info = await store.describe_flow("f1")
+    assert (info.status, info.output, info.active_steps) == ("completed", enc("done"), ())
+
