@@ -18,6 +18,7 @@ import pytest
 
 from dex_engine import (
     Attribute,
+    AttributeMap,
     Channel,
     ChannelMap,
     ChannelMessageNotFoundError,
@@ -1756,4 +1757,40 @@ async def test_an_rpc_that_cancels_the_last_step_of_a_completing_flow_completes_
     await store.rpc_commit("f1", snap.version, [], WriteSet(), [], ["Slow"])
     info = await store.describe_flow("f1")
     assert (info.status, info.output, info.active_steps) == ("completed", enc("done"), ())
+
+
+Tags = AttributeMap("Tags", str)
+TAGGED = Flow("Tagged", [
+    Step("Start", _execute),
+    Step("HoldK", _execute, options=StepOptions(execute_locks=(Tags["k"],))),
+    Step("HoldAll", _execute, options=StepOptions(execute_locks=(Tags,))),
+], start_step="Start", schema=[Tags])
+
+
+@pytest.mark.parametrize("order", [("HoldK", "HoldAll"), ("HoldAll", "HoldK")])
+async def test_one_claim_hands_out_only_one_of_a_maps_lock_and_its_instances_lock(
+    store: Store, order: tuple[str, str]
+) -> None:
+    """E7: one claim of two ready Steps, one locking the map Tags, the other its instance Tags[k],
+    hands out only the first: the locks exclude each other whichever is taken first in the claim.
+    Catches: the claim's own check of the locks it takes comparing them one way round only."""
+    await start(store, "f1", flow=TAGGED)
+    decision = DecisionRecord("movements", tuple(movement_record(TAGGED, Movement(s)) for s in order))
+    await store.commit_execute(await claim_one(store, types=["Tagged"]), WriteSet(), decision)
+    leases = await store.claim(W, ["Tagged"], 10)
+    assert [x.step_execution_id for x in leases] == [f"{order[0]}-1"]
+
+
+async def test_a_poll_reports_no_epoch_for_an_attempt_that_lost_its_task(store: Store) -> None:
+    """A poll's epochs list only the watched tasks still running: one whose attempt failed and waits
+    for its retry is missing, so its worker learns that the attempt no longer owns it (E9). Catches:
+    the epoch of a task that is ready again reported, its lease taken for current."""
+    await start(store, "f1", "Slow")
+    lease = await claim_one(store)
+    _, result = await store.poll(W, TYPES, 0, [lease.task_id], must_claim=False, housekeep=False)
+    assert result.epochs == {lease.task_id: lease.lease_epoch}
+    await store.fail_attempt(lease, ErrorInfo("ValueError", "boom"))
+    assert await active(store, "f1") == [("Slow-1", "ready", "execute", 2)]
+    _, result = await store.poll(W, TYPES, 0, [lease.task_id], must_claim=False, housekeep=False)
+    assert result.epochs == {}
 
