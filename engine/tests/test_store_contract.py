@@ -53,6 +53,7 @@ from dex_engine._records import (
     ErrorInfo,
     Lease,
     MovementRecord,
+    RetryWaitEnding,
     StartRequest,
     WriteSet,
 )
@@ -1794,3 +1795,54 @@ async def test_a_poll_reports_no_epoch_for_an_attempt_that_lost_its_task(store: 
     _, result = await store.poll(W, TYPES, 0, [lease.task_id], must_claim=False, housekeep=False)
     assert result.epochs == {}
 
+
+async def test_a_stopping_worker_fails_only_its_own_attempts_as_stopped(store: Store) -> None:
+    """A worker that unregisters fails its started attempts as stopped (its shutdown grace ran
+    out); another worker's attempt handled in the same pass fails as that worker's death. Catches:
+    every orphan the pass finds blamed on the stopping worker's grace, sending an operator to tune
+    a setting that had nothing to do with it."""
+    await start(store, "mine", "Fragile")
+    mine = await claim_one(store)
+    await store.register_worker("other", "contract-host", 2, HOUR_MS)
+    await start(store, "theirs", "Fragile")
+    theirs = await claim_one(store, "other")
+    for lease in (mine, theirs):
+        await store.heartbeat(lease, None)
+    await store.abandon(theirs)  # its worker gave it up: a dead worker's attempt from now on
+    await store.unregister_worker(W)
+    errors = {f: (await store.describe_flow(f)).error for f in ("mine", "theirs")}
+    assert errors == {
+        "mine": f"Step Fragile-1 failed after 1 attempt(s): WorkerLost: {tx.WORKER_STOPPED.detail}",
+        "theirs": f"Step Fragile-1 failed after 1 attempt(s): WorkerLost: {tx.WORKER_DIED.detail}",
+    }
+
+
+async def test_ending_retry_waits_ends_only_executions_waiting_for_a_retry(store: Store) -> None:
+    """An RPC that ends the retry waits of a Step type (RPCResult's end_retry_waits) sends an
+    execution waiting for its retry to its failure route now, with the first such RPC's reason; an
+    execution of that type that has not failed yet is left to run, and one running then fails
+    without retry, with that first reason too. Catches: an execution not yet attempted ended as if
+    it had failed, and a later RPC's reason replacing the first."""
+    await start(store, "f1")
+    await store.commit_execute(await claim_one(store), WriteSet(), goto("Quick", "Quick", "Quick"))
+    failed, running, fresh = await store.claim(W, TYPES, 3)
+    await store.release_unstarted(fresh)  # not attempted yet
+    await store.fail_attempt(failed, ErrorInfo("ValueError", "boom"))
+    assert await active(store, "f1") == [
+        ("Quick-1", "ready", "execute", 2), ("Quick-2", "running", "execute", 1), ("Quick-3", "ready", "execute", 1)]
+    for reason in ("first reason", "second reason"):
+        snap = await store.rpc_read("f1", ALL, [])
+        await store.rpc_commit("f1", snap.version, [], WriteSet(), [], [], ending=RetryWaitEnding(("Quick",), reason))
+    assert await active(store, "f1") == [
+        ("Quick-2", "running", "execute", 1), ("Quick-3", "ready", "execute", 1), ("Recover-1", "ready", "execute", 1)]
+    await store.fail_attempt(running, ErrorInfo("ValueError", "bang"))
+    recoveries = {}
+    for lease in await store.claim(W, TYPES, 10):
+        if lease.step_type == "Recover":
+            assert lease.recovery_error is not None
+            recoveries[lease.recovery_error.step_execution_id] = (
+                lease.recovery_error.attempts, lease.recovery_error.detail)
+    assert recoveries == {
+        "Quick-1": (1, "first reason; its last attempt failed: ValueError: boom"),
+        "Quick-2": (1, "first reason; its last attempt failed: ValueError: bang"),
+    }
