@@ -284,12 +284,12 @@ async def test_retention_deletes_a_bounded_number_per_pass_oldest_first(
     db_url: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """One housekeeping pass deletes at most CLOSED_FLOWS_DELETED_PER_HOUSEKEEPING flows, the
-    longest closed first, and says whether more are due."""
+    longest closed first, and says whether more are due: not when it deleted exactly the last ones."""
     monkeypatch.setattr(transitions, "CLOSED_FLOWS_DELETED_PER_HOUSEKEEPING", 2)
     async with engine_for(db_url, REGISTRY) as eng:
-        for n in range(6):
+        for n in range(7):
             await closed_flow(eng, f"f{n}", "completed")
-            await close_days_ago(eng.store, f"f{n}", 10 - n if n < 5 else 1)  # f0 closed longest ago; f5 recently
+            await close_days_ago(eng.store, f"f{n}", 10 - n if n < 5 else 1)  # f0 closed longest ago; f5, f6 recently
         assert eng.worker is not None
         await eng.worker.stop()
         eng.worker = None
@@ -298,13 +298,17 @@ async def test_retention_deletes_a_bounded_number_per_pass_oldest_first(
         async def one_pass() -> tuple[int, bool, list[str]]:
             report = await eng.store.raw(lambda db: transitions.housekeeping(db, now_ms(), retention_ms=retention_ms),
                                          write=True)
-            left = [f"f{n}" for n in range(6) if await eng.client.exists(f"f{n}")]
+            left = [f"f{n}" for n in range(7) if await eng.client.exists(f"f{n}")]
             return report.flows_deleted, report.flows_left, left
 
-        assert await one_pass() == (2, True, ["f2", "f3", "f4", "f5"])
-        assert await one_pass() == (2, True, ["f4", "f5"])
-        assert await one_pass() == (1, False, ["f5"])
-        assert await one_pass() == (0, False, ["f5"])
+        assert await one_pass() == (2, True, ["f2", "f3", "f4", "f5", "f6"])
+        assert await one_pass() == (2, True, ["f4", "f5", "f6"])
+        assert await one_pass() == (1, False, ["f5", "f6"])
+        assert await one_pass() == (0, False, ["f5", "f6"])
+        # Exactly as many due as a pass deletes: none left after it.
+        for n in (5, 6):
+            await close_days_ago(eng.store, f"f{n}", 10)
+        assert await one_pass() == (2, False, [])
 
 
 async def test_a_worker_drains_a_retention_backlog_without_waiting_a_housekeeping_interval_a_pass(

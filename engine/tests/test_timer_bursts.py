@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import msgspec
+import pytest
 
 from dex_engine import Channel, Context, Flow, Registry, Step, StepDecision, Timer, Wait
 from dex_engine import _transitions as tx
@@ -119,6 +120,28 @@ async def test_one_housekeeping_pass_fires_a_bounded_number_of_timers(db_url: st
         assert passes == [TIMERS_FIRED_PER_HOUSEKEEPING, TIMERS_FIRED_PER_HOUSEKEEPING, 7]
         assert await _sleepers_left(eng.store, "ready") == count
         assert await eng.store.raw(lambda db: tx.next_due(db, ["Sleeper"])) is not None
+
+
+
+async def test_a_pass_that_fires_the_last_due_timers_says_none_are_left(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A housekeeping pass says timers are left only while more are due than it fired: not after
+    firing exactly the last ones. Catches the boundary counted as more due, which sends every worker
+    straight into a pass that has nothing to fire."""
+    monkeypatch.setattr(tx, "TIMERS_FIRED_PER_HOUSEKEEPING", 2)
+    async with engine_for(db_url, REGISTRY, worker=False) as eng:
+        for i in range(4):
+            await eng.store.start_flow(_waiting_start(SLEEPER, f"s{i}", Wait.until(Timer.by_duration(3600))))
+        # Registered an hour ago: due now, without sleeping through a timer.
+        await eng.store.raw(lambda db: db.run(
+            "UPDATE tasks SET wait_registered_at = wait_registered_at - ?, timer_due_at = timer_due_at - ?",
+            (3_600_000, 3_600_000)), write=True)
+        passes = []
+        for _ in range(2):
+            report = await eng.store.housekeeping()
+            passes.append((report.timers_fired, report.timers_left))
+        assert passes == [(2, True), (2, False)]
 
 
 async def test_a_worker_fires_timers_as_its_ready_tasks_drain_and_a_few_while_they_queue(db_url: str) -> None:
