@@ -795,6 +795,20 @@ async def test_a_claim_that_never_started_keeps_its_place_in_the_queue(store: St
     assert [x.flow_id for x in await store.claim(W, TYPES, 1)] == ["newer"]
 
 
+
+async def test_a_step_whose_wait_is_satisfied_queues_behind_work_ready_before(store: Store) -> None:
+    """A waiting Step is ready from when its wait is satisfied, so a claim takes work that was ready
+    before that first (claims take the oldest first), however long ago the waiting Step was created.
+    Catches: the claim order taken from the task's creation (its ID, or the run_at it was first
+    ready at), which let every Step a message wakes overtake all queued work."""
+    await start(store, "waiter", "Listen")
+    await store.commit_wait_for(await claim_one(store), WriteSet(), Wait.until(Inbox.for_one()).spec())
+    await start(store, "ready-first")
+    await asyncio.sleep(0.005)  # run_at is in milliseconds: the two must differ
+    await store.publish("waiter", "Inbox", "", enc("late"))
+    assert [x.flow_id for x in await store.claim(W, TYPES, 1)] == ["ready-first"]
+    assert [(x.flow_id, x.method) for x in await store.claim(W, TYPES, 1)] == [("waiter", "execute")]
+
 async def test_a_claim_handed_back_with_a_delay_is_claimed_only_after_it(store: Store) -> None:
     """A claim handed back with a delay (a Step this worker's Registry does not declare) is not
     claimed again before the delay is over, though it was ready first."""
