@@ -123,25 +123,29 @@ async def test_one_housekeeping_pass_fires_a_bounded_number_of_timers(db_url: st
 
 
 
-async def test_a_pass_that_fires_the_last_due_timers_says_none_are_left(
+async def test_a_pass_fires_the_earliest_due_timers_and_says_when_none_are_left(
     db_url: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A housekeeping pass says timers are left only while more are due than it fired: not after
-    firing exactly the last ones. Catches the boundary counted as more due, which sends every worker
-    straight into a pass that has nothing to fire."""
+    """A housekeeping pass fires the earliest due timers first, and says timers are left only while
+    more are due than it fired: not after firing exactly the last ones. Catches the latest due fired
+    first, and the boundary counted as more due, which sends every worker straight into a pass that
+    has nothing to fire."""
     monkeypatch.setattr(tx, "TIMERS_FIRED_PER_HOUSEKEEPING", 2)
     async with engine_for(db_url, REGISTRY, worker=False) as eng:
         for i in range(4):
             await eng.store.start_flow(_waiting_start(SLEEPER, f"s{i}", Wait.until(Timer.by_duration(3600))))
-        # Registered an hour ago: due now, without sleeping through a timer.
-        await eng.store.raw(lambda db: db.run(
-            "UPDATE tasks SET wait_registered_at = wait_registered_at - ?, timer_due_at = timer_due_at - ?",
-            (3_600_000, 3_600_000)), write=True)
+        # Registered an hour (s0, s1) or two (s2, s3) ago: due now, without sleeping through a timer.
+        for flows, ago in ((("s0", "s1"), 3_600_000), (("s2", "s3"), 7_200_000)):
+            await eng.store.raw(lambda db, flows=flows, ago=ago: db.run(
+                "UPDATE tasks SET wait_registered_at = wait_registered_at - ?, timer_due_at = timer_due_at - ? "
+                "WHERE flow_id IN (?, ?)", (ago, ago, *flows)), write=True)
         passes = []
         for _ in range(2):
             report = await eng.store.housekeeping()
-            passes.append((report.timers_fired, report.timers_left))
-        assert passes == [(2, True), (2, False)]
+            ready = await eng.store.raw(lambda db: db.all(
+                "SELECT flow_id FROM tasks WHERE state = 'ready' ORDER BY flow_id"))
+            passes.append((report.timers_fired, report.timers_left, [str(r[0]) for r in ready]))
+        assert passes == [(2, True, ["s2", "s3"]), (2, False, ["s0", "s1", "s2", "s3"])]
 
 
 async def test_a_worker_fires_timers_as_its_ready_tasks_drain_and_a_few_while_they_queue(db_url: str) -> None:
