@@ -151,8 +151,10 @@ async def test_a_pass_fires_the_earliest_due_timers_and_says_when_none_are_left(
 async def test_a_worker_fires_timers_as_its_ready_tasks_drain_and_a_few_while_they_queue(db_url: str) -> None:
     """A worker's housekeeping fires timers only while fewer than TIMERS_FIRED_PER_HOUSEKEEPING
     tasks of its flow types are ready, except TIMERS_FIRED_WHILE_BACKLOGGED in its pass once an
-    interval (`timer_floor`); other flow types' ready tasks hold nothing back. Catches a full queue
-    that starves timers for ever (no floor), and a burst fired behind a queue already full."""
+    interval (`timer_floor`); other flow types' ready tasks hold nothing back, nor tasks not due yet
+    (a claim handed back with a delay, a retry waiting for its interval). Catches a full queue that
+    starves timers for ever (no floor), a burst fired behind a queue already full, and tasks not due
+    yet counted as queued work."""
     due = TIMERS_FIRED_WHILE_BACKLOGGED + 5
     async with engine_for(db_url, REGISTRY, worker=False) as eng:
         await asyncio.gather(*(eng.store.start_flow(_waiting_start(SLEEPER, f"s{i}", Wait.until(Timer.by_duration(1))))
@@ -160,6 +162,9 @@ async def test_a_worker_fires_timers_as_its_ready_tasks_drain_and_a_few_while_th
         runners = [StartRequest(f"r{i}", "Runner", b"null", FlowConfig(), start_record(RUNNER, None))
                    for i in range(TIMERS_FIRED_PER_HOUSEKEEPING - 3)]
         await asyncio.gather(*(eng.store.start_flow(r) for r in runners))
+        await eng.store.start_flow(StartRequest("later", "Runner", b"null", FlowConfig(), start_record(RUNNER, None)))
+        (handed_back,) = await eng.store.claim("w", ["Runner"], 1)
+        await eng.store.release_unstarted(handed_back, 3_600_000)  # ready, but only in an hour
         await asyncio.sleep(1.2)
 
         def housekeeping(types: list[str], floor: bool) -> Any:
