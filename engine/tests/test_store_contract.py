@@ -1860,3 +1860,25 @@ async def test_ending_retry_waits_ends_only_executions_waiting_for_a_retry(store
         "Quick-1": (1, "first reason; its last attempt failed: ValueError: boom"),
         "Quick-2": (1, "first reason; its last attempt failed: ValueError: bang"),
     }
+
+
+async def test_an_rpc_ending_a_retry_wait_that_fails_the_flow_starts_nothing_in_it(store: Store) -> None:
+    """An RPC that ends the retry waits of executions without a failure route fails the flow with
+    the first of them, once; the others are cancelled with the flow, and the RPC's next_steps do not
+    start in it. Catches: the RPC's next Step started in the failed flow (workers claimed and ran it
+    there, its commit refused), and the flow closed again under each further execution's error."""
+    await start(store, "f1")
+    await store.commit_execute(await claim_one(store), WriteSet(), goto("Start", "Start"))
+    first, second = await store.claim(W, TYPES, 10)
+    await store.fail_attempt(first, ErrorInfo("ValueError", "boom"))
+    await store.fail_attempt(second, ErrorInfo("ValueError", "bang"))
+    snap = await store.rpc_read("f1", ALL, [])
+    await store.rpc_commit("f1", snap.version, [], WriteSet(), [move("Next")], [],
+                           ending=RetryWaitEnding(("Start",), "stop retrying"))
+    info = await store.describe_flow("f1")
+    assert (info.status, info.active_steps) == ("failed", ())
+    assert info.error == ("Step Start-2 failed after 1 attempt(s): ValueError: stop retrying; "
+                          "its last attempt failed: ValueError: boom")
+    assert await store.claim(W, TYPES, 10) == []
+    assert (await history_events(store, "f1"))[-3:] == [
+        (tx.STEP_FAILED, "Start-2"), (tx.STEP_CANCELLED, "Start-3"), (tx.FLOW_CLOSED, "")]

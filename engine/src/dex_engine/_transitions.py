@@ -1753,9 +1753,10 @@ def _fail_task(
 def _end_failed_task(
     db: Db, task_id: int, names: tuple[str, str, str, str, str], attempts: int, started: bool,
     options: TaskOptions, input_value: bytes, error: ErrorInfo, now: int,
-) -> None:
+) -> bool:
     """A Step method failed for good after `attempts` attempts: its failure route starts with the
-    recovery error, else the flow fails (E4). `names`: flow ID, flow type, Step type, execution, method."""
+    recovery error, else the flow fails (E4); True in that case. `names`: flow ID, flow type, Step
+    type, execution, method."""
     flow_id, flow_type, step_type, seid, method = names
     _release_locks(db, task_id)
     _send(db, "DELETE FROM tasks WHERE task_id = ?", (task_id,))
@@ -1771,16 +1772,18 @@ def _end_failed_task(
         route = MovementRecord(options.failure_route, input_value, options.failure_route_options)
         create_task(db, flow_id, flow_type, route, now, recovery)
         bump(db, flow_id)
-    else:
-        close_flow(db, flow_id, "failed", None,
-                   f"Step {seid} failed after {attempts} attempt(s): {error.error_type}: {error.detail}", now)
+        return False
+    close_flow(db, flow_id, "failed", None,
+               f"Step {seid} failed after {attempts} attempt(s): {error.error_type}: {error.detail}", now)
+    return True
 
 
-def end_retry_waits(db: Db, flow_id: str, ending: RetryWaitEnding, now: int) -> None:
+def end_retry_waits(db: Db, flow_id: str, ending: RetryWaitEnding, now: int) -> bool:
     """End now, as if their retries were spent, the executions of `ending`'s Step types that wait
     for a retry (ready after a failed attempt, none running): each goes to its failure route with its
     last attempt's error after `ending.reason`. A running attempt is left alone: it may be taking
-    effect, and it decides its own end."""
+    effect, and it decides its own end. True when one without a failure route failed the flow: the
+    flow is closed, its other Steps cancelled with it, and nothing more may start in it."""
     step_types = ending.step_types
     rows = db.all(
         "SELECT task_id, flow_type, step_type, step_execution_id, method, attempt, options, input, any_started, "
@@ -1792,9 +1795,12 @@ def end_retry_waits(db: Db, flow_id: str, ending: RetryWaitEnding, now: int) -> 
         last = None if row[9] is None else decode_json(bytes(row[9]), ErrorInfo)
         error = (ErrorInfo("RetryWaitEnded", _error_text(ending.reason)) if last is None
                  else _retry_wait_ended(ending.reason, last))
-        _end_failed_task(db, int(row[0]), (flow_id, str(row[1]), str(row[2]), str(row[3]), str(row[4])),
-                         int(row[5]) - 1, bool(row[8]), stored_task_options(db, bytes(row[6])), bytes(row[7]),
-                         error, now)
+        if _end_failed_task(db, int(row[0]), (flow_id, str(row[1]), str(row[2]), str(row[3]), str(row[4])),
+                            int(row[5]) - 1, bool(row[8]), stored_task_options(db, bytes(row[6])), bytes(row[7]),
+                            error, now):
+            # The flow failed with this execution: the ones after it were cancelled with the flow,
+            # and failing them too would close it again, under another Step's error.
+            return True
     # The executions left (an attempt running, or yet to run) make no retry either: a failure that
     # would retry ends them with this reason (_fail_task). The first ending's reason stays.
     _send(
@@ -1802,6 +1808,7 @@ def end_retry_waits(db: Db, flow_id: str, ending: RetryWaitEnding, now: int) -> 
         "AND retry_ending IS NULL",
         (_error_text(ending.reason), flow_id, *step_types),
     )
+    return False
 
 
 def _retry_wait_ended(reason: str, last: ErrorInfo) -> ErrorInfo:
@@ -2281,8 +2288,8 @@ def rpc_commit(
     apply_writes(db, flow_id, writes, "", 0, now)
     if canceling:
         cancel_step_types(db, flow_id, canceling, now)
-    if ending is not None and ending.step_types:
-        end_retry_waits(db, flow_id, ending, now)
+    if ending is not None and ending.step_types and end_retry_waits(db, flow_id, ending, now):
+        return  # the flow failed (an ended execution had no failure route): its next_steps may not start
     for movement in next_steps:
         create_task(db, flow_id, flow_type, movement, now)
     if writes.publishes:
