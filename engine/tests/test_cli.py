@@ -769,8 +769,11 @@ def test_messages_naming_a_postgresql_url_hide_its_password(pg_database: str) ->
     assert "hunter2" not in result.output
 
 
-# In the user:password part, or as ?password= (where an '@' is no more than a character).
-@pytest.mark.parametrize("userinfo", [":hun%zzter2@", ":hun%00ter2@", ":p@hunter2@", "@"])
+# In the user:password part, or as ?password= (where an '@' is no more than a character). libpq
+# takes a password's unescaped '@' for its end: it quotes a bad %-escape before it as the password's,
+# and decodes a %-escape after it in what it takes for the host name, and quotes that.
+@pytest.mark.parametrize("userinfo", [":hun%zzter2@", ":hun%00ter2@", ":p@hunter2@", ":hun%zzter2@p@",
+                                      ":p@hun%41ter2@", "@"])
 @pytest.mark.parametrize("existing", [False, True])
 def test_a_password_libpq_quotes_on_its_own_is_not_shown(pg_database: str, userinfo: str, existing: bool) -> None:
     """A password with a bad %-escape, which libpq quotes whole in its refusal, or an unescaped '@',

@@ -92,15 +92,17 @@ def shown_url_value(value: object) -> str:
 def shown_error(text: str, url: str) -> str:
     """`text`, a driver's error about `url`, fit for a message or a log: the URL as shown_url
     shows it, and each piece of its password libpq may quote on its own written as ***: the whole
-    password (a bad %-escape in it), and what follows an unescaped '@' in it, which libpq takes for
-    the host name. Only where no letter, digit, '%', '.' or '-' touches the piece, so that a short
-    password does not blank out every word holding its characters."""
+    password (a bad %-escape in it), and, around an unescaped '@' in it, what comes before it, which
+    libpq takes for the password (and quotes for a bad %-escape in it), and what follows it, which
+    libpq takes for the host name. Only where no letter, digit, '%', '.' or '-' touches the piece,
+    so that a short password does not blank out every word holding its characters."""
     text = text.replace(url, shown_url(url))
     pieces: set[str] = set()
     userinfo = _USERINFO_PASSWORD.match(url)
     if userinfo is not None:
         password = url[userinfo.end(1) + 1:userinfo.end() - 1]
-        pieces.update((password, password.partition("@")[2]))
+        before, _, after = password.partition("@")
+        pieces.update((password, before, after))
     pieces.update(found.group(1) for found in _PASSWORD_VALUE.finditer(url))
     pieces.update([unquote(piece) for piece in pieces])
     for piece in sorted(pieces - {""}, key=len, reverse=True):
