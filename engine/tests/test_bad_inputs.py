@@ -807,14 +807,27 @@ def _postgres_dsn(url: str) -> object:
     return pydantic.TypeAdapter(pydantic.PostgresDsn).validate_python(url)
 
 
-@pytest.mark.parametrize("kind", ["bytes", "PostgresDsn"])
+class TextlessUrl:
+    """A URL object whose str() raises and whose repr shows its password: no text to hide it in."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+    def __repr__(self) -> str:
+        return f"TextlessUrl({self.url!r})"
+
+
+@pytest.mark.parametrize("kind", ["bytes", "PostgresDsn", "TextlessUrl"])
 @pytest.mark.parametrize("where", ["open_store", "WorkerOptions"])
 def test_a_database_url_that_is_not_a_str_is_refused_without_its_password(kind: str, where: str) -> None:
     """A URL given as bytes or a pydantic PostgresDsn (a settings field passed as is) is refused
-    naming it with *** for its password. Catches: the refusal quoted its repr, password and all,
-    into the traceback a service logs as it fails to start."""
+    naming it with *** for its password; one whose text cannot be made, by its type alone. Catches:
+    the refusal quoted its repr, password and all, into the traceback a service logs as it fails to start."""
     url = "postgresql://app:Hunter2-pw@db.example:5432/app"
-    given = url.encode() if kind == "bytes" else _postgres_dsn(url)
+    given = url.encode() if kind == "bytes" else _postgres_dsn(url) if kind == "PostgresDsn" else TextlessUrl(url)
     with pytest.raises(ValueError) as caught:
         if where == "open_store":
             open_store(given)  # type: ignore[arg-type]
@@ -822,7 +835,10 @@ def test_a_database_url_that_is_not_a_str_is_refused_without_its_password(kind: 
             WorkerOptions(database_url=given)  # type: ignore[arg-type]
     assert "Hunter2-pw" not in str(caught.value)
     assert f"must be a str, got {kind}: " in str(caught.value)
-    assert "postgresql://app:***@db.example:5432/app" in str(caught.value)
+    if kind == "TextlessUrl":
+        assert "got TextlessUrl: (a TextlessUrl whose text could not be made)" in str(caught.value)
+    else:
+        assert "postgresql://app:***@db.example:5432/app" in str(caught.value)
 
 
 # Values ----------------------------------------------------------------------------------------

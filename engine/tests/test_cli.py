@@ -694,6 +694,28 @@ def test_bad_database_urls_print_one_error_line_and_exit_2(tmp_path: Path) -> No
                           "cannot open", "notes.txt/demo.db", "as a dex_engine database")
 
 
+def test_open_store_of_an_existing_database_refuses_a_missing_or_foreign_sqlite_file(tmp_path: Path) -> None:
+    """open_store(url, existing=True), as a reader of the workers' database does (read_step_history):
+    a SQLite file that is not there raises FileNotFoundError naming it, and one without dex_engine
+    tables StoreOpenError; neither is created or written. Catches `existing` ignored, which created an
+    empty engine database at a mistyped path and read no flows from it."""
+    missing = tmp_path / "missing.db"
+    with pytest.raises(FileNotFoundError, match=re.escape(
+        f"no database file {str(missing)!r} (from 'sqlite:///{missing}'); pass the URL of the engine database "
+        "the workers use",
+    )):
+        open_store(f"sqlite:///{missing}", existing=True)
+    assert not missing.exists()
+    plain = tmp_path / "plain.db"
+    plain.touch()
+    with pytest.raises(StoreOpenError, match=re.escape(
+        f"{str(plain)!r} is not a dex-engine database (it has no flows table); nothing was created in it: pass "
+        "the URL of the engine database the workers use",
+    )):
+        open_store(f"sqlite:///{plain}", existing=True)
+    assert plain.stat().st_size == 0
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="chattr +i needs root (CAP_LINUX_IMMUTABLE)")
 @pytest.mark.parametrize("immutable", ["directory", "file"])
 def test_a_database_this_process_may_not_write_is_named_as_such(db_copy: str, immutable: str) -> None:
@@ -831,6 +853,13 @@ def test_commands_leave_a_database_of_an_older_schema_unmigrated(db_url: str) ->
                               f"{named!r} has dex_engine schema version {latest - 1}, older than the {latest}",
                               "nothing was changed")
         assert stored_version(db_url) == str(latest - 1), args
+    # open_store(existing=True), the library's reader of the workers' database, refuses it too.
+    with pytest.raises(StoreOpenError, match=re.escape(
+        f"{named!r} has dex_engine schema version {latest - 1}, older than the {latest} this dex_engine uses",
+    )) as refused:
+        open_store(db_url, existing=True)
+    assert "read it with the dex_engine of their version" in str(refused.value)
+    assert stored_version(db_url) == str(latest - 1)
 
 
 def test_commands_create_nothing_in_a_postgresql_database_without_flows(pg_database: str) -> None:
@@ -841,6 +870,11 @@ def test_commands_create_nothing_in_a_postgresql_database_without_flows(pg_datab
     for args in DATABASE_COMMANDS:
         assert_one_line_error(run(*args, "--db", pg_database),
                               f"{shown_url(pg_database)!r} holds no dex_engine tables", "nothing was created")
+    with pytest.raises(StoreOpenError, match=re.escape(
+        f"{shown_url(pg_database)!r} holds no dex_engine tables, so no flows (nothing was created there); pass "
+        "the URL of the engine database the workers use",
+    )):
+        open_store(pg_database, existing=True)
     assert pg_tables(pg_database) == []
 
 
