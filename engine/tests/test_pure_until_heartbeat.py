@@ -33,7 +33,7 @@ from dex_engine import (
 )
 from dex_engine import _transitions as tx
 from dex_engine._context import NotFoldable
-from dex_engine._parked import FoldFunctions
+from dex_engine._parked import FoldFunctions, Resumed
 
 from .conftest import stop_while_a_claim_lands
 from .test_pure_execute import TRIES, called_from, finished, quiet_engine, shape
@@ -437,3 +437,67 @@ async def test_fold_functions_that_do_not_park_refuse_heartbeats_and_events() ->
     with pytest.raises(NotFoldable):
         functions.write_event(Log.name, b'"x"')
     assert functions.events == [] and functions.parked is None
+
+
+async def _parked_then_resumed(handler: Any) -> tuple[Resumed, Any]:
+    """`handler(functions)` stepped up to its first heartbeat, as a claiming commit steps it, then
+    resumed with its attempt's functions: the Resumed its attempt's task awaits, and the coroutine."""
+    functions = FoldFunctions(park_flow("Unit", []), parks=True)
+    coroutine = handler(functions)
+    coroutine.send(None)  # runs up to the heartbeat, which parks it
+    assert functions.checkpoint == "cp"
+
+    async def live_heartbeat(checkpoint: str | None) -> None:
+        pass
+
+    functions.go_live(live_heartbeat, lambda stream, data: None)
+    return Resumed(coroutine), coroutine
+
+
+async def test_a_resumed_handler_gets_the_cancellation_of_its_attempts_task_and_may_go_on() -> None:
+    """What is thrown into the attempt's task (a cancellation: its lease lost, the worker stopping)
+    goes on to the resumed handler, as it would to one run as a usual attempt: its `except
+    CancelledError` runs, and one that handles it goes on and returns. Catches the cancellation
+    raised past the handler, left suspended, and the cancellation thrown into it again at its next await."""
+    seen: list[str] = []
+
+    async def handler(functions: FoldFunctions) -> str:
+        await functions.heartbeat("cp")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+        await asyncio.sleep(0)
+        return "went on"
+
+    resumed, _ = await _parked_then_resumed(handler)
+
+    async def attempt() -> str:
+        result: str = await resumed
+        return result
+
+    task = asyncio.create_task(attempt())
+    await asyncio.sleep(0)
+    task.cancel()
+    assert await asyncio.wait_for(task, 5) == "went on"
+    assert seen == ["cancelled"]
+
+
+async def test_a_resumed_handler_closes_with_its_awaiter() -> None:
+    """A resumed handler whose attempt's coroutine is closed (never finished) is closed with it, at
+    once: its finally blocks run then, not whenever the garbage collector finds it."""
+    seen: list[str] = []
+
+    async def handler(functions: FoldFunctions) -> None:
+        await functions.heartbeat("cp")
+        try:
+            await asyncio.Event().wait()
+        finally:
+            seen.append("closed")
+
+    resumed, coroutine = await _parked_then_resumed(handler)
+    awaiting = resumed.__await__()
+    awaiting.send(None)  # the handler is suspended in its own await
+    awaiting.close()
+    assert seen == ["closed"]
+    assert coroutine.cr_frame is None  # finished: nothing left to close later
