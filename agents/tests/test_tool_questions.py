@@ -580,6 +580,20 @@ async def test_not_pending_question_is_raised_under_the_lock() -> None:
     assert ctx.get(AGENT_TOOL_CALLS["c1"]) == _asking_record()  # the record is not rewritten
 
 
+async def test_a_question_already_pending_for_its_call_is_not_raised_again() -> None:
+    """Execute after the zero-Timer wait finds `c1-input-1` already pending for c1 itself (raised
+    since its WaitFor read PendingInterrupts): it waits for the answer again, with no second
+    interrupt in PendingInterrupts and no second interrupt_raised event."""
+    flow, _ = _flow(interrupt_deadline=timedelta(minutes=5))
+    wait = Wait.all_of(Timer.by_duration(0), INTERRUPT_RESOLUTIONS["c1-input-1"].at_most(1))
+    outcome = WaitOutcome(satisfied=(0, 1), consumed=((), ()), fired_timers=(0,))
+    ctx = _context(flow, [_asking_record()], [_interrupt("c1-input-1", "c1")], (wait, outcome))
+    decision = await _steps_of(flow).await_question_answer(ctx, "c1")
+    assert [(m.step_type, m.input) for m in decision.movements] == [(AWAIT_QUESTION_ANSWER, "c1")]
+    assert ctx.writes.attributes == {}
+    assert ctx.writes.appends == []  # no interrupt_raised
+
+
 async def test_pending_interrupt_of_another_call_with_the_question_id_fails_the_call() -> None:
     """The collision rule also reads PendingInterrupts: another call's interrupt `c1-input-1`
     makes c1 record failed, publish its result, and leave that interrupt alone."""
@@ -699,7 +713,7 @@ async def test_an_answer_too_large_to_store_fails_the_call() -> None:
 async def test_a_resolution_without_an_answer_declines_the_question() -> None:
     """A resolution approved but with no answer (the shape of a tool approval, never of
     answer_question) taken by a question never answers it with nothing: the call is declined with
-    the default message and the tool does not run again."""
+    the default message and the tool does not run again, its record left with no question pending."""
     flow, _ = _flow()
     wait = Wait.all_of(Timer.by_duration(0), INTERRUPT_RESOLUTIONS["c1-input-1"].at_most(1))
     resolution = msgspec.json.encode(AgentInterruptResolution(approved=True, rejection_message=None))
@@ -712,6 +726,7 @@ async def test_a_resolution_without_an_answer_declines_the_question() -> None:
     assert record is not None
     assert (record.status, record.rejection_message, record.input_answers) == (
         AgentToolCallStatus.REJECTED, "The user declined to answer.", [])
+    assert (record.input_question, record.input_choices) == (None, [])
 
 
 async def test_a_question_that_does_not_fit_next_to_the_pending_interrupts_fails_the_call() -> None:
