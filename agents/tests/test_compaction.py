@@ -92,6 +92,7 @@ from dex_agents.builtin_loop import (
     ModelRequest,
     ModelResponse,
     ModelToolCall,
+    ModelToolDefinition,
     OutputItemKind,
     ScriptedModelClient,
     ScriptedModelReply,
@@ -727,6 +728,8 @@ def test_builtin_summary_request_leaves_out_the_oldest_whole_responses() -> None
     full, omitted = summary_request(summary_request_of(messages, 10_000), {}, model)
     assert omitted == 0 and full.instructions == CONTEXT_SUMMARY_INSTRUCTIONS and full.tools == ()
     assert ScriptedModelClient.is_summary_request(full)
+    # A turn's request whose instructions happen to be the summary's still offers tools: not one.
+    assert not ScriptedModelClient.is_summary_request(replace(full, tools=(ModelToolDefinition("t", "T", {}),)))
     assert full.input[-1] == UserTextInput(CONTEXT_SUMMARY_REQUEST_TEXT)
     assert list(full.input[:-1]) == [input_item(m) for m in messages]
     size = model.estimate_input_tokens(full)

@@ -30,6 +30,7 @@ from dex_agents import (
     ToolPolicy,
 )
 from dex_agents._constants import MAX_CONSECUTIVE_TURN_CONTINUATIONS
+from dex_agents._turn_logic import MAX_TOOL_CALL_ID_LENGTH
 from dex_agents.builtin_loop import (
     AgentDefinition,
     BuiltinLoopAgentRunner,
@@ -52,6 +53,7 @@ from dex_agents.builtin_loop import (
     builtin_agent_session_flow,
     builtin_agent_session_options,
 )
+from dex_agents.builtin_loop._model import content_filter_finish_reason, token_limit_finish_reason, unique_call_id
 from dex_agents.builtin_loop._tool_sources import unwrap_source_reference, wrap_source_reference
 from dex_agents.testing import wait_for_agent_snapshot
 
@@ -474,3 +476,26 @@ def test_a_run_model_timeout_equal_to_the_listing_timeout_is_refused() -> None:
     options = dataclasses.replace(builtin_agent_session_options(agent), run_model_limit=equal)
     with pytest.raises(ValueError, match=r"tool_source_listing_timeout \(0:00:10\) is not shorter than"):
         AgentSessionFlow(BuiltinLoopAgentRunner(agent), "Lister", options)
+
+
+def test_a_repeated_call_id_of_the_longest_length_is_made_unique_within_it() -> None:
+    """A server that repeats a call ID of the longest length a session takes gets `_<n>` in place of
+    the ID's tail, never past that length. Catches the suffix appended to the whole ID, an ID the
+    session refuses, which failed the turn."""
+    longest = "c" * MAX_TOOL_CALL_ID_LENGTH
+    taken: set[str] = set()
+    made = [unique_call_id(longest, taken) for _ in range(11)]
+    assert made[:3] == [longest, longest[:-2] + "_1", longest[:-2] + "_2"]
+    assert made[10] == longest[:-3] + "_10"
+    assert len(set(made)) == 11 and taken == set(made)
+    assert max(len(i) for i in made) == MAX_TOOL_CALL_ID_LENGTH
+
+
+def test_finish_reasons_are_recognized_in_any_case() -> None:
+    """A client may pass a provider's finish reason as the provider writes it (Gemini's MAX_TOKENS,
+    an upper-case CONTENT_FILTER): it is recognized, and returned as given for the message that
+    names it. Catches only the lower-case spelling recognized, so such a cut answer passed as whole."""
+    assert token_limit_finish_reason(ModelCallMetadata(finish_reasons=("STOP", "MAX_TOKENS"))) == "MAX_TOKENS"
+    assert content_filter_finish_reason(ModelCallMetadata(finish_reasons=("Content_Filter",))) == "Content_Filter"
+    assert token_limit_finish_reason(ModelCallMetadata(finish_reasons=("stop",))) is None
+    assert content_filter_finish_reason(ModelCallMetadata(finish_reasons=None)) is None
