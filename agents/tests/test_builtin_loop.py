@@ -56,6 +56,7 @@ from dex_agents import (
     ToolTaskStarted,
 )
 from dex_agents.builtin_loop import (
+    CONTEXT_SUMMARY_INSTRUCTIONS,
     MAX_CONSECUTIVE_TURN_CONTINUATIONS,
     TURN_CONTINUATION_LIMIT_ERROR,
     AgentDefinition,
@@ -63,6 +64,7 @@ from dex_agents.builtin_loop import (
     ContinueTurn,
     InstructionContext,
     ModelOutputItem,
+    ModelOutputWriter,
     ModelRequest,
     ModelToolCall,
     ModelToolDefinition,
@@ -118,6 +120,72 @@ def test_the_testing_kit_exports_the_built_in_loops_scripted_model_client() -> N
 
     assert dex_agents.testing.ScriptedModelClient is ScriptedModelClient
     assert "ScriptedModelClient" in dex_agents.testing.__all__
+
+
+class _Deltas:
+    """The live output a model client streams, as (kind, text) in order."""
+
+    def __init__(self) -> None:
+        self.written: list[tuple[str, str]] = []
+
+    def write_text_delta(self, text: str) -> None:
+        self.written.append(("text", text))
+
+    def write_reasoning_delta(self, text: str) -> None:
+        self.written.append(("reasoning", text))
+
+
+async def test_the_scripted_client_streams_its_reply_and_derives_call_ids_from_the_whole_input() -> None:
+    """A scripted reply streams its reasoning, then its text, and returns them before its tool calls.
+    Calls without an ID get one derived from the whole request: one of their own each, the same for
+    the same request (a RunModel that runs again), and new for a request that ends as an earlier one
+    did (a later turn's same user text). Catches reasoning not streamed, calls of one reply sharing
+    an ID, and IDs derived from the request's last item alone."""
+    reply = ScriptedModelReply(text="ok", reasoning="think", tool_calls=[
+        ScriptedToolCall("a"), ScriptedToolCall("b", {"x": 1}), ScriptedToolCall("c", "{}", tool_call_id="mine")])
+    model = ScriptedModelClient(lambda request: reply)
+    deltas = _Deltas()
+    first = ModelRequest(None, (UserTextInput("again"),))
+    response = await model.call_model(first, ModelOutputWriter(deltas))  # type: ignore[arg-type]
+    assert deltas.written == [("reasoning", "think"), ("text", "ok")]
+    assert [item.kind for item in response.output] == [
+        OutputItemKind.REASONING, OutputItemKind.TEXT, *[OutputItemKind.TOOL_CALL] * 3]
+    calls = [item.tool_call for item in response.output[2:]]
+    assert [(c.tool_name, c.arguments) for c in calls if c is not None] == [("a", "{}"), ("b", '{"x": 1}'),
+                                                                            ("c", "{}")]
+    ids = [c.tool_call_id for c in calls if c is not None]
+    assert len(set(ids)) == 3 and ids[2] == "mine"
+    again = await model.call_model(first, ModelOutputWriter(_Deltas()))  # type: ignore[arg-type]
+    assert [item.tool_call.tool_call_id for item in again.output[2:] if item.tool_call is not None] == ids
+    later = ModelRequest(None, (UserTextInput("earlier"), *response.output, UserTextInput("again")))
+    other = await model.call_model(later, ModelOutputWriter(_Deltas()))  # type: ignore[arg-type]
+    other_ids = [item.tool_call.tool_call_id for item in other.output[2:] if item.tool_call is not None]
+    assert not set(other_ids[:2]) & set(ids[:2]), (other_ids, ids)
+
+
+def test_the_scripted_clients_helpers_read_the_request_in_order() -> None:
+    """tool_results: the results the request ends with, oldest first; default_summary: the number of
+    items and the last user text that is not a [Dex] note. max_recorded_requests=0 (a long session's)
+    records none."""
+    assert ScriptedModelClient(print, max_recorded_requests=0).requests.maxlen == 0
+    request = ModelRequest(None, (
+        UserTextInput("first"), ToolResultInput("c0", "t", "old"), UserTextInput("the last question"),
+        UserTextInput("[Dex] a note"), ToolResultInput("c1", "t", "one"), ToolResultInput("c2", "t", "two"),
+    ))
+    assert [r.output for r in ScriptedModelClient.tool_results(request)] == ["one", "two"]
+    assert ScriptedModelClient.default_summary(request) == (
+        "Scripted summary of 6 input items. The last user message was: the last question")
+
+
+async def test_a_script_or_summarize_returning_the_wrong_type_is_named() -> None:
+    """Catches: an AttributeError from deep in the client, naming neither the script nor what to return."""
+    writer = ModelOutputWriter(_Deltas())  # type: ignore[arg-type]
+    request = ModelRequest(None, (UserTextInput("hi"),))
+    with pytest.raises(TypeError, match=re.escape("the script returned 'ok'; return a ScriptedModelReply")):
+        await ScriptedModelClient(lambda r: "ok").call_model(request, writer)  # type: ignore[arg-type,return-value]
+    summary = ModelRequest(CONTEXT_SUMMARY_INSTRUCTIONS, (UserTextInput("hi"),))
+    with pytest.raises(TypeError, match=re.escape("summarize returned 5; return the summary text")):
+        await ScriptedModelClient(print, summarize=lambda r: 5).call_model(summary, writer)  # type: ignore[arg-type,return-value]
 
 
 async def test_function_tool_turn_stores_items_as_they_appear(tmp_path: Path) -> None:
@@ -1425,7 +1493,7 @@ async def test_warnings_about_a_turn_name_its_session(tmp_path: Path, caplog: py
     call's arguments cut at the token limit, then an answer cut there. Catches: "turn 'turn-1': ...",
     a turn ID every session has, with no way for an operator to find which session it was."""
     from dex_agents import AgentUsage, ModelCallMetadata
-    from dex_agents.builtin_loop import ModelOutputWriter, ModelResponse
+    from dex_agents.builtin_loop import ModelResponse
 
     class CutReplies:
         def estimate_input_tokens(self, request: ModelRequest) -> int:
