@@ -78,6 +78,34 @@ def test_an_equal_but_new_chunk_object_or_other_ranges_assemble_again(assembled:
     assert assembled == [2, 2, 3]
 
 
+def test_the_kept_chunk_objects_under_other_ranges_fail_as_chunk_messages_fails(assembled: list[int]) -> None:
+    """The very chunk objects a session's last call read, now listed under other ranges (an index that
+    contradicts its chunks), are checked again: the memo fails as chunk_messages does instead of
+    answering the kept messages. Catches: a hit decided by the chunk identities alone."""
+    stored = Stored(chunk(1, 3), chunk(4, 5))
+    read = ChunkMessagesMemo().reader("s1")
+    read(RANGES, stored.read)
+    other = [AgentMessageChunkRange(1, 3), AgentMessageChunkRange(4, 6)]
+    with pytest.raises(MessageStoreCorruptError, match=r"holds 4\.\.5 \(2 messages\), but .* lists 4\.\.6"):
+        read(other, stored.read)
+    assert assembled == [2, 2]
+
+
+def test_a_sessions_new_messages_replace_its_old_ones_in_the_bound(assembled: list[int]) -> None:
+    """A session's new entry replaces its old one in the message count: a session whose chunks grow
+    within the bound stays kept. Catches: the replaced entry's messages still counted, so a long
+    session pushed itself out after a few rollovers and every model call assembled its chunks again."""
+    memo = ChunkMessagesMemo(sessions=10, messages=8)
+    stored = Stored(chunk(1, 3), chunk(4, 5), chunk(6, 7))
+    read = memo.reader("s1")
+    read(RANGES, stored.read)  # 5 messages
+    grown = [*RANGES, AgentMessageChunkRange(6, 7)]
+    read(grown, stored.read)  # 7 messages instead of the 5: within 8
+    assert len(memo) == 1
+    read(grown, stored.read)  # a hit
+    assert assembled == [2, 3]
+
+
 def test_sessions_are_kept_apart(assembled: list[int]) -> None:
     memo = ChunkMessagesMemo()
     mine, other = Stored(chunk(1, 3), chunk(4, 5)), Stored(chunk(1, 3), chunk(4, 5))
