@@ -492,6 +492,27 @@ def test_a_page_loads_exactly_the_chunks_it_reads(
     assert chunks_of_newest(index, stored, before=before, limit=limit) == read
 
 
+def test_a_page_before_a_chunks_first_sequence_neither_loads_nor_reads_that_chunk() -> None:
+    """A chunk that starts at `before` holds nothing the page wants: chunks_of_newest does not list it
+    and newest_messages does not read it. Catches: the chunks taken through the first one starting at
+    `before` (bisect_right), an extra chunk every such page loads and reads, which
+    test_a_page_loads_exactly_the_chunks_it_reads misses, as listing and reading agree on it."""
+    index = AgentMessageIndex(chunks=[AgentMessageChunkRange(1, 3), AgentMessageChunkRange(4, 5)], first_sequence=1,
+                              window_first_sequence=6)
+    chunks = {1: AgentMessageChunk(tuple(message(s, 1) for s in (1, 2, 3))),
+              4: AgentMessageChunk((message(4, 1), message(5, 1)))}
+    window = [message(6, 1)]
+    read: list[int] = []
+
+    def read_chunk(chunk_range: AgentMessageChunkRange) -> AgentMessageChunk:
+        read.append(chunk_range.first_sequence)
+        return chunks[chunk_range.first_sequence]
+
+    assert [m.sequence for m in newest_messages(index, window, read_chunk, before=4, limit=2)] == [2, 3]
+    assert read == [1]
+    assert chunks_of_newest(index, window, before=4, limit=2) == [AgentMessageChunkRange(1, 3)]
+
+
 @settings(max_examples=500, deadline=None)
 @given(
     window=st.lists(st.integers(1, 12), max_size=8),
