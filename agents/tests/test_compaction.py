@@ -448,6 +448,32 @@ def test_response_cuts_never_split_a_response_or_a_call_from_its_result(conversa
             assert not called & results_after
 
 
+def test_response_cuts_pass_an_earlier_turns_call_that_never_got_a_result() -> None:
+    """A call of an earlier turn with no stored result (the loop shows it as outcome unknown) blocks no
+    cut: neither the one at its turn's end nor those inside later turns. The conversations above leave
+    a call open only in the last turn. Catches: the open call kept past its turn, or blocking the cut
+    at the turn's end, so a session compacted only at its turns' starts, or never."""
+    conversation = [
+        message(1, MessageRole.USER, turn=1), message(2, MessageRole.ASSISTANT, turn=1, text=None, call="c1"),
+        message(3, MessageRole.USER, turn=2), message(4, MessageRole.ASSISTANT, turn=2, text=None, call="c2"),
+        message(5, MessageRole.TOOL, turn=2, text=None, call="c2"), message(6, MessageRole.ASSISTANT, turn=2, text="a"),
+        message(7, MessageRole.USER, turn=3),
+    ]
+    assert response_cuts(conversation) == [True, True, True, False, True, True]
+
+
+def test_item_tokens_are_each_items_share_of_the_request_estimate() -> None:
+    """select_response_cutoff weighs each message as estimate_request_tokens counts it: a tool result
+    with its tool name. Catches: the name left out, so the kept messages outgrew the retained budget."""
+    from dex_agents.builtin_loop._compaction import item_tokens
+    from dex_agents.builtin_loop._model import estimate_request_tokens
+    items = (UserTextInput("q" * 10), ToolResultInput("c1", "lookup_order", "r" * 20),
+             ModelOutputItem("scripted", OutputItemKind.TEXT, json.dumps({"type": "text", "text": "a" * 30}), "a" * 30))
+    request = ModelRequest(instructions=None, input=items)
+    assert [item_tokens(i) for i in items] == [4, 7 + 4, 20]  # an output item counts its whole JSON
+    assert sum(map(item_tokens, items)) == estimate_request_tokens(request)
+
+
 @settings(max_examples=100, deadline=None)
 @given(conversation=conversations(), budget=st.integers(0, 400), resuming=st.booleans())
 def test_turn_boundary_cutoff_cuts_only_between_earlier_turns(
@@ -618,6 +644,26 @@ def test_messages_between_reads_only_the_chunks_it_lists(built: tuple[MessageLay
         assert any(after < m.sequence <= top for m in layout.chunks[first])
 
 
+def test_messages_between_ignores_window_instances_outside_the_window() -> None:
+    """As every reader (test_reads_ignore_window_instances_outside_the_window): a sequence a chunk
+    holds comes from that chunk, and an instance before window_first_sequence is not read, so the
+    compacted model input and the summarized range hold each message once. Catches: messages_between
+    taking every window instance after `after`."""
+    chunk = AgentMessageChunk((message(2, text="chunk"), message(3, text="chunk")))
+    index = AgentMessageIndex(chunks=[AgentMessageChunkRange(2, 3)], first_sequence=2, window_first_sequence=4)
+    stale = [message(1, text="stale"), message(3, text="stale"), message(4), message(5)]
+    got = messages_between(index, stale, lambda r: chunk, after=0)
+    assert [(m.sequence, m.text) for m in got] == [(2, "chunk"), (3, "chunk"), (4, "hi"), (5, "hi")]
+    # An oversized message's chunk (4) sits among the window's sequences: its window instance is not read.
+    chunks = {1: AgentMessageChunk((message(1, text="chunk"), message(2, text="chunk"))),
+              4: AgentMessageChunk((message(4, text="chunk"),))}
+    index = AgentMessageIndex(chunks=[AgentMessageChunkRange(1, 2), AgentMessageChunkRange(4, 4)], first_sequence=1,
+                              window_first_sequence=3)
+    got = messages_between(index, [message(3), message(4, text="stale"), message(5)],
+                           lambda r: chunks[r.first_sequence], after=1, through=4)
+    assert [(m.sequence, m.text) for m in got] == [(2, "chunk"), (3, "hi"), (4, "chunk")]
+
+
 # Summary prompts -----------------------------------------------------------------------------------------
 
 
@@ -747,6 +793,18 @@ def test_builtin_summary_request_leaves_out_the_oldest_whole_responses() -> None
     if smaller:
         shorter = summary_request_of(messages[smaller[-1]:], 10**9, summary_of(0, text="before"))
         assert model.estimate_input_tokens(summary_request(shorter, {}, model)[0]) + 100 > budget - 20
+
+
+def test_builtin_summary_request_fits_its_budget_exactly() -> None:
+    """input_token_budget is inclusive: a summary request whose estimate plus max_output_tokens is the
+    budget exactly leaves nothing out; one token less leaves the oldest message out."""
+    from dex_agents.builtin_loop._items import user_message
+    messages = builtin_messages([user_message("u" * 90) for _ in range(3)], [1, 2, 3])
+    model = ScriptedModelClient(lambda r: ScriptedModelReply())
+    size = model.estimate_input_tokens(summary_request(summary_request_of(messages, 10**6), {}, model)[0])
+    settings_ = {"max_output_tokens": 100}
+    assert summary_request(summary_request_of(messages, size + 100), settings_, model)[1] == 0
+    assert summary_request(summary_request_of(messages, size + 99), settings_, model)[1] == 1
 
 
 async def test_scripted_model_answers_summary_requests() -> None:
@@ -1205,6 +1263,11 @@ class CutoffPastTheEnd(BuiltinLoopAgentRunner):
         return turn.messages[-1].sequence + 1
 
 
+class FractionalCutoff(CutoffPastTheEnd):
+    def select_compaction_cutoff(self, turn: AgentTurnContext, retained_token_budget: int) -> int | None:
+        return float(turn.messages[-1].sequence)  # type: ignore[return-value]
+
+
 class CutoffAtTheSummary(BuiltinLoopAgentRunner):
     """Always over the trigger; asks to summarize through the newest message once, then only through
     what the summary already covers."""
@@ -1286,6 +1349,7 @@ async def test_a_cutoff_of_zero_or_none_without_a_summary_calls_the_model(
     (TrueEstimate, "estimate_input_tokens returned True; return a whole number"),
     (NoReprEstimate, f"estimate_input_tokens returned {UNSHOWABLE_SHOWN}; return a whole number"),
     (CutoffPastTheEnd, "select_compaction_cutoff returned 2, after the newest stored message 1"),
+    (FractionalCutoff, "select_compaction_cutoff returned 1.0; return a whole number"),
 ])
 async def test_a_compaction_contract_breach_fails_the_turn(
     tmp_path: Path, runner: type[BuiltinLoopAgentRunner], error: str
