@@ -1375,9 +1375,18 @@ class SummaryWithDictUsage(CutoffAtTheSummary):
         return ContextSummaryResult("the summary", usage={"input_tokens": 1})  # type: ignore[arg-type]
 
 
+class SummaryOfContentBlocks(CutoffAtTheSummary):
+    """A provider's content blocks passed on as the text: it is not blank, so it was retried as blank
+    summaries are, paying for every attempt's summary call, and the turn failed saying it was blank."""
+
+    async def summarize_context(self, request: ContextSummaryRequest) -> ContextSummaryResult:
+        return ContextSummaryResult([{"type": "text", "text": "the summary"}])  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("runner", "error"), [
     (SummaryOfText, "summarize_context returned a str; return a ContextSummaryResult"),
     (SummaryWithDictUsage, "ContextSummaryResult.usage must be an AgentUsage, got dict"),
+    (SummaryOfContentBlocks, "ContextSummaryResult.text must be a str, got list; return the summary's text"),
 ])
 async def test_a_summary_result_that_breaks_the_contract_fails_the_turn_without_retry(
     tmp_path: Path, runner: type[BuiltinLoopAgentRunner], error: str
@@ -1529,8 +1538,9 @@ class SummaryWithoutText(BuiltinLoopAgentRunner):
 
 
 async def test_a_summary_without_text_is_a_blank_summary() -> None:
-    """A summary text that is not a string fails the attempt as a blank one does (and is retried), with
-    the blank-summary error rather than an AttributeError, and writes nothing."""
+    """A summary without text (None) fails the attempt as a blank one does (and is retried), with the
+    blank-summary error rather than an AttributeError, and writes nothing. Any other text that is not a
+    string fails the turn at once (test_a_summary_result_that_breaks_the_contract_fails_the_turn_without_retry)."""
     flow, _ = compaction_flow("TextlessSummaryAgent", answer, window=500, runner=SummaryWithoutText)
     ctx = compacting_turn_2(flow)
     with pytest.raises(BlankContextSummaryError) as info:

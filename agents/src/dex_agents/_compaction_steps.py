@@ -256,7 +256,13 @@ class CompactionSteps:
         problem = usage_problem(result.usage)
         if problem is not None:
             raise CompactionContractError(f"ContextSummaryResult.usage {problem}")
-        if not isinstance(result.text, str) or not result.text.strip():
+        if result.text is not None and not isinstance(result.text, str):
+            # Such as a provider's list of content blocks: not blank (None, no text, is), and every retry
+            # would pay for a summary call that comes back the same way.
+            raise CompactionContractError(
+                f"ContextSummaryResult.text must be a str, got {type(result.text).__name__}; return the summary's text"
+            )
+        if result.text is None or not result.text.strip():
             raise BlankContextSummaryError(f"summarize_context returned a blank summary through {through}")
         summary = ContextSummary(
             generation=1 if previous is None else previous.generation + 1, first_sequence=1,
