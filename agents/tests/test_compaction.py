@@ -1627,6 +1627,26 @@ async def _turns_until_summarized(sessions: AgentSessionClient, calls: list[int]
     return number
 
 
+async def test_the_summary_call_gets_the_turns_session_settings(tmp_path: Path) -> None:
+    """ContextSummaryRequest.session_settings are the settings the turn started with, as its model calls
+    get them, so the built-in loop's summary call goes to the model and account the session chose.
+    Catches: the summary request built with no settings."""
+    summarized: list[dict[str, Any]] = []
+
+    def summarize(request: ModelRequest) -> str:
+        summarized.append(dict(request.session_settings))
+        return "the summary"
+
+    flow, model = compaction_flow("SettingsAgent", answer, window=400, summarize=summarize)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", session_settings={"model": "large"})
+        await _turns_until_summarized(sessions, summarized)
+    assert summarized[0] == {"model": "large"}
+    assert all(dict(r.session_settings) == {"model": "large"} for r in model_calls(model))
+
+
 @pytest.mark.parametrize("blank_attempts", [1, 99])
 async def test_a_blank_summary_fails_the_attempt(tmp_path: Path, blank_attempts: int) -> None:
     """A blank summary fails the CompactContext attempt: a retry that writes one carries on; blank on
@@ -1891,6 +1911,57 @@ async def test_a_summary_with_a_lone_surrogate_is_stored_escaped(tmp_path: Path)
         history = to_step_history(await engine.client.get_flow_history("s"))
         assert [e.final_attempt for e in history
                 if e.step_type == COMPACT_CONTEXT and e.event_type == "execute_completed"] == [1]
+
+
+async def test_a_builtin_summary_is_the_responses_text_items_and_streams_nothing() -> None:
+    """The built-in loop's summary is the text of the response's text items (from the item's JSON when
+    a client sets no text), never its reasoning; and the call's deltas reach no event: the summary is
+    not the assistant's answer. Catches: reasoning in the summary, the JSON's text dropped (a blank
+    summary), and the summary streamed as text_delta events into the turn's chat."""
+    class Summaries:
+        def estimate_input_tokens(self, request: ModelRequest) -> int:
+            return 1
+
+        async def call_model(self, request: ModelRequest, output: ModelOutputWriter) -> ModelResponse:
+            output.write_reasoning_delta("thinking")
+            output.write_text_delta("The user")
+            return ModelResponse((
+                ModelOutputItem("scripted", OutputItemKind.REASONING, json.dumps({"type": "reasoning"}), "thinking"),
+                ModelOutputItem("scripted", OutputItemKind.TEXT, json.dumps({"type": "text", "text": "The user "}),
+                                None),
+                ModelOutputItem("scripted", OutputItemKind.TEXT, json.dumps({"type": "text"}), "asked for 42."),
+            ), AgentUsage(model_calls=1))
+
+    events: list[Any] = []
+    messages = [message(1, item=json.dumps({"type": "user_text", "text": "remember 42"}))]
+    request = replace(summary_request_of(messages, 10_000), events=AgentEventWriter(events.append, "turn-1", "", 1))
+    definition = AgentDefinition(name="a", instructions="x", model=Summaries())
+    result = await BuiltinLoopAgentRunner(definition).summarize_context(request)
+    assert result.text == "The user asked for 42."
+    assert events == []
+
+
+@pytest.mark.parametrize(("estimate", "reply", "error"), [
+    (True, None, r"estimate_input_tokens returned True, not a whole number"),
+    (1, {"output": []}, r"call_model returned dict; return a ModelResponse"),
+])
+async def test_a_builtin_summary_calls_client_that_breaks_its_contract_is_named(
+    estimate: Any, reply: Any, error: str
+) -> None:
+    """A model client's wrong answer in a summary call fails it naming the method and the value, not
+    with an AttributeError from deep inside the loop (a bool is an int to Python, but no token count)."""
+    class Broken:
+        def estimate_input_tokens(self, request: ModelRequest) -> int:
+            return estimate  # type: ignore[no-any-return]
+
+        async def call_model(self, request: ModelRequest, output: ModelOutputWriter) -> ModelResponse:
+            return reply  # type: ignore[no-any-return]
+
+    # Two messages: the estimate is asked only when a cut could leave one out.
+    messages = [message(s, item=json.dumps({"type": "user_text", "text": "remember 42"})) for s in (1, 2)]
+    definition = AgentDefinition(name="a", instructions="x", model=Broken())
+    with pytest.raises(TypeError, match=error):
+        await BuiltinLoopAgentRunner(definition).summarize_context(summary_request_of(messages, 10_000))
 
 
 async def test_a_summary_cut_at_the_token_limit_is_kept_saying_so(caplog: pytest.LogCaptureFixture) -> None:
