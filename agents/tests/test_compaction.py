@@ -1309,6 +1309,8 @@ async def test_a_cutoff_the_summary_already_covers_calls_the_model(tmp_path: Pat
     assert done.state is not None and done.state.last_turn_error is None
     assert done.context_summary is not None and done.context_summary.last_sequence == 1
     assert (len(summary_calls(model)), len(model_calls(model))) == (1, 2)
+    # With no message after the summary, the model input is the summary note alone, never empty.
+    assert model_calls(model)[0].input == (UserTextInput(context_summary_note(done.context_summary)),)
     assert executed_steps(history) == ["StartAgentSession", "AwaitUserMessage", RUN_MODEL, COMPACT_CONTEXT,
                                        RUN_MODEL, "AwaitUserMessage", RUN_MODEL]
 
@@ -1647,17 +1649,30 @@ async def test_the_summary_call_gets_the_turns_session_settings(tmp_path: Path) 
     assert all(dict(r.session_settings) == {"model": "large"} for r in model_calls(model))
 
 
+class SummaryAttempts(BuiltinLoopAgentRunner):
+    """Records each summary request's attempt."""
+
+    attempts: list[int] = []
+
+    async def summarize_context(self, request: ContextSummaryRequest) -> ContextSummaryResult:
+        SummaryAttempts.attempts.append(request.attempt)
+        return await super().summarize_context(request)
+
+
 @pytest.mark.parametrize("blank_attempts", [1, 99])
 async def test_a_blank_summary_fails_the_attempt(tmp_path: Path, blank_attempts: int) -> None:
     """A blank summary fails the CompactContext attempt: a retry that writes one carries on; blank on
-    every attempt ends in RecordTurnFailure with the error, after RunModel's attempts, and no summary."""
+    every attempt ends in RecordTurnFailure with the error, after RunModel's attempts, and no summary.
+    Each ContextSummaryRequest carries its CompactContext attempt, as AgentTurnContext carries RunModel's,
+    so an adapter can tell a retry (catches: always 1)."""
     calls: list[int] = []
+    SummaryAttempts.attempts = []
 
     def summarize(request: ModelRequest) -> str:
         calls.append(1)
         return "  " if len(calls) <= blank_attempts else "the summary"
 
-    flow, _ = compaction_flow("BlankAgent", answer, window=400, summarize=summarize,
+    flow, _ = compaction_flow("BlankAgent", answer, window=400, summarize=summarize, runner=SummaryAttempts,
                               run_model_limit=RunModelLimit(max_attempts=2))
     engine = InProcessEngine(tmp_path, [flow])
     async with engine.running():
@@ -1672,6 +1687,7 @@ async def test_a_blank_summary_fails_the_attempt(tmp_path: Path, blank_attempts:
             assert snapshot.state.last_turn_error is None
             assert snapshot.context_summary is not None and snapshot.context_summary.text == "the summary"
             assert [e.final_attempt for e in compact if e.event_type == "execute_completed"] == [2]
+            assert SummaryAttempts.attempts == [1, 2]
         else:
             assert len(calls) == 2
             assert snapshot.state.last_turn_error is not None and "blank summary" in snapshot.state.last_turn_error
