@@ -188,6 +188,46 @@ async def test_a_script_or_summarize_returning_the_wrong_type_is_named() -> None
         await ScriptedModelClient(print, summarize=lambda r: 5).call_model(summary, writer)  # type: ignore[arg-type,return-value]
 
 
+@pytest.mark.parametrize(("make", "expected"), [
+    (lambda: ScriptedModelReply(tool_calls=[{"name": "lookup"}]),  # type: ignore[list-item]
+     "ScriptedModelReply.tool_calls[0] must be a ScriptedToolCall, got {'name': 'lookup'}; write "
+     "ScriptedToolCall(name, arguments)"),
+    (lambda: ScriptedModelReply(tool_calls=ScriptedToolCall("lookup")),  # type: ignore[arg-type]
+     "ScriptedModelReply.tool_calls must be a list of ScriptedToolCall (one call as [call]), got "
+     "ScriptedToolCall(name='lookup'"),
+    (lambda: ScriptedModelReply(tool_calls="lookup"),  # type: ignore[arg-type]
+     "ScriptedModelReply.tool_calls must be a list of ScriptedToolCall (one call as [call]), got 'lookup'"),
+    (lambda: ScriptedModelReply(text=5),  # type: ignore[arg-type]
+     "ScriptedModelReply.text must be a str or None, got 5"),
+    (lambda: ScriptedModelReply(reasoning=["a"]),  # type: ignore[arg-type]
+     "ScriptedModelReply.reasoning must be a str or None, got ['a']"),
+    (lambda: ScriptedToolCall(None),  # type: ignore[arg-type]
+     "ScriptedToolCall.name must be the tool's name as a str, got None"),
+    (lambda: ScriptedToolCall("lookup", {"at": object}),
+     "ScriptedToolCall.arguments of 'lookup' must be JSON-serializable: Object of type type is not JSON "
+     "serializable; pass JSON values"),
+    (lambda: ScriptedToolCall("lookup", ["A-1"]),  # type: ignore[arg-type]
+     "ScriptedToolCall.arguments of 'lookup' must be a dict or its JSON text as a str, got ['A-1']"),
+    (lambda: ScriptedToolCall("lookup", tool_call_id=7),  # type: ignore[arg-type]
+     "ScriptedToolCall.tool_call_id of 'lookup' must be a str or None (derived), got 7"),
+])
+def test_a_scripted_reply_of_the_wrong_shape_is_refused_where_it_is_written(
+    make: Any, expected: str
+) -> None:
+    """Catches: a reply checked only inside the model call, where a dict for a call failed RunModel
+    three times with "'dict' object has no attribute 'arguments'", and text=5 went out as is."""
+    with pytest.raises(TypeError, match=re.escape(expected)):
+        make()
+
+
+def test_a_scripted_reply_keeps_its_calls_as_written() -> None:
+    """Catches: a reply holding the script's list, which the script may go on changing."""
+    calls = [ScriptedToolCall("lookup", '{"id": "A-1"}', "call_1")]
+    reply = ScriptedModelReply(tool_calls=calls)
+    calls.clear()
+    assert reply.tool_calls == (ScriptedToolCall("lookup", '{"id": "A-1"}', "call_1"),)
+
+
 async def test_function_tool_turn_stores_items_as_they_appear(tmp_path: Path) -> None:
     """A write waits for approval with its call already stored; the answer sees the tool's result."""
     flow, model = scripted_flow(tool_then_answer)

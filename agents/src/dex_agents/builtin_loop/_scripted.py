@@ -41,12 +41,46 @@ class ScriptedToolCall:
     arguments: str | dict[str, object] = field(default_factory=dict)
     tool_call_id: str | None = None
 
+    def __post_init__(self) -> None:
+        # Checked when written: inside a model call, a wrong field would fail RunModel three times
+        # with an AttributeError from deep inside the client.
+        if not isinstance(self.name, str):
+            raise TypeError(f"ScriptedToolCall.name must be the tool's name as a str, got {shown(self.name)}")
+        if isinstance(self.arguments, dict):
+            try:
+                json.dumps(self.arguments)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"ScriptedToolCall.arguments of {self.name!r} must be JSON-serializable: {exc}; "
+                                "pass JSON values, or the arguments' JSON text as a str") from None
+        elif not isinstance(self.arguments, str):
+            raise TypeError(f"ScriptedToolCall.arguments of {self.name!r} must be a dict or its JSON text as a "
+                            f"str, got {shown(self.arguments)}")
+        if self.tool_call_id is not None and not isinstance(self.tool_call_id, str):
+            raise TypeError(f"ScriptedToolCall.tool_call_id of {self.name!r} must be a str or None (derived), "
+                            f"got {shown(self.tool_call_id)}")
+
 
 @dataclass(frozen=True)
 class ScriptedModelReply:
     text: str | None = None
     tool_calls: Sequence[ScriptedToolCall] = ()
     reasoning: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("text", "reasoning"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"ScriptedModelReply.{name} must be a str or None, got {shown(value)}")
+        calls = self.tool_calls
+        if isinstance(calls, (str, bytes, ScriptedToolCall)) or not isinstance(calls, Sequence):
+            raise TypeError(f"ScriptedModelReply.tool_calls must be a list of ScriptedToolCall (one call as "
+                            f"[call]), got {shown(calls)}")
+        for index, call in enumerate(calls):
+            if not isinstance(call, ScriptedToolCall):
+                raise TypeError(f"ScriptedModelReply.tool_calls[{index}] must be a ScriptedToolCall, got "
+                                f"{shown(call)}; write ScriptedToolCall(name, arguments)")
+        # Frozen like the reply's other fields: a list the script keeps changing would change the reply.
+        object.__setattr__(self, "tool_calls", tuple(calls))
 
 
 Respond = Callable[[ModelRequest], ScriptedModelReply | Awaitable[ScriptedModelReply]]
