@@ -247,7 +247,7 @@ def test_reserved_tokens_just_below_the_trigger_are_taken() -> None:
     assert CompactionPolicy(context_window_tokens=1000, reserved_input_tokens=549).reserved_input_tokens == 549
 
 
-@pytest.mark.parametrize("setting", ["max_output_tokens", "max_tokens"])
+@pytest.mark.parametrize("setting", ["max_output_tokens", "max_completion_tokens", "max_tokens"])
 def test_an_agent_whose_summary_output_fills_the_window_is_refused(setting: str) -> None:
     """Catches: every summary request over the window by its reserved output alone, so each left out
     the whole conversation it was to summarize, without an error."""

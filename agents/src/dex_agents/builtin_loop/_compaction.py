@@ -103,8 +103,9 @@ def estimate_model_input(model: ModelClient, request: ModelRequest) -> int:
 
 
 def max_output_tokens(model_settings: Mapping[str, Any]) -> int:
-    """The configured max_output_tokens (or max_tokens), 0 when unset."""
-    for name in ("max_output_tokens", "max_tokens"):
+    """The configured max_output_tokens (or max_completion_tokens, OpenAI's newer name, or max_tokens),
+    0 when unset."""
+    for name in ("max_output_tokens", "max_completion_tokens", "max_tokens"):
         value = model_settings.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
