@@ -1338,6 +1338,17 @@ def test_a_worker_refuses_what_is_not_a_registry_or_worker_options() -> None:
         AsyncWorker(REGISTRY, {"poll_seconds": 1})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("make", [AsyncClient, Client], ids=["AsyncClient", "Client"])
+@pytest.mark.parametrize("registry", [None, [FLOW]], ids=["none", "list-of-flows"])
+def test_a_client_refuses_what_is_not_a_registry(make: Any, registry: Any, tmp_path: Path) -> None:
+    """Catches: a client made with None or a list of Flows for its Registry accepted, every call
+    then failing with an AttributeError ('NoneType' object has no attribute 'flow')."""
+    owner = make.__name__
+    with pytest.raises(TypeError, match=rf"^{owner} takes a Registry of Flows, got {type(registry).__name__}: "
+                       r".*; wrap the Flows: Registry\(\[flow, \.\.\.\]\)$"):
+        make(registry, f"sqlite:///{tmp_path / 'dex.db'}")
+
+
 def test_worker_options_at_their_limits_are_accepted() -> None:
     """The smallest capacity and the tightest renewal that can work are valid, not rejected."""
     options = WorkerOptions(max_concurrent_tasks=1, lease_ttl_seconds=1.0, lease_renew_seconds=0.999,

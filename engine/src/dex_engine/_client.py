@@ -393,6 +393,7 @@ class AsyncClient:
     """Talks to one database on behalf of the Registry's Flows. RPC handlers run in this process."""
 
     def __init__(self, registry: Registry, database_url: str | None = None, *, store: Store | None = None) -> None:
+        _check_registry("AsyncClient", registry)
         if (database_url is None) == (store is None):
             raise ValueError("give exactly one of database_url and store")
         self.registry = registry
@@ -903,6 +904,14 @@ def _close_dropped(loop: asyncio.AbstractEventLoop, client: AsyncClient, pid: in
                   "block", ResourceWarning, stacklevel=2)
 
 
+def _check_registry(owner: str, registry: object) -> None:
+    """Refuse what is not a Registry (None, a list of Flows) where it is given: taken as it was,
+    it failed at the first call with an AttributeError ('NoneType' object has no attribute 'flow')."""
+    if not isinstance(registry, Registry):
+        raise TypeError(f"{owner} takes a Registry of Flows, got {type(registry).__name__}: "
+                        f"{shown(registry, 200)}; wrap the Flows: Registry([flow, ...])")
+
+
 def _open_into(opening: concurrent.futures.Future[AsyncClient], registry: Registry, url: str) -> None:
     """Open a blocking Client's AsyncClient on its loop into `opening`, unless its caller gave up
     (Ctrl-C) before the open began."""
@@ -954,6 +963,7 @@ class Client:
     """Blocking twin of AsyncClient; runs an event loop on a private thread."""
 
     def __init__(self, registry: Registry, database_url: str) -> None:
+        _check_registry("Client", registry)  # before its thread starts
         self._url = database_url
         self._loop = asyncio.new_event_loop()
         # Held by the loop thread until it closed the loop: what close() waits for (see there).
