@@ -130,6 +130,50 @@ def test_a_lock_set_given_as_a_list_is_taken_as_a_tuple() -> None:
     Flow("Locks", [Step("S", done, options=options)], start_step="S", schema=[Note, Tags])
 
 
+DONE_STEP = Step("S", done)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        pytest.param(lambda: Flow("F", DONE_STEP), "flow 'F' steps must be a collection of Steps, got the single "
+                     "item Step('S'); give it in a list: [Step('S')]", id="one-step"),
+        pytest.param(lambda: Flow("F", None), "flow 'F' steps must be a collection of Steps, got NoneType: None",
+                     id="steps-none"),
+        pytest.param(lambda: Flow("F", "S"), "flow 'F' steps must be a collection of Steps, got str: 'S'",
+                     id="steps-text"),
+        pytest.param(lambda: Flow("F", [DONE_STEP, 5]), "flow type 'F' has 1 problem(s): steps holds 5, which is "
+                     "not a Step", id="steps-item"),
+        pytest.param(lambda: Flow("F", [DONE_STEP], schema=Note), "flow 'F' schema must be a collection of "
+                     "Attributes, AttributeMaps, Channels, ChannelMaps and Streams, got the single item "
+                     "Attribute(name='Note'", id="one-schema-item"),
+        pytest.param(lambda: Flow("F", [DONE_STEP], schema={"Note": Note}), "flow 'F' schema must be a collection "
+                     "of Attributes, AttributeMaps, Channels, ChannelMaps and Streams, got dict: {'Note': ",
+                     id="schema-dict"),
+        pytest.param(lambda: Flow("F", [DONE_STEP], rpcs=None), "flow 'F' rpcs must be a collection of RPCs, got "
+                     "NoneType: None", id="rpcs-none"),
+        pytest.param(lambda: Registry(Flow("F", [DONE_STEP])), "invalid Registry: flows must be a collection of "
+                     "Flows, got the single item", id="one-flow"),
+        pytest.param(lambda: Registry(None), "invalid Registry: flows must be a collection of Flows, got "
+                     "NoneType: None", id="registry-none"),
+    ],
+)
+def test_a_definition_refuses_a_collection_that_is_not_one(make: Callable[[], object], message: str) -> None:
+    """Catches: Flow("F", step), schema=Note or Registry(flow) failing with a bare TypeError ('Step'
+    object is not iterable), a non-Step in steps with an AttributeError (no attribute 'step_type'),
+    and text taken letter by letter."""
+    with pytest.raises(FlowDefinitionError) as caught:
+        make()
+    assert str(caught.value).startswith(message)
+
+
+def test_a_definition_takes_any_iterable_of_its_items() -> None:
+    """A tuple or a generator is as good as a list."""
+    flow = Flow("F", (s for s in [DONE_STEP]), start_step="S", schema=(Note, Tags))
+    assert list(flow.steps) == ["S"] and set(flow.attributes) == {"Note", "Tags"}
+    assert list(Registry((flow,)).flows) == ["F"]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from ._context import Context, RpcContext
 
 InputT = TypeVar("InputT")
+# What a Flow's schema holds: an item given alone, outside a list, is refused naming it.
+_SCHEMA_ITEMS = (Attribute, AttributeMap, Channel, ChannelMap, Stream)
 
 ExecuteFn = Callable[["Context", Any], Awaitable[StepDecision]]
 WaitForFn = Callable[["Context", Any], Awaitable[Wait]]
@@ -157,7 +159,10 @@ class Flow:
         self.flow_type = check_id("flow type", flow_type)
         problems: list[str] = []
         self.steps: dict[str, Step[Any]] = {}
-        for step in steps:
+        for step in _definition_items(f"flow {flow_type!r} steps", steps, Step, "Steps"):
+            if not isinstance(step, Step):
+                problems.append(f"steps holds {shown(step, None)}, which is not a Step")
+                continue
             if step.step_type in self.steps:
                 problems.append(f"Step type {step.step_type!r} is declared twice")
             self.steps[step.step_type] = step
@@ -173,7 +178,8 @@ class Flow:
         self.channels: dict[str, Channel[Any] | ChannelMap[Any]] = {}
         self.streams: dict[str, Stream[Any]] = {}
         seen: set[str] = set()
-        for item in map(_as_object, schema):
+        for item in _definition_items(f"flow {flow_type!r} schema", schema, _SCHEMA_ITEMS,
+                                       "Attributes, AttributeMaps, Channels, ChannelMaps and Streams"):
             if not isinstance(item, Attribute | AttributeMap | Channel | ChannelMap | Stream):
                 problems.append(
                     f"schema item {shown(item, None)} is not an Attribute, AttributeMap, Channel, ChannelMap, Stream")
@@ -191,7 +197,7 @@ class Flow:
             else:
                 self.streams[item.name] = item
         self.rpcs: dict[str, Rpc] = {}
-        for r in map(_as_object, rpcs):
+        for r in _definition_items(f"flow {flow_type!r} rpcs", rpcs, Rpc, "RPCs"):
             if not isinstance(r, Rpc):
                 problems.append(f"RPC {shown(r, None)} is not decorated with @rpc")
                 continue
@@ -307,7 +313,7 @@ class Registry:
         self.allow_async_handlers = allow_async_handlers
         self.flows: dict[str, Flow] = {}
         problems = []
-        for flow in map(_as_object, flows):
+        for flow in _definition_items("invalid Registry: flows", flows, Flow, "Flows"):
             if not isinstance(flow, Flow):
                 problems.append(f"{shown(flow, None)} is not a Flow")
                 continue
@@ -326,9 +332,17 @@ class Registry:
             raise UnknownFlowTypeError(flow_type, list(self.flows)) from None
 
 
-def _as_object(value: object) -> object:
-    """Widen a declared type so definition checks can report what callers really passed."""
-    return value
+def _definition_items(label: str, items: object, single: type | tuple[type, ...], noun: str) -> list[object]:
+    """`items` (a definition's collection as given: any iterable) as a list, or FlowDefinitionError
+    naming `label` and the value: iterated unchecked, one item given alone (Flow("f", step)) failed
+    with a bare TypeError ('Step' object is not iterable), and text was taken item by item."""
+    expected = f"{label} must be a collection of {noun}"
+    if isinstance(items, single):
+        item = shown(items, None)
+        raise FlowDefinitionError(f"{expected}, got the single item {item}; give it in a list: [{item}]")
+    if not isinstance(items, Iterable) or isinstance(items, str | bytes | Mapping):
+        raise FlowDefinitionError(f"{expected}, got {type(items).__name__}: {shown(items, None)}")
+    return list(items)
 
 
 __all__ = ["Flow", "RPCResult", "Registry", "Rpc", "Step", "rpc"]
