@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -1730,6 +1731,35 @@ async def test_context_window_scenario_names_too_few_compactions(tmp_path: Path)
         with pytest.raises(AssertionError) as caught:
             await ContextWindowSessionScenario(engine.sessions(), turns=18, min_compactions=100).run()
     assert re.fullmatch(r"[1-9]\d* compactions in 18 turns; expected at least 100", str(caught.value)), caught.value
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        pytest.param({"turns": 0}, "turns must be a whole number >= 1, got 0", id="no-turns"),
+        pytest.param({"turns": 2.5}, "turns must be a whole number >= 1, got 2.5", id="fractional-turns"),
+        pytest.param({"min_compactions": 0}, "min_compactions must be a whole number >= 1, got 0",
+                     id="no-compactions"),
+        pytest.param({"message": "hello"}, "message must be a function of the turn number returning its text, "
+                     "got 'hello'", id="message-text"),
+        pytest.param({"turn_timeout": math.nan}, "turn_timeout must be a number of seconds above 0 (math.inf "
+                     "waits for ever), got nan", id="nan-timeout"),
+        pytest.param({"sessions": None}, "sessions must be the adapter's AgentSessionClient, got None",
+                     id="no-sessions"),
+    ],
+)
+async def test_context_window_scenario_refuses_what_it_cannot_run_before_starting_a_session(
+    tmp_path: Path, kwargs: dict[str, Any], named: str
+) -> None:
+    """Catches: turns=0 starting the session and then failing with a bare IndexError (list index out
+    of range), a message given as text failing with a TypeError after the session started."""
+    flow, _ = compaction_flow("RefusedScenario", answer, window=600)
+    engine = InProcessEngine(tmp_path, [flow])
+    with pytest.raises(ValueError) as caught:
+        ContextWindowSessionScenario(**{"sessions": engine.sessions(), **kwargs})
+    assert str(caught.value) == f"invalid ContextWindowSessionScenario: {named}"
+    assert not await engine.client.exists("context-window-session")
+    await engine.client.close()
 
 
 class FailsTurnTwo(BuiltinLoopAgentRunner):

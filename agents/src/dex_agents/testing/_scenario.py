@@ -16,19 +16,18 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .._client import AgentSessionClient
 from .._compaction import CompactionPolicy
 from .._constants import COMPACT_CONTEXT, RUN_MODEL
 from .._events import AgentEventType, AgentEventWriter
+from .._policy import shown
 from .._runner import AgentTurnContext
 from .._runtime import resolved
 from .._wire import AgentMessage, AgentSnapshot, AgentStatus, ContextSummary
 from ._history import executed_steps, to_step_history
 from ._waiting import DEFAULT_WAIT_SECONDS, wait_for_agent_snapshot
-
-if TYPE_CHECKING:
-    from .._client import AgentSessionClient
 
 # The default message of turn n: about 300 bytes, and the number it carries stays in each summary.
 SCENARIO_FILLER = "Please keep this in mind for later. " * 8
@@ -70,6 +69,28 @@ class ContextWindowSessionScenario:
     min_compactions: int = 2
     turn_timeout: float = DEFAULT_WAIT_SECONDS
     snapshots: list[AgentSnapshot] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Refuse what run() cannot use, before it starts a session: turns=0 started one and then
+        failed with a bare IndexError, a message that is not a function with a TypeError mid-run."""
+        problems = []
+        given: object = self.sessions  # typed; checked for callers that pass anything
+        if not isinstance(given, AgentSessionClient):
+            problems.append(f"sessions must be the adapter's AgentSessionClient, got {shown(given)}")
+        for name in ("turns", "min_compactions"):
+            value: object = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be a whole number >= 1, got {shown(value)}")
+        message: object = self.message
+        if not callable(message):
+            problems.append(f"message must be a function of the turn number returning its text, got "
+                            f"{shown(message)}")
+        timeout: object = self.turn_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            problems.append(f"turn_timeout must be a number of seconds above 0 (math.inf waits for ever), "
+                            f"got {shown(timeout)}")
+        if problems:
+            raise ValueError("invalid ContextWindowSessionScenario: " + "; ".join(problems))
 
     async def run(self) -> ContextWindowSessionReport:
         flow = self.sessions.flow
