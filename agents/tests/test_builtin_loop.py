@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import re
+import sys
 import threading
 import time
 import types
@@ -175,6 +176,15 @@ def test_the_scripted_clients_helpers_read_the_request_in_order() -> None:
     assert [r.output for r in ScriptedModelClient.tool_results(request)] == ["one", "two"]
     assert ScriptedModelClient.default_summary(request) == (
         "Scripted summary of 6 input items. The last user message was: the last question")
+
+
+def test_a_scripted_client_refuses_more_recorded_requests_than_a_deque_can_hold() -> None:
+    """Catches: max_recorded_requests past sys.maxsize (a deque's largest maxlen) failing with a bare
+    OverflowError (Python int too large to convert to C ssize_t) naming neither the field nor the bound."""
+    with pytest.raises(ValueError, match=re.escape(
+            f"max_recorded_requests must be a whole number from 0 to {sys.maxsize}, got {sys.maxsize + 1}")):
+        ScriptedModelClient(print, max_recorded_requests=sys.maxsize + 1)
+    assert ScriptedModelClient(print, max_recorded_requests=sys.maxsize).requests.maxlen == sys.maxsize
 
 
 async def test_a_script_or_summarize_returning_the_wrong_type_is_named() -> None:

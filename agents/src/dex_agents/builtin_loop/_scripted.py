@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import sys
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -104,11 +105,12 @@ class ScriptedModelClient:
         if summarize is not None and not callable(summarize):
             raise TypeError(f"summarize must be a function of the ModelRequest, got {shown(summarize, None)}")
         self._summarize = summarize
-        if isinstance(max_recorded_requests, bool) or not isinstance(max_recorded_requests, int) or (
-            max_recorded_requests < 0
+        # At most sys.maxsize: a deque's maxlen, past which it raised a bare OverflowError.
+        if isinstance(max_recorded_requests, bool) or not isinstance(max_recorded_requests, int) or not (
+            0 <= max_recorded_requests <= sys.maxsize
         ):
-            raise ValueError(
-                f"max_recorded_requests must be a whole number >= 0, got {shown(max_recorded_requests, None)}")
+            raise ValueError(f"max_recorded_requests must be a whole number from 0 to {sys.maxsize}, got "
+                             f"{shown(max_recorded_requests, None)}")
         self._respond = respond
         self.requests: deque[ModelRequest] = deque(maxlen=max_recorded_requests)
 
