@@ -27,6 +27,7 @@ from dex_engine import (
     MovementOptions,
     Registry,
     RetryPolicy,
+    Rpc,
     RpcContext,
     RPCResult,
     Step,
@@ -165,6 +166,31 @@ def test_a_definition_refuses_a_collection_that_is_not_one(make: Callable[[], ob
     with pytest.raises(FlowDefinitionError) as caught:
         make()
     assert str(caught.value).startswith(message)
+
+
+async def _answer(ctx: RpcContext, _: None) -> str:
+    return "ok"
+
+
+@pytest.mark.parametrize(
+    ("made", "message"),
+    [
+        pytest.param(Rpc("", _answer), "RPC name is empty; give a non-empty RPC name", id="empty-name"),
+        pytest.param(Rpc("ask me", _answer), "RPC name 'ask me' contains whitespace", id="spaced-name"),
+        pytest.param(Rpc(None, _answer), "RPC name must be a string, got NoneType: None",  # type: ignore[arg-type]
+                     id="no-name"),
+        pytest.param(Rpc("ask", _answer, locks="Note"),  # type: ignore[arg-type]
+                     "RPC 'ask' locks must be a tuple of attribute names; declare it with @rpc(locks=...), got 'Note'",
+                     id="locks-text"),
+    ],
+)
+def test_a_flow_refuses_an_rpc_made_without_the_decorator_that_cannot_work(made: Rpc, message: str) -> None:
+    """Catches: an Rpc made directly with a name no client call can give accepted (the RPC never
+    reachable), and its locks given as text checked letter by letter ("locks 'N', which is not a
+    declared attribute")."""
+    with pytest.raises(FlowDefinitionError) as caught:
+        Flow("F", [DONE_STEP], schema=[Note], rpcs=[made])
+    assert str(caught.value).startswith(f"flow type 'F' has 1 problem(s): {message}")
 
 
 def test_a_definition_takes_any_iterable_of_its_items() -> None:

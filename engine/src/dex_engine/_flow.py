@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._codec import type_problem
 from ._decision import RPCResult, StepDecision
-from ._errors import FlowDefinitionError, RpcNotFoundError, UndeclaredNameError, UnknownFlowTypeError, shown
+from ._errors import (
+    FlowDefinitionError,
+    InvalidIdError,
+    RpcNotFoundError,
+    UndeclaredNameError,
+    UnknownFlowTypeError,
+    shown,
+)
 from ._ids import check_id
 from ._options import LoadOptions, LoadSpec, LockItem, StepOptions, check_load, lock_items, lock_name
 from ._schema import (
@@ -200,6 +207,18 @@ class Flow:
         for r in _definition_items(f"flow {flow_type!r} rpcs", rpcs, Rpc, "RPCs"):
             if not isinstance(r, Rpc):
                 problems.append(f"RPC {shown(r, None)} is not decorated with @rpc")
+                continue
+            # An Rpc made directly, not by @rpc, was taken unchecked: a name no client call can
+            # give (empty, with a space) left the RPC unreachable, and a lock name given as text
+            # was taken letter by letter.
+            try:
+                check_id("RPC name", r.name)
+            except InvalidIdError as exc:
+                problems.append(str(exc))
+                continue
+            if not isinstance(r.locks, tuple | list) or not all(isinstance(lock, str) for lock in r.locks):
+                problems.append(f"RPC {r.name!r} locks must be a tuple of attribute names; declare it with "
+                                f"@rpc(locks=...), got {shown(r.locks, None)}")
                 continue
             if r.name in self.rpcs:
                 problems.append(f"RPC {r.name!r} is declared twice")
