@@ -7,7 +7,7 @@ import dataclasses
 import inspect
 import json
 import re
-from collections.abc import Awaitable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -499,3 +499,70 @@ def test_finish_reasons_are_recognized_in_any_case() -> None:
     assert content_filter_finish_reason(ModelCallMetadata(finish_reasons=("Content_Filter",))) == "Content_Filter"
     assert token_limit_finish_reason(ModelCallMetadata(finish_reasons=("stop",))) is None
     assert content_filter_finish_reason(ModelCallMetadata(finish_reasons=None)) is None
+
+
+_TEXT = ModelOutputItem("scripted", OutputItemKind.TEXT, json.dumps({"type": "text"}), "hi")
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        pytest.param(lambda: ModelToolCall("c1", "lookup_order", {"order_id": "A-1"}),
+                     "ModelToolCall.arguments must be a str, got {'order_id': 'A-1'}; give the arguments' JSON text",
+                     id="arguments-dict"),
+        pytest.param(lambda: ModelToolCall(None, "lookup_order", "{}"), "ModelToolCall.tool_call_id must be a str, "
+                     "got None", id="no-call-id"),
+        pytest.param(lambda: ModelOutputItem("scripted", OutputItemKind.TOOL_CALL, "{}",
+                                             tool_call={"tool_call_id": "c1"}),
+                     "ModelOutputItem.tool_call must be a ModelToolCall or None, got {'tool_call_id': 'c1'}",
+                     id="tool-call-dict"),
+        pytest.param(lambda: ModelOutputItem("scripted", "tool_call", "{}"), "ModelOutputItem.kind must be an "
+                     "OutputItemKind, such as OutputItemKind.TEXT, got 'tool_call'", id="kind-text"),
+        pytest.param(lambda: ModelOutputItem("scripted", OutputItemKind.TEXT, {"type": "text"}),
+                     "ModelOutputItem.item must be a str, got {'type': 'text'}", id="item-dict"),
+        pytest.param(lambda: ModelOutputItem("scripted", OutputItemKind.TEXT, "{}", 5),
+                     "ModelOutputItem.text must be a str or None, got 5", id="text-int"),
+        pytest.param(lambda: ModelResponse(_TEXT), "ModelResponse.output must be a tuple of ModelOutputItem (one "
+                     "item as (item,)), got ModelOutputItem(", id="one-item"),
+        pytest.param(lambda: ModelResponse(({"kind": "text"},)), "ModelResponse.output[0] must be a "
+                     "ModelOutputItem, got {'kind': 'text'}", id="item-as-dict"),
+        pytest.param(lambda: ModelResponse((_TEXT,), {"model_calls": 1}), "ModelResponse.usage must be an "
+                     "AgentUsage, got {'model_calls': 1}", id="usage-dict"),
+        pytest.param(lambda: ModelResponse((_TEXT,), AgentUsage(), {"response_id": "r"}), "ModelResponse.metadata "
+                     "must be a ModelCallMetadata or None, got {'response_id': 'r'}", id="metadata-dict"),
+    ],
+)
+def test_a_model_response_of_the_wrong_shape_is_refused_where_it_is_built(
+    build: Callable[[], object], message: str
+) -> None:
+    """Catches: a model client's ModelOutputItem holding a dict for its tool call (or a kind given as
+    text, one item given alone as output) accepted, and failing later deep inside the loop with
+    "'dict' object has no attribute 'tool_call_id'" (a kind as text: its tool call silently dropped)."""
+    with pytest.raises(TypeError) as caught:
+        build()
+    assert str(caught.value).startswith(message), caught.value
+
+
+async def test_a_model_client_building_a_bad_item_fails_the_turn_after_one_call(tmp_path: Path) -> None:
+    """The refusal inside call_model fails the turn with its text, at once: the client's code is wrong,
+    so no retry pays for the same call twice more. Catches: three model calls, then the turn failed
+    with "'dict' object has no attribute 'tool_call_id'"."""
+    calls: list[ModelRequest] = []
+
+    class DictCalls:
+        def estimate_input_tokens(self, request: ModelRequest) -> int:
+            return 1
+
+        async def call_model(self, request: ModelRequest, output: ModelOutputWriter) -> ModelResponse:
+            calls.append(request)
+            call: Any = {"tool_call_id": "c1", "tool_name": "lookup_order", "arguments": "{}"}
+            return ModelResponse((ModelOutputItem("scripted", OutputItemKind.TOOL_CALL, "{}", tool_call=call),))
+
+    agent = AgentDefinition(name="dict-calls", model=DictCalls(), instructions="", tools=[lookup_order])
+    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(agent, "DictCallsAgent")])
+    async with engine.running():
+        await engine.sessions().start_session("s", "look it up")
+        done = await _turns_done(engine.sessions(), "s", 1)
+    assert done.state is not None and done.state.last_turn_error is not None
+    assert "ModelOutputItem.tool_call must be a ModelToolCall or None" in done.state.last_turn_error
+    assert len(calls) == 1

@@ -9,12 +9,21 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
+from dex_engine import NoRetryError
+
 from .._compaction import estimate_text_tokens
 from .._constants import CONTENT_FILTER_FINISH_REASONS, TOKEN_LIMIT_FINISH_REASONS
 from .._events import AgentEventWriter
+from .._policy import shown
 from .._runner import ModelCallMetadata
 from .._turn_logic import MAX_TOOL_CALL_ID_LENGTH
 from .._wire import AgentUsage
+
+
+class ModelOutputError(NoRetryError, TypeError):
+    """A model client built a ModelResponse (or an item of one) with a field of the wrong type. A
+    TypeError, and a NoRetryError: the client's code is wrong, so RunModel fails now instead of paying
+    for the same call twice more."""
 
 
 class OutputItemKind(StrEnum):
@@ -37,6 +46,16 @@ class ModelToolCall:
     tool_name: str
     arguments: str
 
+    def __post_init__(self) -> None:
+        # Checked when written: a model client's wrong field failed RunModel three times (three paid
+        # calls) with an AttributeError or a check from deep inside the loop.
+        for name in ("tool_call_id", "tool_name", "arguments"):
+            value: object = getattr(self, name)
+            if not isinstance(value, str):
+                raise ModelOutputError(f"ModelToolCall.{name} must be a str, got {shown(value)}"
+                                + ("; give the arguments' JSON text, json.dumps(arguments)" if name == "arguments"
+                                   else ""))
+
 
 @dataclass(frozen=True)
 class ModelOutputItem:
@@ -52,6 +71,25 @@ class ModelOutputItem:
     item: str
     text: str | None = None
     tool_call: ModelToolCall | None = None
+
+    def __post_init__(self) -> None:
+        # Checked when written, as ModelToolCall is: a kind given as text was taken for no tool call.
+        for name in ("api", "item"):
+            value: object = getattr(self, name)
+            if not isinstance(value, str):
+                raise ModelOutputError(f"ModelOutputItem.{name} must be a str, got {shown(value)}"
+                                + ("; give the provider's item as JSON text" if name == "item" else ""))
+        kind: object = self.kind
+        if not isinstance(kind, OutputItemKind):
+            raise ModelOutputError(f"ModelOutputItem.kind must be an OutputItemKind, such as OutputItemKind.TEXT, "
+                            f"got {shown(kind)}")
+        text: object = self.text
+        if text is not None and not isinstance(text, str):
+            raise ModelOutputError(f"ModelOutputItem.text must be a str or None, got {shown(text)}")
+        call: object = self.tool_call
+        if call is not None and not isinstance(call, ModelToolCall):
+            raise ModelOutputError(f"ModelOutputItem.tool_call must be a ModelToolCall or None, got {shown(call)}; "
+                            "write ModelToolCall(tool_call_id, tool_name, arguments)")
 
 
 @dataclass(frozen=True)
@@ -112,6 +150,25 @@ class ModelResponse:
     output: tuple[ModelOutputItem, ...]
     usage: AgentUsage = field(default_factory=AgentUsage)
     metadata: ModelCallMetadata | None = None
+
+    def __post_init__(self) -> None:
+        # Checked when written: one item given alone, or a dict for an item, failed RunModel three
+        # times (three paid calls) with a bare TypeError or AttributeError from inside the loop.
+        output: object = self.output
+        if not isinstance(output, tuple | list):
+            raise ModelOutputError(f"ModelResponse.output must be a tuple of ModelOutputItem (one item as (item,)), "
+                            f"got {shown(output)}")
+        for index, item in enumerate(output):
+            if not isinstance(item, ModelOutputItem):
+                raise ModelOutputError(f"ModelResponse.output[{index}] must be a ModelOutputItem, got {shown(item)}")
+        usage: object = self.usage
+        if not isinstance(usage, AgentUsage):
+            raise ModelOutputError(f"ModelResponse.usage must be an AgentUsage, got {shown(usage)}")
+        metadata: object = self.metadata
+        if metadata is not None and not isinstance(metadata, ModelCallMetadata):
+            raise ModelOutputError(f"ModelResponse.metadata must be a ModelCallMetadata or None, got {shown(metadata)}")
+        # Frozen like the response's other fields: a list the client keeps changing would change it.
+        object.__setattr__(self, "output", tuple(output))
 
 
 def token_limit_finish_reason(metadata: ModelCallMetadata | None) -> str | None:
