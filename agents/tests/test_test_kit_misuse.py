@@ -485,6 +485,58 @@ def test_a_file_gate_name_that_is_not_one_file_name_is_refused(tmp_path: Path, n
     assert str(caught.value) == f"gate name {name!r} must be non-empty and contain no '/'"
 
 
+def test_a_file_gate_name_that_is_not_text_is_refused_naming_it(tmp_path: Path) -> None:
+    """Catches: FileGate(dir, 5) refused with "argument of type 'int' is not iterable"."""
+    with pytest.raises(ValueError) as caught:
+        FileGate(tmp_path, 5)  # type: ignore[arg-type]
+    assert str(caught.value) == "gate name must be a str, got int: 5; give it as text"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        pytest.param({"flows": "one"}, "AgentTestStack flows must be a list of Flows, got the single Flow "
+                     "'ScriptedAgent'; give it as [flow]", id="one-flow"),
+        pytest.param({"flows": None}, "AgentTestStack flows must be a list of Flows, got None", id="no-flows"),
+        pytest.param({"worker_module": ""}, "AgentTestStack worker_module must be the name of the module a Worker "
+                     "child runs (python -m <worker_module>), got ''", id="empty-module"),
+        pytest.param({"worker_module": 5}, "AgentTestStack worker_module must be the name of the module a Worker "
+                     "child runs (python -m <worker_module>), got 5", id="module-number"),
+        pytest.param({"worker_env": {"DEX_SLOW": 1}}, "AgentTestStack worker_env must map str to str, got "
+                     "'DEX_SLOW': 1; give each value as text, such as str(value)", id="env-number"),
+        pytest.param({"worker_env": 5}, "AgentTestStack worker_env must be a dict of environment variables (str to "
+                     "str), got 5", id="env-not-a-dict"),
+    ],
+)
+def test_a_stack_refuses_flows_module_or_env_it_cannot_start_a_worker_with(
+    tmp_path: Path, arguments: dict[str, Any], message: str
+) -> None:
+    """Refused when the stack is made, with nothing created. Catches: one Flow given alone failing with a
+    bare TypeError ('AgentSessionFlow' object is not iterable), and a worker_module or an environment
+    value that is not text accepted, to fail only in start_worker with subprocess's TypeError."""
+    flow = build_flow(tmp_path)
+    given = {"flows": [flow], "worker_module": WORKER_MODULE, **arguments}
+    if given["flows"] == "one":
+        given["flows"] = flow
+    state = tmp_path / "state"
+    with pytest.raises(ValueError) as caught:
+        AgentTestStack(state, given["flows"], given["worker_module"], worker_cwd=REPO_ROOT,
+                       worker_env=given.get("worker_env"))
+    assert str(caught.value) == message
+    assert not state.exists()
+
+
+async def test_start_worker_refuses_an_env_value_that_is_not_text(tmp_path: Path) -> None:
+    """Catches: start_worker(env={"X": 1}) failing inside subprocess with "expected str, bytes or
+    os.PathLike object, not int", naming neither the argument nor the variable."""
+    async with new_stack(tmp_path) as stack:
+        with pytest.raises(ValueError) as caught:
+            await stack.start_worker({"DEX_SLOW": 1})  # type: ignore[dict-item]
+        assert str(caught.value) == ("start_worker env must map str to str, got 'DEX_SLOW': 1; give each value as "
+                                     "text, such as str(value)")
+        assert stack.workers == []
+
+
 async def test_a_released_handler_goes_on_though_another_of_its_process_reaches_the_reset_gate(
     tmp_path: Path,
 ) -> None:

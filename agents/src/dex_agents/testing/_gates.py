@@ -10,6 +10,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from dex_engine._errors import shown
+
 from ._stack import exit_if_test_process_gone
 from ._waiting import DEFAULT_WAIT_SECONDS, wait_until
 
@@ -22,6 +24,9 @@ class FileGate:
     """
 
     def __init__(self, state_dir: Path | str, name: str) -> None:
+        given: object = name  # typed str; a number was refused with "argument of type 'int' is not iterable"
+        if not isinstance(given, str):
+            raise ValueError(f"gate name must be a str, got {type(given).__name__}: {shown(given)}; give it as text")
         if not name or "/" in name:
             raise ValueError(f"gate name {name!r} must be non-empty and contain no '/'")
         self.name = name

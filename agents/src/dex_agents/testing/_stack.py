@@ -12,13 +12,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO, Literal
 from urllib.parse import urlparse
 
 from dex_engine import AsyncClient, AsyncWorker, Flow, Registry, WorkerOptions
+from dex_engine._errors import shown
 from dex_engine._open import shown_url, shown_url_value
 
 from .._client import AgentSessionClient
@@ -52,6 +53,36 @@ def test_worker_options(database_url: str, lease_ttl_seconds: float) -> WorkerOp
         lease_ttl_seconds=lease_ttl_seconds, lease_renew_seconds=lease_ttl_seconds / 5,
         housekeeping_seconds=min(0.1, lease_ttl_seconds / 10), poll_seconds=0.01, shutdown_grace_seconds=5.0,
     )
+
+
+def _stack_arguments_problem(flows: object, worker_module: object, worker_env: object) -> str | None:
+    """What AgentTestStack cannot use, or None. Checked when the stack is made: one Flow given alone
+    failed with a bare TypeError ('AgentSessionFlow' object is not iterable), and a worker_module or an
+    environment value that is not text only at start_worker, in subprocess, naming neither."""
+    if isinstance(flows, Flow):
+        return f"flows must be a list of Flows, got the single Flow {flows.flow_type!r}; give it as [flow]"
+    if not isinstance(flows, Iterable) or isinstance(flows, str | bytes | Mapping):
+        return f"flows must be a list of Flows, got {shown(flows, None)}"
+    if not isinstance(worker_module, str) or not worker_module.strip():
+        return (f"worker_module must be the name of the module a Worker child runs (python -m <worker_module>), "
+                f"got {shown(worker_module, None)}")
+    return _env_problem("worker_env", worker_env)
+
+
+def _env_problem(label: str, env: object) -> str | None:
+    """What keeps `env` (a Worker child's added environment) from being one, or None."""
+    if env is None:
+        return None
+    try:
+        given = dict(env)  # type: ignore[call-overload]  # what the stack makes of it: pairs are taken too
+    except (TypeError, ValueError):
+        return f"{label} must be a dict of environment variables (str to str), got {shown(env, None)}"
+    odd = [(key, value) for key, value in given.items() if not isinstance(key, str) or not isinstance(value, str)]
+    if odd:
+        key, value = odd[0]
+        return (f"{label} must map str to str, got {shown(key, None)}: {shown(value, None)}; give each value as "
+                "text, such as str(value)")
+    return None
 
 
 def _check_lease_ttl(database_url: str, lease_ttl_seconds: object) -> None:
@@ -242,6 +273,9 @@ class AgentTestStack:
         self.database_url = _absolute_sqlite_url(database_url) if database_url else (
             f"sqlite:///{self.state_dir / 'dex.db'}")
         _check_lease_ttl(self.database_url, lease_ttl_seconds)
+        problem = _stack_arguments_problem(flows, worker_module, worker_env)
+        if problem is not None:
+            raise ValueError(f"AgentTestStack {problem}")
         # It holds the Workers' logs and the gates' marks; with the database elsewhere (PostgreSQL,
         # or a SQLite file in another directory) nothing else would make it.
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -296,6 +330,9 @@ class AgentTestStack:
             "PYTHONUNBUFFERED": "1",
         })
         child_env.update(self.worker_env)
+        problem = _env_problem("start_worker env", env)
+        if problem is not None:
+            raise ValueError(problem)
         child_env.update(env or {})
         worker = self._spawn(child_env)
         process = worker.process
