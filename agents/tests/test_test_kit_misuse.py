@@ -28,10 +28,11 @@ from dex_agents.testing import (
     FileGate,
     InvocationLog,
     read_step_history,
+    run_agent_worker,
     wait_for_agent_snapshot,
     wait_until,
 )
-from dex_engine import FlowNotFoundError, StoreOpenError, open_store
+from dex_engine import FlowDefinitionError, FlowNotFoundError, StoreOpenError, open_store
 from dex_engine._open import shown_url
 
 # A probe hanging this long stands for a read that never returns; a wait bounded by its timeout
@@ -524,6 +525,13 @@ def test_a_stack_refuses_flows_module_or_env_it_cannot_start_a_worker_with(
                        worker_env=given.get("worker_env"))
     assert str(caught.value) == message
     assert not state.exists()
+
+
+def test_run_agent_worker_names_a_single_flow_not_in_a_list(tmp_path: Path) -> None:
+    """Catches: run_agent_worker(flow) in a Worker child failing with a bare TypeError ('AgentSessionFlow'
+    object is not iterable), which start_worker showed as the child's output."""
+    with pytest.raises(FlowDefinitionError, match=r"flows must be a collection of Flows, got the single item"):
+        run_agent_worker(build_flow(tmp_path), database_url=f"sqlite:///{tmp_path / 'dex.db'}")  # type: ignore[arg-type]
 
 
 async def test_start_worker_refuses_an_env_value_that_is_not_text(tmp_path: Path) -> None:

@@ -113,7 +113,8 @@ def run_agent_worker(flows: Sequence[Flow], *, database_url: str | None = None) 
     parent = os.environ.pop(ENV_PARENT_PID, None)
     if parent is not None:
         _watch_parent(int(parent))
-    asyncio.run(_serve(Registry(list(flows)), test_worker_options(url, ttl)))
+    # Registry checks `flows` itself: list(flows) of one Flow given alone failed with a bare TypeError.
+    asyncio.run(_serve(Registry(flows), test_worker_options(url, ttl)))
 
 
 def _watch_parent(parent_pid: int) -> None:
