@@ -459,6 +459,30 @@ def test_a_payload_nested_too_deeply_is_dropped_with_a_warning(caplog: pytest.Lo
     assert warning.startswith("flow s: dropped a 'probe' event of RunModel-1 attempt 1: it cannot be written as JSON: ")
 
 
+def test_a_typed_event_whose_text_is_not_text_is_dropped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """text_delta and reasoning_delta carry {"text"} and the tool call events their ID and name as
+    text (seed 003's payloads): a client's delta of None or a number is dropped with a warning naming
+    the field and value, and the write does not raise. Catches: {"text":null} or {"text":5} written
+    to the stream, for every client joining the deltas' texts to meet."""
+    emitted: list[AgentEvent] = []
+    writer = AgentEventWriter(emitted.append, "turn-1", "RunModel-1", 1, flow_id="s")
+    with caplog.at_level("WARNING", logger="dex_agents.session"):
+        writer.write_text_delta(None)  # type: ignore[arg-type]
+        writer.write_reasoning_delta(5)  # type: ignore[arg-type]
+        writer.write_tool_call_started(None, "lookup")  # type: ignore[arg-type]
+        writer.write_tool_call_finished("c1", b"lookup", "succeeded")  # type: ignore[arg-type]
+        writer.write_text_delta("kept")
+    assert [(e.type, e.payload) for e in emitted] == [("text_delta", '{"text":"kept"}')]
+    assert [r.getMessage() for r in caplog.records] == [
+        "flow s: dropped a text_delta event of RunModel-1 attempt 1: text must be a str, got NoneType: None",
+        "flow s: dropped a reasoning_delta event of RunModel-1 attempt 1: text must be a str, got int: 5",
+        "flow s: dropped a tool_call_started event of RunModel-1 attempt 1: tool_call_id must be a str, got "
+        "NoneType: None",
+        "flow s: dropped a tool_call_finished event of RunModel-1 attempt 1: tool_name must be a str, got bytes: "
+        "b'lookup'",
+    ]
+
+
 # interrupt_raised and interrupt_resolved ---------------------------------------------------------
 
 

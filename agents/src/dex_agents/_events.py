@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from ._policy import shown
 from ._wire import AgentEvent
 
 log = logging.getLogger("dex_agents.session")
@@ -148,19 +149,38 @@ class AgentEventWriter:
                             self.step_execution_id, self.attempt, exc)
 
     def write_text_delta(self, text: str) -> None:
-        self.write_event(AgentEventType.TEXT_DELTA, {"text": text})
+        given: object = text  # typed str; a client may pass anything. Checked first, as cheaply: one per delta
+        if isinstance(given, str) or self._texts(AgentEventType.TEXT_DELTA, text=given):
+            self.write_event(AgentEventType.TEXT_DELTA, {"text": text})
 
     def write_reasoning_delta(self, text: str) -> None:
-        self.write_event(AgentEventType.REASONING_DELTA, {"text": text})
+        given: object = text
+        if isinstance(given, str) or self._texts(AgentEventType.REASONING_DELTA, text=given):
+            self.write_event(AgentEventType.REASONING_DELTA, {"text": text})
 
     def write_tool_call_started(self, tool_call_id: str, tool_name: str) -> None:
-        self.write_event(AgentEventType.TOOL_CALL_STARTED, {"tool_call_id": tool_call_id, "tool_name": tool_name})
+        if self._texts(AgentEventType.TOOL_CALL_STARTED, tool_call_id=tool_call_id, tool_name=tool_name):
+            self.write_event(AgentEventType.TOOL_CALL_STARTED, {"tool_call_id": tool_call_id, "tool_name": tool_name})
 
     def write_tool_call_finished(self, tool_call_id: str, tool_name: str, status: str) -> None:
-        self.write_event(
-            AgentEventType.TOOL_CALL_FINISHED,
-            {"tool_call_id": tool_call_id, "tool_name": tool_name, "status": str(status)},
-        )
+        if self._texts(AgentEventType.TOOL_CALL_FINISHED, tool_call_id=tool_call_id, tool_name=tool_name):
+            self.write_event(
+                AgentEventType.TOOL_CALL_FINISHED,
+                {"tool_call_id": tool_call_id, "tool_name": tool_name, "status": str(status)},
+            )
+
+    def _texts(self, event_type: AgentEventType, **fields: object) -> bool:
+        """Whether each field of a typed event is text, as its payload's contract has it; else the
+        event is dropped with a warning naming the field, as write_event drops what it cannot store.
+        Written as given, {"text": 5} or {"text": null} reached clients that join the deltas' texts."""
+        for name, value in fields.items():
+            if not isinstance(value, str):
+                if not self.closed:
+                    log.warning("%sdropped a %s event of %s attempt %d: %s must be a str, got %s: %s",
+                                self._flow, event_type, self.step_execution_id, self.attempt, name,
+                                type(value).__name__, shown(value))
+                return False
+        return True
 
     def close(self) -> None:
         with self._lock:
