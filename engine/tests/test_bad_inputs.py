@@ -120,6 +120,14 @@ def misuse(ctx: Context | RpcContext, what: str) -> None:
         ctx.set(Note, HUGE)
     elif what == "wrong_type":
         ctx.set(Count, "three")  # type: ignore[arg-type]
+    elif what == "set_by_name":
+        ctx.set("Note", "x")  # type: ignore[arg-type]
+    elif what == "get_whole_map":
+        ctx.get(Tags)  # type: ignore[arg-type]
+    elif what == "items_of_attribute":
+        ctx.items(Note)  # type: ignore[arg-type]
+    elif what == "publish_whole_map":
+        ctx.publish(Boxes, "x")  # type: ignore[arg-type]
     else:
         raise AssertionError(f"unknown misuse {what!r}")
 
@@ -144,6 +152,8 @@ async def start(ctx: Context, what: str) -> StepDecision:
         size = int(what.partition(":")[2])
         await ctx.heartbeat("é" + "c" * (size - 2))
         return StepDecision.graceful_complete(len(ctx.checkpoint or ""))
+    if what == "int_checkpoint":
+        await ctx.heartbeat(5)  # type: ignore[arg-type]
     if what == "long_error":
         raise RuntimeError("e" * (2 * MAX_ERROR_TEXT_CHARS))
     if what == "long_reason":
@@ -431,6 +441,18 @@ async def test_client_calls_refuse_a_schema_ref_of_another_type(db_url: str, met
         ("map_wait", "wait_for", UndeclaredNameError, "'Inbox[k]'"),
         # Catches: [] for messages of a channel the flow lacks (a typo reads as "nothing came").
         ("undeclared_messages", "execute", UndeclaredNameError, "'StrayChannel'"),
+        # Catches: "'str' object has no attribute 'name'", "'AttributeMap' object has no attribute
+        # 'key'", "attribute 'Note[?]' is not declared" (Note is) and "argument of type 'int' is not
+        # iterable": bare errors naming neither the argument nor the fix.
+        ("set_by_name", "execute", InvalidValueError, "an Attribute or an AttributeMap[key] the flow declares, got "
+         "str: 'Note'"),
+        ("get_whole_map", "execute", InvalidValueError, "attribute map 'Tags' given whole where one attribute is "
+         "read or written; give one instance of it, Tags[key]"),
+        ("items_of_attribute", "execute", InvalidValueError, "attribute 'Note' is a plain Attribute, not an "
+         "AttributeMap; read it with get"),
+        ("publish_whole_map", "execute", InvalidValueError, "channel map 'Boxes' given whole where one channel is "
+         "meant; give one instance of it, Boxes[key]"),
+        ("int_checkpoint", "execute", InvalidValueError, "a heartbeat checkpoint must be a str or None, got int: 5"),
     ],
 )
 async def test_misuse_in_a_step_handler_fails_the_attempt_and_history_names_it(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._codec import decode_value, decoded_cache, encode_value
-from ._errors import InvalidValueError, NotLoadedError, StaleAttemptError, ValueTooLargeError
+from ._errors import InvalidValueError, NotLoadedError, StaleAttemptError, ValueTooLargeError, shown
 from ._limits import MAX_VALUE_BYTES
 from ._options import LoadOptions, LoadSpec
 from ._records import RecoveryError, WaitOutcome, WriteSet
@@ -64,6 +64,9 @@ class _StateView:
 
     def get(self, ref: AttributeRef[T], default: T | None = None) -> T | None:
         """The attribute's value, or `default` when it is unset."""
+        given: object = ref  # typed; a handler may pass anything: named, not an AttributeError for ref.name
+        if not isinstance(given, AttributeRef):
+            self.flow.check_attribute(ref)
         ident = (ref.name, ref.key)
         cache = self._cache
         if ident in cache:
@@ -85,12 +88,15 @@ class _StateView:
 
     def items(self, amap: AttributeMap[T]) -> dict[str, T]:
         """Every loaded instance of a map, by key, in key order, with this method's writes applied."""
+        given: object = amap  # typed; a handler may pass anything: named, not an AttributeError or 'N[?]'
+        if not isinstance(given, AttributeMap):
+            self.flow.check_attribute_map(amap)
         name = amap.name
         known = self._items.get(name)
         if known is not None:
             return dict(known)
         if not isinstance(self.flow.attributes.get(name), AttributeMap):
-            self.flow.check_attribute(AttributeRef(name, "?", amap.value_type))
+            self.flow.check_attribute_map(amap)
         whole = self._load.mode == "all" or name in self._load.names
         if not whole and not any(n == name for n, _ in self._load.instances):
             raise self._not_loaded(name)
@@ -237,6 +243,10 @@ def _check_checkpoint(checkpoint: str) -> None:
     cannot store as text: NUL (PostgreSQL's text cannot hold it) or a lone surrogate (no UTF-8
     encoding). Unlike an error's text it cannot be escaped: the next attempt must get back exactly
     what was saved."""
+    given: object = checkpoint  # typed str; a number failed with "argument of type 'int' is not iterable"
+    if not isinstance(given, str):
+        raise InvalidValueError(f"a heartbeat checkpoint must be a str or None, got {type(given).__name__}: "
+                                f"{shown(given)}; save its text, such as json.dumps(state)")
     if "\x00" in checkpoint:
         where, what = checkpoint.index("\x00"), "a NUL character"
     else:

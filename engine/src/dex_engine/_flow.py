@@ -12,6 +12,7 @@ from ._decision import RPCResult, StepDecision
 from ._errors import (
     FlowDefinitionError,
     InvalidIdError,
+    InvalidValueError,
     RpcNotFoundError,
     UndeclaredNameError,
     UnknownFlowTypeError,
@@ -293,12 +294,38 @@ class Flow:
             raise RpcNotFoundError(self.flow_type, name, list(self.rpcs)) from None
 
     def check_attribute(self, ref: AttributeRef[Any]) -> None:
+        given: object = ref  # typed; a handler may pass anything
+        if isinstance(given, AttributeMap):
+            raise InvalidValueError(f"attribute map {given.name!r} given whole where one attribute is read or "
+                                    f"written; give one instance of it, {given.name}[key]")
+        if not isinstance(given, AttributeRef):
+            raise InvalidValueError(f"an attribute must be an Attribute or an AttributeMap[key] the flow declares, "
+                                    f"got {type(given).__name__}: {shown(given)}")
         declared = self.attributes.get(ref.name)
         keyed = isinstance(declared, AttributeMap)
         if declared is None or keyed != bool(ref.key):
             raise UndeclaredNameError("attribute", ref.label, self.flow_type, list(self.attributes))
 
+    def check_attribute_map(self, amap: AttributeMap[Any]) -> None:
+        """Raise unless `amap` is an AttributeMap the flow declares, naming what it is instead."""
+        given: object = amap  # typed; a handler may pass anything
+        if isinstance(given, AttributeRef) and isinstance(self.attributes.get(given.name), Attribute):
+            raise InvalidValueError(f"attribute {given.name!r} is a plain Attribute, not an AttributeMap; read "
+                                    "it with get")
+        if not isinstance(given, AttributeMap):
+            raise InvalidValueError(f"an attribute map must be an AttributeMap the flow declares, got "
+                                    f"{type(given).__name__}: {shown(given)}")
+        if not isinstance(self.attributes.get(given.name), AttributeMap):
+            raise UndeclaredNameError("attribute", given.name, self.flow_type, list(self.attributes))
+
     def check_channel(self, ref: ChannelRef[Any]) -> None:
+        given: object = ref  # typed; a handler may pass anything
+        if isinstance(given, ChannelMap):
+            raise InvalidValueError(f"channel map {given.name!r} given whole where one channel is meant; give one "
+                                    f"instance of it, {given.name}[key]")
+        if not isinstance(given, ChannelRef):
+            raise InvalidValueError(f"a channel must be a Channel or a ChannelMap[key] the flow declares, got "
+                                    f"{type(given).__name__}: {shown(given)}")
         declared = self.channels.get(ref.name)
         keyed = isinstance(declared, ChannelMap)
         if declared is None or keyed != bool(ref.key):
