@@ -376,6 +376,16 @@ def test_estimate_text_tokens_is_three_bytes_a_token_rounded_up(text: str) -> No
     assert 3 * estimate_text_tokens(text) >= size > 3 * (estimate_text_tokens(text) - 1)
 
 
+@pytest.mark.parametrize(("text", "shown"), [(None, "NoneType: None"), (b"abc", "bytes: b'abc'"), (5, "int: 5")])
+def test_estimate_text_tokens_names_a_text_that_is_not_one(text: Any, shown: str) -> None:
+    """Catches: a runner's estimate_input_tokens given a tool call message's text (None) failing
+    RunModel with "'NoneType' object has no attribute 'encode'"."""
+    with pytest.raises(TypeError) as caught:
+        estimate_text_tokens(text)
+    assert str(caught.value) == (f"estimate_text_tokens takes a str, got {shown}; for a message whose text may be "
+                                 "None, pass message.text or ''")
+
+
 def test_fixed_texts() -> None:
     """The model-visible texts are the seed's."""
     assert CONTEXT_SUMMARY_NOTE_HEADER == "[Dex] Summary of the earlier conversation:"

@@ -44,7 +44,14 @@ BYTES_PER_TOKEN = 3
 
 def estimate_text_tokens(text: str) -> int:
     """Tokens of `text` at three UTF-8 bytes per token, rounded up."""
-    return (len(text.encode()) + BYTES_PER_TOKEN - 1) // BYTES_PER_TOKEN
+    try:
+        size = len(text.encode())
+    except AttributeError:  # caught, not checked first: it runs for every message of every model call
+        # A runner's estimate given a message's text unchecked (None for a tool call) failed RunModel
+        # with "'NoneType' object has no attribute 'encode'".
+        raise TypeError(f"estimate_text_tokens takes a str, got {type(text).__name__}: {shown(text)}; for a "
+                        "message whose text may be None, pass message.text or ''") from None
+    return (size + BYTES_PER_TOKEN - 1) // BYTES_PER_TOKEN
 
 
 # The policy -----------------------------------------------------------------------------------------
