@@ -8,7 +8,9 @@ connection's write lock: WAL readers do not block on the writer.
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -18,9 +20,12 @@ from dex_engine import FlowConfig, Store, open_store
 from dex_engine import _sqlite_store as sqlite_store
 from dex_engine._options import LoadSpec
 from dex_engine._records import ErrorInfo, Lease, RpcOutcome, WriteSet
+from dex_engine._sqlite_store import SqliteStore
+from dex_engine._transitions import Db
 from dex_engine._wait import ConditionSpec, WaitSpec
 
-from .test_durability import record_operation_levels
+from .conftest import wait_until
+from .test_durability import record_operation_levels, sync_level
 from .test_store_contract import DEAD_END, HOUR_MS, TYPES, W, claim_one, enc, start
 
 
@@ -85,6 +90,41 @@ async def test_each_write_is_fsynced_unless_documented_best_effort(
 
     best_effort = {"append_best_effort", "poll", "renew_worker"}
     assert seen == {name: "NORMAL" if name in best_effort else "FULL" for name in seen}
+
+
+async def test_a_durable_write_sharing_a_group_commit_with_a_best_effort_one_is_fsynced(store: Store) -> None:
+    """A durable write and one that may skip the fsync (a lease renewal) queued together commit in
+    one batch: that commit must be fsynced (FULL), or the durable write is acknowledged without it.
+    Catches: the level chosen from any non-durable write of the batch instead of all of them."""
+    assert isinstance(store, SqliteStore)
+    conn_lock: threading.Lock = store._conn_lock
+    seen: dict[str, str] = {}
+
+    def level(name: str) -> Callable[[Db], None]:
+        def op(db: Db) -> None:
+            seen[name] = sync_level(db)
+        return op
+
+    conn_lock.acquire()
+    try:
+        # The thread takes this one and waits for the connection; the two behind it queue up.
+        first = asyncio.ensure_future(asyncio.to_thread(store.run_sync, level("first"), write=True))
+
+        async def taken() -> bool:
+            return store._outstanding == 1 and store._queue.empty()
+
+        await wait_until("the store's thread to take the first write", taken)
+        durable = asyncio.ensure_future(store._run(level("durable"), write=True))
+        best_effort = asyncio.ensure_future(store._run(level("best effort"), write=True, durable=False))
+
+        async def queued() -> bool:
+            return store._outstanding == 3
+
+        await wait_until("both writes to queue behind it", queued)
+    finally:
+        conn_lock.release()
+    await asyncio.gather(first, durable, best_effort)
+    assert seen == {"first": "FULL", "durable": "FULL", "best effort": "FULL"}
 
 
 async def test_reads_do_not_wait_for_another_connections_write_lock(
