@@ -31,8 +31,10 @@ from dex_engine import (
     open_store,
 )
 from dex_engine._records import StartRequest
-from dex_engine._sqlite_store import SqliteStore
+from dex_engine._sqlite_store import SqliteStore, parse_sqlite_url
 from dex_engine._transitions import Db
+
+from .conftest import wait_until
 
 
 async def test_opening_a_url_in_missing_directories_creates_them_and_a_wal_file(tmp_path: Path) -> None:
@@ -136,6 +138,32 @@ async def test_close_ends_the_stores_thread_before_it_returns(tmp_path: Path) ->
     assert name not in {t.name for t in threading.enumerate() if t.is_alive()}
 
 
+async def test_a_second_close_at_once_returns_only_once_the_first_has_ended_the_thread(tmp_path: Path) -> None:
+    """Two tasks close one store at once (a client's shutdown and its owner's) while its thread is
+    still busy: the second close returns only once the thread has ended too, since its caller may
+    then delete the file. Catches: a second close that returns at once."""
+    store = SqliteStore(f"sqlite:///{tmp_path / 'engine.db'}")
+    conn_lock: threading.Lock = store._conn_lock
+    conn_lock.acquire()
+    try:
+        busy = asyncio.ensure_future(asyncio.to_thread(store.run_sync, lambda db: None, write=True))
+
+        async def taken() -> bool:  # the thread took it, and waits for the connection
+            return store._outstanding == 1 and store._queue.empty()
+
+        await wait_until("the store's thread to take the operation", taken)
+        first = asyncio.ensure_future(store.close())
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(store.close())
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert not second.done(), "a second close returned while the store's thread was still running"
+    finally:
+        conn_lock.release()
+    await asyncio.gather(busy, first, second)
+    assert not store._thread.is_alive()
+
+
 @pytest.mark.parametrize("make", ["garbage", "directory", "under_a_file"])
 def test_a_path_that_cannot_be_an_engine_database_is_refused_naming_it(tmp_path: Path, make: str) -> None:
     """A file that is not a database, a directory, or a path under a file: StoreOpenError naming the
@@ -185,6 +213,8 @@ def _journal_mode_and_tables(path: Path) -> tuple[str, list[str]]:
     (["CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)", "INSERT INTO customers VALUES (1, 'alice')"],
      "its tables do not include dex_engine's meta and flows"),
     (["CREATE TABLE flows (x)"], "its tables do not include dex_engine's meta and flows"),
+    # Another application's key-value meta table alone, without the engine's flows table.
+    (["CREATE TABLE meta (key TEXT, value TEXT)"], "its tables do not include dex_engine's meta and flows"),
     (["CREATE TABLE meta (name TEXT)", "CREATE TABLE flows (x)"], "its meta table has no key and value columns"),
     (["CREATE VIEW v AS SELECT 1"], "its tables do not include"),
     # No tables yet, but marked by an application that set up the file and creates its tables later.
@@ -620,3 +650,52 @@ async def test_opening_a_path_whose_file_was_moved_or_deleted_from_under_its_wal
             assert (await moved.describe_flow("f1")).status == "running"
         finally:
             await moved.close()
+
+
+async def test_opening_an_empty_file_left_where_a_database_was_moved_from_its_wal_is_refused(
+    tmp_path: Path,
+) -> None:
+    """As above, but a deploy script touched the path after the move (an empty file, not a missing
+    one): still refused naming the -wal, and the empty file is left as it was. Catches: only a
+    missing file checked, the -wal of the moved file then applied to the new, empty one."""
+    path = tmp_path / "dex.db"
+    store = open_store(f"sqlite:///{path}")
+    try:
+        await store.start_flow(StartRequest("f1", "T", b"null", FlowConfig(), None))
+        _rename(path, tmp_path / "moved.db")
+        path.touch()
+        with pytest.raises(StoreOpenError, match=re.escape(
+                f"cannot open {str(path)!r}: it is empty, but {str(path) + '-wal'!r} beside it holds")):
+            open_store(f"sqlite:///{path}")
+        assert path.stat().st_size == 0
+    finally:
+        await store.close()
+
+
+async def test_opening_a_symlink_whose_target_was_moved_from_under_its_wal_is_refused(tmp_path: Path) -> None:
+    """The URL names a symlink to the database file; the file is moved away from its -wal, which
+    SQLite keeps beside the symlink's target. Opening the symlink again is refused naming that -wal.
+    Catches: the -wal looked for beside the symlink, where there is none, and another file's pages
+    applied to a new file at the target."""
+    (tmp_path / "data").mkdir()
+    target = tmp_path / "data" / "dex.db"
+    link = tmp_path / "link.db"
+    link.symlink_to(target)
+    store = open_store(f"sqlite:///{link}")
+    try:
+        await store.start_flow(StartRequest("f1", "T", b"null", FlowConfig(), None))
+        _rename(target, tmp_path / "data" / "moved.db")
+        with pytest.raises(StoreOpenError, match=re.escape(f"{str(target) + '-wal'!r} beside it holds")):
+            open_store(f"sqlite:///{link}")
+        assert not _exists(target)
+    finally:
+        await store.close()
+
+
+def test_url_parameters_ignore_case_and_the_last_of_a_repeated_one_wins() -> None:
+    """`synchronous=normal` is NORMAL, `inline=OFF` off, and a parameter appended to a URL that
+    already has it (a deployment overriding a default) takes effect. Catches: a lower-case level
+    refused, or the first of a repeated parameter silently kept."""
+    assert parse_sqlite_url("sqlite:///x.db?synchronous=normal").synchronous == "NORMAL"
+    assert parse_sqlite_url("sqlite:///x.db?synchronous=FULL&synchronous=NORMAL").synchronous == "NORMAL"
+    assert parse_sqlite_url("sqlite:///x.db?inline=on&inline=OFF").inline is False
