@@ -6,6 +6,7 @@ write turn, and never ahead of an operation queued before it."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import fcntl
 import gc
 import os
@@ -23,7 +24,7 @@ import pytest
 
 from dex_engine import _transitions as tx
 from dex_engine._limits import INLINE_YIELDS, SQLITE_WRITER_TURN_SUFFIX
-from dex_engine._sqlite_store import SqliteStore, parse_sqlite_url
+from dex_engine._sqlite_store import SqliteStore, _Op, parse_sqlite_url
 
 from .conftest import wait_until
 
@@ -403,6 +404,23 @@ async def test_a_watch_set_while_every_operation_ran_inline_still_sees_another_c
     assert await marks(store) == ["from another process"]
 
 
+async def test_workers_sharing_a_store_watch_at_the_shortest_of_their_intervals(store: SqliteStore) -> None:
+    """Two workers share the store, one polling hourly and one every 10 ms: another process's
+    commit wakes the listeners within the shorter interval, whichever worker asked last. Catches
+    the longest interval kept, the busy worker then hearing of commits only at its housekeeping."""
+    woken = asyncio.Event()
+    store.add_commit_listener(woken.set)
+    assert store.watch_foreign_commits(0.01)
+    assert store.watch_foreign_commits(3600)
+    other = sqlite3.connect(store.settings.path, isolation_level=None)
+    try:
+        other.execute("INSERT INTO marks (mark) VALUES ('from another process')")
+    finally:
+        other.close()
+    async with asyncio.timeout(5):
+        await woken.wait()
+
+
 def keep_busy(loop: asyncio.AbstractEventLoop, times: int) -> None:
     """Keep `loop` from going idle for `times` rounds of callbacks."""
     left = [times]
@@ -503,6 +521,27 @@ async def test_an_operation_after_close_is_refused_not_left_waiting(tmp_path: Pa
     caller.start()
     caller.join(2.0)
     assert len(outcome) == 1 and "is closed" in outcome[0], outcome
+
+
+async def test_an_operation_queued_behind_close_nowaits_stop_is_refused_not_left_waiting(tmp_path: Path) -> None:
+    """close_nowait takes no lock (a finalizer may run it inside _enqueue), so an operation that
+    passed the closed check just before it is queued behind the thread's stop: the thread refuses
+    it as it ends. Catches: that caller waiting for ever."""
+    s = SqliteStore(f"sqlite:///{tmp_path / 'nowait.db'}")
+    conn_lock: threading.Lock = s._conn_lock
+    conn_lock.acquire()
+    try:
+        first = asyncio.ensure_future(asyncio.to_thread(s.run_sync, lambda db: None, write=True))
+        await wait_until("the store's thread to take first", taken_by_thread(s))
+        s.close_nowait()
+        late: concurrent.futures.Future[None] = concurrent.futures.Future()
+        s._queue.put(_Op(lambda db: None, True, True, None, late))  # as _enqueue did, having checked before
+    finally:
+        conn_lock.release()
+    await first
+    with pytest.raises(RuntimeError, match="is closed"):
+        await asyncio.wait_for(asyncio.wrap_future(late), 10)
+    await s.close()
 
 
 async def test_operations_back_to_back_do_not_keep_an_operation_letting_the_loop_run_waiting(
