@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import Counter
 
 import psycopg
@@ -116,6 +117,35 @@ async def test_a_close_whose_caller_is_cancelled_still_closes_every_connection(p
         return await asyncio.to_thread(sessions) == 0
 
     await wait_until("the store's sessions to end", none_left)
+
+
+async def test_a_second_close_at_once_returns_only_once_the_connections_are_closed(
+    pg_database: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two tasks close one store at once (a client's shutdown and its owner's) while the first is
+    still stopping its threads: the second returns only once the first has closed the pool, since
+    its caller may then drop the database. Catches: a second close that returns at once, the store
+    being marked closed."""
+    store = open_store(pg_database)
+    release = threading.Event()
+    join_threads = store._join_threads  # type: ignore[attr-defined]
+
+    def held_join() -> None:  # the first close's thread stops here until the second close was asked
+        release.wait(10)
+        join_threads()
+
+    monkeypatch.setattr(store, "_join_threads", held_join)
+    try:
+        first = asyncio.ensure_future(store.close())
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(store.close())
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert not second.done(), "a second close returned while the first was still closing the store"
+    finally:
+        release.set()
+    await asyncio.gather(first, second)
+    assert store._pool.closed  # type: ignore[attr-defined]
 
 
 def _wide(n: int) -> str:
