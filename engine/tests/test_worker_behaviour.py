@@ -601,8 +601,11 @@ async def test_a_stopping_worker_hands_back_at_once_a_step_a_commit_in_flight_cl
         return StepDecision.go_to("Second")
 
     async def second(ctx: Context, _: Any) -> StepDecision:
+        # Whether the stopping worker runs it: it holds an attempt of Second's task if so.
+        second_in_stopping.append(any(r.lease.step_type == "Second" for r in worker._running.values()))
         return StepDecision.graceful_complete("second ran")
 
+    second_in_stopping: list[bool] = []
     registry = Registry([
         Flow("Held", [Step("Hold", hold)], start_step="Hold"),
         Flow("Pair", [Step("First", first), Step("Second", second)], start_step="First"),
@@ -635,6 +638,7 @@ async def test_a_stopping_worker_hands_back_at_once_a_step_a_commit_in_flight_cl
             release.set()
             await other.close()
         assert entered == ["held"]
+        assert second_in_stopping == [False], "the stopping worker ran the Step its commit was handed"
 
 
 async def test_a_worker_closes_the_store_it_opened(db_url: str) -> None:
