@@ -996,3 +996,41 @@ async def test_an_attempt_whose_own_commit_ended_its_task_is_not_said_to_be_take
         assert while_committing == [], while_committing
         assert said == ["flow c: Work-1 attempt 1 was cancelled, timed out or taken over; its handler is cancelled"]
         await eng.client.stop_flow("c", "done")
+
+
+async def test_a_claim_handed_to_the_worker_twice_runs_its_attempt_once(db_url: str) -> None:
+    """The same claim reaches the worker a second time while its attempt runs (a reply that came
+    again: a poll's and a commit's naming one attempt). The repeat, at the same lease epoch, is
+    dropped: the handler runs once and is not cancelled. Catches a repeat taken for a newer attempt
+    of the task, which revoked the running handler and ran the attempt again."""
+    runs: list[int] = []
+    repeats: list[Any] = []
+    cancelled: list[int] = []
+
+    async def tool(ctx: Context, _: None) -> StepDecision:
+        runs.append(ctx.attempt)
+        if repeats:
+            repeats.pop()()  # the claim's reply arrives again, while this attempt runs
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            cancelled.append(ctx.attempt)
+            raise
+        return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
+
+    registry = Registry([Flow("Twice", [Step("Tool", tool, options=QUICK_RETRY)], start_step="Tool")])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        worker = await eng.start_worker()
+        spawn = worker._spawn
+
+        def spawn_and_repeat(lease: Any, context: Any = None) -> None:
+            if not runs and not repeats:
+                repeats.append(lambda: spawn(lease))
+            spawn(lease, context)
+
+        worker._spawn = spawn_and_repeat  # type: ignore[method-assign]
+        await eng.client.start_flow("Twice", "t")
+        assert (await eng.client.wait_for_flow("t", 10)).status == "completed"
+        assert not repeats, "the claim was never repeated"
+        assert (runs, cancelled) == ([1], [])
+        assert await eng.client.flow_output("t") == "attempt 1"
