@@ -35,7 +35,7 @@ from dex_engine import _transitions as tx
 from dex_engine._context import NotFoldable
 from dex_engine._parked import FoldFunctions, Resumed
 
-from .conftest import stop_while_a_claim_lands
+from .conftest import stop_while_a_claim_lands, wait_until
 from .test_pure_execute import TRIES, called_from, finished, quiet_engine, shape
 
 Log = Stream("Log", str)
@@ -501,3 +501,47 @@ async def test_a_resumed_handler_closes_with_its_awaiter() -> None:
     awaiting.close()
     assert seen == ["closed"]
     assert coroutine.cr_frame is None  # finished: nothing left to close later
+
+
+@pytest.mark.sqlite_only
+async def test_a_started_attempt_handed_to_a_worker_after_its_grace_does_not_run_there(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As above, but the commit's hand-off lands only after the stopping worker's grace ran out
+    (its drain is over): the worker has stopped running anything, so it drops the parked handler
+    instead of resuming it. Catches a handler resumed in a worker that has stopped, its attempt
+    already failed as lost when the worker unregistered."""
+    ran: list[str] = []
+    grace = HANDOFF_LAG / 4
+
+    async def run_tool(ctx: Context, _: None) -> StepDecision:
+        await ctx.heartbeat("cp")
+        ran.append(ctx.flow_id)
+        return StepDecision.graceful_complete("done")
+
+    flow = Flow("Late", [Step("Tool", run_tool, pure_until_heartbeat=True)], start_step="Tool")
+    async with quiet_engine(db_url, Registry([flow]), shutdown_grace_seconds=grace) as eng:
+        worker = eng.worker
+        assert worker is not None
+        land = worker.local_claim_done
+        running_after_landing: dict[str, int] = {}  # flow ID -> attempts the worker runs once its Tool landed
+
+        def landing(token: int, leases: list[Any] | None, capacity: int) -> None:
+            land(token, leases, capacity)
+            for lease in leases or ():
+                running_after_landing[lease.flow_id] = len(worker._running)
+
+        monkeypatch.setattr(worker, "local_claim_done", landing)
+        stopped = stop_while_a_claim_lands(
+            worker, monkeypatch, HANDOFF_LAG, lambda leases: any(lease.started is not None for lease in leases))
+        for i in range(TRIES):
+            await eng.client.start_flow("Late", f"l{i}")
+            if stopped:
+                break
+            assert await finished(eng, f"l{i}") == "done"
+        assert stopped, "no start_flow ran Tool up to its heartbeat"
+        flow_id = next(lease.flow_id for lease in stopped[0][0] if lease.started is not None)
+        await stopped[0][1]
+        await wait_until("the hand-off to land", lambda: asyncio.sleep(0, flow_id in running_after_landing))
+        assert running_after_landing[flow_id] == 0, "the stopped worker took the handed-off attempt to run"
+    assert flow_id not in ran, ran
