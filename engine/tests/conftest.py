@@ -295,6 +295,18 @@ def assert_paced(times: Sequence[float], pause: float, most: float = math.inf) -
     assert all(pause * 0.9 <= gap < most for gap in gaps), gaps
 
 
+async def close_twice(store: Store, still: str) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
+    """Start two closes of `store` at once and check the second has not returned while the first
+    is held (`still` says what holds it); the two futures, for the caller to await once released."""
+    first = asyncio.ensure_future(store.close())
+    await asyncio.sleep(0)
+    second = asyncio.ensure_future(store.close())
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert not second.done(), f"a second close returned while {still}"
+    return first, second
+
+
 async def wait_until(description: str, probe: Callable[[], Awaitable[Any]], timeout: float = 10.0) -> Any:
     """Poll `probe` until it returns a truthy value; fail naming `description` after `timeout`."""
     loop = asyncio.get_running_loop()

@@ -383,6 +383,15 @@ def test_a_store_keeps_no_event_loop_it_served_after_that_loop_ends(tmp_path: Pa
     asyncio.run(store.close())
 
 
+def commit_from_another_process(store: SqliteStore) -> None:
+    """Commit a mark through a connection of the store's file that is not the store's."""
+    other = sqlite3.connect(store.settings.path, isolation_level=None)
+    try:
+        other.execute("INSERT INTO marks (mark) VALUES ('from another process')")
+    finally:
+        other.close()
+
+
 async def test_a_watch_set_while_every_operation_ran_inline_still_sees_another_connections_commit(
     store: SqliteStore,
 ) -> None:
@@ -394,11 +403,7 @@ async def test_a_watch_set_while_every_operation_ran_inline_still_sees_another_c
     woken = asyncio.Event()
     store.add_commit_listener(woken.set)
     assert store.watch_foreign_commits(0.01)
-    other = sqlite3.connect(store.settings.path, isolation_level=None)
-    try:
-        other.execute("INSERT INTO marks (mark) VALUES ('from another process')")
-    finally:
-        other.close()
+    commit_from_another_process(store)
     async with asyncio.timeout(5):
         await woken.wait()
     assert await marks(store) == ["from another process"]
@@ -412,11 +417,7 @@ async def test_workers_sharing_a_store_watch_at_the_shortest_of_their_intervals(
     store.add_commit_listener(woken.set)
     assert store.watch_foreign_commits(0.01)
     assert store.watch_foreign_commits(3600)
-    other = sqlite3.connect(store.settings.path, isolation_level=None)
-    try:
-        other.execute("INSERT INTO marks (mark) VALUES ('from another process')")
-    finally:
-        other.close()
+    commit_from_another_process(store)
     async with asyncio.timeout(5):
         await woken.wait()
 

@@ -29,7 +29,7 @@ from dex_engine import (
     rpc,
 )
 
-from .conftest import engine_for, wait_until
+from .conftest import close_twice, engine_for, wait_until
 
 
 async def _done(ctx: Context, _: None) -> StepDecision:
@@ -136,12 +136,7 @@ async def test_a_second_close_at_once_returns_only_once_the_connections_are_clos
 
     monkeypatch.setattr(store, "_join_threads", held_join)
     try:
-        first = asyncio.ensure_future(store.close())
-        await asyncio.sleep(0)
-        second = asyncio.ensure_future(store.close())
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        assert not second.done(), "a second close returned while the first was still closing the store"
+        first, second = await close_twice(store, "the first was still closing the store")
     finally:
         release.set()
     await asyncio.gather(first, second)

@@ -34,7 +34,7 @@ from dex_engine._records import StartRequest
 from dex_engine._sqlite_store import SqliteStore, parse_sqlite_url
 from dex_engine._transitions import Db
 
-from .conftest import wait_until
+from .conftest import close_twice, wait_until
 
 
 async def test_opening_a_url_in_missing_directories_creates_them_and_a_wal_file(tmp_path: Path) -> None:
@@ -152,12 +152,7 @@ async def test_a_second_close_at_once_returns_only_once_the_first_has_ended_the_
             return store._outstanding == 1 and store._queue.empty()
 
         await wait_until("the store's thread to take the operation", taken)
-        first = asyncio.ensure_future(store.close())
-        await asyncio.sleep(0)
-        second = asyncio.ensure_future(store.close())
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        assert not second.done(), "a second close returned while the store's thread was still running"
+        first, second = await close_twice(store, "the store's thread was still running")
     finally:
         conn_lock.release()
     await asyncio.gather(busy, first, second)
