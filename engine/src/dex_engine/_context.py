@@ -89,14 +89,12 @@ class _StateView:
     def items(self, amap: AttributeMap[T]) -> dict[str, T]:
         """Every loaded instance of a map, by key, in key order, with this method's writes applied."""
         given: object = amap  # typed; a handler may pass anything: named, not an AttributeError or 'N[?]'
-        if not isinstance(given, AttributeMap):
+        if not isinstance(given, AttributeMap) or not isinstance(self.flow.attributes.get(given.name), AttributeMap):
             self.flow.check_attribute_map(amap)
         name = amap.name
         known = self._items.get(name)
         if known is not None:
             return dict(known)
-        if not isinstance(self.flow.attributes.get(name), AttributeMap):
-            self.flow.check_attribute_map(amap)
         whole = self._load.mode == "all" or name in self._load.names
         if not whole and not any(n == name for n, _ in self._load.instances):
             raise self._not_loaded(name)

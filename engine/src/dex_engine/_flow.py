@@ -295,12 +295,9 @@ class Flow:
 
     def check_attribute(self, ref: AttributeRef[Any]) -> None:
         given: object = ref  # typed; a handler may pass anything
-        if isinstance(given, AttributeMap):
-            raise InvalidValueError(f"attribute map {given.name!r} given whole where one attribute is read or "
-                                    f"written; give one instance of it, {given.name}[key]")
         if not isinstance(given, AttributeRef):
-            raise InvalidValueError(f"an attribute must be an Attribute or an AttributeMap[key] the flow declares, "
-                                    f"got {type(given).__name__}: {shown(given)}")
+            raise _not_one_instance(given, "attribute", AttributeMap, "read or written",
+                                    "an attribute must be an Attribute or an AttributeMap[key]")
         declared = self.attributes.get(ref.name)
         keyed = isinstance(declared, AttributeMap)
         if declared is None or keyed != bool(ref.key):
@@ -320,12 +317,9 @@ class Flow:
 
     def check_channel(self, ref: ChannelRef[Any]) -> None:
         given: object = ref  # typed; a handler may pass anything
-        if isinstance(given, ChannelMap):
-            raise InvalidValueError(f"channel map {given.name!r} given whole where one channel is meant; give one "
-                                    f"instance of it, {given.name}[key]")
         if not isinstance(given, ChannelRef):
-            raise InvalidValueError(f"a channel must be a Channel or a ChannelMap[key] the flow declares, got "
-                                    f"{type(given).__name__}: {shown(given)}")
+            raise _not_one_instance(given, "channel", ChannelMap, "meant",
+                                    "a channel must be a Channel or a ChannelMap[key]")
         declared = self.channels.get(ref.name)
         keyed = isinstance(declared, ChannelMap)
         if declared is None or keyed != bool(ref.key):
@@ -376,6 +370,16 @@ class Registry:
             return self.flows[flow_type]
         except (KeyError, TypeError):  # TypeError: an unhashable type name (a list, a dict) is none either
             raise UnknownFlowTypeError(flow_type, list(self.flows)) from None
+
+
+def _not_one_instance(given: object, kind: str, whole: type, use: str, expected: str) -> InvalidValueError:
+    """The error for `given` where one attribute or channel (`kind`) is `use`d: a whole map of
+    them (`whole`), or something else altogether (`expected` says what is)."""
+    if isinstance(given, whole):
+        name = getattr(given, "name", "?")
+        return InvalidValueError(f"{kind} map {name!r} given whole where one {kind} is {use}; give one instance "
+                                 f"of it, {name}[key]")
+    return InvalidValueError(f"{expected} the flow declares, got {type(given).__name__}: {shown(given)}")
 
 
 def _definition_items(label: str, items: object, single: type | tuple[type, ...], noun: str) -> list[object]:
