@@ -25,7 +25,7 @@ from ._constants import (
     RUN_MODEL_RETRY_BUDGET,
     RUN_MODEL_TIMEOUT,
 )
-from ._policy import ToolPolicy, shown, tool_effect_problem
+from ._policy import ToolPolicy, count_problem, shown, tool_effect_problem
 from ._wire import ToolEffect
 
 # A rollover chunk is one engine value: a cap above MAX_VALUE_BYTES would make a later rollover fail.
@@ -157,10 +157,8 @@ class AgentSessionOptions:
         plan_mode: object = self.plan_mode_enabled
         if not isinstance(plan_mode, bool):
             problems.append(f"plan_mode_enabled must be True or False, got {shown(plan_mode, None)}")
-        for name in ("message_window_size", "message_chunk_size"):
-            value: object = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(f"{name} must be a whole number >= 1, got {shown(value, None)}")
+        problems.extend(problem for name in ("message_window_size", "message_chunk_size")
+                        if (problem := count_problem(name, getattr(self, name))) is not None)
         chunk_bytes: object = self.message_chunk_max_bytes
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not (
             1 <= chunk_bytes <= MESSAGE_CHUNK_MAX_BYTES_LIMIT

@@ -7,7 +7,7 @@ from typing import Any
 from dex_engine import Attribute, AttributeMap, Channel, ChannelMap, Stream
 
 from ._constants import DEFAULT_AGENT_EVENTS_CAPACITY_BYTES
-from ._policy import shown
+from ._policy import count_problem, shown
 from ._wire import (
     AgentEvent,
     AgentInterrupt,
@@ -84,8 +84,9 @@ def message_sequence_key(sequence: int) -> str:
 
 def plan_execution_key(revision: int) -> str:
     """PlanExecutions key: the plan revision as decimal."""
-    if isinstance(revision, bool) or not isinstance(revision, int) or revision < 1:
-        raise ValueError(f"plan revision must be a whole number >= 1, got {shown(revision)}")
+    problem = count_problem("plan revision", revision)
+    if problem is not None:
+        raise ValueError(problem)
     return str(revision)
 
 

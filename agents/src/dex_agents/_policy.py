@@ -45,6 +45,14 @@ def tool_effect_problem(effect: object, field_name: str) -> str | None:
     return None
 
 
+def count_problem(label: str, value: object) -> str | None:
+    """What keeps `value` from being a count of at least one (a bool is not one), or None; shared by
+    every such field, each naming its own `label`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"{label} must be a whole number >= 1, got {shown(value, None)}"
+    return None
+
+
 def requires_approval_problem(value: object, field_name: str) -> str | None:
     """What is wrong with a `requires_approval`, or None (shared as tool_effect_problem is)."""
     if value is not None and not isinstance(value, bool):

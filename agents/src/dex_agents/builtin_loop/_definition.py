@@ -19,7 +19,7 @@ from .._options import (
     max_durable_wait_problem,
     tool_policy_entry_problems,
 )
-from .._policy import ToolPolicy, policy_text, resolve_tool_policy, shown, tool_effect_problem
+from .._policy import ToolPolicy, count_problem, policy_text, resolve_tool_policy, shown, tool_effect_problem
 from .._wire import InteractionMode, JsonObject, ToolEffect
 from ._compaction import max_output_tokens
 from ._function_tools import FunctionTool
@@ -111,9 +111,9 @@ class AgentDefinition:
         model: object = self.model
         if not callable(getattr(model, "call_model", None)):
             problems.append(f"model must be a ModelClient (with call_model), got {type(model).__name__}")
-        limit: object = self.max_model_calls_per_turn
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            problems.append(f"max_model_calls_per_turn must be a whole number >= 1, got {shown(limit, None)}")
+        limit_problem = count_problem("max_model_calls_per_turn", self.max_model_calls_per_turn)
+        if limit_problem is not None:
+            problems.append(limit_problem)
         # The session options builtin_agent_session_flow derives would refuse these too, but as
         # "invalid AgentSessionOptions", which the caller never wrote.
         for problem in (interrupt_deadline_problem(self.interrupt_deadline),

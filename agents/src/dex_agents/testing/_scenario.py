@@ -22,7 +22,7 @@ from .._client import AgentSessionClient
 from .._compaction import CompactionPolicy
 from .._constants import COMPACT_CONTEXT, RUN_MODEL
 from .._events import AgentEventType, AgentEventWriter
-from .._policy import shown
+from .._policy import count_problem, shown
 from .._runner import AgentTurnContext
 from .._runtime import resolved
 from .._wire import AgentMessage, AgentSnapshot, AgentStatus, ContextSummary
@@ -77,10 +77,8 @@ class ContextWindowSessionScenario:
         given: object = self.sessions  # typed; checked for callers that pass anything
         if not isinstance(given, AgentSessionClient):
             problems.append(f"sessions must be the adapter's AgentSessionClient, got {shown(given)}")
-        for name in ("turns", "min_compactions"):
-            value: object = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(f"{name} must be a whole number >= 1, got {shown(value)}")
+        problems.extend(problem for name in ("turns", "min_compactions")
+                        if (problem := count_problem(name, getattr(self, name))) is not None)
         message: object = self.message
         if not callable(message):
             problems.append(f"message must be a function of the turn number returning its text, got "
