@@ -35,7 +35,7 @@ from dex_engine import _transitions as tx
 from dex_engine._context import NotFoldable
 from dex_engine._parked import FoldFunctions, Resumed
 
-from .conftest import stop_while_a_claim_lands, wait_until
+from .conftest import Engine, stop_while_a_claim_lands, wait_until
 from .test_pure_execute import TRIES, called_from, finished, quiet_engine, shape
 
 Log = Stream("Log", str)
@@ -334,6 +334,28 @@ async def test_a_commit_that_skips_its_fsync_runs_no_handler_up_to_its_heartbeat
     assert {c[1:] for c in calls} == {("Tool-1", False)}, calls
 
 
+async def stopped_at_a_started_handoff(
+    eng: Engine, monkeypatch: pytest.MonkeyPatch, flow_type: str, prefix: str,
+) -> str:
+    """Start `flow_type` flows (IDs `prefix`0, 1, ...) until the worker is stopped while a commit
+    hands it a Tool that already started (ran up to its first heartbeat); once the stop returned,
+    that flow's ID. Each flow before it must finish with "done"."""
+    worker = eng.worker
+    assert worker is not None
+    stopped = stop_while_a_claim_lands(
+        worker, monkeypatch, HANDOFF_LAG, lambda leases: any(lease.started is not None for lease in leases))
+    for i in range(TRIES):
+        await eng.client.start_flow(flow_type, f"{prefix}{i}")
+        if stopped:
+            break
+        assert await finished(eng, f"{prefix}{i}") == "done"
+    assert stopped, "no start_flow ran Tool up to its heartbeat"
+    leases, stopping = stopped[0]
+    flow_id: str = next(lease.flow_id for lease in leases if lease.started is not None)
+    await stopping
+    return flow_id
+
+
 @pytest.mark.sqlite_only
 async def test_a_stopping_worker_runs_a_started_attempt_a_commit_in_flight_hands_it(
     db_url: str, monkeypatch: pytest.MonkeyPatch,
@@ -350,19 +372,7 @@ async def test_a_stopping_worker_runs_a_started_attempt_a_commit_in_flight_hands
 
     flow = Flow("Direct", [Step("Tool", run_tool, pure_until_heartbeat=True)], start_step="Tool")
     async with quiet_engine(db_url, Registry([flow])) as eng:
-        worker = eng.worker
-        assert worker is not None
-        stopped = stop_while_a_claim_lands(
-            worker, monkeypatch, HANDOFF_LAG, lambda leases: any(lease.started is not None for lease in leases))
-        for i in range(TRIES):
-            await eng.client.start_flow("Direct", f"d{i}")
-            if stopped:
-                break
-            assert await finished(eng, f"d{i}") == "done"
-        assert stopped, "no start_flow ran Tool up to its heartbeat"
-        leases, stopping = stopped[0]
-        flow_id = next(lease.flow_id for lease in leases if lease.started is not None)
-        await stopping
+        flow_id = await stopped_at_a_started_handoff(eng, monkeypatch, "Direct", "d")
         history = [(h.event_type, h.step_execution_id, h.attempt)
                    for h in await eng.client.get_flow_history(flow_id)]
         assert history == [
@@ -532,16 +542,7 @@ async def test_a_started_attempt_handed_to_a_worker_after_its_grace_does_not_run
                 running_after_landing[lease.flow_id] = len(worker._running)
 
         monkeypatch.setattr(worker, "local_claim_done", landing)
-        stopped = stop_while_a_claim_lands(
-            worker, monkeypatch, HANDOFF_LAG, lambda leases: any(lease.started is not None for lease in leases))
-        for i in range(TRIES):
-            await eng.client.start_flow("Late", f"l{i}")
-            if stopped:
-                break
-            assert await finished(eng, f"l{i}") == "done"
-        assert stopped, "no start_flow ran Tool up to its heartbeat"
-        flow_id = next(lease.flow_id for lease in stopped[0][0] if lease.started is not None)
-        await stopped[0][1]
+        flow_id = await stopped_at_a_started_handoff(eng, monkeypatch, "Late", "l")
         await wait_until("the hand-off to land", lambda: asyncio.sleep(0, flow_id in running_after_landing))
         assert running_after_landing[flow_id] == 0, "the stopped worker took the handed-off attempt to run"
     assert flow_id not in ran, ran
