@@ -52,9 +52,8 @@ class ModelToolCall:
         for name in ("tool_call_id", "tool_name", "arguments"):
             value: object = getattr(self, name)
             if not isinstance(value, str):
-                raise ModelOutputError(f"ModelToolCall.{name} must be a str, got {shown(value)}"
-                                + ("; give the arguments' JSON text, json.dumps(arguments)" if name == "arguments"
-                                   else ""))
+                hint = "; give the arguments' JSON text, json.dumps(arguments)" if name == "arguments" else ""
+                raise ModelOutputError(f"ModelToolCall.{name} must be a str, got {shown(value)}{hint}")
 
 
 @dataclass(frozen=True)
@@ -77,19 +76,19 @@ class ModelOutputItem:
         for name in ("api", "item"):
             value: object = getattr(self, name)
             if not isinstance(value, str):
-                raise ModelOutputError(f"ModelOutputItem.{name} must be a str, got {shown(value)}"
-                                + ("; give the provider's item as JSON text" if name == "item" else ""))
+                hint = "; give the provider's item as JSON text" if name == "item" else ""
+                raise ModelOutputError(f"ModelOutputItem.{name} must be a str, got {shown(value)}{hint}")
         kind: object = self.kind
         if not isinstance(kind, OutputItemKind):
             raise ModelOutputError(f"ModelOutputItem.kind must be an OutputItemKind, such as OutputItemKind.TEXT, "
-                            f"got {shown(kind)}")
+                                   f"got {shown(kind)}")
         text: object = self.text
         if text is not None and not isinstance(text, str):
             raise ModelOutputError(f"ModelOutputItem.text must be a str or None, got {shown(text)}")
         call: object = self.tool_call
         if call is not None and not isinstance(call, ModelToolCall):
             raise ModelOutputError(f"ModelOutputItem.tool_call must be a ModelToolCall or None, got {shown(call)}; "
-                            "write ModelToolCall(tool_call_id, tool_name, arguments)")
+                                   "write ModelToolCall(tool_call_id, tool_name, arguments)")
 
 
 @dataclass(frozen=True)
@@ -157,7 +156,7 @@ class ModelResponse:
         output: object = self.output
         if not isinstance(output, tuple | list):
             raise ModelOutputError(f"ModelResponse.output must be a tuple of ModelOutputItem (one item as (item,)), "
-                            f"got {shown(output)}")
+                                   f"got {shown(output)}")
         for index, item in enumerate(output):
             if not isinstance(item, ModelOutputItem):
                 raise ModelOutputError(f"ModelResponse.output[{index}] must be a ModelOutputItem, got {shown(item)}")

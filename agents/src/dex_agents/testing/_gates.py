@@ -10,8 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from dex_engine._errors import shown
-
+from .._policy import shown
 from ._stack import exit_if_test_process_gone
 from ._waiting import DEFAULT_WAIT_SECONDS, wait_until
 

@@ -19,10 +19,10 @@ from typing import BinaryIO, Literal
 from urllib.parse import urlparse
 
 from dex_engine import AsyncClient, AsyncWorker, Flow, Registry, WorkerOptions
-from dex_engine._errors import shown
 from dex_engine._open import shown_url, shown_url_value
 
 from .._client import AgentSessionClient
+from .._policy import shown
 from .._session_flow import AgentSessionFlow
 from ._history import StepHistoryEntry, to_step_history
 from ._waiting import DEFAULT_WAIT_SECONDS, wait_until
