@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from agents.tests.built_context import runtime_of, step_context
+from agents.tests.built_context import interrupt, runtime_of, step_context
 from agents.tests.builtin_agent import FAST_WORKER, lookup_order, refund_order
 from agents.tests.scripted_agent import ScriptedRunner
 
@@ -44,6 +44,7 @@ from dex_agents import (
     AgentUserMessage,
     BuiltInTool,
     DeferredToolCall,
+    ExecutePlanRequest,
     InteractionMode,
     PlanExecutionRequest,
     PlanModeRunner,
@@ -83,7 +84,16 @@ from dex_agents.builtin_loop import (
 from dex_agents.demo import demo_reply
 from dex_agents.demo._chat import plan_lines, wants_plan_mode
 from dex_agents.testing import executed_steps, to_step_history, wait_for_agent_snapshot, wait_until
-from dex_engine import MAX_VALUE_BYTES, AsyncClient, AsyncWorker, Registry, RpcLockConflictError, WorkerOptions
+from dex_engine import (
+    MAX_VALUE_BYTES,
+    AsyncClient,
+    AsyncWorker,
+    LoadOptions,
+    Registry,
+    RpcContext,
+    RpcLockConflictError,
+    WorkerOptions,
+)
 from dex_engine._codec import encode_value
 from dex_engine._records import ConsumedMessage, WaitOutcome
 
@@ -889,6 +899,32 @@ async def test_a_stale_approval_only_consumes_its_pending_execution_and_waits_ag
         assert [m.step_type for m in decision.movements] == [AWAIT_USER_MESSAGE], plan
         assert ctx.writes.attributes == {("PendingPlanExecution", ""): None}, plan
         assert (ctx.writes.appends, ctx.writes.publishes) == ([], []), plan
+
+
+@pytest.mark.parametrize("waiting", ["steered message", "interrupt"])
+async def test_execute_plan_refuses_while_a_steered_message_or_an_interrupt_is_pending(waiting: str) -> None:
+    """Seed 002 "RPCs": execute_plan returns False, writing nothing, while a steered message or an
+    interrupt is pending, though the session waits for a user message with its draft (a turn whose
+    model call answered as the user steered it ends with the steered message still to be applied).
+    The same call with neither pending is accepted. Catches: the RPC passing execute_plan_accepted 0
+    for either count, whose pure tests pass either way."""
+    flow = AgentSessionFlow(PlanRunner(), "P", PLAN_MODE_OPTIONS)
+    idle = AgentState(status=AgentStatus.WAITING_FOR_USER_MESSAGE, turn_count=1, active_turn_id=None,
+                      next_message_sequence=4, last_turn_error=None)
+    loaded = {("AgentState", ""): msgspec.json.encode(idle), ("AgentPlan", ""): msgspec.json.encode(DRAFT)}
+    pending: dict[tuple[str, str], list[tuple[int, bytes]]] = {}
+    if waiting == "steered message":
+        pending[("SteeredUserMessages", "")] = [(1, msgspec.json.encode(AgentUserMessage("do it differently")))]
+    else:
+        loaded[("PendingInterrupts", "")] = msgspec.json.encode([interrupt("w1")])
+    execute_plan = flow.rpc("execute_plan").handler
+    refused = RpcContext(flow, "s", loaded, LoadOptions.all(), pending, "execute_plan")
+    assert await execute_plan(refused, ExecutePlanRequest(DRAFT.revision)) is False
+    assert refused.writes.empty()
+    clear = {key: value for key, value in loaded.items() if key[0] != "PendingInterrupts"}
+    accepted = RpcContext(flow, "s", clear, LoadOptions.all(), {}, "execute_plan")
+    assert await execute_plan(accepted, ExecutePlanRequest(DRAFT.revision)) is True
+    assert accepted.get(PENDING_PLAN_EXECUTION) == PlanExecutionRequest(DRAFT.revision)
 
 
 async def test_a_message_the_waiting_session_took_still_counts_as_queued(tmp_path: Path) -> None:
