@@ -1032,7 +1032,8 @@ async def test_a_page_reads_only_the_chunks_it_returns(
     messages are in, and no others (counted as the engine hands the RPC its rows, from the database
     or SQLite's cache); the pages are the same as before. Catches: both loaded AgentMessageChunks
     whole, so every page of a UI read the session's every chunk, and cost more the longer the session
-    ran."""
+    ran. A limit out of 1..200 is clamped before the chunks are chosen (catches: the chunks chosen
+    for the limit as sent)."""
     url = request.getfixturevalue("pg_database") if backend == "postgres" else None
     flow, _ = storage_flow("LongAgent", message_window_size=4, message_chunk_size=3)
     engine = InProcessEngine(tmp_path, [flow], url=url)
@@ -1060,6 +1061,13 @@ async def test_a_page_reads_only_the_chunks_it_returns(
         assert [m.sequence for m in page.messages] == list(range(4300, 4500))
         assert sum(chunk_rows) == 67  # 4300..4301 in the chunk from 4300, ..., 4498..4499 in the one from 4498
         chunk_rows.clear()
+        # A limit out of 1..200 loads the chunks of the page the clamped limit returns: none for 0 was a
+        # chunk read but not loaded (NotLoadedError), and 10,000 loaded all 1,500 before 4500.
+        for limit, clamped, chunks in ((0, 1, 1), (10_000, 200, 67)):
+            page = await sessions.list_agent_messages("s", before_sequence=4500, limit=limit)
+            assert [m.sequence for m in page.messages] == list(range(4500 - clamped, 4500))
+            assert sum(chunk_rows) == chunks
+            chunk_rows.clear()
         page = await sessions.list_agent_messages("s", before_sequence=3, limit=200)
         assert [m.sequence for m in page.messages] == [1, 2] and page.next_before_sequence is None
         assert sum(chunk_rows) == 1
