@@ -2034,6 +2034,68 @@ async def test_a_refused_rpc_returns_false_on_the_wire_and_writes_nothing(
     assert ctx.writes.empty()
 
 
+async def test_resolve_interrupt_cuts_a_long_rejection_message_sent_past_the_client() -> None:
+    """A rejection message over MAX_REJECTION_MESSAGE_CHARS sent to the resolve_interrupt RPC itself (by
+    a client on the wire, past AgentSessionClient's own cut) is queued cut, with the note saying so:
+    AwaitToolApproval stores and emits the message as the RPC queued it. Catches: the RPC queuing it
+    whole, so the record and rejection event held all of it."""
+    flow = build_flow(None)
+    loaded = {("PendingInterrupts", ""): msgspec.json.encode([interrupt("w1")])}
+    ctx = RpcContext(flow, "s", loaded, LoadOptions.all(), {}, "resolve_interrupt")
+    longer = "n" * (MAX_REJECTION_MESSAGE_CHARS + 1)
+    assert await flow.rpc("resolve_interrupt").handler(ctx, ResolveInterruptRequest("w1", False, longer)) is True
+    [(_, _, data)] = ctx.writes.publishes
+    assert msgspec.json.decode(data, type=AgentInterruptResolution).rejection_message == (
+        f"{longer[:-1]} [Dex: cut from {MAX_REJECTION_MESSAGE_CHARS + 1} characters]")
+
+
+async def test_answer_question_queues_the_answer_exactly_as_given() -> None:
+    """answer_question queues AgentInterruptResolution(approved=True, answer) with the answer as the
+    user gave it, its spaces and line breaks kept (seed 002 "RPCs"); only the blank check strips it.
+    Catches: the answer queued stripped."""
+    flow = build_flow(None)
+    question = interrupt("q1", kind=InterruptKind.QUESTION)
+    ctx = RpcContext(flow, "s", {("PendingInterrupts", ""): msgspec.json.encode([question])}, LoadOptions.all(), {},
+                     "answer_question")
+    answer = "  the second one,\nnot the first \n"
+    assert await flow.rpc("answer_question").handler(ctx, AnswerQuestionRequest("q1", answer)) is True
+    channel = INTERRUPT_RESOLUTIONS["q1"]
+    assert [(name, key, msgspec.json.decode(data, type=AgentInterruptResolution))
+            for name, key, data in ctx.writes.publishes] == [
+        (channel.name, channel.key, AgentInterruptResolution(approved=True, rejection_message=None, answer=answer)),
+    ]
+    assert ctx.get(PENDING_INTERRUPTS) == []
+
+
+async def test_the_snapshot_lists_only_the_active_turns_tool_calls() -> None:
+    """get_agent_snapshot's tool_calls are the active turn's records (seed 002 "RPCs"), not records an
+    earlier turn left stored (a turn that a run state too large to store ended keeps its records).
+    Catches: every stored record listed."""
+    flow = build_flow(None)
+    loaded = {
+        ("AgentState", ""): msgspec.json.encode(running_turn(active_turn_id="turn-2")),
+        ("AgentToolCalls", "c1"): msgspec.json.encode(tool_call(AgentToolCallStatus.SUCCEEDED, output="old")),
+        ("AgentToolCalls", "c2"): msgspec.json.encode(
+            tool_call(AgentToolCallStatus.APPROVED, tool_call_id="c2", turn_id="turn-2")),
+    }
+    ctx = RpcContext(flow, "s", loaded, LoadOptions.all(), {}, "get_agent_snapshot")
+    snapshot = await flow.rpc("get_agent_snapshot").handler(ctx, None)
+    assert [(r.tool_call_id, r.turn_id) for r in snapshot.tool_calls] == [("c2", "turn-2")]
+
+
+async def test_update_session_settings_on_the_wire_takes_settings_within_the_tolerance() -> None:
+    """The update_session_settings RPC accepts settings up to MAX_SESSION_SETTINGS_BYTES plus
+    SESSION_SETTINGS_SIZE_TOLERANCE_BYTES (seed 002 "RPCs"), as StartAgentSession does: a Client on
+    another core may measure some values larger than Python does. Catches: the RPC checking the
+    Client's limit, refusing what that Client checked and sent."""
+    flow = build_flow(None)
+    settings = _settings_of_size(MAX_SESSION_SETTINGS_BYTES + SESSION_SETTINGS_SIZE_TOLERANCE_BYTES)
+    ctx = RpcContext(flow, "s", {("AgentState", ""): msgspec.json.encode(_WAITING)}, LoadOptions.all(), {},
+                     "update_session_settings")
+    assert await flow.rpc("update_session_settings").handler(ctx, UpdateSessionSettingsRequest(settings)) is True
+    assert ctx.get(SESSION_SETTINGS) == settings
+
+
 async def test_rpc_request_of_the_wrong_type_commits_nothing(tmp_path: Path) -> None:
     """A request that is not of the RPC's request type raises InvalidValueError naming the RPC and
     the field, and commits nothing; the interrupt it aimed at is still pending and resolvable."""
