@@ -79,6 +79,7 @@ from dex_agents._control_steps import (
 )
 from dex_agents._policy import CANCELLED_NOTE_HEADER, TOOL_CALL_NOTE_FOOTER, cut_text
 from dex_agents._task_steps import TaskSteps, answered_task_record, cancelled_task_record
+from dex_agents._timefmt import parse_time, utc_now_text
 from dex_agents._tool_steps import ToolSteps
 from dex_agents._turn_steps import TurnSteps
 from dex_agents.testing import (
@@ -641,12 +642,15 @@ def _rpc(
 async def test_cancel_turn_rpc_cancels_the_registered_steps_and_starts_finish_turn_cancellation() -> None:
     """cancel_turn writes TurnCancellationRequest(turn_id, requested_at) and returns True with canceling
     Steps RunModel, RecordTurnFailure, AwaitToolApproval, AwaitQuestionAnswer, AwaitTimer and the
-    other seed Step types only where the Flow registers them, and next Step FinishTurnCancellation."""
+    other seed Step types only where the Flow registers them, and next Step FinishTurnCancellation.
+    requested_at is the time of the call (catches: a fixed time written)."""
     flow = build_flow(None)
     handler = flow.rpc("cancel_turn")
     assert set(handler.locks) == {"TurnCancellationRequest", "PendingInterrupts"}
     ctx = _rpc(flow, {("AgentState", ""): _state()})
+    before = parse_time(utc_now_text())
     result = await handler.handler(ctx, CancelTurnRequest())
+    after = parse_time(utc_now_text())
     assert isinstance(result, RPCResult) and result.output is True
     assert CANCEL_TURN_CANCELING_STEPS == ("RunModel", "CompactContext", "RecordTurnFailure", "AwaitToolApproval",
                                            "AwaitQuestionAnswer", "AwaitTimer", "PollToolTask")
@@ -656,6 +660,7 @@ async def test_cancel_turn_rpc_cancels_the_registered_steps_and_starts_finish_tu
     assert [(m.step_type, m.input) for m in result.next_steps] == [(FINISH_TURN_CANCELLATION, "turn-1")]
     written = ctx.get(TURN_CANCELLATION_REQUEST)
     assert written is not None and written.turn_id == "turn-1" and written.requested_at.endswith("Z")
+    assert before <= parse_time(written.requested_at) <= after
 
 
 async def test_cancel_turn_after_an_earlier_turn_was_cancelled_writes_its_own_request() -> None:
