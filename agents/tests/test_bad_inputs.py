@@ -2013,6 +2013,8 @@ REFUSED_RPCS: list[tuple[str, dict[tuple[str, str], Any], object]] = [
     ("answer_question", {("PendingInterrupts", ""): [interrupt("w1")]}, AnswerQuestionRequest("w1", "yes")),
     ("answer_question", {("PendingInterrupts", ""): [_CHOICE]}, AnswerQuestionRequest("q1", "  ")),
     ("answer_question", {("PendingInterrupts", ""): [_CHOICE]}, AnswerQuestionRequest("q1", "maybe")),
+    # A choice with spaces around it is not one of the choices (the answer is queued as given).
+    ("answer_question", {("PendingInterrupts", ""): [_CHOICE]}, AnswerQuestionRequest("q1", " yes")),
     ("update_session_settings", {}, UpdateSessionSettingsRequest({"model": "m"})),
     ("update_session_settings", {("AgentState", ""): _WAITING}, UpdateSessionSettingsRequest(None)),
     ("update_session_settings", {("AgentState", ""): _WAITING}, UpdateSessionSettingsRequest(
