@@ -443,11 +443,18 @@ class PlanRunner(ScriptedRunner):
 
 
 def test_flow_constructor_refuses_plan_mode_without_write_todos_or_a_plan_mode_runner() -> None:
-    """Either missing raises ValueError; both present builds the Flow."""
+    """Either missing raises ValueError; both missing, one ValueError names both; both present builds
+    the Flow."""
     with pytest.raises(ValueError, match=r"needs BuiltInTool\.WRITE_TODOS in built_in_tools"):
         AgentSessionFlow(PlanRunner(), "P", AgentSessionOptions(plan_mode_enabled=True))
     with pytest.raises(ValueError, match=r"needs a runner that supports plan mode .*; ScriptedRunner does not$"):
         AgentSessionFlow(ScriptedRunner(), "P", PLAN_MODE_OPTIONS)
+    with pytest.raises(ValueError) as caught:
+        AgentSessionFlow(ScriptedRunner(), "P", AgentSessionOptions(plan_mode_enabled=True))
+    assert str(caught.value) == (
+        "cannot enable plan mode: plan_mode_enabled needs BuiltInTool.WRITE_TODOS in built_in_tools; "
+        "plan_mode_enabled needs a runner that supports plan mode (PlanModeRunner, supports_plan_mode = True); "
+        "ScriptedRunner does not")
     for not_true in (False, 1, "yes"):  # seed 003: supports_plan_mode is True, not merely truthy
         off = PlanRunner()
         off.supports_plan_mode = not_true  # type: ignore[assignment]
