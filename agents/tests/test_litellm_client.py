@@ -51,6 +51,7 @@ from dex_agents._constants import MIN_HIDDEN_ENVIRONMENT_SECRET_CHARS
 from dex_agents.builtin_loop import (
     AgentDefinition,
     BuiltinLoopAgentRunner,
+    ModelInputItem,
     ModelOutputItem,
     ModelOutputWriter,
     ModelRequest,
@@ -355,6 +356,7 @@ async def test_responses_replay_is_exact_to_the_same_api_and_text_only_elsewhere
     provider.queue(RESPONSES_PATH, responses_stream([REASONING_ITEM, MESSAGE_ITEM, CALL_ITEM]))
     first = await client.call_model(ModelRequest(None, (UserTextInput("Where is A-1?"),)), collecting_writer()[0])
     history = (UserTextInput("Where is A-1?"), *first.output, ToolResultInput("call_1", "lookup_order", "shipped"))
+    assert "tool_choice" not in provider.received[-1].json  # without tools: OpenAI refuses one alone
 
     provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM], response_id="resp_2"))
     await client.call_model(ModelRequest(None, history, (LOOKUP_TOOL,)), collecting_writer()[0])
@@ -398,6 +400,11 @@ async def test_a_response_cut_off_while_reasoning_replays_without_its_reasoning(
     history = (UserTextInput("Think hard."), *cut.output, UserTextInput("Where is A-1?"))
     full = await client.call_model(ModelRequest(None, history), collecting_writer()[0])
     assert provider.received[-1].json["input"] == [
+        {"role": "user", "content": "Think hard."}, {"role": "user", "content": "Where is A-1?"}]
+    provider.queue(CHAT_PATH, chat_stream(text="Fine."))
+    await chat_client(provider).call_model(ModelRequest(None, history), collecting_writer()[0])
+    # Another API: no assistant message at all, rather than one with neither content nor tool calls.
+    assert provider.received[-1].json["messages"] == [
         {"role": "user", "content": "Think hard."}, {"role": "user", "content": "Where is A-1?"}]
 
     provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM], response_id="resp_3"))
@@ -543,18 +550,20 @@ def call_head(call_id: str | None, name: str) -> dict[str, Any]:
                             "function": {"name": name, "arguments": ""}}]}
 
 
-@pytest.mark.parametrize("shape", ["one id, whole calls", "no ids, heads first"])
+@pytest.mark.parametrize("shape", ["one id, whole calls", "no ids, heads first", "no ids, spaced arguments"])
 async def test_streamed_calls_under_one_index_and_one_id_or_none_stay_apart(provider: FakeProvider, shape: str) -> None:
     """Calls a server streams all under index 0 and one id (call_0), or under index 0 and no id,
     stay separate calls, each with its own arguments, name and id, stored as returned. Catches: the
     chunk builder joining them into one call whose arguments ran together (not a JSON object, so it
-    failed) and the other call lost without a word."""
+    failed) and the other call lost without a word; a second call whose arguments start with a
+    space (as some servers' templates write them) joined to the first."""
+    spaced = " " if shape == "no ids, spaced arguments" else ""
     if shape == "one id, whole calls":
         fragments = [numbered_call(0, "call_0", "A-1"), numbered_call(0, "call_0", "B-2", "refund_order")]
         ids = ["call_0", "call_0_1"]
     else:
         fragments = [call_head(None, "lookup_order"), call_fragment(0, '{"order_id"'), call_fragment(0, ':"A-1"}'),
-                     call_head(None, "refund_order"), call_fragment(0, '{"order_id":"B-2",'),
+                     call_head(None, "refund_order"), call_fragment(0, spaced + '{"order_id":"B-2",'),
                      call_fragment(0, '"amount_cents":250}')]
         ids = ["call_chatcmpl-1_0", "call_chatcmpl-1_1"]
     provider.queue(CHAT_PATH, chat_chunks(fragments, "tool_calls"))
@@ -567,12 +576,34 @@ async def test_streamed_calls_under_one_index_and_one_id_or_none_stay_apart(prov
     assert [json.loads(item.item)["tool_calls"][0]["id"] for item in response.output] == ids
 
 
-async def test_arguments_a_server_repeats_after_a_whole_call_stay_with_it(provider: FakeProvider) -> None:
+async def test_calls_under_one_index_with_their_own_ids_stay_apart_after_arguments_no_object(
+    provider: FakeProvider,
+) -> None:
+    """A call under the index of an earlier call and an id of its own is a call of its own even when
+    the earlier call's arguments are no whole JSON object (a server that streams none for a tool
+    without parameters). Catches: the two joined by index, the first call's id kept and the second
+    call lost."""
+    fragments = [{"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                  "function": {"name": "lookup_order", "arguments": ""}}]},
+                 numbered_call(0, "call_b", "B-2", "refund_order")]
+    provider.queue(CHAT_PATH, chat_chunks(fragments, "tool_calls"))
+    response = await chat_client(provider).call_model(
+        ModelRequest(None, (UserTextInput("Refund B-2."),), (LOOKUP_TOOL,)), collecting_writer()[0])
+    assert [item.tool_call for item in response.output] == [
+        ModelToolCall("call_a", "lookup_order", "{}"),
+        ModelToolCall("call_b", "refund_order", '{"order_id": "B-2", "amount_cents": 250}')]
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["arguments first", "head first"])
+async def test_arguments_a_server_repeats_after_a_whole_call_stay_with_it(provider: FakeProvider, head: bool) -> None:
     """Arguments that run on after a call's whole JSON object, without an id or a name to start a
     call (a server repeating the arguments), stay that call's: it fails as not a JSON object, as
-    before. Catches: splitting them off as a second call, which would run the tool twice."""
-    repeated = [call_fragment(0, '{"order_', "call_a"), call_fragment(0, 'id":"A-1"}'),
-                call_fragment(0, '{"order_id":"A-1"}')]
+    before; also when the call began, as OpenAI streams one, with its id and name and no arguments.
+    Catches: splitting them off as a second call, which would run the tool twice, and with a head
+    first, the call's id and name moved to the split-off arguments."""
+    start = [call_head("call_a", "lookup_order"), call_fragment(0, '{"order_')] if head else [
+        call_fragment(0, '{"order_', "call_a")]
+    repeated = [*start, call_fragment(0, 'id":"A-1"}'), call_fragment(0, '{"order_id":"A-1"}')]
     provider.queue(CHAT_PATH, chat_chunks(repeated, "tool_calls"))
     response = await chat_client(provider).call_model(
         ModelRequest(None, (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
@@ -782,6 +813,23 @@ async def test_a_responses_call_id_the_input_holds_gets_one_of_its_own(provider:
     sent = provider.received[-1].json["input"]
     assert [(i["type"], i["call_id"]) for i in sent if "call_id" in i] == [
         ("function_call", "call_1_2"), ("function_call_output", "call_1_2")]
+
+
+@pytest.mark.parametrize("holder", ["a tool result", "a call"])
+async def test_a_call_id_the_input_holds_in_a_result_or_a_call_alone_gets_one_of_its_own(
+    provider: FakeProvider, holder: str
+) -> None:
+    """A call ID the request's input holds only in a tool result (its call compacted away), or only
+    in a call (another client's), is not a new call's either. Catches: either kind of item left out
+    of the IDs taken, the new call stored under the held ID, so its result answered the earlier call."""
+    held: ModelInputItem = ToolResultInput("call_7", "lookup_order", "shipped") if holder == "a tool result" else (
+        ModelOutputItem("scripted", OutputItemKind.TOOL_CALL, "{}",
+                        tool_call=ModelToolCall("call_7", "lookup_order", '{"order_id":"A-1"}')))
+    provider.queue(CHAT_PATH, chat_stream(call=CHAT_CALL))
+    response = await chat_client(provider).call_model(
+        ModelRequest(None, (UserTextInput("Where is A-1?"), held), (LOOKUP_TOOL,)), collecting_writer()[0])
+    assert [item.tool_call for item in response.output] == [
+        ModelToolCall("call_7_1", "lookup_order", '{"order_id":"A-1"}')]
 
 
 async def test_text_with_lone_surrogates_is_stored_as_utf8(
@@ -995,6 +1043,8 @@ def test_litellm_forced_tool_choice_follows_the_seed_rule() -> None:
         assert client.supports_forced_tool_choice({"thinking": {"type": "disabled"}}) is True, model
     thinking = LiteLLMModelClient("anthropic/claude-sonnet-4-5", request_options={"reasoning_effort": "high"})
     assert thinking.supports_forced_tool_choice({}) is False  # request_options count too
+    # A setting replaces the option of its name, as it does in the request.
+    assert thinking.supports_forced_tool_choice({"reasoning_effort": "none"}) is True
     for model in ("gemini/gemini-2.5-pro", "openai/gpt-5"):
         client = LiteLLMModelClient(model)
         assert client.supports_forced_tool_choice({"reasoning_effort": "high"}) is True, model
@@ -1017,9 +1067,10 @@ async def test_a_server_error_is_one_request_and_raises(
         client, path, success = chat_client(provider), CHAT_PATH, chat_stream(text="fine")
     provider.queue(path, error_reply(500))
     provider.queue(path, success)  # a retry would get this and succeed
-    with pytest.raises(Exception, match="overloaded"):
+    with pytest.raises(Exception, match="overloaded") as raised:
         await client.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
     assert [r.path for r in provider.received] == [path]
+    assert "api='chat'" not in str(raised.value)  # the hint is for a server without the Responses API: a 404
 
 
 def rate_limited(status: int, *headers: tuple[str, str]) -> Reply:
@@ -1045,6 +1096,8 @@ def in_seconds(seconds: int) -> str:
     (429, [], None),
     (429, [("Retry-After", "soon")], None),
     (429, [("Retry-After", "nan")], None),
+    (429, [("Retry-After", "3 seconds")], None),
+    (429, [("Retry-After", "120 s ago")], None),  # a date passed: no wait (the engine refuses one below 0)
     (500, [("Retry-After", "3")], None),  # a server error's Retry-After is no rate limit's
 ])
 @pytest.mark.parametrize("api", ["responses", "chat"])
@@ -1056,7 +1109,8 @@ async def test_a_rate_limit_with_retry_after_asks_the_engine_to_wait(
     protocol), so RunModel's next attempt waits that long; no header, an unreadable one, or another
     status sets none. Catches: the header ignored, the engine retrying after its own 1 s and 2 s."""
     headers = [(name, in_seconds(120) if value == "in 120" else
-                in_seconds(120).removesuffix(" GMT") if value == "in 120 without a zone" else value)
+                in_seconds(120).removesuffix(" GMT") if value == "in 120 without a zone" else
+                in_seconds(-120) if value == "120 s ago" else value)
                for name, value in headers]
     client = openai_client(provider) if api == "responses" else chat_client(provider)
     path = RESPONSES_PATH if api == "responses" else CHAT_PATH
@@ -1175,15 +1229,18 @@ async def test_a_server_without_the_responses_api_is_told_to_use_chat(provider: 
     assert [item.text for item in response.output] == ["Hello."]
 
 
-@pytest.mark.parametrize("variable", ["OPENAI_BASE_URL", "OPENAI_API_BASE"])
+@pytest.mark.parametrize("variable", ["OPENAI_BASE_URL", "OPENAI_API_BASE", "litellm.api_base"])
 async def test_a_server_set_in_the_environment_without_the_responses_api_is_told_to_use_chat(
     provider: FakeProvider, monkeypatch: pytest.MonkeyPatch, variable: str,
 ) -> None:
     """As with api_base: an openai/ model whose server comes from OPENAI_BASE_URL or OPENAI_API_BASE
     (LiteLLM reads them when no api_base is passed), answering /responses with 404, fails saying to
     pass api='chat' and naming the variable. Catches: the bare "Not Found" for a server set the
-    way the OpenAI SDK's users set one."""
-    monkeypatch.setenv(variable, provider.url + "/v1")
+    way the OpenAI SDK's users set one. LiteLLM's own api_base setting is named alike."""
+    if variable == "litellm.api_base":
+        monkeypatch.setattr(litellm, "api_base", provider.url + "/v1")
+    else:
+        monkeypatch.setenv(variable, provider.url + "/v1")
     client = LiteLLMModelClient("openai/local-model", api_key_provider=lambda: "sk-local")
     provider.queue(RESPONSES_PATH, Reply(404, b'{"detail":"Not Found"}', "application/json"))
     with pytest.raises(litellm.NotFoundError, match=rf"Not Found.*{variable}.*pass api='chat' to LiteLLMModelClient"):
