@@ -1408,6 +1408,49 @@ def test_a_bad_option_is_refused_where_it_is_written(where: str, value: object, 
     assert str(refused.value).count("model_settings key") <= 1  # not once by the definition, again by the client
 
 
+_URL_WANTED = ("api_base must be an http:// or https:// URL, such as 'http://127.0.0.1:8000/v1', or None for "
+               "the provider's own server, got ")
+
+
+@pytest.mark.parametrize(("arguments", "error_type", "message"), [
+    ({"api_base": ""}, ValueError, _URL_WANTED + "''"),
+    ({"api_base": "127.0.0.1:8000/v1"}, ValueError, _URL_WANTED + "'127.0.0.1:8000/v1'"),
+    ({"api_base": "http://"}, ValueError, _URL_WANTED + "'http://'"),
+    ({"api_base": "ws://127.0.0.1:8000/v1"}, ValueError, _URL_WANTED + "'ws://127.0.0.1:8000/v1'"),
+    ({"api_base": "http://127.0.0.1:80OO/v1"}, ValueError, _URL_WANTED + "'http://127.0.0.1:80OO/v1'"),
+    ({"api_base": " http://127.0.0.1:8000/v1"}, ValueError, _URL_WANTED + "' http://127.0.0.1:8000/v1'"),
+    ({"api_base": "http://127.0.0.1:8000/v1\n"}, ValueError, _URL_WANTED + "'http://127.0.0.1:8000/v1\\n'"),
+    ({"api_base": "https://gw:hunter2@gw.example/v1 "}, ValueError, _URL_WANTED + "'https://***@gw.example/v1 '"),
+    ({"api_base": b"http://127.0.0.1:8000/v1"}, TypeError,
+     "api_base must be a str or None, got bytes: b'http://127.0.0.1:8000/v1'"),
+    ({"model": "hosted_vllm/test-model "}, ValueError,
+     "model must be a LiteLLM model name such as 'openai/gpt-5', got 'hosted_vllm/test-model '"),
+    ({"api_key_provider": "sk-live-0123456789"}, TypeError,
+     "api_key_provider must be a function returning the API key (such as lambda: key), got a str"),
+    ({"request_options": []}, ValueError, "request_options must be a dict of LiteLLM options, got []"),
+    ({"request_options": ""}, ValueError, "request_options must be a dict of LiteLLM options, got ''"),
+])
+def test_a_bad_argument_is_refused_when_the_client_is_made(
+    arguments: dict[str, Any], error_type: type[Exception], message: str
+) -> None:
+    """LiteLLMModelClient refuses, naming the argument and its value, what LiteLLM takes and fails on
+    only at the call: api_base "" sent a hosted_vllm/ model's requests to api.openai.com, and a URL
+    without http:// or with a space or a newline around it failed every attempt with an
+    InternalServerError naming only a path ("/127.0.0.1:8000/v1/chat/completions"). Catches those,
+    bytes failing as "LiteLLM cannot tell the provider of model", a request_options of the wrong kind
+    that is empty ([], "") taken as none, and a model name with a space around it sent as it is. A
+    password in the URL, or a key given in place of api_key_provider, is not shown."""
+    with pytest.raises(error_type, match=re.escape(message)) as refused:
+        LiteLLMModelClient(**{"model": "hosted_vllm/test-model", **arguments})
+    assert "hunter2" not in str(refused.value) and "0123456789" not in str(refused.value)
+
+
+def test_an_api_base_of_either_scheme_is_taken() -> None:
+    """https:// and http:// in any case, with a port, a path or none, as LiteLLM calls them."""
+    for url in ("https://gateway.example", "HTTP://127.0.0.1:8000/v1", "https://[::1]:8443/v1/"):
+        assert LiteLLMModelClient("hosted_vllm/test-model", api_base=url).api_base == url
+
+
 def test_without_litellm_the_import_names_the_extra() -> None:
     """`import dex_agents` never imports LiteLLM; dex_agents.litellm without it names dex-agents[litellm]."""
     script = (

@@ -34,6 +34,7 @@ import inspect
 import json
 import os
 import re
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, cast
@@ -266,13 +267,22 @@ class LiteLLMModelClient:
         api_key_provider: Callable[[], str] | None = None,
         request_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(model, str) or not model.strip():
+        # A name with a space around it was sent as it is, and the provider's "no such model" named no space.
+        if not isinstance(model, str) or not model.strip() or model != model.strip():
             raise ValueError(f"model must be a LiteLLM model name such as 'openai/gpt-5', got {model!r}")
         if api not in (None, RESPONSES_API, CHAT_API):
             raise ValueError(f"api must be {RESPONSES_API!r}, {CHAT_API!r} or None, got {api!r}")
+        if api_base is not None and not isinstance(api_base, str):
+            raise TypeError(f"api_base must be a str or None, got {type(api_base).__name__}: {shown(api_base)}")
+        if api_base is not None and not _is_server_url(api_base):
+            raise ValueError(f"api_base must be an http:// or https:// URL, such as 'http://127.0.0.1:8000/v1', or "
+                             f"None for the provider's own server, got {shown(_without_password(api_base))}")
         if api_key_provider is not None and not callable(api_key_provider):
-            raise TypeError("api_key_provider must be a function returning the API key")
-        problem = _options_problem(request_options or {}, "request_options")
+            # Its type only: the key itself, passed here, would be shown whole.
+            raise TypeError("api_key_provider must be a function returning the API key (such as lambda: key), "
+                            f"got a {type(api_key_provider).__name__}")
+        # `is None`, not `or {}`: a [] or "" passed here is refused as the wrong kind, not taken as none.
+        problem = _options_problem({} if request_options is None else request_options, "request_options")
         if problem is not None:
             raise ValueError(problem)
         options = dict(request_options or {})
@@ -889,6 +899,27 @@ def _text_of(error: BaseException) -> str:
         return f"{error} {error!r}"
     except Exception:  # an exception whose text cannot be made holds no key to show
         return ""
+
+
+def _is_server_url(text: str) -> bool:
+    """Whether `text` is an http:// or https:// URL with a host and nothing around it. LiteLLM takes
+    any text as api_base and fails only at the call: "" sent a request to the provider's default
+    server (api.openai.com for a hosted_vllm/ model), and a URL without its scheme, or with a space
+    or a newline around it, failed every attempt with an InternalServerError naming only a path."""
+    if _padded(text):
+        return False
+    try:
+        parts = urllib.parse.urlsplit(text)
+        host = parts.hostname
+        _ = parts.port  # ValueError for a port that is not a number ("http://host:80OO")
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(host)
+
+
+def _without_password(url: str) -> str:
+    """`url` with *** for what comes before an @ in its host part (a gateway's user and password)."""
+    return re.sub(r"^([^/]*//)?[^/@]*@", r"\1***@", url)
 
 
 def _options_problem(options: object, where: str) -> str | None:
