@@ -417,6 +417,22 @@ async def test_a_response_cut_off_while_reasoning_replays_without_its_reasoning(
     ]
 
 
+async def test_a_provider_tools_record_that_ends_a_cut_response_is_replayed(provider: FakeProvider) -> None:
+    """Only reasoning items that end a cut-off response are left out: a record of a provider-side
+    tool (a web search's) there is replayed as the provider sent it. Catches: every item of the
+    response's end taken for reasoning, the provider's state of its own tool lost."""
+    record = {"id": "ws_1", "type": "web_search_call", "status": "completed",
+              "action": {"type": "search", "query": "order A-1"}}
+    client = openai_client(provider)
+    provider.queue(RESPONSES_PATH, responses_stream([record], incomplete="max_output_tokens"))
+    cut = await client.call_model(ModelRequest(None, (UserTextInput("Search A-1."),)), collecting_writer()[0])
+    provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM], response_id="resp_2"))
+    await client.call_model(ModelRequest(None, (UserTextInput("Search A-1."), *cut.output, UserTextInput("And?"))),
+                            collecting_writer()[0])
+    assert provider.received[-1].json["input"] == [
+        {"role": "user", "content": "Search A-1."}, record, {"role": "user", "content": "And?"}]
+
+
 # Chat Completions ---------------------------------------------------------------------------------
 
 
@@ -773,19 +789,24 @@ async def test_a_call_id_reused_in_a_later_turn_is_not_approved_by_the_earlier_t
     assert done.messages[-1].text == "Refunded B-2."
 
 
-@pytest.mark.parametrize("item", [{k: v for k, v in CALL_ITEM.items() if k not in ("call_id", "id")},
-                                  {**CALL_ITEM, "call_id": "", "id": ""}], ids=["none", "empty"])
-async def test_a_responses_call_without_a_call_id_gets_one(provider: FakeProvider, item: dict[str, Any]) -> None:
-    """A Responses API server's function call with no call_id, or an empty one, gets
-    `call_<the provider's response ID>_<index>`, stored in its item too, as a Chat Completions call
-    without an id does. Catches: the turn failing with "tool call ID '' is empty", which its user
-    could not fix."""
+@pytest.mark.parametrize(("item", "call_id"), [
+    ({k: v for k, v in CALL_ITEM.items() if k not in ("call_id", "id")}, "call_resp_1_1"),
+    ({**CALL_ITEM, "call_id": "", "id": ""}, "call_resp_1_1"),
+    ({k: v for k, v in CALL_ITEM.items() if k != "call_id"}, "fc_1"),
+], ids=["none", "empty", "item id only"])
+async def test_a_responses_call_without_a_call_id_gets_one(
+    provider: FakeProvider, item: dict[str, Any], call_id: str
+) -> None:
+    """A Responses API server's function call with no call_id, or an empty one, gets its item's id,
+    or without one `call_<the provider's response ID>_<index>`, stored in its item too, as a Chat
+    Completions call without an id does. Catches: the turn failing with "tool call ID '' is empty",
+    which its user could not fix."""
     provider.queue(RESPONSES_PATH, responses_stream([MESSAGE_ITEM, item]))
     response = await openai_client(provider).call_model(
         ModelRequest(None, (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
     [call] = [i for i in response.output if i.tool_call is not None]
-    assert call.tool_call == ModelToolCall("call_resp_1_1", "lookup_order", '{"order_id":"A-1"}')
-    assert json.loads(call.item)["call_id"] == "call_resp_1_1"
+    assert call.tool_call == ModelToolCall(call_id, "lookup_order", '{"order_id":"A-1"}')
+    assert json.loads(call.item)["call_id"] == call_id
 
 
 async def test_a_responses_call_id_the_input_holds_gets_one_of_its_own(provider: FakeProvider) -> None:
@@ -1008,6 +1029,7 @@ async def test_anthropic_thinking_blocks_replay_with_their_signature(provider: F
     block = {"type": "thinking", "thinking": "Pondering deeply.", "signature": SIGNATURE}
     assert [item.kind for item in response.output] == [OutputItemKind.REASONING, OutputItemKind.TEXT]
     assert json.loads(response.output[0].item)["thinking_blocks"] == [block]
+    assert response.output[0].text == "Pondering deeply."  # the reasoning text, from the block
     assert deltas(events) == [("reasoning_delta", "Pondering deeply."), ("text_delta", "Answer")]
     assert response.usage.model_calls == 1 and response.usage.cached_input_tokens == 5
     first = provider.received[-1]
@@ -1041,6 +1063,7 @@ def test_litellm_forced_tool_choice_follows_the_seed_rule() -> None:
         assert client.supports_forced_tool_choice({"reasoning_effort": "low"}) is False, model
         assert client.supports_forced_tool_choice({"reasoning_effort": "none"}) is True, model
         assert client.supports_forced_tool_choice({"thinking": {"type": "disabled"}}) is True, model
+        assert client.supports_forced_tool_choice({"thinking": False}) is True, model
     thinking = LiteLLMModelClient("anthropic/claude-sonnet-4-5", request_options={"reasoning_effort": "high"})
     assert thinking.supports_forced_tool_choice({}) is False  # request_options count too
     # A setting replaces the option of its name, as it does in the request.
@@ -1298,21 +1321,26 @@ async def test_a_provider_error_echoing_the_api_key_is_kept_without_it(
     assert not [text for text in stored if key in text or "hunter2" in text]
 
 
-@pytest.mark.parametrize("source", ["environment", "bearer header"])
+@pytest.mark.parametrize("source", ["environment", "bearer header", "headers option", "litellm.api_key"])
 async def test_a_shortest_hidden_key_and_a_bearer_token_echoed_alone_are_hidden(
     provider: FakeProvider, source: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An environment key of exactly MIN_HIDDEN_ENVIRONMENT_SECRET_CHARS characters (docs: "at least"),
     and the token of an `Authorization: Bearer <token>` extra header that the error quotes without
-    "Bearer", are raised as ***. Catches: either kept whole in the turn's error and history."""
+    "Bearer", are raised as ***; so are such a token in LiteLLM's `headers` option and a key in its
+    `litellm.api_key` setting. Catches: any of them kept whole in the turn's error and history."""
+    key = "gw-token-0123456789"
     if source == "environment":
         key = "k" * MIN_HIDDEN_ENVIRONMENT_SECRET_CHARS
         monkeypatch.setenv("HOSTED_VLLM_API_KEY", key)
         model = chat_client(provider)
+    elif source == "litellm.api_key":
+        monkeypatch.setattr(litellm, "api_key", key)
+        model = chat_client(provider)
     else:
-        key = "gw-token-0123456789"
+        option = "extra_headers" if source == "bearer header" else "headers"
         model = LiteLLMModelClient("hosted_vllm/test-model", api_base=provider.url + "/v1",
-                                   request_options={"extra_headers": {"Authorization": f"Bearer {key}"}})
+                                   request_options={option: {"Authorization": f"Bearer {key}"}})
     echo = {"error": {"message": f"Unknown credential {key}.", "type": "invalid_request_error"}}
     provider.queue(CHAT_PATH, Reply(401, json.dumps(echo).encode(), "application/json"))
     with pytest.raises(litellm.AuthenticationError) as raised:
@@ -1698,6 +1726,12 @@ async def test_an_environment_key_with_a_line_break_is_refused_naming_the_variab
         await client.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])
     assert "0123" not in str(refused.value) and "GITHUB_TOKEN" not in str(refused.value)
     assert provider.received == []
+
+    # With api_key_provider the variable is not read, so not refused.
+    keyed = LiteLLMModelClient(client.model, api_base=client.api_base, api_key_provider=lambda: "sk-provided")
+    provider.queue(CHAT_PATH if provider_name == "hosted_vllm" else RESPONSES_PATH,
+                   chat_stream(text="Hello.") if provider_name == "hosted_vllm" else responses_stream([MESSAGE_ITEM]))
+    assert (await keyed.call_model(ModelRequest(None, (UserTextInput("hi"),)), collecting_writer()[0])).output
 
     monkeypatch.setenv(variable, value.strip().replace("\r\n", ""))
     provider.queue(CHAT_PATH, chat_stream(text="Hello."))
