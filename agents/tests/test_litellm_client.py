@@ -877,6 +877,22 @@ async def test_text_with_lone_surrogates_is_stored_as_utf8(
         "Done \ufffd", "\ufffd, bad byte \ufffd."]
 
 
+async def test_a_tool_call_with_lone_surrogates_is_stored_as_utf8(provider: FakeProvider) -> None:
+    """A server that sends an emoji's two UTF-16 halves as JSON escapes in two fragments of a tool
+    call's arguments, and a lone one, gets the call with the emoji joined and U+FFFD for the lone
+    one. Catches: LiteLLM's chunk builder failing on the surrogates ("APIError: Error building
+    chunks for logging/streaming usage calculation"), a server error RunModel tried again, each
+    attempt paid and failed alike."""
+    provider.queue(CHAT_PATH, chat_chunks([call_fragment(0, '{"order_id":"A-1 \ud83d', "call_7"),
+                                           call_fragment(0, '\ude00 \udcaf"}')], "tool_calls"))
+    response = await chat_client(provider).call_model(
+        ModelRequest(None, (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
+    assert [item.tool_call for item in response.output] == [
+        ModelToolCall("call_7", "lookup_order", '{"order_id":"A-1 \U0001f600 \ufffd"}')]
+    assert json.loads(response.output[0].item)["tool_calls"][0]["function"]["arguments"] == (
+        '{"order_id":"A-1 \U0001f600 \ufffd"}')
+
+
 GEMINI_PATH = "/models/gemini-3-pro-preview:streamGenerateContent?alt=sse"
 # Gemini's thought signatures are opaque base64, often hundreds of characters, '/' and '+' included.
 THOUGHT_SIGNATURE = base64.b64encode(bytes(range(256))).decode()

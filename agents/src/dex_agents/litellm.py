@@ -191,6 +191,7 @@ def _complete_streamed_tool_calls(chunks: list[Any]) -> None:
     with_id: set[tuple[int, int]] = set()
     named: set[tuple[int, int]] = set()
     first: dict[tuple[int, int], Any] = {}
+    functions: dict[tuple[int, int], list[Any]] = {}
     response_id: str | None = None
     for chunk in chunks:
         response_id = response_id or _str_or_none(_get(chunk, "id"))
@@ -200,6 +201,7 @@ def _complete_streamed_tool_calls(chunks: list[Any]) -> None:
                     continue  # the chunk builder skips a fragment without a function, so must this
                 key = (_get(choice, "index") or 0, _get(fragment, "index") or 0)
                 first.setdefault(key, fragment)
+                functions.setdefault(key, []).append(_get(fragment, "function"))
                 if _get(fragment, "id"):
                     with_id.add(key)
                 if _get(_get(fragment, "function"), "name"):
@@ -210,6 +212,23 @@ def _complete_streamed_tool_calls(chunks: list[Any]) -> None:
             _put(fragment, "id", f"call_{response_name}_{key[1]}")
         if key not in named:
             _put(_get(fragment, "function"), "name", _NAMELESS)
+    for parts in functions.values():
+        _utf8_arguments(parts)
+
+
+def _utf8_arguments(functions: list[Any]) -> None:
+    """Make the arguments one streamed tool call's `functions` fragments hold text UTF-8 can hold, as
+    _utf8 does, joined first, so an emoji split between two fragments stays whole: the chunk builder
+    writes each call as JSON, and a surrogate there failed it ("Error building chunks for
+    logging/streaming usage calculation"), a server error that every attempt met again."""
+    texts = [_get(function, "arguments") for function in functions]
+    if all(not isinstance(text, str) or _utf8(text) == text for text in texts):
+        return
+    joined = _utf8("".join(text for text in texts if isinstance(text, str)))
+    for function, text in zip(functions, texts, strict=True):
+        if isinstance(text, str):
+            _put(function, "arguments", joined)
+            joined = ""  # all in the first: the chunk builder joins them
 
 
 def _call_ids_in(entries: Sequence[ModelInputItem]) -> set[str]:
