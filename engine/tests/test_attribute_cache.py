@@ -295,6 +295,21 @@ def test_the_cache_keeps_flows_up_to_exactly_its_byte_bound() -> None:
     assert len(cache) == 1 and cache.get("f", 1, 1) is None  # one byte over: the oldest went
 
 
+def test_rows_put_again_or_dropped_give_their_bytes_back() -> None:
+    """Every commit puts its flow's rows again, replacing the entry, and a deleted flow's entry is
+    dropped: the bytes counted for the old entry must go with it. Catches a count that only grows:
+    it soon evicts every flow that fits (here the only one), and the cache keeps nothing again."""
+    cache = AttributeCache(max_flows=10, max_bytes=4)
+    for value in (b"abcd", b"efgh", b"ijkl"):
+        rows = KnownRows(1, 1, {("A", ""): value})
+        cache.put("f", rows)
+        assert cache.get("f", 1, 1) is rows
+    cache.drop("f")
+    other = KnownRows(1, 1, {("A", ""): b"mnop"})
+    cache.put("g", other)
+    assert cache.get("g", 1, 1) is other and len(cache) == 1
+
+
 def test_the_cache_answers_only_for_the_same_version_and_incarnation_and_keeps_the_newest_used() -> None:
     """A flow's rows are those of its version and of this incarnation of the flow: one deleted and
     started again under the same ID can reach the same version number with other rows. A hit makes
