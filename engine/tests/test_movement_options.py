@@ -39,11 +39,13 @@ OVERRIDES: dict[str, MovementOptions | None] = {
     "one_attempt": MovementOptions(execute_retry=ONE_ATTEMPT),
     "timeout": MovementOptions(execute_timeout_seconds=0.2, execute_retry=ONE_ATTEMPT),
     "heartbeat": MovementOptions(heartbeat_timeout_seconds=0.3, execute_retry=ONE_ATTEMPT),
+    "rerouted": MovementOptions(execute_retry=ONE_ATTEMPT, failure_route="Elsewhere"),
 }
 
 Calls = AttributeMap("Calls", str)
 attempts: dict[str, list[int]] = {}
 recovered: dict[str, Any] = {}
+rerouted: dict[str, Any] = {}
 
 
 async def _pick(ctx: Context, mode: str) -> StepDecision:
@@ -63,6 +65,12 @@ async def _recover(ctx: Context, _: Any) -> StepDecision:
     return StepDecision.graceful_complete()
 
 
+async def _elsewhere(ctx: Context, _: Any) -> StepDecision:
+    assert ctx.recovery_error is not None
+    rerouted[ctx.flow_id] = ctx.recovery_error
+    return StepDecision.graceful_complete()
+
+
 FLOW = Flow(
     "Moves",
     [
@@ -71,6 +79,7 @@ FLOW = Flow(
         Step("Work", _work, input_type=str,
              options=StepOptions(load=LoadOptions.none(), execute_retry=QUICK, failure_route="Recover")),
         Step("Recover", _recover, options=StepOptions(load=LoadOptions.none())),
+        Step("Elsewhere", _elsewhere, options=StepOptions(load=LoadOptions.none())),
     ],
     start_step="Pick",
     schema=[Calls],
@@ -98,6 +107,22 @@ async def test_a_movement_overrides_retry_and_timeouts(
     assert attempts[flow_id] == expected_attempts
     error = recovered[flow_id]
     assert (error.step_type, error.attempts, error.error_type) == ("Work", len(expected_attempts), error_type)
+
+
+async def test_a_movement_sends_its_step_to_the_failure_route_it_names(db_url: str) -> None:
+    """A movement's failure_route replaces the Step's for that scheduled Step (a tool poll's route
+    depends on the call's effect, docs/deviations.md): Work, whose own route is Recover, fails its
+    one attempt and Elsewhere gets the recovery error. Catches the movement's route ignored."""
+    flow_id = "moves-rerouted"
+    recovered.pop(flow_id, None)
+    rerouted.pop(flow_id, None)
+    async with engine_for(db_url, Registry([FLOW])) as eng:
+        await eng.client.start_flow("Moves", flow_id, "rerouted")
+        info = await eng.client.wait_for_flow(flow_id, 20)
+    assert info.status == "completed"
+    assert flow_id not in recovered
+    error = rerouted[flow_id]
+    assert (error.step_type, error.attempts, error.error_type) == ("Work", 1, "RuntimeError")
 
 
 def test_stored_options_take_the_overrides_and_keep_the_rest() -> None:
@@ -136,8 +161,11 @@ def test_the_options_cache_stays_bounded_with_unique_movements() -> None:
     first = MovementOptions(load=LoadOptions.only(Calls["call-0"]))
     kept = task_options(FLOW, "Work", first)
     for n in range(1, SCHEDULING_OPTIONS_CACHE_ENTRIES * 2):
-        task_options(FLOW, "Work", MovementOptions(load=LoadOptions.only(Calls[f"call-{n}"])))
+        newest = MovementOptions(load=LoadOptions.only(Calls[f"call-{n}"]))
+        resolved = task_options(FLOW, "Work", newest)
     assert len(_scheduling._cache) == SCHEDULING_OPTIONS_CACHE_ENTRIES  # full, and no fuller
+    # The oldest entries went, not the newest: the movement just resolved is served from the cache.
+    assert task_options(FLOW, "Work", newest) is resolved
     assert task_options(FLOW, "Work", first) == kept
 
 
@@ -162,6 +190,19 @@ def test_a_cycle_of_failure_routes_resolves_alike_whatever_was_resolved_before()
     assert ping.failure_route_options is not None
     assert (ping.failure_route, ping.failure_route_options.failure_route) == ("Pong", "Ping")
     assert ping.failure_route_options.failure_route_options is None
+
+
+def test_a_step_routed_to_itself_takes_its_route_once() -> None:
+    """A Step whose failure route is itself: its failure starts it again as its route, whose own
+    failure fails the flow (a cycle of routes ends where it repeats). Catches a route to itself
+    dropped as if the cycle had repeated already."""
+    flow = Flow("Again", [
+        Step("Again", _recover, options=StepOptions(load=LoadOptions.none(), failure_route="Again")),
+    ], start_step="Again")
+    options = task_options(flow, "Again", None)
+    assert options.failure_route == "Again"
+    assert options.failure_route_options is not None  # its failure takes the route...
+    assert options.failure_route_options.failure_route_options is None  # ...and the route's fails the flow
 
 
 def test_a_repeated_movement_reuses_its_resolved_options() -> None:
