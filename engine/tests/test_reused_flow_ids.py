@@ -93,9 +93,14 @@ async def glance(ctx: RpcContext, _: None) -> list[object]:
     return [seen, ctx.get(Count)]
 
 
+@rpc(load=LoadOptions.only(Note))
+async def peek(ctx: RpcContext, _: None) -> str | None:
+    return ctx.get(Note)
+
+
 JOTTER = Flow(
     "Jotter", [Step("Idle", hold, wait_for=hold_wait, input_type=type(None))], start_step="Idle",
-    schema=[Note, Count, Tally], rpcs=[jot, remark, glance],
+    schema=[Note, Count, Tally], rpcs=[jot, remark, glance, peek],
 )
 
 
@@ -304,3 +309,28 @@ async def test_an_rpc_decided_on_the_old_flow_does_not_commit_into_the_flow_star
         gate.set()
         assert await asyncio.wait_for(remarking, 10) == answer
         assert await eng.client.get_attribute("reborn", Note) == note
+
+
+@pytest.mark.sqlite_only  # the attribute cache is SQLite's
+async def test_a_flow_deleted_and_started_again_in_its_millisecond_is_not_read_from_the_old_ones_rows(
+    db_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store keeps the attribute rows it read, by flow, for the flow's version and start time (ms).
+    Here the flow is deleted and another client starts it again in the same millisecond and brings
+    it to the version the old one was deleted at: the store that deleted it must read the new flow's
+    rows. Catches the deleted flow's rows left in that store's cache (found by version and start
+    time, both matching)."""
+    monkeypatch.setattr("dex_engine._store.now_ms", lambda: 1_700_000_000_000)  # one millisecond throughout
+    async with engine_for(db_url, REGISTRY, worker=False) as eng, other_client(db_url) as them:
+        await eng.client.start_flow("Jotter", "again")
+        await eng.client.rpc("again", "jot", "old")
+        assert await eng.client.rpc("again", "peek", None) == "old"  # our store now keeps Note's rows
+        await eng.client.stop_flow("again", "replaced")
+        old_version = await flow_version(eng, "again")
+        assert await eng.client.delete_flow("again")
+
+        await them.start_flow("Jotter", "again")
+        await them.rpc("again", "jot", "new")
+        await them.stop_flow("again", "replaced")
+        assert await flow_version(eng, "again") == old_version
+        assert await eng.client.get_attribute("again", Note) == "new"
