@@ -286,6 +286,21 @@ def test_a_load_known_whole_reads_nothing_more() -> None:
     assert ("A", "2") not in known.rows
 
 
+def test_a_copy_learns_apart_from_the_rows_it_was_copied_from() -> None:
+    """An operation works on a copy of the cached rows; what it learns must not reach the cached
+    entry, which stays in the cache when the operation rolls back. Catches a copy sharing the set
+    of names known whole: the entry would then claim a name whose rows it never read, and a later
+    load at that version would hand the Step that name as unset."""
+    cached = KnownRows(1, 1)
+    cached.learn(LoadSpec("only", ("A",)), {("A", "1"): b"a"})
+    copied = cached.copy()
+    copied.learn(LoadSpec("only", ("B",)), {("B", "1"): b"b"})
+    assert not cached.covers("B")
+    assert cached.split(LoadSpec("only", ("A", "B"))) == ({("A", "1"): b"a"}, LoadSpec("only", ("B",)))
+    copied.learn(LoadSpec("all"), {("C", "1"): b"c"})
+    assert not cached.covers("C") and cached.rows == {("A", "1"): b"a"}
+
+
 def test_the_cache_keeps_flows_up_to_exactly_its_byte_bound() -> None:
     cache = AttributeCache(max_flows=10, max_bytes=4)
     full = KnownRows(1, 1, {("A", "1"): b"abcd"})
