@@ -1001,6 +1001,29 @@ async def test_e5_a_message_goes_to_exactly_one_of_two_waiting_steps(db_url: str
         assert [s["messages"][0] for s in seen] == [["m1"], ["m2"]]
 
 
+@rpc()
+async def start_second_waiter(ctx: RpcContext, _: None) -> RPCResult[None]:
+    return RPCResult(None, next_steps=[("W", "second")])
+
+
+async def test_e5_the_wait_registered_first_takes_the_first_message(db_url: str) -> None:
+    """E5: W "first" registers its wait, then W "second" (started by an RPC) registers one on the
+    same channel; two messages published at once go one to each, the older message to the older
+    wait (evaluate_waits takes waits oldest first). Catches waits taken newest first, which would let
+    a Step that keeps waiting again take every message from one that waited before it."""
+    seen: list[dict[str, Any]] = []
+    flow = make_flow("E5Oldest", [waiter_step("W", lambda: Wait.until(Inbox.for_one()), seen)], "W",
+                     rpcs=[start_second_waiter])
+    async with engine_for(db_url, Registry([flow])) as eng:
+        await eng.client.start_flow("E5Oldest", "f", "first")
+        await wait_state(eng, "f", "W-1", "waiting")
+        await eng.client.rpc("f", "start_second_waiter", None)
+        await wait_state(eng, "f", "W-2", "waiting")
+        await eng.client.rpc("f", "publish_many", ["m1", "m2"])
+        await wait_until("both W executed", seen_probe(seen, 2))
+        assert sorted((s["input"], s["messages"][0]) for s in seen) == [("first", ["m1"]), ("second", ["m2"])]
+
+
 async def test_e5_channel_map_instances_are_independent(db_url: str) -> None:
     """E5: a wait on Box[a] ignores a message on Box[b], which stays queued on Box[b]. Catches: map
     instances sharing one queue (the wait would take Box[b]'s message).
