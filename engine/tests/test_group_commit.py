@@ -186,3 +186,41 @@ async def test_a_database_error_fails_only_its_operation_on_postgresql(pg_databa
             assert await store.read_attribute(fid, "A", "") == b"1"
     finally:
         await store.close()
+
+
+async def test_rows_an_operation_left_in_a_batch_run_again_without_it_are_not_kept(tmp_path: Path) -> None:
+    """A batch that fails runs again op by op, and an operation that went through in the first run
+    may fail in the second (another process revoked its lease in between). The rows it left known in
+    the rolled-back first run must not reach the store's cache: another process's commit brings the
+    flow to the version they were kept at, and the store would read a value that never committed.
+    Catches the first run's cache writes left for the second run's commit."""
+    path = f"sqlite:///{tmp_path / 'rerun.db'}"
+    store, other = open_store(path), open_store(path)
+    try:
+        await store.start_flow(StartRequest("f", "T", b"null", FlowConfig(), None))
+        runs: list[int] = []
+
+        def set_a(value: bytes) -> Callable[[tx.Db], None]:
+            def op(db: tx.Db) -> None:
+                tx.require_running(db, "f")
+                tx.load_attributes(db, "f", LoadOptions.all())  # the operation now knows the flow's rows
+                tx.apply_writes(db, "f", WriteSet(attributes={("A", ""): value}), "", 0, 0)
+                tx.bump(db, "f")
+            return op
+
+        def first_run_only(db: tx.Db) -> None:
+            runs.append(len(runs))
+            if len(runs) > 1:
+                raise RuntimeError("fails when its batch runs again")
+            set_a(b"never committed")(db)
+
+        def failing(_db: tx.Db) -> None:
+            raise RuntimeError("fails the batch's first run")
+
+        results = await run_as_one_batch(store, [first_run_only, failing])
+        assert [type(r) for r in results] == [RuntimeError, RuntimeError] and len(runs) == 2, results
+        await other.raw(set_a(b"committed"), write=True)
+        assert await store.read_attribute("f", "A", "") == b"committed"
+    finally:
+        await store.close()
+        await other.close()
