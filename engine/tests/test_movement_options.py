@@ -205,6 +205,25 @@ def test_a_step_routed_to_itself_takes_its_route_once() -> None:
     assert options.failure_route_options.failure_route_options is None  # ...and the route's fails the flow
 
 
+async def _fails(ctx: Context, _: Any) -> StepDecision:
+    raise RuntimeError(f"{ctx.step_execution_id} fails")
+
+
+async def test_a_step_routed_to_itself_that_keeps_failing_fails_the_flow_after_its_route(db_url: str) -> None:
+    """Again-1 fails and takes its route, Again-2, whose own failure then fails the flow: a cycle
+    of failure routes ends where it repeats. Catches the route's failure taking the route again
+    (with no options to schedule it by), which never ends the flow as failed."""
+    flow = Flow("Again", [
+        Step("Again", _fails, options=StepOptions(load=LoadOptions.none(), execute_retry=ONE_ATTEMPT,
+                                                  failure_route="Again")),
+    ], start_step="Again")
+    async with engine_for(db_url, Registry([flow])) as eng:
+        await eng.client.start_flow("Again", "again")
+        info = await eng.client.wait_for_flow("again", 20)
+    assert info.status == "failed"
+    assert info.error is not None and info.error.startswith("Step Again-2 failed after 1 attempt(s)"), info.error
+
+
 def test_a_repeated_movement_reuses_its_resolved_options() -> None:
     """Each Step's options are resolved once per Flow and movement options, not at every movement."""
     assert task_options(FLOW, "Work", None) is task_options(FLOW, "Work", None)
