@@ -45,7 +45,7 @@ from dex_engine._limits import MAX_WORKER_ERRORS_PER_ATTEMPT, RENEW_RETRY_SECOND
 from dex_engine._records import HousekeepingReport
 from dex_engine._store import LOST_CLAIM_MS
 
-from .conftest import Engine, assert_paced, engine_for, history_has, wait_until
+from .conftest import FAST, Engine, assert_paced, engine_for, history_has, wait_until
 from .odd_values import UNSHOWABLE_SHOWN, Unshowable
 from .test_pure_execute import TRIES, called_from, quiet_engine
 
@@ -432,6 +432,113 @@ async def test_a_worker_declared_dead_stops_the_handlers_of_the_attempts_it_lost
         await wait_until("attempt 1's handler to be cancelled", lambda: asyncio.sleep(0, "attempt 1 cancelled" in log))
         assert log == ["attempt 1 runs", "attempt 1 cancelled"], log
         assert [f[:2] for f in failures(await eng.client.get_flow_history("l"))] == [("Tool-1", 1)]
+
+
+Owner: Attribute[str] = Attribute("Owner", str)
+
+
+@pytest.mark.parametrize("heals_first", ["renew_worker", "poll"])
+async def test_a_worker_cut_off_past_its_lease_gets_no_late_commit_in_and_stops_what_still_runs_once_it_learns(
+    db_url: str, heals_first: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Worker A runs two started attempts ("late", "stuck") when its link to the database goes
+    down (its polls and renewals fail; its commits are left working, as for one that comes back
+    just as its handler returns). Its lease runs out, worker B declares it dead, fails both
+    attempts as WorkerLost and runs them again. A's "late" handler then returns while B's attempt
+    2 still runs: A sends its commit, which the store refuses (E2), so the task, its attribute and
+    its history hold B's attempt only (the task row is the one A claimed, running again under B's
+    lease epoch: only the epoch tells the two apart). Then one of A's two ways back works before the other: its
+    renewal (refused: its row is gone) or its poll (its row gone, the attempt's task taken over);
+    either alone must cancel the "stuck" handler, whose attempt B has run meanwhile, rather than let
+    it run on, do its work a second time and commit. Catches the revoke dropped from the renewal
+    that finds the worker dead, or from the poll that finds an attempt's task taken over."""
+    log: list[str] = []
+    release_late, finish_retry, never = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def tool(ctx: Context, _: None) -> StepDecision:
+        await ctx.heartbeat("started")  # from here on a retry runs the tool again
+        log.append(f"{ctx.flow_id} attempt {ctx.attempt} runs")
+        try:
+            if ctx.attempt == 1:
+                await (release_late if ctx.flow_id == "late" else never).wait()
+            elif ctx.flow_id == "late":
+                await finish_retry.wait()
+        except asyncio.CancelledError:
+            log.append(f"{ctx.flow_id} attempt {ctx.attempt} cancelled")
+            raise
+        ctx.set(Owner, f"attempt {ctx.attempt}")
+        log.append(f"{ctx.flow_id} attempt {ctx.attempt} returns")
+        return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
+
+    registry = Registry([Flow("CutOff", [Step("Tool", tool, options=QUICK_RETRY)], start_step="Tool",
+                              schema=[Owner])])
+    async with engine_for(db_url, registry, worker=False) as eng:
+        a_store = open_store(db_url)  # A's own connections, which the cut takes down
+        down = {"poll", "renew_worker"}
+        cut = False
+
+        def through_the_link(name: str) -> None:
+            real = getattr(a_store, name)
+
+            async def call(*args: Any, **kwargs: Any) -> Any:
+                if cut and name in down:
+                    raise OSError("connection timed out")
+                return await real(*args, **kwargs)
+
+            monkeypatch.setattr(a_store, name, call)
+
+        through_the_link("poll")
+        through_the_link("renew_worker")
+
+        def flow_log(flow_id: str) -> list[str]:
+            return [entry for entry in log if entry.startswith(f"{flow_id} ")]
+
+        a_options = WorkerOptions(**{**FAST.__dict__, "database_url": db_url, "worker_id": "a",
+                                     "lease_ttl_seconds": 0.5, "lease_renew_seconds": 0.1})
+        try:
+            async with AsyncWorker(registry, a_options, store=a_store):
+                await eng.client.start_flow("CutOff", "late")
+                await eng.client.start_flow("CutOff", "stuck")
+                await wait_until("A to run both attempts", lambda: asyncio.sleep(0, len(log) == 2))
+                cut = True
+                await eng.start_worker(worker_id="b")  # housekeeps every 0.1 s
+                assert (await eng.client.wait_for_flow("stuck", 10)).status == "completed"
+                await wait_until("B to run late's attempt 2",
+                                 lambda: asyncio.sleep(0, "late attempt 2 runs" in log))
+
+                with caplog.at_level(logging.INFO, logger="dex_engine.worker"):
+                    release_late.set()
+                    await wait_until("A's late commit to be refused", lambda: asyncio.sleep(0, any(
+                        r.getMessage() == "flow late: Tool-1 attempt 1 lost its task (taken over, or the flow "
+                        "ended); result discarded" for r in caplog.records)))
+                info = await eng.client.describe_flow("late")
+                assert [(s.step_execution_id, s.state, s.attempt) for s in info.active_steps] == [
+                    ("Tool-1", "running", 2)], info
+                assert await eng.client.get_attribute("late", Owner) is None
+                finish_retry.set()
+                assert (await eng.client.wait_for_flow("late", 10)).status == "completed"
+
+                down.discard(heals_first)  # the other way to the database stays down
+                await wait_until("A to cancel stuck's attempt 1",
+                                 lambda: asyncio.sleep(0, "stuck attempt 1 cancelled" in log))
+                cut = False
+
+                async def a_registered() -> bool:
+                    return "a" in [w[0] for w in await eng.store.list_workers()]
+
+                await wait_until("A to register again", a_registered)
+        finally:
+            await a_store.close()
+        for flow_id in ("late", "stuck"):
+            assert await eng.client.flow_output(flow_id) == "attempt 2"
+            assert await eng.client.get_attribute(flow_id, Owner) == "attempt 2"
+            history = await eng.client.get_flow_history(flow_id)
+            assert [h.attempt for h in history if h.event_type == "execute_completed"] == [2], history
+            assert [(f[:2], "WorkerLost" in f[2]) for f in failures(history)] == [(("Tool-1", 1), True)], history
+        assert flow_log("late") == ["late attempt 1 runs", "late attempt 2 runs", "late attempt 1 returns",
+                                    "late attempt 2 returns"]
+        assert flow_log("stuck") == ["stuck attempt 1 runs", "stuck attempt 2 runs", "stuck attempt 2 returns",
+                                     "stuck attempt 1 cancelled"]
 
 
 async def test_a_failed_registration_after_being_declared_dead_is_tried_again(db_url: str) -> None:
