@@ -181,17 +181,19 @@ async def test_a_worker_id_in_use_by_a_live_worker_is_refused_at_start(db_url: s
 
 @pytest.mark.parametrize("takeover", ["made-again", "taken-in-place"])
 async def test_a_worker_whose_id_another_process_took_over_claims_nothing_and_leaves_its_row(
-    db_url: str, takeover: str, caplog: pytest.LogCaptureFixture,
+    db_url: str, takeover: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A worker whose ID another process took over claims nothing from then on, and at stop leaves
     the other process's row alone: when the row was removed and made again by that process (as
     when this one was declared dead while paused past its lease), which its next renewal finds;
     and when the row changed hands in place, which its very next poll or client commit finds, long
-    before the next renewal. It says so in one log line, however often it tries to register again.
-    Catches: two processes running under one ID, each taking the other's attempts for lost ones;
-    polls that checked only that the ID had a row, so the paused worker claimed under the other's
-    lease until its next renewal; the paused one's stop removing the other's row, whose running
-    attempts housekeeping then failed as a dead worker's; and a traceback logged at each try."""
+    before the next renewal. It says so in one log line, however often it tries to register again,
+    which it does at the renewal pace (the other's lease may run out). Catches: two processes
+    running under one ID, each taking the other's attempts for lost ones; polls that checked only
+    that the ID had a row, so the paused worker claimed under the other's lease until its next
+    renewal; the paused one's stop removing the other's row, whose running attempts housekeeping
+    then failed as a dead worker's; a traceback logged at each try; and tries made as fast as the
+    database answers them."""
     from dex_engine import AsyncClient, WorkerOptions
 
     ran: list[str] = []
@@ -203,6 +205,15 @@ async def test_a_worker_whose_id_another_process_took_over_claims_nothing_and_le
     registry = Registry([Flow("TakenOver", [Step("Start", start)], start_step="Start")])
     store = _sqlite_store.SqliteStore(db_url) if db_url.startswith("sqlite") else _pg_store.PostgresStore(db_url)
     renew = 0.1 if takeover == "made-again" else 1800.0  # in place: no renewal within the test
+    tries: list[float] = []  # the worker's registrations (the other process's are the test's)
+    real_register = store.register_worker
+
+    async def register_worker(worker_id: str, host: str, pid: int, ttl_ms: int) -> None:
+        if host != "other-host":
+            tries.append(time.monotonic())
+        await real_register(worker_id, host, pid, ttl_ms)
+
+    monkeypatch.setattr(store, "register_worker", register_worker)
     try:
         options = WorkerOptions(database_url=db_url, worker_id="paused", lease_ttl_seconds=3 * renew + 5,
                                 lease_renew_seconds=renew, housekeeping_seconds=0.1, poll_seconds=0.01)
@@ -217,6 +228,9 @@ async def test_a_worker_whose_id_another_process_took_over_claims_nothing_and_le
             await AsyncClient(registry, store=store).start_flow("TakenOver", "f")
             await asyncio.sleep(0.5)  # polls, a notification and housekeeping: none may claim it
             assert ran == []
+        if takeover == "made-again":
+            assert len(tries) >= 3, tries  # at start, then again each renewal period
+        assert_paced(tries[1:], renew)
         row = await store.raw(lambda db: db.one("SELECT host, pid FROM workers WHERE worker_id = 'paused'"))
         assert tuple(row) == ("other-host", 9)
         said = [r for r in caplog.records if r.name == "dex_engine.worker" and r.levelno >= logging.WARNING]
