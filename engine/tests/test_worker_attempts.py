@@ -115,14 +115,18 @@ async def test_cancelling_a_workers_run_task_stops_it_as_stop_does(db_url: str) 
         assert (await eng.client.describe_flow("c")).status == "completed"
         assert failures(await eng.client.get_flow_history("c")) == []
 
+@pytest.mark.parametrize("handler", ["stops", "returns anyway"])
 async def test_a_stopping_worker_cancels_what_outlasts_its_grace_and_the_attempt_runs_again(
-    db_url: str, caplog: pytest.LogCaptureFixture,
+    db_url: str, handler: str, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """stop() waits shutdown_grace_seconds for started attempts, then cancels their handlers and
     returns: a handler that never ends must not keep the worker from stopping. Its attempt, started,
     fails as this worker's lost attempt (E3) and runs again on the next worker. The history says the
     worker stopped past its grace, not that it died, and the worker warns naming the attempt and
-    the setting to change: an operator's SIGTERM must not read as a crash."""
+    the setting to change: an operator's SIGTERM must not read as a crash. A handler that catches
+    the cancellation and returns a result anyway (a broad `except BaseException`) gets nothing in:
+    its attempt was revoked, though it still owns its task in the database. Catches a revoke that
+    cancels the handler but does not mark the attempt revoked, so the worker commits what it returns."""
     log: list[str] = []
 
     async def tool(ctx: Context, _: None) -> StepDecision:
@@ -133,7 +137,8 @@ async def test_a_stopping_worker_cancels_what_outlasts_its_grace_and_the_attempt
                 await asyncio.sleep(3600)
             except asyncio.CancelledError:
                 log.append("attempt 1 cancelled")
-                raise
+                if handler == "stops":
+                    raise
         return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
 
     registry = Registry([Flow("Outlast", [Step("Tool", tool, options=QUICK_RETRY)], start_step="Tool")])
