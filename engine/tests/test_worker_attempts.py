@@ -35,6 +35,7 @@ from dex_engine import (
     StepDecision,
     StepOptions,
     Store,
+    Stream,
     Timer,
     Wait,
     WorkerOptions,
@@ -440,11 +441,12 @@ async def test_a_worker_declared_dead_stops_the_handlers_of_the_attempts_it_lost
 
 
 Owner: Attribute[str] = Attribute("Owner", str)
+Progress: Stream[str] = Stream("Progress", str)
 
 
-@pytest.mark.parametrize("heals_first", ["renew_worker", "poll"])
+@pytest.mark.parametrize("learns_from", ["renew_worker", "poll", "refused event"])
 async def test_a_worker_cut_off_past_its_lease_gets_no_late_commit_in_and_stops_what_still_runs_once_it_learns(
-    db_url: str, heals_first: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    db_url: str, learns_from: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Worker A runs two started attempts ("late", "stuck") when its link to the database goes
     down (its polls and renewals fail; its commits are left working, as for one that comes back
@@ -452,20 +454,25 @@ async def test_a_worker_cut_off_past_its_lease_gets_no_late_commit_in_and_stops_
     attempts as WorkerLost and runs them again. A's "late" handler then returns while B's attempt
     2 still runs: A sends its commit, which the store refuses (E2), so the task, its attribute and
     its history hold B's attempt only (the task row is the one A claimed, running again under B's
-    lease epoch: only the epoch tells the two apart). Then one of A's two ways back works before the other: its
-    renewal (refused: its row is gone) or its poll (its row gone, the attempt's task taken over);
-    either alone must cancel the "stuck" handler, whose attempt B has run meanwhile, rather than let
-    it run on, do its work a second time and commit. Catches the revoke dropped from the renewal
-    that finds the worker dead, or from the poll that finds an attempt's task taken over."""
+    lease epoch: only the epoch tells the two apart). Then A learns that the "stuck" attempt is
+    gone, whose retry B has run meanwhile, in one of three ways: its renewal works again before its
+    poll (refused: its row is gone), or its poll before its renewal (its row gone, the attempt's
+    task taken over), or, with both still down, the handler writes a stream event, which the store
+    refuses. Each alone must cancel the handler rather than let it run on, do its work a second
+    time and commit. Catches the revoke dropped from any of the three."""
     log: list[str] = []
-    release_late, finish_retry, never = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    release_late, finish_retry, write_now, never = asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     async def tool(ctx: Context, _: None) -> StepDecision:
         await ctx.heartbeat("started")  # from here on a retry runs the tool again
         log.append(f"{ctx.flow_id} attempt {ctx.attempt} runs")
         try:
-            if ctx.attempt == 1:
-                await (release_late if ctx.flow_id == "late" else never).wait()
+            if ctx.attempt == 1 and ctx.flow_id == "late":
+                await release_late.wait()
+            elif ctx.attempt == 1:
+                await write_now.wait()
+                ctx.write_event(Progress, "still working")
+                await never.wait()
             elif ctx.flow_id == "late":
                 await finish_retry.wait()
         except asyncio.CancelledError:
@@ -476,7 +483,7 @@ async def test_a_worker_cut_off_past_its_lease_gets_no_late_commit_in_and_stops_
         return StepDecision.graceful_complete(f"attempt {ctx.attempt}")
 
     registry = Registry([Flow("CutOff", [Step("Tool", tool, options=QUICK_RETRY)], start_step="Tool",
-                              schema=[Owner])])
+                              schema=[Owner, Progress])])
     async with engine_for(db_url, registry, worker=False) as eng:
         a_store = open_store(db_url)  # A's own connections, which the cut takes down
         down = {"poll", "renew_worker"}
@@ -523,7 +530,10 @@ async def test_a_worker_cut_off_past_its_lease_gets_no_late_commit_in_and_stops_
                 finish_retry.set()
                 assert (await eng.client.wait_for_flow("late", 10)).status == "completed"
 
-                down.discard(heals_first)  # the other way to the database stays down
+                if learns_from == "refused event":
+                    write_now.set()
+                else:
+                    down.discard(learns_from)  # the other way to the database stays down
                 await wait_until("A to cancel stuck's attempt 1",
                                  lambda: asyncio.sleep(0, "stuck attempt 1 cancelled" in log))
                 cut = False
@@ -544,6 +554,7 @@ async def test_a_worker_cut_off_past_its_lease_gets_no_late_commit_in_and_stops_
                                     "late attempt 2 returns"]
         assert flow_log("stuck") == ["stuck attempt 1 runs", "stuck attempt 2 runs", "stuck attempt 2 returns",
                                      "stuck attempt 1 cancelled"]
+        assert (await eng.client.read_stream("stuck", Progress)).events == []
 
 
 async def test_a_failed_registration_after_being_declared_dead_is_tried_again(db_url: str) -> None:
