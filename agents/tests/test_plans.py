@@ -858,7 +858,8 @@ class _CannotBuildUserMessages(PlanRunner):
 async def test_an_approval_whose_message_cannot_be_built_writes_no_plan_execution_started() -> None:
     """AwaitUserMessage taking an approval of a draft marks it active (plan_updated) and starts the
     executing turn, which fails in the same commit when the runner cannot build the approval message:
-    turn_started then turn_failed, and no plan_execution_started, which only a turn that runs writes."""
+    turn_started then turn_failed, and no plan_execution_started, which only a turn that runs writes.
+    The failed turn is the last turn, so AgentState keeps its executing mode (seed 002)."""
     flow = AgentSessionFlow(_CannotBuildUserMessages(), "P", PLAN_MODE_OPTIONS)
     steps = TurnSteps(runtime_of(flow))
     idle = AgentState(status=AgentStatus.WAITING_FOR_USER_MESSAGE, turn_count=1, active_turn_id=None,
@@ -873,8 +874,8 @@ async def test_an_approval_whose_message_cannot_be_built_writes_no_plan_executio
     assert [m.step_type for m in decision.movements] == [AWAIT_USER_MESSAGE]
     state = ctx.get(AGENT_STATE)
     assert state is not None
-    assert (state.active_turn_id, state.turn_count, state.last_turn_error) == (
-        None, 2, "build_user_message raised ValueError: cannot build")
+    assert (state.active_turn_id, state.turn_count, state.last_turn_error, state.interaction_mode) == (
+        None, 2, "build_user_message raised ValueError: cannot build", InteractionMode.EXECUTING)
     plan = ctx.get(AGENT_PLAN)
     assert plan is not None and (plan.revision, plan.status) == (DRAFT.revision, PlanStatus.ACTIVE)
     events = [msgspec.json.decode(data, type=AgentEvent) for _, _, data in ctx.writes.appends]
@@ -932,6 +933,29 @@ async def test_execute_plan_refuses_while_a_steered_message_or_an_interrupt_is_p
     accepted = RpcContext(flow, "s", clear, LoadOptions.all(), {}, "execute_plan")
     assert await execute_plan(accepted, ExecutePlanRequest(DRAFT.revision)) is True
     assert accepted.get(PENDING_PLAN_EXECUTION) == PlanExecutionRequest(DRAFT.revision)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+async def test_a_draft_left_from_when_plan_mode_was_on_starts_a_chat_turn_once_it_is_off(enabled: bool) -> None:
+    """A session that drafted a plan, now run by a Worker whose options turn plan mode off (a new
+    deployment): the next message starts a chat turn, as seed 002 gives a planning turn only while
+    plan mode is enabled; with it still on, the draft makes the turn a planning one."""
+    options = PLAN_MODE_OPTIONS if enabled else AgentSessionOptions()
+    flow = AgentSessionFlow(PlanRunner(), "P", options)
+    steps = TurnSteps(runtime_of(flow))
+    idle = AgentState(status=AgentStatus.WAITING_FOR_USER_MESSAGE, turn_count=1, active_turn_id=None,
+                      next_message_sequence=4, last_turn_error=None, interaction_mode=InteractionMode.PLANNING)
+    values: dict[tuple[str, str], Any] = {("AgentState", ""): idle, ("AgentPlan", ""): DRAFT}
+    wait = await steps.await_user_message_wait(step_context(flow, AWAIT_USER_MESSAGE, values), None)
+    conditions = len(wait.spec().conditions)
+    queued = ConsumedMessage(1, msgspec.Raw(msgspec.json.encode(AgentUserMessage("go on"))))
+    # The queued message is the second condition, after the turn control wake.
+    outcome = WaitOutcome(satisfied=(1,), consumed=((), (queued,), *[()] * (conditions - 2)))
+    ctx = step_context(flow, AWAIT_USER_MESSAGE, values, (wait, outcome))
+    await steps.await_user_message(ctx, None)
+    state = ctx.get(AGENT_STATE)
+    assert state is not None and state.active_turn_id == "turn-2"
+    assert state.interaction_mode is (InteractionMode.PLANNING if enabled else InteractionMode.CHAT)
 
 
 async def test_a_message_the_waiting_session_took_still_counts_as_queued(tmp_path: Path) -> None:
