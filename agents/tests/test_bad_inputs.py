@@ -95,7 +95,7 @@ from dex_agents._constants import (
     REJECTION_MESSAGE_NOT_STORED,
     TIGHTER_NOTE_FIELD_CHARS,
 )
-from dex_agents._policy import CANCELLED_NOTE_HEADER
+from dex_agents._policy import CANCELLED_NOTE_HEADER, TURN_FAILURE_NOTE_HEADER
 from dex_agents._runtime import ValueTooLarge, with_unrecorded_usage
 from dex_agents._session_settings import session_settings_error, session_settings_size, validate_session_settings
 from dex_agents._timefmt import format_time
@@ -1293,6 +1293,33 @@ async def test_a_turn_error_that_is_not_a_str_is_recorded_as_its_text() -> None:
     events = [msgspec.json.decode(data) for _, _, data in ctx.writes.appends]
     assert [(e["type"], json.loads(e["payload"])) for e in events][-1] == (
         "turn_failed", {"error": "the quota is used up"})
+
+
+class _BreachingAfterAReadRunner(_FailingAfterAReadRunner):
+    """After its read call, a model call whose outcome breaks the contract (a dict)."""
+
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome:
+        return {"answer": "hi"}  # type: ignore[return-value]
+
+
+async def test_a_contract_breach_after_a_call_stores_the_unfinished_messages_then_the_note() -> None:
+    """A contract breach that ends the turn in RunModel's commit ends it as RecordTurnFailure would:
+    the runner's unfinished-turn messages (the transcript of the call that ran), then the note.
+    Catches: the breach storing the note alone, so the runner's own record of the turn is lost."""
+    flow = AgentSessionFlow(_BreachingAfterAReadRunner(7), "Breach")
+    ctx = step_context(flow, "RunModel", {
+        ("AgentState", ""): running_turn(), ("FrameworkRunState", ""): "asked",
+        ("AgentToolCalls", "c1"): tool_call(AgentToolCallStatus.SUCCEEDED, tool_name="read_x", output="found"),
+    })
+    decision = await TurnSteps(runtime_of(flow)).run_model(ctx, None)
+    assert [m.step_type for m in decision.movements] == ["AwaitUserMessage"]
+    state = ctx.get(AGENT_STATE)
+    assert state is not None and (state.active_turn_id, state.next_message_sequence) == (None, 4)
+    assert state.last_turn_error == f"run_model_step returned a dict; {_OUTCOME_KINDS}"
+    unfinished, note = (ctx.get(AGENT_MESSAGES[message_sequence_key(sequence)]) for sequence in (2, 3))
+    assert unfinished is not None and (unfinished.role, unfinished.text) == (MessageRole.ASSISTANT, "x" * 7)
+    assert note is not None and note.role is MessageRole.USER and note.text is not None
+    assert note.text.startswith(TURN_FAILURE_NOTE_HEADER) and "read_x {} -> succeeded: found" in note.text
 
 
 async def test_runner_contract_breach_fails_the_turn_without_retry(tmp_path: Path) -> None:
