@@ -1378,6 +1378,38 @@ async def test_a_compaction_contract_breach_fails_the_turn(
             ] == [1]
 
 
+class KeepsItsTurn(CutoffAtTheSummary):
+    """CutoffAtTheSummary that keeps each turn context its compaction questions were given."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.turns: list[AgentTurnContext] = []
+
+    def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
+        self.turns.append(turn)
+        return super().estimate_input_tokens(turn)
+
+
+async def test_run_model_moving_to_compact_context_closes_the_writer_its_runner_was_given() -> None:
+    """RunModel that moves to CompactContext closes the turn's event writer, as after a model call:
+    a write through it once RunModel returned is dropped (seed 003: "writes after the call returns
+    are dropped"), not appended to the AgentEvents of an attempt that made no model call."""
+    from dex_agents._turn_steps import TurnSteps
+
+    flow, _ = compaction_flow("KeepsItsTurnAgent", answer, window=500, runner=KeepsItsTurn)
+    written: list[bytes] = []
+    ctx = step_context(flow, RUN_MODEL, {
+        ("AgentState", ""): running_turn(), (AGENT_MESSAGES.name, message_sequence_key(1)): message(1),
+    }, write_event=lambda _name, data: written.append(data))
+    decision = await TurnSteps(runtime_of(flow)).run_model(ctx, None)
+    assert [m.step_type for m in decision.movements] == [COMPACT_CONTEXT]
+    runner = flow.runner
+    assert isinstance(runner, KeepsItsTurn)
+    [turn] = runner.turns
+    turn.events.write_text_delta("late")
+    assert turn.events.closed and written == []
+
+
 class SummaryOfText(CutoffAtTheSummary):
     async def summarize_context(self, request: ContextSummaryRequest) -> ContextSummaryResult:
         return "the summary"  # type: ignore[return-value]
