@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 from agents.tests.built_context import step_context
 from agents.tests.builtin_agent import InProcessEngine, scripted_flow
 from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F401 - the fixtures used here
@@ -149,6 +150,39 @@ def test_raising_thousands_of_approvals_encodes_pending_interrupts_a_few_times_n
         assert len(sets) <= 2
         stored = ctx.get(PENDING_INTERRUPTS)
         assert stored is not None and stored[1:] == raised and len(raised) + len(unfit) == count
+
+
+def _sized(n: int, size: int) -> AgentInterrupt:
+    """Interrupt n whose JSON is exactly `size` bytes."""
+    return _interrupt(n, size - len(msgspec.json.encode(_interrupt(n, 0))))
+
+
+@pytest.mark.parametrize("over", [0, 1])
+def test_interrupts_raised_on_an_empty_list_count_its_brackets_and_commas_to_the_byte(over: int) -> None:
+    """With none pending, the sum of sizes counts the brackets once and a comma between each two: a
+    list of exactly MAX_VALUE_BYTES is raised whole, and one byte over leaves out the call that does
+    not fit, found in two sets of PendingInterrupts (no set per interrupt). Catches: the fit decided
+    a byte off at the limit, or the commas missed until the store falls back to a set per interrupt."""
+    flow, _ = scripted_flow(fan_out, tools=[fan_write])
+    third = (MAX_VALUE_BYTES - 4) // 3  # three interrupts: 2 brackets and 2 commas
+    first, second = _sized(0, third), _sized(1, third)
+    last = _sized(2, MAX_VALUE_BYTES - 4 - 2 * third + over)
+    small = _sized(3, 1000)  # fits beside the first two, never beside all three: the first set fails
+    ctx = step_context(flow, RUN_MODEL, {("PendingInterrupts", ""): []})
+    sets: list[int] = []
+    original = ctx.set
+
+    def counting_set(ref: Any, value: Any) -> None:
+        sets.append(len(value))
+        original(ref, value)
+
+    ctx.set = counting_set  # type: ignore[method-assign]
+    raised, unfit = _store_interrupts(ctx, [first, second, last, small])
+    expected, left_out = ([first, second, last], small) if over == 0 else ([first, second, small], last)
+    assert (raised, list(unfit)) == (expected, [left_out.tool_call_id])
+    assert ctx.get(PENDING_INTERRUPTS) == expected and len(sets) == 2
+    if over == 0:
+        assert len(msgspec.json.encode(expected)) == MAX_VALUE_BYTES
 
 
 def test_the_approvals_raised_past_the_value_limit_are_those_the_engine_check_keeps() -> None:
