@@ -1251,6 +1251,26 @@ def test_the_no_compaction_warning_needs_deleted_messages_and_a_model_call(
                          f"summary"] if warned else [])
 
 
+async def test_a_turn_failure_logs_no_warning_meant_for_a_model_call(caplog: pytest.LogCaptureFixture) -> None:
+    """The warning that a runner without compaction gets no deleted messages is for a model call's
+    input: RecordTurnFailure, which builds the turn's context only for the runner's unfinished-turn
+    messages, logs none (as RunModel ending a turn before its call, which shares that path)."""
+    from dex_agents._turn_steps import TurnSteps
+
+    flow, _ = compaction_flow("PlainAgent", answer, window=500)
+    plain = AgentSessionFlow(PlainRunner(flow.runner), "PlainAgent", replace(flow.options, compaction=None))
+    index = AgentMessageIndex(chunks=[], first_sequence=2, window_first_sequence=2)
+    ctx = step_context(plain, "RecordTurnFailure", {
+        ("AgentState", ""): running_turn(next_message_sequence=4), (AGENT_MESSAGE_INDEX.name, ""): index,
+        **{(AGENT_MESSAGES.name, message_sequence_key(sequence)): message(sequence) for sequence in (2, 3)},
+    })
+    with caplog.at_level(logging.WARNING, logger="dex_agents.session"):
+        await TurnSteps(runtime_of(plain)).record_turn_failure(ctx, None)
+    state = ctx.get(AGENT_STATE)
+    assert state is not None and (state.active_turn_id, state.last_turn_error) == (None, "the model call failed")
+    assert [r.getMessage() for r in caplog.records if "ContextCompactionRunner" in r.getMessage()] == []
+
+
 class BrokenEstimate(BuiltinLoopAgentRunner):
     def estimate_input_tokens(self, turn: AgentTurnContext) -> int:
         return "a lot"  # type: ignore[return-value]
