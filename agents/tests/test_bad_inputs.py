@@ -67,14 +67,17 @@ from dex_agents import (
     AgentUserMessage,
     AnswerQuestionRequest,
     BuiltInTool,
+    CancelTurnRequest,
     DeferredToolCall,
     DeferredToolExecution,
+    DeleteQueuedMessageRequest,
     ExecutePlanRequest,
     FrameworkMessage,
     InterruptKind,
     ListAgentMessagesRequest,
     MessageRole,
     ResolveInterruptRequest,
+    SteerUserMessageRequest,
     ToolCallsRequested,
     ToolEffect,
     ToolExecutionResult,
@@ -1967,7 +1970,8 @@ async def test_session_client_calls_refuse_text_that_is_not_a_str(tmp_path: Path
 async def test_start_flow_with_invalid_settings_force_fails_the_session(tmp_path: Path) -> None:
     """A start input sent with AsyncClient.start_flow, past the client's check: settings over the
     session's limit force-fail the flow with the seed's reason and store nothing; settings within the
-    tolerance are accepted; settings that are not an object are refused by the input type."""
+    tolerance are accepted; settings that are not an object, and an initial message that is not
+    text, are refused by the input type."""
     async with in_process(tmp_path, build_flow(tmp_path)) as engine:
         client, flow_type = engine.client, engine.flow.flow_type
         session_limit = MAX_SESSION_SETTINGS_BYTES + SESSION_SETTINGS_SIZE_TOLERANCE_BYTES
@@ -1983,6 +1987,9 @@ async def test_start_flow_with_invalid_settings_force_fails_the_session(tmp_path
         with pytest.raises(InvalidValueError, match="session_settings"):
             await client.start_flow(flow_type, "a-list", AgentSessionStartInput(session_settings=[1]))  # type: ignore[arg-type]
         assert not await client.exists("a-list")
+        with pytest.raises(InvalidValueError, match=r"\$\.initial_message"):
+            await client.start_flow(flow_type, "a-number", AgentSessionStartInput(initial_message=5))  # type: ignore[arg-type]
+        assert not await client.exists("a-number")
 
         tolerated = _settings_of_size(session_limit)
         await client.start_flow(flow_type, "s", AgentSessionStartInput(initial_message="first",
@@ -2143,6 +2150,17 @@ async def test_rpc_request_of_the_wrong_type_commits_nothing(tmp_path: Path) -> 
             ("send_user_message", AgentUserMessage(5), "$.text"),  # type: ignore[arg-type]
             ("send_user_message", AgentUserMessage("hi", plan_mode="no"), "$.plan_mode"),  # type: ignore[arg-type]
             ("list_agent_messages", ListAgentMessagesRequest(limit="5"), "$.limit"),  # type: ignore[arg-type]
+            # Each field of every other request, of a kind its handler never reads: refused by its
+            # type, not answered False (or failing in the handler) as if it were a refusal.
+            ("list_agent_messages", ListAgentMessagesRequest(before_sequence="5"), "$.before_sequence"),  # type: ignore[arg-type]
+            ("resolve_interrupt", ResolveInterruptRequest("w1", False, 5), "$.rejection_message"),  # type: ignore[arg-type]
+            ("answer_question", AnswerQuestionRequest("w1", 5), "$.answer"),  # type: ignore[arg-type]
+            ("answer_question", AnswerQuestionRequest(5, "yes"), "$.interrupt_id"),  # type: ignore[arg-type]
+            ("execute_plan", ExecutePlanRequest("1"), "$.revision"),  # type: ignore[arg-type]
+            ("steer_user_message", SteerUserMessageRequest(text=5), "$.text"),  # type: ignore[arg-type]
+            ("steer_user_message", SteerUserMessageRequest(message_id=5), "$.message_id"),  # type: ignore[arg-type]
+            ("delete_queued_message", DeleteQueuedMessageRequest(5), "$.message_id"),  # type: ignore[arg-type]
+            ("cancel_turn", CancelTurnRequest(5), "$.turn_id"),  # type: ignore[arg-type]
         ]
         for name, request, where in wrong:
             with pytest.raises(InvalidValueError) as caught:
