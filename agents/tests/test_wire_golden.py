@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone
@@ -292,6 +293,15 @@ def test_decodes_the_seed_json(case: Golden) -> None:
     assert msgspec.json.decode(case.json_text, type=type(case.value)) == case.value
 
 
+@pytest.mark.parametrize("case", GOLDEN, ids=[g.name for g in GOLDEN])
+def test_wire_values_are_immutable(case: Golden) -> None:
+    """A wire value cannot be changed in place: a stored chunk is shared by every reader of it rather
+    than copied for each, so a change by one reader would show in every other's."""
+    field = msgspec.structs.fields(case.value)[0].name
+    with pytest.raises(AttributeError):
+        setattr(case.value, field, getattr(case.value, field))
+
+
 def test_every_wire_struct_has_a_golden_case() -> None:
     """A wire type added to _wire.py without a golden case fails here, and __all__ exports every one."""
     structs = {
@@ -488,6 +498,23 @@ def test_missing_required_field_is_refused() -> None:
                             type=AgentState)
     with pytest.raises(msgspec.ValidationError, match="deferral_order"):
         msgspec.json.decode(TOOL_CALL_JSON.replace('"deferral_order":2,', ""), type=AgentToolCall)
+
+
+@pytest.mark.parametrize(("cls", "json_text", "where"), [
+    (AgentState, STATE_JSON.replace('"turn_count":2', '"turn_count":null'), "$.turn_count"),
+    (AgentToolCall, TOOL_CALL_JSON.replace('"task_poll_interval_seconds":30', '"task_poll_interval_seconds":1.5'),
+     "$.task_poll_interval_seconds"),
+    (AgentInterrupt, INTERRUPT_JSON.replace('"choices":["yes","no"]', '"choices":["yes",2]'), "$.choices[1]"),
+    (AgentUserMessage, USER_MESSAGE_JSON.replace('"text":"hello"', '"text":null'), "$.text"),
+    (AnswerQuestionRequest, r'{"interrupt_id":"c1-input-1","answer":7}', "$.answer"),
+], ids=["turn_count-null", "poll-interval-fraction", "choice-number", "text-null", "answer-number"])
+def test_a_field_of_a_kind_the_seed_does_not_give_is_refused(
+    cls: type[msgspec.Struct], json_text: str, where: str
+) -> None:
+    """Decoding checks each field's kind as the seed gives it, naming the field: null only where the
+    seed writes "| null", whole seconds as an int, choices and text as strings."""
+    with pytest.raises(msgspec.ValidationError, match=re.escape(where)):
+        msgspec.json.decode(json_text, type=cls)
 
 
 # Events ------------------------------------------------------------------------------------------
