@@ -85,6 +85,7 @@ from dex_agents import (
     ToolPolicy,
     TurnCompleted,
     TurnContinued,
+    TurnSessionSettings,
     UpdateSessionSettingsRequest,
     _builtin_steps,
     _tool_steps,
@@ -1296,6 +1297,35 @@ async def test_a_turn_error_that_is_not_a_str_is_recorded_as_its_text() -> None:
     events = [msgspec.json.decode(data) for _, _, data in ctx.writes.appends]
     assert [(e["type"], json.loads(e["payload"])) for e in events][-1] == (
         "turn_failed", {"error": "the quota is used up"})
+
+
+class _SeesSettings(_EndsWithTurnError):
+    """Keeps the session settings each model call is given."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.seen: list[dict[str, Any]] = []
+
+    async def run_model_step(self, turn: AgentTurnContext) -> AgentTurnOutcome:
+        self.seen.append(turn.session_settings)
+        return await super().run_model_step(turn)
+
+
+@pytest.mark.parametrize(("copied_for", "expected"), [("turn-1", {"model": "a"}), ("turn-0", {})])
+async def test_a_model_call_gets_the_settings_its_turn_started_with_not_a_later_update(
+    copied_for: str, expected: dict[str, Any]
+) -> None:
+    """update_session_settings during a turn applies from the next turn (seed 002): the turn's model
+    calls get TurnSessionSettings, the copy its start took, not the newer SessionSettings; a copy
+    tagged with another turn reads as {}."""
+    runner = _SeesSettings()
+    flow = AgentSessionFlow(runner, "Settings")
+    ctx = step_context(flow, "RunModel", {
+        ("AgentState", ""): running_turn(), ("SessionSettings", ""): {"model": "b"},
+        ("TurnSessionSettings", ""): TurnSessionSettings(turn_id=copied_for, session_settings={"model": "a"}),
+    })
+    await TurnSteps(runtime_of(flow)).run_model(ctx, None)
+    assert runner.seen == [expected]
 
 
 class _BreachingAfterAReadRunner(_FailingAfterAReadRunner):
