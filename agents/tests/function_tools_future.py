@@ -7,6 +7,7 @@ when building `__required_keys__`, and take every key's required-ness from the c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, NotRequired, Required, TypedDict
 
 
@@ -31,3 +32,16 @@ class FutureChild(FutureBase):
     child_required: int
     child_optional: NotRequired[str]
     described: Annotated[NotRequired[int], "how many"]
+
+
+@dataclass
+class FutureRange:
+    """Named in no other module: only this module's namespace resolves the hint `FutureRange`."""
+
+    start: int
+    end: int
+
+
+def future_count(window: FutureRange) -> str:
+    """Count the orders in a window."""
+    return str(window.end - window.start)

@@ -20,12 +20,12 @@ from dataclasses import InitVar, dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, NotRequired, Optional, Required, TypedDict
 
 import pytest
-from agents.tests.function_tools_future import FutureChild, FutureFilters, FutureOptions
+from agents.tests.function_tools_future import FutureChild, FutureFilters, FutureOptions, future_count
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dex_agents import ToolEffect, ToolExecutionError, ToolOutcomeUnknownError, ToolPolicy
-from dex_agents._constants import ARGUMENTS_TOO_DEEP
+from dex_agents._constants import ARGUMENTS_TOO_DEEP, SHOWN_VALUE_CHARS
 from dex_agents.builtin_loop import ModelToolDefinition
 from dex_agents.builtin_loop._function_tools import FunctionTool, ToolCallContext, function_tool
 from dex_engine import RetryAfterError
@@ -1417,3 +1417,170 @@ def test_definition_schema_is_a_copy() -> None:
     assert tool.parameters_schema == {
         "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False,
     }
+
+
+def test_null_for_a_required_parameter_is_a_schema_violation_even_for_a_write() -> None:
+    """`null` means absent only for a member with a default: for a required one it is a wrong value, refused
+    before the call, so a write that may not repeat never runs and fails as bad arguments, not outcome_unknown."""
+    calls: list[int] = []
+
+    @function_tool(effect=ToolEffect.NON_IDEMPOTENT_WRITE)
+    def refund(amount_cents: int) -> str:
+        calls.append(amount_cents)
+        return "ok"
+
+    with pytest.raises(ToolExecutionError) as caught:
+        run(refund, {"amount_cents": None}, ToolEffect.NON_IDEMPOTENT_WRITE)
+    assert caught.value.message == "invalid arguments for refund: parameter 'amount_cents': expected integer, got null"
+    assert calls == []
+
+
+def test_null_for_a_described_optional_parameter_is_a_real_none() -> None:
+    """`Annotated[int | None, "..."]` admits None like `int | None`: null is a value, not absence."""
+    received: list[int | None] = []
+
+    @function_tool
+    def page(cursor: Annotated[int | None, "Where to start; null for the first page."] = 5) -> str:
+        received.append(cursor)
+        return "ok"
+
+    run(page, {"cursor": None})
+    run(page, {})
+    assert received == [None, 5]
+
+
+def test_null_for_a_literal_parameter_admitting_none_is_a_real_none() -> None:
+    """A `Literal[..., None]` admits None: null is that value, not absence, even with another default."""
+    received: list[str | None] = []
+
+    @function_tool
+    def sort(order: Literal["asc", "desc", None] = "asc") -> str:
+        received.append(order)
+        return "ok"
+
+    run(sort, {"order": None})
+    run(sort, {})
+    assert received == [None, "asc"]
+
+
+def test_enum_with_a_boolean_value_is_refused() -> None:
+    """JSON Schema's booleans are no integers, so an Enum valued True is not offered as 1."""
+
+    class Switch(enum.Enum):
+        ON = True
+
+    with pytest.raises(TypeError, match=r"Switch.ON has value True; Enum values must be str or int"):
+        capturing_tool(Switch)
+
+
+def test_prepare_arguments_tool_execution_error_keeps_its_own_message() -> None:
+    """A ToolExecutionError from prepare_arguments is already written for the model: its message follows
+    the prefix as it is, not wrapped as a failure of prepare_arguments."""
+
+    def refuse(arguments: dict[str, Any]) -> dict[str, Any]:
+        raise ToolExecutionError("cents must be digits; send amount_cents instead")
+
+    @function_tool(prepare_arguments=refuse)
+    def refund(amount_cents: int) -> str:
+        return "ok"
+
+    with pytest.raises(ToolExecutionError) as caught:
+        run(refund, {"cents": "lots"})
+    assert caught.value.message == "invalid arguments for refund: cents must be digits; send amount_cents instead"
+
+
+def test_callable_object_gets_no_description_from_its_class_docstring() -> None:
+    """A callable object's docstring describes its class, not the tool: the description is empty."""
+
+    class Lookup:
+        """Holds a database connection."""
+
+        def __call__(self, order_id: str) -> str:
+            return order_id
+
+    assert FunctionTool(Lookup(), name="lookup").description == ""
+
+
+def test_a_long_refused_value_is_shortened_in_the_error() -> None:
+    """The error quotes a refused value only in part, so a huge argument does not flood the model's context."""
+
+    @function_tool
+    def paint(color: Literal["red", "green"]) -> str:
+        return color
+
+    with pytest.raises(ToolExecutionError) as caught:
+        run(paint, {"color": "x" * 10_000})
+    shown = json.dumps("x" * 10_000)[: SHOWN_VALUE_CHARS - 3] + "..."
+    assert caught.value.message == (
+        f"invalid arguments for paint: parameter 'color': expected one of \"red\", \"green\", got {shown}"
+    )
+
+
+def test_a_non_object_for_a_dataclass_parameter_is_a_schema_violation() -> None:
+    """A dataclass parameter given a scalar fails as bad arguments naming the class, never as a crash."""
+    tool, received = capturing_tool(Address)
+    for value, kind in ((7, "integer"), ("Main 1", "string"), ([], "array")):
+        with pytest.raises(ToolExecutionError) as caught:
+            run(tool, {"value": value}, ToolEffect.NON_IDEMPOTENT_WRITE)
+        assert caught.value.message == (
+            f"invalid arguments for probe: parameter 'value': expected object (Address), got {kind}"
+        )
+    assert received == []
+
+
+def test_literal_of_an_int_enum_member_is_refused() -> None:
+    """An IntEnum member is an int, yet the Enum type is the way to offer it: the error says so."""
+    with pytest.raises(TypeError, match=r"is an Enum member; use the Enum type"):
+        capturing_tool(Literal[Priority.HIGH])
+
+
+def test_enum_without_members_is_refused() -> None:
+    """An empty Enum would offer `enum: []`, which no argument can satisfy: the tool is refused at definition."""
+
+    class Nothing(enum.Enum):
+        pass
+
+    with pytest.raises(TypeError, match=r"Nothing has no members"):
+        capturing_tool(Nothing)
+
+
+def test_a_decorated_function_resolves_its_hints_in_the_module_that_defined_it() -> None:
+    """A decorator's wrapper carries the function's postponed hints, but its globals are the decorator's module:
+    the hints resolve where the function was written, so a type imported only there still works."""
+
+    def logged(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    tool = FunctionTool(logged(future_count), effect=ToolEffect.READ)
+    assert tool.parameters_schema["properties"]["window"]["required"] == ["start", "end"]
+    assert run(tool, {"window": {"start": 2, "end": 7}}, ToolEffect.READ) == "5"
+
+
+def test_a_partial_over_a_partial_it_cannot_flatten_is_a_tool_of_the_innermost_function() -> None:
+    """A partial with attributes of its own is kept whole by the partial around it: every layer's
+    keywords stay unoffered, and name, docstring and hints come from the innermost function."""
+    inner = functools.partial(search_catalogue, Opaque(), exact=True)
+    inner.source = "catalogue v2"  # type: ignore[attr-defined]  # a __dict__ stops partial() flattening it
+    outer = functools.partial(inner, limit=3)
+    assert outer.func is inner
+    tool = function_tool(outer)
+    assert (tool.name, tool.description) == ("search_catalogue", "Search the catalogue.")
+    assert set(tool.parameters_schema["properties"]) == {"query"}
+    assert run(tool, {"query": "lamps"}) == "Opaque lamps 3 True"
+
+
+def test_a_value_no_alternative_of_its_json_type_accepts_names_each_reason() -> None:
+    """When several alternatives of a union take the value's JSON type and all refuse it, the error gives
+    each one's reason, so the model sees what every alternative expected."""
+    tool, received = capturing_tool(Priority | Literal[10])
+    with pytest.raises(ToolExecutionError) as caught:
+        run(tool, {"value": 7})
+    assert caught.value.message == (
+        "invalid arguments for probe: parameter 'value': matches none of one of 1, 2 or one of 10"
+        " (value: expected one of 1, 2, got 7; value: expected one of 10, got 7)"
+    )
+    assert received == []
