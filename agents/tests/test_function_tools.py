@@ -783,8 +783,14 @@ async def test_unencodable_result_follows_the_effect_rule() -> None:
         await invoke(produce, {}, ToolEffect.NON_IDEMPOTENT_WRITE)
 
 
+@dataclass
+class Reading:
+    value: float
+
+
 @pytest.mark.parametrize("result", [
     {"ratio": math.nan}, [1.0, math.inf], {"deep": [{"limit": -math.inf}]}, math.nan,
+    Reading(math.nan), {"readings": [Reading(math.inf)]},  # msgspec encodes dataclasses too
 ])
 async def test_a_result_holding_nan_or_infinity_follows_the_effect_rule(result: object) -> None:
     """NaN and infinities, which JSON cannot hold, fail the call like any unencodable result.
@@ -1584,3 +1590,27 @@ def test_a_value_no_alternative_of_its_json_type_accepts_names_each_reason() -> 
         " (value: expected one of 1, 2, got 7; value: expected one of 10, got 7)"
     )
     assert received == []
+
+
+def test_an_empty_description_is_kept_over_the_docstring() -> None:
+    """`description=""` is a choice (the docstring is for developers), not a request for the default."""
+
+    @function_tool(description="")
+    def lookup(order_id: str) -> str:
+        """Internal: hits the replica, see RUNBOOK.md."""
+        return order_id
+
+    assert lookup.description == ""
+
+
+def test_an_explicit_parameters_schema_is_copied_at_definition() -> None:
+    """Changing the caller's schema afterwards, nested parts included, leaves the tool's definition as defined."""
+    schema: dict[str, Any] = {"type": "object", "properties": {"order_id": {"type": "string"}}}
+
+    @function_tool(parameters_schema=schema)
+    def lookup(order_id: str) -> str:
+        return order_id
+
+    schema["properties"]["order_id"]["type"] = "integer"
+    schema["properties"]["extra"] = {"type": "string"}
+    assert lookup.definition().parameters_schema == {"type": "object", "properties": {"order_id": {"type": "string"}}}
