@@ -566,3 +566,62 @@ async def test_a_model_client_building_a_bad_item_fails_the_turn_after_one_call(
     assert done.state is not None and done.state.last_turn_error is not None
     assert "ModelOutputItem.tool_call must be a ModelToolCall or None" in done.state.last_turn_error
     assert len(calls) == 1
+
+
+async def test_a_failed_turn_stores_its_calls_result_though_an_earlier_turn_used_its_id(tmp_path: Path) -> None:
+    """Providers number each response's calls from call_0, so a call of turn 2 may have the ID of an
+    answered call of turn 1. When turn 2 fails after its call ran, its result is stored as the call's
+    own outcome. Catches (mutant: build_unfinished_turn_messages counting results of every turn as
+    answered): no result stored for turn 2's call, and the next model call saw "outcome unknown" for a
+    lookup that succeeded."""
+
+    def respond(request: ModelRequest) -> ScriptedModelReply:
+        texts = ScriptedModelClient.user_texts(request)
+        if texts[-1] == "third":
+            return ScriptedModelReply(text="ok")
+        results = ScriptedModelClient.tool_results(request)  # those after the last user text
+        if texts[-1] == "first" and results:
+            return ScriptedModelReply(text="A-1 shipped")
+        if texts[-1] == "second" and results:  # '/' in the ID fails the turn in RunModel's commit
+            return ScriptedModelReply(tool_calls=[ScriptedToolCall("lookup_order", {"order_id": "B-2"},
+                                                                   tool_call_id="call/1")])
+        order = "A-1" if texts[-1] == "first" else "B-2"
+        return ScriptedModelReply(tool_calls=[ScriptedToolCall("lookup_order", {"order_id": order},
+                                                               tool_call_id="call_0")])
+
+    flow, model = scripted_flow(respond)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "first")
+        await _turns_done(sessions, "s", 1)
+        await sessions.send_user_message("s", "second")
+        failed = await _turns_done(sessions, "s", 2)
+        assert failed.state is not None and "'call/1' contains '/'" in (failed.state.last_turn_error or "")
+        await sessions.send_user_message("s", "third")
+        await _turns_done(sessions, "s", 3)
+    results = [(r.tool_call_id, r.output) for r in model.requests[-1].input if isinstance(r, ToolResultInput)]
+    assert [(i, json.loads(o)["order_id"]) for i, o in results] == [("call_0", "A-1"), ("call_0", "B-2")]
+
+
+async def test_results_reach_the_model_in_the_order_of_its_calls(tmp_path: Path) -> None:
+    """The results of one response's calls follow them in the order the model made the calls, not
+    in the order of their IDs. Catches (mutant: pending results sorted by tool call ID instead of
+    deferral order): the model got "zz-first"'s result after "aa-second"'s."""
+
+    def respond(request: ModelRequest) -> ScriptedModelReply:
+        if ScriptedModelClient.tool_results(request):
+            return ScriptedModelReply(text="done")
+        return ScriptedModelReply(tool_calls=[
+            ScriptedToolCall("lookup_order", {"order_id": "A-1"}, tool_call_id="zz-first"),
+            ScriptedToolCall("lookup_order", {"order_id": "B-2"}, tool_call_id="aa-second"),
+        ])
+
+    flow, model = scripted_flow(respond)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        await engine.sessions().start_session("s", "look both up")
+        done = await _turns_done(engine.sessions(), "s", 1)
+    results = [r.tool_call_id for r in model.requests[-1].input if isinstance(r, ToolResultInput)]
+    assert results == ["zz-first", "aa-second"]
+    assert [m.tool_call_id for m in done.messages if m.role is MessageRole.TOOL] == ["zz-first", "aa-second"]
