@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import logging
 import re
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from agents.tests.builtin_agent import InProcessEngine, lookup_order, scripted_f
 from agents.tests.compaction_agent import FILLER
 
 from dex_agents import (
+    OUTCOME_UNKNOWN_TEXT,
     AgentEventWriter,
     AgentMessage,
     AgentSessionClient,
@@ -38,6 +40,7 @@ from dex_agents.builtin_loop import (
     BuiltinLoopAgentRunner,
     ContinueTurn,
     InstructionContext,
+    ModelInputItem,
     ModelOutputItem,
     ModelOutputWriter,
     ModelRequest,
@@ -52,6 +55,7 @@ from dex_agents.builtin_loop import (
     TurnContinuationContext,
     UserTextInput,
     _items,
+    _loop_runner,
     builtin_agent_session_flow,
     builtin_agent_session_options,
     function_tool,
@@ -660,3 +664,56 @@ async def test_a_turn_compacted_as_it_runs_stores_each_calls_result_once(tmp_pat
     assert done.state is not None and done.state.last_turn_error is None and done.context_summary is not None
     results = [m.tool_call_id for m in page.messages if m.role is MessageRole.TOOL]
     assert len(results) == calls and len(set(results)) == calls, results
+
+
+async def test_bad_arguments_in_a_whole_response_are_not_blamed_on_the_token_limit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call whose arguments are not a JSON object in a response the token limit did not cut fails for
+    its arguments alone: no warning tells the operator to raise max_output_tokens. Catches (mutant: the
+    calls with bad arguments taken as cut whatever the finish reason): a warning "cut at its token limit
+    (finish_reason None)" sent the operator after a limit that was never reached."""
+
+    class BadArguments:
+        def estimate_input_tokens(self, request: ModelRequest) -> int:
+            return 1
+
+        async def call_model(self, request: ModelRequest, output: ModelOutputWriter) -> ModelResponse:
+            if ScriptedModelClient.tool_results(request):
+                text = ModelOutputItem("scripted", OutputItemKind.TEXT, json.dumps({"type": "text"}), "Done.")
+                return ModelResponse((text,), AgentUsage(model_calls=1))
+            calls = (_call_item("call-bad", "lookup_order", '["A-1"]'),)
+            return ModelResponse(calls, AgentUsage(model_calls=1), ModelCallMetadata(finish_reasons=("tool_calls",)))
+
+    caplog.set_level(logging.WARNING, logger="dex_agents.builtin_loop")
+    agent = AgentDefinition(name="bad", model=BadArguments(), instructions="", tools=[lookup_order])
+    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(agent, "BadArgumentsAgent")])
+    async with engine.running():
+        await engine.sessions().start_session("s", "look it up")
+        done = await _turns_done(engine.sessions(), "s", 1)
+    (result,) = [m.tool_output for m in done.messages if m.role is MessageRole.TOOL]
+    assert result is not None and "JSON object" in result and "token limit" not in result, result
+    assert [r.getMessage() for r in caplog.records if "token limit" in r.getMessage()] == []
+
+
+def test_the_model_input_drops_a_result_whose_call_it_lacks() -> None:
+    """A tool result whose call is not in the input before it (a foreign runner's message, or history
+    cut between a call and its result) is left out: providers refuse a request holding one. Catches
+    (mutant: such a result kept): every model call of the session was refused by the provider."""
+    call = _call_item("call-1", "lookup_order", "{}")
+    items: list[ModelInputItem] = [
+        ToolResultInput("call-gone", "lookup_order", "orphan"), UserTextInput("hi"), call,
+        ToolResultInput("call-1", "lookup_order", "ok"), ToolResultInput("call-1", "lookup_order", "again"),
+    ]
+    assert _loop_runner._paired(items) == [UserTextInput("hi"), call, ToolResultInput("call-1", "lookup_order", "ok")]
+
+
+def test_the_model_input_ends_each_call_left_without_a_result_with_outcome_unknown() -> None:
+    """A call last in the input with no result (a turn whose results were never stored) gets the
+    outcome-unknown result, as one in the middle does: providers refuse a call without a result.
+    Catches (mutant: the calls still open at the end of the input left open)."""
+    first, last = _call_item("call-1", "lookup_order", "{}"), _call_item("call-2", "lookup_order", "{}")
+    assert _loop_runner._paired([first, UserTextInput("hi"), last]) == [
+        first, ToolResultInput("call-1", "lookup_order", OUTCOME_UNKNOWN_TEXT), UserTextInput("hi"),
+        last, ToolResultInput("call-2", "lookup_order", OUTCOME_UNKNOWN_TEXT),
+    ]
