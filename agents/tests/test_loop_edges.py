@@ -717,3 +717,25 @@ def test_the_model_input_ends_each_call_left_without_a_result_with_outcome_unkno
         first, ToolResultInput("call-1", "lookup_order", OUTCOME_UNKNOWN_TEXT), UserTextInput("hi"),
         last, ToolResultInput("call-2", "lookup_order", OUTCOME_UNKNOWN_TEXT),
     ]
+
+
+async def test_a_model_client_returning_no_model_response_fails_the_turn_naming_it(tmp_path: Path) -> None:
+    """call_model returning something other than a ModelResponse fails the turn saying what it returned
+    and what to return. Catches (mutant: the check dropped): the turn failed with "'dict' object has no
+    attribute 'output'", naming neither the client nor the fix."""
+
+    class ReturnsDict:
+        def estimate_input_tokens(self, request: ModelRequest) -> int:
+            return 1
+
+        async def call_model(self, request: ModelRequest, output: ModelOutputWriter) -> ModelResponse:
+            returned: Any = {"output": []}
+            return returned  # type: ignore[no-any-return]
+
+    agent = AgentDefinition(name="returns-dict", model=ReturnsDict(), instructions="")
+    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(agent, "ReturnsDictAgent")])
+    async with engine.running():
+        await engine.sessions().start_session("s", "hi")
+        done = await _turns_done(engine.sessions(), "s", 1)
+    assert done.state is not None
+    assert "call_model returned dict; return a ModelResponse" in (done.state.last_turn_error or ""), done.state
