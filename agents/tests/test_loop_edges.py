@@ -720,15 +720,18 @@ def test_the_model_input_ends_each_call_left_without_a_result_with_outcome_unkno
 
 
 async def test_a_model_client_returning_no_model_response_fails_the_turn_naming_it(tmp_path: Path) -> None:
-    """call_model returning something other than a ModelResponse fails the turn saying what it returned
-    and what to return. Catches (mutant: the check dropped): the turn failed with "'dict' object has no
-    attribute 'output'", naming neither the client nor the fix."""
+    """call_model returning something other than a ModelResponse fails the turn after that one call,
+    saying what it returned and what to return: the client's code is wrong, and a retry would pay for
+    the same call again. Catches (mutant: the check dropped): the turn failed with "'dict' object has
+    no attribute 'output'", naming neither the client nor the fix; and a retried TypeError."""
+    calls: list[str] = []
 
     class ReturnsDict:
         def estimate_input_tokens(self, request: ModelRequest) -> int:
             return 1
 
         async def call_model(self, request: ModelRequest, output: ModelOutputWriter) -> ModelResponse:
+            calls.append("call_model")
             returned: Any = {"output": []}
             return returned  # type: ignore[no-any-return]
 
@@ -739,3 +742,4 @@ async def test_a_model_client_returning_no_model_response_fails_the_turn_naming_
         done = await _turns_done(engine.sessions(), "s", 1)
     assert done.state is not None
     assert "call_model returned dict; return a ModelResponse" in (done.state.last_turn_error or ""), done.state
+    assert len(calls) == 1, calls

@@ -34,12 +34,12 @@ from ._model import (
     ModelOutputItem,
     ModelOutputWriter,
     ModelRequest,
-    ModelResponse,
     OutputItemKind,
     ToolChoice,
     ToolResultInput,
     UserTextInput,
     estimate_request_tokens,
+    returned_response,
     token_limit_finish_reason,
 )
 
@@ -150,9 +150,7 @@ async def summarize_with_model(
     built, _ = summary_request(request, model_settings, model)
     # The summary is not the assistant's answer: its deltas are not streamed as text_delta events.
     quiet = AgentEventWriter(lambda event: None, request.turn_id, "", request.attempt)
-    response = await model.call_model(built, ModelOutputWriter(quiet))
-    if not isinstance(response, ModelResponse):
-        raise TypeError(f"call_model returned {type(response).__name__}; return a ModelResponse")
+    response = returned_response(await model.call_model(built, ModelOutputWriter(quiet)))
     text = "".join(_text_of(item) for item in response.output)
     cut = token_limit_finish_reason(response.metadata)
     if cut is not None:

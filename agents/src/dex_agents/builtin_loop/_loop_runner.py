@@ -82,7 +82,6 @@ from ._model import (
     ModelOutputItem,
     ModelOutputWriter,
     ModelRequest,
-    ModelResponse,
     ModelToolCall,
     ModelToolDefinition,
     OutputItemKind,
@@ -91,6 +90,7 @@ from ._model import (
     UserTextInput,
     content_filter_finish_reason,
     is_provider_tool_name,
+    returned_response,
     token_limit_finish_reason,
     unique_call_id,
 )
@@ -220,9 +220,7 @@ class BuiltinLoopAgentRunner:
             tool_choice=ToolChoice.NONE if limit_reached else self._tool_choice(turn, run, offered),
             model_settings=definition.model_settings, session_settings=turn.session_settings,
         )
-        response = await self._model(turn).call_model(request, ModelOutputWriter(turn.events))
-        if not isinstance(response, ModelResponse):
-            raise TypeError(f"call_model returned {type(response).__name__}; return a ModelResponse")
+        response = returned_response(await self._model(turn).call_model(request, ModelOutputWriter(turn.events)))
         outputs = _with_call_ids_unique_in_turn(list(response.output), turn)
         unstored.extend(output_message(item) for item in outputs)
         calls = [item.tool_call for item in outputs if item.kind is OutputItemKind.TOOL_CALL and item.tool_call]

@@ -170,6 +170,14 @@ class ModelResponse:
         object.__setattr__(self, "output", tuple(output))
 
 
+def returned_response(response: object) -> ModelResponse:
+    """`response`, which a client's call_model returned, as a ModelResponse; anything else raises
+    ModelOutputError, so the turn fails after this call rather than paying for two more alike."""
+    if not isinstance(response, ModelResponse):
+        raise ModelOutputError(f"call_model returned {type(response).__name__}; return a ModelResponse")
+    return response
+
+
 def token_limit_finish_reason(metadata: ModelCallMetadata | None) -> str | None:
     """The finish reason, as the client reported it, saying the response was cut at the output token
     limit (TOKEN_LIMIT_FINISH_REASONS), or None: a client that reports no finish reasons is never cut."""
