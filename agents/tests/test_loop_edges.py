@@ -523,6 +523,10 @@ _TEXT = ModelOutputItem("scripted", OutputItemKind.TEXT, json.dumps({"type": "te
                                              tool_call={"tool_call_id": "c1"}),
                      "ModelOutputItem.tool_call must be a ModelToolCall or None, got {'tool_call_id': 'c1'}",
                      id="tool-call-dict"),
+        pytest.param(lambda: ModelOutputItem("scripted", OutputItemKind.TEXT, "{}", "hi",
+                                             ModelToolCall("c1", "lookup_order", "{}")),
+                     "ModelOutputItem.tool_call is for OutputItemKind.TOOL_CALL items, got one on a 'text' item; "
+                     "give the call an item of its own", id="call-on-text"),
         pytest.param(lambda: ModelOutputItem("scripted", "tool_call", "{}"), "ModelOutputItem.kind must be an "
                      "OutputItemKind, such as OutputItemKind.TEXT, got 'tool_call'", id="kind-text"),
         pytest.param(lambda: ModelOutputItem("scripted", OutputItemKind.TEXT, {"type": "text"}),

@@ -89,6 +89,12 @@ class ModelOutputItem:
         if call is not None and not isinstance(call, ModelToolCall):
             raise ModelOutputError(f"ModelOutputItem.tool_call must be a ModelToolCall or None, got {shown(call)}; "
                                    "write ModelToolCall(tool_call_id, tool_name, arguments)")
+        if call is not None and kind is not OutputItemKind.TOOL_CALL:
+            # The loop runs only a TOOL_CALL item's call, but stored the call's ID with a text or
+            # reasoning item all the same: the turn answered, and its next request held a call that
+            # never ran, given an "outcome unknown" result.
+            raise ModelOutputError(f"ModelOutputItem.tool_call is for OutputItemKind.TOOL_CALL items, got one on a "
+                                   f"{kind.value!r} item; give the call an item of its own")
 
 
 @dataclass(frozen=True)
