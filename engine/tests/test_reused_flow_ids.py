@@ -94,13 +94,13 @@ async def glance(ctx: RpcContext, _: None) -> list[object]:
 
 
 @rpc(load=LoadOptions.only(Note))
-async def peek(ctx: RpcContext, _: None) -> str | None:
+async def read_note(ctx: RpcContext, _: None) -> str | None:
     return ctx.get(Note)
 
 
 JOTTER = Flow(
     "Jotter", [Step("Idle", hold, wait_for=hold_wait, input_type=type(None))], start_step="Idle",
-    schema=[Note, Count, Tally], rpcs=[jot, remark, glance, peek],
+    schema=[Note, Count, Tally], rpcs=[jot, remark, glance, read_note],
 )
 
 
@@ -324,7 +324,7 @@ async def test_a_flow_deleted_and_started_again_in_its_millisecond_is_not_read_f
     async with engine_for(db_url, REGISTRY, worker=False) as eng, other_client(db_url) as them:
         await eng.client.start_flow("Jotter", "again")
         await eng.client.rpc("again", "jot", "old")
-        assert await eng.client.rpc("again", "peek", None) == "old"  # our store now keeps Note's rows
+        assert await eng.client.rpc("again", "read_note", None) == "old"  # our store now keeps Note's rows
         await eng.client.stop_flow("again", "replaced")
         old_version = await flow_version(eng, "again")
         assert await eng.client.delete_flow("again")
