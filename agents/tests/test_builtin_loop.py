@@ -94,7 +94,7 @@ from dex_agents.testing import (
 )
 from dex_engine import AsyncWorker, InvalidIdError, Registry, WorkerOptions
 
-# Tool calls of the compacted turn in test_scripted_call_ids_stay_unique_when_compaction_shortens_the_input.
+# Tool calls of the turn compacted as it runs (test_a_turn_compacted_as_it_runs_keeps_unique_call_ids...).
 CALLS = 12
 
 
@@ -1250,10 +1250,13 @@ async def test_a_function_tools_task_is_polled_by_a_subclass_that_polls(tmp_path
     assert "tool_task_started" in [e.type for e in events]
 
 
-async def test_scripted_call_ids_stay_unique_when_compaction_shortens_the_input(tmp_path: Path) -> None:
+async def test_a_turn_compacted_as_it_runs_keeps_unique_call_ids_and_stores_each_result_once(tmp_path: Path) -> None:
     """A turn of twelve tool calls compacted as it runs. Catches: ScriptedModelClient deriving IDs
     from the input's length, which comes round again once a summary shortens the input, failing
-    the turn with "tool call ID ... repeats within this turn"."""
+    the turn with "tool call ID ... repeats within this turn". Once a compaction takes calls out of
+    the messages, their records are still the turn's, with no result in the messages: also catches
+    (mutant: pending results not limited to calls still visible) each compaction storing the
+    summarized calls' results again, so the transcript held a call's result twice or more."""
 
     @function_tool(effect=ToolEffect.READ, name="count")
     def count(step: int, pad: str = "") -> int:
@@ -1267,13 +1270,19 @@ async def test_scripted_call_ids_stay_unique_when_compaction_shortens_the_input(
             return ScriptedModelReply(text=f"counted {CALLS}")
         return ScriptedModelReply(tool_calls=[ScriptedToolCall("count", {"step": step, "pad": FILLER})])
 
-    model = ScriptedModelClient(respond)
-    definition = AgentDefinition(name="a", instructions="", model=model, tools=[count],
+    definition = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(respond), tools=[count],
                                  compaction=CompactionPolicy(context_window_tokens=500))
-    done = await _one_turn(tmp_path, definition, "count")
+    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(definition)])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s", "count")
+        done = await _turns_done(sessions, "s", 1)
+        page = await sessions.list_agent_messages("s", limit=200)
     assert done.state is not None and done.state.last_turn_error is None
     assert done.context_summary is not None  # compacted within the turn
     assert done.messages[-1].text == f"counted {CALLS}"
+    results = [m.tool_call_id for m in page.messages if m.role is MessageRole.TOOL]
+    assert len(results) == CALLS and len(set(results)) == CALLS, results
 
 
 class _Rendezvous(_Source):

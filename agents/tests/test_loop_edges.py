@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 from agents.tests.builtin_agent import InProcessEngine, lookup_order, scripted_flow, tool_then_answer
-from agents.tests.compaction_agent import FILLER
 
 from dex_agents import (
     OUTCOME_UNKNOWN_TEXT,
@@ -26,7 +25,6 @@ from dex_agents import (
     AgentTurnContext,
     AgentUsage,
     BuiltInTool,
-    CompactionPolicy,
     MessageRole,
     ModelCallMetadata,
     RunModelLimit,
@@ -58,7 +56,6 @@ from dex_agents.builtin_loop import (
     _loop_runner,
     builtin_agent_session_flow,
     builtin_agent_session_options,
-    function_tool,
 )
 from dex_agents.builtin_loop._model import content_filter_finish_reason, token_limit_finish_reason, unique_call_id
 from dex_agents.builtin_loop._tool_sources import unwrap_source_reference, wrap_source_reference
@@ -636,38 +633,6 @@ async def test_results_reach_the_model_in_the_order_of_its_calls(tmp_path: Path)
     results = [r.tool_call_id for r in model.requests[-1].input if isinstance(r, ToolResultInput)]
     assert results == ["zz-first", "aa-second"]
     assert [m.tool_call_id for m in done.messages if m.role is MessageRole.TOOL] == ["zz-first", "aa-second"]
-
-
-async def test_a_turn_compacted_as_it_runs_stores_each_calls_result_once(tmp_path: Path) -> None:
-    """Once a compaction within the turn takes calls out of the messages, their records are still the
-    turn's, with no result in the messages: the next RunModel must not take them for calls awaiting
-    a result. Catches (mutant: pending results not limited to calls still visible): each compaction
-    stored the summarized calls' results again, so the transcript held a call's result twice or more."""
-    calls = 6
-
-    @function_tool(effect=ToolEffect.READ, name="count")
-    def count(step: int, pad: str = "") -> int:
-        """Count one step."""
-        return step
-
-    def respond(request: ModelRequest) -> ScriptedModelReply:
-        results = ScriptedModelClient.tool_results(request)
-        step = int(results[-1].output) + 1 if results else 1
-        if step > calls:
-            return ScriptedModelReply(text="counted")
-        return ScriptedModelReply(tool_calls=[ScriptedToolCall("count", {"step": step, "pad": FILLER})])
-
-    agent = AgentDefinition(name="a", instructions="", model=ScriptedModelClient(respond), tools=[count],
-                            compaction=CompactionPolicy(context_window_tokens=500))
-    engine = InProcessEngine(tmp_path, [builtin_agent_session_flow(agent)])
-    async with engine.running():
-        sessions = engine.sessions()
-        await sessions.start_session("s", "count")
-        done = await _turns_done(sessions, "s", 1)
-        page = await sessions.list_agent_messages("s", limit=200)
-    assert done.state is not None and done.state.last_turn_error is None and done.context_summary is not None
-    results = [m.tool_call_id for m in page.messages if m.role is MessageRole.TOOL]
-    assert len(results) == calls and len(set(results)) == calls, results
 
 
 async def test_bad_arguments_in_a_whole_response_are_not_blamed_on_the_token_limit(
