@@ -81,7 +81,7 @@ from dex_agents._session_flow import RECOVERY_RETRY
 from dex_agents._task_steps import go_to_poll
 from dex_agents._tool_steps import ToolSteps
 from dex_agents._turn_steps import TurnSteps
-from dex_engine import Context, LoadOptions, LoadSpec, Movement, StepDurability, Timer, Wait, WaitResult
+from dex_engine import Context, LoadOptions, LoadSpec, Movement, RetryPolicy, StepDurability, Timer, Wait, WaitResult
 from dex_engine._options import TaskOptions
 from dex_engine._records import ConsumedMessage, WaitOutcome
 from dex_engine._scheduling import task_options
@@ -293,6 +293,28 @@ def test_every_wait_for_retries_with_the_recovery_retry(features: str) -> None:
     retries = {name: step.options.wait_for_retry for name, step in flow.steps.items() if step.wait_for is not None}
     assert retries == dict.fromkeys(retries, RECOVERY_RETRY)
     assert len(retries) == 7
+
+
+# Steps whose Execute only decides or records (no model or tool call): each retries with the recovery
+# retry. The others' attempts are the seed's, pinned above.
+BOOKKEEPING_STEPS = SEED_STEP_TYPES - {
+    RUN_MODEL, COMPACT_CONTEXT, CALL_TOOL, CALL_SINGLE_ATTEMPT_TOOL, POLL_TOOL_TASK, CANCEL_TOOL_TASK}
+
+
+@pytest.mark.parametrize("features", list(FLOWS))
+def test_every_bookkeeping_execute_retries_with_the_recovery_retry(features: str) -> None:
+    """A Step that only records or decides (StartAgentSession, the Await Steps, ResumeTurn, the failure
+    routes, turn control; seed 002 names "the recovery retry" for ApplyTurnControl and
+    FinishTurnCancellation) retries its Execute with RECOVERY_RETRY, which outlasts a passing database
+    hiccup: the engine's default of 3 attempts would fail a turn's failure route, or the session's
+    start, on one. Catches: execute_retry dropped from any of them, or RECOVERY_RETRY cut to the default."""
+    flow = FLOWS[features]
+    retries = {name: flow.step(name).options.execute_retry for name in BOOKKEEPING_STEPS}
+    assert retries == dict.fromkeys(BOOKKEEPING_STEPS, RECOVERY_RETRY)
+    assert task_options(flow, RECORD_TURN_FAILURE, None).execute.retry == RECOVERY_RETRY
+    default = RetryPolicy()
+    assert RECOVERY_RETRY.max_attempts > default.max_attempts
+    assert RECOVERY_RETRY.total_duration_seconds is None  # no budget that a long outage would use up
 
 
 # RunModel's background heartbeat ----------------------------------------------------------------
