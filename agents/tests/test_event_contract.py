@@ -430,7 +430,8 @@ class RaisingPayload(Mapping[str, Any]):
 def test_a_write_after_close_is_dropped_unread(caplog: pytest.LogCaptureFixture) -> None:
     """A stray write to a closed writer is dropped before its payload is read: it neither raises
     (whatever its payload does) nor logs a dropped-event warning for output nobody wants.
-    Catches: the closed check before encoding gone (only the one under the lock left)."""
+    Catches: the closed check before encoding gone (only the one under the lock left), and a typed
+    event's text check warning about a late write."""
     emitted: list[AgentEvent] = []
     writer = AgentEventWriter(emitted.append, "turn-1", "RunModel-1", 1, flow_id="s")
     writer.close()
@@ -438,6 +439,7 @@ def test_a_write_after_close_is_dropped_unread(caplog: pytest.LogCaptureFixture)
         writer.write_event("probe", RaisingPayload())
         writer.write_event("probe", {"x": float("nan")})
         writer.write_event("", {})
+        writer.write_text_delta(None)  # type: ignore[arg-type]  # a typed event's check logs nothing either
     assert emitted == []
     assert caplog.records == []
 
