@@ -27,6 +27,7 @@ from dex_agents.testing import (
     AgentTestStack,
     FileGate,
     InvocationLog,
+    executed_steps,
     read_step_history,
     run_agent_worker,
     wait_for_agent_snapshot,
@@ -294,6 +295,22 @@ async def test_wait_for_agent_snapshot_fails_at_once_on_a_stopped_session(
                                           timeout=HANGING_PROBE_SECONDS)
     assert str(caught.value).startswith(
         "session 's' is stopped with error 'the test is done', so it will never show a second turn; last snapshot")
+
+
+async def test_read_step_history_of_a_closed_session_holds_only_step_events(
+    tmp_path: Path, db_url: str  # noqa: F811 - the fixture
+) -> None:
+    """A stopped session's engine history ends with flow_closed, which names no Step: read_step_history
+    leaves it out, so every entry it returns has a Step type and execution ID to assert on.
+    Catches: flow-level events kept as entries with a blank step_type."""
+    async with in_process(tmp_path, build_flow(tmp_path), database_url=db_url) as engine:
+        await engine.sessions.start_session("s", "")
+        await wait_for_agent_snapshot(engine.sessions, "s", lambda s: s.state, description="the session's state")
+        await engine.client.stop_flow("s")
+        history = await read_step_history(db_url, "s")
+    assert [e for e in history if not (e.step_type and e.step_execution_id)] == []
+    assert executed_steps(history) == ["StartAgentSession"]
+    assert history[-1].step_execution_id == "AwaitUserMessage-1"  # its wait was the last Step event
 
 
 async def test_wait_for_agent_snapshot_fails_at_once_on_a_failed_session(
