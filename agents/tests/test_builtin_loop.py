@@ -84,6 +84,7 @@ from dex_agents.builtin_loop import (
     model_call_limit_result,
 )
 from dex_agents.builtin_loop._loop_runner import listed_tool_problem, unknown_tool_error
+from dex_agents.builtin_loop._scripted import DEFAULT_SUMMARY_QUOTE_CHARS
 from dex_agents.testing import (
     AgentTestStack,
     FileGate,
@@ -156,6 +157,10 @@ async def test_the_scripted_client_streams_its_reply_and_derives_call_ids_from_t
                                                                             ("c", "{}")]
     ids = [c.tool_call_id for c in calls if c is not None]
     assert len(set(ids)) == 3 and ids[2] == "mine"
+    # Its usage is an estimate, as a provider's would be: one call, the request's tokens in, some out.
+    usage = response.usage
+    assert (usage.model_calls, usage.input_tokens) == (1, model.estimate_input_tokens(first))
+    assert usage.output_tokens > 0
     again = await model.call_model(first, ModelOutputWriter(_Deltas()))  # type: ignore[arg-type]
     assert [item.tool_call.tool_call_id for item in again.output[2:] if item.tool_call is not None] == ids
     later = ModelRequest(None, (UserTextInput("earlier"), *response.output, UserTextInput("again")))
@@ -166,8 +171,8 @@ async def test_the_scripted_client_streams_its_reply_and_derives_call_ids_from_t
 
 def test_the_scripted_clients_helpers_read_the_request_in_order() -> None:
     """tool_results: the results the request ends with, oldest first; default_summary: the number of
-    items and the last user text that is not a [Dex] note. max_recorded_requests=0 (a long session's)
-    records none."""
+    items and the last user text that is not a [Dex] note, its first DEFAULT_SUMMARY_QUOTE_CHARS
+    characters. max_recorded_requests=0 (a long session's) records none."""
     assert ScriptedModelClient(print, max_recorded_requests=0).requests.maxlen == 0
     request = ModelRequest(None, (
         UserTextInput("first"), ToolResultInput("c0", "t", "old"), UserTextInput("the last question"),
@@ -176,15 +181,23 @@ def test_the_scripted_clients_helpers_read_the_request_in_order() -> None:
     assert [r.output for r in ScriptedModelClient.tool_results(request)] == ["one", "two"]
     assert ScriptedModelClient.default_summary(request) == (
         "Scripted summary of 6 input items. The last user message was: the last question")
+    # A long message is quoted in part only: quoted whole, the summary would not shrink the context.
+    long = ModelRequest(None, (UserTextInput("a" * DEFAULT_SUMMARY_QUOTE_CHARS + "b"),))
+    assert ScriptedModelClient.default_summary(long) == (
+        "Scripted summary of 1 input items. The last user message was: " + "a" * DEFAULT_SUMMARY_QUOTE_CHARS)
 
 
 def test_a_scripted_client_refuses_more_recorded_requests_than_a_deque_can_hold() -> None:
     """Catches: max_recorded_requests past sys.maxsize (a deque's largest maxlen) failing with a bare
-    OverflowError (Python int too large to convert to C ssize_t) naming neither the field nor the bound."""
+    OverflowError (Python int too large to convert to C ssize_t) naming neither the field nor the bound,
+    and True taken as a maxlen of 1."""
     with pytest.raises(ValueError, match=re.escape(
             f"max_recorded_requests must be a whole number from 0 to {sys.maxsize}, got {sys.maxsize + 1}")):
         ScriptedModelClient(print, max_recorded_requests=sys.maxsize + 1)
     assert ScriptedModelClient(print, max_recorded_requests=sys.maxsize).requests.maxlen == sys.maxsize
+    # Nor a bool, which a deque takes as a count: True kept one request.
+    with pytest.raises(ValueError, match=re.escape("max_recorded_requests must be a whole number from 0 to ")):
+        ScriptedModelClient(print, max_recorded_requests=True)
 
 
 async def test_a_script_or_summarize_returning_the_wrong_type_is_named() -> None:
