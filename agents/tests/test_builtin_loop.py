@@ -169,6 +169,21 @@ async def test_the_scripted_client_streams_its_reply_and_derives_call_ids_from_t
     assert not set(other_ids[:2]) & set(ids[:2]), (other_ids, ids)
 
 
+async def test_the_scripted_clients_derived_call_ids_do_not_repeat_across_requests() -> None:
+    """Every request gets call IDs of its own: seed 003 wants them unique within a turn, whose model
+    calls can be many, and the client derives them so that they do not repeat within a session.
+    300 different requests, more than a short digest has values, derive 300 different first-call
+    IDs. Catches: a derived ID cut to a few hex digits, which repeats an earlier request's ID."""
+    model = ScriptedModelClient(lambda request: ScriptedModelReply(tool_calls=[ScriptedToolCall("a")]))
+    ids = set()
+    for n in range(300):
+        response = await model.call_model(ModelRequest(None, (UserTextInput(f"question {n}"),)),
+                                          ModelOutputWriter(_Deltas()))  # type: ignore[arg-type]
+        [call] = [item.tool_call for item in response.output if item.tool_call is not None]
+        ids.add(call.tool_call_id)
+    assert len(ids) == 300
+
+
 def test_the_scripted_clients_helpers_read_the_request_in_order() -> None:
     """tool_results: the results the request ends with, oldest first; default_summary: the number of
     items and the last user text that is not a [Dex] note, its first DEFAULT_SUMMARY_QUOTE_CHARS
