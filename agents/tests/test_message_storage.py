@@ -825,6 +825,40 @@ async def test_failed_turn_reads_and_stores_across_chunks(tmp_path: Path) -> Non
         check_stored_layout(await stored_layout(engine, "s"), len(everything), window_size=4)
 
 
+async def test_a_turn_cancelled_during_its_model_call_reads_across_chunks(tmp_path: Path) -> None:
+    """cancel_turn during a model call, in a session whose older messages are in chunks: ApplyTurnControl
+    ends the turn with the runner's view of the whole conversation, chunks included, and the next
+    turn's model input has every message in order. Catches: ApplyTurnControl loading the window
+    alone, whose read of a chunk failed every attempt, so the cancelled turn never ended."""
+    running = asyncio.Event()
+
+    async def respond(request: ModelRequest) -> ScriptedModelReply:
+        text = ScriptedModelClient.user_texts(request)[-1]
+        if text == "/hang":
+            running.set()
+            await asyncio.Event().wait()  # until cancel_turn cancels the call
+        return ScriptedModelReply(text=f"echo: {text}")
+
+    model = ScriptedModelClient(respond)
+    definition = AgentDefinition(name="storage-agent", model=model, instructions="Test agent.")
+    options = replace(builtin_agent_session_options(definition), message_window_size=4, message_chunk_size=2)
+    engine = InProcessEngine(tmp_path, [AgentSessionFlow(BuiltinLoopAgentRunner(definition), "Cancelled", options)])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        for number in range(1, 4):
+            await run_turn(sessions, "s", number, f"/echo {number}")
+        assert (await stored_layout(engine, "s")).chunks  # the older messages are in chunks now
+        assert await sessions.send_user_message("s", "/hang")
+        await asyncio.wait_for(running.wait(), 30)
+        assert await sessions.cancel_turn("s") is True
+        cancelled = await turn_done(sessions, "s", 4)
+        assert cancelled.state is not None and cancelled.state.last_turn_error is None
+        await run_turn(sessions, "s", 5, "/echo after")
+        everything = await all_pages(sessions, "s", limit=50)
+        assert list(model.requests[-1].input) == [input_item(m) for m in everything[:-1]]
+
+
 def test_store_limits_follow_the_options() -> None:
     """The runtime's layout limits are the session options' message fields and the seed's per-commit caps."""
     flow, _ = storage_flow("LimitsAgent", message_window_size=5, message_chunk_size=3, message_chunk_max_bytes=4096)
