@@ -1371,6 +1371,24 @@ def test_a_client_refuses_what_is_not_a_registry(make: Any, registry: Any, tmp_p
         make(registry, f"sqlite:///{tmp_path / 'dex.db'}")
 
 
+async def test_an_async_client_takes_a_database_url_or_a_store_not_both(tmp_path: Path) -> None:
+    """Catches: a client given both accepted, which then used the store and silently ignored the URL,
+    maybe of another database."""
+    url = f"sqlite:///{tmp_path / 'dex.db'}"
+    store = open_store(url)
+    try:
+        with pytest.raises(ValueError, match=r"^AsyncClient takes exactly one of database_url and store, got both; "):
+            AsyncClient(REGISTRY, f"sqlite:///{tmp_path / 'other.db'}", store=store)
+        with pytest.raises(ValueError, match="got neither"):
+            AsyncClient(REGISTRY)
+        async with AsyncClient(REGISTRY, store=store) as client:
+            await client.start_flow("Bad", "f", "listen")
+        assert (await store.describe_flow("f")).status == "running"  # the client left the caller's store open
+    finally:
+        await store.close()
+    assert not (tmp_path / "other.db").exists()
+
+
 def test_worker_options_at_their_limits_are_accepted() -> None:
     """The smallest capacity and the tightest renewal that can work are valid, not rejected."""
     options = WorkerOptions(max_concurrent_tasks=1, lease_ttl_seconds=1.0, lease_renew_seconds=0.999,

@@ -395,7 +395,9 @@ class AsyncClient:
     def __init__(self, registry: Registry, database_url: str | None = None, *, store: Store | None = None) -> None:
         _check_registry("AsyncClient", registry)
         if (database_url is None) == (store is None):
-            raise ValueError("give exactly one of database_url and store")
+            raise ValueError(f"AsyncClient takes exactly one of database_url and store, got "
+                             f"{'neither' if store is None else 'both'}; give the URL to have the client "
+                             "open (and close) its own store, or a store you opened and close")
         self.registry = registry
         self._store = store if store is not None else open_store(database_url or "")
         self._owns_store = store is None
