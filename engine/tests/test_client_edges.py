@@ -4,6 +4,7 @@ concurrent RPCs on one flow from one client."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from typing import Any
 
@@ -180,10 +181,52 @@ async def locked_set(ctx: RpcContext, _request: Any) -> None:
     ctx.set(Count, 7)
 
 
+@dataclasses.dataclass(frozen=True)
+class Move:
+    by: int
+
+
+@rpc(request_type=Move)
+async def move(ctx: RpcContext, request: Move) -> str:
+    ctx.set(Count, (ctx.get(Count) or 0) + request.by)
+    return type(request).__name__
+
+
+@rpc(load=LoadOptions.none())
+async def count_queued(ctx: RpcContext, _request: Any) -> int:
+    """Loads no attribute, but decides on the queued messages, which only a snapshot holds."""
+    queued = len(ctx.pending(Inbox))
+    ctx.set(Count, queued)
+    return queued
+
+
 COUNTER = Flow("Counter", [Step("Listen", complete, wait_for=wait_for_inbox)], start_step="Listen",
                schema=[Inbox, Count, Notes], rpcs=[increment, note, always_overtaken, peek, outer, tally, fails_late,
-                                                      locked_set])
+                                                      locked_set, move, count_queued])
 COUNTER_REGISTRY = Registry([COUNTER])
+
+
+async def test_an_rpc_handler_gets_its_request_in_the_declared_type_however_it_was_given(db_url: str) -> None:
+    """A request given as the dict a JSON body decodes to reaches the handler as the declared
+    dataclass, as it would after a hop through the store. Catches: the client handing the handler
+    the caller's dict, so `request.by` raised AttributeError ('dict' object has no attribute 'by')."""
+    async with engine_for(db_url, COUNTER_REGISTRY, worker=False) as eng:
+        await eng.client.start_flow("Counter", "c")
+        assert await eng.client.rpc("c", "move", {"by": 2}) == "Move"
+        assert await eng.client.rpc("c", "move", Move(3)) == "Move"
+        assert await eng.client.get_attribute("c", Count) == 5
+
+
+async def test_an_rpc_that_loads_nothing_but_reads_queued_messages_sees_them(db_url: str) -> None:
+    """A handler that loads no attribute but reads the queued messages runs on a snapshot that has
+    them. Catches: its first run, given no snapshot (none needed for a handler that decides from its
+    request alone), committed as if no message were queued: it returned and stored 0."""
+    async with engine_for(db_url, COUNTER_REGISTRY, worker=False) as eng:
+        await eng.client.start_flow("Counter", "c")
+        for value in (1, 2):
+            await eng.client.publish("c", Inbox, value)
+        assert await eng.client.rpc("c", "count_queued") == 2
+        assert await eng.client.get_attribute("c", Count) == 2
 
 
 async def test_many_concurrent_rpcs_of_one_client_on_one_flow_all_commit(db_url: str) -> None:
