@@ -806,6 +806,10 @@ def close_flow(probe: CloseProbe) -> Flow:
     async def peek(ctx: RpcContext, _: None) -> str | None:
         return ctx.get(Note)
 
+    @rpc(request_type=str, load=LoadOptions.none())
+    async def echo(ctx: RpcContext, text: str) -> str:
+        return text  # loads and writes nothing: first run with no snapshot (docs/engine.md)
+
     return Flow(
         "Close",
         [
@@ -817,15 +821,17 @@ def close_flow(probe: CloseProbe) -> Flow:
         ],
         start_step="Start",
         schema=[Note, Release, Kill],
-        rpcs=[touch, peek],
+        rpcs=[touch, peek, echo],
     )
 
 
 async def assert_closed_but_readable(eng: Engine, flow_id: str) -> None:
-    """E12: attributes stay readable, also to an RPC that changes nothing; an RPC that would change
-    them and publishes are refused with FlowNotActiveError."""
+    """E12: attributes stay readable, also to an RPC that changes nothing (one that loads nothing
+    too: its run with no snapshot must not commit); an RPC that would change them and publishes are
+    refused with FlowNotActiveError."""
     assert await eng.client.get_attribute(flow_id, Note) == "kept"
     assert await eng.client.rpc(flow_id, "peek", None) == "kept"
+    assert await eng.client.rpc(flow_id, "echo", "still here") == "still here"
     with pytest.raises(FlowNotActiveError):
         await eng.client.rpc(flow_id, "touch", "changed")
     with pytest.raises(FlowNotActiveError):
