@@ -50,6 +50,7 @@ from dex_engine import (
     RetryPolicy,
     RpcContext,
     RpcNotFoundError,
+    RPCResult,
     SearchQueryError,
     StaleAttemptError,
     Step,
@@ -276,6 +277,15 @@ async def misuse_rpc(ctx: RpcContext, what: str) -> None:
     misuse(ctx, what)
 
 
+@rpc(request_type=str)
+async def stray_result(ctx: RpcContext, what: str) -> RPCResult[None]:
+    """An RPCResult naming a Step type the flow lacks; a valid write first, which must not be committed."""
+    ctx.set(Count, 41)
+    if what == "cancel":
+        return RPCResult(None, canceling_steps=("NoSuchStep",))
+    return RPCResult(None, ending_retry_waits=("NoSuchStep",))
+
+
 KEPT_RPC_CONTEXTS: list[RpcContext] = []  # contexts keep_rpc_context handed on past its return
 
 
@@ -307,7 +317,7 @@ FLOW = Flow(
     ],
     start_step="Start",
     schema=[Note, Count, Tags, Inbox, Boxes, Events, Other],
-    rpcs=[note, append, misuse_rpc, takes_int, keep_rpc_context],
+    rpcs=[note, append, misuse_rpc, takes_int, keep_rpc_context, stray_result],
 )
 OTHER_FLOW = Flow("OtherType", [Step("Start", start, input_type=str)], start_step="Start")
 REGISTRY = Registry([FLOW, OTHER_FLOW])
@@ -383,11 +393,13 @@ async def idle_engine(db_url: str) -> AsyncIterator[Engine]:
         ("client.read_stream", "'Nope'"),
         ("rpc ctx.set", "'Stray'"),
         ("rpc ctx.publish", "'StrayChannel'"),
+        ("rpc cancels", "'NoSuchStep'"),
+        ("rpc ends retry waits", "'NoSuchStep'"),
     ],
 )
 async def test_undeclared_name_from_client_or_rpc(db_url: str, case: str, name: str) -> None:
-    """Naming an attribute, channel or stream the flow does not declare raises UndeclaredNameError
-    naming it; an RPC that does so commits none of its other writes."""
+    """Naming an attribute, channel, stream or (in an RPCResult) Step type the flow does not declare
+    raises UndeclaredNameError naming it; an RPC that does so commits none of its other writes."""
     async with idle_engine(db_url) as eng:
         c = eng.client
         calls: dict[str, Callable[[], Awaitable[Any]]] = {
@@ -398,6 +410,8 @@ async def test_undeclared_name_from_client_or_rpc(db_url: str, case: str, name: 
             "client.read_stream": lambda: c.read_stream("f", "Nope"),
             "rpc ctx.set": lambda: c.rpc("f", "misuse", "undeclared_set"),
             "rpc ctx.publish": lambda: c.rpc("f", "misuse", "undeclared_publish"),
+            "rpc cancels": lambda: c.rpc("f", "stray_result", "cancel"),
+            "rpc ends retry waits": lambda: c.rpc("f", "stray_result", "end"),
         }
         await refused(eng.store, calls[case], UndeclaredNameError, name, "'Bad'")
 
