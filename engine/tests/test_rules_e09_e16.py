@@ -807,8 +807,10 @@ def close_flow(probe: CloseProbe) -> Flow:
         return ctx.get(Note)
 
     @rpc(request_type=str, load=LoadOptions.none())
-    async def echo(ctx: RpcContext, text: str) -> str:
-        return text  # loads and writes nothing: first run with no snapshot (docs/engine.md)
+    async def echo(ctx: RpcContext, text: str) -> RPCResult[str]:
+        # Loads and writes nothing (an RPCResult that starts, cancels and ends nothing): first run
+        # with no snapshot (docs/engine.md).
+        return RPCResult(text)
 
     return Flow(
         "Close",
