@@ -1403,6 +1403,26 @@ async def test_an_async_client_takes_a_database_url_or_a_store_not_both(tmp_path
     assert not (tmp_path / "other.db").exists()
 
 
+def test_the_blocking_client_hands_each_argument_on_to_its_check(tmp_path: Path) -> None:
+    """The blocking Client's config_override, limits, wait_seconds and stop reason reach the
+    AsyncClient's checks, which refuse them naming the value and change nothing. Catches: the
+    Client dropping one on the way (its default then used instead, silently)."""
+    with Client(REGISTRY, f"sqlite:///{tmp_path / 'dex.db'}") as client:
+        client.start_flow("Bad", "f", "listen")
+        with pytest.raises(InvalidValueError, match="config_override must be a FlowConfig, got str: 'fast'"):
+            client.start_flow("Bad", "g", "listen", config_override="fast")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=f"limit must be a whole number from 1 to {MAX_READ_LIMIT}, got 0"):
+            client.search_flows('FlowType = "Bad"', limit=0)
+        with pytest.raises(ValueError, match=f"limit must be a whole number from 1 to {MAX_READ_LIMIT}, got 0"):
+            client.read_stream("f", Events, limit=0)
+        with pytest.raises(ValueError, match=f"wait_seconds must be between 0 and {MAX_STREAM_WAIT_SECONDS}, got -1"):
+            client.read_stream("f", Events, wait_seconds=-1)
+        with pytest.raises(InvalidValueError, match="stop_flow's reason must be a str, got NoneType"):
+            client.stop_flow("f", None)  # type: ignore[arg-type]
+        assert client.search_flows('FlowType = "Bad"') == ["f"]  # no "g"
+        assert client.describe_flow("f").status == "running"
+
+
 def test_worker_options_at_their_limits_are_accepted() -> None:
     """The smallest capacity and the tightest renewal that can work are valid, not rejected."""
     options = WorkerOptions(max_concurrent_tasks=1, lease_ttl_seconds=1.0, lease_renew_seconds=0.999,
