@@ -716,6 +716,21 @@ async def test_e11_capacity_trims_oldest_first(db_url: str) -> None:
         assert (int(kept[0]), int(kept[1])) == (4, 44)
 
 
+async def test_e11_a_reader_one_event_behind_the_oldest_kept_is_told_of_the_trim(db_url: str) -> None:
+    """E11: a gap of a single trimmed event sets StreamRead.trimmed too. Catches: a gap noticed only
+    when more than one event was trimmed, the reader missing one event unawares."""
+    async with engine_for(db_url, Registry([STREAMS_FLOW]), worker=False) as eng:
+        c = eng.client
+        await c.start_flow("Streams", "s1")
+        values = [f"v{i:08d}" for i in range(1, 7)]  # each 11 bytes as JSON; budget 50 keeps 4
+        await c.rpc("s1", "append_small", values[:2])
+        first = await c.read_stream("s1", Small, limit=1)
+        await c.rpc("s1", "append_small", values[2:])  # 6 events: 3..6 kept, 2 trimmed
+        read = await c.read_stream("s1", Small, first.resume_token)
+        assert [e.sequence for e in read.events] == [3, 4, 5, 6]
+        assert read.trimmed
+
+
 @pytest.mark.parametrize("trim_after", [1, 2])
 async def test_e11_a_read_racing_a_trim_sees_the_stream_before_or_after_it(
     db_url: str, monkeypatch: pytest.MonkeyPatch, trim_after: int,
