@@ -32,6 +32,7 @@ from dex_engine import (
     Wait,
     rpc,
 )
+from dex_engine import _client as client_module
 from dex_engine._limits import MAX_RPC_TRIES
 
 from .conftest import engine_for, wait_until
@@ -227,6 +228,20 @@ async def test_an_rpc_that_loads_nothing_but_reads_queued_messages_sees_them(db_
             await eng.client.publish("c", Inbox, value)
         assert await eng.client.rpc("c", "count_queued") == 2
         assert await eng.client.get_attribute("c", Count) == 2
+
+
+async def test_a_client_remembers_a_bounded_number_of_flow_types(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that starts flows for days keeps at most CLIENT_FLOW_TYPE_CACHE_ENTRIES flow types,
+    and a flow it forgot is looked up again. Catches: the table never cleared, growing by one entry
+    per flow for the client's whole life."""
+    monkeypatch.setattr(client_module, "CLIENT_FLOW_TYPE_CACHE_ENTRIES", 2)
+    async with engine_for(db_url, COUNTER_REGISTRY, worker=False) as eng:
+        c = eng.client
+        for i in range(5):
+            await c.start_flow("Counter", f"c{i}")
+            assert len(c._flow_types) <= 2
+        assert [await c.rpc(f"c{i}", "increment") for i in range(5)] == [1] * 5
+        assert len(c._flow_types) <= 2
 
 
 async def test_many_concurrent_rpcs_of_one_client_on_one_flow_all_commit(db_url: str) -> None:
