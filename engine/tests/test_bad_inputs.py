@@ -1615,14 +1615,17 @@ async def test_wait_for_flow_refuses_a_timeout_that_is_not_a_number_of_seconds(d
 
 
 async def test_wait_for_flow_names_the_active_steps_and_takes_a_timeout_too_large_for_a_float(db_url: str) -> None:
-    """A wait that runs out names the flow and its active Steps; 10**400 s waits as math.inf does.
-    Catches: the TimeoutError naming no Step, and 10**400 added to the clock as it is, raising
-    OverflowError ('int too large to convert to float')."""
+    """A wait that runs out names the flow and its active Steps; 10**400 s waits as math.inf does;
+    a flow with no output has flow_output None. Catches: the TimeoutError naming no Step, 10**400
+    added to the clock as it is, raising OverflowError ('int too large to convert to float'), and
+    a missing output decoded as if it were JSON."""
     async with idle_engine(db_url) as eng:
         with pytest.raises(TimeoutError, match=re.escape("flow 'f' still running after 0 s; active Steps ['Start-1']")):
             await eng.client.wait_for_flow("f", 0)
+        assert await eng.client.flow_output("f") is None  # none yet
         await eng.client.stop_flow("f", "done waiting")
         assert (await eng.client.wait_for_flow("f", 10**400)).status == "stopped"
+        assert await eng.client.flow_output("f") is None  # a stopped flow has none
 
 
 @pytest.mark.parametrize(
