@@ -26,10 +26,12 @@ from dex_engine import (
     AsyncClient,
     AsyncWorker,
     Attribute,
+    AttributeMap,
     Channel,
     Client,
     Context,
     Flow,
+    FlowConfig,
     Registry,
     RpcContext,
     Step,
@@ -180,6 +182,45 @@ async def test_the_blocking_client_drives_a_flow(db_url: str) -> None:
     async with engine_for(db_url, Registry([FLOW])) as eng:
         await asyncio.to_thread(drive)
         assert await eng.client.flow_output("b2") == {"count": 1, "msg": "published"}
+
+
+Tags = AttributeMap("Tags", str)
+
+
+async def tag_and_end(ctx: Context, tags: list[str]) -> StepDecision:
+    for tag in tags:
+        ctx.set(Tags[tag], tag.upper())
+    return StepDecision.graceful_complete(len(tags))
+
+
+TAGGER = Flow("Tagger", [Step("Tag", tag_and_end, input_type=list[str])], start_step="Tag", schema=[Tags])
+
+
+def test_the_blocking_client_has_every_call_of_the_async_client() -> None:
+    """Client is documented as AsyncClient's blocking twin. Catches: a call added to AsyncClient only
+    (get_attribute_map, update_flow_config, flow_output and exists were missing)."""
+    def calls(cls: type) -> set[str]:
+        return {name for name, member in vars(cls).items() if not name.startswith("_") and callable(member)}
+
+    assert calls(AsyncClient) - calls(Client) == set()
+
+
+async def test_the_blocking_client_reads_a_map_and_the_output_and_updates_the_config(db_url: str) -> None:
+    """Client.get_attribute_map, flow_output, exists and update_flow_config give what AsyncClient's give."""
+    def drive() -> None:
+        with Client(Registry([TAGGER, FLOW]), db_url) as client:
+            assert client.exists("t1") is False
+            client.start_flow("Tagger", "t1", ["b", "a"])
+            assert client.wait_for_flow("t1", 10).status == "completed"
+            assert client.exists("t1") is True
+            assert client.flow_output("t1") == 2
+            assert client.get_attribute_map("t1", Tags) == {"a": "A", "b": "B"}
+            client.start_flow("Smoke", "s1", 1)  # waits in Listen: still running
+            client.update_flow_config("s1", FlowConfig(active_step_search=False))
+            assert client.describe_flow("s1").config == FlowConfig(active_step_search=False)
+
+    async with engine_for(db_url, Registry([TAGGER, FLOW])):
+        await asyncio.to_thread(drive)
 
 
 async def test_the_blocking_client_reads_a_stream_and_skips_a_timer(db_url: str) -> None:

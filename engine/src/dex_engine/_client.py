@@ -1152,6 +1152,9 @@ class Client:
         coro = self._async.get_attribute(flow_id, ref)
         return self._call(coro)
 
+    def get_attribute_map(self, flow_id: str, amap: AttributeMap[T]) -> dict[str, T]:
+        return self._call(self._async.get_attribute_map(flow_id, amap))
+
     def read_stream(self, flow_id: str, stream: Stream[T] | str, resume_token: str | None = None, *,
                     wait_seconds: float = 0.0, limit: int = DEFAULT_READ_LIMIT) -> StreamRead:
         return self._call(self._async.read_stream(flow_id, stream, resume_token,
@@ -1166,6 +1169,9 @@ class Client:
     def skip_timer(self, flow_id: str, step_execution_id: str) -> None:
         self._call(self._async.skip_timer(flow_id, step_execution_id))
 
+    def update_flow_config(self, flow_id: str, config: FlowConfig) -> None:
+        self._call(self._async.update_flow_config(flow_id, config))
+
     def describe_flow(self, flow_id: str) -> FlowInfo:
         return self._call(self._async.describe_flow(flow_id))
 
@@ -1177,6 +1183,12 @@ class Client:
 
     def wait_for_flow(self, flow_id: str, timeout_seconds: float = 60.0) -> FlowInfo:
         return self._call(self._async.wait_for_flow(flow_id, timeout_seconds))
+
+    def flow_output(self, flow_id: str) -> Any:
+        return self._call(self._async.flow_output(flow_id))
+
+    def exists(self, flow_id: str) -> bool:
+        return self._call(self._async.exists(flow_id))
 
     def close(self) -> None:
         """Close the store; calls other threads wait in raise RuntimeError. A second close (another
