@@ -177,6 +177,24 @@ async def test_a_worker_that_never_registers_is_killed_when_start_worker_fails(s
     assert worker.process.returncode == -signal.SIGKILL
 
 
+async def test_start_worker_waits_for_its_own_worker_though_another_is_registered(stack: AgentTestStack) -> None:
+    """start_worker() returns once the Worker it started registered, not any Worker. Catches: a
+    second start_worker() returning at once because the first Worker was registered, so a test
+    that killed the first went on with no Worker serving its Steps."""
+    await stack.start_worker()
+    gate = FileGate(stack.state_dir, "second-starts")  # the second Worker waits there, unregistered
+    starting = asyncio.create_task(stack.start_worker({ENV_START_GATE: gate.name}))
+    try:
+        await gate.wait_until_reached()
+        assert not starting.done()
+        gate.release()
+        second = await starting
+    finally:
+        gate.release()
+        starting.cancel()
+    assert second.pid in [row[2] for row in await stack.client.store.list_workers()]
+
+
 @pytest.mark.parametrize("frozen", [False, True], ids=["running", "frozen"])
 async def test_workers_end_when_the_test_process_dies_without_leaving_the_stack(tmp_path: Path, frozen: bool) -> None:
     """A test process SIGKILLed inside `async with AgentTestStack` (a CI timeout) runs no cleanup; its
@@ -343,6 +361,42 @@ async def test_a_subprocess_of_a_worker_child_waits_at_a_gate_until_released(tmp
         if waiter.returncode is None:
             waiter.kill()
             await waiter.wait()
+
+
+# A Worker child whose second thread, once the parent watch runs, prints what a subprocess started
+# then would inherit as ENV_PARENT_PID, and ends the child.
+INHERITED_PARENT_PID_REPORTER = textwrap.dedent("""
+    import os, sys, threading, time
+    from pathlib import Path
+    from agents.tests.scripted_agent import build_flow
+    from dex_agents.testing import ENV_PARENT_PID, run_agent_worker
+
+    def report() -> None:
+        while not any(t.name.startswith("dex-test-parent-watch:") for t in threading.enumerate()):
+            time.sleep(0.01)
+        print(os.environ.get(ENV_PARENT_PID, "unset"), flush=True)
+        os._exit(0)
+
+    threading.Thread(target=report, daemon=True).start()
+    run_agent_worker([build_flow(Path(sys.argv[1]))], database_url=f"sqlite:///{Path(sys.argv[1]) / 'dex.db'}")
+""")
+
+
+async def test_a_worker_childs_subprocesses_do_not_inherit_the_test_process_pid(tmp_path: Path) -> None:
+    """run_agent_worker takes ENV_PARENT_PID out of the Worker's environment. Catches: it left there,
+    so a tool's subprocess started in a session of its own and waiting at a FileGate took the
+    Worker for a dead test process and SIGKILLed itself."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", INHERITED_PARENT_PID_REPORTER, str(tmp_path), cwd=REPO_ROOT,
+        env={**os.environ, ENV_PARENT_PID: str(os.getpid())}, stdout=asyncio.subprocess.PIPE,
+        start_new_session=True)
+    try:
+        out, _ = await asyncio.wait_for(child.communicate(), DOOMED_START_SECONDS)  # a bound on a hang
+    finally:
+        if child.returncode is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            await child.wait()
+    assert (child.returncode, out.decode().strip()) == (0, "unset")
 
 
 async def test_a_worker_that_does_not_lead_its_process_group_is_refused(tmp_path: Path) -> None:
