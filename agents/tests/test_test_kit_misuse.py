@@ -516,6 +516,9 @@ def test_a_file_gate_name_that_is_not_text_is_refused_naming_it(tmp_path: Path) 
         pytest.param({"flows": "one"}, "AgentTestStack flows must be a list of Flows, got the single Flow "
                      "'ScriptedAgent'; give it as [flow]", id="one-flow"),
         pytest.param({"flows": None}, "AgentTestStack flows must be a list of Flows, got None", id="no-flows"),
+        # Text is iterable too: without its own check it became a list of letters.
+        pytest.param({"flows": "ScriptedAgent"}, "AgentTestStack flows must be a list of Flows, got 'ScriptedAgent'",
+                     id="flow-name"),
         pytest.param({"worker_module": ""}, "AgentTestStack worker_module must be the name of the module a Worker "
                      "child runs (python -m <worker_module>), got ''", id="empty-module"),
         pytest.param({"worker_module": 5}, "AgentTestStack worker_module must be the name of the module a Worker "
