@@ -1761,14 +1761,18 @@ async def test_a_blank_summary_fails_the_attempt(tmp_path: Path, blank_attempts:
 
 async def test_context_window_scenario_on_the_builtin_loop(tmp_path: Path) -> None:
     """dex_agents.testing.ContextWindowSessionScenario passes for the built-in loop: several compactions,
-    bounded retention, paging to the oldest stored message, and a next input under the window."""
+    bounded retention, paging to the oldest stored message, and a next input under the window.
+    Catches: the scenario stopping a turn short of `turns`."""
     flow, _ = compaction_flow("ScenarioAgent", answer, window=600, message_window_size=4, message_chunk_size=2,
                               retained_message_limit=8)
     engine = InProcessEngine(tmp_path, [flow])
     async with engine.running():
-        report = await ContextWindowSessionScenario(engine.sessions(), turns=18).run()
+        scenario = ContextWindowSessionScenario(engine.sessions(), turns=18)
+        report = await scenario.run()
     assert report.summary.generation >= 2 and report.deleted_before_sequence is not None
     assert report.next_input_tokens < 600
+    # Every turn asked for ran, each seen ended.
+    assert [s.state.turn_count if s.state else None for s in scenario.snapshots] == list(range(1, 19))
 
 
 async def test_context_window_scenario_says_when_the_event_stream_dropped_events(tmp_path: Path) -> None:
