@@ -429,6 +429,22 @@ async def test_a_gate_released_then_reset_at_once_lets_its_waiting_handler_go(tm
         following.cancel()
 
 
+async def test_a_gate_released_and_reset_the_moment_it_is_marked_lets_its_handler_go(tmp_path: Path) -> None:
+    """The test sees the gate reached and calls release() then reset() before the handler does
+    anything more: the handler goes on. Catches: the waiting token made after the reached mark,
+    so release() found no token to delete and the handler waited for ever."""
+    gate = FileGate(tmp_path, "g")
+    mark = gate.mark_reached
+
+    def marked_then_released_and_reset() -> None:
+        mark()
+        gate.release()  # what the test does the moment wait_until_reached() returns
+        gate.reset()
+
+    gate.mark_reached = marked_then_released_and_reset  # type: ignore[method-assign]
+    await asyncio.wait_for(gate.wait_for_release(), timeout=10)  # a bound on a hang, not a timing assertion
+
+
 async def test_a_gate_never_reached_names_the_file_it_looked_for(tmp_path: Path) -> None:
     """A handler that marks its gate in another directory (a Worker child given another state
     directory) never reaches the test's gate. Catches: a timeout saying only the gate's name, with
