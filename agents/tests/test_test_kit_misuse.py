@@ -381,6 +381,18 @@ async def test_start_worker_names_the_module_of_a_worker_that_crashed_at_import(
     assert "No module named agents.tests.no_such_worker" in message
 
 
+async def test_start_worker_shows_the_end_of_a_long_output_of_a_worker_that_exited(tmp_path: Path) -> None:
+    """A Worker child that printed more than the 40 lines start_worker shows before it failed: the
+    last 40, with its error. Catches: the first 40 shown, without the error."""
+    (tmp_path / "chatty_worker.py").write_text(
+        "print('\\n'.join(f'line {n}' for n in range(100)))\nraise SystemExit('the last word')\n")
+    async with AgentTestStack(tmp_path, [build_flow(tmp_path)], "chatty_worker", worker_cwd=tmp_path) as stack:
+        with pytest.raises(AssertionError) as caught:
+            await stack.start_worker()
+    output = str(caught.value).split("exited with 1 before registering:\n", 1)[1]
+    assert output.splitlines() == [f"line {n}" for n in range(61, 100)] + ["the last word"]
+
+
 async def test_wait_for_agent_snapshot_names_a_step_no_worker_runs(tmp_path: Path) -> None:
     """A session whose Steps no Worker serves (the Worker child registers other flows, or none
     runs): the timeout names the Step left ready and the flow type to serve, not only the snapshot
