@@ -162,3 +162,18 @@ def test_the_oldest_sessions_go_past_the_character_bound(assembled: list[int]) -
     memo.reader("a")(RANGES, stores["a"].read)  # the oldest went: assembled again
     memo.reader("c")(RANGES, stores["c"].read)  # the newest stayed: a hit
     assert assembled == [2, 2, 2, 2]
+
+
+def test_a_sessions_new_messages_replace_its_old_ones_in_the_character_bound(assembled: list[int]) -> None:
+    """As with the message count, a session's new entry replaces its old one's characters: a session
+    growing within the character bound stays kept. Catches: the replaced entry's characters still
+    counted, so a session with large tool outputs pushed itself out and assembled every call again."""
+    memo = ChunkMessagesMemo(sessions=10, messages=1000, chars=80_000)
+    stored = Stored(big_chunk(1, 3, 10_000), big_chunk(4, 5, 10_000), big_chunk(6, 7, 10_000))
+    read = memo.reader("s1")
+    read(RANGES, stored.read)  # 5 messages of over 10,000 characters each
+    grown = [*RANGES, AgentMessageChunkRange(6, 7)]
+    read(grown, stored.read)  # 7 of them instead of the 5: within 80,000
+    assert len(memo) == 1
+    read(grown, stored.read)  # a hit
+    assert assembled == [2, 3]

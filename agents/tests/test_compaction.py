@@ -816,6 +816,11 @@ def test_builtin_summary_request_fits_its_budget_exactly() -> None:
     settings_ = {"max_output_tokens": 100}
     assert summary_request(summary_request_of(messages, size + 100), settings_, model)[1] == 0
     assert summary_request(summary_request_of(messages, size + 99), settings_, model)[1] == 1
+    # A name set to 0 or None is unset: the next name's limit is the reserve. Catches: 0 taken as the
+    # reserve, so a request that leaves no room for max_tokens' output is sent whole.
+    for unset in (0, None):
+        fallback = {"max_output_tokens": unset, "max_tokens": 100}
+        assert summary_request(summary_request_of(messages, size + 99), fallback, model)[1] == 1
 
 
 async def test_scripted_model_answers_summary_requests() -> None:
