@@ -1403,6 +1403,31 @@ async def test_a_compaction_contract_breach_fails_the_turn(
             ] == [1]
 
 
+class CutoffPastTheEndWithAPartialAnswer(CutoffPastTheEnd):
+    """CutoffPastTheEnd whose unfinished turn has an item the runner gives when the turn fails."""
+
+    def build_unfinished_turn_messages(self, turn: AgentTurnContext) -> Sequence[FrameworkMessage]:
+        from dex_agents.builtin_loop._items import output_message
+        text = "partial answer"
+        return [output_message(ModelOutputItem("scripted", OutputItemKind.TEXT, json.dumps({"text": text}), text))]
+
+
+async def test_a_compaction_contract_breach_stores_the_runners_unfinished_items(tmp_path: Path) -> None:
+    """The turn a compaction contract breach fails ends as RecordTurnFailure ends one: the runner's
+    unfinished items are stored before the failure note. Catches: the breach failing the turn
+    without them, so the next turn's model input lacked what the runner had to give."""
+    flow, _model = compaction_flow("BrokenAgent", answer, window=500, runner=CutoffPastTheEndWithAPartialAnswer)
+    engine = InProcessEngine(tmp_path, [flow])
+    async with engine.running():
+        sessions = engine.sessions()
+        await sessions.start_session("s")
+        done = await run_turns(sessions, "s", ["hello"])
+        stored = await all_messages(sessions, "s")
+    assert done.state is not None and done.state.last_turn_error is not None
+    assert [(m.role, m.text) for m in stored[:2]] == [(MessageRole.USER, "hello"),
+                                                      (MessageRole.ASSISTANT, "partial answer")]
+
+
 class KeepsItsTurn(CutoffAtTheSummary):
     """CutoffAtTheSummary that keeps each turn context its compaction questions were given."""
 
