@@ -716,6 +716,31 @@ async def test_e11_capacity_trims_oldest_first(db_url: str) -> None:
         assert (int(kept[0]), int(kept[1])) == (4, 44)
 
 
+async def test_e11_a_stream_at_its_capacity_keeps_every_event_and_trims_no_more_than_the_excess(
+    db_url: str,
+) -> None:
+    """E11: a stream holding exactly its capacity_bytes trims nothing, and an append past it trims
+    the oldest events holding the excess, no more. Catches: trimming at (not past) the capacity,
+    which found no cut for an excess of 0 and dropped every event but the newest; a cut that
+    passes an event whose bytes reach the excess exactly; an event over the whole budget that left
+    the older events in place."""
+    async with engine_for(db_url, Registry([STREAMS_FLOW]), worker=False) as eng:
+        c = eng.client
+        await c.start_flow("Streams", "s1")
+        values = [f"v{i:08d}" for i in range(1, 5)] + ["v005"]  # 4 x 11 + 6 bytes as JSON: 50, the budget
+        await c.rpc("s1", "append_small", values)
+        full = await c.read_stream("s1", Small)
+        assert [e.sequence for e in full.events] == [1, 2, 3, 4, 5]
+        assert not full.trimmed
+        await c.rpc("s1", "append_small", ["v00000006"])  # 61 bytes: 11 over, exactly event 1's
+        after = await c.read_stream("s1", Small)
+        assert [e.sequence for e in after.events] == [2, 3, 4, 5, 6]
+        assert after.trimmed
+        await c.rpc("s1", "append_small", ["x" * 58])  # 60 bytes alone: all before it go, never it
+        alone = await c.read_stream("s1", Small)
+        assert [e.sequence for e in alone.events] == [7]
+
+
 async def test_e11_a_reader_one_event_behind_the_oldest_kept_is_told_of_the_trim(db_url: str) -> None:
     """E11: a gap of a single trimmed event sets StreamRead.trimmed too. Catches: a gap noticed only
     when more than one event was trimmed, the reader missing one event unawares."""
