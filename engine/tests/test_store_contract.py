@@ -281,6 +281,21 @@ async def test_force_fail_closes_the_flow_with_its_reason(store: Store) -> None:
     assert await store.claim(W, TYPES, 10) == []
 
 
+async def test_force_complete_after_a_graceful_complete_closes_once_with_its_own_output(store: Store) -> None:
+    """force_complete in a flow whose graceful_complete waits for that Step closes it now with the
+    force_complete's output, once. Catches: the commit going on to the graceful completion after
+    closing the flow, which closed it again with the graceful output and a second flow_closed."""
+    await start(store, "fc")
+    await store.commit_execute(await claim_one(store), WriteSet(), goto("Next", "Next"))
+    a, b = await store.claim(W, TYPES, 10)
+    await store.commit_execute(a, WriteSet(), graceful("graceful"))
+    await store.commit_execute(b, WriteSet(), DecisionRecord("force_complete", output=enc("forced")))
+    info = await store.describe_flow("fc")
+    assert (info.status, info.output, info.active_steps) == ("completed", enc("forced"), ())
+    closed = [e for e in await history_events(store, "fc") if e[0] == tx.FLOW_CLOSED]
+    assert len(closed) == 1
+
+
 async def test_commit_execute_with_claim_hands_out_the_next_attempt(store: Store) -> None:
     """The `claim` argument returns the next ready attempt from the same commit."""
     await start(store, "f1")
