@@ -395,6 +395,18 @@ async def test_abandon_hands_a_started_attempt_to_recovery(store: Store) -> None
     assert await active(store, "f1") == [("Start-1", "running", "execute", 2)]
 
 
+async def test_an_attempt_that_started_is_not_handed_back_as_unstarted(store: Store) -> None:
+    """release_unstarted leaves an attempt that has started (its heartbeat said so) running under
+    its lease: handing it out again would run attempt 1 twice (E3). Catches: the hand-back not
+    checking that the attempt never started."""
+    await start(store, "f1")
+    lease = await claim_one(store)
+    await store.heartbeat(lease, None)
+    await store.release_unstarted(lease)
+    assert await active(store, "f1") == [("Start-1", "running", "execute", 1)]
+    assert await store.claim(W, TYPES, 10) == []
+
+
 async def test_housekeeping_declares_workers_dead_only_while_its_own_lease_holds(store: Store) -> None:
     """A worker's housekeeping removes the workers whose leases ran out only while its own lease
     holds (up to its last millisecond): a worker whose own lease ran out, or that is not registered
