@@ -49,6 +49,13 @@ async def invoke(tool: FunctionTool, arguments: dict[str, Any], effect: ToolEffe
     return await tool.invoke(json.dumps(arguments), make_context(effect))
 
 
+def refusal(tool: FunctionTool, arguments: str | dict[str, Any], effect: ToolEffect = ToolEffect.UNCLASSIFIED) -> str:
+    """The message of the ToolExecutionError the call raises (the test fails if it returns)."""
+    with pytest.raises(ToolExecutionError) as caught:
+        run(tool, arguments, effect)
+    return caught.value.message
+
+
 def capturing_tool(annotation: Any, *, default: Any = inspect.Parameter.empty) -> tuple[FunctionTool, list[Any]]:
     """A one-parameter tool `probe(value: <annotation>)` that records what it received."""
     received: list[Any] = []
@@ -228,9 +235,8 @@ def test_typed_dict_qualifiers_decide_required_keys_under_postponed_annotations(
 
     options, options_received = capturing_tool(FutureOptions)
     assert property_schema(options)["required"] == ["mode"]
-    with pytest.raises(ToolExecutionError) as caught:
-        run(options, {"value": {"size": 1}})
-    assert caught.value.message == "invalid arguments for probe: parameter 'value': missing required field 'mode'"
+    assert refusal(options, {"value": {"size": 1}}) == (
+        "invalid arguments for probe: parameter 'value': missing required field 'mode'")
     assert options_received == []
 
 
@@ -317,9 +323,8 @@ def test_integral_float_for_integer_choice_arrives_as_the_choice(annotation: Any
 @pytest.mark.parametrize(("argument", "shown"), [("2.5", "2.5"), ("true", "true"), ("3.0", "3.0")])
 def test_integer_choice_still_refuses_fractions_booleans_and_other_values(argument: str, shown: str) -> None:
     tool, received = capturing_tool(Literal[1, 2])
-    with pytest.raises(ToolExecutionError) as caught:
-        run(tool, f'{{"value": {argument}}}')
-    assert caught.value.message == f"invalid arguments for probe: parameter 'value': expected one of 1, 2, got {shown}"
+    assert refusal(tool, f'{{"value": {argument}}}') == (
+        f"invalid arguments for probe: parameter 'value': expected one of 1, 2, got {shown}")
     assert received == []
 
 
@@ -500,9 +505,7 @@ def test_schema_violations_are_model_visible_errors_naming_the_parameter(
         calls.append(order_id)
         return "refunded"
 
-    with pytest.raises(ToolExecutionError) as caught:
-        run(refund, arguments)
-    assert caught.value.message == f"invalid arguments for refund: {reason}"
+    assert refusal(refund, arguments) == f"invalid arguments for refund: {reason}"
     assert calls == []
 
 
@@ -518,9 +521,8 @@ def test_a_number_past_the_float_range_is_refused_and_never_run(number: str) -> 
         calls.append(ratio)
         return "scaled"
 
-    with pytest.raises(ToolExecutionError) as caught:
-        run(scale, f'{{"ratio": {number}}}')
-    assert caught.value.message == "invalid arguments for scale: parameter 'ratio': number out of range"
+    assert refusal(scale, f'{{"ratio": {number}}}') == (
+        "invalid arguments for scale: parameter 'ratio': number out of range")
     assert calls == []
 
 
@@ -528,9 +530,7 @@ def test_a_number_past_the_float_range_is_refused_and_never_run(number: str) -> 
 def test_text_that_is_not_json_is_refused(text: str) -> None:
     """Invalid JSON (non-standard constants included) gives the contract's exact error."""
     tool, received = capturing_tool(int, default=0)
-    with pytest.raises(ToolExecutionError) as caught:
-        run(tool, text)
-    assert caught.value.message == "invalid arguments for probe: arguments are not valid JSON"
+    assert refusal(tool, text) == "invalid arguments for probe: arguments are not valid JSON"
     assert received == []
 
 
@@ -538,9 +538,7 @@ def test_text_that_is_not_json_is_refused(text: str) -> None:
 def test_json_that_is_not_an_object_is_refused(text: str) -> None:
     """Arguments must be a JSON object."""
     tool, received = capturing_tool(int, default=0)
-    with pytest.raises(ToolExecutionError) as caught:
-        run(tool, text)
-    assert caught.value.message == "invalid arguments for probe: arguments must be a JSON object"
+    assert refusal(tool, text) == "invalid arguments for probe: arguments must be a JSON object"
     assert received == []
 
 
@@ -557,9 +555,7 @@ def test_arguments_nested_too_deeply_to_decode_are_refused_and_never_run(effect:
     with pytest.raises(RecursionError):
         json.loads(text)  # the premise: the decode itself overflows
     tool, received = capturing_tool(list)
-    with pytest.raises(ToolExecutionError) as caught:
-        run(tool, text, effect)
-    assert caught.value.message == f"invalid arguments for probe: {ARGUMENTS_TOO_DEEP}"
+    assert refusal(tool, text, effect) == f"invalid arguments for probe: {ARGUMENTS_TOO_DEEP}"
     assert received == []
 
 
@@ -578,9 +574,8 @@ def test_arguments_nested_too_deeply_to_check_are_refused_and_never_run() -> Non
         received.append(mode)
         return "picked"
 
-    with pytest.raises(ToolExecutionError) as caught:
-        run(pick, {"mode": "fast"}, ToolEffect.NON_IDEMPOTENT_WRITE)
-    assert caught.value.message == f"invalid arguments for pick: {ARGUMENTS_TOO_DEEP}"
+    assert refusal(pick, {"mode": "fast"}, ToolEffect.NON_IDEMPOTENT_WRITE) == (
+        f"invalid arguments for pick: {ARGUMENTS_TOO_DEEP}")
     assert received == []
 
 
@@ -616,9 +611,7 @@ def test_prepare_arguments_output_is_still_checked_against_the_schema() -> None:
     def tool(order_id: str) -> str:
         return order_id
 
-    with pytest.raises(ToolExecutionError) as caught:
-        run(tool, {"order_id": "o"})
-    assert caught.value.message == "invalid arguments for tool: unknown parameter 'extra'"
+    assert refusal(tool, {"order_id": "o"}) == "invalid arguments for tool: unknown parameter 'extra'"
 
 
 def test_prepare_arguments_exception_fails_like_a_schema_violation() -> None:
@@ -630,9 +623,7 @@ def test_prepare_arguments_exception_fails_like_a_schema_violation() -> None:
         calls.append(order_id)
         return "ok"
 
-    with pytest.raises(ToolExecutionError) as caught:
-        run(refund, {"id": "o-1", "cents": "lots"})
-    assert caught.value.message == (
+    assert refusal(refund, {"id": "o-1", "cents": "lots"}) == (
         "invalid arguments for refund: prepare_arguments failed: "
         "ValueError: invalid literal for int() with base 10: 'lots'"
     )
@@ -660,9 +651,7 @@ def test_prepare_arguments_returning_a_coroutine_is_refused() -> None:
     def tool(order_id: str) -> str:
         return order_id
 
-    with pytest.raises(ToolExecutionError) as caught:
-        run(tool, {"order_id": "o"})
-    assert caught.value.message == (
+    assert refusal(tool, {"order_id": "o"}) == (
         "invalid arguments for tool: prepare_arguments returned an awaitable; it must be synchronous"
     )
     assert started == []
@@ -689,9 +678,8 @@ def test_prepare_arguments_returning_a_non_object_is_refused() -> None:
     def tool(order_id: str) -> str:
         return order_id
 
-    with pytest.raises(ToolExecutionError) as caught:
-        run(tool, {"order_id": "o"})
-    assert caught.value.message == "invalid arguments for tool: prepare_arguments returned list, not a JSON object"
+    assert refusal(tool, {"order_id": "o"}) == (
+        "invalid arguments for tool: prepare_arguments returned list, not a JSON object")
 
 
 async def test_cancelled_error_from_prepare_arguments_passes_through() -> None:
@@ -1435,9 +1423,8 @@ def test_null_for_a_required_parameter_is_a_schema_violation_even_for_a_write() 
         calls.append(amount_cents)
         return "ok"
 
-    with pytest.raises(ToolExecutionError) as caught:
-        run(refund, {"amount_cents": None}, ToolEffect.NON_IDEMPOTENT_WRITE)
-    assert caught.value.message == "invalid arguments for refund: parameter 'amount_cents': expected integer, got null"
+    assert refusal(refund, {"amount_cents": None}, ToolEffect.NON_IDEMPOTENT_WRITE) == (
+        "invalid arguments for refund: parameter 'amount_cents': expected integer, got null")
     assert calls == []
 
 
@@ -1490,9 +1477,8 @@ def test_prepare_arguments_tool_execution_error_keeps_its_own_message() -> None:
     def refund(amount_cents: int) -> str:
         return "ok"
 
-    with pytest.raises(ToolExecutionError) as caught:
-        run(refund, {"cents": "lots"})
-    assert caught.value.message == "invalid arguments for refund: cents must be digits; send amount_cents instead"
+    assert refusal(refund, {"cents": "lots"}) == (
+        "invalid arguments for refund: cents must be digits; send amount_cents instead")
 
 
 def test_callable_object_gets_no_description_from_its_class_docstring() -> None:
@@ -1526,9 +1512,7 @@ def test_a_non_object_for_a_dataclass_parameter_is_a_schema_violation() -> None:
     """A dataclass parameter given a scalar fails as bad arguments naming the class, never as a crash."""
     tool, received = capturing_tool(Address)
     for value, kind in ((7, "integer"), ("Main 1", "string"), ([], "array")):
-        with pytest.raises(ToolExecutionError) as caught:
-            run(tool, {"value": value}, ToolEffect.NON_IDEMPOTENT_WRITE)
-        assert caught.value.message == (
+        assert refusal(tool, {"value": value}, ToolEffect.NON_IDEMPOTENT_WRITE) == (
             f"invalid arguments for probe: parameter 'value': expected object (Address), got {kind}"
         )
     assert received == []
@@ -1583,9 +1567,7 @@ def test_a_value_no_alternative_of_its_json_type_accepts_names_each_reason() -> 
     """When several alternatives of a union take the value's JSON type and all refuse it, the error gives
     each one's reason, so the model sees what every alternative expected."""
     tool, received = capturing_tool(Priority | Literal[10])
-    with pytest.raises(ToolExecutionError) as caught:
-        run(tool, {"value": 7})
-    assert caught.value.message == (
+    assert refusal(tool, {"value": 7}) == (
         "invalid arguments for probe: parameter 'value': matches none of one of 1, 2 or one of 10"
         " (value: expected one of 1, 2, got 7; value: expected one of 10, got 7)"
     )
