@@ -836,14 +836,36 @@ async def test_a_step_whose_wait_is_satisfied_queues_behind_work_ready_before(st
     assert [x.flow_id for x in await store.claim(W, TYPES, 1)] == ["ready-first"]
     assert [(x.flow_id, x.method) for x in await store.claim(W, TYPES, 1)] == [("waiter", "execute")]
 
-async def test_a_claim_handed_back_with_a_delay_is_claimed_only_after_it(store: Store) -> None:
-    """A claim handed back with a delay (a Step this worker's Registry does not declare) is not
-    claimed again before the delay is over, though it was ready first."""
-    await start(store, "f1")
-    lease = await claim_one(store)
-    await store.release_unstarted(lease, HOUR_MS)
-    assert await store.claim(W, TYPES, 1) == []
-    assert await active(store, "f1") == [("Start-1", "ready", "execute", 1)]
+async def test_a_step_declined_for_a_worker_is_never_claimed_for_it_but_is_for_others(store: Store) -> None:
+    """A Step a worker's Registry lacks (Store.set_declined: a rolling deploy's newer Step) is
+    left out of every claim for that worker, a claim, a poll's and a commit's, and its ready time
+    does not wake it; other workers claim it, the same Step's other method stays claimable, and
+    once forgotten the worker claims it again. Catches a worker that keeps claiming a Step it hands
+    back, winning it again and again from the worker that would run it."""
+    await start(store, "lacked", "Next")
+    await start(store, "listens", "Listen")
+    await start(store, "runs")  # Start: declared
+    store.set_declined(W, [("Contract", "Next", "execute"), ("Contract", "Listen", "execute"),
+                           ("Other", "Start", "execute")])
+    leases = {x.flow_id: x for x in await store.claim(W, TYPES, 10)}
+    # Listen's wait_for was not declined, only its execute.
+    assert {k: x.method for k, x in leases.items()} == {"listens": "wait_for", "runs": "execute"}
+    _, polled = await store.poll(W, TYPES, 10, [x.task_id for x in leases.values()], must_claim=True,
+                                 housekeep=False)
+    assert polled.leases == []
+    # Next is ready and due: a next due time counting it would be now, and wake the worker in a
+    # loop. Nor may a light poll (one that neither claims nor cleans up) count it.
+    running = [x.task_id for x in leases.values()]
+    _, light = await store.poll(W, TYPES, 10, running, must_claim=False, housekeep=False)
+    for due in (polled.next_due_ms, light.next_due_ms):
+        assert due is None or due > now_ms(), due
+    lease = leases["runs"]
+    assert await store.commit_execute(lease, WriteSet(), graceful("done"), claim=(W, TYPES, 10)) == []
+    assert await store.claim(W, TYPES, 10) == []
+    assert [x.flow_id for x in await store.claim("worker-2", TYPES, 10)] == ["lacked"]
+    store.set_declined(W, ())
+    await start(store, "later", "Next")
+    assert [x.flow_id for x in await store.claim(W, TYPES, 10)] == ["later"]
 
 
 async def test_a_retry_handed_back_unstarted_keeps_the_locks_its_first_attempt_took(store: Store) -> None:

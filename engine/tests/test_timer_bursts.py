@@ -152,7 +152,7 @@ async def test_a_worker_fires_timers_as_its_ready_tasks_drain_and_a_few_while_th
     """A worker's housekeeping fires timers only while fewer than TIMERS_FIRED_PER_HOUSEKEEPING
     tasks of its flow types are ready, except TIMERS_FIRED_WHILE_BACKLOGGED in its pass once an
     interval (`timer_floor`); other flow types' ready tasks hold nothing back, nor tasks not due yet
-    (a claim handed back with a delay, a retry waiting for its interval). Catches a full queue that
+    (a retry waiting for its interval). Catches a full queue that
     starves timers for ever (no floor), a burst fired behind a queue already full, and tasks not due
     yet counted as queued work."""
     due = TIMERS_FIRED_WHILE_BACKLOGGED + 5
@@ -164,7 +164,9 @@ async def test_a_worker_fires_timers_as_its_ready_tasks_drain_and_a_few_while_th
         await asyncio.gather(*(eng.store.start_flow(r) for r in runners))
         await eng.store.start_flow(StartRequest("later", "Runner", b"null", FlowConfig(), start_record(RUNNER, None)))
         (handed_back,) = await eng.store.claim("w", ["Runner"], 1)
-        await eng.store.release_unstarted(handed_back, 3_600_000)  # ready, but only in an hour
+        await eng.store.release_unstarted(handed_back)
+        await eng.store.raw(lambda db: db.run(  # ready, but only in an hour (as a retry's interval)
+            "UPDATE tasks SET run_at = ? WHERE task_id = ?", (now_ms() + 3_600_000, handed_back.task_id)), write=True)
         await asyncio.sleep(1.2)
 
         def housekeeping(types: list[str], floor: bool) -> Any:

@@ -123,12 +123,6 @@ DEFAULT_POLL_SECONDS = 0.02
 # fifty times a second, and one back within a second is polled within a second.
 POLL_RETRY_MAX_SECONDS = 1.0
 
-# A ready Step whose type (or WaitFor) the worker's Registry lacks, as in a rolling deploy that adds
-# one, is handed back unstarted (same attempt, E3) to wait this long before any worker claims it
-# again: an older worker re-claims it two small transactions per this period, not in a loop, and
-# once a worker that declares it runs, the Step waits at most this long for it.
-UNDECLARED_STEP_RETRY_SECONDS = 2.0
-
 # While a worker's polls or lease renewals keep failing, the error is logged with its traceback
 # once, then once per this period: enough to see it goes on, not a log filled with one error.
 FAILURE_LOG_SECONDS = 60.0

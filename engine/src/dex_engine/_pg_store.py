@@ -341,6 +341,7 @@ class _ExecuteCommit:
     writes: WriteSet
     decision: DecisionRecord
     claim: tuple[str, Sequence[str], int] | None
+    declined: tx.Declined = ()  # Steps no claim for the claim's worker takes (Store.set_declined)
 
     def generic(self, db: Db) -> list[Lease]:
         """The same commit through _transitions (Store.commit_execute's operation), used when a
@@ -353,7 +354,7 @@ class _ExecuteCommit:
             _gates.gate(_gates.INSIDE_COMMIT)
         if claim is None or handoff is None:
             return []
-        return handoff.leases or tx.claim(db, claim[0], claim[1], claim[2], now)
+        return handoff.leases or tx.claim(db, claim[0], claim[1], claim[2], now, self.declined)
 
 
 class _Unbatchable(Exception):
@@ -991,7 +992,8 @@ class PostgresStore(Store):
         notification, no fallback poll and no housekeeping due), one read-only statement outside a
         transaction: most polls of a busy worker, which polls while its claiming commits are in
         flight."""
-        if (must_claim or housekeep or self._notified.is_set()
+        # A worker that declined Steps: its light poll's next due time must leave them out too.
+        if (must_claim or housekeep or self._notified.is_set() or self.declined(worker_id)
                 or time.monotonic() - self._last_change_report >= FALLBACK_POLL_SECONDS):
             return await super().poll(worker_id, flow_types, capacity, running, must_claim=must_claim,
                                       housekeep=housekeep, known=known, claimed_before=claimed_before,
@@ -1009,7 +1011,7 @@ class PostgresStore(Store):
         # `fold` is unused: folds_executes is False here (the batched commit has no savepoints).
         if not (BATCH_EXECUTE_COMMITS and batchable(writes, decision)):
             return await super().commit_execute(lease, writes, decision, claim)
-        commit = _ExecuteCommit(lease, writes, decision, claim)
+        commit = _ExecuteCommit(lease, writes, decision, claim, () if claim is None else self.declined(claim[0]))
         return await self._run(commit.generic, write=True, durable=lease.durable, commit=commit)
 
     def _lane_main(self, first: bool) -> None:
@@ -1177,7 +1179,7 @@ class PostgresStore(Store):
                     claim = commit.claim
                     if claim is not None and not done[i]:  # nothing handed over: claim ready work
                         try:
-                            done[i] = tx.claim(db, claim[0], claim[1], claim[2], now_ms())
+                            done[i] = tx.claim(db, claim[0], claim[1], claim[2], now_ms(), commit.declined)
                         except psycopg.Error:
                             raise
                         except Exception as exc:

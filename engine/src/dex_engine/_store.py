@@ -10,10 +10,12 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
+from types import MappingProxyType
 from typing import Any, Protocol, TypeVar
 
 from . import _gates
@@ -79,6 +81,7 @@ def now_ms() -> int:
 
 def _started_or_claimed(
     db: Db, handoff: tx.Handoff, readied: int | None, flow_types: Sequence[str], now: int, *, defer: bool,
+    declined: tx.Declined,
 ) -> list[tx.Claimed]:
     """The attempts a commit hands its worker: the Steps it started went straight to it (`handoff`);
     otherwise claim ready work, and also when the commit made work ready (a backend that counts it,
@@ -88,8 +91,9 @@ def _started_or_claimed(
     if handoff.leases and (readied is None or getattr(db, "readied", None) == readied):
         return started
     if defer:
-        return started + tx.claim_deferred(db, handoff.worker_id, flow_types, handoff.capacity, now)
-    return started + [tx.Claimed(lease) for lease in tx.claim(db, handoff.worker_id, flow_types, handoff.capacity, now)]
+        return started + tx.claim_deferred(db, handoff.worker_id, flow_types, handoff.capacity, now, declined)
+    return started + [tx.Claimed(lease) for lease in
+                      tx.claim(db, handoff.worker_id, flow_types, handoff.capacity, now, declined)]
 
 
 class LocalClaimer(Protocol):
@@ -129,6 +133,10 @@ class Store(ABC):
     folds_executes: bool = False
     # Workers of this process that take such Steps (add_local_claimer); replaced, never mutated.
     _claimers: tuple[LocalClaimer, ...] = ()
+    # By worker ID, the Steps its Registry lacks, which no claim for it takes (set_declined);
+    # replaced under the lock, never mutated: its workers may run on several event loops.
+    _declined: Mapping[str, frozenset[tuple[str, str, str]]] = MappingProxyType({})
+    _declined_lock = threading.Lock()
     # The process that opened the store (each backend sets it): its threads and connections are
     # that process's alone.
     _opened_pid: int
@@ -201,6 +209,19 @@ class Store(ABC):
     def remove_local_claimer(self, claimer: LocalClaimer) -> None:
         self._claimers = tuple(c for c in self._claimers if c is not claimer)
 
+    def set_declined(self, worker_id: str, steps: tx.Declined) -> None:
+        """From now on claim for `worker_id` none of `steps` (flow type, Step type, method), which
+        its Registry lacks, nor wake it for them (next_due); empty: forget the worker's."""
+        with self._declined_lock:
+            declined = {k: v for k, v in self._declined.items() if k != worker_id}
+            if steps:
+                declined[worker_id] = frozenset(steps)
+            self._declined = declined
+
+    def declined(self, worker_id: str) -> tx.Declined:
+        """The Steps no claim for `worker_id` takes (set_declined)."""
+        return self._declined.get(worker_id, ())
+
     async def _run_handing_off(self, fn: Callable[[Db], R]) -> R:
         """Run a client's write. When it makes Steps ready and a worker of this process on this
         event loop has free slots, that worker claims them in this same transaction, as a commit of
@@ -213,6 +234,7 @@ class Store(ABC):
         else:
             return await self._run(fn, write=True)
         worker_id, holder, flow_types, capacity, token = request
+        declined = self.declined(worker_id)
 
         def op(db: Db) -> tuple[R, list[Lease] | None]:
             readied = getattr(db, "readied", 0)
@@ -223,9 +245,9 @@ class Store(ABC):
                 return result, None
             now = now_ms()
             if self.folds_executes:
-                claimed = tx.claim_deferred(db, worker_id, flow_types, capacity, now)
+                claimed = tx.claim_deferred(db, worker_id, flow_types, capacity, now, declined)
             else:
-                claimed = [tx.Claimed(lease) for lease in tx.claim(db, worker_id, flow_types, capacity, now)]
+                claimed = [tx.Claimed(lease) for lease in tx.claim(db, worker_id, flow_types, capacity, now, declined)]
             return result, self._fold_executes(db, claimed, claimer.fold_execute, worker_id, flow_types, capacity,
                                                durable=True, now=now)
 
@@ -291,7 +313,9 @@ class Store(ABC):
 
     # Worker side
     async def claim(self, worker_id: str, flow_types: Sequence[str], capacity: int) -> list[Lease]:
-        return await self._run(lambda db: tx.claim(db, worker_id, flow_types, capacity, now_ms()), write=True)
+        declined = self.declined(worker_id)
+        return await self._run(lambda db: tx.claim(db, worker_id, flow_types, capacity, now_ms(), declined),
+                               write=True)
 
     async def commit_wait_for(
         self, lease: Lease, writes: WriteSet, spec: WaitSpec, claim: tuple[str, Sequence[str], int] | None = None,
@@ -301,8 +325,9 @@ class Store(ABC):
             tx.commit_wait_for(db, lease, writes, spec, now)
             if _gates.ACTIVE:  # the transaction is open: a crash here must roll it all back
                 _gates.gate(_gates.INSIDE_COMMIT)
-            return [] if claim is None else tx.claim(db, claim[0], claim[1], claim[2], now)
+            return [] if claim is None else tx.claim(db, claim[0], claim[1], claim[2], now, declined)
 
+        declined = () if claim is None else self.declined(claim[0])
         return await self._run(op, write=True, durable=lease.durable)
 
     async def commit_execute(
@@ -322,7 +347,8 @@ class Store(ABC):
                     _gates.gate(_gates.INSIDE_COMMIT)
                 return []
             claimed = _started_or_claimed(db, handoff, readied, claim[1], now,
-                                          defer=fold is not None and self.folds_executes)
+                                          defer=fold is not None and self.folds_executes,
+                                          declined=self.declined(claim[0]))
             leases = self._fold_executes(db, claimed, fold, claim[0], claim[1], claim[2], durable=lease.durable,
                                          now=now)
             if _gates.ACTIVE:  # after the folded Executes too: a crash here rolls them all back
@@ -386,7 +412,8 @@ class Store(ABC):
                             gone.started.close()
                 out = [c for c in out if live.get(c.task_id) == c.lease_epoch]
                 pending = [c for c in pending if live.get(c.lease.task_id) == c.lease.lease_epoch]
-            pending += _started_or_claimed(db, handoff, readied, flow_types, now, defer=True)
+            pending += _started_or_claimed(db, handoff, readied, flow_types, now, defer=True,
+                                           declined=self.declined(worker_id))
         return out
 
     async def fail_attempt(
@@ -397,8 +424,8 @@ class Store(ABC):
     async def abandon(self, lease: Lease) -> None:
         await self._run(lambda db: tx.abandon(db, lease), write=True)
 
-    async def release_unstarted(self, lease: Lease, delay_ms: int = 0) -> None:
-        await self._run(lambda db: tx.release_unstarted(db, lease, now_ms(), delay_ms), write=True)
+    async def release_unstarted(self, lease: Lease) -> None:
+        await self._run(lambda db: tx.release_unstarted(db, lease), write=True)
 
     async def heartbeat(
         self, lease: Lease, checkpoint: str | None, events: Sequence[tuple[str, int, bytes]] = (),
@@ -450,13 +477,14 @@ class Store(ABC):
         """
         if claimed_before is None:
             claimed_before = now_ms() - LOST_CLAIM_MS
+        declined = self.declined(worker_id)
         if self.light_polls and not must_claim and not housekeep:
             # Most polls find nothing new: read the epochs and due times without taking the write
             # lock; only when another connection committed does a full poll follow, to claim.
             def light(db: Db) -> tx.PollResult | None:
                 if self._changed_in(db):
                     return None
-                return tx.PollResult([], tx.task_epochs(db, running), tx.next_due(db, flow_types), None)
+                return tx.PollResult([], tx.task_epochs(db, running), tx.next_due(db, flow_types, declined), None)
 
             quiet = await self._run(light, write=False)
             if quiet is not None:
@@ -473,9 +501,9 @@ class Store(ABC):
             woke = report is not None and bool(report.timers_fired or report.leases_expired or report.timeouts)
             claim_now = must_claim or changed or woke
             registered = not claim_now or tx.worker_registered(db, worker_id, holder)
-            leases = tx.claim(db, worker_id, flow_types, capacity, now) if claim_now and registered else []
-            result = tx.PollResult(leases, tx.task_epochs(db, running), tx.next_due(db, flow_types), report,
-                                   registered)
+            leases = tx.claim(db, worker_id, flow_types, capacity, now, declined) if claim_now and registered else []
+            result = tx.PollResult(leases, tx.task_epochs(db, running), tx.next_due(db, flow_types, declined),
+                                   report, registered)
             return changed, result
 
         return await self._run(op, write=True, durable=False)

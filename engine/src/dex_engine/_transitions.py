@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar, cast
 
@@ -191,6 +191,21 @@ def _in(values: Sequence[Any]) -> str:
 @functools.lru_cache(maxsize=256)
 def _placeholders(count: int) -> str:
     return ",".join("?" * count)
+
+
+# Steps (flow type, Step type, method) that a worker's Registry lacks and so must not be claimed for
+# it: a rolling deploy's newer Steps, which the worker once claimed and handed back (see
+# Store.set_declined). Usually empty.
+Declined = Collection[tuple[str, str, str]]
+
+
+def _not_declined(declined: Declined, alias: str = "") -> tuple[str, tuple[str, ...]]:
+    """A ready-task condition (` AND NOT (...)`, or '' for none) leaving out `declined`, with its
+    parameters; `alias` prefixes the columns (`t.` in a join)."""
+    if not declined:
+        return "", ()
+    one = f"({alias}flow_type = ? AND {alias}step_type = ? AND {alias}method = ?)"
+    return f" AND NOT ({' OR '.join([one] * len(declined))})", tuple(v for step in declined for v in step)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -930,9 +945,12 @@ def _read_attributes(db: Db, flow_id: str, spec: LoadSpec) -> dict[tuple[str, st
     return {(str(r[0]), str(r[1])): bytes(r[2]) for r in rows}
 
 
-def claim(db: Db, worker_id: str, flow_types: Sequence[str], capacity: int, now: int) -> list[Lease]:
-    """Hand up to `capacity` ready attempts to `worker_id`, taking method locks and snapshots."""
-    return [write_claim(db, c) for c in claim_deferred(db, worker_id, flow_types, capacity, now)]
+def claim(
+    db: Db, worker_id: str, flow_types: Sequence[str], capacity: int, now: int, declined: Declined = (),
+) -> list[Lease]:
+    """Hand up to `capacity` ready attempts to `worker_id`, taking method locks and snapshots; none
+    of the `declined` Steps."""
+    return [write_claim(db, c) for c in claim_deferred(db, worker_id, flow_types, capacity, now, declined)]
 
 
 @dataclass
@@ -962,7 +980,9 @@ class _ClaimWrites:
     blocks_others: bool = False
 
 
-def claim_deferred(db: Db, worker_id: str, flow_types: Sequence[str], capacity: int, now: int) -> list[Claimed]:
+def claim_deferred(
+    db: Db, worker_id: str, flow_types: Sequence[str], capacity: int, now: int, declined: Declined = (),
+) -> list[Claimed]:
     """claim, with nothing written yet: each Claimed's `deferred` is written by write_claim, so an
     Execute folded into the claiming transaction (Step.pure_execute) never marks its task running,
     takes its locks or releases them. Locks are still checked, against the locks held and those
@@ -970,14 +990,16 @@ def claim_deferred(db: Db, worker_id: str, flow_types: Sequence[str], capacity: 
     if capacity <= 0 or not flow_types:
         return []
     if _on_postgres(db):
+        skip, skipped = _not_declined(declined)
         sql = (f"SELECT {_TASK_COLS} FROM tasks WHERE state = 'ready' AND run_at <= ? "
-               f"AND flow_type IN ({_in(flow_types)}) ORDER BY run_at, task_id LIMIT ?{db.skip_locked}")
+               f"AND flow_type IN ({_in(flow_types)}){skip} ORDER BY run_at, task_id LIMIT ?{db.skip_locked}")
     else:
         # With the flow row's state, as every SQLite operation keeps it (_know_flow_row).
+        skip, skipped = _not_declined(declined, "t.")
         sql = (f"SELECT {_CLAIM_COLS}, {_FLOW_STATE_OF_F} "
                "FROM tasks t JOIN flows f ON f.flow_id = t.flow_id WHERE t.state = 'ready' AND t.run_at <= ? "
-               f"AND t.flow_type IN ({_in(flow_types)}) ORDER BY t.run_at, t.task_id LIMIT ?")
-    rows = db.all(sql, (now, *flow_types, capacity * CLAIM_ROWS_PER_SLOT))
+               f"AND t.flow_type IN ({_in(flow_types)}){skip} ORDER BY t.run_at, t.task_id LIMIT ?")
+    rows = db.all(sql, (now, *flow_types, *skipped, capacity * CLAIM_ROWS_PER_SLOT))
     claimed: list[Claimed] = []
     taking: dict[str, dict[str, _ClaimWrites]] = {}  # by flow, the locks the claims so far will take
     for r in rows:
@@ -1824,21 +1846,21 @@ def abandon(db: Db, lease: Lease) -> None:
     _send(db, "UPDATE tasks SET lease_owner = NULL WHERE task_id = ?", (lease.task_id,))
 
 
-def release_unstarted(db: Db, lease: Lease, now: int, delay_ms: int = 0) -> None:
+def release_unstarted(db: Db, lease: Lease) -> None:
     """Give back an attempt that never started (a claim beyond the worker's slots, a Step the
     worker's Registry lacks): same attempt number, no retry used; other workers are told it is
-    ready, to claim `delay_ms` from now, or with no delay in its place in the queue."""
+    ready, in its place in the queue."""
     check_lease(db, lease)
-    _ready_again(db, lease.task_id, now + delay_ms if delay_ms else None)
+    _ready_again(db, lease.task_id)
     db.notify()
 
 
-def _ready_again(db: Db, task_id: int, run_at: int | None) -> None:
-    """Make a claimed attempt that never started ready again, to claim from `run_at`: the same
-    attempt (E3). With `run_at` None it keeps the run_at it was claimed with, so its place in the
-    queue: claims take the oldest first, and a claim handed back as the newest went behind all
-    work readied meanwhile, each time a worker's claims in flight took more than its slots (a
-    message's Step waited behind a whole burst of timers, handed back again and again).
+def _ready_again(db: Db, task_id: int) -> None:
+    """Make a claimed attempt that never started ready again: the same attempt (E3). It keeps the
+    run_at it was claimed with, so its place in the queue: claims take the oldest first, and a
+    claim handed back as the newest went behind all work readied meanwhile, each time a worker's
+    claims in flight took more than its slots (a message's Step waited behind a whole burst of
+    timers, handed back again and again).
 
     A method none of whose attempts started gives back its locks too, as it was before its claim,
     which takes them again: E7 holds them from the first attempt that runs, and held by a Step no
@@ -1850,8 +1872,8 @@ def _ready_again(db: Db, task_id: int, run_at: int | None) -> None:
     give_back = not row[0] and bool(row[1])
     _send(
         db, "UPDATE tasks SET state = 'ready', lease_owner = NULL, deadline_at = NULL"
-        + ("" if run_at is None else ", run_at = ?") + (", locks_held = 0" if give_back else "") + " WHERE task_id = ?",
-        (task_id,) if run_at is None else (run_at, task_id),
+        + (", locks_held = 0" if give_back else "") + " WHERE task_id = ?",
+        (task_id,),
     )
     if give_back:
         _release_locks(db, task_id)
@@ -2113,7 +2135,7 @@ def _expire_orphans(db: Db, now: int, *, stopped_worker: str | None = None, name
             _fail_task(db, int(task_id), error, False, now)
         else:
             # E3: never started: hand the same attempt out again, consuming no retry.
-            _ready_again(db, int(task_id), None)
+            _ready_again(db, int(task_id))
             bump(db, str(flow_id))
             db.notify()
             db.revoked()  # a worker that still runs it (not dead, only late to renew) must stop
@@ -2155,14 +2177,16 @@ def release_lost_claims(db: Db, worker_id: str, known: Sequence[int], claimed_be
         _expire_orphans(db, now)
 
 
-def next_due(db: Db, flow_types: Sequence[str]) -> int | None:
-    """Earliest time something becomes due: a ready task's run_at, a timer, a deadline, a lease."""
-    ready = (f"(SELECT MIN(run_at) FROM tasks WHERE state = 'ready' AND flow_type IN ({_in(flow_types)}))"
+def next_due(db: Db, flow_types: Sequence[str], declined: Declined = ()) -> int | None:
+    """Earliest time something becomes due: a ready task's run_at (not a `declined` Step's, which
+    would wake its worker in a loop), a timer, a deadline, a lease."""
+    skip, skipped = _not_declined(declined)
+    ready = (f"(SELECT MIN(run_at) FROM tasks WHERE state = 'ready' AND flow_type IN ({_in(flow_types)}){skip})"
              if flow_types else "NULL")
     row = db.one(
         f"SELECT {ready}, (SELECT MIN(timer_due_at) FROM tasks WHERE state = 'waiting' AND timer_due_at IS NOT NULL), "
         "(SELECT MIN(deadline_at) FROM tasks WHERE state = 'running'), (SELECT MIN(expires_at) FROM workers)",
-        tuple(flow_types),
+        (*flow_types, *skipped) if flow_types else (),
     )
     values = [int(v) for v in row or () if v is not None]
     return min(values) if values else None

@@ -62,7 +62,6 @@ from ._limits import (
     RENEW_RETRY_SECONDS,
     RETENTION_BACKLOG_HOUSEKEEPING_SECONDS,
     TIMER_BURST_HOUSEKEEPING_SECONDS,
-    UNDECLARED_STEP_RETRY_SECONDS,
     WORKER_ERROR_STALE_SECONDS,
 )
 from ._open import open_store, shown_url, shown_url_value
@@ -271,9 +270,10 @@ class AsyncWorker:
         # for attempts this worker handed back: at MAX_WORKER_ERRORS_PER_ATTEMPT it fails the
         # attempt instead. In the order they were last counted (each count re-inserts its entry).
         self._worker_errors: dict[int, tuple[int, int, float]] = {}
-        # (flow type, Step type, method) of ready Steps this worker's Registry cannot run, said once
-        # each (_runs_here). As few as the Step types other versions of its Flows declare.
-        self._undeclared_said: set[tuple[str, str, str]] = set()
+        # (flow type, Step type, method) of ready Steps this worker's Registry cannot run, met once
+        # each (_runs_here): said, and left out of its claims from then on (Store.set_declined). As
+        # few as the Step types other versions of its Flows declare.
+        self._declined: set[tuple[str, str, str]] = set()
 
     @property
     def store(self) -> Store:
@@ -405,6 +405,7 @@ class AsyncWorker:
                 with contextlib.suppress(asyncio.CancelledError):
                     await renewer
             store.remove_commit_listener(self._notify)
+            store.set_declined(self.worker_id, ())
             with contextlib.suppress(Exception):
                 await store.unregister_worker(self.worker_id, holder=self._holder)
             stop_retrying.reset(retrying)
@@ -697,8 +698,9 @@ class AsyncWorker:
             return
         if lease.started is None and not self._runs_here(lease):
             # Another version's Step (a rolling deploy added it): failing it would fail work a
-            # worker that declares it runs. Back unstarted, same attempt (E3), until one claims it.
-            self._hand_back_later(lease, context, int(UNDECLARED_STEP_RETRY_SECONDS * 1000))
+            # worker that declares it runs. Back unstarted, same attempt (E3), for one to claim at
+            # once: this worker claims no such Step again, so it cannot keep winning it from that one.
+            self._hand_back_later(lease, context)
             return
         running = _Running(lease)
         self._running[lease.task_id] = running
@@ -715,44 +717,44 @@ class AsyncWorker:
                     running.lease.started.close()  # in its own variables, which this callback is not
             self._end_attempt(running)
 
-    def _hand_back_later(self, lease: Lease, context: contextvars.Context, delay_ms: int = 0) -> None:
+    def _hand_back_later(self, lease: Lease, context: contextvars.Context) -> None:
         """Hand `lease` back (_hand_back) in a task of its own, which a drain waits for."""
-        task = asyncio.create_task(self._hand_back(lease, delay_ms), name=f"hand back {lease.step_execution_id}",
+        task = asyncio.create_task(self._hand_back(lease), name=f"hand back {lease.step_execution_id}",
                                    context=context)
         self._handing_back.add(task)
         task.add_done_callback(self._handing_back.discard)
 
-    async def _hand_back(self, lease: Lease, delay_ms: int = 0) -> None:
+    async def _hand_back(self, lease: Lease) -> None:
         """Give back a claim this worker has no slot for, or cannot run: unstarted, same attempt
-        (E3), for any worker to claim `delay_ms` from now."""
+        (E3), for any worker to claim."""
         try:
-            await self.store.release_unstarted(lease, delay_ms)
+            await self.store.release_unstarted(lease)
         except StaleAttemptError:
             return  # taken over meanwhile
         except Exception:
             log.exception("flow %s: could not hand back %s attempt %d; housekeeping hands it back as a lost claim",
                           lease.flow_id, lease.step_execution_id, lease.attempt)
             return
-        # A slot may have freed meanwhile, or this claim's slot is free: claim (by age, not this
-        # Step again before its delay).
+        # A slot may have freed meanwhile, or this claim's slot is free: claim (by age).
         self._notify()
 
     def _runs_here(self, lease: Lease) -> bool:
         """Whether this worker's Registry declares `lease`'s Step, and its WaitFor for a wait_for
-        attempt; if not, say so once for that Step and method, with what to do."""
+        attempt; if not, leave that Step and method out of its claims and say so once, with what to do."""
         flow = self.registry.flows.get(lease.flow_type)
         step = None if flow is None else flow.steps.get(lease.step_type)
         if step is not None and (lease.method == "execute" or step.wait_for is not None):
             return True
-        said = (lease.flow_type, lease.step_type, lease.method)
-        if said not in self._undeclared_said:
-            self._undeclared_said.add(said)
+        lacked = (lease.flow_type, lease.step_type, lease.method)
+        if lacked not in self._declined:
+            self._declined.add(lacked)
+            self.store.set_declined(self.worker_id, self._declined)
             missing = (f"Step {lease.step_type!r}" if step is None
                        else f"a WaitFor for Step {lease.step_type!r}")
             log.warning("worker %s: its Registry declares no %s in flow type %r (stored by another version "
                         "of the Flow?): such Steps wait, ready, and are not failed; start a worker whose "
-                        "Registry declares it (this one hands them back every %g s)", self.worker_id,
-                        missing, lease.flow_type, UNDECLARED_STEP_RETRY_SECONDS)
+                        "Registry declares it (this one leaves them to such a worker)", self.worker_id,
+                        missing, lease.flow_type)
         return False
 
     def _forget(self, running: _Running) -> None:
