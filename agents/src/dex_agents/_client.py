@@ -92,6 +92,13 @@ def _check_whole_number(name: str, value: object, *, optional: bool = False) -> 
         raise TypeError(f"{name} must be {kind}, got {type(value).__name__}: {shown(value)}")
 
 
+def _check_flag(name: str, value: object) -> None:
+    """TypeError unless `value` is a bool: the RPC would refuse anything else only after the call
+    reached the session, naming a JSON path (`$.approved`) rather than this parameter."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__}: {shown(value)}")
+
+
 class AgentSessionClient:
     """Typed calls to the sessions of one agent Flow type."""
 
@@ -132,6 +139,7 @@ class AgentSessionClient:
     async def send_user_message(self, session_id: str, text: str, *, plan_mode: bool = False) -> bool:
         """Queue a message; False when blank, or for a plan_mode message while plan mode is off."""
         _check_text("text", text)
+        _check_flag("plan_mode", plan_mode)
         result = await self.client.rpc(session_id, "send_user_message", AgentUserMessage(text, plan_mode))
         return bool(result)
 
@@ -156,6 +164,7 @@ class AgentSessionClient:
     ) -> bool:
         """Approve or reject a pending interrupt; retries a lock held by a short Step for 5 s."""
         _check_text("interrupt_id", interrupt_id)
+        _check_flag("approved", approved)
         _check_text("rejection_message", rejection_message, optional=True)
         # Cut here as the RPC would store it (dropped on approval): a reason over the engine's value
         # limit would otherwise make the request itself too large, and the rejection never reach the
@@ -170,11 +179,8 @@ class AgentSessionClient:
             # interrupt's removal from PendingInterrupts is final (its ID is never raised again), and
             # a deadline once passed stays passed, so "refused" read here is what the locked RPC would
             # answer; "pending" proves nothing, so the locked RPC is tried again.
-            sent: object = approved  # typed bool, but a caller may pass anything
-            if not isinstance(sent, bool):
-                return False  # the RPC refuses the request itself (InvalidValueError): let it say so
             return await self._refused_now(session_id, interrupt_id,
-                                           lambda interrupt, now: resolve_refused(interrupt, sent, now))
+                                           lambda interrupt, now: resolve_refused(interrupt, approved, now))
 
         result = await self._retry_lock_conflicts(
             lambda: self.client.rpc(session_id, "resolve_interrupt", request), refused=refused)
