@@ -893,6 +893,21 @@ async def test_a_tool_call_with_lone_surrogates_is_stored_as_utf8(provider: Fake
         '{"order_id":"A-1 \U0001f600 \ufffd"}')
 
 
+async def test_a_tool_call_name_and_id_with_lone_surrogates_are_stored_as_utf8(provider: FakeProvider) -> None:
+    """The same for a streamed call's name and ID: a lone surrogate in either becomes U+FFFD, and the
+    call reaches the session (which answers an unknown tool name to the model). Catches: the chunk
+    builder failing on them as on arguments, every attempt paid and failed alike."""
+    first = call_fragment(0, '{"order_id":', "call_7 \ud83d")
+    first["tool_calls"][0]["function"]["name"] = "lookup_\udcaf"
+    provider.queue(CHAT_PATH, chat_chunks([first, call_fragment(0, '"A-1"}')], "tool_calls"))
+    response = await chat_client(provider).call_model(
+        ModelRequest(None, (UserTextInput("Where is A-1?"),), (LOOKUP_TOOL,)), collecting_writer()[0])
+    assert [item.tool_call for item in response.output] == [
+        ModelToolCall("call_7 \ufffd", "lookup_\ufffd", '{"order_id":"A-1"}')]
+    stored = json.loads(response.output[0].item)["tool_calls"][0]
+    assert (stored["id"], stored["function"]["name"]) == ("call_7 \ufffd", "lookup_\ufffd")
+
+
 GEMINI_PATH = "/models/gemini-3-pro-preview:streamGenerateContent?alt=sse"
 # Gemini's thought signatures are opaque base64, often hundreds of characters, '/' and '+' included.
 THOUGHT_SIGNATURE = base64.b64encode(bytes(range(256))).decode()

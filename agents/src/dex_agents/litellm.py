@@ -202,6 +202,8 @@ def _complete_streamed_tool_calls(chunks: list[Any]) -> None:
                 key = (_get(choice, "index") or 0, _get(fragment, "index") or 0)
                 first.setdefault(key, fragment)
                 functions.setdefault(key, []).append(_get(fragment, "function"))
+                _utf8_field(fragment, "id")
+                _utf8_field(_get(fragment, "function"), "name")
                 if _get(fragment, "id"):
                     with_id.add(key)
                 if _get(_get(fragment, "function"), "name"):
@@ -214,6 +216,14 @@ def _complete_streamed_tool_calls(chunks: list[Any]) -> None:
             _put(_get(fragment, "function"), "name", _NAMELESS)
     for parts in functions.values():
         _utf8_arguments(parts)
+
+
+def _utf8_field(value: Any, name: str) -> None:
+    """Make a tool call fragment's text field (`id`, a function's `name`) text UTF-8 can hold
+    (_utf8): the chunk builder writes it as JSON too, and failed on a surrogate as on arguments."""
+    text = _get(value, name)
+    if isinstance(text, str) and _utf8(text) != text:
+        _put(value, name, _utf8(text))
 
 
 def _utf8_arguments(functions: list[Any]) -> None:
