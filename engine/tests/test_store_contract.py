@@ -883,6 +883,21 @@ async def test_a_retry_handed_back_unstarted_keeps_the_locks_its_first_attempt_t
     assert await lock_conflicts(store, "f1")
 
 
+async def test_a_retry_and_a_failure_route_each_change_the_flow_version(store: Store) -> None:
+    """E8: an attempt failing into its retry, and a Step failing into its failure route, each change
+    the flow's version, so an RPC read before either reads again. Both rely on their history entry
+    to bump it (flush_history), with no bump of their own."""
+    await start(store, "f1", "Quick")  # retried at once, then routed to Recover
+    for attempt in (1, 2, 3):
+        lease = await claim_one(store)
+        snap = await store.rpc_read("f1", ALL, [])
+        await store.fail_attempt(lease, ErrorInfo("Boom", f"attempt {attempt}"))
+        with pytest.raises(tx.RpcVersionChanged):
+            await store.rpc_commit("f1", snap.version, [], WriteSet(attributes={("Count", ""): enc(1)}), [], [])
+    assert await active(store, "f1") == [("Recover-1", "ready", "execute", 1)]
+    assert await store.read_attribute("f1", "Count", "") is None
+
+
 async def test_rpc_commit_with_a_stale_version_commits_nothing(store: Store) -> None:
     """E8: a change between rpc_read and rpc_commit makes the commit raise RpcVersionChanged, unapplied."""
     await start(store, "f1")

@@ -1766,8 +1766,7 @@ def _fail_task(
             "lease_owner = NULL, deadline_at = NULL, last_error = ? WHERE task_id = ?",
             (decision.run_at_ms, encode_json(error), task_id),
         )
-        bump(db, flow_id)
-        return
+        return  # its attempt_failed entry bumps the version (flush_history)
     _end_failed_task(db, task_id, (flow_id, flow_type, step_type, seid, method), attempt, started, options,
                      bytes(row[7]), error, now)
 
@@ -1793,8 +1792,7 @@ def _end_failed_task(
     if options.failure_route is not None and options.failure_route_options is not None:
         route = MovementRecord(options.failure_route, input_value, options.failure_route_options)
         create_task(db, flow_id, flow_type, route, now, recovery)
-        bump(db, flow_id)
-        return False
+        return False  # its step_failed entry bumps the version (flush_history)
     close_flow(db, flow_id, "failed", None,
                f"Step {seid} failed after {attempts} attempt(s): {error.error_type}: {error.detail}", now)
     return True
