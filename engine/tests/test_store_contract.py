@@ -859,6 +859,8 @@ async def test_a_step_declined_for_a_worker_is_never_claimed_for_it_but_is_for_o
     _, light = await store.poll(W, TYPES, 10, running, must_claim=False, housekeep=False)
     for due in (polled.next_due_ms, light.next_due_ms):
         assert due is None or due > now_ms(), due
+    spec = Wait.until(Inbox.for_one()).spec()
+    assert await store.commit_wait_for(leases["listens"], WriteSet(), spec, claim=(W, TYPES, 10)) == []
     lease = leases["runs"]
     assert await store.commit_execute(lease, WriteSet(), graceful("done"), claim=(W, TYPES, 10)) == []
     assert await store.claim(W, TYPES, 10) == []
