@@ -2048,8 +2048,12 @@ async def test_an_older_worker_leaves_a_step_its_registry_lacks_for_a_worker_tha
     async def finish(ctx: Context, _: Any) -> StepDecision:
         return StepDecision.graceful_complete(f"{ctx.step_execution_id} ran")
 
+    async def to_p2(ctx: Context, _: Any) -> StepDecision:
+        return StepDecision.go_to("P2")
+
     newer = Registry([Flow("Chain", [Step("A", to_d), Step("D", finish, wait_for=one_second)], start_step="A")])
-    older = Registry([Flow("Chain", [Step("A", to_b), Step("B", finish)], start_step="A")])
+    older = Registry([Flow("Chain", [Step("A", to_b), Step("B", finish)], start_step="A"),
+                      Flow("Pure", [Step("P1", to_p2), Step("P2", finish, pure_execute=True)], start_step="P1")])
 
     def worker(registry: Registry, worker_id: str, store: Store) -> AsyncWorker:
         return AsyncWorker(registry, WorkerOptions(**{**FAST.__dict__, "database_url": db_url,
@@ -2077,6 +2081,12 @@ async def test_an_older_worker_leaves_a_step_its_registry_lacks_for_a_worker_tha
                 assert claimed[3] == waited_epoch + 1, claimed  # claimed once
                 await asyncio.sleep(1)  # v1 polls many times meanwhile (FAST): it claims D no more
                 assert await d_row() == claimed, "v1 ran, failed or claimed D again"
+                # Nor do v1's own commits claim it: P1's commit (SQLite) runs the pure P2 it starts
+                # in its transaction, which ends the flow and frees the slot that commit claims into.
+                pure = AsyncClient(older, store=old_store)
+                await pure.start_flow("Pure", "p")
+                assert (await pure.wait_for_flow("p", 10)).status == "completed"
+                assert await d_row() == claimed, "v1's commit claimed D"
                 assert (await eng.client.describe_flow("f")).status == "running"
                 warned = [r.getMessage() for r in caplog.records if "'D'" in r.getMessage()]
                 assert len(warned) == 1, warned
