@@ -481,15 +481,24 @@ def _given_up(ops: list[_Op]) -> bool:
 
 # A worker's poll when it has nothing to claim or clean up: the lease epochs of its running
 # attempts (a changed or missing one revokes the attempt) and when something next falls due, as
-# _transitions.task_epochs and next_due compute them, in one statement.
-_LIGHT_POLL = (
-    "SELECT r.ids, r.epochs, "
-    "(SELECT MIN(run_at) FROM tasks WHERE state = 'ready' AND flow_type = ANY(%s::text[])), "
-    "(SELECT MIN(timer_due_at) FROM tasks WHERE state = 'waiting'), "
-    "(SELECT MIN(deadline_at) FROM tasks WHERE state = 'running'), (SELECT MIN(expires_at) FROM workers) "
-    "FROM (SELECT array_agg(task_id) AS ids, array_agg(lease_epoch) AS epochs FROM tasks "
-    "WHERE state = 'running' AND task_id = ANY(%s::bigint[])) r"
-)
+# _transitions.task_epochs and next_due compute them, in one statement. `declined`: the ready
+# tasks it counts leave out the Steps the worker declined (three arrays: flow type, Step type,
+# method; see Store.set_declined).
+def _light_poll_sql(declined: bool) -> str:
+    skip = (" AND (flow_type, step_type, method) NOT IN "
+            "(SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))") if declined else ""
+    return (
+        "SELECT r.ids, r.epochs, "
+        f"(SELECT MIN(run_at) FROM tasks WHERE state = 'ready' AND flow_type = ANY(%s::text[]){skip}), "
+        "(SELECT MIN(timer_due_at) FROM tasks WHERE state = 'waiting'), "
+        "(SELECT MIN(deadline_at) FROM tasks WHERE state = 'running'), (SELECT MIN(expires_at) FROM workers) "
+        "FROM (SELECT array_agg(task_id) AS ids, array_agg(lease_epoch) AS epochs FROM tasks "
+        "WHERE state = 'running' AND task_id = ANY(%s::bigint[])) r"
+    )
+
+
+_LIGHT_POLL = _light_poll_sql(declined=False)
+_LIGHT_POLL_DECLINING = _light_poll_sql(declined=True)
 
 
 def _text_array(values: Sequence[str]) -> str:
@@ -498,10 +507,14 @@ def _text_array(values: Sequence[str]) -> str:
     return "{" + ",".join(quoted) + "}"
 
 
-def _light_poll(db: Db, flow_types: str, running: Sequence[int]) -> PollResult:
+def _light_poll(db: Db, flow_types: str, running: Sequence[int], declined: tx.Declined) -> PollResult:
     assert isinstance(db, _PgDb)
     ids = "{" + ",".join(map(str, running)) + "}"
-    row = db.reader.execute(_LIGHT_POLL, (flow_types, ids), prepare=True).fetchone()
+    if declined:
+        columns = [_text_array([step[i] for step in declined]) for i in range(3)]
+        row = db.reader.execute(_LIGHT_POLL_DECLINING, (flow_types, *columns, ids), prepare=True).fetchone()
+    else:
+        row = db.reader.execute(_LIGHT_POLL, (flow_types, ids), prepare=True).fetchone()
     assert row is not None
     epochs = {} if row[0] is None else {int(t): int(e) for t, e in zip(row[0], row[1], strict=True)}
     due = [int(v) for v in row[2:] if v is not None]
@@ -992,8 +1005,7 @@ class PostgresStore(Store):
         notification, no fallback poll and no housekeeping due), one read-only statement outside a
         transaction: most polls of a busy worker, which polls while its claiming commits are in
         flight."""
-        # A worker that declined Steps: its light poll's next due time must leave them out too.
-        if (must_claim or housekeep or self._notified.is_set() or self.declined(worker_id)
+        if (must_claim or housekeep or self._notified.is_set()
                 or time.monotonic() - self._last_change_report >= FALLBACK_POLL_SECONDS):
             return await super().poll(worker_id, flow_types, capacity, running, must_claim=must_claim,
                                       housekeep=housekeep, known=known, claimed_before=claimed_before,
@@ -1002,7 +1014,8 @@ class PostgresStore(Store):
         types = self._flow_type_arrays.get(tuple(flow_types))
         if types is None:
             types = self._flow_type_arrays[tuple(flow_types)] = _text_array(flow_types)
-        return False, await self._run(lambda db: _light_poll(db, types, running), write=False)
+        declined = self.declined(worker_id)
+        return False, await self._run(lambda db: _light_poll(db, types, running, declined), write=False)
 
     async def commit_execute(
         self, lease: Lease, writes: WriteSet, decision: DecisionRecord,
