@@ -222,8 +222,8 @@ def _utf8_field(value: Any, name: str) -> None:
     """Make a tool call fragment's text field (`id`, a function's `name`) text UTF-8 can hold
     (_utf8): the chunk builder writes it as JSON too, and failed on a surrogate as on arguments."""
     text = _get(value, name)
-    if isinstance(text, str) and _utf8(text) != text:
-        _put(value, name, _utf8(text))
+    if isinstance(text, str) and (fixed := _utf8(text)) != text:
+        _put(value, name, fixed)
 
 
 def _utf8_arguments(functions: list[Any]) -> None:

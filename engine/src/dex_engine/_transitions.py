@@ -199,20 +199,21 @@ def _placeholders(count: int) -> str:
 Declined = Collection[tuple[str, str, str]]
 
 
-def _not_declined(declined: Declined, alias: str = "") -> tuple[str, tuple[str, ...]]:
-    """A ready-task condition (` AND NOT (...)`, or '' for none) leaving out `declined`, with its
-    parameters; `alias` prefixes the columns (`t.` in a join)."""
-    if not declined:
-        return "", ()
-    one = f"({alias}flow_type = ? AND {alias}step_type = ? AND {alias}method = ?)"
-    return f" AND NOT ({' OR '.join([one] * len(declined))})", tuple(v for step in declined for v in step)
-
-
 @functools.lru_cache(maxsize=1024)
 def _rows_of(width: int, count: int) -> str:
     """`count` rows of `width` placeholders for a VALUES list: `(?, ?), (?, ?)`; built once per shape."""
     row = "(" + ", ".join("?" * width) + ")"
     return ", ".join([row] * count)
+
+
+def _not_declined(declined: Declined, alias: str = "") -> tuple[str, tuple[str, ...]]:
+    """A ready-task condition (` AND (...) NOT IN (VALUES ...)`, or '' for none) leaving out
+    `declined`, with its parameters; `alias` prefixes the columns (`t.` in a join)."""
+    if not declined:
+        return "", ()
+    columns = f"({alias}flow_type, {alias}step_type, {alias}method)"
+    return (f" AND {columns} NOT IN (VALUES {_rows_of(3, len(declined))})",
+            tuple(v for step in declined for v in step))
 
 
 def _send(db: Db, sql: str, params: Sequence[Any] = ()) -> None:
