@@ -28,7 +28,13 @@ from engine.tests.conftest import db_url, pg_database, pg_databases  # noqa: F40
 import dex_agents._client as client_module
 import dex_agents._rpcs as rpcs_module
 from dex_agents import PENDING_INTERRUPTS, AgentSessionClient, AgentSessionFlow, AgentSnapshot, BuiltInTool
-from dex_agents._constants import RPC_LOCK_CONFLICT_RETRY, RPC_LOCK_CONFLICT_RETRY_INTERVAL
+from dex_agents._client import lock_retry_interval, refused_check_due
+from dex_agents._constants import (
+    RPC_LOCK_CONFLICT_FIRST_RETRY_INTERVAL,
+    RPC_LOCK_CONFLICT_LONGEST_RETRY_INTERVAL,
+    RPC_LOCK_CONFLICT_REFUSED_CHECK_AFTER,
+    RPC_LOCK_CONFLICT_RETRY,
+)
 from dex_agents.testing import InvocationLog, wait_for_agent_snapshot
 from dex_engine import (
     AsyncClient,
@@ -186,8 +192,8 @@ async def assert_turn_ended(engine: Engine, rpc: LockingRpc) -> None:
 
 
 def sent_locking(client: CountingClient) -> list[str]:
-    """The RPCs sent but the lock-free snapshot resolve_interrupt and answer_question read at their
-    first conflict."""
+    """The RPCs sent but the lock-free snapshot resolve_interrupt and answer_question read once their
+    conflicts have lasted RPC_LOCK_CONFLICT_REFUSED_CHECK_AFTER."""
     return [name for name in client.sent if name != "get_agent_snapshot"]
 
 
@@ -221,12 +227,51 @@ class SteppedClock:
         await asyncio.sleep(0)  # still yield, as the real sleep does
 
 
+def intervals_ms(count: int) -> list[int]:
+    """The first `count` waits between tries at a lock one holder keeps: 1 ms, then each doubled, up
+    to the longest."""
+    out, interval = [], RPC_LOCK_CONFLICT_FIRST_RETRY_INTERVAL // timedelta(milliseconds=1)
+    for _ in range(count):
+        out.append(interval)
+        interval = min(2 * interval, RPC_LOCK_CONFLICT_LONGEST_RETRY_INTERVAL // timedelta(milliseconds=1))
+    return out
+
+
+def retry_times_ms(until_ms: int) -> list[int]:
+    """The SteppedClock times of the tries after a first conflict at 0 with one holder, up to the first
+    at or past `until_ms`."""
+    times = [0]
+    for interval in intervals_ms(until_ms + 1):
+        if times[-1] >= until_ms:
+            break
+        times.append(times[-1] + interval)
+    return times
+
+
+# Conflicts a call meets with one holder before it reads the lock-free snapshot (at the last of them),
+# and the SteppedClock time then.
+CHECK_AT_MS = retry_times_ms(RPC_LOCK_CONFLICT_REFUSED_CHECK_AFTER // timedelta(milliseconds=1))[-1]
+CONFLICTS_TO_CHECK = len(retry_times_ms(CHECK_AT_MS))
+
+
+def test_the_retry_interval_starts_at_1_ms_and_doubles_up_to_20_ms() -> None:
+    """A short Step frees the lock within milliseconds: a first retry after 20 ms made each approval of
+    a wide fan-out take 24 ms on SQLite (100 in 2.4 s, 0.4 s now). The refused check waits as long."""
+    assert [round(lock_retry_interval(n) * 1000, 6) for n in range(8)] == [1, 2, 4, 8, 16, 20, 20, 20]
+    assert lock_retry_interval(10_000) == 0.02  # no overflow however many tries
+    assert retry_times_ms(40) == [0, 1, 3, 7, 15, 31, 51]
+    assert intervals_ms(7) == [1, 2, 4, 8, 16, 20, 20]
+    assert (CHECK_AT_MS, CONFLICTS_TO_CHECK) == (31, 6)
+    assert not refused_check_due(0.0) and not refused_check_due(0.0199)
+    assert refused_check_due(0.02) and refused_check_due(5.0)
+
+
 @pytest.mark.parametrize("rpc", LOCKING_RPCS, ids=IDS)
 async def test_a_lock_conflict_that_persists_raises_after_the_retry_window(
     tmp_path: Path, rpc: LockingRpc, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A lock held for good: the client tries every RPC_LOCK_CONFLICT_RETRY_INTERVAL until
-    RPC_LOCK_CONFLICT_RETRY has passed, then raises the engine's RpcLockConflictError, naming the
+    """A lock held for good: the client tries again after 1 ms, then twice as long each time up to
+    20 ms, until RPC_LOCK_CONFLICT_RETRY has passed, then raises the engine's RpcLockConflictError, naming the
     lock and the Step holding it. Nothing changed (the snapshot is the one before the call), and the
     call succeeds once the lock is released."""
     clock = SteppedClock()
@@ -242,9 +287,11 @@ async def test_a_lock_conflict_that_persists_raises_after_the_retry_window(
         assert (conflict.value.lock, conflict.value.holder) == (held.lock, f"Step {held.step_execution_id}")
         window_ms = RPC_LOCK_CONFLICT_RETRY // timedelta(milliseconds=1)
         assert window_ms == 5_000  # seed 003: the client "retries it for 5 seconds"
-        assert clock.now_ms == window_ms  # the last try was the first at the deadline
-        tries = RPC_LOCK_CONFLICT_RETRY // RPC_LOCK_CONFLICT_RETRY_INTERVAL + 1
-        assert sent_locking(engine.client) == [rpc.name] * tries
+        tries = retry_times_ms(window_ms)
+        assert clock.now_ms == tries[-1] >= window_ms > tries[-2]  # the last try was the first at the deadline
+        assert sent_locking(engine.client) == [rpc.name] * len(tries)
+        # resolve_interrupt and answer_question read the lock-free snapshot once, 20 ms in; cancel_turn never.
+        assert engine.client.sent.count("get_agent_snapshot") == (rpc.name != "cancel_turn")
 
         assert await engine.sessions.get_agent_snapshot(SESSION) == waiting
         await held.release()
@@ -318,8 +365,10 @@ async def test_a_lock_handed_from_step_to_step_for_longer_than_the_retry_window_
         engine.client.sent.clear()
         assert await engine.sessions.resolve_interrupt(SESSION, "w1", approved=True) is True
         assert engine.client.conflicts == 600 and engine.client.held is None
-        # The lock-free snapshot is read at the first conflict only, not again for each new holder:
-        # in a wide fan-out every pending resolve would read a whole snapshot per Step of the train.
+        # Each new holder is tried again after 1 ms, as the first was, not at the interval reached.
+        assert clock.now_ms == 3 * sum(intervals_ms(200))
+        # The lock-free snapshot is read once, not again for each new holder: in a wide fan-out every
+        # pending resolve would read a whole snapshot per Step of the train.
         assert engine.client.sent.count("get_agent_snapshot") == 1
         assert clock.now_ms > RPC_LOCK_CONFLICT_RETRY // timedelta(milliseconds=1)
         for call in ("w2", "w3", "w4"):
@@ -335,8 +384,9 @@ async def test_a_resolve_that_can_only_return_false_answers_while_a_step_holds_t
     tmp_path: Path, db_url: str, monkeypatch: pytest.MonkeyPatch  # noqa: F811 - the fixture
 ) -> None:
     """A resolve of an interrupt already resolved, or of one never raised, returns False while a Step
-    holds PendingInterrupts, without waiting for it: a lock-free snapshot read after the first
-    conflict shows nothing it could change. A pending interrupt still waits for the lock and commits.
+    holds PendingInterrupts, without waiting for it: a lock-free snapshot read once the conflicts
+    have lasted 20 ms shows nothing it could change. A pending interrupt still waits for the lock
+    and commits.
     Catches: such a resolve waiting out a fan-out's whole train of lock holders (seconds), here one
     holder that never lets go (RpcLockConflictError after the retry window)."""
     clock = SteppedClock()  # without the check, the retry window passes in sleeps, not seconds
@@ -357,9 +407,9 @@ async def test_a_resolve_that_can_only_return_false_answers_while_a_step_holds_t
         engine.client.sent.clear()
         for interrupt_id, approved in (("w1", True), ("w1", False), ("w9", True)):
             assert await engine.sessions.resolve_interrupt(SESSION, interrupt_id, approved) is False
-        # Each answered at its first conflict, the lock still held: none waited for the holder.
-        assert engine.client.sent == ["resolve_interrupt", "get_agent_snapshot"] * 3
-        assert engine.client.conflicts == 3 and clock.now_ms == 0
+        # Each answered 31 ms in, the lock still held: none waited for the holder.
+        assert engine.client.sent == (["resolve_interrupt"] * CONFLICTS_TO_CHECK + ["get_agent_snapshot"]) * 3
+        assert engine.client.conflicts == 3 * CONFLICTS_TO_CHECK and clock.now_ms == 3 * CHECK_AT_MS
         # w2 is pending: the snapshot proves nothing, so the call retries until the holder commits.
         engine.client.held, engine.client.release_after = held, engine.client.conflicts + 2
         assert await engine.sessions.resolve_interrupt(SESSION, "w2", approved=True) is True
@@ -376,7 +426,7 @@ async def test_a_resolve_past_the_deadline_answers_false_while_a_step_holds_the_
 ) -> None:
     """An interrupt still in PendingInterrupts but past its deadline (its Step has not recorded it
     yet) is judged by the lock-free check as the locked RPC (resolve_interrupt or answer_question)
-    judges it: False at the first conflict, and False from the RPC once the lock is free. The clock
+    judges it: False once the conflicts have lasted 20 ms, and False from the RPC once the lock is free. The clock
     of both, not the Worker's, is moved past the deadline, so the Worker's Timer does not remove the
     interrupt first."""
     clock = SteppedClock()
@@ -390,7 +440,8 @@ async def test_a_resolve_past_the_deadline_answers_false_while_a_step_holds_the_
         held = await hold_lock(engine.client.store, SESSION, PENDING_INTERRUPTS.label, rpc.holder)
         engine.client.sent.clear()
         assert await rpc.call(engine.sessions) is False
-        assert engine.client.sent == [rpc.name, "get_agent_snapshot"] and clock.now_ms == 0
+        assert engine.client.sent == [rpc.name] * CONFLICTS_TO_CHECK + ["get_agent_snapshot"]
+        assert clock.now_ms == CHECK_AT_MS
         await held.release()
         assert await rpc.call(engine.sessions) is False
         snapshot = await engine.sessions.get_agent_snapshot(SESSION)
@@ -402,8 +453,8 @@ async def test_an_answer_that_can_only_return_false_answers_while_a_step_holds_t
 ) -> None:
     """An answer_question that can only return False (the question already answered, or never
     raised, the interrupt an approval, the answer blank or not one of the question's choices)
-    returns it while a Step holds PendingInterrupts, read from a lock-free snapshot at the first
-    conflict. An answer the question takes still waits for the lock, through a second holder
+    returns it while a Step holds PendingInterrupts, read from a lock-free snapshot once the
+    conflicts have lasted 20 ms. An answer the question takes still waits for the lock, through a second holder
     without reading the snapshot again, and commits. Catches: such an answer waiting out a fan-out's
     whole train of lock holders, here one that never lets go (RpcLockConflictError after the retry
     window)."""
@@ -431,9 +482,10 @@ async def test_an_answer_that_can_only_return_false_answers_while_a_step_holds_t
         refused = (("q2", "again"), ("q9", "red"), ("w1", "yes"), ("q1", "  "), ("q1", "green"))
         for interrupt_id, answer in refused:
             assert await engine.sessions.answer_question(SESSION, interrupt_id, answer) is False, interrupt_id
-        # Each answered at its first conflict, the lock still held: none waited for the holder.
-        assert engine.client.sent == ["answer_question", "get_agent_snapshot"] * len(refused)
-        assert engine.client.conflicts == len(refused) and clock.now_ms == 0
+        # Each answered 31 ms in, the lock still held: none waited for the holder.
+        assert engine.client.sent == (["answer_question"] * CONFLICTS_TO_CHECK + ["get_agent_snapshot"]) * len(refused)
+        assert engine.client.conflicts == len(refused) * CONFLICTS_TO_CHECK
+        assert clock.now_ms == len(refused) * CHECK_AT_MS
         # q1 takes "blue": the lock passes to another Step, then is free, and the call commits.
         waits = await engine.client.store.raw(lambda db: [str(r[0]) for r in db.all(
             "SELECT step_execution_id FROM tasks WHERE flow_id = ? AND step_type = 'AwaitQuestionAnswer'",
@@ -441,10 +493,11 @@ async def test_an_answer_that_can_only_return_false_answers_while_a_step_holds_t
         assert len(waits) == 1, waits  # q1's; q2's Step has committed
         engine.client.sent.clear()
         engine.client.conflicts = 0
-        engine.client.start_train(held, waits, 2)
+        # Each holder past the check: the snapshot read under the first, not again under the second.
+        engine.client.start_train(held, waits, CONFLICTS_TO_CHECK + 1)
         assert await engine.sessions.answer_question(SESSION, "q1", "blue") is True
-        assert engine.client.held is None and engine.client.conflicts == 4
-        assert engine.client.sent.count("get_agent_snapshot") == 1  # at the first conflict only
+        assert engine.client.held is None and engine.client.conflicts == 2 * (CONFLICTS_TO_CHECK + 1)
+        assert engine.client.sent.count("get_agent_snapshot") == 1
         assert await engine.sessions.resolve_interrupt(SESSION, "w1", approved=True) is True
         snapshot = await wait_for_agent_snapshot(
             engine.sessions, SESSION, lambda s: s if s.state is not None and s.state.turn_count == 1 else None,
@@ -462,17 +515,23 @@ class SnapshotFailingClient(CountingClient):
         return await super().rpc(flow_id, name, request)
 
 
-async def test_a_lock_free_check_that_cannot_read_the_snapshot_waits_for_the_lock(tmp_path: Path) -> None:
-    """At the first lock conflict resolve_interrupt reads a lock-free snapshot; when that read fails,
-    nothing says the call is refused, so the call waits for the lock and commits. Catches: a failed
-    read taken as "refused", the approval dropped with False."""
+async def test_a_lock_free_check_that_cannot_read_the_snapshot_waits_for_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once its conflicts have lasted 20 ms resolve_interrupt reads a lock-free snapshot; when that read
+    fails, nothing says the call is refused, so the call waits for the lock and commits. Catches: a
+    failed read taken as "refused", the approval dropped with False."""
+    clock = SteppedClock()
+    monkeypatch.setattr(client_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(client_module, "asyncio", types.SimpleNamespace(sleep=clock.sleep))
     async with in_process(tmp_path) as engine:
         rpc = LOCKING_RPCS[0]
         await waiting_turn(engine, rpc)
         engine.client = SnapshotFailingClient(Registry([engine.flow]), engine.client.store)
         held = await hold_lock(engine.client.store, SESSION, PENDING_INTERRUPTS.label, rpc.holder)
-        engine.client.held, engine.client.release_after = held, 2
+        engine.client.held, engine.client.release_after = held, CONFLICTS_TO_CHECK + 1
         assert await rpc.call(engine.sessions) is True
-        assert engine.client.sent == ["resolve_interrupt", "get_agent_snapshot"] + ["resolve_interrupt"] * 2
+        assert engine.client.sent == (["resolve_interrupt"] * CONFLICTS_TO_CHECK + ["get_agent_snapshot"]
+                                      + ["resolve_interrupt"] * 2)
         await assert_turn_ended(engine, rpc)
 

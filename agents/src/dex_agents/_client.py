@@ -22,8 +22,10 @@ from dex_engine import (
 
 from ._constants import (
     LIST_MESSAGES_DEFAULT_LIMIT,
+    RPC_LOCK_CONFLICT_FIRST_RETRY_INTERVAL,
+    RPC_LOCK_CONFLICT_LONGEST_RETRY_INTERVAL,
+    RPC_LOCK_CONFLICT_REFUSED_CHECK_AFTER,
     RPC_LOCK_CONFLICT_RETRY,
-    RPC_LOCK_CONFLICT_RETRY_INTERVAL,
 )
 from ._policy import shown
 from ._rpcs import answer_refused, resolve_refused
@@ -173,12 +175,13 @@ class AgentSessionClient:
         request = ResolveInterruptRequest(interrupt_id, approved, kept)
 
         async def refused() -> bool:
-            # Asked only at the first lock conflict, never on the uncontended path: a resolve that can only
-            # return False (the interrupt resolved, expired or unknown) need not wait out a fan-out's
-            # train of Steps holding PendingInterrupts. get_agent_snapshot takes no lock. An
-            # interrupt's removal from PendingInterrupts is final (its ID is never raised again), and
-            # a deadline once passed stays passed, so "refused" read here is what the locked RPC would
-            # answer; "pending" proves nothing, so the locked RPC is tried again.
+            # Asked once the lock conflicts have lasted RPC_LOCK_CONFLICT_REFUSED_CHECK_AFTER, never on
+            # the uncontended path: a resolve that can only return False (the interrupt resolved,
+            # expired or unknown) need not wait out a fan-out's train of Steps holding PendingInterrupts.
+            # get_agent_snapshot takes no lock. An interrupt's removal from PendingInterrupts is final
+            # (its ID is never raised again), and a deadline once passed stays passed, so "refused" read
+            # here is what the locked RPC would answer; "pending" proves nothing, so the locked RPC is
+            # tried again.
             return await self._refused_now(session_id, interrupt_id,
                                            lambda interrupt, now: resolve_refused(interrupt, approved, now))
 
@@ -194,7 +197,7 @@ class AgentSessionClient:
         request = AnswerQuestionRequest(interrupt_id, answer)
 
         async def refused() -> bool:
-            # As resolve_interrupt's check, at the first lock conflict only: an answer that can only
+            # As resolve_interrupt's check, once only: an answer that can only
             # return False (the question answered, declined, expired or unknown, or the answer one it
             # refuses) need not wait out a fan-out's train of Steps holding PendingInterrupts. A
             # question's kind, choices and deadline never change while it is pending, so "refused"
@@ -291,22 +294,44 @@ class AgentSessionClient:
         # the lock one after another (AwaitToolApproval-1, -2, ...), for longer in all than the
         # budget. A new holder is progress; only one holder that keeps the lock (a killed Worker's
         # claim) exhausts it.
-        # `refused`, asked at the first conflict only, says the call would return False without a
-        # change: it returns False without waiting for the lock. Not at each new holder: in a wide
-        # fan-out that read a whole snapshot per holder for every pending resolve, whose answer
-        # ("pending") a later holder seldom changes.
+        # `refused`, asked once the conflicts have lasted RPC_LOCK_CONFLICT_REFUSED_CHECK_AFTER, says
+        # the call would return False without a change: it returns False without waiting for the
+        # lock. Asked once only: in a wide fan-out, asking at each new holder read a whole snapshot
+        # per holder for every pending resolve, whose answer ("pending") a later holder seldom changes.
         holder: str | None = None
+        tries = 0  # conflicts with this holder
+        first_conflict: float | None = None
+        check_refused = refused is not None
         deadline = time.monotonic() + RPC_LOCK_CONFLICT_RETRY.total_seconds()
         while True:
             try:
                 return await call()
             except RpcLockConflictError as exc:
                 now = time.monotonic()
+                if first_conflict is None:
+                    first_conflict = now
                 if exc.holder != holder:
-                    first = holder is None
-                    holder, deadline = exc.holder, now + RPC_LOCK_CONFLICT_RETRY.total_seconds()
-                    if first and refused is not None and await refused():
-                        return False
+                    holder, deadline, tries = exc.holder, now + RPC_LOCK_CONFLICT_RETRY.total_seconds(), 0
                 elif now >= deadline:
                     raise
-                await asyncio.sleep(RPC_LOCK_CONFLICT_RETRY_INTERVAL.total_seconds())
+                if check_refused and refused is not None and refused_check_due(now - first_conflict):
+                    check_refused = False
+                    if await refused():
+                        return False
+                await asyncio.sleep(lock_retry_interval(tries))
+                tries += 1
+
+
+def lock_retry_interval(tries: int) -> float:
+    """Seconds to wait before trying again after the `tries`-th (from 0) conflict with one holder:
+    RPC_LOCK_CONFLICT_FIRST_RETRY_INTERVAL, doubled at each try up to the longest interval."""
+    first = RPC_LOCK_CONFLICT_FIRST_RETRY_INTERVAL.total_seconds()
+    longest = RPC_LOCK_CONFLICT_LONGEST_RETRY_INTERVAL.total_seconds()
+    # Doubled at most 32 times: a bound no holder reaches in its 5 s, so a float never overflows.
+    return min(first * (1 << min(tries, 32)), longest)
+
+
+def refused_check_due(waited: float) -> bool:
+    """Whether a call whose lock conflicts began `waited` seconds ago reads the lock-free snapshot."""
+    return waited >= RPC_LOCK_CONFLICT_REFUSED_CHECK_AFTER.total_seconds()
+
