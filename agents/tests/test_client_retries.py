@@ -219,8 +219,11 @@ class SteppedClock:
     def __init__(self) -> None:
         self.now_ms = 0
 
+    # Far from zero, as a real monotonic clock is: a time left at 0 rather than read shows.
+    START_MS = 7_000_000
+
     def monotonic(self) -> float:
-        return self.now_ms / 1000
+        return (self.START_MS + self.now_ms) / 1000
 
     async def sleep(self, seconds: float) -> None:
         self.now_ms += round(seconds * 1000)

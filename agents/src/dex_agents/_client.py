@@ -298,25 +298,24 @@ class AgentSessionClient:
         # the call would return False without a change: it returns False without waiting for the
         # lock. Asked once only: in a wide fan-out, asking at each new holder read a whole snapshot
         # per holder for every pending resolve, whose answer ("pending") a later holder seldom changes.
-        holder: str | None = None
+        holder: str | None = None  # a conflict always names one: None only before the first
         tries = 0  # conflicts with this holder
-        first_conflict: float | None = None
-        check_refused = refused is not None
-        deadline = time.monotonic() + RPC_LOCK_CONFLICT_RETRY.total_seconds()
+        first_conflict = deadline = 0.0  # both set at the first conflict
+        check = refused  # None once asked
         while True:
             try:
                 return await call()
             except RpcLockConflictError as exc:
                 now = time.monotonic()
-                if first_conflict is None:
+                if holder is None:
                     first_conflict = now
                 if exc.holder != holder:
                     holder, deadline, tries = exc.holder, now + RPC_LOCK_CONFLICT_RETRY.total_seconds(), 0
                 elif now >= deadline:
                     raise
-                if check_refused and refused is not None and refused_check_due(now - first_conflict):
-                    check_refused = False
-                    if await refused():
+                if check is not None and refused_check_due(now - first_conflict):
+                    ask, check = check, None
+                    if await ask():
                         return False
                 await asyncio.sleep(lock_retry_interval(tries))
                 tries += 1
