@@ -220,6 +220,7 @@ _NOT_CONSTANTS: dict[str, str] = {
     "DROP": "SQL",
     "VACUUM": "SQL",
     "FAST": "a name in the tests' conftest.py",
+    "MOST_TEST_PROCESSES": "a name in the repository's root conftest.py (engine/tests/test_suite_hooks.py)",
     "SQLITE_BUSY": "an SQLite result code",
     "SQLITE_READONLY": "an SQLite result code",
     "NOT_STARTED": "an AttemptProgress value, spelled as the wire spells it",
