@@ -1,6 +1,6 @@
 """Long sessions with compaction and retention keep Flow state bounded (seed 003 "Message storage and
 retention" and "Testing an adapter": the 800-turn guard, and the 2,000-turn session behind the storage
-numbers, which runs only with DEX_AGENTS_LONG_TESTS=1).
+numbers, which runs only with DEX_AGENTS_LONG_TESTS=1, as .ci/run sets it).
 
 The session runs the built-in loop with a trivial scripted model on an in-process Worker, with a
 1,000-token context window and retained_message_limit=100. The stored bytes are the sum of the
@@ -208,7 +208,7 @@ async def test_800_turn_session_stays_bounded(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(os.environ.get(LONG_TESTS_ENV) != "1",
-                    reason=f"the 2,000-turn session runs for minutes; set {LONG_TESTS_ENV}=1 to run it")
+                    reason=f"the 2,000-turn session takes about 15 s more; set {LONG_TESTS_ENV}=1 to run it")
 async def test_2000_turn_session_stays_bounded(tmp_path: Path) -> None:
     """The long version: 2,000 turns; the stored bytes at turn 2,000 stay within 1.5x of turn 500's."""
     states = await run_long_session(tmp_path, 2000, (100, 500, 1000, 2000))
