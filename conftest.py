@@ -40,5 +40,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report.sections = [(title, _utf8(content)) for title, content in report.sections]
     if report.longrepr is not None and not isinstance(report.longrepr, tuple):
         text = str(report.longrepr)
-        if _utf8(text) != text:
-            report.longrepr = _utf8(text)
+        escaped = _utf8(text)
+        if escaped != text:  # else keep the structured form, which pytest prints with its traceback
+            report.longrepr = escaped

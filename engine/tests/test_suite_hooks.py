@@ -34,6 +34,20 @@ def test_auto_starts_one_process_per_core_up_to_the_cap(monkeypatch: pytest.Monk
     assert hooks.pytest_xdist_auto_num_workers(None) is None
 
 
+def test_the_suite_runs_with_auto_through_the_root_hook(
+    pytestconfig: pytest.Config, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Catches: `-n auto` dropped from pyproject.toml's addopts (the suite back in one process, CI
+    twice as long), or the root conftest not loaded, so `auto` is no longer capped."""
+    addopts = pytestconfig.getini("addopts")
+    assert any(addopts[i:i + 2] == ["-n", "auto"] for i in range(len(addopts))), addopts
+    assert any(addopts[i:i + 2] == ["--dist", "worksteal"] for i in range(len(addopts))), addopts
+    monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(64)))
+    cap = _root_conftest().MOST_TEST_PROCESSES
+    assert pytestconfig.hook.pytest_xdist_auto_num_workers(config=pytestconfig) == cap
+
+
 class _Outcome:
     def __init__(self, report: pytest.TestReport) -> None:
         self.report = report
