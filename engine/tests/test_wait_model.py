@@ -9,24 +9,28 @@ The model below is written from ENGINE.md E5 alone, not from the engine's code:
 - for_one = exactly 1, for_n(n) = exactly n, for_range(a, b) = at least a, up to b.
 - Queues are FIFO; ChannelMap instances are independent queues; a message goes to exactly one wait.
 
-Part (a) checks the pure `select_wait` against the model. Part (b) drives the real SQLite store
-(publish, register a wait, skip a timer, evaluate) and compares its tables with the model after
-every step.
+Part (a) checks the pure `select_wait` against the model. Part (b) drives the real store of each
+backend (publish, register a wait, skip a timer, move the clock, evaluate, housekeeping) and
+compares its tables with the model after every step. The model evaluates every wait of the flow at
+each step; the store reads only the waits a step can have changed, so a wait it failed to read shows
+as a difference.
 """
 
 from __future__ import annotations
 
 import asyncio
-import tempfile
+import time
+import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
+from unittest import mock
 
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from dex_engine import (
     Channel,
@@ -42,21 +46,25 @@ from dex_engine import (
     open_store,
 )
 from dex_engine import _transitions as tx
+from dex_engine._codec import encode_json
 from dex_engine._context import WaitResult
+from dex_engine._limits import MOST_PUBLISHED_INSTANCES_NAMED
 from dex_engine._options import FlowConfig
 from dex_engine._records import ConsumedMessage, StartRequest, WaitOutcome, WriteSet
 from dex_engine._scheduling import movement_record, start_record
 from dex_engine._store import now_ms
-from dex_engine._wait import Condition
+from dex_engine._wait import Condition, ConditionSpec, WaitSpec
 from dex_engine._wait_selection import select_wait
 
 T = TypeVar("T")
 
-# Channel instances: a plain Channel and two instances of one ChannelMap.
+# Channel instances: a plain Channel and three instances of one ChannelMap. The third key starts
+# with the first and holds what JSON escapes (a key holds no control character), as the store finds
+# a wait's instances in its stored JSON (evaluate_waits).
 Plain = Channel("Plain", int)
 Keyed = ChannelMap("Keyed", int)
 Ident = tuple[str, str]  # (channel name, key); key '' for a plain Channel
-INSTANCES: tuple[Ident, ...] = (("Plain", ""), ("Keyed", "x"), ("Keyed", "y"))
+INSTANCES: tuple[Ident, ...] = (("Plain", ""), ("Keyed", "x"), ("Keyed", "y"), ("Keyed", 'x"\\\u00e9'))
 HOUR = 3600  # a timer that never comes due during a test; only skip_timer fires it
 
 
@@ -312,6 +320,8 @@ FLOWS = ("f1", "f2")  # two flows: a flow's channels are its own
 # Mostly f1, so that several waits of one flow compete for the same messages.
 PICK_FLOW = st.sampled_from(("f1", "f1", "f1", "f2"))
 WORKER = "model-worker"
+# Timers: due at once, due after a step or two of the machine's clock, or never on their own.
+TIMER_SECONDS = st.sampled_from([0, 1, HOUR])
 
 
 @dataclass
@@ -320,6 +330,7 @@ class MTask:
     flow_id: str
     seid: str
     wait: MWait
+    registered_at: int  # ms on the machine's clock
     timers_skipped: bool = False
     outcome: MOutcome | None = None  # None: still waiting
 
@@ -330,41 +341,52 @@ class Model:
     values: dict[int, bytes] = field(default_factory=dict)
     tasks: list[MTask] = field(default_factory=list)  # in registration order
 
-    def evaluate(self, flow_id: str) -> None:
-        """One pass over the flow's waiting tasks, oldest registration first.
+    def evaluate(self, flow_id: str, now: int) -> int:
+        """One pass over the flow's waiting tasks, oldest registration first; how many it satisfied.
 
         E5 says only that a message goes to exactly one wait; which one is evaluate_waits' documented
         order (oldest first), which the model adopts so the two can be compared exactly.
         """
+        count = 0
         for task in self.tasks:
             if task.flow_id != flow_id or task.outcome is not None:
                 continue
             fired = {
                 i for i, c in enumerate(task.wait.conds)
-                if c.ident is None and (c.seconds == 0 or task.timers_skipped)
+                if c.ident is None and (task.registered_at + c.seconds * 1000 <= now or task.timers_skipped)
             }
             queues = {ident: q for (f, ident), q in self.queues.items() if f == flow_id}
             outcome = model_select(task.wait, queues, fired)
             if outcome is None:
                 continue
             task.outcome = outcome
+            count += 1
             taken = {mid for ids in outcome.consumed for mid in ids}
             for key in self.queues:
                 if key[0] == flow_id:
                     self.queues[key] = [m for m in self.queues[key] if m not in taken]
+        return count
 
 
 class WaitStoreMachine(RuleBasedStateMachine):
-    """Drives the real SQLite store through its transitions and checks it against the model."""
+    """Drives a real store through its transitions and checks it against the model. Each run has
+    flows of its own in the database the test gives (`url`), and its own clock."""
+
+    url = ""
 
     def __init__(self) -> None:
         super().__init__()
-        self.tmp = tempfile.TemporaryDirectory(prefix="dex-wait-model-")
+        self.now = now_ms()
+        # The store reads the wall clock (now_ms) at each call; the machine moves it (advance).
+        self.clock = mock.patch.object(time, "time", lambda: (self.now + 0.5) / 1000)
+        self.clock.start()
         self.loop = asyncio.new_event_loop()
-        self.store = open_store(f"sqlite:///{self.tmp.name}/engine.db?synchronous=NORMAL")
+        self.store = open_store(self.url)
         self.model = Model()
+        run = uuid.uuid4().hex[:8]
+        self.flows = {name: f"{name}-{run}" for name in FLOWS}
         self.unregistered: dict[str, int] = {}  # flow -> its start task, not yet claimed
-        for flow_id in FLOWS:
+        for flow_id in self.flows.values():
             self.run(self.store.start_flow(StartRequest(
                 flow_id=flow_id, flow_type=FLOW.flow_type, input=b"null", config=FlowConfig(),
                 start=start_record(FLOW, None),
@@ -377,24 +399,70 @@ class WaitStoreMachine(RuleBasedStateMachine):
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.loop.run_until_complete(coro)
 
-    def teardown(self) -> None:
-        self.run(self.store.close())
-        self.loop.close()
-        self.tmp.cleanup()
+    def tick(self) -> None:
+        """A millisecond passes before each step that changes the store: a step then never happens
+        in the millisecond a wait was registered in, which the store treats as that wait's own."""
+        self.now += 1
 
-    @rule(flow_id=PICK_FLOW, ident=st.sampled_from(INSTANCES), value=st.integers(-3, 3))
-    def publish(self, flow_id: str, ident: Ident, value: int) -> None:
+    def teardown(self) -> None:
+        try:
+            def gone(db: Any) -> None:
+                # Runs after this one share the database; housekeeping would find these flows' timers.
+                for flow_id in self.flows.values():
+                    tx.stop_flow(db, flow_id, "the run ended", now_ms())
+                    tx.delete_flow(db, flow_id)
+            self.run(self.store.raw(gone, write=True))
+            self.run(self.store.close())
+            self.loop.close()
+        finally:
+            self.clock.stop()
+
+    @rule(flow=PICK_FLOW, ident=st.sampled_from(INSTANCES), value=st.integers(-3, 3))
+    def publish(self, flow: str, ident: Ident, value: int) -> None:
+        self.tick()
+        flow_id = self.flows[flow]
         data = msgspec.json.encode(value)
         mid = self.run(self.store.publish(flow_id, ident[0], ident[1], data))
         assert all(mid > m for m in self.model.values), "message IDs must grow (FIFO by ID)"
         self.model.values[mid] = data
         self.model.queues.setdefault((flow_id, ident), []).append(mid)
-        self.model.evaluate(flow_id)
+        self.model.evaluate(flow_id, self.now)
 
-    # Mostly channel conditions and few skips, so that waits block and compete for messages.
-    @rule(flow_id=PICK_FLOW, wait=model_waits(st.sampled_from([0, HOUR]), channel_weight=4, max_conds=3,
-                                              mode_weights=(3, 3, 1)))
-    def register_wait(self, flow_id: str, wait: MWait) -> None:
+    @rule(flow=PICK_FLOW, ident=st.sampled_from(INSTANCES), value=st.integers(-3, 3))
+    def publish_by_rpc(self, flow: str, ident: Ident, value: int) -> None:
+        """A message published with an RPC's other writes (and numbered only when it is written
+        or a wait takes it)."""
+        self.tick()
+        flow_id = self.flows[flow]
+        data = msgspec.json.encode(value)
+        self.run(self.store.rpc_commit(flow_id, None, (), WriteSet(publishes=[(*ident, data)]), (), ()))
+        self._published(flow_id, ident, data)
+        self.model.evaluate(flow_id, self.now)
+
+    def _published(self, flow_id: str, ident: Ident, data: bytes) -> None:
+        """Queue in the model the one message the last step published, by the ID the store gave it:
+        the one ID queued or taken by a wait that the model does not know."""
+        mine = tuple(self.flows.values())
+        ids = {int(mid) for (mid,) in self.run(self.store.raw(lambda db: db.all(
+            "SELECT message_id FROM channel_messages WHERE flow_id IN (?, ?)", mine)))}
+        for (blob,) in self.run(self.store.raw(lambda db: db.all(
+            "SELECT wait_outcome FROM tasks WHERE flow_id IN (?, ?) AND wait_outcome IS NOT NULL", mine,
+        ))):
+            ids |= {m.message_id for ms in msgspec.json.decode(blob, type=WaitOutcome).consumed for m in ms}
+        new = ids - set(self.model.values)
+        assert len(new) == 1, f"one message was published, but the store has new IDs {sorted(new)}"
+        mid = new.pop()
+        assert all(mid > m for m in self.model.values), "message IDs must grow (FIFO by ID)"
+        self.model.values[mid] = data
+        self.model.queues.setdefault((flow_id, ident), []).append(mid)
+
+    # Mostly channel conditions and few skips, so that waits block and compete for messages. Some
+    # commits of a wait also publish a message, which the wait itself may take.
+    @rule(flow=PICK_FLOW, wait=model_waits(TIMER_SECONDS, channel_weight=4, max_conds=3, mode_weights=(3, 3, 1)),
+          published=st.none() | st.sampled_from(INSTANCES))
+    def register_wait(self, flow: str, wait: MWait, published: Ident | None) -> None:
+        self.tick()
+        flow_id = self.flows[flow]
         task_id = self.unregistered.pop(flow_id, None)
         if task_id is None:
             # A second, third... execution of the Step in the same flow, as a decision would make it.
@@ -411,13 +479,17 @@ class WaitStoreMachine(RuleBasedStateMachine):
                 self.run(self.store.release_unstarted(other))
         lease = mine[0]
         assert lease.method == "wait_for"
-        self.run(self.store.commit_wait_for(lease, WriteSet(), authored_wait(wait).spec()))
-        self.model.tasks.append(MTask(task_id, flow_id, lease.step_execution_id, wait))
-        self.model.evaluate(flow_id)
+        writes = WriteSet() if published is None else WriteSet(publishes=[(*published, b"7")])
+        self.run(self.store.commit_wait_for(lease, writes, authored_wait(wait).spec()))
+        if published is not None:
+            self._published(flow_id, published, b"7")
+        self.model.tasks.append(MTask(task_id, flow_id, lease.step_execution_id, wait, self.now))
+        self.model.evaluate(flow_id, self.now)
 
     @precondition(lambda self: self.model.tasks)
     @rule(pick=st.integers(0, 1000))
     def skip_timer(self, pick: int) -> None:
+        self.tick()
         task = self.model.tasks[pick % len(self.model.tasks)]
         if task.outcome is not None or not any(c.ident is None for c in task.wait.conds):
             # Satisfied, or waiting on no timer: there is nothing to skip.
@@ -426,21 +498,35 @@ class WaitStoreMachine(RuleBasedStateMachine):
             return
         self.run(self.store.skip_timer(task.flow_id, task.seid))
         task.timers_skipped = True
-        self.model.evaluate(task.flow_id)
+        self.model.evaluate(task.flow_id, self.now)
 
-    @rule(flow_id=PICK_FLOW)
-    def evaluate(self, flow_id: str) -> None:
-        # Every change already evaluated the flow's waits and no timer is due on its own (they are
-        # 0 s, fired at registration, or an hour), so neither evaluation nor housekeeping finds work.
+    @rule(ms=st.sampled_from([300, 700, 1200]))
+    def advance(self, ms: int) -> None:
+        # Nothing evaluates waits now: a timer that came due is found by the next step of its flow
+        # (which must also give it its turn, oldest first), an evaluation, or housekeeping.
+        self.now += ms
+
+    @rule(flow=PICK_FLOW)
+    def evaluate(self, flow: str) -> None:
+        self.tick()
+        flow_id = self.flows[flow]
         n = self.run(self.store.raw(lambda db: tx.evaluate_waits(db, flow_id, now_ms()), write=True))
-        assert n == 0, f"evaluate_waits satisfied {n} wait(s) that earlier evaluations missed"
-        report = self.run(self.store.housekeeping())
-        assert report.timers_fired == 0
+        expected = self.model.evaluate(flow_id, self.now)
+        assert n == expected, f"evaluate_waits satisfied {n} wait(s); the model, {expected}"
+
+    @rule()
+    def housekeeping(self) -> None:
+        self.tick()
+        fired = self.run(self.store.housekeeping()).timers_fired
+        expected = sum(self.model.evaluate(flow_id, self.now) for flow_id in self.flows.values())
+        assert fired == expected, f"housekeeping satisfied {fired} wait(s); the model, {expected}"
 
     @invariant()
     def store_matches_model(self) -> None:
+        mine = tuple(self.flows.values())
         rows = self.run(self.store.raw(lambda db: db.all(
-            "SELECT message_id, flow_id, channel, key, value FROM channel_messages ORDER BY message_id"
+            "SELECT message_id, flow_id, channel, key, value FROM channel_messages WHERE flow_id IN (?, ?) "
+            "ORDER BY message_id", mine,
         )))
         queued: dict[tuple[str, Ident], list[int]] = {}
         for mid, flow_id, channel, key, value in rows:
@@ -452,7 +538,7 @@ class WaitStoreMachine(RuleBasedStateMachine):
         tasks = {
             int(r[0]): (str(r[1]), str(r[2]), r[3])
             for r in self.run(self.store.raw(lambda db: db.all(
-                "SELECT task_id, state, method, wait_outcome FROM tasks"
+                "SELECT task_id, state, method, wait_outcome FROM tasks WHERE flow_id IN (?, ?)", mine,
             )))
         }
         consumed_ids: list[int] = []
@@ -481,11 +567,12 @@ class WaitStoreMachine(RuleBasedStateMachine):
         assert still | set(consumed_ids) == set(self.model.values), "a published message was lost"
 
 
-WaitStoreMachine.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=20, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-TestWaitStore = WaitStoreMachine.TestCase
+def test_the_store_satisfies_waits_as_the_model_does(db_url: str) -> None:
+    """Every sequence of steps leaves the store's queues and waits as the model's, on each backend."""
+    machine = type("Machine", (WaitStoreMachine,), {"url": db_url})
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=40, stateful_step_count=20, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+    ))
 
 
 def _raw(value: int) -> msgspec.Raw:
@@ -518,3 +605,82 @@ def test_a_wait_result_hands_each_channel_instance_only_its_own_messages() -> No
 
 async def _readers_step(ctx: Context, _: None) -> StepDecision:
     return StepDecision.dead_end()
+
+
+def _machine_on(url: str) -> WaitStoreMachine:
+    machine: WaitStoreMachine = type("Machine", (WaitStoreMachine,), {"url": url})()
+    return machine
+
+
+ONE_SECOND = MCond("timer", (1,), None, seconds=1)
+
+
+@pytest.mark.parametrize("step", ["register", "publish_elsewhere"])
+def test_a_timer_that_came_due_gets_its_turn_at_the_next_step_of_its_flow(db_url: str, step: str) -> None:
+    """A wait whose timer came due since the last step is read by the next step of its flow, even one
+    that registers or publishes nothing it names, before housekeeping finds it: an older all_of(timer,
+    Plain) takes the queued message before a newer wait on Plain does, and an any_of(timer, Keyed x)
+    is satisfied by its timer when Keyed y gets a message."""
+    machine = _machine_on(db_url)
+    try:
+        if step == "register":
+            machine.register_wait("f1", _spec("all", ONE_SECOND, ONE_P), None)
+            machine.publish("f1", ("Plain", ""), 1)
+            machine.advance(1200)
+            machine.register_wait("f1", _spec("any", ONE_P), None)
+            older, newer = machine.model.tasks
+            assert older.outcome is not None and older.outcome.consumed[1] != ()
+            assert newer.outcome is None
+        else:
+            machine.register_wait("f1", _spec("any", ONE_SECOND, ONE_X), None)
+            machine.advance(1200)
+            machine.publish("f1", ("Keyed", "y"), 1)
+            assert machine.model.tasks[0].outcome is not None
+        machine.store_matches_model()
+    finally:
+        machine.teardown()
+
+
+@settings(max_examples=300, deadline=None)
+@given(channel=st.text(min_size=1).filter(str.isprintable), key=st.text().filter(str.isprintable),
+       at_least=st.integers(0, 5), at_most=st.none() | st.integers(0, 5), before=st.booleans())
+def test_a_stored_wait_holds_the_bytes_the_store_finds_its_channel_instances_by(
+    channel: str, key: str, at_least: int, at_most: int | None, before: bool,
+) -> None:
+    """The store reads only the waits whose stored JSON holds the bytes it looks for (evaluate_waits):
+    for any channel name and key, any bounds and place among other conditions, the condition's
+    instance's bytes are there, and so are its channel's with no key (a plain Channel's)."""
+    cond = ConditionSpec(kind="channel", channel=channel, key=key, at_least=at_least, at_most=at_most)
+    others = (ConditionSpec(kind="timer", seconds=3), ConditionSpec(kind="channel", channel="other", key="k"))
+    stored = encode_json(WaitSpec(mode="all", conditions=(cond, *others) if before else (*others, cond)))
+    assert tx._channel_needle(channel, key) in stored
+    assert tx._channel_needle(channel, "") in stored
+
+
+@pytest.mark.parametrize("instances", [1, 65])  # within and past MOST_PUBLISHED_INSTANCES_NAMED
+def test_a_publish_evaluates_only_the_waits_naming_what_it_published(db_url: str, instances: int) -> None:
+    """With 80 waits on 80 instances of a ChannelMap, an RPC publishing to `instances` of them
+    evaluates only those waits (each approval of a wide fan-out read every wait), or, past the limit
+    on instances named in one statement, every wait; either way it satisfies exactly those."""
+    machine = _machine_on(db_url)
+    keys = [f"k{i}" for i in range(80)]
+    try:
+        for key in keys:
+            machine.register_wait("f1", _spec("any", _channel_cond(("Keyed", key), "for_one", 0, 1)), None)
+        flow_id = machine.flows["f1"]
+        machine.tick()
+        writes = WriteSet(publishes=[("Keyed", key, b"1") for key in keys[:instances]])
+        evaluated: list[WaitSpec] = []
+
+        def counted(spec: WaitSpec, *args: Any) -> Any:
+            evaluated.append(spec)
+            return select_wait(spec, *args)
+
+        with mock.patch.object(tx, "select_wait", counted):
+            machine.run(machine.store.rpc_commit(flow_id, None, (), writes, (), ()))
+        assert len(evaluated) == (instances if instances <= MOST_PUBLISHED_INSTANCES_NAMED else len(keys))
+        states = machine.run(machine.store.raw(lambda db: db.all(
+            "SELECT state FROM tasks WHERE flow_id = ? ORDER BY task_id", (flow_id,))))
+        assert [str(state) for (state,) in states] == ["ready"] * instances + ["waiting"] * (len(keys) - instances)
+    finally:
+        machine.teardown()

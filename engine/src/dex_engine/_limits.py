@@ -287,6 +287,9 @@ TASK_OPTIONS_CONFIRMED_ENTRIES = 4096
 # Rows one multi-row statement writes or names: at most 6 parameters each, far below either
 # backend's limit on parameters per statement.
 ROWS_PER_STATEMENT = 200
+# Channel instances an operation may have published to and still have only the waits naming them
+# read (evaluate_waits); past it, every wait of the flow is read, in one statement as before.
+MOST_PUBLISHED_INSTANCES_NAMED = 64
 
 # The largest whole number either backend stores or takes as a parameter (signed 64 bits; SQLite's
 # driver raises OverflowError past it): the bound of counts and sizes a Flow declares (a retry

@@ -41,6 +41,7 @@ from ._limits import (
     MAX_ERROR_TEXT_CHARS,
     MAX_HISTORY_EVENTS_PER_FLOW,
     MAX_MESSAGE_ID,
+    MOST_PUBLISHED_INSTANCES_NAMED,
     ROWS_PER_STATEMENT,
     TIMERS_FIRED_PER_HOUSEKEEPING,
     TIMERS_FIRED_WHILE_BACKLOGGED,
@@ -69,7 +70,7 @@ from ._records import (
 )
 from ._retry import AskedDelay, decide_retry
 from ._task_options import SharedOptions, is_reference, options_json
-from ._wait import WaitSpec
+from ._wait import ConditionSpec, WaitSpec
 from ._wait_selection import select_wait
 
 Row = tuple[Any, ...]
@@ -1431,7 +1432,7 @@ def newest_sequences(db: Db, keys: Sequence[tuple[str, str]]) -> list[tuple[int,
 # an empty key omitted). Waits come first, oldest first; then messages, oldest first.
 _PG_WAITS_AND_MESSAGES = (
     "WITH w AS MATERIALIZED (SELECT task_id, step_type, step_execution_id, wait_spec, wait_registered_at, "
-    "timers_skipped, timer_due_at FROM tasks WHERE flow_id = ? AND state = 'waiting'), "
+    "timers_skipped, timer_due_at FROM tasks WHERE flow_id = ? AND state = 'waiting'{only}), "
     "c AS (SELECT DISTINCT e ->> 'channel' AS channel, coalesce(e ->> 'key', '') AS key "
     "FROM w, jsonb_array_elements(convert_from(w.wait_spec, 'UTF8')::jsonb -> 'conditions') e "
     "WHERE e ->> 'kind' = 'channel') "
@@ -1442,25 +1443,55 @@ _PG_WAITS_AND_MESSAGES = (
 )
 
 
-def _waits_and_messages(db: Db, flow_id: str) -> tuple[list[Row], list[Row] | None]:
-    """The flow's waiting tasks, oldest first, and on PostgreSQL also the queued messages their
-    channel conditions name, as (channel, key, message_id, value) in message order (None elsewhere:
-    evaluate_waits reads them once it knows the channel instances)."""
+def _channel_needle(channel: str, key: str) -> bytes:
+    """Bytes every stored condition on the instance (channel, key) contains (with an empty key, every
+    condition on the channel does): its encoding up to its key, as the fields after it are omitted
+    or come later. The test of evaluate_waits checks this against encoded conditions."""
+    return encode_json(ConditionSpec(kind="channel", channel=channel, key=key))[:-1]
+
+
+def _only_changed(
+    db: Db, published: Collection[tuple[str, str]] | None, now: int,
+) -> tuple[str, list[object]]:
+    """The SQL condition (with its parameters) that keeps the waits an operation may have made
+    satisfiable: those naming an instance it published to, those it registered (at `now`; one
+    registered later, after a clock step back, is kept too), and those with a timer due. The rest
+    stay unsatisfiable: each wait was evaluated when it was registered and after each message to
+    what it names, and taking messages satisfies none. None or too many instances: no condition."""
+    if published is None or len(published) > MOST_PUBLISHED_INSTANCES_NAMED:
+        return "", []
+    found = "position(? in wait_spec) > 0" if _on_postgres(db) else "instr(wait_spec, ?) > 0"
+    terms = ["timer_due_at <= ?", "wait_registered_at >= ?", *(found for _ in published)]
+    return " AND (" + " OR ".join(terms) + ")", [now, now, *(_channel_needle(c, k) for c, k in published)]
+
+
+def _waits_and_messages(
+    db: Db, flow_id: str, now: int, published: Collection[tuple[str, str]] | None,
+) -> tuple[list[Row], list[Row] | None]:
+    """The flow's waiting tasks that `published` may have made satisfiable (_only_changed; None: all),
+    oldest first, and on PostgreSQL also the queued messages their channel conditions name, as
+    (channel, key, message_id, value) in message order (None elsewhere: evaluate_waits reads them
+    once it knows the channel instances)."""
+    only, params = _only_changed(db, published, now)
     if not _on_postgres(db):
         return db.all(
             "SELECT task_id, step_type, step_execution_id, wait_spec, wait_registered_at, timers_skipped, "
-            "timer_due_at FROM tasks WHERE flow_id = ? AND state = 'waiting' ORDER BY wait_registered_at, task_id",
-            (flow_id,),
+            f"timer_due_at FROM tasks WHERE flow_id = ? AND state = 'waiting'{only} "
+            "ORDER BY wait_registered_at, task_id",
+            (flow_id, *params),
         ), None
-    rows = db.all(_PG_WAITS_AND_MESSAGES, (flow_id, flow_id))
+    rows = db.all(_PG_WAITS_AND_MESSAGES.format(only=only), (flow_id, *params, flow_id))
     return ([tuple(r[1:]) for r in rows if r[0] == 0],
             [(r[2], r[3], r[1], r[4]) for r in rows if r[0] == 1])
 
 
-def evaluate_waits(db: Db, flow_id: str, now: int) -> int:
-    """Satisfy every waiting task of the flow that can be, oldest first; return how many."""
+def evaluate_waits(db: Db, flow_id: str, now: int, published: Collection[tuple[str, str]] | None = None) -> int:
+    """Satisfy every waiting task of the flow that can be, oldest first; return how many.
+    `published`: the channel instances this operation published to, when it registered no wait but
+    at `now` and changed nothing else a wait depends on; only the waits those can have changed are
+    read (_only_changed), which keeps a wide fan-out's commits from each reading every wait."""
     count = 0
-    rows, messages = _waits_and_messages(db, flow_id)
+    rows, messages = _waits_and_messages(db, flow_id, now, published)
     if not rows:
         return 0
     waits = [(row, _decode_wait_spec(bytes(row[3]))) for row in rows]
@@ -1565,6 +1596,11 @@ def _first_timer_due(spec: WaitSpec, registered_at: int) -> int | None:
     return registered_at + min(timers) * 1000 if timers else None
 
 
+def _instances(writes: WriteSet) -> set[tuple[str, str]]:
+    """The channel instances `writes` publishes to (evaluate_waits)."""
+    return {(channel, key) for channel, key, _value in writes.publishes}
+
+
 def commit_wait_for(db: Db, lease: Lease, writes: WriteSet, spec: WaitSpec, now: int) -> None:
     checked = check_lease_for_writes(db, lease)
     apply_writes(db, lease.flow_id, writes, lease.step_execution_id, lease.attempt, now, lease.task_id,
@@ -1577,7 +1613,7 @@ def commit_wait_for(db: Db, lease: Lease, writes: WriteSet, spec: WaitSpec, now:
         (encode_json(spec), now, _first_timer_due(spec, now), lease.task_id),
     )
     _history(db, lease.flow_id, lease.step_type, lease.step_execution_id, WAIT_REGISTERED, lease.attempt, now)
-    evaluate_waits(db, lease.flow_id, now)
+    evaluate_waits(db, lease.flow_id, now, _instances(writes))
 
 
 def commit_execute(
@@ -1604,7 +1640,7 @@ def commit_execute(
     if decision.kind in ("force_complete", "force_fail"):
         return
     if writes.publishes or any(m.wait is not None for m in decision.movements):
-        evaluate_waits(db, lease.flow_id, now)
+        evaluate_waits(db, lease.flow_id, now, _instances(writes))
     if checked.completing or decision.kind == "graceful_complete":
         _maybe_complete(db, lease.flow_id, now)
 
@@ -2316,7 +2352,7 @@ def rpc_commit(
     for movement in next_steps:
         create_task(db, flow_id, flow_type, movement, now)
     if writes.publishes:
-        evaluate_waits(db, flow_id, now)
+        evaluate_waits(db, flow_id, now, _instances(writes))
     if canceling:
         # A completing flow closes when its last task ends; an RPC ends tasks only by cancelling.
         _maybe_complete(db, flow_id, now)
@@ -2333,7 +2369,7 @@ def publish(db: Db, flow_id: str, channel: str, key: str, value: bytes, now: int
         (flow_id, channel, key, value, now),
     )
     assert row is not None
-    evaluate_waits(db, flow_id, now)
+    evaluate_waits(db, flow_id, now, ((channel, key),))
     bump(db, flow_id)
     return int(row[0])
 
