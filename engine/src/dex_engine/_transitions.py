@@ -1487,9 +1487,10 @@ def _waits_and_messages(
 
 def evaluate_waits(db: Db, flow_id: str, now: int, published: Collection[tuple[str, str]] | None = None) -> int:
     """Satisfy every waiting task of the flow that can be, oldest first; return how many.
-    `published`: the channel instances this operation published to, when it registered no wait but
-    at `now` and changed nothing else a wait depends on; only the waits those can have changed are
-    read (_only_changed), which keeps a wide fan-out's commits from each reading every wait."""
+    `published`, the channel instances this operation published to, reads only the waits it can have
+    made satisfiable (_only_changed), so that a wide fan-out's commits do not each read every wait;
+    an operation that changes waits otherwise than by publishing and registering them (at `now`)
+    passes None, and every wait is read."""
     count = 0
     rows, messages = _waits_and_messages(db, flow_id, now, published)
     if not rows:
