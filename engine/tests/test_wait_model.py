@@ -379,22 +379,26 @@ class WaitStoreMachine(RuleBasedStateMachine):
         self.now = now_ms()
         # The store reads the wall clock (now_ms) at each call; the machine moves it (advance).
         self.clock = mock.patch.object(time, "time", lambda: (self.now + 0.5) / 1000)
-        self.clock.start()
         self.loop = asyncio.new_event_loop()
         self.store = open_store(self.url)
         self.model = Model()
         run = uuid.uuid4().hex[:8]
         self.flows = {name: f"{name}-{run}" for name in FLOWS}
         self.unregistered: dict[str, int] = {}  # flow -> its start task, not yet claimed
-        for flow_id in self.flows.values():
-            self.run(self.store.start_flow(StartRequest(
-                flow_id=flow_id, flow_type=FLOW.flow_type, input=b"null", config=FlowConfig(),
-                start=start_record(FLOW, None),
-            )))
-            row = self.run(self.store.raw(
-                lambda db, f=flow_id: db.one("SELECT task_id FROM tasks WHERE flow_id = ?", (f,))
-            ))
-            self.unregistered[flow_id] = int(row[0])
+        self.clock.start()
+        try:
+            for flow_id in self.flows.values():
+                self.run(self.store.start_flow(StartRequest(
+                    flow_id=flow_id, flow_type=FLOW.flow_type, input=b"null", config=FlowConfig(),
+                    start=start_record(FLOW, None),
+                )))
+                row = self.run(self.store.raw(
+                    lambda db, f=flow_id: db.one("SELECT task_id FROM tasks WHERE flow_id = ?", (f,))
+                ))
+                self.unregistered[flow_id] = int(row[0])
+        except BaseException:
+            self.clock.stop()  # no teardown runs for a machine that was never made
+            raise
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.loop.run_until_complete(coro)
