@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -321,9 +322,37 @@ def _threads_end(before: set[threading.Thread]) -> list[str]:
     """The names of the store threads (dex-sqlite, dex-pg-*, the pool's dex-engine-*) started since
     `before` that are still running after a hang guard: not asyncio.to_thread's, which stay."""
     started = {thread for thread in set(threading.enumerate()) - before if thread.name.startswith("dex-")}
+    guard = time.monotonic() + 30  # a hang guard
     for thread in started:
-        thread.join(30)  # a hang guard
-    return [thread.name for thread in started if thread.is_alive()]
+        while True:
+            try:
+                thread.join(max(0.0, guard - time.monotonic()))
+                break
+            except RuntimeError:
+                # Listed while its start() was still under way (threading.enumerate() includes
+                # such threads), it cannot be joined until it runs, a moment later.
+                if time.monotonic() > guard:
+                    break
+                time.sleep(0.001)
+    return [thread.name for thread in started if thread.is_alive() or thread.ident is None]
+
+
+def test_threads_end_waits_for_a_thread_still_starting() -> None:
+    """threading.enumerate() lists a thread whose start() is under way, which join() refuses until it
+    runs: _threads_end waits for it (CI once failed the Ctrl-C test below in that moment)."""
+    before = set(threading.enumerate())
+    done = threading.Event()
+    late = threading.Thread(target=done.wait, name="dex-late", daemon=True)
+
+    def start_late() -> None:
+        late.start()
+        done.set()
+
+    starter = threading.Timer(0.05, start_late)
+    with mock.patch.object(threading, "enumerate", lambda: [*before, late]):
+        starter.start()
+        assert _threads_end(before) == []
+    starter.join()
 
 
 async def _sessions_back_to(db_url: str, baseline: int | None) -> None:
