@@ -571,10 +571,14 @@ class WaitStoreMachine(RuleBasedStateMachine):
         assert still | set(consumed_ids) == set(self.model.values), "a published message was lost"
 
 
+def _machine_on(url: str) -> type[WaitStoreMachine]:
+    """The machine, on the database at `url`."""
+    return type("Machine", (WaitStoreMachine,), {"url": url})
+
+
 def test_the_store_satisfies_waits_as_the_model_does(db_url: str) -> None:
     """Every sequence of steps leaves the store's queues and waits as the model's, on each backend."""
-    machine = type("Machine", (WaitStoreMachine,), {"url": db_url})
-    run_state_machine_as_test(machine, settings=settings(
+    run_state_machine_as_test(_machine_on(db_url), settings=settings(
         max_examples=40, stateful_step_count=20, deadline=None, suppress_health_check=[HealthCheck.too_slow],
     ))
 
@@ -611,11 +615,6 @@ async def _readers_step(ctx: Context, _: None) -> StepDecision:
     return StepDecision.dead_end()
 
 
-def _machine_on(url: str) -> WaitStoreMachine:
-    machine: WaitStoreMachine = type("Machine", (WaitStoreMachine,), {"url": url})()
-    return machine
-
-
 ONE_SECOND = MCond("timer", (1,), None, seconds=1)
 
 
@@ -625,7 +624,7 @@ def test_a_timer_that_came_due_gets_its_turn_at_the_next_step_of_its_flow(db_url
     that registers or publishes nothing it names, before housekeeping finds it: an older all_of(timer,
     Plain) takes the queued message before a newer wait on Plain does, and an any_of(timer, Keyed x)
     is satisfied by its timer when Keyed y gets a message."""
-    machine = _machine_on(db_url)
+    machine = _machine_on(db_url)()
     try:
         if step == "register":
             machine.register_wait("f1", _spec("all", ONE_SECOND, ONE_P), None)
@@ -666,7 +665,7 @@ def test_a_publish_evaluates_only_the_waits_naming_what_it_published(db_url: str
     """With 80 waits on 80 instances of a ChannelMap, an RPC publishing to `instances` of them
     evaluates only those waits (each approval of a wide fan-out read every wait), or, past the limit
     on instances named in one statement, every wait; either way it satisfies exactly those."""
-    machine = _machine_on(db_url)
+    machine = _machine_on(db_url)()
     keys = [f"k{i}" for i in range(80)]
     try:
         for key in keys:
